@@ -1,0 +1,401 @@
+//! The dataflow graph: ops in a petgraph container, SSA tensor values, parameters and blocks.
+
+use crate::error::{IrError, Result};
+use crate::ids::{BlockId, OpId, ParamId, ValueId};
+use crate::op::{Op, OpKind, Phase};
+use crate::types::{DType, TensorType};
+use petgraph::graph::{DiGraph, NodeIndex};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What a value is for. Roles decide what the memory planner and the printer call it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Fed in each step (token ids, targets).
+    Input,
+    /// A trainable parameter.
+    Param,
+    /// The gradient of a parameter.
+    Grad,
+    /// Optimizer state (master weights, Adam moments).
+    OptimizerState,
+    /// An intermediate tensor of the forward or backward pass.
+    Activation,
+    /// The training loss.
+    Loss,
+    /// Kernel scratch memory.
+    Workspace,
+}
+
+impl Role {
+    /// The word the printer uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Input => "input",
+            Role::Param => "param",
+            Role::Grad => "grad",
+            Role::OptimizerState => "state",
+            Role::Activation => "act",
+            Role::Loss => "loss",
+            Role::Workspace => "workspace",
+        }
+    }
+}
+
+/// Where a value lives once placement has decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Location {
+    /// Device memory (the arena).
+    Device,
+    /// Pinned host memory.
+    Host,
+}
+
+/// An SSA tensor value: written once (by its producer, or from outside for inputs and
+/// parameters), read by any number of ops.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Value {
+    /// A readable name (the Hugging Face name for parameters).
+    pub name: String,
+    /// Shape and element type.
+    pub ty: TensorType,
+    /// What it is for.
+    pub role: Role,
+    /// The op that writes it; `None` for inputs and parameters.
+    pub producer: Option<OpId>,
+}
+
+/// A trainable parameter, named as Hugging Face names it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Param {
+    /// The canonical Hugging Face name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Other names the same tensor goes by: a tied `lm_head.weight`, or the unprefixed names
+    /// of old checkpoints.
+    pub aliases: Vec<String>,
+    /// The value that holds it.
+    pub value: ValueId,
+    /// The block that owns it.
+    pub block: BlockId,
+}
+
+/// What part of the model a block is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockKind {
+    /// Token and position embeddings.
+    Embedding,
+    /// The `index`-th transformer layer.
+    Layer(u32),
+    /// Final norm, language-model head and loss.
+    Head,
+}
+
+/// A block: a unit the compiler keeps, checkpoints or swaps as a whole.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Block {
+    /// The Hugging Face module path, e.g. `transformer.h.3`.
+    pub name: String,
+    /// What part of the model it is.
+    pub kind: BlockKind,
+}
+
+/// Batch geometry and provenance of a graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GraphInfo {
+    /// The model's name (a preset or the config's path).
+    pub model: String,
+    /// Sequences per step.
+    pub batch: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+}
+
+/// A dataflow graph of tensor ops.
+///
+/// Ops are the nodes of a petgraph `DiGraph`, in the order they were added, which is always a
+/// topological order (an op can only read values that exist). An edge runs from the producer of
+/// a value to each op that reads it and carries the value's id. Op `OpId(i)` is node `i`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Graph {
+    /// Batch geometry and provenance.
+    pub info: GraphInfo,
+    /// Every value, indexed by [`ValueId`].
+    values: Vec<Value>,
+    /// Ops and their dataflow edges.
+    dataflow: DiGraph<Op, ValueId>,
+    /// Every parameter, indexed by [`ParamId`], in the order the model declares them.
+    params: Vec<Param>,
+    /// Every block, indexed by [`BlockId`], in forward order.
+    blocks: Vec<Block>,
+    /// Values fed in each step, in order.
+    inputs: Vec<ValueId>,
+    /// Values the step produces (the loss).
+    outputs: Vec<ValueId>,
+    /// Where values live, once placement has decided; absent means device.
+    locations: BTreeMap<ValueId, Location>,
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new(info: GraphInfo) -> Self {
+        Self {
+            info,
+            values: Vec::new(),
+            dataflow: DiGraph::new(),
+            params: Vec::new(),
+            blocks: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            locations: BTreeMap::new(),
+        }
+    }
+
+    /// Adds a block.
+    pub fn add_block(&mut self, name: impl Into<String>, kind: BlockKind) -> BlockId {
+        self.blocks.push(Block {
+            name: name.into(),
+            kind,
+        });
+        BlockId::new(self.blocks.len() - 1)
+    }
+
+    fn add_value(&mut self, name: String, ty: TensorType, role: Role, producer: Option<OpId>) -> ValueId {
+        self.values.push(Value {
+            name,
+            ty,
+            role,
+            producer,
+        });
+        ValueId::new(self.values.len() - 1)
+    }
+
+    /// Adds a step input (token ids, targets).
+    pub fn add_input(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        let id = self.add_value(name.into(), ty, Role::Input, None);
+        self.inputs.push(id);
+        id
+    }
+
+    /// Adds a parameter with its Hugging Face name.
+    pub fn add_param(
+        &mut self,
+        name: impl Into<String>,
+        shape: impl Into<Vec<u64>>,
+        dtype: DType,
+        block: BlockId,
+    ) -> ParamId {
+        let name = name.into();
+        let value = self.add_value(name.clone(), TensorType::new(shape, dtype), Role::Param, None);
+        self.params.push(Param {
+            name,
+            aliases: Vec::new(),
+            value,
+            block,
+        });
+        ParamId::new(self.params.len() - 1)
+    }
+
+    /// Records another name the parameter goes by.
+    pub fn add_param_alias(&mut self, param: ParamId, alias: impl Into<String>) {
+        self.params[param.index()].aliases.push(alias.into());
+    }
+
+    /// Adds an op whose output types the kind infers from the inputs, and returns its first
+    /// output (the loss of a cross-entropy, the output of an attention). Extra outputs are
+    /// named `{name}.{label}` after [`OpKind::output_labels`] and are activations.
+    pub fn add_op(
+        &mut self,
+        kind: OpKind,
+        inputs: &[ValueId],
+        name: impl Into<String>,
+        role: Role,
+        block: BlockId,
+        phase: Phase,
+    ) -> Result<ValueId> {
+        let name = name.into();
+        let labels = kind.output_labels();
+        let outputs: Vec<(String, Role)> = labels
+            .iter()
+            .enumerate()
+            .map(|(i, label)| match i {
+                0 => (name.clone(), role),
+                _ => (format!("{name}.{label}"), Role::Activation),
+            })
+            .collect();
+        let values = self.add_op_multi(kind, inputs, &outputs, block, phase)?;
+        values
+            .first()
+            .copied()
+            .ok_or_else(|| IrError::Invalid(format!("{name}: an op without outputs has no value to return")))
+    }
+
+    /// Adds an op with a name and role for each output, and returns the outputs.
+    pub fn add_op_multi(
+        &mut self,
+        kind: OpKind,
+        inputs: &[ValueId],
+        outputs: &[(String, Role)],
+        block: BlockId,
+        phase: Phase,
+    ) -> Result<Vec<ValueId>> {
+        for &v in inputs {
+            if v.index() >= self.values.len() {
+                return Err(IrError::Invalid(format!("{} reads undefined value {v}", kind.mnemonic())));
+            }
+        }
+        if block.index() >= self.blocks.len() {
+            return Err(IrError::Invalid(format!("{} is in undefined {block}", kind.mnemonic())));
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|v| &self.values[v.index()].ty).collect();
+        let inferred = kind.infer(&types)?;
+        if inferred.len() != outputs.len() {
+            return Err(IrError::Invalid(format!(
+                "{} writes {} outputs, {} were named",
+                kind.mnemonic(),
+                inferred.len(),
+                outputs.len()
+            )));
+        }
+        let op = OpId::new(self.dataflow.node_count());
+        let out: Vec<ValueId> = inferred
+            .into_iter()
+            .zip(outputs)
+            .map(|(ty, (name, role))| self.add_value(name.clone(), ty, *role, Some(op)))
+            .collect();
+        let node = self.dataflow.add_node(Op {
+            kind,
+            inputs: inputs.to_vec(),
+            outputs: out.clone(),
+            block,
+            phase,
+        });
+        debug_assert_eq!(node.index(), op.index());
+        for &v in inputs {
+            if let Some(producer) = self.values[v.index()].producer {
+                self.dataflow.add_edge(NodeIndex::new(producer.index()), node, v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds a value that is set from outside the step and persists across steps (optimizer
+    /// state such as Adam moments).
+    pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        self.add_value(name.into(), ty, Role::OptimizerState, None)
+    }
+
+    /// Marks a value as a result of the step.
+    pub fn add_output(&mut self, value: ValueId) {
+        self.outputs.push(value);
+    }
+
+    /// Records where a value lives.
+    pub fn set_location(&mut self, value: ValueId, location: Location) {
+        self.locations.insert(value, location);
+    }
+
+    /// Where a value lives: device unless placement said otherwise.
+    pub fn location(&self, value: ValueId) -> Location {
+        self.locations.get(&value).copied().unwrap_or(Location::Device)
+    }
+
+    /// A value.
+    pub fn value(&self, id: ValueId) -> &Value {
+        &self.values[id.index()]
+    }
+
+    /// An op.
+    pub fn op(&self, id: OpId) -> &Op {
+        &self.dataflow[NodeIndex::new(id.index())]
+    }
+
+    /// A parameter.
+    pub fn param(&self, id: ParamId) -> &Param {
+        &self.params[id.index()]
+    }
+
+    /// A block.
+    pub fn block(&self, id: BlockId) -> &Block {
+        &self.blocks[id.index()]
+    }
+
+    /// Every value with its id.
+    pub fn values(&self) -> impl ExactSizeIterator<Item = (ValueId, &Value)> {
+        self.values.iter().enumerate().map(|(i, v)| (ValueId::new(i), v))
+    }
+
+    /// Every op with its id, in order.
+    pub fn ops(&self) -> impl ExactSizeIterator<Item = (OpId, &Op)> {
+        self.dataflow
+            .raw_nodes()
+            .iter()
+            .enumerate()
+            .map(|(i, node)| (OpId::new(i), &node.weight))
+    }
+
+    /// Every parameter with its id, in declaration order.
+    pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> {
+        self.params.iter().enumerate().map(|(i, p)| (ParamId::new(i), p))
+    }
+
+    /// Every block with its id, in forward order.
+    pub fn blocks(&self) -> impl ExactSizeIterator<Item = (BlockId, &Block)> {
+        self.blocks.iter().enumerate().map(|(i, b)| (BlockId::new(i), b))
+    }
+
+    /// The step's inputs.
+    pub fn inputs(&self) -> &[ValueId] {
+        &self.inputs
+    }
+
+    /// The step's outputs.
+    pub fn outputs(&self) -> &[ValueId] {
+        &self.outputs
+    }
+
+    /// Number of ops.
+    pub fn op_count(&self) -> usize {
+        self.dataflow.node_count()
+    }
+
+    /// The dataflow graph itself, for petgraph's algorithms: node `i` is `OpId(i)`.
+    pub fn dataflow(&self) -> &DiGraph<Op, ValueId> {
+        &self.dataflow
+    }
+
+    /// The ops that read a value, in order.
+    pub fn users(&self, value: ValueId) -> Vec<OpId> {
+        self.ops()
+            .filter(|(_, op)| op.inputs.contains(&value))
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// Total trainable parameters (tied tensors counted once).
+    pub fn param_count(&self) -> u64 {
+        self.params.iter().map(|p| self.value(p.value).ty.numel()).sum()
+    }
+
+    /// The parameter that a value holds, if it is one.
+    pub fn param_of(&self, value: ValueId) -> Option<ParamId> {
+        self.params
+            .iter()
+            .position(|p| p.value == value)
+            .map(ParamId::new)
+    }
+
+    /// Serialises the graph as pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a graph always serialises")
+    }
+
+    /// Reads a graph written by [`Graph::to_json`] and checks it with the verifier.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let graph: Graph = serde_json::from_str(text)?;
+        crate::verify::verify_graph(&graph)?;
+        Ok(graph)
+    }
+}

@@ -1,0 +1,30 @@
+//! protrain's IR: the data model shared by the compiler and the runtime.
+//!
+//! It holds data, its printers (canonical text, DOT, JSON) and its verifier; it holds no pass.
+
+pub mod dot;
+pub mod error;
+pub mod graph;
+pub mod ids;
+pub mod op;
+pub mod print;
+pub mod types;
+pub mod verify;
+
+pub use error::{IrError, Result};
+pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, Role, Value};
+pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
+pub use op::{Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
+pub use types::{format_bytes, format_count, DType, TensorType};
+
+impl Graph {
+    /// The canonical text form; see [`print::print_graph`].
+    pub fn to_text(&self) -> String {
+        print::print_graph(self)
+    }
+
+    /// Graphviz DOT; see [`dot::print_dot`].
+    pub fn to_dot(&self) -> String {
+        dot::print_dot(self)
+    }
+}

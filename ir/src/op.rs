@@ -1,0 +1,812 @@
+//! Operations: kinds with their attributes, phases, and the type rule of each kind.
+
+use crate::error::{IrError, Result};
+use crate::ids::{BlockId, ValueId};
+use crate::types::{DType, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// How a linear layer's weight is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightLayout {
+    /// `[out, in]`, `y = x W^T` (PyTorch `nn.Linear`).
+    OutIn,
+    /// `[in, out]`, `y = x W` (GPT-2's `Conv1D`).
+    InOut,
+}
+
+/// How rotary position frequencies are rescaled for long contexts (transformers' `rope_scaling`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor` (transformers' `linear`).
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// LLaMA 3's frequency-dependent scaling (transformers' `llama3`).
+    Llama3 {
+        /// Scale applied to low frequencies.
+        factor: f64,
+        /// Wavelength threshold (in units of the original context) for low frequencies.
+        low_freq_factor: f64,
+        /// Wavelength threshold for high frequencies.
+        high_freq_factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: u64,
+    },
+}
+
+/// How the query, key and value projections reach an attention op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkvLayout {
+    /// Three inputs: q `[B,T,H*D]`, k and v `[B,T,KV*D]`.
+    Separate,
+    /// One input `[B,T,(H+2*KV)*D]`, q then k then v along the last dimension (GPT-2's `c_attn`).
+    Packed,
+}
+
+/// What an op computes, with its attributes.
+///
+/// The forward kinds cover GPT-2, LLaMA, Mistral and OPT. Activations are `[B,T,C]`; token ids
+/// are `i32[B,T]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum OpKind {
+    /// Token embedding lookup: `tokens i32[B,T]`, `table [V,C]` -> `[B,T,C]`.
+    Embedding {
+        /// A row that receives no gradient from lookups (PyTorch's `padding_idx`; OPT's pad
+        /// token).
+        padding_idx: Option<u64>,
+    },
+    /// Learned absolute positions: `tokens i32[B,T]` (for its shape), `table [P,C]` ->
+    /// `[B,T,C]`, rows `offset..offset+T` (OPT offsets by 2).
+    PositionEmbedding {
+        /// First row used.
+        offset: u64,
+    },
+    /// Layer normalisation over the last dimension: `x`, `weight [C]`, `bias [C]`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: f64,
+    },
+    /// Root-mean-square normalisation over the last dimension: `x`, `weight [C]`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f64,
+    },
+    /// `x [..,in]`, `weight`, optional `bias [out]` -> `[..,out]`.
+    Linear {
+        /// Whether a bias input follows the weight.
+        bias: bool,
+        /// How the weight is stored.
+        layout: WeightLayout,
+    },
+    /// GELU, tanh approximation (transformers' `gelu_new`).
+    Gelu,
+    /// `max(x, 0)`.
+    Relu,
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// `silu(gate) * up`: inputs `gate`, `up`.
+    Swiglu,
+    /// Elementwise sum of two tensors of one type.
+    Add,
+    /// Rotate-half rotary embedding of `x [B,T,heads*head_dim]`, per head.
+    Rope {
+        /// Width of one head.
+        head_dim: u64,
+        /// Base of the frequencies.
+        theta: f64,
+        /// Long-context rescaling.
+        scaling: RopeScaling,
+    },
+    /// Fused causal self-attention with grouped KV heads -> output `[B,T,heads*head_dim]` and
+    /// the log-sum-exp of each query row `f32[B,heads,T]`, which the backward pass reuses.
+    Attention {
+        /// Query heads.
+        heads: u64,
+        /// Key/value heads; `heads` is a multiple of it.
+        kv_heads: u64,
+        /// Width of one head.
+        head_dim: u64,
+        /// A query at `t` sees keys `s` with `t - window < s <= t` when set (Mistral).
+        window: Option<u64>,
+        /// How q, k and v arrive.
+        qkv: QkvLayout,
+    },
+    /// Mean cross-entropy: `logits [B,T,V]`, `targets i32[B,T]` -> loss `f32[]` and the
+    /// log-sum-exp of each row `f32[B,T]`, which the backward pass reuses.
+    CrossEntropy,
+
+    // Backward kinds: one per forward kind that has a vector-Jacobian product. Each takes the
+    // forward values it saved and the output gradient, and writes input gradients.
+    /// `tokens`, `dy` -> `dtable [rows,C]`; tokens equal to `padding_idx` contribute nothing.
+    EmbeddingBackward {
+        /// Rows of the table.
+        rows: u64,
+        /// The forward op's padding row.
+        padding_idx: Option<u64>,
+    },
+    /// `tokens`, `dy` -> `dtable [rows,C]`, summed over the batch.
+    PositionEmbeddingBackward {
+        /// Rows of the table.
+        rows: u64,
+        /// First row the forward op used.
+        offset: u64,
+    },
+    /// `x`, `weight`, `dy` -> `dx`, `dweight`, `dbias`.
+    LayerNormBackward {
+        /// The forward op's epsilon.
+        eps: f64,
+    },
+    /// `x`, `weight`, `dy` -> `dx`, `dweight`.
+    RmsNormBackward {
+        /// The forward op's epsilon.
+        eps: f64,
+    },
+    /// `x`, `weight`, `dy` -> `dx`, `dweight`, and `dbias` when the forward op had a bias.
+    LinearBackward {
+        /// Whether the forward op had a bias.
+        bias: bool,
+        /// How the weight is stored.
+        layout: WeightLayout,
+    },
+    /// `x`, `dy` -> `dx`.
+    GeluBackward,
+    /// `x`, `dy` -> `dx`.
+    ReluBackward,
+    /// `x`, `dy` -> `dx`.
+    SiluBackward,
+    /// `gate`, `up`, `dy` -> `dgate`, `dup`.
+    SwigluBackward,
+    /// `dy` -> `dx` (the inverse rotation).
+    RopeBackward {
+        /// Width of one head.
+        head_dim: u64,
+        /// Base of the frequencies.
+        theta: f64,
+        /// Long-context rescaling.
+        scaling: RopeScaling,
+    },
+    /// The forward inputs (`q`, `k`, `v`, or packed `qkv`), `out`, `lse`, `dout` -> the
+    /// gradients of the forward inputs.
+    AttentionBackward {
+        /// Query heads.
+        heads: u64,
+        /// Key/value heads.
+        kv_heads: u64,
+        /// Width of one head.
+        head_dim: u64,
+        /// The forward op's window.
+        window: Option<u64>,
+        /// How q, k and v arrived.
+        qkv: QkvLayout,
+    },
+    /// `logits`, `targets`, `lse` -> `dlogits`, for a loss gradient of 1.
+    CrossEntropyBackward,
+
+    // Optimizer kinds.
+    /// Sum of the squares of every input gradient -> `f32[]`.
+    GradNormSq,
+    /// `norm_sq` -> `f32[]` gradient scale `min(1, max_norm / (sqrt(norm_sq) + 1e-6))`, as
+    /// `torch.nn.utils.clip_grad_norm_` computes it.
+    ClipCoef {
+        /// The largest gradient norm allowed.
+        max_norm: f64,
+    },
+    /// One AdamW update in place, as `torch.optim.AdamW`: `param`, `grad`, `m`, `v`, and the
+    /// clip coefficient when `clipped`. Writes `param`, `m` and `v`; has no outputs. The step
+    /// number for bias correction comes from the runtime.
+    AdamW {
+        /// Learning rate.
+        lr: f64,
+        /// First-moment decay.
+        beta1: f64,
+        /// Second-moment decay.
+        beta2: f64,
+        /// Added to the root of the second moment.
+        eps: f64,
+        /// Decoupled weight decay.
+        weight_decay: f64,
+        /// Whether a clip coefficient input follows `v`.
+        clipped: bool,
+    },
+}
+
+impl OpKind {
+    /// The printed mnemonic.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            OpKind::Embedding { .. } => "embedding",
+            OpKind::PositionEmbedding { .. } => "position_embedding",
+            OpKind::LayerNorm { .. } => "layer_norm",
+            OpKind::RmsNorm { .. } => "rms_norm",
+            OpKind::Linear { .. } => "linear",
+            OpKind::Gelu => "gelu",
+            OpKind::Relu => "relu",
+            OpKind::Silu => "silu",
+            OpKind::Swiglu => "swiglu",
+            OpKind::Add => "add",
+            OpKind::Rope { .. } => "rope",
+            OpKind::Attention { .. } => "attention",
+            OpKind::CrossEntropy => "cross_entropy",
+            OpKind::EmbeddingBackward { .. } => "embedding_backward",
+            OpKind::PositionEmbeddingBackward { .. } => "position_embedding_backward",
+            OpKind::LayerNormBackward { .. } => "layer_norm_backward",
+            OpKind::RmsNormBackward { .. } => "rms_norm_backward",
+            OpKind::LinearBackward { .. } => "linear_backward",
+            OpKind::GeluBackward => "gelu_backward",
+            OpKind::ReluBackward => "relu_backward",
+            OpKind::SiluBackward => "silu_backward",
+            OpKind::SwigluBackward => "swiglu_backward",
+            OpKind::RopeBackward { .. } => "rope_backward",
+            OpKind::AttentionBackward { .. } => "attention_backward",
+            OpKind::CrossEntropyBackward => "cross_entropy_backward",
+            OpKind::GradNormSq => "grad_norm_sq",
+            OpKind::ClipCoef { .. } => "clip_coef",
+            OpKind::AdamW { .. } => "adamw",
+        }
+    }
+
+    /// Attributes as `key=value` pairs, in a fixed order, for the printer.
+    pub fn attributes(&self) -> Vec<(&'static str, String)> {
+        let mut attrs = match self.forward_of() {
+            Some(forward) => forward.forward_attributes(),
+            None => self.forward_attributes(),
+        };
+        match self {
+            OpKind::EmbeddingBackward { rows, .. } | OpKind::PositionEmbeddingBackward { rows, .. } => {
+                attrs.insert(0, ("rows", rows.to_string()));
+            }
+            OpKind::LinearBackward { bias: false, .. } => attrs.push(("bias", "false".into())),
+            OpKind::ClipCoef { max_norm } => attrs.push(("max_norm", format!("{max_norm}"))),
+            OpKind::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                clipped,
+            } => {
+                attrs.extend([
+                    ("lr", format!("{lr}")),
+                    ("betas", format!("({beta1},{beta2})")),
+                    ("eps", format!("{eps:e}")),
+                    ("weight_decay", format!("{weight_decay}")),
+                ]);
+                if *clipped {
+                    attrs.push(("clipped", "true".into()));
+                }
+            }
+            _ => {}
+        }
+        attrs
+    }
+
+    /// For a backward kind, the forward kind it differentiates.
+    pub fn forward_of(&self) -> Option<OpKind> {
+        Some(match self.clone() {
+            OpKind::EmbeddingBackward { padding_idx, .. } => OpKind::Embedding { padding_idx },
+            OpKind::PositionEmbeddingBackward { offset, .. } => OpKind::PositionEmbedding { offset },
+            OpKind::LayerNormBackward { eps } => OpKind::LayerNorm { eps },
+            OpKind::RmsNormBackward { eps } => OpKind::RmsNorm { eps },
+            OpKind::LinearBackward { bias, layout } => OpKind::Linear { bias, layout },
+            OpKind::GeluBackward => OpKind::Gelu,
+            OpKind::ReluBackward => OpKind::Relu,
+            OpKind::SiluBackward => OpKind::Silu,
+            OpKind::SwigluBackward => OpKind::Swiglu,
+            OpKind::RopeBackward {
+                head_dim,
+                theta,
+                scaling,
+            } => OpKind::Rope {
+                head_dim,
+                theta,
+                scaling,
+            },
+            OpKind::AttentionBackward {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+            } => OpKind::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+            },
+            OpKind::CrossEntropyBackward => OpKind::CrossEntropy,
+            _ => return None,
+        })
+    }
+
+    /// Whether ops of this kind update some of their inputs in place (the optimizer).
+    pub fn writes_inputs(&self) -> &'static [usize] {
+        match self {
+            OpKind::AdamW { .. } => &[0, 2, 3],
+            _ => &[],
+        }
+    }
+
+    /// Labels of the outputs, in order; the graph names extra outputs after them.
+    pub fn output_labels(&self) -> &'static [&'static str] {
+        match self {
+            OpKind::Attention { .. } => &["out", "lse"],
+            OpKind::CrossEntropy => &["loss", "lse"],
+            OpKind::LayerNormBackward { .. } => &["dx", "dweight", "dbias"],
+            OpKind::RmsNormBackward { .. } => &["dx", "dweight"],
+            OpKind::LinearBackward { bias: true, .. } => &["dx", "dweight", "dbias"],
+            OpKind::LinearBackward { bias: false, .. } => &["dx", "dweight"],
+            OpKind::SwigluBackward => &["dgate", "dup"],
+            OpKind::AttentionBackward {
+                qkv: QkvLayout::Separate,
+                ..
+            } => &["dq", "dk", "dv"],
+            OpKind::AttentionBackward {
+                qkv: QkvLayout::Packed, ..
+            } => &["dqkv"],
+            OpKind::AdamW { .. } => &[],
+            _ => &["out"],
+        }
+    }
+    fn forward_attributes(&self) -> Vec<(&'static str, String)> {
+        match self {
+            OpKind::Embedding {
+                padding_idx: Some(pad),
+            } => vec![("padding_idx", pad.to_string())],
+            OpKind::PositionEmbedding { offset } if *offset != 0 => {
+                vec![("offset", offset.to_string())]
+            }
+            OpKind::LayerNorm { eps } | OpKind::RmsNorm { eps } => vec![("eps", format!("{eps:e}"))],
+            OpKind::Linear { layout, .. } => match layout {
+                WeightLayout::OutIn => vec![],
+                WeightLayout::InOut => vec![("weight", "in_out".into())],
+            },
+            OpKind::Rope {
+                head_dim,
+                theta,
+                scaling,
+            } => {
+                let mut attrs = vec![("head_dim", head_dim.to_string()), ("theta", format!("{theta}"))];
+                match scaling {
+                    RopeScaling::None => {}
+                    RopeScaling::Linear { factor } => attrs.push(("scaling", format!("linear({factor})"))),
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings,
+                    } => attrs.push((
+                        "scaling",
+                        format!(
+                            "llama3({factor},{low_freq_factor},{high_freq_factor},{original_max_position_embeddings})"
+                        ),
+                    )),
+                }
+                attrs
+            }
+            OpKind::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+            } => {
+                let mut attrs = vec![
+                    ("heads", heads.to_string()),
+                    ("kv_heads", kv_heads.to_string()),
+                    ("head_dim", head_dim.to_string()),
+                ];
+                if let Some(w) = window {
+                    attrs.push(("window", w.to_string()));
+                }
+                if *qkv == QkvLayout::Packed {
+                    attrs.push(("qkv", "packed".into()));
+                }
+                attrs
+            }
+            _ => vec![],
+        }
+    }
+
+    /// How many inputs the kind takes; `None` for any number (at least one).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            OpKind::Embedding { .. } | OpKind::PositionEmbedding { .. } => 2,
+            OpKind::LayerNorm { .. } => 3,
+            OpKind::RmsNorm { .. } => 2,
+            OpKind::Linear { bias, .. } => 2 + usize::from(*bias),
+            OpKind::Gelu | OpKind::Relu | OpKind::Silu | OpKind::Rope { .. } => 1,
+            OpKind::Swiglu | OpKind::Add | OpKind::CrossEntropy => 2,
+            OpKind::Attention { qkv, .. } => match qkv {
+                QkvLayout::Separate => 3,
+                QkvLayout::Packed => 1,
+            },
+            OpKind::EmbeddingBackward { .. } | OpKind::PositionEmbeddingBackward { .. } => 2,
+            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => 3,
+            OpKind::LinearBackward { .. } => 3,
+            OpKind::GeluBackward | OpKind::ReluBackward | OpKind::SiluBackward => 2,
+            OpKind::SwigluBackward => 3,
+            OpKind::RopeBackward { .. } => 1,
+            OpKind::AttentionBackward { qkv, .. } => match qkv {
+                QkvLayout::Separate => 6,
+                QkvLayout::Packed => 4,
+            },
+            OpKind::CrossEntropyBackward => 3,
+            OpKind::GradNormSq => return None,
+            OpKind::ClipCoef { .. } => 1,
+            OpKind::AdamW { clipped, .. } => 4 + usize::from(*clipped),
+        })
+    }
+
+    /// Floating-point operations one execution performs, counting a multiply-add as two.
+    ///
+    /// Matmuls and attention dominate; elementwise kinds count a few per element. Used by the
+    /// cost model and the CLI's TFLOP/s figures.
+    pub fn flops(&self, inputs: &[&TensorType], outputs: &[&TensorType]) -> u64 {
+        let out: u64 = outputs.iter().map(|t| t.numel()).sum();
+        let attention_pairs = |t: u64, window: &Option<u64>| match window {
+            Some(w) if *w < t => (0..t).map(|q| (q + 1).min(*w)).sum::<u64>(),
+            _ => t * (t + 1) / 2,
+        };
+        match self {
+            OpKind::Linear { .. } => 2 * inputs[0].numel() * outputs[0].last_dim(),
+            // dx = dy W and dW = x^T dy: twice the forward.
+            OpKind::LinearBackward { .. } => 4 * inputs[0].numel() * inputs[2].last_dim(),
+            OpKind::Attention {
+                heads, head_dim, window, ..
+            } => {
+                let (b, t) = (outputs[0].shape[0], outputs[0].shape[1]);
+                // QK^T and PV over the unmasked (query, key) pairs.
+                4 * b * heads * head_dim * attention_pairs(t, window)
+            }
+            OpKind::AttentionBackward {
+                heads, head_dim, window, ..
+            } => {
+                let (b, t) = (inputs[0].shape[0], inputs[0].shape[1]);
+                // QK^T recomputed, then dV, dP, dQ and dK: five matmuls.
+                10 * b * heads * head_dim * attention_pairs(t, window)
+            }
+            OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. } => 8 * out,
+            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => 12 * inputs[0].numel(),
+            OpKind::CrossEntropy | OpKind::CrossEntropyBackward => 4 * inputs[0].numel(),
+            OpKind::Gelu => 10 * out,
+            OpKind::GeluBackward => 16 * out,
+            OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => 5 * out,
+            OpKind::SiluBackward | OpKind::SwigluBackward => 8 * out,
+            OpKind::Relu | OpKind::Add | OpKind::ReluBackward => out,
+            OpKind::GradNormSq => 2 * inputs.iter().map(|t| t.numel()).sum::<u64>(),
+            OpKind::AdamW { .. } => 12 * inputs[0].numel(),
+            OpKind::Embedding { .. }
+            | OpKind::PositionEmbedding { .. }
+            | OpKind::EmbeddingBackward { .. }
+            | OpKind::PositionEmbeddingBackward { .. }
+            | OpKind::ClipCoef { .. } => out,
+        }
+    }
+
+    /// The types of the op's outputs given its input types, or why they do not fit.
+    pub fn infer(&self, inputs: &[&TensorType]) -> Result<Vec<TensorType>> {
+        let fail = |why: String| IrError::TypeMismatch {
+            op: self.mnemonic(),
+            why,
+        };
+        match self.arity() {
+            Some(n) if n != inputs.len() => {
+                return Err(fail(format!("takes {n} inputs, got {}", inputs.len())));
+            }
+            None if inputs.is_empty() => return Err(fail("takes at least one input".into())),
+            _ => {}
+        }
+        let f32_scalar = TensorType::new([], DType::F32);
+        if let Some(forward) = self.forward_of() {
+            return self.infer_backward(&forward, inputs);
+        }
+        Ok(match self {
+            OpKind::Attention { heads, .. } => {
+                let out = self.infer_forward(inputs)?;
+                let lse = TensorType::new([out.shape[0], *heads, out.shape[1]], DType::F32);
+                vec![out, lse]
+            }
+            OpKind::CrossEntropy => {
+                let loss = self.infer_forward(inputs)?;
+                vec![loss, TensorType::new(inputs[1].shape.clone(), DType::F32)]
+            }
+            OpKind::GradNormSq => {
+                if let Some(t) = inputs.iter().find(|t| !t.dtype.is_float()) {
+                    return Err(fail(format!("gradients must be floating point, got {t}")));
+                }
+                vec![f32_scalar]
+            }
+            OpKind::ClipCoef { .. } => {
+                if *inputs[0] != f32_scalar {
+                    return Err(fail(format!("takes the squared norm f32[], got {}", inputs[0])));
+                }
+                vec![f32_scalar]
+            }
+            OpKind::AdamW { clipped, .. } => {
+                let param = inputs[0];
+                for (what, t) in ["grad", "m", "v"].iter().zip(&inputs[1..4]) {
+                    if t.shape != param.shape || !t.dtype.is_float() {
+                        return Err(fail(format!("{what} {t} does not match the parameter {param}")));
+                    }
+                }
+                if *clipped && *inputs[4] != f32_scalar {
+                    return Err(fail(format!("clip coefficient must be f32[], got {}", inputs[4])));
+                }
+                vec![]
+            }
+            _ => vec![self.infer_forward(inputs)?],
+        })
+    }
+
+    /// Output types of a backward kind: the gradients of the forward inputs that have one.
+    fn infer_backward(&self, forward: &OpKind, inputs: &[&TensorType]) -> Result<Vec<TensorType>> {
+        let fail = |why: String| IrError::TypeMismatch {
+            op: self.mnemonic(),
+            why,
+        };
+        let dy = inputs[inputs.len() - 1];
+        let same = |a: &TensorType, b: &TensorType, what: &str| -> Result<()> {
+            if a.shape == b.shape {
+                Ok(())
+            } else {
+                Err(fail(format!("{what} {b} does not match {a}")))
+            }
+        };
+        Ok(match self {
+            OpKind::EmbeddingBackward { rows, .. } | OpKind::PositionEmbeddingBackward { rows, .. } => {
+                let tokens = inputs[0];
+                if tokens.dtype != DType::I32 || dy.shape.len() != 3 || dy.shape[..2] != tokens.shape[..] {
+                    return Err(fail(format!("dy {dy} does not match tokens {tokens}")));
+                }
+                vec![TensorType::new([*rows, dy.last_dim()], dy.dtype)]
+            }
+            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } | OpKind::LinearBackward { .. } => {
+                let (x, w) = (inputs[0], inputs[1]);
+                let mut fwd_inputs = vec![x, w];
+                let bias;
+                if let OpKind::LayerNorm { .. } = forward {
+                    bias = w.clone();
+                    fwd_inputs.push(&bias);
+                }
+                let bias_ty;
+                if let OpKind::Linear { bias: true, layout } = forward {
+                    let out = match layout {
+                        WeightLayout::OutIn => w.shape.first().copied().unwrap_or(0),
+                        WeightLayout::InOut => w.shape.get(1).copied().unwrap_or(0),
+                    };
+                    bias_ty = TensorType::new([out], w.dtype);
+                    fwd_inputs.push(&bias_ty);
+                }
+                let y = forward.infer_forward(&fwd_inputs)?;
+                same(&y, dy, "dy")?;
+                fwd_inputs.iter().map(|t| (*t).clone()).collect()
+            }
+            OpKind::GeluBackward | OpKind::ReluBackward | OpKind::SiluBackward => {
+                same(inputs[0], dy, "dy")?;
+                vec![inputs[0].clone()]
+            }
+            OpKind::SwigluBackward => {
+                let y = forward.infer_forward(&inputs[..2])?;
+                same(&y, dy, "dy")?;
+                vec![inputs[0].clone(), inputs[1].clone()]
+            }
+            OpKind::RopeBackward { .. } => vec![forward.infer_forward(&[dy])?],
+            OpKind::AttentionBackward { qkv, .. } => {
+                let n = match qkv {
+                    QkvLayout::Separate => 3,
+                    QkvLayout::Packed => 1,
+                };
+                let expected = forward.infer(&inputs[..n])?;
+                same(&expected[0], inputs[n], "out")?;
+                same(&expected[1], inputs[n + 1], "lse")?;
+                same(&expected[0], dy, "dout")?;
+                inputs[..n].iter().map(|t| (*t).clone()).collect()
+            }
+            OpKind::CrossEntropyBackward => {
+                let expected = forward.infer(&inputs[..2])?;
+                same(&expected[1], inputs[2], "lse")?;
+                vec![inputs[0].clone()]
+            }
+            _ => unreachable!("infer_backward is only called for backward kinds"),
+        })
+    }
+
+    /// The type of a forward kind's main output given its input types.
+    fn infer_forward(&self, inputs: &[&TensorType]) -> Result<TensorType> {
+        let fail = |why: String| IrError::TypeMismatch {
+            op: self.mnemonic(),
+            why,
+        };
+        if Some(inputs.len()) != self.arity() {
+            return Err(fail(format!("takes {:?} inputs, got {}", self.arity(), inputs.len())));
+        }
+        let float = |t: &TensorType, what: &str| -> Result<()> {
+            if t.dtype.is_float() {
+                Ok(())
+            } else {
+                Err(fail(format!("{what} must be floating point, got {t}")))
+            }
+        };
+        let tokens = |t: &TensorType| -> Result<()> {
+            if t.dtype == DType::I32 && t.shape.len() == 2 {
+                Ok(())
+            } else {
+                Err(fail(format!("token ids must be i32[B,T], got {t}")))
+            }
+        };
+        let vector = |t: &TensorType, len: u64, what: &str| -> Result<()> {
+            if t.shape == [len] {
+                Ok(())
+            } else {
+                Err(fail(format!("{what} must be [{len}], got {t}")))
+            }
+        };
+        match self {
+            OpKind::Embedding { .. } | OpKind::PositionEmbedding { .. } => {
+                tokens(inputs[0])?;
+                let table = inputs[1];
+                float(table, "table")?;
+                if table.shape.len() != 2 {
+                    return Err(fail(format!("table must be [rows,C], got {table}")));
+                }
+                if let OpKind::PositionEmbedding { offset } = self {
+                    let needed = offset + inputs[0].shape[1];
+                    if table.shape[0] < needed {
+                        return Err(fail(format!(
+                            "sequence needs {needed} position rows, the table has {}",
+                            table.shape[0]
+                        )));
+                    }
+                }
+                let mut shape = inputs[0].shape.clone();
+                shape.push(table.shape[1]);
+                Ok(TensorType::new(shape, table.dtype))
+            }
+            OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. } => {
+                let x = inputs[0];
+                float(x, "input")?;
+                for p in &inputs[1..] {
+                    vector(p, x.last_dim(), "weight and bias")?;
+                }
+                Ok(x.clone())
+            }
+            OpKind::Linear { bias, layout } => {
+                let (x, w) = (inputs[0], inputs[1]);
+                float(x, "input")?;
+                if w.shape.len() != 2 {
+                    return Err(fail(format!("weight must be 2-D, got {w}")));
+                }
+                let (w_in, w_out) = match layout {
+                    WeightLayout::OutIn => (w.shape[1], w.shape[0]),
+                    WeightLayout::InOut => (w.shape[0], w.shape[1]),
+                };
+                if x.last_dim() != w_in {
+                    return Err(fail(format!("input {x} does not match weight {w}")));
+                }
+                if *bias {
+                    vector(inputs[2], w_out, "bias")?;
+                }
+                Ok(x.with_last_dim(w_out))
+            }
+            OpKind::Gelu | OpKind::Relu | OpKind::Silu => {
+                float(inputs[0], "input")?;
+                Ok(inputs[0].clone())
+            }
+            OpKind::Swiglu | OpKind::Add => {
+                float(inputs[0], "input")?;
+                if inputs[0] != inputs[1] {
+                    return Err(fail(format!("inputs differ: {} and {}", inputs[0], inputs[1])));
+                }
+                Ok(inputs[0].clone())
+            }
+            OpKind::Rope { head_dim, .. } => {
+                let x = inputs[0];
+                float(x, "input")?;
+                if *head_dim == 0 || head_dim % 2 != 0 || x.last_dim() % head_dim != 0 || x.shape.len() != 3 {
+                    return Err(fail(format!("{x} is not [B,T,heads*{head_dim}] with an even head_dim")));
+                }
+                Ok(x.clone())
+            }
+            OpKind::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                qkv,
+                ..
+            } => {
+                if *kv_heads == 0 || heads % kv_heads != 0 {
+                    return Err(fail(format!("{heads} heads are not a multiple of {kv_heads} KV heads")));
+                }
+                let q_width = heads * head_dim;
+                let kv_width = kv_heads * head_dim;
+                let q = inputs[0];
+                float(q, "q")?;
+                if q.shape.len() != 3 {
+                    return Err(fail(format!("q must be [B,T,C], got {q}")));
+                }
+                match qkv {
+                    QkvLayout::Packed => {
+                        if q.last_dim() != q_width + 2 * kv_width {
+                            return Err(fail(format!(
+                                "packed qkv {q} should have last dimension {}",
+                                q_width + 2 * kv_width
+                            )));
+                        }
+                    }
+                    QkvLayout::Separate => {
+                        if q.last_dim() != q_width {
+                            return Err(fail(format!("q {q} should have last dimension {q_width}")));
+                        }
+                        let kv = q.with_last_dim(kv_width);
+                        if inputs[1] != &kv || inputs[2] != &kv {
+                            return Err(fail(format!(
+                                "k {} and v {} should both be {kv}",
+                                inputs[1], inputs[2]
+                            )));
+                        }
+                    }
+                }
+                Ok(q.with_last_dim(q_width))
+            }
+            OpKind::CrossEntropy => {
+                let (logits, targets) = (inputs[0], inputs[1]);
+                float(logits, "logits")?;
+                tokens(targets)?;
+                if logits.shape.len() != 3 || logits.shape[..2] != targets.shape[..] {
+                    return Err(fail(format!("logits {logits} do not match targets {targets}")));
+                }
+                Ok(TensorType::new([], DType::F32))
+            }
+            _ => Err(fail("is not a forward kind".into())),
+        }
+    }
+}
+
+/// Which part of a training step an op belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The forward pass.
+    Forward,
+    /// The backward pass.
+    Backward,
+    /// Forward ops cloned into the backward pass to recompute a checkpointed block.
+    Recompute,
+    /// Parameter updates.
+    Optimizer,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Recompute => "recompute",
+            Phase::Optimizer => "optimizer",
+        })
+    }
+}
+
+/// One operation: its kind, the values it reads and writes, its block and phase.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Op {
+    /// What it computes.
+    pub kind: OpKind,
+    /// Values read, in the order the kind defines.
+    pub inputs: Vec<ValueId>,
+    /// Values written.
+    pub outputs: Vec<ValueId>,
+    /// The block it belongs to.
+    pub block: BlockId,
+    /// The part of the step it runs in.
+    pub phase: Phase,
+}

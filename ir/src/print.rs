@@ -1,0 +1,138 @@
+//! The canonical text form of a [`Graph`]: stable, with values renumbered in definition order,
+//! so dumps diff cleanly and make good snapshots.
+
+use crate::graph::{BlockKind, Graph, Role};
+use crate::ids::{BlockId, ValueId};
+use crate::op::Phase;
+use crate::types::{format_bytes, format_count};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+/// Prints a graph in its canonical text form.
+///
+/// Values are numbered `%0, %1, ..` in the order they are defined (inputs, then op outputs);
+/// parameters print as `@hf.name`. Ops are grouped into sections, one per run of ops with the
+/// same phase and block. Each op line ends with the role and size of what it writes.
+pub fn print_graph(graph: &Graph) -> String {
+    let mut names: HashMap<ValueId, String> = HashMap::new();
+    let mut next = 0usize;
+    let mut number = |names: &mut HashMap<ValueId, String>, v: ValueId| {
+        names.insert(v, format!("%{next}"));
+        next += 1;
+    };
+    for &v in graph.inputs() {
+        number(&mut names, v);
+    }
+    for (_, p) in graph.params() {
+        names.insert(p.value, format!("@{}", p.name));
+    }
+    let states: Vec<ValueId> = graph
+        .values()
+        .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
+        .map(|(id, _)| id)
+        .collect();
+    for &v in &states {
+        number(&mut names, v);
+    }
+    for (_, op) in graph.ops() {
+        for &v in &op.outputs {
+            number(&mut names, v);
+        }
+    }
+    let name = |v: &ValueId| names.get(v).cloned().unwrap_or_else(|| format!("<undefined {v}>"));
+
+    let mut out = String::new();
+    let param_count = graph.param_count();
+    let param_bytes: u64 = graph.params().map(|(_, p)| graph.value(p.value).ty.bytes()).sum();
+    let _ = writeln!(
+        out,
+        "; graph {}  batch {}  seq {}",
+        graph.info.model, graph.info.batch, graph.info.seq
+    );
+    let _ = writeln!(
+        out,
+        "; {} parameters ({}), {} ops",
+        format_count(param_count),
+        format_bytes(param_bytes),
+        graph.op_count()
+    );
+
+    out.push_str("\ninputs:\n");
+    for &v in graph.inputs() {
+        let value = graph.value(v);
+        let _ = writeln!(out, "  {}: {}  ; {}", name(&v), value.ty, value.name);
+    }
+
+    out.push_str("\nparams:\n");
+    for (_, p) in graph.params() {
+        let ty = &graph.value(p.value).ty;
+        let _ = write!(out, "  @{}: {}  ; {}", p.name, ty, format_bytes(ty.bytes()));
+        if !p.aliases.is_empty() {
+            let _ = write!(out, ", also {}", p.aliases.join(", "));
+        }
+        out.push('\n');
+    }
+
+    if !states.is_empty() {
+        out.push_str("\nstate:\n");
+        for &v in &states {
+            let value = graph.value(v);
+            let _ = writeln!(
+                out,
+                "  {}: {}  ; {} {}",
+                name(&v),
+                value.ty,
+                value.name,
+                format_bytes(value.ty.bytes())
+            );
+        }
+    }
+
+    let mut section: Option<(Phase, BlockId)> = None;
+    for (_, op) in graph.ops() {
+        if section != Some((op.phase, op.block)) {
+            section = Some((op.phase, op.block));
+            let block = graph.block(op.block);
+            let what = match block.kind {
+                BlockKind::Embedding => "embeddings".to_string(),
+                BlockKind::Layer(i) => format!("layer {i}"),
+                BlockKind::Head => "head".to_string(),
+            };
+            let _ = writeln!(out, "\n{} {} ({}):", op.phase, what, block.name);
+        }
+        let outputs: Vec<String> = op
+            .outputs
+            .iter()
+            .map(|v| format!("{}: {}", name(v), graph.value(*v).ty))
+            .collect();
+        let attrs = op.kind.attributes();
+        let mut kind = op.kind.mnemonic().to_string();
+        if !attrs.is_empty() {
+            let list: Vec<String> = attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let _ = write!(kind, "[{}]", list.join(", "));
+        }
+        let inputs: Vec<String> = op.inputs.iter().map(name).collect();
+        if outputs.is_empty() {
+            let _ = write!(out, "  {} {}", kind, inputs.join(", "));
+        } else {
+            let _ = write!(out, "  {} = {} {}", outputs.join(", "), kind, inputs.join(", "));
+        }
+        if let Some(&first) = op.outputs.first() {
+            let value = graph.value(first);
+            let bytes: u64 = op.outputs.iter().map(|v| graph.value(*v).ty.bytes()).sum();
+            match value.role {
+                Role::Loss => out.push_str("  ; loss"),
+                role => {
+                    let _ = write!(out, "  ; {} {}", role.name(), format_bytes(bytes));
+                }
+            }
+        }
+        out.push('\n');
+    }
+
+    if !graph.outputs().is_empty() {
+        let list: Vec<String> = graph.outputs().iter().map(name).collect();
+        let _ = writeln!(out, "\noutputs: {}", list.join(", "));
+    }
+    out
+}
