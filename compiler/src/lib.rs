@@ -1,1 +1,9 @@
-//! placeholder
+//! protrain's compiler: from a forward graph to a training graph and, later passes, to a
+//! verified schedule. One pass per file; `pipeline` lists them in order.
+
+pub mod autodiff;
+pub mod error;
+pub mod pipeline;
+
+pub use autodiff::OptimizerConfig;
+pub use error::{CompileError, Result};

@@ -1,0 +1,338 @@
+//! Reverse-mode differentiation: derives the backward pass and the optimizer from a forward
+//! graph.
+//!
+//! Each forward op kind declares, in [`vjp_rule`], which forward values its backward op reads
+//! (what the forward pass must keep alive, and so what activation memory is) and which forward
+//! inputs receive gradients. The pass walks the forward ops in reverse, emits one backward op
+//! per forward op that reaches the loss, and sums the gradient contributions a value receives
+//! from several readers (residual streams, tied embeddings) with `add` ops, in a fixed order, as
+//! soon as the last contribution exists. It then appends the optimizer: optional global
+//! gradient-norm clipping and one AdamW op per parameter that has a gradient.
+//!
+//! It does not decide placement, recomputation or the order the backward ops run in beyond
+//! the reverse of the forward order: those are later passes.
+
+use crate::error::{CompileError, Result};
+use protrain_ir::{DType, Graph, OpKind, Phase, QkvLayout, Role, ValueId};
+use std::collections::HashMap;
+
+/// AdamW settings, as `torch.optim.AdamW` takes them, and optional gradient clipping as
+/// `torch.nn.utils.clip_grad_norm_` does it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OptimizerConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the root of the second moment.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to every parameter.
+    pub weight_decay: f64,
+    /// The largest global gradient norm; gradients are scaled down to it when larger.
+    pub grad_clip: Option<f64>,
+}
+
+impl Default for OptimizerConfig {
+    /// PyTorch's AdamW defaults, without clipping.
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: None,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// Checks every setting is in the range AdamW accepts.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CompileError::BadOptimizer(m));
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad(format!("learning rate {} must be a finite number >= 0", self.lr));
+        }
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(format!("{name} {b} must be in [0, 1)"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return bad(format!("eps {} must be a finite number >= 0", self.eps));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!("weight decay {} must be a finite number >= 0", self.weight_decay));
+        }
+        if let Some(c) = self.grad_clip {
+            if !(c.is_finite() && c > 0.0) {
+                return bad(format!("gradient clip {c} must be a finite number > 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A forward value a backward op reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Saved {
+    /// The forward op's `i`-th input.
+    Input(usize),
+    /// The forward op's `i`-th output.
+    Output(usize),
+}
+
+/// How one forward op kind is differentiated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VjpRule {
+    /// The backward kind; `None` when the gradient passes through unchanged (`add`).
+    pub backward: Option<OpKind>,
+    /// Forward values the backward op reads, before the output gradient.
+    pub saves: Vec<Saved>,
+    /// Whether the backward op reads the gradient of the forward op's first output (the loss
+    /// op does not: its gradient is 1).
+    pub reads_output_grad: bool,
+    /// For each backward output, the forward input it is the gradient of.
+    pub grads_of: Vec<usize>,
+}
+
+/// The vector-Jacobian product of a forward op kind, given its input types' leading shapes
+/// where the backward kind needs them (table rows). Backward and optimizer kinds have none.
+pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
+    use Saved::{Input, Output};
+    let rule = |backward: OpKind, saves: Vec<Saved>, grads_of: Vec<usize>| VjpRule {
+        backward: Some(backward),
+        saves,
+        reads_output_grad: true,
+        grads_of,
+    };
+    Some(match kind.clone() {
+        OpKind::Embedding { padding_idx } => rule(
+            OpKind::EmbeddingBackward {
+                rows: input_rows[1],
+                padding_idx,
+            },
+            vec![Input(0)],
+            vec![1],
+        ),
+        OpKind::PositionEmbedding { offset } => rule(
+            OpKind::PositionEmbeddingBackward {
+                rows: input_rows[1],
+                offset,
+            },
+            vec![Input(0)],
+            vec![1],
+        ),
+        OpKind::LayerNorm { eps } => rule(OpKind::LayerNormBackward { eps }, vec![Input(0), Input(1)], vec![0, 1, 2]),
+        OpKind::RmsNorm { eps } => rule(OpKind::RmsNormBackward { eps }, vec![Input(0), Input(1)], vec![0, 1]),
+        OpKind::Linear { bias, layout } => rule(
+            OpKind::LinearBackward { bias, layout },
+            vec![Input(0), Input(1)],
+            if bias { vec![0, 1, 2] } else { vec![0, 1] },
+        ),
+        OpKind::Gelu => rule(OpKind::GeluBackward, vec![Input(0)], vec![0]),
+        OpKind::Relu => rule(OpKind::ReluBackward, vec![Input(0)], vec![0]),
+        OpKind::Silu => rule(OpKind::SiluBackward, vec![Input(0)], vec![0]),
+        OpKind::Swiglu => rule(OpKind::SwigluBackward, vec![Input(0), Input(1)], vec![0, 1]),
+        OpKind::Add => VjpRule {
+            backward: None,
+            saves: vec![],
+            reads_output_grad: true,
+            grads_of: vec![0, 1],
+        },
+        OpKind::Rope {
+            head_dim,
+            theta,
+            scaling,
+        } => rule(
+            OpKind::RopeBackward {
+                head_dim,
+                theta,
+                scaling,
+            },
+            vec![],
+            vec![0],
+        ),
+        OpKind::Attention {
+            heads,
+            kv_heads,
+            head_dim,
+            window,
+            qkv,
+        } => {
+            let backward = OpKind::AttentionBackward {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+            };
+            match qkv {
+                QkvLayout::Separate => rule(
+                    backward,
+                    vec![Input(0), Input(1), Input(2), Output(0), Output(1)],
+                    vec![0, 1, 2],
+                ),
+                QkvLayout::Packed => rule(backward, vec![Input(0), Output(0), Output(1)], vec![0]),
+            }
+        }
+        OpKind::CrossEntropy => VjpRule {
+            backward: Some(OpKind::CrossEntropyBackward),
+            saves: vec![Input(0), Input(1), Output(1)],
+            reads_output_grad: false,
+            grads_of: vec![0],
+        },
+        _ => return None,
+    })
+}
+
+/// Gradient contributions collected for one forward value.
+#[derive(Default)]
+struct Pending {
+    /// Contributions in the order they were made.
+    parts: Vec<ValueId>,
+    /// Readers whose backward ops have not been emitted yet.
+    readers_left: usize,
+    /// The summed gradient, once complete.
+    total: Option<ValueId>,
+}
+
+/// Derives the training graph: the forward graph, then the backward pass, then the optimizer.
+///
+/// Fails with [`CompileError::NoLoss`] when the forward graph has no `cross_entropy` op whose
+/// loss is a graph output.
+pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
+    optimizer.validate()?;
+    let loss_op = forward
+        .ops()
+        .find(|(_, op)| op.kind == OpKind::CrossEntropy && forward.outputs().contains(&op.outputs[0]))
+        .map(|(id, _)| id)
+        .ok_or(CompileError::NoLoss)?;
+
+    let mut graph = forward.clone();
+    let forward_ops: Vec<_> = forward.ops().map(|(id, op)| (id, op.clone())).collect();
+
+    // Every float input of a differentiable op is one reader that will contribute a gradient.
+    let mut pending: HashMap<ValueId, Pending> = HashMap::new();
+    for (_, op) in &forward_ops {
+        let rows: Vec<u64> = op.inputs.iter().map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1)).collect();
+        if let Some(rule) = vjp_rule(&op.kind, &rows) {
+            for &i in &rule.grads_of {
+                pending.entry(op.inputs[i]).or_default().readers_left += 1;
+            }
+        }
+    }
+
+    for (op_id, op) in forward_ops.iter().rev() {
+        let rows: Vec<u64> = op.inputs.iter().map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1)).collect();
+        let Some(rule) = vjp_rule(&op.kind, &rows) else {
+            continue;
+        };
+        let output_grad = if rule.reads_output_grad {
+            pending.get(&op.outputs[0]).and_then(|p| p.total)
+        } else {
+            (*op_id == loss_op).then_some(op.outputs[0])
+        };
+        let mut contributions: Vec<(usize, ValueId)> = Vec::new();
+        if let Some(dy) = output_grad {
+            match &rule.backward {
+                None => contributions.extend(rule.grads_of.iter().map(|&i| (i, dy))),
+                Some(kind) => {
+                    let mut inputs: Vec<ValueId> = rule
+                        .saves
+                        .iter()
+                        .map(|s| match *s {
+                            Saved::Input(i) => op.inputs[i],
+                            Saved::Output(i) => op.outputs[i],
+                        })
+                        .collect();
+                    if rule.reads_output_grad {
+                        inputs.push(dy);
+                    }
+                    let names: Vec<(String, Role)> = rule
+                        .grads_of
+                        .iter()
+                        .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
+                        .collect();
+                    let outs = graph.add_op_multi(kind.clone(), &inputs, &names, op.block, Phase::Backward)?;
+                    contributions.extend(rule.grads_of.iter().copied().zip(outs));
+                }
+            }
+        }
+        // Readers are counted whether or not this op reached the loss, so a value's sum is
+        // emitted exactly when its last reader is done.
+        for &i in &rule.grads_of {
+            let value = op.inputs[i];
+            let part = contributions.iter().find(|(j, _)| *j == i).map(|(_, g)| *g);
+            let entry = pending.get_mut(&value).expect("every reader was counted");
+            if let Some(part) = part {
+                entry.parts.push(part);
+            }
+            entry.readers_left -= 1;
+            if entry.readers_left == 0 {
+                let parts = std::mem::take(&mut entry.parts);
+                let total = sum_parts(&mut graph, value, &parts, op.block)?;
+                pending.get_mut(&value).expect("present").total = total;
+            }
+        }
+    }
+
+    // The optimizer: parameters in declaration order.
+    let params: Vec<(String, ValueId, protrain_ir::BlockId)> = graph
+        .params()
+        .map(|(_, p)| (p.name.clone(), p.value, p.block))
+        .collect();
+    let with_grads: Vec<(String, ValueId, ValueId, protrain_ir::BlockId)> = params
+        .into_iter()
+        .filter_map(|(name, value, block)| pending.get(&value).and_then(|p| p.total).map(|g| (name, value, g, block)))
+        .collect();
+    let head = forward.op(loss_op).block;
+    let clip = match optimizer.grad_clip {
+        None => None,
+        Some(max_norm) => {
+            let grads: Vec<ValueId> = with_grads.iter().map(|(_, _, g, _)| *g).collect();
+            let norm_sq = graph.add_op(OpKind::GradNormSq, &grads, "grad_norm_sq", Role::Activation, head, Phase::Optimizer)?;
+            Some(graph.add_op(OpKind::ClipCoef { max_norm }, &[norm_sq], "clip_coef", Role::Activation, head, Phase::Optimizer)?)
+        }
+    };
+    for (name, value, grad, block) in with_grads {
+        let ty = protrain_ir::TensorType::new(graph.value(value).ty.shape.clone(), DType::F32);
+        let m = graph.add_state(format!("adam.m.{name}"), ty.clone());
+        let v = graph.add_state(format!("adam.v.{name}"), ty);
+        let mut inputs = vec![value, grad, m, v];
+        inputs.extend(clip);
+        let kind = OpKind::AdamW {
+            lr: optimizer.lr,
+            beta1: optimizer.beta1,
+            beta2: optimizer.beta2,
+            eps: optimizer.eps,
+            weight_decay: optimizer.weight_decay,
+            clipped: clip.is_some(),
+        };
+        graph.add_op_multi(kind, &inputs, &[], block, Phase::Optimizer)?;
+    }
+    Ok(graph)
+}
+
+/// The name and role of the gradient of `value`: parameter gradients are `grad`s, the rest
+/// are activations of the backward pass.
+fn grad_name_and_role(graph: &Graph, value: ValueId) -> (String, Role) {
+    let v = graph.value(value);
+    let role = if v.role == Role::Param { Role::Grad } else { Role::Activation };
+    (format!("d.{}", v.name), role)
+}
+
+/// Sums gradient contributions left to right; returns the total, or `None` without any.
+fn sum_parts(graph: &mut Graph, value: ValueId, parts: &[ValueId], block: protrain_ir::BlockId) -> Result<Option<ValueId>> {
+    let Some((&first, rest)) = parts.split_first() else {
+        return Ok(None);
+    };
+    let (name, role) = grad_name_and_role(graph, value);
+    let mut total = first;
+    for &part in rest {
+        total = graph.add_op(OpKind::Add, &[total, part], name.clone(), role, block, Phase::Backward)?;
+    }
+    Ok(Some(total))
+}
