@@ -1,1 +1,50 @@
-fn main() {}
+//! The `protrain` command line: parses arguments, calls the crates, prints.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Train large language models on GPUs too small to hold them.
+///
+/// protrain lowers a model to a dataflow IR, derives its backward pass, and compiles a
+/// schedule that decides which parameter chunks stay on the GPU, which are streamed from host
+/// memory, and which activations are kept, swapped or recomputed.
+///
+/// A MODEL is a preset name (`protrain models` lists them), a path to a Hugging Face
+/// `config.json`, or a directory that holds one.
+#[derive(Parser, Debug)]
+#[command(name = "protrain", version, propagate_version = true, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List the model presets with their parameter counts.
+    Models(commands::models::Args),
+    /// Show a model's dimensions, parameter count and model-state memory.
+    Info(commands::info::Args),
+    /// Print a model's IR at a compilation stage.
+    Dump(commands::dump::Args),
+    /// Train a model on a token file or the built-in synthetic corpus.
+    Train(commands::train::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models(args) => commands::models::run(args),
+        Command::Info(args) => commands::info::run(args),
+        Command::Dump(args) => commands::dump::run(args),
+        Command::Train(args) => commands::train::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            ExitCode::from(2)
+        }
+    }
+}

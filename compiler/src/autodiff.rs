@@ -53,7 +53,10 @@ impl OptimizerConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(CompileError::BadOptimizer(m));
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad(format!("learning rate {} must be a finite number >= 0", self.lr));
+            return bad(format!(
+                "learning rate {} must be a finite number >= 0",
+                self.lr
+            ));
         }
         for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
@@ -64,7 +67,10 @@ impl OptimizerConfig {
             return bad(format!("eps {} must be a finite number >= 0", self.eps));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(format!("weight decay {} must be a finite number >= 0", self.weight_decay));
+            return bad(format!(
+                "weight decay {} must be a finite number >= 0",
+                self.weight_decay
+            ));
         }
         if let Some(c) = self.grad_clip {
             if !(c.is_finite() && c > 0.0) {
@@ -125,8 +131,16 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             vec![Input(0)],
             vec![1],
         ),
-        OpKind::LayerNorm { eps } => rule(OpKind::LayerNormBackward { eps }, vec![Input(0), Input(1)], vec![0, 1, 2]),
-        OpKind::RmsNorm { eps } => rule(OpKind::RmsNormBackward { eps }, vec![Input(0), Input(1)], vec![0, 1]),
+        OpKind::LayerNorm { eps } => rule(
+            OpKind::LayerNormBackward { eps },
+            vec![Input(0), Input(1)],
+            vec![0, 1, 2],
+        ),
+        OpKind::RmsNorm { eps } => rule(
+            OpKind::RmsNormBackward { eps },
+            vec![Input(0), Input(1)],
+            vec![0, 1],
+        ),
         OpKind::Linear { bias, layout } => rule(
             OpKind::LinearBackward { bias, layout },
             vec![Input(0), Input(1)],
@@ -207,7 +221,9 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
     optimizer.validate()?;
     let loss_op = forward
         .ops()
-        .find(|(_, op)| op.kind == OpKind::CrossEntropy && forward.outputs().contains(&op.outputs[0]))
+        .find(|(_, op)| {
+            op.kind == OpKind::CrossEntropy && forward.outputs().contains(&op.outputs[0])
+        })
         .map(|(id, _)| id)
         .ok_or(CompileError::NoLoss)?;
 
@@ -217,7 +233,11 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
     // Every float input of a differentiable op is one reader that will contribute a gradient.
     let mut pending: HashMap<ValueId, Pending> = HashMap::new();
     for (_, op) in &forward_ops {
-        let rows: Vec<u64> = op.inputs.iter().map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1)).collect();
+        let rows: Vec<u64> = op
+            .inputs
+            .iter()
+            .map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1))
+            .collect();
         if let Some(rule) = vjp_rule(&op.kind, &rows) {
             for &i in &rule.grads_of {
                 pending.entry(op.inputs[i]).or_default().readers_left += 1;
@@ -226,7 +246,11 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
     }
 
     for (op_id, op) in forward_ops.iter().rev() {
-        let rows: Vec<u64> = op.inputs.iter().map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1)).collect();
+        let rows: Vec<u64> = op
+            .inputs
+            .iter()
+            .map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1))
+            .collect();
         let Some(rule) = vjp_rule(&op.kind, &rows) else {
             continue;
         };
@@ -256,7 +280,13 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
                         .iter()
                         .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
                         .collect();
-                    let outs = graph.add_op_multi(kind.clone(), &inputs, &names, op.block, Phase::Backward)?;
+                    let outs = graph.add_op_multi(
+                        kind.clone(),
+                        &inputs,
+                        &names,
+                        op.block,
+                        Phase::Backward,
+                    )?;
                     contributions.extend(rule.grads_of.iter().copied().zip(outs));
                 }
             }
@@ -286,15 +316,34 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         .collect();
     let with_grads: Vec<(String, ValueId, ValueId, protrain_ir::BlockId)> = params
         .into_iter()
-        .filter_map(|(name, value, block)| pending.get(&value).and_then(|p| p.total).map(|g| (name, value, g, block)))
+        .filter_map(|(name, value, block)| {
+            pending
+                .get(&value)
+                .and_then(|p| p.total)
+                .map(|g| (name, value, g, block))
+        })
         .collect();
     let head = forward.op(loss_op).block;
     let clip = match optimizer.grad_clip {
         None => None,
         Some(max_norm) => {
             let grads: Vec<ValueId> = with_grads.iter().map(|(_, _, g, _)| *g).collect();
-            let norm_sq = graph.add_op(OpKind::GradNormSq, &grads, "grad_norm_sq", Role::Activation, head, Phase::Optimizer)?;
-            Some(graph.add_op(OpKind::ClipCoef { max_norm }, &[norm_sq], "clip_coef", Role::Activation, head, Phase::Optimizer)?)
+            let norm_sq = graph.add_op(
+                OpKind::GradNormSq,
+                &grads,
+                "grad_norm_sq",
+                Role::Activation,
+                head,
+                Phase::Optimizer,
+            )?;
+            Some(graph.add_op(
+                OpKind::ClipCoef { max_norm },
+                &[norm_sq],
+                "clip_coef",
+                Role::Activation,
+                head,
+                Phase::Optimizer,
+            )?)
         }
     };
     for (name, value, grad, block) in with_grads {
@@ -320,19 +369,35 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
 /// are activations of the backward pass.
 fn grad_name_and_role(graph: &Graph, value: ValueId) -> (String, Role) {
     let v = graph.value(value);
-    let role = if v.role == Role::Param { Role::Grad } else { Role::Activation };
+    let role = if v.role == Role::Param {
+        Role::Grad
+    } else {
+        Role::Activation
+    };
     (format!("d.{}", v.name), role)
 }
 
 /// Sums gradient contributions left to right; returns the total, or `None` without any.
-fn sum_parts(graph: &mut Graph, value: ValueId, parts: &[ValueId], block: protrain_ir::BlockId) -> Result<Option<ValueId>> {
+fn sum_parts(
+    graph: &mut Graph,
+    value: ValueId,
+    parts: &[ValueId],
+    block: protrain_ir::BlockId,
+) -> Result<Option<ValueId>> {
     let Some((&first, rest)) = parts.split_first() else {
         return Ok(None);
     };
     let (name, role) = grad_name_and_role(graph, value);
     let mut total = first;
     for &part in rest {
-        total = graph.add_op(OpKind::Add, &[total, part], name.clone(), role, block, Phase::Backward)?;
+        total = graph.add_op(
+            OpKind::Add,
+            &[total, part],
+            name.clone(),
+            role,
+            block,
+            Phase::Backward,
+        )?;
     }
     Ok(Some(total))
 }

@@ -17,6 +17,46 @@ pub enum IrError {
     /// A graph file is not valid JSON for a graph.
     #[error("not a protrain graph: {0}")]
     Json(#[from] serde_json::Error),
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why reading failed.
+        source: std::io::Error,
+    },
+    /// A hardware profile's JSON does not parse as a profile.
+    #[error("{origin} is not a hardware profile: {source}")]
+    ProfileJson {
+        /// The file or text it came from.
+        origin: String,
+        /// The parse error, naming the field at fault.
+        source: serde_json::Error,
+    },
+    /// A hardware profile parses but holds unusable figures.
+    #[error("hardware profile `{name}`: {why}")]
+    BadProfile {
+        /// The profile's name.
+        name: String,
+        /// Which figure is wrong and why.
+        why: String,
+    },
+    /// A `--hardware` value names neither a preset nor a profile file.
+    #[error("unknown hardware `{name}`: not a preset ({known}) and no such profile file; run `protrain profile` to measure one")]
+    UnknownHardware {
+        /// What was asked for.
+        name: String,
+        /// The preset names, comma-separated.
+        known: String,
+    },
+    /// A byte size does not parse.
+    #[error("invalid size `{input}`: {why} (examples: 24GiB, 512MiB, 1.5GB, 1000)")]
+    BadSize {
+        /// The text given.
+        input: String,
+        /// What is wrong with it.
+        why: String,
+    },
 }
 
 /// The IR's result alias.

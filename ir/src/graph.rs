@@ -67,6 +67,21 @@ pub struct Value {
     pub producer: Option<OpId>,
 }
 
+/// How a parameter is initialised when no checkpoint is given (transformers' `_init_weights`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ParamInit {
+    /// Normal with mean 0 and this standard deviation.
+    Normal {
+        /// The standard deviation.
+        std: f64,
+    },
+    /// All ones (norm scales).
+    Ones,
+    /// All zeros (biases).
+    Zeros,
+}
+
 /// A trainable parameter, named as Hugging Face names it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Param {
@@ -79,6 +94,8 @@ pub struct Param {
     pub value: ValueId,
     /// The block that owns it.
     pub block: BlockId,
+    /// How it is initialised without a checkpoint.
+    pub init: ParamInit,
 }
 
 /// What part of the model a block is.
@@ -194,8 +211,14 @@ impl Graph {
             aliases: Vec::new(),
             value,
             block,
+            init: ParamInit::Normal { std: 0.02 },
         });
         ParamId::new(self.params.len() - 1)
+    }
+
+    /// Sets how a parameter is initialised (the default is normal with std 0.02).
+    pub fn set_param_init(&mut self, param: ParamId, init: ParamInit) {
+        self.params[param.index()].init = init;
     }
 
     /// Records another name the parameter goes by.

@@ -5,6 +5,7 @@
 pub mod dot;
 pub mod error;
 pub mod graph;
+pub mod hardware;
 pub mod ids;
 pub mod op;
 pub mod print;
@@ -12,7 +13,8 @@ pub mod types;
 pub mod verify;
 
 pub use error::{IrError, Result};
-pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, Role, Value};
+pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
+pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
 pub use op::{Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
 pub use types::{format_bytes, format_count, DType, TensorType};

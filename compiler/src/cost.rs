@@ -1,0 +1,393 @@
+//! The cost model: op, copy and Adam times from a hardware profile, and ProTrain's step-time estimate.
+
+use protrain_ir::{op_key, DType, HardwareProfile, OpKind, TensorType};
+use std::collections::HashMap;
+
+/// The direction of a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyDir {
+    /// Host (pinned) memory to device memory.
+    HostToDevice,
+    /// Device memory to host (pinned) memory.
+    DeviceToHost,
+    /// Within device memory.
+    DeviceToDevice,
+}
+
+/// Estimates how long instructions take on some hardware.
+///
+/// A trait, as egg's `CostFunction` is, so the analytic [`Roofline`] and the table-driven
+/// [`Measured`] are interchangeable wherever a cost is needed (fusion extraction, the
+/// simulator, the policy search). It prices single instructions; overlap between streams is
+/// the simulator's business, and [`estimate_iteration`] is the closed-form whole-step model.
+///
+/// Every method is total: it returns a time in seconds (finite for a validated profile) and
+/// never panics, whatever the shapes.
+pub trait CostModel {
+    /// One execution of an op of `kind` reading `inputs` and writing `outputs`, computing in
+    /// `dtype`, launch included.
+    fn op_seconds(
+        &self,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        outputs: &[&TensorType],
+        dtype: DType,
+    ) -> f64;
+
+    /// Copying `bytes` in direction `dir`, launch included; 0 for 0 bytes.
+    fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64;
+
+    /// One host CPU Adam step over `params` parameters.
+    fn cpu_adam_seconds(&self, params: u64) -> f64;
+
+    /// One device AdamW step over `params` parameters, launch included; 0 for 0 parameters.
+    fn gpu_adam_seconds(&self, params: u64) -> f64;
+}
+
+/// What limits an op class, for the roofline's efficiency factors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpClass {
+    /// Dense matrix products on the matrix units: `linear` and `linear_backward`.
+    Matmul,
+    /// Fused attention (FlashAttention-style), forward and backward.
+    Attention,
+    /// Everything else: elementwise, normalisation, embedding, loss and optimizer kinds. They
+    /// run on the vector units, so their compute peak is the f32 rate whatever the dtype.
+    Elementwise,
+}
+
+impl OpClass {
+    /// The class of an op kind.
+    pub fn of(kind: &OpKind) -> Self {
+        match kind {
+            OpKind::Linear { .. } | OpKind::LinearBackward { .. } => OpClass::Matmul,
+            OpKind::Attention { .. } | OpKind::AttentionBackward { .. } => OpClass::Attention,
+            _ => OpClass::Elementwise,
+        }
+    }
+}
+
+/// Fractions of peak FLOP/s each op class reaches, for the roofline's compute term.
+///
+/// Bandwidths need no such factor: profiles hold achievable bandwidths already.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Efficiency {
+    /// Large cuBLAS GEMMs reach about 70-80% of dense tensor peak on A100 (about 250 of 312
+    /// TFLOP/s in bf16) and somewhat less on H100; 0.7 is the default.
+    pub matmul: f64,
+    /// FlashAttention-2 reports 50-73% of A100 peak forward and less backward; 0.5.
+    pub attention: f64,
+    /// Elementwise kernels are bandwidth-bound; their compute term rarely binds. 0.5.
+    pub elementwise: f64,
+}
+
+impl Default for Efficiency {
+    fn default() -> Self {
+        Self {
+            matmul: 0.7,
+            attention: 0.5,
+            elementwise: 0.5,
+        }
+    }
+}
+
+impl Efficiency {
+    /// The factor for an op class.
+    pub fn of(&self, class: OpClass) -> f64 {
+        match class {
+            OpClass::Matmul => self.matmul,
+            OpClass::Attention => self.attention,
+            OpClass::Elementwise => self.elementwise,
+        }
+    }
+}
+
+/// The parts of a roofline op estimate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpTime {
+    /// FLOPs / (peak x efficiency).
+    pub compute_s: f64,
+    /// Bytes moved / device bandwidth.
+    pub memory_s: f64,
+    /// The profile's launch overhead.
+    pub launch_s: f64,
+}
+
+impl OpTime {
+    /// The estimate: `max(compute, memory) + launch`.
+    pub fn seconds(&self) -> f64 {
+        self.compute_s.max(self.memory_s) + self.launch_s
+    }
+
+    /// Whether the compute term dominates the memory term.
+    pub fn is_compute_bound(&self) -> bool {
+        self.compute_s >= self.memory_s
+    }
+}
+
+/// The analytic cost model: `max(FLOPs / (peak(dtype) x efficiency), bytes / bandwidth) +
+/// launch overhead`, where bytes are every input and output byte once (plus the inputs an
+/// optimizer op writes in place, once more).
+///
+/// It does not model caches, tile quantisation or kernel fusion: a measured profile does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Roofline {
+    profile: HardwareProfile,
+    efficiency: Efficiency,
+}
+
+impl Roofline {
+    /// A roofline over `profile` with the default [`Efficiency`].
+    pub fn new(profile: HardwareProfile) -> Self {
+        Self {
+            profile,
+            efficiency: Efficiency::default(),
+        }
+    }
+
+    /// The same roofline with other efficiency factors.
+    pub fn with_efficiency(mut self, efficiency: Efficiency) -> Self {
+        self.efficiency = efficiency;
+        self
+    }
+
+    /// The profile it reads.
+    pub fn profile(&self) -> &HardwareProfile {
+        &self.profile
+    }
+
+    /// The efficiency factors it applies.
+    pub fn efficiency(&self) -> &Efficiency {
+        &self.efficiency
+    }
+
+    /// The compute, memory and launch parts of an op's time.
+    ///
+    /// FLOPs come from [`OpKind::flops`] over the output types the kind infers from `inputs`;
+    /// inputs the kind rejects count no FLOPs (the op is then costed by its bytes alone), so a
+    /// malformed op cannot make this panic.
+    pub fn op_time(
+        &self,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        outputs: &[&TensorType],
+        dtype: DType,
+    ) -> OpTime {
+        let flops = match kind.infer(inputs) {
+            Ok(inferred) => {
+                let inferred: Vec<&TensorType> = inferred.iter().collect();
+                kind.flops(inputs, &inferred)
+            }
+            Err(_) => 0,
+        };
+        let class = OpClass::of(kind);
+        let peak = match class {
+            OpClass::Matmul | OpClass::Attention => self.profile.peak(dtype),
+            OpClass::Elementwise => self.profile.peak(DType::F32),
+        };
+        let written_in_place: u64 = kind
+            .writes_inputs()
+            .iter()
+            .filter_map(|&i| inputs.get(i))
+            .map(|t| t.bytes())
+            .sum();
+        let bytes: u64 =
+            inputs.iter().chain(outputs).map(|t| t.bytes()).sum::<u64>() + written_in_place;
+        OpTime {
+            compute_s: flops as f64 / (peak * self.efficiency.of(class)),
+            memory_s: bytes as f64 / self.profile.device_bandwidth,
+            launch_s: self.profile.launch_overhead_s,
+        }
+    }
+}
+
+impl CostModel for Roofline {
+    fn op_seconds(
+        &self,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        outputs: &[&TensorType],
+        dtype: DType,
+    ) -> f64 {
+        self.op_time(kind, inputs, outputs, dtype).seconds()
+    }
+
+    fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        let p = &self.profile;
+        let transfer = match dir {
+            CopyDir::HostToDevice => bytes as f64 / p.h2d_bandwidth,
+            CopyDir::DeviceToHost => bytes as f64 / p.d2h_bandwidth,
+            // A device copy reads and writes every byte.
+            CopyDir::DeviceToDevice => 2.0 * bytes as f64 / p.device_bandwidth,
+        };
+        transfer + p.launch_overhead_s
+    }
+
+    fn cpu_adam_seconds(&self, params: u64) -> f64 {
+        params as f64 / self.profile.cpu_adam_params_per_s
+    }
+
+    fn gpu_adam_seconds(&self, params: u64) -> f64 {
+        if params == 0 {
+            return 0.0;
+        }
+        params as f64 / self.profile.gpu_adam_params_per_s + self.profile.launch_overhead_s
+    }
+}
+
+/// The table-driven cost model: an op's measured time when the profile's table has its
+/// [`op_key`], else the [`Roofline`] estimate. Copies and Adam steps use the profile's
+/// (measured) rates, as the roofline does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measured {
+    roofline: Roofline,
+    table: HashMap<String, f64>,
+}
+
+impl Measured {
+    /// A measured model over `profile`'s op table (the last entry wins when a key repeats),
+    /// falling back to a default roofline.
+    pub fn new(profile: HardwareProfile) -> Self {
+        Self::with_fallback(Roofline::new(profile))
+    }
+
+    /// A measured model over the op table of `roofline`'s profile, falling back to `roofline`.
+    pub fn with_fallback(roofline: Roofline) -> Self {
+        let table = roofline
+            .profile()
+            .measured_ops
+            .iter()
+            .map(|m| (m.key.clone(), m.seconds))
+            .collect();
+        Self { roofline, table }
+    }
+
+    /// The measured time of an op, if the table has it.
+    pub fn lookup(&self, kind: &OpKind, inputs: &[&TensorType]) -> Option<f64> {
+        self.table.get(&op_key(kind, inputs)).copied()
+    }
+
+    /// How many ops the table holds.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether the table is empty (every op falls back to the roofline).
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// The fallback roofline.
+    pub fn roofline(&self) -> &Roofline {
+        &self.roofline
+    }
+}
+
+impl CostModel for Measured {
+    fn op_seconds(
+        &self,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        outputs: &[&TensorType],
+        dtype: DType,
+    ) -> f64 {
+        self.lookup(kind, inputs)
+            .unwrap_or_else(|| self.roofline.op_seconds(kind, inputs, outputs, dtype))
+    }
+
+    fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64 {
+        self.roofline.copy_seconds(bytes, dir)
+    }
+
+    fn cpu_adam_seconds(&self, params: u64) -> f64 {
+        self.roofline.cpu_adam_seconds(params)
+    }
+
+    fn gpu_adam_seconds(&self, params: u64) -> f64 {
+        self.roofline.gpu_adam_seconds(params)
+    }
+}
+
+/// The cost model a profile calls for: [`Measured`] when it carries an op table, else
+/// [`Roofline`].
+pub fn cost_model(profile: &HardwareProfile) -> Box<dyn CostModel + Send + Sync> {
+    if profile.measured_ops.is_empty() {
+        Box::new(Roofline::new(profile.clone()))
+    } else {
+        Box::new(Measured::new(profile.clone()))
+    }
+}
+
+/// One chunk's times, the inputs of ProTrain's closed-form model (ProTrain, arXiv 2406.08334,
+/// §4), all in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ChunkTimes {
+    /// Forward compute of the ops that use this chunk's parameters.
+    pub forward_compute: f64,
+    /// Backward compute of those ops.
+    pub backward_compute: f64,
+    /// Forward ops re-run in the backward pass for checkpointed blocks.
+    pub recompute: f64,
+    /// Communication overlapped with the forward compute: fetching the chunk's parameters when
+    /// it is not persistent, swapping activations out.
+    pub forward_comm: f64,
+    /// Communication overlapped with the backward compute: fetching the parameters again,
+    /// offloading gradients, reloading swapped activations.
+    pub backward_comm: f64,
+}
+
+/// The breakdown of ProTrain's closed-form iteration time, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct IterationEstimate {
+    /// `T_fwd = Σ max(forward_compute, forward_comm)`.
+    pub forward: f64,
+    /// `T_bwd = Σ max(backward_compute + recompute, backward_comm)`.
+    pub backward: f64,
+    /// Device AdamW over the persistent chunks, after the backward pass.
+    pub gpu_optimizer: f64,
+    /// Host CPU Adam over the offloaded chunks, overlapped with the backward pass.
+    pub cpu_optimizer: f64,
+    /// `T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)`.
+    pub total: f64,
+}
+
+impl IterationEstimate {
+    /// How much of the CPU optimizer is not hidden behind the backward pass and the device
+    /// optimizer.
+    pub fn cpu_optimizer_exposed(&self) -> f64 {
+        (self.cpu_optimizer - (self.backward + self.gpu_optimizer)).max(0.0)
+    }
+}
+
+/// ProTrain's closed-form iteration time (arXiv 2406.08334, §4):
+/// `T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)`, with
+/// `T_fwd = Σ_chunks max(T_compute, T_comm)` and
+/// `T_bwd = Σ_chunks max(T_compute + T_recompute, T_comm)`.
+///
+/// It assumes each chunk's communication overlaps its own compute perfectly and that the CPU
+/// optimizer overlaps the whole backward pass; the simulator, not this, accounts for prefetch
+/// distance, buffer contention and stream dependencies.
+pub fn estimate_iteration(
+    chunks: &[ChunkTimes],
+    gpu_optimizer: f64,
+    cpu_optimizer: f64,
+) -> IterationEstimate {
+    let forward = chunks
+        .iter()
+        .map(|c| c.forward_compute.max(c.forward_comm))
+        .sum::<f64>();
+    let backward = chunks
+        .iter()
+        .map(|c| (c.backward_compute + c.recompute).max(c.backward_comm))
+        .sum::<f64>();
+    IterationEstimate {
+        forward,
+        backward,
+        gpu_optimizer,
+        cpu_optimizer,
+        total: forward + (backward + gpu_optimizer).max(cpu_optimizer),
+    }
+}

@@ -1,0 +1,652 @@
+//! Fixed-address memory planning: one arena offset per buffer, chosen before the run.
+
+use protrain_ir::{format_bytes, BufferId};
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// One device buffer to place: its size, alignment and live range in the linear instruction
+/// order.
+///
+/// The live range `[first, last]` is inclusive: two buffers whose ranges share an instruction are
+/// live at the same time and must not overlap in the arena; a buffer whose range ends at `t` and
+/// one that starts at `t + 1` may share bytes. The index of an interval in the slice handed to
+/// [`plan_offsets`] is its [`BufferId`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Interval {
+    /// Size in bytes. A buffer of size 0 occupies nothing and may sit anywhere aligned.
+    pub size: u64,
+    /// The offset must be a multiple of this; 0 is read as 1 (no constraint).
+    pub align: u64,
+    /// The first instruction at which the buffer is live.
+    pub first: u32,
+    /// The last instruction at which the buffer is live; at least `first`.
+    pub last: u32,
+    /// Pins the buffer at this offset (a persistent region laid out beforehand, for instance);
+    /// the planner places everything else around it. Pinned buffers must not overlap each other
+    /// while live at the same time, and the offset must be aligned: [`check_plan`] says so if not.
+    pub fixed_offset: Option<u64>,
+}
+
+impl Interval {
+    /// A buffer of `size` bytes aligned to `align`, live from `first` to `last` inclusive.
+    pub fn new(size: u64, align: u64, first: u32, last: u32) -> Self {
+        debug_assert!(first <= last, "live range [{first}, {last}] is empty");
+        Self {
+            size,
+            align,
+            first,
+            last,
+            fixed_offset: None,
+        }
+    }
+
+    /// The same buffer, pinned at `offset`.
+    pub fn pinned(self, offset: u64) -> Self {
+        Self {
+            fixed_offset: Some(offset),
+            ..self
+        }
+    }
+
+    /// Whether the two live ranges share an instruction.
+    pub fn live_together(&self, other: &Interval) -> bool {
+        self.first <= other.last && other.first <= self.last
+    }
+
+    /// The alignment with 0 read as 1.
+    fn alignment(&self) -> u64 {
+        self.align.max(1)
+    }
+}
+
+/// The buffer order a greedy best-fit pass places in; [`plan_offsets`] runs each and keeps the
+/// smallest arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Strategy {
+    /// Largest first, ties by earlier start ("greedy by size": XLA's heap simulator, TFLite's
+    /// arena planner). Good when a few big buffers dominate.
+    BySize,
+    /// Earliest start first, ties by longer life then larger size ("greedy by breadth" in
+    /// time order). Good on stack-like lifetimes: activations allocated in forward order and
+    /// freed in reverse in backward nest, and placing them as they appear keeps them stacked.
+    ByStart,
+    /// breadth
+    ByBreadth,
+    /// length
+    ByLength,
+    /// end
+    ByEnd,
+    /// area
+    ByArea,
+}
+
+impl Strategy {
+    /// Every strategy, in the order [`plan_offsets`] tries them; on a tie the earlier one wins.
+    pub const ALL: [Strategy; 6] = [Strategy::BySize, Strategy::ByStart, Strategy::ByBreadth, Strategy::ByLength, Strategy::ByEnd, Strategy::ByArea];
+
+    /// The order in which this strategy places the unpinned buffers.
+    fn order(self, intervals: &[Interval]) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..intervals.len())
+            .filter(|&i| intervals[i].fixed_offset.is_none() && intervals[i].size > 0)
+            .map(|i| i as u32)
+            .collect();
+        // Ties end on the id so the order, and so the plan, never depends on the sort.
+        match self {
+            Strategy::BySize => order.sort_unstable_by_key(|&i| {
+                let b = &intervals[i as usize];
+                (Reverse(b.size), b.first, Reverse(b.last), i)
+            }),
+            Strategy::ByStart => order.sort_unstable_by_key(|&i| {
+                let b = &intervals[i as usize];
+                (b.first, Reverse(b.last), Reverse(b.size), i)
+            }),
+            Strategy::ByLength => order.sort_unstable_by_key(|&i| {
+                let b = &intervals[i as usize];
+                (Reverse(b.last - b.first), Reverse(b.size), b.first, i)
+            }),
+            Strategy::ByEnd => order.sort_unstable_by_key(|&i| {
+                let b = &intervals[i as usize];
+                (Reverse(b.last), b.first, Reverse(b.size), i)
+            }),
+            Strategy::ByArea => order.sort_unstable_by_key(|&i| {
+                let b = &intervals[i as usize];
+                (Reverse(b.size as u128 * (b.last - b.first + 1) as u128), b.first, i)
+            }),
+            Strategy::ByBreadth => {
+                let starts = distinct_starts(intervals);
+                let m = starts.len();
+                let mut diff = vec![0i128; m + 1];
+                let span = |b: &Interval| (starts.binary_search(&b.first).unwrap(), starts.partition_point(|&s| s <= b.last));
+                for b in intervals.iter().filter(|b| b.size > 0) {
+                    let (lo, hi) = span(b);
+                    diff[lo] += b.size as i128;
+                    diff[hi] -= b.size as i128;
+                }
+                let mut acc = 0i128;
+                let breadth: Vec<(u64, Reverse<usize>)> = (0..m).map(|j| { acc += diff[j]; (acc as u64, Reverse(j)) }).collect();
+                let key: Vec<(Reverse<u64>, usize)> = intervals.iter().map(|b| {
+                    if b.size == 0 { return (Reverse(0), 0) }
+                    let (lo, hi) = span(b);
+                    let (v, Reverse(j)) = *breadth[lo..hi].iter().max().unwrap();
+                    (Reverse(v), j)
+                }).collect();
+                order.sort_unstable_by_key(|&i| {
+                    let b = &intervals[i as usize];
+                    (key[i as usize], Reverse(b.size), i)
+                })
+            }
+        }
+        order
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Strategy::BySize => "greedy best-fit by size",
+            Strategy::ByStart => "greedy best-fit by start",
+            Strategy::ByBreadth => "breadth",
+            Strategy::ByLength => "length",
+            Strategy::ByEnd => "end",
+            Strategy::ByArea => "area",
+        })
+    }
+}
+
+/// Fixed arena offsets for a set of buffers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The offset of each buffer, indexed like the intervals (by [`BufferId`]).
+    pub offsets: Vec<u64>,
+    /// The arena size: the highest `offset + size`.
+    pub arena_bytes: u64,
+    /// No placement can use less: the larger of the peak over time of the live bytes and the
+    /// highest end of a pinned buffer. Sizes count unpadded, so the gap includes alignment
+    /// padding.
+    pub lower_bound_bytes: u64,
+    /// The ordering whose placement was kept.
+    pub strategy: Strategy,
+}
+
+impl Plan {
+    /// The offset of buffer `id`.
+    pub fn offset(&self, id: BufferId) -> u64 {
+        self.offsets[id.index()]
+    }
+
+    /// Bytes of the arena above the lower bound: fragmentation and alignment padding, or slack
+    /// in the bound itself.
+    pub fn gap_bytes(&self) -> u64 {
+        self.arena_bytes.saturating_sub(self.lower_bound_bytes)
+    }
+
+    /// [`gap_bytes`](Self::gap_bytes) as a fraction of the lower bound (0 when both are 0).
+    pub fn gap_fraction(&self) -> f64 {
+        if self.lower_bound_bytes == 0 {
+            0.0
+        } else {
+            self.gap_bytes() as f64 / self.lower_bound_bytes as f64
+        }
+    }
+}
+
+impl fmt::Display for Plan {
+    /// One line: `arena 1.20 GiB for 310 buffers (lower bound 1.18 GiB, gap 20.0 MiB = 1.66%),
+    /// greedy best-fit by start`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "arena {} for {} buffers (lower bound {}, gap {} = {:.2}%), {}",
+            format_bytes(self.arena_bytes),
+            self.offsets.len(),
+            format_bytes(self.lower_bound_bytes),
+            format_bytes(self.gap_bytes()),
+            100.0 * self.gap_fraction(),
+            self.strategy
+        )
+    }
+}
+
+/// Assigns every buffer a fixed offset so that no two buffers live at the same time overlap.
+///
+/// Pinned buffers keep their offset. The rest are placed by greedy best-fit once per
+/// [`Strategy`] ordering: each buffer goes into the smallest hole (respecting its alignment)
+/// between the already-placed buffers whose live ranges intersect its own, or, if none fits,
+/// just above the highest of them. The smaller arena wins, the earlier strategy on a tie. The
+/// result depends only on the input (no hashing, every sort has a total order).
+///
+/// Complexity, for `n` buffers where buffer `i` meets `k_i` placed buffers live with it:
+/// `O(n log n + sum k_i log k_i)` per strategy. The placed buffers live at the start of the new
+/// one come from a segment tree over the distinct start times (a stabbing query walks one
+/// leaf-to-root path); those that start inside its range come from a set ordered by start.
+/// Neither scans buffers that do not conflict; the `k_i log k_i` is sorting the conflicts by
+/// offset to walk the holes.
+///
+/// This does not check its input: pinned buffers that collide, or a pinned offset that is not
+/// aligned, come out as given, and [`check_plan`] reports them.
+pub fn plan_offsets(intervals: &[Interval]) -> Plan {
+    assert!(
+        u32::try_from(intervals.len()).is_ok(),
+        "more than u32::MAX buffers"
+    );
+    let lower_bound_bytes = lower_bound(intervals);
+    let starts = distinct_starts(intervals);
+    let mut best: Option<Plan> = None;
+    for strategy in Strategy::ALL {
+        let plan = plan_one(intervals, strategy, &starts, lower_bound_bytes);
+        if best
+            .as_ref()
+            .is_none_or(|b| plan.arena_bytes < b.arena_bytes)
+        {
+            best = Some(plan);
+        }
+    }
+    best.expect("Strategy::ALL is not empty")
+}
+
+/// [`plan_offsets`] with one ordering only: for comparing strategies, and for callers that know
+/// which one suits their lifetimes.
+pub fn plan_offsets_with(intervals: &[Interval], strategy: Strategy) -> Plan {
+    assert!(
+        u32::try_from(intervals.len()).is_ok(),
+        "more than u32::MAX buffers"
+    );
+    plan_one(
+        intervals,
+        strategy,
+        &distinct_starts(intervals),
+        lower_bound(intervals),
+    )
+}
+
+fn plan_one(
+    intervals: &[Interval],
+    strategy: Strategy,
+    starts: &[u32],
+    lower_bound_bytes: u64,
+) -> Plan {
+    let offsets = best_fit(intervals, &strategy.order(intervals), starts);
+    Plan {
+        arena_bytes: arena_size(intervals, &offsets),
+        offsets,
+        lower_bound_bytes,
+        strategy,
+    }
+}
+
+/// Checks a plan against its intervals: one offset per buffer, pinned buffers where pinned,
+/// every offset aligned, every buffer inside the arena, the arena no smaller than the lower bound,
+/// and no two buffers live at the same time sharing a byte.
+///
+/// Independent of the planner: a sweep over time keeps the live buffers in a map ordered by
+/// offset, and a buffer that starts is compared with its two neighbours there, which suffices
+/// because the live set is checked to be disjoint at every step. `O(n log n)`. The error names
+/// the first violation found.
+pub fn check_plan(intervals: &[Interval], plan: &Plan) -> Result<(), String> {
+    if plan.offsets.len() != intervals.len() {
+        return Err(format!(
+            "the plan has {} offsets for {} buffers",
+            plan.offsets.len(),
+            intervals.len()
+        ));
+    }
+    if plan.arena_bytes < plan.lower_bound_bytes {
+        return Err(format!(
+            "the arena ({} B) is below the lower bound ({} B)",
+            plan.arena_bytes, plan.lower_bound_bytes
+        ));
+    }
+    for (i, (b, &offset)) in intervals.iter().zip(&plan.offsets).enumerate() {
+        let id = BufferId::new(i);
+        if b.first > b.last {
+            return Err(format!(
+                "{id}: live range [{}, {}] is empty",
+                b.first, b.last
+            ));
+        }
+        if let Some(fixed) = b.fixed_offset {
+            if fixed != offset {
+                return Err(format!("{id}: pinned at {fixed} but placed at {offset}"));
+            }
+        }
+        if offset % b.alignment() != 0 {
+            return Err(format!(
+                "{id}: offset {offset} is not a multiple of its alignment {}",
+                b.align
+            ));
+        }
+        match offset.checked_add(b.size) {
+            Some(end) if end <= plan.arena_bytes => {}
+            _ => {
+                return Err(format!(
+                    "{id}: [{offset}, {offset} + {}) ends past the arena ({} B)",
+                    b.size, plan.arena_bytes
+                ))
+            }
+        }
+    }
+
+    let mut by_first: Vec<u32> = (0..intervals.len() as u32)
+        .filter(|&i| intervals[i as usize].size > 0)
+        .collect();
+    let mut by_last = by_first.clone();
+    by_first.sort_unstable_by_key(|&i| (intervals[i as usize].first, i));
+    by_last.sort_unstable_by_key(|&i| (intervals[i as usize].last, i));
+    // Live buffers keyed by (offset, id), valued by end; kept pairwise disjoint.
+    let mut live: BTreeMap<(u64, u32), u64> = BTreeMap::new();
+    let mut ended = by_last.iter().peekable();
+    for &i in &by_first {
+        let b = &intervals[i as usize];
+        // Buffers whose last instruction is before this start no longer hold their bytes.
+        while let Some(&&j) = ended.peek() {
+            if intervals[j as usize].last >= b.first {
+                break;
+            }
+            live.remove(&(plan.offsets[j as usize], j));
+            ended.next();
+        }
+        let offset = plan.offsets[i as usize];
+        let end = offset + b.size;
+        let below = live.range(..(offset, i)).next_back();
+        let above = live.range((offset, i)..).next();
+        for (&(other_offset, j), &other_end) in below.into_iter().chain(above) {
+            if other_offset < end && offset < other_end {
+                let o = &intervals[j as usize];
+                return Err(format!(
+                    "{} [{offset}, {end}) live [{}, {}] and {} [{other_offset}, {other_end}) \
+                     live [{}, {}] overlap while both are live",
+                    BufferId::new(i as usize),
+                    b.first,
+                    b.last,
+                    BufferId::new(j as usize),
+                    o.first,
+                    o.last
+                ));
+            }
+        }
+        live.insert((offset, i), end);
+    }
+    Ok(())
+}
+
+/// The larger of the peak over time of the sum of live sizes and the highest pinned end.
+fn lower_bound(intervals: &[Interval]) -> u64 {
+    // (time, is_start, size): at equal times the ends (false) sort first, because a buffer whose
+    // last instruction is t - 1 no longer counts at t. Times are u64 so `last + 1` cannot wrap.
+    let mut events: Vec<(u64, bool, u64)> = Vec::with_capacity(2 * intervals.len());
+    let mut pinned_end = 0;
+    for b in intervals {
+        if let Some(offset) = b.fixed_offset {
+            pinned_end = pinned_end.max(offset.saturating_add(b.size));
+        }
+        if b.size > 0 {
+            events.push((u64::from(b.first), true, b.size));
+            events.push((u64::from(b.last) + 1, false, b.size));
+        }
+    }
+    events.sort_unstable();
+    let (mut live, mut peak) = (0u64, 0u64);
+    for (_, is_start, size) in events {
+        if is_start {
+            live += size;
+            peak = peak.max(live);
+        } else {
+            live -= size;
+        }
+    }
+    peak.max(pinned_end)
+}
+
+/// The highest `offset + size`.
+fn arena_size(intervals: &[Interval], offsets: &[u64]) -> u64 {
+    intervals
+        .iter()
+        .zip(offsets)
+        .map(|(b, &o)| o.saturating_add(b.size))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The sorted distinct start times of the buffers that occupy bytes: the leaves of the
+/// [`Occupancy`] index.
+fn distinct_starts(intervals: &[Interval]) -> Vec<u32> {
+    let mut starts: Vec<u32> = intervals
+        .iter()
+        .filter(|b| b.size > 0)
+        .map(|b| b.first)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    starts
+}
+
+/// Places the pinned buffers, then the others in `order`, each by best fit against the bytes
+/// taken by placed buffers live with it.
+fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
+    // Unpinned buffers of size 0 keep offset 0: they occupy nothing, and 0 is always aligned.
+    let mut offsets = vec![0u64; intervals.len()];
+    let mut index = Occupancy::new(starts);
+    for (i, b) in intervals.iter().enumerate() {
+        if let Some(offset) = b.fixed_offset {
+            offsets[i] = offset;
+            if b.size > 0 {
+                index.insert(b, offset);
+            }
+        }
+    }
+    // Reused across buffers: the taken byte ranges the current buffer must avoid.
+    let mut taken: Vec<(u64, u64)> = Vec::new();
+    for &i in order {
+        let b = &intervals[i as usize];
+        index.taken(b, &mut taken);
+        READ.fetch_add(taken.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let offset = best_hole(&mut taken, b.size, b.alignment());
+        offsets[i as usize] = offset;
+        index.insert(b, offset);
+    }
+    offsets
+}
+
+/// The lowest aligned offset in the smallest hole between `taken` ranges (which may overlap)
+/// that fits `size` bytes, or the first aligned offset above all of them.
+fn best_hole(taken: &mut [(u64, u64)], size: u64, align: u64) -> u64 {
+    taken.sort_unstable();
+    let mut floor = 0u64; // everything below is taken (or the arena's start)
+    let mut best: Option<(u64, u64)> = None; // (hole size, offset)
+    for &(start, end) in taken.iter() {
+        let candidate = floor.next_multiple_of(align);
+        // The smallest hole wins, so big holes stay whole for big buffers.
+        if candidate.saturating_add(size) <= start
+            && best.is_none_or(|(hole, _)| start - floor < hole)
+        {
+            best = Some((start - floor, candidate));
+        }
+        floor = floor.max(end);
+    }
+    best.map_or(floor.next_multiple_of(align), |(_, offset)| offset)
+}
+
+/// Disjoint, non-adjacent byte ranges `[start, end)`, keyed by start: a union of placed buffers.
+#[derive(Clone, Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    /// Adds `[start, end)`, merging every range it overlaps or touches, so that a stack of
+    /// adjacent buffers is one entry however many buffers it holds.
+    fn insert(&mut self, mut start: u64, mut end: u64) {
+        // Already covered: the common case high in the tree, where unions fill up.
+        if let Some((_, &e)) = self.0.range(..=start).next_back() {
+            if e >= end {
+                return;
+            }
+        }
+        while let Some((&s, &e)) = self.0.range(..=end).next_back() {
+            if e < start {
+                break;
+            }
+            self.0.remove(&s);
+            start = start.min(s);
+            end = end.max(e);
+        }
+        self.0.insert(start, end);
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().map(|(&s, &e)| (s, e))
+    }
+}
+
+/// The bytes taken by placed buffers, indexed by live range: which bytes are taken by buffers
+/// live at some instruction of `[first, last]`?
+///
+/// A segment tree over the distinct start times; leaf `j` stands for the instructions from
+/// `starts[j]` to just before `starts[j + 1]`. Two live ranges intersect exactly when their leaf
+/// spans do, because each begins on its own leaf. A buffer is recorded as a byte range at the
+/// `O(log m)` canonical nodes covering its span (`own`), and in the union of everything below each
+/// of those nodes and their ancestors (`below`). The buffers live with a span are those recorded
+/// at a strict ancestor of one of its canonical nodes (they cover that node), plus those recorded
+/// at or below one of them: so a query reads `O(log m)` unions, not the buffers one by one.
+struct Occupancy<'a> {
+    starts: &'a [u32],
+    /// Leaves at `width..2 * width`; node `n`'s children at `2n` and `2n + 1`.
+    width: usize,
+    own: Vec<Ranges>,
+    below: Vec<Ranges>,
+    /// Per node, the last query or insert that visited it, so shared ancestors are read once.
+    visited: Vec<u32>,
+    visit: u32,
+    /// Scratch: the canonical nodes of the current span.
+    canonical: Vec<usize>,
+}
+
+impl<'a> Occupancy<'a> {
+    fn new(starts: &'a [u32]) -> Self {
+        let width = starts.len().next_power_of_two();
+        Self {
+            starts,
+            width,
+            own: vec![Ranges::default(); 2 * width],
+            below: vec![Ranges::default(); 2 * width],
+            visited: vec![0; 2 * width],
+            visit: 0,
+            canonical: Vec::new(),
+        }
+    }
+
+    /// Finds the canonical nodes of `b`'s leaf span and starts a new visit.
+    fn decompose(&mut self, b: &Interval) {
+        let lo = self
+            .starts
+            .binary_search(&b.first)
+            .expect("every start time is a leaf");
+        let hi = self.starts.partition_point(|&s| s <= b.last); // one past the last leaf
+        self.canonical.clear();
+        let (mut l, mut r) = (lo + self.width, hi + self.width);
+        while l < r {
+            if l & 1 == 1 {
+                self.canonical.push(l);
+                l += 1;
+            }
+            if r & 1 == 1 {
+                r -= 1;
+                self.canonical.push(r);
+            }
+            l >>= 1;
+            r >>= 1;
+        }
+        self.visit += 1;
+    }
+
+    /// Records buffer `b` at `offset`.
+    fn insert(&mut self, b: &Interval, offset: u64) {
+        let end = offset + b.size;
+        self.decompose(b);
+        for &v in &self.canonical {
+            self.own[v].insert(offset, end);
+            self.below[v].insert(offset, end);
+            // Ancestors already visited have all theirs visited too.
+            let mut u = v >> 1;
+            while u > 0 && self.visited[u] != self.visit {
+                self.visited[u] = self.visit;
+                self.below[u].insert(offset, end);
+                u >>= 1;
+            }
+        }
+    }
+
+    /// Replaces `out` with byte ranges covering exactly the bytes of recorded buffers live with
+    /// `b`; the ranges may overlap and come unsorted.
+    fn taken(&mut self, b: &Interval, out: &mut Vec<(u64, u64)>) {
+        out.clear();
+        self.decompose(b);
+        for &v in &self.canonical {
+            out.extend(self.below[v].iter());
+            let mut u = v >> 1;
+            while u > 0 && self.visited[u] != self.visit {
+                self.visited[u] = self.visit;
+                out.extend(self.own[u].iter());
+                u >>= 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The union of the ranges in `ranges`, as sorted disjoint non-adjacent ranges.
+    fn union(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+        ranges.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (s, e) in ranges {
+            match out.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => out.push((s, e)),
+            }
+        }
+        out
+    }
+
+    /// The index reports the same bytes as a scan of every placed buffer.
+    #[test]
+    fn plan_occupancy_matches_scan() {
+        // A fixed pseudo-random walk is enough here; the property tests cover whole plans.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        let intervals: Vec<Interval> = (0..400)
+            .map(|_| {
+                let first = next(300) as u32;
+                Interval::new(1 + next(64), 1, first, first + next(40) as u32)
+            })
+            .collect();
+        let offsets: Vec<u64> = intervals.iter().map(|_| next(2000)).collect();
+        let starts = distinct_starts(&intervals);
+        let mut index = Occupancy::new(&starts);
+        let mut got = Vec::new();
+        for (i, b) in intervals.iter().enumerate() {
+            index.insert(b, offsets[i]);
+            if i % 40 != 39 {
+                continue;
+            }
+            for q in &intervals {
+                index.taken(q, &mut got);
+                let want = (0..=i)
+                    .filter(|&j| intervals[j].live_together(q))
+                    .map(|j| (offsets[j], offsets[j] + intervals[j].size))
+                    .collect();
+                assert_eq!(union(got.clone()), union(want), "{q:?} after {} inserts", i + 1);
+            }
+        }
+    }
+}
+
+/// TEMP
+pub static READ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

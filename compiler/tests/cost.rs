@@ -1,0 +1,323 @@
+//! Cost model tests: roofline bounds, measured overrides, copies, Adam, the closed-form step.
+
+// One module, so that `cargo test -p protrain-compiler cost` selects these tests by name.
+mod cost {
+    use protrain_compiler::cost::{
+        cost_model, estimate_iteration, ChunkTimes, CopyDir, CostModel, Efficiency,
+        IterationEstimate, Measured, OpClass, Roofline,
+    };
+    use protrain_ir::{
+        op_key, DType, HardwareProfile, MeasuredOp, OpKind, QkvLayout, TensorType, WeightLayout,
+    };
+
+    fn profile(name: &str) -> HardwareProfile {
+        HardwareProfile::preset(name).expect("preset exists")
+    }
+
+    /// Asserts `actual` is within a relative `1e-9` of `expected`.
+    fn check_close(what: &str, actual: f64, expected: f64) {
+        let scale = expected.abs().max(1e-30);
+        assert!(
+            ((actual - expected) / scale).abs() < 1e-9,
+            "{what}: got {actual:e}, expected {expected:e}"
+        );
+    }
+
+    fn linear() -> OpKind {
+        OpKind::Linear {
+            bias: false,
+            layout: WeightLayout::InOut,
+        }
+    }
+
+    /// `x [8,1024,4096] @ w [4096,4096]` in `dtype`: input, weight, output.
+    fn big_matmul(dtype: DType) -> (TensorType, TensorType, TensorType) {
+        (
+            TensorType::new([8, 1024, 4096], dtype),
+            TensorType::new([4096, 4096], dtype),
+            TensorType::new([8, 1024, 4096], dtype),
+        )
+    }
+
+    #[test]
+    fn a_big_matmul_is_compute_bound_at_peak_times_efficiency() {
+        for name in ["rtx3090", "a100-80gb", "h100", "h200"] {
+            let p = profile(name);
+            let roofline = Roofline::new(p.clone());
+            let (x, w, y) = big_matmul(DType::BF16);
+            let time = roofline.op_time(&linear(), &[&x, &w], &[&y], DType::BF16);
+            assert!(time.is_compute_bound(), "{name}: {time:?}");
+            let flops = 2.0 * 8.0 * 1024.0 * 4096.0 * 4096.0;
+            let expected = flops / p.peak(DType::BF16) / 0.7 + p.launch_overhead_s;
+            check_close(
+                name,
+                roofline.op_seconds(&linear(), &[&x, &w], &[&y], DType::BF16),
+                expected,
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_matmuls_beat_f32_on_gpus() {
+        let roofline = Roofline::new(profile("a100-40gb"));
+        let time = |dtype| {
+            let (x, w, y) = big_matmul(dtype);
+            roofline.op_seconds(&linear(), &[&x, &w], &[&y], dtype)
+        };
+        assert!(time(DType::BF16) * 10.0 < time(DType::F32));
+    }
+
+    #[test]
+    fn a_big_elementwise_op_is_bandwidth_bound() {
+        for name in ["rtx4090", "a100-40gb", "h100", "host"] {
+            let p = profile(name);
+            let roofline = Roofline::new(p.clone());
+            let x = TensorType::new([8, 1024, 4096], DType::F32);
+            let time = roofline.op_time(&OpKind::Gelu, &[&x], &[&x], DType::F32);
+            assert!(!time.is_compute_bound(), "{name}: {time:?}");
+            let expected = 2.0 * x.bytes() as f64 / p.device_bandwidth + p.launch_overhead_s;
+            check_close(
+                name,
+                roofline.op_seconds(&OpKind::Gelu, &[&x], &[&x], DType::F32),
+                expected,
+            );
+        }
+    }
+
+    #[test]
+    fn in_place_optimizer_writes_count_as_traffic() {
+        let p = profile("h100");
+        let roofline = Roofline::new(p.clone());
+        let t = TensorType::new([4096, 4096], DType::F32);
+        let adamw = OpKind::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clipped: false,
+        };
+        // Reads param, grad, m, v; writes param, m, v: seven tensors of traffic.
+        let time = roofline.op_time(&adamw, &[&t, &t, &t, &t], &[], DType::F32);
+        check_close(
+            "adamw memory",
+            time.memory_s,
+            7.0 * t.bytes() as f64 / p.device_bandwidth,
+        );
+    }
+
+    #[test]
+    fn attention_uses_its_own_efficiency() {
+        let p = profile("h100");
+        let qkv = TensorType::new([8, 1024, 3 * 768], DType::BF16);
+        let out = TensorType::new([8, 1024, 768], DType::BF16);
+        let lse = TensorType::new([8, 12, 1024], DType::F32);
+        let attention = OpKind::Attention {
+            heads: 12,
+            kv_heads: 12,
+            head_dim: 64,
+            window: None,
+            qkv: QkvLayout::Packed,
+        };
+        assert_eq!(OpClass::of(&attention), OpClass::Attention);
+        let compute = |efficiency| {
+            Roofline::new(p.clone())
+                .with_efficiency(efficiency)
+                .op_time(&attention, &[&qkv], &[&out, &lse], DType::BF16)
+                .compute_s
+        };
+        let half = compute(Efficiency::default());
+        let full = compute(Efficiency {
+            attention: 1.0,
+            ..Efficiency::default()
+        });
+        check_close("attention efficiency", half, 2.0 * full);
+        let flops = 4.0 * 8.0 * 12.0 * 64.0 * (1024.0 * 1025.0 / 2.0);
+        check_close("attention flops", full, flops / p.peak(DType::BF16));
+    }
+
+    #[test]
+    fn malformed_ops_cost_their_bytes_and_do_not_panic() {
+        let roofline = Roofline::new(profile("rtx3090"));
+        let x = TensorType::new([4, 4], DType::F32);
+        // A linear op missing its weight, an attention op with no inputs.
+        let time = roofline.op_time(&linear(), &[&x], &[], DType::F32);
+        assert_eq!(time.compute_s, 0.0);
+        assert!(time.seconds().is_finite());
+        let attention = OpKind::Attention {
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 2,
+            window: None,
+            qkv: QkvLayout::Separate,
+        };
+        assert!(roofline
+            .op_seconds(&attention, &[], &[], DType::F32)
+            .is_finite());
+    }
+
+    #[test]
+    fn measured_times_override_the_roofline() {
+        let (x, w, y) = big_matmul(DType::BF16);
+        let mut p = profile("rtx3090");
+        p.measured_ops.push(MeasuredOp {
+            key: op_key(&linear(), &[&x, &w]),
+            seconds: 0.123,
+        });
+        let measured = Measured::new(p.clone());
+        let roofline = Roofline::new(p.clone());
+        assert_eq!(measured.len(), 1);
+        assert_eq!(
+            measured.op_seconds(&linear(), &[&x, &w], &[&y], DType::BF16),
+            0.123
+        );
+        // Anything the table lacks falls back to the roofline.
+        let gelu = measured.op_seconds(&OpKind::Gelu, &[&x], &[&x], DType::BF16);
+        assert_eq!(
+            gelu,
+            roofline.op_seconds(&OpKind::Gelu, &[&x], &[&x], DType::BF16)
+        );
+        let (x32, w32, y32) = big_matmul(DType::F32);
+        assert_eq!(
+            measured.op_seconds(&linear(), &[&x32, &w32], &[&y32], DType::F32),
+            roofline.op_seconds(&linear(), &[&x32, &w32], &[&y32], DType::F32)
+        );
+        // Copies and Adam come from the profile's rates in both models.
+        assert_eq!(
+            measured.copy_seconds(1 << 30, CopyDir::HostToDevice),
+            roofline.copy_seconds(1 << 30, CopyDir::HostToDevice)
+        );
+        assert_eq!(
+            measured.cpu_adam_seconds(1 << 30),
+            roofline.cpu_adam_seconds(1 << 30)
+        );
+    }
+
+    #[test]
+    fn models_are_interchangeable_behind_the_trait() {
+        let (x, w, y) = big_matmul(DType::BF16);
+        let mut with_table = profile("h200");
+        with_table.measured_ops.push(MeasuredOp {
+            key: op_key(&linear(), &[&x, &w]),
+            seconds: 1.0,
+        });
+        let models: Vec<Box<dyn CostModel + Send + Sync>> = vec![
+            Box::new(Roofline::new(profile("h200"))),
+            Box::new(Measured::new(profile("h200"))),
+            cost_model(&profile("h200")),
+            cost_model(&with_table),
+        ];
+        let times: Vec<f64> = models
+            .iter()
+            .map(|m| m.op_seconds(&linear(), &[&x, &w], &[&y], DType::BF16))
+            .collect();
+        assert_eq!(times[0], times[1]);
+        assert_eq!(times[0], times[2]);
+        assert_eq!(times[3], 1.0);
+    }
+
+    #[test]
+    fn copies_use_the_link_bandwidth_plus_launch() {
+        let p = profile("rtx3090");
+        let roofline = Roofline::new(p.clone());
+        let gb = 1_000_000_000u64;
+        let cases = [
+            (CopyDir::HostToDevice, 1e9 / p.h2d_bandwidth),
+            (CopyDir::DeviceToHost, 1e9 / p.d2h_bandwidth),
+            (CopyDir::DeviceToDevice, 2e9 / p.device_bandwidth),
+        ];
+        for (dir, transfer) in cases {
+            check_close(
+                &format!("{dir:?}"),
+                roofline.copy_seconds(gb, dir),
+                transfer + p.launch_overhead_s,
+            );
+            assert_eq!(roofline.copy_seconds(0, dir), 0.0);
+        }
+        // PCIe 4.0 x16 derated to 80%: about 25 GB/s, so 1 GB takes about 40 ms.
+        let h2d = roofline.copy_seconds(gb, CopyDir::HostToDevice);
+        assert!((0.039..0.041).contains(&h2d), "{h2d}");
+    }
+
+    #[test]
+    fn adam_times_scale_with_parameters() {
+        let p = profile("a100-80gb");
+        let roofline = Roofline::new(p.clone());
+        check_close(
+            "cpu adam",
+            roofline.cpu_adam_seconds(7_000_000_000),
+            7e9 / p.cpu_adam_params_per_s,
+        );
+        check_close(
+            "gpu adam",
+            roofline.gpu_adam_seconds(7_000_000_000),
+            7e9 / p.gpu_adam_params_per_s + p.launch_overhead_s,
+        );
+        assert_eq!(roofline.gpu_adam_seconds(0), 0.0);
+        assert_eq!(roofline.cpu_adam_seconds(0), 0.0);
+        assert!(roofline.cpu_adam_seconds(1 << 30) > roofline.gpu_adam_seconds(1 << 30));
+    }
+
+    /// Checks the closed form on hand-computed cases: `(chunks, gpu_optim, cpu_optim) -> expected`.
+    fn check_iteration(chunks: &[ChunkTimes], gpu: f64, cpu: f64, expect: IterationEstimate) {
+        let got = estimate_iteration(chunks, gpu, cpu);
+        assert_eq!(got, expect);
+    }
+
+    #[test]
+    fn closed_form_iteration_time_matches_hand_computation() {
+        let chunks = [
+            // Forward is comm-bound (1.5 > 1), backward compute-bound (2 > 1).
+            ChunkTimes {
+                forward_compute: 1.0,
+                backward_compute: 2.0,
+                recompute: 0.0,
+                forward_comm: 1.5,
+                backward_comm: 1.0,
+            },
+            // Forward compute-bound (2 > 1); backward comm-bound (7 > 4 + 2).
+            ChunkTimes {
+                forward_compute: 2.0,
+                backward_compute: 4.0,
+                recompute: 2.0,
+                forward_comm: 1.0,
+                backward_comm: 7.0,
+            },
+        ];
+        // T_fwd = 1.5 + 2 = 3.5; T_bwd = 2 + 7 = 9.
+        // CPU optimizer exposed: 3.5 + max(9 + 0.5, 10) = 13.5.
+        check_iteration(
+            &chunks,
+            0.5,
+            10.0,
+            IterationEstimate {
+                forward: 3.5,
+                backward: 9.0,
+                gpu_optimizer: 0.5,
+                cpu_optimizer: 10.0,
+                total: 13.5,
+            },
+        );
+        assert_eq!(
+            estimate_iteration(&chunks, 0.5, 10.0).cpu_optimizer_exposed(),
+            0.5
+        );
+        // CPU optimizer hidden: 3.5 + max(9 + 0.5, 3) = 13.
+        let hidden = estimate_iteration(&chunks, 0.5, 3.0);
+        assert_eq!(hidden.total, 13.0);
+        assert_eq!(hidden.cpu_optimizer_exposed(), 0.0);
+        // No chunks: only the optimizers.
+        check_iteration(
+            &[],
+            1.0,
+            2.0,
+            IterationEstimate {
+                forward: 0.0,
+                backward: 0.0,
+                gpu_optimizer: 1.0,
+                cpu_optimizer: 2.0,
+                total: 2.0,
+            },
+        );
+    }
+}

@@ -1,0 +1,923 @@
+//! Hardware profiles: what a machine offers the scheduler, as named presets or measured JSON.
+
+use crate::error::{IrError, Result};
+use crate::op::OpKind;
+use crate::types::{format_bytes, DType, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Peak floating-point operations per second for each element type (dense, no sparsity).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeakFlops {
+    /// IEEE single precision on the vector (non-tensor) units.
+    pub f32: f64,
+    /// bfloat16 on the matrix (tensor) units, f32 accumulate.
+    pub bf16: f64,
+    /// IEEE half precision on the matrix (tensor) units, f32 accumulate.
+    pub f16: f64,
+}
+
+impl PeakFlops {
+    /// The peak for ops computing in `dtype`; integer ops (embedding lookups) use the f32 rate.
+    pub fn get(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::F32 | DType::I32 => self.f32,
+            DType::BF16 => self.bf16,
+            DType::F16 => self.f16,
+        }
+    }
+}
+
+/// One measured op time: how long one execution of the op identified by `key` took.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredOp {
+    /// The op, as [`op_key`] writes it.
+    pub key: String,
+    /// Wall time of one execution, launch included, in seconds.
+    pub seconds: f64,
+}
+
+/// What a machine offers the scheduler: capacities, throughputs, and optionally measured ops.
+///
+/// It holds figures only; the compiler's cost model turns them into times. Conventions, so
+/// that presets and measured profiles mean the same thing:
+/// - peak FLOP/s are datasheet **dense** peaks (no 2:4 sparsity); the cost model applies its
+///   own efficiency factors. `f32` is the non-tensor (CUDA-core) rate, because PyTorch runs
+///   f32 matmuls without TF32 by default; `bf16`/`f16` are tensor-core rates with f32
+///   accumulation, the mode mixed-precision training uses.
+/// - bandwidths are **achievable** bytes per second, not theoretical: presets derate
+///   datasheet figures by stated factors; a measured profile holds what was measured.
+/// - the Adam rates count parameters updated per second by one step over fp32 master weights
+///   and moments.
+///
+/// This is also the JSON format `protrain profile` writes and `--hardware FILE` reads; unknown
+/// fields are rejected so that a misspelt field is an error, not a silently ignored setting.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareProfile {
+    /// Short name (a preset name, or what the profiler called the device).
+    pub name: String,
+    /// One line for people: the device, the host it is paired with, where the figures come from.
+    #[serde(default)]
+    pub description: String,
+    /// Total device memory in bytes.
+    pub device_memory_bytes: u64,
+    /// Host memory the schedule may use for offloaded state (pinned), in bytes.
+    pub host_memory_bytes: u64,
+    /// Device bytes no schedule may use: the CUDA context, cuBLAS/cuBLASLt workspaces, NCCL
+    /// buffers and allocator slack.
+    pub reserved_device_bytes: u64,
+    /// Peak FLOP/s per element type.
+    pub peak_flops: PeakFlops,
+    /// Achievable device memory bandwidth, bytes read plus written per second.
+    pub device_bandwidth: f64,
+    /// Achievable host-to-device copy bandwidth from pinned memory, bytes per second.
+    pub h2d_bandwidth: f64,
+    /// Achievable device-to-host copy bandwidth into pinned memory, bytes per second.
+    pub d2h_bandwidth: f64,
+    /// Host `memcpy` bandwidth (bytes copied per second), for staging copies on the host.
+    pub host_memcpy_bandwidth: f64,
+    /// Fixed cost of launching one kernel or copy, in seconds.
+    pub launch_overhead_s: f64,
+    /// Parameters per second a multi-threaded, vectorised CPU Adam (DeepSpeed CPUAdam class)
+    /// updates on the host this device is paired with.
+    pub cpu_adam_params_per_s: f64,
+    /// Parameters per second a fused device AdamW updates.
+    pub gpu_adam_params_per_s: f64,
+    /// Measured op times, keyed by [`op_key`]; empty for presets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub measured_ops: Vec<MeasuredOp>,
+}
+
+/// The names [`HardwareProfile::preset`] accepts.
+pub const PRESETS: &[&str] = &[
+    "rtx3090",
+    "rtx4090",
+    "a100-40gb",
+    "a100-80gb",
+    "h100",
+    "h200",
+    "host",
+];
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const GB: f64 = 1e9;
+const TFLOPS: f64 = 1e12;
+
+/// Achievable fraction of a datasheet memory bandwidth. STREAM-class kernels reach about
+/// 85-90% of HBM2e/HBM3/GDDR6X peak; 0.85 is the conservative end.
+const DEVICE_BANDWIDTH_DERATE: f64 = 0.85;
+/// Achievable fraction of the theoretical per-direction PCIe bandwidth for large pinned
+/// copies (TLP/DLLP overhead and DMA setup): about 80%, the figure `bandwidthTest` shows.
+const PCIE_DERATE: f64 = 0.8;
+/// PCIe 4.0 x16, one direction: 16 GT/s x 16 lanes x 128/130 encoding / 8 bits = 31.5 GB/s.
+const PCIE4_X16: f64 = 31.5 * GB;
+/// PCIe 5.0 x16, one direction: 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s.
+const PCIE5_X16: f64 = 63.0 * GB;
+/// Bytes of memory traffic one Adam update of one parameter causes: fp32 master weight, m and
+/// v read and written (24), plus a 16-bit gradient read and a 16-bit parameter copy written
+/// (4). All-fp32 (f32 gradient read, no 16-bit copy) comes to the same 28.
+const ADAM_BYTES_PER_PARAM: f64 = 28.0;
+/// Fraction of host DRAM bandwidth a multi-threaded, vectorised CPU Adam or `memcpy` reaches.
+const HOST_DRAM_EFFICIENCY: f64 = 0.6;
+/// A CUDA kernel launch costs a few microseconds of host and device time.
+const GPU_LAUNCH_OVERHEAD_S: f64 = 5e-6;
+/// Device bytes reserved on every GPU preset: CUDA context (about 0.3-0.5 GiB on Ampere and
+/// later), cuBLAS/cuBLASLt workspaces and slack. An estimate; `protrain profile` measures it.
+const GPU_RESERVED_BYTES: u64 = GIB;
+
+/// Assumed f32 throughput of one host core: 2 FMA pipes x 8 f32 lanes (AVX2) x 2 FLOP x 2 GHz,
+/// or one AVX-512 FMA pipe at the same clock. A modest x86 server core reaches it.
+const HOST_F32_FLOPS_PER_CORE: f64 = 64e9;
+/// Assumed DRAM bandwidth one host core can draw (a server core streams about 10-15 GB/s).
+const HOST_BANDWIDTH_PER_CORE: f64 = 10.0 * GB;
+/// Handing a kernel to a host thread pool costs on the order of a microsecond or two.
+const HOST_LAUNCH_OVERHEAD_S: f64 = 2e-6;
+/// Host memory assumed when `/proc/meminfo` cannot be read.
+const HOST_FALLBACK_MEMORY: u64 = 16 * GIB;
+
+/// Figures that define a GPU preset; [`GpuSpec::profile`] derives the rest.
+struct GpuSpec {
+    name: &'static str,
+    description: &'static str,
+    /// Total device memory as `nvidia-smi` reports it, in MiB.
+    memory_mib: u64,
+    /// Datasheet peak FP32 (non-tensor), TFLOP/s.
+    f32_tflops: f64,
+    /// Datasheet dense BF16/FP16 tensor peak with FP32 accumulate, TFLOP/s.
+    tensor_tflops: f64,
+    /// Datasheet memory bandwidth, GB/s.
+    memory_gbs: f64,
+    /// Theoretical one-direction PCIe bandwidth of the host link, bytes/s.
+    pcie: f64,
+    /// Host memory available to this GPU, GiB.
+    host_gib: u64,
+    /// Host DRAM bandwidth available to this GPU, GB/s.
+    host_dram_gbs: f64,
+}
+
+impl GpuSpec {
+    fn profile(&self) -> HardwareProfile {
+        // Derived rates are rounded to whole units so that they survive a JSON round trip exactly.
+        let device_bandwidth = (self.memory_gbs * GB * DEVICE_BANDWIDTH_DERATE).round();
+        let host_dram = self.host_dram_gbs * GB * HOST_DRAM_EFFICIENCY;
+        HardwareProfile {
+            name: self.name.to_string(),
+            description: self.description.to_string(),
+            device_memory_bytes: self.memory_mib * MIB,
+            host_memory_bytes: self.host_gib * GIB,
+            reserved_device_bytes: GPU_RESERVED_BYTES,
+            peak_flops: PeakFlops {
+                f32: self.f32_tflops * TFLOPS,
+                bf16: self.tensor_tflops * TFLOPS,
+                f16: self.tensor_tflops * TFLOPS,
+            },
+            device_bandwidth,
+            h2d_bandwidth: (self.pcie * PCIE_DERATE).round(),
+            d2h_bandwidth: (self.pcie * PCIE_DERATE).round(),
+            // memcpy reads and writes every byte it copies.
+            host_memcpy_bandwidth: (host_dram / 2.0).round(),
+            launch_overhead_s: GPU_LAUNCH_OVERHEAD_S,
+            cpu_adam_params_per_s: (host_dram / ADAM_BYTES_PER_PARAM).round(),
+            gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
+            measured_ops: Vec::new(),
+        }
+    }
+}
+
+/// NVIDIA GeForce RTX 3090 in a desktop workstation.
+///
+/// NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0, Appendix A: 35.6 TFLOP/s peak FP32,
+/// 71 TFLOP/s peak FP16 and BF16 tensor with FP32 accumulate (142 with sparsity), 936 GB/s
+/// GDDR6X, PCIe 4.0 x16. `nvidia-smi` reports 24576 MiB. Host: a desktop with 128 GiB of
+/// dual-channel DDR4-3200 (2 x 25.6 = 51.2 GB/s), the common maximum for such boards.
+const RTX3090: GpuSpec = GpuSpec {
+    name: "rtx3090",
+    description:
+        "NVIDIA GeForce RTX 3090 24 GB, PCIe 4.0 x16, desktop host with 128 GiB DDR4-3200 \
+                  (GA102 whitepaper figures)",
+    memory_mib: 24576,
+    f32_tflops: 35.6,
+    tensor_tflops: 71.0,
+    memory_gbs: 936.0,
+    pcie: PCIE4_X16,
+    host_gib: 128,
+    host_dram_gbs: 51.2,
+};
+
+/// NVIDIA GeForce RTX 4090 in a desktop workstation.
+///
+/// NVIDIA Ada GPU Architecture whitepaper, Appendix A: 82.6 TFLOP/s peak FP32, 165.2 TFLOP/s
+/// peak FP16 and BF16 tensor with FP32 accumulate (330.4 with sparsity; GeForce runs FP32
+/// accumulate at half the FP16-accumulate rate), 1008 GB/s GDDR6X, PCIe 4.0 x16. `nvidia-smi`
+/// reports 24564 MiB. Host: 128 GiB of dual-channel DDR5-5600 (2 x 44.8 = 89.6 GB/s).
+const RTX4090: GpuSpec = GpuSpec {
+    name: "rtx4090",
+    description:
+        "NVIDIA GeForce RTX 4090 24 GB, PCIe 4.0 x16, desktop host with 128 GiB DDR5-5600 \
+                  (Ada whitepaper figures)",
+    memory_mib: 24564,
+    f32_tflops: 82.6,
+    tensor_tflops: 165.2,
+    memory_gbs: 1008.0,
+    pcie: PCIE4_X16,
+    host_gib: 128,
+    host_dram_gbs: 89.6,
+};
+
+/// NVIDIA A100 SXM4 40 GB, one eighth of a DGX A100.
+///
+/// NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16/FP16 tensor dense
+/// (624 with sparsity), 1555 GB/s HBM2, PCIe 4.0 x16. `nvidia-smi` reports 40960 MiB. Host: the
+/// DGX A100 (320 GB) datasheet's 1 TB of system memory over 8 GPUs = 128 GiB each, and its two
+/// AMD EPYC 7742 with 8 channels of DDR4-3200 each (409.6 GB/s) over 8 GPUs = 51.2 GB/s each.
+const A100_40GB: GpuSpec = GpuSpec {
+    name: "a100-40gb",
+    description: "NVIDIA A100 SXM4 40 GB, PCIe 4.0 x16, 1/8 of a DGX A100 host (A100 datasheet \
+                  figures)",
+    memory_mib: 40960,
+    f32_tflops: 19.5,
+    tensor_tflops: 312.0,
+    memory_gbs: 1555.0,
+    pcie: PCIE4_X16,
+    host_gib: 128,
+    host_dram_gbs: 51.2,
+};
+
+/// NVIDIA A100 SXM4 80 GB, one eighth of a DGX A100 (640 GB).
+///
+/// NVIDIA A100 Tensor Core GPU datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16/FP16 tensor dense,
+/// 2039 GB/s HBM2e, PCIe 4.0 x16. `nvidia-smi` reports 81920 MiB. Host: the DGX A100 (640 GB)
+/// datasheet's 2 TB over 8 GPUs = 256 GiB each; DRAM bandwidth as for the 40 GB preset.
+const A100_80GB: GpuSpec = GpuSpec {
+    name: "a100-80gb",
+    description: "NVIDIA A100 SXM4 80 GB, PCIe 4.0 x16, 1/8 of a DGX A100 host (A100 datasheet \
+                  figures)",
+    memory_mib: 81920,
+    f32_tflops: 19.5,
+    tensor_tflops: 312.0,
+    memory_gbs: 2039.0,
+    pcie: PCIE4_X16,
+    host_gib: 256,
+    host_dram_gbs: 51.2,
+};
+
+/// NVIDIA H100 SXM5 80 GB, one eighth of a DGX H100.
+///
+/// NVIDIA H100 Tensor Core GPU datasheet: 67 TFLOP/s FP32, 989 TFLOP/s BF16/FP16 tensor dense
+/// (the datasheet's 1979 is with sparsity), 3.35 TB/s HBM3, PCIe 5.0 x16. `nvidia-smi` reports
+/// 81559 MiB. Host: the DGX H100 datasheet's 2 TB over 8 GPUs = 256 GiB each, and its two Xeon
+/// Platinum 8480C with 8 channels of DDR5-4800 each (614.4 GB/s) over 8 GPUs = 76.8 GB/s each.
+const H100: GpuSpec = GpuSpec {
+    name: "h100",
+    description: "NVIDIA H100 SXM5 80 GB, PCIe 5.0 x16, 1/8 of a DGX H100 host (H100 datasheet \
+                  figures)",
+    memory_mib: 81559,
+    f32_tflops: 67.0,
+    tensor_tflops: 989.0,
+    memory_gbs: 3350.0,
+    pcie: PCIE5_X16,
+    host_gib: 256,
+    host_dram_gbs: 76.8,
+};
+
+/// NVIDIA H200 SXM 141 GB, one eighth of a DGX H200.
+///
+/// NVIDIA H200 Tensor Core GPU datasheet: the H100's GH100 compute (67 TFLOP/s FP32, 989
+/// TFLOP/s BF16/FP16 tensor dense, 1979 with sparsity) with 141 GB HBM3e at 4.8 TB/s, PCIe 5.0
+/// x16. `nvidia-smi` reports 143771 MiB. Host: the DGX H200 datasheet's 2 TB and the same two
+/// Xeon Platinum 8480C as the DGX H100, over 8 GPUs.
+const H200: GpuSpec = GpuSpec {
+    name: "h200",
+    description: "NVIDIA H200 SXM 141 GB, PCIe 5.0 x16, 1/8 of a DGX H200 host (H200 datasheet \
+                  figures)",
+    memory_mib: 143771,
+    f32_tflops: 67.0,
+    tensor_tflops: 989.0,
+    memory_gbs: 4800.0,
+    pcie: PCIE5_X16,
+    host_gib: 256,
+    host_dram_gbs: 76.8,
+};
+
+impl HardwareProfile {
+    /// A named preset (see [`PRESETS`]); the name is matched ignoring case, `-`, `_` and spaces,
+    /// so `RTX 3090` and `a100_80gb` work. `None` for an unknown name.
+    ///
+    /// `host` describes the machine this runs on, read now: its core count and memory.
+    pub fn preset(name: &str) -> Option<Self> {
+        let key = normalize_name(name);
+        let spec = match key.as_str() {
+            "rtx3090" => RTX3090,
+            "rtx4090" => RTX4090,
+            "a10040gb" => A100_40GB,
+            "a10080gb" => A100_80GB,
+            "h100" => H100,
+            "h200" => H200,
+            "host" => return Some(Self::host()),
+            _ => return None,
+        };
+        Some(spec.profile())
+    }
+
+    /// The names [`preset`](Self::preset) accepts.
+    pub fn presets() -> &'static [&'static str] {
+        PRESETS
+    }
+
+    /// A preset by name, or else a profile JSON file at that path: what `--hardware` takes.
+    pub fn load(name_or_path: &str) -> Result<Self> {
+        if let Some(profile) = Self::preset(name_or_path) {
+            return Ok(profile);
+        }
+        let path = Path::new(name_or_path);
+        if path.exists() {
+            return Self::from_json_file(path);
+        }
+        Err(IrError::UnknownHardware {
+            name: name_or_path.to_string(),
+            known: PRESETS.join(", "),
+        })
+    }
+
+    /// This machine as the "device": the host backend runs kernels on the CPU cores and its
+    /// arena lives in host RAM, so device and host share one memory, split half and half, and
+    /// every copy is a `memcpy`.
+    ///
+    /// Peak f32 FLOP/s is the core count times an assumed 64 GFLOP/s per core (2 FMA pipes x 8
+    /// f32 lanes x 2 FLOP x 2 GHz); bf16/f16 run at the f32 rate (no matrix units assumed).
+    /// Memory bandwidth is the core count times an assumed 10 GB/s per core. Memory comes from
+    /// `/proc/meminfo` (16 GiB when it cannot be read). `protrain profile` measures all of it.
+    pub fn host() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        let memory = host_memory_total().unwrap_or(HOST_FALLBACK_MEMORY);
+        let f32_flops = cores as f64 * HOST_F32_FLOPS_PER_CORE;
+        let bandwidth = cores as f64 * HOST_BANDWIDTH_PER_CORE;
+        let memcpy = (bandwidth / 2.0).round();
+        let adam = (bandwidth * HOST_DRAM_EFFICIENCY / ADAM_BYTES_PER_PARAM).round();
+        Self {
+            name: "host".to_string(),
+            description: format!(
+                "this machine's CPU as the device: {cores} cores x 64 GFLOP/s f32 and 10 GB/s \
+                 each (assumed), {} of RAM split between arena and host region",
+                format_bytes(memory)
+            ),
+            device_memory_bytes: memory / 2,
+            host_memory_bytes: memory - memory / 2,
+            reserved_device_bytes: 0,
+            peak_flops: PeakFlops {
+                f32: f32_flops,
+                bf16: f32_flops,
+                f16: f32_flops,
+            },
+            device_bandwidth: bandwidth,
+            h2d_bandwidth: memcpy,
+            d2h_bandwidth: memcpy,
+            host_memcpy_bandwidth: memcpy,
+            launch_overhead_s: HOST_LAUNCH_OVERHEAD_S,
+            cpu_adam_params_per_s: adam,
+            gpu_adam_params_per_s: adam,
+            measured_ops: Vec::new(),
+        }
+    }
+
+    /// Device bytes a schedule may use: device memory minus the reserved bytes (0 if the
+    /// reservation exceeds the memory).
+    pub fn usable_device_bytes(&self) -> u64 {
+        self.device_memory_bytes
+            .saturating_sub(self.reserved_device_bytes)
+    }
+
+    /// The same profile with another device memory size (`--device-memory`); the reservation
+    /// is kept, so the usable budget is `bytes` minus it.
+    pub fn with_device_memory(mut self, bytes: u64) -> Self {
+        self.device_memory_bytes = bytes;
+        self
+    }
+
+    /// The same profile with another host memory size (`--host-memory`).
+    pub fn with_host_memory(mut self, bytes: u64) -> Self {
+        self.host_memory_bytes = bytes;
+        self
+    }
+
+    /// The peak FLOP/s for ops computing in `dtype`.
+    pub fn peak(&self, dtype: DType) -> f64 {
+        self.peak_flops.get(dtype)
+    }
+
+    /// The measured time of the op `key` ([`op_key`]), if the profile has one; the last entry
+    /// wins when a key repeats.
+    pub fn measured(&self, key: &str) -> Option<f64> {
+        self.measured_ops
+            .iter()
+            .rev()
+            .find(|m| m.key == key)
+            .map(|m| m.seconds)
+    }
+
+    /// One line for people and schedule headers: name, memory, peaks, bandwidths.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{}: {} device ({} usable), {} host, {:.1} TFLOP/s bf16, {:.1} TFLOP/s f32, \
+             {:.0} GB/s device, {:.1}/{:.1} GB/s H2D/D2H",
+            self.name,
+            format_bytes(self.device_memory_bytes),
+            format_bytes(self.usable_device_bytes()),
+            format_bytes(self.host_memory_bytes),
+            self.peak_flops.bf16 / TFLOPS,
+            self.peak_flops.f32 / TFLOPS,
+            self.device_bandwidth / GB,
+            self.h2d_bandwidth / GB,
+            self.d2h_bandwidth / GB,
+        );
+        if !self.measured_ops.is_empty() {
+            let _ = write!(s, ", {} measured ops", self.measured_ops.len());
+        }
+        s
+    }
+
+    /// Checks that every figure is usable: rates finite and positive, the reservation smaller
+    /// than device memory, measured times finite and non-negative.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| {
+            Err(IrError::BadProfile {
+                name: self.name.clone(),
+                why,
+            })
+        };
+        if self.device_memory_bytes == 0 {
+            return bad("device_memory_bytes is 0".into());
+        }
+        if self.reserved_device_bytes >= self.device_memory_bytes {
+            return bad(format!(
+                "reserved_device_bytes ({}) leaves nothing of device_memory_bytes ({})",
+                format_bytes(self.reserved_device_bytes),
+                format_bytes(self.device_memory_bytes)
+            ));
+        }
+        let rates = [
+            ("peak_flops.f32", self.peak_flops.f32),
+            ("peak_flops.bf16", self.peak_flops.bf16),
+            ("peak_flops.f16", self.peak_flops.f16),
+            ("device_bandwidth", self.device_bandwidth),
+            ("h2d_bandwidth", self.h2d_bandwidth),
+            ("d2h_bandwidth", self.d2h_bandwidth),
+            ("host_memcpy_bandwidth", self.host_memcpy_bandwidth),
+            ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
+            ("gpu_adam_params_per_s", self.gpu_adam_params_per_s),
+        ];
+        for (field, value) in rates {
+            if !(value.is_finite() && value > 0.0) {
+                return bad(format!("{field} must be a positive number, got {value}"));
+            }
+        }
+        if !(self.launch_overhead_s.is_finite() && self.launch_overhead_s >= 0.0) {
+            return bad(format!(
+                "launch_overhead_s must be a non-negative number, got {}",
+                self.launch_overhead_s
+            ));
+        }
+        for m in &self.measured_ops {
+            if m.key.trim().is_empty() {
+                return bad("a measured op has an empty key".into());
+            }
+            if !(m.seconds.is_finite() && m.seconds >= 0.0) {
+                return bad(format!(
+                    "measured op `{}` has time {}, expected a non-negative number of seconds",
+                    m.key, m.seconds
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses and validates a profile from JSON text.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let profile: Self = serde_json::from_str(text).map_err(|e| IrError::ProfileJson {
+            origin: "JSON text".into(),
+            source: e,
+        })?;
+        profile.validate()?;
+        Ok(profile)
+    }
+
+    /// Reads, parses and validates a profile JSON file.
+    pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| IrError::Io {
+            path: path.display().to_string(),
+            source: e,
+        })?;
+        let profile: Self = serde_json::from_str(&text).map_err(|e| IrError::ProfileJson {
+            origin: path.display().to_string(),
+            source: e,
+        })?;
+        profile.validate()?;
+        Ok(profile)
+    }
+
+    /// The profile as pretty-printed JSON, the format [`from_json`](Self::from_json) reads.
+    ///
+    /// Whole numbers read back exactly; other floats may come back one unit in the last place
+    /// off (serde_json's default float parser), far below any figure's precision.
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string_pretty(self).map_err(|e| IrError::ProfileJson {
+            origin: format!("profile `{}`", self.name),
+            source: e,
+        })
+    }
+}
+
+/// The measured-table key of an op: its mnemonic, the attributes that change its cost, and its
+/// input types, e.g. `linear f32[8,1024,768]x[768,2304]` or
+/// `attention heads=12 kv_heads=12 head_dim=64 qkv=packed bf16[8,1024,2304]`.
+///
+/// Inputs are joined with `x`; an input's element type is written only when it differs from
+/// the previous input's (`embedding i32[8,1024]xf32[50257,768]`). Attributes that do not change
+/// the work (epsilons, learning rates, RoPE bases and scaling, padding rows, offsets) are left
+/// out, so one measurement serves every value of them; any other attribute is kept.
+pub fn op_key(kind: &OpKind, inputs: &[&TensorType]) -> String {
+    const COST_NEUTRAL: &[&str] = &[
+        "eps",
+        "lr",
+        "betas",
+        "weight_decay",
+        "theta",
+        "scaling",
+        "max_norm",
+        "padding_idx",
+        "offset",
+    ];
+    let mut key = kind.mnemonic().to_string();
+    for (name, value) in kind.attributes() {
+        if !COST_NEUTRAL.contains(&name) {
+            let _ = write!(key, " {name}={value}");
+        }
+    }
+    let mut previous: Option<DType> = None;
+    for (i, t) in inputs.iter().enumerate() {
+        key.push(if i == 0 { ' ' } else { 'x' });
+        if previous != Some(t.dtype) {
+            key.push_str(t.dtype.name());
+        }
+        previous = Some(t.dtype);
+        key.push('[');
+        for (j, d) in t.shape.iter().enumerate() {
+            if j > 0 {
+                key.push(',');
+            }
+            let _ = write!(key, "{d}");
+        }
+        key.push(']');
+    }
+    key
+}
+
+/// Parses a byte size: `24GiB`, `512 MiB`, `1.5GB`, `1000`, `1000B`.
+///
+/// `KiB`, `MiB`, `GiB`, `TiB` are binary (2^10...2^40); `KB`, `MB`, `GB`, `TB` are decimal
+/// (10^3...10^12); no unit or `B` means bytes. Units ignore case. Fractions are allowed with a
+/// unit and rounded to the nearest byte. A bare `K`/`M`/`G`/`T` is rejected as ambiguous.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let fail = |why: String| {
+        Err(IrError::BadSize {
+            input: text.to_string(),
+            why,
+        })
+    };
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = (&trimmed[..split], trimmed[split..].trim());
+    if number.is_empty() {
+        return if trimmed.starts_with('-') {
+            fail("a size cannot be negative".into())
+        } else {
+            fail("expected a number, optionally followed by a unit".into())
+        };
+    }
+    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "k" | "m" | "g" | "t" => {
+            return fail(format!(
+                "unit `{unit}` is ambiguous: write {u}iB for binary or {u}B for decimal",
+                u = unit.to_ascii_uppercase()
+            ))
+        }
+        _ => {
+            return fail(format!(
+                "unknown unit `{unit}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+            ))
+        }
+    };
+    if !number.contains('.') {
+        let Ok(value) = number.parse::<u64>() else {
+            return fail("the number is too large".into());
+        };
+        return match value.checked_mul(multiplier) {
+            Some(bytes) => Ok(bytes),
+            None => fail("the size does not fit in 64 bits".into()),
+        };
+    }
+    if multiplier == 1 {
+        return fail("a byte count must be a whole number".into());
+    }
+    let Ok(value) = number.parse::<f64>() else {
+        return fail(format!("`{number}` is not a number"));
+    };
+    let bytes = (value * multiplier as f64).round();
+    if bytes >= u64::MAX as f64 {
+        return fail("the size does not fit in 64 bits".into());
+    }
+    Ok(bytes as u64)
+}
+
+/// Lowercases and drops `-`, `_` and spaces, so preset names match loosely.
+fn normalize_name(name: &str) -> String {
+    name.chars()
+        .filter(|c| !matches!(c, '-' | '_' | ' '))
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
+/// Total RAM from `/proc/meminfo`, where there is one.
+fn host_memory_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line
+        .trim_start_matches("MemTotal:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::{QkvLayout, WeightLayout};
+
+    #[test]
+    fn every_preset_loads_and_validates() {
+        for name in PRESETS {
+            let p = HardwareProfile::preset(name).expect(name);
+            assert_eq!(p.name, *name);
+            p.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(p.usable_device_bytes() < p.device_memory_bytes || name == &"host");
+            assert!(!p.description.is_empty());
+        }
+        assert_eq!(HardwareProfile::presets(), PRESETS);
+    }
+
+    #[test]
+    fn preset_relations_are_sane() {
+        let get = |n: &str| HardwareProfile::preset(n).unwrap();
+        let (h100, h200) = (get("h100"), get("h200"));
+        assert!(h200.device_memory_bytes > h100.device_memory_bytes);
+        assert!(h200.device_bandwidth > h100.device_bandwidth);
+        assert_eq!(h200.peak_flops, h100.peak_flops);
+        assert!(get("a100-80gb").device_memory_bytes > get("a100-40gb").device_memory_bytes);
+        for name in [
+            "rtx3090",
+            "rtx4090",
+            "a100-40gb",
+            "a100-80gb",
+            "h100",
+            "h200",
+        ] {
+            let p = get(name);
+            assert!(p.peak(DType::BF16) > p.peak(DType::F32), "{name}");
+            assert_eq!(p.peak(DType::BF16), p.peak(DType::F16), "{name}");
+            assert!(p.device_bandwidth > p.h2d_bandwidth, "{name}");
+            assert!(p.gpu_adam_params_per_s > p.cpu_adam_params_per_s, "{name}");
+            assert!(p.host_memory_bytes > p.device_memory_bytes, "{name}");
+        }
+        assert!(get("h100").h2d_bandwidth > get("a100-80gb").h2d_bandwidth);
+        assert_eq!(get("rtx3090").device_memory_bytes, 24 * GIB);
+    }
+
+    #[test]
+    fn preset_names_match_loosely() {
+        assert_eq!(
+            HardwareProfile::preset("RTX 3090"),
+            HardwareProfile::preset("rtx3090")
+        );
+        assert_eq!(
+            HardwareProfile::preset("A100_80GB").map(|p| p.name),
+            Some("a100-80gb".to_string())
+        );
+        assert_eq!(HardwareProfile::preset("v100"), None);
+    }
+
+    #[test]
+    fn load_names_an_unknown_hardware_and_the_presets() {
+        let err = HardwareProfile::load("tpu-v9").unwrap_err().to_string();
+        assert!(err.contains("tpu-v9"), "{err}");
+        assert!(err.contains("rtx3090, rtx4090"), "{err}");
+        assert_eq!(HardwareProfile::load("h200").unwrap().name, "h200");
+    }
+
+    #[test]
+    fn host_preset_describes_this_machine() {
+        let host = HardwareProfile::preset("host").unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        assert_eq!(host.peak(DType::F32), cores * 64e9);
+        assert_eq!(host.peak(DType::BF16), host.peak(DType::F32));
+        assert_eq!(host.h2d_bandwidth, host.host_memcpy_bandwidth);
+        assert_eq!(host.reserved_device_bytes, 0);
+    }
+
+    #[test]
+    fn json_round_trip_keeps_every_field() {
+        let mut p = HardwareProfile::preset("rtx4090")
+            .unwrap()
+            .with_device_memory(12 * GIB);
+        p.measured_ops.push(MeasuredOp {
+            key: "linear bf16[8,1024,768]x[768,2304]".into(),
+            seconds: 1.25e-4,
+        });
+        let text = p.to_json().unwrap();
+        assert_eq!(HardwareProfile::from_json(&text).unwrap(), p);
+        // Every preset reads back exactly, and omits the empty op table.
+        for name in PRESETS {
+            let preset = HardwareProfile::preset(name).unwrap();
+            let text = preset.to_json().unwrap();
+            assert!(!text.contains("measured_ops"), "{name}");
+            assert_eq!(HardwareProfile::from_json(&text).unwrap(), preset, "{name}");
+        }
+    }
+
+    #[test]
+    fn json_errors_name_the_problem() {
+        let check = |text: &str, expect: &str| {
+            let err = HardwareProfile::from_json(text).unwrap_err().to_string();
+            assert!(err.contains(expect), "`{err}` should mention `{expect}`");
+        };
+        let good = HardwareProfile::preset("rtx3090")
+            .unwrap()
+            .to_json()
+            .unwrap();
+        check(
+            &good.replace("\"device_bandwidth\"", "\"device_bandwith\""),
+            "unknown field `device_bandwith`",
+        );
+        check(&good.replace("\"h2d_bandwidth\"", "\"x\""), "unknown field");
+        check("{}", "missing field `name`");
+        check("not json", "not a hardware profile");
+        let mut zero = HardwareProfile::preset("rtx3090").unwrap();
+        zero.h2d_bandwidth = 0.0;
+        check(
+            &zero.to_json().unwrap(),
+            "h2d_bandwidth must be a positive number",
+        );
+        let mut reserved = HardwareProfile::preset("rtx3090").unwrap();
+        reserved.reserved_device_bytes = reserved.device_memory_bytes;
+        check(&reserved.to_json().unwrap(), "reserved_device_bytes");
+        let missing = HardwareProfile::from_json_file("/nonexistent/profile.json")
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("/nonexistent/profile.json"), "{missing}");
+    }
+
+    #[test]
+    fn overrides_change_the_budget() {
+        let p = HardwareProfile::preset("rtx3090")
+            .unwrap()
+            .with_device_memory(8 * GIB)
+            .with_host_memory(32 * GIB);
+        assert_eq!(p.device_memory_bytes, 8 * GIB);
+        assert_eq!(p.usable_device_bytes(), 7 * GIB);
+        assert_eq!(p.host_memory_bytes, 32 * GIB);
+        assert_eq!(
+            p.clone().with_device_memory(GIB / 2).usable_device_bytes(),
+            0
+        );
+        assert!(p
+            .summary()
+            .starts_with("rtx3090: 8.00 GiB device (7.00 GiB usable)"));
+    }
+
+    #[test]
+    fn measured_lookup_prefers_the_last_entry() {
+        let mut p = HardwareProfile::preset("h100").unwrap();
+        for seconds in [1.0, 2.0] {
+            p.measured_ops.push(MeasuredOp {
+                key: "add".into(),
+                seconds,
+            });
+        }
+        assert_eq!(p.measured("add"), Some(2.0));
+        assert_eq!(p.measured("gelu"), None);
+    }
+
+    #[test]
+    fn op_keys_are_canonical() {
+        let x = TensorType::new([8, 1024, 768], DType::F32);
+        let w = TensorType::new([768, 2304], DType::F32);
+        let linear = OpKind::Linear {
+            bias: false,
+            layout: WeightLayout::InOut,
+        };
+        assert_eq!(
+            op_key(&linear, &[&x, &w]),
+            "linear weight=in_out f32[8,1024,768]x[768,2304]"
+        );
+        let tokens = TensorType::new([8, 1024], DType::I32);
+        let table = TensorType::new([50257, 768], DType::F32);
+        assert_eq!(
+            op_key(
+                &OpKind::Embedding {
+                    padding_idx: Some(1)
+                },
+                &[&tokens, &table]
+            ),
+            "embedding i32[8,1024]xf32[50257,768]"
+        );
+        let qkv = TensorType::new([8, 1024, 2304], DType::BF16);
+        let attention = OpKind::Attention {
+            heads: 12,
+            kv_heads: 12,
+            head_dim: 64,
+            window: None,
+            qkv: QkvLayout::Packed,
+        };
+        assert_eq!(
+            op_key(&attention, &[&qkv]),
+            "attention heads=12 kv_heads=12 head_dim=64 qkv=packed bf16[8,1024,2304]"
+        );
+        // Epsilons do not change the work, so they do not split the table.
+        let ln = |eps| op_key(&OpKind::LayerNorm { eps }, &[&x]);
+        assert_eq!(ln(1e-5), ln(1e-6));
+        assert_eq!(op_key(&OpKind::Add, &[]), "add");
+        assert_eq!(
+            op_key(&OpKind::GradNormSq, &[&TensorType::new([], DType::F32)]),
+            "grad_norm_sq f32[]"
+        );
+    }
+
+    #[test]
+    fn sizes_parse() {
+        let cases: &[(&str, u64)] = &[
+            ("1000", 1000),
+            ("1000B", 1000),
+            ("0", 0),
+            ("24GiB", 24 << 30),
+            ("24 GiB", 24 << 30),
+            ("24gib", 24 << 30),
+            ("512MiB", 512 << 20),
+            ("4KiB", 4096),
+            ("1TiB", 1 << 40),
+            ("1.5GB", 1_500_000_000),
+            ("1.5GiB", 3 << 29),
+            ("80GB", 80_000_000_000),
+            ("2KB", 2000),
+            (" 7 MB ", 7_000_000),
+            ("0.5KiB", 512),
+            ("16384TiB", 16384 << 40),
+        ];
+        for (text, bytes) in cases {
+            assert_eq!(parse_size(text).unwrap(), *bytes, "{text}");
+        }
+    }
+
+    #[test]
+    fn size_errors_say_what_is_wrong() {
+        let cases: &[(&str, &str)] = &[
+            ("", "expected a number"),
+            ("GiB", "expected a number"),
+            ("-5GB", "cannot be negative"),
+            ("24G", "ambiguous: write GiB for binary or GB for decimal"),
+            ("24 gigs", "unknown unit `gigs`"),
+            ("1.5", "whole number"),
+            ("1.2.3GB", "not a number"),
+            ("99999999999999999999", "too large"),
+            ("20000000TB", "does not fit"),
+            ("20000000TiB", "does not fit"),
+            ("1e9", "unknown unit `e9`"),
+        ];
+        for (text, expect) in cases {
+            let err = parse_size(text).unwrap_err().to_string();
+            assert!(
+                err.contains(expect),
+                "{text:?}: `{err}` should mention `{expect}`"
+            );
+            assert!(err.contains(&format!("`{text}`")), "{err}");
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! How configs parse: transformers' defaults, v4 and v5 RoPE formats, presets, spec resolution.
+
+use protrain_ir::RopeScaling;
+use protrain_models::{
+    load, presets, Architecture, ConfigSource, LlamaLayout, ModelConfig, OptLayout,
+};
+
+const MODELS: &str = env!("CARGO_MANIFEST_DIR");
+
+fn parse(json: &str) -> ModelConfig {
+    ModelConfig::from_json(json, ConfigSource::Text("test".into()))
+        .unwrap_or_else(|e| panic!("{json}: {e}"))
+}
+
+/// Checks that two config texts mean the same model.
+fn check_same(a: &str, b: &str) {
+    assert_eq!(parse(a), parse(b), "\n{a}\n{b}");
+}
+
+fn llama_layout(config: &ModelConfig) -> &LlamaLayout {
+    match &config.architecture {
+        Architecture::Llama(layout) | Architecture::Mistral(layout) => layout,
+        other => panic!("not a rotary model: {other:?}"),
+    }
+}
+
+const LLAMA: &str = r#""model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 131072"#;
+
+#[test]
+fn v4_and_v5_rope_settings_parse_alike() {
+    check_same(
+        &format!(r#"{{{LLAMA}, "rope_theta": 500000.0, "rope_scaling": null}}"#),
+        &format!(
+            r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#
+        ),
+    );
+    check_same(
+        &format!(r#"{{{LLAMA}}}"#),
+        &format!(
+            r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "default", "rope_theta": 10000.0}}}}"#
+        ),
+    );
+    // v4's old key `type`, and `rope_theta` beside the scaling dict.
+    check_same(
+        &format!(
+            r#"{{{LLAMA}, "rope_theta": 1e6, "rope_scaling": {{"type": "linear", "factor": 2.0}}}}"#
+        ),
+        &format!(
+            r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "linear", "factor": 2, "rope_theta": 1000000}}}}"#
+        ),
+    );
+    // A rope_theta inside the dict wins over a top-level one, as transformers' setdefault has it.
+    check_same(
+        &format!(
+            r#"{{{LLAMA}, "rope_theta": 1.0, "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#
+        ),
+        &format!(r#"{{{LLAMA}, "rope_theta": 500000.0}}"#),
+    );
+}
+
+#[test]
+fn llama3_rope_scaling_parses() {
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let v4 = format!(
+        r#"{{{LLAMA}, "rope_theta": 500000.0, "rope_scaling": {{"factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}}}"#
+    );
+    let v5 = format!(
+        r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+    );
+    check_same(&v4, &v5);
+    let config = parse(&v5);
+    assert_eq!(llama_layout(&config).rope_scaling, llama3);
+    assert_eq!(llama_layout(&config).rope_theta, 500000.0);
+    // Without original_max_position_embeddings, transformers uses max_position_embeddings.
+    let config = parse(&format!(
+        r#"{{{LLAMA}, "rope_scaling": {{"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}}}}"#
+    ));
+    assert!(matches!(
+        llama_layout(&config).rope_scaling,
+        RopeScaling::Llama3 {
+            original_max_position_embeddings: 131072,
+            ..
+        }
+    ));
+    // The rope op carries it into the graph.
+    let graph =
+        protrain_models::build_forward(&parse(&v4), &protrain_models::BuildOptions::new(1, 8))
+            .unwrap();
+    assert!(graph
+        .to_text()
+        .contains("rope[head_dim=16, theta=500000, scaling=llama3(8,1,4,8192)]"));
+}
+
+#[test]
+fn transformers_defaults_apply() {
+    let gpt2 = parse(
+        r#"{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": null}"#,
+    );
+    assert_eq!(
+        (gpt2.intermediate_size, gpt2.head_dim, gpt2.num_kv_heads),
+        (256, 16, 4)
+    );
+    assert_eq!(
+        (gpt2.norm_eps, gpt2.tie_word_embeddings, gpt2.padding_idx),
+        (1e-5, true, None)
+    );
+    // GPT2Config's attribute_map names.
+    check_same(
+        r#"{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}"#,
+        r#"{"model_type": "gpt2", "vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}"#,
+    );
+
+    let llama = parse(&format!(r#"{{{LLAMA}}}"#));
+    assert_eq!(
+        (llama.num_kv_heads, llama.head_dim, llama.norm_eps),
+        (4, 16, 1e-6)
+    );
+    assert!(!llama.tie_word_embeddings);
+    let layout = llama_layout(&llama);
+    assert_eq!(
+        (
+            layout.attention_bias,
+            layout.mlp_bias,
+            layout.sliding_window
+        ),
+        (false, false, None)
+    );
+    assert_eq!(llama.padding_idx, None);
+
+    let mistral = |extra: &str| {
+        parse(&format!(
+            r#"{{"model_type": "mistral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 16{extra}}}"#
+        ))
+    };
+    // Absent: MistralConfig's defaults; null: none and "as many as the heads".
+    let absent = mistral("");
+    assert_eq!(
+        (absent.num_kv_heads, llama_layout(&absent).sliding_window),
+        (8, Some(4096))
+    );
+    assert_eq!(absent.max_position_embeddings, 131072);
+    let null = mistral(r#", "num_key_value_heads": null, "sliding_window": null"#);
+    assert_eq!(
+        (null.num_kv_heads, llama_layout(&null).sliding_window),
+        (16, None)
+    );
+    let explicit = mistral(r#", "num_key_value_heads": 2, "sliding_window": 6, "head_dim": 8"#);
+    assert_eq!(
+        (
+            explicit.num_kv_heads,
+            explicit.head_dim,
+            llama_layout(&explicit).sliding_window
+        ),
+        (2, 8, Some(6))
+    );
+
+    let opt = |extra: &str| {
+        parse(&format!(
+            r#"{{"model_type": "opt", "vocab_size": 256, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 64{extra}}}"#
+        ))
+    };
+    let pre = opt("");
+    let layout = OptLayout {
+        word_embed_proj_dim: 64,
+        do_layer_norm_before: true,
+        final_layer_norm: true,
+        enable_bias: true,
+    };
+    assert_eq!(pre.architecture, Architecture::Opt(layout.clone()));
+    assert_eq!(
+        (pre.padding_idx, pre.tie_word_embeddings, pre.norm_eps),
+        (Some(1), true, 1e-5)
+    );
+    let post =
+        opt(r#", "do_layer_norm_before": false, "word_embed_proj_dim": 32, "pad_token_id": null"#);
+    let post_layout = OptLayout {
+        word_embed_proj_dim: 32,
+        do_layer_norm_before: false,
+        final_layer_norm: false,
+        ..layout
+    };
+    assert_eq!(post.architecture, Architecture::Opt(post_layout));
+    assert_eq!(post.padding_idx, None);
+}
+
+#[test]
+fn specs_resolve_to_presets_files_and_directories() {
+    let fixture = format!("{MODELS}/../tests/fixtures/llama");
+    let from_dir = load(&fixture).unwrap();
+    let from_file = load(&format!("{fixture}/config.json")).unwrap();
+    assert_eq!(from_dir.architecture, from_file.architecture);
+    assert_eq!(from_file.name, format!("{fixture}/config.json"));
+    // transformers 5 wrote it: rope_parameters, 2 KV heads.
+    assert_eq!(
+        (from_dir.num_kv_heads, llama_layout(&from_dir).rope_theta),
+        (2, 10000.0)
+    );
+    assert_eq!(load("llama-tiny").unwrap().name, "llama-tiny");
+    let file = format!("{MODELS}/tests/configs/opt-350m.json");
+    assert_eq!(load(&file).unwrap().model_type(), "opt");
+}
+
+#[test]
+fn presets_are_listed_in_a_stable_order() {
+    let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
+    assert_eq!(
+        names,
+        [
+            "gpt2",
+            "gpt2-medium",
+            "gpt2-large",
+            "gpt2-xl",
+            "llama-2-7b",
+            "llama-2-13b",
+            "llama-2-70b",
+            "llama-3-8b",
+            "mistral-7b",
+            "opt-1.3b",
+            "opt-13b",
+            "opt-30b",
+            "gpt2-tiny",
+            "llama-tiny",
+            "mistral-tiny",
+            "opt-tiny",
+        ]
+    );
+    for preset in presets() {
+        let config = preset.config().unwrap();
+        assert_eq!(config.name, preset.name);
+        assert!(
+            !preset.description.is_empty() && !preset.description.contains('\n'),
+            "{}",
+            preset.name
+        );
+        assert!(
+            preset.name.starts_with(config.model_type()),
+            "{}",
+            preset.name
+        );
+    }
+}
+
+#[test]
+fn tiny_presets_fit_the_synthetic_corpus() {
+    for name in ["gpt2-tiny", "llama-tiny", "mistral-tiny", "opt-tiny"] {
+        let c = load(name).unwrap();
+        let dims = (
+            c.hidden_size,
+            c.num_layers,
+            c.vocab_size,
+            c.max_position_embeddings,
+        );
+        assert_eq!(dims, (64, 2, 256, 256), "{name}");
+    }
+    let llama = load("llama-tiny").unwrap();
+    assert!(llama.num_kv_heads < llama.num_heads, "grouped KV heads");
+    let mistral = load("mistral-tiny").unwrap();
+    assert!(
+        llama_layout(&mistral)
+            .sliding_window
+            .is_some_and(|w| w < 16),
+        "window shorter than seq 16"
+    );
+    let llama_70b = load("llama-2-70b").unwrap();
+    let dims = (
+        llama_70b.num_layers,
+        llama_70b.hidden_size,
+        llama_70b.num_kv_heads,
+        llama_70b.intermediate_size,
+    );
+    assert_eq!(dims, (80, 8192, 8, 28672));
+    let llama_3 = load("llama-3-8b").unwrap();
+    assert_eq!(
+        (
+            llama_3.vocab_size,
+            llama_3.num_kv_heads,
+            llama_3.intermediate_size
+        ),
+        (128256, 8, 14336)
+    );
+    assert_eq!(llama_layout(&llama_3).rope_theta, 500000.0);
+    assert_eq!(
+        llama_layout(&load("mistral-7b").unwrap()).sliding_window,
+        Some(4096)
+    );
+}

@@ -1,0 +1,642 @@
+//! Token streams: `.npy` and raw `u16` `.bin` files, batched per step.
+
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use npyz::{DType, Endianness, NpyHeader, TypeChar};
+
+use crate::error::{Result, RuntimeError};
+
+/// The magic number at the start of llm.c's token files, which carry a 1024-byte header that a
+/// raw `.bin` reader would otherwise take for tokens.
+const LLMC_MAGIC: u32 = 20240520;
+
+/// A sequence of token ids, loaded whole into memory.
+///
+/// Built from a file with [`TokenStream::open`] or from ids with [`TokenStream::from_tokens`].
+/// It does not check ids against a vocabulary: [`TokenStream::check_vocab`] and
+/// [`Batch::check_vocab`] do, once the model's vocabulary size is known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenStream {
+    tokens: Vec<u32>,
+    source: Option<PathBuf>,
+}
+
+impl TokenStream {
+    /// Loads a token file, choosing the format by extension:
+    ///
+    /// - `.npy`: a 1-D array of any integer dtype (`i1`..`i8`, `u1`..`u8`, either byte order);
+    ///   every value must lie in `0..2^32`. Floats and arrays of more than one dimension are
+    ///   rejected.
+    /// - `.bin`: raw little-endian `u16` tokens with no header (nanoGPT's `train.bin`).
+    ///
+    /// Any other extension is an error naming the two accepted formats.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let tokens = match path.extension().and_then(|e| e.to_str()) {
+            Some("npy") => read_npy(path)?,
+            Some("bin") => read_bin(path)?,
+            _ => {
+                return Err(RuntimeError::UnknownTokenFormat {
+                    path: path.to_path_buf(),
+                })
+            }
+        };
+        Ok(TokenStream {
+            tokens,
+            source: Some(path.to_path_buf()),
+        })
+    }
+
+    /// Wraps token ids held in memory (the synthetic corpus, tests).
+    pub fn from_tokens(tokens: Vec<u32>) -> Self {
+        TokenStream {
+            tokens,
+            source: None,
+        }
+    }
+
+    /// The number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the stream holds no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// All token ids, in file order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The file the stream was loaded from, if any.
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// Checks every token of the stream against a vocabulary of `vocab` ids; the error names the
+    /// first offending token's index in the stream and its value.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        check_ids(&self.tokens, 0, vocab)
+    }
+}
+
+/// The inputs and targets of one training step.
+///
+/// `inputs` holds `batch * seq` ids in row-major `[batch, seq]` order; `targets[i]` is the token
+/// that follows `inputs[i]` in the stream, so `targets` is `inputs` shifted by one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Input ids, `[batch, seq]` row-major.
+    pub inputs: Vec<u32>,
+    /// Target ids, `[batch, seq]` row-major: the stream shifted by one.
+    pub targets: Vec<u32>,
+    /// Rows (`B`).
+    pub batch: usize,
+    /// Sequence length (`T`).
+    pub seq: usize,
+    /// Index in the stream of `inputs[0]`; `targets[i]` is at `position + 1 + i`.
+    pub position: usize,
+}
+
+impl Batch {
+    /// Checks that every id is below `vocab`. The error names the token's absolute index in
+    /// the stream (so it can be found in the file), its value and the vocabulary size.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        check_ids(&self.inputs, self.position, vocab)?;
+        // Every target but the last is also an input; only the last is new.
+        match self.targets.last() {
+            Some(last) => check_ids(
+                std::slice::from_ref(last),
+                self.position + self.targets.len(),
+                vocab,
+            ),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Cuts a [`TokenStream`] into per-step batches of `batch` rows of `seq` tokens.
+///
+/// The rule, a pure function of the step so that a resumed run reads exactly what the
+/// original would have:
+///
+/// ```text
+/// n     = batch * seq
+/// start = (step * n) mod len           (computed without overflow)
+/// if start + n + 1 > len { start = 0 } (wrap: too few tokens remain)
+/// inputs  = stream[start .. start + n]         reshaped [batch, seq]
+/// targets = stream[start + 1 .. start + n + 1] reshaped [batch, seq]
+/// ```
+///
+/// After a wrap, starts are not realigned to multiples of `n`: step `s` always starts at
+/// `(s * n) mod len` unless that window would run past the end. The tail of the stream past the
+/// last full window of a pass is skipped in that pass.
+#[derive(Debug, Clone)]
+pub struct Batcher {
+    stream: TokenStream,
+    batch: usize,
+    seq: usize,
+}
+
+impl Batcher {
+    /// Checks that `batch` and `seq` are at least 1 and that the stream holds at least
+    /// `batch * seq + 1` tokens.
+    pub fn new(stream: TokenStream, batch: usize, seq: usize) -> Result<Self> {
+        let needed = batch
+            .checked_mul(seq)
+            .and_then(|n| n.checked_add(1))
+            .filter(|_| batch > 0 && seq > 0);
+        let Some(needed) = needed else {
+            return Err(RuntimeError::InvalidBatchShape { batch, seq });
+        };
+        if stream.len() < needed {
+            return Err(RuntimeError::TokenStreamTooShort {
+                len: stream.len(),
+                batch,
+                seq,
+                needed,
+            });
+        }
+        Ok(Batcher { stream, batch, seq })
+    }
+
+    /// The stream being batched.
+    pub fn stream(&self) -> &TokenStream {
+        &self.stream
+    }
+
+    /// Rows per batch (`B`).
+    pub fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    /// Tokens per row (`T`).
+    pub fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    /// The index in the stream of the first input token of `step` (see the type's doc for the
+    /// rule). Checkpoints record it; it depends only on the step, the shape and the stream
+    /// length.
+    pub fn position_for_step(&self, step: u64) -> usize {
+        let n = self.batch * self.seq;
+        let len = self.stream.len();
+        let start = (u128::from(step) * n as u128 % len as u128) as usize;
+        if start + n + 1 > len {
+            0
+        } else {
+            start
+        }
+    }
+
+    /// The batch of `step`, freshly allocated.
+    pub fn batch(&self, step: u64) -> Batch {
+        let n = self.batch * self.seq;
+        let mut batch = Batch {
+            inputs: vec![0; n],
+            targets: vec![0; n],
+            batch: self.batch,
+            seq: self.seq,
+            position: 0,
+        };
+        self.fill(step, &mut batch);
+        batch
+    }
+
+    /// Overwrites `out` with the batch of `step`, reusing its buffers (no allocation once they
+    /// have the right size).
+    pub fn fill(&self, step: u64, out: &mut Batch) {
+        let n = self.batch * self.seq;
+        let start = self.position_for_step(step);
+        let window = &self.stream.tokens[start..start + n + 1];
+        out.inputs.clear();
+        out.inputs.extend_from_slice(&window[..n]);
+        out.targets.clear();
+        out.targets.extend_from_slice(&window[1..]);
+        out.batch = self.batch;
+        out.seq = self.seq;
+        out.position = start;
+    }
+}
+
+/// Checks `ids` (which start at index `offset` of the stream) against `vocab`.
+fn check_ids(ids: &[u32], offset: usize, vocab: usize) -> Result<()> {
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(RuntimeError::TokenOutOfRange {
+            token: i64::from(ids[i]),
+            position: offset + i,
+            vocab,
+        }),
+        None => Ok(()),
+    }
+}
+
+fn bad_file(path: &Path, problem: impl Into<String>) -> RuntimeError {
+    RuntimeError::BadTokenFile {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+fn io_error(path: &Path, source: std::io::Error) -> RuntimeError {
+    RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Reads raw little-endian `u16` tokens.
+fn read_bin(path: &Path) -> Result<Vec<u32>> {
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    if bytes.len() >= 8 {
+        let magic = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        if magic == LLMC_MAGIC && version == 1 {
+            return Err(bad_file(
+                path,
+                "starts with llm.c's 1024-byte token-file header, which is not tokens; \
+                 strip it (`tail -c +1025 IN.bin > OUT.bin`) to get raw u16 tokens",
+            ));
+        }
+    }
+    if bytes.len() % 2 != 0 {
+        return Err(bad_file(
+            path,
+            format!(
+                "has an odd number of bytes ({}), but a `.bin` token file is raw little-endian \
+                 u16, 2 bytes per token; the file is truncated or holds another dtype (save \
+                 other dtypes as `.npy`)",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(2)
+        .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+        .collect())
+}
+
+/// Reads a 1-D integer `.npy` array.
+fn read_npy(path: &Path) -> Result<Vec<u32>> {
+    let file = File::open(path).map_err(|e| io_error(path, e))?;
+    let mut reader = BufReader::new(file);
+    let header = NpyHeader::from_reader(&mut reader).map_err(|e| {
+        bad_file(
+            path,
+            format!(
+                "is not a readable .npy file ({e}); write token arrays with `numpy.save`, \
+                 or use a raw u16 `.bin` file"
+            ),
+        )
+    })?;
+    let shape = header.shape();
+    if shape.len() != 1 {
+        return Err(bad_file(
+            path,
+            format!(
+                "holds a {}-D array of shape {shape:?}, but token files must be 1-D; \
+                 flatten it first (`numpy.save(path, arr.reshape(-1))`)",
+                shape.len()
+            ),
+        ));
+    }
+    let count = shape[0];
+    let DType::Plain(ty) = header.dtype() else {
+        return Err(bad_file(
+            path,
+            format!(
+                "holds a structured dtype ({}), but token files must hold plain integers; \
+                 save a 1-D integer array",
+                header.dtype().descr()
+            ),
+        ));
+    };
+    let signed = match ty.type_char() {
+        TypeChar::Int => true,
+        TypeChar::Uint => false,
+        _ => {
+            return Err(bad_file(
+                path,
+                format!(
+                    "holds dtype `{ty}`, but token ids must be integers; convert it \
+                     (`arr.astype(numpy.uint32)`) and save it again"
+                ),
+            ))
+        }
+    };
+    let width = match ty.num_bytes() {
+        Some(w @ (1 | 2 | 4 | 8)) => w,
+        _ => {
+            return Err(bad_file(
+                path,
+                format!(
+                    "holds integer dtype `{ty}` of an unsupported width; use 1, 2, 4 or 8 bytes"
+                ),
+            ))
+        }
+    };
+    let big_endian = ty.endianness() == Endianness::Big;
+
+    let mut data = Vec::new();
+    reader
+        .read_to_end(&mut data)
+        .map_err(|e| io_error(path, e))?;
+    let expected = u128::from(count) * width as u128;
+    if data.len() as u128 != expected {
+        return Err(bad_file(
+            path,
+            format!(
+                "has a header promising {count} tokens of {width} bytes ({expected} bytes of \
+                 data) but {} bytes follow it; the file is truncated or damaged, write it again",
+                data.len()
+            ),
+        ));
+    }
+
+    let mut tokens = Vec::with_capacity(data.len() / width);
+    for (index, raw) in data.chunks_exact(width).enumerate() {
+        let mut le = [0u8; 8];
+        le[..width].copy_from_slice(raw);
+        if big_endian {
+            le[..width].reverse();
+        }
+        // Sign-extend signed values so that negative ids are caught below.
+        let value = if signed && le[width - 1] & 0x80 != 0 {
+            le[width..].fill(0xff);
+            i128::from(i64::from_le_bytes(le))
+        } else {
+            i128::from(u64::from_le_bytes(le))
+        };
+        match u32::try_from(value) {
+            Ok(id) => tokens.push(id),
+            Err(_) => {
+                return Err(bad_file(
+                    path,
+                    format!(
+                        "holds {value} at index {index}, which is not a token id (ids lie in \
+                         0..2^32); the array is not token ids, or was corrupted"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Builds a `.npy` file image: version 1.0 header for `descr` and `shape`, then `data`.
+    fn npy_bytes(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+        let mut dict =
+            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        // magic (6) + version (2) + header length (2) + dict + '\n', padded to 64 bytes.
+        while (10 + dict.len() + 1) % 64 != 0 {
+            dict.push(' ');
+        }
+        dict.push('\n');
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend((dict.len() as u16).to_le_bytes());
+        out.extend(dict.as_bytes());
+        out.extend(data);
+        out
+    }
+
+    fn write(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    fn open_err(name: &str, bytes: &[u8]) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(&dir, name, bytes);
+        match TokenStream::open(&path) {
+            Ok(s) => panic!("{name} loaded as {:?}, expected an error", s.tokens()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn npy_integer_dtypes_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids: [u32; 4] = [0, 1, 100, 127];
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("|i1", ids.iter().map(|&v| v as u8).collect()),
+            ("|u1", ids.iter().map(|&v| v as u8).collect()),
+            (
+                "<i2",
+                ids.iter().flat_map(|&v| (v as i16).to_le_bytes()).collect(),
+            ),
+            (
+                "<u2",
+                ids.iter().flat_map(|&v| (v as u16).to_le_bytes()).collect(),
+            ),
+            (
+                ">u2",
+                ids.iter().flat_map(|&v| (v as u16).to_be_bytes()).collect(),
+            ),
+            (
+                "<i4",
+                ids.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
+            ),
+            ("<u4", ids.iter().flat_map(|&v| v.to_le_bytes()).collect()),
+            (
+                ">i8",
+                ids.iter()
+                    .flat_map(|&v| i64::from(v).to_be_bytes())
+                    .collect(),
+            ),
+            (
+                "<u8",
+                ids.iter()
+                    .flat_map(|&v| u64::from(v).to_le_bytes())
+                    .collect(),
+            ),
+        ];
+        for (descr, data) in cases {
+            let path = write(&dir, "t.npy", &npy_bytes(descr, "(4,)", &data));
+            let stream = TokenStream::open(&path).unwrap_or_else(|e| panic!("{descr}: {e}"));
+            assert_eq!(stream.tokens(), &ids, "{descr}");
+            assert_eq!(stream.source(), Some(path.as_path()));
+        }
+    }
+
+    #[test]
+    fn npy_written_by_npyz_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.npy");
+        npyz::to_file_1d(&path, vec![5u16, 6, 7]).unwrap();
+        assert_eq!(TokenStream::open(&path).unwrap().tokens(), &[5, 6, 7]);
+    }
+
+    #[test]
+    fn npy_rejections_say_why() {
+        let float = npy_bytes("<f4", "(2,)", &[0; 8]);
+        let e = open_err("f.npy", &float);
+        assert!(e.contains("`<f4`") && e.contains("must be integers"), "{e}");
+
+        let two_d = npy_bytes("<u2", "(2, 2)", &[0; 8]);
+        let e = open_err("m.npy", &two_d);
+        assert!(e.contains("2-D") && e.contains("must be 1-D"), "{e}");
+
+        let negative = npy_bytes("<i2", "(2,)", &[1, 0, 0xff, 0xff]);
+        let e = open_err("n.npy", &negative);
+        assert!(e.contains("holds -1 at index 1"), "{e}");
+
+        let huge = npy_bytes("<u8", "(1,)", &u64::MAX.to_le_bytes());
+        let e = open_err("h.npy", &huge);
+        assert!(
+            e.contains(&u64::MAX.to_string()) && e.contains("index 0"),
+            "{e}"
+        );
+
+        let truncated = npy_bytes("<u2", "(3,)", &[0; 4]);
+        let e = open_err("t.npy", &truncated);
+        assert!(e.contains("3 tokens") && e.contains("truncated"), "{e}");
+
+        let e = open_err("g.npy", b"not numpy at all");
+        assert!(e.contains("not a readable .npy file"), "{e}");
+    }
+
+    #[test]
+    fn bin_is_raw_little_endian_u16() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(&dir, "t.bin", &[1, 0, 0x34, 0x12, 0xff, 0xff]);
+        assert_eq!(
+            TokenStream::open(&path).unwrap().tokens(),
+            &[1, 0x1234, 0xffff]
+        );
+
+        let e = open_err("odd.bin", &[1, 0, 2]);
+        assert!(e.contains("odd number of bytes (3)"), "{e}");
+
+        let mut llmc = LLMC_MAGIC.to_le_bytes().to_vec();
+        llmc.extend(1u32.to_le_bytes());
+        let e = open_err("llmc.bin", &llmc);
+        assert!(e.contains("llm.c") && e.contains("tail -c +1025"), "{e}");
+    }
+
+    #[test]
+    fn unknown_extension_names_both_formats() {
+        let e = open_err("tokens.txt", b"1 2 3");
+        assert!(
+            e.contains("tokens.txt") && e.contains(".npy") && e.contains(".bin"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let e = TokenStream::open("/nonexistent/tokens.bin")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/tokens.bin"), "{e}");
+    }
+
+    /// One check per step: (batch, seq, stream length, step) -> expected start.
+    fn check_position(batch: usize, seq: usize, len: usize, step: u64, expect: usize) {
+        let b = Batcher::new(
+            TokenStream::from_tokens((0..len as u32).collect()),
+            batch,
+            seq,
+        )
+        .unwrap();
+        assert_eq!(
+            b.position_for_step(step),
+            expect,
+            "B={batch} T={seq} len={len} s={step}"
+        );
+        let got = b.batch(step);
+        let n = batch * seq;
+        // The stream is 0..len, so every token equals its index.
+        let want: Vec<u32> = (expect as u32..(expect + n) as u32).collect();
+        assert_eq!(got.inputs, want);
+        assert_eq!(got.targets, want.iter().map(|t| t + 1).collect::<Vec<_>>());
+        assert_eq!((got.batch, got.seq, got.position), (batch, seq, expect));
+    }
+
+    #[test]
+    fn batching_follows_the_documented_rule() {
+        // len 100, n = 30: 0, 30, 60, then 90 + 31 > 100 wraps to 0, then 120 % 100 = 20 ...
+        check_position(3, 10, 100, 0, 0);
+        check_position(3, 10, 100, 1, 30);
+        check_position(3, 10, 100, 2, 60);
+        check_position(3, 10, 100, 3, 0);
+        check_position(3, 10, 100, 4, 20);
+        check_position(3, 10, 100, 5, 50);
+        check_position(3, 10, 100, 6, 0);
+        check_position(3, 10, 100, 7, 10);
+        // A window ending exactly at the last token does not wrap: 2 * 4 + 4 + 1 = 13 = len.
+        check_position(2, 2, 13, 2, 8);
+        // The shortest stream: every step reads the whole stream.
+        check_position(2, 3, 7, 0, 0);
+        check_position(2, 3, 7, 1, 0);
+        check_position(2, 3, 7, 5, 0);
+        // Huge steps do not overflow: (u64::MAX * 6) mod 7 = 6, and 6 + 7 > 7 wraps.
+        check_position(2, 3, 7, u64::MAX, 0);
+        check_position(1, 1, 1000, u64::MAX, (u64::MAX % 1000) as usize);
+    }
+
+    #[test]
+    fn batch_rows_are_row_major_and_fill_reuses_buffers() {
+        let b = Batcher::new(TokenStream::from_tokens((0..50).collect()), 2, 3).unwrap();
+        let batch = b.batch(1);
+        assert_eq!(batch.inputs, [6, 7, 8, 9, 10, 11]);
+        assert_eq!(batch.targets, [7, 8, 9, 10, 11, 12]);
+        let mut reused = b.batch(0);
+        let capacity = reused.inputs.as_ptr();
+        b.fill(1, &mut reused);
+        assert_eq!(reused, batch);
+        assert_eq!(reused.inputs.as_ptr(), capacity);
+    }
+
+    #[test]
+    fn short_stream_and_empty_shapes_are_errors() {
+        let e = Batcher::new(TokenStream::from_tokens(vec![0; 8]), 2, 4).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("8 tokens") && e.contains("needs 9"), "{e}");
+        let e = Batcher::new(TokenStream::from_tokens(vec![0; 8]), 0, 4).unwrap_err();
+        assert!(e.to_string().contains("batch 0"), "{e}");
+        let e = Batcher::new(TokenStream::from_tokens(vec![0; 8]), usize::MAX, 4).unwrap_err();
+        assert!(matches!(e, RuntimeError::InvalidBatchShape { .. }), "{e}");
+    }
+
+    #[test]
+    fn vocab_check_names_absolute_position_value_and_vocab() {
+        let mut tokens: Vec<u32> = vec![1; 40];
+        tokens[25] = 300;
+        let b = Batcher::new(TokenStream::from_tokens(tokens.clone()), 2, 5).unwrap();
+        assert!(b.batch(0).check_vocab(256).is_ok());
+        // Step 2 reads inputs 20..30: the bad token is an input.
+        let e = b.batch(2).check_vocab(256).unwrap_err().to_string();
+        assert!(
+            e.contains("300") && e.contains("position 25") && e.contains("256"),
+            "{e}"
+        );
+        // Step 1 reads inputs 10..20 and the last target is token 20: fine.
+        assert!(b.batch(1).check_vocab(256).is_ok());
+        // A stream whose bad token is only the last target of a batch.
+        tokens[25] = 1;
+        tokens[10] = 256;
+        let b = Batcher::new(TokenStream::from_tokens(tokens.clone()), 1, 10).unwrap();
+        let e = b.batch(0).check_vocab(256).unwrap_err();
+        assert!(matches!(
+            e,
+            RuntimeError::TokenOutOfRange {
+                token: 256,
+                position: 10,
+                vocab: 256
+            }
+        ));
+        let e = TokenStream::from_tokens(tokens)
+            .check_vocab(256)
+            .unwrap_err();
+        assert!(e.to_string().contains("position 10"), "{e}");
+    }
+}

@@ -1,0 +1,161 @@
+//! The runtime's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the runtime. Each message names the problem and, where
+/// there is one, the way out.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the operating system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A token id (input or target) is negative or not below the vocabulary size.
+    #[error(
+        "token {token} at position {position} is outside the vocabulary of {vocab} tokens; \
+         check that the data was tokenized for this model (its vocab_size)"
+    )]
+    TokenOutOfRange {
+        /// The offending id, widened so negative `i32` ids print as they are.
+        token: i64,
+        /// Its index in the flattened `[B*T]` token array.
+        position: usize,
+        /// The vocabulary size it must be below.
+        vocab: usize,
+    },
+    /// A token file's extension is neither `.npy` nor `.bin`.
+    #[error(
+        "{path}: unknown token file format; pass a `.npy` file (a 1-D integer array) or a \
+         `.bin` file (raw little-endian u16 tokens)"
+    )]
+    UnknownTokenFormat {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A token file could not be interpreted as tokens.
+    #[error("{path} {problem}")]
+    BadTokenFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A batch shape with a zero (or overflowing) dimension.
+    #[error(
+        "batch {batch} x seq {seq} is not a usable batch shape; batch size and sequence length \
+         must both be at least 1 and their product must fit in memory"
+    )]
+    InvalidBatchShape {
+        /// Rows requested.
+        batch: usize,
+        /// Sequence length requested.
+        seq: usize,
+    },
+    /// The token stream cannot fill one batch.
+    #[error(
+        "the token stream has {len} tokens but one step of batch {batch} x seq {seq} needs \
+         {needed} (batch * seq + 1); use more data or a smaller batch or sequence length"
+    )]
+    TokenStreamTooShort {
+        /// Tokens in the stream.
+        len: usize,
+        /// Rows per batch.
+        batch: usize,
+        /// Sequence length.
+        seq: usize,
+        /// Tokens one step reads.
+        needed: usize,
+    },
+    /// Weights could not be found at the given path.
+    #[error("{path}: {problem}")]
+    WeightsNotFound {
+        /// The path given.
+        path: PathBuf,
+        /// What was looked for and what to pass instead.
+        problem: String,
+    },
+    /// A safetensors file or shard index is malformed or truncated.
+    #[error("{path}: {problem}")]
+    BadWeightFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A tensor name that the weight file does not hold.
+    #[error("no tensor named `{name}` in the weights{hint}")]
+    TensorNotFound {
+        /// The name asked for.
+        name: String,
+        /// A closest-name suggestion (with leading punctuation), or empty.
+        hint: String,
+    },
+    /// A stored tensor whose dtype cannot be converted to f32.
+    #[error(
+        "tensor `{name}` is stored as {dtype}; only F32, BF16 and F16 weights can be loaded: \
+         convert the checkpoint to one of them"
+    )]
+    UnsupportedTensorDtype {
+        /// The tensor.
+        name: String,
+        /// Its stored dtype.
+        dtype: String,
+    },
+    /// A buffer whose length does not match a tensor's element count.
+    #[error(
+        "tensor `{name}` has {expected} elements (shape {shape:?}) but the buffer holds {got}; \
+         pass a buffer of the tensor's size"
+    )]
+    TensorSizeMismatch {
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Elements the tensor has.
+        expected: usize,
+        /// Elements the buffer has.
+        got: usize,
+    },
+    /// A checkpoint whose tensors do not match the model's.
+    #[error(
+        "the weights do not match the model: {count} problem(s)\n{report}\nthis checkpoint is \
+         for another model or another size; pass the config that matches it (the config.json \
+         saved beside it), or weights made for this model"
+    )]
+    WeightsMismatch {
+        /// How many problems there are in all.
+        count: usize,
+        /// The first few, one per line.
+        report: String,
+    },
+    /// A tensor handed to the safetensors writer is malformed.
+    #[error("cannot save tensor `{name}`: {problem}")]
+    InvalidTensorToSave {
+        /// The tensor.
+        name: String,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A vocabulary too small for the synthetic corpus.
+    #[error(
+        "the synthetic corpus uses {needed} token ids but the vocabulary has {vocab}; use a \
+         model with vocab_size >= {needed}"
+    )]
+    SyntheticVocabTooSmall {
+        /// The vocabulary size given.
+        vocab: usize,
+        /// Ids the corpus uses.
+        needed: usize,
+    },
+    /// Data given to the runtime does not have the shape the graph or schedule expects.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+}
+
+/// The runtime's result alias.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -1,0 +1,193 @@
+//! Pointwise activations: GELU (tanh form, HF `gelu_new`), ReLU, SiLU and SwiGLU.
+//!
+//! Every backward overwrites its input gradient(s). All are parallel over fixed-size chunks and
+//! compute each element independently, so results do not depend on the thread count.
+
+use rayon::prelude::*;
+
+use super::math::{sigmoid, ELEM_GRAIN};
+
+/// `sqrt(2 / pi)`.
+const GELU_K: f32 = 0.797_884_6;
+/// The cubic coefficient of the tanh approximation.
+const GELU_C: f32 = 0.044_715;
+
+/// `out = f(x)`, elementwise, in parallel chunks.
+fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    assert_eq!(out.len(), x.len(), "activation: length mismatch");
+    out.par_chunks_mut(ELEM_GRAIN)
+        .zip(x.par_chunks(ELEM_GRAIN))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = f(x);
+            }
+        });
+}
+
+/// `out = f(a, b)`, elementwise, in parallel chunks.
+fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    assert_eq!(out.len(), a.len(), "activation: length mismatch");
+    assert_eq!(out.len(), b.len(), "activation: length mismatch");
+    out.par_chunks_mut(ELEM_GRAIN)
+        .zip(a.par_chunks(ELEM_GRAIN).zip(b.par_chunks(ELEM_GRAIN)))
+        .for_each(|(o, (a, b))| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
+            }
+        });
+}
+
+/// `1 + tanh(u) = 2 sigmoid(2u)`, so `gelu(x) = x * sigmoid(2u)`: the same function as HF's
+/// `0.5 * x * (1 + tanh(u))` with `u = sqrt(2/pi) (x + 0.044715 x^3)`, without the
+/// cancellation in `1 + tanh` for negative `x`. Returns `sigmoid(2u)`.
+#[inline(always)]
+fn gelu_parts(x: f32) -> f32 {
+    let u = GELU_K * (x + GELU_C * (x * x * x));
+    sigmoid(2.0 * u)
+}
+
+/// GELU, tanh approximation (HF `gelu_new`, `F.gelu(approximate="tanh")`):
+/// `out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub fn gelu_forward(out: &mut [f32], x: &[f32]) {
+    map(out, x, |x| x * gelu_parts(x));
+}
+
+/// Backward of [`gelu_forward`]: `dx = dout * gelu'(x)`, with
+/// `gelu'(x) = s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 x^2)` and `s = sigmoid(2u)`.
+pub fn gelu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
+    map2(dx, dout, x, |d, x| {
+        let s = gelu_parts(x);
+        let du = GELU_K * (1.0 + 3.0 * GELU_C * (x * x));
+        d * (s + 2.0 * x * s * (1.0 - s) * du)
+    });
+}
+
+/// ReLU: `out = max(x, 0)`, NaN propagated as `torch.relu` does.
+pub fn relu_forward(out: &mut [f32], x: &[f32]) {
+    map(out, x, |x| if x <= 0.0 { 0.0 } else { x });
+}
+
+/// Backward of [`relu_forward`]: `dx = dout` where `x > 0`, else 0 (torch's
+/// `threshold_backward`).
+pub fn relu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
+    map2(dx, dout, x, |d, x| if x <= 0.0 { 0.0 } else { d });
+}
+
+/// SiLU: `out = x / (1 + e^-x)` (= `x * sigmoid(x)`, in the form torch's CPU kernel uses).
+pub fn silu_forward(out: &mut [f32], x: &[f32]) {
+    map(out, x, |x| x / (1.0 + super::math::exp(-x)));
+}
+
+/// `d silu / dx = s (1 + x (1 - s))` with `s = sigmoid(x)`.
+#[inline(always)]
+fn silu_grad(x: f32) -> f32 {
+    let s = sigmoid(x);
+    s * (1.0 + x * (1.0 - s))
+}
+
+/// Backward of [`silu_forward`]: `dx = dout * s (1 + x (1 - s))`, `s = sigmoid(x)`.
+pub fn silu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
+    map2(dx, dout, x, |d, x| d * silu_grad(x));
+}
+
+/// SwiGLU, the LLaMA MLP gate: `out = silu(gate) * up`; all three have the same shape.
+pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    map2(out, gate, up, |g, u| g / (1.0 + super::math::exp(-g)) * u);
+}
+
+/// Backward of [`swiglu_forward`]: `dgate = dout * up * silu'(gate)`, `dup = dout *
+/// silu(gate)`, both overwritten.
+pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &[f32], up: &[f32]) {
+    let n = dout.len();
+    for (len, what) in [(dgate.len(), "dgate"), (dup.len(), "dup"), (gate.len(), "gate"), (up.len(), "up")] {
+        assert_eq!(len, n, "swiglu_backward: {what} length differs from dout");
+    }
+    dgate
+        .par_chunks_mut(ELEM_GRAIN)
+        .zip(dup.par_chunks_mut(ELEM_GRAIN))
+        .zip(dout.par_chunks(ELEM_GRAIN))
+        .zip(gate.par_chunks(ELEM_GRAIN).zip(up.par_chunks(ELEM_GRAIN)))
+        .for_each(|(((dg, du), d), (g, u))| {
+            for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
+                let s = sigmoid(g);
+                *du = d * (g * s);
+                *dg = d * u * (s * (1.0 + g * (1.0 - s)));
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::{assert_close, check_grad, Rng};
+
+    /// Inputs spread over [-4, 4], kept at least 0.05 away from ReLU's kink so that the
+    /// finite difference (step 1e-2) never straddles it.
+    fn inputs(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        (0..n)
+            .map(|_| {
+                let v = 4.0 * rng.uniform();
+                if v.abs() < 0.05 { v.signum() * 0.05 + v } else { v }
+            })
+            .collect()
+    }
+
+    fn unary(f: fn(&mut [f32], &[f32]), x: &[f32]) -> Vec<f32> {
+        let mut out = vec![f32::NAN; x.len()];
+        f(&mut out, x);
+        out
+    }
+
+    #[test]
+    fn forwards_match_the_pytorch_formulas_in_f64() {
+        let x = inputs(30, 64);
+        let y = inputs(31, 64);
+        let gelu: Vec<f64> = x
+            .iter()
+            .map(|&x| {
+                let x = x as f64;
+                let k = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * x * (1.0 + (k * (x + 0.044715 * x.powi(3))).tanh())
+            })
+            .collect();
+        assert_close("gelu", &unary(gelu_forward, &x), &gelu, 1e-6);
+        let relu: Vec<f64> = x.iter().map(|&x| (x as f64).max(0.0)).collect();
+        assert_close("relu", &unary(relu_forward, &x), &relu, 0.0);
+        let silu = |x: f64| x / (1.0 + (-x).exp());
+        let want: Vec<f64> = x.iter().map(|&x| silu(x as f64)).collect();
+        assert_close("silu", &unary(silu_forward, &x), &want, 1e-6);
+        let mut out = vec![0.0; 64];
+        swiglu_forward(&mut out, &x, &y);
+        let want: Vec<f64> = x.iter().zip(&y).map(|(&g, &u)| silu(g as f64) * u as f64).collect();
+        assert_close("swiglu", &out, &want, 1e-6);
+        assert!(unary(relu_forward, &[f32::NAN])[0].is_nan());
+    }
+
+    #[test]
+    fn gradients() {
+        let x = inputs(32, 40);
+        let up = inputs(33, 40);
+        let cot = Rng::new(34).vec(40);
+        type Pair = (fn(&mut [f32], &[f32]), fn(&mut [f32], &[f32], &[f32]), &'static str);
+        let pairs: [Pair; 3] = [
+            (gelu_forward, gelu_backward, "gelu"),
+            (relu_forward, relu_backward, "relu"),
+            (silu_forward, silu_backward, "silu"),
+        ];
+        for (fwd, bwd, name) in pairs {
+            let mut dx = vec![f32::NAN; 40];
+            bwd(&mut dx, &cot, &x);
+            check_grad(name, &x, &dx, |x| unary(fwd, x), &cot);
+        }
+        let (mut dg, mut du) = (vec![f32::NAN; 40], vec![f32::NAN; 40]);
+        swiglu_backward(&mut dg, &mut du, &cot, &x, &up);
+        let sw = |g: &[f32], u: &[f32]| {
+            let mut o = vec![0.0; 40];
+            swiglu_forward(&mut o, g, u);
+            o
+        };
+        check_grad("swiglu dgate", &x, &dg, |g| sw(g, &up), &cot);
+        check_grad("swiglu dup", &up, &du, |u| sw(&x, u), &cot);
+    }
+}

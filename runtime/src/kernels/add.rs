@@ -1,0 +1,55 @@
+//! Elementwise addition (residual connections, token + position embeddings).
+
+use rayon::prelude::*;
+
+use super::math::ELEM_GRAIN;
+
+/// `out = a + b`, all the same length; `out` is overwritten.
+pub fn add_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
+    assert_eq!(out.len(), a.len(), "add: a length differs from out");
+    assert_eq!(out.len(), b.len(), "add: b length differs from out");
+    out.par_chunks_mut(ELEM_GRAIN)
+        .zip(a.par_chunks(ELEM_GRAIN).zip(b.par_chunks(ELEM_GRAIN)))
+        .for_each(|(o, (a, b))| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+        });
+}
+
+/// Backward of [`add_forward`]: `da = dout` and `db = dout`, both overwritten.
+pub fn add_backward(da: &mut [f32], db: &mut [f32], dout: &[f32]) {
+    assert_eq!(da.len(), dout.len(), "add_backward: da length differs from dout");
+    assert_eq!(db.len(), dout.len(), "add_backward: db length differs from dout");
+    da.par_chunks_mut(ELEM_GRAIN)
+        .zip(db.par_chunks_mut(ELEM_GRAIN))
+        .zip(dout.par_chunks(ELEM_GRAIN))
+        .for_each(|((a, b), d)| {
+            a.copy_from_slice(d);
+            b.copy_from_slice(d);
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::{check_grad, Rng};
+
+    #[test]
+    fn add_and_its_gradient() {
+        let mut rng = Rng::new(40);
+        let (a, b, cot) = (rng.vec(33), rng.vec(33), rng.vec(33));
+        let mut out = vec![f32::NAN; 33];
+        add_forward(&mut out, &a, &b);
+        assert!(out.iter().zip(a.iter().zip(&b)).all(|(o, (a, b))| *o == a + b));
+        let (mut da, mut db) = (vec![f32::NAN; 33], vec![f32::NAN; 33]);
+        add_backward(&mut da, &mut db, &cot);
+        let f = |a: &[f32], b: &[f32]| {
+            let mut o = vec![0.0; 33];
+            add_forward(&mut o, a, b);
+            o
+        };
+        check_grad("add da", &a, &da, |a| f(a, &b), &cot);
+        check_grad("add db", &b, &db, |b| f(&a, b), &cot);
+    }
+}

@@ -1,0 +1,47 @@
+//! Host kernels: every forward and backward op kind and AdamW, in f32.
+//!
+//! One file per op family; every `*_forward` has its `*_backward` beside it (llm.c style).
+//! Kernels take plain slices and explicit dimensions, allocate nothing, and panic only on
+//! shape mismatches, which a verified schedule rules out; data-dependent failures (token ids
+//! out of range) are errors. Backward kernels overwrite activation gradients; parameter
+//! gradients take `accumulate` (tied embeddings, gradient accumulation).
+//!
+//! Determinism: every result is the same bits run after run for a given thread count. Row
+//! kernels give each row to one task; reductions over rows run per column block in row order;
+//! attention sums over keys and heads in a fixed order; matmuls are gemm's, whose reduction
+//! order depends only on the shapes and the thread count. None of them uses atomics or
+//! `rayon`'s `sum`/`reduce` (whose association depends on work stealing).
+
+pub mod activation;
+pub mod adamw;
+pub mod add;
+pub mod attention;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod linear;
+mod math;
+pub mod norm;
+pub mod rope;
+
+#[cfg(test)]
+mod testutil;
+
+pub use activation::{
+    gelu_backward, gelu_forward, relu_backward, relu_forward, silu_backward, silu_forward,
+    swiglu_backward, swiglu_forward,
+};
+pub use adamw::{adamw_step, clip_coef, grad_norm_sq, scale, AdamWConfig};
+pub use add::{add_backward, add_forward};
+pub use attention::{
+    attention_backward, attention_backward_packed, attention_forward, attention_forward_packed,
+    AttentionDims,
+};
+pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+pub use embedding::{
+    check_tokens, embedding_backward, embedding_forward, position_embedding_backward,
+    position_embedding_forward, TokenId,
+};
+pub use linear::{linear_backward, linear_forward, WeightLayout};
+pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
+pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
+mod bench_tmp;

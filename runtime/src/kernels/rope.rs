@@ -1,0 +1,242 @@
+//! Rotary position embedding, rotate-half form as Hugging Face LLaMA / Mistral apply it.
+
+use rayon::prelude::*;
+
+use super::math::ROW_GRAIN;
+
+/// How the RoPE frequencies are rescaled for long contexts (`rope_scaling` /
+/// `rope_parameters` in a Hugging Face config). Values are `f64` because transformers does the
+/// scalar arithmetic on them in Python floats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE (`rope_type: "default"`).
+    None,
+    /// `rope_type: "linear"`: every inverse frequency divided by `factor`.
+    Linear {
+        /// The context-extension factor.
+        factor: f64,
+    },
+    /// `rope_type: "llama3"`: low frequencies divided by `factor`, high ones kept, the band
+    /// between interpolated.
+    Llama3 {
+        /// Divisor of the low frequencies (8 for LLaMA 3.1).
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled fully.
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are not scaled.
+        high_freq_factor: f64,
+        /// The context length the model was trained with (8192 for LLaMA 3.1).
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The `head_dim / 2` inverse frequencies `1 / theta^(2i / head_dim)`, rescaled by `scaling`,
+/// computed step by step in f32 as `transformers.modeling_rope_utils` does on a float32 tensor
+/// (a Python scalar meeting an f32 tensor is rounded to f32; `s / tensor` is
+/// `tensor.reciprocal() * s`), so the values match transformers to the last bit up to libm's
+/// `powf` against PyTorch's.
+pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
+    assert!(head_dim % 2 == 0, "rope: head_dim must be even");
+    let dim = head_dim as f32;
+    let base = theta as f32;
+    let inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / dim))
+        .collect();
+    match scaling {
+        RopeScaling::None => inv,
+        RopeScaling::Linear { factor } => inv.iter().map(|&f| f / factor as f32).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        } => {
+            let old = old as f64;
+            let low_freq_wavelen = (old / low_freq_factor) as f32;
+            let high_freq_wavelen = (old / high_freq_factor) as f32;
+            let two_pi = (2.0 * std::f64::consts::PI) as f32;
+            let (factor_f, low_f) = (factor as f32, low_freq_factor as f32);
+            let band = (high_freq_factor - low_freq_factor) as f32;
+            inv.iter()
+                .map(|&f| {
+                    let wavelen = (1.0 / f) * two_pi;
+                    let scaled = if wavelen > low_freq_wavelen { f / factor_f } else { f };
+                    let smooth = ((1.0 / wavelen) * old as f32 - low_f) / band;
+                    let smoothed = (1.0 - smooth) * scaled / factor_f + smooth * scaled;
+                    let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                    if medium {
+                        smoothed
+                    } else {
+                        scaled
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// Applies `f(x_lo, x_hi, cos, sin) -> (lo, hi)` to every rotation pair of every head.
+fn rotate(
+    out: &mut [f32],
+    x: &[f32],
+    inv_freq: &[f32],
+    batch: usize,
+    seq: usize,
+    n_heads: usize,
+    head_dim: usize,
+    f: impl Fn(f32, f32, f32, f32) -> (f32, f32) + Sync,
+) {
+    let half = head_dim / 2;
+    let width = n_heads * head_dim;
+    assert!(head_dim % 2 == 0, "rope: head_dim must be even");
+    assert_eq!(inv_freq.len(), half, "rope: inv_freq is not [head_dim / 2]");
+    assert_eq!(x.len(), batch * seq * width, "rope: x is not [B, T, H * D]");
+    assert_eq!(out.len(), x.len(), "rope: out is not [B, T, H * D]");
+    if width == 0 {
+        return;
+    }
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .enumerate()
+        .with_min_len(ROW_GRAIN)
+        .for_each(|(row, (o, xr))| {
+            // As transformers: position_ids.float() * inv_freq, then cos and sin in f32.
+            let pos = (row % seq) as f32;
+            for (i, &w) in inv_freq.iter().enumerate() {
+                let angle = pos * w;
+                let (sin, cos) = angle.sin_cos();
+                for h in 0..n_heads {
+                    let (lo, hi) = (h * head_dim + i, h * head_dim + i + half);
+                    let (a, b) = f(xr[lo], xr[hi], cos, sin);
+                    o[lo] = a;
+                    o[hi] = b;
+                }
+            }
+        });
+}
+
+/// RoPE: `x` and `out` are `[B, T, H * D]`, viewed `[B, T, H, D]`; position `t` (0-based
+/// within the sequence) rotates pair `(i, i + D/2)` by `t * inv_freq[i]`:
+/// `out[i] = x[i] cos - x[i + D/2] sin`, `out[i + D/2] = x[i + D/2] cos + x[i] sin`, as HF's
+/// `q * cos + rotate_half(q) * sin`. `inv_freq` comes from [`rope_inv_freq`]. Overwrites `out`.
+pub fn rope_forward(
+    out: &mut [f32],
+    x: &[f32],
+    inv_freq: &[f32],
+    batch: usize,
+    seq: usize,
+    n_heads: usize,
+    head_dim: usize,
+) {
+    rotate(out, x, inv_freq, batch, seq, n_heads, head_dim, |lo, hi, c, s| {
+        (lo * c - hi * s, hi * c + lo * s)
+    });
+}
+
+/// Backward of [`rope_forward`]: the inverse (transposed) rotation,
+/// `dx[i] = dout[i] cos + dout[i + D/2] sin`, `dx[i + D/2] = dout[i + D/2] cos - dout[i] sin`.
+/// Overwrites `dx`.
+pub fn rope_backward(
+    dx: &mut [f32],
+    dout: &[f32],
+    inv_freq: &[f32],
+    batch: usize,
+    seq: usize,
+    n_heads: usize,
+    head_dim: usize,
+) {
+    rotate(dx, dout, inv_freq, batch, seq, n_heads, head_dim, |lo, hi, c, s| {
+        (lo * c + hi * s, hi * c - lo * s)
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::{assert_close, check_grad, Rng};
+
+    #[test]
+    fn inv_freq_matches_transformers() {
+        // Printed by transformers 5.24 / torch 2.15 (`_compute_default_rope_parameters`,
+        // `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`) for
+        // head_dim 16; llama3 with theta 500000, factor 8, low 1, high 4, original 8192 and
+        // linear with theta 10000, factor 4. Every llama3 branch (kept, interpolated, divided)
+        // occurs for head_dim 16 at this theta.
+        let default = rope_inv_freq(16, 10000.0, RopeScaling::None);
+        let linear = rope_inv_freq(16, 10000.0, RopeScaling::Linear { factor: 4.0 });
+        let llama3 = rope_inv_freq(
+            16,
+            500000.0,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            },
+        );
+        let want_default = fixture::DEFAULT;
+        let want_linear = fixture::LINEAR;
+        let want_llama3 = fixture::LLAMA3;
+        for (got, want, name) in [
+            (&default, want_default, "default"),
+            (&linear, want_linear, "linear"),
+            (&llama3, want_llama3, "llama3"),
+        ] {
+            // Within one ulp: libm's powf and PyTorch's vectorised pow may round differently.
+            assert_eq!(got.len(), want.len(), "{name}");
+            for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                let ulp = (w as f32).abs() * f32::EPSILON;
+                assert!((g - w as f32).abs() <= ulp, "{name}[{i}]: {g} vs transformers {w}");
+            }
+        }
+    }
+
+    /// Exact f32 values printed by the script in the test above's comment.
+    mod fixture {
+        pub const DEFAULT: &[f64] = &[1.0, 0.3162277638912201, 0.10000000149011612, 0.03162277862429619, 0.009999999776482582, 0.003162277862429619, 0.0010000000474974513, 0.0003162277862429619];
+        pub const LINEAR: &[f64] = &[0.25, 0.07905694097280502, 0.02500000037252903, 0.007905694656074047, 0.0024999999441206455, 0.0007905694656074047, 0.0002500000118743628, 7.905694656074047e-05];
+        pub const LLAMA3: &[f64] = &[1.0, 0.193922758102417, 0.03760603070259094, 0.00729266507551074, 0.0005248460220173001, 3.428102354519069e-05, 6.647869668086059e-06, 1.289173155782919e-06];
+    }
+
+    fn rope(x: &[f32], inv: &[f32], b: usize, t: usize, h: usize, d: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; x.len()];
+        rope_forward(&mut out, x, inv, b, t, h, d);
+        out
+    }
+
+    #[test]
+    fn forward_matches_rotate_half_reference() {
+        let (b, t, h, d) = (2, 7, 3, 8);
+        let inv = rope_inv_freq(d, 10000.0, RopeScaling::None);
+        let x = Rng::new(50).vec(b * t * h * d);
+        let got = rope(&x, &inv, b, t, h, d);
+        let mut want = vec![0.0f64; x.len()];
+        for bi in 0..b {
+            for ti in 0..t {
+                for hi in 0..h {
+                    let base = ((bi * t + ti) * h + hi) * d;
+                    for i in 0..d {
+                        let j = i % (d / 2);
+                        let angle = ti as f64 * inv[j] as f64;
+                        let rot = if i < d / 2 { -x[base + i + d / 2] } else { x[base + i - d / 2] };
+                        want[base + i] = x[base + i] as f64 * angle.cos() + rot as f64 * angle.sin();
+                    }
+                }
+            }
+        }
+        assert_close("rope", &got, &want, 2e-6);
+        // Position 0 is the identity.
+        assert_eq!(&got[..h * d], &x[..h * d]);
+    }
+
+    #[test]
+    fn backward_is_the_gradient() {
+        let (b, t, h, d) = (2, 5, 2, 6);
+        let inv = rope_inv_freq(d, 10000.0, RopeScaling::Linear { factor: 2.0 });
+        let mut rng = Rng::new(51);
+        let (x, cot) = (rng.vec(b * t * h * d), rng.vec(b * t * h * d));
+        let mut dx = vec![f32::NAN; x.len()];
+        rope_backward(&mut dx, &cot, &inv, b, t, h, d);
+        check_grad("rope dx", &x, &dx, |x| rope(x, &inv, b, t, h, d), &cot);
+    }
+}

@@ -1,0 +1,95 @@
+//! Parameter values: seeded random initialisation, loading from a Hugging Face checkpoint, and
+//! saving back under the same names.
+
+use crate::error::Result;
+use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
+use protrain_ir::{Graph, ParamInit};
+use std::path::Path;
+
+/// A small, fast, seedable generator (SplitMix64): deterministic on every platform.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1]: never 0, so its logarithm is finite.
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Initial values of every parameter, in parameter order, as the graph's [`ParamInit`]s say.
+///
+/// Each parameter draws from its own stream, seeded by `seed` and its index, so its values do
+/// not depend on the other parameters' sizes. Normal draws use Box-Muller.
+pub fn init_params(graph: &Graph, seed: u64) -> Vec<Vec<f32>> {
+    graph
+        .params()
+        .map(|(id, p)| {
+            let n = graph.value(p.value).ty.numel() as usize;
+            match p.init {
+                ParamInit::Ones => vec![1.0; n],
+                ParamInit::Zeros => vec![0.0; n],
+                ParamInit::Normal { std } => {
+                    let mut rng = SplitMix64(seed ^ (u64::from(id.0) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                    let mut out = Vec::with_capacity(n);
+                    while out.len() < n {
+                        let (u1, u2) = (rng.uniform(), rng.uniform());
+                        let r = (-2.0 * u1.ln()).sqrt() * std;
+                        let theta = std::f64::consts::TAU * u2;
+                        out.push((r * theta.cos()) as f32);
+                        if out.len() < n {
+                            out.push((r * theta.sin()) as f32);
+                        }
+                    }
+                    out
+                }
+            }
+        })
+        .collect()
+}
+
+/// What a checkpoint must hold for this graph: each parameter by its Hugging Face name or an
+/// alias, with its shape.
+pub fn expected_tensors(graph: &Graph) -> Vec<ExpectedTensor> {
+    graph
+        .params()
+        .map(|(_, p)| {
+            let shape: Vec<usize> = graph.value(p.value).ty.shape.iter().map(|&d| d as usize).collect();
+            p.aliases
+                .iter()
+                .fold(ExpectedTensor::new(p.name.clone(), shape), |e, alias| e.alias(alias.clone()))
+        })
+        .collect()
+}
+
+/// Loads every parameter from a Hugging Face safetensors checkpoint (a file, a sharded
+/// index, or a directory), converting to f32. Fails, listing the first mismatches, when the
+/// checkpoint's names or shapes are not this model's.
+pub fn load_params(graph: &Graph, path: &Path) -> Result<Vec<Vec<f32>>> {
+    let file = WeightFile::open(path)?;
+    let names = file.check_against(&expected_tensors(graph))?;
+    names.iter().map(|name| file.read_f32_vec(name)).collect()
+}
+
+/// Saves parameters under their Hugging Face names (tied aliases are not written twice, as
+/// `save_pretrained` does), atomically.
+pub fn save_params(graph: &Graph, values: &[Vec<f32>], path: &Path, dtype: StorageDtype) -> Result<()> {
+    let shapes: Vec<Vec<usize>> = graph
+        .params()
+        .map(|(_, p)| graph.value(p.value).ty.shape.iter().map(|&d| d as usize).collect())
+        .collect();
+    let tensors: Vec<(&str, &[usize], &[f32])> = graph
+        .params()
+        .zip(&shapes)
+        .zip(values)
+        .map(|(((_, p), shape), data)| (p.name.as_str(), shape.as_slice(), data.as_slice()))
+        .collect();
+    save_safetensors(path, &tensors, dtype, &[])
+}

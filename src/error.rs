@@ -1,0 +1,35 @@
+//! The CLI's and facade's error type: every crate's errors, plus the CLI's own.
+
+use std::path::PathBuf;
+
+/// Anything protrain can fail with. The message names the problem and the way out.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A model could not be loaded or built.
+    #[error(transparent)]
+    Model(#[from] protrain_models::ModelError),
+    /// The IR rejected something.
+    #[error(transparent)]
+    Ir(#[from] protrain_ir::IrError),
+    /// The compiler rejected something.
+    #[error(transparent)]
+    Compile(#[from] protrain_compiler::CompileError),
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] protrain_runtime::RuntimeError),
+    /// An output file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// What the operating system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Arguments that parse but do not make sense together.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// The facade's result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
