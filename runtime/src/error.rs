@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("cannot access {path}: {source}; check the path and its permissions")]
     Io {
         /// The file.
         path: PathBuf,

@@ -121,8 +121,10 @@ pub fn run(args: Args) -> Result<()> {
         bar
     };
     let report_every = (args.steps / 10).max(1);
+    // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
+    let row = |text: String| bar.suspend(|| println!("{text}"));
     if !args.log_json {
-        bar.println(format!("{:>6}  {:>10}  {:>10}  {:>12}", "step", "loss", "grad norm", "tokens/s"));
+        row(format!("{:>6}  {:>10}  {:>10}  {:>12}", "step", "loss", "grad norm", "tokens/s"));
     }
     let started = Instant::now();
     let mut losses = Vec::with_capacity(args.steps as usize);
@@ -148,7 +150,7 @@ pub fn run(args: Args) -> Result<()> {
             bar.inc(1);
             if (step + 1) % report_every == 0 || step == 0 {
                 let norm = report.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-                bar.println(format!("{:>6}  {:>10.4}  {:>10}  {:>12.0}", step + 1, report.loss, norm, tokens_per_s));
+                row(format!("{:>6}  {:>10.4}  {:>10}  {:>12.0}", step + 1, report.loss, norm, tokens_per_s));
             }
         }
         if !report.loss.is_finite() {
