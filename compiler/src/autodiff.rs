@@ -323,22 +323,27 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
                 .map(|g| (name, value, g, block))
         })
         .collect();
-    let head = forward.op(loss_op).block;
+    // Clipping: one squared norm per gradient, computed where the gradient is complete, then
+    // one coefficient from all of them in parameter order.
     let clip = match optimizer.grad_clip {
         None => None,
         Some(max_norm) => {
-            let grads: Vec<ValueId> = with_grads.iter().map(|(_, _, g, _)| *g).collect();
-            let norm_sq = graph.add_op(
-                OpKind::GradNormSq,
-                &grads,
-                "grad_norm_sq",
-                Role::Activation,
-                head,
-                Phase::Optimizer,
-            )?;
+            let mut partials = Vec::with_capacity(with_grads.len());
+            for (name, _, grad, block) in &with_grads {
+                let kind = OpKind::GradNormSq;
+                partials.push(graph.add_op(
+                    kind,
+                    &[*grad],
+                    format!("norm_sq.{name}"),
+                    Role::Activation,
+                    *block,
+                    Phase::Optimizer,
+                )?);
+            }
+            let head = forward.op(loss_op).block;
             Some(graph.add_op(
                 OpKind::ClipCoef { max_norm },
-                &[norm_sq],
+                &partials,
                 "clip_coef",
                 Role::Activation,
                 head,

@@ -1,6 +1,7 @@
 //! Fixed-address memory planning: one arena offset per buffer, chosen before the run.
 
 use protrain_ir::{format_bytes, BufferId};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -21,7 +22,8 @@ pub struct Interval {
     pub align: u64,
     /// The first instruction at which the buffer is live.
     pub first: u32,
-    /// The last instruction at which the buffer is live; at least `first`.
+    /// The last instruction at which the buffer is live; at least `first` (a buffer with
+    /// `last < first` is never live: the planner leaves it at 0 and [`check_plan`] rejects it).
     pub last: u32,
     /// Pins the buffer at this offset (a persistent region laid out beforehand, for instance);
     /// the planner places everything else around it. Pinned buffers must not overlap each other
@@ -32,7 +34,6 @@ pub struct Interval {
 impl Interval {
     /// A buffer of `size` bytes aligned to `align`, live from `first` to `last` inclusive.
     pub fn new(size: u64, align: u64, first: u32, last: u32) -> Self {
-        debug_assert!(first <= last, "live range [{first}, {last}] is empty");
         Self {
             size,
             align,
@@ -55,6 +56,11 @@ impl Interval {
         self.first <= other.last && other.first <= self.last
     }
 
+    /// Whether the buffer takes bytes at some instruction: only those are planned and counted.
+    fn occupies(&self) -> bool {
+        self.size > 0 && self.first <= self.last
+    }
+
     /// The alignment with 0 read as 1.
     fn alignment(&self) -> u64 {
         self.align.max(1)
@@ -65,34 +71,31 @@ impl Interval {
 /// smallest arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Strategy {
-    /// Largest first, ties by earlier start ("greedy by size": XLA's heap simulator, TFLite's
-    /// arena planner). Good when a few big buffers dominate.
+    /// Largest first, ties by earlier start ("greedy by size", as in XLA's heap simulator and
+    /// TFLite's arena planner). Good when a few big buffers dominate.
     BySize,
-    /// Earliest start first, ties by longer life then larger size ("greedy by breadth" in
-    /// time order). Good on stack-like lifetimes: activations allocated in forward order and
-    /// freed in reverse in backward nest, and placing them as they appear keeps them stacked.
+    /// Earliest start first, ties by longer life then larger size: the order an allocator at
+    /// run time would see. Good on stack-like lifetimes, where activations allocated in forward
+    /// order and freed in reverse in backward nest and placing them as they appear keeps them
+    /// stacked.
     ByStart,
-    /// breadth
-    ByBreadth,
-    /// length
-    ByLength,
-    /// end
-    ByEnd,
-    /// area
+    /// Largest `size x lifetime` first, ties by earlier start: the buffer's footprint in the
+    /// offset-time plane. The best of the three when lifetimes are not nested, as with swapped
+    /// activations that are freed in forward order once offloaded and reloaded in reverse.
     ByArea,
 }
 
 impl Strategy {
     /// Every strategy, in the order [`plan_offsets`] tries them; on a tie the earlier one wins.
-    pub const ALL: [Strategy; 6] = [Strategy::BySize, Strategy::ByStart, Strategy::ByBreadth, Strategy::ByLength, Strategy::ByEnd, Strategy::ByArea];
+    pub const ALL: [Strategy; 3] = [Strategy::BySize, Strategy::ByStart, Strategy::ByArea];
 
-    /// The order in which this strategy places the unpinned buffers.
+    /// The order in which this strategy places the unpinned buffers that occupy bytes.
     fn order(self, intervals: &[Interval]) -> Vec<u32> {
         let mut order: Vec<u32> = (0..intervals.len())
-            .filter(|&i| intervals[i].fixed_offset.is_none() && intervals[i].size > 0)
+            .filter(|&i| intervals[i].fixed_offset.is_none() && intervals[i].occupies())
             .map(|i| i as u32)
             .collect();
-        // Ties end on the id so the order, and so the plan, never depends on the sort.
+        // Each key ends on the id, so the order (and so the plan) never depends on the sort.
         match self {
             Strategy::BySize => order.sort_unstable_by_key(|&i| {
                 let b = &intervals[i as usize];
@@ -102,41 +105,12 @@ impl Strategy {
                 let b = &intervals[i as usize];
                 (b.first, Reverse(b.last), Reverse(b.size), i)
             }),
-            Strategy::ByLength => order.sort_unstable_by_key(|&i| {
-                let b = &intervals[i as usize];
-                (Reverse(b.last - b.first), Reverse(b.size), b.first, i)
-            }),
-            Strategy::ByEnd => order.sort_unstable_by_key(|&i| {
-                let b = &intervals[i as usize];
-                (Reverse(b.last), b.first, Reverse(b.size), i)
-            }),
             Strategy::ByArea => order.sort_unstable_by_key(|&i| {
                 let b = &intervals[i as usize];
-                (Reverse(b.size as u128 * (b.last - b.first + 1) as u128), b.first, i)
+                // u128: a u64 size times a u32 lifetime can exceed u64.
+                let area = u128::from(b.size) * (u128::from(b.last - b.first) + 1);
+                (Reverse(area), b.first, i)
             }),
-            Strategy::ByBreadth => {
-                let starts = distinct_starts(intervals);
-                let m = starts.len();
-                let mut diff = vec![0i128; m + 1];
-                let span = |b: &Interval| (starts.binary_search(&b.first).unwrap(), starts.partition_point(|&s| s <= b.last));
-                for b in intervals.iter().filter(|b| b.size > 0) {
-                    let (lo, hi) = span(b);
-                    diff[lo] += b.size as i128;
-                    diff[hi] -= b.size as i128;
-                }
-                let mut acc = 0i128;
-                let breadth: Vec<(u64, Reverse<usize>)> = (0..m).map(|j| { acc += diff[j]; (acc as u64, Reverse(j)) }).collect();
-                let key: Vec<(Reverse<u64>, usize)> = intervals.iter().map(|b| {
-                    if b.size == 0 { return (Reverse(0), 0) }
-                    let (lo, hi) = span(b);
-                    let (v, Reverse(j)) = *breadth[lo..hi].iter().max().unwrap();
-                    (Reverse(v), j)
-                }).collect();
-                order.sort_unstable_by_key(|&i| {
-                    let b = &intervals[i as usize];
-                    (key[i as usize], Reverse(b.size), i)
-                })
-            }
         }
         order
     }
@@ -145,12 +119,9 @@ impl Strategy {
 impl fmt::Display for Strategy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Strategy::BySize => "greedy best-fit by size",
-            Strategy::ByStart => "greedy best-fit by start",
-            Strategy::ByBreadth => "breadth",
-            Strategy::ByLength => "length",
-            Strategy::ByEnd => "end",
-            Strategy::ByArea => "area",
+            Strategy::BySize => "best fit by size",
+            Strategy::ByStart => "best fit by start",
+            Strategy::ByArea => "best fit by size x lifetime",
         })
     }
 }
@@ -171,7 +142,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The offset of buffer `id`.
+    /// The offset of buffer `id`. Panics if the plan has no such buffer.
     pub fn offset(&self, id: BufferId) -> u64 {
         self.offsets[id.index()]
     }
@@ -194,7 +165,7 @@ impl Plan {
 
 impl fmt::Display for Plan {
     /// One line: `arena 1.20 GiB for 310 buffers (lower bound 1.18 GiB, gap 20.0 MiB = 1.66%),
-    /// greedy best-fit by start`.
+    /// best fit by start`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -212,17 +183,20 @@ impl fmt::Display for Plan {
 /// Assigns every buffer a fixed offset so that no two buffers live at the same time overlap.
 ///
 /// Pinned buffers keep their offset. The rest are placed by greedy best-fit once per
-/// [`Strategy`] ordering: each buffer goes into the smallest hole (respecting its alignment)
-/// between the already-placed buffers whose live ranges intersect its own, or, if none fits,
-/// just above the highest of them. The smaller arena wins, the earlier strategy on a tie. The
-/// result depends only on the input (no hashing, every sort has a total order).
+/// [`Strategy`] ordering (in parallel): each buffer goes into the smallest hole, respecting its
+/// alignment, between the bytes taken by already-placed buffers whose live ranges intersect its
+/// own, or just above the highest of them if none fits. The smallest arena wins, the earlier
+/// strategy on a tie. The result depends only on the input: no hashing, every sort has a total
+/// order, and the strategies do not share state.
 ///
-/// Complexity, for `n` buffers where buffer `i` meets `k_i` placed buffers live with it:
-/// `O(n log n + sum k_i log k_i)` per strategy. The placed buffers live at the start of the new
-/// one come from a segment tree over the distinct start times (a stabbing query walks one
-/// leaf-to-root path); those that start inside its range come from a set ordered by start.
-/// Neither scans buffers that do not conflict; the `k_i log k_i` is sorting the conflicts by
-/// offset to walk the holes.
+/// Complexity per strategy, for `n` buffers over `m <= n` distinct start times:
+/// `O(n log m log n + sum_i r_i log r_i)`, where `r_i` is the number of byte ranges read for buffer
+/// `i`. The taken bytes come from a segment tree over time whose nodes hold unions of byte
+/// ranges (see `Occupancy`), so a query reads `O(log m)` unions instead of every conflicting
+/// buffer: with `k_i` placed buffers live with buffer `i`, `r_i <= k_i` per union read, and in
+/// practice `r_i` is far below `k_i` because buffers that sit next to each other, as stacked
+/// activations do, merge into one range. The `log n` is the ordered
+/// maps that hold the unions; `r_i log r_i` is sorting the ranges read to walk the holes.
 ///
 /// This does not check its input: pinned buffers that collide, or a pinned offset that is not
 /// aligned, come out as given, and [`check_plan`] reports them.
@@ -233,17 +207,15 @@ pub fn plan_offsets(intervals: &[Interval]) -> Plan {
     );
     let lower_bound_bytes = lower_bound(intervals);
     let starts = distinct_starts(intervals);
-    let mut best: Option<Plan> = None;
-    for strategy in Strategy::ALL {
-        let plan = plan_one(intervals, strategy, &starts, lower_bound_bytes);
-        if best
-            .as_ref()
-            .is_none_or(|b| plan.arena_bytes < b.arena_bytes)
-        {
-            best = Some(plan);
-        }
-    }
-    best.expect("Strategy::ALL is not empty")
+    let plans: Vec<Plan> = Strategy::ALL
+        .par_iter()
+        .map(|&strategy| plan_one(intervals, strategy, &starts, lower_bound_bytes))
+        .collect();
+    // `min_by_key` keeps the first of equals: the earlier strategy.
+    plans
+        .into_iter()
+        .min_by_key(|plan| plan.arena_bytes)
+        .expect("Strategy::ALL is not empty")
 }
 
 /// [`plan_offsets`] with one ordering only: for comparing strategies, and for callers that know
@@ -329,7 +301,7 @@ pub fn check_plan(intervals: &[Interval], plan: &Plan) -> Result<(), String> {
     }
 
     let mut by_first: Vec<u32> = (0..intervals.len() as u32)
-        .filter(|&i| intervals[i as usize].size > 0)
+        .filter(|&i| intervals[i as usize].occupies())
         .collect();
     let mut by_last = by_first.clone();
     by_first.sort_unstable_by_key(|&i| (intervals[i as usize].first, i));
@@ -381,7 +353,7 @@ fn lower_bound(intervals: &[Interval]) -> u64 {
         if let Some(offset) = b.fixed_offset {
             pinned_end = pinned_end.max(offset.saturating_add(b.size));
         }
-        if b.size > 0 {
+        if b.occupies() {
             events.push((u64::from(b.first), true, b.size));
             events.push((u64::from(b.last) + 1, false, b.size));
         }
@@ -414,7 +386,7 @@ fn arena_size(intervals: &[Interval], offsets: &[u64]) -> u64 {
 fn distinct_starts(intervals: &[Interval]) -> Vec<u32> {
     let mut starts: Vec<u32> = intervals
         .iter()
-        .filter(|b| b.size > 0)
+        .filter(|b| b.occupies())
         .map(|b| b.first)
         .collect();
     starts.sort_unstable();
@@ -425,13 +397,13 @@ fn distinct_starts(intervals: &[Interval]) -> Vec<u32> {
 /// Places the pinned buffers, then the others in `order`, each by best fit against the bytes
 /// taken by placed buffers live with it.
 fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
-    // Unpinned buffers of size 0 keep offset 0: they occupy nothing, and 0 is always aligned.
+    // Unpinned buffers that occupy nothing keep offset 0, which is always aligned.
     let mut offsets = vec![0u64; intervals.len()];
     let mut index = Occupancy::new(starts);
     for (i, b) in intervals.iter().enumerate() {
         if let Some(offset) = b.fixed_offset {
             offsets[i] = offset;
-            if b.size > 0 {
+            if b.occupies() {
                 index.insert(b, offset);
             }
         }
@@ -441,7 +413,6 @@ fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
     for &i in order {
         let b = &intervals[i as usize];
         index.taken(b, &mut taken);
-        READ.fetch_add(taken.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let offset = best_hole(&mut taken, b.size, b.alignment());
         offsets[i as usize] = offset;
         index.insert(b, offset);
@@ -452,7 +423,8 @@ fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
 /// The lowest aligned offset in the smallest hole between `taken` ranges (which may overlap)
 /// that fits `size` bytes, or the first aligned offset above all of them.
 fn best_hole(taken: &mut [(u64, u64)], size: u64, align: u64) -> u64 {
-    taken.sort_unstable();
+    // The stable sort finds and merges the already-sorted runs the index hands out.
+    taken.sort();
     let mut floor = 0u64; // everything below is taken (or the arena's start)
     let mut best: Option<(u64, u64)> = None; // (hole size, offset)
     for &(start, end) in taken.iter() {
@@ -561,7 +533,7 @@ impl<'a> Occupancy<'a> {
 
     /// Records buffer `b` at `offset`.
     fn insert(&mut self, b: &Interval, offset: u64) {
-        let end = offset + b.size;
+        let end = offset.saturating_add(b.size);
         self.decompose(b);
         for &v in &self.canonical {
             self.own[v].insert(offset, end);
@@ -642,11 +614,13 @@ mod tests {
                     .filter(|&j| intervals[j].live_together(q))
                     .map(|j| (offsets[j], offsets[j] + intervals[j].size))
                     .collect();
-                assert_eq!(union(got.clone()), union(want), "{q:?} after {} inserts", i + 1);
+                assert_eq!(
+                    union(got.clone()),
+                    union(want),
+                    "{q:?} after {} inserts",
+                    i + 1
+                );
             }
         }
     }
 }
-
-/// TEMP
-pub static READ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

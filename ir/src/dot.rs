@@ -15,22 +15,22 @@ pub fn print_dot(graph: &Graph) -> String {
         format!("label=\"{}\"", graph.value(*edge.weight()).ty)
     };
     let node_attrs = |_, (_, op): (NodeIndex, &Op)| {
-            let mut label = op.kind.mnemonic().to_string();
-            for &input in &op.inputs {
-                if let Some(p) = graph.param_of(input) {
-                    label.push_str("\\n@");
-                    label.push_str(&graph.param(p).name);
-                }
+        let mut label = op.kind.mnemonic().to_string();
+        for &input in &op.inputs {
+            if let Some(p) = graph.param_of(input) {
+                label.push_str("\\n@");
+                label.push_str(&graph.param(p).name);
             }
-            for &output in &op.outputs {
-                label.push_str(&format!("\\n-> {}", graph.value(output).ty));
-            }
-            let color = match op.phase {
-                crate::op::Phase::Forward => "lightblue",
-                crate::op::Phase::Backward => "lightsalmon",
-                crate::op::Phase::Recompute => "khaki",
-                crate::op::Phase::Optimizer => "palegreen",
-            };
+        }
+        for &output in &op.outputs {
+            label.push_str(&format!("\\n-> {}", graph.value(output).ty));
+        }
+        let color = match op.phase {
+            crate::op::Phase::Forward => "lightblue",
+            crate::op::Phase::Backward => "lightsalmon",
+            crate::op::Phase::Recompute => "khaki",
+            crate::op::Phase::Optimizer => "palegreen",
+        };
         format!("label=\"{label}\" shape=box style=filled fillcolor={color}")
     };
     let dot = Dot::with_attr_getters(

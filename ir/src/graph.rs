@@ -179,7 +179,13 @@ impl Graph {
         BlockId::new(self.blocks.len() - 1)
     }
 
-    fn add_value(&mut self, name: String, ty: TensorType, role: Role, producer: Option<OpId>) -> ValueId {
+    fn add_value(
+        &mut self,
+        name: String,
+        ty: TensorType,
+        role: Role,
+        producer: Option<OpId>,
+    ) -> ValueId {
         self.values.push(Value {
             name,
             ty,
@@ -205,7 +211,12 @@ impl Graph {
         block: BlockId,
     ) -> ParamId {
         let name = name.into();
-        let value = self.add_value(name.clone(), TensorType::new(shape, dtype), Role::Param, None);
+        let value = self.add_value(
+            name.clone(),
+            TensorType::new(shape, dtype),
+            Role::Param,
+            None,
+        );
         self.params.push(Param {
             name,
             aliases: Vec::new(),
@@ -249,10 +260,11 @@ impl Graph {
             })
             .collect();
         let values = self.add_op_multi(kind, inputs, &outputs, block, phase)?;
-        values
-            .first()
-            .copied()
-            .ok_or_else(|| IrError::Invalid(format!("{name}: an op without outputs has no value to return")))
+        values.first().copied().ok_or_else(|| {
+            IrError::Invalid(format!(
+                "{name}: an op without outputs has no value to return"
+            ))
+        })
     }
 
     /// Adds an op with a name and role for each output, and returns the outputs.
@@ -266,11 +278,17 @@ impl Graph {
     ) -> Result<Vec<ValueId>> {
         for &v in inputs {
             if v.index() >= self.values.len() {
-                return Err(IrError::Invalid(format!("{} reads undefined value {v}", kind.mnemonic())));
+                return Err(IrError::Invalid(format!(
+                    "{} reads undefined value {v}",
+                    kind.mnemonic()
+                )));
             }
         }
         if block.index() >= self.blocks.len() {
-            return Err(IrError::Invalid(format!("{} is in undefined {block}", kind.mnemonic())));
+            return Err(IrError::Invalid(format!(
+                "{} is in undefined {block}",
+                kind.mnemonic()
+            )));
         }
         let types: Vec<&TensorType> = inputs.iter().map(|v| &self.values[v.index()].ty).collect();
         let inferred = kind.infer(&types)?;
@@ -298,7 +316,8 @@ impl Graph {
         debug_assert_eq!(node.index(), op.index());
         for &v in inputs {
             if let Some(producer) = self.values[v.index()].producer {
-                self.dataflow.add_edge(NodeIndex::new(producer.index()), node, v);
+                self.dataflow
+                    .add_edge(NodeIndex::new(producer.index()), node, v);
             }
         }
         Ok(out)
@@ -322,7 +341,10 @@ impl Graph {
 
     /// Where a value lives: device unless placement said otherwise.
     pub fn location(&self, value: ValueId) -> Location {
-        self.locations.get(&value).copied().unwrap_or(Location::Device)
+        self.locations
+            .get(&value)
+            .copied()
+            .unwrap_or(Location::Device)
     }
 
     /// A value.
@@ -347,7 +369,10 @@ impl Graph {
 
     /// Every value with its id.
     pub fn values(&self) -> impl ExactSizeIterator<Item = (ValueId, &Value)> {
-        self.values.iter().enumerate().map(|(i, v)| (ValueId::new(i), v))
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (ValueId::new(i), v))
     }
 
     /// Every op with its id, in order.
@@ -361,12 +386,18 @@ impl Graph {
 
     /// Every parameter with its id, in declaration order.
     pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> {
-        self.params.iter().enumerate().map(|(i, p)| (ParamId::new(i), p))
+        self.params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (ParamId::new(i), p))
     }
 
     /// Every block with its id, in forward order.
     pub fn blocks(&self) -> impl ExactSizeIterator<Item = (BlockId, &Block)> {
-        self.blocks.iter().enumerate().map(|(i, b)| (BlockId::new(i), b))
+        self.blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (BlockId::new(i), b))
     }
 
     /// The step's inputs.
@@ -399,7 +430,10 @@ impl Graph {
 
     /// Total trainable parameters (tied tensors counted once).
     pub fn param_count(&self) -> u64 {
-        self.params.iter().map(|p| self.value(p.value).ty.numel()).sum()
+        self.params
+            .iter()
+            .map(|p| self.value(p.value).ty.numel())
+            .sum()
     }
 
     /// The parameter that a value holds, if it is one.

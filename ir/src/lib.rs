@@ -2,21 +2,30 @@
 //!
 //! It holds data, its printers (canonical text, DOT, JSON) and its verifier; it holds no pass.
 
+pub mod chunks;
 pub mod dot;
 pub mod error;
 pub mod graph;
 pub mod hardware;
 pub mod ids;
 pub mod op;
+pub mod policy;
 pub mod print;
+pub mod schedule;
 pub mod types;
 pub mod verify;
 
+pub use chunks::{Chunk, ChunkMember, ChunkSizeTrial, ChunkTable};
 pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
 pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
 pub use op::{Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
+pub use policy::{BlockMode, Policy};
+pub use schedule::{
+    Buffer, BufferKind, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, Space,
+    Stream, StreamKind, TensorRef, FORMAT_VERSION,
+};
 pub use types::{format_bytes, format_count, DType, TensorType};
 
 impl Graph {

@@ -191,10 +191,11 @@ pub enum OpKind {
     CrossEntropyBackward,
 
     // Optimizer kinds.
-    /// Sum of the squares of every input gradient -> `f32[]`.
+    /// Sum of the squares of one gradient -> `f32[]` (accumulated in f64, then rounded).
     GradNormSq,
-    /// `norm_sq` -> `f32[]` gradient scale `min(1, max_norm / (sqrt(norm_sq) + 1e-6))`, as
-    /// `torch.nn.utils.clip_grad_norm_` computes it.
+    /// Every gradient's `grad_norm_sq` -> `f32[]` gradient scale
+    /// `min(1, max_norm / (sqrt(sum) + 1e-6))`, as `torch.nn.utils.clip_grad_norm_` computes it;
+    /// the partial sums are added in f64 in input order.
     ClipCoef {
         /// The largest gradient norm allowed.
         max_norm: f64,
@@ -260,7 +261,8 @@ impl OpKind {
             None => self.forward_attributes(),
         };
         match self {
-            OpKind::EmbeddingBackward { rows, .. } | OpKind::PositionEmbeddingBackward { rows, .. } => {
+            OpKind::EmbeddingBackward { rows, .. }
+            | OpKind::PositionEmbeddingBackward { rows, .. } => {
                 attrs.insert(0, ("rows", rows.to_string()));
             }
             OpKind::LinearBackward { bias: false, .. } => attrs.push(("bias", "false".into())),
@@ -292,7 +294,9 @@ impl OpKind {
     pub fn forward_of(&self) -> Option<OpKind> {
         Some(match self.clone() {
             OpKind::EmbeddingBackward { padding_idx, .. } => OpKind::Embedding { padding_idx },
-            OpKind::PositionEmbeddingBackward { offset, .. } => OpKind::PositionEmbedding { offset },
+            OpKind::PositionEmbeddingBackward { offset, .. } => {
+                OpKind::PositionEmbedding { offset }
+            }
             OpKind::LayerNormBackward { eps } => OpKind::LayerNorm { eps },
             OpKind::RmsNormBackward { eps } => OpKind::RmsNorm { eps },
             OpKind::LinearBackward { bias, layout } => OpKind::Linear { bias, layout },
@@ -327,6 +331,19 @@ impl OpKind {
         })
     }
 
+    /// Bytes of scratch memory a kernel of this kind needs, beyond its inputs and outputs:
+    /// the per-row statistics a norm's backward recomputes. The memory planner gives every
+    /// kernel exactly this much; kernels allocate nothing.
+    pub fn workspace_bytes(&self, inputs: &[&TensorType]) -> u64 {
+        match self {
+            // Mean and reciprocal standard deviation per row, f32.
+            OpKind::LayerNorm { .. } | OpKind::LayerNormBackward { .. } => 8 * inputs[0].rows(),
+            // Reciprocal root-mean-square per row, f32.
+            OpKind::RmsNorm { .. } | OpKind::RmsNormBackward { .. } => 4 * inputs[0].rows(),
+            _ => 0,
+        }
+    }
+
     /// Whether ops of this kind update some of their inputs in place (the optimizer).
     pub fn writes_inputs(&self) -> &'static [usize] {
         match self {
@@ -350,7 +367,8 @@ impl OpKind {
                 ..
             } => &["dq", "dk", "dv"],
             OpKind::AttentionBackward {
-                qkv: QkvLayout::Packed, ..
+                qkv: QkvLayout::Packed,
+                ..
             } => &["dqkv"],
             OpKind::AdamW { .. } => &[],
             _ => &["out"],
@@ -364,7 +382,9 @@ impl OpKind {
             OpKind::PositionEmbedding { offset } if *offset != 0 => {
                 vec![("offset", offset.to_string())]
             }
-            OpKind::LayerNorm { eps } | OpKind::RmsNorm { eps } => vec![("eps", format!("{eps:e}"))],
+            OpKind::LayerNorm { eps } | OpKind::RmsNorm { eps } => {
+                vec![("eps", format!("{eps:e}"))]
+            }
             OpKind::Linear { layout, .. } => match layout {
                 WeightLayout::OutIn => vec![],
                 WeightLayout::InOut => vec![("weight", "in_out".into())],
@@ -374,7 +394,10 @@ impl OpKind {
                 theta,
                 scaling,
             } => {
-                let mut attrs = vec![("head_dim", head_dim.to_string()), ("theta", format!("{theta}"))];
+                let mut attrs = vec![
+                    ("head_dim", head_dim.to_string()),
+                    ("theta", format!("{theta}")),
+                ];
                 match scaling {
                     RopeScaling::None => {}
                     RopeScaling::Linear { factor } => attrs.push(("scaling", format!("linear({factor})"))),
@@ -440,8 +463,8 @@ impl OpKind {
                 QkvLayout::Packed => 4,
             },
             OpKind::CrossEntropyBackward => 3,
-            OpKind::GradNormSq => return None,
-            OpKind::ClipCoef { .. } => 1,
+            OpKind::GradNormSq => 1,
+            OpKind::ClipCoef { .. } => return None,
             OpKind::AdamW { clipped, .. } => 4 + usize::from(*clipped),
         })
     }
@@ -461,28 +484,38 @@ impl OpKind {
             // dx = dy W and dW = x^T dy: twice the forward.
             OpKind::LinearBackward { .. } => 4 * inputs[0].numel() * inputs[2].last_dim(),
             OpKind::Attention {
-                heads, head_dim, window, ..
+                heads,
+                head_dim,
+                window,
+                ..
             } => {
                 let (b, t) = (outputs[0].shape[0], outputs[0].shape[1]);
                 // QK^T and PV over the unmasked (query, key) pairs.
                 4 * b * heads * head_dim * attention_pairs(t, window)
             }
             OpKind::AttentionBackward {
-                heads, head_dim, window, ..
+                heads,
+                head_dim,
+                window,
+                ..
             } => {
                 let (b, t) = (inputs[0].shape[0], inputs[0].shape[1]);
                 // QK^T recomputed, then dV, dP, dQ and dK: five matmuls.
                 10 * b * heads * head_dim * attention_pairs(t, window)
             }
             OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. } => 8 * out,
-            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => 12 * inputs[0].numel(),
+            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => {
+                12 * inputs[0].numel()
+            }
             OpKind::CrossEntropy | OpKind::CrossEntropyBackward => 4 * inputs[0].numel(),
             OpKind::Gelu => 10 * out,
             OpKind::GeluBackward => 16 * out,
-            OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => 5 * out,
+            OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => {
+                5 * out
+            }
             OpKind::SiluBackward | OpKind::SwigluBackward => 8 * out,
             OpKind::Relu | OpKind::Add | OpKind::ReluBackward => out,
-            OpKind::GradNormSq => 2 * inputs.iter().map(|t| t.numel()).sum::<u64>(),
+            OpKind::GradNormSq => 2 * inputs[0].numel(),
             OpKind::AdamW { .. } => 12 * inputs[0].numel(),
             OpKind::Embedding { .. }
             | OpKind::PositionEmbedding { .. }
@@ -520,14 +553,17 @@ impl OpKind {
                 vec![loss, TensorType::new(inputs[1].shape.clone(), DType::F32)]
             }
             OpKind::GradNormSq => {
-                if let Some(t) = inputs.iter().find(|t| !t.dtype.is_float()) {
-                    return Err(fail(format!("gradients must be floating point, got {t}")));
+                if !inputs[0].dtype.is_float() {
+                    return Err(fail(format!(
+                        "a gradient must be floating point, got {}",
+                        inputs[0]
+                    )));
                 }
                 vec![f32_scalar]
             }
             OpKind::ClipCoef { .. } => {
-                if *inputs[0] != f32_scalar {
-                    return Err(fail(format!("takes the squared norm f32[], got {}", inputs[0])));
+                if let Some(t) = inputs.iter().find(|t| ***t != f32_scalar) {
+                    return Err(fail(format!("takes squared norms f32[], got {t}")));
                 }
                 vec![f32_scalar]
             }
@@ -535,11 +571,16 @@ impl OpKind {
                 let param = inputs[0];
                 for (what, t) in ["grad", "m", "v"].iter().zip(&inputs[1..4]) {
                     if t.shape != param.shape || !t.dtype.is_float() {
-                        return Err(fail(format!("{what} {t} does not match the parameter {param}")));
+                        return Err(fail(format!(
+                            "{what} {t} does not match the parameter {param}"
+                        )));
                     }
                 }
                 if *clipped && *inputs[4] != f32_scalar {
-                    return Err(fail(format!("clip coefficient must be f32[], got {}", inputs[4])));
+                    return Err(fail(format!(
+                        "clip coefficient must be f32[], got {}",
+                        inputs[4]
+                    )));
                 }
                 vec![]
             }
@@ -562,14 +603,20 @@ impl OpKind {
             }
         };
         Ok(match self {
-            OpKind::EmbeddingBackward { rows, .. } | OpKind::PositionEmbeddingBackward { rows, .. } => {
+            OpKind::EmbeddingBackward { rows, .. }
+            | OpKind::PositionEmbeddingBackward { rows, .. } => {
                 let tokens = inputs[0];
-                if tokens.dtype != DType::I32 || dy.shape.len() != 3 || dy.shape[..2] != tokens.shape[..] {
+                if tokens.dtype != DType::I32
+                    || dy.shape.len() != 3
+                    || dy.shape[..2] != tokens.shape[..]
+                {
                     return Err(fail(format!("dy {dy} does not match tokens {tokens}")));
                 }
                 vec![TensorType::new([*rows, dy.last_dim()], dy.dtype)]
             }
-            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } | OpKind::LinearBackward { .. } => {
+            OpKind::LayerNormBackward { .. }
+            | OpKind::RmsNormBackward { .. }
+            | OpKind::LinearBackward { .. } => {
                 let (x, w) = (inputs[0], inputs[1]);
                 let mut fwd_inputs = vec![x, w];
                 let bias;
@@ -627,7 +674,11 @@ impl OpKind {
             why,
         };
         if Some(inputs.len()) != self.arity() {
-            return Err(fail(format!("takes {:?} inputs, got {}", self.arity(), inputs.len())));
+            return Err(fail(format!(
+                "takes {:?} inputs, got {}",
+                self.arity(),
+                inputs.len()
+            )));
         }
         let float = |t: &TensorType, what: &str| -> Result<()> {
             if t.dtype.is_float() {
@@ -704,15 +755,24 @@ impl OpKind {
             OpKind::Swiglu | OpKind::Add => {
                 float(inputs[0], "input")?;
                 if inputs[0] != inputs[1] {
-                    return Err(fail(format!("inputs differ: {} and {}", inputs[0], inputs[1])));
+                    return Err(fail(format!(
+                        "inputs differ: {} and {}",
+                        inputs[0], inputs[1]
+                    )));
                 }
                 Ok(inputs[0].clone())
             }
             OpKind::Rope { head_dim, .. } => {
                 let x = inputs[0];
                 float(x, "input")?;
-                if *head_dim == 0 || head_dim % 2 != 0 || x.last_dim() % head_dim != 0 || x.shape.len() != 3 {
-                    return Err(fail(format!("{x} is not [B,T,heads*{head_dim}] with an even head_dim")));
+                if *head_dim == 0
+                    || head_dim % 2 != 0
+                    || x.last_dim() % head_dim != 0
+                    || x.shape.len() != 3
+                {
+                    return Err(fail(format!(
+                        "{x} is not [B,T,heads*{head_dim}] with an even head_dim"
+                    )));
                 }
                 Ok(x.clone())
             }
@@ -724,7 +784,9 @@ impl OpKind {
                 ..
             } => {
                 if *kv_heads == 0 || heads % kv_heads != 0 {
-                    return Err(fail(format!("{heads} heads are not a multiple of {kv_heads} KV heads")));
+                    return Err(fail(format!(
+                        "{heads} heads are not a multiple of {kv_heads} KV heads"
+                    )));
                 }
                 let q_width = heads * head_dim;
                 let kv_width = kv_heads * head_dim;
@@ -744,7 +806,9 @@ impl OpKind {
                     }
                     QkvLayout::Separate => {
                         if q.last_dim() != q_width {
-                            return Err(fail(format!("q {q} should have last dimension {q_width}")));
+                            return Err(fail(format!(
+                                "q {q} should have last dimension {q_width}"
+                            )));
                         }
                         let kv = q.with_last_dim(kv_width);
                         if inputs[1] != &kv || inputs[2] != &kv {
@@ -762,7 +826,9 @@ impl OpKind {
                 float(logits, "logits")?;
                 tokens(targets)?;
                 if logits.shape.len() != 3 || logits.shape[..2] != targets.shape[..] {
-                    return Err(fail(format!("logits {logits} do not match targets {targets}")));
+                    return Err(fail(format!(
+                        "logits {logits} do not match targets {targets}"
+                    )));
                 }
                 Ok(TensorType::new([], DType::F32))
             }

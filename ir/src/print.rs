@@ -39,11 +39,19 @@ pub fn print_graph(graph: &Graph) -> String {
             number(&mut names, v);
         }
     }
-    let name = |v: &ValueId| names.get(v).cloned().unwrap_or_else(|| format!("<undefined {v}>"));
+    let name = |v: &ValueId| {
+        names
+            .get(v)
+            .cloned()
+            .unwrap_or_else(|| format!("<undefined {v}>"))
+    };
 
     let mut out = String::new();
     let param_count = graph.param_count();
-    let param_bytes: u64 = graph.params().map(|(_, p)| graph.value(p.value).ty.bytes()).sum();
+    let param_bytes: u64 = graph
+        .params()
+        .map(|(_, p)| graph.value(p.value).ty.bytes())
+        .sum();
     let _ = writeln!(
         out,
         "; graph {}  batch {}  seq {}",
@@ -115,7 +123,13 @@ pub fn print_graph(graph: &Graph) -> String {
         if outputs.is_empty() {
             let _ = write!(out, "  {} {}", kind, inputs.join(", "));
         } else {
-            let _ = write!(out, "  {} = {} {}", outputs.join(", "), kind, inputs.join(", "));
+            let _ = write!(
+                out,
+                "  {} = {} {}",
+                outputs.join(", "),
+                kind,
+                inputs.join(", ")
+            );
         }
         if let Some(&first) = op.outputs.first() {
             let value = graph.value(first);

@@ -34,19 +34,29 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
                 written[id.index()] = true;
             }
             Some(op) if op.index() >= graph.op_count() => {
-                return bad(format!("{id} ({}) names producer {op}, which does not exist", value.name));
+                return bad(format!(
+                    "{id} ({}) names producer {op}, which does not exist",
+                    value.name
+                ));
             }
             Some(_) => {}
         }
     }
     for (op_id, op) in graph.ops() {
         if op.block.index() >= graph.blocks().len() {
-            return bad(format!("{op_id} ({}) is in block {}, which does not exist", op.kind.mnemonic(), op.block));
+            return bad(format!(
+                "{op_id} ({}) is in block {}, which does not exist",
+                op.kind.mnemonic(),
+                op.block
+            ));
         }
         let mut types: Vec<&TensorType> = Vec::with_capacity(op.inputs.len());
         for &input in &op.inputs {
             if input.index() >= values || !written[input.index()] {
-                return bad(format!("{op_id} ({}) reads {input} before it is written", op.kind.mnemonic()));
+                return bad(format!(
+                    "{op_id} ({}) reads {input} before it is written",
+                    op.kind.mnemonic()
+                ));
             }
             types.push(&graph.value(input).ty);
         }
@@ -57,7 +67,10 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
             }
             let value = graph.value(output);
             if value.producer != Some(op_id) {
-                return bad(format!("{op_id} writes {output}, whose producer is {:?}", value.producer.map(OpId::index)));
+                return bad(format!(
+                    "{op_id} writes {output}, whose producer is {:?}",
+                    value.producer.map(OpId::index)
+                ));
             }
             if written[output.index()] {
                 return bad(format!("{output} ({}) is written twice", value.name));
@@ -75,17 +88,26 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
         for (&output, ty) in op.outputs.iter().zip(&inferred) {
             let actual = &graph.value(output).ty;
             if actual != ty {
-                return bad(format!("{op_id} ({}) writes {actual} but its inputs give {ty}", op.kind.mnemonic()));
+                return bad(format!(
+                    "{op_id} ({}) writes {actual} but its inputs give {ty}",
+                    op.kind.mnemonic()
+                ));
             }
         }
     }
     for (id, param) in graph.params() {
         if param.value.index() >= values {
-            return bad(format!("{id} ({}) holds {}, which does not exist", param.name, param.value));
+            return bad(format!(
+                "{id} ({}) holds {}, which does not exist",
+                param.name, param.value
+            ));
         }
         let value = graph.value(param.value);
         if value.role != Role::Param || value.producer.is_some() {
-            return bad(format!("{id} ({}) holds {}, which is not a parameter value", param.name, param.value));
+            return bad(format!(
+                "{id} ({}) holds {}, which is not a parameter value",
+                param.name, param.value
+            ));
         }
     }
     for &output in graph.outputs() {

@@ -1,0 +1,300 @@
+//! A compiled schedule: when, where and on which stream each op of a training graph runs,
+//! with every tensor at a fixed offset in one device arena or one pinned host region.
+//!
+//! The [`Graph`] says what is computed; the streams say when. One step runs every stream's
+//! instruction list once, in order, with events as the only order between streams; the runtime
+//! puts a barrier between steps. Before the first step the runtime places every value listed in
+//! [`Schedule::homes`] (parameters, optimizer state) at its home; before each step it writes the
+//! step's inputs at theirs; after it, it reads the loss from [`Schedule::loss`].
+
+use crate::chunks::ChunkTable;
+use crate::graph::Graph;
+use crate::ids::{BufferId, ChunkId, EventId, OpId, StreamId, ValueId};
+use crate::policy::Policy;
+use crate::types::DType;
+use serde::{Deserialize, Serialize};
+
+/// The version of the schedule layout this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Which memory a buffer lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Space {
+    /// The device arena.
+    Device,
+    /// The pinned host region.
+    Host,
+}
+
+/// What a buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum BufferKind {
+    /// A step input (token ids, targets), written by the runtime before the step.
+    Input,
+    /// A persistent chunk's parameters, on the device all step.
+    PersistentChunk {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// A device buffer that non-persistent chunks are fetched into, in turn.
+    ChunkSlot {
+        /// Which of the `n_buffer` slots.
+        slot: u32,
+    },
+    /// A non-persistent chunk's parameters, at home in host memory.
+    HostChunk {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// A non-persistent chunk's gradients, on the device from the first one computed until
+    /// they are offloaded.
+    GradChunk {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// A non-persistent chunk's gradients in host memory, read by the CPU optimizer.
+    HostGradChunk {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// Optimizer state (Adam moments) of a chunk, on the device for persistent chunks, on the
+    /// host for the others.
+    OptimizerState {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// A forward or backward intermediate, or a persistent chunk's gradients.
+    Activation,
+    /// A swapped activation's host copy.
+    HostActivation,
+    /// Kernel scratch memory.
+    Workspace,
+}
+
+/// A buffer: a byte range at a fixed offset in the device arena or the host region.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// A readable name.
+    pub name: String,
+    /// Device arena or host region.
+    pub space: Space,
+    /// Byte offset in its space.
+    pub offset: u64,
+    /// Bytes.
+    pub size: u64,
+    /// What it holds.
+    pub kind: BufferKind,
+}
+
+/// A tensor's address: a buffer and a byte offset inside it. Its size is its value's type's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorRef {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// Byte offset inside the buffer.
+    pub offset: u64,
+}
+
+/// One instruction of a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "instr", rename_all = "snake_case")]
+pub enum Instr {
+    /// Run an op of the graph. `inputs[i]` and `outputs[i]` address the op's `i`-th input and
+    /// output; `workspace` is its scratch memory when its kind needs some.
+    Kernel {
+        /// The op.
+        op: OpId,
+        /// Where each input is read.
+        inputs: Vec<TensorRef>,
+        /// Where each output is written.
+        outputs: Vec<TensorRef>,
+        /// Scratch memory.
+        workspace: Option<TensorRef>,
+    },
+    /// Copy bytes between spaces or within one.
+    Copy {
+        /// What is copied, for people and the verifier.
+        what: CopyKind,
+        /// Source.
+        src: TensorRef,
+        /// Destination.
+        dst: TensorRef,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// Mark this point of the stream.
+    Record {
+        /// The event.
+        event: EventId,
+    },
+    /// Wait until another stream has passed the point that recorded the event.
+    Wait {
+        /// The event.
+        event: EventId,
+    },
+}
+
+/// Why a copy happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CopyKind {
+    /// A chunk's parameters from the host into a chunk slot.
+    FetchChunk {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// A chunk's gradients from the device to the host.
+    OffloadGrads {
+        /// The chunk.
+        chunk: ChunkId,
+    },
+    /// An activation to its host copy.
+    OffloadActivation {
+        /// The activation.
+        value: ValueId,
+    },
+    /// An activation back from its host copy.
+    ReloadActivation {
+        /// The activation.
+        value: ValueId,
+    },
+    /// A scalar the host optimizer needs (the clip coefficient).
+    Scalar {
+        /// The value.
+        value: ValueId,
+    },
+}
+
+/// What a stream is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamKind {
+    /// Device kernels.
+    Compute,
+    /// Host-to-device copies.
+    HostToDevice,
+    /// Device-to-host copies.
+    DeviceToHost,
+    /// The CPU optimizer for offloaded chunks.
+    HostOptimizer,
+}
+
+/// An in-order instruction list.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stream {
+    /// A readable name.
+    pub name: String,
+    /// What it is for.
+    pub kind: StreamKind,
+    /// Its instructions, in order.
+    pub instrs: Vec<Instr>,
+}
+
+/// Device memory by purpose, at the peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryBreakdown {
+    /// Persistent chunks, their gradients and optimizer state.
+    pub persistent: u64,
+    /// Chunk slots and the gradient chunks of streamed chunks.
+    pub chunk_buffers: u64,
+    /// Activations and intermediates.
+    pub activations: u64,
+    /// Kernel workspaces.
+    pub workspace: u64,
+    /// Inputs.
+    pub inputs: u64,
+}
+
+/// What the compiler predicts for one step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Predicted step time in seconds.
+    pub step_seconds: f64,
+    /// Busy seconds of each stream, by [`StreamId`].
+    pub stream_busy_seconds: Vec<f64>,
+    /// Floating-point operations of one step.
+    pub flops: u64,
+    /// Device bytes the step needs: the arena.
+    pub peak_device_bytes: u64,
+    /// No placement of these buffers in this order needs fewer: the peak of live bytes.
+    pub lower_bound_bytes: u64,
+    /// Pinned host bytes.
+    pub host_bytes: u64,
+    /// Device bytes by purpose, at the peak of live bytes.
+    pub memory: MemoryBreakdown,
+}
+
+/// What a schedule was compiled for, and what the compiler expects of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Header {
+    /// [`FORMAT_VERSION`] of the layout.
+    pub format_version: u32,
+    /// The model's name.
+    pub model: String,
+    /// Sequences per step.
+    pub batch: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// Element type of parameters and activations.
+    pub dtype: DType,
+    /// Trainable parameters.
+    pub param_count: u64,
+    /// The hardware profile's one-line summary.
+    pub hardware: String,
+    /// Device bytes the schedule was allowed.
+    pub device_budget_bytes: u64,
+    /// Host bytes the schedule was allowed.
+    pub host_budget_bytes: u64,
+    /// The placement policy.
+    pub policy: Policy,
+    /// Predicted time and memory.
+    pub prediction: Prediction,
+    /// Why this policy: the search report, as text.
+    pub report: String,
+}
+
+/// A compiled training step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Schedule {
+    /// What it is for and what to expect.
+    pub header: Header,
+    /// The placed training graph: forward, backward with recomputation, optimizer.
+    pub graph: Graph,
+    /// The parameter chunks.
+    pub chunks: ChunkTable,
+    /// Every buffer, by [`BufferId`].
+    pub buffers: Vec<Buffer>,
+    /// Every stream, by [`StreamId`].
+    pub streams: Vec<Stream>,
+    /// Events used, numbered `0..events`.
+    pub events: u32,
+    /// Bytes of the device arena.
+    pub arena_bytes: u64,
+    /// Bytes of the pinned host region.
+    pub host_bytes: u64,
+    /// Where each value that lives across steps (parameters, optimizer state) and each step
+    /// input is at the start of a step.
+    pub homes: Vec<(ValueId, TensorRef)>,
+    /// Where the loss is after the step.
+    pub loss: TensorRef,
+}
+
+impl Schedule {
+    /// A buffer.
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.index()]
+    }
+
+    /// A stream.
+    pub fn stream(&self, id: StreamId) -> &Stream {
+        &self.streams[id.index()]
+    }
+
+    /// The absolute byte address of a tensor in its space.
+    pub fn address(&self, t: TensorRef) -> (Space, u64) {
+        let b = self.buffer(t.buffer);
+        (b.space, b.offset + t.offset)
+    }
+}
