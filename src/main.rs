@@ -14,7 +14,12 @@ use std::process::ExitCode;
 /// A MODEL is a preset name (`protrain models` lists them), a path to a Hugging Face
 /// `config.json`, or a directory that holds one.
 #[derive(Parser, Debug)]
-#[command(name = "protrain", version, propagate_version = true, max_term_width = 100)]
+#[command(
+    name = "protrain",
+    version,
+    propagate_version = true,
+    max_term_width = 100
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -19,16 +19,31 @@ fn stderr(out: &Output) -> String {
 }
 
 fn shared_config(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/configs").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/configs")
+        .join(name)
 }
 
 /// Runs a command that must fail: exit status 2, one `error:` line, no panic. Returns stderr.
 fn check_error(args: &[&str]) -> String {
     let out = protrain(args);
     let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "`protrain {}` should exit 2; stderr: {err}", args.join(" "));
-    assert!(!err.contains("panicked"), "`protrain {}` panicked: {err}", args.join(" "));
-    assert!(err.starts_with("error: "), "`protrain {}` printed: {err}", args.join(" "));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "`protrain {}` should exit 2; stderr: {err}",
+        args.join(" ")
+    );
+    assert!(
+        !err.contains("panicked"),
+        "`protrain {}` panicked: {err}",
+        args.join(" ")
+    );
+    assert!(
+        err.starts_with("error: "),
+        "`protrain {}` printed: {err}",
+        args.join(" ")
+    );
     assert!(stdout(&out).is_empty(), "an error prints nothing on stdout");
     err
 }
@@ -90,7 +105,8 @@ fn info_prints_a_readable_table() {
 #[test]
 fn dump_accepts_a_directory_holding_a_config() {
     let dir = shared_config("").join("..").join("configs");
-    let (tmp, _) = temp_config(&std::fs::read_to_string(dir.join("gpt2.json")).expect("shared config"));
+    let (tmp, _) =
+        temp_config(&std::fs::read_to_string(dir.join("gpt2.json")).expect("shared config"));
     let out = protrain(&["dump", tmp.path().to_str().expect("utf-8"), "--seq", "8"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("@transformer.h.11.mlp.c_proj.weight"));
@@ -106,15 +122,27 @@ fn dump_dot_renders_with_graphviz() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn();
-    let mut dot = dot.expect("graphviz's `dot` must be installed to run this test (apt-get install graphviz)");
+    let mut dot = dot
+        .expect("graphviz's `dot` must be installed to run this test (apt-get install graphviz)");
     {
         use std::io::Write;
-        dot.stdin.take().expect("stdin").write_all(&out.stdout).expect("feed dot");
+        dot.stdin
+            .take()
+            .expect("stdin")
+            .write_all(&out.stdout)
+            .expect("feed dot");
     }
     let rendered = dot.wait_with_output().expect("dot finishes");
-    assert!(rendered.status.success(), "dot failed: {}", String::from_utf8_lossy(&rendered.stderr));
+    assert!(
+        rendered.status.success(),
+        "dot failed: {}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
     let svg = String::from_utf8_lossy(&rendered.stdout);
-    assert!(svg.contains("<svg") && svg.contains("attention"), "dot produced no graph");
+    assert!(
+        svg.contains("<svg") && svg.contains("attention"),
+        "dot produced no graph"
+    );
 }
 
 #[test]
@@ -134,7 +162,8 @@ fn dump_json_reads_back_and_writes_to_a_file() {
         path.to_str().expect("utf-8"),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let graph = protrain::Graph::from_json(&std::fs::read_to_string(&path).expect("written")).expect("valid graph");
+    let graph = protrain::Graph::from_json(&std::fs::read_to_string(&path).expect("written"))
+        .expect("valid graph");
     assert_eq!(graph.info.batch, 2);
     let text = protrain(&["dump", "llama-tiny", "--batch", "2", "--seq", "16"]);
     assert_eq!(graph.to_text(), stdout(&text));
@@ -145,7 +174,13 @@ fn dump_autodiff_prints_backward_and_optimizer() {
     let out = protrain(&["dump", "mistral-tiny", "--stage", "autodiff", "--seq", "16"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    for needle in ["backward layer 1", "attention_backward", "rms_norm_backward", "adamw", "optimizer"] {
+    for needle in [
+        "backward layer 1",
+        "attention_backward",
+        "rms_norm_backward",
+        "adamw",
+        "optimizer",
+    ] {
         assert!(text.contains(needle), "autodiff dump lacks {needle}");
     }
 }
@@ -171,9 +206,15 @@ fn every_error_names_the_problem_and_the_way_out() {
         ("unknown model_type", vec!["info", &unknown_type.1]),
         ("hidden not divisible by heads", vec!["info", &heads.1]),
         ("heads not divisible by kv heads", vec!["info", &kv_heads.1]),
-        ("sequence too long", vec!["dump", "gpt2-tiny", "--seq", "4096"]),
+        (
+            "sequence too long",
+            vec!["dump", "gpt2-tiny", "--seq", "4096"],
+        ),
         ("empty batch", vec!["dump", "gpt2-tiny", "--batch", "0"]),
-        ("missing data file", vec!["train", "gpt2-tiny", "--data", "/nonexistent/tokens.npy"]),
+        (
+            "missing data file",
+            vec!["train", "gpt2-tiny", "--data", "/nonexistent/tokens.npy"],
+        ),
         ("bad learning rate", vec!["train", "gpt2-tiny", "--lr=-1"]),
         ("bad beta", vec!["train", "gpt2-tiny", "--beta2", "1.5"]),
     ];
@@ -199,7 +240,8 @@ fn train_on_the_synthetic_corpus_learns() {
     let losses: Vec<f64> = stdout(&out)
         .lines()
         .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object per line");
+            let v: serde_json::Value =
+                serde_json::from_str(line).expect("one JSON object per line");
             assert!(v["tokens_per_s"].as_f64().expect("tokens_per_s") > 0.0);
             v["loss"].as_f64().expect("loss")
         })
@@ -210,14 +252,27 @@ fn train_on_the_synthetic_corpus_learns() {
     // Uniform guessing over the 256-token vocabulary is ln 256 = 5.55; the corpus's entropy is
     // under 1 nat per token.
     assert!(first > 5.0, "first loss {first}");
-    assert!(last < 1.5, "the loss should fall from {first} to below 1.5, it ended at {last}");
+    assert!(
+        last < 1.5,
+        "the loss should fall from {first} to below 1.5, it ended at {last}"
+    );
 }
 
 #[test]
 fn train_log_json_is_deterministic_and_saves_weights() {
     let dir = tempfile::tempdir().expect("temp dir");
     let save = dir.path().join("w.safetensors");
-    let args = ["train", "llama-tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--log-json"];
+    let args = [
+        "train",
+        "llama-tiny",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--log-json",
+    ];
     let a = protrain(&args);
     let mut with_save = args.to_vec();
     with_save.extend(["--save", save.to_str().expect("utf-8")]);
@@ -226,26 +281,71 @@ fn train_log_json_is_deterministic_and_saves_weights() {
     let losses = |o: &Output| -> Vec<String> {
         stdout(o)
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["loss"].to_string())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).expect("JSON")["loss"].to_string()
+            })
             .collect()
     };
-    assert_eq!(losses(&a), losses(&b), "the same seed gives the same losses");
+    assert_eq!(
+        losses(&a),
+        losses(&b),
+        "the same seed gives the same losses"
+    );
     // The saved weights load back as the init of another run.
-    let c = protrain(&["train", "llama-tiny", "--steps", "1", "--batch", "2", "--seq", "16", "--log-json", "--init", save.to_str().expect("utf-8")]);
+    let c = protrain(&[
+        "train",
+        "llama-tiny",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--log-json",
+        "--init",
+        save.to_str().expect("utf-8"),
+    ]);
     assert!(c.status.success(), "{}", stderr(&c));
-    let resumed: f64 = serde_json::from_str::<serde_json::Value>(stdout(&c).lines().next().expect("a line")).expect("JSON")["loss"]
-        .as_f64()
-        .expect("loss");
+    let resumed: f64 =
+        serde_json::from_str::<serde_json::Value>(stdout(&c).lines().next().expect("a line"))
+            .expect("JSON")["loss"]
+            .as_f64()
+            .expect("loss");
     let first: f64 = losses(&a)[0].parse().expect("number");
-    assert!(resumed < first, "trained weights ({resumed}) should beat the initial ones ({first})");
+    assert!(
+        resumed < first,
+        "trained weights ({resumed}) should beat the initial ones ({first})"
+    );
 }
 
 #[test]
 fn train_rejects_weights_of_another_model() {
     let dir = tempfile::tempdir().expect("temp dir");
     let save = dir.path().join("gpt2.safetensors");
-    let out = protrain(&["train", "gpt2-tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--log-json", "--save", save.to_str().expect("utf-8")]);
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--log-json",
+        "--save",
+        save.to_str().expect("utf-8"),
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let err = check_error(&["train", "llama-tiny", "--steps", "1", "--init", save.to_str().expect("utf-8")]);
-    assert!(err.contains("model.embed_tokens.weight"), "the error should name a missing tensor: {err}");
+    let err = check_error(&[
+        "train",
+        "llama-tiny",
+        "--steps",
+        "1",
+        "--init",
+        save.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        err.contains("model.embed_tokens.weight"),
+        "the error should name a missing tensor: {err}"
+    );
 }

@@ -20,14 +20,25 @@ struct Expected {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 fn read_expected(dir: &std::path::Path) -> Expected {
     let text = std::fs::read_to_string(dir.join("expected.json")).expect("fixture expected.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("fixture JSON");
-    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("expected.json has no number {k}"));
-    let list = |k: &str| -> Vec<f64> { v[k].as_array().expect(k).iter().map(|x| x.as_f64().expect(k)).collect() };
+    let f = |k: &str| {
+        v[k].as_f64()
+            .unwrap_or_else(|| panic!("expected.json has no number {k}"))
+    };
+    let list = |k: &str| -> Vec<f64> {
+        v[k].as_array()
+            .expect(k)
+            .iter()
+            .map(|x| x.as_f64().expect(k))
+            .collect()
+    };
     Expected {
         optimizer: OptimizerConfig {
             lr: f("lr"),
@@ -54,7 +65,10 @@ struct Diff {
 
 fn diff(actual: &[f32], expected: &[f32]) -> Diff {
     assert_eq!(actual.len(), expected.len());
-    let mut d = Diff { max_abs: 0.0, scale: 0.0 };
+    let mut d = Diff {
+        max_abs: 0.0,
+        scale: 0.0,
+    };
     for (&a, &e) in actual.iter().zip(expected) {
         d.max_abs = d.max_abs.max((f64::from(a) - f64::from(e)).abs());
         d.scale = d.scale.max(f64::from(e).abs());
@@ -67,9 +81,15 @@ fn diff(actual: &[f32], expected: &[f32]) -> Diff {
 fn check(name: &str) {
     let dir = fixture(name);
     let expected = read_expected(&dir);
-    let config = protrain::models::load(dir.to_str().expect("utf-8 path")).expect("fixture config parses");
-    let forward = protrain::forward_graph(&config, expected.batch, expected.seq).expect("forward graph");
-    assert_eq!(forward.param_count(), expected.param_count, "{name}: parameter count");
+    let config =
+        protrain::models::load(dir.to_str().expect("utf-8 path")).expect("fixture config parses");
+    let forward =
+        protrain::forward_graph(&config, expected.batch, expected.seq).expect("forward graph");
+    assert_eq!(
+        forward.param_count(),
+        expected.param_count,
+        "{name}: parameter count"
+    );
     let graph = protrain::training_graph(&forward, &expected.optimizer).expect("training graph");
     let values = load_params(&graph, &dir.join("model.safetensors")).expect("weights load");
     let mut interp = Interpreter::new(&graph);
@@ -77,25 +97,39 @@ fn check(name: &str) {
         interp.set_param(id, data).expect("parameter sizes match");
     }
     let stream = TokenStream::open(dir.join("tokens.npy")).expect("tokens load");
-    let batcher = Batcher::new(stream, expected.batch as usize, expected.seq as usize).expect("batcher");
+    let batcher =
+        Batcher::new(stream, expected.batch as usize, expected.seq as usize).expect("batcher");
     let grads = WeightFile::open(dir.join("grads.safetensors")).expect("grads fixture");
     let finals = WeightFile::open(dir.join("final.safetensors")).expect("final fixture");
 
-    for (step, (&want_loss, &want_norm)) in expected.losses.iter().zip(&expected.grad_norms).enumerate() {
+    for (step, (&want_loss, &want_norm)) in
+        expected.losses.iter().zip(&expected.grad_norms).enumerate()
+    {
         let batch = batcher.batch(step as u64);
         let inputs: Vec<i32> = batch.inputs.iter().map(|&t| t as i32).collect();
         let targets: Vec<i32> = batch.targets.iter().map(|&t| t as i32).collect();
         let report = interp.step(&[&inputs, &targets]).expect("step runs");
         let rel = (f64::from(report.loss) - want_loss).abs() / want_loss.abs();
-        assert!(rel < 1e-4, "{name} step {step}: loss {} vs PyTorch {want_loss} (rel {rel:e})", report.loss);
+        assert!(
+            rel < 1e-4,
+            "{name} step {step}: loss {} vs PyTorch {want_loss} (rel {rel:e})",
+            report.loss
+        );
         if let Some(norm) = report.grad_norm {
             let rel = (f64::from(norm) - want_norm).abs() / want_norm;
-            assert!(rel < 1e-4, "{name} step {step}: grad norm {norm} vs PyTorch {want_norm}");
+            assert!(
+                rel < 1e-4,
+                "{name} step {step}: grad norm {norm} vs PyTorch {want_norm}"
+            );
         }
         if step == 0 {
             for (id, p) in graph.params() {
-                let want = grads.read_f32_vec(&p.name).expect("fixture holds every gradient");
-                let got = interp.param_grad(id).unwrap_or_else(|| panic!("{name}: {} has no gradient", p.name));
+                let want = grads
+                    .read_f32_vec(&p.name)
+                    .expect("fixture holds every gradient");
+                let got = interp
+                    .param_grad(id)
+                    .unwrap_or_else(|| panic!("{name}: {} has no gradient", p.name));
                 // Within 1e-4 of the tensor's largest gradient. A gradient that is zero in exact
                 // arithmetic (the key bias: softmax ignores a shift shared by every key) is
                 // rounding noise on both sides, so an absolute floor of 1e-7 applies too.
@@ -117,18 +151,26 @@ fn check(name: &str) {
         // sizeable fraction of lr either way. Elementwise bounds would be meaningless there;
         // the check is that the whole update agrees: the distance to PyTorch's weights is
         // within 2% of the distance PyTorch's weights travelled in three steps.
-        let want = finals.read_f32_vec(&p.name).expect("fixture holds every final weight");
+        let want = finals
+            .read_f32_vec(&p.name)
+            .expect("fixture holds every final weight");
         let got = interp.param(id);
         let norm = |pairs: &mut dyn Iterator<Item = (f32, f32)>| -> f64 {
-            pairs.map(|(a, b)| (f64::from(a) - f64::from(b)).powi(2)).sum::<f64>().sqrt()
+            pairs
+                .map(|(a, b)| (f64::from(a) - f64::from(b)).powi(2))
+                .sum::<f64>()
+                .sqrt()
         };
         let error = norm(&mut got.iter().copied().zip(want.iter().copied()));
         let travelled = norm(&mut want.iter().copied().zip(initial.iter().copied()));
         // A tensor whose whole gradient is noise (OPT's key bias: below 1e-6 everywhere) only
         // has to stay within what three updates of at most 2 * lr per element can reach.
-        let grad0 = grads.read_f32_vec(&p.name).expect("fixture holds every gradient");
+        let grad0 = grads
+            .read_f32_vec(&p.name)
+            .expect("fixture holds every gradient");
         let all_noise = grad0.iter().all(|g| g.abs() < 1e-6);
-        let reach = 2.0 * expected.optimizer.lr * expected.losses.len() as f64 * (want.len() as f64).sqrt();
+        let reach =
+            2.0 * expected.optimizer.lr * expected.losses.len() as f64 * (want.len() as f64).sqrt();
         assert!(
             error <= 0.02 * travelled || (all_noise && error <= reach),
             "{name}: final {} is {error:e} from PyTorch's, which moved {travelled:e} in {} steps",

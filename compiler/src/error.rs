@@ -11,6 +11,9 @@ pub enum CompileError {
     /// The forward graph has nothing to differentiate.
     #[error("the forward graph has no loss output; build it with a cross_entropy head")]
     NoLoss,
+    /// A placement policy does not fit the model.
+    #[error("bad policy: {0}")]
+    BadPolicy(String),
     /// An optimizer setting is out of range.
     #[error("{0}")]
     BadOptimizer(String),

@@ -2,10 +2,15 @@
 //! verified schedule. One pass per file; `pipeline` lists them in order.
 
 pub mod autodiff;
+pub mod chunk;
 pub mod cost;
+pub mod emit;
 pub mod error;
 pub mod pipeline;
+pub mod place;
 pub mod plan;
+pub mod simulate;
+pub mod streams;
 
 pub use autodiff::OptimizerConfig;
 pub use error::{CompileError, Result};

@@ -1,9 +1,17 @@
 //! The passes, in the order they run, each followed by the verifier.
+//!
+//! forward graph -> autodiff -> training graph -> chunk -> place(policy) -> streams -> plan ->
+//! emit -> Schedule. `search` runs `place..emit` for many policies.
 
 use crate::autodiff::{autodiff, OptimizerConfig};
+use crate::chunk::chunk;
+use crate::emit::{emit, HeaderInputs};
 use crate::error::Result;
+use crate::place::place;
+use crate::plan::plan_buffers;
+use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
-use protrain_ir::Graph;
+use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
 
 /// Runs the passes from a forward graph to the training graph: autodiff (forward + backward +
 /// optimizer). The verifier runs on the result.
@@ -12,4 +20,24 @@ pub fn training_graph(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Gr
     let graph = autodiff(forward, optimizer)?;
     verify_graph(&graph)?;
     Ok(graph)
+}
+
+/// Chunks a training graph's parameters (one rank).
+pub fn chunked(training: &Graph) -> ChunkTable {
+    chunk(training, 1)
+}
+
+/// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
+/// is verified after placement; the schedule's step time is left for the simulator.
+pub fn compile_policy(
+    training: &Graph,
+    chunks: &ChunkTable,
+    policy: &Policy,
+    header: HeaderInputs,
+) -> Result<Schedule> {
+    let placed = place(training, chunks, policy)?;
+    verify_graph(&placed.graph)?;
+    let mut streamed = streams(placed)?;
+    let planned = plan_buffers(&mut streamed);
+    Ok(emit(streamed, &planned, header))
 }

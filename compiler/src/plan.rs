@@ -624,3 +624,93 @@ mod tests {
         }
     }
 }
+
+/// The planning pass: gives every buffer of a streamed schedule its offset. Device buffers
+/// get offsets in one arena from their live ranges on the compute timeline (buffers live all
+/// step span it whole); host buffers are laid out one after another, since the host region
+/// holds chunks, gradients and swapped activations that are all live across the step.
+pub fn plan_buffers(streamed: &mut crate::streams::Streamed) -> Planned {
+    use protrain_ir::Space;
+    let end = streamed.compute_kernels.saturating_sub(1);
+    let device: Vec<usize> = (0..streamed.buffers.len())
+        .filter(|&i| streamed.buffers[i].buffer.space == Space::Device)
+        .collect();
+    let intervals: Vec<Interval> = device
+        .iter()
+        .map(|&i| {
+            let p = &streamed.buffers[i];
+            let (first, last) = p.live.unwrap_or((0, end));
+            Interval::new(
+                p.buffer.size,
+                crate::streams::BUFFER_ALIGN,
+                first,
+                last.max(first),
+            )
+        })
+        .collect();
+    let plan = plan_offsets(&intervals);
+    for (&i, &offset) in device.iter().zip(&plan.offsets) {
+        streamed.buffers[i].buffer.offset = offset;
+    }
+    let mut host = 0u64;
+    for p in streamed
+        .buffers
+        .iter_mut()
+        .filter(|p| p.buffer.space == Space::Host)
+    {
+        p.buffer.offset = host;
+        host = (host + p.buffer.size).div_ceil(crate::streams::BUFFER_ALIGN)
+            * crate::streams::BUFFER_ALIGN;
+    }
+
+    // What the device holds at the peak of live bytes.
+    let mut delta = vec![0i128; end as usize + 2];
+    for iv in &intervals {
+        delta[iv.first as usize] += i128::from(iv.size);
+        delta[iv.last as usize + 1] -= i128::from(iv.size);
+    }
+    let (mut live, mut peak_time, mut peak) = (0i128, 0u32, -1i128);
+    for (t, d) in delta.iter().enumerate().take(end as usize + 1) {
+        live += d;
+        if live > peak {
+            (peak, peak_time) = (live, t as u32);
+        }
+    }
+    let mut memory = protrain_ir::MemoryBreakdown::default();
+    for (&i, iv) in device.iter().zip(&intervals) {
+        if iv.first > peak_time || iv.last < peak_time {
+            continue;
+        }
+        use protrain_ir::BufferKind as K;
+        let slot = match streamed.buffers[i].buffer.kind {
+            K::Input => &mut memory.inputs,
+            K::PersistentChunk { .. } | K::OptimizerState { .. } => &mut memory.persistent,
+            K::ChunkSlot { .. } | K::GradChunk { .. } => &mut memory.chunk_buffers,
+            K::Workspace => &mut memory.workspace,
+            _ => &mut memory.activations,
+        };
+        *slot += iv.size;
+    }
+    Planned {
+        arena_bytes: plan.arena_bytes,
+        lower_bound_bytes: plan.lower_bound_bytes,
+        host_bytes: host,
+        memory,
+        strategy: plan.strategy,
+    }
+}
+
+/// What the planning pass decided.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    /// Bytes of the device arena.
+    pub arena_bytes: u64,
+    /// The peak of live device bytes: no placement needs less.
+    pub lower_bound_bytes: u64,
+    /// Bytes of the host region.
+    pub host_bytes: u64,
+    /// Device bytes by purpose at the peak of live bytes.
+    pub memory: protrain_ir::MemoryBreakdown,
+    /// The ordering whose arena was kept.
+    pub strategy: Strategy,
+}

@@ -17,7 +17,9 @@ pub fn assign_inits(config: &ModelConfig, graph: &mut Graph) {
         let fixed = |slot: usize| -> Option<ParamInit> {
             match (&op.kind, slot) {
                 (OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. }, 1) => Some(ParamInit::Ones),
-                (OpKind::LayerNorm { .. }, 2) | (OpKind::Linear { bias: true, .. }, 2) => Some(ParamInit::Zeros),
+                (OpKind::LayerNorm { .. }, 2) | (OpKind::Linear { bias: true, .. }, 2) => {
+                    Some(ParamInit::Zeros)
+                }
                 _ => None,
             }
         };
@@ -32,7 +34,8 @@ pub fn assign_inits(config: &ModelConfig, graph: &mut Graph) {
     let normal: Vec<(ParamId, ParamInit)> = graph
         .params()
         .map(|(id, p)| {
-            let scaled = matches!(config.architecture, Architecture::Gpt2) && p.name.ends_with("c_proj.weight");
+            let scaled = matches!(config.architecture, Architecture::Gpt2)
+                && p.name.ends_with("c_proj.weight");
             let std = if scaled { residual_std } else { std };
             (id, ParamInit::Normal { std })
         })

@@ -43,11 +43,16 @@ impl<'g> Interpreter<'g> {
     pub fn new(graph: &'g Graph) -> Self {
         let mut slots = vec![Slot::Empty; graph.values().len()];
         for (id, value) in graph.values() {
-            if matches!(value.role, Role::Param | Role::OptimizerState) && value.producer.is_none() {
+            if matches!(value.role, Role::Param | Role::OptimizerState) && value.producer.is_none()
+            {
                 slots[id.index()] = Slot::F32(vec![0.0; value.ty.numel() as usize]);
             }
         }
-        Self { graph, slots, step: 0 }
+        Self {
+            graph,
+            slots,
+            step: 0,
+        }
     }
 
     /// The graph being run.
@@ -100,14 +105,20 @@ impl<'g> Interpreter<'g> {
     fn f32(&self, value: ValueId) -> &[f32] {
         match &self.slots[value.index()] {
             Slot::F32(v) => v,
-            _ => panic!("{value} ({}) read before it was computed", self.graph.value(value).name),
+            _ => panic!(
+                "{value} ({}) read before it was computed",
+                self.graph.value(value).name
+            ),
         }
     }
 
     fn i32(&self, value: ValueId) -> &[i32] {
         match &self.slots[value.index()] {
             Slot::I32(v) => v,
-            _ => panic!("{value} ({}) is not a token tensor", self.graph.value(value).name),
+            _ => panic!(
+                "{value} ({}) is not a token tensor",
+                self.graph.value(value).name
+            ),
         }
     }
 
@@ -153,14 +164,29 @@ impl<'g> Interpreter<'g> {
         Ok(report)
     }
 
-    fn run(&mut self, kind: &OpKind, ins: &[ValueId], outs: &[ValueId], report: &mut StepReport) -> Result<()> {
-        let mut out: Vec<Vec<f32>> = outs.iter().map(|&v| vec![0.0; self.ty(v).numel() as usize]).collect();
+    fn run(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        outs: &[ValueId],
+        report: &mut StepReport,
+    ) -> Result<()> {
+        let mut out: Vec<Vec<f32>> = outs
+            .iter()
+            .map(|&v| vec![0.0; self.ty(v).numel() as usize])
+            .collect();
         let x = ins.first().map(|&v| self.ty(v));
         match kind {
             OpKind::Embedding { .. } => {
                 let table = self.ty(ins[1]);
                 let (vocab, channels) = (table.shape[0] as usize, table.shape[1] as usize);
-                kernels::embedding_forward(&mut out[0], self.i32(ins[0]), self.f32(ins[1]), vocab, channels)?;
+                kernels::embedding_forward(
+                    &mut out[0],
+                    self.i32(ins[0]),
+                    self.f32(ins[1]),
+                    vocab,
+                    channels,
+                )?;
             }
             OpKind::PositionEmbedding { offset } => {
                 let t = self.ty(ins[0]);
@@ -195,18 +221,40 @@ impl<'g> Interpreter<'g> {
                 let x = x.expect("arity checked");
                 let (rows, c) = (x.rows() as usize, x.last_dim() as usize);
                 let mut rstd = vec![0.0; rows];
-                kernels::rms_norm_forward(&mut out[0], &mut rstd, self.f32(ins[0]), self.f32(ins[1]), rows, c, *eps as f32);
+                kernels::rms_norm_forward(
+                    &mut out[0],
+                    &mut rstd,
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    rows,
+                    c,
+                    *eps as f32,
+                );
             }
             OpKind::Linear { bias, layout } => {
-                let (rows, d_in) = (x.expect("arity").rows() as usize, x.expect("arity").last_dim() as usize);
+                let (rows, d_in) = (
+                    x.expect("arity").rows() as usize,
+                    x.expect("arity").last_dim() as usize,
+                );
                 let d_out = self.ty(outs[0]).last_dim() as usize;
                 let b = bias.then(|| self.f32(ins[2]));
-                kernels::linear_forward(&mut out[0], self.f32(ins[0]), self.f32(ins[1]), b, layout_of(*layout), rows, d_in, d_out);
+                kernels::linear_forward(
+                    &mut out[0],
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    b,
+                    layout_of(*layout),
+                    rows,
+                    d_in,
+                    d_out,
+                );
             }
             OpKind::Gelu => kernels::gelu_forward(&mut out[0], self.f32(ins[0])),
             OpKind::Relu => kernels::relu_forward(&mut out[0], self.f32(ins[0])),
             OpKind::Silu => kernels::silu_forward(&mut out[0], self.f32(ins[0])),
-            OpKind::Swiglu => kernels::swiglu_forward(&mut out[0], self.f32(ins[0]), self.f32(ins[1])),
+            OpKind::Swiglu => {
+                kernels::swiglu_forward(&mut out[0], self.f32(ins[0]), self.f32(ins[1]))
+            }
             OpKind::Add => kernels::add_forward(&mut out[0], self.f32(ins[0]), self.f32(ins[1])),
             OpKind::Rope {
                 head_dim,
@@ -214,7 +262,8 @@ impl<'g> Interpreter<'g> {
                 scaling,
             } => {
                 let x = x.expect("arity");
-                let inv_freq = kernels::rope_inv_freq(*head_dim as usize, *theta, rope_scaling_of(scaling));
+                let inv_freq =
+                    kernels::rope_inv_freq(*head_dim as usize, *theta, rope_scaling_of(scaling));
                 kernels::rope_forward(
                     &mut out[0],
                     self.f32(ins[0]),
@@ -233,25 +282,46 @@ impl<'g> Interpreter<'g> {
                 qkv,
             } => {
                 let dims = attention_dims(self.ty(outs[0]), *heads, *kv_heads, *head_dim, *window);
-                let [o, lse] = &mut out[..] else { unreachable!() };
+                let [o, lse] = &mut out[..] else {
+                    unreachable!()
+                };
                 match qkv {
-                    QkvLayout::Separate => {
-                        kernels::attention_forward(o, lse, self.f32(ins[0]), self.f32(ins[1]), self.f32(ins[2]), dims)
+                    QkvLayout::Separate => kernels::attention_forward(
+                        o,
+                        lse,
+                        self.f32(ins[0]),
+                        self.f32(ins[1]),
+                        self.f32(ins[2]),
+                        dims,
+                    ),
+                    QkvLayout::Packed => {
+                        kernels::attention_forward_packed(o, lse, self.f32(ins[0]), dims)
                     }
-                    QkvLayout::Packed => kernels::attention_forward_packed(o, lse, self.f32(ins[0]), dims),
                 }
             }
             OpKind::CrossEntropy => {
                 let vocab = x.expect("arity").last_dim() as usize;
-                let [loss, lse] = &mut out[..] else { unreachable!() };
-                loss[0] = kernels::cross_entropy_forward(lse, self.f32(ins[0]), self.i32(ins[1]), vocab)?;
+                let [loss, lse] = &mut out[..] else {
+                    unreachable!()
+                };
+                loss[0] =
+                    kernels::cross_entropy_forward(lse, self.f32(ins[0]), self.i32(ins[1]), vocab)?;
                 report.loss = loss[0];
             }
             OpKind::EmbeddingBackward { padding_idx, .. } => {
-                let [dtable] = &mut out[..] else { unreachable!() };
+                let [dtable] = &mut out[..] else {
+                    unreachable!()
+                };
                 let channels = self.ty(ins[1]).last_dim() as usize;
                 let vocab = dtable.len() / channels;
-                kernels::embedding_backward(dtable, self.f32(ins[1]), self.i32(ins[0]), vocab, channels, false);
+                kernels::embedding_backward(
+                    dtable,
+                    self.f32(ins[1]),
+                    self.i32(ins[0]),
+                    vocab,
+                    channels,
+                    false,
+                );
                 // PyTorch's padding_idx: lookups of the pad row contribute no gradient. This
                 // output holds only lookup contributions, so the pad row is cleared whole.
                 if let Some(pad) = padding_idx.map(|p| p as usize).filter(|&p| p < vocab) {
@@ -274,18 +344,63 @@ impl<'g> Interpreter<'g> {
             OpKind::LayerNormBackward { eps } => {
                 let x = x.expect("arity");
                 let (rows, c) = (x.rows() as usize, x.last_dim() as usize);
-                let (mut mean, mut rstd, mut y) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows * c]);
-                kernels::layer_norm_forward(&mut y, &mut mean, &mut rstd, self.f32(ins[0]), self.f32(ins[1]), None, rows, c, *eps as f32);
-                let [dx, dw, db] = &mut out[..] else { unreachable!() };
-                kernels::layer_norm_backward(dx, dw, Some(db), self.f32(ins[2]), self.f32(ins[0]), self.f32(ins[1]), &mean, &rstd, rows, c, false);
+                let (mut mean, mut rstd, mut y) =
+                    (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows * c]);
+                kernels::layer_norm_forward(
+                    &mut y,
+                    &mut mean,
+                    &mut rstd,
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    None,
+                    rows,
+                    c,
+                    *eps as f32,
+                );
+                let [dx, dw, db] = &mut out[..] else {
+                    unreachable!()
+                };
+                kernels::layer_norm_backward(
+                    dx,
+                    dw,
+                    Some(db),
+                    self.f32(ins[2]),
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    &mean,
+                    &rstd,
+                    rows,
+                    c,
+                    false,
+                );
             }
             OpKind::RmsNormBackward { eps } => {
                 let x = x.expect("arity");
                 let (rows, c) = (x.rows() as usize, x.last_dim() as usize);
                 let (mut rstd, mut y) = (vec![0.0; rows], vec![0.0; rows * c]);
-                kernels::rms_norm_forward(&mut y, &mut rstd, self.f32(ins[0]), self.f32(ins[1]), rows, c, *eps as f32);
-                let [dx, dw] = &mut out[..] else { unreachable!() };
-                kernels::rms_norm_backward(dx, dw, self.f32(ins[2]), self.f32(ins[0]), self.f32(ins[1]), &rstd, rows, c, false);
+                kernels::rms_norm_forward(
+                    &mut y,
+                    &mut rstd,
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    rows,
+                    c,
+                    *eps as f32,
+                );
+                let [dx, dw] = &mut out[..] else {
+                    unreachable!()
+                };
+                kernels::rms_norm_backward(
+                    dx,
+                    dw,
+                    self.f32(ins[2]),
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    &rstd,
+                    rows,
+                    c,
+                    false,
+                );
             }
             OpKind::LinearBackward { bias, layout } => {
                 let x = x.expect("arity");
@@ -293,15 +408,45 @@ impl<'g> Interpreter<'g> {
                 let d_out = self.ty(ins[2]).last_dim() as usize;
                 let (dx, rest) = out.split_first_mut().expect("at least dx");
                 let (dw, rest) = rest.split_first_mut().expect("dweight");
-                let db = if *bias { rest.first_mut().map(|v| v.as_mut_slice()) } else { None };
-                kernels::linear_backward(Some(dx), dw, db, self.f32(ins[2]), self.f32(ins[0]), self.f32(ins[1]), layout_of(*layout), rows, d_in, d_out, false);
+                let db = if *bias {
+                    rest.first_mut().map(|v| v.as_mut_slice())
+                } else {
+                    None
+                };
+                kernels::linear_backward(
+                    Some(dx),
+                    dw,
+                    db,
+                    self.f32(ins[2]),
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                    layout_of(*layout),
+                    rows,
+                    d_in,
+                    d_out,
+                    false,
+                );
             }
-            OpKind::GeluBackward => kernels::gelu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0])),
-            OpKind::ReluBackward => kernels::relu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0])),
-            OpKind::SiluBackward => kernels::silu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0])),
+            OpKind::GeluBackward => {
+                kernels::gelu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0]))
+            }
+            OpKind::ReluBackward => {
+                kernels::relu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0]))
+            }
+            OpKind::SiluBackward => {
+                kernels::silu_backward(&mut out[0], self.f32(ins[1]), self.f32(ins[0]))
+            }
             OpKind::SwigluBackward => {
-                let [dgate, dup] = &mut out[..] else { unreachable!() };
-                kernels::swiglu_backward(dgate, dup, self.f32(ins[2]), self.f32(ins[0]), self.f32(ins[1]));
+                let [dgate, dup] = &mut out[..] else {
+                    unreachable!()
+                };
+                kernels::swiglu_backward(
+                    dgate,
+                    dup,
+                    self.f32(ins[2]),
+                    self.f32(ins[0]),
+                    self.f32(ins[1]),
+                );
             }
             OpKind::RopeBackward {
                 head_dim,
@@ -309,7 +454,8 @@ impl<'g> Interpreter<'g> {
                 scaling,
             } => {
                 let x = x.expect("arity");
-                let inv_freq = kernels::rope_inv_freq(*head_dim as usize, *theta, rope_scaling_of(scaling));
+                let inv_freq =
+                    kernels::rope_inv_freq(*head_dim as usize, *theta, rope_scaling_of(scaling));
                 kernels::rope_backward(
                     &mut out[0],
                     self.f32(ins[0]),
@@ -328,8 +474,11 @@ impl<'g> Interpreter<'g> {
                 qkv,
             } => match qkv {
                 QkvLayout::Separate => {
-                    let dims = attention_dims(self.ty(ins[3]), *heads, *kv_heads, *head_dim, *window);
-                    let [dq, dk, dv] = &mut out[..] else { unreachable!() };
+                    let dims =
+                        attention_dims(self.ty(ins[3]), *heads, *kv_heads, *head_dim, *window);
+                    let [dq, dk, dv] = &mut out[..] else {
+                        unreachable!()
+                    };
                     kernels::attention_backward(
                         dq,
                         dk,
@@ -344,21 +493,36 @@ impl<'g> Interpreter<'g> {
                     );
                 }
                 QkvLayout::Packed => {
-                    let dims = attention_dims(self.ty(ins[1]), *heads, *kv_heads, *head_dim, *window);
-                    kernels::attention_backward_packed(&mut out[0], self.f32(ins[3]), self.f32(ins[0]), self.f32(ins[1]), self.f32(ins[2]), dims);
+                    let dims =
+                        attention_dims(self.ty(ins[1]), *heads, *kv_heads, *head_dim, *window);
+                    kernels::attention_backward_packed(
+                        &mut out[0],
+                        self.f32(ins[3]),
+                        self.f32(ins[0]),
+                        self.f32(ins[1]),
+                        self.f32(ins[2]),
+                        dims,
+                    );
                 }
             },
             OpKind::CrossEntropyBackward => {
                 let vocab = x.expect("arity").last_dim() as usize;
-                kernels::cross_entropy_backward(&mut out[0], self.f32(ins[0]), self.f32(ins[2]), self.i32(ins[1]), vocab, 1.0);
+                kernels::cross_entropy_backward(
+                    &mut out[0],
+                    self.f32(ins[0]),
+                    self.f32(ins[2]),
+                    self.i32(ins[1]),
+                    vocab,
+                    1.0,
+                );
             }
             OpKind::GradNormSq => {
-                let total: f64 = ins.iter().map(|&g| kernels::grad_norm_sq(self.f32(g))).sum();
-                out[0][0] = total as f32;
-                report.grad_norm = Some(total.sqrt() as f32);
+                out[0][0] = kernels::grad_norm_sq(self.f32(ins[0])) as f32;
             }
             OpKind::ClipCoef { max_norm } => {
-                out[0][0] = kernels::clip_coef(self.f32(ins[0])[0].sqrt(), *max_norm);
+                let total: f64 = ins.iter().map(|&p| f64::from(self.f32(p)[0])).sum();
+                out[0][0] = kernels::clip_coef(total.sqrt() as f32, *max_norm);
+                report.grad_norm = Some(total.sqrt() as f32);
             }
             OpKind::AdamW {
                 lr,
@@ -425,7 +589,13 @@ fn rope_scaling_of(scaling: &protrain_ir::RopeScaling) -> kernels::RopeScaling {
 }
 
 /// Attention dimensions from the output type `[B,T,H*D]`.
-fn attention_dims(out: &TensorType, heads: u64, kv_heads: u64, head_dim: u64, window: Option<u64>) -> AttentionDims {
+fn attention_dims(
+    out: &TensorType,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    window: Option<u64>,
+) -> AttentionDims {
     AttentionDims {
         batch: out.shape[0] as usize,
         seq: out.shape[1] as usize,

@@ -37,7 +37,9 @@ pub fn init_params(graph: &Graph, seed: u64) -> Vec<Vec<f32>> {
                 ParamInit::Ones => vec![1.0; n],
                 ParamInit::Zeros => vec![0.0; n],
                 ParamInit::Normal { std } => {
-                    let mut rng = SplitMix64(seed ^ (u64::from(id.0) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                    let mut rng = SplitMix64(
+                        seed ^ (u64::from(id.0) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
+                    );
                     let mut out = Vec::with_capacity(n);
                     while out.len() < n {
                         let (u1, u2) = (rng.uniform(), rng.uniform());
@@ -61,10 +63,18 @@ pub fn expected_tensors(graph: &Graph) -> Vec<ExpectedTensor> {
     graph
         .params()
         .map(|(_, p)| {
-            let shape: Vec<usize> = graph.value(p.value).ty.shape.iter().map(|&d| d as usize).collect();
+            let shape: Vec<usize> = graph
+                .value(p.value)
+                .ty
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .collect();
             p.aliases
                 .iter()
-                .fold(ExpectedTensor::new(p.name.clone(), shape), |e, alias| e.alias(alias.clone()))
+                .fold(ExpectedTensor::new(p.name.clone(), shape), |e, alias| {
+                    e.alias(alias.clone())
+                })
         })
         .collect()
 }
@@ -80,10 +90,23 @@ pub fn load_params(graph: &Graph, path: &Path) -> Result<Vec<Vec<f32>>> {
 
 /// Saves parameters under their Hugging Face names (tied aliases are not written twice, as
 /// `save_pretrained` does), atomically.
-pub fn save_params(graph: &Graph, values: &[Vec<f32>], path: &Path, dtype: StorageDtype) -> Result<()> {
+pub fn save_params(
+    graph: &Graph,
+    values: &[Vec<f32>],
+    path: &Path,
+    dtype: StorageDtype,
+) -> Result<()> {
     let shapes: Vec<Vec<usize>> = graph
         .params()
-        .map(|(_, p)| graph.value(p.value).ty.shape.iter().map(|&d| d as usize).collect())
+        .map(|(_, p)| {
+            graph
+                .value(p.value)
+                .ty
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .collect()
+        })
         .collect();
     let tensors: Vec<(&str, &[usize], &[f32])> = graph
         .params()

@@ -18,19 +18,28 @@ pub fn run(args: Args) -> Result<()> {
     let config = protrain::models::load(&args.model)?;
     let info = config.info()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&info).expect("info serialises"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&info).expect("info serialises")
+        );
         return Ok(());
     }
     let states = &info.model_state_bytes;
     println!("{} ({})", info.name, info.model_type);
     println!("  layers             {}", info.layers);
     println!("  hidden size        {}", info.hidden);
-    println!("  heads              {} (KV heads {}, head dim {})", info.heads, info.kv_heads, info.head_dim);
+    println!(
+        "  heads              {} (KV heads {}, head dim {})",
+        info.heads, info.kv_heads, info.head_dim
+    );
     println!("  intermediate size  {}", info.intermediate);
     println!("  vocab              {}", info.vocab);
     println!("  max positions      {}", info.max_positions);
     println!("  parameters         {}", format_count(info.parameters));
-    println!("  model states       {} (16 bytes per parameter)", format_bytes(states.total));
+    println!(
+        "  model states       {} (16 bytes per parameter)",
+        format_bytes(states.total)
+    );
     println!("    bf16 params      {}", format_bytes(states.params));
     println!("    bf16 grads       {}", format_bytes(states.grads));
     println!("    fp32 master      {}", format_bytes(states.master));

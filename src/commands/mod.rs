@@ -28,6 +28,10 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<()> {
 
 /// The sequence length to use: the one asked for, else `default` capped at the model's
 /// position limit.
-pub fn seq_or_default(config: &protrain::models::ModelConfig, seq: Option<u64>, default: u64) -> u64 {
+pub fn seq_or_default(
+    config: &protrain::models::ModelConfig,
+    seq: Option<u64>,
+    default: u64,
+) -> u64 {
     seq.unwrap_or_else(|| default.min(config.max_position_embeddings))
 }

@@ -31,10 +31,16 @@ pub fn run(args: Args) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&list).expect("json values serialise"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&list).expect("json values serialise")
+        );
         return Ok(());
     }
-    println!("{:<14} {:<8} {:>16}  DESCRIPTION", "NAME", "TYPE", "PARAMETERS");
+    println!(
+        "{:<14} {:<8} {:>16}  DESCRIPTION",
+        "NAME", "TYPE", "PARAMETERS"
+    );
     for (preset, info) in rows {
         println!(
             "{:<14} {:<8} {:>16}  {}",

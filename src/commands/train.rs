@@ -83,7 +83,9 @@ pub fn run(args: Args) -> Result<()> {
     let stream = match &args.data {
         Some(path) => TokenStream::open(path)?,
         None => {
-            let wanted = tokens_per_step.saturating_mul(args.steps.max(1) as usize).saturating_add(1);
+            let wanted = tokens_per_step
+                .saturating_mul(args.steps.max(1) as usize)
+                .saturating_add(1);
             SyntheticCorpus::new(vocab, args.seed)?.stream(wanted.min(1 << 24))
         }
     };
@@ -103,7 +105,9 @@ pub fn run(args: Args) -> Result<()> {
             "training {} ({} parameters) on {}: {} steps of {}x{} tokens, lr {}",
             config.name,
             protrain::ir::format_count(graph.param_count()),
-            args.data.as_ref().map_or("the synthetic corpus".into(), |p| p.display().to_string()),
+            args.data
+                .as_ref()
+                .map_or("the synthetic corpus".into(), |p| p.display().to_string()),
             args.steps,
             args.batch,
             seq,
@@ -115,8 +119,10 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         let bar = ProgressBar::new(args.steps);
         bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]")
-                .expect("the template is valid"),
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
+            )
+            .expect("the template is valid"),
         );
         bar
     };
@@ -124,7 +130,10 @@ pub fn run(args: Args) -> Result<()> {
     // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
     let row = |text: String| bar.suspend(|| println!("{text}"));
     if !args.log_json {
-        row(format!("{:>6}  {:>10}  {:>10}  {:>12}", "step", "loss", "grad norm", "tokens/s"));
+        row(format!(
+            "{:>6}  {:>10}  {:>10}  {:>12}",
+            "step", "loss", "grad norm", "tokens/s"
+        ));
     }
     let started = Instant::now();
     let mut losses = Vec::with_capacity(args.steps as usize);
@@ -150,7 +159,13 @@ pub fn run(args: Args) -> Result<()> {
             bar.inc(1);
             if (step + 1) % report_every == 0 || step == 0 {
                 let norm = report.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-                row(format!("{:>6}  {:>10.4}  {:>10}  {:>12.0}", step + 1, report.loss, norm, tokens_per_s));
+                row(format!(
+                    "{:>6}  {:>10.4}  {:>10}  {:>12.0}",
+                    step + 1,
+                    report.loss,
+                    norm,
+                    tokens_per_s
+                ));
             }
         }
         if !report.loss.is_finite() {
@@ -177,7 +192,10 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     if let Some(path) = &args.save {
-        let values: Vec<Vec<f32>> = graph.params().map(|(id, _)| interpreter.param(id).to_vec()).collect();
+        let values: Vec<Vec<f32>> = graph
+            .params()
+            .map(|(id, _)| interpreter.param(id).to_vec())
+            .collect();
         save_params(&graph, &values, path, StorageDtype::F32)?;
         if !args.log_json {
             println!("saved weights to {}", path.display());

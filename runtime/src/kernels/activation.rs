@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{sigmoid, ELEM_GRAIN};
+use super::math::{fast, sigmoid, ELEM_GRAIN};
 
 /// `sqrt(2 / pi)`.
 const GELU_K: f32 = 0.797_884_6;
@@ -18,9 +18,11 @@ fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(ELEM_GRAIN)
         .zip(x.par_chunks(ELEM_GRAIN))
         .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
+            fast(|| {
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = f(x);
+                }
+            })
         });
 }
 
@@ -31,9 +33,11 @@ fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Syn
     out.par_chunks_mut(ELEM_GRAIN)
         .zip(a.par_chunks(ELEM_GRAIN).zip(b.par_chunks(ELEM_GRAIN)))
         .for_each(|(o, (a, b))| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = f(a, b);
-            }
+            fast(|| {
+                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                    *o = f(a, b);
+                }
+            })
         });
 }
 
@@ -99,7 +103,12 @@ pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
 /// silu(gate)`, both overwritten.
 pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &[f32], up: &[f32]) {
     let n = dout.len();
-    for (len, what) in [(dgate.len(), "dgate"), (dup.len(), "dup"), (gate.len(), "gate"), (up.len(), "up")] {
+    for (len, what) in [
+        (dgate.len(), "dgate"),
+        (dup.len(), "dup"),
+        (gate.len(), "gate"),
+        (up.len(), "up"),
+    ] {
         assert_eq!(len, n, "swiglu_backward: {what} length differs from dout");
     }
     dgate
@@ -108,11 +117,13 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
         .zip(dout.par_chunks(ELEM_GRAIN))
         .zip(gate.par_chunks(ELEM_GRAIN).zip(up.par_chunks(ELEM_GRAIN)))
         .for_each(|(((dg, du), d), (g, u))| {
-            for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
-                let s = sigmoid(g);
-                *du = d * (g * s);
-                *dg = d * u * (s * (1.0 + g * (1.0 - s)));
-            }
+            fast(|| {
+                for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
+                    let s = sigmoid(g);
+                    *du = d * (g * s);
+                    *dg = d * u * (s * (1.0 + g * (1.0 - s)));
+                }
+            })
         });
 }
 
@@ -128,7 +139,11 @@ mod tests {
         (0..n)
             .map(|_| {
                 let v = 4.0 * rng.uniform();
-                if v.abs() < 0.05 { v.signum() * 0.05 + v } else { v }
+                if v.abs() < 0.05 {
+                    v.signum() * 0.05 + v
+                } else {
+                    v
+                }
             })
             .collect()
     }
@@ -159,7 +174,11 @@ mod tests {
         assert_close("silu", &unary(silu_forward, &x), &want, 1e-6);
         let mut out = vec![0.0; 64];
         swiglu_forward(&mut out, &x, &y);
-        let want: Vec<f64> = x.iter().zip(&y).map(|(&g, &u)| silu(g as f64) * u as f64).collect();
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&y)
+            .map(|(&g, &u)| silu(g as f64) * u as f64)
+            .collect();
         assert_close("swiglu", &out, &want, 1e-6);
         assert!(unary(relu_forward, &[f32::NAN])[0].is_nan());
     }
@@ -169,7 +188,11 @@ mod tests {
         let x = inputs(32, 40);
         let up = inputs(33, 40);
         let cot = Rng::new(34).vec(40);
-        type Pair = (fn(&mut [f32], &[f32]), fn(&mut [f32], &[f32], &[f32]), &'static str);
+        type Pair = (
+            fn(&mut [f32], &[f32]),
+            fn(&mut [f32], &[f32], &[f32]),
+            &'static str,
+        );
         let pairs: [Pair; 3] = [
             (gelu_forward, gelu_backward, "gelu"),
             (relu_forward, relu_backward, "relu"),

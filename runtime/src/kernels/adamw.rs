@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::math::ELEM_GRAIN;
+use super::math::{fast, ELEM_GRAIN};
 
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them. `f64` because torch does the
 /// scalar arithmetic (bias corrections, step size) in Python floats.
@@ -23,7 +23,13 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     /// torch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2.
     fn default() -> Self {
-        AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 }
+        AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        }
     }
 }
 
@@ -68,17 +74,6 @@ fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coeffs) {
     }
 }
 
-/// [`update`] compiled with FMA and AVX2, so `mul_add` is one instruction instead of a libm
-/// call. The results are the same bits: every operation is correctly rounded either way.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn update_fma(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coeffs) {
-    update(p, g, m, v, c)
-}
-
 /// One AdamW step over a parameter tensor, exactly as `torch.optim.AdamW(foreach=False)` on
 /// CPU, so results agree with PyTorch to the bit. `step` is the 1-based step count after
 /// this step's increment. Updates `param`, `exp_avg` and `exp_avg_sq` in place; all four
@@ -94,14 +89,18 @@ pub fn adamw_step(
     let n = param.len();
     assert_eq!(grad.len(), n, "adamw: grad length differs from param");
     assert_eq!(exp_avg.len(), n, "adamw: exp_avg length differs from param");
-    assert_eq!(exp_avg_sq.len(), n, "adamw: exp_avg_sq length differs from param");
+    assert_eq!(
+        exp_avg_sq.len(),
+        n,
+        "adamw: exp_avg_sq length differs from param"
+    );
     assert!(step >= 1, "adamw: step is 1-based");
     let t = step as f64;
     let bias_correction1 = 1.0 - cfg.beta1.powf(t);
     let bias_correction2 = 1.0 - cfg.beta2.powf(t);
     let step_size = cfg.lr / bias_correction1;
     let c = Coeffs {
-        decay: (cfg.weight_decay != 0.0).then(|| (1.0 - cfg.lr * cfg.weight_decay) as f32),
+        decay: (cfg.weight_decay != 0.0).then_some((1.0 - cfg.lr * cfg.weight_decay) as f32),
         lerp_w: (1.0 - cfg.beta1) as f32,
         beta2: cfg.beta2 as f32,
         one_minus_beta2: (1.0 - cfg.beta2) as f32,
@@ -109,21 +108,17 @@ pub fn adamw_step(
         eps: cfg.eps as f32,
         neg_step_size: (-step_size) as f32,
     };
-    #[cfg(target_arch = "x86_64")]
-    let fma = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     param
         .par_chunks_mut(ELEM_GRAIN)
         .zip(grad.par_chunks(ELEM_GRAIN))
-        .zip(exp_avg.par_chunks_mut(ELEM_GRAIN).zip(exp_avg_sq.par_chunks_mut(ELEM_GRAIN)))
-        .for_each(|((p, g), (m, v))| {
-            #[cfg(target_arch = "x86_64")]
-            if fma {
-                // SAFETY: the features were detected above.
-                unsafe { update_fma(p, g, m, v, c) };
-                return;
-            }
-            update(p, g, m, v, c);
-        });
+        .zip(
+            exp_avg
+                .par_chunks_mut(ELEM_GRAIN)
+                .zip(exp_avg_sq.par_chunks_mut(ELEM_GRAIN)),
+        )
+        // On AVX2 + FMA machines `mul_add` is one instruction; elsewhere a libm call. Both
+        // round once, so the bits are the same.
+        .for_each(|((p, g), (m, v))| fast(|| update(p, g, m, v, c)));
 }
 
 /// `sum x^2` in f64 (each square is exact in f64). Summed over a binary tree of fixed-size
@@ -162,7 +157,8 @@ pub fn clip_coef(total_norm: f32, max_norm: f64) -> f32 {
 
 /// `x *= s` in place.
 pub fn scale(x: &mut [f32], s: f32) {
-    x.par_chunks_mut(ELEM_GRAIN).for_each(|c| c.iter_mut().for_each(|v| *v *= s));
+    x.par_chunks_mut(ELEM_GRAIN)
+        .for_each(|c| c.iter_mut().for_each(|v| *v *= s));
 }
 
 #[cfg(test)]
@@ -177,36 +173,97 @@ mod tests {
         // Step 2: p = 0.890000002 * 0.99; m = 0.045 - 0.025 = 0.02; v = 2.4975e-4 + 6.25e-5
         //         = 3.1225e-4; m_hat = 0.02 / 0.19; sqrt(v_hat) = sqrt(3.1225e-4 / 0.001999)
         //         = 0.3952254; p = 0.8811000020 - 0.1 * 0.1052632 / 0.3952254 = 0.8544663.
-        let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+        let cfg = AdamWConfig {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let (mut p, mut m, mut v) = ([1.0f32], [0.0f32], [0.0f32]);
         adamw_step(&mut p, &[0.5], &mut m, &mut v, 1, &cfg);
-        assert!((p[0] - 0.890_000_002).abs() < 1e-7, "{}", p[0]);
+        assert!((p[0] as f64 - 0.890_000_002).abs() < 1e-7, "{}", p[0]);
         assert!((m[0] - 0.05).abs() < 1e-8 && (v[0] - 2.5e-4).abs() < 1e-10);
         adamw_step(&mut p, &[-0.25], &mut m, &mut v, 2, &cfg);
-        assert!((p[0] - 0.854_466_3).abs() < 1e-7, "{}", p[0]);
+        assert!((p[0] as f64 - 0.854_466_3).abs() < 1e-7, "{}", p[0]);
         assert!((m[0] - 0.02).abs() < 1e-8 && (v[0] - 3.1225e-4).abs() < 1e-10);
     }
 
-    /// Printed by torch 2.15 on CPU (AVX512 kernels): 37 parameters from `torch.randn` with
+    /// Printed by `make_fixtures.py` beside this file (torch 2.15, CPU, AVX-512): 37 parameters from `torch.randn` with
     /// seed 0, three steps with gradients `randn * (1, 0.01, 3)`, `AdamW(lr=3e-3,
     /// betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)`; f32 bit patterns.
     mod torch_fixture {
-        pub const P0: &[u32] = &[0xbf901b85, 0xbf93808a, 0xbe804bd6, 0xbede255d, 0x3f594515, 0x3f312783, 0xbea1cc6d, 0xc0075fc1, 0x3ea50138, 0xbfa1b4f4, 0x3eb330ff, 0x3e9dc3bb, 0x3df56f77, 0x3f9e6b93, 0x3f8ef28e, 0xbe7d367c, 0xbfad23c2, 0xbfd91446, 0x3f111004, 0x3f4b235d, 0x3f194d8b, 0x3de637d6, 0x3f240af8, 0x3ee1df3c, 0xbe5d0b42, 0xbf3e17a3, 0x3f100e82, 0x3e84ede2, 0xbe3222d5, 0x40135755, 0xbfbc04b7, 0xbfcb189e, 0x3f9a033c, 0x3dad2087, 0xbf999e2b, 0xbb9cd1ae, 0xbf04a08d];
-        pub const G: [&[u32]; 3] = [
-            &[0xbec89408, 0x3f0b155d, 0xbeca5217, 0x3e527552, 0xbee6919f, 0xbf12b52e, 0xbf0e2bf8, 0x3f18258e, 0xbf9df823, 0x3fe8ecc2, 0xbf0d30fc, 0xbfa9a448, 0x3e411430, 0xbd8d75fb, 0xbefd66db, 0xbfbf7a24, 0x40244d8b, 0xbef23cc2, 0x3eabcd4f, 0x3fc12ae8, 0x40053ec2, 0x3f959790, 0x3ec9fc44, 0x3ff881d4, 0x3f4a9f9e, 0xbca5e729, 0xbedfd4b0, 0x3fd2abc5, 0xbfae1a04, 0x3f775fa7, 0x3fcff8e5, 0xbebb3263, 0xbfa6b65e, 0x3dcb940b, 0x3ee2367f, 0x3e7cda46, 0x3d9d76ef],
-            &[0x3b38fc95, 0x3b8e497d, 0xbc037afe, 0xbc54340b, 0xbbf5d1c9, 0xbc56f3d4, 0xbb0f6a33, 0xbcc77b05, 0xbb8c84de, 0x3b18a534, 0x3c028fdf, 0xbaf2468f, 0xbb729467, 0xbc464ae2, 0xbbcc0bbc, 0xbb97f3d6, 0xbbc5cf85, 0xbc51834c, 0x3a73a9d8, 0xbbda447e, 0x3bc73eb2, 0x3c2166e7, 0xbb2a28a0, 0x3a9b1b53, 0x3b1fe192, 0x3c3ecee4, 0x3b3d1f0b, 0x3b7d5c57, 0xbb03c4ed, 0x3bac34ae, 0x3afbeb4c, 0xbbfd0537, 0xbc9bad21, 0x3aab4813, 0xbbe6c875, 0x3b4e416a, 0x3ace4c4a],
-            &[0xbf73aeaa, 0x4039b125, 0xc03e49b3, 0x3f67a20a, 0xbea4d6bc, 0x403fb424, 0xbfbf81a8, 0x40122220, 0xc0155337, 0x3f713076, 0x3f23d6f9, 0xbeb865e8, 0x3f8a6aa2, 0xbf712dcb, 0xc04f1ca8, 0x3f38f146, 0xc0620c34, 0xbe4b31cc, 0xbf899bbd, 0xc095e8f1, 0xbf882eda, 0x3f03b86e, 0x4028335a, 0xbf5c7bae, 0x404427a7, 0xbfc44098, 0xc0a48493, 0xbfc3dd68, 0xbfb65be5, 0x3ffe5030, 0xc0679c2d, 0x3fe941c0, 0xbfd21bb4, 0xc0534ac6, 0xc00a43b5, 0x3d129a21, 0x3f827909],
+        pub const P0: &[u32] = &[
+            0xbf901b85, 0xbf93808a, 0xbe804bd6, 0xbede255d, 0x3f594515, 0x3f312783, 0xbea1cc6d,
+            0xc0075fc1, 0x3ea50138, 0xbfa1b4f4, 0x3eb330ff, 0x3e9dc3bb, 0x3df56f77, 0x3f9e6b93,
+            0x3f8ef28e, 0xbe7d367c, 0xbfad23c2, 0xbfd91446, 0x3f111004, 0x3f4b235d, 0x3f194d8b,
+            0x3de637d6, 0x3f240af8, 0x3ee1df3c, 0xbe5d0b42, 0xbf3e17a3, 0x3f100e82, 0x3e84ede2,
+            0xbe3222d5, 0x40135755, 0xbfbc04b7, 0xbfcb189e, 0x3f9a033c, 0x3dad2087, 0xbf999e2b,
+            0xbb9cd1ae, 0xbf04a08d,
         ];
-        pub const P3: &[u32] = &[0xbf8f09fe, 0xbf9449a4, 0xbe790d5a, 0xbee18b44, 0x3f5afe0d, 0x3f31e68c, 0xbe9de556, 0xc007b538, 0x3ea8a925, 0xbfa27ffe, 0x3eb55bc9, 0x3ea14028, 0x3de6b2bd, 0x3f9f3934, 0x3f8fbbbf, 0xbe773b1e, 0xbfad8bd6, 0xbfd7f16b, 0x3f0ffc00, 0x3f4a0218, 0x3f17bdaa, 0x3dd71049, 0x3f221457, 0x3edec183, 0xbe644199, 0xbf3c82e5, 0x3f11b8b6, 0x3e825081, 0xbe2a4d2a, 0x4012bbe5, 0xbfbc5a9b, 0xbfca7586, 0x3f9ad6a5, 0x3da655bd, 0xbf99ec2e, 0xbc4014ac, 0xbf0650bf];
-        pub const M3: &[u32] = &[0xbe01b4da, 0x3eab4902, 0xbea8fcf2, 0x3dd90369, 0xbd8e05c7, 0x3e80fde2, 0xbe477873, 0x3e8c6ead, 0xbeaad6f7, 0x3e77a02c, 0x3ca431c9, 0xbe12fa51, 0x3dfc1020, 0xbdcea1da, 0xbeba8085, 0xbd4a1c32, 0xbe154bca, 0xbd72f62f, 0xbda45694, 0xbeb19396, 0x3d809971, 0x3e16881e, 0x3e96cd39, 0x3d91e599, 0x3ebddc81, 0xbe1d9bbc, 0xbf0c9ceb, 0xbc9e9108, 0xbe8171f6, 0x3e8e0ac0, 0xbe6ba209, 0x3e1b9166, 0xbe8aef0c, 0xbea4d9db, 0xbe3939cb, 0x3cc37d42, 0x3dddcd1c];
-        pub const V3: &[u32] = &[0x3d55ef0d, 0x3ede5458, 0x3ee5eb23, 0x3d2f8221, 0x3c6ae3a1, 0x3eed4804, 0x3e00dc41, 0x3e8da4c3, 0x3eae8d5f, 0x3e4675e5, 0x3d0c1eff, 0x3daf9c3d, 0x3d761028, 0x3d36aed9, 0x3f08e0ce, 0x3e02200c, 0x3f6bd0dc, 0x3c45e05d, 0x3d80c187, 0x3f999c69, 0x3e811fb8, 0x3d99580a, 0x3eb46ada, 0x3e542643, 0x3efef428, 0x3df0c50a, 0x3faa446b, 0x3e750e9d, 0x3e3d68b2, 0x3e7541fd, 0x3f4621a8, 0x3e30350b, 0x3e585b6d, 0x3f0ba0b4, 0x3e77fc62, 0x3b388b2d, 0x3d55e1ec];
+        pub const G: [&[u32]; 3] = [
+            &[
+                0xbec89408, 0x3f0b155d, 0xbeca5217, 0x3e527552, 0xbee6919f, 0xbf12b52e, 0xbf0e2bf8,
+                0x3f18258e, 0xbf9df823, 0x3fe8ecc2, 0xbf0d30fc, 0xbfa9a448, 0x3e411430, 0xbd8d75fb,
+                0xbefd66db, 0xbfbf7a24, 0x40244d8b, 0xbef23cc2, 0x3eabcd4f, 0x3fc12ae8, 0x40053ec2,
+                0x3f959790, 0x3ec9fc44, 0x3ff881d4, 0x3f4a9f9e, 0xbca5e729, 0xbedfd4b0, 0x3fd2abc5,
+                0xbfae1a04, 0x3f775fa7, 0x3fcff8e5, 0xbebb3263, 0xbfa6b65e, 0x3dcb940b, 0x3ee2367f,
+                0x3e7cda46, 0x3d9d76ef,
+            ],
+            &[
+                0x3b38fc95, 0x3b8e497d, 0xbc037afe, 0xbc54340b, 0xbbf5d1c9, 0xbc56f3d4, 0xbb0f6a33,
+                0xbcc77b05, 0xbb8c84de, 0x3b18a534, 0x3c028fdf, 0xbaf2468f, 0xbb729467, 0xbc464ae2,
+                0xbbcc0bbc, 0xbb97f3d6, 0xbbc5cf85, 0xbc51834c, 0x3a73a9d8, 0xbbda447e, 0x3bc73eb2,
+                0x3c2166e7, 0xbb2a28a0, 0x3a9b1b53, 0x3b1fe192, 0x3c3ecee4, 0x3b3d1f0b, 0x3b7d5c57,
+                0xbb03c4ed, 0x3bac34ae, 0x3afbeb4c, 0xbbfd0537, 0xbc9bad21, 0x3aab4813, 0xbbe6c875,
+                0x3b4e416a, 0x3ace4c4a,
+            ],
+            &[
+                0xbf73aeaa, 0x4039b125, 0xc03e49b3, 0x3f67a20a, 0xbea4d6bc, 0x403fb424, 0xbfbf81a8,
+                0x40122220, 0xc0155337, 0x3f713076, 0x3f23d6f9, 0xbeb865e8, 0x3f8a6aa2, 0xbf712dcb,
+                0xc04f1ca8, 0x3f38f146, 0xc0620c34, 0xbe4b31cc, 0xbf899bbd, 0xc095e8f1, 0xbf882eda,
+                0x3f03b86e, 0x4028335a, 0xbf5c7bae, 0x404427a7, 0xbfc44098, 0xc0a48493, 0xbfc3dd68,
+                0xbfb65be5, 0x3ffe5030, 0xc0679c2d, 0x3fe941c0, 0xbfd21bb4, 0xc0534ac6, 0xc00a43b5,
+                0x3d129a21, 0x3f827909,
+            ],
+        ];
+        pub const P3: &[u32] = &[
+            0xbf8f09fe, 0xbf9449a4, 0xbe790d5a, 0xbee18b44, 0x3f5afe0d, 0x3f31e68c, 0xbe9de556,
+            0xc007b538, 0x3ea8a925, 0xbfa27ffe, 0x3eb55bc9, 0x3ea14028, 0x3de6b2bd, 0x3f9f3934,
+            0x3f8fbbbf, 0xbe773b1e, 0xbfad8bd6, 0xbfd7f16b, 0x3f0ffc00, 0x3f4a0218, 0x3f17bdaa,
+            0x3dd71049, 0x3f221457, 0x3edec183, 0xbe644199, 0xbf3c82e5, 0x3f11b8b6, 0x3e825081,
+            0xbe2a4d2a, 0x4012bbe5, 0xbfbc5a9b, 0xbfca7586, 0x3f9ad6a5, 0x3da655bd, 0xbf99ec2e,
+            0xbc4014ac, 0xbf0650bf,
+        ];
+        pub const M3: &[u32] = &[
+            0xbe01b4da, 0x3eab4902, 0xbea8fcf2, 0x3dd90369, 0xbd8e05c7, 0x3e80fde2, 0xbe477873,
+            0x3e8c6ead, 0xbeaad6f7, 0x3e77a02c, 0x3ca431c9, 0xbe12fa51, 0x3dfc1020, 0xbdcea1da,
+            0xbeba8085, 0xbd4a1c32, 0xbe154bca, 0xbd72f62f, 0xbda45694, 0xbeb19396, 0x3d809971,
+            0x3e16881e, 0x3e96cd39, 0x3d91e599, 0x3ebddc81, 0xbe1d9bbc, 0xbf0c9ceb, 0xbc9e9108,
+            0xbe8171f6, 0x3e8e0ac0, 0xbe6ba209, 0x3e1b9166, 0xbe8aef0c, 0xbea4d9db, 0xbe3939cb,
+            0x3cc37d42, 0x3dddcd1c,
+        ];
+        pub const V3: &[u32] = &[
+            0x3d55ef0d, 0x3ede5458, 0x3ee5eb23, 0x3d2f8221, 0x3c6ae3a1, 0x3eed4804, 0x3e00dc41,
+            0x3e8da4c3, 0x3eae8d5f, 0x3e4675e5, 0x3d0c1eff, 0x3daf9c3d, 0x3d761028, 0x3d36aed9,
+            0x3f08e0ce, 0x3e02200c, 0x3f6bd0dc, 0x3c45e05d, 0x3d80c187, 0x3f999c69, 0x3e811fb8,
+            0x3d99580a, 0x3eb46ada, 0x3e542643, 0x3efef428, 0x3df0c50a, 0x3faa446b, 0x3e750e9d,
+            0x3e3d68b2, 0x3e7541fd, 0x3f4621a8, 0x3e30350b, 0x3e585b6d, 0x3f0ba0b4, 0x3e77fc62,
+            0x3b388b2d, 0x3d55e1ec,
+        ];
     }
 
     #[test]
     fn matches_torch_to_the_bit() {
         use torch_fixture::*;
         let f = |b: &[u32]| b.iter().map(|&x| f32::from_bits(x)).collect::<Vec<f32>>();
-        let cfg = AdamWConfig { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let cfg = AdamWConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let mut p = f(P0);
         let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
         for (i, g) in G.iter().enumerate() {
@@ -220,10 +277,18 @@ mod tests {
 
     #[test]
     fn grad_norm_is_deterministic_and_exact_enough() {
-        let x: Vec<f32> = (0..100_003).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let x: Vec<f32> = (0..100_003)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
         let want: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
-        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         let a = one.install(|| grad_norm_sq(&x));
         let b = three.install(|| grad_norm_sq(&x));
         assert_eq!(a.to_bits(), b.to_bits());

@@ -19,8 +19,16 @@ pub fn add_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
 
 /// Backward of [`add_forward`]: `da = dout` and `db = dout`, both overwritten.
 pub fn add_backward(da: &mut [f32], db: &mut [f32], dout: &[f32]) {
-    assert_eq!(da.len(), dout.len(), "add_backward: da length differs from dout");
-    assert_eq!(db.len(), dout.len(), "add_backward: db length differs from dout");
+    assert_eq!(
+        da.len(),
+        dout.len(),
+        "add_backward: da length differs from dout"
+    );
+    assert_eq!(
+        db.len(),
+        dout.len(),
+        "add_backward: db length differs from dout"
+    );
     da.par_chunks_mut(ELEM_GRAIN)
         .zip(db.par_chunks_mut(ELEM_GRAIN))
         .zip(dout.par_chunks(ELEM_GRAIN))
@@ -41,7 +49,10 @@ mod tests {
         let (a, b, cot) = (rng.vec(33), rng.vec(33), rng.vec(33));
         let mut out = vec![f32::NAN; 33];
         add_forward(&mut out, &a, &b);
-        assert!(out.iter().zip(a.iter().zip(&b)).all(|(o, (a, b))| *o == a + b));
+        assert!(out
+            .iter()
+            .zip(a.iter().zip(&b))
+            .all(|(o, (a, b))| *o == a + b));
         let (mut da, mut db) = (vec![f32::NAN; 33], vec![f32::NAN; 33]);
         add_backward(&mut da, &mut db, &cot);
         let f = |a: &[f32], b: &[f32]| {

@@ -11,7 +11,7 @@
 //! per `(b, kv head)`, which loops over the query heads of its group, then query tiles, then
 //! key blocks, in order, so every sum (`dq` over keys, `dk` and `dv` over query heads and rows)
 //! has one fixed order and the results are the same bits whatever the thread count. Tasks write
-//! disjoint `(row, head)` segments of the outputs, through [`RowsMut`].
+//! disjoint `(row, head)` segments of the outputs, through `RowsMut`.
 
 use std::marker::PhantomData;
 
@@ -75,10 +75,21 @@ impl AttentionDims {
     }
 
     fn check(&self) {
-        assert!(self.n_kv_heads > 0, "attention: n_kv_heads must be positive");
-        assert_eq!(self.n_heads % self.n_kv_heads, 0, "attention: n_kv_heads must divide n_heads");
+        assert!(
+            self.n_kv_heads > 0,
+            "attention: n_kv_heads must be positive"
+        );
+        assert_eq!(
+            self.n_heads % self.n_kv_heads,
+            0,
+            "attention: n_kv_heads must divide n_heads"
+        );
         assert!(self.head_dim > 0, "attention: head_dim must be positive");
-        assert_ne!(self.window, Some(0), "attention: a sliding window of 0 attends nothing");
+        assert_ne!(
+            self.window,
+            Some(0),
+            "attention: a sliding window of 0 attends nothing"
+        );
     }
 
     fn rows(&self) -> usize {
@@ -99,8 +110,18 @@ struct Rows<'a> {
 
 impl<'a> Rows<'a> {
     fn new(data: &'a [f32], dims: &AttentionDims, stride: usize, offset: usize) -> Self {
-        assert_eq!(data.len(), dims.rows() * stride, "attention: input is not [B, T, {stride}]");
-        Rows { data, stride, offset, head_dim: dims.head_dim, seq: dims.seq }
+        assert_eq!(
+            data.len(),
+            dims.rows() * stride,
+            "attention: input is not [B, T, {stride}]"
+        );
+        Rows {
+            data,
+            stride,
+            offset,
+            head_dim: dims.head_dim,
+            seq: dims.seq,
+        }
     }
 
     fn start(self, b: usize, t: usize, head: usize) -> usize {
@@ -115,12 +136,20 @@ impl<'a> Rows<'a> {
 
     /// Rows `t0..` of `head` as a `[rows, D]` gemm operand.
     fn block(self, b: usize, t0: usize, head: usize) -> Mat<'a> {
-        Mat { data: &self.data[self.start(b, t0, head)..], rs: self.stride, cs: 1 }
+        Mat {
+            data: &self.data[self.start(b, t0, head)..],
+            rs: self.stride,
+            cs: 1,
+        }
     }
 
     /// Rows `t0..` of `head`, transposed: a `[D, rows]` gemm operand.
     fn block_t(self, b: usize, t0: usize, head: usize) -> Mat<'a> {
-        Mat { data: &self.data[self.start(b, t0, head)..], rs: 1, cs: self.stride }
+        Mat {
+            data: &self.data[self.start(b, t0, head)..],
+            rs: 1,
+            cs: self.stride,
+        }
     }
 }
 
@@ -144,7 +173,11 @@ unsafe impl Sync for RowsMut<'_> {}
 
 impl<'a> RowsMut<'a> {
     fn new(data: &'a mut [f32], dims: &AttentionDims, stride: usize, offset: usize) -> Self {
-        assert_eq!(data.len(), dims.rows() * stride, "attention: output is not [B, T, {stride}]");
+        assert_eq!(
+            data.len(),
+            dims.rows() * stride,
+            "attention: output is not [B, T, {stride}]"
+        );
         RowsMut {
             ptr: data.as_mut_ptr(),
             len: data.len(),
@@ -170,25 +203,61 @@ impl<'a> RowsMut<'a> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(s), self.head_dim) }
     }
 
-    /// `dst += beta * lhs * rhs` into rows `t0..t0 + rows` of `head` (`[rows, D]`).
+    /// `dst += lhs * rhs` into rows `t0..t0 + rows` of `head` (`[rows, D]`); `k` is the inner size.
     ///
     /// # Safety
     /// As [`RowsMut::get`], for every segment of the block: no reference to any of them may be
     /// alive during the call.
-    unsafe fn add_product(self, b: usize, t0: usize, head: usize, rows: usize, lhs: Mat<'_>, rhs: Mat<'_>, k: usize) {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_product(
+        self,
+        b: usize,
+        t0: usize,
+        head: usize,
+        rows: usize,
+        lhs: Mat<'_>,
+        rhs: Mat<'_>,
+        k: usize,
+    ) {
         let s = (b * self.seq + t0) * self.stride + self.offset + head * self.head_dim;
         assert!(rows > 0 && s + (rows - 1) * self.stride + self.head_dim <= self.len);
         // SAFETY: the block is in bounds (checked above); exclusivity is the caller's contract.
         unsafe {
-            gemm_raw(self.ptr.add(s), self.stride, lhs, rhs, (rows, self.head_dim, k), true, 1.0, SERIAL)
+            gemm_raw(
+                self.ptr.add(s),
+                self.stride,
+                lhs,
+                rhs,
+                (rows, self.head_dim, k),
+                true,
+                1.0,
+                SERIAL,
+            )
         }
     }
 }
 
 /// `tile[.., ..nk] = scale * q_block k_block^T` for an `nq x nk` tile with row stride `K_TILE`.
-fn scores(tile: &mut [f32; Q_TILE * K_TILE], q: Mat<'_>, k_t: Mat<'_>, (nq, nk, d): (usize, usize, usize), scale: f32) {
+fn scores(
+    tile: &mut [f32; Q_TILE * K_TILE],
+    q: Mat<'_>,
+    k_t: Mat<'_>,
+    (nq, nk, d): (usize, usize, usize),
+    scale: f32,
+) {
     // SAFETY: `tile` is an exclusive borrow holding nq rows of K_TILE >= nk elements.
-    unsafe { gemm_raw(tile.as_mut_ptr(), K_TILE, q, k_t, (nq, nk, d), false, scale, SERIAL) }
+    unsafe {
+        gemm_raw(
+            tile.as_mut_ptr(),
+            K_TILE,
+            q,
+            k_t,
+            (nq, nk, d),
+            false,
+            scale,
+            SERIAL,
+        )
+    }
 }
 
 /// The keys `lo..hi` of block `s0..s0 + nk` that query `t` may see, relative to `s0`.
@@ -224,7 +293,12 @@ pub fn attention_forward(
 
 /// [`attention_forward`] with `q`, `k` and `v` packed in one `[B, T, (H + 2 KV) * D]` tensor,
 /// split in q, k, v order along the last dimension (GPT-2's `c_attn` output, `split(C, dim=2)`).
-pub fn attention_forward_packed(out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: AttentionDims) {
+pub fn attention_forward_packed(
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    dims: AttentionDims,
+) {
     dims.check();
     let (qw, kw, pw) = (dims.q_width(), dims.kv_width(), dims.packed_width());
     forward_impl(
@@ -254,55 +328,71 @@ fn forward_impl(
     let scale = 1.0 / (d as f32).sqrt();
     lse.par_chunks_mut(t_len)
         .enumerate()
-        .for_each(|(bh, lse_row)| fast(|| {
-            let (b, h) = (bh / h_len, bh % h_len);
-            let kvh = h / group;
-            let mut tile = [0.0f32; Q_TILE * K_TILE];
-            for t0 in (0..t_len).step_by(Q_TILE) {
-                let nq = (t_len - t0).min(Q_TILE);
-                let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
-                for t in t0..t0 + nq {
-                    // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is dropped
-                    // at once.
-                    unsafe { out.get(b, t, h) }.fill(0.0);
-                }
-                let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
-                while s0 < t0 + nq {
-                    let nk = (t0 + nq - s0).min(K_TILE);
-                    scores(&mut tile, q.block(b, t0, h), k.block_t(b, s0, kvh), (nq, nk, d), scale);
-                    for i in 0..nq {
-                        let row = &mut tile[i * K_TILE..i * K_TILE + nk];
-                        let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                        if lo == hi {
-                            row.fill(0.0);
-                            continue;
-                        }
-                        let m_new = m[i].max(max(&row[lo..hi]));
-                        // Rescale what earlier blocks accumulated (exp(-inf) = 0 on the first).
-                        let corr = exp(m[i] - m_new);
-                        row[..lo].fill(0.0);
-                        row[hi..].fill(0.0);
-                        row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
-                        l[i] = l[i] * corr + sum(&row[lo..hi]);
-                        m[i] = m_new;
-                        if corr != 1.0 {
-                            // SAFETY: as above.
-                            unsafe { out.get(b, t0 + i, h) }.iter_mut().for_each(|x| *x *= corr);
-                        }
+        .for_each(|(bh, lse_row)| {
+            fast(|| {
+                let (b, h) = (bh / h_len, bh % h_len);
+                let kvh = h / group;
+                let mut tile = [0.0f32; Q_TILE * K_TILE];
+                for t0 in (0..t_len).step_by(Q_TILE) {
+                    let nq = (t_len - t0).min(Q_TILE);
+                    let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
+                    for t in t0..t0 + nq {
+                        // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is dropped
+                        // at once.
+                        unsafe { out.get(b, t, h) }.fill(0.0);
                     }
-                    let p = Mat { data: &tile, rs: K_TILE, cs: 1 };
-                    // SAFETY: only this task writes these rows; no slice of them is alive.
-                    unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
-                    s0 += nk;
+                    let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
+                    while s0 < t0 + nq {
+                        let nk = (t0 + nq - s0).min(K_TILE);
+                        scores(
+                            &mut tile,
+                            q.block(b, t0, h),
+                            k.block_t(b, s0, kvh),
+                            (nq, nk, d),
+                            scale,
+                        );
+                        for i in 0..nq {
+                            let row = &mut tile[i * K_TILE..i * K_TILE + nk];
+                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                            if lo == hi {
+                                row.fill(0.0);
+                                continue;
+                            }
+                            let m_new = m[i].max(max(&row[lo..hi]));
+                            // Rescale what earlier blocks accumulated (exp(-inf) = 0 on the first).
+                            let corr = exp(m[i] - m_new);
+                            row[..lo].fill(0.0);
+                            row[hi..].fill(0.0);
+                            row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
+                            l[i] = l[i] * corr + sum(&row[lo..hi]);
+                            m[i] = m_new;
+                            if corr != 1.0 {
+                                // SAFETY: as above.
+                                unsafe { out.get(b, t0 + i, h) }
+                                    .iter_mut()
+                                    .for_each(|x| *x *= corr);
+                            }
+                        }
+                        let p = Mat {
+                            data: &tile,
+                            rs: K_TILE,
+                            cs: 1,
+                        };
+                        // SAFETY: only this task writes these rows; no slice of them is alive.
+                        unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
+                        s0 += nk;
+                    }
+                    for i in 0..nq {
+                        let inv = 1.0 / l[i];
+                        // SAFETY: as above.
+                        unsafe { out.get(b, t0 + i, h) }
+                            .iter_mut()
+                            .for_each(|x| *x *= inv);
+                        lse_row[t0 + i] = m[i] + l[i].ln();
+                    }
                 }
-                for i in 0..nq {
-                    let inv = 1.0 / l[i];
-                    // SAFETY: as above.
-                    unsafe { out.get(b, t0 + i, h) }.iter_mut().for_each(|x| *x *= inv);
-                    lse_row[t0 + i] = m[i] + l[i].ln();
-                }
-            }
-        }));
+            })
+        });
 }
 
 /// Backward of [`attention_forward`]. Takes the forward's inputs, its output `out` and `lse`,
@@ -332,7 +422,11 @@ pub fn attention_backward(
             RowsMut::new(dv, &dims, kw, 0),
         ],
         Rows::new(dout, &dims, qw, 0),
-        [Rows::new(q, &dims, qw, 0), Rows::new(k, &dims, kw, 0), Rows::new(v, &dims, kw, 0)],
+        [
+            Rows::new(q, &dims, qw, 0),
+            Rows::new(k, &dims, kw, 0),
+            Rows::new(v, &dims, kw, 0),
+        ],
         Rows::new(out, &dims, qw, 0),
         lse,
         &dims,
@@ -354,7 +448,10 @@ pub fn attention_backward_packed(
     let dq = RowsMut::new(dqkv, &dims, pw, 0);
     // The three views split one exclusive borrow by columns: q, k and v never overlap.
     let dk = RowsMut { offset: qw, ..dq };
-    let dv = RowsMut { offset: qw + kw, ..dq };
+    let dv = RowsMut {
+        offset: qw + kw,
+        ..dq
+    };
     backward_impl(
         [dq, dk, dv],
         Rows::new(dout, &dims, qw, 0),
@@ -377,66 +474,96 @@ fn backward_impl(
     lse: &[f32],
     dims: &AttentionDims,
 ) {
-    assert_eq!(lse.len(), dims.lse_len(), "attention_backward: lse is not [B, H, T]");
+    assert_eq!(
+        lse.len(),
+        dims.lse_len(),
+        "attention_backward: lse is not [B, H, T]"
+    );
     let (t_len, h_len, kv_len, d) = (dims.seq, dims.n_heads, dims.n_kv_heads, dims.head_dim);
     let group = h_len / kv_len;
     let scale = 1.0 / (d as f32).sqrt();
-    (0..dims.batch * kv_len).into_par_iter().for_each(|task| fast(|| {
-        let (b, kvh) = (task / kv_len, task % kv_len);
-        for s in 0..t_len {
-            // SAFETY: only this (b, kv head) task touches dk[b, :, kvh] and dv[b, :, kvh]; the
-            // slices are dropped at once.
-            unsafe {
-                dk.get(b, s, kvh).fill(0.0);
-                dv.get(b, s, kvh).fill(0.0);
-            }
-        }
-        let mut p = [0.0f32; Q_TILE * K_TILE];
-        let mut ds = [0.0f32; Q_TILE * K_TILE];
-        for h in kvh * group..(kvh + 1) * group {
-            let lse_h = &lse[(b * h_len + h) * t_len..(b * h_len + h + 1) * t_len];
-            for t0 in (0..t_len).step_by(Q_TILE) {
-                let nq = (t_len - t0).min(Q_TILE);
-                let mut delta = [0.0f32; Q_TILE];
-                for (i, di) in delta[..nq].iter_mut().enumerate() {
-                    *di = dot(dout.get(b, t0 + i, h), out.get(b, t0 + i, h));
-                    // SAFETY: query head h is in this task's group; only it touches dq[b, :, h].
-                    unsafe { dq.get(b, t0 + i, h) }.fill(0.0);
+    (0..dims.batch * kv_len).into_par_iter().for_each(|task| {
+        fast(|| {
+            let (b, kvh) = (task / kv_len, task % kv_len);
+            for s in 0..t_len {
+                // SAFETY: only this (b, kv head) task touches dk[b, :, kvh] and dv[b, :, kvh]; the
+                // slices are dropped at once.
+                unsafe {
+                    dk.get(b, s, kvh).fill(0.0);
+                    dv.get(b, s, kvh).fill(0.0);
                 }
-                let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
-                while s0 < t0 + nq {
-                    let nk = (t0 + nq - s0).min(K_TILE);
-                    scores(&mut p, q.block(b, t0, h), k.block_t(b, s0, kvh), (nq, nk, d), scale);
-                    // dP = dO V^T, into ds.
-                    scores(&mut ds, dout.block(b, t0, h), v.block_t(b, s0, kvh), (nq, nk, d), 1.0);
-                    for i in 0..nq {
-                        let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                        let pr = &mut p[i * K_TILE..i * K_TILE + nk];
-                        let dr = &mut ds[i * K_TILE..i * K_TILE + nk];
-                        let (l, di) = (lse_h[t0 + i], delta[i]);
-                        for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
-                            *x = exp(*x - l);
-                            *y = *x * (*y - di) * scale;
+            }
+            let mut p = [0.0f32; Q_TILE * K_TILE];
+            let mut ds = [0.0f32; Q_TILE * K_TILE];
+            for h in kvh * group..(kvh + 1) * group {
+                let lse_h = &lse[(b * h_len + h) * t_len..(b * h_len + h + 1) * t_len];
+                for t0 in (0..t_len).step_by(Q_TILE) {
+                    let nq = (t_len - t0).min(Q_TILE);
+                    let mut delta = [0.0f32; Q_TILE];
+                    for (i, di) in delta[..nq].iter_mut().enumerate() {
+                        *di = dot(dout.get(b, t0 + i, h), out.get(b, t0 + i, h));
+                        // SAFETY: query head h is in this task's group; only it touches dq[b, :, h].
+                        unsafe { dq.get(b, t0 + i, h) }.fill(0.0);
+                    }
+                    let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
+                    while s0 < t0 + nq {
+                        let nk = (t0 + nq - s0).min(K_TILE);
+                        scores(
+                            &mut p,
+                            q.block(b, t0, h),
+                            k.block_t(b, s0, kvh),
+                            (nq, nk, d),
+                            scale,
+                        );
+                        // dP = dO V^T, into ds.
+                        scores(
+                            &mut ds,
+                            dout.block(b, t0, h),
+                            v.block_t(b, s0, kvh),
+                            (nq, nk, d),
+                            1.0,
+                        );
+                        for i in 0..nq {
+                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                            let pr = &mut p[i * K_TILE..i * K_TILE + nk];
+                            let dr = &mut ds[i * K_TILE..i * K_TILE + nk];
+                            let (l, di) = (lse_h[t0 + i], delta[i]);
+                            for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
+                                *x = exp(*x - l);
+                                *y = *x * (*y - di) * scale;
+                            }
+                            pr[..lo].fill(0.0);
+                            pr[hi..].fill(0.0);
+                            dr[..lo].fill(0.0);
+                            dr[hi..].fill(0.0);
                         }
-                        pr[..lo].fill(0.0);
-                        pr[hi..].fill(0.0);
-                        dr[..lo].fill(0.0);
-                        dr[hi..].fill(0.0);
+                        let ds_m = Mat {
+                            data: &ds,
+                            rs: K_TILE,
+                            cs: 1,
+                        };
+                        let ds_t = Mat {
+                            data: &ds,
+                            rs: 1,
+                            cs: K_TILE,
+                        };
+                        let p_t = Mat {
+                            data: &p,
+                            rs: 1,
+                            cs: K_TILE,
+                        };
+                        // SAFETY: these blocks belong to this task and no slice of them is alive.
+                        unsafe {
+                            dq.add_product(b, t0, h, nq, ds_m, k.block(b, s0, kvh), nk);
+                            dk.add_product(b, s0, kvh, nk, ds_t, q.block(b, t0, h), nq);
+                            dv.add_product(b, s0, kvh, nk, p_t, dout.block(b, t0, h), nq);
+                        }
+                        s0 += nk;
                     }
-                    let ds_m = Mat { data: &ds, rs: K_TILE, cs: 1 };
-                    let ds_t = Mat { data: &ds, rs: 1, cs: K_TILE };
-                    let p_t = Mat { data: &p, rs: 1, cs: K_TILE };
-                    // SAFETY: these blocks belong to this task and no slice of them is alive.
-                    unsafe {
-                        dq.add_product(b, t0, h, nq, ds_m, k.block(b, s0, kvh), nk);
-                        dk.add_product(b, s0, kvh, nk, ds_t, q.block(b, t0, h), nq);
-                        dv.add_product(b, s0, kvh, nk, p_t, dout.block(b, t0, h), nq);
-                    }
-                    s0 += nk;
                 }
             }
-        }
-    }));
+        })
+    });
 }
 
 #[cfg(test)]
@@ -444,8 +571,22 @@ mod tests {
     use super::*;
     use crate::kernels::testutil::{assert_close, bits, check_grad, check_grad_directional, Rng};
 
-    fn dims(batch: usize, seq: usize, h: usize, kv: usize, d: usize, w: Option<usize>) -> AttentionDims {
-        AttentionDims { batch, seq, n_heads: h, n_kv_heads: kv, head_dim: d, window: w }
+    fn dims(
+        batch: usize,
+        seq: usize,
+        h: usize,
+        kv: usize,
+        d: usize,
+        w: Option<usize>,
+    ) -> AttentionDims {
+        AttentionDims {
+            batch,
+            seq,
+            n_heads: h,
+            n_kv_heads: kv,
+            head_dim: d,
+            window: w,
+        }
     }
 
     /// Materialised softmax(q k^T / sqrt(D) + mask) v and the row logsumexps, in f64.
@@ -461,10 +602,12 @@ mod tests {
                     let qi = (b * t_len + t) * qw + h * hd;
                     let mut scores = vec![f64::NEG_INFINITY; t_len];
                     for (s, sc) in scores.iter_mut().enumerate() {
-                        let visible = s <= t && d.window.is_none_or(|w| s as i64 > t as i64 - w as i64);
+                        let visible =
+                            s <= t && d.window.is_none_or(|w| s as i64 > t as i64 - w as i64);
                         if visible {
                             let ki = (b * t_len + s) * kw + kvh * hd;
-                            let qk: f64 = (0..hd).map(|i| q[qi + i] as f64 * k[ki + i] as f64).sum();
+                            let qk: f64 =
+                                (0..hd).map(|i| q[qi + i] as f64 * k[ki + i] as f64).sum();
                             *sc = qk / (hd as f64).sqrt();
                         }
                     }
@@ -485,7 +628,10 @@ mod tests {
     }
 
     fn fwd(q: &[f32], k: &[f32], v: &[f32], d: AttentionDims) -> (Vec<f32>, Vec<f32>) {
-        let (mut out, mut lse) = (vec![f32::NAN; d.rows() * d.q_width()], vec![f32::NAN; d.lse_len()]);
+        let (mut out, mut lse) = (
+            vec![f32::NAN; d.rows() * d.q_width()],
+            vec![f32::NAN; d.lse_len()],
+        );
         attention_forward(&mut out, &mut lse, q, k, v, d);
         (out, lse)
     }
@@ -494,7 +640,11 @@ mod tests {
         let mut rng = Rng::new(seed);
         // Scaled up so the softmax is far from uniform and masking mistakes show.
         let mut big = |n| rng.vec(n).iter().map(|x| 2.0 * x).collect::<Vec<f32>>();
-        (big(d.rows() * d.q_width()), big(d.rows() * d.kv_width()), big(d.rows() * d.kv_width()))
+        (
+            big(d.rows() * d.q_width()),
+            big(d.rows() * d.kv_width()),
+            big(d.rows() * d.kv_width()),
+        )
     }
 
     /// Packs separate q, k, v into `[B, T, q | k | v]`.
@@ -543,9 +693,28 @@ mod tests {
         }
         // W >= T changes nothing at all; W = T - 1 drops key 0 from the last query only.
         let full = fwd(&q, &k, &v, AttentionDims { window: None, ..d });
-        let wide = fwd(&q, &k, &v, AttentionDims { window: Some(9), ..d });
-        assert_eq!((bits(&full.0), bits(&full.1)), (bits(&wide.0), bits(&wide.1)));
-        let (narrow, _) = fwd(&q, &k, &v, AttentionDims { window: Some(8), ..d });
+        let wide = fwd(
+            &q,
+            &k,
+            &v,
+            AttentionDims {
+                window: Some(9),
+                ..d
+            },
+        );
+        assert_eq!(
+            (bits(&full.0), bits(&full.1)),
+            (bits(&wide.0), bits(&wide.1))
+        );
+        let (narrow, _) = fwd(
+            &q,
+            &k,
+            &v,
+            AttentionDims {
+                window: Some(8),
+                ..d
+            },
+        );
         let row = |o: &Vec<f32>, t: usize| o[t * 8..(t + 1) * 8].to_vec();
         assert_eq!(row(&narrow, 7), row(&full.0, 7));
         assert_ne!(row(&narrow, 8), row(&full.0, 8));
@@ -564,7 +733,11 @@ mod tests {
 
     fn bwd(q: &[f32], k: &[f32], v: &[f32], cot: &[f32], d: AttentionDims) -> [Vec<f32>; 3] {
         let (out, lse) = fwd(q, k, v, d);
-        let mut g = [vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]];
+        let mut g = [
+            vec![f32::NAN; q.len()],
+            vec![f32::NAN; k.len()],
+            vec![f32::NAN; v.len()],
+        ];
         let [dq, dk, dv] = &mut g;
         attention_backward(dq, dk, dv, cot, q, k, v, &out, &lse, d);
         g
@@ -577,9 +750,27 @@ mod tests {
             let cot = Rng::new(64).vec(q.len());
             let [dq, dk, dv] = bwd(&q, &k, &v, &cot, d);
             let name = format!("{d:?}");
-            check_grad(&format!("{name} dq"), &q, &dq, |q| fwd(q, &k, &v, d).0, &cot);
-            check_grad(&format!("{name} dk"), &k, &dk, |k| fwd(&q, k, &v, d).0, &cot);
-            check_grad(&format!("{name} dv"), &v, &dv, |v| fwd(&q, &k, v, d).0, &cot);
+            check_grad(
+                &format!("{name} dq"),
+                &q,
+                &dq,
+                |q| fwd(q, &k, &v, d).0,
+                &cot,
+            );
+            check_grad(
+                &format!("{name} dk"),
+                &k,
+                &dk,
+                |k| fwd(&q, k, &v, d).0,
+                &cot,
+            );
+            check_grad(
+                &format!("{name} dv"),
+                &v,
+                &dv,
+                |v| fwd(&q, &k, v, d).0,
+                &cot,
+            );
         }
     }
 
@@ -609,11 +800,17 @@ mod tests {
         attention_backward_packed(&mut dqkv, &cot, &qkv, &out, &lse, d);
         let [dq, dk, dv] = bwd(&q, &k, &v, &cot, d);
         assert_eq!(bits(&dqkv), bits(&pack(&dq, &dk, &dv, &d)));
-        check_grad("packed dqkv", &qkv, &dqkv, |x| {
-            let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; d.lse_len()]);
-            attention_forward_packed(&mut o, &mut l, x, d);
-            o
-        }, &cot);
+        check_grad(
+            "packed dqkv",
+            &qkv,
+            &dqkv,
+            |x| {
+                let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; d.lse_len()]);
+                attention_forward_packed(&mut o, &mut l, x, d);
+                o
+            },
+            &cot,
+        );
     }
 
     #[test]
@@ -622,7 +819,10 @@ mod tests {
         let (q, k, v) = inputs(&d, 69);
         let cot = Rng::new(70).vec(q.len());
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
             pool.install(|| {
                 let (out, lse) = fwd(&q, &k, &v, d);
                 let g = bwd(&q, &k, &v, &cot, d);

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::embedding::{check_tokens, TokenId};
-use super::math::{exp, max};
+use super::math::{exp, fast, max};
 use crate::error::Result;
 
 /// `loss = mean over n of (logsumexp(logits[n]) - logits[n, targets[n]])` for `logits`
@@ -19,23 +19,30 @@ pub fn cross_entropy_forward<T: TokenId>(
 ) -> Result<f32> {
     let rows = targets.len();
     assert!(vocab > 0, "cross_entropy: V must be positive");
-    assert_eq!(logits.len(), rows * vocab, "cross_entropy: logits are not [N, V]");
+    assert_eq!(
+        logits.len(),
+        rows * vocab,
+        "cross_entropy: logits are not [N, V]"
+    );
     assert_eq!(lse.len(), rows, "cross_entropy: lse is not [N]");
     check_tokens(targets, vocab)?;
     lse.par_iter_mut()
         .zip(logits.par_chunks(vocab))
         .for_each(|(l, row)| {
-            let m = max(row);
-            let mut acc = [0.0f32; 8];
-            let chunks = row.chunks_exact(8);
-            let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - m)).sum();
-            for c in chunks {
-                for i in 0..8 {
-                    acc[i] += exp(c[i] - m);
+            *l = fast(|| {
+                let m = max(row);
+                let mut acc = [0.0f32; 8];
+                let chunks = row.chunks_exact(8);
+                let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - m)).sum();
+                for c in chunks {
+                    for i in 0..8 {
+                        acc[i] += exp(c[i] - m);
+                    }
                 }
-            }
-            let z = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-            *l = m + (z + tail).ln();
+                let z = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
+                    + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                m + (z + tail).ln()
+            });
         });
     let total: f64 = lse
         .iter()
@@ -59,8 +66,16 @@ pub fn cross_entropy_backward<T: TokenId>(
 ) {
     let rows = targets.len();
     assert!(vocab > 0, "cross_entropy_backward: V must be positive");
-    assert_eq!(logits.len(), rows * vocab, "cross_entropy_backward: logits are not [N, V]");
-    assert_eq!(dlogits.len(), rows * vocab, "cross_entropy_backward: dlogits are not [N, V]");
+    assert_eq!(
+        logits.len(),
+        rows * vocab,
+        "cross_entropy_backward: logits are not [N, V]"
+    );
+    assert_eq!(
+        dlogits.len(),
+        rows * vocab,
+        "cross_entropy_backward: dlogits are not [N, V]"
+    );
     assert_eq!(lse.len(), rows, "cross_entropy_backward: lse is not [N]");
     let g = dloss / rows.max(1) as f32;
     dlogits
@@ -68,9 +83,11 @@ pub fn cross_entropy_backward<T: TokenId>(
         .zip(logits.par_chunks(vocab))
         .zip(lse.par_iter().zip(targets.par_iter()))
         .for_each(|((d, x), (&l, t))| {
-            for (d, &x) in d.iter_mut().zip(x) {
-                *d = exp(x - l) * g;
-            }
+            fast(|| {
+                for (d, &x) in d.iter_mut().zip(x) {
+                    *d = exp(x - l) * g;
+                }
+            });
             if let Some(i) = t.index().filter(|&i| i < vocab) {
                 d[i] = (exp(x[i] - l) - 1.0) * g;
             }
@@ -98,7 +115,10 @@ mod tests {
             want += z.ln() - row[targets[r] as usize] as f64;
         }
         want /= n as f64;
-        assert!((loss as f64 - want).abs() < 1e-6 * want.abs(), "{loss} vs {want}");
+        assert!(
+            (loss as f64 - want).abs() < 1e-6 * want.abs(),
+            "{loss} vs {want}"
+        );
         let mut bad = targets.iter().map(|&t| t as i32).collect::<Vec<_>>();
         bad[4] = v as i32;
         let err = cross_entropy_forward(&mut lse, &logits, &bad, v).unwrap_err();

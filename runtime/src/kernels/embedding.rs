@@ -36,7 +36,7 @@ impl TokenId for i32 {
 /// Checks that every id is in `0..vocab`, naming the first one that is not.
 pub fn check_tokens<T: TokenId>(tokens: &[T], vocab: usize) -> Result<()> {
     for (position, &tok) in tokens.iter().enumerate() {
-        if !tok.index().is_some_and(|i| i < vocab) {
+        if tok.index().is_none_or(|i| i >= vocab) {
             return Err(RuntimeError::TokenOutOfRange {
                 token: tok.widen(),
                 position,
@@ -57,8 +57,16 @@ pub fn embedding_forward<T: TokenId>(
     vocab: usize,
     channels: usize,
 ) -> Result<()> {
-    assert_eq!(table.len(), vocab * channels, "embedding: table is not [V, C]");
-    assert_eq!(out.len(), tokens.len() * channels, "embedding: out is not [N, C]");
+    assert_eq!(
+        table.len(),
+        vocab * channels,
+        "embedding: table is not [V, C]"
+    );
+    assert_eq!(
+        out.len(),
+        tokens.len() * channels,
+        "embedding: out is not [N, C]"
+    );
     check_tokens(tokens, vocab)?;
     if channels == 0 {
         return Ok(());
@@ -87,8 +95,16 @@ pub fn embedding_backward<T: TokenId>(
     channels: usize,
     accumulate: bool,
 ) {
-    assert_eq!(dtable.len(), vocab * channels, "embedding_backward: dtable is not [V, C]");
-    assert_eq!(dout.len(), tokens.len() * channels, "embedding_backward: dout is not [N, C]");
+    assert_eq!(
+        dtable.len(),
+        vocab * channels,
+        "embedding_backward: dtable is not [V, C]"
+    );
+    assert_eq!(
+        dout.len(),
+        tokens.len() * channels,
+        "embedding_backward: dout is not [N, C]"
+    );
     if channels == 0 || vocab == 0 {
         return;
     }
@@ -128,9 +144,20 @@ pub fn position_embedding_forward(
     channels: usize,
     offset: usize,
 ) {
-    assert!(offset + seq <= table.len() / channels.max(1), "position_embedding: offset + T > P");
-    assert_eq!(table.len() % channels.max(1), 0, "position_embedding: table is not [P, C]");
-    assert_eq!(out.len(), batch * seq * channels, "position_embedding: out is not [B, T, C]");
+    assert!(
+        offset + seq <= table.len() / channels.max(1),
+        "position_embedding: offset + T > P"
+    );
+    assert_eq!(
+        table.len() % channels.max(1),
+        0,
+        "position_embedding: table is not [P, C]"
+    );
+    assert_eq!(
+        out.len(),
+        batch * seq * channels,
+        "position_embedding: out is not [B, T, C]"
+    );
     let rows = &table[offset * channels..(offset + seq) * channels];
     if rows.is_empty() {
         return;
@@ -151,8 +178,15 @@ pub fn position_embedding_backward(
     offset: usize,
     accumulate: bool,
 ) {
-    assert!(offset + seq <= dtable.len() / channels.max(1), "position_embedding_backward: offset + T > P");
-    assert_eq!(dout.len(), batch * seq * channels, "position_embedding_backward: dout is not [B, T, C]");
+    assert!(
+        offset + seq <= dtable.len() / channels.max(1),
+        "position_embedding_backward: offset + T > P"
+    );
+    assert_eq!(
+        dout.len(),
+        batch * seq * channels,
+        "position_embedding_backward: dout is not [B, T, C]"
+    );
     if channels == 0 {
         return;
     }
@@ -189,11 +223,21 @@ mod tests {
         let err = embedding_forward(&mut out2, &[1i32, -1], &table, 4, 3).unwrap_err();
         assert!(out2.iter().all(|&x| x == 0.0), "nothing written on error");
         assert!(
-            matches!(err, RuntimeError::TokenOutOfRange { token: -1, position: 1, vocab: 4 }),
+            matches!(
+                err,
+                RuntimeError::TokenOutOfRange {
+                    token: -1,
+                    position: 1,
+                    vocab: 4
+                }
+            ),
             "{err}"
         );
         let err = embedding_forward(&mut out[..3], &[4u32], &table, 4, 3).unwrap_err();
-        assert!(err.to_string().contains("outside the vocabulary of 4"), "{err}");
+        assert!(
+            err.to_string().contains("outside the vocabulary of 4"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -205,11 +249,17 @@ mod tests {
         let cot = rng.vec(tokens.len() * c);
         let mut dtable = vec![f32::NAN; v * c];
         embedding_backward(&mut dtable, &cot, &tokens, v, c, false);
-        check_grad("embedding dtable", &table, &dtable, |t| {
-            let mut out = vec![0.0; tokens.len() * c];
-            embedding_forward(&mut out, &tokens, t, v, c).unwrap();
-            out
-        }, &cot);
+        check_grad(
+            "embedding dtable",
+            &table,
+            &dtable,
+            |t| {
+                let mut out = vec![0.0; tokens.len() * c];
+                embedding_forward(&mut out, &tokens, t, v, c).unwrap();
+                out
+            },
+            &cot,
+        );
         // Rows of absent tokens are zero; accumulate adds on top.
         assert!(dtable[2 * c..3 * c].iter().all(|&x| x == 0.0));
         let once = dtable.clone();
@@ -226,14 +276,23 @@ mod tests {
         let mut out = vec![0.0; b * t * c];
         position_embedding_forward(&mut out, &table, b, t, c, offset);
         assert_eq!(&out[t * c..t * c + c], &table[offset * c..offset * c + c]);
-        assert_eq!(&out[(2 * t + 3) * c..(2 * t + 4) * c], &table[(offset + 3) * c..(offset + 4) * c]);
+        assert_eq!(
+            &out[(2 * t + 3) * c..(2 * t + 4) * c],
+            &table[(offset + 3) * c..(offset + 4) * c]
+        );
         let cot = rng.vec(b * t * c);
         let mut dtable = vec![f32::NAN; p * c];
         position_embedding_backward(&mut dtable, &cot, b, t, c, offset, false);
-        check_grad("position dtable", &table, &dtable, |tab| {
-            let mut o = vec![0.0; b * t * c];
-            position_embedding_forward(&mut o, tab, b, t, c, offset);
-            o
-        }, &cot);
+        check_grad(
+            "position dtable",
+            &table,
+            &dtable,
+            |tab| {
+                let mut o = vec![0.0; b * t * c];
+                position_embedding_forward(&mut o, tab, b, t, c, offset);
+                o
+            },
+            &cot,
+        );
     }
 }

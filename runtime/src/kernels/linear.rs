@@ -17,16 +17,32 @@ impl WeightLayout {
     /// `W` as the `[in, out]` right-hand operand of `y = x W`.
     fn as_in_out<'a>(self, w: &'a [f32], d_in: usize, d_out: usize) -> Mat<'a> {
         match self {
-            WeightLayout::OutIn => Mat { data: w, rs: 1, cs: d_in },
-            WeightLayout::InOut => Mat { data: w, rs: d_out, cs: 1 },
+            WeightLayout::OutIn => Mat {
+                data: w,
+                rs: 1,
+                cs: d_in,
+            },
+            WeightLayout::InOut => Mat {
+                data: w,
+                rs: d_out,
+                cs: 1,
+            },
         }
     }
 
     /// `W^T` as the `[out, in]` right-hand operand of `dx = dy W^T`.
     fn as_out_in<'a>(self, w: &'a [f32], d_in: usize, d_out: usize) -> Mat<'a> {
         match self {
-            WeightLayout::OutIn => Mat { data: w, rs: d_in, cs: 1 },
-            WeightLayout::InOut => Mat { data: w, rs: 1, cs: d_out },
+            WeightLayout::OutIn => Mat {
+                data: w,
+                rs: d_in,
+                cs: 1,
+            },
+            WeightLayout::InOut => Mat {
+                data: w,
+                rs: 1,
+                cs: d_out,
+            },
         }
     }
 }
@@ -48,7 +64,11 @@ pub fn linear_forward(
     assert_eq!(x.len(), rows * d_in, "linear: x is not [N, in]");
     assert_eq!(y.len(), rows * d_out, "linear: y is not [N, out]");
     assert_eq!(weight.len(), d_in * d_out, "linear: weight is not in * out");
-    let lhs = Mat { data: x, rs: d_in, cs: 1 };
+    let lhs = Mat {
+        data: x,
+        rs: d_in,
+        cs: 1,
+    };
     let rhs = layout.as_in_out(weight, d_in, d_out);
     match bias {
         Some(b) => {
@@ -83,11 +103,27 @@ pub fn linear_backward(
     accumulate: bool,
 ) {
     assert_eq!(x.len(), rows * d_in, "linear_backward: x is not [N, in]");
-    assert_eq!(dy.len(), rows * d_out, "linear_backward: dy is not [N, out]");
-    assert_eq!(weight.len(), d_in * d_out, "linear_backward: weight is not in * out");
-    assert_eq!(dweight.len(), d_in * d_out, "linear_backward: dweight is not in * out");
+    assert_eq!(
+        dy.len(),
+        rows * d_out,
+        "linear_backward: dy is not [N, out]"
+    );
+    assert_eq!(
+        weight.len(),
+        d_in * d_out,
+        "linear_backward: weight is not in * out"
+    );
+    assert_eq!(
+        dweight.len(),
+        d_in * d_out,
+        "linear_backward: dweight is not in * out"
+    );
     if let Some(dx) = dx {
-        let lhs = Mat { data: dy, rs: d_out, cs: 1 };
+        let lhs = Mat {
+            data: dy,
+            rs: d_out,
+            cs: 1,
+        };
         let rhs = layout.as_out_in(weight, d_in, d_out);
         matmul(dx, lhs, rhs, rows, d_in, d_out, false);
     }
@@ -95,8 +131,16 @@ pub fn linear_backward(
         // dW [out, in] = dy^T [out, N] x [N, in]
         WeightLayout::OutIn => matmul(
             dweight,
-            Mat { data: dy, rs: 1, cs: d_out },
-            Mat { data: x, rs: d_in, cs: 1 },
+            Mat {
+                data: dy,
+                rs: 1,
+                cs: d_out,
+            },
+            Mat {
+                data: x,
+                rs: d_in,
+                cs: 1,
+            },
             d_out,
             d_in,
             rows,
@@ -105,8 +149,16 @@ pub fn linear_backward(
         // dW [in, out] = x^T [in, N] dy [N, out]
         WeightLayout::InOut => matmul(
             dweight,
-            Mat { data: x, rs: 1, cs: d_in },
-            Mat { data: dy, rs: d_out, cs: 1 },
+            Mat {
+                data: x,
+                rs: 1,
+                cs: d_in,
+            },
+            Mat {
+                data: dy,
+                rs: d_out,
+                cs: 1,
+            },
             d_in,
             d_out,
             rows,
@@ -171,19 +223,57 @@ mod tests {
     #[test]
     fn gradients_for_both_layouts_with_and_without_bias() {
         let mut rng = Rng::new(21);
-        let (x, w, b, cot) = (rng.vec(N * IN), rng.vec(IN * OUT), rng.vec(OUT), rng.vec(N * OUT));
+        let (x, w, b, cot) = (
+            rng.vec(N * IN),
+            rng.vec(IN * OUT),
+            rng.vec(OUT),
+            rng.vec(N * OUT),
+        );
         for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
             for with_bias in [false, true] {
                 let bias = with_bias.then_some(&b[..]);
-                let (mut dx, mut dw, mut db) =
-                    (vec![f32::NAN; N * IN], vec![f32::NAN; IN * OUT], vec![f32::NAN; OUT]);
+                let (mut dx, mut dw, mut db) = (
+                    vec![f32::NAN; N * IN],
+                    vec![f32::NAN; IN * OUT],
+                    vec![f32::NAN; OUT],
+                );
                 let dbias = if with_bias { Some(&mut db[..]) } else { None };
-                linear_backward(Some(&mut dx), &mut dw, dbias, &cot, &x, &w, layout, N, IN, OUT, false);
+                linear_backward(
+                    Some(&mut dx),
+                    &mut dw,
+                    dbias,
+                    &cot,
+                    &x,
+                    &w,
+                    layout,
+                    N,
+                    IN,
+                    OUT,
+                    false,
+                );
                 let name = format!("{layout:?} bias={with_bias}");
-                check_grad(&format!("{name} dx"), &x, &dx, |x| fwd(x, &w, bias, layout), &cot);
-                check_grad(&format!("{name} dW"), &w, &dw, |w| fwd(&x, w, bias, layout), &cot);
+                check_grad(
+                    &format!("{name} dx"),
+                    &x,
+                    &dx,
+                    |x| fwd(x, &w, bias, layout),
+                    &cot,
+                );
+                check_grad(
+                    &format!("{name} dW"),
+                    &w,
+                    &dw,
+                    |w| fwd(&x, w, bias, layout),
+                    &cot,
+                );
                 if with_bias {
-                    check_grad(&format!("{name} db"), &b, &db, |b| fwd(&x, &w, Some(b), layout), &cot);
+                    check_grad(
+                        &format!("{name} db"),
+                        &b,
+                        &db,
+                        |b| fwd(&x, &w, Some(b), layout),
+                        &cot,
+                    );
                 }
             }
         }
@@ -197,14 +287,41 @@ mod tests {
         let (x, w, dy) = (rng.vec(n * i), rng.vec(i * o), rng.vec(n * o));
         let run = || {
             let (mut dx, mut dw, mut db) = (vec![0.0; n * i], vec![0.0; i * o], vec![0.0; o]);
-            linear_backward(Some(&mut dx), &mut dw, Some(&mut db), &dy, &x, &w, WeightLayout::InOut, n, i, o, false);
+            linear_backward(
+                Some(&mut dx),
+                &mut dw,
+                Some(&mut db),
+                &dy,
+                &x,
+                &w,
+                WeightLayout::InOut,
+                n,
+                i,
+                o,
+                false,
+            );
             (dx, dw, db)
         };
         let (dx1, dw1, db1) = run();
         let (dx2, dw2, db2) = run();
-        assert_eq!((bits(&dx1), bits(&dw1), bits(&db1)), (bits(&dx2), bits(&dw2), bits(&db2)));
+        assert_eq!(
+            (bits(&dx1), bits(&dw1), bits(&db1)),
+            (bits(&dx2), bits(&dw2), bits(&db2))
+        );
         let (mut dw, mut db) = (dw1.clone(), db1.clone());
-        linear_backward(None, &mut dw, Some(&mut db), &dy, &x, &w, WeightLayout::InOut, n, i, o, true);
+        linear_backward(
+            None,
+            &mut dw,
+            Some(&mut db),
+            &dy,
+            &x,
+            &w,
+            WeightLayout::InOut,
+            n,
+            i,
+            o,
+            true,
+        );
         let twice: Vec<f64> = dw1.iter().map(|&v| 2.0 * v as f64).collect();
         assert_close("accumulated dW", &dw, &twice, 1e-5);
         let twice: Vec<f64> = db1.iter().map(|&v| 2.0 * v as f64).collect();

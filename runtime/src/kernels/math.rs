@@ -8,7 +8,7 @@
 pub(crate) const ROW_GRAIN: usize = 16;
 
 /// Columns per rayon task for kernels that reduce over rows (bias and norm weight gradients):
-/// sixteen `f32` are one 64-byte cache line, so two tasks never share a line they write.
+/// sixteen `f32` are one 64-byte cache line, so tasks seldom write to the same line.
 pub(crate) const COL_GRAIN: usize = 16;
 
 /// Elements per rayon task for elementwise kernels.
@@ -25,9 +25,10 @@ pub(crate) const ELEM_GRAIN: usize = 1 << 14;
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_375;
+    const LN2_HI: f32 = 0.693_359_4; // 0.693359375 exactly
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
+    // 1.5 * 2^23: adding it rounds to an integer, kept in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
     // e^LO is half the smallest subnormal; e^HI is f32::MAX.
     const LO: f32 = -103.972_08;
     const HI: f32 = 88.722_83;
@@ -40,7 +41,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5; // Cephes' 5.0000001e-1 rounds to 0.5 in f32
     let y = (p * (r * r) + r) + 1.0;
     // n is in -150..=128; each half is in -75..=64, a normal power of two. The integer is read
     // from the low mantissa bits of 1.5 * 2^23 + n (bits 0x4B40_0000 + n), not by `as i32`,
@@ -64,7 +65,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 }
 
 /// `sum_i a[i] * b[i]` with eight interleaved f32 accumulators (vectorises; fixed order).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];
@@ -85,7 +86,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y += a * x`.
-#[inline]
+#[inline(always)]
 pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     assert_eq!(y.len(), x.len());
     for (yi, xi) in y.iter_mut().zip(x) {
@@ -94,7 +95,7 @@ pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 }
 
 /// `sum_i x[i]` with eight interleaved f32 accumulators.
-#[inline]
+#[inline(always)]
 pub(crate) fn sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let c = x.chunks_exact(8);
@@ -108,7 +109,7 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
 }
 
 /// The largest element (NaN if any element is NaN, so a NaN logit is not silently dropped).
-#[inline]
+#[inline(always)]
 pub(crate) fn max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let c = x.chunks_exact(8);
@@ -219,7 +220,18 @@ pub(crate) fn matmul(
     }
     // SAFETY: `dst` is an exclusive borrow of exactly m * n row-major elements, which the
     // shared operands cannot alias.
-    unsafe { gemm_raw(dst.as_mut_ptr(), n, lhs, rhs, (m, n, k), accumulate, 1.0, parallelism()) }
+    unsafe {
+        gemm_raw(
+            dst.as_mut_ptr(),
+            n,
+            lhs,
+            rhs,
+            (m, n, k),
+            accumulate,
+            1.0,
+            parallelism(),
+        )
+    }
 }
 
 /// `dst = beta * lhs * rhs`, or `dst += beta * lhs * rhs` when `accumulate`, for a `dst` of
@@ -241,8 +253,14 @@ pub(crate) unsafe fn gemm_raw(
 ) {
     assert!(m > 0 && n > 0 && k > 0, "gemm_raw: empty product");
     let last = |mat: &Mat<'_>, rows: usize, cols: usize| (rows - 1) * mat.rs + (cols - 1) * mat.cs;
-    assert!(last(&lhs, m, k) < lhs.data.len(), "matmul: lhs out of bounds");
-    assert!(last(&rhs, k, n) < rhs.data.len(), "matmul: rhs out of bounds");
+    assert!(
+        last(&lhs, m, k) < lhs.data.len(),
+        "matmul: lhs out of bounds"
+    );
+    assert!(
+        last(&rhs, k, n) < rhs.data.len(),
+        "matmul: rhs out of bounds"
+    );
     // SAFETY: every operand element read is in bounds (checked above); `dst` is the caller's.
     unsafe {
         gemm::gemm(
@@ -294,6 +312,26 @@ mod tests {
     }
 
     #[test]
+    fn avx2_and_baseline_paths_give_the_same_bits() {
+        // `fast` must not change results, only speed: compare it with calling the closure as
+        // built, on the helpers every kernel uses.
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.731).sin() * 90.0).collect();
+        let y: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.117).cos()).collect();
+        let run = || {
+            let e: Vec<u32> = x.iter().map(|&v| exp(v).to_bits()).collect();
+            let s: Vec<u32> = x.iter().map(|&v| sigmoid(v / 9.0).to_bits()).collect();
+            (
+                e,
+                s,
+                dot(&x, &y).to_bits(),
+                sum(&x).to_bits(),
+                max(&x).to_bits(),
+            )
+        };
+        assert_eq!(fast(run), run());
+    }
+
+    #[test]
     fn reductions_match_naive_sums() {
         let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
         let y: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -315,8 +353,16 @@ mod tests {
         let bt = [1.0, 0.0, -1.0, 2.0, 1.0, 0.5];
         let want = [1.0 - 3.0, 2.0 + 2.0 + 1.5, 4.0 - 6.0, 8.0 + 5.0 + 3.0];
         let mut dst = [f32::NAN; 4];
-        let lhs = Mat { data: &a, rs: 3, cs: 1 };
-        let rhs = Mat { data: &bt, rs: 1, cs: 3 };
+        let lhs = Mat {
+            data: &a,
+            rs: 3,
+            cs: 1,
+        };
+        let rhs = Mat {
+            data: &bt,
+            rs: 1,
+            cs: 3,
+        };
         matmul(&mut dst, lhs, rhs, 2, 2, 3, false);
         assert_eq!(dst, want);
         matmul(&mut dst, lhs, rhs, 2, 2, 3, true);

@@ -44,4 +44,3 @@ pub use embedding::{
 pub use linear::{linear_backward, linear_forward, WeightLayout};
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
 pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
-mod bench_tmp;

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{reduce_rows, sum, ROW_GRAIN};
+use super::math::{fast, reduce_rows, sum, ROW_GRAIN};
 
 /// Layer norm over the last dimension: `out[r] = (x[r] - mean_r) * rstd_r * weight + bias`
 /// with the biased variance, `rstd_r = 1 / sqrt(var_r + eps)`, as `nn.LayerNorm`. `x` and `out`
@@ -24,7 +24,11 @@ pub fn layer_norm_forward(
     assert!(c > 0, "layer_norm: C must be positive");
     assert_eq!(x.len(), rows * c, "layer_norm: x is not [N, C]");
     assert_eq!(out.len(), rows * c, "layer_norm: out is not [N, C]");
-    assert_eq!((mean.len(), rstd.len()), (rows, rows), "layer_norm: mean/rstd are not [N]");
+    assert_eq!(
+        (mean.len(), rstd.len()),
+        (rows, rows),
+        "layer_norm: mean/rstd are not [N]"
+    );
     assert_eq!(weight.len(), c, "layer_norm: weight is not [C]");
     if let Some(b) = bias {
         assert_eq!(b.len(), c, "layer_norm: bias is not [C]");
@@ -34,23 +38,25 @@ pub fn layer_norm_forward(
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .with_min_len(ROW_GRAIN)
         .for_each(|((o, xr), (m, s))| {
-            let mu = sum(xr) / c as f32;
-            for (oi, &xi) in o.iter_mut().zip(xr) {
-                let d = xi - mu;
-                *oi = d * d;
-            }
-            let var = sum(o) / c as f32;
-            let r = 1.0 / (var + eps).sqrt();
-            for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
-                *oi = (xi - mu) * r * w;
-            }
-            if let Some(b) = bias {
-                for (oi, &bi) in o.iter_mut().zip(b) {
-                    *oi += bi;
+            fast(|| {
+                let mu = sum(xr) / c as f32;
+                for (oi, &xi) in o.iter_mut().zip(xr) {
+                    let d = xi - mu;
+                    *oi = d * d;
                 }
-            }
-            *m = mu;
-            *s = r;
+                let var = sum(o) / c as f32;
+                let r = 1.0 / (var + eps).sqrt();
+                for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
+                    *oi = (xi - mu) * r * w;
+                }
+                if let Some(b) = bias {
+                    for (oi, &bi) in o.iter_mut().zip(b) {
+                        *oi += bi;
+                    }
+                }
+                *m = mu;
+                *s = r;
+            })
         });
 }
 
@@ -76,24 +82,34 @@ pub fn layer_norm_backward(
     for (len, what) in [(dx.len(), "dx"), (dout.len(), "dout"), (x.len(), "x")] {
         assert_eq!(len, rows * c, "layer_norm_backward: {what} is not [N, C]");
     }
-    assert_eq!((mean.len(), rstd.len()), (rows, rows), "layer_norm_backward: mean/rstd not [N]");
-    assert_eq!((weight.len(), dweight.len()), (c, c), "layer_norm_backward: weight not [C]");
+    assert_eq!(
+        (mean.len(), rstd.len()),
+        (rows, rows),
+        "layer_norm_backward: mean/rstd not [N]"
+    );
+    assert_eq!(
+        (weight.len(), dweight.len()),
+        (c, c),
+        "layer_norm_backward: weight not [C]"
+    );
     dx.par_chunks_mut(c)
         .zip(dout.par_chunks(c).zip(x.par_chunks(c)))
         .zip(mean.par_iter().zip(rstd.par_iter()))
         .with_min_len(ROW_GRAIN)
         .for_each(|((dxr, (dor, xr)), (&mu, &r))| {
-            let (mut g_sum, mut gn_sum) = (0.0f32, 0.0f32);
-            for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
-                let g = d * w;
-                g_sum += g;
-                gn_sum += g * ((xi - mu) * r);
-            }
-            let (g_mean, gn_mean) = (g_sum / c as f32, gn_sum / c as f32);
-            for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
-                let n = (xi - mu) * r;
-                *o = (d * w - g_mean - n * gn_mean) * r;
-            }
+            fast(|| {
+                let (mut g_sum, mut gn_sum) = (0.0f32, 0.0f32);
+                for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
+                    let g = d * w;
+                    g_sum += g;
+                    gn_sum += g * ((xi - mu) * r);
+                }
+                let (g_mean, gn_mean) = (g_sum / c as f32, gn_sum / c as f32);
+                for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
+                    let n = (xi - mu) * r;
+                    *o = (d * w - g_mean - n * gn_mean) * r;
+                }
+            })
         });
     reduce_rows(dweight, rows, accumulate, |row, c0, block| {
         let (mu, r) = (mean[row], rstd[row]);
@@ -127,7 +143,11 @@ pub fn rms_norm_forward(
 ) {
     let c = channels;
     assert!(c > 0, "rms_norm: C must be positive");
-    assert_eq!((x.len(), out.len()), (rows * c, rows * c), "rms_norm: x/out are not [N, C]");
+    assert_eq!(
+        (x.len(), out.len()),
+        (rows * c, rows * c),
+        "rms_norm: x/out are not [N, C]"
+    );
     assert_eq!(rstd.len(), rows, "rms_norm: rstd is not [N]");
     assert_eq!(weight.len(), c, "rms_norm: weight is not [C]");
     out.par_chunks_mut(c)
@@ -135,14 +155,16 @@ pub fn rms_norm_forward(
         .zip(rstd.par_iter_mut())
         .with_min_len(ROW_GRAIN)
         .for_each(|((o, xr), s)| {
-            for (oi, &xi) in o.iter_mut().zip(xr) {
-                *oi = xi * xi;
-            }
-            let r = 1.0 / (sum(o) / c as f32 + eps).sqrt();
-            for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
-                *oi = w * (xi * r);
-            }
-            *s = r;
+            fast(|| {
+                for (oi, &xi) in o.iter_mut().zip(xr) {
+                    *oi = xi * xi;
+                }
+                let r = 1.0 / (sum(o) / c as f32 + eps).sqrt();
+                for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
+                    *oi = w * (xi * r);
+                }
+                *s = r;
+            })
         });
 }
 
@@ -167,20 +189,26 @@ pub fn rms_norm_backward(
         assert_eq!(len, rows * c, "rms_norm_backward: {what} is not [N, C]");
     }
     assert_eq!(rstd.len(), rows, "rms_norm_backward: rstd is not [N]");
-    assert_eq!((weight.len(), dweight.len()), (c, c), "rms_norm_backward: weight not [C]");
+    assert_eq!(
+        (weight.len(), dweight.len()),
+        (c, c),
+        "rms_norm_backward: weight not [C]"
+    );
     dx.par_chunks_mut(c)
         .zip(dout.par_chunks(c).zip(x.par_chunks(c)))
         .zip(rstd.par_iter())
         .with_min_len(ROW_GRAIN)
         .for_each(|((dxr, (dor, xr)), &r)| {
-            let mut gn_sum = 0.0f32;
-            for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
-                gn_sum += (d * w) * (xi * r);
-            }
-            let gn_mean = gn_sum / c as f32;
-            for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
-                *o = (d * w - (xi * r) * gn_mean) * r;
-            }
+            fast(|| {
+                let mut gn_sum = 0.0f32;
+                for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
+                    gn_sum += (d * w) * (xi * r);
+                }
+                let gn_mean = gn_sum / c as f32;
+                for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
+                    *o = (d * w - (xi * r) * gn_mean) * r;
+                }
+            })
         });
     reduce_rows(dweight, rows, accumulate, |row, c0, block| {
         let r = rstd[row];
@@ -234,14 +262,39 @@ mod tests {
         let (x, w, b, cot) = (rng.vec(N * C), rng.vec(C), rng.vec(C), rng.vec(N * C));
         let (mut out, mut m, mut r) = (vec![0.0; N * C], vec![0.0; N], vec![0.0; N]);
         layer_norm_forward(&mut out, &mut m, &mut r, &x, &w, Some(&b), N, C, 1e-5);
-        let (mut dx, mut dw, mut db) = (vec![f32::NAN; N * C], vec![f32::NAN; C], vec![f32::NAN; C]);
-        layer_norm_backward(&mut dx, &mut dw, Some(&mut db), &cot, &x, &w, &m, &r, N, C, false);
+        let (mut dx, mut dw, mut db) =
+            (vec![f32::NAN; N * C], vec![f32::NAN; C], vec![f32::NAN; C]);
+        layer_norm_backward(
+            &mut dx,
+            &mut dw,
+            Some(&mut db),
+            &cot,
+            &x,
+            &w,
+            &m,
+            &r,
+            N,
+            C,
+            false,
+        );
         check_grad("layer_norm dx", &x, &dx, |x| ln(x, &w, Some(&b)), &cot);
         check_grad("layer_norm dweight", &w, &dw, |w| ln(&x, w, Some(&b)), &cot);
         check_grad("layer_norm dbias", &b, &db, |b| ln(&x, &w, Some(b)), &cot);
         // Accumulating adds exactly one more copy of each weight gradient.
         let (dw1, db1) = (dw.clone(), db.clone());
-        layer_norm_backward(&mut dx, &mut dw, Some(&mut db), &cot, &x, &w, &m, &r, N, C, true);
+        layer_norm_backward(
+            &mut dx,
+            &mut dw,
+            Some(&mut db),
+            &cot,
+            &x,
+            &w,
+            &m,
+            &r,
+            N,
+            C,
+            true,
+        );
         let twice = |g: &[f32]| g.iter().map(|&v| 2.0 * v as f64).collect::<Vec<_>>();
         assert_close("accumulated dweight", &dw, &twice(&dw1), 1e-6);
         assert_close("accumulated dbias", &db, &twice(&db1), 1e-6);

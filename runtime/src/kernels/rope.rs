@@ -60,9 +60,15 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f
             inv.iter()
                 .map(|&f| {
                     let wavelen = (1.0 / f) * two_pi;
-                    let scaled = if wavelen > low_freq_wavelen { f / factor_f } else { f };
+                    let scaled = if wavelen > low_freq_wavelen {
+                        f / factor_f
+                    } else {
+                        f
+                    };
                     let smooth = ((1.0 / wavelen) * old as f32 - low_f) / band;
                     let smoothed = (1.0 - smooth) * scaled / factor_f + smooth * scaled;
+                    // Written as transformers writes it: `~(w < high) * ~(w > low)`.
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
                     let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                     if medium {
                         smoothed
@@ -76,6 +82,7 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f
 }
 
 /// Applies `f(x_lo, x_hi, cos, sin) -> (lo, hi)` to every rotation pair of every head.
+#[allow(clippy::too_many_arguments)]
 fn rotate(
     out: &mut [f32],
     x: &[f32],
@@ -128,9 +135,16 @@ pub fn rope_forward(
     n_heads: usize,
     head_dim: usize,
 ) {
-    rotate(out, x, inv_freq, batch, seq, n_heads, head_dim, |lo, hi, c, s| {
-        (lo * c - hi * s, hi * c + lo * s)
-    });
+    rotate(
+        out,
+        x,
+        inv_freq,
+        batch,
+        seq,
+        n_heads,
+        head_dim,
+        |lo, hi, c, s| (lo * c - hi * s, hi * c + lo * s),
+    );
 }
 
 /// Backward of [`rope_forward`]: the inverse (transposed) rotation,
@@ -145,9 +159,16 @@ pub fn rope_backward(
     n_heads: usize,
     head_dim: usize,
 ) {
-    rotate(dx, dout, inv_freq, batch, seq, n_heads, head_dim, |lo, hi, c, s| {
-        (lo * c + hi * s, hi * c - lo * s)
-    });
+    rotate(
+        dx,
+        dout,
+        inv_freq,
+        batch,
+        seq,
+        n_heads,
+        head_dim,
+        |lo, hi, c, s| (lo * c + hi * s, hi * c - lo * s),
+    );
 }
 
 #[cfg(test)]
@@ -157,7 +178,8 @@ mod tests {
 
     #[test]
     fn inv_freq_matches_transformers() {
-        // Printed by transformers 5.24 / torch 2.15 (`_compute_default_rope_parameters`,
+        // Printed by `make_fixtures.py` (transformers 5.24, torch 2.15:
+        // `_compute_default_rope_parameters`,
         // `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`) for
         // head_dim 16; llama3 with theta 500000, factor 8, low 1, high 4, original 8192 and
         // linear with theta 10000, factor 4. Every llama3 branch (kept, interpolated, divided)
@@ -186,16 +208,46 @@ mod tests {
             assert_eq!(got.len(), want.len(), "{name}");
             for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
                 let ulp = (w as f32).abs() * f32::EPSILON;
-                assert!((g - w as f32).abs() <= ulp, "{name}[{i}]: {g} vs transformers {w}");
+                assert!(
+                    (g - w as f32).abs() <= ulp,
+                    "{name}[{i}]: {g} vs transformers {w}"
+                );
             }
         }
     }
 
-    /// Exact f32 values printed by the script in the test above's comment.
+    /// Exact f32 values, printed by `make_fixtures.py` beside this file.
     mod fixture {
-        pub const DEFAULT: &[f64] = &[1.0, 0.3162277638912201, 0.10000000149011612, 0.03162277862429619, 0.009999999776482582, 0.003162277862429619, 0.0010000000474974513, 0.0003162277862429619];
-        pub const LINEAR: &[f64] = &[0.25, 0.07905694097280502, 0.02500000037252903, 0.007905694656074047, 0.0024999999441206455, 0.0007905694656074047, 0.0002500000118743628, 7.905694656074047e-05];
-        pub const LLAMA3: &[f64] = &[1.0, 0.193922758102417, 0.03760603070259094, 0.00729266507551074, 0.0005248460220173001, 3.428102354519069e-05, 6.647869668086059e-06, 1.289173155782919e-06];
+        pub const DEFAULT: &[f64] = &[
+            1.0,
+            0.3162277638912201,
+            0.10000000149011612,
+            0.03162277862429619,
+            0.009999999776482582,
+            0.003162277862429619,
+            0.0010000000474974513,
+            0.0003162277862429619,
+        ];
+        pub const LINEAR: &[f64] = &[
+            0.25,
+            0.07905694097280502,
+            0.02500000037252903,
+            0.007905694656074047,
+            0.0024999999441206455,
+            0.0007905694656074047,
+            0.0002500000118743628,
+            7.905694656074047e-05,
+        ];
+        pub const LLAMA3: &[f64] = &[
+            1.0,
+            0.193922758102417,
+            0.03760603070259094,
+            0.00729266507551074,
+            0.0005248460220173001,
+            3.428102354519069e-05,
+            6.647869668086059e-06,
+            1.289173155782919e-06,
+        ];
     }
 
     fn rope(x: &[f32], inv: &[f32], b: usize, t: usize, h: usize, d: usize) -> Vec<f32> {
@@ -218,8 +270,13 @@ mod tests {
                     for i in 0..d {
                         let j = i % (d / 2);
                         let angle = ti as f64 * inv[j] as f64;
-                        let rot = if i < d / 2 { -x[base + i + d / 2] } else { x[base + i - d / 2] };
-                        want[base + i] = x[base + i] as f64 * angle.cos() + rot as f64 * angle.sin();
+                        let rot = if i < d / 2 {
+                            -x[base + i + d / 2]
+                        } else {
+                            x[base + i - d / 2]
+                        };
+                        want[base + i] =
+                            x[base + i] as f64 * angle.cos() + rot as f64 * angle.sin();
                     }
                 }
             }

@@ -47,7 +47,10 @@ const RTOL: f64 = 1e-3;
 /// `sum_i out[i] * cot[i]` in f64.
 pub fn weighted(out: &[f32], cot: &[f32]) -> f64 {
     assert_eq!(out.len(), cot.len());
-    out.iter().zip(cot).map(|(&o, &c)| o as f64 * c as f64).sum()
+    out.iter()
+        .zip(cot)
+        .map(|(&o, &c)| o as f64 * c as f64)
+        .sum()
 }
 
 /// Checks `analytic` against the central-difference gradient of `x -> sum(f(x) * cot)`.
@@ -62,13 +65,12 @@ pub fn check_grad(
 }
 
 /// Checks `analytic` against the central-difference gradient of the scalar `loss`.
-pub fn check_grad_scalar(
-    name: &str,
-    x: &[f32],
-    analytic: &[f32],
-    loss: impl Fn(&[f32]) -> f64,
-) {
-    assert_eq!(x.len(), analytic.len(), "{name}: gradient has the wrong length");
+pub fn check_grad_scalar(name: &str, x: &[f32], analytic: &[f32], loss: impl Fn(&[f32]) -> f64) {
+    assert_eq!(
+        x.len(),
+        analytic.len(),
+        "{name}: gradient has the wrong length"
+    );
     let mut xp = x.to_vec();
     for i in 0..x.len() {
         let (hi, lo) = (x[i] + H, x[i] - H);
@@ -103,15 +105,27 @@ pub fn check_grad_directional(
     analytic: &[f32],
     loss: impl Fn(&[f32]) -> f64,
 ) {
-    assert_eq!(x.len(), analytic.len(), "{name}: gradient has the wrong length");
+    assert_eq!(
+        x.len(),
+        analytic.len(),
+        "{name}: gradient has the wrong length"
+    );
     let mut rng = Rng::new(x.len() as u64);
     for dir in 0..4 {
         let u = rng.vec(x.len());
         let xp: Vec<f32> = x.iter().zip(&u).map(|(&a, &b)| a + H * b).collect();
         let xm: Vec<f32> = x.iter().zip(&u).map(|(&a, &b)| a - H * b).collect();
         let fd = (loss(&xp) - loss(&xm)) / (2.0 * H as f64);
-        let an: f64 = analytic.iter().zip(&u).map(|(&g, &b)| g as f64 * b as f64).sum();
-        let scale: f64 = analytic.iter().zip(&u).map(|(&g, &b)| (g as f64 * b as f64).abs()).sum();
+        let an: f64 = analytic
+            .iter()
+            .zip(&u)
+            .map(|(&g, &b)| g as f64 * b as f64)
+            .sum();
+        let scale: f64 = analytic
+            .iter()
+            .zip(&u)
+            .map(|(&g, &b)| (g as f64 * b as f64).abs())
+            .sum();
         assert!(
             (fd - an).abs() <= ATOL + RTOL * scale,
             "{name} direction {dir}: analytic {an} vs finite difference {fd}"

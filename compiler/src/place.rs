@@ -1,0 +1,268 @@
+//! Placement: applies a [`Policy`] to a training graph: which chunks are persistent, which
+//! activations are swapped to the host, which blocks are recomputed, and where each
+//! optimizer op runs.
+//!
+//! The pass rebuilds the graph in the order the compute stream will run it: the forward
+//! pass; the backward pass with each checkpointed block's forward ops cloned (phase
+//! `recompute`) just before that block's backward ops, which then read the clones; each
+//! gradient's squared norm (when clipping) and each persistent parameter's AdamW right after
+//! the gradient is complete; and last the AdamW ops of offloaded parameters, which the host
+//! optimizer runs. Swapping changes no op: it is recorded as the set of activations the
+//! stream pass moves. The pass does not decide streams, events or addresses.
+
+use crate::error::{CompileError, Result};
+use protrain_ir::{
+    BlockKind, BlockMode, ChunkTable, Graph, OpId, OpKind, Phase, Policy, Role, ValueId,
+};
+use std::collections::{BTreeSet, HashMap};
+
+/// A training graph with a policy applied.
+#[derive(Clone, Debug)]
+pub struct Placed {
+    /// The graph in compute-stream order, with recomputation clones.
+    pub graph: Graph,
+    /// The policy applied.
+    pub policy: Policy,
+    /// The chunk table (parameter ids are the same in the placed graph).
+    pub chunks: ChunkTable,
+    /// Activations copied to the host after the forward pass and back before the backward
+    /// pass.
+    pub swapped: BTreeSet<ValueId>,
+}
+
+impl Placed {
+    /// Whether a chunk stays on the device.
+    pub fn is_persistent(&self, chunk: protrain_ir::ChunkId) -> bool {
+        chunk.0 < self.policy.n_persist
+    }
+
+    /// Whether an op runs on the host optimizer: the AdamW of an offloaded parameter.
+    pub fn on_host(&self, op: OpId) -> bool {
+        let op = self.graph.op(op);
+        match op.kind {
+            OpKind::AdamW { .. } => match self.graph.param_of(op.inputs[0]) {
+                Some(p) => !self.is_persistent(self.chunks.locate(p).0),
+                None => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+/// Applies `policy` to a training graph chunked as `chunks`.
+///
+/// Fails when the policy names more blocks than the model has layers, more persistent chunks
+/// than there are, or too few chunk buffers to stream the others.
+pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<Placed> {
+    let layers = training
+        .blocks()
+        .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
+        .count();
+    let bad = |m: String| Err(CompileError::BadPolicy(m));
+    if policy.blocks.len() != layers {
+        return bad(format!(
+            "the policy has {} block modes for {layers} layers",
+            policy.blocks.len()
+        ));
+    }
+    if policy.n_persist as usize > chunks.len() {
+        return bad(format!(
+            "n_persist {} exceeds the {} chunks",
+            policy.n_persist,
+            chunks.len()
+        ));
+    }
+    if (policy.n_persist as usize) < chunks.len() && policy.n_buffer == 0 {
+        return bad("streaming chunks needs at least one chunk buffer (n_buffer >= 1)".into());
+    }
+    let mode_of = |op: OpId| -> BlockMode {
+        match training.block(training.op(op).block).kind {
+            BlockKind::Layer(i) => policy.blocks[i as usize],
+            _ => BlockMode::Keep,
+        }
+    };
+
+    // Which forward values the backward pass reads, and which cross a block boundary in the
+    // forward pass (the block's output, which is its checkpoint and is always kept).
+    let mut read_backward: BTreeSet<ValueId> = BTreeSet::new();
+    let mut boundary: BTreeSet<ValueId> = BTreeSet::new();
+    for (_, op) in training.ops() {
+        for &v in &op.inputs {
+            let Some(producer) = training.value(v).producer else {
+                continue;
+            };
+            let producer = training.op(producer);
+            if producer.phase != Phase::Forward {
+                continue;
+            }
+            match op.phase {
+                Phase::Backward => {
+                    read_backward.insert(v);
+                }
+                Phase::Forward if op.block != producer.block => {
+                    boundary.insert(v);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut swapped_old = BTreeSet::new();
+    for (id, op) in training.ops().filter(|(_, op)| op.phase == Phase::Forward) {
+        if mode_of(id) == BlockMode::Swap {
+            swapped_old.extend(
+                op.outputs
+                    .iter()
+                    .filter(|v| read_backward.contains(v) && !boundary.contains(v)),
+            );
+        }
+    }
+
+    // The op that completes each parameter's gradient, and the ops that must follow it.
+    let persistent = |value: ValueId| -> bool {
+        let p = training.param_of(value).expect("AdamW updates a parameter");
+        chunks.locate(p).0 .0 < policy.n_persist
+    };
+    let clip = training
+        .ops()
+        .any(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }));
+    let mut after: HashMap<OpId, Vec<OpId>> = HashMap::new();
+    let mut tail_device: Vec<OpId> = Vec::new();
+    let mut tail_host: Vec<(OpId, OpId)> = Vec::new();
+    for (id, op) in training.ops() {
+        let completes = |grad: ValueId| {
+            training
+                .value(grad)
+                .producer
+                .expect("gradients are computed")
+        };
+        match op.kind {
+            OpKind::GradNormSq => after.entry(completes(op.inputs[0])).or_default().push(id),
+            OpKind::ClipCoef { .. } => tail_device.push(id),
+            OpKind::AdamW { .. } if persistent(op.inputs[0]) && !clip => {
+                after.entry(completes(op.inputs[1])).or_default().push(id)
+            }
+            OpKind::AdamW { .. } if persistent(op.inputs[0]) => tail_device.push(id),
+            OpKind::AdamW { .. } => tail_host.push((completes(op.inputs[1]), id)),
+            _ => {}
+        }
+    }
+
+    // The compute order: forward, backward with recompute clones, then the tails.
+    let backward: Vec<OpId> = training
+        .ops()
+        .filter(|(_, op)| op.phase == Phase::Backward)
+        .map(|(id, _)| id)
+        .collect();
+    let mut order: Vec<(OpId, bool)> = training
+        .ops()
+        .filter(|(_, op)| op.phase == Phase::Forward)
+        .map(|(id, _)| (id, false))
+        .collect();
+    let mut recomputed = BTreeSet::new();
+    let mut position: HashMap<OpId, usize> = HashMap::new();
+    for &id in &backward {
+        let block = training.op(id).block;
+        if let BlockKind::Layer(i) = training.block(block).kind {
+            if policy.blocks[i as usize] == BlockMode::Checkpoint && recomputed.insert(block) {
+                for (fid, fop) in training.ops() {
+                    if fop.phase == Phase::Forward
+                        && fop.block == block
+                        && !fop.outputs.iter().all(|v| boundary.contains(v))
+                    {
+                        order.push((fid, true));
+                    }
+                }
+            }
+        }
+        order.push((id, false));
+        position.insert(id, order.len());
+        for &follower in after.get(&id).map(Vec::as_slice).unwrap_or(&[]) {
+            order.push((follower, false));
+        }
+    }
+    order.extend(tail_device.iter().map(|&id| (id, false)));
+    // Host updates in the order their gradients complete.
+    tail_host.sort_by_key(|&(completes, id)| (position.get(&completes).copied().unwrap_or(0), id));
+    order.extend(tail_host.iter().map(|&(_, id)| (id, false)));
+    debug_assert_eq!(
+        order.iter().filter(|(_, clone)| !clone).count(),
+        training.op_count()
+    );
+
+    // Rebuild.
+    let mut graph = Graph::new(training.info.clone());
+    for (_, block) in training.blocks() {
+        graph.add_block(block.name.clone(), block.kind);
+    }
+    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut clone_of: HashMap<ValueId, ValueId> = HashMap::new();
+    for &v in training.inputs() {
+        let value = training.value(v);
+        map.insert(v, graph.add_input(value.name.clone(), value.ty.clone()));
+    }
+    for (_, p) in training.params() {
+        let value = training.value(p.value);
+        let id = graph.add_param(
+            p.name.clone(),
+            value.ty.shape.clone(),
+            value.ty.dtype,
+            p.block,
+        );
+        for alias in &p.aliases {
+            graph.add_param_alias(id, alias.clone());
+        }
+        graph.set_param_init(id, p.init);
+        map.insert(p.value, graph.param(id).value);
+    }
+    for (id, value) in training.values() {
+        if value.role == Role::OptimizerState && value.producer.is_none() {
+            map.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));
+        }
+    }
+    for &(old, is_clone) in &order {
+        let op = training.op(old);
+        let inputs: Vec<ValueId> = op
+            .inputs
+            .iter()
+            .map(|v| {
+                let reads_clone =
+                    (is_clone || op.phase == Phase::Backward) && clone_of.contains_key(v);
+                if reads_clone {
+                    clone_of[v]
+                } else {
+                    map[v]
+                }
+            })
+            .collect();
+        let outputs: Vec<(String, Role)> = op
+            .outputs
+            .iter()
+            .map(|&v| {
+                let value = training.value(v);
+                match is_clone {
+                    true => (format!("{}.recompute", value.name), value.role),
+                    false => (value.name.clone(), value.role),
+                }
+            })
+            .collect();
+        let phase = if is_clone { Phase::Recompute } else { op.phase };
+        let new = graph.add_op_multi(op.kind.clone(), &inputs, &outputs, op.block, phase)?;
+        for (&old_v, new_v) in op.outputs.iter().zip(new) {
+            if is_clone {
+                clone_of.insert(old_v, new_v);
+            } else {
+                map.insert(old_v, new_v);
+            }
+        }
+    }
+    for &v in training.outputs() {
+        graph.add_output(map[&v]);
+    }
+    let swapped = swapped_old.iter().map(|v| map[v]).collect();
+    Ok(Placed {
+        graph,
+        policy: policy.clone(),
+        chunks: chunks.clone(),
+        swapped,
+    })
+}

@@ -1,0 +1,636 @@
+//! Discrete-event simulation of a schedule's streams and events, and its Chrome trace.
+
+use crate::cost::{CopyDir, CostModel};
+use protrain_ir::{
+    format_bytes, CopyKind, DType, EventId, Instr, Op, OpId, OpKind, Phase, Schedule, Space,
+    StreamId, StreamKind, TensorRef, TensorType, Value, ValueId,
+};
+use serde_json::{json, Map, Value as Json};
+use std::fmt;
+
+/// The categories a [`Span`] can carry: what kind of work occupied its stream.
+///
+/// A measured timeline uses the same strings, so that simulated and measured traces compare.
+pub mod category {
+    /// A kernel on a device stream.
+    pub const COMPUTE: &str = "compute";
+    /// A host-to-device copy.
+    pub const H2D: &str = "h2d";
+    /// A device-to-host copy.
+    pub const D2H: &str = "d2h";
+    /// A copy within device memory.
+    pub const D2D: &str = "d2d";
+    /// A kernel on the host optimizer stream (the CPU Adam).
+    pub const CPU_ADAM: &str = "cpu_adam";
+    /// A stream stalled on an event another stream has not recorded yet.
+    pub const WAIT: &str = "wait";
+}
+
+/// One interval of a timeline: an instruction of a stream, from its start to its end in seconds
+/// after the step began. Simulated and measured timelines share this type.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Span {
+    /// The stream it ran on.
+    pub stream: StreamId,
+    /// The instruction's index in its stream.
+    pub index: usize,
+    /// Start, in seconds.
+    pub start: f64,
+    /// End, in seconds.
+    pub end: f64,
+    /// What ran, for people: `linear h.3.mlp.c_fc`, `fetch chunk 3 (12.0 MiB)`.
+    pub label: String,
+    /// One of the [`category`] constants.
+    pub category: &'static str,
+}
+
+impl Span {
+    /// Its duration in seconds.
+    pub fn seconds(&self) -> f64 {
+        self.end - self.start
+    }
+}
+
+/// Busy seconds of the compute streams, by the [`Phase`] of the kernels that ran.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseSeconds {
+    /// The forward pass.
+    pub forward: f64,
+    /// The backward pass, recomputation excluded.
+    pub backward: f64,
+    /// Forward ops re-run in the backward pass.
+    pub recompute: f64,
+    /// Gradient clipping and the device optimizer.
+    pub optimizer: f64,
+}
+
+impl PhaseSeconds {
+    /// The seconds of one phase.
+    pub fn get(&self, phase: Phase) -> f64 {
+        match phase {
+            Phase::Forward => self.forward,
+            Phase::Backward => self.backward,
+            Phase::Recompute => self.recompute,
+            Phase::Optimizer => self.optimizer,
+        }
+    }
+
+    /// The sum over all phases.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.recompute + self.optimizer
+    }
+
+    fn add(&mut self, phase: Phase, seconds: f64) {
+        match phase {
+            Phase::Forward => self.forward += seconds,
+            Phase::Backward => self.backward += seconds,
+            Phase::Recompute => self.recompute += seconds,
+            Phase::Optimizer => self.optimizer += seconds,
+        }
+    }
+}
+
+/// The simulated step: its time, how busy each stream was, and the timeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Simulation {
+    /// When the last stream finishes its last instruction, in seconds.
+    pub step_seconds: f64,
+    /// Seconds each stream spends running kernels and copies (not waiting), by [`StreamId`].
+    pub stream_busy_seconds: Vec<f64>,
+    /// A span for every kernel and copy, and one for every wait that stalled its stream,
+    /// ordered by start time (then stream, then index).
+    pub timeline: Vec<Span>,
+    /// Busy seconds of the compute streams, by phase.
+    pub phase_seconds: PhaseSeconds,
+}
+
+impl Simulation {
+    /// Seconds during which a copy is in flight and no compute kernel runs: the communication
+    /// the schedule failed to hide. See [`exposed_seconds`].
+    pub fn exposed_communication_seconds(&self) -> f64 {
+        exposed_seconds(
+            &self.timeline,
+            &[category::H2D, category::D2H],
+            &[category::COMPUTE],
+        )
+    }
+
+    /// The timeline as a Chrome trace; see [`chrome_trace`].
+    pub fn chrome_trace(&self, schedule: &Schedule) -> String {
+        chrome_trace(schedule, &self.timeline)
+    }
+}
+
+/// A stream that cannot go on: it waits on an event that is never recorded, or whose record
+/// sits behind another stuck stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StuckStream {
+    /// The stream.
+    pub stream: StreamId,
+    /// Its name.
+    pub name: String,
+    /// The index of the wait it is stuck at.
+    pub index: usize,
+    /// The event it waits on.
+    pub event: EventId,
+    /// Where that event is recorded, if anywhere: the stream and the instruction index.
+    pub recorded_at: Option<(StreamId, usize)>,
+}
+
+impl fmt::Display for StuckStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({}) waits at instruction {} for {}, ",
+            self.stream, self.name, self.index, self.event
+        )?;
+        match self.recorded_at {
+            None => write!(f, "which no stream records"),
+            Some((stream, index)) => write!(
+                f,
+                "which {stream} records at instruction {index}, never reached"
+            ),
+        }
+    }
+}
+
+/// Why a schedule cannot be simulated.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SimulateError {
+    /// Some streams wait forever: on an event no stream records, on a record placed after the
+    /// wait in the same stream, or in a cycle of waits across streams.
+    #[error(
+        "the schedule deadlocks: {}; every wait needs a record of its event that is reached \
+         without it",
+        list(.stuck)
+    )]
+    Deadlock {
+        /// Every stuck stream, by id.
+        stuck: Vec<StuckStream>,
+    },
+    /// An event is recorded more than once, so a wait on it is ambiguous.
+    #[error(
+        "{event} is recorded twice, by {} at instruction {} and by {} at instruction {}; \
+         give each record its own event",
+        .first.0, .first.1, .second.0, .second.1
+    )]
+    DuplicateRecord {
+        /// The event.
+        event: EventId,
+        /// The first record: stream and instruction index.
+        first: (StreamId, usize),
+        /// The second record.
+        second: (StreamId, usize),
+    },
+    /// An instruction names an op, value, buffer or event the schedule does not have.
+    #[error(
+        "{stream} instruction {index} refers to {what}, which the schedule does not have; \
+         run the schedule verifier"
+    )]
+    BadReference {
+        /// The stream.
+        stream: StreamId,
+        /// The instruction's index.
+        index: usize,
+        /// What is missing.
+        what: String,
+    },
+}
+
+fn list(stuck: &[StuckStream]) -> String {
+    stuck
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The direction a copy from `src` to `dst` memory takes.
+///
+/// No schedule copies host to host; such a copy is priced as device-to-host, the pinned-memory
+/// transfer the cost model knows, rather than as free.
+pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
+    match (src, dst) {
+        (Space::Host, Space::Device) => CopyDir::HostToDevice,
+        (Space::Device, Space::Device) => CopyDir::DeviceToDevice,
+        (Space::Device, Space::Host) | (Space::Host, Space::Host) => CopyDir::DeviceToHost,
+    }
+}
+
+/// How long one instruction of `stream` takes, in seconds.
+///
+/// - a kernel runs for [`CostModel::op_seconds`] over its values' types, computing in the
+///   element type of its first floating-point input (else output, else the header's); an
+///   `adamw` kernel instead takes [`CostModel::cpu_adam_seconds`] on the host optimizer stream
+///   and [`CostModel::gpu_adam_seconds`] elsewhere, over its parameter's elements;
+/// - a copy takes [`CostModel::copy_seconds`] in the direction of its buffers' spaces;
+/// - records and waits take no time (how long a wait stalls is the simulation's business).
+///
+/// An instruction naming an op, value or buffer the schedule lacks costs 0: this never panics.
+/// [`simulate`] rejects such schedules before pricing anything.
+pub fn instr_seconds(
+    schedule: &Schedule,
+    stream: StreamId,
+    instr: &Instr,
+    cost: &dyn CostModel,
+) -> f64 {
+    match instr {
+        Instr::Kernel { op, .. } => {
+            let Some(op) = op_of(schedule, *op) else {
+                return 0.0;
+            };
+            let Some(inputs) = types_of(schedule, &op.inputs) else {
+                return 0.0;
+            };
+            let Some(outputs) = types_of(schedule, &op.outputs) else {
+                return 0.0;
+            };
+            let on_host = schedule
+                .streams
+                .get(stream.index())
+                .is_some_and(|s| s.kind == StreamKind::HostOptimizer);
+            match (&op.kind, inputs.first()) {
+                (OpKind::AdamW { .. }, Some(param)) if on_host => {
+                    cost.cpu_adam_seconds(param.numel())
+                }
+                (OpKind::AdamW { .. }, Some(param)) => cost.gpu_adam_seconds(param.numel()),
+                _ => {
+                    let dtype = compute_dtype(&inputs, &outputs, schedule.header.dtype);
+                    cost.op_seconds(&op.kind, &inputs, &outputs, dtype)
+                }
+            }
+        }
+        Instr::Copy {
+            src, dst, bytes, ..
+        } => match (space_of(schedule, *src), space_of(schedule, *dst)) {
+            (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
+            _ => 0.0,
+        },
+        Instr::Record { .. } | Instr::Wait { .. } => 0.0,
+    }
+}
+
+/// A readable label for an instruction: the op's mnemonic and its output's name for a kernel
+/// (`linear h.3.mlp.c_fc`; the parameter's name for `adamw`, which has no output), what moves
+/// and how much for a copy (`fetch chunk 3 (12.0 MiB)`), the event for a record or wait.
+pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
+    let value_name = |v: ValueId| {
+        value_of(schedule, v).map_or_else(|| v.to_string(), |value| value.name.clone())
+    };
+    match instr {
+        Instr::Kernel { op, .. } => match op_of(schedule, *op) {
+            Some(o) => match o.outputs.first().or(o.inputs.first()) {
+                Some(&v) => format!("{} {}", o.kind.mnemonic(), value_name(v)),
+                None => o.kind.mnemonic().to_string(),
+            },
+            None => op.to_string(),
+        },
+        Instr::Copy { what, bytes, .. } => {
+            let size = format_bytes(*bytes);
+            match what {
+                CopyKind::FetchChunk { chunk } => format!("fetch chunk {} ({size})", chunk.0),
+                CopyKind::OffloadGrads { chunk } => {
+                    format!("offload grads chunk {} ({size})", chunk.0)
+                }
+                CopyKind::OffloadActivation { value } => {
+                    format!("offload {} ({size})", value_name(*value))
+                }
+                CopyKind::ReloadActivation { value } => {
+                    format!("reload {} ({size})", value_name(*value))
+                }
+                CopyKind::Scalar { value } => format!("scalar {}", value_name(*value)),
+            }
+        }
+        Instr::Record { event } => format!("record {event}"),
+        Instr::Wait { event } => format!("wait {event}"),
+    }
+}
+
+/// Simulates one step: each stream runs its instructions in order, one at a time, all starting
+/// at 0; a kernel or copy takes [`instr_seconds`]; a record marks the time its stream reached
+/// it; a wait holds its stream until the event's record is reached.
+///
+/// Streams compete for nothing but events (no shared bandwidth, no launch queue), so each
+/// stream runs ahead until it blocks on an event not yet recorded and resumes when the record
+/// is reached: every instruction is visited once, O(n) plus sorting the timeline.
+///
+/// Errors, checked before any time is computed: an instruction naming an op, value, buffer or
+/// event out of range; an event recorded twice. After: a deadlock, naming every stuck stream.
+pub fn simulate(schedule: &Schedule, cost: &dyn CostModel) -> Result<Simulation, SimulateError> {
+    check_references(schedule)?;
+    let records = record_sites(schedule)?;
+    let n = schedule.streams.len();
+    let events = schedule.events as usize;
+    let mut next = vec![0usize; n];
+    let mut clock = vec![0.0f64; n];
+    let mut busy = vec![0.0f64; n];
+    let mut recorded: Vec<Option<f64>> = vec![None; events];
+    let mut waiters: Vec<Vec<usize>> = vec![Vec::new(); events];
+    let mut phase_seconds = PhaseSeconds::default();
+    let total: usize = schedule.streams.iter().map(|s| s.instrs.len()).sum();
+    let mut timeline = Vec::with_capacity(total);
+    let mut ready: Vec<usize> = (0..n).rev().collect();
+
+    while let Some(s) = ready.pop() {
+        let stream = &schedule.streams[s];
+        let id = StreamId::new(s);
+        while let Some(instr) = stream.instrs.get(next[s]) {
+            let index = next[s];
+            match instr {
+                Instr::Record { event } => {
+                    recorded[event.index()] = Some(clock[s]);
+                    ready.append(&mut waiters[event.index()]);
+                }
+                Instr::Wait { event } => match recorded[event.index()] {
+                    None => {
+                        waiters[event.index()].push(s);
+                        break;
+                    }
+                    Some(at) => {
+                        if at > clock[s] {
+                            timeline.push(Span {
+                                stream: id,
+                                index,
+                                start: clock[s],
+                                end: at,
+                                label: instr_label(schedule, instr),
+                                category: category::WAIT,
+                            });
+                            clock[s] = at;
+                        }
+                    }
+                },
+                Instr::Kernel { .. } | Instr::Copy { .. } => {
+                    let seconds = instr_seconds(schedule, id, instr, cost);
+                    if let (Instr::Kernel { op, .. }, StreamKind::Compute) = (instr, stream.kind) {
+                        phase_seconds.add(schedule.graph.op(*op).phase, seconds);
+                    }
+                    timeline.push(Span {
+                        stream: id,
+                        index,
+                        start: clock[s],
+                        end: clock[s] + seconds,
+                        label: instr_label(schedule, instr),
+                        category: span_category(schedule, stream.kind, instr),
+                    });
+                    clock[s] += seconds;
+                    busy[s] += seconds;
+                }
+            }
+            next[s] += 1;
+        }
+    }
+
+    let stuck: Vec<StuckStream> = schedule
+        .streams
+        .iter()
+        .enumerate()
+        .filter_map(|(s, stream)| match stream.instrs.get(next[s]) {
+            Some(Instr::Wait { event }) => Some(StuckStream {
+                stream: StreamId::new(s),
+                name: stream.name.clone(),
+                index: next[s],
+                event: *event,
+                recorded_at: records[event.index()],
+            }),
+            _ => None,
+        })
+        .collect();
+    if !stuck.is_empty() {
+        return Err(SimulateError::Deadlock { stuck });
+    }
+
+    timeline.sort_by(|a, b| {
+        a.start
+            .total_cmp(&b.start)
+            .then(a.stream.cmp(&b.stream))
+            .then(a.index.cmp(&b.index))
+    });
+    Ok(Simulation {
+        step_seconds: clock.iter().copied().fold(0.0, f64::max),
+        stream_busy_seconds: busy,
+        timeline,
+        phase_seconds,
+    })
+}
+
+/// Seconds during which some span of `categories` runs and no span of `hidden_by` does: the
+/// measure of the union of the first set of intervals minus the union of the second.
+///
+/// With copies against compute kernels, it is the communication a schedule leaves exposed;
+/// with [`category::CPU_ADAM`] against compute, the CPU optimizer time not hidden behind the
+/// device. Works on simulated and measured timelines alike.
+pub fn exposed_seconds(spans: &[Span], categories: &[&str], hidden_by: &[&str]) -> f64 {
+    let exposed = union(spans, categories);
+    let hiding = union(spans, hidden_by);
+    let mut total = 0.0;
+    let mut j = 0;
+    for &(start, end) in &exposed {
+        let mut covered = 0.0;
+        // Skip hiding intervals that end before this one starts; later exposed intervals start
+        // later still, so they never need them either.
+        while j < hiding.len() && hiding[j].1 <= start {
+            j += 1;
+        }
+        let mut k = j;
+        while k < hiding.len() && hiding[k].0 < end {
+            covered += hiding[k].1.min(end) - hiding[k].0.max(start);
+            k += 1;
+        }
+        total += (end - start) - covered;
+    }
+    total
+}
+
+/// The union of the spans of some categories, as sorted, disjoint `(start, end)` intervals.
+fn union(spans: &[Span], categories: &[&str]) -> Vec<(f64, f64)> {
+    let mut intervals: Vec<(f64, f64)> = spans
+        .iter()
+        .filter(|s| s.end > s.start && categories.contains(&s.category))
+        .map(|s| (s.start, s.end))
+        .collect();
+    intervals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut merged: Vec<(f64, f64)> = Vec::with_capacity(intervals.len());
+    for (start, end) in intervals {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    merged
+}
+
+/// A timeline as Chrome / Perfetto trace-event JSON (open it in `chrome://tracing` or
+/// ui.perfetto.dev): one complete (`"ph":"X"`) event per span of nonzero duration, times in
+/// microseconds, one thread per stream (`tid` = the stream's index) named by `thread_name`
+/// metadata, and arguments from the schedule (instruction index, op phase and block, bytes).
+///
+/// It takes the spans rather than a [`Simulation`] so that a measured run's timeline exports
+/// the same way. Spans naming instructions the schedule lacks keep only their own fields.
+pub fn chrome_trace(schedule: &Schedule, spans: &[Span]) -> String {
+    let mut events = Vec::with_capacity(spans.len() + 2 * schedule.streams.len() + 1);
+    events.push(json!({
+        "name": "process_name", "ph": "M", "pid": 1, "tid": 0,
+        "args": { "name": format!("protrain {}", schedule.header.model) },
+    }));
+    for (i, stream) in schedule.streams.iter().enumerate() {
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": 1, "tid": i,
+            "args": { "name": stream.name },
+        }));
+        events.push(json!({
+            "name": "thread_sort_index", "ph": "M", "pid": 1, "tid": i,
+            "args": { "sort_index": i },
+        }));
+    }
+    for span in spans.iter().filter(|s| s.end > s.start) {
+        events.push(json!({
+            "name": span.label,
+            "cat": span.category,
+            "ph": "X",
+            "ts": span.start * 1e6,
+            "dur": (span.end - span.start) * 1e6,
+            "pid": 1,
+            "tid": span.stream.0,
+            "args": span_args(schedule, span),
+        }));
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+}
+
+/// What the trace shows when a span is clicked.
+fn span_args(schedule: &Schedule, span: &Span) -> Json {
+    let mut args = Map::new();
+    args.insert("index".into(), json!(span.index));
+    let stream = schedule.streams.get(span.stream.index());
+    if let Some(stream) = stream {
+        args.insert("stream".into(), json!(stream.name));
+    }
+    match stream.and_then(|s| s.instrs.get(span.index)) {
+        Some(Instr::Kernel { op, .. }) => {
+            args.insert("op".into(), json!(op.to_string()));
+            if let Some(o) = op_of(schedule, *op) {
+                args.insert("phase".into(), json!(o.phase.to_string()));
+                if o.block.index() < schedule.graph.blocks().len() {
+                    args.insert("block".into(), json!(schedule.graph.block(o.block).name));
+                }
+            }
+        }
+        Some(Instr::Copy { bytes, .. }) => {
+            args.insert("bytes".into(), json!(bytes));
+        }
+        Some(Instr::Record { event } | Instr::Wait { event }) => {
+            args.insert("event".into(), json!(event.to_string()));
+        }
+        None => {}
+    }
+    Json::Object(args)
+}
+
+fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
+    match instr {
+        Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
+        Instr::Kernel { .. } => category::COMPUTE,
+        Instr::Copy { src, dst, .. } => {
+            match (space_of(schedule, *src), space_of(schedule, *dst)) {
+                (Some(Space::Host), Some(Space::Device)) => category::H2D,
+                (Some(Space::Device), Some(Space::Device)) => category::D2D,
+                _ => category::D2H,
+            }
+        }
+        Instr::Record { .. } | Instr::Wait { .. } => category::WAIT,
+    }
+}
+
+/// The element type an op computes in: its first floating-point input's, else its first
+/// floating-point output's, else `fallback`.
+fn compute_dtype(inputs: &[&TensorType], outputs: &[&TensorType], fallback: DType) -> DType {
+    inputs
+        .iter()
+        .chain(outputs)
+        .map(|t| t.dtype)
+        .find(|d| d.is_float())
+        .unwrap_or(fallback)
+}
+
+fn op_of(schedule: &Schedule, op: OpId) -> Option<&Op> {
+    (op.index() < schedule.graph.op_count()).then(|| schedule.graph.op(op))
+}
+
+fn value_of(schedule: &Schedule, value: ValueId) -> Option<&Value> {
+    (value.index() < schedule.graph.values().len()).then(|| schedule.graph.value(value))
+}
+
+fn types_of<'a>(schedule: &'a Schedule, values: &[ValueId]) -> Option<Vec<&'a TensorType>> {
+    values
+        .iter()
+        .map(|&v| value_of(schedule, v).map(|value| &value.ty))
+        .collect()
+}
+
+fn space_of(schedule: &Schedule, t: TensorRef) -> Option<Space> {
+    schedule.buffers.get(t.buffer.index()).map(|b| b.space)
+}
+
+/// Checks that every id an instruction names exists, so that the simulation can index freely.
+fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (index, instr) in stream.instrs.iter().enumerate() {
+            let bad = |what: String| SimulateError::BadReference {
+                stream: StreamId::new(s),
+                index,
+                what,
+            };
+            match instr {
+                Instr::Kernel { op, .. } => {
+                    let o = op_of(schedule, *op).ok_or_else(|| bad(op.to_string()))?;
+                    if let Some(v) = o
+                        .inputs
+                        .iter()
+                        .chain(&o.outputs)
+                        .find(|&&v| value_of(schedule, v).is_none())
+                    {
+                        return Err(bad(format!("value {v} of {op}")));
+                    }
+                }
+                Instr::Copy { src, dst, .. } => {
+                    for t in [src, dst] {
+                        if space_of(schedule, *t).is_none() {
+                            return Err(bad(t.buffer.to_string()));
+                        }
+                    }
+                }
+                Instr::Record { event } | Instr::Wait { event } => {
+                    if event.0 >= schedule.events {
+                        return Err(bad(format!(
+                            "{event} (the schedule declares {} events)",
+                            schedule.events
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where each event is recorded, by [`EventId`]; an error if one is recorded twice.
+fn record_sites(schedule: &Schedule) -> Result<Vec<Option<(StreamId, usize)>>, SimulateError> {
+    let mut sites = vec![None; schedule.events as usize];
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (index, instr) in stream.instrs.iter().enumerate() {
+            if let Instr::Record { event } = instr {
+                let here = (StreamId::new(s), index);
+                if let Some(first) = sites[event.index()] {
+                    return Err(SimulateError::DuplicateRecord {
+                        event: *event,
+                        first,
+                        second: here,
+                    });
+                }
+                sites[event.index()] = Some(here);
+            }
+        }
+    }
+    Ok(sites)
+}

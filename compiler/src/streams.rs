@@ -1,0 +1,808 @@
+//! Streams: turns a placed graph into per-stream instruction lists with events, and decides
+//! which buffer each tensor of each instruction lives in.
+//!
+//! The compute stream runs the placed graph's device ops in order; its kernel index is the
+//! step's timeline, on which every device buffer's live range is measured. Chunk fetches and
+//! activation reloads run on the host-to-device stream, gradient and activation offloads on
+//! the device-to-host stream, the AdamW of offloaded parameters on the host optimizer stream.
+//! Events appear only where a dependency crosses streams:
+//!
+//! - a fetch into a chunk slot waits until the compute stream has finished with the chunk the
+//!   slot held; the first kernel that reads the chunk waits for the fetch. The host-to-device
+//!   stream issues copies in the order they are needed, each as soon as its slot is free, so
+//!   prefetching is as early as the `n_buffer` slots allow;
+//! - an offload waits for the kernel that wrote what it copies; the compute stream waits for
+//!   the offload to finish one block (activations) or one chunk (gradients) later, which is
+//!   where the device copy's live range ends;
+//! - a reload waits until the compute stream reaches the backward pass of the block before
+//!   (where the reloaded copy's live range starts); the first kernel that reads it waits for
+//!   it;
+//! - the host optimizer waits for each chunk's gradients to arrive, and for the clip
+//!   coefficient when clipping.
+//!
+//! It does not choose offsets: every buffer gets one in the `plan` pass.
+
+use crate::error::{CompileError, Result};
+use crate::place::Placed;
+use protrain_ir::{
+    Buffer, BufferId, BufferKind, ChunkId, CopyKind, EventId, Instr, OpId, OpKind, ParamId, Phase,
+    Role, Space, Stream, StreamKind, TensorRef, ValueId,
+};
+use std::collections::{BTreeMap, HashMap};
+
+/// Buffers start at multiples of this many bytes.
+pub const BUFFER_ALIGN: u64 = 256;
+
+/// The compute stream.
+pub const COMPUTE: usize = 0;
+/// The host-to-device copy stream.
+pub const H2D: usize = 1;
+/// The device-to-host copy stream.
+pub const D2H: usize = 2;
+/// The host optimizer stream.
+pub const HOST_OPTIMIZER: usize = 3;
+
+/// A buffer before the planner has given it an offset.
+#[derive(Clone, Debug)]
+pub struct Pending {
+    /// The buffer, offset 0 until planned.
+    pub buffer: Buffer,
+    /// For device buffers: the first and last compute kernel index it is live at; `None` for
+    /// the whole step.
+    pub live: Option<(u32, u32)>,
+}
+
+/// Streams, events and unplanned buffers.
+#[derive(Clone, Debug)]
+pub struct Streamed {
+    /// The placed graph and policy.
+    pub placed: Placed,
+    /// Every buffer, by [`BufferId`].
+    pub buffers: Vec<Pending>,
+    /// Compute, host-to-device, device-to-host, host optimizer.
+    pub streams: Vec<Stream>,
+    /// Events used.
+    pub events: u32,
+    /// Homes of parameters, optimizer state and inputs.
+    pub homes: Vec<(ValueId, TensorRef)>,
+    /// Where the loss is.
+    pub loss: TensorRef,
+    /// Kernels on the compute stream (the length of the timeline).
+    pub compute_kernels: u32,
+}
+
+/// An instruction on a stream, before events are numbered.
+enum Step {
+    Kernel(OpId),
+    Copy(CopyKind, TensorRef, TensorRef, u64),
+    /// Wait until the compute stream has finished kernel `t`.
+    AfterCompute(u32),
+    /// Wait for a copy (by its index in `copies`).
+    AfterCopy(usize),
+    /// Wait for the clip coefficient's copy to the host.
+    AfterScalar,
+}
+
+/// Builds the streams of a placed graph.
+pub fn streams(placed: Placed) -> Result<Streamed> {
+    Builder::new(placed).build()
+}
+
+struct Builder {
+    placed: Placed,
+    buffers: Vec<Pending>,
+    homes: Vec<(ValueId, TensorRef)>,
+    /// Device op -> compute kernel index.
+    time: HashMap<OpId, u32>,
+    /// Where each value is written (its first instance).
+    primary: HashMap<ValueId, TensorRef>,
+    /// The host copy and the reloaded device copy of each swapped activation.
+    swap: HashMap<ValueId, (TensorRef, TensorRef)>,
+    /// Slot holding each offloaded chunk at each kernel that reads it.
+    slot_at: HashMap<(u32, ChunkId), u32>,
+    slots: Vec<BufferId>,
+    host_chunk: HashMap<ChunkId, BufferId>,
+    grad_chunk: HashMap<ChunkId, (BufferId, BufferId)>,
+    persistent_chunk: HashMap<ChunkId, BufferId>,
+    /// Optimizer-state homes of each parameter: (m, v).
+    state_home: HashMap<ParamId, (TensorRef, TensorRef)>,
+}
+
+impl Builder {
+    fn new(placed: Placed) -> Self {
+        Self {
+            placed,
+            buffers: Vec::new(),
+            homes: Vec::new(),
+            time: HashMap::new(),
+            primary: HashMap::new(),
+            swap: HashMap::new(),
+            slot_at: HashMap::new(),
+            slots: Vec::new(),
+            host_chunk: HashMap::new(),
+            grad_chunk: HashMap::new(),
+            persistent_chunk: HashMap::new(),
+            state_home: HashMap::new(),
+        }
+    }
+
+    fn buffer(
+        &mut self,
+        name: String,
+        space: Space,
+        size: u64,
+        kind: BufferKind,
+        live: Option<(u32, u32)>,
+    ) -> BufferId {
+        self.buffers.push(Pending {
+            buffer: Buffer {
+                name,
+                space,
+                offset: 0,
+                size,
+                kind,
+            },
+            live,
+        });
+        BufferId::new(self.buffers.len() - 1)
+    }
+
+    fn at(buffer: BufferId, offset: u64) -> TensorRef {
+        TensorRef { buffer, offset }
+    }
+
+    fn bytes(&self, v: ValueId) -> u64 {
+        self.placed.graph.value(v).ty.bytes()
+    }
+
+    fn build(mut self) -> Result<Streamed> {
+        let graph = self.placed.graph.clone();
+        let chunks = self.placed.chunks.clone();
+        let device_ops: Vec<OpId> = graph
+            .ops()
+            .filter(|(id, _)| !self.placed.on_host(*id))
+            .map(|(id, _)| id)
+            .collect();
+        let host_ops: Vec<OpId> = graph
+            .ops()
+            .filter(|(id, _)| self.placed.on_host(*id))
+            .map(|(id, _)| id)
+            .collect();
+        for (t, &op) in device_ops.iter().enumerate() {
+            self.time.insert(op, t as u32);
+        }
+        let end = device_ops.len().saturating_sub(1) as u32;
+
+        // Homes: inputs, chunks, optimizer state.
+        for &v in graph.inputs() {
+            let b = self.buffer(
+                graph.value(v).name.clone(),
+                Space::Device,
+                self.bytes(v),
+                BufferKind::Input,
+                None,
+            );
+            self.homes.push((v, Self::at(b, 0)));
+            self.primary.insert(v, Self::at(b, 0));
+        }
+        let adam: HashMap<ValueId, (ValueId, ValueId)> = graph
+            .ops()
+            .filter(|(_, op)| matches!(op.kind, OpKind::AdamW { .. }))
+            .map(|(_, op)| (op.inputs[0], (op.inputs[2], op.inputs[3])))
+            .collect();
+        for (c, chunk) in chunks.iter() {
+            let persistent = self.placed.is_persistent(c);
+            let (space, kind) = match persistent {
+                true => (Space::Device, BufferKind::PersistentChunk { chunk: c }),
+                false => (Space::Host, BufferKind::HostChunk { chunk: c }),
+            };
+            let home = self.buffer(format!("chunk{}", c.0), space, chunk.used_bytes, kind, None);
+            if persistent {
+                self.persistent_chunk.insert(c, home);
+            } else {
+                self.host_chunk.insert(c, home);
+            }
+            // Adam moments mirror the chunk: every m, then every v, f32.
+            let elems: Vec<u64> = chunk
+                .members
+                .iter()
+                .map(|m| graph.value(graph.param(m.param).value).ty.numel())
+                .collect();
+            let total: u64 = elems.iter().sum();
+            let with_state = chunk
+                .members
+                .iter()
+                .any(|m| adam.contains_key(&graph.param(m.param).value));
+            let state = with_state.then(|| {
+                self.buffer(
+                    format!("adam{}", c.0),
+                    space,
+                    8 * total,
+                    BufferKind::OptimizerState { chunk: c },
+                    None,
+                )
+            });
+            let mut elem = 0;
+            for (member, n) in chunk.members.iter().zip(&elems) {
+                let value = graph.param(member.param).value;
+                self.homes.push((value, Self::at(home, member.offset)));
+                if persistent {
+                    self.primary.insert(value, Self::at(home, member.offset));
+                }
+                if let (Some(state), Some(&(m, v))) = (state, adam.get(&value)) {
+                    let (mr, vr) = (
+                        Self::at(state, 4 * elem),
+                        Self::at(state, 4 * (total + elem)),
+                    );
+                    self.homes.push((m, mr));
+                    self.homes.push((v, vr));
+                    if persistent {
+                        self.primary.insert(m, mr);
+                        self.primary.insert(v, vr);
+                    }
+                    self.state_home.insert(member.param, (mr, vr));
+                }
+                elem += n;
+            }
+            if !persistent && with_state {
+                let g = self.buffer(
+                    format!("grads{}", c.0),
+                    Space::Device,
+                    chunk.used_bytes,
+                    BufferKind::GradChunk { chunk: c },
+                    Some((0, 0)),
+                );
+                let hg = self.buffer(
+                    format!("host_grads{}", c.0),
+                    Space::Host,
+                    chunk.used_bytes,
+                    BufferKind::HostGradChunk { chunk: c },
+                    None,
+                );
+                self.grad_chunk.insert(c, (g, hg));
+            }
+        }
+        let offloaded = chunks.len() as u32 > self.placed.policy.n_persist;
+        if offloaded {
+            for s in 0..self.placed.policy.n_buffer {
+                let b = self.buffer(
+                    format!("slot{s}"),
+                    Space::Device,
+                    chunks.chunk_bytes,
+                    BufferKind::ChunkSlot { slot: s },
+                    None,
+                );
+                self.slots.push(b);
+            }
+        }
+
+        // Which offloaded chunks each device kernel reads, and the fetches that bring them.
+        struct Fetch {
+            chunk: ChunkId,
+            slot: u32,
+            after: Option<u32>,
+            needed: u32,
+        }
+        let mut fetches: Vec<Fetch> = Vec::new();
+        let mut resident: Vec<Option<(ChunkId, u32)>> = vec![None; self.slots.len()];
+        for (t, &op) in device_ops.iter().enumerate() {
+            let t = t as u32;
+            let mut needed: Vec<ChunkId> = graph
+                .op(op)
+                .inputs
+                .iter()
+                .filter_map(|&v| graph.param_of(v))
+                .map(|p| chunks.locate(p).0)
+                .filter(|&c| !self.placed.is_persistent(c))
+                .collect();
+            needed.sort();
+            needed.dedup();
+            if needed.len() > self.slots.len() {
+                return Err(CompileError::BadPolicy(format!(
+                    "{} ({}) reads {} offloaded chunks at once but n_buffer is {}; use n_buffer >= {}",
+                    graph.op(op).kind.mnemonic(),
+                    graph.value(graph.op(op).outputs.first().copied().unwrap_or(graph.op(op).inputs[0])).name,
+                    needed.len(),
+                    self.slots.len(),
+                    needed.len()
+                )));
+            }
+            for &c in &needed {
+                if let Some(s) = resident
+                    .iter()
+                    .position(|r| matches!(r, Some((rc, _)) if *rc == c))
+                {
+                    resident[s] = Some((c, t));
+                    self.slot_at.insert((t, c), s as u32);
+                    continue;
+                }
+                let s = (0..resident.len())
+                    .filter(|&s| !matches!(resident[s], Some((rc, _)) if needed.contains(&rc)))
+                    .min_by_key(|&s| resident[s].map_or((0, 0), |(_, last)| (1, last)))
+                    .expect("enough slots were checked above");
+                fetches.push(Fetch {
+                    chunk: c,
+                    slot: s as u32,
+                    after: resident[s].map(|(_, last)| last),
+                    needed: t,
+                });
+                resident[s] = Some((c, t));
+                self.slot_at.insert((t, c), s as u32);
+            }
+        }
+
+        // Forward block boundaries, for swap wait and reload points.
+        let mut forward_block_start: Vec<(protrain_ir::BlockId, u32)> = Vec::new();
+        let mut backward_block_start: Vec<(protrain_ir::BlockId, u32)> = Vec::new();
+        for (t, &op) in device_ops.iter().enumerate() {
+            let o = graph.op(op);
+            let list = match o.phase {
+                Phase::Forward => &mut forward_block_start,
+                Phase::Backward | Phase::Recompute => &mut backward_block_start,
+                Phase::Optimizer => continue,
+            };
+            if list.last().map(|&(b, _)| b) != Some(o.block) {
+                list.push((o.block, t as u32));
+            }
+        }
+        let first_backward = backward_block_start.first().map_or(end, |&(_, t)| t);
+
+        // Readers on the compute stream.
+        let mut last_read: HashMap<ValueId, u32> = HashMap::new();
+        let mut last_forward_read: HashMap<ValueId, u32> = HashMap::new();
+        let mut first_backward_read: HashMap<ValueId, u32> = HashMap::new();
+        for (t, &op) in device_ops.iter().enumerate() {
+            let o = graph.op(op);
+            for &v in &o.inputs {
+                last_read.insert(v, t as u32);
+                if o.phase == Phase::Forward {
+                    last_forward_read.insert(v, t as u32);
+                } else {
+                    first_backward_read.entry(v).or_insert(t as u32);
+                }
+            }
+        }
+
+        // Copies and their timing.
+        struct CopyPlan {
+            stream: usize,
+            kind: CopyKind,
+            src: TensorRef,
+            dst: TensorRef,
+            bytes: u64,
+            /// Compute kernel it must follow (None: nothing).
+            after: Option<u32>,
+            /// Compute kernel that waits for it (None: only the host optimizer does).
+            needed: Option<u32>,
+        }
+        let mut copies: Vec<CopyPlan> = Vec::new();
+        for f in &fetches {
+            copies.push(CopyPlan {
+                stream: H2D,
+                kind: CopyKind::FetchChunk { chunk: f.chunk },
+                src: Self::at(self.host_chunk[&f.chunk], 0),
+                dst: Self::at(self.slots[f.slot as usize], 0),
+                bytes: chunks.chunk(f.chunk).used_bytes,
+                after: f.after,
+                needed: Some(f.needed),
+            });
+        }
+
+        // Gradient chunks: where each parameter's final gradient is written, and when the
+        // chunk is complete.
+        let mut grad_of: HashMap<ValueId, (ChunkId, u64)> = HashMap::new();
+        let mut chunk_done: BTreeMap<ChunkId, (u32, u32)> = BTreeMap::new();
+        for (_, op) in graph.ops() {
+            if let OpKind::AdamW { .. } = op.kind {
+                let p = graph
+                    .param_of(op.inputs[0])
+                    .expect("AdamW updates a parameter");
+                let (c, offset) = chunks.locate(p);
+                if self.placed.is_persistent(c) {
+                    continue;
+                }
+                let g = op.inputs[1];
+                grad_of.insert(g, (c, offset));
+                let producer = graph.value(g).producer.expect("gradients are computed");
+                let t = self.time[&producer];
+                let entry = chunk_done.entry(c).or_insert((t, t));
+                entry.0 = entry.0.min(t);
+                entry.1 = entry.1.max(t);
+            }
+        }
+        // The compute stream waits for chunk c's offload when the next chunk completes.
+        let mut by_completion: Vec<(ChunkId, u32, u32)> =
+            chunk_done.iter().map(|(&c, &(a, b))| (c, a, b)).collect();
+        by_completion.sort_by_key(|&(c, _, done)| (done, c));
+        let mut grad_offload: HashMap<ChunkId, usize> = HashMap::new();
+        for (i, &(c, first, done)) in by_completion.iter().enumerate() {
+            let wait = by_completion
+                .get(i + 1)
+                .map_or(end, |&(_, _, next)| next.max(done + 1).min(end));
+            let (g, hg) = self.grad_chunk[&c];
+            self.buffers[g.index()].live = Some((first, wait.max(done)));
+            grad_offload.insert(c, copies.len());
+            copies.push(CopyPlan {
+                stream: D2H,
+                kind: CopyKind::OffloadGrads { chunk: c },
+                src: Self::at(g, 0),
+                dst: Self::at(hg, 0),
+                bytes: chunks.chunk(c).used_bytes,
+                after: Some(done),
+                needed: Some(wait.max(done)),
+            });
+        }
+
+        // Activations, gradients and workspaces.
+        for (t, &op) in device_ops.iter().enumerate() {
+            let t = t as u32;
+            let o = graph.op(op).clone();
+            for &v in &o.outputs {
+                if let Some(&(c, offset)) = grad_of.get(&v) {
+                    self.primary
+                        .insert(v, Self::at(self.grad_chunk[&c].0, offset));
+                    continue;
+                }
+                let value = graph.value(v);
+                let mut last = last_read.get(&v).copied().unwrap_or(t).max(t);
+                if value.role == Role::Loss {
+                    last = end;
+                }
+                if self.placed.swapped.contains(&v) {
+                    last = last_forward_read.get(&v).copied().unwrap_or(t).max(t);
+                }
+                let b = self.buffer(
+                    value.name.clone(),
+                    Space::Device,
+                    value.ty.bytes(),
+                    BufferKind::Activation,
+                    Some((t, last)),
+                );
+                self.primary.insert(v, Self::at(b, 0));
+            }
+        }
+        // Swapped activations: offload after the producer, wait two blocks later; reload one
+        // block ahead of the backward pass.
+        let swapped: Vec<ValueId> = self.placed.swapped.iter().copied().collect();
+        for v in swapped {
+            let value = graph.value(v).clone();
+            let producer = value.producer.expect("swapped values are computed");
+            let t = self.time[&producer];
+            let block = graph.op(producer).block;
+            let pos = forward_block_start
+                .iter()
+                .position(|&(b, _)| b == block)
+                .unwrap_or(0);
+            let last_fwd = last_forward_read.get(&v).copied().unwrap_or(t).max(t);
+            let wait = forward_block_start
+                .get(pos + 2)
+                .map_or(first_backward, |&(_, s)| s)
+                .max(last_fwd + 1)
+                .min(end);
+            let primary = self.primary[&v];
+            self.buffers[primary.buffer.index()].live = Some((t, wait));
+            let host = self.buffer(
+                format!("{}.host", value.name),
+                Space::Host,
+                value.ty.bytes(),
+                BufferKind::HostActivation,
+                None,
+            );
+            let first_use = first_backward_read.get(&v).copied().unwrap_or(end);
+            let bpos = backward_block_start
+                .iter()
+                .position(|&(b, _)| b == block)
+                .unwrap_or(0);
+            let issue = match bpos {
+                0 => first_backward,
+                i => backward_block_start[i - 1].1,
+            }
+            .min(first_use)
+            .max(wait + 1);
+            let last = last_read
+                .get(&v)
+                .copied()
+                .unwrap_or(first_use)
+                .max(first_use);
+            let reloaded = self.buffer(
+                format!("{}.reload", value.name),
+                Space::Device,
+                value.ty.bytes(),
+                BufferKind::Activation,
+                Some((issue, last)),
+            );
+            self.swap
+                .insert(v, (Self::at(host, 0), Self::at(reloaded, 0)));
+            copies.push(CopyPlan {
+                stream: D2H,
+                kind: CopyKind::OffloadActivation { value: v },
+                src: primary,
+                dst: Self::at(host, 0),
+                bytes: value.ty.bytes(),
+                after: Some(t),
+                needed: Some(wait),
+            });
+            copies.push(CopyPlan {
+                stream: H2D,
+                kind: CopyKind::ReloadActivation { value: v },
+                src: Self::at(host, 0),
+                dst: Self::at(reloaded, 0),
+                bytes: value.ty.bytes(),
+                after: issue.checked_sub(1),
+                needed: Some(first_use),
+            });
+        }
+        // The clip coefficient, when the host optimizer needs it.
+        let clip_coef = graph
+            .ops()
+            .find(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }))
+            .map(|(_, op)| op.outputs[0]);
+        let mut scalar_copy = None;
+        let mut host_coef = None;
+        if let (Some(coef), false) = (clip_coef, host_ops.is_empty()) {
+            let producer = graph.value(coef).producer.expect("computed");
+            let host = self.buffer(
+                "clip_coef.host".into(),
+                Space::Host,
+                4,
+                BufferKind::HostActivation,
+                None,
+            );
+            host_coef = Some(Self::at(host, 0));
+            let src = self.primary[&coef];
+            let t = self.time[&producer];
+            // The device copy must outlive the copy: the compute stream waits for it at the end.
+            let b = &mut self.buffers[src.buffer.index()];
+            b.live = b.live.map(|(a, _)| (a, end));
+            scalar_copy = Some(copies.len());
+            copies.push(CopyPlan {
+                stream: D2H,
+                kind: CopyKind::Scalar { value: coef },
+                src,
+                dst: Self::at(host, 0),
+                bytes: 4,
+                after: Some(t),
+                needed: Some(end),
+            });
+        }
+
+        // Kernel operands.
+        let mut kernels: HashMap<OpId, Instr> = HashMap::new();
+        for (&op, &t) in &self.time.clone() {
+            let o = graph.op(op).clone();
+            let inputs: Vec<TensorRef> = o
+                .inputs
+                .iter()
+                .map(|&v| self.read_ref(v, t, o.phase))
+                .collect();
+            let outputs: Vec<TensorRef> = o.outputs.iter().map(|v| self.primary[v]).collect();
+            let types: Vec<&protrain_ir::TensorType> =
+                o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let ws = o.kind.workspace_bytes(&types);
+            let workspace = (ws > 0).then(|| {
+                let b = self.buffer(
+                    format!("workspace.{}", o.kind.mnemonic()),
+                    Space::Device,
+                    ws,
+                    BufferKind::Workspace,
+                    Some((t, t)),
+                );
+                Self::at(b, 0)
+            });
+            kernels.insert(
+                op,
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    workspace,
+                },
+            );
+        }
+        for &op in &host_ops {
+            let o = graph.op(op).clone();
+            let p = graph
+                .param_of(o.inputs[0])
+                .expect("host ops are parameter updates");
+            let (c, offset) = chunks.locate(p);
+            let (m, v) = self.state_home[&p];
+            let mut inputs = vec![
+                Self::at(self.host_chunk[&c], offset),
+                Self::at(self.grad_chunk[&c].1, offset),
+                m,
+                v,
+            ];
+            if o.inputs.len() > 4 {
+                inputs.push(host_coef.expect("a clipped update has the coefficient on the host"));
+            }
+            kernels.insert(
+                op,
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs: vec![],
+                    workspace: None,
+                },
+            );
+        }
+        let loss = graph
+            .outputs()
+            .first()
+            .map(|v| self.primary[v])
+            .ok_or(CompileError::NoLoss)?;
+
+        // Streams. Each copy stream issues its copies in the order the compute stream needs
+        // them.
+        let mut per_stream: Vec<Vec<Step>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        let mut order: Vec<usize> = (0..copies.len()).collect();
+        order.sort_by_key(|&i| {
+            (
+                copies[i].needed.unwrap_or(u32::MAX),
+                copies[i].after.unwrap_or(0),
+                i,
+            )
+        });
+        for &i in &order {
+            let c = &copies[i];
+            if let Some(after) = c.after {
+                per_stream[c.stream].push(Step::AfterCompute(after));
+            }
+            per_stream[c.stream].push(Step::Copy(c.kind, c.src, c.dst, c.bytes));
+        }
+        let mut compute_waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, c) in copies.iter().enumerate() {
+            if let Some(needed) = c.needed {
+                compute_waits.entry(needed).or_default().push(i);
+            }
+        }
+        for (t, &op) in device_ops.iter().enumerate() {
+            for &i in compute_waits
+                .get(&(t as u32))
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+            {
+                // Copies the compute stream waits for after its last kernel go at the end.
+                if copies[i].after.is_some_and(|a| a >= t as u32) {
+                    continue;
+                }
+                per_stream[COMPUTE].push(Step::AfterCopy(i));
+            }
+            per_stream[COMPUTE].push(Step::Kernel(op));
+        }
+        for (&t, list) in &compute_waits {
+            for &i in list {
+                if copies[i].after.is_some_and(|a| a >= t) {
+                    per_stream[COMPUTE].push(Step::AfterCopy(i));
+                }
+            }
+        }
+        let mut waited_chunk: Option<ChunkId> = None;
+        let mut waited_scalar = false;
+        for &op in &host_ops {
+            if let (Some(_), false) = (scalar_copy, waited_scalar) {
+                per_stream[HOST_OPTIMIZER].push(Step::AfterScalar);
+                waited_scalar = true;
+            }
+            let p = graph
+                .param_of(graph.op(op).inputs[0])
+                .expect("parameter update");
+            let c = chunks.locate(p).0;
+            if waited_chunk != Some(c) {
+                per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(grad_offload[&c]));
+                waited_chunk = Some(c);
+            }
+            per_stream[HOST_OPTIMIZER].push(Step::Kernel(op));
+        }
+
+        // Number events: one per compute kernel that something waits for, one per copy.
+        let mut compute_event: BTreeMap<u32, EventId> = BTreeMap::new();
+        let mut copy_event: HashMap<usize, EventId> = HashMap::new();
+        let mut next = 0u32;
+        let event = |next: &mut u32| {
+            *next += 1;
+            EventId(*next - 1)
+        };
+        for steps in &per_stream {
+            for s in steps {
+                match s {
+                    Step::AfterCompute(t) => {
+                        compute_event.entry(*t).or_insert_with(|| event(&mut next));
+                    }
+                    Step::AfterCopy(i) => {
+                        copy_event.entry(*i).or_insert_with(|| event(&mut next));
+                    }
+                    Step::AfterScalar => {
+                        let i = scalar_copy.expect("a scalar copy exists");
+                        copy_event.entry(i).or_insert_with(|| event(&mut next));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // Copies in stream order, to map copy index -> position.
+        let mut copy_index_of: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut per_stream_count = [0usize; 4];
+        for &i in &order {
+            let stream = copies[i].stream;
+            copy_index_of.insert((stream, per_stream_count[stream]), i);
+            per_stream_count[stream] += 1;
+        }
+        let names = ["compute", "h2d", "d2h", "host_optimizer"];
+        let kinds = [
+            StreamKind::Compute,
+            StreamKind::HostToDevice,
+            StreamKind::DeviceToHost,
+            StreamKind::HostOptimizer,
+        ];
+        let mut streams = Vec::new();
+        for (s, steps) in per_stream.into_iter().enumerate() {
+            let mut instrs = Vec::new();
+            let mut copies_seen = 0;
+            for step in steps {
+                match step {
+                    Step::Kernel(op) => {
+                        instrs.push(kernels.remove(&op).expect("every op has one kernel"));
+                        if s == COMPUTE {
+                            if let Some(&e) = compute_event.get(&self.time[&op]) {
+                                instrs.push(Instr::Record { event: e });
+                            }
+                        }
+                    }
+                    Step::Copy(what, src, dst, bytes) => {
+                        instrs.push(Instr::Copy {
+                            what,
+                            src,
+                            dst,
+                            bytes,
+                        });
+                        let i = copy_index_of[&(s, copies_seen)];
+                        copies_seen += 1;
+                        if let Some(&e) = copy_event.get(&i) {
+                            instrs.push(Instr::Record { event: e });
+                        }
+                    }
+                    Step::AfterCompute(t) => instrs.push(Instr::Wait {
+                        event: compute_event[&t],
+                    }),
+                    Step::AfterCopy(i) => instrs.push(Instr::Wait {
+                        event: copy_event[&i],
+                    }),
+                    Step::AfterScalar => instrs.push(Instr::Wait {
+                        event: copy_event[&scalar_copy.expect("a scalar copy exists")],
+                    }),
+                }
+            }
+            streams.push(Stream {
+                name: names[s].into(),
+                kind: kinds[s],
+                instrs,
+            });
+        }
+        Ok(Streamed {
+            placed: self.placed,
+            buffers: self.buffers,
+            streams,
+            events: next,
+            homes: self.homes,
+            loss,
+            compute_kernels: device_ops.len() as u32,
+        })
+    }
+
+    /// Where a device kernel at time `t` in `phase` reads `v`.
+    fn read_ref(&self, v: ValueId, t: u32, phase: Phase) -> TensorRef {
+        let graph = &self.placed.graph;
+        if let Some(p) = graph.param_of(v) {
+            let (c, offset) = self.placed.chunks.locate(p);
+            if let Some(&b) = self.persistent_chunk.get(&c) {
+                return Self::at(b, offset);
+            }
+            let slot = self.slot_at[&(t, c)];
+            return Self::at(self.slots[slot as usize], offset);
+        }
+        if let (Some(&(_, reloaded)), true) = (self.swap.get(&v), phase != Phase::Forward) {
+            return reloaded;
+        }
+        self.primary[&v]
+    }
+}

@@ -1,0 +1,728 @@
+//! Simulator tests: hand-built schedules with a stub cost model, exact span times, deadlocks,
+//! the Chrome trace, and instruction costs from the roofline.
+
+// One module, so that `cargo test -p protrain-compiler simulate` selects these tests by name.
+mod simulate {
+    use protrain_compiler::cost::{CopyDir, CostModel, Roofline};
+    use protrain_compiler::simulate::{
+        category, chrome_trace, instr_label, instr_seconds, simulate, SimulateError, Simulation,
+        StuckStream,
+    };
+    use protrain_ir::{
+        BlockKind, Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId,
+        Graph, GraphInfo, HardwareProfile, Header, Instr, OpId, OpKind, Phase, Policy, Prediction,
+        Role, Schedule, Space, Stream, StreamId, StreamKind, TensorRef, TensorType, WeightLayout,
+        FORMAT_VERSION,
+    };
+    use serde_json::Value as Json;
+
+    const MIB: u64 = 1 << 20;
+
+    // The ops of `tiny_graph`, in order.
+    const EMBEDDING: OpId = OpId(0);
+    const LINEAR: OpId = OpId(1);
+    const LOSS: OpId = OpId(2);
+    const ADAMW: OpId = OpId(3);
+
+    // The buffers of `schedule`.
+    const DEVICE: BufferId = BufferId(0);
+    const HOST: BufferId = BufferId(1);
+
+    /// Fixed times: embedding 1 s, linear 2 s, cross-entropy 0.5 s, anything else 0.25 s;
+    /// 1 s per MiB host to device, 0.5 s per MiB device to host, 0.1 s per MiB on the device;
+    /// a CPU Adam step 1 s per 32 parameters, a device one 1 s per 128.
+    struct Stub;
+
+    impl CostModel for Stub {
+        fn op_seconds(
+            &self,
+            kind: &OpKind,
+            _inputs: &[&TensorType],
+            _outputs: &[&TensorType],
+            _dtype: DType,
+        ) -> f64 {
+            match kind {
+                OpKind::Embedding { .. } => 1.0,
+                OpKind::Linear { .. } => 2.0,
+                OpKind::CrossEntropy => 0.5,
+                _ => 0.25,
+            }
+        }
+
+        fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64 {
+            let per_mib = match dir {
+                CopyDir::HostToDevice => 1.0,
+                CopyDir::DeviceToHost => 0.5,
+                CopyDir::DeviceToDevice => 0.1,
+            };
+            bytes as f64 / MIB as f64 * per_mib
+        }
+
+        fn cpu_adam_seconds(&self, params: u64) -> f64 {
+            params as f64 / 32.0
+        }
+
+        fn gpu_adam_seconds(&self, params: u64) -> f64 {
+            params as f64 / 128.0
+        }
+    }
+
+    /// `tokens -> embedding -> linear (lm_head) -> cross_entropy`, and an AdamW on the head's
+    /// weight (128 parameters), all f32.
+    fn tiny_graph() -> Graph {
+        let mut g = Graph::new(GraphInfo {
+            model: "tiny".into(),
+            batch: 2,
+            seq: 4,
+        });
+        let emb = g.add_block("transformer.wte", BlockKind::Embedding);
+        let head = g.add_block("lm_head", BlockKind::Head);
+        let tokens = g.add_input("tokens", TensorType::new([2, 4], DType::I32));
+        let targets = g.add_input("targets", TensorType::new([2, 4], DType::I32));
+        let wte = g.add_param("transformer.wte.weight", [16, 8], DType::F32, emb);
+        let w = g.add_param("lm_head.weight", [8, 16], DType::F32, head);
+        let (wte, w) = (g.param(wte).value, g.param(w).value);
+        let embedding = OpKind::Embedding { padding_idx: None };
+        let x = g
+            .add_op(
+                embedding,
+                &[tokens, wte],
+                "h",
+                Role::Activation,
+                emb,
+                Phase::Forward,
+            )
+            .unwrap();
+        let linear = OpKind::Linear {
+            bias: false,
+            layout: WeightLayout::InOut,
+        };
+        let logits = g
+            .add_op(
+                linear,
+                &[x, w],
+                "logits",
+                Role::Activation,
+                head,
+                Phase::Forward,
+            )
+            .unwrap();
+        let loss = g
+            .add_op(
+                OpKind::CrossEntropy,
+                &[logits, targets],
+                "loss",
+                Role::Loss,
+                head,
+                Phase::Forward,
+            )
+            .unwrap();
+        g.add_output(loss);
+        let ty = TensorType::new([8, 16], DType::F32);
+        let grad = g.add_state("lm_head.weight.grad", ty.clone());
+        let m = g.add_state("lm_head.weight.m", ty.clone());
+        let v = g.add_state("lm_head.weight.v", ty);
+        let adamw = OpKind::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clipped: false,
+        };
+        g.add_op_multi(adamw, &[w, grad, m, v], &[], head, Phase::Optimizer)
+            .unwrap();
+        g
+    }
+
+    fn at(buffer: BufferId) -> TensorRef {
+        TensorRef { buffer, offset: 0 }
+    }
+
+    /// A schedule around `graph` with a device buffer, a host buffer, `events` events and the
+    /// given streams. Kernels address nothing: the simulator reads only their ops.
+    fn schedule(
+        graph: Graph,
+        events: u32,
+        streams: Vec<(&str, StreamKind, Vec<Instr>)>,
+    ) -> Schedule {
+        let buffer = |name: &str, space| Buffer {
+            name: name.into(),
+            space,
+            offset: 0,
+            size: 64 * MIB,
+            kind: BufferKind::Workspace,
+        };
+        Schedule {
+            header: Header {
+                format_version: FORMAT_VERSION,
+                model: "tiny".into(),
+                batch: 2,
+                seq: 4,
+                dtype: DType::F32,
+                param_count: graph.param_count(),
+                hardware: "stub".into(),
+                device_budget_bytes: 64 * MIB,
+                host_budget_bytes: 64 * MIB,
+                policy: Policy::resident(1, 0),
+                prediction: Prediction::default(),
+                report: String::new(),
+            },
+            graph,
+            chunks: ChunkTable {
+                chunk_bytes: 0,
+                chunks: Vec::new(),
+                world_size: 1,
+                param_chunk: Vec::new(),
+                trials: Vec::new(),
+            },
+            buffers: vec![buffer("device", Space::Device), buffer("host", Space::Host)],
+            streams: streams
+                .into_iter()
+                .map(|(name, kind, instrs)| Stream {
+                    name: name.into(),
+                    kind,
+                    instrs,
+                })
+                .collect(),
+            events,
+            arena_bytes: 64 * MIB,
+            host_bytes: 64 * MIB,
+            homes: Vec::new(),
+            loss: at(DEVICE),
+        }
+    }
+
+    fn kernel(op: OpId) -> Instr {
+        Instr::Kernel {
+            op,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            workspace: None,
+        }
+    }
+
+    fn fetch(chunk: u32, mib: u64) -> Instr {
+        Instr::Copy {
+            what: CopyKind::FetchChunk {
+                chunk: ChunkId(chunk),
+            },
+            src: at(HOST),
+            dst: at(DEVICE),
+            bytes: mib * MIB,
+        }
+    }
+
+    fn offload(chunk: u32, mib: u64) -> Instr {
+        Instr::Copy {
+            what: CopyKind::OffloadGrads {
+                chunk: ChunkId(chunk),
+            },
+            src: at(DEVICE),
+            dst: at(HOST),
+            bytes: mib * MIB,
+        }
+    }
+
+    fn record(e: u32) -> Instr {
+        Instr::Record { event: EventId(e) }
+    }
+
+    fn wait(e: u32) -> Instr {
+        Instr::Wait { event: EventId(e) }
+    }
+
+    /// Simulates `schedule` with the stub and compares every span, as
+    /// `(stream, index, start, end, category)`, and the step time. Stub times are exact in
+    /// binary, so the comparison is exact.
+    fn check(
+        schedule: &Schedule,
+        expect_spans: &[(u32, usize, f64, f64, &str)],
+        expect_step: f64,
+    ) -> Simulation {
+        let sim = simulate(schedule, &Stub).unwrap();
+        let spans: Vec<(u32, usize, f64, f64, &str)> = sim
+            .timeline
+            .iter()
+            .map(|s| (s.stream.0, s.index, s.start, s.end, s.category))
+            .collect();
+        assert_eq!(spans, expect_spans);
+        assert_eq!(sim.step_seconds, expect_step);
+        sim
+    }
+
+    /// Compute: embedding, wait for the fetch, linear, loss. H2D: fetch 3 MiB (3 s), record.
+    fn fetch_then_compute(fetch_mib: u64) -> Schedule {
+        schedule(
+            tiny_graph(),
+            1,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), wait(0), kernel(LINEAR), kernel(LOSS)],
+                ),
+                (
+                    "h2d",
+                    StreamKind::HostToDevice,
+                    vec![fetch(0, fetch_mib), record(0)],
+                ),
+            ],
+        )
+    }
+
+    #[test]
+    fn simulate_wait_delays_compute_until_the_copy_ends() {
+        let sim = check(
+            &fetch_then_compute(3),
+            &[
+                (0, 0, 0.0, 1.0, category::COMPUTE),
+                (1, 0, 0.0, 3.0, category::H2D),
+                // The compute stream stalls from the end of the embedding to the record.
+                (0, 1, 1.0, 3.0, category::WAIT),
+                (0, 2, 3.0, 5.0, category::COMPUTE),
+                (0, 3, 5.0, 5.5, category::COMPUTE),
+            ],
+            5.5,
+        );
+        assert_eq!(sim.stream_busy_seconds, [3.5, 3.0]);
+        assert_eq!(sim.phase_seconds.forward, 3.5);
+        assert_eq!(sim.phase_seconds.total(), 3.5);
+        // The copy overlaps the embedding for 1 s; the other 2 s are exposed.
+        assert_eq!(sim.exposed_communication_seconds(), 2.0);
+    }
+
+    #[test]
+    fn simulate_copy_overlaps_independent_compute() {
+        // A 1 MiB fetch ends (1 s) exactly when the embedding does: no stall, no wait span.
+        let sim = check(
+            &fetch_then_compute(1),
+            &[
+                (0, 0, 0.0, 1.0, category::COMPUTE),
+                (1, 0, 0.0, 1.0, category::H2D),
+                (0, 2, 1.0, 3.0, category::COMPUTE),
+                (0, 3, 3.0, 3.5, category::COMPUTE),
+            ],
+            3.5,
+        );
+        assert_eq!(sim.stream_busy_seconds, [3.5, 1.0]);
+        assert_eq!(sim.exposed_communication_seconds(), 0.0);
+    }
+
+    #[test]
+    fn simulate_offload_then_cpu_adam_after_the_backward_pass() {
+        // Compute runs the forward pass and records; D2H offloads 4 MiB of gradients (2 s);
+        // the host optimizer waits for them and runs a CPU Adam over 128 parameters (4 s).
+        let s = schedule(
+            tiny_graph(),
+            2,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS), record(0)],
+                ),
+                (
+                    "d2h",
+                    StreamKind::DeviceToHost,
+                    vec![wait(0), offload(1, 4), record(1)],
+                ),
+                (
+                    "host adam",
+                    StreamKind::HostOptimizer,
+                    vec![wait(1), kernel(ADAMW)],
+                ),
+            ],
+        );
+        let sim = check(
+            &s,
+            &[
+                (0, 0, 0.0, 1.0, category::COMPUTE),
+                (1, 0, 0.0, 3.5, category::WAIT),
+                (2, 0, 0.0, 5.5, category::WAIT),
+                (0, 1, 1.0, 3.0, category::COMPUTE),
+                (0, 2, 3.0, 3.5, category::COMPUTE),
+                (1, 1, 3.5, 5.5, category::D2H),
+                (2, 1, 5.5, 9.5, category::CPU_ADAM),
+            ],
+            9.5,
+        );
+        assert_eq!(sim.stream_busy_seconds, [3.5, 2.0, 4.0]);
+        // The CPU Adam is not a compute-stream phase.
+        assert_eq!(sim.phase_seconds.optimizer, 0.0);
+        assert_eq!(sim.exposed_communication_seconds(), 2.0);
+        let labels: Vec<&str> = sim.timeline.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "embedding h",
+                "wait event0",
+                "wait event1",
+                "linear logits",
+                "cross_entropy loss",
+                "offload grads chunk 1 (4.0 MiB)",
+                "adamw lm_head.weight",
+            ]
+        );
+    }
+
+    #[test]
+    fn simulate_device_adamw_counts_as_optimizer_phase() {
+        let s = schedule(
+            tiny_graph(),
+            0,
+            vec![(
+                "compute",
+                StreamKind::Compute,
+                vec![kernel(EMBEDDING), kernel(ADAMW)],
+            )],
+        );
+        let sim = check(
+            &s,
+            &[
+                (0, 0, 0.0, 1.0, category::COMPUTE),
+                (0, 1, 1.0, 2.0, category::COMPUTE),
+            ],
+            2.0,
+        );
+        assert_eq!(sim.phase_seconds.forward, 1.0);
+        assert_eq!(sim.phase_seconds.get(Phase::Optimizer), 1.0);
+    }
+
+    #[test]
+    fn simulate_empty_schedule_takes_no_time() {
+        let sim = check(&schedule(tiny_graph(), 0, Vec::new()), &[], 0.0);
+        assert!(sim.stream_busy_seconds.is_empty());
+    }
+
+    #[test]
+    fn simulate_long_pipeline_is_compute_bound() {
+        // 50k fetches of 0.5 s each, every one awaited by a 1 s kernel: after the first fetch
+        // the compute stream never stalls. 100k kernels and copies plus their events.
+        let n = 50_000u32;
+        let mut compute = Vec::new();
+        let mut h2d = Vec::new();
+        for i in 0..n {
+            h2d.push(Instr::Copy {
+                what: CopyKind::FetchChunk { chunk: ChunkId(i) },
+                src: at(HOST),
+                dst: at(DEVICE),
+                bytes: MIB / 2,
+            });
+            h2d.push(record(i));
+            compute.push(wait(i));
+            compute.push(kernel(EMBEDDING));
+        }
+        let s = schedule(
+            tiny_graph(),
+            n,
+            vec![
+                ("compute", StreamKind::Compute, compute),
+                ("h2d", StreamKind::HostToDevice, h2d),
+            ],
+        );
+        let sim = simulate(&s, &Stub).unwrap();
+        assert_eq!(sim.step_seconds, f64::from(n) + 0.5);
+        assert_eq!(sim.stream_busy_seconds, [f64::from(n), f64::from(n) / 2.0]);
+        // One stall (the first fetch), then every kernel and copy.
+        assert_eq!(sim.timeline.len(), 2 * n as usize + 1);
+        assert_eq!(sim.exposed_communication_seconds(), 0.5);
+    }
+
+    /// Simulates `schedule` and expects it to deadlock with exactly `expect` stuck.
+    fn check_deadlock(schedule: &Schedule, expect: &[StuckStream], why: &[&str]) {
+        let err = simulate(schedule, &Stub).unwrap_err();
+        let text = err.to_string();
+        match err {
+            SimulateError::Deadlock { stuck } => assert_eq!(stuck, expect),
+            other => panic!("expected a deadlock, got {other:?}"),
+        }
+        for w in why {
+            assert!(text.contains(w), "expected {w:?} in {text:?}");
+        }
+    }
+
+    fn stuck(
+        stream: u32,
+        name: &str,
+        index: usize,
+        event: u32,
+        recorded_at: Option<(u32, usize)>,
+    ) -> StuckStream {
+        StuckStream {
+            stream: StreamId(stream),
+            name: name.into(),
+            index,
+            event: EventId(event),
+            recorded_at: recorded_at.map(|(s, i)| (StreamId(s), i)),
+        }
+    }
+
+    #[test]
+    fn simulate_reports_a_wait_before_its_record() {
+        let s = schedule(
+            tiny_graph(),
+            1,
+            vec![(
+                "compute",
+                StreamKind::Compute,
+                vec![kernel(EMBEDDING), wait(0), record(0)],
+            )],
+        );
+        check_deadlock(
+            &s,
+            &[stuck(0, "compute", 1, 0, Some((0, 2)))],
+            &[
+                "deadlocks",
+                "stream0 (compute) waits at instruction 1 for event0",
+                "which stream0 records at instruction 2, never reached",
+            ],
+        );
+    }
+
+    #[test]
+    fn simulate_reports_a_never_recorded_event() {
+        // The compute stream finishes; the H2D stream waits forever.
+        let s = schedule(
+            tiny_graph(),
+            2,
+            vec![
+                ("compute", StreamKind::Compute, vec![kernel(EMBEDDING)]),
+                ("h2d", StreamKind::HostToDevice, vec![wait(1), fetch(0, 1)]),
+            ],
+        );
+        check_deadlock(
+            &s,
+            &[stuck(1, "h2d", 0, 1, None)],
+            &["stream1 (h2d) waits at instruction 0 for event1, which no stream records"],
+        );
+    }
+
+    #[test]
+    fn simulate_reports_a_cycle_of_waits() {
+        let s = schedule(
+            tiny_graph(),
+            2,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), wait(0), record(1)],
+                ),
+                ("h2d", StreamKind::HostToDevice, vec![wait(1), record(0)]),
+            ],
+        );
+        check_deadlock(
+            &s,
+            &[
+                stuck(0, "compute", 1, 0, Some((1, 1))),
+                stuck(1, "h2d", 0, 1, Some((0, 2))),
+            ],
+            &["compute", "h2d"],
+        );
+    }
+
+    /// Simulating `schedule` fails with an error whose text contains `why`.
+    fn check_rejects(schedule: &Schedule, why: &str) {
+        let err = simulate(schedule, &Stub).unwrap_err();
+        assert!(err.to_string().contains(why), "expected {why:?} in {err}");
+    }
+
+    #[test]
+    fn simulate_rejects_bad_schedules_without_panicking() {
+        let one = |instrs| {
+            schedule(
+                tiny_graph(),
+                1,
+                vec![("compute", StreamKind::Compute, instrs)],
+            )
+        };
+        check_rejects(
+            &one(vec![record(0), record(0)]),
+            "event0 is recorded twice, by stream0 at instruction 0 and by stream0 at instruction 1",
+        );
+        check_rejects(
+            &one(vec![kernel(OpId(99))]),
+            "stream0 instruction 0 refers to op99",
+        );
+        check_rejects(
+            &one(vec![kernel(EMBEDDING), wait(7)]),
+            "refers to event7 (the schedule declares 1 events)",
+        );
+        let copy = Instr::Copy {
+            what: CopyKind::FetchChunk { chunk: ChunkId(0) },
+            src: at(BufferId(5)),
+            dst: at(DEVICE),
+            bytes: 1,
+        };
+        check_rejects(&one(vec![copy.clone()]), "refers to buf5");
+        // instr_seconds and instr_label are total as well.
+        let s = one(Vec::new());
+        assert_eq!(instr_seconds(&s, StreamId(0), &copy, &Stub), 0.0);
+        assert_eq!(
+            instr_seconds(&s, StreamId(9), &kernel(OpId(99)), &Stub),
+            0.0
+        );
+        assert_eq!(instr_label(&s, &kernel(OpId(99))), "op99");
+    }
+
+    #[test]
+    fn simulate_chrome_trace_is_valid_json_with_one_event_per_timed_instruction() {
+        let s = fetch_then_compute(3);
+        let sim = simulate(&s, &Stub).unwrap();
+        let trace: Json = serde_json::from_str(&sim.chrome_trace(&s)).unwrap();
+        assert_eq!(trace["displayTimeUnit"], "ms");
+        let events = trace["traceEvents"].as_array().unwrap();
+        let complete: Vec<&Json> = events.iter().filter(|e| e["ph"] == "X").collect();
+        // Embedding, the stall, linear, loss, the fetch; the record takes no time.
+        assert_eq!(complete.len(), 5);
+        let names: Vec<(&str, &str, u64, f64, f64)> = complete
+            .iter()
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap(),
+                    e["cat"].as_str().unwrap(),
+                    e["tid"].as_u64().unwrap(),
+                    e["ts"].as_f64().unwrap(),
+                    e["dur"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("embedding h", "compute", 0, 0.0, 1e6),
+                ("fetch chunk 0 (3.0 MiB)", "h2d", 1, 0.0, 3e6),
+                ("wait event0", "wait", 0, 1e6, 2e6),
+                ("linear logits", "compute", 0, 3e6, 2e6),
+                ("cross_entropy loss", "compute", 0, 5e6, 0.5e6),
+            ]
+        );
+        for e in &complete {
+            assert_eq!(e["pid"], 1);
+        }
+        assert_eq!(complete[3]["args"]["phase"], "forward");
+        assert_eq!(complete[3]["args"]["block"], "lm_head");
+        assert_eq!(complete[1]["args"]["bytes"], 3 * MIB);
+        let threads: Vec<(u64, &str)> = events
+            .iter()
+            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+            .map(|e| {
+                (
+                    e["tid"].as_u64().unwrap(),
+                    e["args"]["name"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(threads, [(0, "compute"), (1, "h2d")]);
+    }
+
+    #[test]
+    fn simulate_chrome_trace_takes_measured_spans() {
+        use protrain_compiler::simulate::Span;
+        let s = fetch_then_compute(3);
+        // A span for an instruction the schedule lacks, and a zero-length one that is dropped.
+        let spans = [
+            Span {
+                stream: StreamId(3),
+                index: 42,
+                start: 0.5,
+                end: 0.75,
+                label: "measured".into(),
+                category: category::COMPUTE,
+            },
+            Span {
+                stream: StreamId(0),
+                index: 0,
+                start: 1.0,
+                end: 1.0,
+                label: "empty".into(),
+                category: category::COMPUTE,
+            },
+        ];
+        let trace: Json = serde_json::from_str(&chrome_trace(&s, &spans)).unwrap();
+        let complete: Vec<&Json> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect();
+        assert_eq!(complete.len(), 1);
+        assert_eq!(complete[0]["name"], "measured");
+        assert_eq!(complete[0]["tid"], 3);
+        assert_eq!(complete[0]["args"]["index"], 42);
+    }
+
+    /// A schedule whose graph is one big bf16 linear, `x [8,1024,4096] @ w [4096,4096]`, in a
+    /// header that says f32: the kernel must be costed in the op's own element type.
+    fn big_linear() -> Schedule {
+        let mut g = Graph::new(GraphInfo {
+            model: "big".into(),
+            batch: 8,
+            seq: 1024,
+        });
+        let head = g.add_block("lm_head", BlockKind::Head);
+        let x = g.add_input("x", TensorType::new([8, 1024, 4096], DType::BF16));
+        let w = g.add_param("w", [4096, 4096], DType::BF16, head);
+        let w = g.param(w).value;
+        let linear = OpKind::Linear {
+            bias: false,
+            layout: WeightLayout::InOut,
+        };
+        g.add_op(linear, &[x, w], "y", Role::Activation, head, Phase::Forward)
+            .unwrap();
+        schedule(g, 0, vec![("compute", StreamKind::Compute, Vec::new())])
+    }
+
+    #[test]
+    fn simulate_instr_seconds_with_the_roofline() {
+        let p = HardwareProfile::preset("a100-80gb").unwrap();
+        let roofline = Roofline::new(p.clone());
+        let s = big_linear();
+        let seconds = instr_seconds(&s, StreamId(0), &kernel(OpId(0)), &roofline);
+        let flops = 2.0 * 8.0 * 1024.0 * 4096.0 * 4096.0;
+        let expected = flops / (p.peak(DType::BF16) * 0.7) + p.launch_overhead_s;
+        assert!(
+            (seconds - expected).abs() <= 1e-12 * expected,
+            "{seconds:e} vs {expected:e}"
+        );
+        // Compute-bound: the memory term is well below it.
+        let bytes = 2.0 * (2.0 * 8.0 * 1024.0 * 4096.0 + 4096.0 * 4096.0);
+        assert!(bytes / p.device_bandwidth < seconds / 2.0);
+
+        let copy = fetch(0, 64);
+        let expected = (64 * MIB) as f64 / p.h2d_bandwidth + p.launch_overhead_s;
+        let seconds = instr_seconds(&s, StreamId(0), &copy, &roofline);
+        assert!((seconds - expected).abs() <= 1e-12 * expected);
+        let expected = (64 * MIB) as f64 / p.d2h_bandwidth + p.launch_overhead_s;
+        let seconds = instr_seconds(&s, StreamId(0), &offload(0, 64), &roofline);
+        assert!((seconds - expected).abs() <= 1e-12 * expected);
+        assert_eq!(instr_seconds(&s, StreamId(0), &record(0), &roofline), 0.0);
+    }
+
+    #[test]
+    fn simulate_instr_seconds_prices_adamw_by_stream() {
+        let p = HardwareProfile::preset("a100-80gb").unwrap();
+        let roofline = Roofline::new(p.clone());
+        let s = schedule(
+            tiny_graph(),
+            0,
+            vec![
+                ("compute", StreamKind::Compute, Vec::new()),
+                ("host adam", StreamKind::HostOptimizer, Vec::new()),
+            ],
+        );
+        let adamw = kernel(ADAMW);
+        assert_eq!(
+            instr_seconds(&s, StreamId(1), &adamw, &roofline),
+            roofline.cpu_adam_seconds(128)
+        );
+        assert_eq!(
+            instr_seconds(&s, StreamId(0), &adamw, &roofline),
+            roofline.gpu_adam_seconds(128)
+        );
+        // The stub tells the two apart exactly: 128/32 on the host, 128/128 on the device.
+        assert_eq!(instr_seconds(&s, StreamId(1), &adamw, &Stub), 4.0);
+        assert_eq!(instr_seconds(&s, StreamId(0), &adamw, &Stub), 1.0);
+    }
+}
