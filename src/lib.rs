@@ -21,7 +21,9 @@ pub use protrain_runtime as runtime;
 pub use protrain_compiler::OptimizerConfig;
 pub use protrain_ir::Graph;
 
+mod compile;
 mod error;
+pub use compile::{compile, CompileOptions, Compiled, PolicyChoice};
 pub use error::{Error, Result};
 
 /// Builds the forward graph of a model at `[batch, seq]` in f32.

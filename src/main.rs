@@ -35,6 +35,14 @@ enum Command {
     Dump(commands::dump::Args),
     /// Train a model on a token file or the built-in synthetic corpus.
     Train(commands::train::Args),
+    /// Compile the fastest schedule that fits a machine and write it as a .ptsched file.
+    Compile(commands::compile::Args),
+    /// Check a schedule file: its format, checksum and every invariant of the verifier.
+    Verify(commands::schedule::VerifyArgs),
+    /// Explain a schedule: the policy and why, memory at the peak, time per phase and stream.
+    Explain(commands::schedule::ExplainArgs),
+    /// Write a schedule's predicted timeline as a Chrome trace.
+    Trace(commands::schedule::TraceArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +52,10 @@ fn main() -> ExitCode {
         Command::Info(args) => commands::info::run(args),
         Command::Dump(args) => commands::dump::run(args),
         Command::Train(args) => commands::train::run(args),
+        Command::Compile(args) => commands::compile::run(args),
+        Command::Verify(args) => commands::schedule::verify(args),
+        Command::Explain(args) => commands::schedule::explain(args),
+        Command::Trace(args) => commands::schedule::trace(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

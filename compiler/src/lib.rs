@@ -9,6 +9,7 @@ pub mod error;
 pub mod pipeline;
 pub mod place;
 pub mod plan;
+pub mod search;
 pub mod simulate;
 pub mod streams;
 

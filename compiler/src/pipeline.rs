@@ -11,6 +11,7 @@ use crate::place::place;
 use crate::plan::plan_buffers;
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
+use protrain_ir::verify_schedule::verify_schedule;
 use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
 
 /// Runs the passes from a forward graph to the training graph: autodiff (forward + backward +
@@ -28,7 +29,9 @@ pub fn chunked(training: &Graph) -> ChunkTable {
 }
 
 /// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
-/// is verified after placement; the schedule's step time is left for the simulator.
+/// is verified after placement, and the schedule after emission in tests and debug builds
+/// (callers that publish a schedule verify it themselves); its step time is left for the
+/// simulator.
 pub fn compile_policy(
     training: &Graph,
     chunks: &ChunkTable,
@@ -39,5 +42,9 @@ pub fn compile_policy(
     verify_graph(&placed.graph)?;
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    Ok(emit(streamed, &planned, header))
+    let schedule = emit(streamed, &planned, header);
+    if cfg!(debug_assertions) {
+        verify_schedule(&schedule)?;
+    }
+    Ok(schedule)
 }

@@ -83,6 +83,19 @@ enum Step {
     AfterScalar,
 }
 
+/// Bytes of optimizer state per parameter element: Adam's m and v in f32, plus an f32 master
+/// weight when the parameters are narrower (mixed precision).
+pub fn state_bytes_per_element(graph: &protrain_ir::Graph) -> u64 {
+    let narrow = graph
+        .params()
+        .any(|(_, p)| graph.value(p.value).ty.dtype != protrain_ir::DType::F32);
+    if narrow {
+        12
+    } else {
+        8
+    }
+}
+
 /// Builds the streams of a placed graph.
 pub fn streams(placed: Placed) -> Result<Streamed> {
     Builder::new(placed).build()
@@ -202,7 +215,8 @@ impl Builder {
             } else {
                 self.host_chunk.insert(c, home);
             }
-            // Adam moments mirror the chunk: every m, then every v, f32.
+            // Adam moments mirror the chunk: every m, then every v, f32. Parameters in a
+            // narrower type also keep an f32 master copy, after the moments.
             let elems: Vec<u64> = chunk
                 .members
                 .iter()
@@ -217,7 +231,7 @@ impl Builder {
                 self.buffer(
                     format!("adam{}", c.0),
                     space,
-                    8 * total,
+                    state_bytes_per_element(&graph) * total,
                     BufferKind::OptimizerState { chunk: c },
                     None,
                 )

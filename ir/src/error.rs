@@ -57,6 +57,25 @@ pub enum IrError {
         /// What is wrong with it.
         why: String,
     },
+    /// A schedule breaks an invariant of the schedule verifier.
+    #[error(transparent)]
+    Schedule(#[from] crate::verify_schedule::ScheduleError),
+    /// A schedule file (`.ptsched`) cannot be decoded.
+    #[error("{origin}: {problem}")]
+    ScheduleFile {
+        /// The file, or `schedule data` for bytes without a name.
+        origin: String,
+        /// What is wrong with it, and what to do.
+        problem: crate::file::FileProblem,
+    },
+    /// A file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: String,
+        /// Why writing failed.
+        source: std::io::Error,
+    },
 }
 
 /// The IR's result alias.

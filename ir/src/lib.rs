@@ -15,6 +15,10 @@ pub mod schedule;
 pub mod types;
 pub mod verify;
 
+pub mod file;
+pub mod print_schedule;
+pub mod verify_schedule;
+
 pub use chunks::{Chunk, ChunkMember, ChunkSizeTrial, ChunkTable};
 pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};

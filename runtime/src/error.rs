@@ -155,6 +155,18 @@ pub enum RuntimeError {
     /// Data given to the runtime does not have the shape the graph or schedule expects.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// A schedule the backend cannot run: a dtype it does not execute, an address outside its
+    /// memory, an operand it cannot read.
+    #[error("cannot execute the schedule: {0}")]
+    BadSchedule(String),
+    /// A stream gave up on a step because another stream failed; the other stream's error is
+    /// the one to report.
+    #[error("the step was abandoned because another stream failed")]
+    StepAborted,
+    /// A schedule that fails the verifier: the executor runs tensors in place from several
+    /// threads, which is sound only for a verified schedule.
+    #[error("{0}; the executor runs only verified schedules: recompile it")]
+    InvalidSchedule(#[from] protrain_ir::verify_schedule::ScheduleError),
 }
 
 /// The runtime's result alias.

@@ -3,12 +3,19 @@
 //!
 //! The runtime never depends on the compiler: a schedule file is all it needs.
 
+pub mod backend;
 pub mod data;
+pub mod dispatch;
 pub mod error;
+pub mod executor;
+pub mod host;
 pub mod interpreter;
 pub mod kernels;
 pub mod params;
 pub mod synthetic;
 pub mod weights;
 
+pub use backend::Backend;
 pub use error::{Result, RuntimeError};
+pub use executor::{Executor, Span, StepTiming};
+pub use host::HostBackend;

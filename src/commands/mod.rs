@@ -1,8 +1,10 @@
 //! One module per subcommand, plus the argument groups they share.
 
+pub mod compile;
 pub mod dump;
 pub mod info;
 pub mod models;
+pub mod schedule;
 pub mod train;
 
 use protrain::{Error, Result};

@@ -1,0 +1,119 @@
+//! The backend trait: the memory, streams, events and kernel launches a schedule runs on.
+//!
+//! A backend owns one device arena and one host region, allocated once when it is created
+//! with the schedule's sizes; nothing is allocated per step. The executor drives it: one host
+//! thread per stream issues that stream's instructions in order through `launch`, `copy`,
+//! `record` and `wait`, each of which is "enqueue on this stream". The host backend
+//! ([`crate::host::HostBackend`]) executes each call on the calling thread, so a stream's
+//! work happens where it is issued; a CUDA backend would enqueue it on a CUDA stream.
+
+use crate::dispatch::{Outcome, Prepared};
+use crate::error::Result;
+use protrain_ir::{EventId, Graph, Op, Space, StreamKind};
+
+/// A byte address in the device arena or the host region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Address {
+    /// Which memory.
+    pub space: Space,
+    /// Byte offset from its start.
+    pub offset: u64,
+}
+
+/// A kernel to launch: an op of the schedule's graph and where its operands are.
+///
+/// Operand `i` is the op's `i`-th input or output value, with that value's type; the
+/// workspace is `workspace_bytes` of scratch. An AdamW op updates inputs 0, 2 and 3 in place.
+#[derive(Clone, Copy, Debug)]
+pub struct Launch<'a> {
+    /// The graph the op belongs to (for operand types).
+    pub graph: &'a Graph,
+    /// The op.
+    pub op: &'a Op,
+    /// Its constants, made once before the first step.
+    pub prepared: &'a Prepared,
+    /// Where each input is read.
+    pub inputs: &'a [Address],
+    /// Where each output is written.
+    pub outputs: &'a [Address],
+    /// Scratch memory and its size in bytes, when the op's kind needs some.
+    pub workspace: Option<(Address, u64)>,
+    /// The 1-based step number (AdamW's bias correction).
+    pub step: u64,
+}
+
+/// Memory, streams and events for executing schedules.
+///
+/// Every method that issues work takes the stream it is issued on; calls for one stream come
+/// from one thread at a time, in the stream's order, while other streams' calls run
+/// concurrently from other threads (hence `Sync`).
+///
+/// # The ordering contract
+///
+/// [`Backend::launch`] and [`Backend::copy`] read and write memory in place, so they are
+/// `unsafe`: the caller guarantees that nothing else (another stream's work, a
+/// [`Backend::read_f32`]) touches bytes they write, or writes bytes they read, unless an event
+/// or the end of the step orders the two; and that a kernel's outputs and workspace
+/// overlap none of its inputs or each other (AdamW's in-place operands aside). A schedule that
+/// passes `protrain_ir::verify_schedule` satisfies both when its instructions are issued
+/// in stream order with its events, which is what the executor does.
+pub trait Backend: Sync + Sized {
+    /// One stream's handle, owned by the thread that issues its work.
+    type Stream: Send;
+
+    /// Allocates the device arena and the host region, zeroed, and `events` events.
+    fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self>;
+
+    /// Creates a stream for work of `kind`.
+    fn create_stream(&self, kind: StreamKind) -> Result<Self::Stream>;
+
+    /// Marks every event unrecorded, before a step's work is issued.
+    fn begin_step(&mut self);
+
+    /// Runs (or enqueues) a kernel on `stream`. What it reports (loss, gradient norm) may be
+    /// absent on a backend that runs kernels asynchronously.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for the kernel's operands.
+    unsafe fn launch(&self, stream: &mut Self::Stream, launch: &Launch<'_>) -> Result<Outcome>;
+
+    /// Copies `bytes` from `src` to `dst` on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for both ranges.
+    unsafe fn copy(
+        &self,
+        stream: &mut Self::Stream,
+        src: Address,
+        dst: Address,
+        bytes: u64,
+    ) -> Result<()>;
+
+    /// Records `event` once the work issued on `stream` so far is done.
+    fn record(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;
+
+    /// Makes the work issued on `stream` from now on wait until `event` is recorded. Fails if
+    /// the step is aborted meanwhile.
+    fn wait(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;
+
+    /// Blocks until the work issued on `stream` is done.
+    fn synchronize(&self, stream: &mut Self::Stream) -> Result<()>;
+
+    /// Abandons the step after a stream failed: every current and future `wait` fails until
+    /// the next [`Backend::begin_step`], so no stream waits forever for a failed one.
+    fn abort(&self);
+
+    /// Writes f32 values at `at`, between steps.
+    fn write_f32(&mut self, at: Address, data: &[f32]) -> Result<()>;
+
+    /// Writes i32 values at `at`, between steps.
+    fn write_i32(&mut self, at: Address, data: &[i32]) -> Result<()>;
+
+    /// Zeroes `bytes` bytes at `at`, between steps.
+    fn fill_zero(&mut self, at: Address, bytes: u64) -> Result<()>;
+
+    /// Reads f32 values at `at` into `out`, between steps.
+    fn read_f32(&self, at: Address, out: &mut [f32]) -> Result<()>;
+}

@@ -1,0 +1,489 @@
+//! The executor: runs a schedule's steps on a backend, one thread per stream.
+//!
+//! [`Executor::new`] verifies the schedule, resolves each instruction's addresses once and has
+//! the backend allocate the arena and the host region; a step then
+//! writes the inputs at their homes, runs every stream's instruction list on its own thread
+//! (events are the only order between them), and reads the loss. Parameters and optimizer
+//! state stay at their homes across steps. Each step is timed per stream, and can be traced
+//! instruction by instruction for a timeline.
+
+use crate::backend::{Address, Backend, Launch};
+use crate::dispatch::{Outcome, Prepared};
+use crate::error::{Result, RuntimeError};
+use crate::host::HostBackend;
+use crate::interpreter::StepReport;
+use crate::kernels;
+use protrain_ir::verify_schedule::verify_schedule;
+use protrain_ir::{
+    DType, EventId, Graph, Instr, OpId, OpKind, Role, Schedule, StreamId, TensorRef, ValueId,
+};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// How long the last step took.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTiming {
+    /// Wall-clock seconds from the first instruction issued to the last stream finished.
+    pub wall_seconds: f64,
+    /// Seconds each stream's thread spent in kernels and copies (not waiting), by
+    /// [`StreamId`]. On the host backend that is the work itself; on an asynchronous backend
+    /// it would be the time to issue it.
+    pub stream_busy_seconds: Vec<f64>,
+}
+
+/// One kernel or copy of a traced step, for a timeline (a Chrome trace).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Span {
+    /// The stream it ran on.
+    pub stream: StreamId,
+    /// Its index in the stream's instruction list.
+    pub index: u32,
+    /// Seconds from the step's start.
+    pub start: f64,
+    /// Seconds from the step's start.
+    pub end: f64,
+}
+
+/// An instruction with its addresses resolved and its constants made.
+enum Planned {
+    Kernel {
+        op: OpId,
+        inputs: Vec<Address>,
+        outputs: Vec<Address>,
+        workspace: Option<(Address, u64)>,
+        prepared: Prepared,
+    },
+    Copy {
+        src: Address,
+        dst: Address,
+        bytes: u64,
+    },
+    Record(EventId),
+    Wait(EventId),
+}
+
+/// One stream: its handle, its program and what its last step measured.
+struct StreamRun<S> {
+    id: StreamId,
+    handle: S,
+    program: Vec<Planned>,
+    busy: f64,
+    spans: Vec<Span>,
+}
+
+/// A step input's home and the vocabulary its ids must fall in.
+struct InputHome {
+    value: ValueId,
+    at: Address,
+    len: usize,
+    /// The smallest table or logit width any op indexes with these ids.
+    vocab: Option<usize>,
+}
+
+/// Runs a compiled schedule step after step. Parameters and optimizer state live at their
+/// homes in the backend's memory; [`Executor::load_params`] sets them and
+/// [`Executor::params`] reads them back.
+///
+/// Only a verified schedule runs: the host backend reads and writes tensors in place from
+/// several threads, which is sound because the verifier proves that every pair of accesses to
+/// the same bytes is ordered. [`Executor::new`] runs `protrain_ir::verify_schedule` itself
+/// (there is no proof type to take instead), so an executor always holds a verified schedule.
+pub struct Executor<'s, B: Backend = HostBackend> {
+    schedule: &'s Schedule,
+    backend: B,
+    streams: Vec<StreamRun<B::Stream>>,
+    inputs: Vec<InputHome>,
+    /// Each parameter's home and length, in parameter order.
+    params: Vec<(Address, usize)>,
+    /// Each optimizer-state value's home and size in bytes.
+    state: Vec<(Address, u64)>,
+    loss: Address,
+    step: u64,
+    timing: StepTiming,
+    tracing: bool,
+}
+
+impl<'s> Executor<'s, HostBackend> {
+    /// An executor for `schedule` on the host backend: verifies the schedule, then allocates
+    /// the arena and the host region (zeroed: every parameter and optimizer state zero).
+    /// Fails when the schedule fails the verifier or has a dtype other than f32 and i32.
+    pub fn new(schedule: &'s Schedule) -> Result<Self> {
+        Self::with_backend(schedule)
+    }
+}
+
+impl<'s, B: Backend> Executor<'s, B> {
+    /// An executor for `schedule` on backend `B`; see [`Executor::new`].
+    pub fn with_backend(schedule: &'s Schedule) -> Result<Self> {
+        verify_schedule(schedule)?;
+        let graph = &schedule.graph;
+        for (id, value) in graph.values() {
+            if !matches!(value.ty.dtype, DType::F32 | DType::I32) {
+                return Err(RuntimeError::BadSchedule(format!(
+                    "{id} ({}) is {}, but the executor runs f32 schedules; compile with dtype f32",
+                    value.name, value.ty
+                )));
+            }
+        }
+        let backend = B::new(schedule.arena_bytes, schedule.host_bytes, schedule.events)?;
+        let mut streams = Vec::with_capacity(schedule.streams.len());
+        for (s, stream) in schedule.streams.iter().enumerate() {
+            streams.push(StreamRun {
+                id: StreamId::new(s),
+                handle: backend.create_stream(stream.kind)?,
+                program: stream.instrs.iter().map(|i| plan(schedule, i)).collect(),
+                busy: 0.0,
+                spans: Vec::new(),
+            });
+        }
+        // The verifier checked that every value without a producer has exactly one home.
+        let homes: HashMap<ValueId, Address> = schedule
+            .homes
+            .iter()
+            .map(|&(v, t)| (v, address(schedule, t)))
+            .collect();
+        let home = |v: ValueId| homes[&v];
+        let mut inputs = Vec::new();
+        for &v in graph.inputs() {
+            let vocab = graph
+                .ops()
+                .filter_map(|(_, op)| match op.kind {
+                    OpKind::Embedding { .. } if op.inputs[0] == v => {
+                        Some(graph.value(op.inputs[1]).ty.shape[0])
+                    }
+                    OpKind::EmbeddingBackward { rows, .. } if op.inputs[0] == v => Some(rows),
+                    OpKind::CrossEntropy if op.inputs[1] == v => {
+                        Some(graph.value(op.inputs[0]).ty.last_dim())
+                    }
+                    _ => None,
+                })
+                .min()
+                .map(|n| n as usize);
+            inputs.push(InputHome {
+                value: v,
+                at: home(v),
+                len: graph.value(v).ty.numel() as usize,
+                vocab,
+            });
+        }
+        let params = graph
+            .params()
+            .map(|(_, p)| (home(p.value), graph.value(p.value).ty.numel() as usize))
+            .collect();
+        let state = graph
+            .values()
+            .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
+            .map(|(id, v)| (home(id), v.ty.bytes()))
+            .collect();
+        let loss = address(schedule, schedule.loss);
+        Ok(Self {
+            schedule,
+            backend,
+            timing: StepTiming {
+                wall_seconds: 0.0,
+                stream_busy_seconds: vec![0.0; streams.len()],
+            },
+            streams,
+            inputs,
+            params,
+            state,
+            loss,
+            step: 0,
+            tracing: false,
+        })
+    }
+
+    /// The schedule being run.
+    pub fn schedule(&self) -> &'s Schedule {
+        self.schedule
+    }
+
+    /// Steps taken since the parameters were loaded.
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// Sets every parameter, in parameter order (as [`crate::params::init_params`] returns
+    /// them), at its home; zeroes the optimizer state and restarts the step count, so the next
+    /// step is AdamW's first.
+    pub fn load_params(&mut self, values: &[Vec<f32>]) -> Result<()> {
+        let graph = &self.schedule.graph;
+        if values.len() != self.params.len() {
+            return Err(RuntimeError::Shape(format!(
+                "the model has {} parameters, {} were given",
+                self.params.len(),
+                values.len()
+            )));
+        }
+        for (((_, p), &(_, len)), data) in graph.params().zip(&self.params).zip(values) {
+            if data.len() != len {
+                let ty = &graph.value(p.value).ty;
+                return Err(RuntimeError::TensorSizeMismatch {
+                    name: p.name.clone(),
+                    shape: ty.shape.iter().map(|&d| d as usize).collect(),
+                    expected: len,
+                    got: data.len(),
+                });
+            }
+        }
+        for (&(at, _), data) in self.params.iter().zip(values) {
+            self.backend.write_f32(at, data)?;
+        }
+        for &(at, bytes) in &self.state {
+            self.backend.fill_zero(at, bytes)?;
+        }
+        self.step = 0;
+        Ok(())
+    }
+
+    /// Every parameter's current values, in parameter order, read from their homes.
+    pub fn params(&self) -> Result<Vec<Vec<f32>>> {
+        self.params
+            .iter()
+            .map(|&(at, len)| {
+                let mut out = vec![0.0; len];
+                self.backend.read_f32(at, &mut out)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    /// Records a [`Span`] for every kernel and copy of the following steps (or stops).
+    pub fn set_tracing(&mut self, on: bool) {
+        self.tracing = on;
+        for s in &mut self.streams {
+            if on {
+                s.spans.reserve_exact(s.program.len());
+            } else {
+                s.spans = Vec::new();
+            }
+        }
+    }
+
+    /// How long the last step took, per stream.
+    pub fn timing(&self) -> &StepTiming {
+        &self.timing
+    }
+
+    /// The kernels and copies of the last step, by start time, when tracing is on.
+    pub fn timeline(&self) -> Vec<Span> {
+        let mut spans: Vec<Span> = self
+            .streams
+            .iter()
+            .flat_map(|s| s.spans.iter().copied())
+            .collect();
+        spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+        spans
+    }
+
+    /// Runs one step on a batch: `inputs[i]` feeds the graph's `i`-th input (token ids and
+    /// targets, row-major `[B,T]`). Returns the loss and, when clipping, the gradient norm.
+    ///
+    /// Inputs are checked before anything runs. If a stream fails mid-step, every other
+    /// stream stops at its next wait and the first error is returned; parameters and
+    /// optimizer state are then partly updated and should be loaded again.
+    pub fn step(&mut self, inputs: &[&[i32]]) -> Result<StepReport> {
+        let graph = &self.schedule.graph;
+        if inputs.len() != self.inputs.len() {
+            return Err(RuntimeError::Shape(format!(
+                "the schedule takes {} inputs, {} were given",
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        for (home, data) in self.inputs.iter().zip(inputs) {
+            if data.len() != home.len {
+                return Err(RuntimeError::Shape(format!(
+                    "input {} needs {} tokens, {} were given",
+                    graph.value(home.value).name,
+                    home.len,
+                    data.len()
+                )));
+            }
+            if let Some(vocab) = home.vocab {
+                kernels::check_tokens(data, vocab)?;
+            }
+        }
+        for (home, data) in self.inputs.iter().zip(inputs) {
+            self.backend.write_i32(home.at, data)?;
+        }
+        self.backend.begin_step();
+        let step = self.step + 1;
+        let (backend, tracing) = (&self.backend, self.tracing);
+        let start = Instant::now();
+        let results: Vec<std::thread::Result<Result<Outcome>>> = std::thread::scope(|scope| {
+            let running: Vec<_> = self
+                .streams
+                .iter_mut()
+                .map(|s| {
+                    if s.program.is_empty() {
+                        s.busy = 0.0;
+                        s.spans.clear();
+                        return None;
+                    }
+                    Some(scope.spawn(move || run_stream(backend, graph, s, step, start, tracing)))
+                })
+                .collect();
+            running.into_iter().flatten().map(|h| h.join()).collect()
+        });
+        let wall_seconds = start.elapsed().as_secs_f64();
+        let mut outcome = Outcome::default();
+        let mut failure: Option<RuntimeError> = None;
+        for result in results {
+            match result {
+                Err(panic) => std::panic::resume_unwind(panic),
+                Ok(Ok(o)) => outcome = outcome.merge(o),
+                Ok(Err(e)) => match (&failure, &e) {
+                    (None, _) | (Some(RuntimeError::StepAborted), _) => failure = Some(e),
+                    _ => {}
+                },
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.step = step;
+        self.timing.wall_seconds = wall_seconds;
+        for (t, s) in self
+            .timing
+            .stream_busy_seconds
+            .iter_mut()
+            .zip(&self.streams)
+        {
+            *t = s.busy;
+        }
+        let mut loss = [0.0f32];
+        self.backend.read_f32(self.loss, &mut loss)?;
+        Ok(StepReport {
+            loss: loss[0],
+            grad_norm: outcome.grad_norm,
+        })
+    }
+}
+
+/// Aborts the step when a stream thread unwinds, so the others stop waiting for it.
+struct AbortOnPanic<'a, B: Backend>(&'a B);
+
+impl<B: Backend> Drop for AbortOnPanic<'_, B> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort();
+        }
+    }
+}
+
+/// Issues one stream's program for step `step`, timing its kernels and copies.
+fn run_stream<B: Backend>(
+    backend: &B,
+    graph: &Graph,
+    s: &mut StreamRun<B::Stream>,
+    step: u64,
+    start: Instant,
+    tracing: bool,
+) -> Result<Outcome> {
+    let _abort = AbortOnPanic(backend);
+    s.busy = 0.0;
+    s.spans.clear();
+    let mut outcome = Outcome::default();
+    let mut issue = || -> Result<()> {
+        for (index, instr) in s.program.iter().enumerate() {
+            let began = start.elapsed().as_secs_f64();
+            match instr {
+                Planned::Wait(event) => {
+                    backend.wait(&mut s.handle, *event)?;
+                    continue;
+                }
+                Planned::Record(event) => {
+                    backend.record(&mut s.handle, *event)?;
+                    continue;
+                }
+                Planned::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    workspace,
+                    prepared,
+                } => {
+                    let launch = Launch {
+                        graph,
+                        op: graph.op(*op),
+                        prepared,
+                        inputs,
+                        outputs,
+                        workspace: *workspace,
+                        step,
+                    };
+                    // SAFETY: the schedule was verified when the executor was made, and its
+                    // instructions are issued in stream order with its events: the verifier
+                    // proves that no two threads then touch overlapping bytes unordered and
+                    // that a kernel's outputs overlap none of its inputs.
+                    let done = unsafe { backend.launch(&mut s.handle, &launch)? };
+                    outcome = outcome.merge(done);
+                }
+                Planned::Copy { src, dst, bytes } => {
+                    // SAFETY: as for kernels.
+                    unsafe { backend.copy(&mut s.handle, *src, *dst, *bytes)? };
+                }
+            }
+            let ended = start.elapsed().as_secs_f64();
+            s.busy += ended - began;
+            if tracing {
+                s.spans.push(Span {
+                    stream: s.id,
+                    index: index as u32,
+                    start: began,
+                    end: ended,
+                });
+            }
+        }
+        backend.synchronize(&mut s.handle)
+    };
+    match issue() {
+        Ok(()) => Ok(outcome),
+        Err(e) => {
+            backend.abort();
+            Err(e)
+        }
+    }
+}
+
+/// A tensor's address.
+fn address(schedule: &Schedule, t: TensorRef) -> Address {
+    let (space, offset) = schedule.address(t);
+    Address { space, offset }
+}
+
+/// An instruction of a verified schedule with its addresses resolved and its constants made.
+fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
+    let graph = &schedule.graph;
+    match instr {
+        Instr::Kernel {
+            op,
+            inputs,
+            outputs,
+            workspace,
+        } => {
+            let o = graph.op(*op);
+            let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            Planned::Kernel {
+                op: *op,
+                inputs: inputs.iter().map(|&t| address(schedule, t)).collect(),
+                outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
+                // The verifier checked that a kernel has a workspace exactly when its kind
+                // needs one, with room for what it needs.
+                workspace: workspace
+                    .map(|t| (address(schedule, t), o.kind.workspace_bytes(&types))),
+                prepared: Prepared::new(&o.kind),
+            }
+        }
+        Instr::Copy {
+            src, dst, bytes, ..
+        } => Planned::Copy {
+            src: address(schedule, *src),
+            dst: address(schedule, *dst),
+            bytes: *bytes,
+        },
+        Instr::Record { event } => Planned::Record(*event),
+        Instr::Wait { event } => Planned::Wait(*event),
+    }
+}

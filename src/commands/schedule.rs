@@ -1,0 +1,188 @@
+//! `protrain verify`, `protrain explain` and `protrain trace`: reading compiled schedules.
+
+use protrain::compiler::simulate::{chrome_trace, simulate, Simulation};
+use protrain::ir::{format_bytes, HardwareProfile, Schedule};
+use protrain::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// Arguments of `protrain verify`.
+#[derive(clap::Args, Debug)]
+pub struct VerifyArgs {
+    /// A schedule written by `protrain compile`.
+    schedule: PathBuf,
+}
+
+/// Arguments of `protrain explain`.
+#[derive(clap::Args, Debug)]
+pub struct ExplainArgs {
+    /// A schedule written by `protrain compile`.
+    schedule: PathBuf,
+    /// The hardware to predict times for [default: the one the schedule was compiled for].
+    #[arg(long)]
+    hardware: Option<String>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of `protrain trace`.
+#[derive(clap::Args, Debug)]
+pub struct TraceArgs {
+    /// A schedule written by `protrain compile`.
+    schedule: PathBuf,
+    /// Where to write the Chrome trace (open it in chrome://tracing or ui.perfetto.dev).
+    #[arg(short, long, value_name = "FILE")]
+    output: PathBuf,
+    /// The hardware to predict times for [default: the one the schedule was compiled for].
+    #[arg(long)]
+    hardware: Option<String>,
+}
+
+/// Reads and verifies a schedule file.
+pub fn read(path: &Path) -> Result<Schedule> {
+    Ok(protrain::ir::file::read(path)?)
+}
+
+/// The profile a schedule was compiled for, or the one asked for.
+fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwareProfile> {
+    let name = match hardware {
+        Some(h) => h.to_string(),
+        None => schedule
+            .header
+            .hardware
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+    };
+    HardwareProfile::load(&name).map_err(|e| {
+        Error::Usage(format!(
+            "{e}; the schedule was compiled for '{}': pass --hardware with that preset or profile file",
+            schedule.header.hardware
+        ))
+    })
+}
+
+fn simulated(schedule: &Schedule, hardware: Option<&str>) -> Result<Simulation> {
+    let profile = profile_for(schedule, hardware)?;
+    let cost = protrain::compiler::cost::cost_model(&profile);
+    simulate(schedule, cost.as_ref())
+        .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))
+}
+
+/// `protrain verify`: reads the file (which checks its format and checksum) and runs every
+/// invariant of the schedule verifier.
+pub fn verify(args: VerifyArgs) -> Result<()> {
+    let s = read(&args.schedule)?;
+    let instrs: usize = s.streams.iter().map(|st| st.instrs.len()).sum();
+    println!(
+        "{}: valid schedule for {} (batch {} x seq {}), {} instructions on {} streams, {} buffers, arena {} of {} budget, host {}",
+        args.schedule.display(),
+        s.header.model,
+        s.header.batch,
+        s.header.seq,
+        instrs,
+        s.streams.len(),
+        s.buffers.len(),
+        format_bytes(s.arena_bytes),
+        format_bytes(s.header.device_budget_bytes),
+        format_bytes(s.host_bytes)
+    );
+    Ok(())
+}
+
+/// `protrain explain`: the policy and why, the memory breakdown, predicted time per phase and
+/// per stream.
+pub fn explain(args: ExplainArgs) -> Result<()> {
+    let s = read(&args.schedule)?;
+    let sim = simulated(&s, args.hardware.as_deref())?;
+    let p = &s.header.prediction;
+    let ph = &sim.phase_seconds;
+    if args.json {
+        let streams: Vec<serde_json::Value> = s
+            .streams
+            .iter()
+            .zip(&sim.stream_busy_seconds)
+            .map(|(st, busy)| serde_json::json!({"stream": st.name, "busy_s": busy, "instructions": st.instrs.len()}))
+            .collect();
+        let v = serde_json::json!({
+            "model": s.header.model,
+            "hardware": s.header.hardware,
+            "policy": s.header.policy.to_string(),
+            "report": s.header.report,
+            "predicted_step_s": sim.step_seconds,
+            "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
+            "exposed_communication_s": sim.exposed_communication_seconds(),
+            "streams": streams,
+            "peak_device_bytes": p.peak_device_bytes,
+            "lower_bound_bytes": p.lower_bound_bytes,
+            "host_bytes": p.host_bytes,
+            "memory": p.memory,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("JSON values serialise")
+        );
+        return Ok(());
+    }
+    println!(
+        "{} (batch {} x seq {}, {}) on {}",
+        s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
+    );
+    println!("policy   {}", s.header.policy);
+    println!(
+        "why      {}",
+        s.header.report.trim_end().replace('\n', "\n         ")
+    );
+    println!(
+        "memory   {} device (lower bound {}), {} host",
+        format_bytes(p.peak_device_bytes),
+        format_bytes(p.lower_bound_bytes),
+        format_bytes(p.host_bytes)
+    );
+    let m = &p.memory;
+    println!(
+        "         at the peak: persistent {}, chunk buffers {}, activations {}, workspace {}, inputs {}",
+        format_bytes(m.persistent),
+        format_bytes(m.chunk_buffers),
+        format_bytes(m.activations),
+        format_bytes(m.workspace),
+        format_bytes(m.inputs)
+    );
+    println!(
+        "time     {:.4} s per step: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s on the compute stream; {:.4} s of communication not hidden",
+        sim.step_seconds,
+        ph.forward,
+        ph.backward,
+        ph.recompute,
+        ph.optimizer,
+        sim.exposed_communication_seconds()
+    );
+    for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
+        println!(
+            "  {:<16}{busy:.4} s busy, {} instructions",
+            st.name,
+            st.instrs.len()
+        );
+    }
+    Ok(())
+}
+
+/// `protrain trace`: the predicted timeline as a Chrome trace.
+pub fn trace(args: TraceArgs) -> Result<()> {
+    let s = read(&args.schedule)?;
+    let sim = simulated(&s, args.hardware.as_deref())?;
+    let json = chrome_trace(&s, &sim.timeline);
+    std::fs::write(&args.output, json).map_err(|source| Error::Write {
+        path: args.output.clone(),
+        source,
+    })?;
+    println!(
+        "wrote {} spans over {:.4} s to {}",
+        sim.timeline.len(),
+        sim.step_seconds,
+        args.output.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,243 @@
+//! `protrain compile`, `verify`, `explain` and `trace` as a user runs them.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn protrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(args)
+        .output()
+        .expect("the protrain binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("--json prints one JSON object")
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+const GIB: u64 = 1 << 30;
+
+#[test]
+fn llama_2_7b_on_an_rtx3090_keeps_some_chunks_and_streams_the_rest() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("llama.ptsched");
+    let out = protrain(&[
+        "compile",
+        "llama-2-7b",
+        "--hardware",
+        "rtx3090",
+        "--host-memory",
+        "256GiB",
+        "--batch",
+        "4",
+        "--seq",
+        "1024",
+        "-o",
+        path(&file),
+        "--json",
+    ]);
+    let v = json(&out);
+    for key in [
+        "policy",
+        "predicted_step_s",
+        "tokens_per_s",
+        "peak_device_bytes",
+        "lower_bound_bytes",
+        "host_bytes",
+        "compile_s",
+    ] {
+        assert!(!v[key].is_null(), "--json lacks {key}: {v}");
+    }
+    // 24 GiB less the profile's reserved GiB.
+    assert!(
+        v["peak_device_bytes"].as_u64().expect("bytes") <= 23 * GIB,
+        "{v}"
+    );
+    let persist = v["n_persist"].as_u64().expect("n_persist");
+    let chunks = v["chunks"].as_u64().expect("chunks");
+    assert!(
+        persist > 0 && persist < chunks,
+        "some chunks persistent and the rest offloaded: {v}"
+    );
+    assert!(v["peak_device_bytes"].as_u64() >= v["lower_bound_bytes"].as_u64());
+
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+    assert!(String::from_utf8_lossy(&verified.stdout).contains("valid schedule for llama-2-7b"));
+
+    let explained = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(explained["policy"], v["policy"]);
+    assert!(
+        explained["phase_seconds"]["recompute"]
+            .as_f64()
+            .expect("seconds")
+            >= 0.0
+    );
+
+    let trace = dir.path().join("trace.json");
+    let traced = protrain(&["trace", path(&file), "-o", path(&trace)]);
+    assert!(traced.status.success(), "{}", stderr(&traced));
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace written"))
+            .expect("JSON");
+    let events = events["traceEvents"].as_array().expect("traceEvents");
+    assert!(events.iter().any(|e| e["name"]
+        .as_str()
+        .is_some_and(|n| n.starts_with("fetch chunk"))));
+    assert!(events.iter().any(|e| e["cat"] == "cpu_adam"));
+}
+
+#[test]
+fn a_budget_too_small_says_the_smallest_that_fits() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "a100-80gb",
+        "--gpu-memory",
+        "64MiB",
+        "--batch",
+        "4",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: no policy fits 64.0 MiB of device memory"),
+        "{err}"
+    );
+    assert!(err.contains("Give --gpu-memory at least"), "{err}");
+    assert!(
+        !dir.path().join("x.ptsched").exists(),
+        "nothing is written on error"
+    );
+}
+
+#[test]
+fn a_fixed_policy_is_applied_as_given() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    let v = json(&protrain(&[
+        "compile",
+        "llama-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "--policy",
+        "n_persist=1,n_buffer=2,blocks=SC",
+        "-o",
+        path(&file),
+        "--json",
+    ]));
+    assert_eq!(v["policy"], "n_persist=1 n_buffer=2 prefetch=1 blocks=SC");
+    let bad = protrain(&[
+        "compile",
+        "llama-tiny",
+        "--policy",
+        "blocks=SCK",
+        "-o",
+        path(&file),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("blocks=SCK has 3 modes; the model has 2 layers"),
+        "{}",
+        stderr(&bad)
+    );
+    let bad = protrain(&[
+        "compile",
+        "llama-tiny",
+        "--policy",
+        "n_persist=1,speed=fast",
+        "-o",
+        path(&file),
+    ]);
+    assert!(
+        stderr(&bad).contains("unknown policy key 'speed'"),
+        "{}",
+        stderr(&bad)
+    );
+}
+
+/// Sizes and checksums change whenever the schedule does; the snapshot keeps the words.
+fn redact_numbers(text: &str) -> String {
+    let mut out = String::new();
+    let mut token = String::new();
+    let flush = |token: &mut String, out: &mut String| {
+        let is_hex = token.starts_with("0x") && token.len() > 2;
+        let is_big = token.len() >= 3 && token.chars().all(|c| c.is_ascii_digit());
+        out.push_str(if is_hex {
+            "0x…"
+        } else if is_big {
+            "N"
+        } else {
+            token
+        });
+        token.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_alphanumeric() {
+            token.push(c);
+        } else {
+            flush(&mut token, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut token, &mut out);
+    out
+}
+
+#[test]
+fn broken_schedule_files_are_refused_clearly() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let bytes = std::fs::read(&file).expect("written");
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated", bytes[..bytes.len() / 2].to_vec()),
+        ("corrupted", {
+            let mut b = bytes.clone();
+            let i = b.len() / 2;
+            b[i] ^= 0x5a;
+            b
+        }),
+        ("foreign", b"{\"not\": \"a schedule\"}".to_vec()),
+        ("newer", {
+            let mut b = bytes.clone();
+            b[8] = b[8].wrapping_add(1);
+            b
+        }),
+    ];
+    let mut report = String::new();
+    for (what, data) in cases {
+        let broken = dir.path().join(format!("{what}.ptsched"));
+        std::fs::write(&broken, data).expect("write");
+        let out = protrain(&["verify", path(&broken)]);
+        assert_eq!(out.status.code(), Some(2), "{what}: {}", stderr(&out));
+        let err = redact_numbers(&stderr(&out).replace(path(dir.path()), "<dir>"));
+        assert!(!err.contains("panicked"), "{what}: {err}");
+        report.push_str(&format!("{what}:\n  {err}"));
+    }
+    insta::assert_snapshot!(report);
+}
