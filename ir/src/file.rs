@@ -3,9 +3,6 @@
 use crate::error::{IrError, Result};
 use crate::schedule::{Schedule, FORMAT_VERSION};
 use crate::verify_schedule::{verify_schedule, ScheduleError};
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Number, Value};
-use std::collections::HashMap;
 use std::fs;
 use std::io::Write as _;
 use std::path::Path;
@@ -22,9 +19,6 @@ const HEADER_BYTES: u64 = 8 + 4 + 8;
 
 /// Bytes after the payload: its CRC-32.
 const CHECKSUM_BYTES: u64 = 4;
-
-/// Nesting the payload may have; schedules nest about ten deep.
-const MAX_DEPTH: u32 = 128;
 
 /// Why bytes are not a schedule this build can read; each says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -101,49 +95,15 @@ pub enum FileProblem {
     Invalid(ScheduleError),
 }
 
-/// One node of the payload's tree, in pre-order: a sequence or map node is followed by its
-/// elements (a map's as key, value, key, value..).
-///
-/// Bincode is not self-describing, and the IR tags several enums internally
-/// (`#[serde(tag = "kind")]`), which serde reads back only from self-describing data. So the
-/// payload carries the schedule's serde data model as this tree, which bincode encodes
-/// compactly, with every string once in a table.
-#[derive(Debug, Serialize, Deserialize)]
-enum Node {
-    Null,
-    Bool(bool),
-    U64(u64),
-    I64(i64),
-    F64(f64),
-    Str(u32),
-    Seq(u32),
-    Map(u32),
-}
-
-/// The payload: a string table and the tree that indexes it.
-#[derive(Debug, Serialize, Deserialize)]
-struct Payload<'a> {
-    #[serde(borrow)]
-    strings: Vec<&'a str>,
-    nodes: Vec<Node>,
-}
-
 /// Encodes a schedule as the bytes of a `.ptsched` file.
 ///
 /// Layout, integers little-endian: [`MAGIC`] (8 bytes), the format version ([`FORMAT_VERSION`],
 /// `u32`), the payload's length (`u64`), the payload, and the payload's CRC-32 (`u32`). The
-/// payload is bincode 2 (standard configuration) through serde. Floats must be finite (JSON's
-/// data model, which the payload tree follows, has no NaN or infinity).
+/// payload is the schedule in bincode 2 (standard configuration) through serde. All bincode
+/// use is in this module, so the codec can be swapped.
 pub fn encode(schedule: &Schedule) -> Vec<u8> {
-    let tree = serde_json::to_value(schedule).expect("a schedule always serialises");
-    let mut payload = Payload {
-        strings: Vec::new(),
-        nodes: Vec::new(),
-    };
-    let mut interned = HashMap::new();
-    flatten(&tree, &mut payload, &mut interned);
-    let body = bincode::serde::encode_to_vec(&payload, bincode::config::standard())
-        .expect("bincode encodes the payload tree");
+    let body = bincode::serde::encode_to_vec(schedule, bincode::config::standard())
+        .expect("bincode encodes every schedule");
     let mut out = Vec::with_capacity(body.len() + (HEADER_BYTES + CHECKSUM_BYTES) as usize);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -289,110 +249,14 @@ fn parse(bytes: &[u8]) -> std::result::Result<Schedule, FileProblem> {
         return Err(FileProblem::Corrupted { stored, actual });
     }
     let payload_error = |why: String| FileProblem::Payload { why };
-    let (payload, used): (Payload<'_>, usize) =
-        bincode::serde::borrow_decode_from_slice(body, bincode::config::standard())
+    let (schedule, used): (Schedule, usize) =
+        bincode::serde::decode_from_slice(body, bincode::config::standard())
             .map_err(|e| payload_error(e.to_string()))?;
     if used != body.len() {
         return Err(payload_error(format!(
-            "{} bytes left over after the tree",
+            "{} bytes left over after the schedule",
             body.len() - used
         )));
     }
-    let mut pos = 0;
-    let tree = unflatten(&payload, &mut pos, 0).map_err(payload_error)?;
-    if pos != payload.nodes.len() {
-        return Err(payload_error(format!(
-            "{} nodes left over after the tree",
-            payload.nodes.len() - pos
-        )));
-    }
-    serde_json::from_value(tree).map_err(|e| payload_error(e.to_string()))
-}
-
-/// Appends `value` to the payload in pre-order, interning its strings.
-fn flatten<'v>(value: &'v Value, out: &mut Payload<'v>, interned: &mut HashMap<&'v str, u32>) {
-    let intern = |s: &'v str, out: &mut Payload<'v>, interned: &mut HashMap<&'v str, u32>| {
-        *interned.entry(s).or_insert_with(|| {
-            out.strings.push(s);
-            (out.strings.len() - 1) as u32
-        })
-    };
-    match value {
-        Value::Null => out.nodes.push(Node::Null),
-        Value::Bool(b) => out.nodes.push(Node::Bool(*b)),
-        Value::Number(n) => out.nodes.push(if let Some(u) = n.as_u64() {
-            Node::U64(u)
-        } else if let Some(i) = n.as_i64() {
-            Node::I64(i)
-        } else {
-            Node::F64(n.as_f64().unwrap_or(f64::NAN))
-        }),
-        Value::String(s) => {
-            let i = intern(s, out, interned);
-            out.nodes.push(Node::Str(i));
-        }
-        Value::Array(items) => {
-            out.nodes.push(Node::Seq(items.len() as u32));
-            for item in items {
-                flatten(item, out, interned);
-            }
-        }
-        Value::Object(map) => {
-            out.nodes.push(Node::Map(map.len() as u32));
-            for (k, v) in map {
-                let i = intern(k, out, interned);
-                out.nodes.push(Node::Str(i));
-                flatten(v, out, interned);
-            }
-        }
-    }
-}
-
-/// Rebuilds the value whose pre-order starts at `nodes[*pos]`.
-fn unflatten(p: &Payload<'_>, pos: &mut usize, depth: u32) -> std::result::Result<Value, String> {
-    if depth > MAX_DEPTH {
-        return Err(format!("nested deeper than {MAX_DEPTH}"));
-    }
-    let string = |i: u32| -> std::result::Result<&str, String> {
-        p.strings
-            .get(i as usize)
-            .copied()
-            .ok_or_else(|| format!("string {i} of {} does not exist", p.strings.len()))
-    };
-    let node = p
-        .nodes
-        .get(*pos)
-        .ok_or_else(|| "the tree ends early".to_string())?;
-    *pos += 1;
-    Ok(match *node {
-        Node::Null => Value::Null,
-        Node::Bool(b) => Value::Bool(b),
-        Node::U64(u) => Value::Number(u.into()),
-        Node::I64(i) => Value::Number(i.into()),
-        Node::F64(f) => Number::from_f64(f)
-            .map(Value::Number)
-            .ok_or_else(|| format!("non-finite float {f}"))?,
-        Node::Str(i) => Value::String(string(i)?.to_string()),
-        Node::Seq(n) => {
-            let left = p.nodes.len() - *pos;
-            let mut items = Vec::with_capacity((n as usize).min(left));
-            for _ in 0..n {
-                items.push(unflatten(p, pos, depth + 1)?);
-            }
-            Value::Array(items)
-        }
-        Node::Map(n) => {
-            let mut map = Map::new();
-            for _ in 0..n {
-                let key = match p.nodes.get(*pos) {
-                    Some(Node::Str(i)) => string(*i)?.to_string(),
-                    _ => return Err("a map key is not a string".into()),
-                };
-                *pos += 1;
-                let value = unflatten(p, pos, depth + 1)?;
-                map.insert(key, value);
-            }
-            Value::Object(map)
-        }
-    })
+    Ok(schedule)
 }

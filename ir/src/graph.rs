@@ -69,7 +69,7 @@ pub struct Value {
 
 /// How a parameter is initialised when no checkpoint is given (transformers' `_init_weights`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum ParamInit {
     /// Normal with mean 0 and this standard deviation.
     Normal {

@@ -18,7 +18,7 @@ pub enum WeightLayout {
 
 /// How rotary position frequencies are rescaled for long contexts (transformers' `rope_scaling`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum RopeScaling {
     /// Plain RoPE.
     None,
@@ -55,7 +55,7 @@ pub enum QkvLayout {
 /// The forward kinds cover GPT-2, LLaMA, Mistral and OPT. Activations are `[B,T,C]`; token ids
 /// are `i32[B,T]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum OpKind {
     /// Token embedding lookup: `tokens i32[B,T]`, `table [V,C]` -> `[B,T,C]`.
     Embedding {

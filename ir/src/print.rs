@@ -5,8 +5,45 @@ use crate::graph::{BlockKind, Graph, Role};
 use crate::ids::{BlockId, ValueId};
 use crate::op::Phase;
 use crate::types::{format_bytes, format_count};
-use std::collections::HashMap;
 use std::fmt::Write;
+
+/// The canonical name of every value, indexed by [`ValueId`], as [`print_graph`] numbers them:
+/// `%0, %1, ..` for inputs, then optimizer state without a producer, then op outputs in op
+/// order; parameters print as `@hf.name`.
+///
+pub fn value_names(graph: &Graph) -> Vec<String> {
+    let mut names: Vec<Option<String>> = vec![None; graph.values().len()];
+    let mut next = 0usize;
+    let mut number = |names: &mut Vec<Option<String>>, v: ValueId| {
+        if let Some(slot) = names.get_mut(v.index()) {
+            *slot = Some(format!("%{next}"));
+        }
+        next += 1;
+    };
+    for &v in graph.inputs() {
+        number(&mut names, v);
+    }
+    for (_, p) in graph.params() {
+        if let Some(slot) = names.get_mut(p.value.index()) {
+            *slot = Some(format!("@{}", p.name));
+        }
+    }
+    for (id, v) in graph.values() {
+        if v.role == Role::OptimizerState && v.producer.is_none() {
+            number(&mut names, id);
+        }
+    }
+    for (_, op) in graph.ops() {
+        for &v in &op.outputs {
+            number(&mut names, v);
+        }
+    }
+    names
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| n.unwrap_or_else(|| format!("<undefined {}>", ValueId::new(i))))
+        .collect()
+}
 
 /// Prints a graph in its canonical text form.
 ///
@@ -14,37 +51,18 @@ use std::fmt::Write;
 /// parameters print as `@hf.name`. Ops are grouped into sections, one per run of ops with the
 /// same phase and block. Each op line ends with the role and size of what it writes.
 pub fn print_graph(graph: &Graph) -> String {
-    let mut names: HashMap<ValueId, String> = HashMap::new();
-    let mut next = 0usize;
-    let mut number = |names: &mut HashMap<ValueId, String>, v: ValueId| {
-        names.insert(v, format!("%{next}"));
-        next += 1;
+    let names = value_names(graph);
+    let name = |v: &ValueId| {
+        names
+            .get(v.index())
+            .cloned()
+            .unwrap_or_else(|| format!("<undefined {v}>"))
     };
-    for &v in graph.inputs() {
-        number(&mut names, v);
-    }
-    for (_, p) in graph.params() {
-        names.insert(p.value, format!("@{}", p.name));
-    }
     let states: Vec<ValueId> = graph
         .values()
         .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
         .map(|(id, _)| id)
         .collect();
-    for &v in &states {
-        number(&mut names, v);
-    }
-    for (_, op) in graph.ops() {
-        for &v in &op.outputs {
-            number(&mut names, v);
-        }
-    }
-    let name = |v: &ValueId| {
-        names
-            .get(v)
-            .cloned()
-            .unwrap_or_else(|| format!("<undefined {v}>"))
-    };
 
     let mut out = String::new();
     let param_count = graph.param_count();

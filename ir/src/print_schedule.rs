@@ -1,6 +1,5 @@
 //! The canonical text form of a [`Schedule`]: header, chunk table, buffer table, streams.
 
-use crate::graph::{Graph, Role};
 use crate::ids::{BufferId, OpId, ValueId};
 use crate::schedule::{
     Buffer, BufferKind, CopyKind, Instr, Schedule, Space, StreamKind, TensorRef,
@@ -13,45 +12,6 @@ impl Schedule {
     pub fn to_text(&self) -> String {
         print_schedule(self)
     }
-}
-
-/// The canonical name of every value, indexed by [`ValueId`], as [`print_graph`] numbers them:
-/// `%0, %1, ..` for inputs, then optimizer state without a producer, then op outputs in op
-/// order; parameters print as `@hf.name`.
-///
-/// [`print_graph`]: crate::print::print_graph
-pub fn value_names(graph: &Graph) -> Vec<String> {
-    let mut names: Vec<Option<String>> = vec![None; graph.values().len()];
-    let mut next = 0usize;
-    let mut number = |names: &mut Vec<Option<String>>, v: ValueId| {
-        if let Some(slot) = names.get_mut(v.index()) {
-            *slot = Some(format!("%{next}"));
-        }
-        next += 1;
-    };
-    for &v in graph.inputs() {
-        number(&mut names, v);
-    }
-    for (_, p) in graph.params() {
-        if let Some(slot) = names.get_mut(p.value.index()) {
-            *slot = Some(format!("@{}", p.name));
-        }
-    }
-    for (id, v) in graph.values() {
-        if v.role == Role::OptimizerState && v.producer.is_none() {
-            number(&mut names, id);
-        }
-    }
-    for (_, op) in graph.ops() {
-        for &v in &op.outputs {
-            number(&mut names, v);
-        }
-    }
-    names
-        .into_iter()
-        .enumerate()
-        .map(|(i, n)| n.unwrap_or_else(|| format!("<undefined {}>", ValueId::new(i))))
-        .collect()
 }
 
 /// The word for a space: `device` or `host`.
@@ -115,7 +75,7 @@ pub fn copy_label(what: CopyKind, names: &[String]) -> String {
 /// schedules that do not verify too, marking ids that are out of range, so that a broken
 /// schedule can be dumped and read.
 pub fn print_schedule(s: &Schedule) -> String {
-    let names = value_names(&s.graph);
+    let names = crate::print::value_names(&s.graph);
     let mut out = String::new();
     header(s, &mut out);
     chunk_table(s, &mut out);

@@ -29,7 +29,7 @@ pub enum Space {
 
 /// What a buffer holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum BufferKind {
     /// A step input (token ids, targets), written by the runtime before the step.
     Input,
@@ -99,7 +99,7 @@ pub struct TensorRef {
 
 /// One instruction of a stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "instr", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Instr {
     /// Run an op of the graph. `inputs[i]` and `outputs[i]` address the op's `i`-th input and
     /// output; `workspace` is its scratch memory when its kind needs some.
@@ -138,7 +138,7 @@ pub enum Instr {
 
 /// Why a copy happens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum CopyKind {
     /// A chunk's parameters from the host into a chunk slot.
     FetchChunk {

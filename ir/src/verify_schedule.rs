@@ -57,7 +57,8 @@
 
 use crate::graph::{Graph, Role};
 use crate::ids::{OpId, StreamId, ValueId};
-use crate::print_schedule::{copy_label, space_name, stream_kind_name, value_names};
+use crate::print::value_names;
+use crate::print_schedule::{copy_label, space_name, stream_kind_name};
 use crate::schedule::{
     BufferKind, CopyKind, Instr, Schedule, Space, StreamKind, TensorRef, FORMAT_VERSION,
 };

@@ -2,7 +2,7 @@
 //! `.ptsched` file format and its every error, and the canonical printer.
 
 use protrain_ir::file::{self, FileProblem, MAGIC};
-use protrain_ir::print_schedule::value_names;
+use protrain_ir::print::value_names;
 use protrain_ir::verify_schedule::{verify_schedule, Invariant};
 use protrain_ir::{
     BlockKind, Buffer, BufferId, BufferKind, Chunk, ChunkId, ChunkMember, ChunkSizeTrial,
