@@ -11,6 +11,9 @@ pub enum CompileError {
     /// A compiled schedule broke an invariant (a compiler bug).
     #[error(transparent)]
     Schedule(#[from] protrain_ir::verify_schedule::ScheduleError),
+    /// Placement changed what the graph computes (a compiler bug).
+    #[error("translation validation failed: {0}")]
+    Validation(String),
     /// The forward graph has nothing to differentiate.
     #[error("the forward graph has no loss output; build it with a cross_entropy head")]
     NoLoss,

@@ -12,6 +12,7 @@ pub mod plan;
 pub mod search;
 pub mod simulate;
 pub mod streams;
+pub mod validate;
 
 pub use autodiff::OptimizerConfig;
 pub use error::{CompileError, Result};

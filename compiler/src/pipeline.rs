@@ -1,7 +1,8 @@
 //! The passes, in the order they run, each followed by the verifier.
 //!
 //! forward graph -> autodiff -> training graph -> chunk -> place(policy) -> streams -> plan ->
-//! emit -> Schedule. `search` runs `place..emit` for many policies.
+//! emit -> Schedule. `search` runs `place..emit` for many policies. `validate` (translation
+//! validation of placement) runs after `place` in tests and debug builds.
 
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
@@ -29,7 +30,8 @@ pub fn chunked(training: &Graph) -> ChunkTable {
 }
 
 /// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
-/// is verified after placement, and the schedule after emission in tests and debug builds
+/// is verified after placement and, in tests and debug builds, validated against the training
+/// graph with an e-graph, and the schedule verified after emission
 /// (callers that publish a schedule verify it themselves); its step time is left for the
 /// simulator.
 pub fn compile_policy(
@@ -40,6 +42,15 @@ pub fn compile_policy(
 ) -> Result<Schedule> {
     let placed = place(training, chunks, policy)?;
     verify_graph(&placed.graph)?;
+    if cfg!(debug_assertions) {
+        let v = crate::validate::validate(training, &placed.graph);
+        if !v.holds() {
+            return Err(crate::error::CompileError::Validation(format!(
+                "placement under {policy} changed {}",
+                v.differing.join(", ")
+            )));
+        }
+    }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
     let schedule = emit(streamed, &planned, header);
