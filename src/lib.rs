@@ -12,6 +12,38 @@
 //! assert!(training.to_text().contains("adamw"));
 //! # Ok::<(), protrain::Error>(())
 //! ```
+//!
+//! # Snapshot-testing schedules
+//!
+//! [`compile`] returns the schedule with its canonical text form, [`ir::Schedule::to_text`]:
+//! ids renumbered, no compile time, no paths. A downstream crate can pin the schedules it
+//! depends on with [insta](https://insta.rs) in its tests, and review any change the compiler
+//! makes to them with `cargo insta review`. Compile for a named GPU preset rather than `host`
+//! (which describes the machine the test runs on) and with a fixed policy (the search's report
+//! lists the candidates it compiled, which depends on the thread count):
+//!
+//! ```
+//! use protrain::ir::{DType, HardwareProfile};
+//! use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+//!
+//! let config = protrain::models::load("gpt2-tiny")?;
+//! let options = CompileOptions {
+//!     batch: 2,
+//!     seq: 16,
+//!     dtype: DType::F32,
+//!     hardware: HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset"),
+//!     device_budget: None,
+//!     // Every chunk streamed from the host through 2 buffers, both layers recomputed.
+//!     policy: PolicyChoice::parse("n_persist=0,n_buffer=2,n_checkpoint=2")?,
+//!     optimizer: OptimizerConfig::default(),
+//! };
+//! let text = protrain::compile(&config, &options)?.schedule.to_text();
+//! // In a test of your own crate (with insta as a dev-dependency):
+//! //     insta::assert_snapshot!(text);
+//! assert!(text.contains("; policy: n_persist=0 n_buffer=2 prefetch=1 blocks=CC"));
+//! assert!(text.contains("copy fetch chunk0 host[+0x0] -> device["));
+//! # Ok::<(), protrain::Error>(())
+//! ```
 
 pub use protrain_compiler as compiler;
 pub use protrain_ir as ir;

@@ -33,8 +33,12 @@ enum Command {
     Info(commands::info::Args),
     /// Print a model's IR at a compilation stage.
     Dump(commands::dump::Args),
-    /// Train a model on a token file or the built-in synthetic corpus.
+    /// Train a model on a token file or the built-in synthetic corpus: compile it for this
+    /// machine (or --hardware and --gpu-memory), then run the schedule.
     Train(commands::train::Args),
+    /// Run a compiled schedule for a number of steps, and compare its step time with the
+    /// prediction.
+    Run(commands::run::Args),
     /// Compile the fastest schedule that fits a machine and write it as a .ptsched file.
     Compile(commands::compile::Args),
     /// Check a schedule file: its format, checksum and every invariant of the verifier.
@@ -43,6 +47,8 @@ enum Command {
     Explain(commands::schedule::ExplainArgs),
     /// Write a schedule's predicted timeline as a Chrome trace.
     Trace(commands::schedule::TraceArgs),
+    /// Measure this machine (op times, copy bandwidths, Adam rate) as a hardware profile JSON.
+    Profile(commands::profile::Args),
 }
 
 fn main() -> ExitCode {
@@ -52,10 +58,12 @@ fn main() -> ExitCode {
         Command::Info(args) => commands::info::run(args),
         Command::Dump(args) => commands::dump::run(args),
         Command::Train(args) => commands::train::run(args),
+        Command::Run(args) => commands::run::run(args),
         Command::Compile(args) => commands::compile::run(args),
         Command::Verify(args) => commands::schedule::verify(args),
         Command::Explain(args) => commands::schedule::explain(args),
         Command::Trace(args) => commands::schedule::trace(args),
+        Command::Profile(args) => commands::profile::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

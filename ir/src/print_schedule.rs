@@ -1,5 +1,8 @@
-//! The canonical text form of a [`Schedule`]: header, chunk table, buffer table, streams.
+//! The canonical text form of a [`Schedule`]: header, chunk table, buffer table, streams; and
+//! of a [`ChunkTable`] on its own.
 
+use crate::chunks::{ChunkMember, ChunkTable};
+use crate::graph::Graph;
 use crate::ids::{BufferId, OpId, ValueId};
 use crate::schedule::{
     Buffer, BufferKind, CopyKind, Instr, Schedule, Space, StreamKind, TensorRef,
@@ -78,7 +81,7 @@ pub fn print_schedule(s: &Schedule) -> String {
     let names = crate::print::value_names(&s.graph);
     let mut out = String::new();
     header(s, &mut out);
-    chunk_table(s, &mut out);
+    chunk_table(&s.chunks, &s.graph, &mut out);
     buffer_table(s, &mut out);
     homes(s, &names, &mut out);
     for (i, stream) in s.streams.iter().enumerate() {
@@ -185,8 +188,63 @@ fn format_seconds(secs: f64) -> String {
     }
 }
 
-fn chunk_table(s: &Schedule, out: &mut String) {
-    let t = &s.chunks;
+/// Prints a chunk table: the chunk size, each chunk's used bytes and parameters (each with
+/// its offset and size), and the chunk sizes the search tried, best first. `graph` names the
+/// parameters; a parameter it does not have prints as `<undefined param3>`.
+///
+/// The schedule printer shows the same table in short form (first and last parameter of
+/// each chunk); `protrain dump --stage chunked` prints this one.
+pub fn print_chunk_table(chunks: &ChunkTable, graph: &Graph) -> String {
+    let mut out = String::new();
+    chunk_table(chunks, graph, &mut out);
+    let _ = writeln!(out, "\nchunk members:");
+    for (id, c) in chunks.iter() {
+        let _ = writeln!(
+            out,
+            "  {id}: {} params, {} of {}",
+            c.members.len(),
+            format_bytes(c.used_bytes),
+            format_bytes(chunks.chunk_bytes)
+        );
+        for m in &c.members {
+            let _ = writeln!(
+                out,
+                "    {:>12} {:>10}  {}",
+                format!("{:#x}", m.offset),
+                format_bytes(m.bytes),
+                param_name(graph, m)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nchunk sizes tried: {} (best first)",
+        chunks.trials.len()
+    );
+    for t in &chunks.trials {
+        let _ = writeln!(
+            out,
+            "  {:>10}  {:>5} chunks  waste {}",
+            format_bytes(t.chunk_bytes),
+            t.chunks,
+            format_bytes(t.waste_bytes)
+        );
+    }
+    out
+}
+
+/// `@h.0.attn.c_attn.weight`, or `<undefined param3>` for a parameter the graph lacks.
+fn param_name(graph: &Graph, m: &ChunkMember) -> String {
+    if m.param.index() < graph.params().len() {
+        format!("@{}", graph.param(m.param).name)
+    } else {
+        format!("<undefined {}>", m.param)
+    }
+}
+
+/// The chunk table in short form: a summary line, then one line per chunk with its used
+/// bytes, parameter count and first and last parameter.
+fn chunk_table(t: &ChunkTable, graph: &Graph, out: &mut String) {
     let used: u64 = t.chunks.iter().map(|c| c.used_bytes).sum();
     let _ = writeln!(
         out,
@@ -202,19 +260,16 @@ fn chunk_table(s: &Schedule, out: &mut String) {
         ),
         t.world_size
     );
-    let param_name = |m: &crate::chunks::ChunkMember| {
-        if m.param.index() < s.graph.params().len() {
-            format!("@{}", s.graph.param(m.param).name)
-        } else {
-            format!("<undefined {}>", m.param)
-        }
-    };
     for (id, c) in t.iter() {
         let params = match (c.members.first(), c.members.last()) {
             (Some(first), Some(last)) if c.members.len() > 1 => {
-                format!("{} .. {}", param_name(first), param_name(last))
+                format!(
+                    "{} .. {}",
+                    param_name(graph, first),
+                    param_name(graph, last)
+                )
             }
-            (Some(only), _) => param_name(only),
+            (Some(only), _) => param_name(graph, only),
             _ => "-".into(),
         };
         let _ = writeln!(

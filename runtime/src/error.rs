@@ -163,10 +163,42 @@ pub enum RuntimeError {
     /// the one to report.
     #[error("the step was abandoned because another stream failed")]
     StepAborted,
+    /// A directory to resume from that holds no checkpoint.
+    #[error(
+        "no checkpoint in {dir} (the files are named step-NNNNNNNN.safetensors); check the \
+         directory, or start the run afresh instead of resuming"
+    )]
+    NoCheckpoint {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A file that is not a readable protrain checkpoint.
+    #[error("checkpoint {path} {problem}")]
+    BadCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A checkpoint written for another model, batch shape or optimizer.
+    #[error(
+        "checkpoint {path} was written by another training run:\n  {differences}\nresume it \
+         with the model, batch, seq and optimizer settings it was written with, or start \
+         afresh with another checkpoint directory"
+    )]
+    CheckpointMismatch {
+        /// The file.
+        path: PathBuf,
+        /// What differs, one item per line.
+        differences: String,
+    },
     /// A schedule that fails the verifier: the executor runs tensors in place from several
     /// threads, which is sound only for a verified schedule.
     #[error("{0}; the executor runs only verified schedules: recompile it")]
     InvalidSchedule(#[from] protrain_ir::verify_schedule::ScheduleError),
+    /// The profiler could not measure what it was asked to.
+    #[error("cannot profile: {0}")]
+    Profile(String),
 }
 
 /// The runtime's result alias.

@@ -95,8 +95,8 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     inputs: Vec<InputHome>,
     /// Each parameter's home and length, in parameter order.
     params: Vec<(Address, usize)>,
-    /// Each optimizer-state value's home and size in bytes.
-    state: Vec<(Address, u64)>,
+    /// Each optimizer-state value (Adam m and v), its home and its length, in graph order.
+    state: Vec<(ValueId, Address, usize)>,
     loss: Address,
     step: u64,
     timing: StepTiming,
@@ -173,7 +173,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         let state = graph
             .values()
             .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
-            .map(|(id, v)| (home(id), v.ty.bytes()))
+            .map(|(id, v)| (id, home(id), v.ty.numel() as usize))
             .collect();
         let loss = address(schedule, schedule.loss);
         Ok(Self {
@@ -229,11 +229,78 @@ impl<'s, B: Backend> Executor<'s, B> {
         for (&(at, _), data) in self.params.iter().zip(values) {
             self.backend.write_f32(at, data)?;
         }
-        for &(at, bytes) in &self.state {
-            self.backend.fill_zero(at, bytes)?;
+        for &(_, at, len) in &self.state {
+            self.backend
+                .fill_zero(at, (len * std::mem::size_of::<f32>()) as u64)?;
         }
         self.step = 0;
         Ok(())
+    }
+
+    /// Every optimizer-state value (Adam's m and v, f32) by its value name (`adam.m.NAME`,
+    /// `adam.v.NAME`), in graph order, read from their homes. With [`Executor::params`] and
+    /// [`Executor::steps_taken`] this is the whole training state.
+    pub fn state(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let graph = &self.schedule.graph;
+        self.state
+            .iter()
+            .map(|&(id, at, len)| {
+                let mut out = vec![0.0; len];
+                self.backend.read_f32(at, &mut out)?;
+                Ok((graph.value(id).name.clone(), out))
+            })
+            .collect()
+    }
+
+    /// Sets every optimizer-state value from `(name, values)` pairs, as [`Executor::state`]
+    /// returns them (in any order). Fails, writing nothing, unless every state value is given
+    /// exactly once with its length and no other name is. Does not touch the step count (see
+    /// [`Executor::set_step`]).
+    pub fn load_state(&mut self, values: &[(String, Vec<f32>)]) -> Result<()> {
+        let graph = &self.schedule.graph;
+        let mut given: HashMap<&str, &[f32]> = HashMap::with_capacity(values.len());
+        for (name, data) in values {
+            if given.insert(name.as_str(), data).is_some() {
+                return Err(RuntimeError::Shape(format!(
+                    "optimizer state `{name}` is given twice; give each state value once"
+                )));
+            }
+        }
+        let mut ordered = Vec::with_capacity(self.state.len());
+        for &(id, at, len) in &self.state {
+            let value = graph.value(id);
+            let Some(data) = given.remove(value.name.as_str()) else {
+                return Err(RuntimeError::Shape(format!(
+                    "no values for optimizer state `{}`; give every state value the schedule has",
+                    value.name
+                )));
+            };
+            if data.len() != len {
+                return Err(RuntimeError::TensorSizeMismatch {
+                    name: value.name.clone(),
+                    shape: value.ty.shape.iter().map(|&d| d as usize).collect(),
+                    expected: len,
+                    got: data.len(),
+                });
+            }
+            ordered.push((at, data));
+        }
+        if let Some(name) = given.keys().min() {
+            return Err(RuntimeError::Shape(format!(
+                "the schedule has no optimizer state `{name}`; the state is from another model"
+            )));
+        }
+        for (at, data) in ordered {
+            self.backend.write_f32(at, data)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the number of steps taken, so the next step is AdamW's step `steps + 1` (its bias
+    /// correction); for resuming from a checkpoint after [`Executor::load_params`] and
+    /// [`Executor::load_state`].
+    pub fn set_step(&mut self, steps: u64) {
+        self.step = steps;
     }
 
     /// Every parameter's current values, in parameter order, read from their homes.

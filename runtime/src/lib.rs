@@ -4,6 +4,7 @@
 //! The runtime never depends on the compiler: a schedule file is all it needs.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod data;
 pub mod dispatch;
 pub mod error;
@@ -12,6 +13,7 @@ pub mod host;
 pub mod interpreter;
 pub mod kernels;
 pub mod params;
+pub mod profiler;
 pub mod synthetic;
 pub mod weights;
 

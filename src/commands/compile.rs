@@ -1,10 +1,10 @@
 //! `protrain compile`: the fastest schedule that fits a machine.
 
-use super::seq_or_default;
+use super::{seq_or_default, OptimizerArgs};
 use protrain::ir::{
     format_bytes, format_count, parse_size, BlockMode, DType, HardwareProfile, Schedule,
 };
-use protrain::{CompileOptions, Compiled, OptimizerConfig, PolicyChoice, Result};
+use protrain::{CompileOptions, Compiled, PolicyChoice, Result};
 use std::path::PathBuf;
 
 /// Element types a schedule can be compiled for.
@@ -53,6 +53,8 @@ pub struct Args {
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    optimizer: OptimizerArgs,
 }
 
 /// Loads the hardware profile and applies the memory overrides.
@@ -88,7 +90,7 @@ pub fn run(args: Args) -> Result<()> {
         hardware: profile.clone(),
         device_budget: budget,
         policy: PolicyChoice::parse(&args.policy)?,
-        optimizer: OptimizerConfig::default(),
+        optimizer: args.optimizer.config(),
     };
     let compiled = protrain::compile(&config, &options)?;
     let path = args

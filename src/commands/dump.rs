@@ -1,16 +1,53 @@
-//! `protrain dump`: a model's IR at a compilation stage.
+//! `protrain dump`: a model's IR, or a schedule's, at a compilation stage.
 
+use super::compile::{hardware, Dtype};
 use super::{seq_or_default, write_output};
-use protrain::{OptimizerConfig, Result};
-use std::path::PathBuf;
+use protrain::ir::print::value_names;
+use protrain::ir::print_schedule::print_chunk_table;
+use protrain::ir::{format_bytes, CopyKind, DType, Graph, Instr, Schedule, ValueId};
+use protrain::models::{BuildOptions, ModelConfig};
+use protrain::{CompileOptions, Error, OptimizerConfig, PolicyChoice, Result};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 
-/// The stages that can be dumped.
+/// The stages that can be dumped, in pipeline order.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
     /// The forward graph the model builder lowers to.
     Forward,
     /// The training graph: forward, backward (autodiff) and the AdamW optimizer.
     Autodiff,
+    /// The training graph, then its chunk table: the chunk size, the sizes tried, and each
+    /// chunk's parameters and used bytes.
+    Chunked,
+    /// The placed graph (the training graph with recomputation cloned into the backward pass
+    /// and the optimizer ops where the policy runs them), the policy, and the activations the
+    /// schedule swaps to the host.
+    Placed,
+    /// The streams and their events. The schedule printer writes each instruction with its
+    /// buffers and offsets, so this prints the full schedule, as `planned` does.
+    Scheduled,
+    /// The full schedule: header, chunk table, buffers with their offsets, streams.
+    Planned,
+}
+
+impl Stage {
+    /// The name `--stage` takes.
+    fn name(self) -> &'static str {
+        match self {
+            Stage::Forward => "forward",
+            Stage::Autodiff => "autodiff",
+            Stage::Chunked => "chunked",
+            Stage::Placed => "placed",
+            Stage::Scheduled => "scheduled",
+            Stage::Planned => "planned",
+        }
+    }
+
+    /// Whether a compiled schedule holds this stage (the placed graph and everything after).
+    fn in_schedule(self) -> bool {
+        matches!(self, Stage::Placed | Stage::Scheduled | Stage::Planned)
+    }
 }
 
 /// Output formats.
@@ -18,18 +55,23 @@ pub enum Stage {
 pub enum Format {
     /// The canonical text form (stable; good for diffs and snapshots).
     Text,
-    /// Graphviz DOT (`protrain dump MODEL --format dot | dot -Tsvg > graph.svg`).
+    /// Graphviz DOT of the stage's graph (`protrain dump MODEL --format dot | dot -Tsvg >
+    /// graph.svg`); not for `scheduled` and `planned`.
     Dot,
-    /// JSON that `protrain` and other tools can read back.
+    /// JSON: the graph for `forward` and `autodiff`; `{graph, chunks}` for `chunked`;
+    /// `{policy, swapped, graph}` for `placed`; the whole schedule for `scheduled` and
+    /// `planned`.
     Json,
 }
 
 /// Arguments of `protrain dump`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A preset name, a path to a Hugging Face config.json, or a directory holding one.
+    /// A preset name, a path to a Hugging Face config.json, or a directory holding one; or,
+    /// for the stages `placed`, `scheduled` and `planned`, a compiled .ptsched schedule.
     model: String,
-    /// The compilation stage to print.
+    /// The compilation stage to print: forward, autodiff and chunked build the model's graphs;
+    /// placed, scheduled and planned compile it (or read the schedule file given).
     #[arg(long, value_enum, default_value_t = Stage::Forward)]
     stage: Stage,
     /// Output format.
@@ -44,21 +86,198 @@ pub struct Args {
     /// Tokens per sequence [default: 1024, or the model's position limit if smaller].
     #[arg(long)]
     seq: Option<u64>,
+    /// Element type of parameters and activations.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    dtype: Dtype,
+    /// The machine to compile for (placed, scheduled, planned): a preset (rtx3090, rtx4090,
+    /// a100-40gb, a100-80gb, h100, h200, host) or a profile JSON written by `protrain profile`.
+    #[arg(long, default_value = "host")]
+    hardware: String,
+    /// Device memory the schedule may use, e.g. 24GiB, 512MiB or plain bytes [default: the
+    /// hardware's memory less its reserved bytes].
+    #[arg(long, value_name = "SIZE")]
+    gpu_memory: Option<String>,
+    /// Host memory the schedule may use [default: the hardware profile's].
+    #[arg(long, value_name = "SIZE")]
+    host_memory: Option<String>,
+    /// `auto` searches for the fastest policy that fits; or give one as key=value pairs, as
+    /// `protrain compile --policy` takes them.
+    #[arg(long, default_value = "auto")]
+    policy: String,
 }
 
-/// Builds the model's graph at the requested stage and prints it.
+/// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
+/// and prints it.
 pub fn run(args: Args) -> Result<()> {
+    let text = if is_schedule_file(Path::new(&args.model)) {
+        if !args.stage.in_schedule() {
+            return Err(Error::Usage(format!(
+                "{} is a compiled schedule, which holds the stages placed, scheduled and planned, not {}; dump a model (preset or config.json) for the stages forward, autodiff and chunked",
+                args.model,
+                args.stage.name()
+            )));
+        }
+        let schedule = protrain::ir::file::read(&args.model)?;
+        schedule_stage(&schedule, args.stage, args.format)?
+    } else {
+        model_stage(&args)?
+    };
+    write_output(args.output.as_deref(), &text)
+}
+
+/// Whether `path` names a schedule: a `.ptsched` file, or any file that starts with the
+/// schedule magic.
+fn is_schedule_file(path: &Path) -> bool {
+    use std::io::Read as _;
+    if path
+        .extension()
+        .is_some_and(|e| e == protrain::ir::file::EXTENSION)
+    {
+        return true;
+    }
+    if !path.is_file() {
+        return false;
+    }
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok_and(|()| &magic == protrain::ir::file::MAGIC)
+}
+
+/// A stage of a model: its graphs, or a schedule compiled for it.
+fn model_stage(args: &Args) -> Result<String> {
     let config = protrain::models::load(&args.model)?;
     let seq = seq_or_default(&config, args.seq, 1024);
-    let forward = protrain::forward_graph(&config, args.batch, seq)?;
-    let graph = match args.stage {
-        Stage::Forward => forward,
-        Stage::Autodiff => protrain::training_graph(&forward, &OptimizerConfig::default())?,
+    let dtype = match args.dtype {
+        Dtype::Bf16 => DType::BF16,
+        Dtype::F32 => DType::F32,
     };
-    let text = match args.format {
+    if args.stage.in_schedule() {
+        let schedule = compile(args, &config, seq, dtype)?;
+        return schedule_stage(&schedule, args.stage, args.format);
+    }
+    let build = BuildOptions::new(args.batch, seq).with_dtype(dtype);
+    let forward = protrain::models::build_forward(&config, &build)?;
+    if args.stage == Stage::Forward {
+        return Ok(graph_text(&forward, args.format));
+    }
+    let training = protrain::training_graph(&forward, &OptimizerConfig::default())?;
+    if args.stage == Stage::Autodiff {
+        return Ok(graph_text(&training, args.format));
+    }
+    let chunks = protrain::compiler::pipeline::chunked(&training);
+    Ok(match args.format {
+        Format::Text => format!(
+            "{}{}",
+            training.to_text(),
+            print_chunk_table(&chunks, &training)
+        ),
+        Format::Dot => training.to_dot(),
+        Format::Json => pretty(&serde_json::json!({ "graph": training, "chunks": chunks })),
+    })
+}
+
+/// Compiles the model as `protrain compile` would, with this command's options.
+fn compile(args: &Args, config: &ModelConfig, seq: u64, dtype: DType) -> Result<Schedule> {
+    let (profile, device_budget) = hardware(
+        &args.hardware,
+        args.gpu_memory.as_deref(),
+        args.host_memory.as_deref(),
+    )?;
+    let options = CompileOptions {
+        batch: args.batch,
+        seq,
+        dtype,
+        hardware: profile,
+        device_budget,
+        policy: PolicyChoice::parse(&args.policy)?,
+        optimizer: OptimizerConfig::default(),
+    };
+    Ok(protrain::compile(config, &options)?.schedule)
+}
+
+/// A stage held in a schedule: its placed graph, or the schedule itself.
+fn schedule_stage(schedule: &Schedule, stage: Stage, format: Format) -> Result<String> {
+    if stage == Stage::Placed {
+        return Ok(placed(schedule, format));
+    }
+    match format {
+        Format::Text => Ok(schedule.to_text()),
+        Format::Json => Ok(pretty(schedule)),
+        Format::Dot => Err(Error::Usage(format!(
+            "the {} stage is a schedule, which has no DOT form; use --format text or json, or --stage placed --format dot for its graph",
+            stage.name()
+        ))),
+    }
+}
+
+/// The placed graph, the policy that placed it, and the activations it swaps to the host
+/// (those the schedule offloads), in order of their offload.
+fn placed(schedule: &Schedule, format: Format) -> String {
+    let graph = &schedule.graph;
+    let swapped: Vec<ValueId> = schedule
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter_map(|instr| match instr {
+            Instr::Copy {
+                what: CopyKind::OffloadActivation { value },
+                ..
+            } => Some(*value),
+            _ => None,
+        })
+        .collect();
+    let names = value_names(graph);
+    let policy = &schedule.header.policy;
+    match format {
+        Format::Dot => graph.to_dot(),
+        Format::Json => pretty(&serde_json::json!({
+            "policy": policy,
+            "swapped": swapped
+                .iter()
+                .map(|v| serde_json::json!({
+                    "value": v,
+                    "name": names.get(v.index()),
+                    "bytes": graph.value(*v).ty.bytes(),
+                }))
+                .collect::<Vec<_>>(),
+            "graph": graph,
+        })),
+        Format::Text => {
+            let mut out = String::new();
+            let _ = writeln!(out, "; policy: {policy}");
+            let total: u64 = swapped.iter().map(|&v| graph.value(v).ty.bytes()).sum();
+            let _ = writeln!(
+                out,
+                "; swapped activations: {}, {}",
+                swapped.len(),
+                format_bytes(total)
+            );
+            for &v in &swapped {
+                let value = graph.value(v);
+                let _ = writeln!(
+                    out,
+                    ";   {} ({}) {} {}",
+                    names[v.index()],
+                    value.name,
+                    value.ty,
+                    format_bytes(value.ty.bytes())
+                );
+            }
+            out.push_str(&graph.to_text());
+            out
+        }
+    }
+}
+
+fn graph_text(graph: &Graph, format: Format) -> String {
+    match format {
         Format::Text => graph.to_text(),
         Format::Dot => graph.to_dot(),
         Format::Json => graph.to_json(),
-    };
-    write_output(args.output.as_deref(), &text)
+    }
+}
+
+fn pretty(value: &impl serde::Serialize) -> String {
+    serde_json::to_string_pretty(value).expect("graphs, chunk tables and schedules serialise")
 }

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Tokens per second of one training step: protrain's host backend against PyTorch CPU eager.
+
+Both train the same GPT-2 (4 layers, hidden 256, 4 heads, vocabulary 8192, 256 positions,
+no dropout, f32) on the same batch shape with the same number of threads, in the same run:
+
+- PyTorch: transformers' GPT2LMHeadModel with eager attention; a step is forward, mean
+  cross-entropy over all B*T positions, backward, and an AdamW step (zero_grad(set_to_none)).
+- protrain: `cargo run --release -- train <dir> --log-json` on a config.json with the same
+  fields, with RAYON_NUM_THREADS set to the thread count; tokens/s is read from the JSON lines.
+
+Each side takes --warmup untimed steps, then --steps timed ones; tokens/s is the timed tokens
+over the timed seconds. With --rounds R the two alternate R times (protrain first), so a noisy
+shared machine disturbs both alike; every round's ratio and the median are printed.
+
+Usage (from anywhere in the repository):
+    python3 benches/compare_pytorch.py [--threads N] [--steps 10] [--warmup 3] [--rounds 1]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The model, as Hugging Face writes it; `benches/host_step.rs` builds the same one.
+CONFIG = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 8192,
+    "n_positions": 256,
+    "n_embd": 256,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-05,
+    "tie_word_embeddings": True,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="threads for both: torch.set_num_threads and RAYON_NUM_THREADS "
+        "(default: every core, %(default)s here)",
+    )
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="alternate protrain and PyTorch this many times"
+    )
+    p.add_argument(
+        "--only",
+        choices=["protrain", "pytorch"],
+        help="time one side only (no ratio)",
+    )
+    return p.parse_args()
+
+
+def time_pytorch(args):
+    """Tokens/s of PyTorch CPU eager over the timed steps."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    fields = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    config = GPT2Config(**fields)
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = CONFIG["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, vocab, (args.batch * args.seq + 1,), generator=g)
+    inputs = stream[:-1].view(args.batch, args.seq)
+    targets = stream[1:].view(args.batch, args.seq)
+
+    def step():
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.view(-1, vocab), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = time.perf_counter() - started
+    return args.batch * args.seq * args.steps / seconds
+
+
+def build_protrain():
+    """Builds the release binary first, so compiling is not timed."""
+    subprocess.run(
+        ["cargo", "build", "--release", "--quiet", "--bin", "protrain"], cwd=REPO, check=True
+    )
+    return REPO / "target" / "release" / "protrain"
+
+
+def time_protrain(args, binary, config_dir):
+    """Tokens/s of `protrain train` over the timed steps (total tokens / total step time)."""
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    out = subprocess.run(
+        [
+            str(binary),
+            "train",
+            str(config_dir),
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.warmup + args.steps),
+            "--log-json",
+        ],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    rates = [json.loads(line)["tokens_per_s"] for line in out.splitlines() if line.startswith("{")]
+    if len(rates) != args.warmup + args.steps:
+        sys.exit(f"protrain printed {len(rates)} steps, expected {args.warmup + args.steps}:\n{out}")
+    timed = rates[args.warmup :]
+    tokens = args.batch * args.seq
+    # Each line's rate is tokens / that step's seconds; sum the seconds back up.
+    return tokens * len(timed) / sum(tokens / r for r in timed)
+
+
+def main():
+    args = parse_args()
+    print(
+        f"GPT-2 4x256 (4 heads, vocab 8192), batch {args.batch} x seq {args.seq}, f32, "
+        f"{args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps, "
+        f"{args.rounds} round(s)"
+    )
+    binary = None if args.only == "pytorch" else build_protrain()
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        for r in range(args.rounds):
+            ours = time_protrain(args, binary, tmp) if binary else None
+            theirs = time_pytorch(args) if args.only != "protrain" else None
+            line = [f"round {r + 1}:"]
+            if ours is not None:
+                line.append(f"protrain {ours:8.0f} tokens/s")
+            if theirs is not None:
+                line.append(f"pytorch {theirs:8.0f} tokens/s")
+            if ours is not None and theirs is not None:
+                ratios.append(ours / theirs)
+                line.append(f"protrain/pytorch {ours / theirs:.2f}x")
+            print("  ".join(line), flush=True)
+    if len(ratios) > 1:
+        print(f"median protrain/pytorch {statistics.median(ratios):.2f}x over {len(ratios)} rounds")
+
+
+if __name__ == "__main__":
+    main()

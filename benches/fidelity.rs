@@ -1,0 +1,239 @@
+//! Cost-model fidelity on the host: predicted versus measured step time of an offloading,
+//! checkpointing schedule.
+//!
+//! Profiles the host for a GPT-2-shaped model (4 layers, hidden 256, vocab 8192, batch 4 x
+//! seq 256, f32), compiles it under a device budget of 45% of its fully resident arena (so
+//! the search must stream chunks and recompute blocks), runs it with the executor and prints
+//! predicted and measured step time and busy time per stream, with the error. Target: the
+//! step time within 10%.
+//!
+//! `cargo bench --bench fidelity`. Environment: `FIDELITY_LAYERS`, `FIDELITY_HIDDEN`,
+//! `FIDELITY_BATCH`, `FIDELITY_SEQ`, `FIDELITY_STEPS`, `FIDELITY_BUDGET` (fraction of the
+//! resident arena) override the defaults.
+
+use protrain::compiler::cost::{cost_model, CostModel};
+use protrain::compiler::simulate::instr_seconds;
+use protrain::ir::{format_bytes, BlockMode, DType, Instr, Schedule, StreamId};
+use protrain::models::{ConfigSource, ModelConfig};
+use protrain::runtime::params::init_params;
+use protrain::runtime::profiler::{profile_host, ProfileOptions};
+use protrain::runtime::Executor;
+use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use std::collections::BTreeMap;
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A GPT-2-shaped model: `layers` blocks of width `hidden` (64-wide heads), vocabulary 8192.
+fn model(layers: u64, hidden: u64) -> ModelConfig {
+    let json = serde_json::json!({
+        "model_type": "gpt2",
+        "vocab_size": 8192,
+        "n_positions": 1024,
+        "n_embd": hidden,
+        "n_layer": layers,
+        "n_head": hidden / 64,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": true,
+    });
+    let mut config = ModelConfig::from_json(&json.to_string(), ConfigSource::Text("bench".into()))
+        .expect("the bench model parses");
+    config.name = format!("gpt2-{layers}x{hidden}");
+    config
+}
+
+/// Median of some values.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Measured median step seconds and per-stream busy seconds over `steps` steps after one
+/// warm-up step, and the median over those steps of the seconds per (stream, op mnemonic or
+/// copy).
+fn run(
+    schedule: &Schedule,
+    vocab: usize,
+    steps: usize,
+) -> (f64, Vec<f64>, BTreeMap<(usize, String), f64>) {
+    let mut executor = Executor::new(schedule).expect("the schedule runs on the host");
+    executor
+        .load_params(&init_params(&schedule.graph, 1))
+        .expect("parameters load");
+    let n = (schedule.header.batch * schedule.header.seq) as usize;
+    let tokens: Vec<i32> = (0..n + 1)
+        .map(|i| ((i * 7919 + 13) % vocab) as i32)
+        .collect();
+    let (x, y) = (&tokens[..n], &tokens[1..]);
+    let mut walls = Vec::new();
+    let mut busy: Vec<Vec<f64>> = vec![Vec::new(); schedule.streams.len()];
+    let mut kinds: BTreeMap<(usize, String), Vec<f64>> = BTreeMap::new();
+    executor.set_tracing(true);
+    for step in 0..=steps {
+        executor.step(&[x, y]).expect("a step runs");
+        if step == 0 {
+            continue;
+        }
+        let mut this: BTreeMap<(usize, String), f64> = BTreeMap::new();
+        for span in executor.timeline() {
+            let s = span.stream.index();
+            let instr = &schedule.streams[s].instrs[span.index as usize];
+            *this.entry((s, what(schedule, instr))).or_insert(0.0) += span.end - span.start;
+        }
+        for (k, v) in this {
+            kinds.entry(k).or_default().push(v);
+        }
+        let t = executor.timing();
+        walls.push(t.wall_seconds);
+        for (b, &s) in busy.iter_mut().zip(&t.stream_busy_seconds) {
+            b.push(s);
+        }
+    }
+    let by_kind = kinds.into_iter().map(|(k, v)| (k, median(v))).collect();
+    (
+        median(walls),
+        busy.into_iter().map(median).collect(),
+        by_kind,
+    )
+}
+
+/// An instruction's op mnemonic, or `copy`.
+fn what(schedule: &Schedule, instr: &Instr) -> String {
+    match instr {
+        Instr::Kernel { op, .. } => {
+            let op = schedule.graph.op(*op);
+            format!("{} ({})", op.kind.mnemonic(), op.phase)
+        }
+        _ => "copy".into(),
+    }
+}
+
+/// Predicted seconds per (stream, op mnemonic or copy).
+fn predicted_by_kind(schedule: &Schedule, cost: &dyn CostModel) -> BTreeMap<(usize, String), f64> {
+    let mut out = BTreeMap::new();
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for instr in &stream.instrs {
+            if matches!(instr, Instr::Kernel { .. } | Instr::Copy { .. }) {
+                let t = instr_seconds(schedule, StreamId::new(s), instr, cost);
+                *out.entry((s, what(schedule, instr))).or_insert(0.0) += t;
+            }
+        }
+    }
+    out
+}
+
+fn error_pct(predicted: f64, measured: f64) -> f64 {
+    (predicted - measured) / measured * 100.0
+}
+
+fn main() {
+    let layers = env("FIDELITY_LAYERS", 8u64);
+    let hidden = env("FIDELITY_HIDDEN", 256u64);
+    let batch = env("FIDELITY_BATCH", 4u64);
+    let seq = env("FIDELITY_SEQ", 256u64);
+    let steps = env("FIDELITY_STEPS", 5usize);
+    let fraction = env("FIDELITY_BUDGET", 0.45f64);
+    let config = model(layers, hidden);
+    let optimizer = OptimizerConfig::default();
+    let forward = protrain::forward_graph(&config, batch, seq).expect("the model builds");
+    let graph = protrain::training_graph(&forward, &optimizer).expect("autodiff");
+    let profiled = profile_host(&graph, &ProfileOptions::default()).expect("profiling");
+    let profile = profiled.profile;
+    println!(
+        "model {} ({} params), batch {batch} x seq {seq}, f32; profiled in {:.1} s: {} ops, \
+         {:.3} s serial compute, copies {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
+        config.name,
+        graph.param_count(),
+        profiled.elapsed_seconds,
+        profile.measured_ops.len(),
+        profiled.graph_seconds,
+        profile.h2d_bandwidth / 1e9,
+        profile.d2h_bandwidth / 1e9,
+        profile.cpu_adam_params_per_s / 1e6,
+    );
+
+    let options = |budget: Option<u64>, policy: PolicyChoice| CompileOptions {
+        batch,
+        seq,
+        dtype: DType::F32,
+        hardware: profile.clone(),
+        device_budget: budget,
+        policy,
+        optimizer: optimizer.clone(),
+    };
+    let resident = protrain::compile(&config, &options(None, PolicyChoice::Fixed(Vec::new())))
+        .expect("the resident schedule compiles");
+    let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
+    let compiled = protrain::compile(&config, &options(Some(budget), PolicyChoice::Auto))
+        .expect("a schedule fits the budget");
+    let schedule = &compiled.schedule;
+    let policy = &schedule.header.policy;
+    let chunks = schedule.chunks.len() as u32;
+    println!(
+        "budget {} ({:.0}% of the resident {}): policy {policy}, {} of {chunks} chunks \
+         persistent, {} checkpointed, {} swapped, arena {}",
+        format_bytes(budget),
+        fraction * 100.0,
+        format_bytes(resident.schedule.arena_bytes),
+        policy.n_persist,
+        policy.count(BlockMode::Checkpoint),
+        policy.count(BlockMode::Swap),
+        format_bytes(schedule.arena_bytes),
+    );
+    if policy.n_persist >= chunks || policy.count(BlockMode::Checkpoint) == 0 {
+        println!("warning: the policy does not both offload and checkpoint; lower FIDELITY_BUDGET");
+    }
+
+    let (measured, busy, measured_kinds) = run(schedule, config.vocab_size as usize, steps);
+    let predicted = compiled.simulation.step_seconds;
+    println!(
+        "step            predicted {predicted:.4} s, measured {measured:.4} s (median of \
+         {steps}), error {:+.1}%",
+        error_pct(predicted, measured)
+    );
+    for (i, stream) in schedule.streams.iter().enumerate() {
+        let p = compiled.simulation.stream_busy_seconds[i];
+        let m = busy[i];
+        let err = if m > 0.0 {
+            format!("{:+.1}%", error_pct(p, m))
+        } else {
+            "-".into()
+        };
+        println!(
+            "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
+            stream.name
+        );
+    }
+    let predicted_kinds = predicted_by_kind(schedule, cost_model(&profile).as_ref());
+    println!("by op (median step)        predicted   measured");
+    for (key, p) in &predicted_kinds {
+        let m = measured_kinds.get(key).copied().unwrap_or(0.0);
+        println!(
+            "  {:<14} {:<28} {p:>8.4} s {m:>8.4} s {:+6.1}%",
+            schedule.streams[key.0].name,
+            key.1,
+            error_pct(*p, m)
+        );
+    }
+    let (r_measured, _, _) = run(&resident.schedule, config.vocab_size as usize, steps);
+    println!(
+        "resident        predicted {:.4} s, measured {r_measured:.4} s, error {:+.1}%",
+        resident.simulation.step_seconds,
+        error_pct(resident.simulation.step_seconds, r_measured)
+    );
+    let verdict = error_pct(predicted, measured).abs() <= 10.0;
+    println!(
+        "fidelity        {} (target: within 10%)",
+        if verdict { "ok" } else { "MISSED" }
+    );
+}

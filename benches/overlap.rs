@@ -1,0 +1,155 @@
+//! Overlap on the host: step throughput of a model fully resident versus under a device
+//! budget of 40% of its resident arena, both compiled by the search (f32).
+//!
+//! Streaming chunks and recomputing blocks costs copies and compute; this measures how much
+//! of it the schedule hides. Prints tokens/s of both and the ratio. Target: >= 0.85x.
+//!
+//! `cargo bench --bench overlap`. Environment: `OVERLAP_LAYERS`, `OVERLAP_HIDDEN`,
+//! `OVERLAP_BATCH`, `OVERLAP_SEQ`, `OVERLAP_STEPS`, `OVERLAP_BUDGET` (fraction of the resident
+//! arena) override the defaults.
+
+use protrain::ir::{format_bytes, BlockMode, DType, Schedule};
+use protrain::models::{ConfigSource, ModelConfig};
+use protrain::runtime::params::init_params;
+use protrain::runtime::profiler::{profile_host, ProfileOptions};
+use protrain::runtime::Executor;
+use protrain::{CompileOptions, Compiled, OptimizerConfig, PolicyChoice};
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A GPT-2-shaped model: `layers` blocks of width `hidden` (64-wide heads), vocabulary 8192.
+fn model(layers: u64, hidden: u64) -> ModelConfig {
+    let json = serde_json::json!({
+        "model_type": "gpt2",
+        "vocab_size": 8192,
+        "n_positions": 1024,
+        "n_embd": hidden,
+        "n_layer": layers,
+        "n_head": hidden / 64,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": true,
+    });
+    let mut config = ModelConfig::from_json(&json.to_string(), ConfigSource::Text("bench".into()))
+        .expect("the bench model parses");
+    config.name = format!("gpt2-{layers}x{hidden}");
+    config
+}
+
+/// Median of some values.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Median step seconds over `steps` steps after one warm-up step.
+fn step_seconds(schedule: &Schedule, vocab: usize, steps: usize) -> f64 {
+    let mut executor = Executor::new(schedule).expect("the schedule runs on the host");
+    executor
+        .load_params(&init_params(&schedule.graph, 1))
+        .expect("parameters load");
+    let n = (schedule.header.batch * schedule.header.seq) as usize;
+    let tokens: Vec<i32> = (0..n + 1)
+        .map(|i| ((i * 7919 + 13) % vocab) as i32)
+        .collect();
+    let (x, y) = (&tokens[..n], &tokens[1..]);
+    let mut walls = Vec::new();
+    for step in 0..=steps {
+        executor.step(&[x, y]).expect("a step runs");
+        if step > 0 {
+            walls.push(executor.timing().wall_seconds);
+        }
+    }
+    median(walls)
+}
+
+fn describe(what: &str, c: &Compiled) {
+    let s = &c.schedule;
+    let p = &s.header.policy;
+    println!(
+        "{what:<10} policy {p} ({} of {} chunks persistent, {} checkpointed, {} swapped), \
+         arena {}, predicted {:.4} s",
+        p.n_persist,
+        s.chunks.len(),
+        p.count(BlockMode::Checkpoint),
+        p.count(BlockMode::Swap),
+        format_bytes(s.arena_bytes),
+        c.simulation.step_seconds
+    );
+}
+
+fn main() {
+    let layers = env("OVERLAP_LAYERS", 8u64);
+    let hidden = env("OVERLAP_HIDDEN", 256u64);
+    let batch = env("OVERLAP_BATCH", 4u64);
+    let seq = env("OVERLAP_SEQ", 256u64);
+    let steps = env("OVERLAP_STEPS", 5usize);
+    let fraction = env("OVERLAP_BUDGET", 0.40f64);
+    let config = model(layers, hidden);
+    let optimizer = OptimizerConfig::default();
+    let forward = protrain::forward_graph(&config, batch, seq).expect("the model builds");
+    let graph = protrain::training_graph(&forward, &optimizer).expect("autodiff");
+    let profile = profile_host(&graph, &ProfileOptions::default())
+        .expect("profiling")
+        .profile;
+    let compile = |budget: Option<u64>| {
+        protrain::compile(
+            &config,
+            &CompileOptions {
+                batch,
+                seq,
+                dtype: DType::F32,
+                hardware: profile.clone(),
+                device_budget: budget,
+                policy: PolicyChoice::Auto,
+                optimizer: optimizer.clone(),
+            },
+        )
+    };
+    let resident = protrain::compile(
+        &config,
+        &CompileOptions {
+            batch,
+            seq,
+            dtype: DType::F32,
+            hardware: profile.clone(),
+            device_budget: None,
+            policy: PolicyChoice::Fixed(Vec::new()),
+            optimizer: optimizer.clone(),
+        },
+    )
+    .expect("the resident schedule compiles");
+    let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
+    let offloaded = compile(Some(budget)).expect("a schedule fits the budget");
+    println!(
+        "model {} ({} params), batch {batch} x seq {seq}, f32; budget {} = {:.0}% of the \
+         resident arena",
+        config.name,
+        graph.param_count(),
+        format_bytes(budget),
+        fraction * 100.0
+    );
+    describe("resident", &resident);
+    describe("offloaded", &offloaded);
+    let vocab = config.vocab_size as usize;
+    let tokens = (batch * seq) as f64;
+    let full = tokens / step_seconds(&resident.schedule, vocab, steps);
+    let limited = tokens / step_seconds(&offloaded.schedule, vocab, steps);
+    let ratio = limited / full;
+    println!("resident   {full:.0} tokens/s");
+    println!("offloaded  {limited:.0} tokens/s");
+    println!(
+        "ratio      {ratio:.3}x ({}; target >= 0.85x)",
+        if ratio >= 0.85 { "ok" } else { "MISSED" }
+    );
+}

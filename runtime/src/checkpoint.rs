@@ -1,0 +1,501 @@
+//! Training checkpoints: parameters, Adam moments, step and data position in safetensors.
+//!
+//! A checkpoint is one file, `step-NNNNNNNN.safetensors`, in a checkpoint directory. It holds
+//! every parameter (f32, under its Hugging Face name) and every optimizer-state value (Adam's
+//! `adam.m.NAME` and `adam.v.NAME`, f32), and in its metadata the steps taken, the data
+//! position (the index of the next step, which fixes its batch: see
+//! [`crate::data::Batcher`]), the token stream's length and a [`Fingerprint`] of the training
+//! run. Files are written atomically by [`save_safetensors`] (a `.tmp` file, synced, then
+//! renamed), so a run killed while saving leaves a temporary file that [`list`] ignores, never
+//! a torn checkpoint.
+//!
+//! The fingerprint covers what the numbers mean (parameter and state names and shapes, batch,
+//! sequence length, optimizer hyper-parameters), not where the schedule keeps them: a
+//! checkpoint written under one policy resumes under any other, bit-identically, because every
+//! policy computes the same bits (the project's equivalence guarantee).
+
+use crate::backend::Backend;
+use crate::error::{Result, RuntimeError};
+use crate::executor::Executor;
+use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
+use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The metadata key that marks a protrain checkpoint; its value is the layout version.
+const FORMAT_KEY: &str = "protrain.checkpoint";
+
+/// The checkpoint layout this build writes and reads.
+const FORMAT_VERSION: &str = "1";
+
+/// The file name prefix of checkpoints; the step number (8 digits or more) and
+/// `.safetensors` follow.
+const PREFIX: &str = "step-";
+
+/// The file name suffix of checkpoints.
+const SUFFIX: &str = ".safetensors";
+
+/// The AdamW hyper-parameters a training graph was built with: fixed when it is compiled, read
+/// back from its `adamw` and `clip_coef` ops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerSettings {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the root of the second moment.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// The global gradient norm gradients are clipped to, when they are.
+    pub grad_clip: Option<f64>,
+}
+
+impl OptimizerSettings {
+    /// The settings of `graph`'s first `adamw` op (autodiff gives every parameter the same
+    /// ones) and its `clip_coef` op; `None` when the graph has no optimizer.
+    pub fn of(graph: &Graph) -> Option<Self> {
+        let mut settings = graph.ops().find_map(|(_, op)| match op.kind {
+            OpKind::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => Some(Self {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                grad_clip: None,
+            }),
+            _ => None,
+        })?;
+        settings.grad_clip = graph.ops().find_map(|(_, op)| match op.kind {
+            OpKind::ClipCoef { max_norm } => Some(max_norm),
+            _ => None,
+        });
+        Some(settings)
+    }
+}
+
+impl std::fmt::Display for OptimizerSettings {
+    /// `lr=0.003 beta1=0.9 beta2=0.95 eps=1e-8 weight_decay=0 grad_clip=none`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "lr={} beta1={} beta2={} eps={:e} weight_decay={} grad_clip=",
+            self.lr, self.beta1, self.beta2, self.eps, self.weight_decay
+        )?;
+        match self.grad_clip {
+            Some(norm) => write!(f, "{norm}"),
+            None => f.write_str("none"),
+        }
+    }
+}
+
+/// What identifies a training run for resuming: the parts a person reads, and a hash of the
+/// whole structure. Offsets, streams and the policy are deliberately left out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// The model's name (reported when checkpoints differ; not hashed, so a preset and its
+    /// config file match).
+    pub model: String,
+    /// Sequences per step.
+    pub batch: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// The optimizer settings, as [`OptimizerSettings`] prints them (`none` without an
+    /// optimizer).
+    pub optimizer: String,
+    /// FNV-1a (64-bit) of batch, sequence length, optimizer settings, and every parameter's and
+    /// optimizer-state value's name and shape in graph order, as 16 hex digits.
+    pub hash: String,
+}
+
+impl Fingerprint {
+    /// The fingerprint of a schedule's training run.
+    pub fn of(schedule: &Schedule) -> Self {
+        let graph = &schedule.graph;
+        let optimizer =
+            OptimizerSettings::of(graph).map_or_else(|| "none".to_string(), |s| s.to_string());
+        let mut text = format!(
+            "batch={} seq={}\noptimizer {optimizer}\n",
+            schedule.header.batch, schedule.header.seq
+        );
+        for (_, p) in graph.params() {
+            let _ = writeln!(text, "param {} {:?}", p.name, graph.value(p.value).ty.shape);
+        }
+        for id in state_values(graph) {
+            let v = graph.value(id);
+            let _ = writeln!(text, "state {} {:?}", v.name, v.ty.shape);
+        }
+        Self {
+            model: schedule.header.model.clone(),
+            batch: schedule.header.batch,
+            seq: schedule.header.seq,
+            optimizer,
+            hash: format!("{:016x}", fnv1a(text.as_bytes())),
+        }
+    }
+}
+
+/// FNV-1a, 64-bit: stable across builds and platforms, unlike `std`'s `DefaultHasher`.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The optimizer-state values that persist across steps, in graph order (as
+/// [`Executor::state`] lists them).
+fn state_values(graph: &Graph) -> impl Iterator<Item = ValueId> + '_ {
+    graph
+        .values()
+        .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
+        .map(|(id, _)| id)
+}
+
+/// Where a training run stands: what a checkpoint records besides the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Optimizer steps taken (AdamW's step count).
+    pub step: u64,
+    /// The index of the next step to run, which fixes its batch.
+    pub data_step: u64,
+    /// Tokens in the token stream, so that a resumed run can tell when its data differs.
+    pub data_tokens: u64,
+}
+
+/// The file name of the checkpoint after `step` steps: `step-00000040.safetensors`.
+pub fn file_name(step: u64) -> String {
+    format!("{PREFIX}{step:08}{SUFFIX}")
+}
+
+/// The step a checkpoint file name stands for; `None` for any other name (temporary files
+/// included).
+fn step_of(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(PREFIX)?.strip_suffix(SUFFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Writes the executor's training state to `dir` (created if need be) as
+/// [`file_name`]`(progress.step)`, atomically, and returns its path.
+pub fn save<B: Backend>(
+    dir: &Path,
+    executor: &Executor<'_, B>,
+    progress: &Progress,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|source| RuntimeError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let schedule = executor.schedule();
+    let graph = &schedule.graph;
+    let params = executor.params()?;
+    let state = executor.state()?;
+    let shape = |id: ValueId| -> Vec<usize> {
+        graph
+            .value(id)
+            .ty
+            .shape
+            .iter()
+            .map(|&d| d as usize)
+            .collect()
+    };
+    let param_shapes: Vec<Vec<usize>> = graph.params().map(|(_, p)| shape(p.value)).collect();
+    let state_shapes: Vec<Vec<usize>> = state_values(graph).map(shape).collect();
+    let mut tensors: Vec<(&str, &[usize], &[f32])> = Vec::with_capacity(params.len() + state.len());
+    for (((_, p), s), data) in graph.params().zip(&param_shapes).zip(&params) {
+        tensors.push((p.name.as_str(), s, data));
+    }
+    for ((name, data), s) in state.iter().zip(&state_shapes) {
+        tensors.push((name.as_str(), s, data));
+    }
+    let fingerprint = Fingerprint::of(schedule);
+    let (step, data_step, data_tokens) = (
+        progress.step.to_string(),
+        progress.data_step.to_string(),
+        progress.data_tokens.to_string(),
+    );
+    let (batch, seq) = (fingerprint.batch.to_string(), fingerprint.seq.to_string());
+    let metadata = [
+        (FORMAT_KEY, FORMAT_VERSION),
+        ("step", step.as_str()),
+        ("data_step", data_step.as_str()),
+        ("data_tokens", data_tokens.as_str()),
+        ("fingerprint", fingerprint.hash.as_str()),
+        ("model", fingerprint.model.as_str()),
+        ("batch", batch.as_str()),
+        ("seq", seq.as_str()),
+        ("optimizer", fingerprint.optimizer.as_str()),
+    ];
+    let path = dir.join(file_name(progress.step));
+    save_safetensors(&path, &tensors, StorageDtype::F32, &metadata)?;
+    Ok(path)
+}
+
+/// Every complete checkpoint in `dir` as `(step, path)`, oldest first. Temporary files left by
+/// an interrupted save, and every other file, are ignored; a missing directory holds none.
+pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let io = |source| RuntimeError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(e)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io)?;
+        let step = entry.file_name().to_str().and_then(step_of);
+        if let Some(step) = step {
+            if entry.file_type().map_err(io)?.is_file() {
+                found.push((step, entry.path()));
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// The newest checkpoint in `dir`; an error naming the directory when it holds none.
+pub fn latest(dir: &Path) -> Result<PathBuf> {
+    list(dir)?
+        .pop()
+        .map(|(_, path)| path)
+        .ok_or_else(|| RuntimeError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+        })
+}
+
+/// Deletes all but the newest `keep` checkpoints in `dir` (none when `keep` is 0).
+pub fn prune(dir: &Path, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let found = list(dir)?;
+    let old = found.len().saturating_sub(keep);
+    for (_, path) in &found[..old] {
+        std::fs::remove_file(path).map_err(|source| RuntimeError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// A checkpoint read back and checked against a schedule, ready to [`restore`](Self::restore).
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// Where the run stood when it was written.
+    pub progress: Progress,
+    /// Every parameter, in the schedule's parameter order.
+    pub params: Vec<Vec<f32>>,
+    /// Every optimizer-state value by name.
+    pub state: Vec<(String, Vec<f32>)>,
+}
+
+impl Checkpoint {
+    /// Reads the checkpoint at `path` for `schedule`. Fails with an error naming what differs
+    /// when it was written for another model, batch shape or optimizer, and with one naming
+    /// the file when it is not a protrain checkpoint or is damaged.
+    pub fn load(path: &Path, schedule: &Schedule) -> Result<Self> {
+        let file = WeightFile::open(path)?;
+        let meta = file.metadata();
+        let bad = |problem: String| RuntimeError::BadCheckpoint {
+            path: path.to_path_buf(),
+            problem,
+        };
+        match meta.get(FORMAT_KEY).map(String::as_str) {
+            Some(FORMAT_VERSION) => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "has checkpoint layout {other}, this build reads {FORMAT_VERSION}; resume \
+                     it with the protrain that wrote it"
+                )))
+            }
+            None => {
+                return Err(bad(format!(
+                    "is a safetensors file but not a protrain checkpoint (no `{FORMAT_KEY}` \
+                     metadata); pass it as --init weights instead of resuming from it"
+                )))
+            }
+        }
+        let number = |key: &str| -> Result<u64> {
+            let text = meta
+                .get(key)
+                .ok_or_else(|| bad(format!("lacks the `{key}` metadata; it is damaged")))?;
+            text.parse().map_err(|_| {
+                bad(format!(
+                    "has `{key}` = {text:?}, not a number; it is damaged"
+                ))
+            })
+        };
+        let progress = Progress {
+            step: number("step")?,
+            data_step: number("data_step")?,
+            data_tokens: number("data_tokens")?,
+        };
+
+        let graph = &schedule.graph;
+        let want = Fingerprint::of(schedule);
+        let text = |key: &str| meta.get(key).map_or("(not recorded)", String::as_str);
+        let mut differences = Vec::new();
+        if text("fingerprint") != want.hash {
+            if text("model") != want.model {
+                differences.push(format!(
+                    "model: the checkpoint is of {}, this run trains {}",
+                    text("model"),
+                    want.model
+                ));
+            }
+            if text("batch") != want.batch.to_string() || text("seq") != want.seq.to_string() {
+                differences.push(format!(
+                    "batch x seq: the checkpoint is {} x {}, this run is {} x {}",
+                    text("batch"),
+                    text("seq"),
+                    want.batch,
+                    want.seq
+                ));
+            }
+            if text("optimizer") != want.optimizer {
+                // Name only the settings that differ: `lr=0.003` against `lr=0.01`.
+                let theirs: Vec<&str> = text("optimizer").split_whitespace().collect();
+                let ours: Vec<&str> = want.optimizer.split_whitespace().collect();
+                let (theirs, ours): (Vec<&str>, Vec<&str>) = if theirs.len() == ours.len() {
+                    theirs.iter().zip(&ours).filter(|(t, o)| t != o).unzip()
+                } else {
+                    (theirs, ours)
+                };
+                differences.push(format!(
+                    "optimizer: the checkpoint has {}, this run has {}",
+                    theirs.join(" "),
+                    ours.join(" ")
+                ));
+            }
+        }
+        let dims = |id: ValueId| -> Vec<usize> {
+            graph
+                .value(id)
+                .ty
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .collect()
+        };
+        let expected: Vec<ExpectedTensor> = graph
+            .params()
+            .map(|(_, p)| ExpectedTensor::new(p.name.clone(), dims(p.value)))
+            .chain(
+                state_values(graph)
+                    .map(|id| ExpectedTensor::new(graph.value(id).name.clone(), dims(id))),
+            )
+            .collect();
+        match file.check_against(&expected) {
+            Ok(_) => {}
+            Err(RuntimeError::WeightsMismatch { count, report }) => {
+                differences.push(format!(
+                    "tensors: {count} problem(s)\n  {}",
+                    report.replace('\n', "\n  ")
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+        if differences.is_empty() && text("fingerprint") != want.hash {
+            differences.push(format!(
+                "structure: the checkpoint's fingerprint is {}, this run's is {}",
+                text("fingerprint"),
+                want.hash
+            ));
+        }
+        if !differences.is_empty() {
+            return Err(RuntimeError::CheckpointMismatch {
+                path: path.to_path_buf(),
+                differences: differences.join("\n  "),
+            });
+        }
+        let n_params = graph.params().len();
+        let mut params = Vec::with_capacity(n_params);
+        let mut state = Vec::with_capacity(expected.len() - n_params);
+        for (i, tensor) in expected.iter().enumerate() {
+            let name = &tensor.names[0];
+            let data = file.read_f32_vec(name)?;
+            if i < n_params {
+                params.push(data);
+            } else {
+                state.push((name.clone(), data));
+            }
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            progress,
+            params,
+            state,
+        })
+    }
+
+    /// Puts the checkpoint's parameters, optimizer state and step count into `executor`, so
+    /// its next step is the one the checkpointed run would have taken next.
+    pub fn restore<B: Backend>(&self, executor: &mut Executor<'_, B>) -> Result<()> {
+        executor.load_params(&self.params)?;
+        executor.load_state(&self.state)?;
+        executor.set_step(self.progress.step);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_complete_checkpoint_names_count() {
+        assert_eq!(step_of(&file_name(40)), Some(40));
+        assert_eq!(step_of("step-123456789.safetensors"), Some(123_456_789));
+        for name in [
+            "step-00000040.safetensors.tmp",
+            "step-.safetensors",
+            "step-00x1.safetensors",
+            "model.safetensors",
+            ".step-00000040.safetensors",
+        ] {
+            assert_eq!(step_of(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn fnv1a_matches_the_reference_vectors() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn list_ignores_temporaries_and_prune_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [5, 10, 15] {
+            std::fs::write(dir.path().join(file_name(step)), b"x").unwrap();
+        }
+        std::fs::write(dir.path().join(format!("{}.tmp", file_name(20))), b"half").unwrap();
+        let steps: Vec<u64> = list(dir.path()).unwrap().iter().map(|s| s.0).collect();
+        assert_eq!(steps, [5, 10, 15]);
+        assert_eq!(latest(dir.path()).unwrap(), dir.path().join(file_name(15)));
+        prune(dir.path(), 2).unwrap();
+        let steps: Vec<u64> = list(dir.path()).unwrap().iter().map(|s| s.0).collect();
+        assert_eq!(steps, [10, 15]);
+        let e = latest(&dir.path().join("none")).unwrap_err().to_string();
+        assert!(e.contains("no checkpoint"), "{e}");
+    }
+}

@@ -1,0 +1,626 @@
+//! `protrain run`: execute a compiled schedule and hold its step time against the prediction.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use protrain::compiler::simulate::{self, category, chrome_trace, instr_label, Span as TraceSpan};
+use protrain::ir::{format_bytes, format_count, Graph, Instr, OpKind, Schedule, Space, StreamKind};
+use protrain::runtime::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
+use protrain::runtime::data::{Batcher, TokenStream};
+use protrain::runtime::params::{init_params, load_params, save_params};
+use protrain::runtime::synthetic::SyntheticCorpus;
+use protrain::runtime::weights::StorageDtype;
+use protrain::runtime::Executor;
+use protrain::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What `--backend cuda` says in a build without the CUDA backend.
+const NO_CUDA: &str = "the CUDA backend is not built into this protrain; rebuild with \
+                       --features cuda on a machine with CUDA, or use --backend host";
+
+/// Where a schedule is executed.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// This machine's CPU: the same streams (one thread each), events and memory layout as on
+    /// a GPU, with bit-identical results under every policy.
+    Host,
+    /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// The flags `run` and `train` share: data, weights, steps, logging, checkpoints.
+#[derive(clap::Args, Debug)]
+pub struct ExecArgs {
+    /// Where to execute the schedule.
+    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    pub backend: BackendKind,
+    /// Token file: a 1-D integer `.npy`, or raw little-endian u16 `.bin`. Without it, training
+    /// uses the built-in synthetic corpus (counting, copying and addition over 24 token ids).
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Initial weights: a Hugging Face safetensors file, sharded index, or model directory.
+    /// Without it, weights are drawn as transformers initialises them, from --seed.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
+    /// Optimizer steps to take in all; a resumed run goes on from its checkpoint up to this
+    /// step.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Seed of the random initialisation and of the synthetic corpus.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save the trained weights here as safetensors, under their Hugging Face names.
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+    /// Print one JSON object per step (step, loss, grad_norm, tokens_per_s) instead of a
+    /// progress bar and table; the plan and timing report go to stderr.
+    #[arg(long)]
+    pub log_json: bool,
+    /// Write the last step's measured timeline as a Chrome trace (open it in
+    /// ui.perfetto.dev), with the predicted timeline beside it as a second process.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Write checkpoints (weights, Adam moments, step, data position) to this directory every
+    /// --save-every steps and at the last step.
+    #[arg(long, value_name = "DIR", requires = "save_every")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints; with --resume and no --checkpoint-dir, they go to the
+    /// resumed directory.
+    #[arg(long, value_name = "K")]
+    pub save_every: Option<u64>,
+    /// Checkpoints to keep: older ones are deleted after each save (0 keeps all).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// Continue from the latest checkpoint in this directory, bit-identically to a run that
+    /// was never interrupted. The checkpoint must be of the same model, batch shape and
+    /// optimizer settings; the policy may differ.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+/// Arguments of `protrain run`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A schedule written by `protrain compile` (compile with --dtype f32 for the host
+    /// backend).
+    schedule: PathBuf,
+    #[command(flatten)]
+    exec: ExecArgs,
+    /// AdamW learning rate. The schedule fixes its optimizer settings when it is compiled;
+    /// given here, a setting must equal the schedule's (a check, not an override).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// AdamW first-moment decay; must equal the schedule's.
+    #[arg(long)]
+    beta1: Option<f64>,
+    /// AdamW second-moment decay; must equal the schedule's.
+    #[arg(long)]
+    beta2: Option<f64>,
+    /// AdamW epsilon; must equal the schedule's.
+    #[arg(long)]
+    eps: Option<f64>,
+    /// AdamW decoupled weight decay; must equal the schedule's.
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// Gradient clipping norm; must equal the schedule's.
+    #[arg(long, value_name = "NORM")]
+    grad_clip: Option<f64>,
+}
+
+/// Reads and verifies the schedule, checks the flags against it, and executes it.
+pub fn run(args: Args) -> Result<()> {
+    check_backend(args.exec.backend)?;
+    if !args.schedule.exists() {
+        return Err(Error::Usage(format!(
+            "schedule {} does not exist; write one with `protrain compile MODEL --dtype f32 -o {}`",
+            args.schedule.display(),
+            args.schedule.display()
+        )));
+    }
+    let schedule = protrain::ir::file::read(&args.schedule)?;
+    check_optimizer_flags(&schedule, &args)?;
+    let predicted = match &args.exec.trace {
+        Some(_) => predicted_timeline(&schedule),
+        None => Ok(Vec::new()),
+    };
+    let header = &schedule.header;
+    let intro = format!(
+        "running {} ({} parameters, batch {} x seq {}) from {} on the host backend\n{}",
+        header.model,
+        format_count(header.param_count),
+        header.batch,
+        header.seq,
+        args.schedule.display(),
+        plan_lines(&schedule)
+    );
+    execute(&schedule, &args.exec, &intro, predicted)
+}
+
+/// Fails unless the backend asked for is built into this protrain.
+pub fn check_backend(backend: BackendKind) -> Result<()> {
+    match backend {
+        BackendKind::Host => Ok(()),
+        // No CUDA backend exists in the runtime yet, with or without the `cuda` feature; when
+        // one does, `--features cuda` builds select it here.
+        BackendKind::Cuda => Err(Error::Usage(NO_CUDA.into())),
+    }
+}
+
+/// Fails when an optimizer flag given to `run` differs from the schedule's setting: the
+/// settings are compiled into the graph's AdamW ops, and silently ignoring a flag would train
+/// with settings the user did not ask for.
+fn check_optimizer_flags(schedule: &Schedule, args: &Args) -> Result<()> {
+    let given = [
+        ("lr", args.lr),
+        ("beta1", args.beta1),
+        ("beta2", args.beta2),
+        ("eps", args.eps),
+        ("weight-decay", args.weight_decay),
+        ("grad-clip", args.grad_clip),
+    ];
+    if given.iter().all(|(_, v)| v.is_none()) {
+        return Ok(());
+    }
+    let Some(have) = OptimizerSettings::of(&schedule.graph) else {
+        return Err(Error::Usage(
+            "the schedule has no optimizer, so optimizer flags do not apply; drop them".into(),
+        ));
+    };
+    let compiled = [
+        Some(have.lr),
+        Some(have.beta1),
+        Some(have.beta2),
+        Some(have.eps),
+        Some(have.weight_decay),
+        have.grad_clip,
+    ];
+    let differing: Vec<String> = given
+        .iter()
+        .zip(compiled)
+        .filter_map(|(&(flag, want), have)| match want {
+            Some(w) if Some(w) != have => Some(format!(
+                "--{flag} {w} (the schedule has {})",
+                have.map_or("none".into(), |h| h.to_string())
+            )),
+            _ => None,
+        })
+        .collect();
+    if differing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "{} differ from the optimizer settings the schedule was compiled with ({have}); a \
+         schedule's optimizer settings are fixed when it is compiled: compile it again with \
+         those flags (`protrain compile MODEL --lr ...`, or `protrain train MODEL`, which \
+         compiles and runs in one go), or drop the flags to train with the schedule's",
+        differing.join(", ")
+    )))
+}
+
+/// The schedule's plan in a few lines: policy, predicted step time, memory.
+pub fn plan_lines(schedule: &Schedule) -> String {
+    let h = &schedule.header;
+    let p = &h.prediction;
+    let chunks = schedule.chunks.len();
+    format!(
+        "policy          {}\n                {} of {} chunks persistent, {} streamed through {} \
+         buffers; layers: {} kept, {} checkpointed, {} swapped\npredicted step  {:.4} s on {}\n\
+         device arena    {} of {} budget\nhost region     {}",
+        h.policy,
+        h.policy.n_persist,
+        chunks,
+        chunks as u32 - h.policy.n_persist.min(chunks as u32),
+        h.policy.n_buffer,
+        h.policy.count(protrain::ir::BlockMode::Keep),
+        h.policy.count(protrain::ir::BlockMode::Checkpoint),
+        h.policy.count(protrain::ir::BlockMode::Swap),
+        p.step_seconds,
+        h.hardware.split(':').next().unwrap_or_default(),
+        format_bytes(schedule.arena_bytes),
+        format_bytes(h.device_budget_bytes),
+        format_bytes(schedule.host_bytes),
+    )
+}
+
+/// The predicted timeline of the schedule on the hardware it was compiled for, or why there
+/// is none.
+fn predicted_timeline(schedule: &Schedule) -> std::result::Result<Vec<TraceSpan>, String> {
+    let name = schedule
+        .header
+        .hardware
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .trim();
+    let profile = protrain::ir::HardwareProfile::load(name).map_err(|e| e.to_string())?;
+    let cost = protrain::compiler::cost::cost_model(&profile);
+    simulate::simulate(schedule, cost.as_ref())
+        .map(|s| s.timeline)
+        .map_err(|e| e.to_string())
+}
+
+/// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit
+/// width that indexes with them.
+fn vocab_of(graph: &Graph) -> Option<usize> {
+    graph
+        .ops()
+        .filter_map(|(_, op)| match op.kind {
+            OpKind::Embedding { .. } => Some(graph.value(op.inputs[1]).ty.shape[0]),
+            OpKind::CrossEntropy => Some(graph.value(op.inputs[0]).ty.last_dim()),
+            _ => None,
+        })
+        .min()
+        .map(|n| n as usize)
+}
+
+/// Fails unless `path`'s directory exists, so that a run does not train for an hour and
+/// then fail to write its output.
+fn check_writable(flag: &str, path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if dir.is_dir() {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!(
+            "{flag} {}: the directory {} does not exist; create it or choose another path",
+            path.display(),
+            dir.display()
+        )))
+    }
+}
+
+/// Executes `schedule` on the host backend as `args` say: loads data and weights (or a
+/// checkpoint), prints `intro` and runs the steps, logging each; writes checkpoints, the
+/// trained weights and the trace; reports measured against predicted time. Every input is
+/// checked before anything is printed or written. `predicted` is the predicted timeline for
+/// `--trace`, or why there is none.
+pub fn execute(
+    schedule: &Schedule,
+    args: &ExecArgs,
+    intro: &str,
+    predicted: std::result::Result<Vec<TraceSpan>, String>,
+) -> Result<()> {
+    check_backend(args.backend)?;
+    let graph = &schedule.graph;
+    let header = &schedule.header;
+    let checkpoint_dir = args
+        .checkpoint_dir
+        .clone()
+        .or_else(|| args.resume.clone().filter(|_| args.save_every.is_some()));
+    let save_every = match (&checkpoint_dir, args.save_every) {
+        (_, Some(0)) => {
+            return Err(Error::Usage(
+                "--save-every 0 would never save; give a number of steps of at least 1".into(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::Usage(
+                "--save-every needs a directory to save to; add --checkpoint-dir DIR".into(),
+            ))
+        }
+        (Some(_), every) => every,
+        (None, None) => None,
+    };
+    if let Some(path) = &args.save {
+        check_writable("--save", path)?;
+    }
+    if let Some(path) = &args.trace {
+        check_writable("--trace", path)?;
+    }
+    let vocab = vocab_of(graph).ok_or_else(|| {
+        Error::Usage("the schedule's graph takes no token ids; compile a language model".into())
+    })?;
+    let (batch, seq) = (header.batch as usize, header.seq as usize);
+    let tokens_per_step = batch * seq;
+    let stream = match &args.data {
+        Some(path) => TokenStream::open(path)?,
+        None => {
+            let wanted = tokens_per_step
+                .saturating_mul(args.steps.max(1) as usize)
+                .saturating_add(1);
+            SyntheticCorpus::new(vocab, args.seed)?.stream(wanted.min(1 << 24))
+        }
+    };
+    stream.check_vocab(vocab)?;
+    let data_tokens = stream.len() as u64;
+    let data_name = args
+        .data
+        .as_ref()
+        .map_or("the synthetic corpus".into(), |p| p.display().to_string());
+    let batcher = Batcher::new(stream, batch, seq)?;
+
+    let mut executor = Executor::new(schedule)?;
+    let mut notes = Vec::new();
+    let first = match &args.resume {
+        Some(dir) => {
+            let path = checkpoint::latest(dir)?;
+            let ckpt = Checkpoint::load(&path, schedule)?;
+            ckpt.restore(&mut executor)?;
+            notes.push(format!(
+                "resuming from {} (step {})",
+                path.display(),
+                ckpt.progress.step
+            ));
+            // The synthetic corpus grows with --steps, always from the same start, so only a
+            // token file can make the batches differ.
+            if args.data.is_some() && ckpt.progress.data_tokens != data_tokens {
+                notes.push(format!(
+                    "warning: {data_name} has {data_tokens} tokens but the checkpointed run's \
+                     data had {}; batches will differ from the original run's once the data \
+                     wraps",
+                    ckpt.progress.data_tokens
+                ));
+            }
+            ckpt.progress.data_step
+        }
+        None => {
+            let values = match &args.init {
+                Some(path) => load_params(graph, path)?,
+                None => init_params(graph, args.seed),
+            };
+            executor.load_params(&values)?;
+            0
+        }
+    };
+
+    // Everything is checked: from here on the run prints and writes.
+    eprintln!("{intro}");
+    for note in &notes {
+        eprintln!("{note}");
+    }
+    if first >= args.steps {
+        eprintln!(
+            "the run is already at step {first} of --steps {}; nothing to train (raise --steps to \
+             train further)",
+            args.steps
+        );
+    } else if !args.log_json {
+        eprintln!(
+            "training on {data_name}: steps {}..={} of {}x{} tokens",
+            first + 1,
+            args.steps,
+            batch,
+            seq
+        );
+    }
+    let to_run = args.steps.saturating_sub(first);
+    let bar = if args.log_json || to_run == 0 {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::new(to_run);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
+            )
+            .expect("the template is valid"),
+        );
+        bar
+    };
+    let report_every = (args.steps / 10).max(1);
+    // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
+    let row = |text: String| bar.suspend(|| println!("{text}"));
+    if !args.log_json && to_run > 0 {
+        row(format!(
+            "{:>6}  {:>10}  {:>10}  {:>12}",
+            "step", "loss", "grad norm", "tokens/s"
+        ));
+    }
+    let started = Instant::now();
+    let mut losses = Vec::with_capacity(to_run as usize);
+    let mut wall = Vec::with_capacity(to_run as usize);
+    let mut busy = vec![0.0f64; schedule.streams.len()];
+    for step in first..args.steps {
+        if args.trace.is_some() && step + 1 == args.steps {
+            executor.set_tracing(true);
+        }
+        let b = batcher.batch(step);
+        let inputs: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
+        let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
+        let step_started = Instant::now();
+        let report = executor.step(&[&inputs, &targets])?;
+        let tokens_per_s = tokens_per_step as f64 / step_started.elapsed().as_secs_f64();
+        let timing = executor.timing();
+        wall.push(timing.wall_seconds);
+        if step > first {
+            for (sum, s) in busy.iter_mut().zip(&timing.stream_busy_seconds) {
+                *sum += s;
+            }
+        }
+        losses.push(report.loss);
+        if args.log_json {
+            let line = serde_json::json!({
+                "step": step + 1,
+                "loss": report.loss,
+                "grad_norm": report.grad_norm,
+                "tokens_per_s": tokens_per_s,
+            });
+            println!("{line}");
+        } else {
+            bar.set_message(format!("loss {:.4}", report.loss));
+            bar.inc(1);
+            if (step + 1) % report_every == 0 || step == first {
+                let norm = report.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
+                row(format!(
+                    "{:>6}  {:>10.4}  {:>10}  {:>12.0}",
+                    step + 1,
+                    report.loss,
+                    norm,
+                    tokens_per_s
+                ));
+            }
+        }
+        if !report.loss.is_finite() {
+            bar.abandon();
+            return Err(Error::Usage(format!(
+                "the loss became {} at step {}; lower --lr or set --grad-clip",
+                report.loss,
+                step + 1
+            )));
+        }
+        if let (Some(dir), Some(every)) = (&checkpoint_dir, save_every) {
+            let done = step + 1;
+            if done % every == 0 || done == args.steps {
+                let progress = Progress {
+                    step: executor.steps_taken(),
+                    data_step: done,
+                    data_tokens,
+                };
+                checkpoint::save(dir, &executor, &progress)?;
+                checkpoint::prune(dir, args.keep_checkpoints)?;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = started.elapsed().as_secs_f64();
+    if !args.log_json && !losses.is_empty() {
+        let tail = &losses[losses.len().saturating_sub(10)..];
+        let last = tail.iter().sum::<f32>() / tail.len() as f32;
+        println!(
+            "loss {:.4} -> {:.4} (mean of the last {}) in {:.1} s, {:.0} tokens/s",
+            losses[0],
+            last,
+            tail.len(),
+            elapsed,
+            (tokens_per_step as f64 * losses.len() as f64) / elapsed
+        );
+    }
+    if !wall.is_empty() {
+        let report = timing_report(schedule, &wall, &busy);
+        if args.log_json {
+            eprint!("{report}");
+        } else {
+            print!("{report}");
+        }
+    }
+    if let Some(path) = &args.save {
+        save_params(graph, &executor.params()?, path, StorageDtype::F32)?;
+        if !args.log_json {
+            println!("saved weights to {}", path.display());
+        }
+    }
+    if let Some(path) = &args.trace {
+        let measured = measured_spans(schedule, &executor.timeline());
+        let (text, note) = match &predicted {
+            Ok(p) => (trace_json(schedule, &measured, Some(p)), String::new()),
+            Err(why) => (
+                trace_json(schedule, &measured, None),
+                format!(
+                    " (measured only: no prediction, {why}; `protrain trace SCHEDULE \
+                     --hardware H` writes the predicted one)"
+                ),
+            ),
+        };
+        super::write_output(Some(path), &text)?;
+        let line = format!("wrote the last step's timeline to {}{note}", path.display());
+        if args.log_json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
+
+/// Predicted against measured: the step time (the mean over the steps after the first, which
+/// warms caches and the thread pool) and each stream's busy time.
+fn timing_report(schedule: &Schedule, wall: &[f64], busy_sums: &[f64]) -> String {
+    let p = &schedule.header.prediction;
+    let (measured, over, busy): (f64, String, Vec<f64>) = if wall.len() > 1 {
+        let n = (wall.len() - 1) as f64;
+        (
+            wall[1..].iter().sum::<f64>() / n,
+            format!("mean of the {} steps after the first", wall.len() - 1),
+            busy_sums.iter().map(|b| b / n).collect(),
+        )
+    } else {
+        (wall[0], "the only step".into(), Vec::new())
+    };
+    let mut out = format!(
+        "step time       predicted {:.4} s, measured {:.4} s ({over})\n",
+        p.step_seconds, measured
+    );
+    if !busy.is_empty() {
+        out.push_str(&format!(
+            "  {:<15}{:>12}  {:>12}\n",
+            "stream busy", "predicted", "measured"
+        ));
+        for (i, stream) in schedule.streams.iter().enumerate() {
+            let predicted = p
+                .stream_busy_seconds
+                .get(i)
+                .map_or("-".into(), |s| format!("{s:.4} s"));
+            out.push_str(&format!(
+                "  {:<15}{predicted:>12}  {:>12}\n",
+                stream.name,
+                format!("{:.4} s", busy[i])
+            ));
+        }
+    }
+    out
+}
+
+/// The executor's timeline as trace spans, labelled and categorised as the simulator's are.
+fn measured_spans(schedule: &Schedule, timeline: &[protrain::runtime::Span]) -> Vec<TraceSpan> {
+    timeline
+        .iter()
+        .map(|s| {
+            let stream = schedule.stream(s.stream);
+            let instr = &stream.instrs[s.index as usize];
+            TraceSpan {
+                stream: s.stream,
+                index: s.index as usize,
+                start: s.start,
+                end: s.end,
+                label: instr_label(schedule, instr),
+                category: category_of(schedule, stream.kind, instr),
+            }
+        })
+        .collect()
+}
+
+/// The trace category of an instruction, as the simulator assigns it.
+fn category_of(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
+    match instr {
+        Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
+        Instr::Kernel { .. } => category::COMPUTE,
+        Instr::Copy { src, dst, .. } => {
+            let space = |t: &protrain::ir::TensorRef| schedule.buffer(t.buffer).space;
+            match (space(src), space(dst)) {
+                (Space::Host, Space::Device) => category::H2D,
+                (Space::Device, Space::Device) => category::D2D,
+                _ => category::D2H,
+            }
+        }
+        Instr::Record { .. } | Instr::Wait { .. } => category::WAIT,
+    }
+}
+
+/// One Chrome trace: the measured timeline as process 1 and, when given, the predicted one as
+/// process 2, so the two lie one above the other.
+fn trace_json(
+    schedule: &Schedule,
+    measured: &[TraceSpan],
+    predicted: Option<&[TraceSpan]>,
+) -> String {
+    let parse = |spans: &[TraceSpan], pid: u64, what: &str| -> Vec<serde_json::Value> {
+        let trace: serde_json::Value =
+            serde_json::from_str(&chrome_trace(schedule, spans)).expect("the trace is JSON");
+        let mut events = match trace.get("traceEvents") {
+            Some(serde_json::Value::Array(events)) => events.clone(),
+            _ => Vec::new(),
+        };
+        for event in &mut events {
+            event["pid"] = pid.into();
+            if event["name"] == "process_name" {
+                event["args"]["name"] = format!("{what}: {}", schedule.header.model).into();
+            }
+        }
+        events
+    };
+    let mut events = parse(measured, 1, "measured");
+    if let Some(p) = predicted {
+        events.extend(parse(p, 2, "predicted"));
+    }
+    serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+}

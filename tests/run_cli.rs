@@ -1,0 +1,329 @@
+//! `protrain run` as a user runs it: every way it refuses its inputs, and what it prints when
+//! it trains; and `protrain train` giving the same losses under a roomy and a tight budget.
+
+use protrain::ir::{file, verify_schedule::verify_schedule, Instr, Schedule, FORMAT_VERSION};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn protrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(args)
+        .output()
+        .expect("the protrain binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// The loss of every step of a successful `--log-json` run, as printed (text compares bits).
+fn losses(out: &Output) -> Vec<String> {
+    assert!(out.status.success(), "{}", stderr(out));
+    stdout(out)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("one JSON object per line");
+            v["loss"].to_string()
+        })
+        .collect()
+}
+
+/// A directory with an f32 schedule of gpt2-tiny at batch 2 x seq 16, compiled with AdamW's
+/// PyTorch defaults.
+struct Fixture {
+    dir: tempfile::TempDir,
+    schedule: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let schedule = dir.path().join("gpt2.ptsched");
+        let out = protrain(&[
+            "compile",
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--lr",
+            "0.001",
+            "--beta2",
+            "0.999",
+            "--weight-decay",
+            "0.01",
+            "-o",
+            path(&schedule),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        Self { dir, schedule }
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes `bytes` to a file named `name` in the fixture directory; returns its path.
+    fn write(&self, name: &str, bytes: &[u8]) -> String {
+        let p = self.file(name);
+        std::fs::write(&p, bytes).expect("write");
+        path(&p).to_string()
+    }
+}
+
+/// Runs `protrain run` with `args` plus every output flag, and checks that it failed as
+/// errors must: exit status 2, one `error:` message, no panic, nothing on stdout, and none of
+/// the outputs written. Returns the message.
+fn check_error(args: &[&str]) -> String {
+    let outputs = tempfile::tempdir().expect("temp dir");
+    let save = outputs.path().join("w.safetensors");
+    let trace = outputs.path().join("trace.json");
+    let ckpt = outputs.path().join("ckpt");
+    let mut all = vec!["run"];
+    all.extend(args);
+    all.extend([
+        "--steps",
+        "2",
+        "--save",
+        path(&save),
+        "--trace",
+        path(&trace),
+    ]);
+    all.extend(["--checkpoint-dir", path(&ckpt), "--save-every", "1"]);
+    let out = protrain(&all);
+    let err = stderr(&out);
+    let shown = all.join(" ");
+    assert_eq!(out.status.code(), Some(2), "`{shown}`: {err}");
+    assert!(!err.contains("panicked"), "`{shown}` panicked: {err}");
+    assert!(err.starts_with("error: "), "`{shown}` printed: {err}");
+    assert!(stdout(&out).is_empty(), "`{shown}` printed on stdout");
+    let written: Vec<_> = std::fs::read_dir(outputs.path())
+        .expect("list")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert!(written.is_empty(), "`{shown}` wrote {written:?}");
+    err
+}
+
+/// A copy of `schedule` with the first wait whose removal the verifier catches removed.
+fn without_a_wait(schedule: &Schedule) -> Schedule {
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (i, instr) in stream.instrs.iter().enumerate() {
+            if matches!(instr, Instr::Wait { .. }) {
+                let mut broken = schedule.clone();
+                broken.streams[s].instrs.remove(i);
+                if verify_schedule(&broken).is_err() {
+                    return broken;
+                }
+            }
+        }
+    }
+    panic!("the schedule has no wait the verifier depends on");
+}
+
+/// Token ids as a raw little-endian u16 `.bin` file.
+fn tokens_bin(fx: &Fixture, name: &str, tokens: &[u16]) -> String {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    fx.write(name, &bytes)
+}
+
+#[test]
+fn every_refusal_names_the_problem_and_the_fix() {
+    let fx = Fixture::new();
+    let good = path(&fx.schedule).to_string();
+    let bytes = std::fs::read(&fx.schedule).expect("read");
+    let schedule = file::read(&fx.schedule).expect("a valid schedule");
+
+    let truncated = fx.write("truncated.ptsched", &bytes[..bytes.len() / 2]);
+    let mut flipped = bytes.clone();
+    let middle = flipped.len() / 2;
+    flipped[middle] ^= 0x55;
+    let corrupted = fx.write("corrupted.ptsched", &flipped);
+    let mut newer = bytes.clone();
+    newer[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
+    let newer = fx.write("newer.ptsched", &newer);
+    let unverified = fx.write("nowait.ptsched", &file::encode(&without_a_wait(&schedule)));
+
+    // Weights of another model, saved by a short llama-tiny run.
+    let llama = fx.file("llama.safetensors");
+    let out = protrain(&[
+        "train",
+        "llama-tiny",
+        "--steps",
+        "1",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--log-json",
+        "--save",
+        path(&llama),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // gpt2-tiny's vocabulary is 256: token 300 at stream index 5.
+    let mut ids: Vec<u16> = (0..100).map(|i| i % 24).collect();
+    ids[5] = 300;
+    let out_of_range = tokens_bin(&fx, "oov.bin", &ids);
+    let too_short = tokens_bin(&fx, "short.bin", &[1, 2, 3]);
+    let missing = path(&fx.file("missing.ptsched")).to_string();
+
+    let cases: Vec<(&str, Vec<&str>, Vec<&str>)> = vec![
+        ("missing schedule", vec![&missing], vec!["does not exist", "protrain compile"]),
+        ("truncated schedule", vec![&truncated], vec!["truncated", "compile it again"]),
+        ("corrupted schedule", vec![&corrupted], vec!["corrupted", "CRC-32"]),
+        ("newer format", vec![&newer], vec!["newer protrain", "upgrade protrain"]),
+        (
+            "fails verification",
+            vec![&unverified],
+            vec!["nowait.ptsched", "compile it again"],
+        ),
+        (
+            "weights of another model",
+            vec![&good, "--init", path(&llama)],
+            vec!["the weights do not match the model", "missing: `transformer.wpe.weight`"],
+        ),
+        (
+            "token out of range",
+            vec![&good, "--data", &out_of_range],
+            vec!["token 300 at position 5", "vocabulary of 256"],
+        ),
+        (
+            "data shorter than a batch",
+            vec![&good, "--data", &too_short],
+            vec!["3 tokens", "batch 2 x seq 16 needs 33"],
+        ),
+        (
+            "cuda without cuda",
+            vec![&good, "--backend", "cuda"],
+            vec!["the CUDA backend is not built into this protrain; rebuild with --features cuda on a machine with CUDA, or use --backend host"],
+        ),
+        (
+            "optimizer flags that differ",
+            vec![&good, "--lr", "0.003", "--beta2", "0.999", "--grad-clip", "1"],
+            vec![
+                "--lr 0.003 (the schedule has 0.001), --grad-clip 1 (the schedule has none)",
+                "compile it again with those flags (`protrain compile MODEL --lr ...`",
+            ],
+        ),
+        (
+            "resume from a directory without checkpoints",
+            vec![&good, "--resume", path(fx.dir.path())],
+            vec!["no checkpoint in", "start the run afresh"],
+        ),
+    ];
+    for (what, args, needles) in cases {
+        let err = check_error(&args);
+        for needle in needles {
+            assert!(err.contains(needle), "{what}: no `{needle}` in: {err}");
+        }
+    }
+}
+
+#[test]
+fn run_trains_like_train_and_reports_prediction_against_measurement() {
+    let fx = Fixture::new();
+    let good = path(&fx.schedule);
+    // The fixture was compiled with PyTorch's AdamW defaults; `train` is told the same.
+    let ran = protrain(&["run", good, "--steps", "4", "--log-json", "--lr", "0.001"]);
+    let trained = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "4",
+        "--log-json",
+        "--lr",
+        "0.001",
+        "--beta2",
+        "0.999",
+        "--weight-decay",
+        "0.01",
+        "--policy",
+        "n_persist=4",
+    ]);
+    assert_eq!(losses(&ran), losses(&trained));
+    assert_eq!(losses(&ran).len(), 4);
+
+    let trace = fx.file("trace.json");
+    let out = protrain(&["run", good, "--steps", "3", "--trace", path(&trace)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for needle in [
+        "step time       predicted",
+        "measured",
+        "mean of the 2 steps after the first",
+        "compute",
+    ] {
+        assert!(text.contains(needle), "no `{needle}` in: {text}");
+    }
+    assert!(
+        stderr(&out).contains("policy          n_persist="),
+        "{}",
+        stderr(&out)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace written"))
+            .expect("the trace is JSON");
+    let events = v["traceEvents"].as_array().expect("events");
+    let spans = |pid: u64| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid)
+            .count()
+    };
+    assert!(
+        spans(1) > 0 && spans(2) > 0,
+        "measured and predicted spans: {v}"
+    );
+}
+
+/// The policy `train` printed.
+fn policy(out: &Output) -> String {
+    stderr(out)
+        .lines()
+        .find_map(|l| l.strip_prefix("policy"))
+        .expect("train prints its policy")
+        .trim()
+        .to_string()
+}
+
+#[test]
+fn train_gives_the_same_losses_under_a_roomy_and_a_tight_budget() {
+    let run = |budget: &str| {
+        protrain(&[
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--steps",
+            "5",
+            "--log-json",
+            "--gpu-memory",
+            budget,
+        ])
+    };
+    let roomy = run("1GiB");
+    let tight = run("4MiB");
+    let (loose, strict) = (policy(&roomy), policy(&tight));
+    // gpt2-tiny has 4 chunks; 4 MiB cannot keep them all, nor every layer's activations.
+    assert!(!strict.contains("n_persist=4"), "tight: {strict}");
+    let blocks = strict.split("blocks=").nth(1).expect("blocks");
+    assert!(blocks.contains('C'), "tight plan checkpoints: {strict}");
+    assert_ne!(loose, strict);
+    assert_eq!(losses(&roomy), losses(&tight));
+}
