@@ -184,7 +184,7 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
     let streamed = s.chunks.len() as u32 - h.policy.n_persist;
     println!("policy          {}", h.policy);
     println!(
-        "                {} of {} chunks of {} persistent, {} streamed through {} buffers; layers: {} kept, {} checkpointed, {} swapped",
+        "                {} of {} chunks of {} persistent, {} streamed through {} buffer(s); layers: {} kept, {} checkpointed, {} swapped",
         h.policy.n_persist,
         s.chunks.len(),
         format_bytes(s.chunks.chunk_bytes),
