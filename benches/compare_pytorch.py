@@ -9,9 +9,11 @@ no dropout, f32) on the same batch shape with the same number of threads, in the
 - protrain: `cargo run --release -- train <dir> --log-json` on a config.json with the same
   fields, with RAYON_NUM_THREADS set to the thread count; tokens/s is read from the JSON lines.
 
-Each side takes --warmup untimed steps, then --steps timed ones; tokens/s is the timed tokens
-over the timed seconds. With --rounds R the two alternate R times (protrain first), so a noisy
-shared machine disturbs both alike; every round's ratio and the median are printed.
+Each side takes --warmup untimed steps, then --steps timed ones, each timed on its own;
+tokens/s is B*T over the median step time (robust to a step that another process on a shared
+machine slowed down; the mean is printed too). With --rounds R the two alternate R times
+(protrain first), so a noisy machine disturbs both alike; every round's ratio and the median of
+the ratios are printed.
 
 Usage (from anywhere in the repository):
     python3 benches/compare_pytorch.py [--threads N] [--steps 10] [--warmup 3] [--rounds 1]
@@ -73,7 +75,7 @@ def parse_args():
 
 
 def time_pytorch(args):
-    """Tokens/s of PyTorch CPU eager over the timed steps."""
+    """Seconds of each timed PyTorch CPU eager step."""
     import torch
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -81,6 +83,8 @@ def time_pytorch(args):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     fields = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    # GPT-2's special token ids (50256) lie outside this vocabulary; no step uses them.
+    fields.update(bos_token_id=None, eos_token_id=None)
     config = GPT2Config(**fields)
     config._attn_implementation = "eager"
     model = GPT2LMHeadModel(config).float().train()
@@ -101,11 +105,12 @@ def time_pytorch(args):
 
     for _ in range(args.warmup):
         step()
-    started = time.perf_counter()
+    seconds = []
     for _ in range(args.steps):
+        started = time.perf_counter()
         step()
-    seconds = time.perf_counter() - started
-    return args.batch * args.seq * args.steps / seconds
+        seconds.append(time.perf_counter() - started)
+    return seconds
 
 
 def build_protrain():
@@ -117,7 +122,7 @@ def build_protrain():
 
 
 def time_protrain(args, binary, config_dir):
-    """Tokens/s of `protrain train` over the timed steps (total tokens / total step time)."""
+    """Seconds of each timed `protrain train` step (from its tokens_per_s lines)."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     out = subprocess.run(
         [
@@ -141,10 +146,14 @@ def time_protrain(args, binary, config_dir):
     rates = [json.loads(line)["tokens_per_s"] for line in out.splitlines() if line.startswith("{")]
     if len(rates) != args.warmup + args.steps:
         sys.exit(f"protrain printed {len(rates)} steps, expected {args.warmup + args.steps}:\n{out}")
-    timed = rates[args.warmup :]
+    # Each line's rate is B*T over that step's seconds.
+    return [args.batch * args.seq / r for r in rates[args.warmup :]]
+
+
+def rate(args, seconds):
+    """(median, mean) tokens/s of a list of step times."""
     tokens = args.batch * args.seq
-    # Each line's rate is tokens / that step's seconds; sum the seconds back up.
-    return tokens * len(timed) / sum(tokens / r for r in timed)
+    return tokens / statistics.median(seconds), tokens * len(seconds) / sum(seconds)
 
 
 def main():
@@ -159,13 +168,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(CONFIG, indent=2))
         for r in range(args.rounds):
-            ours = time_protrain(args, binary, tmp) if binary else None
-            theirs = time_pytorch(args) if args.only != "protrain" else None
+            ours = rate(args, time_protrain(args, binary, tmp)) if binary else None
+            theirs = rate(args, time_pytorch(args)) if args.only != "protrain" else None
             line = [f"round {r + 1}:"]
             if ours is not None:
-                line.append(f"protrain {ours:8.0f} tokens/s")
+                line.append(f"protrain {ours[0]:6.0f} tokens/s (mean {ours[1]:.0f})")
+                ours = ours[0]
             if theirs is not None:
-                line.append(f"pytorch {theirs:8.0f} tokens/s")
+                line.append(f"pytorch {theirs[0]:6.0f} tokens/s (mean {theirs[1]:.0f})")
+                theirs = theirs[0]
             if ours is not None and theirs is not None:
                 ratios.append(ours / theirs)
                 line.append(f"protrain/pytorch {ours / theirs:.2f}x")

@@ -1,12 +1,13 @@
-//! Overlap on the host: step throughput of a model fully resident versus under a device
-//! budget of 40% of its resident arena, both compiled by the search (f32).
-//!
-//! Streaming chunks and recomputing blocks costs copies and compute; this measures how much
-//! of it the schedule hides. Prints tokens/s of both and the ratio. Target: >= 0.85x.
-//!
-//! `cargo bench --bench overlap`. Environment: `OVERLAP_LAYERS`, `OVERLAP_HIDDEN`,
-//! `OVERLAP_BATCH`, `OVERLAP_SEQ`, `OVERLAP_STEPS`, `OVERLAP_BUDGET` (fraction of the resident
-//! arena) override the defaults.
+//! Overlap on the host: throughput under a 40% device budget versus fully resident.
+//
+// Step throughput of one model fully resident versus under a device budget of 40% of its
+// resident arena, compiled by the search (f32) for a profile measured first. Streaming
+// chunks and recomputing blocks costs copies and compute; this measures how much of it the
+// schedule hides. Prints tokens/s of both and the ratio. Target: >= 0.85x.
+//
+// `cargo bench --bench overlap`. Environment: `OVERLAP_LAYERS`, `OVERLAP_HIDDEN`,
+// `OVERLAP_BATCH`, `OVERLAP_SEQ`, `OVERLAP_STEPS`, `OVERLAP_BUDGET` (fraction of the resident
+// arena) override the defaults. Run it on an idle machine.
 
 use protrain::ir::{format_bytes, BlockMode, DType, Schedule};
 use protrain::models::{ConfigSource, ModelConfig};

@@ -148,9 +148,9 @@ fn check(model: &str, grad_clip: Option<f64>) {
     let init = init_params(&training, SEED);
     let data = batches(config.vocab_size as usize);
     let expected = reference(&training, &init, &data);
-    if grad_clip.is_some() {
+    if let Some(clip) = grad_clip {
         // The coefficient must actually scale the gradients somewhere, or clipping is untested.
-        let clip = grad_clip.unwrap() as f32;
+        let clip = clip as f32;
         assert!(
             expected
                 .reports

@@ -1,5 +1,4 @@
-//! `protrain profile` as a user runs it: the profile it writes loads, covers the graph's ops,
-//! and `protrain compile --hardware` takes it; the CUDA backend fails clearly.
+//! `protrain profile` as a user runs it, and `protrain compile --hardware` reading its output.
 
 use protrain::ir::{op_key, HardwareProfile, TensorType};
 use protrain::OptimizerConfig;

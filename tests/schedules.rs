@@ -250,7 +250,7 @@ fn check_error(args: &[&str]) -> String {
 
 /// `protrain dump` of a tiny model compiled for an RTX 3090 (a preset that does not depend on
 /// the machine) under the mixed policy.
-fn dump(model: &str, stage: &str, extra: &[&str]) -> String {
+fn dump_stage(model: &str, stage: &str, extra: &[&str]) -> String {
     let mut args = vec![
         "dump",
         model,
@@ -275,20 +275,21 @@ fn path(p: &Path) -> &str {
 
 #[test]
 fn dump_chunked_prints_the_training_graph_then_the_chunk_table() {
-    let text = dump("gpt2-tiny", "chunked", &[]);
-    let autodiff = dump("gpt2-tiny", "autodiff", &[]);
+    let text = dump_stage("gpt2-tiny", "chunked", &[]);
+    let autodiff = dump_stage("gpt2-tiny", "autodiff", &[]);
     let table = text
         .strip_prefix(autodiff.as_str())
         .expect("the training graph comes first");
     insta::assert_snapshot!("dump_gpt2_tiny_chunked_table", table);
     let json: serde_json::Value =
-        serde_json::from_str(&dump("gpt2-tiny", "chunked", &["--format", "json"])).expect("json");
+        serde_json::from_str(&dump_stage("gpt2-tiny", "chunked", &["--format", "json"]))
+            .expect("json");
     assert!(json["graph"].is_object() && json["chunks"]["trials"].is_array());
 }
 
 #[test]
 fn dump_placed_lists_the_policy_and_the_swapped_activations() {
-    let text = dump("gpt2-tiny", "placed", &[]);
+    let text = dump_stage("gpt2-tiny", "placed", &[]);
     let mut lines = text.lines();
     assert_eq!(
         lines.next(),
@@ -302,7 +303,7 @@ fn dump_placed_lists_the_policy_and_the_swapped_activations() {
     );
     // Every activation listed belongs to the swapped block 0, and the schedule offloads and
     // reloads it.
-    let planned = dump("gpt2-tiny", "planned", &[]);
+    let planned = dump_stage("gpt2-tiny", "planned", &[]);
     for line in text.lines().skip(2).take_while(|l| l.starts_with(";   ")) {
         let name = line[4..].split(' ').next().expect("a value name");
         assert!(line.contains("(h.0."), "{line}");
@@ -325,27 +326,53 @@ fn dump_placed_lists_the_policy_and_the_swapped_activations() {
         resident.contains("; swapped activations: 0, 0 B\n"),
         "{resident}"
     );
-    let dot = dump("gpt2-tiny", "placed", &["--format", "dot"]);
+    let dot = dump_stage("gpt2-tiny", "placed", &["--format", "dot"]);
     assert!(dot.starts_with("digraph"), "{dot}");
     let json: serde_json::Value =
-        serde_json::from_str(&dump("gpt2-tiny", "placed", &["--format", "json"])).expect("json");
+        serde_json::from_str(&dump_stage("gpt2-tiny", "placed", &["--format", "json"]))
+            .expect("json");
     assert_eq!(json["policy"]["n_persist"], 1);
     assert!(!json["swapped"].as_array().expect("a list").is_empty());
 }
 
 #[test]
-fn dump_planned_of_a_model_is_the_schedule_the_facade_compiles() {
+fn dump_planned_of_a_model_is_the_schedule_compile_writes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("llama.ptsched");
+    let args = [
+        "llama-tiny",
+        "--hardware",
+        "rtx3090",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--policy",
+        POLICIES[2].1,
+        "--lr",
+        "0.01",
+    ];
+    let mut compile = vec!["compile", "--dtype", "f32", "-o", path(&file)];
+    compile.extend_from_slice(&args);
+    stdout(&protrain(&compile));
+    let mut written = protrain::ir::file::read(&file).expect("compile writes a valid schedule");
+    number_workspaces_in_order(&mut written);
     // Through JSON, so the workspace numbering can be made canonical on both sides.
-    let json = dump("llama-tiny", "planned", &["--format", "json"]);
-    let mut dumped: Schedule = serde_json::from_str(&json).expect("a schedule in JSON");
+    let mut dump = vec!["dump", "--stage", "planned", "--format", "json"];
+    dump.extend_from_slice(&args);
+    let mut dumped: Schedule =
+        serde_json::from_str(&stdout(&protrain(&dump))).expect("a schedule in JSON");
     number_workspaces_in_order(&mut dumped);
-    let compiled = compile("llama-tiny", rtx3090(), POLICIES[2].1);
-    assert_eq!(dumped.to_text(), compiled.to_text());
+    assert_eq!(dumped.to_text(), written.to_text());
+    assert!(written.graph.to_text().contains("adamw[lr=0.01,"));
     // `scheduled` prints the full schedule too: the printer writes every instruction with its
     // buffers and offsets.
-    let text = dump("llama-tiny", "planned", &[]);
+    let text = dump_stage("llama-tiny", "planned", &[]);
     assert!(text.contains("\nbuffers: ") && text.contains("\nstream0 compute"));
-    assert_eq!(header(&dump("llama-tiny", "scheduled", &[])), header(&text));
+    assert_eq!(
+        header(&dump_stage("llama-tiny", "scheduled", &[])),
+        header(&text)
+    );
 }
 
 #[test]

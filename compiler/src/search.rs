@@ -258,7 +258,7 @@ impl Profile {
     }
 
     /// ProTrain's closed-form step time of a policy.
-    fn estimate_seconds(&self, p: &Policy) -> f64 {
+    fn estimate_seconds(&self, p: Key) -> f64 {
         let n = self.chunk_bytes.len();
         let mut times: Vec<ChunkTimes> = (0..n)
             .map(|c| {
@@ -276,7 +276,8 @@ impl Profile {
                 }
             })
             .collect();
-        for (l, mode) in p.blocks.iter().enumerate() {
+        for l in 0..self.layers {
+            let mode = p.mode(l, self.layers);
             let c = self.layer_chunk[l];
             match mode {
                 BlockMode::Keep => {}
@@ -299,7 +300,7 @@ impl Profile {
     }
 
     /// A quick estimate of the device bytes a policy needs.
-    fn estimate_bytes(&self, p: &Policy) -> u64 {
+    fn estimate_bytes(&self, p: Key) -> u64 {
         let persist = p.n_persist as usize;
         let persistent: u64 = (0..persist)
             .map(|c| 2 * self.chunk_bytes[c] + self.state_per_elem * self.chunk_elems[c])
@@ -313,8 +314,8 @@ impl Profile {
         let mut activations = self.head_bytes;
         let mut recompute_peak = 0;
         let mut swap_peak = 0;
-        for (l, mode) in p.blocks.iter().enumerate() {
-            match mode {
+        for l in 0..self.layers {
+            match p.mode(l, self.layers) {
                 BlockMode::Keep => activations += self.layer_saved[l],
                 BlockMode::Checkpoint => {
                     activations += self.layer_input[l];
@@ -333,7 +334,7 @@ impl Profile {
 /// Every policy the search considers: `n_persist` over every chunk count; 2 to 4 chunk
 /// buffers when something is offloaded; ProTrain's interleaved `(n_swap, n_checkpoint)` over
 /// every split of the layers.
-fn enumerate(chunks: usize, layers: usize) -> Vec<Policy> {
+fn enumerate(chunks: usize, layers: usize) -> Vec<Key> {
     let mut out = Vec::new();
     for n_persist in 0..=chunks as u32 {
         let streamed = chunks as u32 - n_persist;
@@ -343,20 +344,50 @@ fn enumerate(chunks: usize, layers: usize) -> Vec<Policy> {
             s => (2..=s.min(4)).collect(),
         };
         for &n_buffer in &buffers {
-            for n_swap in 0..=layers {
-                for n_checkpoint in 0..=layers - n_swap {
-                    out.push(Policy::protrain(
+            for n_swap in 0..=layers as u32 {
+                for n_checkpoint in 0..=layers as u32 - n_swap {
+                    out.push(Key {
                         n_persist,
                         n_buffer,
                         n_swap,
                         n_checkpoint,
-                        layers,
-                    ));
+                    });
                 }
             }
         }
     }
     out
+}
+
+/// A policy in ProTrain's family, as four numbers: cheap to enumerate, sort and estimate;
+/// [`Key::policy`] builds the [`Policy`] only for the candidates that get compiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Key {
+    n_persist: u32,
+    n_buffer: u32,
+    n_swap: u32,
+    n_checkpoint: u32,
+}
+
+impl Key {
+    fn policy(self, layers: usize) -> Policy {
+        Policy::protrain(
+            self.n_persist,
+            self.n_buffer,
+            self.n_swap as usize,
+            self.n_checkpoint as usize,
+            layers,
+        )
+    }
+
+    /// Layer `l`'s mode, as [`Policy::protrain`] lays them out.
+    fn mode(self, l: usize, layers: usize) -> BlockMode {
+        Policy::protrain_mode(l, self.n_swap as usize, self.n_checkpoint as usize, layers)
+    }
+
+    fn movement(self) -> u32 {
+        self.n_swap + self.n_checkpoint
+    }
 }
 
 /// Blocks that are not simply kept: what a policy swaps or recomputes.
@@ -381,16 +412,16 @@ pub fn search(
         enumerated: policies.len(),
         ..Default::default()
     };
-    let mut ranked: Vec<(f64, u64, Policy)> = policies
+    let mut ranked: Vec<(f64, u64, Key)> = policies
         .into_par_iter()
-        .map(|p| (profile.estimate_seconds(&p), profile.estimate_bytes(&p), p))
+        .map(|k| (profile.estimate_seconds(k), profile.estimate_bytes(k), k))
         .collect();
     // Fastest first; among equals, the one that moves the least: more persistent chunks,
     // fewer swapped or recomputed blocks, then fewer bytes.
     ranked.sort_by(|a, b| {
         a.0.total_cmp(&b.0)
             .then(b.2.n_persist.cmp(&a.2.n_persist))
-            .then(movement(&a.2).cmp(&movement(&b.2)))
+            .then(a.2.movement().cmp(&b.2.movement()))
             .then(a.1.cmp(&b.1))
     });
     // Candidates are compiled without a budget (the search rejects those over it itself);
@@ -410,23 +441,65 @@ pub fn search(
     report.rejected_estimate = over.len();
 
     let mut best: Option<(Candidate, Schedule)> = None;
-    let mut tried = 0;
-    for batch in promising.chunks(rayon::current_num_threads().max(2) * 2) {
-        if tried >= options.max_compiled || best.is_some() && report.compiled.len() >= 4 {
+    // Two passes, each in batches compiled in parallel, until four candidates fit:
+    // 1. the fastest by estimate, skipping those whose estimated bytes, corrected by how the
+    //    estimate compared with the exact plans so far (the median ratio; 0.8 before any, so a
+    //    25% over-estimate still gets through), exceed the budget;
+    // 2. if none of those fit, the leanest by estimate.
+    let mut ratios: Vec<f64> = Vec::new();
+    let batch_size = rayon::current_num_threads().max(2) * 2;
+    let mut pass = 1;
+    let mut compiled_in_pass = 0;
+    let mut queue = promising.clone().into_iter();
+    loop {
+        if best.is_some()
+            && (report.compiled.len() >= 4 || compiled_in_pass >= options.max_compiled)
+        {
             break;
         }
-        tried += batch.len();
-        let results: Vec<(Policy, f64, Result<Schedule>)> = batch
+        let correction = match ratios.len() {
+            0 => 0.8,
+            n => {
+                let mut sorted = ratios.clone();
+                sorted.sort_by(f64::total_cmp);
+                sorted[n / 2]
+            }
+        };
+        let mut batch = Vec::with_capacity(batch_size);
+        if compiled_in_pass < options.max_compiled {
+            for candidate in queue.by_ref() {
+                if pass == 1
+                    && (candidate.1 as f64 * correction) > options.device_budget as f64 * 1.01
+                {
+                    continue;
+                }
+                batch.push(candidate);
+                if batch.len() == batch_size {
+                    break;
+                }
+            }
+        }
+        if batch.is_empty() {
+            if best.is_some() || pass == 2 {
+                break;
+            }
+            pass = 2;
+            compiled_in_pass = 0;
+            let mut lean = promising.clone();
+            lean.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.total_cmp(&b.0)));
+            queue = lean.into_iter();
+            continue;
+        }
+        compiled_in_pass += batch.len();
+        let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
-            .map(|(estimate, _, p)| {
-                (
-                    p.clone(),
-                    *estimate,
-                    compile_policy(training, chunks, p, header(String::new())),
-                )
+            .map(|&(estimate, bytes, key)| {
+                let policy = key.policy(profile.layers);
+                let result = compile_policy(training, chunks, &policy, header(String::new()));
+                (policy, estimate, bytes, result)
             })
             .collect();
-        for (policy, estimate, result) in results {
+        for (policy, estimate, estimated_bytes, result) in results {
             let mut schedule = match result {
                 Ok(s) => s,
                 Err(CompileError::BadPolicy(_)) => {
@@ -435,6 +508,7 @@ pub fn search(
                 }
                 Err(e) => return Err(e),
             };
+            ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
             let sim =
                 simulate(&schedule, cost).map_err(|e| CompileError::Simulation(e.to_string()))?;
             schedule.header.prediction.step_seconds = sim.step_seconds;

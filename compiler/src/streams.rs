@@ -276,9 +276,10 @@ impl Builder {
                 self.grad_chunk.insert(c, (g, hg));
             }
         }
-        let offloaded = chunks.len() as u32 > self.placed.policy.n_persist;
-        if offloaded {
-            for s in 0..self.placed.policy.n_buffer {
+        // No more slots than streamed chunks: a second slot for one chunk would sit unused.
+        let streamed = chunks.len() as u32 - self.placed.policy.n_persist.min(chunks.len() as u32);
+        if streamed > 0 {
+            for s in 0..self.placed.policy.n_buffer.min(streamed) {
                 let b = self.buffer(
                     format!("slot{s}"),
                     Space::Device,
@@ -582,7 +583,9 @@ impl Builder {
 
         // Kernel operands.
         let mut kernels: HashMap<OpId, Instr> = HashMap::new();
-        for (&op, &t) in &self.time.clone() {
+        // In time order, so workspace buffers are numbered the same way every run.
+        for (t, &op) in device_ops.iter().enumerate() {
+            let t = t as u32;
             let o = graph.op(op).clone();
             let inputs: Vec<TensorRef> = o
                 .inputs

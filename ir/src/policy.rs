@@ -61,22 +61,28 @@ impl Policy {
         n_checkpoint: usize,
         layers: usize,
     ) -> Self {
-        let prefix = (n_swap + n_checkpoint).min(layers);
-        let n_swap = n_swap.min(prefix);
-        let mut blocks = vec![BlockMode::Keep; layers];
-        for (i, block) in blocks.iter_mut().enumerate().take(prefix) {
-            // Bresenham: exactly n_swap of the prefix, evenly spread, the first block swapped.
-            *block = if (i * n_swap) % prefix < n_swap {
-                BlockMode::Swap
-            } else {
-                BlockMode::Checkpoint
-            };
-        }
         Self {
             n_persist,
             n_buffer,
-            blocks,
+            blocks: (0..layers)
+                .map(|l| Self::protrain_mode(l, n_swap, n_checkpoint, layers))
+                .collect(),
             prefetch: 1,
+        }
+    }
+
+    /// Layer `l`'s mode in ProTrain's layout (see [`Policy::protrain`]), without building the
+    /// policy: the search estimates hundreds of thousands of layouts this way.
+    pub fn protrain_mode(l: usize, n_swap: usize, n_checkpoint: usize, layers: usize) -> BlockMode {
+        let prefix = (n_swap + n_checkpoint).min(layers);
+        let n_swap = n_swap.min(prefix);
+        // Bresenham: exactly n_swap of the prefix, evenly spread, the first block swapped.
+        if l >= prefix {
+            BlockMode::Keep
+        } else if (l * n_swap) % prefix < n_swap {
+            BlockMode::Swap
+        } else {
+            BlockMode::Checkpoint
         }
     }
 

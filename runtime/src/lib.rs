@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod cuda;
 pub mod data;
 pub mod dispatch;
 pub mod error;

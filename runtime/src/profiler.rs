@@ -1,20 +1,11 @@
-//! The profiler: measures a backend's op times, copy bandwidths and Adam rates as a `HardwareProfile`.
-//!
-//! It runs the real kernels through a [`Backend`], so what it measures is what the executor
-//! will see: every distinct op of a training graph (by [`op_key`]) is launched a few times on
-//! operands of its exact shapes and the median kept; copies are timed through
-//! [`Backend::copy`] each way on large buffers; Adam through the AdamW kernel over a few
-//! million parameters. Capacities (memory sizes) are not measured: they come from the base
-//! profile the caller passes (`HardwareProfile::host()` for the host backend).
-//!
-//! It does not depend on the compiler: the caller builds the training graph, and the profile
-//! it returns is what `--hardware FILE` reads.
+//! The profiler: measures a backend's op times, copy bandwidths and Adam rate as a profile.
 
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
 use crate::kernels;
+use crate::params::init_params;
 use protrain_ir::{
     op_key, DType, Graph, HardwareProfile, MeasuredOp, Op, OpKind, Space, StreamKind, TensorType,
 };
@@ -40,18 +31,25 @@ pub struct ProfileOptions {
     pub copy_repeats: usize,
     /// Parameters of the timed Adam step.
     pub adam_params: usize,
+    /// Largest graph, in bytes of all its values, whose ops are timed in place (the whole
+    /// graph run step after step, as the executor runs it, so each op meets its operands
+    /// where the previous ops left them in the caches); a larger graph's ops are timed one
+    /// by one on operands of their own, which the repeats keep hot in the caches.
+    pub in_place_limit: u64,
     /// The profile's name.
     pub name: String,
 }
 
 impl Default for ProfileOptions {
-    /// 5 runs per op, 64 MiB copies 5 times each way, Adam over 4 Mi parameters, named `host`.
+    /// 5 runs per op, 64 MiB copies 5 times each way, Adam over 4 Mi parameters, graphs up to
+    /// 4 GiB timed in place, named `host`.
     fn default() -> Self {
         Self {
             repeats: 5,
             copy_bytes: 64 << 20,
             copy_repeats: 5,
             adam_params: 4 << 20,
+            in_place_limit: 4 << 30,
             name: "host".to_string(),
         }
     }
@@ -85,7 +83,14 @@ pub fn profile_host(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
     profile::<HostBackend>(graph, HardwareProfile::host(), options)
 }
 
-/// Profiles backend `B` for `graph`: the op table of its ops, copy bandwidth each way, the
+/// Profiles backend `B` for `graph` (a training graph; the runtime does not depend on the
+/// compiler, so the caller builds it) and returns a `HardwareProfile` that `--hardware FILE`
+/// reads. Everything runs through the backend's real kernels and copies, so it measures what
+/// the executor will see.
+///
+/// Measured: the op table of the graph's ops (timed in place when the graph
+/// fits [`ProfileOptions::in_place_limit`], else one by one), copy bandwidth each way, the
+/// fits [`ProfileOptions::in_place_limit`], else one by one), copy bandwidth each way, the
 /// Adam rate, host `memcpy` bandwidth, the launch overhead (median of a 256-byte copy), and
 /// peak f32 FLOP/s and device bandwidth derived from the largest matmul and from `memcpy`.
 /// Memory sizes and the reservation are kept from `base`; the same Adam rate is written for
@@ -108,7 +113,11 @@ pub fn profile<B: Backend>(
             "repeats must be at least 1 to measure anything".into(),
         ));
     }
-    let ops = measure_ops::<B>(graph, options.repeats)?;
+    let ops = if graph_bytes(graph) <= options.in_place_limit {
+        measure_ops_in_place::<B>(graph, options.repeats)?
+    } else {
+        measure_ops::<B>(graph, options.repeats)?
+    };
     let graph_seconds = ops
         .iter()
         .map(|t| t.op.seconds * t.count as f64)
@@ -153,9 +162,152 @@ pub fn profile<B: Backend>(
     })
 }
 
-/// The median time of each distinct [`op_key`] of `graph`, by key: each is launched on
-/// backend `B` once untimed and `repeats` times timed, on operands of its exact types filled
-/// with small positive values (token ids spread over the vocabulary the op indexes).
+/// The median time of each distinct [`op_key`] of `graph`, by key, timed in place: every
+/// value of the graph gets its own bytes in one arena of backend `B` (no reuse), parameters
+/// their initial values ([`init_params`]) and inputs token ids below the vocabulary, then the
+/// whole graph runs once untimed and `repeats` times timed, op after op in graph order, as
+/// the executor runs a resident schedule. Each key's median is over every run of every op
+/// with that key, so the caches are as warm or cold as a real step leaves them.
+pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
+    let mut end = 0u64;
+    let homes: Vec<Address> = graph
+        .values()
+        .map(|(_, v)| {
+            let at = Address {
+                space: Space::Device,
+                offset: end,
+            };
+            end += v.ty.bytes().max(1).next_multiple_of(ALIGN);
+            at
+        })
+        .collect();
+    let workspace_bytes = graph
+        .ops()
+        .map(|(_, op)| {
+            let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            op.kind.workspace_bytes(&types)
+        })
+        .max()
+        .unwrap_or(0);
+    let workspace_at = Address {
+        space: Space::Device,
+        offset: end,
+    };
+    let mut backend = B::new(end + workspace_bytes, 0, 0)?;
+    for ((_, p), values) in graph.params().zip(init_params(graph, 0)) {
+        backend.write_f32(homes[p.value.index()], &values)?;
+    }
+    for &input in graph.inputs() {
+        let n = graph.value(input).ty.numel() as usize;
+        let vocab = graph
+            .users(input)
+            .iter()
+            .map(|&o| {
+                let op = graph.op(o);
+                let i = op.inputs.iter().position(|&v| v == input).unwrap_or(0);
+                token_bound(graph, op, i)
+            })
+            .filter(|&b| b > 1)
+            .min()
+            .unwrap_or(1);
+        backend.write_i32(homes[input.index()], &token_ids(n, vocab))?;
+    }
+    let mut stream = backend.create_stream(StreamKind::Compute)?;
+    let mut keys: Vec<(String, usize)> = Vec::new();
+    let mut index: BTreeMap<String, usize> = BTreeMap::new();
+    let planned: Vec<InPlace> = graph
+        .ops()
+        .map(|(_, op)| {
+            let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let name = op_key(&op.kind, &types);
+            let key = *index.entry(name.clone()).or_insert_with(|| {
+                keys.push((name, 0));
+                keys.len() - 1
+            });
+            keys[key].1 += 1;
+            let workspace = match op.kind.workspace_bytes(&types) {
+                0 => None,
+                bytes => Some((workspace_at, bytes)),
+            };
+            InPlace {
+                op,
+                key,
+                inputs: op.inputs.iter().map(|v| homes[v.index()]).collect(),
+                outputs: op.outputs.iter().map(|v| homes[v.index()]).collect(),
+                workspace,
+                prepared: Prepared::new(&op.kind),
+            }
+        })
+        .collect();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); keys.len()];
+    for run in 0..=repeats {
+        for p in &planned {
+            let launch = Launch {
+                graph,
+                op: p.op,
+                prepared: &p.prepared,
+                inputs: &p.inputs,
+                outputs: &p.outputs,
+                workspace: p.workspace,
+                step: run as u64 + 1,
+            };
+            let began = Instant::now();
+            // SAFETY: one stream on one thread, ops in graph order; every value has bytes of
+            // its own, so no output overlaps an input (AdamW's in-place operands are distinct
+            // values) and the one workspace serves one op at a time.
+            unsafe { backend.launch(&mut stream, &launch)? };
+            backend.synchronize(&mut stream)?;
+            if run > 0 {
+                times[p.key].push(began.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let mut out: Vec<OpTiming> = keys
+        .into_iter()
+        .zip(times)
+        .map(|((key, count), mut t)| OpTiming {
+            op: MeasuredOp {
+                key,
+                seconds: median(&mut t),
+            },
+            count,
+        })
+        .collect();
+    out.sort_by(|a, b| a.op.key.cmp(&b.op.key));
+    Ok(out)
+}
+
+/// An op of the graph ready to launch in place.
+struct InPlace<'g> {
+    op: &'g Op,
+    /// Its index in the key list.
+    key: usize,
+    inputs: Vec<Address>,
+    outputs: Vec<Address>,
+    workspace: Option<(Address, u64)>,
+    prepared: Prepared,
+}
+
+/// Bytes of every value of `graph`, each aligned as [`measure_ops_in_place`] lays them out.
+pub fn graph_bytes(graph: &Graph) -> u64 {
+    graph
+        .values()
+        .map(|(_, v)| v.ty.bytes().max(1).next_multiple_of(ALIGN))
+        .sum()
+}
+
+/// `n` token ids spread over `0..vocab`.
+fn token_ids(n: usize, vocab: u64) -> Vec<i32> {
+    (0..n)
+        .map(|k| ((k as u64 * 7919) % vocab.max(1)) as i32)
+        .collect()
+}
+
+/// The median time of each distinct [`op_key`] of `graph`, by key, timed one by one: each is
+/// launched on backend `B` once untimed and `repeats` times timed, on operands of its exact
+/// types filled with small positive values (token ids spread over the vocabulary the op
+/// indexes). Needs memory for the largest op only, but the repeats find the operands hot in
+/// the caches, so bandwidth-bound ops come out faster than in a step.
 pub fn measure_ops<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
     let mut distinct: BTreeMap<String, (&Op, usize)> = BTreeMap::new();
     for (_, op) in graph.ops() {
@@ -369,9 +521,7 @@ impl Operands {
             let ty = &graph.value(v).ty;
             let n = ty.numel() as usize;
             if ty.dtype == DType::I32 {
-                let vocab = token_bound(graph, op, i).max(1);
-                let ids: Vec<i32> = (0..n).map(|k| ((k as u64 * 7919) % vocab) as i32).collect();
-                backend.write_i32(at, &ids)?;
+                backend.write_i32(at, &token_ids(n, token_bound(graph, op, i)))?;
             } else {
                 // In [0.01, 0.51): no zeros, no denormals, square roots of moments defined.
                 let values: Vec<f32> = (0..n)
@@ -393,5 +543,147 @@ fn token_bound(graph: &Graph, op: &Op, i: usize) -> u64 {
         OpKind::EmbeddingBackward { rows, .. } if i == 0 => rows,
         OpKind::CrossEntropy | OpKind::CrossEntropyBackward if i == 1 => ty(0).last_dim(),
         _ => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protrain_ir::{BlockKind, GraphInfo, Phase, Role, WeightLayout};
+    use std::collections::BTreeSet;
+
+    /// Embedding, layer norm, a linear head and cross-entropy: i32 and f32 inputs, an op with
+    /// a workspace and one with two outputs.
+    fn tiny_graph() -> Graph {
+        let mut g = Graph::new(GraphInfo {
+            model: "profiler-test".into(),
+            batch: 2,
+            seq: 4,
+        });
+        let block = g.add_block("model", BlockKind::Embedding);
+        let tokens = g.add_input("tokens", TensorType::new([2, 4], DType::I32));
+        let targets = g.add_input("targets", TensorType::new([2, 4], DType::I32));
+        let p = |g: &mut Graph, name: &str, shape: &[u64]| {
+            let id = g.add_param(name, shape.to_vec(), DType::F32, block);
+            g.param(id).value
+        };
+        let wte = p(&mut g, "wte", &[16, 8]);
+        let ln_w = p(&mut g, "ln.weight", &[8]);
+        let ln_b = p(&mut g, "ln.bias", &[8]);
+        let fc_w = p(&mut g, "fc.weight", &[8, 16]);
+        let fc_b = p(&mut g, "fc.bias", &[16]);
+        let act = Role::Activation;
+        let op = |g: &mut Graph, kind: OpKind, inputs: &[_], name: &str| {
+            g.add_op(kind, inputs, name, act, block, Phase::Forward)
+                .unwrap()
+        };
+        let h = op(
+            &mut g,
+            OpKind::Embedding { padding_idx: None },
+            &[tokens, wte],
+            "h",
+        );
+        let n = op(
+            &mut g,
+            OpKind::LayerNorm { eps: 1e-5 },
+            &[h, ln_w, ln_b],
+            "n",
+        );
+        let logits = op(
+            &mut g,
+            OpKind::Linear {
+                bias: true,
+                layout: WeightLayout::InOut,
+            },
+            &[n, fc_w, fc_b],
+            "logits",
+        );
+        op(&mut g, OpKind::CrossEntropy, &[logits, targets], "loss");
+        g
+    }
+
+    fn keys(graph: &Graph) -> BTreeSet<String> {
+        graph
+            .ops()
+            .map(|(_, op)| {
+                let t: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+                op_key(&op.kind, &t)
+            })
+            .collect()
+    }
+
+    fn small() -> ProfileOptions {
+        ProfileOptions {
+            repeats: 2,
+            copy_bytes: 1 << 20,
+            copy_repeats: 2,
+            adam_params: 1 << 16,
+            ..ProfileOptions::default()
+        }
+    }
+
+    #[test]
+    fn both_ways_of_timing_ops_cover_every_key_of_the_graph() {
+        let g = tiny_graph();
+        for ops in [
+            measure_ops::<HostBackend>(&g, 2).unwrap(),
+            measure_ops_in_place::<HostBackend>(&g, 2).unwrap(),
+        ] {
+            let got: BTreeSet<String> = ops.iter().map(|t| t.op.key.clone()).collect();
+            assert_eq!(got, keys(&g));
+            assert_eq!(ops.len(), got.len(), "one entry per key");
+            assert_eq!(ops.iter().map(|t| t.count).sum::<usize>(), g.op_count());
+            assert!(ops.iter().all(|t| t.op.seconds > 0.0), "{ops:?}");
+        }
+    }
+
+    #[test]
+    fn a_profile_keeps_capacities_and_fills_in_the_measurements() {
+        let g = tiny_graph();
+        let base = HardwareProfile::host();
+        let p = profile::<HostBackend>(&g, base.clone(), &small()).unwrap();
+        assert_eq!(p.profile.device_memory_bytes, base.device_memory_bytes);
+        assert_eq!(p.profile.host_memory_bytes, base.host_memory_bytes);
+        assert_eq!(p.profile.measured_ops.len(), keys(&g).len());
+        assert_eq!(
+            p.profile.cpu_adam_params_per_s,
+            p.profile.gpu_adam_params_per_s
+        );
+        assert!(p.graph_seconds > 0.0);
+        p.profile.validate().unwrap();
+        // Forced one by one, the same keys come out.
+        let one_by_one = ProfileOptions {
+            in_place_limit: 0,
+            ..small()
+        };
+        let q = profile::<HostBackend>(&g, base, &one_by_one).unwrap();
+        let names = |p: &HardwareProfile| -> Vec<String> {
+            p.measured_ops.iter().map(|m| m.key.clone()).collect()
+        };
+        assert_eq!(names(&p.profile), names(&q.profile));
+    }
+
+    #[test]
+    fn nothing_to_measure_is_an_error() {
+        let empty = Graph::new(GraphInfo {
+            model: "empty".into(),
+            batch: 1,
+            seq: 1,
+        });
+        let err = profile_host(&empty, &small()).unwrap_err().to_string();
+        assert!(err.contains("no ops to measure"), "{err}");
+        let none = ProfileOptions {
+            repeats: 0,
+            ..small()
+        };
+        let err = profile_host(&tiny_graph(), &none).unwrap_err().to_string();
+        assert!(err.contains("repeats must be at least 1"), "{err}");
+    }
+
+    #[test]
+    fn medians_are_medians() {
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 }

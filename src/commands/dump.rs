@@ -1,12 +1,12 @@
 //! `protrain dump`: a model's IR, or a schedule's, at a compilation stage.
 
 use super::compile::{hardware, Dtype};
-use super::{seq_or_default, write_output};
+use super::{seq_or_default, write_output, OptimizerArgs};
 use protrain::ir::print::value_names;
 use protrain::ir::print_schedule::print_chunk_table;
 use protrain::ir::{format_bytes, CopyKind, DType, Graph, Instr, Schedule, ValueId};
 use protrain::models::{BuildOptions, ModelConfig};
-use protrain::{CompileOptions, Error, OptimizerConfig, PolicyChoice, Result};
+use protrain::{CompileOptions, Error, PolicyChoice, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -104,6 +104,10 @@ pub struct Args {
     /// `protrain compile --policy` takes them.
     #[arg(long, default_value = "auto")]
     policy: String,
+    /// The optimizer of the training graph (autodiff and later), as `compile` and `train`
+    /// take it.
+    #[command(flatten)]
+    optimizer: OptimizerArgs,
 }
 
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
@@ -161,7 +165,7 @@ fn model_stage(args: &Args) -> Result<String> {
     if args.stage == Stage::Forward {
         return Ok(graph_text(&forward, args.format));
     }
-    let training = protrain::training_graph(&forward, &OptimizerConfig::default())?;
+    let training = protrain::training_graph(&forward, &args.optimizer.config())?;
     if args.stage == Stage::Autodiff {
         return Ok(graph_text(&training, args.format));
     }
@@ -177,7 +181,7 @@ fn model_stage(args: &Args) -> Result<String> {
     })
 }
 
-/// Compiles the model as `protrain compile` would, with this command's options.
+/// Compiles the model as `protrain compile` would with the same options.
 fn compile(args: &Args, config: &ModelConfig, seq: u64, dtype: DType) -> Result<Schedule> {
     let (profile, device_budget) = hardware(
         &args.hardware,
@@ -191,7 +195,7 @@ fn compile(args: &Args, config: &ModelConfig, seq: u64, dtype: DType) -> Result<
         hardware: profile,
         device_budget,
         policy: PolicyChoice::parse(&args.policy)?,
-        optimizer: OptimizerConfig::default(),
+        optimizer: args.optimizer.config(),
     };
     Ok(protrain::compile(config, &options)?.schedule)
 }

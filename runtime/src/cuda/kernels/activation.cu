@@ -1,0 +1,106 @@
+// Pointwise activations, mirroring runtime/src/kernels/activation.rs: GELU (tanh form, HF
+// `gelu_new`), ReLU, SiLU, SwiGLU, and their backwards.
+//
+// Every entry point is a grid-stride loop over `n` elements: any grid, any 1-D block (256
+// threads is the intended launch). Each element is independent, so in-place use (`out == x`,
+// `dx == dout`) is allowed. Backwards overwrite their input gradients.
+
+#define GELU_K 0.7978846f // sqrt(2 / pi), as the host's GELU_K
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/// sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3): gelu(x) = x * sigmoid(2u), the same
+/// function as 0.5 x (1 + tanh(u)) without the cancellation in 1 + tanh for negative x.
+__device__ __forceinline__ float gelu_s(float x) {
+    float u = GELU_K * (x + GELU_C * (x * x * x));
+    return sigmoid_f(2.0f * u);
+}
+
+template <typename T> __device__ void gelu_forward(T* out, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i);
+        st(out, i, v * gelu_s(v));
+    }
+}
+
+template <typename T> __device__ void gelu_backward(T* dx, const T* dout, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i), d = ld(dout, i);
+        float s = gelu_s(v);
+        float du = GELU_K * (1.0f + 3.0f * GELU_C * (v * v));
+        st(dx, i, d * (s + 2.0f * v * s * (1.0f - s) * du));
+    }
+}
+
+template <typename T> __device__ void relu_forward(T* out, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i);
+        st(out, i, v <= 0.0f ? 0.0f : v); // NaN propagates, as torch.relu
+    }
+}
+
+template <typename T> __device__ void relu_backward(T* dx, const T* dout, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i), d = ld(dout, i);
+        st(dx, i, v <= 0.0f ? 0.0f : d);
+    }
+}
+
+template <typename T> __device__ void silu_forward(T* out, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i);
+        st(out, i, v / (1.0f + expf(-v)));
+    }
+}
+
+template <typename T> __device__ void silu_backward(T* dx, const T* dout, const T* x, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ld(x, i), d = ld(dout, i);
+        float s = sigmoid_f(v);
+        st(dx, i, d * (s * (1.0f + v * (1.0f - s))));
+    }
+}
+
+template <typename T> __device__ void swiglu_forward(T* out, const T* gate, const T* up, i64 n) {
+    GRID_STRIDE(i, n) {
+        float g = ld(gate, i), u = ld(up, i);
+        st(out, i, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+template <typename T>
+__device__ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
+                                i64 n) {
+    GRID_STRIDE(i, n) {
+        float d = ld(dout, i), g = ld(gate, i), u = ld(up, i);
+        float s = sigmoid_f(g);
+        st(dup, i, d * (g * s));
+        st(dgate, i, d * u * (s * (1.0f + g * (1.0f - s))));
+    }
+}
+
+/// out = gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+extern "C" __global__ void gelu_forward_f32(float* out, const float* x, i64 n) { gelu_forward(out, x, n); }
+extern "C" __global__ void gelu_forward_bf16(bf16* out, const bf16* x, i64 n) { gelu_forward(out, x, n); }
+/// dx = dout * gelu'(x).
+extern "C" __global__ void gelu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { gelu_backward(dx, dout, x, n); }
+extern "C" __global__ void gelu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { gelu_backward(dx, dout, x, n); }
+/// out = max(x, 0).
+extern "C" __global__ void relu_forward_f32(float* out, const float* x, i64 n) { relu_forward(out, x, n); }
+extern "C" __global__ void relu_forward_bf16(bf16* out, const bf16* x, i64 n) { relu_forward(out, x, n); }
+/// dx = x > 0 ? dout : 0.
+extern "C" __global__ void relu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { relu_backward(dx, dout, x, n); }
+extern "C" __global__ void relu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { relu_backward(dx, dout, x, n); }
+/// out = x / (1 + e^-x).
+extern "C" __global__ void silu_forward_f32(float* out, const float* x, i64 n) { silu_forward(out, x, n); }
+extern "C" __global__ void silu_forward_bf16(bf16* out, const bf16* x, i64 n) { silu_forward(out, x, n); }
+/// dx = dout * s (1 + x (1 - s)), s = sigmoid(x).
+extern "C" __global__ void silu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { silu_backward(dx, dout, x, n); }
+extern "C" __global__ void silu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { silu_backward(dx, dout, x, n); }
+/// out = silu(gate) * up.
+extern "C" __global__ void swiglu_forward_f32(float* out, const float* gate, const float* up, i64 n) { swiglu_forward(out, gate, up, n); }
+extern "C" __global__ void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, i64 n) { swiglu_forward(out, gate, up, n); }
+/// dgate = dout * up * silu'(gate), dup = dout * silu(gate).
+extern "C" __global__ void swiglu_backward_f32(float* dgate, float* dup, const float* dout, const float* gate, const float* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
+extern "C" __global__ void swiglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }

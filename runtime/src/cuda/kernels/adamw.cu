@@ -1,0 +1,83 @@
+// AdamW on the device, the pieces of `clip_grad_norm_`, and scaling; mirroring
+// runtime/src/kernels/adamw.rs and dispatch.rs's clipped step.
+//
+// The update is written operation by operation with explicit rounding (`__fmul_rn`, ...,
+// `fmaf` where torch's CPU kernels fuse), so no multiply-add is contracted and a device step
+// gives the same bits as the host's `adamw_step` (which matches torch's CPU AdamW): chunks
+// updated on the GPU and chunks updated by the CPU Adam stay consistent. The per-step scalars
+// are computed on the host in f64 and rounded to f32 exactly as the host kernel does
+// (`cuda::AdamWScalars` in runtime/src/cuda/mod.rs).
+//
+// Grid-stride over `n` elements: any grid, any 1-D block (256 intended).
+
+/// One element of torch's `_single_tensor_adam` (decoupled weight decay). `decay` is
+/// 1 - lr * wd (1 when wd = 0: multiplying by 1 is exact); `g` is already scaled by the clip
+/// coefficient when clipping.
+__device__ __forceinline__ float adamw_update(float p, float g, float* m, float* v, i64 i, float decay, float lerp_w,
+                                              float beta2, float one_minus_beta2, float bc2_sqrt, float eps,
+                                              float neg_step_size) {
+    const float pi = __fmul_rn(p, decay);
+    const float mo = m[i], vo = v[i];
+    const float diff = __fsub_rn(g, mo);
+    const float mi = fabsf(lerp_w) < 0.5f ? fmaf(lerp_w, diff, mo) : fmaf(__fsub_rn(lerp_w, 1.0f), diff, g);
+    const float vi = fmaf(__fmul_rn(one_minus_beta2, g), g, __fmul_rn(vo, beta2));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    m[i] = mi;
+    v[i] = vi;
+    return __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));
+}
+
+/// Pure-f32 AdamW: updates `param`, `exp_avg`, `exp_avg_sq` in place from `grad`, all [n].
+/// `grad_scale` points at the clip coefficient (`clip_coef`'s output), or is null for an
+/// unclipped step; the gradient is multiplied by it first, as dispatch's `adamw_step_scaled`.
+extern "C" __global__ void adamw_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+    const float gs = grad_scale ? grad_scale[0] : 1.0f;
+    GRID_STRIDE(i, n) {
+        const float g = grad_scale ? __fmul_rn(grad[i], gs) : grad[i];
+        param[i] = adamw_update(param[i], g, exp_avg, exp_avg_sq, i, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size);
+    }
+}
+
+/// Mixed precision AdamW: the f32 master weights `master`, with `exp_avg`, `exp_avg_sq` (f32),
+/// are updated from the bf16 gradient `grad`; the bf16 working copy `param` is rewritten from
+/// the new master (round to nearest even). Arguments otherwise as `adamw_f32`.
+extern "C" __global__ void adamw_bf16(float* master, bf16* param, const bf16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+    const float gs = grad_scale ? grad_scale[0] : 1.0f;
+    GRID_STRIDE(i, n) {
+        const float g = grad_scale ? __fmul_rn(to_f32(grad[i]), gs) : to_f32(grad[i]);
+        const float p = adamw_update(master[i], g, exp_avg, exp_avg_sq, i, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size);
+        master[i] = p;
+        param[i] = from_f32<bf16>(p);
+    }
+}
+
+/// `clip_grad_norm_`'s factor from the `count` squared norms `*norm_sq[k]` (one f32 per
+/// gradient tensor, from reduce.cu's `grad_norm_sq_finish`; `norm_sq` is a device table of
+/// their addresses): total = sqrt(sum in order, in f64); coef[0] = min((1 / (f32(total) + 1e-6))
+/// * max_norm, 1) in f32, and norm[0] = f32(total), exactly as the host. Launch: one thread.
+extern "C" __global__ void clip_coef(float* coef, float* norm, const float* const* norm_sq, int count, float max_norm) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double total = 0.0;
+    for (int k = 0; k < count; ++k) total += (double)norm_sq[k][0];
+    const float t = __double2float_rn(sqrt(total));
+    const float c = __fmul_rn(__fdiv_rn(1.0f, __fadd_rn(t, 1e-6f)), max_norm);
+    coef[0] = c > 1.0f ? 1.0f : c;
+    norm[0] = t;
+}
+
+/// x *= s in place, `n` elements.
+extern "C" __global__ void scale_f32(float* x, i64 n, float s) {
+    GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], s); }
+}
+extern "C" __global__ void scale_bf16(bf16* x, i64 n, float s) {
+    GRID_STRIDE(i, n) { x[i] = from_f32<bf16>(__fmul_rn(to_f32(x[i]), s)); }
+}
+/// x *= s[0] in place (a device scalar, e.g. the clip coefficient), `n` elements.
+extern "C" __global__ void scale_by_f32(float* x, i64 n, const float* s) {
+    const float f = s[0];
+    GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], f); }
+}
+extern "C" __global__ void scale_by_bf16(bf16* x, i64 n, const float* s) {
+    const float f = s[0];
+    GRID_STRIDE(i, n) { x[i] = from_f32<bf16>(__fmul_rn(to_f32(x[i]), f)); }
+}

@@ -1,0 +1,31 @@
+// Elementwise addition (residuals, token + position embeddings), mirroring
+// runtime/src/kernels/add.rs, plus the broadcast bias add of a linear layer whose matmul runs
+// in cuBLAS without a bias epilogue (its backward is `column_sum_*` in reduce.cu).
+//
+// Grid-stride loops: any grid, any 1-D block (256 intended). In-place use is allowed.
+
+template <typename T> __device__ void add_forward(T* out, const T* a, const T* b, i64 n) {
+    GRID_STRIDE(i, n) { st(out, i, ld(a, i) + ld(b, i)); }
+}
+
+template <typename T> __device__ void add_backward(T* da, T* db, const T* dout, i64 n) {
+    GRID_STRIDE(i, n) {
+        T d = dout[i];
+        da[i] = d;
+        db[i] = d;
+    }
+}
+
+template <typename T> __device__ void bias_add(T* out, const T* x, const T* bias, i64 rows, int cols) {
+    GRID_STRIDE(i, rows * cols) { st(out, i, ld(x, i) + ld(bias, i % cols)); }
+}
+
+/// out = a + b, `n` elements.
+extern "C" __global__ void add_forward_f32(float* out, const float* a, const float* b, i64 n) { add_forward(out, a, b, n); }
+extern "C" __global__ void add_forward_bf16(bf16* out, const bf16* a, const bf16* b, i64 n) { add_forward(out, a, b, n); }
+/// da = dout, db = dout.
+extern "C" __global__ void add_backward_f32(float* da, float* db, const float* dout, i64 n) { add_backward(da, db, dout, n); }
+extern "C" __global__ void add_backward_bf16(bf16* da, bf16* db, const bf16* dout, i64 n) { add_backward(da, db, dout, n); }
+/// out[r, c] = x[r, c] + bias[c] for `x`, `out` [rows, cols] and `bias` [cols].
+extern "C" __global__ void bias_add_f32(float* out, const float* x, const float* bias, i64 rows, int cols) { bias_add(out, x, bias, rows, cols); }
+extern "C" __global__ void bias_add_bf16(bf16* out, const bf16* x, const bf16* bias, i64 rows, int cols) { bias_add(out, x, bias, rows, cols); }

@@ -1,0 +1,85 @@
+// Shared prelude of protrain's CUDA kernels. `runtime/src/cuda/mod.rs` prepends it to every
+// kernel source, so each source compiles on its own with NVRTC and no include path: nothing
+// here (or in the sources) includes a header. bf16 is stored as raw bits and converted by hand.
+//
+// Conventions of every kernel:
+// - compute in f32 (f64 for the loss and the gradient norm), storage f32 or bf16 (`_f32` /
+//   `_bf16` entry points); per-row statistics, logsumexps and partial sums are always f32;
+// - element counts are 64-bit (`i64`); row and column counts are `int`;
+// - reductions have one fixed order for a given launch shape (warp butterflies, fixed block
+//   trees, rows in index order), so results are the same bits run after run. No atomic takes
+//   part in a floating-point sum; the only atomics are integer min/max (order-independent);
+// - outputs are overwritten unless an `accumulate` argument says otherwise.
+
+typedef long long i64;
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+
+/// A bfloat16 value as its raw bits (the upper half of an IEEE f32).
+struct __align__(2) bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float pt_inf() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+/// Round to nearest even, as `__float2bfloat16_rn` and torch's `round_to_nearest_even`; a NaN
+/// stays a (quiet) NaN of the same sign.
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) {
+    u32 u = __float_as_uint(x);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x0040u);
+        return r;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+
+template <typename T> __device__ __forceinline__ float ld(const T* p, i64 i) { return to_f32(p[i]); }
+template <typename T> __device__ __forceinline__ void st(T* p, i64 i, float v) { p[i] = from_f32<T>(v); }
+
+/// Butterfly sum over a full warp. Every lane ends with the same bits: at each step the two
+/// partners add the same two values, and addition is commutative.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+/// Butterfly max over a full warp (NaN ignored, as `fmaxf`).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+/// Sum over the whole block (blockDim.x a multiple of 32, at most 1024; 1-D blocks), returned
+/// to every thread. `scratch` is 32 shared slots; the leading barrier makes back-to-back calls
+/// with the same scratch safe.
+template <typename F> __device__ __forceinline__ F block_sum(F v, F* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : (F)0;
+    return warp_sum(v);
+}
+
+/// Grid-stride loop over `0..n` with a 64-bit index.
+#define GRID_STRIDE(i, n)                                                                      \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);                     \
+         i += (i64)blockDim.x * gridDim.x)

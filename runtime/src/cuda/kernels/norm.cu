@@ -1,0 +1,156 @@
+// Row normalisations, mirroring runtime/src/kernels/norm.rs: `nn.LayerNorm` (biased variance)
+// and LLaMA's RMSNorm, forward and backward, f32 statistics whatever the storage type.
+//
+// Row kernels give each row to one block (grid.x any: blocks stride over rows; 1-D blocks of
+// a multiple of 32 threads, 256 intended) and reduce with fixed block trees. Weight and bias
+// gradients are column sums over rows: `norm_backward_params_partial_*` writes per-chunk
+// partials [n_chunks, C] (as reduce.cu's column sums), and reduce.cu's `column_sum_finish_*`
+// adds them in order into dweight / dbias (overwriting or accumulating).
+
+template <typename T>
+__device__ void layer_norm_forward(T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias,
+                                   int rows, int channels, float eps) {
+    __shared__ float scratch[32];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 base = (i64)r * channels;
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) s += ld(x, base + c);
+        const float mu = block_sum(s, scratch) / (float)channels;
+        float q = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float d = ld(x, base + c) - mu;
+            q += d * d;
+        }
+        const float var = block_sum(q, scratch) / (float)channels;
+        const float rs = 1.0f / sqrtf(var + eps);
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float v = (ld(x, base + c) - mu) * rs * ld(weight, c);
+            if (bias) v += ld(bias, c);
+            st(out, base + c, v);
+        }
+        if (threadIdx.x == 0) {
+            mean[r] = mu;
+            rstd[r] = rs;
+        }
+    }
+}
+
+/// out[r] = (x[r] - mean_r) * rstd_r * weight + bias, rstd_r = 1 / sqrt(var_r + eps), for `x`,
+/// `out` [rows, C], `weight`, `bias` [C] (`bias` may be null); writes mean, rstd [rows] (f32)
+/// for the backward.
+extern "C" __global__ void layer_norm_forward_f32(float* out, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int rows, int channels, float eps) { layer_norm_forward(out, mean, rstd, x, weight, bias, rows, channels, eps); }
+extern "C" __global__ void layer_norm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight, const bf16* bias, int rows, int channels, float eps) { layer_norm_forward(out, mean, rstd, x, weight, bias, rows, channels, eps); }
+
+template <typename T>
+__device__ void layer_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* mean,
+                                    const float* rstd, int rows, int channels) {
+    __shared__ float scratch[32];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 base = (i64)r * channels;
+        const float mu = mean[r], rs = rstd[r];
+        float gs = 0.0f, gns = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float g = ld(dout, base + c) * ld(weight, c);
+            gs += g;
+            gns += g * ((ld(x, base + c) - mu) * rs);
+        }
+        const float g_mean = block_sum(gs, scratch) / (float)channels;
+        const float gn_mean = block_sum(gns, scratch) / (float)channels;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float n = (ld(x, base + c) - mu) * rs;
+            st(dx, base + c, (ld(dout, base + c) * ld(weight, c) - g_mean - n * gn_mean) * rs);
+        }
+    }
+}
+
+/// dx = (g - mean(g) - n * mean(g * n)) * rstd with n = (x - mean) * rstd, g = dout * weight;
+/// overwrites dx [rows, C]. Weight and bias gradients: `norm_backward_params_partial_*`.
+extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
+extern "C" __global__ void layer_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
+
+template <typename T>
+__device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weight, int rows, int channels, float eps) {
+    __shared__ float scratch[32];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 base = (i64)r * channels;
+        float q = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float v = ld(x, base + c);
+            q += v * v;
+        }
+        const float rs = 1.0f / sqrtf(block_sum(q, scratch) / (float)channels + eps);
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) st(out, base + c, ld(weight, c) * (ld(x, base + c) * rs));
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
+/// out[r] = weight * (x[r] * rstd_r), rstd_r = 1 / sqrt(mean(x[r]^2) + eps); writes rstd [rows].
+extern "C" __global__ void rms_norm_forward_f32(float* out, float* rstd, const float* x, const float* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
+extern "C" __global__ void rms_norm_forward_bf16(bf16* out, float* rstd, const bf16* x, const bf16* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
+
+template <typename T>
+__device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* rstd, int rows, int channels) {
+    __shared__ float scratch[32];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 base = (i64)r * channels;
+        const float rs = rstd[r];
+        float gns = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x)
+            gns += (ld(dout, base + c) * ld(weight, c)) * (ld(x, base + c) * rs);
+        const float gn_mean = block_sum(gns, scratch) / (float)channels;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+            float g = ld(dout, base + c) * ld(weight, c);
+            st(dx, base + c, (g - (ld(x, base + c) * rs) * gn_mean) * rs);
+        }
+    }
+}
+
+/// dx = (g - n * mean(g * n)) * rstd with n = x * rstd, g = dout * weight; overwrites dx.
+extern "C" __global__ void rms_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
+extern "C" __global__ void rms_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
+
+#define NORM_COL_TILE 32
+#define NORM_ROW_LANES 8
+
+template <typename T>
+__device__ void norm_backward_params_partial(float* dweight_part, float* dbias_part, const T* dout, const T* x,
+                                             const float* mean, const float* rstd, int rows, int channels,
+                                             int rows_per_chunk) {
+    __shared__ float tw[NORM_ROW_LANES][NORM_COL_TILE + 1];
+    __shared__ float tb[NORM_ROW_LANES][NORM_COL_TILE + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int c = blockIdx.x * NORM_COL_TILE + tx;
+    const int r0 = blockIdx.y * rows_per_chunk;
+    const int r1 = min(rows, r0 + rows_per_chunk);
+    float aw = 0.0f, ab = 0.0f;
+    if (c < channels) {
+        for (int r = r0 + ty; r < r1; r += NORM_ROW_LANES) {
+            const i64 i = (i64)r * channels + c;
+            const float mu = mean ? mean[r] : 0.0f;
+            const float d = ld(dout, i);
+            aw += d * ((ld(x, i) - mu) * rstd[r]);
+            ab += d;
+        }
+    }
+    tw[ty][tx] = aw;
+    tb[ty][tx] = ab;
+    __syncthreads();
+    if (ty == 0 && c < channels) {
+        float sw = tw[0][tx], sb = tb[0][tx];
+        for (int k = 1; k < NORM_ROW_LANES; ++k) {
+            sw += tw[k][tx];
+            sb += tb[k][tx];
+        }
+        const i64 o = (i64)blockIdx.y * channels + c;
+        dweight_part[o] = sw;
+        if (dbias_part) dbias_part[o] = sb;
+    }
+}
+
+/// Per-chunk partials of the norm parameter gradients: dweight_part[k, c] = sum over the rows
+/// of chunk k of dout * n with n = (x - mean) * rstd (layer norm) or x * rstd (RMS norm: pass
+/// `mean` null), and dbias_part[k, c] = sum of dout (null to skip: RMS norm). Finish each with
+/// `column_sum_finish_*` (reduce.cu) over n_chunks = ceil(rows / rows_per_chunk).
+/// Launch: block (32, 8), grid (ceil(C / 32), n_chunks).
+extern "C" __global__ void norm_backward_params_partial_f32(float* dweight_part, float* dbias_part, const float* dout, const float* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
+extern "C" __global__ void norm_backward_params_partial_bf16(float* dweight_part, float* dbias_part, const bf16* dout, const bf16* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }

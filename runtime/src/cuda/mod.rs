@@ -1,0 +1,408 @@
+//! CUDA kernel sources for every op kind but the matmuls, and (feature `cuda`) their NVRTC
+//! compilation.
+//!
+//! The kernels live as `.cu` files in `kernels/`, one per op family as in
+//! [`crate::kernels`], whose semantics they reproduce (f32 compute; `_f32` and `_bf16` storage
+//! variants; deterministic reductions without floating-point atomics). Each source here is the
+//! shared prelude `kernels/common.cuh` followed by the family's file, so it compiles on its own
+//! with NVRTC, with no include path and no system header. [`SOURCES`] lists them with their
+//! entry points; it is plain data, available without the `cuda` feature, so CPU-only builds can
+//! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here.
+//!
+//! Launch shapes are documented beside each entry point in the `.cu` files; the constants a
+//! launcher needs to size grids and workspaces are mirrored below.
+
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+
+use crate::kernels::AdamWConfig;
+
+/// One NVRTC compilation unit: a family's kernels with the prelude in front.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSource {
+    /// The family, also the `.cu` file's stem (`"norm"` for `kernels/norm.cu`).
+    pub name: &'static str,
+    /// The full text NVRTC compiles: `common.cuh`, a `#line` directive, the family's file.
+    pub source: &'static str,
+    /// Every `extern "C" __global__` function of the source, in file order.
+    pub entry_points: &'static [&'static str],
+}
+
+impl KernelSource {
+    /// The program name given to NVRTC, which its log uses for the family's own lines.
+    pub fn file_name(&self) -> String {
+        format!("{}.cu", self.name)
+    }
+}
+
+/// The prelude every source starts with (bf16 conversions, warp and block reductions).
+pub const PRELUDE: &str = include_str!("kernels/common.cuh");
+
+/// `common.cuh`, then a `#line` directive so NVRTC's messages give the family file's own line
+/// numbers, then the file.
+macro_rules! kernel_source {
+    ($name:literal, [$($entry:literal),* $(,)?]) => {
+        KernelSource {
+            name: $name,
+            source: concat!(
+                include_str!("kernels/common.cuh"),
+                "\n#line 1 \"",
+                $name,
+                ".cu\"\n",
+                include_str!(concat!("kernels/", $name, ".cu")),
+            ),
+            entry_points: &[$($entry),*],
+        }
+    };
+}
+
+/// Every kernel source, with its entry points.
+pub const SOURCES: &[KernelSource] = &[
+    kernel_source!(
+        "activation",
+        [
+            "gelu_forward_f32",
+            "gelu_forward_bf16",
+            "gelu_backward_f32",
+            "gelu_backward_bf16",
+            "relu_forward_f32",
+            "relu_forward_bf16",
+            "relu_backward_f32",
+            "relu_backward_bf16",
+            "silu_forward_f32",
+            "silu_forward_bf16",
+            "silu_backward_f32",
+            "silu_backward_bf16",
+            "swiglu_forward_f32",
+            "swiglu_forward_bf16",
+            "swiglu_backward_f32",
+            "swiglu_backward_bf16",
+        ]
+    ),
+    kernel_source!(
+        "add",
+        [
+            "add_forward_f32",
+            "add_forward_bf16",
+            "add_backward_f32",
+            "add_backward_bf16",
+            "bias_add_f32",
+            "bias_add_bf16",
+        ]
+    ),
+    kernel_source!("cast", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
+    kernel_source!(
+        "embedding",
+        [
+            "check_tokens",
+            "embedding_forward_f32",
+            "embedding_forward_bf16",
+            "embedding_backward_span",
+            "embedding_backward_f32",
+            "embedding_backward_bf16",
+            "position_embedding_forward_f32",
+            "position_embedding_forward_bf16",
+            "position_embedding_backward_f32",
+            "position_embedding_backward_bf16",
+        ]
+    ),
+    kernel_source!(
+        "norm",
+        [
+            "layer_norm_forward_f32",
+            "layer_norm_forward_bf16",
+            "layer_norm_backward_f32",
+            "layer_norm_backward_bf16",
+            "rms_norm_forward_f32",
+            "rms_norm_forward_bf16",
+            "rms_norm_backward_f32",
+            "rms_norm_backward_bf16",
+            "norm_backward_params_partial_f32",
+            "norm_backward_params_partial_bf16",
+        ]
+    ),
+    kernel_source!(
+        "reduce",
+        [
+            "column_sum_partial_f32",
+            "column_sum_partial_bf16",
+            "column_sum_finish_f32",
+            "column_sum_finish_bf16",
+            "grad_norm_sq_partial_f32",
+            "grad_norm_sq_partial_bf16",
+            "grad_norm_sq_finish",
+        ]
+    ),
+    kernel_source!(
+        "rope",
+        [
+            "rope_forward_f32",
+            "rope_forward_bf16",
+            "rope_backward_f32",
+            "rope_backward_bf16",
+        ]
+    ),
+    kernel_source!(
+        "attention",
+        [
+            "attention_forward_f32",
+            "attention_forward_bf16",
+            "attention_backward_delta_f32",
+            "attention_backward_delta_bf16",
+            "attention_backward_dq_f32",
+            "attention_backward_dq_bf16",
+            "attention_backward_dkv_f32",
+            "attention_backward_dkv_bf16",
+        ]
+    ),
+    kernel_source!(
+        "cross_entropy",
+        [
+            "cross_entropy_forward_f32",
+            "cross_entropy_forward_bf16",
+            "cross_entropy_loss",
+            "cross_entropy_backward_f32",
+            "cross_entropy_backward_bf16",
+        ]
+    ),
+    kernel_source!(
+        "adamw",
+        [
+            "adamw_f32",
+            "adamw_bf16",
+            "clip_coef",
+            "scale_f32",
+            "scale_bf16",
+            "scale_by_f32",
+            "scale_by_bf16",
+        ]
+    ),
+];
+
+/// The source that defines `entry_point`, if any.
+pub fn source_of(entry_point: &str) -> Option<&'static KernelSource> {
+    SOURCES
+        .iter()
+        .find(|s| s.entry_points.contains(&entry_point))
+}
+
+/// The attention kernels' largest head dimension (`ATTN_MAX_D`); they trap on a larger one.
+pub const ATTN_MAX_HEAD_DIM: usize = 128;
+/// Threads per block of every attention kernel but the delta step (`ATTN_THREADS`).
+pub const ATTN_THREADS: u32 = 128;
+/// Query rows per forward block: grid `(ceil(T / this), H, B)`.
+pub const ATTN_FWD_ROWS: usize = 16;
+/// Query rows per dq block: grid `(ceil(T / this), H, B)`.
+pub const ATTN_DQ_ROWS: usize = 8;
+/// Key rows per dk/dv block: grid `(ceil(T / this), KV, B)`.
+pub const ATTN_DKV_ROWS: usize = 8;
+
+/// The block shape of the column-sum partial kernels (`column_sum_partial_*`,
+/// `norm_backward_params_partial_*`): 32 columns by 8 row lanes.
+pub const COLUMN_SUM_BLOCK: (u32, u32) = (32, 8);
+/// Rows per chunk of the column sums: a function of nothing but this constant, so the order
+/// of every sum, and so its bits, depends only on the shape.
+pub const COLUMN_SUM_ROWS_PER_CHUNK: usize = 256;
+
+/// Chunks (the partials' leading dimension) of a column sum over `rows` rows: the workspace
+/// is `column_sum_chunks(rows) * cols` f32s per summed parameter.
+pub fn column_sum_chunks(rows: usize) -> usize {
+    rows.div_ceil(COLUMN_SUM_ROWS_PER_CHUNK).max(1)
+}
+
+/// Blocks (= f64 partials) of `grad_norm_sq_partial_*` over `n` elements with 256-thread
+/// blocks: enough to fill a GPU, at most 1024, and a function of `n` alone.
+pub fn grad_norm_partials(n: usize) -> usize {
+    n.div_ceil(256 * 16).clamp(1, 1024)
+}
+
+/// The f32 scalars of one `adamw_f32` / `adamw_bf16` launch, rounded from f64 arithmetic as
+/// the host kernel ([`crate::kernels::adamw_step`], which matches torch) rounds them, so a
+/// device step gives the host's bits. Pass them in field order after `grad_scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWScalars {
+    /// `1 - lr * weight_decay` (exactly 1 when weight decay is off: multiplying by it is exact).
+    pub decay: f32,
+    /// `1 - beta1`, the weight of `exp_avg.lerp_(grad, 1 - beta1)`.
+    pub lerp_w: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub one_minus_beta2: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bc2_sqrt: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^step)`.
+    pub neg_step_size: f32,
+}
+
+impl AdamWScalars {
+    /// The scalars of step `step` (1-based, after this step's increment).
+    pub fn new(cfg: &AdamWConfig, step: u64) -> Self {
+        assert!(step >= 1, "adamw: step is 1-based");
+        let t = step as f64;
+        let bias_correction1 = 1.0 - cfg.beta1.powf(t);
+        let bias_correction2 = 1.0 - cfg.beta2.powf(t);
+        AdamWScalars {
+            decay: if cfg.weight_decay != 0.0 {
+                (1.0 - cfg.lr * cfg.weight_decay) as f32
+            } else {
+                1.0
+            },
+            lerp_w: (1.0 - cfg.beta1) as f32,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            bc2_sqrt: bias_correction2.sqrt() as f32,
+            eps: cfg.eps as f32,
+            neg_step_size: (-(cfg.lr / bias_correction1)) as f32,
+        }
+    }
+}
+
+/// Include directories for NVRTC from `PROTRAIN_CUDA_INCLUDE` (`:`-separated; unset or empty:
+/// none), as `scripts/nvrtc-env.sh` exports it. The sources need none today; the variable lets
+/// a kernel use the CUDA headers (`cuda_bf16.h`) later without changing the callers.
+pub fn include_paths_from_env() -> Vec<String> {
+    std::env::var("PROTRAIN_CUDA_INCLUDE")
+        .map(|v| {
+            v.split(':')
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// The names of the `extern "C" __global__` functions defined in `text`, in order.
+    fn declared_entry_points(text: &str) -> Vec<&str> {
+        const MARK: &str = "extern \"C\" __global__ void ";
+        text.match_indices(MARK)
+            .map(|(at, _)| {
+                let rest = &text[at + MARK.len()..];
+                &rest[..rest.find('(').expect("an entry point has a parameter list")]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_entry_point_is_listed_once_and_defined() {
+        let mut seen = BTreeSet::new();
+        for src in SOURCES {
+            assert_eq!(
+                declared_entry_points(src.source),
+                src.entry_points,
+                "{}: the list must name every extern \"C\" kernel, in file order",
+                src.file_name()
+            );
+            for &e in src.entry_points {
+                assert!(seen.insert(e), "{e} is listed twice");
+                assert_eq!(source_of(e).map(|s| s.name), Some(src.name));
+            }
+        }
+        assert!(
+            declared_entry_points(PRELUDE).is_empty(),
+            "the prelude defines no kernel"
+        );
+    }
+
+    #[test]
+    fn sources_are_self_contained() {
+        for src in SOURCES {
+            assert!(src.source.starts_with(PRELUDE), "{}", src.name);
+            let body = &src.source[PRELUDE.len()..];
+            assert!(
+                body.starts_with(&format!("\n#line 1 \"{}\"\n", src.file_name())),
+                "{}",
+                src.name
+            );
+            // NVRTC has no system headers; the sources include nothing so that no include path
+            // is needed where the kernels are compiled at run time.
+            assert!(
+                !src.source
+                    .lines()
+                    .any(|l| l.trim_start().starts_with("#include")),
+                "{} includes a header",
+                src.name
+            );
+        }
+    }
+
+    #[test]
+    fn every_op_family_with_host_kernels_has_device_kernels() {
+        // Families of `crate::kernels`, less `linear` (its matmuls go to cuBLAS; its bias add
+        // and bias gradient are in `add` and `reduce`).
+        for family in [
+            "activation",
+            "adamw",
+            "add",
+            "attention",
+            "cross_entropy",
+            "embedding",
+            "norm",
+            "rope",
+        ] {
+            assert!(SOURCES.iter().any(|s| s.name == family), "{family}");
+        }
+    }
+
+    /// The element update of `adamw.cu`, transcribed operation by operation (`mul_add` where
+    /// it calls `fmaf`, plain operations where it rounds each one).
+    fn device_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: AdamWScalars) {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let pi = *p * s.decay;
+            let diff = g - *m;
+            let mi = if s.lerp_w.abs() < 0.5 {
+                s.lerp_w.mul_add(diff, *m)
+            } else {
+                (s.lerp_w - 1.0).mul_add(diff, g)
+            };
+            let vi = (s.one_minus_beta2 * g).mul_add(g, *v * s.beta2);
+            let denom = vi.sqrt() / s.bc2_sqrt + s.eps;
+            *m = mi;
+            *v = vi;
+            *p = pi + (s.neg_step_size * mi) / denom;
+        }
+    }
+
+    #[test]
+    fn adamw_scalars_reproduce_the_host_step_to_the_bit() {
+        let n = 1000;
+        let wave = |k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * k).sin()).collect() };
+        let (p0, g, m0) = (wave(0.37), wave(1.3), wave(0.11));
+        let v0: Vec<f32> = wave(0.07).iter().map(|x| x.abs()).collect();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for cfg in [
+            AdamWConfig::default(),
+            AdamWConfig {
+                weight_decay: 0.0,
+                beta1: 0.3,
+                ..AdamWConfig::default()
+            },
+        ] {
+            for step in [1, 2, 1000] {
+                let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
+                crate::kernels::adamw_step(&mut p1, &g, &mut m1, &mut v1, step, &cfg);
+                let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
+                device_update(&mut p2, &g, &mut m2, &mut v2, AdamWScalars::new(&cfg, step));
+                assert_eq!(bits(&p1), bits(&p2), "param, {cfg:?} step {step}");
+                assert_eq!(bits(&m1), bits(&m2), "exp_avg, {cfg:?} step {step}");
+                assert_eq!(bits(&v1), bits(&v2), "exp_avg_sq, {cfg:?} step {step}");
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_sizes_depend_on_the_shape_only() {
+        assert_eq!(column_sum_chunks(0), 1);
+        assert_eq!(column_sum_chunks(256), 1);
+        assert_eq!(column_sum_chunks(257), 2);
+        assert_eq!(grad_norm_partials(1), 1);
+        assert_eq!(grad_norm_partials(usize::MAX / 2), 1024);
+    }
+}
