@@ -2,8 +2,7 @@
 //! that needs no GPU. Needs the `cuda` feature and NVRTC from PyPI:
 //!
 //! ```text
-//! pip install nvidia-cuda-nvrtc nvidia-cuda-runtime
-//! source <(bash scripts/nvrtc-env.sh)
+//! source <(bash scripts/nvrtc-env.sh --install)
 //! cargo test -p protrain-runtime --features cuda --test nvrtc
 //! ```
 //!
@@ -25,14 +24,19 @@ fn ptx_entries(ptx: &str) -> Vec<&str> {
         .collect()
 }
 
-#[test]
-fn every_kernel_source_compiles_for_sm80_and_sm90() {
+/// Fails the test, with what to do, when NVRTC cannot be loaded.
+fn require_nvrtc() {
     assert!(
         nvrtc::available(),
-        "NVRTC cannot be loaded (LD_LIBRARY_PATH={:?}). {}",
+        "NVRTC cannot be loaded (LD_LIBRARY_PATH={:?}): {}",
         std::env::var("LD_LIBRARY_PATH").unwrap_or_default(),
         nvrtc::SETUP_HINT
     );
+}
+
+#[test]
+fn every_kernel_source_compiles_for_sm80_and_sm90() {
+    require_nvrtc();
     let (major, minor) = nvrtc::version().expect("nvrtcVersion");
     eprintln!("NVRTC {major}.{minor}");
     let includes = cuda::include_paths_from_env();
@@ -72,7 +76,7 @@ fn every_kernel_source_compiles_for_sm80_and_sm90() {
 
 #[test]
 fn a_compile_error_reports_the_file_and_line() {
-    assert!(nvrtc::available(), "{}", nvrtc::SETUP_HINT);
+    require_nvrtc();
     // A copy of a real source with one undefined name appended: the error must name the
     // family's file and a line within it, thanks to the #line directive after the prelude.
     let broken: &'static str = Box::leak(

@@ -12,8 +12,11 @@ use cudarc::nvrtc::{result, sys, Ptx};
 use super::{include_paths_from_env, KernelSource, SOURCES};
 
 /// How to make NVRTC loadable, for error messages.
-pub const SETUP_HINT: &str = "pip install nvidia-cuda-nvrtc (the CUDA 13 wheel), then run \
-     `source <(bash scripts/nvrtc-env.sh)` so that LD_LIBRARY_PATH holds its libnvrtc.so.13";
+pub const SETUP_HINT: &str =
+    "run `source <(bash scripts/nvrtc-env.sh --install)`, which pip-installs \
+     the CUDA 13.0 NVRTC wheel (nvidia-cuda-nvrtc) into ~/.cache/protrain/nvrtc and puts its \
+     libnvrtc.so.13 on LD_LIBRARY_PATH (an NVRTC already pip-installed is found without \
+     --install)";
 
 /// What can go wrong compiling a kernel source.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,347 @@
+// CPU check of the CUDA kernels' arithmetic and indexing, for machines without a GPU: the
+// sources run under cuda_emu.h (one std::thread per CUDA thread, real barriers and warp
+// exchanges) against naive f64 references written from runtime/src/kernels/. It validates
+// semantics, not the GPU memory model or speed. From the repository root:
+//
+//   g++ -std=c++20 -O1 -pthread -Wno-unknown-pragmas -o /tmp/cuda_emu \
+//       runtime/src/cuda/emu/harness.cpp && /tmp/cuda_emu
+//
+// (about a minute on two cores; prints one line per check and exits non-zero on a failure).
+#include "cuda_emu.h"
+#include <random>
+#include <string>
+#include "../kernels/common.cuh"
+#include "../kernels/activation.cu"
+#include "../kernels/add.cu"
+#include "../kernels/cast.cu"
+#include "../kernels/embedding.cu"
+#include "../kernels/norm.cu"
+#include "../kernels/reduce.cu"
+#include "../kernels/rope.cu"
+#include "../kernels/attention.cu"
+#include "../kernels/cross_entropy.cu"
+#include "../kernels/adamw.cu"
+
+static int failures = 0;
+static std::mt19937 rng(42);
+std::vector<float> rnd(size_t n, float s = 1.0f) { std::uniform_real_distribution<float> d(-s, s); std::vector<float> v(n); for (auto& x : v) x = d(rng); return v; }
+void close(const char* what, const std::vector<float>& got, const std::vector<double>& want, double tol) {
+    double worst = 0; size_t at = 0;
+    if (got.size() != want.size()) { printf("FAIL %s: size %zu vs %zu\n", what, got.size(), want.size()); failures++; return; }
+    for (size_t i = 0; i < got.size(); ++i) {
+        double e = std::fabs(got[i] - want[i]) / (1.0 + std::fabs(want[i]));
+        if (!(e <= worst)) { worst = e; at = i; }
+    }
+    bool ok = worst <= tol;
+    if (!ok) failures++;
+    printf("%s %s: max rel err %.3g at %zu (got %.9g want %.9g)\n", ok ? "ok  " : "FAIL", what, worst, at, got.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
+}
+std::vector<double> dbl(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+dim3 G(unsigned x, unsigned y = 1, unsigned z = 1) { return dim3(x, y, z); }
+std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = from_f32<bf16>(v[i]); return r; }
+std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = to_f32(v[i]); return r; }
+
+void test_activation() {
+    const i64 n = 1000;
+    auto x = rnd(n, 6), d = rnd(n), u = rnd(n, 3);
+    std::vector<float> o(n), o2(n);
+    std::vector<double> w(n), w2(n);
+    auto gelu = [](double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); };
+    auto num = [](auto f, double x) { double h = 1e-6; return (f(x + h) - f(x - h)) / (2 * h); };
+    auto silu = [](double x) { return x / (1 + std::exp(-x)); };
+    launch(G(3), G(256), [&] { gelu_forward_f32(o.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = gelu(x[i]);
+    close("gelu fwd", o, w, 1e-6);
+    launch(G(3), G(256), [&] { gelu_backward_f32(o.data(), d.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = d[i] * num(gelu, x[i]);
+    close("gelu bwd", o, w, 1e-5);
+    launch(G(3), G(256), [&] { silu_forward_f32(o.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = silu(x[i]);
+    close("silu fwd", o, w, 1e-6);
+    launch(G(3), G(256), [&] { silu_backward_f32(o.data(), d.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = d[i] * num(silu, x[i]);
+    close("silu bwd", o, w, 1e-5);
+    launch(G(3), G(256), [&] { relu_forward_f32(o.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = x[i] > 0 ? x[i] : 0;
+    close("relu fwd", o, w, 0);
+    launch(G(3), G(256), [&] { relu_backward_f32(o.data(), d.data(), x.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = x[i] > 0 ? d[i] : 0;
+    close("relu bwd", o, w, 0);
+    launch(G(3), G(256), [&] { swiglu_forward_f32(o.data(), x.data(), u.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = silu(x[i]) * u[i];
+    close("swiglu fwd", o, w, 1e-6);
+    launch(G(3), G(256), [&] { swiglu_backward_f32(o.data(), o2.data(), d.data(), x.data(), u.data(), n); });
+    for (int i = 0; i < n; ++i) { w[i] = d[i] * u[i] * num(silu, x[i]); w2[i] = d[i] * silu(x[i]); }
+    close("swiglu bwd dgate", o, w, 1e-5);
+    close("swiglu bwd dup", o2, w2, 1e-6);
+    // bf16 variant: same function on rounded inputs, result rounded.
+    auto xb = tobf(x); std::vector<bf16> ob(n);
+    launch(G(2), G(256), [&] { gelu_forward_bf16(ob.data(), xb.data(), n); });
+    auto xr = fromb(xb);
+    for (int i = 0; i < n; ++i) w[i] = gelu(xr[i]);
+    close("gelu fwd bf16", fromb(ob), w, 4e-3);
+}
+
+void test_add_cast() {
+    const i64 n = 777; const int cols = 37; const i64 rows = 21;
+    auto a = rnd(n), b = rnd(n); std::vector<float> o(n), o2(n); std::vector<double> w(n);
+    launch(G(2), G(256), [&] { add_forward_f32(o.data(), a.data(), b.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = (double)(a[i] + b[i]);
+    close("add fwd", o, w, 0);
+    launch(G(2), G(256), [&] { add_backward_f32(o.data(), o2.data(), a.data(), n); });
+    close("add bwd da", o, dbl(a), 0); close("add bwd db", o2, dbl(a), 0);
+    auto x = rnd(rows * cols), bias = rnd(cols); std::vector<float> y(rows * cols); std::vector<double> wy(rows * cols);
+    launch(G(2), G(256), [&] { bias_add_f32(y.data(), x.data(), bias.data(), rows, cols); });
+    for (i64 i = 0; i < rows * cols; ++i) wy[i] = (double)(x[i] + bias[i % cols]);
+    close("bias_add", y, wy, 0);
+    // RNE: 1 + 2^-8 is a tie -> 1; 1 + 3*2^-8 -> 1 + 2^-6 (up to even); NaN stays NaN.
+    std::vector<float> c = {1.0f + 1.0f / 256, 1.0f + 3.0f / 256, -2.5f, NAN, INFINITY, 3.0e38f};
+    std::vector<bf16> cb(c.size()); std::vector<float> back(c.size());
+    launch(G(1), G(32), [&] { cast_f32_to_bf16(cb.data(), c.data(), (i64)c.size()); });
+    launch(G(1), G(32), [&] { cast_bf16_to_f32(back.data(), cb.data(), (i64)c.size()); });
+    bool ok = back[0] == 1.0f && back[1] == 1.0f + 4.0f / 256 && back[2] == -2.5f && std::isnan(back[3]) && back[4] == INFINITY && back[5] > 2.9e38f;
+    printf("%s casts: %g %g %g %g %g %g\n", ok ? "ok  " : "FAIL", back[0], back[1], back[2], back[3], back[4], back[5]);
+    if (!ok) failures++;
+}
+
+void test_embedding() {
+    const int V = 11, C = 300, N = 70;
+    std::vector<int> tok(N); for (int i = 0; i < N; ++i) tok[i] = (i * 7 + i / 5) % (V - 2); // rows V-2, V-1 absent
+    tok[3] = 4; tok[50] = 4;
+    auto table = rnd((size_t)V * C), dout = rnd((size_t)N * C);
+    std::vector<float> out((size_t)N * C); std::vector<double> w((size_t)N * C);
+    launch(G(5), G(256), [&] { embedding_forward_f32(out.data(), tok.data(), table.data(), N, V, C); });
+    for (int n = 0; n < N; ++n) for (int c = 0; c < C; ++c) w[(size_t)n * C + c] = table[(size_t)tok[n] * C + c];
+    close("embedding fwd", out, w, 0);
+    int bad = -7; std::vector<int> tb = tok; tb[33] = V; tb[60] = -1;
+    launch(G(1), G(1024), [&] { check_tokens(&bad, tb.data(), N, V); });
+    printf("%s check_tokens first bad %d\n", bad == 33 ? "ok  " : "FAIL", bad); if (bad != 33) failures++;
+    launch(G(1), G(1024), [&] { check_tokens(&bad, tok.data(), N, V); });
+    printf("%s check_tokens none bad -> %d\n", bad == N ? "ok  " : "FAIL", bad); if (bad != N) failures++;
+    std::vector<int> span(2 * V);
+    launch(G(2), G(64), [&] { embedding_backward_span(span.data(), tok.data(), N, V, 0); });
+    launch(G(2), G(64), [&] { embedding_backward_span(span.data(), tok.data(), N, V, 1); });
+    for (int pad : {-1, 4}) for (int acc : {0, 1}) {
+        std::vector<float> dt = rnd((size_t)V * C), dt0 = dt;
+        launch(G(V, (C + 255) / 256), G(256), [&] { embedding_backward_f32(dt.data(), dout.data(), tok.data(), span.data(), N, V, C, acc, pad); });
+        std::vector<float> ref((size_t)V * C);
+        for (int v = 0; v < V; ++v) for (int c = 0; c < C; ++c) {
+            float s = acc ? dt0[(size_t)v * C + c] : 0.0f;
+            if (v != pad) for (int n = 0; n < N; ++n) if (tok[n] == v) s += dout[(size_t)n * C + c];
+            ref[(size_t)v * C + c] = s;
+        }
+        close(("embedding bwd (bit-exact) pad " + std::to_string(pad) + " acc " + std::to_string(acc)).c_str(), dt, dbl(ref), 0);
+    }
+    // position embedding, offset 2
+    const int B = 3, T = 5, P = 9, off = 2;
+    auto pt = rnd((size_t)P * C), pd = rnd((size_t)B * T * C);
+    std::vector<float> po((size_t)B * T * C); std::vector<double> pw((size_t)B * T * C);
+    launch(G(4), G(256), [&] { position_embedding_forward_f32(po.data(), pt.data(), B, T, C, off); });
+    for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int c = 0; c < C; ++c) pw[((size_t)b * T + t) * C + c] = pt[(size_t)(off + t) * C + c];
+    close("position fwd", po, pw, 0);
+    std::vector<float> pg((size_t)P * C, 5.0f); std::vector<double> pgw((size_t)P * C, 0.0);
+    launch(G(4), G(256), [&] { position_embedding_backward_f32(pg.data(), pd.data(), B, T, C, off, P, 0); });
+    for (int p = off; p < off + T; ++p) for (int c = 0; c < C; ++c) { float s = 0; for (int b = 0; b < B; ++b) s += pd[((size_t)b * T + p - off) * C + c]; pgw[(size_t)p * C + c] = s; }
+    close("position bwd", pg, pgw, 0);
+}
+
+void test_norm() {
+    const int R = 300, C = 333; const float eps = 1e-5f;
+    auto x = rnd((size_t)R * C, 2), wt = rnd(C), bs = rnd(C), dout = rnd((size_t)R * C);
+    for (int i = 0; i < R * C; ++i) x[i] += 0.5f; // nonzero mean
+    std::vector<float> out((size_t)R * C), mean(R), rstd(R), dx((size_t)R * C);
+    launch(G(7), G(256), [&] { layer_norm_forward_f32(out.data(), mean.data(), rstd.data(), x.data(), wt.data(), bs.data(), R, C, eps); });
+    std::vector<double> w((size_t)R * C), wdx((size_t)R * C), wdw(C, 0), wdb(C, 0);
+    for (int r = 0; r < R; ++r) {
+        double mu = 0, var = 0; for (int c = 0; c < C; ++c) mu += x[(size_t)r * C + c]; mu /= C;
+        for (int c = 0; c < C; ++c) var += std::pow(x[(size_t)r * C + c] - mu, 2); var /= C;
+        double rs = 1 / std::sqrt(var + eps), gs = 0, gns = 0;
+        for (int c = 0; c < C; ++c) { double n = (x[(size_t)r * C + c] - mu) * rs; w[(size_t)r * C + c] = n * wt[c] + bs[c];
+            double g = dout[(size_t)r * C + c] * wt[c]; gs += g; gns += g * n; wdw[c] += dout[(size_t)r * C + c] * n; wdb[c] += dout[(size_t)r * C + c]; }
+        for (int c = 0; c < C; ++c) { double n = (x[(size_t)r * C + c] - mu) * rs; wdx[(size_t)r * C + c] = (dout[(size_t)r * C + c] * wt[c] - gs / C - n * gns / C) * rs; }
+    }
+    close("layer_norm fwd", out, w, 1e-5);
+    launch(G(7), G(256), [&] { layer_norm_backward_f32(dx.data(), dout.data(), x.data(), wt.data(), mean.data(), rstd.data(), R, C); });
+    close("layer_norm bwd dx", dx, wdx, 1e-5);
+    const int rpc = 64, chunks = (R + rpc - 1) / rpc;
+    std::vector<float> pw((size_t)chunks * C), pb((size_t)chunks * C), dw(C, 1.0f), db(C);
+    launch(G((C + 31) / 32, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), pb.data(), dout.data(), x.data(), mean.data(), rstd.data(), R, C, rpc); });
+    launch(G(2), G(256), [&] { column_sum_finish_f32(dw.data(), pw.data(), chunks, C, 0); });
+    launch(G(2), G(256), [&] { column_sum_finish_f32(db.data(), pb.data(), chunks, C, 0); });
+    close("layer_norm bwd dweight", dw, wdw, 1e-5);
+    close("layer_norm bwd dbias", db, wdb, 1e-5);
+    launch(G(2), G(256), [&] { column_sum_finish_f32(db.data(), pb.data(), chunks, C, 1); });
+    std::vector<double> w2db(C); for (int c = 0; c < C; ++c) w2db[c] = 2 * wdb[c];
+    close("layer_norm bwd dbias accumulate", db, w2db, 1e-5);
+    // bias grad via column sums
+    std::vector<float> cp((size_t)chunks * C), cs(C);
+    launch(G((C + 31) / 32, chunks), G(32, 8), [&] { column_sum_partial_f32(cp.data(), dout.data(), R, C, rpc); });
+    launch(G(2), G(256), [&] { column_sum_finish_f32(cs.data(), cp.data(), chunks, C, 0); });
+    close("column_sum (bias grad)", cs, wdb, 1e-5);
+    // RMS
+    const float e2 = 1e-6f;
+    std::vector<float> rr(R);
+    launch(G(7), G(256), [&] { rms_norm_forward_f32(out.data(), rr.data(), x.data(), wt.data(), R, C, e2); });
+    std::fill(wdw.begin(), wdw.end(), 0.0);
+    for (int r = 0; r < R; ++r) {
+        double ms = 0; for (int c = 0; c < C; ++c) ms += std::pow(x[(size_t)r * C + c], 2); ms /= C;
+        double rs = 1 / std::sqrt(ms + e2), gns = 0;
+        for (int c = 0; c < C; ++c) { double n = x[(size_t)r * C + c] * rs; w[(size_t)r * C + c] = wt[c] * n; gns += dout[(size_t)r * C + c] * wt[c] * n; wdw[c] += dout[(size_t)r * C + c] * n; }
+        for (int c = 0; c < C; ++c) { double n = x[(size_t)r * C + c] * rs; wdx[(size_t)r * C + c] = (dout[(size_t)r * C + c] * wt[c] - n * gns / C) * rs; }
+    }
+    close("rms_norm fwd", out, w, 1e-5);
+    launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), wt.data(), rr.data(), R, C); });
+    close("rms_norm bwd dx", dx, wdx, 1e-5);
+    launch(G((C + 31) / 32, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), nullptr, dout.data(), x.data(), nullptr, rr.data(), R, C, rpc); });
+    launch(G(2), G(256), [&] { column_sum_finish_f32(dw.data(), pw.data(), chunks, C, 0); });
+    close("rms_norm bwd dweight", dw, wdw, 1e-5);
+    // bf16 layer norm forward
+    auto xb = tobf(x), wb = tobf(wt), bb = tobf(bs); std::vector<bf16> ob((size_t)R * C);
+    launch(G(7), G(256), [&] { layer_norm_forward_bf16(ob.data(), mean.data(), rstd.data(), xb.data(), wb.data(), bb.data(), R, C, eps); });
+    std::vector<float> ln32((size_t)R * C); auto xr = fromb(xb), wr = fromb(wb), br = fromb(bb);
+    launch(G(7), G(256), [&] { layer_norm_forward_f32(ln32.data(), mean.data(), rstd.data(), xr.data(), wr.data(), br.data(), R, C, eps); });
+    close("layer_norm fwd bf16 vs f32 on the same inputs", fromb(ob), dbl(ln32), 8e-3);
+}
+
+void test_rope() {
+    const int B = 2, T = 9, H = 3, D = 16;
+    std::vector<float> inv(D / 2); for (int i = 0; i < D / 2; ++i) inv[i] = 1.0f / std::pow(10000.0f, 2.0f * i / D);
+    auto x = rnd((size_t)B * T * H * D); std::vector<float> o(x.size()), back(x.size()); std::vector<double> w(x.size());
+    launch(G(2), G(256), [&] { rope_forward_f32(o.data(), x.data(), inv.data(), B, T, H, D); });
+    for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) for (int i = 0; i < D; ++i) {
+        size_t base = (((size_t)b * T + t) * H + h) * D; int j = i % (D / 2); double a = (double)(float)((float)t * inv[j]);
+        double rot = i < D / 2 ? -x[base + i + D / 2] : x[base + i - D / 2];
+        w[base + i] = x[base + i] * std::cos(a) + rot * std::sin(a);
+    }
+    close("rope fwd", o, w, 1e-6);
+    launch(G(2), G(256), [&] { rope_backward_f32(back.data(), o.data(), inv.data(), B, T, H, D); });
+    close("rope bwd (inverse rotation of fwd)", back, dbl(x), 1e-6);
+}
+
+struct AttnRef { std::vector<double> out, lse, dq, dk, dv; };
+AttnRef attn_naive(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dout,
+                   int B, int T, int H, int KV, int D, int W, int qs, int ks, int qo, int ko, int vo) {
+    AttnRef r; r.out.assign((size_t)B * T * H * D, 0); r.lse.assign((size_t)B * H * T, 0);
+    r.dq.assign((size_t)B * T * H * D, 0); r.dk.assign((size_t)B * T * KV * D, 0); r.dv.assign((size_t)B * T * KV * D, 0);
+    double sc = 1 / std::sqrt((double)D);
+    for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) {
+        int kvh = h / (H / KV);
+        for (int t = 0; t < T; ++t) {
+            std::vector<double> s(T, -INFINITY), p(T, 0);
+            for (int j = 0; j <= t; ++j) { if (W > 0 && j <= t - W) continue; double d = 0;
+                for (int e = 0; e < D; ++e) d += (double)q[((size_t)b * T + t) * qs + qo + h * D + e] * k[((size_t)b * T + j) * ks + ko + kvh * D + e]; s[j] = d * sc; }
+            double m = -INFINITY; for (double x : s) m = std::max(m, x);
+            double z = 0; for (double x : s) z += std::exp(x - m);
+            r.lse[((size_t)b * H + h) * T + t] = m + std::log(z);
+            for (int j = 0; j < T; ++j) p[j] = std::exp(s[j] - m) / z;
+            std::vector<double> o(D, 0);
+            for (int j = 0; j < T; ++j) for (int e = 0; e < D; ++e) o[e] += p[j] * v[((size_t)b * T + j) * ks + vo + kvh * D + e];
+            for (int e = 0; e < D; ++e) r.out[((size_t)b * T + t) * H * D + h * D + e] = o[e];
+            // backward
+            std::vector<double> dp(T, 0); double delta = 0;
+            for (int j = 0; j < T; ++j) for (int e = 0; e < D; ++e) dp[j] += (double)dout[((size_t)b * T + t) * H * D + h * D + e] * v[((size_t)b * T + j) * ks + vo + kvh * D + e];
+            for (int j = 0; j < T; ++j) delta += p[j] * dp[j];
+            for (int j = 0; j < T; ++j) {
+                double ds = p[j] * (dp[j] - delta) * sc;
+                for (int e = 0; e < D; ++e) {
+                    r.dq[((size_t)b * T + t) * H * D + h * D + e] += ds * k[((size_t)b * T + j) * ks + ko + kvh * D + e];
+                    r.dk[((size_t)b * T + j) * KV * D + kvh * D + e] += ds * q[((size_t)b * T + t) * qs + qo + h * D + e];
+                    r.dv[((size_t)b * T + j) * KV * D + kvh * D + e] += p[j] * dout[((size_t)b * T + t) * H * D + h * D + e];
+                }
+            }
+        }
+    }
+    return r;
+}
+
+void test_attention(int B, int T, int H, int KV, int D, int W, bool packed) {
+    char name[160]; snprintf(name, sizeof name, "attention B%d T%d H%d KV%d D%d W%d %s", B, T, H, KV, D, W, packed ? "packed" : "separate");
+    int qs, ks, ko = 0, vo = 0;
+    std::vector<float> q, k, v, qkv;
+    if (packed) { qs = ks = (H + 2 * KV) * D; qkv = rnd((size_t)B * T * qs, 2); ko = H * D; vo = (H + KV) * D; }
+    else { qs = H * D; ks = KV * D; q = rnd((size_t)B * T * qs, 2); k = rnd((size_t)B * T * ks, 2); v = rnd((size_t)B * T * ks, 2); }
+    const float* qp = packed ? qkv.data() : q.data(); const float* kp = packed ? qkv.data() + ko : k.data(); const float* vp = packed ? qkv.data() + vo : v.data();
+    auto dout = rnd((size_t)B * T * H * D);
+    std::vector<float> out((size_t)B * T * H * D), lse((size_t)B * H * T), delta((size_t)B * H * T);
+    launch(G((T + 15) / 16, H, B), G(128), [&] { attention_forward_f32(out.data(), lse.data(), qp, kp, vp, B, T, H, KV, D, W, qs, ks); });
+    auto ref = packed ? attn_naive(qkv, qkv, qkv, dout, B, T, H, KV, D, W, qs, ks, 0, ko, vo) : attn_naive(q, k, v, dout, B, T, H, KV, D, W, qs, ks, 0, 0, 0);
+    close((std::string(name) + " out").c_str(), out, ref.out, 2e-6);
+    close((std::string(name) + " lse").c_str(), lse, ref.lse, 2e-6);
+    launch(G(3), G(128), [&] { attention_backward_delta_f32(delta.data(), out.data(), dout.data(), B, T, H, D); });
+    std::vector<float> dq, dk, dv, dqkv; float *dqp, *dkp, *dvp;
+    if (packed) { dqkv.assign((size_t)B * T * qs, NAN); dqp = dqkv.data(); dkp = dqkv.data() + ko; dvp = dqkv.data() + vo; }
+    else { dq.assign((size_t)B * T * qs, NAN); dk.assign((size_t)B * T * ks, NAN); dv.assign((size_t)B * T * ks, NAN); dqp = dq.data(); dkp = dk.data(); dvp = dv.data(); }
+    launch(G((T + 7) / 8, H, B), G(128), [&] { attention_backward_dq_f32(dqp, dout.data(), qp, kp, vp, lse.data(), delta.data(), B, T, H, KV, D, W, qs, ks); });
+    launch(G((T + 7) / 8, KV, B), G(128), [&] { attention_backward_dkv_f32(dkp, dvp, dout.data(), qp, kp, vp, lse.data(), delta.data(), B, T, H, KV, D, W, qs, ks); });
+    if (packed) {
+        dq.resize((size_t)B * T * H * D); dk.resize((size_t)B * T * KV * D); dv.resize(dk.size());
+        for (size_t r = 0; r < (size_t)B * T; ++r) {
+            for (int e = 0; e < H * D; ++e) dq[r * H * D + e] = dqkv[r * qs + e];
+            for (int e = 0; e < KV * D; ++e) { dk[r * KV * D + e] = dqkv[r * qs + ko + e]; dv[r * KV * D + e] = dqkv[r * qs + vo + e]; }
+        }
+    }
+    close((std::string(name) + " dq").c_str(), dq, ref.dq, 5e-6);
+    close((std::string(name) + " dk").c_str(), dk, ref.dk, 5e-6);
+    close((std::string(name) + " dv").c_str(), dv, ref.dv, 5e-6);
+}
+
+void test_cross_entropy() {
+    const int N = 13, V = 1000;
+    auto logits = rnd((size_t)N * V, 8); std::vector<int> tg(N); for (int i = 0; i < N; ++i) tg[i] = (i * 97) % V;
+    std::vector<float> lse(N), rl(N), loss(1), dl((size_t)N * V);
+    launch(G(4), G(256), [&] { cross_entropy_forward_f32(lse.data(), rl.data(), logits.data(), tg.data(), N, V); });
+    launch(G(1), G(1024), [&] { cross_entropy_loss(loss.data(), rl.data(), N); });
+    std::vector<double> wl(N), wd((size_t)N * V); double tot = 0;
+    for (int r = 0; r < N; ++r) { double m = -INFINITY, z = 0; for (int c = 0; c < V; ++c) m = std::max(m, (double)logits[(size_t)r * V + c]);
+        for (int c = 0; c < V; ++c) z += std::exp(logits[(size_t)r * V + c] - m); wl[r] = m + std::log(z); tot += wl[r] - logits[(size_t)r * V + tg[r]];
+        for (int c = 0; c < V; ++c) wd[(size_t)r * V + c] = (std::exp(logits[(size_t)r * V + c] - wl[r]) - (c == tg[r])) * 0.5 / N; }
+    close("cross_entropy lse", lse, wl, 1e-6);
+    close("cross_entropy loss", loss, {tot / N}, 1e-6);
+    launch(G(8), G(256), [&] { cross_entropy_backward_f32(dl.data(), logits.data(), lse.data(), tg.data(), N, V, 0.5f); });
+    close("cross_entropy bwd", dl, wd, 1e-6);
+}
+
+void test_adamw_norm() {
+    const i64 n = 5000;
+    auto g = rnd(n), p = rnd(n), m = rnd(n, 0.1f), v = rnd(n, 0.01f); for (auto& x : v) x = std::fabs(x);
+    // grad norm
+    const int parts = 3; std::vector<double> partial(parts); float nsq[2]; double want = 0; for (auto x : g) want += (double)x * x;
+    launch(G(parts), G(256), [&] { grad_norm_sq_partial_f32(partial.data(), g.data(), n); });
+    launch(G(1), G(256), [&] { grad_norm_sq_finish(&nsq[0], partial.data(), parts); });
+    close("grad_norm_sq", {nsq[0]}, {want}, 1e-7);
+    nsq[1] = 3.0f; const float* ptrs[2] = {&nsq[0], &nsq[1]}; float coef, norm;
+    launch(G(1), G(32), [&] { clip_coef(&coef, &norm, ptrs, 2, 1.0f); });
+    float tn = (float)std::sqrt((double)nsq[0] + (double)nsq[1]); float wc = std::min((1.0f / (tn + 1e-6f)) * 1.0f, 1.0f);
+    printf("%s clip_coef %.9g (want %.9g) norm %.9g (want %.9g)\n", coef == wc && norm == tn ? "ok  " : "FAIL", coef, wc, norm, tn); if (!(coef == wc && norm == tn)) failures++;
+    // adamw f32 with clip vs host formula (transcribed from kernels/adamw.rs)
+    double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01; int step = 3;
+    double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
+    float decay = (float)(1 - lr * wd), lw = (float)(1 - b1), fb2 = (float)b2, omb2 = (float)(1 - b2), bcs = (float)std::sqrt(bc2), fe = (float)eps, nss = (float)(-(lr / bc1));
+    auto P = p, M = m, Vv = v;
+    launch(G(4), G(256), [&] { adamw_f32(P.data(), g.data(), M.data(), Vv.data(), n, &coef, decay, lw, fb2, omb2, bcs, fe, nss); });
+    std::vector<double> wp(n), wm(n), wv(n);
+    for (i64 i = 0; i < n; ++i) { float gi = g[i] * coef; float pi = p[i] * decay; float mi = std::fmaf(lw, gi - m[i], m[i]);
+        float vi = std::fmaf(omb2 * gi, gi, v[i] * fb2); float den = std::sqrt(vi) / bcs + fe; wp[i] = pi + (nss * mi) / den; wm[i] = mi; wv[i] = vi; }
+    close("adamw_f32 param (bit-exact)", P, wp, 0); close("adamw_f32 m", M, wm, 0); close("adamw_f32 v", Vv, wv, 0);
+    std::vector<float> master = p; auto gb = tobf(g); std::vector<bf16> pb(n); M = m; Vv = v;
+    launch(G(4), G(256), [&] { adamw_bf16(master.data(), pb.data(), gb.data(), M.data(), Vv.data(), n, nullptr, decay, lw, fb2, omb2, bcs, fe, nss); });
+    auto gr = fromb(gb);
+    for (i64 i = 0; i < n; ++i) { float gi = gr[i]; float pi = p[i] * decay; float mi = std::fmaf(lw, gi - m[i], m[i]);
+        float vi = std::fmaf(omb2 * gi, gi, v[i] * fb2); float den = std::sqrt(vi) / bcs + fe; wp[i] = pi + (nss * mi) / den; }
+    close("adamw_bf16 master (bit-exact)", master, wp, 0);
+    std::vector<double> wpb(n); for (i64 i = 0; i < n; ++i) wpb[i] = to_f32(from_f32<bf16>((float)wp[i]));
+    close("adamw_bf16 param copy", fromb(pb), wpb, 0);
+}
+
+int main() {
+    test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm();
+    test_attention(2, 7, 4, 2, 4, 0, false);
+    test_attention(2, 7, 4, 2, 4, 3, false);
+    test_attention(1, 70, 2, 1, 8, 0, false);
+    test_attention(1, 70, 4, 2, 40, 20, false);
+    test_attention(1, 45, 2, 2, 64, 45, true);
+    test_attention(1, 40, 2, 1, 128, 0, false);
+    test_attention(1, 33, 3, 3, 16, 1, true);
+    printf("%d failure(s)\n", failures);
+    return failures != 0;
+}
