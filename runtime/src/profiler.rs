@@ -166,8 +166,10 @@ pub fn profile<B: Backend>(
 /// value of the graph gets its own bytes in one arena of backend `B` (no reuse), parameters
 /// their initial values ([`init_params`]) and inputs token ids below the vocabulary, then the
 /// whole graph runs once untimed and `repeats` times timed, op after op in graph order, as
-/// the executor runs a resident schedule. Each key's median is over every run of every op
-/// with that key, so the caches are as warm or cold as a real step leaves them.
+/// the executor runs a resident schedule, so the caches are as warm or cold as a real step
+/// leaves them. A key's time is the median over the runs of the mean over its ops in that
+/// run: the mean, because a step's total includes each op's occasional slow launch; the
+/// median over runs, so that one disturbed run does not count.
 pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
     let mut end = 0u64;
     let homes: Vec<Address> = graph
@@ -239,8 +241,12 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
             }
         })
         .collect();
+    // Per key: the mean over its ops of each run, so that an op's occasional slow run counts
+    // as it does in a step's total; then the median over the runs.
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); keys.len()];
+    let mut this_run = vec![0.0f64; keys.len()];
     for run in 0..=repeats {
+        this_run.fill(0.0);
         for p in &planned {
             let launch = Launch {
                 graph,
@@ -257,8 +263,11 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
             // values) and the one workspace serves one op at a time.
             unsafe { backend.launch(&mut stream, &launch)? };
             backend.synchronize(&mut stream)?;
-            if run > 0 {
-                times[p.key].push(began.elapsed().as_secs_f64());
+            this_run[p.key] += began.elapsed().as_secs_f64();
+        }
+        if run > 0 {
+            for ((t, &sum), &(_, count)) in times.iter_mut().zip(&this_run).zip(&keys) {
+                t.push(sum / count as f64);
             }
         }
     }
