@@ -15,52 +15,16 @@
 // caches) instead of in place. The host is measured as it is: run it on an idle
 // machine (other processes on the same cores inflate the measured times).
 
+mod common;
+use common::{env, median, model};
 use protrain::compiler::cost::{cost_model, CostModel, Measured};
 use protrain::compiler::simulate::{category, exposed_seconds, instr_seconds, Simulation};
 use protrain::ir::{format_bytes, BlockMode, DType, Instr, Schedule, StreamId};
-use protrain::models::{ConfigSource, ModelConfig};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::collections::BTreeMap;
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A GPT-2-shaped model: `layers` blocks of width `hidden` (64-wide heads), vocabulary 8192.
-fn model(layers: u64, hidden: u64) -> ModelConfig {
-    let json = serde_json::json!({
-        "model_type": "gpt2",
-        "vocab_size": 8192,
-        "n_positions": 1024,
-        "n_embd": hidden,
-        "n_layer": layers,
-        "n_head": hidden / 64,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "tie_word_embeddings": true,
-    });
-    let mut config = ModelConfig::from_json(&json.to_string(), ConfigSource::Text("bench".into()))
-        .expect("the bench model parses");
-    config.name = format!("gpt2-{layers}x{hidden}");
-    config
-}
-
-/// Median of some values.
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
-    }
-}
 
 /// Measured median step seconds and per-stream busy seconds over `steps` steps after one
 /// warm-up step, and the median over those steps of the seconds per (stream, op mnemonic or

@@ -14,49 +14,13 @@
 // `OVERLAP_STEPS` (timed steps per round), `OVERLAP_BUDGET` (fraction of the resident arena)
 // override the defaults. Run it on an idle machine.
 
+mod common;
+use common::{env, median, model};
 use protrain::ir::{format_bytes, BlockMode, DType, Schedule};
-use protrain::models::{ConfigSource, ModelConfig};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, Compiled, OptimizerConfig, PolicyChoice};
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A GPT-2-shaped model: `layers` blocks of width `hidden` (64-wide heads), vocabulary 8192.
-fn model(layers: u64, hidden: u64) -> ModelConfig {
-    let json = serde_json::json!({
-        "model_type": "gpt2",
-        "vocab_size": 8192,
-        "n_positions": 1024,
-        "n_embd": hidden,
-        "n_layer": layers,
-        "n_head": hidden / 64,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "tie_word_embeddings": true,
-    });
-    let mut config = ModelConfig::from_json(&json.to_string(), ConfigSource::Text("bench".into()))
-        .expect("the bench model parses");
-    config.name = format!("gpt2-{layers}x{hidden}");
-    config
-}
-
-/// Median of some values.
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
-    }
-}
 
 /// Step seconds of each schedule, by round and schedule: in each of `rounds` rounds every
 /// schedule in turn takes one untimed step (to find its memory in the caches again) and then
