@@ -6,8 +6,11 @@ no dropout, f32) on the same batch shape with the same number of threads, in the
 
 - PyTorch: transformers' GPT2LMHeadModel with eager attention; a step is forward, mean
   cross-entropy over all B*T positions, backward, and an AdamW step (zero_grad(set_to_none)).
-- protrain: `cargo run --release -- train <dir> --log-json` on a config.json with the same
-  fields, with RAYON_NUM_THREADS set to the thread count; tokens/s is read from the JSON lines.
+- protrain: `protrain train <dir> --log-json` (the release build, made first) on a config.json
+  with the same fields, with RAYON_NUM_THREADS set to the thread count: it compiles a schedule
+  for the host (--policy, `auto` by default) and runs it on the host executor; tokens/s is read
+  from the JSON lines. The step is the same: forward, mean cross-entropy over B*T, backward,
+  AdamW.
 
 Each side takes --warmup untimed steps, then --steps timed ones, each timed on its own;
 tokens/s is B*T over the median step time (robust to a step that another process on a shared
@@ -17,6 +20,7 @@ the ratios are printed.
 
 Usage (from anywhere in the repository):
     python3 benches/compare_pytorch.py [--threads N] [--steps 10] [--warmup 3] [--rounds 1]
+        [--policy auto|KEY=VALUE,...] [--only protrain|pytorch]
 """
 
 import argparse
@@ -65,6 +69,11 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument(
         "--rounds", type=int, default=1, help="alternate protrain and PyTorch this many times"
+    )
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="protrain's placement policy, passed to `protrain train --policy` (default auto)",
     )
     p.add_argument(
         "--only",
@@ -135,6 +144,8 @@ def time_protrain(args, binary, config_dir):
             str(args.seq),
             "--steps",
             str(args.warmup + args.steps),
+            "--policy",
+            args.policy,
             "--log-json",
         ],
         cwd=REPO,

@@ -6,15 +6,18 @@
 //!
 //! - `interpreter`: the reference interpreter (every value its own vector, ops in graph order);
 //! - `executor/resident`: a compiled schedule with every chunk persistent and every block kept;
-//! - `executor/offload`: a schedule for a small device budget, with every chunk on the host and
-//!   streamed through two buffers, two blocks swapped and two checkpointed (ProTrain's layout).
+//! - `executor/offload`: a schedule for a device budget half the resident one: every chunk on
+//!   the host, streamed through two buffers and updated by the host Adam, two blocks swapped and
+//!   two checkpointed (ProTrain's layout).
 //!
 //! Every schedule trains bit-identically to the interpreter (`tests/equivalence.rs`), so the
 //! three differ only in speed: what placement costs on the host, and how close the executor's
 //! overhead is to none. Run with `cargo bench --bench host_step`; the rayon pool (and so the
 //! gemm threads) follows `RAYON_NUM_THREADS`, all cores by default.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{
+    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
 use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::OptimizerConfig;
@@ -185,6 +188,9 @@ fn host_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("host_step");
     group
         .throughput(Throughput::Elements(tokens))
+        // A step takes about a second: ten samples of one or a few steps each, not criterion's
+        // default ramp of 1, 2, ..., 10 steps (55 steps per benchmark).
+        .sampling_mode(SamplingMode::Flat)
         .sample_size(10)
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(15));

@@ -91,7 +91,9 @@ fn when_the_fastest_estimates_do_not_fit_exactly_a_leaner_policy_is_found() {
     // On an A100 80GB the fastest policies by estimate for llama-2-7b sit just over the budget;
     // the search must calibrate its estimate and keep looking rather than give up.
     let config = protrain_models::load("llama-2-7b").expect("preset");
-    let forward = protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 1024)).expect("builds");
+    let forward =
+        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 1024))
+            .expect("builds");
     let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
     let chunks = chunked(&training);
     let profile = HardwareProfile::preset("a100-80gb").expect("preset");
@@ -103,9 +105,21 @@ fn when_the_fastest_estimates_do_not_fit_exactly_a_leaner_policy_is_found() {
         hardware: profile.summary(),
         model: "llama-2-7b".into(),
     };
-    let (schedule, report) = search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits");
-    assert!(schedule.arena_bytes <= options.device_budget, "{}", report.to_text());
-    assert!((schedule.header.policy.n_persist as usize) < schedule.chunks.len(), "the model states do not fit whole");
+    let (schedule, report) =
+        search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits");
+    assert!(
+        schedule.arena_bytes <= options.device_budget,
+        "{}",
+        report.to_text()
+    );
+    assert!(
+        (schedule.header.policy.n_persist as usize) < schedule.chunks.len(),
+        "the model states do not fit whole"
+    );
     // It uses the memory it has: within 10% of the budget.
-    assert!(schedule.arena_bytes * 10 >= options.device_budget * 9, "{}", report.to_text());
+    assert!(
+        schedule.arena_bytes * 10 >= options.device_budget * 9,
+        "{}",
+        report.to_text()
+    );
 }
