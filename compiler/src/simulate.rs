@@ -527,7 +527,9 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
     Json::Object(args)
 }
 
-fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
+/// The trace category of an instruction on a stream of `kind`: compute, cpu_adam, h2d, d2h,
+/// d2d or wait. Measured timelines use it too, so both traces colour alike.
+pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
     match instr {
         Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
         Instr::Kernel { .. } => category::COMPUTE,

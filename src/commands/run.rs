@@ -1,8 +1,10 @@
 //! `protrain run`: execute a compiled schedule and hold its step time against the prediction.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use protrain::compiler::simulate::{self, category, chrome_trace, instr_label, Span as TraceSpan};
-use protrain::ir::{format_bytes, format_count, Graph, Instr, OpKind, Schedule, Space, StreamKind};
+use protrain::compiler::simulate::{
+    self, chrome_trace, instr_label, span_category, Span as TraceSpan,
+};
+use protrain::ir::{format_bytes, format_count, Graph, OpKind, Schedule};
 use protrain::runtime::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
 use protrain::runtime::data::{Batcher, TokenStream};
 use protrain::runtime::params::{init_params, load_params, save_params};
@@ -573,27 +575,10 @@ fn measured_spans(schedule: &Schedule, timeline: &[protrain::runtime::Span]) -> 
                 start: s.start,
                 end: s.end,
                 label: instr_label(schedule, instr),
-                category: category_of(schedule, stream.kind, instr),
+                category: span_category(schedule, stream.kind, instr),
             }
         })
         .collect()
-}
-
-/// The trace category of an instruction, as the simulator assigns it.
-fn category_of(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
-    match instr {
-        Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
-        Instr::Kernel { .. } => category::COMPUTE,
-        Instr::Copy { src, dst, .. } => {
-            let space = |t: &protrain::ir::TensorRef| schedule.buffer(t.buffer).space;
-            match (space(src), space(dst)) {
-                (Space::Host, Space::Device) => category::H2D,
-                (Space::Device, Space::Device) => category::D2D,
-                _ => category::D2H,
-            }
-        }
-        Instr::Record { .. } | Instr::Wait { .. } => category::WAIT,
-    }
 }
 
 /// One Chrome trace: the measured timeline as process 1 and, when given, the predicted one as
