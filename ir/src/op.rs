@@ -767,7 +767,7 @@ impl OpKind {
                 float(x, "input")?;
                 if *head_dim == 0
                     || head_dim % 2 != 0
-                    || x.last_dim() % head_dim != 0
+                    || !x.last_dim().is_multiple_of(*head_dim)
                     || x.shape.len() != 3
                 {
                     return Err(fail(format!(

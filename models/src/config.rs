@@ -395,7 +395,7 @@ impl<'a> Fields<'a> {
 
     /// Checks `hidden % heads == 0` and returns `hidden / heads`.
     fn split_heads(&self, hidden: u64, heads: u64) -> Result<u64> {
-        if hidden % heads != 0 {
+        if !hidden.is_multiple_of(heads) {
             return Err(ModelError::HiddenNotDivisibleByHeads {
                 from: self.from.clone(),
                 hidden,
@@ -406,7 +406,7 @@ impl<'a> Fields<'a> {
     }
 
     fn check_kv_heads(&self, heads: u64, kv_heads: u64) -> Result<()> {
-        if heads % kv_heads != 0 {
+        if !heads.is_multiple_of(kv_heads) {
             return Err(ModelError::HeadsNotDivisibleByKvHeads {
                 from: self.from.clone(),
                 heads,

@@ -80,7 +80,7 @@ impl Region {
                 self.name, self.len
             )));
         }
-        if offset % align as u64 != 0 {
+        if !offset.is_multiple_of(align as u64) {
             return Err(RuntimeError::BadSchedule(format!(
                 "offset {offset} in the {} is not aligned to {align} bytes",
                 self.name

@@ -36,7 +36,7 @@ pub enum RopeScaling {
 /// `tensor.reciprocal() * s`), so the values match transformers to the last bit up to libm's
 /// `powf` against PyTorch's.
 pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
-    assert!(head_dim % 2 == 0, "rope: head_dim must be even");
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
     let dim = head_dim as f32;
     let base = theta as f32;
     let inv: Vec<f32> = (0..head_dim / 2)
@@ -95,7 +95,7 @@ fn rotate(
 ) {
     let half = head_dim / 2;
     let width = n_heads * head_dim;
-    assert!(head_dim % 2 == 0, "rope: head_dim must be even");
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
     assert_eq!(inv_freq.len(), half, "rope: inv_freq is not [head_dim / 2]");
     assert_eq!(x.len(), batch * seq * width, "rope: x is not [B, T, H * D]");
     assert_eq!(out.len(), x.len(), "rope: out is not [B, T, H * D]");
