@@ -17,7 +17,7 @@ pub enum WeightLayout {
 }
 
 /// How rotary position frequencies are rescaled for long contexts (transformers' `rope_scaling`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RopeScaling {
     /// Plain RoPE.

@@ -8,7 +8,7 @@
 
 use crate::error::Result;
 use crate::kernels::{self, AttentionDims};
-use protrain_ir::{Graph, Op, OpKind, QkvLayout, RopeScaling, TensorType, WeightLayout};
+use protrain_ir::{Graph, Op, OpKind, QkvLayout, TensorType};
 use rayon::prelude::*;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
@@ -40,7 +40,7 @@ impl Prepared {
                 head_dim,
                 theta,
                 scaling,
-            } => kernels::rope_inv_freq(*head_dim as usize, *theta, rope_scaling_of(scaling)),
+            } => kernels::rope_inv_freq(*head_dim as usize, *theta, *scaling),
             _ => Vec::new(),
         };
         Self { inv_freq }
@@ -142,7 +142,7 @@ pub fn run<'a>(
                 ins.f32(0),
                 ins.f32(1),
                 bias.then(|| ins.f32(2)),
-                layout_of(*layout),
+                *layout,
                 rows,
                 d_in,
                 d_out,
@@ -287,7 +287,7 @@ pub fn run<'a>(
                 ins.f32(2),
                 ins.f32(0),
                 ins.f32(1),
-                layout_of(*layout),
+                *layout,
                 rows,
                 d_in,
                 d_out,
@@ -455,33 +455,6 @@ pub fn adamw_step_scaled(
             }
             kernels::adamw_step(p, scaled, m, v, step, config);
         });
-}
-
-/// The kernels' name for an IR weight layout.
-fn layout_of(layout: WeightLayout) -> kernels::WeightLayout {
-    match layout {
-        WeightLayout::OutIn => kernels::WeightLayout::OutIn,
-        WeightLayout::InOut => kernels::WeightLayout::InOut,
-    }
-}
-
-/// The kernels' name for an IR RoPE scaling.
-fn rope_scaling_of(scaling: &RopeScaling) -> kernels::RopeScaling {
-    match *scaling {
-        RopeScaling::None => kernels::RopeScaling::None,
-        RopeScaling::Linear { factor } => kernels::RopeScaling::Linear { factor },
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => kernels::RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings: original_max_position_embeddings as usize,
-        },
-    }
 }
 
 /// Attention dimensions from the output type `[B,T,H*D]`.

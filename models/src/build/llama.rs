@@ -137,7 +137,7 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout)
     let rope = OpKind::Rope {
         head_dim: config.head_dim,
         theta: layout.rope_theta,
-        scaling: layout.rope_scaling.clone(),
+        scaling: layout.rope_scaling,
     };
     let attention = OpKind::Attention {
         heads: config.num_heads,

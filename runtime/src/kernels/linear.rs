@@ -4,46 +4,37 @@ use rayon::prelude::*;
 
 use super::math::{matmul, reduce_rows, Mat, ROW_GRAIN};
 
-/// How a linear layer's weight matrix is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum WeightLayout {
-    /// `[out, in]`, as `nn.Linear`: `y = x W^T`.
-    OutIn,
-    /// `[in, out]`, as GPT-2's `Conv1D`: `y = x W`.
-    InOut,
+pub use protrain_ir::WeightLayout;
+
+/// `W` as the `[in, out]` right-hand operand of `y = x W`.
+fn as_in_out(layout: WeightLayout, w: &[f32], d_in: usize, d_out: usize) -> Mat<'_> {
+    match layout {
+        WeightLayout::OutIn => Mat {
+            data: w,
+            rs: 1,
+            cs: d_in,
+        },
+        WeightLayout::InOut => Mat {
+            data: w,
+            rs: d_out,
+            cs: 1,
+        },
+    }
 }
 
-impl WeightLayout {
-    /// `W` as the `[in, out]` right-hand operand of `y = x W`.
-    fn as_in_out<'a>(self, w: &'a [f32], d_in: usize, d_out: usize) -> Mat<'a> {
-        match self {
-            WeightLayout::OutIn => Mat {
-                data: w,
-                rs: 1,
-                cs: d_in,
-            },
-            WeightLayout::InOut => Mat {
-                data: w,
-                rs: d_out,
-                cs: 1,
-            },
-        }
-    }
-
-    /// `W^T` as the `[out, in]` right-hand operand of `dx = dy W^T`.
-    fn as_out_in<'a>(self, w: &'a [f32], d_in: usize, d_out: usize) -> Mat<'a> {
-        match self {
-            WeightLayout::OutIn => Mat {
-                data: w,
-                rs: d_in,
-                cs: 1,
-            },
-            WeightLayout::InOut => Mat {
-                data: w,
-                rs: 1,
-                cs: d_out,
-            },
-        }
+/// `W^T` as the `[out, in]` right-hand operand of `dx = dy W^T`.
+fn as_out_in(layout: WeightLayout, w: &[f32], d_in: usize, d_out: usize) -> Mat<'_> {
+    match layout {
+        WeightLayout::OutIn => Mat {
+            data: w,
+            rs: d_in,
+            cs: 1,
+        },
+        WeightLayout::InOut => Mat {
+            data: w,
+            rs: 1,
+            cs: d_out,
+        },
     }
 }
 
@@ -69,7 +60,7 @@ pub fn linear_forward(
         rs: d_in,
         cs: 1,
     };
-    let rhs = layout.as_in_out(weight, d_in, d_out);
+    let rhs = as_in_out(layout, weight, d_in, d_out);
     match bias {
         Some(b) => {
             assert_eq!(b.len(), d_out, "linear: bias is not [out]");
@@ -124,7 +115,7 @@ pub fn linear_backward(
             rs: d_out,
             cs: 1,
         };
-        let rhs = layout.as_out_in(weight, d_in, d_out);
+        let rhs = as_out_in(layout, weight, d_in, d_out);
         matmul(dx, lhs, rhs, rows, d_in, d_out, false);
     }
     match layout {

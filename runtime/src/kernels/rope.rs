@@ -4,31 +4,7 @@ use rayon::prelude::*;
 
 use super::math::ROW_GRAIN;
 
-/// How the RoPE frequencies are rescaled for long contexts (`rope_scaling` /
-/// `rope_parameters` in a Hugging Face config). Values are `f64` because transformers does the
-/// scalar arithmetic on them in Python floats.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum RopeScaling {
-    /// Plain RoPE (`rope_type: "default"`).
-    None,
-    /// `rope_type: "linear"`: every inverse frequency divided by `factor`.
-    Linear {
-        /// The context-extension factor.
-        factor: f64,
-    },
-    /// `rope_type: "llama3"`: low frequencies divided by `factor`, high ones kept, the band
-    /// between interpolated.
-    Llama3 {
-        /// Divisor of the low frequencies (8 for LLaMA 3.1).
-        factor: f64,
-        /// Wavelengths above `original / low_freq_factor` are scaled fully.
-        low_freq_factor: f64,
-        /// Wavelengths below `original / high_freq_factor` are not scaled.
-        high_freq_factor: f64,
-        /// The context length the model was trained with (8192 for LLaMA 3.1).
-        original_max_position_embeddings: usize,
-    },
-}
+pub use protrain_ir::RopeScaling;
 
 /// The `head_dim / 2` inverse frequencies `1 / theta^(2i / head_dim)`, rescaled by `scaling`,
 /// computed step by step in f32 as `transformers.modeling_rope_utils` does on a float32 tensor
