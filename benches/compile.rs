@@ -53,6 +53,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         device_budget: None,
         policy: PolicyChoice::Auto,
         optimizer: OptimizerConfig::default(),
+        fuse: true,
     }
 }
 

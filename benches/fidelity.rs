@@ -19,7 +19,7 @@ mod common;
 use common::{env, median, model};
 use protrain::compiler::cost::{cost_model, CostModel, Measured};
 use protrain::compiler::simulate::{category, exposed_seconds, instr_seconds, Simulation};
-use protrain::ir::{format_bytes, BlockMode, DType, Instr, Schedule, StreamId};
+use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Instr, Schedule, StreamId};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
 use protrain::runtime::Executor;
@@ -133,16 +133,21 @@ fn main() {
     let fraction = env("FIDELITY_BUDGET", 0.45f64);
     let config = model(layers, hidden);
     let optimizer = OptimizerConfig::default();
-    let forward = protrain::forward_graph(&config, batch, seq).expect("the model builds");
-    let graph = protrain::training_graph(&forward, &optimizer).expect("autodiff");
+    // The unfused and the fused training graph, so both sides of every fusion are measured.
+    let graphs =
+        protrain::profiling_graphs(&config, batch, seq, &optimizer, &HardwareProfile::host())
+            .expect("the model builds");
+    let graph = &graphs[1];
     // FIDELITY_ISOLATED=1 times each op alone on hot operands instead of in place.
     let isolated = env("FIDELITY_ISOLATED", 0u8) == 1;
     let profile_options = ProfileOptions {
         in_place_limit: if isolated { 0 } else { u64::MAX },
         ..ProfileOptions::default()
     };
-    let profiled = profile_host(&graph, &profile_options).expect("profiling");
-    let profile = profiled.profile;
+    let profiled = profile_host(graph, &profile_options).expect("profiling");
+    let mut profile = profiled.profile;
+    let unfused = profile_host(&graphs[0], &profile_options).expect("profiling");
+    profile.add_measured_ops(&unfused.profile.measured_ops);
     println!(
         "model {} ({} params), batch {batch} x seq {seq}, f32; profiled in {:.1} s ({}): {} \
          ops, {:.3} s serial compute, copies {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
@@ -169,6 +174,7 @@ fn main() {
         device_budget: budget,
         policy,
         optimizer: optimizer.clone(),
+        fuse: true,
     };
     let resident = protrain::compile(&config, &options(None, PolicyChoice::Fixed(Vec::new())))
         .expect("the resident schedule compiles");

@@ -16,7 +16,7 @@
 
 mod common;
 use common::{env, median, model};
-use protrain::ir::{format_bytes, BlockMode, DType, Schedule};
+use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Schedule};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
 use protrain::runtime::Executor;
@@ -90,11 +90,15 @@ fn main() {
     let fraction = env("OVERLAP_BUDGET", 0.40f64);
     let config = model(layers, hidden);
     let optimizer = OptimizerConfig::default();
-    let forward = protrain::forward_graph(&config, batch, seq).expect("the model builds");
-    let graph = protrain::training_graph(&forward, &optimizer).expect("autodiff");
-    let profile = profile_host(&graph, &ProfileOptions::default())
+    // The unfused and the fused training graph, so both sides of every fusion are measured.
+    let graphs =
+        protrain::profiling_graphs(&config, batch, seq, &optimizer, &HardwareProfile::host())
+            .expect("the model builds");
+    let mut profile = profile_host(&graphs[1], &ProfileOptions::default())
         .expect("profiling")
         .profile;
+    let unfused = profile_host(&graphs[0], &ProfileOptions::default()).expect("profiling");
+    profile.add_measured_ops(&unfused.profile.measured_ops);
     let compile = |budget: Option<u64>| {
         protrain::compile(
             &config,
@@ -106,6 +110,7 @@ fn main() {
                 device_budget: budget,
                 policy: PolicyChoice::Auto,
                 optimizer: optimizer.clone(),
+                fuse: true,
             },
         )
     };
@@ -119,6 +124,7 @@ fn main() {
             device_budget: None,
             policy: PolicyChoice::Fixed(Vec::new()),
             optimizer: optimizer.clone(),
+            fuse: true,
         },
     )
     .expect("the resident schedule compiles");
@@ -128,7 +134,7 @@ fn main() {
         "model {} ({} params), batch {batch} x seq {seq}, f32; budget {} = {:.0}% of the \
          resident arena",
         config.name,
-        graph.param_count(),
+        graphs[1].param_count(),
         format_bytes(budget),
         fraction * 100.0
     );

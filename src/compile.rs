@@ -2,7 +2,8 @@
 
 use crate::{Error, Result};
 use protrain_compiler::emit::HeaderInputs;
-use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
+use protrain_compiler::fuse::{FuseLimits, FuseReport};
+use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
 use protrain_compiler::search::{search, SearchOptions, SearchReport};
 use protrain_compiler::simulate::{simulate, Simulation};
 use protrain_compiler::OptimizerConfig;
@@ -151,6 +152,9 @@ pub struct CompileOptions {
     pub policy: PolicyChoice,
     /// The optimizer the schedule runs.
     pub optimizer: OptimizerConfig,
+    /// Whether to fuse the forward graph first (see [`protrain_compiler::fuse`]); fusion
+    /// changes no result, only speed.
+    pub fuse: bool,
 }
 
 /// A compiled schedule and how it came about.
@@ -160,25 +164,34 @@ pub struct Compiled {
     pub schedule: Schedule,
     /// The search report, when the policy was searched for.
     pub report: Option<SearchReport>,
+    /// The fusion report, when the graph was fused.
+    pub fusion: Option<FuseReport>,
     /// The simulation of the schedule.
     pub simulation: Simulation,
     /// Seconds the compilation took.
     pub compile_seconds: f64,
 }
 
-/// Compiles a model: builds its forward and training graphs, then searches for the fastest
-/// policy that fits (or applies the one given), plans memory and simulates the result.
+/// Compiles a model: builds its forward graph, fuses it (unless told not to) and derives the
+/// training graph, then searches for the fastest policy that fits (or applies the one given),
+/// plans memory and simulates the result.
 pub fn compile(config: &ModelConfig, options: &CompileOptions) -> Result<Compiled> {
     let started = Instant::now();
     let build = BuildOptions::new(options.batch, options.seq).with_dtype(options.dtype);
-    let forward = protrain_models::build_forward(config, &build)?;
+    let cost = protrain_compiler::cost::cost_model(&options.hardware);
+    let mut forward = protrain_models::build_forward(config, &build)?;
+    let mut fusion = None;
+    if options.fuse {
+        let (graph, report) = fused(&forward, cost.as_ref(), &FuseLimits::default())?;
+        forward = graph;
+        fusion = Some(report);
+    }
     let training = training_graph(&forward, &options.optimizer)?;
     let chunks = chunked(&training);
     let layers = training
         .blocks()
         .filter(|(_, b)| matches!(b.kind, protrain_ir::BlockKind::Layer(_)))
         .count();
-    let cost = protrain_compiler::cost::cost_model(&options.hardware);
     let device_budget = options
         .device_budget
         .unwrap_or_else(|| options.hardware.usable_device_bytes());
@@ -220,9 +233,13 @@ pub fn compile(config: &ModelConfig, options: &CompileOptions) -> Result<Compile
         .map_err(|e| Error::Usage(format!("internal error: {e}")))?;
     schedule.header.prediction.step_seconds = simulation.step_seconds;
     schedule.header.prediction.stream_busy_seconds = simulation.stream_busy_seconds.clone();
+    if let Some(fusion) = &fusion {
+        schedule.header.report = format!("{}{}", fusion.to_text(), schedule.header.report);
+    }
     Ok(Compiled {
         schedule,
         report,
+        fusion,
         simulation,
         compile_seconds: started.elapsed().as_secs_f64(),
     })

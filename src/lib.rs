@@ -36,6 +36,7 @@
 //!     // Every chunk streamed from the host through 2 buffers, both layers recomputed.
 //!     policy: PolicyChoice::parse("n_persist=0,n_buffer=2,n_checkpoint=2")?,
 //!     optimizer: OptimizerConfig::default(),
+//!     fuse: true,
 //! };
 //! let text = protrain::compile(&config, &options)?.schedule.to_text();
 //! // In a test of your own crate (with insta as a dev-dependency):
@@ -62,6 +63,30 @@ pub use error::{Error, Result};
 pub fn forward_graph(config: &models::ModelConfig, batch: u64, seq: u64) -> Result<Graph> {
     let options = models::BuildOptions::new(batch, seq).with_dtype(ir::DType::F32);
     Ok(models::build_forward(config, &options)?)
+}
+
+/// The training graphs (f32, `[batch, seq]`) whose ops a measured profile of `config` should
+/// hold: the unfused one, then the one fused under `base`'s estimates. With both measured, the
+/// fusion pass prices both sides of each fusion from measurements when it compiles with the
+/// profile.
+pub fn profiling_graphs(
+    config: &models::ModelConfig,
+    batch: u64,
+    seq: u64,
+    optimizer: &OptimizerConfig,
+    base: &ir::HardwareProfile,
+) -> Result<Vec<Graph>> {
+    let forward = forward_graph(config, batch, seq)?;
+    let cost = compiler::cost::cost_model(base);
+    let (fused, _) = compiler::pipeline::fused(
+        &forward,
+        cost.as_ref(),
+        &compiler::fuse::FuseLimits::default(),
+    )?;
+    Ok(vec![
+        training_graph(&forward, optimizer)?,
+        training_graph(&fused, optimizer)?,
+    ])
 }
 
 /// Derives the training graph (forward, backward, optimizer) from a forward graph.

@@ -1,18 +1,22 @@
-//! A schedule never changes the training algorithm: every placement policy, executed on the
-//! host backend, trains bit-identically to the reference interpreter.
+//! Neither fusion nor a schedule changes the training algorithm: the fused graph under every
+//! placement policy, executed on the host backend, trains bit-identically to the reference
+//! interpreter running the unfused graph.
 //!
 //! For each tiny model (GPT-2, LLaMA, Mistral, OPT; f32, batch 2, seq 16), the interpreter
-//! trains three AdamW steps on the unplaced training graph from seeded initial parameters;
-//! then every policy of a grid (all chunks persistent or none or some, one or two chunk
+//! trains three AdamW steps on the unfused, unplaced training graph from seeded initial
+//! parameters; then the forward graph is fused (q/k/v and gate/up groups, activation, swiglu
+//! and residual epilogues) and every policy of a grid (all chunks persistent or none or some, one or two chunk
 //! buffers, blocks all kept, all checkpointed, all swapped, or mixed) is compiled and executed
 //! from the same parameters on the same batches. Losses, gradient norms and final parameters
 //! (matched by name) must be the same bits. Some cases clip gradients, so the clip coefficient
 //! reaches the host optimizer.
 
+use protrain_compiler::cost::Roofline;
 use protrain_compiler::emit::HeaderInputs;
-use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
+use protrain_compiler::fuse::FuseLimits;
+use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
 use protrain_compiler::{CompileError, OptimizerConfig};
-use protrain_ir::{BlockKind, BlockMode, DType, Graph, Instr, Policy};
+use protrain_ir::{BlockKind, BlockMode, DType, Graph, HardwareProfile, Instr, OpKind, Policy};
 use protrain_runtime::interpreter::{Interpreter, StepReport};
 use protrain_runtime::params::init_params;
 use protrain_runtime::synthetic::SyntheticCorpus;
@@ -139,15 +143,26 @@ fn check(model: &str, grad_clip: Option<f64>) {
         grad_clip,
         ..Default::default()
     };
-    let training = training_graph(&forward, &optimizer).unwrap();
+    let unfused = training_graph(&forward, &optimizer).unwrap();
+    let cost = Roofline::new(HardwareProfile::preset("host").unwrap());
+    let (fused_forward, report) = fused(&forward, &cost, &FuseLimits::default()).unwrap();
+    assert!(
+        !report.fusions.is_empty(),
+        "{model}: nothing fused: {}",
+        report.to_text()
+    );
+    let training = training_graph(&fused_forward, &optimizer).unwrap();
+    assert!(training
+        .ops()
+        .any(|(_, op)| matches!(op.kind, OpKind::FusedLinearBackward { .. })));
     let chunks = chunked(&training);
     let layers = training
         .blocks()
         .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
         .count();
-    let init = init_params(&training, SEED);
+    let init = init_params(&unfused, SEED);
     let data = batches(config.vocab_size as usize);
-    let expected = reference(&training, &init, &data);
+    let expected = reference(&unfused, &init, &data);
     if let Some(clip) = grad_clip {
         // The coefficient must actually scale the gradients somewhere, or clipping is untested.
         let clip = clip as f32;
@@ -177,7 +192,7 @@ fn check(model: &str, grad_clip: Option<f64>) {
         let mut exec = Executor::new(&schedule)
             .unwrap_or_else(|e| panic!("{model} [{policy}]: executor: {e}"));
         // Parameters in the placed graph's order, matched by name.
-        let init_by_name = by_name(&training, init.clone());
+        let init_by_name = by_name(&unfused, init.clone());
         let placed_init: Vec<Vec<f32>> = schedule
             .graph
             .params()

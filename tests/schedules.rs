@@ -62,6 +62,7 @@ fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
         device_budget: None,
         policy: PolicyChoice::parse(policy).expect("the test policies parse"),
         optimizer: OptimizerConfig::default(),
+        fuse: true,
     }
 }
 
@@ -189,6 +190,13 @@ fn llama_tiny_schedules() {
 fn facade_fixed_policy_compiles_the_policy_the_pipeline_compiles() {
     let config = protrain::models::load("llama-tiny").expect("loads");
     let forward = protrain::forward_graph(&config, BATCH, SEQ).expect("builds");
+    let cost = protrain::compiler::cost::cost_model(&rtx3090());
+    let (forward, _) = protrain::compiler::pipeline::fused(
+        &forward,
+        cost.as_ref(),
+        &protrain::compiler::fuse::FuseLimits::default(),
+    )
+    .expect("fuses");
     let training = protrain::training_graph(&forward, &OptimizerConfig::default()).expect("ok");
     let chunks = protrain::compiler::pipeline::chunked(&training);
     let layers = training
@@ -271,6 +279,41 @@ fn dump_stage(model: &str, stage: &str, extra: &[&str]) -> String {
 
 fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn dump_fused_prints_the_fused_forward_graph_and_reports_on_stderr() {
+    let out = protrain(&[
+        "dump",
+        "llama-tiny",
+        "--stage",
+        "fused",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+    ]);
+    insta::assert_snapshot!("dump_llama_tiny_fused", stdout(&out));
+    let report = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        report.starts_with("fusion: 34 -> 22 forward ops"),
+        "{report}"
+    );
+    for rule in ["group", "residual", "swiglu"] {
+        assert!(report.contains(&format!("  {rule} ")), "{report}");
+    }
+    // Autodiff starts from the fused graph unless told not to.
+    let fused = dump_stage("llama-tiny", "autodiff", &[]);
+    let unfused = dump_stage("llama-tiny", "autodiff", &["--no-fuse"]);
+    assert!(fused.contains("fused_linear_backward[count=3]"));
+    assert!(!unfused.contains("fused_linear"));
+    let json: serde_json::Value =
+        serde_json::from_str(&dump_stage("llama-tiny", "fused", &["--format", "json"]))
+            .expect("json");
+    assert!(json["graph"].is_object());
+    assert_eq!(json["fusion"]["stop_reason"], "saturated");
+    let refused = check_error(&["dump", "llama-tiny", "--stage", "fused", "--no-fuse"]);
+    assert!(refused.contains("drop --no-fuse"), "{refused}");
 }
 
 #[test]

@@ -13,7 +13,7 @@
 //! the reverse of the forward order: those are later passes.
 
 use crate::error::{CompileError, Result};
-use protrain_ir::{DType, Graph, OpKind, Phase, QkvLayout, Role, ValueId};
+use protrain_ir::{DType, Epilogue, Graph, OpKind, Phase, QkvLayout, Role, ValueId};
 use std::collections::HashMap;
 
 /// AdamW settings, as `torch.optim.AdamW` takes them, and optional gradient clipping as
@@ -95,13 +95,16 @@ pub enum Saved {
 pub struct VjpRule {
     /// The backward kind; `None` when the gradient passes through unchanged (`add`).
     pub backward: Option<OpKind>,
-    /// Forward values the backward op reads, before the output gradient.
+    /// Forward values the backward op reads, before the output gradients.
     pub saves: Vec<Saved>,
-    /// Whether the backward op reads the gradient of the forward op's first output (the loss
-    /// op does not: its gradient is 1).
-    pub reads_output_grad: bool,
+    /// The forward outputs whose gradients the backward op reads, in order, after the saved
+    /// values (none for the loss op: its gradient is 1).
+    pub output_grads: Vec<usize>,
     /// For each backward output, the forward input it is the gradient of.
     pub grads_of: Vec<usize>,
+    /// Forward inputs whose gradient is the (one) output gradient unchanged: both of `add`'s,
+    /// a fused residual.
+    pub passes: Vec<usize>,
 }
 
 /// The vector-Jacobian product of a forward op kind, given its input types' leading shapes
@@ -111,8 +114,9 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
     let rule = |backward: OpKind, saves: Vec<Saved>, grads_of: Vec<usize>| VjpRule {
         backward: Some(backward),
         saves,
-        reads_output_grad: true,
+        output_grads: vec![0],
         grads_of,
+        passes: vec![],
     };
     Some(match kind.clone() {
         OpKind::Embedding { padding_idx } => rule(
@@ -153,8 +157,9 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
         OpKind::Add => VjpRule {
             backward: None,
             saves: vec![],
-            reads_output_grad: true,
-            grads_of: vec![0, 1],
+            output_grads: vec![0],
+            grads_of: vec![],
+            passes: vec![0, 1],
         },
         OpKind::Rope {
             head_dim,
@@ -195,9 +200,45 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
         OpKind::CrossEntropy => VjpRule {
             backward: Some(OpKind::CrossEntropyBackward),
             saves: vec![Input(0), Input(1), Output(1)],
-            reads_output_grad: false,
+            output_grads: vec![],
             grads_of: vec![0],
+            passes: vec![],
         },
+        OpKind::FusedLinear {
+            count,
+            bias,
+            layout,
+            epilogue,
+        } => {
+            let n = count as usize;
+            let kept = epilogue.has_output() && epilogue.keeps_projections();
+            let mut saves: Vec<Saved> = (0..=n).map(Input).collect();
+            if kept {
+                saves.extend((0..n).map(Output));
+            }
+            let output_grads = match epilogue {
+                Epilogue::None => (0..n).collect(),
+                _ if kept => vec![n],
+                _ => vec![0],
+            };
+            let weights_and_biases = n * (1 + usize::from(bias));
+            VjpRule {
+                backward: Some(OpKind::FusedLinearBackward {
+                    count,
+                    bias,
+                    layout,
+                    epilogue,
+                }),
+                saves,
+                output_grads,
+                grads_of: (0..=weights_and_biases).collect(),
+                passes: if epilogue == Epilogue::Residual {
+                    vec![1 + weights_and_biases]
+                } else {
+                    vec![]
+                },
+            }
+        }
         _ => return None,
     })
 }
@@ -239,7 +280,7 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
             .map(|v| forward.value(*v).ty.shape.first().copied().unwrap_or(1))
             .collect();
         if let Some(rule) = vjp_rule(&op.kind, &rows) {
-            for &i in &rule.grads_of {
+            for &i in rule.grads_of.iter().chain(&rule.passes) {
                 pending.entry(op.inputs[i]).or_default().readers_left += 1;
             }
         }
@@ -254,46 +295,55 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         let Some(rule) = vjp_rule(&op.kind, &rows) else {
             continue;
         };
-        let output_grad = if rule.reads_output_grad {
-            pending.get(&op.outputs[0]).and_then(|p| p.total)
+        // The gradients of the outputs the backward op reads; none when the op does not reach
+        // the loss. The loss op reads none and starts the pass.
+        let output_grads: Vec<Option<ValueId>> = rule
+            .output_grads
+            .iter()
+            .map(|&o| pending.get(&op.outputs[o]).and_then(|p| p.total))
+            .collect();
+        let reached = if rule.output_grads.is_empty() {
+            *op_id == loss_op
+        } else if output_grads.iter().all(Option::is_some) {
+            true
+        } else if output_grads.iter().any(Option::is_some) {
+            return Err(CompileError::Ir(protrain_ir::IrError::Invalid(format!(
+                "{} has outputs that reach the loss and outputs that do not; only ops whose \
+                 gradients are all present or all absent can be differentiated",
+                op.kind.mnemonic()
+            ))));
         } else {
-            (*op_id == loss_op).then_some(op.outputs[0])
+            false
         };
         let mut contributions: Vec<(usize, ValueId)> = Vec::new();
-        if let Some(dy) = output_grad {
-            match &rule.backward {
-                None => contributions.extend(rule.grads_of.iter().map(|&i| (i, dy))),
-                Some(kind) => {
-                    let mut inputs: Vec<ValueId> = rule
-                        .saves
-                        .iter()
-                        .map(|s| match *s {
-                            Saved::Input(i) => op.inputs[i],
-                            Saved::Output(i) => op.outputs[i],
-                        })
-                        .collect();
-                    if rule.reads_output_grad {
-                        inputs.push(dy);
-                    }
-                    let names: Vec<(String, Role)> = rule
-                        .grads_of
-                        .iter()
-                        .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
-                        .collect();
-                    let outs = graph.add_op_multi(
-                        kind.clone(),
-                        &inputs,
-                        &names,
-                        op.block,
-                        Phase::Backward,
-                    )?;
-                    contributions.extend(rule.grads_of.iter().copied().zip(outs));
-                }
+        if reached {
+            let dys: Vec<ValueId> = output_grads.into_iter().flatten().collect();
+            if let Some(&dy) = dys.first() {
+                contributions.extend(rule.passes.iter().map(|&i| (i, dy)));
+            }
+            if let Some(kind) = &rule.backward {
+                let mut inputs: Vec<ValueId> = rule
+                    .saves
+                    .iter()
+                    .map(|s| match *s {
+                        Saved::Input(i) => op.inputs[i],
+                        Saved::Output(i) => op.outputs[i],
+                    })
+                    .collect();
+                inputs.extend(&dys);
+                let names: Vec<(String, Role)> = rule
+                    .grads_of
+                    .iter()
+                    .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
+                    .collect();
+                let outs =
+                    graph.add_op_multi(kind.clone(), &inputs, &names, op.block, Phase::Backward)?;
+                contributions.extend(rule.grads_of.iter().copied().zip(outs));
             }
         }
         // Readers are counted whether or not this op reached the loss, so a value's sum is
         // emitted exactly when its last reader is done.
-        for &i in &rule.grads_of {
+        for &i in rule.grads_of.iter().chain(&rule.passes) {
             let value = op.inputs[i];
             let part = contributions.iter().find(|(j, _)| *j == i).map(|(_, g)| *g);
             let entry = pending.get_mut(&value).expect("every reader was counted");

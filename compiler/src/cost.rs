@@ -47,7 +47,8 @@ pub trait CostModel {
 /// What limits an op class, for the roofline's efficiency factors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpClass {
-    /// Dense matrix products on the matrix units: `linear` and `linear_backward`.
+    /// Dense matrix products on the matrix units: `linear`, `fused_linear` and their
+    /// backward kinds (a fused epilogue's few FLOPs are priced at the matmul rate).
     Matmul,
     /// Fused attention (FlashAttention-style), forward and backward.
     Attention,
@@ -60,7 +61,10 @@ impl OpClass {
     /// The class of an op kind.
     pub fn of(kind: &OpKind) -> Self {
         match kind {
-            OpKind::Linear { .. } | OpKind::LinearBackward { .. } => OpClass::Matmul,
+            OpKind::Linear { .. }
+            | OpKind::LinearBackward { .. }
+            | OpKind::FusedLinear { .. }
+            | OpKind::FusedLinearBackward { .. } => OpClass::Matmul,
             OpKind::Attention { .. } | OpKind::AttentionBackward { .. } => OpClass::Attention,
             _ => OpClass::Elementwise,
         }

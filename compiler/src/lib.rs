@@ -6,6 +6,7 @@ pub mod chunk;
 pub mod cost;
 pub mod emit;
 pub mod error;
+pub mod fuse;
 pub mod pipeline;
 pub mod place;
 pub mod plan;

@@ -1,19 +1,34 @@
 //! The passes, in the order they run, each followed by the verifier.
 //!
-//! forward graph -> autodiff -> training graph -> chunk -> place(policy) -> streams -> plan ->
+//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) -> streams -> plan ->
 //! emit -> Schedule. `search` runs `place..emit` for many policies. `validate` (translation
 //! validation of placement) runs after `place` in tests and debug builds.
 
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
+use crate::cost::CostModel;
 use crate::emit::{emit, HeaderInputs};
 use crate::error::Result;
+use crate::fuse::{fuse, FuseLimits, FuseReport};
 use crate::place::place;
 use crate::plan::plan_buffers;
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::verify_schedule;
 use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
+
+/// Fuses a forward graph under a cost model (see [`crate::fuse`]); the verifier runs before
+/// and after.
+pub fn fused(
+    forward: &Graph,
+    cost: &dyn CostModel,
+    limits: &FuseLimits,
+) -> Result<(Graph, FuseReport)> {
+    verify_graph(forward)?;
+    let (graph, report) = fuse(forward, cost, limits)?;
+    verify_graph(&graph)?;
+    Ok((graph, report))
+}
 
 /// Runs the passes from a forward graph to the training graph: autodiff (forward + backward +
 /// optimizer). The verifier runs on the result.

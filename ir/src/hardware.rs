@@ -420,6 +420,16 @@ impl HardwareProfile {
             .map(|m| m.seconds)
     }
 
+    /// Adds the measured ops of `other` whose keys this profile does not have yet (profiling a
+    /// second graph of the same model, such as its fused form).
+    pub fn add_measured_ops(&mut self, other: &[MeasuredOp]) {
+        for m in other {
+            if self.measured(&m.key).is_none() {
+                self.measured_ops.push(m.clone());
+            }
+        }
+    }
+
     /// One line for people and schedule headers: name, memory, peaks, bandwidths.
     pub fn summary(&self) -> String {
         let mut s = format!(

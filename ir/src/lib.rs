@@ -24,7 +24,7 @@ pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
 pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
-pub use op::{Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
+pub use op::{Epilogue, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
 pub use policy::{BlockMode, Policy};
 pub use schedule::{
     Buffer, BufferKind, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, Space,

@@ -50,6 +50,59 @@ pub enum QkvLayout {
     Packed,
 }
 
+/// Most projections one [`OpKind::FusedLinear`] computes.
+pub const MAX_PROJECTIONS: u64 = 15;
+
+/// What a [`OpKind::FusedLinear`] applies to its matmul results before writing its last
+/// output (made by the fusion pass; the builders never use it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Epilogue {
+    /// Nothing: `count >= 2` projections of one input, each its own output.
+    None,
+    /// GELU (tanh approximation) of the one projection; outputs `h`, `gelu(h)`.
+    Gelu,
+    /// ReLU of the one projection; outputs `h`, `relu(h)`.
+    Relu,
+    /// `silu(gate) * up` of two projections; outputs `gate`, `up`, `swiglu(gate, up)`.
+    Swiglu,
+    /// A residual input added to the one projection; output `r + (x W + b)`.
+    Residual,
+}
+
+impl Epilogue {
+    /// The printed name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::Gelu => "gelu",
+            Epilogue::Relu => "relu",
+            Epilogue::Swiglu => "swiglu",
+            Epilogue::Residual => "residual",
+        }
+    }
+
+    /// How many projections the epilogue combines; `None` for any number from two.
+    pub fn projections(self) -> Option<u64> {
+        match self {
+            Epilogue::None => None,
+            Epilogue::Gelu | Epilogue::Relu | Epilogue::Residual => Some(1),
+            Epilogue::Swiglu => Some(2),
+        }
+    }
+
+    /// Whether the projections' results are outputs of the op (kept for the backward pass or
+    /// read by later ops), before the epilogue's own output.
+    pub fn keeps_projections(self) -> bool {
+        !matches!(self, Epilogue::Residual)
+    }
+
+    /// Whether the epilogue writes an output of its own after the projections.
+    pub fn has_output(self) -> bool {
+        !matches!(self, Epilogue::None)
+    }
+}
+
 /// What an op computes, with its attributes.
 ///
 /// The forward kinds cover GPT-2, LLaMA, Mistral and OPT. Activations are `[B,T,C]`; token ids
@@ -122,6 +175,22 @@ pub enum OpKind {
     /// Mean cross-entropy: `logits [B,T,V]`, `targets i32[B,T]` -> loss `f32[]` and the
     /// log-sum-exp of each row `f32[B,T]`, which the backward pass reuses.
     CrossEntropy,
+    /// `count` linear projections of one input with an epilogue, made by the fusion pass:
+    /// inputs `x`, `w_1..w_count`, then `b_1..b_count` when `bias`, then the residual when the
+    /// epilogue is [`Epilogue::Residual`]. Outputs: the projections `h_1..h_count` when the
+    /// epilogue keeps them, then the epilogue's result when it has one. Each projection is
+    /// computed exactly as [`OpKind::Linear`] computes it, and the epilogue as its own kind
+    /// would, so fusing changes no bit of the result.
+    FusedLinear {
+        /// Projections of `x`.
+        count: u64,
+        /// Whether each projection has a bias.
+        bias: bool,
+        /// How the weights are stored.
+        layout: WeightLayout,
+        /// What is applied to the projections.
+        epilogue: Epilogue,
+    },
 
     // Backward kinds: one per forward kind that has a vector-Jacobian product. Each takes the
     // forward values it saved and the output gradient, and writes input gradients.
@@ -189,6 +258,22 @@ pub enum OpKind {
     },
     /// `logits`, `targets`, `lse` -> `dlogits`, for a loss gradient of 1.
     CrossEntropyBackward,
+    /// The backward of [`OpKind::FusedLinear`]. Inputs: `x`, `w_1..w_count`, the kept
+    /// projections when the epilogue has an output and keeps them, then the output gradients
+    /// (`dh_1..dh_count` without an epilogue, else the gradient of the epilogue's output).
+    /// Outputs: `dx`, `dw_1..dw_count`, then `db_1..db_count` when `bias`. A residual's
+    /// gradient is the output gradient itself and is not an output. `dx` sums the projections'
+    /// contributions last projection first, as separate ops would.
+    FusedLinearBackward {
+        /// Projections of `x`.
+        count: u64,
+        /// Whether each projection has a bias.
+        bias: bool,
+        /// How the weights are stored.
+        layout: WeightLayout,
+        /// The forward op's epilogue.
+        epilogue: Epilogue,
+    },
 
     // Optimizer kinds.
     /// Sum of the squares of one gradient -> `f32[]` (accumulated in f64, then rounded).
@@ -236,6 +321,7 @@ impl OpKind {
             OpKind::Rope { .. } => "rope",
             OpKind::Attention { .. } => "attention",
             OpKind::CrossEntropy => "cross_entropy",
+            OpKind::FusedLinear { .. } => "fused_linear",
             OpKind::EmbeddingBackward { .. } => "embedding_backward",
             OpKind::PositionEmbeddingBackward { .. } => "position_embedding_backward",
             OpKind::LayerNormBackward { .. } => "layer_norm_backward",
@@ -248,6 +334,7 @@ impl OpKind {
             OpKind::RopeBackward { .. } => "rope_backward",
             OpKind::AttentionBackward { .. } => "attention_backward",
             OpKind::CrossEntropyBackward => "cross_entropy_backward",
+            OpKind::FusedLinearBackward { .. } => "fused_linear_backward",
             OpKind::GradNormSq => "grad_norm_sq",
             OpKind::ClipCoef { .. } => "clip_coef",
             OpKind::AdamW { .. } => "adamw",
@@ -266,6 +353,7 @@ impl OpKind {
                 attrs.insert(0, ("rows", rows.to_string()));
             }
             OpKind::LinearBackward { bias: false, .. } => attrs.push(("bias", "false".into())),
+            OpKind::FusedLinearBackward { bias: true, .. } => attrs.push(("bias", "true".into())),
             OpKind::ClipCoef { max_norm } => attrs.push(("max_norm", format!("{max_norm}"))),
             OpKind::AdamW {
                 lr,
@@ -327,6 +415,17 @@ impl OpKind {
                 qkv,
             },
             OpKind::CrossEntropyBackward => OpKind::CrossEntropy,
+            OpKind::FusedLinearBackward {
+                count,
+                bias,
+                layout,
+                epilogue,
+            } => OpKind::FusedLinear {
+                count,
+                bias,
+                layout,
+                epilogue,
+            },
             _ => return None,
         })
     }
@@ -340,6 +439,24 @@ impl OpKind {
             OpKind::LayerNorm { .. } | OpKind::LayerNormBackward { .. } => 8 * inputs[0].rows(),
             // Reciprocal root-mean-square per row, f32.
             OpKind::RmsNorm { .. } | OpKind::RmsNormBackward { .. } => 4 * inputs[0].rows(),
+            // The gradients of the kept projections, then one input gradient's worth for the
+            // contributions of the projections after the first, f32.
+            OpKind::FusedLinearBackward {
+                count, epilogue, ..
+            } => {
+                let n = *count as usize;
+                let projections: u64 = if epilogue.has_output() && epilogue.keeps_projections() {
+                    inputs.iter().skip(1 + n).take(n).map(|t| t.numel()).sum()
+                } else {
+                    0
+                };
+                let contributions = if *count >= 2 {
+                    inputs.first().map_or(0, |x| x.numel())
+                } else {
+                    0
+                };
+                4 * (projections + contributions)
+            }
             _ => 0,
         }
     }
@@ -371,6 +488,29 @@ impl OpKind {
                 ..
             } => &["dqkv"],
             OpKind::AdamW { .. } => &[],
+            OpKind::FusedLinear {
+                count, epilogue, ..
+            } => match epilogue {
+                Epilogue::None => {
+                    const H: &[&str] = &["h1", "h2", "h3", "h4", "h5", "h6", "h7", "h8"];
+                    &H[..(*count as usize).min(H.len())]
+                }
+                Epilogue::Gelu | Epilogue::Relu => &["h", "out"],
+                Epilogue::Swiglu => &["gate", "up", "out"],
+                Epilogue::Residual => &["out"],
+            },
+            OpKind::FusedLinearBackward { count, bias, .. } => match (count, bias) {
+                (1, false) => &["dx", "dweight"],
+                (1, true) => &["dx", "dweight", "dbias"],
+                (2, false) => &["dx", "dweight1", "dweight2"],
+                (2, true) => &["dx", "dweight1", "dweight2", "dbias1", "dbias2"],
+                (3, false) => &["dx", "dweight1", "dweight2", "dweight3"],
+                (3, true) => &[
+                    "dx", "dweight1", "dweight2", "dweight3", "dbias1", "dbias2", "dbias3",
+                ],
+                // Larger groups name their outputs with `Graph::add_op_multi`.
+                _ => &["dx"],
+            },
             _ => &["out"],
         }
     }
@@ -389,6 +529,21 @@ impl OpKind {
                 WeightLayout::OutIn => vec![],
                 WeightLayout::InOut => vec![("weight", "in_out".into())],
             },
+            OpKind::FusedLinear {
+                count,
+                layout,
+                epilogue,
+                ..
+            } => {
+                let mut attrs = vec![("count", count.to_string())];
+                if *epilogue != Epilogue::None {
+                    attrs.push(("epilogue", epilogue.name().into()));
+                }
+                if *layout == WeightLayout::InOut {
+                    attrs.push(("weight", "in_out".into()));
+                }
+                attrs
+            }
             OpKind::Rope {
                 head_dim,
                 theta,
@@ -463,6 +618,27 @@ impl OpKind {
                 QkvLayout::Packed => 4,
             },
             OpKind::CrossEntropyBackward => 3,
+            OpKind::FusedLinear {
+                count,
+                bias,
+                epilogue,
+                ..
+            } => {
+                let n = *count as usize;
+                1 + n * (1 + usize::from(*bias)) + usize::from(*epilogue == Epilogue::Residual)
+            }
+            OpKind::FusedLinearBackward {
+                count, epilogue, ..
+            } => {
+                let n = *count as usize;
+                let kept = if epilogue.has_output() && epilogue.keeps_projections() {
+                    n
+                } else {
+                    0
+                };
+                let grads = if epilogue.has_output() { 1 } else { n };
+                1 + n + kept + grads
+            }
             OpKind::GradNormSq => 1,
             OpKind::ClipCoef { .. } => return None,
             OpKind::AdamW { clipped, .. } => 4 + usize::from(*clipped),
@@ -515,6 +691,51 @@ impl OpKind {
             }
             OpKind::SiluBackward | OpKind::SwigluBackward => 8 * out,
             OpKind::Relu | OpKind::Add | OpKind::ReluBackward => out,
+            OpKind::FusedLinear {
+                count, epilogue, ..
+            } => {
+                let n = *count as usize;
+                let rows = inputs[0].rows();
+                let d_in = inputs[0].last_dim();
+                let widths: u64 = match epilogue {
+                    Epilogue::Residual => outputs[0].last_dim(),
+                    _ => outputs.iter().take(n).map(|t| t.last_dim()).sum(),
+                };
+                let last = outputs.last().map_or(0, |t| t.numel());
+                let epilogue_flops = match epilogue {
+                    Epilogue::None => 0,
+                    Epilogue::Gelu => 10 * last,
+                    Epilogue::Relu | Epilogue::Residual => last,
+                    Epilogue::Swiglu => 5 * last,
+                };
+                2 * rows * d_in * widths + epilogue_flops
+            }
+            OpKind::FusedLinearBackward {
+                count, epilogue, ..
+            } => {
+                let n = *count as usize;
+                let x = inputs[0].numel();
+                let dy = inputs.last().map_or(0, |t| t.numel());
+                let widths: u64 = match epilogue {
+                    Epilogue::None => inputs.iter().skip(1 + n).map(|t| t.last_dim()).sum(),
+                    Epilogue::Residual => inputs[2].last_dim(),
+                    Epilogue::Gelu | Epilogue::Relu | Epilogue::Swiglu => inputs
+                        .iter()
+                        .skip(1 + n)
+                        .take(n)
+                        .map(|t| t.last_dim())
+                        .sum(),
+                };
+                let epilogue_flops = match epilogue {
+                    Epilogue::None | Epilogue::Residual => 0,
+                    Epilogue::Gelu => 16 * dy,
+                    Epilogue::Relu => dy,
+                    Epilogue::Swiglu => 8 * dy,
+                };
+                4 * inputs[0].rows() * inputs[0].last_dim() * widths
+                    + epilogue_flops
+                    + (*count).saturating_sub(1) * x
+            }
             OpKind::GradNormSq => 2 * inputs[0].numel(),
             OpKind::AdamW { .. } => 12 * inputs[0].numel(),
             OpKind::Embedding { .. }
@@ -551,6 +772,61 @@ impl OpKind {
             OpKind::CrossEntropy => {
                 let loss = self.infer_forward(inputs)?;
                 vec![loss, TensorType::new(inputs[1].shape.clone(), DType::F32)]
+            }
+            OpKind::FusedLinear {
+                count,
+                bias,
+                layout,
+                epilogue,
+            } => {
+                let n = *count as usize;
+                let fits = match epilogue.projections() {
+                    None => (2..=MAX_PROJECTIONS).contains(count),
+                    Some(k) => *count == k,
+                };
+                if !fits {
+                    return Err(fail(format!(
+                        "epilogue {} does not take {count} projections",
+                        epilogue.name()
+                    )));
+                }
+                let linear = OpKind::Linear {
+                    bias: *bias,
+                    layout: *layout,
+                };
+                let mut projections = Vec::with_capacity(n);
+                for i in 0..n {
+                    let mut one = vec![inputs[0], inputs[1 + i]];
+                    if *bias {
+                        one.push(inputs[1 + n + i]);
+                    }
+                    projections.push(linear.infer_forward(&one)?);
+                }
+                let mut out = Vec::with_capacity(n + 1);
+                match epilogue {
+                    Epilogue::None => out.extend(projections),
+                    Epilogue::Gelu | Epilogue::Relu => {
+                        out.push(projections[0].clone());
+                        out.extend(projections);
+                    }
+                    Epilogue::Swiglu => {
+                        let y =
+                            OpKind::Swiglu.infer_forward(&[&projections[0], &projections[1]])?;
+                        out.extend(projections);
+                        out.push(y);
+                    }
+                    Epilogue::Residual => {
+                        let r = inputs[inputs.len() - 1];
+                        if *r != projections[0] {
+                            return Err(fail(format!(
+                                "residual {r} does not match the projection {}",
+                                projections[0]
+                            )));
+                        }
+                        out.push(r.clone());
+                    }
+                }
+                out
             }
             OpKind::GradNormSq => {
                 if !inputs[0].dtype.is_float() {
@@ -662,6 +938,60 @@ impl OpKind {
                 let expected = forward.infer(&inputs[..2])?;
                 same(&expected[1], inputs[2], "lse")?;
                 vec![inputs[0].clone()]
+            }
+            OpKind::FusedLinearBackward {
+                count,
+                bias,
+                layout,
+                epilogue,
+            } => {
+                let n = *count as usize;
+                let (x, weights) = (inputs[0], &inputs[1..1 + n]);
+                let plain = OpKind::Linear {
+                    bias: false,
+                    layout: *layout,
+                };
+                let mut projections = Vec::with_capacity(n);
+                for w in weights {
+                    projections.push(plain.infer_forward(&[x, w])?);
+                }
+                let biases: Vec<TensorType> = projections
+                    .iter()
+                    .zip(weights)
+                    .map(|(h, w)| TensorType::new([h.last_dim()], w.dtype))
+                    .collect();
+                let mut fwd_inputs: Vec<&TensorType> = vec![x];
+                fwd_inputs.extend(weights.iter().copied());
+                if *bias {
+                    fwd_inputs.extend(biases.iter());
+                }
+                if *epilogue == Epilogue::Residual {
+                    fwd_inputs.push(&projections[0]);
+                }
+                let outs = forward.infer(&fwd_inputs)?;
+                let rest = &inputs[1 + n..];
+                let (kept, grads) = if epilogue.has_output() && epilogue.keeps_projections() {
+                    rest.split_at(n)
+                } else {
+                    rest.split_at(0)
+                };
+                for (h, want) in kept.iter().zip(&outs) {
+                    same(want, h, "kept projection")?;
+                }
+                let wanted: Vec<&TensorType> = if epilogue.has_output() {
+                    outs.last().into_iter().collect()
+                } else {
+                    outs.iter().collect()
+                };
+                for (g, want) in grads.iter().zip(wanted) {
+                    same(want, g, "output gradient")?;
+                }
+                let mut out = vec![x.clone()];
+                out.extend(weights.iter().map(|w| (*w).clone()));
+                if *bias {
+                    out.extend(biases);
+                }
+                out
             }
             _ => unreachable!("infer_backward is only called for backward kinds"),
         })

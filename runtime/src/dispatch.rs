@@ -8,7 +8,7 @@
 
 use crate::error::Result;
 use crate::kernels::{self, AttentionDims};
-use protrain_ir::{Graph, Op, OpKind, QkvLayout, TensorType};
+use protrain_ir::{Epilogue, Graph, Op, OpKind, QkvLayout, TensorType, WeightLayout};
 use rayon::prelude::*;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
@@ -71,6 +71,142 @@ impl Outcome {
 pub fn workspace_len(graph: &Graph, op: &Op) -> usize {
     let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
     (op.kind.workspace_bytes(&types) / 4) as usize
+}
+
+/// A fused linear op: each projection as [`OpKind::Linear`] computes it, then the epilogue as
+/// its own kind would, so the bits equal the unfused ops'.
+#[allow(clippy::too_many_arguments)]
+fn fused_linear<'a>(
+    ins: &impl Inputs<'a>,
+    outputs: &mut [&mut [f32]],
+    n: usize,
+    bias: bool,
+    layout: WeightLayout,
+    epilogue: Epilogue,
+    x: &TensorType,
+) {
+    let (rows, d_in) = (x.rows() as usize, x.last_dim() as usize);
+    let project = |out: &mut [f32], i: usize| {
+        let w = ins.f32(1 + i);
+        kernels::linear_forward(
+            out,
+            ins.f32(0),
+            w,
+            bias.then(|| ins.f32(1 + n + i)),
+            layout,
+            rows,
+            d_in,
+            w.len() / d_in,
+        );
+    };
+    match epilogue {
+        Epilogue::None => {
+            for (i, out) in outputs.iter_mut().enumerate() {
+                project(out, i);
+            }
+        }
+        Epilogue::Gelu | Epilogue::Relu => {
+            let [h, y] = outputs else {
+                unreachable!("a fused linear with an activation writes h and out")
+            };
+            project(h, 0);
+            match epilogue {
+                Epilogue::Gelu => kernels::gelu_forward(y, h),
+                _ => kernels::relu_forward(y, h),
+            }
+        }
+        Epilogue::Swiglu => {
+            let [gate, up, y] = outputs else {
+                unreachable!("a fused linear with swiglu writes gate, up and out")
+            };
+            project(gate, 0);
+            project(up, 1);
+            kernels::swiglu_forward(y, gate, up);
+        }
+        Epilogue::Residual => {
+            let y = &mut *outputs[0];
+            project(y, 0);
+            kernels::add_assign(y, ins.f32(1 + n * (1 + usize::from(bias))));
+        }
+    }
+}
+
+/// The backward of a fused linear op, with the kernels the unfused ops' backward would run:
+/// the epilogue's gradient into the workspace, then each projection's, last first, summing
+/// the input gradient in that order as autodiff sums separate contributions.
+#[allow(clippy::too_many_arguments)]
+fn fused_linear_backward<'a>(
+    ins: &impl Inputs<'a>,
+    outputs: &mut [&mut [f32]],
+    workspace: &mut [f32],
+    n: usize,
+    bias: bool,
+    layout: WeightLayout,
+    epilogue: Epilogue,
+    x: &TensorType,
+) {
+    let (rows, d_in) = (x.rows() as usize, x.last_dim() as usize);
+    let (dx, rest) = outputs
+        .split_first_mut()
+        .expect("fused_linear_backward writes dx");
+    let (dweights, dbiases) = rest.split_at_mut(n);
+    let kept = epilogue.has_output() && epilogue.keeps_projections();
+    let dy = ins.f32(1 + n + if kept { n } else { 0 });
+    // The gradients of the projections: in the workspace behind an epilogue with an output,
+    // else the op's own output gradients.
+    let out_len = |i: usize| rows * (ins.f32(1 + i).len() / d_in);
+    let (grads, contribution) = if kept {
+        let total: usize = (0..n).map(out_len).sum();
+        workspace.split_at_mut(total)
+    } else {
+        workspace.split_at_mut(0)
+    };
+    let mut projection_grads: Vec<&[f32]> = Vec::with_capacity(n);
+    match epilogue {
+        Epilogue::None => projection_grads.extend((0..n).map(|i| ins.f32(1 + n + i))),
+        Epilogue::Residual => projection_grads.push(dy),
+        Epilogue::Gelu | Epilogue::Relu => {
+            let h = ins.f32(1 + n);
+            let dh = &mut grads[..h.len()];
+            match epilogue {
+                Epilogue::Gelu => kernels::gelu_backward(dh, dy, h),
+                _ => kernels::relu_backward(dh, dy, h),
+            }
+            projection_grads.push(dh);
+        }
+        Epilogue::Swiglu => {
+            let (gate, up) = (ins.f32(1 + n), ins.f32(2 + n));
+            let (dgate, dup) = grads.split_at_mut(gate.len());
+            kernels::swiglu_backward(dgate, dup, dy, gate, up);
+            projection_grads.push(dgate);
+            projection_grads.push(dup);
+        }
+    }
+    let contribution = &mut contribution[..if n >= 2 { dx.len() } else { 0 }];
+    for i in (0..n).rev() {
+        let w = ins.f32(1 + i);
+        let target: &mut [f32] = if i == n - 1 { dx } else { contribution };
+        kernels::linear_backward(
+            Some(target),
+            dweights[i],
+            if bias {
+                dbiases.get_mut(i).map(|d| &mut **d)
+            } else {
+                None
+            },
+            projection_grads[i],
+            ins.f32(0),
+            w,
+            layout,
+            rows,
+            d_in,
+            w.len() / d_in,
+            false,
+        );
+        if i != n - 1 {
+            kernels::add_assign(dx, contribution);
+        }
+    }
 }
 
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]).
@@ -294,6 +430,35 @@ pub fn run<'a>(
                 false,
             );
         }
+        OpKind::FusedLinear {
+            count,
+            bias,
+            layout,
+            epilogue,
+        } => fused_linear(
+            ins,
+            outputs,
+            *count as usize,
+            *bias,
+            *layout,
+            *epilogue,
+            ty(0),
+        ),
+        OpKind::FusedLinearBackward {
+            count,
+            bias,
+            layout,
+            epilogue,
+        } => fused_linear_backward(
+            ins,
+            outputs,
+            workspace,
+            *count as usize,
+            *bias,
+            *layout,
+            *epilogue,
+            ty(0),
+        ),
         OpKind::GeluBackward => kernels::gelu_backward(outputs[0], ins.f32(1), ins.f32(0)),
         OpKind::ReluBackward => kernels::relu_backward(outputs[0], ins.f32(1), ins.f32(0)),
         OpKind::SiluBackward => kernels::silu_backward(outputs[0], ins.f32(1), ins.f32(0)),

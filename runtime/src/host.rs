@@ -19,8 +19,9 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 /// Alignment of the arena and the host region, as the planner aligns buffers.
 pub const REGION_ALIGN: usize = 256;
 
-/// Most outputs an op kind writes (layer norm's and linear's backward write three).
-const MAX_OUTPUTS: usize = 3;
+/// Most outputs an op kind writes: a fused linear's backward with the most projections
+/// ([`protrain_ir::op::MAX_PROJECTIONS`], each with a bias) writes `1 + 2 * 15`.
+const MAX_OUTPUTS: usize = 1 + 2 * protrain_ir::op::MAX_PROJECTIONS as usize;
 
 /// One zeroed, aligned allocation of an exact size.
 struct Region {
@@ -287,7 +288,13 @@ impl Backend for HostBackend {
         };
         inputs.check()?;
         let n = op.outputs.len();
-        if n > MAX_OUTPUTS || l.outputs.len() != n {
+        if n > MAX_OUTPUTS {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{} writes {n} outputs; kernels write at most {MAX_OUTPUTS}",
+                op.kind.mnemonic()
+            )));
+        }
+        if l.outputs.len() != n {
             return Err(RuntimeError::BadSchedule(format!(
                 "{} writes {n} outputs but its kernel gives {} addresses",
                 op.kind.mnemonic(),

@@ -53,6 +53,10 @@ pub struct Args {
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
+    /// Do not fuse the forward graph (q/k/v and gate/up matmuls, activation and residual
+    /// epilogues). Fusion changes no result; this is for comparing and debugging.
+    #[arg(long)]
+    no_fuse: bool,
     #[command(flatten)]
     optimizer: OptimizerArgs,
 }
@@ -91,6 +95,7 @@ pub fn run(args: Args) -> Result<()> {
         device_budget: budget,
         policy: PolicyChoice::parse(&args.policy)?,
         optimizer: args.optimizer.config(),
+        fuse: !args.no_fuse,
     };
     let compiled = protrain::compile(&config, &options)?;
     let path = args
@@ -162,6 +167,7 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
         },
         "stream_busy_seconds": p.stream_busy_seconds,
         "compile_s": c.compile_seconds,
+        "fusion": c.fusion,
         "schedule": path.display().to_string(),
     })
 }
@@ -227,6 +233,9 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
     );
     for (stream, busy) in s.streams.iter().zip(&p.stream_busy_seconds) {
         println!("  {:<15}{busy:.4} s busy", stream.name);
+    }
+    if let Some(fusion) = &c.fusion {
+        print!("{}", fusion.to_text());
     }
     if let Some(report) = &c.report {
         print!("search          {}", report.to_text());

@@ -15,6 +15,10 @@ use std::path::{Path, PathBuf};
 pub enum Stage {
     /// The forward graph the model builder lowers to.
     Forward,
+    /// The forward graph after fusion for --hardware (q/k/v and gate/up matmuls merged,
+    /// activation, swiglu and residual epilogues); the fusion report goes to standard error
+    /// (text) or beside the graph (JSON).
+    Fused,
     /// The training graph: forward, backward (autodiff) and the AdamW optimizer.
     Autodiff,
     /// The training graph, then its chunk table: the chunk size, the sizes tried, and each
@@ -36,6 +40,7 @@ impl Stage {
     fn name(self) -> &'static str {
         match self {
             Stage::Forward => "forward",
+            Stage::Fused => "fused",
             Stage::Autodiff => "autodiff",
             Stage::Chunked => "chunked",
             Stage::Placed => "placed",
@@ -58,7 +63,8 @@ pub enum Format {
     /// Graphviz DOT of the stage's graph (`protrain dump MODEL --format dot | dot -Tsvg >
     /// graph.svg`); not for `scheduled` and `planned`.
     Dot,
-    /// JSON: the graph for `forward` and `autodiff`; `{graph, chunks}` for `chunked`;
+    /// JSON: the graph for `forward` and `autodiff`; `{graph, fusion}` for `fused`;
+    /// `{graph, chunks}` for `chunked`;
     /// `{policy, swapped, graph}` for `placed`; the whole schedule for `scheduled` and
     /// `planned`.
     Json,
@@ -70,8 +76,9 @@ pub struct Args {
     /// A preset name, a path to a Hugging Face config.json, or a directory holding one; or,
     /// for the stages `placed`, `scheduled` and `planned`, a compiled .ptsched schedule.
     model: String,
-    /// The compilation stage to print: forward, autodiff and chunked build the model's graphs;
-    /// placed, scheduled and planned compile it (or read the schedule file given).
+    /// The compilation stage to print: forward, fused, autodiff and chunked build the model's
+    /// graphs (autodiff and chunked from the fused graph unless --no-fuse); placed, scheduled
+    /// and planned compile it (or read the schedule file given).
     #[arg(long, value_enum, default_value_t = Stage::Forward)]
     stage: Stage,
     /// Output format.
@@ -89,7 +96,7 @@ pub struct Args {
     /// Element type of parameters and activations.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     dtype: Dtype,
-    /// The machine to compile for (placed, scheduled, planned): a preset (rtx3090, rtx4090,
+    /// The machine to fuse and compile for (fused and later stages): a preset (rtx3090, rtx4090,
     /// a100-40gb, a100-80gb, h100, h200, host) or a profile JSON written by `protrain profile`.
     #[arg(long, default_value = "host")]
     hardware: String,
@@ -108,6 +115,9 @@ pub struct Args {
     /// take it.
     #[command(flatten)]
     optimizer: OptimizerArgs,
+    /// Do not fuse: autodiff and later stages start from the builder's forward graph.
+    #[arg(long)]
+    no_fuse: bool,
 }
 
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
@@ -161,9 +171,33 @@ fn model_stage(args: &Args) -> Result<String> {
         return schedule_stage(&schedule, args.stage, args.format);
     }
     let build = BuildOptions::new(args.batch, seq).with_dtype(dtype);
-    let forward = protrain::models::build_forward(&config, &build)?;
+    let mut forward = protrain::models::build_forward(&config, &build)?;
     if args.stage == Stage::Forward {
         return Ok(graph_text(&forward, args.format));
+    }
+    if args.stage == Stage::Fused && args.no_fuse {
+        return Err(Error::Usage(
+            "--stage fused with --no-fuse asks for fusion and refuses it; drop --no-fuse".into(),
+        ));
+    }
+    if !args.no_fuse {
+        let (profile, _) = hardware(&args.hardware, None, None)?;
+        let cost = protrain::compiler::cost::cost_model(&profile);
+        let (graph, report) = protrain::compiler::pipeline::fused(
+            &forward,
+            cost.as_ref(),
+            &protrain::compiler::fuse::FuseLimits::default(),
+        )?;
+        if args.stage == Stage::Fused {
+            return Ok(match args.format {
+                Format::Json => pretty(&serde_json::json!({ "graph": graph, "fusion": report })),
+                Format::Text | Format::Dot => {
+                    eprint!("{}", report.to_text());
+                    graph_text(&graph, args.format)
+                }
+            });
+        }
+        forward = graph;
     }
     let training = protrain::training_graph(&forward, &args.optimizer.config())?;
     if args.stage == Stage::Autodiff {
@@ -196,6 +230,7 @@ fn compile(args: &Args, config: &ModelConfig, seq: u64, dtype: DType) -> Result<
         device_budget,
         policy: PolicyChoice::parse(&args.policy)?,
         optimizer: args.optimizer.config(),
+        fuse: !args.no_fuse,
     };
     Ok(protrain::compile(config, &options)?.schedule)
 }

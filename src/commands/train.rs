@@ -33,6 +33,10 @@ pub struct Args {
     /// `protrain compile --help`).
     #[arg(long, default_value = "auto")]
     policy: String,
+    /// Do not fuse the forward graph (see `protrain compile --help`); the losses are the same
+    /// bits either way.
+    #[arg(long)]
+    no_fuse: bool,
     #[command(flatten)]
     exec: ExecArgs,
 }
@@ -53,6 +57,7 @@ pub fn run(args: Args) -> Result<()> {
         device_budget: budget,
         policy: PolicyChoice::parse(&args.policy)?,
         optimizer,
+        fuse: !args.no_fuse,
     };
     let compiled = protrain::compile(&config, &options)?;
     let schedule = &compiled.schedule;

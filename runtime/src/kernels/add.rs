@@ -17,6 +17,19 @@ pub fn add_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
         });
 }
 
+/// `acc = acc + b` elementwise, the same sum [`add_forward`] computes (addition of two floats
+/// is commutative bit for bit), for fused epilogues and gradient accumulation.
+pub fn add_assign(acc: &mut [f32], b: &[f32]) {
+    assert_eq!(acc.len(), b.len(), "add_assign: b length differs from acc");
+    acc.par_chunks_mut(ELEM_GRAIN)
+        .zip(b.par_chunks(ELEM_GRAIN))
+        .for_each(|(acc, b)| {
+            for (o, &b) in acc.iter_mut().zip(b) {
+                *o += b;
+            }
+        });
+}
+
 /// Backward of [`add_forward`]: `da = dout` and `db = dout`, both overwritten.
 pub fn add_backward(da: &mut [f32], db: &mut [f32], dout: &[f32]) {
     assert_eq!(
@@ -62,5 +75,19 @@ mod tests {
         };
         check_grad("add da", &a, &da, |a| f(a, &b), &cot);
         check_grad("add db", &b, &db, |b| f(&a, b), &cot);
+    }
+
+    #[test]
+    fn add_assign_is_add_forward_bit_for_bit() {
+        let mut rng = Rng::new(41);
+        let (a, b) = (rng.vec(5000), rng.vec(5000));
+        let mut out = vec![f32::NAN; 5000];
+        add_forward(&mut out, &b, &a);
+        let mut acc = a.clone();
+        add_assign(&mut acc, &b);
+        assert!(acc
+            .iter()
+            .zip(&out)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
     }
 }

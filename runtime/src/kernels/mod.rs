@@ -31,7 +31,7 @@ pub use activation::{
     swiglu_backward, swiglu_forward,
 };
 pub use adamw::{adamw_step, clip_coef, grad_norm_sq, scale, AdamWConfig};
-pub use add::{add_backward, add_forward};
+pub use add::{add_assign, add_backward, add_forward};
 pub use attention::{
     attention_backward, attention_backward_packed, attention_forward, attention_forward_packed,
     AttentionDims,
