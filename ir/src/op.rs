@@ -431,7 +431,8 @@ impl OpKind {
     }
 
     /// Bytes of scratch memory a kernel of this kind needs, beyond its inputs and outputs:
-    /// the per-row statistics a norm's backward recomputes. The memory planner gives every
+    /// the per-row statistics of a norm (f32), the intermediate gradients of a fused linear's
+    /// backward (in the activations' dtype). The memory planner gives every
     /// kernel exactly this much; kernels allocate nothing.
     pub fn workspace_bytes(&self, inputs: &[&TensorType]) -> u64 {
         match self {
@@ -440,22 +441,23 @@ impl OpKind {
             // Reciprocal root-mean-square per row, f32.
             OpKind::RmsNorm { .. } | OpKind::RmsNormBackward { .. } => 4 * inputs[0].rows(),
             // The gradients of the kept projections, then one input gradient's worth for the
-            // contributions of the projections after the first, f32.
+            // contributions of the projections after the first, each in its value's dtype (as
+            // the unfused ops would hold them as values).
             OpKind::FusedLinearBackward {
                 count, epilogue, ..
             } => {
                 let n = *count as usize;
                 let projections: u64 = if epilogue.has_output() && epilogue.keeps_projections() {
-                    inputs.iter().skip(1 + n).take(n).map(|t| t.numel()).sum()
+                    inputs.iter().skip(1 + n).take(n).map(|t| t.bytes()).sum()
                 } else {
                     0
                 };
                 let contributions = if *count >= 2 {
-                    inputs.first().map_or(0, |x| x.numel())
+                    inputs.first().map_or(0, |x| x.bytes())
                 } else {
                     0
                 };
-                4 * (projections + contributions)
+                projections + contributions
             }
             _ => 0,
         }
