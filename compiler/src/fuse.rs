@@ -31,7 +31,7 @@
 
 use crate::autodiff::{vjp_rule, Saved};
 use crate::cost::CostModel;
-use crate::error::Result;
+use crate::error::{CompileError, Result};
 use egg::{
     Analysis, Applier, DidMerge, EGraph, Id, Pattern, PatternAst, Rewrite, Runner, SimpleScheduler,
     StopReason, Subst, Symbol, SymbolLang, Var,
@@ -589,51 +589,8 @@ pub fn fuse(
     limits: &FuseLimits,
 ) -> Result<(Graph, FuseReport)> {
     let start = Instant::now();
-    let mut egraph: EGraph<SymbolLang, Context> = EGraph::new(Context::default());
-
-    // The graph into the e-graph.
-    let mut class: Vec<Option<Id>> = vec![None; forward.values().len()];
-    for (id, value) in forward.values() {
-        if value.producer.is_none() {
-            let symbol = Symbol::from(format!("value:{}", id.index()));
-            egraph.analysis.leaf_types.insert(symbol, value.ty.clone());
-            class[id.index()] = Some(egraph.add(SymbolLang::leaf(symbol)));
-        }
-    }
-    let ops: Vec<(OpId, &Op)> = forward.ops().collect();
-    for (position, (_, op)) in ops.iter().enumerate() {
-        let mut children: Vec<Id> = op
-            .inputs
-            .iter()
-            .map(|v| class[v.index()].expect("a value is defined before it is read"))
-            .collect();
-        for &w in op.inputs.iter().skip(1) {
-            if forward.value(w).role == Role::Param {
-                let leaf = class[w.index()].expect("parameters are leaves");
-                egraph.analysis.first_reader.entry(leaf).or_insert(position);
-            }
-        }
-        children.push(add_kind(&mut egraph, &op.kind));
-        let mut outs = Vec::new();
-        for (i, &out) in op.outputs.iter().enumerate() {
-            let c = egraph.add(output_node(op.kind.mnemonic(), i, children.clone()));
-            class[out.index()] = Some(c);
-            outs.push(c);
-            if forward.users(out).len() == 1 && !forward.outputs().contains(&out) {
-                egraph.analysis.single_use.push(c);
-            }
-        }
-        egraph.analysis.op_classes.push(outs);
-    }
-    egraph.rebuild();
-
-    let runner = Runner::default()
-        .with_egraph(egraph)
-        .with_scheduler(SimpleScheduler)
-        .with_node_limit(limits.nodes)
-        .with_iter_limit(limits.iterations)
-        .with_time_limit(limits.time)
-        .run(&rules());
+    let (egraph, class) = encode(forward);
+    let runner = saturate(egraph, limits);
     let stop_reason = match &runner.stop_reason {
         Some(StopReason::Saturated) => "saturated".to_string(),
         Some(StopReason::IterationLimit(n)) => format!("iteration limit {n}"),
@@ -643,7 +600,8 @@ pub fn fuse(
         None => "not run".to_string(),
     };
     let iterations = runner.iterations.len();
-    let egraph = runner.egraph;
+    let mut egraph = runner.egraph;
+    let ops: Vec<(OpId, &Op)> = forward.ops().collect();
 
     // Price the original ops.
     let op_seconds: Vec<f64> = ops
@@ -708,6 +666,15 @@ pub fn fuse(
 
     let graph = rebuild(forward, &ops, &taken)?;
     protrain_ir::verify::verify_graph(&graph)?;
+    // Translation validation: the fused graph, added to the saturated e-graph, must compute
+    // its outputs in the original outputs' classes.
+    let differing = differing_outputs(&mut egraph, forward, &class, &graph);
+    if !differing.is_empty() {
+        return Err(CompileError::Validation(format!(
+            "fusion changed {}",
+            differing.join(", ")
+        )));
+    }
     taken.sort_by_key(|p| p.anchor);
     let name = |v: ValueId| forward.value(v).name.clone();
     let fusions = taken
@@ -749,6 +716,118 @@ pub fn fuse(
         seconds: start.elapsed().as_secs_f64(),
     };
     Ok((graph, report))
+}
+
+/// Puts the forward graph into a new e-graph: the class of each value, and the context the
+/// rewrites read.
+fn encode(forward: &Graph) -> (EGraph<SymbolLang, Context>, Vec<Option<Id>>) {
+    let mut egraph: EGraph<SymbolLang, Context> = EGraph::new(Context::default());
+    let mut class: Vec<Option<Id>> = vec![None; forward.values().len()];
+    for (id, value) in forward.values() {
+        if value.producer.is_none() {
+            let symbol = Symbol::from(format!("value:{}", id.index()));
+            egraph.analysis.leaf_types.insert(symbol, value.ty.clone());
+            class[id.index()] = Some(egraph.add(SymbolLang::leaf(symbol)));
+        }
+    }
+    for (position, (_, op)) in forward.ops().enumerate() {
+        let mut children: Vec<Id> = op
+            .inputs
+            .iter()
+            .map(|v| class[v.index()].expect("a value is defined before it is read"))
+            .collect();
+        for &w in op.inputs.iter().skip(1) {
+            if forward.value(w).role == Role::Param {
+                let leaf = class[w.index()].expect("parameters are leaves");
+                egraph.analysis.first_reader.entry(leaf).or_insert(position);
+            }
+        }
+        children.push(add_kind(&mut egraph, &op.kind));
+        let mut outs = Vec::new();
+        for (i, &out) in op.outputs.iter().enumerate() {
+            let c = egraph.add(output_node(op.kind.mnemonic(), i, children.clone()));
+            class[out.index()] = Some(c);
+            outs.push(c);
+            if forward.users(out).len() == 1 && !forward.outputs().contains(&out) {
+                egraph.analysis.single_use.push(c);
+            }
+        }
+        egraph.analysis.op_classes.push(outs);
+    }
+    egraph.rebuild();
+    (egraph, class)
+}
+
+/// Runs the rewrites until saturation or a limit.
+fn saturate(
+    egraph: EGraph<SymbolLang, Context>,
+    limits: &FuseLimits,
+) -> Runner<SymbolLang, Context> {
+    Runner::default()
+        .with_egraph(egraph)
+        .with_scheduler(SimpleScheduler)
+        .with_node_limit(limits.nodes)
+        .with_iter_limit(limits.iterations)
+        .with_time_limit(limits.time)
+        .run(&rules())
+}
+
+/// Adds `fused` to the e-graph of `forward` (whose values are in `class`), its leaves matched
+/// to the forward graph's by name, and returns the names of the graph outputs (the loss) that
+/// land in another class than the forward graph's.
+fn differing_outputs(
+    egraph: &mut EGraph<SymbolLang, Context>,
+    forward: &Graph,
+    class: &[Option<Id>],
+    fused: &Graph,
+) -> Vec<String> {
+    let leaves: HashMap<(&str, Role), Id> = forward
+        .values()
+        .filter(|(_, v)| v.producer.is_none())
+        .filter_map(|(id, v)| Some(((v.name.as_str(), v.role), class[id.index()]?)))
+        .collect();
+    let mut fused_class: Vec<Option<Id>> = vec![None; fused.values().len()];
+    for (id, value) in fused.values() {
+        if value.producer.is_none() {
+            fused_class[id.index()] = leaves.get(&(value.name.as_str(), value.role)).copied();
+        }
+    }
+    for (_, op) in fused.ops() {
+        let children: Option<Vec<Id>> = op.inputs.iter().map(|v| fused_class[v.index()]).collect();
+        let Some(mut children) = children else {
+            continue;
+        };
+        children.push(add_kind(egraph, &op.kind));
+        for (i, &out) in op.outputs.iter().enumerate() {
+            let c = egraph.add(output_node(op.kind.mnemonic(), i, children.clone()));
+            fused_class[out.index()] = Some(c);
+        }
+    }
+    egraph.rebuild();
+    let mut differing = Vec::new();
+    if forward.outputs().len() != fused.outputs().len() {
+        differing.push("the number of graph outputs".to_string());
+    }
+    for (&want, &got) in forward.outputs().iter().zip(fused.outputs()) {
+        let same = match (class[want.index()], fused_class[got.index()]) {
+            (Some(a), Some(b)) => egraph.find(a) == egraph.find(b),
+            _ => false,
+        };
+        if !same {
+            differing.push(forward.value(want).name.clone());
+        }
+    }
+    differing
+}
+
+/// Checks that `fused` computes what `forward` computes, by the fusion rewrites: both go into
+/// one e-graph, saturated under `limits`, and every graph output (the loss) must land in one
+/// class. Returns the names of the outputs that do not. [`fuse`] runs the same check on its
+/// own result; this entry point is for graphs fused or edited elsewhere, and for tests.
+pub fn validate_fused(forward: &Graph, fused: &Graph, limits: &FuseLimits) -> Vec<String> {
+    let (egraph, class) = encode(forward);
+    let mut egraph = saturate(egraph, limits).egraph;
+    differing_outputs(&mut egraph, forward, &class, fused)
 }
 
 /// A candidate with its operands resolved to original values and its price.

@@ -4,11 +4,12 @@
 mod fuse {
     use protrain_compiler::cost::Roofline;
     use protrain_compiler::emit::HeaderInputs;
-    use protrain_compiler::fuse::{FuseLimits, FuseReport};
+    use protrain_compiler::fuse::{validate_fused, FuseLimits, FuseReport};
     use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
     use protrain_compiler::OptimizerConfig;
     use protrain_ir::verify_schedule::verify_schedule;
-    use protrain_ir::{DType, Epilogue, Graph, HardwareProfile, OpKind, Policy};
+    use protrain_ir::{DType, Epilogue, Graph, HardwareProfile, OpKind, Policy, ValueId};
+    use std::collections::HashMap;
     use std::time::Duration;
 
     fn forward(model: &str, batch: u64, seq: u64, dtype: DType) -> Graph {
@@ -189,5 +190,82 @@ mod fuse {
             assert!(text.contains(&format!("  {rule}")), "{text}");
         }
         assert!(report.seconds_after < report.seconds_before, "{text}");
+    }
+
+    /// A copy of `graph` with inputs `a` and `b` of the first op `pick` accepts swapped.
+    fn with_swapped_inputs(
+        graph: &Graph,
+        pick: impl Fn(&OpKind) -> bool,
+        a: usize,
+        b: usize,
+    ) -> Graph {
+        let mut out = Graph::new(graph.info.clone());
+        for (_, block) in graph.blocks() {
+            out.add_block(block.name.clone(), block.kind);
+        }
+        let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+        for &v in graph.inputs() {
+            let value = graph.value(v);
+            map.insert(v, out.add_input(value.name.clone(), value.ty.clone()));
+        }
+        for (_, p) in graph.params() {
+            let value = graph.value(p.value);
+            let id = out.add_param(
+                p.name.clone(),
+                value.ty.shape.clone(),
+                value.ty.dtype,
+                p.block,
+            );
+            map.insert(p.value, out.param(id).value);
+        }
+        let mut swapped = false;
+        for (_, op) in graph.ops() {
+            let mut inputs: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
+            if !swapped && pick(&op.kind) {
+                inputs.swap(a, b);
+                swapped = true;
+            }
+            let names: Vec<(String, protrain_ir::Role)> = op
+                .outputs
+                .iter()
+                .map(|&v| (graph.value(v).name.clone(), graph.value(v).role))
+                .collect();
+            let new = out
+                .add_op_multi(op.kind.clone(), &inputs, &names, op.block, op.phase)
+                .expect("the swapped operands have the same types");
+            for (&old, new) in op.outputs.iter().zip(new) {
+                map.insert(old, new);
+            }
+        }
+        assert!(swapped, "no op to corrupt");
+        for &v in graph.outputs() {
+            out.add_output(map[&v]);
+        }
+        out
+    }
+
+    #[test]
+    fn translation_validation_accepts_the_fused_graph_and_catches_a_miswired_one() {
+        let (f, g, _) = fuse_on("llama-tiny", "rtx3090");
+        let limits = FuseLimits::default();
+        assert_eq!(validate_fused(&f, &g, &limits), Vec::<String>::new());
+        // k and v weights swapped in the first q/k/v group: same types, wrong computation.
+        let qkv = |k: &OpKind| matches!(k, OpKind::FusedLinear { count: 3, .. });
+        let wrong = with_swapped_inputs(&g, qkv, 2, 3);
+        assert_eq!(validate_fused(&f, &wrong, &limits), ["loss"]);
+        // Gate and up weights swapped in the first gate/up/swiglu op.
+        let swiglu = |k: &OpKind| {
+            matches!(
+                k,
+                OpKind::FusedLinear {
+                    epilogue: Epilogue::Swiglu,
+                    ..
+                }
+            )
+        };
+        let wrong = with_swapped_inputs(&g, swiglu, 1, 2);
+        assert_eq!(validate_fused(&f, &wrong, &limits), ["loss"]);
+        // The unfused graph is trivially equivalent to itself.
+        assert!(validate_fused(&f, &f, &limits).is_empty());
     }
 }
