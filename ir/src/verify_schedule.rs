@@ -1502,6 +1502,23 @@ impl<'a> Checker<'a> {
             }
             CopyKind::OffloadGrads { .. } => {}
         }
+        // A chunk copy moves the whole chunk, padding between its members included; whatever
+        // the padding holds (a kernel's scratch from before the chunk's buffer was live) is
+        // copied as undefined bytes, which nothing reads.
+        let members: Vec<(u64, u64)> = match what {
+            CopyKind::FetchChunk { chunk } | CopyKind::OffloadGrads { chunk } => self
+                .s
+                .chunks
+                .chunk(chunk)
+                .members
+                .iter()
+                .map(|m| (sa + m.offset, sa + m.offset + m.bytes))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let padding = |a: u64, b: u64| {
+            !members.is_empty() && members.iter().all(|&(ma, mb)| b <= ma || a >= mb)
+        };
         from.isolate(sa, sb);
         let mut pieces = Vec::new();
         let mut pos = sa;
@@ -1522,6 +1539,7 @@ impl<'a> Checker<'a> {
                 }
             }
             let content = match seg.content {
+                Content::Scratch if padding(start, seg.end) => Content::Undefined,
                 Content::Scratch => {
                     return Err(self.fail(
                         Invariant::DataFlow,
