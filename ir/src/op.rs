@@ -50,6 +50,22 @@ pub enum QkvLayout {
     Packed,
 }
 
+/// Rows per chunk of the two-pass column sums of bias and norm-weight gradients; see
+/// [`OpKind::workspace_bytes`]. The order of every such sum, and so its bits, depends only on
+/// the shape.
+pub const REDUCTION_ROWS: u64 = 256;
+
+/// Chunks (rows of partial sums) of a column sum over `rows` rows.
+pub fn reduction_chunks(rows: u64) -> u64 {
+    rows.div_ceil(REDUCTION_ROWS).max(1)
+}
+
+/// Partial sums (f64) of a gradient's squared norm over `n` elements: one per 4096 elements,
+/// at least 1 and at most 1024, a function of `n` alone.
+pub fn grad_norm_partials(n: u64) -> u64 {
+    n.div_ceil(256 * 16).clamp(1, 1024)
+}
+
 /// Most projections one [`OpKind::FusedLinear`] computes.
 pub const MAX_PROJECTIONS: u64 = 15;
 
@@ -430,35 +446,77 @@ impl OpKind {
         })
     }
 
-    /// Bytes of scratch memory a kernel of this kind needs, beyond its inputs and outputs:
-    /// the per-row statistics of a norm (f32), the intermediate gradients of a fused linear's
-    /// backward (in the activations' dtype). The memory planner gives every
-    /// kernel exactly this much; kernels allocate nothing.
+    /// Bytes of scratch memory a kernel of this kind needs, beyond its inputs and outputs. The
+    /// memory planner gives every kernel exactly this much and kernels allocate nothing, so
+    /// the planned peak is every backend's peak. Each kind's layout, in order:
+    ///
+    /// - norms: the per-row statistics (f32; layer norm's mean then reciprocal deviation), then
+    ///   for the backward the column-sum partials of the weight (and bias) gradient;
+    /// - a linear backward with a bias: the column-sum partials of the bias gradient;
+    /// - a fused linear backward: the gradients of the kept projections, then one input
+    ///   gradient's worth for the contributions after the first (both in the activations'
+    ///   dtype, as the unfused ops would hold them as values), then bias partials;
+    /// - cross-entropy: each row's loss (f32); attention backward: each query row's
+    ///   `sum(dout * out)` (f32 `[B, H, T]`); token embedding backward: the first and last
+    ///   position of each token id in the sorted order (i32 `[V, 2]`); a gradient's squared
+    ///   norm: [`grad_norm_partials`] f64 partial sums.
+    ///
+    /// Column sums run in two deterministic passes over chunks of [`REDUCTION_ROWS`] rows
+    /// ([`reduction_chunks`] f32 rows per summed parameter). The host kernels use a prefix of
+    /// this (the statistics, the fused gradients); the CUDA kernels use all of it.
     pub fn workspace_bytes(&self, inputs: &[&TensorType]) -> u64 {
+        let partials = |rows: u64, cols: u64| 4 * reduction_chunks(rows) * cols;
+        let x = |i: usize| inputs.get(i).copied();
+        let rows = x(0).map_or(0, TensorType::rows);
+        let cols = x(0).map_or(0, TensorType::last_dim);
         match self {
-            // Mean and reciprocal standard deviation per row, f32.
-            OpKind::LayerNorm { .. } | OpKind::LayerNormBackward { .. } => 8 * inputs[0].rows(),
-            // Reciprocal root-mean-square per row, f32.
-            OpKind::RmsNorm { .. } | OpKind::RmsNormBackward { .. } => 4 * inputs[0].rows(),
-            // The gradients of the kept projections, then one input gradient's worth for the
-            // contributions of the projections after the first, each in its value's dtype (as
-            // the unfused ops would hold them as values).
+            OpKind::LayerNorm { .. } => 8 * rows,
+            OpKind::RmsNorm { .. } => 4 * rows,
+            OpKind::LayerNormBackward { .. } => 8 * rows + 2 * partials(rows, cols),
+            OpKind::RmsNormBackward { .. } => 4 * rows + partials(rows, cols),
+            OpKind::LinearBackward { bias: true, .. } => {
+                partials(rows, x(2).map_or(0, TensorType::last_dim))
+            }
             OpKind::FusedLinearBackward {
-                count, epilogue, ..
+                count,
+                bias,
+                epilogue,
+                ..
             } => {
                 let n = *count as usize;
-                let projections: u64 = if epilogue.has_output() && epilogue.keeps_projections() {
+                let kept = epilogue.has_output() && epilogue.keeps_projections();
+                let projections: u64 = if kept {
                     inputs.iter().skip(1 + n).take(n).map(|t| t.bytes()).sum()
                 } else {
                     0
                 };
                 let contributions = if *count >= 2 {
-                    inputs.first().map_or(0, |x| x.bytes())
+                    x(0).map_or(0, TensorType::bytes)
                 } else {
                     0
                 };
-                projections + contributions
+                // Bias partials, reused by each projection in turn: the widest.
+                let widest = inputs
+                    .iter()
+                    .skip(1)
+                    .take(n)
+                    .map(|w| w.numel() / cols.max(1))
+                    .max()
+                    .unwrap_or(0);
+                let bias_partials = if *bias { partials(rows, widest) } else { 0 };
+                projections + contributions + bias_partials
             }
+            OpKind::CrossEntropy => 4 * rows,
+            // The log-sum-exp input has the delta's shape `[B, H, T]`.
+            OpKind::AttentionBackward { qkv, .. } => {
+                let lse = match qkv {
+                    QkvLayout::Separate => x(4),
+                    QkvLayout::Packed => x(2),
+                };
+                lse.map_or(0, |t| 4 * t.numel())
+            }
+            OpKind::EmbeddingBackward { rows: vocab, .. } => 8 * vocab,
+            OpKind::GradNormSq => 8 * grad_norm_partials(x(0).map_or(0, TensorType::numel)),
             _ => 0,
         }
     }

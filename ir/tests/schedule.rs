@@ -32,6 +32,7 @@ const HOST_CHUNK: u32 = 10;
 const HOST_GRADS: u32 = 11;
 const STATE: u32 = 12;
 const HOST_LOGITS: u32 = 13;
+const CE_WORKSPACE: u32 = 14;
 
 fn at(buffer: u32, offset: u64) -> TensorRef {
     TensorRef {
@@ -195,16 +196,19 @@ fn tiny() -> Schedule {
             OptimizerState { chunk: ChunkId(0) },
         ),
         buf("logits (swapped)", Host, 256, 24, HostActivation),
+        // Cross-entropy's per-row losses (2 rows of f32).
+        buf("workspace.cross_entropy", Device, 40, 8, Workspace),
     ];
     let fetch = CopyKind::FetchChunk { chunk: ChunkId(0) };
     let compute = vec![
         wait(0),
         kernel(0, &[at(X, 0), at(SLOT, 0)], &[at(LOGITS, 0)]),
-        kernel(
-            1,
-            &[at(LOGITS, 0), at(TARGETS, 0)],
-            &[at(LOSS, 0), at(LSE, 0)],
-        ),
+        Instr::Kernel {
+            op: OpId(1),
+            inputs: vec![at(LOGITS, 0), at(TARGETS, 0)],
+            outputs: vec![at(LOSS, 0), at(LSE, 0)],
+            workspace: Some(at(CE_WORKSPACE, 0)),
+        },
         record(1),
         wait(3),
         kernel(
@@ -751,7 +755,15 @@ fn pipeline(layers: usize) -> Schedule {
         buf("act1", Device, 224, 32, BufferKind::Activation),
         buf("loss", Device, 256, 4, BufferKind::Activation),
         buf("loss.lse", Device, 264, 8, BufferKind::Activation),
+        buf(
+            "workspace.cross_entropy",
+            Device,
+            40,
+            8,
+            BufferKind::Workspace,
+        ),
     ];
+    let ce_workspace = buffers.len() as u32 - 1;
     let first_chunk = buffers.len() as u32;
     let mut members = Vec::new();
     for k in 0..layers {
@@ -806,11 +818,12 @@ fn pipeline(layers: usize) -> Schedule {
             compute.push(record((layers + k) as u32));
         }
     }
-    compute.push(kernel(
-        layers as u32,
-        &[at(4 + ((layers - 1) % 2) as u32, 0), at(TARGETS, 0)],
-        &[at(6, 0), at(7, 0)],
-    ));
+    compute.push(Instr::Kernel {
+        op: OpId(layers as u32),
+        inputs: vec![at(4 + ((layers - 1) % 2) as u32, 0), at(TARGETS, 0)],
+        outputs: vec![at(6, 0), at(7, 0)],
+        workspace: Some(at(ce_workspace, 0)),
+    });
     s.homes = vec![(x, at(X, 0)), (targets, at(TARGETS, 0))];
     s.homes.extend(
         weights

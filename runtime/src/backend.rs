@@ -5,11 +5,13 @@
 //! thread per stream issues that stream's instructions in order through `launch`, `copy`,
 //! `record` and `wait`, each of which is "enqueue on this stream". The host backend
 //! ([`crate::host::HostBackend`]) executes each call on the calling thread, so a stream's
-//! work happens where it is issued; a CUDA backend would enqueue it on a CUDA stream.
+//! work happens where it is issued; the CUDA backend (`crate::cuda::CudaBackend`, feature
+//! `cuda`) enqueues it on a CUDA stream and reports what its kernels computed after the step
+//! ([`Backend::step_outcome`]).
 
 use crate::dispatch::{Outcome, Prepared};
-use crate::error::Result;
-use protrain_ir::{EventId, Graph, Op, Space, StreamKind};
+use crate::error::{Result, RuntimeError};
+use protrain_ir::{EventId, Graph, Op, Schedule, Space, StreamKind};
 
 /// A byte address in the device arena or the host region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -61,8 +63,21 @@ pub trait Backend: Sync + Sized {
     /// One stream's handle, owned by the thread that issues its work.
     type Stream: Send;
 
+    /// Whether the backend executes bf16 values (mixed precision: bf16 parameters,
+    /// gradients and activations, f32 master weights and moments). The host backend's
+    /// kernels are f32 only.
+    const RUNS_BF16: bool = false;
+
     /// Allocates the device arena and the host region, zeroed, and `events` events.
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self>;
+
+    /// Sees the verified schedule once, after [`Backend::new`] and before any stream is
+    /// created, to learn what the addresses of a launch do not say (where the f32 master
+    /// weight of a bf16 parameter is). The host backend needs nothing.
+    fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
+        let _ = schedule;
+        Ok(())
+    }
 
     /// Creates a stream for work of `kind`.
     fn create_stream(&self, kind: StreamKind) -> Result<Self::Stream>;
@@ -116,4 +131,31 @@ pub trait Backend: Sync + Sized {
 
     /// Reads f32 values at `at` into `out`, between steps.
     fn read_f32(&self, at: Address, out: &mut [f32]) -> Result<()>;
+
+    /// Writes bf16 values at `at`, between steps. Only a backend that
+    /// [runs bf16](Backend::RUNS_BF16) has any.
+    fn write_bf16(&mut self, at: Address, data: &[half::bf16]) -> Result<()> {
+        let _ = (at, data);
+        Err(no_bf16())
+    }
+
+    /// Reads bf16 values at `at` into `out`, between steps; see [`Backend::write_bf16`].
+    fn read_bf16(&self, at: Address, out: &mut [half::bf16]) -> Result<()> {
+        let _ = (at, out);
+        Err(no_bf16())
+    }
+
+    /// What the step's kernels reported that [`Backend::launch`] could not return because
+    /// they ran asynchronously (the gradient norm), read once every stream is synchronized.
+    /// The loss is read from its home by the executor, whatever the backend.
+    fn step_outcome(&mut self) -> Result<Outcome> {
+        Ok(Outcome::default())
+    }
+}
+
+/// Why a backend without bf16 kernels cannot hold bf16 values.
+fn no_bf16() -> RuntimeError {
+    RuntimeError::BadSchedule(
+        "this backend executes f32 values only; compile the schedule with dtype f32".into(),
+    )
 }

@@ -212,7 +212,8 @@ fn fused_linear_backward<'a>(
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]).
 ///
 /// `outputs[i]` receives output `i` and is overwritten whole; `workspace` holds
-/// [`workspace_len`] f32s of scratch (the per-row statistics of norms). Fails only on
+/// [`workspace_len`] f32s of scratch, of which the host kernels use a prefix (the per-row
+/// statistics of norms, a fused linear's intermediate gradients). Fails only on
 /// data-dependent errors (token ids out of range); shapes that do not match the graph's types
 /// panic in the kernels, which a verified schedule rules out.
 pub fn run<'a>(
@@ -245,7 +246,7 @@ pub fn run<'a>(
         }
         OpKind::LayerNorm { eps } => {
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
-            let (mean, rstd) = workspace.split_at_mut(rows);
+            let (mean, rstd) = workspace[..2 * rows].split_at_mut(rows);
             kernels::layer_norm_forward(
                 outputs[0],
                 mean,
@@ -262,7 +263,7 @@ pub fn run<'a>(
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
             kernels::rms_norm_forward(
                 outputs[0],
-                workspace,
+                &mut workspace[..rows],
                 ins.f32(0),
                 ins.f32(1),
                 rows,
@@ -352,7 +353,7 @@ pub fn run<'a>(
         }
         OpKind::LayerNormBackward { eps } => {
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
-            let (mean, rstd) = workspace.split_at_mut(rows);
+            let (mean, rstd) = workspace[..2 * rows].split_at_mut(rows);
             let [dx, dw, db] = outputs else {
                 unreachable!("layer_norm_backward writes dx, dweight and dbias")
             };
@@ -389,6 +390,7 @@ pub fn run<'a>(
                 unreachable!("rms_norm_backward writes dx and dweight")
             };
             // As for layer norm: the statistics into the workspace, the rows into dx.
+            let workspace = &mut workspace[..rows];
             kernels::rms_norm_forward(dx, workspace, ins.f32(0), ins.f32(1), rows, c, *eps as f32);
             kernels::rms_norm_backward(
                 dx,

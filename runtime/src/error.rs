@@ -199,6 +199,20 @@ pub enum RuntimeError {
     /// The profiler could not measure what it was asked to.
     #[error("cannot profile: {0}")]
     Profile(String),
+    /// The CUDA backend cannot run on this machine: it was not built in, or the driver, a GPU
+    /// or a CUDA library is missing. The text says which and what to install.
+    #[error("no CUDA device is available: {0}")]
+    CudaUnavailable(String),
+    /// A CUDA driver, cuBLAS or NVRTC call failed.
+    #[error("CUDA failed while {during}: {detail}; {hint}")]
+    Cuda {
+        /// What the backend was doing.
+        during: String,
+        /// The library's error name and text.
+        detail: String,
+        /// The way out that fits the error.
+        hint: String,
+    },
 }
 
 /// The runtime's result alias.

@@ -71,6 +71,82 @@ struct StreamRun<S> {
     spans: Vec<Span>,
 }
 
+/// A parameter's home, its element type, and the home of its f32 master weight when the
+/// parameter is narrower (mixed precision).
+struct ParamHome {
+    at: Address,
+    len: usize,
+    dtype: DType,
+    master: Option<Address>,
+}
+
+/// Where the f32 master weight of a bf16 parameter lives, as the compiler lays out a
+/// mixed-precision schedule: a chunk's optimizer-state buffer holds every Adam `m` (f32), then
+/// every `v`, then every master weight, each in chunk order, so the master of the parameter
+/// whose `m` is at element `e` of a buffer of `12 * total` bytes is at byte `8 * total + 4 * e`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MasterWeight {
+    /// The parameter's value.
+    pub param: ValueId,
+    /// The home of its Adam `m`, which the AdamW kernel reads as its third input.
+    pub m: Address,
+    /// The home of its f32 master weight.
+    pub master: Address,
+}
+
+/// The master weight of every parameter that an AdamW op updates and whose type is narrower
+/// than f32, in graph order; empty for an f32 schedule. Fails when the optimizer state is not
+/// laid out as described at [`MasterWeight`] (a schedule from a compiler that lays it out
+/// otherwise).
+pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
+    let graph = &schedule.graph;
+    let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
+    let mut out = Vec::new();
+    for (_, op) in graph.ops() {
+        let OpKind::AdamW { .. } = op.kind else {
+            continue;
+        };
+        let (param, m, v) = (op.inputs[0], op.inputs[2], op.inputs[3]);
+        let ty = &graph.value(param).ty;
+        if ty.dtype == DType::F32 {
+            continue;
+        }
+        let bad = |why: String| {
+            RuntimeError::BadSchedule(format!(
+                "{} is {} but its optimizer state has no room for an f32 master weight ({why}); \
+                 recompile the schedule with this protrain",
+                graph.value(param).name,
+                ty
+            ))
+        };
+        let (Some(&mr), Some(&vr)) = (homes.get(&m), homes.get(&v)) else {
+            return Err(bad("its Adam moments have no home".into()));
+        };
+        let buffer = schedule.buffer(mr.buffer);
+        let total = buffer.size / 12;
+        let n = ty.numel();
+        if !buffer.size.is_multiple_of(12)
+            || vr.buffer != mr.buffer
+            || vr.offset != mr.offset + 4 * total
+            || mr.offset + 4 * n > 4 * total
+        {
+            return Err(bad(format!(
+                "buffer {} of {} bytes does not hold m, v and master weights of 4 bytes each",
+                buffer.name, buffer.size
+            )));
+        }
+        out.push(MasterWeight {
+            param,
+            m: address(schedule, mr),
+            master: Address {
+                space: buffer.space,
+                offset: buffer.offset + 8 * total + mr.offset,
+            },
+        });
+    }
+    Ok(out)
+}
+
 /// A step input's home and the vocabulary its ids must fall in.
 struct InputHome {
     value: ValueId,
@@ -93,8 +169,8 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     backend: B,
     streams: Vec<StreamRun<B::Stream>>,
     inputs: Vec<InputHome>,
-    /// Each parameter's home and length, in parameter order.
-    params: Vec<(Address, usize)>,
+    /// Each parameter's home, in parameter order.
+    params: Vec<ParamHome>,
     /// Each optimizer-state value (Adam m and v), its home and its length, in graph order.
     state: Vec<(ValueId, Address, usize)>,
     loss: Address,
@@ -113,19 +189,35 @@ impl<'s> Executor<'s, HostBackend> {
 }
 
 impl<'s, B: Backend> Executor<'s, B> {
-    /// An executor for `schedule` on backend `B`; see [`Executor::new`].
+    /// An executor for `schedule` on backend `B`; see [`Executor::new`]. A backend that
+    /// [runs bf16](Backend::RUNS_BF16) also takes mixed-precision schedules, whose parameters
+    /// it keeps in bf16 with an f32 master weight (see [`master_weights`]).
     pub fn with_backend(schedule: &'s Schedule) -> Result<Self> {
         verify_schedule(schedule)?;
         let graph = &schedule.graph;
         for (id, value) in graph.values() {
-            if !matches!(value.ty.dtype, DType::F32 | DType::I32) {
+            let runs = match value.ty.dtype {
+                DType::F32 | DType::I32 => true,
+                DType::BF16 => B::RUNS_BF16,
+                DType::F16 => false,
+            };
+            if !runs {
+                let (runs, dtypes) = match B::RUNS_BF16 {
+                    true => ("f32 and bf16 schedules", "bf16 or f32"),
+                    false => ("f32 schedules", "f32"),
+                };
                 return Err(RuntimeError::BadSchedule(format!(
-                    "{id} ({}) is {}, but the executor runs f32 schedules; compile with dtype f32",
+                    "{id} ({}) is {}, but the executor runs {runs}; compile with dtype {dtypes}",
                     value.name, value.ty
                 )));
             }
         }
-        let backend = B::new(schedule.arena_bytes, schedule.host_bytes, schedule.events)?;
+        let masters: HashMap<ValueId, Address> = master_weights(schedule)?
+            .into_iter()
+            .map(|m| (m.param, m.master))
+            .collect();
+        let mut backend = B::new(schedule.arena_bytes, schedule.host_bytes, schedule.events)?;
+        backend.prepare(schedule)?;
         let mut streams = Vec::with_capacity(schedule.streams.len());
         for (s, stream) in schedule.streams.iter().enumerate() {
             streams.push(StreamRun {
@@ -168,7 +260,15 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         let params = graph
             .params()
-            .map(|(_, p)| (home(p.value), graph.value(p.value).ty.numel() as usize))
+            .map(|(_, p)| {
+                let ty = &graph.value(p.value).ty;
+                ParamHome {
+                    at: home(p.value),
+                    len: ty.numel() as usize,
+                    dtype: ty.dtype,
+                    master: masters.get(&p.value).copied(),
+                }
+            })
             .collect();
         let state = graph
             .values()
@@ -215,7 +315,8 @@ impl<'s, B: Backend> Executor<'s, B> {
                 values.len()
             )));
         }
-        for (((_, p), &(_, len)), data) in graph.params().zip(&self.params).zip(values) {
+        for (((_, p), home), data) in graph.params().zip(&self.params).zip(values) {
+            let len = home.len;
             if data.len() != len {
                 let ty = &graph.value(p.value).ty;
                 return Err(RuntimeError::TensorSizeMismatch {
@@ -226,8 +327,18 @@ impl<'s, B: Backend> Executor<'s, B> {
                 });
             }
         }
-        for (&(at, _), data) in self.params.iter().zip(values) {
-            self.backend.write_f32(at, data)?;
+        for (home, data) in self.params.iter().zip(values) {
+            match home.dtype {
+                DType::BF16 => {
+                    let narrow: Vec<half::bf16> =
+                        data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    self.backend.write_bf16(home.at, &narrow)?;
+                }
+                _ => self.backend.write_f32(home.at, data)?,
+            }
+            if let Some(master) = home.master {
+                self.backend.write_f32(master, data)?;
+            }
         }
         for &(_, at, len) in &self.state {
             self.backend
@@ -303,13 +414,24 @@ impl<'s, B: Backend> Executor<'s, B> {
         self.step = steps;
     }
 
-    /// Every parameter's current values, in parameter order, read from their homes.
+    /// Every parameter's current values, in parameter order, read from their homes (from
+    /// the f32 master weight of a bf16 parameter).
     pub fn params(&self) -> Result<Vec<Vec<f32>>> {
         self.params
             .iter()
-            .map(|&(at, len)| {
-                let mut out = vec![0.0; len];
-                self.backend.read_f32(at, &mut out)?;
+            .map(|home| {
+                let mut out = vec![0.0; home.len];
+                match (home.master, home.dtype) {
+                    (Some(master), _) => self.backend.read_f32(master, &mut out)?,
+                    (None, DType::BF16) => {
+                        let mut narrow = vec![half::bf16::ZERO; home.len];
+                        self.backend.read_bf16(home.at, &mut narrow)?;
+                        for (o, x) in out.iter_mut().zip(narrow) {
+                            *o = x.to_f32();
+                        }
+                    }
+                    (None, _) => self.backend.read_f32(home.at, &mut out)?,
+                }
                 Ok(out)
             })
             .collect()
@@ -409,6 +531,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         if let Some(e) = failure {
             return Err(e);
         }
+        outcome = outcome.merge(self.backend.step_outcome()?);
         self.step = step;
         self.timing.wall_seconds = wall_seconds;
         for (t, s) in self

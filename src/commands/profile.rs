@@ -1,8 +1,8 @@
 //! `protrain profile`: measure this machine for a model and write a hardware profile JSON.
 
 use super::{seq_or_default, write_output};
-use protrain::ir::format_bytes;
-use protrain::runtime::profiler::{profile_host, ProfileOptions};
+use protrain::ir::{format_bytes, Graph};
+use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
 use protrain::{Error, OptimizerConfig, Result};
 use std::path::PathBuf;
 
@@ -11,7 +11,9 @@ use std::path::PathBuf;
 pub enum BackendKind {
     /// The host CPU as the device: kernels on the CPU cores, copies as `memcpy`.
     Host,
-    /// An NVIDIA GPU through CUDA (needs a build with the `cuda` feature).
+    /// An NVIDIA GPU through CUDA (needs a build with the `cuda` feature): matmul rates,
+    /// bandwidths, launch overhead and Adam rates measured on the GPU, the op table of the
+    /// model's bf16 training graph timed with CUDA events.
     Cuda,
 }
 
@@ -19,7 +21,8 @@ pub enum BackendKind {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A preset name, a path to a Hugging Face config.json, or a directory holding one. Its
-    /// training graph's ops (at --batch x --seq, f32) make the measured op table.
+    /// training graph's ops (at --batch x --seq; f32 on the host, bf16 on cuda) make the
+    /// measured op table.
     model: String,
     /// Where to measure.
     #[arg(long, value_enum, default_value_t = BackendKind::Host)]
@@ -42,11 +45,7 @@ pub struct Args {
 /// Builds the training graph, measures the backend and writes the profile.
 pub fn run(args: Args) -> Result<()> {
     if args.backend == BackendKind::Cuda {
-        return Err(Error::Usage(
-            "the cuda backend is not built into this protrain; rebuild with `cargo build \
-             --release --features cuda` on a machine with CUDA, or profile with --backend host"
-                .into(),
-        ));
+        cuda::ready()?;
     }
     if args.repeats == 0 {
         return Err(Error::Usage(
@@ -55,13 +54,30 @@ pub fn run(args: Args) -> Result<()> {
     }
     let config = protrain::models::load(&args.model)?;
     let seq = seq_or_default(&config, args.seq, 1024);
-    let forward = protrain::forward_graph(&config, args.batch, seq)?;
-    let graph = protrain::training_graph(&forward, &OptimizerConfig::default())?;
     let options = ProfileOptions {
         repeats: args.repeats,
         ..ProfileOptions::default()
     };
-    let profiled = profile_host(&graph, &options)?;
+    let (profiled, graph) = match args.backend {
+        BackendKind::Host => {
+            let forward = protrain::forward_graph(&config, args.batch, seq)?;
+            let graph = protrain::training_graph(&forward, &OptimizerConfig::default())?;
+            (profile_host(&graph, &options)?, graph)
+        }
+        BackendKind::Cuda => {
+            let build = protrain::models::BuildOptions::new(args.batch, seq)
+                .with_dtype(protrain::ir::DType::BF16);
+            let forward = protrain::models::build_forward(&config, &build)?;
+            let graph = protrain::training_graph(&forward, &OptimizerConfig::default())?;
+            let profiled = cuda::profile(&graph, &options)?;
+            if let Some(path) = &args.output {
+                print_cuda(&profiled, &graph, &config.name, args.batch, seq, path);
+            }
+            let text = profiled.profile.to_json()?;
+            write_output(args.output.as_deref(), &format!("{text}\n"))?;
+            return Ok(());
+        }
+    };
     let text = profiled.profile.to_json()?;
     write_output(args.output.as_deref(), &format!("{text}\n"))?;
     if let Some(path) = &args.output {
@@ -96,4 +112,98 @@ pub fn run(args: Args) -> Result<()> {
         println!("profile         {}", path.display());
     }
     Ok(())
+}
+
+/// The summary of a GPU profile.
+fn print_cuda(
+    p: &Profiled,
+    graph: &Graph,
+    model: &str,
+    batch: u64,
+    seq: u64,
+    path: &std::path::Path,
+) {
+    let h = &p.profile;
+    println!(
+        "profiled {model} (batch {batch} x seq {seq}, bf16) on {} in {:.1} s",
+        h.name, p.elapsed_seconds
+    );
+    println!(
+        "ops             {} distinct of {}, {:.4} s per serial step",
+        h.measured_ops.len(),
+        graph.op_count(),
+        p.graph_seconds
+    );
+    println!(
+        "matmul          {:.0} TFLOP/s bf16, {:.1} TFLOP/s f32 (written as peaks of {:.0} and \
+         {:.1}, the roofline's 0.7 efficiency undone)",
+        h.peak_flops.bf16 * 0.7 / 1e12,
+        h.peak_flops.f32 * 0.7 / 1e12,
+        h.peak_flops.bf16 / 1e12,
+        h.peak_flops.f32 / 1e12
+    );
+    println!(
+        "memory          {:.0} GB/s device, {:.2} GB/s host->device, {:.2} GB/s device->host \
+         (pinned), {:.1} us launch",
+        h.device_bandwidth / 1e9,
+        h.h2d_bandwidth / 1e9,
+        h.d2h_bandwidth / 1e9,
+        h.launch_overhead_s * 1e6
+    );
+    println!(
+        "adam            {:.0} M params/s on the GPU, {:.1} M params/s on the CPU",
+        h.gpu_adam_params_per_s / 1e6,
+        h.cpu_adam_params_per_s / 1e6
+    );
+    println!(
+        "capacity        {} device ({} reserved), {} host",
+        format_bytes(h.device_memory_bytes),
+        format_bytes(h.reserved_device_bytes),
+        format_bytes(h.host_memory_bytes)
+    );
+    println!("profile         {}", path.display());
+}
+
+/// The CUDA side of `profile`, or why there is none in this build.
+mod cuda {
+    use protrain::ir::Graph;
+    use protrain::runtime::profiler::{ProfileOptions, Profiled};
+    use protrain::{Error, Result};
+
+    /// Fails unless the CUDA backend is built in and can run here.
+    #[cfg(feature = "cuda")]
+    pub fn ready() -> Result<()> {
+        protrain::runtime::cuda::available()
+            .map_err(|why| Error::Usage(format!("no CUDA device is available: {why}")))
+    }
+
+    /// Fails: the CUDA backend is not built in.
+    #[cfg(not(feature = "cuda"))]
+    pub fn ready() -> Result<()> {
+        Err(not_built())
+    }
+
+    /// What `profile --backend cuda` says in a build without the CUDA backend.
+    #[cfg(not(feature = "cuda"))]
+    fn not_built() -> Error {
+        Error::Usage(
+            "the cuda backend is not built into this protrain; rebuild with `cargo build \
+             --release --features cuda` on a machine with CUDA, or profile with --backend host"
+                .into(),
+        )
+    }
+
+    /// Measures the GPU for `graph`.
+    #[cfg(feature = "cuda")]
+    pub fn profile(graph: &Graph, options: &ProfileOptions) -> Result<Profiled> {
+        Ok(protrain::runtime::cuda::profile::profile_cuda(
+            graph, options,
+        )?)
+    }
+
+    /// Fails: the CUDA backend is not built in ([`ready`] says so first).
+    #[cfg(not(feature = "cuda"))]
+    pub fn profile(_graph: &Graph, _options: &ProfileOptions) -> Result<Profiled> {
+        Err(not_built())
+    }
 }

@@ -10,23 +10,30 @@ use protrain::runtime::data::{Batcher, TokenStream};
 use protrain::runtime::params::{init_params, load_params, save_params};
 use protrain::runtime::synthetic::SyntheticCorpus;
 use protrain::runtime::weights::StorageDtype;
-use protrain::runtime::Executor;
+use protrain::runtime::{Backend, Executor, HostBackend};
 use protrain::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-/// What `--backend cuda` says in a build without the CUDA backend.
-const NO_CUDA: &str = "the CUDA backend is not built into this protrain; rebuild with \
-                       --features cuda on a machine with CUDA, or use --backend host";
 
 /// Where a schedule is executed.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
     /// This machine's CPU: the same streams (one thread each), events and memory layout as on
-    /// a GPU, with bit-identical results under every policy.
+    /// a GPU, with bit-identical results under every policy (f32 schedules).
     Host,
-    /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`).
+    /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`, an NVIDIA driver for
+    /// CUDA 13, cuBLAS and NVRTC); runs bf16 and f32 schedules.
     Cuda,
+}
+
+impl BackendKind {
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        }
+    }
 }
 
 /// The flags `run` and `train` share: data, weights, steps, logging, checkpoints.
@@ -53,8 +60,8 @@ pub struct ExecArgs {
     /// Save the trained weights here as safetensors, under their Hugging Face names.
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
-    /// Print one JSON object per step (step, loss, grad_norm, tokens_per_s) instead of a
-    /// progress bar and table; the plan and timing report go to stderr.
+    /// Print one JSON object per step (step, loss, grad_norm, tokens_per_s, step_s) instead
+    /// of a progress bar and table; the plan and timing report go to stderr.
     #[arg(long)]
     pub log_json: bool,
     /// Write the last step's measured timeline as a Chrome trace (open it in
@@ -83,7 +90,7 @@ pub struct ExecArgs {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A schedule written by `protrain compile` (compile with --dtype f32 for the host
-    /// backend).
+    /// backend; the cuda backend runs bf16 and f32 schedules).
     schedule: PathBuf,
     #[command(flatten)]
     exec: ExecArgs,
@@ -126,25 +133,39 @@ pub fn run(args: Args) -> Result<()> {
     };
     let header = &schedule.header;
     let intro = format!(
-        "running {} ({} parameters, batch {} x seq {}) from {} on the host backend\n{}",
+        "running {} ({} parameters, batch {} x seq {}) from {} on the {} backend\n{}",
         header.model,
         format_count(header.param_count),
         header.batch,
         header.seq,
         args.schedule.display(),
+        args.exec.backend.name(),
         plan_lines(&schedule)
     );
     execute(&schedule, &args.exec, &intro, predicted)
 }
 
-/// Fails unless the backend asked for is built into this protrain.
+/// Fails unless the backend asked for can run here: the host backend always can; the CUDA
+/// backend needs a build with `--features cuda`, and a driver, a GPU, cuBLAS and NVRTC, which
+/// are probed without calling into a library that may be missing.
 pub fn check_backend(backend: BackendKind) -> Result<()> {
     match backend {
         BackendKind::Host => Ok(()),
-        // No CUDA backend exists in the runtime yet, with or without the `cuda` feature; when
-        // one does, `--features cuda` builds select it here.
-        BackendKind::Cuda => Err(Error::Usage(NO_CUDA.into())),
+        BackendKind::Cuda => cuda_ready(),
     }
+}
+
+/// Why `--backend cuda` cannot run in a build without the CUDA backend.
+#[cfg(not(feature = "cuda"))]
+fn cuda_ready() -> Result<()> {
+    Err(Error::Usage(protrain::runtime::cuda::NOT_BUILT.into()))
+}
+
+/// Whether the CUDA backend can run on this machine, and if not, what is missing.
+#[cfg(feature = "cuda")]
+fn cuda_ready() -> Result<()> {
+    protrain::runtime::cuda::available()
+        .map_err(|why| Error::Usage(format!("no CUDA device is available: {why}")))
 }
 
 /// Fails when an optimizer flag given to `run` differs from the schedule's setting: the
@@ -272,7 +293,7 @@ fn check_writable(flag: &str, path: &Path) -> Result<()> {
     }
 }
 
-/// Executes `schedule` on the host backend as `args` say: loads data and weights (or a
+/// Executes `schedule` on the backend `args` name as they say: loads data and weights (or a
 /// checkpoint), prints `intro` and runs the steps, logging each; writes checkpoints, the
 /// trained weights and the trace; reports measured against predicted time. Every input is
 /// checked before anything is printed or written. `predicted` is the predicted timeline for
@@ -284,6 +305,25 @@ pub fn execute(
     predicted: std::result::Result<Vec<TraceSpan>, String>,
 ) -> Result<()> {
     check_backend(args.backend)?;
+    match args.backend {
+        BackendKind::Host => execute_on::<HostBackend>(schedule, args, intro, predicted),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            execute_on::<protrain::runtime::cuda::CudaBackend>(schedule, args, intro, predicted)
+        }
+        // `check_backend` refused it above.
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => cuda_ready(),
+    }
+}
+
+/// [`execute`] on backend `B`.
+fn execute_on<B: Backend>(
+    schedule: &Schedule,
+    args: &ExecArgs,
+    intro: &str,
+    predicted: std::result::Result<Vec<TraceSpan>, String>,
+) -> Result<()> {
     let graph = &schedule.graph;
     let header = &schedule.header;
     let checkpoint_dir = args
@@ -332,7 +372,7 @@ pub fn execute(
         .map_or("the synthetic corpus".into(), |p| p.display().to_string());
     let batcher = Batcher::new(stream, batch, seq)?;
 
-    let mut executor = Executor::new(schedule)?;
+    let mut executor = Executor::<B>::with_backend(schedule)?;
     let mut notes = Vec::new();
     let first = match &args.resume {
         Some(dir) => {
@@ -436,6 +476,7 @@ pub fn execute(
                 "loss": report.loss,
                 "grad_norm": report.grad_norm,
                 "tokens_per_s": tokens_per_s,
+                "step_s": timing.wall_seconds,
             });
             println!("{line}");
         } else {

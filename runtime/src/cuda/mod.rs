@@ -11,9 +11,52 @@
 //!
 //! Launch shapes are documented beside each entry point in the `.cu` files; the constants a
 //! launcher needs to size grids and workspaces are mirrored below.
+//!
+//! With the feature, `CudaBackend` executes schedules on a GPU (`backend.rs`: memory, streams
+//! and events; `launch.rs`: which kernels each op kind launches; `blas.rs`: the matmuls;
+//! `driver.rs`: driver resources and the library probe; `profile.rs`: measuring a GPU for
+//! `protrain profile`). [`available`] says, without calling into a library that may be
+//! missing, whether it can run here.
 
 #[cfg(feature = "cuda")]
+pub mod backend;
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod profile;
+
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, CudaStreamHandle};
+#[cfg(feature = "cuda")]
+pub use driver::DeviceInfo;
+
+/// What `--backend cuda` says in a build without the CUDA backend.
+pub const NOT_BUILT: &str = "the CUDA backend is not built into this protrain; rebuild with \
+                             --features cuda on a machine with CUDA, or use --backend host";
+
+/// Whether the CUDA backend can run here: built in (feature `cuda`), with an NVIDIA driver for
+/// CUDA 13, a GPU, cuBLAS and NVRTC loadable. Probes each library before any call into it
+/// (cudarc panics on a call into a library it cannot load). The error says what is missing
+/// and what to do.
+pub fn available() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        driver::probe().map(|_| ()).map_err(|e| match e {
+            crate::RuntimeError::CudaUnavailable(why) => why,
+            other => other.to_string(),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(NOT_BUILT.to_string())
+    }
+}
 
 use crate::kernels::AdamWConfig;
 
@@ -202,18 +245,18 @@ pub const ATTN_DKV_ROWS: usize = 8;
 pub const COLUMN_SUM_BLOCK: (u32, u32) = (32, 8);
 /// Rows per chunk of the column sums: a function of nothing but this constant, so the order
 /// of every sum, and so its bits, depends only on the shape.
-pub const COLUMN_SUM_ROWS_PER_CHUNK: usize = 256;
+pub const COLUMN_SUM_ROWS_PER_CHUNK: usize = protrain_ir::op::REDUCTION_ROWS as usize;
 
 /// Chunks (the partials' leading dimension) of a column sum over `rows` rows: the workspace
 /// is `column_sum_chunks(rows) * cols` f32s per summed parameter.
 pub fn column_sum_chunks(rows: usize) -> usize {
-    rows.div_ceil(COLUMN_SUM_ROWS_PER_CHUNK).max(1)
+    protrain_ir::op::reduction_chunks(rows as u64) as usize
 }
 
 /// Blocks (= f64 partials) of `grad_norm_sq_partial_*` over `n` elements with 256-thread
 /// blocks: enough to fill a GPU, at most 1024, and a function of `n` alone.
 pub fn grad_norm_partials(n: usize) -> usize {
-    n.div_ceil(256 * 16).clamp(1, 1024)
+    protrain_ir::op::grad_norm_partials(n as u64) as usize
 }
 
 /// The f32 scalars of one `adamw_f32` / `adamw_bf16` launch, rounded from f64 arithmetic as

@@ -1,0 +1,745 @@
+//! The CUDA backend: a schedule's arena in one device allocation, its host region in one
+//! pinned allocation, its device streams on CUDA streams, its host optimizer on host threads.
+//!
+//! Every tensor is a raw device address at its planned offset: nothing is allocated per step.
+//! Kernel scratch is the planned workspace of each op (see [`super::launch`]). Besides the
+//! arena, each CUDA stream keeps only the constant tables its kernels read (RoPE frequencies,
+//! the clip coefficient's operand table: kilobytes, made during the first step) and cuBLAS its
+//! own workspace per handle; the hardware profile's reserved bytes cover both.
+//!
+//! Work issued on a device stream ([`StreamKind::Compute`], [`StreamKind::HostToDevice`],
+//! [`StreamKind::DeviceToHost`]) is enqueued on that stream's CUDA stream and runs
+//! asynchronously. The [`StreamKind::HostOptimizer`] stream runs on its issuing thread with the
+//! host backend's code (CPU Adam on the pinned region), as the host backend would.
+//!
+//! Events cross between the two worlds, and a CUDA event has a pitfall: `cuStreamWaitEvent` on
+//! an event not yet recorded returns at once, waiting for nothing. So every event also has a
+//! host-side mark, set by [`Backend::record`] once the event is recorded, under a mutex with a
+//! condition variable as in the host backend. [`Backend::wait`] first blocks the issuing thread
+//! until the mark is set (or the step is aborted), then orders the GPU work: a device stream
+//! waiting on an event recorded on a device stream enqueues `cuStreamWaitEvent`; the host
+//! stream waiting on one calls `cuEventSynchronize`; an event recorded by the host stream marks
+//! work already done, so waiting on it needs nothing more.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use protrain_ir::{EventId, Schedule, Space, StreamKind};
+
+use super::blas::Gemm;
+use super::driver::{
+    driver_error, probe, DeviceInfo, DeviceMemory, Event, Kernels, ParamKind, PinnedMemory,
+};
+use super::launch;
+use crate::backend::{Address, Backend, Launch};
+use crate::dispatch::Outcome;
+use crate::error::{Result, RuntimeError};
+use crate::executor::master_weights;
+
+/// Threads per block of the grid-stride and row kernels.
+pub(super) const BLOCK: u32 = 256;
+
+/// A kernel argument, as the kernel's parameter list declares it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Arg {
+    /// A pointer (device address, or 0 for null).
+    Ptr(u64),
+    /// `i64`.
+    I64(i64),
+    /// `int`.
+    I32(i32),
+    /// `float`.
+    F32(f32),
+}
+
+impl Arg {
+    /// The parameter kind it passes.
+    fn kind(self) -> ParamKind {
+        match self {
+            Arg::Ptr(_) => ParamKind::Ptr,
+            Arg::I64(_) => ParamKind::I64,
+            Arg::I32(_) => ParamKind::I32,
+            Arg::F32(_) => ParamKind::F32,
+        }
+    }
+}
+
+/// How far each event has come this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mark {
+    /// Not recorded yet.
+    Pending,
+    /// Recorded on a CUDA stream: its work may still be running.
+    Device,
+    /// Recorded by the host stream: its work is done.
+    Host,
+}
+
+/// Every event's mark, and whether the step was abandoned.
+struct EventState {
+    marks: Vec<Mark>,
+    aborted: bool,
+}
+
+/// A constant table a kernel reads, cached per stream by what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum ConstKey {
+    /// RoPE inverse frequencies, as f32 bits.
+    InvFreq(Vec<u32>),
+    /// Device addresses (the clip coefficient's squared norms).
+    Pointers(Vec<u64>),
+}
+
+/// What a device stream owns besides its CUDA stream.
+pub(super) struct DeviceStream {
+    pub(super) stream: Arc<CudaStream>,
+    gemm: Option<Gemm>,
+    constants: Vec<(ConstKey, DeviceMemory)>,
+}
+
+/// What the host optimizer stream owns.
+pub(super) struct HostStream {
+    /// For the rare copy between the host region and the arena issued on this stream.
+    copier: Arc<CudaStream>,
+    /// bf16 gradients widened to f32 for the CPU Adam.
+    pub(super) widened: Vec<f32>,
+}
+
+enum Exec {
+    Device(DeviceStream),
+    Host(HostStream),
+}
+
+/// A stream of the CUDA backend: a CUDA stream, or the issuing host thread.
+pub struct CudaStreamHandle {
+    kind: StreamKind,
+    exec: Exec,
+}
+
+impl CudaStreamHandle {
+    /// What the stream is for.
+    pub fn kind(&self) -> StreamKind {
+        self.kind
+    }
+
+    /// What a device stream owns (`None` for the host optimizer stream).
+    pub(super) fn device_stream(&mut self) -> Option<&mut DeviceStream> {
+        match &mut self.exec {
+            Exec::Device(d) => Some(d),
+            Exec::Host(_) => None,
+        }
+    }
+
+    /// The CUDA stream of a device stream (`None` for the host optimizer stream).
+    pub fn cuda_stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.exec {
+            Exec::Device(d) => Some(&d.stream),
+            Exec::Host(_) => None,
+        }
+    }
+}
+
+/// The CUDA backend. See the module doc.
+pub struct CudaBackend {
+    pub(super) ctx: Arc<CudaContext>,
+    info: DeviceInfo,
+    kernels: Kernels,
+    arena: DeviceMemory,
+    host: PinnedMemory,
+    events: Vec<Event>,
+    state: Mutex<EventState>,
+    marked: Condvar,
+    /// The f32 master weight of each bf16 parameter, by the home of its Adam `m`.
+    masters: HashMap<(Space, u64), Address>,
+    /// Where the clip coefficient kernel writes the gradient norm (one f32).
+    norm: DeviceMemory,
+    /// Whether a clip coefficient was launched this step.
+    norm_written: AtomicBool,
+    /// Most blocks of a grid-stride launch: enough to fill the GPU several times over.
+    max_blocks: u32,
+}
+
+/// Element types that views of the pinned region can have: every bit pattern is a value.
+pub(super) trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for i32 {}
+impl Plain for half::bf16 {}
+
+impl CudaBackend {
+    /// The device the backend runs on.
+    pub fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Records that the f32 master weight of the bf16 parameter whose Adam `m` is at `m` lives
+    /// at `master`. [`Backend::prepare`] does this for every parameter of a schedule; a caller
+    /// that launches a bf16 AdamW outside a schedule (a test, the profiler) does it itself.
+    pub fn set_master_weight(&mut self, m: Address, master: Address) {
+        self.masters.insert((m.space, m.offset), master);
+    }
+
+    /// The master weight of the parameter whose `m` is at `m`.
+    pub(super) fn master_weight(&self, m: Address) -> Result<Address> {
+        self.masters
+            .get(&(m.space, m.offset))
+            .copied()
+            .ok_or_else(|| {
+                RuntimeError::BadSchedule(format!(
+                "a bf16 AdamW reads its moment at {:?}+{} but no f32 master weight is known for \
+                 it; run mixed-precision schedules through the executor, which finds them",
+                m.space, m.offset
+            ))
+            })
+    }
+
+    /// Makes the context current on the calling thread.
+    pub(super) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("making the CUDA context current", e))
+    }
+
+    /// The address of `bytes` bytes at `at` as the GPU sees it (pinned host memory is mapped
+    /// into the device's address space), checked to lie inside its region.
+    pub(super) fn gpu_addr(&self, at: Address, bytes: u64) -> Result<u64> {
+        let (base, len, name) = match at.space {
+            Space::Device => (self.arena.ptr(), self.arena.len(), "device arena"),
+            Space::Host => (self.host.ptr() as u64, self.host.len(), "host region"),
+        };
+        let end = at.offset.checked_add(bytes);
+        if end.is_none_or(|end| end > len as u64) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{bytes} bytes at offset {} lie outside the {name} of {len} bytes",
+                at.offset
+            )));
+        }
+        Ok(base + at.offset)
+    }
+
+    /// A host pointer to `bytes` bytes at `at` in the pinned region, aligned to `align`.
+    fn host_ptr(&self, at: Address, bytes: u64, align: usize) -> Result<*mut u8> {
+        if at.space != Space::Host {
+            return Err(RuntimeError::BadSchedule(format!(
+                "the host optimizer stream reads or writes device memory (offset {}); only \
+                 device streams touch the arena: recompile the schedule",
+                at.offset
+            )));
+        }
+        let addr = self.gpu_addr(at, bytes)?;
+        if !at.offset.is_multiple_of(align as u64) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "offset {} in the host region is not aligned to {align} bytes",
+                at.offset
+            )));
+        }
+        Ok(addr as *mut u8)
+    }
+
+    /// A shared view of `len` elements at `at` in the pinned region.
+    ///
+    /// # Safety
+    ///
+    /// While the view lives, nothing writes its bytes: the backend's ordering contract.
+    pub(super) unsafe fn host_slice<T: Plain>(&self, at: Address, len: usize) -> Result<&[T]> {
+        let size = std::mem::size_of::<T>();
+        let ptr = self.host_ptr(at, (len * size) as u64, std::mem::align_of::<T>())?;
+        // SAFETY: in bounds and aligned (checked above), initialised (zeroed at allocation),
+        // every bit pattern a `T`; unaliased by writers per the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<T>(), len) })
+    }
+
+    /// An exclusive view of `len` elements at `at` in the pinned region.
+    ///
+    /// # Safety
+    ///
+    /// While the view lives, no other view of its bytes exists and no copy touches them.
+    #[allow(clippy::mut_from_ref)] // Interior mutability through raw memory; see the contract.
+    pub(super) unsafe fn host_slice_mut<T: Plain>(
+        &self,
+        at: Address,
+        len: usize,
+    ) -> Result<&mut [T]> {
+        let size = std::mem::size_of::<T>();
+        let ptr = self.host_ptr(at, (len * size) as u64, std::mem::align_of::<T>())?;
+        // SAFETY: as in `host_slice`, and exclusive per the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
+    }
+
+    /// Launches kernel `name` on `stream` with `args`.
+    pub(super) fn launch_kernel(
+        &self,
+        stream: &CudaStream,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        let (f, params) = self.kernels.get(name)?;
+        let kinds: Vec<ParamKind> = args.iter().map(|a| a.kind()).collect();
+        if kinds != params {
+            return Err(RuntimeError::BadSchedule(format!(
+                "kernel {name} takes {params:?} but the launch passes {kinds:?}; this is a bug \
+                 in runtime/src/cuda/launch.rs"
+            )));
+        }
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `args` match the kernel's parameter list (each call site follows the
+        // declaration in the `.cu` file); the addresses are checked to lie in their regions,
+        // and the ordering contract the launch was issued under keeps other streams away.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| driver_error(format!("launching {name}"), e))
+    }
+
+    /// Most blocks of a grid-stride launch.
+    pub(super) fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
+    /// Blocks of a grid-stride launch over `n` elements with [`BLOCK`] threads.
+    pub(super) fn grid_for(&self, n: u64) -> u32 {
+        n.div_ceil(u64::from(BLOCK))
+            .clamp(1, u64::from(self.max_blocks)) as u32
+    }
+
+    /// Where the clip coefficient kernel writes the gradient norm; marks it written.
+    pub(super) fn norm_slot(&self) -> u64 {
+        self.norm_written.store(true, Ordering::Release);
+        self.norm.ptr()
+    }
+
+    /// Waits for all work of every stream (so a host access between steps sees its results,
+    /// even after a failed step left some running).
+    fn settle(&self) -> Result<()> {
+        self.bind()?;
+        self.ctx
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the GPU to finish its work", e))
+    }
+
+    /// Copies `data` to `at`, between steps.
+    fn write_bytes(&self, at: Address, data: &[u8]) -> Result<()> {
+        self.settle()?;
+        let addr = self.gpu_addr(at, data.len() as u64)?;
+        match at.space {
+            // SAFETY: `addr` has room for `data` (checked); the device is idle.
+            Space::Device => unsafe { result::memcpy_htod_sync(addr, data) }
+                .map_err(|e| driver_error("writing to the device arena", e)),
+            Space::Host => {
+                // SAFETY: in bounds (checked); nothing runs (settled, and `&mut self` upstream).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len())
+                };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies the bytes at `at` into `out`, between steps.
+    fn read_bytes(&self, at: Address, out: &mut [u8]) -> Result<()> {
+        self.settle()?;
+        let addr = self.gpu_addr(at, out.len() as u64)?;
+        match at.space {
+            // SAFETY: `addr` holds `out.len()` bytes (checked); the device is idle.
+            Space::Device => unsafe { result::memcpy_dtoh_sync(out, addr) }
+                .map_err(|e| driver_error("reading from the device arena", e)),
+            Space::Host => {
+                // SAFETY: in bounds (checked); nothing writes it: settled, between steps.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len())
+                };
+                Ok(())
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, EventState> {
+        // A thread that panicked while holding the lock left only marks behind: still valid.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn event(&self, event: EventId) -> Result<&Event> {
+        self.events
+            .get(event.index())
+            .ok_or_else(|| RuntimeError::BadSchedule(format!("event {} does not exist", event.0)))
+    }
+}
+
+impl DeviceStream {
+    /// The stream's cuBLAS handle, made on first use.
+    pub(super) fn gemm(&mut self) -> Result<&Gemm> {
+        if self.gemm.is_none() {
+            self.gemm = Some(Gemm::new(self.stream.clone())?);
+        }
+        Ok(self.gemm.as_ref().expect("made above"))
+    }
+
+    /// The device copy of a constant table, uploaded on first use.
+    pub(super) fn constant(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        key: ConstKey,
+        bytes: &[u8],
+    ) -> Result<u64> {
+        if let Some((_, m)) = self.constants.iter().find(|(k, _)| *k == key) {
+            return Ok(m.ptr());
+        }
+        let m = DeviceMemory::zeroed(ctx, bytes.len(), "kernel constants")?;
+        if !bytes.is_empty() {
+            // SAFETY: `m` holds `bytes.len()` bytes; it is new, so nothing else uses it.
+            unsafe { result::memcpy_htod_sync(m.ptr(), bytes) }
+                .map_err(|e| driver_error("uploading kernel constants", e))?;
+        }
+        let ptr = m.ptr();
+        self.constants.push((key, m));
+        Ok(ptr)
+    }
+}
+
+/// The bytes of a slice of plain values.
+fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
+    // SAFETY: `T` is plain data without padding (f32, i32, bf16); any byte view is valid.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+}
+
+/// The bytes of a mutable slice of plain values.
+fn as_bytes_mut<T: Plain>(data: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`, and every byte pattern written back is a valid `T`.
+    unsafe {
+        std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(data))
+    }
+}
+
+/// Enqueues a copy of `bytes` from `src` to `dst` (GPU-visible addresses in `from`, `to`) on
+/// `stream`.
+///
+/// # Safety
+///
+/// Both ranges are inside their regions, and the ordering contract holds for them.
+unsafe fn enqueue_copy(
+    stream: sys::CUstream,
+    from: Space,
+    to: Space,
+    src: u64,
+    dst: u64,
+    bytes: u64,
+) -> Result<()> {
+    let n = bytes as usize;
+    // SAFETY: the caller's contract; pinned host memory is page-locked, so the copies are
+    // truly asynchronous, and mapped, so its address works as a `CUdeviceptr` too.
+    let status = unsafe {
+        match (from, to) {
+            (Space::Host, Space::Device) => {
+                sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, stream)
+            }
+            (Space::Device, Space::Host) => {
+                sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, stream)
+            }
+            (Space::Device, Space::Device) => sys::cuMemcpyDtoDAsync_v2(dst, src, n, stream),
+            (Space::Host, Space::Host) => sys::cuMemcpyAsync(dst, src, n, stream),
+        }
+    };
+    status
+        .result()
+        .map_err(|e| driver_error(format!("copying {bytes} bytes {from:?} -> {to:?}"), e))
+}
+
+impl Backend for CudaBackend {
+    type Stream = CudaStreamHandle;
+
+    const RUNS_BF16: bool = true;
+
+    fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
+        let info = probe()?;
+        let ctx = CudaContext::new(0).map_err(|e| driver_error("opening GPU 0", e))?;
+        let kernels = Kernels::load(&ctx, info.compute_capability)?;
+        let too_big = |what: &str, bytes: u64| {
+            RuntimeError::BadSchedule(format!(
+                "the {what} of {bytes} bytes cannot be addressed on this machine"
+            ))
+        };
+        let arena_len = usize::try_from(arena_bytes).map_err(|_| too_big("arena", arena_bytes))?;
+        let host_len =
+            usize::try_from(host_bytes).map_err(|_| too_big("host region", host_bytes))?;
+        let (free, total) = ctx
+            .mem_get_info()
+            .map_err(|e| driver_error("asking how much device memory is free", e))?;
+        if arena_len > free {
+            return Err(RuntimeError::Cuda {
+                during: "allocating the device arena".into(),
+                detail: format!(
+                    "the schedule's arena needs {} but {} of {} are free on {}",
+                    protrain_ir::format_bytes(arena_bytes),
+                    protrain_ir::format_bytes(free as u64),
+                    protrain_ir::format_bytes(total as u64),
+                    info.name
+                ),
+                hint: "compile for a smaller --gpu-memory (the free memory less about 1 GiB \
+                       for cuBLAS and the kernels' scratch), or end the other processes \
+                       `nvidia-smi` lists"
+                    .into(),
+            });
+        }
+        let arena = DeviceMemory::zeroed(&ctx, arena_len, "device arena")?;
+        let host = PinnedMemory::zeroed(&ctx, host_len, "host region")?;
+        let events = (0..events)
+            .map(|_| Event::new(&ctx))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = DeviceMemory::zeroed(&ctx, 4, "gradient-norm slot")?;
+        let max_blocks = info.multiprocessors * 32;
+        Ok(Self {
+            state: Mutex::new(EventState {
+                marks: vec![Mark::Pending; events.len()],
+                aborted: false,
+            }),
+            marked: Condvar::new(),
+            ctx,
+            info,
+            kernels,
+            arena,
+            host,
+            events,
+            masters: HashMap::new(),
+            norm,
+            norm_written: AtomicBool::new(false),
+            max_blocks,
+        })
+    }
+
+    fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
+        for m in master_weights(schedule)? {
+            self.set_master_weight(m.m, m.master);
+        }
+        Ok(())
+    }
+
+    fn create_stream(&self, kind: StreamKind) -> Result<CudaStreamHandle> {
+        self.bind()?;
+        let stream = self
+            .ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating a CUDA stream", e))?;
+        let exec = match kind {
+            StreamKind::Compute | StreamKind::HostToDevice | StreamKind::DeviceToHost => {
+                // The compute stream runs the matmuls: its cuBLAS handle is made now rather
+                // than in the first step.
+                let gemm = match kind {
+                    StreamKind::Compute => Some(Gemm::new(stream.clone())?),
+                    _ => None,
+                };
+                Exec::Device(DeviceStream {
+                    stream,
+                    gemm,
+                    constants: Vec::new(),
+                })
+            }
+            StreamKind::HostOptimizer => Exec::Host(HostStream {
+                copier: stream,
+                widened: Vec::new(),
+            }),
+        };
+        Ok(CudaStreamHandle { kind, exec })
+    }
+
+    fn begin_step(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        state.marks.fill(Mark::Pending);
+        state.aborted = false;
+        self.norm_written.store(false, Ordering::Release);
+    }
+
+    unsafe fn launch(&self, stream: &mut CudaStreamHandle, l: &Launch<'_>) -> Result<Outcome> {
+        self.bind()?;
+        match &mut stream.exec {
+            Exec::Device(d) => {
+                launch::device(self, d, l)?;
+                // The kernels run later: the gradient norm comes from `step_outcome`, the loss
+                // from its home once the step is over.
+                Ok(Outcome::default())
+            }
+            // SAFETY: the caller's ordering contract.
+            Exec::Host(h) => unsafe { launch::host(self, h, l) },
+        }
+    }
+
+    unsafe fn copy(
+        &self,
+        stream: &mut CudaStreamHandle,
+        src: Address,
+        dst: Address,
+        bytes: u64,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let (from, to) = (self.gpu_addr(src, bytes)?, self.gpu_addr(dst, bytes)?);
+        match &mut stream.exec {
+            // SAFETY: both ranges checked; the caller's ordering contract.
+            Exec::Device(d) => unsafe {
+                enqueue_copy(d.stream.cu_stream(), src.space, dst.space, from, to, bytes)
+            },
+            Exec::Host(h) => match (src.space, dst.space) {
+                (Space::Host, Space::Host) => {
+                    // SAFETY: both ranges are in the pinned region (checked); the caller's
+                    // contract keeps other work away. `copy` (memmove): nothing rules out
+                    // that they overlap.
+                    unsafe { std::ptr::copy(from as *const u8, to as *mut u8, bytes as usize) };
+                    Ok(())
+                }
+                _ => {
+                    // SAFETY: as above; the copy is finished before this returns, as host
+                    // stream work is.
+                    unsafe {
+                        enqueue_copy(h.copier.cu_stream(), src.space, dst.space, from, to, bytes)?
+                    };
+                    h.copier
+                        .synchronize()
+                        .map_err(|e| driver_error("finishing a copy on the host stream", e))
+                }
+            },
+        }
+    }
+
+    fn record(&self, stream: &mut CudaStreamHandle, event: EventId) -> Result<()> {
+        let ev = self.event(event)?;
+        let mark = match &stream.exec {
+            Exec::Device(d) => {
+                self.bind()?;
+                // SAFETY: a live event and a live stream of this context.
+                unsafe { result::event::record(ev.raw(), d.stream.cu_stream()) }
+                    .map_err(|e| driver_error(format!("recording event {}", event.0), e))?;
+                Mark::Device
+            }
+            Exec::Host(_) => Mark::Host,
+        };
+        let mut state = self.lock();
+        state.marks[event.index()] = mark;
+        drop(state);
+        self.marked.notify_all();
+        Ok(())
+    }
+
+    fn wait(&self, stream: &mut CudaStreamHandle, event: EventId) -> Result<()> {
+        let ev = self.event(event)?;
+        let mut state = self.lock();
+        let mark = loop {
+            if state.aborted {
+                return Err(RuntimeError::StepAborted);
+            }
+            match state.marks[event.index()] {
+                Mark::Pending => {
+                    state = self
+                        .marked
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner)
+                }
+                mark => break mark,
+            }
+        };
+        drop(state);
+        match (&stream.exec, mark) {
+            (_, Mark::Host) | (_, Mark::Pending) => Ok(()),
+            (Exec::Device(d), Mark::Device) => {
+                self.bind()?;
+                // SAFETY: a live event, recorded this step, and a live stream.
+                unsafe {
+                    result::stream::wait_event(
+                        d.stream.cu_stream(),
+                        ev.raw(),
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(|e| driver_error(format!("waiting on event {}", event.0), e))
+            }
+            (Exec::Host(_), Mark::Device) => {
+                self.bind()?;
+                // SAFETY: a live event, recorded this step.
+                unsafe { result::event::synchronize(ev.raw()) }
+                    .map_err(|e| driver_error(format!("waiting on event {}", event.0), e))
+            }
+        }
+    }
+
+    fn synchronize(&self, stream: &mut CudaStreamHandle) -> Result<()> {
+        match &stream.exec {
+            Exec::Device(d) => d
+                .stream
+                .synchronize()
+                .map_err(|e| driver_error("waiting for a stream to finish", e)),
+            // Its work ran when it was issued; its copies were waited for one by one.
+            Exec::Host(_) => Ok(()),
+        }
+    }
+
+    fn abort(&self) {
+        self.lock().aborted = true;
+        self.marked.notify_all();
+    }
+
+    fn write_f32(&mut self, at: Address, data: &[f32]) -> Result<()> {
+        self.write_bytes(at, as_bytes(data))
+    }
+
+    fn write_i32(&mut self, at: Address, data: &[i32]) -> Result<()> {
+        self.write_bytes(at, as_bytes(data))
+    }
+
+    fn fill_zero(&mut self, at: Address, bytes: u64) -> Result<()> {
+        self.settle()?;
+        let addr = self.gpu_addr(at, bytes)?;
+        match at.space {
+            // SAFETY: `addr` holds `bytes` bytes (checked); the device is idle.
+            Space::Device => unsafe { result::memset_d8_sync(addr, 0, bytes as usize) }
+                .map_err(|e| driver_error("zeroing device memory", e)),
+            Space::Host => {
+                // SAFETY: in bounds (checked); `&mut self`: no step is running.
+                unsafe { std::ptr::write_bytes(addr as *mut u8, 0, bytes as usize) };
+                Ok(())
+            }
+        }
+    }
+
+    fn read_f32(&self, at: Address, out: &mut [f32]) -> Result<()> {
+        self.read_bytes(at, as_bytes_mut(out))
+    }
+
+    fn write_bf16(&mut self, at: Address, data: &[half::bf16]) -> Result<()> {
+        self.write_bytes(at, as_bytes(data))
+    }
+
+    fn read_bf16(&self, at: Address, out: &mut [half::bf16]) -> Result<()> {
+        self.read_bytes(at, as_bytes_mut(out))
+    }
+
+    fn step_outcome(&mut self) -> Result<Outcome> {
+        if !self.norm_written.load(Ordering::Acquire) {
+            return Ok(Outcome::default());
+        }
+        let mut norm = [0u8; 4];
+        self.settle()?;
+        // SAFETY: the slot holds 4 bytes; the device is idle.
+        unsafe { result::memcpy_dtoh_sync(&mut norm[..], self.norm.ptr()) }
+            .map_err(|e| driver_error("reading the gradient norm", e))?;
+        Ok(Outcome {
+            loss: None,
+            grad_norm: Some(f32::from_ne_bytes(norm)),
+        })
+    }
+}

@@ -1,0 +1,486 @@
+//! Owners of CUDA driver resources (device memory, pinned host memory, events), the probe
+//! that says whether the backend can run here, and the compiled kernel modules.
+//!
+//! cudarc loads libcuda, libcublas and libnvrtc at run time and panics on the first call into
+//! a library it cannot find, so [`probe`] checks each with `is_culib_present()` before anything
+//! calls into it; every constructor of the backend goes through it.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::{result, sys, CudaContext, CudaFunction};
+
+use super::nvrtc::{self, Compiled};
+use crate::error::{Result, RuntimeError};
+
+/// The oldest CUDA version the driver must support: the kernels are compiled by the CUDA 13
+/// NVRTC, and cudarc is built against the CUDA 13.0 API.
+const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// What a device can be asked, learnt once by [`probe`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total device memory in bytes.
+    pub memory_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// The CUDA version the driver supports, as `major * 1000 + minor * 10`.
+    pub driver_version: i32,
+}
+
+/// Checks, without any call that could panic, that the CUDA driver, a GPU, cuBLAS and NVRTC
+/// are there, and describes device 0. The error says what is missing and what to install.
+pub fn probe() -> Result<DeviceInfo> {
+    let unavailable = |why: String| RuntimeError::CudaUnavailable(why);
+    // SAFETY: only tries to dlopen the library under its candidate names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(unavailable(
+            "the CUDA driver library (libcuda.so) cannot be loaded: this machine has no NVIDIA \
+             driver, or the loader cannot find it; install the NVIDIA driver (580 or newer, for \
+             CUDA 13), or use --backend host"
+                .into(),
+        ));
+    }
+    let mut version = 0;
+    // SAFETY: a valid out-pointer; the library is present.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| unavailable(format!("the CUDA driver does not answer ({e:?})")))?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(unavailable(format!(
+            "the NVIDIA driver supports CUDA {}.{}, the backend needs CUDA {}.{} (driver 580 or \
+             newer); update the driver, or use --backend host",
+            version / 1000,
+            version % 1000 / 10,
+            MIN_DRIVER_VERSION / 1000,
+            MIN_DRIVER_VERSION % 1000 / 10
+        )));
+    }
+    result::init().map_err(|e| {
+        unavailable(format!(
+            "the CUDA driver found no usable GPU (cuInit: {}); check that `nvidia-smi` lists \
+             one and that CUDA_VISIBLE_DEVICES does not hide it, or use --backend host",
+            error_text(e)
+        ))
+    })?;
+    let count = result::device::get_count().map_err(|e| unavailable(error_text(e)))?;
+    if count < 1 {
+        return Err(unavailable(
+            "the CUDA driver sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use \
+             --backend host"
+                .into(),
+        ));
+    }
+    // SAFETY: only tries to dlopen the library under its candidate names.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(unavailable(
+            "cuBLAS (libcublas.so.13) cannot be loaded; install the CUDA 13 toolkit or \
+             `pip install nvidia-cublas` and put the folder holding libcublas.so.13 on \
+             LD_LIBRARY_PATH (scripts/gpu-check.sh does this), or use --backend host"
+                .into(),
+        ));
+    }
+    if !nvrtc::available() {
+        return Err(unavailable(format!(
+            "NVRTC (libnvrtc.so.13), which compiles the kernels, cannot be loaded: {}",
+            nvrtc::SETUP_HINT
+        )));
+    }
+    let device = result::device::get(0).map_err(|e| unavailable(error_text(e)))?;
+    let attr = |a| {
+        // SAFETY: a device handle from `device::get`; `a` is a valid attribute.
+        unsafe { result::device::get_attribute(device, a) }.map_err(|e| unavailable(error_text(e)))
+    };
+    use sys::CUdevice_attribute::*;
+    let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let multiprocessors = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
+    if major < 8 {
+        return Err(unavailable(format!(
+            "the GPU has compute capability {major}.{minor}; the kernels need bf16 support \
+             (8.0, Ampere, or newer)"
+        )));
+    }
+    let name = result::device::get_name(device).map_err(|e| unavailable(error_text(e)))?;
+    // SAFETY: a device handle from `device::get`.
+    let memory =
+        unsafe { result::device::total_mem(device) }.map_err(|e| unavailable(error_text(e)))?;
+    Ok(DeviceInfo {
+        name,
+        compute_capability: (major, minor),
+        memory_bytes: memory as u64,
+        multiprocessors,
+        driver_version: version,
+    })
+}
+
+/// A driver error's name and text.
+pub fn error_text(e: result::DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    match e.error_string() {
+        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
+        Err(_) => name,
+    }
+}
+
+/// The error of a failed driver call made while doing `during`, with the way out that fits.
+pub fn driver_error(during: impl Into<String>, e: result::DriverError) -> RuntimeError {
+    let hint = match e.0 {
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            "the schedule needs more memory than is free: check `nvidia-smi` for other \
+             processes, or compile for a smaller --gpu-memory (or --host-memory for pinned host \
+             memory)"
+        }
+        sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
+        | sys::CUresult::CUDA_ERROR_LAUNCH_FAILED
+        | sys::CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION => {
+            "a kernel failed, and the context is unusable until the process restarts; rerun \
+             with CUDA_LAUNCH_BLOCKING=1 to see which launch, and report it with the schedule"
+        }
+        _ => {
+            "the device may be in a bad state after an earlier failure; check `nvidia-smi`, and \
+             rerun with CUDA_LAUNCH_BLOCKING=1 to find the failing call"
+        }
+    };
+    RuntimeError::Cuda {
+        during: during.into(),
+        detail: error_text(e),
+        hint: hint.into(),
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+pub struct DeviceMemory {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a device allocation is a number that any thread of the process may use; the
+// context it belongs to is thread safe.
+unsafe impl Send for DeviceMemory {}
+// SAFETY: as above; `&DeviceMemory` only reads the pointer and the size.
+unsafe impl Sync for DeviceMemory {}
+
+impl DeviceMemory {
+    /// `bytes` of device memory, zeroed; `what` names it in errors. Zero bytes allocate
+    /// nothing (the pointer is 0).
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize, what: &str) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error(format!("binding the context to allocate the {what}"), e))?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: a plain allocation in the current context.
+            let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+                driver_error(format!("allocating the {what} of {bytes} device bytes"), e)
+            })?;
+            // SAFETY: `ptr` owns `bytes` bytes.
+            if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+                // SAFETY: allocated just above and used by nothing.
+                let _ = unsafe { result::free_sync(ptr) };
+                return Err(driver_error(format!("zeroing the {what}"), e));
+            }
+            ptr
+        };
+        Ok(Self {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes allocated.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: allocated by `malloc_sync` in `zeroed`, freed once; cuMemFree waits for
+            // the device work that uses it.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (portable, mapped into the device's address
+/// space, cached for the CPU, which reads everything the host region holds), freed on drop.
+pub struct PinnedMemory {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the memory is owned like a `Box<[u8]>`; the backend hands out views of it only
+// under the schedule's ordering contract.
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedMemory {}
+
+impl PinnedMemory {
+    /// `bytes` of pinned host memory, zeroed; `what` names it in errors.
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize, what: &str) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error(format!("binding the context to allocate the {what}"), e))?;
+        let ptr = if bytes == 0 {
+            std::ptr::null_mut()
+        } else {
+            let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+            // SAFETY: a plain allocation; the flags are valid.
+            let ptr = unsafe { result::malloc_host(bytes, flags) }.map_err(|e| {
+                driver_error(
+                    format!("pinning {bytes} bytes of host memory for the {what}"),
+                    e,
+                )
+            })?;
+            let ptr = ptr.cast::<u8>();
+            // SAFETY: `ptr` owns `bytes` writable bytes.
+            unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+            ptr
+        };
+        Ok(Self {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The first byte.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes allocated.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: allocated by `malloc_host` in `zeroed`, freed once.
+            let _ = unsafe { result::free_host(self.ptr.cast::<c_void>()) };
+        }
+    }
+}
+
+/// A CUDA event without timing whose waiters sleep rather than spin (the host optimizer's
+/// thread waits on them while CPU Adam uses the other cores), destroyed on drop.
+pub struct Event {
+    event: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: CUDA events may be recorded and waited on from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A new event.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error("binding the context to create an event", e))?;
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        let mut event = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and valid flags.
+        unsafe { sys::cuEventCreate(&mut event, flags) }
+            .result()
+            .map_err(|e| driver_error("creating an event", e))?;
+        Ok(Self {
+            event,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The raw event.
+    pub fn raw(&self) -> sys::CUevent {
+        self.event
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { result::event::destroy(self.event) };
+    }
+}
+
+/// The type of a kernel parameter, as a launch must pass it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Any pointer: 8 bytes.
+    Ptr,
+    /// `i64` (`long long`).
+    I64,
+    /// `int`.
+    I32,
+    /// `float`.
+    F32,
+}
+
+/// The parameter kinds of every `extern "C" __global__` function of `source`, by name, read
+/// from its text, so a launch whose arguments do not match the kernel's declaration is an
+/// error rather than a kernel reading garbage. `None` when a parameter has a type the
+/// launcher cannot pass.
+pub fn signatures(source: &'static str) -> Option<Vec<(&'static str, Vec<ParamKind>)>> {
+    const MARK: &str = "extern \"C\" __global__ void ";
+    let mut out = Vec::new();
+    for (at, _) in source.match_indices(MARK) {
+        let rest = &source[at + MARK.len()..];
+        let open = rest.find('(')?;
+        let close = rest.find(')')?;
+        let name = rest[..open].trim();
+        let mut kinds = Vec::new();
+        for param in rest[open + 1..close].split(',').map(str::trim) {
+            let ty = param
+                .rsplit_once(|c: char| c.is_whitespace() || c == '*')?
+                .0;
+            let kind = if param.contains('*') {
+                ParamKind::Ptr
+            } else {
+                match ty.trim() {
+                    "i64" | "long long" => ParamKind::I64,
+                    "int" => ParamKind::I32,
+                    "float" => ParamKind::F32,
+                    _ => return None,
+                }
+            };
+            kinds.push(kind);
+        }
+        out.push((name, kinds));
+    }
+    Some(out)
+}
+
+/// Every kernel of [`super::SOURCES`], loaded into one context, by entry-point name, with the
+/// parameter kinds its declaration has.
+pub struct Kernels {
+    functions: HashMap<&'static str, (CudaFunction, Vec<ParamKind>)>,
+}
+
+impl Kernels {
+    /// Compiles every source for the device's architecture (once per process: later backends
+    /// reuse the CUBINs) and loads them into `ctx`.
+    pub fn load(ctx: &Arc<CudaContext>, compute_capability: (i32, i32)) -> Result<Self> {
+        let compiled = compiled_for(compute_capability)?;
+        let mut functions = HashMap::new();
+        for c in compiled.iter() {
+            let params: HashMap<&str, Vec<ParamKind>> = signatures(c.source.source)
+                .ok_or_else(|| {
+                    RuntimeError::BadSchedule(format!(
+                        "a kernel of {} has a parameter type the launcher cannot pass",
+                        c.source.file_name()
+                    ))
+                })?
+                .into_iter()
+                .collect();
+            let module = ctx.load_module(c.module()).map_err(|e| {
+                driver_error(
+                    format!(
+                        "loading the {} kernels compiled for {}",
+                        c.source.name, c.arch
+                    ),
+                    e,
+                )
+            })?;
+            for &entry in c.source.entry_points {
+                let f = module
+                    .load_function(entry)
+                    .map_err(|e| driver_error(format!("finding kernel {entry}"), e))?;
+                let kinds = params.get(entry).cloned().ok_or_else(|| {
+                    RuntimeError::BadSchedule(format!("no declaration of kernel {entry} found"))
+                })?;
+                functions.insert(entry, (f, kinds));
+            }
+        }
+        Ok(Self { functions })
+    }
+
+    /// The kernel named `name` and its parameter kinds.
+    pub fn get(&self, name: &'static str) -> Result<(&CudaFunction, &[ParamKind])> {
+        self.functions
+            .get(name)
+            .map(|(f, kinds)| (f, kinds.as_slice()))
+            .ok_or_else(|| {
+                RuntimeError::BadSchedule(format!(
+                    "no kernel named {name} among the compiled sources (runtime/src/cuda/SOURCES)"
+                ))
+            })
+    }
+}
+
+/// The compiled sources of this process, by compute capability.
+type CompiledCache = Vec<((i32, i32), Arc<Vec<Compiled>>)>;
+
+static COMPILED: Mutex<CompiledCache> = Mutex::new(Vec::new());
+
+/// Every source compiled with NVRTC for `sm_XY` (compute capability X.Y), from the
+/// process-wide cache or compiled now.
+fn compiled_for(cc: (i32, i32)) -> Result<Arc<Vec<Compiled>>> {
+    let mut cache = COMPILED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, c)) = cache.iter().find(|(k, _)| *k == cc) {
+        return Ok(c.clone());
+    }
+    // NVRTC takes the architecture as a `&'static str`; one small string per compute
+    // capability, made once per process under this lock.
+    let arch: &'static str = Box::leak(format!("sm_{}{}", cc.0, cc.1).into_boxed_str());
+    let compiled = nvrtc::compile_all(arch).map_err(|e| RuntimeError::Cuda {
+        during: format!("compiling the kernels for {arch}"),
+        detail: e.to_string(),
+        hint: "this is a bug in the kernel sources or an NVRTC too old for the GPU; run \
+               `cargo test -p protrain-runtime --features cuda --test nvrtc` and report its output"
+            .into(),
+    })?;
+    let compiled = Arc::new(compiled);
+    cache.push((cc, compiled.clone()));
+    Ok(compiled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_declaration_has_parameters_a_launch_can_pass() {
+        for src in super::super::SOURCES {
+            let sigs = signatures(src.source)
+                .unwrap_or_else(|| panic!("{}: a parameter type is not passable", src.name));
+            let names: Vec<&str> = sigs.iter().map(|(n, _)| *n).collect();
+            assert_eq!(names, src.entry_points, "{}", src.name);
+        }
+        let norm = super::super::source_of("layer_norm_forward_bf16").unwrap();
+        let sigs = signatures(norm.source).unwrap();
+        let (_, kinds) = sigs
+            .iter()
+            .find(|(n, _)| *n == "layer_norm_forward_bf16")
+            .unwrap();
+        use ParamKind::*;
+        assert_eq!(kinds, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, F32]);
+        let adam = super::super::source_of("adamw_f32").unwrap();
+        let sigs = signatures(adam.source).unwrap();
+        let (_, kinds) = sigs.iter().find(|(n, _)| *n == "clip_coef").unwrap();
+        assert_eq!(kinds, &[Ptr, Ptr, Ptr, I32, F32]);
+    }
+}

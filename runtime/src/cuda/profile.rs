@@ -1,0 +1,557 @@
+//! Measures a GPU through the CUDA backend for `protrain profile --backend cuda`: matmul
+//! FLOP/s per dtype, device memory bandwidth, pinned host<->device bandwidth, launch overhead,
+//! device and CPU Adam throughput, and the op table of a training graph, as a
+//! [`HardwareProfile`].
+//!
+//! It follows [`crate::profiler`]'s structure (the same options, medians, matmul efficiency and
+//! [`Profiled`] result) but times GPU work with CUDA events rather than the host clock, and
+//! lays out operands in their own types, so a bf16 graph's op table has bf16 keys. Ops are
+//! timed one by one on operands of their own (one arena sized for the largest op), which bounds
+//! the memory to one op's for any model size.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{result, sys, CudaEvent, CudaStream};
+use protrain_ir::{
+    op_key, DType, Graph, HardwareProfile, MeasuredOp, Op, OpKind, PeakFlops, Space, StreamKind,
+    TensorType, WeightLayout,
+};
+
+use super::backend::{Arg, CudaBackend, CudaStreamHandle};
+use super::blas::LinearDims;
+use super::driver::driver_error;
+use crate::backend::{Address, Backend, Launch};
+use crate::dispatch::Prepared;
+use crate::error::{Result, RuntimeError};
+use crate::profiler::{measure_adam, measure_memcpy, OpTiming, ProfileOptions, Profiled};
+
+/// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
+const ALIGN: u64 = 256;
+
+/// The matmul efficiency the compiler's roofline assumes (`Efficiency::default().matmul`), as
+/// in [`crate::profiler`]: the measured rate divided by it is written as the peak.
+const ROOFLINE_MATMUL_EFFICIENCY: f64 = 0.7;
+
+/// Square matmul sizes timed for the peak rates: large enough to reach the tensor cores'
+/// sustained rate (bf16) and the vector units' (f32).
+const BF16_MATMUL: usize = 8192;
+const F32_MATMUL: usize = 4096;
+
+/// Bytes of the device-to-device copy timed for the memory bandwidth.
+const DEVICE_COPY_BYTES: u64 = 1 << 30;
+
+/// Parameters of the timed device AdamW (bf16 parameters with f32 master weights, as
+/// mixed-precision schedules update persistent chunks).
+const GPU_ADAM_PARAMS: u64 = 64 << 20;
+
+/// Kernel launches timed back to back for the launch overhead.
+const LAUNCHES: usize = 1000;
+
+/// Device memory held back from the profile's usable memory beyond what the context and
+/// cuBLAS took when measured: the kernels' scratch and allocator slack.
+const RESERVED_SLACK: u64 = 512 << 20;
+
+/// Times GPU work on one stream with a pair of timing events.
+struct Timer {
+    start: CudaEvent,
+    end: CudaEvent,
+    stream: Arc<CudaStream>,
+}
+
+impl Timer {
+    fn new(backend: &CudaBackend, stream: &CudaStreamHandle) -> Result<Self> {
+        let stream = stream
+            .cuda_stream()
+            .ok_or_else(|| RuntimeError::Profile("timing needs a device stream".into()))?
+            .clone();
+        let event = || {
+            backend
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| driver_error("creating a timing event", e))
+        };
+        Ok(Self {
+            start: event()?,
+            end: event()?,
+            stream,
+        })
+    }
+
+    /// Seconds the GPU spent on the work `issue` enqueues (after it has been enqueued once
+    /// untimed), divided by `per`: `issue` is called `per` times between the events.
+    fn time(&self, per: usize, mut issue: impl FnMut() -> Result<()>) -> Result<f64> {
+        issue()?;
+        let fail = |e| driver_error("timing GPU work", e);
+        self.start.record(&self.stream).map_err(fail)?;
+        for _ in 0..per {
+            issue()?;
+        }
+        self.end.record(&self.stream).map_err(fail)?;
+        let ms = self.start.elapsed_ms(&self.end).map_err(fail)?;
+        Ok(f64::from(ms) / 1e3 / per.max(1) as f64)
+    }
+}
+
+/// The median of some times (0 for none).
+fn median(times: &mut [f64]) -> f64 {
+    if times.is_empty() {
+        return 0.0;
+    }
+    times.sort_by(f64::total_cmp);
+    let mid = times.len() / 2;
+    if times.len() % 2 == 1 {
+        times[mid]
+    } else {
+        (times[mid - 1] + times[mid]) / 2.0
+    }
+}
+
+/// A lowercase name for a device: `NVIDIA H200` becomes `nvidia-h200`.
+fn device_name(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.trim().chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+        }
+    }
+    out.trim_end_matches('-').to_string()
+}
+
+/// Profiles the GPU for `graph` (a training graph, f32 or bf16; the runtime does not depend
+/// on the compiler, so the caller builds it) and returns a `HardwareProfile` that
+/// `--hardware FILE` reads. The name is the device's (`nvidia-h200`) unless `options.name`
+/// is set to something other than `host`.
+///
+/// Measured: the op table (each distinct op once untimed, then `repeats` times, the median
+/// kept), square bf16 and f32 matmuls for the peak rates, a 1 GiB device copy for the memory
+/// bandwidth, pinned copies of `copy_bytes` each way, the cost of one small kernel launch,
+/// the device AdamW (bf16 with f32 master weights) and the CPU Adam rate, host `memcpy`
+/// bandwidth. Device memory is the GPU's; what the context and cuBLAS take, plus a margin for
+/// the kernels' scratch, is the reserved memory; host memory is this machine's.
+pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled> {
+    let started = Instant::now();
+    if graph.op_count() == 0 {
+        return Err(RuntimeError::Profile(
+            "the graph has no ops to measure; pass a training graph".into(),
+        ));
+    }
+    if options.repeats == 0 || options.copy_repeats == 0 {
+        return Err(RuntimeError::Profile(
+            "repeats must be at least 1 to measure anything".into(),
+        ));
+    }
+    let ops = measure_ops(graph, options.repeats)?;
+    let graph_seconds = ops
+        .iter()
+        .map(|t| t.op.seconds * t.count as f64)
+        .sum::<f64>();
+    let rates = measure_device(options)?;
+    let memcpy = measure_memcpy(options.copy_bytes, options.copy_repeats);
+    let cpu_adam = measure_adam(options.adam_params.max(1), options.repeats);
+    let host = HardwareProfile::host();
+    let name = match options.name.as_str() {
+        "host" => device_name(&rates.device),
+        other => other.to_string(),
+    };
+    let profile = HardwareProfile {
+        name,
+        description: format!(
+            "{} measured by `protrain profile --backend cuda`: {:.0} TFLOP/s bf16 and {:.1} \
+             f32 matmul, {:.0} GB/s device copy, {:.1}/{:.1} GB/s H2D/D2H pinned, {} op \
+             timings; host: {} threads",
+            rates.device,
+            rates.bf16_flops / 1e12,
+            rates.f32_flops / 1e12,
+            rates.device_bandwidth / 1e9,
+            rates.h2d / 1e9,
+            rates.d2h / 1e9,
+            ops.len(),
+            rayon::current_num_threads()
+        ),
+        device_memory_bytes: rates.memory_bytes,
+        host_memory_bytes: host.host_memory_bytes,
+        reserved_device_bytes: rates.reserved_bytes,
+        peak_flops: PeakFlops {
+            f32: rates.f32_flops / ROOFLINE_MATMUL_EFFICIENCY,
+            bf16: rates.bf16_flops / ROOFLINE_MATMUL_EFFICIENCY,
+            f16: rates.bf16_flops / ROOFLINE_MATMUL_EFFICIENCY,
+        },
+        device_bandwidth: rates.device_bandwidth,
+        h2d_bandwidth: rates.h2d,
+        d2h_bandwidth: rates.d2h,
+        host_memcpy_bandwidth: memcpy,
+        launch_overhead_s: rates.launch_s,
+        cpu_adam_params_per_s: cpu_adam,
+        gpu_adam_params_per_s: rates.gpu_adam,
+        measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
+    };
+    profile
+        .validate()
+        .map_err(|e| RuntimeError::Profile(format!("the measured profile is not usable: {e}")))?;
+    Ok(Profiled {
+        profile,
+        ops,
+        graph_seconds,
+        elapsed_seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// What [`measure_device`] found.
+struct DeviceRates {
+    device: String,
+    memory_bytes: u64,
+    reserved_bytes: u64,
+    bf16_flops: f64,
+    f32_flops: f64,
+    device_bandwidth: f64,
+    h2d: f64,
+    d2h: f64,
+    launch_s: f64,
+    gpu_adam: f64,
+}
+
+/// The device-wide figures: matmul rates, bandwidths, launch overhead, device Adam.
+fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
+    let copy = options.copy_bytes.max(ALIGN);
+    let bf16_mat = (BF16_MATMUL * BF16_MATMUL * 2) as u64;
+    let f32_mat = (F32_MATMUL * F32_MATMUL * 4) as u64;
+    let adam = GPU_ADAM_PARAMS * (4 + 2 + 2 + 4 + 4);
+    // One arena for every measurement, regions laid out one after the other.
+    let arena = (3 * bf16_mat)
+        .max(3 * f32_mat)
+        .max(2 * DEVICE_COPY_BYTES)
+        .max(adam)
+        .max(copy);
+    let mut backend = CudaBackend::new(arena, copy, 0)?;
+    let mut stream = backend.create_stream(StreamKind::Compute)?;
+    let timer = Timer::new(&backend, &stream)?;
+    let device = |offset: u64| Address {
+        space: Space::Device,
+        offset,
+    };
+    let host = Address {
+        space: Space::Host,
+        offset: 0,
+    };
+    let repeat = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
+        let mut times = Vec::with_capacity(options.copy_repeats);
+        for _ in 0..options.copy_repeats {
+            times.push(f()?);
+        }
+        Ok(median(&mut times))
+    };
+
+    // Matmuls on small positive values (random-looking data draws more power than zeros,
+    // which the tensor cores run faster; these are neither, but close to real weights).
+    let fill = |backend: &mut CudaBackend, dtype: DType, n: usize, bytes: u64| -> Result<()> {
+        let values: Vec<f32> = (0..n)
+            .map(|k| ((k as u64 * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        for i in 0..2u64 {
+            match dtype {
+                DType::BF16 => {
+                    let narrow: Vec<half::bf16> =
+                        values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    backend.write_bf16(device(i * bytes), &narrow)?
+                }
+                _ => backend.write_f32(device(i * bytes), &values)?,
+            }
+        }
+        Ok(())
+    };
+    let mut matmul = |backend: &mut CudaBackend, dtype: DType, size: usize| -> Result<f64> {
+        let bytes = (size * size) as u64 * dtype.size();
+        fill(backend, dtype, size * size, bytes)?;
+        let (a, w, y) = (
+            backend.gpu_addr(device(0), bytes)?,
+            backend.gpu_addr(device(bytes), bytes)?,
+            backend.gpu_addr(device(2 * bytes), bytes)?,
+        );
+        let dims = LinearDims {
+            rows: size,
+            d_in: size,
+            d_out: size,
+        };
+        let d = stream
+            .device_stream()
+            .ok_or_else(|| RuntimeError::Profile("a compute stream is a device stream".into()))?;
+        let gemm = d.gemm()?;
+        let seconds = repeat(&mut || {
+            timer.time(4, || {
+                // SAFETY: a, w, y are three disjoint size x size matrices in the arena;
+                // nothing else runs on the device.
+                unsafe { gemm.linear_forward(dtype, WeightLayout::OutIn, dims, a, w, y) }
+            })
+        })?;
+        Ok(2.0 * (size as f64).powi(3) / seconds)
+    };
+    let bf16_flops = matmul(&mut backend, DType::BF16, BF16_MATMUL)?;
+    let f32_flops = matmul(&mut backend, DType::F32, F32_MATMUL)?;
+
+    // Device bandwidth: a copy reads and writes every byte.
+    let (src, dst) = (
+        backend.gpu_addr(device(0), DEVICE_COPY_BYTES)?,
+        backend.gpu_addr(device(DEVICE_COPY_BYTES), DEVICE_COPY_BYTES)?,
+    );
+    let cu = timer.stream.cu_stream();
+    let dtod = repeat(&mut || {
+        timer.time(2, || {
+            // SAFETY: two disjoint ranges of the arena; nothing else runs.
+            unsafe { result::memcpy_dtod_async(dst, src, DEVICE_COPY_BYTES as usize, cu) }
+                .map_err(|e| driver_error("timing a device copy", e))
+        })
+    })?;
+    let device_bandwidth = 2.0 * DEVICE_COPY_BYTES as f64 / dtod;
+
+    // Pinned copies each way, through the backend's own copy path.
+    let mut pinned = |src: Address, dst: Address| -> Result<f64> {
+        let s = repeat(&mut || {
+            timer.time(2, || {
+                // SAFETY: the host region and the start of the arena; nothing else runs.
+                unsafe { backend.copy(&mut stream, src, dst, copy) }
+            })
+        })?;
+        Ok(copy as f64 / s)
+    };
+    let h2d = pinned(host, device(0))?;
+    let d2h = pinned(device(0), host)?;
+
+    // Launch overhead: back-to-back launches of a kernel with nothing to do, GPU time each.
+    let x = backend.gpu_addr(device(0), 4)?;
+    let launch_s = repeat(&mut || {
+        timer.time(LAUNCHES, || {
+            backend.launch_kernel(
+                &timer.stream,
+                "scale_f32",
+                (1, 1, 1),
+                (32, 1, 1),
+                &[Arg::Ptr(x), Arg::I64(1), Arg::F32(1.0)],
+            )
+        })
+    })?;
+
+    // Device AdamW, mixed precision: master f32, param bf16, grad bf16, m and v f32.
+    let n = GPU_ADAM_PARAMS;
+    let at = |k: u64| backend.gpu_addr(device(k), 1);
+    let (master, param, grad, m, v) = (at(0)?, at(4 * n)?, at(6 * n)?, at(8 * n)?, at(12 * n)?);
+    backend.fill_zero(device(0), 16 * n)?;
+    let s = super::AdamWScalars::new(&crate::kernels::AdamWConfig::default(), 1);
+    let args = [
+        Arg::Ptr(master),
+        Arg::Ptr(param),
+        Arg::Ptr(grad),
+        Arg::Ptr(m),
+        Arg::Ptr(v),
+        Arg::I64(n as i64),
+        Arg::Ptr(0),
+        Arg::F32(s.decay),
+        Arg::F32(s.lerp_w),
+        Arg::F32(s.beta2),
+        Arg::F32(s.one_minus_beta2),
+        Arg::F32(s.bc2_sqrt),
+        Arg::F32(s.eps),
+        Arg::F32(s.neg_step_size),
+    ];
+    let blocks = backend.grid_for(n);
+    let adam_s = repeat(&mut || {
+        timer.time(2, || {
+            backend.launch_kernel(
+                &timer.stream,
+                "adamw_bf16",
+                (blocks, 1, 1),
+                (256, 1, 1),
+                &args,
+            )
+        })
+    })?;
+    let gpu_adam = n as f64 / adam_s;
+
+    // What the context, the modules and cuBLAS hold, less this profile's own arena.
+    backend.bind()?;
+    let (free, total) = backend
+        .ctx
+        .mem_get_info()
+        .map_err(|e| driver_error("asking how much device memory is free", e))?;
+    let held = (total as u64)
+        .saturating_sub(free as u64)
+        .saturating_sub(arena);
+    let reserved_bytes = (held + RESERVED_SLACK).next_multiple_of(1 << 20);
+    Ok(DeviceRates {
+        device: backend.device().name.clone(),
+        memory_bytes: backend.device().memory_bytes,
+        reserved_bytes,
+        bf16_flops,
+        f32_flops,
+        device_bandwidth,
+        h2d,
+        d2h,
+        launch_s,
+        gpu_adam,
+    })
+}
+
+/// Where one op's operands lie in a profiling arena: inputs, outputs, workspace and (for a
+/// bf16 AdamW) the master weight, each at an aligned offset of its own.
+struct Operands {
+    inputs: Vec<Address>,
+    outputs: Vec<Address>,
+    workspace: Option<(Address, u64)>,
+    master: Option<Address>,
+}
+
+impl Operands {
+    /// The layout and the arena bytes it needs.
+    fn layout(graph: &Graph, op: &Op) -> (Self, u64) {
+        let mut end = 0u64;
+        let mut place = |bytes: u64| {
+            let at = Address {
+                space: Space::Device,
+                offset: end,
+            };
+            end += bytes.max(1).next_multiple_of(ALIGN);
+            at
+        };
+        let ty = |v: protrain_ir::ValueId| &graph.value(v).ty;
+        let inputs = op.inputs.iter().map(|&v| place(ty(v).bytes())).collect();
+        let outputs = op.outputs.iter().map(|&v| place(ty(v).bytes())).collect();
+        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| ty(v)).collect();
+        let workspace = match op.kind.workspace_bytes(&types) {
+            0 => None,
+            bytes => Some((place(bytes), bytes)),
+        };
+        let master = match op.kind {
+            OpKind::AdamW { .. } if ty(op.inputs[0]).dtype != DType::F32 => {
+                Some(place(4 * ty(op.inputs[0]).numel()))
+            }
+            _ => None,
+        };
+        (
+            Self {
+                inputs,
+                outputs,
+                workspace,
+                master,
+            },
+            end,
+        )
+    }
+
+    /// Writes every input in its type: small positive floats, or token ids below the
+    /// vocabulary the op indexes with them.
+    fn fill(&self, backend: &mut CudaBackend, graph: &Graph, op: &Op) -> Result<()> {
+        for (i, (&v, &at)) in op.inputs.iter().zip(&self.inputs).enumerate() {
+            let ty = &graph.value(v).ty;
+            let n = ty.numel() as usize;
+            // In [0.01, 0.51): no zeros, no denormals, square roots of moments defined.
+            let values = || -> Vec<f32> {
+                (0..n)
+                    .map(|k| 0.01 + ((k as u64 * 2_654_435_761) % 1000) as f32 / 2000.0)
+                    .collect()
+            };
+            match ty.dtype {
+                DType::I32 => {
+                    let bound = token_bound(graph, op, i).max(1);
+                    let ids: Vec<i32> =
+                        (0..n).map(|k| ((k as u64 * 7919) % bound) as i32).collect();
+                    backend.write_i32(at, &ids)?;
+                }
+                DType::BF16 => {
+                    let narrow: Vec<half::bf16> =
+                        values().into_iter().map(half::bf16::from_f32).collect();
+                    backend.write_bf16(at, &narrow)?;
+                }
+                DType::F32 | DType::F16 => backend.write_f32(at, &values())?,
+            }
+        }
+        if let Some(master) = self.master {
+            let n = graph.value(op.inputs[0]).ty.numel();
+            backend.fill_zero(master, 4 * n)?;
+            backend.set_master_weight(self.inputs[2], master);
+        }
+        Ok(())
+    }
+}
+
+/// The vocabulary the `i`-th (integer) input of `op` indexes: the embedding table's rows, the
+/// logits' width; 1 where the ids are not used as indices.
+fn token_bound(graph: &Graph, op: &Op, i: usize) -> u64 {
+    let ty = |k: usize| &graph.value(op.inputs[k]).ty;
+    match op.kind {
+        OpKind::Embedding { .. } if i == 0 => ty(1).shape[0],
+        OpKind::EmbeddingBackward { rows, .. } if i == 0 => rows,
+        OpKind::CrossEntropy | OpKind::CrossEntropyBackward if i == 1 => ty(0).last_dim(),
+        _ => 1,
+    }
+}
+
+/// The median GPU time of each distinct [`op_key`] of `graph`, by key, each op launched on
+/// operands of its own types once untimed and `repeats` times timed with CUDA events.
+fn measure_ops(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
+    let mut distinct: BTreeMap<String, (&Op, usize)> = BTreeMap::new();
+    for (_, op) in graph.ops() {
+        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+        distinct
+            .entry(op_key(&op.kind, &types))
+            .and_modify(|(_, n)| *n += 1)
+            .or_insert((op, 1));
+    }
+    let largest = distinct
+        .values()
+        .map(|(op, _)| Operands::layout(graph, op).1)
+        .max()
+        .unwrap_or(0);
+    let mut backend = CudaBackend::new(largest, 0, 0)?;
+    let mut stream = backend.create_stream(StreamKind::Compute)?;
+    let timer = Timer::new(&backend, &stream)?;
+    let mut out = Vec::with_capacity(distinct.len());
+    for (key, (op, count)) in distinct {
+        let operands = Operands::layout(graph, op).0;
+        operands.fill(&mut backend, graph, op)?;
+        let prepared = Prepared::new(&op.kind);
+        let mut times = Vec::with_capacity(repeats);
+        for run in 0..repeats {
+            let launch = Launch {
+                graph,
+                op,
+                prepared: &prepared,
+                inputs: &operands.inputs,
+                outputs: &operands.outputs,
+                workspace: operands.workspace,
+                step: run as u64 + 1,
+            };
+            times.push(timer.time(1, || {
+                // SAFETY: one stream, one thread: nothing else touches the arena, and the
+                // operands were laid out apart from each other.
+                unsafe { backend.launch(&mut stream, &launch) }.map(|_| ())
+            })?);
+        }
+        backend.synchronize(&mut stream)?;
+        out.push(OpTiming {
+            op: MeasuredOp {
+                key,
+                seconds: median(&mut times),
+            },
+            count,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_become_profile_names() {
+        assert_eq!(device_name("NVIDIA H200"), "nvidia-h200");
+        assert_eq!(
+            device_name(" NVIDIA A100-SXM4-80GB "),
+            "nvidia-a100-sxm4-80gb"
+        );
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+    }
+}
