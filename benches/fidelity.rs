@@ -134,9 +134,15 @@ fn main() {
     let config = model(layers, hidden);
     let optimizer = OptimizerConfig::default();
     // The unfused and the fused training graph, so both sides of every fusion are measured.
-    let graphs =
-        protrain::profiling_graphs(&config, batch, seq, &optimizer, &HardwareProfile::host())
-            .expect("the model builds");
+    let graphs = protrain::profiling_graphs(
+        &config,
+        batch,
+        seq,
+        DType::F32,
+        &optimizer,
+        &HardwareProfile::host(),
+    )
+    .expect("the model builds");
     let graph = &graphs[1];
     // FIDELITY_ISOLATED=1 times each op alone on hot operands instead of in place.
     let isolated = env("FIDELITY_ISOLATED", 0u8) == 1;

@@ -91,9 +91,15 @@ fn main() {
     let config = model(layers, hidden);
     let optimizer = OptimizerConfig::default();
     // The unfused and the fused training graph, so both sides of every fusion are measured.
-    let graphs =
-        protrain::profiling_graphs(&config, batch, seq, &optimizer, &HardwareProfile::host())
-            .expect("the model builds");
+    let graphs = protrain::profiling_graphs(
+        &config,
+        batch,
+        seq,
+        DType::F32,
+        &optimizer,
+        &HardwareProfile::host(),
+    )
+    .expect("the model builds");
     let mut profile = profile_host(&graphs[1], &ProfileOptions::default())
         .expect("profiling")
         .profile;

@@ -65,18 +65,20 @@ pub fn forward_graph(config: &models::ModelConfig, batch: u64, seq: u64) -> Resu
     Ok(models::build_forward(config, &options)?)
 }
 
-/// The training graphs (f32, `[batch, seq]`) whose ops a measured profile of `config` should
-/// hold: the unfused one, then the one fused under `base`'s estimates. With both measured, the
-/// fusion pass prices both sides of each fusion from measurements when it compiles with the
-/// profile.
+/// The training graphs (`[batch, seq]` in `dtype`) whose ops a measured profile of `config`
+/// should hold: the unfused one, then the one fused under `base`'s estimates. With both
+/// measured, the fusion pass prices both sides of each fusion from measurements when it
+/// compiles with the profile.
 pub fn profiling_graphs(
     config: &models::ModelConfig,
     batch: u64,
     seq: u64,
+    dtype: ir::DType,
     optimizer: &OptimizerConfig,
     base: &ir::HardwareProfile,
 ) -> Result<Vec<Graph>> {
-    let forward = forward_graph(config, batch, seq)?;
+    let options = models::BuildOptions::new(batch, seq).with_dtype(dtype);
+    let forward = models::build_forward(config, &options)?;
     let cost = compiler::cost::cost_model(base);
     let (fused, _) = compiler::pipeline::fused(
         &forward,

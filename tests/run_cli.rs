@@ -327,3 +327,15 @@ fn train_gives_the_same_losses_under_a_roomy_and_a_tight_budget() {
     assert_ne!(loose, strict);
     assert_eq!(losses(&roomy), losses(&tight));
 }
+
+#[test]
+fn train_refuses_bf16_on_the_host_backend_before_compiling() {
+    let out = protrain(&["train", "gpt2-tiny", "--dtype", "bf16", "--steps", "1"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("error: the host backend's kernels are f32: drop --dtype bf16"),
+        "{err}"
+    );
+    assert!(stdout(&out).is_empty());
+}

@@ -29,8 +29,11 @@ impl SplitMix64 {
 /// Each parameter draws from its own stream, seeded by `seed` and its index, so its values do
 /// not depend on the other parameters' sizes. Normal draws use Box-Muller.
 pub fn init_params(graph: &Graph, seed: u64) -> Vec<Vec<f32>> {
-    graph
-        .params()
+    use rayon::prelude::*;
+    // Each parameter has its own stream, so drawing them in parallel changes no bit.
+    let params: Vec<_> = graph.params().collect();
+    params
+        .into_par_iter()
         .map(|(id, p)| {
             let n = graph.value(p.value).ty.numel() as usize;
             match p.init {

@@ -1,7 +1,7 @@
 //! `protrain profile`: measure this machine for a model and write a hardware profile JSON.
 
 use super::{seq_or_default, write_output};
-use protrain::ir::{format_bytes, Graph};
+use protrain::ir::{format_bytes, DType, Graph, HardwareProfile};
 use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
 use protrain::{Error, OptimizerConfig, Result};
 use std::path::PathBuf;
@@ -58,18 +58,37 @@ pub fn run(args: Args) -> Result<()> {
         repeats: args.repeats,
         ..ProfileOptions::default()
     };
+    // The fused training graph (what `compile` schedules), then the unfused one, whose ops
+    // are measured too so that fusion weighs both sides of each fusion by measurement.
+    let (dtype, base) = match args.backend {
+        BackendKind::Host => (DType::F32, HardwareProfile::host()),
+        // Which fusions a GPU's estimates take; the measured profile then prices both sides.
+        BackendKind::Cuda => (
+            DType::BF16,
+            HardwareProfile::preset("h100").expect("h100 is a preset"),
+        ),
+    };
+    let mut graphs = protrain::profiling_graphs(
+        &config,
+        args.batch,
+        seq,
+        dtype,
+        &OptimizerConfig::default(),
+        &base,
+    )?;
+    let unfused = graphs.remove(0);
+    let graph = graphs.remove(0);
     let (profiled, graph) = match args.backend {
         BackendKind::Host => {
-            let forward = protrain::forward_graph(&config, args.batch, seq)?;
-            let graph = protrain::training_graph(&forward, &OptimizerConfig::default())?;
-            (profile_host(&graph, &options)?, graph)
+            let mut profiled = profile_host(&graph, &options)?;
+            let extra = profile_host(&unfused, &options)?;
+            profiled
+                .profile
+                .add_measured_ops(&extra.profile.measured_ops);
+            (profiled, graph)
         }
         BackendKind::Cuda => {
-            let build = protrain::models::BuildOptions::new(args.batch, seq)
-                .with_dtype(protrain::ir::DType::BF16);
-            let forward = protrain::models::build_forward(&config, &build)?;
-            let graph = protrain::training_graph(&forward, &OptimizerConfig::default())?;
-            let profiled = cuda::profile(&graph, &options)?;
+            let profiled = cuda::profile(&graph, &unfused, &options)?;
             if let Some(path) = &args.output {
                 print_cuda(&profiled, &graph, &config.name, args.batch, seq, path);
             }
@@ -193,17 +212,25 @@ mod cuda {
         )
     }
 
-    /// Measures the GPU for `graph`.
+    /// Measures the GPU for `graph`, and the ops of `unfused` it lacks.
     #[cfg(feature = "cuda")]
-    pub fn profile(graph: &Graph, options: &ProfileOptions) -> Result<Profiled> {
-        Ok(protrain::runtime::cuda::profile::profile_cuda(
-            graph, options,
-        )?)
+    pub fn profile(graph: &Graph, unfused: &Graph, options: &ProfileOptions) -> Result<Profiled> {
+        use protrain::runtime::cuda::profile::profile_cuda;
+        let mut profiled = profile_cuda(graph, options)?;
+        let extra = profile_cuda(unfused, options)?;
+        profiled
+            .profile
+            .add_measured_ops(&extra.profile.measured_ops);
+        Ok(profiled)
     }
 
     /// Fails: the CUDA backend is not built in ([`ready`] says so first).
     #[cfg(not(feature = "cuda"))]
-    pub fn profile(_graph: &Graph, _options: &ProfileOptions) -> Result<Profiled> {
+    pub fn profile(
+        _graph: &Graph,
+        _unfused: &Graph,
+        _options: &ProfileOptions,
+    ) -> Result<Profiled> {
         Err(not_built())
     }
 }

@@ -1,7 +1,7 @@
 //! `protrain train`: compile a model for this machine, then run the schedule.
 
-use super::compile::hardware;
-use super::run::{check_backend, execute, plan_lines, ExecArgs};
+use super::compile::{hardware, Dtype};
+use super::run::{check_backend, execute, plan_lines, BackendKind, ExecArgs};
 use super::{seq_or_default, OptimizerArgs};
 use protrain::ir::{format_count, DType};
 use protrain::{CompileOptions, PolicyChoice, Result};
@@ -33,6 +33,10 @@ pub struct Args {
     /// `protrain compile --help`).
     #[arg(long, default_value = "auto")]
     policy: String,
+    /// Element type of parameters and activations [default: f32 on --backend host, whose
+    /// kernels are f32; bf16 with f32 master weights on --backend cuda].
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
     /// Do not fuse the forward graph (see `protrain compile --help`); the losses are the same
     /// bits either way.
     #[arg(long)]
@@ -41,10 +45,16 @@ pub struct Args {
     exec: ExecArgs,
 }
 
-/// Compiles the model (f32, which the host runtime executes) for the hardware and budget,
-/// prints the plan, and runs the schedule.
+/// Compiles the model (f32 for the host backend, bf16 for the CUDA one, or --dtype) for the
+/// hardware and budget, prints the plan, and runs the schedule.
 pub fn run(args: Args) -> Result<()> {
     check_backend(args.exec.backend)?;
+    if args.dtype == Some(Dtype::Bf16) && args.exec.backend == BackendKind::Host {
+        return Err(protrain::Error::Usage(
+            "the host backend's kernels are f32: drop --dtype bf16, or train on --backend cuda"
+                .into(),
+        ));
+    }
     let config = protrain::models::load(&args.model)?;
     let seq = seq_or_default(&config, args.seq, 64);
     let optimizer = args.optimizer.config();
@@ -52,7 +62,10 @@ pub fn run(args: Args) -> Result<()> {
     let options = CompileOptions {
         batch: args.batch,
         seq,
-        dtype: DType::F32,
+        dtype: match (args.dtype, args.exec.backend) {
+            (Some(Dtype::F32), _) | (None, BackendKind::Host) => DType::F32,
+            (Some(Dtype::Bf16), _) | (None, BackendKind::Cuda) => DType::BF16,
+        },
         hardware: profile,
         device_budget: budget,
         policy: PolicyChoice::parse(&args.policy)?,
