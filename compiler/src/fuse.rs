@@ -259,9 +259,9 @@ enum Form {
     Activation(Epilogue),
     /// A two-projection group and swiglu.
     Swiglu,
-    /// A linear and the add of a residual; the bool is whether the residual is `add`'s first
-    /// input.
-    Residual(bool),
+    /// A linear and the add of a residual (either operand of `add`: a float sum is the same
+    /// bits both ways).
+    Residual,
 }
 
 /// The applier of every rewrite: adds the fused form's outputs and unions each with the
@@ -323,7 +323,7 @@ impl Applier<SymbolLang, Context> for Fuse {
                 };
                 self.add_fused(egraph, fused, children, &[h, eclass], &[h, eclass])
             }
-            Form::Residual(_) => {
+            Form::Residual => {
                 let (w, r) = (get("?w"), get("?r"));
                 let mut inner = vec![x, w];
                 let mut children = vec![x, w];
@@ -520,28 +520,25 @@ fn rules() -> Vec<Rewrite<SymbolLang, Context>> {
         Form::Swiglu,
         true,
     );
-    for (name, pattern, first, bias) in [
-        ("residual", "(add#0 ?r (linear#0 ?x ?w ?k) ?a)", true, false),
+    for (name, pattern, bias) in [
+        ("residual", "(add#0 ?r (linear#0 ?x ?w ?k) ?a)", false),
         (
             "residual-second",
             "(add#0 (linear#0 ?x ?w ?k) ?r ?a)",
-            false,
             false,
         ),
         (
             "residual-bias",
             "(add#0 ?r (linear#0 ?x ?w ?b ?k) ?a)",
             true,
-            true,
         ),
         (
             "residual-bias-second",
             "(add#0 (linear#0 ?x ?w ?b ?k) ?r ?a)",
-            false,
             true,
         ),
     ] {
-        rule(name, "residual", pattern, Form::Residual(first), bias);
+        rule(name, "residual", pattern, Form::Residual, bias);
     }
     rules
 }
