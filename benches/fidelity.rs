@@ -201,6 +201,10 @@ fn main() {
         policy.count(BlockMode::Swap),
         format_bytes(schedule.arena_bytes),
     );
+    if let Some(fusion) = &compiled.fusion {
+        // Fused forms are kept only where the measured op times say they are faster.
+        print!("{}", fusion.to_text());
+    }
     let table = Measured::new(profile.clone());
     let missing = schedule
         .graph

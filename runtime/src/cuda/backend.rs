@@ -491,7 +491,7 @@ impl Backend for CudaBackend {
                     info.name
                 ),
                 hint: "compile for a smaller --gpu-memory (the free memory less about 1 GiB \
-                       for cuBLAS and the kernels' scratch), or end the other processes \
+                       for the CUDA context and cuBLAS), or end the other processes \
                        `nvidia-smi` lists"
                     .into(),
             });
