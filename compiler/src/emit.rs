@@ -69,6 +69,7 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Sche
         arena_bytes: planned.arena_bytes,
         host_bytes: planned.host_bytes,
         homes: streamed.homes,
+        masters: streamed.masters,
         loss: streamed.loss,
     }
 }

@@ -65,6 +65,8 @@ pub struct Streamed {
     pub events: u32,
     /// Homes of parameters, optimizer state and inputs.
     pub homes: Vec<(ValueId, TensorRef)>,
+    /// Where the f32 master weight of each narrower parameter lives.
+    pub masters: Vec<(ValueId, TensorRef)>,
     /// Where the loss is.
     pub loss: TensorRef,
     /// Kernels on the compute stream (the length of the timeline).
@@ -105,6 +107,7 @@ struct Builder {
     placed: Placed,
     buffers: Vec<Pending>,
     homes: Vec<(ValueId, TensorRef)>,
+    masters: Vec<(ValueId, TensorRef)>,
     /// Device op -> compute kernel index.
     time: HashMap<OpId, u32>,
     /// Where each value is written (its first instance).
@@ -127,6 +130,7 @@ impl Builder {
             placed,
             buffers: Vec::new(),
             homes: Vec::new(),
+            masters: Vec::new(),
             time: HashMap::new(),
             primary: HashMap::new(),
             swap: HashMap::new(),
@@ -255,6 +259,10 @@ impl Builder {
                         self.primary.insert(v, vr);
                     }
                     self.state_home.insert(member.param, (mr, vr));
+                    if graph.value(value).ty.dtype != protrain_ir::DType::F32 {
+                        self.masters
+                            .push((value, Self::at(state, 4 * (2 * total + elem))));
+                    }
                 }
                 elem += n;
             }
@@ -801,6 +809,7 @@ impl Builder {
             streams,
             events: next,
             homes: self.homes,
+            masters: self.masters,
             loss,
             compute_kernels: device_ops.len() as u32,
         })

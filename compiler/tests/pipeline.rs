@@ -57,6 +57,11 @@ fn every_policy_compiles_and_verifies() {
                     .unwrap_or_else(|e| panic!("{model} clip {clip:?} {policy}: {e}"));
                 verify_schedule(&s)
                     .unwrap_or_else(|e| panic!("{model} clip {clip:?} {policy}: {e}"));
+                // Mixed precision: every parameter has its f32 master weight listed.
+                let narrow = dtype != DType::F32;
+                let want = if narrow { training.params().count() } else { 0 };
+                assert_eq!(s.masters.len(), want, "{model} {dtype} {policy}");
+                assert_eq!(s.to_text().contains("\nf32 master weights: "), narrow);
                 let swaps = policy.count(BlockMode::Swap);
                 let offloads = s.streams[2]
                     .instrs
@@ -80,4 +85,42 @@ fn every_policy_compiles_and_verifies() {
             }
         }
     }
+}
+
+#[test]
+fn a_bf16_schedule_without_a_master_weight_or_with_one_over_a_home_is_refused() {
+    let config = protrain_models::load("llama-tiny").expect("preset");
+    let options = protrain_models::BuildOptions::new(2, 16).with_dtype(DType::BF16);
+    let forward = protrain_models::build_forward(&config, &options).expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let chunks = chunked(&training);
+    let policy = Policy::protrain(1, 2, 0, 1, 2);
+    let s = compile_policy(&training, &chunks, &policy, header()).expect("compiles");
+    verify_schedule(&s).expect("valid");
+
+    let mut missing = s.clone();
+    let (param, _) = missing.masters.remove(0);
+    let name = s.graph.value(param).name.clone();
+    let err = verify_schedule(&missing)
+        .expect_err("a master is missing")
+        .to_string();
+    assert!(
+        err.contains("gives it no f32 master weight") && err.contains(&name),
+        "{err}"
+    );
+
+    let mut over = s.clone();
+    let (_, m_home) = *over
+        .homes
+        .iter()
+        .find(|(v, _)| s.graph.value(*v).name.starts_with("adam.m."))
+        .expect("an Adam moment");
+    over.masters[0].1 = m_home;
+    let err = verify_schedule(&over)
+        .expect_err("a master over a moment")
+        .to_string();
+    assert!(
+        err.contains("overlap") && err.contains("master weight"),
+        "{err}"
+    );
 }

@@ -189,6 +189,7 @@ mod simulate {
             arena_bytes: 64 * MIB,
             host_bytes: 64 * MIB,
             homes: Vec::new(),
+            masters: Vec::new(),
             loss: at(DEVICE),
         }
     }

@@ -318,6 +318,12 @@ fn homes(s: &Schedule, names: &[String], out: &mut String) {
         };
         let _ = writeln!(out, "  {name}{readable} at {}", place(s, t));
     }
+    if !s.masters.is_empty() {
+        let _ = writeln!(out, "f32 master weights: {}", s.masters.len());
+        for &(v, t) in &s.masters {
+            let _ = writeln!(out, "  {} at {}", value_name(names, v), place(s, t));
+        }
+    }
     let _ = writeln!(out, "loss at {}", place(s, s.loss));
 }
 

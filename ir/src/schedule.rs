@@ -15,7 +15,7 @@ use crate::types::DType;
 use serde::{Deserialize, Serialize};
 
 /// The version of the schedule layout this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -277,6 +277,10 @@ pub struct Schedule {
     /// Where each value that lives across steps (parameters, optimizer state) and each step
     /// input is at the start of a step.
     pub homes: Vec<(ValueId, TensorRef)>,
+    /// The f32 master weight of each parameter stored in a narrower type (mixed precision), in
+    /// its chunk's optimizer-state buffer: what AdamW updates in f32 and rounds into the
+    /// parameter. Empty in an f32 schedule.
+    pub masters: Vec<(ValueId, TensorRef)>,
     /// Where the loss is after the step.
     pub loss: TensorRef,
 }

@@ -15,8 +15,10 @@
 //!    (fetch, reload) or on the device-to-host stream from device to host (offload, grads,
 //!    scalars); a copy of a value moves exactly its bytes, a fetch covers all of its chunk's
 //!    members; a chunk member's bytes are its parameter's; `homes` lists every value without a
-//!    producer (input, parameter, optimizer state) exactly once and no other; the graph has an
-//!    output, the first of which is the loss.
+//!    producer (input, parameter, optimizer state) exactly once and no other; `masters` lists,
+//!    once each and in an optimizer-state buffer, an f32 master weight for every parameter
+//!    narrower than f32 that AdamW updates, and nothing else; the graph has an output, the
+//!    first of which is the loss.
 //! 3. **bounds**: every buffer lies inside its space (device buffers inside `arena_bytes`,
 //!    host buffers inside `host_bytes`); every tensor address plus its value's bytes, every
 //!    workspace plus the bytes its kernel needs, and every copy's source and destination plus
@@ -27,7 +29,7 @@
 //!    waits for an event it records itself later.
 //! 7. **deadlock**: the streams, each in order and waiting where they wait, can all run to
 //!    the end.
-//! 8. **homes**: homes do not overlap; an op that updates inputs in place (AdamW's parameter
+//! 8. **homes**: homes and master weights do not overlap; an op that updates inputs in place (AdamW's parameter
 //!    and moments) addresses them at their homes, so the update is what the next step reads.
 //! 9. **data flow**: executing the step, in an order the events allow (the lowest-numbered
 //!    stream that can run goes next, so compute runs as early as it can), with happens-before
@@ -57,6 +59,7 @@
 
 use crate::graph::{Graph, Role};
 use crate::ids::{OpId, StreamId, ValueId};
+use crate::op::OpKind;
 use crate::print::value_names;
 use crate::print_schedule::{copy_label, space_name, stream_kind_name};
 use crate::schedule::{
@@ -499,6 +502,55 @@ impl<'a> Checker<'a> {
                 return bad(format!("homes lists {} twice", self.name(v)));
             }
         }
+        let mut mastered = vec![false; n_values];
+        for &(v, t) in &s.masters {
+            if v.index() >= n_values {
+                return bad(format!(
+                    "masters lists {v}, but the graph has {n_values} values"
+                ));
+            }
+            let ty = &g.value(v).ty;
+            if g.param_of(v).is_none() || ty.dtype == crate::DType::F32 {
+                return bad(format!(
+                    "masters lists {} ({ty}): only parameters narrower than f32 have an f32 \
+                     master weight",
+                    self.name(v)
+                ));
+            }
+            match s.buffers.get(t.buffer.index()).map(|b| b.kind) {
+                Some(BufferKind::OptimizerState { .. }) => {}
+                Some(kind) => {
+                    return bad(format!(
+                        "the master weight of {} is in {} ({kind:?}), not an optimizer-state \
+                         buffer",
+                        self.name(v),
+                        t.buffer
+                    ))
+                }
+                None => {
+                    return bad(format!(
+                        "the master weight of {} is in {}, but there are {n_buffers} buffers",
+                        self.name(v),
+                        t.buffer
+                    ))
+                }
+            }
+            if std::mem::replace(&mut mastered[v.index()], true) {
+                return bad(format!("masters lists {} twice", self.name(v)));
+            }
+        }
+        for (_, op) in g.ops() {
+            if let OpKind::AdamW { .. } = op.kind {
+                let p = op.inputs[0];
+                if g.value(p).ty.dtype != crate::DType::F32 && !mastered[p.index()] {
+                    return bad(format!(
+                        "AdamW updates {} ({}) but the schedule gives it no f32 master weight",
+                        self.name(p),
+                        g.value(p).ty
+                    ));
+                }
+            }
+        }
         for (v, value) in g.values() {
             if value.producer.is_none() && !homed[v.index()] {
                 return bad(format!(
@@ -731,6 +783,15 @@ impl<'a> Checker<'a> {
                     Invariant::Bounds,
                     None,
                     format!("the home of {}: {e}", self.name(v)),
+                )
+            })?;
+        }
+        for &(v, t) in &s.masters {
+            fits(t, 4 * self.g.value(v).ty.numel()).map_err(|e| {
+                self.fail(
+                    Invariant::Bounds,
+                    None,
+                    format!("the master weight of {}: {e}", self.name(v)),
                 )
             })?;
         }
@@ -974,24 +1035,34 @@ impl<'a> Checker<'a> {
 
     fn homes(&self) -> Result<(), ScheduleError> {
         let s = self.s;
-        let mut spans: Vec<(Span, ValueId)> = s
+        // Homes and master weights (`true`), which must not overlap each other either.
+        let mut spans: Vec<(Span, ValueId, bool)> = s
             .homes
             .iter()
-            .map(|&(v, t)| (self.span(t, self.bytes(v)), v))
-            .filter(|((_, a, b), _)| a < b)
+            .map(|&(v, t)| (self.span(t, self.bytes(v)), v, false))
+            .chain(
+                s.masters
+                    .iter()
+                    .map(|&(v, t)| (self.span(t, 4 * self.g.value(v).ty.numel()), v, true)),
+            )
+            .filter(|((_, a, b), _, _)| a < b)
             .collect();
-        spans.sort_by_key(|&((space, a, b), v)| (space, a, b, v));
+        spans.sort_by_key(|&((space, a, b), v, master)| (space, a, b, v, master));
+        let what = |v: ValueId, master: bool| match master {
+            true => format!("the master weight of {}", self.name(v)),
+            false => format!("the home of {}", self.name(v)),
+        };
         for pair in spans.windows(2) {
-            let ((x, v), (y, w)) = (pair[0], pair[1]);
+            let ((x, v, vm), (y, w, wm)) = (pair[0], pair[1]);
             if overlaps(x, y) {
                 return Err(self.fail(
                     Invariant::Homes,
                     None,
                     format!(
-                        "the homes of {} ({}) and {} ({}) overlap",
-                        self.name(v),
+                        "{} ({}) and {} ({}) overlap",
+                        what(v, vm),
                         Self::range(x.0, x.1, x.2),
-                        self.name(w),
+                        what(w, wm),
                         Self::range(y.0, y.1, y.2)
                     ),
                 ));

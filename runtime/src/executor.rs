@@ -80,68 +80,49 @@ struct ParamHome {
     master: Option<Address>,
 }
 
-/// Where the f32 master weight of a bf16 parameter lives, as the compiler lays out a
-/// mixed-precision schedule: a chunk's optimizer-state buffer holds every Adam `m` (f32), then
-/// every `v`, then every master weight, each in chunk order, so the master of the parameter
-/// whose `m` is at element `e` of a buffer of `12 * total` bytes is at byte `8 * total + 4 * e`.
+/// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
+/// schedule lists it ([`Schedule::masters`]), with the home of the parameter's Adam `m`, by
+/// which a backend's AdamW kernel (which reads `m` as its third input) finds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MasterWeight {
     /// The parameter's value.
     pub param: ValueId,
-    /// The home of its Adam `m`, which the AdamW kernel reads as its third input.
+    /// The home of its Adam `m`.
     pub m: Address,
     /// The home of its f32 master weight.
     pub master: Address,
 }
 
 /// The master weight of every parameter that an AdamW op updates and whose type is narrower
-/// than f32, in graph order; empty for an f32 schedule. Fails when the optimizer state is not
-/// laid out as described at [`MasterWeight`] (a schedule from a compiler that lays it out
-/// otherwise).
+/// than f32, in graph order; empty for an f32 schedule. A verified schedule lists every one
+/// ([`protrain_ir::verify_schedule`] checks it); this fails, naming the parameter, when one is
+/// missing anyway.
 pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
     let graph = &schedule.graph;
     let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
+    let masters: HashMap<ValueId, TensorRef> = schedule.masters.iter().copied().collect();
     let mut out = Vec::new();
     for (_, op) in graph.ops() {
         let OpKind::AdamW { .. } = op.kind else {
             continue;
         };
-        let (param, m, v) = (op.inputs[0], op.inputs[2], op.inputs[3]);
+        let (param, m) = (op.inputs[0], op.inputs[2]);
         let ty = &graph.value(param).ty;
         if ty.dtype == DType::F32 {
             continue;
         }
-        let bad = |why: String| {
-            RuntimeError::BadSchedule(format!(
-                "{} is {} but its optimizer state has no room for an f32 master weight ({why}); \
+        let (Some(&mr), Some(&master)) = (homes.get(&m), masters.get(&param)) else {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{} is {} but the schedule gives it no f32 master weight or Adam moment home; \
                  recompile the schedule with this protrain",
                 graph.value(param).name,
                 ty
-            ))
-        };
-        let (Some(&mr), Some(&vr)) = (homes.get(&m), homes.get(&v)) else {
-            return Err(bad("its Adam moments have no home".into()));
-        };
-        let buffer = schedule.buffer(mr.buffer);
-        let total = buffer.size / 12;
-        let n = ty.numel();
-        if !buffer.size.is_multiple_of(12)
-            || vr.buffer != mr.buffer
-            || vr.offset != mr.offset + 4 * total
-            || mr.offset + 4 * n > 4 * total
-        {
-            return Err(bad(format!(
-                "buffer {} of {} bytes does not hold m, v and master weights of 4 bytes each",
-                buffer.name, buffer.size
             )));
-        }
+        };
         out.push(MasterWeight {
             param,
             m: address(schedule, mr),
-            master: Address {
-                space: buffer.space,
-                offset: buffer.offset + 8 * total + mr.offset,
-            },
+            master: address(schedule, master),
         });
     }
     Ok(out)
