@@ -4,8 +4,9 @@
 //! Tensors are row-major; cuBLAS is column-major. A row-major `[r, c]` matrix is the
 //! column-major `[c, r]` matrix with leading dimension `c`, its transpose, so each product
 //! `Y = A B` below is issued as `Y^T = B^T A^T`, with the operands' storage read as their
-//! transposes. Every case is written out beside [`Gemm::linear_forward`] and
-//! [`Gemm::linear_backward`].
+//! transposes. Every case is written out in `forward_call` and `backward_calls`, which build
+//! the GEMM descriptions without a GPU, so the tests below execute them with a host model of
+//! cuBLAS's semantics and compare against the host kernels.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -37,6 +38,7 @@ pub struct Gemm {
 }
 
 /// One column-major GEMM: `C [m, n] = op(A) [m, k] op(B) [k, n]` (+ `beta` C).
+#[derive(Clone, Copy, Debug)]
 struct Call {
     ta: cublasOperation_t,
     tb: cublasOperation_t,
@@ -51,6 +53,121 @@ struct Call {
     ldc: usize,
 }
 
+/// The GEMM computing `y = x W^T` (`OutIn`) or `y = x W` (`InOut`) from the addresses of `x`
+/// `[rows, d_in]`, `w` and `y` `[rows, d_out]`. Builds the description only; issues nothing.
+fn forward_call(layout: WeightLayout, d: LinearDims, x: u64, w: u64, y: u64) -> Call {
+    // Column-major: Y^T [d_out, rows] = op(W) X^T, where X^T is x's storage (ld d_in).
+    match layout {
+        // W's storage read column-major is W^T [d_in, d_out] (ld d_in): transpose it.
+        WeightLayout::OutIn => Call {
+            ta: T,
+            tb: N,
+            m: d.d_out,
+            n: d.rows,
+            k: d.d_in,
+            a: w,
+            lda: d.d_in,
+            b: x,
+            ldb: d.d_in,
+            c: y,
+            ldc: d.d_out,
+        },
+        // W's storage read column-major is W^T [d_out, d_in] (ld d_out): as it is.
+        WeightLayout::InOut => Call {
+            ta: N,
+            tb: N,
+            m: d.d_out,
+            n: d.rows,
+            k: d.d_in,
+            a: w,
+            lda: d.d_out,
+            b: x,
+            ldb: d.d_in,
+            c: y,
+            ldc: d.d_out,
+        },
+    }
+}
+
+/// The two GEMMs of the backward of [`forward_call`]'s product, in issue order: the input
+/// gradient `dx` `[rows, d_in]`, then the weight gradient `dw` (in `layout`), from the
+/// addresses of `x`, `w` and `dy` `[rows, d_out]`. Builds the descriptions only; issues
+/// nothing. The two are independent (neither reads what the other writes).
+fn backward_calls(
+    layout: WeightLayout,
+    d: LinearDims,
+    x: u64,
+    w: u64,
+    dy: u64,
+    dx: u64,
+    dw: u64,
+) -> [Call; 2] {
+    // dX^T [d_in, rows] = op(W) dY^T, dY^T being dy's storage (ld d_out).
+    let dx_call = match layout {
+        // W's storage is W^T [d_in, d_out] column-major (ld d_in); dX^T = W^T dY^T.
+        WeightLayout::OutIn => Call {
+            ta: N,
+            tb: N,
+            m: d.d_in,
+            n: d.rows,
+            k: d.d_out,
+            a: w,
+            lda: d.d_in,
+            b: dy,
+            ldb: d.d_out,
+            c: dx,
+            ldc: d.d_in,
+        },
+        // W's storage is W^T [d_out, d_in] column-major (ld d_out); dX^T = W dY^T.
+        WeightLayout::InOut => Call {
+            ta: T,
+            tb: N,
+            m: d.d_in,
+            n: d.rows,
+            k: d.d_out,
+            a: w,
+            lda: d.d_out,
+            b: dy,
+            ldb: d.d_out,
+            c: dx,
+            ldc: d.d_in,
+        },
+    };
+    let dw_call = match layout {
+        // dW [d_out, d_in] row-major is dW^T [d_in, d_out] column-major (ld d_in):
+        // dW^T = X^T dY, with X^T x's storage and dY the transpose of dy's storage.
+        WeightLayout::OutIn => Call {
+            ta: N,
+            tb: T,
+            m: d.d_in,
+            n: d.d_out,
+            k: d.rows,
+            a: x,
+            lda: d.d_in,
+            b: dy,
+            ldb: d.d_out,
+            c: dw,
+            ldc: d.d_in,
+        },
+        // dW [d_in, d_out] row-major is dW^T [d_out, d_in] column-major (ld d_out):
+        // dW^T = dY^T X, with dY^T dy's storage and X the transpose of x's storage.
+        WeightLayout::InOut => Call {
+            ta: N,
+            tb: T,
+            m: d.d_out,
+            n: d.d_in,
+            k: d.rows,
+            a: dy,
+            lda: d.d_out,
+            b: x,
+            ldb: d.d_in,
+            c: dw,
+            ldc: d.d_out,
+        },
+    };
+    [dx_call, dw_call]
+}
+
 impl Gemm {
     /// A handle issuing on `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
@@ -59,7 +176,7 @@ impl Gemm {
     }
 
     /// `y = x W^T` (`OutIn`, `W [d_out, d_in]`) or `y = x W` (`InOut`, `W [d_in, d_out]`);
-    /// `y` overwritten. The bias, if any, is the caller's.
+    /// `y` overwritten. The bias, if any, is the caller's. The GEMM is `forward_call`'s.
     ///
     /// # Safety
     ///
@@ -74,44 +191,14 @@ impl Gemm {
         w: u64,
         y: u64,
     ) -> Result<()> {
-        // Column-major: Y^T [d_out, rows] = op(W) X^T, where X^T is x's storage (ld d_in).
-        let call = match layout {
-            // W's storage read column-major is W^T [d_in, d_out] (ld d_in): transpose it.
-            WeightLayout::OutIn => Call {
-                ta: T,
-                tb: N,
-                m: d.d_out,
-                n: d.rows,
-                k: d.d_in,
-                a: w,
-                lda: d.d_in,
-                b: x,
-                ldb: d.d_in,
-                c: y,
-                ldc: d.d_out,
-            },
-            // W's storage read column-major is W^T [d_out, d_in] (ld d_out): as it is.
-            WeightLayout::InOut => Call {
-                ta: N,
-                tb: N,
-                m: d.d_out,
-                n: d.rows,
-                k: d.d_in,
-                a: w,
-                lda: d.d_out,
-                b: x,
-                ldb: d.d_in,
-                c: y,
-                ldc: d.d_out,
-            },
-        };
+        let call = forward_call(layout, d, x, w, y);
         // SAFETY: the caller's contract.
         unsafe { self.run(dtype, &call, "linear forward") }
     }
 
     /// `dx = dy W` (`OutIn`) or `dy W^T` (`InOut`), and `dW = dy^T x` (`OutIn`, `[d_out,
     /// d_in]`) or `x^T dy` (`InOut`, `[d_in, d_out]`); both overwritten. The bias gradient is
-    /// the caller's.
+    /// the caller's. The GEMMs are `backward_calls`'.
     ///
     /// # Safety
     ///
@@ -128,69 +215,7 @@ impl Gemm {
         dx: u64,
         dw: u64,
     ) -> Result<()> {
-        // dX^T [d_in, rows] = op(W) dY^T, dY^T being dy's storage (ld d_out).
-        let dx_call = match layout {
-            // W's storage is W^T [d_in, d_out] column-major (ld d_in); dX^T = W^T dY^T.
-            WeightLayout::OutIn => Call {
-                ta: N,
-                tb: N,
-                m: d.d_in,
-                n: d.rows,
-                k: d.d_out,
-                a: w,
-                lda: d.d_in,
-                b: dy,
-                ldb: d.d_out,
-                c: dx,
-                ldc: d.d_in,
-            },
-            // W's storage is W^T [d_out, d_in] column-major (ld d_out); dX^T = W dY^T.
-            WeightLayout::InOut => Call {
-                ta: T,
-                tb: N,
-                m: d.d_in,
-                n: d.rows,
-                k: d.d_out,
-                a: w,
-                lda: d.d_out,
-                b: dy,
-                ldb: d.d_out,
-                c: dx,
-                ldc: d.d_in,
-            },
-        };
-        let dw_call = match layout {
-            // dW [d_out, d_in] row-major is dW^T [d_in, d_out] column-major (ld d_in):
-            // dW^T = X^T dY, with X^T x's storage and dY the transpose of dy's storage.
-            WeightLayout::OutIn => Call {
-                ta: N,
-                tb: T,
-                m: d.d_in,
-                n: d.d_out,
-                k: d.rows,
-                a: x,
-                lda: d.d_in,
-                b: dy,
-                ldb: d.d_out,
-                c: dw,
-                ldc: d.d_in,
-            },
-            // dW [d_in, d_out] row-major is dW^T [d_out, d_in] column-major (ld d_out):
-            // dW^T = dY^T X, with dY^T dy's storage and X the transpose of x's storage.
-            WeightLayout::InOut => Call {
-                ta: N,
-                tb: T,
-                m: d.d_out,
-                n: d.d_in,
-                k: d.rows,
-                a: dy,
-                lda: d.d_out,
-                b: x,
-                ldb: d.d_in,
-                c: dw,
-                ldc: d.d_out,
-            },
-        };
+        let [dx_call, dw_call] = backward_calls(layout, d, x, w, dy, dx, dw);
         // SAFETY: the caller's contract.
         unsafe {
             self.run(dtype, &dx_call, "linear backward (input gradient)")?;
@@ -265,5 +290,324 @@ fn blas_error(during: &str, e: blas::CublasError) -> RuntimeError {
         hint: "check that the GPU is not out of memory (`nvidia-smi`) and that libcublas.so.13 \
                matches the driver; rerun with CUDA_LAUNCH_BLOCKING=1 to find the failing call"
             .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The GEMM descriptions executed by a host model of `cublasGemmEx`, against the host
+    //! kernels: a wrong transpose flag, size, leading dimension or operand gives wrong numbers,
+    //! reads past a buffer, or breaks one of cuBLAS's argument checks.
+
+    use super::*;
+    use crate::kernels;
+
+    /// Host buffers standing in for device memory; an address names one whole buffer.
+    #[derive(Default)]
+    struct Memory(Vec<(u64, Vec<f32>)>);
+
+    impl Memory {
+        fn alloc(&mut self, data: Vec<f32>) -> u64 {
+            // Far apart and unlike any size, so an address is never mistaken for a length.
+            let addr = 0x10_0000 * (self.0.len() as u64 + 1);
+            self.0.push((addr, data));
+            addr
+        }
+
+        fn get(&self, addr: u64) -> std::result::Result<&[f32], String> {
+            self.0
+                .iter()
+                .find(|(a, _)| *a == addr)
+                .map(|(_, v)| &v[..])
+                .ok_or_else(|| format!("no buffer at {addr:#x}"))
+        }
+    }
+
+    /// Checks what `cublasGemmEx` checks of a stored operand of `rows x cols` (column-major,
+    /// leading dimension `ld`), and that the operand lies inside its buffer.
+    fn operand(
+        name: &str,
+        buf: &[f32],
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> std::result::Result<(), String> {
+        if ld < rows.max(1) {
+            return Err(format!(
+                "ld{name} = {ld} < max(1, {rows}): CUBLAS_STATUS_INVALID_VALUE"
+            ));
+        }
+        let extent = if rows == 0 || cols == 0 {
+            0
+        } else {
+            (cols - 1) * ld + rows
+        };
+        if extent > buf.len() {
+            return Err(format!(
+                "{name} [{rows} x {cols}] with ld {ld} reaches element {extent}, past its \
+                 buffer of {}",
+                buf.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Element `(i, j)` of `op(X)`, `X` stored column-major with leading dimension `ld`.
+    fn at(buf: &[f32], op: cublasOperation_t, ld: usize, i: usize, j: usize) -> f32 {
+        match op {
+            N => buf[i + j * ld],
+            _ => buf[j + i * ld],
+        }
+    }
+
+    /// `cublasGemmEx` with `alpha = 1`, `beta = 0` on host f32 buffers (BLAS `sgemm`
+    /// semantics): `C [m, n] = op(A) [m, k] op(B) [k, n]`, every matrix column-major, `A`
+    /// stored `m x k` if `ta` is N else `k x m`, `B` stored `k x n` if `tb` is N else `n x k`.
+    /// Writes only the `m x n` of `C` (so `k = 0` writes zeros). `Err` says which argument
+    /// cuBLAS would reject or which operand reaches past its buffer.
+    fn gemm(mem: &mut Memory, c: &Call) -> std::result::Result<(), String> {
+        let stored = |op, rows, cols| if op == N { (rows, cols) } else { (cols, rows) };
+        let (a, b) = (mem.get(c.a)?, mem.get(c.b)?);
+        let (ar, ac) = stored(c.ta, c.m, c.k);
+        operand("a", a, ar, ac, c.lda)?;
+        let (br, bc) = stored(c.tb, c.k, c.n);
+        operand("b", b, br, bc, c.ldb)?;
+        operand("c", mem.get(c.c)?, c.m, c.n, c.ldc)?;
+        if c.c == c.a || c.c == c.b {
+            return Err("C aliases an input".into());
+        }
+        let mut out = Vec::with_capacity(c.m * c.n);
+        for j in 0..c.n {
+            for i in 0..c.m {
+                let sum: f64 = (0..c.k)
+                    .map(|p| at(a, c.ta, c.lda, i, p) as f64 * at(b, c.tb, c.ldb, p, j) as f64)
+                    .sum();
+                out.push((i, j, sum as f32));
+            }
+        }
+        let dst = &mut mem.0.iter_mut().find(|(a, _)| *a == c.c).unwrap().1;
+        for (i, j, v) in out {
+            dst[i + j * c.ldc] = v;
+        }
+        Ok(())
+    }
+
+    /// Values in [-1, 1), reproducible from `seed`.
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn assert_near(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{what}: element {i} is {g}, the host kernel gives {w}"
+            );
+        }
+    }
+
+    /// One A, B pair run through the model, against a product worked out by hand.
+    fn check_model(call: Call, a: &[f32], b: &[f32], c_len: usize, want: &[f32]) {
+        let mut mem = Memory::default();
+        let call = Call {
+            a: mem.alloc(a.to_vec()),
+            b: mem.alloc(b.to_vec()),
+            c: mem.alloc(vec![f32::NAN; c_len]),
+            ..call
+        };
+        gemm(&mut mem, &call).unwrap_or_else(|e| panic!("{call:?}: {e}"));
+        let got = mem.get(call.c).unwrap();
+        assert_eq!(got.len(), want.len(), "{call:?}: C's length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            // NaN in `want` marks padding the GEMM must leave alone.
+            assert!(
+                g == w || (g.is_nan() && w.is_nan()),
+                "{call:?}: C[{i}] is {g}, want {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn model_reads_operands_as_cublas_does() {
+        // A = [[1, 3, 5], [2, 4, 6]], B = [[7, 10], [8, 11], [9, 12]],
+        // A B = [[76, 103], [100, 136]], column-major [76, 100, 103, 136].
+        let nn = Call {
+            ta: N,
+            tb: N,
+            m: 2,
+            n: 2,
+            k: 3,
+            a: 0,
+            lda: 2,
+            b: 0,
+            ldb: 3,
+            c: 0,
+            ldc: 2,
+        };
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let b = [7.0, 8.0, 9.0, 10.0, 11.0, 12.0];
+        let ab = [76.0, 100.0, 103.0, 136.0];
+        check_model(nn, &a, &b, 4, &ab);
+        // A stored as A^T [3, 2] with ld 4 (padding NaN, never read); C with ld 3.
+        let nan = f32::NAN;
+        let a_t = [1.0, 3.0, 5.0, nan, 2.0, 4.0, 6.0, nan];
+        let ab_ld3 = [76.0, 100.0, nan, 103.0, 136.0, nan];
+        check_model(
+            Call {
+                ta: T,
+                lda: 4,
+                ldc: 3,
+                ..nn
+            },
+            &a_t,
+            &b,
+            6,
+            &ab_ld3,
+        );
+        // B stored as B^T [2, 3] with ld 2.
+        let bt = [7.0, 10.0, 8.0, 11.0, 9.0, 12.0];
+        check_model(
+            Call {
+                tb: T,
+                ldb: 2,
+                ..nn
+            },
+            &a,
+            &bt,
+            4,
+            &ab,
+        );
+        check_model(
+            Call {
+                ta: T,
+                lda: 4,
+                tb: T,
+                ldb: 2,
+                ..nn
+            },
+            &a_t,
+            &bt,
+            4,
+            &ab,
+        );
+    }
+
+    #[test]
+    fn model_rejects_what_cublas_rejects() {
+        let mut mem = Memory::default();
+        let (a, b, c) = (
+            mem.alloc(vec![0.0; 6]),
+            mem.alloc(vec![0.0; 6]),
+            mem.alloc(vec![0.0; 4]),
+        );
+        let good = Call {
+            ta: N,
+            tb: N,
+            m: 2,
+            n: 2,
+            k: 3,
+            a,
+            lda: 2,
+            b,
+            ldb: 3,
+            c,
+            ldc: 2,
+        };
+        assert_eq!(gemm(&mut mem, &good), Ok(()));
+        let cases = [
+            // op(A) = A [2, 3] needs lda >= m = 2.
+            (Call { lda: 1, ..good }, "lda = 1 < max(1, 2)"),
+            // op(A) = A^T: A is stored [3, 2], so lda >= k = 3.
+            (Call { ta: T, ..good }, "lda = 2 < max(1, 3)"),
+            // op(B) = B^T: B is stored [2, 3], so ldb >= n = 2 is valid, but ld 3 over 3
+            // columns needs 8 elements.
+            (
+                Call { tb: T, ..good },
+                "b [2 x 3] with ld 3 reaches element 8",
+            ),
+            (Call { ldc: 1, ..good }, "ldc = 1 < max(1, 2)"),
+            (Call { c: a, ..good }, "C aliases an input"),
+        ];
+        for (call, want) in cases {
+            let got = gemm(&mut mem, &call);
+            assert!(
+                got.as_ref().is_err_and(|e| e.contains(want)),
+                "{call:?}: got {got:?}, want an error containing {want:?}"
+            );
+        }
+    }
+
+    /// Runs the forward and backward GEMMs of a linear layer of shape `d` in the model and
+    /// compares `y`, `dx` and `dw` with the host kernels'.
+    fn check_linear(layout: WeightLayout, d: LinearDims) {
+        let what = format!("{layout:?} {d:?}");
+        let (x, w, dy) = (
+            values(1, d.rows * d.d_in),
+            values(2, d.d_in * d.d_out),
+            values(3, d.rows * d.d_out),
+        );
+        let mut y = vec![0.0; d.rows * d.d_out];
+        kernels::linear_forward(&mut y, &x, &w, None, layout, d.rows, d.d_in, d.d_out);
+        let (mut dx, mut dw) = (vec![0.0; d.rows * d.d_in], vec![0.0; d.d_in * d.d_out]);
+        kernels::linear_backward(
+            Some(&mut dx),
+            &mut dw,
+            None,
+            &dy,
+            &x,
+            &w,
+            layout,
+            d.rows,
+            d.d_in,
+            d.d_out,
+            false,
+        );
+
+        let mut mem = Memory::default();
+        let (xa, wa, dya) = (mem.alloc(x), mem.alloc(w), mem.alloc(dy));
+        let ya = mem.alloc(vec![f32::NAN; y.len()]);
+        let dxa = mem.alloc(vec![f32::NAN; dx.len()]);
+        let dwa = mem.alloc(vec![f32::NAN; dw.len()]);
+
+        let call = forward_call(layout, d, xa, wa, ya);
+        gemm(&mut mem, &call).unwrap_or_else(|e| panic!("{what} forward {call:?}: {e}"));
+        assert_near(&format!("{what} y"), mem.get(ya).unwrap(), &y);
+
+        let calls = backward_calls(layout, d, xa, wa, dya, dxa, dwa);
+        for (call, name) in calls.iter().zip(["dx", "dw"]) {
+            gemm(&mut mem, call).unwrap_or_else(|e| panic!("{what} {name} {call:?}: {e}"));
+        }
+        assert_near(&format!("{what} dx"), mem.get(dxa).unwrap(), &dx);
+        assert_near(&format!("{what} dw"), mem.get(dwa).unwrap(), &dw);
+    }
+
+    #[test]
+    fn calls_match_host_kernels_for_both_layouts() {
+        let shapes = [
+            (1, 1, 1),
+            (1, 3, 5),
+            (1, 5, 3),
+            (4, 3, 5),
+            (5, 7, 2),
+            (3, 4, 4),
+            (7, 1, 6),
+            (2, 6, 1),
+            (16, 9, 13),
+        ];
+        for (rows, d_in, d_out) in shapes {
+            let d = LinearDims { rows, d_in, d_out };
+            for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+                check_linear(layout, d);
+            }
+        }
     }
 }
