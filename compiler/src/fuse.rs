@@ -923,29 +923,7 @@ fn print_kind(kind: &OpKind) -> String {
 /// The forward graph with each taken fusion's ops replaced by its fused op, in the original
 /// order where dependencies allow (a fused op goes where its first covered op was).
 fn rebuild(forward: &Graph, ops: &[(OpId, &Op)], taken: &[Priced]) -> Result<Graph> {
-    let mut graph = Graph::new(forward.info.clone());
-    for (_, block) in forward.blocks() {
-        graph.add_block(block.name.clone(), block.kind);
-    }
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-    for &v in forward.inputs() {
-        let value = forward.value(v);
-        map.insert(v, graph.add_input(value.name.clone(), value.ty.clone()));
-    }
-    for (_, p) in forward.params() {
-        let value = forward.value(p.value);
-        let id = graph.add_param(
-            p.name.clone(),
-            value.ty.shape.clone(),
-            value.ty.dtype,
-            p.block,
-        );
-        for alias in &p.aliases {
-            graph.add_param_alias(id, alias.clone());
-        }
-        graph.set_param_init(id, p.init);
-        map.insert(p.value, graph.param(id).value);
-    }
+    let (mut graph, mut map) = forward.skeleton();
 
     // Units to emit: each taken fusion, and each op no fusion covers.
     enum Unit<'a> {

@@ -190,30 +190,8 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
     );
 
     // Rebuild.
-    let mut graph = Graph::new(training.info.clone());
-    for (_, block) in training.blocks() {
-        graph.add_block(block.name.clone(), block.kind);
-    }
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    let (mut graph, mut map) = training.skeleton();
     let mut clone_of: HashMap<ValueId, ValueId> = HashMap::new();
-    for &v in training.inputs() {
-        let value = training.value(v);
-        map.insert(v, graph.add_input(value.name.clone(), value.ty.clone()));
-    }
-    for (_, p) in training.params() {
-        let value = training.value(p.value);
-        let id = graph.add_param(
-            p.name.clone(),
-            value.ty.shape.clone(),
-            value.ty.dtype,
-            p.block,
-        );
-        for alias in &p.aliases {
-            graph.add_param_alias(id, alias.clone());
-        }
-        graph.set_param_init(id, p.init);
-        map.insert(p.value, graph.param(id).value);
-    }
     for (id, value) in training.values() {
         if value.role == Role::OptimizerState && value.producer.is_none() {
             map.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));

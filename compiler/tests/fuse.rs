@@ -9,7 +9,6 @@ mod fuse {
     use protrain_compiler::OptimizerConfig;
     use protrain_ir::verify_schedule::verify_schedule;
     use protrain_ir::{DType, Epilogue, Graph, HardwareProfile, OpKind, Policy, ValueId};
-    use std::collections::HashMap;
     use std::time::Duration;
 
     fn forward(model: &str, batch: u64, seq: u64, dtype: DType) -> Graph {
@@ -199,25 +198,7 @@ mod fuse {
         a: usize,
         b: usize,
     ) -> Graph {
-        let mut out = Graph::new(graph.info.clone());
-        for (_, block) in graph.blocks() {
-            out.add_block(block.name.clone(), block.kind);
-        }
-        let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-        for &v in graph.inputs() {
-            let value = graph.value(v);
-            map.insert(v, out.add_input(value.name.clone(), value.ty.clone()));
-        }
-        for (_, p) in graph.params() {
-            let value = graph.value(p.value);
-            let id = out.add_param(
-                p.name.clone(),
-                value.ty.shape.clone(),
-                value.ty.dtype,
-                p.block,
-            );
-            map.insert(p.value, out.param(id).value);
-        }
+        let (mut out, mut map) = graph.skeleton();
         let mut swapped = false;
         for (_, op) in graph.ops() {
             let mut inputs: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();

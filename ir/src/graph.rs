@@ -170,6 +170,36 @@ impl Graph {
         }
     }
 
+    /// A graph with this one's info, blocks, step inputs and parameters (names, aliases and
+    /// initialisation), in the same order, and no ops, outputs or optimizer state; with the new
+    /// id of each value copied. Passes that rebuild a graph start from it.
+    pub fn skeleton(&self) -> (Graph, std::collections::HashMap<ValueId, ValueId>) {
+        let mut graph = Graph::new(self.info.clone());
+        for block in &self.blocks {
+            graph.add_block(block.name.clone(), block.kind);
+        }
+        let mut map = std::collections::HashMap::new();
+        for &v in &self.inputs {
+            let value = self.value(v);
+            map.insert(v, graph.add_input(value.name.clone(), value.ty.clone()));
+        }
+        for p in &self.params {
+            let value = self.value(p.value);
+            let id = graph.add_param(
+                p.name.clone(),
+                value.ty.shape.clone(),
+                value.ty.dtype,
+                p.block,
+            );
+            for alias in &p.aliases {
+                graph.add_param_alias(id, alias.clone());
+            }
+            graph.set_param_init(id, p.init);
+            map.insert(p.value, graph.param(id).value);
+        }
+        (graph, map)
+    }
+
     /// Adds a block.
     pub fn add_block(&mut self, name: impl Into<String>, kind: BlockKind) -> BlockId {
         self.blocks.push(Block {

@@ -318,19 +318,7 @@ fn token_ids(n: usize, vocab: u64) -> Vec<i32> {
 /// indexes). Needs memory for the largest op only, but the repeats find the operands hot in
 /// the caches, so bandwidth-bound ops come out faster than in a step.
 pub fn measure_ops<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
-    let mut distinct: BTreeMap<String, (&Op, usize)> = BTreeMap::new();
-    for (_, op) in graph.ops() {
-        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-        distinct
-            .entry(op_key(&op.kind, &types))
-            .and_modify(|(_, n)| *n += 1)
-            .or_insert((op, 1));
-    }
-    let largest = distinct
-        .values()
-        .map(|(op, _)| Operands::layout(graph, op).1)
-        .max()
-        .unwrap_or(0);
+    let (distinct, largest) = distinct_ops(graph);
     let mut backend = B::new(largest, 0, 0)?;
     let mut stream = backend.create_stream(StreamKind::Compute)?;
     let mut out = Vec::with_capacity(distinct.len());
@@ -465,7 +453,7 @@ fn matmul_flops(graph: &Graph, ops: &[OpTiming]) -> Option<f64> {
 }
 
 /// The median of some times (0 for none).
-fn median(times: &mut [f64]) -> f64 {
+pub(crate) fn median(times: &mut [f64]) -> f64 {
     if times.is_empty() {
         return 0.0;
     }
@@ -478,17 +466,38 @@ fn median(times: &mut [f64]) -> f64 {
     }
 }
 
-/// Where one op's operands lie in a profiling arena: inputs, outputs, workspace, in order,
-/// each at an aligned offset of its own.
-struct Operands {
-    inputs: Vec<Address>,
-    outputs: Vec<Address>,
-    workspace: Option<(Address, u64)>,
+/// One op of each distinct [`op_key`] of `graph`, with how many ops share the key, by key;
+/// and the arena bytes the largest one's [`Operands`] need.
+pub(crate) fn distinct_ops(graph: &Graph) -> (BTreeMap<String, (&Op, usize)>, u64) {
+    let mut distinct: BTreeMap<String, (&Op, usize)> = BTreeMap::new();
+    for (_, op) in graph.ops() {
+        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+        distinct
+            .entry(op_key(&op.kind, &types))
+            .and_modify(|(_, n)| *n += 1)
+            .or_insert((op, 1));
+    }
+    let largest = distinct
+        .values()
+        .map(|(op, _)| Operands::layout(graph, op).1)
+        .max()
+        .unwrap_or(0);
+    (distinct, largest)
+}
+
+/// Where one op's operands lie in a profiling arena: inputs, outputs, workspace and (for an
+/// AdamW of a parameter narrower than f32) the f32 master weight, each at an aligned offset of
+/// its own.
+pub(crate) struct Operands {
+    pub(crate) inputs: Vec<Address>,
+    pub(crate) outputs: Vec<Address>,
+    pub(crate) workspace: Option<(Address, u64)>,
+    pub(crate) master: Option<Address>,
 }
 
 impl Operands {
     /// The layout and the arena bytes it needs.
-    fn layout(graph: &Graph, op: &Op) -> (Self, u64) {
+    pub(crate) fn layout(graph: &Graph, op: &Op) -> (Self, u64) {
         let mut end = 0u64;
         let mut place = |bytes: u64| {
             let at = Address {
@@ -513,31 +522,47 @@ impl Operands {
             0 => None,
             bytes => Some((place(bytes), bytes)),
         };
+        let param = op.inputs.first().map(|&v| &graph.value(v).ty);
+        let master = match (&op.kind, param) {
+            (OpKind::AdamW { .. }, Some(p)) if p.dtype != DType::F32 => Some(place(4 * p.numel())),
+            _ => None,
+        };
         (
             Self {
                 inputs,
                 outputs,
                 workspace,
+                master,
             },
             end,
         )
     }
 
-    /// Writes every input: small positive floats, or token ids below the vocabulary the op
-    /// indexes with them.
-    fn fill<B: Backend>(&self, backend: &mut B, graph: &Graph, op: &Op) -> Result<()> {
+    /// Writes every input in its type (small positive floats, or token ids below the
+    /// vocabulary the op indexes with them) and zeroes the master weight, if any.
+    pub(crate) fn fill<B: Backend>(&self, backend: &mut B, graph: &Graph, op: &Op) -> Result<()> {
         for (i, (&v, &at)) in op.inputs.iter().zip(&self.inputs).enumerate() {
             let ty = &graph.value(v).ty;
             let n = ty.numel() as usize;
-            if ty.dtype == DType::I32 {
-                backend.write_i32(at, &token_ids(n, token_bound(graph, op, i)))?;
-            } else {
-                // In [0.01, 0.51): no zeros, no denormals, square roots of moments defined.
-                let values: Vec<f32> = (0..n)
+            // In [0.01, 0.51): no zeros, no denormals, square roots of moments defined.
+            let values = || -> Vec<f32> {
+                (0..n)
                     .map(|k| 0.01 + ((k as u64 * 2_654_435_761) % 1000) as f32 / 2000.0)
-                    .collect();
-                backend.write_f32(at, &values)?;
+                    .collect()
+            };
+            match ty.dtype {
+                DType::I32 => backend.write_i32(at, &token_ids(n, token_bound(graph, op, i)))?,
+                DType::BF16 => {
+                    let narrow: Vec<half::bf16> =
+                        values().into_iter().map(half::bf16::from_f32).collect();
+                    backend.write_bf16(at, &narrow)?;
+                }
+                DType::F32 | DType::F16 => backend.write_f32(at, &values())?,
             }
+        }
+        if let Some(master) = self.master {
+            let n = graph.value(op.inputs[0]).ty.numel();
+            backend.fill_zero(master, 4 * n)?;
         }
         Ok(())
     }

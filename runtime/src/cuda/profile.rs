@@ -9,14 +9,12 @@
 //! timed one by one on operands of their own (one arena sized for the largest op), which bounds
 //! the memory to one op's for any model size.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use protrain_ir::{
-    op_key, DType, Graph, HardwareProfile, MeasuredOp, Op, OpKind, PeakFlops, Space, StreamKind,
-    TensorType, WeightLayout,
+    DType, Graph, HardwareProfile, MeasuredOp, PeakFlops, Space, StreamKind, WeightLayout,
 };
 
 use super::backend::{Arg, CudaBackend, CudaStreamHandle};
@@ -25,7 +23,10 @@ use super::driver::driver_error;
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
-use crate::profiler::{measure_adam, measure_memcpy, OpTiming, ProfileOptions, Profiled};
+use crate::profiler::{
+    distinct_ops, measure_adam, measure_memcpy, median, OpTiming, Operands, ProfileOptions,
+    Profiled,
+};
 
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
 const ALIGN: u64 = 256;
@@ -91,20 +92,6 @@ impl Timer {
         self.end.record(&self.stream).map_err(fail)?;
         let ms = self.start.elapsed_ms(&self.end).map_err(fail)?;
         Ok(f64::from(ms) / 1e3 / per.max(1) as f64)
-    }
-}
-
-/// The median of some times (0 for none).
-fn median(times: &mut [f64]) -> f64 {
-    if times.is_empty() {
-        return 0.0;
-    }
-    times.sort_by(f64::total_cmp);
-    let mid = times.len() / 2;
-    if times.len() % 2 == 1 {
-        times[mid]
-    } else {
-        (times[mid - 1] + times[mid]) / 2.0
     }
 }
 
@@ -394,116 +381,10 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
     })
 }
 
-/// Where one op's operands lie in a profiling arena: inputs, outputs, workspace and (for a
-/// bf16 AdamW) the master weight, each at an aligned offset of its own.
-struct Operands {
-    inputs: Vec<Address>,
-    outputs: Vec<Address>,
-    workspace: Option<(Address, u64)>,
-    master: Option<Address>,
-}
-
-impl Operands {
-    /// The layout and the arena bytes it needs.
-    fn layout(graph: &Graph, op: &Op) -> (Self, u64) {
-        let mut end = 0u64;
-        let mut place = |bytes: u64| {
-            let at = Address {
-                space: Space::Device,
-                offset: end,
-            };
-            end += bytes.max(1).next_multiple_of(ALIGN);
-            at
-        };
-        let ty = |v: protrain_ir::ValueId| &graph.value(v).ty;
-        let inputs = op.inputs.iter().map(|&v| place(ty(v).bytes())).collect();
-        let outputs = op.outputs.iter().map(|&v| place(ty(v).bytes())).collect();
-        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| ty(v)).collect();
-        let workspace = match op.kind.workspace_bytes(&types) {
-            0 => None,
-            bytes => Some((place(bytes), bytes)),
-        };
-        let master = match op.kind {
-            OpKind::AdamW { .. } if ty(op.inputs[0]).dtype != DType::F32 => {
-                Some(place(4 * ty(op.inputs[0]).numel()))
-            }
-            _ => None,
-        };
-        (
-            Self {
-                inputs,
-                outputs,
-                workspace,
-                master,
-            },
-            end,
-        )
-    }
-
-    /// Writes every input in its type: small positive floats, or token ids below the
-    /// vocabulary the op indexes with them.
-    fn fill(&self, backend: &mut CudaBackend, graph: &Graph, op: &Op) -> Result<()> {
-        for (i, (&v, &at)) in op.inputs.iter().zip(&self.inputs).enumerate() {
-            let ty = &graph.value(v).ty;
-            let n = ty.numel() as usize;
-            // In [0.01, 0.51): no zeros, no denormals, square roots of moments defined.
-            let values = || -> Vec<f32> {
-                (0..n)
-                    .map(|k| 0.01 + ((k as u64 * 2_654_435_761) % 1000) as f32 / 2000.0)
-                    .collect()
-            };
-            match ty.dtype {
-                DType::I32 => {
-                    let bound = token_bound(graph, op, i).max(1);
-                    let ids: Vec<i32> =
-                        (0..n).map(|k| ((k as u64 * 7919) % bound) as i32).collect();
-                    backend.write_i32(at, &ids)?;
-                }
-                DType::BF16 => {
-                    let narrow: Vec<half::bf16> =
-                        values().into_iter().map(half::bf16::from_f32).collect();
-                    backend.write_bf16(at, &narrow)?;
-                }
-                DType::F32 | DType::F16 => backend.write_f32(at, &values())?,
-            }
-        }
-        if let Some(master) = self.master {
-            let n = graph.value(op.inputs[0]).ty.numel();
-            backend.fill_zero(master, 4 * n)?;
-            backend.set_master_weight(self.inputs[2], master);
-        }
-        Ok(())
-    }
-}
-
-/// The vocabulary the `i`-th (integer) input of `op` indexes: the embedding table's rows, the
-/// logits' width; 1 where the ids are not used as indices.
-fn token_bound(graph: &Graph, op: &Op, i: usize) -> u64 {
-    let ty = |k: usize| &graph.value(op.inputs[k]).ty;
-    match op.kind {
-        OpKind::Embedding { .. } if i == 0 => ty(1).shape[0],
-        OpKind::EmbeddingBackward { rows, .. } if i == 0 => rows,
-        OpKind::CrossEntropy | OpKind::CrossEntropyBackward if i == 1 => ty(0).last_dim(),
-        _ => 1,
-    }
-}
-
 /// The median GPU time of each distinct [`op_key`] of `graph`, by key, each op launched on
 /// operands of its own types once untimed and `repeats` times timed with CUDA events.
 fn measure_ops(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
-    let mut distinct: BTreeMap<String, (&Op, usize)> = BTreeMap::new();
-    for (_, op) in graph.ops() {
-        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-        distinct
-            .entry(op_key(&op.kind, &types))
-            .and_modify(|(_, n)| *n += 1)
-            .or_insert((op, 1));
-    }
-    let largest = distinct
-        .values()
-        .map(|(op, _)| Operands::layout(graph, op).1)
-        .max()
-        .unwrap_or(0);
+    let (distinct, largest) = distinct_ops(graph);
     let mut backend = CudaBackend::new(largest, 0, 0)?;
     let mut stream = backend.create_stream(StreamKind::Compute)?;
     let timer = Timer::new(&backend, &stream)?;
@@ -511,6 +392,9 @@ fn measure_ops(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
     for (key, (op, count)) in distinct {
         let operands = Operands::layout(graph, op).0;
         operands.fill(&mut backend, graph, op)?;
+        if let Some(master) = operands.master {
+            backend.set_master_weight(operands.inputs[2], master);
+        }
         let prepared = Prepared::new(&op.kind);
         let mut times = Vec::with_capacity(repeats);
         for run in 0..repeats {
