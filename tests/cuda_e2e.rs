@@ -20,14 +20,14 @@
 
 #![cfg(feature = "cuda")]
 
-use protrain_compiler::emit::HeaderInputs;
+mod common;
+
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::OptimizerConfig;
 use protrain_ir::{BlockKind, DType, Graph, Policy, Schedule};
 use protrain_runtime::cuda::CudaBackend;
 use protrain_runtime::interpreter::StepReport;
 use protrain_runtime::params::init_params;
-use protrain_runtime::synthetic::SyntheticCorpus;
 use protrain_runtime::{Backend, Executor, HostBackend};
 use std::collections::HashMap;
 
@@ -48,33 +48,6 @@ fn require_gpu() {
              scripts/gpu-check.sh runs them on one"
         );
     }
-}
-
-fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "cuda-e2e".into(),
-        hardware: "h200".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
-}
-
-/// The batches of each step, as the data loader cuts them from the synthetic corpus.
-fn batches(vocab: usize) -> Vec<[Vec<i32>; 2]> {
-    let n = (BATCH * SEQ) as usize;
-    let stream = SyntheticCorpus::new(vocab, SEED)
-        .unwrap()
-        .tokens(STEPS * n + 1);
-    (0..STEPS)
-        .map(|s| {
-            let window: Vec<i32> = stream[s * n..=(s + 1) * n]
-                .iter()
-                .map(|&t| t as i32)
-                .collect();
-            [window[..n].to_vec(), window[1..].to_vec()]
-        })
-        .collect()
 }
 
 /// The training graph of `model` in `dtype`, its layer count.
@@ -145,9 +118,9 @@ fn check_f32(model: &str, grad_clip: Option<f64>) {
         .map(|((_, p), v)| (p.name.clone(), v))
         .collect();
     let config = protrain_models::load(model).unwrap();
-    let data = batches(config.vocab_size as usize);
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
     for policy in policies(chunks.len() as u32, layers) {
-        let schedule = compile_policy(&graph, &chunks, &policy, header())
+        let schedule = compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
             .unwrap_or_else(|e| panic!("{model} [{policy}]: {e}"));
         let host = train::<HostBackend>(&schedule, &init, &data);
         let gpu = train::<CudaBackend>(&schedule, &init, &data);
@@ -206,10 +179,16 @@ fn check_bf16(model: &str) {
         .map(|((_, p), v)| (p.name.clone(), v))
         .collect();
     let config = protrain_models::load(model).unwrap();
-    let data = batches(config.vocab_size as usize);
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
     let f32_chunks = chunked(&f32_graph);
     let resident = Policy::resident(f32_chunks.len() as u32, layers);
-    let reference = compile_policy(&f32_graph, &f32_chunks, &resident, header()).unwrap();
+    let reference = compile_policy(
+        &f32_graph,
+        &f32_chunks,
+        &resident,
+        common::header("cuda-e2e", "h200"),
+    )
+    .unwrap();
     let host = train::<HostBackend>(&reference, &init, &data);
     let chunks = chunked(&bf16_graph);
     // Resident (the device AdamW on bf16 parameters) and every chunk streamed (the CPU Adam).
@@ -218,8 +197,13 @@ fn check_bf16(model: &str) {
         Policy::resident(n, layers),
         Policy::protrain(0, 2, 0, layers, layers),
     ] {
-        let schedule = compile_policy(&bf16_graph, &chunks, &policy, header())
-            .unwrap_or_else(|e| panic!("{model} bf16 [{policy}]: {e}"));
+        let schedule = compile_policy(
+            &bf16_graph,
+            &chunks,
+            &policy,
+            common::header("cuda-e2e", "h200"),
+        )
+        .unwrap_or_else(|e| panic!("{model} bf16 [{policy}]: {e}"));
         let gpu = train::<CudaBackend>(&schedule, &init, &data);
         for (step, (h, g)) in host.iter().zip(&gpu).enumerate() {
             eprintln!(

@@ -11,15 +11,15 @@
 //! (matched by name) must be the same bits. Some cases clip gradients, so the clip coefficient
 //! reaches the host optimizer.
 
+mod common;
+
 use protrain_compiler::cost::Roofline;
-use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::fuse::FuseLimits;
 use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
 use protrain_compiler::{CompileError, OptimizerConfig};
 use protrain_ir::{BlockKind, BlockMode, DType, Graph, HardwareProfile, Instr, OpKind, Policy};
 use protrain_runtime::interpreter::{Interpreter, StepReport};
 use protrain_runtime::params::init_params;
-use protrain_runtime::synthetic::SyntheticCorpus;
 use protrain_runtime::Executor;
 use std::collections::HashMap;
 
@@ -27,34 +27,6 @@ const BATCH: u64 = 2;
 const SEQ: u64 = 16;
 const STEPS: usize = 3;
 const SEED: u64 = 7;
-
-fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "equivalence".into(),
-        hardware: "host".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
-}
-
-/// The batches of each step: tokens and targets (the same stream shifted by one), as the data
-/// loader cuts them from the synthetic corpus.
-fn batches(vocab: usize) -> Vec<[Vec<i32>; 2]> {
-    let n = (BATCH * SEQ) as usize;
-    let stream = SyntheticCorpus::new(vocab, SEED)
-        .unwrap()
-        .tokens(STEPS * n + 1);
-    (0..STEPS)
-        .map(|s| {
-            let window: Vec<i32> = stream[s * n..=(s + 1) * n]
-                .iter()
-                .map(|&t| t as i32)
-                .collect();
-            [window[..n].to_vec(), window[1..].to_vec()]
-        })
-        .collect()
-}
 
 /// What a run produced: per-step reports and the final parameters by name.
 struct Run {
@@ -161,7 +133,7 @@ fn check(model: &str, grad_clip: Option<f64>) {
         .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
         .count();
     let init = init_params(&unfused, SEED);
-    let data = batches(config.vocab_size as usize);
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
     let expected = reference(&unfused, &init, &data);
     if let Some(clip) = grad_clip {
         // The coefficient must actually scale the gradients somewhere, or clipping is untested.
@@ -177,7 +149,12 @@ fn check(model: &str, grad_clip: Option<f64>) {
 
     let (mut ran, mut skipped) = (0, Vec::new());
     for policy in policies(chunks.len() as u32, layers) {
-        let schedule = match compile_policy(&training, &chunks, &policy, header()) {
+        let schedule = match compile_policy(
+            &training,
+            &chunks,
+            &policy,
+            common::header("equivalence", "host"),
+        ) {
             Ok(s) => s,
             // An op that reads two offloaded chunks at once cannot run with one buffer; the
             // compiler says so, and that is the only rejection expected here.
@@ -281,7 +258,13 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
     let chunks = chunked(&training);
     let layers = config.num_layers as usize;
     let policy = Policy::protrain(0, 2, 1, 1, layers);
-    let schedule = compile_policy(&training, &chunks, &policy, header()).unwrap();
+    let schedule = compile_policy(
+        &training,
+        &chunks,
+        &policy,
+        common::header("equivalence", "host"),
+    )
+    .unwrap();
 
     // Without its first wait, the compute stream could read a chunk before it is fetched.
     let mut racy = schedule.clone();
@@ -304,7 +287,7 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
     let mut exec = Executor::new(&schedule).unwrap();
     let init = init_params(&schedule.graph, SEED);
     exec.load_params(&init).unwrap();
-    let data = batches(config.vocab_size as usize);
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
     let [x, y] = &data[0];
     let mut bad = y.clone();
     bad[5] = config.vocab_size as i32;

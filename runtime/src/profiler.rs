@@ -103,16 +103,7 @@ pub fn profile<B: Backend>(
     options: &ProfileOptions,
 ) -> Result<Profiled> {
     let started = Instant::now();
-    if graph.op_count() == 0 {
-        return Err(RuntimeError::Profile(
-            "the graph has no ops to measure; pass a training graph".into(),
-        ));
-    }
-    if options.repeats == 0 || options.copy_repeats == 0 {
-        return Err(RuntimeError::Profile(
-            "repeats must be at least 1 to measure anything".into(),
-        ));
-    }
+    check_inputs(graph, options)?;
     let ops = if graph_bytes(graph) <= options.in_place_limit {
         measure_ops_in_place::<B>(graph, options.repeats)?
     } else {
@@ -450,6 +441,21 @@ fn matmul_flops(graph: &Graph, ops: &[OpTiming]) -> Option<f64> {
         })
         .max_by(|a, b| a.0.total_cmp(&b.0))
         .map(|(_, rate)| rate)
+}
+
+/// Fails when there is nothing to measure: a graph without ops, or no repeats.
+pub(crate) fn check_inputs(graph: &Graph, options: &ProfileOptions) -> Result<()> {
+    if graph.op_count() == 0 {
+        return Err(RuntimeError::Profile(
+            "the graph has no ops to measure; pass a training graph".into(),
+        ));
+    }
+    if options.repeats == 0 || options.copy_repeats == 0 {
+        return Err(RuntimeError::Profile(
+            "repeats must be at least 1 to measure anything".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The median of some times (0 for none).

@@ -24,8 +24,8 @@ use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
 use crate::profiler::{
-    distinct_ops, measure_adam, measure_memcpy, median, OpTiming, Operands, ProfileOptions,
-    Profiled,
+    check_inputs, distinct_ops, measure_adam, measure_memcpy, median, OpTiming, Operands,
+    ProfileOptions, Profiled,
 };
 
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
@@ -121,16 +121,7 @@ fn device_name(name: &str) -> String {
 /// the kernels' scratch, is the reserved memory; host memory is this machine's.
 pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled> {
     let started = Instant::now();
-    if graph.op_count() == 0 {
-        return Err(RuntimeError::Profile(
-            "the graph has no ops to measure; pass a training graph".into(),
-        ));
-    }
-    if options.repeats == 0 || options.copy_repeats == 0 {
-        return Err(RuntimeError::Profile(
-            "repeats must be at least 1 to measure anything".into(),
-        ));
-    }
+    check_inputs(graph, options)?;
     let ops = measure_ops(graph, options.repeats)?;
     let graph_seconds = ops
         .iter()
