@@ -68,6 +68,14 @@ pub enum IrError {
         /// What is wrong with it, and what to do.
         problem: crate::file::FileProblem,
     },
+    /// A policy's text form does not parse or does not fit the model.
+    #[error("bad policy `{text}`: {why}")]
+    BadPolicy {
+        /// The text given (or the policy as printed).
+        text: String,
+        /// What is wrong with it, and what to write instead.
+        why: String,
+    },
     /// A file could not be written.
     #[error("cannot write {path}: {source}")]
     Write {

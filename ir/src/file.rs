@@ -2,11 +2,10 @@
 
 use crate::error::{IrError, Result};
 use crate::schedule::{Schedule, FORMAT_VERSION};
-use crate::verify_schedule::{verify_schedule, ScheduleError};
+use crate::verify_schedule::{verify, ScheduleError, VerifiedSchedule};
 use std::fs;
-use std::io::Write as _;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::output::write_atomic;
 
 /// The first eight bytes of every schedule file.
 pub const MAGIC: &[u8; 8] = b"PTSCHED\0";
@@ -113,12 +112,10 @@ pub fn encode(schedule: &Schedule) -> Vec<u8> {
     out
 }
 
-/// Decodes a `.ptsched` file's bytes and checks the schedule with
-/// [`verify_schedule`]; its error is returned as [`IrError::Schedule`].
-pub fn decode(bytes: &[u8]) -> Result<Schedule> {
-    let schedule = decode_unverified(bytes)?;
-    verify_schedule(&schedule)?;
-    Ok(schedule)
+/// Decodes a `.ptsched` file's bytes and checks the schedule with [`verify`]; its error is
+/// returned as [`IrError::Schedule`].
+pub fn decode(bytes: &[u8]) -> Result<VerifiedSchedule> {
+    Ok(verify(decode_unverified(bytes)?)?)
 }
 
 /// Decodes a `.ptsched` file's bytes without verifying the schedule (for tests, and for tools
@@ -130,60 +127,24 @@ pub fn decode_unverified(bytes: &[u8]) -> Result<Schedule> {
     })
 }
 
-/// Writes a schedule to `path` atomically: to a temporary file in the same directory, synced,
-/// then renamed over `path`, so that a reader sees the old file or the new one, never part of
-/// one. It does not verify the schedule.
+/// Writes a schedule to `path` atomically ([`write_atomic`]): a reader sees the old file or
+/// the new one, never part of one. It does not verify the schedule.
 pub fn write(path: impl AsRef<Path>, schedule: &Schedule) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let path = path.as_ref();
-    let fail = |source: std::io::Error| IrError::Write {
+    let bytes = encode(schedule);
+    write_atomic(path, |w| w.write_all(&bytes)).map_err(|source| IrError::Write {
         path: path.display().to_string(),
         source,
-    };
-    let name = path.file_name().ok_or_else(|| {
-        fail(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "the path names no file",
-        ))
-    })?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let tmp = dir.join(format!(
-        ".{}.{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let bytes = encode(schedule);
-    let attempt = || -> std::io::Result<()> {
-        let mut file = fs::File::create(&tmp)?;
-        file.write_all(&bytes)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)?;
-        // Make the rename itself durable; not every platform can open a directory.
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    };
-    attempt().map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        fail(e)
     })
 }
 
 /// Reads a `.ptsched` file and verifies the schedule; every error names the file.
-pub fn read(path: impl AsRef<Path>) -> Result<Schedule> {
+pub fn read(path: impl AsRef<Path>) -> Result<VerifiedSchedule> {
     let path = path.as_ref();
-    let schedule = read_unverified(path)?;
-    verify_schedule(&schedule).map_err(|e| IrError::ScheduleFile {
+    verify(read_unverified(path)?).map_err(|e| IrError::ScheduleFile {
         origin: path.display().to_string(),
         problem: FileProblem::Invalid(e),
-    })?;
-    Ok(schedule)
+    })
 }
 
 /// Reads a `.ptsched` file without verifying the schedule.

@@ -14,8 +14,10 @@ pub mod print;
 pub mod schedule;
 pub mod types;
 pub mod verify;
+pub mod workspace;
 
 pub mod file;
+pub mod output;
 pub mod print_schedule;
 pub mod verify_schedule;
 
@@ -25,12 +27,15 @@ pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, 
 pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
 pub use op::{Epilogue, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
-pub use policy::{BlockMode, Policy};
+pub use policy::{BlockMode, Policy, PolicySpec};
+pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{
     Buffer, BufferKind, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, Space,
     Stream, StreamKind, TensorRef, FORMAT_VERSION,
 };
 pub use types::{format_bytes, format_count, DType, TensorType};
+pub use verify_schedule::VerifiedSchedule;
+pub use workspace::{Region, Scratch, WorkspaceLayout, WORKSPACE_ALIGN};
 
 impl Graph {
     /// The canonical text form; see [`print::print_graph`].

@@ -1,8 +1,10 @@
 //! A placement policy: which chunks stay on the device, how many chunk buffers stream the
 //! rest, and what each transformer block does with its activations.
 
+use crate::error::{IrError, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::str::FromStr;
 
 /// What a transformer block does with the activations its backward pass needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -23,6 +25,16 @@ impl BlockMode {
             BlockMode::Keep => 'K',
             BlockMode::Checkpoint => 'C',
             BlockMode::Swap => 'S',
+        }
+    }
+
+    /// The mode a letter names ([`BlockMode::letter`], either case).
+    pub fn from_letter(letter: char) -> Option<Self> {
+        match letter.to_ascii_uppercase() {
+            'K' => Some(BlockMode::Keep),
+            'C' => Some(BlockMode::Checkpoint),
+            'S' => Some(BlockMode::Swap),
+            _ => None,
         }
     }
 }
@@ -134,9 +146,277 @@ impl fmt::Display for Policy {
     }
 }
 
+/// A policy as a user writes it: some of its settings, the rest left to defaults that depend
+/// on the model ([`PolicySpec::resolve`]).
+///
+/// Its text form is `key=value` pairs separated by commas or spaces, so the line a
+/// [`Policy`] prints (`n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`) parses back to
+/// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (one letter
+/// per layer, `-` for none) and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's
+/// interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
+/// error rather than one silently winning.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// Chunks kept on the device.
+    pub n_persist: Option<u32>,
+    /// Chunk buffers.
+    pub n_buffer: Option<u32>,
+    /// Swapped blocks in ProTrain's layout.
+    pub n_swap: Option<u32>,
+    /// Checkpointed blocks in ProTrain's layout.
+    pub n_checkpoint: Option<u32>,
+    /// One mode per layer.
+    pub blocks: Option<Vec<BlockMode>>,
+    /// The prefetch distance.
+    pub prefetch: Option<u32>,
+}
+
+/// The keys of a policy's text form, in the order they are documented.
+const POLICY_KEYS: [&str; 6] = [
+    "n_persist",
+    "n_buffer",
+    "n_swap",
+    "n_checkpoint",
+    "blocks",
+    "prefetch",
+];
+
+impl FromStr for PolicySpec {
+    type Err = IrError;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = |why: String| IrError::BadPolicy {
+            text: text.trim().to_string(),
+            why,
+        };
+        let mut spec = Self::default();
+        let mut seen: Vec<&str> = Vec::new();
+        let parts = text
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|p| !p.is_empty());
+        for part in parts {
+            let Some((key, value)) = part.split_once('=') else {
+                return Err(bad(format!(
+                    "`{part}` is not key=value; write e.g. n_persist=4 n_buffer=2 \
+                     n_checkpoint=8 (commas or spaces between pairs), or auto"
+                )));
+            };
+            let Some(&key) = POLICY_KEYS.iter().find(|&&k| k == key) else {
+                return Err(bad(format!(
+                    "unknown key `{key}`; the keys are {}",
+                    POLICY_KEYS.join(", ")
+                )));
+            };
+            if seen.contains(&key) {
+                return Err(bad(format!("{key} is given twice; give it once")));
+            }
+            seen.push(key);
+            let number = || {
+                value.parse::<u32>().map_err(|_| {
+                    bad(format!(
+                        "{key}={value}: `{value}` is not a whole number below 2^32"
+                    ))
+                })
+            };
+            match key {
+                "n_persist" => spec.n_persist = Some(number()?),
+                "n_buffer" => spec.n_buffer = Some(number()?),
+                "n_swap" => spec.n_swap = Some(number()?),
+                "n_checkpoint" => spec.n_checkpoint = Some(number()?),
+                "prefetch" => spec.prefetch = Some(number()?),
+                _ => {
+                    let modes = if value == "-" {
+                        Vec::new()
+                    } else {
+                        value
+                            .chars()
+                            .map(|c| {
+                                BlockMode::from_letter(c).ok_or_else(|| {
+                                    bad(format!(
+                                        "block mode `{c}` in blocks={value} is not K (keep), \
+                                         C (checkpoint) or S (swap)"
+                                    ))
+                                })
+                            })
+                            .collect::<Result<_>>()?
+                    };
+                    spec.blocks = Some(modes);
+                }
+            }
+        }
+        if spec.blocks.is_some() && (spec.n_swap.is_some() || spec.n_checkpoint.is_some()) {
+            return Err(bad(
+                "blocks= gives every layer's mode, so n_swap and n_checkpoint would be ignored; \
+                 give either blocks or n_swap/n_checkpoint"
+                    .into(),
+            ));
+        }
+        Ok(spec)
+    }
+}
+
+impl PolicySpec {
+    /// The policy for a model with `chunks` chunks and `layers` layers. Unset keys default to
+    /// everything persistent and kept, `n_buffer` to 2 (at most the streamed chunks) when
+    /// something is streamed, and `prefetch` to 1.
+    pub fn resolve(&self, chunks: u32, layers: usize) -> Result<Policy> {
+        let bad = |why: String| IrError::BadPolicy {
+            text: self.to_string(),
+            why,
+        };
+        let n_persist = self.n_persist.unwrap_or(chunks);
+        if n_persist > chunks {
+            return Err(bad(format!(
+                "n_persist={n_persist} but the model has {chunks} chunks; give at most {chunks}"
+            )));
+        }
+        let streamed = chunks - n_persist;
+        let n_buffer = self.n_buffer.unwrap_or(2.min(streamed));
+        let blocks = match &self.blocks {
+            Some(modes) => {
+                if modes.len() != layers {
+                    return Err(bad(format!(
+                        "blocks= has {} modes but the model has {layers} layers; give one \
+                         letter per layer",
+                        modes.len()
+                    )));
+                }
+                modes.clone()
+            }
+            None => {
+                let n_swap = self.n_swap.unwrap_or(0) as usize;
+                let n_checkpoint = self.n_checkpoint.unwrap_or(0) as usize;
+                if n_swap + n_checkpoint > layers {
+                    return Err(bad(format!(
+                        "n_swap + n_checkpoint = {} but the model has {layers} layers",
+                        n_swap + n_checkpoint
+                    )));
+                }
+                Policy::protrain(n_persist, n_buffer, n_swap, n_checkpoint, layers).blocks
+            }
+        };
+        Ok(Policy {
+            n_persist,
+            n_buffer,
+            blocks,
+            prefetch: self.prefetch.unwrap_or(1),
+        })
+    }
+}
+
+impl fmt::Display for PolicySpec {
+    /// The settings given, in the text form [`PolicySpec::from_str`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        let numbers = [
+            ("n_persist", self.n_persist),
+            ("n_buffer", self.n_buffer),
+            ("n_swap", self.n_swap),
+            ("n_checkpoint", self.n_checkpoint),
+            ("prefetch", self.prefetch),
+        ];
+        for (key, value) in numbers {
+            if let Some(v) = value {
+                parts.push(format!("{key}={v}"));
+            }
+        }
+        if let Some(modes) = &self.blocks {
+            let letters: String = modes.iter().map(|m| m.letter()).collect();
+            parts.push(format!(
+                "blocks={}",
+                if letters.is_empty() { "-" } else { &letters }
+            ));
+        }
+        f.write_str(&parts.join(" "))
+    }
+}
+
+impl From<&Policy> for PolicySpec {
+    /// Every setting of `policy`, so that resolving gives it back.
+    fn from(policy: &Policy) -> Self {
+        Self {
+            n_persist: Some(policy.n_persist),
+            n_buffer: Some(policy.n_buffer),
+            n_swap: None,
+            n_checkpoint: None,
+            blocks: Some(policy.blocks.clone()),
+            prefetch: Some(policy.prefetch),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(text: &str) -> Result<PolicySpec> {
+        text.parse()
+    }
+
+    #[test]
+    fn the_printed_form_parses_back_to_the_same_policy() {
+        for policy in [
+            Policy::protrain(1, 2, 2, 4, 8),
+            Policy::resident(5, 3),
+            Policy::resident(5, 0),
+            Policy::zero3_offload(2, 4),
+        ] {
+            let printed = policy.to_string();
+            let back = parse(&printed).unwrap().resolve(5, policy.blocks.len());
+            assert_eq!(back.unwrap(), policy, "{printed}");
+        }
+    }
+
+    #[test]
+    fn commas_and_spaces_both_separate_pairs() {
+        let a = parse("n_persist=0,n_buffer=2,n_checkpoint=2").unwrap();
+        let b = parse("n_persist=0 n_buffer=2  n_checkpoint=2").unwrap();
+        let c = parse(" n_persist=0, n_buffer=2 ,n_checkpoint=2 ").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+        assert_eq!(a.n_checkpoint, Some(2));
+    }
+
+    #[test]
+    fn duplicate_and_conflicting_keys_are_refused() {
+        let err = parse("n_persist=1,n_persist=2").unwrap_err().to_string();
+        assert!(err.contains("n_persist is given twice"), "{err}");
+        let err = parse("blocks=KK,n_swap=1").unwrap_err().to_string();
+        assert!(
+            err.contains("either blocks or n_swap/n_checkpoint"),
+            "{err}"
+        );
+        let err = parse("n_checkpoint=1 blocks=CK").unwrap_err().to_string();
+        assert!(err.contains("either blocks"), "{err}");
+    }
+
+    #[test]
+    fn bad_parts_name_the_problem() {
+        for (text, says) in [
+            ("n_persist", "is not key=value"),
+            ("n_persists=1", "unknown key `n_persists`"),
+            ("n_buffer=-1", "not a whole number"),
+            ("blocks=KX", "block mode `X`"),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.contains(says), "{text}: {err}");
+        }
+        let err = parse("blocks=KK").unwrap().resolve(4, 3).unwrap_err();
+        assert!(err.to_string().contains("has 2 modes"), "{err}");
+        let err = parse("n_persist=9").unwrap().resolve(4, 3).unwrap_err();
+        assert!(err.to_string().contains("at most 4"), "{err}");
+    }
+
+    #[test]
+    fn unset_keys_take_their_defaults() {
+        let p = parse("n_persist=1").unwrap().resolve(4, 2).unwrap();
+        assert_eq!((p.n_persist, p.n_buffer, p.prefetch), (1, 2, 1));
+        assert_eq!(p.blocks, vec![BlockMode::Keep; 2]);
+        let p = parse("").unwrap().resolve(4, 2).unwrap();
+        assert_eq!(p, Policy::resident(4, 2));
+        let p = parse("n_persist=3").unwrap().resolve(4, 2).unwrap();
+        assert_eq!(p.n_buffer, 1, "at most the one streamed chunk");
+    }
 
     #[test]
     fn protrain_layout_interleaves_swaps_among_checkpoints_and_keeps_the_rest() {

@@ -1,5 +1,9 @@
 //! The canonical text form of a [`Schedule`]: header, chunk table, buffer table, streams; and
 //! of a [`ChunkTable`] on its own.
+//!
+//! Buffers are numbered as the text first mentions them ([`BufferNumbering`]), not by their
+//! ids in the schedule, so a schedule prints the same however the compiler happened to number
+//! its buffers, and snapshots of it stay stable.
 
 use crate::chunks::{ChunkMember, ChunkTable};
 use crate::graph::Graph;
@@ -11,9 +15,116 @@ use crate::types::{format_bytes, format_count};
 use std::fmt::Write;
 
 impl Schedule {
-    /// The canonical text form; see [`print_schedule`].
+    /// The canonical text form, search report included; see [`print_schedule`].
     pub fn to_text(&self) -> String {
         print_schedule(self)
+    }
+
+    /// The canonical text form with `options`; see [`print_schedule_with`].
+    pub fn to_text_with(&self, options: PrintOptions) -> String {
+        print_schedule_with(self, options)
+    }
+}
+
+/// What the schedule printer includes beyond the schedule itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrintOptions {
+    /// The header's search report (`; report:` and the lines under it): why this policy, and
+    /// what fusion found. It describes how the schedule was chosen, not what it does.
+    pub report: bool,
+}
+
+impl PrintOptions {
+    /// Everything: what [`Schedule::to_text`] prints.
+    pub const FULL: PrintOptions = PrintOptions { report: true };
+    /// The schedule without its search report: for snapshots, which should change when the
+    /// schedule does and not when the search's account of itself does.
+    pub const WITHOUT_REPORT: PrintOptions = PrintOptions { report: false };
+}
+
+impl Default for PrintOptions {
+    /// [`PrintOptions::FULL`].
+    fn default() -> Self {
+        PrintOptions::FULL
+    }
+}
+
+/// The numbers the printer (and the verifier's messages) give a schedule's buffers: in the
+/// order the printed schedule first mentions them (the homes, the master weights, `loss`,
+/// then each stream's instructions in turn: a kernel's outputs, inputs and workspace, a
+/// copy's source and destination), then the buffers nothing mentions, by space, offset, size
+/// and name.
+///
+/// It depends on what the schedule says, not on the order its buffer table lists the
+/// buffers in, so two schedules that differ only in that order print the same.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferNumbering {
+    /// The printed number of each buffer, by [`BufferId`].
+    numbers: Vec<BufferId>,
+}
+
+impl BufferNumbering {
+    /// Numbers the buffers of `s`. Ids out of range (in a schedule that does not verify) are
+    /// skipped; [`label`](Self::label) prints them as they are.
+    pub fn of(s: &Schedule) -> Self {
+        let n = s.buffers.len();
+        // Buffer indices in the order they are numbered.
+        let mut order: Vec<usize> = Vec::with_capacity(n);
+        let mut seen = vec![false; n];
+        let mut mention = |t: TensorRef| {
+            if let Some(seen @ false) = seen.get_mut(t.buffer.index()) {
+                *seen = true;
+                order.push(t.buffer.index());
+            }
+        };
+        for &(_, t) in s.homes.iter().chain(&s.masters) {
+            mention(t);
+        }
+        mention(s.loss);
+        for instr in s.streams.iter().flat_map(|stream| &stream.instrs) {
+            match instr {
+                Instr::Kernel {
+                    inputs,
+                    outputs,
+                    workspace,
+                    ..
+                } => outputs
+                    .iter()
+                    .chain(inputs)
+                    .chain(workspace)
+                    .for_each(|&t| mention(t)),
+                Instr::Copy { src, dst, .. } => {
+                    mention(*src);
+                    mention(*dst);
+                }
+                Instr::Record { .. } | Instr::Wait { .. } => {}
+            }
+        }
+        let mut unmentioned: Vec<usize> = (0..n).filter(|&i| !seen[i]).collect();
+        unmentioned.sort_by(|&i, &j| {
+            let (a, b) = (&s.buffers[i], &s.buffers[j]);
+            (a.space, a.offset, a.size, &a.name).cmp(&(b.space, b.offset, b.size, &b.name))
+        });
+        order.extend(unmentioned);
+        let mut numbers = vec![BufferId(0); n];
+        for (number, &i) in order.iter().enumerate() {
+            numbers[i] = BufferId::new(number);
+        }
+        Self { numbers }
+    }
+
+    /// The printed number of buffer `b`, if it exists.
+    pub fn get(&self, b: BufferId) -> Option<BufferId> {
+        self.numbers.get(b.index()).copied()
+    }
+
+    /// `buf7`, as the printer names buffer `b`; `<undefined buf99>` for one that does not
+    /// exist.
+    pub fn label(&self, b: BufferId) -> String {
+        match self.get(b) {
+            Some(n) => n.to_string(),
+            None => format!("<undefined {b}>"),
+        }
     }
 }
 
@@ -70,20 +181,31 @@ pub fn copy_label(what: CopyKind, names: &[String]) -> String {
     }
 }
 
+/// Prints a schedule in its canonical text form, search report included:
+/// [`print_schedule_with`] and [`PrintOptions::FULL`].
+pub fn print_schedule(s: &Schedule) -> String {
+    print_schedule_with(s, PrintOptions::FULL)
+}
+
 /// Prints a schedule in its canonical text form.
 ///
 /// Values are named as [`print_graph`](crate::print::print_graph) names them (see
-/// [`value_names`]), buffers are listed by space and offset, and each stream's instructions
-/// follow one per line with their index (`#12`), which the verifier's errors cite. It prints
-/// schedules that do not verify too, marking ids that are out of range, so that a broken
-/// schedule can be dumped and read.
-pub fn print_schedule(s: &Schedule) -> String {
-    let names = crate::print::value_names(&s.graph);
+/// [`value_names`](crate::print::value_names)), buffers are numbered as [`BufferNumbering`]
+/// says and listed by space and offset, and each stream's instructions follow one per line
+/// with their index (`#12`); the verifier's errors cite both. It prints schedules that do not
+/// verify too, marking ids that are out of range, so that a broken schedule can be dumped and
+/// read.
+pub fn print_schedule_with(s: &Schedule, options: PrintOptions) -> String {
+    let cx = Cx {
+        s,
+        names: crate::print::value_names(&s.graph),
+        buffers: BufferNumbering::of(s),
+    };
     let mut out = String::new();
-    header(s, &mut out);
+    header(s, options, &mut out);
     chunk_table(&s.chunks, &s.graph, &mut out);
-    buffer_table(s, &mut out);
-    homes(s, &names, &mut out);
+    buffer_table(&cx, &mut out);
+    homes(&cx, &mut out);
     for (i, stream) in s.streams.iter().enumerate() {
         let _ = writeln!(
             out,
@@ -93,13 +215,20 @@ pub fn print_schedule(s: &Schedule) -> String {
             stream.instrs.len()
         );
         for (k, instr) in stream.instrs.iter().enumerate() {
-            let _ = writeln!(out, "  #{k:<4} {}", instr_text(s, &names, instr));
+            let _ = writeln!(out, "  #{k:<4} {}", instr_text(&cx, instr));
         }
     }
     out
 }
 
-fn header(s: &Schedule, out: &mut String) {
+/// A schedule being printed, with the names its text gives values and buffers.
+struct Cx<'a> {
+    s: &'a Schedule,
+    names: Vec<String>,
+    buffers: BufferNumbering,
+}
+
+fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
     let h = &s.header;
     let p = &h.prediction;
     let _ = writeln!(
@@ -170,7 +299,7 @@ fn header(s: &Schedule, out: &mut String) {
         format_bytes(m.workspace),
         format_bytes(m.inputs)
     );
-    if !h.report.trim().is_empty() {
+    if options.report && !h.report.trim().is_empty() {
         out.push_str("; report:\n");
         for line in h.report.trim_end().lines() {
             let _ = writeln!(out, ";   {line}");
@@ -283,7 +412,8 @@ fn chunk_table(t: &ChunkTable, graph: &Graph, out: &mut String) {
     }
 }
 
-fn buffer_table(s: &Schedule, out: &mut String) {
+fn buffer_table(cx: &Cx, out: &mut String) {
+    let s = cx.s;
     let _ = writeln!(
         out,
         "\nbuffers: {}, arena {}, host region {}",
@@ -291,13 +421,18 @@ fn buffer_table(s: &Schedule, out: &mut String) {
         format_bytes(s.arena_bytes),
         format_bytes(s.host_bytes)
     );
-    let mut order: Vec<(usize, &Buffer)> = s.buffers.iter().enumerate().collect();
-    order.sort_by_key(|(i, b)| (b.space, b.offset, *i));
-    for (i, b) in order {
+    let mut order: Vec<(BufferId, &Buffer)> = s
+        .buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (cx.buffers.get(BufferId::new(i)).expect("in range"), b))
+        .collect();
+    order.sort_by_key(|&(n, b)| (b.space, b.offset, n));
+    for (n, b) in order {
         let _ = writeln!(
             out,
             "  {:<7} {:<6} {:>12} {:>10}  {:<18} {}",
-            BufferId::new(i).to_string(),
+            n.to_string(),
             space_name(b.space),
             format!("{:#x}", b.offset),
             format_bytes(b.size),
@@ -307,24 +442,25 @@ fn buffer_table(s: &Schedule, out: &mut String) {
     }
 }
 
-fn homes(s: &Schedule, names: &[String], out: &mut String) {
+fn homes(cx: &Cx, out: &mut String) {
+    let s = cx.s;
     let _ = writeln!(out, "\nhomes: {}", s.homes.len());
     for &(v, t) in &s.homes {
-        let name = value_name(names, v);
+        let name = value_name(&cx.names, v);
         let readable = if v.index() < s.graph.values().len() && !name.starts_with('@') {
             format!(" ({})", s.graph.value(v).name)
         } else {
             String::new()
         };
-        let _ = writeln!(out, "  {name}{readable} at {}", place(s, t));
+        let _ = writeln!(out, "  {name}{readable} at {}", place(cx, t));
     }
     if !s.masters.is_empty() {
         let _ = writeln!(out, "f32 master weights: {}", s.masters.len());
         for &(v, t) in &s.masters {
-            let _ = writeln!(out, "  {} at {}", value_name(names, v), place(s, t));
+            let _ = writeln!(out, "  {} at {}", value_name(&cx.names, v), place(cx, t));
         }
     }
-    let _ = writeln!(out, "loss at {}", place(s, s.loss));
+    let _ = writeln!(out, "loss at {}", place(cx, s.loss));
 }
 
 fn value_name(names: &[String], v: ValueId) -> String {
@@ -334,18 +470,19 @@ fn value_name(names: &[String], v: ValueId) -> String {
         .unwrap_or_else(|| format!("<undefined {v}>"))
 }
 
-/// `buf3` or `buf3+0x40`.
-fn tensor_ref(t: TensorRef) -> String {
+/// `buf3` or `buf3+0x40`, the buffer numbered as the printer numbers it.
+fn tensor_ref(cx: &Cx, t: TensorRef) -> String {
+    let buffer = cx.buffers.label(t.buffer);
     if t.offset == 0 {
-        t.buffer.to_string()
+        buffer
     } else {
-        format!("{}+{:#x}", t.buffer, t.offset)
+        format!("{buffer}+{:#x}", t.offset)
     }
 }
 
 /// `device[+0x40]`: the absolute address of a tensor in its space.
-fn address(s: &Schedule, t: TensorRef) -> String {
-    match s.buffers.get(t.buffer.index()) {
+fn address(cx: &Cx, t: TensorRef) -> String {
+    match cx.s.buffers.get(t.buffer.index()) {
         Some(b) => format!(
             "{}[+{:#x}]",
             space_name(b.space),
@@ -356,18 +493,18 @@ fn address(s: &Schedule, t: TensorRef) -> String {
 }
 
 /// `buf3+0x8 = device[+0x48]`.
-fn place(s: &Schedule, t: TensorRef) -> String {
-    format!("{} = {}", tensor_ref(t), address(s, t))
+fn place(cx: &Cx, t: TensorRef) -> String {
+    format!("{} = {}", tensor_ref(cx, t), address(cx, t))
 }
 
-fn instr_text(s: &Schedule, names: &[String], instr: &Instr) -> String {
+fn instr_text(cx: &Cx, instr: &Instr) -> String {
     match instr {
         Instr::Kernel {
             op,
             inputs,
             outputs,
             workspace,
-        } => kernel_text(s, names, *op, inputs, outputs, *workspace),
+        } => kernel_text(cx, *op, inputs, outputs, *workspace),
         Instr::Copy {
             what,
             src,
@@ -375,9 +512,9 @@ fn instr_text(s: &Schedule, names: &[String], instr: &Instr) -> String {
             bytes,
         } => format!(
             "copy {} {} -> {} {}",
-            copy_label(*what, names),
-            address(s, *src),
-            address(s, *dst),
+            copy_label(*what, &cx.names),
+            address(cx, *src),
+            address(cx, *dst),
             format_bytes(*bytes)
         ),
         Instr::Record { event } => format!("record e{}", event.0),
@@ -386,16 +523,16 @@ fn instr_text(s: &Schedule, names: &[String], instr: &Instr) -> String {
 }
 
 fn kernel_text(
-    s: &Schedule,
-    names: &[String],
+    cx: &Cx,
     op: OpId,
     inputs: &[TensorRef],
     outputs: &[TensorRef],
     workspace: Option<TensorRef>,
 ) -> String {
+    let (s, names) = (cx.s, &cx.names);
     let refs = |ts: &[TensorRef]| -> String {
         ts.iter()
-            .map(|t| tensor_ref(*t))
+            .map(|t| tensor_ref(cx, *t))
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -426,7 +563,7 @@ fn kernel_text(
     }
     text.push_str(&refs(inputs));
     if let Some(w) = workspace {
-        let _ = write!(text, "; workspace {}", tensor_ref(w));
+        let _ = write!(text, "; workspace {}", tensor_ref(cx, w));
     }
     text
 }

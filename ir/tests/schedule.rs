@@ -3,12 +3,13 @@
 
 use protrain_ir::file::{self, FileProblem, MAGIC};
 use protrain_ir::print::value_names;
-use protrain_ir::verify_schedule::{verify_schedule, Invariant};
+use protrain_ir::verify_schedule::{verify, verify_schedule, Invariant};
 use protrain_ir::{
     BlockKind, Buffer, BufferId, BufferKind, Chunk, ChunkId, ChunkMember, ChunkSizeTrial,
     ChunkTable, CopyKind, DType, EventId, Graph, GraphInfo, Header, Instr, IrError,
-    MemoryBreakdown, OpId, OpKind, ParamId, Phase, Policy, Prediction, Role, Schedule, Space,
-    Stream, StreamKind, TensorRef, TensorType, ValueId, WeightLayout, FORMAT_VERSION,
+    MemoryBreakdown, OpId, OpKind, ParamId, Phase, Policy, Prediction, PrintOptions, Role,
+    Schedule, Space, Stream, StreamKind, TensorRef, TensorType, ValueId, WeightLayout,
+    FORMAT_VERSION,
 };
 
 // Streams of the tiny schedule.
@@ -196,8 +197,8 @@ fn tiny() -> Schedule {
             OptimizerState { chunk: ChunkId(0) },
         ),
         buf("logits (swapped)", Host, 256, 24, HostActivation),
-        // Cross-entropy's per-row losses (2 rows of f32).
-        buf("workspace.cross_entropy", Device, 40, 8, Workspace),
+        // Cross-entropy's per-row losses (2 rows of f32), aligned as workspaces are.
+        buf("workspace.cross_entropy", Device, 48, 8, Workspace),
     ];
     let fetch = CopyKind::FetchChunk { chunk: ChunkId(0) };
     let compute = vec![
@@ -350,6 +351,32 @@ fn the_tiny_schedule_verifies() {
     }
 }
 
+// The proof type -------------------------------------------------------------------------
+
+#[test]
+fn verify_gives_a_verified_schedule_or_the_first_broken_invariant() {
+    let mut proof = verify(tiny()).unwrap();
+    assert_eq!(proof.events, 6, "it reads as the schedule");
+    assert_eq!(proof.schedule().to_text(), tiny().to_text());
+    // What the verifier does not read can change after verification.
+    proof.prediction_mut().step_seconds = 2.0;
+    proof.report_mut().push_str("\nsimulated");
+    let schedule = proof.into_inner();
+    assert_eq!(schedule.header.prediction.step_seconds, 2.0);
+    assert!(verify_schedule(&schedule).is_ok());
+
+    let mut broken = tiny();
+    deadlock(&mut broken);
+    let err = verify(broken).unwrap_err();
+    assert_eq!(err.invariant, Invariant::Deadlock, "{err}");
+    assert_eq!(
+        protrain_ir::VerifiedSchedule::try_from(tiny())
+            .unwrap()
+            .to_text(),
+        tiny().to_text()
+    );
+}
+
 // The verifier, one broken invariant at a time --------------------------------------------
 
 /// A way to break the tiny schedule.
@@ -463,6 +490,42 @@ fn wait_on_own_later_record(s: &mut Schedule) {
 fn kernel_on_a_copy_stream(s: &mut Schedule) {
     let k = s.streams[HOST_OPT].instrs.pop().unwrap();
     s.streams[D2H].instrs.push(k);
+}
+
+fn misaligned_offset(s: &mut Schedule) {
+    // d.x moved 2 bytes up, still inside the arena and clear of its neighbours: every f32
+    // element of it would straddle two words.
+    s.buffers[DX as usize].offset = 218;
+}
+
+fn misaligned_workspace(s: &mut Schedule) {
+    s.buffers[CE_WORKSPACE as usize].offset = 40;
+}
+
+/// Sets an AdamW setting of the tiny schedule's graph, as an edit of its JSON form would.
+fn set_adamw(s: &mut Schedule, key: &str, value: f64) {
+    let mut json: serde_json::Value = serde_json::from_str(&s.graph.to_json()).unwrap();
+    fn visit(v: &mut serde_json::Value, key: &str, value: f64) -> usize {
+        match v {
+            serde_json::Value::Object(map) if map.contains_key("beta2") => {
+                map.insert(key.into(), value.into());
+                1
+            }
+            serde_json::Value::Object(map) => map.values_mut().map(|v| visit(v, key, value)).sum(),
+            serde_json::Value::Array(items) => items.iter_mut().map(|v| visit(v, key, value)).sum(),
+            _ => 0,
+        }
+    }
+    assert_eq!(
+        visit(&mut json, key, value),
+        1,
+        "the tiny graph has one AdamW"
+    );
+    s.graph = Graph::from_json(&json.to_string()).unwrap();
+}
+
+fn negative_eps(s: &mut Schedule) {
+    set_adamw(s, "eps", -1e233);
 }
 
 #[test]
@@ -630,7 +693,7 @@ fn a_workspace_for_a_kernel_that_needs_none_is_named() {
     check(
         workspace_not_needed,
         Invariant::Ids,
-        &["stream compute #1 (linear logits): has a workspace (buf8) but linear needs none"],
+        &["stream compute #1 (linear logits): has a workspace (buf7) but linear needs none"],
     );
 }
 
@@ -653,6 +716,70 @@ fn a_wait_for_a_later_record_on_the_same_stream_is_named() {
 }
 
 #[test]
+fn an_offset_misaligned_for_its_element_type_is_named() {
+    check(
+        misaligned_offset,
+        Invariant::Alignment,
+        &[
+            "stream compute #6 (linear_backward d.x): writes %8 (f32[1,2,4]) at device 0xda \
+             (buf11), which is not a multiple of 4 bytes",
+        ],
+    );
+}
+
+#[test]
+fn a_misaligned_workspace_is_named() {
+    check(
+        misaligned_workspace,
+        Invariant::Alignment,
+        &[
+            "stream compute #2 (cross_entropy loss): has its workspace at device 0x28 (buf8), \
+             which is not a multiple of 16 bytes",
+        ],
+    );
+}
+
+#[test]
+fn optimizer_settings_out_of_range_are_named() {
+    check(
+        negative_eps,
+        Invariant::Optimizer,
+        &[
+            "stream host_opt #1 (adamw lm_head.weight): eps = -1e233, but it must be finite \
+             and > 0",
+            "compile the schedule again with a valid --eps",
+        ],
+    );
+    let cases = [
+        ("lr", -1e-3, "lr = -0.001, but it must be finite and >= 0"),
+        ("beta1", -0.5, "beta1 = -0.5, but it must be in [0, 1)"),
+        ("beta2", 1.0, "beta2 = 1.0, but it must be in [0, 1)"),
+        ("eps", 0.0, "eps = 0.0, but it must be finite and > 0"),
+        (
+            "weight_decay",
+            -0.1,
+            "weight_decay = -0.1, but it must be finite and >= 0",
+        ),
+    ];
+    for (key, value, expect) in cases {
+        let mut s = tiny();
+        set_adamw(&mut s, key, value);
+        let err = verify_schedule(&s).expect_err(key);
+        assert_eq!(err.invariant, Invariant::Optimizer, "{err}");
+        assert!(
+            err.to_string().contains(expect),
+            "expected `{expect}` in\n{err}"
+        );
+    }
+    // The edges of each range are fine: a zero learning rate and decay, zero betas.
+    let mut s = tiny();
+    for key in ["lr", "beta1", "beta2", "weight_decay"] {
+        set_adamw(&mut s, key, 0.0);
+    }
+    verify_schedule(&s).unwrap();
+}
+
+#[test]
 fn a_kernel_on_a_copy_stream_is_named() {
     check(
         kernel_on_a_copy_stream,
@@ -664,7 +791,7 @@ fn a_kernel_on_a_copy_stream_is_named() {
 /// Every message above, as a user reads it.
 #[test]
 fn every_broken_invariant_reads_clearly() {
-    let cases: [(&str, Breakage); 18] = [
+    let cases: [(&str, Breakage); 21] = [
         ("overlapping live buffers", overlapping_live_buffers),
         ("missing wait", missing_wait),
         ("read before fetch completes", read_before_fetch_completes),
@@ -686,6 +813,9 @@ fn every_broken_invariant_reads_clearly() {
         ("event out of range", event_out_of_range),
         ("wait on own later record", wait_on_own_later_record),
         ("kernel on a copy stream", kernel_on_a_copy_stream),
+        ("misaligned offset", misaligned_offset),
+        ("misaligned workspace", misaligned_workspace),
+        ("negative eps", negative_eps),
     ];
     let mut report = String::new();
     for (name, mutate) in cases {
@@ -759,7 +889,7 @@ fn pipeline(layers: usize) -> Schedule {
         buf(
             "workspace.cross_entropy",
             Device,
-            40,
+            48,
             8,
             BufferKind::Workspace,
         ),
@@ -898,6 +1028,84 @@ fn the_printer_is_canonical() {
     insta::assert_snapshot!(tiny().to_text());
 }
 
+/// The tiny schedule with its buffer table in another order (reversed), every reference
+/// renumbered to match: the same schedule.
+fn reversed_buffers() -> Schedule {
+    let mut s = tiny();
+    let n = s.buffers.len() as u32;
+    s.buffers.reverse();
+    let flip = |t: &mut TensorRef| t.buffer = BufferId(n - 1 - t.buffer.0);
+    for instr in s.streams.iter_mut().flat_map(|st| &mut st.instrs) {
+        match instr {
+            Instr::Kernel {
+                inputs,
+                outputs,
+                workspace,
+                ..
+            } => inputs
+                .iter_mut()
+                .chain(outputs)
+                .chain(workspace)
+                .for_each(flip),
+            Instr::Copy { src, dst, .. } => {
+                flip(src);
+                flip(dst);
+            }
+            Instr::Record { .. } | Instr::Wait { .. } => {}
+        }
+    }
+    s.homes.iter_mut().for_each(|(_, t)| flip(t));
+    s.masters.iter_mut().for_each(|(_, t)| flip(t));
+    flip(&mut s.loss);
+    s
+}
+
+#[test]
+fn buffers_print_numbered_in_order_of_appearance_whatever_their_ids() {
+    let s = tiny();
+    let text = s.to_text();
+    // The homes come first: x, targets, then the weight's host chunk.
+    assert!(text.contains("  %0 (x) at buf0 = device[+0x0]\n"), "{text}");
+    assert!(
+        text.contains("  @lm_head.weight at buf2 = host[+0x0]\n"),
+        "{text}"
+    );
+    let reversed = reversed_buffers();
+    verify_schedule(&reversed).unwrap();
+    assert_eq!(reversed.to_text(), text);
+    // The verifier names buffers as the printer does.
+    let mut a = tiny();
+    let mut b = reversed_buffers();
+    workspace_not_needed(&mut a);
+    if let Instr::Kernel { workspace, .. } = &mut b.streams[COMPUTE].instrs[1] {
+        *workspace = Some(at(14 - DX, 0));
+    }
+    assert_eq!(
+        verify_schedule(&a).unwrap_err(),
+        verify_schedule(&b).unwrap_err()
+    );
+}
+
+#[test]
+fn the_report_can_be_left_out() {
+    let s = tiny();
+    let full = s.to_text();
+    assert!(full.contains("; report:\n;   1 candidate, 1 fits\n;   chosen: the only one\n"));
+    assert_eq!(s.to_text_with(PrintOptions::default()), full);
+    let without = s.to_text_with(PrintOptions::WITHOUT_REPORT);
+    assert!(
+        !without.contains("report") && !without.contains("chosen"),
+        "{without}"
+    );
+    assert_eq!(
+        without,
+        full.replace(
+            "; report:\n;   1 candidate, 1 fits\n;   chosen: the only one\n",
+            ""
+        )
+    );
+}
+
 #[test]
 fn the_schedule_printer_names_values_as_the_graph_printer_does() {
     let s = tiny();
@@ -926,7 +1134,7 @@ fn the_schedule_printer_names_values_as_the_graph_printer_does() {
 
 // The file format -------------------------------------------------------------------------
 
-fn problem(result: protrain_ir::Result<Schedule>) -> (FileProblem, String) {
+fn problem<T>(result: protrain_ir::Result<T>) -> (FileProblem, String) {
     match result {
         Err(e @ IrError::ScheduleFile { .. }) => {
             let text = e.to_string();

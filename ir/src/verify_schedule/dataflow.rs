@@ -1,0 +1,705 @@
+//! The data-flow checks: homes, then the step executed over the byte model of `memory.rs`
+//! (every read finds its value, written before it; no write races a read or a write), then
+//! what the step leaves behind.
+
+use super::memory::{hb, space_index, Content, Memory, Segment, Writer};
+use super::{overlaps, Checker, InstrRef, Invariant, ScheduleError, Span};
+use crate::graph::Role;
+use crate::ids::{OpId, StreamId, ValueId};
+use crate::print_schedule::space_name;
+use crate::schedule::{CopyKind, Instr, Space, TensorRef};
+
+/// One range a kernel writes.
+struct KernelWrite {
+    span: Span,
+    /// What the range comes to hold.
+    content: Content,
+    /// The input this write updates in place (AdamW's parameter and moments).
+    in_place_of: Option<usize>,
+}
+
+/// A problem a read found.
+enum Found {
+    /// Some bytes were never written.
+    Nothing,
+    /// Some bytes hold something else.
+    Other(Content, Writer),
+    /// The value is there, but its writer is not ordered before the read.
+    Unordered(InstrRef),
+}
+
+impl Checker<'_> {
+    // 10. homes ---------------------------------------------------------------------------
+
+    pub(super) fn homes(&self) -> Result<(), ScheduleError> {
+        let s = self.s;
+        // Homes and master weights (`true`), which must not overlap each other either.
+        let mut spans: Vec<(Span, ValueId, bool)> = s
+            .homes
+            .iter()
+            .map(|&(v, t)| (self.span(t, self.bytes(v)), v, false))
+            .chain(
+                s.masters
+                    .iter()
+                    .map(|&(v, t)| (self.span(t, 4 * self.g.value(v).ty.numel()), v, true)),
+            )
+            .filter(|((_, a, b), _, _)| a < b)
+            .collect();
+        spans.sort_by_key(|&((space, a, b), v, master)| (space, a, b, v, master));
+        let what = |v: ValueId, master: bool| match master {
+            true => format!("the master weight of {}", self.name(v)),
+            false => format!("the home of {}", self.name(v)),
+        };
+        for pair in spans.windows(2) {
+            let ((x, v, vm), (y, w, wm)) = (pair[0], pair[1]);
+            if overlaps(x, y) {
+                return Err(self.fail(
+                    Invariant::Homes,
+                    None,
+                    format!(
+                        "{} ({}) and {} ({}) overlap",
+                        what(v, vm),
+                        Self::range(x.0, x.1, x.2),
+                        what(w, wm),
+                        Self::range(y.0, y.1, y.2)
+                    ),
+                ));
+            }
+        }
+        let home_of = self.home_of();
+        for (r, instr) in self.instrs() {
+            let Instr::Kernel { op, inputs, .. } = instr else {
+                continue;
+            };
+            let o = self.g.op(*op);
+            for &j in o.kind.writes_inputs() {
+                let (Some(&v), Some(&t)) = (o.inputs.get(j), inputs.get(j)) else {
+                    continue;
+                };
+                let (space, a) = s.address(t);
+                let Some(home) = home_of[v.index()] else {
+                    return Err(self.fail(
+                        Invariant::Homes,
+                        Some(r),
+                        format!(
+                            "updates {} in place, but it has no home for the next step to \
+                             read it from",
+                            self.name(v)
+                        ),
+                    ));
+                };
+                let (hs, ha) = s.address(home);
+                if (space, a) != (hs, ha) {
+                    return Err(self.fail(
+                        Invariant::Homes,
+                        Some(r),
+                        format!(
+                            "updates {} in place at {} {a:#x}, but its home is at {} {ha:#x}: \
+                             the next step would not see the update",
+                            self.name(v),
+                            space_name(space),
+                            space_name(hs)
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // 11. data flow -----------------------------------------------------------------------
+
+    pub(super) fn data_flow(&self) -> Result<(), ScheduleError> {
+        let s = self.s;
+        let n = s.streams.len();
+        let mut mem = [Memory::new(n), Memory::new(n)];
+        for &(v, t) in &s.homes {
+            let (space, a, b) = self.span(t, self.bytes(v));
+            if a < b {
+                mem[space_index(space)].segments.insert(
+                    a,
+                    Segment {
+                        end: b,
+                        content: Content::Value {
+                            value: v,
+                            base: a,
+                            updated: false,
+                        },
+                        writer: Writer::Home,
+                        readers: vec![0; n].into_boxed_slice(),
+                    },
+                );
+            }
+        }
+        let mut pc = vec![0usize; n];
+        let mut clocks = vec![vec![0u32; n]; n];
+        let mut event_clocks: Vec<Option<Vec<u32>>> = vec![None; s.events as usize];
+        loop {
+            let next = (0..n).find(|&si| match s.streams[si].instrs.get(pc[si]) {
+                None => false,
+                Some(Instr::Wait { event }) => event_clocks[event.index()].is_some(),
+                Some(_) => true,
+            });
+            let Some(si) = next else { break };
+            let r = InstrRef {
+                stream: StreamId::new(si),
+                index: pc[si] as u32,
+            };
+            clocks[si][si] = r.index + 1;
+            match self.instr(r) {
+                Instr::Wait { event } => {
+                    let theirs = event_clocks[event.index()].as_ref().expect("recorded");
+                    for (mine, &t) in clocks[si].iter_mut().zip(theirs) {
+                        *mine = (*mine).max(t);
+                    }
+                }
+                Instr::Record { event } => event_clocks[event.index()] = Some(clocks[si].clone()),
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    workspace,
+                } => self.kernel(
+                    &mut mem,
+                    r,
+                    &clocks[si],
+                    &pc,
+                    *op,
+                    inputs,
+                    outputs,
+                    *workspace,
+                )?,
+                Instr::Copy {
+                    what,
+                    src,
+                    dst,
+                    bytes,
+                } => self.copy(&mut mem, r, &clocks[si], &pc, *what, *src, *dst, *bytes)?,
+            }
+            pc[si] += 1;
+        }
+        debug_assert!((0..n).all(|si| pc[si] == s.streams[si].instrs.len()));
+        self.end_of_step(&mut mem)
+    }
+
+    /// Checks that `[a, b)` holds all of `v` (based at `a`), not updated unless
+    /// `updated_ok`; the first thing found instead otherwise.
+    fn holds(mem: &mut Memory, v: ValueId, a: u64, b: u64, updated_ok: bool) -> Result<(), Found> {
+        mem.isolate(a, b);
+        let mut pos = a;
+        for (start, seg) in mem.within(a, b) {
+            if start > pos {
+                return Err(Found::Nothing);
+            }
+            match seg.content {
+                Content::Value {
+                    value,
+                    base,
+                    updated,
+                } if value == v && base == a && (updated_ok || !updated) => {}
+                other => return Err(Found::Other(other, seg.writer)),
+            }
+            pos = seg.end;
+        }
+        if pos < b {
+            return Err(Found::Nothing);
+        }
+        Ok(())
+    }
+
+    /// Checks a read of `v` at `[a, b)` by `r`: the value is there and its writers are
+    /// ordered before `r`.
+    #[allow(clippy::too_many_arguments)]
+    fn check_read(
+        &self,
+        mem: &mut Memory,
+        r: InstrRef,
+        clock: &[u32],
+        pc: &[usize],
+        v: ValueId,
+        space: Space,
+        a: u64,
+        b: u64,
+    ) -> Result<(), ScheduleError> {
+        if a == b {
+            return Ok(());
+        }
+        let found = match Self::holds(mem, v, a, b, false) {
+            Err(found) => Some(found),
+            Ok(()) => mem.within(a, b).find_map(|(_, seg)| match seg.writer {
+                Writer::Instr(w) if !hb(w, clock) => Some(Found::Unordered(w)),
+                _ => None,
+            }),
+        };
+        match found {
+            None => Ok(()),
+            Some(found) => Err(self.bad_read(r, pc, v, space, a, b, found)),
+        }
+    }
+
+    fn describe_content(&self, c: Content) -> String {
+        match c {
+            Content::Value {
+                value,
+                updated: true,
+                ..
+            } => format!("{} as updated in place", self.name(value)),
+            Content::Value { value, .. } => self.name(value).to_string(),
+            Content::Scratch => "kernel scratch".into(),
+            Content::Undefined => "undefined bytes".into(),
+        }
+    }
+
+    fn describe_writer(&self, w: Writer) -> String {
+        match w {
+            Writer::Home => "placed there before the step".into(),
+            Writer::Instr(r) => format!("written by {}", self.at(r)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn bad_read(
+        &self,
+        r: InstrRef,
+        pc: &[usize],
+        v: ValueId,
+        space: Space,
+        a: u64,
+        b: u64,
+        found: Found,
+    ) -> ScheduleError {
+        let what = format!("reads {} at {}", self.name(v), Self::range(space, a, b));
+        let msg = match found {
+            Found::Unordered(w) => format!(
+                "{what}, written by {}, but is not ordered after that write: a missing wait?",
+                self.at(w)
+            ),
+            Found::Nothing => format!(
+                "{what} but that memory holds nothing{}",
+                self.hint(pc, v, space, a)
+            ),
+            Found::Other(
+                Content::Value {
+                    value,
+                    base,
+                    updated: false,
+                },
+                writer,
+            ) if value == v => format!(
+                "{what} but that memory holds {} from {} {base:#x} on ({}): a misplaced \
+                 address",
+                self.name(v),
+                space_name(space),
+                self.describe_writer(writer)
+            ),
+            Found::Other(content, writer) => format!(
+                "{what} but that memory holds {} ({}){}",
+                self.describe_content(content),
+                self.describe_writer(writer),
+                self.hint(pc, v, space, a)
+            ),
+        };
+        self.fail(Invariant::DataFlow, Some(r), msg)
+    }
+
+    /// Why `v` is not at `space` `a` when read: who would have put it there.
+    fn hint(&self, pc: &[usize], v: ValueId, space: Space, a: u64) -> String {
+        let at = |t: TensorRef| self.s.address(t) == (space, a);
+        let mut offload = None;
+        for (r, instr) in self.instrs() {
+            let writes = match instr {
+                Instr::Kernel { op, outputs, .. } => {
+                    let o = self.g.op(*op);
+                    o.outputs
+                        .iter()
+                        .zip(outputs)
+                        .any(|(&out, &t)| out == v && at(t))
+                }
+                Instr::Copy { what, dst, .. } => match *what {
+                    CopyKind::ReloadActivation { value } | CopyKind::Scalar { value } => {
+                        value == v && at(*dst)
+                    }
+                    CopyKind::OffloadActivation { value } => {
+                        if value == v {
+                            offload.get_or_insert(r);
+                        }
+                        value == v && at(*dst)
+                    }
+                    CopyKind::FetchChunk { chunk } => {
+                        let (ds, da) = self.s.address(*dst);
+                        self.s.chunks.chunk(chunk).members.iter().any(|m| {
+                            self.g.param(m.param).value == v && (ds, da + m.offset) == (space, a)
+                        })
+                    }
+                    CopyKind::OffloadGrads { .. } => false,
+                },
+                Instr::Record { .. } | Instr::Wait { .. } => false,
+            };
+            if writes {
+                return if (r.index as usize) < pc[r.stream.index()] {
+                    format!(
+                        "; {} put it there, but it was overwritten before this read: \
+                         overlapping live buffers, or a release before its last use?",
+                        self.at(r)
+                    )
+                } else {
+                    format!(
+                        "; {} puts it there, but is not ordered before this read: a missing \
+                         wait?",
+                        self.at(r)
+                    )
+                };
+            }
+        }
+        if self
+            .s
+            .homes
+            .iter()
+            .any(|&(hv, t)| hv == v && self.s.address(t) == (space, a))
+        {
+            return format!(
+                "; that is the home of {}, overwritten before this read: overlapping live \
+                 buffers?",
+                self.name(v)
+            );
+        }
+        match offload {
+            Some(o) => format!(
+                "; {} is offloaded ({}) but never reloaded there",
+                self.name(v),
+                self.at(o)
+            ),
+            None => format!("; nothing writes {} there", self.name(v)),
+        }
+    }
+
+    /// Checks that `w` may overwrite `[a, b)` (isolated): every earlier write and read of
+    /// those bytes happens before it.
+    fn check_write(
+        &self,
+        mem: &mut Memory,
+        w: InstrRef,
+        clock: &[u32],
+        space: Space,
+        a: u64,
+        b: u64,
+    ) -> Result<(), ScheduleError> {
+        mem.isolate(a, b);
+        for (start, seg) in mem.within(a, b) {
+            let range = Self::range(space, start, seg.end);
+            let content = self.describe_content(seg.content);
+            if let Writer::Instr(prev) = seg.writer {
+                if !hb(prev, clock) {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(w),
+                        format!(
+                            "overwrites {content} at {range}, written by {}, which is not \
+                             ordered before this write: overlapping live buffers, or a \
+                             missing wait?",
+                            self.at(prev)
+                        ),
+                    ));
+                }
+            }
+            for (si, &last) in seg.readers.iter().enumerate() {
+                if last > clock[si] {
+                    let reader = InstrRef {
+                        stream: StreamId::new(si),
+                        index: last - 1,
+                    };
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(w),
+                        format!(
+                            "overwrites {content} at {range} while {} may still read it: \
+                             nothing orders that read before this write (a release before \
+                             its last use, or a missing wait?)",
+                            self.at(reader)
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn kernel(
+        &self,
+        mem: &mut [Memory; 2],
+        r: InstrRef,
+        clock: &[u32],
+        pc: &[usize],
+        op: OpId,
+        inputs: &[TensorRef],
+        outputs: &[TensorRef],
+        workspace: Option<TensorRef>,
+    ) -> Result<(), ScheduleError> {
+        let o = self.g.op(op);
+        let mut reads = Vec::with_capacity(inputs.len());
+        for (&v, &t) in o.inputs.iter().zip(inputs) {
+            let (space, a, b) = self.span(t, self.bytes(v));
+            self.check_read(&mut mem[space_index(space)], r, clock, pc, v, space, a, b)?;
+            reads.push((space, a, b));
+        }
+        let mut writes: Vec<KernelWrite> = Vec::with_capacity(o.outputs.len() + 1);
+        for (&v, &t) in o.outputs.iter().zip(outputs) {
+            let span = self.span(t, self.bytes(v));
+            let content = Content::Value {
+                value: v,
+                base: span.1,
+                updated: false,
+            };
+            writes.push(KernelWrite {
+                span,
+                content,
+                in_place_of: None,
+            });
+        }
+        if let Some(w) = workspace {
+            let span = self.span(w, self.workspace_need(op));
+            writes.push(KernelWrite {
+                span,
+                content: Content::Scratch,
+                in_place_of: None,
+            });
+        }
+        for &j in o.kind.writes_inputs() {
+            if let (Some(&span), Some(&v)) = (reads.get(j), o.inputs.get(j)) {
+                let content = Content::Value {
+                    value: v,
+                    base: span.1,
+                    updated: true,
+                };
+                writes.push(KernelWrite {
+                    span,
+                    content,
+                    in_place_of: Some(j),
+                });
+            }
+        }
+        let what = |w: &KernelWrite| match (w.content, w.in_place_of) {
+            (Content::Value { value, .. }, Some(_)) => format!("{} in place", self.name(value)),
+            (Content::Value { value, .. }, None) => self.name(value).to_string(),
+            _ => "its workspace".into(),
+        };
+        for (k, w) in writes.iter().enumerate() {
+            let span = w.span;
+            for (j, (&read, &v)) in reads.iter().zip(&o.inputs).enumerate() {
+                if w.in_place_of != Some(j) && overlaps(span, read) {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "writes {} at {}, which overlaps its input {} at {}: a kernel's \
+                             outputs must not alias its inputs",
+                            what(w),
+                            Self::range(span.0, span.1, span.2),
+                            self.name(v),
+                            Self::range(read.0, read.1, read.2)
+                        ),
+                    ));
+                }
+            }
+            for other in &writes[k + 1..] {
+                if overlaps(span, other.span) {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "writes {} at {} and {} at {}, which overlap",
+                            what(w),
+                            Self::range(span.0, span.1, span.2),
+                            what(other),
+                            Self::range(other.span.0, other.span.1, other.span.2)
+                        ),
+                    ));
+                }
+            }
+        }
+        for &(space, a, b) in &reads {
+            if a < b {
+                mem[space_index(space)].read(a, b, r);
+            }
+        }
+        for KernelWrite {
+            span: (space, a, b),
+            content,
+            ..
+        } in writes
+        {
+            if a < b {
+                let m = &mut mem[space_index(space)];
+                self.check_write(m, r, clock, space, a, b)?;
+                m.write(a, b, &[(0, b - a, content)], r);
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn copy(
+        &self,
+        mem: &mut [Memory; 2],
+        r: InstrRef,
+        clock: &[u32],
+        pc: &[usize],
+        what: CopyKind,
+        src: TensorRef,
+        dst: TensorRef,
+        bytes: u64,
+    ) -> Result<(), ScheduleError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (ss, sa, sb) = self.span(src, bytes);
+        let (ds, da, db) = self.span(dst, bytes);
+        let from = &mut mem[space_index(ss)];
+        match what {
+            CopyKind::OffloadActivation { value }
+            | CopyKind::ReloadActivation { value }
+            | CopyKind::Scalar { value } => {
+                self.check_read(from, r, clock, pc, value, ss, sa, sb)?;
+            }
+            CopyKind::FetchChunk { chunk } => {
+                for m in &self.s.chunks.chunk(chunk).members {
+                    let v = self.g.param(m.param).value;
+                    let a = sa + m.offset;
+                    self.check_read(from, r, clock, pc, v, ss, a, a + m.bytes)?;
+                }
+            }
+            CopyKind::OffloadGrads { .. } => {}
+        }
+        // A chunk copy moves the whole chunk, padding between its members included; whatever
+        // the padding holds (a kernel's scratch from before the chunk's buffer was live) is
+        // copied as undefined bytes, which nothing reads.
+        let members: Vec<(u64, u64)> = match what {
+            CopyKind::FetchChunk { chunk } | CopyKind::OffloadGrads { chunk } => self
+                .s
+                .chunks
+                .chunk(chunk)
+                .members
+                .iter()
+                .map(|m| (sa + m.offset, sa + m.offset + m.bytes))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let padding = |a: u64, b: u64| {
+            !members.is_empty() && members.iter().all(|&(ma, mb)| b <= ma || a >= mb)
+        };
+        from.isolate(sa, sb);
+        let mut pieces = Vec::new();
+        let mut pos = sa;
+        for (start, seg) in from.within(sa, sb) {
+            if let Writer::Instr(w) = seg.writer {
+                if !hb(w, clock) {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "copies {} at {}, written by {}, but is not ordered after that \
+                             write: a missing wait?",
+                            self.describe_content(seg.content),
+                            Self::range(ss, start, seg.end),
+                            self.at(w)
+                        ),
+                    ));
+                }
+            }
+            let content = match seg.content {
+                Content::Scratch if padding(start, seg.end) => Content::Undefined,
+                Content::Scratch => {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "copies kernel scratch at {} ({})",
+                            Self::range(ss, start, seg.end),
+                            self.describe_writer(seg.writer)
+                        ),
+                    ))
+                }
+                Content::Value {
+                    value,
+                    base,
+                    updated,
+                } => Content::Value {
+                    value,
+                    base: base.wrapping_add(da.wrapping_sub(sa)),
+                    updated,
+                },
+                Content::Undefined => Content::Undefined,
+            };
+            if start > pos {
+                pieces.push((pos - sa, start - sa, Content::Undefined));
+            }
+            pieces.push((start - sa, seg.end - sa, content));
+            pos = seg.end;
+        }
+        if pos < sb {
+            pieces.push((pos - sa, sb - sa, Content::Undefined));
+        }
+        from.read(sa, sb, r);
+        let to = &mut mem[space_index(ds)];
+        self.check_write(to, r, clock, ds, da, db)?;
+        to.write(da, db, &pieces, r);
+        Ok(())
+    }
+
+    // 12. end of step --------------------------------------------------------------------
+
+    fn end_of_step(&self, mem: &mut [Memory; 2]) -> Result<(), ScheduleError> {
+        let s = self.s;
+        let loss = self.loss_value();
+        let (space, a, b) = self.span(s.loss, self.bytes(loss));
+        if let Err(found) = Self::holds(&mut mem[space_index(space)], loss, a, b, false) {
+            return Err(self.fail(
+                Invariant::EndOfStep,
+                None,
+                format!(
+                    "at the end of the step `loss` ({}) holds {}, not the loss {}",
+                    Self::range(space, a, b),
+                    self.describe_found(&found),
+                    self.name(loss)
+                ),
+            ));
+        }
+        for &(v, t) in &s.homes {
+            if self.g.value(v).role == Role::Input {
+                continue;
+            }
+            let (space, a, b) = self.span(t, self.bytes(v));
+            if a == b {
+                continue;
+            }
+            if let Err(found) = Self::holds(&mut mem[space_index(space)], v, a, b, true) {
+                return Err(self.fail(
+                    Invariant::EndOfStep,
+                    None,
+                    format!(
+                        "at the end of the step the home of {} ({}) holds {}: the next step \
+                         would read that as {}",
+                        self.name(v),
+                        Self::range(space, a, b),
+                        self.describe_found(&found),
+                        self.name(v)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn describe_found(&self, found: &Found) -> String {
+        match *found {
+            Found::Nothing => "nothing".into(),
+            Found::Other(content, writer) => format!(
+                "{} ({})",
+                self.describe_content(content),
+                self.describe_writer(writer)
+            ),
+            Found::Unordered(w) => format!("a value written by {}", self.at(w)),
+        }
+    }
+}

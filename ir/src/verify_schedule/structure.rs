@@ -1,0 +1,617 @@
+//! The structure checks: ids in range, instructions that fit their ops and streams, optimizer
+//! settings, every address inside its buffer and aligned, the budgets, every op run once.
+
+use super::{Checker, InstrRef, Invariant, ScheduleError};
+use crate::ids::{BufferId, OpId};
+use crate::op::OpKind;
+use crate::print_schedule::{copy_label, space_name, stream_kind_name};
+use crate::schedule::{BufferKind, CopyKind, Instr, Space, StreamKind, TensorRef, FORMAT_VERSION};
+use crate::types::format_bytes;
+use crate::workspace::WORKSPACE_ALIGN;
+
+/// `320 B`, or `1.50 GiB (1610612736 B)` where the rounded figure hides the exact one.
+fn exact_bytes(n: u64) -> String {
+    if n < 1024 {
+        format_bytes(n)
+    } else {
+        format!("{} ({n} B)", format_bytes(n))
+    }
+}
+
+impl Checker<'_> {
+    // 2. ids ------------------------------------------------------------------------------
+
+    pub(super) fn ids(&self) -> Result<(), ScheduleError> {
+        let (s, g) = (self.s, self.g);
+        let bad = |msg: String| Err(self.fail(Invariant::Ids, None, msg));
+        if s.header.format_version != FORMAT_VERSION {
+            return bad(format!(
+                "the header says format version {}, this build writes {FORMAT_VERSION}",
+                s.header.format_version
+            ));
+        }
+        if s.streams.is_empty() {
+            return bad("the schedule has no stream".into());
+        }
+        let (n_buffers, n_chunks, n_values, n_ops, n_params) = (
+            s.buffers.len(),
+            s.chunks.len(),
+            g.values().len(),
+            g.op_count(),
+            g.params().len(),
+        );
+        for (i, b) in s.buffers.iter().enumerate() {
+            if let BufferKind::PersistentChunk { chunk }
+            | BufferKind::HostChunk { chunk }
+            | BufferKind::GradChunk { chunk }
+            | BufferKind::HostGradChunk { chunk }
+            | BufferKind::OptimizerState { chunk } = b.kind
+            {
+                if chunk.index() >= n_chunks {
+                    return bad(format!(
+                        "{} ({}) belongs to {chunk}, but the chunk table has {n_chunks} chunks",
+                        self.buf(BufferId::new(i)),
+                        b.name
+                    ));
+                }
+            }
+        }
+        for (c, chunk) in s.chunks.iter() {
+            for m in &chunk.members {
+                if m.param.index() >= n_params {
+                    return bad(format!(
+                        "{c} holds {}, but the graph has {n_params} parameters",
+                        m.param
+                    ));
+                }
+                let p = g.param(m.param);
+                let want = g.value(p.value).ty.bytes();
+                if m.bytes != want {
+                    return bad(format!(
+                        "{c} gives @{} {} bytes, its type takes {want}",
+                        p.name, m.bytes
+                    ));
+                }
+            }
+        }
+        let mut homed = vec![false; n_values];
+        for &(v, t) in &s.homes {
+            if v.index() >= n_values {
+                return bad(format!(
+                    "homes lists {v}, but the graph has {n_values} values"
+                ));
+            }
+            if t.buffer.index() >= n_buffers {
+                return bad(format!(
+                    "the home of {} is in {}, but there are {n_buffers} buffers",
+                    self.name(v),
+                    t.buffer
+                ));
+            }
+            if let Some(op) = g.value(v).producer {
+                return bad(format!(
+                    "homes lists {}, which {} computes: only inputs, parameters and optimizer \
+                     state have homes",
+                    self.name(v),
+                    self.describe_op(op)
+                ));
+            }
+            if std::mem::replace(&mut homed[v.index()], true) {
+                return bad(format!("homes lists {} twice", self.name(v)));
+            }
+        }
+        let mut mastered = vec![false; n_values];
+        for &(v, t) in &s.masters {
+            if v.index() >= n_values {
+                return bad(format!(
+                    "masters lists {v}, but the graph has {n_values} values"
+                ));
+            }
+            let ty = &g.value(v).ty;
+            if g.param_of(v).is_none() || ty.dtype == crate::DType::F32 {
+                return bad(format!(
+                    "masters lists {} ({ty}): only parameters narrower than f32 have an f32 \
+                     master weight",
+                    self.name(v)
+                ));
+            }
+            match s.buffers.get(t.buffer.index()).map(|b| b.kind) {
+                Some(BufferKind::OptimizerState { .. }) => {}
+                Some(kind) => {
+                    return bad(format!(
+                        "the master weight of {} is in {} ({kind:?}), not an optimizer-state \
+                         buffer",
+                        self.name(v),
+                        self.buf(t.buffer)
+                    ))
+                }
+                None => {
+                    return bad(format!(
+                        "the master weight of {} is in {}, but there are {n_buffers} buffers",
+                        self.name(v),
+                        t.buffer
+                    ))
+                }
+            }
+            if std::mem::replace(&mut mastered[v.index()], true) {
+                return bad(format!("masters lists {} twice", self.name(v)));
+            }
+        }
+        for (_, op) in g.ops() {
+            if let OpKind::AdamW { .. } = op.kind {
+                let p = op.inputs[0];
+                if g.value(p).ty.dtype != crate::DType::F32 && !mastered[p.index()] {
+                    return bad(format!(
+                        "AdamW updates {} ({}) but the schedule gives it no f32 master weight",
+                        self.name(p),
+                        g.value(p).ty
+                    ));
+                }
+            }
+        }
+        for (v, value) in g.values() {
+            if value.producer.is_none() && !homed[v.index()] {
+                return bad(format!(
+                    "{} ({}, {}) has no home: every input, parameter and optimizer state needs one",
+                    self.name(v),
+                    value.name,
+                    value.role.name()
+                ));
+            }
+        }
+        if g.outputs().is_empty() {
+            return bad("the graph has no output for `loss` to hold".into());
+        }
+        if s.loss.buffer.index() >= n_buffers {
+            return bad(format!(
+                "`loss` is in {}, but there are {n_buffers} buffers",
+                s.loss.buffer
+            ));
+        }
+        for (r, instr) in self.instrs() {
+            let kind = s.streams[r.stream.index()].kind;
+            let bad = |msg: String| Err(self.fail(Invariant::Ids, Some(r), msg));
+            match instr {
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    workspace,
+                } => {
+                    let space = match kind {
+                        StreamKind::Compute => Space::Device,
+                        StreamKind::HostOptimizer => Space::Host,
+                        _ => {
+                            return bad(format!(
+                                "a kernel on a {} stream: kernels run on compute and host \
+                                 optimizer streams",
+                                stream_kind_name(kind)
+                            ))
+                        }
+                    };
+                    if op.index() >= n_ops {
+                        return bad(format!("runs {op}, but the graph has {n_ops} ops"));
+                    }
+                    let o = g.op(*op);
+                    if inputs.len() != o.inputs.len() || outputs.len() != o.outputs.len() {
+                        return bad(format!(
+                            "addresses {} inputs and {} outputs, its op has {} and {}",
+                            inputs.len(),
+                            outputs.len(),
+                            o.inputs.len(),
+                            o.outputs.len()
+                        ));
+                    }
+                    for t in inputs.iter().chain(outputs).chain(workspace) {
+                        if t.buffer.index() >= n_buffers {
+                            return bad(format!(
+                                "addresses {}, but there are {n_buffers} buffers",
+                                t.buffer
+                            ));
+                        }
+                        let b = s.buffer(t.buffer);
+                        if b.space != space {
+                            return bad(format!(
+                                "addresses {} ({}) in {} memory, but a kernel on a {} stream \
+                                 works in {} memory",
+                                self.buf(t.buffer),
+                                b.name,
+                                space_name(b.space),
+                                stream_kind_name(kind),
+                                space_name(space)
+                            ));
+                        }
+                    }
+                    let need = self.workspace_need(*op);
+                    match (need, workspace) {
+                        (0, Some(w)) => {
+                            return bad(format!(
+                                "has a workspace ({}) but {} needs none",
+                                self.buf(w.buffer),
+                                o.kind.mnemonic()
+                            ))
+                        }
+                        (n, None) if n > 0 => {
+                            return bad(format!(
+                                "has no workspace but needs {} ({n} B)",
+                                format_bytes(n)
+                            ))
+                        }
+                        _ => {}
+                    }
+                }
+                Instr::Copy {
+                    what,
+                    src,
+                    dst,
+                    bytes,
+                } => {
+                    let (from, to) = match kind {
+                        StreamKind::HostToDevice => (Space::Host, Space::Device),
+                        StreamKind::DeviceToHost => (Space::Device, Space::Host),
+                        _ => {
+                            return bad(format!(
+                                "a copy on a {} stream: copies run on host-to-device and \
+                                 device-to-host streams",
+                                stream_kind_name(kind)
+                            ))
+                        }
+                    };
+                    for t in [src, dst] {
+                        if t.buffer.index() >= n_buffers {
+                            return bad(format!(
+                                "copies via {}, but there are {n_buffers} buffers",
+                                t.buffer
+                            ));
+                        }
+                    }
+                    let (sb, db) = (s.buffer(src.buffer), s.buffer(dst.buffer));
+                    if sb.space != from || db.space != to {
+                        return bad(format!(
+                            "copies from {} ({}) to {} ({}) on a {} stream, which copies \
+                             from {} to {}",
+                            space_name(sb.space),
+                            sb.name,
+                            space_name(db.space),
+                            db.name,
+                            stream_kind_name(kind),
+                            space_name(from),
+                            space_name(to)
+                        ));
+                    }
+                    let inbound = matches!(
+                        what,
+                        CopyKind::FetchChunk { .. } | CopyKind::ReloadActivation { .. }
+                    );
+                    if inbound != (kind == StreamKind::HostToDevice) {
+                        return bad(format!(
+                            "a {} copy goes the other way",
+                            copy_label(*what, &self.names)
+                        ));
+                    }
+                    match *what {
+                        CopyKind::FetchChunk { chunk } | CopyKind::OffloadGrads { chunk } => {
+                            if chunk.index() >= n_chunks {
+                                return bad(format!(
+                                    "copies {chunk}, but the chunk table has {n_chunks} chunks"
+                                ));
+                            }
+                            if let CopyKind::FetchChunk { .. } = what {
+                                let c = s.chunks.chunk(chunk);
+                                if let Some(m) = c.members.iter().find(|m| {
+                                    m.offset.checked_add(m.bytes).is_none_or(|e| e > *bytes)
+                                }) {
+                                    return bad(format!(
+                                        "fetches {bytes} bytes of {chunk}, which leaves out \
+                                         @{} at +{:#x}",
+                                        g.param(m.param).name,
+                                        m.offset
+                                    ));
+                                }
+                            }
+                        }
+                        CopyKind::OffloadActivation { value }
+                        | CopyKind::ReloadActivation { value }
+                        | CopyKind::Scalar { value } => {
+                            if value.index() >= n_values {
+                                return bad(format!(
+                                    "copies {value}, but the graph has {n_values} values"
+                                ));
+                            }
+                            if *bytes != self.bytes(value) {
+                                return bad(format!(
+                                    "copies {bytes} bytes of {}, which has {}",
+                                    self.name(value),
+                                    self.bytes(value)
+                                ));
+                            }
+                        }
+                    }
+                }
+                Instr::Record { event } | Instr::Wait { event } => {
+                    if event.0 >= s.events {
+                        return bad(format!(
+                            "uses e{}, but events are numbered 0..{}",
+                            event.0, s.events
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // 3. optimizer ------------------------------------------------------------------------
+
+    pub(super) fn optimizer(&self) -> Result<(), ScheduleError> {
+        // (setting, value, whether it is valid, the range, the flag that sets it)
+        type Setting = (&'static str, f64, bool, &'static str, &'static str);
+        let finite_at_least_0 = |x: f64| x.is_finite() && x >= 0.0;
+        let finite_above_0 = |x: f64| x.is_finite() && x > 0.0;
+        let decay = |x: f64| (0.0..1.0).contains(&x);
+        for (id, op) in self.g.ops() {
+            let settings: Vec<Setting> = match op.kind {
+                OpKind::AdamW {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } => vec![
+                    ("lr", lr, finite_at_least_0(lr), "finite and >= 0", "--lr"),
+                    ("beta1", beta1, decay(beta1), "in [0, 1)", "--beta1"),
+                    ("beta2", beta2, decay(beta2), "in [0, 1)", "--beta2"),
+                    ("eps", eps, finite_above_0(eps), "finite and > 0", "--eps"),
+                    (
+                        "weight_decay",
+                        weight_decay,
+                        finite_at_least_0(weight_decay),
+                        "finite and >= 0",
+                        "--weight-decay",
+                    ),
+                ],
+                OpKind::ClipCoef { max_norm } => vec![(
+                    "max_norm",
+                    max_norm,
+                    finite_above_0(max_norm),
+                    "finite and > 0",
+                    "--grad-clip",
+                )],
+                _ => continue,
+            };
+            if let Some(&(name, value, _, range, flag)) = settings.iter().find(|s| !s.2) {
+                let at = self.instrs().find_map(|(r, instr)| match instr {
+                    Instr::Kernel { op, .. } if *op == id => Some(r),
+                    _ => None,
+                });
+                let msg = format!(
+                    "{name} = {value:?}, but it must be {range}, or the step computes NaN or \
+                     diverges; compile the schedule again with a valid {flag}"
+                );
+                let msg = match at {
+                    Some(_) => msg,
+                    None => format!("{id} ({}): {msg}", self.describe_op(id)),
+                };
+                return Err(self.fail(Invariant::Optimizer, at, msg));
+            }
+        }
+        Ok(())
+    }
+
+    // 4. bounds ---------------------------------------------------------------------------
+
+    pub(super) fn bounds(&self) -> Result<(), ScheduleError> {
+        let s = self.s;
+        for (i, b) in s.buffers.iter().enumerate() {
+            let (limit, what) = match b.space {
+                Space::Device => (s.arena_bytes, "the arena"),
+                Space::Host => (s.host_bytes, "the host region"),
+            };
+            if b.offset.checked_add(b.size).is_none_or(|end| end > limit) {
+                return Err(self.fail(
+                    Invariant::Bounds,
+                    None,
+                    format!(
+                        "{} ({}) at {} {:#x} + {} B ends past {what} ({limit} B)",
+                        self.buf(BufferId::new(i)),
+                        b.name,
+                        space_name(b.space),
+                        b.offset,
+                        b.size
+                    ),
+                ));
+            }
+        }
+        // Whether `bytes` at `t` fit in its buffer; else a description of the overrun.
+        let fits = |t: TensorRef, bytes: u64| -> Result<(), String> {
+            let b = s.buffer(t.buffer);
+            match t.offset.checked_add(bytes) {
+                Some(end) if end <= b.size => Ok(()),
+                _ => Err(format!(
+                    "{} B at {}+{:#x} end past {} ({}, {} B)",
+                    bytes,
+                    self.buf(t.buffer),
+                    t.offset,
+                    self.buf(t.buffer),
+                    b.name,
+                    b.size
+                )),
+            }
+        };
+        for &(v, t) in &s.homes {
+            fits(t, self.bytes(v)).map_err(|e| {
+                self.fail(
+                    Invariant::Bounds,
+                    None,
+                    format!("the home of {}: {e}", self.name(v)),
+                )
+            })?;
+        }
+        for &(v, t) in &s.masters {
+            fits(t, 4 * self.g.value(v).ty.numel()).map_err(|e| {
+                self.fail(
+                    Invariant::Bounds,
+                    None,
+                    format!("the master weight of {}: {e}", self.name(v)),
+                )
+            })?;
+        }
+        let loss = self.loss_value();
+        fits(s.loss, self.bytes(loss)).map_err(|e| {
+            self.fail(
+                Invariant::Bounds,
+                None,
+                format!("`loss` ({}): {e}", self.name(loss)),
+            )
+        })?;
+        for (r, instr) in self.instrs() {
+            let bad = |e: String| self.fail(Invariant::Bounds, Some(r), e);
+            match instr {
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    workspace,
+                } => {
+                    let o = self.g.op(*op);
+                    for (what, vs, ts) in [
+                        ("reads", &o.inputs, inputs),
+                        ("writes", &o.outputs, outputs),
+                    ] {
+                        for (&v, &t) in vs.iter().zip(ts.iter()) {
+                            fits(t, self.bytes(v))
+                                .map_err(|e| bad(format!("{what} {}: {e}", self.name(v))))?;
+                        }
+                    }
+                    if let Some(w) = workspace {
+                        fits(*w, self.workspace_need(*op))
+                            .map_err(|e| bad(format!("workspace: {e}")))?;
+                    }
+                }
+                Instr::Copy {
+                    src, dst, bytes, ..
+                } => {
+                    fits(*src, *bytes).map_err(|e| bad(format!("source: {e}")))?;
+                    fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
+                }
+                Instr::Record { .. } | Instr::Wait { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    // 5. alignment ------------------------------------------------------------------------
+
+    pub(super) fn alignment(&self) -> Result<(), ScheduleError> {
+        let s = self.s;
+        // Whether `t` is aligned to `align`; else a description of where it is. `what` names
+        // what lies there, `parts` what would be misaligned.
+        let aligned = |t: TensorRef, align: u64, what: &str, parts: &str| -> Result<(), String> {
+            let (space, a) = s.address(t);
+            if a.is_multiple_of(align) {
+                return Ok(());
+            }
+            let at = match t.offset {
+                0 => self.buf(t.buffer),
+                off => format!("{}+{off:#x}", self.buf(t.buffer)),
+            };
+            Err(format!(
+                "{what} at {} {a:#x} ({at}), which is not a multiple of {align} bytes ({parts} \
+                 would be misaligned)",
+                space_name(space)
+            ))
+        };
+        let value = |v, t: TensorRef, what: &str| {
+            let ty = &self.g.value(v).ty;
+            let what = format!("{what}{} ({ty})", self.name(v));
+            let parts = format!("its {} elements", ty.dtype);
+            aligned(t, ty.dtype.size(), &what, &parts)
+        };
+        let whole = |e: String| self.fail(Invariant::Alignment, None, e);
+        for &(v, t) in &s.homes {
+            value(v, t, "the home of ").map_err(whole)?;
+        }
+        for &(v, t) in &s.masters {
+            let what = format!("the f32 master weight of {}", self.name(v));
+            aligned(t, 4, &what, "its elements").map_err(whole)?;
+        }
+        value(self.loss_value(), s.loss, "`loss` ").map_err(whole)?;
+        for (r, instr) in self.instrs() {
+            let Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                workspace,
+            } = instr
+            else {
+                continue;
+            };
+            let bad = |e: String| self.fail(Invariant::Alignment, Some(r), e);
+            let o = self.g.op(*op);
+            for (v, t) in o.inputs.iter().zip(inputs) {
+                value(*v, *t, "reads ").map_err(bad)?;
+            }
+            for (v, t) in o.outputs.iter().zip(outputs) {
+                value(*v, *t, "writes ").map_err(bad)?;
+            }
+            if let Some(w) = workspace {
+                aligned(*w, WORKSPACE_ALIGN, "has its workspace", "its parts").map_err(bad)?;
+            }
+        }
+        Ok(())
+    }
+
+    // 6. budget ---------------------------------------------------------------------------
+
+    pub(super) fn budget(&self) -> Result<(), ScheduleError> {
+        let (s, h) = (self.s, &self.s.header);
+        for (what, used, budget) in [
+            ("device arena", s.arena_bytes, h.device_budget_bytes),
+            ("host region", s.host_bytes, h.host_budget_bytes),
+        ] {
+            if used > budget {
+                return Err(self.fail(
+                    Invariant::Budget,
+                    None,
+                    format!(
+                        "the {what} takes {}, over its budget of {}",
+                        exact_bytes(used),
+                        exact_bytes(budget)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    // 7. coverage -------------------------------------------------------------------------
+
+    pub(super) fn coverage(&self) -> Result<(), ScheduleError> {
+        let mut ran: Vec<Option<InstrRef>> = vec![None; self.g.op_count()];
+        for (r, instr) in self.instrs() {
+            if let Instr::Kernel { op, .. } = instr {
+                if let Some(first) = ran[op.index()].replace(r) {
+                    return Err(self.fail(
+                        Invariant::Coverage,
+                        Some(r),
+                        format!("runs {op} a second time (first at {})", self.at(first)),
+                    ));
+                }
+            }
+        }
+        if let Some(i) = ran.iter().position(Option::is_none) {
+            let op = OpId::new(i);
+            return Err(self.fail(
+                Invariant::Coverage,
+                None,
+                format!(
+                    "{op} ({}, {} phase) never runs: every op of the graph runs exactly once",
+                    self.describe_op(op),
+                    self.g.op(op).phase
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,281 @@
+//! Where each piece of a kernel's scratch lies in the workspace the memory plan gives its op.
+//!
+//! One layout for every consumer: [`OpKind::workspace_bytes`] (what the planner reserves and
+//! the verifier checks) is its size, the host kernels (`runtime/src/dispatch.rs`) and the CUDA
+//! launch plan (`runtime/src/cuda/launch.rs`) take their sub-buffers from it. Every part starts
+//! at a multiple of [`WORKSPACE_ALIGN`] bytes from the workspace's start, so an f32 or f64
+//! part after a bf16 one is aligned whatever the shapes (the planner places the workspace
+//! itself at an aligned offset). It says where scratch lies, not what a kernel computes there.
+
+use crate::op::{grad_norm_partials, reduction_chunks, OpKind, QkvLayout};
+use crate::types::TensorType;
+
+/// Every part of a workspace starts at a multiple of this many bytes: enough for f64 partials
+/// and for the 16-byte vector loads a kernel may use.
+pub const WORKSPACE_ALIGN: u64 = 16;
+
+/// One part of a workspace: `bytes` bytes at `offset` from the workspace's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Bytes from the workspace's start; a multiple of [`WORKSPACE_ALIGN`].
+    pub offset: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+impl Region {
+    /// The first byte after the part.
+    pub fn end(&self) -> u64 {
+        self.offset + self.bytes
+    }
+}
+
+/// What a part of a workspace holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scratch {
+    /// A norm's per-row mean (f32 `[rows]`; layer norm only).
+    Mean,
+    /// A norm's per-row reciprocal deviation (f32 `[rows]`).
+    Rstd,
+    /// Column-sum partials of a norm's weight gradient (f32 `[chunks, C]`).
+    WeightPartials,
+    /// Column-sum partials of a bias gradient (f32 `[chunks, cols]`; a fused linear's are
+    /// reused by each projection in turn, so they are as wide as the widest).
+    BiasPartials,
+    /// A fused linear backward's gradient of kept projection `i` (the activations' dtype).
+    ProjectionGrad(u32),
+    /// A fused linear backward's input-gradient contribution of the projections after the
+    /// last one issued (one `dx`'s worth, in x's dtype).
+    Contribution,
+    /// Cross-entropy's per-row losses (f32 `[B*T]`).
+    RowLoss,
+    /// Attention backward's `sum(dout * out)` per query row (f32 `[B, H, T]`).
+    Delta,
+    /// The token embedding backward's first and last position of each token id (i32 `[V, 2]`).
+    TokenSpan,
+    /// A gradient's squared-norm partial sums (f64, [`grad_norm_partials`] of them).
+    NormPartials,
+}
+
+/// The parts of one op's workspace, in address order. See the module doc.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkspaceLayout {
+    parts: Vec<(Scratch, Region)>,
+}
+
+/// `v` rounded up to a multiple of [`WORKSPACE_ALIGN`].
+fn align_up(v: u64) -> u64 {
+    v.div_ceil(WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+}
+
+impl WorkspaceLayout {
+    /// Appends a part of `bytes` bytes at the next aligned offset.
+    fn push(&mut self, what: Scratch, bytes: u64) {
+        let offset = align_up(self.bytes());
+        self.parts.push((what, Region { offset, bytes }));
+    }
+
+    /// The layout of an op of `kind` with inputs of types `inputs`, as
+    /// [`OpKind::workspace_bytes`] documents it per kind. Kinds that need no scratch have no
+    /// parts.
+    pub fn of(kind: &OpKind, inputs: &[&TensorType]) -> Self {
+        let partials = |rows: u64, cols: u64| 4 * reduction_chunks(rows) * cols;
+        let x = |i: usize| inputs.get(i).copied();
+        let rows = x(0).map_or(0, TensorType::rows);
+        let cols = x(0).map_or(0, TensorType::last_dim);
+        let mut l = WorkspaceLayout::default();
+        match kind {
+            OpKind::LayerNorm { .. } => {
+                l.push(Scratch::Mean, 4 * rows);
+                l.push(Scratch::Rstd, 4 * rows);
+            }
+            OpKind::RmsNorm { .. } => l.push(Scratch::Rstd, 4 * rows),
+            OpKind::LayerNormBackward { .. } => {
+                l.push(Scratch::Mean, 4 * rows);
+                l.push(Scratch::Rstd, 4 * rows);
+                l.push(Scratch::WeightPartials, partials(rows, cols));
+                l.push(Scratch::BiasPartials, partials(rows, cols));
+            }
+            OpKind::RmsNormBackward { .. } => {
+                l.push(Scratch::Rstd, 4 * rows);
+                l.push(Scratch::WeightPartials, partials(rows, cols));
+            }
+            OpKind::LinearBackward { bias: true, .. } => {
+                l.push(
+                    Scratch::BiasPartials,
+                    partials(rows, x(2).map_or(0, TensorType::last_dim)),
+                );
+            }
+            OpKind::FusedLinearBackward {
+                count,
+                bias,
+                epilogue,
+                ..
+            } => {
+                let n = *count as usize;
+                if epilogue.has_output() && epilogue.keeps_projections() {
+                    for (i, t) in inputs.iter().skip(1 + n).take(n).enumerate() {
+                        l.push(Scratch::ProjectionGrad(i as u32), t.bytes());
+                    }
+                }
+                if *count >= 2 {
+                    l.push(Scratch::Contribution, x(0).map_or(0, TensorType::bytes));
+                }
+                if *bias {
+                    let widest = inputs
+                        .iter()
+                        .skip(1)
+                        .take(n)
+                        .map(|w| w.numel() / cols.max(1))
+                        .max()
+                        .unwrap_or(0);
+                    l.push(Scratch::BiasPartials, partials(rows, widest));
+                }
+            }
+            OpKind::CrossEntropy => l.push(Scratch::RowLoss, 4 * rows),
+            // The log-sum-exp input has the delta's shape `[B, H, T]`.
+            OpKind::AttentionBackward { qkv, .. } => {
+                let lse = match qkv {
+                    QkvLayout::Separate => x(4),
+                    QkvLayout::Packed => x(2),
+                };
+                l.push(Scratch::Delta, lse.map_or(0, |t| 4 * t.numel()));
+            }
+            OpKind::EmbeddingBackward { rows: vocab, .. } => l.push(Scratch::TokenSpan, 8 * vocab),
+            OpKind::GradNormSq => l.push(
+                Scratch::NormPartials,
+                8 * grad_norm_partials(x(0).map_or(0, TensorType::numel)),
+            ),
+            OpKind::LinearBackward { bias: false, .. }
+            | OpKind::Embedding { .. }
+            | OpKind::PositionEmbedding { .. }
+            | OpKind::Linear { .. }
+            | OpKind::Gelu
+            | OpKind::Relu
+            | OpKind::Silu
+            | OpKind::Swiglu
+            | OpKind::Add
+            | OpKind::Rope { .. }
+            | OpKind::Attention { .. }
+            | OpKind::FusedLinear { .. }
+            | OpKind::PositionEmbeddingBackward { .. }
+            | OpKind::GeluBackward
+            | OpKind::ReluBackward
+            | OpKind::SiluBackward
+            | OpKind::SwigluBackward
+            | OpKind::RopeBackward { .. }
+            | OpKind::CrossEntropyBackward
+            | OpKind::ClipCoef { .. }
+            | OpKind::AdamW { .. } => {}
+        }
+        l
+    }
+
+    /// Bytes the workspace needs: the end of its last part (0 without parts).
+    pub fn bytes(&self) -> u64 {
+        self.parts.last().map_or(0, |(_, r)| r.end())
+    }
+
+    /// Where `what` lies, if the layout has it.
+    pub fn get(&self, what: Scratch) -> Option<Region> {
+        self.parts.iter().find(|(s, _)| *s == what).map(|(_, r)| *r)
+    }
+
+    /// Every part, in address order.
+    pub fn parts(&self) -> &[(Scratch, Region)] {
+        &self.parts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::{Epilogue, WeightLayout};
+    use crate::types::DType;
+
+    fn t(shape: &[u64], dtype: DType) -> TensorType {
+        TensorType::new(shape.to_vec(), dtype)
+    }
+
+    /// Parts are aligned, in address order, and overlap nothing.
+    fn check_well_formed(l: &WorkspaceLayout) {
+        let mut end = 0;
+        for (what, r) in l.parts() {
+            assert_eq!(r.offset % WORKSPACE_ALIGN, 0, "{what:?} at {}", r.offset);
+            assert!(r.offset >= end, "{what:?} overlaps the part before");
+            end = r.end();
+        }
+        assert_eq!(l.bytes(), end);
+    }
+
+    #[test]
+    fn fused_linear_backward_in_bf16_with_odd_rows_aligns_its_f32_partials() {
+        // 3 rows (B=1, T=3), d_in 5, two projections of 7 (a SwiGLU MLP's gate and up) with
+        // biases: the kept gradients take 2 * 3 * 14 = 84 bytes and the contribution
+        // 2 * 3 * 5 = 30, so packed end to end the f32 bias partials would start at byte 114,
+        // which no f32 load may read from.
+        let (x, w) = (t(&[1, 3, 5], DType::BF16), t(&[7, 5], DType::BF16));
+        let h = t(&[1, 3, 7], DType::BF16);
+        let kind = OpKind::FusedLinearBackward {
+            count: 2,
+            bias: true,
+            layout: WeightLayout::OutIn,
+            epilogue: Epilogue::Swiglu,
+        };
+        let inputs = [&x, &w, &w, &h, &h, &h];
+        let l = WorkspaceLayout::of(&kind, &inputs);
+        check_well_formed(&l);
+        let at = |s| l.get(s).expect("present").offset;
+        assert_eq!(at(Scratch::ProjectionGrad(0)), 0);
+        assert_eq!(at(Scratch::ProjectionGrad(1)), 48);
+        assert_eq!(at(Scratch::Contribution), 48 + 48);
+        assert_eq!(at(Scratch::BiasPartials), 96 + 32);
+        assert_eq!(l.get(Scratch::BiasPartials).unwrap().bytes, 4 * 7);
+        assert_eq!(kind.workspace_bytes(&inputs), 128 + 28);
+    }
+
+    #[test]
+    fn norm_statistics_with_odd_rows_are_aligned() {
+        let (x, w) = (t(&[1, 3, 8], DType::BF16), t(&[8], DType::BF16));
+        let kind = OpKind::LayerNormBackward { eps: 1e-5 };
+        let l = WorkspaceLayout::of(&kind, &[&x, &w, &x]);
+        check_well_formed(&l);
+        let parts: Vec<Scratch> = l.parts().iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            parts,
+            [
+                Scratch::Mean,
+                Scratch::Rstd,
+                Scratch::WeightPartials,
+                Scratch::BiasPartials
+            ]
+        );
+        assert_eq!(l.get(Scratch::Rstd).unwrap().offset, 16);
+        assert_eq!(l.get(Scratch::WeightPartials).unwrap().offset, 32);
+    }
+
+    #[test]
+    fn kinds_without_scratch_have_no_parts_and_no_bytes() {
+        let x = t(&[2, 4], DType::F32);
+        for kind in [
+            OpKind::Gelu,
+            OpKind::Add,
+            OpKind::LinearBackward {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+        ] {
+            let l = WorkspaceLayout::of(&kind, &[&x, &x, &x]);
+            assert!(l.parts().is_empty(), "{kind:?}");
+            assert_eq!(kind.workspace_bytes(&[&x, &x, &x]), 0);
+        }
+    }
+
+    #[test]
+    fn aligned_shapes_keep_their_packed_sizes() {
+        // Rows a multiple of 4: no padding, so such schedules keep their planned sizes.
+        let (x, w) = (t(&[2, 8, 64], DType::F32), t(&[64], DType::F32));
+        let l = WorkspaceLayout::of(&OpKind::LayerNormBackward { eps: 1e-5 }, &[&x, &w, &x]);
+        assert_eq!(l.bytes(), 8 * 16 + 2 * 4 * 64);
+    }
+}
