@@ -8,6 +8,9 @@ pub enum CompileError {
     /// The IR rejected a graph or op.
     #[error(transparent)]
     Ir(#[from] IrError),
+    /// The model could not be built (boxed: model errors carry whole lists of fields).
+    #[error(transparent)]
+    Model(Box<protrain_models::ModelError>),
     /// A compiled schedule broke an invariant (a compiler bug).
     #[error(transparent)]
     Schedule(#[from] protrain_ir::verify_schedule::ScheduleError),
@@ -20,6 +23,19 @@ pub enum CompileError {
     /// A placement policy does not fit the model.
     #[error("bad policy: {0}")]
     BadPolicy(String),
+    /// An op reads more offloaded chunks at once than the policy has chunk buffers.
+    #[error(
+        "bad policy: {op} reads {chunks} offloaded chunks at once but n_buffer is {n_buffer}; \
+         use n_buffer >= {chunks}"
+    )]
+    TooFewBuffers {
+        /// The op, with its output's name.
+        op: String,
+        /// Offloaded chunks it reads.
+        chunks: u32,
+        /// The policy's chunk buffers.
+        n_buffer: u32,
+    },
     /// No policy fits the budget.
     #[error("{0}")]
     BudgetTooSmall(String),
@@ -29,6 +45,12 @@ pub enum CompileError {
     /// An optimizer setting is out of range.
     #[error("{0}")]
     BadOptimizer(String),
+}
+
+impl From<protrain_models::ModelError> for CompileError {
+    fn from(e: protrain_models::ModelError) -> Self {
+        Self::Model(Box::new(e))
+    }
 }
 
 /// The compiler's result alias.

@@ -4,6 +4,7 @@
 pub mod autodiff;
 pub mod chunk;
 pub mod cost;
+pub mod egraph;
 pub mod emit;
 pub mod error;
 pub mod fuse;

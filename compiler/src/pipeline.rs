@@ -1,21 +1,364 @@
-//! The passes, in the order they run, each followed by the verifier.
+//! The pipeline: the passes in the order they run, each followed by the verifier.
 //!
-//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) -> streams -> plan ->
-//! emit -> Schedule. `search` runs `place..emit` for many policies. `validate` (translation
-//! validation of placement) runs after `place` in tests and debug builds.
+//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) -> streams ->
+//! plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] -> simulate.
+//!
+//! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
+//! turn, verifying the graph after every pass, keeping each stage's product so that a caller
+//! (`protrain dump`) can stop at any stage and print it. `search` runs `place..emit` for many
+//! policies through [`compile_policy`]. The free functions below run one stage each, with
+//! the verifier, for tests and tools that assemble stages themselves.
 
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
-use crate::cost::CostModel;
+use crate::cost::{cost_model, CostModel};
 use crate::emit::{emit, HeaderInputs};
-use crate::error::Result;
+use crate::error::{CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
 use crate::place::place;
 use crate::plan::plan_buffers;
+use crate::search::{search, SearchOptions, SearchReport};
+use crate::simulate::{simulate, Simulation};
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
-use protrain_ir::verify_schedule::verify_schedule;
-use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
+use protrain_ir::verify_schedule::{verify, verify_schedule, VerifiedSchedule};
+use protrain_ir::{
+    format_bytes, op_key, BlockKind, ChunkTable, DType, Graph, HardwareProfile, IrError, Policy,
+    PolicySpec, Schedule,
+};
+use protrain_models::{build_forward, BuildOptions, ModelConfig};
+use std::time::Instant;
+
+/// Which policy to compile.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum PolicyChoice {
+    /// Search for the fastest that fits.
+    #[default]
+    Auto,
+    /// This one; settings it leaves out take their defaults ([`PolicySpec::resolve`]).
+    Fixed(PolicySpec),
+}
+
+impl PolicyChoice {
+    /// Parses `auto`, or a policy in its text form ([`PolicySpec`]): `key=value` pairs
+    /// separated by commas or spaces, which is also how a compiled schedule prints its policy.
+    pub fn parse(text: &str) -> std::result::Result<Self, IrError> {
+        if text.trim() == "auto" {
+            return Ok(Self::Auto);
+        }
+        Ok(Self::Fixed(text.parse()?))
+    }
+}
+
+/// What to compile for. [`CompileOptions::default`] is the host machine with the shape and
+/// element type the host backend trains with; [`CompileOptions::for_hardware`] picks the
+/// defaults for another machine.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// Sequences per step.
+    pub batch: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// Element type of parameters and activations.
+    pub dtype: DType,
+    /// The machine (with any memory overrides applied).
+    pub hardware: HardwareProfile,
+    /// Device bytes allowed; default the profile's usable device memory.
+    pub device_budget: Option<u64>,
+    /// The policy.
+    pub policy: PolicyChoice,
+    /// The optimizer the schedule runs.
+    pub optimizer: OptimizerConfig,
+    /// Whether to fuse the forward graph first (see [`crate::fuse`]); fusion changes no
+    /// result, only speed.
+    pub fuse: bool,
+}
+
+/// The batch, sequence length and element type a compilation defaults to on `hardware`:
+/// 8 x 64 in f32 on the host (what its f32 kernels train quickly), 1 x 1024 in bf16 on a GPU.
+/// Every command takes its defaults from here, so a schedule compiled with the defaults runs
+/// with the defaults.
+pub fn default_shape(hardware: &HardwareProfile) -> (u64, u64, DType) {
+    if is_host(hardware) {
+        (8, 64, DType::F32)
+    } else {
+        (1, 1024, DType::BF16)
+    }
+}
+
+/// Whether a profile describes the host CPU as the device: the `host` preset, or a profile
+/// `protrain profile --backend host` measured (named `host...`).
+pub fn is_host(hardware: &HardwareProfile) -> bool {
+    hardware.name.starts_with("host")
+}
+
+impl CompileOptions {
+    /// The defaults for `hardware`: [`default_shape`], its whole usable memory, a searched
+    /// policy, the default optimizer, fusion on.
+    pub fn for_hardware(hardware: HardwareProfile) -> Self {
+        let (batch, seq, dtype) = default_shape(&hardware);
+        Self {
+            batch,
+            seq,
+            dtype,
+            hardware,
+            device_budget: None,
+            policy: PolicyChoice::Auto,
+            optimizer: OptimizerConfig::default(),
+            fuse: true,
+        }
+    }
+
+    /// The device bytes a schedule may use.
+    pub fn device_budget(&self) -> u64 {
+        self.device_budget
+            .unwrap_or_else(|| self.hardware.usable_device_bytes())
+    }
+}
+
+impl Default for CompileOptions {
+    /// [`CompileOptions::for_hardware`] on this machine's `host` profile.
+    fn default() -> Self {
+        Self::for_hardware(HardwareProfile::host())
+    }
+}
+
+/// A compiled schedule and how it came about.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The schedule, verified, with its predicted time filled in.
+    pub schedule: VerifiedSchedule,
+    /// The search report, when the policy was searched for.
+    pub report: Option<SearchReport>,
+    /// The fusion report, when the graph was fused.
+    pub fusion: Option<FuseReport>,
+    /// The simulation of the schedule.
+    pub simulation: Simulation,
+    /// Things the user should know that did not stop the compilation (a measured profile
+    /// that lacks ops, so their times come from the roofline).
+    pub warnings: Vec<String>,
+    /// Seconds the compilation took.
+    pub compile_seconds: f64,
+}
+
+/// The stages a [`Context`] can stop after, in pipeline order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// The forward graph the model builder lowers to.
+    Forward,
+    /// The forward graph after fusion (the same graph when fusion is off).
+    Fused,
+    /// The training graph: forward, backward and optimizer.
+    Autodiff,
+    /// The training graph's chunk table.
+    Chunked,
+    /// The verified, simulated schedule.
+    Compiled,
+}
+
+/// One compilation: the model, the options, the cost model, and each stage's product once
+/// its pass has run. Every pass is followed by the verifier; placement is also checked by
+/// translation validation in debug builds and tests (see [`compile_policy`]).
+pub struct Context<'m> {
+    config: &'m ModelConfig,
+    options: CompileOptions,
+    cost: Box<dyn CostModel + Send + Sync>,
+    started: Instant,
+    forward: Option<Graph>,
+    fused: Option<Graph>,
+    fusion: Option<FuseReport>,
+    training: Option<Graph>,
+    chunks: Option<ChunkTable>,
+    compiled: Option<Compiled>,
+}
+
+impl<'m> Context<'m> {
+    /// A compilation of `config` under `options`; nothing runs until [`Context::run_until`]
+    /// or [`Context::compile`].
+    pub fn new(config: &'m ModelConfig, options: CompileOptions) -> Self {
+        let cost = cost_model(&options.hardware);
+        Self {
+            config,
+            options,
+            cost,
+            started: Instant::now(),
+            forward: None,
+            fused: None,
+            fusion: None,
+            training: None,
+            chunks: None,
+            compiled: None,
+        }
+    }
+
+    /// The options this compilation runs under.
+    pub fn options(&self) -> &CompileOptions {
+        &self.options
+    }
+
+    /// Runs every pass up to and including `stage` that has not run yet.
+    pub fn run_until(&mut self, stage: Stage) -> Result<()> {
+        if self.forward.is_none() {
+            let build = BuildOptions::new(self.options.batch, self.options.seq)
+                .with_dtype(self.options.dtype);
+            let forward = build_forward(self.config, &build)?;
+            verify_graph(&forward)?;
+            self.forward = Some(forward);
+        }
+        let forward = self.forward.as_ref().expect("built above");
+        if stage >= Stage::Fused && self.fused.is_none() {
+            if self.options.fuse {
+                let (graph, report) = fused(forward, self.cost.as_ref(), &FuseLimits::default())?;
+                self.fused = Some(graph);
+                self.fusion = Some(report);
+            } else {
+                self.fused = Some(forward.clone());
+            }
+        }
+        if stage >= Stage::Autodiff && self.training.is_none() {
+            let fused = self.fused.as_ref().expect("fused above");
+            self.training = Some(training_graph(fused, &self.options.optimizer)?);
+        }
+        if stage >= Stage::Chunked && self.chunks.is_none() {
+            self.chunks = Some(chunked(
+                self.training.as_ref().expect("differentiated above"),
+            ));
+        }
+        if stage >= Stage::Compiled && self.compiled.is_none() {
+            self.compiled = Some(self.schedule()?);
+        }
+        Ok(())
+    }
+
+    /// Runs the whole pipeline and returns the verified, simulated schedule.
+    pub fn compile(mut self) -> Result<Compiled> {
+        self.run_until(Stage::Compiled)?;
+        Ok(self.compiled.take().expect("compiled above"))
+    }
+
+    /// The forward graph, once built.
+    pub fn forward(&self) -> Option<&Graph> {
+        self.forward.as_ref()
+    }
+
+    /// The fused forward graph and the fusion report (none when fusion is off), once fused.
+    pub fn fused(&self) -> Option<(&Graph, Option<&FuseReport>)> {
+        self.fused.as_ref().map(|g| (g, self.fusion.as_ref()))
+    }
+
+    /// The training graph, once derived.
+    pub fn training(&self) -> Option<&Graph> {
+        self.training.as_ref()
+    }
+
+    /// The chunk table, once chunked.
+    pub fn chunks(&self) -> Option<&ChunkTable> {
+        self.chunks.as_ref()
+    }
+
+    /// Places, orders, plans and emits the schedule (searching for the policy or resolving
+    /// the one given), verifies it, simulates it and fills in its prediction.
+    fn schedule(&self) -> Result<Compiled> {
+        let training = self
+            .training
+            .as_ref()
+            .expect("run_until differentiates first");
+        let chunks = self.chunks.as_ref().expect("run_until chunks first");
+        let options = &self.options;
+        let layers = training
+            .blocks()
+            .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
+            .count();
+        let device_budget = options.device_budget();
+        let host_budget = options.hardware.host_memory_bytes;
+        let (mut schedule, report) = match &options.policy {
+            PolicyChoice::Auto => {
+                let search_options = SearchOptions {
+                    device_budget,
+                    host_budget,
+                    max_compiled: 64,
+                    hardware: options.hardware.summary(),
+                    model: self.config.name.clone(),
+                };
+                let (s, r) = search(training, chunks, self.cost.as_ref(), &search_options)?;
+                (s, Some(r))
+            }
+            PolicyChoice::Fixed(spec) => {
+                let policy = spec.resolve(chunks.len() as u32, layers)?;
+                let header = HeaderInputs {
+                    model: self.config.name.clone(),
+                    hardware: options.hardware.summary(),
+                    device_budget_bytes: device_budget,
+                    host_budget_bytes: host_budget,
+                    report: format!("policy given: {policy}"),
+                };
+                let s = compile_policy(training, chunks, &policy, header)?;
+                if s.arena_bytes > device_budget {
+                    return Err(CompileError::BudgetTooSmall(format!(
+                        "policy {policy} needs {} of device memory, more than the {} budget; \
+                         use --policy auto or a larger --gpu-memory",
+                        format_bytes(s.arena_bytes),
+                        format_bytes(device_budget)
+                    )));
+                }
+                (s, None)
+            }
+        };
+        if let Some(fusion) = &self.fusion {
+            schedule.header.report = format!("{}{}", fusion.to_text(), schedule.header.report);
+        }
+        let mut schedule = verify(schedule)?;
+        let simulation = simulate(&schedule, self.cost.as_ref())
+            .map_err(|e| CompileError::Simulation(e.to_string()))?;
+        let prediction = schedule.prediction_mut();
+        prediction.step_seconds = simulation.step_seconds;
+        prediction.stream_busy_seconds = simulation.stream_busy_seconds.clone();
+        Ok(Compiled {
+            warnings: unmeasured_ops(&options.hardware, &schedule.graph),
+            schedule,
+            report,
+            fusion: self.fusion.clone(),
+            simulation,
+            compile_seconds: self.started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Compiles a model under `options`: [`Context::compile`].
+pub fn compile(config: &ModelConfig, options: &CompileOptions) -> Result<Compiled> {
+    Context::new(config, options.clone()).compile()
+}
+
+/// A warning when `hardware` is a measured profile that lacks some of `graph`'s ops (their
+/// times then come from the roofline, which can mislead the search); none for presets, which
+/// measure nothing.
+fn unmeasured_ops(hardware: &HardwareProfile, graph: &Graph) -> Vec<String> {
+    if hardware.measured_ops.is_empty() {
+        return Vec::new();
+    }
+    let mut missing: Vec<String> = graph
+        .ops()
+        .map(|(_, op)| {
+            let inputs: Vec<_> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            op_key(&op.kind, &inputs)
+        })
+        .filter(|key| hardware.measured(key).is_none())
+        .collect();
+    missing.sort();
+    missing.dedup();
+    if missing.is_empty() {
+        return Vec::new();
+    }
+    let shown: Vec<&str> = missing.iter().take(3).map(String::as_str).collect();
+    vec![format!(
+        "the profile `{}` has no measured time for {} of this graph's op shapes (e.g. {}), so \
+         they are priced by the roofline; profile this model at this batch and sequence length \
+         (`protrain profile MODEL --batch B --seq T -o PROFILE.json`) for measured times",
+        hardware.name,
+        missing.len(),
+        shown.join(", ")
+    )]
+}
 
 /// Fuses a forward graph under a cost model (see [`crate::fuse`]); the verifier runs before
 /// and after.
@@ -46,9 +389,9 @@ pub fn chunked(training: &Graph) -> ChunkTable {
 
 /// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
 /// is verified after placement and, in tests and debug builds, validated against the training
-/// graph with an e-graph, and the schedule verified after emission
-/// (callers that publish a schedule verify it themselves); its step time is left for the
-/// simulator.
+/// graph with an e-graph, and the schedule verified after emission. It returns the schedule
+/// unverified in release builds: the search compiles many candidates and verifies only the
+/// one it keeps ([`Context`] does that); its step time is left for the simulator.
 pub fn compile_policy(
     training: &Graph,
     chunks: &ChunkTable,
@@ -60,7 +403,7 @@ pub fn compile_policy(
     if cfg!(debug_assertions) {
         let v = crate::validate::validate(training, &placed.graph);
         if !v.holds() {
-            return Err(crate::error::CompileError::Validation(format!(
+            return Err(CompileError::Validation(format!(
                 "placement under {policy} changed {}",
                 v.differing.join(", ")
             )));

@@ -10,7 +10,7 @@ use crate::cost::{estimate_iteration, ChunkTimes, CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
 use crate::pipeline::compile_policy;
-use crate::simulate::simulate;
+use crate::simulate::simulate_unverified;
 use protrain_ir::{
     format_bytes, BlockKind, BlockMode, ChunkTable, Graph, MemoryBreakdown, OpKind, Phase, Policy,
     Schedule,
@@ -502,15 +502,15 @@ pub fn search(
         for (policy, estimate, estimated_bytes, result) in results {
             let mut schedule = match result {
                 Ok(s) => s,
-                Err(CompileError::BadPolicy(_)) => {
+                Err(CompileError::BadPolicy(_) | CompileError::TooFewBuffers { .. }) => {
                     report.rejected_invalid += 1;
                     continue;
                 }
                 Err(e) => return Err(e),
             };
             ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
-            let sim =
-                simulate(&schedule, cost).map_err(|e| CompileError::Simulation(e.to_string()))?;
+            let sim = simulate_unverified(&schedule, cost)
+                .map_err(|e| CompileError::Simulation(e.to_string()))?;
             schedule.header.prediction.step_seconds = sim.step_seconds;
             schedule.header.prediction.stream_busy_seconds = sim.stream_busy_seconds.clone();
             let fits_device = schedule.arena_bytes <= options.device_budget;

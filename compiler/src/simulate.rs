@@ -1,6 +1,7 @@
 //! Discrete-event simulation of a schedule's streams and events, and its Chrome trace.
 
 use crate::cost::{CopyDir, CostModel};
+use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
     format_bytes, CopyKind, DType, EventId, Instr, Op, OpId, OpKind, Phase, Schedule, Space,
     StreamId, StreamKind, TensorRef, TensorType, Value, ValueId,
@@ -314,9 +315,26 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
 /// stream runs ahead until it blocks on an event not yet recorded and resumes when the record
 /// is reached: every instruction is visited once, O(n) plus sorting the timeline.
 ///
+/// A verified schedule cannot fail; [`simulate_unverified`] runs the same simulation on a
+/// schedule that has not been through the verifier.
+pub fn simulate(
+    schedule: &VerifiedSchedule,
+    cost: &dyn CostModel,
+) -> Result<Simulation, SimulateError> {
+    simulate_unverified(schedule, cost)
+}
+
+/// [`simulate`] on a schedule the verifier has not seen: the search's candidates, which it
+/// compiles by the dozen and verifies only once it has chosen (see
+/// [`crate::pipeline::compile_policy`]), and tests of the simulator's own checks.
+///
 /// Errors, checked before any time is computed: an instruction naming an op, value, buffer or
 /// event out of range; an event recorded twice. After: a deadlock, naming every stuck stream.
-pub fn simulate(schedule: &Schedule, cost: &dyn CostModel) -> Result<Simulation, SimulateError> {
+/// The verifier rejects all of these first.
+pub fn simulate_unverified(
+    schedule: &Schedule,
+    cost: &dyn CostModel,
+) -> Result<Simulation, SimulateError> {
     check_references(schedule)?;
     let records = record_sites(schedule)?;
     let n = schedule.streams.len();

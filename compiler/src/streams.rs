@@ -321,14 +321,24 @@ impl Builder {
             needed.sort();
             needed.dedup();
             if needed.len() > self.slots.len() {
-                return Err(CompileError::BadPolicy(format!(
-                    "{} ({}) reads {} offloaded chunks at once but n_buffer is {}; use n_buffer >= {}",
-                    graph.op(op).kind.mnemonic(),
-                    graph.value(graph.op(op).outputs.first().copied().unwrap_or(graph.op(op).inputs[0])).name,
-                    needed.len(),
-                    self.slots.len(),
-                    needed.len()
-                )));
+                return Err(CompileError::TooFewBuffers {
+                    op: format!(
+                        "{} ({})",
+                        graph.op(op).kind.mnemonic(),
+                        graph
+                            .value(
+                                graph
+                                    .op(op)
+                                    .outputs
+                                    .first()
+                                    .copied()
+                                    .unwrap_or(graph.op(op).inputs[0])
+                            )
+                            .name
+                    ),
+                    chunks: needed.len() as u32,
+                    n_buffer: self.slots.len() as u32,
+                });
             }
             for &c in &needed {
                 if let Some(s) = resident

@@ -1,16 +1,19 @@
 //! Translation validation: proves with an e-graph (egg) that placement changed no
 //! computation.
 //!
-//! Both graphs go into one e-graph, each op as a node whose operator is its kind with its
-//! attributes and whose children are its inputs' e-classes; parameters, inputs and optimizer
-//! state are leaves named by their names. Hash-consing and congruence closure then put a
-//! recompute clone in its original's e-class (same kind, equal inputs), so if placement is a
-//! faithful reordering with recomputation, the loss, every parameter's gradient and every
-//! optimizer update of the placed graph land in the same e-classes as the unplaced one's.
-//! Movement between memories is not in the graph (the schedule carries it) and needs no rule.
-//! It checks what is computed, not when: the schedule verifier checks the order.
+//! Both graphs go into one e-graph through the encoder fusion uses ([`crate::egraph`]): each
+//! op output a node over its inputs' e-classes and its kind (with every attribute); parameters,
+//! inputs and optimizer state leaves named by their role and name, so the two graphs share
+//! them. Hash-consing and congruence closure then put a recompute clone in its original's
+//! e-class (same kind, equal inputs), so if placement is a faithful reordering with
+//! recomputation, the loss, every parameter's gradient and every optimizer update of the
+//! placed graph land in the same e-classes as the unplaced one's. Movement between memories is
+//! not in the graph (the schedule carries it) and needs no rule; when it is, its identities
+//! are rewrites over the same language. It checks what is computed, not when: the schedule
+//! verifier checks the order.
 
-use egg::{EGraph, Id, Symbol, SymbolLang};
+use crate::egraph::{add_graph, Node, Plain};
+use egg::EGraph;
 use protrain_ir::{Graph, OpKind, Role, ValueId};
 use std::collections::HashMap;
 
@@ -30,40 +33,6 @@ impl Validation {
     pub fn holds(&self) -> bool {
         self.differing.is_empty()
     }
-}
-
-/// Adds a graph to the e-graph and returns the e-class of each of its values.
-fn add(egraph: &mut EGraph<SymbolLang, ()>, graph: &Graph) -> Vec<Option<Id>> {
-    let mut class: Vec<Option<Id>> = vec![None; graph.values().len()];
-    for (id, value) in graph.values() {
-        if value.producer.is_none() {
-            let leaf = format!("{}:{}", value.role.name(), value.name);
-            class[id.index()] = Some(egraph.add(SymbolLang::leaf(leaf)));
-        }
-    }
-    for (_, op) in graph.ops() {
-        let children: Vec<Id> = op
-            .inputs
-            .iter()
-            .map(|v| class[v.index()].expect("inputs come first"))
-            .collect();
-        let attrs: Vec<String> = op
-            .kind
-            .attributes()
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        let base = format!("{}[{}]", op.kind.mnemonic(), attrs.join(","));
-        // Each output is its own node: the op applied, projected to the output's position.
-        for (i, &out) in op.outputs.iter().enumerate() {
-            let node = SymbolLang::new(Symbol::from(format!("{base}#{i}")), children.clone());
-            class[out.index()] = Some(egraph.add(node));
-        }
-        if op.outputs.is_empty() {
-            egraph.add(SymbolLang::new(Symbol::from(base), children));
-        }
-    }
-    class
 }
 
 /// What must agree: the loss and, per parameter, the gradient and the AdamW op's operands.
@@ -89,9 +58,9 @@ fn observed(graph: &Graph) -> HashMap<String, ValueId> {
 /// Checks that `placed` computes the same loss, gradients and clip coefficient as
 /// `training`.
 pub fn validate(training: &Graph, placed: &Graph) -> Validation {
-    let mut egraph: EGraph<SymbolLang, ()> = EGraph::default();
-    let before = add(&mut egraph, training);
-    let after = add(&mut egraph, placed);
+    let mut egraph: EGraph<Node, Plain> = EGraph::default();
+    let before = add_graph(&mut egraph, training);
+    let after = add_graph(&mut egraph, placed);
     egraph.rebuild();
     let (want, got) = (observed(training), observed(placed));
     let mut differing = Vec::new();
@@ -99,9 +68,7 @@ pub fn validate(training: &Graph, placed: &Graph) -> Validation {
     names.sort();
     for name in names {
         let same = got.get(name).is_some_and(|&g| {
-            let a = before[want[name].index()].expect("every value has a class");
-            let b = after[g.index()].expect("every value has a class");
-            egraph.find(a) == egraph.find(b)
+            egraph.find(before[want[name].index()]) == egraph.find(after[g.index()])
         });
         if !same {
             differing.push(name.clone());

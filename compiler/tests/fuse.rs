@@ -249,4 +249,50 @@ mod fuse {
         // The unfused graph is trivially equivalent to itself.
         assert!(validate_fused(&f, &f, &limits).is_empty());
     }
+    /// Fusion and translation validation of placement encode a graph with one encoder: the
+    /// same graph added by either lands in the same nodes and classes. (With the two encodings
+    /// this replaced, validation's e-graph had no kind leaves and this failed.)
+    #[test]
+    fn fusion_and_validation_encode_an_op_into_one_e_class() {
+        use egg::EGraph;
+        use protrain_compiler::egraph::{add_graph, Node, Plain};
+        use protrain_compiler::validate::validate;
+        for model in ["gpt2-tiny", "llama-tiny", "opt-tiny"] {
+            let f = forward(model, 2, 16, DType::F32);
+            let cost = Roofline::new(HardwareProfile::preset("rtx3090").expect("preset"));
+            // No rewrite runs, so fusion's e-graph holds the forward graph and its unchanged
+            // rebuild; validation's holds the forward graph twice.
+            let none = FuseLimits {
+                iterations: 0,
+                ..Default::default()
+            };
+            let (g, report) = fused(&f, &cost, &none).expect("fuses");
+            assert_eq!(g.op_count(), f.op_count(), "{model}");
+            assert_eq!(report.egraph_nodes, validate(&f, &f).nodes, "{model}");
+            assert_eq!(report.egraph_nodes, validate(&f, &g).nodes, "{model}");
+            let mut egraph: EGraph<Node, Plain> = EGraph::default();
+            let first = add_graph(&mut egraph, &f);
+            let second = add_graph(&mut egraph, &g);
+            egraph.rebuild();
+            assert_eq!(
+                egraph.total_number_of_nodes(),
+                report.egraph_nodes,
+                "{model}"
+            );
+            assert_eq!(egraph.number_of_classes(), report.egraph_classes, "{model}");
+            // Every value of the rebuilt graph is in the class of the value of its name.
+            let by_name: std::collections::HashMap<&str, ValueId> =
+                f.values().map(|(id, v)| (v.name.as_str(), id)).collect();
+            assert_eq!(by_name.len(), f.values().len(), "{model}: names are unique");
+            for (id, v) in g.values() {
+                let original = by_name[v.name.as_str()];
+                assert_eq!(
+                    egraph.find(first[original.index()]),
+                    egraph.find(second[id.index()]),
+                    "{model}: {}",
+                    v.name
+                );
+            }
+        }
+    }
 }

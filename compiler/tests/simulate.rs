@@ -5,7 +5,7 @@
 mod simulate {
     use protrain_compiler::cost::{CopyDir, CostModel, Roofline};
     use protrain_compiler::simulate::{
-        category, chrome_trace, instr_label, instr_seconds, simulate, SimulateError, Simulation,
+        category, chrome_trace, instr_label, instr_seconds, simulate_unverified, SimulateError, Simulation,
         StuckStream,
     };
     use protrain_ir::{
@@ -241,7 +241,7 @@ mod simulate {
         expect_spans: &[(u32, usize, f64, f64, &str)],
         expect_step: f64,
     ) -> Simulation {
-        let sim = simulate(schedule, &Stub).unwrap();
+        let sim = simulate_unverified(schedule, &Stub).unwrap();
         let spans: Vec<(u32, usize, f64, f64, &str)> = sim
             .timeline
             .iter()
@@ -422,7 +422,7 @@ mod simulate {
                 ("h2d", StreamKind::HostToDevice, h2d),
             ],
         );
-        let sim = simulate(&s, &Stub).unwrap();
+        let sim = simulate_unverified(&s, &Stub).unwrap();
         assert_eq!(sim.step_seconds, f64::from(n) + 0.5);
         assert_eq!(sim.stream_busy_seconds, [f64::from(n), f64::from(n) / 2.0]);
         // One stall (the first fetch), then every kernel and copy.
@@ -432,7 +432,7 @@ mod simulate {
 
     /// Simulates `schedule` and expects it to deadlock with exactly `expect` stuck.
     fn check_deadlock(schedule: &Schedule, expect: &[StuckStream], why: &[&str]) {
-        let err = simulate(schedule, &Stub).unwrap_err();
+        let err = simulate_unverified(schedule, &Stub).unwrap_err();
         let text = err.to_string();
         match err {
             SimulateError::Deadlock { stuck } => assert_eq!(stuck, expect),
@@ -525,7 +525,7 @@ mod simulate {
 
     /// Simulating `schedule` fails with an error whose text contains `why`.
     fn check_rejects(schedule: &Schedule, why: &str) {
-        let err = simulate(schedule, &Stub).unwrap_err();
+        let err = simulate_unverified(schedule, &Stub).unwrap_err();
         assert!(err.to_string().contains(why), "expected {why:?} in {err}");
     }
 
@@ -570,7 +570,7 @@ mod simulate {
     #[test]
     fn simulate_chrome_trace_is_valid_json_with_one_event_per_timed_instruction() {
         let s = fetch_then_compute(3);
-        let sim = simulate(&s, &Stub).unwrap();
+        let sim = simulate_unverified(&s, &Stub).unwrap();
         let trace: Json = serde_json::from_str(&sim.chrome_trace(&s)).unwrap();
         assert_eq!(trace["displayTimeUnit"], "ms");
         let events = trace["traceEvents"].as_array().unwrap();
