@@ -12,12 +12,19 @@
 //! transformers would fill them with its reference model's values, which silently builds a model
 //! other than the one the file describes.
 //!
+//! Each family's fields are a struct with derived `Deserialize` (GPT-2's `attribute_map` names
+//! as serde aliases) whose field types check their values, so an error names the field's JSON
+//! path (`rope_scaling.factor`), what it must be and what it is. A second step applies the
+//! defaults and the checks that span fields.
+//!
 //! Parsing never panics: every number is range-checked before any arithmetic uses it.
 
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
@@ -148,40 +155,30 @@ impl ModelConfig {
     /// Parses a Hugging Face `config.json` text; `from` names it in errors and becomes the
     /// config's [`name`](Self::name).
     pub fn from_json(text: &str, from: ConfigSource) -> Result<Self> {
+        // Parsed once into a `Value`: syntax errors keep their line and column, and the family
+        // struct is chosen by `model_type` before the rest is read.
         let value: Value = serde_json::from_str(text).map_err(|e| invalid_json(&from, &e))?;
-        let Value::Object(map) = &value else {
+        if !value.is_object() {
             return Err(ModelError::NotAnObject {
                 found: kind_of(&value).to_string(),
                 from,
             });
-        };
-        let model_type = match map.get("model_type") {
-            None | Some(Value::Null) => return Err(ModelError::MissingModelType { from }),
-            Some(Value::String(s)) => s.as_str(),
-            Some(other) => {
-                return Err(ModelError::InvalidField {
-                    from,
-                    field: "model_type".into(),
-                    expected: "a string".into(),
-                    found: other.to_string(),
-                })
-            }
+        }
+        let head: Head = typed(&value, &from)?;
+        let Some(Text(model_type)) = head.model_type else {
+            return Err(ModelError::MissingModelType { from });
         };
         let Some(&model_type) = SUPPORTED_MODEL_TYPES.iter().find(|t| **t == model_type) else {
-            return Err(ModelError::UnknownModelType {
-                model_type: model_type.to_string(),
-                from,
-            });
+            return Err(ModelError::UnknownModelType { model_type, from });
         };
-        let fields = Fields {
-            map,
+        let context = Context {
             from: &from,
             model_type,
         };
         match model_type {
-            "gpt2" => parse_gpt2(&fields),
-            "llama" | "mistral" => parse_llama(&fields),
-            _ => parse_opt(&fields),
+            "gpt2" => typed::<Gpt2Json>(&value, &from)?.into_config(&context),
+            "llama" | "mistral" => typed::<RotaryJson>(&value, &from)?.into_config(&context),
+            _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
 
@@ -241,24 +238,273 @@ fn kind_of(value: &Value) -> &'static str {
     }
 }
 
-/// Typed, range-checked access to a config object's fields, with errors that name the field.
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
+/// Deserializes `value` as `T`; an error names the JSON path of the field at fault.
+fn typed<'a, T: Deserialize<'a>>(value: &'a Value, from: &ConfigSource) -> Result<T> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let field = e.path().to_string();
+        let message = e.inner().to_string();
+        if let Some(name) = message
+            .strip_prefix("duplicate field `")
+            .and_then(|m| m.strip_suffix('`'))
+        {
+            return ModelError::DuplicateField {
+                from: from.clone(),
+                field: name.to_string(),
+            };
+        }
+        // serde's own type errors ("invalid type: sequence, expected an object ...") read
+        // like the field types' ("must be ..., found ...").
+        let problem = match message
+            .strip_prefix("invalid type: ")
+            .and_then(|m| m.split_once(", expected "))
+        {
+            Some((found, expected)) => {
+                let found = match found {
+                    "sequence" => "an array",
+                    "map" => "an object",
+                    other => other,
+                };
+                must_be(expected, found)
+            }
+            None => message,
+        };
+        ModelError::InvalidField {
+            from: from.clone(),
+            field,
+            problem,
+        }
+    })
+}
+
+/// The text of an [`ModelError::InvalidField`]: what a field must be and what it is.
+fn must_be(expected: &str, found: impl fmt::Display) -> String {
+    format!("must be {expected}, found {found}")
+}
+
+// ----- Field types: each accepts any JSON value and checks it, so that a wrong value gets a
+// message saying what the field must be and what it is (as JSON), at the field's path.
+
+/// Takes the field's JSON value and checks it with `check`, which returns the field's value
+/// or what the field must be.
+fn checked<'de, D, T>(d: D, check: impl FnOnce(&Value) -> Result<T, String>) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    let value = Value::deserialize(d)?;
+    check(&value).map_err(|expected| D::Error::custom(must_be(&expected, &value)))
+}
+
+/// A dimension: an integer from 1 to `MAX`.
+#[derive(Clone, Copy)]
+struct Dim<const MAX: u64 = MAX_DIM>(u64);
+
+impl<'de, const MAX: u64> Deserialize<'de> for Dim<MAX> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| match v.as_u64() {
+            Some(n) if (1..=MAX).contains(&n) => Ok(Dim(n)),
+            _ => Err(format!("an integer from 1 to {MAX}")),
+        })
+    }
+}
+
+/// A layer count.
+type Layers = Dim<MAX_LAYERS>;
+
+/// `true` or `false`.
+#[derive(Clone, Copy)]
+struct Flag(bool);
+
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| v.as_bool().map(Flag).ok_or("true or false".into()))
+    }
+}
+
+/// A string.
+struct Text(String);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| {
+            v.as_str()
+                .map(|s| Text(s.to_string()))
+                .ok_or("a string".into())
+        })
+    }
+}
+
+/// A finite number `>= 0` (epsilons, standard deviations).
+#[derive(Clone, Copy)]
+struct NonNegative(f64);
+
+impl<'de> Deserialize<'de> for NonNegative {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| match v.as_f64() {
+            Some(x) if x.is_finite() && x >= 0.0 => Ok(NonNegative(x)),
+            _ => Err("a non-negative number".into()),
+        })
+    }
+}
+
+/// A finite number `> 0` (RoPE bases and factors).
+#[derive(Clone, Copy)]
+struct Positive(f64);
+
+impl<'de> Deserialize<'de> for Positive {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(Positive(x)),
+            _ => Err("a positive number".into()),
+        })
+    }
+}
+
+/// Any number, kept as written (for messages).
+struct Number(serde_json::Number);
+
+impl<'de> Deserialize<'de> for Number {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked(d, |v| match v {
+            Value::Number(n) => Ok(Number(n.clone())),
+            _ => Err("a number".into()),
+        })
+    }
+}
+
+/// A field whose absence and `null` mean different things (MistralConfig's
+/// `num_key_value_heads` and `sliding_window`, OPTConfig's `pad_token_id`): the class's default
+/// when absent, "none" when `null`. Use with `#[serde(default)]`.
+#[derive(Default)]
+enum Given<T> {
+    #[default]
+    Absent,
+    Null,
+    Value(T),
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Given<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Option::<T>::deserialize(d)?.map_or(Given::Null, Given::Value))
+    }
+}
+
+// ----- What each family reads. Every field is optional at this level (absent and `null` are
+// `None`); the conversions below apply transformers' defaults and require the dimensions.
+
+/// The field every config has.
+#[derive(Deserialize)]
+struct Head {
+    model_type: Option<Text>,
+}
+
+/// `GPT2Config`; `hidden_size`, `num_hidden_layers`, `num_attention_heads` and
+/// `max_position_embeddings` are accepted for the `n_*` names, as its `attribute_map` does.
+#[derive(Deserialize)]
+struct Gpt2Json {
+    vocab_size: Option<Dim>,
+    #[serde(alias = "hidden_size")]
+    n_embd: Option<Dim>,
+    #[serde(alias = "num_hidden_layers")]
+    n_layer: Option<Layers>,
+    #[serde(alias = "num_attention_heads")]
+    n_head: Option<Dim>,
+    #[serde(alias = "max_position_embeddings")]
+    n_positions: Option<Dim>,
+    n_inner: Option<Dim>,
+    activation_function: Option<Text>,
+    layer_norm_epsilon: Option<NonNegative>,
+    tie_word_embeddings: Option<Flag>,
+    initializer_range: Option<NonNegative>,
+    scale_attn_weights: Option<Flag>,
+    scale_attn_by_inverse_layer_idx: Option<Flag>,
+    add_cross_attention: Option<Flag>,
+}
+
+/// `LlamaConfig` and `MistralConfig`, which read the same fields but for LLaMA's biases and
+/// Mistral's window. Each field is type-checked even where the other family ignores it.
+#[derive(Deserialize)]
+struct RotaryJson {
+    vocab_size: Option<Dim>,
+    hidden_size: Option<Dim>,
+    intermediate_size: Option<Dim>,
+    num_hidden_layers: Option<Layers>,
+    num_attention_heads: Option<Dim>,
+    #[serde(default)]
+    num_key_value_heads: Given<Dim>,
+    head_dim: Option<Dim>,
+    max_position_embeddings: Option<Dim>,
+    hidden_act: Option<Text>,
+    rms_norm_eps: Option<NonNegative>,
+    tie_word_embeddings: Option<Flag>,
+    initializer_range: Option<NonNegative>,
+    /// Checked against the vocabulary once it is known.
+    #[serde(default)]
+    pad_token_id: Given<Value>,
+    rope_theta: Option<Positive>,
+    rope_scaling: Option<RopeJson>,
+    rope_parameters: Option<RopeJson>,
+    partial_rotary_factor: Option<Number>,
+    original_max_position_embeddings: Option<Dim>,
+    /// LLaMA only.
+    attention_bias: Option<Flag>,
+    /// LLaMA only.
+    mlp_bias: Option<Flag>,
+    /// Mistral only.
+    #[serde(default)]
+    sliding_window: Given<Dim<{ u64::MAX }>>,
+}
+
+/// v4's `rope_scaling` or v5's `rope_parameters`.
+#[derive(Deserialize)]
+#[serde(expecting = "an object such as {\"rope_type\": \"default\"}")]
+struct RopeJson {
+    rope_type: Option<Text>,
+    /// v4's old name of `rope_type`.
+    #[serde(rename = "type")]
+    old_type: Option<Text>,
+    rope_theta: Option<Positive>,
+    partial_rotary_factor: Option<Number>,
+    factor: Option<Positive>,
+    low_freq_factor: Option<Positive>,
+    high_freq_factor: Option<Positive>,
+    original_max_position_embeddings: Option<Dim>,
+    /// Every other key: an object among them means per-layer-type settings.
+    #[serde(flatten)]
+    others: BTreeMap<String, Value>,
+}
+
+/// `OPTConfig`.
+#[derive(Deserialize)]
+struct OptJson {
+    vocab_size: Option<Dim>,
+    hidden_size: Option<Dim>,
+    ffn_dim: Option<Dim>,
+    num_hidden_layers: Option<Layers>,
+    num_attention_heads: Option<Dim>,
+    max_position_embeddings: Option<Dim>,
+    word_embed_proj_dim: Option<Dim>,
+    do_layer_norm_before: Option<Flag>,
+    #[serde(rename = "_remove_final_layer_norm")]
+    remove_final_layer_norm: Option<Flag>,
+    layer_norm_elementwise_affine: Option<Flag>,
+    activation_function: Option<Text>,
+    enable_bias: Option<Flag>,
+    tie_word_embeddings: Option<Flag>,
+    /// Checked against the vocabulary once it is known.
+    #[serde(default)]
+    pad_token_id: Given<Value>,
+    init_std: Option<NonNegative>,
+}
+
+// ----- From what a config says to a ModelConfig: defaults, derived fields, cross-field checks.
+
+/// What the conversions need for their errors.
+struct Context<'a> {
     from: &'a ConfigSource,
     model_type: &'static str,
 }
 
-impl<'a> Fields<'a> {
-    /// The field's value, `None` when absent or `null`.
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        self.map.get(name).filter(|v| !v.is_null())
-    }
-
-    /// The first of `names` that is present and not `null`, with the name it was found under.
-    fn get_any(&self, names: &[&'static str]) -> Option<(&'static str, &'a Value)> {
-        names.iter().find_map(|n| self.get(n).map(|v| (*n, v)))
-    }
-
+impl Context<'_> {
     /// The config's name: the preset's name or the file's path.
     fn name(&self) -> String {
         match self.from {
@@ -267,20 +513,11 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn invalid(&self, field: &str, expected: &str, found: &Value) -> ModelError {
+    fn invalid(&self, field: &str, expected: &str, found: impl fmt::Display) -> ModelError {
         ModelError::InvalidField {
             from: self.from.clone(),
             field: field.to_string(),
-            expected: expected.to_string(),
-            found: found.to_string(),
-        }
-    }
-
-    fn missing(&self, field: &'static str) -> ModelError {
-        ModelError::MissingField {
-            from: self.from.clone(),
-            field,
-            model_type: self.model_type,
+            problem: must_be(expected, found),
         }
     }
 
@@ -294,74 +531,24 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A dimension in `1..=max`.
-    fn check_dim(&self, field: &str, value: &Value, max: u64) -> Result<u64> {
-        match value.as_u64() {
-            Some(n) if (1..=max).contains(&n) => Ok(n),
-            _ => Err(self.invalid(field, &format!("an integer from 1 to {max}"), value)),
-        }
+    /// A required dimension's value; a missing one is named `field`.
+    fn required<const MAX: u64>(&self, dim: Option<Dim<MAX>>, field: &'static str) -> Result<u64> {
+        dim.map(|d| d.0).ok_or_else(|| ModelError::MissingField {
+            from: self.from.clone(),
+            field,
+            model_type: self.model_type,
+        })
     }
 
-    /// A required dimension, found under the first of `names` present (transformers'
-    /// `attribute_map` aliases); errors name the first.
-    fn dim(&self, names: &[&'static str]) -> Result<u64> {
-        self.dim_with_max(names, MAX_DIM)
-    }
-
-    fn dim_with_max(&self, names: &[&'static str], max: u64) -> Result<u64> {
-        match self.get_any(names) {
-            Some((name, value)) => self.check_dim(name, value, max),
-            None => Err(self.missing(names[0])),
-        }
-    }
-
-    /// An optional dimension: `None` when absent or `null`.
-    fn opt_dim(&self, name: &str) -> Result<Option<u64>> {
-        self.get(name)
-            .map(|v| self.check_dim(name, v, MAX_DIM))
-            .transpose()
-    }
-
-    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(other) => Err(self.invalid(name, "true or false", other)),
-        }
-    }
-
-    fn str_or(&self, name: &str, default: &'a str) -> Result<&'a str> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(Value::String(s)) => Ok(s),
-            Some(other) => Err(self.invalid(name, "a string", other)),
-        }
-    }
-
-    /// A float, positive when `positive`, else non-negative.
-    fn check_float(&self, field: &str, value: &Value, positive: bool) -> Result<f64> {
-        match value.as_f64() {
-            Some(x) if x.is_finite() && (x > 0.0 || (!positive && x == 0.0)) => Ok(x),
-            _ => Err(self.invalid(
-                field,
-                if positive {
-                    "a positive number"
-                } else {
-                    "a non-negative number"
-                },
-                value,
-            )),
-        }
-    }
-
-    fn eps_or(&self, name: &str, default: f64) -> Result<f64> {
-        self.get(name)
-            .map_or(Ok(default), |v| self.check_float(name, v, false))
-    }
-
-    /// An MLP activation among `allowed` (transformers' names).
-    fn activation(&self, name: &str, default: &str, allowed: &[Activation]) -> Result<Activation> {
-        let value = self.str_or(name, default)?;
+    /// An MLP activation among `allowed` (transformers' names); `default` when not given.
+    fn activation(
+        &self,
+        field: &str,
+        value: Option<&Text>,
+        default: &str,
+        allowed: &[Activation],
+    ) -> Result<Activation> {
+        let value = value.map_or(default, |t| t.0.as_str());
         let supported: Vec<&str> = Activation::NAMES
             .iter()
             .filter(|(_, a)| allowed.contains(a))
@@ -371,15 +558,12 @@ impl<'a> Fields<'a> {
             .iter()
             .find(|(n, a)| *n == value && allowed.contains(a))
             .map(|(_, a)| *a)
-            .ok_or_else(|| self.unsupported(name, value, &supported.join(", ")))
+            .ok_or_else(|| self.unsupported(field, value, &supported.join(", ")))
     }
 
     /// `pad_token_id` as the embedding's `padding_idx`: negative ids count from the end, as
     /// `nn.Embedding` counts them.
-    fn padding_idx(&self, vocab: u64) -> Result<Option<u64>> {
-        let Some(value) = self.get("pad_token_id") else {
-            return Ok(None);
-        };
+    fn padding_idx(&self, value: &Value, vocab: u64) -> Result<u64> {
         let expected = format!("null or a token id in -{vocab}..{vocab}");
         let id = value
             .as_i64()
@@ -387,8 +571,8 @@ impl<'a> Fields<'a> {
         // vocab <= MAX_DIM, so the casts below are exact.
         let v = vocab as i64;
         match id {
-            0.. if id < v => Ok(Some(id as u64)),
-            ..0 if id >= -v => Ok(Some((v + id) as u64)),
+            0.. if id < v => Ok(id as u64),
+            ..0 if id >= -v => Ok((v + id) as u64),
             _ => Err(self.invalid("pad_token_id", &expected, value)),
         }
     }
@@ -417,268 +601,277 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// `GPT2Config`; `hidden_size`, `num_hidden_layers`, `num_attention_heads` and
-/// `max_position_embeddings` are accepted for the `n_*` names, as its `attribute_map` does.
-fn parse_gpt2(f: &Fields) -> Result<ModelConfig> {
-    let vocab = f.dim(&["vocab_size"])?;
-    let hidden = f.dim(&["n_embd", "hidden_size"])?;
-    let layers = f.dim_with_max(&["n_layer", "num_hidden_layers"], MAX_LAYERS)?;
-    let heads = f.dim(&["n_head", "num_attention_heads"])?;
-    let positions = f.dim(&["n_positions", "max_position_embeddings"])?;
-    let head_dim = f.split_heads(hidden, heads)?;
-    let inner = match f.opt_dim("n_inner")? {
-        Some(n) => n,
-        None => 4 * hidden,
-    };
-    let activation = f.activation(
-        "activation_function",
-        "gelu_new",
-        &[Activation::GeluTanh, Activation::Relu, Activation::Silu],
-    )?;
-    // Options that change the computation in ways the IR's ops do not express.
-    if !f.bool_or("scale_attn_weights", true)? {
-        return Err(f.unsupported(
-            "scale_attn_weights",
-            "false",
-            "true (scores scaled by 1/sqrt(head_dim))",
-        ));
-    }
-    if f.bool_or("scale_attn_by_inverse_layer_idx", false)? {
-        return Err(f.unsupported("scale_attn_by_inverse_layer_idx", "true", "false"));
-    }
-    if f.bool_or("add_cross_attention", false)? {
-        return Err(f.unsupported("add_cross_attention", "true", "false (decoder-only models)"));
-    }
-    Ok(ModelConfig {
-        name: f.name(),
-        architecture: Architecture::Gpt2,
-        vocab_size: vocab,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: heads,
-        head_dim,
-        intermediate_size: inner,
-        max_position_embeddings: positions,
-        norm_eps: f.eps_or("layer_norm_epsilon", 1e-5)?,
-        activation,
-        tie_word_embeddings: f.bool_or("tie_word_embeddings", true)?,
-        padding_idx: None,
-        initializer_range: f.eps_or("initializer_range", 0.02)?,
-    })
+/// The value of an optional flag.
+fn flag(value: Option<Flag>, default: bool) -> bool {
+    value.map_or(default, |f| f.0)
 }
 
-/// `LlamaConfig` and `MistralConfig`, which differ in defaults and in Mistral's sliding window.
-fn parse_llama(f: &Fields) -> Result<ModelConfig> {
-    let mistral = f.model_type == "mistral";
-    let vocab = f.dim(&["vocab_size"])?;
-    let hidden = f.dim(&["hidden_size"])?;
-    let intermediate = f.dim(&["intermediate_size"])?;
-    let layers = f.dim_with_max(&["num_hidden_layers"], MAX_LAYERS)?;
-    let heads = f.dim(&["num_attention_heads"])?;
-    // LlamaConfig always requires hidden % heads == 0; MistralConfig only uses the quotient when
-    // `head_dim` is not given.
-    let head_dim = match f.opt_dim("head_dim")? {
-        Some(d) if mistral => d,
-        Some(d) => {
-            f.split_heads(hidden, heads)?;
-            d
+/// The value of an optional epsilon or standard deviation.
+fn non_negative(value: Option<NonNegative>, default: f64) -> f64 {
+    value.map_or(default, |x| x.0)
+}
+
+impl Gpt2Json {
+    fn into_config(self, c: &Context) -> Result<ModelConfig> {
+        let vocab = c.required(self.vocab_size, "vocab_size")?;
+        let hidden = c.required(self.n_embd, "n_embd")?;
+        let layers = c.required(self.n_layer, "n_layer")?;
+        let heads = c.required(self.n_head, "n_head")?;
+        let positions = c.required(self.n_positions, "n_positions")?;
+        let head_dim = c.split_heads(hidden, heads)?;
+        let inner = self.n_inner.map_or(4 * hidden, |d| d.0);
+        let activation = c.activation(
+            "activation_function",
+            self.activation_function.as_ref(),
+            "gelu_new",
+            &[Activation::GeluTanh, Activation::Relu, Activation::Silu],
+        )?;
+        // Options that change the computation in ways the IR's ops do not express.
+        if !flag(self.scale_attn_weights, true) {
+            return Err(c.unsupported(
+                "scale_attn_weights",
+                "false",
+                "true (scores scaled by 1/sqrt(head_dim))",
+            ));
         }
-        None => f.split_heads(hidden, heads)?,
-    };
-    if head_dim % 2 != 0 {
-        return Err(f.invalid(
-            "head_dim",
-            "even (rotary embeddings rotate pairs)",
-            &head_dim.into(),
-        ));
+        if flag(self.scale_attn_by_inverse_layer_idx, false) {
+            return Err(c.unsupported("scale_attn_by_inverse_layer_idx", "true", "false"));
+        }
+        if flag(self.add_cross_attention, false) {
+            return Err(c.unsupported(
+                "add_cross_attention",
+                "true",
+                "false (decoder-only models)",
+            ));
+        }
+        Ok(ModelConfig {
+            name: c.name(),
+            architecture: Architecture::Gpt2,
+            vocab_size: vocab,
+            hidden_size: hidden,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim,
+            intermediate_size: inner,
+            max_position_embeddings: positions,
+            norm_eps: non_negative(self.layer_norm_epsilon, 1e-5),
+            activation,
+            tie_word_embeddings: flag(self.tie_word_embeddings, true),
+            padding_idx: None,
+            initializer_range: non_negative(self.initializer_range, 0.02),
+        })
     }
-    // MistralConfig's defaults are 8 KV heads and a 4096-token window when the field is absent,
-    // while an explicit `null` means "as many as the heads" and "no window".
-    let kv_heads = match f.map.get("num_key_value_heads") {
-        None if mistral => 8,
-        None | Some(Value::Null) => heads,
-        Some(v) => f.check_dim("num_key_value_heads", v, MAX_DIM)?,
-    };
-    f.check_kv_heads(heads, kv_heads)?;
-    let sliding_window = match f.map.get("sliding_window") {
-        _ if !mistral => None,
-        None => Some(4096),
-        Some(Value::Null) => None,
-        Some(v) => Some(f.check_dim("sliding_window", v, u64::MAX)?),
-    };
-    let max_positions =
-        f.opt_dim("max_position_embeddings")?
-            .unwrap_or(if mistral { 4096 * 32 } else { 2048 });
-    f.activation("hidden_act", "silu", &[Activation::Silu])?;
-    let (rope_theta, rope_scaling) = parse_rope(f, max_positions)?;
-    let layout = LlamaLayout {
-        rope_theta,
-        rope_scaling,
-        attention_bias: !mistral && f.bool_or("attention_bias", false)?,
-        mlp_bias: !mistral && f.bool_or("mlp_bias", false)?,
-        sliding_window,
-    };
-    Ok(ModelConfig {
-        name: f.name(),
-        architecture: if mistral {
-            Architecture::Mistral(layout)
-        } else {
-            Architecture::Llama(layout)
-        },
-        vocab_size: vocab,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
-        intermediate_size: intermediate,
-        max_position_embeddings: max_positions,
-        norm_eps: f.eps_or("rms_norm_eps", 1e-6)?,
-        activation: Activation::Silu,
-        tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
-        padding_idx: f.padding_idx(vocab)?,
-        initializer_range: f.eps_or("initializer_range", 0.02)?,
-    })
 }
 
 /// The RoPE types this crate implements.
 const ROPE_TYPES: &str = "default, linear, llama3";
 
-/// RoPE settings as transformers' `RotaryEmbeddingConfigMixin` standardizes them: v4's
-/// `rope_scaling` wins over v5's `rope_parameters`; `rope_theta` inside the dict wins over a
-/// top-level one, which wins over the default 10000; `type` is the old name of `rope_type`;
-/// llama3's `original_max_position_embeddings` falls back to a top-level field, then to
-/// `max_position_embeddings`.
-fn parse_rope(f: &Fields, max_positions: u64) -> Result<(f64, RopeScaling)> {
-    let top_theta = match f.get("rope_theta") {
-        Some(v) => f.check_float("rope_theta", v, true)?,
-        None => 10_000.0,
-    };
-    let Some((field, params)) = f.get_any(&["rope_scaling", "rope_parameters"]) else {
-        return Ok((top_theta, RopeScaling::None));
-    };
-    let Value::Object(params) = params else {
-        return Err(f.invalid(
-            field,
-            "an object such as {\"rope_type\": \"default\"}",
-            params,
-        ));
-    };
-    if let Some((key, _)) = params.iter().find(|(_, v)| v.is_object()) {
-        return Err(f.unsupported(
-            field,
-            &format!("per-layer-type settings ('{key}')"),
-            "one set of RoPE settings for every layer",
-        ));
-    }
-    let sub = |key: &str| params.get(key).filter(|v| !v.is_null());
-    let path = |key: &str| format!("{field}.{key}");
-    let theta = match sub("rope_theta") {
-        Some(v) => f.check_float(&path("rope_theta"), v, true)?,
-        None => top_theta,
-    };
-    if let Some(v) = sub("partial_rotary_factor").or_else(|| f.get("partial_rotary_factor")) {
-        if v.as_f64() != Some(1.0) {
-            return Err(f.unsupported(
-                "partial_rotary_factor",
-                &v.to_string(),
-                "1.0 (rotate the whole head)",
+impl RotaryJson {
+    fn into_config(self, c: &Context) -> Result<ModelConfig> {
+        let mistral = c.model_type == "mistral";
+        let vocab = c.required(self.vocab_size, "vocab_size")?;
+        let hidden = c.required(self.hidden_size, "hidden_size")?;
+        let intermediate = c.required(self.intermediate_size, "intermediate_size")?;
+        let layers = c.required(self.num_hidden_layers, "num_hidden_layers")?;
+        let heads = c.required(self.num_attention_heads, "num_attention_heads")?;
+        // LlamaConfig always requires hidden % heads == 0; MistralConfig only uses the quotient
+        // when `head_dim` is not given.
+        let head_dim = match self.head_dim {
+            Some(Dim(d)) if mistral => d,
+            Some(Dim(d)) => {
+                c.split_heads(hidden, heads)?;
+                d
+            }
+            None => c.split_heads(hidden, heads)?,
+        };
+        if head_dim % 2 != 0 {
+            return Err(c.invalid(
+                "head_dim",
+                "even (rotary embeddings rotate pairs)",
+                head_dim,
             ));
         }
+        // MistralConfig's defaults are 8 KV heads and a 4096-token window when the field is
+        // absent, while an explicit `null` means "as many as the heads" and "no window".
+        let kv_heads = match self.num_key_value_heads {
+            Given::Absent if mistral => 8,
+            Given::Absent | Given::Null => heads,
+            Given::Value(Dim(n)) => n,
+        };
+        c.check_kv_heads(heads, kv_heads)?;
+        let sliding_window = match self.sliding_window {
+            _ if !mistral => None,
+            Given::Absent => Some(4096),
+            Given::Null => None,
+            Given::Value(Dim(w)) => Some(w),
+        };
+        let max_positions = self
+            .max_position_embeddings
+            .map_or(if mistral { 4096 * 32 } else { 2048 }, |d| d.0);
+        c.activation(
+            "hidden_act",
+            self.hidden_act.as_ref(),
+            "silu",
+            &[Activation::Silu],
+        )?;
+        let (rope_theta, rope_scaling) = self.rope(c, max_positions)?;
+        let layout = LlamaLayout {
+            rope_theta,
+            rope_scaling,
+            attention_bias: !mistral && flag(self.attention_bias, false),
+            mlp_bias: !mistral && flag(self.mlp_bias, false),
+            sliding_window,
+        };
+        let padding_idx = match &self.pad_token_id {
+            Given::Absent | Given::Null => None,
+            Given::Value(id) => Some(c.padding_idx(id, vocab)?),
+        };
+        Ok(ModelConfig {
+            name: c.name(),
+            architecture: if mistral {
+                Architecture::Mistral(layout)
+            } else {
+                Architecture::Llama(layout)
+            },
+            vocab_size: vocab,
+            hidden_size: hidden,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            intermediate_size: intermediate,
+            max_position_embeddings: max_positions,
+            norm_eps: non_negative(self.rms_norm_eps, 1e-6),
+            activation: Activation::Silu,
+            tie_word_embeddings: flag(self.tie_word_embeddings, false),
+            padding_idx,
+            initializer_range: non_negative(self.initializer_range, 0.02),
+        })
     }
-    let rope_type = match sub("rope_type").or_else(|| sub("type")) {
-        None => "default",
-        Some(Value::String(s)) => s.as_str(),
-        Some(other) => return Err(f.invalid(&path("rope_type"), "a string", other)),
-    };
-    let float = |key: &str| -> Result<f64> {
-        match sub(key) {
-            Some(v) => f.check_float(&path(key), v, true),
-            None => Err(f.invalid(
-                &path(key),
-                &format!("a positive number (needed by rope_type '{rope_type}')"),
-                &Value::Null,
-            )),
+
+    /// RoPE settings as transformers' `RotaryEmbeddingConfigMixin` standardizes them: v4's
+    /// `rope_scaling` wins over v5's `rope_parameters`; `rope_theta` inside the dict wins over
+    /// a top-level one, which wins over the default 10000; `type` is the old name of
+    /// `rope_type`; llama3's `original_max_position_embeddings` is the top-level field, else
+    /// the dict's, else `max_position_embeddings`.
+    fn rope(&self, c: &Context, max_positions: u64) -> Result<(f64, RopeScaling)> {
+        let top_theta = self.rope_theta.as_ref().map_or(10_000.0, |t| t.0);
+        let (field, params) = match (&self.rope_scaling, &self.rope_parameters) {
+            (Some(params), _) => ("rope_scaling", params),
+            (None, Some(params)) => ("rope_parameters", params),
+            (None, None) => return Ok((top_theta, RopeScaling::None)),
+        };
+        if let Some((key, _)) = params.others.iter().find(|(_, v)| v.is_object()) {
+            return Err(c.unsupported(
+                field,
+                &format!("per-layer-type settings ('{key}')"),
+                "one set of RoPE settings for every layer",
+            ));
         }
-    };
-    let scaling = match rope_type {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear {
-            factor: float("factor")?,
-        },
-        "llama3" => {
-            let original = match f.get("original_max_position_embeddings") {
-                Some(v) => f.check_dim("original_max_position_embeddings", v, MAX_DIM)?,
-                None => match sub("original_max_position_embeddings") {
-                    Some(v) => {
-                        f.check_dim(&path("original_max_position_embeddings"), v, MAX_DIM)?
-                    }
-                    None => max_positions,
-                },
-            };
-            RopeScaling::Llama3 {
-                factor: float("factor")?,
-                low_freq_factor: float("low_freq_factor")?,
-                high_freq_factor: float("high_freq_factor")?,
-                original_max_position_embeddings: original,
+        let path = |key: &str| format!("{field}.{key}");
+        let theta = params.rope_theta.as_ref().map_or(top_theta, |t| t.0);
+        let partial = params
+            .partial_rotary_factor
+            .as_ref()
+            .or(self.partial_rotary_factor.as_ref());
+        if let Some(Number(factor)) = partial {
+            if factor.as_f64() != Some(1.0) {
+                return Err(c.unsupported(
+                    "partial_rotary_factor",
+                    &factor.to_string(),
+                    "1.0 (rotate the whole head)",
+                ));
             }
         }
-        other => return Err(f.unsupported(&path("rope_type"), other, ROPE_TYPES)),
-    };
-    Ok((theta, scaling))
+        let rope_type = match params.rope_type.as_ref().or(params.old_type.as_ref()) {
+            Some(Text(t)) => t.as_str(),
+            None => "default",
+        };
+        let float = |key: &str, value: &Option<Positive>| -> Result<f64> {
+            value.as_ref().map(|x| x.0).ok_or_else(|| {
+                c.invalid(
+                    &path(key),
+                    &format!("a positive number (needed by rope_type '{rope_type}')"),
+                    Value::Null,
+                )
+            })
+        };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: float("factor", &params.factor)?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: float("factor", &params.factor)?,
+                low_freq_factor: float("low_freq_factor", &params.low_freq_factor)?,
+                high_freq_factor: float("high_freq_factor", &params.high_freq_factor)?,
+                original_max_position_embeddings: self
+                    .original_max_position_embeddings
+                    .as_ref()
+                    .or(params.original_max_position_embeddings.as_ref())
+                    .map_or(max_positions, |d| d.0),
+            },
+            other => return Err(c.unsupported(&path("rope_type"), other, ROPE_TYPES)),
+        };
+        Ok((theta, scaling))
+    }
 }
 
-/// `OPTConfig`.
-fn parse_opt(f: &Fields) -> Result<ModelConfig> {
-    let vocab = f.dim(&["vocab_size"])?;
-    let hidden = f.dim(&["hidden_size"])?;
-    let ffn = f.dim(&["ffn_dim"])?;
-    let layers = f.dim_with_max(&["num_hidden_layers"], MAX_LAYERS)?;
-    let heads = f.dim(&["num_attention_heads"])?;
-    let positions = f.dim(&["max_position_embeddings"])?;
-    let head_dim = f.split_heads(hidden, heads)?;
-    let word_embed_proj_dim = f.opt_dim("word_embed_proj_dim")?.unwrap_or(hidden);
-    let do_layer_norm_before = f.bool_or("do_layer_norm_before", true)?;
-    // OPTDecoder: `if config.do_layer_norm_before and not config._remove_final_layer_norm`.
-    let final_layer_norm = do_layer_norm_before && !f.bool_or("_remove_final_layer_norm", false)?;
-    if !f.bool_or("layer_norm_elementwise_affine", true)? {
-        return Err(f.unsupported(
-            "layer_norm_elementwise_affine",
-            "false",
-            "true (layer norms with weight and bias)",
-        ));
-    }
-    let activation = f.activation(
-        "activation_function",
-        "relu",
-        &[Activation::Relu, Activation::GeluTanh, Activation::Silu],
-    )?;
-    Ok(ModelConfig {
-        name: f.name(),
-        architecture: Architecture::Opt(OptLayout {
-            word_embed_proj_dim,
-            do_layer_norm_before,
-            final_layer_norm,
-            enable_bias: f.bool_or("enable_bias", true)?,
-        }),
-        vocab_size: vocab,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: heads,
-        head_dim,
-        intermediate_size: ffn,
-        max_position_embeddings: positions,
-        // nn.LayerNorm's default; OPTConfig has no field for it.
-        norm_eps: 1e-5,
-        activation,
-        tie_word_embeddings: f.bool_or("tie_word_embeddings", true)?,
+impl OptJson {
+    fn into_config(self, c: &Context) -> Result<ModelConfig> {
+        let vocab = c.required(self.vocab_size, "vocab_size")?;
+        let hidden = c.required(self.hidden_size, "hidden_size")?;
+        let ffn = c.required(self.ffn_dim, "ffn_dim")?;
+        let layers = c.required(self.num_hidden_layers, "num_hidden_layers")?;
+        let heads = c.required(self.num_attention_heads, "num_attention_heads")?;
+        let positions = c.required(self.max_position_embeddings, "max_position_embeddings")?;
+        let head_dim = c.split_heads(hidden, heads)?;
+        let word_embed_proj_dim = self.word_embed_proj_dim.map_or(hidden, |d| d.0);
+        let do_layer_norm_before = flag(self.do_layer_norm_before, true);
+        // OPTDecoder: `if config.do_layer_norm_before and not config._remove_final_layer_norm`.
+        let final_layer_norm = do_layer_norm_before && !flag(self.remove_final_layer_norm, false);
+        if !flag(self.layer_norm_elementwise_affine, true) {
+            return Err(c.unsupported(
+                "layer_norm_elementwise_affine",
+                "false",
+                "true (layer norms with weight and bias)",
+            ));
+        }
+        let activation = c.activation(
+            "activation_function",
+            self.activation_function.as_ref(),
+            "relu",
+            &[Activation::Relu, Activation::GeluTanh, Activation::Silu],
+        )?;
         // OPTConfig's pad_token_id defaults to 1.
-        padding_idx: match f.map.get("pad_token_id") {
-            None => Some(1).filter(|&p| p < vocab),
-            Some(_) => f.padding_idx(vocab)?,
-        },
-        initializer_range: f.eps_or("init_std", 0.02)?,
-    })
+        let padding_idx = match &self.pad_token_id {
+            Given::Absent => Some(1).filter(|&p| p < vocab),
+            Given::Null => None,
+            Given::Value(id) => Some(c.padding_idx(id, vocab)?),
+        };
+        Ok(ModelConfig {
+            name: c.name(),
+            architecture: Architecture::Opt(OptLayout {
+                word_embed_proj_dim,
+                do_layer_norm_before,
+                final_layer_norm,
+                enable_bias: flag(self.enable_bias, true),
+            }),
+            vocab_size: vocab,
+            hidden_size: hidden,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim,
+            intermediate_size: ffn,
+            max_position_embeddings: positions,
+            // nn.LayerNorm's default; OPTConfig has no field for it.
+            norm_eps: 1e-5,
+            activation,
+            tie_word_embeddings: flag(self.tie_word_embeddings, true),
+            padding_idx,
+            initializer_range: non_negative(self.init_std, 0.02),
+        })
+    }
 }

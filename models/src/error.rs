@@ -104,16 +104,25 @@ pub enum ModelError {
         model_type: &'static str,
     },
     /// A field has the wrong type or an out-of-range value.
-    #[error("{from}: field `{field}` must be {expected}, found {found}")]
+    #[error("{from}: field `{field}` {problem}")]
     InvalidField {
         /// The config.
         from: ConfigSource,
-        /// The field (a dotted path inside nested objects).
+        /// The field's JSON path (dotted inside nested objects).
         field: String,
-        /// What it must be.
-        expected: String,
-        /// What it is, as JSON.
-        found: String,
+        /// What it must be and what it is, as JSON: `must be true or false, found "yes"`.
+        problem: String,
+    },
+    /// A field is given both under its name and under a transformers alias (GPT-2's
+    /// `hidden_size` for `n_embd`, say), which would leave its value to the order of the keys.
+    #[error(
+        "{from}: field `{field}` is given twice, under its name and under its transformers alias; keep one"
+    )]
+    DuplicateField {
+        /// The config.
+        from: ConfigSource,
+        /// The field, by its canonical name.
+        field: String,
     },
     /// A valid value this crate does not implement.
     #[error("{from}: {field} '{value}' is not supported for {model_type}; supported: {supported}")]

@@ -154,6 +154,54 @@ fn missing_and_invalid_fields_are_named() {
 }
 
 #[test]
+fn errors_name_the_json_path() {
+    check(
+        &format!(
+            r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {{"rope_type": "linear", "factor": -2}}}}"#
+        ),
+        "config.json: field `rope_scaling.factor` must be a positive number, found -2",
+    );
+    check(
+        &format!(
+            r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {{"rope_theta": "1e4"}}}}"#
+        ),
+        r#"config.json: field `rope_parameters.rope_theta` must be a positive number, found "1e4""#,
+    );
+    check(
+        &format!(
+            r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {{"type": 3}}}}"#
+        ),
+        "config.json: field `rope_scaling.type` must be a string, found 3",
+    );
+    check(
+        &format!(
+            r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": [1]}}"#
+        ),
+        r#"config.json: field `rope_scaling` must be an object such as {"rope_type": "default"}, found an array"#,
+    );
+    check(
+        &format!(r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {{"full_attention": {{}}}}}}"#),
+        "config.json: rope_parameters 'per-layer-type settings ('full_attention')' is not supported for llama; \
+         supported: one set of RoPE settings for every layer",
+    );
+    check(
+        &format!(
+            r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "pad_token_id": 256}}"#
+        ),
+        "config.json: field `pad_token_id` must be null or a token id in -256..256, found 256",
+    );
+}
+
+#[test]
+fn a_field_and_its_alias_together_are_refused() {
+    // transformers would keep whichever it set last; which one is meant is the user's call.
+    check(
+        &format!(r#"{{{GPT2}, "n_embd": 64, "hidden_size": 64, "n_layer": 2, "n_head": 4}}"#),
+        "config.json: field `n_embd` is given twice, under its name and under its transformers alias; keep one",
+    );
+}
+
+#[test]
 fn heads_must_divide() {
     check(
         &format!(r#"{{{GPT2}, "n_embd": 100, "n_layer": 2, "n_head": 12}}"#),

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 const MODELS: &str = env!("CARGO_MANIFEST_DIR");
 
-fn shared_configs() -> PathBuf {
-    Path::new(MODELS).join("../../shared/configs")
+fn real_configs() -> PathBuf {
+    Path::new(MODELS).join("tests/real-configs")
 }
 
 fn read_json(path: &Path) -> Value {
@@ -140,14 +140,14 @@ fn real_configs_have_their_published_counts() {
         ("mistral-7b.json", 7_241_732_096),
         ("opt-1.3b.json", 1_315_758_080),
     ] {
-        check_count(shared_configs().join(file).to_str().unwrap(), parameters);
+        check_count(real_configs().join(file).to_str().unwrap(), parameters);
     }
 }
 
 #[test]
 fn every_shared_config_is_covered() {
     let hf = hf_params();
-    for entry in std::fs::read_dir(shared_configs()).unwrap() {
+    for entry in std::fs::read_dir(real_configs()).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "json") {
             let stem = path.file_stem().unwrap().to_str().unwrap();
