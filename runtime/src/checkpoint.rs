@@ -5,9 +5,9 @@
 //! `adam.m.NAME` and `adam.v.NAME`, f32), and in its metadata the steps taken, the data
 //! position (the index of the next step, which fixes its batch: see
 //! [`crate::data::Batcher`]), the token stream's length and a [`Fingerprint`] of the training
-//! run. Files are written atomically by [`save_safetensors`] (a `.tmp` file, synced, then
-//! renamed), so a run killed while saving leaves a temporary file that [`list`] ignores, never
-//! a torn checkpoint.
+//! run. Files are written atomically by [`save_safetensors`] (a hidden `.NAME.XXXXXX.tmp` file,
+//! synced, then renamed: [`protrain_ir::output::write_atomic`]), so a run killed while saving leaves
+//! a temporary file that [`list`] ignores, never a torn checkpoint.
 //!
 //! The fingerprint covers what the numbers mean (parameter and state names and shapes, batch,
 //! sequence length, optimizer hyper-parameters), not where the schedule keeps them: a
@@ -146,9 +146,10 @@ impl Fingerprint {
 
 /// FNV-1a, 64-bit: stable across builds and platforms, unlike `std`'s `DefaultHasher`.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    use std::hash::Hasher;
+    let mut hasher = fnv::FnvHasher::default();
+    hasher.write(bytes);
+    hasher.finish()
 }
 
 /// The optimizer-state values that persist across steps, in graph order (as
@@ -461,11 +462,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn fingerprint_hash_is_fnv1a() {
+        // Published FNV-1a 64 test vectors: a change of hash would orphan every checkpoint.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
     fn only_complete_checkpoint_names_count() {
         assert_eq!(step_of(&file_name(40)), Some(40));
         assert_eq!(step_of("step-123456789.safetensors"), Some(123_456_789));
         for name in [
             "step-00000040.safetensors.tmp",
+            ".step-00000040.safetensors.a1B2c3.tmp",
             "step-.safetensors",
             "step-00x1.safetensors",
             "model.safetensors",

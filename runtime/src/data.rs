@@ -1,10 +1,8 @@
 //! Token streams: `.npy` and raw `u16` `.bin` files, batched per step.
 
-use std::fs::File;
-use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use npyz::{DType, Endianness, NpyHeader, TypeChar};
+use npyz::{DType, NpyFile, NpyHeader, TypeChar};
 
 use crate::error::{Result, RuntimeError};
 
@@ -253,8 +251,8 @@ fn io_error(path: &Path, source: std::io::Error) -> RuntimeError {
 fn read_bin(path: &Path) -> Result<Vec<u32>> {
     let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
     if bytes.len() >= 8 {
-        let magic = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        let words: &[[u8; 4]] = bytemuck::cast_slice(&bytes[..8]);
+        let (magic, version) = (u32::from_le_bytes(words[0]), u32::from_le_bytes(words[1]));
         if magic == LLMC_MAGIC && version == 1 {
             return Err(bad_file(
                 path,
@@ -274,17 +272,18 @@ fn read_bin(path: &Path) -> Result<Vec<u32>> {
             ),
         ));
     }
-    Ok(bytes
-        .chunks_exact(2)
-        .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+    let tokens: &[[u8; 2]] = bytemuck::cast_slice(&bytes);
+    Ok(tokens
+        .iter()
+        .map(|&b| u32::from(u16::from_le_bytes(b)))
         .collect())
 }
 
 /// Reads a 1-D integer `.npy` array.
 fn read_npy(path: &Path) -> Result<Vec<u32>> {
-    let file = File::open(path).map_err(|e| io_error(path, e))?;
-    let mut reader = BufReader::new(file);
-    let header = NpyHeader::from_reader(&mut reader).map_err(|e| {
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    let mut data: &[u8] = &bytes;
+    let header = NpyHeader::from_reader(&mut data).map_err(|e| {
         bad_file(
             path,
             format!(
@@ -339,12 +338,6 @@ fn read_npy(path: &Path) -> Result<Vec<u32>> {
             ))
         }
     };
-    let big_endian = ty.endianness() == Endianness::Big;
-
-    let mut data = Vec::new();
-    reader
-        .read_to_end(&mut data)
-        .map_err(|e| io_error(path, e))?;
     let expected = u128::from(count) * width as u128;
     if data.len() as u128 != expected {
         return Err(bad_file(
@@ -356,21 +349,32 @@ fn read_npy(path: &Path) -> Result<Vec<u32>> {
             ),
         ));
     }
+    let npy = NpyFile::with_header(header, data);
+    match (signed, width) {
+        (true, 1) => token_ids::<i8>(path, npy),
+        (true, 2) => token_ids::<i16>(path, npy),
+        (true, 4) => token_ids::<i32>(path, npy),
+        (true, _) => token_ids::<i64>(path, npy),
+        (false, 1) => token_ids::<u8>(path, npy),
+        (false, 2) => token_ids::<u16>(path, npy),
+        (false, 4) => token_ids::<u32>(path, npy),
+        (false, _) => token_ids::<u64>(path, npy),
+    }
+}
 
-    let mut tokens = Vec::with_capacity(data.len() / width);
-    for (index, raw) in data.chunks_exact(width).enumerate() {
-        let mut le = [0u8; 8];
-        le[..width].copy_from_slice(raw);
-        if big_endian {
-            le[..width].reverse();
-        }
-        // Sign-extend signed values so that negative ids are caught below.
-        let value = if signed && le[width - 1] & 0x80 != 0 {
-            le[width..].fill(0xff);
-            i128::from(i64::from_le_bytes(le))
-        } else {
-            i128::from(u64::from_le_bytes(le))
-        };
+/// Decodes every element as a `T` with `npyz`'s typed reader (which handles either byte order)
+/// and checks that it is a token id.
+fn token_ids<T>(path: &Path, npy: NpyFile<&[u8]>) -> Result<Vec<u32>>
+where
+    T: npyz::Deserialize + Into<i128>,
+{
+    let len = npy.len() as usize;
+    let values = npy
+        .data::<T>()
+        .map_err(|e| bad_file(path, format!("cannot be decoded ({e}); save it again")))?;
+    let mut tokens = Vec::with_capacity(len);
+    for (index, value) in values.enumerate() {
+        let value: i128 = value.map_err(|e| io_error(path, e))?.into();
         match u32::try_from(value) {
             Ok(id) => tokens.push(id),
             Err(_) => {

@@ -8,7 +8,9 @@
 
 use crate::error::Result;
 use crate::kernels::{self, AttentionDims};
-use protrain_ir::{Epilogue, Graph, Op, OpKind, QkvLayout, TensorType, WeightLayout};
+use protrain_ir::{
+    Epilogue, Graph, Op, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
+};
 use rayon::prelude::*;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
@@ -71,6 +73,29 @@ impl Outcome {
 pub fn workspace_len(graph: &Graph, op: &Op) -> usize {
     let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
     (op.kind.workspace_bytes(&types) / 4) as usize
+}
+
+/// The parts `want` of an f32 workspace laid out as `layout` says (every part of a host op
+/// is f32 and starts at a multiple of 16 bytes, so each is a whole number of f32s), in the
+/// order asked; an empty slice for a part the layout does not have.
+fn workspace_parts<'w, const N: usize>(
+    workspace: &'w mut [f32],
+    layout: &WorkspaceLayout,
+    want: [Scratch; N],
+) -> [&'w mut [f32]; N] {
+    let mut found: Vec<(Scratch, &'w mut [f32])> = Vec::with_capacity(layout.parts().len());
+    let (mut rest, mut at) = (workspace, 0usize);
+    for &(what, r) in layout.parts() {
+        let (start, len) = ((r.offset / 4) as usize, (r.bytes / 4) as usize);
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+        let (part, tail) = tail.split_at_mut(len);
+        (rest, at) = (tail, start + len);
+        found.push((what, part));
+    }
+    want.map(|w| match found.iter().position(|(s, _)| *s == w) {
+        Some(i) => std::mem::take(&mut found[i].1),
+        None => &mut [],
+    })
 }
 
 /// A fused linear op: each projection as [`OpKind::Linear`] computes it, then the epilogue as
@@ -139,6 +164,7 @@ fn fused_linear_backward<'a>(
     ins: &impl Inputs<'a>,
     outputs: &mut [&mut [f32]],
     workspace: &mut [f32],
+    parts: &WorkspaceLayout,
     n: usize,
     bias: bool,
     layout: WeightLayout,
@@ -153,21 +179,23 @@ fn fused_linear_backward<'a>(
     let kept = epilogue.has_output() && epilogue.keeps_projections();
     let dy = ins.f32(1 + n + if kept { n } else { 0 });
     // The gradients of the projections: in the workspace behind an epilogue with an output,
-    // else the op's own output gradients.
-    let out_len = |i: usize| rows * (ins.f32(1 + i).len() / d_in);
-    let (grads, contribution) = if kept {
-        let total: usize = (0..n).map(out_len).sum();
-        workspace.split_at_mut(total)
-    } else {
-        workspace.split_at_mut(0)
-    };
+    // else the op's own output gradients; then the contributions after the first.
+    let [dgrad0, dgrad1, contribution] = workspace_parts(
+        workspace,
+        parts,
+        [
+            Scratch::ProjectionGrad(0),
+            Scratch::ProjectionGrad(1),
+            Scratch::Contribution,
+        ],
+    );
     let mut projection_grads: Vec<&[f32]> = Vec::with_capacity(n);
     match epilogue {
         Epilogue::None => projection_grads.extend((0..n).map(|i| ins.f32(1 + n + i))),
         Epilogue::Residual => projection_grads.push(dy),
         Epilogue::Gelu | Epilogue::Relu => {
             let h = ins.f32(1 + n);
-            let dh = &mut grads[..h.len()];
+            let dh = &mut dgrad0[..h.len()];
             match epilogue {
                 Epilogue::Gelu => kernels::gelu_backward(dh, dy, h),
                 _ => kernels::relu_backward(dh, dy, h),
@@ -176,7 +204,7 @@ fn fused_linear_backward<'a>(
         }
         Epilogue::Swiglu => {
             let (gate, up) = (ins.f32(1 + n), ins.f32(2 + n));
-            let (dgate, dup) = grads.split_at_mut(gate.len());
+            let (dgate, dup) = (&mut dgrad0[..gate.len()], &mut dgrad1[..up.len()]);
             kernels::swiglu_backward(dgate, dup, dy, gate, up);
             projection_grads.push(dgate);
             projection_grads.push(dup);
@@ -212,8 +240,9 @@ fn fused_linear_backward<'a>(
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]).
 ///
 /// `outputs[i]` receives output `i` and is overwritten whole; `workspace` holds
-/// [`workspace_len`] f32s of scratch, of which the host kernels use a prefix (the per-row
-/// statistics of norms, a fused linear's intermediate gradients). Fails only on
+/// [`workspace_len`] f32s of scratch laid out as [`WorkspaceLayout`] says, of which the host
+/// kernels use some parts (the per-row statistics of norms, a fused linear's intermediate
+/// gradients). Fails only on
 /// data-dependent errors (token ids out of range); shapes that do not match the graph's types
 /// panic in the kernels, which a verified schedule rules out.
 pub fn run<'a>(
@@ -226,6 +255,10 @@ pub fn run<'a>(
 ) -> Result<Outcome> {
     let ty = |i: usize| -> &TensorType { &graph.value(op.inputs[i]).ty };
     let out_ty = |i: usize| -> &TensorType { &graph.value(op.outputs[i]).ty };
+    let ws_layout = || {
+        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+        WorkspaceLayout::of(&op.kind, &types)
+    };
     let mut outcome = Outcome::default();
     match &op.kind {
         OpKind::Embedding { .. } => {
@@ -246,7 +279,8 @@ pub fn run<'a>(
         }
         OpKind::LayerNorm { eps } => {
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
-            let (mean, rstd) = workspace[..2 * rows].split_at_mut(rows);
+            let [mean, rstd] =
+                workspace_parts(workspace, &ws_layout(), [Scratch::Mean, Scratch::Rstd]);
             kernels::layer_norm_forward(
                 outputs[0],
                 mean,
@@ -263,7 +297,7 @@ pub fn run<'a>(
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
             kernels::rms_norm_forward(
                 outputs[0],
-                &mut workspace[..rows],
+                workspace_parts(workspace, &ws_layout(), [Scratch::Rstd])[0],
                 ins.f32(0),
                 ins.f32(1),
                 rows,
@@ -353,7 +387,8 @@ pub fn run<'a>(
         }
         OpKind::LayerNormBackward { eps } => {
             let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
-            let (mean, rstd) = workspace[..2 * rows].split_at_mut(rows);
+            let [mean, rstd] =
+                workspace_parts(workspace, &ws_layout(), [Scratch::Mean, Scratch::Rstd]);
             let [dx, dw, db] = outputs else {
                 unreachable!("layer_norm_backward writes dx, dweight and dbias")
             };
@@ -390,7 +425,7 @@ pub fn run<'a>(
                 unreachable!("rms_norm_backward writes dx and dweight")
             };
             // As for layer norm: the statistics into the workspace, the rows into dx.
-            let workspace = &mut workspace[..rows];
+            let [workspace] = workspace_parts(workspace, &ws_layout(), [Scratch::Rstd]);
             kernels::rms_norm_forward(dx, workspace, ins.f32(0), ins.f32(1), rows, c, *eps as f32);
             kernels::rms_norm_backward(
                 dx,
@@ -455,6 +490,7 @@ pub fn run<'a>(
             ins,
             outputs,
             workspace,
+            &ws_layout(),
             *count as usize,
             *bias,
             *layout,
@@ -645,6 +681,49 @@ fn attention_dims(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host takes each part where the layout puts it, padding between parts included: 3
+    /// rows give parts whose sizes are not multiples of 16 bytes.
+    #[test]
+    fn workspace_parts_follow_the_aligned_layout_with_odd_rows() {
+        let x = TensorType::new([1, 3, 5], protrain_ir::DType::F32);
+        let w = TensorType::new([7, 5], protrain_ir::DType::F32);
+        let h = TensorType::new([1, 3, 7], protrain_ir::DType::F32);
+        let kind = OpKind::FusedLinearBackward {
+            count: 2,
+            bias: true,
+            layout: WeightLayout::OutIn,
+            epilogue: Epilogue::Swiglu,
+        };
+        let layout = WorkspaceLayout::of(&kind, &[&x, &w, &w, &h, &h, &h]);
+        let want = [
+            Scratch::ProjectionGrad(0),
+            Scratch::ProjectionGrad(1),
+            Scratch::Contribution,
+            Scratch::BiasPartials,
+        ];
+        let mut ws = vec![0.0f32; (layout.bytes() / 4) as usize];
+        let parts = workspace_parts(&mut ws, &layout, want);
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        assert_eq!(lens, [21, 21, 15, 7]);
+        for (i, part) in parts.into_iter().enumerate() {
+            part.fill(i as f32 + 1.0);
+        }
+        for (i, what) in want.iter().enumerate() {
+            let r = layout.get(*what).unwrap();
+            let at = (r.offset / 4) as usize;
+            let n = (r.bytes / 4) as usize;
+            assert!(
+                ws[at..at + n].iter().all(|&v| v == i as f32 + 1.0),
+                "{what:?}"
+            );
+        }
+        assert_eq!(
+            ws.iter().filter(|&&v| v == 0.0).count(),
+            3 + 3 + 1,
+            "the padding"
+        );
+    }
 
     #[test]
     fn scaled_adamw_matches_scale_then_step_to_the_bit() {

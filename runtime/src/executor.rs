@@ -1,6 +1,6 @@
 //! The executor: runs a schedule's steps on a backend, one thread per stream.
 //!
-//! [`Executor::new`] verifies the schedule, resolves each instruction's addresses once and has
+//! [`Executor::new`] takes a verified schedule, resolves each instruction's addresses once and has
 //! the backend allocate the arena and the host region; a step then
 //! writes the inputs at their homes, runs every stream's instruction list on its own thread
 //! (events are the only order between them), and reads the loss. Parameters and optimizer
@@ -13,7 +13,7 @@ use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
 use crate::interpreter::StepReport;
 use crate::kernels;
-use protrain_ir::verify_schedule::verify_schedule;
+use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
     DType, EventId, Graph, Instr, OpId, OpKind, Role, Schedule, StreamId, TensorRef, ValueId,
 };
@@ -143,8 +143,8 @@ struct InputHome {
 ///
 /// Only a verified schedule runs: the host backend reads and writes tensors in place from
 /// several threads, which is sound because the verifier proves that every pair of accesses to
-/// the same bytes is ordered. [`Executor::new`] runs `protrain_ir::verify_schedule` itself
-/// (there is no proof type to take instead), so an executor always holds a verified schedule.
+/// the same bytes is ordered. [`Executor::new`] takes that proof, a [`VerifiedSchedule`], so
+/// an executor always holds a verified schedule and never verifies one again.
 pub struct Executor<'s, B: Backend = HostBackend> {
     schedule: &'s Schedule,
     backend: B,
@@ -161,10 +161,10 @@ pub struct Executor<'s, B: Backend = HostBackend> {
 }
 
 impl<'s> Executor<'s, HostBackend> {
-    /// An executor for `schedule` on the host backend: verifies the schedule, then allocates
-    /// the arena and the host region (zeroed: every parameter and optimizer state zero).
-    /// Fails when the schedule fails the verifier or has a dtype other than f32 and i32.
-    pub fn new(schedule: &'s Schedule) -> Result<Self> {
+    /// An executor for a verified `schedule` on the host backend: allocates the arena and the
+    /// host region (zeroed: every parameter and optimizer state zero). Fails when the
+    /// schedule has a dtype other than f32 and i32.
+    pub fn new(schedule: &'s VerifiedSchedule) -> Result<Self> {
         Self::with_backend(schedule)
     }
 }
@@ -173,8 +173,8 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// An executor for `schedule` on backend `B`; see [`Executor::new`]. A backend that
     /// [runs bf16](Backend::RUNS_BF16) also takes mixed-precision schedules, whose parameters
     /// it keeps in bf16 with an f32 master weight (see [`master_weights`]).
-    pub fn with_backend(schedule: &'s Schedule) -> Result<Self> {
-        verify_schedule(schedule)?;
+    pub fn with_backend(schedule: &'s VerifiedSchedule) -> Result<Self> {
+        let schedule: &'s Schedule = schedule;
         let graph = &schedule.graph;
         for (id, value) in graph.values() {
             let runs = match value.ty.dtype {

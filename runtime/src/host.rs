@@ -11,6 +11,7 @@
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
+use bytemuck::Pod;
 use protrain_ir::{EventId, OpKind, Space, StreamKind};
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -102,11 +103,6 @@ impl Drop for Region {
     }
 }
 
-/// Element types a tensor view can have: every bit pattern is a value.
-trait Plain: Copy {}
-impl Plain for f32 {}
-impl Plain for i32 {}
-
 /// Which events are recorded this step, and whether the step was abandoned.
 struct EventState {
     recorded: Vec<bool>,
@@ -155,13 +151,13 @@ impl HostBackend {
     /// contract (see [`Backend`]). For a verified schedule (`protrain_ir::verify_schedule`)
     /// the verifier proves it: no two instructions on different streams touch overlapping
     /// bytes unless an event orders them, and a kernel's outputs overlap none of its inputs.
-    unsafe fn slice<T: Plain>(&self, at: Address, len: usize) -> Result<&[T]> {
+    unsafe fn slice<T: Pod>(&self, at: Address, len: usize) -> Result<&[T]> {
         let size = std::mem::size_of::<T>();
         let ptr =
             self.region(at.space)
                 .at(at.offset, (len * size) as u64, std::mem::align_of::<T>())?;
         // SAFETY: in bounds and aligned (checked above); zero-initialised at allocation and
-        // every bit pattern is a `T`; unaliased by writers per the caller's contract.
+        // every bit pattern is a `T` (`Pod`); unaliased by writers per the caller's contract.
         Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<T>(), len) })
     }
 
@@ -173,7 +169,7 @@ impl HostBackend {
     /// contract of [`HostBackend::slice`], which a verified schedule satisfies, including that
     /// a kernel's outputs, workspace and in-place operands overlap nothing else it touches.
     #[allow(clippy::mut_from_ref)] // Interior mutability through raw memory; see the contract.
-    unsafe fn slice_mut<T: Plain>(&self, at: Address, len: usize) -> Result<&mut [T]> {
+    unsafe fn slice_mut<T: Pod>(&self, at: Address, len: usize) -> Result<&mut [T]> {
         let size = std::mem::size_of::<T>();
         let ptr =
             self.region(at.space)

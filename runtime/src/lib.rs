@@ -15,6 +15,7 @@ pub mod interpreter;
 pub mod kernels;
 pub mod params;
 pub mod profiler;
+pub mod rng;
 pub mod synthetic;
 pub mod weights;
 

@@ -2,27 +2,10 @@
 //! saving back under the same names.
 
 use crate::error::Result;
+use crate::rng::Rng;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, ParamInit};
 use std::path::Path;
-
-/// A small, fast, seedable generator (SplitMix64): deterministic on every platform.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1]: never 0, so its logarithm is finite.
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// Initial values of every parameter, in parameter order, as the graph's [`ParamInit`]s say.
 ///
@@ -39,22 +22,7 @@ pub fn init_params(graph: &Graph, seed: u64) -> Vec<Vec<f32>> {
             match p.init {
                 ParamInit::Ones => vec![1.0; n],
                 ParamInit::Zeros => vec![0.0; n],
-                ParamInit::Normal { std } => {
-                    let mut rng = SplitMix64(
-                        seed ^ (u64::from(id.0) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
-                    );
-                    let mut out = Vec::with_capacity(n);
-                    while out.len() < n {
-                        let (u1, u2) = (rng.uniform(), rng.uniform());
-                        let r = (-2.0 * u1.ln()).sqrt() * std;
-                        let theta = std::f64::consts::TAU * u2;
-                        out.push((r * theta.cos()) as f32);
-                        if out.len() < n {
-                            out.push((r * theta.sin()) as f32);
-                        }
-                    }
-                    out
-                }
+                ParamInit::Normal { std } => Rng::stream(seed, u64::from(id.0)).normal_vec(n, std),
             }
         })
         .collect()

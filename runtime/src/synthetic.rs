@@ -28,6 +28,7 @@
 
 use crate::data::TokenStream;
 use crate::error::{Result, RuntimeError};
+use crate::rng::Rng;
 
 const PLUS: u32 = 10;
 const EQUALS: u32 = 11;
@@ -71,7 +72,7 @@ impl SyntheticCorpus {
 
     /// The first `n` tokens of the stream for this seed.
     pub fn tokens(&self, n: usize) -> Vec<u32> {
-        let mut rng = SplitMix64(self.seed);
+        let mut rng = Rng::new(self.seed);
         let mut out = Vec::with_capacity(n + 32);
         while out.len() < n {
             match rng.below(3) {
@@ -131,24 +132,6 @@ pub fn render(tokens: &[u32]) -> String {
             _ => '?',
         })
         .collect()
-}
-
-/// SplitMix64 (Steele, Lea and Flood): tiny, fast, and good enough for a training corpus.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-58 for these `n`).
-    fn below(&mut self, n: u32) -> u32 {
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u32
-    }
 }
 
 #[cfg(test)]
@@ -246,7 +229,7 @@ mod tests {
         // Measured: 1.59 for this seed.
         assert!(h < 1.8, "bigram entropy {h:.3} nats");
         // And the estimator is not vacuous: uniform random ids score near ln(24).
-        let mut rng = SplitMix64(1);
+        let mut rng = Rng::new(1);
         let noise: Vec<u32> = (0..100_000).map(|_| rng.below(24)).collect();
         assert!(bigram_entropy(&noise) > 3.1);
     }

@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -13,6 +12,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::SafeTensors;
 
 use crate::error::{Result, RuntimeError};
+use protrain_ir::output::write_atomic;
 
 pub use safetensors::Dtype;
 
@@ -289,18 +289,25 @@ impl WeightFile {
         let dtype = entry.dtype;
         out.par_chunks_mut(CONVERT_CHUNK)
             .zip(bytes.par_chunks(CONVERT_CHUNK * size))
-            .for_each(|(out, bytes)| {
-                let pairs = out.iter_mut().zip(bytes.chunks_exact(size));
-                match dtype {
-                    Dtype::F32 => pairs.for_each(|(o, b)| {
-                        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }),
-                    Dtype::BF16 => pairs.for_each(|(o, b)| {
-                        *o = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                    }),
-                    _ => pairs.for_each(|(o, b)| {
-                        *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                    }),
+            .for_each(|(out, bytes)| match dtype {
+                // Stored little-endian, and at any alignment: read as byte arrays.
+                Dtype::F32 => {
+                    let words: &[[u8; 4]] = bytemuck::cast_slice(bytes);
+                    for (o, w) in out.iter_mut().zip(words) {
+                        *o = f32::from_le_bytes(*w);
+                    }
+                }
+                Dtype::BF16 => {
+                    let halves: &[[u8; 2]] = bytemuck::cast_slice(bytes);
+                    for (o, h) in out.iter_mut().zip(halves) {
+                        *o = bf16::from_le_bytes(*h).to_f32();
+                    }
+                }
+                _ => {
+                    let halves: &[[u8; 2]] = bytemuck::cast_slice(bytes);
+                    for (o, h) in out.iter_mut().zip(halves) {
+                        *o = f16::from_le_bytes(*h).to_f32();
+                    }
                 }
             });
         Ok(())
@@ -464,8 +471,7 @@ impl StorageDtype {
 /// stored as `dtype`, with the string map `metadata` plus `"format": "pt"` (as transformers
 /// writes; a caller's own `format` entry wins).
 ///
-/// The write is atomic: the file is written to `path` + `.tmp` in the same directory, synced
-/// to disk, then renamed over `path`, so a crash leaves the old file or the new one, never a
+/// The write is atomic ([`write_atomic`]): a crash leaves the old file or the new one, never a
 /// torn one. Tensors are laid out sorted by name, as the safetensors crate does, and
 /// converted in bounded pieces, so memory stays small however large the tensors.
 pub fn save_safetensors(
@@ -532,60 +538,41 @@ pub fn save_safetensors(
     // safetensors crate does.
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source: std::io::Error| RuntimeError::Io { path: p, source }
-    };
-    let written = (|| -> std::io::Result<()> {
-        let file = File::create(&tmp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
+    let written = write_atomic(path, |w| {
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
-        let mut buf = Vec::with_capacity(CONVERT_CHUNK * dtype.size());
+        // Values are converted a piece at a time to little-endian bit patterns, then written
+        // as bytes.
+        let mut bits32: Vec<u32> = Vec::with_capacity(CONVERT_CHUNK);
+        let mut bits16: Vec<u16> = Vec::with_capacity(CONVERT_CHUNK);
         for (_, _, values) in &order {
             for piece in values.chunks(CONVERT_CHUNK) {
-                buf.clear();
                 match dtype {
-                    StorageDtype::F32 => buf.extend(piece.iter().flat_map(|v| v.to_le_bytes())),
-                    StorageDtype::BF16 => buf.extend(
-                        piece
-                            .iter()
-                            .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes()),
-                    ),
-                    StorageDtype::F16 => buf.extend(
-                        piece
-                            .iter()
-                            .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes()),
-                    ),
+                    StorageDtype::F32 => {
+                        bits32.clear();
+                        bits32.extend(piece.iter().map(|v| v.to_bits().to_le()));
+                        w.write_all(bytemuck::cast_slice(&bits32))?;
+                    }
+                    StorageDtype::BF16 | StorageDtype::F16 => {
+                        bits16.clear();
+                        bits16.extend(piece.iter().map(|&v| {
+                            let bits = match dtype {
+                                StorageDtype::BF16 => bf16::from_f32(v).to_bits(),
+                                _ => f16::from_f32(v).to_bits(),
+                            };
+                            bits.to_le()
+                        }));
+                        w.write_all(bytemuck::cast_slice(&bits16))?;
+                    }
                 }
-                w.write_all(&buf)?;
             }
         }
-        let file = w
-            .into_inner()
-            .map_err(std::io::IntoInnerError::into_error)?;
-        file.sync_all()
-    })();
-    if let Err(e) = written {
-        // Best effort: the error below is what matters, not a leftover temporary.
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(&tmp)(e));
-    }
-    std::fs::rename(&tmp, path).map_err(io(path))?;
-    // Make the rename itself durable. Some file systems refuse to sync a directory; the data
-    // is already synced and renamed, so that is not worth failing the save for.
-    #[cfg(unix)]
-    if let Ok(dir) = File::open(
-        path.parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new(".")),
-    ) {
-        let _ = dir.sync_all();
-    }
-    Ok(())
+        Ok(())
+    });
+    written.map_err(|source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Maps a safetensors file and validates its header.
@@ -739,10 +726,17 @@ mod tests {
         for dtype in [StorageDtype::F32, StorageDtype::BF16, StorageDtype::F16] {
             let path = dir.path().join(format!("{dtype:?}.safetensors"));
             save(&path, &set, dtype);
-            assert!(!dir
-                .path()
-                .join(format!("{dtype:?}.safetensors.tmp"))
-                .exists());
+            let leftovers = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".tmp")
+                })
+                .count();
+            assert_eq!(leftovers, 0);
             let file = WeightFile::open(&path).unwrap();
             assert_eq!(file.len(), set.len());
             assert_eq!(

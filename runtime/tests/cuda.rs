@@ -25,8 +25,8 @@
 #![cfg(feature = "cuda")]
 
 use protrain_ir::{
-    BlockKind, DType, Graph, GraphInfo, OpId, OpKind, Phase, QkvLayout, Role, RopeScaling, Space,
-    StreamKind, TensorType, ValueId, WeightLayout,
+    BlockKind, DType, Epilogue, Graph, GraphInfo, OpId, OpKind, Phase, QkvLayout, Role,
+    RopeScaling, Space, StreamKind, TensorType, ValueId, WeightLayout,
 };
 use protrain_runtime::backend::{Address, Backend, Launch};
 use protrain_runtime::cuda::CudaBackend;
@@ -511,6 +511,40 @@ fn linear_forward_and_backward_in_both_layouts() {
                     .op(OpKind::LinearBackward { bias, layout })
                     .check(&format!("{what} backward"), REDUCTION);
             }
+        }
+    }
+}
+
+/// A fused linear backward over 3 rows (d_in 5, two projections of 7 with biases, as a SwiGLU
+/// MLP's gate and up): in bf16 its kept gradients and input-gradient contribution take an odd
+/// multiple of 2 bytes, so the f32 bias partials behind them are only aligned because the
+/// workspace layout aligns every part (`protrain_ir::WorkspaceLayout`).
+#[test]
+fn fused_linear_backward_with_odd_rows() {
+    let (b, t, d_in, d_out) = (1u64, 3u64, 5u64, 7u64);
+    for dtype in DTYPES {
+        for epilogue in [Epilogue::Swiglu, Epilogue::None] {
+            let what = format!("fused linear backward {epilogue:?} {dtype}");
+            let mut case = Builder::new(15)
+                .float(&[b, t, d_in], dtype, 1.0)
+                .float(&[d_out, d_in], dtype, 0.5)
+                .float(&[d_out, d_in], dtype, 0.5);
+            // Swiglu: the kept gate and up, then the output's gradient; none: each
+            // projection's gradient.
+            let grads = match epilogue {
+                Epilogue::Swiglu => 3,
+                _ => 2,
+            };
+            for _ in 0..grads {
+                case = case.float(&[b, t, d_out], dtype, 1.0);
+            }
+            case.op(OpKind::FusedLinearBackward {
+                count: 2,
+                bias: true,
+                layout: WeightLayout::OutIn,
+                epilogue,
+            })
+            .check(&what, REDUCTION);
         }
     }
 }

@@ -35,3 +35,26 @@ fn available_finds_a_usable_device_or_names_what_is_missing() {
         }
     }
 }
+
+/// `scripts/gpu-check.sh` fits a device session: about 15 minutes must hold a machine start,
+/// the check and a rerun, so its parts' time limits add up to at most 4 minutes.
+#[test]
+fn the_gpu_check_fits_a_device_session() {
+    let script = include_str!("../../scripts/gpu-check.sh");
+    let limits: Vec<u64> = script
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            match words.next()? {
+                "part" | "train" => words.nth(1)?.parse().ok(),
+                _ => None,
+            }
+        })
+        .collect();
+    assert_eq!(limits.len(), 5, "the parts of gpu-check.sh: {limits:?}");
+    let total: u64 = limits.iter().sum();
+    assert!(
+        total <= 240,
+        "the parts may take {total} s in all; at most 240 fit"
+    );
+}

@@ -2,10 +2,14 @@
 //! pinned allocation, its device streams on CUDA streams, its host optimizer on host threads.
 //!
 //! Every tensor is a raw device address at its planned offset: nothing is allocated per step.
-//! Kernel scratch is the planned workspace of each op (see [`super::launch`]). Besides the
-//! arena, each CUDA stream keeps only the constant tables its kernels read (RoPE frequencies,
-//! the clip coefficient's operand table: kilobytes, made during the first step) and cuBLAS its
-//! own workspace per handle; the hardware profile's reserved bytes cover both.
+//! An op on a device stream is the call plan [`super::launch::calls`] makes of it (kernels and
+//! GEMMs, as data), executed here in order; kernel scratch is the op's planned workspace.
+//! Besides the arena, each CUDA stream keeps only the constant tables its kernels read (RoPE
+//! frequencies, the clip coefficient's operand table: kilobytes, uploaded on that stream during
+//! the first step) and cuBLAS its own workspace per handle; the hardware profile's reserved
+//! bytes cover both. Writes outside kernels are ordered as [`super::driver::write_steps`] says
+//! (the streams are non-blocking, so nothing on the default stream orders them), and the
+//! context blocks rather than spins while a thread waits for the GPU.
 //!
 //! Work issued on a device stream ([`StreamKind::Compute`], [`StreamKind::HostToDevice`],
 //! [`StreamKind::DeviceToHost`]) is enqueued on that stream's CUDA stream and runs
@@ -27,45 +31,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use protrain_ir::{EventId, Schedule, Space, StreamKind};
+use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
+use rayon::prelude::*;
 
 use super::blas::Gemm;
 use super::driver::{
-    driver_error, probe, DeviceInfo, DeviceMemory, Event, Kernels, ParamKind, PinnedMemory,
+    driver_error, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event, Fill,
+    Kernels, ParamKind, PinnedMemory, WriteKind,
 };
-use super::launch;
+use super::launch::{self, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
 use crate::backend::{Address, Backend, Launch};
-use crate::dispatch::Outcome;
+use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
 use crate::executor::master_weights;
-
-/// Threads per block of the grid-stride and row kernels.
-pub(super) const BLOCK: u32 = 256;
-
-/// A kernel argument, as the kernel's parameter list declares it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) enum Arg {
-    /// A pointer (device address, or 0 for null).
-    Ptr(u64),
-    /// `i64`.
-    I64(i64),
-    /// `int`.
-    I32(i32),
-    /// `float`.
-    F32(f32),
-}
-
-impl Arg {
-    /// The parameter kind it passes.
-    fn kind(self) -> ParamKind {
-        match self {
-            Arg::Ptr(_) => ParamKind::Ptr,
-            Arg::I64(_) => ParamKind::I64,
-            Arg::I32(_) => ParamKind::I32,
-            Arg::F32(_) => ParamKind::F32,
-        }
-    }
-}
 
 /// How far each event has come this step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,15 +60,6 @@ enum Mark {
 struct EventState {
     marks: Vec<Mark>,
     aborted: bool,
-}
-
-/// A constant table a kernel reads, cached per stream by what it holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) enum ConstKey {
-    /// RoPE inverse frequencies, as f32 bits.
-    InvFreq(Vec<u32>),
-    /// Device addresses (the clip coefficient's squared norms).
-    Pointers(Vec<u64>),
 }
 
 /// What a device stream owns besides its CUDA stream.
@@ -268,7 +237,8 @@ impl CudaBackend {
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
     }
 
-    /// Launches kernel `name` on `stream` with `args`.
+    /// Launches kernel `name` on `stream` with `args`, which must be resolved (no
+    /// [`Arg::Table`] or [`Arg::NormSlot`]: `run_device` resolves them).
     pub(super) fn launch_kernel(
         &self,
         stream: &CudaStream,
@@ -278,7 +248,7 @@ impl CudaBackend {
         args: &[Arg],
     ) -> Result<()> {
         let (f, params) = self.kernels.get(name)?;
-        let kinds: Vec<ParamKind> = args.iter().map(|a| a.kind()).collect();
+        let kinds: Vec<ParamKind> = args.iter().map(Arg::kind).collect();
         if kinds != params {
             return Err(RuntimeError::BadSchedule(format!(
                 "kernel {name} takes {params:?} but the launch passes {kinds:?}; this is a bug \
@@ -292,6 +262,12 @@ impl CudaBackend {
                 Arg::I64(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
+                Arg::Table(_) | Arg::NormSlot => {
+                    return Err(RuntimeError::BadSchedule(format!(
+                        "kernel {name} was launched with an unresolved {a:?}; this is a bug in \
+                         runtime/src/cuda/backend.rs"
+                    )))
+                }
             };
         }
         let cfg = LaunchConfig {
@@ -299,7 +275,7 @@ impl CudaBackend {
             block_dim: block,
             shared_mem_bytes: 0,
         };
-        // SAFETY: `args` match the kernel's parameter list (each call site follows the
+        // SAFETY: `args` match the kernel's parameter list (checked above against the
         // declaration in the `.cu` file); the addresses are checked to lie in their regions,
         // and the ordering contract the launch was issued under keeps other streams away.
         unsafe { b.launch(cfg) }
@@ -307,9 +283,77 @@ impl CudaBackend {
             .map_err(|e| driver_error(format!("launching {name}"), e))
     }
 
-    /// Most blocks of a grid-stride launch.
-    pub(super) fn max_blocks(&self) -> u32 {
-        self.max_blocks
+    /// Enqueues one op on a device stream: its operands' addresses (each checked to hold its
+    /// type), then the calls of [`launch::calls`], in order.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the op's operands.
+    unsafe fn run_device(&self, d: &mut DeviceStream, l: &Launch<'_>) -> Result<()> {
+        let (graph, op) = (l.graph, l.op);
+        let inputs: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+        let outputs: Vec<&TensorType> = op.outputs.iter().map(|&v| &graph.value(v).ty).collect();
+        if l.inputs.len() != inputs.len() || l.outputs.len() != outputs.len() {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{}: the op has {} inputs and {} outputs but the kernel was given {} and {} \
+                 addresses",
+                op.kind.mnemonic(),
+                inputs.len(),
+                outputs.len(),
+                l.inputs.len(),
+                l.outputs.len()
+            )));
+        }
+        let addrs = |at: &[Address], types: &[&TensorType]| {
+            at.iter()
+                .zip(types)
+                .map(|(&a, t)| self.gpu_addr(a, t.bytes()))
+                .collect::<Result<Vec<u64>>>()
+        };
+        let workspace = match l.workspace {
+            Some((at, bytes)) => Some((self.gpu_addr(at, bytes)?, bytes)),
+            None => None,
+        };
+        let master = match (&op.kind, inputs.first()) {
+            (OpKind::AdamW { .. }, Some(p)) if p.dtype == DType::BF16 && l.inputs.len() > 2 => {
+                Some(self.gpu_addr(self.master_weight(l.inputs[2])?, 4 * p.numel())?)
+            }
+            _ => None,
+        };
+        let at = Addresses {
+            inputs: addrs(l.inputs, &inputs)?,
+            outputs: addrs(l.outputs, &outputs)?,
+            workspace,
+            master,
+        };
+        let types = Types {
+            inputs: &inputs,
+            outputs: &outputs,
+        };
+        let target = Target {
+            max_blocks: self.max_blocks,
+            step: l.step,
+        };
+        for call in launch::calls(&op.kind, types, &at, target)? {
+            match call {
+                Call::Kernel(k) => {
+                    let mut args = Vec::with_capacity(k.args.len());
+                    for a in k.args {
+                        args.push(match a {
+                            Arg::Table(key) => Arg::Ptr(d.constant(&self.ctx, &key)?),
+                            Arg::NormSlot => Arg::Ptr(self.norm_slot()),
+                            a => a,
+                        });
+                    }
+                    self.launch_kernel(&d.stream, k.entry, k.grid, k.block, &args)?;
+                }
+                // SAFETY: the plan's operands hold matrices of its shapes (checked against
+                // their types, the workspace against its planned size); outputs and the
+                // workspace overlap no input or each other: the caller's ordering contract.
+                Call::Gemm(g) => unsafe { d.gemm()?.run(g.dtype, &g.gemm, g.what)? },
+            }
+        }
+        Ok(())
     }
 
     /// Blocks of a grid-stride launch over `n` elements with [`BLOCK`] threads.
@@ -333,18 +377,27 @@ impl CudaBackend {
             .map_err(|e| driver_error("waiting for the GPU to finish its work", e))
     }
 
-    /// Copies `data` to `at`, between steps.
-    fn write_bytes(&self, at: Address, data: &[u8]) -> Result<()> {
-        self.settle()?;
-        let addr = self.gpu_addr(at, data.len() as u64)?;
+    /// Copies `data` to `at`, between steps: the device write is ordered before every stream's
+    /// later work ([`WriteKind::BetweenSteps`]).
+    fn write_bytes(&self, at: Address, fill: Fill<'_>) -> Result<()> {
+        let addr = self.gpu_addr(at, fill.len() as u64)?;
         match at.space {
-            // SAFETY: `addr` has room for `data` (checked); the device is idle.
-            Space::Device => unsafe { result::memcpy_htod_sync(addr, data) }
-                .map_err(|e| driver_error("writing to the device arena", e)),
+            // SAFETY: `addr` has room for the bytes (checked); the steps wait for the device
+            // to be idle first, and `&mut self` upstream keeps new work away.
+            Space::Device => unsafe {
+                write_device(&self.ctx, WriteKind::BetweenSteps, addr, fill, None)
+            },
             Space::Host => {
+                self.settle()?;
+                let n = fill.len();
                 // SAFETY: in bounds (checked); nothing runs (settled, and `&mut self` upstream).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len())
+                    match fill {
+                        Fill::Zero(_) => std::ptr::write_bytes(addr as *mut u8, 0, n),
+                        Fill::Bytes(b) => {
+                            std::ptr::copy_nonoverlapping(b.as_ptr(), addr as *mut u8, n)
+                        }
+                    }
                 };
                 Ok(())
             }
@@ -379,6 +432,115 @@ impl CudaBackend {
             .get(event.index())
             .ok_or_else(|| RuntimeError::BadSchedule(format!("event {} does not exist", event.0)))
     }
+
+    /// Runs one op on the host optimizer stream, on the pinned region, with the host backend's
+    /// code: AdamW (f32, or bf16 with its f32 master weight), or any other kind through
+    /// [`dispatch::run`] when every operand is f32 (or i32) in the host region.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the op's operands.
+    unsafe fn run_host(&self, h: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
+        let (graph, op) = (l.graph, l.op);
+        let bad = |why: String| RuntimeError::BadSchedule(format!("{}: {why}", op.kind.mnemonic()));
+        if l.inputs.len() != op.inputs.len() || l.outputs.len() != op.outputs.len() {
+            return Err(bad(
+                "the kernel was given the wrong number of addresses".into()
+            ));
+        }
+        let ty = |v: protrain_ir::ValueId| &graph.value(v).ty;
+        if let OpKind::AdamW { clipped, .. } = op.kind {
+            if op.inputs.len() < 4 + usize::from(clipped) {
+                return Err(bad(
+                    "takes param, grad, m, v and, when clipped, the coefficient".into(),
+                ));
+            }
+            let param = ty(op.inputs[0]);
+            let n = param.numel() as usize;
+            // SAFETY (for every view below): the ordering contract gives this op its operands
+            // alone while it runs; param, grad, m, v, the coefficient and the master weight are
+            // distinct values at distinct homes, so the views do not overlap.
+            let m = unsafe { self.host_slice_mut::<f32>(l.inputs[2], n)? };
+            let v = unsafe { self.host_slice_mut::<f32>(l.inputs[3], n)? };
+            let coef = match clipped {
+                true => Some(unsafe { self.host_slice::<f32>(l.inputs[4], 1)? }[0]),
+                false => None,
+            };
+            match (param.dtype, ty(op.inputs[1]).dtype) {
+                (DType::F32, DType::F32) => {
+                    let p = unsafe { self.host_slice_mut::<f32>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<f32>(l.inputs[1], n)? };
+                    dispatch::adamw(&op.kind, p, g, m, v, coef, l.step);
+                }
+                (DType::BF16, DType::BF16) => {
+                    let master_at = self.master_weight(l.inputs[2])?;
+                    let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
+                    let p = unsafe { self.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<half::bf16>(l.inputs[1], n)? };
+                    // The widened gradient buffer grows to the largest parameter in the first
+                    // step and is reused after.
+                    h.widened.resize(n, 0.0);
+                    h.widened
+                        .par_chunks_mut(1 << 16)
+                        .zip(g.par_chunks(1 << 16))
+                        .for_each(|(w, g)| {
+                            for (w, g) in w.iter_mut().zip(g) {
+                                *w = g.to_f32();
+                            }
+                        });
+                    dispatch::adamw(&op.kind, master, &h.widened, m, v, coef, l.step);
+                    p.par_chunks_mut(1 << 16)
+                        .zip(master.par_chunks(1 << 16))
+                        .for_each(|(p, m)| {
+                            for (p, &m) in p.iter_mut().zip(m) {
+                                *p = half::bf16::from_f32(m);
+                            }
+                        });
+                }
+                (p, g) => {
+                    return Err(bad(format!(
+                        "a {p} parameter with a {g} gradient; the CPU Adam updates f32 or bf16 \
+                         parameters from gradients of their own type"
+                    )))
+                }
+            }
+            return Ok(Outcome::default());
+        }
+        // Any other kind: the host kernels, on f32 operands in the pinned region.
+        for (i, &v) in op.inputs.iter().enumerate() {
+            let t = ty(v);
+            if !matches!(t.dtype, DType::F32 | DType::I32) {
+                return Err(bad(format!(
+                    "input {i} is {t}; on the host optimizer stream only AdamW takes bf16"
+                )));
+            }
+            self.gpu_addr(l.inputs[i], t.bytes())?;
+            if l.inputs[i].space != protrain_ir::Space::Host {
+                return Err(bad(format!(
+                    "input {i} is in the device arena, which the host optimizer stream cannot read"
+                )));
+            }
+        }
+        let mut outputs: Vec<&mut [f32]> = Vec::with_capacity(op.outputs.len());
+        for (i, &v) in op.outputs.iter().enumerate() {
+            let t = ty(v);
+            if t.dtype != DType::F32 {
+                return Err(bad(format!(
+                    "output {i} is {t}; the host kernels write f32"
+                )));
+            }
+            // SAFETY: the ordering contract: outputs overlap no input, each other or the
+            // workspace, and nothing else touches them meanwhile.
+            outputs.push(unsafe { self.host_slice_mut::<f32>(l.outputs[i], t.numel() as usize)? });
+        }
+        let workspace: &mut [f32] = match l.workspace {
+            // SAFETY: as for the outputs.
+            Some((at, bytes)) => unsafe { self.host_slice_mut::<f32>(at, (bytes / 4) as usize)? },
+            None => &mut [],
+        };
+        let inputs = HostInputs { b: self, l };
+        dispatch::run(graph, op, l.prepared, &inputs, &mut outputs, workspace)
+    }
 }
 
 impl DeviceStream {
@@ -390,24 +552,18 @@ impl DeviceStream {
         Ok(self.gemm.as_ref().expect("made above"))
     }
 
-    /// The device copy of a constant table, uploaded on first use.
-    pub(super) fn constant(
-        &mut self,
-        ctx: &Arc<CudaContext>,
-        key: ConstKey,
-        bytes: &[u8],
-    ) -> Result<u64> {
-        if let Some((_, m)) = self.constants.iter().find(|(k, _)| *k == key) {
+    /// The device copy of a constant table, uploaded on first use: enqueued on this stream,
+    /// ahead of the kernels that read it (see [`super::driver::write_steps`]).
+    pub(super) fn constant(&mut self, ctx: &Arc<CudaContext>, key: &ConstKey) -> Result<u64> {
+        if let Some((_, m)) = self.constants.iter().find(|(k, _)| k == key) {
             return Ok(m.ptr());
         }
-        let m = DeviceMemory::zeroed(ctx, bytes.len(), "kernel constants")?;
-        if !bytes.is_empty() {
-            // SAFETY: `m` holds `bytes.len()` bytes; it is new, so nothing else uses it.
-            unsafe { result::memcpy_htod_sync(m.ptr(), bytes) }
-                .map_err(|e| driver_error("uploading kernel constants", e))?;
-        }
+        let bytes = key.bytes();
+        let m = DeviceMemory::uninit(ctx, bytes.len(), "kernel constants")?;
+        // SAFETY: `m` holds `bytes.len()` bytes; it is new, so nothing else uses it.
+        unsafe { m.write(WriteKind::Constant, Fill::Bytes(&bytes), Some(&self.stream)) }?;
         let ptr = m.ptr();
-        self.constants.push((key, m));
+        self.constants.push((key.clone(), m));
         Ok(ptr)
     }
 }
@@ -467,7 +623,7 @@ impl Backend for CudaBackend {
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         let info = probe()?;
-        let ctx = CudaContext::new(0).map_err(|e| driver_error("opening GPU 0", e))?;
+        let ctx = open_context(0)?;
         let kernels = Kernels::load(&ctx, info.compute_capability)?;
         let too_big = |what: &str, bytes: u64| {
             RuntimeError::BadSchedule(format!(
@@ -568,13 +724,14 @@ impl Backend for CudaBackend {
         self.bind()?;
         match &mut stream.exec {
             Exec::Device(d) => {
-                launch::device(self, d, l)?;
+                // SAFETY: the caller's ordering contract.
+                unsafe { self.run_device(d, l)? };
                 // The kernels run later: the gradient norm comes from `step_outcome`, the loss
                 // from its home once the step is over.
                 Ok(Outcome::default())
             }
             // SAFETY: the caller's ordering contract.
-            Exec::Host(h) => unsafe { launch::host(self, h, l) },
+            Exec::Host(h) => unsafe { self.run_host(h, l) },
         }
     }
 
@@ -694,26 +851,18 @@ impl Backend for CudaBackend {
     }
 
     fn write_f32(&mut self, at: Address, data: &[f32]) -> Result<()> {
-        self.write_bytes(at, as_bytes(data))
+        self.write_bytes(at, Fill::Bytes(as_bytes(data)))
     }
 
     fn write_i32(&mut self, at: Address, data: &[i32]) -> Result<()> {
-        self.write_bytes(at, as_bytes(data))
+        self.write_bytes(at, Fill::Bytes(as_bytes(data)))
     }
 
     fn fill_zero(&mut self, at: Address, bytes: u64) -> Result<()> {
-        self.settle()?;
-        let addr = self.gpu_addr(at, bytes)?;
-        match at.space {
-            // SAFETY: `addr` holds `bytes` bytes (checked); the device is idle.
-            Space::Device => unsafe { result::memset_d8_sync(addr, 0, bytes as usize) }
-                .map_err(|e| driver_error("zeroing device memory", e)),
-            Space::Host => {
-                // SAFETY: in bounds (checked); `&mut self`: no step is running.
-                unsafe { std::ptr::write_bytes(addr as *mut u8, 0, bytes as usize) };
-                Ok(())
-            }
-        }
+        let n = usize::try_from(bytes).map_err(|_| {
+            RuntimeError::BadSchedule(format!("{bytes} bytes cannot be addressed here"))
+        })?;
+        self.write_bytes(at, Fill::Zero(n))
     }
 
     fn read_f32(&self, at: Address, out: &mut [f32]) -> Result<()> {
@@ -721,7 +870,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_bf16(&mut self, at: Address, data: &[half::bf16]) -> Result<()> {
-        self.write_bytes(at, as_bytes(data))
+        self.write_bytes(at, Fill::Bytes(as_bytes(data)))
     }
 
     fn read_bf16(&self, at: Address, out: &mut [half::bf16]) -> Result<()> {
@@ -741,5 +890,32 @@ impl Backend for CudaBackend {
             loss: None,
             grad_norm: Some(f32::from_ne_bytes(norm)),
         })
+    }
+}
+
+/// The inputs of a host-stream kernel, in the pinned region (checked before the kernel runs).
+struct HostInputs<'a> {
+    b: &'a CudaBackend,
+    l: &'a Launch<'a>,
+}
+
+impl HostInputs<'_> {
+    fn len(&self, i: usize) -> usize {
+        self.l.graph.value(self.l.op.inputs[i]).ty.numel() as usize
+    }
+}
+
+impl<'a> dispatch::Inputs<'a> for HostInputs<'a> {
+    fn f32(&self, i: usize) -> &'a [f32] {
+        // SAFETY: in the host region and in bounds (checked in `host`); the ordering contract
+        // keeps writers away while the kernel reads.
+        unsafe { self.b.host_slice(self.l.inputs[i], self.len(i)) }
+            .expect("inputs were checked before the kernel ran")
+    }
+
+    fn i32(&self, i: usize) -> &'a [i32] {
+        // SAFETY: as for `f32`.
+        unsafe { self.b.host_slice(self.l.inputs[i], self.len(i)) }
+            .expect("inputs were checked before the kernel ran")
     }
 }

@@ -12,8 +12,8 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::cublas::result as blas;
+use cudarc::cublas::sys as cublas_sys;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaStream;
 use protrain_ir::{DType, WeightLayout};
 
@@ -32,30 +32,65 @@ pub struct LinearDims {
     pub d_out: usize,
 }
 
-/// A cuBLAS handle bound to one CUDA stream.
+/// A cuBLAS handle bound to one CUDA stream, destroyed on drop without unwrapping: cudarc's
+/// `CudaBlas` unwraps `cublasDestroy`, which fails after a sticky kernel error, and a panic
+/// while a panic unwinds aborts the process (a test binary with it).
 pub struct Gemm {
-    blas: CudaBlas,
+    handle: cublas_sys::cublasHandle_t,
+    /// Kept alive as long as the handle issues on it.
+    _stream: Arc<CudaStream>,
+}
+
+// SAFETY: a cuBLAS handle may be used from any thread, one at a time; `Gemm` is owned by one
+// device stream, whose calls come from one thread at a time.
+unsafe impl Send for Gemm {}
+// SAFETY: as above; `&Gemm` issues on the handle only from the stream's thread.
+unsafe impl Sync for Gemm {}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        let handle = self.handle;
+        // SAFETY: created in `Gemm::new`, destroyed once, here.
+        release(|| unsafe { blas::destroy_handle(handle) });
+    }
+}
+
+/// Runs `destroy`, dropping its error: a resource that cannot be released (after a sticky
+/// kernel error the context is gone anyway) must not panic from `Drop`.
+fn release<E>(destroy: impl FnOnce() -> std::result::Result<(), E>) {
+    let _ = destroy();
 }
 
 /// One column-major GEMM: `C [m, n] = op(A) [m, k] op(B) [k, n]` (+ `beta` C).
-#[derive(Clone, Copy, Debug)]
-struct Call {
-    ta: cublasOperation_t,
-    tb: cublasOperation_t,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: u64,
-    lda: usize,
-    b: u64,
-    ldb: usize,
-    c: u64,
-    ldc: usize,
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// How A is read (as stored, or transposed).
+    pub ta: cublasOperation_t,
+    /// How B is read.
+    pub tb: cublasOperation_t,
+    /// Rows of C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The inner dimension.
+    pub k: usize,
+    /// A's device address.
+    pub a: u64,
+    /// A's leading dimension.
+    pub lda: usize,
+    /// B's device address.
+    pub b: u64,
+    /// B's leading dimension.
+    pub ldb: usize,
+    /// C's device address (overwritten).
+    pub c: u64,
+    /// C's leading dimension.
+    pub ldc: usize,
 }
 
 /// The GEMM computing `y = x W^T` (`OutIn`) or `y = x W` (`InOut`) from the addresses of `x`
 /// `[rows, d_in]`, `w` and `y` `[rows, d_out]`. Builds the description only; issues nothing.
-fn forward_call(layout: WeightLayout, d: LinearDims, x: u64, w: u64, y: u64) -> Call {
+pub fn forward_call(layout: WeightLayout, d: LinearDims, x: u64, w: u64, y: u64) -> Call {
     // Column-major: Y^T [d_out, rows] = op(W) X^T, where X^T is x's storage (ld d_in).
     match layout {
         // W's storage read column-major is W^T [d_in, d_out] (ld d_in): transpose it.
@@ -93,7 +128,7 @@ fn forward_call(layout: WeightLayout, d: LinearDims, x: u64, w: u64, y: u64) -> 
 /// gradient `dx` `[rows, d_in]`, then the weight gradient `dw` (in `layout`), from the
 /// addresses of `x`, `w` and `dy` `[rows, d_out]`. Builds the descriptions only; issues
 /// nothing. The two are independent (neither reads what the other writes).
-fn backward_calls(
+pub fn backward_calls(
     layout: WeightLayout,
     d: LinearDims,
     x: u64,
@@ -171,8 +206,20 @@ fn backward_calls(
 impl Gemm {
     /// A handle issuing on `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let blas = CudaBlas::new(stream).map_err(|e| blas_error("creating a cuBLAS handle", e))?;
-        Ok(Self { blas })
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| super::driver::driver_error("making the CUDA context current", e))?;
+        let handle =
+            blas::create_handle().map_err(|e| blas_error("creating a cuBLAS handle", e))?;
+        let gemm = Self {
+            handle,
+            _stream: stream,
+        };
+        // SAFETY: a live handle and a live stream of the current context.
+        unsafe { blas::set_stream(handle, gemm._stream.cu_stream() as _) }
+            .map_err(|e| blas_error("binding a cuBLAS handle to its stream", e))?;
+        Ok(gemm)
     }
 
     /// `y = x W^T` (`OutIn`, `W [d_out, d_in]`) or `y = x W` (`InOut`, `W [d_in, d_out]`);
@@ -196,39 +243,12 @@ impl Gemm {
         unsafe { self.run(dtype, &call, "linear forward") }
     }
 
-    /// `dx = dy W` (`OutIn`) or `dy W^T` (`InOut`), and `dW = dy^T x` (`OutIn`, `[d_out,
-    /// d_in]`) or `x^T dy` (`InOut`, `[d_in, d_out]`); both overwritten. The bias gradient is
-    /// the caller's. The GEMMs are `backward_calls`'.
-    ///
-    /// # Safety
-    ///
-    /// As [`Gemm::linear_forward`], for `x`, `w`, `dy` (read) and `dx`, `dw` (written).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn linear_backward(
-        &self,
-        dtype: DType,
-        layout: WeightLayout,
-        d: LinearDims,
-        x: u64,
-        w: u64,
-        dy: u64,
-        dx: u64,
-        dw: u64,
-    ) -> Result<()> {
-        let [dx_call, dw_call] = backward_calls(layout, d, x, w, dy, dx, dw);
-        // SAFETY: the caller's contract.
-        unsafe {
-            self.run(dtype, &dx_call, "linear backward (input gradient)")?;
-            self.run(dtype, &dw_call, "linear backward (weight gradient)")
-        }
-    }
-
     /// Issues one GEMM with `beta = 0`.
     ///
     /// # Safety
     ///
     /// The addresses hold matrices of the call's shapes and leading dimensions in `dtype`.
-    unsafe fn run(&self, dtype: DType, c: &Call, what: &str) -> Result<()> {
+    pub unsafe fn run(&self, dtype: DType, c: &Call, what: &str) -> Result<()> {
         let data = match dtype {
             DType::F32 => cudaDataType::CUDA_R_32F,
             DType::BF16 => cudaDataType::CUDA_R_16BF,
@@ -257,7 +277,7 @@ impl Gemm {
         // caller's contract. k = 0 writes beta * C = 0, as the product of empty matrices.
         unsafe {
             blas::gemm_ex(
-                *self.blas.handle(),
+                self.handle,
                 c.ta,
                 c.tb,
                 m,
@@ -301,6 +321,24 @@ mod tests {
 
     use super::*;
     use crate::kernels;
+
+    /// A release that fails while a panic unwinds (cuBLAS after a sticky kernel error) must
+    /// not panic again: that aborts the test binary instead of failing one test. With
+    /// cudarc's unwrapping `Drop` this test takes the whole binary down.
+    #[test]
+    fn a_failed_release_during_unwinding_does_not_abort() {
+        struct Handle;
+        impl Drop for Handle {
+            fn drop(&mut self) {
+                release(|| Err::<(), _>("CUBLAS_STATUS_INTERNAL_ERROR"));
+            }
+        }
+        let unwound = std::panic::catch_unwind(|| {
+            let _handle = Handle;
+            panic!("a kernel failed");
+        });
+        assert!(unwound.is_err());
+    }
 
     /// Host buffers standing in for device memory; an address names one whole buffer.
     #[derive(Default)]

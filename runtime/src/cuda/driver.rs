@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{result, sys, CudaContext, CudaFunction};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 
 use super::nvrtc::{self, Compiled};
 use crate::error::{Result, RuntimeError};
@@ -157,6 +157,134 @@ pub fn driver_error(during: impl Into<String>, e: result::DriverError) -> Runtim
     }
 }
 
+/// The scheduling flag of the backend's context: a thread waiting for the GPU
+/// (`cuStreamSynchronize`, `cuCtxSynchronize`) sleeps instead of spinning, so the stream
+/// threads leave the cores to the CPU Adam. Data, so a test can see it.
+pub const CONTEXT_SCHED_FLAGS: sys::CUctx_flags = sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC;
+
+/// Opens the primary context of device `ordinal` and sets [`CONTEXT_SCHED_FLAGS`] on it.
+pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let ctx =
+        CudaContext::new(ordinal).map_err(|e| driver_error(format!("opening GPU {ordinal}"), e))?;
+    ctx.bind_to_thread()
+        .map_err(|e| driver_error("making the CUDA context current", e))?;
+    result::ctx::set_flags(CONTEXT_SCHED_FLAGS)
+        .map_err(|e| driver_error("asking the CUDA context to block rather than spin", e))?;
+    Ok(ctx)
+}
+
+/// Why device bytes are written outside a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteKind {
+    /// Zeroing a new allocation (the arena, the gradient-norm slot), which any stream may use
+    /// next.
+    Allocation,
+    /// A constant table that the kernels of one stream read.
+    Constant,
+    /// A write from the host between steps (`write_f32`, `fill_zero`), which any stream may
+    /// read in the next step.
+    BetweenSteps,
+}
+
+/// One driver call of a write to device memory outside a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteStep {
+    /// `cuCtxSynchronize`: waits for all work of every stream of the context.
+    SynchronizeContext,
+    /// The copy or memset itself, on the legacy default stream (the driver's synchronous
+    /// `cuMemcpyHtoD` / `cuMemsetD8`, which may return before the bytes land). The backend's
+    /// streams are non-blocking, so nothing orders their work after it but a synchronisation.
+    OnDefaultStream,
+    /// The copy or memset itself, enqueued on the stream whose kernels read the bytes, so the
+    /// stream orders it before them.
+    OnOwnStream,
+}
+
+/// The driver calls of a write of `kind`, in issue order: plain data, so the tests check that
+/// every write on the default stream is followed by a synchronisation before anything can
+/// read it (the race of a write left on the default stream while non-blocking streams run).
+pub fn write_steps(kind: WriteKind) -> &'static [WriteStep] {
+    use WriteStep::*;
+    match kind {
+        WriteKind::Allocation => &[OnDefaultStream, SynchronizeContext],
+        WriteKind::Constant => &[OnOwnStream],
+        // The first synchronisation lets the previous step's work finish with the bytes.
+        WriteKind::BetweenSteps => &[SynchronizeContext, OnDefaultStream, SynchronizeContext],
+    }
+}
+
+/// What a write puts in device memory.
+#[derive(Clone, Copy, Debug)]
+pub enum Fill<'a> {
+    /// This many zero bytes.
+    Zero(usize),
+    /// These bytes.
+    Bytes(&'a [u8]),
+}
+
+impl Fill<'_> {
+    /// Bytes written.
+    pub fn len(&self) -> usize {
+        match self {
+            Fill::Zero(n) => *n,
+            Fill::Bytes(b) => b.len(),
+        }
+    }
+}
+
+/// Writes `fill` at device address `dst` with the driver calls of [`write_steps`]`(kind)`;
+/// `stream` is the stream of a write [`WriteStep::OnOwnStream`].
+///
+/// # Safety
+///
+/// `dst` holds `fill.len()` bytes of memory of `ctx`; nothing reads or writes them meanwhile
+/// but work that the steps order after the write.
+pub unsafe fn write_device(
+    ctx: &Arc<CudaContext>,
+    kind: WriteKind,
+    dst: u64,
+    fill: Fill<'_>,
+    stream: Option<&CudaStream>,
+) -> Result<()> {
+    if fill.len() == 0 {
+        return Ok(());
+    }
+    ctx.bind_to_thread()
+        .map_err(|e| driver_error("making the CUDA context current", e))?;
+    for step in write_steps(kind) {
+        // SAFETY (each call): `dst` holds the bytes (the caller's contract). A pageable
+        // source may be dropped when an async copy returns: the driver has staged it by then.
+        let status = match (step, fill) {
+            (WriteStep::SynchronizeContext, _) => ctx.synchronize(),
+            (WriteStep::OnDefaultStream, Fill::Zero(n)) => unsafe {
+                result::memset_d8_sync(dst, 0, n)
+            },
+            (WriteStep::OnDefaultStream, Fill::Bytes(b)) => unsafe {
+                result::memcpy_htod_sync(dst, b)
+            },
+            (WriteStep::OnOwnStream, fill) => {
+                let s = stream.ok_or_else(|| {
+                    RuntimeError::BadSchedule(format!(
+                        "a {kind:?} write needs the stream that reads it; this is a bug in \
+                         runtime/src/cuda"
+                    ))
+                })?;
+                match fill {
+                    Fill::Zero(n) => unsafe { result::memset_d8_async(dst, 0, n, s.cu_stream()) },
+                    Fill::Bytes(b) => unsafe { result::memcpy_htod_async(dst, b, s.cu_stream()) },
+                }
+            }
+        };
+        status.map_err(|e| {
+            driver_error(
+                format!("writing {} device bytes ({kind:?}, {step:?})", fill.len()),
+                e,
+            )
+        })?;
+    }
+    Ok(())
+}
+
 /// Device memory from `cuMemAlloc`, freed on drop.
 pub struct DeviceMemory {
     ptr: sys::CUdeviceptr,
@@ -171,31 +299,57 @@ unsafe impl Send for DeviceMemory {}
 unsafe impl Sync for DeviceMemory {}
 
 impl DeviceMemory {
-    /// `bytes` of device memory, zeroed; `what` names it in errors. Zero bytes allocate
+    /// `bytes` of device memory, uninitialised; `what` names it in errors. Zero bytes allocate
     /// nothing (the pointer is 0).
-    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize, what: &str) -> Result<Self> {
+    pub fn uninit(ctx: &Arc<CudaContext>, bytes: usize, what: &str) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(|e| driver_error(format!("binding the context to allocate the {what}"), e))?;
         let ptr = if bytes == 0 {
             0
         } else {
             // SAFETY: a plain allocation in the current context.
-            let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| {
                 driver_error(format!("allocating the {what} of {bytes} device bytes"), e)
-            })?;
-            // SAFETY: `ptr` owns `bytes` bytes.
-            if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
-                // SAFETY: allocated just above and used by nothing.
-                let _ = unsafe { result::free_sync(ptr) };
-                return Err(driver_error(format!("zeroing the {what}"), e));
-            }
-            ptr
+            })?
         };
         Ok(Self {
             ptr,
             bytes,
             ctx: ctx.clone(),
         })
+    }
+
+    /// `bytes` of device memory, zeroed before this returns, so that no stream (the backend's
+    /// are non-blocking) can see it otherwise; `what` names it in errors.
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize, what: &str) -> Result<Self> {
+        let m = Self::uninit(ctx, bytes, what)?;
+        // SAFETY: `m` owns `bytes` bytes and nothing else knows of it yet.
+        unsafe { m.write(WriteKind::Allocation, Fill::Zero(bytes), None) }?;
+        Ok(m)
+    }
+
+    /// Writes `fill` at the start of the allocation as [`write_steps`] orders a write of
+    /// `kind` (`stream` is the stream of a [`WriteKind::Constant`]).
+    ///
+    /// # Safety
+    ///
+    /// The allocation holds `fill`'s bytes; nothing reads or writes them meanwhile but work
+    /// the write's ordering puts after it.
+    pub unsafe fn write(
+        &self,
+        kind: WriteKind,
+        fill: Fill<'_>,
+        stream: Option<&CudaStream>,
+    ) -> Result<()> {
+        if fill.len() > self.bytes {
+            return Err(RuntimeError::BadSchedule(format!(
+                "writing {} bytes into a device allocation of {}",
+                fill.len(),
+                self.bytes
+            )));
+        }
+        // SAFETY: in bounds (checked); the caller's contract.
+        unsafe { write_device(&self.ctx, kind, self.ptr, fill, stream) }
     }
 
     /// The device address of the first byte.
@@ -461,6 +615,50 @@ fn compiled_for(cc: (i32, i32)) -> Result<Arc<Vec<Compiled>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every write is ordered before any later work that reads it: a write on the default
+    /// stream is followed by a context synchronisation (the backend's streams are
+    /// non-blocking, so nothing else orders them after it); a write on the reading stream
+    /// needs nothing more. A write between steps also waits for the work before it.
+    #[test]
+    fn every_device_write_is_ordered_before_its_readers() {
+        use WriteStep::*;
+        for kind in [
+            WriteKind::Allocation,
+            WriteKind::Constant,
+            WriteKind::BetweenSteps,
+        ] {
+            let steps = write_steps(kind);
+            let writes: Vec<usize> = (0..steps.len())
+                .filter(|&i| steps[i] != SynchronizeContext)
+                .collect();
+            assert_eq!(writes.len(), 1, "{kind:?}: one write, {steps:?}");
+            let w = writes[0];
+            if steps[w] == OnDefaultStream {
+                assert_eq!(
+                    steps.get(w + 1),
+                    Some(&SynchronizeContext),
+                    "{kind:?}: a default-stream write races the non-blocking streams: {steps:?}"
+                );
+            }
+        }
+        // Constants are read by one stream's kernels: the upload goes on that stream.
+        assert_eq!(write_steps(WriteKind::Constant), &[OnOwnStream]);
+        assert_eq!(
+            write_steps(WriteKind::BetweenSteps).first(),
+            Some(&SynchronizeContext),
+            "a write between steps waits for the previous step"
+        );
+    }
+
+    #[test]
+    fn the_context_blocks_rather_than_spins() {
+        assert_eq!(
+            CONTEXT_SCHED_FLAGS,
+            sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC,
+            "stream threads spinning in cuStreamSynchronize starve the CPU Adam"
+        );
+    }
 
     #[test]
     fn every_kernel_declaration_has_parameters_a_launch_can_pass() {

@@ -1,41 +1,158 @@
-//! Op kinds on the CUDA backend: which kernels of [`super::SOURCES`] (or cuBLAS) each kind
-//! launches, on what shapes, with which scratch.
+//! Op kinds on the CUDA backend as call plans: for one op, its operand types and addresses,
+//! the list of kernel launches (of [`super::SOURCES`]) and cuBLAS GEMMs that compute it, as
+//! plain data. [`calls`] issues nothing and needs no GPU; the backend executes the list in
+//! order on the op's stream (`backend.rs`), and the tests below check, for every op kind, that
+//! each entry point exists in the kernel sources and that each argument list matches the
+//! kernel's declared parameters.
 //!
 //! Every kind has its own arm, without a wildcard, so a kind added to the IR is a compile error
 //! here until it has kernels. The launch shapes follow the notes beside each entry point in
 //! `kernels/*.cu`. Storage is f32 or bf16 (the `_f32` / `_bf16` entry points); statistics,
 //! log-sum-exps and partial sums are f32 whatever the storage.
 //!
-//! Scratch. Every kernel's scratch is the workspace the memory plan gives its op, laid out as
-//! [`protrain_ir::OpKind::workspace_bytes`] says: the norms' per-row statistics and the
-//! column-sum partials of bias and norm-weight gradients (`ceil(rows / 256)` f32 rows per
-//! summed parameter), attention's backward `delta` (f32 `[B, H, T]`), cross-entropy's per-row
-//! losses (f32 `[B*T]`), the token embedding backward's first/last positions (i32 `[V, 2]`),
-//! the gradient norm's f64 partials, a fused linear's intermediate gradients. Nothing is
-//! allocated per launch, so the planned peak is the device's.
-//!
-//! The host optimizer stream ([`host`]) runs the host backend's code on the pinned region: the
-//! CPU Adam for offloaded chunks, widening bf16 gradients to f32 and rounding the updated f32
-//! master weight back to the bf16 parameter.
+//! Scratch. Every kernel's scratch is the workspace the memory plan gives its op, split as
+//! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta`,
+//! cross-entropy's per-row losses, the token embedding backward's spans, the gradient norm's
+//! f64 partials, a fused linear's intermediate gradients), every part 16-byte aligned. Nothing
+//! is allocated per launch, so the planned peak is the device's. The only other device memory a
+//! plan refers to is a small constant table per stream ([`Arg::Table`]: RoPE frequencies, the
+//! clip coefficient's pointer table), which the backend uploads on first use, and the backend's
+//! gradient-norm slot ([`Arg::NormSlot`]).
 
-use protrain_ir::{DType, Epilogue, OpKind, QkvLayout, TensorType};
-use rayon::prelude::*;
+use protrain_ir::{
+    DType, Epilogue, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
+};
 
-use super::backend::{Arg, ConstKey, CudaBackend, DeviceStream, HostStream, BLOCK};
-use super::blas::LinearDims;
+use super::blas::{backward_calls, forward_call, Call as Gemm, LinearDims};
+use super::driver::ParamKind;
 use super::{
     column_sum_chunks, grad_norm_partials, AdamWScalars, ATTN_DKV_ROWS, ATTN_DQ_ROWS,
     ATTN_FWD_ROWS, ATTN_MAX_HEAD_DIM, ATTN_THREADS, COLUMN_SUM_BLOCK, COLUMN_SUM_ROWS_PER_CHUNK,
 };
-use crate::backend::Launch;
-use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, AdamWConfig};
 
 use Arg::{Ptr, F32, I32, I64};
 
+/// Threads per block of the grid-stride and row kernels.
+pub(super) const BLOCK: u32 = 256;
+
 /// Most blocks along a grid's y or z, and along x for the row kernels.
 const MAX_GRID_YZ: u64 = 65535;
+
+/// A kernel argument, as the kernel's parameter list declares it.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Arg {
+    /// A pointer (device address, or 0 for null).
+    Ptr(u64),
+    /// `i64`.
+    I64(i64),
+    /// `int`.
+    I32(i32),
+    /// `float`.
+    F32(f32),
+    /// A pointer to the device copy of a constant table, which the executing stream uploads
+    /// on first use and keeps.
+    Table(ConstKey),
+    /// A pointer to the backend's gradient-norm slot (one f32), which the clip coefficient
+    /// kernel writes and `step_outcome` reads.
+    NormSlot,
+}
+
+impl Arg {
+    /// The parameter kind it passes.
+    pub(super) fn kind(&self) -> ParamKind {
+        match self {
+            Arg::Ptr(_) | Arg::Table(_) | Arg::NormSlot => ParamKind::Ptr,
+            Arg::I64(_) => ParamKind::I64,
+            Arg::I32(_) => ParamKind::I32,
+            Arg::F32(_) => ParamKind::F32,
+        }
+    }
+}
+
+/// A constant table a kernel reads, named by what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum ConstKey {
+    /// RoPE inverse frequencies, as f32 bits.
+    InvFreq(Vec<u32>),
+    /// Device addresses (the clip coefficient's squared norms).
+    Pointers(Vec<u64>),
+}
+
+impl ConstKey {
+    /// The table's bytes, as the kernel reads them.
+    pub(super) fn bytes(&self) -> Vec<u8> {
+        match self {
+            ConstKey::InvFreq(bits) => bits.iter().flat_map(|b| b.to_ne_bytes()).collect(),
+            ConstKey::Pointers(ptrs) => ptrs.iter().flat_map(|p| p.to_ne_bytes()).collect(),
+        }
+    }
+}
+
+/// One kernel launch.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct KernelCall {
+    /// The entry point, an `extern "C" __global__` function of [`super::SOURCES`].
+    pub entry: &'static str,
+    /// Grid dimensions (none zero: empty launches are left out of a plan).
+    pub grid: (u32, u32, u32),
+    /// Block dimensions.
+    pub block: (u32, u32, u32),
+    /// The arguments, in the kernel's parameter order.
+    pub args: Vec<Arg>,
+}
+
+/// One GEMM on the stream's cuBLAS handle.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GemmCall {
+    /// The storage type of every matrix (f32 or bf16; compute is f32).
+    pub dtype: DType,
+    /// The column-major description ([`super::blas`]).
+    pub gemm: Gemm,
+    /// What it computes, for errors.
+    pub what: &'static str,
+}
+
+/// One step of an op's plan.
+#[derive(Clone, Debug)]
+pub(super) enum Call {
+    /// A kernel of the NVRTC-compiled sources.
+    Kernel(KernelCall),
+    /// A cuBLAS GEMM.
+    Gemm(GemmCall),
+}
+
+/// An op's operand types.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Types<'a> {
+    /// Input types, in the op's order.
+    pub inputs: &'a [&'a TensorType],
+    /// Output types, in the op's order.
+    pub outputs: &'a [&'a TensorType],
+}
+
+/// Where an op's operands lie, as the GPU addresses them (pinned host memory is mapped).
+#[derive(Clone, Debug, Default)]
+pub(super) struct Addresses {
+    /// Each input's address, checked by the caller to hold its type's bytes.
+    pub inputs: Vec<u64>,
+    /// Each output's address, likewise.
+    pub outputs: Vec<u64>,
+    /// The planned workspace's address and size in bytes.
+    pub workspace: Option<(u64, u64)>,
+    /// A bf16 AdamW's f32 master weight of its parameter.
+    pub master: Option<u64>,
+}
+
+/// What a plan depends on besides the op: the device's grid limit and the step.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Target {
+    /// Most blocks of a grid-stride launch (enough to fill the GPU several times over).
+    pub max_blocks: u32,
+    /// The 1-based step number (AdamW's bias correction).
+    pub step: u64,
+}
 
 /// The storage type of a kernel's floating-point operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,50 +179,63 @@ impl Storage {
     }
 }
 
-/// One launch on a device stream: the op, its operands, and where to issue.
-struct Op<'a, 'l> {
-    b: &'a CudaBackend,
-    s: &'a mut DeviceStream,
-    l: &'a Launch<'l>,
+fn storage_of(dtype: DType) -> Option<Storage> {
+    match dtype {
+        DType::F32 => Some(Storage::F32),
+        DType::BF16 => Some(Storage::Bf16),
+        DType::F16 | DType::I32 => None,
+    }
 }
 
-impl Op<'_, '_> {
-    fn name(&self) -> &'static str {
-        self.l.op.kind.mnemonic()
-    }
+/// The plan of one op under construction.
+struct Plan<'a> {
+    kind: &'a OpKind,
+    types: Types<'a>,
+    at: &'a Addresses,
+    target: Target,
+    layout: WorkspaceLayout,
+    calls: Vec<Call>,
+}
 
+impl Plan<'_> {
     fn bad(&self, why: impl std::fmt::Display) -> RuntimeError {
-        RuntimeError::BadSchedule(format!("{}: {why}", self.name()))
+        RuntimeError::BadSchedule(format!("{}: {why}", self.kind.mnemonic()))
     }
 
     fn ty_in(&self, i: usize) -> &TensorType {
-        &self.l.graph.value(self.l.op.inputs[i]).ty
+        self.types.inputs[i]
     }
 
     fn ty_out(&self, i: usize) -> &TensorType {
-        &self.l.graph.value(self.l.op.outputs[i]).ty
+        self.types.outputs[i]
     }
 
     /// Input `i`'s device address.
-    fn input(&self, i: usize) -> Result<u64> {
-        self.b.gpu_addr(self.l.inputs[i], self.ty_in(i).bytes())
+    fn input(&self, i: usize) -> u64 {
+        self.at.inputs[i]
     }
 
     /// Output `i`'s device address.
-    fn output(&self, i: usize) -> Result<u64> {
-        self.b.gpu_addr(self.l.outputs[i], self.ty_out(i).bytes())
+    fn output(&self, i: usize) -> u64 {
+        self.at.outputs[i]
     }
 
-    /// The planned workspace, which must hold `bytes`.
-    fn workspace(&self, bytes: u64) -> Result<u64> {
-        match self.l.workspace {
-            Some((at, have)) if have >= bytes => self.b.gpu_addr(at, bytes),
+    /// The address of `part` of the planned workspace, which must hold the whole layout.
+    fn workspace(&self, part: Scratch) -> Result<u64> {
+        let need = self.layout.bytes();
+        let region = self.layout.get(part).ok_or_else(|| {
+            self.bad(format!(
+                "its workspace layout has no {part:?}; this is a bug in runtime/src/cuda/launch.rs"
+            ))
+        })?;
+        match self.at.workspace {
+            Some((at, have)) if have >= need => Ok(at + region.offset),
             Some((_, have)) => Err(self.bad(format!(
-                "the planned workspace of {have} bytes is smaller than the {bytes} the kernel \
-                 needs; recompile the schedule"
+                "the planned workspace of {have} bytes is smaller than the {need} the kernels \
+                 need; recompile the schedule"
             ))),
             None => Err(self.bad(format!(
-                "no workspace was planned but the kernel needs {bytes} bytes; recompile the \
+                "no workspace was planned but the kernels need {need} bytes; recompile the \
                  schedule"
             ))),
         }
@@ -122,39 +252,42 @@ impl Op<'_, '_> {
         })
     }
 
-    /// Launches `name` with a 1-D grid-stride shape over `n` elements.
-    fn stride(&self, name: &'static str, n: u64, args: &[Arg]) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let grid = (self.b.grid_for(n), 1, 1);
-        self.b
-            .launch_kernel(&self.s.stream, name, grid, (BLOCK, 1, 1), args)
+    /// Blocks of a grid-stride launch over `n` elements with [`BLOCK`] threads.
+    fn grid_for(&self, n: u64) -> u32 {
+        n.div_ceil(u64::from(BLOCK))
+            .clamp(1, u64::from(self.target.max_blocks)) as u32
     }
 
-    /// Launches a row kernel (one block per row, blocks striding over `rows`).
-    fn rows(&self, name: &'static str, rows: u64, args: &[Arg]) -> Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let grid = (rows.min(MAX_GRID_YZ) as u32, 1, 1);
-        self.b
-            .launch_kernel(&self.s.stream, name, grid, (BLOCK, 1, 1), args)
-    }
-
-    /// Launches `name` with an explicit shape.
+    /// `name` with an explicit shape; left out when the grid is empty.
     fn shaped(
-        &self,
-        name: &'static str,
+        &mut self,
+        entry: &'static str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
-        args: &[Arg],
-    ) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
+        args: Vec<Arg>,
+    ) {
+        if grid.0 != 0 && grid.1 != 0 && grid.2 != 0 {
+            self.calls.push(Call::Kernel(KernelCall {
+                entry,
+                grid,
+                block,
+                args,
+            }));
         }
-        self.b
-            .launch_kernel(&self.s.stream, name, grid, block, args)
+    }
+
+    /// `name` with a 1-D grid-stride shape over `n` elements.
+    fn stride(&mut self, entry: &'static str, n: u64, args: Vec<Arg>) {
+        if n > 0 {
+            let grid = (self.grid_for(n), 1, 1);
+            self.shaped(entry, grid, (BLOCK, 1, 1), args);
+        }
+    }
+
+    /// A row kernel (one block per row, blocks striding over `rows`).
+    fn rows(&mut self, entry: &'static str, rows: u64, args: Vec<Arg>) {
+        let grid = (rows.min(MAX_GRID_YZ) as u32, 1, 1);
+        self.shaped(entry, grid, (BLOCK, 1, 1), args);
     }
 
     /// `v` as a kernel's `int`.
@@ -175,6 +308,49 @@ impl Op<'_, '_> {
             )));
         }
         Ok(v as u32)
+    }
+
+    /// `y = x W^T` or `x W` on cuBLAS.
+    fn linear_forward(
+        &mut self,
+        dtype: DType,
+        layout: WeightLayout,
+        d: LinearDims,
+        x: u64,
+        w: u64,
+        y: u64,
+    ) {
+        self.calls.push(Call::Gemm(GemmCall {
+            dtype,
+            gemm: forward_call(layout, d, x, w, y),
+            what: "linear forward",
+        }));
+    }
+
+    /// `dx` and `dW` on cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &mut self,
+        dtype: DType,
+        layout: WeightLayout,
+        d: LinearDims,
+        x: u64,
+        w: u64,
+        dy: u64,
+        dx: u64,
+        dw: u64,
+    ) {
+        let [dx_call, dw_call] = backward_calls(layout, d, x, w, dy, dx, dw);
+        self.calls.push(Call::Gemm(GemmCall {
+            dtype,
+            gemm: dx_call,
+            what: "linear backward (input gradient)",
+        }));
+        self.calls.push(Call::Gemm(GemmCall {
+            dtype,
+            gemm: dw_call,
+            what: "linear backward (weight gradient)",
+        }));
     }
 
     /// Column sums of `x [rows, cols]` into `dst [cols]` (overwritten): the bias gradient,
@@ -201,47 +377,26 @@ impl Op<'_, '_> {
             st.pick("column_sum_partial_f32", "column_sum_partial_bf16"),
             grid,
             block,
-            &[
+            vec![
                 Ptr(partials),
                 Ptr(x),
                 I32(rows_i),
                 I32(cols_i),
                 I32(per_chunk),
             ],
-        )?;
+        );
         self.stride(
             st.pick("column_sum_finish_f32", "column_sum_finish_bf16"),
             cols,
-            &[
+            vec![
                 Ptr(dst),
                 Ptr(partials),
                 I32(chunks as i32),
                 I32(cols_i),
                 I32(0),
             ],
-        )
-    }
-
-    /// The device table of RoPE inverse frequencies for this op.
-    fn inv_freq(
-        &mut self,
-        head_dim: u64,
-        theta: f64,
-        scaling: protrain_ir::RopeScaling,
-    ) -> Result<u64> {
-        let table = kernels::rope_inv_freq(head_dim as usize, theta, scaling);
-        let bits: Vec<u32> = table.iter().map(|x| x.to_bits()).collect();
-        let bytes: Vec<u8> = table.iter().flat_map(|x| x.to_ne_bytes()).collect();
-        self.s
-            .constant(&self.b.ctx, ConstKey::InvFreq(bits), &bytes)
-    }
-}
-
-fn storage_of(dtype: DType) -> Option<Storage> {
-    match dtype {
-        DType::F32 => Some(Storage::F32),
-        DType::BF16 => Some(Storage::Bf16),
-        DType::F16 | DType::I32 => None,
+        );
+        Ok(())
     }
 }
 
@@ -262,7 +417,7 @@ struct AttnDims {
 impl AttnDims {
     #[allow(clippy::too_many_arguments)]
     fn new(
-        op: &Op<'_, '_>,
+        p: &Plan<'_>,
         out: &TensorType,
         heads: u64,
         kv_heads: u64,
@@ -272,13 +427,13 @@ impl AttnDims {
         st: Storage,
     ) -> Result<Self> {
         if head_dim as usize > ATTN_MAX_HEAD_DIM || head_dim == 0 {
-            return Err(op.bad(format!(
+            return Err(p.bad(format!(
                 "heads of {head_dim} dimensions; the attention kernels take 1 to \
                  {ATTN_MAX_HEAD_DIM}"
             )));
         }
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || out.shape.len() != 3 {
-            return Err(op.bad(format!(
+            return Err(p.bad(format!(
                 "{heads} heads over {kv_heads} KV heads with output {out}"
             )));
         }
@@ -295,15 +450,15 @@ impl AttnDims {
             }
         };
         Ok(Self {
-            b: op.int(out.shape[0], "batch")?,
-            t: op.int(out.shape[1], "sequence")?,
-            h: op.int(heads, "heads")?,
-            kv: op.int(kv_heads, "KV heads")?,
+            b: p.int(out.shape[0], "batch")?,
+            t: p.int(out.shape[1], "sequence")?,
+            h: p.int(heads, "heads")?,
+            kv: p.int(kv_heads, "KV heads")?,
             d: head_dim as i32,
             // A window wider than i32 sees every earlier key, as no window does.
             window: window.map_or(0, |w| w.min(i32::MAX as u64) as i32),
-            q_stride: op.int(q_stride, "q row width")?,
-            kv_stride: op.int(kv_stride, "kv row width")?,
+            q_stride: p.int(q_stride, "q row width")?,
+            kv_stride: p.int(kv_stride, "kv row width")?,
             packed,
         })
     }
@@ -332,141 +487,165 @@ impl AttnDims {
     }
 }
 
-/// Enqueues the kernels of one op on a device stream.
-pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> Result<()> {
-    let mut op = Op { b, s, l };
-    let (o, n_in, n_out) = (l.op, l.op.inputs.len(), l.op.outputs.len());
-    if l.inputs.len() != n_in || l.outputs.len() != n_out {
-        return Err(op.bad(format!(
+/// The calls that compute one op of `kind` on operands of `types` at `at`, in issue order.
+/// Pure: builds the list and issues nothing. Fails on what the kernels cannot run (a dtype
+/// other than f32 or bf16, sizes beyond 32 bits, a workspace smaller than the layout) with
+/// the way out.
+pub(super) fn calls(
+    kind: &OpKind,
+    types: Types<'_>,
+    at: &Addresses,
+    target: Target,
+) -> Result<Vec<Call>> {
+    let (n_in, n_out) = (types.inputs.len(), types.outputs.len());
+    let mut p = Plan {
+        kind,
+        types,
+        at,
+        target,
+        layout: WorkspaceLayout::of(kind, types.inputs),
+        calls: Vec::new(),
+    };
+    if at.inputs.len() != n_in || at.outputs.len() != n_out {
+        return Err(p.bad(format!(
             "the op has {n_in} inputs and {n_out} outputs but the kernel was given {} and {} \
              addresses",
-            l.inputs.len(),
-            l.outputs.len()
+            at.inputs.len(),
+            at.outputs.len()
         )));
     }
-    match &o.kind {
+    if let Some(arity) = kind.arity().filter(|&a| a != n_in) {
+        return Err(p.bad(format!("takes {arity} inputs but has {n_in}")));
+    }
+    plan(&mut p)?;
+    Ok(p.calls)
+}
+
+/// Fills `p.calls` for its op.
+fn plan(p: &mut Plan<'_>) -> Result<()> {
+    let (n_in, n_out) = (p.types.inputs.len(), p.types.outputs.len());
+    match p.kind {
         OpKind::Embedding { .. } => {
-            let st = op.storage(1)?;
-            let table = op.ty_in(1);
+            let st = p.storage(1)?;
+            let table = p.ty_in(1);
             let (vocab, ch) = (table.shape[0], table.shape[1]);
-            let tokens = op.ty_in(0).numel();
-            op.stride(
+            let tokens = p.ty_in(0).numel();
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                I32(p.int(tokens, "tokens")?),
+                I32(p.int(vocab, "vocabulary")?),
+                I32(p.int(ch, "channels")?),
+            ];
+            p.stride(
                 st.pick("embedding_forward_f32", "embedding_forward_bf16"),
                 tokens * ch,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(1)?),
-                    I32(op.int(tokens, "tokens")?),
-                    I32(op.int(vocab, "vocabulary")?),
-                    I32(op.int(ch, "channels")?),
-                ],
-            )
+                args,
+            );
         }
         OpKind::PositionEmbedding { offset } => {
-            let st = op.storage(1)?;
-            let t = op.ty_in(0).clone();
-            let ch = op.ty_in(1).shape[1];
-            op.stride(
+            let st = p.storage(1)?;
+            let t = p.ty_in(0).clone();
+            let ch = p.ty_in(1).shape[1];
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                I32(p.int(t.shape[0], "batch")?),
+                I32(p.int(t.shape[1], "sequence")?),
+                I32(p.int(ch, "channels")?),
+                I32(p.int(*offset, "offset")?),
+            ];
+            p.stride(
                 st.pick(
                     "position_embedding_forward_f32",
                     "position_embedding_forward_bf16",
                 ),
                 t.numel() * ch,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.input(1)?),
-                    I32(op.int(t.shape[0], "batch")?),
-                    I32(op.int(t.shape[1], "sequence")?),
-                    I32(op.int(ch, "channels")?),
-                    I32(op.int(*offset, "offset")?),
-                ],
-            )
+                args,
+            );
         }
         OpKind::LayerNorm { eps } => {
-            let st = op.storage(0)?;
-            let (rows, c) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-            let ws = op.workspace(8 * rows)?;
-            op.rows(
+            let st = p.storage(0)?;
+            let (rows, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let (mean, rstd) = (p.workspace(Scratch::Mean)?, p.workspace(Scratch::Rstd)?);
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(mean),
+                Ptr(rstd),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                Ptr(p.input(2)),
+                I32(p.int(rows, "rows")?),
+                I32(p.int(c, "channels")?),
+                F32(*eps as f32),
+            ];
+            p.rows(
                 st.pick("layer_norm_forward_f32", "layer_norm_forward_bf16"),
                 rows,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(ws),
-                    Ptr(ws + 4 * rows),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(1)?),
-                    Ptr(op.input(2)?),
-                    I32(op.int(rows, "rows")?),
-                    I32(op.int(c, "channels")?),
-                    F32(*eps as f32),
-                ],
-            )
+                args,
+            );
         }
         OpKind::RmsNorm { eps } => {
-            let st = op.storage(0)?;
-            let (rows, c) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-            let ws = op.workspace(4 * rows)?;
-            op.rows(
+            let st = p.storage(0)?;
+            let (rows, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.workspace(Scratch::Rstd)?),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                I32(p.int(rows, "rows")?),
+                I32(p.int(c, "channels")?),
+                F32(*eps as f32),
+            ];
+            p.rows(
                 st.pick("rms_norm_forward_f32", "rms_norm_forward_bf16"),
                 rows,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(ws),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(1)?),
-                    I32(op.int(rows, "rows")?),
-                    I32(op.int(c, "channels")?),
-                    F32(*eps as f32),
-                ],
-            )
+                args,
+            );
         }
         OpKind::Linear { bias, layout } => {
-            let st = op.storage(0)?;
-            let dtype = op.ty_in(0).dtype;
-            if op.ty_in(1).dtype != dtype {
-                return Err(op.bad(format!(
+            let st = p.storage(0)?;
+            let dtype = p.ty_in(0).dtype;
+            if p.ty_in(1).dtype != dtype {
+                return Err(p.bad(format!(
                     "input {} and weight {} differ in type",
-                    op.ty_in(0),
-                    op.ty_in(1)
+                    p.ty_in(0),
+                    p.ty_in(1)
                 )));
             }
             let d = LinearDims {
-                rows: op.ty_in(0).rows() as usize,
-                d_in: op.ty_in(0).last_dim() as usize,
-                d_out: op.ty_out(0).last_dim() as usize,
+                rows: p.ty_in(0).rows() as usize,
+                d_in: p.ty_in(0).last_dim() as usize,
+                d_out: p.ty_out(0).last_dim() as usize,
             };
-            let (x, w, y) = (op.input(0)?, op.input(1)?, op.output(0)?);
-            let gemm = op.s.gemm()?;
-            // SAFETY: x, w and y hold tensors of these shapes (checked by `gpu_addr` against
-            // their types); y overlaps neither input (the ordering contract).
-            unsafe { gemm.linear_forward(dtype, *layout, d, x, w, y)? };
+            let (x, w, y) = (p.input(0), p.input(1), p.output(0));
+            p.linear_forward(dtype, *layout, d, x, w, y);
             if *bias {
-                let n = (d.rows * d.d_out) as u64;
-                op.stride(
+                let args = vec![
+                    Ptr(y),
+                    Ptr(y),
+                    Ptr(p.input(2)),
+                    I64(d.rows as i64),
+                    I32(p.int(d.d_out as u64, "output features")?),
+                ];
+                p.stride(
                     st.pick("bias_add_f32", "bias_add_bf16"),
-                    n,
-                    &[
-                        Ptr(y),
-                        Ptr(y),
-                        Ptr(op.input(2)?),
-                        I64(d.rows as i64),
-                        I32(op.int(d.d_out as u64, "output features")?),
-                    ],
-                )?;
+                    (d.rows * d.d_out) as u64,
+                    args,
+                );
             }
-            Ok(())
         }
-        OpKind::Gelu => unary(&op, "gelu_forward_f32", "gelu_forward_bf16"),
-        OpKind::Relu => unary(&op, "relu_forward_f32", "relu_forward_bf16"),
-        OpKind::Silu => unary(&op, "silu_forward_f32", "silu_forward_bf16"),
-        OpKind::Swiglu => binary(&op, "swiglu_forward_f32", "swiglu_forward_bf16"),
-        OpKind::Add => binary(&op, "add_forward_f32", "add_forward_bf16"),
+        OpKind::Gelu => unary(p, "gelu_forward_f32", "gelu_forward_bf16")?,
+        OpKind::Relu => unary(p, "relu_forward_f32", "relu_forward_bf16")?,
+        OpKind::Silu => unary(p, "silu_forward_f32", "silu_forward_bf16")?,
+        OpKind::Swiglu => binary(p, "swiglu_forward_f32", "swiglu_forward_bf16")?,
+        OpKind::Add => binary(p, "add_forward_f32", "add_forward_bf16")?,
         OpKind::Rope {
             head_dim,
             theta,
             scaling,
-        } => rope(&mut op, *head_dim, *theta, *scaling, false),
+        } => rope(p, *head_dim, *theta, *scaling, false)?,
         OpKind::Attention {
             heads,
             kv_heads,
@@ -474,319 +653,224 @@ pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> R
             window,
             qkv,
         } => {
-            let st = op.storage(0)?;
-            let out = op.ty_out(0).clone();
-            let dims = AttnDims::new(&op, &out, *heads, *kv_heads, *head_dim, *window, *qkv, st)?;
+            let st = p.storage(0)?;
+            let out = p.ty_out(0).clone();
+            let dims = AttnDims::new(p, &out, *heads, *kv_heads, *head_dim, *window, *qkv, st)?;
             let (q, k, v) = match dims.packed {
                 Some((k_off, v_off)) => {
-                    let qkv = op.input(0)?;
+                    let qkv = p.input(0);
                     (qkv, qkv + k_off, qkv + v_off)
                 }
-                None => (op.input(0)?, op.input(1)?, op.input(2)?),
+                None => (p.input(0), p.input(1), p.input(2)),
             };
-            let mut args = vec![
-                Ptr(op.output(0)?),
-                Ptr(op.output(1)?),
-                Ptr(q),
-                Ptr(k),
-                Ptr(v),
-            ];
+            let mut args = vec![Ptr(p.output(0)), Ptr(p.output(1)), Ptr(q), Ptr(k), Ptr(v)];
             args.extend(dims.tail());
-            op.shaped(
+            p.shaped(
                 st.pick("attention_forward_f32", "attention_forward_bf16"),
                 dims.grid(ATTN_FWD_ROWS, dims.h),
                 (ATTN_THREADS, 1, 1),
-                &args,
-            )
+                args,
+            );
         }
         OpKind::CrossEntropy => {
-            let st = op.storage(0)?;
-            let (rows, vocab) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-            let row_loss = op.workspace(4 * rows)?;
-            let rows_i = op.int(rows, "rows")?;
-            op.rows(
+            let st = p.storage(0)?;
+            let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let row_loss = p.workspace(Scratch::RowLoss)?;
+            let rows_i = p.int(rows, "rows")?;
+            let args = vec![
+                Ptr(p.output(1)),
+                Ptr(row_loss),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                I32(rows_i),
+                I32(p.int(vocab, "vocabulary")?),
+            ];
+            p.rows(
                 st.pick("cross_entropy_forward_f32", "cross_entropy_forward_bf16"),
                 rows,
-                &[
-                    Ptr(op.output(1)?),
-                    Ptr(row_loss),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(1)?),
-                    I32(rows_i),
-                    I32(op.int(vocab, "vocabulary")?),
-                ],
-            )?;
-            op.shaped(
-                "cross_entropy_loss",
-                (1, 1, 1),
-                (1024, 1, 1),
-                &[Ptr(op.output(0)?), Ptr(row_loss), I32(rows_i)],
-            )
+                args,
+            );
+            let args = vec![Ptr(p.output(0)), Ptr(row_loss), I32(rows_i)];
+            p.shaped("cross_entropy_loss", (1, 1, 1), (1024, 1, 1), args);
         }
         OpKind::EmbeddingBackward { rows, padding_idx } => {
-            let st = op.storage(1)?;
-            let (vocab, ch) = (*rows, op.ty_in(1).last_dim());
-            let tokens = op.ty_in(0).numel();
-            let span = op.workspace(8 * vocab)?;
-            let (tok, vocab_i) = (op.input(0)?, op.int(vocab, "vocabulary")?);
-            let tokens_i = op.int(tokens, "tokens")?;
+            let st = p.storage(1)?;
+            let (vocab, ch) = (*rows, p.ty_in(1).last_dim());
+            let tokens = p.ty_in(0).numel();
+            let span = p.workspace(Scratch::TokenSpan)?;
+            let (tok, vocab_i) = (p.input(0), p.int(vocab, "vocabulary")?);
+            let tokens_i = p.int(tokens, "tokens")?;
             for phase in [0, 1] {
-                op.stride(
+                p.stride(
                     "embedding_backward_span",
                     vocab.max(tokens),
-                    &[Ptr(span), Ptr(tok), I32(tokens_i), I32(vocab_i), I32(phase)],
-                )?;
+                    vec![Ptr(span), Ptr(tok), I32(tokens_i), I32(vocab_i), I32(phase)],
+                );
             }
-            let pad = padding_idx.filter(|&p| p < vocab).map_or(-1, |p| p as i32);
+            let pad = padding_idx.filter(|&i| i < vocab).map_or(-1, |i| i as i32);
             let grid = (
                 vocab.min(MAX_GRID_YZ) as u32,
-                op.grid_yz(ch.div_ceil(u64::from(BLOCK)), "channel blocks")?,
+                p.grid_yz(ch.div_ceil(u64::from(BLOCK)), "channel blocks")?,
                 1,
             );
-            op.shaped(
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                Ptr(tok),
+                Ptr(span),
+                I32(tokens_i),
+                I32(vocab_i),
+                I32(p.int(ch, "channels")?),
+                I32(0),
+                I32(pad),
+            ];
+            p.shaped(
                 st.pick("embedding_backward_f32", "embedding_backward_bf16"),
                 grid,
                 (BLOCK, 1, 1),
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.input(1)?),
-                    Ptr(tok),
-                    Ptr(span),
-                    I32(tokens_i),
-                    I32(vocab_i),
-                    I32(op.int(ch, "channels")?),
-                    I32(0),
-                    I32(pad),
-                ],
-            )
+                args,
+            );
         }
         OpKind::PositionEmbeddingBackward { rows, offset } => {
-            let st = op.storage(1)?;
-            let t = op.ty_in(0).clone();
-            let ch = op.ty_in(1).last_dim();
-            op.stride(
+            let st = p.storage(1)?;
+            let t = p.ty_in(0).clone();
+            let ch = p.ty_in(1).last_dim();
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                I32(p.int(t.shape[0], "batch")?),
+                I32(p.int(t.shape[1], "sequence")?),
+                I32(p.int(ch, "channels")?),
+                I32(p.int(*offset, "offset")?),
+                I32(p.int(*rows, "positions")?),
+                I32(0),
+            ];
+            p.stride(
                 st.pick(
                     "position_embedding_backward_f32",
                     "position_embedding_backward_bf16",
                 ),
                 rows * ch,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.input(1)?),
-                    I32(op.int(t.shape[0], "batch")?),
-                    I32(op.int(t.shape[1], "sequence")?),
-                    I32(op.int(ch, "channels")?),
-                    I32(op.int(*offset, "offset")?),
-                    I32(op.int(*rows, "positions")?),
-                    I32(0),
-                ],
-            )
+                args,
+            );
         }
-        OpKind::LayerNormBackward { eps } => norm_backward(&mut op, *eps, true),
-        OpKind::RmsNormBackward { eps } => norm_backward(&mut op, *eps, false),
+        OpKind::LayerNormBackward { eps } => norm_backward(p, *eps, true)?,
+        OpKind::RmsNormBackward { eps } => norm_backward(p, *eps, false)?,
         OpKind::LinearBackward { bias, layout } => {
-            let st = op.storage(0)?;
-            let dtype = op.ty_in(0).dtype;
-            if op.ty_in(1).dtype != dtype || op.ty_in(2).dtype != dtype {
-                return Err(op.bad(format!(
+            let st = p.storage(0)?;
+            let dtype = p.ty_in(0).dtype;
+            if p.ty_in(1).dtype != dtype || p.ty_in(2).dtype != dtype {
+                return Err(p.bad(format!(
                     "x {}, weight {} and dy {} differ in type",
-                    op.ty_in(0),
-                    op.ty_in(1),
-                    op.ty_in(2)
+                    p.ty_in(0),
+                    p.ty_in(1),
+                    p.ty_in(2)
                 )));
             }
             if *bias && n_out < 3 {
-                return Err(op.bad("a linear layer with a bias writes dx, dweight and dbias"));
+                return Err(p.bad("a linear layer with a bias writes dx, dweight and dbias"));
             }
             let d = LinearDims {
-                rows: op.ty_in(0).rows() as usize,
-                d_in: op.ty_in(0).last_dim() as usize,
-                d_out: op.ty_in(2).last_dim() as usize,
+                rows: p.ty_in(0).rows() as usize,
+                d_in: p.ty_in(0).last_dim() as usize,
+                d_out: p.ty_in(2).last_dim() as usize,
             };
-            let (x, w, dy) = (op.input(0)?, op.input(1)?, op.input(2)?);
-            let (dx, dw) = (op.output(0)?, op.output(1)?);
-            let gemm = op.s.gemm()?;
-            // SAFETY: every operand holds a tensor of these shapes (checked against their
-            // types); the outputs overlap no input or each other (the ordering contract).
-            unsafe { gemm.linear_backward(dtype, *layout, d, x, w, dy, dx, dw)? };
+            let (x, w, dy) = (p.input(0), p.input(1), p.input(2));
+            let (dx, dw) = (p.output(0), p.output(1));
+            p.linear_backward(dtype, *layout, d, x, w, dy, dx, dw);
             if *bias {
-                let db = op.output(2)?;
-                let (rows, cols) = (d.rows as u64, d.d_out as u64);
-                let partials = op.workspace(4 * column_sum_chunks(d.rows) as u64 * cols)?;
-                op.column_sum(st, db, dy, rows, cols, partials)?;
+                let partials = p.workspace(Scratch::BiasPartials)?;
+                let db = p.output(2);
+                p.column_sum(st, db, dy, d.rows as u64, d.d_out as u64, partials)?;
             }
-            Ok(())
         }
         OpKind::FusedLinear {
             count,
             bias,
             layout,
             epilogue,
-        } => fused_linear(&mut op, *count as usize, *bias, *layout, *epilogue),
+        } => fused_linear(p, *count as usize, *bias, *layout, *epilogue)?,
         OpKind::FusedLinearBackward {
             count,
             bias,
             layout,
             epilogue,
-        } => fused_linear_backward(&mut op, *count as usize, *bias, *layout, *epilogue),
-        OpKind::GeluBackward => unary_backward(&op, "gelu_backward_f32", "gelu_backward_bf16"),
-        OpKind::ReluBackward => unary_backward(&op, "relu_backward_f32", "relu_backward_bf16"),
-        OpKind::SiluBackward => unary_backward(&op, "silu_backward_f32", "silu_backward_bf16"),
+        } => fused_linear_backward(p, *count as usize, *bias, *layout, *epilogue)?,
+        OpKind::GeluBackward => unary_backward(p, "gelu_backward_f32", "gelu_backward_bf16")?,
+        OpKind::ReluBackward => unary_backward(p, "relu_backward_f32", "relu_backward_bf16")?,
+        OpKind::SiluBackward => unary_backward(p, "silu_backward_f32", "silu_backward_bf16")?,
         OpKind::SwigluBackward => {
-            let st = op.storage(0)?;
-            let n = op.ty_in(0).numel();
-            op.stride(
+            let st = p.storage(0)?;
+            let n = p.ty_in(0).numel();
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.output(1)),
+                Ptr(p.input(2)),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                I64(n as i64),
+            ];
+            p.stride(
                 st.pick("swiglu_backward_f32", "swiglu_backward_bf16"),
                 n,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.output(1)?),
-                    Ptr(op.input(2)?),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(1)?),
-                    I64(n as i64),
-                ],
-            )
+                args,
+            );
         }
         OpKind::RopeBackward {
             head_dim,
             theta,
             scaling,
-        } => rope(&mut op, *head_dim, *theta, *scaling, true),
+        } => rope(p, *head_dim, *theta, *scaling, true)?,
         OpKind::AttentionBackward {
             heads,
             kv_heads,
             head_dim,
             window,
             qkv,
-        } => {
-            let st = op.storage(0)?;
-            // Inputs: q, k, v (or qkv), then out, lse, dout.
-            let first = match qkv {
-                QkvLayout::Separate => 3,
-                QkvLayout::Packed => 1,
-            };
-            let out_ty = op.ty_in(first).clone();
-            let dims = AttnDims::new(
-                &op, &out_ty, *heads, *kv_heads, *head_dim, *window, *qkv, st,
-            )?;
-            let (out, lse, dout) = (op.input(first)?, op.input(first + 1)?, op.input(first + 2)?);
-            let ((q, k, v), (dq, dk, dv)) = match dims.packed {
-                Some((k_off, v_off)) => {
-                    let (qkv, dqkv) = (op.input(0)?, op.output(0)?);
-                    (
-                        (qkv, qkv + k_off, qkv + v_off),
-                        (dqkv, dqkv + k_off, dqkv + v_off),
-                    )
-                }
-                None => (
-                    (op.input(0)?, op.input(1)?, op.input(2)?),
-                    (op.output(0)?, op.output(1)?, op.output(2)?),
-                ),
-            };
-            let rows =
-                u64::from(dims.b as u32) * u64::from(dims.t as u32) * u64::from(dims.h as u32);
-            let delta = op.workspace(4 * rows)?;
-            // One warp per (b, t, h) row.
-            let warps_per_block = u64::from(BLOCK / 32);
-            let grid = (
-                rows.div_ceil(warps_per_block)
-                    .clamp(1, u64::from(b.max_blocks())) as u32,
-                1,
-                1,
-            );
-            op.shaped(
-                st.pick(
-                    "attention_backward_delta_f32",
-                    "attention_backward_delta_bf16",
-                ),
-                grid,
-                (BLOCK, 1, 1),
-                &[
-                    Ptr(delta),
-                    Ptr(out),
-                    Ptr(dout),
-                    I32(dims.b),
-                    I32(dims.t),
-                    I32(dims.h),
-                    I32(dims.d),
-                ],
-            )?;
-            let operands = [Ptr(dout), Ptr(q), Ptr(k), Ptr(v), Ptr(lse), Ptr(delta)];
-            let mut args = vec![Ptr(dq)];
-            args.extend(operands);
-            args.extend(dims.tail());
-            op.shaped(
-                st.pick("attention_backward_dq_f32", "attention_backward_dq_bf16"),
-                dims.grid(ATTN_DQ_ROWS, dims.h),
-                (ATTN_THREADS, 1, 1),
-                &args,
-            )?;
-            let mut args = vec![Ptr(dk), Ptr(dv)];
-            args.extend(operands);
-            args.extend(dims.tail());
-            op.shaped(
-                st.pick("attention_backward_dkv_f32", "attention_backward_dkv_bf16"),
-                dims.grid(ATTN_DKV_ROWS, dims.kv),
-                (ATTN_THREADS, 1, 1),
-                &args,
-            )
-        }
+        } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
         OpKind::CrossEntropyBackward => {
-            let st = op.storage(0)?;
-            let (rows, vocab) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-            op.stride(
+            let st = p.storage(0)?;
+            let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                Ptr(p.input(2)),
+                Ptr(p.input(1)),
+                I32(p.int(rows, "rows")?),
+                I32(p.int(vocab, "vocabulary")?),
+                F32(1.0),
+            ];
+            p.stride(
                 st.pick("cross_entropy_backward_f32", "cross_entropy_backward_bf16"),
                 rows * vocab,
-                &[
-                    Ptr(op.output(0)?),
-                    Ptr(op.input(0)?),
-                    Ptr(op.input(2)?),
-                    Ptr(op.input(1)?),
-                    I32(op.int(rows, "rows")?),
-                    I32(op.int(vocab, "vocabulary")?),
-                    F32(1.0),
-                ],
-            )
+                args,
+            );
         }
         OpKind::GradNormSq => {
-            let st = op.storage(0)?;
-            let n = op.ty_in(0).numel();
+            let st = p.storage(0)?;
+            let n = p.ty_in(0).numel();
             let count = grad_norm_partials(n as usize) as u64;
-            let partials = op.workspace(8 * count)?;
-            op.shaped(
+            let partials = p.workspace(Scratch::NormPartials)?;
+            let args = vec![Ptr(partials), Ptr(p.input(0)), I64(n as i64)];
+            p.shaped(
                 st.pick("grad_norm_sq_partial_f32", "grad_norm_sq_partial_bf16"),
                 (count as u32, 1, 1),
                 (BLOCK, 1, 1),
-                &[Ptr(partials), Ptr(op.input(0)?), I64(n as i64)],
-            )?;
-            op.shaped(
-                "grad_norm_sq_finish",
-                (1, 1, 1),
-                (BLOCK, 1, 1),
-                &[Ptr(op.output(0)?), Ptr(partials), I32(count as i32)],
-            )
+                args,
+            );
+            let args = vec![Ptr(p.output(0)), Ptr(partials), I32(count as i32)];
+            p.shaped("grad_norm_sq_finish", (1, 1, 1), (BLOCK, 1, 1), args);
         }
         OpKind::ClipCoef { max_norm } => {
-            let norms = (0..n_in)
-                .map(|i| op.input(i))
-                .collect::<Result<Vec<u64>>>()?;
-            let bytes: Vec<u8> = norms.iter().flat_map(|p| p.to_ne_bytes()).collect();
-            let table =
-                op.s.constant(&b.ctx, ConstKey::Pointers(norms.clone()), &bytes)?;
-            let coef = op.output(0)?;
-            op.shaped(
-                "clip_coef",
-                (1, 1, 1),
-                (1, 1, 1),
-                &[
-                    Ptr(coef),
-                    Ptr(b.norm_slot()),
-                    Ptr(table),
-                    I32(op.int(n_in as u64, "gradients")?),
-                    F32(*max_norm as f32),
-                ],
-            )
+            let norms: Vec<u64> = (0..n_in).map(|i| p.input(i)).collect();
+            let args = vec![
+                Ptr(p.output(0)),
+                Arg::NormSlot,
+                Arg::Table(ConstKey::Pointers(norms)),
+                I32(p.int(n_in as u64, "gradients")?),
+                F32(*max_norm as f32),
+            ];
+            p.shaped("clip_coef", (1, 1, 1), (1, 1, 1), args);
         }
         OpKind::AdamW {
             lr,
@@ -797,7 +881,7 @@ pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> R
             clipped,
         } => {
             if n_in < 4 + usize::from(*clipped) {
-                return Err(op.bad(format!(
+                return Err(p.bad(format!(
                     "takes param, grad, m, v{}",
                     match clipped {
                         true => " and the clip coefficient",
@@ -805,18 +889,18 @@ pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> R
                     }
                 )));
             }
-            let param = op.ty_in(0).clone();
+            let param = p.ty_in(0).clone();
             let n = param.numel();
-            if op.ty_in(1).dtype != param.dtype
-                || op.ty_in(2).dtype != DType::F32
-                || op.ty_in(3).dtype != DType::F32
+            if p.ty_in(1).dtype != param.dtype
+                || p.ty_in(2).dtype != DType::F32
+                || p.ty_in(3).dtype != DType::F32
             {
-                return Err(op.bad(format!(
+                return Err(p.bad(format!(
                     "param {param}, grad {}, m {}, v {}: the kernels update a param with a \
                      gradient of its type and f32 moments",
-                    op.ty_in(1),
-                    op.ty_in(2),
-                    op.ty_in(3)
+                    p.ty_in(1),
+                    p.ty_in(2),
+                    p.ty_in(3)
                 )));
             }
             let s = AdamWScalars::new(
@@ -827,13 +911,30 @@ pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> R
                     eps: *eps,
                     weight_decay: *weight_decay,
                 },
-                l.step,
+                p.target.step,
             );
             let scale = match clipped {
-                true => op.input(4)?,
+                true => p.input(4),
                 false => 0,
             };
-            let tail = [
+            let mut args = Vec::with_capacity(14);
+            let entry = match p.storage(0)? {
+                Storage::F32 => {
+                    args.push(Ptr(p.input(0)));
+                    "adamw_f32"
+                }
+                Storage::Bf16 => {
+                    let master = p.at.master.ok_or_else(|| {
+                        p.bad("a bf16 parameter needs the address of its f32 master weight")
+                    })?;
+                    args.extend([Ptr(master), Ptr(p.input(0))]);
+                    "adamw_bf16"
+                }
+            };
+            args.extend([
+                Ptr(p.input(1)),
+                Ptr(p.input(2)),
+                Ptr(p.input(3)),
                 I64(n as i64),
                 Ptr(scale),
                 F32(s.decay),
@@ -843,345 +944,111 @@ pub(super) fn device(b: &CudaBackend, s: &mut DeviceStream, l: &Launch<'_>) -> R
                 F32(s.bc2_sqrt),
                 F32(s.eps),
                 F32(s.neg_step_size),
-            ];
-            let moments = [Ptr(op.input(1)?), Ptr(op.input(2)?), Ptr(op.input(3)?)];
-            let mut args = Vec::with_capacity(14);
-            let name = match op.storage(0)? {
-                Storage::F32 => {
-                    args.push(Ptr(op.input(0)?));
-                    "adamw_f32"
-                }
-                Storage::Bf16 => {
-                    let master = b.master_weight(l.inputs[2])?;
-                    args.push(Ptr(b.gpu_addr(master, 4 * n)?));
-                    args.push(Ptr(op.input(0)?));
-                    "adamw_bf16"
-                }
-            };
-            args.extend(moments);
-            args.extend(tail);
-            op.stride(name, n, &args)
-        }
-    }
-}
-
-/// Checks that every floating-point input of a fused linear op has input 0's dtype, and
-/// returns it with its storage.
-fn same_dtype(op: &Op<'_, '_>, inputs: usize) -> Result<(DType, Storage)> {
-    let st = op.storage(0)?;
-    let dtype = op.ty_in(0).dtype;
-    if let Some(i) = (1..inputs).find(|&i| op.ty_in(i).dtype != dtype) {
-        return Err(op.bad(format!(
-            "input {i} is {} but x is {}; the operands must share one dtype",
-            op.ty_in(i),
-            op.ty_in(0)
-        )));
-    }
-    Ok((dtype, st))
-}
-
-/// Projection `i` of a fused linear op into `y`: the matmul and the bias, as `linear` runs
-/// them.
-#[allow(clippy::too_many_arguments)]
-fn fused_projection(
-    op: &mut Op<'_, '_>,
-    dtype: DType,
-    st: Storage,
-    layout: protrain_ir::WeightLayout,
-    n: usize,
-    bias: bool,
-    i: usize,
-    y: u64,
-) -> Result<()> {
-    let (rows, d_in) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-    let d_out = op.ty_in(1 + i).numel() / d_in.max(1);
-    let d = LinearDims {
-        rows: rows as usize,
-        d_in: d_in as usize,
-        d_out: d_out as usize,
-    };
-    let (x, w) = (op.input(0)?, op.input(1 + i)?);
-    let gemm = op.s.gemm()?;
-    // SAFETY: x, w and y hold tensors of these shapes (checked by `gpu_addr` against their
-    // types); y overlaps neither input (the ordering contract).
-    unsafe { gemm.linear_forward(dtype, layout, d, x, w, y)? };
-    if bias {
-        op.stride(
-            st.pick("bias_add_f32", "bias_add_bf16"),
-            rows * d_out,
-            &[
-                Ptr(y),
-                Ptr(y),
-                Ptr(op.input(1 + n + i)?),
-                I64(rows as i64),
-                I32(op.int(d_out, "output features")?),
-            ],
-        )?;
-    }
-    Ok(())
-}
-
-/// A fused linear op: each projection as `linear` computes it, then the epilogue with the
-/// elementwise kernel its own kind runs (in place for the residual).
-fn fused_linear(
-    op: &mut Op<'_, '_>,
-    n: usize,
-    bias: bool,
-    layout: protrain_ir::WeightLayout,
-    epilogue: Epilogue,
-) -> Result<()> {
-    let (dtype, st) = same_dtype(op, op.l.op.inputs.len())?;
-    let out = |op: &Op<'_, '_>, i: usize| op.output(i);
-    match epilogue {
-        Epilogue::None => {
-            for i in 0..n {
-                let y = out(op, i)?;
-                fused_projection(op, dtype, st, layout, n, bias, i, y)?;
-            }
-            Ok(())
-        }
-        Epilogue::Gelu | Epilogue::Relu => {
-            let (h, y) = (out(op, 0)?, out(op, 1)?);
-            fused_projection(op, dtype, st, layout, n, bias, 0, h)?;
-            let name = match epilogue {
-                Epilogue::Gelu => st.pick("gelu_forward_f32", "gelu_forward_bf16"),
-                _ => st.pick("relu_forward_f32", "relu_forward_bf16"),
-            };
-            let len = op.ty_out(0).numel();
-            op.stride(name, len, &[Ptr(y), Ptr(h), I64(len as i64)])
-        }
-        Epilogue::Swiglu => {
-            let (gate, up, y) = (out(op, 0)?, out(op, 1)?, out(op, 2)?);
-            fused_projection(op, dtype, st, layout, n, bias, 0, gate)?;
-            fused_projection(op, dtype, st, layout, n, bias, 1, up)?;
-            let len = op.ty_out(2).numel();
-            op.stride(
-                st.pick("swiglu_forward_f32", "swiglu_forward_bf16"),
-                len,
-                &[Ptr(y), Ptr(gate), Ptr(up), I64(len as i64)],
-            )
-        }
-        Epilogue::Residual => {
-            let y = out(op, 0)?;
-            fused_projection(op, dtype, st, layout, n, bias, 0, y)?;
-            let residual = op.input(op.l.op.inputs.len() - 1)?;
-            let len = op.ty_out(0).numel();
-            op.stride(
-                st.pick("add_forward_f32", "add_forward_bf16"),
-                len,
-                &[Ptr(y), Ptr(y), Ptr(residual), I64(len as i64)],
-            )
-        }
-    }
-}
-
-/// The backward of a fused linear op, in the planned workspace laid out as
-/// [`OpKind::workspace_bytes`] says: the epilogue's gradients, then each projection's matmul
-/// (and bias column sum), last first, the input gradient summed in that order.
-fn fused_linear_backward(
-    op: &mut Op<'_, '_>,
-    n: usize,
-    bias: bool,
-    layout: protrain_ir::WeightLayout,
-    epilogue: Epilogue,
-) -> Result<()> {
-    let (dtype, st) = same_dtype(op, op.l.op.inputs.len())?;
-    let types: Vec<TensorType> = (0..op.l.op.inputs.len())
-        .map(|i| op.ty_in(i).clone())
-        .collect();
-    let refs: Vec<&TensorType> = types.iter().collect();
-    let ws_bytes = op.l.op.kind.workspace_bytes(&refs);
-    let ws = if ws_bytes > 0 {
-        op.workspace(ws_bytes)?
-    } else {
-        0
-    };
-    let (rows, d_in) = (types[0].rows(), types[0].last_dim());
-    let x_bytes = types[0].bytes();
-    let kept = epilogue.has_output() && epilogue.keeps_projections();
-    let kept_bytes: u64 = if kept {
-        types[1 + n..1 + 2 * n].iter().map(TensorType::bytes).sum()
-    } else {
-        0
-    };
-    let contribution = ws + kept_bytes;
-    let partials = contribution + if n >= 2 { x_bytes } else { 0 };
-    let dy_index = 1 + n + if kept { n } else { 0 };
-    // The gradient of each projection's result.
-    let mut grads: Vec<u64> = Vec::with_capacity(n);
-    match epilogue {
-        Epilogue::None => {
-            for i in 0..n {
-                grads.push(op.input(1 + n + i)?);
-            }
-        }
-        Epilogue::Residual => grads.push(op.input(dy_index)?),
-        Epilogue::Gelu | Epilogue::Relu => {
-            let (h, dy) = (op.input(1 + n)?, op.input(dy_index)?);
-            let len = types[1 + n].numel();
-            let name = match epilogue {
-                Epilogue::Gelu => st.pick("gelu_backward_f32", "gelu_backward_bf16"),
-                _ => st.pick("relu_backward_f32", "relu_backward_bf16"),
-            };
-            op.stride(name, len, &[Ptr(ws), Ptr(dy), Ptr(h), I64(len as i64)])?;
-            grads.push(ws);
-        }
-        Epilogue::Swiglu => {
-            let (gate, up, dy) = (op.input(1 + n)?, op.input(2 + n)?, op.input(dy_index)?);
-            let len = types[1 + n].numel();
-            let dup = ws + types[1 + n].bytes();
-            op.stride(
-                st.pick("swiglu_backward_f32", "swiglu_backward_bf16"),
-                len,
-                &[
-                    Ptr(ws),
-                    Ptr(dup),
-                    Ptr(dy),
-                    Ptr(gate),
-                    Ptr(up),
-                    I64(len as i64),
-                ],
-            )?;
-            grads.extend([ws, dup]);
-        }
-    }
-    let (x, dx) = (op.input(0)?, op.output(0)?);
-    for i in (0..n).rev() {
-        let d_out = types[1 + i].numel() / d_in.max(1);
-        let d = LinearDims {
-            rows: rows as usize,
-            d_in: d_in as usize,
-            d_out: d_out as usize,
-        };
-        let target = if i == n - 1 { dx } else { contribution };
-        let (w, dw) = (op.input(1 + i)?, op.output(1 + i)?);
-        let gemm = op.s.gemm()?;
-        // SAFETY: every operand holds a tensor of these shapes (checked against their types,
-        // the workspace against its planned size); the outputs and the workspace overlap no
-        // input or each other (the ordering contract).
-        unsafe { gemm.linear_backward(dtype, layout, d, x, w, grads[i], target, dw)? };
-        if bias {
-            let db = op.output(1 + n + i)?;
-            op.column_sum(st, db, grads[i], rows, d_out, partials)?;
-        }
-        if i != n - 1 {
-            let len = types[0].numel();
-            op.stride(
-                st.pick("add_forward_f32", "add_forward_bf16"),
-                len,
-                &[Ptr(dx), Ptr(dx), Ptr(contribution), I64(len as i64)],
-            )?;
+            ]);
+            p.stride(entry, n, args);
         }
     }
     Ok(())
 }
 
 /// `out = f(x)`, elementwise.
-fn unary(op: &Op<'_, '_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
-    let st = op.storage(0)?;
-    let n = op.ty_in(0).numel();
-    op.stride(
-        st.pick(f32_name, bf16_name),
-        n,
-        &[Ptr(op.output(0)?), Ptr(op.input(0)?), I64(n as i64)],
-    )
+fn unary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+    let st = p.storage(0)?;
+    let n = p.ty_in(0).numel();
+    let args = vec![Ptr(p.output(0)), Ptr(p.input(0)), I64(n as i64)];
+    p.stride(st.pick(f32_name, bf16_name), n, args);
+    Ok(())
 }
 
 /// `out = f(a, b)`, elementwise.
-fn binary(op: &Op<'_, '_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
-    let st = op.storage(0)?;
-    let n = op.ty_in(0).numel();
-    op.stride(
-        st.pick(f32_name, bf16_name),
-        n,
-        &[
-            Ptr(op.output(0)?),
-            Ptr(op.input(0)?),
-            Ptr(op.input(1)?),
-            I64(n as i64),
-        ],
-    )
+fn binary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+    let st = p.storage(0)?;
+    let n = p.ty_in(0).numel();
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(p.input(0)),
+        Ptr(p.input(1)),
+        I64(n as i64),
+    ];
+    p.stride(st.pick(f32_name, bf16_name), n, args);
+    Ok(())
 }
 
 /// `dx = dy * f'(x)` from inputs `x`, `dy`.
-fn unary_backward(op: &Op<'_, '_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
-    let st = op.storage(0)?;
-    let n = op.ty_in(0).numel();
-    op.stride(
-        st.pick(f32_name, bf16_name),
-        n,
-        &[
-            Ptr(op.output(0)?),
-            Ptr(op.input(1)?),
-            Ptr(op.input(0)?),
-            I64(n as i64),
-        ],
-    )
+fn unary_backward(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+    let st = p.storage(0)?;
+    let n = p.ty_in(0).numel();
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(p.input(1)),
+        Ptr(p.input(0)),
+        I64(n as i64),
+    ];
+    p.stride(st.pick(f32_name, bf16_name), n, args);
+    Ok(())
 }
 
 /// RoPE forward, or its transpose for the backward, of input 0 `[B, T, heads * head_dim]`.
 fn rope(
-    op: &mut Op<'_, '_>,
+    p: &mut Plan<'_>,
     head_dim: u64,
     theta: f64,
     scaling: protrain_ir::RopeScaling,
     backward: bool,
 ) -> Result<()> {
-    let st = op.storage(0)?;
-    let x = op.ty_in(0).clone();
+    let st = p.storage(0)?;
+    let x = p.ty_in(0).clone();
     if x.shape.len() != 3 || head_dim == 0 || !x.last_dim().is_multiple_of(head_dim) {
-        return Err(op.bad(format!("{x} is not [B, T, heads * {head_dim}]")));
+        return Err(p.bad(format!("{x} is not [B, T, heads * {head_dim}]")));
     }
     let heads = x.last_dim() / head_dim;
-    let inv = op.inv_freq(head_dim, theta, scaling)?;
-    let name = match backward {
+    let table = kernels::rope_inv_freq(head_dim as usize, theta, scaling);
+    let inv = ConstKey::InvFreq(table.iter().map(|x| x.to_bits()).collect());
+    let entry = match backward {
         false => st.pick("rope_forward_f32", "rope_forward_bf16"),
         true => st.pick("rope_backward_f32", "rope_backward_bf16"),
     };
-    op.stride(
-        name,
-        x.numel() / 2,
-        &[
-            Ptr(op.output(0)?),
-            Ptr(op.input(0)?),
-            Ptr(inv),
-            I32(op.int(x.shape[0], "batch")?),
-            I32(op.int(x.shape[1], "sequence")?),
-            I32(op.int(heads, "heads")?),
-            I32(op.int(head_dim, "head_dim")?),
-        ],
-    )
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(p.input(0)),
+        Arg::Table(inv),
+        I32(p.int(x.shape[0], "batch")?),
+        I32(p.int(x.shape[1], "sequence")?),
+        I32(p.int(heads, "heads")?),
+        I32(p.int(head_dim, "head_dim")?),
+    ];
+    p.stride(entry, x.numel() / 2, args);
+    Ok(())
 }
 
 /// Layer norm's (`layer`) or RMS norm's backward from inputs `x`, `weight`, `dy`: recompute
 /// the forward statistics into the planned workspace (the normalised rows the forward kernel
 /// also writes land in `dx`, which the last kernel overwrites), sum the weight (and bias)
 /// gradients over rows, then write `dx`.
-fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
-    let st = op.storage(0)?;
-    let wst = op.storage(1)?;
+fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
+    let st = p.storage(0)?;
+    let wst = p.storage(1)?;
     let eps = eps as f32;
-    let (rows, c) = (op.ty_in(0).rows(), op.ty_in(0).last_dim());
-    let (rows_i, c_i) = (op.int(rows, "rows")?, op.int(c, "channels")?);
-    let (x, w, dy) = (op.input(0)?, op.input(1)?, op.input(2)?);
-    let dx = op.output(0)?;
-    let dw = op.output(1)?;
+    let (rows, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+    let (rows_i, c_i) = (p.int(rows, "rows")?, p.int(c, "channels")?);
+    let (x, w, dy) = (p.input(0), p.input(1), p.input(2));
+    let (dx, dw) = (p.output(0), p.output(1));
     let chunks = column_sum_chunks(rows as usize) as u64;
-    let sums = if layer { 2 } else { 1 };
-    // The planned workspace: the statistics, then the partials of each summed parameter.
-    let stats = if layer { 8 * rows } else { 4 * rows };
-    let ws = op.workspace(stats + 4 * chunks * c * sums)?;
-    let (mean, rstd) = match layer {
-        true => (ws, ws + 4 * rows),
-        false => (0, ws),
+    let rstd = p.workspace(Scratch::Rstd)?;
+    let pw = p.workspace(Scratch::WeightPartials)?;
+    let (mean, pb) = match layer {
+        true => (
+            p.workspace(Scratch::Mean)?,
+            p.workspace(Scratch::BiasPartials)?,
+        ),
+        false => (0, 0),
     };
-    let (pw, pb) = (ws + stats, ws + stats + 4 * chunks * c);
     // 1. The forward statistics (and throwaway normalised rows in dx).
     match layer {
-        true => op.rows(
+        true => p.rows(
             st.pick("layer_norm_forward_f32", "layer_norm_forward_bf16"),
             rows,
-            &[
+            vec![
                 Ptr(dx),
                 Ptr(mean),
                 Ptr(rstd),
@@ -1192,11 +1059,11 @@ fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
                 I32(c_i),
                 F32(eps),
             ],
-        )?,
-        false => op.rows(
+        ),
+        false => p.rows(
             st.pick("rms_norm_forward_f32", "rms_norm_forward_bf16"),
             rows,
-            &[
+            vec![
                 Ptr(dx),
                 Ptr(rstd),
                 Ptr(x),
@@ -1205,24 +1072,24 @@ fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
                 I32(c_i),
                 F32(eps),
             ],
-        )?,
+        ),
     }
     // 2. Per-chunk partial sums of dy * n (and dy), then their sums in chunk order.
     let grid = (
         c.div_ceil(u64::from(COLUMN_SUM_BLOCK.0)) as u32,
-        op.grid_yz(chunks, "row chunks")?,
+        p.grid_yz(chunks, "row chunks")?,
         1,
     );
-    op.shaped(
+    p.shaped(
         st.pick(
             "norm_backward_params_partial_f32",
             "norm_backward_params_partial_bf16",
         ),
         grid,
         (COLUMN_SUM_BLOCK.0, COLUMN_SUM_BLOCK.1, 1),
-        &[
+        vec![
             Ptr(pw),
-            Ptr(if layer { pb } else { 0 }),
+            Ptr(pb),
             Ptr(dy),
             Ptr(x),
             Ptr(mean),
@@ -1231,25 +1098,25 @@ fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
             I32(c_i),
             I32(COLUMN_SUM_ROWS_PER_CHUNK as i32),
         ],
-    )?;
+    );
     let finish = wst.pick("column_sum_finish_f32", "column_sum_finish_bf16");
     let mut sums = vec![(dw, pw)];
     if layer {
-        sums.push((op.output(2)?, pb));
+        sums.push((p.output(2), pb));
     }
     for (dst, part) in sums {
-        op.stride(
+        p.stride(
             finish,
             c,
-            &[Ptr(dst), Ptr(part), I32(chunks as i32), I32(c_i), I32(0)],
-        )?;
+            vec![Ptr(dst), Ptr(part), I32(chunks as i32), I32(c_i), I32(0)],
+        );
     }
     // 3. dx.
     match layer {
-        true => op.rows(
+        true => p.rows(
             st.pick("layer_norm_backward_f32", "layer_norm_backward_bf16"),
             rows,
-            &[
+            vec![
                 Ptr(dx),
                 Ptr(dy),
                 Ptr(x),
@@ -1260,10 +1127,10 @@ fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
                 I32(c_i),
             ],
         ),
-        false => op.rows(
+        false => p.rows(
             st.pick("rms_norm_backward_f32", "rms_norm_backward_bf16"),
             rows,
-            &[
+            vec![
                 Ptr(dx),
                 Ptr(dy),
                 Ptr(x),
@@ -1274,140 +1141,717 @@ fn norm_backward(op: &mut Op<'_, '_>, eps: f64, layer: bool) -> Result<()> {
             ],
         ),
     }
+    Ok(())
 }
 
-/// Runs one op on the host optimizer stream, on the pinned region, with the host backend's
-/// code: AdamW (f32, or bf16 with its f32 master weight), or any other kind through
-/// [`dispatch::run`] when every operand is f32 (or i32) in the host region.
-///
-/// # Safety
-///
-/// The backend's ordering contract holds for the op's operands.
-pub(super) unsafe fn host(b: &CudaBackend, h: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
-    let (graph, op) = (l.graph, l.op);
-    let bad = |why: String| RuntimeError::BadSchedule(format!("{}: {why}", op.kind.mnemonic()));
-    if l.inputs.len() != op.inputs.len() || l.outputs.len() != op.outputs.len() {
-        return Err(bad(
-            "the kernel was given the wrong number of addresses".into()
-        ));
-    }
-    let ty = |v: protrain_ir::ValueId| &graph.value(v).ty;
-    if let OpKind::AdamW { clipped, .. } = op.kind {
-        if op.inputs.len() < 4 + usize::from(clipped) {
-            return Err(bad(
-                "takes param, grad, m, v and, when clipped, the coefficient".into(),
-            ));
-        }
-        let param = ty(op.inputs[0]);
-        let n = param.numel() as usize;
-        // SAFETY (for every view below): the ordering contract gives this op its operands
-        // alone while it runs; param, grad, m, v, the coefficient and the master weight are
-        // distinct values at distinct homes, so the views do not overlap.
-        let m = unsafe { b.host_slice_mut::<f32>(l.inputs[2], n)? };
-        let v = unsafe { b.host_slice_mut::<f32>(l.inputs[3], n)? };
-        let coef = match clipped {
-            true => Some(unsafe { b.host_slice::<f32>(l.inputs[4], 1)? }[0]),
-            false => None,
-        };
-        match (param.dtype, ty(op.inputs[1]).dtype) {
-            (DType::F32, DType::F32) => {
-                let p = unsafe { b.host_slice_mut::<f32>(l.inputs[0], n)? };
-                let g = unsafe { b.host_slice::<f32>(l.inputs[1], n)? };
-                dispatch::adamw(&op.kind, p, g, m, v, coef, l.step);
-            }
-            (DType::BF16, DType::BF16) => {
-                let master_at = b.master_weight(l.inputs[2])?;
-                let master = unsafe { b.host_slice_mut::<f32>(master_at, n)? };
-                let p = unsafe { b.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
-                let g = unsafe { b.host_slice::<half::bf16>(l.inputs[1], n)? };
-                // The widened gradient buffer grows to the largest parameter in the first
-                // step and is reused after.
-                h.widened.resize(n, 0.0);
-                h.widened
-                    .par_chunks_mut(1 << 16)
-                    .zip(g.par_chunks(1 << 16))
-                    .for_each(|(w, g)| {
-                        for (w, g) in w.iter_mut().zip(g) {
-                            *w = g.to_f32();
-                        }
-                    });
-                dispatch::adamw(&op.kind, master, &h.widened, m, v, coef, l.step);
-                p.par_chunks_mut(1 << 16)
-                    .zip(master.par_chunks(1 << 16))
-                    .for_each(|(p, m)| {
-                        for (p, &m) in p.iter_mut().zip(m) {
-                            *p = half::bf16::from_f32(m);
-                        }
-                    });
-            }
-            (p, g) => {
-                return Err(bad(format!(
-                    "a {p} parameter with a {g} gradient; the CPU Adam updates f32 or bf16 \
-                     parameters from gradients of their own type"
-                )))
-            }
-        }
-        return Ok(Outcome::default());
-    }
-    // Any other kind: the host kernels, on f32 operands in the pinned region.
-    for (i, &v) in op.inputs.iter().enumerate() {
-        let t = ty(v);
-        if !matches!(t.dtype, DType::F32 | DType::I32) {
-            return Err(bad(format!(
-                "input {i} is {t}; on the host optimizer stream only AdamW takes bf16"
-            )));
-        }
-        b.gpu_addr(l.inputs[i], t.bytes())?;
-        if l.inputs[i].space != protrain_ir::Space::Host {
-            return Err(bad(format!(
-                "input {i} is in the device arena, which the host optimizer stream cannot read"
-            )));
-        }
-    }
-    let mut outputs: Vec<&mut [f32]> = Vec::with_capacity(op.outputs.len());
-    for (i, &v) in op.outputs.iter().enumerate() {
-        let t = ty(v);
-        if t.dtype != DType::F32 {
-            return Err(bad(format!(
-                "output {i} is {t}; the host kernels write f32"
-            )));
-        }
-        // SAFETY: the ordering contract: outputs overlap no input, each other or the
-        // workspace, and nothing else touches them meanwhile.
-        outputs.push(unsafe { b.host_slice_mut::<f32>(l.outputs[i], t.numel() as usize)? });
-    }
-    let workspace: &mut [f32] = match l.workspace {
-        // SAFETY: as for the outputs.
-        Some((at, bytes)) => unsafe { b.host_slice_mut::<f32>(at, (bytes / 4) as usize)? },
-        None => &mut [],
+/// Attention's backward: `delta` into the workspace, then dq, then dk and dv.
+fn attention_backward(
+    p: &mut Plan<'_>,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    window: Option<u64>,
+    qkv: QkvLayout,
+) -> Result<()> {
+    let st = p.storage(0)?;
+    // Inputs: q, k, v (or qkv), then out, lse, dout.
+    let first = match qkv {
+        QkvLayout::Separate => 3,
+        QkvLayout::Packed => 1,
     };
-    let inputs = HostInputs { b, l };
-    dispatch::run(graph, op, l.prepared, &inputs, &mut outputs, workspace)
+    let out_ty = p.ty_in(first).clone();
+    let dims = AttnDims::new(p, &out_ty, heads, kv_heads, head_dim, window, qkv, st)?;
+    let (out, lse, dout) = (p.input(first), p.input(first + 1), p.input(first + 2));
+    let ((q, k, v), (dq, dk, dv)) = match dims.packed {
+        Some((k_off, v_off)) => {
+            let (qkv, dqkv) = (p.input(0), p.output(0));
+            (
+                (qkv, qkv + k_off, qkv + v_off),
+                (dqkv, dqkv + k_off, dqkv + v_off),
+            )
+        }
+        None => (
+            (p.input(0), p.input(1), p.input(2)),
+            (p.output(0), p.output(1), p.output(2)),
+        ),
+    };
+    let rows = u64::from(dims.b as u32) * u64::from(dims.t as u32) * u64::from(dims.h as u32);
+    let delta = p.workspace(Scratch::Delta)?;
+    // One warp per (b, t, h) row.
+    let warps_per_block = u64::from(BLOCK / 32);
+    let grid = (
+        rows.div_ceil(warps_per_block)
+            .clamp(1, u64::from(p.target.max_blocks)) as u32,
+        1,
+        1,
+    );
+    p.shaped(
+        st.pick(
+            "attention_backward_delta_f32",
+            "attention_backward_delta_bf16",
+        ),
+        grid,
+        (BLOCK, 1, 1),
+        vec![
+            Ptr(delta),
+            Ptr(out),
+            Ptr(dout),
+            I32(dims.b),
+            I32(dims.t),
+            I32(dims.h),
+            I32(dims.d),
+        ],
+    );
+    let operands = [Ptr(dout), Ptr(q), Ptr(k), Ptr(v), Ptr(lse), Ptr(delta)];
+    let mut args = vec![Ptr(dq)];
+    args.extend(operands.clone());
+    args.extend(dims.tail());
+    p.shaped(
+        st.pick("attention_backward_dq_f32", "attention_backward_dq_bf16"),
+        dims.grid(ATTN_DQ_ROWS, dims.h),
+        (ATTN_THREADS, 1, 1),
+        args,
+    );
+    let mut args = vec![Ptr(dk), Ptr(dv)];
+    args.extend(operands);
+    args.extend(dims.tail());
+    p.shaped(
+        st.pick("attention_backward_dkv_f32", "attention_backward_dkv_bf16"),
+        dims.grid(ATTN_DKV_ROWS, dims.kv),
+        (ATTN_THREADS, 1, 1),
+        args,
+    );
+    Ok(())
 }
 
-/// The inputs of a host-stream kernel, in the pinned region (checked before the kernel runs).
-struct HostInputs<'a> {
-    b: &'a CudaBackend,
-    l: &'a Launch<'a>,
-}
-
-impl HostInputs<'_> {
-    fn len(&self, i: usize) -> usize {
-        self.l.graph.value(self.l.op.inputs[i]).ty.numel() as usize
+/// Checks that every floating-point input of a fused linear op has input 0's dtype, and
+/// returns it with its storage.
+fn same_dtype(p: &Plan<'_>, inputs: usize) -> Result<(DType, Storage)> {
+    let st = p.storage(0)?;
+    let dtype = p.ty_in(0).dtype;
+    if let Some(i) = (1..inputs).find(|&i| p.ty_in(i).dtype != dtype) {
+        return Err(p.bad(format!(
+            "input {i} is {} but x is {}; the operands must share one dtype",
+            p.ty_in(i),
+            p.ty_in(0)
+        )));
     }
+    Ok((dtype, st))
 }
 
-impl<'a> dispatch::Inputs<'a> for HostInputs<'a> {
-    fn f32(&self, i: usize) -> &'a [f32] {
-        // SAFETY: in the host region and in bounds (checked in `host`); the ordering contract
-        // keeps writers away while the kernel reads.
-        unsafe { self.b.host_slice(self.l.inputs[i], self.len(i)) }
-            .expect("inputs were checked before the kernel ran")
+/// Projection `i` of a fused linear op into `y`: the matmul and the bias, as `linear` runs
+/// them.
+#[allow(clippy::too_many_arguments)]
+fn fused_projection(
+    p: &mut Plan<'_>,
+    dtype: DType,
+    st: Storage,
+    layout: WeightLayout,
+    n: usize,
+    bias: bool,
+    i: usize,
+    y: u64,
+) -> Result<()> {
+    let (rows, d_in) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+    let d_out = p.ty_in(1 + i).numel() / d_in.max(1);
+    let d = LinearDims {
+        rows: rows as usize,
+        d_in: d_in as usize,
+        d_out: d_out as usize,
+    };
+    let (x, w) = (p.input(0), p.input(1 + i));
+    p.linear_forward(dtype, layout, d, x, w, y);
+    if bias {
+        let args = vec![
+            Ptr(y),
+            Ptr(y),
+            Ptr(p.input(1 + n + i)),
+            I64(rows as i64),
+            I32(p.int(d_out, "output features")?),
+        ];
+        p.stride(st.pick("bias_add_f32", "bias_add_bf16"), rows * d_out, args);
+    }
+    Ok(())
+}
+
+/// A fused linear op: each projection as `linear` computes it, then the epilogue with the
+/// elementwise kernel its own kind runs (in place for the residual).
+fn fused_linear(
+    p: &mut Plan<'_>,
+    n: usize,
+    bias: bool,
+    layout: WeightLayout,
+    epilogue: Epilogue,
+) -> Result<()> {
+    let n_in = p.types.inputs.len();
+    let (dtype, st) = same_dtype(p, n_in)?;
+    match epilogue {
+        Epilogue::None => {
+            for i in 0..n {
+                let y = p.output(i);
+                fused_projection(p, dtype, st, layout, n, bias, i, y)?;
+            }
+        }
+        Epilogue::Gelu | Epilogue::Relu => {
+            let (h, y) = (p.output(0), p.output(1));
+            fused_projection(p, dtype, st, layout, n, bias, 0, h)?;
+            let entry = match epilogue {
+                Epilogue::Gelu => st.pick("gelu_forward_f32", "gelu_forward_bf16"),
+                _ => st.pick("relu_forward_f32", "relu_forward_bf16"),
+            };
+            let len = p.ty_out(0).numel();
+            p.stride(entry, len, vec![Ptr(y), Ptr(h), I64(len as i64)]);
+        }
+        Epilogue::Swiglu => {
+            let (gate, up, y) = (p.output(0), p.output(1), p.output(2));
+            fused_projection(p, dtype, st, layout, n, bias, 0, gate)?;
+            fused_projection(p, dtype, st, layout, n, bias, 1, up)?;
+            let len = p.ty_out(2).numel();
+            p.stride(
+                st.pick("swiglu_forward_f32", "swiglu_forward_bf16"),
+                len,
+                vec![Ptr(y), Ptr(gate), Ptr(up), I64(len as i64)],
+            );
+        }
+        Epilogue::Residual => {
+            let y = p.output(0);
+            fused_projection(p, dtype, st, layout, n, bias, 0, y)?;
+            let residual = p.input(n_in - 1);
+            let len = p.ty_out(0).numel();
+            p.stride(
+                st.pick("add_forward_f32", "add_forward_bf16"),
+                len,
+                vec![Ptr(y), Ptr(y), Ptr(residual), I64(len as i64)],
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The backward of a fused linear op, in the planned workspace laid out as
+/// [`WorkspaceLayout`] says: the epilogue's gradients, then each projection's matmul (and bias
+/// column sum), last first, the input gradient summed in that order.
+fn fused_linear_backward(
+    p: &mut Plan<'_>,
+    n: usize,
+    bias: bool,
+    layout: WeightLayout,
+    epilogue: Epilogue,
+) -> Result<()> {
+    let n_in = p.types.inputs.len();
+    let (dtype, st) = same_dtype(p, n_in)?;
+    let (rows, d_in) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+    let kept = epilogue.has_output() && epilogue.keeps_projections();
+    let contribution = match n >= 2 {
+        true => p.workspace(Scratch::Contribution)?,
+        false => 0,
+    };
+    let partials = match bias {
+        true => p.workspace(Scratch::BiasPartials)?,
+        false => 0,
+    };
+    let dy_index = 1 + n + if kept { n } else { 0 };
+    // The gradient of each projection's result.
+    let mut grads: Vec<u64> = Vec::with_capacity(n);
+    match epilogue {
+        Epilogue::None => grads.extend((0..n).map(|i| p.input(1 + n + i))),
+        Epilogue::Residual => grads.push(p.input(dy_index)),
+        Epilogue::Gelu | Epilogue::Relu => {
+            let (h, dy) = (p.input(1 + n), p.input(dy_index));
+            let dh = p.workspace(Scratch::ProjectionGrad(0))?;
+            let len = p.ty_in(1 + n).numel();
+            let entry = match epilogue {
+                Epilogue::Gelu => st.pick("gelu_backward_f32", "gelu_backward_bf16"),
+                _ => st.pick("relu_backward_f32", "relu_backward_bf16"),
+            };
+            p.stride(entry, len, vec![Ptr(dh), Ptr(dy), Ptr(h), I64(len as i64)]);
+            grads.push(dh);
+        }
+        Epilogue::Swiglu => {
+            let (gate, up, dy) = (p.input(1 + n), p.input(2 + n), p.input(dy_index));
+            let dgate = p.workspace(Scratch::ProjectionGrad(0))?;
+            let dup = p.workspace(Scratch::ProjectionGrad(1))?;
+            let len = p.ty_in(1 + n).numel();
+            p.stride(
+                st.pick("swiglu_backward_f32", "swiglu_backward_bf16"),
+                len,
+                vec![
+                    Ptr(dgate),
+                    Ptr(dup),
+                    Ptr(dy),
+                    Ptr(gate),
+                    Ptr(up),
+                    I64(len as i64),
+                ],
+            );
+            grads.extend([dgate, dup]);
+        }
+    }
+    let (x, dx) = (p.input(0), p.output(0));
+    for i in (0..n).rev() {
+        let d_out = p.ty_in(1 + i).numel() / d_in.max(1);
+        let d = LinearDims {
+            rows: rows as usize,
+            d_in: d_in as usize,
+            d_out: d_out as usize,
+        };
+        let target = if i == n - 1 { dx } else { contribution };
+        let (w, dw) = (p.input(1 + i), p.output(1 + i));
+        p.linear_backward(dtype, layout, d, x, w, grads[i], target, dw);
+        if bias {
+            let db = p.output(1 + n + i);
+            p.column_sum(st, db, grads[i], rows, d_out, partials)?;
+        }
+        if i != n - 1 {
+            let len = p.ty_in(0).numel();
+            p.stride(
+                st.pick("add_forward_f32", "add_forward_bf16"),
+                len,
+                vec![Ptr(dx), Ptr(dx), Ptr(contribution), I64(len as i64)],
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every op kind's plan against the kernel sources: each entry point exists, each argument
+    //! list has the arity and the argument kinds of the kernel's declaration, every pointer
+    //! lies inside an operand, the workspace or the master weight, and every workspace
+    //! pointer is 16-byte aligned. Shapes have odd row counts (3 rows) so that a layout packed
+    //! end to end would misalign the f32 parts behind bf16 ones.
+
+    use super::*;
+    use crate::cuda::driver::signatures;
+    use crate::cuda::source_of;
+    use protrain_ir::{RopeScaling, WORKSPACE_ALIGN};
+
+    const B: u64 = 1;
+    const T: u64 = 3;
+    const C: u64 = 8;
+    const V: u64 = 11;
+    const H: u64 = 2;
+    const KV: u64 = 1;
+    const D: u64 = 4;
+    const WS: u64 = 0x7000_0000;
+    const MASTER: u64 = 0x7800_0000;
+
+    /// Which variant `kind` is, without a wildcard: a kind added to the IR fails to compile
+    /// here until the examples below cover it.
+    fn variant(kind: &OpKind) -> usize {
+        match kind {
+            OpKind::Embedding { .. } => 0,
+            OpKind::PositionEmbedding { .. } => 1,
+            OpKind::LayerNorm { .. } => 2,
+            OpKind::RmsNorm { .. } => 3,
+            OpKind::Linear { .. } => 4,
+            OpKind::Gelu => 5,
+            OpKind::Relu => 6,
+            OpKind::Silu => 7,
+            OpKind::Swiglu => 8,
+            OpKind::Add => 9,
+            OpKind::Rope { .. } => 10,
+            OpKind::Attention { .. } => 11,
+            OpKind::CrossEntropy => 12,
+            OpKind::FusedLinear { .. } => 13,
+            OpKind::EmbeddingBackward { .. } => 14,
+            OpKind::PositionEmbeddingBackward { .. } => 15,
+            OpKind::LayerNormBackward { .. } => 16,
+            OpKind::RmsNormBackward { .. } => 17,
+            OpKind::LinearBackward { .. } => 18,
+            OpKind::GeluBackward => 19,
+            OpKind::ReluBackward => 20,
+            OpKind::SiluBackward => 21,
+            OpKind::SwigluBackward => 22,
+            OpKind::RopeBackward { .. } => 23,
+            OpKind::AttentionBackward { .. } => 24,
+            OpKind::CrossEntropyBackward => 25,
+            OpKind::FusedLinearBackward { .. } => 26,
+            OpKind::GradNormSq => 27,
+            OpKind::ClipCoef { .. } => 28,
+            OpKind::AdamW { .. } => 29,
+        }
+    }
+    const VARIANTS: usize = 30;
+
+    fn t(shape: &[u64], dtype: DType) -> TensorType {
+        TensorType::new(shape.to_vec(), dtype)
     }
 
-    fn i32(&self, i: usize) -> &'a [i32] {
-        // SAFETY: as for `f32`.
-        unsafe { self.b.host_slice(self.l.inputs[i], self.len(i)) }
-            .expect("inputs were checked before the kernel ran")
+    /// Every kind (several forms of some) with input types in storage `dt`.
+    fn examples(dt: DType) -> Vec<(OpKind, Vec<TensorType>)> {
+        let f = |s: &[u64]| t(s, dt);
+        let tokens = t(&[B, T], DType::I32);
+        let x = f(&[B, T, C]);
+        let vec_c = f(&[C]);
+        let w = f(&[6, C]);
+        let lse_attn = t(&[B, H, T], DType::F32);
+        let logits = f(&[B, T, V]);
+        let moments = t(&[6, C], DType::F32);
+        let scalar = t(&[], DType::F32);
+        let (q, kv) = (f(&[B, T, H * D]), f(&[B, T, KV * D]));
+        let qkv = f(&[B, T, (H + 2 * KV) * D]);
+        let attn = |qkv_layout, window| OpKind::Attention {
+            heads: H,
+            kv_heads: KV,
+            head_dim: D,
+            window,
+            qkv: qkv_layout,
+        };
+        let attn_bwd = |qkv_layout, window| OpKind::AttentionBackward {
+            heads: H,
+            kv_heads: KV,
+            head_dim: D,
+            window,
+            qkv: qkv_layout,
+        };
+        let rope = RopeScaling::None;
+        let fused = |count, bias, epilogue| OpKind::FusedLinear {
+            count,
+            bias,
+            layout: WeightLayout::OutIn,
+            epilogue,
+        };
+        let fused_bwd = |count, bias, epilogue| OpKind::FusedLinearBackward {
+            count,
+            bias,
+            layout: WeightLayout::InOut,
+            epilogue,
+        };
+        let w_in_out = f(&[C, 6]);
+        let h = f(&[B, T, 6]);
+        let b6 = f(&[6]);
+        let adamw = |clipped| OpKind::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            clipped,
+        };
+        vec![
+            (
+                OpKind::Embedding { padding_idx: None },
+                vec![tokens.clone(), f(&[V, C])],
+            ),
+            (
+                OpKind::PositionEmbedding { offset: 2 },
+                vec![tokens.clone(), f(&[16, C])],
+            ),
+            (
+                OpKind::LayerNorm { eps: 1e-5 },
+                vec![x.clone(), vec_c.clone(), vec_c.clone()],
+            ),
+            (
+                OpKind::RmsNorm { eps: 1e-6 },
+                vec![x.clone(), vec_c.clone()],
+            ),
+            (
+                OpKind::Linear {
+                    bias: true,
+                    layout: WeightLayout::OutIn,
+                },
+                vec![x.clone(), w.clone(), b6.clone()],
+            ),
+            (
+                OpKind::Linear {
+                    bias: false,
+                    layout: WeightLayout::InOut,
+                },
+                vec![x.clone(), w_in_out.clone()],
+            ),
+            (OpKind::Gelu, vec![x.clone()]),
+            (OpKind::Relu, vec![x.clone()]),
+            (OpKind::Silu, vec![x.clone()]),
+            (OpKind::Swiglu, vec![x.clone(), x.clone()]),
+            (OpKind::Add, vec![x.clone(), x.clone()]),
+            (
+                OpKind::Rope {
+                    head_dim: D,
+                    theta: 10000.0,
+                    scaling: rope,
+                },
+                vec![q.clone()],
+            ),
+            (
+                attn(QkvLayout::Separate, None),
+                vec![q.clone(), kv.clone(), kv.clone()],
+            ),
+            (attn(QkvLayout::Packed, Some(2)), vec![qkv.clone()]),
+            (OpKind::CrossEntropy, vec![logits.clone(), tokens.clone()]),
+            (
+                fused(2, true, Epilogue::None),
+                vec![x.clone(), w.clone(), w.clone(), b6.clone(), b6.clone()],
+            ),
+            (fused(1, false, Epilogue::Gelu), vec![x.clone(), w.clone()]),
+            (
+                fused(1, true, Epilogue::Relu),
+                vec![x.clone(), w.clone(), b6.clone()],
+            ),
+            (
+                fused(2, false, Epilogue::Swiglu),
+                vec![x.clone(), w.clone(), w.clone()],
+            ),
+            (
+                fused(1, true, Epilogue::Residual),
+                vec![x.clone(), w.clone(), b6.clone(), h.clone()],
+            ),
+            (
+                OpKind::EmbeddingBackward {
+                    rows: V,
+                    padding_idx: Some(0),
+                },
+                vec![tokens.clone(), x.clone()],
+            ),
+            (
+                OpKind::PositionEmbeddingBackward {
+                    rows: 16,
+                    offset: 2,
+                },
+                vec![tokens.clone(), x.clone()],
+            ),
+            (
+                OpKind::LayerNormBackward { eps: 1e-5 },
+                vec![x.clone(), vec_c.clone(), x.clone()],
+            ),
+            (
+                OpKind::RmsNormBackward { eps: 1e-6 },
+                vec![x.clone(), vec_c.clone(), x.clone()],
+            ),
+            (
+                OpKind::LinearBackward {
+                    bias: true,
+                    layout: WeightLayout::OutIn,
+                },
+                vec![x.clone(), w.clone(), h.clone()],
+            ),
+            (
+                OpKind::LinearBackward {
+                    bias: false,
+                    layout: WeightLayout::InOut,
+                },
+                vec![x.clone(), w_in_out.clone(), h.clone()],
+            ),
+            (OpKind::GeluBackward, vec![x.clone(), x.clone()]),
+            (OpKind::ReluBackward, vec![x.clone(), x.clone()]),
+            (OpKind::SiluBackward, vec![x.clone(), x.clone()]),
+            (
+                OpKind::SwigluBackward,
+                vec![x.clone(), x.clone(), x.clone()],
+            ),
+            (
+                OpKind::RopeBackward {
+                    head_dim: D,
+                    theta: 10000.0,
+                    scaling: RopeScaling::Linear { factor: 2.0 },
+                },
+                vec![q.clone()],
+            ),
+            (
+                attn_bwd(QkvLayout::Separate, None),
+                vec![
+                    q.clone(),
+                    kv.clone(),
+                    kv.clone(),
+                    q.clone(),
+                    lse_attn.clone(),
+                    q.clone(),
+                ],
+            ),
+            (
+                attn_bwd(QkvLayout::Packed, Some(2)),
+                vec![qkv.clone(), q.clone(), lse_attn.clone(), q.clone()],
+            ),
+            (
+                OpKind::CrossEntropyBackward,
+                vec![logits.clone(), tokens.clone(), t(&[B, T], DType::F32)],
+            ),
+            (
+                fused_bwd(2, true, Epilogue::None),
+                vec![
+                    x.clone(),
+                    w_in_out.clone(),
+                    w_in_out.clone(),
+                    h.clone(),
+                    h.clone(),
+                ],
+            ),
+            (
+                fused_bwd(1, true, Epilogue::Gelu),
+                vec![x.clone(), w_in_out.clone(), h.clone(), h.clone()],
+            ),
+            (
+                fused_bwd(1, false, Epilogue::Relu),
+                vec![x.clone(), w_in_out.clone(), h.clone(), h.clone()],
+            ),
+            (
+                fused_bwd(2, true, Epilogue::Swiglu),
+                vec![
+                    x.clone(),
+                    w_in_out.clone(),
+                    w_in_out.clone(),
+                    h.clone(),
+                    h.clone(),
+                    h.clone(),
+                ],
+            ),
+            (
+                fused_bwd(1, true, Epilogue::Residual),
+                vec![x.clone(), w_in_out.clone(), h.clone()],
+            ),
+            (OpKind::GradNormSq, vec![w.clone()]),
+            (
+                OpKind::ClipCoef { max_norm: 1.0 },
+                vec![scalar.clone(), scalar.clone(), scalar.clone()],
+            ),
+            (
+                adamw(false),
+                vec![w.clone(), w.clone(), moments.clone(), moments.clone()],
+            ),
+            (
+                adamw(true),
+                vec![
+                    w.clone(),
+                    w.clone(),
+                    moments.clone(),
+                    moments.clone(),
+                    scalar.clone(),
+                ],
+            ),
+        ]
+    }
+
+    /// The plan of `kind` on `inputs`, with every operand at its own address, and the spans
+    /// `(start, bytes)` a pointer may fall in.
+    fn plan_of(kind: &OpKind, inputs: &[TensorType]) -> (Vec<Call>, Vec<(u64, u64)>) {
+        let ins: Vec<&TensorType> = inputs.iter().collect();
+        let outputs = kind
+            .infer(&ins)
+            .unwrap_or_else(|e| panic!("{kind:?}: the example's types are wrong: {e}"));
+        let outs: Vec<&TensorType> = outputs.iter().collect();
+        let addr = |i: usize| 0x1000_0000 * (i as u64 + 1);
+        let ws = kind.workspace_bytes(&ins);
+        let at = Addresses {
+            inputs: (0..ins.len()).map(addr).collect(),
+            outputs: (0..outs.len()).map(|i| addr(ins.len() + i)).collect(),
+            workspace: (ws > 0).then_some((WS, ws)),
+            master: Some(MASTER),
+        };
+        let mut spans: Vec<(u64, u64)> = ins
+            .iter()
+            .chain(&outs)
+            .enumerate()
+            .map(|(i, t)| (addr(i), t.bytes()))
+            .collect();
+        spans.push((WS, ws));
+        spans.push((MASTER, 4 * ins[0].numel()));
+        let types = Types {
+            inputs: &ins,
+            outputs: &outs,
+        };
+        let target = Target {
+            max_blocks: 132 * 32,
+            step: 1,
+        };
+        let calls =
+            calls(kind, types, &at, target).unwrap_or_else(|e| panic!("{kind:?}: no plan: {e}"));
+        (calls, spans)
+    }
+
+    fn inside(spans: &[(u64, u64)], p: u64) -> bool {
+        spans.iter().any(|&(s, n)| p >= s && p < s + n.max(1))
+    }
+
+    #[test]
+    fn every_kind_launches_declared_kernels_with_matching_arguments() {
+        let mut covered = [false; VARIANTS];
+        for dt in [DType::F32, DType::BF16] {
+            for (kind, inputs) in examples(dt) {
+                covered[variant(&kind)] = true;
+                let (plan, spans) = plan_of(&kind, &inputs);
+                assert!(!plan.is_empty(), "{kind:?} in {dt}: an empty plan");
+                for call in &plan {
+                    match call {
+                        Call::Kernel(k) => {
+                            let what = format!("{kind:?} in {dt}: {}", k.entry);
+                            let src = source_of(k.entry)
+                                .unwrap_or_else(|| panic!("{what}: no such kernel in SOURCES"));
+                            let sigs = signatures(src.source).expect("passable parameters");
+                            let (_, params) = sigs
+                                .iter()
+                                .find(|(n, _)| *n == k.entry)
+                                .unwrap_or_else(|| panic!("{what}: not declared"));
+                            let kinds: Vec<ParamKind> = k.args.iter().map(Arg::kind).collect();
+                            assert_eq!(&kinds, params, "{what}: arguments");
+                            assert!(k.grid.0 * k.grid.1 * k.grid.2 > 0, "{what}: empty grid");
+                            let threads = k.block.0 * k.block.1 * k.block.2;
+                            assert!((1..=1024).contains(&threads), "{what}: block {:?}", k.block);
+                            if dt == DType::F32 {
+                                assert!(!k.entry.ends_with("_bf16"), "{what}: bf16 kernel");
+                            } else {
+                                assert!(!k.entry.ends_with("_f32"), "{what}: f32 kernel");
+                            }
+                            for a in &k.args {
+                                match a {
+                                    Arg::Ptr(0) | Arg::NormSlot => {}
+                                    Arg::Ptr(p) => {
+                                        assert!(inside(&spans, *p), "{what}: {p:#x} is no operand");
+                                        if (WS..MASTER).contains(p) {
+                                            assert_eq!(
+                                                (p - WS) % WORKSPACE_ALIGN,
+                                                0,
+                                                "{what}: a misaligned workspace part"
+                                            );
+                                        }
+                                    }
+                                    Arg::Table(ConstKey::InvFreq(bits)) => {
+                                        assert_eq!(bits.len() as u64, D / 2, "{what}")
+                                    }
+                                    Arg::Table(ConstKey::Pointers(ptrs)) => {
+                                        assert_eq!(ptrs.len(), inputs.len(), "{what}");
+                                        assert!(ptrs.iter().all(|&p| inside(&spans, p)));
+                                    }
+                                    Arg::I64(_) | Arg::I32(_) | Arg::F32(_) => {}
+                                }
+                            }
+                        }
+                        Call::Gemm(g) => {
+                            assert_eq!(g.dtype, dt, "{kind:?}: {}", g.what);
+                            for p in [g.gemm.a, g.gemm.b, g.gemm.c] {
+                                assert!(inside(&spans, p), "{kind:?}: {}: {p:#x}", g.what);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let missing: Vec<usize> = (0..VARIANTS).filter(|&v| !covered[v]).collect();
+        assert!(missing.is_empty(), "kinds without an example: {missing:?}");
+    }
+
+    #[test]
+    fn a_workspace_smaller_than_the_layout_is_refused() {
+        let x = t(&[B, T, C], DType::F32);
+        let w = t(&[C], DType::F32);
+        let kind = OpKind::LayerNorm { eps: 1e-5 };
+        let ins = [&x, &w, &w];
+        let outs = [&x];
+        let at = Addresses {
+            inputs: vec![1, 2, 3],
+            outputs: vec![4],
+            workspace: Some((WS, kind.workspace_bytes(&ins) - 4)),
+            master: None,
+        };
+        let types = Types {
+            inputs: &ins,
+            outputs: &outs,
+        };
+        let target = Target {
+            max_blocks: 1,
+            step: 1,
+        };
+        let err = calls(&kind, types, &at, target).unwrap_err().to_string();
+        assert!(err.contains("recompile the schedule"), "{err}");
     }
 }

@@ -9,11 +9,13 @@
 //! entry points; it is plain data, available without the `cuda` feature, so CPU-only builds can
 //! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here.
 //!
-//! Launch shapes are documented beside each entry point in the `.cu` files; the constants a
-//! launcher needs to size grids and workspaces are mirrored below.
+//! Launch shapes are documented beside each entry point in the `.cu` files. The attention
+//! tiles a launcher sizes grids with are defined here only and passed to NVRTC as `-D` defines
+//! ([`KERNEL_DEFINES`]); workspace sizes come from `protrain_ir::WorkspaceLayout`.
 //!
 //! With the feature, `CudaBackend` executes schedules on a GPU (`backend.rs`: memory, streams
-//! and events; `launch.rs`: which kernels each op kind launches; `blas.rs`: the matmuls;
+//! and events, and the executor of call plans; `launch.rs`: each op kind's kernels and GEMMs
+//! as a pure call plan; `blas.rs`: the matmuls;
 //! `driver.rs`: driver resources and the library probe; `profile.rs`: measuring a GPU for
 //! `protrain profile`). [`available`] says, without calling into a library that may be
 //! missing, whether it can run here.
@@ -229,16 +231,28 @@ pub fn source_of(entry_point: &str) -> Option<&'static KernelSource> {
         .find(|s| s.entry_points.contains(&entry_point))
 }
 
+/// Macros every source is compiled with, as `-D NAME=VALUE`: the attention kernels' tile
+/// constants, which launchers size grids with. `kernels/attention.cu` defines none of them (it
+/// stops with `#error` without them), so this table is their only copy; `.ci/run` reads it to
+/// compile the CPU emulation harness.
+pub const KERNEL_DEFINES: [(&str, u64); 5] = [
+    ("ATTN_MAX_D", 128),
+    ("ATTN_THREADS", 128),
+    ("ATTN_FWD_ROWS", 16),
+    ("ATTN_DQ_ROWS", 8),
+    ("ATTN_DKV_ROWS", 8),
+];
+
 /// The attention kernels' largest head dimension (`ATTN_MAX_D`); they trap on a larger one.
-pub const ATTN_MAX_HEAD_DIM: usize = 128;
+pub const ATTN_MAX_HEAD_DIM: usize = KERNEL_DEFINES[0].1 as usize;
 /// Threads per block of every attention kernel but the delta step (`ATTN_THREADS`).
-pub const ATTN_THREADS: u32 = 128;
-/// Query rows per forward block: grid `(ceil(T / this), H, B)`.
-pub const ATTN_FWD_ROWS: usize = 16;
-/// Query rows per dq block: grid `(ceil(T / this), H, B)`.
-pub const ATTN_DQ_ROWS: usize = 8;
-/// Key rows per dk/dv block: grid `(ceil(T / this), KV, B)`.
-pub const ATTN_DKV_ROWS: usize = 8;
+pub const ATTN_THREADS: u32 = KERNEL_DEFINES[1].1 as u32;
+/// Query rows per forward block: grid `(ceil(T / this), H, B)` (`ATTN_FWD_ROWS`).
+pub const ATTN_FWD_ROWS: usize = KERNEL_DEFINES[2].1 as usize;
+/// Query rows per dq block: grid `(ceil(T / this), H, B)` (`ATTN_DQ_ROWS`).
+pub const ATTN_DQ_ROWS: usize = KERNEL_DEFINES[3].1 as usize;
+/// Key rows per dk/dv block: grid `(ceil(T / this), KV, B)` (`ATTN_DKV_ROWS`).
+pub const ATTN_DKV_ROWS: usize = KERNEL_DEFINES[4].1 as usize;
 
 /// The block shape of the column-sum partial kernels (`column_sum_partial_*`,
 /// `norm_backward_params_partial_*`): 32 columns by 8 row lanes.
@@ -438,6 +452,22 @@ mod tests {
                 assert_eq!(bits(&v1), bits(&v2), "exp_avg_sq, {cfg:?} step {step}");
             }
         }
+    }
+
+    #[test]
+    fn attention_tiles_are_defined_only_by_the_launcher() {
+        let attention = SOURCES.iter().find(|s| s.name == "attention").unwrap();
+        for (name, _) in KERNEL_DEFINES {
+            assert!(
+                !attention.source.contains(&format!("#define {name} ")),
+                "attention.cu defines {name}: a second copy of KERNEL_DEFINES"
+            );
+            assert!(
+                attention.source.contains(name),
+                "attention.cu never uses {name}"
+            );
+        }
+        assert!(attention.source.contains("#error"));
     }
 
     #[test]

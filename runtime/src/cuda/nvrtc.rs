@@ -9,7 +9,7 @@ use std::ffi::{c_char, CStr, CString};
 
 use cudarc::nvrtc::{result, sys, Ptx};
 
-use super::{include_paths_from_env, KernelSource, SOURCES};
+use super::{include_paths_from_env, KernelSource, KERNEL_DEFINES, SOURCES};
 
 /// How to make NVRTC loadable, for error messages.
 pub const SETUP_HINT: &str =
@@ -82,8 +82,8 @@ pub fn version() -> Option<(i32, i32)> {
 }
 
 /// The options every source is compiled with: the architecture, C++17, IEEE division and
-/// square root (NVRTC's defaults, stated so that no flag can turn on fast math), and
-/// `include_paths`.
+/// square root (NVRTC's defaults, stated so that no flag can turn on fast math), the
+/// [`KERNEL_DEFINES`] as `-D` defines, and `include_paths`.
 pub fn options(arch: &str, include_paths: &[String]) -> Vec<String> {
     let mut opts = vec![
         format!("--gpu-architecture={arch}"),
@@ -92,6 +92,11 @@ pub fn options(arch: &str, include_paths: &[String]) -> Vec<String> {
         "--prec-sqrt=true".to_owned(),
         "--ftz=false".to_owned(),
     ];
+    opts.extend(
+        KERNEL_DEFINES
+            .iter()
+            .map(|(name, value)| format!("-D{name}={value}")),
+    );
     opts.extend(include_paths.iter().map(|p| format!("--include-path={p}")));
     opts
 }
@@ -178,11 +183,14 @@ unsafe fn cubin_of(prog: sys::nvrtcProgram) -> Result<Vec<u8>, result::NvrtcErro
 }
 
 /// Compiles every source in [`SOURCES`] for `arch`, with the include paths of
-/// `PROTRAIN_CUDA_INCLUDE`. Stops at the first failure.
+/// `PROTRAIN_CUDA_INCLUDE`, the sources in parallel (NVRTC compiles distinct programs from
+/// any thread; one at a time a backend's start waits for the sum of them), in [`SOURCES`]
+/// order. The error is the first failing source's, in that order.
 pub fn compile_all(arch: &'static str) -> Result<Vec<Compiled>, NvrtcError> {
+    use rayon::prelude::*;
     let includes = include_paths_from_env();
     SOURCES
-        .iter()
+        .par_iter()
         .map(|s| compile(s, arch, &includes))
         .collect()
 }

@@ -17,9 +17,10 @@ use protrain_ir::{
     DType, Graph, HardwareProfile, MeasuredOp, PeakFlops, Space, StreamKind, WeightLayout,
 };
 
-use super::backend::{Arg, CudaBackend, CudaStreamHandle};
+use super::backend::{CudaBackend, CudaStreamHandle};
 use super::blas::LinearDims;
 use super::driver::driver_error;
+use super::launch::Arg;
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};

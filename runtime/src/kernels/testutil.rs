@@ -1,26 +1,17 @@
-//! Test helpers for the kernels: a tiny deterministic RNG and a finite-difference gradient check.
+//! Test helpers for the kernels: deterministic test data and a finite-difference gradient check.
 
-/// A 64-bit LCG (Knuth's MMIX constants); the high bits are good enough for test data.
-pub struct Rng(u64);
+/// Test data drawn from the runtime's generator ([`crate::rng::Rng`]).
+pub struct Rng(crate::rng::Rng);
 
 impl Rng {
     /// A generator with the given seed.
     pub fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1))
-    }
-
-    /// The next 32 random bits.
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 32) as u32
+        Rng(crate::rng::Rng::new(seed))
     }
 
     /// Uniform in [-1, 1).
     pub fn uniform(&mut self) -> f32 {
-        (self.next_u32() >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        self.0.signed_unit()
     }
 
     /// `n` values uniform in [-1, 1).
@@ -30,7 +21,8 @@ impl Rng {
 
     /// Uniform in `0..n`.
     pub fn below(&mut self, n: usize) -> usize {
-        self.next_u32() as usize % n
+        let n = u32::try_from(n).expect("test ranges fit in u32");
+        self.0.below(n) as usize
     }
 }
 

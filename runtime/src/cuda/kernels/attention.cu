@@ -23,14 +23,24 @@
 // query heads of a group in index order); no atomics. dK and dV for grouped heads are summed by
 // the one block that owns the key rows, looping over the group's query heads.
 
-#define ATTN_MAX_D 128
-#define ATTN_THREADS 128
-#define ATTN_WARPS 4
+// The tile constants a launcher sizes grids with come from the launcher, as -D defines
+// (runtime/src/cuda/mod.rs, KERNEL_DEFINES: NVRTC gets them from nvrtc::options, the CPU
+// emulation harness from .ci/run), so there is no second copy to drift:
+//   ATTN_MAX_D     largest head dimension
+//   ATTN_THREADS   threads per block (a multiple of 32)
+//   ATTN_FWD_ROWS  query rows per forward block (a multiple of the warps)
+//   ATTN_DQ_ROWS   query rows per dq block
+//   ATTN_DKV_ROWS  key rows per dk/dv block
+#if !defined(ATTN_MAX_D) || !defined(ATTN_THREADS) || !defined(ATTN_FWD_ROWS) || \
+    !defined(ATTN_DQ_ROWS) || !defined(ATTN_DKV_ROWS)
+#error "compile with the -D defines of KERNEL_DEFINES in runtime/src/cuda/mod.rs"
+#endif
+#define ATTN_WARPS (ATTN_THREADS / 32)
 #define ATTN_CHUNK 32                 // keys (forward, dq) or queries (dk/dv) per staged chunk
 #define ATTN_DPL (ATTN_MAX_D / 32)    // accumulator slots per lane
-#define ATTN_FWD_ROWS 16              // query rows per forward block (4 per warp)
-#define ATTN_DQ_ROWS 8                // query rows per dq block (2 per warp)
-#define ATTN_DKV_ROWS 8               // key rows per dk/dv block (2 per warp)
+static_assert(ATTN_FWD_ROWS % ATTN_WARPS == 0 && ATTN_DQ_ROWS % ATTN_WARPS == 0 &&
+              ATTN_DKV_ROWS % ATTN_WARPS == 0 && ATTN_MAX_D % 32 == 0,
+              "each warp owns whole rows and whole 32-lane slices of a head");
 
 __device__ __forceinline__ void attn_check(int D) {
     if (D <= 0 || D > ATTN_MAX_D || blockDim.x != ATTN_THREADS) __trap();
