@@ -19,6 +19,7 @@ mod common;
 use common::{env, median, model};
 use protrain::compiler::cost::{cost_model, CostModel, Measured};
 use protrain::compiler::simulate::{category, exposed_seconds, instr_seconds, Simulation};
+use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Instr, Schedule, StreamId};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
@@ -30,7 +31,7 @@ use std::collections::BTreeMap;
 /// warm-up step, and the median over those steps of the seconds per (stream, op mnemonic or
 /// copy).
 fn run(
-    schedule: &Schedule,
+    schedule: &VerifiedSchedule,
     vocab: usize,
     steps: usize,
 ) -> (f64, Vec<f64>, BTreeMap<(usize, String), f64>) {
@@ -182,8 +183,11 @@ fn main() {
         optimizer: optimizer.clone(),
         fuse: true,
     };
-    let resident = protrain::compile(&config, &options(None, PolicyChoice::Fixed(Vec::new())))
-        .expect("the resident schedule compiles");
+    let resident = protrain::compile(
+        &config,
+        &options(None, PolicyChoice::Fixed(Default::default())),
+    )
+    .expect("the resident schedule compiles");
     let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
     let compiled = protrain::compile(&config, &options(Some(budget), PolicyChoice::Auto))
         .expect("a schedule fits the budget");

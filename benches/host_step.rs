@@ -21,6 +21,7 @@ use criterion::{
 use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::OptimizerConfig;
+use protrain_ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain_ir::{BlockKind, DType, Graph, Instr, Policy, Schedule};
 use protrain_models::{BuildOptions, ConfigSource, ModelConfig};
 use protrain_runtime::interpreter::Interpreter;
@@ -85,7 +86,7 @@ fn batch(vocab: usize) -> [Vec<i32>; 2] {
 }
 
 /// An executor for `schedule` with the seeded initial parameters loaded.
-fn executor<'s>(schedule: &'s Schedule, init: &[Vec<f32>], graph: &Graph) -> Executor<'s> {
+fn executor<'s>(schedule: &'s VerifiedSchedule, init: &[Vec<f32>], graph: &Graph) -> Executor<'s> {
     // Parameters in the placed graph's order, matched by name.
     let by_name: std::collections::HashMap<&str, &Vec<f32>> = graph
         .params()
@@ -164,10 +165,12 @@ fn host_step(c: &mut Criterion) {
         header(u64::MAX),
     )
     .expect("the resident policy compiles");
+    let resident = verify(resident).expect("the resident schedule verifies");
     // No chunk persistent, two chunk buffers, two blocks swapped and two checkpointed.
     let offload_policy = Policy::protrain(0, 2, 2, 2, layers);
     let offload = compile_policy(&graph, &chunks, &offload_policy, header(u64::MAX))
         .expect("the offloading policy compiles");
+    let offload = verify(offload).expect("the offloading schedule verifies");
     eprintln!(
         "host_step: {} parameters, {} chunks, {} threads; device arena {:.1} MiB resident, \
          {:.1} MiB under [{offload_policy}] (host region {:.1} MiB)",

@@ -16,7 +16,8 @@
 
 mod common;
 use common::{env, median, model};
-use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Schedule};
+use protrain::ir::verify_schedule::VerifiedSchedule;
+use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile};
 use protrain::runtime::params::init_params;
 use protrain::runtime::profiler::{profile_host, ProfileOptions};
 use protrain::runtime::Executor;
@@ -27,7 +28,7 @@ use protrain::{CompileOptions, Compiled, OptimizerConfig, PolicyChoice};
 /// `steps` timed ones, of which the median is kept. Rounds alternate the schedules so that
 /// both see the machine in the same state even when its speed drifts.
 fn step_seconds(
-    schedules: &[&Schedule],
+    schedules: &[&VerifiedSchedule],
     vocab: usize,
     rounds: usize,
     steps: usize,
@@ -128,7 +129,7 @@ fn main() {
             dtype: DType::F32,
             hardware: profile.clone(),
             device_budget: None,
-            policy: PolicyChoice::Fixed(Vec::new()),
+            policy: PolicyChoice::Fixed(Default::default()),
             optimizer: optimizer.clone(),
             fuse: true,
         },

@@ -5,6 +5,10 @@
 #   source <(bash scripts/nvrtc-env.sh --install)
 #   cargo test -p protrain-runtime --features cuda --test nvrtc
 #
+# Source it too before running a CUDA test binary by hand (target/gpu-check/bin/cuda-kernels,
+# cuda-e2e): libnvrtc loads libnvrtc-builtins.so.13 through LD_LIBRARY_PATH, so without these
+# lines every kernel compile fails even where libnvrtc itself is found.
+#
 # With --install it first installs the pinned wheels below, if they are not there yet, with
 # `pip install --target` into $PROTRAIN_NVRTC_PREFIX (default ~/.cache/protrain/nvrtc), apart
 # from any Python environment (torch pins its own NVRTC; this leaves it alone). The pin is

@@ -15,28 +15,27 @@
 //!
 //! # Snapshot-testing schedules
 //!
-//! [`compile`] returns the schedule with its canonical text form, [`ir::Schedule::to_text`]:
-//! ids renumbered, no compile time, no paths. A downstream crate can pin the schedules it
-//! depends on with [insta](https://insta.rs) in its tests, and review any change the compiler
-//! makes to them with `cargo insta review`. Compile for a named GPU preset rather than `host`
-//! (which describes the machine the test runs on) and with a fixed policy (the search's report
-//! lists the candidates it compiled, which depends on the thread count):
+//! [`compile`] returns a verified schedule with its canonical text form,
+//! [`ir::Schedule::to_text`]: buffers and values numbered in order of appearance, no compile
+//! time, no paths. A downstream crate can pin the schedules it depends on with
+//! [insta](https://insta.rs) in its tests, and review any change the compiler makes to them
+//! with `cargo insta review`. Compile for a named GPU preset rather than `host` (which
+//! describes the machine the test runs on) and with a fixed policy (the search's report lists
+//! the candidates it compiled, which depends on the thread count):
 //!
 //! ```
 //! use protrain::ir::{DType, HardwareProfile};
-//! use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+//! use protrain::{CompileOptions, PolicyChoice};
 //!
 //! let config = protrain::models::load("gpt2-tiny")?;
 //! let options = CompileOptions {
 //!     batch: 2,
 //!     seq: 16,
 //!     dtype: DType::F32,
-//!     hardware: HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset"),
-//!     device_budget: None,
-//!     // Every chunk streamed from the host through 2 buffers, both layers recomputed.
-//!     policy: PolicyChoice::parse("n_persist=0,n_buffer=2,n_checkpoint=2")?,
-//!     optimizer: OptimizerConfig::default(),
-//!     fuse: true,
+//!     // Every chunk streamed from the host through 2 buffers, both layers recomputed: the
+//!     // policy in the form `compile` prints it.
+//!     policy: PolicyChoice::parse("n_persist=0 n_buffer=2 n_checkpoint=2")?,
+//!     ..CompileOptions::for_hardware(HardwareProfile::preset("rtx3090").expect("a preset"))
 //! };
 //! let text = protrain::compile(&config, &options)?.schedule.to_text();
 //! // In a test of your own crate (with insta as a dev-dependency):
@@ -45,6 +44,9 @@
 //! assert!(text.contains("copy fetch chunk0 host[+0x0] -> device["));
 //! # Ok::<(), protrain::Error>(())
 //! ```
+//!
+//! [`Context`] runs the same pipeline a stage at a time, for tests of an intermediate stage
+//! (`protrain dump --stage` prints them).
 
 pub use protrain_compiler as compiler;
 pub use protrain_ir as ir;
@@ -54,10 +56,18 @@ pub use protrain_runtime as runtime;
 pub use protrain_compiler::OptimizerConfig;
 pub use protrain_ir::Graph;
 
-mod compile;
 mod error;
-pub use compile::{compile, CompileOptions, Compiled, PolicyChoice};
 pub use error::{Error, Result};
+pub use protrain_compiler::pipeline::{
+    default_shape, CompileOptions, Compiled, Context, PolicyChoice, Stage,
+};
+
+/// Compiles a model: builds its forward graph, fuses it (unless told not to), derives the
+/// training graph, searches for the fastest policy that fits (or applies the one given),
+/// plans memory, verifies and simulates the result. See [`Context`] to stop at a stage.
+pub fn compile(config: &models::ModelConfig, options: &CompileOptions) -> Result<Compiled> {
+    Ok(compiler::pipeline::compile(config, options)?)
+}
 
 /// Builds the forward graph of a model at `[batch, seq]` in f32.
 pub fn forward_graph(config: &models::ModelConfig, batch: u64, seq: u64) -> Result<Graph> {

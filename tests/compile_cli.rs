@@ -151,7 +151,7 @@ fn a_fixed_policy_is_applied_as_given() {
     ]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(
-        stderr(&bad).contains("blocks=SCK has 3 modes; the model has 2 layers"),
+        stderr(&bad).contains("blocks= has 3 modes but the model has 2 layers"),
         "{}",
         stderr(&bad)
     );
@@ -164,9 +164,66 @@ fn a_fixed_policy_is_applied_as_given() {
         path(&file),
     ]);
     assert!(
-        stderr(&bad).contains("unknown policy key 'speed'"),
+        stderr(&bad).contains("unknown key `speed`"),
         "{}",
         stderr(&bad)
+    );
+    // The policy as printed is accepted back, and compiles to the same policy.
+    let printed = v["policy"]
+        .as_str()
+        .expect("the policy is printed")
+        .to_string();
+    let again = json(&protrain(&[
+        "compile",
+        "llama-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "--policy",
+        &printed,
+        "-o",
+        path(&file),
+        "--json",
+    ]));
+    assert_eq!(again["policy"], printed.as_str());
+    // A key given twice, or blocks with n_swap, is refused rather than one silently winning.
+    for (policy, says) in [
+        ("n_persist=1,n_persist=2", "n_persist is given twice"),
+        ("blocks=KK,n_swap=1", "either blocks or n_swap/n_checkpoint"),
+    ] {
+        let bad = protrain(&[
+            "compile",
+            "llama-tiny",
+            "--policy",
+            policy,
+            "-o",
+            path(&file),
+        ]);
+        assert_eq!(bad.status.code(), Some(2), "{policy}");
+        assert!(stderr(&bad).contains(says), "{policy}: {}", stderr(&bad));
+    }
+}
+
+#[test]
+fn a_schedule_compiled_with_the_defaults_runs_with_the_defaults() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("gpt2-tiny.ptsched");
+    let compiled = protrain(&["compile", "gpt2-tiny", "-o", path(&file)]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let ran = protrain(&["run", path(&file), "--steps", "2", "--json"]);
+    assert!(ran.status.success(), "{}", stderr(&ran));
+    assert_eq!(String::from_utf8_lossy(&ran.stdout).lines().count(), 2);
+    // A bf16 schedule on the host backend names the flag that makes one it can run.
+    let bf16 = dir.path().join("bf16.ptsched");
+    let compiled = protrain(&["compile", "gpt2-tiny", "--dtype", "bf16", "-o", path(&bf16)]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let refused = protrain(&["run", path(&bf16), "--steps", "1"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        stderr(&refused).contains("--dtype f32"),
+        "{}",
+        stderr(&refused)
     );
 }
 
@@ -240,4 +297,76 @@ fn broken_schedule_files_are_refused_clearly() {
         report.push_str(&format!("{what}:\n  {err}"));
     }
     insta::assert_snapshot!(report);
+}
+
+#[test]
+fn explain_on_other_hardware_says_whose_times_it_shows_and_dump_refuses_hardware() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    let compiled = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--policy",
+        "n_persist=1",
+        "-o",
+        path(&file),
+    ]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let same = String::from_utf8_lossy(&protrain(&["explain", path(&file)]).stdout).to_string();
+    assert!(
+        same.lines().next().unwrap().contains("on rtx3090:"),
+        "{same}"
+    );
+    let out = protrain(&["explain", path(&file), "--hardware", "h100"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text.lines().next().expect("a first line");
+    assert!(first.contains("on h100, compiled for rtx3090"), "{text}");
+    assert!(
+        text.contains("(chosen for rtx3090, with rtx3090's times)"),
+        "{text}"
+    );
+    let json = json(&protrain(&[
+        "explain",
+        path(&file),
+        "--hardware",
+        "h100",
+        "--json",
+    ]));
+    assert_eq!(json["hardware"], "h100");
+    // dump prints a schedule as compiled: a hardware flag would be silently meaningless.
+    let refused = protrain(&[
+        "dump",
+        path(&file),
+        "--stage",
+        "planned",
+        "--hardware",
+        "h100",
+    ]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        stderr(&refused).contains("protrain explain"),
+        "{}",
+        stderr(&refused)
+    );
+}
+
+#[test]
+fn train_takes_the_host_memory_budget() {
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--host-memory",
+        "1KiB",
+        "--gpu-memory",
+        "4MiB",
+        "--json",
+    ]);
+    // 1 KiB of host memory cannot hold the offloaded chunks a 4 MiB device needs.
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("host"), "{}", stderr(&out));
 }

@@ -17,6 +17,7 @@ use protrain_compiler::cost::Roofline;
 use protrain_compiler::fuse::FuseLimits;
 use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
 use protrain_compiler::{CompileError, OptimizerConfig};
+use protrain_ir::verify_schedule::verify;
 use protrain_ir::{BlockKind, BlockMode, DType, Graph, HardwareProfile, Instr, OpKind, Policy};
 use protrain_runtime::interpreter::{Interpreter, StepReport};
 use protrain_runtime::params::init_params;
@@ -158,14 +159,14 @@ fn check(model: &str, grad_clip: Option<f64>) {
             Ok(s) => s,
             // An op that reads two offloaded chunks at once cannot run with one buffer; the
             // compiler says so, and that is the only rejection expected here.
-            Err(CompileError::BadPolicy(m))
-                if policy.n_buffer == 1 && m.contains("offloaded chunks at once") =>
-            {
+            Err(CompileError::TooFewBuffers { n_buffer: 1, .. }) if policy.n_buffer == 1 => {
                 skipped.push(policy.to_string());
                 continue;
             }
             Err(e) => panic!("{model} [{policy}]: compile failed: {e}"),
         };
+        let schedule = verify(schedule)
+            .unwrap_or_else(|e| panic!("{model} [{policy}]: the verifier refused: {e}"));
         let mut exec = Executor::new(&schedule)
             .unwrap_or_else(|e| panic!("{model} [{policy}]: executor: {e}"));
         // Parameters in the placed graph's order, matched by name.
@@ -274,13 +275,10 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
         .position(|i| matches!(i, Instr::Wait { .. }))
         .expect("streaming chunks makes the compute stream wait");
     compute.remove(wait);
-    let err = Executor::new(&racy)
-        .err()
-        .expect("an unverified schedule is refused");
-    assert!(
-        matches!(err, protrain_runtime::RuntimeError::InvalidSchedule(_)),
-        "{err}"
-    );
+    // The executor takes only a verified schedule, and the verifier refuses this one.
+    let err = verify(racy).expect_err("a racy schedule is refused");
+    assert!(err.to_string().contains("wait"), "{err}");
+    let schedule = verify(schedule).unwrap();
 
     // A batch with a token outside the vocabulary fails before anything runs, and the
     // executor still trains as the interpreter does afterwards.

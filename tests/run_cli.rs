@@ -178,10 +178,26 @@ fn every_refusal_names_the_problem_and_the_fix() {
     let missing = path(&fx.file("missing.ptsched")).to_string();
 
     let cases: Vec<(&str, Vec<&str>, Vec<&str>)> = vec![
-        ("missing schedule", vec![&missing], vec!["does not exist", "protrain compile"]),
-        ("truncated schedule", vec![&truncated], vec!["truncated", "compile it again"]),
-        ("corrupted schedule", vec![&corrupted], vec!["corrupted", "CRC-32"]),
-        ("newer format", vec![&newer], vec!["newer protrain", "upgrade protrain"]),
+        (
+            "missing schedule",
+            vec![&missing],
+            vec!["does not exist", "protrain compile"],
+        ),
+        (
+            "truncated schedule",
+            vec![&truncated],
+            vec!["truncated", "compile it again"],
+        ),
+        (
+            "corrupted schedule",
+            vec![&corrupted],
+            vec!["corrupted", "CRC-32"],
+        ),
+        (
+            "newer format",
+            vec![&newer],
+            vec!["newer protrain", "upgrade protrain"],
+        ),
         (
             "fails verification",
             vec![&unverified],
@@ -190,7 +206,10 @@ fn every_refusal_names_the_problem_and_the_fix() {
         (
             "weights of another model",
             vec![&good, "--init", path(&llama)],
-            vec!["the weights do not match the model", "missing: `transformer.wpe.weight`"],
+            vec![
+                "the weights do not match the model",
+                "missing: `transformer.wpe.weight`",
+            ],
         ),
         (
             "token out of range",
@@ -203,13 +222,16 @@ fn every_refusal_names_the_problem_and_the_fix() {
             vec!["3 tokens", "batch 2 x seq 16 needs 33"],
         ),
         (
-            "cuda without cuda",
-            vec![&good, "--backend", "cuda"],
-            vec!["the CUDA backend is not built into this protrain; rebuild with --features cuda on a machine with CUDA, or use --backend host"],
-        ),
-        (
             "optimizer flags that differ",
-            vec![&good, "--lr", "0.003", "--beta2", "0.999", "--grad-clip", "1"],
+            vec![
+                &good,
+                "--lr",
+                "0.003",
+                "--beta2",
+                "0.999",
+                "--grad-clip",
+                "1",
+            ],
             vec![
                 "--lr 0.003 (the schedule has 0.001), --grad-clip 1 (the schedule has none)",
                 "compile it again with those flags (`protrain compile MODEL --lr ...`",
@@ -221,6 +243,25 @@ fn every_refusal_names_the_problem_and_the_fix() {
             vec!["no checkpoint in", "start the run afresh"],
         ),
     ];
+    // `--backend cuda` where the CUDA backend cannot run: not built in, or built on a machine
+    // without a usable GPU (where there is one, the schedule runs, which is no error case).
+    let cuda_refusal = match protrain::runtime::cuda::available() {
+        Ok(()) => None,
+        Err(why) if cfg!(feature = "cuda") => Some(format!("no CUDA device is available: {why}")),
+        Err(_) => Some(
+            "the CUDA backend is not built into this protrain; rebuild with --features cuda on \
+             a machine with CUDA, or use --backend host"
+                .to_string(),
+        ),
+    };
+    let mut cases = cases;
+    if let Some(needle) = &cuda_refusal {
+        cases.push((
+            "cuda where it cannot run",
+            vec![&good, "--backend", "cuda"],
+            vec![needle.as_str()],
+        ));
+    }
     for (what, args, needles) in cases {
         let err = check_error(&args);
         for needle in needles {

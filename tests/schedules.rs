@@ -1,12 +1,11 @@
 //! Compiled schedules as snapshots, and `protrain dump` at the compiler's stages.
 //!
-//! The snapshots are `Schedule::to_text()` of the tiny test models (f32, batch 2, seq 16)
-//! under fixed policies, compiled through the facade (`PolicyChoice::Fixed`). Review a change
-//! with `cargo insta review`, or accept it with `INSTA_UPDATE=always cargo test --test schedules`.
+//! The snapshots are the canonical text of the tiny test models' schedules (f32, batch 2,
+//! seq 16) without the search report (`PrintOptions::WITHOUT_REPORT`), under fixed policies,
+//! compiled through the facade (`PolicyChoice::Fixed`). Review a change with
+//! `cargo insta review`, or accept it with `INSTA_UPDATE=always cargo test --test schedules`.
 
-use protrain::ir::{
-    BlockKind, BufferId, BufferKind, DType, HardwareProfile, Instr, PeakFlops, Policy, Schedule,
-};
+use protrain::ir::{BlockKind, DType, HardwareProfile, PeakFlops, Policy, PrintOptions, Schedule};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -66,78 +65,15 @@ fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
     }
 }
 
-/// Compiles a model through the facade under a fixed policy, with workspace buffers numbered
-/// canonically.
+/// Compiles a model through the facade under a fixed policy.
 fn compile(model: &str, hardware: HardwareProfile, policy: &str) -> Schedule {
     let config = protrain::models::load(model).expect("the test models load");
     let options = options(hardware, policy);
     assert!(matches!(options.policy, PolicyChoice::Fixed(_)));
-    let mut schedule = protrain::compile(&config, &options)
+    protrain::compile(&config, &options)
         .expect("the test policies compile")
-        .schedule;
-    number_workspaces_in_order(&mut schedule);
-    schedule
-}
-
-/// Renumbers the workspace buffers in the order their kernels run, keeping the set of ids
-/// they take. The stream builder creates them while iterating a `HashMap` (streams.rs,
-/// "Kernel operands"), so their ids, and nothing else, change from run to run; the plan does
-/// not depend on them (every workspace has its own live range). Once the builder creates them
-/// in kernel order this is the identity.
-fn number_workspaces_in_order(s: &mut Schedule) {
-    let ids: Vec<usize> = (0..s.buffers.len())
-        .filter(|&i| s.buffers[i].kind == BufferKind::Workspace)
-        .collect();
-    let mut used = Vec::new();
-    for instr in s.streams.iter().flat_map(|st| &st.instrs) {
-        if let Instr::Kernel {
-            workspace: Some(w), ..
-        } = instr
-        {
-            if !used.contains(&w.buffer.index()) {
-                used.push(w.buffer.index());
-            }
-        }
-    }
-    used.extend(
-        ids.iter()
-            .filter(|i| !used.contains(i))
-            .copied()
-            .collect::<Vec<_>>(),
-    );
-    let mut new_id: Vec<usize> = (0..s.buffers.len()).collect();
-    for (&old, &new) in used.iter().zip(&ids) {
-        new_id[old] = new;
-    }
-    let old_buffers = s.buffers.clone();
-    for (old, b) in old_buffers.into_iter().enumerate() {
-        s.buffers[new_id[old]] = b;
-    }
-    let renumber =
-        |t: &mut protrain::ir::TensorRef| t.buffer = BufferId::new(new_id[t.buffer.index()]);
-    for instr in s.streams.iter_mut().flat_map(|st| &mut st.instrs) {
-        match instr {
-            Instr::Kernel {
-                inputs,
-                outputs,
-                workspace,
-                ..
-            } => {
-                inputs
-                    .iter_mut()
-                    .chain(outputs.iter_mut())
-                    .for_each(renumber);
-                workspace.iter_mut().for_each(renumber);
-            }
-            Instr::Copy { src, dst, .. } => {
-                renumber(src);
-                renumber(dst);
-            }
-            Instr::Record { .. } | Instr::Wait { .. } => {}
-        }
-    }
-    s.homes.iter_mut().for_each(|(_, t)| renumber(t));
-    renumber(&mut s.loss);
+        .schedule
+        .into_inner()
 }
 
 /// The header: the comment lines before the chunk table.
@@ -159,9 +95,9 @@ fn body(text: &str) -> &str {
 fn check_model(model: &str) {
     let mut rtx_headers = String::new();
     for (name, policy) in POLICIES {
-        let on_host = compile(model, host(), policy).to_text();
+        let on_host = compile(model, host(), policy).to_text_with(PrintOptions::WITHOUT_REPORT);
         insta::assert_snapshot!(format!("{}_{name}_host", model.replace('-', "_")), on_host);
-        let on_rtx = compile(model, rtx3090(), policy).to_text();
+        let on_rtx = compile(model, rtx3090(), policy).to_text_with(PrintOptions::WITHOUT_REPORT);
         assert_eq!(
             body(&on_host),
             body(&on_rtx),
@@ -211,10 +147,9 @@ fn facade_fixed_policy_compiles_the_policy_the_pipeline_compiles() {
         host_budget_bytes: rtx3090().host_memory_bytes,
         report: format!("policy given: {expected}"),
     };
-    let mut direct =
+    let direct =
         protrain::compiler::pipeline::compile_policy(&training, &chunks, &expected, header)
             .expect("compiles");
-    number_workspaces_in_order(&mut direct);
     let via_facade = compile("llama-tiny", rtx3090(), POLICIES[2].1);
     assert_eq!(via_facade.header.policy, expected);
     assert_eq!(body(&via_facade.to_text()), body(&direct.to_text()));
@@ -270,6 +205,8 @@ fn dump_stage(model: &str, stage: &str, extra: &[&str]) -> String {
         "16",
         "--hardware",
         "rtx3090",
+        "--dtype",
+        "f32",
         "--policy",
         POLICIES[2].1,
     ];
@@ -398,14 +335,13 @@ fn dump_planned_of_a_model_is_the_schedule_compile_writes() {
     let mut compile = vec!["compile", "--dtype", "f32", "-o", path(&file)];
     compile.extend_from_slice(&args);
     stdout(&protrain(&compile));
-    let mut written = protrain::ir::file::read(&file).expect("compile writes a valid schedule");
-    number_workspaces_in_order(&mut written);
-    // Through JSON, so the workspace numbering can be made canonical on both sides.
-    let mut dump = vec!["dump", "--stage", "planned", "--format", "json"];
+    let written = protrain::ir::file::read(&file).expect("compile writes a valid schedule");
+    let mut dump = vec![
+        "dump", "--dtype", "f32", "--stage", "planned", "--format", "json",
+    ];
     dump.extend_from_slice(&args);
-    let mut dumped: Schedule =
+    let dumped: Schedule =
         serde_json::from_str(&stdout(&protrain(&dump))).expect("a schedule in JSON");
-    number_workspaces_in_order(&mut dumped);
     assert_eq!(dumped.to_text(), written.to_text());
     assert!(written.graph.to_text().contains("adamw[lr=0.01,"));
     // `scheduled` prints the full schedule too: the printer writes every instruction with its

@@ -5,8 +5,8 @@
 mod simulate {
     use protrain_compiler::cost::{CopyDir, CostModel, Roofline};
     use protrain_compiler::simulate::{
-        category, chrome_trace, instr_label, instr_seconds, simulate_unverified, SimulateError, Simulation,
-        StuckStream,
+        category, chrome_trace, instr_label, instr_seconds, simulate_unverified, SimulateError,
+        Simulation, StuckStream,
     };
     use protrain_ir::{
         BlockKind, Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId,

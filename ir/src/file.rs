@@ -1,11 +1,11 @@
 //! The schedule file (`.ptsched`): the one module that encodes and decodes schedules.
 
 use crate::error::{IrError, Result};
+use crate::output::write_atomic;
 use crate::schedule::{Schedule, FORMAT_VERSION};
 use crate::verify_schedule::{verify, ScheduleError, VerifiedSchedule};
 use std::fs;
 use std::path::Path;
-use crate::output::write_atomic;
 
 /// The first eight bytes of every schedule file.
 pub const MAGIC: &[u8; 8] = b"PTSCHED\0";

@@ -1,103 +1,32 @@
 //! `protrain compile`: the fastest schedule that fits a machine.
 
-use super::{seq_or_default, OptimizerArgs};
-use protrain::ir::{
-    format_bytes, format_count, parse_size, BlockMode, DType, HardwareProfile, Schedule,
-};
-use protrain::{CompileOptions, Compiled, PolicyChoice, Result};
+use super::{warn, CompileArgs};
+use protrain::ir::{format_bytes, format_count, BlockMode, HardwareProfile, Schedule};
+use protrain::{Compiled, Result};
 use std::path::PathBuf;
-
-/// Element types a schedule can be compiled for.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    /// bfloat16 parameters and activations (fp32 master weights and Adam moments).
-    Bf16,
-    /// f32 everywhere: what the host runtime executes, bit for bit.
-    F32,
-}
 
 /// Arguments of `protrain compile`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A preset name, a path to a Hugging Face config.json, or a directory holding one.
     model: String,
-    /// The machine: a preset (rtx3090, rtx4090, a100-40gb, a100-80gb, h100, h200, host) or a
-    /// profile JSON written by `protrain profile`.
-    #[arg(long, default_value = "host")]
-    hardware: String,
-    /// Device memory the schedule may use, e.g. 24GiB, 512MiB or plain bytes [default: the
-    /// hardware's memory less its reserved bytes].
-    #[arg(long, value_name = "SIZE")]
-    gpu_memory: Option<String>,
-    /// Host memory the schedule may use [default: the hardware profile's].
-    #[arg(long, value_name = "SIZE")]
-    host_memory: Option<String>,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 1)]
-    batch: u64,
-    /// Tokens per sequence [default: 1024, or the model's position limit if smaller].
-    #[arg(long)]
-    seq: Option<u64>,
-    /// Element type of parameters and activations.
-    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
-    dtype: Dtype,
-    /// `auto` searches for the fastest policy that fits; or give one as key=value pairs:
-    /// n_persist (chunks kept on the device), n_buffer (chunk buffers), n_swap and
-    /// n_checkpoint (blocks swapped and recomputed, in ProTrain's interleaved layout), or
-    /// blocks=KCS... (one mode per layer).
-    #[arg(long, default_value = "auto")]
-    policy: String,
+    #[command(flatten)]
+    compile: CompileArgs,
     /// Write the schedule here [default: MODEL.ptsched in the current directory].
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
-    /// Do not fuse the forward graph (q/k/v and gate/up matmuls, activation and residual
-    /// epilogues). Fusion changes no result; this is for comparing and debugging.
-    #[arg(long)]
-    no_fuse: bool,
-    #[command(flatten)]
-    optimizer: OptimizerArgs,
-}
-
-/// Loads the hardware profile and applies the memory overrides.
-pub fn hardware(
-    name: &str,
-    gpu_memory: Option<&str>,
-    host_memory: Option<&str>,
-) -> Result<(HardwareProfile, Option<u64>)> {
-    let mut profile = HardwareProfile::load(name)?;
-    if let Some(host) = host_memory {
-        profile = profile.with_host_memory(parse_size(host)?);
-    }
-    let budget = gpu_memory.map(parse_size).transpose()?;
-    Ok((profile, budget))
 }
 
 /// Compiles, writes the schedule and prints the plan.
 pub fn run(args: Args) -> Result<()> {
     let config = protrain::models::load(&args.model)?;
-    let seq = seq_or_default(&config, args.seq, 1024);
-    let (profile, budget) = hardware(
-        &args.hardware,
-        args.gpu_memory.as_deref(),
-        args.host_memory.as_deref(),
-    )?;
-    let options = CompileOptions {
-        batch: args.batch,
-        seq,
-        dtype: match args.dtype {
-            Dtype::Bf16 => DType::BF16,
-            Dtype::F32 => DType::F32,
-        },
-        hardware: profile.clone(),
-        device_budget: budget,
-        policy: PolicyChoice::parse(&args.policy)?,
-        optimizer: args.optimizer.config(),
-        fuse: !args.no_fuse,
-    };
+    let options = args.compile.options(&config)?;
+    let profile = options.hardware.clone();
     let compiled = protrain::compile(&config, &options)?;
+    warn(&compiled.warnings);
     let path = args
         .output
         .clone()
@@ -167,6 +96,7 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
         },
         "stream_busy_seconds": p.stream_busy_seconds,
         "compile_s": c.compile_seconds,
+        "warnings": c.warnings,
         "fusion": c.fusion,
         "schedule": path.display().to_string(),
     })

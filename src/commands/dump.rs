@@ -1,12 +1,10 @@
 //! `protrain dump`: a model's IR, or a schedule's, at a compilation stage.
 
-use super::compile::{hardware, Dtype};
-use super::{seq_or_default, write_output, OptimizerArgs};
+use super::{write_output, CompileArgs};
 use protrain::ir::print::value_names;
 use protrain::ir::print_schedule::print_chunk_table;
-use protrain::ir::{format_bytes, CopyKind, DType, Graph, Instr, Schedule, ValueId};
-use protrain::models::{BuildOptions, ModelConfig};
-use protrain::{CompileOptions, Error, PolicyChoice, Result};
+use protrain::ir::{format_bytes, CopyKind, Graph, Instr, Schedule, ValueId};
+use protrain::{Context, Error, Result, Stage as PipelineStage};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -84,40 +82,26 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
+    /// Print JSON: the same as --format json.
+    #[arg(long, conflicts_with = "format")]
+    json: bool,
     /// Write to this file instead of standard output.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 1)]
-    batch: u64,
-    /// Tokens per sequence [default: 1024, or the model's position limit if smaller].
-    #[arg(long)]
-    seq: Option<u64>,
-    /// Element type of parameters and activations.
-    #[arg(long, value_enum, default_value_t = Dtype::F32)]
-    dtype: Dtype,
-    /// The machine to fuse and compile for (fused and later stages): a preset (rtx3090, rtx4090,
-    /// a100-40gb, a100-80gb, h100, h200, host) or a profile JSON written by `protrain profile`.
-    #[arg(long, default_value = "host")]
-    hardware: String,
-    /// Device memory the schedule may use, e.g. 24GiB, 512MiB or plain bytes [default: the
-    /// hardware's memory less its reserved bytes].
-    #[arg(long, value_name = "SIZE")]
-    gpu_memory: Option<String>,
-    /// Host memory the schedule may use [default: the hardware profile's].
-    #[arg(long, value_name = "SIZE")]
-    host_memory: Option<String>,
-    /// `auto` searches for the fastest policy that fits; or give one as key=value pairs, as
-    /// `protrain compile --policy` takes them.
-    #[arg(long, default_value = "auto")]
-    policy: String,
-    /// The optimizer of the training graph (autodiff and later), as `compile` and `train`
-    /// take it.
+    /// How to build and compile the model (ignored stages aside, as `compile` takes them).
     #[command(flatten)]
-    optimizer: OptimizerArgs,
-    /// Do not fuse: autodiff and later stages start from the builder's forward graph.
-    #[arg(long)]
-    no_fuse: bool,
+    compile: CompileArgs,
+}
+
+impl Args {
+    /// The output format: --format, or JSON with --json.
+    fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
 }
 
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
@@ -131,8 +115,17 @@ pub fn run(args: Args) -> Result<()> {
                 args.stage.name()
             )));
         }
+        let given = args.compile.machine.given();
+        if !given.is_empty() {
+            return Err(Error::Usage(format!(
+                "{} is a compiled schedule, printed as it was compiled; {} applies when compiling a model. For its times on other hardware, run `protrain explain {} --hardware NAME`",
+                args.model,
+                given.join(" and "),
+                args.model
+            )));
+        }
         let schedule = protrain::ir::file::read(&args.model)?;
-        schedule_stage(&schedule, args.stage, args.format)?
+        schedule_stage(&schedule, args.stage, args.format())?
     } else {
         model_stage(&args)?
     };
@@ -161,78 +154,55 @@ fn is_schedule_file(path: &Path) -> bool {
 /// A stage of a model: its graphs, or a schedule compiled for it.
 fn model_stage(args: &Args) -> Result<String> {
     let config = protrain::models::load(&args.model)?;
-    let seq = seq_or_default(&config, args.seq, 1024);
-    let dtype = match args.dtype {
-        Dtype::Bf16 => DType::BF16,
-        Dtype::F32 => DType::F32,
-    };
-    if args.stage.in_schedule() {
-        let schedule = compile(args, &config, seq, dtype)?;
-        return schedule_stage(&schedule, args.stage, args.format);
-    }
-    let build = BuildOptions::new(args.batch, seq).with_dtype(dtype);
-    let mut forward = protrain::models::build_forward(&config, &build)?;
-    if args.stage == Stage::Forward {
-        return Ok(graph_text(&forward, args.format));
-    }
-    if args.stage == Stage::Fused && args.no_fuse {
+    let format = args.format();
+    if args.stage == Stage::Fused && args.compile.no_fuse {
         return Err(Error::Usage(
             "--stage fused with --no-fuse asks for fusion and refuses it; drop --no-fuse".into(),
         ));
     }
-    if !args.no_fuse {
-        let (profile, _) = hardware(&args.hardware, None, None)?;
-        let cost = protrain::compiler::cost::cost_model(&profile);
-        let (graph, report) = protrain::compiler::pipeline::fused(
-            &forward,
-            cost.as_ref(),
-            &protrain::compiler::fuse::FuseLimits::default(),
-        )?;
-        if args.stage == Stage::Fused {
-            return Ok(match args.format {
+    let options = args.compile.options(&config)?;
+    let mut context = Context::new(&config, options);
+    let until = match args.stage {
+        Stage::Forward => PipelineStage::Forward,
+        Stage::Fused => PipelineStage::Fused,
+        Stage::Autodiff => PipelineStage::Autodiff,
+        Stage::Chunked => PipelineStage::Chunked,
+        Stage::Placed | Stage::Scheduled | Stage::Planned => PipelineStage::Compiled,
+    };
+    if until == PipelineStage::Compiled {
+        let compiled = context.compile()?;
+        super::warn(&compiled.warnings);
+        return schedule_stage(&compiled.schedule, args.stage, format);
+    }
+    context.run_until(until)?;
+    Ok(match args.stage {
+        Stage::Forward => graph_text(context.forward().expect("built"), format),
+        Stage::Fused => {
+            let (graph, report) = context.fused().expect("fused");
+            let report = report.expect("fusion is on");
+            match format {
                 Format::Json => pretty(&serde_json::json!({ "graph": graph, "fusion": report })),
                 Format::Text | Format::Dot => {
                     eprint!("{}", report.to_text());
-                    graph_text(&graph, args.format)
+                    graph_text(graph, format)
                 }
-            });
+            }
         }
-        forward = graph;
-    }
-    let training = protrain::training_graph(&forward, &args.optimizer.config())?;
-    if args.stage == Stage::Autodiff {
-        return Ok(graph_text(&training, args.format));
-    }
-    let chunks = protrain::compiler::pipeline::chunked(&training);
-    Ok(match args.format {
-        Format::Text => format!(
-            "{}{}",
-            training.to_text(),
-            print_chunk_table(&chunks, &training)
-        ),
-        Format::Dot => training.to_dot(),
-        Format::Json => pretty(&serde_json::json!({ "graph": training, "chunks": chunks })),
+        Stage::Autodiff => graph_text(context.training().expect("differentiated"), format),
+        _ => {
+            let training = context.training().expect("differentiated");
+            let chunks = context.chunks().expect("chunked");
+            match format {
+                Format::Text => format!(
+                    "{}{}",
+                    training.to_text(),
+                    print_chunk_table(chunks, training)
+                ),
+                Format::Dot => training.to_dot(),
+                Format::Json => pretty(&serde_json::json!({ "graph": training, "chunks": chunks })),
+            }
+        }
     })
-}
-
-/// Compiles the model as `protrain compile` would with the same options.
-fn compile(args: &Args, config: &ModelConfig, seq: u64, dtype: DType) -> Result<Schedule> {
-    let (profile, device_budget) = hardware(
-        &args.hardware,
-        args.gpu_memory.as_deref(),
-        args.host_memory.as_deref(),
-    )?;
-    let options = CompileOptions {
-        batch: args.batch,
-        seq,
-        dtype,
-        hardware: profile,
-        device_budget,
-        policy: PolicyChoice::parse(&args.policy)?,
-        optimizer: args.optimizer.config(),
-        fuse: !args.no_fuse,
-    };
-    Ok(protrain::compile(config, &options)?.schedule)
 }
 
 /// A stage held in a schedule: its placed graph, or the schedule itself.

@@ -9,17 +9,21 @@ pub mod run;
 pub mod schedule;
 pub mod train;
 
-use protrain::{Error, Result};
+use protrain::ir::{parse_size, DType, HardwareProfile};
+use protrain::models::ModelConfig;
+use protrain::{default_shape, CompileOptions, Error, PolicyChoice, Result};
 use std::io::Write;
 use std::path::Path;
 
-/// Writes `text` to `path`, or to standard output when there is no path.
+/// Writes `text` to `path` atomically (a full disk leaves the old file, not part of a new
+/// one), or to standard output when there is no path.
 pub fn write_output(path: Option<&Path>, text: &str) -> Result<()> {
     match path {
-        Some(path) => std::fs::write(path, text).map_err(|source| Error::Write {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Some(path) => protrain::ir::output::write_atomic(path, |w| w.write_all(text.as_bytes()))
+            .map_err(|source| Error::Write {
+                path: path.to_path_buf(),
+                source,
+            }),
         None => {
             let mut out = std::io::stdout().lock();
             // A closed pipe (`protrain dump ... | head`) is not an error worth reporting.
@@ -32,12 +36,152 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<()> {
 
 /// The sequence length to use: the one asked for, else `default` capped at the model's
 /// position limit.
-pub fn seq_or_default(
-    config: &protrain::models::ModelConfig,
-    seq: Option<u64>,
-    default: u64,
-) -> u64 {
+pub fn seq_or_default(config: &ModelConfig, seq: Option<u64>, default: u64) -> u64 {
     seq.unwrap_or_else(|| default.min(config.max_position_embeddings))
+}
+
+/// Element types a schedule can be compiled for.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    /// bfloat16 parameters and activations (fp32 master weights and Adam moments).
+    Bf16,
+    /// f32 everywhere: what the host runtime executes, bit for bit.
+    F32,
+}
+
+impl Dtype {
+    /// The IR's element type.
+    pub fn ir(self) -> DType {
+        match self {
+            Dtype::Bf16 => DType::BF16,
+            Dtype::F32 => DType::F32,
+        }
+    }
+}
+
+/// The machine a schedule is compiled for, shared by `compile`, `dump`, `train` and `profile`'s
+/// siblings.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MachineArgs {
+    /// The machine: a preset (host, rtx3090, rtx4090, a100-40gb, a100-80gb, h100, h200) or a
+    /// profile JSON written by `protrain profile`. It decides the plan, the predicted step
+    /// time and the defaults of --batch, --seq and --dtype [default: host].
+    #[arg(long)]
+    pub hardware: Option<String>,
+    /// Device memory the schedule may use, e.g. 24GiB, 512MiB or plain bytes [default: the
+    /// hardware's memory less its reserved bytes]. A tight budget makes the plan stream
+    /// parameter chunks and swap or recompute activations; the losses stay the same bits.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_memory: Option<String>,
+    /// Host memory the schedule may use for offloaded state [default: the hardware profile's].
+    #[arg(long, value_name = "SIZE")]
+    pub host_memory: Option<String>,
+}
+
+impl MachineArgs {
+    /// The hardware profile with the host-memory override applied, and the device budget.
+    pub fn profile(&self) -> Result<(HardwareProfile, Option<u64>)> {
+        let mut profile = HardwareProfile::load(self.hardware.as_deref().unwrap_or("host"))?;
+        if let Some(host) = &self.host_memory {
+            profile = profile.with_host_memory(parse_size(host)?);
+        }
+        let budget = self.gpu_memory.as_deref().map(parse_size).transpose()?;
+        Ok((profile, budget))
+    }
+
+    /// The flags given, by name, for a command that cannot use them.
+    pub fn given(&self) -> Vec<&'static str> {
+        let mut given = Vec::new();
+        if self.hardware.is_some() {
+            given.push("--hardware");
+        }
+        if self.gpu_memory.is_some() {
+            given.push("--gpu-memory");
+        }
+        if self.host_memory.is_some() {
+            given.push("--host-memory");
+        }
+        given
+    }
+}
+
+/// The shape and element type of a step, shared by every command that builds a model's
+/// graphs. Their defaults come from the hardware, the same for every command, so a schedule
+/// compiled with the defaults runs with the defaults.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ShapeArgs {
+    /// Sequences per step [default: 8 on host hardware, 1 on a GPU].
+    #[arg(long)]
+    pub batch: Option<u64>,
+    /// Tokens per sequence [default: 64 on host hardware, 1024 on a GPU; at most the model's
+    /// position limit].
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Element type of parameters and activations [default: f32 on host hardware, whose
+    /// kernels are f32; bf16 with f32 master weights on a GPU].
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+}
+
+impl ShapeArgs {
+    /// Batch, sequence length and element type for `config` on `hardware`.
+    pub fn resolve(&self, config: &ModelConfig, hardware: &HardwareProfile) -> (u64, u64, DType) {
+        let (batch, seq, dtype) = default_shape(hardware);
+        (
+            self.batch.unwrap_or(batch),
+            seq_or_default(config, self.seq, seq),
+            self.dtype.map_or(dtype, Dtype::ir),
+        )
+    }
+}
+
+/// Everything `compile`, `dump` and `train` share to make a schedule.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CompileArgs {
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// `auto` searches for the fastest policy that fits; or give one as key=value pairs
+    /// separated by commas or spaces (the form `compile` prints, so a printed policy can be
+    /// passed back): n_persist (chunks kept on the device), n_buffer (chunk buffers),
+    /// prefetch (chunks fetched ahead), n_swap and n_checkpoint (blocks swapped and
+    /// recomputed, in ProTrain's interleaved layout), or blocks=KCS... (one mode per layer:
+    /// keep, checkpoint, swap). Keys left out take their defaults: everything persistent and
+    /// kept.
+    #[arg(long, default_value = "auto")]
+    pub policy: String,
+    /// Do not fuse the forward graph (q/k/v and gate/up matmuls, activation and residual
+    /// epilogues). Fusion changes no result; this is for comparing and debugging.
+    #[arg(long)]
+    pub no_fuse: bool,
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
+}
+
+impl CompileArgs {
+    /// The compile options these flags describe for `config`.
+    pub fn options(&self, config: &ModelConfig) -> Result<CompileOptions> {
+        let (hardware, device_budget) = self.machine.profile()?;
+        let (batch, seq, dtype) = self.shape.resolve(config, &hardware);
+        Ok(CompileOptions {
+            batch,
+            seq,
+            dtype,
+            hardware,
+            device_budget,
+            policy: PolicyChoice::parse(&self.policy)?,
+            optimizer: self.optimizer.config(),
+            fuse: !self.no_fuse,
+        })
+    }
+}
+
+/// Prints the compiler's warnings on standard error.
+pub fn warn(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
 }
 
 /// AdamW settings, shared by `train` and `compile` (a schedule carries them in its optimizer

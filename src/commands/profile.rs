@@ -1,10 +1,12 @@
 //! `protrain profile`: measure this machine for a model and write a hardware profile JSON.
 
 use super::{seq_or_default, write_output};
+use indicatif::{ProgressBar, ProgressStyle};
 use protrain::ir::{format_bytes, DType, Graph, HardwareProfile};
 use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
 use protrain::{Error, OptimizerConfig, Result};
 use std::path::PathBuf;
+use std::time::Instant;
 
 /// Backends a profile can be measured on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,10 +29,12 @@ pub struct Args {
     /// Where to measure.
     #[arg(long, value_enum, default_value_t = BackendKind::Host)]
     backend: BackendKind,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 1)]
-    batch: u64,
-    /// Tokens per sequence [default: 1024, or the model's position limit if smaller].
+    /// Sequences per step [default: 8 on --backend host, 1 on cuda: what `compile` defaults
+    /// to for that hardware, so its ops are the ones measured].
+    #[arg(long)]
+    batch: Option<u64>,
+    /// Tokens per sequence [default: 64 on --backend host, 1024 on cuda; at most the model's
+    /// position limit].
     #[arg(long)]
     seq: Option<u64>,
     /// Timed runs of each op; the median is kept.
@@ -53,7 +57,6 @@ pub fn run(args: Args) -> Result<()> {
         ));
     }
     let config = protrain::models::load(&args.model)?;
-    let seq = seq_or_default(&config, args.seq, 1024);
     let options = ProfileOptions {
         repeats: args.repeats,
         ..ProfileOptions::default()
@@ -68,9 +71,24 @@ pub fn run(args: Args) -> Result<()> {
             HardwareProfile::preset("h100").expect("h100 is a preset"),
         ),
     };
+    let (default_batch, default_seq, _) = protrain::default_shape(&base);
+    let batch = args.batch.unwrap_or(default_batch);
+    let seq = seq_or_default(&config, args.seq, default_seq);
+    let started = Instant::now();
+    // Profiling a model's two training graphs takes minutes on a CPU: show what runs.
+    let spinner = ProgressBar::new_spinner();
+    spinner.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{elapsed_precise}]")
+            .expect("the template is valid"),
+    );
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    spinner.set_message(format!(
+        "building {}'s training graphs (batch {batch} x seq {seq})",
+        config.name
+    ));
     let mut graphs = protrain::profiling_graphs(
         &config,
-        args.batch,
+        batch,
         seq,
         dtype,
         &OptimizerConfig::default(),
@@ -80,17 +98,31 @@ pub fn run(args: Args) -> Result<()> {
     let graph = graphs.remove(0);
     let (profiled, graph) = match args.backend {
         BackendKind::Host => {
+            spinner.set_message(format!(
+                "measuring the fused graph's {} ops, copies and Adam (1 of 2)",
+                graph.op_count()
+            ));
             let mut profiled = profile_host(&graph, &options)?;
+            spinner.set_message(format!(
+                "measuring the unfused graph's {} ops (2 of 2)",
+                unfused.op_count()
+            ));
             let extra = profile_host(&unfused, &options)?;
+            spinner.finish_and_clear();
             profiled
                 .profile
                 .add_measured_ops(&extra.profile.measured_ops);
+            // Both graphs' time, not only the first's.
+            profiled.elapsed_seconds = started.elapsed().as_secs_f64();
             (profiled, graph)
         }
         BackendKind::Cuda => {
-            let profiled = cuda::profile(&graph, &unfused, &options)?;
+            spinner.set_message("measuring the GPU with the fused and the unfused graph");
+            let mut profiled = cuda::profile(&graph, &unfused, &options)?;
+            spinner.finish_and_clear();
+            profiled.elapsed_seconds = started.elapsed().as_secs_f64();
             if let Some(path) = &args.output {
-                print_cuda(&profiled, &graph, &config.name, args.batch, seq, path);
+                print_cuda(&profiled, &graph, &config.name, batch, seq, path);
             }
             let text = profiled.profile.to_json()?;
             write_output(args.output.as_deref(), &format!("{text}\n"))?;
@@ -103,7 +135,7 @@ pub fn run(args: Args) -> Result<()> {
         let p = &profiled.profile;
         println!(
             "profiled {} (batch {} x seq {}, f32) on the host in {:.1} s",
-            config.name, args.batch, seq, profiled.elapsed_seconds
+            config.name, batch, seq, profiled.elapsed_seconds
         );
         println!(
             "ops             {} distinct of {}, {:.4} s per serial step",

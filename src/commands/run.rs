@@ -4,6 +4,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use protrain::compiler::simulate::{
     self, chrome_trace, instr_label, span_category, Span as TraceSpan,
 };
+use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Graph, OpKind, Schedule};
 use protrain::runtime::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
 use protrain::runtime::data::{Batcher, TokenStream};
@@ -60,10 +61,14 @@ pub struct ExecArgs {
     /// Save the trained weights here as safetensors, under their Hugging Face names.
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
-    /// Print one JSON object per step (step, loss, grad_norm, tokens_per_s, step_s) instead
-    /// of a progress bar and table; the plan and timing report go to stderr.
-    #[arg(long)]
-    pub log_json: bool,
+    /// Print one JSON object per line and step instead of a progress bar and table: `step`
+    /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy, f32 printed
+    /// exactly), `grad_norm` (the global gradient norm before clipping, or null when the
+    /// schedule computes none), `tokens_per_s` (this step's batch x seq over its wall time)
+    /// and `step_s` (the step's wall time in seconds). The plan and timing report go to
+    /// stderr. `--log-json` is the same flag.
+    #[arg(long, alias = "log-json")]
+    pub json: bool,
     /// Write the last step's measured timeline as a Chrome trace (open it in
     /// ui.perfetto.dev), with the predicted timeline beside it as a second process.
     #[arg(long, value_name = "FILE")]
@@ -126,6 +131,15 @@ pub fn run(args: Args) -> Result<()> {
         )));
     }
     let schedule = protrain::ir::file::read(&args.schedule)?;
+    if args.exec.backend == BackendKind::Host && schedule.header.dtype != protrain::ir::DType::F32 {
+        return Err(Error::Usage(format!(
+            "{} is a {} schedule, but the host backend's kernels are f32; compile it with \
+             `protrain compile {} --dtype f32`, or run it with --backend cuda",
+            args.schedule.display(),
+            schedule.header.dtype,
+            schedule.header.model
+        )));
+    }
     check_optimizer_flags(&schedule, &args)?;
     let predicted = match &args.exec.trace {
         Some(_) => predicted_timeline(&schedule),
@@ -246,7 +260,7 @@ pub fn plan_lines(schedule: &Schedule) -> String {
 
 /// The predicted timeline of the schedule on the hardware it was compiled for, or why there
 /// is none.
-fn predicted_timeline(schedule: &Schedule) -> std::result::Result<Vec<TraceSpan>, String> {
+fn predicted_timeline(schedule: &VerifiedSchedule) -> std::result::Result<Vec<TraceSpan>, String> {
     let name = schedule
         .header
         .hardware
@@ -299,7 +313,7 @@ fn check_writable(flag: &str, path: &Path) -> Result<()> {
 /// checked before anything is printed or written. `predicted` is the predicted timeline for
 /// `--trace`, or why there is none.
 pub fn execute(
-    schedule: &Schedule,
+    schedule: &VerifiedSchedule,
     args: &ExecArgs,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
@@ -319,7 +333,7 @@ pub fn execute(
 
 /// [`execute`] on backend `B`.
 fn execute_on<B: Backend>(
-    schedule: &Schedule,
+    schedule: &VerifiedSchedule,
     args: &ExecArgs,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
@@ -417,7 +431,7 @@ fn execute_on<B: Backend>(
              train further)",
             args.steps
         );
-    } else if !args.log_json {
+    } else if !args.json {
         eprintln!(
             "training on {data_name}: steps {}..={} of {}x{} tokens",
             first + 1,
@@ -427,7 +441,7 @@ fn execute_on<B: Backend>(
         );
     }
     let to_run = args.steps.saturating_sub(first);
-    let bar = if args.log_json || to_run == 0 {
+    let bar = if args.json || to_run == 0 {
         ProgressBar::hidden()
     } else {
         let bar = ProgressBar::new(to_run);
@@ -442,7 +456,7 @@ fn execute_on<B: Backend>(
     let report_every = (args.steps / 10).max(1);
     // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
     let row = |text: String| bar.suspend(|| println!("{text}"));
-    if !args.log_json && to_run > 0 {
+    if !args.json && to_run > 0 {
         row(format!(
             "{:>6}  {:>10}  {:>10}  {:>12}",
             "step", "loss", "grad norm", "tokens/s"
@@ -470,7 +484,7 @@ fn execute_on<B: Backend>(
             }
         }
         losses.push(report.loss);
-        if args.log_json {
+        if args.json {
             let line = serde_json::json!({
                 "step": step + 1,
                 "loss": report.loss,
@@ -516,7 +530,7 @@ fn execute_on<B: Backend>(
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
-    if !args.log_json && !losses.is_empty() {
+    if !args.json && !losses.is_empty() {
         let tail = &losses[losses.len().saturating_sub(10)..];
         let last = tail.iter().sum::<f32>() / tail.len() as f32;
         println!(
@@ -530,7 +544,7 @@ fn execute_on<B: Backend>(
     }
     if !wall.is_empty() {
         let report = timing_report(schedule, &wall, &busy);
-        if args.log_json {
+        if args.json {
             eprint!("{report}");
         } else {
             print!("{report}");
@@ -538,7 +552,7 @@ fn execute_on<B: Backend>(
     }
     if let Some(path) = &args.save {
         save_params(graph, &executor.params()?, path, StorageDtype::F32)?;
-        if !args.log_json {
+        if !args.json {
             println!("saved weights to {}", path.display());
         }
     }
@@ -556,7 +570,7 @@ fn execute_on<B: Backend>(
         };
         super::write_output(Some(path), &text)?;
         let line = format!("wrote the last step's timeline to {}{note}", path.display());
-        if args.log_json {
+        if args.json {
             eprintln!("{line}");
         } else {
             println!("{line}");

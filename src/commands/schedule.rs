@@ -1,6 +1,7 @@
 //! `protrain verify`, `protrain explain` and `protrain trace`: reading compiled schedules.
 
 use protrain::compiler::simulate::{chrome_trace, simulate, Simulation};
+use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, HardwareProfile, Schedule};
 use protrain::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -39,23 +40,15 @@ pub struct TraceArgs {
 }
 
 /// Reads and verifies a schedule file.
-pub fn read(path: &Path) -> Result<Schedule> {
+pub fn read(path: &Path) -> Result<VerifiedSchedule> {
     Ok(protrain::ir::file::read(path)?)
 }
 
 /// The profile a schedule was compiled for, or the one asked for.
 fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwareProfile> {
-    let name = match hardware {
-        Some(h) => h.to_string(),
-        None => schedule
-            .header
-            .hardware
-            .split(':')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
-    };
+    let name = hardware
+        .unwrap_or_else(|| compiled_for(schedule))
+        .to_string();
     HardwareProfile::load(&name).map_err(|e| {
         Error::Usage(format!(
             "{e}; the schedule was compiled for '{}': pass --hardware with that preset or profile file",
@@ -64,11 +57,25 @@ fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwarePr
     })
 }
 
-fn simulated(schedule: &Schedule, hardware: Option<&str>) -> Result<Simulation> {
+/// The schedule simulated on the hardware asked for (else the one it was compiled for), and
+/// that hardware's name.
+fn simulated(schedule: &VerifiedSchedule, hardware: Option<&str>) -> Result<(Simulation, String)> {
     let profile = profile_for(schedule, hardware)?;
     let cost = protrain::compiler::cost::cost_model(&profile);
-    simulate(schedule, cost.as_ref())
-        .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))
+    let simulation = simulate(schedule, cost.as_ref())
+        .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))?;
+    Ok((simulation, profile.name))
+}
+
+/// The name of the hardware a schedule was compiled for (the first field of its summary).
+fn compiled_for(schedule: &Schedule) -> &str {
+    schedule
+        .header
+        .hardware
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .trim()
 }
 
 /// `protrain verify`: reads the file (which checks its format and checksum) and runs every
@@ -96,7 +103,8 @@ pub fn verify(args: VerifyArgs) -> Result<()> {
 /// per stream.
 pub fn explain(args: ExplainArgs) -> Result<()> {
     let s = read(&args.schedule)?;
-    let sim = simulated(&s, args.hardware.as_deref())?;
+    let (sim, on) = simulated(&s, args.hardware.as_deref())?;
+    let compiled = compiled_for(&s);
     let p = &s.header.prediction;
     let ph = &sim.phase_seconds;
     if args.json {
@@ -108,7 +116,8 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             .collect();
         let v = serde_json::json!({
             "model": s.header.model,
-            "hardware": s.header.hardware,
+            "hardware": on,
+            "compiled_for": s.header.hardware,
             "policy": s.header.policy.to_string(),
             "report": s.header.report,
             "predicted_step_s": sim.step_seconds,
@@ -126,15 +135,25 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         );
         return Ok(());
     }
-    println!(
-        "{} (batch {} x seq {}, {}) on {}",
-        s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
-    );
+    if on == compiled {
+        println!(
+            "{} (batch {} x seq {}, {}) on {}",
+            s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
+        );
+    } else {
+        println!(
+            "{} (batch {} x seq {}, {}) on {on}, compiled for {}",
+            s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
+        );
+    }
     println!("policy   {}", s.header.policy);
-    println!(
-        "why      {}",
-        s.header.report.trim_end().replace('\n', "\n         ")
-    );
+    let why = s.header.report.trim_end().replace('\n', "\n         ");
+    if on == compiled {
+        println!("why      {why}");
+    } else {
+        // The report is the compiler's reasoning with the compile-time hardware's times.
+        println!("why      (chosen for {compiled}, with {compiled}'s times)\n         {why}");
+    }
     println!(
         "memory   {} device (lower bound {}), {} host",
         format_bytes(p.peak_device_bytes),
@@ -172,12 +191,9 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
 /// `protrain trace`: the predicted timeline as a Chrome trace.
 pub fn trace(args: TraceArgs) -> Result<()> {
     let s = read(&args.schedule)?;
-    let sim = simulated(&s, args.hardware.as_deref())?;
+    let (sim, _) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);
-    std::fs::write(&args.output, json).map_err(|source| Error::Write {
-        path: args.output.clone(),
-        source,
-    })?;
+    super::write_output(Some(&args.output), &json)?;
     println!(
         "wrote {} spans over {:.4} s to {}",
         sim.timeline.len(),
