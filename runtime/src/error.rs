@@ -192,10 +192,6 @@ pub enum RuntimeError {
         /// What differs, one item per line.
         differences: String,
     },
-    /// A schedule that fails the verifier: the executor runs tensors in place from several
-    /// threads, which is sound only for a verified schedule.
-    #[error("{0}; the executor runs only verified schedules: recompile it")]
-    InvalidSchedule(#[from] protrain_ir::verify_schedule::ScheduleError),
     /// The profiler could not measure what it was asked to.
     #[error("cannot profile: {0}")]
     Profile(String),
