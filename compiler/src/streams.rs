@@ -25,8 +25,8 @@
 use crate::error::{CompileError, Result};
 use crate::place::Placed;
 use protrain_ir::{
-    Buffer, BufferId, BufferKind, ChunkId, CopyKind, EventId, Instr, OpId, OpKind, ParamId, Phase,
-    Role, Space, Stream, StreamKind, TensorRef, ValueId,
+    BlockId, Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, Instr,
+    OpId, OpKind, ParamId, Phase, Role, Space, Stream, StreamKind, TensorRef, ValueId,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -96,6 +96,183 @@ pub fn state_bytes_per_element(graph: &protrain_ir::Graph) -> u64 {
     } else {
         8
     }
+}
+
+/// The step's device ops in compute order (a kernel's index is its time) and its host ops.
+struct Timeline {
+    device: Vec<OpId>,
+    host: Vec<OpId>,
+    /// The last compute kernel's index.
+    end: u32,
+}
+
+impl Timeline {
+    fn of(placed: &Placed) -> Self {
+        let (host, device): (Vec<OpId>, Vec<OpId>) = placed
+            .graph
+            .ops()
+            .map(|(id, _)| id)
+            .partition(|&id| placed.on_host(id));
+        let end = device.len().saturating_sub(1) as u32;
+        Self { device, host, end }
+    }
+}
+
+/// When the compute stream reads each value, and where blocks start: the times that place
+/// offloads, waits and reloads.
+struct Readers {
+    /// Each forward block and the time of its first kernel, in order.
+    forward_blocks: Vec<(BlockId, u32)>,
+    /// Each backward (or recompute) block and the time of its first kernel, in order.
+    backward_blocks: Vec<(BlockId, u32)>,
+    /// The last kernel that reads each value.
+    last: HashMap<ValueId, u32>,
+    /// The last forward kernel that reads each value.
+    last_forward: HashMap<ValueId, u32>,
+    /// The first backward, recompute or optimizer kernel that reads each value.
+    first_backward: HashMap<ValueId, u32>,
+}
+
+impl Readers {
+    fn of(graph: &Graph, timeline: &Timeline) -> Self {
+        let mut forward_blocks: Vec<(BlockId, u32)> = Vec::new();
+        let mut backward_blocks: Vec<(BlockId, u32)> = Vec::new();
+        for (t, &op) in timeline.device.iter().enumerate() {
+            let o = graph.op(op);
+            let list = match o.phase {
+                Phase::Forward => &mut forward_blocks,
+                Phase::Backward | Phase::Recompute => &mut backward_blocks,
+                Phase::Optimizer => continue,
+            };
+            if list.last().map(|&(b, _)| b) != Some(o.block) {
+                list.push((o.block, t as u32));
+            }
+        }
+        let mut last: HashMap<ValueId, u32> = HashMap::new();
+        let mut last_forward: HashMap<ValueId, u32> = HashMap::new();
+        let mut first_backward: HashMap<ValueId, u32> = HashMap::new();
+        for (t, &op) in timeline.device.iter().enumerate() {
+            let o = graph.op(op);
+            for &v in &o.inputs {
+                last.insert(v, t as u32);
+                if o.phase == Phase::Forward {
+                    last_forward.insert(v, t as u32);
+                } else {
+                    first_backward.entry(v).or_insert(t as u32);
+                }
+            }
+        }
+        Self {
+            forward_blocks,
+            backward_blocks,
+            last,
+            last_forward,
+            first_backward,
+        }
+    }
+
+    /// The time of the backward pass's first kernel (`end` when there is none).
+    fn first_backward(&self, end: u32) -> u32 {
+        self.backward_blocks.first().map_or(end, |&(_, t)| t)
+    }
+}
+
+/// A chunk fetch into a slot.
+struct Fetch {
+    chunk: ChunkId,
+    slot: u32,
+    /// The compute kernel that last read the slot's previous chunk.
+    after: Option<u32>,
+    /// The compute kernel that first reads the fetched chunk.
+    needed: u32,
+}
+
+/// A copy and when it may run.
+struct CopyPlan {
+    stream: usize,
+    kind: CopyKind,
+    src: TensorRef,
+    dst: TensorRef,
+    bytes: u64,
+    /// Compute kernel it must follow (None: nothing).
+    after: Option<u32>,
+    /// Compute kernel that waits for it (None: only the host optimizer does).
+    needed: Option<u32>,
+}
+
+/// Each stream's steps: copies in the order the compute stream needs them (each after the
+/// kernel it must follow), compute kernels with waits for the copies they need, host AdamW
+/// after its chunk's gradients (and the clip coefficient). Returns the steps and the copies
+/// in issue order.
+fn order_steps(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    timeline: &Timeline,
+    copies: &[CopyPlan],
+    grad_offload: &HashMap<ChunkId, usize>,
+    scalar_copy: Option<usize>,
+) -> (Vec<Vec<Step>>, Vec<usize>) {
+    let mut per_stream: Vec<Vec<Step>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_by_key(|&i| {
+        (
+            copies[i].needed.unwrap_or(u32::MAX),
+            copies[i].after.unwrap_or(0),
+            i,
+        )
+    });
+    for &i in &order {
+        let c = &copies[i];
+        if let Some(after) = c.after {
+            per_stream[c.stream].push(Step::AfterCompute(after));
+        }
+        per_stream[c.stream].push(Step::Copy(c.kind, c.src, c.dst, c.bytes));
+    }
+    let mut compute_waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, c) in copies.iter().enumerate() {
+        if let Some(needed) = c.needed {
+            compute_waits.entry(needed).or_default().push(i);
+        }
+    }
+    for (t, &op) in timeline.device.iter().enumerate() {
+        for &i in compute_waits
+            .get(&(t as u32))
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            // Copies the compute stream waits for after its last kernel go at the end.
+            if copies[i].after.is_some_and(|a| a >= t as u32) {
+                continue;
+            }
+            per_stream[COMPUTE].push(Step::AfterCopy(i));
+        }
+        per_stream[COMPUTE].push(Step::Kernel(op));
+    }
+    for (&t, list) in &compute_waits {
+        for &i in list {
+            if copies[i].after.is_some_and(|a| a >= t) {
+                per_stream[COMPUTE].push(Step::AfterCopy(i));
+            }
+        }
+    }
+    let mut waited_chunk: Option<ChunkId> = None;
+    let mut waited_scalar = false;
+    for &op in &timeline.host {
+        if let (Some(_), false) = (scalar_copy, waited_scalar) {
+            per_stream[HOST_OPTIMIZER].push(Step::AfterScalar);
+            waited_scalar = true;
+        }
+        let p = graph
+            .param_of(graph.op(op).inputs[0])
+            .expect("parameter update");
+        let c = chunks.locate(p).0;
+        if waited_chunk != Some(c) {
+            per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(grad_offload[&c]));
+            waited_chunk = Some(c);
+        }
+        per_stream[HOST_OPTIMIZER].push(Step::Kernel(op));
+    }
+    (per_stream, order)
 }
 
 /// Builds the streams of a placed graph.
@@ -172,25 +349,63 @@ impl Builder {
         self.placed.graph.value(v).ty.bytes()
     }
 
+    /// Runs the steps below in order: the timeline, homes and slots, chunk fetches, gradient
+    /// offloads, activation buffers, swaps, the clip coefficient's copy, kernel operands, then
+    /// the order of each stream and its events. Buffers are created in that order, which fixes
+    /// their ids.
     fn build(mut self) -> Result<Streamed> {
         let graph = self.placed.graph.clone();
         let chunks = self.placed.chunks.clone();
-        let device_ops: Vec<OpId> = graph
-            .ops()
-            .filter(|(id, _)| !self.placed.on_host(*id))
-            .map(|(id, _)| id)
-            .collect();
-        let host_ops: Vec<OpId> = graph
-            .ops()
-            .filter(|(id, _)| self.placed.on_host(*id))
-            .map(|(id, _)| id)
-            .collect();
-        for (t, &op) in device_ops.iter().enumerate() {
+        let timeline = Timeline::of(&self.placed);
+        for (t, &op) in timeline.device.iter().enumerate() {
             self.time.insert(op, t as u32);
         }
-        let end = device_ops.len().saturating_sub(1) as u32;
+        self.homes(&graph, &chunks);
+        self.slots(&chunks);
+        let mut copies: Vec<CopyPlan> = self
+            .fetches(&graph, &chunks, &timeline)?
+            .into_iter()
+            .map(|f| CopyPlan {
+                stream: H2D,
+                kind: CopyKind::FetchChunk { chunk: f.chunk },
+                src: Self::at(self.host_chunk[&f.chunk], 0),
+                dst: Self::at(self.slots[f.slot as usize], 0),
+                bytes: chunks.chunk(f.chunk).used_bytes,
+                after: f.after,
+                needed: Some(f.needed),
+            })
+            .collect();
+        let readers = Readers::of(&graph, &timeline);
+        let (grad_of, grad_offload) =
+            self.grad_offloads(&graph, &chunks, timeline.end, &mut copies);
+        self.activations(&graph, &timeline, &readers, &grad_of);
+        self.swaps(&graph, &timeline, &readers, &mut copies);
+        let (scalar_copy, host_coef) = self.clip_scalar(&graph, &timeline, &mut copies);
+        let kernels = self.kernels(&graph, &chunks, &timeline, host_coef);
+        let loss = graph
+            .outputs()
+            .first()
+            .map(|v| self.primary[v])
+            .ok_or(CompileError::NoLoss)?;
+        let (per_stream, order) =
+            order_steps(&graph, &chunks, &timeline, &copies, &grad_offload, scalar_copy);
+        let (streams, events) = self.lower(per_stream, &order, &copies, kernels, scalar_copy);
+        Ok(Streamed {
+            placed: self.placed,
+            buffers: self.buffers,
+            streams,
+            events,
+            homes: self.homes,
+            masters: self.masters,
+            loss,
+            compute_kernels: timeline.device.len() as u32,
+        })
+    }
 
-        // Homes: inputs, chunks, optimizer state.
+    /// Homes of the inputs, the chunks and their optimizer state (Adam moments mirroring each
+    /// chunk, then f32 master weights of narrower parameters), and the device and host
+    /// gradient chunks of every streamed chunk the optimizer updates.
+    fn homes(&mut self, graph: &Graph, chunks: &ChunkTable) {
         for &v in graph.inputs() {
             let b = self.buffer(
                 graph.value(v).name.clone(),
@@ -235,7 +450,7 @@ impl Builder {
                 self.buffer(
                     format!("adam{}", c.0),
                     space,
-                    state_bytes_per_element(&graph) * total,
+                    state_bytes_per_element(graph) * total,
                     BufferKind::OptimizerState { chunk: c },
                     None,
                 )
@@ -284,7 +499,11 @@ impl Builder {
                 self.grad_chunk.insert(c, (g, hg));
             }
         }
-        // No more slots than streamed chunks: a second slot for one chunk would sit unused.
+    }
+
+    /// The chunk slots: `n_buffer` of them, but no more than streamed chunks (a second slot
+    /// for one chunk would sit unused).
+    fn slots(&mut self, chunks: &ChunkTable) {
         let streamed = chunks.len() as u32 - self.placed.policy.n_persist.min(chunks.len() as u32);
         if streamed > 0 {
             for s in 0..self.placed.policy.n_buffer.min(streamed) {
@@ -298,20 +517,23 @@ impl Builder {
                 self.slots.push(b);
             }
         }
+    }
 
-        // Which offloaded chunks each device kernel reads, and the fetches that bring them.
-        struct Fetch {
-            chunk: ChunkId,
-            slot: u32,
-            after: Option<u32>,
-            needed: u32,
-        }
+    /// Which offloaded chunks each device kernel reads, which slot holds each, and the fetches
+    /// that bring them: a chunk stays in its slot while it is read; a missing one evicts the
+    /// slot used least recently by a chunk this kernel does not read.
+    fn fetches(
+        &mut self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        timeline: &Timeline,
+    ) -> Result<Vec<Fetch>> {
         let mut fetches: Vec<Fetch> = Vec::new();
         let mut resident: Vec<Option<(ChunkId, u32)>> = vec![None; self.slots.len()];
-        for (t, &op) in device_ops.iter().enumerate() {
+        for (t, &op) in timeline.device.iter().enumerate() {
             let t = t as u32;
-            let mut needed: Vec<ChunkId> = graph
-                .op(op)
+            let o = graph.op(op);
+            let mut needed: Vec<ChunkId> = o
                 .inputs
                 .iter()
                 .filter_map(|&v| graph.param_of(v))
@@ -321,21 +543,9 @@ impl Builder {
             needed.sort();
             needed.dedup();
             if needed.len() > self.slots.len() {
+                let named = o.outputs.first().copied().unwrap_or(o.inputs[0]);
                 return Err(CompileError::TooFewBuffers {
-                    op: format!(
-                        "{} ({})",
-                        graph.op(op).kind.mnemonic(),
-                        graph
-                            .value(
-                                graph
-                                    .op(op)
-                                    .outputs
-                                    .first()
-                                    .copied()
-                                    .unwrap_or(graph.op(op).inputs[0])
-                            )
-                            .name
-                    ),
+                    op: format!("{} ({})", o.kind.mnemonic(), graph.value(named).name),
                     chunks: needed.len() as u32,
                     n_buffer: self.slots.len() as u32,
                 });
@@ -363,66 +573,20 @@ impl Builder {
                 self.slot_at.insert((t, c), s as u32);
             }
         }
+        Ok(fetches)
+    }
 
-        // Forward block boundaries, for swap wait and reload points.
-        let mut forward_block_start: Vec<(protrain_ir::BlockId, u32)> = Vec::new();
-        let mut backward_block_start: Vec<(protrain_ir::BlockId, u32)> = Vec::new();
-        for (t, &op) in device_ops.iter().enumerate() {
-            let o = graph.op(op);
-            let list = match o.phase {
-                Phase::Forward => &mut forward_block_start,
-                Phase::Backward | Phase::Recompute => &mut backward_block_start,
-                Phase::Optimizer => continue,
-            };
-            if list.last().map(|&(b, _)| b) != Some(o.block) {
-                list.push((o.block, t as u32));
-            }
-        }
-        let first_backward = backward_block_start.first().map_or(end, |&(_, t)| t);
-
-        // Readers on the compute stream.
-        let mut last_read: HashMap<ValueId, u32> = HashMap::new();
-        let mut last_forward_read: HashMap<ValueId, u32> = HashMap::new();
-        let mut first_backward_read: HashMap<ValueId, u32> = HashMap::new();
-        for (t, &op) in device_ops.iter().enumerate() {
-            let o = graph.op(op);
-            for &v in &o.inputs {
-                last_read.insert(v, t as u32);
-                if o.phase == Phase::Forward {
-                    last_forward_read.insert(v, t as u32);
-                } else {
-                    first_backward_read.entry(v).or_insert(t as u32);
-                }
-            }
-        }
-
-        // Copies and their timing.
-        struct CopyPlan {
-            stream: usize,
-            kind: CopyKind,
-            src: TensorRef,
-            dst: TensorRef,
-            bytes: u64,
-            /// Compute kernel it must follow (None: nothing).
-            after: Option<u32>,
-            /// Compute kernel that waits for it (None: only the host optimizer does).
-            needed: Option<u32>,
-        }
-        let mut copies: Vec<CopyPlan> = Vec::new();
-        for f in &fetches {
-            copies.push(CopyPlan {
-                stream: H2D,
-                kind: CopyKind::FetchChunk { chunk: f.chunk },
-                src: Self::at(self.host_chunk[&f.chunk], 0),
-                dst: Self::at(self.slots[f.slot as usize], 0),
-                bytes: chunks.chunk(f.chunk).used_bytes,
-                after: f.after,
-                needed: Some(f.needed),
-            });
-        }
-
-        // Gradient chunks: where each parameter's final gradient is written, and when the
-        // chunk is complete.
+    /// Where each streamed parameter's final gradient is written (its gradient chunk), and
+    /// one offload per gradient chunk once complete; the compute stream waits for chunk c's
+    /// offload when the next chunk completes. Returns the gradients' places and each chunk's
+    /// offload (its index in `copies`).
+    fn grad_offloads(
+        &mut self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        end: u32,
+        copies: &mut Vec<CopyPlan>,
+    ) -> (HashMap<ValueId, (ChunkId, u64)>, HashMap<ChunkId, usize>) {
         let mut grad_of: HashMap<ValueId, (ChunkId, u64)> = HashMap::new();
         let mut chunk_done: BTreeMap<ChunkId, (u32, u32)> = BTreeMap::new();
         for (_, op) in graph.ops() {
@@ -443,7 +607,6 @@ impl Builder {
                 entry.1 = entry.1.max(t);
             }
         }
-        // The compute stream waits for chunk c's offload when the next chunk completes.
         let mut by_completion: Vec<(ChunkId, u32, u32)> =
             chunk_done.iter().map(|(&c, &(a, b))| (c, a, b)).collect();
         by_completion.sort_by_key(|&(c, _, done)| (done, c));
@@ -465,24 +628,34 @@ impl Builder {
                 needed: Some(wait.max(done)),
             });
         }
+        (grad_of, grad_offload)
+    }
 
-        // Activations, gradients and workspaces.
-        for (t, &op) in device_ops.iter().enumerate() {
+    /// A device buffer for every value a device kernel writes (gradients of streamed
+    /// parameters go into their gradient chunk instead), live from its writer to its last
+    /// reader; a swapped value's buffer ends at its last forward read, the loss's at the end.
+    fn activations(
+        &mut self,
+        graph: &Graph,
+        timeline: &Timeline,
+        readers: &Readers,
+        grad_of: &HashMap<ValueId, (ChunkId, u64)>,
+    ) {
+        for (t, &op) in timeline.device.iter().enumerate() {
             let t = t as u32;
-            let o = graph.op(op).clone();
-            for &v in &o.outputs {
+            for &v in &graph.op(op).outputs {
                 if let Some(&(c, offset)) = grad_of.get(&v) {
                     self.primary
                         .insert(v, Self::at(self.grad_chunk[&c].0, offset));
                     continue;
                 }
                 let value = graph.value(v);
-                let mut last = last_read.get(&v).copied().unwrap_or(t).max(t);
+                let mut last = readers.last.get(&v).copied().unwrap_or(t).max(t);
                 if value.role == Role::Loss {
-                    last = end;
+                    last = timeline.end;
                 }
                 if self.placed.swapped.contains(&v) {
-                    last = last_forward_read.get(&v).copied().unwrap_or(t).max(t);
+                    last = readers.last_forward.get(&v).copied().unwrap_or(t).max(t);
                 }
                 let b = self.buffer(
                     value.name.clone(),
@@ -494,20 +667,33 @@ impl Builder {
                 self.primary.insert(v, Self::at(b, 0));
             }
         }
-        // Swapped activations: offload after the producer, wait two blocks later; reload one
-        // block ahead of the backward pass.
+    }
+
+    /// Swapped activations: offload after the producer, the compute stream waiting two
+    /// blocks later; reload one block ahead of the backward pass into a buffer of its own.
+    fn swaps(
+        &mut self,
+        graph: &Graph,
+        timeline: &Timeline,
+        readers: &Readers,
+        copies: &mut Vec<CopyPlan>,
+    ) {
+        let end = timeline.end;
+        let first_backward = readers.first_backward(end);
         let swapped: Vec<ValueId> = self.placed.swapped.iter().copied().collect();
         for v in swapped {
             let value = graph.value(v).clone();
             let producer = value.producer.expect("swapped values are computed");
             let t = self.time[&producer];
             let block = graph.op(producer).block;
-            let pos = forward_block_start
+            let pos = readers
+                .forward_blocks
                 .iter()
                 .position(|&(b, _)| b == block)
                 .unwrap_or(0);
-            let last_fwd = last_forward_read.get(&v).copied().unwrap_or(t).max(t);
-            let wait = forward_block_start
+            let last_fwd = readers.last_forward.get(&v).copied().unwrap_or(t).max(t);
+            let wait = readers
+                .forward_blocks
                 .get(pos + 2)
                 .map_or(first_backward, |&(_, s)| s)
                 .max(last_fwd + 1)
@@ -521,18 +707,20 @@ impl Builder {
                 BufferKind::HostActivation,
                 None,
             );
-            let first_use = first_backward_read.get(&v).copied().unwrap_or(end);
-            let bpos = backward_block_start
+            let first_use = readers.first_backward.get(&v).copied().unwrap_or(end);
+            let bpos = readers
+                .backward_blocks
                 .iter()
                 .position(|&(b, _)| b == block)
                 .unwrap_or(0);
             let issue = match bpos {
                 0 => first_backward,
-                i => backward_block_start[i - 1].1,
+                i => readers.backward_blocks[i - 1].1,
             }
             .min(first_use)
             .max(wait + 1);
-            let last = last_read
+            let last = readers
+                .last
                 .get(&v)
                 .copied()
                 .unwrap_or(first_use)
@@ -565,46 +753,64 @@ impl Builder {
                 needed: Some(first_use),
             });
         }
-        // The clip coefficient, when the host optimizer needs it.
+    }
+
+    /// The clip coefficient's copy to the host, when the host optimizer needs it: the copy's
+    /// index in `copies` and the coefficient's host home.
+    fn clip_scalar(
+        &mut self,
+        graph: &Graph,
+        timeline: &Timeline,
+        copies: &mut Vec<CopyPlan>,
+    ) -> (Option<usize>, Option<TensorRef>) {
         let clip_coef = graph
             .ops()
             .find(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }))
             .map(|(_, op)| op.outputs[0]);
-        let mut scalar_copy = None;
-        let mut host_coef = None;
-        if let (Some(coef), false) = (clip_coef, host_ops.is_empty()) {
-            let producer = graph.value(coef).producer.expect("computed");
-            let host = self.buffer(
-                "clip_coef.host".into(),
-                Space::Host,
-                4,
-                BufferKind::HostActivation,
-                None,
-            );
-            host_coef = Some(Self::at(host, 0));
-            let src = self.primary[&coef];
-            let t = self.time[&producer];
-            // The device copy must outlive the copy: the compute stream waits for it at the end.
-            let b = &mut self.buffers[src.buffer.index()];
-            b.live = b.live.map(|(a, _)| (a, end));
-            scalar_copy = Some(copies.len());
-            copies.push(CopyPlan {
-                stream: D2H,
-                kind: CopyKind::Scalar { value: coef },
-                src,
-                dst: Self::at(host, 0),
-                bytes: 4,
-                after: Some(t),
-                needed: Some(end),
-            });
-        }
+        let (Some(coef), false) = (clip_coef, timeline.host.is_empty()) else {
+            return (None, None);
+        };
+        let producer = graph.value(coef).producer.expect("computed");
+        let host = self.buffer(
+            "clip_coef.host".into(),
+            Space::Host,
+            4,
+            BufferKind::HostActivation,
+            None,
+        );
+        let src = self.primary[&coef];
+        let t = self.time[&producer];
+        // The device copy must outlive the copy: the compute stream waits for it at the end.
+        let b = &mut self.buffers[src.buffer.index()];
+        b.live = b.live.map(|(a, _)| (a, timeline.end));
+        let index = copies.len();
+        copies.push(CopyPlan {
+            stream: D2H,
+            kind: CopyKind::Scalar { value: coef },
+            src,
+            dst: Self::at(host, 0),
+            bytes: 4,
+            after: Some(t),
+            needed: Some(timeline.end),
+        });
+        (Some(index), Some(Self::at(host, 0)))
+    }
 
-        // Kernel operands.
+    /// Every op's kernel instruction with its operands: device kernels read from where
+    /// [`Builder::read_ref`] says and get a workspace when their kind needs one (created in
+    /// time order, so workspace buffers are numbered the same way every run); host AdamW
+    /// reads the host chunk, the host gradients, the moments and the clip coefficient.
+    fn kernels(
+        &mut self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        timeline: &Timeline,
+        host_coef: Option<TensorRef>,
+    ) -> HashMap<OpId, Instr> {
         let mut kernels: HashMap<OpId, Instr> = HashMap::new();
-        // In time order, so workspace buffers are numbered the same way every run.
-        for (t, &op) in device_ops.iter().enumerate() {
+        for (t, &op) in timeline.device.iter().enumerate() {
             let t = t as u32;
-            let o = graph.op(op).clone();
+            let o = graph.op(op);
             let inputs: Vec<TensorRef> = o
                 .inputs
                 .iter()
@@ -634,8 +840,8 @@ impl Builder {
                 },
             );
         }
-        for &op in &host_ops {
-            let o = graph.op(op).clone();
+        for &op in &timeline.host {
+            let o = graph.op(op);
             let p = graph
                 .param_of(o.inputs[0])
                 .expect("host ops are parameter updates");
@@ -660,76 +866,20 @@ impl Builder {
                 },
             );
         }
-        let loss = graph
-            .outputs()
-            .first()
-            .map(|v| self.primary[v])
-            .ok_or(CompileError::NoLoss)?;
+        kernels
+    }
 
-        // Streams. Each copy stream issues its copies in the order the compute stream needs
-        // them.
-        let mut per_stream: Vec<Vec<Step>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-        let mut order: Vec<usize> = (0..copies.len()).collect();
-        order.sort_by_key(|&i| {
-            (
-                copies[i].needed.unwrap_or(u32::MAX),
-                copies[i].after.unwrap_or(0),
-                i,
-            )
-        });
-        for &i in &order {
-            let c = &copies[i];
-            if let Some(after) = c.after {
-                per_stream[c.stream].push(Step::AfterCompute(after));
-            }
-            per_stream[c.stream].push(Step::Copy(c.kind, c.src, c.dst, c.bytes));
-        }
-        let mut compute_waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, c) in copies.iter().enumerate() {
-            if let Some(needed) = c.needed {
-                compute_waits.entry(needed).or_default().push(i);
-            }
-        }
-        for (t, &op) in device_ops.iter().enumerate() {
-            for &i in compute_waits
-                .get(&(t as u32))
-                .map(Vec::as_slice)
-                .unwrap_or(&[])
-            {
-                // Copies the compute stream waits for after its last kernel go at the end.
-                if copies[i].after.is_some_and(|a| a >= t as u32) {
-                    continue;
-                }
-                per_stream[COMPUTE].push(Step::AfterCopy(i));
-            }
-            per_stream[COMPUTE].push(Step::Kernel(op));
-        }
-        for (&t, list) in &compute_waits {
-            for &i in list {
-                if copies[i].after.is_some_and(|a| a >= t) {
-                    per_stream[COMPUTE].push(Step::AfterCopy(i));
-                }
-            }
-        }
-        let mut waited_chunk: Option<ChunkId> = None;
-        let mut waited_scalar = false;
-        for &op in &host_ops {
-            if let (Some(_), false) = (scalar_copy, waited_scalar) {
-                per_stream[HOST_OPTIMIZER].push(Step::AfterScalar);
-                waited_scalar = true;
-            }
-            let p = graph
-                .param_of(graph.op(op).inputs[0])
-                .expect("parameter update");
-            let c = chunks.locate(p).0;
-            if waited_chunk != Some(c) {
-                per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(grad_offload[&c]));
-                waited_chunk = Some(c);
-            }
-            per_stream[HOST_OPTIMIZER].push(Step::Kernel(op));
-        }
-
-        // Number events: one per compute kernel that something waits for, one per copy.
+    /// Lowers each stream's steps to instructions, numbering events: one per compute kernel
+    /// something waits for, one per copy something waits for, recorded right after it.
+    /// Returns the streams and the number of events.
+    fn lower(
+        &self,
+        per_stream: Vec<Vec<Step>>,
+        order: &[usize],
+        copies: &[CopyPlan],
+        mut kernels: HashMap<OpId, Instr>,
+        scalar_copy: Option<usize>,
+    ) -> (Vec<Stream>, u32) {
         let mut compute_event: BTreeMap<u32, EventId> = BTreeMap::new();
         let mut copy_event: HashMap<usize, EventId> = HashMap::new();
         let mut next = 0u32;
@@ -757,7 +907,7 @@ impl Builder {
         // Copies in stream order, to map copy index -> position.
         let mut copy_index_of: HashMap<(usize, usize), usize> = HashMap::new();
         let mut per_stream_count = [0usize; 4];
-        for &i in &order {
+        for &i in order {
             let stream = copies[i].stream;
             copy_index_of.insert((stream, per_stream_count[stream]), i);
             per_stream_count[stream] += 1;
@@ -813,16 +963,7 @@ impl Builder {
                 instrs,
             });
         }
-        Ok(Streamed {
-            placed: self.placed,
-            buffers: self.buffers,
-            streams,
-            events: next,
-            homes: self.homes,
-            masters: self.masters,
-            loss,
-            compute_kernels: device_ops.len() as u32,
-        })
+        (streams, next)
     }
 
     /// Where a device kernel at time `t` in `phase` reads `v`.
