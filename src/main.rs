@@ -1,5 +1,7 @@
 //! The `protrain` command line: parses arguments, calls the crates, prints.
 
+#[macro_use]
+mod out;
 mod commands;
 
 use clap::{Parser, Subcommand};

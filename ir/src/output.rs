@@ -1,8 +1,60 @@
 //! Atomic file output: every file protrain writes (schedules, weights, checkpoints, dumps,
-//! profiles, traces) goes through [`write_atomic`].
+//! profiles, traces) goes through [`write_atomic`], which first checks the target with
+//! [`check_target`].
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
+
+/// Fails unless `path` may be replaced by a new file: it must not exist, or be a regular file
+/// (following symbolic links) that is none of `inputs` (compared by device and inode on Unix,
+/// by canonical path elsewhere). So `-o /dev/null` or a FIFO is refused rather than renamed
+/// over, and `compile X -o X` does not destroy its own input. Missing inputs are ignored.
+///
+/// The error's kind is `InvalidInput` and its text says what to do; callers name the file.
+pub fn check_target(path: &Path, inputs: &[&Path]) -> std::io::Result<()> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let refuse = |why: &str| Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, why));
+    if meta.is_dir() {
+        return refuse("it is a directory; give a file path");
+    }
+    if !meta.is_file() {
+        return refuse(
+            "it is not a regular file (a device, FIFO or socket), which protrain would \
+             replace rather than write into; give a regular file path",
+        );
+    }
+    for input in inputs {
+        if same_file(path, &meta, input) {
+            return refuse(
+                "it is also an input of this command, which writing would destroy; give \
+                 another output path",
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether `input` is the file `path` (whose metadata is `meta`).
+fn same_file(path: &Path, meta: &std::fs::Metadata, input: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let _ = path;
+        std::fs::metadata(input).is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = meta;
+        match (std::fs::canonicalize(path), std::fs::canonicalize(input)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
+    }
+}
 
 /// The write buffer: large enough that converting writers hand over whole pieces.
 const BUFFER: usize = 1 << 20;
@@ -14,13 +66,24 @@ const BUFFER: usize = 1 << 20;
 /// leave one behind, which the name marks as such.
 ///
 /// The file gets the permissions `File::create` would give it (`0o666` less the umask).
-/// It does not check what `path` is: it replaces whatever is there.
+/// It refuses a target that exists and is not a regular file ([`check_target`]); to refuse
+/// overwriting a command's inputs as well, use [`write_atomic_checked`].
 ///
 /// The error is the operating system's; callers name the file in their own error type.
 pub fn write_atomic(
     path: &Path,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
+    write_atomic_checked(path, &[], write)
+}
+
+/// [`write_atomic`], refusing a `path` that is one of `inputs` ([`check_target`]).
+pub fn write_atomic_checked(
+    path: &Path,
+    inputs: &[&Path],
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    check_target(path, inputs)?;
     let io = |e: std::io::Error| e;
     let dir = path
         .parent()
@@ -82,6 +145,29 @@ mod tests {
         assert!(e.to_string().contains("disk full"), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), b"old");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn refuses_devices_directories_and_inputs() {
+        let dir = tempfile::tempdir().unwrap();
+        for target in [Path::new("/dev/null"), dir.path()] {
+            let e = write_atomic(target, |w| w.write_all(b"x")).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        }
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device());
+        let input = dir.path().join("in.json");
+        std::fs::write(&input, b"input").unwrap();
+        // The same file by another name is still the input.
+        let other = dir.path().join(".").join("in.json");
+        let e = write_atomic_checked(&other, &[&input], |w| w.write_all(b"x")).unwrap_err();
+        assert!(e.to_string().contains("input"), "{e}");
+        assert_eq!(std::fs::read(&input).unwrap(), b"input");
+        write_atomic_checked(&dir.path().join("out"), &[&input], |w| w.write_all(b"x")).unwrap();
     }
 
     #[cfg(unix)]

@@ -151,6 +151,10 @@ pub struct ModelConfig {
     pub initializer_range: f64,
 }
 
+/// The largest config file read: Hugging Face configs are a few KiB; this leaves room for
+/// long `id2label` tables and refuses weights or data passed by mistake.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 impl ModelConfig {
     /// Parses a Hugging Face `config.json` text; `from` names it in errors and becomes the
     /// config's [`name`](Self::name).
@@ -183,14 +187,51 @@ impl ModelConfig {
     }
 
     /// Reads and parses a `config.json` file.
+    ///
+    /// Refuses, before reading, anything but a regular file (a FIFO or `/dev/zero` would be
+    /// read until memory runs out) and files over [`MAX_CONFIG_BYTES`]; it reads at most that
+    /// many bytes even if the file grows meanwhile.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|error| match error.kind() {
+        use std::io::Read;
+        let io = |error: std::io::Error| match error.kind() {
             std::io::ErrorKind::NotFound => ModelError::FileMissing { path: path.into() },
             _ => ModelError::Io {
                 path: path.into(),
                 error,
             },
-        })?;
+        };
+        let not_config = |problem: String| ModelError::NotAConfigFile {
+            path: path.into(),
+            problem,
+        };
+        // Stat before opening: opening a FIFO blocks until something writes to it.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(not_config(
+                "is not a regular file (a device, FIFO or socket); give a Hugging Face \
+                 config.json, a directory holding one, or a preset name"
+                    .into(),
+            ));
+        }
+        if meta.len() > MAX_CONFIG_BYTES {
+            return Err(not_config(format!(
+                "is {} bytes, but a model config is a few KiB of JSON (at most {} MiB here); \
+                 give the model's config.json, not its weights",
+                meta.len(),
+                MAX_CONFIG_BYTES >> 20
+            )));
+        }
+        let file = std::fs::File::open(path).map_err(io)?;
+        let mut text = String::new();
+        file.take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(io)?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(not_config(format!(
+                "grew past {} MiB while being read; a model config is a few KiB of JSON",
+                MAX_CONFIG_BYTES >> 20
+            )));
+        }
         Self::from_json(&text, ConfigSource::File(path.into()))
     }
 

@@ -59,6 +59,14 @@ pub enum ModelError {
         #[source]
         error: std::io::Error,
     },
+    /// A config path that is not a regular file, or is too large to be a config.
+    #[error("{}: {problem}", path.display())]
+    NotAConfigFile {
+        /// The file.
+        path: PathBuf,
+        /// What it is, and what to give instead.
+        problem: String,
+    },
     /// The text is not JSON.
     #[error("{from}: invalid JSON at line {line}, column {column}: {message}")]
     InvalidJson {

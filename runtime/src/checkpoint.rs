@@ -13,6 +13,10 @@
 //! sequence length, optimizer hyper-parameters), not where the schedule keeps them: a
 //! checkpoint written under one policy resumes under any other, bit-identically, because every
 //! policy computes the same bits (the project's equivalence guarantee).
+//!
+//! Every tensor's checksum is stored in the metadata and verified on load, and the step in
+//! the metadata must match the file name: a damaged checkpoint is refused, and
+//! [`load_latest`] falls back to the one before it with a warning.
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
@@ -25,8 +29,16 @@ use std::path::{Path, PathBuf};
 /// The metadata key that marks a protrain checkpoint; its value is the layout version.
 const FORMAT_KEY: &str = "protrain.checkpoint";
 
-/// The checkpoint layout this build writes and reads.
-const FORMAT_VERSION: &str = "1";
+/// The checkpoint layout this build writes. Version 2 adds a checksum per tensor
+/// (`CHECKSUM_PREFIX` + name in the metadata); version 1, without them, is still read.
+const FORMAT_VERSION: &str = "2";
+
+/// The layouts this build reads.
+const READABLE_VERSIONS: [&str; 2] = ["1", "2"];
+
+/// The metadata key prefix of a tensor's checksum: FNV-1a (64-bit) of its little-endian f32
+/// bytes, as 16 hex digits.
+const CHECKSUM_PREFIX: &str = "fnv1a64.";
 
 /// The file name prefix of checkpoints; the step number (8 digits or more) and
 /// `.safetensors` follow.
@@ -152,6 +164,18 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     hasher.finish()
 }
 
+/// The checksum of a tensor's values: FNV-1a (64-bit) of their little-endian bytes, as 16 hex
+/// digits.
+fn checksum(data: &[f32]) -> String {
+    use std::hash::Hasher;
+    let mut hasher = fnv::FnvHasher::default();
+    for chunk in data.chunks(4096) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+        hasher.write(&bytes);
+    }
+    format!("{:016x}", hasher.finish())
+}
+
 /// The optimizer-state values that persist across steps, in graph order (as
 /// [`Executor::state`] lists them).
 fn state_values(graph: &Graph) -> impl Iterator<Item = ValueId> + '_ {
@@ -227,7 +251,11 @@ pub fn save<B: Backend>(
         progress.data_tokens.to_string(),
     );
     let (batch, seq) = (fingerprint.batch.to_string(), fingerprint.seq.to_string());
-    let metadata = [
+    let checksums: Vec<(String, String)> = tensors
+        .iter()
+        .map(|(name, _, data)| (format!("{CHECKSUM_PREFIX}{name}"), checksum(data)))
+        .collect();
+    let mut metadata = vec![
         (FORMAT_KEY, FORMAT_VERSION),
         ("step", step.as_str()),
         ("data_step", data_step.as_str()),
@@ -238,6 +266,7 @@ pub fn save<B: Backend>(
         ("seq", seq.as_str()),
         ("optimizer", fingerprint.optimizer.as_str()),
     ];
+    metadata.extend(checksums.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let path = dir.join(file_name(progress.step));
     save_safetensors(&path, &tensors, StorageDtype::F32, &metadata)?;
     Ok(path)
@@ -277,6 +306,57 @@ pub fn latest(dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| RuntimeError::NoCheckpoint {
             dir: dir.to_path_buf(),
         })
+}
+
+/// The newest checkpoint in `dir` that loads for `schedule`, and a warning for each newer one
+/// that is damaged (unreadable, a checksum or step that does not match) and was skipped. A
+/// checkpoint of another training run ([`RuntimeError::CheckpointMismatch`]) is not skipped:
+/// the older ones are of that run too, and the error says what differs.
+pub fn load_latest(dir: &Path, schedule: &Schedule) -> Result<(Checkpoint, Vec<String>)> {
+    let found = list(dir)?;
+    if found.is_empty() {
+        return Err(RuntimeError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let mut warnings = Vec::new();
+    let mut last_error = None;
+    for (_, path) in found.iter().rev() {
+        match Checkpoint::load(path, schedule) {
+            Ok(ckpt) => return Ok((ckpt, warnings)),
+            Err(e @ RuntimeError::CheckpointMismatch { .. }) => return Err(e),
+            Err(e) => {
+                warnings.push(format!(
+                    "warning: skipping {}: {e}; trying the checkpoint before it",
+                    path.display()
+                ));
+                last_error = Some(e);
+            }
+        }
+    }
+    Err(last_error.expect("at least one checkpoint was tried"))
+}
+
+/// Fails when `dir` already holds checkpoints and is not the directory the run resumed from
+/// (`resumed`): [`prune`] keeps the newest checkpoints, so another run's later ones would
+/// make it delete every checkpoint this run writes.
+pub fn check_dir_is_ours(dir: &Path, resumed: Option<&Path>) -> Result<()> {
+    let found = list(dir)?;
+    let Some((newest, _)) = found.last() else {
+        return Ok(());
+    };
+    let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if resumed.is_some_and(|r| same(r, dir)) {
+        return Ok(());
+    }
+    Err(RuntimeError::ForeignCheckpointDir {
+        dir: dir.to_path_buf(),
+        count: found.len(),
+        newest: *newest,
+    })
 }
 
 /// Deletes all but the newest `keep` checkpoints in `dir` (none when `keep` is 0).
@@ -319,12 +399,13 @@ impl Checkpoint {
             path: path.to_path_buf(),
             problem,
         };
-        match meta.get(FORMAT_KEY).map(String::as_str) {
-            Some(FORMAT_VERSION) => {}
+        let version = match meta.get(FORMAT_KEY).map(String::as_str) {
+            Some(v) if READABLE_VERSIONS.contains(&v) => v,
             Some(other) => {
                 return Err(bad(format!(
-                    "has checkpoint layout {other}, this build reads {FORMAT_VERSION}; resume \
-                     it with the protrain that wrote it"
+                    "has checkpoint layout {other}, this build reads {}; resume it with the \
+                     protrain that wrote it",
+                    READABLE_VERSIONS.join(" and ")
                 )))
             }
             None => {
@@ -333,7 +414,7 @@ impl Checkpoint {
                      metadata); pass it as --init weights instead of resuming from it"
                 )))
             }
-        }
+        };
         let number = |key: &str| -> Result<u64> {
             let text = meta
                 .get(key)
@@ -349,6 +430,14 @@ impl Checkpoint {
             data_step: number("data_step")?,
             data_tokens: number("data_tokens")?,
         };
+        let named = path.file_name().and_then(|n| n.to_str()).and_then(step_of);
+        if let Some(named) = named.filter(|&n| n != progress.step) {
+            return Err(bad(format!(
+                "is named for step {named} but its metadata says step {}; it was renamed or \
+                 is damaged",
+                progress.step
+            )));
+        }
 
         let graph = &schedule.graph;
         let want = Fingerprint::of(schedule);
@@ -433,6 +522,19 @@ impl Checkpoint {
         for (i, tensor) in expected.iter().enumerate() {
             let name = &tensor.names[0];
             let data = file.read_f32_vec(name)?;
+            if version != "1" {
+                let key = format!("{CHECKSUM_PREFIX}{name}");
+                let Some(want) = meta.get(&key) else {
+                    return Err(bad(format!("lacks the checksum of {name}; it is damaged")));
+                };
+                let have = checksum(&data);
+                if *want != have {
+                    return Err(bad(format!(
+                        "is damaged: tensor {name} has checksum {have}, but {want} was \
+                         written; resume from an earlier checkpoint"
+                    )));
+                }
+            }
             if i < n_params {
                 params.push(data);
             } else {

@@ -1,8 +1,11 @@
 //! Token streams: `.npy` and raw `u16` `.bin` files, batched per step.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use npyz::{DType, NpyFile, NpyHeader, TypeChar};
+use memmap2::Mmap;
+use npyz::{DType, Endianness, NpyHeader, TypeChar};
 
 use crate::error::{Result, RuntimeError};
 
@@ -10,39 +13,73 @@ use crate::error::{Result, RuntimeError};
 /// raw `.bin` reader would otherwise take for tokens.
 const LLMC_MAGIC: u32 = 20240520;
 
-/// A sequence of token ids, loaded whole into memory.
+/// A sequence of token ids: a token file memory-mapped (so memory does not grow with the
+/// corpus: pages are read as batches touch them and the kernel may drop them again), or ids
+/// held in memory.
 ///
 /// Built from a file with [`TokenStream::open`] or from ids with [`TokenStream::from_tokens`].
 /// It does not check ids against a vocabulary: [`TokenStream::check_vocab`] and
 /// [`Batch::check_vocab`] do, once the model's vocabulary size is known.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct TokenStream {
-    tokens: Vec<u32>,
+    storage: Storage,
     source: Option<PathBuf>,
 }
 
+/// Where a stream's ids are.
+#[derive(Debug, Clone)]
+enum Storage {
+    /// Ids in memory.
+    Owned(Vec<u32>),
+    /// Integers of `width` bytes at `offset` in a mapped file, each checked at open to be a
+    /// token id.
+    Mapped {
+        map: Arc<Mmap>,
+        offset: usize,
+        len: usize,
+        width: usize,
+        big_endian: bool,
+    },
+}
+
+impl PartialEq for TokenStream {
+    fn eq(&self, other: &Self) -> bool {
+        self.source == other.source
+            && self.len() == other.len()
+            && (0..self.len()).all(|i| self.get(i) == other.get(i))
+    }
+}
+
+impl Eq for TokenStream {}
+
 impl TokenStream {
-    /// Loads a token file, choosing the format by extension:
+    /// Opens a token file, choosing the format by extension, and maps it into memory:
     ///
     /// - `.npy`: a 1-D array of any integer dtype (`i1`..`i8`, `u1`..`u8`, either byte order);
-    ///   every value must lie in `0..2^32`. Floats and arrays of more than one dimension are
+    ///   every value must lie in `0..2^32` (checked here, by one pass over the file for the
+    ///   dtypes that can hold other values). Floats and arrays of more than one dimension are
     ///   rejected.
     /// - `.bin`: raw little-endian `u16` tokens with no header (nanoGPT's `train.bin`).
     ///
-    /// Any other extension is an error naming the two accepted formats.
+    /// Any other extension is an error naming the two accepted formats, and so is a path that
+    /// is not a regular file (a FIFO or device would be read until memory runs out).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let tokens = match path.extension().and_then(|e| e.to_str()) {
-            Some("npy") => read_npy(path)?,
-            Some("bin") => read_bin(path)?,
+        let format = match path.extension().and_then(|e| e.to_str()) {
+            Some(f @ ("npy" | "bin")) => f,
             _ => {
                 return Err(RuntimeError::UnknownTokenFormat {
                     path: path.to_path_buf(),
                 })
             }
         };
+        let map = map_file(path)?;
+        let storage = match format {
+            "npy" => read_npy(path, map)?,
+            _ => read_bin(path, map)?,
+        };
         Ok(TokenStream {
-            tokens,
+            storage,
             source: Some(path.to_path_buf()),
         })
     }
@@ -50,24 +87,59 @@ impl TokenStream {
     /// Wraps token ids held in memory (the synthetic corpus, tests).
     pub fn from_tokens(tokens: Vec<u32>) -> Self {
         TokenStream {
-            tokens,
+            storage: Storage::Owned(tokens),
             source: None,
         }
     }
 
     /// The number of tokens.
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        match &self.storage {
+            Storage::Owned(t) => t.len(),
+            Storage::Mapped { len, .. } => *len,
+        }
     }
 
     /// Whether the stream holds no tokens.
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len() == 0
     }
 
-    /// All token ids, in file order.
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+    /// The id at `index`. Panics when `index >= len()`, as slice indexing does.
+    pub fn get(&self, index: usize) -> u32 {
+        match &self.storage {
+            Storage::Owned(t) => t[index],
+            Storage::Mapped {
+                map,
+                offset,
+                len,
+                width,
+                big_endian,
+            } => {
+                assert!(index < *len, "token {index} of {len}");
+                let at = offset + index * width;
+                // Checked at open: every value is a token id, so the low 4 bytes hold it.
+                decode(&map[at..at + width], *big_endian) as u32
+            }
+        }
+    }
+
+    /// All token ids, in file order: borrowed when they are in memory, decoded (and so
+    /// allocated) from a mapped file. For tests and small streams; batches read only their
+    /// window.
+    pub fn tokens(&self) -> Cow<'_, [u32]> {
+        match &self.storage {
+            Storage::Owned(t) => Cow::Borrowed(t),
+            Storage::Mapped { .. } => Cow::Owned((0..self.len()).map(|i| self.get(i)).collect()),
+        }
+    }
+
+    /// Appends the ids at `start..start + count` to `out`.
+    fn extend(&self, start: usize, count: usize, out: &mut Vec<u32>) {
+        match &self.storage {
+            Storage::Owned(t) => out.extend_from_slice(&t[start..start + count]),
+            Storage::Mapped { .. } => out.extend((start..start + count).map(|i| self.get(i))),
+        }
     }
 
     /// The file the stream was loaded from, if any.
@@ -78,8 +150,53 @@ impl TokenStream {
     /// Checks every token of the stream against a vocabulary of `vocab` ids; the error names the
     /// first offending token's index in the stream and its value.
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
-        check_ids(&self.tokens, 0, vocab)
+        match &self.storage {
+            Storage::Owned(t) => check_ids(t, 0, vocab),
+            Storage::Mapped { .. } => {
+                match (0..self.len()).find(|&i| self.get(i) as usize >= vocab) {
+                    Some(i) => Err(RuntimeError::TokenOutOfRange {
+                        token: i64::from(self.get(i)),
+                        position: i,
+                        vocab,
+                    }),
+                    None => Ok(()),
+                }
+            }
+        }
     }
+}
+
+/// The integer in `bytes` (1, 2, 4 or 8 of them) in the given byte order, zero-extended.
+fn decode(bytes: &[u8], big_endian: bool) -> u64 {
+    let mut wide = [0u8; 8];
+    if big_endian {
+        wide[8 - bytes.len()..].copy_from_slice(bytes);
+        u64::from_be_bytes(wide)
+    } else {
+        wide[..bytes.len()].copy_from_slice(bytes);
+        u64::from_le_bytes(wide)
+    }
+}
+
+/// Maps a token file read-only. Refuses anything but a regular file.
+fn map_file(path: &Path) -> Result<Option<Arc<Mmap>>> {
+    // Stat before opening: opening a FIFO blocks until something writes to it.
+    let meta = std::fs::metadata(path).map_err(|e| io_error(path, e))?;
+    if !meta.is_file() {
+        return Err(bad_file(
+            path,
+            "is not a regular file (a device, FIFO or directory); give a token file",
+        ));
+    }
+    if meta.len() == 0 {
+        // An empty mapping is an error on some systems; there is nothing to map.
+        return Ok(None);
+    }
+    let file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
+    // SAFETY: the map is read-only; like every reader of a file, it assumes nobody truncates
+    // the file while training reads it (the weights are mapped the same way).
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| io_error(path, e))?;
+    Ok(Some(Arc::new(map)))
 }
 
 /// The inputs and targets of one training step.
@@ -210,11 +327,10 @@ impl Batcher {
     pub fn fill(&self, step: u64, out: &mut Batch) {
         let n = self.batch * self.seq;
         let start = self.position_for_step(step);
-        let window = &self.stream.tokens[start..start + n + 1];
         out.inputs.clear();
-        out.inputs.extend_from_slice(&window[..n]);
+        self.stream.extend(start, n, &mut out.inputs);
         out.targets.clear();
-        out.targets.extend_from_slice(&window[1..]);
+        self.stream.extend(start + 1, n, &mut out.targets);
         out.batch = self.batch;
         out.seq = self.seq;
         out.position = start;
@@ -247,9 +363,12 @@ fn io_error(path: &Path, source: std::io::Error) -> RuntimeError {
     }
 }
 
-/// Reads raw little-endian `u16` tokens.
-fn read_bin(path: &Path) -> Result<Vec<u32>> {
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+/// The stream of a mapped raw little-endian `u16` token file.
+fn read_bin(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
+    let Some(map) = map else {
+        return Ok(Storage::Owned(Vec::new()));
+    };
+    let bytes: &[u8] = &map;
     if bytes.len() >= 8 {
         let words: &[[u8; 4]] = bytemuck::cast_slice(&bytes[..8]);
         let (magic, version) = (u32::from_le_bytes(words[0]), u32::from_le_bytes(words[1]));
@@ -261,7 +380,7 @@ fn read_bin(path: &Path) -> Result<Vec<u32>> {
             ));
         }
     }
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(bad_file(
             path,
             format!(
@@ -272,17 +391,21 @@ fn read_bin(path: &Path) -> Result<Vec<u32>> {
             ),
         ));
     }
-    let tokens: &[[u8; 2]] = bytemuck::cast_slice(&bytes);
-    Ok(tokens
-        .iter()
-        .map(|&b| u32::from(u16::from_le_bytes(b)))
-        .collect())
+    let len = bytes.len() / 2;
+    Ok(Storage::Mapped {
+        map,
+        offset: 0,
+        len,
+        width: 2,
+        big_endian: false,
+    })
 }
 
-/// Reads a 1-D integer `.npy` array.
-fn read_npy(path: &Path) -> Result<Vec<u32>> {
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-    let mut data: &[u8] = &bytes;
+/// The stream of a mapped 1-D integer `.npy` array, every value checked to be a token id.
+fn read_npy(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
+    let empty: &[u8] = &[];
+    let bytes: &[u8] = map.as_deref().map_or(empty, |m| m);
+    let mut data: &[u8] = bytes;
     let header = NpyHeader::from_reader(&mut data).map_err(|e| {
         bad_file(
             path,
@@ -349,46 +472,40 @@ fn read_npy(path: &Path) -> Result<Vec<u32>> {
             ),
         ));
     }
-    let npy = NpyFile::with_header(header, data);
-    match (signed, width) {
-        (true, 1) => token_ids::<i8>(path, npy),
-        (true, 2) => token_ids::<i16>(path, npy),
-        (true, 4) => token_ids::<i32>(path, npy),
-        (true, _) => token_ids::<i64>(path, npy),
-        (false, 1) => token_ids::<u8>(path, npy),
-        (false, 2) => token_ids::<u16>(path, npy),
-        (false, 4) => token_ids::<u32>(path, npy),
-        (false, _) => token_ids::<u64>(path, npy),
-    }
-}
-
-/// Decodes every element as a `T` with `npyz`'s typed reader (which handles either byte order)
-/// and checks that it is a token id.
-fn token_ids<T>(path: &Path, npy: NpyFile<&[u8]>) -> Result<Vec<u32>>
-where
-    T: npyz::Deserialize + Into<i128>,
-{
-    let len = npy.len() as usize;
-    let values = npy
-        .data::<T>()
-        .map_err(|e| bad_file(path, format!("cannot be decoded ({e}); save it again")))?;
-    let mut tokens = Vec::with_capacity(len);
-    for (index, value) in values.enumerate() {
-        let value: i128 = value.map_err(|e| io_error(path, e))?.into();
-        match u32::try_from(value) {
-            Ok(id) => tokens.push(id),
-            Err(_) => {
+    let offset = bytes.len() - data.len();
+    let big_endian = ty.endianness() == Endianness::Big;
+    // Unsigned values of up to 4 bytes are all token ids; the others are checked once here,
+    // so that reading a batch cannot fail.
+    if signed || width == 8 {
+        for (index, value) in data.chunks_exact(width).enumerate() {
+            let raw = decode(value, big_endian);
+            let value: i128 = if signed {
+                let shift = 64 - 8 * width as u32;
+                i128::from(((raw << shift) as i64) >> shift)
+            } else {
+                i128::from(raw)
+            };
+            if u32::try_from(value).is_err() {
                 return Err(bad_file(
                     path,
                     format!(
                         "holds {value} at index {index}, which is not a token id (ids lie in \
                          0..2^32); the array is not token ids, or was corrupted"
                     ),
-                ))
+                ));
             }
         }
     }
-    Ok(tokens)
+    match map {
+        Some(map) if count > 0 => Ok(Storage::Mapped {
+            map,
+            offset,
+            len: count as usize,
+            width,
+            big_endian,
+        }),
+        _ => Ok(Storage::Owned(Vec::new())),
+    }
 }
 
 #[cfg(test)]
@@ -466,7 +583,7 @@ mod tests {
         for (descr, data) in cases {
             let path = write(&dir, "t.npy", &npy_bytes(descr, "(4,)", &data));
             let stream = TokenStream::open(&path).unwrap_or_else(|e| panic!("{descr}: {e}"));
-            assert_eq!(stream.tokens(), &ids, "{descr}");
+            assert_eq!(*stream.tokens(), ids, "{descr}");
             assert_eq!(stream.source(), Some(path.as_path()));
         }
     }
@@ -476,7 +593,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.npy");
         npyz::to_file_1d(&path, vec![5u16, 6, 7]).unwrap();
-        assert_eq!(TokenStream::open(&path).unwrap().tokens(), &[5, 6, 7]);
+        assert_eq!(*TokenStream::open(&path).unwrap().tokens(), [5, 6, 7]);
     }
 
     #[test]
@@ -513,8 +630,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(&dir, "t.bin", &[1, 0, 0x34, 0x12, 0xff, 0xff]);
         assert_eq!(
-            TokenStream::open(&path).unwrap().tokens(),
-            &[1, 0x1234, 0xffff]
+            *TokenStream::open(&path).unwrap().tokens(),
+            [1, 0x1234, 0xffff]
         );
 
         let e = open_err("odd.bin", &[1, 0, 2]);
@@ -642,5 +759,42 @@ mod tests {
             .check_vocab(256)
             .unwrap_err();
         assert!(e.to_string().contains("position 10"), "{e}");
+    }
+
+    /// Anonymous resident memory of this process, from /proc/self/status (Linux).
+    fn rss_anon_kib() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    #[test]
+    fn a_token_file_is_mapped_not_read_into_memory() {
+        // 64 MiB of u16 tokens: read whole and widened to u32 this took about 192 MiB of
+        // anonymous memory; mapped, batches touch only their window.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.bin");
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(64 << 20).unwrap();
+        drop(file);
+        let Some(before) = rss_anon_kib() else {
+            return; // not Linux: nothing to measure
+        };
+        let stream = TokenStream::open(&path).unwrap();
+        assert_eq!(stream.len(), 32 << 20);
+        let batcher = Batcher::new(stream, 4, 64).unwrap();
+        assert_eq!(batcher.batch(1000).inputs.len(), 256);
+        let grown = rss_anon_kib().unwrap().saturating_sub(before);
+        assert!(grown < 16 << 10, "anonymous memory grew by {grown} KiB");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_device_is_not_a_token_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("zero.bin");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        let e = TokenStream::open(&link).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 }

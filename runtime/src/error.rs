@@ -172,6 +172,20 @@ pub enum RuntimeError {
         /// The directory.
         dir: PathBuf,
     },
+    /// A checkpoint directory that holds checkpoints of another run.
+    #[error(
+        "checkpoint directory {dir} already holds {count} checkpoint(s), up to step {newest}, \
+         of another run; keeping the newest would delete this run's. Continue that run with \
+         --resume {dir}, or give an empty directory"
+    )]
+    ForeignCheckpointDir {
+        /// The directory.
+        dir: PathBuf,
+        /// Checkpoints in it.
+        count: usize,
+        /// The newest one's step.
+        newest: u64,
+    },
     /// A file that is not a readable protrain checkpoint.
     #[error("checkpoint {path} {problem}")]
     BadCheckpoint {

@@ -224,10 +224,40 @@ impl<'a> dispatch::Inputs<'a> for ArenaInputs<'a> {
     }
 }
 
+/// Memory the system can give without swapping (`MemAvailable` in `/proc/meminfo`), where
+/// that can be read.
+fn memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Fails when the arena and host region together need more than `available` bytes. The
+/// allocation itself would succeed (pages are zeroed lazily) and the run be killed part way
+/// when they are touched; this says up front what is missing. `None` (not known) passes.
+fn check_available(arena_bytes: u64, host_bytes: u64, available: Option<u64>) -> Result<()> {
+    let needed = arena_bytes.saturating_add(host_bytes);
+    match available {
+        Some(available) if needed > available => Err(RuntimeError::BadSchedule(format!(
+            "the device arena ({}) and host region ({}) need {} of memory, but only {} is \
+             available on this machine ({} missing); free memory, or compile the schedule for \
+             less with --gpu-memory and --host-memory",
+            protrain_ir::format_bytes(arena_bytes),
+            protrain_ir::format_bytes(host_bytes),
+            protrain_ir::format_bytes(needed),
+            protrain_ir::format_bytes(available),
+            protrain_ir::format_bytes(needed - available),
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl Backend for HostBackend {
     type Stream = HostStream;
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
+        check_available(arena_bytes, host_bytes, memory_available())?;
         Ok(Self {
             arena: Region::new(arena_bytes, "device arena")?,
             host: Region::new(host_bytes, "host region")?,
@@ -401,6 +431,24 @@ impl Backend for HostBackend {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn more_than_the_available_memory_is_refused_up_front() {
+        let Some(available) = memory_available() else {
+            return; // no /proc/meminfo: nothing to check against
+        };
+        // More than is available: the lazy allocation would succeed and the run be killed when
+        // it touched the pages.
+        let e = HostBackend::new(available / 2 + (64 << 20), available / 2, 0)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("available") && e.contains("missing"), "{e}");
+        assert!(check_available(1, 1, Some(2)).is_ok());
+        assert!(check_available(2, 1, Some(2)).is_err());
+        assert!(check_available(u64::MAX, 1, None).is_ok());
+    }
+
     use super::*;
 
     #[test]

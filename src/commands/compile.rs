@@ -22,6 +22,14 @@ pub struct Args {
 
 /// Compiles, writes the schedule and prints the plan.
 pub fn run(args: Args) -> Result<()> {
+    let model_files = super::model_inputs(&args.model);
+    let mut inputs: Vec<&std::path::Path> = model_files.iter().map(|p| p.as_path()).collect();
+    if let Some(hardware) = &args.compile.machine.hardware {
+        inputs.push(std::path::Path::new(hardware));
+    }
+    if let Some(path) = &args.output {
+        super::check_output(path, &inputs)?;
+    }
     let config = protrain::models::load(&args.model)?;
     let options = args.compile.options(&config)?;
     let profile = options.hardware.clone();
@@ -31,9 +39,10 @@ pub fn run(args: Args) -> Result<()> {
         .output
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}.ptsched", file_stem(&config.name))));
+    super::check_output(&path, &inputs)?;
     protrain::ir::file::write(&path, &compiled.schedule)?;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&summary_json(&compiled, &path))
                 .expect("JSON values serialise")
@@ -107,7 +116,7 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
     let h = &s.header;
     let p = &h.prediction;
     let (tokens_per_s, tflops) = rates(s);
-    println!(
+    outln!(
         "compiled {} ({} parameters, batch {} x seq {}, {}) for {} in {:.3} s",
         h.model,
         format_count(h.param_count),
@@ -118,8 +127,8 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
         c.compile_seconds
     );
     let streamed = s.chunks.len() as u32 - h.policy.n_persist;
-    println!("policy          {}", h.policy);
-    println!(
+    outln!("policy          {}", h.policy);
+    outln!(
         "                {} of {} chunks of {} persistent, {} streamed through {} buffer(s); layers: {} kept, {} checkpointed, {} swapped",
         h.policy.n_persist,
         s.chunks.len(),
@@ -131,15 +140,15 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
         h.policy.count(BlockMode::Swap)
     );
     let ph = &c.simulation.phase_seconds;
-    println!(
+    outln!(
         "predicted step  {:.4} s (compute: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s)",
         p.step_seconds, ph.forward, ph.backward, ph.recompute, ph.optimizer
     );
-    println!("throughput      {tokens_per_s:.0} tokens/s, {tflops:.1} TFLOP/s");
+    outln!("throughput      {tokens_per_s:.0} tokens/s, {tflops:.1} TFLOP/s");
     let gap = p.peak_device_bytes.saturating_sub(p.lower_bound_bytes) as f64
         / p.lower_bound_bytes.max(1) as f64
         * 100.0;
-    println!(
+    outln!(
         "device memory   {} of {} budget (lower bound {}, gap {:.2}%)",
         format_bytes(p.peak_device_bytes),
         format_bytes(h.device_budget_bytes),
@@ -154,21 +163,21 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
         ("workspace", m.workspace),
         ("inputs", m.inputs),
     ] {
-        println!("  {what:<15}{}", format_bytes(bytes));
+        outln!("  {what:<15}{}", format_bytes(bytes));
     }
-    println!(
+    outln!(
         "host memory     {} of {}",
         format_bytes(p.host_bytes),
         format_bytes(h.host_budget_bytes)
     );
     for (stream, busy) in s.streams.iter().zip(&p.stream_busy_seconds) {
-        println!("  {:<15}{busy:.4} s busy", stream.name);
+        outln!("  {:<15}{busy:.4} s busy", stream.name);
     }
     if let Some(fusion) = &c.fusion {
-        print!("{}", fusion.to_text());
+        out!("{}", fusion.to_text());
     }
     if let Some(report) = &c.report {
-        print!("search          {}", report.to_text());
+        out!("search          {}", report.to_text());
     }
-    println!("schedule        {}", path.display());
+    outln!("schedule        {}", path.display());
 }

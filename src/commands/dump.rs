@@ -107,6 +107,10 @@ impl Args {
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
 /// and prints it.
 pub fn run(args: Args) -> Result<()> {
+    if let Some(path) = &args.output {
+        let inputs = super::model_inputs(&args.model);
+        super::check_output(path, &[&inputs[0], &inputs[1]])?;
+    }
     let text = if is_schedule_file(Path::new(&args.model)) {
         if !args.stage.in_schedule() {
             return Err(Error::Usage(format!(
@@ -129,7 +133,8 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         model_stage(&args)?
     };
-    write_output(args.output.as_deref(), &text)
+    let inputs = super::model_inputs(&args.model);
+    write_output(args.output.as_deref(), &[&inputs[0], &inputs[1]], &text)
 }
 
 /// Whether `path` names a schedule: a `.ptsched` file, or any file that starts with the

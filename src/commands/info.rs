@@ -18,32 +18,34 @@ pub fn run(args: Args) -> Result<()> {
     let config = protrain::models::load(&args.model)?;
     let info = config.info()?;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&info).expect("info serialises")
         );
         return Ok(());
     }
     let states = &info.model_state_bytes;
-    println!("{} ({})", info.name, info.model_type);
-    println!("  layers             {}", info.layers);
-    println!("  hidden size        {}", info.hidden);
-    println!(
+    outln!("{} ({})", info.name, info.model_type);
+    outln!("  layers             {}", info.layers);
+    outln!("  hidden size        {}", info.hidden);
+    outln!(
         "  heads              {} (KV heads {}, head dim {})",
-        info.heads, info.kv_heads, info.head_dim
+        info.heads,
+        info.kv_heads,
+        info.head_dim
     );
-    println!("  intermediate size  {}", info.intermediate);
-    println!("  vocab              {}", info.vocab);
-    println!("  max positions      {}", info.max_positions);
-    println!("  parameters         {}", format_count(info.parameters));
-    println!(
+    outln!("  intermediate size  {}", info.intermediate);
+    outln!("  vocab              {}", info.vocab);
+    outln!("  max positions      {}", info.max_positions);
+    outln!("  parameters         {}", format_count(info.parameters));
+    outln!(
         "  model states       {} (16 bytes per parameter)",
         format_bytes(states.total)
     );
-    println!("    bf16 params      {}", format_bytes(states.params));
-    println!("    bf16 grads       {}", format_bytes(states.grads));
-    println!("    fp32 master      {}", format_bytes(states.master));
-    println!("    fp32 Adam m      {}", format_bytes(states.adam_m));
-    println!("    fp32 Adam v      {}", format_bytes(states.adam_v));
+    outln!("    bf16 params      {}", format_bytes(states.params));
+    outln!("    bf16 grads       {}", format_bytes(states.grads));
+    outln!("    fp32 master      {}", format_bytes(states.master));
+    outln!("    fp32 Adam m      {}", format_bytes(states.adam_m));
+    outln!("    fp32 Adam v      {}", format_bytes(states.adam_v));
     Ok(())
 }

@@ -12,26 +12,41 @@ pub mod train;
 use protrain::ir::{parse_size, DType, HardwareProfile};
 use protrain::models::ModelConfig;
 use protrain::{default_shape, CompileOptions, Error, PolicyChoice, Result};
-use std::io::Write;
 use std::path::Path;
 
 /// Writes `text` to `path` atomically (a full disk leaves the old file, not part of a new
-/// one), or to standard output when there is no path.
-pub fn write_output(path: Option<&Path>, text: &str) -> Result<()> {
+/// one), or to standard output when there is no path. `inputs` are the files the command
+/// read, which `path` must not be; nor may it be a device or anything else but a regular file
+/// ([`protrain::ir::output::check_target`]).
+pub fn write_output(path: Option<&Path>, inputs: &[&Path], text: &str) -> Result<()> {
     match path {
-        Some(path) => protrain::ir::output::write_atomic(path, |w| w.write_all(text.as_bytes()))
-            .map_err(|source| Error::Write {
-                path: path.to_path_buf(),
-                source,
-            }),
+        Some(path) => protrain::ir::output::write_atomic_checked(path, inputs, |w| {
+            w.write_all(text.as_bytes())
+        })
+        .map_err(|source| Error::Write {
+            path: path.to_path_buf(),
+            source,
+        }),
         None => {
-            let mut out = std::io::stdout().lock();
-            // A closed pipe (`protrain dump ... | head`) is not an error worth reporting.
-            let _ = out.write_all(text.as_bytes());
-            let _ = out.flush();
+            crate::out::write_all(text.as_bytes());
             Ok(())
         }
     }
+}
+
+/// Fails unless `path` may be written: not a device or directory, not one of `inputs`.
+/// Commands call it before their work, so that a long run does not end unable to write.
+pub fn check_output(path: &Path, inputs: &[&Path]) -> Result<()> {
+    protrain::ir::output::check_target(path, inputs).map_err(|source| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The files a MODEL argument may name: the path itself and, for a directory, its config.json.
+pub fn model_inputs(model: &str) -> [std::path::PathBuf; 2] {
+    let path = Path::new(model);
+    [path.to_path_buf(), path.join("config.json")]
 }
 
 /// The sequence length to use: the one asked for, else `default` capped at the model's

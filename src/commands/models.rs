@@ -31,18 +31,20 @@ pub fn run(args: Args) -> Result<()> {
                 })
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&list).expect("json values serialise")
         );
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<14} {:<8} {:>16}  DESCRIPTION",
-        "NAME", "TYPE", "PARAMETERS"
+        "NAME",
+        "TYPE",
+        "PARAMETERS"
     );
     for (preset, info) in rows {
-        println!(
+        outln!(
             "{:<14} {:<8} {:>16}  {}",
             preset.name,
             info.model_type,

@@ -46,6 +46,9 @@ pub struct Args {
     output: Option<PathBuf>,
 }
 
+/// The most times `--repeats` may time each op.
+const MAX_REPEATS: usize = 100_000;
+
 /// Builds the training graph, measures the backend and writes the profile.
 pub fn run(args: Args) -> Result<()> {
     if args.backend == BackendKind::Cuda {
@@ -55,6 +58,19 @@ pub fn run(args: Args) -> Result<()> {
         return Err(Error::Usage(
             "--repeats must be at least 1; each op is timed that many times".into(),
         ));
+    }
+    // The profiler keeps every time it measures (for the median): bound what it allocates.
+    if args.repeats > MAX_REPEATS {
+        return Err(Error::Usage(format!(
+            "--repeats {} is more than {MAX_REPEATS}; the median of that many timings is as \
+             good as of more, and each op would take that many runs",
+            args.repeats
+        )));
+    }
+    let model_files = super::model_inputs(&args.model);
+    let inputs: [&std::path::Path; 2] = [&model_files[0], &model_files[1]];
+    if let Some(path) = &args.output {
+        super::check_output(path, &inputs)?;
     }
     let config = protrain::models::load(&args.model)?;
     let options = ProfileOptions {
@@ -125,42 +141,45 @@ pub fn run(args: Args) -> Result<()> {
                 print_cuda(&profiled, &graph, &config.name, batch, seq, path);
             }
             let text = profiled.profile.to_json()?;
-            write_output(args.output.as_deref(), &format!("{text}\n"))?;
+            write_output(args.output.as_deref(), &inputs, &format!("{text}\n"))?;
             return Ok(());
         }
     };
     let text = profiled.profile.to_json()?;
-    write_output(args.output.as_deref(), &format!("{text}\n"))?;
+    write_output(args.output.as_deref(), &inputs, &format!("{text}\n"))?;
     if let Some(path) = &args.output {
         let p = &profiled.profile;
-        println!(
+        outln!(
             "profiled {} (batch {} x seq {}, f32) on the host in {:.1} s",
-            config.name, batch, seq, profiled.elapsed_seconds
+            config.name,
+            batch,
+            seq,
+            profiled.elapsed_seconds
         );
-        println!(
+        outln!(
             "ops             {} distinct of {}, {:.4} s per serial step",
             p.measured_ops.len(),
             graph.op_count(),
             profiled.graph_seconds
         );
-        println!(
+        outln!(
             "copies          {:.2} GB/s host->device, {:.2} GB/s device->host, {:.1} us launch",
             p.h2d_bandwidth / 1e9,
             p.d2h_bandwidth / 1e9,
             p.launch_overhead_s * 1e6
         );
-        println!(
+        outln!(
             "host            {:.2} GB/s memcpy, Adam {:.1} M params/s, {:.1} GFLOP/s f32 peak",
             p.host_memcpy_bandwidth / 1e9,
             p.cpu_adam_params_per_s / 1e6,
             p.peak_flops.f32 / 1e9
         );
-        println!(
+        outln!(
             "memory          {} device, {} host (from the host preset)",
             format_bytes(p.device_memory_bytes),
             format_bytes(p.host_memory_bytes)
         );
-        println!("profile         {}", path.display());
+        outln!("profile         {}", path.display());
     }
     Ok(())
 }
@@ -175,17 +194,18 @@ fn print_cuda(
     path: &std::path::Path,
 ) {
     let h = &p.profile;
-    println!(
+    outln!(
         "profiled {model} (batch {batch} x seq {seq}, bf16) on {} in {:.1} s",
-        h.name, p.elapsed_seconds
+        h.name,
+        p.elapsed_seconds
     );
-    println!(
+    outln!(
         "ops             {} distinct of {}, {:.4} s per serial step",
         h.measured_ops.len(),
         graph.op_count(),
         p.graph_seconds
     );
-    println!(
+    outln!(
         "matmul          {:.0} TFLOP/s bf16, {:.1} TFLOP/s f32 (written as peaks of {:.0} and \
          {:.1}, the roofline's 0.7 efficiency undone)",
         h.peak_flops.bf16 * 0.7 / 1e12,
@@ -193,7 +213,7 @@ fn print_cuda(
         h.peak_flops.bf16 / 1e12,
         h.peak_flops.f32 / 1e12
     );
-    println!(
+    outln!(
         "memory          {:.0} GB/s device, {:.2} GB/s host->device, {:.2} GB/s device->host \
          (pinned), {:.1} us launch",
         h.device_bandwidth / 1e9,
@@ -201,18 +221,18 @@ fn print_cuda(
         h.d2h_bandwidth / 1e9,
         h.launch_overhead_s * 1e6
     );
-    println!(
+    outln!(
         "adam            {:.0} M params/s on the GPU, {:.1} M params/s on the CPU",
         h.gpu_adam_params_per_s / 1e6,
         h.cpu_adam_params_per_s / 1e6
     );
-    println!(
+    outln!(
         "capacity        {} device ({} reserved), {} host",
         format_bytes(h.device_memory_bytes),
         format_bytes(h.reserved_device_bytes),
         format_bytes(h.host_memory_bytes)
     );
-    println!("profile         {}", path.display());
+    outln!("profile         {}", path.display());
 }
 
 /// The CUDA side of `profile`, or why there is none in this build.

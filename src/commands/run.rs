@@ -6,7 +6,7 @@ use protrain::compiler::simulate::{
 };
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Graph, OpKind, Schedule};
-use protrain::runtime::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
+use protrain::runtime::checkpoint::{self, OptimizerSettings, Progress};
 use protrain::runtime::data::{Batcher, TokenStream};
 use protrain::runtime::params::{init_params, load_params, save_params};
 use protrain::runtime::synthetic::SyntheticCorpus;
@@ -289,9 +289,11 @@ fn vocab_of(graph: &Graph) -> Option<usize> {
         .map(|n| n as usize)
 }
 
-/// Fails unless `path`'s directory exists, so that a run does not train for an hour and
-/// then fail to write its output.
-fn check_writable(flag: &str, path: &Path) -> Result<()> {
+/// Fails unless `path`'s directory exists and `path` may be written (a regular file or
+/// nothing, none of `inputs`), so that a run does not train for an hour and then fail to write
+/// its output.
+fn check_writable(flag: &str, path: &Path, inputs: &[&Path]) -> Result<()> {
+    super::check_output(path, inputs)?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -358,11 +360,16 @@ fn execute_on<B: Backend>(
         (Some(_), every) => every,
         (None, None) => None,
     };
+    let inputs: Vec<&Path> = [&args.data, &args.init]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+        .collect();
     if let Some(path) = &args.save {
-        check_writable("--save", path)?;
+        check_writable("--save", path, &inputs)?;
     }
     if let Some(path) = &args.trace {
-        check_writable("--trace", path)?;
+        check_writable("--trace", path, &inputs)?;
     }
     let vocab = vocab_of(graph).ok_or_else(|| {
         Error::Usage("the schedule's graph takes no token ids; compile a language model".into())
@@ -386,16 +393,22 @@ fn execute_on<B: Backend>(
         .map_or("the synthetic corpus".into(), |p| p.display().to_string());
     let batcher = Batcher::new(stream, batch, seq)?;
 
+    if let Some(dir) = &checkpoint_dir {
+        checkpoint::check_dir_is_ours(dir, args.resume.as_deref())?;
+    }
     let mut executor = Executor::<B>::with_backend(schedule)?;
     let mut notes = Vec::new();
     let first = match &args.resume {
         Some(dir) => {
-            let path = checkpoint::latest(dir)?;
-            let ckpt = Checkpoint::load(&path, schedule)?;
+            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
+            notes.extend(warnings);
+            check_finite(&ckpt.params, graph, || {
+                format!("the checkpoint {}", ckpt.path.display())
+            })?;
             ckpt.restore(&mut executor)?;
             notes.push(format!(
                 "resuming from {} (step {})",
-                path.display(),
+                ckpt.path.display(),
                 ckpt.progress.step
             ));
             // The synthetic corpus grows with --steps, always from the same start, so only a
@@ -415,6 +428,10 @@ fn execute_on<B: Backend>(
                 Some(path) => load_params(graph, path)?,
                 None => init_params(graph, args.seed),
             };
+            check_finite(&values, graph, || match &args.init {
+                Some(path) => format!("--init {}", path.display()),
+                None => format!("the initialisation from --seed {}", args.seed),
+            })?;
             executor.load_params(&values)?;
             0
         }
@@ -455,7 +472,7 @@ fn execute_on<B: Backend>(
     };
     let report_every = (args.steps / 10).max(1);
     // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
-    let row = |text: String| bar.suspend(|| println!("{text}"));
+    let row = |text: String| bar.suspend(|| outln!("{text}"));
     if !args.json && to_run > 0 {
         row(format!(
             "{:>6}  {:>10}  {:>10}  {:>12}",
@@ -463,9 +480,13 @@ fn execute_on<B: Backend>(
         ));
     }
     let started = Instant::now();
-    let mut losses = Vec::with_capacity(to_run as usize);
-    let mut wall = Vec::with_capacity(to_run as usize);
+    // Only what the summary needs is kept: --steps may be any number, and nothing may grow
+    // with it (a long run would otherwise hold a loss and a time per step).
+    let mut losses = Losses::default();
+    let mut wall = WallTimes::default();
     let mut busy = vec![0.0f64; schedule.streams.len()];
+    // The last finite loss and its gradient norm, for the message if the loss stops being so.
+    let mut previous: Option<(f32, Option<f32>)> = None;
     for step in first..args.steps {
         if args.trace.is_some() && step + 1 == args.steps {
             executor.set_tracing(true);
@@ -484,6 +505,9 @@ fn execute_on<B: Backend>(
             }
         }
         losses.push(report.loss);
+        if report.loss.is_finite() {
+            previous = Some((report.loss, report.grad_norm));
+        }
         if args.json {
             let line = serde_json::json!({
                 "step": step + 1,
@@ -492,7 +516,7 @@ fn execute_on<B: Backend>(
                 "tokens_per_s": tokens_per_s,
                 "step_s": timing.wall_seconds,
             });
-            println!("{line}");
+            outln!("{line}");
         } else {
             bar.set_message(format!("loss {:.4}", report.loss));
             bar.inc(1);
@@ -509,10 +533,13 @@ fn execute_on<B: Backend>(
         }
         if !report.loss.is_finite() {
             bar.abandon();
-            return Err(Error::Usage(format!(
-                "the loss became {} at step {}; lower --lr or set --grad-clip",
+            return Err(Error::Usage(non_finite_loss(
+                graph,
                 report.loss,
-                step + 1
+                step + 1,
+                step == first,
+                previous,
+                &executor.params()?,
             )));
         }
         if let (Some(dir), Some(every)) = (&checkpoint_dir, save_every) {
@@ -530,30 +557,30 @@ fn execute_on<B: Backend>(
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
-    if !args.json && !losses.is_empty() {
-        let tail = &losses[losses.len().saturating_sub(10)..];
+    if let (false, Some(first_loss)) = (args.json, losses.first) {
+        let tail = &losses.last;
         let last = tail.iter().sum::<f32>() / tail.len() as f32;
-        println!(
+        outln!(
             "loss {:.4} -> {:.4} (mean of the last {}) in {:.1} s, {:.0} tokens/s",
-            losses[0],
+            first_loss,
             last,
             tail.len(),
             elapsed,
-            (tokens_per_step as f64 * losses.len() as f64) / elapsed
+            (tokens_per_step as f64 * losses.count as f64) / elapsed
         );
     }
-    if !wall.is_empty() {
+    if wall.count > 0 {
         let report = timing_report(schedule, &wall, &busy);
         if args.json {
             eprint!("{report}");
         } else {
-            print!("{report}");
+            out!("{report}");
         }
     }
     if let Some(path) = &args.save {
         save_params(graph, &executor.params()?, path, StorageDtype::F32)?;
         if !args.json {
-            println!("saved weights to {}", path.display());
+            outln!("saved weights to {}", path.display());
         }
     }
     if let Some(path) = &args.trace {
@@ -568,30 +595,138 @@ fn execute_on<B: Backend>(
                 ),
             ),
         };
-        super::write_output(Some(path), &text)?;
+        super::write_output(Some(path), &inputs, &text)?;
         let line = format!("wrote the last step's timeline to {}{note}", path.display());
         if args.json {
             eprintln!("{line}");
         } else {
-            println!("{line}");
+            outln!("{line}");
         }
     }
     Ok(())
 }
 
+/// The losses the summary line needs: the first, and the last [`Losses::TAIL`].
+#[derive(Default)]
+struct Losses {
+    first: Option<f32>,
+    last: std::collections::VecDeque<f32>,
+    count: u64,
+}
+
+impl Losses {
+    /// How many of the last losses the summary averages.
+    const TAIL: usize = 10;
+
+    fn push(&mut self, loss: f32) {
+        self.first.get_or_insert(loss);
+        if self.last.len() == Self::TAIL {
+            self.last.pop_front();
+        }
+        self.last.push_back(loss);
+        self.count += 1;
+    }
+}
+
+/// The step wall times the timing report needs: the first, and the sum of the others.
+#[derive(Default)]
+struct WallTimes {
+    first: f64,
+    rest: f64,
+    count: u64,
+}
+
+impl WallTimes {
+    fn push(&mut self, seconds: f64) {
+        if self.count == 0 {
+            self.first = seconds;
+        } else {
+            self.rest += seconds;
+        }
+        self.count += 1;
+    }
+}
+
+/// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
+/// naming it and where the weights came from (`source`): training from them can only give a
+/// NaN loss.
+fn check_finite(values: &[Vec<f32>], graph: &Graph, source: impl Fn() -> String) -> Result<()> {
+    for ((_, p), data) in graph.params().zip(values) {
+        if let Some(bad) = data.iter().find(|v| !v.is_finite()) {
+            let count = data.iter().filter(|v| !v.is_finite()).count();
+            return Err(Error::Usage(format!(
+                "the weights from {} are not finite: {} holds {bad} ({count} of its {} values); \
+                 training from them can only give a NaN loss. Use other weights",
+                source(),
+                p.name,
+                data.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Why the loss of step `step` is `loss` (NaN or infinite), from what was seen: the weights
+/// now (`params`), whether this was the run's first step, the last finite loss and gradient
+/// norm, and the optimizer settings.
+fn non_finite_loss(
+    graph: &Graph,
+    loss: f32,
+    step: u64,
+    first_of_run: bool,
+    previous: Option<(f32, Option<f32>)>,
+    params: &[Vec<f32>],
+) -> String {
+    let head = format!("the loss became {loss} at step {step}");
+    let broken: Vec<&str> = graph
+        .params()
+        .zip(params)
+        .filter(|(_, data)| data.iter().any(|v| !v.is_finite()))
+        .map(|((_, p), _)| p.name.as_str())
+        .collect();
+    // An --eps of 0 never gets here: the verifier refuses it (0/0 in AdamW).
+    let settings = OptimizerSettings::of(graph);
+    if first_of_run {
+        return format!(
+            "{head}, the first step of this run, from finite weights: the forward pass itself \
+             overflowed; check the data and the weights' scale"
+        );
+    }
+    let seen = match previous {
+        Some((last, Some(norm))) => {
+            format!(" (the step before: loss {last}, gradient norm {norm})")
+        }
+        Some((last, None)) => format!(" (the step before: loss {last})"),
+        None => String::new(),
+    };
+    let weights = match broken.len() {
+        0 => String::new(),
+        n => format!(
+            "; the update made {n} parameter tensor(s) non-finite, first {}",
+            broken[0]
+        ),
+    };
+    let way_out = if settings.is_some_and(|s| s.grad_clip.is_some()) {
+        "lower --lr"
+    } else {
+        "lower --lr or set --grad-clip"
+    };
+    format!("{head}{seen}{weights}: training diverged; {way_out}")
+}
+
 /// Predicted against measured: the step time (the mean over the steps after the first, which
 /// warms caches and the thread pool) and each stream's busy time.
-fn timing_report(schedule: &Schedule, wall: &[f64], busy_sums: &[f64]) -> String {
+fn timing_report(schedule: &Schedule, wall: &WallTimes, busy_sums: &[f64]) -> String {
     let p = &schedule.header.prediction;
-    let (measured, over, busy): (f64, String, Vec<f64>) = if wall.len() > 1 {
-        let n = (wall.len() - 1) as f64;
+    let (measured, over, busy): (f64, String, Vec<f64>) = if wall.count > 1 {
+        let n = (wall.count - 1) as f64;
         (
-            wall[1..].iter().sum::<f64>() / n,
-            format!("mean of the {} steps after the first", wall.len() - 1),
+            wall.rest / n,
+            format!("mean of the {} steps after the first", wall.count - 1),
             busy_sums.iter().map(|b| b / n).collect(),
         )
     } else {
-        (wall[0], "the only step".into(), Vec::new())
+        (wall.first, "the only step".into(), Vec::new())
     };
     let mut out = format!(
         "step time       predicted {:.4} s, measured {:.4} s ({over})\n",

@@ -83,7 +83,7 @@ fn compiled_for(schedule: &Schedule) -> &str {
 pub fn verify(args: VerifyArgs) -> Result<()> {
     let s = read(&args.schedule)?;
     let instrs: usize = s.streams.iter().map(|st| st.instrs.len()).sum();
-    println!(
+    outln!(
         "{}: valid schedule for {} (batch {} x seq {}), {} instructions on {} streams, {} buffers, arena {} of {} budget, host {}",
         args.schedule.display(),
         s.header.model,
@@ -129,39 +129,47 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             "host_bytes": p.host_bytes,
             "memory": p.memory,
         });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&v).expect("JSON values serialise")
         );
         return Ok(());
     }
     if on == compiled {
-        println!(
+        outln!(
             "{} (batch {} x seq {}, {}) on {}",
-            s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
+            s.header.model,
+            s.header.batch,
+            s.header.seq,
+            s.header.dtype,
+            s.header.hardware
         );
     } else {
-        println!(
+        outln!(
             "{} (batch {} x seq {}, {}) on {on}, compiled for {}",
-            s.header.model, s.header.batch, s.header.seq, s.header.dtype, s.header.hardware
+            s.header.model,
+            s.header.batch,
+            s.header.seq,
+            s.header.dtype,
+            s.header.hardware
         );
     }
-    println!("policy   {}", s.header.policy);
+    outln!("policy   {}", s.header.policy);
     let why = s.header.report.trim_end().replace('\n', "\n         ");
     if on == compiled {
-        println!("why      {why}");
+        outln!("why      {why}");
     } else {
         // The report is the compiler's reasoning with the compile-time hardware's times.
-        println!("why      (chosen for {compiled}, with {compiled}'s times)\n         {why}");
+        outln!("why      (chosen for {compiled}, with {compiled}'s times)\n         {why}");
     }
-    println!(
+    outln!(
         "memory   {} device (lower bound {}), {} host",
         format_bytes(p.peak_device_bytes),
         format_bytes(p.lower_bound_bytes),
         format_bytes(p.host_bytes)
     );
     let m = &p.memory;
-    println!(
+    outln!(
         "         at the peak: persistent {}, chunk buffers {}, activations {}, workspace {}, inputs {}",
         format_bytes(m.persistent),
         format_bytes(m.chunk_buffers),
@@ -169,7 +177,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         format_bytes(m.workspace),
         format_bytes(m.inputs)
     );
-    println!(
+    outln!(
         "time     {:.4} s per step: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s on the compute stream; {:.4} s of communication not hidden",
         sim.step_seconds,
         ph.forward,
@@ -179,7 +187,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         sim.exposed_communication_seconds()
     );
     for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
-        println!(
+        outln!(
             "  {:<16}{busy:.4} s busy, {} instructions",
             st.name,
             st.instrs.len()
@@ -190,11 +198,12 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
 
 /// `protrain trace`: the predicted timeline as a Chrome trace.
 pub fn trace(args: TraceArgs) -> Result<()> {
+    super::check_output(&args.output, &[&args.schedule])?;
     let s = read(&args.schedule)?;
     let (sim, _) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);
-    super::write_output(Some(&args.output), &json)?;
-    println!(
+    super::write_output(Some(&args.output), &[&args.schedule], &json)?;
+    outln!(
         "wrote {} spans over {:.4} s to {}",
         sim.timeline.len(),
         sim.step_seconds,
