@@ -107,7 +107,7 @@ mod cost {
     }
 
     #[test]
-    fn attention_uses_its_own_efficiency() {
+    fn attention_is_priced_as_gemms_over_whole_score_matrices() {
         let p = profile("h100");
         let qkv = TensorType::new([8, 1024, 3 * 768], DType::BF16);
         let out = TensorType::new([8, 1024, 768], DType::BF16);
@@ -120,20 +120,33 @@ mod cost {
             qkv: QkvLayout::Packed,
         };
         assert_eq!(OpClass::of(&attention), OpClass::Attention);
-        let compute = |efficiency| {
+        let time = |efficiency| {
             Roofline::new(p.clone())
                 .with_efficiency(efficiency)
                 .op_time(&attention, &[&qkv], &[&out, &lse], DType::BF16)
-                .compute_s
         };
-        let half = compute(Efficiency::default());
-        let full = compute(Efficiency {
+        let half = time(Efficiency::default());
+        let full = time(Efficiency {
             attention: 1.0,
             ..Efficiency::default()
         });
-        check_close("attention efficiency", half, 2.0 * full);
-        let flops = 4.0 * 8.0 * 12.0 * 64.0 * (1024.0 * 1025.0 / 2.0);
-        check_close("attention flops", full, flops / p.peak(DType::BF16));
+        // Q K^T and P V over all 1024 x 1024 pairs (the mask is applied between the GEMMs),
+        // then the row kernels' score traffic: f32 S written and read, bf16 P written and read.
+        let pairs = 8.0 * 12.0 * 1024.0 * 1024.0;
+        let gemm = 2.0 * 2.0 * pairs * 64.0 / p.peak(DType::BF16);
+        let scores = pairs * (8.0 + 2.0 * 2.0) / p.device_bandwidth;
+        check_close(
+            "attention at full efficiency",
+            full.compute_s,
+            gemm + scores,
+        );
+        check_close("attention at half", half.compute_s, 2.0 * gemm + scores);
+        // One batch of all 12 heads per batch element (48 MiB of scores): three launches each.
+        check_close(
+            "attention launches",
+            full.launch_s,
+            8.0 * 3.0 * p.launch_overhead_s,
+        );
     }
 
     #[test]

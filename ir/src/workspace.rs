@@ -14,6 +14,19 @@ use crate::types::TensorType;
 /// and for the 16-byte vector loads a kernel may use.
 pub const WORKSPACE_ALIGN: u64 = 16;
 
+/// Most bytes of one f32 score matrix batch `[heads, T, T]` of attention on the CUDA backend,
+/// which runs its products as strided-batched GEMMs over a batch of KV heads at a time: the
+/// batch is as many heads as fit in this (at least one), so the workspace stays bounded
+/// whatever the model (FlashAttention's memory behaviour, by head batches rather than tiles).
+pub const ATTENTION_SCORE_BYTES: u64 = 64 << 20;
+
+/// KV heads per GEMM batch of attention over sequences of `t` with `kv_heads` KV heads: as
+/// many as keep `[heads, t, t]` f32 scores within [`ATTENTION_SCORE_BYTES`], at least 1.
+pub fn attention_head_batch(kv_heads: u64, t: u64) -> u64 {
+    let per_head = 4 * t * t;
+    (ATTENTION_SCORE_BYTES / per_head.max(1)).clamp(1, kv_heads.max(1))
+}
+
 /// One part of a workspace: `bytes` bytes at `offset` from the workspace's start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
@@ -51,10 +64,23 @@ pub enum Scratch {
     RowLoss,
     /// Attention backward's `sum(dout * out)` per query row (f32 `[B, H, T]`).
     Delta,
+    /// Attention's scores of one batch of heads (f32 `[heads, T, T]`, [`attention_head_batch`]
+    /// heads), overwritten in place by the probabilities in the activations' dtype.
+    Scores,
+    /// Attention backward's probability gradients of one batch of heads (f32
+    /// `[heads, T, T]`), overwritten in place by the score gradients in the activations' dtype.
+    ScoreGrads,
     /// The token embedding backward's first and last position of each token id (i32 `[V, 2]`).
     TokenSpan,
     /// A gradient's squared-norm partial sums (f64, [`grad_norm_partials`] of them).
     NormPartials,
+}
+
+/// Bytes of one batch of f32 attention scores for `q` `[B, T, *]`: [`attention_head_batch`]
+/// matrices of `[T, T]`.
+fn attention_scores(kv_heads: u64, q: Option<&TensorType>) -> u64 {
+    let t = q.and_then(|q| q.shape.get(1).copied()).unwrap_or(0);
+    4 * attention_head_batch(kv_heads, t) * t * t
 }
 
 /// The parts of one op's workspace, in address order. See the module doc.
@@ -133,13 +159,20 @@ impl WorkspaceLayout {
                 }
             }
             OpKind::CrossEntropy => l.push(Scratch::RowLoss, 4 * rows),
-            // The log-sum-exp input has the delta's shape `[B, H, T]`.
-            OpKind::AttentionBackward { qkv, .. } => {
+            OpKind::Attention { kv_heads, .. } => {
+                l.push(Scratch::Scores, attention_scores(*kv_heads, x(0)));
+            }
+            // The log-sum-exp input has the delta's shape `[B, H, T]`. The host kernels use
+            // the delta only; the score parts are the CUDA backend's (see `Scratch::Scores`).
+            OpKind::AttentionBackward { qkv, kv_heads, .. } => {
                 let lse = match qkv {
                     QkvLayout::Separate => x(4),
                     QkvLayout::Packed => x(2),
                 };
                 l.push(Scratch::Delta, lse.map_or(0, |t| 4 * t.numel()));
+                let scores = attention_scores(*kv_heads, x(0));
+                l.push(Scratch::Scores, scores);
+                l.push(Scratch::ScoreGrads, scores);
             }
             OpKind::EmbeddingBackward { rows: vocab, .. } => l.push(Scratch::TokenSpan, 8 * vocab),
             OpKind::GradNormSq => l.push(
@@ -156,7 +189,6 @@ impl WorkspaceLayout {
             | OpKind::Swiglu
             | OpKind::Add
             | OpKind::Rope { .. }
-            | OpKind::Attention { .. }
             | OpKind::FusedLinear { .. }
             | OpKind::PositionEmbeddingBackward { .. }
             | OpKind::GeluBackward
@@ -269,6 +301,73 @@ mod tests {
             assert!(l.parts().is_empty(), "{kind:?}");
             assert_eq!(kind.workspace_bytes(&[&x, &x, &x]), 0);
         }
+    }
+
+    #[test]
+    fn attention_scores_follow_the_delta_and_stay_within_the_cap() {
+        // GQA, bf16, odd T: the delta [1, 4, 5] f32 is 80 bytes; the scores of both KV heads
+        // (2 * 5 * 5 f32 = 200 bytes) follow it aligned, the gradients after them.
+        let (q, kv) = (t(&[1, 5, 12], DType::BF16), t(&[1, 5, 6], DType::BF16));
+        let lse = t(&[1, 4, 5], DType::F32);
+        let attn = |backward: bool| {
+            let (heads, kv_heads, head_dim, window, qkv) = (4, 2, 3, None, QkvLayout::Separate);
+            if backward {
+                OpKind::AttentionBackward {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window,
+                    qkv,
+                }
+            } else {
+                OpKind::Attention {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window,
+                    qkv,
+                }
+            }
+        };
+        let l = WorkspaceLayout::of(&attn(true), &[&q, &kv, &kv, &q, &lse, &q]);
+        check_well_formed(&l);
+        assert_eq!(
+            l.get(Scratch::Delta),
+            Some(Region {
+                offset: 0,
+                bytes: 80
+            })
+        );
+        assert_eq!(
+            l.get(Scratch::Scores),
+            Some(Region {
+                offset: 80,
+                bytes: 200
+            })
+        );
+        assert_eq!(
+            l.get(Scratch::ScoreGrads),
+            Some(Region {
+                offset: 288,
+                bytes: 200
+            })
+        );
+        let f = WorkspaceLayout::of(&attn(false), &[&q, &kv, &kv]);
+        assert_eq!(
+            f.parts(),
+            &[(
+                Scratch::Scores,
+                Region {
+                    offset: 0,
+                    bytes: 200
+                }
+            )]
+        );
+        // A batch never exceeds the cap unless one head does; there is always one head.
+        assert_eq!(attention_head_batch(32, 1024), 16);
+        assert_eq!(attention_head_batch(8, 8192), 1);
+        assert_eq!(attention_head_batch(3, 1), 3);
+        assert_eq!(attention_head_batch(0, 0), 1);
     }
 
     #[test]

@@ -589,12 +589,16 @@ fn rope_forward_and_backward() {
 fn attention_forward_and_backward() {
     for dtype in DTYPES {
         // (heads, kv_heads, head_dim, window, qkv, seq): grouped heads, a sliding window,
-        // GPT-2's packed layout, and the largest head the kernels take.
+        // GPT-2's packed layout, heads wider than the old scalar kernels took (the GEMM path
+        // has no limit), and T = 2048 with 5 KV heads: 16 MiB of f32 scores per head, so the
+        // plan runs two GEMM batches of KV heads (4, then 1), each for both heads of a group.
         let shapes = [
             (4u64, 2u64, 16u64, None, QkvLayout::Separate, 37u64),
             (4, 4, 32, Some(5), QkvLayout::Separate, 70),
             (3, 3, 32, None, QkvLayout::Packed, 45),
             (2, 1, 128, None, QkvLayout::Separate, 40),
+            (2, 2, 160, Some(16), QkvLayout::Packed, 33),
+            (10, 5, 8, Some(300), QkvLayout::Separate, 2048),
         ];
         for (heads, kv_heads, head_dim, window, qkv, t) in shapes {
             let b = 2u64;

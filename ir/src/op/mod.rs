@@ -458,8 +458,12 @@ impl OpKind {
     /// - a fused linear backward: the gradients of the kept projections, then one input
     ///   gradient's worth for the contributions after the first (both in the activations'
     ///   dtype, as the unfused ops would hold them as values), then bias partials;
-    /// - cross-entropy: each row's loss (f32); attention backward: each query row's
-    ///   `sum(dout * out)` (f32 `[B, H, T]`); token embedding backward: the first and last
+    /// - attention: one batch of f32 score matrices `[heads, T, T]` (the CUDA backend's GEMM
+    ///   path; [`attention_head_batch`](crate::workspace::attention_head_batch) KV heads, at
+    ///   most [`ATTENTION_SCORE_BYTES`](crate::workspace::ATTENTION_SCORE_BYTES) unless one
+    ///   head needs more); attention backward: each query row's `sum(dout * out)` (f32
+    ///   `[B, H, T]`), then the scores and the probability gradients, each as the forward's;
+    /// - cross-entropy: each row's loss (f32); token embedding backward: the first and last
     ///   position of each token id in the sorted order (i32 `[V, 2]`); a gradient's squared
     ///   norm: [`grad_norm_partials`] f64 partial sums.
     ///

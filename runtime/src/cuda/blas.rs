@@ -88,6 +88,27 @@ pub struct Call {
     pub ldc: usize,
 }
 
+/// A strided-batched GEMM (`cublasGemmStridedBatchedEx`): for `i in 0..batch`,
+/// `C_i = alpha op(A_i) op(B_i) + beta C_i` with `X_i = X + i * stride_x` (elements of X's
+/// type). Attention's products, one batch of KV heads at a time (`launch.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Batched {
+    /// The first product's description (addresses of `A_0`, `B_0`, `C_0`).
+    pub first: Call,
+    /// How many products.
+    pub batch: usize,
+    /// Elements between consecutive `A_i`.
+    pub stride_a: usize,
+    /// Elements between consecutive `B_i`.
+    pub stride_b: usize,
+    /// Elements between consecutive `C_i`.
+    pub stride_c: usize,
+    /// The product's factor.
+    pub alpha: f32,
+    /// C's factor: 0 (overwrite) or 1 (accumulate).
+    pub beta: f32,
+}
+
 /// The GEMM computing `y = x W^T` (`OutIn`) or `y = x W` (`InOut`) from the addresses of `x`
 /// `[rows, d_in]`, `w` and `y` `[rows, d_out]`. Builds the description only; issues nothing.
 pub fn forward_call(layout: WeightLayout, d: LinearDims, x: u64, w: u64, y: u64) -> Call {
@@ -294,6 +315,78 @@ impl Gemm {
                 c.c as *mut c_void,
                 data,
                 ldc,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| blas_error(what, e))
+    }
+}
+
+impl Gemm {
+    /// Issues a strided-batched GEMM with A and B in `ab`, C in `c_type`, f32 compute (no
+    /// TF32), the default algorithm (tensor cores for bf16).
+    ///
+    /// # Safety
+    ///
+    /// Every `A_i`, `B_i`, `C_i` holds a matrix of the call's shape and leading dimension in
+    /// its type; no `C_i` overlaps another or an input.
+    pub unsafe fn run_batched(
+        &self,
+        ab: DType,
+        c_type: DType,
+        g: &Batched,
+        what: &str,
+    ) -> Result<()> {
+        let data = |dtype: DType| match dtype {
+            DType::F32 => Ok(cudaDataType::CUDA_R_32F),
+            DType::BF16 => Ok(cudaDataType::CUDA_R_16BF),
+            other => Err(RuntimeError::BadSchedule(format!(
+                "{what}: the CUDA backend runs attention in f32 and bf16, not {other}; compile \
+                 with dtype bf16 or f32"
+            ))),
+        };
+        let (ab_type, c_data) = (data(ab)?, data(c_type)?);
+        let int = |v: usize, name: &str| {
+            c_int::try_from(v).map_err(|_| {
+                RuntimeError::BadSchedule(format!(
+                    "{what}: {name} = {v} is beyond cuBLAS's 32-bit sizes; use a smaller batch"
+                ))
+            })
+        };
+        let c = &g.first;
+        let (m, n, k) = (int(c.m, "m")?, int(c.n, "n")?, int(c.k, "k")?);
+        let (lda, ldb, ldc) = (int(c.lda, "lda")?, int(c.ldb, "ldb")?, int(c.ldc, "ldc")?);
+        let batch = int(g.batch, "batch")?;
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let stride = |v: usize| v as std::ffi::c_longlong;
+        // SAFETY: the handle is live and bound to the stream; alpha and beta are host f32s
+        // matching the f32 compute type; the operands are the caller's contract.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                self.handle,
+                c.ta,
+                c.tb,
+                m,
+                n,
+                k,
+                (&g.alpha as *const f32).cast::<c_void>(),
+                c.a as *const c_void,
+                ab_type,
+                lda,
+                stride(g.stride_a),
+                c.b as *const c_void,
+                ab_type,
+                ldb,
+                stride(g.stride_b),
+                (&g.beta as *const f32).cast::<c_void>(),
+                c.c as *mut c_void,
+                c_data,
+                ldc,
+                stride(g.stride_c),
+                batch,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -647,5 +740,221 @@ mod tests {
                 check_linear(layout, d);
             }
         }
+    }
+}
+
+/// A host model of `cublasGemmStridedBatchedEx` over byte-addressed memory, for the call
+/// plans' tests (`launch.rs`): operands are addresses inside buffers, as on the device, in
+/// f32 or bf16.
+#[cfg(test)]
+pub(super) mod model {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// Device memory as host byte buffers, each at its own base address.
+    #[derive(Default)]
+    pub struct Bytes(Vec<(u64, Vec<u8>)>);
+
+    fn size(dtype: DType) -> u64 {
+        match dtype {
+            DType::BF16 => 2,
+            _ => 4,
+        }
+    }
+
+    impl Bytes {
+        /// A buffer of `len` bytes at `base` (filled with NaN patterns, 0xff).
+        pub fn alloc(&mut self, base: u64, len: u64) {
+            self.0.push((base, vec![0xff; len as usize]));
+        }
+
+        fn locate(&self, addr: u64, len: u64) -> std::result::Result<(usize, usize), String> {
+            self.0
+                .iter()
+                .position(|(b, v)| addr >= *b && addr + len <= b + v.len() as u64)
+                .map(|i| (i, (addr - self.0[i].0) as usize))
+                .ok_or_else(|| format!("{addr:#x} (+{len} bytes) lies in no buffer"))
+        }
+
+        /// The element of `dtype` at `addr`.
+        pub fn read(&self, dtype: DType, addr: u64) -> std::result::Result<f32, String> {
+            let n = size(dtype);
+            let (i, at) = self.locate(addr, n)?;
+            let b = &self.0[i].1[at..at + n as usize];
+            Ok(match dtype {
+                DType::BF16 => half::bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32(),
+                _ => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+            })
+        }
+
+        /// Writes `v` as `dtype` (bf16 rounded to nearest even) at `addr`.
+        pub fn write(
+            &mut self,
+            dtype: DType,
+            addr: u64,
+            v: f32,
+        ) -> std::result::Result<(), String> {
+            let n = size(dtype);
+            let (i, at) = self.locate(addr, n)?;
+            let dst = &mut self.0[i].1[at..at + n as usize];
+            match dtype {
+                DType::BF16 => {
+                    dst.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_ne_bytes())
+                }
+                _ => dst.copy_from_slice(&v.to_ne_bytes()),
+            }
+            Ok(())
+        }
+
+        /// `values` as `dtype` from `addr` on.
+        pub fn store(&mut self, dtype: DType, addr: u64, values: &[f32]) {
+            for (i, &v) in values.iter().enumerate() {
+                self.write(dtype, addr + size(dtype) * i as u64, v).unwrap();
+            }
+        }
+
+        /// `n` elements of `dtype` from `addr` on.
+        pub fn load(&self, dtype: DType, addr: u64, n: usize) -> Vec<f32> {
+            (0..n as u64)
+                .map(|i| self.read(dtype, addr + size(dtype) * i).unwrap())
+                .collect()
+        }
+    }
+
+    /// `cublasGemmStridedBatchedEx` with A and B in `ab`, C in `c`, f32 compute: checks the
+    /// leading dimensions as cuBLAS does, that every element read or written lies in a
+    /// buffer, and that no product writes an element any product of the call reads.
+    pub fn gemm_batched(
+        mem: &mut Bytes,
+        g: &Batched,
+        ab: DType,
+        c: DType,
+    ) -> std::result::Result<(), String> {
+        let f = &g.first;
+        let stored =
+            |op, rows: usize, cols: usize| if op == N { (rows, cols) } else { (cols, rows) };
+        for (name, op, rows, cols, ld) in [
+            ("a", f.ta, f.m, f.k, f.lda),
+            ("b", f.tb, f.k, f.n, f.ldb),
+            ("c", N, f.m, f.n, f.ldc),
+        ] {
+            let (r, _) = stored(op, rows, cols);
+            if ld < r.max(1) {
+                return Err(format!(
+                    "ld{name} = {ld} < max(1, {r}): CUBLAS_STATUS_INVALID_VALUE"
+                ));
+            }
+        }
+        // Element (i, j) of op(X), X at `base` with leading dimension `ld`.
+        let addr = |base: u64, dtype, op, ld: usize, i: usize, j: usize| {
+            let idx = if op == N { i + j * ld } else { j + i * ld };
+            base + size(dtype) * idx as u64
+        };
+        let (mut reads, mut writes) = (HashSet::new(), Vec::new());
+        for x in 0..g.batch {
+            let a0 = f.a + size(ab) * (x * g.stride_a) as u64;
+            let b0 = f.b + size(ab) * (x * g.stride_b) as u64;
+            let c0 = f.c + size(c) * (x * g.stride_c) as u64;
+            for j in 0..f.n {
+                for i in 0..f.m {
+                    let mut sum = 0.0f64;
+                    for p in 0..f.k {
+                        let (pa, pb) = (
+                            addr(a0, ab, f.ta, f.lda, i, p),
+                            addr(b0, ab, f.tb, f.ldb, p, j),
+                        );
+                        reads.insert(pa);
+                        reads.insert(pb);
+                        sum += f64::from(mem.read(ab, pa)?) * f64::from(mem.read(ab, pb)?);
+                    }
+                    let pc = addr(c0, c, N, f.ldc, i, j);
+                    let mut v = g.alpha as f64 * sum;
+                    if g.beta != 0.0 {
+                        v += g.beta as f64 * f64::from(mem.read(c, pc)?);
+                    }
+                    writes.push((pc, v as f32));
+                }
+            }
+        }
+        let mut written = HashSet::new();
+        for &(pc, _) in &writes {
+            if reads.contains(&pc) {
+                return Err(format!("C element {pc:#x} is also read by the call"));
+            }
+            if !written.insert(pc) {
+                return Err(format!("C element {pc:#x} is written twice"));
+            }
+        }
+        for (pc, v) in writes {
+            mem.write(c, pc, v)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn batched_model_reads_strided_operands_and_refuses_overlap() {
+        // Two products of [2 x 1] [1 x 2], A and B strided, C strided by 4.
+        let mut mem = Bytes::default();
+        mem.alloc(0x1000, 16);
+        mem.alloc(0x2000, 16);
+        mem.alloc(0x3000, 32);
+        mem.store(DType::F32, 0x1000, &[1.0, 2.0, 3.0, 4.0]);
+        mem.store(DType::F32, 0x2000, &[5.0, 6.0, 7.0, 8.0]);
+        let g = Batched {
+            first: Call {
+                ta: N,
+                tb: N,
+                m: 2,
+                n: 2,
+                k: 1,
+                a: 0x1000,
+                lda: 2,
+                b: 0x2000,
+                ldb: 1,
+                c: 0x3000,
+                ldc: 2,
+            },
+            batch: 2,
+            stride_a: 2,
+            stride_b: 2,
+            stride_c: 4,
+            alpha: 2.0,
+            beta: 0.0,
+        };
+        gemm_batched(&mut mem, &g, DType::F32, DType::F32).unwrap();
+        assert_eq!(
+            mem.load(DType::F32, 0x3000, 8),
+            [10.0, 20.0, 12.0, 24.0, 42.0, 56.0, 48.0, 64.0]
+        );
+        // Accumulating doubles it; a C stride of 2 would write the same elements twice; a
+        // third product reads past A.
+        gemm_batched(
+            &mut mem,
+            &Batched { beta: 1.0, ..g },
+            DType::F32,
+            DType::F32,
+        )
+        .unwrap();
+        assert_eq!(mem.load(DType::F32, 0x3000, 2), [20.0, 40.0]);
+        let twice = gemm_batched(
+            &mut mem,
+            &Batched { stride_c: 2, ..g },
+            DType::F32,
+            DType::F32,
+        );
+        assert!(twice.is_err_and(|e| e.contains("written twice")));
+        let past = gemm_batched(&mut mem, &Batched { batch: 3, ..g }, DType::F32, DType::F32);
+        assert!(past.is_err_and(|e| e.contains("in no buffer")));
+        let alias = Batched {
+            first: Call {
+                c: 0x1000,
+                ldc: 2,
+                ..g.first
+            },
+            batch: 1,
+            ..g
+        };
+        let alias = gemm_batched(&mut mem, &alias, DType::F32, DType::F32);
+        assert!(alias.is_err_and(|e| e.contains("also read")));
     }
 }

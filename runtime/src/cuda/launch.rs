@@ -11,7 +11,8 @@
 //! log-sum-exps and partial sums are f32 whatever the storage.
 //!
 //! Scratch. Every kernel's scratch is the workspace the memory plan gives its op, split as
-//! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta`,
+//! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta` and
+//! its score matrices, one batch of KV heads at a time,
 //! cross-entropy's per-row losses, the token embedding backward's spans, the gradient norm's
 //! f64 partials, a fused linear's intermediate gradients), every part 16-byte aligned. Nothing
 //! is allocated per launch, so the planned peak is the device's. The only other device memory a
@@ -23,11 +24,14 @@ use protrain_ir::{
     DType, Epilogue, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
 };
 
-use super::blas::{backward_calls, forward_call, Call as Gemm, LinearDims};
+use cudarc::cublas::sys::cublasOperation_t as CuOp;
+use protrain_ir::workspace::attention_head_batch;
+
+use super::blas::{backward_calls, forward_call, Batched, Call as Gemm, LinearDims};
 use super::driver::ParamKind;
 use super::{
-    column_sum_chunks, grad_norm_partials, AdamWScalars, ATTN_DKV_ROWS, ATTN_DQ_ROWS,
-    ATTN_FWD_ROWS, ATTN_MAX_HEAD_DIM, ATTN_THREADS, COLUMN_SUM_BLOCK, COLUMN_SUM_ROWS_PER_CHUNK,
+    column_sum_chunks, grad_norm_partials, AdamWScalars, COLUMN_SUM_BLOCK,
+    COLUMN_SUM_ROWS_PER_CHUNK,
 };
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, AdamWConfig};
@@ -114,6 +118,19 @@ pub(super) struct GemmCall {
     pub what: &'static str,
 }
 
+/// One strided-batched GEMM on the stream's cuBLAS handle (attention's products).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BatchedCall {
+    /// The storage type of A and B (compute is f32).
+    pub ab: DType,
+    /// The storage type of C.
+    pub c: DType,
+    /// The description ([`super::blas::Batched`]).
+    pub gemm: Batched,
+    /// What it computes, for errors.
+    pub what: &'static str,
+}
+
 /// One step of an op's plan.
 #[derive(Clone, Debug)]
 pub(super) enum Call {
@@ -121,6 +138,8 @@ pub(super) enum Call {
     Kernel(KernelCall),
     /// A cuBLAS GEMM.
     Gemm(GemmCall),
+    /// A cuBLAS strided-batched GEMM.
+    Batched(BatchedCall),
 }
 
 /// An op's operand types.
@@ -167,6 +186,14 @@ impl Storage {
         match self {
             Storage::F32 => f32_name,
             Storage::Bf16 => bf16_name,
+        }
+    }
+
+    /// The dtype it stores.
+    fn dtype(self) -> DType {
+        match self {
+            Storage::F32 => DType::F32,
+            Storage::Bf16 => DType::BF16,
         }
     }
 
@@ -310,6 +337,16 @@ impl Plan<'_> {
         Ok(v as u32)
     }
 
+    /// A strided-batched GEMM, A and B in `st`, C in `c`.
+    fn batched(&mut self, st: Storage, c: DType, gemm: Batched, what: &'static str) {
+        self.calls.push(Call::Batched(BatchedCall {
+            ab: st.dtype(),
+            c,
+            gemm,
+            what,
+        }));
+    }
+
     /// `y = x W^T` or `x W` on cuBLAS.
     fn linear_forward(
         &mut self,
@@ -426,11 +463,8 @@ impl AttnDims {
         qkv: QkvLayout,
         st: Storage,
     ) -> Result<Self> {
-        if head_dim as usize > ATTN_MAX_HEAD_DIM || head_dim == 0 {
-            return Err(p.bad(format!(
-                "heads of {head_dim} dimensions; the attention kernels take 1 to \
-                 {ATTN_MAX_HEAD_DIM}"
-            )));
+        if head_dim == 0 {
+            return Err(p.bad("heads of 0 dimensions"));
         }
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || out.shape.len() != 3 {
             return Err(p.bad(format!(
@@ -463,27 +497,248 @@ impl AttnDims {
         })
     }
 
-    /// The trailing `B, T, H, KV, D, window, q_stride, kv_stride` arguments.
-    fn tail(&self) -> [Arg; 8] {
-        [
-            I32(self.b),
-            I32(self.t),
-            I32(self.h),
-            I32(self.kv),
-            I32(self.d),
-            I32(self.window),
-            I32(self.q_stride),
-            I32(self.kv_stride),
-        ]
+    /// The GEMM batches, in issue order: for each batch element, each batch of up to
+    /// [`attention_head_batch`] KV heads, each query head of their groups (`j`-th of each).
+    fn head_batches(&self) -> Vec<HeadBatch> {
+        let (kv, t) = (self.kv as u64, self.t as u64);
+        let per = attention_head_batch(kv, t);
+        let group = (self.h / self.kv) as u64;
+        let mut out = Vec::new();
+        for b in 0..self.b as u64 {
+            for kv0 in (0..kv).step_by(per as usize) {
+                for j in 0..group {
+                    out.push(HeadBatch {
+                        b,
+                        kv0,
+                        heads: per.min(kv - kv0),
+                        j,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One strided-batched step of attention: batch element `b`, KV heads `kv0..kv0 + heads`,
+/// and of each one's group of query heads the `j`-th (query head `kv * group + j`).
+#[derive(Clone, Copy, Debug)]
+struct HeadBatch {
+    b: u64,
+    kv0: u64,
+    heads: u64,
+    j: u64,
+}
+
+/// The GEMM descriptions of one [`HeadBatch`] (see `kernels/attention.cu`'s notes on the
+/// GEMM path). Row-major `[rows, cols]` matrices are read by cuBLAS as their column-major
+/// transposes (as in `blas.rs`), so each product `X = A B` is issued as `X^T = B^T A^T`.
+/// Element strides: a KV head is `D` along k, v, dk, dv; the batch's next query head is
+/// `group * D` along q, dq, out, dout; a score matrix is `T * T` f32s, the probabilities
+/// and score gradients written over it `T * ld_p` storage elements.
+struct AttnGemms {
+    t: usize,
+    d: usize,
+    group: usize,
+    heads: usize,
+    q_stride: usize,
+    kv_stride: usize,
+    /// Row width of out and dout (`H * D`).
+    out_stride: usize,
+    /// Storage bytes per element.
+    e: u64,
+    /// Leading dimension of P and dS written over the f32 rows: `T * 4 / e`.
+    ld_p: usize,
+    /// Element offset of the batch's first query head's row 0 in q-like tensors, per row width.
+    q_row0: u64,
+    q_col0: u64,
+    kv_row0: u64,
+    kv_col0: u64,
+    /// The batch's first query head's row 0 in `lse` and `delta` (f32 `[B, H, T]`).
+    lse_row0: u64,
+    scale: f32,
+    scores: u64,
+    dprobs: u64,
+    accumulate: bool,
+}
+
+impl AttnGemms {
+    fn new(dims: &AttnDims, st: Storage, hb: HeadBatch, scores: u64, dprobs: u64) -> Self {
+        let (t, d, h) = (dims.t as u64, dims.d as u64, dims.h as u64);
+        let group = (dims.h / dims.kv) as u64;
+        let e = st.size();
+        Self {
+            t: t as usize,
+            d: d as usize,
+            group: group as usize,
+            heads: hb.heads as usize,
+            q_stride: dims.q_stride as usize,
+            kv_stride: dims.kv_stride as usize,
+            out_stride: (h * d) as usize,
+            e,
+            ld_p: (t * 4 / e) as usize,
+            q_row0: hb.b * t,
+            q_col0: (hb.kv0 * group + hb.j) * d,
+            kv_row0: hb.b * t,
+            kv_col0: hb.kv0 * d,
+            lse_row0: (hb.b * h + hb.kv0 * group + hb.j) * t,
+            scale: 1.0 / (d as f32).sqrt(),
+            scores,
+            dprobs,
+            accumulate: hb.j > 0,
+        }
     }
 
-    /// Grid `(ceil(T / rows), heads, B)`.
-    fn grid(&self, rows: usize, heads: i32) -> (u32, u32, u32) {
-        (
-            (self.t as u32).div_ceil(rows as u32),
-            heads as u32,
-            self.b as u32,
-        )
+    /// The batch's first query head in a tensor of row width `ld` at `base`.
+    fn q_at(&self, base: u64, ld: usize) -> u64 {
+        base + self.e * (self.q_row0 * ld as u64 + self.q_col0)
+    }
+
+    /// The batch's first KV head in a k-like tensor at `base`.
+    fn kv_at(&self, base: u64) -> u64 {
+        base + self.e * (self.kv_row0 * self.kv_stride as u64 + self.kv_col0)
+    }
+
+    /// f32s between the batch's query heads in `lse` and `delta`.
+    fn lse_head_stride(&self) -> Result<i32> {
+        i32::try_from(self.group * self.t).map_err(|_| {
+            RuntimeError::BadSchedule(format!(
+                "attention: {} query heads per KV head over {} positions exceed 32-bit sizes",
+                self.group, self.t
+            ))
+        })
+    }
+
+    /// The row kernels' grid: one block per score row of each head.
+    fn row_grid(&self, p: &Plan<'_>) -> Result<(u32, u32, u32)> {
+        let rows = u32::try_from(self.t).map_err(|_| p.bad("sequence beyond 32 bits"))?;
+        Ok((rows, p.grid_yz(self.heads as u64, "heads per batch")?, 1))
+    }
+
+    fn batched(&self, first: Gemm, stride: [usize; 3], alpha: f32, beta: f32) -> Batched {
+        Batched {
+            first,
+            batch: self.heads,
+            stride_a: stride[0],
+            stride_b: stride[1],
+            stride_c: stride[2],
+            alpha,
+            beta,
+        }
+    }
+
+    fn qd(&self) -> usize {
+        self.group * self.d
+    }
+
+    /// `S = scale Q K^T` (f32): `S^T [Tk, Tq] = K Q^T`.
+    fn scores(&self, q: u64, k: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_T,
+            tb: CuOp::CUBLAS_OP_N,
+            m: self.t,
+            n: self.t,
+            k: self.d,
+            a: self.kv_at(k),
+            lda: self.kv_stride,
+            b: self.q_at(q, self.q_stride),
+            ldb: self.q_stride,
+            c: self.scores,
+            ldc: self.t,
+        };
+        self.batched(first, [self.d, self.qd(), self.t * self.t], self.scale, 0.0)
+    }
+
+    /// `O = P V`: `O^T [D, Tq] = V^T P^T`.
+    fn output(&self, v: u64, out: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_N,
+            tb: CuOp::CUBLAS_OP_N,
+            m: self.d,
+            n: self.t,
+            k: self.t,
+            a: self.kv_at(v),
+            lda: self.kv_stride,
+            b: self.scores,
+            ldb: self.ld_p,
+            c: self.q_at(out, self.out_stride),
+            ldc: self.out_stride,
+        };
+        self.batched(first, [self.d, self.t * self.ld_p, self.qd()], 1.0, 0.0)
+    }
+
+    /// `dP = dO V^T` (f32): `dP^T [Tk, Tq] = V dO^T`.
+    fn dprobs(&self, v: u64, dout: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_T,
+            tb: CuOp::CUBLAS_OP_N,
+            m: self.t,
+            n: self.t,
+            k: self.d,
+            a: self.kv_at(v),
+            lda: self.kv_stride,
+            b: self.q_at(dout, self.out_stride),
+            ldb: self.out_stride,
+            c: self.dprobs,
+            ldc: self.t,
+        };
+        self.batched(first, [self.d, self.qd(), self.t * self.t], 1.0, 0.0)
+    }
+
+    /// `dV (+)= P^T dO`: `dV^T [D, Tk] = dO^T P`; the group's later query heads accumulate.
+    fn dv(&self, dout: u64, dv: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_N,
+            tb: CuOp::CUBLAS_OP_T,
+            m: self.d,
+            n: self.t,
+            k: self.t,
+            a: self.q_at(dout, self.out_stride),
+            lda: self.out_stride,
+            b: self.scores,
+            ldb: self.ld_p,
+            c: self.kv_at(dv),
+            ldc: self.kv_stride,
+        };
+        let beta = if self.accumulate { 1.0 } else { 0.0 };
+        self.batched(first, [self.qd(), self.t * self.ld_p, self.d], 1.0, beta)
+    }
+
+    /// `dQ = dS K` (dS carries the scale): `dQ^T [D, Tq] = K^T dS^T`.
+    fn dq(&self, k: u64, dq: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_N,
+            tb: CuOp::CUBLAS_OP_N,
+            m: self.d,
+            n: self.t,
+            k: self.t,
+            a: self.kv_at(k),
+            lda: self.kv_stride,
+            b: self.dprobs,
+            ldb: self.ld_p,
+            c: self.q_at(dq, self.q_stride),
+            ldc: self.q_stride,
+        };
+        self.batched(first, [self.d, self.t * self.ld_p, self.qd()], 1.0, 0.0)
+    }
+
+    /// `dK (+)= dS^T Q`: `dK^T [D, Tk] = Q^T dS`; the group's later query heads accumulate.
+    fn dk(&self, q: u64, dk: u64) -> Batched {
+        let first = Gemm {
+            ta: CuOp::CUBLAS_OP_N,
+            tb: CuOp::CUBLAS_OP_T,
+            m: self.d,
+            n: self.t,
+            k: self.t,
+            a: self.q_at(q, self.q_stride),
+            lda: self.q_stride,
+            b: self.dprobs,
+            ldb: self.ld_p,
+            c: self.kv_at(dk),
+            ldc: self.kv_stride,
+        };
+        let beta = if self.accumulate { 1.0 } else { 0.0 };
+        self.batched(first, [self.qd(), self.t * self.ld_p, self.d], 1.0, beta)
     }
 }
 
@@ -663,14 +918,26 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 }
                 None => (p.input(0), p.input(1), p.input(2)),
             };
-            let mut args = vec![Ptr(p.output(0)), Ptr(p.output(1)), Ptr(q), Ptr(k), Ptr(v)];
-            args.extend(dims.tail());
-            p.shaped(
-                st.pick("attention_forward_f32", "attention_forward_bf16"),
-                dims.grid(ATTN_FWD_ROWS, dims.h),
-                (ATTN_THREADS, 1, 1),
-                args,
-            );
+            let scores = p.workspace(Scratch::Scores)?;
+            let (o, lse) = (p.output(0), p.output(1));
+            for hb in dims.head_batches() {
+                let g = AttnGemms::new(&dims, st, hb, scores, 0);
+                p.batched(st, DType::F32, g.scores(q, k), "attention scores (Q K^T)");
+                p.shaped(
+                    st.pick("attention_softmax_f32", "attention_softmax_bf16"),
+                    g.row_grid(p)?,
+                    (BLOCK, 1, 1),
+                    vec![
+                        Ptr(scores),
+                        Ptr(lse),
+                        I64(g.lse_row0 as i64),
+                        I32(dims.t),
+                        I32(dims.window),
+                        I32(g.lse_head_stride()?),
+                    ],
+                );
+                p.batched(st, st.dtype(), g.output(v, o), "attention output (P V)");
+            }
         }
         OpKind::CrossEntropy => {
             let st = p.storage(0)?;
@@ -1202,25 +1469,52 @@ fn attention_backward(
             I32(dims.d),
         ],
     );
-    let operands = [Ptr(dout), Ptr(q), Ptr(k), Ptr(v), Ptr(lse), Ptr(delta)];
-    let mut args = vec![Ptr(dq)];
-    args.extend(operands.clone());
-    args.extend(dims.tail());
-    p.shaped(
-        st.pick("attention_backward_dq_f32", "attention_backward_dq_bf16"),
-        dims.grid(ATTN_DQ_ROWS, dims.h),
-        (ATTN_THREADS, 1, 1),
-        args,
-    );
-    let mut args = vec![Ptr(dk), Ptr(dv)];
-    args.extend(operands);
-    args.extend(dims.tail());
-    p.shaped(
-        st.pick("attention_backward_dkv_f32", "attention_backward_dkv_bf16"),
-        dims.grid(ATTN_DKV_ROWS, dims.kv),
-        (ATTN_THREADS, 1, 1),
-        args,
-    );
+    let scores = p.workspace(Scratch::Scores)?;
+    let dprobs = p.workspace(Scratch::ScoreGrads)?;
+    for hb in dims.head_batches() {
+        let g = AttnGemms::new(&dims, st, hb, scores, dprobs);
+        p.batched(
+            st,
+            DType::F32,
+            g.scores(q, k),
+            "attention backward scores (Q K^T)",
+        );
+        p.batched(
+            st,
+            DType::F32,
+            g.dprobs(v, dout),
+            "attention backward dP (dO V^T)",
+        );
+        p.shaped(
+            st.pick("attention_backward_ds_f32", "attention_backward_ds_bf16"),
+            g.row_grid(p)?,
+            (BLOCK, 1, 1),
+            vec![
+                Ptr(scores),
+                Ptr(dprobs),
+                Ptr(lse),
+                Ptr(delta),
+                I64(g.lse_row0 as i64),
+                I32(dims.t),
+                I32(dims.window),
+                I32(g.lse_head_stride()?),
+                F32(1.0 / (dims.d as f32).sqrt()),
+            ],
+        );
+        p.batched(
+            st,
+            st.dtype(),
+            g.dv(dout, dv),
+            "attention backward dV (P^T dO)",
+        );
+        p.batched(st, st.dtype(), g.dq(k, dq), "attention backward dQ (dS K)");
+        p.batched(
+            st,
+            st.dtype(),
+            g.dk(q, dk),
+            "attention backward dK (dS^T Q)",
+        );
+    }
     Ok(())
 }
 
@@ -1423,6 +1717,7 @@ mod tests {
     //! end to end would misalign the f32 parts behind bf16 ones.
 
     use super::*;
+    use crate::cuda::blas::model::{gemm_batched, Bytes};
     use crate::cuda::driver::signatures;
     use crate::cuda::source_of;
     use protrain_ir::{RopeScaling, WORKSPACE_ALIGN};
@@ -1822,12 +2117,328 @@ mod tests {
                                 assert!(inside(&spans, p), "{kind:?}: {}: {p:#x}", g.what);
                             }
                         }
+                        Call::Batched(g) => {
+                            assert_eq!(g.ab, dt, "{kind:?}: {}", g.what);
+                            assert!(g.c == dt || g.c == DType::F32, "{kind:?}: {}", g.what);
+                            let f = &g.gemm.first;
+                            for p in [f.a, f.b, f.c] {
+                                assert!(inside(&spans, p), "{kind:?}: {}: {p:#x}", g.what);
+                            }
+                        }
                     }
                 }
             }
         }
         let missing: Vec<usize> = (0..VARIANTS).filter(|&v| !covered[v]).collect();
         assert!(missing.is_empty(), "kinds without an example: {missing:?}");
+    }
+
+    /// The attention row kernels of `attention.cu` transcribed (each row read whole before
+    /// it is written over), and its delta kernel, on the model's memory.
+    fn run_kernel(mem: &mut Bytes, k: &KernelCall) {
+        let st = if k.entry.ends_with("_bf16") {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        let e = if st == DType::BF16 { 2 } else { 4 };
+        let ptr = |i: usize| match k.args[i] {
+            Arg::Ptr(p) => p,
+            ref a => panic!("{}: argument {i} is {a:?}", k.entry),
+        };
+        let int = |i: usize| match k.args[i] {
+            Arg::I32(v) => v as i64,
+            ref a => panic!("{}: argument {i} is {a:?}", k.entry),
+        };
+        let f32_at = |mem: &Bytes, a: u64| mem.read(DType::F32, a).unwrap();
+        if k.entry.starts_with("attention_backward_delta") {
+            let (delta, out, dout) = (ptr(0), ptr(1), ptr(2));
+            let (b, t, h, d) = (int(3) as u64, int(4) as u64, int(5) as u64, int(6) as u64);
+            for row in 0..b * t * h {
+                let o = mem.load(st, out + e * row * d, d as usize);
+                let g = mem.load(st, dout + e * row * d, d as usize);
+                let acc: f32 = o.iter().zip(&g).map(|(x, y)| x * y).sum();
+                let (bt, hh) = (row / h, row % h);
+                let (bb, tt) = (bt / t, bt % t);
+                mem.write(DType::F32, delta + 4 * ((bb * h + hh) * t + tt), acc)
+                    .unwrap();
+            }
+            return;
+        }
+        let softmax = k.entry.starts_with("attention_softmax");
+        let first = |i: usize| match k.args[i] {
+            Arg::I64(v) => v as u64,
+            ref a => panic!("{}: argument {i} is {a:?}", k.entry),
+        };
+        let row0 = first(if softmax { 2 } else { 4 });
+        let t_len = int(if softmax { 3 } else { 5 }) as u64;
+        let window = int(if softmax { 4 } else { 6 });
+        let hs = int(if softmax { 5 } else { 7 }) as u64;
+        assert!(
+            softmax || k.entry.starts_with("attention_backward_ds"),
+            "{}",
+            k.entry
+        );
+        for i in 0..u64::from(k.grid.1) {
+            for t in 0..t_len {
+                let lo = if window > 0 {
+                    (t as i64 + 1 - window).max(0) as u64
+                } else {
+                    0
+                };
+                let row = 4 * (i * t_len + t) * t_len;
+                let visible = |c: u64| c >= lo && c <= t;
+                let s: Vec<f32> = (0..t_len)
+                    .map(|c| f32_at(mem, ptr(0) + row + 4 * c))
+                    .collect();
+                if softmax {
+                    let m = (lo..=t)
+                        .map(|c| s[c as usize])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let l: f32 = (lo..=t).map(|c| (s[c as usize] - m).exp()).sum();
+                    for c in 0..t_len {
+                        let v = if visible(c) {
+                            (s[c as usize] - m).exp() / l
+                        } else {
+                            0.0
+                        };
+                        mem.write(st, ptr(0) + row + e * c, v).unwrap();
+                    }
+                    mem.write(DType::F32, ptr(1) + 4 * (row0 + i * hs + t), m + l.ln())
+                        .unwrap();
+                } else {
+                    let scale = match k.args[8] {
+                        Arg::F32(v) => v,
+                        ref a => panic!("scale is {a:?}"),
+                    };
+                    let lse = f32_at(mem, ptr(2) + 4 * (row0 + i * hs + t));
+                    let delta = f32_at(mem, ptr(3) + 4 * (row0 + i * hs + t));
+                    let dp: Vec<f32> = (0..t_len)
+                        .map(|c| f32_at(mem, ptr(1) + row + 4 * c))
+                        .collect();
+                    for c in 0..t_len {
+                        let (pv, ds) = if visible(c) {
+                            let pv = (s[c as usize] - lse).exp();
+                            (pv, pv * (dp[c as usize] - delta) * scale)
+                        } else {
+                            (0.0, 0.0)
+                        };
+                        mem.write(st, ptr(0) + row + e * c, pv).unwrap();
+                        mem.write(st, ptr(1) + row + e * c, ds).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `kind`'s plan on the model's memory with `inputs` (values, as f32) and returns
+    /// its outputs, as f32.
+    fn execute(kind: &OpKind, types: &[TensorType], inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let ins: Vec<&TensorType> = types.iter().collect();
+        let outputs = kind.infer(&ins).unwrap();
+        let outs: Vec<&TensorType> = outputs.iter().collect();
+        let addr = |i: usize| 0x1000_0000 * (i as u64 + 1);
+        let mut mem = Bytes::default();
+        for (i, t) in ins.iter().chain(&outs).enumerate() {
+            mem.alloc(addr(i), t.bytes());
+        }
+        for (i, (t, v)) in ins.iter().zip(inputs).enumerate() {
+            mem.store(t.dtype, addr(i), v);
+        }
+        let ws = kind.workspace_bytes(&ins);
+        // Above every operand (WS would overlap the backward's outputs).
+        let ws_at = 0x10_0000_0000;
+        mem.alloc(ws_at, ws);
+        let at = Addresses {
+            inputs: (0..ins.len()).map(addr).collect(),
+            outputs: (0..outs.len()).map(|i| addr(ins.len() + i)).collect(),
+            workspace: Some((ws_at, ws)),
+            master: None,
+        };
+        let target = Target {
+            max_blocks: 8,
+            step: 1,
+        };
+        let types = Types {
+            inputs: &ins,
+            outputs: &outs,
+        };
+        for call in calls(kind, types, &at, target).unwrap() {
+            match call {
+                Call::Kernel(k) => run_kernel(&mut mem, &k),
+                Call::Batched(g) => gemm_batched(&mut mem, &g.gemm, g.ab, g.c)
+                    .unwrap_or_else(|e| panic!("{kind:?}: {}: {e}", g.what)),
+                Call::Gemm(g) => panic!("{kind:?}: an unbatched GEMM {}", g.what),
+            }
+        }
+        outs.iter()
+            .enumerate()
+            .map(|(i, t)| mem.load(t.dtype, at.outputs[i], t.numel() as usize))
+            .collect()
+    }
+
+    /// Values in [-2, 2), reproducible from `seed`, representable in bf16 so both storage
+    /// types start from the same numbers.
+    fn values(seed: u64, n: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let v = (s >> 40) as f32 / (1u64 << 22) as f32 - 2.0;
+                half::bf16::from_f32(v).to_f32()
+            })
+            .collect()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()),
+                "{what}: element {i} is {g}, the host kernel gives {w}"
+            );
+        }
+    }
+
+    /// Attention's call plan (strided-batched GEMMs and the row kernels) executed in the
+    /// cuBLAS model, forward and backward, against the host kernels: causal and windowed,
+    /// grouped KV heads, packed and separate q/k/v, odd sizes, f32 and bf16 storage. A wrong
+    /// transpose, leading dimension, stride, head offset or accumulation flag fails it (a
+    /// `beta` of 0 for the group's later heads drops their dK and dV; swapping `stride_a`
+    /// and `stride_b` of the scores reads the wrong heads).
+    #[test]
+    fn attention_plans_compute_the_host_kernels_results() {
+        let cases = [
+            (1, 3, 2, 1, 4, None, QkvLayout::Separate),
+            (2, 7, 4, 2, 3, Some(3), QkvLayout::Separate),
+            (2, 5, 3, 3, 5, None, QkvLayout::Packed),
+            (1, 9, 6, 2, 8, Some(1), QkvLayout::Packed),
+            (1, 1, 2, 2, 2, None, QkvLayout::Separate),
+            (1, 6, 4, 1, 7, Some(40), QkvLayout::Separate),
+        ];
+        for (b, t, h, kv, d, window, qkv) in cases {
+            let dims = kernels::AttentionDims {
+                batch: b as usize,
+                seq: t as usize,
+                n_heads: h as usize,
+                n_kv_heads: kv as usize,
+                head_dim: d as usize,
+                window: window.map(|w| w as usize),
+            };
+            let q_len = b * t * h * d;
+            let kv_len = b * t * kv * d;
+            let packed_len = b * t * (h + 2 * kv) * d;
+            let lse_len = b * h * t;
+            let dout = values(9, q_len);
+            // The host's results in f32.
+            let (mut out, mut lse) = (vec![0.0; q_len as usize], vec![0.0; lse_len as usize]);
+            let (qv, kvv, vv, qkvv) = (
+                values(1, q_len),
+                values(2, kv_len),
+                values(3, kv_len),
+                values(4, packed_len),
+            );
+            let grads = match qkv {
+                QkvLayout::Separate => {
+                    kernels::attention_forward(&mut out, &mut lse, &qv, &kvv, &vv, dims);
+                    let mut dq = vec![0.0; q_len as usize];
+                    let (mut dk, mut dv) = (vec![0.0; kv_len as usize], vec![0.0; kv_len as usize]);
+                    kernels::attention_backward(
+                        &mut dq, &mut dk, &mut dv, &dout, &qv, &kvv, &vv, &out, &lse, dims,
+                    );
+                    vec![dq, dk, dv]
+                }
+                QkvLayout::Packed => {
+                    kernels::attention_forward_packed(&mut out, &mut lse, &qkvv, dims);
+                    let mut dqkv = vec![0.0; packed_len as usize];
+                    kernels::attention_backward_packed(&mut dqkv, &dout, &qkvv, &out, &lse, dims);
+                    vec![dqkv]
+                }
+            };
+            for dt in [DType::F32, DType::BF16] {
+                let what = format!("B{b} T{t} H{h} KV{kv} D{d} W{window:?} {qkv:?} {dt}");
+                let tol = if dt == DType::F32 { 2e-5 } else { 4e-2 };
+                let f = |shape: &[u64]| TensorType::new(shape.to_vec(), dt);
+                let lse_ty = TensorType::new(vec![b, h, t], DType::F32);
+                let (fwd_types, fwd_inputs) = match qkv {
+                    QkvLayout::Separate => (
+                        vec![f(&[b, t, h * d]), f(&[b, t, kv * d]), f(&[b, t, kv * d])],
+                        vec![qv.clone(), kvv.clone(), vv.clone()],
+                    ),
+                    QkvLayout::Packed => (vec![f(&[b, t, (h + 2 * kv) * d])], vec![qkvv.clone()]),
+                };
+                let fwd = OpKind::Attention {
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    window,
+                    qkv,
+                };
+                let got = execute(&fwd, &fwd_types, &fwd_inputs);
+                assert_close(&format!("{what} out"), &got[0], &out, tol);
+                assert_close(&format!("{what} lse"), &got[1], &lse, tol);
+                // The backward from the host's out and lse (rounded as the storage holds them).
+                let bwd = OpKind::AttentionBackward {
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    window,
+                    qkv,
+                };
+                let mut types = fwd_types.clone();
+                types.extend([f(&[b, t, h * d]), lse_ty, f(&[b, t, h * d])]);
+                let mut inputs = fwd_inputs.clone();
+                inputs.extend([out.clone(), lse.clone(), dout.clone()]);
+                let got = execute(&bwd, &types, &inputs);
+                for (i, (g, w)) in got.iter().zip(&grads).enumerate() {
+                    assert_close(&format!("{what} gradient {i}"), g, w, tol);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn head_batches_cover_every_head_once_with_a_group_s_first_head_first() {
+        // T = 2048: 16 MiB of scores per head, so 4 KV heads per batch of the 64 MiB cap.
+        let dims = AttnDims {
+            b: 2,
+            t: 2048,
+            h: 10,
+            kv: 5,
+            d: 8,
+            window: 0,
+            q_stride: 80,
+            kv_stride: 40,
+            packed: None,
+        };
+        assert_eq!(attention_head_batch(5, 2048), 4);
+        let batches = dims.head_batches();
+        let mut seen = std::collections::BTreeSet::new();
+        for hb in &batches {
+            assert!(hb.heads >= 1 && hb.heads <= 4, "{hb:?}");
+            for kvh in hb.kv0..hb.kv0 + hb.heads {
+                assert!(seen.insert((hb.b, kvh * 2 + hb.j)), "{hb:?} twice");
+                // dK and dV accumulate over j > 0: the group's head 0 must come first.
+                if hb.j > 0 {
+                    assert!(seen.contains(&(hb.b, kvh * 2)), "{hb:?} before j = 0");
+                }
+            }
+        }
+        assert_eq!(seen.len(), 2 * 10);
+        // The workspace holds one batch of scores (and, backward, of their gradients).
+        let q = TensorType::new(vec![2, 2048, 80], DType::BF16);
+        let kv = TensorType::new(vec![2, 2048, 40], DType::BF16);
+        let kind = OpKind::Attention {
+            heads: 10,
+            kv_heads: 5,
+            head_dim: 8,
+            window: None,
+            qkv: QkvLayout::Separate,
+        };
+        let l = WorkspaceLayout::of(&kind, &[&q, &kv, &kv]);
+        assert_eq!(l.get(Scratch::Scores).unwrap().bytes, 4 * 4 * 2048 * 2048);
     }
 
     #[test]

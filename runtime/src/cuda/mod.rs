@@ -198,6 +198,10 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_backward_dq_bf16",
             "attention_backward_dkv_f32",
             "attention_backward_dkv_bf16",
+            "attention_softmax_f32",
+            "attention_softmax_bf16",
+            "attention_backward_ds_f32",
+            "attention_backward_ds_bf16",
         ]
     ),
     kernel_source!(

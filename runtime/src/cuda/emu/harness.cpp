@@ -285,6 +285,62 @@ void test_attention(int B, int T, int H, int KV, int D, int W, bool packed) {
     close((std::string(name) + " dv").c_str(), dv, ref.dv, 5e-6);
 }
 
+// The GEMM path's row kernels: scores of `n` heads [n, T, T] (f32), each row softmaxed in place
+// (P in the storage type over the f32 row, ld T * 4 / sizeof(storage)), then the backward's
+// P and dS = P (dP - delta) scale, against f64 softmax with the causal / window mask.
+template <typename S>
+void test_attention_rows(int n, int T, int W, int threads) {
+    char name[160]; snprintf(name, sizeof name, "attention rows n%d T%d W%d %s x%d", n, T, W, sizeof(S) == 2 ? "bf16" : "f32", threads);
+    const int hs = 3 * T;  // lse / delta head stride (the heads of a GQA group lie apart)
+    const size_t tt = (size_t)n * T * T;
+    const int ldp = T * 4 / (int)sizeof(S);
+    const float scale = 0.125f;
+    auto s0 = rnd(tt, 4), dp0 = rnd(tt, 2), delta_all = rnd((size_t)n * hs + 5);
+    const float* delta = delta_all.data() + 5;
+    auto scores = s0;
+    const i64 first = 5;  // the batch's first row in lse / delta
+    std::vector<float> lse_all((size_t)n * hs + first, NAN);
+    launch(G(T, n), G(threads), [&] { attention_softmax<S>(scores.data(), lse_all.data(), first, T, W, hs); });
+    const float* lse = lse_all.data() + first;
+    auto visible = [&](int t, int c) { return c <= t && (W <= 0 || c > t - W); };
+    std::vector<float> got_p(tt), got_lse((size_t)n * T), got_ds(tt);
+    std::vector<double> want_p(tt), want_lse((size_t)n * T), want_ds(tt);
+    for (int i = 0; i < n; ++i) for (int t = 0; t < T; ++t) {
+        const float* row = &s0[((size_t)i * T + t) * T];
+        double m = -INFINITY, z = 0;
+        for (int c = 0; c < T; ++c) if (visible(t, c)) m = std::max(m, (double)row[c]);
+        for (int c = 0; c < T; ++c) if (visible(t, c)) z += std::exp(row[c] - m);
+        want_lse[(size_t)i * T + t] = m + std::log(z);
+        got_lse[(size_t)i * T + t] = lse[(size_t)i * hs + t];
+        const S* p = reinterpret_cast<const S*>(&scores[((size_t)i * T + t) * T]);
+        for (int c = 0; c < T; ++c) {
+            want_p[((size_t)i * T + t) * T + c] = visible(t, c) ? std::exp(row[c] - m) / z : 0.0;
+            got_p[((size_t)i * T + t) * T + c] = to_f32(p[c]);
+        }
+    }
+    const double tol = sizeof(S) == 2 ? 4e-3 : 2e-6;
+    close((std::string(name) + " softmax P").c_str(), got_p, want_p, tol);
+    close((std::string(name) + " lse").c_str(), got_lse, want_lse, 2e-6);
+    // Backward, from the f32 scores and the lse the forward wrote.
+    scores = s0;
+    auto dp = dp0;
+    launch(G(T, n), G(threads), [&] { attention_backward_ds<S>(scores.data(), dp.data(), lse_all.data(), delta_all.data(), first, T, W, hs, scale); });
+    for (int i = 0; i < n; ++i) for (int t = 0; t < T; ++t) {
+        const size_t r = ((size_t)i * T + t) * T;
+        const S* p = reinterpret_cast<const S*>(&scores[r]);
+        const S* ds = reinterpret_cast<const S*>(&dp[r]);
+        for (int c = 0; c < T; ++c) {
+            got_p[r + c] = to_f32(p[c]);
+            got_ds[r + c] = to_f32(ds[c]);
+            const double pv = visible(t, c) ? std::exp((double)s0[r + c] - lse[(size_t)i * hs + t]) : 0.0;
+            want_ds[r + c] = pv * (dp0[r + c] - (double)delta[(size_t)i * hs + t]) * scale;
+        }
+    }
+    close((std::string(name) + " backward P").c_str(), got_p, want_p, tol);
+    close((std::string(name) + " dS").c_str(), got_ds, want_ds, tol);
+    (void)ldp;
+}
+
 void test_cross_entropy() {
     const int N = 13, V = 1000;
     auto logits = rnd((size_t)N * V, 8); std::vector<int> tg(N); for (int i = 0; i < N; ++i) tg[i] = (i * 97) % V;
@@ -342,6 +398,15 @@ int main() {
     test_attention(1, 45, 2, 2, 64, 45, true);
     test_attention(1, 40, 2, 1, 128, 0, false);
     test_attention(1, 33, 3, 3, 16, 1, true);
+    // Rows shorter than, equal to and longer than a block (the in-place chunks), windows.
+    for (int threads : {32, 64}) {
+        test_attention_rows<float>(2, 7, 0, threads);
+        test_attention_rows<bf16>(2, 7, 3, threads);
+        test_attention_rows<float>(1, 64, 0, threads);
+        test_attention_rows<bf16>(3, 70, 0, threads);
+        test_attention_rows<bf16>(1, 129, 20, threads);
+        test_attention_rows<float>(2, 100, 1, threads);
+    }
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

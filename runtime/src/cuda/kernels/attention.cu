@@ -13,7 +13,10 @@
 // W <= 0: plain causal. Scale 1 / sqrt(D). D must be at most ATTN_MAX_D (the kernels trap
 // otherwise).
 //
-// Work split (correctness first; no tensor cores yet). All kernels: 1-D blocks of exactly
+// The plan runs attention on tensor cores with the GEMM path at the end of this file; these
+// fused scalar kernels are kept as the reference the CPU emulation checks both against.
+//
+// Work split (correctness first; no tensor cores). All kernels: 1-D blocks of exactly
 // ATTN_THREADS threads (4 warps). Each warp owns a few query (or key) rows; lane j handles key
 // (or query) j of a 32-wide chunk for the dot products, then lane j owns dimensions
 // j, j + 32, ... of its rows' accumulators. K/V (or Q/dO) chunks are staged in shared memory,
@@ -325,3 +328,93 @@ __device__ void attention_backward_dkv(T* dk, T* dv, const T* dout, const T* q, 
 /// Launch: block ATTN_THREADS, grid (ceil(T / ATTN_DKV_ROWS), KV, B).
 extern "C" __global__ void attention_backward_dkv_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 extern "C" __global__ void attention_backward_dkv_bf16(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
+
+// ---------------------------------------------------------------------------------------------
+// Attention on tensor cores (what the launcher plans; runtime/src/cuda/launch.rs). The matrix
+// products are cuBLAS strided-batched GEMMs over a batch of KV heads (bf16 or f32 in, f32
+// accumulate); the kernels below do what lies between them, one block per score row:
+//
+//   forward:  S = scale Q K^T (GEMM, f32) -> attention_softmax -> P (storage dtype, over S)
+//             -> O = P V (GEMM)
+//   backward: S again (GEMM), dP = dO V^T (GEMM, f32) -> attention_backward_ds -> P over S,
+//             dS = P (dP - delta) scale over dP -> dV += P^T dO, dQ = dS K, dK += dS^T Q (GEMMs)
+//
+// Scores of head i of the batch, row t: `scores + (i * T + t) * T` (f32, [heads, T, T] in the
+// planned workspace). The probabilities (and score gradients) are written in place in the
+// storage dtype: row t of head i starts at the same byte as its f32 row, so their leading
+// dimension is T * 4 / sizeof(storage) elements (T for f32, 2 T for bf16). The write is done
+// in block-wide chunks, each read before the block's barrier and written after it: a bf16
+// write of element c lands on f32 element c / 2, which the chunk or an earlier one has read.
+// Masked entries (keys after t, or before the window) are written as exact zeros, so the
+// GEMMs may run over every key. `lse`, `delta` are [B, H, T] f32; the batch's first head's
+// row starts at element `first`, with `head_stride` floats between the batch's heads.
+// Launch: 1-D blocks of a multiple of 32 threads (at most 1024; 256 intended), grid (T, heads).
+
+/// Max over the whole block (as `block_sum`).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -pt_inf();
+    return warp_max(v);
+}
+
+template <typename T>
+__device__ void attention_softmax(float* scores, float* lse, i64 first, int T_len, int window, int head_stride) {
+    __shared__ float red[32];
+    const int t = blockIdx.x, i = blockIdx.y;
+    float* s = scores + ((i64)i * T_len + t) * T_len;
+    T* p = reinterpret_cast<T*>(s);
+    const int lo = attn_first_key(t, window);
+    float m = -pt_inf();
+    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) m = fmaxf(m, s[c]);
+    m = block_max(m, red);
+    float l = 0.0f;
+    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) l += expf(s[c] - m);
+    l = block_sum(l, red);
+    for (int base = 0; base < T_len; base += blockDim.x) {
+        const int c = base + threadIdx.x;
+        const float v = c >= lo && c <= t ? expf(s[c] - m) / l : 0.0f;
+        __syncthreads();
+        if (c < T_len) st(p, c, v);
+    }
+    if (threadIdx.x == 0) lse[first + (i64)i * head_stride + t] = m + logf(l);
+}
+
+/// Softmax of each causal (and windowed) score row in place: P (storage dtype) over the f32
+/// scores, and the row's logsumexp. See the notes above for the layout and launch.
+extern "C" __global__ void attention_softmax_f32(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<float>(scores, lse, first, T, window, head_stride); }
+extern "C" __global__ void attention_softmax_bf16(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<bf16>(scores, lse, first, T, window, head_stride); }
+
+template <typename T>
+__device__ void attention_backward_ds(float* scores, float* dprobs, const float* lse, const float* delta, i64 first,
+                                      int T_len, int window, int head_stride, float scale) {
+    const int t = blockIdx.x, i = blockIdx.y;
+    const i64 row = ((i64)i * T_len + t) * T_len;
+    float* s = scores + row;
+    float* dp = dprobs + row;
+    const i64 at = first + (i64)i * head_stride + t;
+    const float L = lse[at], dl = delta[at];
+    const int lo = attn_first_key(t, window);
+    for (int base = 0; base < T_len; base += blockDim.x) {
+        const int c = base + threadIdx.x;
+        float pv = 0.0f, dsv = 0.0f;
+        if (c >= lo && c <= t) {
+            pv = expf(s[c] - L);
+            dsv = pv * (dp[c] - dl) * scale;
+        }
+        __syncthreads();
+        if (c < T_len) {
+            st(reinterpret_cast<T*>(s), c, pv);
+            st(reinterpret_cast<T*>(dp), c, dsv);
+        }
+    }
+}
+
+/// The backward's elementwise step over each score row, in place: P = exp(S - lse) (masked
+/// to 0) over the scores and dS = P (dP - delta) scale over the probability gradients, both
+/// in the storage dtype. See the notes above for the layout and launch.
+extern "C" __global__ void attention_backward_ds_f32(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<float>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
+extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<bf16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
