@@ -1,24 +1,28 @@
-//! Cost-model fidelity on the host: predicted versus measured step time of an offloading schedule.
+//! Cost-model fidelity on the host: predicted versus measured step time of offloading schedules.
 //
 // Profiles the host for a GPT-2-shaped model (8 layers, hidden 256, vocab 8192, batch 4 x
 // seq 256, f32; 8 layers because smaller models pack into one or two chunks, which leaves
-// nothing to stream), compiles it under a device budget of 45% of its fully resident arena
-// (so the search must stream chunks and recompute blocks), runs it with the executor, and
-// prints predicted and measured step time and busy time per stream and per op kind, with the
-// errors. Target: the step time within 10%. It also prints a shared-CPU estimate: the
-// simulated step plus the CPU Adam and copy time the simulator overlaps with compute, which
-// on the host backend runs on the same cores (the simulator has no notion of that yet).
+// nothing to stream), compiles three policies: the search's under a device budget of 45% of
+// the fully resident arena (so it must stream chunks and recompute blocks), and two fixed ones
+// that stream every chunk (one checkpointing half the blocks, one swapping two and
+// checkpointing two). Runs each with the executor, in `FIDELITY_RUNS` rounds (default 2), and
+// prints predicted and measured step time and busy time per stream, with the errors; with
+// `FIDELITY_BY_OP=1` also per op kind. Target: every step time within 5%.
+//
+// The prediction is the simulation's step, which on the host backend includes what the
+// compute kernels lose to the copy threads and the CPU Adam on the same cores
+// (`simulate::shared_core_seconds`, printed as "shared").
 //
 // `cargo bench --bench fidelity`. Environment: `FIDELITY_LAYERS`, `FIDELITY_HIDDEN`,
 // `FIDELITY_BATCH`, `FIDELITY_SEQ`, `FIDELITY_STEPS`, `FIDELITY_BUDGET` (fraction of the
-// resident arena) override the defaults; `FIDELITY_ISOLATED=1` times each op alone (hot
-// caches) instead of in place. The host is measured as it is: run it on an idle
+// resident arena), `FIDELITY_POLICIES` (`;`-separated, `auto` for the search's) override the
+// defaults; `FIDELITY_ISOLATED=1` times each op alone (hot caches) instead of in place. The host is measured as it is: run it on an idle
 // machine (other processes on the same cores inflate the measured times).
 
 mod common;
 use common::{env, median, model};
 use protrain::compiler::cost::{cost_model, CostModel, Measured};
-use protrain::compiler::simulate::{category, exposed_seconds, instr_seconds, Simulation};
+use protrain::compiler::simulate::{instr_seconds, shared_core_seconds};
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Instr, Schedule, StreamId};
 use protrain::runtime::params::init_params;
@@ -101,26 +105,6 @@ fn predicted_by_kind(schedule: &Schedule, cost: &dyn CostModel) -> BTreeMap<(usi
     out
 }
 
-/// The simulated step plus what the simulator assumes free but a host with `cores` cores
-/// pays: on the host backend the CPU Adam runs in the same rayon pool as the compute kernels,
-/// so every second of it that overlaps compute delays compute by a second; a copy is a
-/// `memcpy` on a thread of its own that takes one core of `cores` from the compute kernels
-/// while it runs, delaying them by `1 / cores` of its time.
-fn shared_cpu_seconds(sim: &Simulation, cores: f64) -> f64 {
-    let busy = |cat: &str| -> f64 {
-        sim.timeline
-            .iter()
-            .filter(|s| s.category == cat)
-            .map(|s| s.seconds())
-            .sum()
-    };
-    let overlapped =
-        |cat: &str| busy(cat) - exposed_seconds(&sim.timeline, &[cat], &[category::COMPUTE]);
-    sim.step_seconds
-        + overlapped(category::CPU_ADAM)
-        + (overlapped(category::H2D) + overlapped(category::D2H)) / cores
-}
-
 fn error_pct(predicted: f64, measured: f64) -> f64 {
     (predicted - measured) / measured * 100.0
 }
@@ -189,83 +173,105 @@ fn main() {
     )
     .expect("the resident schedule compiles");
     let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
-    let compiled = protrain::compile(&config, &options(Some(budget), PolicyChoice::Auto))
-        .expect("a schedule fits the budget");
-    let schedule = &compiled.schedule;
-    let policy = &schedule.header.policy;
-    let chunks = schedule.chunks.len() as u32;
-    println!(
-        "budget {} ({:.0}% of the resident {}): policy {policy}, {} of {chunks} chunks \
-         persistent, {} checkpointed, {} swapped, arena {}",
-        format_bytes(budget),
-        fraction * 100.0,
-        format_bytes(resident.schedule.arena_bytes),
-        policy.n_persist,
-        policy.count(BlockMode::Checkpoint),
-        policy.count(BlockMode::Swap),
-        format_bytes(schedule.arena_bytes),
+    let specs: String = env(
+        "FIDELITY_POLICIES",
+        "auto;n_persist=0 n_buffer=2 n_checkpoint=4;n_persist=0 n_buffer=2 n_swap=2 n_checkpoint=2"
+            .to_string(),
     );
-    if let Some(fusion) = &compiled.fusion {
-        // Fused forms are kept only where the measured op times say they are faster.
-        print!("{}", fusion.to_text());
-    }
-    let table = Measured::new(profile.clone());
-    let missing = schedule
-        .graph
-        .ops()
-        .filter(|(_, op)| {
-            let types: Vec<_> = op
-                .inputs
-                .iter()
-                .map(|&v| &schedule.graph.value(v).ty)
-                .collect();
-            table.lookup(&op.kind, &types).is_none()
+    let compiled: Vec<protrain::Compiled> = specs
+        .split(';')
+        .map(|spec| match spec.trim() {
+            "auto" => protrain::compile(&config, &options(Some(budget), PolicyChoice::Auto))
+                .expect("a schedule fits the budget"),
+            spec => {
+                let spec = spec.parse().expect("FIDELITY_POLICIES holds policies");
+                protrain::compile(&config, &options(None, PolicyChoice::Fixed(spec)))
+                    .expect("the policy compiles")
+            }
         })
-        .count();
-    if missing > 0 {
-        println!("warning: {missing} ops of the schedule are not in the op table (roofline)");
-    }
-    if policy.n_persist >= chunks || policy.count(BlockMode::Checkpoint) == 0 {
-        println!("warning: the policy does not both offload and checkpoint; lower FIDELITY_BUDGET");
+        .collect();
+    let table = Measured::new(profile.clone());
+    for c in &compiled {
+        let schedule = &c.schedule;
+        let policy = &schedule.header.policy;
+        println!(
+            "policy {policy}: {} of {} chunks persistent, {} checkpointed, {} swapped, arena {} \
+             (budget for the search: {}, {:.0}% of the resident {})",
+            policy.n_persist,
+            schedule.chunks.len(),
+            policy.count(BlockMode::Checkpoint),
+            policy.count(BlockMode::Swap),
+            format_bytes(schedule.arena_bytes),
+            format_bytes(budget),
+            fraction * 100.0,
+            format_bytes(resident.schedule.arena_bytes),
+        );
+        if let Some(fusion) = &c.fusion {
+            // Fused forms are kept only where the measured op times say they are faster.
+            print!("{}", fusion.to_text());
+        }
+        let missing = schedule
+            .graph
+            .ops()
+            .filter(|(_, op)| {
+                let types: Vec<_> = op
+                    .inputs
+                    .iter()
+                    .map(|&v| &schedule.graph.value(v).ty)
+                    .collect();
+                table.lookup(&op.kind, &types).is_none()
+            })
+            .count();
+        if missing > 0 {
+            println!("warning: {missing} ops of the schedule are not in the op table (roofline)");
+        }
     }
 
-    let (measured, busy, measured_kinds) = run(schedule, config.vocab_size as usize, steps);
-    let predicted = compiled.simulation.step_seconds;
-    println!(
-        "step            predicted {predicted:.4} s, measured {measured:.4} s (median of \
-         {steps}), error {:+.1}%",
-        error_pct(predicted, measured)
-    );
-    for (i, stream) in schedule.streams.iter().enumerate() {
-        let p = compiled.simulation.stream_busy_seconds[i];
-        let m = busy[i];
-        let err = if m > 0.0 {
-            format!("{:+.1}%", error_pct(p, m))
-        } else {
-            "-".into()
-        };
-        println!(
-            "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
-            stream.name
-        );
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let shared = shared_cpu_seconds(&compiled.simulation, cores);
-    println!(
-        "shared-CPU      predicted {shared:.4} s (the simulation plus the CPU Adam and copy \
-         time it overlaps with compute, which {cores} cores cannot), error {:+.1}%",
-        error_pct(shared, measured)
-    );
-    let predicted_kinds = predicted_by_kind(schedule, cost_model(&profile).as_ref());
-    println!("by op (median step)        predicted   measured");
-    for (key, p) in &predicted_kinds {
-        let m = measured_kinds.get(key).copied().unwrap_or(0.0);
-        println!(
-            "  {:<14} {:<28} {p:>8.4} s {m:>8.4} s {:+6.1}%",
-            schedule.streams[key.0].name,
-            key.1,
-            error_pct(*p, m)
-        );
+    let runs = env("FIDELITY_RUNS", 2usize);
+    let by_op = env("FIDELITY_BY_OP", 0u8) == 1;
+    let cost = cost_model(&profile);
+    let cores = cost.host_cores().unwrap_or(f64::INFINITY);
+    let mut worst: f64 = 0.0;
+    for round in 1..=runs {
+        for c in &compiled {
+            let schedule = &c.schedule;
+            let (measured, busy, measured_kinds) = run(schedule, config.vocab_size as usize, steps);
+            let predicted = c.simulation.step_seconds;
+            let shared = shared_core_seconds(&c.simulation.timeline, cores);
+            let err = error_pct(predicted, measured);
+            worst = worst.max(err.abs());
+            println!(
+                "run {round} {}: predicted {predicted:.4} s (shared {shared:.4} s), measured \
+                 {measured:.4} s (median of {steps}), error {err:+.1}%",
+                schedule.header.policy
+            );
+            for (i, stream) in schedule.streams.iter().enumerate() {
+                let p = c.simulation.stream_busy_seconds[i];
+                let m = busy[i];
+                let err = if m > 0.0 {
+                    format!("{:+.1}%", error_pct(p, m))
+                } else {
+                    "-".into()
+                };
+                println!(
+                    "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
+                    stream.name
+                );
+            }
+            if by_op {
+                let predicted_kinds = predicted_by_kind(schedule, cost.as_ref());
+                println!("  by op (median step)        predicted   measured");
+                for (key, p) in &predicted_kinds {
+                    let m = measured_kinds.get(key).copied().unwrap_or(0.0);
+                    println!(
+                        "    {:<14} {:<28} {p:>8.4} s {m:>8.4} s {:+6.1}%",
+                        schedule.streams[key.0].name,
+                        key.1,
+                        error_pct(*p, m)
+                    );
+                }
+            }
+        }
     }
     let (r_measured, _, _) = run(&resident.schedule, config.vocab_size as usize, steps);
     println!(
@@ -273,9 +279,9 @@ fn main() {
         resident.simulation.step_seconds,
         error_pct(resident.simulation.step_seconds, r_measured)
     );
-    let verdict = error_pct(predicted, measured).abs() <= 10.0;
     println!(
-        "fidelity        {} (target: within 10%)",
-        if verdict { "ok" } else { "MISSED" }
+        "fidelity        {} (worst {worst:.1}% over {} policies x {runs} runs; target: within 5%)",
+        if worst <= 5.0 { "ok" } else { "MISSED" },
+        compiled.len()
     );
 }

@@ -1,6 +1,6 @@
 //! The cost model: op, copy and Adam times from a hardware profile, and ProTrain's step-time estimate.
 
-use protrain_ir::{op_key, DType, HardwareProfile, OpKind, TensorType};
+use protrain_ir::{op_key, workspace, DType, HardwareProfile, OpKind, TensorType};
 use std::collections::HashMap;
 
 /// The direction of a copy.
@@ -42,6 +42,15 @@ pub trait CostModel {
 
     /// One device AdamW step over `params` parameters, launch included; 0 for 0 parameters.
     fn gpu_adam_seconds(&self, params: u64) -> f64;
+
+    /// On the host backend, where every stream runs on the CPU: the cores the compute kernels
+    /// share with the copy threads (each copy is a `memcpy` on a thread of its own, taking one
+    /// core of these while it runs); the CPU Adam runs in the compute kernels' thread pool, so
+    /// it takes them all. `None` for a device, whose streams do not share its compute units.
+    /// The simulator charges compute for what it shares ([`crate::simulate::simulate`]).
+    fn host_cores(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// What limits an op class, for the roofline's efficiency factors.
@@ -50,7 +59,8 @@ pub enum OpClass {
     /// Dense matrix products on the matrix units: `linear`, `fused_linear` and their
     /// backward kinds (a fused epilogue's few FLOPs are priced at the matmul rate).
     Matmul,
-    /// Fused attention (FlashAttention-style), forward and backward.
+    /// Attention, forward and backward: strided-batched GEMMs over score matrices with row
+    /// kernels between them, as the CUDA backend runs it (`Roofline::attention_time`).
     Attention,
     /// Everything else: elementwise, normalisation, embedding, loss and optimizer kinds. They
     /// run on the vector units, so their compute peak is the f32 rate whatever the dtype.
@@ -79,7 +89,8 @@ pub struct Efficiency {
     /// Large cuBLAS GEMMs reach about 70-80% of dense tensor peak on A100 (about 250 of 312
     /// TFLOP/s in bf16) and somewhat less on H100; 0.7 is the default.
     pub matmul: f64,
-    /// FlashAttention-2 reports 50-73% of A100 peak forward and less backward; 0.5.
+    /// Attention's GEMMs: batched products whose inner dimension is the head dimension
+    /// (64-128) for `Q K^T` and `dO V^T` reach well below a large GEMM's rate; 0.5.
     pub attention: f64,
     /// Elementwise kernels are bandwidth-bound; their compute term rarely binds. 0.5.
     pub elementwise: f64,
@@ -197,11 +208,76 @@ impl Roofline {
             .sum();
         let bytes: u64 =
             inputs.iter().chain(outputs).map(|t| t.bytes()).sum::<u64>() + written_in_place;
+        if let Some(time) = self.attention_time(kind, inputs, bytes, dtype) {
+            return time;
+        }
         OpTime {
             compute_s: flops as f64 / (peak * self.efficiency.of(class)),
             memory_s: bytes as f64 / self.profile.device_bandwidth,
             launch_s: self.profile.launch_overhead_s,
         }
+    }
+}
+
+impl Roofline {
+    /// Attention as the CUDA backend runs it (`runtime/src/cuda/launch.rs`): per batch
+    /// element, batch of KV heads and query head of a group, strided-batched GEMMs on the
+    /// matrix units over whole `[T, T]` score matrices (the causal and window masks are applied
+    /// between them, so masked pairs cost FLOPs too: 2 GEMMs forward, 5 backward), with row
+    /// kernels between them that read and write the f32 scores in the planned workspace
+    /// (forward: S written, read, P written and read, `8 + 2e` bytes per pair in storage of
+    /// `e` bytes; backward: S and dP written and read, P and dS written, P read once and dS
+    /// twice, `16 + 5e`). The row kernels wait on the GEMMs and the GEMMs on them, so the
+    /// compute term is the GEMM time plus the score traffic; the memory term is the operands;
+    /// each call is one launch. `None` for other kinds, and for the `host` profile (the preset,
+    /// and what the profiler names a host measurement), whose backend runs attention as fused
+    /// tiles without a score matrix: the generic roofline over the unmasked pairs prices that.
+    fn attention_time(
+        &self,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        operand_bytes: u64,
+        dtype: DType,
+    ) -> Option<OpTime> {
+        let (heads, kv_heads, head_dim, backward) = match *kind {
+            OpKind::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } => (heads, kv_heads, head_dim, false),
+            OpKind::AttentionBackward {
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } => (heads, kv_heads, head_dim, true),
+            _ => return None,
+        };
+        if self.profile.name == "host" {
+            return None;
+        }
+        let q = inputs.first()?;
+        let (b, t) = (*q.shape.first()?, *q.shape.get(1)?);
+        let e = dtype.size();
+        let pairs = (b * heads * t * t) as f64;
+        let (gemms, score_bytes, calls_per_batch) = if backward {
+            (5.0, 16 + 5 * e, 6)
+        } else {
+            (2.0, 8 + 2 * e, 3)
+        };
+        let per_batch = workspace::attention_head_batch(kv_heads, t);
+        let batches = b * kv_heads.div_ceil(per_batch.max(1)) * (heads / kv_heads.max(1));
+        // The backward's delta kernel is one more launch.
+        let calls = batches * calls_per_batch + u64::from(backward);
+        let p = &self.profile;
+        let gemm_s = gemms * 2.0 * pairs * head_dim as f64
+            / (p.peak(dtype) * self.efficiency.of(OpClass::Attention));
+        Some(OpTime {
+            compute_s: gemm_s + pairs * score_bytes as f64 / p.device_bandwidth,
+            memory_s: operand_bytes as f64 / p.device_bandwidth,
+            launch_s: calls as f64 * p.launch_overhead_s,
+        })
     }
 }
 
@@ -239,6 +315,13 @@ impl CostModel for Roofline {
             return 0.0;
         }
         params as f64 / self.profile.gpu_adam_params_per_s + self.profile.launch_overhead_s
+    }
+
+    /// A host preset is not a measurement of any machine: its copies are taken to cost the
+    /// compute kernels nothing (infinitely many cores), its CPU Adam all of them. This keeps
+    /// schedules compiled for the `host` preset (and their snapshots) machine-independent.
+    fn host_cores(&self) -> Option<f64> {
+        crate::pipeline::is_host(&self.profile).then_some(f64::INFINITY)
     }
 }
 
@@ -312,6 +395,13 @@ impl CostModel for Measured {
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {
         self.roofline.gpu_adam_seconds(params)
+    }
+
+    /// A measured host profile describes the machine it was measured on, which is the one
+    /// compiling for it (`protrain profile` then `compile`): its available cores.
+    fn host_cores(&self) -> Option<f64> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.roofline.host_cores().map(|_| cores as f64)
     }
 }
 

@@ -417,7 +417,8 @@ pub fn search(
         .map(|k| (profile.estimate_seconds(k), profile.estimate_bytes(k), k))
         .collect();
     // Fastest first; among equals, the one that moves the least: more persistent chunks,
-    // fewer swapped or recomputed blocks, then fewer bytes.
+    // fewer swapped or recomputed blocks, then fewer bytes. (This orders what is compiled;
+    // the winner among the compiled is chosen by [`rank`].)
     ranked.sort_by(|a, b| {
         a.0.total_cmp(&b.0)
             .then(b.2.n_persist.cmp(&a.2.n_persist))
@@ -440,19 +441,20 @@ pub fn search(
         .partition(|(_, bytes, _)| *bytes <= slack);
     report.rejected_estimate = over.len();
 
-    let mut best: Option<(Candidate, Schedule)> = None;
-    // Two passes, each in batches compiled in parallel, until four candidates fit:
+    // The fitting candidates within the tie tolerance of the fastest so far, with their
+    // schedules; the winner is chosen among them at the end.
+    let mut contenders: Vec<(Candidate, Schedule)> = Vec::new();
+    // Two passes, each in batches of `COMPILE_BATCH` compiled in parallel, until four candidates fit:
     // 1. the fastest by estimate, skipping those whose estimated bytes, corrected by how the
     //    estimate compared with the exact plans so far (the median ratio; 0.8 before any, so a
     //    25% over-estimate still gets through), exceed the budget;
     // 2. if none of those fit, the leanest by estimate.
     let mut ratios: Vec<f64> = Vec::new();
-    let batch_size = rayon::current_num_threads().max(2) * 2;
     let mut pass = 1;
     let mut compiled_in_pass = 0;
     let mut queue = promising.clone().into_iter();
     loop {
-        if best.is_some()
+        if !contenders.is_empty()
             && (report.compiled.len() >= 4 || compiled_in_pass >= options.max_compiled)
         {
             break;
@@ -465,7 +467,7 @@ pub fn search(
                 sorted[n / 2]
             }
         };
-        let mut batch = Vec::with_capacity(batch_size);
+        let mut batch = Vec::with_capacity(COMPILE_BATCH);
         if compiled_in_pass < options.max_compiled {
             for candidate in queue.by_ref() {
                 if pass == 1
@@ -474,13 +476,13 @@ pub fn search(
                     continue;
                 }
                 batch.push(candidate);
-                if batch.len() == batch_size {
+                if batch.len() == COMPILE_BATCH {
                     break;
                 }
             }
         }
         if batch.is_empty() {
-            if best.is_some() || pass == 2 {
+            if !contenders.is_empty() || pass == 2 {
                 break;
             }
             pass = 2;
@@ -529,35 +531,35 @@ pub fn search(
                 fits: fits_device && fits_host,
             };
             if candidate.fits {
-                // Within 0.5% counts as a tie, which the policy that moves less wins.
-                let better = best.as_ref().is_none_or(|(b, _)| {
-                    let (t, bt) = (candidate.simulated_seconds, b.simulated_seconds);
-                    let (cp, bp) = (&candidate.policy, &b.policy);
-                    let moves_less = cp.n_persist > bp.n_persist
-                        || cp.n_persist == bp.n_persist && movement(cp) < movement(bp);
-                    t < bt * 0.995 || t <= bt * 1.005 && moves_less
-                });
                 report.compiled.push(candidate.clone());
-                if better {
-                    best = Some((candidate, schedule));
-                }
+                contenders.push((candidate, schedule));
             }
         }
-    }
-    report
-        .compiled
-        .sort_by(|a, b| a.simulated_seconds.total_cmp(&b.simulated_seconds));
-    if let Some((winner, _)) = &best {
-        // The winner heads the report even when a tie went its way.
-        if let Some(i) = report
-            .compiled
+        // Only those that can still tie with the fastest are kept (schedules are large).
+        let fastest = contenders
             .iter()
-            .position(|c| c.policy == winner.policy)
-        {
-            let w = report.compiled.remove(i);
-            report.compiled.insert(0, w);
-        }
+            .map(|(c, _)| c.simulated_seconds)
+            .fold(f64::INFINITY, f64::min);
+        contenders.retain(|(c, _)| ties(c.simulated_seconds, fastest));
     }
+    let fastest = fastest_of(&report.compiled);
+    let best = contenders
+        .into_iter()
+        .min_by(|(a, _), (b, _)| rank(a, b, fastest));
+    // Ties first in the winner's order (so the winner heads the report), then the rest,
+    // fastest first: the report reads the same for any thread count.
+    report.compiled.sort_by(|a, b| {
+        let tied = |c: &Candidate| ties(c.simulated_seconds, fastest);
+        match (tied(a), tied(b)) {
+            (true, true) => rank(a, b, fastest),
+            (true, false) => std::cmp::Ordering::Less,
+            (false, true) => std::cmp::Ordering::Greater,
+            (false, false) => a
+                .simulated_seconds
+                .total_cmp(&b.simulated_seconds)
+                .then_with(|| rank(a, b, fastest)),
+        }
+    });
     match best {
         Some((_, mut schedule)) => {
             schedule.header.report = report.to_text();
@@ -567,6 +569,47 @@ pub fn search(
         }
         None => Err(too_small(training, chunks, &profile, options, &report)),
     }
+}
+
+/// Candidates compiled in parallel at a time. A constant, not the thread count: which
+/// candidates are compiled (the search stops after the batch in which the fourth fits, and
+/// calibrates its memory estimate between batches) must not depend on the machine, or the
+/// chosen schedule and its report would change with `RAYON_NUM_THREADS`.
+pub const COMPILE_BATCH: usize = 8;
+
+/// Relative difference in simulated step time under which two candidates tie: below what
+/// the simulator can promise (its predictions are within a few percent of measurement).
+pub const TIE_TOLERANCE: f64 = 0.005;
+
+/// Whether a step time of `t` ties with the fastest, `fastest`.
+fn ties(t: f64, fastest: f64) -> bool {
+    t <= fastest * (1.0 + TIE_TOLERANCE)
+}
+
+/// The fastest simulated step time among `compiled` (infinity when none).
+fn fastest_of(compiled: &[Candidate]) -> f64 {
+    compiled
+        .iter()
+        .filter(|c| c.fits)
+        .map(|c| c.simulated_seconds)
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// The winner's order: a candidate that does not tie with `fastest` loses to one that does;
+/// among ties, the least device memory, then the least host memory, then the fewer blocks
+/// swapped or recomputed, the faster, and the policy's text, so the order is total and depends
+/// on nothing but the candidates.
+fn rank(a: &Candidate, b: &Candidate, fastest: f64) -> std::cmp::Ordering {
+    let (ta, tb) = (
+        ties(a.simulated_seconds, fastest),
+        ties(b.simulated_seconds, fastest),
+    );
+    tb.cmp(&ta)
+        .then(a.peak_device_bytes.cmp(&b.peak_device_bytes))
+        .then(a.host_bytes.cmp(&b.host_bytes))
+        .then(movement(&a.policy).cmp(&movement(&b.policy)))
+        .then(a.simulated_seconds.total_cmp(&b.simulated_seconds))
+        .then_with(|| a.policy.to_string().cmp(&b.policy.to_string()))
 }
 
 /// The error for a budget nothing fits: compiles the leanest policy to say what it needs.

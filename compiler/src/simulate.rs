@@ -313,7 +313,9 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
 ///
 /// Streams compete for nothing but events (no shared bandwidth, no launch queue), so each
 /// stream runs ahead until it blocks on an event not yet recorded and resumes when the record
-/// is reached: every instruction is visited once, O(n) plus sorting the timeline.
+/// is reached: every instruction is visited once, O(n) plus sorting the timeline. On the host
+/// backend ([`CostModel::host_cores`]) the streams share the CPU's cores, so the step then
+/// also pays [`shared_core_seconds`].
 ///
 /// A verified schedule cannot fail; [`simulate_unverified`] runs the same simulation on a
 /// schedule that has not been through the verifier.
@@ -424,12 +426,39 @@ pub fn simulate_unverified(
             .then(a.stream.cmp(&b.stream))
             .then(a.index.cmp(&b.index))
     });
+    let mut step_seconds = clock.iter().copied().fold(0.0, f64::max);
+    if let Some(cores) = cost.host_cores() {
+        step_seconds += shared_core_seconds(&timeline, cores);
+    }
     Ok(Simulation {
-        step_seconds: clock.iter().copied().fold(0.0, f64::max),
+        step_seconds,
         stream_busy_seconds: busy,
         timeline,
         phase_seconds,
     })
+}
+
+/// What the host backend's compute kernels lose to the other streams on the same `cores`:
+/// every second of CPU Adam that overlaps compute (it runs in their thread pool and takes all
+/// of it), and `1 / cores` of every second of copy that overlaps compute (a `memcpy` thread
+/// takes one core). Added to the step time, not spread over the timeline: the streams'
+/// spans stay as the events order them, and the compute stream ends that much later.
+pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
+    let overlapped = |cats: &[&str]| {
+        let busy: f64 = timeline
+            .iter()
+            .filter(|s| cats.contains(&s.category))
+            .map(Span::seconds)
+            .sum();
+        busy - exposed_seconds(timeline, cats, &[category::COMPUTE])
+    };
+    let copies = overlapped(&[category::H2D]) + overlapped(&[category::D2H]);
+    overlapped(&[category::CPU_ADAM])
+        + if cores.is_finite() {
+            copies / cores
+        } else {
+            0.0
+        }
 }
 
 /// Seconds during which some span of `categories` runs and no span of `hidden_by` does: the
@@ -653,4 +682,42 @@ fn record_sites(schedule: &Schedule) -> Result<Vec<Option<(StreamId, usize)>>, S
         }
     }
     Ok(sites)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(stream: usize, start: f64, end: f64, category: &'static str) -> Span {
+        Span {
+            stream: StreamId::new(stream),
+            index: 0,
+            start,
+            end,
+            label: String::new(),
+            category,
+        }
+    }
+
+    #[test]
+    fn the_host_pays_overlapped_adam_whole_and_overlapped_copies_per_core() {
+        // Compute runs 0..4. The CPU Adam runs 3..6: 1 s of it overlaps compute. Copies:
+        // h2d 1..3 (2 s overlapped), d2h 5..6 (none). With 2 cores: 1 + 2 / 2 = 2 s.
+        let timeline = [
+            span(0, 0.0, 4.0, category::COMPUTE),
+            span(3, 3.0, 6.0, category::CPU_ADAM),
+            span(1, 1.0, 3.0, category::H2D),
+            span(2, 5.0, 6.0, category::D2H),
+        ];
+        assert_eq!(shared_core_seconds(&timeline, 2.0), 2.0);
+        // A preset host (infinitely many cores): the copies cost compute nothing.
+        assert_eq!(shared_core_seconds(&timeline, f64::INFINITY), 1.0);
+        // Nothing overlaps compute: nothing is shared.
+        let apart = [
+            span(0, 0.0, 1.0, category::COMPUTE),
+            span(3, 1.0, 2.0, category::CPU_ADAM),
+            span(1, 2.0, 3.0, category::H2D),
+        ];
+        assert_eq!(shared_core_seconds(&apart, 2.0), 0.0);
+    }
 }

@@ -387,8 +387,14 @@ impl Builder {
             .first()
             .map(|v| self.primary[v])
             .ok_or(CompileError::NoLoss)?;
-        let (per_stream, order) =
-            order_steps(&graph, &chunks, &timeline, &copies, &grad_offload, scalar_copy);
+        let (per_stream, order) = order_steps(
+            &graph,
+            &chunks,
+            &timeline,
+            &copies,
+            &grad_offload,
+            scalar_copy,
+        );
         let (streams, events) = self.lower(per_stream, &order, &copies, kernels, scalar_copy);
         Ok(Streamed {
             placed: self.placed,

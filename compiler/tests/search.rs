@@ -3,7 +3,7 @@
 
 use protrain_compiler::cost::cost_model;
 use protrain_compiler::pipeline::{chunked, training_graph};
-use protrain_compiler::search::{search, SearchOptions};
+use protrain_compiler::search::{search, SearchOptions, TIE_TOLERANCE};
 use protrain_compiler::{CompileError, OptimizerConfig};
 use protrain_ir::{BlockMode, HardwareProfile, Schedule};
 
@@ -122,4 +122,97 @@ fn when_the_fastest_estimates_do_not_fit_exactly_a_leaner_policy_is_found() {
         "{}",
         report.to_text()
     );
+}
+
+/// Searches `model` at `batch` x `seq` on the `hardware` preset with `host` bytes of host
+/// memory and the preset's usable device memory.
+fn search_preset(
+    model: &str,
+    hardware: &str,
+    host: u64,
+    batch: u64,
+    seq: u64,
+) -> (Schedule, protrain_compiler::search::SearchReport) {
+    let config = protrain_models::load(model).expect("preset");
+    let forward =
+        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(batch, seq))
+            .expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let chunks = chunked(&training);
+    let profile = HardwareProfile::preset(hardware).expect("preset");
+    let cost = cost_model(&profile);
+    let options = SearchOptions {
+        device_budget: profile.usable_device_bytes(),
+        host_budget: host,
+        max_compiled: 64,
+        hardware: profile.summary(),
+        model: model.into(),
+    };
+    search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits")
+}
+
+/// The tie rule, checked on a report: the winner heads it, and no candidate within
+/// [`TIE_TOLERANCE`] of the fastest uses less device memory, or as much and less host memory.
+fn check_tie_rule(report: &protrain_compiler::search::SearchReport) {
+    let text = report.to_text();
+    let winner = &report.compiled[0];
+    let fastest = report
+        .compiled
+        .iter()
+        .map(|c| c.simulated_seconds)
+        .fold(f64::INFINITY, f64::min);
+    assert!(
+        winner.simulated_seconds <= fastest * (1.0 + TIE_TOLERANCE),
+        "the winner is not among the fastest: {text}"
+    );
+    for c in &report.compiled {
+        if c.simulated_seconds <= fastest * (1.0 + TIE_TOLERANCE) {
+            let key =
+                |c: &protrain_compiler::search::Candidate| (c.peak_device_bytes, c.host_bytes);
+            assert!(
+                key(winner) <= key(c),
+                "{} ties and is leaner: {text}",
+                c.policy
+            );
+        }
+    }
+}
+
+#[test]
+fn among_tied_candidates_the_least_device_memory_wins() {
+    // Issue 14: six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4
+    // buffers: 6.1611 s each) and the rule before it, the least movement among ties, chose
+    // blocks=C..CKKK at 22.32 GiB over the 21.54 GiB of blocks=C..CK with 2 buffers.
+    let (schedule, report) = search_preset("llama-2-7b", "rtx3090", 256 * GIB, 4, 1024);
+    let tied = report
+        .compiled
+        .iter()
+        .filter(|c| c.simulated_seconds <= report.compiled[0].simulated_seconds * 1.005)
+        .count();
+    assert!(tied >= 2, "the case has ties: {}", report.to_text());
+    check_tie_rule(&report);
+    assert_eq!(schedule.header.policy, report.compiled[0].policy);
+    assert_eq!(schedule.arena_bytes, report.compiled[0].peak_device_bytes);
+}
+
+#[test]
+fn the_choice_and_the_report_do_not_depend_on_the_thread_count() {
+    let in_pool = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a pool");
+        pool.install(|| {
+            let (schedule, report) = run(2 * GIB).expect("fits 2 GiB");
+            (
+                schedule.header.policy.clone(),
+                schedule.header.report.clone(),
+                report.to_text(),
+            )
+        })
+    };
+    let (one, three) = (in_pool(1), in_pool(3));
+    assert_eq!(one.0, three.0, "the policy");
+    assert_eq!(one.1, three.1, "the header's report");
+    assert_eq!(one.2, three.2, "the report");
 }

@@ -11,7 +11,6 @@ use crate::kernels::{self, AttentionDims};
 use protrain_ir::{
     Epilogue, Graph, Op, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
 };
-use rayon::prelude::*;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
 ///
@@ -594,6 +593,38 @@ pub fn adamw(
     coef: Option<f32>,
     step: u64,
 ) {
+    adamw_mixed(
+        kind,
+        param,
+        kernels::Grad::F32(grad),
+        m,
+        v,
+        None,
+        coef,
+        step,
+    );
+}
+
+/// Runs an AdamW op in one pass over memory for any parameter the CPU Adam updates: the f32
+/// `master` (the parameter itself when it is f32), `m` and `v` are updated from `grad` (f32,
+/// or bf16 widened as it is read), scaled by the clip coefficient `coef` when the op is
+/// clipped; when `low` is given (a bf16 parameter), the new master rounded to bf16 is written
+/// there in the same pass. [`adamw`] is this with an f32 gradient and no bf16 copy; the
+/// interpreter, the host executor and the CUDA backend's host optimizer all come here, so
+/// they share one kernel ([`kernels::adamw_step_fused`]) and its bits.
+///
+/// Panics when `kind` is not AdamW, or when a clipped op gets no coefficient.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_mixed(
+    kind: &OpKind,
+    master: &mut [f32],
+    grad: kernels::Grad<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    low: Option<&mut [kernels::bf16]>,
+    coef: Option<f32>,
+    step: u64,
+) {
     let OpKind::AdamW {
         lr,
         beta1,
@@ -612,23 +643,19 @@ pub fn adamw(
         eps,
         weight_decay,
     };
-    if clipped {
-        let coef = coef.expect("a clipped AdamW reads the clip coefficient");
-        adamw_step_scaled(param, grad, m, v, step, &config, coef);
-    } else {
-        kernels::adamw_step(param, grad, m, v, step, &config);
-    }
+    let scale = match clipped {
+        true => Some(coef.expect("a clipped AdamW reads the clip coefficient")),
+        false => None,
+    };
+    kernels::adamw_step_fused(master, grad, scale, m, v, low, step, &config);
 }
-
-/// Gradient elements scaled at a time by [`adamw_step_scaled`], on the stack.
-const SCALED_BLOCK: usize = 4096;
 
 /// [`kernels::adamw_step`] on `grad * grad_scale`, without allocating: bit-identical to
 /// [`kernels::scale`] on a copy of the gradient followed by [`kernels::adamw_step`].
 ///
-/// Each element's update depends only on its own values, the step and the configuration, so
-/// the parameter is updated in blocks, each from a scaled copy of its gradient block on the
-/// stack; `g * s` rounds exactly as `scale`'s `*g *= s`.
+/// Each element's update depends only on its own values, the step and the configuration, and
+/// the fused kernel scales each gradient element as it reads it; `g * s` rounds exactly as
+/// `scale`'s `*g *= s`.
 pub fn adamw_step_scaled(
     param: &mut [f32],
     grad: &[f32],
@@ -638,26 +665,8 @@ pub fn adamw_step_scaled(
     config: &kernels::AdamWConfig,
     grad_scale: f32,
 ) {
-    assert_eq!(
-        grad.len(),
-        param.len(),
-        "adamw: grad length differs from param"
-    );
-    param
-        .par_chunks_mut(SCALED_BLOCK)
-        .zip(grad.par_chunks(SCALED_BLOCK))
-        .zip(
-            m.par_chunks_mut(SCALED_BLOCK)
-                .zip(v.par_chunks_mut(SCALED_BLOCK)),
-        )
-        .for_each(|((p, g), (m, v))| {
-            let mut block = [0.0f32; SCALED_BLOCK];
-            let scaled = &mut block[..g.len()];
-            for (s, &x) in scaled.iter_mut().zip(g) {
-                *s = x * grad_scale;
-            }
-            kernels::adamw_step(p, scaled, m, v, step, config);
-        });
+    let grad = kernels::Grad::F32(grad);
+    kernels::adamw_step_fused(param, grad, Some(grad_scale), m, v, None, step, config);
 }
 
 /// Attention dimensions from the output type `[B,T,H*D]`.
@@ -728,7 +737,7 @@ mod tests {
     #[test]
     fn scaled_adamw_matches_scale_then_step_to_the_bit() {
         // Longer than one block and not a multiple of it, with an awkward scale.
-        let n = 3 * SCALED_BLOCK + 17;
+        let n = 3 * kernels::ADAMW_BLOCK + 17;
         let wave = |k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * k).sin()).collect() };
         let (p0, g, m0, v0) = (wave(0.37), wave(1.3), wave(0.11), wave(0.07));
         let v0: Vec<f32> = v0.iter().map(|x| x.abs()).collect();

@@ -32,7 +32,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
-use rayon::prelude::*;
 
 use super::blas::Gemm;
 use super::driver::{
@@ -73,8 +72,6 @@ pub(super) struct DeviceStream {
 pub(super) struct HostStream {
     /// For the rare copy between the host region and the arena issued on this stream.
     copier: Arc<CudaStream>,
-    /// bf16 gradients widened to f32 for the CPU Adam.
-    pub(super) widened: Vec<f32>,
 }
 
 enum Exec {
@@ -351,6 +348,9 @@ impl CudaBackend {
                 // their types, the workspace against its planned size); outputs and the
                 // workspace overlap no input or each other: the caller's ordering contract.
                 Call::Gemm(g) => unsafe { d.gemm()?.run(g.dtype, &g.gemm, g.what)? },
+                // SAFETY: as above, for every matrix of the batch (the plan's strides stay
+                // inside the operands and the planned workspace).
+                Call::Batched(g) => unsafe { d.gemm()?.run_batched(g.ab, g.c, &g.gemm, g.what)? },
             }
         }
         Ok(())
@@ -440,7 +440,7 @@ impl CudaBackend {
     /// # Safety
     ///
     /// The backend's ordering contract holds for the op's operands.
-    unsafe fn run_host(&self, h: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
+    unsafe fn run_host(&self, l: &Launch<'_>) -> Result<Outcome> {
         let (graph, op) = (l.graph, l.op);
         let bad = |why: String| RuntimeError::BadSchedule(format!("{}: {why}", op.kind.mnemonic()));
         if l.inputs.len() != op.inputs.len() || l.outputs.len() != op.outputs.len() {
@@ -477,25 +477,19 @@ impl CudaBackend {
                     let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
                     let p = unsafe { self.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
                     let g = unsafe { self.host_slice::<half::bf16>(l.inputs[1], n)? };
-                    // The widened gradient buffer grows to the largest parameter in the first
-                    // step and is reused after.
-                    h.widened.resize(n, 0.0);
-                    h.widened
-                        .par_chunks_mut(1 << 16)
-                        .zip(g.par_chunks(1 << 16))
-                        .for_each(|(w, g)| {
-                            for (w, g) in w.iter_mut().zip(g) {
-                                *w = g.to_f32();
-                            }
-                        });
-                    dispatch::adamw(&op.kind, master, &h.widened, m, v, coef, l.step);
-                    p.par_chunks_mut(1 << 16)
-                        .zip(master.par_chunks(1 << 16))
-                        .for_each(|(p, m)| {
-                            for (p, &m) in p.iter_mut().zip(m) {
-                                *p = half::bf16::from_f32(m);
-                            }
-                        });
+                    // One pass: the bf16 gradient is widened as it is read and the new bf16
+                    // parameter written beside the f32 master, the same bits as the host
+                    // executor's CPU Adam.
+                    dispatch::adamw_mixed(
+                        &op.kind,
+                        master,
+                        crate::kernels::Grad::Bf16(g),
+                        m,
+                        v,
+                        Some(p),
+                        coef,
+                        l.step,
+                    );
                 }
                 (p, g) => {
                     return Err(bad(format!(
@@ -705,10 +699,7 @@ impl Backend for CudaBackend {
                     constants: Vec::new(),
                 })
             }
-            StreamKind::HostOptimizer => Exec::Host(HostStream {
-                copier: stream,
-                widened: Vec::new(),
-            }),
+            StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),
         };
         Ok(CudaStreamHandle { kind, exec })
     }
@@ -731,7 +722,7 @@ impl Backend for CudaBackend {
                 Ok(Outcome::default())
             }
             // SAFETY: the caller's ordering contract.
-            Exec::Host(h) => unsafe { self.run_host(h, l) },
+            Exec::Host(_) => unsafe { self.run_host(l) },
         }
     }
 

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{fast, ELEM_GRAIN};
+use super::math::ELEM_GRAIN;
 
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them. `f64` because torch does the
 /// scalar arithmetic (bias corrections, step size) in Python floats.
@@ -33,17 +33,85 @@ impl Default for AdamWConfig {
     }
 }
 
+/// The bf16 type the fused step writes and reads (`half::bf16`), re-exported for callers.
+pub use half::bf16;
+
+/// Elements per rayon task of [`adamw_step_fused`]: 32 Ki elements are 128 KiB of each f32
+/// stream, enough to amortise a task and to let the hardware prefetchers run; the block
+/// boundaries depend only on the length, and no element's result depends on its block.
+pub const ADAMW_BLOCK: usize = 1 << 15;
+
+/// The gradient one step reads: f32, or bf16 (widened exactly, element by element, as it is
+/// read; no widened copy is made).
+#[derive(Clone, Copy, Debug)]
+pub enum Grad<'a> {
+    /// An f32 gradient.
+    F32(&'a [f32]),
+    /// A bf16 gradient (of a bf16 parameter with an f32 master weight).
+    Bf16(&'a [bf16]),
+}
+
+impl Grad<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::F32(g) => g.len(),
+            Grad::Bf16(g) => g.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The f32 scalars of one step, rounded from Python-float arithmetic as torch rounds a Python
 /// scalar that meets an f32 tensor.
 #[derive(Clone, Copy)]
 struct Coeffs {
-    decay: Option<f32>,
-    lerp_w: f32,
+    /// `1 - lr * wd`; exactly 1 without weight decay, and `p * 1` is `p` to the bit.
+    decay: f32,
+    /// The FMA's multiplier in `exp_avg.lerp_(grad, w)`: `w` when `|w| < 0.5`, else `w - 1`.
+    lerp_a: f32,
+    /// Whether the FMA adds to `m` (`|w| < 0.5`) or to `g` (otherwise).
+    lerp_from_m: bool,
     beta2: f32,
     one_minus_beta2: f32,
     bc2_sqrt: f32,
     eps: f32,
     neg_step_size: f32,
+    /// The gradient's scale (the clip coefficient); exactly 1 when unclipped.
+    grad_scale: f32,
+}
+
+impl Coeffs {
+    fn new(step: u64, cfg: &AdamWConfig, grad_scale: f32) -> Coeffs {
+        assert!(step >= 1, "adamw: step is 1-based");
+        let t = step as f64;
+        let bias_correction1 = 1.0 - cfg.beta1.powf(t);
+        let bias_correction2 = 1.0 - cfg.beta2.powf(t);
+        let step_size = cfg.lr / bias_correction1;
+        let lerp_w = (1.0 - cfg.beta1) as f32;
+        Coeffs {
+            decay: match cfg.weight_decay != 0.0 {
+                true => (1.0 - cfg.lr * cfg.weight_decay) as f32,
+                false => 1.0,
+            },
+            lerp_a: if lerp_w.abs() < 0.5 {
+                lerp_w
+            } else {
+                lerp_w - 1.0
+            },
+            lerp_from_m: lerp_w.abs() < 0.5,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            bc2_sqrt: bias_correction2.sqrt() as f32,
+            eps: cfg.eps as f32,
+            neg_step_size: (-step_size) as f32,
+            grad_scale,
+        }
+    }
 }
 
 /// One element, in the order of torch's `_single_tensor_adam` with
@@ -54,30 +122,201 @@ struct Coeffs {
 /// vectorised `addcmul` fuses the last multiply-add; found by matching its bits);
 /// `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`;
 /// `param.addcdiv_(exp_avg, denom, value=-step_size)` (`p + (s * m) / denom`).
+/// Every operation is an IEEE one (add, multiply, FMA, divide, square root), so its vector
+/// form gives the scalar bits. `g` arrives already scaled (`g * s` rounds as `scale` does).
 #[inline(always)]
-fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coeffs) {
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let mut pi = *p;
-        if let Some(d) = c.decay {
-            pi *= d;
-        }
-        let mi = if c.lerp_w.abs() < 0.5 {
-            c.lerp_w.mul_add(g - *m, *m)
-        } else {
-            (c.lerp_w - 1.0).mul_add(g - *m, g)
-        };
-        let vi = (c.one_minus_beta2 * g).mul_add(g, *v * c.beta2);
-        let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
-        *p = pi + (c.neg_step_size * mi) / denom;
-        *m = mi;
-        *v = vi;
+fn update<const FROM_M: bool>(p: f32, g: f32, m: f32, v: f32, c: &Coeffs) -> (f32, f32, f32) {
+    let pi = p * c.decay;
+    let mi = c.lerp_a.mul_add(g - m, if FROM_M { m } else { g });
+    let vi = (c.one_minus_beta2 * g).mul_add(g, v * c.beta2);
+    let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
+    (pi + (c.neg_step_size * mi) / denom, mi, vi)
+}
+
+/// A gradient element type: widened to f32 exactly.
+trait Widen: Copy {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
     }
 }
 
-/// One AdamW step over a parameter tensor, exactly as `torch.optim.AdamW(foreach=False)` on
-/// CPU, so results agree with PyTorch to the bit. `step` is the 1-based step count after
-/// this step's increment. Updates `param`, `exp_avg` and `exp_avg_sq` in place; all four
-/// slices have the same length. Parallel over fixed chunks; each element is independent.
+impl Widen for bf16 {
+    /// The bf16 bits are the high half of the f32's (written with shifts so it vectorises).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+/// `x` rounded to bf16 to nearest, ties to even; a NaN stays a quiet NaN. The same bits as
+/// `half::bf16::from_f32`, written without branches so it vectorises.
+#[inline(always)]
+pub fn to_bf16(x: f32) -> bf16 {
+    let b = x.to_bits();
+    // Wraps only for NaNs (above 0xffff_8000), whose result is replaced below.
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b >> 16) | 0x40;
+    let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    bf16::from_bits(if is_nan { nan } else { rounded } as u16)
+}
+
+/// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
+/// length) set to the new `p` rounded to bf16 in the same pass.
+#[inline(always)]
+fn block<G: Widen, const FROM_M: bool>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    low: Option<&mut [bf16]>,
+    c: &Coeffs,
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    match low {
+        Some(low) => {
+            let low = &mut low[..n];
+            for i in 0..n {
+                let gi = g[i].widen() * c.grad_scale;
+                let (pi, mi, vi) = update::<FROM_M>(p[i], gi, m[i], v[i], c);
+                (p[i], m[i], v[i], low[i]) = (pi, mi, vi, to_bf16(pi));
+            }
+        }
+        None => {
+            for i in 0..n {
+                let gi = g[i].widen() * c.grad_scale;
+                let (pi, mi, vi) = update::<FROM_M>(p[i], gi, m[i], v[i], c);
+                (p[i], m[i], v[i]) = (pi, mi, vi);
+            }
+        }
+    }
+}
+
+/// [`block`] for both lerp forms, in the CPU's widest instruction set: AVX2 + FMA when the
+/// CPU has them (checked once per block; `mul_add` is then one instruction), else baseline
+/// code (where `mul_add` is a libm call). Both round once, so the bits are the same.
+fn run_block<G: Widen>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    low: Option<&mut [bf16]>,
+    c: &Coeffs,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            unsafe { block_avx2(p, g, m, v, low, c) };
+            return;
+        }
+    }
+    match c.lerp_from_m {
+        true => block::<G, true>(p, g, m, v, low, c),
+        false => block::<G, false>(p, g, m, v, low, c),
+    }
+}
+
+/// [`block`] compiled for AVX2 + FMA. It is a `target_feature` function of its own, with
+/// `block` inlined into it, because a closure passed to one (as `math::fast` does) is compiled
+/// apart, for the baseline: checked in the disassembly (`vdivps`/`vsqrtps` on `ymm` registers
+/// and `vfmadd`, not `divss` and calls to `fmaf`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_avx2<G: Widen>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    low: Option<&mut [bf16]>,
+    c: &Coeffs,
+) {
+    match c.lerp_from_m {
+        true => block::<G, true>(p, g, m, v, low, c),
+        false => block::<G, false>(p, g, m, v, low, c),
+    }
+}
+
+/// The whole tensor in [`ADAMW_BLOCK`]-element blocks, in parallel.
+fn run<G: Widen + Sync>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    low: Option<&mut [bf16]>,
+    c: &Coeffs,
+) {
+    let states = p
+        .par_chunks_mut(ADAMW_BLOCK)
+        .zip(g.par_chunks(ADAMW_BLOCK))
+        .zip(
+            m.par_chunks_mut(ADAMW_BLOCK)
+                .zip(v.par_chunks_mut(ADAMW_BLOCK)),
+        );
+    match low {
+        Some(low) => states
+            .zip(low.par_chunks_mut(ADAMW_BLOCK))
+            .for_each(|(((p, g), (m, v)), low)| run_block(p, g, m, v, Some(low), c)),
+        None => states.for_each(|((p, g), (m, v))| run_block(p, g, m, v, None, c)),
+    }
+}
+
+/// One AdamW step over a parameter tensor in one pass over memory: the f32 `master` weight
+/// and the moments `exp_avg`, `exp_avg_sq` are read and updated in place from `grad` (f32 or
+/// bf16, multiplied by `grad_scale` when given, the clip coefficient), and when `low` is given
+/// the new weight rounded to bf16 is written there (the copy the next upload sends), in the
+/// same pass. `step` is the 1-based step count after this step's increment.
+///
+/// Per element it is `torch.optim.AdamW(foreach=False)` on CPU to the bit, on `grad *
+/// grad_scale` rounded to f32 (what `clip_grad_norm_` leaves in the gradient); vectorised
+/// (AVX2 + FMA when the CPU has them, chosen at run time) and parallel over fixed
+/// [`ADAMW_BLOCK`]-element blocks. Elementwise with no reduction, so the result is the same
+/// bits for any thread count. Panics when the lengths differ.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step_fused(
+    master: &mut [f32],
+    grad: Grad<'_>,
+    grad_scale: Option<f32>,
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    low: Option<&mut [bf16]>,
+    step: u64,
+    cfg: &AdamWConfig,
+) {
+    let n = master.len();
+    assert_eq!(grad.len(), n, "adamw: grad length differs from param");
+    assert_eq!(exp_avg.len(), n, "adamw: exp_avg length differs from param");
+    assert_eq!(
+        exp_avg_sq.len(),
+        n,
+        "adamw: exp_avg_sq length differs from param"
+    );
+    if let Some(low) = &low {
+        assert_eq!(
+            low.len(),
+            n,
+            "adamw: bf16 parameter length differs from master"
+        );
+    }
+    let c = Coeffs::new(step, cfg, grad_scale.unwrap_or(1.0));
+    match grad {
+        Grad::F32(g) => run(master, g, exp_avg, exp_avg_sq, low, &c),
+        Grad::Bf16(g) => run(master, g, exp_avg, exp_avg_sq, low, &c),
+    }
+}
+
+/// One AdamW step over an f32 parameter tensor, exactly as `torch.optim.AdamW(foreach=False)`
+/// on CPU, so results agree with PyTorch to the bit: [`adamw_step_fused`] with an f32
+/// gradient, no scale and no bf16 copy. Updates `param`, `exp_avg` and `exp_avg_sq` in place;
+/// all four slices have the same length.
 pub fn adamw_step(
     param: &mut [f32],
     grad: &[f32],
@@ -86,39 +325,16 @@ pub fn adamw_step(
     step: u64,
     cfg: &AdamWConfig,
 ) {
-    let n = param.len();
-    assert_eq!(grad.len(), n, "adamw: grad length differs from param");
-    assert_eq!(exp_avg.len(), n, "adamw: exp_avg length differs from param");
-    assert_eq!(
-        exp_avg_sq.len(),
-        n,
-        "adamw: exp_avg_sq length differs from param"
+    adamw_step_fused(
+        param,
+        Grad::F32(grad),
+        None,
+        exp_avg,
+        exp_avg_sq,
+        None,
+        step,
+        cfg,
     );
-    assert!(step >= 1, "adamw: step is 1-based");
-    let t = step as f64;
-    let bias_correction1 = 1.0 - cfg.beta1.powf(t);
-    let bias_correction2 = 1.0 - cfg.beta2.powf(t);
-    let step_size = cfg.lr / bias_correction1;
-    let c = Coeffs {
-        decay: (cfg.weight_decay != 0.0).then_some((1.0 - cfg.lr * cfg.weight_decay) as f32),
-        lerp_w: (1.0 - cfg.beta1) as f32,
-        beta2: cfg.beta2 as f32,
-        one_minus_beta2: (1.0 - cfg.beta2) as f32,
-        bc2_sqrt: bias_correction2.sqrt() as f32,
-        eps: cfg.eps as f32,
-        neg_step_size: (-step_size) as f32,
-    };
-    param
-        .par_chunks_mut(ELEM_GRAIN)
-        .zip(grad.par_chunks(ELEM_GRAIN))
-        .zip(
-            exp_avg
-                .par_chunks_mut(ELEM_GRAIN)
-                .zip(exp_avg_sq.par_chunks_mut(ELEM_GRAIN)),
-        )
-        // On AVX2 + FMA machines `mul_add` is one instruction; elsewhere a libm call. Both
-        // round once, so the bits are the same.
-        .for_each(|((p, g), (m, v))| fast(|| update(p, g, m, v, c)));
 }
 
 /// `sum x^2` in f64 (each square is exact in f64). Summed over a binary tree of fixed-size
@@ -273,6 +489,112 @@ mod tests {
         assert_eq!(bits(&m), M3);
         assert_eq!(bits(&v), V3);
         assert_eq!(bits(&p), P3);
+    }
+
+    /// Values that exercise every path: a length over two blocks with a ragged tail, mixed
+    /// signs and magnitudes (subnormal to large), for p, g, m and v.
+    fn operands() -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let n = 2 * ADAMW_BLOCK + 1234;
+        let wave = |k: u32, scale: f32| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| {
+                    let h = i
+                        .wrapping_mul(2_654_435_761)
+                        .wrapping_add(k.wrapping_mul(40503));
+                    let x = (h >> 8) as f32 / 8_388_608.0 - 1.0;
+                    x * scale * [1.0, 1e-3, 1e-20, 1e-40, 7.0][(h % 5) as usize]
+                })
+                .collect()
+        };
+        let v = wave(4, 1e-2).iter().map(|x| x * x).collect();
+        (wave(1, 1.0), wave(2, 0.1), wave(3, 1e-2), v)
+    }
+
+    #[test]
+    fn the_bits_do_not_depend_on_the_thread_count() {
+        let (p0, g, m0, v0) = operands();
+        let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let cfg = AdamWConfig::default();
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            let mut low = vec![bf16::ZERO; p.len()];
+            pool.install(|| {
+                for step in 1..=3 {
+                    let grad = if step == 2 {
+                        Grad::Bf16(&g16)
+                    } else {
+                        Grad::F32(&g)
+                    };
+                    let (p, m, v, low) = (&mut p, &mut m, &mut v, Some(&mut low[..]));
+                    adamw_step_fused(p, grad, Some(0.7), m, v, low, step, &cfg);
+                }
+            });
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            let low: Vec<u16> = low.iter().map(|x| x.to_bits()).collect();
+            (bits(&p), bits(&m), bits(&v), low)
+        };
+        let one = run(1);
+        assert!(one == run(2), "two threads differ from one");
+        assert!(one == run(3), "three threads differ from one");
+    }
+
+    #[test]
+    fn a_bf16_gradient_is_its_widened_f32_and_the_bf16_copy_is_the_rounded_master() {
+        // The fused pass against the same step on the widened gradient (f32 path, no copy)
+        // followed by `half`'s rounding of the result: the same bits.
+        let (p0, g, m0, v0) = operands();
+        let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let widened: Vec<f32> = g16.iter().map(|x| x.to_f32()).collect();
+        let cfg = AdamWConfig::default();
+        let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
+        adamw_step(&mut p1, &widened, &mut m1, &mut v1, 5, &cfg);
+        let (mut p2, mut m2, mut v2) = (p0, m0, v0);
+        let mut low = vec![bf16::ZERO; p2.len()];
+        let (p, m, v) = (&mut p2, &mut m2, &mut v2);
+        adamw_step_fused(p, Grad::Bf16(&g16), None, m, v, Some(&mut low), 5, &cfg);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&p1), bits(&p2));
+        assert_eq!(bits(&m1), bits(&m2));
+        assert_eq!(bits(&v1), bits(&v2));
+        let want: Vec<u16> = p1.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        let got: Vec<u16> = low.iter().map(|x| x.to_bits()).collect();
+        assert!(want == got, "the bf16 copy is not the rounded master");
+    }
+
+    #[test]
+    fn to_bf16_rounds_as_half_does() {
+        // Ties to even both ways, the carry into the exponent, infinities, NaNs (quiet and
+        // signalling, both signs), subnormals, and a sweep of bit patterns.
+        let special = [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f7f_ffff,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0xffff_ffff,
+            0x0000_8000,
+            0x0001_8000,
+            0x8000_0000,
+            0,
+        ];
+        let sweep = (0..1u32 << 20).map(|i| i.wrapping_mul(4099).rotate_left(13));
+        for b in special.into_iter().chain(sweep) {
+            let x = f32::from_bits(b);
+            assert_eq!(
+                to_bf16(x).to_bits(),
+                bf16::from_f32(x).to_bits(),
+                "{b:#010x}"
+            );
+        }
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub use activation::{
     gelu_backward, gelu_forward, relu_backward, relu_forward, silu_backward, silu_forward,
     swiglu_backward, swiglu_forward,
 };
-pub use adamw::{adamw_step, clip_coef, grad_norm_sq, scale, AdamWConfig};
+pub use adamw::{
+    adamw_step, adamw_step_fused, bf16, clip_coef, grad_norm_sq, scale, to_bf16, AdamWConfig, Grad,
+    ADAMW_BLOCK,
+};
 pub use add::{add_assign, add_backward, add_forward};
 pub use attention::{
     attention_backward, attention_backward_packed, attention_forward, attention_forward_packed,
