@@ -254,7 +254,7 @@ impl Roofline {
             } => (heads, kv_heads, head_dim, true),
             _ => return None,
         };
-        if self.profile.name == "host" {
+        if self.profile.is_host() {
             return None;
         }
         let q = inputs.first()?;
@@ -321,7 +321,7 @@ impl CostModel for Roofline {
     /// compute kernels nothing (infinitely many cores), its CPU Adam all of them. This keeps
     /// schedules compiled for the `host` preset (and their snapshots) machine-independent.
     fn host_cores(&self) -> Option<f64> {
-        crate::pipeline::is_host(&self.profile).then_some(f64::INFINITY)
+        self.profile.is_host().then_some(f64::INFINITY)
     }
 }
 

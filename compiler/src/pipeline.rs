@@ -79,17 +79,11 @@ pub struct CompileOptions {
 /// Every command takes its defaults from here, so a schedule compiled with the defaults runs
 /// with the defaults.
 pub fn default_shape(hardware: &HardwareProfile) -> (u64, u64, DType) {
-    if is_host(hardware) {
+    if hardware.is_host() {
         (8, 64, DType::F32)
     } else {
         (1, 1024, DType::BF16)
     }
-}
-
-/// Whether a profile describes the host CPU as the device: the `host` preset, or a profile
-/// `protrain profile --backend host` measured (named `host...`).
-pub fn is_host(hardware: &HardwareProfile) -> bool {
-    hardware.name.starts_with("host")
 }
 
 impl CompileOptions {

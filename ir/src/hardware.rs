@@ -385,6 +385,14 @@ impl HardwareProfile {
         }
     }
 
+    /// Whether the profile describes the host CPU as the device: the `host` preset, or a
+    /// profile `protrain profile --backend host` measured (named `host...`). The host backend
+    /// runs fused attention tiles and shares its cores between streams, and compiles f32 by
+    /// default; the cost model and the defaults ask this one question.
+    pub fn is_host(&self) -> bool {
+        self.name.starts_with("host")
+    }
+
     /// Device bytes a schedule may use: device memory minus the reserved bytes (0 if the
     /// reservation exceeds the memory).
     pub fn usable_device_bytes(&self) -> u64 {
