@@ -1,24 +1,12 @@
 //! Checkpoints as a user meets them: a killed run resumes bit-identically; a checkpoint of
 //! another run is refused; a half-written checkpoint is ignored.
 
+mod cli_support;
+use cli_support::{path, protrain, stderr};
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// `(step, loss as printed)` of one `--log-json` line: the loss compared as text is compared
 /// bit for bit.

@@ -1,14 +1,10 @@
 //! The command line as a user runs it: output, exit status, and every error's text.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod cli_support;
+use cli_support::protrain;
 
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
+use std::path::{Path, PathBuf};
+use std::process::Output;
 
 fn stdout(out: &Output) -> String {
     String::from_utf8(out.stdout.clone()).expect("utf-8 stdout")

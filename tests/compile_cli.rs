@@ -1,26 +1,13 @@
 //! `protrain compile`, `verify`, `explain` and `trace` as a user runs them.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod cli_support;
+use cli_support::{path, protrain, stderr};
 
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use std::process::Output;
 
 fn json(out: &Output) -> serde_json::Value {
     assert!(out.status.success(), "{}", stderr(out));
     serde_json::from_slice(&out.stdout).expect("--json prints one JSON object")
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 const GIB: u64 = 1 << 30;

@@ -1,20 +1,11 @@
 //! `protrain profile` as a user runs it, and `protrain compile --hardware` reading its output.
 
+mod cli_support;
+use cli_support::{protrain, stderr};
+
 use protrain::ir::{op_key, HardwareProfile, TensorType};
 use protrain::OptimizerConfig;
 use std::collections::BTreeSet;
-use std::process::{Command, Output};
-
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// The op keys of gpt2-tiny's training graph at batch 2 x seq 16.
 /// The op keys of gpt2-tiny's fused and unfused training graphs (batch 2 x seq 16).

@@ -2,24 +2,12 @@
 //! outputs that would destroy inputs or devices, inputs that never end, damaged and foreign
 //! checkpoints, and a NaN loss explained by what caused it.
 
+mod cli_support;
+use cli_support::{path, protrain, stderr};
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// Fails with `what` unless `out` failed with exit status 2 and an `error:` line containing
 /// every one of `words`.

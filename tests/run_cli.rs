@@ -1,28 +1,12 @@
 //! `protrain run` as a user runs it: every way it refuses its inputs, and what it prints when
 //! it trains; and `protrain train` giving the same losses under a roomy and a tight budget.
 
+mod cli_support;
+use cli_support::{path, protrain, stderr, stdout};
+
 use protrain::ir::{file, verify_schedule::verify_schedule, Instr, Schedule, FORMAT_VERSION};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+use std::path::PathBuf;
+use std::process::Output;
 
 /// The loss of every step of a successful `--log-json` run, as printed (text compares bits).
 fn losses(out: &Output) -> Vec<String> {

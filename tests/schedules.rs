@@ -5,10 +5,12 @@
 //! compiled through the facade (`PolicyChoice::Fixed`). Review a change with
 //! `cargo insta review`, or accept it with `INSTA_UPDATE=always cargo test --test schedules`.
 
+mod cli_support;
+use cli_support::{path, protrain};
+
 use protrain::ir::{BlockKind, DType, HardwareProfile, PeakFlops, Policy, PrintOptions, Schedule};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
-use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 const BATCH: u64 = 2;
 const SEQ: u64 = 16;
@@ -157,13 +159,6 @@ fn facade_fixed_policy_compiles_the_policy_the_pipeline_compiles() {
 
 // --- `protrain dump` -------------------------------------------------------------------------
 
-fn protrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .output()
-        .expect("the protrain binary runs")
-}
-
 fn stdout(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -212,10 +207,6 @@ fn dump_stage(model: &str, stage: &str, extra: &[&str]) -> String {
     ];
     args.extend_from_slice(extra);
     stdout(&protrain(&args))
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 #[test]
