@@ -272,15 +272,47 @@ fn dump_placed_lists_the_policy_and_the_swapped_activations() {
         swapped, "; swapped activations: 0, 0 B",
         "block 0 is swapped"
     );
-    // Every activation listed belongs to the swapped block 0, and the schedule offloads and
-    // reloads it.
+    // Every activation listed belongs to the swapped block 0; the placed graph offloads and
+    // reloads it with movement ops, and the schedule has a copy for each.
     let planned = dump_stage("gpt2-tiny", "planned", &[]);
-    for line in text.lines().skip(2).take_while(|l| l.starts_with(";   ")) {
+    let listed: Vec<&str> = text
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with(";   "))
+        .collect();
+    for line in &listed {
         let name = line[4..].split(' ').next().expect("a value name");
         assert!(line.contains("(h.0."), "{line}");
-        assert!(planned.contains(&format!("copy offload {name} ")), "{name}");
-        assert!(planned.contains(&format!("copy reload {name} ")), "{name}");
+        let offload = format!(" = offload_start ({name})");
+        assert!(text.contains(&offload), "{name} is offloaded");
+        let host = text
+            .lines()
+            .find_map(|l| {
+                let (out, rest) = l.trim().split_once(" = offload (")?;
+                let start = text.lines().find(|s| s.contains(&offload))?;
+                let started = start.trim().split(' ').next()?;
+                rest.starts_with(&format!("{started})"))
+                    .then(|| out.to_string())
+            })
+            .expect("the offload completes");
+        assert!(
+            text.contains(&format!(" = reload_start ({host})")),
+            "{name} is reloaded"
+        );
     }
+    assert_eq!(planned.matches("copy offload ").count(), listed.len());
+    assert_eq!(planned.matches("copy reload ").count(), listed.len());
+    let movement = text
+        .lines()
+        .find(|l| l.starts_with("; movement: "))
+        .expect("a movement line");
+    for kind in ["gather", "offload_grads", "offload", "reload"] {
+        assert!(
+            movement.contains(&format!(" {kind} (")),
+            "{kind} in {movement}"
+        );
+    }
+    assert!(movement.contains(" release,"), "{movement}");
     let resident = stdout(&protrain(&[
         "dump",
         "gpt2-tiny",
@@ -304,6 +336,16 @@ fn dump_placed_lists_the_policy_and_the_swapped_activations() {
             .expect("json");
     assert_eq!(json["policy"]["n_persist"], 1);
     assert!(!json["swapped"].as_array().expect("a list").is_empty());
+    let kinds: Vec<&str> = json["movement"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|m| m["kind"].as_str())
+        .collect();
+    assert!(
+        kinds.contains(&"gather") && kinds.contains(&"reload"),
+        "{kinds:?}"
+    );
 }
 
 #[test]

@@ -10,6 +10,7 @@ pub mod error;
 pub mod fuse;
 pub mod pipeline;
 pub mod place;
+pub mod movement;
 pub mod plan;
 pub mod search;
 pub mod simulate;

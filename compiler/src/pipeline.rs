@@ -1,7 +1,8 @@
 //! The pipeline: the passes in the order they run, each followed by the verifier.
 //!
-//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) -> streams ->
-//! plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] -> simulate.
+//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) (with
+//! movement) -> streams -> plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] ->
+//! simulate.
 //!
 //! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
 //! turn, verifying the graph after every pass, keeping each stage's product so that a caller
@@ -15,7 +16,7 @@ use crate::cost::{cost_model, CostModel};
 use crate::emit::{emit, HeaderInputs};
 use crate::error::{CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
-use crate::place::place;
+use crate::place::{place, Placed};
 use crate::plan::plan_buffers;
 use crate::search::{search, SearchOptions, SearchReport};
 use crate::simulate::{simulate, Simulation};
@@ -146,6 +147,10 @@ pub enum Stage {
     Autodiff,
     /// The training graph's chunk table.
     Chunked,
+    /// The training graph placed under the chosen policy, with its movement ops. Choosing the
+    /// policy compiles the schedule (a search compiles its candidates), so this stage also
+    /// holds the schedule; [`Stage::Compiled`] alone does not keep the placed graph.
+    Placed,
     /// The verified, simulated schedule.
     Compiled,
 }
@@ -164,6 +169,7 @@ pub struct Context<'m> {
     training: Option<Graph>,
     chunks: Option<ChunkTable>,
     compiled: Option<Compiled>,
+    placed: Option<Placed>,
 }
 
 impl<'m> Context<'m> {
@@ -182,6 +188,7 @@ impl<'m> Context<'m> {
             training: None,
             chunks: None,
             compiled: None,
+            placed: None,
         }
     }
 
@@ -218,8 +225,16 @@ impl<'m> Context<'m> {
                 self.training.as_ref().expect("differentiated above"),
             ));
         }
-        if stage >= Stage::Compiled && self.compiled.is_none() {
+        if stage >= Stage::Placed && self.compiled.is_none() {
             self.compiled = Some(self.schedule()?);
+        }
+        if stage == Stage::Placed && self.placed.is_none() {
+            let training = self.training.as_ref().expect("differentiated above");
+            let chunks = self.chunks.as_ref().expect("chunked above");
+            let compiled = self.compiled.as_ref().expect("compiled above");
+            let placed = place(training, chunks, &compiled.schedule.header.policy)?;
+            verify_graph(&placed.graph)?;
+            self.placed = Some(placed);
         }
         Ok(())
     }
@@ -248,6 +263,16 @@ impl<'m> Context<'m> {
     /// The chunk table, once chunked.
     pub fn chunks(&self) -> Option<&ChunkTable> {
         self.chunks.as_ref()
+    }
+
+    /// The placed graph of the chosen policy, once run until [`Stage::Placed`].
+    pub fn placed(&self) -> Option<&Placed> {
+        self.placed.as_ref()
+    }
+
+    /// The compiled schedule, once run until [`Stage::Placed`] or [`Stage::Compiled`].
+    pub fn compiled(&self) -> Option<&Compiled> {
+        self.compiled.as_ref()
     }
 
     /// Places, orders, plans and emits the schedule (searching for the policy or resolving
@@ -395,6 +420,10 @@ pub fn compile_policy(
     let placed = place(training, chunks, policy)?;
     verify_graph(&placed.graph)?;
     if cfg!(debug_assertions) {
+        let miswired = crate::validate::check_gathers(&placed.graph, chunks);
+        if !miswired.is_empty() {
+            return Err(CompileError::Validation(miswired.join("; ")));
+        }
         let v = crate::validate::validate(training, &placed.graph);
         if !v.holds() {
             return Err(CompileError::Validation(format!(
@@ -405,7 +434,7 @@ pub fn compile_policy(
     }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    let schedule = emit(streamed, &planned, header);
+    let schedule = emit(streamed, &planned, header)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }

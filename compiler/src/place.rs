@@ -7,46 +7,27 @@
 //! `recompute`) just before that block's backward ops, which then read the clones; each
 //! gradient's squared norm (when clipping) and each persistent parameter's AdamW right after
 //! the gradient is complete; and last the AdamW ops of offloaded parameters, which the host
-//! optimizer runs. Swapping changes no op: it is recorded as the set of activations the
-//! stream pass moves. The pass does not decide streams, events or addresses.
+//! optimizer runs. Then [`insert_movement`] adds what the policy moves between memories:
+//! chunk gathers and releases, gradient offloads, activation offloads and reloads, the clip
+//! coefficient's copy. The pass does not decide streams, events or addresses.
 
 use crate::error::{CompileError, Result};
+use crate::movement::insert_movement;
 use protrain_ir::{
     BlockKind, BlockMode, ChunkTable, Graph, OpId, OpKind, Phase, Policy, Role, ValueId,
 };
 use std::collections::{BTreeSet, HashMap};
 
-/// A training graph with a policy applied.
+/// A training graph with a policy applied: the compute order, recomputation, and every copy
+/// between memories as a movement op.
 #[derive(Clone, Debug)]
 pub struct Placed {
-    /// The graph in compute-stream order, with recomputation clones.
+    /// The graph in program order, with recomputation clones and movement ops.
     pub graph: Graph,
-    /// The policy applied.
+    /// The policy applied (for the schedule's header; the graph holds its decisions).
     pub policy: Policy,
     /// The chunk table (parameter ids are the same in the placed graph).
     pub chunks: ChunkTable,
-    /// Activations copied to the host after the forward pass and back before the backward
-    /// pass.
-    pub swapped: BTreeSet<ValueId>,
-}
-
-impl Placed {
-    /// Whether a chunk stays on the device.
-    pub fn is_persistent(&self, chunk: protrain_ir::ChunkId) -> bool {
-        chunk.0 < self.policy.n_persist
-    }
-
-    /// Whether an op runs on the host optimizer: the AdamW of an offloaded parameter.
-    pub fn on_host(&self, op: OpId) -> bool {
-        let op = self.graph.op(op);
-        match op.kind {
-            OpKind::AdamW { .. } => match self.graph.param_of(op.inputs[0]) {
-                Some(p) => !self.is_persistent(self.chunks.locate(p).0),
-                None => false,
-            },
-            _ => false,
-        }
-    }
 }
 
 /// Applies `policy` to a training graph chunked as `chunks`.
@@ -237,10 +218,10 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         graph.add_output(map[&v]);
     }
     let swapped = swapped_old.iter().map(|v| map[v]).collect();
+    let graph = insert_movement(&graph, chunks, policy, &swapped)?;
     Ok(Placed {
         graph,
         policy: policy.clone(),
         chunks: chunks.clone(),
-        swapped,
     })
 }

@@ -1,34 +1,31 @@
-//! Streams: turns a placed graph into per-stream instruction lists with events, and decides
-//! which buffer each tensor of each instruction lives in.
+//! Streams: orders a placed graph's ops onto streams with events, and decides which buffer
+//! each tensor of each instruction lives in.
 //!
-//! The compute stream runs the placed graph's device ops in order; its kernel index is the
-//! step's timeline, on which every device buffer's live range is measured. Chunk fetches and
-//! activation reloads run on the host-to-device stream, gradient and activation offloads on
-//! the device-to-host stream, the AdamW of offloaded parameters on the host optimizer stream.
-//! Events appear only where a dependency crosses streams:
+//! It decides nothing about movement: the placed graph says what moves where and when (its
+//! movement ops, see [`crate::movement`]); this pass lowers each to a copy instruction on its
+//! stream and adds the events its position in the program implies:
 //!
-//! - a fetch into a chunk slot waits until the compute stream has finished with the chunk the
-//!   slot held; the first kernel that reads the chunk waits for the fetch. The host-to-device
-//!   stream issues copies in the order they are needed, each as soon as its slot is free, so
-//!   prefetching is as early as the `n_buffer` slots allow;
-//! - an offload waits for the kernel that wrote what it copies; the compute stream waits for
-//!   the offload to finish one block (activations) or one chunk (gradients) later, which is
-//!   where the device copy's live range ends;
-//! - a reload waits until the compute stream reaches the backward pass of the block before
-//!   (where the reloaded copy's live range starts); the first kernel that reads it waits for
-//!   it;
-//! - the host optimizer waits for each chunk's gradients to arrive, and for the clip
-//!   coefficient when clipping.
+//! - the compute stream runs the graph's device kernels in program order; a kernel's index is
+//!   the step's timeline, on which every device buffer's live range is measured. A kernel is
+//!   a host op (the host optimizer stream) when it reads a copy moved to the host;
+//! - a copy (a movement start and its done) runs on the host-to-device or device-to-host
+//!   stream. It waits for the compute kernel before its start in program order (none when the
+//!   start precedes every kernel); the compute stream waits for it before the first kernel
+//!   after its done (at the end when there is none). Each copy stream issues copies in the
+//!   order they are needed;
+//! - the host optimizer waits for the copies its ops read;
+//! - a value's device buffer lives from its writer to its last reader, and until the copy
+//!   that reads it is done; a copy's device destination from the first kernel after its start.
 //!
 //! It does not choose offsets: every buffer gets one in the `plan` pass.
 
 use crate::error::{CompileError, Result};
 use crate::place::Placed;
 use protrain_ir::{
-    BlockId, Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, Instr,
-    OpId, OpKind, ParamId, Phase, Role, Space, Stream, StreamKind, TensorRef, ValueId,
+    Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, Instr, Movement,
+    OpId, OpKind, ParamId, Role, Space, Stream, StreamKind, TensorRef, ValueId,
 };
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Buffers start at multiples of this many bytes.
 pub const BUFFER_ALIGN: u64 = 256;
@@ -81,8 +78,6 @@ enum Step {
     AfterCompute(u32),
     /// Wait for a copy (by its index in `copies`).
     AfterCopy(usize),
-    /// Wait for the clip coefficient's copy to the host.
-    AfterScalar,
 }
 
 /// Bytes of optimizer state per parameter element: Adam's m and v in f32, plus an f32 master
@@ -98,96 +93,142 @@ pub fn state_bytes_per_element(graph: &protrain_ir::Graph) -> u64 {
     }
 }
 
-/// The step's device ops in compute order (a kernel's index is its time) and its host ops.
-struct Timeline {
+/// The source of a moved value: the value its copies were made from.
+fn source(graph: &Graph, mut v: ValueId) -> ValueId {
+    while let Some(op) = graph.value(v).producer {
+        let op = graph.op(op);
+        if !matches!(op.kind, OpKind::MoveStart(_) | OpKind::MoveDone(_)) {
+            break;
+        }
+        let k = op.outputs.iter().position(|&o| o == v).expect("an output");
+        v = op.inputs[k];
+    }
+    v
+}
+
+/// Whether a compute op runs on the host optimizer: it reads a copy moved to the host.
+fn on_host(graph: &Graph, op: &protrain_ir::Op) -> bool {
+    op.inputs.iter().any(|&v| {
+        graph
+            .value(v)
+            .producer
+            .is_some_and(|p| matches!(graph.op(p).kind, OpKind::MoveDone(m) if !m.to_device()))
+    })
+}
+
+/// The program: device kernels in order (a kernel's index is its time), host ops, and each
+/// copy (a movement start and its done) placed on the timeline.
+struct Program {
     device: Vec<OpId>,
     host: Vec<OpId>,
-    /// The last compute kernel's index.
+    /// The last kernel's time.
     end: u32,
+    time: HashMap<OpId, u32>,
+    copies: Vec<MoveCopy>,
+    /// The copy each movement done completes.
+    copy_of_done: HashMap<OpId, usize>,
+    /// The copies the compute stream waits for before each kernel, in program order of
+    /// their dones.
+    waits: BTreeMap<u32, Vec<usize>>,
+    /// The copies it waits for after its last kernel, in program order.
+    end_waits: Vec<usize>,
 }
 
-impl Timeline {
-    fn of(placed: &Placed) -> Self {
-        let (host, device): (Vec<OpId>, Vec<OpId>) = placed
-            .graph
-            .ops()
-            .map(|(id, _)| id)
-            .partition(|&id| placed.on_host(id));
-        let end = device.len().saturating_sub(1) as u32;
-        Self { device, host, end }
-    }
-}
-
-/// When the compute stream reads each value, and where blocks start: the times that place
-/// offloads, waits and reloads.
-struct Readers {
-    /// Each forward block and the time of its first kernel, in order.
-    forward_blocks: Vec<(BlockId, u32)>,
-    /// Each backward (or recompute) block and the time of its first kernel, in order.
-    backward_blocks: Vec<(BlockId, u32)>,
-    /// The last kernel that reads each value.
-    last: HashMap<ValueId, u32>,
-    /// The last forward kernel that reads each value.
-    last_forward: HashMap<ValueId, u32>,
-    /// The first backward, recompute or optimizer kernel that reads each value.
-    first_backward: HashMap<ValueId, u32>,
-}
-
-impl Readers {
-    fn of(graph: &Graph, timeline: &Timeline) -> Self {
-        let mut forward_blocks: Vec<(BlockId, u32)> = Vec::new();
-        let mut backward_blocks: Vec<(BlockId, u32)> = Vec::new();
-        for (t, &op) in timeline.device.iter().enumerate() {
-            let o = graph.op(op);
-            let list = match o.phase {
-                Phase::Forward => &mut forward_blocks,
-                Phase::Backward | Phase::Recompute => &mut backward_blocks,
-                Phase::Optimizer => continue,
-            };
-            if list.last().map(|&(b, _)| b) != Some(o.block) {
-                list.push((o.block, t as u32));
-            }
-        }
-        let mut last: HashMap<ValueId, u32> = HashMap::new();
-        let mut last_forward: HashMap<ValueId, u32> = HashMap::new();
-        let mut first_backward: HashMap<ValueId, u32> = HashMap::new();
-        for (t, &op) in timeline.device.iter().enumerate() {
-            let o = graph.op(op);
-            for &v in &o.inputs {
-                last.insert(v, t as u32);
-                if o.phase == Phase::Forward {
-                    last_forward.insert(v, t as u32);
-                } else {
-                    first_backward.entry(v).or_insert(t as u32);
-                }
-            }
-        }
-        Self {
-            forward_blocks,
-            backward_blocks,
-            last,
-            last_forward,
-            first_backward,
-        }
-    }
-
-    /// The time of the backward pass's first kernel (`end` when there is none).
-    fn first_backward(&self, end: u32) -> u32 {
-        self.backward_blocks.first().map_or(end, |&(_, t)| t)
-    }
-}
-
-/// A chunk fetch into a slot.
-struct Fetch {
-    chunk: ChunkId,
-    slot: u32,
-    /// The compute kernel that last read the slot's previous chunk.
+/// A copy: its movement pair and where it sits.
+struct MoveCopy {
+    movement: Movement,
+    start: OpId,
+    done: OpId,
+    /// The kernel it waits for: the last before its start.
     after: Option<u32>,
-    /// The compute kernel that first reads the fetched chunk.
+    /// The kernel that waits for it: the first after its done (the last kernel when none).
     needed: u32,
 }
 
-/// A copy and when it may run.
+impl Program {
+    fn of(graph: &Graph) -> Self {
+        let mut device = Vec::new();
+        let mut host = Vec::new();
+        let mut time = HashMap::new();
+        let mut starts: HashMap<OpId, (Movement, Option<u32>)> = HashMap::new();
+        let mut copies = Vec::new();
+        let mut copy_of_done = HashMap::new();
+        let mut pending_dones: Vec<usize> = Vec::new();
+        let mut waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        let mut start_index: HashMap<OpId, usize> = HashMap::new();
+        let mut order: Vec<OpId> = Vec::new();
+        for (id, op) in graph.ops() {
+            match op.kind {
+                OpKind::MoveStart(m) => {
+                    starts.insert(id, (m, device.len().checked_sub(1).map(|t| t as u32)));
+                    start_index.insert(id, order.len());
+                    order.push(id);
+                }
+                OpKind::MoveDone(_) => {
+                    let start = graph.value(op.inputs[0]).producer.expect("a start");
+                    let copy = copies.len();
+                    let (movement, after) = starts[&start];
+                    copies.push((start_index[&start], movement, start, id, after));
+                    copy_of_done.insert(id, copy);
+                    pending_dones.push(copy);
+                }
+                OpKind::Release { .. } => {}
+                _ if on_host(graph, op) => host.push(id),
+                _ => {
+                    let t = device.len() as u32;
+                    time.insert(id, t);
+                    device.push(id);
+                    if !pending_dones.is_empty() {
+                        waits.insert(t, std::mem::take(&mut pending_dones));
+                    }
+                }
+            }
+        }
+        let end = device.len().saturating_sub(1) as u32;
+        // Copies are numbered by their starts' program order.
+        let mut by_start: Vec<usize> = (0..copies.len()).collect();
+        by_start.sort_by_key(|&c| copies[c].0);
+        let mut renumber = vec![0; copies.len()];
+        for (new, &old) in by_start.iter().enumerate() {
+            renumber[old] = new;
+        }
+        let mut needed_of: HashMap<usize, u32> = HashMap::new();
+        for (&t, list) in &waits {
+            for &c in list {
+                needed_of.insert(c, t);
+            }
+        }
+        let mut ordered: Vec<Option<MoveCopy>> = (0..copies.len()).map(|_| None).collect();
+        for (old, &(_, movement, start, done, after)) in copies.iter().enumerate() {
+            ordered[renumber[old]] = Some(MoveCopy {
+                movement,
+                start,
+                done,
+                after,
+                needed: needed_of.get(&old).copied().unwrap_or(end),
+            });
+        }
+        let renum = |list: Vec<usize>| list.into_iter().map(|c| renumber[c]).collect();
+        Self {
+            device,
+            host,
+            end,
+            time,
+            copies: ordered
+                .into_iter()
+                .map(|c| c.expect("every copy"))
+                .collect(),
+            copy_of_done: copy_of_done
+                .into_iter()
+                .map(|(d, c)| (d, renumber[c]))
+                .collect(),
+            waits: waits.into_iter().map(|(t, l)| (t, renum(l))).collect(),
+            end_waits: renum(pending_dones),
+        }
+    }
+}
+
+/// A copy instruction and when it may run.
 struct CopyPlan {
     stream: usize,
     kind: CopyKind,
@@ -196,31 +237,21 @@ struct CopyPlan {
     bytes: u64,
     /// Compute kernel it must follow (None: nothing).
     after: Option<u32>,
-    /// Compute kernel that waits for it (None: only the host optimizer does).
-    needed: Option<u32>,
+    /// Compute kernel that waits for it.
+    needed: u32,
 }
 
 /// Each stream's steps: copies in the order the compute stream needs them (each after the
-/// kernel it must follow), compute kernels with waits for the copies they need, host AdamW
-/// after its chunk's gradients (and the clip coefficient). Returns the steps and the copies
-/// in issue order.
+/// kernel it must follow), compute kernels with waits for the copies they need, host ops
+/// after the copies they read. Returns the steps and the copies in issue order.
 fn order_steps(
     graph: &Graph,
-    chunks: &ChunkTable,
-    timeline: &Timeline,
+    program: &Program,
     copies: &[CopyPlan],
-    grad_offload: &HashMap<ChunkId, usize>,
-    scalar_copy: Option<usize>,
 ) -> (Vec<Vec<Step>>, Vec<usize>) {
     let mut per_stream: Vec<Vec<Step>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_by_key(|&i| {
-        (
-            copies[i].needed.unwrap_or(u32::MAX),
-            copies[i].after.unwrap_or(0),
-            i,
-        )
-    });
+    order.sort_by_key(|&i| (copies[i].needed, copies[i].after.unwrap_or(0), i));
     for &i in &order {
         let c = &copies[i];
         if let Some(after) = c.after {
@@ -228,47 +259,46 @@ fn order_steps(
         }
         per_stream[c.stream].push(Step::Copy(c.kind, c.src, c.dst, c.bytes));
     }
-    let mut compute_waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-    for (i, c) in copies.iter().enumerate() {
-        if let Some(needed) = c.needed {
-            compute_waits.entry(needed).or_default().push(i);
-        }
-    }
-    for (t, &op) in timeline.device.iter().enumerate() {
-        for &i in compute_waits
+    for (t, &op) in program.device.iter().enumerate() {
+        for &i in program
+            .waits
             .get(&(t as u32))
             .map(Vec::as_slice)
             .unwrap_or(&[])
         {
-            // Copies the compute stream waits for after its last kernel go at the end.
-            if copies[i].after.is_some_and(|a| a >= t as u32) {
-                continue;
-            }
             per_stream[COMPUTE].push(Step::AfterCopy(i));
         }
         per_stream[COMPUTE].push(Step::Kernel(op));
     }
-    for (&t, list) in &compute_waits {
-        for &i in list {
-            if copies[i].after.is_some_and(|a| a >= t) {
-                per_stream[COMPUTE].push(Step::AfterCopy(i));
-            }
-        }
+    for &i in &program.end_waits {
+        per_stream[COMPUTE].push(Step::AfterCopy(i));
     }
-    let mut waited_chunk: Option<ChunkId> = None;
+    // The host optimizer waits for the copies its ops read: a scalar once, before its first
+    // op; a chunk's gradients before the first op of each run of that chunk's updates.
     let mut waited_scalar = false;
-    for &op in &timeline.host {
-        if let (Some(_), false) = (scalar_copy, waited_scalar) {
-            per_stream[HOST_OPTIMIZER].push(Step::AfterScalar);
-            waited_scalar = true;
-        }
-        let p = graph
-            .param_of(graph.op(op).inputs[0])
-            .expect("parameter update");
-        let c = chunks.locate(p).0;
-        if waited_chunk != Some(c) {
-            per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(grad_offload[&c]));
-            waited_chunk = Some(c);
+    let mut waited_chunk: Option<usize> = None;
+    for &op in &program.host {
+        let mut read: Vec<usize> = graph
+            .op(op)
+            .inputs
+            .iter()
+            .filter_map(|&v| graph.value(v).producer)
+            .filter_map(|p| program.copy_of_done.get(&p).copied())
+            .collect();
+        read.sort_by_key(|&c| !matches!(program.copies[c].movement, Movement::ToHost));
+        for c in read {
+            match program.copies[c].movement {
+                Movement::ToHost if !waited_scalar => {
+                    waited_scalar = true;
+                    per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(c));
+                }
+                Movement::ToHost => {}
+                _ if waited_chunk != Some(c) => {
+                    waited_chunk = Some(c);
+                    per_stream[HOST_OPTIMIZER].push(Step::AfterCopy(c));
+                }
+                _ => {}
+            }
         }
         per_stream[HOST_OPTIMIZER].push(Step::Kernel(op));
     }
@@ -285,18 +315,13 @@ struct Builder {
     buffers: Vec<Pending>,
     homes: Vec<(ValueId, TensorRef)>,
     masters: Vec<(ValueId, TensorRef)>,
-    /// Device op -> compute kernel index.
-    time: HashMap<OpId, u32>,
-    /// Where each value is written (its first instance).
+    /// Where each value a device kernel or a copy reads or writes is.
     primary: HashMap<ValueId, TensorRef>,
-    /// The host copy and the reloaded device copy of each swapped activation.
-    swap: HashMap<ValueId, (TensorRef, TensorRef)>,
-    /// Slot holding each offloaded chunk at each kernel that reads it.
-    slot_at: HashMap<(u32, ChunkId), u32>,
+    /// Where each parameter and optimizer state value lives between steps.
+    home: HashMap<ValueId, TensorRef>,
     slots: Vec<BufferId>,
     host_chunk: HashMap<ChunkId, BufferId>,
     grad_chunk: HashMap<ChunkId, (BufferId, BufferId)>,
-    persistent_chunk: HashMap<ChunkId, BufferId>,
     /// Optimizer-state homes of each parameter: (m, v).
     state_home: HashMap<ParamId, (TensorRef, TensorRef)>,
 }
@@ -308,14 +333,11 @@ impl Builder {
             buffers: Vec::new(),
             homes: Vec::new(),
             masters: Vec::new(),
-            time: HashMap::new(),
             primary: HashMap::new(),
-            swap: HashMap::new(),
-            slot_at: HashMap::new(),
+            home: HashMap::new(),
             slots: Vec::new(),
             host_chunk: HashMap::new(),
             grad_chunk: HashMap::new(),
-            persistent_chunk: HashMap::new(),
             state_home: HashMap::new(),
         }
     }
@@ -345,57 +367,34 @@ impl Builder {
         TensorRef { buffer, offset }
     }
 
-    fn bytes(&self, v: ValueId) -> u64 {
-        self.placed.graph.value(v).ty.bytes()
-    }
-
-    /// Runs the steps below in order: the timeline, homes and slots, chunk fetches, gradient
-    /// offloads, activation buffers, swaps, the clip coefficient's copy, kernel operands, then
-    /// the order of each stream and its events. Buffers are created in that order, which fixes
-    /// their ids.
+    /// Runs the steps below in order: the program, homes and slots, the copies' operands
+    /// (gathers, gradient offloads), activation buffers, swap buffers, the host scalars,
+    /// kernel operands, then the order of each stream and its events. Buffers are created in
+    /// that order, which fixes their ids.
     fn build(mut self) -> Result<Streamed> {
         let graph = self.placed.graph.clone();
         let chunks = self.placed.chunks.clone();
-        let timeline = Timeline::of(&self.placed);
-        for (t, &op) in timeline.device.iter().enumerate() {
-            self.time.insert(op, t as u32);
-        }
-        self.homes(&graph, &chunks);
-        self.slots(&chunks);
-        let mut copies: Vec<CopyPlan> = self
-            .fetches(&graph, &chunks, &timeline)?
+        let program = Program::of(&graph);
+        self.homes(&graph, &chunks, &program);
+        self.slots(&program);
+        let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
+        self.gathers(&graph, &chunks, &program, &mut copies);
+        self.grad_offloads(&graph, &chunks, &program, &mut copies);
+        self.activations(&graph, &program);
+        self.swaps(&graph, &program, &mut copies);
+        self.scalars(&graph, &program, &mut copies);
+        let copies: Vec<CopyPlan> = copies
             .into_iter()
-            .map(|f| CopyPlan {
-                stream: H2D,
-                kind: CopyKind::FetchChunk { chunk: f.chunk },
-                src: Self::at(self.host_chunk[&f.chunk], 0),
-                dst: Self::at(self.slots[f.slot as usize], 0),
-                bytes: chunks.chunk(f.chunk).used_bytes,
-                after: f.after,
-                needed: Some(f.needed),
-            })
+            .map(|c| c.expect("every movement is lowered"))
             .collect();
-        let readers = Readers::of(&graph, &timeline);
-        let (grad_of, grad_offload) =
-            self.grad_offloads(&graph, &chunks, timeline.end, &mut copies);
-        self.activations(&graph, &timeline, &readers, &grad_of);
-        self.swaps(&graph, &timeline, &readers, &mut copies);
-        let (scalar_copy, host_coef) = self.clip_scalar(&graph, &timeline, &mut copies);
-        let kernels = self.kernels(&graph, &chunks, &timeline, host_coef);
+        let kernels = self.kernels(&graph, &program);
         let loss = graph
             .outputs()
             .first()
             .map(|v| self.primary[v])
             .ok_or(CompileError::NoLoss)?;
-        let (per_stream, order) = order_steps(
-            &graph,
-            &chunks,
-            &timeline,
-            &copies,
-            &grad_offload,
-            scalar_copy,
-        );
-        let (streams, events) = self.lower(per_stream, &order, &copies, kernels, scalar_copy);
+        let (per_stream, order) = order_steps(&graph, &program, &copies);
+        let (streams, events) = self.lower(per_stream, &order, &copies, kernels, &program.time);
         Ok(Streamed {
             placed: self.placed,
             buffers: self.buffers,
@@ -404,19 +403,28 @@ impl Builder {
             homes: self.homes,
             masters: self.masters,
             loss,
-            compute_kernels: timeline.device.len() as u32,
+            compute_kernels: program.device.len() as u32,
         })
     }
 
     /// Homes of the inputs, the chunks and their optimizer state (Adam moments mirroring each
     /// chunk, then f32 master weights of narrower parameters), and the device and host
-    /// gradient chunks of every streamed chunk the optimizer updates.
-    fn homes(&mut self, graph: &Graph, chunks: &ChunkTable) {
+    /// gradient chunks of every streamed chunk the optimizer updates. A chunk is streamed when
+    /// the graph gathers it.
+    fn homes(&mut self, graph: &Graph, chunks: &ChunkTable, program: &Program) {
+        let streamed: BTreeSet<ChunkId> = program
+            .copies
+            .iter()
+            .filter_map(|c| match c.movement {
+                Movement::Gather { chunk, .. } => Some(chunk),
+                _ => None,
+            })
+            .collect();
         for &v in graph.inputs() {
             let b = self.buffer(
                 graph.value(v).name.clone(),
                 Space::Device,
-                self.bytes(v),
+                graph.value(v).ty.bytes(),
                 BufferKind::Input,
                 None,
             );
@@ -429,15 +437,13 @@ impl Builder {
             .map(|(_, op)| (op.inputs[0], (op.inputs[2], op.inputs[3])))
             .collect();
         for (c, chunk) in chunks.iter() {
-            let persistent = self.placed.is_persistent(c);
+            let persistent = !streamed.contains(&c);
             let (space, kind) = match persistent {
                 true => (Space::Device, BufferKind::PersistentChunk { chunk: c }),
                 false => (Space::Host, BufferKind::HostChunk { chunk: c }),
             };
             let home = self.buffer(format!("chunk{}", c.0), space, chunk.used_bytes, kind, None);
-            if persistent {
-                self.persistent_chunk.insert(c, home);
-            } else {
+            if !persistent {
                 self.host_chunk.insert(c, home);
             }
             // Adam moments mirror the chunk: every m, then every v, f32. Parameters in a
@@ -465,6 +471,7 @@ impl Builder {
             for (member, n) in chunk.members.iter().zip(&elems) {
                 let value = graph.param(member.param).value;
                 self.homes.push((value, Self::at(home, member.offset)));
+                self.home.insert(value, Self::at(home, member.offset));
                 if persistent {
                     self.primary.insert(value, Self::at(home, member.offset));
                 }
@@ -475,6 +482,8 @@ impl Builder {
                     );
                     self.homes.push((m, mr));
                     self.homes.push((v, vr));
+                    self.home.insert(m, mr);
+                    self.home.insert(v, vr);
                     if persistent {
                         self.primary.insert(m, mr);
                         self.primary.insert(v, vr);
@@ -507,205 +516,191 @@ impl Builder {
         }
     }
 
-    /// The chunk slots: `n_buffer` of them, but no more than streamed chunks (a second slot
-    /// for one chunk would sit unused).
-    fn slots(&mut self, chunks: &ChunkTable) {
-        let streamed = chunks.len() as u32 - self.placed.policy.n_persist.min(chunks.len() as u32);
-        if streamed > 0 {
-            for s in 0..self.placed.policy.n_buffer.min(streamed) {
-                let b = self.buffer(
-                    format!("slot{s}"),
-                    Space::Device,
-                    chunks.chunk_bytes,
-                    BufferKind::ChunkSlot { slot: s },
-                    None,
-                );
-                self.slots.push(b);
-            }
+    /// The chunk slots the graph's gathers name.
+    fn slots(&mut self, program: &Program) {
+        let slots = program
+            .copies
+            .iter()
+            .filter_map(|c| match c.movement {
+                Movement::Gather { slot, .. } => Some(slot + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let bytes = self.placed.chunks.chunk_bytes;
+        for s in 0..slots {
+            let b = self.buffer(
+                format!("slot{s}"),
+                Space::Device,
+                bytes,
+                BufferKind::ChunkSlot { slot: s },
+                None,
+            );
+            self.slots.push(b);
         }
     }
 
-    /// Which offloaded chunks each device kernel reads, which slot holds each, and the fetches
-    /// that bring them: a chunk stays in its slot while it is read; a missing one evicts the
-    /// slot used least recently by a chunk this kernel does not read.
-    fn fetches(
+    /// A copy's instruction, on the stream its direction takes.
+    fn plan(
+        copy: &MoveCopy,
+        kind: CopyKind,
+        src: TensorRef,
+        dst: TensorRef,
+        bytes: u64,
+    ) -> CopyPlan {
+        CopyPlan {
+            stream: if copy.movement.to_device() { H2D } else { D2H },
+            kind,
+            src,
+            dst,
+            bytes,
+            after: copy.after,
+            needed: copy.needed,
+        }
+    }
+
+    /// Each gather copies its chunk's host home into its slot, where the kernels read the
+    /// gathered parameters.
+    fn gathers(
         &mut self,
         graph: &Graph,
         chunks: &ChunkTable,
-        timeline: &Timeline,
-    ) -> Result<Vec<Fetch>> {
-        let mut fetches: Vec<Fetch> = Vec::new();
-        let mut resident: Vec<Option<(ChunkId, u32)>> = vec![None; self.slots.len()];
-        for (t, &op) in timeline.device.iter().enumerate() {
-            let t = t as u32;
-            let o = graph.op(op);
-            let mut needed: Vec<ChunkId> = o
-                .inputs
-                .iter()
-                .filter_map(|&v| graph.param_of(v))
-                .map(|p| chunks.locate(p).0)
-                .filter(|&c| !self.placed.is_persistent(c))
-                .collect();
-            needed.sort();
-            needed.dedup();
-            if needed.len() > self.slots.len() {
-                let named = o.outputs.first().copied().unwrap_or(o.inputs[0]);
-                return Err(CompileError::TooFewBuffers {
-                    op: format!("{} ({})", o.kind.mnemonic(), graph.value(named).name),
-                    chunks: needed.len() as u32,
-                    n_buffer: self.slots.len() as u32,
-                });
+        program: &Program,
+        copies: &mut [Option<CopyPlan>],
+    ) {
+        for (i, copy) in program.copies.iter().enumerate() {
+            let Movement::Gather { chunk, slot } = copy.movement else {
+                continue;
+            };
+            let slot = self.slots[slot as usize];
+            for &v in &graph.op(copy.done).outputs {
+                let p = graph
+                    .param_of(source(graph, v))
+                    .expect("gathers copy parameters");
+                self.primary.insert(v, Self::at(slot, chunks.locate(p).1));
             }
-            for &c in &needed {
-                if let Some(s) = resident
-                    .iter()
-                    .position(|r| matches!(r, Some((rc, _)) if *rc == c))
-                {
-                    resident[s] = Some((c, t));
-                    self.slot_at.insert((t, c), s as u32);
-                    continue;
-                }
-                let s = (0..resident.len())
-                    .filter(|&s| !matches!(resident[s], Some((rc, _)) if needed.contains(&rc)))
-                    .min_by_key(|&s| resident[s].map_or((0, 0), |(_, last)| (1, last)))
-                    .expect("enough slots were checked above");
-                fetches.push(Fetch {
-                    chunk: c,
-                    slot: s as u32,
-                    after: resident[s].map(|(_, last)| last),
-                    needed: t,
-                });
-                resident[s] = Some((c, t));
-                self.slot_at.insert((t, c), s as u32);
-            }
+            copies[i] = Some(Self::plan(
+                copy,
+                CopyKind::FetchChunk { chunk },
+                Self::at(self.host_chunk[&chunk], 0),
+                Self::at(slot, 0),
+                chunks.chunk(chunk).used_bytes,
+            ));
         }
-        Ok(fetches)
     }
 
-    /// Where each streamed parameter's final gradient is written (its gradient chunk), and
-    /// one offload per gradient chunk once complete; the compute stream waits for chunk c's
-    /// offload when the next chunk completes. Returns the gradients' places and each chunk's
-    /// offload (its index in `copies`).
+    /// Each gradient offload copies its chunk's device gradient chunk, where the backward
+    /// pass writes the gradients, to the host gradient chunk the host optimizer reads; the
+    /// device chunk lives from the first gradient's writer until the copy is done.
     fn grad_offloads(
         &mut self,
         graph: &Graph,
         chunks: &ChunkTable,
-        end: u32,
-        copies: &mut Vec<CopyPlan>,
-    ) -> (HashMap<ValueId, (ChunkId, u64)>, HashMap<ChunkId, usize>) {
-        let mut grad_of: HashMap<ValueId, (ChunkId, u64)> = HashMap::new();
-        let mut chunk_done: BTreeMap<ChunkId, (u32, u32)> = BTreeMap::new();
-        for (_, op) in graph.ops() {
-            if let OpKind::AdamW { .. } = op.kind {
-                let p = graph
-                    .param_of(op.inputs[0])
-                    .expect("AdamW updates a parameter");
-                let (c, offset) = chunks.locate(p);
-                if self.placed.is_persistent(c) {
-                    continue;
-                }
-                let g = op.inputs[1];
-                grad_of.insert(g, (c, offset));
-                let producer = graph.value(g).producer.expect("gradients are computed");
-                let t = self.time[&producer];
-                let entry = chunk_done.entry(c).or_insert((t, t));
-                entry.0 = entry.0.min(t);
-                entry.1 = entry.1.max(t);
+        program: &Program,
+        copies: &mut [Option<CopyPlan>],
+    ) {
+        // The parameter of each host gradient copy: the host optimizer op that reads it.
+        let mut param_of_host_grad: HashMap<ValueId, ParamId> = HashMap::new();
+        for &op in &program.host {
+            let o = graph.op(op);
+            if let (OpKind::AdamW { .. }, Some(p)) = (&o.kind, graph.param_of(o.inputs[0])) {
+                param_of_host_grad.insert(o.inputs[1], p);
             }
         }
-        let mut by_completion: Vec<(ChunkId, u32, u32)> =
-            chunk_done.iter().map(|(&c, &(a, b))| (c, a, b)).collect();
-        by_completion.sort_by_key(|&(c, _, done)| (done, c));
-        let mut grad_offload: HashMap<ChunkId, usize> = HashMap::new();
-        for (i, &(c, first, done)) in by_completion.iter().enumerate() {
-            let wait = by_completion
-                .get(i + 1)
-                .map_or(end, |&(_, _, next)| next.max(done + 1).min(end));
-            let (g, hg) = self.grad_chunk[&c];
-            self.buffers[g.index()].live = Some((first, wait.max(done)));
-            grad_offload.insert(c, copies.len());
-            copies.push(CopyPlan {
-                stream: D2H,
-                kind: CopyKind::OffloadGrads { chunk: c },
-                src: Self::at(g, 0),
-                dst: Self::at(hg, 0),
-                bytes: chunks.chunk(c).used_bytes,
-                after: Some(done),
-                needed: Some(wait.max(done)),
-            });
+        for (i, copy) in program.copies.iter().enumerate() {
+            let Movement::OffloadGrads { chunk } = copy.movement else {
+                continue;
+            };
+            let (g, hg) = self.grad_chunk[&chunk];
+            let start = graph.op(copy.start);
+            let mut first = copy.needed;
+            let mut done = 0;
+            for (&grad, &host) in start.inputs.iter().zip(&graph.op(copy.done).outputs) {
+                let p = param_of_host_grad[&host];
+                let offset = chunks.locate(p).1;
+                self.primary.insert(grad, Self::at(g, offset));
+                self.primary.insert(host, Self::at(hg, offset));
+                let producer = graph.value(grad).producer.expect("gradients are computed");
+                let t = program.time[&producer];
+                first = first.min(t);
+                done = done.max(t);
+            }
+            self.buffers[g.index()].live = Some((first, copy.needed.max(done)));
+            copies[i] = Some(Self::plan(
+                copy,
+                CopyKind::OffloadGrads { chunk },
+                Self::at(g, 0),
+                Self::at(hg, 0),
+                chunks.chunk(chunk).used_bytes,
+            ));
         }
-        (grad_of, grad_offload)
     }
 
     /// A device buffer for every value a device kernel writes (gradients of streamed
     /// parameters go into their gradient chunk instead), live from its writer to its last
-    /// reader; a swapped value's buffer ends at its last forward read, the loss's at the end.
-    fn activations(
-        &mut self,
-        graph: &Graph,
-        timeline: &Timeline,
-        readers: &Readers,
-        grad_of: &HashMap<ValueId, (ChunkId, u64)>,
-    ) {
-        for (t, &op) in timeline.device.iter().enumerate() {
+    /// reader, and until a copy that reads it is done; the loss's until the end.
+    fn activations(&mut self, graph: &Graph, program: &Program) {
+        let mut last: HashMap<ValueId, u32> = HashMap::new();
+        for (t, &op) in program.device.iter().enumerate() {
+            for &v in &graph.op(op).inputs {
+                last.insert(v, t as u32);
+            }
+        }
+        for copy in &program.copies {
+            if !copy.movement.to_device() {
+                for &v in &graph.op(copy.start).inputs {
+                    let l = last.entry(v).or_insert(copy.needed);
+                    *l = (*l).max(copy.needed);
+                }
+            }
+        }
+        for (t, &op) in program.device.iter().enumerate() {
             let t = t as u32;
             for &v in &graph.op(op).outputs {
-                if let Some(&(c, offset)) = grad_of.get(&v) {
-                    self.primary
-                        .insert(v, Self::at(self.grad_chunk[&c].0, offset));
+                if self.primary.contains_key(&v) {
                     continue;
                 }
                 let value = graph.value(v);
-                let mut last = readers.last.get(&v).copied().unwrap_or(t).max(t);
+                let mut end = last.get(&v).copied().unwrap_or(t).max(t);
                 if value.role == Role::Loss {
-                    last = timeline.end;
-                }
-                if self.placed.swapped.contains(&v) {
-                    last = readers.last_forward.get(&v).copied().unwrap_or(t).max(t);
+                    end = program.end;
                 }
                 let b = self.buffer(
                     value.name.clone(),
                     Space::Device,
                     value.ty.bytes(),
                     BufferKind::Activation,
-                    Some((t, last)),
+                    Some((t, end)),
                 );
                 self.primary.insert(v, Self::at(b, 0));
             }
         }
     }
 
-    /// Swapped activations: offload after the producer, the compute stream waiting two
-    /// blocks later; reload one block ahead of the backward pass into a buffer of its own.
-    fn swaps(
-        &mut self,
-        graph: &Graph,
-        timeline: &Timeline,
-        readers: &Readers,
-        copies: &mut Vec<CopyPlan>,
-    ) {
-        let end = timeline.end;
-        let first_backward = readers.first_backward(end);
-        let swapped: Vec<ValueId> = self.placed.swapped.iter().copied().collect();
-        for v in swapped {
+    /// Each swapped activation's host copy, and the device buffer it is reloaded into, live
+    /// from the first kernel after the reload starts to the reloaded copy's last reader.
+    fn swaps(&mut self, graph: &Graph, program: &Program, copies: &mut [Option<CopyPlan>]) {
+        let mut last: HashMap<ValueId, u32> = HashMap::new();
+        for (t, &op) in program.device.iter().enumerate() {
+            for &v in &graph.op(op).inputs {
+                last.insert(v, t as u32);
+            }
+        }
+        // The reload of each offload: the copy whose start reads the offload's host copy.
+        let mut reload_of: HashMap<usize, usize> = HashMap::new();
+        for (i, copy) in program.copies.iter().enumerate() {
+            if let Movement::Reload = copy.movement {
+                let host = graph.op(copy.start).inputs[0];
+                let offload = graph.value(host).producer.expect("offloaded");
+                reload_of.insert(program.copy_of_done[&offload], i);
+            }
+        }
+        for (i, copy) in program.copies.iter().enumerate() {
+            let Movement::Offload = copy.movement else {
+                continue;
+            };
+            let v = graph.op(copy.start).inputs[0];
             let value = graph.value(v).clone();
-            let producer = value.producer.expect("swapped values are computed");
-            let t = self.time[&producer];
-            let block = graph.op(producer).block;
-            let pos = readers
-                .forward_blocks
-                .iter()
-                .position(|&(b, _)| b == block)
-                .unwrap_or(0);
-            let last_fwd = readers.last_forward.get(&v).copied().unwrap_or(t).max(t);
-            let wait = readers
-                .forward_blocks
-                .get(pos + 2)
-                .map_or(first_backward, |&(_, s)| s)
-                .max(last_fwd + 1)
-                .min(end);
-            let primary = self.primary[&v];
-            self.buffers[primary.buffer.index()].live = Some((t, wait));
             let host = self.buffer(
                 format!("{}.host", value.name),
                 Space::Host,
@@ -713,115 +708,88 @@ impl Builder {
                 BufferKind::HostActivation,
                 None,
             );
-            let first_use = readers.first_backward.get(&v).copied().unwrap_or(end);
-            let bpos = readers
-                .backward_blocks
-                .iter()
-                .position(|&(b, _)| b == block)
-                .unwrap_or(0);
-            let issue = match bpos {
-                0 => first_backward,
-                i => readers.backward_blocks[i - 1].1,
-            }
-            .min(first_use)
-            .max(wait + 1);
-            let last = readers
-                .last
-                .get(&v)
+            let host_copy = graph.op(copy.done).outputs[0];
+            self.primary.insert(host_copy, Self::at(host, 0));
+            copies[i] = Some(Self::plan(
+                copy,
+                CopyKind::OffloadActivation { value: v },
+                self.primary[&v],
+                Self::at(host, 0),
+                value.ty.bytes(),
+            ));
+            let Some(&r) = reload_of.get(&i) else {
+                continue;
+            };
+            let reload = &program.copies[r];
+            let reloaded_value = graph.op(reload.done).outputs[0];
+            let issue = reload.after.map_or(0, |a| a + 1);
+            let end = last
+                .get(&reloaded_value)
                 .copied()
-                .unwrap_or(first_use)
-                .max(first_use);
+                .unwrap_or(reload.needed)
+                .max(reload.needed);
             let reloaded = self.buffer(
                 format!("{}.reload", value.name),
                 Space::Device,
                 value.ty.bytes(),
                 BufferKind::Activation,
-                Some((issue, last)),
+                Some((issue, end)),
             );
-            self.swap
-                .insert(v, (Self::at(host, 0), Self::at(reloaded, 0)));
-            copies.push(CopyPlan {
-                stream: D2H,
-                kind: CopyKind::OffloadActivation { value: v },
-                src: primary,
-                dst: Self::at(host, 0),
-                bytes: value.ty.bytes(),
-                after: Some(t),
-                needed: Some(wait),
-            });
-            copies.push(CopyPlan {
-                stream: H2D,
-                kind: CopyKind::ReloadActivation { value: v },
-                src: Self::at(host, 0),
-                dst: Self::at(reloaded, 0),
-                bytes: value.ty.bytes(),
-                after: issue.checked_sub(1),
-                needed: Some(first_use),
-            });
+            self.primary.insert(reloaded_value, Self::at(reloaded, 0));
+            copies[r] = Some(Self::plan(
+                reload,
+                CopyKind::ReloadActivation { value: v },
+                Self::at(host, 0),
+                Self::at(reloaded, 0),
+                value.ty.bytes(),
+            ));
         }
     }
 
-    /// The clip coefficient's copy to the host, when the host optimizer needs it: the copy's
-    /// index in `copies` and the coefficient's host home.
-    fn clip_scalar(
-        &mut self,
-        graph: &Graph,
-        timeline: &Timeline,
-        copies: &mut Vec<CopyPlan>,
-    ) -> (Option<usize>, Option<TensorRef>) {
-        let clip_coef = graph
-            .ops()
-            .find(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }))
-            .map(|(_, op)| op.outputs[0]);
-        let (Some(coef), false) = (clip_coef, timeline.host.is_empty()) else {
-            return (None, None);
-        };
-        let producer = graph.value(coef).producer.expect("computed");
-        let host = self.buffer(
-            "clip_coef.host".into(),
-            Space::Host,
-            4,
-            BufferKind::HostActivation,
-            None,
-        );
-        let src = self.primary[&coef];
-        let t = self.time[&producer];
-        // The device copy must outlive the copy: the compute stream waits for it at the end.
-        let b = &mut self.buffers[src.buffer.index()];
-        b.live = b.live.map(|(a, _)| (a, timeline.end));
-        let index = copies.len();
-        copies.push(CopyPlan {
-            stream: D2H,
-            kind: CopyKind::Scalar { value: coef },
-            src,
-            dst: Self::at(host, 0),
-            bytes: 4,
-            after: Some(t),
-            needed: Some(timeline.end),
-        });
-        (Some(index), Some(Self::at(host, 0)))
+    /// Each scalar copied to the host (the clip coefficient) gets its host home.
+    fn scalars(&mut self, graph: &Graph, program: &Program, copies: &mut [Option<CopyPlan>]) {
+        for (i, copy) in program.copies.iter().enumerate() {
+            let Movement::ToHost = copy.movement else {
+                continue;
+            };
+            let v = graph.op(copy.start).inputs[0];
+            let value = graph.value(v).clone();
+            let host = self.buffer(
+                format!("{}.host", value.name),
+                Space::Host,
+                value.ty.bytes(),
+                BufferKind::HostActivation,
+                None,
+            );
+            self.primary
+                .insert(graph.op(copy.done).outputs[0], Self::at(host, 0));
+            copies[i] = Some(Self::plan(
+                copy,
+                CopyKind::Scalar { value: v },
+                self.primary[&v],
+                Self::at(host, 0),
+                value.ty.bytes(),
+            ));
+        }
     }
 
-    /// Every op's kernel instruction with its operands: device kernels read from where
-    /// [`Builder::read_ref`] says and get a workspace when their kind needs one (created in
-    /// time order, so workspace buffers are numbered the same way every run); host AdamW
-    /// reads the host chunk, the host gradients, the moments and the clip coefficient.
-    fn kernels(
-        &mut self,
-        graph: &Graph,
-        chunks: &ChunkTable,
-        timeline: &Timeline,
-        host_coef: Option<TensorRef>,
-    ) -> HashMap<OpId, Instr> {
+    /// Where an op reads `v`: where a kernel or copy put it, else its home.
+    fn read_ref(&self, v: ValueId) -> TensorRef {
+        match self.primary.get(&v) {
+            Some(&r) => r,
+            None => self.home[&v],
+        }
+    }
+
+    /// Every op's kernel instruction with its operands: device kernels get a workspace when
+    /// their kind needs one (created in time order, so workspace buffers are numbered the
+    /// same way every run); host ops read homes and host copies.
+    fn kernels(&mut self, graph: &Graph, program: &Program) -> HashMap<OpId, Instr> {
         let mut kernels: HashMap<OpId, Instr> = HashMap::new();
-        for (t, &op) in timeline.device.iter().enumerate() {
+        for (t, &op) in program.device.iter().enumerate() {
             let t = t as u32;
             let o = graph.op(op);
-            let inputs: Vec<TensorRef> = o
-                .inputs
-                .iter()
-                .map(|&v| self.read_ref(v, t, o.phase))
-                .collect();
+            let inputs: Vec<TensorRef> = o.inputs.iter().map(|&v| self.read_ref(v)).collect();
             let outputs: Vec<TensorRef> = o.outputs.iter().map(|v| self.primary[v]).collect();
             let types: Vec<&protrain_ir::TensorType> =
                 o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
@@ -846,28 +814,16 @@ impl Builder {
                 },
             );
         }
-        for &op in &timeline.host {
+        for &op in &program.host {
             let o = graph.op(op);
-            let p = graph
-                .param_of(o.inputs[0])
-                .expect("host ops are parameter updates");
-            let (c, offset) = chunks.locate(p);
-            let (m, v) = self.state_home[&p];
-            let mut inputs = vec![
-                Self::at(self.host_chunk[&c], offset),
-                Self::at(self.grad_chunk[&c].1, offset),
-                m,
-                v,
-            ];
-            if o.inputs.len() > 4 {
-                inputs.push(host_coef.expect("a clipped update has the coefficient on the host"));
-            }
+            let inputs = o.inputs.iter().map(|&v| self.read_ref(v)).collect();
+            let outputs = o.outputs.iter().map(|v| self.primary[v]).collect();
             kernels.insert(
                 op,
                 Instr::Kernel {
                     op,
                     inputs,
-                    outputs: vec![],
+                    outputs,
                     workspace: None,
                 },
             );
@@ -884,7 +840,7 @@ impl Builder {
         order: &[usize],
         copies: &[CopyPlan],
         mut kernels: HashMap<OpId, Instr>,
-        scalar_copy: Option<usize>,
+        time: &HashMap<OpId, u32>,
     ) -> (Vec<Stream>, u32) {
         let mut compute_event: BTreeMap<u32, EventId> = BTreeMap::new();
         let mut copy_event: HashMap<usize, EventId> = HashMap::new();
@@ -901,10 +857,6 @@ impl Builder {
                     }
                     Step::AfterCopy(i) => {
                         copy_event.entry(*i).or_insert_with(|| event(&mut next));
-                    }
-                    Step::AfterScalar => {
-                        let i = scalar_copy.expect("a scalar copy exists");
-                        copy_event.entry(i).or_insert_with(|| event(&mut next));
                     }
                     _ => {}
                 }
@@ -934,7 +886,7 @@ impl Builder {
                     Step::Kernel(op) => {
                         instrs.push(kernels.remove(&op).expect("every op has one kernel"));
                         if s == COMPUTE {
-                            if let Some(&e) = compute_event.get(&self.time[&op]) {
+                            if let Some(&e) = compute_event.get(&time[&op]) {
                                 instrs.push(Instr::Record { event: e });
                             }
                         }
@@ -958,9 +910,6 @@ impl Builder {
                     Step::AfterCopy(i) => instrs.push(Instr::Wait {
                         event: copy_event[&i],
                     }),
-                    Step::AfterScalar => instrs.push(Instr::Wait {
-                        event: copy_event[&scalar_copy.expect("a scalar copy exists")],
-                    }),
                 }
             }
             streams.push(Stream {
@@ -970,22 +919,5 @@ impl Builder {
             });
         }
         (streams, next)
-    }
-
-    /// Where a device kernel at time `t` in `phase` reads `v`.
-    fn read_ref(&self, v: ValueId, t: u32, phase: Phase) -> TensorRef {
-        let graph = &self.placed.graph;
-        if let Some(p) = graph.param_of(v) {
-            let (c, offset) = self.placed.chunks.locate(p);
-            if let Some(&b) = self.persistent_chunk.get(&c) {
-                return Self::at(b, offset);
-            }
-            let slot = self.slot_at[&(t, c)];
-            return Self::at(self.slots[slot as usize], offset);
-        }
-        if let (Some(&(_, reloaded)), true) = (self.swap.get(&v), phase != Phase::Forward) {
-            return reloaded;
-        }
-        self.primary[&v]
     }
 }

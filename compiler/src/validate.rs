@@ -7,15 +7,98 @@
 //! them. Hash-consing and congruence closure then put a recompute clone in its original's
 //! e-class (same kind, equal inputs), so if placement is a faithful reordering with
 //! recomputation, the loss, every parameter's gradient and every optimizer update of the
-//! placed graph land in the same e-classes as the unplaced one's. Movement between memories is
-//! not in the graph (the schedule carries it) and needs no rule; when it is, its identities
-//! are rewrites over the same language. It checks what is computed, not when: the schedule
-//! verifier checks the order.
+//! placed graph land in the same e-classes as the unplaced one's.
+//!
+//! Movement is proven by one rewrite, [`movement_identity`]: output `i` of a movement start or
+//! done equals its input `i` (a copy holds what it copies, wherever it lives). So
+//! `reload(offload(x)) = x` and `use(gather(chunk)) = use(param)`: a kernel that reads the
+//! right copy of the right parameter is congruent to the unplaced kernel, and one that reads
+//! the wrong member of a gather, or a copy of another value, is not. Slots and timing are not
+//! values: the graph verifier checks that a slot holds one chunk at a time, and
+//! [`check_gathers`] that each gather copies its chunk. It checks what is computed, not when:
+//! the schedule verifier checks the order.
 
-use crate::egraph::{add_graph, Node, Plain};
-use egg::EGraph;
-use protrain_ir::{Graph, OpKind, Role, ValueId};
+use crate::egraph::{add_graph, kind_of, Encoding, Node, Plain};
+use egg::{EGraph, Id, Rewrite, Runner, SearchMatches, Searcher, Subst, Var};
+use protrain_ir::{ChunkTable, Graph, Movement, OpKind, Role, ValueId};
 use std::collections::HashMap;
+
+/// Searches for outputs of movement ops, binding `?x` to the input each one copies.
+struct MovementOutputs {
+    x: Var,
+}
+
+impl<A: Encoding> Searcher<Node, A> for MovementOutputs {
+    fn search_eclass_with_limit(
+        &self,
+        egraph: &EGraph<Node, A>,
+        eclass: Id,
+        limit: usize,
+    ) -> Option<SearchMatches<'_, Node>> {
+        let mut substs = Vec::new();
+        for node in &egraph[eclass].nodes {
+            let Node::Output(out, children) = node else {
+                continue;
+            };
+            let Some(&kind) = children.last() else {
+                continue;
+            };
+            let moves = matches!(
+                kind_of(egraph, kind),
+                Some(OpKind::MoveStart(_) | OpKind::MoveDone(_))
+            );
+            if let (true, Some(&copied)) = (moves, children.get(out.index as usize)) {
+                let mut subst = Subst::with_capacity(1);
+                subst.insert(self.x, copied);
+                substs.push(subst);
+                if substs.len() >= limit {
+                    break;
+                }
+            }
+        }
+        (!substs.is_empty()).then_some(SearchMatches {
+            eclass,
+            substs,
+            ast: None,
+        })
+    }
+
+    fn vars(&self) -> Vec<Var> {
+        vec![self.x]
+    }
+}
+
+/// The movement identity as an egg rewrite: `move#i(x_0, .., x_n, kind) => x_i` for every
+/// movement start and done.
+pub fn movement_identity<A: Encoding>() -> Rewrite<Node, A> {
+    let x: Var = "?x".parse().expect("a variable");
+    let applier: egg::Pattern<Node> = "?x".parse().expect("a pattern");
+    Rewrite::new("copy(x) = x", MovementOutputs { x }, applier).expect("a valid rewrite")
+}
+
+/// Checks that every gather of `placed` copies exactly its chunk's parameters, in member
+/// order: the name of each chunk that a gather miswires.
+pub fn check_gathers(placed: &Graph, chunks: &ChunkTable) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for (id, op) in placed.ops() {
+        let OpKind::MoveStart(Movement::Gather { chunk, slot }) = op.kind else {
+            continue;
+        };
+        let members: Vec<ValueId> = chunks
+            .chunk(chunk)
+            .members
+            .iter()
+            .map(|m| placed.param(m.param).value)
+            .collect();
+        if op.inputs != members {
+            wrong.push(format!(
+                "{id} gathers into slot{slot} as chunk{} values that are not its parameters",
+                chunk.0
+            ));
+        }
+    }
+    wrong
+}
 
 /// The result of a validation: the values compared, and those that differ.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -62,6 +145,14 @@ pub fn validate(training: &Graph, placed: &Graph) -> Validation {
     let before = add_graph(&mut egraph, training);
     let after = add_graph(&mut egraph, placed);
     egraph.rebuild();
+    // One application merges every copy with its source; a second finds nothing new.
+    let runner = Runner::default()
+        .with_egraph(egraph)
+        .with_iter_limit(4)
+        .with_node_limit(usize::MAX)
+        .with_time_limit(std::time::Duration::from_secs(3600))
+        .run(&[movement_identity()]);
+    let egraph = runner.egraph;
     let (want, got) = (observed(training), observed(placed));
     let mut differing = Vec::new();
     let mut names: Vec<&String> = want.keys().collect();

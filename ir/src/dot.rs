@@ -25,7 +25,17 @@ pub fn print_dot(graph: &Graph) -> String {
         for &output in &op.outputs {
             label.push_str(&format!("\\n-> {}", graph.value(output).ty));
         }
+        if let crate::op::OpKind::MoveStart(m) | crate::op::OpKind::MoveDone(m) = op.kind {
+            let operands = m.operands();
+            if !operands.is_empty() {
+                label.push_str(&format!("\\n{}", operands));
+            }
+        }
+        if let crate::op::OpKind::Release { chunk, slot } = op.kind {
+            label.push_str(&format!("\\nchunk{} slot{slot}", chunk.0));
+        }
         let color = match op.phase {
+            _ if op.kind.is_movement() => "lightgrey",
             crate::op::Phase::Forward => "lightblue",
             crate::op::Phase::Backward => "lightsalmon",
             crate::op::Phase::Recompute => "khaki",

@@ -14,6 +14,7 @@ pub mod print;
 pub mod schedule;
 pub mod types;
 pub mod verify;
+pub mod verify_movement;
 pub mod workspace;
 
 pub mod file;
@@ -26,7 +27,7 @@ pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
 pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
-pub use op::{Epilogue, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
+pub use op::{Epilogue, Movement, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
 pub use policy::{BlockMode, Policy, PolicySpec};
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{

@@ -3,7 +3,7 @@
 
 use crate::graph::{BlockKind, Graph, Role};
 use crate::ids::{BlockId, ValueId};
-use crate::op::Phase;
+use crate::op::{Op, OpKind, Phase};
 use crate::types::{format_bytes, format_count};
 use std::fmt::Write;
 
@@ -43,6 +43,32 @@ pub fn value_names(graph: &Graph) -> Vec<String> {
         .enumerate()
         .map(|(i, n)| n.unwrap_or_else(|| format!("<undefined {}>", ValueId::new(i))))
         .collect()
+}
+
+/// A movement op's line: `%57, %58 = gather chunk3 -> slot1 (@w, @b)  ; 130.5 KiB`, its
+/// outputs, mnemonic, chunk and slot, what it reads, and the bytes it moves (`release chunk3
+/// slot1 (%57, %58)` for a release); `None` for a compute op.
+fn movement_line(graph: &Graph, op: &Op, name: &dyn Fn(&ValueId) -> String) -> Option<String> {
+    let (operands, bytes) = match op.kind {
+        OpKind::MoveStart(m) | OpKind::MoveDone(m) => (m.operands(), true),
+        OpKind::Release { chunk, slot } => (format!("chunk{} slot{slot}", chunk.0), false),
+        _ => return None,
+    };
+    let list = |values: &[ValueId]| values.iter().map(name).collect::<Vec<_>>().join(", ");
+    let mut line = String::new();
+    if !op.outputs.is_empty() {
+        let _ = write!(line, "{} = ", list(&op.outputs));
+    }
+    line.push_str(op.kind.mnemonic());
+    if !operands.is_empty() {
+        let _ = write!(line, " {operands}");
+    }
+    let _ = write!(line, " ({})", list(&op.inputs));
+    if bytes {
+        let moved: u64 = op.inputs.iter().map(|v| graph.value(*v).ty.bytes()).sum();
+        let _ = write!(line, "  ; {}", format_bytes(moved));
+    }
+    Some(line)
 }
 
 /// Prints a graph in its canonical text form.
@@ -125,6 +151,10 @@ pub fn print_graph(graph: &Graph) -> String {
                 BlockKind::Head => "head".to_string(),
             };
             let _ = writeln!(out, "\n{} {} ({}):", op.phase, what, block.name);
+        }
+        if let Some(line) = movement_line(graph, op, &name) {
+            let _ = writeln!(out, "  {line}");
+            continue;
         }
         let outputs: Vec<String> = op
             .outputs

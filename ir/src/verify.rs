@@ -10,7 +10,9 @@
 //! - each op has as many inputs as its kind takes, and its output's type is the one its kind
 //!   infers from its inputs' types;
 //! - each parameter's value has the role `param` and no producer;
-//! - the graph's outputs exist.
+//! - the graph's outputs exist;
+//! - movement ops pair up and chunk slots hold one chunk at a time
+//!   ([`crate::verify_movement`]).
 
 use crate::error::{IrError, Result};
 use crate::graph::{Graph, Role};
@@ -115,5 +117,5 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
             return bad(format!("graph output {output} does not exist"));
         }
     }
-    Ok(())
+    crate::verify_movement::verify_movement(graph)
 }

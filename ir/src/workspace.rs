@@ -198,7 +198,10 @@ impl WorkspaceLayout {
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
             | OpKind::ClipCoef { .. }
-            | OpKind::AdamW { .. } => {}
+            | OpKind::AdamW { .. }
+            | OpKind::MoveStart(_)
+            | OpKind::MoveDone(_)
+            | OpKind::Release { .. } => {}
         }
         l
     }

@@ -3,7 +3,9 @@
 use super::{write_output, CompileArgs};
 use protrain::ir::print::value_names;
 use protrain::ir::print_schedule::print_chunk_table;
-use protrain::ir::{format_bytes, CopyKind, Graph, Instr, Schedule, ValueId};
+use protrain::ir::{
+    format_bytes, CopyKind, Graph, Instr, Movement, OpKind, Policy, Schedule, ValueId,
+};
 use protrain::{Context, Error, Result, Stage as PipelineStage};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -22,9 +24,12 @@ pub enum Stage {
     /// The training graph, then its chunk table: the chunk size, the sizes tried, and each
     /// chunk's parameters and used bytes.
     Chunked,
-    /// The placed graph (the training graph with recomputation cloned into the backward pass
-    /// and the optimizer ops where the policy runs them), the policy, and the activations the
-    /// schedule swaps to the host.
+    /// The placed graph: the training graph in program order with recomputation cloned into
+    /// the backward pass, the optimizer ops where the policy runs them, and every copy the
+    /// policy implies as a movement op (prefetch/gather of a chunk into a slot, release,
+    /// offload_grads, offload and reload of swapped activations, to_host), with the policy,
+    /// a count of each movement and the activations swapped to the host. A schedule file
+    /// holds the lowered graph, whose movement is in its copy instructions.
     Placed,
     /// The streams and their events. The schedule printer writes each instruction with its
     /// buffers and offsets, so this prints the full schedule, as `planned` does.
@@ -172,8 +177,16 @@ fn model_stage(args: &Args) -> Result<String> {
         Stage::Fused => PipelineStage::Fused,
         Stage::Autodiff => PipelineStage::Autodiff,
         Stage::Chunked => PipelineStage::Chunked,
-        Stage::Placed | Stage::Scheduled | Stage::Planned => PipelineStage::Compiled,
+        Stage::Placed => PipelineStage::Placed,
+        Stage::Scheduled | Stage::Planned => PipelineStage::Compiled,
     };
+    if until == PipelineStage::Placed {
+        context.run_until(until)?;
+        let compiled = context.compiled().expect("placing compiles");
+        super::warn(&compiled.warnings);
+        let placed = context.placed().expect("placed");
+        return Ok(placed_graph(&placed.graph, &placed.policy, format));
+    }
     if until == PipelineStage::Compiled {
         let compiled = context.compile()?;
         super::warn(&compiled.warnings);
@@ -225,8 +238,104 @@ fn schedule_stage(schedule: &Schedule, stage: Stage, format: Format) -> Result<S
     }
 }
 
-/// The placed graph, the policy that placed it, and the activations it swaps to the host
-/// (those the schedule offloads), in order of their offload.
+/// The placed graph of a model: the policy, what it moves (a line per kind of movement, then
+/// the activations it swaps), and the graph with its movement ops in program order.
+fn placed_graph(graph: &Graph, policy: &Policy, format: Format) -> String {
+    let swapped: Vec<ValueId> = graph
+        .ops()
+        .filter(|(_, op)| op.kind == OpKind::MoveStart(Movement::Offload))
+        .map(|(_, op)| op.inputs[0])
+        .collect();
+    let mut counts: Vec<(&'static str, usize, u64)> = Vec::new();
+    for (_, op) in graph.ops() {
+        if let OpKind::MoveDone(_) | OpKind::Release { .. } = op.kind {
+            let bytes: u64 = op.inputs.iter().map(|&v| graph.value(v).ty.bytes()).sum();
+            let name = op.kind.mnemonic();
+            match counts.iter_mut().find(|(n, _, _)| *n == name) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 += bytes;
+                }
+                None => counts.push((name, 1, bytes)),
+            }
+        }
+    }
+    let names = value_names(graph);
+    match format {
+        Format::Dot => graph.to_dot(),
+        Format::Json => pretty(&serde_json::json!({
+            "policy": policy,
+            "movement": counts
+                .iter()
+                .map(|(kind, n, bytes)| serde_json::json!({ "kind": kind, "count": n, "bytes": bytes }))
+                .collect::<Vec<_>>(),
+            "swapped": swapped_json(graph, &names, &swapped),
+            "graph": graph,
+        })),
+        Format::Text => {
+            let mut out = String::new();
+            let _ = writeln!(out, "; policy: {policy}");
+            out.push_str(&swapped_text(graph, &names, &swapped));
+            let list: Vec<String> = counts
+                .iter()
+                .map(|(kind, n, bytes)| match *kind {
+                    "release" => format!("{n} {kind}"),
+                    _ => format!("{n} {kind} ({})", format_bytes(*bytes)),
+                })
+                .collect();
+            let list = if list.is_empty() {
+                "none".to_string()
+            } else {
+                list.join(", ")
+            };
+            let _ = writeln!(out, "; movement: {list}");
+            out.push_str(&graph.to_text());
+            out
+        }
+    }
+}
+
+/// The swapped activations as JSON: each value, its name and size.
+fn swapped_json(graph: &Graph, names: &[String], swapped: &[ValueId]) -> Vec<serde_json::Value> {
+    swapped
+        .iter()
+        .map(|v| {
+            serde_json::json!({
+                "value": v,
+                "name": names.get(v.index()),
+                "bytes": graph.value(*v).ty.bytes(),
+            })
+        })
+        .collect()
+}
+
+/// The swapped activations as comment lines: their count and size, then one line each.
+fn swapped_text(graph: &Graph, names: &[String], swapped: &[ValueId]) -> String {
+    let mut out = String::new();
+    let total: u64 = swapped.iter().map(|&v| graph.value(v).ty.bytes()).sum();
+    let _ = writeln!(
+        out,
+        "; swapped activations: {}, {}",
+        swapped.len(),
+        format_bytes(total)
+    );
+    for &v in swapped {
+        let value = graph.value(v);
+        let _ = writeln!(
+            out,
+            ";   {} ({}) {} {}",
+            names[v.index()],
+            value.name,
+            value.ty,
+            format_bytes(value.ty.bytes())
+        );
+    }
+    out
+}
+
+/// The placed graph as a schedule file holds it: lowered, its movement in the copy
+/// instructions; the policy, and the activations it swaps to the host (those the schedule
+/// offloads), in order of their offload.
 fn placed(schedule: &Schedule, format: Format) -> String {
     let graph = &schedule.graph;
     let swapped: Vec<ValueId> = schedule
@@ -247,37 +356,17 @@ fn placed(schedule: &Schedule, format: Format) -> String {
         Format::Dot => graph.to_dot(),
         Format::Json => pretty(&serde_json::json!({
             "policy": policy,
-            "swapped": swapped
-                .iter()
-                .map(|v| serde_json::json!({
-                    "value": v,
-                    "name": names.get(v.index()),
-                    "bytes": graph.value(*v).ty.bytes(),
-                }))
-                .collect::<Vec<_>>(),
+            "swapped": swapped_json(graph, &names, &swapped),
             "graph": graph,
         })),
         Format::Text => {
             let mut out = String::new();
             let _ = writeln!(out, "; policy: {policy}");
-            let total: u64 = swapped.iter().map(|&v| graph.value(v).ty.bytes()).sum();
-            let _ = writeln!(
-                out,
-                "; swapped activations: {}, {}",
-                swapped.len(),
-                format_bytes(total)
+            out.push_str(&swapped_text(graph, &names, &swapped));
+            out.push_str(
+                "; movement: in the copy instructions (a schedule file holds the lowered graph; \
+                 dump the model for its placed graph with movement ops)\n",
             );
-            for &v in &swapped {
-                let value = graph.value(v);
-                let _ = writeln!(
-                    out,
-                    ";   {} ({}) {} {}",
-                    names[v.index()],
-                    value.name,
-                    value.ty,
-                    format_bytes(value.ty.bytes())
-                );
-            }
             out.push_str(&graph.to_text());
             out
         }

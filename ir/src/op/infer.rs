@@ -117,6 +117,9 @@ impl OpKind {
                 }
                 vec![]
             }
+            OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
+                self.infer_movement(inputs)?
+            }
             _ => vec![self.infer_forward(inputs)?],
         })
     }

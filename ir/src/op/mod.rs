@@ -1,6 +1,9 @@
 //! Operations: kinds with their attributes and phases; their type rules are in `infer.rs`.
 
 mod infer;
+mod movement;
+
+pub use movement::Movement;
 
 use crate::error::{IrError, Result};
 use crate::ids::{BlockId, ValueId};
@@ -320,6 +323,20 @@ pub enum OpKind {
         /// Whether a clip coefficient input follows `v`.
         clipped: bool,
     },
+    /// The issue point of a copy between memories (see [`Movement`]): each input's copy in
+    /// flight, one output per input. Inserted by placement; never in a schedule's graph.
+    MoveStart(Movement),
+    /// The completion of the copy its inputs (a [`OpKind::MoveStart`]'s outputs) are in
+    /// flight in: the copies a reader may use, one output per input.
+    MoveDone(Movement),
+    /// The end of a chunk's tenancy of a device slot: reads every copy the slot's gather
+    /// wrote, after which no op reads them and the slot may take another chunk.
+    Release {
+        /// The chunk leaving the slot.
+        chunk: crate::ids::ChunkId,
+        /// The slot.
+        slot: u32,
+    },
 }
 
 impl OpKind {
@@ -356,6 +373,9 @@ impl OpKind {
             OpKind::GradNormSq => "grad_norm_sq",
             OpKind::ClipCoef { .. } => "clip_coef",
             OpKind::AdamW { .. } => "adamw",
+            OpKind::MoveStart(m) => m.mnemonics().0,
+            OpKind::MoveDone(m) => m.mnemonics().1,
+            OpKind::Release { .. } => "release",
         }
     }
 
@@ -390,6 +410,10 @@ impl OpKind {
                 if *clipped {
                     attrs.push(("clipped", "true".into()));
                 }
+            }
+            OpKind::MoveStart(m) | OpKind::MoveDone(m) => attrs.extend(m.attributes()),
+            OpKind::Release { chunk, slot } => {
+                attrs.extend([("chunk", chunk.0.to_string()), ("slot", slot.to_string())])
             }
             _ => {}
         }
@@ -634,6 +658,8 @@ impl OpKind {
                 QkvLayout::Packed => 4,
             },
             OpKind::CrossEntropyBackward => 3,
+            OpKind::MoveStart(m) | OpKind::MoveDone(m) => return m.arity(),
+            OpKind::Release { .. } => return None,
             OpKind::FusedLinear {
                 count,
                 bias,
@@ -754,6 +780,7 @@ impl OpKind {
             }
             OpKind::GradNormSq => 2 * inputs[0].numel(),
             OpKind::AdamW { .. } => 12 * inputs[0].numel(),
+            OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => 0,
             OpKind::Embedding { .. }
             | OpKind::PositionEmbedding { .. }
             | OpKind::EmbeddingBackward { .. }

@@ -588,6 +588,17 @@ impl Checker<'_> {
     // 7. coverage -------------------------------------------------------------------------
 
     pub(super) fn coverage(&self) -> Result<(), ScheduleError> {
+        if let Some((op, o)) = self.g.ops().find(|(_, o)| o.kind.is_movement()) {
+            return Err(self.fail(
+                Invariant::Coverage,
+                None,
+                format!(
+                    "{op} is a {} op: a schedule's graph holds compute ops only, its movement \
+                     is copy instructions (the compiler's emit pass lowers it)",
+                    o.kind.mnemonic()
+                ),
+            ));
+        }
         let mut ran: Vec<Option<InstrRef>> = vec![None; self.g.op_count()];
         for (r, instr) in self.instrs() {
             if let Instr::Kernel { op, .. } = instr {

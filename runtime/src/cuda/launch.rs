@@ -780,6 +780,12 @@ pub(super) fn calls(
 fn plan(p: &mut Plan<'_>) -> Result<()> {
     let (n_in, n_out) = (p.types.inputs.len(), p.types.outputs.len());
     match p.kind {
+        OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
+            return Err(p.bad(
+                "is a movement op, which no kernel runs: a schedule's copies are copy \
+                 instructions (the schedule verifier refuses movement ops in its graph)",
+            ));
+        }
         OpKind::Embedding { .. } => {
             let st = p.storage(1)?;
             let table = p.ty_in(1);
@@ -1766,6 +1772,10 @@ mod tests {
             OpKind::GradNormSq => 27,
             OpKind::ClipCoef { .. } => 28,
             OpKind::AdamW { .. } => 29,
+            // Movement never reaches a backend: see `movement_ops_have_no_plan`.
+            OpKind::MoveStart(_) => VARIANTS,
+            OpKind::MoveDone(_) => VARIANTS + 1,
+            OpKind::Release { .. } => VARIANTS + 2,
         }
     }
     const VARIANTS: usize = 30;
@@ -2056,6 +2066,40 @@ mod tests {
 
     fn inside(spans: &[(u64, u64)], p: u64) -> bool {
         spans.iter().any(|&(s, n)| p >= s && p < s + n.max(1))
+    }
+
+    #[test]
+    fn movement_ops_have_no_plan() {
+        let x = TensorType::new(vec![4, 8], DType::F32);
+        let ins = [&x];
+        let chunk = protrain_ir::ChunkId(0);
+        for kind in [
+            OpKind::MoveStart(protrain_ir::Movement::Gather { chunk, slot: 0 }),
+            OpKind::MoveDone(protrain_ir::Movement::Reload),
+            OpKind::Release { chunk, slot: 0 },
+        ] {
+            assert!(variant(&kind) >= VARIANTS);
+            let outputs = kind.infer(&ins).expect("movement types");
+            let outs: Vec<&TensorType> = outputs.iter().collect();
+            let at = Addresses {
+                inputs: vec![0x1000],
+                outputs: (0..outs.len()).map(|i| 0x2000 * (i as u64 + 1)).collect(),
+                workspace: None,
+                master: None,
+            };
+            let types = Types {
+                inputs: &ins,
+                outputs: &outs,
+            };
+            let target = Target {
+                max_blocks: 132 * 32,
+                step: 1,
+            };
+            let err = calls(&kind, types, &at, target)
+                .expect_err("no plan")
+                .to_string();
+            assert!(err.contains("movement op"), "{kind:?}: {err}");
+        }
     }
 
     #[test]
