@@ -575,6 +575,13 @@ pub fn run<'a>(
         OpKind::AdamW { .. } => {
             unreachable!("AdamW updates its inputs in place: call dispatch::adamw")
         }
+        OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
+            return Err(crate::error::RuntimeError::BadSchedule(format!(
+                "{} marks a copy in the placed graph and has no kernel; run a schedule the \
+                 compiler emitted, whose copies are instructions",
+                op.kind.mnemonic()
+            )))
+        }
     }
     Ok(outcome)
 }
