@@ -170,6 +170,10 @@ pub fn insert_movement(
     )
 }
 
+/// The tenancy (an index into the tenancies) that holds each streamed chunk at each kernel
+/// that reads it, by the kernel's time and the chunk.
+type SlotAt = HashMap<(u32, ChunkId), usize>;
+
 /// The gathers: which slot holds each streamed chunk at each kernel that reads it, and the
 /// copy that brings it; a chunk stays in its slot while it is read, and a missing one evicts
 /// the slot used least recently by a chunk this kernel does not read.
@@ -180,7 +184,7 @@ fn gathers(
     slots: u32,
     streamed: &dyn Fn(ChunkId) -> bool,
     copies: &mut Vec<Copy>,
-) -> Result<(Vec<Tenancy>, HashMap<(u32, ChunkId), usize>)> {
+) -> Result<(Vec<Tenancy>, SlotAt)> {
     let mut tenancies: Vec<Tenancy> = Vec::new();
     let mut slot_at: HashMap<(u32, ChunkId), usize> = HashMap::new();
     // Each slot's tenancy (an index into `tenancies`).
@@ -419,7 +423,7 @@ fn rebuild(
     timeline: &Timeline,
     copies: &[Copy],
     tenancies: &[Tenancy],
-    slot_at: &HashMap<(u32, ChunkId), usize>,
+    slot_at: &SlotAt,
     grad_copy: &HashMap<ValueId, usize>,
     swap_copy: &HashMap<ValueId, (usize, usize)>,
     scalar_copy: Option<usize>,
@@ -603,7 +607,7 @@ fn read(
     i: usize,
     v: ValueId,
     t: Option<u32>,
-    slot_at: &HashMap<(u32, ChunkId), usize>,
+    slot_at: &SlotAt,
     tenancies: &[Tenancy],
     done: &[Vec<ValueId>],
     grad_copy: &HashMap<ValueId, usize>,
