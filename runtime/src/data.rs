@@ -8,6 +8,7 @@ use memmap2::Mmap;
 use npyz::{DType, Endianness, NpyHeader, TypeChar};
 
 use crate::error::{Result, RuntimeError};
+use crate::text::{TextOptions, TextTokenizer};
 
 /// The magic number at the start of llm.c's token files, which carry a 1024-byte header that a
 /// raw `.bin` reader would otherwise take for tokens.
@@ -90,6 +91,24 @@ impl TokenStream {
             storage: Storage::Owned(tokens),
             source: None,
         }
+    }
+
+    /// Tokenizes a UTF-8 text corpus with a Hugging Face tokenizer, once: the ids are cached in
+    /// a token file beside the corpus and mapped from there, and later calls reuse that file
+    /// while neither the corpus nor the tokenizer.json changes. [`crate::text`] has the rules
+    /// (documents and the end-of-text token between them, the cache's name, the fallback
+    /// directory when the corpus's directory is not writable). `progress(bytes_done,
+    /// bytes_total)` is called as the corpus is read, not when the cache is reused.
+    ///
+    /// Check the tokenizer against the model first ([`TextTokenizer::check_vocab`]);
+    /// [`crate::text::tokenize`] does the same as this and also says where the cache is.
+    pub fn from_text(
+        corpus: impl AsRef<Path>,
+        tokenizer: &TextTokenizer,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Self> {
+        let options = TextOptions::default();
+        Ok(crate::text::tokenize(corpus.as_ref(), tokenizer, &options, progress)?.stream)
     }
 
     /// The number of tokens.

@@ -17,6 +17,7 @@ pub mod params;
 pub mod profiler;
 pub mod rng;
 pub mod synthetic;
+pub mod text;
 pub mod weights;
 
 pub use backend::Backend;
