@@ -233,3 +233,149 @@ fn a_half_written_checkpoint_is_ignored() {
     let straight = losses(&protrain(&straight));
     assert_eq!(resumed, straight[10..]);
 }
+
+/// Every step's `(step, loss, lr)` of a successful `--log-json` run, as printed.
+fn losses_and_rates(out: &Output) -> Vec<(u64, String, String)> {
+    assert!(out.status.success(), "{}", stderr(out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object a line");
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].to_string(),
+                v["lr"].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Rewrites the safetensors metadata value of `key` in `file` to `value`, leaving the rest
+/// (the checksums included) as written: what damage to the metadata looks like.
+fn rewrite_metadata(file: &Path, key: &str, value: &str) {
+    let bytes = std::fs::read(file).expect("read the checkpoint");
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..8 + len]).expect("a JSON header");
+    assert!(header["__metadata__"][key].is_string(), "{key} is recorded");
+    header["__metadata__"][key] = value.into();
+    let mut text = header.to_string().into_bytes();
+    // The data must still start 8-byte aligned.
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + len..]);
+    std::fs::write(file, out).expect("write the checkpoint");
+}
+
+#[test]
+fn resume_alone_continues_a_scheduled_run_and_refuses_contradicting_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "8",
+        "--lr",
+        "0.01",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--grad-clip",
+        "1.0",
+        "--seed",
+        "3",
+        "--log-json",
+    ];
+    let straight = losses_and_rates(&protrain(&run));
+    assert_eq!(straight.len(), 8);
+    assert_eq!(straight[0].2, "0.0", "a warmup's first step has rate 0");
+    assert_eq!(straight[2].2, "0.01", "the warmup ends at --lr");
+    let mut saving = run.to_vec();
+    saving.extend(["--checkpoint-dir", path(&ckpt), "--save-every", "3"]);
+    saving.extend(["--keep-checkpoints", "0"]);
+    assert_eq!(losses_and_rates(&protrain(&saving)), straight);
+    assert_eq!(
+        files(&ckpt),
+        [
+            "step-00000003.safetensors",
+            "step-00000006.safetensors",
+            "step-00000008.safetensors"
+        ]
+    );
+    // As if the run had been killed after step 6, with the checkpoint of step 6 damaged in
+    // its metadata only (a data position no tensor checksum covers).
+    std::fs::remove_file(ckpt.join("step-00000008.safetensors")).expect("remove step 8");
+    rewrite_metadata(&ckpt.join("step-00000006.safetensors"), "data_step", "7");
+
+    // `--resume DIR` alone: model aside, every setting comes from the checkpoint; the
+    // policy may differ.
+    let resume = [
+        "train",
+        "gpt2-tiny",
+        "--resume",
+        path(&ckpt),
+        "--log-json",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_checkpoint=2",
+    ];
+    let out = protrain(&resume);
+    let err = stderr(&out);
+    assert!(
+        err.contains("skipping") && err.contains("its metadata has checksum"),
+        "{err}"
+    );
+    assert!(err.contains("step-00000003.safetensors (step 3)"), "{err}");
+    assert_eq!(
+        losses_and_rates(&out),
+        straight[3..],
+        "the resumed steps, their losses and rates are the uninterrupted run's"
+    );
+
+    let contrary: [(&[&str], &str); 4] = [
+        (
+            &["--warmup-steps", "3"],
+            "--warmup-steps: the checkpoint has 2, this run has 3",
+        ),
+        (
+            &["--lr-schedule", "linear"],
+            "--lr-schedule: the checkpoint has cosine, this run has linear",
+        ),
+        (
+            &["--seed", "4"],
+            "--seed: the checkpoint has 3, this run has 4",
+        ),
+        (
+            &["--grad-clip", "0.5"],
+            "optimizer: the checkpoint has grad_clip=1, this run has grad_clip=0.5",
+        ),
+    ];
+    let before = files(&ckpt);
+    for (flags, needle) in contrary {
+        let mut args = resume.to_vec();
+        args.extend(flags);
+        let out = protrain(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.starts_with("error: checkpoint "), "{flags:?}: {err}");
+        assert!(err.contains(needle), "{flags:?}: no `{needle}` in {err}");
+        assert!(
+            err.contains("drop the ones that differ"),
+            "{flags:?}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{flags:?}: trained anyway");
+    }
+    assert_eq!(
+        files(&ckpt),
+        before,
+        "a refused resume touches no checkpoint"
+    );
+}

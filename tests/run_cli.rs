@@ -364,3 +364,47 @@ fn train_refuses_bf16_on_the_host_backend_before_compiling() {
     );
     assert!(stdout(&out).is_empty());
 }
+
+#[test]
+fn run_follows_a_learning_rate_schedule_as_train_does() {
+    let fx = Fixture::new();
+    let schedule = [
+        "--steps",
+        "4",
+        "--log-json",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--decay-steps",
+        "3",
+        "--min-lr",
+        "0.0001",
+    ];
+    let mut run = vec!["run", path(&fx.schedule)];
+    run.extend(schedule);
+    let mut train = vec![
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lr",
+        "0.001",
+        "--beta2",
+        "0.999",
+        "--weight-decay",
+        "0.01",
+    ];
+    train.extend(schedule);
+    let (ran, trained) = (protrain(&run), protrain(&train));
+    assert_eq!(losses(&ran), losses(&trained));
+    let rates: Vec<String> = stdout(&ran)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["lr"].to_string())
+        .collect();
+    // Warmup 0 and 0.0005; then the cosine's top (0.001) and its end, --min-lr, at step
+    // --decay-steps + 1 = 4.
+    assert_eq!(rates, ["0.0", "0.0005", "0.001", "0.0001"]);
+}

@@ -11,7 +11,7 @@
 
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
-use protrain_ir::{EventId, Graph, Op, Schedule, Space, StreamKind};
+use protrain_ir::{EventId, Graph, Op, OpKind, Schedule, Space, StreamKind};
 
 /// A byte address in the device arena or the host region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -26,11 +26,16 @@ pub struct Address {
 ///
 /// Operand `i` is the op's `i`-th input or output value, with that value's type; the
 /// workspace is `workspace_bytes` of scratch. An AdamW op updates inputs 0, 2 and 3 in place.
+///
+/// The op is the graph's, except that an AdamW op carries the learning rate of the step
+/// being run: the executor launches a copy of it with the rate a learning-rate schedule gives
+/// ([`set_learning_rate`]), so every backend's AdamW (the host's, the CUDA kernels and the
+/// CUDA backend's CPU Adam) reads this step's rate where it reads the others, from the op.
 #[derive(Clone, Copy, Debug)]
 pub struct Launch<'a> {
     /// The graph the op belongs to (for operand types).
     pub graph: &'a Graph,
-    /// The op.
+    /// The op; an AdamW op with this step's learning rate.
     pub op: &'a Op,
     /// Its constants, made once before the first step.
     pub prepared: &'a Prepared,
@@ -42,6 +47,14 @@ pub struct Launch<'a> {
     pub workspace: Option<(Address, u64)>,
     /// The 1-based step number (AdamW's bias correction).
     pub step: u64,
+}
+
+/// Sets the learning rate of an AdamW op's `kind` to `lr`, the one hyper-parameter that
+/// changes from step to step (see [`Launch`]); any other kind is left as it is.
+pub fn set_learning_rate(kind: &mut OpKind, lr: f64) {
+    if let OpKind::AdamW { lr: rate, .. } = kind {
+        *rate = lr;
+    }
 }
 
 /// Memory, streams and events for executing schedules.

@@ -14,15 +14,23 @@
 //! checkpoint written under one policy resumes under any other, bit-identically, because every
 //! policy computes the same bits (the project's equivalence guarantee).
 //!
-//! Every tensor's checksum is stored in the metadata and verified on load, and the step in
-//! the metadata must match the file name: a damaged checkpoint is refused, and
+//! The metadata also records the run's settings ([`RunSettings`]: steps, learning-rate
+//! schedule, seed, data) and its optimizer settings, so `--resume DIR` alone continues the run
+//! ([`peek_latest`] reads them before anything is compiled).
+//!
+//! Every tensor's checksum is stored in the metadata, and so is a checksum of the whole
+//! metadata (every other key and value, tensor checksums included); both are verified on load,
+//! and the step in the metadata must match the file name: a damaged checkpoint is refused, and
 //! [`load_latest`] falls back to the one before it with a warning.
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::executor::Executor;
+use crate::train::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -30,11 +38,22 @@ use std::path::{Path, PathBuf};
 const FORMAT_KEY: &str = "protrain.checkpoint";
 
 /// The checkpoint layout this build writes. Version 2 adds a checksum per tensor
-/// (`CHECKSUM_PREFIX` + name in the metadata); version 1, without them, is still read.
-const FORMAT_VERSION: &str = "2";
+/// (`CHECKSUM_PREFIX` + name in the metadata); version 3 the run and optimizer settings
+/// (`RUN_KEY`, `OPTIMIZER_KEY`) and the checksum of the whole metadata
+/// (`METADATA_CHECKSUM_KEY`). Versions 1 and 2 are still read.
+const FORMAT_VERSION: &str = "3";
 
 /// The layouts this build reads.
-const READABLE_VERSIONS: [&str; 2] = ["1", "2"];
+const READABLE_VERSIONS: [&str; 3] = ["1", "2", "3"];
+
+/// The metadata key of the metadata's own checksum ([`metadata_checksum`]).
+const METADATA_CHECKSUM_KEY: &str = "metadata_checksum";
+
+/// The metadata key of the run settings, as JSON ([`RunSettings`]).
+const RUN_KEY: &str = "run";
+
+/// The metadata key of the optimizer settings, as JSON ([`OptimizerSettings`]).
+const OPTIMIZER_KEY: &str = "optimizer_settings";
 
 /// The metadata key prefix of a tensor's checksum: FNV-1a (64-bit) of its little-endian f32
 /// bytes, as 16 hex digits.
@@ -48,8 +67,9 @@ const PREFIX: &str = "step-";
 const SUFFIX: &str = ".safetensors";
 
 /// The AdamW hyper-parameters a training graph was built with: fixed when it is compiled, read
-/// back from its `adamw` and `clip_coef` ops.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// back from its `adamw` and `clip_coef` ops. The learning rate is the peak of the run's
+/// learning-rate schedule ([`crate::train::LrSchedule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerSettings {
     /// Learning rate.
     pub lr: f64,
@@ -211,12 +231,53 @@ fn step_of(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// The checksum of a checkpoint's metadata: FNV-1a (64-bit), as 16 hex digits, of every key
+/// and value but [`METADATA_CHECKSUM_KEY`]'s, in key order, each as its length (u64, little
+/// endian) and its UTF-8 bytes, so no two different metadata maps hash the same text.
+fn metadata_checksum<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    use std::hash::Hasher;
+    let sorted: BTreeMap<&str, &str> = entries
+        .into_iter()
+        .filter(|(k, _)| *k != METADATA_CHECKSUM_KEY)
+        .collect();
+    let mut hasher = fnv::FnvHasher::default();
+    for (key, value) in sorted {
+        for text in [key, value] {
+            hasher.write(&(text.len() as u64).to_le_bytes());
+            hasher.write(text.as_bytes());
+        }
+    }
+    format!("{:016x}", hasher.finish())
+}
+
 /// Writes the executor's training state to `dir` (created if need be) as
-/// [`file_name`]`(progress.step)`, atomically, and returns its path.
+/// [`file_name`]`(progress.step)`, atomically, and returns its path. The checkpoint records no
+/// run settings: see [`save_run`] for one that `--resume` alone continues.
 pub fn save<B: Backend>(
     dir: &Path,
     executor: &Executor<'_, B>,
     progress: &Progress,
+) -> Result<PathBuf> {
+    write(dir, executor, progress, None)
+}
+
+/// [`save`], recording the run's settings too, so that a resumed run takes them from the
+/// checkpoint ([`Checkpoint::run`], [`peek_latest`]).
+pub fn save_run<B: Backend>(
+    dir: &Path,
+    executor: &Executor<'_, B>,
+    progress: &Progress,
+    run: &RunSettings,
+) -> Result<PathBuf> {
+    write(dir, executor, progress, Some(run))
+}
+
+/// Writes a checkpoint, with the run's settings when given.
+fn write<B: Backend>(
+    dir: &Path,
+    executor: &Executor<'_, B>,
+    progress: &Progress,
+    run: Option<&RunSettings>,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|source| RuntimeError::Io {
         path: dir.to_path_buf(),
@@ -268,6 +329,31 @@ pub fn save<B: Backend>(
     ];
     metadata.extend(checksums.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let path = dir.join(file_name(progress.step));
+    let json = |what: &str, value: serde_json::Result<String>| {
+        value.map_err(|e| RuntimeError::BadCheckpoint {
+            path: path.clone(),
+            problem: format!(
+                "cannot be written: its {what} do not encode as JSON ({e}); use a token file \
+                 path that is valid UTF-8"
+            ),
+        })
+    };
+    let run_json = run
+        .map(|r| json("run settings", serde_json::to_string(r)))
+        .transpose()?;
+    if let Some(text) = &run_json {
+        metadata.push((RUN_KEY, text.as_str()));
+    }
+    let optimizer_json = OptimizerSettings::of(graph)
+        .map(|o| json("optimizer settings", serde_json::to_string(&o)))
+        .transpose()?;
+    if let Some(text) = &optimizer_json {
+        metadata.push((OPTIMIZER_KEY, text.as_str()));
+    }
+    // Written by `save_safetensors` anyway; given here so that the checksum covers it.
+    metadata.push(("format", "pt"));
+    let sum = metadata_checksum(metadata.iter().copied());
+    metadata.push((METADATA_CHECKSUM_KEY, sum.as_str()));
     save_safetensors(&path, &tensors, StorageDtype::F32, &metadata)?;
     Ok(path)
 }
@@ -375,6 +461,154 @@ pub fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3),
+/// the step against the file name.
+struct Header {
+    /// The layout version.
+    version: u32,
+    progress: Progress,
+    batch: Option<u64>,
+    seq: Option<u64>,
+    run: Option<RunSettings>,
+    optimizer: Option<OptimizerSettings>,
+}
+
+/// Opens the checkpoint at `path` and reads and checks its metadata ([`Header`]); the tensors
+/// are not read.
+fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
+    let file = WeightFile::open(path)?;
+    let meta = file.metadata();
+    let bad = |problem: String| RuntimeError::BadCheckpoint {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let version = match meta.get(FORMAT_KEY).map(String::as_str) {
+        Some(v) if READABLE_VERSIONS.contains(&v) => v,
+        Some(other) => {
+            return Err(bad(format!(
+                "has checkpoint layout {other}, this build reads {}; resume it with the \
+                 protrain that wrote it",
+                READABLE_VERSIONS.join(", ")
+            )))
+        }
+        None => {
+            return Err(bad(format!(
+                "is a safetensors file but not a protrain checkpoint (no `{FORMAT_KEY}` \
+                 metadata); pass it as --init weights instead of resuming from it"
+            )))
+        }
+    };
+    let version: u32 = version.parse().expect("the readable versions are numbers");
+    if version >= 3 {
+        let Some(want) = meta.get(METADATA_CHECKSUM_KEY) else {
+            return Err(bad(format!(
+                "lacks the `{METADATA_CHECKSUM_KEY}` metadata; it is damaged, resume from an \
+                 earlier checkpoint"
+            )));
+        };
+        let have = metadata_checksum(meta.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        if *want != have {
+            return Err(bad(format!(
+                "is damaged: its metadata has checksum {have}, but {want} was written; resume \
+                 from an earlier checkpoint"
+            )));
+        }
+    }
+    let number = |key: &str| -> Result<u64> {
+        let text = meta
+            .get(key)
+            .ok_or_else(|| bad(format!("lacks the `{key}` metadata; it is damaged")))?;
+        text.parse().map_err(|_| {
+            bad(format!(
+                "has `{key}` = {text:?}, not a number; it is damaged"
+            ))
+        })
+    };
+    let progress = Progress {
+        step: number("step")?,
+        data_step: number("data_step")?,
+        data_tokens: number("data_tokens")?,
+    };
+    let named = path.file_name().and_then(|n| n.to_str()).and_then(step_of);
+    if let Some(named) = named.filter(|&n| n != progress.step) {
+        return Err(bad(format!(
+            "is named for step {named} but its metadata says step {}; it was renamed or is \
+             damaged",
+            progress.step
+        )));
+    }
+    fn parse<T: serde::de::DeserializeOwned>(
+        meta: &BTreeMap<String, String>,
+        key: &str,
+        bad: impl Fn(String) -> RuntimeError,
+    ) -> Result<Option<T>> {
+        meta.get(key)
+            .map(|text| {
+                serde_json::from_str(text).map_err(|e| {
+                    bad(format!(
+                        "has unreadable `{key}` metadata ({e}); it is damaged, or written by \
+                         another protrain"
+                    ))
+                })
+            })
+            .transpose()
+    }
+    let header = Header {
+        version,
+        progress,
+        batch: number("batch").ok(),
+        seq: number("seq").ok(),
+        run: parse(meta, RUN_KEY, bad)?,
+        optimizer: parse(meta, OPTIMIZER_KEY, bad)?,
+    };
+    Ok((file, header))
+}
+
+/// What the newest readable checkpoint of a directory says about its run, read from its
+/// metadata alone (its tensors are checked when it is loaded): what `--resume` needs before it
+/// compiles anything.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedRun {
+    /// The checkpoint.
+    pub path: PathBuf,
+    /// Where the run stood.
+    pub progress: Progress,
+    /// Sequences per step, when recorded.
+    pub batch: Option<u64>,
+    /// Tokens per sequence, when recorded.
+    pub seq: Option<u64>,
+    /// The optimizer settings (layout 3 or later, with an optimizer).
+    pub optimizer: Option<OptimizerSettings>,
+    /// The run settings (layout 3 or later, written by [`save_run`]).
+    pub run: Option<RunSettings>,
+}
+
+/// The run of the newest checkpoint in `dir` whose metadata is intact ([`SavedRun`]); damaged
+/// newer ones are passed over, as [`load_latest`] passes them over (with the warnings it
+/// gives).
+pub fn peek_latest(dir: &Path) -> Result<SavedRun> {
+    let found = list(dir)?;
+    let mut last_error = None;
+    for (_, path) in found.iter().rev() {
+        match read_header(path) {
+            Ok((_, h)) => {
+                return Ok(SavedRun {
+                    path: path.clone(),
+                    progress: h.progress,
+                    batch: h.batch,
+                    seq: h.seq,
+                    optimizer: h.optimizer,
+                    run: h.run,
+                })
+            }
+            Err(e) => last_error = Some(e),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| RuntimeError::NoCheckpoint {
+        dir: dir.to_path_buf(),
+    }))
+}
+
 /// A checkpoint read back and checked against a schedule, ready to [`restore`](Self::restore).
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
@@ -386,6 +620,9 @@ pub struct Checkpoint {
     pub params: Vec<Vec<f32>>,
     /// Every optimizer-state value by name.
     pub state: Vec<(String, Vec<f32>)>,
+    /// The run's settings, when the checkpoint records them (written by [`save_run`], layout
+    /// 3 or later).
+    pub run: Option<RunSettings>,
 }
 
 impl Checkpoint {
@@ -393,52 +630,13 @@ impl Checkpoint {
     /// when it was written for another model, batch shape or optimizer, and with one naming
     /// the file when it is not a protrain checkpoint or is damaged.
     pub fn load(path: &Path, schedule: &Schedule) -> Result<Self> {
-        let file = WeightFile::open(path)?;
+        let (file, header) = read_header(path)?;
         let meta = file.metadata();
         let bad = |problem: String| RuntimeError::BadCheckpoint {
             path: path.to_path_buf(),
             problem,
         };
-        let version = match meta.get(FORMAT_KEY).map(String::as_str) {
-            Some(v) if READABLE_VERSIONS.contains(&v) => v,
-            Some(other) => {
-                return Err(bad(format!(
-                    "has checkpoint layout {other}, this build reads {}; resume it with the \
-                     protrain that wrote it",
-                    READABLE_VERSIONS.join(" and ")
-                )))
-            }
-            None => {
-                return Err(bad(format!(
-                    "is a safetensors file but not a protrain checkpoint (no `{FORMAT_KEY}` \
-                     metadata); pass it as --init weights instead of resuming from it"
-                )))
-            }
-        };
-        let number = |key: &str| -> Result<u64> {
-            let text = meta
-                .get(key)
-                .ok_or_else(|| bad(format!("lacks the `{key}` metadata; it is damaged")))?;
-            text.parse().map_err(|_| {
-                bad(format!(
-                    "has `{key}` = {text:?}, not a number; it is damaged"
-                ))
-            })
-        };
-        let progress = Progress {
-            step: number("step")?,
-            data_step: number("data_step")?,
-            data_tokens: number("data_tokens")?,
-        };
-        let named = path.file_name().and_then(|n| n.to_str()).and_then(step_of);
-        if let Some(named) = named.filter(|&n| n != progress.step) {
-            return Err(bad(format!(
-                "is named for step {named} but its metadata says step {}; it was renamed or \
-                 is damaged",
-                progress.step
-            )));
-        }
-
+        let (version, progress) = (header.version, header.progress);
         let graph = &schedule.graph;
         let want = Fingerprint::of(schedule);
         let text = |key: &str| meta.get(key).map_or("(not recorded)", String::as_str);
@@ -522,7 +720,7 @@ impl Checkpoint {
         for (i, tensor) in expected.iter().enumerate() {
             let name = &tensor.names[0];
             let data = file.read_f32_vec(name)?;
-            if version != "1" {
+            if version != 1 {
                 let key = format!("{CHECKSUM_PREFIX}{name}");
                 let Some(want) = meta.get(&key) else {
                     return Err(bad(format!("lacks the checksum of {name}; it is damaged")));
@@ -546,6 +744,7 @@ impl Checkpoint {
             progress,
             params,
             state,
+            run: header.run,
         })
     }
 
@@ -592,6 +791,24 @@ mod tests {
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn the_metadata_checksum_covers_every_key_and_value_but_its_own() {
+        let base = [("a", "1"), ("step", "40"), (METADATA_CHECKSUM_KEY, "x")];
+        let sum = metadata_checksum(base);
+        // Order and the checksum's own entry do not matter.
+        assert_eq!(sum, metadata_checksum([("step", "40"), ("a", "1")]));
+        for changed in [
+            [("a", "1"), ("step", "41")],
+            [("a", "2"), ("step", "40")],
+            [("b", "1"), ("step", "40")],
+            // Lengths are hashed: moving a byte from a key to its value changes the sum.
+            [("a1", ""), ("step", "40")],
+        ] {
+            assert_ne!(sum, metadata_checksum(changed), "{changed:?}");
+        }
+        assert_ne!(sum, metadata_checksum([("a", "1")]), "a key left out");
     }
 
     #[test]

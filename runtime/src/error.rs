@@ -194,11 +194,13 @@ pub enum RuntimeError {
         /// What is wrong and how to fix it.
         problem: String,
     },
-    /// A checkpoint written for another model, batch shape or optimizer.
+    /// A checkpoint written for another model, batch shape, optimizer or run settings, or
+    /// flags that contradict it.
     #[error(
         "checkpoint {path} was written by another training run:\n  {differences}\nresume it \
-         with the model, batch, seq and optimizer settings it was written with, or start \
-         afresh with another checkpoint directory"
+         with the model, batch, seq and optimizer settings it was written with (flags left out \
+         are taken from the checkpoint, so drop the ones that differ), or start afresh with \
+         another checkpoint directory"
     )]
     CheckpointMismatch {
         /// The file.
@@ -206,6 +208,52 @@ pub enum RuntimeError {
         /// What differs, one item per line.
         differences: String,
     },
+    /// A checkpoint's run read a token file that is no longer where it was.
+    #[error(
+        "checkpoint {checkpoint} is of a run that read its tokens from {data}, which no longer \
+         exists; pass the file's new location with --data"
+    )]
+    RunDataMissing {
+        /// The checkpoint.
+        checkpoint: PathBuf,
+        /// The token file it names.
+        data: PathBuf,
+    },
+    /// A learning rate that is negative, infinite or NaN.
+    #[error(
+        "the learning rate {lr} of step {step} is not a finite number >= 0; check --lr, \
+         --min-lr and the learning-rate schedule"
+    )]
+    InvalidLearningRate {
+        /// The rate.
+        lr: f64,
+        /// The 1-based step it was for.
+        step: u64,
+    },
+    /// A learning-rate schedule whose settings do not fit together; the text names the flag.
+    #[error("{0}")]
+    InvalidLrSchedule(String),
+    /// Initial weights (or a checkpoint's) that hold NaN or infinity.
+    #[error(
+        "the weights from {origin} are not finite: {name} holds {value} ({count} of its {len} \
+         values); training from them can only give a NaN loss. Use other weights"
+    )]
+    NonFiniteWeights {
+        /// Where the weights came from: `--init FILE`, a checkpoint, the seeded initialisation.
+        origin: String,
+        /// The first parameter holding a non-finite value.
+        name: String,
+        /// Its first non-finite value.
+        value: f32,
+        /// How many of its values are not finite.
+        count: usize,
+        /// Its element count.
+        len: usize,
+    },
+    /// Training diverged: a loss or gradient norm became NaN or infinite. The text says at
+    /// which step, what was seen before, and what to change.
+    #[error("{0}")]
+    Diverged(String),
     /// The profiler could not measure what it was asked to.
     #[error("cannot profile: {0}")]
     Profile(String),

@@ -7,7 +7,7 @@
 //! state stay at their homes across steps. Each step is timed per stream, and can be traced
 //! instruction by instruction for a timeline.
 
-use crate::backend::{Address, Backend, Launch};
+use crate::backend::{set_learning_rate, Address, Backend, Launch};
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
@@ -15,7 +15,7 @@ use crate::interpreter::StepReport;
 use crate::kernels;
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
-    DType, EventId, Graph, Instr, OpId, OpKind, Role, Schedule, StreamId, TensorRef, ValueId,
+    DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId, TensorRef, ValueId,
 };
 use std::collections::HashMap;
 use std::time::Instant;
@@ -48,6 +48,9 @@ pub struct Span {
 enum Planned {
     Kernel {
         op: OpId,
+        /// For an AdamW op: a copy of the graph's op whose learning rate is set to the step's
+        /// before each step ([`Executor::step_at_lr`]) and launched in its place.
+        adamw: Option<Op>,
         inputs: Vec<Address>,
         outputs: Vec<Address>,
         workspace: Option<(Address, u64)>,
@@ -448,12 +451,52 @@ impl<'s, B: Backend> Executor<'s, B> {
 
     /// Runs one step on a batch: `inputs[i]` feeds the graph's `i`-th input (token ids and
     /// targets, row-major `[B,T]`). Returns the loss and, when clipping, the gradient norm.
+    /// AdamW updates at the learning rate compiled into the schedule; see
+    /// [`Executor::step_at_lr`] for a step at another.
     ///
     /// Inputs are checked before anything runs. If a stream fails mid-step, every other
     /// stream stops at its next wait and the first error is returned; parameters and
     /// optimizer state are then partly updated and should be loaded again.
     pub fn step(&mut self, inputs: &[&[i32]]) -> Result<StepReport> {
+        self.run_step(inputs, None)
+    }
+
+    /// [`Executor::step`] with every AdamW op updating at learning rate `lr` instead of the
+    /// one compiled into it: a learning-rate schedule's value for this step (the compiled one
+    /// is its peak). Fails, running nothing, unless `lr` is finite and at least 0.
+    pub fn step_at_lr(&mut self, inputs: &[&[i32]], lr: f64) -> Result<StepReport> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(RuntimeError::InvalidLearningRate {
+                lr,
+                step: self.step + 1,
+            });
+        }
+        self.run_step(inputs, Some(lr))
+    }
+
+    /// Sets the learning rate of every AdamW op to `lr`, or back to the compiled one.
+    fn set_learning_rate(&mut self, lr: Option<f64>) {
         let graph = &self.schedule.graph;
+        for planned in self.streams.iter_mut().flat_map(|s| s.program.iter_mut()) {
+            if let Planned::Kernel {
+                op,
+                adamw: Some(launched),
+                ..
+            } = planned
+            {
+                let compiled = match graph.op(*op).kind {
+                    OpKind::AdamW { lr, .. } => lr,
+                    _ => continue,
+                };
+                set_learning_rate(&mut launched.kind, lr.unwrap_or(compiled));
+            }
+        }
+    }
+
+    /// A step at learning rate `lr` (`None`: the compiled one).
+    fn run_step(&mut self, inputs: &[&[i32]], lr: Option<f64>) -> Result<StepReport> {
+        let schedule: &'s Schedule = self.schedule;
+        let graph = &schedule.graph;
         if inputs.len() != self.inputs.len() {
             return Err(RuntimeError::Shape(format!(
                 "the schedule takes {} inputs, {} were given",
@@ -477,6 +520,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         for (home, data) in self.inputs.iter().zip(inputs) {
             self.backend.write_i32(home.at, data)?;
         }
+        self.set_learning_rate(lr);
         self.backend.begin_step();
         let step = self.step + 1;
         let (backend, tracing) = (&self.backend, self.tracing);
@@ -570,6 +614,7 @@ fn run_stream<B: Backend>(
                 }
                 Planned::Kernel {
                     op,
+                    adamw,
                     inputs,
                     outputs,
                     workspace,
@@ -577,7 +622,7 @@ fn run_stream<B: Backend>(
                 } => {
                     let launch = Launch {
                         graph,
-                        op: graph.op(*op),
+                        op: adamw.as_ref().unwrap_or_else(|| graph.op(*op)),
                         prepared,
                         inputs,
                         outputs,
@@ -638,6 +683,7 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
             let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
             Planned::Kernel {
                 op: *op,
+                adamw: matches!(o.kind, OpKind::AdamW { .. }).then(|| o.clone()),
                 inputs: inputs.iter().map(|&t| address(schedule, t)).collect(),
                 outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
                 // The verifier checked that a kernel has a workspace exactly when its kind

@@ -4,6 +4,7 @@
 //! value is its own heap vector, ops run one at a time in graph order, nothing is reused or
 //! overlapped. Everything is f32 whatever the graph's dtypes say.
 
+use crate::backend::set_learning_rate;
 use crate::dispatch;
 use crate::error::{Result, RuntimeError};
 use protrain_ir::{Graph, Op, OpKind, ParamId, Role, TensorType, ValueId};
@@ -128,7 +129,26 @@ impl<'g> Interpreter<'g> {
 
     /// Runs one step on a batch: `inputs[i]` feeds the graph's `i`-th input (token ids and
     /// targets, row-major `[B,T]`). Returns the loss and, when clipping, the gradient norm.
+    /// AdamW updates at the learning rate compiled into the graph.
     pub fn step(&mut self, inputs: &[&[i32]]) -> Result<StepReport> {
+        self.run_step(inputs, None)
+    }
+
+    /// [`Interpreter::step`] with every AdamW op updating at learning rate `lr` instead of
+    /// the graph's, as [`crate::Executor::step_at_lr`] does. Fails, running nothing, unless
+    /// `lr` is finite and at least 0.
+    pub fn step_at_lr(&mut self, inputs: &[&[i32]], lr: f64) -> Result<StepReport> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(RuntimeError::InvalidLearningRate {
+                lr,
+                step: self.step + 1,
+            });
+        }
+        self.run_step(inputs, Some(lr))
+    }
+
+    /// A step at learning rate `lr` (`None`: the graph's).
+    fn run_step(&mut self, inputs: &[&[i32]], lr: Option<f64>) -> Result<StepReport> {
         let graph = self.graph;
         if inputs.len() != graph.inputs().len() {
             return Err(RuntimeError::Shape(format!(
@@ -159,13 +179,17 @@ impl<'g> Interpreter<'g> {
             grad_norm: None,
         };
         for (_, op) in graph.ops() {
-            self.run(op, &mut report)?;
+            self.run(op, &mut report, lr)?;
         }
         Ok(report)
     }
 
-    fn run(&mut self, op: &Op, report: &mut StepReport) -> Result<()> {
+    fn run(&mut self, op: &Op, report: &mut StepReport, lr: Option<f64>) -> Result<()> {
         if let OpKind::AdamW { clipped, .. } = op.kind {
+            let mut kind = op.kind.clone();
+            if let Some(lr) = lr {
+                set_learning_rate(&mut kind, lr);
+            }
             let mut take = |v: ValueId| match std::mem::take(&mut self.slots[v.index()]) {
                 Slot::F32(data) => data,
                 _ => panic!("optimizer operand {v} is not resident"),
@@ -174,7 +198,7 @@ impl<'g> Interpreter<'g> {
                 (take(op.inputs[0]), take(op.inputs[2]), take(op.inputs[3]));
             let coef = clipped.then(|| self.f32(op.inputs[4])[0]);
             let grad = self.f32(op.inputs[1]);
-            dispatch::adamw(&op.kind, &mut p, grad, &mut m, &mut v, coef, self.step);
+            dispatch::adamw(&kind, &mut p, grad, &mut m, &mut v, coef, self.step);
             self.slots[op.inputs[0].index()] = Slot::F32(p);
             self.slots[op.inputs[2].index()] = Slot::F32(m);
             self.slots[op.inputs[3].index()] = Slot::F32(v);

@@ -18,9 +18,11 @@ pub mod profiler;
 pub mod rng;
 pub mod synthetic;
 pub mod text;
+pub mod train;
 pub mod weights;
 
 pub use backend::Backend;
 pub use error::{Result, RuntimeError};
 pub use executor::{Executor, Span, StepTiming};
 pub use host::HostBackend;
+pub use train::{RunSettings, StepRecord, Trainer};

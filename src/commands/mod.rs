@@ -200,39 +200,52 @@ pub fn warn(warnings: &[String]) {
 }
 
 /// AdamW settings, shared by `train` and `compile` (a schedule carries them in its optimizer
-/// ops). Defaults suit the small models protrain trains on the host.
+/// ops). Defaults suit the small models protrain trains on the host; a flag left out is
+/// `None` here, so that `train --resume` can take the checkpoint's setting instead.
 #[derive(clap::Args, Debug, Clone)]
 pub struct OptimizerArgs {
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    pub lr: f64,
-    /// AdamW first-moment decay.
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f64,
-    /// AdamW second-moment decay.
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f64,
-    /// AdamW epsilon, added to the root of the second moment.
-    #[arg(long, default_value_t = 1e-8)]
-    pub eps: f64,
-    /// AdamW decoupled weight decay, applied to every parameter.
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f64,
+    /// AdamW learning rate: the peak of the learning-rate schedule (--lr-schedule)
+    /// [default: 0.003].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// AdamW first-moment decay [default: 0.9].
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    /// AdamW second-moment decay [default: 0.95].
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    /// AdamW epsilon, added to the root of the second moment [default: 1e-8].
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// AdamW decoupled weight decay, applied to every parameter [default: 0].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
     /// Scale gradients down to this global norm when larger (clip_grad_norm_); off by default.
     #[arg(long, value_name = "NORM")]
     pub grad_clip: Option<f64>,
 }
 
 impl OptimizerArgs {
-    /// The optimizer these flags describe.
+    /// The defaults of the flags left out.
+    pub const DEFAULT: protrain::OptimizerConfig = protrain::OptimizerConfig {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        grad_clip: None,
+    };
+
+    /// The optimizer these flags describe, with defaults for those left out.
     pub fn config(&self) -> protrain::OptimizerConfig {
+        let d = Self::DEFAULT;
         protrain::OptimizerConfig {
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            grad_clip: self.grad_clip,
+            lr: self.lr.unwrap_or(d.lr),
+            beta1: self.beta1.unwrap_or(d.beta1),
+            beta2: self.beta2.unwrap_or(d.beta2),
+            eps: self.eps.unwrap_or(d.eps),
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
+            grad_clip: self.grad_clip.or(d.grad_clip),
         }
     }
 }

@@ -5,16 +5,16 @@ use protrain::compiler::simulate::{
     self, chrome_trace, instr_label, span_category, Span as TraceSpan,
 };
 use protrain::ir::verify_schedule::VerifiedSchedule;
-use protrain::ir::{format_bytes, format_count, Graph, OpKind, Schedule};
-use protrain::runtime::checkpoint::{self, OptimizerSettings, Progress};
-use protrain::runtime::data::{Batcher, TokenStream};
+use protrain::ir::{format_bytes, format_count, Schedule};
+use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::params::{init_params, load_params, save_params};
-use protrain::runtime::synthetic::SyntheticCorpus;
+use protrain::runtime::train::{CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord};
 use protrain::runtime::weights::StorageDtype;
-use protrain::runtime::{Backend, Executor, HostBackend};
+use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
 use protrain::{Error, Result};
+use std::io::IsTerminal;
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// Where a schedule is executed.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,14 +37,42 @@ impl BackendKind {
     }
 }
 
-/// The flags `run` and `train` share: data, weights, steps, logging, checkpoints.
+/// A learning-rate schedule's shape, as `--lr-schedule` takes it.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LrScheduleArg {
+    /// transformers' get_constant_schedule_with_warmup: the warmup, then --lr.
+    Constant,
+    /// transformers' get_linear_schedule_with_warmup: the warmup, then a straight line from
+    /// --lr down to --min-lr, reached after step --decay-steps and kept.
+    Linear,
+    /// transformers' get_cosine_schedule_with_warmup (num_cycles 0.5): the warmup, then half
+    /// a cosine from --lr down to --min-lr, reached after step --decay-steps (past it,
+    /// transformers' cosine rises again).
+    Cosine,
+}
+
+impl LrScheduleArg {
+    /// The runtime's kind.
+    fn kind(self) -> LrScheduleKind {
+        match self {
+            LrScheduleArg::Constant => LrScheduleKind::Constant,
+            LrScheduleArg::Linear => LrScheduleKind::Linear,
+            LrScheduleArg::Cosine => LrScheduleKind::Cosine,
+        }
+    }
+}
+
+/// The flags `run` and `train` share: data, weights, steps, learning-rate schedule, logging,
+/// checkpoints. With --resume, the steps, schedule, seed and data left out are the
+/// checkpointed run's, and one given that contradicts it is an error.
 #[derive(clap::Args, Debug)]
 pub struct ExecArgs {
     /// Where to execute the schedule.
     #[arg(long, value_enum, default_value_t = BackendKind::Host)]
     pub backend: BackendKind,
     /// Token file: a 1-D integer `.npy`, or raw little-endian u16 `.bin`. Without it, training
-    /// uses the built-in synthetic corpus (counting, copying and addition over 24 token ids).
+    /// uses the built-in synthetic corpus (counting, copying and addition over 24 token ids)
+    /// [default with --resume: the checkpointed run's data].
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
     /// Initial weights: a Hugging Face safetensors file, sharded index, or model directory.
@@ -52,29 +80,52 @@ pub struct ExecArgs {
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]
     pub init: Option<PathBuf>,
     /// Optimizer steps to take in all; a resumed run goes on from its checkpoint up to this
-    /// step.
-    #[arg(long, default_value_t = 200)]
-    pub steps: u64,
-    /// Seed of the random initialisation and of the synthetic corpus.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// step [default: 200; with --resume, the checkpointed run's].
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of the random initialisation and of the synthetic corpus [default: 0; with
+    /// --resume, the checkpointed run's].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// The learning rate's course over the steps, with exactly the rates of transformers'
+    /// get_{constant,linear,cosine}_schedule_with_warmup when --min-lr is 0: step s (from 1)
+    /// trains at --lr x lr_lambda(s - 1), so with a warmup the first step's rate is 0
+    /// [default: constant].
+    #[arg(long, value_enum, value_name = "SHAPE")]
+    pub lr_schedule: Option<LrScheduleArg>,
+    /// Steps of linear warmup from 0 to --lr: step s (from 1) of the first W trains at
+    /// --lr x (s - 1) / W [default: 0].
+    #[arg(long, value_name = "W")]
+    pub warmup_steps: Option<u64>,
+    /// The length of a linear or cosine schedule in steps, warmup included (transformers'
+    /// num_training_steps): the rate reaches --min-lr after step N [default: --steps].
+    #[arg(long, value_name = "N")]
+    pub decay_steps: Option<u64>,
+    /// The rate a linear or cosine decay ends at, between 0 and --lr. After the warmup the
+    /// decay factor f, which falls from 1 to 0, is rescaled to f x (1 - m) + m with
+    /// m = min-lr / lr, so the rate falls from --lr to --min-lr (for the cosine this is
+    /// transformers' get_cosine_with_min_lr_schedule_with_warmup(min_lr=...)); the warmup
+    /// still starts from 0. With 0, the rates are transformers' to the bit [default: 0].
+    #[arg(long, value_name = "LR")]
+    pub min_lr: Option<f64>,
     /// Save the trained weights here as safetensors, under their Hugging Face names.
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
     /// Print one JSON object per line and step instead of a progress bar and table: `step`
     /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy, f32 printed
     /// exactly), `grad_norm` (the global gradient norm before clipping, or null when the
-    /// schedule computes none), `tokens_per_s` (this step's batch x seq over its wall time)
-    /// and `step_s` (the step's wall time in seconds). The plan and timing report go to
-    /// stderr. `--log-json` is the same flag.
+    /// schedule computes none), `lr` (the learning rate AdamW used), `tokens_per_s` (this
+    /// step's batch x seq over its wall time) and `step_s` (the step's wall time in seconds).
+    /// The plan and timing report go to stderr. `--log-json` is the same flag.
     #[arg(long, alias = "log-json")]
     pub json: bool,
     /// Write the last step's measured timeline as a Chrome trace (open it in
     /// ui.perfetto.dev), with the predicted timeline beside it as a second process.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Write checkpoints (weights, Adam moments, step, data position) to this directory every
-    /// --save-every steps and at the last step.
+    /// Write checkpoints (weights, Adam moments, step, data position, learning-rate schedule
+    /// and the other run settings) to this directory every --save-every steps and at the
+    /// last step.
     #[arg(long, value_name = "DIR", requires = "save_every")]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints; with --resume and no --checkpoint-dir, they go to the
@@ -85,10 +136,26 @@ pub struct ExecArgs {
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub keep_checkpoints: usize,
     /// Continue from the latest checkpoint in this directory, bit-identically to a run that
-    /// was never interrupted. The checkpoint must be of the same model, batch shape and
-    /// optimizer settings; the policy may differ.
+    /// was never interrupted: `--resume DIR` alone takes the optimizer, schedule, steps,
+    /// seed and data from the checkpoint (with `train`, the batch and seq too); a flag that
+    /// contradicts it is an error. The policy may differ.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+}
+
+impl ExecArgs {
+    /// The run settings given on the command line.
+    fn run_flags(&self) -> RunFlags {
+        RunFlags {
+            steps: self.steps,
+            lr_schedule: self.lr_schedule.map(LrScheduleArg::kind),
+            warmup_steps: self.warmup_steps,
+            decay_steps: self.decay_steps,
+            min_lr: self.min_lr,
+            seed: self.seed,
+            data: self.data.clone(),
+        }
+    }
 }
 
 /// Arguments of `protrain run`.
@@ -275,20 +342,6 @@ fn predicted_timeline(schedule: &VerifiedSchedule) -> std::result::Result<Vec<Tr
         .map_err(|e| e.to_string())
 }
 
-/// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit
-/// width that indexes with them.
-fn vocab_of(graph: &Graph) -> Option<usize> {
-    graph
-        .ops()
-        .filter_map(|(_, op)| match op.kind {
-            OpKind::Embedding { .. } => Some(graph.value(op.inputs[1]).ty.shape[0]),
-            OpKind::CrossEntropy => Some(graph.value(op.inputs[0]).ty.last_dim()),
-            _ => None,
-        })
-        .min()
-        .map(|n| n as usize)
-}
-
 /// Fails unless `path`'s directory exists and `path` may be written (a regular file or
 /// nothing, none of `inputs`), so that a run does not train for an hour and then fail to write
 /// its output.
@@ -357,10 +410,43 @@ fn execute_on<B: Backend>(
                 "--save-every needs a directory to save to; add --checkpoint-dir DIR".into(),
             ))
         }
-        (Some(_), every) => every,
+        (Some(_), every) => every.and_then(NonZeroU64::new),
         (None, None) => None,
     };
-    let inputs: Vec<&Path> = [&args.data, &args.init]
+    let flags = args.run_flags();
+    // The peak of the learning-rate schedule is the rate the AdamW ops were compiled with.
+    let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);
+    let executor = Executor::<B>::with_backend(schedule)?;
+    let mut notes = Vec::new();
+    let mut trainer = match &args.resume {
+        Some(dir) => {
+            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
+            notes.extend(warnings);
+            // A checkpoint written before run settings were recorded resumes with the flags.
+            let settings = match &ckpt.run {
+                Some(saved) => flags.resume(saved, &ckpt.path)?,
+                None => flags.fresh(peak)?,
+            };
+            Trainer::resume(executor, settings, &ckpt)?
+        }
+        None => {
+            let settings = flags.fresh(peak)?;
+            let (values, origin) = match &args.init {
+                Some(path) => (
+                    load_params(graph, path)?,
+                    format!("--init {}", path.display()),
+                ),
+                None => (
+                    init_params(graph, settings.seed),
+                    format!("the initialisation from --seed {}", settings.seed),
+                ),
+            };
+            Trainer::start(executor, settings, &values, &origin)?
+        }
+    };
+    notes.extend(trainer.notes().iter().cloned());
+    let data = trainer.settings().data.clone();
+    let inputs: Vec<&Path> = [&data, &args.init]
         .into_iter()
         .flatten()
         .map(PathBuf::as_path)
@@ -370,95 +456,44 @@ fn execute_on<B: Backend>(
     }
     if let Some(path) = &args.trace {
         check_writable("--trace", path, &inputs)?;
+        trainer.trace_last_step();
     }
-    let vocab = vocab_of(graph).ok_or_else(|| {
-        Error::Usage("the schedule's graph takes no token ids; compile a language model".into())
-    })?;
-    let (batch, seq) = (header.batch as usize, header.seq as usize);
-    let tokens_per_step = batch * seq;
-    let stream = match &args.data {
-        Some(path) => TokenStream::open(path)?,
-        None => {
-            let wanted = tokens_per_step
-                .saturating_mul(args.steps.max(1) as usize)
-                .saturating_add(1);
-            SyntheticCorpus::new(vocab, args.seed)?.stream(wanted.min(1 << 24))
-        }
-    };
-    stream.check_vocab(vocab)?;
-    let data_tokens = stream.len() as u64;
-    let data_name = args
-        .data
-        .as_ref()
-        .map_or("the synthetic corpus".into(), |p| p.display().to_string());
-    let batcher = Batcher::new(stream, batch, seq)?;
-
-    if let Some(dir) = &checkpoint_dir {
-        checkpoint::check_dir_is_ours(dir, args.resume.as_deref())?;
+    if let (Some(dir), Some(every)) = (checkpoint_dir, save_every) {
+        let plan = CheckpointPlan {
+            dir,
+            every,
+            keep: args.keep_checkpoints,
+        };
+        trainer.save_checkpoints(plan, args.resume.as_deref())?;
     }
-    let mut executor = Executor::<B>::with_backend(schedule)?;
-    let mut notes = Vec::new();
-    let first = match &args.resume {
-        Some(dir) => {
-            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
-            notes.extend(warnings);
-            check_finite(&ckpt.params, graph, || {
-                format!("the checkpoint {}", ckpt.path.display())
-            })?;
-            ckpt.restore(&mut executor)?;
-            notes.push(format!(
-                "resuming from {} (step {})",
-                ckpt.path.display(),
-                ckpt.progress.step
-            ));
-            // The synthetic corpus grows with --steps, always from the same start, so only a
-            // token file can make the batches differ.
-            if args.data.is_some() && ckpt.progress.data_tokens != data_tokens {
-                notes.push(format!(
-                    "warning: {data_name} has {data_tokens} tokens but the checkpointed run's \
-                     data had {}; batches will differ from the original run's once the data \
-                     wraps",
-                    ckpt.progress.data_tokens
-                ));
-            }
-            ckpt.progress.data_step
-        }
-        None => {
-            let values = match &args.init {
-                Some(path) => load_params(graph, path)?,
-                None => init_params(graph, args.seed),
-            };
-            check_finite(&values, graph, || match &args.init {
-                Some(path) => format!("--init {}", path.display()),
-                None => format!("the initialisation from --seed {}", args.seed),
-            })?;
-            executor.load_params(&values)?;
-            0
-        }
-    };
 
     // Everything is checked: from here on the run prints and writes.
     eprintln!("{intro}");
     for note in &notes {
         eprintln!("{note}");
     }
-    if first >= args.steps {
+    let settings = trainer.settings().clone();
+    let first = trainer.steps_taken();
+    let to_run = trainer.remaining();
+    if to_run == 0 {
         eprintln!(
             "the run is already at step {first} of --steps {}; nothing to train (raise --steps to \
              train further)",
-            args.steps
+            settings.steps
         );
     } else if !args.json {
         eprintln!(
-            "training on {data_name}: steps {}..={} of {}x{} tokens",
+            "training on {}: steps {}..={} of {}x{} tokens, learning rate {}",
+            settings.data_name(),
             first + 1,
-            args.steps,
-            batch,
-            seq
+            settings.steps,
+            header.batch,
+            header.seq,
+            settings.lr_schedule
         );
     }
-    let to_run = args.steps.saturating_sub(first);
-    let bar = if args.json || to_run == 0 {
+    // The bar draws on a terminal only; elsewhere the table's rows are the progress lines.
+    let bar = if args.json || to_run == 0 || !std::io::stderr().is_terminal() {
         ProgressBar::hidden()
     } else {
         let bar = ProgressBar::new(to_run);
@@ -470,113 +505,68 @@ fn execute_on<B: Backend>(
         );
         bar
     };
-    let report_every = (args.steps / 10).max(1);
-    // Table rows go to stdout above the bar (which draws on stderr, and only on a terminal).
+    let report_every = (settings.steps / 10).max(1);
+    // Table rows go to stdout above the bar (which draws on stderr).
     let row = |text: String| bar.suspend(|| outln!("{text}"));
     if !args.json && to_run > 0 {
         row(format!(
-            "{:>6}  {:>10}  {:>10}  {:>12}",
-            "step", "loss", "grad norm", "tokens/s"
+            "{:>6}  {:>10}  {:>10}  {:>10}  {:>12}",
+            "step", "loss", "grad norm", "lr", "tokens/s"
         ));
     }
-    let started = Instant::now();
-    // Only what the summary needs is kept: --steps may be any number, and nothing may grow
-    // with it (a long run would otherwise hold a loss and a time per step).
-    let mut losses = Losses::default();
-    let mut wall = WallTimes::default();
-    let mut busy = vec![0.0f64; schedule.streams.len()];
-    // The last finite loss and its gradient norm, for the message if the loss stops being so.
-    let mut previous: Option<(f32, Option<f32>)> = None;
-    for step in first..args.steps {
-        if args.trace.is_some() && step + 1 == args.steps {
-            executor.set_tracing(true);
-        }
-        let b = batcher.batch(step);
-        let inputs: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
-        let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
-        let step_started = Instant::now();
-        let report = executor.step(&[&inputs, &targets])?;
-        let tokens_per_s = tokens_per_step as f64 / step_started.elapsed().as_secs_f64();
-        let timing = executor.timing();
-        wall.push(timing.wall_seconds);
-        if step > first {
-            for (sum, s) in busy.iter_mut().zip(&timing.stream_busy_seconds) {
-                *sum += s;
-            }
-        }
-        losses.push(report.loss);
-        if report.loss.is_finite() {
-            previous = Some((report.loss, report.grad_norm));
-        }
+    let result = trainer.run(|record: &StepRecord| {
         if args.json {
             let line = serde_json::json!({
-                "step": step + 1,
-                "loss": report.loss,
-                "grad_norm": report.grad_norm,
-                "tokens_per_s": tokens_per_s,
-                "step_s": timing.wall_seconds,
+                "step": record.step,
+                "loss": record.loss,
+                "grad_norm": record.grad_norm,
+                "lr": record.lr,
+                "tokens_per_s": record.tokens_per_s,
+                "step_s": record.step_seconds,
             });
             outln!("{line}");
-        } else {
-            bar.set_message(format!("loss {:.4}", report.loss));
-            bar.inc(1);
-            if (step + 1) % report_every == 0 || step == first {
-                let norm = report.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-                row(format!(
-                    "{:>6}  {:>10.4}  {:>10}  {:>12.0}",
-                    step + 1,
-                    report.loss,
-                    norm,
-                    tokens_per_s
-                ));
-            }
+            return;
         }
-        if !report.loss.is_finite() {
-            bar.abandon();
-            return Err(Error::Usage(non_finite_loss(
-                graph,
-                report.loss,
-                step + 1,
-                step == first,
-                previous,
-                &executor.params()?,
-            )));
+        let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
+        bar.set_message(format!(
+            "loss {:.4}  {:.0} tokens/s  lr {lr}",
+            record.loss, record.tokens_per_s
+        ));
+        bar.inc(1);
+        if record.step.is_multiple_of(report_every) || record.step == first + 1 {
+            let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
+            row(format!(
+                "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
+                record.step, record.loss, norm, lr, record.tokens_per_s
+            ));
         }
-        if let (Some(dir), Some(every)) = (&checkpoint_dir, save_every) {
-            let done = step + 1;
-            if done % every == 0 || done == args.steps {
-                let progress = Progress {
-                    step: executor.steps_taken(),
-                    data_step: done,
-                    data_tokens,
-                };
-                checkpoint::save(dir, &executor, &progress)?;
-                checkpoint::prune(dir, args.keep_checkpoints)?;
-            }
-        }
+    });
+    if let Err(e) = result {
+        bar.abandon();
+        return Err(e.into());
     }
     bar.finish_and_clear();
-    let elapsed = started.elapsed().as_secs_f64();
-    if let (false, Some(first_loss)) = (args.json, losses.first) {
-        let tail = &losses.last;
-        let last = tail.iter().sum::<f32>() / tail.len() as f32;
+    let summary = trainer.summary();
+    if let (false, Some(first_loss), Some((last, n))) =
+        (args.json, summary.first_loss, summary.last_loss_mean())
+    {
         outln!(
             "loss {:.4} -> {:.4} (mean of the last {}) in {:.1} s, {:.0} tokens/s",
             first_loss,
             last,
-            tail.len(),
-            elapsed,
-            (tokens_per_step as f64 * losses.count as f64) / elapsed
+            n,
+            summary.elapsed_seconds,
+            summary.tokens as f64 / summary.elapsed_seconds
         );
     }
-    if wall.count > 0 {
-        let report = timing_report(schedule, &wall, &busy);
+    if let Some(report) = timing_report(schedule, summary) {
         if args.json {
             eprint!("{report}");
         } else {
             out!("{report}");
         }
     }
+    let executor = trainer.executor();
     if let Some(path) = &args.save {
         save_params(graph, &executor.params()?, path, StorageDtype::F32)?;
         if !args.json {
@@ -606,133 +596,20 @@ fn execute_on<B: Backend>(
     Ok(())
 }
 
-/// The losses the summary line needs: the first, and the last [`Losses::TAIL`].
-#[derive(Default)]
-struct Losses {
-    first: Option<f32>,
-    last: std::collections::VecDeque<f32>,
-    count: u64,
-}
-
-impl Losses {
-    /// How many of the last losses the summary averages.
-    const TAIL: usize = 10;
-
-    fn push(&mut self, loss: f32) {
-        self.first.get_or_insert(loss);
-        if self.last.len() == Self::TAIL {
-            self.last.pop_front();
-        }
-        self.last.push_back(loss);
-        self.count += 1;
-    }
-}
-
-/// The step wall times the timing report needs: the first, and the sum of the others.
-#[derive(Default)]
-struct WallTimes {
-    first: f64,
-    rest: f64,
-    count: u64,
-}
-
-impl WallTimes {
-    fn push(&mut self, seconds: f64) {
-        if self.count == 0 {
-            self.first = seconds;
-        } else {
-            self.rest += seconds;
-        }
-        self.count += 1;
-    }
-}
-
-/// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
-/// naming it and where the weights came from (`source`): training from them can only give a
-/// NaN loss.
-fn check_finite(values: &[Vec<f32>], graph: &Graph, source: impl Fn() -> String) -> Result<()> {
-    for ((_, p), data) in graph.params().zip(values) {
-        if let Some(bad) = data.iter().find(|v| !v.is_finite()) {
-            let count = data.iter().filter(|v| !v.is_finite()).count();
-            return Err(Error::Usage(format!(
-                "the weights from {} are not finite: {} holds {bad} ({count} of its {} values); \
-                 training from them can only give a NaN loss. Use other weights",
-                source(),
-                p.name,
-                data.len()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Why the loss of step `step` is `loss` (NaN or infinite), from what was seen: the weights
-/// now (`params`), whether this was the run's first step, the last finite loss and gradient
-/// norm, and the optimizer settings.
-fn non_finite_loss(
-    graph: &Graph,
-    loss: f32,
-    step: u64,
-    first_of_run: bool,
-    previous: Option<(f32, Option<f32>)>,
-    params: &[Vec<f32>],
-) -> String {
-    let head = format!("the loss became {loss} at step {step}");
-    let broken: Vec<&str> = graph
-        .params()
-        .zip(params)
-        .filter(|(_, data)| data.iter().any(|v| !v.is_finite()))
-        .map(|((_, p), _)| p.name.as_str())
-        .collect();
-    // An --eps of 0 never gets here: the verifier refuses it (0/0 in AdamW).
-    let settings = OptimizerSettings::of(graph);
-    if first_of_run {
-        return format!(
-            "{head}, the first step of this run, from finite weights: the forward pass itself \
-             overflowed; check the data and the weights' scale"
-        );
-    }
-    let seen = match previous {
-        Some((last, Some(norm))) => {
-            format!(" (the step before: loss {last}, gradient norm {norm})")
-        }
-        Some((last, None)) => format!(" (the step before: loss {last})"),
-        None => String::new(),
-    };
-    let weights = match broken.len() {
-        0 => String::new(),
-        n => format!(
-            "; the update made {n} parameter tensor(s) non-finite, first {}",
-            broken[0]
-        ),
-    };
-    let way_out = if settings.is_some_and(|s| s.grad_clip.is_some()) {
-        "lower --lr"
-    } else {
-        "lower --lr or set --grad-clip"
-    };
-    format!("{head}{seen}{weights}: training diverged; {way_out}")
-}
-
 /// Predicted against measured: the step time (the mean over the steps after the first, which
-/// warms caches and the thread pool) and each stream's busy time.
-fn timing_report(schedule: &Schedule, wall: &WallTimes, busy_sums: &[f64]) -> String {
+/// warms caches and the thread pool) and each stream's busy time; `None` when no step ran.
+fn timing_report(schedule: &Schedule, summary: &RunSummary) -> Option<String> {
     let p = &schedule.header.prediction;
-    let (measured, over, busy): (f64, String, Vec<f64>) = if wall.count > 1 {
-        let n = (wall.count - 1) as f64;
-        (
-            wall.rest / n,
-            format!("mean of the {} steps after the first", wall.count - 1),
-            busy_sums.iter().map(|b| b / n).collect(),
-        )
-    } else {
-        (wall.first, "the only step".into(), Vec::new())
+    let measured = summary.step_time()?;
+    let over = match measured.averaged {
+        0 => "the only step".to_string(),
+        n => format!("mean of the {n} steps after the first"),
     };
     let mut out = format!(
         "step time       predicted {:.4} s, measured {:.4} s ({over})\n",
-        p.step_seconds, measured
+        p.step_seconds, measured.seconds
     );
-    if !busy.is_empty() {
+    if !measured.stream_busy_seconds.is_empty() {
         out.push_str(&format!(
             "  {:<15}{:>12}  {:>12}\n",
             "stream busy", "predicted", "measured"
@@ -742,14 +619,15 @@ fn timing_report(schedule: &Schedule, wall: &WallTimes, busy_sums: &[f64]) -> St
                 .stream_busy_seconds
                 .get(i)
                 .map_or("-".into(), |s| format!("{s:.4} s"));
+            let busy = measured.stream_busy_seconds.get(i).copied().unwrap_or(0.0);
             out.push_str(&format!(
                 "  {:<15}{predicted:>12}  {:>12}\n",
                 stream.name,
-                format!("{:.4} s", busy[i])
+                format!("{busy:.4} s")
             ));
         }
     }
-    out
+    Some(out)
 }
 
 /// The executor's timeline as trace spans, labelled and categorised as the simulator's are.

@@ -3,6 +3,8 @@
 use super::run::{check_backend, execute, plan_lines, BackendKind, ExecArgs};
 use super::{warn, CompileArgs, Dtype};
 use protrain::ir::format_count;
+use protrain::runtime::checkpoint::{self, SavedRun};
+use protrain::runtime::RuntimeError;
 use protrain::Result;
 
 /// Arguments of `protrain train`.
@@ -34,6 +36,10 @@ pub fn run(mut args: Args) -> Result<()> {
             BackendKind::Cuda => Dtype::Bf16,
         });
     }
+    if let Some(dir) = &args.exec.resume {
+        let saved = checkpoint::peek_latest(dir)?;
+        take_from_checkpoint(&mut args.compile, &saved)?;
+    }
     let config = protrain::models::load(&args.model)?;
     let options = args.compile.options(&config)?;
     let compiled = protrain::compile(&config, &options)?;
@@ -45,7 +51,7 @@ pub fn run(mut args: Args) -> Result<()> {
         format_count(schedule.header.param_count),
         options.batch,
         options.seq,
-        args.compile.optimizer.lr,
+        options.optimizer.lr,
         compiled.compile_seconds,
         plan_lines(schedule)
     );
@@ -55,4 +61,62 @@ pub fn run(mut args: Args) -> Result<()> {
         &intro,
         Ok(compiled.simulation.timeline.clone()),
     )
+}
+
+/// Fills the batch shape and optimizer flags left out with the settings of the run `saved`
+/// (what `--resume DIR` alone continues), and fails, naming each, when a flag given
+/// contradicts them. A checkpoint that does not record a setting leaves its flag as it is.
+fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<()> {
+    let mut differences = Vec::new();
+    if let (Some(b), Some(s)) = (saved.batch, saved.seq) {
+        let shape = &mut compile.shape;
+        let (batch, seq) = (*shape.batch.get_or_insert(b), *shape.seq.get_or_insert(s));
+        if (batch, seq) != (b, s) {
+            differences.push(format!(
+                "batch x seq: the checkpoint is {b} x {s}, this run is {batch} x {seq}"
+            ));
+        }
+    }
+    if let Some(have) = saved.optimizer {
+        let o = &mut compile.optimizer;
+        let (mut theirs, mut ours) = (Vec::new(), Vec::new());
+        let settings = [
+            ("lr", &mut o.lr, have.lr),
+            ("beta1", &mut o.beta1, have.beta1),
+            ("beta2", &mut o.beta2, have.beta2),
+            ("eps", &mut o.eps, have.eps),
+            ("weight_decay", &mut o.weight_decay, have.weight_decay),
+        ];
+        for (name, flag, was) in settings {
+            let given = *flag.get_or_insert(was);
+            if given != was {
+                theirs.push(format!("{name}={was}"));
+                ours.push(format!("{name}={given}"));
+            }
+        }
+        let clip = |c: Option<f64>| c.map_or("none".to_string(), |c| c.to_string());
+        match (o.grad_clip, have.grad_clip) {
+            (None, was) => o.grad_clip = was,
+            (given, was) if given != was => {
+                theirs.push(format!("grad_clip={}", clip(was)));
+                ours.push(format!("grad_clip={}", clip(given)));
+            }
+            _ => {}
+        }
+        if !theirs.is_empty() {
+            differences.push(format!(
+                "optimizer: the checkpoint has {}, this run has {}",
+                theirs.join(" "),
+                ours.join(" ")
+            ));
+        }
+    }
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::CheckpointMismatch {
+        path: saved.path.clone(),
+        differences: differences.join("\n  "),
+    }
+    .into())
 }

@@ -1,0 +1,1002 @@
+//! The training loop: batches, the learning-rate schedule, checkpoints and the checks between
+//! steps.
+//!
+//! A [`Trainer`] owns an [`Executor`] and everything a run needs besides the schedule: its
+//! [`RunSettings`] (steps, learning-rate schedule, seed, data), the data position, and where
+//! checkpoints go. Each [`Trainer::step`] reads the next batch, runs one optimizer step at the
+//! learning rate the [`LrSchedule`] gives it, hands a [`StepRecord`] to the caller (who prints
+//! it), checks the loss and the gradient norm, and saves a checkpoint when one is due. A
+//! checkpoint records the run settings beside the weights and the Adam moments, so a run
+//! resumed from it ([`Trainer::resume`]) takes the steps its uninterrupted twin would have
+//! taken, bit for bit; [`RunFlags::resume`] merges what a user asks for with what the
+//! checkpoint says and refuses a contradiction.
+//!
+//! An optimizer *step* and a *batch* are counted apart: the schedule and AdamW's bias
+//! correction follow the step ([`Executor::steps_taken`]), the data follows the batch index.
+//! Today each step reads one batch; gradient accumulation will make a step read several, and
+//! only the batch index will advance faster.
+//!
+//! What this does not do: build or verify the schedule (the compiler does), print anything
+//! (the caller does, from the records), or decide the optimizer's hyper-parameters other than
+//! the learning rate (they are compiled into the schedule's AdamW ops).
+
+use crate::backend::Backend;
+use crate::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
+use crate::data::{Batch, Batcher, TokenStream};
+use crate::error::{Result, RuntimeError};
+use crate::executor::Executor;
+use crate::host::HostBackend;
+use crate::synthetic::SyntheticCorpus;
+use protrain_ir::{Graph, OpKind};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::num::NonZeroU64;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The shape of a learning-rate schedule, after transformers' `get_*_schedule_with_warmup`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrScheduleKind {
+    /// `get_constant_schedule_with_warmup`: a linear warmup from 0, then the peak.
+    Constant,
+    /// `get_linear_schedule_with_warmup`: a linear warmup, then a linear decay to the
+    /// minimum at the end of the decay.
+    Linear,
+    /// `get_cosine_schedule_with_warmup` with `num_cycles = 0.5`: a linear warmup, then half
+    /// a cosine down to the minimum at the end of the decay.
+    Cosine,
+}
+
+impl LrScheduleKind {
+    /// The name `--lr-schedule` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            LrScheduleKind::Constant => "constant",
+            LrScheduleKind::Linear => "linear",
+            LrScheduleKind::Cosine => "cosine",
+        }
+    }
+}
+
+impl std::fmt::Display for LrScheduleKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A learning-rate schedule: the rate of every optimizer step, from its peak (the rate the
+/// schedule's AdamW ops were compiled with).
+///
+/// With `min_lr = 0` the rate of step `s` (1-based) is exactly
+/// `peak * lr_lambda(s - 1)` of transformers' `get_{constant,linear,cosine}_schedule_with_warmup`
+/// (`num_cycles = 0.5`), computed in the same f64 operations, so it is the same bits as the
+/// learning rate torch's `LambdaLR` hands AdamW at that step: the first `warmup_steps` steps
+/// ramp up from 0 (the first step of a run with a warmup has rate 0), then the rate decays
+/// over the remaining `decay_steps - warmup_steps` steps. With `min_lr > 0` the decay ends at
+/// `min_lr` instead of 0: after the warmup the factor `f` in `[0, 1]` becomes
+/// `f * (1 - min_lr / peak) + min_lr / peak`, which is transformers'
+/// `get_cosine_with_min_lr_schedule_with_warmup(min_lr=...)` for the cosine, and the same
+/// rescaling of the linear decay; the warmup still starts from 0.
+///
+/// Past `decay_steps` the linear schedule stays at its minimum; the cosine follows
+/// transformers' formula, which rises again (half a cosine period is `decay_steps -
+/// warmup_steps` steps): keep `decay_steps` at least the number of steps trained.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    /// The shape.
+    pub kind: LrScheduleKind,
+    /// The rate at the end of the warmup.
+    pub peak: f64,
+    /// Steps of linear warmup from 0.
+    pub warmup_steps: u64,
+    /// The schedule's length in steps, warmup included (transformers'
+    /// `num_training_steps`): the rate reaches `min_lr` after this many steps; unused by the
+    /// constant schedule.
+    pub decay_steps: u64,
+    /// The rate the decay ends at (0 in transformers); 0 for the constant schedule.
+    pub min_lr: f64,
+}
+
+impl LrSchedule {
+    /// The peak rate at every step, without warmup: what a schedule's AdamW ops do alone.
+    pub fn constant(peak: f64) -> Self {
+        Self {
+            kind: LrScheduleKind::Constant,
+            peak,
+            warmup_steps: 0,
+            decay_steps: 0,
+            min_lr: 0.0,
+        }
+    }
+
+    /// A schedule, checked: `peak` and `min_lr` finite and at least 0, `min_lr` at most
+    /// `peak`, and `min_lr` 0 for the constant schedule (which never decays).
+    pub fn new(
+        kind: LrScheduleKind,
+        peak: f64,
+        warmup_steps: u64,
+        decay_steps: u64,
+        min_lr: f64,
+    ) -> Result<Self> {
+        let bad = |why: String| Err(RuntimeError::InvalidLrSchedule(why));
+        if !(peak.is_finite() && peak >= 0.0) {
+            return bad(format!(
+                "the peak learning rate {peak} must be a finite number >= 0; give another --lr"
+            ));
+        }
+        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= peak) {
+            return bad(format!(
+                "--min-lr {min_lr} must be a finite number between 0 and the peak learning \
+                 rate {peak} (--lr)"
+            ));
+        }
+        if kind == LrScheduleKind::Constant && min_lr != 0.0 {
+            return bad(format!(
+                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; \
+                 the constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule \
+                 linear or cosine"
+            ));
+        }
+        Ok(Self {
+            kind,
+            peak,
+            warmup_steps,
+            decay_steps,
+            min_lr,
+        })
+    }
+
+    /// The factor the peak is multiplied by after `current_step` scheduler steps (0-based):
+    /// transformers' `lr_lambda(current_step)`, with the `min_lr` rescaling after the warmup
+    /// (see the type's doc).
+    pub fn factor(&self, current_step: u64) -> f64 {
+        // transformers computes in Python integers, which do not overflow or wrap; i128 holds
+        // every difference of two u64.
+        let (s, w, n) = (
+            i128::from(current_step),
+            i128::from(self.warmup_steps),
+            i128::from(self.decay_steps),
+        );
+        if s < w {
+            return s as f64 / w.max(1) as f64;
+        }
+        let decayed = match self.kind {
+            LrScheduleKind::Constant => return 1.0,
+            LrScheduleKind::Linear => (0.0f64).max((n - s) as f64 / (n - w).max(1) as f64),
+            LrScheduleKind::Cosine => {
+                let progress = (s - w) as f64 / (n - w).max(1) as f64;
+                let cycles = 0.5;
+                (0.0f64).max(0.5 * (1.0 + (std::f64::consts::PI * cycles * 2.0 * progress).cos()))
+            }
+        };
+        if self.min_lr == 0.0 {
+            // transformers' `factor * (1 - 0) + 0` is `factor`, bit for bit.
+            return decayed;
+        }
+        let rate = self.min_lr / self.peak;
+        decayed * (1.0 - rate) + rate
+    }
+
+    /// The learning rate of optimizer step `step` (1-based): `peak * factor(step - 1)`, as
+    /// torch's `LambdaLR` sets it before the step (it has stepped `step - 1` times).
+    pub fn lr(&self, step: u64) -> f64 {
+        self.peak * self.factor(step.saturating_sub(1))
+    }
+}
+
+impl std::fmt::Display for LrSchedule {
+    /// `0.003 (constant)`, or `cosine from 0.01 to 0 after step 100, warming up from 0 over
+    /// 10 steps`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            LrScheduleKind::Constant => write!(f, "{} (constant)", self.peak)?,
+            kind => write!(
+                f,
+                "{kind} from {} to {} after step {}",
+                self.peak, self.min_lr, self.decay_steps
+            )?,
+        }
+        if self.warmup_steps > 0 {
+            write!(f, ", warming up from 0 over {} steps", self.warmup_steps)?;
+        }
+        Ok(())
+    }
+}
+
+/// Steps a run takes when `--steps` is not given.
+pub const DEFAULT_STEPS: u64 = 200;
+
+/// Everything a training run is besides its schedule and weights: what a checkpoint records,
+/// so that a resumed run goes on as the original would have.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunSettings {
+    /// Optimizer steps the run takes in all (counting steps taken before a resume).
+    pub steps: u64,
+    /// The learning rate of each step.
+    pub lr_schedule: LrSchedule,
+    /// The seed of the random initialisation and of the synthetic corpus.
+    pub seed: u64,
+    /// The token file, as an absolute path; `None` for the built-in synthetic corpus.
+    pub data: Option<PathBuf>,
+}
+
+impl RunSettings {
+    /// What the run trains on, for messages: the token file, or "the synthetic corpus".
+    pub fn data_name(&self) -> String {
+        self.data
+            .as_ref()
+            .map_or("the synthetic corpus".into(), |p| p.display().to_string())
+    }
+}
+
+/// Run settings as a user gives them: `None` for a flag left out. A fresh run fills the gaps
+/// with defaults ([`RunFlags::fresh`]); a resumed one with the checkpoint's settings, and a
+/// flag that contradicts them is an error ([`RunFlags::resume`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunFlags {
+    /// `--steps`: optimizer steps in all.
+    pub steps: Option<u64>,
+    /// `--lr-schedule`.
+    pub lr_schedule: Option<LrScheduleKind>,
+    /// `--warmup-steps`.
+    pub warmup_steps: Option<u64>,
+    /// `--decay-steps`.
+    pub decay_steps: Option<u64>,
+    /// `--min-lr`.
+    pub min_lr: Option<f64>,
+    /// `--seed`.
+    pub seed: Option<u64>,
+    /// `--data`.
+    pub data: Option<PathBuf>,
+}
+
+impl RunFlags {
+    /// The settings of a new run whose schedule was compiled with learning rate `peak`:
+    /// [`DEFAULT_STEPS`] steps, the constant schedule without warmup, seed 0 and the
+    /// synthetic corpus unless given; `--decay-steps` defaults to the steps.
+    pub fn fresh(&self, peak: f64) -> Result<RunSettings> {
+        let steps = self.steps.unwrap_or(DEFAULT_STEPS);
+        let kind = self.lr_schedule.unwrap_or(LrScheduleKind::Constant);
+        self.check_applies(kind)?;
+        let lr_schedule = LrSchedule::new(
+            kind,
+            peak,
+            self.warmup_steps.unwrap_or(0),
+            self.decay_steps.unwrap_or(steps),
+            self.min_lr.unwrap_or(0.0),
+        )?;
+        Ok(RunSettings {
+            steps,
+            lr_schedule,
+            seed: self.seed.unwrap_or(0),
+            data: self.data.as_deref().map(absolute),
+        })
+    }
+
+    /// The settings of a run resumed from the checkpoint at `path`, which was written with
+    /// `saved`: every flag left out takes the checkpoint's value. `--steps` may differ (it is
+    /// how a finished run is extended; the decay keeps its length); any other flag that
+    /// differs is an error naming each contradiction. A token file that was moved may be
+    /// named again with `--data` where the checkpoint's path no longer exists.
+    pub fn resume(&self, saved: &RunSettings, path: &Path) -> Result<RunSettings> {
+        let was = &saved.lr_schedule;
+        let kind = self.lr_schedule.unwrap_or(was.kind);
+        self.check_applies(kind)?;
+        let mut differences = Vec::new();
+        let mut differ = |what: &str, theirs: String, ours: String| {
+            differences.push(format!(
+                "{what}: the checkpoint has {theirs}, this run has {ours}"
+            ));
+        };
+        if kind != was.kind {
+            differ("--lr-schedule", was.kind.to_string(), kind.to_string());
+        }
+        let warmup = self.warmup_steps.unwrap_or(was.warmup_steps);
+        if warmup != was.warmup_steps {
+            differ(
+                "--warmup-steps",
+                was.warmup_steps.to_string(),
+                warmup.to_string(),
+            );
+        }
+        let decay = self.decay_steps.unwrap_or(was.decay_steps);
+        if decay != was.decay_steps && kind != LrScheduleKind::Constant {
+            differ(
+                "--decay-steps",
+                was.decay_steps.to_string(),
+                decay.to_string(),
+            );
+        }
+        let min_lr = self.min_lr.unwrap_or(was.min_lr);
+        if min_lr != was.min_lr {
+            differ("--min-lr", was.min_lr.to_string(), min_lr.to_string());
+        }
+        let seed = self.seed.unwrap_or(saved.seed);
+        if seed != saved.seed {
+            differ("--seed", saved.seed.to_string(), seed.to_string());
+        }
+        let data = match (&saved.data, &self.data) {
+            (saved_data, None) => saved_data.clone(),
+            (None, Some(given)) => {
+                differ(
+                    "data",
+                    "the synthetic corpus".into(),
+                    format!("--data {}", given.display()),
+                );
+                None
+            }
+            (Some(theirs), Some(given)) => {
+                let ours = absolute(given);
+                if ours != *theirs && theirs.exists() {
+                    differ(
+                        "--data",
+                        theirs.display().to_string(),
+                        ours.display().to_string(),
+                    );
+                }
+                Some(ours)
+            }
+        };
+        if !differences.is_empty() {
+            return Err(RuntimeError::CheckpointMismatch {
+                path: path.to_path_buf(),
+                differences: differences.join("\n  "),
+            });
+        }
+        if let Some(data) = data.as_ref().filter(|d| !d.exists()) {
+            return Err(RuntimeError::RunDataMissing {
+                checkpoint: path.to_path_buf(),
+                data: data.clone(),
+            });
+        }
+        Ok(RunSettings {
+            steps: self.steps.unwrap_or(saved.steps),
+            lr_schedule: LrSchedule::new(kind, was.peak, warmup, decay, min_lr)?,
+            seed,
+            data,
+        })
+    }
+
+    /// Fails when a flag is given that the schedule `kind` does not use.
+    fn check_applies(&self, kind: LrScheduleKind) -> Result<()> {
+        if kind != LrScheduleKind::Constant {
+            return Ok(());
+        }
+        if let Some(decay) = self.decay_steps {
+            return Err(RuntimeError::InvalidLrSchedule(format!(
+                "--decay-steps {decay} applies to the linear and cosine schedules; the \
+                 constant schedule does not decay. Drop --decay-steps or choose --lr-schedule \
+                 linear or cosine"
+            )));
+        }
+        match self.min_lr {
+            Some(min_lr) if min_lr != 0.0 => Err(RuntimeError::InvalidLrSchedule(format!(
+                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; the \
+                 constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule linear \
+                 or cosine"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `path` made absolute (against the current directory, symbolic links left as they are), so
+/// a resumed run finds it from any directory; as given when there is no current directory.
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Where and how often a run writes checkpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointPlan {
+    /// The directory (created when the first checkpoint is written).
+    pub dir: PathBuf,
+    /// Steps between checkpoints; the last step of the run is always saved too.
+    pub every: NonZeroU64,
+    /// Checkpoints to keep, the newest (0 keeps all).
+    pub keep: usize,
+}
+
+/// What one step did: what the caller prints, as text or JSON.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    /// The optimizer step, 1-based, counting the steps taken before a resume.
+    pub step: u64,
+    /// The index of the batch it read (its first, with several per step).
+    pub batch: u64,
+    /// The mean cross-entropy of the batch, before the update.
+    pub loss: f32,
+    /// The global gradient norm before clipping, when the schedule computes it.
+    pub grad_norm: Option<f32>,
+    /// The learning rate AdamW used, when the schedule has an optimizer.
+    pub lr: Option<f64>,
+    /// Tokens the step trained on (batch x seq).
+    pub tokens: u64,
+    /// The executor's wall time of the step, in seconds.
+    pub step_seconds: f64,
+    /// Tokens per second over the whole step, batch preparation included.
+    pub tokens_per_s: f64,
+    /// The checkpoint written after the step, if one was.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// What a run measured, for the summary after it; nothing in it grows with the steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunSummary {
+    /// Steps this trainer took.
+    pub steps: u64,
+    /// The loss of its first step.
+    pub first_loss: Option<f32>,
+    /// The last [`RunSummary::TAIL`] losses.
+    last_losses: VecDeque<f32>,
+    /// Tokens trained on.
+    pub tokens: u64,
+    /// Seconds from the start of the first step to the end of the last.
+    pub elapsed_seconds: f64,
+    /// The first step's executor wall time (it warms caches and the thread pool).
+    first_step_seconds: f64,
+    /// The sum of the others'.
+    later_step_seconds: f64,
+    /// Each stream's busy seconds summed over the steps after the first.
+    later_stream_busy: Vec<f64>,
+}
+
+/// The measured step time: the mean over the steps after the first, or the only step's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredStep {
+    /// Seconds per step.
+    pub seconds: f64,
+    /// The steps averaged (0: the only step, which was also the first).
+    pub averaged: u64,
+    /// Each stream's mean busy seconds over the averaged steps (empty with one step).
+    pub stream_busy_seconds: Vec<f64>,
+}
+
+impl RunSummary {
+    /// How many of the last losses [`RunSummary::last_loss_mean`] averages.
+    pub const TAIL: usize = 10;
+
+    /// The mean of the last [`RunSummary::TAIL`] losses (fewer in a short run), and how many.
+    pub fn last_loss_mean(&self) -> Option<(f32, usize)> {
+        let n = self.last_losses.len();
+        (n > 0).then(|| (self.last_losses.iter().sum::<f32>() / n as f32, n))
+    }
+
+    /// The measured step time, when a step was taken.
+    pub fn step_time(&self) -> Option<MeasuredStep> {
+        match self.steps {
+            0 => None,
+            1 => Some(MeasuredStep {
+                seconds: self.first_step_seconds,
+                averaged: 0,
+                stream_busy_seconds: Vec::new(),
+            }),
+            n => {
+                let later = (n - 1) as f64;
+                Some(MeasuredStep {
+                    seconds: self.later_step_seconds / later,
+                    averaged: n - 1,
+                    stream_busy_seconds: self.later_stream_busy.iter().map(|b| b / later).collect(),
+                })
+            }
+        }
+    }
+
+    fn push(&mut self, record: &StepRecord, busy: &[f64]) {
+        if self.steps == 0 {
+            self.first_step_seconds = record.step_seconds;
+            self.later_stream_busy = vec![0.0; busy.len()];
+        } else {
+            self.later_step_seconds += record.step_seconds;
+            for (sum, b) in self.later_stream_busy.iter_mut().zip(busy) {
+                *sum += b;
+            }
+        }
+        self.first_loss.get_or_insert(record.loss);
+        if self.last_losses.len() == Self::TAIL {
+            self.last_losses.pop_front();
+        }
+        self.last_losses.push_back(record.loss);
+        self.steps += 1;
+        self.tokens += record.tokens;
+    }
+}
+
+/// A training run on backend `B`: the executor, its data, its settings and where it stands.
+pub struct Trainer<'s, B: Backend = HostBackend> {
+    executor: Executor<'s, B>,
+    batcher: Batcher,
+    settings: RunSettings,
+    /// Whether the schedule has AdamW ops (and so a learning rate).
+    has_optimizer: bool,
+    /// The index of the next batch to read.
+    next_batch: u64,
+    /// Optimizer steps taken when this trainer started.
+    started_at: u64,
+    checkpoints: Option<CheckpointPlan>,
+    trace_last: bool,
+    /// The last finite loss and its gradient norm, for the message if training diverges.
+    previous: Option<(f32, Option<f32>)>,
+    summary: RunSummary,
+    started: Option<Instant>,
+    notes: Vec<String>,
+    /// One batch and its ids as the executor takes them, reused step after step.
+    batch: Batch,
+    inputs: Vec<i32>,
+    targets: Vec<i32>,
+}
+
+impl<'s, B: Backend> Trainer<'s, B> {
+    /// A new run of `executor`'s schedule from `params` (in parameter order), which must be
+    /// finite; `origin` says where they came from, for the message when they are not
+    /// ("--init FILE", "the initialisation from --seed 0").
+    pub fn start(
+        mut executor: Executor<'s, B>,
+        settings: RunSettings,
+        params: &[Vec<f32>],
+        origin: &str,
+    ) -> Result<Self> {
+        check_finite(params, &executor.schedule().graph, origin)?;
+        executor.load_params(params)?;
+        Self::new(executor, settings, 0)
+    }
+
+    /// A run continued from `checkpoint`, which must have been read for `executor`'s
+    /// schedule: its parameters, Adam moments, step count and data position are restored, so
+    /// the next step is the one the checkpointed run would have taken next. `settings` are
+    /// the run's (see [`RunFlags::resume`]). A token file of another length than the
+    /// checkpointed run's gives a warning ([`Trainer::notes`]).
+    pub fn resume(
+        mut executor: Executor<'s, B>,
+        settings: RunSettings,
+        checkpoint: &Checkpoint,
+    ) -> Result<Self> {
+        let origin = format!("the checkpoint {}", checkpoint.path.display());
+        check_finite(&checkpoint.params, &executor.schedule().graph, &origin)?;
+        checkpoint.restore(&mut executor)?;
+        let progress = checkpoint.progress;
+        let mut trainer = Self::new(executor, settings, progress.data_step)?;
+        trainer.notes.push(format!(
+            "resuming from {} (step {})",
+            checkpoint.path.display(),
+            progress.step
+        ));
+        // The synthetic corpus grows with the steps, always from the same start, so only a
+        // token file can make the batches differ.
+        let tokens = trainer.batcher.stream().len() as u64;
+        if trainer.settings.data.is_some() && tokens != progress.data_tokens {
+            let warning = format!(
+                "warning: {} has {tokens} tokens but the checkpointed run's data had {}; \
+                 batches will differ from the original run's once the data wraps",
+                trainer.settings.data_name(),
+                progress.data_tokens
+            );
+            trainer.notes.push(warning);
+        }
+        Ok(trainer)
+    }
+
+    fn new(executor: Executor<'s, B>, settings: RunSettings, next_batch: u64) -> Result<Self> {
+        let schedule = executor.schedule();
+        let graph = &schedule.graph;
+        let optimizer = OptimizerSettings::of(graph);
+        if let Some(compiled) = optimizer {
+            if compiled.lr != settings.lr_schedule.peak {
+                return Err(RuntimeError::InvalidLrSchedule(format!(
+                    "the learning-rate schedule peaks at {} but the schedule's AdamW ops were \
+                     compiled with lr {}; the peak is the compiled rate: compile with --lr {}",
+                    settings.lr_schedule.peak, compiled.lr, settings.lr_schedule.peak
+                )));
+            }
+        }
+        let batcher = open_data(&settings, schedule)?;
+        let n = batcher.batch_size() * batcher.seq_len();
+        Ok(Self {
+            started_at: executor.steps_taken(),
+            executor,
+            batch: batcher.batch(next_batch),
+            batcher,
+            settings,
+            has_optimizer: optimizer.is_some(),
+            next_batch,
+            checkpoints: None,
+            trace_last: false,
+            previous: None,
+            summary: RunSummary::default(),
+            started: None,
+            notes: Vec::new(),
+            inputs: Vec::with_capacity(n),
+            targets: Vec::with_capacity(n),
+        })
+    }
+
+    /// Writes checkpoints as `plan` says, after checking that its directory holds none of
+    /// another run ([`checkpoint::check_dir_is_ours`]; `resumed_from` is the directory this
+    /// run resumed from, whose checkpoints are its own).
+    pub fn save_checkpoints(
+        &mut self,
+        plan: CheckpointPlan,
+        resumed_from: Option<&Path>,
+    ) -> Result<()> {
+        checkpoint::check_dir_is_ours(&plan.dir, resumed_from)?;
+        self.checkpoints = Some(plan);
+        Ok(())
+    }
+
+    /// Records the timeline of the run's last step ([`Executor::timeline`]).
+    pub fn trace_last_step(&mut self) {
+        self.trace_last = true;
+    }
+
+    /// The run's settings.
+    pub fn settings(&self) -> &RunSettings {
+        &self.settings
+    }
+
+    /// The batches the run reads.
+    pub fn batcher(&self) -> &Batcher {
+        &self.batcher
+    }
+
+    /// What the caller should tell the user before training: where a resumed run resumed
+    /// from, and warnings.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// Steps still to take.
+    pub fn remaining(&self) -> u64 {
+        self.settings
+            .steps
+            .saturating_sub(self.executor.steps_taken())
+    }
+
+    /// Optimizer steps taken, counting those before a resume.
+    pub fn steps_taken(&self) -> u64 {
+        self.executor.steps_taken()
+    }
+
+    /// What the steps taken so far measured.
+    pub fn summary(&self) -> &RunSummary {
+        &self.summary
+    }
+
+    /// The executor, to read the weights or the timeline.
+    pub fn executor(&self) -> &Executor<'s, B> {
+        &self.executor
+    }
+
+    /// Takes every remaining step ([`Trainer::step`]), handing each record to `on_step`.
+    pub fn run(&mut self, mut on_step: impl FnMut(&StepRecord)) -> Result<()> {
+        while self.step(&mut on_step)?.is_some() {}
+        Ok(())
+    }
+
+    /// Takes the next step: reads its batch, runs it at the schedule's learning rate, hands
+    /// its record to `on_step` (so a diverged step is still shown), then fails if the loss or
+    /// the gradient norm is not finite, naming the likely cause, and writes a checkpoint when
+    /// one is due. Returns `None`, doing nothing, once the run has taken all its steps.
+    pub fn step(&mut self, on_step: impl FnOnce(&StepRecord)) -> Result<Option<StepRecord>> {
+        let taken = self.executor.steps_taken();
+        if taken >= self.settings.steps {
+            return Ok(None);
+        }
+        let step = taken + 1;
+        if self.trace_last && step == self.settings.steps {
+            self.executor.set_tracing(true);
+        }
+        let started = Instant::now();
+        let run_started = *self.started.get_or_insert(started);
+        let batch = self.next_batch;
+        self.batcher.fill(batch, &mut self.batch);
+        self.inputs.clear();
+        self.inputs
+            .extend(self.batch.inputs.iter().map(|&t| t as i32));
+        self.targets.clear();
+        self.targets
+            .extend(self.batch.targets.iter().map(|&t| t as i32));
+        let ids: [&[i32]; 2] = [&self.inputs, &self.targets];
+        let (report, lr) = match self.has_optimizer {
+            true => {
+                let lr = self.settings.lr_schedule.lr(step);
+                (self.executor.step_at_lr(&ids, lr)?, Some(lr))
+            }
+            false => (self.executor.step(&ids)?, None),
+        };
+        self.next_batch += 1;
+        let tokens = self.inputs.len() as u64;
+        let timing = self.executor.timing();
+        let mut record = StepRecord {
+            step,
+            batch,
+            loss: report.loss,
+            grad_norm: report.grad_norm,
+            lr,
+            tokens,
+            step_seconds: timing.wall_seconds,
+            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
+            checkpoint: None,
+        };
+        self.summary.push(&record, &timing.stream_busy_seconds);
+        self.summary.elapsed_seconds = run_started.elapsed().as_secs_f64();
+        let finite = record.loss.is_finite() && record.grad_norm.is_none_or(f32::is_finite);
+        if !finite {
+            on_step(&record);
+            let graph = &self.executor.schedule().graph;
+            return Err(RuntimeError::Diverged(diverged(
+                graph,
+                &record,
+                step == self.started_at + 1,
+                self.previous,
+                &self.executor.params()?,
+            )));
+        }
+        self.previous = Some((record.loss, record.grad_norm));
+        if let Some(plan) = &self.checkpoints {
+            if step.is_multiple_of(plan.every.get()) || step == self.settings.steps {
+                let progress = Progress {
+                    step,
+                    data_step: self.next_batch,
+                    data_tokens: self.batcher.stream().len() as u64,
+                };
+                let path =
+                    checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;
+                checkpoint::prune(&plan.dir, plan.keep)?;
+                record.checkpoint = Some(path);
+            }
+        }
+        on_step(&record);
+        Ok(Some(record))
+    }
+}
+
+/// The batches of a run: its token file, or the synthetic corpus drawn from its seed (long
+/// enough for its steps, at most 16 Mi tokens, wrapping after that), checked against the
+/// schedule's vocabulary and batch shape.
+fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result<Batcher> {
+    let graph = &schedule.graph;
+    let vocab = vocab_of(graph).ok_or_else(|| {
+        RuntimeError::BadSchedule(
+            "the schedule's graph takes no token ids; compile a language model".into(),
+        )
+    })?;
+    let (batch, seq) = (schedule.header.batch as usize, schedule.header.seq as usize);
+    let stream = match &settings.data {
+        Some(path) => TokenStream::open(path)?,
+        None => {
+            let wanted = batch
+                .saturating_mul(seq)
+                .saturating_mul(settings.steps.max(1) as usize)
+                .saturating_add(1);
+            SyntheticCorpus::new(vocab, settings.seed)?.stream(wanted.min(1 << 24))
+        }
+    };
+    stream.check_vocab(vocab)?;
+    Batcher::new(stream, batch, seq)
+}
+
+/// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit
+/// width that indexes with them.
+pub fn vocab_of(graph: &Graph) -> Option<usize> {
+    graph
+        .ops()
+        .filter_map(|(_, op)| match op.kind {
+            OpKind::Embedding { .. } => Some(graph.value(op.inputs[1]).ty.shape[0]),
+            OpKind::CrossEntropy => Some(graph.value(op.inputs[0]).ty.last_dim()),
+            _ => None,
+        })
+        .min()
+        .map(|n| n as usize)
+}
+
+/// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
+/// naming it and where the weights came from: training from them can only give a NaN loss.
+fn check_finite(values: &[Vec<f32>], graph: &Graph, origin: &str) -> Result<()> {
+    for ((_, p), data) in graph.params().zip(values) {
+        if let Some(&value) = data.iter().find(|v| !v.is_finite()) {
+            return Err(RuntimeError::NonFiniteWeights {
+                origin: origin.to_string(),
+                name: p.name.clone(),
+                value,
+                count: data.iter().filter(|v| !v.is_finite()).count(),
+                len: data.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Why step `record` diverged (a loss or gradient norm that is NaN or infinite), from what was
+/// seen: the weights now (`params`), whether this was the run's first step, the last finite
+/// loss and gradient norm, and the optimizer settings.
+fn diverged(
+    graph: &Graph,
+    record: &StepRecord,
+    first_of_run: bool,
+    previous: Option<(f32, Option<f32>)>,
+    params: &[Vec<f32>],
+) -> String {
+    let step = record.step;
+    let head = match record.grad_norm {
+        Some(norm) if record.loss.is_finite() => format!(
+            "the gradient norm became {norm} at step {step} (loss {})",
+            record.loss
+        ),
+        _ => format!("the loss became {} at step {step}", record.loss),
+    };
+    if first_of_run {
+        return format!(
+            "{head}, the first step of this run, from finite weights: the forward or backward \
+             pass itself overflowed; check the data and the weights' scale"
+        );
+    }
+    let broken: Vec<&str> = graph
+        .params()
+        .zip(params)
+        .filter(|(_, data)| data.iter().any(|v| !v.is_finite()))
+        .map(|((_, p), _)| p.name.as_str())
+        .collect();
+    let seen = match previous {
+        Some((last, Some(norm))) => {
+            format!(" (the step before: loss {last}, gradient norm {norm})")
+        }
+        Some((last, None)) => format!(" (the step before: loss {last})"),
+        None => String::new(),
+    };
+    let weights = match broken.len() {
+        0 => String::new(),
+        n => format!(
+            "; the update made {n} parameter tensor(s) non-finite, first {}",
+            broken[0]
+        ),
+    };
+    // An --eps of 0 never gets here: the verifier refuses it (0/0 in AdamW).
+    let clipped = OptimizerSettings::of(graph).is_some_and(|s| s.grad_clip.is_some());
+    let way_out = match clipped {
+        true => "lower --lr",
+        false => "lower --lr or set --grad-clip",
+    };
+    format!("{head}{seen}{weights}: training diverged; {way_out}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(kind: LrScheduleKind, warmup: u64, decay: u64, min_lr: f64) -> LrSchedule {
+        LrSchedule::new(kind, 0.5, warmup, decay, min_lr).expect("a valid schedule")
+    }
+
+    /// `(step, expected lr)` pairs for one schedule, each stated from its definition.
+    fn check(s: &LrSchedule, expect: &[(u64, f64)]) {
+        for &(step, want) in expect {
+            let got = s.lr(step);
+            assert!(
+                (got - want).abs() <= 1e-15,
+                "{s:?} step {step}: lr {got}, expected {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn warmup_starts_at_zero_and_reaches_the_peak() {
+        use LrScheduleKind::*;
+        for kind in [Constant, Linear, Cosine] {
+            // Step 1 has taken no scheduler step: rate 0; step 5 has taken 4 of 4.
+            check(
+                &schedule(kind, 4, 10, 0.0),
+                &[(1, 0.0), (2, 0.125), (3, 0.25), (4, 0.375), (5, 0.5)],
+            );
+        }
+        check(&schedule(Constant, 0, 10, 0.0), &[(1, 0.5), (1000, 0.5)]);
+    }
+
+    #[test]
+    fn linear_and_cosine_decay_to_the_minimum_at_the_decay_steps() {
+        use LrScheduleKind::*;
+        // Warmup 2, decay 10: 8 decay steps, so step 7 (6 scheduler steps) is halfway.
+        check(
+            &schedule(Linear, 2, 10, 0.0),
+            &[(3, 0.5), (7, 0.25), (11, 0.0), (20, 0.0)],
+        );
+        check(
+            &schedule(Cosine, 2, 10, 0.0),
+            &[(3, 0.5), (7, 0.25), (11, 0.0)],
+        );
+        // With a minimum of 0.1 the factor spans [0.2, 1]: halfway is 0.3, the end 0.1.
+        check(
+            &schedule(Linear, 2, 10, 0.1),
+            &[(1, 0.0), (3, 0.5), (7, 0.3), (11, 0.1), (20, 0.1)],
+        );
+        check(&schedule(Cosine, 2, 10, 0.1), &[(7, 0.3), (11, 0.1)]);
+        // Past the decay, transformers' cosine rises again; the linear one does not.
+        check(&schedule(Cosine, 0, 4, 0.0), &[(7, 0.25), (9, 0.5)]);
+    }
+
+    #[test]
+    fn degenerate_lengths_divide_by_at_least_one() {
+        use LrScheduleKind::*;
+        // transformers' `max(1, ...)` guards: no warmup, no decay, warmup past the decay.
+        check(&schedule(Linear, 0, 0, 0.0), &[(1, 0.0), (2, 0.0)]);
+        check(&schedule(Cosine, 0, 0, 0.0), &[(1, 0.5)]);
+        check(&schedule(Linear, 5, 3, 0.0), &[(5, 0.4), (6, 0.0)]);
+        check(
+            &schedule(Linear, 0, u64::MAX, 0.0),
+            &[(1, 0.5), (u64::MAX, 0.5 / u64::MAX as f64)],
+        );
+    }
+
+    #[test]
+    fn invalid_schedules_name_the_flag() {
+        use LrScheduleKind::*;
+        let err = |kind, peak, min_lr| {
+            LrSchedule::new(kind, peak, 0, 10, min_lr)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(Linear, 0.1, 0.2).contains("--min-lr 0.2"));
+        assert!(err(Linear, 0.1, -1.0).contains("between 0 and the peak"));
+        assert!(err(Linear, f64::NAN, 0.0).contains("--lr"));
+        assert!(err(Constant, 0.1, 0.01).contains("choose --lr-schedule linear or cosine"));
+        let flags = RunFlags {
+            decay_steps: Some(5),
+            ..RunFlags::default()
+        };
+        let e = flags.fresh(0.1).unwrap_err().to_string();
+        assert!(
+            e.contains("--decay-steps 5 applies to the linear and cosine"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn resuming_takes_the_checkpoints_settings_and_refuses_contradictions() {
+        let saved = RunFlags {
+            steps: Some(10),
+            lr_schedule: Some(LrScheduleKind::Cosine),
+            warmup_steps: Some(2),
+            seed: Some(3),
+            ..RunFlags::default()
+        }
+        .fresh(0.01)
+        .unwrap();
+        assert_eq!(
+            saved.lr_schedule.decay_steps, 10,
+            "the decay defaults to the steps"
+        );
+        let path = Path::new("ckpt/step-00000004.safetensors");
+        let alone = RunFlags::default().resume(&saved, path).unwrap();
+        assert_eq!(alone, saved);
+        // More steps extend the run; the decay keeps its length.
+        let longer = RunFlags {
+            steps: Some(20),
+            ..RunFlags::default()
+        }
+        .resume(&saved, path)
+        .unwrap();
+        assert_eq!(longer.steps, 20);
+        assert_eq!(longer.lr_schedule, saved.lr_schedule);
+        // Repeating the checkpoint's values is no contradiction.
+        let same = RunFlags {
+            warmup_steps: Some(2),
+            seed: Some(3),
+            ..RunFlags::default()
+        };
+        assert_eq!(same.resume(&saved, path).unwrap(), saved);
+        let contrary = RunFlags {
+            lr_schedule: Some(LrScheduleKind::Linear),
+            warmup_steps: Some(5),
+            seed: Some(4),
+            ..RunFlags::default()
+        };
+        let e = contrary.resume(&saved, path).unwrap_err().to_string();
+        for needle in [
+            "--lr-schedule: the checkpoint has cosine, this run has linear",
+            "--warmup-steps: the checkpoint has 2, this run has 5",
+            "--seed: the checkpoint has 3, this run has 4",
+        ] {
+            assert!(e.contains(needle), "no `{needle}` in: {e}");
+        }
+    }
+}
