@@ -408,3 +408,51 @@ fn run_follows_a_learning_rate_schedule_as_train_does() {
     // --decay-steps + 1 = 4.
     assert_eq!(rates, ["0.0", "0.0005", "0.001", "0.0001"]);
 }
+
+#[test]
+fn train_reads_a_text_corpus_through_a_tokenizer_once() {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("runtime/tests/fixtures/text");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::copy(fixtures.join("corpus.txt"), &corpus).expect("copy the corpus");
+    let tokenizer = fixtures.join("tokenizer.json");
+    let args = [
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--data",
+        path(&corpus),
+        "--tokenizer",
+        path(&tokenizer),
+        "--log-json",
+    ];
+    let first = protrain(&args);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let caches: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .expect("the corpus directory")
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(".tokens.bin"))
+        .collect();
+    assert_eq!(caches.len(), 1, "one cache beside the corpus: {caches:?}");
+    let written = std::fs::metadata(&caches[0])
+        .and_then(|m| m.modified())
+        .expect("the cache's time");
+    // A second run reuses the cache and reads the same tokens.
+    let second = protrain(&args);
+    assert!(second.status.success(), "{}", stderr(&second));
+    assert_eq!(losses(&first), losses(&second));
+    assert!(!losses(&first).is_empty());
+    let reused = std::fs::metadata(&caches[0])
+        .and_then(|m| m.modified())
+        .expect("the cache's time");
+    assert_eq!(written, reused, "the cache is reused, not rewritten");
+    // --tokenizer names a text corpus, so it needs --data.
+    let out = protrain(&["train", "gpt2-tiny", "--tokenizer", path(&tokenizer)]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--data"), "{}", stderr(&out));
+}

@@ -75,6 +75,12 @@ pub struct ExecArgs {
     /// [default with --resume: the checkpointed run's data].
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json: --data is then a UTF-8 text corpus, tokenized once (with
+    /// a progress bar) into a token file cached beside it and reused while the corpus and the
+    /// tokenizer are unchanged. Documents are separated by lines that hold only the
+    /// tokenizer's end-of-text token; its id goes between them.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    pub tokenizer: Option<PathBuf>,
     /// Initial weights: a Hugging Face safetensors file, sharded index, or model directory.
     /// Without it, weights are drawn as transformers initialises them, from --seed.
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]
@@ -144,8 +150,9 @@ pub struct ExecArgs {
 }
 
 impl ExecArgs {
-    /// The run settings given on the command line.
-    fn run_flags(&self) -> RunFlags {
+    /// The run settings given on the command line, reading tokens from `data` (the token
+    /// file, or the cache a text corpus was tokenized into).
+    fn run_flags(&self, data: Option<PathBuf>) -> RunFlags {
         RunFlags {
             steps: self.steps,
             lr_schedule: self.lr_schedule.map(LrScheduleArg::kind),
@@ -153,7 +160,7 @@ impl ExecArgs {
             decay_steps: self.decay_steps,
             min_lr: self.min_lr,
             seed: self.seed,
-            data: self.data.clone(),
+            data,
         }
     }
 }
@@ -386,6 +393,39 @@ pub fn execute(
     }
 }
 
+/// Tokenizes a text corpus with `tokenizer` into its cached token file (or finds the cache of
+/// an earlier run), drawing a progress bar on a terminal, after checking that the tokenizer's
+/// ids fit the model's vocabulary. Returns the token file.
+fn tokenize_corpus(
+    corpus: &Path,
+    tokenizer: &Path,
+    graph: &protrain::ir::Graph,
+) -> Result<PathBuf> {
+    use protrain::runtime::text::{self, TextOptions, TextTokenizer};
+    let t = TextTokenizer::load(tokenizer)?;
+    if let Some(vocab) = protrain::runtime::train::vocab_of(graph) {
+        t.check_vocab(vocab)?;
+    }
+    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("tokenizing {bar:40} {bytes}/{total_bytes} {eta}")
+            .expect("a valid template"),
+    );
+    let tokenized = text::tokenize(corpus, &t, &TextOptions::default(), |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
+    bar.finish_and_clear();
+    if let Some(reason) = &tokenized.fallback_reason {
+        eprintln!("note: {reason}");
+    }
+    Ok(tokenized.cache)
+}
+
 /// [`execute`] on backend `B`.
 fn execute_on<B: Backend>(
     schedule: &VerifiedSchedule,
@@ -413,7 +453,11 @@ fn execute_on<B: Backend>(
         (Some(_), every) => every.and_then(NonZeroU64::new),
         (None, None) => None,
     };
-    let flags = args.run_flags();
+    let data = match (&args.data, &args.tokenizer) {
+        (Some(corpus), Some(tokenizer)) => Some(tokenize_corpus(corpus, tokenizer, graph)?),
+        (data, _) => data.clone(),
+    };
+    let flags = args.run_flags(data);
     // The peak of the learning-rate schedule is the rate the AdamW ops were compiled with.
     let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);
     let executor = Executor::<B>::with_backend(schedule)?;
