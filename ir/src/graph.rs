@@ -153,6 +153,10 @@ pub struct Graph {
     outputs: Vec<ValueId>,
     /// Where values live, once placement has decided; absent means device.
     locations: BTreeMap<ValueId, Location>,
+    /// The parameter each parameter value holds, built on first use so that
+    /// [`Graph::param_of`] is a lookup; not serialised (a graph read back builds it again).
+    #[serde(skip)]
+    param_index: std::sync::OnceLock<std::collections::HashMap<ValueId, ParamId>>,
 }
 
 impl Graph {
@@ -163,6 +167,7 @@ impl Graph {
             values: Vec::new(),
             dataflow: DiGraph::new(),
             params: Vec::new(),
+            param_index: std::sync::OnceLock::new(),
             blocks: Vec::new(),
             inputs: Vec::new(),
             outputs: Vec::new(),
@@ -247,6 +252,7 @@ impl Graph {
             Role::Param,
             None,
         );
+        self.param_index = std::sync::OnceLock::new();
         self.params.push(Param {
             name,
             aliases: Vec::new(),
@@ -468,10 +474,14 @@ impl Graph {
 
     /// The parameter that a value holds, if it is one.
     pub fn param_of(&self, value: ValueId) -> Option<ParamId> {
-        self.params
-            .iter()
-            .position(|p| p.value == value)
-            .map(ParamId::new)
+        let index = self.param_index.get_or_init(|| {
+            self.params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.value, ParamId::new(i)))
+                .collect()
+        });
+        index.get(&value).copied()
     }
 
     /// Serialises the graph as pretty JSON.
