@@ -77,8 +77,7 @@ pub trait Backend: Sync + Sized {
     type Stream: Send;
 
     /// Whether the backend executes bf16 values (mixed precision: bf16 parameters,
-    /// gradients and activations, f32 master weights and moments). The host backend's
-    /// kernels are f32 only.
+    /// gradients and activations, f32 master weights and moments).
     const RUNS_BF16: bool = false;
 
     /// Allocates the device arena and the host region, zeroed, and `events` events.

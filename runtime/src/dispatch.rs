@@ -2,15 +2,31 @@
 //!
 //! Callers find the operands (the interpreter in its per-value vectors, the host backend at
 //! planned offsets in its arena) and this module calls the kernels, so every schedule computes
-//! with the same code, in the same order, as the reference interpreter. It allocates nothing:
-//! per-op constants come from [`Prepared`], made once before the first step; per-row norm
-//! statistics go to the op's workspace slice.
+//! with the same code, in the same order, as the reference interpreter. Per-op constants come
+//! from [`Prepared`], made once before the first step; per-row norm statistics go to the op's
+//! workspace slice.
+//!
+//! Mixed precision. The kernels compute in f32. An op whose operands are stored in bf16
+//! (a `--dtype bf16` schedule) runs through [`run_stored`]: its bf16 inputs are widened into
+//! [`Staging`] buffers, [`run`] computes in f32, and its bf16 outputs are rounded to nearest
+//! even as they are written: the CUDA backend's contract (its kernels load bf16, compute in
+//! f32 and round each store). Where a CUDA op stores an intermediate in bf16 between two of
+//! its kernels, [`run`] rounds at the same point ([`kernels::Rounding`]): a linear layer's
+//! product before its bias is added, a fused linear's projections before the epilogue reads
+//! them, its epilogue gradients and each projection's input gradient before they are summed,
+//! and attention's probabilities and score gradients (see `kernels/attention.rs`). Master
+//! weights and Adam moments stay f32 ([`adamw_mixed`]).
 
-use crate::error::Result;
-use crate::kernels::{self, AttentionDims};
+use crate::error::{Result, RuntimeError};
+use crate::kernels::{self, bf16, AttentionDims, Rounding};
 use protrain_ir::{
-    Epilogue, Graph, Op, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
+    DType, Epilogue, Graph, Op, OpKind, QkvLayout, Scratch, TensorType, WeightLayout,
+    WorkspaceLayout,
 };
+
+/// Most outputs an op kind writes: a fused linear's backward with the most projections
+/// ([`protrain_ir::op::MAX_PROJECTIONS`], each with a bias) writes `1 + 2 * 15`.
+pub const MAX_OUTPUTS: usize = 1 + 2 * protrain_ir::op::MAX_PROJECTIONS as usize;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
 ///
@@ -67,11 +83,59 @@ impl Outcome {
     }
 }
 
-/// Elements of f32 scratch an op of this kind needs in its workspace:
-/// [`OpKind::workspace_bytes`] in f32s.
+/// Elements of f32 scratch an op of this kind needs in its workspace: the bytes of its
+/// [`compute_layout`] in f32s ([`OpKind::workspace_bytes`] for an f32 op).
 pub fn workspace_len(graph: &Graph, op: &Op) -> usize {
+    (compute_layout(graph, op).bytes() / 4) as usize
+}
+
+/// The workspace layout the host kernels use for `op`: its inputs' [`WorkspaceLayout`] with
+/// every bf16 type widened to f32, since every part the kernels write is f32 (an f32 op's is
+/// its planned layout). Only a fused linear backward's parts depend on the dtype.
+pub fn compute_layout(graph: &Graph, op: &Op) -> WorkspaceLayout {
     let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-    (op.kind.workspace_bytes(&types) / 4) as usize
+    if types.iter().all(|t| t.dtype != DType::BF16) {
+        return WorkspaceLayout::of(&op.kind, &types);
+    }
+    let wide: Vec<TensorType> = types
+        .iter()
+        .map(|t| match t.dtype {
+            DType::BF16 => TensorType::new(t.shape.clone(), DType::F32),
+            _ => (*t).clone(),
+        })
+        .collect();
+    WorkspaceLayout::of(&op.kind, &wide.iter().collect::<Vec<_>>())
+}
+
+/// The storage rounding of `op`'s intermediates: bf16 when its first input (the activation
+/// or parameter that sets its kernels' storage type, as on the CUDA backend) is bf16.
+pub fn rounding_of(graph: &Graph, op: &Op) -> Rounding {
+    let first = op.inputs.first().map(|&v| graph.value(v).ty.dtype);
+    Rounding::bf16_if(first == Some(DType::BF16))
+}
+
+/// One projection `y = x W (+ bias)` as the CUDA backend computes it: the product, stored
+/// (rounded), then the bias added and stored again. Without rounding the bias is the
+/// product's starting value, as [`kernels::linear_forward`] adds it.
+#[allow(clippy::too_many_arguments)]
+fn project(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    layout: WeightLayout,
+    (rows, d_in, d_out): (usize, usize, usize),
+    rounding: Rounding,
+) {
+    match bias.filter(|_| rounding.rounds()) {
+        Some(b) => {
+            kernels::linear_forward(y, x, w, None, layout, rows, d_in, d_out);
+            rounding.apply(y);
+            kernels::bias_add_assign(y, b);
+        }
+        None => kernels::linear_forward(y, x, w, bias, layout, rows, d_in, d_out),
+    }
+    rounding.apply(y);
 }
 
 /// The parts `want` of an f32 workspace laid out as `layout` says (every part of a host op
@@ -97,8 +161,9 @@ fn workspace_parts<'w, const N: usize>(
     })
 }
 
-/// A fused linear op: each projection as [`OpKind::Linear`] computes it, then the epilogue as
-/// its own kind would, so the bits equal the unfused ops'.
+/// A fused linear op: each projection as [`OpKind::Linear`] computes it (stored, so rounded
+/// under bf16 storage), then the epilogue as its own kind would, so the bits equal the
+/// unfused ops'.
 #[allow(clippy::too_many_arguments)]
 fn fused_linear<'a>(
     ins: &impl Inputs<'a>,
@@ -108,20 +173,14 @@ fn fused_linear<'a>(
     layout: WeightLayout,
     epilogue: Epilogue,
     x: &TensorType,
+    rounding: Rounding,
 ) {
     let (rows, d_in) = (x.rows() as usize, x.last_dim() as usize);
     let project = |out: &mut [f32], i: usize| {
         let w = ins.f32(1 + i);
-        kernels::linear_forward(
-            out,
-            ins.f32(0),
-            w,
-            bias.then(|| ins.f32(1 + n + i)),
-            layout,
-            rows,
-            d_in,
-            w.len() / d_in,
-        );
+        let dims = (rows, d_in, w.len() / d_in);
+        let b = bias.then(|| ins.f32(1 + n + i));
+        project(out, ins.f32(0), w, b, layout, dims, rounding);
     };
     match epilogue {
         Epilogue::None => {
@@ -157,7 +216,9 @@ fn fused_linear<'a>(
 
 /// The backward of a fused linear op, with the kernels the unfused ops' backward would run:
 /// the epilogue's gradient into the workspace, then each projection's, last first, summing
-/// the input gradient in that order as autodiff sums separate contributions.
+/// the input gradient in that order as autodiff sums separate contributions. Under bf16
+/// storage the epilogue's gradients, each projection's input gradient and each partial sum
+/// are rounded where the CUDA backend stores them.
 #[allow(clippy::too_many_arguments)]
 fn fused_linear_backward<'a>(
     ins: &impl Inputs<'a>,
@@ -169,6 +230,7 @@ fn fused_linear_backward<'a>(
     layout: WeightLayout,
     epilogue: Epilogue,
     x: &TensorType,
+    rounding: Rounding,
 ) {
     let (rows, d_in) = (x.rows() as usize, x.last_dim() as usize);
     let (dx, rest) = outputs
@@ -199,12 +261,15 @@ fn fused_linear_backward<'a>(
                 Epilogue::Gelu => kernels::gelu_backward(dh, dy, h),
                 _ => kernels::relu_backward(dh, dy, h),
             }
+            rounding.apply(dh);
             projection_grads.push(dh);
         }
         Epilogue::Swiglu => {
             let (gate, up) = (ins.f32(1 + n), ins.f32(2 + n));
             let (dgate, dup) = (&mut dgrad0[..gate.len()], &mut dgrad1[..up.len()]);
             kernels::swiglu_backward(dgate, dup, dy, gate, up);
+            rounding.apply(dgate);
+            rounding.apply(dup);
             projection_grads.push(dgate);
             projection_grads.push(dup);
         }
@@ -230,20 +295,26 @@ fn fused_linear_backward<'a>(
             w.len() / d_in,
             false,
         );
+        rounding.apply(target);
         if i != n - 1 {
             kernels::add_assign(dx, contribution);
+            rounding.apply(dx);
         }
     }
 }
 
-/// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]).
+/// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]) on f32
+/// views of its operands.
 ///
 /// `outputs[i]` receives output `i` and is overwritten whole; `workspace` holds
-/// [`workspace_len`] f32s of scratch laid out as [`WorkspaceLayout`] says, of which the host
+/// [`workspace_len`] f32s of scratch laid out as [`compute_layout`] says, of which the host
 /// kernels use some parts (the per-row statistics of norms, a fused linear's intermediate
-/// gradients). Fails only on
-/// data-dependent errors (token ids out of range); shapes that do not match the graph's types
-/// panic in the kernels, which a verified schedule rules out.
+/// gradients). When the graph types an operand bf16 its view holds the widened values, and
+/// each bf16 output receives its value as stored (rounded to bf16), with the intermediates
+/// rounded as the module doc says; [`run_stored`] does the widening and narrowing. Fails only
+/// on data-dependent errors (token ids out of range) and on kinds no schedule holds; shapes
+/// that do not match the graph's types panic in the kernels, which a verified schedule rules
+/// out.
 pub fn run<'a>(
     graph: &Graph,
     op: &Op,
@@ -254,10 +325,8 @@ pub fn run<'a>(
 ) -> Result<Outcome> {
     let ty = |i: usize| -> &TensorType { &graph.value(op.inputs[i]).ty };
     let out_ty = |i: usize| -> &TensorType { &graph.value(op.outputs[i]).ty };
-    let ws_layout = || {
-        let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-        WorkspaceLayout::of(&op.kind, &types)
-    };
+    let ws_layout = || compute_layout(graph, op);
+    let rounding = rounding_of(graph, op);
     let mut outcome = Outcome::default();
     match &op.kind {
         OpKind::Embedding { .. } => {
@@ -307,15 +376,14 @@ pub fn run<'a>(
         OpKind::Linear { bias, layout } => {
             let (rows, d_in) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
             let d_out = out_ty(0).last_dim() as usize;
-            kernels::linear_forward(
+            project(
                 outputs[0],
                 ins.f32(0),
                 ins.f32(1),
                 bias.then(|| ins.f32(2)),
                 *layout,
-                rows,
-                d_in,
-                d_out,
+                (rows, d_in, d_out),
+                rounding,
             );
         }
         OpKind::Gelu => kernels::gelu_forward(outputs[0], ins.f32(0)),
@@ -347,10 +415,18 @@ pub fn run<'a>(
                 unreachable!("attention writes out and lse")
             };
             match qkv {
-                QkvLayout::Separate => {
-                    kernels::attention_forward(o, lse, ins.f32(0), ins.f32(1), ins.f32(2), dims)
+                QkvLayout::Separate => kernels::attention_forward_rounded(
+                    o,
+                    lse,
+                    ins.f32(0),
+                    ins.f32(1),
+                    ins.f32(2),
+                    dims,
+                    rounding,
+                ),
+                QkvLayout::Packed => {
+                    kernels::attention_forward_packed_rounded(o, lse, ins.f32(0), dims, rounding)
                 }
-                QkvLayout::Packed => kernels::attention_forward_packed(o, lse, ins.f32(0), dims),
             }
         }
         OpKind::CrossEntropy => {
@@ -479,6 +555,7 @@ pub fn run<'a>(
             *layout,
             *epilogue,
             ty(0),
+            rounding,
         ),
         OpKind::FusedLinearBackward {
             count,
@@ -495,6 +572,7 @@ pub fn run<'a>(
             *layout,
             *epilogue,
             ty(0),
+            rounding,
         ),
         OpKind::GeluBackward => kernels::gelu_backward(outputs[0], ins.f32(1), ins.f32(0)),
         OpKind::ReluBackward => kernels::relu_backward(outputs[0], ins.f32(1), ins.f32(0)),
@@ -529,7 +607,7 @@ pub fn run<'a>(
                 let [dq, dk, dv] = outputs else {
                     unreachable!("attention_backward writes dq, dk and dv")
                 };
-                kernels::attention_backward(
+                kernels::attention_backward_rounded(
                     dq,
                     dk,
                     dv,
@@ -540,17 +618,19 @@ pub fn run<'a>(
                     ins.f32(3),
                     ins.f32(4),
                     dims,
+                    rounding,
                 );
             }
             QkvLayout::Packed => {
                 let dims = attention_dims(ty(1), *heads, *kv_heads, *head_dim, *window);
-                kernels::attention_backward_packed(
+                kernels::attention_backward_packed_rounded(
                     outputs[0],
                     ins.f32(3),
                     ins.f32(0),
                     ins.f32(1),
                     ins.f32(2),
                     dims,
+                    rounding,
                 );
             }
         },
@@ -576,11 +656,184 @@ pub fn run<'a>(
             unreachable!("AdamW updates its inputs in place: call dispatch::adamw")
         }
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
-            return Err(crate::error::RuntimeError::BadSchedule(format!(
+            return Err(RuntimeError::BadSchedule(format!(
                 "{} marks a copy in the placed graph and has no kernel; run a schedule the \
                  compiler emitted, whose copies are instructions",
                 op.kind.mnemonic()
             )))
+        }
+    }
+    // Every bf16 output as stored.
+    for (out, &v) in outputs.iter_mut().zip(&op.outputs) {
+        Rounding::bf16_if(graph.value(v).ty.dtype == DType::BF16).apply(out);
+    }
+    Ok(outcome)
+}
+
+/// An operand as stored: f32 or bf16 values, or i32 token ids.
+#[derive(Clone, Copy, Debug)]
+pub enum Stored<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 values.
+    Bf16(&'a [bf16]),
+    /// Token ids.
+    I32(&'a [i32]),
+}
+
+/// An output as stored: f32 or bf16 values.
+#[derive(Debug)]
+pub enum StoredMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// bf16 values.
+    Bf16(&'a mut [bf16]),
+}
+
+/// Where [`run_stored`] reads an op's inputs as stored: input `i` of the op, in its type.
+///
+/// The slices live for `'a`; the caller guarantees nothing writes them meanwhile.
+pub trait StoredInputs<'a> {
+    /// Input `i` as stored.
+    fn stored(&self, i: usize) -> Stored<'a>;
+}
+
+/// Reusable f32 buffers for [`run_stored`]: the widened bf16 inputs, the f32 results of bf16
+/// outputs and, where the planned workspace is laid out for bf16 parts, an f32 workspace.
+/// They grow to the largest op they serve and are kept, so a schedule allocates in its first
+/// step only; one per thread that runs ops (the host backend keeps one per stream).
+#[derive(Debug, Default)]
+pub struct Staging {
+    wide: Vec<f32>,
+    /// Where each input's widened copy lies in `wide`, if it has one.
+    spans: Vec<Option<(usize, usize)>>,
+}
+
+/// The inputs [`run`] reads for [`run_stored`]: f32 and i32 inputs in place, bf16 ones
+/// widened into the staging buffer.
+struct Widened<'w, I> {
+    raw: &'w I,
+    wide: &'w [f32],
+    spans: &'w [Option<(usize, usize)>],
+}
+
+impl<'w, 'a: 'w, I: StoredInputs<'a>> Inputs<'w> for Widened<'w, I> {
+    fn f32(&self, i: usize) -> &'w [f32] {
+        match (self.spans[i], self.raw.stored(i)) {
+            (Some((at, len)), _) => &self.wide[at..at + len],
+            (None, Stored::F32(x)) => x,
+            (None, other) => panic!("input {i} is read as f32 but is stored as {other:?}"),
+        }
+    }
+
+    fn i32(&self, i: usize) -> &'w [i32] {
+        match self.raw.stored(i) {
+            Stored::I32(x) => x,
+            other => panic!("input {i} is read as token ids but is stored as {other:?}"),
+        }
+    }
+}
+
+/// Runs `op` (any kind but AdamW) on operands as stored: [`run`] on f32 views, bf16 inputs
+/// widened into `staging` and bf16 outputs rounded to nearest even into their storage.
+/// `workspace` is the op's planned workspace (`workspace_bytes` of its graph types, as f32s);
+/// where the f32 kernels need another layout ([`compute_layout`]: a bf16 fused linear
+/// backward's parts), an f32 workspace from `staging` is used instead. An op whose operands
+/// are all f32 and i32 runs on them directly, as [`run`] does.
+///
+/// `outputs` holds one view per output of the op's types; there are at most [`MAX_OUTPUTS`].
+/// Panics when an operand is not stored as the graph types it (a verified schedule rules that
+/// out); errors are [`run`]'s.
+pub fn run_stored<'a>(
+    graph: &Graph,
+    op: &Op,
+    prepared: &Prepared,
+    ins: &impl StoredInputs<'a>,
+    outputs: &mut [StoredMut<'_>],
+    workspace: &mut [f32],
+    staging: &mut Staging,
+) -> Result<Outcome> {
+    assert!(
+        outputs.len() == op.outputs.len() && outputs.len() <= MAX_OUTPUTS,
+        "{} writes {} outputs but was given {} views",
+        op.kind.mnemonic(),
+        op.outputs.len(),
+        outputs.len()
+    );
+    let n_out = outputs.len();
+    let Staging { wide, spans } = staging;
+    spans.clear();
+    let mut widened = 0;
+    for i in 0..op.inputs.len() {
+        spans.push(match ins.stored(i) {
+            Stored::Bf16(x) => {
+                widened += x.len();
+                Some((widened - x.len(), x.len()))
+            }
+            Stored::F32(_) | Stored::I32(_) => None,
+        });
+    }
+    let narrowed: usize = outputs
+        .iter()
+        .map(|o| match o {
+            StoredMut::Bf16(x) => x.len(),
+            StoredMut::F32(_) => 0,
+        })
+        .sum();
+    // With f32 operands only, the planned layout is the kernels' (and nothing is staged).
+    let ws_len = match widened + narrowed {
+        0 => 0,
+        _ => {
+            let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let layout = compute_layout(graph, op);
+            match layout != WorkspaceLayout::of(&op.kind, &types) {
+                true => (layout.bytes() / 4) as usize,
+                false => 0,
+            }
+        }
+    };
+    let own_workspace = ws_len > 0;
+    let need = widened + narrowed + ws_len;
+    if wide.len() < need {
+        wide.resize(need, 0.0);
+    }
+    let (inputs_part, rest) = wide.split_at_mut(widened);
+    let (outputs_part, rest) = rest.split_at_mut(narrowed);
+    for (i, span) in spans.iter().enumerate() {
+        if let (Some((at, len)), Stored::Bf16(x)) = (*span, ins.stored(i)) {
+            kernels::widen(&mut inputs_part[at..at + len], x);
+        }
+    }
+    let workspace: &mut [f32] = match own_workspace {
+        true => &mut rest[..ws_len],
+        false => workspace,
+    };
+    let outcome = {
+        let mut views: [&mut [f32]; MAX_OUTPUTS] = Default::default();
+        let mut free = &mut *outputs_part;
+        for (view, out) in views.iter_mut().zip(outputs.iter_mut()) {
+            *view = match out {
+                StoredMut::F32(x) => x,
+                StoredMut::Bf16(x) => {
+                    let (part, tail) = std::mem::take(&mut free).split_at_mut(x.len());
+                    free = tail;
+                    part
+                }
+            };
+        }
+        let inputs = Widened {
+            raw: ins,
+            wide: inputs_part,
+            spans,
+        };
+        run(graph, op, prepared, &inputs, &mut views[..n_out], workspace)?
+    };
+    let mut at = 0;
+    for out in outputs.iter_mut() {
+        if let StoredMut::Bf16(x) = out {
+            // `run` stored every bf16 output rounded: narrowing is exact.
+            kernels::narrow(x, &outputs_part[at..at + x.len()]);
+            at += x.len();
         }
     }
     Ok(outcome)

@@ -166,7 +166,7 @@ pub struct Executor<'s, B: Backend = HostBackend> {
 impl<'s> Executor<'s, HostBackend> {
     /// An executor for a verified `schedule` on the host backend: allocates the arena and the
     /// host region (zeroed: every parameter and optimizer state zero). Fails when the
-    /// schedule has a dtype other than f32 and i32.
+    /// schedule has a dtype other than f32, bf16 and i32.
     pub fn new(schedule: &'s VerifiedSchedule) -> Result<Self> {
         Self::with_backend(schedule)
     }

@@ -7,22 +7,29 @@
 //! meant to be called from several threads), copies are `memcpy` on the issuing thread, and
 //! events are real synchronisation: a flag per event under one mutex, with a condition
 //! variable that wakes waiters.
+//!
+//! Mixed precision: a bf16 schedule runs as on the CUDA backend. bf16 values are stored as
+//! bf16 in the arena and the host region; each kernel widens its bf16 inputs, computes in f32
+//! and rounds its bf16 outputs to nearest even as it writes them, with the CUDA kernels'
+//! intermediate rounding points ([`dispatch::run_stored`], through per-stream staging buffers
+//! that grow in the first step and are reused after). AdamW updates each bf16 parameter's f32
+//! master weight (found by its Adam `m`, as [`Backend::prepare`] records them) with f32
+//! moments and rewrites the bf16 parameter from it, with the CPU Adam's code and bits.
 
 use crate::backend::{Address, Backend, Launch};
-use crate::dispatch::{self, Outcome};
+use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
+use crate::executor::master_weights;
+use crate::kernels::{bf16, Grad};
 use bytemuck::Pod;
-use protrain_ir::{EventId, OpKind, Space, StreamKind};
+use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 /// Alignment of the arena and the host region, as the planner aligns buffers.
 pub const REGION_ALIGN: usize = 256;
-
-/// Most outputs an op kind writes: a fused linear's backward with the most projections
-/// ([`protrain_ir::op::MAX_PROJECTIONS`], each with a bias) writes `1 + 2 * 15`.
-const MAX_OUTPUTS: usize = 1 + 2 * protrain_ir::op::MAX_PROJECTIONS as usize;
 
 /// One zeroed, aligned allocation of an exact size.
 struct Region {
@@ -115,12 +122,16 @@ pub struct HostBackend {
     host: Region,
     events: Mutex<EventState>,
     event_recorded: Condvar,
+    /// The f32 master weight of each bf16 parameter, by the home of its Adam `m`.
+    masters: HashMap<(Space, u64), Address>,
 }
 
 /// A host stream: its work runs on the thread that issues it.
 #[derive(Debug)]
 pub struct HostStream {
     kind: StreamKind,
+    /// f32 copies of a bf16 op's operands (see [`dispatch::Staging`]).
+    staging: Staging,
 }
 
 impl HostStream {
@@ -131,6 +142,28 @@ impl HostStream {
 }
 
 impl HostBackend {
+    /// Records that the f32 master weight of the bf16 parameter whose Adam `m` is at `m`
+    /// lives at `master`. [`Backend::prepare`] does this for every parameter of a schedule; a
+    /// caller that launches a bf16 AdamW outside a schedule (a test) does it itself.
+    pub fn set_master_weight(&mut self, m: Address, master: Address) {
+        self.masters.insert((m.space, m.offset), master);
+    }
+
+    /// The master weight of the parameter whose `m` is at `m`.
+    fn master_weight(&self, m: Address) -> Result<Address> {
+        self.masters
+            .get(&(m.space, m.offset))
+            .copied()
+            .ok_or_else(|| {
+                RuntimeError::BadSchedule(format!(
+                    "a bf16 AdamW reads its moment at {:?}+{} but no f32 master weight is \
+                     known for it; run mixed-precision schedules through the executor, which \
+                     finds them",
+                    m.space, m.offset
+                ))
+            })
+    }
+
     fn region(&self, space: Space) -> &Region {
         match space {
             Space::Device => &self.arena,
@@ -177,20 +210,76 @@ impl HostBackend {
         // SAFETY: as in `slice`, and no other view exists per the caller's contract.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
     }
+
+    /// AdamW on a bf16 parameter: its f32 master weight and f32 moments are updated from the
+    /// bf16 gradient (widened as it is read) and the parameter rewritten as the new master
+    /// rounded to bf16, in one pass: the CPU Adam's kernel, the CUDA `adamw_bf16`'s bits.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the op's operands and the master weight.
+    unsafe fn adamw_mixed(&self, l: &Launch<'_>) -> Result<Outcome> {
+        let (graph, op) = (l.graph, l.op);
+        let ty = |i: usize| &graph.value(op.inputs[i]).ty;
+        let OpKind::AdamW { clipped, .. } = op.kind else {
+            unreachable!("called for AdamW ops only")
+        };
+        let (param, grad) = (ty(0), ty(1));
+        if (param.dtype, grad.dtype, ty(2).dtype, ty(3).dtype)
+            != (DType::BF16, DType::BF16, DType::F32, DType::F32)
+        {
+            return Err(RuntimeError::BadSchedule(format!(
+                "adamw of a {param} parameter with a {grad} gradient and {} moments; the host \
+                 updates f32 parameters, or bf16 ones from bf16 gradients with f32 moments",
+                ty(2)
+            )));
+        }
+        let n = param.numel() as usize;
+        let master_at = self.master_weight(l.inputs[2])?;
+        // SAFETY (every view): the ordering contract gives this op its operands alone while it
+        // runs; param, grad, m, v, the coefficient and the master weight are distinct values
+        // at distinct homes, so the views do not overlap.
+        unsafe {
+            let master = self.slice_mut::<f32>(master_at, n)?;
+            let p = self.slice_mut::<bf16>(l.inputs[0], n)?;
+            let g = self.slice::<bf16>(l.inputs[1], n)?;
+            let m = self.slice_mut::<f32>(l.inputs[2], n)?;
+            let v = self.slice_mut::<f32>(l.inputs[3], n)?;
+            let coef = match clipped {
+                true => Some(self.slice::<f32>(l.inputs[4], 1)?[0]),
+                false => None,
+            };
+            dispatch::adamw_mixed(&op.kind, master, Grad::Bf16(g), m, v, Some(p), coef, l.step);
+        }
+        Ok(Outcome::default())
+    }
 }
 
-/// A kernel's inputs at their planned addresses, checked in bounds before the kernel runs.
+/// Bytes per element of a dtype the host stores, or why it stores no such values.
+fn element_bytes(ty: &TensorType) -> Result<u64> {
+    match ty.dtype {
+        DType::F32 | DType::I32 => Ok(4),
+        DType::BF16 => Ok(2),
+        DType::F16 => Err(RuntimeError::BadSchedule(format!(
+            "a {ty} operand: the host backend runs f32 and bf16 schedules; compile with \
+             dtype bf16 or f32"
+        ))),
+    }
+}
+
+/// A kernel's inputs at their planned addresses, each in its graph type, checked in bounds
+/// and aligned before the kernel runs.
 struct ArenaInputs<'a> {
     backend: &'a HostBackend,
     launch: &'a Launch<'a>,
 }
 
 impl ArenaInputs<'_> {
-    fn len(&self, i: usize) -> usize {
-        self.launch.graph.value(self.launch.op.inputs[i]).ty.numel() as usize
+    fn ty(&self, i: usize) -> &TensorType {
+        &self.launch.graph.value(self.launch.op.inputs[i]).ty
     }
 
-    /// Checks every input's range and alignment, so the views below cannot fail.
+    /// Checks every input's type, range and alignment, so the views below cannot fail.
     fn check(&self) -> Result<()> {
         if self.launch.inputs.len() != self.launch.op.inputs.len() {
             return Err(RuntimeError::BadSchedule(format!(
@@ -201,26 +290,30 @@ impl ArenaInputs<'_> {
             )));
         }
         for (i, at) in self.launch.inputs.iter().enumerate() {
+            let ty = self.ty(i);
+            let size = element_bytes(ty)?;
             self.backend
                 .region(at.space)
-                .at(at.offset, 4 * self.len(i) as u64, 4)?;
+                .at(at.offset, size * ty.numel(), size as usize)?;
         }
         Ok(())
     }
 }
 
-impl<'a> dispatch::Inputs<'a> for ArenaInputs<'a> {
-    fn f32(&self, i: usize) -> &'a [f32] {
-        // SAFETY: in bounds (checked in `check`); the ordering contract `launch` was called
-        // under keeps writers away while the kernel reads.
-        unsafe { self.backend.slice(self.launch.inputs[i], self.len(i)) }
-            .expect("inputs were checked before the kernel ran")
-    }
-
-    fn i32(&self, i: usize) -> &'a [i32] {
-        // SAFETY: as for `f32`.
-        unsafe { self.backend.slice(self.launch.inputs[i], self.len(i)) }
-            .expect("inputs were checked before the kernel ran")
+impl<'a> dispatch::StoredInputs<'a> for ArenaInputs<'a> {
+    fn stored(&self, i: usize) -> Stored<'a> {
+        let (at, ty) = (self.launch.inputs[i], self.ty(i));
+        let n = ty.numel() as usize;
+        // SAFETY: in bounds and aligned for its type (checked in `check`); the ordering
+        // contract `launch` was called under keeps writers away while the kernel reads.
+        let stored = unsafe {
+            match ty.dtype {
+                DType::BF16 => self.backend.slice(at, n).map(Stored::Bf16),
+                DType::I32 => self.backend.slice(at, n).map(Stored::I32),
+                _ => self.backend.slice(at, n).map(Stored::F32),
+            }
+        };
+        stored.expect("inputs were checked before the kernel ran")
     }
 }
 
@@ -256,6 +349,8 @@ fn check_available(arena_bytes: u64, host_bytes: u64, available: Option<u64>) ->
 impl Backend for HostBackend {
     type Stream = HostStream;
 
+    const RUNS_BF16: bool = true;
+
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         check_available(arena_bytes, host_bytes, memory_available())?;
         Ok(Self {
@@ -266,11 +361,22 @@ impl Backend for HostBackend {
                 aborted: false,
             }),
             event_recorded: Condvar::new(),
+            masters: HashMap::new(),
         })
     }
 
+    fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
+        for m in master_weights(schedule)? {
+            self.set_master_weight(m.m, m.master);
+        }
+        Ok(())
+    }
+
     fn create_stream(&self, kind: StreamKind) -> Result<HostStream> {
-        Ok(HostStream { kind })
+        Ok(HostStream {
+            kind,
+            staging: Staging::default(),
+        })
     }
 
     fn begin_step(&mut self) {
@@ -282,7 +388,7 @@ impl Backend for HostBackend {
         state.aborted = false;
     }
 
-    unsafe fn launch(&self, _stream: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
+    unsafe fn launch(&self, stream: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
         let (graph, op) = (l.graph, l.op);
         let len = |v: protrain_ir::ValueId| graph.value(v).ty.numel() as usize;
         if let OpKind::AdamW { clipped, .. } = op.kind {
@@ -292,6 +398,10 @@ impl Backend for HostBackend {
                     op.inputs.len(),
                     l.inputs.len()
                 )));
+            }
+            if graph.value(op.inputs[0]).ty.dtype != DType::F32 {
+                // SAFETY: the caller's ordering contract, as below.
+                return unsafe { self.adamw_mixed(l) };
             }
             // SAFETY: the caller upholds the ordering contract: nothing else touches the
             // parameter, moments or gradient meanwhile, and they do not overlap each other.
@@ -327,18 +437,40 @@ impl Backend for HostBackend {
                 l.outputs.len()
             )));
         }
-        let mut outputs: [&mut [f32]; MAX_OUTPUTS] = Default::default();
+        let mut outputs: [StoredMut<'_>; MAX_OUTPUTS] =
+            std::array::from_fn(|_| StoredMut::F32(&mut []));
         for (i, out) in outputs.iter_mut().enumerate().take(n) {
+            let (at, ty) = (l.outputs[i], &graph.value(op.outputs[i]).ty);
+            let len = ty.numel() as usize;
             // SAFETY: the caller upholds the ordering contract: outputs overlap no input, no
             // other output and the workspace, and no other stream touches them meanwhile.
-            *out = unsafe { self.slice_mut(l.outputs[i], len(op.outputs[i]))? };
+            *out = unsafe {
+                match ty.dtype {
+                    DType::F32 => StoredMut::F32(self.slice_mut(at, len)?),
+                    DType::BF16 => StoredMut::Bf16(self.slice_mut(at, len)?),
+                    _ => {
+                        return Err(RuntimeError::BadSchedule(format!(
+                            "{} writes output {i} as {ty}; the host kernels write f32 or bf16",
+                            op.kind.mnemonic()
+                        )))
+                    }
+                }
+            };
         }
         let workspace: &mut [f32] = match l.workspace {
             // SAFETY: as for the outputs.
             Some((at, bytes)) => unsafe { self.slice_mut(at, (bytes / 4) as usize)? },
             None => &mut [],
         };
-        dispatch::run(graph, op, l.prepared, &inputs, &mut outputs[..n], workspace)
+        dispatch::run_stored(
+            graph,
+            op,
+            l.prepared,
+            &inputs,
+            &mut outputs[..n],
+            workspace,
+            &mut stream.staging,
+        )
     }
 
     unsafe fn copy(
@@ -427,6 +559,18 @@ impl Backend for HostBackend {
         out.copy_from_slice(unsafe { self.slice(at, out.len())? });
         Ok(())
     }
+
+    fn write_bf16(&mut self, at: Address, data: &[bf16]) -> Result<()> {
+        // SAFETY: as in `write_f32`.
+        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn read_bf16(&self, at: Address, out: &mut [bf16]) -> Result<()> {
+        // SAFETY: as in `read_f32`.
+        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -486,6 +630,31 @@ mod tests {
         };
         assert!(b.read_f32(host, &mut x).is_err());
         assert!(b.read_f32(host, &mut []).is_ok());
+    }
+
+    #[test]
+    fn bf16_values_round_trip_and_an_unknown_master_weight_is_an_error() {
+        let mut b = HostBackend::new(64, 0, 0).unwrap();
+        let at = Address {
+            space: Space::Device,
+            offset: 2,
+        };
+        let values = [bf16::from_f32(1.5), bf16::from_f32(-2.25), bf16::MAX];
+        b.write_bf16(at, &values).unwrap();
+        let mut back = [bf16::ZERO; 3];
+        b.read_bf16(at, &mut back).unwrap();
+        assert_eq!(back, values);
+        // Stored as bf16: the f32 at offset 0 holds the first value's bits in its high half.
+        let mut word = [0.0f32];
+        b.read_f32(Address { offset: 0, ..at }, &mut word).unwrap();
+        assert_eq!(word[0].to_bits() >> 16, u32::from(values[0].to_bits()));
+        let odd = Address { offset: 1, ..at };
+        assert!(b.write_bf16(odd, &values).is_err(), "misaligned");
+        let e = b.master_weight(at).unwrap_err().to_string();
+        assert!(e.contains("master weight") && e.contains("executor"), "{e}");
+        let master = Address { offset: 32, ..at };
+        b.set_master_weight(at, master);
+        assert_eq!(b.master_weight(at).unwrap(), master);
     }
 
     #[test]

@@ -132,8 +132,9 @@ pub struct ShapeArgs {
     /// position limit].
     #[arg(long)]
     pub seq: Option<u64>,
-    /// Element type of parameters and activations [default: f32 on host hardware, whose
-    /// kernels are f32; bf16 with f32 master weights on a GPU].
+    /// Element type of parameters and activations [default: f32 on host hardware; bf16 with
+    /// f32 master weights on a GPU]. The host backend runs bf16 schedules too, rounding where
+    /// the CUDA backend rounds.
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
 }

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
     /// This machine's CPU: the same streams (one thread each), events and memory layout as on
-    /// a GPU, with bit-identical results under every policy (f32 schedules).
+    /// a GPU, with bit-identical results under every policy. It runs f32 schedules, and bf16
+    /// ones as the CUDA backend does (bf16 storage, f32 arithmetic, f32 master weights, the
+    /// same rounding points).
     Host,
     /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`, an NVIDIA driver for
     /// CUDA 13, cuBLAS and NVRTC); runs bf16 and f32 schedules.
@@ -168,8 +170,7 @@ impl ExecArgs {
 /// Arguments of `protrain run`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A schedule written by `protrain compile` (compile with --dtype f32 for the host
-    /// backend; the cuda backend runs bf16 and f32 schedules).
+    /// A schedule written by `protrain compile` (f32 or bf16; both backends run both).
     schedule: PathBuf,
     #[command(flatten)]
     exec: ExecArgs,
@@ -205,15 +206,6 @@ pub fn run(args: Args) -> Result<()> {
         )));
     }
     let schedule = protrain::ir::file::read(&args.schedule)?;
-    if args.exec.backend == BackendKind::Host && schedule.header.dtype != protrain::ir::DType::F32 {
-        return Err(Error::Usage(format!(
-            "{} is a {} schedule, but the host backend's kernels are f32; compile it with \
-             `protrain compile {} --dtype f32`, or run it with --backend cuda",
-            args.schedule.display(),
-            schedule.header.dtype,
-            schedule.header.model
-        )));
-    }
     check_optimizer_flags(&schedule, &args)?;
     let predicted = match &args.exec.trace {
         Some(_) => predicted_timeline(&schedule),

@@ -30,6 +30,29 @@ pub fn add_assign(acc: &mut [f32], b: &[f32]) {
         });
 }
 
+/// `y[r, c] += bias[c]` for `y` `[rows, bias.len()]`: a bias added after the product it
+/// belongs to (the CUDA backend's `bias_add` after its GEMM, where bf16 storage rounds the
+/// product first; [`super::linear_forward`] adds an f32 bias before the product instead).
+pub fn bias_add_assign(y: &mut [f32], bias: &[f32]) {
+    let cols = bias.len();
+    if cols == 0 {
+        assert!(
+            y.is_empty(),
+            "bias_add_assign: y has values but the bias has none"
+        );
+        return;
+    }
+    assert_eq!(y.len() % cols, 0, "bias_add_assign: y is not [rows, bias]");
+    let rows_per_task = (ELEM_GRAIN / cols).max(1);
+    y.par_chunks_mut(rows_per_task * cols).for_each(|rows| {
+        for row in rows.chunks_exact_mut(cols) {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o += b;
+            }
+        }
+    });
+}
+
 /// Backward of [`add_forward`]: `da = dout` and `db = dout`, both overwritten.
 pub fn add_backward(da: &mut [f32], db: &mut [f32], dout: &[f32]) {
     assert_eq!(
@@ -75,6 +98,20 @@ mod tests {
         };
         check_grad("add da", &a, &da, |a| f(a, &b), &cot);
         check_grad("add db", &b, &db, |b| f(&a, b), &cot);
+    }
+
+    #[test]
+    fn bias_add_assign_adds_the_bias_to_every_row() {
+        let mut rng = Rng::new(42);
+        let (cols, rows) = (7, 5000);
+        let (y0, bias) = (rng.vec(rows * cols), rng.vec(cols));
+        let mut y = y0.clone();
+        bias_add_assign(&mut y, &bias);
+        for (i, (got, x)) in y.iter().zip(&y0).enumerate() {
+            assert_eq!(got.to_bits(), (x + bias[i % cols]).to_bits(), "element {i}");
+        }
+        let mut empty: [f32; 0] = [];
+        bias_add_assign(&mut empty, &[]);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Host kernels: every forward and backward op kind and AdamW, in f32.
+//! Host kernels: every forward and backward op kind and AdamW, in f32 (bf16 storage is
+//! widened before and rounded after them: [`storage`]).
 //!
 //! One file per op family; every `*_forward` has its `*_backward` beside it (llm.c style).
 //! Kernels take plain slices and explicit dimensions, allocate nothing, and panic only on
@@ -22,6 +23,7 @@ pub mod linear;
 mod math;
 pub mod norm;
 pub mod rope;
+pub mod storage;
 
 #[cfg(test)]
 mod testutil;
@@ -34,10 +36,11 @@ pub use adamw::{
     adamw_step, adamw_step_fused, bf16, clip_coef, grad_norm_sq, scale, to_bf16, AdamWConfig, Grad,
     ADAMW_BLOCK,
 };
-pub use add::{add_assign, add_backward, add_forward};
+pub use add::{add_assign, add_backward, add_forward, bias_add_assign};
 pub use attention::{
-    attention_backward, attention_backward_packed, attention_forward, attention_forward_packed,
-    AttentionDims,
+    attention_backward, attention_backward_packed, attention_backward_packed_rounded,
+    attention_backward_rounded, attention_forward, attention_forward_packed,
+    attention_forward_packed_rounded, attention_forward_rounded, AttentionDims,
 };
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 pub use embedding::{
@@ -47,3 +50,4 @@ pub use embedding::{
 pub use linear::{linear_backward, linear_forward, WeightLayout};
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
 pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
+pub use storage::{narrow, widen, Rounding};
