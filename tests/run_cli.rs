@@ -357,8 +357,17 @@ fn train_gives_the_same_losses_under_a_roomy_and_a_tight_budget() {
 fn train_runs_bf16_on_the_host_backend_close_to_f32() {
     let run = |dtype: &str| {
         let out = protrain(&[
-            "train", "gpt2-tiny", "--dtype", dtype, "--steps", "3", "--batch", "2", "--seq",
-            "16", "--log-json",
+            "train",
+            "gpt2-tiny",
+            "--dtype",
+            dtype,
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--log-json",
         ]);
         losses(&out)
             .iter()
