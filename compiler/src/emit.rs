@@ -1,66 +1,16 @@
 //! Emission: assembles the [`Schedule`] and its header from the streamed, planned passes.
 //!
 //! The streams pass lowered every movement op of the placed graph to a copy instruction, so
-//! the schedule's graph is the compute graph: emission drops the movement ops, and each op
-//! that read a copy reads the value it was copied from (`use(gather(p))` becomes `use(p)`),
-//! renumbering values and ops, and the instructions, homes and copies that name them.
+//! the schedule's graph is the compute graph, the placed graph without its movement ops, in
+//! which each op that read a copy reads the value it was copied from (`use(gather(p))` is
+//! `use(p)`). Placement kept that graph and where each placed op and value is in it
+//! ([`crate::movement::Lowering`]); emission renumbers the instructions, homes and copies that
+//! name placed ids.
 
 use crate::error::Result;
 use crate::plan::Planned;
 use crate::streams::Streamed;
-use protrain_ir::{
-    CopyKind, Graph, Header, Instr, OpId, OpKind, Prediction, Role, Schedule, ValueId,
-    FORMAT_VERSION,
-};
-use std::collections::HashMap;
-
-/// A placed graph without its movement ops, and where each of its ops and values went (a
-/// moved copy goes where its source did).
-struct Lowered {
-    graph: Graph,
-    ops: HashMap<OpId, OpId>,
-    values: HashMap<ValueId, ValueId>,
-}
-
-/// Drops the movement ops of `placed`: every other op, in order, reads the sources of the
-/// copies it read.
-fn lower_movement(placed: &Graph) -> Result<Lowered> {
-    let (mut graph, mut values) = placed.skeleton();
-    for (id, value) in placed.values() {
-        if value.role == Role::OptimizerState && value.producer.is_none() {
-            values.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));
-        }
-    }
-    let mut ops = HashMap::new();
-    for (id, op) in placed.ops() {
-        match op.kind {
-            OpKind::MoveStart(_) | OpKind::MoveDone(_) => {
-                for (&input, &output) in op.inputs.iter().zip(&op.outputs) {
-                    values.insert(output, values[&input]);
-                }
-            }
-            OpKind::Release { .. } => {}
-            _ => {
-                let inputs: Vec<ValueId> = op.inputs.iter().map(|v| values[v]).collect();
-                let outputs: Vec<(String, Role)> = op
-                    .outputs
-                    .iter()
-                    .map(|&v| (placed.value(v).name.clone(), placed.value(v).role))
-                    .collect();
-                let new =
-                    graph.add_op_multi(op.kind.clone(), &inputs, &outputs, op.block, op.phase)?;
-                for (&old, new) in op.outputs.iter().zip(new) {
-                    values.insert(old, new);
-                }
-                ops.insert(id, OpId::new(graph.op_count() - 1));
-            }
-        }
-    }
-    for &v in placed.outputs() {
-        graph.add_output(values[&v]);
-    }
-    Ok(Lowered { graph, ops, values })
-}
+use protrain_ir::{CopyKind, Header, Instr, Prediction, Schedule, ValueId, FORMAT_VERSION};
 
 /// What the header records about the compilation, beyond what the passes produced.
 #[derive(Clone, Debug)]
@@ -80,13 +30,15 @@ pub struct HeaderInputs {
 /// Builds the schedule. Its predicted step time and per-stream busy time are zero until the
 /// simulator fills them in.
 pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Result<Schedule> {
-    let lowered = lower_movement(&streamed.placed.graph)?;
-    let graph = lowered.graph;
-    let value = |v: ValueId| lowered.values[&v];
+    let placed = streamed.placed;
+    let (graph, lowering) = (placed.compute, placed.lowering);
+    let value = |v: ValueId| lowering.values[v.index()];
     let mut streams = streamed.streams;
     for instr in streams.iter_mut().flat_map(|s| s.instrs.iter_mut()) {
         match instr {
-            Instr::Kernel { op, .. } => *op = lowered.ops[op],
+            Instr::Kernel { op, .. } => {
+                *op = lowering.ops[op.index()].expect("a kernel runs a compute op")
+            }
             Instr::Copy { what, .. } => match what {
                 CopyKind::OffloadActivation { value: v }
                 | CopyKind::ReloadActivation { value: v }
@@ -126,7 +78,7 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         hardware: inputs.hardware,
         device_budget_bytes: inputs.device_budget_bytes,
         host_budget_bytes: inputs.host_budget_bytes,
-        policy: streamed.placed.policy,
+        policy: placed.policy,
         prediction: Prediction {
             step_seconds: 0.0,
             stream_busy_seconds: vec![0.0; streams.len()],
@@ -141,7 +93,7 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
     Ok(Schedule {
         header,
         graph,
-        chunks: streamed.placed.chunks,
+        chunks: placed.chunks,
         buffers: streamed.buffers.into_iter().map(|p| p.buffer).collect(),
         streams,
         events: streamed.events,

@@ -26,10 +26,12 @@
 //! reloaded copy, the host optimizer the host copies of gradients and of the coefficient.
 
 use crate::error::{CompileError, Result};
+use fnv::FnvHashMap as HashMap;
 use protrain_ir::{
-    BlockId, ChunkId, ChunkTable, Graph, Movement, OpId, OpKind, Phase, Policy, Role, ValueId,
+    BlockId, ChunkId, ChunkTable, Graph, Movement, OpId, OpKind, Phase, Policy, Role, TensorType,
+    ValueId,
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 /// Whether an op of a compute-order graph runs on the host optimizer under `policy`: the
 /// AdamW of a parameter in a chunk that is not persistent.
@@ -49,6 +51,29 @@ struct Timeline {
     host: Vec<OpId>,
     /// The last kernel's time.
     end: u32,
+    /// Each compute op's time, by op index ([`u32::MAX`] for a host op).
+    time: Vec<u32>,
+}
+
+impl Timeline {
+    fn new(device: Vec<OpId>, host: Vec<OpId>, ops: usize) -> Self {
+        let end = device.len().saturating_sub(1) as u32;
+        let mut time = vec![u32::MAX; ops];
+        for (t, &op) in device.iter().enumerate() {
+            time[op.index()] = t as u32;
+        }
+        Self {
+            device,
+            host,
+            end,
+            time,
+        }
+    }
+
+    /// The time of a device kernel; `None` for a host op.
+    fn time(&self, op: OpId) -> Option<u32> {
+        Some(self.time[op.index()]).filter(|&t| t != u32::MAX)
+    }
 }
 
 /// When kernels read each value, and where blocks start.
@@ -57,18 +82,19 @@ struct Readers {
     forward_blocks: Vec<(BlockId, u32)>,
     /// Each backward (or recompute) block and the time of its first kernel, in order.
     backward_blocks: Vec<(BlockId, u32)>,
-    /// The last forward kernel that reads each value.
-    last_forward: HashMap<ValueId, u32>,
-    /// The first backward, recompute or optimizer kernel that reads each value.
-    first_backward: HashMap<ValueId, u32>,
+    /// The last forward kernel that reads each value, by value index ([`u32::MAX`]: none).
+    last_forward: Vec<u32>,
+    /// The first backward, recompute or optimizer kernel that reads each value, by value
+    /// index ([`u32::MAX`]: none).
+    first_backward: Vec<u32>,
 }
 
 impl Readers {
     fn of(graph: &Graph, timeline: &Timeline) -> Self {
         let mut forward_blocks: Vec<(BlockId, u32)> = Vec::new();
         let mut backward_blocks: Vec<(BlockId, u32)> = Vec::new();
-        let mut last_forward = HashMap::new();
-        let mut first_backward = HashMap::new();
+        let mut last_forward = vec![u32::MAX; graph.values().len()];
+        let mut first_backward = vec![u32::MAX; graph.values().len()];
         for (t, &op) in timeline.device.iter().enumerate() {
             let (t, o) = (t as u32, graph.op(op));
             let list = match o.phase {
@@ -83,9 +109,9 @@ impl Readers {
             }
             for &v in &o.inputs {
                 if o.phase == Phase::Forward {
-                    last_forward.insert(v, t);
-                } else {
-                    first_backward.entry(v).or_insert(t);
+                    last_forward[v.index()] = t;
+                } else if first_backward[v.index()] == u32::MAX {
+                    first_backward[v.index()] = t;
                 }
             }
         }
@@ -100,6 +126,16 @@ impl Readers {
     /// The time of the backward pass's first kernel (`end` when there is none).
     fn first_backward(&self, end: u32) -> u32 {
         self.backward_blocks.first().map_or(end, |&(_, t)| t)
+    }
+
+    /// The last forward kernel that reads `v`.
+    fn last_forward_read(&self, v: ValueId) -> Option<u32> {
+        Some(self.last_forward[v.index()]).filter(|&t| t != u32::MAX)
+    }
+
+    /// The first backward, recompute or optimizer kernel that reads `v`.
+    fn first_backward_read(&self, v: ValueId) -> Option<u32> {
+        Some(self.first_backward[v.index()]).filter(|&t| t != u32::MAX)
     }
 }
 
@@ -128,9 +164,20 @@ struct Tenancy {
     last: u32,
 }
 
+/// Where each op and value of a placed graph comes from in the compute graph it was built
+/// from: what [`crate::emit`] needs to lower the movement ops away without rebuilding.
+#[derive(Clone, Debug)]
+pub struct Lowering {
+    /// Per op of the placed graph: the compute op it is, `None` for a movement op.
+    pub ops: Vec<Option<OpId>>,
+    /// Per value of the placed graph: the compute value it is, or that it is a copy of.
+    pub values: Vec<ValueId>,
+}
+
 /// Inserts the movement of `policy` into `compute`, a graph in compute order (the forward
 /// pass, the backward pass with recomputation, then the optimizer tails), whose `swapped`
-/// values are offloaded after the forward pass.
+/// values are offloaded after the forward pass. Returns the placed graph and where its ops
+/// and values come from in `compute`.
 ///
 /// Fails when an op reads more streamed chunks than there are slots.
 pub fn insert_movement(
@@ -138,14 +185,12 @@ pub fn insert_movement(
     chunks: &ChunkTable,
     policy: &Policy,
     swapped: &BTreeSet<ValueId>,
-) -> Result<Graph> {
+) -> Result<(Graph, Lowering)> {
     let (host, device): (Vec<OpId>, Vec<OpId>) = compute
         .ops()
         .map(|(id, _)| id)
         .partition(|&id| runs_on_host(compute, chunks, policy, id));
-    let end = device.len().saturating_sub(1) as u32;
-    let timeline = Timeline { device, host, end };
-    let readers = Readers::of(compute, &timeline);
+    let timeline = Timeline::new(device, host, compute.op_count());
     let streamed = |c: ChunkId| c.0 >= policy.n_persist;
     let slots = {
         let n = chunks.len() as u32 - policy.n_persist.min(chunks.len() as u32);
@@ -155,7 +200,7 @@ pub fn insert_movement(
     let mut copies: Vec<Copy> = Vec::new();
     let (tenancies, slot_at) = gathers(compute, chunks, &timeline, slots, &streamed, &mut copies)?;
     let grad_copy = grad_offloads(compute, chunks, &timeline, &streamed, &mut copies);
-    let swap_copy = swaps(compute, &timeline, &readers, swapped, &mut copies);
+    let swap_copy = swaps(compute, &timeline, swapped, &mut copies);
     let scalar_copy = clip_scalar(compute, &timeline, &mut copies);
     rebuild(
         compute,
@@ -186,7 +231,7 @@ fn gathers(
     copies: &mut Vec<Copy>,
 ) -> Result<(Vec<Tenancy>, SlotAt)> {
     let mut tenancies: Vec<Tenancy> = Vec::new();
-    let mut slot_at: HashMap<(u32, ChunkId), usize> = HashMap::new();
+    let mut slot_at: HashMap<(u32, ChunkId), usize> = HashMap::default();
     // Each slot's tenancy (an index into `tenancies`).
     let mut resident: Vec<Option<usize>> = vec![None; slots as usize];
     for (t, &op) in timeline.device.iter().enumerate() {
@@ -260,15 +305,9 @@ fn grad_offloads(
     streamed: &dyn Fn(ChunkId) -> bool,
     copies: &mut Vec<Copy>,
 ) -> HashMap<ValueId, usize> {
-    let time: HashMap<OpId, u32> = timeline
-        .device
-        .iter()
-        .enumerate()
-        .map(|(t, &op)| (op, t as u32))
-        .collect();
     // Per chunk: its gradients by member offset, and the first and last time one is written.
-    let mut chunk_grads: HashMap<ChunkId, Vec<(u64, ValueId)>> = HashMap::new();
-    let mut chunk_done: HashMap<ChunkId, (u32, u32)> = HashMap::new();
+    let mut chunk_grads: HashMap<ChunkId, Vec<(u64, ValueId)>> = HashMap::default();
+    let mut chunk_done: HashMap<ChunkId, (u32, u32)> = HashMap::default();
     for (_, op) in graph.ops() {
         let OpKind::AdamW { .. } = op.kind else {
             continue;
@@ -283,7 +322,9 @@ fn grad_offloads(
         let g = op.inputs[1];
         chunk_grads.entry(c).or_default().push((offset, g));
         let producer = graph.value(g).producer.expect("gradients are computed");
-        let t = time[&producer];
+        let t = timeline
+            .time(producer)
+            .expect("gradients are computed on the device");
         let entry = chunk_done.entry(c).or_insert((t, t));
         entry.0 = entry.0.min(t);
         entry.1 = entry.1.max(t);
@@ -294,7 +335,7 @@ fn grad_offloads(
         .collect();
     by_completion.sort_by_key(|&(c, done)| (done, c));
     let end = timeline.end;
-    let mut grad_copy = HashMap::new();
+    let mut grad_copy = HashMap::default();
     for (i, &(c, done)) in by_completion.iter().enumerate() {
         let wait = by_completion
             .get(i + 1)
@@ -321,39 +362,38 @@ fn grad_offloads(
 fn swaps(
     graph: &Graph,
     timeline: &Timeline,
-    readers: &Readers,
     swapped: &BTreeSet<ValueId>,
     copies: &mut Vec<Copy>,
 ) -> HashMap<ValueId, (usize, usize)> {
-    let time: HashMap<OpId, u32> = timeline
-        .device
-        .iter()
-        .enumerate()
-        .map(|(t, &op)| (op, t as u32))
-        .collect();
+    let mut out = HashMap::default();
+    if swapped.is_empty() {
+        return out;
+    }
+    let readers = Readers::of(graph, timeline);
     let end = timeline.end;
     let first_backward = readers.first_backward(end);
-    let mut out = HashMap::new();
     for &v in swapped {
         let producer = graph
             .value(v)
             .producer
             .expect("swapped values are computed");
-        let t = time[&producer];
+        let t = timeline
+            .time(producer)
+            .expect("swapped values are computed on the device");
         let block = graph.op(producer).block;
         let pos = readers
             .forward_blocks
             .iter()
             .position(|&(b, _)| b == block)
             .unwrap_or(0);
-        let last_fwd = readers.last_forward.get(&v).copied().unwrap_or(t).max(t);
+        let last_fwd = readers.last_forward_read(v).unwrap_or(t).max(t);
         let wait = readers
             .forward_blocks
             .get(pos + 2)
             .map_or(first_backward, |&(_, s)| s)
             .max(last_fwd + 1)
             .min(end);
-        let first_use = readers.first_backward.get(&v).copied().unwrap_or(end);
+        let first_use = readers.first_backward_read(v).unwrap_or(end);
         let bpos = readers
             .backward_blocks
             .iter()
@@ -395,7 +435,7 @@ fn clip_scalar(graph: &Graph, timeline: &Timeline, copies: &mut Vec<Copy>) -> Op
         return None;
     }
     let producer = graph.value(coef).producer.expect("computed");
-    let t = timeline.device.iter().position(|&op| op == producer)? as u32;
+    let t = timeline.time(producer)?;
     copies.push(Copy {
         movement: Movement::ToHost,
         sources: vec![coef],
@@ -427,7 +467,7 @@ fn rebuild(
     grad_copy: &HashMap<ValueId, usize>,
     swap_copy: &HashMap<ValueId, (usize, usize)>,
     scalar_copy: Option<usize>,
-) -> Result<Graph> {
+) -> Result<(Graph, Lowering)> {
     let n = copies.len() as u64;
     #[derive(Clone, Copy)]
     enum Item {
@@ -461,32 +501,39 @@ fn rebuild(
     }
     items.sort_by_key(|&(p, _)| p);
 
-    let (mut graph, mut map) = compute.skeleton();
+    let (mut graph, skeleton) = compute.skeleton();
+    // Each compute value's placed value, by compute value index.
+    let mut map: Vec<Option<ValueId>> = vec![None; compute.values().len()];
+    for (old, new) in skeleton {
+        map[old.index()] = Some(new);
+    }
     for (id, value) in compute.values() {
         if value.role == Role::OptimizerState && value.producer.is_none() {
-            map.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));
+            map[id.index()] = Some(graph.add_state(value.name.clone(), value.ty.clone()));
         }
     }
+    let placed = |map: &[Option<ValueId>], v: ValueId| {
+        map[v.index()].expect("a compute value is placed before it is read")
+    };
     // Per copy: its start's outputs, then its done's.
     let mut started: Vec<Vec<ValueId>> = vec![Vec::new(); copies.len()];
     let mut done: Vec<Vec<ValueId>> = vec![Vec::new(); copies.len()];
-    let time: HashMap<OpId, u32> = timeline
-        .device
-        .iter()
-        .enumerate()
-        .map(|(t, &op)| (op, t as u32))
-        .collect();
     // The phase and block of the kernel nearest a place, for the movement ops there.
     let near = |p: u64| {
         let t = (p.saturating_sub(1) / 2).min(u64::from(timeline.end)) as usize;
         let o = compute.op(timeline.device[t]);
         (o.phase, o.block)
     };
+    let mut op_origin: Vec<Option<OpId>> = Vec::with_capacity(items.len());
     for &((place, _), item) in &items {
+        op_origin.push(match item {
+            Item::Kernel(old) => Some(old),
+            _ => None,
+        });
         match item {
             Item::Kernel(old) => {
                 let op = compute.op(old);
-                let t = time.get(&old).copied();
+                let t = timeline.time(old);
                 let inputs: Vec<ValueId> = op
                     .inputs
                     .iter()
@@ -507,48 +554,51 @@ fn rebuild(
                             scalar_copy,
                             copies,
                         )
-                        .unwrap_or(map[&v])
+                        .unwrap_or_else(|| placed(&map, v))
                     })
                     .collect();
-                let outputs: Vec<(String, Role)> = op
+                let outputs = op
                     .outputs
                     .iter()
-                    .map(|&v| (compute.value(v).name.clone(), compute.value(v).role))
+                    .map(|&v| {
+                        let value = compute.value(v);
+                        (value.name.clone(), value.role, value.ty.clone())
+                    })
                     .collect();
                 let new =
-                    graph.add_op_multi(op.kind.clone(), &inputs, &outputs, op.block, op.phase)?;
+                    graph.add_op_typed(op.kind.clone(), &inputs, outputs, op.block, op.phase)?;
                 for (&old_v, new_v) in op.outputs.iter().zip(new) {
-                    map.insert(old_v, new_v);
+                    map[old_v.index()] = Some(new_v);
                 }
             }
             Item::Start(i) => {
                 let c = &copies[i];
                 let inputs: Vec<ValueId> = match c.from {
                     Some(from) => done[from].clone(),
-                    None => c.sources.iter().map(|v| map[v]).collect(),
+                    None => c.sources.iter().map(|&v| placed(&map, v)).collect(),
                 };
-                let names = names(
+                let outputs = copied(
                     compute,
                     &c.sources,
                     &format!("{}.start", suffix(c.movement)),
                 );
                 let (phase, block) = near(place);
-                started[i] = graph.add_op_multi(
+                started[i] = graph.add_op_typed(
                     OpKind::MoveStart(c.movement),
                     &inputs,
-                    &names,
+                    outputs,
                     block,
                     phase,
                 )?;
             }
             Item::Done(i) => {
                 let c = &copies[i];
-                let names = names(compute, &c.sources, &suffix(c.movement));
+                let outputs = copied(compute, &c.sources, &suffix(c.movement));
                 let (phase, block) = near(place);
-                done[i] = graph.add_op_multi(
+                done[i] = graph.add_op_typed(
                     OpKind::MoveDone(c.movement),
                     &started[i],
-                    &names,
+                    outputs,
                     block,
                     phase,
                 )?;
@@ -570,9 +620,29 @@ fn rebuild(
         }
     }
     for &v in compute.outputs() {
-        graph.add_output(map[&v]);
+        graph.add_output(placed(&map, v));
     }
-    Ok(graph)
+    let mut origin: Vec<Option<ValueId>> = vec![None; graph.values().len()];
+    for (old, new) in map.iter().enumerate() {
+        if let Some(new) = new {
+            origin[new.index()] = Some(ValueId::new(old));
+        }
+    }
+    for (i, c) in copies.iter().enumerate() {
+        for (k, &source) in c.sources.iter().enumerate() {
+            origin[started[i][k].index()] = Some(source);
+            origin[done[i][k].index()] = Some(source);
+        }
+    }
+    let values = origin
+        .into_iter()
+        .map(|v| v.expect("every placed value is a compute value or a copy of one"))
+        .collect();
+    let lowering = Lowering {
+        ops: op_origin,
+        values,
+    };
+    Ok((graph, lowering))
 }
 
 /// What a copy's name adds to its source's: where the copy is.
@@ -584,13 +654,18 @@ fn suffix(movement: Movement) -> String {
     }
 }
 
-/// The copies' names: each source's name with `.suffix`, and its role.
-fn names(graph: &Graph, sources: &[ValueId], suffix: &str) -> Vec<(String, Role)> {
+/// The copies of `sources` (a movement op's outputs): each source's name with `.suffix`, its
+/// role and its type.
+fn copied(graph: &Graph, sources: &[ValueId], suffix: &str) -> Vec<(String, Role, TensorType)> {
     sources
         .iter()
         .map(|&v| {
             let value = graph.value(v);
-            (format!("{}.{suffix}", value.name), value.role)
+            (
+                format!("{}.{suffix}", value.name),
+                value.role,
+                value.ty.clone(),
+            )
         })
         .collect()
 }

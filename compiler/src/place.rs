@@ -12,9 +12,9 @@
 //! coefficient's copy. The pass does not decide streams, events or addresses.
 
 use crate::error::{CompileError, Result};
-use crate::movement::insert_movement;
+use crate::movement::{insert_movement, Lowering};
 use protrain_ir::{
-    BlockKind, BlockMode, ChunkTable, Graph, OpId, OpKind, Phase, Policy, Role, ValueId,
+    BlockKind, BlockMode, ChunkTable, Graph, OpId, OpKind, Phase, Policy, Role, TensorType, ValueId,
 };
 use std::collections::{BTreeSet, HashMap};
 
@@ -24,6 +24,11 @@ use std::collections::{BTreeSet, HashMap};
 pub struct Placed {
     /// The graph in program order, with recomputation clones and movement ops.
     pub graph: Graph,
+    /// The same graph without its movement ops (each op reads what its copies were copied
+    /// from): the schedule's graph.
+    pub compute: Graph,
+    /// Where each op and value of `graph` is in `compute`.
+    pub lowering: Lowering,
     /// The policy applied (for the schedule's header; the graph holds its decisions).
     pub policy: Policy,
     /// The chunk table (parameter ids are the same in the placed graph).
@@ -193,19 +198,20 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
                 }
             })
             .collect();
-        let outputs: Vec<(String, Role)> = op
+        let outputs: Vec<(String, Role, TensorType)> = op
             .outputs
             .iter()
             .map(|&v| {
                 let value = training.value(v);
-                match is_clone {
-                    true => (format!("{}.recompute", value.name), value.role),
-                    false => (value.name.clone(), value.role),
-                }
+                let name = match is_clone {
+                    true => format!("{}.recompute", value.name),
+                    false => value.name.clone(),
+                };
+                (name, value.role, value.ty.clone())
             })
             .collect();
         let phase = if is_clone { Phase::Recompute } else { op.phase };
-        let new = graph.add_op_multi(op.kind.clone(), &inputs, &outputs, op.block, phase)?;
+        let new = graph.add_op_typed(op.kind.clone(), &inputs, outputs, op.block, phase)?;
         for (&old_v, new_v) in op.outputs.iter().zip(new) {
             if is_clone {
                 clone_of.insert(old_v, new_v);
@@ -218,9 +224,12 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         graph.add_output(map[&v]);
     }
     let swapped = swapped_old.iter().map(|v| map[v]).collect();
-    let graph = insert_movement(&graph, chunks, policy, &swapped)?;
+    let compute = graph;
+    let (graph, lowering) = insert_movement(&compute, chunks, policy, &swapped)?;
     Ok(Placed {
         graph,
+        compute,
+        lowering,
         policy: policy.clone(),
         chunks: chunks.clone(),
     })

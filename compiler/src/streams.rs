@@ -307,11 +307,12 @@ fn order_steps(
 
 /// Builds the streams of a placed graph.
 pub fn streams(placed: Placed) -> Result<Streamed> {
-    Builder::new(placed).build()
+    Builder::new(placed.chunks.chunk_bytes).build(placed)
 }
 
 struct Builder {
-    placed: Placed,
+    /// Bytes of one chunk (and of one slot).
+    chunk_bytes: u64,
     buffers: Vec<Pending>,
     homes: Vec<(ValueId, TensorRef)>,
     masters: Vec<(ValueId, TensorRef)>,
@@ -327,9 +328,9 @@ struct Builder {
 }
 
 impl Builder {
-    fn new(placed: Placed) -> Self {
+    fn new(chunk_bytes: u64) -> Self {
         Self {
-            placed,
+            chunk_bytes,
             buffers: Vec::new(),
             homes: Vec::new(),
             masters: Vec::new(),
@@ -371,32 +372,31 @@ impl Builder {
     /// (gathers, gradient offloads), activation buffers, swap buffers, the host scalars,
     /// kernel operands, then the order of each stream and its events. Buffers are created in
     /// that order, which fixes their ids.
-    fn build(mut self) -> Result<Streamed> {
-        let graph = self.placed.graph.clone();
-        let chunks = self.placed.chunks.clone();
-        let program = Program::of(&graph);
-        self.homes(&graph, &chunks, &program);
+    fn build(mut self, placed: Placed) -> Result<Streamed> {
+        let (graph, chunks) = (&placed.graph, &placed.chunks);
+        let program = Program::of(graph);
+        self.homes(graph, chunks, &program);
         self.slots(&program);
         let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
-        self.gathers(&graph, &chunks, &program, &mut copies);
-        self.grad_offloads(&graph, &chunks, &program, &mut copies);
-        self.activations(&graph, &program);
-        self.swaps(&graph, &program, &mut copies);
-        self.scalars(&graph, &program, &mut copies);
+        self.gathers(graph, chunks, &program, &mut copies);
+        self.grad_offloads(graph, chunks, &program, &mut copies);
+        self.activations(graph, &program);
+        self.swaps(graph, &program, &mut copies);
+        self.scalars(graph, &program, &mut copies);
         let copies: Vec<CopyPlan> = copies
             .into_iter()
             .map(|c| c.expect("every movement is lowered"))
             .collect();
-        let kernels = self.kernels(&graph, &program);
+        let kernels = self.kernels(graph, &program);
         let loss = graph
             .outputs()
             .first()
             .map(|v| self.primary[v])
             .ok_or(CompileError::NoLoss)?;
-        let (per_stream, order) = order_steps(&graph, &program, &copies);
+        let (per_stream, order) = order_steps(graph, &program, &copies);
         let (streams, events) = self.lower(per_stream, &order, &copies, kernels, &program.time);
         Ok(Streamed {
-            placed: self.placed,
+            placed,
             buffers: self.buffers,
             streams,
             events,
@@ -527,7 +527,7 @@ impl Builder {
             })
             .max()
             .unwrap_or(0);
-        let bytes = self.placed.chunks.chunk_bytes;
+        let bytes = self.chunk_bytes;
         for s in 0..slots {
             let b = self.buffer(
                 format!("slot{s}"),

@@ -336,11 +336,54 @@ impl Graph {
                 outputs.len()
             )));
         }
-        let op = OpId::new(self.dataflow.node_count());
-        let out: Vec<ValueId> = inferred
+        let outputs = inferred
             .into_iter()
             .zip(outputs)
-            .map(|(ty, (name, role))| self.add_value(name.clone(), ty, *role, Some(op)))
+            .map(|(ty, (name, role))| (name.clone(), *role, ty));
+        Ok(self.push_op(kind, inputs, outputs, block, phase))
+    }
+
+    /// Adds an op whose outputs' names, roles and types the caller gives, as a pass that
+    /// copies ops from another graph does, without inferring the types again: the graph
+    /// verifier ([`crate::verify::verify_graph`]), which runs after every pass, checks them.
+    ///
+    /// Fails when an input or the block is undefined.
+    pub fn add_op_typed(
+        &mut self,
+        kind: OpKind,
+        inputs: &[ValueId],
+        outputs: Vec<(String, Role, TensorType)>,
+        block: BlockId,
+        phase: Phase,
+    ) -> Result<Vec<ValueId>> {
+        if let Some(v) = inputs.iter().find(|v| v.index() >= self.values.len()) {
+            return Err(IrError::Invalid(format!(
+                "{} reads undefined value {v}",
+                kind.mnemonic()
+            )));
+        }
+        if block.index() >= self.blocks.len() {
+            return Err(IrError::Invalid(format!(
+                "{} is in undefined {block}",
+                kind.mnemonic()
+            )));
+        }
+        Ok(self.push_op(kind, inputs, outputs, block, phase))
+    }
+
+    /// Appends an op with its outputs, and its dataflow edges; the inputs and block exist.
+    fn push_op(
+        &mut self,
+        kind: OpKind,
+        inputs: &[ValueId],
+        outputs: impl IntoIterator<Item = (String, Role, TensorType)>,
+        block: BlockId,
+        phase: Phase,
+    ) -> Vec<ValueId> {
+        let op = OpId::new(self.dataflow.node_count());
+        let out: Vec<ValueId> = outputs
+            .into_iter()
+            .map(|(name, role, ty)| self.add_value(name, ty, role, Some(op)))
             .collect();
         let node = self.dataflow.add_node(Op {
             kind,
@@ -356,7 +399,7 @@ impl Graph {
                     .add_edge(NodeIndex::new(producer.index()), node, v);
             }
         }
-        Ok(out)
+        out
     }
 
     /// Adds a value that is set from outside the step and persists across steps (optimizer
@@ -494,5 +537,65 @@ impl Graph {
         let graph: Graph = serde_json::from_str(text)?;
         crate::verify::verify_graph(&graph)?;
         Ok(graph)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verify::verify_graph;
+    use crate::DType;
+
+    /// A graph with one op added by [`Graph::add_op_typed`], whose output has `ty`.
+    fn copied_add(ty: TensorType) -> Graph {
+        let mut g = Graph::new(GraphInfo {
+            model: "typed".into(),
+            batch: 1,
+            seq: 4,
+        });
+        let block = g.add_block("body", BlockKind::Head);
+        let x = g.add_input("x", TensorType::new([4, 8], DType::F32));
+        let y = g.add_input("y", TensorType::new([4, 8], DType::F32));
+        g.add_op_typed(
+            OpKind::Add,
+            &[x, y],
+            vec![("sum".into(), Role::Activation, ty)],
+            block,
+            Phase::Forward,
+        )
+        .expect("inputs and block exist");
+        g
+    }
+
+    #[test]
+    fn a_typed_op_with_its_inferred_type_verifies() {
+        let g = copied_add(TensorType::new([4, 8], DType::F32));
+        verify_graph(&g).expect("the given type is the inferred one");
+    }
+
+    #[test]
+    fn the_verifier_refuses_a_typed_op_whose_given_type_is_wrong() {
+        let g = copied_add(TensorType::new([4, 9], DType::F32));
+        let err = verify_graph(&g).expect_err("add of [4, 8] and [4, 8] is not [4, 9]");
+        assert!(err.to_string().contains("sum"), "{err}");
+    }
+
+    #[test]
+    fn a_typed_op_reading_an_undefined_value_is_refused() {
+        let mut g = copied_add(TensorType::new([4, 8], DType::F32));
+        let err = g
+            .add_op_typed(
+                OpKind::Add,
+                &[ValueId::new(99), ValueId::new(0)],
+                vec![(
+                    "bad".into(),
+                    Role::Activation,
+                    TensorType::new([4, 8], DType::F32),
+                )],
+                BlockId::new(0),
+                Phase::Forward,
+            )
+            .expect_err("value 99 does not exist");
+        assert!(err.to_string().contains("undefined value"), "{err}");
     }
 }

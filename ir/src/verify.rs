@@ -88,11 +88,13 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
             ));
         }
         for (&output, ty) in op.outputs.iter().zip(&inferred) {
-            let actual = &graph.value(output).ty;
-            if actual != ty {
+            let value = graph.value(output);
+            if &value.ty != ty {
                 return bad(format!(
-                    "{op_id} ({}) writes {actual} but its inputs give {ty}",
-                    op.kind.mnemonic()
+                    "{op_id} ({}) writes {} as {} but its inputs give {ty}",
+                    op.kind.mnemonic(),
+                    value.name,
+                    value.ty
                 ));
             }
         }
