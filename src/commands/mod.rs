@@ -189,6 +189,7 @@ impl CompileArgs {
             policy: PolicyChoice::parse(&self.policy)?,
             optimizer: self.optimizer.config(),
             fuse: !self.no_fuse,
+            forward_only: false,
         })
     }
 }
