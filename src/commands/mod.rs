@@ -2,6 +2,7 @@
 
 pub mod compile;
 pub mod dump;
+pub mod eval;
 pub mod info;
 pub mod models;
 pub mod profile;

@@ -49,11 +49,26 @@ pub fn run(mut args: Args) -> Result<()> {
         compiled.compile_seconds,
         plan_lines(schedule)
     );
+    let eval = match &args.exec.eval.eval_data {
+        Some(_) => Some(super::eval::compile_for_training(
+            &config, &options, schedule,
+        )?),
+        None => None,
+    };
+    let intro = match &eval {
+        Some(e) => format!(
+            "{intro}\nevaluation      forward only, {}, device arena {}",
+            e.header.policy,
+            protrain::ir::format_bytes(e.arena_bytes)
+        ),
+        None => intro,
+    };
     execute(
         schedule,
         &args.exec,
         &intro,
         Ok(compiled.simulation.timeline.clone()),
+        eval.as_ref(),
     )
 }
 
