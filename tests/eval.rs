@@ -273,8 +273,7 @@ fn a_trainer_evaluates_its_weights_every_k_steps() {
             evaluator,
             every: NonZeroU64::new(1).expect("1"),
         })
-        .err()
-        .expect("another model is refused");
+        .expect_err("another model is refused");
     assert!(err.to_string().contains("another model"), "{err}");
 }
 
@@ -318,8 +317,7 @@ fn an_evaluator_refuses_what_it_cannot_evaluate_and_says_why() {
     .expect("evaluator");
     let err = evaluator
         .evaluate(&params, "--init W")
-        .err()
-        .expect("NaN weights");
+        .expect_err("NaN weights");
     assert!(
         matches!(err, RuntimeError::NonFiniteWeights { .. })
             && err.to_string().contains("--init W"),

@@ -190,8 +190,7 @@ fn the_search_keeps_every_layer_of_a_forward_only_graph() {
                 ..options("auto", true, DType::F32)
             },
         )
-        .err()
-        .expect("nothing fits a tenth of the resident arena");
+        .expect_err("nothing fits a tenth of the resident arena");
         let text = err.to_string();
         assert!(
             matches!(err, CompileError::BudgetTooSmall(_))
