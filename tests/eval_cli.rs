@@ -277,6 +277,7 @@ fn the_readme_text_corpus_run_evaluates_every_ten_steps() {
     let corpus = dir.path().join("corpus.txt");
     std::fs::copy(text.join("corpus.txt"), &corpus).expect("copy the corpus");
     let tokenizer = text.join("tokenizer.json");
+    let ckpt = dir.path().join("ckpt-text");
     // As the README's command, with --json.
     let lines = json_of(&[
         "train",
@@ -295,6 +296,10 @@ fn the_readme_text_corpus_run_evaluates_every_ten_steps() {
         path(&corpus),
         "--eval-every",
         "10",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "10",
         "--json",
     ]);
     let evals: Vec<&Value> = lines.iter().filter(|l| l.get("eval").is_some()).collect();
@@ -307,6 +312,31 @@ fn the_readme_text_corpus_run_evaluates_every_ten_steps() {
     assert!(
         loss(evals[1]) < loss(evals[0]),
         "training on the corpus lowers its loss"
+    );
+    // `eval` of the checkpoint directory reads the text through the tokenizer as training did.
+    let e = json_of(&[
+        "eval",
+        "gpt2-tiny",
+        "--init",
+        path(&ckpt),
+        "--data",
+        path(&corpus),
+        "--tokenizer",
+        path(&tokenizer),
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--json",
+    ])
+    .remove(0);
+    assert_eq!(e["batches"], evals[1]["batches"]);
+    assert_eq!(
+        loss(&e).to_bits(),
+        loss(evals[1]).to_bits(),
+        "eval of the checkpoint {} against the run's {}",
+        e["loss"],
+        evals[1]["loss"]
     );
     let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
     for flag in [
