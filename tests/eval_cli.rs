@@ -251,6 +251,47 @@ fn training_evaluates_every_k_steps_and_a_checkpoint_evaluates_the_same() {
         e["loss"],
         evals[1]["loss"]
     );
+    // Under a tight budget, the evaluation schedule is set aside first and the training one
+    // fits in the rest; the losses are the same bits.
+    let tight = |budget: &str| {
+        protrain(&[
+            "train",
+            "gpt2-tiny",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--data",
+            path(&data),
+            "--eval-data",
+            path(&held_out),
+            "--eval-every",
+            "2",
+            "--eval-batches",
+            "3",
+            "--gpu-memory",
+            budget,
+            "--json",
+        ])
+    };
+    let out = tight("1200KiB");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let bits = |lines: &[Value]| -> Vec<u64> {
+        lines
+            .iter()
+            .map(|l| l["loss"].as_f64().expect("loss").to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&records(&out)), bits(&lines));
+    assert!(
+        stderr(&out).contains("evaluation      forward only"),
+        "{}",
+        stderr(&out)
+    );
+    let text = stderr(&tight("500KiB"));
+    assert!(text.contains("with --eval-data, add the"), "{text}");
     // Without --json, the evaluations are lines of the table.
     let out = protrain(&[
         "train",

@@ -20,8 +20,9 @@ pub struct EvalDataArgs {
     /// file, or text with --tokenizer): the mean loss and perplexity (exp of the mean loss) of
     /// its first --eval-batches batches of batch x seq tokens, from the start of the file and
     /// the same at every evaluation, by a forward-only schedule (no gradients, no update).
-    /// `train` compiles that schedule to fit beside the training one in --gpu-memory; `run`
-    /// takes it from --eval-schedule.
+    /// Both schedules are held for the whole run: `train` sets the leanest evaluation arena
+    /// aside from --gpu-memory, compiles the training schedule for the rest and the
+    /// evaluation schedule for what that leaves; `run` takes it from --eval-schedule.
     #[arg(long, value_name = "FILE")]
     pub eval_data: Option<PathBuf>,
     /// Evaluate after every K-th step (steps K, 2K, ...) [default: once, after the last
@@ -220,37 +221,58 @@ pub fn plan<'s, B: Backend>(
     }))
 }
 
+/// Sets aside, in `options`' device budget, the arena of the leanest forward-only schedule
+/// (every chunk streamed through the fewest buffers that compile) for `train --eval-data`:
+/// the training schedule is then compiled for the rest, so the evaluation schedule always
+/// fits beside it ([`compile_for_training`]). Returns the bytes set aside.
+pub fn reserve_for_eval(config: &ModelConfig, options: &mut CompileOptions) -> Result<u64> {
+    let budget = options.device_budget();
+    let mut last = None;
+    for n_buffer in 1..=protrain::compiler::search_forward::MAX_BUFFERS {
+        let lean = CompileOptions {
+            device_budget: Some(u64::MAX),
+            policy: PolicyChoice::parse(&format!("n_persist=0 n_buffer={n_buffer}"))?,
+            forward_only: true,
+            ..options.clone()
+        };
+        match protrain::compile(config, &lean) {
+            Ok(c) if c.schedule.arena_bytes < budget => {
+                options.device_budget = Some(budget - c.schedule.arena_bytes);
+                return Ok(c.schedule.arena_bytes);
+            }
+            Ok(c) => {
+                return Err(Error::Usage(format!(
+                    "--eval-data needs at least {} of device memory for its forward-only \
+                     schedule ({}), and the budget is {}; give a larger --gpu-memory",
+                    format_bytes(c.schedule.arena_bytes),
+                    c.schedule.header.policy,
+                    format_bytes(budget)
+                )))
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("at least one policy was tried"))
+}
+
 /// Compiles the forward-only schedule `train --eval-data` evaluates with: `options`'
-/// model, shape and element type, its policy searched for in the device memory the training
+/// model, shape and element type (the options the training schedule was compiled with,
+/// after [`reserve_for_eval`]), its policy searched for in the device memory the training
 /// schedule `training` leaves free (both arenas are held for the whole run).
 pub fn compile_for_training(
     config: &ModelConfig,
     options: &CompileOptions,
+    reserved: u64,
     training: &VerifiedSchedule,
 ) -> Result<VerifiedSchedule> {
-    let budget = options.device_budget();
-    let left = budget.saturating_sub(training.arena_bytes);
+    let budget = options.device_budget().saturating_add(reserved);
     let eval_options = CompileOptions {
-        device_budget: Some(left),
+        device_budget: Some(budget.saturating_sub(training.arena_bytes)),
         policy: PolicyChoice::Auto,
         forward_only: true,
         ..options.clone()
     };
-    match protrain::compile(config, &eval_options) {
-        Ok(compiled) => Ok(compiled.schedule),
-        Err(Error::Compile(e @ protrain::compiler::CompileError::BudgetTooSmall(_))) => {
-            Err(Error::Usage(format!(
-                "--eval-data: the evaluation schedule must fit in the device memory the \
-                 training schedule leaves free ({} of the {} budget; the training arena takes \
-                 {}), and it does not: {e}. Give a larger --gpu-memory, or a training policy \
-                 that uses less (--policy)",
-                format_bytes(left),
-                format_bytes(budget),
-                format_bytes(training.arena_bytes)
-            )))
-        }
-        Err(e) => Err(e),
-    }
+    Ok(protrain::compile(config, &eval_options)?.schedule)
 }
 
 /// The text line of an evaluation after `step`.
