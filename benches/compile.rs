@@ -54,6 +54,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         policy: PolicyChoice::Auto,
         optimizer: OptimizerConfig::default(),
         fuse: true,
+        forward_only: false,
     }
 }
 

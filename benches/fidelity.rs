@@ -166,6 +166,7 @@ fn main() {
         policy,
         optimizer: optimizer.clone(),
         fuse: true,
+        forward_only: false,
     };
     let resident = protrain::compile(
         &config,

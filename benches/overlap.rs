@@ -118,6 +118,7 @@ fn main() {
                 policy: PolicyChoice::Auto,
                 optimizer: optimizer.clone(),
                 fuse: true,
+                forward_only: false,
             },
         )
     };
@@ -132,6 +133,7 @@ fn main() {
             policy: PolicyChoice::Fixed(Default::default()),
             optimizer: optimizer.clone(),
             fuse: true,
+            forward_only: false,
         },
     )
     .expect("the resident schedule compiles");

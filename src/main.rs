@@ -38,6 +38,9 @@ enum Command {
     /// Train a model on a token file or the built-in synthetic corpus: compile it for this
     /// machine (or --hardware and --gpu-memory), then run the schedule.
     Train(commands::train::Args),
+    /// Evaluate weights (a checkpoint directory or a safetensors file) on held-out data:
+    /// the mean loss and perplexity, by a forward-only schedule.
+    Eval(commands::eval::Args),
     /// Run a compiled schedule for a number of steps, and compare its step time with the
     /// prediction.
     Run(commands::run::Args),
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Command::Info(args) => commands::info::run(args),
         Command::Dump(args) => commands::dump::run(args),
         Command::Train(args) => commands::train::run(args),
+        Command::Eval(args) => commands::eval::run(args),
         Command::Run(args) => commands::run::run(args),
         Command::Compile(args) => commands::compile::run(args),
         Command::Verify(args) => commands::schedule::verify(args),

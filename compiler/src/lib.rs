@@ -13,6 +13,7 @@ pub mod pipeline;
 pub mod place;
 pub mod plan;
 pub mod search;
+pub mod search_forward;
 pub mod simulate;
 pub mod streams;
 pub mod validate;

@@ -4,6 +4,10 @@
 //! movement) -> streams -> plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] ->
 //! simulate.
 //!
+//! A forward-only compilation ([`CompileOptions::forward_only`], for evaluation) skips
+//! autodiff: the later passes take the fused forward graph as the "training" graph, and the
+//! policy is searched by [`search_forward`] instead of [`search`].
+//!
 //! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
 //! turn, verifying the graph after every pass, keeping each stage's product so that a caller
 //! (`protrain dump`) can stop at any stage and print it. `search` runs `place..emit` for many
@@ -19,13 +23,14 @@ use crate::fuse::{fuse, FuseLimits, FuseReport};
 use crate::place::{place, Placed};
 use crate::plan::plan_buffers;
 use crate::search::{search, SearchOptions, SearchReport};
+use crate::search_forward::search_forward;
 use crate::simulate::{simulate, Simulation};
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::{verify, verify_schedule, VerifiedSchedule};
 use protrain_ir::{
-    format_bytes, op_key, BlockKind, ChunkTable, DType, Graph, HardwareProfile, IrError, Policy,
-    PolicySpec, Schedule,
+    format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile, IrError,
+    Policy, PolicySpec, Schedule,
 };
 use protrain_models::{build_forward, BuildOptions, ModelConfig};
 use std::time::Instant;
@@ -73,6 +78,11 @@ pub struct CompileOptions {
     /// Whether to fuse the forward graph first (see [`crate::fuse`]); fusion changes no
     /// result, only speed.
     pub fuse: bool,
+    /// Compile the forward pass alone, for evaluation: autodiff is skipped, so the schedule
+    /// computes the loss and nothing else (no backward pass, no gradients, no optimizer, its
+    /// parameters read-only). `optimizer` is then unused, and every layer is kept: with no
+    /// backward pass there is nothing to swap or recompute.
+    pub forward_only: bool,
 }
 
 /// The batch, sequence length and element type a compilation defaults to on `hardware`:
@@ -101,6 +111,7 @@ impl CompileOptions {
             policy: PolicyChoice::Auto,
             optimizer: OptimizerConfig::default(),
             fuse: true,
+            forward_only: false,
         }
     }
 
@@ -143,7 +154,8 @@ pub enum Stage {
     Forward,
     /// The forward graph after fusion (the same graph when fusion is off).
     Fused,
-    /// The training graph: forward, backward and optimizer.
+    /// The training graph: forward, backward and optimizer; in a forward-only compilation,
+    /// the fused forward graph itself (autodiff is skipped).
     Autodiff,
     /// The training graph's chunk table.
     Chunked,
@@ -218,7 +230,10 @@ impl<'m> Context<'m> {
         }
         if stage >= Stage::Autodiff && self.training.is_none() {
             let fused = self.fused.as_ref().expect("fused above");
-            self.training = Some(training_graph(fused, &self.options.optimizer)?);
+            self.training = Some(match self.options.forward_only {
+                true => fused.clone(),
+                false => training_graph(fused, &self.options.optimizer)?,
+            });
         }
         if stage >= Stage::Chunked && self.chunks.is_none() {
             self.chunks = Some(chunked(
@@ -299,11 +314,22 @@ impl<'m> Context<'m> {
                     hardware: options.hardware.summary(),
                     model: self.config.name.clone(),
                 };
-                let (s, r) = search(training, chunks, self.cost.as_ref(), &search_options)?;
+                let cost = self.cost.as_ref();
+                let (s, r) = match options.forward_only {
+                    true => search_forward(training, chunks, cost, &search_options)?,
+                    false => search(training, chunks, cost, &search_options)?,
+                };
                 (s, Some(r))
             }
             PolicyChoice::Fixed(spec) => {
                 let policy = spec.resolve(chunks.len() as u32, layers)?;
+                if options.forward_only && policy.count(BlockMode::Keep) != layers {
+                    return Err(CompileError::BadPolicy(format!(
+                        "policy {policy} swaps or recomputes layers, but a forward-only \
+                         schedule has no backward pass that would read them; drop n_swap, \
+                         n_checkpoint and blocks= (every layer is kept)"
+                    )));
+                }
                 let header = HeaderInputs {
                     model: self.config.name.clone(),
                     hardware: options.hardware.summary(),

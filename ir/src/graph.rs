@@ -515,6 +515,12 @@ impl Graph {
             .sum()
     }
 
+    /// Whether the graph is a forward pass alone (an evaluation graph): it has no backward,
+    /// recompute or optimizer op.
+    pub fn is_forward_only(&self) -> bool {
+        self.ops().all(|(_, op)| op.phase == Phase::Forward)
+    }
+
     /// The parameter that a value holds, if it is one.
     pub fn param_of(&self, value: ValueId) -> Option<ParamId> {
         let index = self.param_index.get_or_init(|| {

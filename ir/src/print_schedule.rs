@@ -252,6 +252,12 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
         format_bytes(h.host_budget_bytes)
     );
     let _ = writeln!(out, "; policy: {}", h.policy);
+    if s.graph.is_forward_only() {
+        let _ = writeln!(
+            out,
+            "; forward only: the loss and nothing else (no backward pass, no optimizer)"
+        );
+    }
     let busy: Vec<String> = p
         .stream_busy_seconds
         .iter()

@@ -423,6 +423,78 @@ pub fn load_latest(dir: &Path, schedule: &Schedule) -> Result<(Checkpoint, Vec<S
     Err(last_error.expect("at least one checkpoint was tried"))
 }
 
+/// The parameters of the newest intact checkpoint in `dir`, for `graph` (in its parameter
+/// order, each tensor's checksum verified), and the file they came from: what evaluating a
+/// checkpoint needs, which reads no optimizer state, so `graph` may be a forward-only graph.
+/// Damaged newer checkpoints are passed over, as [`load_latest`] passes them over; a
+/// checkpoint whose parameters are not `graph`'s (names or shapes) is an error naming the
+/// first difference.
+pub fn load_latest_params(dir: &Path, graph: &Graph) -> Result<(Vec<Vec<f32>>, PathBuf)> {
+    let found = list(dir)?;
+    let mut last_error = None;
+    for (_, path) in found.iter().rev() {
+        match read_params(path, graph) {
+            Ok(params) => return Ok((params, path.clone())),
+            Err(e @ RuntimeError::CheckpointMismatch { .. }) => return Err(e),
+            Err(e) => last_error = Some(e),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| RuntimeError::NoCheckpoint {
+        dir: dir.to_path_buf(),
+    }))
+}
+
+/// The parameters of the checkpoint at `path` for `graph`; see [`load_latest_params`].
+fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
+    let (file, header) = read_header(path)?;
+    let meta = file.metadata();
+    let mut params = Vec::with_capacity(graph.params().len());
+    for (_, p) in graph.params() {
+        let want: Vec<usize> = graph
+            .value(p.value)
+            .ty
+            .shape
+            .iter()
+            .map(|&d| d as usize)
+            .collect();
+        let shape = match file.contains(&p.name) {
+            true => file.shape(&p.name)?.to_vec(),
+            false => Vec::new(),
+        };
+        if shape != want {
+            let found = match file.contains(&p.name) {
+                true => format!("is {shape:?}"),
+                false => "is missing".into(),
+            };
+            return Err(RuntimeError::CheckpointMismatch {
+                path: path.to_path_buf(),
+                differences: format!(
+                    "parameter `{}` {found}, the model expects {want:?}: the checkpoint is of \
+                     another model",
+                    p.name
+                ),
+            });
+        }
+        let data = file.read_f32_vec(&p.name)?;
+        if header.version != 1 {
+            let key = format!("{CHECKSUM_PREFIX}{}", p.name);
+            let have = checksum(&data);
+            if meta.get(&key) != Some(&have) {
+                return Err(RuntimeError::BadCheckpoint {
+                    path: path.to_path_buf(),
+                    problem: format!(
+                        "is damaged: tensor {} does not match its checksum; use an earlier \
+                         checkpoint",
+                        p.name
+                    ),
+                });
+            }
+        }
+        params.push(data);
+    }
+    Ok(params)
+}
+
 /// Fails when `dir` already holds checkpoints and is not the directory the run resumed from
 /// (`resumed`): [`prune`] keeps the newest checkpoints, so another run's later ones would
 /// make it delete every checkpoint this run writes.

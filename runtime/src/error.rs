@@ -230,6 +230,10 @@ pub enum RuntimeError {
         /// The 1-based step it was for.
         step: u64,
     },
+    /// An evaluation that cannot run as asked (a training schedule, more batches than the
+    /// data holds); the text names the flag or file and the way out.
+    #[error("cannot evaluate: {0}")]
+    InvalidEval(String),
     /// A learning-rate schedule whose settings do not fit together; the text names the flag.
     #[error("{0}")]
     InvalidLrSchedule(String),

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod data;
 pub mod dispatch;
 pub mod error;
+pub mod eval;
 pub mod executor;
 pub mod host;
 pub mod interpreter;

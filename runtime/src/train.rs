@@ -16,6 +16,10 @@
 //! Today each step reads one batch; gradient accumulation will make a step read several, and
 //! only the batch index will advance faster.
 //!
+//! Given an [`EvalPlan`] ([`Trainer::evaluate_every`]), it also evaluates the weights on
+//! held-out data every few steps, with a forward-only schedule of its own
+//! ([`crate::eval`]), and puts the result in the step's record.
+//!
 //! What this does not do: build or verify the schedule (the compiler does), print anything
 //! (the caller does, from the records), or decide the optimizer's hyper-parameters other than
 //! the learning rate (they are compiled into the schedule's AdamW ops).
@@ -24,6 +28,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
 use crate::data::{Batch, Batcher, TokenStream};
 use crate::error::{Result, RuntimeError};
+use crate::eval::{EvalPlan, EvalResult};
 use crate::executor::Executor;
 use crate::host::HostBackend;
 use crate::synthetic::SyntheticCorpus;
@@ -419,6 +424,8 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     /// The checkpoint written after the step, if one was.
     pub checkpoint: Option<PathBuf>,
+    /// The evaluation of the weights after the step, if one was due ([`EvalPlan`]).
+    pub eval: Option<EvalResult>,
 }
 
 /// What a run measured, for the summary after it; nothing in it grows with the steps.
@@ -515,6 +522,7 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     /// Optimizer steps taken when this trainer started.
     started_at: u64,
     checkpoints: Option<CheckpointPlan>,
+    eval: Option<EvalPlan<'s, B>>,
     trace_last: bool,
     /// The last finite loss and its gradient norm, for the message if training diverges.
     previous: Option<(f32, Option<f32>)>,
@@ -601,6 +609,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             has_optimizer: optimizer.is_some(),
             next_batch,
             checkpoints: None,
+            eval: None,
             trace_last: false,
             previous: None,
             summary: RunSummary::default(),
@@ -621,6 +630,15 @@ impl<'s, B: Backend> Trainer<'s, B> {
     ) -> Result<()> {
         checkpoint::check_dir_is_ours(&plan.dir, resumed_from)?;
         self.checkpoints = Some(plan);
+        Ok(())
+    }
+
+    /// Evaluates the weights as `plan` says, after every step that is a multiple of its
+    /// `every`, after checking that its schedule has this run's parameters.
+    pub fn evaluate_every(&mut self, plan: EvalPlan<'s, B>) -> Result<()> {
+        plan.evaluator
+            .check_params_of(&self.executor.schedule().graph)?;
+        self.eval = Some(plan);
         Ok(())
     }
 
@@ -717,6 +735,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             step_seconds: timing.wall_seconds,
             tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
             checkpoint: None,
+            eval: None,
         };
         self.summary.push(&record, &timing.stream_busy_seconds);
         self.summary.elapsed_seconds = run_started.elapsed().as_secs_f64();
@@ -744,6 +763,13 @@ impl<'s, B: Backend> Trainer<'s, B> {
                     checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;
                 checkpoint::prune(&plan.dir, plan.keep)?;
                 record.checkpoint = Some(path);
+            }
+        }
+        if let Some(plan) = &mut self.eval {
+            if step.is_multiple_of(plan.every.get()) {
+                let origin = format!("the weights after step {step}");
+                let params = self.executor.params()?;
+                record.eval = Some(plan.evaluator.evaluate(&params, &origin)?);
             }
         }
         on_step(&record);
@@ -792,7 +818,7 @@ pub fn vocab_of(graph: &Graph) -> Option<usize> {
 
 /// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
 /// naming it and where the weights came from: training from them can only give a NaN loss.
-fn check_finite(values: &[Vec<f32>], graph: &Graph, origin: &str) -> Result<()> {
+pub(crate) fn check_finite(values: &[Vec<f32>], graph: &Graph, origin: &str) -> Result<()> {
     for ((_, p), data) in graph.params().zip(values) {
         if let Some(&value) = data.iter().find(|v| !v.is_finite()) {
             return Err(RuntimeError::NonFiniteWeights {

@@ -18,6 +18,12 @@ pub struct Args {
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
+    /// Compile the forward pass alone, for evaluation (`protrain eval`, `run --eval-schedule`):
+    /// no backward pass, no gradients, no optimizer; parameters are read-only, streamed
+    /// chunks are fetched and released, and every layer is kept. The optimizer flags do not
+    /// apply.
+    #[arg(long)]
+    forward_only: bool,
 }
 
 /// Compiles, writes the schedule and prints the plan.
@@ -31,7 +37,17 @@ pub fn run(args: Args) -> Result<()> {
         super::check_output(path, &inputs)?;
     }
     let config = protrain::models::load(&args.model)?;
-    let options = args.compile.options(&config)?;
+    let mut options = args.compile.options(&config)?;
+    options.forward_only = args.forward_only;
+    let o = &args.compile.optimizer;
+    let optimizer_flags = [o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip];
+    if args.forward_only && optimizer_flags.iter().any(Option::is_some) {
+        return Err(protrain::Error::Usage(
+            "--forward-only compiles no optimizer, so the optimizer flags (--lr, --beta1, \
+             --beta2, --eps, --weight-decay, --grad-clip) do not apply; drop them"
+                .into(),
+        ));
+    }
     let profile = options.hardware.clone();
     let compiled = protrain::compile(&config, &options)?;
     warn(&compiled.warnings);
@@ -85,6 +101,7 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
     serde_json::json!({
         "model": s.header.model,
         "policy": s.header.policy.to_string(),
+        "forward_only": s.graph.is_forward_only(),
         "n_persist": s.header.policy.n_persist,
         "n_buffer": s.header.policy.n_buffer,
         "chunks": s.chunks.len(),
@@ -128,6 +145,9 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
     );
     let streamed = s.chunks.len() as u32 - h.policy.n_persist;
     outln!("policy          {}", h.policy);
+    if s.graph.is_forward_only() {
+        outln!("                forward only: the loss and nothing else (for evaluation)");
+    }
     outln!(
         "                {} of {} chunks of {} persistent, {} streamed through {} buffer(s); layers: {} kept, {} checkpointed, {} swapped",
         h.policy.n_persist,

@@ -96,6 +96,10 @@ pub struct Args {
     /// How to build and compile the model (ignored stages aside, as `compile` takes them).
     #[command(flatten)]
     compile: CompileArgs,
+    /// Compile the forward pass alone, as `compile --forward-only` does: the stages after
+    /// fused have no backward pass, gradients or optimizer (autodiff prints the fused graph).
+    #[arg(long)]
+    forward_only: bool,
 }
 
 impl Args {
@@ -170,7 +174,8 @@ fn model_stage(args: &Args) -> Result<String> {
             "--stage fused with --no-fuse asks for fusion and refuses it; drop --no-fuse".into(),
         ));
     }
-    let options = args.compile.options(&config)?;
+    let mut options = args.compile.options(&config)?;
+    options.forward_only = args.forward_only;
     let mut context = Context::new(&config, options);
     let until = match args.stage {
         Stage::Forward => PipelineStage::Forward,

@@ -2,6 +2,7 @@
 
 pub mod compile;
 pub mod dump;
+pub mod eval;
 pub mod info;
 pub mod models;
 pub mod profile;
@@ -189,6 +190,7 @@ impl CompileArgs {
             policy: PolicyChoice::parse(&self.policy)?,
             optimizer: self.optimizer.config(),
             fuse: !self.no_fuse,
+            forward_only: false,
         })
     }
 }

@@ -149,6 +149,8 @@ pub struct ExecArgs {
     /// contradicts it is an error. The policy may differ.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    #[command(flatten)]
+    pub eval: super::eval::EvalDataArgs,
 }
 
 impl ExecArgs {
@@ -193,6 +195,10 @@ pub struct Args {
     /// Gradient clipping norm; must equal the schedule's.
     #[arg(long, value_name = "NORM")]
     grad_clip: Option<f64>,
+    /// The forward-only schedule --eval-data evaluates with, of the same model, batch and
+    /// seq (`protrain compile MODEL --forward-only -o FILE`): `run` compiles nothing.
+    #[arg(long, value_name = "FILE", requires = "eval_data")]
+    eval_schedule: Option<PathBuf>,
 }
 
 /// Reads and verifies the schedule, checks the flags against it, and executes it.
@@ -222,7 +228,20 @@ pub fn run(args: Args) -> Result<()> {
         args.exec.backend.name(),
         plan_lines(&schedule)
     );
-    execute(&schedule, &args.exec, &intro, predicted)
+    let eval = match (&args.exec.eval.eval_data, &args.eval_schedule) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(Error::Usage(
+                "--eval-data needs a forward-only schedule, and `run` compiles nothing: write \
+                 one with `protrain compile MODEL --forward-only -o EVAL.ptsched` (the same \
+                 model, --batch and --seq) and give it with --eval-schedule EVAL.ptsched, or \
+                 use `protrain train`, which compiles both"
+                    .into(),
+            ))
+        }
+        (Some(_), Some(path)) => Some(protrain::ir::file::read(path)?),
+    };
+    execute(&schedule, &args.exec, &intro, predicted, eval.as_ref())
 }
 
 /// Fails unless the backend asked for can run here: the host backend always can; the CUDA
@@ -365,20 +384,21 @@ fn check_writable(flag: &str, path: &Path, inputs: &[&Path]) -> Result<()> {
 /// checkpoint), prints `intro` and runs the steps, logging each; writes checkpoints, the
 /// trained weights and the trace; reports measured against predicted time. Every input is
 /// checked before anything is printed or written. `predicted` is the predicted timeline for
-/// `--trace`, or why there is none.
+/// `--trace`, or why there is none; `eval` is the forward-only schedule of `--eval-data`.
 pub fn execute(
     schedule: &VerifiedSchedule,
     args: &ExecArgs,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
+    eval: Option<&VerifiedSchedule>,
 ) -> Result<()> {
     check_backend(args.backend)?;
     match args.backend {
-        BackendKind::Host => execute_on::<HostBackend>(schedule, args, intro, predicted),
+        BackendKind::Host => execute_on::<HostBackend>(schedule, args, intro, predicted, eval),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => {
-            execute_on::<protrain::runtime::cuda::CudaBackend>(schedule, args, intro, predicted)
-        }
+        BackendKind::Cuda => execute_on::<protrain::runtime::cuda::CudaBackend>(
+            schedule, args, intro, predicted, eval,
+        ),
         // `check_backend` refused it above.
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => cuda_ready(),
@@ -388,7 +408,7 @@ pub fn execute(
 /// Tokenizes a text corpus with `tokenizer` into its cached token file (or finds the cache of
 /// an earlier run), drawing a progress bar on a terminal, after checking that the tokenizer's
 /// ids fit the model's vocabulary. Returns the token file.
-fn tokenize_corpus(
+pub fn tokenize_corpus(
     corpus: &Path,
     tokenizer: &Path,
     graph: &protrain::ir::Graph,
@@ -419,11 +439,12 @@ fn tokenize_corpus(
 }
 
 /// [`execute`] on backend `B`.
-fn execute_on<B: Backend>(
-    schedule: &VerifiedSchedule,
+fn execute_on<'s, B: Backend>(
+    schedule: &'s VerifiedSchedule,
     args: &ExecArgs,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
+    eval: Option<&'s VerifiedSchedule>,
 ) -> Result<()> {
     let graph = &schedule.graph;
     let header = &schedule.header;
@@ -502,6 +523,11 @@ fn execute_on<B: Backend>(
         };
         trainer.save_checkpoints(plan, args.resume.as_deref())?;
     }
+    let steps = trainer.settings().steps;
+    let tokenizer = args.tokenizer.as_deref();
+    if let Some(plan) = super::eval::plan::<B>(&args.eval, eval, tokenizer, steps)? {
+        trainer.evaluate_every(plan)?;
+    }
 
     // Everything is checked: from here on the run prints and writes.
     eprintln!("{intro}");
@@ -561,6 +587,9 @@ fn execute_on<B: Backend>(
                 "step_s": record.step_seconds,
             });
             outln!("{line}");
+            if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
+                outln!("{}", super::eval::eval_json(record.step, data, e));
+            }
             return;
         }
         let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
@@ -575,6 +604,9 @@ fn execute_on<B: Backend>(
                 "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
                 record.step, record.loss, norm, lr, record.tokens_per_s
             ));
+        }
+        if let Some(e) = &record.eval {
+            row(super::eval::eval_line(record.step, e));
         }
     });
     if let Err(e) = result {

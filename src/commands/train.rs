@@ -35,8 +35,25 @@ pub fn run(mut args: Args) -> Result<()> {
         take_from_checkpoint(&mut args.compile, &saved)?;
     }
     let config = protrain::models::load(&args.model)?;
-    let options = args.compile.options(&config)?;
-    let compiled = protrain::compile(&config, &options)?;
+    let mut options = args.compile.options(&config)?;
+    // With --eval-data, the evaluation schedule's leanest arena is set aside first, so the
+    // training schedule always leaves room for one.
+    let reserved = match &args.exec.eval.eval_data {
+        Some(_) => super::eval::reserve_for_eval(&config, &mut options)?,
+        None => 0,
+    };
+    let compiled = match protrain::compile(&config, &options) {
+        Err(protrain::Error::Compile(protrain::compiler::CompileError::BudgetTooSmall(why)))
+            if reserved > 0 =>
+        {
+            return Err(protrain::Error::Usage(format!(
+                "{why} (with --eval-data, add the {} its forward-only schedule needs beside \
+                 the training one)",
+                protrain::ir::format_bytes(reserved)
+            )))
+        }
+        compiled => compiled?,
+    };
     warn(&compiled.warnings);
     let schedule = &compiled.schedule;
     let intro = format!(
@@ -49,11 +66,26 @@ pub fn run(mut args: Args) -> Result<()> {
         compiled.compile_seconds,
         plan_lines(schedule)
     );
+    let eval = match &args.exec.eval.eval_data {
+        Some(_) => Some(super::eval::compile_for_training(
+            &config, &options, reserved, schedule,
+        )?),
+        None => None,
+    };
+    let intro = match &eval {
+        Some(e) => format!(
+            "{intro}\nevaluation      forward only, {}, device arena {}",
+            e.header.policy,
+            protrain::ir::format_bytes(e.arena_bytes)
+        ),
+        None => intro,
+    };
     execute(
         schedule,
         &args.exec,
         &intro,
         Ok(compiled.simulation.timeline.clone()),
+        eval.as_ref(),
     )
 }
 
