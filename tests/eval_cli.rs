@@ -460,6 +460,12 @@ fn a_forward_only_schedule_compiles_verifies_dumps_and_runs_beside_training() {
         path(&training),
     ]);
     assert!(text.contains("forward-only"), "{text}");
+    // A forward-only schedule is not a training schedule: `run` refuses to train with it.
+    let text = refused(&["run", path(&eval), "--steps", "1"]);
+    assert!(
+        text.contains("forward-only schedule") && text.contains("protrain eval"),
+        "{text}"
+    );
 }
 
 #[test]

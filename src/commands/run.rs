@@ -212,6 +212,15 @@ pub fn run(args: Args) -> Result<()> {
         )));
     }
     let schedule = protrain::ir::file::read(&args.schedule)?;
+    if schedule.graph.is_forward_only() {
+        return Err(Error::Usage(format!(
+            "{} is a forward-only schedule (compiled with --forward-only, for evaluation): it \
+             computes the loss and trains nothing; run a training schedule, and give this one \
+             with --eval-schedule to evaluate while training, or evaluate weights with \
+             `protrain eval MODEL --init WEIGHTS --data FILE`",
+            args.schedule.display()
+        )));
+    }
     check_optimizer_flags(&schedule, &args)?;
     let predicted = match &args.exec.trace {
         Some(_) => predicted_timeline(&schedule),
