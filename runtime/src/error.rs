@@ -275,6 +275,15 @@ pub enum RuntimeError {
         /// The way out that fits the error.
         hint: String,
     },
+    /// A collective between the ranks of a data-parallel run failed: a rank left, did not
+    /// arrive in time, or issued a different collective. The text says which.
+    #[error("rank {rank}: {problem}")]
+    Collective {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong, naming the other rank and the collective.
+        problem: String,
+    },
 }
 
 /// The runtime's result alias.

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod collective;
 pub mod cuda;
 pub mod data;
 pub mod dispatch;
