@@ -57,6 +57,11 @@ const PRESETS: &[Preset] = &[
         "GPT-2 XL: 1.56B parameters, 48 layers, hidden 1600"
     ),
     preset!(
+        "gpt3-175b",
+        "GPT-3 175B's shape (Brown et al. 2020): 174.6B parameters, 96 layers, hidden 12288, \
+         dense attention"
+    ),
+    preset!(
         "llama-2-7b",
         "LLaMA 2 7B: 6.74B parameters, 32 layers, hidden 4096, 4096 context"
     ),

@@ -163,6 +163,9 @@ fn every_shared_config_is_covered() {
 fn presets_have_their_published_counts() {
     for (preset, parameters) in [
         ("gpt2", 124_439_808),
+        // 96 layers x (12 x 12288^2 + 13 x 12288) + 50257 x 12288 tokens + 2048 x 12288
+        // positions + 2 x 12288 final norm: GPT-3's "175.0B" (Brown et al. 2020, table 2.1).
+        ("gpt3-175b", 174_604_259_328),
         ("llama-2-7b", 6_738_415_616),
         ("llama-2-13b", 13_015_864_320),
         // 80 layers x (8192 x (8192 + 2 x 1024 + 8192) attention + 3 x 8192 x 28672 MLP + 2 x 8192

@@ -220,6 +220,7 @@ fn presets_are_listed_in_a_stable_order() {
             "gpt2-medium",
             "gpt2-large",
             "gpt2-xl",
+            "gpt3-175b",
             "llama-2-7b",
             "llama-2-13b",
             "llama-2-70b",
@@ -242,11 +243,12 @@ fn presets_are_listed_in_a_stable_order() {
             "{}",
             preset.name
         );
-        assert!(
-            preset.name.starts_with(config.model_type()),
-            "{}",
-            preset.name
-        );
+        // GPT-3 has no transformers model type of its own: its shape is built as GPT-2's.
+        let family = match preset.name.starts_with("gpt3-") {
+            true => "gpt2",
+            false => preset.name,
+        };
+        assert!(family.starts_with(config.model_type()), "{}", preset.name);
     }
 }
 
