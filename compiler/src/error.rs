@@ -45,6 +45,9 @@ pub enum CompileError {
     /// An optimizer setting is out of range.
     #[error("{0}")]
     BadOptimizer(String),
+    /// The GPUs and nodes asked for do not fit the hardware profile's interconnect.
+    #[error("{0}")]
+    BadTopology(String),
 }
 
 impl From<protrain_models::ModelError> for CompileError {

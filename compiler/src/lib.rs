@@ -3,6 +3,7 @@
 
 pub mod autodiff;
 pub mod chunk;
+pub mod comm;
 pub mod cost;
 pub mod egraph;
 pub mod emit;

@@ -40,6 +40,23 @@ pub struct MeasuredOp {
     pub seconds: f64,
 }
 
+/// How the GPUs of a machine talk to each other: what collectives between ranks cost.
+///
+/// Bandwidths are achievable **bus bandwidths** (NCCL's `busbw`: what each GPU sends and receives
+/// per second in a ring), derated from link figures like the other bandwidths.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Interconnect {
+    /// GPUs in one node: the most `--gpus` can ask for.
+    pub gpus_per_node: u32,
+    /// Bus bandwidth of a ring among the GPUs of one node, bytes per second per GPU.
+    pub intra_node_bandwidth: f64,
+    /// Network bandwidth of one node to the others (all its NICs), bytes per second.
+    pub inter_node_bandwidth: f64,
+    /// Fixed cost of one step of a ring collective (one hop), in seconds.
+    pub step_latency_s: f64,
+}
+
 /// What a machine offers the scheduler: capacities, throughputs, and optionally measured ops.
 ///
 /// It holds figures only; the compiler's cost model turns them into times. Conventions, so
@@ -90,6 +107,10 @@ pub struct HardwareProfile {
     /// Measured op times, keyed by [`op_key`]; empty for presets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub measured_ops: Vec<MeasuredOp>,
+    /// The links between GPUs, for runs on several; `None` when unknown (a profile measured on
+    /// one GPU), which allows one GPU only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interconnect: Option<Interconnect>,
 }
 
 /// The names [`HardwareProfile::preset`] accepts.
@@ -140,6 +161,65 @@ const HOST_LAUNCH_OVERHEAD_S: f64 = 2e-6;
 /// Host memory assumed when `/proc/meminfo` cannot be read.
 const HOST_FALLBACK_MEMORY: u64 = 16 * GIB;
 
+/// Achievable fraction of a link's one-direction bandwidth that a ring collective's bus
+/// bandwidth reaches: NCCL's all-reduce on a DGX A100 shows about 230-240 GB/s `busbw` over
+/// NVLink 3's 300 GB/s per direction (nccl-tests); 0.8 is used for every link.
+const COLLECTIVE_DERATE: f64 = 0.8;
+/// NVLink 3 (A100 SXM4): 12 links x 25 GB/s per direction = 300 GB/s (the datasheet's 600 GB/s
+/// counts both directions).
+const NVLINK3: f64 = 300.0 * GB;
+/// NVLink 4 (H100/H200 SXM): 18 links, 450 GB/s per direction (the datasheet's 900 GB/s both).
+const NVLINK4: f64 = 450.0 * GB;
+/// DGX A100: eight 200 Gb/s HDR InfiniBand NICs for compute, 8 x 25 GB/s.
+const DGX_A100_NETWORK: f64 = 200.0 * GB;
+/// DGX H100/H200: eight 400 Gb/s NDR InfiniBand NICs for compute, 8 x 50 GB/s.
+const DGX_H100_NETWORK: f64 = 400.0 * GB;
+/// A workstation node: one 100 Gb/s Ethernet NIC, 12.5 GB/s.
+const WORKSTATION_NETWORK: f64 = 12.5 * GB;
+/// One hop of a ring: a few microseconds over NVLink or PCIe inside a node.
+const RING_STEP_LATENCY_S: f64 = 5e-6;
+
+/// How a preset's GPUs are linked.
+struct Links {
+    gpus_per_node: u32,
+    /// Raw one-direction bandwidth between two GPUs of a node, bytes/s.
+    intra: f64,
+    /// Raw network bandwidth of a node, bytes/s.
+    inter: f64,
+}
+
+/// GeForce cards in a workstation: 4 per node, no peer-to-peer (the driver disables it on
+/// GeForce), so a ring's traffic crosses PCIe into host memory and out again: half of a PCIe
+/// 4.0 x16 direction.
+const GEFORCE_LINKS: Links = Links {
+    gpus_per_node: 4,
+    intra: PCIE4_X16 / 2.0,
+    inter: WORKSTATION_NETWORK,
+};
+/// Eight A100 SXM4 on NVSwitch (a DGX A100).
+const DGX_A100_LINKS: Links = Links {
+    gpus_per_node: 8,
+    intra: NVLINK3,
+    inter: DGX_A100_NETWORK,
+};
+/// Eight H100 or H200 SXM on NVSwitch (a DGX H100 or H200).
+const DGX_H100_LINKS: Links = Links {
+    gpus_per_node: 8,
+    intra: NVLINK4,
+    inter: DGX_H100_NETWORK,
+};
+
+impl Links {
+    fn interconnect(&self) -> Interconnect {
+        Interconnect {
+            gpus_per_node: self.gpus_per_node,
+            intra_node_bandwidth: (self.intra * COLLECTIVE_DERATE).round(),
+            inter_node_bandwidth: (self.inter * COLLECTIVE_DERATE).round(),
+            step_latency_s: RING_STEP_LATENCY_S,
+        }
+    }
+}
+
 /// Figures that define a GPU preset; [`GpuSpec::profile`] derives the rest.
 struct GpuSpec {
     name: &'static str,
@@ -158,6 +238,8 @@ struct GpuSpec {
     host_gib: u64,
     /// Host DRAM bandwidth available to this GPU, GB/s.
     host_dram_gbs: f64,
+    /// How the GPUs of its node and the nodes are linked.
+    links: Links,
 }
 
 impl GpuSpec {
@@ -185,6 +267,7 @@ impl GpuSpec {
             cpu_adam_params_per_s: (host_dram / ADAM_BYTES_PER_PARAM).round(),
             gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
             measured_ops: Vec::new(),
+            interconnect: Some(self.links.interconnect()),
         }
     }
 }
@@ -207,6 +290,7 @@ const RTX3090: GpuSpec = GpuSpec {
     pcie: PCIE4_X16,
     host_gib: 128,
     host_dram_gbs: 51.2,
+    links: GEFORCE_LINKS,
 };
 
 /// NVIDIA GeForce RTX 4090 in a desktop workstation.
@@ -227,6 +311,7 @@ const RTX4090: GpuSpec = GpuSpec {
     pcie: PCIE4_X16,
     host_gib: 128,
     host_dram_gbs: 89.6,
+    links: GEFORCE_LINKS,
 };
 
 /// NVIDIA A100 SXM4 40 GB, one eighth of a DGX A100.
@@ -246,6 +331,7 @@ const A100_40GB: GpuSpec = GpuSpec {
     pcie: PCIE4_X16,
     host_gib: 128,
     host_dram_gbs: 51.2,
+    links: DGX_A100_LINKS,
 };
 
 /// NVIDIA A100 SXM4 80 GB, one eighth of a DGX A100 (640 GB).
@@ -264,6 +350,7 @@ const A100_80GB: GpuSpec = GpuSpec {
     pcie: PCIE4_X16,
     host_gib: 256,
     host_dram_gbs: 51.2,
+    links: DGX_A100_LINKS,
 };
 
 /// NVIDIA H100 SXM5 80 GB, one eighth of a DGX H100.
@@ -283,6 +370,7 @@ const H100: GpuSpec = GpuSpec {
     pcie: PCIE5_X16,
     host_gib: 256,
     host_dram_gbs: 76.8,
+    links: DGX_H100_LINKS,
 };
 
 /// NVIDIA H200 SXM 141 GB, one eighth of a DGX H200.
@@ -302,6 +390,7 @@ const H200: GpuSpec = GpuSpec {
     pcie: PCIE5_X16,
     host_gib: 256,
     host_dram_gbs: 76.8,
+    links: DGX_H100_LINKS,
 };
 
 impl HardwareProfile {
@@ -382,6 +471,7 @@ impl HardwareProfile {
             cpu_adam_params_per_s: adam,
             gpu_adam_params_per_s: adam,
             measured_ops: Vec::new(),
+            interconnect: None,
         }
     }
 
@@ -499,6 +589,31 @@ impl HardwareProfile {
                 "launch_overhead_s must be a non-negative number, got {}",
                 self.launch_overhead_s
             ));
+        }
+        if let Some(link) = &self.interconnect {
+            if link.gpus_per_node == 0 {
+                return bad("interconnect.gpus_per_node is 0; a node has at least one GPU".into());
+            }
+            for (field, value) in [
+                (
+                    "interconnect.intra_node_bandwidth",
+                    link.intra_node_bandwidth,
+                ),
+                (
+                    "interconnect.inter_node_bandwidth",
+                    link.inter_node_bandwidth,
+                ),
+            ] {
+                if !(value.is_finite() && value > 0.0) {
+                    return bad(format!("{field} must be a positive number, got {value}"));
+                }
+            }
+            if !(link.step_latency_s.is_finite() && link.step_latency_s >= 0.0) {
+                return bad(format!(
+                    "interconnect.step_latency_s must be a non-negative number, got {}",
+                    link.step_latency_s
+                ));
+            }
         }
         for m in &self.measured_ops {
             if m.key.trim().is_empty() {
@@ -779,6 +894,49 @@ mod tests {
             assert!(!text.contains("measured_ops"), "{name}");
             assert_eq!(HardwareProfile::from_json(&text).unwrap(), preset, "{name}");
         }
+    }
+
+    #[test]
+    fn gpu_presets_say_how_their_gpus_are_linked() {
+        let link = |name: &str| {
+            HardwareProfile::preset(name)
+                .unwrap()
+                .interconnect
+                .unwrap_or_else(|| panic!("{name} has an interconnect"))
+        };
+        // NVLink 4 over NVLink 3 over PCIe through the host, each derated to a bus bandwidth.
+        assert_eq!(link("h200").intra_node_bandwidth, 360e9);
+        assert_eq!(link("a100-80gb").intra_node_bandwidth, 240e9);
+        assert_eq!(link("rtx3090").intra_node_bandwidth, 12.6e9);
+        assert_eq!(link("a100-40gb").gpus_per_node, 8);
+        assert_eq!(link("rtx4090").gpus_per_node, 4);
+        assert!(link("h100").inter_node_bandwidth > link("a100-80gb").inter_node_bandwidth);
+        // The host backend's ranks are threads, not GPUs on links.
+        assert!(HardwareProfile::preset("host")
+            .unwrap()
+            .interconnect
+            .is_none());
+    }
+
+    #[test]
+    fn a_profile_without_an_interconnect_still_loads_and_a_bad_one_is_named() {
+        let mut p = HardwareProfile::preset("rtx3090").unwrap();
+        p.interconnect = None;
+        let text = p.to_json().unwrap();
+        assert!(!text.contains("interconnect"), "{text}");
+        assert_eq!(HardwareProfile::from_json(&text).unwrap(), p);
+        let mut bad = HardwareProfile::preset("h100").unwrap();
+        bad.interconnect.as_mut().unwrap().gpus_per_node = 0;
+        let err = HardwareProfile::from_json(&bad.to_json().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("gpus_per_node is 0"), "{err}");
+        let mut bad = HardwareProfile::preset("h100").unwrap();
+        bad.interconnect.as_mut().unwrap().inter_node_bandwidth = -1.0;
+        let err = HardwareProfile::from_json(&bad.to_json().unwrap()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("inter_node_bandwidth must be a positive"),
+            "{err}"
+        );
     }
 
     #[test]

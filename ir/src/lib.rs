@@ -25,7 +25,9 @@ pub mod verify_schedule;
 pub use chunks::{Chunk, ChunkMember, ChunkSizeTrial, ChunkTable};
 pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
-pub use hardware::{op_key, parse_size, HardwareProfile, MeasuredOp, PeakFlops, PRESETS};
+pub use hardware::{
+    op_key, parse_size, HardwareProfile, Interconnect, MeasuredOp, PeakFlops, PRESETS,
+};
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
 pub use op::{Epilogue, Movement, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
 pub use policy::{BlockMode, Policy, PolicySpec};

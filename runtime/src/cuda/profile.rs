@@ -167,6 +167,8 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         cpu_adam_params_per_s: cpu_adam,
         gpu_adam_params_per_s: rates.gpu_adam,
         measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
+        // One GPU measured: how it links to others is not known.
+        interconnect: None,
     };
     profile
         .validate()
