@@ -1,8 +1,8 @@
 //! The pipeline: the passes in the order they run, each followed by the verifier.
 //!
-//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) (with
-//! movement) -> streams -> plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] ->
-//! simulate.
+//! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
+//! training graph -> chunk -> place(policy) (with movement) -> streams -> plan -> emit
+//! (-> accumulate, for K > 1) -> Schedule -> verify -> [`VerifiedSchedule`] -> simulate.
 //!
 //! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
 //! turn, verifying the graph after every pass, keeping each stage's product so that a caller
@@ -10,6 +10,7 @@
 //! policies through [`compile_policy`]. The free functions below run one stage each, with
 //! the verifier, for tests and tools that assemble stages themselves.
 
+use crate::accumulate::{accumulate, scale_loss_gradient};
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
 use crate::cost::{cost_model, CostModel};
@@ -73,6 +74,9 @@ pub struct CompileOptions {
     /// Whether to fuse the forward graph first (see [`crate::fuse`]); fusion changes no
     /// result, only speed.
     pub fuse: bool,
+    /// Micro-batches of `batch` sequences per optimizer step (gradient accumulation); 1 for
+    /// none. See [`crate::accumulate`].
+    pub micro_batches: u64,
 }
 
 /// The batch, sequence length and element type a compilation defaults to on `hardware`:
@@ -101,6 +105,7 @@ impl CompileOptions {
             policy: PolicyChoice::Auto,
             optimizer: OptimizerConfig::default(),
             fuse: true,
+            micro_batches: 1,
         }
     }
 
@@ -218,7 +223,10 @@ impl<'m> Context<'m> {
         }
         if stage >= Stage::Autodiff && self.training.is_none() {
             let fused = self.fused.as_ref().expect("fused above");
-            self.training = Some(training_graph(fused, &self.options.optimizer)?);
+            let mut training = training_graph(fused, &self.options.optimizer)?;
+            scale_loss_gradient(&mut training, self.options.micro_batches)?;
+            verify_graph(&training)?;
+            self.training = Some(training);
         }
         if stage >= Stage::Chunked && self.chunks.is_none() {
             self.chunks = Some(chunked(
@@ -406,7 +414,8 @@ pub fn chunked(training: &Graph) -> ChunkTable {
     chunk(training, 1)
 }
 
-/// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
+/// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
+/// when the graph's loss gradient is scaled for several micro-batches. The placed graph
 /// is verified after placement and, in tests and debug builds, validated against the training
 /// graph with an e-graph, and the schedule verified after emission. It returns the schedule
 /// unverified in release builds: the search compiles many candidates and verifies only the
@@ -434,7 +443,7 @@ pub fn compile_policy(
     }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    let schedule = emit(streamed, &planned, header)?;
+    let schedule = accumulate(emit(streamed, &planned, header)?)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }

@@ -97,7 +97,7 @@ impl BufferNumbering {
                     mention(*src);
                     mention(*dst);
                 }
-                Instr::Record { .. } | Instr::Wait { .. } => {}
+                Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
         let mut unmentioned: Vec<usize> = (0..n).filter(|&i| !seen[i]).collect();
@@ -160,6 +160,8 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
         BufferKind::Activation => "activation".into(),
         BufferKind::HostActivation => "host activation".into(),
         BufferKind::Workspace => "workspace".into(),
+        BufferKind::Accumulators => "accumulators".into(),
+        BufferKind::HostScratch => "host scratch".into(),
     }
 }
 
@@ -517,6 +519,9 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             address(cx, *dst),
             format_bytes(*bytes)
         ),
+        Instr::EndMicroBatch { micro_batches } => {
+            format!("end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update")
+        }
         Instr::Record { event } => format!("record e{}", event.0),
         Instr::Wait { event } => format!("wait e{}", event.0),
     }
