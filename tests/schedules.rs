@@ -64,6 +64,7 @@ fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
         policy: PolicyChoice::parse(policy).expect("the test policies parse"),
         optimizer: OptimizerConfig::default(),
         fuse: true,
+        micro_batches: 1,
     }
 }
 

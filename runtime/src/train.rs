@@ -13,8 +13,9 @@
 //!
 //! An optimizer *step* and a *batch* are counted apart: the schedule and AdamW's bias
 //! correction follow the step ([`Executor::steps_taken`]), the data follows the batch index.
-//! Today each step reads one batch; gradient accumulation will make a step read several, and
-//! only the batch index will advance faster.
+//! A batch is what one step reads: with gradient accumulation over `K` micro-batches of `B`
+//! sequences it is `K*B` sequences (the rows one batch of that size would read), which the
+//! executor feeds to the micro-batches in order.
 //!
 //! What this does not do: build or verify the schedule (the compiler does), print anything
 //! (the caller does, from the records), or decide the optimizer's hyper-parameters other than
@@ -761,7 +762,9 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
             "the schedule's graph takes no token ids; compile a language model".into(),
         )
     })?;
-    let (batch, seq) = (schedule.header.batch as usize, schedule.header.seq as usize);
+    // A step reads its micro-batches' rows as one batch.
+    let batch = schedule.header.batch as usize * schedule.micro_batches() as usize;
+    let seq = schedule.header.seq as usize;
     let stream = match &settings.data {
         Some(path) => TokenStream::open(path)?,
         None => {

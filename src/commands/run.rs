@@ -193,6 +193,11 @@ pub struct Args {
     /// Gradient clipping norm; must equal the schedule's.
     #[arg(long, value_name = "NORM")]
     grad_clip: Option<f64>,
+    /// Micro-batches per optimizer step (gradient accumulation), fixed when the schedule is
+    /// compiled (`protrain compile --grad-accum K`); given here, it must equal the
+    /// schedule's. Each step reads K x batch sequences.
+    #[arg(long, value_name = "K")]
+    grad_accum: Option<u64>,
 }
 
 /// Reads and verifies the schedule, checks the flags against it, and executes it.
@@ -207,6 +212,14 @@ pub fn run(args: Args) -> Result<()> {
     }
     let schedule = protrain::ir::file::read(&args.schedule)?;
     check_optimizer_flags(&schedule, &args)?;
+    let k = u64::from(schedule.micro_batches());
+    if let Some(given) = args.grad_accum.filter(|&g| g != k) {
+        return Err(Error::Usage(format!(
+            "--grad-accum {given} differs from the schedule's {k} micro-batches per step, which \
+             are fixed when it is compiled: compile it again with `protrain compile MODEL \
+             --grad-accum {given}`, or drop the flag"
+        )));
+    }
     let predicted = match &args.exec.trace {
         Some(_) => predicted_timeline(&schedule),
         None => Ok(Vec::new()),
@@ -306,8 +319,8 @@ pub fn plan_lines(schedule: &Schedule) -> String {
     let chunks = schedule.chunks.len();
     format!(
         "policy          {}\n                {} of {} chunks persistent, {} streamed through {} \
-         buffers; layers: {} kept, {} checkpointed, {} swapped\npredicted step  {:.4} s on {}\n\
-         device arena    {} of {} budget\nhost region     {}",
+         buffers; layers: {} kept, {} checkpointed, {} swapped{}\npredicted step  {:.4} s on \
+         {}\ndevice arena    {} of {} budget\nhost region     {}",
         h.policy,
         h.policy.n_persist,
         chunks,
@@ -316,6 +329,10 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         h.policy.count(protrain::ir::BlockMode::Keep),
         h.policy.count(protrain::ir::BlockMode::Checkpoint),
         h.policy.count(protrain::ir::BlockMode::Swap),
+        match schedule.micro_batches() {
+            1 => String::new(),
+            k => format!("\naccumulation    {k} micro-batches of {} sequences per step", h.batch),
+        },
         p.step_seconds,
         h.hardware.split(':').next().unwrap_or_default(),
         format_bytes(schedule.arena_bytes),
