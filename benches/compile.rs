@@ -54,6 +54,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         policy: PolicyChoice::Auto,
         optimizer: OptimizerConfig::default(),
         fuse: true,
+        micro_batches: 1,
     }
 }
 

@@ -166,6 +166,7 @@ fn main() {
         policy,
         optimizer: optimizer.clone(),
         fuse: true,
+        micro_batches: 1,
     };
     let resident = protrain::compile(
         &config,

@@ -118,6 +118,7 @@ fn main() {
                 policy: PolicyChoice::Auto,
                 optimizer: optimizer.clone(),
                 fuse: true,
+                micro_batches: 1,
             },
         )
     };
@@ -132,6 +133,7 @@ fn main() {
             policy: PolicyChoice::Fixed(Default::default()),
             optimizer: optimizer.clone(),
             fuse: true,
+            micro_batches: 1,
         },
     )
     .expect("the resident schedule compiles");

@@ -153,15 +153,29 @@ fn accumulated_training_matches_pytorch_under_every_policy() {
         let what = format!("{model} {kind}");
         let schedule =
             LrSchedule::new(kind, e.optimizer.lr, e.warmup, e.decay, 0.0).expect("schedule");
-        let run_with =
-            |policy: &str| train(model, &e.optimizer, policy, shape, settings(schedule, e.steps));
+        let run_with = |policy: &str| {
+            train(
+                model,
+                &e.optimizer,
+                policy,
+                shape,
+                settings(schedule, e.steps),
+            )
+        };
         let (roomy, roomy_weights) = run_with(ROOMY);
         assert_eq!(roomy.len() as u64, e.steps, "{what}: steps");
         let losses = numbers(&run["losses"]);
         let norms = numbers(&run["grad_norms_preclip"]);
         for (i, r) in roomy.iter().enumerate() {
-            assert_eq!(r.batch, i as u64, "{what}: a step reads one batch of K*B rows");
-            assert_eq!(r.tokens, e.grad_accum * e.batch * 16, "{what}: tokens per step");
+            assert_eq!(
+                r.batch, i as u64,
+                "{what}: a step reads one batch of K*B rows"
+            );
+            assert_eq!(
+                r.tokens,
+                e.grad_accum * e.batch * 16,
+                "{what}: tokens per step"
+            );
             let rel = relative(f64::from(r.loss), losses[i]);
             assert!(
                 rel < 1e-4,
@@ -187,7 +201,11 @@ fn accumulated_training_matches_pytorch_under_every_policy() {
                     .map(|r| (r.loss.to_bits(), r.grad_norm.map(f32::to_bits)))
                     .collect()
             };
-            assert_eq!(bits(&roomy), bits(&other), "{what}: roomy and {policy} losses");
+            assert_eq!(
+                bits(&roomy),
+                bits(&other),
+                "{what}: roomy and {policy} losses"
+            );
             assert!(
                 roomy_weights == other_weights,
                 "{what}: roomy and {policy} weights"
@@ -247,7 +265,10 @@ fn micro_batches_train_as_one_batch_of_their_rows() {
             .zip(&big)
             .map(|(a, b)| relative(f64::from(a.loss), f64::from(b.loss)))
             .fold(0.0, f64::max);
-        assert!(apart > 1e-3, "{model}: --batch 2 alone is only {apart:e} away");
+        assert!(
+            apart > 1e-3,
+            "{model}: --batch 2 alone is only {apart:e} away"
+        );
     }
 }
 
@@ -263,8 +284,13 @@ fn an_accumulating_run_resumes_as_if_never_interrupted() {
         0.0,
     )
     .expect("schedule");
-    let (straight, straight_weights) =
-        train("gpt2", &e.optimizer, ROOMY, shape, settings(schedule, e.steps));
+    let (straight, straight_weights) = train(
+        "gpt2",
+        &e.optimizer,
+        ROOMY,
+        shape,
+        settings(schedule, e.steps),
+    );
     let dir = tempfile::tempdir().expect("temp dir");
     {
         let compiled = compile("gpt2", &e.optimizer, ROOMY, shape.0, shape.1);

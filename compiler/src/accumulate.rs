@@ -187,8 +187,11 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
             match laid[i].1 {
                 Space::Host => {
                     let o = schedule.graph.op(op);
-                    let types: Vec<_> =
-                        o.inputs.iter().map(|v| &schedule.graph.value(*v).ty).collect();
+                    let types: Vec<_> = o
+                        .inputs
+                        .iter()
+                        .map(|v| &schedule.graph.value(*v).ty)
+                        .collect();
                     norm_workspace = norm_workspace.max(o.kind.workspace_bytes(&types));
                     host_norms.push((op, i));
                 }
@@ -200,11 +203,19 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
     }
     host_norms.sort();
     let mut buffer_of = [None, None];
-    for (space, name) in [(Space::Device, "accumulators"), (Space::Host, "host accumulators")] {
+    for (space, name) in [
+        (Space::Device, "accumulators"),
+        (Space::Host, "host accumulators"),
+    ] {
         let bytes = used[usize::from(space == Space::Host)];
         if bytes > 0 {
-            buffer_of[usize::from(space == Space::Host)] =
-                Some(append(&mut schedule, name, space, BufferKind::Accumulators, bytes));
+            buffer_of[usize::from(space == Space::Host)] = Some(append(
+                &mut schedule,
+                name,
+                space,
+                BufferKind::Accumulators,
+                bytes,
+            ));
         }
     }
     let scratch_bytes = aligned(4) * host_norms.len() as u64 + norm_workspace;
@@ -288,7 +299,10 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
         events += 1;
         EventId(events - 1)
     };
-    for instr in moved.iter().filter(|i| kind_of(i) == Some(&OpKind::GradNormSq)) {
+    for instr in moved
+        .iter()
+        .filter(|i| kind_of(i) == Some(&OpKind::GradNormSq))
+    {
         if let Instr::Kernel { op, .. } = instr {
             if device_norm_of.contains_key(op) {
                 update[compute].push(reading_acc(instr, 0).0);
@@ -388,9 +402,7 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
         stream.instrs.extend(tail);
     }
     schedule.events = events;
-    schedule
-        .homes
-        .extend(accs.iter().map(|a| (a.acc, a.home)));
+    schedule.homes.extend(accs.iter().map(|a| (a.acc, a.home)));
 
     // The prediction: K micro-batches of work, and the accumulators' memory.
     let graph = &schedule.graph;

@@ -358,74 +358,76 @@ pub fn simulate_unverified(
     let mut at_marker = vec![false; n];
 
     loop {
-    while let Some(s) = ready.pop() {
-        let stream = &schedule.streams[s];
-        let id = StreamId::new(s);
-        while let Some(instr) = stream.instrs.get(next[s]) {
-            let index = next[s];
-            match instr {
-                Instr::EndMicroBatch { .. } => {
-                    at_marker[s] = true;
-                    break;
-                }
-                Instr::Record { event } => {
-                    recorded[event.index()] = Some(clock[s]);
-                    ready.append(&mut waiters[event.index()]);
-                }
-                Instr::Wait { event } => match recorded[event.index()] {
-                    None => {
-                        waiters[event.index()].push(s);
+        while let Some(s) = ready.pop() {
+            let stream = &schedule.streams[s];
+            let id = StreamId::new(s);
+            while let Some(instr) = stream.instrs.get(next[s]) {
+                let index = next[s];
+                match instr {
+                    Instr::EndMicroBatch { .. } => {
+                        at_marker[s] = true;
                         break;
                     }
-                    Some(at) => {
-                        if at > clock[s] {
-                            timeline.push(Span {
-                                stream: id,
-                                index,
-                                start: clock[s],
-                                end: at,
-                                label: instr_label(schedule, instr),
-                                category: category::WAIT,
-                            });
-                            clock[s] = at;
+                    Instr::Record { event } => {
+                        recorded[event.index()] = Some(clock[s]);
+                        ready.append(&mut waiters[event.index()]);
+                    }
+                    Instr::Wait { event } => match recorded[event.index()] {
+                        None => {
+                            waiters[event.index()].push(s);
+                            break;
                         }
+                        Some(at) => {
+                            if at > clock[s] {
+                                timeline.push(Span {
+                                    stream: id,
+                                    index,
+                                    start: clock[s],
+                                    end: at,
+                                    label: instr_label(schedule, instr),
+                                    category: category::WAIT,
+                                });
+                                clock[s] = at;
+                            }
+                        }
+                    },
+                    Instr::Kernel { .. } | Instr::Copy { .. } => {
+                        let seconds = instr_seconds(schedule, id, instr, cost);
+                        if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
+                            (instr, stream.kind)
+                        {
+                            phase_seconds.add(schedule.graph.op(*op).phase, seconds * repeat);
+                        }
+                        timeline.push(Span {
+                            stream: id,
+                            index,
+                            start: clock[s],
+                            end: clock[s] + seconds,
+                            label: instr_label(schedule, instr),
+                            category: span_category(schedule, stream.kind, instr),
+                        });
+                        clock[s] += seconds;
+                        busy[s] += seconds * repeat;
                     }
-                },
-                Instr::Kernel { .. } | Instr::Copy { .. } => {
-                    let seconds = instr_seconds(schedule, id, instr, cost);
-                    if let (Instr::Kernel { op, .. }, StreamKind::Compute) = (instr, stream.kind) {
-                        phase_seconds.add(schedule.graph.op(*op).phase, seconds * repeat);
-                    }
-                    timeline.push(Span {
-                        stream: id,
-                        index,
-                        start: clock[s],
-                        end: clock[s] + seconds,
-                        label: instr_label(schedule, instr),
-                        category: span_category(schedule, stream.kind, instr),
-                    });
-                    clock[s] += seconds;
-                    busy[s] += seconds * repeat;
                 }
+                next[s] += 1;
             }
-            next[s] += 1;
         }
-    }
-    if !at_marker.iter().any(|&m| m) {
-        break;
-    }
-    // Every stream at its marker (a verified schedule's are all there): the barrier after
-    // the last micro-batch.
-    let micro = clock.iter().copied().fold(0.0, f64::max) * f64::from(micro_batches);
-    for s in 0..n {
-        if at_marker[s] {
-            at_marker[s] = false;
-            next[s] += 1;
+        if !at_marker.iter().any(|&m| m) {
+            break;
         }
-        clock[s] = micro;
-    }
-    repeat = 1.0;
-    ready = (0..n).rev().collect();
+        // Every stream at its marker (a verified schedule's are all there): the barrier after
+        // the last micro-batch.
+        let micro = clock.iter().copied().fold(0.0, f64::max) * f64::from(micro_batches);
+        for s in 0..n {
+            if at_marker[s] {
+                at_marker[s] = false;
+                next[s] += 1;
+            }
+            clock[s] = micro;
+        }
+        repeat = 1.0;
+        ready = (0..n).rev().collect();
     }
 
     let stuck: Vec<StuckStream> = schedule

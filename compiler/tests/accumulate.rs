@@ -136,9 +136,18 @@ fn offloaded_gradients_accumulate_on_the_host() {
         .find(|(w, _, _)| w.contains("Some(1.0)") && w.contains("n_persist=0"))
         .expect("an offloading policy with clipping");
     let kinds: Vec<(BufferKind, Space)> = s.buffers.iter().map(|b| (b.kind, b.space)).collect();
-    assert!(kinds.contains(&(BufferKind::Accumulators, Space::Host)), "{what}");
-    assert!(!kinds.contains(&(BufferKind::Accumulators, Space::Device)), "{what}");
-    assert!(kinds.contains(&(BufferKind::HostScratch, Space::Host)), "{what}");
+    assert!(
+        kinds.contains(&(BufferKind::Accumulators, Space::Host)),
+        "{what}"
+    );
+    assert!(
+        !kinds.contains(&(BufferKind::Accumulators, Space::Device)),
+        "{what}"
+    );
+    assert!(
+        kinds.contains(&(BufferKind::HostScratch, Space::Host)),
+        "{what}"
+    );
 }
 
 #[test]

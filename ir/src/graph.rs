@@ -424,13 +424,23 @@ impl Graph {
     /// op's inputs (a rescaled loss gradient, say). Fails, changing nothing, otherwise.
     pub fn set_kind(&mut self, op: OpId, kind: OpKind) -> Result<()> {
         if op.index() >= self.dataflow.node_count() {
-            return Err(IrError::Invalid(format!("set_kind: {op} is not in the graph")));
+            return Err(IrError::Invalid(format!(
+                "set_kind: {op} is not in the graph"
+            )));
         }
         let node = NodeIndex::new(op.index());
         let o = &self.dataflow[node];
-        let types: Vec<&TensorType> = o.inputs.iter().map(|v| &self.values[v.index()].ty).collect();
+        let types: Vec<&TensorType> = o
+            .inputs
+            .iter()
+            .map(|v| &self.values[v.index()].ty)
+            .collect();
         let inferred = kind.infer(&types)?;
-        let outputs: Vec<&TensorType> = o.outputs.iter().map(|v| &self.values[v.index()].ty).collect();
+        let outputs: Vec<&TensorType> = o
+            .outputs
+            .iter()
+            .map(|v| &self.values[v.index()].ty)
+            .collect();
         if inferred.iter().collect::<Vec<_>>() != outputs {
             return Err(IrError::Invalid(format!(
                 "set_kind: {} does not write what {} writes",

@@ -520,7 +520,9 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             format_bytes(*bytes)
         ),
         Instr::EndMicroBatch { micro_batches } => {
-            format!("end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update")
+            format!(
+                "end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update"
+            )
         }
         Instr::Record { event } => format!("record e{}", event.0),
         Instr::Wait { event } => format!("wait e{}", event.0),

@@ -613,22 +613,22 @@ impl<'s, B: Backend> Executor<'s, B> {
         self.backend.begin_step();
         let (backend, tracing) = (&self.backend, self.tracing);
         let results: Vec<std::thread::Result<Result<Outcome>>> = std::thread::scope(|scope| {
-            let running: Vec<_> = self
-                .streams
-                .iter_mut()
-                .map(|s| {
-                    let empty = match update {
-                        false => s.program.is_empty(),
-                        true => s.update.is_empty(),
-                    };
-                    if empty {
-                        return None;
-                    }
-                    Some(scope.spawn(move || {
-                        run_stream(backend, graph, s, update, step, start, tracing)
-                    }))
-                })
-                .collect();
+            let running: Vec<_> =
+                self.streams
+                    .iter_mut()
+                    .map(|s| {
+                        let empty = match update {
+                            false => s.program.is_empty(),
+                            true => s.update.is_empty(),
+                        };
+                        if empty {
+                            return None;
+                        }
+                        Some(scope.spawn(move || {
+                            run_stream(backend, graph, s, update, step, start, tracing)
+                        }))
+                    })
+                    .collect();
             running.into_iter().flatten().map(|h| h.join()).collect()
         });
         let mut outcome = Outcome::default();

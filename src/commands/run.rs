@@ -120,10 +120,11 @@ pub struct ExecArgs {
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
     /// Print one JSON object per line and step instead of a progress bar and table: `step`
-    /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy, f32 printed
-    /// exactly), `grad_norm` (the global gradient norm before clipping, or null when the
-    /// schedule computes none), `lr` (the learning rate AdamW used), `tokens_per_s` (this
-    /// step's batch x seq over its wall time) and `step_s` (the step's wall time in seconds).
+    /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy over all its
+    /// positions, every micro-batch's with --grad-accum; f32 printed exactly), `grad_norm`
+    /// (the global gradient norm before clipping, or null when the schedule computes none),
+    /// `lr` (the learning rate AdamW used), `tokens_per_s` (this step's tokens, micro-batches
+    /// x batch x seq, over its wall time) and `step_s` (the step's wall time in seconds).
     /// The plan and timing report go to stderr. `--log-json` is the same flag.
     #[arg(long, alias = "log-json")]
     pub json: bool,
@@ -331,7 +332,10 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         h.policy.count(protrain::ir::BlockMode::Swap),
         match schedule.micro_batches() {
             1 => String::new(),
-            k => format!("\naccumulation    {k} micro-batches of {} sequences per step", h.batch),
+            k => format!(
+                "\naccumulation    {k} micro-batches of {} sequences per step",
+                h.batch
+            ),
         },
         p.step_seconds,
         h.hardware.split(':').next().unwrap_or_default(),

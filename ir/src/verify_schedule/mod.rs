@@ -353,9 +353,9 @@ impl<'a> Checker<'a> {
         self
     }
 
-    /// 0. The micro-batch markers: `None` without any; else the micro-batch program, the
-    /// update program (each a schedule whose streams hold that part), and the index of each
-    /// stream's first update instruction in the whole schedule.
+    /// Invariant 0, the micro-batch markers: `None` without any; else the micro-batch
+    /// program, the update program (each a schedule whose streams hold that part), and the
+    /// index of each stream's first update instruction in the whole schedule.
     fn phases(&self) -> Result<Option<(Schedule, Schedule, Vec<u32>)>, ScheduleError> {
         let s = self.s;
         let mut count: Option<u32> = None;

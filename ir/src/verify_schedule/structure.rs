@@ -283,9 +283,7 @@ impl Checker<'_> {
                     // in an accumulating schedule's update, host squared norms to the device.
                     let inbound = match what {
                         CopyKind::FetchChunk { .. } | CopyKind::ReloadActivation { .. } => true,
-                        CopyKind::Scalar { .. } => {
-                            sb.space == Space::Host
-                        }
+                        CopyKind::Scalar { .. } => sb.space == Space::Host,
                         CopyKind::OffloadGrads { .. } | CopyKind::OffloadActivation { .. } => false,
                     };
                     if inbound != (kind == StreamKind::HostToDevice) {
