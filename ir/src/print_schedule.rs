@@ -254,6 +254,15 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
         format_bytes(h.host_budget_bytes)
     );
     let _ = writeln!(out, "; policy: {}", h.policy);
+    let k = s.micro_batches();
+    if k > 1 {
+        let _ = writeln!(
+            out,
+            "; gradient accumulation: {k} micro-batches of batch {} per step (tokens from \
+             (step*{k} + m)*batch*seq); the update runs once after them",
+            h.batch
+        );
+    }
     let busy: Vec<String> = p
         .stream_busy_seconds
         .iter()
