@@ -86,12 +86,24 @@ fn compile(
     batch: u64,
     k: u64,
 ) -> protrain::Compiled {
+    compile_as(model, optimizer, policy, batch, k, DType::F32)
+}
+
+/// [`compile`] in element type `dtype`.
+fn compile_as(
+    model: &str,
+    optimizer: &OptimizerConfig,
+    policy: &str,
+    batch: u64,
+    k: u64,
+    dtype: DType,
+) -> protrain::Compiled {
     let config = protrain::models::load(fixtures().join(model).to_str().expect("utf-8"))
         .expect("the fixture's config parses");
     let options = CompileOptions {
         batch,
         seq: 16,
-        dtype: DType::F32,
+        dtype,
         policy: PolicyChoice::parse(policy).expect("a policy"),
         optimizer: optimizer.clone(),
         micro_batches: k,
@@ -115,10 +127,22 @@ fn train(
     model: &str,
     optimizer: &OptimizerConfig,
     policy: &str,
-    (batch, k): (u64, u64),
+    shape: (u64, u64),
     settings: RunSettings,
 ) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
-    let compiled = compile(model, optimizer, policy, batch, k);
+    train_as(model, optimizer, policy, shape, settings, DType::F32)
+}
+
+/// [`train`] with a schedule in element type `dtype`.
+fn train_as(
+    model: &str,
+    optimizer: &OptimizerConfig,
+    policy: &str,
+    (batch, k): (u64, u64),
+    settings: RunSettings,
+    dtype: DType,
+) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
+    let compiled = compile_as(model, optimizer, policy, batch, k, dtype);
     let schedule = &compiled.schedule;
     assert_eq!(u64::from(schedule.micro_batches()), k);
     let weights = fixtures().join(model).join("model.safetensors");
@@ -340,4 +364,48 @@ fn an_accumulating_run_resumes_as_if_never_interrupted() {
         "steps 3..5 resumed are the uninterrupted run's, bit for bit"
     );
     assert!(trainer.executor().params().expect("weights") == straight_weights);
+}
+
+#[test]
+fn bf16_accumulation_is_the_same_bits_under_every_policy() {
+    let e = expected();
+    let schedule =
+        LrSchedule::new(LrScheduleKind::Linear, e.optimizer.lr, 1, 5, 0.0).expect("schedule");
+    let run = |policy: &str| {
+        train_as(
+            "gpt2",
+            &e.optimizer,
+            policy,
+            (e.batch, e.grad_accum),
+            settings(schedule, 5),
+            DType::BF16,
+        )
+    };
+    let (roomy, roomy_weights) = run(ROOMY);
+    let (f32_run, _) = train(
+        "gpt2",
+        &e.optimizer,
+        ROOMY,
+        (e.batch, e.grad_accum),
+        settings(schedule, 5),
+    );
+    for (a, b) in roomy.iter().zip(&f32_run) {
+        let rel = relative(f64::from(a.loss), f64::from(b.loss));
+        assert!(
+            rel < 1e-2,
+            "step {}: bf16 {} vs f32 {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    for policy in [TIGHT, MIXED] {
+        let (other, other_weights) = run(policy);
+        let bits = |rs: &[StepRecord]| rs.iter().map(|r| r.loss.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&roomy), bits(&other), "bf16 roomy and {policy} losses");
+        assert!(
+            roomy_weights == other_weights,
+            "bf16 roomy and {policy} weights"
+        );
+    }
 }

@@ -5,7 +5,9 @@
 use protrain_compiler::accumulate::{micro_batches, scale_loss_gradient};
 use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
+use protrain_compiler::simulate::simulate;
 use protrain_compiler::OptimizerConfig;
+use protrain_ir::print_schedule::print_schedule;
 use protrain_ir::verify_schedule::{verify, verify_schedule, Invariant};
 use protrain_ir::{file, BufferKind, DType, Instr, OpKind, Policy, Role, Schedule, Space};
 
@@ -199,4 +201,39 @@ fn the_verifier_rejects_inconsistent_markers() {
     let e = verify(broken).expect_err(&what);
     assert_eq!(e.invariant, Invariant::Phases, "{e}");
     assert!(e.message.contains("runs once per step"), "{e}");
+}
+
+#[test]
+fn the_simulator_costs_every_micro_batch_and_the_printer_shows_the_split() {
+    let hardware = protrain_ir::HardwareProfile::preset("rtx3090").expect("a preset");
+    let cost = protrain_compiler::cost::cost_model(&hardware);
+    for (what, s, one) in schedules("gpt2-tiny", DType::F32, 4) {
+        let (s, one) = (verify(s).expect("verifies"), verify(one).expect("verifies"));
+        let four = simulate(&s, cost.as_ref()).expect("simulates").step_seconds;
+        let single = simulate(&one, cost.as_ref())
+            .expect("simulates")
+            .step_seconds;
+        // Four forward and backward passes, one update: more than twice a step of one
+        // micro-batch, less than four and a half of them.
+        assert!(
+            four > 2.0 * single && four < 4.5 * single,
+            "{what}: 4 micro-batches {four:e} s, one {single:e} s"
+        );
+        assert_eq!(
+            s.header.prediction.peak_device_bytes, s.arena_bytes,
+            "{what}: the prediction counts the accumulators"
+        );
+        let text = print_schedule(&s);
+        assert!(
+            text.contains("; gradient accumulation: 4 micro-batches of batch 2"),
+            "{what}"
+        );
+        let markers = text.matches("end_micro_batch x4").count();
+        assert_eq!(markers, s.streams.len(), "{what}: one marker per stream");
+        assert!(text.contains("accumulate_grad"), "{what}");
+        assert!(
+            !print_schedule(&one).contains("gradient accumulation"),
+            "{what}"
+        );
+    }
 }
