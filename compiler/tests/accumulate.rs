@@ -237,3 +237,47 @@ fn the_simulator_costs_every_micro_batch_and_the_printer_shows_the_split() {
         );
     }
 }
+
+#[test]
+fn the_verifier_checks_the_update_programs_order() {
+    let (what, s, _) = schedules("gpt2-tiny", DType::F32, 2)
+        .into_iter()
+        .find(|(w, _, _)| w.contains("Some(1.0)") && w.contains("n_persist=1"))
+        .expect("a mixed policy with clipping");
+    verify_schedule(&s).unwrap_or_else(|e| panic!("{what}: {e}"));
+    // Without its waits the host-to-device stream would upload the host accumulators'
+    // squared norms before the host optimizer computed them.
+    let h2d = s
+        .streams
+        .iter()
+        .position(|st| st.kind == protrain_ir::StreamKind::HostToDevice)
+        .expect("a host-to-device stream");
+    let mut broken = s.clone();
+    let instrs = &mut broken.streams[h2d].instrs;
+    let at = instrs
+        .iter()
+        .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
+        .expect("marker");
+    let waited: Vec<protrain_ir::EventId> = instrs[at + 1..]
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Wait { event } => Some(*event),
+            _ => None,
+        })
+        .collect();
+    assert!(!waited.is_empty(), "{what}: the update uploads after waits");
+    // Drop the waits and their records, so every event left is still recorded and waited:
+    // only the data flow can tell.
+    for stream in &mut broken.streams {
+        stream.instrs.retain(|i| match i {
+            Instr::Wait { event } | Instr::Record { event } => !waited.contains(event),
+            _ => true,
+        });
+    }
+    let e = verify(broken).expect_err("uploads before the norms exist");
+    assert_eq!(e.invariant, Invariant::DataFlow, "{what}: {e}");
+    assert!(
+        e.message.starts_with("in the update program"),
+        "{what}: {e}"
+    );
+}

@@ -412,7 +412,7 @@ pub struct StepRecord {
     pub grad_norm: Option<f32>,
     /// The learning rate AdamW used, when the schedule has an optimizer.
     pub lr: Option<f64>,
-    /// Tokens the step trained on (batch x seq).
+    /// Tokens the step trained on (micro-batches x batch x seq).
     pub tokens: u64,
     /// The executor's wall time of the step, in seconds.
     pub step_seconds: f64,
