@@ -55,6 +55,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         optimizer: OptimizerConfig::default(),
         fuse: true,
         forward_only: false,
+        micro_batches: 1,
     }
 }
 

@@ -167,6 +167,7 @@ fn main() {
         optimizer: optimizer.clone(),
         fuse: true,
         forward_only: false,
+        micro_batches: 1,
     };
     let resident = protrain::compile(
         &config,

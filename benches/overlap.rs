@@ -119,6 +119,7 @@ fn main() {
                 optimizer: optimizer.clone(),
                 fuse: true,
                 forward_only: false,
+                micro_batches: 1,
             },
         )
     };
@@ -134,6 +135,7 @@ fn main() {
             optimizer: optimizer.clone(),
             fuse: true,
             forward_only: false,
+            micro_batches: 1,
         },
     )
     .expect("the resident schedule compiles");

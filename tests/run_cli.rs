@@ -473,3 +473,101 @@ fn train_reads_a_text_corpus_through_a_tokenizer_once() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("--data"), "{}", stderr(&out));
 }
+
+#[test]
+fn train_accumulates_gradients_as_a_larger_batch_and_refuses_contradictions() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--grad-clip",
+            "1.0",
+            "--log-json",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let parse = |out: &Output| -> Vec<f64> {
+        losses(out)
+            .iter()
+            .map(|l| l.parse().expect("a number"))
+            .collect()
+    };
+    let big = parse(&run(&["--batch", "8"]));
+    let accum = run(&["--batch", "2", "--grad-accum", "4", "--gpu-memory", "4MiB"]);
+    assert!(
+        stderr(&accum).contains("accumulation    4 micro-batches of 2 sequences per step"),
+        "{}",
+        stderr(&accum)
+    );
+    let small = parse(&accum);
+    assert_eq!(big.len(), 3);
+    for (a, b) in small.iter().zip(&big) {
+        assert!((a - b).abs() / b < 1e-6, "{a} vs {b}");
+    }
+    let out = run(&["--batch", "2", "--grad-accum", "0"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--grad-accum 0: a step takes at least one micro-batch"),
+        "{}",
+        stderr(&out)
+    );
+    // Checkpoints carry K: resuming with another is refused, naming both.
+    let saved = run(&[
+        "--batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "2",
+    ]);
+    assert!(saved.status.success(), "{}", stderr(&saved));
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--resume",
+        path(&ckpt),
+        "--grad-accum",
+        "3",
+        "--steps",
+        "4",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--grad-accum: the checkpoint has 2, this run has 3"),
+        "{}",
+        stderr(&out)
+    );
+    // `run` checks the flag against the schedule it runs.
+    let schedule = dir.path().join("accum.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-accum",
+        "3",
+        "-o",
+        path(&schedule),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s = file::read(&schedule).expect("the schedule reads back");
+    assert_eq!(s.micro_batches(), 3);
+    let out = protrain(&["run", path(&schedule), "--grad-accum", "2", "--steps", "1"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--grad-accum 2 differs from the schedule's 3 micro-batches"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -65,6 +65,7 @@ fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
         optimizer: OptimizerConfig::default(),
         fuse: true,
         forward_only: false,
+        micro_batches: 1,
     }
 }
 

@@ -1,6 +1,7 @@
 //! protrain's compiler: from a forward graph to a training graph and, later passes, to a
 //! verified schedule. One pass per file; `pipeline` lists them in order.
 
+pub mod accumulate;
 pub mod autodiff;
 pub mod chunk;
 pub mod comm;

@@ -1,8 +1,8 @@
 //! The pipeline: the passes in the order they run, each followed by the verifier.
 //!
-//! forward graph -> fuse -> autodiff -> training graph -> chunk -> place(policy) (with
-//! movement) -> streams -> plan -> emit -> Schedule -> verify -> [`VerifiedSchedule`] ->
-//! simulate.
+//! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
+//! training graph -> chunk -> place(policy) (with movement) -> streams -> plan -> emit
+//! (-> accumulate, for K > 1) -> Schedule -> verify -> [`VerifiedSchedule`] -> simulate.
 //!
 //! A forward-only compilation ([`CompileOptions::forward_only`], for evaluation) skips
 //! autodiff: the later passes take the fused forward graph as the "training" graph, and the
@@ -14,6 +14,7 @@
 //! policies through [`compile_policy`]. The free functions below run one stage each, with
 //! the verifier, for tests and tools that assemble stages themselves.
 
+use crate::accumulate::{accumulate, scale_loss_gradient};
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
 use crate::cost::{cost_model, CostModel};
@@ -83,6 +84,9 @@ pub struct CompileOptions {
     /// parameters read-only). `optimizer` is then unused, and every layer is kept: with no
     /// backward pass there is nothing to swap or recompute.
     pub forward_only: bool,
+    /// Micro-batches of `batch` sequences per optimizer step (gradient accumulation); 1 for
+    /// none. See [`crate::accumulate`].
+    pub micro_batches: u64,
 }
 
 /// The batch, sequence length and element type a compilation defaults to on `hardware`:
@@ -112,6 +116,7 @@ impl CompileOptions {
             optimizer: OptimizerConfig::default(),
             fuse: true,
             forward_only: false,
+            micro_batches: 1,
         }
     }
 
@@ -230,10 +235,22 @@ impl<'m> Context<'m> {
         }
         if stage >= Stage::Autodiff && self.training.is_none() {
             let fused = self.fused.as_ref().expect("fused above");
-            self.training = Some(match self.options.forward_only {
-                true => fused.clone(),
-                false => training_graph(fused, &self.options.optimizer)?,
-            });
+            let training = if self.options.forward_only {
+                if self.options.micro_batches > 1 {
+                    return Err(CompileError::BadOptimizer(format!(
+                        "--grad-accum {} with --forward-only: accumulation splits a training \
+                         step, and a forward-only schedule has none; drop one of the two",
+                        self.options.micro_batches
+                    )));
+                }
+                fused.clone()
+            } else {
+                let mut training = training_graph(fused, &self.options.optimizer)?;
+                scale_loss_gradient(&mut training, self.options.micro_batches)?;
+                verify_graph(&training)?;
+                training
+            };
+            self.training = Some(training);
         }
         if stage >= Stage::Chunked && self.chunks.is_none() {
             self.chunks = Some(chunked(
@@ -432,7 +449,8 @@ pub fn chunked(training: &Graph) -> ChunkTable {
     chunk(training, 1)
 }
 
-/// Compiles a training graph under one policy: place, streams, plan, emit. The placed graph
+/// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
+/// when the graph's loss gradient is scaled for several micro-batches. The placed graph
 /// is verified after placement and, in tests and debug builds, validated against the training
 /// graph with an e-graph, and the schedule verified after emission. It returns the schedule
 /// unverified in release builds: the search compiles many candidates and verifies only the
@@ -460,7 +478,7 @@ pub fn compile_policy(
     }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    let schedule = emit(streamed, &planned, header)?;
+    let schedule = accumulate(emit(streamed, &planned, header)?)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }

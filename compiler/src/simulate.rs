@@ -267,7 +267,7 @@ pub fn instr_seconds(
             (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
             _ => 0.0,
         },
-        Instr::Record { .. } | Instr::Wait { .. } => 0.0,
+        Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => 0.0,
     }
 }
 
@@ -304,6 +304,7 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
         }
         Instr::Record { event } => format!("record {event}"),
         Instr::Wait { event } => format!("wait {event}"),
+        Instr::EndMicroBatch { micro_batches } => format!("end of micro-batch x{micro_batches}"),
     }
 }
 
@@ -350,55 +351,83 @@ pub fn simulate_unverified(
     let total: usize = schedule.streams.iter().map(|s| s.instrs.len()).sum();
     let mut timeline = Vec::with_capacity(total);
     let mut ready: Vec<usize> = (0..n).rev().collect();
+    // With gradient accumulation the streams stop at their micro-batch markers; the
+    // micro-batch then counts `micro_batches` times and the update starts after them all.
+    let micro_batches = schedule.micro_batches();
+    let mut repeat = f64::from(micro_batches);
+    let mut at_marker = vec![false; n];
 
-    while let Some(s) = ready.pop() {
-        let stream = &schedule.streams[s];
-        let id = StreamId::new(s);
-        while let Some(instr) = stream.instrs.get(next[s]) {
-            let index = next[s];
-            match instr {
-                Instr::Record { event } => {
-                    recorded[event.index()] = Some(clock[s]);
-                    ready.append(&mut waiters[event.index()]);
-                }
-                Instr::Wait { event } => match recorded[event.index()] {
-                    None => {
-                        waiters[event.index()].push(s);
+    loop {
+        while let Some(s) = ready.pop() {
+            let stream = &schedule.streams[s];
+            let id = StreamId::new(s);
+            while let Some(instr) = stream.instrs.get(next[s]) {
+                let index = next[s];
+                match instr {
+                    Instr::EndMicroBatch { .. } => {
+                        at_marker[s] = true;
                         break;
                     }
-                    Some(at) => {
-                        if at > clock[s] {
-                            timeline.push(Span {
-                                stream: id,
-                                index,
-                                start: clock[s],
-                                end: at,
-                                label: instr_label(schedule, instr),
-                                category: category::WAIT,
-                            });
-                            clock[s] = at;
+                    Instr::Record { event } => {
+                        recorded[event.index()] = Some(clock[s]);
+                        ready.append(&mut waiters[event.index()]);
+                    }
+                    Instr::Wait { event } => match recorded[event.index()] {
+                        None => {
+                            waiters[event.index()].push(s);
+                            break;
                         }
+                        Some(at) => {
+                            if at > clock[s] {
+                                timeline.push(Span {
+                                    stream: id,
+                                    index,
+                                    start: clock[s],
+                                    end: at,
+                                    label: instr_label(schedule, instr),
+                                    category: category::WAIT,
+                                });
+                                clock[s] = at;
+                            }
+                        }
+                    },
+                    Instr::Kernel { .. } | Instr::Copy { .. } => {
+                        let seconds = instr_seconds(schedule, id, instr, cost);
+                        if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
+                            (instr, stream.kind)
+                        {
+                            phase_seconds.add(schedule.graph.op(*op).phase, seconds * repeat);
+                        }
+                        timeline.push(Span {
+                            stream: id,
+                            index,
+                            start: clock[s],
+                            end: clock[s] + seconds,
+                            label: instr_label(schedule, instr),
+                            category: span_category(schedule, stream.kind, instr),
+                        });
+                        clock[s] += seconds;
+                        busy[s] += seconds * repeat;
                     }
-                },
-                Instr::Kernel { .. } | Instr::Copy { .. } => {
-                    let seconds = instr_seconds(schedule, id, instr, cost);
-                    if let (Instr::Kernel { op, .. }, StreamKind::Compute) = (instr, stream.kind) {
-                        phase_seconds.add(schedule.graph.op(*op).phase, seconds);
-                    }
-                    timeline.push(Span {
-                        stream: id,
-                        index,
-                        start: clock[s],
-                        end: clock[s] + seconds,
-                        label: instr_label(schedule, instr),
-                        category: span_category(schedule, stream.kind, instr),
-                    });
-                    clock[s] += seconds;
-                    busy[s] += seconds;
                 }
+                next[s] += 1;
             }
-            next[s] += 1;
         }
+        if !at_marker.iter().any(|&m| m) {
+            break;
+        }
+        // Every stream at its marker (a verified schedule's are all there): the barrier after
+        // the last micro-batch.
+        let micro = clock.iter().copied().fold(0.0, f64::max) * f64::from(micro_batches);
+        for s in 0..n {
+            if at_marker[s] {
+                at_marker[s] = false;
+                next[s] += 1;
+            }
+            clock[s] = micro;
+        }
+        repeat = 1.0;
+        ready = (0..n).rev().collect();
     }
 
     let stuck: Vec<StuckStream> = schedule
@@ -569,6 +598,9 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
         Some(Instr::Record { event } | Instr::Wait { event }) => {
             args.insert("event".into(), json!(event.to_string()));
         }
+        Some(Instr::EndMicroBatch { micro_batches }) => {
+            args.insert("micro_batches".into(), json!(micro_batches));
+        }
         None => {}
     }
     Json::Object(args)
@@ -587,7 +619,7 @@ pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'
                 _ => category::D2H,
             }
         }
-        Instr::Record { .. } | Instr::Wait { .. } => category::WAIT,
+        Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => category::WAIT,
     }
 }
 
@@ -657,6 +689,7 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                         )));
                     }
                 }
+                Instr::EndMicroBatch { .. } => {}
             }
         }
     }

@@ -5,6 +5,7 @@ use crate::ids::{BlockId, OpId, ParamId, ValueId};
 use crate::op::{Op, OpKind, Phase};
 use crate::types::{DType, TensorType};
 use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -26,6 +27,9 @@ pub enum Role {
     Loss,
     /// Kernel scratch memory.
     Workspace,
+    /// The running sum of a gradient over a step's micro-batches (gradient accumulation):
+    /// zero at the start of each step, read by the optimizer at its end.
+    Accumulator,
 }
 
 impl Role {
@@ -39,6 +43,7 @@ impl Role {
             Role::Activation => "act",
             Role::Loss => "loss",
             Role::Workspace => "workspace",
+            Role::Accumulator => "accum",
         }
     }
 }
@@ -406,6 +411,88 @@ impl Graph {
     /// state such as Adam moments).
     pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
         self.add_value(name.into(), ty, Role::OptimizerState, None)
+    }
+
+    /// Adds a gradient accumulator: a value set from outside each step (to zero), summed into
+    /// by [`OpKind::AccumulateGrad`] ops and read by the optimizer.
+    pub fn add_accumulator(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        self.add_value(name.into(), ty, Role::Accumulator, None)
+    }
+
+    /// Makes op `op` read `value` as its `index`-th input instead of what it read, keeping
+    /// the dataflow edges in step. Fails, changing nothing, when either id or the index is out
+    /// of range or the new value's type differs from the old one's.
+    pub fn set_input(&mut self, op: OpId, index: usize, value: ValueId) -> Result<()> {
+        if op.index() >= self.dataflow.node_count() || value.index() >= self.values.len() {
+            return Err(IrError::Invalid(format!(
+                "set_input: {op} or {value} is not in the graph"
+            )));
+        }
+        let node = NodeIndex::new(op.index());
+        let Some(&old) = self.dataflow[node].inputs.get(index) else {
+            return Err(IrError::Invalid(format!(
+                "set_input: {} has no input {index}",
+                self.dataflow[node].kind.mnemonic()
+            )));
+        };
+        if self.values[old.index()].ty != self.values[value.index()].ty {
+            return Err(IrError::Invalid(format!(
+                "set_input: {} is {}, but input {index} of {} is {}",
+                self.values[value.index()].name,
+                self.values[value.index()].ty,
+                self.dataflow[node].kind.mnemonic(),
+                self.values[old.index()].ty
+            )));
+        }
+        if let Some(producer) = self.values[old.index()].producer {
+            let from = NodeIndex::new(producer.index());
+            if let Some(edge) = self
+                .dataflow
+                .edges_connecting(from, node)
+                .find(|e| *e.weight() == old)
+                .map(|e| e.id())
+            {
+                self.dataflow.remove_edge(edge);
+            }
+        }
+        self.dataflow[node].inputs[index] = value;
+        if let Some(producer) = self.values[value.index()].producer {
+            self.dataflow
+                .add_edge(NodeIndex::new(producer.index()), node, value);
+        }
+        Ok(())
+    }
+
+    /// Replaces op `op`'s kind with `kind`, which must infer the same output types from the
+    /// op's inputs (a rescaled loss gradient, say). Fails, changing nothing, otherwise.
+    pub fn set_kind(&mut self, op: OpId, kind: OpKind) -> Result<()> {
+        if op.index() >= self.dataflow.node_count() {
+            return Err(IrError::Invalid(format!(
+                "set_kind: {op} is not in the graph"
+            )));
+        }
+        let node = NodeIndex::new(op.index());
+        let o = &self.dataflow[node];
+        let types: Vec<&TensorType> = o
+            .inputs
+            .iter()
+            .map(|v| &self.values[v.index()].ty)
+            .collect();
+        let inferred = kind.infer(&types)?;
+        let outputs: Vec<&TensorType> = o
+            .outputs
+            .iter()
+            .map(|v| &self.values[v.index()].ty)
+            .collect();
+        if inferred.iter().collect::<Vec<_>>() != outputs {
+            return Err(IrError::Invalid(format!(
+                "set_kind: {} does not write what {} writes",
+                kind.mnemonic(),
+                o.kind.mnemonic()
+            )));
+        }
+        self.dataflow[node].kind = kind;
+        Ok(())
     }
 
     /// Marks a value as a result of the step.

@@ -97,7 +97,7 @@ impl BufferNumbering {
                     mention(*src);
                     mention(*dst);
                 }
-                Instr::Record { .. } | Instr::Wait { .. } => {}
+                Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
         let mut unmentioned: Vec<usize> = (0..n).filter(|&i| !seen[i]).collect();
@@ -160,6 +160,8 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
         BufferKind::Activation => "activation".into(),
         BufferKind::HostActivation => "host activation".into(),
         BufferKind::Workspace => "workspace".into(),
+        BufferKind::Accumulators => "accumulators".into(),
+        BufferKind::HostScratch => "host scratch".into(),
     }
 }
 
@@ -256,6 +258,15 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
         let _ = writeln!(
             out,
             "; forward only: the loss and nothing else (no backward pass, no optimizer)"
+        );
+    }
+    let k = s.micro_batches();
+    if k > 1 {
+        let _ = writeln!(
+            out,
+            "; gradient accumulation: {k} micro-batches of batch {} per step (tokens from \
+             (step*{k} + m)*batch*seq); the update runs once after them",
+            h.batch
         );
     }
     let busy: Vec<String> = p
@@ -523,6 +534,11 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             address(cx, *dst),
             format_bytes(*bytes)
         ),
+        Instr::EndMicroBatch { micro_batches } => {
+            format!(
+                "end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update"
+            )
+        }
         Instr::Record { event } => format!("record e{}", event.0),
         Instr::Wait { event } => format!("wait e{}", event.0),
     }

@@ -6,6 +6,14 @@
 //! puts a barrier between steps. Before the first step the runtime places every value listed in
 //! [`Schedule::homes`] (parameters, optimizer state) at its home; before each step it writes the
 //! step's inputs at theirs; after it, it reads the loss from [`Schedule::loss`].
+//!
+//! With gradient accumulation (`K` micro-batches per step) every stream ends its micro-batch
+//! program with one [`Instr::EndMicroBatch`]: a step runs the instructions before it `K` times
+//! (each run a micro-batch: its inputs written first, its loss read after, a barrier between
+//! runs) and the instructions after it once (the update: clipping and the optimizer, reading
+//! the gradients summed over the step). The runtime zeroes every
+//! [`Role::Accumulator`](crate::Role::Accumulator) value at its home before each step. Without
+//! accumulation no stream has the marker and a step runs every instruction once.
 
 use crate::chunks::ChunkTable;
 use crate::graph::Graph;
@@ -71,6 +79,11 @@ pub enum BufferKind {
     HostActivation,
     /// Kernel scratch memory.
     Workspace,
+    /// Gradient accumulators (the sums over a step's micro-batches), on the device for
+    /// persistent chunks and on the host for the others; they live the whole step.
+    Accumulators,
+    /// Scratch the update program uses on the host (squared norms of host accumulators).
+    HostScratch,
 }
 
 /// A buffer: a byte range at a fixed offset in the device arena or the host region.
@@ -133,6 +146,13 @@ pub enum Instr {
     Wait {
         /// The event.
         event: EventId,
+    },
+    /// The end of the micro-batch program (gradient accumulation): what precedes it runs
+    /// `micro_batches` times per step, what follows it once, after all of them. Every stream
+    /// of an accumulating schedule has exactly one, with the same count; see the module doc.
+    EndMicroBatch {
+        /// Micro-batches per step (at least 2).
+        micro_batches: u32,
     },
 }
 
@@ -294,6 +314,38 @@ impl Schedule {
     /// A stream.
     pub fn stream(&self, id: StreamId) -> &Stream {
         &self.streams[id.index()]
+    }
+
+    /// Micro-batches per optimizer step: the count of the streams' [`Instr::EndMicroBatch`]
+    /// markers, 1 without them. (The verifier checks that every stream agrees.)
+    pub fn micro_batches(&self) -> u32 {
+        self.streams
+            .iter()
+            .flat_map(|s| s.instrs.iter().rev())
+            .find_map(|i| match i {
+                Instr::EndMicroBatch { micro_batches } => Some(*micro_batches),
+                _ => None,
+            })
+            .unwrap_or(1)
+    }
+
+    /// Each stream's instructions split at its [`Instr::EndMicroBatch`]: the micro-batch
+    /// program and the update program (all of a stream's instructions and none without the
+    /// marker).
+    pub fn phases(&self) -> Vec<(&[Instr], &[Instr])> {
+        self.streams
+            .iter()
+            .map(|s| {
+                match s
+                    .instrs
+                    .iter()
+                    .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
+                {
+                    Some(at) => (&s.instrs[..at], &s.instrs[at + 1..]),
+                    None => (&s.instrs[..], &[][..]),
+                }
+            })
+            .collect()
     }
 
     /// The absolute byte address of a tensor in its space.

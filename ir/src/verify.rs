@@ -3,7 +3,8 @@
 //! Invariants of a graph:
 //! - every id (value, op, block, parameter) is in range;
 //! - every value is written exactly once: by its producer op, or from outside when it is an
-//!   input, a parameter or optimizer state, and the producer lists it as an output (the
+//!   input, a parameter, optimizer state or a gradient accumulator, and the producer lists it
+//!   as an output (the
 //!   optimizer's in-place updates are not writes in this sense: they happen after every read);
 //! - ops are in a topological order: an op reads only inputs, parameters, and outputs of earlier
 //!   ops;
@@ -27,9 +28,13 @@ pub fn verify_graph(graph: &Graph) -> Result<()> {
     for (id, value) in graph.values() {
         match value.producer {
             None => {
-                if !matches!(value.role, Role::Input | Role::Param | Role::OptimizerState) {
+                if !matches!(
+                    value.role,
+                    Role::Input | Role::Param | Role::OptimizerState | Role::Accumulator
+                ) {
                     return bad(format!(
-                        "{id} ({}) has no producer but is not an input, parameter or optimizer state",
+                        "{id} ({}) has no producer but is not an input, parameter, optimizer \
+                         state or gradient accumulator",
                         value.name
                     ));
                 }

@@ -197,6 +197,8 @@ impl WorkspaceLayout {
             | OpKind::SwigluBackward
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::AccumulateGrad
             | OpKind::ClipCoef { .. }
             | OpKind::AdamW { .. }
             | OpKind::MoveStart(_)

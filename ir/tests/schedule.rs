@@ -1051,7 +1051,7 @@ fn reversed_buffers() -> Schedule {
                 flip(src);
                 flip(dst);
             }
-            Instr::Record { .. } | Instr::Wait { .. } => {}
+            Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
         }
     }
     s.homes.iter_mut().for_each(|(_, t)| flip(t));

@@ -83,6 +83,14 @@ pub struct OptimizerSettings {
     pub weight_decay: f64,
     /// The global gradient norm gradients are clipped to, when they are.
     pub grad_clip: Option<f64>,
+    /// Micro-batches per step (gradient accumulation); 1 in checkpoints written before it.
+    #[serde(default = "one")]
+    pub grad_accum: u64,
+}
+
+/// Serde's default for [`OptimizerSettings::grad_accum`].
+fn one() -> u64 {
+    1
 }
 
 impl OptimizerSettings {
@@ -104,9 +112,17 @@ impl OptimizerSettings {
                 eps,
                 weight_decay,
                 grad_clip: None,
+                grad_accum: 1,
             }),
             _ => None,
         })?;
+        settings.grad_accum = graph
+            .ops()
+            .find_map(|(_, op)| match op.kind {
+                OpKind::CrossEntropyBackwardScaled { micro_batches } => Some(micro_batches),
+                _ => None,
+            })
+            .unwrap_or(1);
         settings.grad_clip = graph.ops().find_map(|(_, op)| match op.kind {
             OpKind::ClipCoef { max_norm } => Some(max_norm),
             _ => None,
@@ -116,7 +132,8 @@ impl OptimizerSettings {
 }
 
 impl std::fmt::Display for OptimizerSettings {
-    /// `lr=0.003 beta1=0.9 beta2=0.95 eps=1e-8 weight_decay=0 grad_clip=none`
+    /// `lr=0.003 beta1=0.9 beta2=0.95 eps=1e-8 weight_decay=0 grad_clip=none`, then
+    /// ` grad_accum=K` with accumulation (so a run without it reads as before).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -124,9 +141,13 @@ impl std::fmt::Display for OptimizerSettings {
             self.lr, self.beta1, self.beta2, self.eps, self.weight_decay
         )?;
         match self.grad_clip {
-            Some(norm) => write!(f, "{norm}"),
-            None => f.write_str("none"),
+            Some(norm) => write!(f, "{norm}")?,
+            None => f.write_str("none")?,
         }
+        if self.grad_accum > 1 {
+            write!(f, " grad_accum={}", self.grad_accum)?;
+        }
+        Ok(())
     }
 }
 

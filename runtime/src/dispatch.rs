@@ -303,6 +303,12 @@ fn fused_linear_backward<'a>(
     }
 }
 
+/// Each micro-batch's share of the loss gradient with `micro_batches` per step: `1 / K` in
+/// f32, as PyTorch's `(loss / K).backward()` seeds it.
+pub fn loss_share(micro_batches: u64) -> f32 {
+    1.0 / micro_batches.max(1) as f32
+}
+
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]) on f32
 /// views of its operands.
 ///
@@ -644,6 +650,24 @@ pub fn run<'a>(
                 vocab,
                 1.0,
             );
+        }
+        OpKind::CrossEntropyBackwardScaled { micro_batches } => {
+            let vocab = ty(0).last_dim() as usize;
+            kernels::cross_entropy_backward(
+                outputs[0],
+                ins.f32(0),
+                ins.f32(2),
+                ins.i32(1),
+                vocab,
+                loss_share(*micro_batches),
+            );
+        }
+        OpKind::AccumulateGrad => {
+            return Err(RuntimeError::BadSchedule(
+                "accumulate_grad updates its accumulator in place and has no out-of-place \
+                 kernel; run it through a backend's launch"
+                    .into(),
+            ))
         }
         OpKind::GradNormSq => outputs[0][0] = kernels::grad_norm_sq(ins.f32(0)) as f32,
         OpKind::ClipCoef { max_norm } => {

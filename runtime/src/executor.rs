@@ -6,6 +6,13 @@
 //! (events are the only order between them), and reads the loss. Parameters and optimizer
 //! state stay at their homes across steps. Each step is timed per stream, and can be traced
 //! instruction by instruction for a timeline.
+//!
+//! A schedule that accumulates gradients over `K` micro-batches
+//! ([`Schedule::micro_batches`]) takes `K` times the tokens per step: its accumulators are
+//! zeroed, then each micro-batch's rows are written at the inputs' homes and the streams run
+//! their micro-batch programs (a barrier after each), and last the update programs run once.
+//! The step's loss is the mean of the micro-batches' losses, each the mean over its
+//! positions: the mean over all `K*B*T` positions.
 
 use crate::backend::{set_learning_rate, Address, Backend, Launch};
 use crate::dispatch::{Outcome, Prepared};
@@ -69,7 +76,12 @@ enum Planned {
 struct StreamRun<S> {
     id: StreamId,
     handle: S,
+    /// Every instruction, or with accumulation the micro-batch program.
     program: Vec<Planned>,
+    /// The update program of an accumulating schedule (empty otherwise), and the index of
+    /// its first instruction in the stream.
+    update: Vec<Planned>,
+    update_at: u32,
     busy: f64,
     spans: Vec<Span>,
 }
@@ -158,6 +170,10 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     /// Each optimizer-state value (Adam m and v), its home and its length, in graph order.
     state: Vec<(ValueId, Address, usize)>,
     loss: Address,
+    /// Micro-batches per step (1 without accumulation).
+    micro_batches: u32,
+    /// Each gradient accumulator's home and bytes, zeroed before each step.
+    accumulators: Vec<(Address, u64)>,
     step: u64,
     timing: StepTiming,
     tracing: bool,
@@ -203,11 +219,15 @@ impl<'s, B: Backend> Executor<'s, B> {
         let mut backend = B::new(schedule.arena_bytes, schedule.host_bytes, schedule.events)?;
         backend.prepare(schedule)?;
         let mut streams = Vec::with_capacity(schedule.streams.len());
-        for (s, stream) in schedule.streams.iter().enumerate() {
+        for (s, (stream, (micro, update))) in
+            schedule.streams.iter().zip(schedule.phases()).enumerate()
+        {
             streams.push(StreamRun {
                 id: StreamId::new(s),
                 handle: backend.create_stream(stream.kind)?,
-                program: stream.instrs.iter().map(|i| plan(schedule, i)).collect(),
+                program: micro.iter().map(|i| plan(schedule, i)).collect(),
+                update: update.iter().map(|i| plan(schedule, i)).collect(),
+                update_at: (stream.instrs.len() - update.len()) as u32,
                 busy: 0.0,
                 spans: Vec::new(),
             });
@@ -260,6 +280,11 @@ impl<'s, B: Backend> Executor<'s, B> {
             .map(|(id, v)| (id, home(id), v.ty.numel() as usize))
             .collect();
         let loss = address(schedule, schedule.loss);
+        let accumulators = graph
+            .values()
+            .filter(|(_, v)| v.role == Role::Accumulator && v.producer.is_none())
+            .map(|(id, v)| (home(id), v.ty.bytes()))
+            .collect();
         Ok(Self {
             schedule,
             backend,
@@ -272,9 +297,17 @@ impl<'s, B: Backend> Executor<'s, B> {
             params,
             state,
             loss,
+            micro_batches: schedule.micro_batches(),
+            accumulators,
             step: 0,
             tracing: false,
         })
+    }
+
+    /// Micro-batches per optimizer step: a step takes this many times the tokens of one
+    /// micro-batch (the schedule's batch) per input.
+    pub fn micro_batches(&self) -> u32 {
+        self.micro_batches
     }
 
     /// The schedule being run.
@@ -450,7 +483,9 @@ impl<'s, B: Backend> Executor<'s, B> {
     }
 
     /// Runs one step on a batch: `inputs[i]` feeds the graph's `i`-th input (token ids and
-    /// targets, row-major `[B,T]`). Returns the loss and, when clipping, the gradient norm.
+    /// targets, row-major `[B,T]`; `[K*B,T]` with `K` [micro-batches](Self::micro_batches),
+    /// micro-batch `m` taking rows `m*B..(m+1)*B`). Returns the loss (the mean over every
+    /// position of the step) and, when clipping, the gradient norm.
     /// AdamW updates at the learning rate compiled into the schedule; see
     /// [`Executor::step_at_lr`] for a step at another.
     ///
@@ -477,7 +512,11 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// Sets the learning rate of every AdamW op to `lr`, or back to the compiled one.
     fn set_learning_rate(&mut self, lr: Option<f64>) {
         let graph = &self.schedule.graph;
-        for planned in self.streams.iter_mut().flat_map(|s| s.program.iter_mut()) {
+        for planned in self
+            .streams
+            .iter_mut()
+            .flat_map(|s| s.program.iter_mut().chain(s.update.iter_mut()))
+        {
             if let Planned::Kernel {
                 op,
                 adamw: Some(launched),
@@ -504,12 +543,17 @@ impl<'s, B: Backend> Executor<'s, B> {
                 inputs.len()
             )));
         }
+        let k = self.micro_batches as usize;
         for (home, data) in self.inputs.iter().zip(inputs) {
-            if data.len() != home.len {
+            if data.len() != home.len * k {
+                let per = match k {
+                    1 => String::new(),
+                    _ => format!(" ({k} micro-batches of {})", home.len),
+                };
                 return Err(RuntimeError::Shape(format!(
-                    "input {} needs {} tokens, {} were given",
+                    "input {} needs {} tokens{per}, {} were given",
                     graph.value(home.value).name,
-                    home.len,
+                    home.len * k,
                     data.len()
                 )));
             }
@@ -517,30 +561,76 @@ impl<'s, B: Backend> Executor<'s, B> {
                 kernels::check_tokens(data, vocab)?;
             }
         }
-        for (home, data) in self.inputs.iter().zip(inputs) {
-            self.backend.write_i32(home.at, data)?;
-        }
         self.set_learning_rate(lr);
-        self.backend.begin_step();
+        for &(at, bytes) in &self.accumulators {
+            self.backend.fill_zero(at, bytes)?;
+        }
+        for s in &mut self.streams {
+            s.busy = 0.0;
+            s.spans.clear();
+        }
         let step = self.step + 1;
-        let (backend, tracing) = (&self.backend, self.tracing);
         let start = Instant::now();
+        let mut outcome = Outcome::default();
+        // The micro-batches' losses, summed in order in f64; their mean is the step's.
+        let mut losses = 0.0f64;
+        for m in 0..k {
+            for (home, data) in self.inputs.iter().zip(inputs) {
+                self.backend
+                    .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
+            }
+            outcome = outcome.merge(self.run_phase(false, step, start)?);
+            let mut loss = [0.0f32];
+            self.backend.read_f32(self.loss, &mut loss)?;
+            losses += f64::from(loss[0]);
+        }
+        if k > 1 {
+            outcome = outcome.merge(self.run_phase(true, step, start)?);
+        }
+        self.step = step;
+        self.timing.wall_seconds = start.elapsed().as_secs_f64();
+        for (t, s) in self
+            .timing
+            .stream_busy_seconds
+            .iter_mut()
+            .zip(&self.streams)
+        {
+            *t = s.busy;
+        }
+        Ok(StepReport {
+            loss: match k {
+                1 => losses as f32,
+                _ => (losses / k as f64) as f32,
+            },
+            grad_norm: outcome.grad_norm,
+        })
+    }
+
+    /// Runs every stream's micro-batch program (or, with `update`, its update program) on
+    /// its own thread until all are done: one barrier-delimited part of step `step`.
+    fn run_phase(&mut self, update: bool, step: u64, start: Instant) -> Result<Outcome> {
+        let graph = &self.schedule.graph;
+        self.backend.begin_step();
+        let (backend, tracing) = (&self.backend, self.tracing);
         let results: Vec<std::thread::Result<Result<Outcome>>> = std::thread::scope(|scope| {
-            let running: Vec<_> = self
-                .streams
-                .iter_mut()
-                .map(|s| {
-                    if s.program.is_empty() {
-                        s.busy = 0.0;
-                        s.spans.clear();
-                        return None;
-                    }
-                    Some(scope.spawn(move || run_stream(backend, graph, s, step, start, tracing)))
-                })
-                .collect();
+            let running: Vec<_> =
+                self.streams
+                    .iter_mut()
+                    .map(|s| {
+                        let empty = match update {
+                            false => s.program.is_empty(),
+                            true => s.update.is_empty(),
+                        };
+                        if empty {
+                            return None;
+                        }
+                        Some(scope.spawn(move || {
+                            run_stream(backend, graph, s, update, step, start, tracing)
+                        }))
+                    })
+                    .collect();
             running.into_iter().flatten().map(|h| h.join()).collect()
         });
-        let wall_seconds = start.elapsed().as_secs_f64();
         let mut outcome = Outcome::default();
         let mut failure: Option<RuntimeError> = None;
         for result in results {
@@ -556,23 +646,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         if let Some(e) = failure {
             return Err(e);
         }
-        outcome = outcome.merge(self.backend.step_outcome()?);
-        self.step = step;
-        self.timing.wall_seconds = wall_seconds;
-        for (t, s) in self
-            .timing
-            .stream_busy_seconds
-            .iter_mut()
-            .zip(&self.streams)
-        {
-            *t = s.busy;
-        }
-        let mut loss = [0.0f32];
-        self.backend.read_f32(self.loss, &mut loss)?;
-        Ok(StepReport {
-            loss: loss[0],
-            grad_norm: outcome.grad_norm,
-        })
+        Ok(outcome.merge(self.backend.step_outcome()?))
     }
 }
 
@@ -587,21 +661,26 @@ impl<B: Backend> Drop for AbortOnPanic<'_, B> {
     }
 }
 
-/// Issues one stream's program for step `step`, timing its kernels and copies.
+/// Issues one stream's program (its update program with `update`) for step `step`, timing
+/// its kernels and copies; its busy time and spans add to the step's.
 fn run_stream<B: Backend>(
     backend: &B,
     graph: &Graph,
     s: &mut StreamRun<B::Stream>,
+    update: bool,
     step: u64,
     start: Instant,
     tracing: bool,
 ) -> Result<Outcome> {
     let _abort = AbortOnPanic(backend);
-    s.busy = 0.0;
-    s.spans.clear();
     let mut outcome = Outcome::default();
+    let (program, first) = match update {
+        false => (&s.program, 0),
+        true => (&s.update, s.update_at as usize),
+    };
     let mut issue = || -> Result<()> {
-        for (index, instr) in s.program.iter().enumerate() {
+        for (index, instr) in program.iter().enumerate() {
+            let index = first + index;
             let began = start.elapsed().as_secs_f64();
             match instr {
                 Planned::Wait(event) => {
@@ -702,5 +781,7 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
         },
         Instr::Record { event } => Planned::Record(*event),
         Instr::Wait { event } => Planned::Wait(*event),
+        // `Schedule::phases` splits the streams at their markers: none reaches here.
+        Instr::EndMicroBatch { .. } => unreachable!("streams are planned without their markers"),
     }
 }

@@ -346,6 +346,50 @@ fn check_available(arena_bytes: u64, host_bytes: u64, available: Option<u64>) ->
     }
 }
 
+impl HostBackend {
+    /// `acc += grad` in place (an `accumulate_grad` op), in the accumulator's type: f32, or
+    /// bf16 summed in f32 and rounded to nearest even.
+    ///
+    /// # Safety
+    ///
+    /// As [`Backend::launch`]: nothing else touches the accumulator or the gradient meanwhile.
+    unsafe fn accumulate(&self, l: &Launch<'_>) -> Result<Outcome> {
+        let (graph, op) = (l.graph, l.op);
+        if l.inputs.len() != 2 || op.inputs.len() != 2 {
+            return Err(RuntimeError::BadSchedule(format!(
+                "accumulate_grad has {} inputs but its kernel gives {} addresses; it takes 2",
+                op.inputs.len(),
+                l.inputs.len()
+            )));
+        }
+        let ty = &graph.value(op.inputs[0]).ty;
+        let len = ty.numel() as usize;
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (ty.dtype, graph.value(op.inputs[1]).ty.dtype) {
+                (DType::F32, DType::F32) => {
+                    let acc = self.slice_mut::<f32>(l.inputs[0], len)?;
+                    crate::kernels::add_assign(acc, self.slice::<f32>(l.inputs[1], len)?);
+                }
+                (DType::BF16, DType::BF16) => {
+                    let acc = self.slice_mut::<half::bf16>(l.inputs[0], len)?;
+                    let grad = self.slice::<half::bf16>(l.inputs[1], len)?;
+                    for (a, g) in acc.iter_mut().zip(grad) {
+                        *a = half::bf16::from_f32(a.to_f32() + g.to_f32());
+                    }
+                }
+                (a, g) => {
+                    return Err(RuntimeError::BadSchedule(format!(
+                        "accumulate_grad sums a {g} gradient into a {a} accumulator; the host \
+                         kernels sum f32 into f32 and bf16 into bf16"
+                    )))
+                }
+            }
+        }
+        Ok(Outcome::default())
+    }
+}
+
 impl Backend for HostBackend {
     type Stream = HostStream;
 
@@ -417,6 +461,11 @@ impl Backend for HostBackend {
                 dispatch::adamw(&op.kind, param, grad, m, v, coef, l.step);
             }
             return Ok(Outcome::default());
+        }
+        if op.kind == OpKind::AccumulateGrad {
+            // SAFETY: as for AdamW: the accumulator and the gradient are the caller's alone
+            // meanwhile and do not overlap.
+            return unsafe { self.accumulate(l) };
         }
         let inputs = ArenaInputs {
             backend: self,

@@ -13,8 +13,9 @@
 //!
 //! An optimizer *step* and a *batch* are counted apart: the schedule and AdamW's bias
 //! correction follow the step ([`Executor::steps_taken`]), the data follows the batch index.
-//! Today each step reads one batch; gradient accumulation will make a step read several, and
-//! only the batch index will advance faster.
+//! A batch is what one step reads: with gradient accumulation over `K` micro-batches of `B`
+//! sequences it is `K*B` sequences (the rows one batch of that size would read), which the
+//! executor feeds to the micro-batches in order.
 //!
 //! Given an [`EvalPlan`] ([`Trainer::evaluate_every`]), it also evaluates the weights on
 //! held-out data every few steps, with a forward-only schedule of its own
@@ -416,7 +417,7 @@ pub struct StepRecord {
     pub grad_norm: Option<f32>,
     /// The learning rate AdamW used, when the schedule has an optimizer.
     pub lr: Option<f64>,
-    /// Tokens the step trained on (batch x seq).
+    /// Tokens the step trained on (micro-batches x batch x seq).
     pub tokens: u64,
     /// The executor's wall time of the step, in seconds.
     pub step_seconds: f64,
@@ -787,7 +788,9 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
             "the schedule's graph takes no token ids; compile a language model".into(),
         )
     })?;
-    let (batch, seq) = (schedule.header.batch as usize, schedule.header.seq as usize);
+    // A step reads its micro-batches' rows as one batch.
+    let batch = schedule.header.batch as usize * schedule.micro_batches() as usize;
+    let seq = schedule.header.seq as usize;
     let stream = match &settings.data {
         Some(path) => TokenStream::open(path)?,
         None => {

@@ -172,6 +172,15 @@ pub struct CompileArgs {
     /// epilogues). Fusion changes no result; this is for comparing and debugging.
     #[arg(long)]
     pub no_fuse: bool,
+    /// Gradient accumulation: K micro-batches of --batch sequences per optimizer step, their
+    /// gradients summed (in micro-batch order) before one clip and one AdamW update. Step s
+    /// reads the rows one batch of K x --batch sequences would, so `--batch B --grad-accum
+    /// K` trains as `--batch K*B` does (up to rounding) in the memory of a batch of B, plus
+    /// one gradient accumulator per parameter (on the device for persistent chunks, in host
+    /// memory for offloaded ones). The loss of a step is the mean over all its positions
+    /// [default: 1; with train --resume, the checkpointed run's].
+    #[arg(long, value_name = "K")]
+    pub grad_accum: Option<u64>,
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
 }
@@ -191,6 +200,7 @@ impl CompileArgs {
             optimizer: self.optimizer.config(),
             fuse: !self.no_fuse,
             forward_only: false,
+            micro_batches: self.grad_accum.unwrap_or(1),
         })
     }
 }

@@ -120,10 +120,11 @@ pub struct ExecArgs {
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
     /// Print one JSON object per line and step instead of a progress bar and table: `step`
-    /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy, f32 printed
-    /// exactly), `grad_norm` (the global gradient norm before clipping, or null when the
-    /// schedule computes none), `lr` (the learning rate AdamW used), `tokens_per_s` (this
-    /// step's batch x seq over its wall time) and `step_s` (the step's wall time in seconds).
+    /// (1-based, counting resumed steps), `loss` (the step's mean cross-entropy over all its
+    /// positions, every micro-batch's with --grad-accum; f32 printed exactly), `grad_norm`
+    /// (the global gradient norm before clipping, or null when the schedule computes none),
+    /// `lr` (the learning rate AdamW used), `tokens_per_s` (this step's tokens, micro-batches
+    /// x batch x seq, over its wall time) and `step_s` (the step's wall time in seconds).
     /// The plan and timing report go to stderr. `--log-json` is the same flag.
     #[arg(long, alias = "log-json")]
     pub json: bool,
@@ -199,6 +200,11 @@ pub struct Args {
     /// seq (`protrain compile MODEL --forward-only -o FILE`): `run` compiles nothing.
     #[arg(long, value_name = "FILE", requires = "eval_data")]
     eval_schedule: Option<PathBuf>,
+    /// Micro-batches per optimizer step (gradient accumulation), fixed when the schedule is
+    /// compiled (`protrain compile --grad-accum K`); given here, it must equal the
+    /// schedule's. Each step reads K x batch sequences.
+    #[arg(long, value_name = "K")]
+    grad_accum: Option<u64>,
 }
 
 /// Reads and verifies the schedule, checks the flags against it, and executes it.
@@ -222,6 +228,14 @@ pub fn run(args: Args) -> Result<()> {
         )));
     }
     check_optimizer_flags(&schedule, &args)?;
+    let k = u64::from(schedule.micro_batches());
+    if let Some(given) = args.grad_accum.filter(|&g| g != k) {
+        return Err(Error::Usage(format!(
+            "--grad-accum {given} differs from the schedule's {k} micro-batches per step, which \
+             are fixed when it is compiled: compile it again with `protrain compile MODEL \
+             --grad-accum {given}`, or drop the flag"
+        )));
+    }
     let predicted = match &args.exec.trace {
         Some(_) => predicted_timeline(&schedule),
         None => Ok(Vec::new()),
@@ -334,8 +348,8 @@ pub fn plan_lines(schedule: &Schedule) -> String {
     let chunks = schedule.chunks.len();
     format!(
         "policy          {}\n                {} of {} chunks persistent, {} streamed through {} \
-         buffers; layers: {} kept, {} checkpointed, {} swapped\npredicted step  {:.4} s on {}\n\
-         device arena    {} of {} budget\nhost region     {}",
+         buffers; layers: {} kept, {} checkpointed, {} swapped{}\npredicted step  {:.4} s on \
+         {}\ndevice arena    {} of {} budget\nhost region     {}",
         h.policy,
         h.policy.n_persist,
         chunks,
@@ -344,6 +358,13 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         h.policy.count(protrain::ir::BlockMode::Keep),
         h.policy.count(protrain::ir::BlockMode::Checkpoint),
         h.policy.count(protrain::ir::BlockMode::Swap),
+        match schedule.micro_batches() {
+            1 => String::new(),
+            k => format!(
+                "\naccumulation    {k} micro-batches of {} sequences per step",
+                h.batch
+            ),
+        },
         p.step_seconds,
         h.hardware.split(':').next().unwrap_or_default(),
         format_bytes(schedule.arena_bytes),

@@ -56,8 +56,12 @@ pub fn run(mut args: Args) -> Result<()> {
     };
     warn(&compiled.warnings);
     let schedule = &compiled.schedule;
+    let accum = match options.micro_batches {
+        1 => String::new(),
+        k => format!(" x {k} micro-batches"),
+    };
     let intro = format!(
-        "training {} ({} parameters), batch {} x seq {}, lr {}; compiled in {:.3} s\n{}",
+        "training {} ({} parameters), batch {} x seq {}{accum}, lr {}; compiled in {:.3} s\n{}",
         config.name,
         format_count(schedule.header.param_count),
         options.batch,
@@ -104,6 +108,13 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
         }
     }
     if let Some(have) = saved.optimizer {
+        let accum = *compile.grad_accum.get_or_insert(have.grad_accum);
+        if accum != have.grad_accum {
+            differences.push(format!(
+                "--grad-accum: the checkpoint has {}, this run has {accum}",
+                have.grad_accum
+            ));
+        }
         let o = &mut compile.optimizer;
         let (mut theirs, mut ours) = (Vec::new(), Vec::new());
         let settings = [

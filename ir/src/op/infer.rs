@@ -117,6 +117,15 @@ impl OpKind {
                 }
                 vec![]
             }
+            OpKind::AccumulateGrad => {
+                let (acc, grad) = (inputs[0], inputs[1]);
+                if acc.shape != grad.shape || !acc.dtype.is_float() || !grad.dtype.is_float() {
+                    return Err(fail(format!(
+                        "the gradient {grad} does not match its accumulator {acc}"
+                    )));
+                }
+                vec![]
+            }
             OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
                 self.infer_movement(inputs)?
             }
@@ -194,7 +203,7 @@ impl OpKind {
                 same(&expected[0], dy, "dout")?;
                 inputs[..n].iter().map(|t| (*t).clone()).collect()
             }
-            OpKind::CrossEntropyBackward => {
+            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
                 let expected = forward.infer(&inputs[..2])?;
                 same(&expected[1], inputs[2], "lse")?;
                 vec![inputs[0].clone()]

@@ -337,6 +337,20 @@ pub enum OpKind {
         /// The slot.
         slot: u32,
     },
+
+    // Gradient accumulation (appended last, so schedules without it encode as before).
+    /// [`OpKind::CrossEntropyBackward`] for a loss gradient of `1 / micro_batches`: with
+    /// gradient accumulation the step's loss is the mean of `micro_batches` micro-batch
+    /// losses, so each micro-batch's backward pass starts from that share (PyTorch's
+    /// `(loss / K).backward()`).
+    CrossEntropyBackwardScaled {
+        /// Micro-batches per step (at least 2).
+        micro_batches: u64,
+    },
+    /// `acc`, `grad`: `acc += grad` in place, elementwise, in `acc`'s type (each sum computed
+    /// in f32 and rounded once). No outputs. A step sums its micro-batches' gradients into
+    /// `acc` in micro-batch order, from zero.
+    AccumulateGrad,
 }
 
 impl OpKind {
@@ -376,6 +390,8 @@ impl OpKind {
             OpKind::MoveStart(m) => m.mnemonics().0,
             OpKind::MoveDone(m) => m.mnemonics().1,
             OpKind::Release { .. } => "release",
+            OpKind::CrossEntropyBackwardScaled { .. } => "cross_entropy_backward",
+            OpKind::AccumulateGrad => "accumulate_grad",
         }
     }
 
@@ -414,6 +430,9 @@ impl OpKind {
             OpKind::MoveStart(m) | OpKind::MoveDone(m) => attrs.extend(m.attributes()),
             OpKind::Release { chunk, slot } => {
                 attrs.extend([("chunk", chunk.0.to_string()), ("slot", slot.to_string())])
+            }
+            OpKind::CrossEntropyBackwardScaled { micro_batches } => {
+                attrs.push(("micro_batches", micro_batches.to_string()))
             }
             _ => {}
         }
@@ -456,7 +475,9 @@ impl OpKind {
                 window,
                 qkv,
             },
-            OpKind::CrossEntropyBackward => OpKind::CrossEntropy,
+            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
+                OpKind::CrossEntropy
+            }
             OpKind::FusedLinearBackward {
                 count,
                 bias,
@@ -505,6 +526,7 @@ impl OpKind {
     pub fn writes_inputs(&self) -> &'static [usize] {
         match self {
             OpKind::AdamW { .. } => &[0, 2, 3],
+            OpKind::AccumulateGrad => &[0],
             _ => &[],
         }
     }
@@ -527,7 +549,7 @@ impl OpKind {
                 qkv: QkvLayout::Packed,
                 ..
             } => &["dqkv"],
-            OpKind::AdamW { .. } => &[],
+            OpKind::AdamW { .. } | OpKind::AccumulateGrad => &[],
             OpKind::FusedLinear {
                 count, epilogue, ..
             } => match epilogue {
@@ -657,7 +679,8 @@ impl OpKind {
                 QkvLayout::Separate => 6,
                 QkvLayout::Packed => 4,
             },
-            OpKind::CrossEntropyBackward => 3,
+            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => 3,
+            OpKind::AccumulateGrad => 2,
             OpKind::MoveStart(m) | OpKind::MoveDone(m) => return m.arity(),
             OpKind::Release { .. } => return None,
             OpKind::FusedLinear {
@@ -725,7 +748,10 @@ impl OpKind {
             OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => {
                 12 * inputs[0].numel()
             }
-            OpKind::CrossEntropy | OpKind::CrossEntropyBackward => 4 * inputs[0].numel(),
+            OpKind::CrossEntropy
+            | OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. } => 4 * inputs[0].numel(),
+            OpKind::AccumulateGrad => inputs[0].numel(),
             OpKind::Gelu => 10 * out,
             OpKind::GeluBackward => 16 * out,
             OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => {

@@ -80,6 +80,21 @@
 //! 12. **end of step**: `loss` holds the loss, and every home but the inputs' holds its value
 //!     (updated or not), so the next step starts where this one began.
 //!
+//! With gradient accumulation (see [`crate::schedule`]) the streams are split at their
+//! [`Instr::EndMicroBatch`] markers first:
+//!
+//! 0. **phases**: either no stream has a marker, or every stream has exactly one, all with
+//!    the same count of at least 2; kernels of optimizer-phase ops come after the markers and
+//!    all others before; no event is used on both sides of the markers; every
+//!    value without a producer whose role is accumulator is read by exactly one
+//!    `accumulate_grad` (in the micro-batch program).
+//!
+//! The checks above then run on the micro-batch program and on the update program, each as a
+//! step of its own (the runtime puts a barrier after every micro-batch and before the update),
+//! except that coverage counts both together, an event need not be used in both, and the
+//! update need not leave the loss behind. One micro-batch checked is all of them: each starts
+//! as the previous left memory (every home holding its value, an accumulator its running sum).
+//!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
 //! steps.
@@ -126,6 +141,8 @@ pub enum Invariant {
     DataFlow,
     /// The loss and every home hold their values at the end of the step.
     EndOfStep,
+    /// Micro-batch markers are consistent (gradient accumulation).
+    Phases,
 }
 
 impl Invariant {
@@ -144,6 +161,7 @@ impl Invariant {
             Invariant::Homes => "homes",
             Invariant::DataFlow => "data flow",
             Invariant::EndOfStep => "end of step",
+            Invariant::Phases => "phases",
         }
     }
 }
@@ -182,17 +200,53 @@ pub fn verify_schedule(s: &Schedule) -> Result<(), ScheduleError> {
         at: None,
         message: e.to_string(),
     })?;
-    let cx = Checker::new(s);
-    cx.ids()?;
-    cx.optimizer()?;
-    cx.bounds()?;
-    cx.alignment()?;
-    cx.budget()?;
-    cx.coverage()?;
-    cx.events()?;
-    cx.deadlock()?;
-    cx.homes()?;
-    cx.data_flow()
+    let Some((micro, update, offsets)) = Checker::new(s).phases()? else {
+        let cx = Checker::new(s);
+        cx.ids()?;
+        cx.optimizer()?;
+        cx.bounds()?;
+        cx.alignment()?;
+        cx.budget()?;
+        cx.coverage()?;
+        cx.events()?;
+        cx.deadlock()?;
+        cx.homes()?;
+        return cx.data_flow();
+    };
+    let no_offsets = vec![0; s.streams.len()];
+    let parts = [
+        (&micro, Part::MicroBatch, &no_offsets),
+        (&update, Part::Update, &offsets),
+    ];
+    for (schedule, part, offsets) in parts {
+        let cx = Checker::new(schedule).part(part, offsets);
+        cx.ids()?;
+        cx.optimizer()?;
+        cx.bounds()?;
+        cx.alignment()?;
+        cx.budget()?;
+    }
+    Checker::new(s).coverage()?;
+    for (schedule, part, offsets) in parts {
+        let cx = Checker::new(schedule).part(part, offsets);
+        cx.events()?;
+        cx.deadlock()?;
+        cx.homes()?;
+        cx.data_flow()?;
+    }
+    Ok(())
+}
+
+/// Which instructions a [`Checker`] sees: the whole step, or one side of the micro-batch
+/// markers of an accumulating schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    /// Every instruction (no accumulation).
+    Whole,
+    /// What runs once per micro-batch.
+    MicroBatch,
+    /// What runs once per step, after the micro-batches.
+    Update,
 }
 
 /// Checks every invariant in the module doc and, if they all hold, returns the schedule as
@@ -268,6 +322,10 @@ struct Checker<'a> {
     g: &'a Graph,
     names: Vec<String>,
     buffers: BufferNumbering,
+    /// The part of an accumulating schedule `s` holds (its streams cut to that part).
+    part: Part,
+    /// Per stream, the index in the whole schedule of `s`'s first instruction.
+    offsets: Vec<u32>,
 }
 
 /// Whether two non-empty spans share a byte.
@@ -282,7 +340,178 @@ impl<'a> Checker<'a> {
             g: &s.graph,
             names: value_names(&s.graph),
             buffers: BufferNumbering::of(s),
+            part: Part::Whole,
+            offsets: vec![0; s.streams.len()],
         }
+    }
+
+    /// The checker of one part of an accumulating schedule, whose streams start at `offsets`
+    /// in the whole one.
+    fn part(mut self, part: Part, offsets: &[u32]) -> Self {
+        self.part = part;
+        self.offsets = offsets.to_vec();
+        self
+    }
+
+    /// Invariant 0, the micro-batch markers: `None` without any; else the micro-batch
+    /// program, the update program (each a schedule whose streams hold that part), and the
+    /// index of each stream's first update instruction in the whole schedule.
+    fn phases(&self) -> Result<Option<(Schedule, Schedule, Vec<u32>)>, ScheduleError> {
+        let s = self.s;
+        let mut count: Option<u32> = None;
+        let mut cuts = Vec::with_capacity(s.streams.len());
+        for (si, stream) in s.streams.iter().enumerate() {
+            let marks: Vec<(usize, u32)> = stream
+                .instrs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, instr)| match instr {
+                    Instr::EndMicroBatch { micro_batches } => Some((i, *micro_batches)),
+                    _ => None,
+                })
+                .collect();
+            let at = |i: usize| InstrRef {
+                stream: StreamId::new(si),
+                index: i as u32,
+            };
+            let bad = |r: Option<InstrRef>, msg: String| Err(self.fail(Invariant::Phases, r, msg));
+            match marks.as_slice() {
+                [] => cuts.push(None),
+                [(i, k)] => {
+                    if *k < 2 {
+                        return bad(
+                            Some(at(*i)),
+                            format!(
+                                "ends a micro-batch program of {k} micro-batches; accumulation \
+                                 takes at least 2 (a step of one has no marker)"
+                            ),
+                        );
+                    }
+                    if let Some(c) = count.filter(|c| c != k) {
+                        return bad(
+                            Some(at(*i)),
+                            format!("says {k} micro-batches, another stream says {c}"),
+                        );
+                    }
+                    count = Some(*k);
+                    cuts.push(Some(*i));
+                }
+                [_, (i, _), ..] => {
+                    return bad(
+                        Some(at(*i)),
+                        format!(
+                            "a second micro-batch marker on stream {}: each stream has one",
+                            stream.name
+                        ),
+                    )
+                }
+            }
+        }
+        if count.is_none() {
+            return Ok(None);
+        }
+        if let Some(si) = cuts.iter().position(Option::is_none) {
+            return Err(self.fail(
+                Invariant::Phases,
+                None,
+                format!(
+                    "stream {} has no micro-batch marker, the others do: every stream of an \
+                     accumulating schedule has one",
+                    s.streams[si].name
+                ),
+            ));
+        }
+        let cuts: Vec<usize> = cuts.into_iter().flatten().collect();
+        // Which side each event is used on.
+        let mut side: Vec<Option<bool>> = vec![None; s.events as usize];
+        for (si, stream) in s.streams.iter().enumerate() {
+            for (i, instr) in stream.instrs.iter().enumerate() {
+                let (Instr::Record { event } | Instr::Wait { event }) = instr else {
+                    continue;
+                };
+                let Some(slot) = side.get_mut(event.index()) else {
+                    continue; // out of range: the ids check names it
+                };
+                let update = i > cuts[si];
+                if slot.replace(update).is_some_and(|u| u != update) {
+                    return Err(self.fail(
+                        Invariant::Phases,
+                        Some(InstrRef {
+                            stream: StreamId::new(si),
+                            index: i as u32,
+                        }),
+                        format!(
+                            "uses e{} on the other side of the micro-batch marker than another \
+                             instruction: no event crosses it (a barrier does)",
+                            event.0
+                        ),
+                    ));
+                }
+            }
+        }
+        for (v, value) in self.g.values() {
+            if value.role != crate::graph::Role::Accumulator {
+                continue;
+            }
+            let sums = self
+                .g
+                .ops()
+                .filter(|(_, o)| o.kind == crate::op::OpKind::AccumulateGrad && o.inputs[0] == v)
+                .count();
+            if value.producer.is_some() || sums != 1 {
+                return Err(self.fail(
+                    Invariant::Phases,
+                    None,
+                    format!(
+                        "accumulator {} is summed into by {sums} accumulate_grad ops; each \
+                         accumulator takes one gradient per micro-batch",
+                        self.name(v)
+                    ),
+                ));
+            }
+        }
+        // What runs where: the optimizer once per step, everything else per micro-batch.
+        for (si, stream) in s.streams.iter().enumerate() {
+            for (i, instr) in stream.instrs.iter().enumerate() {
+                let Instr::Kernel { op, .. } = instr else {
+                    continue;
+                };
+                if op.index() >= self.g.op_count() {
+                    continue; // the ids check names it
+                }
+                let once = self.g.op(*op).phase == crate::op::Phase::Optimizer;
+                if once != (i > cuts[si]) {
+                    let r = InstrRef {
+                        stream: StreamId::new(si),
+                        index: i as u32,
+                    };
+                    let (side, belongs) = match once {
+                        true => ("before", "runs once per step, after the micro-batches"),
+                        false => ("after", "runs in every micro-batch"),
+                    };
+                    return Err(self.fail(
+                        Invariant::Phases,
+                        Some(r),
+                        format!(
+                            "is {side} the micro-batch marker, but a {} op {belongs}",
+                            self.g.op(*op).phase
+                        ),
+                    ));
+                }
+            }
+        }
+        let cut = |update: bool| {
+            let mut part = s.clone();
+            for (stream, &c) in part.streams.iter_mut().zip(&cuts) {
+                stream.instrs = match update {
+                    false => stream.instrs[..c].to_vec(),
+                    true => stream.instrs[c + 1..].to_vec(),
+                };
+            }
+            part
+        };
+        let offsets = cuts.iter().map(|&c| c as u32 + 1).collect();
+        Ok(Some((cut(false), cut(true), offsets)))
     }
 
     fn name(&self, v: ValueId) -> &str {
@@ -312,8 +541,12 @@ impl<'a> Checker<'a> {
             Instr::Copy { what, .. } => format!("copy {}", copy_label(*what, &self.names)),
             Instr::Record { event } => format!("record e{}", event.0),
             Instr::Wait { event } => format!("wait e{}", event.0),
+            Instr::EndMicroBatch { micro_batches } => {
+                format!("end of micro-batch program x{micro_batches}")
+            }
         };
-        format!("stream {} #{} ({what})", stream.name, r.index)
+        let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
+        format!("stream {} #{index} ({what})", stream.name)
     }
 
     /// `linear h.3.mlp.c_fc`: the op's mnemonic and the readable name of what it writes (of
@@ -338,6 +571,16 @@ impl<'a> Checker<'a> {
             Some(r) => format!("{}: {msg}", self.at(r)),
             None => msg,
         };
+        let message = match self.part {
+            Part::Whole => message,
+            Part::MicroBatch => format!("in the micro-batch program, {message}"),
+            Part::Update => format!("in the update program, {message}"),
+        };
+        // Instructions are named by their index in the whole schedule.
+        let at = at.map(|r| InstrRef {
+            stream: r.stream,
+            index: r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0),
+        });
         ScheduleError {
             invariant,
             at,

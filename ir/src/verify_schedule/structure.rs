@@ -279,10 +279,13 @@ impl Checker<'_> {
                             space_name(to)
                         ));
                     }
-                    let inbound = matches!(
-                        what,
-                        CopyKind::FetchChunk { .. } | CopyKind::ReloadActivation { .. }
-                    );
+                    // A scalar goes either way: the clip coefficient to the host optimizer, or,
+                    // in an accumulating schedule's update, host squared norms to the device.
+                    let inbound = match what {
+                        CopyKind::FetchChunk { .. } | CopyKind::ReloadActivation { .. } => true,
+                        CopyKind::Scalar { .. } => sb.space == Space::Host,
+                        CopyKind::OffloadGrads { .. } | CopyKind::OffloadActivation { .. } => false,
+                    };
                     if inbound != (kind == StreamKind::HostToDevice) {
                         return bad(format!(
                             "a {} copy goes the other way",
@@ -328,6 +331,8 @@ impl Checker<'_> {
                         }
                     }
                 }
+                // Checked before any part is (`Checker::phases`).
+                Instr::EndMicroBatch { .. } => {}
                 Instr::Record { event } | Instr::Wait { event } => {
                     if event.0 >= s.events {
                         return bad(format!(
@@ -495,7 +500,7 @@ impl Checker<'_> {
                     fits(*src, *bytes).map_err(|e| bad(format!("source: {e}")))?;
                     fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
                 }
-                Instr::Record { .. } | Instr::Wait { .. } => {}
+                Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
         Ok(())

@@ -673,6 +673,15 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
+        let k = schedule.micro_batches();
+        if k > 1 {
+            return Err(RuntimeError::BadSchedule(format!(
+                "the schedule accumulates gradients over {k} micro-batches, which the CUDA \
+                 backend does not run yet (it has no accumulate_grad kernel): run it with \
+                 --backend host, or compile without --grad-accum (a larger --batch trains the \
+                 same rows)"
+            )));
+        }
         for m in master_weights(schedule)? {
             self.set_master_weight(m.m, m.master);
         }

@@ -1101,7 +1101,19 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             window,
             qkv,
         } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
-        OpKind::CrossEntropyBackward => {
+        OpKind::AccumulateGrad => {
+            return Err(p.bad(
+                "sums a gradient into its accumulator, which the CUDA backend has no kernel \
+                 for yet (the executor refuses accumulating schedules on CUDA first)",
+            ));
+        }
+        OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
+            let dloss = match p.kind {
+                OpKind::CrossEntropyBackwardScaled { micro_batches } => {
+                    crate::dispatch::loss_share(*micro_batches)
+                }
+                _ => 1.0,
+            };
             let st = p.storage(0)?;
             let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
             let args = vec![
@@ -1111,7 +1123,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 Ptr(p.input(1)),
                 I32(p.int(rows, "rows")?),
                 I32(p.int(vocab, "vocabulary")?),
-                F32(1.0),
+                F32(dloss),
             ];
             p.stride(
                 st.pick("cross_entropy_backward_f32", "cross_entropy_backward_bf16"),
@@ -1776,9 +1788,12 @@ mod tests {
             OpKind::MoveStart(_) => VARIANTS,
             OpKind::MoveDone(_) => VARIANTS + 1,
             OpKind::Release { .. } => VARIANTS + 2,
+            OpKind::CrossEntropyBackwardScaled { .. } => 30,
+            // No kernel yet: see `accumulation_has_no_plan`.
+            OpKind::AccumulateGrad => VARIANTS + 3,
         }
     }
-    const VARIANTS: usize = 30;
+    const VARIANTS: usize = 31;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -1973,6 +1988,10 @@ mod tests {
                 vec![logits.clone(), tokens.clone(), t(&[B, T], DType::F32)],
             ),
             (
+                OpKind::CrossEntropyBackwardScaled { micro_batches: 4 },
+                vec![logits.clone(), tokens.clone(), t(&[B, T], DType::F32)],
+            ),
+            (
                 fused_bwd(2, true, Epilogue::None),
                 vec![
                     x.clone(),
@@ -2100,6 +2119,32 @@ mod tests {
                 .to_string();
             assert!(err.contains("movement op"), "{kind:?}: {err}");
         }
+    }
+
+    #[test]
+    fn accumulation_has_no_plan() {
+        let g = TensorType::new(vec![4, 8], DType::F32);
+        let ins = [&g, &g];
+        let at = Addresses {
+            inputs: vec![0x1000, 0x2000],
+            outputs: vec![],
+            workspace: None,
+            master: None,
+        };
+        let types = Types {
+            inputs: &ins,
+            outputs: &[],
+        };
+        let target = Target {
+            max_blocks: 132 * 32,
+            step: 1,
+        };
+        let kind = OpKind::AccumulateGrad;
+        assert!(variant(&kind) >= VARIANTS);
+        let err = calls(&kind, types, &at, target)
+            .expect_err("no plan")
+            .to_string();
+        assert!(err.contains("no kernel"), "{err}");
     }
 
     #[test]

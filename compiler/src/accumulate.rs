@@ -1,0 +1,429 @@
+//! Gradient accumulation: splits an emitted schedule into a micro-batch program that sums
+//! each gradient into an accumulator and an update program that clips and steps on the sums.
+//!
+//! The pass runs after emission on a schedule whose training graph was derived for `K > 1`
+//! micro-batches (its loss gradient is [`OpKind::CrossEntropyBackwardScaled`]); any other
+//! schedule comes back unchanged, so a step of one micro-batch is exactly what the pipeline
+//! always emitted. For each gradient an AdamW op reads, it adds an accumulator value in the
+//! space where that AdamW reads the gradient (the arena for a persistent chunk, the host
+//! region for an offloaded one, after the gradient offload) and an `accumulate_grad` op,
+//! which runs where the AdamW ran, in the same stream with the same events: the gradient is
+//! complete and still live there, so the micro-batch program needs no new order and no new
+//! memory but the accumulators. Squared norms, the clip coefficient, its copy and the AdamW
+//! ops move to the update program, which reads the accumulators; there the squared norms of
+//! host accumulators run on the host optimizer and travel to the device as scalars for the
+//! clip coefficient.
+//!
+//! Accumulators live the whole step, so the pass appends them to the arena and the host
+//! region (the exact peak grows by exactly their bytes). It does not reorder the micro-batch
+//! program, share gradient memory with accumulators, or overlap the update with the last
+//! micro-batch's backward pass.
+
+use crate::error::{CompileError, Result};
+use crate::streams::BUFFER_ALIGN;
+use protrain_ir::{
+    Buffer, BufferId, BufferKind, CopyKind, EventId, Instr, OpId, OpKind, Phase, Schedule, Space,
+    StreamKind, TensorRef, ValueId,
+};
+use std::collections::HashMap;
+
+/// The micro-batches a training graph's loss gradient is scaled for: `K` when its
+/// cross-entropy backward is [`OpKind::CrossEntropyBackwardScaled`], else 1.
+pub fn micro_batches(graph: &protrain_ir::Graph) -> u64 {
+    graph
+        .ops()
+        .find_map(|(_, op)| match op.kind {
+            OpKind::CrossEntropyBackwardScaled { micro_batches } => Some(micro_batches),
+            _ => None,
+        })
+        .unwrap_or(1)
+}
+
+/// Prepares a training graph for `k` micro-batches per step: its loss gradient becomes
+/// `1 / k` ([`OpKind::CrossEntropyBackwardScaled`]), which is also how [`accumulate`] (and
+/// the search's every candidate) learns `k`. For `k <= 1` it changes nothing.
+///
+/// Fails when `k` is 0 or the graph has no cross-entropy backward op to scale.
+pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<()> {
+    if k == 0 {
+        return Err(CompileError::BadOptimizer(
+            "--grad-accum 0: a step takes at least one micro-batch".into(),
+        ));
+    }
+    if k == 1 {
+        return Ok(());
+    }
+    let seeds: Vec<OpId> = training
+        .ops()
+        .filter(|(_, op)| op.kind == OpKind::CrossEntropyBackward)
+        .map(|(id, _)| id)
+        .collect();
+    if seeds.is_empty() {
+        return Err(CompileError::NoLoss);
+    }
+    for op in seeds {
+        training.set_kind(op, OpKind::CrossEntropyBackwardScaled { micro_batches: k })?;
+    }
+    Ok(())
+}
+
+/// Appends a buffer of `bytes` at the end of `space`; returns its id.
+fn append(
+    schedule: &mut Schedule,
+    name: &str,
+    space: Space,
+    kind: BufferKind,
+    bytes: u64,
+) -> BufferId {
+    let end = match space {
+        Space::Device => &mut schedule.arena_bytes,
+        Space::Host => &mut schedule.host_bytes,
+    };
+    let offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
+    *end = offset + bytes;
+    schedule.buffers.push(Buffer {
+        name: name.into(),
+        space,
+        offset,
+        size: bytes,
+        kind,
+    });
+    BufferId::new(schedule.buffers.len() - 1)
+}
+
+/// `bytes` rounded up to the planner's buffer alignment.
+fn aligned(bytes: u64) -> u64 {
+    bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
+}
+
+/// A gradient's accumulator.
+struct Acc {
+    acc: ValueId,
+    home: TensorRef,
+    space: Space,
+}
+
+/// Makes `schedule` accumulate gradients over the micro-batches its graph's loss gradient is
+/// scaled for ([`micro_batches`]); returns it unchanged for one.
+///
+/// Fails when the schedule lacks a stream the update program needs, or when two AdamW ops
+/// read one gradient (compiler bugs).
+pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
+    let k = micro_batches(&schedule.graph);
+    if k <= 1 {
+        return Ok(schedule);
+    }
+    let micro_batches = u32::try_from(k).map_err(|_| {
+        CompileError::BadOptimizer(format!(
+            "{k} micro-batches per step is more than a schedule counts"
+        ))
+    })?;
+    let stream_of = |s: &Schedule, kind: StreamKind| {
+        s.streams
+            .iter()
+            .position(|st| st.kind == kind)
+            .ok_or_else(|| {
+                CompileError::Validation(format!(
+                    "accumulation needs a {kind:?} stream, the schedule has none"
+                ))
+            })
+    };
+
+    // Every AdamW kernel, the gradient it reads and where.
+    let mut adamws: Vec<(OpId, ValueId, TensorRef)> = Vec::new();
+    for stream in &schedule.streams {
+        for instr in &stream.instrs {
+            if let Instr::Kernel { op, inputs, .. } = instr {
+                let o = schedule.graph.op(*op);
+                if let OpKind::AdamW { .. } = o.kind {
+                    adamws.push((*op, o.inputs[1], inputs[1]));
+                }
+            }
+        }
+    }
+    // Accumulators: offsets in their space's buffer first, the buffers appended after.
+    let mut used = [0u64; 2];
+    let mut laid: Vec<(ValueId, Space, u64)> = Vec::with_capacity(adamws.len());
+    let mut acc_of: HashMap<ValueId, usize> = HashMap::new();
+    let mut sum_of: HashMap<OpId, OpId> = HashMap::new();
+    for &(op, grad, at) in &adamws {
+        if acc_of.contains_key(&grad) {
+            return Err(CompileError::Validation(format!(
+                "{} is read by two AdamW ops; accumulation sums each gradient once",
+                schedule.graph.value(grad).name
+            )));
+        }
+        let o = schedule.graph.op(op).clone();
+        let ty = schedule.graph.value(grad).ty.clone();
+        let name = format!("accum.{}", schedule.graph.value(o.inputs[0]).name);
+        let acc = schedule.graph.add_accumulator(name, ty.clone());
+        schedule.graph.add_op_multi(
+            OpKind::AccumulateGrad,
+            &[acc, grad],
+            &[],
+            o.block,
+            Phase::Backward,
+        )?;
+        sum_of.insert(op, OpId::new(schedule.graph.op_count() - 1));
+        schedule.graph.set_input(op, 1, acc)?;
+        let space = schedule.buffer(at.buffer).space;
+        let slot = &mut used[usize::from(space == Space::Host)];
+        laid.push((acc, space, *slot));
+        *slot += aligned(ty.bytes());
+        acc_of.insert(grad, laid.len() - 1);
+    }
+    // Squared norms read the accumulators; those of host ones need host scratch for their
+    // results and (shared, they run in turn) workspace.
+    let mut host_norms: Vec<(OpId, usize)> = Vec::new();
+    let mut device_norm_of: HashMap<OpId, usize> = HashMap::new();
+    let mut norm_workspace = 0u64;
+    let grads: Vec<(ValueId, usize)> = acc_of.iter().map(|(&g, &i)| (g, i)).collect();
+    for (grad, i) in grads {
+        for op in schedule.graph.users(grad) {
+            if schedule.graph.op(op).kind != OpKind::GradNormSq {
+                continue;
+            }
+            schedule.graph.set_input(op, 0, laid[i].0)?;
+            match laid[i].1 {
+                Space::Host => {
+                    let o = schedule.graph.op(op);
+                    let types: Vec<_> = o
+                        .inputs
+                        .iter()
+                        .map(|v| &schedule.graph.value(*v).ty)
+                        .collect();
+                    norm_workspace = norm_workspace.max(o.kind.workspace_bytes(&types));
+                    host_norms.push((op, i));
+                }
+                Space::Device => {
+                    device_norm_of.insert(op, i);
+                }
+            }
+        }
+    }
+    host_norms.sort();
+    let mut buffer_of = [None, None];
+    for (space, name) in [
+        (Space::Device, "accumulators"),
+        (Space::Host, "host accumulators"),
+    ] {
+        let bytes = used[usize::from(space == Space::Host)];
+        if bytes > 0 {
+            buffer_of[usize::from(space == Space::Host)] = Some(append(
+                &mut schedule,
+                name,
+                space,
+                BufferKind::Accumulators,
+                bytes,
+            ));
+        }
+    }
+    let scratch_bytes = aligned(4) * host_norms.len() as u64 + norm_workspace;
+    let scratch = (!host_norms.is_empty()).then(|| {
+        append(
+            &mut schedule,
+            "host update scratch",
+            Space::Host,
+            BufferKind::HostScratch,
+            scratch_bytes,
+        )
+    });
+    let accs: Vec<Acc> = laid
+        .iter()
+        .map(|&(acc, space, offset)| Acc {
+            acc,
+            space,
+            home: TensorRef {
+                buffer: buffer_of[usize::from(space == Space::Host)].expect("appended above"),
+                offset,
+            },
+        })
+        .collect();
+
+    // The micro-batch program: each AdamW becomes its gradient's sum, where it was; the rest
+    // of the optimizer moves to the update; every record and wait stays.
+    let mut moved: Vec<Instr> = Vec::new();
+    for stream in schedule.streams.iter_mut() {
+        let mut kept = Vec::with_capacity(stream.instrs.len() + 1);
+        for instr in std::mem::take(&mut stream.instrs) {
+            match &instr {
+                Instr::Kernel { op, inputs, .. } => match schedule.graph.op(*op).kind {
+                    OpKind::AdamW { .. } => {
+                        let grad = schedule.graph.op(sum_of[op]).inputs[1];
+                        kept.push(Instr::Kernel {
+                            op: sum_of[op],
+                            inputs: vec![accs[acc_of[&grad]].home, inputs[1]],
+                            outputs: vec![],
+                            workspace: None,
+                        });
+                        moved.push(instr);
+                    }
+                    OpKind::GradNormSq | OpKind::ClipCoef { .. } => moved.push(instr),
+                    _ => kept.push(instr),
+                },
+                Instr::Copy {
+                    what: CopyKind::Scalar { .. },
+                    ..
+                } => moved.push(instr),
+                _ => kept.push(instr),
+            }
+        }
+        kept.push(Instr::EndMicroBatch { micro_batches });
+        stream.instrs = kept;
+    }
+
+    // The update program: squared norms (device ones where the gradients' were, host ones
+    // on the host optimizer, their results then copied to where the gradients' were on the
+    // device), the clip coefficient, device AdamW, the coefficient's copy, host AdamW.
+    let graph = &schedule.graph;
+    let home_of = |v: ValueId| accs.iter().find(|a| a.acc == v).map(|a| (a.home, a.space));
+    let reading_acc = |instr: &Instr, index: usize| -> (Instr, Option<Space>) {
+        let mut instr = instr.clone();
+        let mut space = None;
+        if let Instr::Kernel { op, inputs, .. } = &mut instr {
+            if let Some((home, s)) = home_of(graph.op(*op).inputs[index]) {
+                inputs[index] = home;
+                space = Some(s);
+            }
+        }
+        (instr, space)
+    };
+    let kind_of = |i: &Instr| match i {
+        Instr::Kernel { op, .. } => Some(&graph.op(*op).kind),
+        _ => None,
+    };
+    let compute = stream_of(&schedule, StreamKind::Compute)?;
+    let mut update: Vec<Vec<Instr>> = vec![Vec::new(); schedule.streams.len()];
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    for instr in moved
+        .iter()
+        .filter(|i| kind_of(i) == Some(&OpKind::GradNormSq))
+    {
+        if let Instr::Kernel { op, .. } = instr {
+            if device_norm_of.contains_key(op) {
+                update[compute].push(reading_acc(instr, 0).0);
+            }
+        }
+    }
+    if let Some(scratch) = scratch {
+        let host = stream_of(&schedule, StreamKind::HostOptimizer)?;
+        let h2d = stream_of(&schedule, StreamKind::HostToDevice)?;
+        let workspace = TensorRef {
+            buffer: scratch,
+            offset: aligned(4) * host_norms.len() as u64,
+        };
+        let mut uploads = Vec::with_capacity(host_norms.len());
+        for (n, &(op, i)) in host_norms.iter().enumerate() {
+            let at = TensorRef {
+                buffer: scratch,
+                offset: aligned(4) * n as u64,
+            };
+            let o = graph.op(op);
+            let types: Vec<_> = o.inputs.iter().map(|v| &graph.value(*v).ty).collect();
+            update[host].push(Instr::Kernel {
+                op,
+                inputs: vec![accs[i].home],
+                outputs: vec![at],
+                workspace: (o.kind.workspace_bytes(&types) > 0).then_some(workspace),
+            });
+            // Where the gradient's squared norm was on the device, for the clip coefficient.
+            let on_device = moved.iter().find_map(|instr| match instr {
+                Instr::Kernel {
+                    op: o2, outputs, ..
+                } if *o2 == op => Some(outputs[0]),
+                _ => None,
+            });
+            let Some(dst) = on_device else {
+                return Err(CompileError::Validation(format!(
+                    "no device address for the squared norm {}",
+                    graph.value(o.outputs[0]).name
+                )));
+            };
+            uploads.push(Instr::Copy {
+                what: CopyKind::Scalar {
+                    value: o.outputs[0],
+                },
+                src: at,
+                dst,
+                bytes: 4,
+            });
+        }
+        let (normed, uploaded) = (event(), event());
+        update[host].push(Instr::Record { event: normed });
+        // Device norms' workspaces may lie where the uploads land: upload after them.
+        if !update[compute].is_empty() {
+            let device_normed = event();
+            update[compute].push(Instr::Record {
+                event: device_normed,
+            });
+            update[h2d].push(Instr::Wait {
+                event: device_normed,
+            });
+        }
+        update[h2d].push(Instr::Wait { event: normed });
+        update[h2d].extend(uploads);
+        update[h2d].push(Instr::Record { event: uploaded });
+        update[compute].push(Instr::Wait { event: uploaded });
+    }
+    if let Some(clip) = moved
+        .iter()
+        .find(|i| matches!(kind_of(i), Some(OpKind::ClipCoef { .. })))
+    {
+        update[compute].push(clip.clone());
+    }
+    let mut host_adamw = Vec::new();
+    for instr in moved
+        .iter()
+        .filter(|i| matches!(kind_of(i), Some(OpKind::AdamW { .. })))
+    {
+        match reading_acc(instr, 1) {
+            (instr, Some(Space::Host)) => host_adamw.push(instr),
+            (instr, _) => update[compute].push(instr),
+        }
+    }
+    if !host_adamw.is_empty() {
+        let host = stream_of(&schedule, StreamKind::HostOptimizer)?;
+        if let Some(copy) = moved.iter().find(|i| matches!(i, Instr::Copy { .. })) {
+            let d2h = stream_of(&schedule, StreamKind::DeviceToHost)?;
+            let (clipped, copied) = (event(), event());
+            update[compute].push(Instr::Record { event: clipped });
+            update[d2h].push(Instr::Wait { event: clipped });
+            update[d2h].push(copy.clone());
+            update[d2h].push(Instr::Record { event: copied });
+            update[host].push(Instr::Wait { event: copied });
+        }
+        update[host].extend(host_adamw);
+    }
+    for (stream, tail) in schedule.streams.iter_mut().zip(update) {
+        stream.instrs.extend(tail);
+    }
+    schedule.events = events;
+    schedule.homes.extend(accs.iter().map(|a| (a.acc, a.home)));
+
+    // The prediction: K micro-batches of work, and the accumulators' memory.
+    let graph = &schedule.graph;
+    let flops: u64 = graph
+        .ops()
+        .map(|(_, op)| {
+            let ins: Vec<_> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let outs: Vec<_> = op.outputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let once = op.kind.flops(&ins, &outs);
+            match op.phase {
+                Phase::Optimizer => once,
+                _ => k * once,
+            }
+        })
+        .sum();
+    let device_bytes = used[0];
+    let p = &mut schedule.header.prediction;
+    p.flops = flops;
+    p.peak_device_bytes = schedule.arena_bytes;
+    p.lower_bound_bytes += device_bytes;
+    p.host_bytes = schedule.host_bytes;
+    p.memory.persistent += device_bytes;
+    Ok(schedule)
+}
