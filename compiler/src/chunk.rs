@@ -79,17 +79,11 @@ pub fn chunk(graph: &Graph, world_size: u32) -> ChunkTable {
 /// Parameters in the order the forward ops first read them; any parameter no forward op
 /// reads comes last, in declaration order.
 fn first_use_order(graph: &Graph) -> Vec<ParamId> {
-    // The parameter each value holds, the first if several (as `Graph::param_of` answers,
-    // without its scan of every parameter per input).
-    let mut param_of: Vec<Option<ParamId>> = vec![None; graph.values().len()];
-    for (id, param) in graph.params() {
-        param_of[param.value.index()].get_or_insert(id);
-    }
     let mut seen = vec![false; graph.params().len()];
     let mut order = Vec::with_capacity(seen.len());
     for (_, op) in graph.ops().filter(|(_, op)| op.phase == Phase::Forward) {
         for &input in &op.inputs {
-            if let Some(p) = param_of[input.index()] {
+            if let Some(p) = graph.param_of(input) {
                 if !std::mem::replace(&mut seen[p.index()], true) {
                     order.push(p);
                 }

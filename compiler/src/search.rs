@@ -26,8 +26,8 @@ use crate::error::{CompileError, Result};
 use crate::pipeline::compile_policy;
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
-    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, MemoryBreakdown, OpKind, ParamId, Phase,
-    Policy, Schedule,
+    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, MemoryBreakdown, OpKind, Phase, Policy,
+    Schedule,
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
@@ -217,12 +217,6 @@ impl Profile {
             BlockKind::Layer(i) if (i as usize) < layers => Some(i as usize),
             _ => None,
         };
-        // The parameter each value holds, the first if several: `Graph::param_of` scans every
-        // parameter, which made this loop quadratic in depth.
-        let mut param_of: Vec<Option<ParamId>> = vec![None; training.values().len()];
-        for (id, param) in training.params() {
-            param_of[param.value.index()].get_or_insert(id);
-        }
         let mut chunk_forward = vec![0.0; n];
         let mut chunk_backward = vec![0.0; n];
         let mut layer_forward = vec![0.0; layers];
@@ -248,7 +242,7 @@ impl Profile {
                 .find(|t| t.dtype.is_float())
                 .map_or(protrain_ir::DType::F32, |t| t.dtype);
             let seconds = cost.op_seconds(&op.kind, &ins, &outs, dtype);
-            if let Some(p) = op.inputs.iter().find_map(|&v| param_of[v.index()]) {
+            if let Some(p) = op.inputs.iter().find_map(|&v| training.param_of(v)) {
                 current = chunks.locate(p).0.index();
             }
             // (A graph without parameters has no chunk to charge.)
