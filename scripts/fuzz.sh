@@ -12,7 +12,7 @@
 #   PROTRAIN_FUZZ_SEED=SEED PROTRAIN_FUZZ_CASES=N cargo test --test fuzz
 # Memory is capped (ulimit -v) so that an allocation sized by a number in a file fails the
 # round instead of taking the machine; a round that runs past its time limit counts as a hang.
-# Peak memory is the largest resident set of any process of a round (GNU time's %M), when
+# Peak memory is the largest resident set of a round's test process (GNU time's %M), when
 # /usr/bin/time is there.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,8 +22,15 @@ log=$(mktemp)
 rss=$(mktemp)
 trap 'rm -f "$log" "$rss"' EXIT
 
-cargo test ${CARGO_FLAGS:-} --test fuzz --no-run >/dev/null 2>&1 || {
+# Each round runs the test binary itself, not `cargo test`: cargo would check the build and
+# take the target directory's lock every round, waiting behind any other build there.
+built=$(cargo test ${CARGO_FLAGS:-} --test fuzz --no-run 2>&1) || {
     echo "fuzz: the fuzz tests do not build; run cargo test --test fuzz" >&2
+    exit 2
+}
+binary=$(sed -n 's/^ *Executable tests\/fuzz\.rs (\(.*\))$/\1/p' <<<"$built" | tail -n 1)
+[ -x "$binary" ] || {
+    echo "fuzz: cargo built the fuzz tests but did not say where: $built" >&2
     exit 2
 }
 # The clock starts once the tests are built: a slow build must not eat the campaign.
@@ -43,7 +50,7 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     : >"$rss"
     ( ulimit -v $((8 * 1024 * 1024)); \
       PROTRAIN_FUZZ_SEED=$seed PROTRAIN_FUZZ_CASES=$cases \
-      "${measure[@]}" timeout 900 cargo test ${CARGO_FLAGS:-} --test fuzz -- --nocapture --test-threads 2 ) >"$log" 2>&1
+      "${measure[@]}" timeout 900 "$binary" --nocapture --test-threads 2 ) >"$log" 2>&1
     status=$?
     kib=$(tail -n 1 "$rss" 2>/dev/null)
     if [[ "$kib" =~ ^[0-9]+$ ]] && [ "$kib" -gt "$peak_kib" ]; then
