@@ -16,7 +16,16 @@ use protrain_ir::HardwareProfile;
 
 /// `(model, hardware, device budget in GiB or the default, policy, peak device bytes, host
 /// bytes)`.
-const CHOICES: &[(&str, &str, Option<u64>, &str, u64, u64)] = &[
+type Choice = (
+    &'static str,
+    &'static str,
+    Option<u64>,
+    &'static str,
+    u64,
+    u64,
+);
+
+const CHOICES: &[Choice] = &[
     (
         "gpt2",
         "a100-40gb",

@@ -387,10 +387,10 @@ impl HostBackend {
                 }
                 (DType::BF16, DType::BF16) => {
                     let acc = self.slice_mut::<half::bf16>(l.inputs[0], len)?;
-                    let grad = self.slice::<half::bf16>(l.inputs[1], len)?;
-                    for (a, g) in acc.iter_mut().zip(grad) {
-                        *a = half::bf16::from_f32(a.to_f32() + g.to_f32());
-                    }
+                    crate::kernels::add_assign_bf16(
+                        acc,
+                        self.slice::<half::bf16>(l.inputs[1], len)?,
+                    );
                 }
                 (a, g) => {
                     return Err(RuntimeError::BadSchedule(format!(
