@@ -28,8 +28,8 @@ const SEQ: u64 = 16;
 const STEPS: usize = 20;
 const SEED: u64 = 5;
 /// Most relative difference allowed between an f16 loss and the f32 run's at the same step.
-/// Measured: 4.2e-5 at most over the 20 steps (the test prints every step's); it fails when the f16 run
-/// computes in f16 instead of f32 or loses its loss scale (gradients then flush to zero).
+/// Measured: 4.2e-5 at most over the 20 steps (the test prints every step's). bf16's bound
+/// is 1e-2; f16 keeps three more mantissa bits.
 const TOLERANCE: f64 = 1e-3;
 /// Every chunk persistent, every block kept.
 const ROOMY: &str = "";

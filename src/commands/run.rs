@@ -191,7 +191,8 @@ impl ExecArgs {
 /// Arguments of `protrain run`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A schedule written by `protrain compile` (f32 or bf16; both backends run both).
+    /// A schedule written by `protrain compile` (f32, bf16 or f16; the host backend runs all
+    /// three, the CUDA backend f32 and bf16).
     schedule: PathBuf,
     #[command(flatten)]
     exec: ExecArgs,
