@@ -430,3 +430,44 @@ fn bad_loss_scale_settings_are_refused() {
         assert!(err.contains(flag), "{err}");
     }
 }
+
+/// The verifier refuses a loss scale that cannot train (a schedule file edited or damaged),
+/// naming the flag that sets it.
+#[test]
+fn the_verifier_refuses_a_loss_scale_of_zero() {
+    let verified = compile(DType::F16, ROOMY, 1);
+    for zero in [
+        |k: &OpKind| match k {
+            OpKind::UnscaleCoef { max_norm, .. } => Some(OpKind::UnscaleCoef {
+                max_norm: *max_norm,
+                loss_scale: 0.0,
+            }),
+            _ => None,
+        },
+        |k: &OpKind| match k {
+            OpKind::CrossEntropyBackwardLossScaled { micro_batches, .. } => {
+                Some(OpKind::CrossEntropyBackwardLossScaled {
+                    micro_batches: *micro_batches,
+                    loss_scale: 0.0,
+                })
+            }
+            _ => None,
+        },
+    ] {
+        let mut schedule: protrain::ir::Schedule = (*verified).clone();
+        let (op, kind) = schedule
+            .graph
+            .ops()
+            .find_map(|(id, op)| zero(&op.kind).map(|k| (id, k)))
+            .expect("the op");
+        schedule.graph.set_kind(op, kind).unwrap();
+        let err = protrain::ir::verify_schedule::verify_schedule(&schedule)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("loss_scale") && err.contains("--loss-scale-init"),
+            "{err}"
+        );
+    }
+}
