@@ -462,8 +462,7 @@ fn the_verifier_refuses_a_loss_scale_of_zero() {
             .expect("the op");
         schedule.graph.set_kind(op, kind).unwrap();
         let err = protrain::ir::verify_schedule::verify_schedule(&schedule)
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             err.contains("loss_scale") && err.contains("--loss-scale-init"),
