@@ -139,7 +139,7 @@ fn main() {
                 None,
                 &mut m,
                 &mut v,
-                Some(&mut low),
+                Some(kernels::Low::Bf16(&mut low)),
                 step,
                 &config,
             );

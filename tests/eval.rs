@@ -211,6 +211,7 @@ fn a_trainer_evaluates_its_weights_every_k_steps() {
         lr_schedule: LrSchedule::constant(1e-2),
         seed: 0,
         data: Some(tokens),
+        loss_scale: None,
     };
     let executor = Executor::new(&training).expect("executor");
     let mut trainer = Trainer::start(executor, settings, &params, "the fixture").expect("trainer");
@@ -266,6 +267,7 @@ fn a_trainer_evaluates_its_weights_every_k_steps() {
         lr_schedule: LrSchedule::constant(1e-2),
         seed: 0,
         data: Some(fixtures().join("lr_schedule/tokens.npy")),
+        loss_scale: None,
     };
     let mut trainer = Trainer::start(executor, settings, &params, "the fixture").expect("trainer");
     let err = trainer

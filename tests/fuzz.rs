@@ -250,6 +250,7 @@ fn checkpoint_loader() {
         step: 3,
         data_step: 3,
         data_tokens: 100,
+        scaler: None,
     };
     let path = checkpoint::save(dir.path(), &executor, &progress).unwrap();
     let seed = std::fs::read(&path).unwrap();

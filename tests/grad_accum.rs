@@ -118,6 +118,7 @@ fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
         lr_schedule: schedule,
         seed: 0,
         data: Some(fixtures().join("grad_accum/tokens.npy")),
+        loss_scale: None,
     }
 }
 

@@ -143,6 +143,7 @@ fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
         lr_schedule: schedule,
         seed: 0,
         data: Some(fixtures().join("lr_schedule/tokens.npy")),
+        loss_scale: None,
     }
 }
 

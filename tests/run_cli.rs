@@ -382,6 +382,98 @@ fn train_runs_bf16_on_the_host_backend_close_to_f32() {
     assert_ne!(bf16, f32, "bf16 rounds: the losses are close, not equal");
 }
 
+/// An f16 run logs its loss scale and skips; an initial scale its gradients overflow skips
+/// the first steps (halving the scale each time, said in the table too), then trains.
+#[test]
+fn train_f16_reports_its_loss_scale_and_skipped_steps() {
+    let args = |json: bool| {
+        let mut a = vec![
+            "train",
+            "gpt2-tiny",
+            "--dtype",
+            "f16",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--loss-scale-init",
+            "1e30",
+        ];
+        if json {
+            a.push("--log-json");
+        }
+        protrain(&a)
+    };
+    let out = args(true);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert_eq!(lines[0]["skipped"], true);
+    assert_eq!(lines[0]["loss_scale"].as_f64(), Some(f64::from(1e30f32)));
+    assert_eq!(
+        lines[1]["loss_scale"].as_f64(),
+        Some(f64::from(1e30f32 / 2.0))
+    );
+    let table = args(false);
+    assert!(table.status.success(), "{}", stderr(&table));
+    assert!(
+        stdout(&table).contains("gradients overflowed f16 at loss scale"),
+        "{}",
+        stdout(&table)
+    );
+}
+
+#[test]
+fn loss_scale_flags_that_cannot_train_are_refused() {
+    let check_error = |args: &[&str]| {
+        let out = protrain(args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && !err.contains("panicked"),
+            "{err}"
+        );
+        assert!(stdout(&out).is_empty());
+        err
+    };
+    let err = check_error(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--loss-scale-init",
+        "1024",
+    ]);
+    assert!(err.contains("--dtype f16"), "{err}");
+    let err = check_error(&[
+        "train",
+        "gpt2-tiny",
+        "--dtype",
+        "f16",
+        "--steps",
+        "1",
+        "--loss-scale-growth-interval",
+        "0",
+    ]);
+    assert!(err.contains("at least 1"), "{err}");
+    let err = check_error(&[
+        "train",
+        "gpt2-tiny",
+        "--dtype",
+        "f16",
+        "--steps",
+        "1",
+        "--loss-scale-init",
+        "1e40",
+    ]);
+    assert!(err.contains("--loss-scale-init"), "{err}");
+}
+
 #[test]
 fn run_follows_a_learning_rate_schedule_as_train_does() {
     let fx = Fixture::new();

@@ -33,7 +33,8 @@ pub fn micro_batches(graph: &protrain_ir::Graph) -> u64 {
     graph
         .ops()
         .find_map(|(_, op)| match op.kind {
-            OpKind::CrossEntropyBackwardScaled { micro_batches } => Some(micro_batches),
+            OpKind::CrossEntropyBackwardScaled { micro_batches }
+            | OpKind::CrossEntropyBackwardLossScaled { micro_batches, .. } => Some(micro_batches),
             _ => None,
         })
         .unwrap_or(1)
@@ -53,16 +54,28 @@ pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<
     if k == 1 {
         return Ok(());
     }
-    let seeds: Vec<OpId> = training
+    // A loss-scaled (fp16) loss gradient keeps its scale and takes the share.
+    let seeds: Vec<(OpId, OpKind)> = training
         .ops()
-        .filter(|(_, op)| op.kind == OpKind::CrossEntropyBackward)
-        .map(|(id, _)| id)
+        .filter_map(|(id, op)| match op.kind {
+            OpKind::CrossEntropyBackward => {
+                Some((id, OpKind::CrossEntropyBackwardScaled { micro_batches: k }))
+            }
+            OpKind::CrossEntropyBackwardLossScaled { loss_scale, .. } => Some((
+                id,
+                OpKind::CrossEntropyBackwardLossScaled {
+                    micro_batches: k,
+                    loss_scale,
+                },
+            )),
+            _ => None,
+        })
         .collect();
     if seeds.is_empty() {
         return Err(CompileError::NoLoss);
     }
-    for op in seeds {
-        training.set_kind(op, OpKind::CrossEntropyBackwardScaled { micro_batches: k })?;
+    for (op, kind) in seeds {
+        training.set_kind(op, kind)?;
     }
     Ok(())
 }
@@ -258,7 +271,9 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
                         });
                         moved.push(instr);
                     }
-                    OpKind::GradNormSq | OpKind::ClipCoef { .. } => moved.push(instr),
+                    OpKind::GradNormSq | OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => {
+                        moved.push(instr)
+                    }
                     _ => kept.push(instr),
                 },
                 Instr::Copy {
@@ -371,7 +386,7 @@ pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
     }
     if let Some(clip) = moved
         .iter()
-        .find(|i| matches!(kind_of(i), Some(OpKind::ClipCoef { .. })))
+        .find(|i| kind_of(i).is_some_and(OpKind::is_grad_coef))
     {
         update[compute].push(clip.clone());
     }

@@ -9,11 +9,19 @@
 //! soon as the last contribution exists. It then appends the optimizer: optional global
 //! gradient-norm clipping and one AdamW op per parameter that has a gradient.
 //!
+//! A forward graph whose parameters are f16 is trained with dynamic loss scaling (f16's range
+//! is too narrow for small gradients): the loss gradient is the loss scale
+//! ([`OpKind::CrossEntropyBackwardLossScaled`]), and every AdamW reads one coefficient that
+//! unscales (and clips) the gradients or, when one overflowed, skips the step
+//! ([`OpKind::UnscaleCoef`]). The scale itself is the runtime's (GradScaler's rules).
+//!
 //! It does not decide placement, recomputation or the order the backward ops run in beyond
 //! the reverse of the forward order: those are later passes.
 
 use crate::error::{CompileError, Result};
-use protrain_ir::{DType, Epilogue, Graph, OpKind, Phase, QkvLayout, Role, ValueId};
+use protrain_ir::{
+    DType, Epilogue, Graph, OpKind, Phase, QkvLayout, Role, ValueId, LOSS_SCALE_INIT,
+};
 use std::collections::HashMap;
 
 /// AdamW settings, as `torch.optim.AdamW` takes them, and optional gradient clipping as
@@ -268,6 +276,10 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         .map(|(id, _)| id)
         .ok_or(CompileError::NoLoss)?;
 
+    // fp16 parameters train with dynamic loss scaling (see the module doc).
+    let loss_scaled = forward
+        .params()
+        .any(|(_, p)| forward.value(p.value).ty.dtype == DType::F16);
     let mut graph = forward.clone();
     let forward_ops: Vec<_> = forward.ops().map(|(id, op)| (id, op.clone())).collect();
 
@@ -336,8 +348,16 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
                     .iter()
                     .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
                     .collect();
-                let outs =
-                    graph.add_op_multi(kind.clone(), &inputs, &names, op.block, Phase::Backward)?;
+                let kind = match kind {
+                    OpKind::CrossEntropyBackward if loss_scaled => {
+                        OpKind::CrossEntropyBackwardLossScaled {
+                            micro_batches: 1,
+                            loss_scale: LOSS_SCALE_INIT,
+                        }
+                    }
+                    kind => kind.clone(),
+                };
+                let outs = graph.add_op_multi(kind, &inputs, &names, op.block, Phase::Backward)?;
                 contributions.extend(rule.grads_of.iter().copied().zip(outs));
             }
         }
@@ -375,9 +395,11 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         .collect();
     // Clipping: one squared norm per gradient, computed where the gradient is complete, then
     // one coefficient from all of them in parameter order.
-    let clip = match optimizer.grad_clip {
-        None => None,
-        Some(max_norm) => {
+    // With loss scaling the coefficient always exists: it unscales, and skips an overflowed
+    // step.
+    let clip = match (optimizer.grad_clip, loss_scaled) {
+        (None, false) => None,
+        (max_norm, _) => {
             let mut partials = Vec::with_capacity(with_grads.len());
             for (name, _, grad, block) in &with_grads {
                 let kind = OpKind::GradNormSq;
@@ -391,10 +413,21 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
                 )?);
             }
             let head = forward.op(loss_op).block;
+            let (kind, name) = match (max_norm, loss_scaled) {
+                (max_norm, true) => (
+                    OpKind::UnscaleCoef {
+                        max_norm,
+                        loss_scale: LOSS_SCALE_INIT,
+                    },
+                    "unscale_coef",
+                ),
+                (Some(max_norm), false) => (OpKind::ClipCoef { max_norm }, "clip_coef"),
+                (None, false) => unreachable!("no coefficient without clipping or loss scaling"),
+            };
             Some(graph.add_op(
-                OpKind::ClipCoef { max_norm },
+                kind,
                 &partials,
-                "clip_coef",
+                name,
                 Role::Activation,
                 head,
                 Phase::Optimizer,

@@ -429,7 +429,7 @@ fn swaps(
 fn clip_scalar(graph: &Graph, timeline: &Timeline, copies: &mut Vec<Copy>) -> Option<usize> {
     let coef = graph
         .ops()
-        .find(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }))
+        .find(|(_, op)| op.kind.is_grad_coef())
         .map(|(_, op)| op.outputs[0])?;
     if timeline.host.is_empty() {
         return None;

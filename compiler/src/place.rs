@@ -108,9 +108,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         let p = training.param_of(value).expect("AdamW updates a parameter");
         chunks.locate(p).0 .0 < policy.n_persist
     };
-    let clip = training
-        .ops()
-        .any(|(_, op)| matches!(op.kind, OpKind::ClipCoef { .. }));
+    let clip = training.ops().any(|(_, op)| op.kind.is_grad_coef());
     let mut after: HashMap<OpId, Vec<OpId>> = HashMap::new();
     let mut tail_device: Vec<OpId> = Vec::new();
     let mut tail_host: Vec<(OpId, OpId)> = Vec::new();
@@ -123,7 +121,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         };
         match op.kind {
             OpKind::GradNormSq => after.entry(completes(op.inputs[0])).or_default().push(id),
-            OpKind::ClipCoef { .. } => tail_device.push(id),
+            OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => tail_device.push(id),
             OpKind::AdamW { .. } if persistent(op.inputs[0]) && !clip => {
                 after.entry(completes(op.inputs[1])).or_default().push(id)
             }

@@ -29,7 +29,10 @@ pub use hardware::{
     op_key, parse_size, HardwareProfile, Interconnect, MeasuredOp, PeakFlops, PRESETS,
 };
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
-pub use op::{Epilogue, Movement, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout};
+pub use op::{
+    Epilogue, Movement, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout,
+    LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT,
+};
 pub use policy::{BlockMode, Policy, PolicySpec};
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{

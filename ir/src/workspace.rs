@@ -198,8 +198,10 @@ impl WorkspaceLayout {
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. }
             | OpKind::AccumulateGrad
             | OpKind::ClipCoef { .. }
+            | OpKind::UnscaleCoef { .. }
             | OpKind::AdamW { .. }
             | OpKind::MoveStart(_)
             | OpKind::MoveDone(_)

@@ -57,6 +57,17 @@ pub fn set_learning_rate(kind: &mut OpKind, lr: f64) {
     }
 }
 
+/// Sets the loss scale of a loss-scaled op's `kind` (fp16's loss gradient and unscale
+/// coefficient) to `scale`, which the runtime's loss scaler changes from step to step as a
+/// learning-rate schedule changes AdamW's rate; any other kind is left as it is.
+pub fn set_loss_scale(kind: &mut OpKind, scale: f64) {
+    match kind {
+        OpKind::CrossEntropyBackwardLossScaled { loss_scale, .. }
+        | OpKind::UnscaleCoef { loss_scale, .. } => *loss_scale = scale,
+        _ => {}
+    }
+}
+
 /// Memory, streams and events for executing schedules.
 ///
 /// Every method that issues work takes the stream it is issued on; calls for one stream come
@@ -79,6 +90,10 @@ pub trait Backend: Sync + Sized {
     /// Whether the backend executes bf16 values (mixed precision: bf16 parameters,
     /// gradients and activations, f32 master weights and moments).
     const RUNS_BF16: bool = false;
+
+    /// Whether the backend executes f16 values (mixed precision as bf16's, with dynamic loss
+    /// scaling).
+    const RUNS_F16: bool = false;
 
     /// Allocates the device arena and the host region, zeroed, and `events` events.
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self>;
@@ -153,6 +168,19 @@ pub trait Backend: Sync + Sized {
 
     /// Reads bf16 values at `at` into `out`, between steps; see [`Backend::write_bf16`].
     fn read_bf16(&self, at: Address, out: &mut [half::bf16]) -> Result<()> {
+        let _ = (at, out);
+        Err(no_bf16())
+    }
+
+    /// Writes f16 values at `at`, between steps. Only a backend that
+    /// [runs f16](Backend::RUNS_F16) has any.
+    fn write_f16(&mut self, at: Address, data: &[half::f16]) -> Result<()> {
+        let _ = (at, data);
+        Err(no_bf16())
+    }
+
+    /// Reads f16 values at `at` into `out`, between steps; see [`Backend::write_f16`].
+    fn read_f16(&self, at: Address, out: &mut [half::f16]) -> Result<()> {
         let _ = (at, out);
         Err(no_bf16())
     }

@@ -26,6 +26,7 @@
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::executor::Executor;
+use crate::loss_scale::ScalerState;
 use crate::train::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
@@ -119,12 +120,16 @@ impl OptimizerSettings {
         settings.grad_accum = graph
             .ops()
             .find_map(|(_, op)| match op.kind {
-                OpKind::CrossEntropyBackwardScaled { micro_batches } => Some(micro_batches),
+                OpKind::CrossEntropyBackwardScaled { micro_batches }
+                | OpKind::CrossEntropyBackwardLossScaled { micro_batches, .. } => {
+                    Some(micro_batches)
+                }
                 _ => None,
             })
             .unwrap_or(1);
         settings.grad_clip = graph.ops().find_map(|(_, op)| match op.kind {
             OpKind::ClipCoef { max_norm } => Some(max_norm),
+            OpKind::UnscaleCoef { max_norm, .. } => max_norm,
             _ => None,
         });
         Some(settings)
@@ -227,14 +232,17 @@ fn state_values(graph: &Graph) -> impl Iterator<Item = ValueId> + '_ {
 }
 
 /// Where a training run stands: what a checkpoint records besides the tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Progress {
-    /// Optimizer steps taken (AdamW's step count).
+    /// Optimizer steps taken (AdamW's step count, but for skipped loss-scaled steps).
     pub step: u64,
     /// The index of the next step to run, which fixes its batch.
     pub data_step: u64,
     /// Tokens in the token stream, so that a resumed run can tell when its data differs.
     pub data_tokens: u64,
+    /// A loss-scaled (f16) run's scaler and the AdamW steps it applied (metadata keys
+    /// `loss_scale`, `loss_scale_clean_steps`, `adam_steps`); `None` for any other run.
+    pub scaler: Option<ScalerState>,
 }
 
 /// The file name of the checkpoint after `step` steps: `step-00000040.safetensors`.
@@ -349,6 +357,16 @@ fn write<B: Backend>(
         ("optimizer", fingerprint.optimizer.as_str()),
     ];
     metadata.extend(checksums.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    // The scale is an f32 (GradScaler's), so its shortest f64 text reads back exactly.
+    let scaler: Vec<(&str, String)> = match &progress.scaler {
+        Some(sc) => vec![
+            ("loss_scale", sc.scale.to_string()),
+            ("loss_scale_clean_steps", sc.clean_steps.to_string()),
+            ("adam_steps", sc.updates.to_string()),
+        ],
+        None => Vec::new(),
+    };
+    metadata.extend(scaler.iter().map(|(k, v)| (*k, v.as_str())));
     let path = dir.join(file_name(progress.step));
     let json = |what: &str, value: serde_json::Result<String>| {
         value.map_err(|e| RuntimeError::BadCheckpoint {
@@ -617,10 +635,30 @@ fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
             ))
         })
     };
+    let scaler = match meta.get("loss_scale") {
+        None => None,
+        Some(text) => {
+            let scale: f64 = text
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "has `loss_scale` = {text:?}, not a loss scale; it is damaged"
+                    ))
+                })?;
+            Some(ScalerState {
+                scale,
+                clean_steps: number("loss_scale_clean_steps")?,
+                updates: number("adam_steps")?,
+            })
+        }
+    };
     let progress = Progress {
         step: number("step")?,
         data_step: number("data_step")?,
         data_tokens: number("data_tokens")?,
+        scaler,
     };
     let named = path.file_name().and_then(|n| n.to_str()).and_then(step_of);
     if let Some(named) = named.filter(|&n| n != progress.step) {
@@ -846,7 +884,10 @@ impl Checkpoint {
     pub fn restore<B: Backend>(&self, executor: &mut Executor<'_, B>) -> Result<()> {
         executor.load_params(&self.params)?;
         executor.load_state(&self.state)?;
-        executor.set_step(self.progress.step);
+        match &self.progress.scaler {
+            Some(sc) => executor.set_steps(self.progress.step, sc.updates),
+            None => executor.set_step(self.progress.step),
+        }
         Ok(())
     }
 }

@@ -94,24 +94,26 @@ pub fn workspace_len(graph: &Graph, op: &Op) -> usize {
 /// its planned layout). Only a fused linear backward's parts depend on the dtype.
 pub fn compute_layout(graph: &Graph, op: &Op) -> WorkspaceLayout {
     let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-    if types.iter().all(|t| t.dtype != DType::BF16) {
+    let narrow = |t: &TensorType| matches!(t.dtype, DType::BF16 | DType::F16);
+    if !types.iter().any(|t| narrow(t)) {
         return WorkspaceLayout::of(&op.kind, &types);
     }
     let wide: Vec<TensorType> = types
         .iter()
         .map(|t| match t.dtype {
-            DType::BF16 => TensorType::new(t.shape.clone(), DType::F32),
+            DType::BF16 | DType::F16 => TensorType::new(t.shape.clone(), DType::F32),
             _ => (*t).clone(),
         })
         .collect();
     WorkspaceLayout::of(&op.kind, &wide.iter().collect::<Vec<_>>())
 }
 
-/// The storage rounding of `op`'s intermediates: bf16 when its first input (the activation
-/// or parameter that sets its kernels' storage type, as on the CUDA backend) is bf16.
+/// The storage rounding of `op`'s intermediates: bf16's or f16's when its first input (the
+/// activation or parameter that sets its kernels' storage type, as on the CUDA backend) is
+/// stored so.
 pub fn rounding_of(graph: &Graph, op: &Op) -> Rounding {
     let first = op.inputs.first().map(|&v| graph.value(v).ty.dtype);
-    Rounding::bf16_if(first == Some(DType::BF16))
+    first.map_or(Rounding::Exact, Rounding::of)
 }
 
 /// One projection `y = x W (+ bias)` as the CUDA backend computes it: the product, stored
@@ -307,6 +309,12 @@ fn fused_linear_backward<'a>(
 /// f32, as PyTorch's `(loss / K).backward()` seeds it.
 pub fn loss_share(micro_batches: u64) -> f32 {
     1.0 / micro_batches.max(1) as f32
+}
+
+/// The loss gradient of a loss-scaled (fp16) step's micro-batch: `loss_scale / K` in f32,
+/// GradScaler's `scale(loss / K)` (exact when the scale is a power of two and `K` is one).
+pub fn scaled_loss_share(micro_batches: u64, loss_scale: f64) -> f32 {
+    (loss_scale / micro_batches.max(1) as f64) as f32
 }
 
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]) on f32
@@ -662,6 +670,29 @@ pub fn run<'a>(
                 loss_share(*micro_batches),
             );
         }
+        OpKind::CrossEntropyBackwardLossScaled {
+            micro_batches,
+            loss_scale,
+        } => {
+            let vocab = ty(0).last_dim() as usize;
+            kernels::cross_entropy_backward(
+                outputs[0],
+                ins.f32(0),
+                ins.f32(2),
+                ins.i32(1),
+                vocab,
+                scaled_loss_share(*micro_batches, *loss_scale),
+            );
+        }
+        OpKind::UnscaleCoef {
+            max_norm,
+            loss_scale,
+        } => {
+            let total: f64 = (0..op.inputs.len()).map(|i| f64::from(ins.f32(i)[0])).sum();
+            let (coef, norm) = kernels::unscale_coef(total, *loss_scale, *max_norm);
+            outputs[0][0] = coef;
+            outcome.grad_norm = Some(norm);
+        }
         OpKind::AccumulateGrad => {
             return Err(RuntimeError::BadSchedule(
                 "accumulate_grad updates its accumulator in place and has no out-of-place \
@@ -687,9 +718,9 @@ pub fn run<'a>(
             )))
         }
     }
-    // Every bf16 output as stored.
+    // Every bf16 or f16 output as stored.
     for (out, &v) in outputs.iter_mut().zip(&op.outputs) {
-        Rounding::bf16_if(graph.value(v).ty.dtype == DType::BF16).apply(out);
+        Rounding::of(graph.value(v).ty.dtype).apply(out);
     }
     Ok(outcome)
 }
@@ -701,6 +732,8 @@ pub enum Stored<'a> {
     F32(&'a [f32]),
     /// bf16 values.
     Bf16(&'a [bf16]),
+    /// f16 values.
+    F16(&'a [kernels::f16]),
     /// Token ids.
     I32(&'a [i32]),
 }
@@ -712,6 +745,8 @@ pub enum StoredMut<'a> {
     F32(&'a mut [f32]),
     /// bf16 values.
     Bf16(&'a mut [bf16]),
+    /// f16 values.
+    F16(&'a mut [kernels::f16]),
 }
 
 /// Where [`run_stored`] reads an op's inputs as stored: input `i` of the op, in its type.
@@ -794,6 +829,10 @@ pub fn run_stored<'a>(
                 widened += x.len();
                 Some((widened - x.len(), x.len()))
             }
+            Stored::F16(x) => {
+                widened += x.len();
+                Some((widened - x.len(), x.len()))
+            }
             Stored::F32(_) | Stored::I32(_) => None,
         });
     }
@@ -801,6 +840,7 @@ pub fn run_stored<'a>(
         .iter()
         .map(|o| match o {
             StoredMut::Bf16(x) => x.len(),
+            StoredMut::F16(x) => x.len(),
             StoredMut::F32(_) => 0,
         })
         .sum();
@@ -824,8 +864,12 @@ pub fn run_stored<'a>(
     let (inputs_part, rest) = wide.split_at_mut(widened);
     let (outputs_part, rest) = rest.split_at_mut(narrowed);
     for (i, span) in spans.iter().enumerate() {
-        if let (Some((at, len)), Stored::Bf16(x)) = (*span, ins.stored(i)) {
-            kernels::widen(&mut inputs_part[at..at + len], x);
+        match (*span, ins.stored(i)) {
+            (Some((at, len)), Stored::Bf16(x)) => kernels::widen(&mut inputs_part[at..at + len], x),
+            (Some((at, len)), Stored::F16(x)) => {
+                kernels::widen_f16(&mut inputs_part[at..at + len], x)
+            }
+            _ => {}
         }
     }
     let workspace: &mut [f32] = match own_workspace {
@@ -843,6 +887,11 @@ pub fn run_stored<'a>(
                     free = tail;
                     part
                 }
+                StoredMut::F16(x) => {
+                    let (part, tail) = std::mem::take(&mut free).split_at_mut(x.len());
+                    free = tail;
+                    part
+                }
             };
         }
         let inputs = Widened {
@@ -854,10 +903,17 @@ pub fn run_stored<'a>(
     };
     let mut at = 0;
     for out in outputs.iter_mut() {
-        if let StoredMut::Bf16(x) = out {
-            // `run` stored every bf16 output rounded: narrowing is exact.
-            kernels::narrow(x, &outputs_part[at..at + x.len()]);
-            at += x.len();
+        // `run` stored every narrow output rounded: narrowing is exact.
+        match out {
+            StoredMut::Bf16(x) => {
+                kernels::narrow(x, &outputs_part[at..at + x.len()]);
+                at += x.len();
+            }
+            StoredMut::F16(x) => {
+                kernels::narrow_f16(x, &outputs_part[at..at + x.len()]);
+                at += x.len();
+            }
+            StoredMut::F32(_) => {}
         }
     }
     Ok(outcome)
@@ -905,7 +961,7 @@ pub fn adamw_mixed(
     grad: kernels::Grad<'_>,
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [kernels::bf16]>,
+    low: Option<kernels::Low<'_>>,
     coef: Option<f32>,
     step: u64,
 ) {
@@ -931,6 +987,10 @@ pub fn adamw_mixed(
         true => Some(coef.expect("a clipped AdamW reads the clip coefficient")),
         false => None,
     };
+    // A loss-scaled step whose gradients overflowed is skipped: nothing changes.
+    if scale.is_some_and(kernels::skips_step) {
+        return;
+    }
     kernels::adamw_step_fused(master, grad, scale, m, v, low, step, &config);
 }
 

@@ -230,6 +230,10 @@ pub enum RuntimeError {
         /// The 1-based step it was for.
         step: u64,
     },
+    /// A loss scaler setting or scale that cannot train: the text names the flag and the
+    /// way out.
+    #[error("invalid loss scaling: {0}")]
+    InvalidLossScale(String),
     /// An evaluation that cannot run as asked (a training schedule, more batches than the
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]

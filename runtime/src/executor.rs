@@ -13,8 +13,16 @@
 //! their micro-batch programs (a barrier after each), and last the update programs run once.
 //! The step's loss is the mean of the micro-batches' losses, each the mean over its
 //! positions: the mean over all `K*B*T` positions.
+//!
+//! An f16 schedule is loss-scaled ([`Executor::loss_scaled`]): each step runs at a loss scale
+//! the caller gives ([`Executor::step_with`]; the [`crate::loss_scale::LossScaler`] decides
+//! it), and a step whose gradients overflowed is *skipped* by its own AdamW ops, which leave
+//! weights and moments untouched. The executor tells which steps were skipped from the
+//! gradient norm ([`StepReport::skipped`]) and counts AdamW's steps apart from the steps
+//! run ([`Executor::updates_taken`]), so a skipped step does not advance the bias correction,
+//! as torch's AdamW is not stepped when GradScaler skips.
 
-use crate::backend::{set_learning_rate, Address, Backend, Launch};
+use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch};
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
@@ -55,9 +63,10 @@ pub struct Span {
 enum Planned {
     Kernel {
         op: OpId,
-        /// For an AdamW op: a copy of the graph's op whose learning rate is set to the step's
-        /// before each step ([`Executor::step_at_lr`]) and launched in its place.
-        adamw: Option<Op>,
+        /// For an AdamW op and the loss-scaled ops: a copy of the graph's op whose learning
+        /// rate or loss scale is set to the step's before each step ([`Executor::step_with`])
+        /// and launched in its place.
+        launched: Option<Op>,
         inputs: Vec<Address>,
         outputs: Vec<Address>,
         workspace: Option<(Address, u64)>,
@@ -174,7 +183,11 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     micro_batches: u32,
     /// Each gradient accumulator's home and bytes, zeroed before each step.
     accumulators: Vec<(Address, u64)>,
+    /// Whether the schedule is loss-scaled (f16): its steps can be skipped.
+    loss_scaled: bool,
     step: u64,
+    /// AdamW steps applied: `step` less the skipped ones.
+    updates: u64,
     timing: StepTiming,
     tracing: bool,
 }
@@ -199,12 +212,13 @@ impl<'s, B: Backend> Executor<'s, B> {
             let runs = match value.ty.dtype {
                 DType::F32 | DType::I32 => true,
                 DType::BF16 => B::RUNS_BF16,
-                DType::F16 => false,
+                DType::F16 => B::RUNS_F16,
             };
             if !runs {
-                let (runs, dtypes) = match B::RUNS_BF16 {
-                    true => ("f32 and bf16 schedules", "bf16 or f32"),
-                    false => ("f32 schedules", "f32"),
+                let (runs, dtypes) = match (B::RUNS_BF16, B::RUNS_F16) {
+                    (true, true) => ("f32, bf16 and f16 schedules", "f16, bf16 or f32"),
+                    (true, false) => ("f32 and bf16 schedules", "bf16 or f32"),
+                    _ => ("f32 schedules", "f32"),
                 };
                 return Err(RuntimeError::BadSchedule(format!(
                     "{id} ({}) is {}, but the executor runs {runs}; compile with dtype {dtypes}",
@@ -299,7 +313,11 @@ impl<'s, B: Backend> Executor<'s, B> {
             loss,
             micro_batches: schedule.micro_batches(),
             accumulators,
+            loss_scaled: graph
+                .ops()
+                .any(|(_, op)| matches!(op.kind, OpKind::UnscaleCoef { .. })),
             step: 0,
+            updates: 0,
             tracing: false,
         })
     }
@@ -318,6 +336,19 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// Steps taken since the parameters were loaded.
     pub fn steps_taken(&self) -> u64 {
         self.step
+    }
+
+    /// AdamW steps applied since the parameters were loaded: [`Executor::steps_taken`] less
+    /// the skipped ones (a loss-scaled step whose gradients overflowed). The next step is
+    /// AdamW's step `updates_taken() + 1` (its bias correction).
+    pub fn updates_taken(&self) -> u64 {
+        self.updates
+    }
+
+    /// Whether the schedule is loss-scaled (an f16 schedule): each step runs at a loss scale
+    /// ([`Executor::step_with`]) and is skipped when its gradients overflow.
+    pub fn loss_scaled(&self) -> bool {
+        self.loss_scaled
     }
 
     /// Sets every parameter, in parameter order (as [`crate::params::init_params`] returns
@@ -351,6 +382,11 @@ impl<'s, B: Backend> Executor<'s, B> {
                         data.iter().map(|&x| half::bf16::from_f32(x)).collect();
                     self.backend.write_bf16(home.at, &narrow)?;
                 }
+                DType::F16 => {
+                    let narrow: Vec<half::f16> =
+                        data.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    self.backend.write_f16(home.at, &narrow)?;
+                }
                 _ => self.backend.write_f32(home.at, data)?,
             }
             if let Some(master) = home.master {
@@ -362,6 +398,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 .fill_zero(at, (len * std::mem::size_of::<f32>()) as u64)?;
         }
         self.step = 0;
+        self.updates = 0;
         Ok(())
     }
 
@@ -429,6 +466,14 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// [`Executor::load_state`].
     pub fn set_step(&mut self, steps: u64) {
         self.step = steps;
+        self.updates = steps;
+    }
+
+    /// Sets the steps taken and, apart, the AdamW steps applied (fewer when loss-scaled
+    /// steps were skipped): [`Executor::set_step`] for a loss-scaled run.
+    pub fn set_steps(&mut self, steps: u64, updates: u64) {
+        self.step = steps;
+        self.updates = updates.min(steps);
     }
 
     /// Every parameter's current values, in parameter order, read from their homes (from
@@ -443,6 +488,13 @@ impl<'s, B: Backend> Executor<'s, B> {
                     (None, DType::BF16) => {
                         let mut narrow = vec![half::bf16::ZERO; home.len];
                         self.backend.read_bf16(home.at, &mut narrow)?;
+                        for (o, x) in out.iter_mut().zip(narrow) {
+                            *o = x.to_f32();
+                        }
+                    }
+                    (None, DType::F16) => {
+                        let mut narrow = vec![half::f16::ZERO; home.len];
+                        self.backend.read_f16(home.at, &mut narrow)?;
                         for (o, x) in out.iter_mut().zip(narrow) {
                             *o = x.to_f32();
                         }
@@ -493,24 +545,43 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// stream stops at its next wait and the first error is returned; parameters and
     /// optimizer state are then partly updated and should be loaded again.
     pub fn step(&mut self, inputs: &[&[i32]]) -> Result<StepReport> {
-        self.run_step(inputs, None)
+        self.run_step(inputs, None, None)
     }
 
     /// [`Executor::step`] with every AdamW op updating at learning rate `lr` instead of the
     /// one compiled into it: a learning-rate schedule's value for this step (the compiled one
     /// is its peak). Fails, running nothing, unless `lr` is finite and at least 0.
     pub fn step_at_lr(&mut self, inputs: &[&[i32]], lr: f64) -> Result<StepReport> {
-        if !(lr.is_finite() && lr >= 0.0) {
+        self.step_with(inputs, Some(lr), None)
+    }
+
+    /// [`Executor::step`] at learning rate `lr` and, for a [loss-scaled](Self::loss_scaled)
+    /// schedule, loss scale `loss_scale` (`None`: the compiled ones). Fails, running nothing,
+    /// unless `lr` is finite and at least 0 and `loss_scale` finite and above 0.
+    pub fn step_with(
+        &mut self,
+        inputs: &[&[i32]],
+        lr: Option<f64>,
+        loss_scale: Option<f64>,
+    ) -> Result<StepReport> {
+        if let Some(lr) = lr.filter(|lr| !(lr.is_finite() && *lr >= 0.0)) {
             return Err(RuntimeError::InvalidLearningRate {
                 lr,
                 step: self.step + 1,
             });
         }
-        self.run_step(inputs, Some(lr))
+        if let Some(scale) = loss_scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(RuntimeError::InvalidLossScale(format!(
+                "step {} would run at loss scale {scale}; a loss scale must be finite and > 0",
+                self.step + 1
+            )));
+        }
+        self.run_step(inputs, lr, loss_scale)
     }
 
-    /// Sets the learning rate of every AdamW op to `lr`, or back to the compiled one.
-    fn set_learning_rate(&mut self, lr: Option<f64>) {
+    /// Sets the learning rate of every AdamW op to `lr` and the loss scale of the loss-scaled
+    /// ops to `loss_scale`, or back to the compiled ones.
+    fn set_hyperparameters(&mut self, lr: Option<f64>, loss_scale: Option<f64>) {
         let graph = &self.schedule.graph;
         for planned in self
             .streams
@@ -519,21 +590,35 @@ impl<'s, B: Backend> Executor<'s, B> {
         {
             if let Planned::Kernel {
                 op,
-                adamw: Some(launched),
+                launched: Some(launched),
                 ..
             } = planned
             {
-                let compiled = match graph.op(*op).kind {
-                    OpKind::AdamW { lr, .. } => lr,
-                    _ => continue,
-                };
-                set_learning_rate(&mut launched.kind, lr.unwrap_or(compiled));
+                match graph.op(*op).kind {
+                    OpKind::AdamW { lr: compiled, .. } => {
+                        set_learning_rate(&mut launched.kind, lr.unwrap_or(compiled))
+                    }
+                    OpKind::CrossEntropyBackwardLossScaled {
+                        loss_scale: compiled,
+                        ..
+                    }
+                    | OpKind::UnscaleCoef {
+                        loss_scale: compiled,
+                        ..
+                    } => set_loss_scale(&mut launched.kind, loss_scale.unwrap_or(compiled)),
+                    _ => {}
+                }
             }
         }
     }
 
-    /// A step at learning rate `lr` (`None`: the compiled one).
-    fn run_step(&mut self, inputs: &[&[i32]], lr: Option<f64>) -> Result<StepReport> {
+    /// A step at learning rate `lr` and loss scale `loss_scale` (`None`: the compiled ones).
+    fn run_step(
+        &mut self,
+        inputs: &[&[i32]],
+        lr: Option<f64>,
+        loss_scale: Option<f64>,
+    ) -> Result<StepReport> {
         let schedule: &'s Schedule = self.schedule;
         let graph = &schedule.graph;
         if inputs.len() != self.inputs.len() {
@@ -561,7 +646,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 kernels::check_tokens(data, vocab)?;
             }
         }
-        self.set_learning_rate(lr);
+        self.set_hyperparameters(lr, loss_scale);
         for &(at, bytes) in &self.accumulators {
             self.backend.fill_zero(at, bytes)?;
         }
@@ -570,6 +655,8 @@ impl<'s, B: Backend> Executor<'s, B> {
             s.spans.clear();
         }
         let step = self.step + 1;
+        // AdamW's step number (bias correction): skipped steps do not count.
+        let update = self.updates + 1;
         let start = Instant::now();
         let mut outcome = Outcome::default();
         // The micro-batches' losses, summed in order in f64; their mean is the step's.
@@ -579,15 +666,21 @@ impl<'s, B: Backend> Executor<'s, B> {
                 self.backend
                     .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
             }
-            outcome = outcome.merge(self.run_phase(false, step, start)?);
+            outcome = outcome.merge(self.run_phase(false, update, start)?);
             let mut loss = [0.0f32];
             self.backend.read_f32(self.loss, &mut loss)?;
             losses += f64::from(loss[0]);
         }
         if k > 1 {
-            outcome = outcome.merge(self.run_phase(true, step, start)?);
+            outcome = outcome.merge(self.run_phase(true, update, start)?);
         }
+        // The loss-scaled ops report the unscaled norm, infinite or NaN when a gradient
+        // overflowed: then every AdamW read the skip coefficient and changed nothing.
+        let skipped = self.loss_scaled && !outcome.grad_norm.is_some_and(f32::is_finite);
         self.step = step;
+        if !skipped {
+            self.updates = update;
+        }
         self.timing.wall_seconds = start.elapsed().as_secs_f64();
         for (t, s) in self
             .timing
@@ -603,6 +696,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 _ => (losses / k as f64) as f32,
             },
             grad_norm: outcome.grad_norm,
+            skipped,
         })
     }
 
@@ -693,7 +787,7 @@ fn run_stream<B: Backend>(
                 }
                 Planned::Kernel {
                     op,
-                    adamw,
+                    launched,
                     inputs,
                     outputs,
                     workspace,
@@ -701,7 +795,7 @@ fn run_stream<B: Backend>(
                 } => {
                     let launch = Launch {
                         graph,
-                        op: adamw.as_ref().unwrap_or_else(|| graph.op(*op)),
+                        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
                         prepared,
                         inputs,
                         outputs,
@@ -762,7 +856,13 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
             let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
             Planned::Kernel {
                 op: *op,
-                adamw: matches!(o.kind, OpKind::AdamW { .. }).then(|| o.clone()),
+                launched: matches!(
+                    o.kind,
+                    OpKind::AdamW { .. }
+                        | OpKind::CrossEntropyBackwardLossScaled { .. }
+                        | OpKind::UnscaleCoef { .. }
+                )
+                .then(|| o.clone()),
                 inputs: inputs.iter().map(|&t| address(schedule, t)).collect(),
                 outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
                 // The verifier checked that a kernel has a workspace exactly when its kind

@@ -8,7 +8,9 @@
 //! events are real synchronisation: a flag per event under one mutex, with a condition
 //! variable that wakes waiters.
 //!
-//! Mixed precision: a bf16 schedule runs as on the CUDA backend. bf16 values are stored as
+//! Mixed precision: a bf16 schedule runs as on the CUDA backend, and an f16 one alike (f16
+//! storage rounded to nearest even, overflowing to infinity; its loss scaling is the
+//! schedule's ops and the executor's scale). bf16 values are stored as
 //! bf16 in the arena and the host region; each kernel widens its bf16 inputs, computes in f32
 //! and rounds its bf16 outputs to nearest even as it writes them, with the CUDA kernels'
 //! intermediate rounding points ([`dispatch::run_stored`], through per-stream staging buffers
@@ -20,7 +22,7 @@ use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
 use crate::executor::master_weights;
-use crate::kernels::{bf16, Grad};
+use crate::kernels::{bf16, f16, Grad, Low};
 use bytemuck::Pod;
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
 use std::alloc::Layout;
@@ -225,12 +227,14 @@ impl HostBackend {
             unreachable!("called for AdamW ops only")
         };
         let (param, grad) = (ty(0), ty(1));
-        if (param.dtype, grad.dtype, ty(2).dtype, ty(3).dtype)
-            != (DType::BF16, DType::BF16, DType::F32, DType::F32)
+        let narrow = matches!(param.dtype, DType::BF16 | DType::F16);
+        if !narrow
+            || (grad.dtype, ty(2).dtype, ty(3).dtype) != (param.dtype, DType::F32, DType::F32)
         {
             return Err(RuntimeError::BadSchedule(format!(
                 "adamw of a {param} parameter with a {grad} gradient and {} moments; the host \
-                 updates f32 parameters, or bf16 ones from bf16 gradients with f32 moments",
+                 updates f32 parameters, or bf16 (f16) ones from bf16 (f16) gradients with f32 \
+                 moments",
                 ty(2)
             )));
         }
@@ -241,15 +245,23 @@ impl HostBackend {
         // at distinct homes, so the views do not overlap.
         unsafe {
             let master = self.slice_mut::<f32>(master_at, n)?;
-            let p = self.slice_mut::<bf16>(l.inputs[0], n)?;
-            let g = self.slice::<bf16>(l.inputs[1], n)?;
+            let (p, g) = match param.dtype {
+                DType::BF16 => (
+                    Low::Bf16(self.slice_mut::<bf16>(l.inputs[0], n)?),
+                    Grad::Bf16(self.slice::<bf16>(l.inputs[1], n)?),
+                ),
+                _ => (
+                    Low::F16(self.slice_mut::<f16>(l.inputs[0], n)?),
+                    Grad::F16(self.slice::<f16>(l.inputs[1], n)?),
+                ),
+            };
             let m = self.slice_mut::<f32>(l.inputs[2], n)?;
             let v = self.slice_mut::<f32>(l.inputs[3], n)?;
             let coef = match clipped {
                 true => Some(self.slice::<f32>(l.inputs[4], 1)?[0]),
                 false => None,
             };
-            dispatch::adamw_mixed(&op.kind, master, Grad::Bf16(g), m, v, Some(p), coef, l.step);
+            dispatch::adamw_mixed(&op.kind, master, g, m, v, Some(p), coef, l.step);
         }
         Ok(Outcome::default())
     }
@@ -259,11 +271,10 @@ impl HostBackend {
 fn element_bytes(ty: &TensorType) -> Result<u64> {
     match ty.dtype {
         DType::F32 | DType::I32 => Ok(4),
-        DType::BF16 => Ok(2),
-        DType::F16 => Err(RuntimeError::BadSchedule(format!(
-            "a {ty} operand: the host backend runs f32 and bf16 schedules; compile with \
-             dtype bf16 or f32"
-        ))),
+        DType::BF16 | DType::F16 => {
+            let _ = ty;
+            Ok(2)
+        }
     }
 }
 
@@ -309,6 +320,7 @@ impl<'a> dispatch::StoredInputs<'a> for ArenaInputs<'a> {
         let stored = unsafe {
             match ty.dtype {
                 DType::BF16 => self.backend.slice(at, n).map(Stored::Bf16),
+                DType::F16 => self.backend.slice(at, n).map(Stored::F16),
                 DType::I32 => self.backend.slice(at, n).map(Stored::I32),
                 _ => self.backend.slice(at, n).map(Stored::F32),
             }
@@ -392,10 +404,17 @@ impl HostBackend {
                         self.slice::<half::bf16>(l.inputs[1], len)?,
                     );
                 }
+                (DType::F16, DType::F16) => {
+                    let acc = self.slice_mut::<f16>(l.inputs[0], len)?;
+                    let grad = self.slice::<f16>(l.inputs[1], len)?;
+                    for (a, g) in acc.iter_mut().zip(grad) {
+                        *a = f16::from_f32(a.to_f32() + g.to_f32());
+                    }
+                }
                 (a, g) => {
                     return Err(RuntimeError::BadSchedule(format!(
                         "accumulate_grad sums a {g} gradient into a {a} accumulator; the host \
-                         kernels sum f32 into f32 and bf16 into bf16"
+                         kernels sum f32 into f32, bf16 into bf16 and f16 into f16"
                     )))
                 }
             }
@@ -419,6 +438,7 @@ impl Backend for HostBackend {
     type Stream = HostStream;
 
     const RUNS_BF16: bool = true;
+    const RUNS_F16: bool = true;
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         let regions = [
@@ -534,9 +554,10 @@ impl Backend for HostBackend {
                 match ty.dtype {
                     DType::F32 => StoredMut::F32(self.slice_mut(at, len)?),
                     DType::BF16 => StoredMut::Bf16(self.slice_mut(at, len)?),
+                    DType::F16 => StoredMut::F16(self.slice_mut(at, len)?),
                     _ => {
                         return Err(RuntimeError::BadSchedule(format!(
-                            "{} writes output {i} as {ty}; the host kernels write f32 or bf16",
+                            "{} writes output {i} as {ty}; the host kernels write f32, bf16 or f16",
                             op.kind.mnemonic()
                         )))
                     }
@@ -653,6 +674,18 @@ impl Backend for HostBackend {
     }
 
     fn read_bf16(&self, at: Address, out: &mut [bf16]) -> Result<()> {
+        // SAFETY: as in `read_f32`.
+        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
+        Ok(())
+    }
+
+    fn write_f16(&mut self, at: Address, data: &[f16]) -> Result<()> {
+        // SAFETY: as in `write_f32`.
+        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn read_f16(&self, at: Address, out: &mut [f16]) -> Result<()> {
         // SAFETY: as in `read_f32`.
         out.copy_from_slice(unsafe { self.slice(at, out.len())? });
         Ok(())

@@ -26,8 +26,12 @@ enum Slot {
 pub struct StepReport {
     /// The mean cross-entropy of the step's batch, before the update.
     pub loss: f32,
-    /// The global gradient norm before clipping, when the graph clips.
+    /// The global gradient norm before clipping, when the graph clips (unscaled, when it is
+    /// loss-scaled).
     pub grad_norm: Option<f32>,
+    /// Whether the optimizer step was skipped: a loss-scaled (f16) step whose gradients
+    /// overflowed, which changed no weight, moment or AdamW step count.
+    pub skipped: bool,
 }
 
 /// Runs a training graph: parameters and optimizer state persist across steps; activations
@@ -177,6 +181,7 @@ impl<'g> Interpreter<'g> {
         let mut report = StepReport {
             loss: f32::NAN,
             grad_norm: None,
+            skipped: false,
         };
         for (_, op) in graph.ops() {
             self.run(op, &mut report, lr)?;

@@ -15,6 +15,7 @@ pub mod executor;
 pub mod host;
 pub mod interpreter;
 pub mod kernels;
+pub mod loss_scale;
 pub mod params;
 pub mod profiler;
 pub mod rng;

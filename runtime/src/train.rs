@@ -21,6 +21,12 @@
 //! held-out data every few steps, with a forward-only schedule of its own
 //! ([`crate::eval`]), and puts the result in the step's record.
 //!
+//! An f16 schedule is loss-scaled: a [`LossScaler`] gives each step its scale (GradScaler's
+//! rules, [`crate::loss_scale`]), and a step whose gradients overflowed is skipped: its
+//! record says so, the scale halves, and the learning-rate schedule stays where it was (the
+//! rate follows the AdamW steps applied, [`Executor::updates_taken`], as transformers'
+//! Trainer steps its scheduler only when the optimizer stepped).
+//!
 //! What this does not do: build or verify the schedule (the compiler does), print anything
 //! (the caller does, from the records), or decide the optimizer's hyper-parameters other than
 //! the learning rate (they are compiled into the schedule's AdamW ops).
@@ -32,6 +38,7 @@ use crate::error::{Result, RuntimeError};
 use crate::eval::{EvalPlan, EvalResult};
 use crate::executor::Executor;
 use crate::host::HostBackend;
+use crate::loss_scale::{LossScaleSettings, LossScaler, ScalerState};
 use crate::synthetic::SyntheticCorpus;
 use protrain_ir::{Graph, OpKind};
 use serde::{Deserialize, Serialize};
@@ -225,6 +232,10 @@ pub struct RunSettings {
     pub seed: u64,
     /// The token file, as an absolute path; `None` for the built-in synthetic corpus.
     pub data: Option<PathBuf>,
+    /// The loss scaler's settings when a flag set them (an f16 run otherwise takes
+    /// GradScaler's defaults, [`LossScaleSettings::default`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleSettings>,
 }
 
 impl RunSettings {
@@ -255,6 +266,10 @@ pub struct RunFlags {
     pub seed: Option<u64>,
     /// `--data`.
     pub data: Option<PathBuf>,
+    /// `--loss-scale-init`.
+    pub loss_scale_init: Option<f64>,
+    /// `--loss-scale-growth-interval`.
+    pub loss_scale_growth_interval: Option<u64>,
 }
 
 impl RunFlags {
@@ -277,7 +292,26 @@ impl RunFlags {
             lr_schedule,
             seed: self.seed.unwrap_or(0),
             data: self.data.as_deref().map(absolute),
+            loss_scale: self.loss_scale(None)?,
         })
+    }
+
+    /// The loss scaler's settings the flags give, over `saved` (a resumed run's) or the
+    /// defaults; `None` when neither flag is given and nothing was saved. Fails on a
+    /// setting that cannot train.
+    fn loss_scale(&self, saved: Option<LossScaleSettings>) -> Result<Option<LossScaleSettings>> {
+        if self.loss_scale_init.is_none() && self.loss_scale_growth_interval.is_none() {
+            return Ok(saved);
+        }
+        let base = saved.unwrap_or_default();
+        let settings = LossScaleSettings {
+            init: self.loss_scale_init.unwrap_or(base.init),
+            growth_interval: self
+                .loss_scale_growth_interval
+                .unwrap_or(base.growth_interval),
+        };
+        settings.validate()?;
+        Ok(Some(settings))
     }
 
     /// The settings of a run resumed from the checkpoint at `path`, which was written with
@@ -344,6 +378,24 @@ impl RunFlags {
                 Some(ours)
             }
         };
+        let saved_scale = saved.loss_scale;
+        let loss_scale = self.loss_scale(saved_scale)?;
+        if let (Some(ours), theirs) = (loss_scale, saved_scale.unwrap_or_default()) {
+            if ours.init != theirs.init {
+                differ(
+                    "--loss-scale-init",
+                    theirs.init.to_string(),
+                    ours.init.to_string(),
+                );
+            }
+            if ours.growth_interval != theirs.growth_interval {
+                differ(
+                    "--loss-scale-growth-interval",
+                    theirs.growth_interval.to_string(),
+                    ours.growth_interval.to_string(),
+                );
+            }
+        }
         if !differences.is_empty() {
             return Err(RuntimeError::CheckpointMismatch {
                 path: path.to_path_buf(),
@@ -361,6 +413,7 @@ impl RunFlags {
             lr_schedule: LrSchedule::new(kind, was.peak, warmup, decay, min_lr)?,
             seed,
             data,
+            loss_scale,
         })
     }
 
@@ -417,6 +470,11 @@ pub struct StepRecord {
     pub grad_norm: Option<f32>,
     /// The learning rate AdamW used, when the schedule has an optimizer.
     pub lr: Option<f64>,
+    /// The loss scale the step ran at, when the schedule is loss-scaled (f16).
+    pub loss_scale: Option<f64>,
+    /// Whether the optimizer step was skipped: a loss-scaled step whose gradients
+    /// overflowed (no weight, moment or AdamW step count changed; the scale halves).
+    pub skipped: bool,
     /// Tokens the step trained on (micro-batches x batch x seq).
     pub tokens: u64,
     /// The executor's wall time of the step, in seconds.
@@ -534,6 +592,8 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     batch: Batch,
     inputs: Vec<i32>,
     targets: Vec<i32>,
+    /// The loss scaler of a loss-scaled (f16) schedule.
+    scaler: Option<LossScaler>,
 }
 
 impl<'s, B: Backend> Trainer<'s, B> {
@@ -548,7 +608,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
     ) -> Result<Self> {
         check_finite(params, &executor.schedule().graph, origin)?;
         executor.load_params(params)?;
-        Self::new(executor, settings, 0)
+        Self::new(executor, settings, 0, None)
     }
 
     /// A run continued from `checkpoint`, which must have been read for `executor`'s
@@ -565,7 +625,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
         check_finite(&checkpoint.params, &executor.schedule().graph, &origin)?;
         checkpoint.restore(&mut executor)?;
         let progress = checkpoint.progress;
-        let mut trainer = Self::new(executor, settings, progress.data_step)?;
+        let mut trainer = Self::new(executor, settings, progress.data_step, progress.scaler)?;
         trainer.notes.push(format!(
             "resuming from {} (step {})",
             checkpoint.path.display(),
@@ -586,9 +646,33 @@ impl<'s, B: Backend> Trainer<'s, B> {
         Ok(trainer)
     }
 
-    fn new(executor: Executor<'s, B>, settings: RunSettings, next_batch: u64) -> Result<Self> {
+    fn new(
+        executor: Executor<'s, B>,
+        settings: RunSettings,
+        next_batch: u64,
+        scaler: Option<ScalerState>,
+    ) -> Result<Self> {
         let schedule = executor.schedule();
         let graph = &schedule.graph;
+        let scaler =
+            match (executor.loss_scaled(), settings.loss_scale) {
+                (false, Some(_)) => return Err(RuntimeError::InvalidLossScale(
+                    "--loss-scale-init and --loss-scale-growth-interval apply to f16 schedules, \
+                     which are loss-scaled; this schedule is not. Drop the flags, or compile \
+                     with --dtype f16"
+                        .into(),
+                )),
+                (false, None) => None,
+                (true, given) => {
+                    let given = given.unwrap_or_default();
+                    given.validate()?;
+                    // A resumed run's scaler goes on where the checkpoint's stood.
+                    Some(match &scaler {
+                        Some(state) => LossScaler::restore(given, state),
+                        None => LossScaler::new(given),
+                    })
+                }
+            };
         let optimizer = OptimizerSettings::of(graph);
         if let Some(compiled) = optimizer {
             if compiled.lr != settings.lr_schedule.peak {
@@ -618,6 +702,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             notes: Vec::new(),
             inputs: Vec::with_capacity(n),
             targets: Vec::with_capacity(n),
+            scaler,
         })
     }
 
@@ -716,13 +801,24 @@ impl<'s, B: Backend> Trainer<'s, B> {
         self.targets
             .extend(self.batch.targets.iter().map(|&t| t as i32));
         let ids: [&[i32]; 2] = [&self.inputs, &self.targets];
+        let loss_scale = self.scaler.map(|s| s.scale());
         let (report, lr) = match self.has_optimizer {
             true => {
-                let lr = self.settings.lr_schedule.lr(step);
-                (self.executor.step_at_lr(&ids, lr)?, Some(lr))
+                // The schedule follows the AdamW steps applied: a skipped step leaves it.
+                let lr = self
+                    .settings
+                    .lr_schedule
+                    .lr(self.executor.updates_taken() + 1);
+                (
+                    self.executor.step_with(&ids, Some(lr), loss_scale)?,
+                    Some(lr),
+                )
             }
             false => (self.executor.step(&ids)?, None),
         };
+        if let Some(scaler) = &mut self.scaler {
+            scaler.update(report.skipped);
+        }
         self.next_batch += 1;
         let tokens = self.inputs.len() as u64;
         let timing = self.executor.timing();
@@ -732,6 +828,8 @@ impl<'s, B: Backend> Trainer<'s, B> {
             loss: report.loss,
             grad_norm: report.grad_norm,
             lr,
+            loss_scale,
+            skipped: report.skipped,
             tokens,
             step_seconds: timing.wall_seconds,
             tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
@@ -740,7 +838,21 @@ impl<'s, B: Backend> Trainer<'s, B> {
         };
         self.summary.push(&record, &timing.stream_busy_seconds);
         self.summary.elapsed_seconds = run_started.elapsed().as_secs_f64();
-        let finite = record.loss.is_finite() && record.grad_norm.is_none_or(f32::is_finite);
+        // A skipped step's gradient norm is not finite by definition; its loss must be.
+        let finite = record.loss.is_finite()
+            && (record.skipped || record.grad_norm.is_none_or(f32::is_finite));
+        if let Some(scaler) = self
+            .scaler
+            .filter(|s| s.scale() < f64::from(f32::MIN_POSITIVE))
+        {
+            on_step(&record);
+            return Err(RuntimeError::Diverged(format!(
+                "the gradients overflowed f16 at every loss scale down to {:e} (step {step}): \
+                 the model diverged. Train with a lower --lr, clip gradients with \
+                 --grad-clip, or train in bf16 (--dtype bf16), whose range is f32's",
+                scaler.scale() * 2.0
+            )));
+        }
         if !finite {
             on_step(&record);
             let graph = &self.executor.schedule().graph;
@@ -759,6 +871,11 @@ impl<'s, B: Backend> Trainer<'s, B> {
                     step,
                     data_step: self.next_batch,
                     data_tokens: self.batcher.stream().len() as u64,
+                    scaler: self.scaler.map(|s| ScalerState {
+                        scale: s.scale(),
+                        clean_steps: s.clean_steps(),
+                        updates: self.executor.updates_taken(),
+                    }),
                 };
                 let path =
                     checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;

@@ -61,6 +61,10 @@ pub fn seq_or_default(config: &ModelConfig, seq: Option<u64>, default: u64) -> u
 pub enum Dtype {
     /// bfloat16 parameters and activations (fp32 master weights and Adam moments).
     Bf16,
+    /// IEEE half-precision parameters, gradients and activations (fp32 master weights and
+    /// Adam moments, fp32 arithmetic) with dynamic loss scaling as torch.cuda.amp.GradScaler
+    /// does it (see `run --help`, --loss-scale-init).
+    F16,
     /// f32 everywhere: what the host runtime executes, bit for bit.
     F32,
 }
@@ -70,6 +74,7 @@ impl Dtype {
     pub fn ir(self) -> DType {
         match self {
             Dtype::Bf16 => DType::BF16,
+            Dtype::F16 => DType::F16,
             Dtype::F32 => DType::F32,
         }
     }
@@ -134,8 +139,10 @@ pub struct ShapeArgs {
     #[arg(long)]
     pub seq: Option<u64>,
     /// Element type of parameters and activations [default: f32 on host hardware; bf16 with
-    /// f32 master weights on a GPU]. The host backend runs bf16 schedules too, rounding where
-    /// the CUDA backend rounds.
+    /// f32 master weights on a GPU]. The host backend runs bf16 and f16 schedules too,
+    /// rounding where the CUDA backend rounds. f16 trains with dynamic loss scaling: the loss
+    /// gradient is multiplied by a scale, the gradients unscaled in f32 before clipping and
+    /// AdamW, and a step whose f16 gradients overflow is skipped (see --loss-scale-init).
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
 }

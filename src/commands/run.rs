@@ -21,8 +21,8 @@ use std::path::{Path, PathBuf};
 pub enum BackendKind {
     /// This machine's CPU: the same streams (one thread each), events and memory layout as on
     /// a GPU, with bit-identical results under every policy. It runs f32 schedules, and bf16
-    /// ones as the CUDA backend does (bf16 storage, f32 arithmetic, f32 master weights, the
-    /// same rounding points).
+    /// and f16 ones as the CUDA backend does (narrow storage, f32 arithmetic, f32 master
+    /// weights, the same rounding points; f16 with dynamic loss scaling).
     Host,
     /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`, an NVIDIA driver for
     /// CUDA 13, cuBLAS and NVRTC); runs bf16 and f32 schedules.
@@ -101,6 +101,20 @@ pub struct ExecArgs {
     /// [default: constant].
     #[arg(long, value_enum, value_name = "SHAPE")]
     pub lr_schedule: Option<LrScheduleArg>,
+    /// An f16 schedule's first loss scale: the loss gradient is multiplied by it, the
+    /// gradients divided by it (in f32) before clipping and AdamW. As
+    /// torch.cuda.amp.GradScaler: a step whose gradients overflow f16 (an inf or NaN
+    /// anywhere, after accumulating every micro-batch) is skipped (weights, Adam moments,
+    /// AdamW's step count and the learning-rate schedule stay as they were; the step is
+    /// reported) and the scale halves; after --loss-scale-growth-interval clean steps in a
+    /// row it doubles. Only for f16 schedules [default: 65536 (2^16); with --resume, the
+    /// checkpoint's scale where the run stood].
+    #[arg(long, value_name = "SCALE")]
+    pub loss_scale_init: Option<f64>,
+    /// Consecutive clean (overflow-free) steps after which an f16 run doubles its loss scale
+    /// (GradScaler's growth_interval); at least 1 [default: 2000].
+    #[arg(long, value_name = "N")]
+    pub loss_scale_growth_interval: Option<u64>,
     /// Steps of linear warmup from 0 to --lr: step s (from 1) of the first W trains at
     /// --lr x (s - 1) / W [default: 0].
     #[arg(long, value_name = "W")]
@@ -124,7 +138,9 @@ pub struct ExecArgs {
     /// positions, every micro-batch's with --grad-accum; f32 printed exactly), `grad_norm`
     /// (the global gradient norm before clipping, or null when the schedule computes none),
     /// `lr` (the learning rate AdamW used), `tokens_per_s` (this step's tokens, micro-batches
-    /// x batch x seq, over its wall time) and `step_s` (the step's wall time in seconds).
+    /// x batch x seq, over its wall time) and `step_s` (the step's wall time in seconds);
+    /// an f16 run's lines add `loss_scale` (the scale the step ran at) and `skipped` (true
+    /// when its gradients overflowed and the optimizer step was skipped).
     /// The plan and timing report go to stderr. `--log-json` is the same flag.
     #[arg(long, alias = "log-json")]
     pub json: bool,
@@ -166,6 +182,8 @@ impl ExecArgs {
             min_lr: self.min_lr,
             seed: self.seed,
             data,
+            loss_scale_init: self.loss_scale_init,
+            loss_scale_growth_interval: self.loss_scale_growth_interval,
         }
     }
 }
@@ -173,7 +191,8 @@ impl ExecArgs {
 /// Arguments of `protrain run`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A schedule written by `protrain compile` (f32 or bf16; both backends run both).
+    /// A schedule written by `protrain compile` (f32, bf16 or f16; the host backend runs all
+    /// three, the CUDA backend f32 and bf16).
     schedule: PathBuf,
     #[command(flatten)]
     exec: ExecArgs,
@@ -608,7 +627,7 @@ fn execute_on<'s, B: Backend>(
     }
     let result = trainer.run(|record: &StepRecord| {
         if args.json {
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "step": record.step,
                 "loss": record.loss,
                 "grad_norm": record.grad_norm,
@@ -616,6 +635,10 @@ fn execute_on<'s, B: Backend>(
                 "tokens_per_s": record.tokens_per_s,
                 "step_s": record.step_seconds,
             });
+            if let Some(scale) = record.loss_scale {
+                line["loss_scale"] = scale.into();
+                line["skipped"] = record.skipped.into();
+            }
             outln!("{line}");
             if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
                 outln!("{}", super::eval::eval_json(record.step, data, e));
@@ -628,6 +651,14 @@ fn execute_on<'s, B: Backend>(
             record.loss, record.tokens_per_s
         ));
         bar.inc(1);
+        if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
+            row(format!(
+                "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
+                 halves to {}",
+                record.step,
+                scale / 2.0
+            ));
+        }
         if record.step.is_multiple_of(report_every) || record.step == first + 1 {
             let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
             row(format!(

@@ -94,7 +94,7 @@ impl OpKind {
                 }
                 vec![f32_scalar]
             }
-            OpKind::ClipCoef { .. } => {
+            OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => {
                 if let Some(t) = inputs.iter().find(|t| ***t != f32_scalar) {
                     return Err(fail(format!("takes squared norms f32[], got {t}")));
                 }
@@ -203,7 +203,9 @@ impl OpKind {
                 same(&expected[0], dy, "dout")?;
                 inputs[..n].iter().map(|t| (*t).clone()).collect()
             }
-            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
+            OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. } => {
                 let expected = forward.infer(&inputs[..2])?;
                 same(&expected[1], inputs[2], "lse")?;
                 vec![inputs[0].clone()]

@@ -124,6 +124,13 @@ impl Epilogue {
     }
 }
 
+/// The loss scale an fp16 run starts from: torch.cuda.amp.GradScaler's `init_scale`, 2^16.
+pub const LOSS_SCALE_INIT: f64 = 65536.0;
+
+/// Clean (overflow-free) steps after which an fp16 run doubles its loss scale:
+/// GradScaler's `growth_interval`.
+pub const LOSS_SCALE_GROWTH_INTERVAL: u64 = 2000;
+
 /// What an op computes, with its attributes.
 ///
 /// The forward kinds cover GPT-2, LLaMA, Mistral and OPT. Activations are `[B,T,C]`; token ids
@@ -351,9 +358,40 @@ pub enum OpKind {
     /// in f32 and rounded once). No outputs. A step sums its micro-batches' gradients into
     /// `acc` in micro-batch order, from zero.
     AccumulateGrad,
+
+    // fp16 dynamic loss scaling (appended last, so schedules without it encode as before).
+    /// [`OpKind::CrossEntropyBackward`] for a loss gradient of `loss_scale / micro_batches`:
+    /// torch.cuda.amp.GradScaler's `scaler.scale(loss / K).backward()`, so that small fp16
+    /// gradients do not flush to zero. `loss_scale` is the compiled initial scale; the runtime
+    /// launches the op with each step's scale, as it does AdamW with each step's rate.
+    CrossEntropyBackwardLossScaled {
+        /// Micro-batches per step (1 without accumulation).
+        micro_batches: u64,
+        /// The loss scale (a power of two).
+        loss_scale: f64,
+    },
+    /// Every (loss-scaled) gradient's `grad_norm_sq` -> `f32[]` coefficient AdamW multiplies
+    /// each gradient by: GradScaler's `unscale_` then `clip_grad_norm_` in one factor,
+    /// `min(1, max_norm / (norm + 1e-6)) / loss_scale` with `norm = sqrt(sum) / loss_scale`
+    /// the unscaled global norm (just `1 / loss_scale` without clipping). When the sum is
+    /// not finite (a gradient overflowed, or is NaN) the coefficient is NaN, and an AdamW op
+    /// reading a NaN coefficient changes nothing: the step is skipped. (An ordinary
+    /// [`OpKind::ClipCoef`] never yields NaN: `min(1, NaN)` is 1.)
+    UnscaleCoef {
+        /// The largest unscaled gradient norm allowed, when clipping.
+        max_norm: Option<f64>,
+        /// The loss scale the gradients carry (launched with each step's).
+        loss_scale: f64,
+    },
 }
 
 impl OpKind {
+    /// Whether this is the one coefficient every AdamW of a step reads: the gradient clip's
+    /// ([`OpKind::ClipCoef`]) or the loss-scale unscaling's ([`OpKind::UnscaleCoef`]).
+    pub fn is_grad_coef(&self) -> bool {
+        matches!(self, OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. })
+    }
+
     /// The printed mnemonic.
     pub fn mnemonic(&self) -> &'static str {
         match self {
@@ -392,6 +430,8 @@ impl OpKind {
             OpKind::Release { .. } => "release",
             OpKind::CrossEntropyBackwardScaled { .. } => "cross_entropy_backward",
             OpKind::AccumulateGrad => "accumulate_grad",
+            OpKind::CrossEntropyBackwardLossScaled { .. } => "cross_entropy_backward",
+            OpKind::UnscaleCoef { .. } => "unscale_coef",
         }
     }
 
@@ -434,6 +474,24 @@ impl OpKind {
             OpKind::CrossEntropyBackwardScaled { micro_batches } => {
                 attrs.push(("micro_batches", micro_batches.to_string()))
             }
+            OpKind::CrossEntropyBackwardLossScaled {
+                micro_batches,
+                loss_scale,
+            } => {
+                if *micro_batches > 1 {
+                    attrs.push(("micro_batches", micro_batches.to_string()));
+                }
+                attrs.push(("loss_scale", format!("{loss_scale}")));
+            }
+            OpKind::UnscaleCoef {
+                max_norm,
+                loss_scale,
+            } => {
+                if let Some(max_norm) = max_norm {
+                    attrs.push(("max_norm", format!("{max_norm}")));
+                }
+                attrs.push(("loss_scale", format!("{loss_scale}")));
+            }
             _ => {}
         }
         attrs
@@ -475,9 +533,9 @@ impl OpKind {
                 window,
                 qkv,
             },
-            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
-                OpKind::CrossEntropy
-            }
+            OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. } => OpKind::CrossEntropy,
             OpKind::FusedLinearBackward {
                 count,
                 bias,
@@ -679,7 +737,9 @@ impl OpKind {
                 QkvLayout::Separate => 6,
                 QkvLayout::Packed => 4,
             },
-            OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => 3,
+            OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. } => 3,
             OpKind::AccumulateGrad => 2,
             OpKind::MoveStart(m) | OpKind::MoveDone(m) => return m.arity(),
             OpKind::Release { .. } => return None,
@@ -705,7 +765,7 @@ impl OpKind {
                 1 + n + kept + grads
             }
             OpKind::GradNormSq => 1,
-            OpKind::ClipCoef { .. } => return None,
+            OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => return None,
             OpKind::AdamW { clipped, .. } => 4 + usize::from(*clipped),
         })
     }
@@ -750,7 +810,8 @@ impl OpKind {
             }
             OpKind::CrossEntropy
             | OpKind::CrossEntropyBackward
-            | OpKind::CrossEntropyBackwardScaled { .. } => 4 * inputs[0].numel(),
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. } => 4 * inputs[0].numel(),
             OpKind::AccumulateGrad => inputs[0].numel(),
             OpKind::Gelu => 10 * out,
             OpKind::GeluBackward => 16 * out,
@@ -811,7 +872,8 @@ impl OpKind {
             | OpKind::PositionEmbedding { .. }
             | OpKind::EmbeddingBackward { .. }
             | OpKind::PositionEmbeddingBackward { .. }
-            | OpKind::ClipCoef { .. } => out,
+            | OpKind::ClipCoef { .. }
+            | OpKind::UnscaleCoef { .. } => out,
         }
     }
 }

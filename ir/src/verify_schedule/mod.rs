@@ -26,7 +26,8 @@
 //!    loss.
 //! 3. **optimizer**: every AdamW's settings are ones the update can run with: the learning
 //!    rate finite and `>= 0`, both betas in `[0, 1)`, eps finite and `> 0`, the weight decay
-//!    finite and `>= 0`; every gradient clip's `max_norm` finite and `> 0`. Anything else makes
+//!    finite and `>= 0`; every gradient clip's `max_norm` and every loss scale (fp16's
+//!    loss-scaled cross-entropy backward and unscale coefficient) finite and `> 0`. Anything else makes
 //!    the step divide by zero or compute NaN, which no later check would see.
 //! 4. **bounds**: every buffer lies inside its space (device buffers inside `arena_bytes`,
 //!    host buffers inside `host_bytes`); every tensor address plus its value's bytes, every

@@ -383,6 +383,35 @@ impl Checker<'_> {
                     "finite and > 0",
                     "--grad-clip",
                 )],
+                OpKind::UnscaleCoef {
+                    max_norm,
+                    loss_scale,
+                } => {
+                    let mut v = vec![(
+                        "loss_scale",
+                        loss_scale,
+                        finite_above_0(loss_scale),
+                        "finite and > 0",
+                        "--loss-scale-init",
+                    )];
+                    if let Some(max_norm) = max_norm {
+                        v.push((
+                            "max_norm",
+                            max_norm,
+                            finite_above_0(max_norm),
+                            "finite and > 0",
+                            "--grad-clip",
+                        ));
+                    }
+                    v
+                }
+                OpKind::CrossEntropyBackwardLossScaled { loss_scale, .. } => vec![(
+                    "loss_scale",
+                    loss_scale,
+                    finite_above_0(loss_scale),
+                    "finite and > 0",
+                    "--loss-scale-init",
+                )],
                 _ => continue,
             };
             if let Some(&(name, value, _, range, flag)) = settings.iter().find(|s| !s.2) {

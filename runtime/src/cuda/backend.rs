@@ -486,7 +486,7 @@ impl CudaBackend {
                         crate::kernels::Grad::Bf16(g),
                         m,
                         v,
-                        Some(p),
+                        Some(crate::kernels::Low::Bf16(p)),
                         coef,
                         l.step,
                     );

@@ -1102,6 +1102,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             qkv,
         } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
         OpKind::AccumulateGrad => accumulate(p)?,
+        OpKind::CrossEntropyBackwardLossScaled { .. } | OpKind::UnscaleCoef { .. } => {
+            return Err(p.bad(
+                "belongs to fp16 loss scaling, which the CUDA backend has no f16 kernels for \
+                 yet (the executor refuses f16 schedules on CUDA first): train f16 on the host \
+                 backend, or compile with --dtype bf16 for CUDA",
+            ));
+        }
         OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
             let dloss = match p.kind {
                 OpKind::CrossEntropyBackwardScaled { micro_batches } => {
@@ -1807,6 +1814,9 @@ mod tests {
             OpKind::Release { .. } => VARIANTS + 2,
             OpKind::CrossEntropyBackwardScaled { .. } => 30,
             OpKind::AccumulateGrad => 31,
+            // No kernel yet: see `loss_scaling_has_no_plan`.
+            OpKind::CrossEntropyBackwardLossScaled { .. } => VARIANTS + 3,
+            OpKind::UnscaleCoef { .. } => VARIANTS + 4,
         }
     }
     const VARIANTS: usize = 32;
@@ -2186,6 +2196,55 @@ mod tests {
             .expect_err("types differ")
             .to_string();
         assert!(err.contains("another type"), "{err}");
+    }
+
+    /// fp16 loss scaling has no CUDA kernels: its ops fail with the way out, never a launch.
+    #[test]
+    fn loss_scaling_has_no_plan() {
+        let logits = TensorType::new(vec![2, 3, 5], DType::F16);
+        let tokens = TensorType::new(vec![2, 3], DType::I32);
+        let lse = TensorType::new(vec![2, 3], DType::F32);
+        let norm = TensorType::new(vec![], DType::F32);
+        let target = Target {
+            max_blocks: 132 * 32,
+            step: 1,
+        };
+        let cases: [(OpKind, Vec<&TensorType>, usize); 2] = [
+            (
+                OpKind::CrossEntropyBackwardLossScaled {
+                    micro_batches: 1,
+                    loss_scale: 65536.0,
+                },
+                vec![&logits, &tokens, &lse],
+                1,
+            ),
+            (
+                OpKind::UnscaleCoef {
+                    max_norm: None,
+                    loss_scale: 65536.0,
+                },
+                vec![&norm, &norm],
+                1,
+            ),
+        ];
+        for (kind, ins, outs) in cases {
+            let out_types = vec![&logits; outs];
+            let at = Addresses {
+                inputs: (0..ins.len() as u64).map(|i| 0x1000 * (i + 1)).collect(),
+                outputs: (0..outs as u64).map(|i| 0x10000 * (i + 1)).collect(),
+                workspace: None,
+                master: None,
+            };
+            let types = Types {
+                inputs: &ins,
+                outputs: &out_types,
+            };
+            assert!(variant(&kind) >= VARIANTS);
+            let err = calls(&kind, types, &at, target)
+                .expect_err("no plan")
+                .to_string();
+            assert!(err.contains("--dtype bf16"), "{err}");
+        }
     }
 
     #[test]

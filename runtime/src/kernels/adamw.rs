@@ -35,6 +35,8 @@ impl Default for AdamWConfig {
 
 /// The bf16 type the fused step writes and reads (`half::bf16`), re-exported for callers.
 pub use half::bf16;
+/// The f16 type the fused step writes and reads (`half::f16`), re-exported for callers.
+pub use half::f16;
 
 /// Elements per rayon task of [`adamw_step_fused`]: 32 Ki elements are 128 KiB of each f32
 /// stream, enough to amortise a task and to let the hardware prefetchers run; the block
@@ -49,6 +51,33 @@ pub enum Grad<'a> {
     F32(&'a [f32]),
     /// A bf16 gradient (of a bf16 parameter with an f32 master weight).
     Bf16(&'a [bf16]),
+    /// An f16 gradient (of an f16 parameter with an f32 master weight).
+    F16(&'a [f16]),
+}
+
+/// The narrow copy of the parameter one step writes beside its f32 master weight (a mixed
+/// precision parameter's storage), rounded to nearest even in the same pass.
+#[derive(Debug)]
+pub enum Low<'a> {
+    /// A bf16 parameter.
+    Bf16(&'a mut [bf16]),
+    /// An f16 parameter.
+    F16(&'a mut [f16]),
+}
+
+impl Low<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Low::Bf16(x) => x.len(),
+            Low::F16(x) => x.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl Grad<'_> {
@@ -57,6 +86,7 @@ impl Grad<'_> {
         match self {
             Grad::F32(g) => g.len(),
             Grad::Bf16(g) => g.len(),
+            Grad::F16(g) => g.len(),
         }
     }
 
@@ -153,6 +183,33 @@ impl Widen for bf16 {
     }
 }
 
+impl Widen for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// A narrow storage type a step rounds the new weight to.
+trait Narrow: Copy + Send + Sync {
+    /// `x` rounded to nearest, ties to even.
+    fn narrow(x: f32) -> Self;
+}
+
+impl Narrow for bf16 {
+    #[inline(always)]
+    fn narrow(x: f32) -> Self {
+        to_bf16(x)
+    }
+}
+
+impl Narrow for f16 {
+    #[inline(always)]
+    fn narrow(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
 /// `x` rounded to bf16 to nearest, ties to even; a NaN stays a quiet NaN. The same bits as
 /// `half::bf16::from_f32`, written without branches so it vectorises.
 #[inline(always)]
@@ -168,12 +225,12 @@ pub fn to_bf16(x: f32) -> bf16 {
 /// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
 /// length) set to the new `p` rounded to bf16 in the same pass.
 #[inline(always)]
-fn block<G: Widen, const FROM_M: bool>(
+fn block<G: Widen, L: Narrow, const FROM_M: bool>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [bf16]>,
+    low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
     let n = p.len();
@@ -184,7 +241,7 @@ fn block<G: Widen, const FROM_M: bool>(
             for i in 0..n {
                 let gi = g[i].widen() * c.grad_scale;
                 let (pi, mi, vi) = update::<FROM_M>(p[i], gi, m[i], v[i], c);
-                (p[i], m[i], v[i], low[i]) = (pi, mi, vi, to_bf16(pi));
+                (p[i], m[i], v[i], low[i]) = (pi, mi, vi, L::narrow(pi));
             }
         }
         None => {
@@ -200,12 +257,12 @@ fn block<G: Widen, const FROM_M: bool>(
 /// [`block`] for both lerp forms, in the CPU's widest instruction set: AVX2 + FMA when the
 /// CPU has them (checked once per block; `mul_add` is then one instruction), else baseline
 /// code (where `mul_add` is a libm call). Both round once, so the bits are the same.
-fn run_block<G: Widen>(
+fn run_block<G: Widen, L: Narrow>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [bf16]>,
+    low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -217,8 +274,8 @@ fn run_block<G: Widen>(
         }
     }
     match c.lerp_from_m {
-        true => block::<G, true>(p, g, m, v, low, c),
-        false => block::<G, false>(p, g, m, v, low, c),
+        true => block::<G, L, true>(p, g, m, v, low, c),
+        false => block::<G, L, false>(p, g, m, v, low, c),
     }
 }
 
@@ -231,27 +288,27 @@ fn run_block<G: Widen>(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_avx2<G: Widen>(
+unsafe fn block_avx2<G: Widen, L: Narrow>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [bf16]>,
+    low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
     match c.lerp_from_m {
-        true => block::<G, true>(p, g, m, v, low, c),
-        false => block::<G, false>(p, g, m, v, low, c),
+        true => block::<G, L, true>(p, g, m, v, low, c),
+        false => block::<G, L, false>(p, g, m, v, low, c),
     }
 }
 
 /// The whole tensor in [`ADAMW_BLOCK`]-element blocks, in parallel.
-fn run<G: Widen + Sync>(
+fn run<G: Widen + Sync, L: Narrow>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [bf16]>,
+    low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
     let states = p
@@ -265,7 +322,7 @@ fn run<G: Widen + Sync>(
         Some(low) => states
             .zip(low.par_chunks_mut(ADAMW_BLOCK))
             .for_each(|(((p, g), (m, v)), low)| run_block(p, g, m, v, Some(low), c)),
-        None => states.for_each(|((p, g), (m, v))| run_block(p, g, m, v, None, c)),
+        None => states.for_each(|((p, g), (m, v))| run_block::<G, L>(p, g, m, v, None, c)),
     }
 }
 
@@ -287,7 +344,7 @@ pub fn adamw_step_fused(
     grad_scale: Option<f32>,
     exp_avg: &mut [f32],
     exp_avg_sq: &mut [f32],
-    low: Option<&mut [bf16]>,
+    low: Option<Low<'_>>,
     step: u64,
     cfg: &AdamWConfig,
 ) {
@@ -303,13 +360,28 @@ pub fn adamw_step_fused(
         assert_eq!(
             low.len(),
             n,
-            "adamw: bf16 parameter length differs from master"
+            "adamw: narrow parameter length differs from master"
         );
     }
     let c = Coeffs::new(step, cfg, grad_scale.unwrap_or(1.0));
-    match grad {
-        Grad::F32(g) => run(master, g, exp_avg, exp_avg_sq, low, &c),
-        Grad::Bf16(g) => run(master, g, exp_avg, exp_avg_sq, low, &c),
+    fn with_grad<L: Narrow>(
+        master: &mut [f32],
+        grad: Grad<'_>,
+        m: &mut [f32],
+        v: &mut [f32],
+        low: Option<&mut [L]>,
+        c: &Coeffs,
+    ) {
+        match grad {
+            Grad::F32(g) => run(master, g, m, v, low, c),
+            Grad::Bf16(g) => run(master, g, m, v, low, c),
+            Grad::F16(g) => run(master, g, m, v, low, c),
+        }
+    }
+    match low {
+        None => with_grad::<bf16>(master, grad, exp_avg, exp_avg_sq, None, &c),
+        Some(Low::Bf16(low)) => with_grad(master, grad, exp_avg, exp_avg_sq, Some(low), &c),
+        Some(Low::F16(low)) => with_grad(master, grad, exp_avg, exp_avg_sq, Some(low), &c),
     }
 }
 
@@ -369,6 +441,40 @@ pub fn clip_coef(total_norm: f32, max_norm: f64) -> f32 {
     } else {
         coef
     }
+}
+
+/// The coefficient [`unscale_coef`] gives a step whose gradients overflowed: negative, which
+/// no clip coefficient is (an AdamW op reading it changes nothing; see [`skips_step`]).
+pub const SKIP_STEP: f32 = -1.0;
+
+/// Whether an AdamW op reading clip coefficient `coef` skips its update: a loss-scaled step
+/// whose gradients overflowed ([`SKIP_STEP`]).
+#[inline]
+pub fn skips_step(coef: f32) -> bool {
+    coef < 0.0
+}
+
+/// GradScaler's `unscale_` and `clip_grad_norm_` as the one factor AdamW multiplies each
+/// loss-scaled gradient by, from `total` (the sum of every gradient's [`grad_norm_sq`], in
+/// f64) and the step's loss scale: returns the factor and the unscaled global norm.
+///
+/// The norm is `sqrt(total) / loss_scale`; the factor `clip_coef(norm, max_norm) / loss_scale`
+/// (`1 / loss_scale` without clipping), with `1 / loss_scale` rounded to f32 as torch's
+/// `scale.double().reciprocal().float()`. For a power-of-two scale both divisions are exact,
+/// so `g * factor` is torch's unscaled-then-clipped gradient to the bit. When `total` is not
+/// finite (an f16 gradient overflowed to infinity, or is NaN), the factor is [`SKIP_STEP`]
+/// and the norm is infinite (or NaN): the step is skipped.
+pub fn unscale_coef(total: f64, loss_scale: f64, max_norm: Option<f64>) -> (f32, f32) {
+    let inv = (1.0 / loss_scale) as f32;
+    if !total.is_finite() {
+        return (SKIP_STEP, total.sqrt() as f32);
+    }
+    let norm = total.sqrt() as f32 * inv;
+    let coef = match max_norm {
+        Some(max_norm) => clip_coef(norm, max_norm) * inv,
+        None => inv,
+    };
+    (coef, norm)
 }
 
 /// `x *= s` in place.
@@ -529,7 +635,7 @@ mod tests {
                     } else {
                         Grad::F32(&g)
                     };
-                    let (p, m, v, low) = (&mut p, &mut m, &mut v, Some(&mut low[..]));
+                    let (p, m, v, low) = (&mut p, &mut m, &mut v, Some(Low::Bf16(&mut low[..])));
                     adamw_step_fused(p, grad, Some(0.7), m, v, low, step, &cfg);
                 }
             });
@@ -555,7 +661,16 @@ mod tests {
         let (mut p2, mut m2, mut v2) = (p0, m0, v0);
         let mut low = vec![bf16::ZERO; p2.len()];
         let (p, m, v) = (&mut p2, &mut m2, &mut v2);
-        adamw_step_fused(p, Grad::Bf16(&g16), None, m, v, Some(&mut low), 5, &cfg);
+        adamw_step_fused(
+            p,
+            Grad::Bf16(&g16),
+            None,
+            m,
+            v,
+            Some(Low::Bf16(&mut low)),
+            5,
+            &cfg,
+        );
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
         assert_eq!(bits(&p1), bits(&p2));
         assert_eq!(bits(&m1), bits(&m2));

@@ -33,8 +33,8 @@ pub use activation::{
     swiglu_backward, swiglu_forward,
 };
 pub use adamw::{
-    adamw_step, adamw_step_fused, bf16, clip_coef, grad_norm_sq, scale, to_bf16, AdamWConfig, Grad,
-    ADAMW_BLOCK,
+    adamw_step, adamw_step_fused, bf16, clip_coef, f16, grad_norm_sq, scale, skips_step, to_bf16,
+    unscale_coef, AdamWConfig, Grad, Low, ADAMW_BLOCK, SKIP_STEP,
 };
 pub use add::{add_assign, add_assign_bf16, add_backward, add_forward, bias_add_assign};
 pub use attention::{
@@ -50,4 +50,4 @@ pub use embedding::{
 pub use linear::{linear_backward, linear_forward, WeightLayout};
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
 pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
-pub use storage::{narrow, widen, Rounding};
+pub use storage::{narrow, narrow_f16, widen, widen_f16, Rounding};

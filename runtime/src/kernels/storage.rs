@@ -1,6 +1,7 @@
-//! Storage types of mixed precision: bf16 widened to f32 (exact), f32 rounded to bf16 (to
-//! nearest, ties to even), and the rounding an op applies where its values pass through bf16
-//! storage between two of its kernels.
+//! Storage types of mixed precision: bf16 and f16 widened to f32 (exact), f32 rounded to
+//! bf16 or f16 (to nearest, ties to even; f16 overflows to infinity past 65504, as CUDA's
+//! `__float2half_rn` does), and the rounding an op applies where its values pass through
+//! narrow storage between two of its kernels.
 //!
 //! The kernels compute in f32 whatever the storage type. A bf16 op on the host reads its
 //! inputs widened, computes in f32 and rounds what it writes, exactly where the CUDA backend's
@@ -13,6 +14,7 @@ use rayon::prelude::*;
 
 pub use super::adamw::{bf16, to_bf16};
 use super::math::ELEM_GRAIN;
+pub use half::f16;
 
 /// `x` widened to f32: exact (the bf16 bits are the high half of the f32's).
 #[inline(always)]
@@ -50,6 +52,28 @@ pub fn narrow(dst: &mut [bf16], src: &[f32]) {
         });
 }
 
+/// `x` rounded to f16 and widened back: the value an f16 store followed by a load gives.
+#[inline(always)]
+pub fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+/// `dst = src` widened, element by element; both the same length.
+pub fn widen_f16(dst: &mut [f32], src: &[f16]) {
+    assert_eq!(dst.len(), src.len(), "widen: lengths differ");
+    dst.par_chunks_mut(ELEM_GRAIN)
+        .zip(src.par_chunks(ELEM_GRAIN))
+        .for_each(|(d, s)| half::slice::HalfFloatSliceExt::convert_to_f32_slice(s, d));
+}
+
+/// `dst = src` rounded to f16, element by element; both the same length.
+pub fn narrow_f16(dst: &mut [f16], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "narrow: lengths differ");
+    dst.par_chunks_mut(ELEM_GRAIN)
+        .zip(src.par_chunks(ELEM_GRAIN))
+        .for_each(|(d, s)| half::slice::HalfFloatSliceExt::convert_from_f32_slice(d, s));
+}
+
 /// How an op rounds the values it stores between two of its kernels: the storage type of its
 /// activations. [`Rounding::Exact`] leaves every value as computed, so a kernel taking a
 /// rounding computes, for f32 storage, the same bits as without one.
@@ -60,9 +84,20 @@ pub enum Rounding {
     Exact,
     /// bf16 storage: each stored value is rounded to bf16 and read back widened.
     Bf16,
+    /// f16 storage: each stored value is rounded to f16 and read back widened.
+    F16,
 }
 
 impl Rounding {
+    /// The rounding of storage type `dtype`: bf16's, f16's, or none.
+    pub fn of(dtype: protrain_ir::DType) -> Self {
+        match dtype {
+            protrain_ir::DType::BF16 => Rounding::Bf16,
+            protrain_ir::DType::F16 => Rounding::F16,
+            _ => Rounding::Exact,
+        }
+    }
+
     /// The rounding of storage type bf16 when `bf16` holds, else none.
     pub fn bf16_if(bf16: bool) -> Self {
         match bf16 {
@@ -73,7 +108,7 @@ impl Rounding {
 
     /// Whether values are rounded at all.
     pub fn rounds(self) -> bool {
-        self == Rounding::Bf16
+        self != Rounding::Exact
     }
 
     /// `x` as stored and read back.
@@ -82,17 +117,24 @@ impl Rounding {
         match self {
             Rounding::Exact => x,
             Rounding::Bf16 => round_bf16(x),
+            Rounding::F16 => round_f16(x),
         }
     }
 
     /// Every value of `x` as stored and read back, in place.
     pub fn apply(self, x: &mut [f32]) {
-        if self.rounds() {
-            x.par_chunks_mut(ELEM_GRAIN).for_each(|c| {
+        match self {
+            Rounding::Exact => {}
+            Rounding::Bf16 => x.par_chunks_mut(ELEM_GRAIN).for_each(|c| {
                 for v in c {
                     *v = round_bf16(*v);
                 }
-            });
+            }),
+            Rounding::F16 => x.par_chunks_mut(ELEM_GRAIN).for_each(|c| {
+                for v in c {
+                    *v = round_f16(*v);
+                }
+            }),
         }
     }
 }
