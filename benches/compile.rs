@@ -56,6 +56,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         fuse: true,
         forward_only: false,
         micro_batches: 1,
+        topology: protrain::compiler::comm::Topology::SINGLE,
     }
 }
 
