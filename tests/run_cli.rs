@@ -571,3 +571,48 @@ fn train_accumulates_gradients_as_a_larger_batch_and_refuses_contradictions() {
         stderr(&out)
     );
 }
+
+/// `--gpus N` on the host backend runs N ranks as threads, each on its rows: the losses of
+/// one rank accumulating N micro-batches over the same rows, bit for bit; bad topologies are
+/// refused with the way out.
+#[test]
+fn train_on_ranks_as_threads_matches_accumulation_and_refuses_bad_topologies() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let ranks = run(&["--gpus", "2", "--grad-clip", "1.0"]);
+    assert!(ranks.status.success(), "{}", stderr(&ranks));
+    assert!(
+        stderr(&ranks).contains("data parallel   2 ranks"),
+        "{}",
+        stderr(&ranks)
+    );
+    let accum = run(&["--grad-accum", "2", "--grad-clip", "1.0"]);
+    assert!(accum.status.success(), "{}", stderr(&accum));
+    assert_eq!(losses(&ranks), losses(&accum));
+    assert_eq!(losses(&ranks).len(), 3);
+    for (args, says) in [
+        (&["--gpus", "0"][..], "at least 1"),
+        (
+            &["--gpus", "8", "--hardware", "rtx3090"][..],
+            "use --nodes for more",
+        ),
+    ] {
+        let out = run(args);
+        assert!(!out.status.success());
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).starts_with("error:"), "{}", stderr(&out));
+    }
+}

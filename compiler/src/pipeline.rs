@@ -342,7 +342,19 @@ impl<'m> Context<'m> {
             .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
             .count();
         let device_budget = options.device_budget();
-        let host_budget = options.hardware.host_memory_bytes;
+        // The ranks of a node share its host memory, and every rank holds whole model states
+        // (nothing is sharded yet): each may use its share.
+        let gpus = u64::from(options.topology.gpus.max(1));
+        let host_budget = options.hardware.host_memory_bytes / gpus;
+        let shared = |e: CompileError| match e {
+            CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
+                "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory: \
+                 every rank keeps whole model states, as their ZeRO sharding across ranks is not \
+                 implemented yet, so a node needs {gpus} times what one rank needs; give \
+                 --host-memory for the whole node, or use fewer --gpus per node)"
+            )),
+            e => e,
+        };
         let (mut schedule, report) = match &options.policy {
             PolicyChoice::Auto => {
                 let search_options = SearchOptions {
@@ -356,7 +368,7 @@ impl<'m> Context<'m> {
                 let cost = self.cost.as_ref();
                 let (s, r) = match options.forward_only {
                     true => search_forward(training, chunks, cost, &search_options)?,
-                    false => search(training, chunks, cost, &search_options)?,
+                    false => search(training, chunks, cost, &search_options).map_err(shared)?,
                 };
                 (s, Some(r))
             }
@@ -373,10 +385,11 @@ impl<'m> Context<'m> {
                     model: self.config.name.clone(),
                     hardware: options.hardware.summary(),
                     device_budget_bytes: device_budget,
-                    host_budget_bytes: host_budget,
+                    // Checked below, with the way out, before the header says it.
+                    host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
                 };
-                let s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
+                let mut s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
                 if s.arena_bytes > device_budget {
                     return Err(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of device memory, more than the {} budget; \
@@ -385,6 +398,15 @@ impl<'m> Context<'m> {
                         format_bytes(device_budget)
                     )));
                 }
+                if s.host_bytes > host_budget {
+                    return Err(shared(CompileError::BudgetTooSmall(format!(
+                        "policy {policy} needs {} of host memory, more than the {} budget; use \
+                         --policy auto or a larger --host-memory",
+                        format_bytes(s.host_bytes),
+                        format_bytes(host_budget)
+                    ))));
+                }
+                s.header.host_budget_bytes = host_budget;
                 (s, None)
             }
         };

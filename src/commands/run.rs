@@ -365,6 +365,13 @@ pub fn plan_lines(schedule: &Schedule) -> String {
                 "\naccumulation    {k} micro-batches of {} sequences per step",
                 h.batch
             ),
+        } + &match schedule.topology() {
+            (1, 1) => String::new(),
+            (gpus, nodes) => format!(
+                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; here threads of \
+                 this process), each on its own rows, gradients summed over them",
+                gpus * nodes
+            ),
         },
         p.step_seconds,
         h.hardware.split(':').next().unwrap_or_default(),
