@@ -521,7 +521,7 @@ pub fn compile_policy_on(
 ) -> Result<Schedule> {
     let ranks = u64::from(topology.ranks().max(1));
     let global = crate::accumulate::micro_batches(training);
-    if global % ranks != 0 {
+    if !global.is_multiple_of(ranks) {
         return Err(CompileError::BadTopology(format!(
             "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \
              share; scale it for ranks x --grad-accum"

@@ -637,7 +637,7 @@ fn execute_on<'s, B: Backend>(
     );
     if let Err(e) = result {
         bar.abandon();
-        return Err(e.into());
+        return Err(e);
     }
     bar.finish_and_clear();
     let summary = trainer.summary();
