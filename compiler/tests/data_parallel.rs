@@ -261,6 +261,12 @@ fn a_two_rank_schedule_prints_its_collective_stream() {
     s.header.prediction.step_seconds = 0.0;
     s.header.prediction.stream_busy_seconds.fill(0.0);
     insta::assert_snapshot!("gpt2_tiny_two_ranks", print_schedule(&s));
+    // The file format carries the collective stream and its instructions, and the decoded
+    // schedule verifies.
+    let bytes = protrain_ir::file::encode(&s);
+    let back = protrain_ir::file::decode(&bytes).expect("decodes and verifies");
+    assert_eq!(back.topology(), (2, 1));
+    assert_eq!(protrain_ir::file::encode(&back), bytes);
 }
 
 fn options(hardware: &str, gpus: u32, nodes: u32) -> CompileOptions {
