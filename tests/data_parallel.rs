@@ -211,3 +211,17 @@ fn a_data_parallel_schedule_needs_a_group_of_its_size() {
         .expect_err("3 ranks for 2");
     assert!(e.to_string().contains("compiled for 2"), "{e}");
 }
+
+/// The CUDA backend has no collectives yet: it refuses a data-parallel schedule before it
+/// touches a device, naming what is missing, rather than training one rank alone.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_backend_refuses_data_parallel_schedules_naming_nccl() {
+    let schedule = compile("gpt2-tiny", ROOMY, 2, 1, DType::BF16);
+    let refused = Executor::<protrain::runtime::cuda::CudaBackend>::with_backend(&schedule);
+    let e = refused.err().expect("no NCCL yet");
+    assert!(
+        e.to_string().contains("NCCL") && e.to_string().contains("--gpus 1"),
+        "{e}"
+    );
+}
