@@ -330,3 +330,59 @@ fn gpt2_bf16_losses_stay_close_to_f32() {
 fn llama_bf16_losses_stay_close_to_f32() {
     check_bf16("llama-tiny");
 }
+
+/// Gradient accumulation on the GPU: two micro-batches per step, against the host backend
+/// running the same schedule, resident (device accumulators, the device AdamW) and streamed
+/// (host accumulators summed and normed by the CPU, the CPU Adam), in f32 and bf16.
+fn check_accumulation(model: &str) {
+    require_gpu();
+    const K: u64 = 2;
+    for (dtype, tolerance) in [
+        (DType::F32, F32_TOLERANCE),
+        (DType::BF16, BF16_HOST_TOLERANCE),
+    ] {
+        let (mut graph, layers) = training(model, dtype, Some(1.0));
+        protrain_compiler::accumulate::scale_loss_gradient(&mut graph, K).unwrap();
+        let init: HashMap<String, Vec<f32>> = graph
+            .params()
+            .zip(init_params(&graph, SEED))
+            .map(|((_, p), v)| (p.name.clone(), v))
+            .collect();
+        let config = protrain_models::load(model).unwrap();
+        let data = common::batches(config.vocab_size as usize, K * BATCH, SEQ, STEPS, SEED);
+        let chunks = chunked(&graph);
+        let n = chunks.len() as u32;
+        for policy in [
+            Policy::resident(n, layers),
+            Policy::protrain(0, 2, 0, layers, layers),
+        ] {
+            let what = format!("{model} {dtype} --grad-accum {K} [{policy}]");
+            let schedule =
+                compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let schedule = verify(schedule).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(schedule.micro_batches(), K as u32, "{what}");
+            let gpu = train::<CudaBackend>(&schedule, &init, &data);
+            let host = train::<HostBackend>(&schedule, &init, &data);
+            for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+                eprintln!(
+                    "{what} step {step}: loss host {} gpu {} (rel {:.2e})",
+                    h.loss,
+                    g.loss,
+                    relative(g.loss, h.loss)
+                );
+                assert!(
+                    relative(g.loss, h.loss) <= tolerance,
+                    "{what} step {step}: loss {} on the GPU, {} on the host backend",
+                    g.loss,
+                    h.loss
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpt2_accumulation_matches_the_host_backend() {
+    check_accumulation("gpt2-tiny");
+}

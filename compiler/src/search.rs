@@ -1,13 +1,27 @@
-//! Policy search: enumerates placement policies, ranks them with ProTrain's closed-form time
-//! and a memory estimate, compiles and simulates the most promising, and keeps the fastest
-//! whose exact arena fits the device budget and whose host region fits host memory.
+//! Policy search: ranks every placement policy in ProTrain's family by its closed-form step
+//! time and a memory estimate, compiles and simulates the most promising, and keeps the
+//! fastest whose exact arena fits the device budget and whose host region fits host memory.
 //!
 //! Like egg's runner, it has explicit budgets and returns data about what it did (a
 //! [`SearchReport`]) rather than only a winner. Estimates only rank and prune: every policy
 //! it returns was compiled, planned and simulated, so its peak memory is exact.
+//!
+//! The family holds `chunks x ~3 x (layers + 1)(layers + 2) / 2` policies: 3 million at 128
+//! layers, 1.6 billion at 1,024. The search never lists them; it asks for the next few in rank
+//! order and answers by branch and bound:
+//! - estimates are integer [`Ticks`], so sums do not depend on their order and a sum over the
+//!   streamed chunks is a difference of prefix sums, exactly what the per-chunk loop adds up;
+//! - the policies that share a block layout `(n_swap, n_checkpoint)` are estimated together,
+//!   every `n_persist` and `n_buffer` in one sweep over the chunks;
+//! - a layout is swept only when a lower bound on its policies' rank could still beat the
+//!   candidates kept so far.
+//!
+//! The answer is what sorting every policy would give, which the tests check on random
+//! profiles against the per-layer loop and a full sort. It does not change what is estimated:
+//! ProTrain's formula, per chunk, over ProTrain's interleaved layout.
 
 use crate::comm::Topology;
-use crate::cost::{estimate_iteration, ChunkTimes, CopyDir, CostModel};
+use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
 use crate::pipeline::compile_policy_on;
@@ -17,8 +31,11 @@ use protrain_ir::{
     Schedule,
 };
 use rayon::prelude::*;
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::fmt::Write;
+use std::marker::PhantomData;
+use std::ops::RangeInclusive;
 
 /// Budgets of a search.
 #[derive(Clone, Debug)]
@@ -57,8 +74,13 @@ pub struct Candidate {
 /// What the search did.
 #[derive(Clone, Debug, Default)]
 pub struct SearchReport {
-    /// Policies enumerated.
+    /// Policies in the family searched.
     pub enumerated: usize,
+    /// Block layouts `(n_swap, n_checkpoint)` in the family.
+    pub layouts: usize,
+    /// Sweeps of a block layout's policies (a layout can be swept once per query): the work
+    /// the estimates took, where the other layouts were bounded away.
+    pub layouts_swept: usize,
     /// Rejected because the memory estimate exceeded the device budget.
     pub rejected_estimate: usize,
     /// Compiled, but the exact arena exceeded the device budget.
@@ -77,8 +99,10 @@ impl SearchReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "searched {} policies: {} over the device budget by estimate, {} by exact plan, {} over host memory, {} invalid; compiled {}",
+            "searched {} policies ({} block layouts, {} sweeps): {} over the device budget by estimate, {} by exact plan, {} over host memory, {} invalid; compiled {}",
             self.enumerated,
+            self.layouts,
+            self.layouts_swept,
             self.rejected_estimate,
             self.rejected_exact,
             self.rejected_host,
@@ -102,32 +126,87 @@ impl SearchReport {
     }
 }
 
-/// Per-block facts the estimates need, computed once per training graph.
+/// Time in whole ticks of [`Profile::ticks_per_second`]. Integer sums are exact whatever
+/// their order, so a sum over the streamed chunks computed as a difference of prefix sums is
+/// the sum the per-chunk loop makes, and equal estimates tie instead of differing in the last
+/// bit of a float.
+type Ticks = u64;
+
+/// How seconds become [`Ticks`]: as finely as a femtosecond, but coarser when needed so that
+/// the sum of every time in a profile stays below 2^62 and no estimate can overflow.
+struct TickScale {
+    per_second: f64,
+    /// Ticks of an infinite time: all of them together still stay below 2^62.
+    infinite: Ticks,
+}
+
+impl TickScale {
+    const FINEST_PER_SECOND: f64 = 1e15;
+    const ROOM: u64 = 1 << 62;
+
+    /// The scale for a profile whose times are `times`.
+    fn new(times: &[&[f64]]) -> Self {
+        let count = times.iter().map(|t| t.len()).sum::<usize>().max(1) as u64;
+        let finite: f64 = times
+            .iter()
+            .flat_map(|t| t.iter())
+            .filter(|s| s.is_finite() && **s > 0.0)
+            .sum();
+        let per_second = if finite > 0.0 {
+            (Self::ROOM as f64 / finite).min(Self::FINEST_PER_SECOND)
+        } else {
+            Self::FINEST_PER_SECOND
+        };
+        Self {
+            per_second,
+            infinite: Self::ROOM / count,
+        }
+    }
+
+    /// `seconds` in ticks: 0 for a negative or undefined time.
+    fn ticks(&self, seconds: f64) -> Ticks {
+        if seconds.is_nan() || seconds <= 0.0 {
+            0
+        } else if seconds.is_infinite() {
+            self.infinite
+        } else {
+            // `as` saturates; the scale keeps the sum of these below 2^62 plus rounding.
+            (seconds * self.per_second).round() as Ticks
+        }
+    }
+}
+
+/// Per-chunk and per-layer facts the estimates need, computed once per training graph.
+#[derive(Debug)]
 struct Profile {
     layers: usize,
-    /// Per chunk and phase: forward, backward, and per layer recompute time.
-    chunk_forward: Vec<f64>,
-    chunk_backward: Vec<f64>,
-    /// Per layer: the chunk that most of its ops read, its forward time and saved bytes.
+    /// Ticks in a second.
+    ticks_per_second: f64,
+    /// Per chunk: forward and backward compute of the ops that read it.
+    forward: Vec<Ticks>,
+    backward: Vec<Ticks>,
+    /// Per chunk, when streamed: fetching it before the forward pass, and its backward
+    /// traffic (fetching it again, offloading its gradients).
+    fetch: Vec<Ticks>,
+    backward_comm: Vec<Ticks>,
+    /// Per chunk: its optimizer step on the device (persistent) or on the host (streamed).
+    gpu_adam: Vec<Ticks>,
+    cpu_adam: Vec<Ticks>,
+    /// Per chunk: device bytes while persistent (parameters, gradients, optimizer state).
+    resident_bytes: Vec<u64>,
+    /// Bytes of one chunk buffer.
+    chunk_capacity: u64,
+    /// Per layer: the chunk that most of its forward ops read, its forward time (what
+    /// recomputing it costs), swapping its saved activations out and back in, and the bytes of
+    /// those activations and of its input.
     layer_chunk: Vec<usize>,
-    layer_forward: Vec<f64>,
+    layer_forward: Vec<Ticks>,
+    swap_out: Vec<Ticks>,
+    swap_in: Vec<Ticks>,
     layer_saved: Vec<u64>,
     layer_input: Vec<u64>,
     /// Bytes live outside the layers at the peak (embeddings, logits and their gradient).
     head_bytes: u64,
-    /// Per chunk: bytes of parameters, and elements.
-    chunk_bytes: Vec<u64>,
-    chunk_elems: Vec<u64>,
-    chunk_capacity: u64,
-    /// Copy times.
-    fetch: Vec<f64>,
-    offload: Vec<f64>,
-    h2d_per_byte: f64,
-    d2h_per_byte: f64,
-    cpu_adam: Vec<f64>,
-    gpu_adam: Vec<f64>,
-    /// Bytes per parameter element of optimizer state on the device (m, v).
-    state_per_elem: u64,
 }
 
 impl Profile {
@@ -138,7 +217,7 @@ impl Profile {
             .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
             .count();
         let layer_of = |block: protrain_ir::BlockId| match training.block(block).kind {
-            BlockKind::Layer(i) => Some(i as usize),
+            BlockKind::Layer(i) if (i as usize) < layers => Some(i as usize),
             _ => None,
         };
         let mut chunk_forward = vec![0.0; n];
@@ -169,9 +248,13 @@ impl Profile {
             if let Some(p) = op.inputs.iter().find_map(|&v| training.param_of(v)) {
                 current = chunks.locate(p).0.index();
             }
-            match op.phase {
-                Phase::Forward => chunk_forward[current] += seconds,
-                _ => chunk_backward[current] += seconds,
+            // (A graph without parameters has no chunk to charge.)
+            let per_chunk = match op.phase {
+                Phase::Forward => &mut chunk_forward,
+                _ => &mut chunk_backward,
+            };
+            if let Some(t) = per_chunk.get_mut(current) {
+                *t += seconds;
             }
             if let Some(l) = layer_of(op.block) {
                 if op.phase == Phase::Forward {
@@ -203,7 +286,7 @@ impl Profile {
             .ops()
             .find(|(_, op)| op.kind == OpKind::CrossEntropy)
             .map_or(0, |(_, op)| training.value(op.inputs[0]).ty.bytes());
-        head_bytes = head_bytes.max(2 * logits);
+        head_bytes = head_bytes.max(logits.saturating_mul(2));
         let layer_chunk = layer_votes
             .iter()
             .map(|v| {
@@ -223,148 +306,96 @@ impl Profile {
                     .sum()
             })
             .collect();
+        let state_per_elem = crate::streams::state_bytes_per_element(training);
+        let resident_bytes = chunk_bytes
+            .iter()
+            .zip(&chunk_elems)
+            .map(|(&b, &e)| {
+                b.saturating_mul(2)
+                    .saturating_add(state_per_elem.saturating_mul(e))
+            })
+            .collect();
         let big = 1u64 << 30;
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
+        let copies = |dir| -> Vec<f64> {
+            chunk_bytes
+                .iter()
+                .map(|&b| cost.copy_seconds(b, dir))
+                .collect()
+        };
+        let fetch = copies(CopyDir::HostToDevice);
+        let offload = copies(CopyDir::DeviceToHost);
+        let cpu_adam: Vec<f64> = chunk_elems
+            .iter()
+            .map(|&e| cost.cpu_adam_seconds(e))
+            .collect();
+        let gpu_adam: Vec<f64> = chunk_elems
+            .iter()
+            .map(|&e| cost.gpu_adam_seconds(e))
+            .collect();
+        let swap_out: Vec<f64> = layer_saved
+            .iter()
+            .map(|&b| b as f64 * d2h_per_byte)
+            .collect();
+        let swap_in: Vec<f64> = layer_saved
+            .iter()
+            .map(|&b| b as f64 * h2d_per_byte)
+            .collect();
+        // Every estimate is at most the sum of all of these.
+        let scale = TickScale::new(&[
+            &chunk_forward,
+            &chunk_backward,
+            &fetch,
+            &offload,
+            &cpu_adam,
+            &gpu_adam,
+            &layer_forward,
+            &swap_out,
+            &swap_in,
+        ]);
+        let ticks =
+            |seconds: &[f64]| -> Vec<Ticks> { seconds.iter().map(|&s| scale.ticks(s)).collect() };
+        let fetch = ticks(&fetch);
+        let backward_comm = fetch
+            .iter()
+            .zip(ticks(&offload))
+            .map(|(&f, o)| f.max(o))
+            .collect();
         Self {
             layers,
-            chunk_forward,
-            chunk_backward,
+            ticks_per_second: scale.per_second,
+            forward: ticks(&chunk_forward),
+            backward: ticks(&chunk_backward),
+            fetch,
+            backward_comm,
+            gpu_adam: ticks(&gpu_adam),
+            cpu_adam: ticks(&cpu_adam),
+            resident_bytes,
+            chunk_capacity: chunks.chunk_bytes,
             layer_chunk,
-            layer_forward,
+            layer_forward: ticks(&layer_forward),
+            swap_out: ticks(&swap_out),
+            swap_in: ticks(&swap_in),
             layer_saved,
             layer_input,
             head_bytes,
-            fetch: chunk_bytes
-                .iter()
-                .map(|&b| cost.copy_seconds(b, CopyDir::HostToDevice))
-                .collect(),
-            offload: chunk_bytes
-                .iter()
-                .map(|&b| cost.copy_seconds(b, CopyDir::DeviceToHost))
-                .collect(),
-            cpu_adam: chunk_elems
-                .iter()
-                .map(|&e| cost.cpu_adam_seconds(e))
-                .collect(),
-            gpu_adam: chunk_elems
-                .iter()
-                .map(|&e| cost.gpu_adam_seconds(e))
-                .collect(),
-            chunk_bytes,
-            chunk_elems,
-            chunk_capacity: chunks.chunk_bytes,
-            h2d_per_byte,
-            d2h_per_byte,
-            state_per_elem: crate::streams::state_bytes_per_element(training),
         }
     }
 
-    /// ProTrain's closed-form step time of a policy.
-    fn estimate_seconds(&self, p: Key) -> f64 {
-        let n = self.chunk_bytes.len();
-        let mut times: Vec<ChunkTimes> = (0..n)
-            .map(|c| {
-                let offloaded = c as u32 >= p.n_persist;
-                ChunkTimes {
-                    forward_compute: self.chunk_forward[c],
-                    backward_compute: self.chunk_backward[c],
-                    recompute: 0.0,
-                    forward_comm: if offloaded { self.fetch[c] } else { 0.0 },
-                    backward_comm: if offloaded {
-                        self.fetch[c].max(self.offload[c])
-                    } else {
-                        0.0
-                    },
-                }
-            })
-            .collect();
-        for l in 0..self.layers {
-            let mode = p.mode(l, self.layers);
-            let c = self.layer_chunk[l];
-            match mode {
-                BlockMode::Keep => {}
-                BlockMode::Checkpoint => times[c].recompute += self.layer_forward[l],
-                BlockMode::Swap => {
-                    times[c].forward_comm += self.layer_saved[l] as f64 * self.d2h_per_byte;
-                    times[c].backward_comm += self.layer_saved[l] as f64 * self.h2d_per_byte;
-                }
-            }
-        }
-        let gpu: f64 = (0..n)
-            .filter(|&c| (c as u32) < p.n_persist)
-            .map(|c| self.gpu_adam[c])
-            .sum();
-        let cpu: f64 = (0..n)
-            .filter(|&c| c as u32 >= p.n_persist)
-            .map(|c| self.cpu_adam[c])
-            .sum();
-        estimate_iteration(&times, gpu, cpu).total
+    fn chunks(&self) -> usize {
+        self.forward.len()
     }
 
-    /// A quick estimate of the device bytes a policy needs.
-    fn estimate_bytes(&self, p: Key) -> u64 {
-        let persist = p.n_persist as usize;
-        let persistent: u64 = (0..persist)
-            .map(|c| 2 * self.chunk_bytes[c] + self.state_per_elem * self.chunk_elems[c])
-            .sum();
-        let offloaded = persist < self.chunk_bytes.len();
-        let buffers = if offloaded {
-            (u64::from(p.n_buffer) + 2) * self.chunk_capacity
-        } else {
-            0
-        };
-        let mut activations = self.head_bytes;
-        let mut recompute_peak = 0;
-        let mut swap_peak = 0;
-        for l in 0..self.layers {
-            match p.mode(l, self.layers) {
-                BlockMode::Keep => activations += self.layer_saved[l],
-                BlockMode::Checkpoint => {
-                    activations += self.layer_input[l];
-                    recompute_peak = recompute_peak.max(self.layer_saved[l]);
-                }
-                BlockMode::Swap => {
-                    activations += self.layer_input[l];
-                    swap_peak = swap_peak.max(self.layer_saved[l]);
-                }
-            }
-        }
-        persistent + buffers + activations + recompute_peak + 3 * swap_peak
+    /// `ticks` in seconds.
+    fn seconds(&self, ticks: Ticks) -> f64 {
+        ticks as f64 / self.ticks_per_second
     }
 }
 
-/// Every policy the search considers: `n_persist` over every chunk count; 2 to 4 chunk
-/// buffers when something is offloaded; ProTrain's interleaved `(n_swap, n_checkpoint)` over
-/// every split of the layers.
-fn enumerate(chunks: usize, layers: usize) -> Vec<Key> {
-    let mut out = Vec::new();
-    for n_persist in 0..=chunks as u32 {
-        let streamed = chunks as u32 - n_persist;
-        let buffers: Vec<u32> = match streamed {
-            0 => vec![0],
-            1 => vec![1],
-            s => (2..=s.min(4)).collect(),
-        };
-        for &n_buffer in &buffers {
-            for n_swap in 0..=layers as u32 {
-                for n_checkpoint in 0..=layers as u32 - n_swap {
-                    out.push(Key {
-                        n_persist,
-                        n_buffer,
-                        n_swap,
-                        n_checkpoint,
-                    });
-                }
-            }
-        }
-    }
-    out
-}
-
-/// A policy in ProTrain's family, as four numbers: cheap to enumerate, sort and estimate;
+/// A policy in ProTrain's family, as four numbers: cheap to estimate, sort and compare;
 /// [`Key::policy`] builds the [`Policy`] only for the candidates that get compiled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct Key {
     n_persist: u32,
     n_buffer: u32,
@@ -383,14 +414,736 @@ impl Key {
         )
     }
 
-    /// Layer `l`'s mode, as [`Policy::protrain`] lays them out.
-    fn mode(self, l: usize, layers: usize) -> BlockMode {
-        Policy::protrain_mode(l, self.n_swap as usize, self.n_checkpoint as usize, layers)
-    }
-
     fn movement(self) -> u32 {
         self.n_swap + self.n_checkpoint
     }
+}
+
+/// A policy with its estimates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Scored {
+    /// ProTrain's closed-form step time.
+    ticks: Ticks,
+    /// The device bytes it is estimated to need.
+    bytes: u64,
+    key: Key,
+}
+
+/// A block layout: `n_swap` swapped and `n_checkpoint` checkpointed blocks in ProTrain's
+/// interleaved order, the rest kept, with the activation bytes it is estimated to need (the
+/// part of a policy's device bytes that depends on the layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
+    n_swap: u32,
+    n_checkpoint: u32,
+    bytes: u64,
+}
+
+/// The chunk buffers the search tries with `n_persist` of `chunks` chunks persistent: none
+/// when nothing streams, one for one streamed chunk, else 2 to 4.
+fn buffer_choices(chunks: usize, n_persist: usize) -> RangeInclusive<u32> {
+    match chunks - n_persist {
+        0 => 0..=0,
+        1 => 1..=1,
+        streamed => 2..=streamed.min(4) as u32,
+    }
+}
+
+/// `value` as a u64, `u64::MAX` when it is larger.
+fn clamp(value: u128) -> u64 {
+    u64::try_from(value).unwrap_or(u64::MAX)
+}
+
+/// The estimates of every policy, through prefix sums over chunks and layers computed once
+/// (`O(chunks + layers log layers)`), and the lower bounds that let a query skip layouts.
+///
+/// A policy's step time is ProTrain's `T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)`, each
+/// of `T_fwd` and `T_bwd` a sum over chunks of a max of compute and communication. A chunk's
+/// terms depend on whether it is persistent (`chunk < n_persist`) and on the modes of the
+/// layers it holds; keeping a layer changes nothing. So for one layout, the chunks holding a
+/// swapped or checkpointed layer are computed one by one and the others come from prefix
+/// sums of their keep-mode terms, split at `n_persist`.
+struct Estimator<'p> {
+    profile: &'p Profile,
+    chunks: usize,
+    /// Over chunks: entry `p` sums chunks `0..p` (`chunks + 1` entries). Keep-mode forward
+    /// terms persistent (`forward`) and streamed (`max(forward, fetch)`), likewise backward.
+    forward_resident: Vec<Ticks>,
+    forward_streamed: Vec<Ticks>,
+    backward_resident: Vec<Ticks>,
+    backward_streamed: Vec<Ticks>,
+    fetch: Vec<Ticks>,
+    backward_comm: Vec<Ticks>,
+    gpu_adam: Vec<Ticks>,
+    cpu_adam: Vec<Ticks>,
+    resident_bytes: Vec<u128>,
+    /// Per `n_persist`: device bytes outside activations with its fewest chunk buffers.
+    leanest: Vec<u128>,
+    /// The least of `leanest`.
+    least: u128,
+    /// Per `n_persist = p`: the least over `q <= p` of the step time with every block kept,
+    /// and of forward plus device optimizer time with every block kept (lower bounds).
+    min_keep_time: Vec<Ticks>,
+    min_forward_gpu: Vec<Ticks>,
+    /// Over layers: entry `l` covers layers `0..l` (`layers + 1` entries): saved and input
+    /// bytes summed, and the least forward and swap times (0 for none).
+    saved: Vec<u128>,
+    input: Vec<u128>,
+    min_forward: Vec<Ticks>,
+    min_swap_out: Vec<Ticks>,
+    min_swap_in: Vec<Ticks>,
+    /// Layers by saved bytes, largest first, ties by index: where the activation peaks are
+    /// looked for. With identical layers the first one or two answer.
+    by_saved: Vec<u32>,
+}
+
+/// Running sums of `values`, starting at 0.
+fn prefix_sums<T: Copy + std::ops::Add<Output = T> + Default>(
+    values: impl Iterator<Item = T>,
+) -> Vec<T> {
+    let mut sums = vec![T::default()];
+    let mut total = T::default();
+    for v in values {
+        total = total + v;
+        sums.push(total);
+    }
+    sums
+}
+
+/// Running minima of `values`, starting at 0 for none.
+fn prefix_minima(values: &[Ticks]) -> Vec<Ticks> {
+    let mut minima = vec![0];
+    let mut least = Ticks::MAX;
+    for &v in values {
+        least = least.min(v);
+        minima.push(least);
+    }
+    minima
+}
+
+impl<'p> Estimator<'p> {
+    fn new(profile: &'p Profile) -> Self {
+        let n = profile.chunks();
+        let chunks = 0..n;
+        let forward_resident = prefix_sums(profile.forward.iter().copied());
+        let forward_streamed = prefix_sums(
+            chunks
+                .clone()
+                .map(|c| profile.forward[c].max(profile.fetch[c])),
+        );
+        let backward_resident = prefix_sums(profile.backward.iter().copied());
+        let backward_streamed = prefix_sums(
+            chunks
+                .clone()
+                .map(|c| profile.backward[c].max(profile.backward_comm[c])),
+        );
+        let resident_bytes: Vec<u128> =
+            prefix_sums(profile.resident_bytes.iter().map(|&b| u128::from(b)));
+        let mut estimator = Self {
+            profile,
+            chunks: n,
+            forward_resident,
+            forward_streamed,
+            backward_resident,
+            backward_streamed,
+            fetch: prefix_sums(profile.fetch.iter().copied()),
+            backward_comm: prefix_sums(profile.backward_comm.iter().copied()),
+            gpu_adam: prefix_sums(profile.gpu_adam.iter().copied()),
+            cpu_adam: prefix_sums(profile.cpu_adam.iter().copied()),
+            resident_bytes,
+            leanest: Vec::new(),
+            least: 0,
+            min_keep_time: Vec::new(),
+            min_forward_gpu: Vec::new(),
+            saved: prefix_sums(profile.layer_saved.iter().map(|&b| u128::from(b))),
+            input: prefix_sums(profile.layer_input.iter().map(|&b| u128::from(b))),
+            min_forward: prefix_minima(&profile.layer_forward),
+            min_swap_out: prefix_minima(&profile.swap_out),
+            min_swap_in: prefix_minima(&profile.swap_in),
+            by_saved: Vec::new(),
+        };
+        estimator.leanest = (0..=n)
+            .map(|p| estimator.device_bytes(p, *buffer_choices(n, p).start()))
+            .collect();
+        estimator.least = estimator.leanest.iter().copied().min().unwrap_or(0);
+        let running_min = |values: Vec<Ticks>| -> Vec<Ticks> {
+            values
+                .iter()
+                .scan(Ticks::MAX, |least, &v| {
+                    *least = (*least).min(v);
+                    Some(*least)
+                })
+                .collect()
+        };
+        estimator.min_keep_time = running_min((0..=n).map(|p| estimator.keep_time(p)).collect());
+        estimator.min_forward_gpu = running_min(
+            (0..=n)
+                .map(|p| estimator.keep_forward(p) + estimator.gpu(p))
+                .collect(),
+        );
+        let mut by_saved: Vec<u32> = (0..profile.layers as u32).collect();
+        by_saved.sort_by_key(|&l| (Reverse(profile.layer_saved[l as usize]), l));
+        estimator.by_saved = by_saved;
+        estimator
+    }
+
+    /// `prefix[chunks] - prefix[p]`: the sum over chunks `p..`.
+    fn suffix(&self, prefix: &[Ticks], p: usize) -> Ticks {
+        prefix[self.chunks] - prefix[p]
+    }
+
+    /// `T_fwd` with `p` chunks persistent and every block kept; it only falls as `p` grows.
+    fn keep_forward(&self, p: usize) -> Ticks {
+        self.forward_resident[p] + self.suffix(&self.forward_streamed, p)
+    }
+
+    /// `T_bwd` with `p` chunks persistent and every block kept; it only falls as `p` grows.
+    fn keep_backward(&self, p: usize) -> Ticks {
+        self.backward_resident[p] + self.suffix(&self.backward_streamed, p)
+    }
+
+    /// The device optimizer over the persistent chunks.
+    fn gpu(&self, p: usize) -> Ticks {
+        self.gpu_adam[p]
+    }
+
+    /// The host optimizer over the streamed chunks; it only falls as `p` grows.
+    fn cpu(&self, p: usize) -> Ticks {
+        self.suffix(&self.cpu_adam, p)
+    }
+
+    /// The step time with `p` chunks persistent and every block kept: no layout is faster.
+    fn keep_time(&self, p: usize) -> Ticks {
+        self.keep_forward(p) + (self.keep_backward(p) + self.gpu(p)).max(self.cpu(p))
+    }
+
+    /// Device bytes outside activations: persistent chunks and chunk buffers (two more than
+    /// `n_buffer`, for the prefetch in flight and the gradient offload).
+    fn device_bytes(&self, p: usize, n_buffer: u32) -> u128 {
+        let buffers = if p < self.chunks {
+            (u128::from(n_buffer) + 2) * u128::from(self.profile.chunk_capacity)
+        } else {
+            0
+        };
+        self.resident_bytes[p] + buffers
+    }
+
+    /// Activation bytes of a layout: the head, every kept layer's saved activations, every
+    /// other layer's input, the largest recomputed layer's activations, and three times the
+    /// largest swapped layer's (one being written out, one read back, one in use).
+    fn activation_bytes(&self, n_swap: u32, n_checkpoint: u32) -> u64 {
+        let profile = self.profile;
+        let prefix = (n_swap + n_checkpoint) as usize;
+        let peak = |mode: BlockMode, count: u32| -> u128 {
+            if count == 0 {
+                return 0;
+            }
+            self.by_saved
+                .iter()
+                .map(|&l| l as usize)
+                .find(|&l| {
+                    l < prefix
+                        && Policy::protrain_mode(
+                            l,
+                            n_swap as usize,
+                            n_checkpoint as usize,
+                            profile.layers,
+                        ) == mode
+                })
+                .map_or(0, |l| u128::from(profile.layer_saved[l]))
+        };
+        let kept = self.saved[profile.layers] - self.saved[prefix];
+        clamp(
+            u128::from(profile.head_bytes)
+                + kept
+                + self.input[prefix]
+                + peak(BlockMode::Checkpoint, n_checkpoint)
+                + 3 * peak(BlockMode::Swap, n_swap),
+        )
+    }
+
+    /// Every block layout with its activation bytes, by `n_swap` then `n_checkpoint`.
+    fn layouts(&self) -> Vec<Layout> {
+        let layers = self.profile.layers as u32;
+        (0..=layers)
+            .into_par_iter()
+            .flat_map_iter(|n_swap| {
+                (0..=layers - n_swap).map(move |n_checkpoint| Layout {
+                    n_swap,
+                    n_checkpoint,
+                    bytes: self.activation_bytes(n_swap, n_checkpoint),
+                })
+            })
+            .collect()
+    }
+
+    /// Policies in the family: every `(n_persist, n_buffer)` with every layout.
+    fn policy_count(&self, layouts: usize) -> usize {
+        (0..=self.chunks)
+            .map(|p| buffer_choices(self.chunks, p).count())
+            .sum::<usize>()
+            .saturating_mul(layouts)
+    }
+
+    /// Policies whose estimated device bytes exceed `limit`. `sorted` holds the layouts'
+    /// activation bytes in increasing order.
+    fn count_over(&self, sorted: &[u64], limit: u64) -> usize {
+        let mut over = 0;
+        for p in 0..=self.chunks {
+            for n_buffer in buffer_choices(self.chunks, p) {
+                let fixed = self.device_bytes(p, n_buffer);
+                over += match u128::from(limit).checked_sub(fixed) {
+                    None => sorted.len(),
+                    Some(room) => sorted.len() - sorted.partition_point(|&a| u128::from(a) <= room),
+                };
+            }
+        }
+        over
+    }
+
+    /// The most persistent chunks a policy can have when `room` bytes are left beside its
+    /// activations, if any: every policy that fits has at most that many.
+    fn max_persist(&self, room: u128) -> Option<usize> {
+        let n = self.chunks;
+        // All persistent needs no buffer, one streamed chunk one: either can be leaner than
+        // fewer persistent chunks with two buffers. Below that, bytes rise with `p`.
+        if self.leanest[n] <= room {
+            return Some(n);
+        }
+        if n >= 1 && self.leanest[n - 1] <= room {
+            return Some(n - 1);
+        }
+        if n < 2 {
+            return None;
+        }
+        self.leanest[..=n - 2]
+            .partition_point(|&w| w <= room)
+            .checked_sub(1)
+    }
+
+    /// A lower bound on the step time of every policy with `layout` and at most `p_max`
+    /// chunks persistent. Each term is a sum the exact time cannot be under, at the `p` that
+    /// makes it least: every term but the device optimizer falls as `p` grows.
+    fn time_bound(&self, layout: &Layout, p_max: usize) -> Ticks {
+        let (s, c) = (layout.n_swap, layout.n_checkpoint);
+        let prefix = (s + c) as usize;
+        let p = p_max;
+        // Recomputing `c` layers costs at least `c` of the least forward time among them,
+        // and likewise for swapping.
+        let recompute = u64::from(c) * self.min_forward[prefix];
+        let swap_out = u64::from(s) * self.min_swap_out[prefix];
+        let swap_in = u64::from(s) * self.min_swap_in[prefix];
+        let backward_compute = self.backward_resident[self.chunks];
+        // A chunk's max(compute, comm) is at least either: sum each side over the chunks.
+        let forward = self
+            .keep_forward(p)
+            .max(self.suffix(&self.fetch, p) + swap_out);
+        let backward = self
+            .keep_backward(p)
+            .max(backward_compute + recompute)
+            .max(self.suffix(&self.backward_comm, p) + swap_in);
+        // Moving blocks off the device never speeds a chunk up: no layout beats keeping all.
+        self.min_keep_time[p]
+            .max(self.min_forward_gpu[p] + backward_compute + recompute)
+            .max(forward + backward.max(self.cpu(p)))
+    }
+
+    /// Estimates every policy with `layout` whose device bytes are at most `limit`, and
+    /// hands each to `visit` (by `n_persist`, then `n_buffer`). `O(prefix + chunks)`.
+    fn sweep(
+        &self,
+        scratch: &mut Scratch,
+        layout: &Layout,
+        limit: u64,
+        mut visit: impl FnMut(Scored),
+    ) {
+        let Some(room) = u128::from(limit).checked_sub(u128::from(layout.bytes)) else {
+            return;
+        };
+        let profile = self.profile;
+        let n = self.chunks;
+        let (s, c) = (layout.n_swap, layout.n_checkpoint);
+        scratch.clear();
+        for l in 0..(s + c) as usize {
+            let k = profile.layer_chunk[l];
+            if k >= n {
+                continue;
+            }
+            if !scratch.seen[k] {
+                scratch.seen[k] = true;
+                scratch.touched.push(k);
+            }
+            match Policy::protrain_mode(l, s as usize, c as usize, profile.layers) {
+                BlockMode::Swap => {
+                    scratch.swap_out[k] += profile.swap_out[l];
+                    scratch.swap_in[k] += profile.swap_in[l];
+                }
+                BlockMode::Checkpoint => scratch.recompute[k] += profile.layer_forward[l],
+                BlockMode::Keep => {}
+            }
+        }
+        scratch.touched.sort_unstable();
+        // What a touched chunk's layers add to its four terms over keep mode: forward
+        // persistent and streamed, backward persistent and streamed.
+        let mut total = [0; 4];
+        for &k in &scratch.touched {
+            let (f, b) = (profile.forward[k], profile.backward[k]);
+            let (fetch, comm) = (profile.fetch[k], profile.backward_comm[k]);
+            let (out, back, again) = (
+                scratch.swap_out[k],
+                scratch.swap_in[k],
+                scratch.recompute[k],
+            );
+            let added = [
+                f.max(out) - f,
+                f.max(fetch + out) - f.max(fetch),
+                (b + again).max(back) - b,
+                (b + again).max(comm + back) - b.max(comm),
+            ];
+            for (t, a) in total.iter_mut().zip(added) {
+                *t += a;
+            }
+            scratch.added.push(added);
+        }
+        // Sweep n_persist upwards; `below` sums what the touched chunks under it add.
+        let mut below = [0; 4];
+        let mut next = 0;
+        let mut p = 0;
+        while p <= n {
+            if p + 2 <= n && self.leanest[p] > room {
+                // Bytes only rise with `p` below `n - 1`: skip to the two leaner ends.
+                p = n - 1;
+                continue;
+            }
+            while next < scratch.touched.len() && scratch.touched[next] < p {
+                for (b, a) in below.iter_mut().zip(scratch.added[next]) {
+                    *b += a;
+                }
+                next += 1;
+            }
+            if self.leanest[p] <= room {
+                let forward = self.forward_resident[p]
+                    + below[0]
+                    + self.suffix(&self.forward_streamed, p)
+                    + (total[1] - below[1]);
+                let backward = self.backward_resident[p]
+                    + below[2]
+                    + self.suffix(&self.backward_streamed, p)
+                    + (total[3] - below[3]);
+                let ticks = forward + (backward + self.gpu(p)).max(self.cpu(p));
+                for n_buffer in buffer_choices(n, p) {
+                    let bytes = self.device_bytes(p, n_buffer) + u128::from(layout.bytes);
+                    if bytes > u128::from(limit) {
+                        break;
+                    }
+                    visit(Scored {
+                        ticks,
+                        bytes: clamp(bytes),
+                        key: Key {
+                            n_persist: p as u32,
+                            n_buffer,
+                            n_swap: s,
+                            n_checkpoint: c,
+                        },
+                    });
+                }
+            }
+            p += 1;
+        }
+    }
+
+    /// The first `k` policies ranked after `after` by `O` among those whose device bytes are
+    /// at most `limit`, in order, and how many layouts it swept.
+    ///
+    /// Branch and bound: every layout gets a rank no policy of it can beat
+    /// ([`Order::bound`]); layouts are swept from the best bound, in blocks swept in
+    /// parallel, until the next bound ranks after the `k`-th policy found. The answer does
+    /// not depend on the blocks or the thread count, only the work does.
+    fn best_after<O: Order>(
+        &self,
+        layouts: &[Layout],
+        limit: u64,
+        after: Option<O::Rank>,
+        k: usize,
+    ) -> (Vec<Scored>, usize) {
+        const ROUND: usize = 1024;
+        const BLOCK: usize = 32;
+        let mut pending: Vec<(O::Rank, u32)> = layouts
+            .par_iter()
+            .enumerate()
+            .filter_map(|(i, layout)| {
+                let room = u128::from(limit).checked_sub(u128::from(layout.bytes))?;
+                let p_max = self.max_persist(room)?;
+                let ticks = self.time_bound(layout, p_max);
+                let bound = O::bound(layout, clamp(self.least), ticks, p_max as u32);
+                Some((bound, i as u32))
+            })
+            .collect();
+        let mut best: BinaryHeap<(O::Rank, Scored)> = BinaryHeap::with_capacity(k + 1);
+        let mut swept = 0;
+        let kth = |best: &BinaryHeap<(O::Rank, Scored)>| {
+            (best.len() >= k)
+                .then(|| best.peek().map(|(r, _)| *r))
+                .flatten()
+        };
+        while k > 0 && !pending.is_empty() {
+            if let Some(kth) = kth(&best) {
+                pending.retain(|(bound, _)| *bound <= kth);
+            }
+            let take = pending.len().min(ROUND);
+            if take == 0 {
+                break;
+            }
+            if take < pending.len() {
+                pending.select_nth_unstable(take - 1);
+            }
+            let mut round: Vec<(O::Rank, u32)> = pending.drain(..take).collect();
+            round.sort_unstable();
+            for block in round.chunks(BLOCK) {
+                let limit_rank = kth(&best);
+                if limit_rank.is_some_and(|kth| block[0].0 > kth) {
+                    break;
+                }
+                let found: Vec<Vec<(O::Rank, Scored)>> = block
+                    .par_iter()
+                    .map_init(
+                        || Scratch::new(self.chunks),
+                        |scratch, &(bound, i)| {
+                            let mut local = Vec::new();
+                            if limit_rank.is_some_and(|kth| bound > kth) {
+                                return local;
+                            }
+                            self.sweep(scratch, &layouts[i as usize], limit, |x| {
+                                let rank = O::rank(&x);
+                                if after.is_none_or(|a| rank > a)
+                                    && limit_rank.is_none_or(|kth| rank < kth)
+                                {
+                                    local.push((rank, x));
+                                }
+                            });
+                            if local.len() > k {
+                                local.select_nth_unstable(k - 1);
+                                local.truncate(k);
+                            }
+                            local
+                        },
+                    )
+                    .collect();
+                swept += block
+                    .iter()
+                    .filter(|(bound, _)| limit_rank.is_none_or(|kth| *bound <= kth))
+                    .count();
+                for entry in found.into_iter().flatten() {
+                    if best.len() < k {
+                        best.push(entry);
+                    } else if best.peek().is_some_and(|top| entry < *top) {
+                        best.pop();
+                        best.push(entry);
+                    }
+                }
+            }
+        }
+        let list = best.into_sorted_vec().into_iter().map(|(_, x)| x).collect();
+        (list, swept)
+    }
+}
+
+/// Per-thread working space of [`Estimator::sweep`]: what the swapped and checkpointed
+/// layers add to each chunk, and which chunks they touch.
+struct Scratch {
+    swap_out: Vec<Ticks>,
+    swap_in: Vec<Ticks>,
+    recompute: Vec<Ticks>,
+    seen: Vec<bool>,
+    touched: Vec<usize>,
+    added: Vec<[Ticks; 4]>,
+}
+
+impl Scratch {
+    fn new(chunks: usize) -> Self {
+        Self {
+            swap_out: vec![0; chunks],
+            swap_in: vec![0; chunks],
+            recompute: vec![0; chunks],
+            seen: vec![false; chunks],
+            touched: Vec::new(),
+            added: Vec::new(),
+        }
+    }
+
+    /// Zeroes what the last sweep touched.
+    fn clear(&mut self) {
+        for &k in &self.touched {
+            self.swap_out[k] = 0;
+            self.swap_in[k] = 0;
+            self.recompute[k] = 0;
+            self.seen[k] = false;
+        }
+        self.touched.clear();
+        self.added.clear();
+    }
+}
+
+/// An order on policies, total: the last fields are the order `(n_persist, n_buffer,
+/// n_swap, n_checkpoint)` in which the family is enumerated, so no two policies tie.
+trait Order {
+    /// What is compared.
+    type Rank: Ord + Copy + Send + Sync;
+
+    /// A policy's rank.
+    fn rank(x: &Scored) -> Self::Rank;
+
+    /// A rank that no policy with `layout`, at most `p_max` persistent chunks, a step time of
+    /// at least `ticks` and at least `least` bytes outside activations ranks below.
+    fn bound(layout: &Layout, least: u64, ticks: Ticks, p_max: u32) -> Self::Rank;
+}
+
+/// Fastest first; among equals, the one that moves the least: more persistent chunks, fewer
+/// swapped or recomputed blocks, then fewer bytes. (This orders what is compiled; the winner
+/// among the compiled is chosen by [`rank`].)
+struct Fastest;
+
+impl Order for Fastest {
+    type Rank = (Ticks, Reverse<u32>, u32, u64, u32, u32, u32);
+
+    fn rank(x: &Scored) -> Self::Rank {
+        let k = x.key;
+        (
+            x.ticks,
+            Reverse(k.n_persist),
+            k.movement(),
+            x.bytes,
+            k.n_buffer,
+            k.n_swap,
+            k.n_checkpoint,
+        )
+    }
+
+    fn bound(layout: &Layout, _least: u64, ticks: Ticks, p_max: u32) -> Self::Rank {
+        let movement = layout.n_swap + layout.n_checkpoint;
+        (ticks, Reverse(p_max), movement, 0, 0, 0, 0)
+    }
+}
+
+/// Leanest first by estimated bytes, then as [`Fastest`].
+struct Leanest;
+
+impl Order for Leanest {
+    type Rank = (u64, Ticks, Reverse<u32>, u32, u32, u32, u32);
+
+    fn rank(x: &Scored) -> Self::Rank {
+        let k = x.key;
+        (
+            x.bytes,
+            x.ticks,
+            Reverse(k.n_persist),
+            k.movement(),
+            k.n_buffer,
+            k.n_swap,
+            k.n_checkpoint,
+        )
+    }
+
+    fn bound(layout: &Layout, least: u64, ticks: Ticks, p_max: u32) -> Self::Rank {
+        let movement = layout.n_swap + layout.n_checkpoint;
+        let bytes = layout.bytes.saturating_add(least);
+        (bytes, ticks, Reverse(p_max), movement, 0, 0, 0)
+    }
+}
+
+/// The policies in `O`'s order, handed out one at a time to a caller that may skip those
+/// over a byte limit it tightens or loosens as it goes: the policies a full sort would hand
+/// out, fetched `k` at a time from [`Estimator::best_after`].
+struct Stream<'e, O: Order> {
+    estimator: &'e Estimator<'e>,
+    layouts: &'e [Layout],
+    k: usize,
+    /// The next policies after `cursor` within `listed_limit`, in order.
+    list: VecDeque<Scored>,
+    listed_limit: Option<u64>,
+    /// Whether `list` holds every policy left within `listed_limit`.
+    complete: bool,
+    /// The last policy handed out or skipped.
+    cursor: Option<O::Rank>,
+    /// Whether a call found nothing: it skipped every policy left, as a walk would.
+    finished: bool,
+    /// Lists fetched and layouts swept so far.
+    queries: usize,
+    swept: usize,
+    order: PhantomData<O>,
+}
+
+impl<'e, O: Order> Stream<'e, O> {
+    fn new(estimator: &'e Estimator<'e>, layouts: &'e [Layout], k: usize) -> Self {
+        Self {
+            estimator,
+            layouts,
+            k: k.max(1),
+            list: VecDeque::new(),
+            listed_limit: None,
+            complete: false,
+            cursor: None,
+            finished: false,
+            queries: 0,
+            swept: 0,
+            order: PhantomData,
+        }
+    }
+
+    /// The next policy whose estimated bytes are at most `limit`; those before it over the
+    /// limit are skipped for good, as a caller walking a sorted list would.
+    fn next(&mut self, limit: u64) -> Option<Scored> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            // A looser limit than the list was made for: policies it left out may now come
+            // first.
+            let stale = self.listed_limit.is_none_or(|listed| limit > listed);
+            if stale || (self.list.is_empty() && !self.complete) {
+                let (list, swept) =
+                    self.estimator
+                        .best_after::<O>(self.layouts, limit, self.cursor, self.k);
+                self.complete = list.len() < self.k;
+                self.list = list.into();
+                self.listed_limit = Some(limit);
+                self.queries += 1;
+                self.swept += swept;
+            }
+            let Some(x) = self.list.pop_front() else {
+                self.finished = true;
+                return None;
+            };
+            self.cursor = Some(O::rank(&x));
+            if x.bytes <= limit {
+                return Some(x);
+            }
+        }
+    }
+}
+
+/// The largest byte estimate that, scaled by `correction`, stays within 1% over `budget`:
+/// the predicate `bytes * correction <= budget * 1.01` in floating point, as a limit.
+fn corrected_limit(correction: f64, budget: u64) -> u64 {
+    let allowed = budget as f64 * 1.01;
+    // Not over, as the search always compared: a NaN product passes.
+    let fits = |bytes: u64| {
+        (bytes as f64 * correction).partial_cmp(&allowed) != Some(std::cmp::Ordering::Greater)
+    };
+    if fits(u64::MAX) {
+        return u64::MAX;
+    }
+    // `fits` holds at 0 and not at u64::MAX, and only turns false once as bytes rise.
+    let (mut lo, mut hi) = (0u64, u64::MAX);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// Blocks that are not simply kept: what a policy swaps or recomputes.
@@ -410,24 +1163,21 @@ pub fn search(
     options: &SearchOptions,
 ) -> Result<(Schedule, SearchReport)> {
     let profile = Profile::new(training, chunks, cost);
-    let policies = enumerate(chunks.len(), profile.layers);
+    let estimator = Estimator::new(&profile);
+    let layouts = estimator.layouts();
+    // Estimates are rough: let candidates up to 25% over budget through to the exact plan.
+    let slack = options
+        .device_budget
+        .saturating_add(options.device_budget / 4);
+    let mut sorted_bytes: Vec<u64> = layouts.iter().map(|l| l.bytes).collect();
+    sorted_bytes.par_sort_unstable();
     let mut report = SearchReport {
-        enumerated: policies.len(),
+        enumerated: estimator.policy_count(layouts.len()),
+        layouts: layouts.len(),
+        rejected_estimate: estimator.count_over(&sorted_bytes, slack),
         ..Default::default()
     };
-    let mut ranked: Vec<(f64, u64, Key)> = policies
-        .into_par_iter()
-        .map(|k| (profile.estimate_seconds(k), profile.estimate_bytes(k), k))
-        .collect();
-    // Fastest first; among equals, the one that moves the least: more persistent chunks,
-    // fewer swapped or recomputed blocks, then fewer bytes. (This orders what is compiled;
-    // the winner among the compiled is chosen by [`rank`].)
-    ranked.sort_by(|a, b| {
-        a.0.total_cmp(&b.0)
-            .then(b.2.n_persist.cmp(&a.2.n_persist))
-            .then(a.2.movement().cmp(&b.2.movement()))
-            .then(a.1.cmp(&b.1))
-    });
+    drop(sorted_bytes);
     // Candidates are compiled without a budget (the search rejects those over it itself);
     // the winner gets the real budgets in its header.
     let header = |report: String| HeaderInputs {
@@ -437,12 +1187,6 @@ pub fn search(
         host_budget_bytes: u64::MAX,
         report,
     };
-    // Estimates are rough: let candidates up to 25% over budget through to the exact plan.
-    let slack = options.device_budget + options.device_budget / 4;
-    let (promising, over): (Vec<_>, Vec<_>) = ranked
-        .into_iter()
-        .partition(|(_, bytes, _)| *bytes <= slack);
-    report.rejected_estimate = over.len();
 
     // The fitting candidates within the tie tolerance of the fastest so far, with their
     // schedules; the winner is chosen among them at the end.
@@ -452,10 +1196,13 @@ pub fn search(
     //    estimate compared with the exact plans so far (the median ratio; 0.8 before any, so a
     //    25% over-estimate still gets through), exceed the budget;
     // 2. if none of those fit, the leanest by estimate.
+    // Both walk the policies whose estimated bytes are within `slack`, in their order.
+    let listed = options.max_compiled.max(COMPILE_BATCH) + COMPILE_BATCH;
+    let mut fastest = Stream::<Fastest>::new(&estimator, &layouts, listed);
+    let mut leanest = Stream::<Leanest>::new(&estimator, &layouts, listed);
     let mut ratios: Vec<f64> = Vec::new();
     let mut pass = 1;
     let mut compiled_in_pass = 0;
-    let mut queue = promising.clone().into_iter();
     loop {
         if !contenders.is_empty()
             && (report.compiled.len() >= 4 || compiled_in_pass >= options.max_compiled)
@@ -470,17 +1217,18 @@ pub fn search(
                 sorted[n / 2]
             }
         };
+        let limit = slack.min(corrected_limit(correction, options.device_budget));
         let mut batch = Vec::with_capacity(COMPILE_BATCH);
         if compiled_in_pass < options.max_compiled {
-            for candidate in queue.by_ref() {
-                if pass == 1
-                    && (candidate.1 as f64 * correction) > options.device_budget as f64 * 1.01
-                {
-                    continue;
-                }
-                batch.push(candidate);
-                if batch.len() == COMPILE_BATCH {
-                    break;
+            while batch.len() < COMPILE_BATCH {
+                let next = if pass == 1 {
+                    fastest.next(limit)
+                } else {
+                    leanest.next(slack)
+                };
+                match next {
+                    Some(x) => batch.push(x),
+                    None => break,
                 }
             }
         }
@@ -490,16 +1238,13 @@ pub fn search(
             }
             pass = 2;
             compiled_in_pass = 0;
-            let mut lean = promising.clone();
-            lean.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.total_cmp(&b.0)));
-            queue = lean.into_iter();
             continue;
         }
         compiled_in_pass += batch.len();
         let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
-            .map(|&(estimate, bytes, key)| {
-                let policy = key.policy(profile.layers);
+            .map(|x| {
+                let policy = x.key.policy(profile.layers);
                 let result = compile_policy_on(
                     training,
                     chunks,
@@ -507,7 +1252,7 @@ pub fn search(
                     header(String::new()),
                     options.topology,
                 );
-                (policy, estimate, bytes, result)
+                (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
         for (policy, estimate, estimated_bytes, result) in results {
@@ -551,6 +1296,7 @@ pub fn search(
             .fold(f64::INFINITY, f64::min);
         contenders.retain(|(c, _)| ties(c.simulated_seconds, fastest));
     }
+    report.layouts_swept = fastest.swept + leanest.swept;
     let fastest = fastest_of(&report.compiled);
     let best = contenders
         .into_iter()
@@ -673,5 +1419,473 @@ fn too_small(
             ))
         }
         Err(e) => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{estimate_iteration, ChunkTimes};
+    use proptest::prelude::*;
+
+    impl Profile {
+        /// The per-layer loop the sweeps replace: ProTrain's chunk times, each layer adding
+        /// to its chunk's, summed chunk by chunk. The reference the sweeps must equal.
+        fn direct_ticks(&self, key: Key) -> Ticks {
+            let n = self.chunks();
+            let p = key.n_persist as usize;
+            // forward compute, backward compute, recompute, forward comm, backward comm
+            let mut times: Vec<[Ticks; 5]> = (0..n)
+                .map(|c| {
+                    let streamed = c >= p;
+                    [
+                        self.forward[c],
+                        self.backward[c],
+                        0,
+                        if streamed { self.fetch[c] } else { 0 },
+                        if streamed { self.backward_comm[c] } else { 0 },
+                    ]
+                })
+                .collect();
+            for l in 0..self.layers {
+                let c = self.layer_chunk[l];
+                let (s, k) = (key.n_swap as usize, key.n_checkpoint as usize);
+                match Policy::protrain_mode(l, s, k, self.layers) {
+                    BlockMode::Keep => {}
+                    BlockMode::Checkpoint => times[c][2] += self.layer_forward[l],
+                    BlockMode::Swap => {
+                        times[c][3] += self.swap_out[l];
+                        times[c][4] += self.swap_in[l];
+                    }
+                }
+            }
+            let gpu: Ticks = (0..p).map(|c| self.gpu_adam[c]).sum();
+            let cpu: Ticks = (p..n).map(|c| self.cpu_adam[c]).sum();
+            let forward: Ticks = times.iter().map(|t| t[0].max(t[3])).sum();
+            let backward: Ticks = times.iter().map(|t| (t[1] + t[2]).max(t[4])).sum();
+            forward + (backward + gpu).max(cpu)
+        }
+
+        /// The per-layer loop of the device bytes.
+        fn direct_bytes(&self, key: Key) -> u64 {
+            let p = key.n_persist as usize;
+            let persistent: u128 = (0..p).map(|c| u128::from(self.resident_bytes[c])).sum();
+            let buffers = if p < self.chunks() {
+                (u128::from(key.n_buffer) + 2) * u128::from(self.chunk_capacity)
+            } else {
+                0
+            };
+            let mut activations = u128::from(self.head_bytes);
+            let (mut recompute_peak, mut swap_peak) = (0, 0);
+            for l in 0..self.layers {
+                let (s, k) = (key.n_swap as usize, key.n_checkpoint as usize);
+                let saved = u128::from(self.layer_saved[l]);
+                match Policy::protrain_mode(l, s, k, self.layers) {
+                    BlockMode::Keep => activations += saved,
+                    BlockMode::Checkpoint => {
+                        activations += u128::from(self.layer_input[l]);
+                        recompute_peak = recompute_peak.max(saved);
+                    }
+                    BlockMode::Swap => {
+                        activations += u128::from(self.layer_input[l]);
+                        swap_peak = swap_peak.max(saved);
+                    }
+                }
+            }
+            clamp(persistent + buffers + activations + recompute_peak + 3 * swap_peak)
+        }
+    }
+
+    /// Every policy of the family, in enumeration order.
+    fn every_key(chunks: usize, layers: usize) -> Vec<Key> {
+        let mut keys = Vec::new();
+        for p in 0..=chunks {
+            for n_buffer in buffer_choices(chunks, p) {
+                for n_swap in 0..=layers as u32 {
+                    for n_checkpoint in 0..=layers as u32 - n_swap {
+                        keys.push(Key {
+                            n_persist: p as u32,
+                            n_buffer,
+                            n_swap,
+                            n_checkpoint,
+                        });
+                    }
+                }
+            }
+        }
+        keys
+    }
+
+    /// Every policy with its estimates by the per-layer loop.
+    fn scored_directly(profile: &Profile) -> Vec<Scored> {
+        every_key(profile.chunks(), profile.layers)
+            .into_iter()
+            .map(|key| Scored {
+                ticks: profile.direct_ticks(key),
+                bytes: profile.direct_bytes(key),
+                key,
+            })
+            .collect()
+    }
+
+    /// Every policy with its estimates by the sweeps, keyed by policy.
+    fn scored_by_sweeps(estimator: &Estimator, limit: u64) -> HashMap<Key, Scored> {
+        let mut scratch = Scratch::new(estimator.chunks);
+        let mut found = HashMap::new();
+        for layout in estimator.layouts() {
+            estimator.sweep(&mut scratch, &layout, limit, |x| {
+                assert!(found.insert(x.key, x).is_none(), "{:?} swept twice", x.key);
+            });
+        }
+        found
+    }
+
+    /// Small random profiles: few chunks and layers, small times so that many estimates tie,
+    /// layers in any chunk and order; in half of them every layer is the same, as in a real
+    /// stack of transformer blocks.
+    fn profiles() -> impl Strategy<Value = Profile> {
+        (1usize..=5, 0usize..=7, any::<bool>())
+            .prop_flat_map(|(chunks, layers, uniform)| {
+                let per_chunk = move || prop::collection::vec(0u64..6, chunks);
+                let per_layer = move |top: u64| prop::collection::vec(0u64..top, layers);
+                (
+                    (
+                        per_chunk(),
+                        per_chunk(),
+                        per_chunk(),
+                        per_chunk(),
+                        per_chunk(),
+                        per_chunk(),
+                    ),
+                    (prop::collection::vec(1u64..60, chunks), 1u64..30, 0u64..40),
+                    (
+                        prop::collection::vec(0..chunks, layers),
+                        per_layer(4),
+                        per_layer(4),
+                        per_layer(4),
+                        per_layer(40),
+                        per_layer(20),
+                    ),
+                    Just(uniform),
+                )
+            })
+            .prop_map(
+                |(c, (resident_bytes, chunk_capacity, head_bytes), l, uniform)| {
+                    let (forward, backward, fetch, backward_comm, gpu_adam, cpu_adam) = c;
+                    let (mut layer_chunk, mut fwd, mut out, mut back, mut saved, mut input) = l;
+                    if uniform {
+                        layer_chunk.sort_unstable();
+                        for v in [&mut fwd, &mut out, &mut back, &mut saved, &mut input] {
+                            if let Some(&first) = v.first() {
+                                v.iter_mut().for_each(|x| *x = first);
+                            }
+                        }
+                    }
+                    Profile {
+                        layers: layer_chunk.len(),
+                        ticks_per_second: 1.0,
+                        forward,
+                        backward,
+                        fetch,
+                        backward_comm,
+                        gpu_adam,
+                        cpu_adam,
+                        resident_bytes,
+                        chunk_capacity,
+                        layer_chunk,
+                        layer_forward: fwd,
+                        swap_out: out,
+                        swap_in: back,
+                        layer_saved: saved,
+                        layer_input: input,
+                        head_bytes,
+                    }
+                },
+            )
+    }
+
+    /// What walking a full sort would hand out: `sorted` in order, skipping for good those
+    /// over each call's limit.
+    fn walk(sorted: &[Scored], limits: &[u64]) -> Vec<Option<Key>> {
+        let mut next = 0;
+        limits
+            .iter()
+            .map(|&limit| {
+                while next < sorted.len() {
+                    next += 1;
+                    if sorted[next - 1].bytes <= limit {
+                        return Some(sorted[next - 1].key);
+                    }
+                }
+                None
+            })
+            .collect()
+    }
+
+    /// The same calls on a [`Stream`] fetching `k` policies at a time.
+    fn stream<O: Order>(estimator: &Estimator, limits: &[u64], k: usize) -> Vec<Option<Key>> {
+        let layouts = estimator.layouts();
+        let mut stream = Stream::<O>::new(estimator, &layouts, k);
+        limits
+            .iter()
+            .map(|&limit| stream.next(limit).map(|x| x.key))
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn sweeps_reproduce_the_per_layer_loop(profile in profiles()) {
+            let estimator = Estimator::new(&profile);
+            let swept = scored_by_sweeps(&estimator, u64::MAX);
+            let direct = scored_directly(&profile);
+            prop_assert_eq!(swept.len(), direct.len());
+            for x in direct {
+                prop_assert_eq!(swept.get(&x.key), Some(&x));
+            }
+        }
+
+        #[test]
+        fn a_sweep_hands_out_exactly_the_policies_within_its_limit(
+            profile in profiles(),
+            limit in 0u64..400,
+        ) {
+            let estimator = Estimator::new(&profile);
+            let swept = scored_by_sweeps(&estimator, limit);
+            let within: Vec<Scored> = scored_directly(&profile)
+                .into_iter()
+                .filter(|x| x.bytes <= limit)
+                .collect();
+            prop_assert_eq!(swept.len(), within.len());
+            for x in within {
+                prop_assert_eq!(swept.get(&x.key), Some(&x));
+            }
+            let mut sorted: Vec<u64> = estimator.layouts().iter().map(|l| l.bytes).collect();
+            sorted.sort_unstable();
+            let over = scored_directly(&profile).iter().filter(|x| x.bytes > limit).count();
+            prop_assert_eq!(estimator.count_over(&sorted, limit), over);
+            prop_assert_eq!(
+                estimator.policy_count(sorted.len()),
+                every_key(profile.chunks(), profile.layers).len()
+            );
+        }
+
+        #[test]
+        fn no_policy_ranks_below_its_layouts_bound(profile in profiles(), limit in 0u64..400) {
+            let estimator = Estimator::new(&profile);
+            let mut scratch = Scratch::new(estimator.chunks);
+            for layout in estimator.layouts() {
+                let room = u128::from(limit).checked_sub(u128::from(layout.bytes));
+                let p_max = room.and_then(|room| estimator.max_persist(room));
+                let mut any = false;
+                estimator.sweep(&mut scratch, &layout, limit, |x| {
+                    any = true;
+                    let p_max = p_max.expect("a policy fits, so a most persistent one does");
+                    assert!(x.key.n_persist as usize <= p_max, "{x:?} over p_max {p_max}");
+                    let ticks = estimator.time_bound(&layout, p_max);
+                    assert!(ticks <= x.ticks, "{x:?}: bound {ticks}");
+                    let least = clamp(estimator.least);
+                    let (p, t) = (p_max as u32, ticks);
+                    assert!(Fastest::bound(&layout, least, t, p) <= Fastest::rank(&x));
+                    assert!(Leanest::bound(&layout, least, t, p) <= Leanest::rank(&x));
+                });
+                if p_max.is_some() {
+                    // The most persistent chunks possible is reached by some policy.
+                    prop_assert!(any, "{layout:?} has room for n_persist {p_max:?} but sweeps none");
+                }
+            }
+        }
+
+        #[test]
+        fn streams_hand_out_what_walking_a_full_sort_would(
+            profile in profiles(),
+            limits in prop::collection::vec(0u64..300, 1..40),
+            k in 1usize..5,
+        ) {
+            let estimator = Estimator::new(&profile);
+            let mut all = scored_directly(&profile);
+            all.sort_by_key(Fastest::rank);
+            prop_assert_eq!(stream::<Fastest>(&estimator, &limits, k), walk(&all, &limits));
+            all.sort_by_key(Leanest::rank);
+            prop_assert_eq!(stream::<Leanest>(&estimator, &limits, k), walk(&all, &limits));
+        }
+
+        #[test]
+        fn the_integer_estimate_is_protrains_formula(profile in profiles()) {
+            // Small integers are exact in floating point, so the formula in `cost` must give
+            // the same numbers.
+            let n = profile.chunks();
+            for key in every_key(n, profile.layers) {
+                let p = key.n_persist as usize;
+                let mut times: Vec<ChunkTimes> = (0..n)
+                    .map(|c| ChunkTimes {
+                        forward_compute: profile.forward[c] as f64,
+                        backward_compute: profile.backward[c] as f64,
+                        recompute: 0.0,
+                        forward_comm: if c >= p { profile.fetch[c] as f64 } else { 0.0 },
+                        backward_comm: if c >= p { profile.backward_comm[c] as f64 } else { 0.0 },
+                    })
+                    .collect();
+                for l in 0..profile.layers {
+                    let c = profile.layer_chunk[l];
+                    let (s, k) = (key.n_swap as usize, key.n_checkpoint as usize);
+                    match Policy::protrain_mode(l, s, k, profile.layers) {
+                        BlockMode::Keep => {}
+                        BlockMode::Checkpoint => times[c].recompute += profile.layer_forward[l] as f64,
+                        BlockMode::Swap => {
+                            times[c].forward_comm += profile.swap_out[l] as f64;
+                            times[c].backward_comm += profile.swap_in[l] as f64;
+                        }
+                    }
+                }
+                let gpu: f64 = (0..p).map(|c| profile.gpu_adam[c] as f64).sum();
+                let cpu: f64 = (p..n).map(|c| profile.cpu_adam[c] as f64).sum();
+                let formula = estimate_iteration(&times, gpu, cpu).total;
+                prop_assert_eq!(formula, profile.direct_ticks(key) as f64, "{:?}", key);
+            }
+        }
+
+        #[test]
+        fn the_corrected_limit_is_the_largest_byte_count_that_passes(
+            correction in 0.0f64..4.0,
+            budget in 0u64..(1 << 50),
+        ) {
+            let limit = corrected_limit(correction, budget);
+            let allowed = budget as f64 * 1.01;
+            let passes = |bytes: u64| bytes as f64 * correction <= allowed;
+            prop_assert!(passes(limit));
+            prop_assert!(limit == u64::MAX || !passes(limit + 1));
+        }
+    }
+
+    #[test]
+    fn ticks_keep_every_sum_in_range_and_name_no_time_negative() {
+        let scale = TickScale::new(&[&[1e300, 1e300], &[f64::INFINITY, f64::NAN, -1.0, 2e-3]]);
+        let ticks: Vec<Ticks> = [1e300, 1e300, f64::INFINITY, f64::NAN, -1.0, 2e-3]
+            .iter()
+            .map(|&s| scale.ticks(s))
+            .collect();
+        assert_eq!(&ticks[3..5], &[0, 0], "undefined and negative times are 0");
+        let total = ticks.iter().try_fold(0u64, |a, &t| a.checked_add(t));
+        assert!(total.is_some_and(|t| t <= 1 << 63), "{ticks:?}");
+        let fine = TickScale::new(&[&[0.5, 0.25]]);
+        assert_eq!(
+            fine.ticks(1e-15),
+            1,
+            "a femtosecond when the times are small"
+        );
+    }
+
+    /// The profile of a GPT-2 with tiny dimensions at `layers` layers, batch 8 x 64, on
+    /// `hardware`.
+    fn deep_profile(layers: u64, hardware: &str) -> Profile {
+        let mut config = protrain_models::load("gpt2-tiny").expect("preset");
+        config.num_layers = layers;
+        let forward =
+            protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(8, 64))
+                .expect("builds");
+        let training =
+            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::pipeline::chunked(&training);
+        let hardware = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
+        Profile::new(
+            &training,
+            &chunks,
+            crate::cost::cost_model(&hardware).as_ref(),
+        )
+    }
+
+    /// The limit a search under a budget of `fraction` of the leanest-to-fattest range of
+    /// estimates walks with, and the estimates' range.
+    fn tight_limit(estimator: &Estimator, layouts: &[Layout], fraction: f64) -> u64 {
+        let least = layouts.iter().map(|l| l.bytes).min().unwrap_or(0);
+        let most = layouts.iter().map(|l| l.bytes).max().unwrap_or(0);
+        let fixed = clamp(estimator.least);
+        fixed + least + ((most - least) as f64 * fraction) as u64
+    }
+
+    #[test]
+    fn real_profiles_stream_as_a_full_sort_would() {
+        for hardware in ["host", "rtx3090", "h100"] {
+            let profile = deep_profile(12, hardware);
+            let estimator = Estimator::new(&profile);
+            let layouts = estimator.layouts();
+            let mut all = scored_directly(&profile);
+            all.sort_by_key(Fastest::rank);
+            for fraction in [0.0, 0.1, 0.3, 0.6, 1.0] {
+                let limit = tight_limit(&estimator, &layouts, fraction);
+                // Tightening then loosening, as the calibration can.
+                let limits: Vec<u64> = (0..60)
+                    .map(|i| {
+                        if i % 20 < 10 {
+                            limit
+                        } else {
+                            limit - limit / 8
+                        }
+                    })
+                    .collect();
+                assert_eq!(
+                    stream::<Fastest>(&estimator, &limits, 8),
+                    walk(&all, &limits),
+                    "{hardware} at {fraction}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_deep_model_is_searched_in_few_sweeps() {
+        // 256 layers: 25 million policies in 33,153 layouts. Each list of 72 must sweep at
+        // most one layout per layer, not every layout.
+        for hardware in ["host", "rtx3090"] {
+            let profile = deep_profile(256, hardware);
+            let estimator = Estimator::new(&profile);
+            let layouts = estimator.layouts();
+            assert_eq!(layouts.len(), 257 * 258 / 2);
+            for fraction in [0.05, 0.25, 0.5] {
+                let limit = tight_limit(&estimator, &layouts, fraction);
+                let mut fastest = Stream::<Fastest>::new(&estimator, &layouts, 72);
+                let mut leanest = Stream::<Leanest>::new(&estimator, &layouts, 72);
+                for _ in 0..720 {
+                    fastest.next(limit).expect("policies fit");
+                    leanest.next(limit).expect("policies fit");
+                }
+                for (order, swept, queries) in [
+                    ("fastest", fastest.swept, fastest.queries),
+                    ("leanest", leanest.swept, leanest.queries),
+                ] {
+                    assert!(
+                        swept <= 256 * queries,
+                        "{hardware} at {fraction}: the {order} stream swept {swept} layouts \
+                         in {queries} queries"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_real_profile_sweeps_to_the_per_layer_loop() {
+        let config = protrain_models::load("gpt2-tiny").expect("preset");
+        let mut config = config;
+        config.num_layers = 5;
+        let forward =
+            protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(2, 16))
+                .expect("builds");
+        let training =
+            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::pipeline::chunked(&training);
+        for hardware in ["host", "rtx3090"] {
+            let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
+            let cost = crate::cost::cost_model(&profile);
+            let profile = Profile::new(&training, &chunks, cost.as_ref());
+            assert_eq!(profile.layers, 5);
+            let estimator = Estimator::new(&profile);
+            let swept = scored_by_sweeps(&estimator, u64::MAX);
+            let direct = scored_directly(&profile);
+            assert_eq!(swept.len(), direct.len());
+            for x in direct {
+                assert_eq!(swept.get(&x.key), Some(&x), "{hardware}");
+            }
+        }
     }
 }

@@ -4,6 +4,7 @@ use crate::error::{IrError, Result};
 use crate::output::write_atomic;
 use crate::schedule::{Schedule, FORMAT_VERSION};
 use crate::verify_schedule::{verify, ScheduleError, VerifiedSchedule};
+use bincode::error::DecodeError;
 use std::fs;
 use std::path::Path;
 
@@ -210,9 +211,7 @@ fn parse(bytes: &[u8]) -> std::result::Result<Schedule, FileProblem> {
         return Err(FileProblem::Corrupted { stored, actual });
     }
     let payload_error = |why: String| FileProblem::Payload { why };
-    let (schedule, used): (Schedule, usize) =
-        bincode::serde::decode_from_slice(body, bincode::config::standard())
-            .map_err(|e| payload_error(e.to_string()))?;
+    let (schedule, used) = decode_payload(body).map_err(|e| payload_error(e.to_string()))?;
     if used != body.len() {
         return Err(payload_error(format!(
             "{} bytes left over after the schedule",
@@ -220,4 +219,70 @@ fn parse(bytes: &[u8]) -> std::result::Result<Schedule, FileProblem> {
         )));
     }
     Ok(schedule)
+}
+
+/// Decodes a payload under a byte limit that a valid payload never reaches, so that a length
+/// in damaged bytes cannot size an allocation: bincode allocates a string's bytes before it
+/// reads them, from the length it was handed (a corrupted schedule asked for 7 EiB).
+///
+/// bincode counts, against the limit, the in-memory size of every number it decodes (at most
+/// 16 bytes, a `u128`, for at least one byte of input) and every byte of a string, so a valid
+/// payload claims at most 16 bytes per byte. The limit is a type parameter; it is taken from
+/// a ladder of powers of 16, so it is at most 256 times the payload, for 8 instantiations of
+/// the decoder rather than one per size.
+fn decode_payload(body: &[u8]) -> std::result::Result<(Schedule, usize), DecodeError> {
+    let claims = (body.len() as u64).saturating_mul(16);
+    macro_rules! ladder {
+        ($($bits:literal),*) => {
+            $(
+                if claims <= 1u64 << $bits {
+                    let config = bincode::config::standard().with_limit::<{ 1usize << $bits }>();
+                    return bincode::serde::decode_from_slice(body, config);
+                }
+            )*
+        };
+    }
+    ladder!(16, 20, 24, 28, 32, 36, 40, 44);
+    Err(DecodeError::LimitExceeded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A payload whose header's model name claims 2^62 bytes, framed as a file.
+    fn claiming_a_huge_name() -> Vec<u8> {
+        // The format version (a varint: one byte), then the name's length: a u64 varint is the
+        // marker 253 and eight little-endian bytes; then a few bytes of name.
+        let mut body = vec![FORMAT_VERSION as u8, 253];
+        body.extend_from_slice(&(1u64 << 62).to_le_bytes());
+        body.extend_from_slice(b"gpt2");
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        bytes.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn a_length_in_the_payload_cannot_size_an_allocation() {
+        // Without the limit, bincode allocates the 4 EiB first, and the process aborts.
+        let err = decode_unverified(&claiming_a_huge_name()).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("does not decode"), "{text}");
+        assert!(text.contains("compile it again"), "{text}");
+    }
+
+    #[test]
+    fn only_a_claim_over_the_limit_is_refused_as_one() {
+        let DecodeError::LimitExceeded = decode_payload(&[2, 253, 0, 0, 0, 0, 0, 0, 0, 64])
+            .expect_err("a 2^62-byte name is over the limit")
+        else {
+            panic!("the limit is what stops it");
+        };
+        // A short payload that is simply cut is an error of its own, not the limit.
+        let err = decode_payload(&[2, 4, b'g']).expect_err("cut in the name");
+        assert!(!matches!(err, DecodeError::LimitExceeded), "{err}");
+    }
 }

@@ -320,29 +320,43 @@ impl<'a> dispatch::StoredInputs<'a> for ArenaInputs<'a> {
 
 /// Memory the system can give without swapping (`MemAvailable` in `/proc/meminfo`), where
 /// that can be read.
-fn memory_available() -> Option<u64> {
+pub(crate) fn memory_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
 
-/// Fails when the arena and host region together need more than `available` bytes. The
-/// allocation itself would succeed (pages are zeroed lazily) and the run be killed part way
-/// when they are touched; this says up front what is missing. `None` (not known) passes.
-fn check_available(arena_bytes: u64, host_bytes: u64, available: Option<u64>) -> Result<()> {
-    let needed = arena_bytes.saturating_add(host_bytes);
+/// Fails when `regions`, the host memory a backend is about to take (each named, with its
+/// bytes), need more than `available` bytes together. The allocation itself would succeed
+/// (pages are zeroed lazily, or pinned and then zeroed page by page) and the run be killed part
+/// way when they are touched; this says up front what is missing and which compile flag makes
+/// it smaller. `None` (not known) passes.
+///
+/// The host backend holds its device arena and host region in host memory; the CUDA backend
+/// pins its host region (the arena is on the GPU, checked against the GPU's free memory).
+pub(crate) fn check_host_memory(regions: &[MemoryNeed], available: Option<u64>) -> Result<()> {
+    let needed = regions
+        .iter()
+        .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
     match available {
-        Some(available) if needed > available => Err(RuntimeError::BadSchedule(format!(
-            "the device arena ({}) and host region ({}) need {} of memory, but only {} is \
-             available on this machine ({} missing); free memory, or compile the schedule for \
-             less with --gpu-memory and --host-memory",
-            protrain_ir::format_bytes(arena_bytes),
-            protrain_ir::format_bytes(host_bytes),
-            protrain_ir::format_bytes(needed),
-            protrain_ir::format_bytes(available),
-            protrain_ir::format_bytes(needed - available),
-        ))),
+        Some(available) if needed > available => {
+            let what: Vec<String> = regions
+                .iter()
+                .map(|r| format!("{} ({})", r.name, protrain_ir::format_bytes(r.bytes)))
+                .collect();
+            let flags: Vec<&str> = regions.iter().map(|r| r.flag).collect();
+            Err(RuntimeError::BadSchedule(format!(
+                "the {} {} {} of host memory, but only {} is available on this machine ({} \
+                 missing); free memory, or compile the schedule for less with {}",
+                what.join(" and "),
+                if regions.len() == 1 { "needs" } else { "need" },
+                protrain_ir::format_bytes(needed),
+                protrain_ir::format_bytes(available),
+                protrain_ir::format_bytes(needed - available),
+                flags.join(" and "),
+            )))
+        }
         _ => Ok(()),
     }
 }
@@ -374,10 +388,10 @@ impl HostBackend {
                 }
                 (DType::BF16, DType::BF16) => {
                     let acc = self.slice_mut::<half::bf16>(l.inputs[0], len)?;
-                    let grad = self.slice::<half::bf16>(l.inputs[1], len)?;
-                    for (a, g) in acc.iter_mut().zip(grad) {
-                        *a = half::bf16::from_f32(a.to_f32() + g.to_f32());
-                    }
+                    crate::kernels::add_assign_bf16(
+                        acc,
+                        self.slice::<half::bf16>(l.inputs[1], len)?,
+                    );
                 }
                 (a, g) => {
                     return Err(RuntimeError::BadSchedule(format!(
@@ -389,6 +403,17 @@ impl HostBackend {
         }
         Ok(Outcome::default())
     }
+}
+
+/// Host memory a backend takes, for [`check_host_memory`]: the region's name, its bytes,
+/// and the compile flag that bounds it.
+pub(crate) struct MemoryNeed {
+    /// What the error calls the region.
+    pub name: &'static str,
+    /// Its size.
+    pub bytes: u64,
+    /// The `protrain compile` flag that compiles a schedule needing less of it.
+    pub flag: &'static str,
 }
 
 impl Backend for HostBackend {
@@ -439,7 +464,19 @@ impl Backend for HostBackend {
     }
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
-        check_available(arena_bytes, host_bytes, memory_available())?;
+        let regions = [
+            MemoryNeed {
+                name: "device arena",
+                bytes: arena_bytes,
+                flag: "--gpu-memory",
+            },
+            MemoryNeed {
+                name: "host region",
+                bytes: host_bytes,
+                flag: "--host-memory",
+            },
+        ];
+        check_host_memory(&regions, memory_available())?;
         Ok(Self {
             arena: Region::new(arena_bytes, "device arena")?,
             host: Region::new(host_bytes, "host region")?,
@@ -680,9 +717,69 @@ mod tests {
             .expect("refused")
             .to_string();
         assert!(e.contains("available") && e.contains("missing"), "{e}");
-        assert!(check_available(1, 1, Some(2)).is_ok());
-        assert!(check_available(2, 1, Some(2)).is_err());
-        assert!(check_available(u64::MAX, 1, None).is_ok());
+        let need = |name, bytes| MemoryNeed {
+            name,
+            bytes,
+            flag: "--host-memory",
+        };
+        let both = |a, b| [need("device arena", a), need("host region", b)];
+        assert!(check_host_memory(&both(1, 1), Some(2)).is_ok());
+        assert!(check_host_memory(&both(2, 1), Some(2)).is_err());
+        assert!(check_host_memory(&both(u64::MAX, 1), None).is_ok());
+        assert!(check_host_memory(&both(u64::MAX, u64::MAX), Some(u64::MAX - 1)).is_err());
+    }
+
+    /// The CUDA backend pins its host region and zeroes it page by page: a region larger than
+    /// the available memory must be refused before anything is pinned, as the host backend's
+    /// regions are, not found by the kernel's OOM killer part way through the zeroing. (Before
+    /// this check, on a machine without a GPU the probe's refusal came first, and on one with a
+    /// GPU the pinning started.)
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_cuda_backend_refuses_a_pinned_region_larger_than_the_available_memory() {
+        let Some(available) = memory_available() else {
+            return; // no /proc/meminfo: nothing to check against
+        };
+        let e = crate::cuda::CudaBackend::new(1 << 20, available + (1 << 30), 2)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("pinned host region")
+                && e.contains("available")
+                && e.contains("--host-memory"),
+            "{e}"
+        );
+        assert!(!e.contains("--gpu-memory"), "the arena is on the GPU: {e}");
+    }
+
+    #[test]
+    fn a_refusal_names_every_region_and_the_flag_that_bounds_it() {
+        let regions = [
+            MemoryNeed {
+                name: "device arena",
+                bytes: 3 << 30,
+                flag: "--gpu-memory",
+            },
+            MemoryNeed {
+                name: "host region",
+                bytes: 2 << 30,
+                flag: "--host-memory",
+            },
+        ];
+        let e = check_host_memory(&regions, Some(4 << 30))
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "device arena (3.00 GiB)",
+            "host region (2.00 GiB)",
+            "need 5.00 GiB",
+            "only 4.00 GiB",
+            "1.00 GiB missing",
+            "--gpu-memory and --host-memory",
+        ] {
+            assert!(e.contains(part), "{part:?} not in: {e}");
+        }
     }
 
     use super::*;

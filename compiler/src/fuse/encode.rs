@@ -2,7 +2,7 @@
 
 use crate::egraph::{self, Encoder, Encoding, KindId, Node};
 use egg::{Analysis, DidMerge, EGraph, Id};
-use protrain_ir::{Graph, Role};
+use protrain_ir::{Graph, Role, ValueId};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// A fused form a rewrite added: its kind, children (classes, the kind leaf last) and the
@@ -19,42 +19,53 @@ pub(super) struct Candidate {
     pub covers: BTreeSet<usize>,
 }
 
-/// The e-graph analysis: the encoder, and what the rewrites need to know about the original
-/// graph. No data per class: the rewrites read kinds from the kind leaves and types from the
-/// graph when pricing.
+/// The e-graph analysis: the encoder, what the rewrites need to know about the original
+/// graph, and per class which original ops compute into it ([`Origin`]).
 #[derive(Default)]
 pub(super) struct Context {
     /// The encoder, shared with translation validation.
     pub encoder: Encoder,
-    /// For each original op, in graph order, its outputs' classes as added.
-    pub op_classes: Vec<Vec<Id>>,
-    /// Classes of original values read by exactly one op and not a graph output.
-    pub single_use: Vec<Id>,
     /// Position of the op that first reads each weight leaf.
     pub first_reader: HashMap<Id, usize>,
     /// Every fused form added, duplicates included.
     pub candidates: Vec<Candidate>,
 }
 
+/// What a class holds of the original graph, kept up to date through unions by
+/// [`Analysis::merge`], so that a rewrite asks its classes instead of scanning every op (which
+/// made saturation quadratic in depth).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Origin {
+    /// Positions, in graph order, of the original ops with an output in the class.
+    pub ops: Vec<usize>,
+    /// Whether the class holds an original value read by exactly one op and not a graph
+    /// output.
+    pub single_use: bool,
+}
+
 impl Context {
     /// The original ops with an output in any of `classes`.
     pub fn ops_in(&self, egraph: &EGraph<Node, Context>, classes: &[Id]) -> BTreeSet<usize> {
-        let wanted: HashSet<Id> = classes.iter().map(|&c| egraph.find(c)).collect();
-        self.op_classes
+        classes
             .iter()
-            .enumerate()
-            .filter(|(_, outs)| outs.iter().any(|&c| wanted.contains(&egraph.find(c))))
-            .map(|(p, _)| p)
+            .flat_map(|&c| egraph[c].data.ops.iter().copied())
             .collect()
     }
 }
 
 impl Analysis<Node> for Context {
-    type Data = ();
+    type Data = Origin;
 
-    fn make(_egraph: &mut EGraph<Node, Self>, _enode: &Node) -> Self::Data {}
+    /// A node added by a rewrite computes no original op's output.
+    fn make(_egraph: &mut EGraph<Node, Self>, _enode: &Node) -> Self::Data {
+        Origin::default()
+    }
 
-    fn merge(&mut self, _a: &mut Self::Data, _b: Self::Data) -> DidMerge {
+    /// The union of what both classes hold. Parents need no new analysis (`make` reads no
+    /// child's data), so this reports no change to propagate.
+    fn merge(&mut self, a: &mut Self::Data, b: Self::Data) -> DidMerge {
+        a.ops.extend(b.ops);
+        a.single_use |= b.single_use;
         DidMerge(false, false)
     }
 }
@@ -74,23 +85,34 @@ impl Encoding for Context {
 pub(super) fn encode(forward: &Graph) -> (EGraph<Node, Context>, Vec<Id>) {
     let mut egraph: EGraph<Node, Context> = EGraph::new(Context::default());
     let class = egraph::add_graph(&mut egraph, forward);
-    let context = &mut egraph.analysis;
+    // Ops reading each value, each op once (as `Graph::users` counts, without its scan of
+    // every op per value).
+    let mut readers = vec![0usize; forward.values().len()];
+    for (_, op) in forward.ops() {
+        for (i, v) in op.inputs.iter().enumerate() {
+            if !op.inputs[..i].contains(v) {
+                readers[v.index()] += 1;
+            }
+        }
+    }
+    let graph_outputs: HashSet<ValueId> = forward.outputs().iter().copied().collect();
     for (position, (_, op)) in forward.ops().enumerate() {
         for &w in op.inputs.iter().skip(1) {
             if forward.value(w).role == Role::Param {
-                context
+                egraph
+                    .analysis
                     .first_reader
                     .entry(class[w.index()])
                     .or_insert(position);
             }
         }
         for &out in &op.outputs {
-            if forward.users(out).len() == 1 && !forward.outputs().contains(&out) {
-                context.single_use.push(class[out.index()]);
+            let origin = &mut egraph[class[out.index()]].data;
+            origin.ops.push(position);
+            if readers[out.index()] == 1 && !graph_outputs.contains(&out) {
+                origin.single_use = true;
             }
         }
-        let outs = op.outputs.iter().map(|v| class[v.index()]).collect();
-        context.op_classes.push(outs);
     }
     egraph.rebuild();
     (egraph, class)

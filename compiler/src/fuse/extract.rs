@@ -42,6 +42,22 @@ pub(super) fn extract(
     for (id, _) in forward.values() {
         value_of.entry(egraph.find(class[id.index()])).or_insert(id);
     }
+    // The positions of the ops reading each value, each op once (`Graph::users` scans every
+    // op per value).
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); forward.values().len()];
+    for (position, (_, op)) in ops.iter().enumerate() {
+        for (i, v) in op.inputs.iter().enumerate() {
+            if !op.inputs[..i].contains(v) {
+                readers[v.index()].push(position);
+            }
+        }
+    }
+    let graph = Originals {
+        forward,
+        ops,
+        readers: &readers,
+        value_of: &value_of,
+    };
 
     // Candidates, each once, with their saving; then the selection.
     let mut seen: HashSet<(KindId, Vec<Id>)> = HashSet::new();
@@ -52,15 +68,7 @@ pub(super) fn extract(
         if !seen.insert((candidate.kind, children.clone())) {
             continue;
         }
-        let priced_one = price(
-            forward,
-            ops,
-            egraph,
-            candidate,
-            &children,
-            &value_of,
-            (cost, &op_seconds),
-        );
+        let priced_one = price(&graph, egraph, candidate, &children, (cost, &op_seconds));
         match priced_one {
             Ok(p) => priced.push(p),
             Err(why) => *rejected.entry(why).or_default() += 1,
@@ -119,17 +127,30 @@ pub(super) struct Priced {
     pub after: f64,
 }
 
+/// The forward graph as extraction reads it: its ops in graph order, the positions of the
+/// ops reading each value, and the original value of each class.
+struct Originals<'a> {
+    forward: &'a Graph,
+    ops: &'a [(OpId, &'a Op)],
+    readers: &'a [Vec<usize>],
+    value_of: &'a HashMap<Id, ValueId>,
+}
+
 /// Resolves a candidate to original values and prices it, or says why it cannot be applied.
 /// `prices` is the cost model and the original ops' prices.
 fn price(
-    forward: &Graph,
-    ops: &[(OpId, &Op)],
+    graph: &Originals,
     egraph: &EGraph<Node, Context>,
     candidate: &Candidate,
     children: &[Id],
-    value_of: &HashMap<Id, ValueId>,
     prices: (&dyn CostModel, &[f64]),
 ) -> std::result::Result<Priced, &'static str> {
+    let Originals {
+        forward,
+        ops,
+        readers,
+        value_of,
+    } = *graph;
     let (cost, op_seconds) = prices;
     const UNRESOLVED: &str = "an operand is not a value of the graph";
     let (_, operands) = children.split_last().ok_or(UNRESOLVED)?;
@@ -163,10 +184,7 @@ fn price(
                 continue;
             }
             let outside = forward.outputs().contains(&v)
-                || forward
-                    .users(v)
-                    .iter()
-                    .any(|u| !covers.contains(&u.index()));
+                || readers[v.index()].iter().any(|u| !covers.contains(u));
             if outside {
                 return Err("an intermediate value is read by other ops");
             }

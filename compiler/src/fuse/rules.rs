@@ -98,13 +98,7 @@ impl Applier<Node, Context> for Fuse {
                 };
                 // The linear's result is not an output of the fused op, so nothing else may
                 // read it.
-                let o_root = egraph.find(o);
-                if !egraph
-                    .analysis
-                    .single_use
-                    .iter()
-                    .any(|&c| egraph.find(c) == o_root)
-                {
+                if !egraph[o].data.single_use {
                     return vec![];
                 }
                 let fused = OpKind::FusedLinear {
@@ -148,7 +142,8 @@ impl Applier<Node, Context> for Fuse {
 
 impl Fuse {
     /// Every linear (output node `linear`) reading `x` with kind `k` (same layout and bias), in
-    /// the order the graph first reads their weights, as one op.
+    /// the order the graph first reads their weights, as one op. The linears are found among
+    /// the parents of `x`'s class, not by a scan of the e-graph.
     fn group(
         &self,
         egraph: &mut EGraph<Node, Context>,
@@ -159,34 +154,39 @@ impl Fuse {
     ) -> Vec<Id> {
         let arity = if self.bias { 4 } else { 3 };
         let (x, k) = (egraph.find(x), egraph.find(k));
+        // (first reader of the weight, class, children) of each linear reading `x`.
+        let mut found: Vec<(usize, Id, Vec<Id>)> = Vec::new();
+        for parent in egraph[x].parents() {
+            let Node::Output(op, c) = egraph.id_to_node(parent) else {
+                continue;
+            };
+            if *op != linear
+                || c.len() != arity
+                || egraph.find(c[0]) != x
+                || egraph.find(c[arity - 1]) != k
+            {
+                continue;
+            }
+            let c: Vec<Id> = c.iter().map(|&id| egraph.find(id)).collect();
+            let position = egraph
+                .analysis
+                .first_reader
+                .get(&c[1])
+                .copied()
+                .unwrap_or(usize::MAX);
+            found.push((position, egraph.find(parent), c));
+        }
+        // One linear per weight; the parent list can name a node twice.
+        found.sort();
         let mut members: Vec<(usize, Id, Vec<Id>)> = Vec::new();
-        for class in egraph.classes() {
-            for node in &class.nodes {
-                let Node::Output(op, c) = node else {
-                    continue;
-                };
-                if *op != linear
-                    || c.len() != arity
-                    || egraph.find(c[0]) != x
-                    || egraph.find(c[arity - 1]) != k
-                {
-                    continue;
-                }
-                let position = egraph
-                    .analysis
-                    .first_reader
-                    .get(&egraph.find(c[1]))
-                    .copied()
-                    .unwrap_or(usize::MAX);
-                if members.iter().all(|(_, _, m)| m[1] != c[1]) {
-                    members.push((position, class.id, c.to_vec()));
-                }
+        for member in found {
+            if members.iter().all(|(_, _, m)| m[1] != member.2[1]) {
+                members.push(member);
             }
         }
         if members.len() < 2 {
             return vec![];
         }
-        members.sort_by_key(|(position, class, _)| (*position, *class));
         let mut children = vec![x];
         children.extend(members.iter().map(|(_, _, c)| c[1]));
         if self.bias {

@@ -504,12 +504,47 @@ impl CudaBackend {
             }
             return Ok(Outcome::default());
         }
-        // Any other kind: the host kernels, on f32 operands in the pinned region.
+        if op.kind == OpKind::AccumulateGrad {
+            // A host accumulator: the offloaded gradient summed into it in place, in f32 or in
+            // bf16 through f32 (the host backend's arithmetic).
+            if op.inputs.len() != 2 {
+                return Err(bad(format!(
+                    "takes the accumulator and the gradient, not {} inputs",
+                    op.inputs.len()
+                )));
+            }
+            let n = ty(op.inputs[0]).numel() as usize;
+            // SAFETY: the ordering contract gives this op its accumulator and gradient alone
+            // while it runs; they are distinct values at distinct homes in the pinned region.
+            match (ty(op.inputs[0]).dtype, ty(op.inputs[1]).dtype) {
+                (DType::F32, DType::F32) => {
+                    let acc = unsafe { self.host_slice_mut::<f32>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<f32>(l.inputs[1], n)? };
+                    crate::kernels::add_assign(acc, g);
+                }
+                (DType::BF16, DType::BF16) => {
+                    let acc = unsafe { self.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<half::bf16>(l.inputs[1], n)? };
+                    crate::kernels::add_assign_bf16(acc, g);
+                }
+                (a, g) => {
+                    return Err(bad(format!(
+                        "a {g} gradient into a {a} accumulator; gradients are summed into \
+                         accumulators of their own type"
+                    )))
+                }
+            }
+            return Ok(Outcome::default());
+        }
+        // Any other kind: the host kernels, on operands in the pinned region, bf16 inputs (the
+        // squared norm of a bf16 host accumulator) widened to f32 first, as the host backend
+        // widens them.
+        let mut wide: Vec<Option<Vec<f32>>> = Vec::with_capacity(op.inputs.len());
         for (i, &v) in op.inputs.iter().enumerate() {
             let t = ty(v);
-            if !matches!(t.dtype, DType::F32 | DType::I32) {
+            if !matches!(t.dtype, DType::F32 | DType::I32 | DType::BF16) {
                 return Err(bad(format!(
-                    "input {i} is {t}; on the host optimizer stream only AdamW takes bf16"
+                    "input {i} is {t}; the host optimizer stream reads f32, i32 and bf16"
                 )));
             }
             self.gpu_addr(l.inputs[i], t.bytes())?;
@@ -518,6 +553,17 @@ impl CudaBackend {
                     "input {i} is in the device arena, which the host optimizer stream cannot read"
                 )));
             }
+            wide.push(match t.dtype {
+                // SAFETY: in the pinned region and in bounds (checked above); the ordering
+                // contract keeps writers away while this op reads.
+                DType::BF16 => Some(
+                    unsafe { self.host_slice::<half::bf16>(l.inputs[i], t.numel() as usize)? }
+                        .iter()
+                        .map(|x| x.to_f32())
+                        .collect(),
+                ),
+                _ => None,
+            });
         }
         let mut outputs: Vec<&mut [f32]> = Vec::with_capacity(op.outputs.len());
         for (i, &v) in op.outputs.iter().enumerate() {
@@ -536,7 +582,11 @@ impl CudaBackend {
             Some((at, bytes)) => unsafe { self.host_slice_mut::<f32>(at, (bytes / 4) as usize)? },
             None => &mut [],
         };
-        let inputs = HostInputs { b: self, l };
+        let inputs = HostInputs {
+            b: self,
+            l,
+            wide: &wide,
+        };
         dispatch::run(graph, op, l.prepared, &inputs, &mut outputs, workspace)
     }
 }
@@ -622,6 +672,13 @@ impl Backend for CudaBackend {
     const MISSING_COLLECTIVES: Option<&'static str> = Some(NO_NCCL);
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
+        // The pinned region is host memory, zeroed page by page below: check it fits first.
+        let pinned = crate::host::MemoryNeed {
+            name: "pinned host region",
+            bytes: host_bytes,
+            flag: "--host-memory",
+        };
+        crate::host::check_host_memory(&[pinned], crate::host::memory_available())?;
         let info = probe()?;
         let ctx = open_context(0)?;
         let kernels = Kernels::load(&ctx, info.compute_capability)?;
@@ -679,15 +736,6 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
-        let k = schedule.micro_batches();
-        if k > 1 {
-            return Err(RuntimeError::BadSchedule(format!(
-                "the schedule accumulates gradients over {k} micro-batches, which the CUDA \
-                 backend does not run yet (it has no accumulate_grad kernel): run it with \
-                 --backend host, or compile without --grad-accum (a larger --batch trains the \
-                 same rows)"
-            )));
-        }
         for m in master_weights(schedule)? {
             self.set_master_weight(m.m, m.master);
         }
@@ -908,6 +956,8 @@ impl Backend for CudaBackend {
 struct HostInputs<'a> {
     b: &'a CudaBackend,
     l: &'a Launch<'a>,
+    /// Per input, its f32 widening when it is stored as bf16.
+    wide: &'a [Option<Vec<f32>>],
 }
 
 impl HostInputs<'_> {
@@ -918,6 +968,9 @@ impl HostInputs<'_> {
 
 impl<'a> dispatch::Inputs<'a> for HostInputs<'a> {
     fn f32(&self, i: usize) -> &'a [f32] {
+        if let Some(Some(wide)) = self.wide.get(i) {
+            return wide;
+        }
         // SAFETY: in the host region and in bounds (checked in `host`); the ordering contract
         // keeps writers away while the kernel reads.
         unsafe { self.b.host_slice(self.l.inputs[i], self.len(i)) }

@@ -1101,12 +1101,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             window,
             qkv,
         } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
-        OpKind::AccumulateGrad => {
-            return Err(p.bad(
-                "sums a gradient into its accumulator, which the CUDA backend has no kernel \
-                 for yet (the executor refuses accumulating schedules on CUDA first)",
-            ));
-        }
+        OpKind::AccumulateGrad => accumulate(p)?,
         OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
             let dloss = match p.kind {
                 OpKind::CrossEntropyBackwardScaled { micro_batches } => {
@@ -1256,6 +1251,28 @@ fn binary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> 
         I64(n as i64),
     ];
     p.stride(st.pick(f32_name, bf16_name), n, args);
+    Ok(())
+}
+
+/// `acc += grad` in place, from inputs `acc`, `grad`: `add_forward` with its output on its first
+/// input (the kernel allows it; each element is read before it is written, by the same
+/// thread), so a bf16 accumulator is summed in f32 and rounded once per micro-batch, as the host
+/// backend does.
+fn accumulate(p: &mut Plan<'_>) -> Result<()> {
+    if p.ty_in(0) != p.ty_in(1) {
+        return Err(
+            p.bad("sums a gradient into an accumulator of another type; both must be the same")
+        );
+    }
+    let st = p.storage(0)?;
+    let n = p.ty_in(0).numel();
+    let args = vec![
+        Ptr(p.input(0)),
+        Ptr(p.input(0)),
+        Ptr(p.input(1)),
+        I64(n as i64),
+    ];
+    p.stride(st.pick("add_forward_f32", "add_forward_bf16"), n, args);
     Ok(())
 }
 
@@ -1789,11 +1806,10 @@ mod tests {
             OpKind::MoveDone(_) => VARIANTS + 1,
             OpKind::Release { .. } => VARIANTS + 2,
             OpKind::CrossEntropyBackwardScaled { .. } => 30,
-            // No kernel yet: see `accumulation_has_no_plan`.
-            OpKind::AccumulateGrad => VARIANTS + 3,
+            OpKind::AccumulateGrad => 31,
         }
     }
-    const VARIANTS: usize = 31;
+    const VARIANTS: usize = 32;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -1991,6 +2007,7 @@ mod tests {
                 OpKind::CrossEntropyBackwardScaled { micro_batches: 4 },
                 vec![logits.clone(), tokens.clone(), t(&[B, T], DType::F32)],
             ),
+            (OpKind::AccumulateGrad, vec![x.clone(), x.clone()]),
             (
                 fused_bwd(2, true, Epilogue::None),
                 vec![
@@ -2122,9 +2139,35 @@ mod tests {
     }
 
     #[test]
-    fn accumulation_has_no_plan() {
-        let g = TensorType::new(vec![4, 8], DType::F32);
-        let ins = [&g, &g];
+    fn accumulation_adds_in_place() {
+        for (dt, entry) in [
+            (DType::F32, "add_forward_f32"),
+            (DType::BF16, "add_forward_bf16"),
+        ] {
+            let g = TensorType::new(vec![4, 8], dt);
+            let (plan, _) = plan_of(&OpKind::AccumulateGrad, &[g.clone(), g.clone()]);
+            let [Call::Kernel(k)] = &plan[..] else {
+                panic!("{dt}: one kernel, not {plan:?}");
+            };
+            assert_eq!(k.entry, entry);
+            // out = acc + grad with out at acc: the accumulator (input 0, at plan_of's first
+            // address) is both the output and the first summand, the gradient the second.
+            let (acc, grad) = (0x1000_0000, 0x2000_0000);
+            assert!(
+                matches!(
+                    k.args[..],
+                    [Arg::Ptr(o), Arg::Ptr(a), Arg::Ptr(b), Arg::I64(32)]
+                        if o == acc && a == acc && b == grad
+                ),
+                "{dt}: {:?}",
+                k.args
+            );
+        }
+        let mixed = [
+            TensorType::new(vec![4, 8], DType::BF16),
+            TensorType::new(vec![4, 8], DType::F32),
+        ];
+        let ins: Vec<&TensorType> = mixed.iter().collect();
         let at = Addresses {
             inputs: vec![0x1000, 0x2000],
             outputs: vec![],
@@ -2139,12 +2182,10 @@ mod tests {
             max_blocks: 132 * 32,
             step: 1,
         };
-        let kind = OpKind::AccumulateGrad;
-        assert!(variant(&kind) >= VARIANTS);
-        let err = calls(&kind, types, &at, target)
-            .expect_err("no plan")
+        let err = calls(&OpKind::AccumulateGrad, types, &at, target)
+            .expect_err("types differ")
             .to_string();
-        assert!(err.contains("no kernel"), "{err}");
+        assert!(err.contains("another type"), "{err}");
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub use adamw::{
     adamw_step, adamw_step_fused, bf16, clip_coef, grad_norm_sq, scale, to_bf16, AdamWConfig, Grad,
     ADAMW_BLOCK,
 };
-pub use add::{add_assign, add_backward, add_forward, bias_add_assign};
+pub use add::{add_assign, add_assign_bf16, add_backward, add_forward, bias_add_assign};
 pub use attention::{
     attention_backward, attention_backward_packed, attention_backward_packed_rounded,
     attention_backward_rounded, attention_forward, attention_forward_packed,

@@ -88,6 +88,24 @@ void test_add_cast() {
     launch(G(2), G(256), [&] { add_forward_f32(o.data(), a.data(), b.data(), n); });
     for (int i = 0; i < n; ++i) w[i] = (double)(a[i] + b[i]);
     close("add fwd", o, w, 0);
+    // accumulate_grad runs add_forward in place (acc += grad): three micro-batches into a
+    // zeroed accumulator, in order, exactly as the host sums them (bf16: f32 sum, rounded once
+    // per micro-batch to nearest even).
+    {
+        std::vector<float> acc(n, 0.0f); std::vector<double> wacc(n, 0.0);
+        std::vector<bf16> accb(n, from_f32<bf16>(0.0f)); std::vector<double> waccb(n, 0.0);
+        for (int m = 0; m < 3; ++m) {
+            auto g = rnd(n); auto gb = tobf(g); auto gr = fromb(gb);
+            launch(G(2), G(256), [&] { add_forward_f32(acc.data(), acc.data(), g.data(), n); });
+            launch(G(2), G(256), [&] { add_forward_bf16(accb.data(), accb.data(), gb.data(), n); });
+            for (int i = 0; i < n; ++i) {
+                wacc[i] = (double)((float)wacc[i] + g[i]);
+                waccb[i] = (double)to_f32(from_f32<bf16>((float)waccb[i] + gr[i]));
+            }
+        }
+        close("accumulate_grad in place", acc, wacc, 0);
+        close("accumulate_grad in place bf16", fromb(accb), waccb, 0);
+    }
     launch(G(2), G(256), [&] { add_backward_f32(o.data(), o2.data(), a.data(), n); });
     close("add bwd da", o, dbl(a), 0); close("add bwd db", o2, dbl(a), 0);
     auto x = rnd(rows * cols), bias = rnd(cols); std::vector<float> y(rows * cols); std::vector<double> wy(rows * cols);

@@ -1,0 +1,129 @@
+//! Compile time against depth: a GPT-2 with tiny dimensions (64 wide, 2 heads, 256 tokens,
+//! 64 positions) at 64 to 1,024 layers, compiled end to end on the host preset under a device
+//! budget that forces swapping (5/8 MiB per layer, a quarter of what keeping every
+//! activation takes). Cost should grow near-linearly with depth: compare the per-layer times
+//! the groups print.
+//!
+//! `compile` is the whole pipeline (fuse, autodiff, chunk, search with its compiled
+//! candidates, verify, simulate); `search` is the policy search alone on a prepared training
+//! graph, and `one_policy` compiles the policy the search picks, once: the work the search
+//! repeats per candidate.
+//!
+//!   cargo bench -p protrain-compiler --bench compile_depth [-- FILTER]
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use protrain_compiler::cost::cost_model;
+use protrain_compiler::emit::HeaderInputs;
+use protrain_compiler::pipeline::{
+    chunked, compile, compile_policy, training_graph, CompileOptions,
+};
+use protrain_compiler::search::{search, SearchOptions};
+use protrain_compiler::OptimizerConfig;
+use protrain_ir::{ChunkTable, Graph};
+use protrain_models::{build_forward, BuildOptions, ConfigSource, ModelConfig};
+use std::time::Duration;
+
+const DEPTHS: [u64; 5] = [64, 128, 256, 512, 1024];
+
+/// The tiny GPT-2 at `layers` layers.
+fn config(layers: u64) -> ModelConfig {
+    let json = format!(
+        r#"{{"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": {layers},
+            "n_positions": 64, "vocab_size": 256, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": true}}"#
+    );
+    ModelConfig::from_json(&json, ConfigSource::Text(format!("gpt2-{layers}-layers")))
+        .expect("a valid config")
+}
+
+/// Host preset defaults with a budget of 5/8 MiB per layer.
+fn options(layers: u64) -> CompileOptions {
+    CompileOptions {
+        device_budget: Some(layers * (640 << 10)),
+        ..CompileOptions::default()
+    }
+}
+
+/// The training graph and chunk table the search starts from.
+fn prepared(layers: u64) -> (Graph, ChunkTable) {
+    let options = options(layers);
+    let build = BuildOptions::new(options.batch, options.seq).with_dtype(options.dtype);
+    let forward = build_forward(&config(layers), &build).expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let chunks = chunked(&training);
+    (training, chunks)
+}
+
+fn search_options(layers: u64) -> SearchOptions {
+    let options = options(layers);
+    SearchOptions {
+        device_budget: options.device_budget(),
+        host_budget: options.hardware.host_memory_bytes,
+        max_compiled: 64,
+        hardware: options.hardware.summary(),
+        model: format!("gpt2-{layers}-layers"),
+        topology: options.topology,
+    }
+}
+
+fn depth(c: &mut Criterion) {
+    let mut group = c.benchmark_group("compile");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(1))
+        .measurement_time(Duration::from_secs(5));
+    for layers in DEPTHS {
+        group.throughput(Throughput::Elements(layers));
+        let config = config(layers);
+        let options = options(layers);
+        group.bench_with_input(BenchmarkId::from_parameter(layers), &layers, |b, _| {
+            b.iter(|| compile(&config, &options).expect("compiles"))
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("search");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(1))
+        .measurement_time(Duration::from_secs(5));
+    let cost = cost_model(&options(1).hardware);
+    for layers in DEPTHS {
+        group.throughput(Throughput::Elements(layers));
+        let (training, chunks) = prepared(layers);
+        let search_options = search_options(layers);
+        group.bench_with_input(BenchmarkId::from_parameter(layers), &layers, |b, _| {
+            b.iter(|| search(&training, &chunks, cost.as_ref(), &search_options).expect("fits"))
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("one_policy");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(1))
+        .measurement_time(Duration::from_secs(5));
+    for layers in DEPTHS {
+        group.throughput(Throughput::Elements(layers));
+        let (training, chunks) = prepared(layers);
+        let (schedule, _) =
+            search(&training, &chunks, cost.as_ref(), &search_options(layers)).expect("fits");
+        let policy = schedule.header.policy.clone();
+        group.bench_with_input(BenchmarkId::from_parameter(layers), &layers, |b, _| {
+            b.iter(|| {
+                let header = HeaderInputs {
+                    model: String::new(),
+                    hardware: String::new(),
+                    device_budget_bytes: u64::MAX,
+                    host_budget_bytes: u64::MAX,
+                    report: String::new(),
+                };
+                compile_policy(&training, &chunks, &policy, header).expect("compiles")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, depth);
+criterion_main!(benches);

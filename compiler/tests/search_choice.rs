@@ -1,0 +1,88 @@
+//! The policies the search chooses for real models, pinned: the search ranks a family of
+//! millions of policies without listing them (branch and bound over block layouts, integer
+//! estimates), and it must choose what ranking every policy by ProTrain's formula and sorting
+//! them chose. Each row below was recorded with `protrain compile MODEL --hardware HW
+//! [--gpu-memory 6GiB] --json` built from main at 4eb43ea, the last commit that sorted every
+//! policy; the same comparison over every preset model on rtx3090, a100-40gb and h100, with the
+//! default budget and 6 GiB (96 runs), matched in policy, peak bytes, host bytes and predicted
+//! step time.
+//!
+//! A change meant to change what the search chooses updates this table, and says why in its
+//! commit. (The CLI caps the sequence at a model's positions; `CompileOptions::for_hardware`
+//! does not, so only models with at least 1,024 positions are pinned here.)
+
+use protrain_compiler::pipeline::{compile, CompileOptions};
+use protrain_ir::HardwareProfile;
+
+/// `(model, hardware, device budget in GiB or the default, policy, peak device bytes, host
+/// bytes)`.
+type Choice = (
+    &'static str,
+    &'static str,
+    Option<u64>,
+    &'static str,
+    u64,
+    u64,
+);
+
+const CHOICES: &[Choice] = &[
+    (
+        "gpt2",
+        "a100-40gb",
+        None,
+        "n_persist=2 n_buffer=0 prefetch=1 blocks=KKKKKKKKKKKK",
+        2_253_747_968,
+        0,
+    ),
+    (
+        "gpt2-medium",
+        "rtx3090",
+        None,
+        "n_persist=3 n_buffer=0 prefetch=1 blocks=SSSKKKKKKKKKKKKKKKKKKKKK",
+        5_921_247_488,
+        94_568_448,
+    ),
+    (
+        "opt-1.3b",
+        "rtx3090",
+        Some(6),
+        "n_persist=2 n_buffer=2 prefetch=1 blocks=CCCKKKKKKKKKKKKKKKKKKKKK",
+        6_272_659_460,
+        16_920_379_392,
+    ),
+    (
+        "opt-1.3b",
+        "a100-40gb",
+        Some(6),
+        "n_persist=2 n_buffer=2 prefetch=1 blocks=CCCCCKKKKKKKKKKKKKKKKKKK",
+        6_146_568_196,
+        16_920_379_392,
+    ),
+];
+
+#[test]
+fn the_search_chooses_what_sorting_every_policy_chose() {
+    let mut differ = Vec::new();
+    for &(model, hardware, gib, policy, peak, host) in CHOICES {
+        let config = protrain_models::load(model).expect("preset");
+        let options = CompileOptions {
+            device_budget: gib.map(|g| g << 30),
+            ..CompileOptions::for_hardware(HardwareProfile::preset(hardware).expect("preset"))
+        };
+        let compiled = compile(&config, &options)
+            .unwrap_or_else(|e| panic!("{model} on {hardware} ({gib:?} GiB): {e}"));
+        let s = &compiled.schedule;
+        let got = (
+            s.header.policy.to_string(),
+            s.header.prediction.peak_device_bytes,
+            s.host_bytes,
+        );
+        if got != (policy.to_string(), peak, host) {
+            differ.push(format!(
+                "{model} on {hardware} ({gib:?} GiB): chose {got:?}, pinned {:?}",
+                (policy, peak, host)
+            ));
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
