@@ -10,6 +10,9 @@
 //! LLaMA-2 70B is compiled with 2 TiB of host memory: its offloaded model states (about 1 TiB
 //! with fp32 master weights and Adam moments) do not fit the presets' host memory.
 //!
+//! `compile_data_parallel` times the data-parallel compilations of issue 15: LLaMA-2 70B on
+//! 8 A100s (target 3 s) and GPT-3 175B on 4 nodes of 8 (target 10 s).
+//!
 //! Run with `cargo bench --bench compile`; the search's rayon pool follows
 //! `RAYON_NUM_THREADS`, all cores by default. Each model is compiled once before it is timed;
 //! that compilation's plan is printed, and a model the search finds no schedule for is
@@ -56,6 +59,7 @@ fn options(model: &str, preset: &str) -> CompileOptions {
         fuse: true,
         forward_only: false,
         micro_batches: 1,
+        topology: protrain::compiler::comm::Topology::SINGLE,
     }
 }
 
@@ -148,5 +152,49 @@ fn compile(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, compile);
+/// Data-parallel compilations (issue 15), with their targets in seconds: GPUs per node,
+/// nodes, and the host memory of a node (every rank keeps whole model states, so a node holds
+/// one replica of the offloaded states per GPU).
+const DATA_PARALLEL: [(&str, u32, u32, u64, f64); 2] = [
+    ("llama-2-70b", 8, 1, 8 << 40, 3.0),
+    ("gpt3-175b", 8, 4, 24 << 40, 10.0),
+];
+
+fn compile_data_parallel(c: &mut Criterion) {
+    let mut group = c.benchmark_group("compile_data_parallel");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(1));
+    for (model, gpus, nodes, host, target) in DATA_PARALLEL {
+        let config = protrain::models::load(model).expect("the benchmark's models are presets");
+        let mut options = options(model, "a100-80gb");
+        options.hardware = options.hardware.with_host_memory(host);
+        options.topology = protrain::compiler::comm::Topology { gpus, nodes };
+        let name = format!("{model} on {gpus} x {nodes} a100-80gb");
+        let first = match protrain::compile(&config, &options) {
+            Ok(compiled) => {
+                println!(
+                    "{name}: {}; first compile {:.3} s (target {target} s)",
+                    compiled.schedule.header.policy, compiled.compile_seconds
+                );
+                compiled.compile_seconds
+            }
+            Err(e) => {
+                println!("{name}: NO SCHEDULE, not timed: {e}");
+                continue;
+            }
+        };
+        group.measurement_time(Duration::from_secs_f64((first * 11.0).max(1.0)));
+        group.bench_function(BenchmarkId::new(model, format!("{gpus}x{nodes}")), |b| {
+            b.iter(|| {
+                black_box(protrain::compile(black_box(&config), &options))
+                    .expect("compiled once already")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, compile, compile_data_parallel);
 criterion_main!(benches);

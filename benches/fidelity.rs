@@ -168,6 +168,7 @@ fn main() {
         fuse: true,
         forward_only: false,
         micro_batches: 1,
+        topology: protrain::compiler::comm::Topology::SINGLE,
     };
     let resident = protrain::compile(
         &config,

@@ -120,6 +120,7 @@ fn main() {
                 fuse: true,
                 forward_only: false,
                 micro_batches: 1,
+                topology: protrain::compiler::comm::Topology::SINGLE,
             },
         )
     };
@@ -136,6 +137,7 @@ fn main() {
             fuse: true,
             forward_only: false,
             micro_batches: 1,
+            topology: protrain::compiler::comm::Topology::SINGLE,
         },
     )
     .expect("the resident schedule compiles");

@@ -107,6 +107,7 @@ fn compile_as(
         policy: PolicyChoice::parse(policy).expect("a policy"),
         optimizer: optimizer.clone(),
         micro_batches: k,
+        topology: protrain::compiler::comm::Topology::SINGLE,
         ..CompileOptions::default()
     };
     protrain::compile(&config, &options).expect("the fixture model compiles")

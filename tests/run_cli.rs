@@ -663,3 +663,101 @@ fn train_accumulates_gradients_as_a_larger_batch_and_refuses_contradictions() {
         stderr(&out)
     );
 }
+
+/// `--gpus N` on the host backend runs N ranks as threads, each on its rows: the losses of
+/// one rank accumulating N micro-batches over the same rows, bit for bit; bad topologies are
+/// refused with the way out.
+#[test]
+fn train_on_ranks_as_threads_matches_accumulation_and_refuses_bad_topologies() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let ranks = run(&["--gpus", "2", "--grad-clip", "1.0"]);
+    assert!(ranks.status.success(), "{}", stderr(&ranks));
+    assert!(
+        stderr(&ranks).contains("data parallel   2 ranks"),
+        "{}",
+        stderr(&ranks)
+    );
+    let accum = run(&["--grad-accum", "2", "--grad-clip", "1.0"]);
+    assert!(accum.status.success(), "{}", stderr(&accum));
+    assert_eq!(losses(&ranks), losses(&accum));
+    assert_eq!(losses(&ranks).len(), 3);
+    for (args, says) in [
+        (&["--gpus", "0"][..], "at least 1"),
+        (
+            &["--gpus", "8", "--hardware", "rtx3090"][..],
+            "use --nodes for more",
+        ),
+    ] {
+        let out = run(args);
+        assert!(!out.status.success());
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).starts_with("error:"), "{}", stderr(&out));
+    }
+}
+
+/// A run of 2 ranks checkpointed (by rank 0) and resumed on 2 ranks, or on 1 rank with 2
+/// micro-batches, takes the steps the uninterrupted run takes, bit for bit.
+#[test]
+fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = |steps: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--gpus",
+            "2",
+            "--steps",
+            steps,
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let whole = losses(&run("4", &[]));
+    let first = losses(&run(
+        "2",
+        &["--checkpoint-dir", path(&ckpt), "--save-every", "2"],
+    ));
+    let rest = losses(&run("4", &["--resume", path(&ckpt)]));
+    assert_eq!(first, whole[..2]);
+    assert_eq!(rest, whole[2..]);
+    // One rank accumulating both ranks' micro-batches resumes it too (the state is the same
+    // on every rank, the rows and sums the same with one micro-batch per rank).
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "4",
+        "--json",
+        "--resume",
+        path(&ckpt),
+    ]);
+    assert_eq!(losses(&out), whole[2..]);
+    // Ranks that would take another global batch are refused, naming the way out.
+    let out = run("4", &["--resume", path(&ckpt), "--grad-accum", "2"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("2 ranks x --grad-accum 2"),
+        "{}",
+        stderr(&out)
+    );
+}

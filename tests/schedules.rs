@@ -66,6 +66,7 @@ fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
         fuse: true,
         forward_only: false,
         micro_batches: 1,
+        topology: protrain::compiler::comm::Topology::SINGLE,
     }
 }
 

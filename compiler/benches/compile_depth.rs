@@ -62,6 +62,7 @@ fn search_options(layers: u64) -> SearchOptions {
         max_compiled: 64,
         hardware: options.hardware.summary(),
         model: format!("gpt2-{layers}-layers"),
+        topology: options.topology,
     }
 }
 

@@ -121,8 +121,14 @@ struct Acc {
 ///
 /// Fails when the schedule lacks a stream the update program needs, or when two AdamW ops
 /// read one gradient (compiler bugs).
-pub fn accumulate(mut schedule: Schedule) -> Result<Schedule> {
+pub fn accumulate(schedule: Schedule) -> Result<Schedule> {
     let k = micro_batches(&schedule.graph);
+    accumulate_micro_batches(schedule, k)
+}
+
+/// [`accumulate`] over `k` micro-batches per rank, whatever the loss gradient is scaled for:
+/// in a data-parallel schedule it is scaled for `ranks x k` (see [`crate::data_parallel`]).
+pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedule> {
     if k <= 1 {
         return Ok(schedule);
     }

@@ -1,6 +1,7 @@
 //! The cost model: op, copy and Adam times from a hardware profile, and ProTrain's step-time estimate.
 
-use protrain_ir::{op_key, workspace, DType, HardwareProfile, OpKind, TensorType};
+use crate::comm::{collective_seconds, CollectiveKind, Topology};
+use protrain_ir::{op_key, workspace, DType, HardwareProfile, Interconnect, OpKind, TensorType};
 use std::collections::HashMap;
 
 /// The direction of a copy.
@@ -50,6 +51,21 @@ pub trait CostModel {
     /// The simulator charges compute for what it shares ([`crate::simulate::simulate`]).
     fn host_cores(&self) -> Option<f64> {
         None
+    }
+
+    /// How the GPUs are linked, for pricing collectives ([`CostModel::collective_seconds`]);
+    /// `None` for a machine whose profile says nothing of it.
+    fn interconnect(&self) -> Option<Interconnect> {
+        None
+    }
+
+    /// One collective over `bytes` among `topology`'s ranks: a ring (hierarchical across
+    /// nodes) on [`CostModel::interconnect`] ([`crate::comm::collective_seconds`]), 0 without
+    /// one (the compiler refuses several ranks on such a machine, so only a cost model made
+    /// for tests prices a collective at nothing).
+    fn collective_seconds(&self, kind: CollectiveKind, bytes: u64, topology: Topology) -> f64 {
+        self.interconnect()
+            .map_or(0.0, |link| collective_seconds(kind, bytes, topology, &link))
     }
 }
 
@@ -282,6 +298,10 @@ impl Roofline {
 }
 
 impl CostModel for Roofline {
+    fn interconnect(&self) -> Option<Interconnect> {
+        self.profile.interconnect
+    }
+
     fn op_seconds(
         &self,
         kind: &OpKind,
@@ -374,6 +394,10 @@ impl Measured {
 }
 
 impl CostModel for Measured {
+    fn interconnect(&self) -> Option<Interconnect> {
+        self.roofline.interconnect()
+    }
+
     fn op_seconds(
         &self,
         kind: &OpKind,

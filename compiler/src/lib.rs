@@ -6,6 +6,7 @@ pub mod autodiff;
 pub mod chunk;
 pub mod comm;
 pub mod cost;
+pub mod data_parallel;
 pub mod egraph;
 pub mod emit;
 pub mod error;

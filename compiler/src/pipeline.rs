@@ -2,7 +2,8 @@
 //!
 //! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
 //! training graph -> chunk -> place(policy) (with movement) -> streams -> plan -> emit
-//! (-> accumulate, for K > 1) -> Schedule -> verify -> [`VerifiedSchedule`] -> simulate.
+//! (-> accumulate, for K > 1) (-> data_parallel, for several ranks) -> Schedule -> verify ->
+//! [`VerifiedSchedule`] -> simulate.
 //!
 //! A forward-only compilation ([`CompileOptions::forward_only`], for evaluation) skips
 //! autodiff: the later passes take the fused forward graph as the "training" graph, and the
@@ -14,10 +15,12 @@
 //! policies through [`compile_policy`]. The free functions below run one stage each, with
 //! the verifier, for tests and tools that assemble stages themselves.
 
-use crate::accumulate::{accumulate, scale_loss_gradient};
+use crate::accumulate::{accumulate_micro_batches, scale_loss_gradient};
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
+use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
+use crate::data_parallel::data_parallel;
 use crate::emit::{emit, HeaderInputs};
 use crate::error::{CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
@@ -87,6 +90,10 @@ pub struct CompileOptions {
     /// Micro-batches of `batch` sequences per optimizer step (gradient accumulation); 1 for
     /// none. See [`crate::accumulate`].
     pub micro_batches: u64,
+    /// The ranks of a data-parallel run: GPUs per node and nodes ([`Topology::SINGLE`] for
+    /// one GPU). Every rank runs the same schedule on its own rows; see
+    /// [`crate::data_parallel`]. Checked against the hardware's interconnect.
+    pub topology: Topology,
 }
 
 /// The batch, sequence length and element type a compilation defaults to on `hardware`:
@@ -117,6 +124,7 @@ impl CompileOptions {
             fuse: true,
             forward_only: false,
             micro_batches: 1,
+            topology: Topology::SINGLE,
         }
     }
 
@@ -192,6 +200,8 @@ pub struct Context<'m> {
 impl<'m> Context<'m> {
     /// A compilation of `config` under `options`; nothing runs until [`Context::run_until`]
     /// or [`Context::compile`].
+    ///
+    /// The topology is checked when the pipeline runs ([`Context::run_until`]).
     pub fn new(config: &'m ModelConfig, options: CompileOptions) -> Self {
         let cost = cost_model(&options.hardware);
         Self {
@@ -216,6 +226,7 @@ impl<'m> Context<'m> {
 
     /// Runs every pass up to and including `stage` that has not run yet.
     pub fn run_until(&mut self, stage: Stage) -> Result<()> {
+        self.options.topology.interconnect(&self.options.hardware)?;
         if self.forward.is_none() {
             let build = BuildOptions::new(self.options.batch, self.options.seq)
                 .with_dtype(self.options.dtype);
@@ -235,7 +246,15 @@ impl<'m> Context<'m> {
         }
         if stage >= Stage::Autodiff && self.training.is_none() {
             let fused = self.fused.as_ref().expect("fused above");
+            let ranks = self.options.topology.ranks();
             let training = if self.options.forward_only {
+                if ranks > 1 {
+                    return Err(CompileError::BadTopology(format!(
+                        "--gpus {} --nodes {} with --forward-only: evaluation runs on one rank; \
+                         drop --gpus and --nodes",
+                        self.options.topology.gpus, self.options.topology.nodes
+                    )));
+                }
                 if self.options.micro_batches > 1 {
                     return Err(CompileError::BadOptimizer(format!(
                         "--grad-accum {} with --forward-only: accumulation splits a training \
@@ -246,7 +265,9 @@ impl<'m> Context<'m> {
                 fused.clone()
             } else {
                 let mut training = training_graph(fused, &self.options.optimizer)?;
-                scale_loss_gradient(&mut training, self.options.micro_batches)?;
+                // The global batch is ranks x K micro-batches: each one's loss gradient is
+                // scaled by its share, so the sum over ranks and micro-batches is the mean.
+                scale_loss_gradient(&mut training, self.options.micro_batches * u64::from(ranks))?;
                 verify_graph(&training)?;
                 training
             };
@@ -321,7 +342,19 @@ impl<'m> Context<'m> {
             .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
             .count();
         let device_budget = options.device_budget();
-        let host_budget = options.hardware.host_memory_bytes;
+        // The ranks of a node share its host memory, and every rank holds whole model states
+        // (nothing is sharded yet): each may use its share.
+        let gpus = u64::from(options.topology.gpus.max(1));
+        let host_budget = options.hardware.host_memory_bytes / gpus;
+        let shared = |e: CompileError| match e {
+            CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
+                "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory: \
+                 every rank keeps whole model states, as their ZeRO sharding across ranks is not \
+                 implemented yet, so a node needs {gpus} times what one rank needs; give \
+                 --host-memory for the whole node, or use fewer --gpus per node)"
+            )),
+            e => e,
+        };
         let (mut schedule, report) = match &options.policy {
             PolicyChoice::Auto => {
                 let search_options = SearchOptions {
@@ -330,11 +363,12 @@ impl<'m> Context<'m> {
                     max_compiled: 64,
                     hardware: options.hardware.summary(),
                     model: self.config.name.clone(),
+                    topology: options.topology,
                 };
                 let cost = self.cost.as_ref();
                 let (s, r) = match options.forward_only {
                     true => search_forward(training, chunks, cost, &search_options)?,
-                    false => search(training, chunks, cost, &search_options)?,
+                    false => search(training, chunks, cost, &search_options).map_err(shared)?,
                 };
                 (s, Some(r))
             }
@@ -351,10 +385,11 @@ impl<'m> Context<'m> {
                     model: self.config.name.clone(),
                     hardware: options.hardware.summary(),
                     device_budget_bytes: device_budget,
-                    host_budget_bytes: host_budget,
+                    // Checked below, with the way out, before the header says it.
+                    host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
                 };
-                let s = compile_policy(training, chunks, &policy, header)?;
+                let mut s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
                 if s.arena_bytes > device_budget {
                     return Err(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of device memory, more than the {} budget; \
@@ -363,6 +398,15 @@ impl<'m> Context<'m> {
                         format_bytes(device_budget)
                     )));
                 }
+                if s.host_bytes > host_budget {
+                    return Err(shared(CompileError::BudgetTooSmall(format!(
+                        "policy {policy} needs {} of host memory, more than the {} budget; use \
+                         --policy auto or a larger --host-memory",
+                        format_bytes(s.host_bytes),
+                        format_bytes(host_budget)
+                    ))));
+                }
+                s.header.host_budget_bytes = host_budget;
                 (s, None)
             }
         };
@@ -461,6 +505,28 @@ pub fn compile_policy(
     policy: &Policy,
     header: HeaderInputs,
 ) -> Result<Schedule> {
+    compile_policy_on(training, chunks, policy, header, Topology::SINGLE)
+}
+
+/// [`compile_policy`] for the ranks of `topology`: the schedule every rank runs, with its
+/// gradients summed over the ranks ([`data_parallel`], the last pass). The training graph's
+/// loss gradient must be scaled for `ranks x K` micro-batches ([`scale_loss_gradient`]); each
+/// rank accumulates `K` of them.
+pub fn compile_policy_on(
+    training: &Graph,
+    chunks: &ChunkTable,
+    policy: &Policy,
+    header: HeaderInputs,
+    topology: Topology,
+) -> Result<Schedule> {
+    let ranks = u64::from(topology.ranks().max(1));
+    let global = crate::accumulate::micro_batches(training);
+    if !global.is_multiple_of(ranks) {
+        return Err(CompileError::BadTopology(format!(
+            "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \
+             share; scale it for ranks x --grad-accum"
+        )));
+    }
     let placed = place(training, chunks, policy)?;
     verify_graph(&placed.graph)?;
     if cfg!(debug_assertions) {
@@ -478,7 +544,8 @@ pub fn compile_policy(
     }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    let schedule = accumulate(emit(streamed, &planned, header)?)?;
+    let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
+    let schedule = data_parallel(schedule, topology)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }

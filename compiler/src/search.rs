@@ -20,10 +20,11 @@
 //! profiles against the per-layer loop and a full sort. It does not change what is estimated:
 //! ProTrain's formula, per chunk, over ProTrain's interleaved layout.
 
+use crate::comm::Topology;
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
-use crate::pipeline::compile_policy;
+use crate::pipeline::compile_policy_on;
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
     format_bytes, BlockKind, BlockMode, ChunkTable, Graph, MemoryBreakdown, OpKind, Phase, Policy,
@@ -49,6 +50,8 @@ pub struct SearchOptions {
     pub hardware: String,
     /// The model's name, for the header.
     pub model: String,
+    /// The ranks every candidate runs on ([`Topology::SINGLE`] for one GPU).
+    pub topology: Topology,
 }
 
 /// One fully compiled candidate.
@@ -1242,7 +1245,13 @@ pub fn search(
             .par_iter()
             .map(|x| {
                 let policy = x.key.policy(profile.layers);
-                let result = compile_policy(training, chunks, &policy, header(String::new()));
+                let result = compile_policy_on(
+                    training,
+                    chunks,
+                    &policy,
+                    header(String::new()),
+                    options.topology,
+                );
                 (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
@@ -1375,7 +1384,7 @@ fn too_small(
         host_budget_bytes: u64::MAX,
         report: String::new(),
     };
-    match compile_policy(training, chunks, &lean, header) {
+    match compile_policy_on(training, chunks, &lean, header, options.topology) {
         Ok(s) if s.arena_bytes <= options.device_budget && s.host_bytes > options.host_budget => {
             CompileError::BudgetTooSmall(format!(
                 "no policy fits {} of host memory ({} policies tried): offloading needs the model states of every streamed chunk in host memory, at least {} with the leanest policy ({lean}). Give --host-memory at least {}, or use a machine with more host memory",

@@ -1,5 +1,6 @@
 //! Discrete-event simulation of a schedule's streams and events, and its Chrome trace.
 
+use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
@@ -23,6 +24,8 @@ pub mod category {
     pub const D2D: &str = "d2d";
     /// A kernel on the host optimizer stream (the CPU Adam).
     pub const CPU_ADAM: &str = "cpu_adam";
+    /// A collective among the ranks (on the collective stream).
+    pub const COMM: &str = "comm";
     /// A stream stalled on an event another stream has not recorded yet.
     pub const WAIT: &str = "wait";
 }
@@ -111,9 +114,27 @@ impl Simulation {
     pub fn exposed_communication_seconds(&self) -> f64 {
         exposed_seconds(
             &self.timeline,
-            &[category::H2D, category::D2H],
+            &[category::H2D, category::D2H, category::COMM],
             &[category::COMPUTE],
         )
+    }
+
+    /// Seconds of collectives among the ranks (the collective stream's busy time, every
+    /// micro-batch counted); 0 for one rank.
+    pub fn collective_seconds(&self, schedule: &Schedule) -> f64 {
+        schedule
+            .streams
+            .iter()
+            .zip(&self.stream_busy_seconds)
+            .filter(|(s, _)| matches!(s.kind, StreamKind::Collective { .. }))
+            .map(|(_, &t)| t)
+            .sum()
+    }
+
+    /// Seconds during which a collective runs and no compute kernel does: the part of
+    /// [`Simulation::collective_seconds`] the schedule failed to hide.
+    pub fn exposed_collective_seconds(&self) -> f64 {
+        exposed_seconds(&self.timeline, &[category::COMM], &[category::COMPUTE])
     }
 
     /// The timeline as a Chrome trace; see [`chrome_trace`].
@@ -267,6 +288,22 @@ pub fn instr_seconds(
             (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
             _ => 0.0,
         },
+        Instr::AllReduce { value, .. } => {
+            let (Some(v), StreamKind::Collective { gpus, nodes }) = (
+                value_of(schedule, *value),
+                schedule
+                    .streams
+                    .get(stream.index())
+                    .map_or(StreamKind::Compute, |s| s.kind),
+            ) else {
+                return 0.0;
+            };
+            cost.collective_seconds(
+                CollectiveKind::AllReduce,
+                v.ty.bytes(),
+                Topology { gpus, nodes },
+            )
+        }
         Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => 0.0,
     }
 }
@@ -305,6 +342,7 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
         Instr::Record { event } => format!("record {event}"),
         Instr::Wait { event } => format!("wait {event}"),
         Instr::EndMicroBatch { micro_batches } => format!("end of micro-batch x{micro_batches}"),
+        Instr::AllReduce { value, .. } => format!("all_reduce {}", value_name(*value)),
     }
 }
 
@@ -391,7 +429,7 @@ pub fn simulate_unverified(
                             }
                         }
                     },
-                    Instr::Kernel { .. } | Instr::Copy { .. } => {
+                    Instr::Kernel { .. } | Instr::Copy { .. } | Instr::AllReduce { .. } => {
                         let seconds = instr_seconds(schedule, id, instr, cost);
                         if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
                             (instr, stream.kind)
@@ -601,6 +639,11 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
         Some(Instr::EndMicroBatch { micro_batches }) => {
             args.insert("micro_batches".into(), json!(micro_batches));
         }
+        Some(Instr::AllReduce { value, .. }) => {
+            if let Some(v) = value_of(schedule, *value) {
+                args.insert("bytes".into(), json!(v.ty.bytes()));
+            }
+        }
         None => {}
     }
     Json::Object(args)
@@ -619,6 +662,7 @@ pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'
                 _ => category::D2H,
             }
         }
+        Instr::AllReduce { .. } => category::COMM,
         Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => category::WAIT,
     }
 }
@@ -687,6 +731,14 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                             "{event} (the schedule declares {} events)",
                             schedule.events
                         )));
+                    }
+                }
+                Instr::AllReduce { value, at } => {
+                    if value_of(schedule, *value).is_none() {
+                        return Err(bad(value.to_string()));
+                    }
+                    if space_of(schedule, *at).is_none() {
+                        return Err(bad(at.buffer.to_string()));
                     }
                 }
                 Instr::EndMicroBatch { .. } => {}

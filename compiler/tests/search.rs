@@ -1,6 +1,7 @@
 //! The policy search: resident when memory is plentiful, offloading and recomputing when it
 //! is not, and a clear error naming the smallest budget when nothing fits.
 
+use protrain_compiler::comm::Topology;
 use protrain_compiler::cost::cost_model;
 use protrain_compiler::pipeline::{chunked, training_graph};
 use protrain_compiler::search::{search, SearchOptions, TIE_TOLERANCE};
@@ -28,6 +29,7 @@ fn run(
         max_compiled: 64,
         hardware: profile.summary(),
         model: "gpt2".into(),
+        topology: Topology::SINGLE,
     };
     search(&training, &chunks, cost.as_ref(), &options)
 }
@@ -104,6 +106,7 @@ fn when_the_fastest_estimates_do_not_fit_exactly_a_leaner_policy_is_found() {
         max_compiled: 64,
         hardware: profile.summary(),
         model: "llama-2-7b".into(),
+        topology: Topology::SINGLE,
     };
     let (schedule, report) =
         search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits");
@@ -147,6 +150,7 @@ fn search_preset(
         max_compiled: 64,
         hardware: profile.summary(),
         model: model.into(),
+        topology: Topology::SINGLE,
     };
     search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits")
 }

@@ -503,6 +503,22 @@ impl HardwareProfile {
         self
     }
 
+    /// This profile with ranks as threads of one process, exchanging through its memory (the
+    /// host backend's collectives): up to `ranks` per "node", at the device bandwidth, with
+    /// no network. For the `host` profile, whose device is this machine's memory; a profile
+    /// that already says how its GPUs are linked keeps its interconnect.
+    pub fn with_thread_ranks(mut self, ranks: u32) -> Self {
+        if self.interconnect.is_none() {
+            self.interconnect = Some(Interconnect {
+                gpus_per_node: ranks.max(1),
+                intra_node_bandwidth: self.device_bandwidth,
+                inter_node_bandwidth: self.device_bandwidth,
+                step_latency_s: self.launch_overhead_s,
+            });
+        }
+        self
+    }
+
     /// The peak FLOP/s for ops computing in `dtype`.
     pub fn peak(&self, dtype: DType) -> f64 {
         self.peak_flops.get(dtype)

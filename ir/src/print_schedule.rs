@@ -97,6 +97,7 @@ impl BufferNumbering {
                     mention(*src);
                     mention(*dst);
                 }
+                Instr::AllReduce { at, .. } => mention(*at),
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -137,13 +138,14 @@ pub fn space_name(space: Space) -> &'static str {
 }
 
 /// The words for a stream kind: `compute`, `host-to-device`, `device-to-host`,
-/// `host optimizer`.
+/// `host optimizer`, `collective`.
 pub fn stream_kind_name(kind: StreamKind) -> &'static str {
     match kind {
         StreamKind::Compute => "compute",
         StreamKind::HostToDevice => "host-to-device",
         StreamKind::DeviceToHost => "device-to-host",
         StreamKind::HostOptimizer => "host optimizer",
+        StreamKind::Collective { .. } => "collective",
     }
 }
 
@@ -267,6 +269,17 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
             "; gradient accumulation: {k} micro-batches of batch {} per step (tokens from \
              (step*{k} + m)*batch*seq); the update runs once after them",
             h.batch
+        );
+    }
+    let (gpus, nodes) = s.topology();
+    if gpus * nodes > 1 {
+        let _ = writeln!(
+            out,
+            "; data parallel: {w} ranks ({gpus} GPUs x {nodes} nodes) run this schedule, \
+             each on its own rows (rank r, micro-batch m reads tokens from \
+             ((step*{w} + r)*{k} + m)*batch*seq); gradients are summed over the ranks on the \
+             collective stream",
+            w = gpus * nodes
         );
     }
     let busy: Vec<String> = p
@@ -537,6 +550,20 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
         Instr::EndMicroBatch { micro_batches } => {
             format!(
                 "end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update"
+            )
+        }
+        Instr::AllReduce { value, at } => {
+            let g = &cx.s.graph;
+            let bytes = match value.index() < g.values().len() {
+                true => g.value(*value).ty.bytes(),
+                false => 0,
+            };
+            format!(
+                "all_reduce {} at {} = {} {}  ; sum over the ranks, in place",
+                value_name(&cx.names, *value),
+                tensor_ref(cx, *at),
+                address(cx, *at),
+                format_bytes(bytes)
             )
         }
         Instr::Record { event } => format!("record e{}", event.0),

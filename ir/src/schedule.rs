@@ -14,6 +14,14 @@
 //! the gradients summed over the step). The runtime zeroes every
 //! [`Role::Accumulator`](crate::Role::Accumulator) value at its home before each step. Without
 //! accumulation no stream has the marker and a step runs every instruction once.
+//!
+//! A data-parallel schedule (several ranks, see [`StreamKind::Collective`]) is one program
+//! that every rank runs (SPMD): the rank is a parameter of the run (which rows of the global
+//! batch it reads), never a different instruction list. Its collective stream sums gradients
+//! over the ranks ([`Instr::AllReduce`]) between their last contribution and their first
+//! reader in the optimizer. Single-rank schedules have no such stream and encode exactly as
+//! before; the format version is unchanged because a new variant only extends the layout
+//! (an older protrain rejects a data-parallel schedule as undecodable).
 
 use crate::chunks::ChunkTable;
 use crate::graph::Graph;
@@ -154,6 +162,17 @@ pub enum Instr {
         /// Micro-batches per step (at least 2).
         micro_batches: u32,
     },
+    /// Sum a value over the ranks of a data-parallel run, in place: every rank holds the same
+    /// value (its gradient over its own rows) at the same address, and afterwards every rank
+    /// holds the sum over all ranks. Runs on the [`StreamKind::Collective`] stream, whose
+    /// ranks it sums over. The schedule is SPMD: every rank runs this same instruction list,
+    /// so every rank issues the same collectives in the same order with the same sizes.
+    AllReduce {
+        /// The value summed (f32 or bf16); its type gives the bytes.
+        value: ValueId,
+        /// Where it is, on every rank.
+        at: TensorRef,
+    },
 }
 
 /// Why a copy happens.
@@ -199,6 +218,15 @@ pub enum StreamKind {
     DeviceToHost,
     /// The CPU optimizer for offloaded chunks.
     HostOptimizer,
+    /// Collectives among the ranks of a data-parallel run of `gpus` GPUs on each of `nodes`
+    /// nodes (at least 2 ranks). A schedule has at most one such stream; a single-rank
+    /// schedule has none.
+    Collective {
+        /// GPUs (ranks) per node.
+        gpus: u32,
+        /// Nodes.
+        nodes: u32,
+    },
 }
 
 /// An in-order instruction list.
@@ -346,6 +374,24 @@ impl Schedule {
                 }
             })
             .collect()
+    }
+
+    /// The ranks the schedule runs on, as `(gpus per node, nodes)`: its
+    /// [`StreamKind::Collective`] stream's, `(1, 1)` without one.
+    pub fn topology(&self) -> (u32, u32) {
+        self.streams
+            .iter()
+            .find_map(|s| match s.kind {
+                StreamKind::Collective { gpus, nodes } => Some((gpus, nodes)),
+                _ => None,
+            })
+            .unwrap_or((1, 1))
+    }
+
+    /// The number of ranks every one of which runs this schedule (1 for a single GPU).
+    pub fn ranks(&self) -> u32 {
+        let (gpus, nodes) = self.topology();
+        gpus * nodes
     }
 
     /// The absolute byte address of a tensor in its space.

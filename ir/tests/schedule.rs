@@ -1051,6 +1051,7 @@ fn reversed_buffers() -> Schedule {
                 flip(src);
                 flip(dst);
             }
+            Instr::AllReduce { at, .. } => flip(at),
             Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
         }
     }

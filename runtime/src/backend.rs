@@ -9,9 +9,10 @@
 //! `cuda`) enqueues it on a CUDA stream and reports what its kernels computed after the step
 //! ([`Backend::step_outcome`]).
 
+use crate::collective::Collective;
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
-use protrain_ir::{EventId, Graph, Op, OpKind, Schedule, Space, StreamKind};
+use protrain_ir::{DType, EventId, Graph, Op, OpKind, Schedule, Space, StreamKind};
 
 /// A byte address in the device arena or the host region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,6 +96,10 @@ pub trait Backend: Sync + Sized {
     /// scaling).
     const RUNS_F16: bool = false;
 
+    /// Whether the backend runs collectives ([`Backend::all_reduce`]), and so data-parallel
+    /// schedules. When it does not, this names what is missing, for the executor's refusal.
+    const MISSING_COLLECTIVES: Option<&'static str> = Some("collectives");
+
     /// Allocates the device arena and the host region, zeroed, and `events` events.
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self>;
 
@@ -132,6 +137,27 @@ pub trait Backend: Sync + Sized {
         dst: Address,
         bytes: u64,
     ) -> Result<()>;
+
+    /// Sums `len` elements of `dtype` (f32 or bf16) at `at` over the ranks of `comm`, in place,
+    /// on `stream`: every rank calls it with the same arguments, in the same order.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for the range.
+    unsafe fn all_reduce(
+        &self,
+        stream: &mut Self::Stream,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let _ = (stream, at, dtype, len, comm);
+        Err(RuntimeError::BadSchedule(format!(
+            "this backend has no {}; run data-parallel schedules on the host backend",
+            Self::MISSING_COLLECTIVES.unwrap_or("collectives")
+        )))
+    }
 
     /// Records `event` once the work issued on `stream` so far is done.
     fn record(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;

@@ -84,7 +84,8 @@ pub struct OptimizerSettings {
     pub weight_decay: f64,
     /// The global gradient norm gradients are clipped to, when they are.
     pub grad_clip: Option<f64>,
-    /// Micro-batches per step (gradient accumulation); 1 in checkpoints written before it.
+    /// Micro-batches per step over all ranks (ranks x gradient accumulation: the global
+    /// batch's, as the loss gradient is scaled); 1 in checkpoints written before it.
     #[serde(default = "one")]
     pub grad_accum: u64,
 }

@@ -21,8 +21,17 @@
 //! gradient norm ([`StepReport::skipped`]) and counts AdamW's steps apart from the steps
 //! run ([`Executor::updates_taken`]), so a skipped step does not advance the bias correction,
 //! as torch's AdamW is not stepped when GradScaler skips.
+//!
+//! A data-parallel schedule ([`Schedule::ranks`] > 1) runs on every rank, each with its own
+//! executor and its rank's [`Collective`] ([`Executor::set_collective`]): the collective
+//! stream's thread issues the all-reduces through it, and after each step the executor
+//! gathers every rank's micro-batch losses and returns their mean in global order (rank, then
+//! micro-batch), summed in f64 exactly as one rank sums its micro-batches' losses. So `W`
+//! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
+//! the same rows, bit for bit.
 
 use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch};
+use crate::collective::Collective;
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
@@ -30,7 +39,8 @@ use crate::interpreter::StepReport;
 use crate::kernels;
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
-    DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId, TensorRef, ValueId,
+    DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId, StreamKind,
+    TensorRef, ValueId,
 };
 use std::collections::HashMap;
 use std::time::Instant;
@@ -79,6 +89,11 @@ enum Planned {
     },
     Record(EventId),
     Wait(EventId),
+    AllReduce {
+        at: Address,
+        dtype: DType,
+        len: usize,
+    },
 }
 
 /// One stream: its handle, its program and what its last step measured.
@@ -91,6 +106,8 @@ struct StreamRun<S> {
     /// its first instruction in the stream.
     update: Vec<Planned>,
     update_at: u32,
+    /// Whether it is the collective stream.
+    collective: bool,
     busy: f64,
     spans: Vec<Span>,
 }
@@ -190,6 +207,8 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     updates: u64,
     timing: StepTiming,
     tracing: bool,
+    /// This rank's collective, for a data-parallel schedule.
+    comm: Option<Box<dyn Collective>>,
 }
 
 impl<'s> Executor<'s, HostBackend> {
@@ -226,6 +245,14 @@ impl<'s, B: Backend> Executor<'s, B> {
                 )));
             }
         }
+        let ranks = schedule.ranks();
+        if let (true, Some(missing)) = (ranks > 1, B::MISSING_COLLECTIVES) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it \
+                 on the host backend (--backend host, ranks as threads) or compile it with \
+                 --gpus 1 --nodes 1"
+            )));
+        }
         let masters: HashMap<ValueId, Address> = master_weights(schedule)?
             .into_iter()
             .map(|m| (m.param, m.master))
@@ -242,6 +269,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 program: micro.iter().map(|i| plan(schedule, i)).collect(),
                 update: update.iter().map(|i| plan(schedule, i)).collect(),
                 update_at: (stream.instrs.len() - update.len()) as u32,
+                collective: matches!(stream.kind, StreamKind::Collective { .. }),
                 busy: 0.0,
                 spans: Vec::new(),
             });
@@ -319,7 +347,37 @@ impl<'s, B: Backend> Executor<'s, B> {
             step: 0,
             updates: 0,
             tracing: false,
+            comm: None,
         })
+    }
+
+    /// Gives the executor its rank's collective, for a data-parallel schedule: the group must
+    /// have as many ranks as the schedule runs on.
+    pub fn set_collective(&mut self, comm: Box<dyn Collective>) -> Result<()> {
+        let ranks = self.schedule.ranks() as usize;
+        if comm.world() != ranks {
+            return Err(RuntimeError::Collective {
+                rank: comm.rank(),
+                problem: format!(
+                    "a group of {} ranks for a schedule compiled for {ranks}; run it with \
+                     --gpus and --nodes as compiled",
+                    comm.world()
+                ),
+            });
+        }
+        self.comm = Some(comm);
+        Ok(())
+    }
+
+    /// Drops this rank's collective: the other ranks' next collective fails, naming this one,
+    /// instead of waiting for it (after a failure here). Its steps fail from now on.
+    pub fn leave_group(&mut self) {
+        self.comm = None;
+    }
+
+    /// This rank and the number of ranks: `(0, 1)` without a collective.
+    pub fn rank(&self) -> (usize, usize) {
+        self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()))
     }
 
     /// Micro-batches per optimizer step: a step takes this many times the tokens of one
@@ -646,6 +704,17 @@ impl<'s, B: Backend> Executor<'s, B> {
                 kernels::check_tokens(data, vocab)?;
             }
         }
+        let ranks = self.schedule.ranks() as usize;
+        if self.comm.is_none() && ranks > 1 {
+            return Err(RuntimeError::Collective {
+                rank: 0,
+                problem: format!(
+                    "the schedule runs on {ranks} ranks and this executor has no collective to \
+                     reach the others; give it one (Executor::set_collective), as protrain \
+                     train --gpus does"
+                ),
+            });
+        }
         self.set_hyperparameters(lr, loss_scale);
         for &(at, bytes) in &self.accumulators {
             self.backend.fill_zero(at, bytes)?;
@@ -659,8 +728,8 @@ impl<'s, B: Backend> Executor<'s, B> {
         let update = self.updates + 1;
         let start = Instant::now();
         let mut outcome = Outcome::default();
-        // The micro-batches' losses, summed in order in f64; their mean is the step's.
-        let mut losses = 0.0f64;
+        // The micro-batches' losses, in order; their mean (summed in f64) is the step's.
+        let mut losses: Vec<f32> = Vec::with_capacity(k);
         for m in 0..k {
             for (home, data) in self.inputs.iter().zip(inputs) {
                 self.backend
@@ -669,7 +738,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             outcome = outcome.merge(self.run_phase(false, update, start)?);
             let mut loss = [0.0f32];
             self.backend.read_f32(self.loss, &mut loss)?;
-            losses += f64::from(loss[0]);
+            losses.push(loss[0]);
         }
         if k > 1 {
             outcome = outcome.merge(self.run_phase(true, update, start)?);
@@ -677,6 +746,18 @@ impl<'s, B: Backend> Executor<'s, B> {
         // The loss-scaled ops report the unscaled norm, infinite or NaN when a gradient
         // overflowed: then every AdamW read the skip coefficient and changed nothing.
         let skipped = self.loss_scaled && !outcome.grad_norm.is_some_and(f32::is_finite);
+        // Every rank's losses, rank by rank: the global batch's micro-batches in order.
+        if let Some(comm) = self.comm.as_deref_mut() {
+            let send: Vec<u8> = losses.iter().flat_map(|l| l.to_le_bytes()).collect();
+            let mut all = vec![0u8; send.len() * comm.world()];
+            comm.all_gather(&send, &mut all)?;
+            losses = all
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        }
+        let n = losses.len();
+        let losses: f64 = losses.iter().map(|&l| f64::from(l)).sum();
         self.step = step;
         if !skipped {
             self.updates = update;
@@ -691,9 +772,9 @@ impl<'s, B: Backend> Executor<'s, B> {
             *t = s.busy;
         }
         Ok(StepReport {
-            loss: match k {
+            loss: match n {
                 1 => losses as f32,
-                _ => (losses / k as f64) as f32,
+                _ => (losses / n as f64) as f32,
             },
             grad_norm: outcome.grad_norm,
             skipped,
@@ -706,23 +787,29 @@ impl<'s, B: Backend> Executor<'s, B> {
         let graph = &self.schedule.graph;
         self.backend.begin_step();
         let (backend, tracing) = (&self.backend, self.tracing);
+        // The collective stream (at most one) issues through this rank's collective.
+        let mut comm: Option<&mut (dyn Collective + 'static)> = self.comm.as_deref_mut();
         let results: Vec<std::thread::Result<Result<Outcome>>> = std::thread::scope(|scope| {
-            let running: Vec<_> =
-                self.streams
-                    .iter_mut()
-                    .map(|s| {
-                        let empty = match update {
-                            false => s.program.is_empty(),
-                            true => s.update.is_empty(),
-                        };
-                        if empty {
-                            return None;
-                        }
-                        Some(scope.spawn(move || {
-                            run_stream(backend, graph, s, update, step, start, tracing)
-                        }))
-                    })
-                    .collect();
+            let running: Vec<_> = self
+                .streams
+                .iter_mut()
+                .map(|s| {
+                    let empty = match update {
+                        false => s.program.is_empty(),
+                        true => s.update.is_empty(),
+                    };
+                    if empty {
+                        return None;
+                    }
+                    let comm = match s.collective {
+                        true => comm.take(),
+                        false => None,
+                    };
+                    Some(scope.spawn(move || {
+                        run_stream(backend, graph, s, update, step, start, tracing, comm)
+                    }))
+                })
+                .collect();
             running.into_iter().flatten().map(|h| h.join()).collect()
         });
         let mut outcome = Outcome::default();
@@ -756,7 +843,9 @@ impl<B: Backend> Drop for AbortOnPanic<'_, B> {
 }
 
 /// Issues one stream's program (its update program with `update`) for step `step`, timing
-/// its kernels and copies; its busy time and spans add to the step's.
+/// its kernels, copies and collectives (issued through `comm`, the collective stream's); its
+/// busy time and spans add to the step's.
+#[allow(clippy::too_many_arguments)]
 fn run_stream<B: Backend>(
     backend: &B,
     graph: &Graph,
@@ -765,6 +854,7 @@ fn run_stream<B: Backend>(
     step: u64,
     start: Instant,
     tracing: bool,
+    mut comm: Option<&mut (dyn Collective + 'static)>,
 ) -> Result<Outcome> {
     let _abort = AbortOnPanic(backend);
     let mut outcome = Outcome::default();
@@ -812,6 +902,15 @@ fn run_stream<B: Backend>(
                 Planned::Copy { src, dst, bytes } => {
                     // SAFETY: as for kernels.
                     unsafe { backend.copy(&mut s.handle, *src, *dst, *bytes)? };
+                }
+                Planned::AllReduce { at, dtype, len } => {
+                    let Some(comm) = comm.as_deref_mut() else {
+                        return Err(RuntimeError::BadSchedule(
+                            "an all-reduce on a stream without the rank's collective".into(),
+                        ));
+                    };
+                    // SAFETY: as for kernels.
+                    unsafe { backend.all_reduce(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
             }
             let ended = start.elapsed().as_secs_f64();
@@ -881,6 +980,14 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
         },
         Instr::Record { event } => Planned::Record(*event),
         Instr::Wait { event } => Planned::Wait(*event),
+        Instr::AllReduce { value, at } => {
+            let ty = &graph.value(*value).ty;
+            Planned::AllReduce {
+                at: address(schedule, *at),
+                dtype: ty.dtype,
+                len: ty.numel() as usize,
+            }
+        }
         // `Schedule::phases` splits the streams at their markers: none reaches here.
         Instr::EndMicroBatch { .. } => unreachable!("streams are planned without their markers"),
     }

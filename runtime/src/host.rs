@@ -19,6 +19,7 @@
 //! moments and rewrites the bf16 parameter from it, with the CPU Adam's code and bits.
 
 use crate::backend::{Address, Backend, Launch};
+use crate::collective::Collective;
 use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
 use crate::executor::master_weights;
@@ -439,6 +440,48 @@ impl Backend for HostBackend {
 
     const RUNS_BF16: bool = true;
     const RUNS_F16: bool = true;
+
+    const MISSING_COLLECTIVES: Option<&'static str> = None;
+
+    /// f32 through [`Collective::all_reduce`]; bf16 gathered from every rank and summed here
+    /// in rank order in f32, rounded to nearest even after each addition: the rounding a
+    /// single rank's `accumulate_grad` makes, micro-batch after micro-batch.
+    unsafe fn all_reduce(
+        &self,
+        _stream: &mut HostStream,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract: nothing else touches the range meanwhile.
+        unsafe {
+            match dtype {
+                DType::F32 => comm.all_reduce(self.slice_mut::<f32>(at, len)?),
+                DType::BF16 => {
+                    let values = self.slice_mut::<bf16>(at, len)?;
+                    let send: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let mut all = vec![0u8; send.len() * comm.world()];
+                    comm.all_gather(&send, &mut all)?;
+                    let rank = |r: usize, i: usize| {
+                        let at = (r * len + i) * 2;
+                        bf16::from_le_bytes([all[at], all[at + 1]])
+                    };
+                    for (i, v) in values.iter_mut().enumerate() {
+                        let mut sum = rank(0, i);
+                        for r in 1..comm.world() {
+                            sum = bf16::from_f32(sum.to_f32() + rank(r, i).to_f32());
+                        }
+                        *v = sum;
+                    }
+                    Ok(())
+                }
+                other => Err(RuntimeError::BadSchedule(format!(
+                    "an all-reduce of {other} values; collectives sum f32 and bf16"
+                ))),
+            }
+        }
+    }
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         let regions = [

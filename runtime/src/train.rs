@@ -17,6 +17,11 @@
 //! sequences it is `K*B` sequences (the rows one batch of that size would read), which the
 //! executor feeds to the micro-batches in order.
 //!
+//! With a data-parallel schedule of `W` ranks (one trainer per rank, each executor given its
+//! rank's collective), a batch is the global batch of `W*K*B` sequences, the rows one rank of
+//! `W*K` micro-batches would read, and rank `r` trains rows `r*K*B..(r+1)*K*B` of it: its
+//! micro-batch `m` reads what that single rank's micro-batch `r*K + m` reads.
+//!
 //! Given an [`EvalPlan`] ([`Trainer::evaluate_every`]), it also evaluates the weights on
 //! held-out data every few steps, with a forward-only schedule of its own
 //! ([`crate::eval`]), and puts the result in the step's record.
@@ -766,6 +771,12 @@ impl<'s, B: Backend> Trainer<'s, B> {
         &self.summary
     }
 
+    /// Leaves the data-parallel group ([`crate::executor::Executor::leave_group`]), after a
+    /// failure, so the other ranks fail at once instead of waiting for this one.
+    pub fn leave_group(&mut self) {
+        self.executor.leave_group();
+    }
+
     /// The executor, to read the weights or the timeline.
     pub fn executor(&self) -> &Executor<'s, B> {
         &self.executor
@@ -800,7 +811,11 @@ impl<'s, B: Backend> Trainer<'s, B> {
         self.targets.clear();
         self.targets
             .extend(self.batch.targets.iter().map(|&t| t as i32));
-        let ids: [&[i32]; 2] = [&self.inputs, &self.targets];
+        // This rank's rows of the global batch.
+        let (rank, ranks) = self.executor.rank();
+        let per_rank = self.inputs.len() / ranks;
+        let mine = rank * per_rank..(rank + 1) * per_rank;
+        let ids: [&[i32]; 2] = [&self.inputs[mine.clone()], &self.targets[mine]];
         let loss_scale = self.scaler.map(|s| s.scale());
         let (report, lr) = match self.has_optimizer {
             true => {
@@ -905,8 +920,10 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
             "the schedule's graph takes no token ids; compile a language model".into(),
         )
     })?;
-    // A step reads its micro-batches' rows as one batch.
-    let batch = schedule.header.batch as usize * schedule.micro_batches() as usize;
+    // A step reads its micro-batches' rows, on every rank, as one batch.
+    let batch = schedule.header.batch as usize
+        * schedule.micro_batches() as usize
+        * schedule.ranks() as usize;
     let seq = schedule.header.seq as usize;
     let stream = match &settings.data {
         Some(path) => TokenStream::open(path)?,

@@ -233,6 +233,8 @@ pub fn reserve_for_eval(config: &ModelConfig, options: &mut CompileOptions) -> R
             device_budget: Some(u64::MAX),
             policy: PolicyChoice::parse(&format!("n_persist=0 n_buffer={n_buffer}"))?,
             forward_only: true,
+            // Evaluation runs on one rank, whatever the training's ranks.
+            topology: protrain::compiler::comm::Topology::SINGLE,
             ..options.clone()
         };
         match protrain::compile(config, &lean) {
@@ -270,6 +272,7 @@ pub fn compile_for_training(
         device_budget: Some(budget.saturating_sub(training.arena_bytes)),
         policy: PolicyChoice::Auto,
         forward_only: true,
+        topology: protrain::compiler::comm::Topology::SINGLE,
         ..options.clone()
     };
     Ok(protrain::compile(config, &eval_options)?.schedule)

@@ -10,6 +10,7 @@ pub mod run;
 pub mod schedule;
 pub mod train;
 
+use protrain::compiler::comm::Topology;
 use protrain::ir::{parse_size, DType, HardwareProfile};
 use protrain::models::ModelConfig;
 use protrain::{default_shape, CompileOptions, Error, PolicyChoice, Result};
@@ -188,6 +189,20 @@ pub struct CompileArgs {
     /// [default: 1; with train --resume, the checkpointed run's].
     #[arg(long, value_name = "K")]
     pub grad_accum: Option<u64>,
+    /// Data parallelism: GPUs (ranks) per node. Every rank runs the same schedule on its own
+    /// rows of the global batch (ranks x K x --batch sequences per step, the rows one rank
+    /// with --grad-accum ranks*K would read) and the gradients are summed over the ranks
+    /// (all-reduce on a collective stream) before clipping and AdamW; every rank keeps the
+    /// whole model states (no sharding yet). The loss printed is the mean over all ranks.
+    /// Checked against the hardware's interconnect; on host hardware the ranks are threads of
+    /// one process exchanging through memory (the host backend's stand-in for NCCL, which
+    /// the CUDA backend does not have yet) [default: 1].
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<u32>,
+    /// Nodes of --gpus GPUs each, for data parallelism across machines (collectives costed
+    /// as hierarchical rings over the hardware's network) [default: 1].
+    #[arg(long, value_name = "M")]
+    pub nodes: Option<u32>,
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
 }
@@ -196,6 +211,15 @@ impl CompileArgs {
     /// The compile options these flags describe for `config`.
     pub fn options(&self, config: &ModelConfig) -> Result<CompileOptions> {
         let (hardware, device_budget) = self.machine.profile()?;
+        let topology = Topology {
+            gpus: self.gpus.unwrap_or(1),
+            nodes: self.nodes.unwrap_or(1),
+        };
+        // On the host the ranks are threads of this process; its memory links them.
+        let hardware = match hardware.is_host() && topology.ranks() > 1 {
+            true => hardware.with_thread_ranks(topology.gpus),
+            false => hardware,
+        };
         let (batch, seq, dtype) = self.shape.resolve(config, &hardware);
         Ok(CompileOptions {
             batch,
@@ -208,6 +232,7 @@ impl CompileArgs {
             fuse: !self.no_fuse,
             forward_only: false,
             micro_batches: self.grad_accum.unwrap_or(1),
+            topology,
         })
     }
 }

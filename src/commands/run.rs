@@ -7,6 +7,7 @@ use protrain::compiler::simulate::{
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
+use protrain::runtime::collective::{thread_ranks, ThreadRank};
 use protrain::runtime::params::{init_params, load_params, save_params};
 use protrain::runtime::train::{CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord};
 use protrain::runtime::weights::StorageDtype;
@@ -383,6 +384,13 @@ pub fn plan_lines(schedule: &Schedule) -> String {
                 "\naccumulation    {k} micro-batches of {} sequences per step",
                 h.batch
             ),
+        } + &match schedule.topology() {
+            (1, 1) => String::new(),
+            (gpus, nodes) => format!(
+                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; here threads of \
+                 this process), each on its own rows, gradients summed over them",
+                gpus * nodes
+            ),
         },
         p.step_seconds,
         h.hardware.split(':').next().unwrap_or_default(),
@@ -522,34 +530,14 @@ fn execute_on<'s, B: Backend>(
     let flags = args.run_flags(data);
     // The peak of the learning-rate schedule is the rate the AdamW ops were compiled with.
     let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);
-    let executor = Executor::<B>::with_backend(schedule)?;
-    let mut notes = Vec::new();
-    let mut trainer = match &args.resume {
-        Some(dir) => {
-            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
-            notes.extend(warnings);
-            // A checkpoint written before run settings were recorded resumes with the flags.
-            let settings = match &ckpt.run {
-                Some(saved) => flags.resume(saved, &ckpt.path)?,
-                None => flags.fresh(peak)?,
-            };
-            Trainer::resume(executor, settings, &ckpt)?
-        }
-        None => {
-            let settings = flags.fresh(peak)?;
-            let (values, origin) = match &args.init {
-                Some(path) => (
-                    load_params(graph, path)?,
-                    format!("--init {}", path.display()),
-                ),
-                None => (
-                    init_params(graph, settings.seed),
-                    format!("the initialisation from --seed {}", settings.seed),
-                ),
-            };
-            Trainer::start(executor, settings, &values, &origin)?
-        }
+    // A data-parallel schedule runs on its ranks as threads of this process: rank 0 here,
+    // printing and writing, the others on threads of their own (see `run_ranks`).
+    let mut comms = match schedule.ranks() {
+        1 => Vec::new(),
+        n => thread_ranks(n as usize, RANK_TIMEOUT)?,
     };
+    let rank0 = (!comms.is_empty()).then(|| comms.remove(0));
+    let (mut trainer, mut notes) = rank_trainer::<B>(schedule, args, &flags, peak, rank0)?;
     notes.extend(trainer.notes().iter().cloned());
     let data = trainer.settings().data.clone();
     let inputs: Vec<&Path> = [&data, &args.init]
@@ -625,54 +613,62 @@ fn execute_on<'s, B: Backend>(
             "step", "loss", "grad norm", "lr", "tokens/s"
         ));
     }
-    let result = trainer.run(|record: &StepRecord| {
-        if args.json {
-            let mut line = serde_json::json!({
-                "step": record.step,
-                "loss": record.loss,
-                "grad_norm": record.grad_norm,
-                "lr": record.lr,
-                "tokens_per_s": record.tokens_per_s,
-                "step_s": record.step_seconds,
-            });
-            if let Some(scale) = record.loss_scale {
-                line["loss_scale"] = scale.into();
-                line["skipped"] = record.skipped.into();
+    let result = run_ranks::<B>(
+        schedule,
+        args,
+        &flags,
+        peak,
+        comms,
+        &mut trainer,
+        |record| {
+            if args.json {
+                let mut line = serde_json::json!({
+                    "step": record.step,
+                    "loss": record.loss,
+                    "grad_norm": record.grad_norm,
+                    "lr": record.lr,
+                    "tokens_per_s": record.tokens_per_s,
+                    "step_s": record.step_seconds,
+                });
+                if let Some(scale) = record.loss_scale {
+                    line["loss_scale"] = scale.into();
+                    line["skipped"] = record.skipped.into();
+                }
+                outln!("{line}");
+                if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
+                    outln!("{}", super::eval::eval_json(record.step, data, e));
+                }
+                return;
             }
-            outln!("{line}");
-            if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
-                outln!("{}", super::eval::eval_json(record.step, data, e));
+            let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
+            bar.set_message(format!(
+                "loss {:.4}  {:.0} tokens/s  lr {lr}",
+                record.loss, record.tokens_per_s
+            ));
+            bar.inc(1);
+            if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
+                row(format!(
+                    "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
+                     halves to {}",
+                    record.step,
+                    scale / 2.0
+                ));
             }
-            return;
-        }
-        let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
-        bar.set_message(format!(
-            "loss {:.4}  {:.0} tokens/s  lr {lr}",
-            record.loss, record.tokens_per_s
-        ));
-        bar.inc(1);
-        if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
-            row(format!(
-                "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
-                 halves to {}",
-                record.step,
-                scale / 2.0
-            ));
-        }
-        if record.step.is_multiple_of(report_every) || record.step == first + 1 {
-            let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-            row(format!(
-                "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
-                record.step, record.loss, norm, lr, record.tokens_per_s
-            ));
-        }
-        if let Some(e) = &record.eval {
-            row(super::eval::eval_line(record.step, e));
-        }
-    });
+            if record.step.is_multiple_of(report_every) || record.step == first + 1 {
+                let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
+                row(format!(
+                    "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
+                    record.step, record.loss, norm, lr, record.tokens_per_s
+                ));
+            }
+            if let Some(e) = &record.eval {
+                row(super::eval::eval_line(record.step, e));
+            }
+        },
+    );
     if let Err(e) = result {
         bar.abandon();
-        return Err(e.into());
+        return Err(e);
     }
     bar.finish_and_clear();
     let summary = trainer.summary();
@@ -723,6 +719,110 @@ fn execute_on<'s, B: Backend>(
         }
     }
     Ok(())
+}
+
+/// How long a rank waits in a collective for the others before failing: long enough for
+/// rank 0 to write a checkpoint or evaluate between steps. A rank that fails leaves its group
+/// at once, so the others fail promptly, not after this.
+const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The trainer of one rank (`comm`: its collective; `None` for a single-rank schedule) and
+/// what to tell the user: a fresh run from `--init` or the seed, or one resumed from the
+/// latest checkpoint. Every rank starts from the same weights and state.
+fn rank_trainer<'s, B: Backend>(
+    schedule: &'s VerifiedSchedule,
+    args: &ExecArgs,
+    flags: &RunFlags,
+    peak: f64,
+    comm: Option<ThreadRank>,
+) -> Result<(Trainer<'s, B>, Vec<String>)> {
+    let graph = &schedule.graph;
+    let mut executor = Executor::<B>::with_backend(schedule)?;
+    if let Some(comm) = comm {
+        executor.set_collective(Box::new(comm))?;
+    }
+    let mut notes = Vec::new();
+    let trainer = match &args.resume {
+        Some(dir) => {
+            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
+            notes.extend(warnings);
+            // A checkpoint written before run settings were recorded resumes with the flags.
+            let settings = match &ckpt.run {
+                Some(saved) => flags.resume(saved, &ckpt.path)?,
+                None => flags.fresh(peak)?,
+            };
+            Trainer::resume(executor, settings, &ckpt)?
+        }
+        None => {
+            let settings = flags.fresh(peak)?;
+            let (values, origin) = match &args.init {
+                Some(path) => (
+                    load_params(graph, path)?,
+                    format!("--init {}", path.display()),
+                ),
+                None => (
+                    init_params(graph, settings.seed),
+                    format!("the initialisation from --seed {}", settings.seed),
+                ),
+            };
+            Trainer::start(executor, settings, &values, &origin)?
+        }
+    };
+    Ok((trainer, notes))
+}
+
+/// Runs `trainer` (rank 0's, handing each record to `on_step`) to the end, with the other
+/// ranks (`comms`, ranks 1..) on threads of their own, each training its rows silently (no
+/// checkpoints, evaluation or output: rank 0 does those for all, the states being the same
+/// on every rank). When a rank fails, it leaves the group and the others' next collective
+/// fails; the error shown is the first rank's that is not about another rank leaving.
+fn run_ranks<'s, B: Backend>(
+    schedule: &'s VerifiedSchedule,
+    args: &ExecArgs,
+    flags: &RunFlags,
+    peak: f64,
+    comms: Vec<ThreadRank>,
+    trainer: &mut Trainer<'s, B>,
+    on_step: impl FnMut(&StepRecord),
+) -> Result<()> {
+    if comms.is_empty() {
+        return Ok(trainer.run(on_step)?);
+    }
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                scope.spawn(move || -> Result<()> {
+                    let (mut worker, _) =
+                        rank_trainer::<B>(schedule, args, flags, peak, Some(comm))?;
+                    Ok(worker.run(|_| {})?)
+                })
+            })
+            .collect();
+        let mut result: Result<()> = trainer.run(on_step).map_err(Into::into);
+        if result.is_err() {
+            trainer.leave_group();
+        }
+        for worker in workers {
+            let worker = worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            let about_others = |r: &Result<()>| {
+                matches!(
+                    r,
+                    Err(Error::Runtime(
+                        protrain::runtime::RuntimeError::Collective { .. }
+                    ))
+                )
+            };
+            if worker.is_err()
+                && (result.is_ok() || about_others(&result) && !about_others(&worker))
+            {
+                result = worker;
+            }
+        }
+        result
+    })
 }
 
 /// Predicted against measured: the step time (the mean over the steps after the first, which

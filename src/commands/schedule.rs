@@ -60,7 +60,16 @@ fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwarePr
 /// The schedule simulated on the hardware asked for (else the one it was compiled for), and
 /// that hardware's name.
 fn simulated(schedule: &VerifiedSchedule, hardware: Option<&str>) -> Result<(Simulation, String)> {
-    let profile = profile_for(schedule, hardware)?;
+    let mut profile = profile_for(schedule, hardware)?;
+    // A data-parallel schedule is priced on the profile's interconnect (on the host, ranks
+    // as threads); one that has none cannot price its collectives.
+    let (gpus, nodes) = schedule.topology();
+    if gpus * nodes > 1 {
+        if profile.is_host() {
+            profile = profile.with_thread_ranks(gpus);
+        }
+        protrain::compiler::comm::Topology { gpus, nodes }.interconnect(&profile)?;
+    }
     let cost = protrain::compiler::cost::cost_model(&profile);
     let simulation = simulate(schedule, cost.as_ref())
         .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))?;
@@ -123,6 +132,9 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             "predicted_step_s": sim.step_seconds,
             "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
             "exposed_communication_s": sim.exposed_communication_seconds(),
+            "ranks": s.ranks(),
+            "collective_s": sim.collective_seconds(&s),
+            "exposed_collective_s": sim.exposed_collective_seconds(),
             "streams": streams,
             "peak_device_bytes": p.peak_device_bytes,
             "lower_bound_bytes": p.lower_bound_bytes,
@@ -186,6 +198,16 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         ph.optimizer,
         sim.exposed_communication_seconds()
     );
+    let (gpus, nodes) = s.topology();
+    if gpus * nodes > 1 {
+        outln!(
+            "ranks    {} ({gpus} GPUs x {nodes} nodes), each with the memory above; {:.4} s of \
+             all-reduce per step on the collective stream, {:.4} s of it not hidden by compute",
+            gpus * nodes,
+            sim.collective_seconds(&s),
+            sim.exposed_collective_seconds()
+        );
+    }
     for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
         outln!(
             "  {:<16}{busy:.4} s busy, {} instructions",

@@ -108,12 +108,24 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
         }
     }
     if let Some(have) = saved.optimizer {
-        let accum = *compile.grad_accum.get_or_insert(have.grad_accum);
-        if accum != have.grad_accum {
-            differences.push(format!(
-                "--grad-accum: the checkpoint has {}, this run has {accum}",
-                have.grad_accum
-            ));
+        // The checkpoint counts the micro-batches of the global batch (ranks x K); the state
+        // is the same on every rank, so a run on other ranks resumes it when its ranks x K is
+        // the same (K taken as the global count over the ranks when not given).
+        let ranks = u64::from(compile.gpus.unwrap_or(1)) * u64::from(compile.nodes.unwrap_or(1));
+        let global = have.grad_accum;
+        let accum = *compile
+            .grad_accum
+            .get_or_insert((global / ranks.max(1)).max(1));
+        if accum * ranks != global {
+            differences.push(match ranks {
+                1 => format!("--grad-accum: the checkpoint has {global}, this run has {accum}"),
+                _ => format!(
+                    "--grad-accum: the checkpoint's steps take {global} micro-batches, this \
+                     run's {ranks} ranks x --grad-accum {accum} take {}; give --grad-accum \
+                     {global} / ranks",
+                    accum * ranks
+                ),
+            });
         }
         let o = &mut compile.optimizer;
         let (mut theirs, mut ours) = (Vec::new(), Vec::new());

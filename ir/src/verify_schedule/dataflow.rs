@@ -177,6 +177,9 @@ impl Checker<'_> {
                     dst,
                     bytes,
                 } => self.copy(&mut mem, r, &clocks[si], &pc, *what, *src, *dst, *bytes)?,
+                Instr::AllReduce { value, at } => {
+                    self.all_reduce(&mut mem, r, &clocks[si], &pc, *value, *at)?
+                }
             }
             pc[si] += 1;
         }
@@ -335,7 +338,10 @@ impl Checker<'_> {
                     }
                     CopyKind::OffloadGrads { .. } => false,
                 },
-                Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => false,
+                Instr::Record { .. }
+                | Instr::Wait { .. }
+                | Instr::EndMicroBatch { .. }
+                | Instr::AllReduce { .. } => false,
             };
             if writes {
                 return if (r.index as usize) < pc[r.stream.index()] {
@@ -537,6 +543,35 @@ impl Checker<'_> {
                 m.write(a, b, &[(0, b - a, content)], r);
             }
         }
+        Ok(())
+    }
+
+    /// An all-reduce of `v` at `at`: a read of the value (whole, there, written before it)
+    /// and a write of its bytes (the sum over the ranks, the same value), so that what reads
+    /// the value later must be ordered after the sum.
+    fn all_reduce(
+        &self,
+        mem: &mut [Memory; 2],
+        r: InstrRef,
+        clock: &[u32],
+        pc: &[usize],
+        v: ValueId,
+        at: TensorRef,
+    ) -> Result<(), ScheduleError> {
+        let (space, a, b) = self.span(at, self.bytes(v));
+        if a == b {
+            return Ok(());
+        }
+        let m = &mut mem[space_index(space)];
+        self.check_read(m, r, clock, pc, v, space, a, b)?;
+        m.read(a, b, r);
+        self.check_write(m, r, clock, space, a, b)?;
+        let content = Content::Value {
+            value: v,
+            base: a,
+            updated: false,
+        };
+        m.write(a, b, &[(0, b - a, content)], r);
         Ok(())
     }
 

@@ -96,6 +96,17 @@
 //! update need not leave the loss behind. One micro-batch checked is all of them: each starts
 //! as the previous left memory (every home holding its value, an accumulator its running sum).
 //!
+//! A data-parallel schedule ([`StreamKind::Collective`](crate::StreamKind::Collective)) is
+//! checked the same way, with its collectives as instructions like copies: **ids** puts every
+//! [`Instr::AllReduce`] on the one collective stream (at least 2 ranks), over an f32 or bf16
+//! value; **bounds** and **alignment** check its address as a kernel's operand; **data flow**
+//! checks it as a read of its value (there, whole, written before it through events) and a
+//! write of the same bytes (the sum), so every reader in the optimizer waits for the sum and
+//! nothing overwrites the value while it is summed. That every rank issues the same sequence
+//! of collectives needs no check: the schedule is SPMD, one instruction list that every rank
+//! runs, with no branch on the rank, so the sequence is the same by construction (the host
+//! runtime's collectives still check each call's kind and size against the other ranks').
+//!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
 //! steps.
@@ -545,6 +556,7 @@ impl<'a> Checker<'a> {
             Instr::EndMicroBatch { micro_batches } => {
                 format!("end of micro-batch program x{micro_batches}")
             }
+            Instr::AllReduce { value, .. } => format!("all_reduce {}", self.name(*value)),
         };
         let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
         format!("stream {} #{index} ({what})", stream.name)

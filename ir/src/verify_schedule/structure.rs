@@ -33,6 +33,30 @@ impl Checker<'_> {
         if s.streams.is_empty() {
             return bad("the schedule has no stream".into());
         }
+        let collectives: Vec<(u32, u32)> = s
+            .streams
+            .iter()
+            .filter_map(|st| match st.kind {
+                StreamKind::Collective { gpus, nodes } => Some((gpus, nodes)),
+                _ => None,
+            })
+            .collect();
+        match collectives[..] {
+            [] => {}
+            [(gpus, nodes)] if gpus >= 1 && nodes >= 1 && gpus.saturating_mul(nodes) >= 2 => {}
+            [(gpus, nodes)] => {
+                return bad(format!(
+                    "the collective stream connects {gpus} GPUs x {nodes} nodes; a \
+                     data-parallel schedule has at least 2 ranks"
+                ))
+            }
+            _ => {
+                return bad(format!(
+                    "{} collective streams; a schedule has at most one",
+                    collectives.len()
+                ))
+            }
+        }
         let (n_buffers, n_chunks, n_values, n_ops, n_params) = (
             s.buffers.len(),
             s.chunks.len(),
@@ -331,6 +355,31 @@ impl Checker<'_> {
                         }
                     }
                 }
+                Instr::AllReduce { value, at } => {
+                    if !matches!(kind, StreamKind::Collective { .. }) {
+                        return bad(format!(
+                            "an all-reduce on a {} stream: collectives run on the collective \
+                             stream",
+                            stream_kind_name(kind)
+                        ));
+                    }
+                    if value.index() >= n_values {
+                        return bad(format!("sums {value}, but the graph has {n_values} values"));
+                    }
+                    if at.buffer.index() >= n_buffers {
+                        return bad(format!(
+                            "sums at {}, but there are {n_buffers} buffers",
+                            at.buffer
+                        ));
+                    }
+                    let dtype = g.value(*value).ty.dtype;
+                    if !matches!(dtype, crate::types::DType::F32 | crate::types::DType::BF16) {
+                        return bad(format!(
+                            "sums {}, a {dtype} value; collectives sum f32 and bf16",
+                            self.name(*value)
+                        ));
+                    }
+                }
                 // Checked before any part is (`Checker::phases`).
                 Instr::EndMicroBatch { .. } => {}
                 Instr::Record { event } | Instr::Wait { event } => {
@@ -529,6 +578,10 @@ impl Checker<'_> {
                     fits(*src, *bytes).map_err(|e| bad(format!("source: {e}")))?;
                     fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
                 }
+                Instr::AllReduce { value, at } => {
+                    fits(*at, self.bytes(*value))
+                        .map_err(|e| bad(format!("sums {}: {e}", self.name(*value))))?;
+                }
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -572,6 +625,10 @@ impl Checker<'_> {
         }
         value(self.loss_value(), s.loss, "`loss` ").map_err(whole)?;
         for (r, instr) in self.instrs() {
+            if let Instr::AllReduce { value: v, at } = instr {
+                value(*v, *at, "sums ").map_err(|e| self.fail(Invariant::Alignment, Some(r), e))?;
+                continue;
+            }
             let Instr::Kernel {
                 op,
                 inputs,

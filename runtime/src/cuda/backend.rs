@@ -25,6 +25,10 @@
 //! stream waiting on one calls `cuEventSynchronize`; an event recorded by the host stream marks
 //! work already done, so waiting on it needs nothing more.
 
+/// Why the CUDA backend refuses data-parallel schedules: what is missing.
+const NO_NCCL: &str = "collectives: NCCL (cudarc's nccl module, one process per GPU) is not \
+                       wired into the CUDA backend yet";
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -665,6 +669,8 @@ impl Backend for CudaBackend {
 
     const RUNS_BF16: bool = true;
 
+    const MISSING_COLLECTIVES: Option<&'static str> = Some(NO_NCCL);
+
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         // The pinned region is host memory, zeroed page by page below: check it fits first.
         let pinned = crate::host::MemoryNeed {
@@ -757,6 +763,11 @@ impl Backend for CudaBackend {
                 })
             }
             StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),
+            StreamKind::Collective { .. } => {
+                return Err(RuntimeError::BadSchedule(format!(
+                    "a collective stream needs NCCL, {NO_NCCL}"
+                )))
+            }
         };
         Ok(CudaStreamHandle { kind, exec })
     }

@@ -1,0 +1,182 @@
+//! Data parallelism: adds the collective stream that sums every gradient over the ranks.
+//!
+//! The pass runs last, on an emitted (and, with `K > 1` micro-batches, accumulated) schedule,
+//! and turns it into the one program every rank of a `gpus x nodes` run executes (SPMD: the
+//! rank is a parameter of the run, never a different instruction list). It adds one
+//! [`StreamKind::Collective`] stream and, for each gradient an AdamW op reads, one
+//! [`Instr::AllReduce`] on it, ordered by events like any copy:
+//!
+//! - without accumulation, right after the kernel that computes the gradient: that kernel's
+//!   stream records an event, the collective stream waits for it and sums the gradients the
+//!   kernel wrote, records another event, and the kernel's stream waits for that one before
+//!   its next instruction that reads one of them or records an event (through which another
+//!   stream, such as the gradient offload, could read them). The backward kernels that do not
+//!   read the gradient overlap the sum;
+//! - with accumulation, at the start of the update program, on the accumulators: the
+//!   collective stream sums them all, and every stream whose update reads one waits for it.
+//!
+//! The training graph's loss gradient is already scaled by `1 / (ranks * K)`
+//! ([`crate::accumulate::scale_loss_gradient`]), so the sum is the mean gradient over the
+//! global batch, and everything after it (the norm for clipping, AdamW) runs as on one rank.
+//! Every rank keeps every chunk whole: model states are replicated, not sharded (ZeRO-style
+//! reduce-scatter and all-gather of offloaded chunks is not done yet), so each rank needs the
+//! memory of a single-rank schedule. The loss each rank computes is its own rows'; the runtime
+//! averages it over the ranks.
+//!
+//! It does not move the squared norms a clipping schedule computes right after each gradient
+//! (so with clipping the compute stream waits for each sum), nor overlap the accumulated
+//! sums with the last micro-batch's backward pass.
+
+use crate::comm::Topology;
+use crate::error::{CompileError, Result};
+use protrain_ir::{EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId};
+use std::collections::{BTreeMap, HashSet};
+
+/// Makes `schedule` the program of every rank of `topology`; returns it unchanged for one
+/// rank. Fails when an AdamW op's gradient has no producing kernel (a compiler bug).
+pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Schedule> {
+    if topology.ranks() <= 1 {
+        return Ok(schedule);
+    }
+    let kind = StreamKind::Collective {
+        gpus: topology.gpus,
+        nodes: topology.nodes,
+    };
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    // The gradients the optimizer reads, in the order their AdamW ops appear.
+    let mut grads: Vec<ValueId> = Vec::new();
+    let mut grad_at: Vec<TensorRef> = Vec::new();
+    for stream in &schedule.streams {
+        for instr in &stream.instrs {
+            if let Instr::Kernel { op, inputs, .. } = instr {
+                let o = schedule.graph.op(*op);
+                if let OpKind::AdamW { .. } = o.kind {
+                    grads.push(o.inputs[1]);
+                    grad_at.push(inputs[1]);
+                }
+            }
+        }
+    }
+    let k = schedule.micro_batches();
+    let mut comm: Vec<Instr> = Vec::new();
+    if k > 1 {
+        // The update sums the accumulators (what AdamW reads there) once, before anything
+        // reads them.
+        let summed = event();
+        comm.push(Instr::EndMicroBatch { micro_batches: k });
+        for (&value, &at) in grads.iter().zip(&grad_at) {
+            comm.push(Instr::AllReduce { value, at });
+        }
+        comm.push(Instr::Record { event: summed });
+        let graph = &schedule.graph;
+        for stream in &mut schedule.streams {
+            let Some(marker) = stream
+                .instrs
+                .iter()
+                .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
+            else {
+                continue;
+            };
+            let reads_sum = stream.instrs[marker + 1..].iter().any(|i| match i {
+                Instr::Kernel { op, .. } => graph
+                    .op(*op)
+                    .inputs
+                    .iter()
+                    .any(|&v| graph.value(v).role == Role::Accumulator),
+                _ => false,
+            });
+            if reads_sum {
+                stream
+                    .instrs
+                    .insert(marker + 1, Instr::Wait { event: summed });
+            }
+        }
+    } else {
+        // Each kernel that writes gradients, by (stream, index), with the gradients and where.
+        let wanted: HashSet<ValueId> = grads.iter().copied().collect();
+        let mut producers: BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>> = BTreeMap::new();
+        for (s, stream) in schedule.streams.iter().enumerate() {
+            for (i, instr) in stream.instrs.iter().enumerate() {
+                if let Instr::Kernel { op, outputs, .. } = instr {
+                    for (&v, &t) in schedule.graph.op(*op).outputs.iter().zip(outputs) {
+                        if wanted.contains(&v) {
+                            producers.entry((s, i)).or_default().push((v, t));
+                        }
+                    }
+                }
+            }
+        }
+        let found: HashSet<ValueId> = producers.values().flatten().map(|&(v, _)| v).collect();
+        if let Some(&missing) = grads.iter().find(|v| !found.contains(v)) {
+            return Err(CompileError::Validation(format!(
+                "no kernel computes the gradient {} that AdamW reads",
+                schedule.graph.value(missing).name
+            )));
+        }
+        // Instructions to insert after (stream, index), and before (stream, index).
+        let mut after: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
+        let mut before: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
+        // `producers` is ordered by stream, then index: the collective stream sums the
+        // gradients in the order they are computed, so it never waits out of turn.
+        for (&(s, i), outs) in &producers {
+            let (computed, summed) = (event(), event());
+            after
+                .entry((s, i))
+                .or_default()
+                .push(Instr::Record { event: computed });
+            comm.push(Instr::Wait { event: computed });
+            for &(value, at) in outs {
+                comm.push(Instr::AllReduce { value, at });
+            }
+            comm.push(Instr::Record { event: summed });
+            let instrs = &schedule.streams[s].instrs;
+            let summed_values: HashSet<ValueId> = outs.iter().map(|&(v, _)| v).collect();
+            let next = instrs[i + 1..]
+                .iter()
+                .position(|instr| match instr {
+                    Instr::Record { .. } | Instr::EndMicroBatch { .. } => true,
+                    Instr::Kernel { op, .. } => schedule
+                        .graph
+                        .op(*op)
+                        .inputs
+                        .iter()
+                        .any(|v| summed_values.contains(v)),
+                    _ => false,
+                })
+                .map_or(instrs.len(), |p| i + 1 + p);
+            before
+                .entry((s, next))
+                .or_default()
+                .push(Instr::Wait { event: summed });
+        }
+        for (s, stream) in schedule.streams.iter_mut().enumerate() {
+            let old = std::mem::take(&mut stream.instrs);
+            let n = old.len();
+            let mut instrs = Vec::with_capacity(n + 4);
+            for (i, instr) in old.into_iter().enumerate() {
+                if let Some(waits) = before.remove(&(s, i)) {
+                    instrs.extend(waits);
+                }
+                instrs.push(instr);
+                if let Some(records) = after.remove(&(s, i)) {
+                    instrs.extend(records);
+                }
+            }
+            if let Some(waits) = before.remove(&(s, n)) {
+                instrs.extend(waits);
+            }
+            stream.instrs = instrs;
+        }
+    }
+    schedule.streams.push(Stream {
+        name: "comm".into(),
+        kind,
+        instrs: comm,
+    });
+    schedule.events = events;
+    Ok(schedule)
+}

@@ -1,0 +1,331 @@
+//! Data-parallel schedules: every policy's schedule for 2 and 4 ranks verifies, with one
+//! all-reduce per gradient on the collective stream (on the accumulators, in the update, when
+//! accumulating); the verifier rejects collectives out of order or out of their buffers; the
+//! simulator prices them on the interconnect; the printer shows them (a snapshot); bad
+//! topologies are refused with the way out; llama-2-70b compiles for 8 A100s.
+
+use protrain_compiler::accumulate::scale_loss_gradient;
+use protrain_compiler::comm::Topology;
+use protrain_compiler::cost::cost_model;
+use protrain_compiler::emit::HeaderInputs;
+use protrain_compiler::pipeline::{
+    chunked, compile, compile_policy_on, training_graph, CompileOptions, PolicyChoice,
+};
+use protrain_compiler::simulate::simulate;
+use protrain_compiler::{CompileError, OptimizerConfig};
+use protrain_ir::print_schedule::print_schedule;
+use protrain_ir::verify_schedule::{verify, verify_schedule, Invariant};
+use protrain_ir::{DType, HardwareProfile, Instr, OpKind, Policy, Schedule, StreamKind};
+
+fn header() -> HeaderInputs {
+    HeaderInputs {
+        model: "data_parallel".into(),
+        hardware: "test".into(),
+        device_budget_bytes: u64::MAX,
+        host_budget_bytes: u64::MAX,
+        report: String::new(),
+    }
+}
+
+/// `model` (batch 2 x 16, clipping when `clip`) compiled under `policy` for `ranks` ranks
+/// on one node, each accumulating `k` micro-batches.
+fn schedule(
+    model: &str,
+    policy: impl Fn(u32) -> Policy,
+    ranks: u32,
+    k: u64,
+    clip: bool,
+) -> Schedule {
+    let config = protrain_models::load(model).expect("preset");
+    let options = protrain_models::BuildOptions::new(2, 16).with_dtype(DType::F32);
+    let forward = protrain_models::build_forward(&config, &options).expect("builds");
+    let optimizer = OptimizerConfig {
+        grad_clip: clip.then_some(1.0),
+        ..Default::default()
+    };
+    let mut training = training_graph(&forward, &optimizer).expect("autodiff");
+    scale_loss_gradient(&mut training, k * u64::from(ranks)).expect("scales");
+    let chunks = chunked(&training);
+    let topology = Topology {
+        gpus: ranks,
+        nodes: 1,
+    };
+    let policy = policy(chunks.len() as u32);
+    compile_policy_on(&training, &chunks, &policy, header(), topology)
+        .unwrap_or_else(|e| panic!("{model} {policy} on {ranks} ranks x {k}: {e}"))
+}
+
+/// The collective stream's index, its all-reduces' values, and the gradients the AdamW ops
+/// read.
+fn collectives(s: &Schedule) -> (usize, Vec<protrain_ir::ValueId>, Vec<protrain_ir::ValueId>) {
+    let comm = s
+        .streams
+        .iter()
+        .position(|st| matches!(st.kind, StreamKind::Collective { .. }))
+        .expect("a collective stream");
+    let summed = s.streams[comm]
+        .instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::AllReduce { value, .. } => Some(*value),
+            _ => None,
+        })
+        .collect();
+    let read = s
+        .graph
+        .ops()
+        .filter(|(_, o)| matches!(o.kind, OpKind::AdamW { .. }))
+        .map(|(_, o)| o.inputs[1])
+        .collect();
+    (comm, summed, read)
+}
+
+#[test]
+fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stream() {
+    let policies: [fn(u32) -> Policy; 4] = [
+        |n| Policy::resident(n, 2),
+        |_| Policy::protrain(0, 1, 0, 0, 2),
+        |_| Policy::protrain(1, 2, 1, 1, 2),
+        |_| Policy::protrain(0, 2, 2, 0, 2),
+    ];
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for (p, policy) in policies.iter().enumerate() {
+            for clip in [false, true] {
+                for (ranks, k) in [(2, 1), (4, 1), (2, 2)] {
+                    let s = schedule(model, policy, ranks, k, clip);
+                    let what = format!("{model} policy {p} clip {clip} {ranks} ranks x {k}");
+                    verify_schedule(&s).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(s.ranks(), ranks, "{what}");
+                    assert_eq!(s.topology(), (ranks, 1), "{what}");
+                    let (comm, mut summed, mut read) = collectives(&s);
+                    summed.sort();
+                    read.sort();
+                    assert_eq!(
+                        summed, read,
+                        "{what}: each gradient AdamW reads, summed once"
+                    );
+                    // Accumulating: the collective stream has its marker and sums in the update.
+                    let instrs = &s.streams[comm].instrs;
+                    let marker = instrs
+                        .iter()
+                        .position(|i| matches!(i, Instr::EndMicroBatch { .. }));
+                    assert_eq!(marker, (k > 1).then_some(0), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_rank_is_the_schedule_the_pipeline_always_made() {
+    let policy = |n| Policy::resident(n, 2);
+    let config = protrain_models::load("gpt2-tiny").expect("preset");
+    let options = protrain_models::BuildOptions::new(2, 16).with_dtype(DType::F32);
+    let forward = protrain_models::build_forward(&config, &options).expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let chunks = chunked(&training);
+    let plain = protrain_compiler::pipeline::compile_policy(
+        &training,
+        &chunks,
+        &policy(chunks.len() as u32),
+        header(),
+    )
+    .expect("compiles");
+    let one = schedule("gpt2-tiny", policy, 1, 1, false);
+    assert_eq!(
+        protrain_ir::file::encode(&plain),
+        protrain_ir::file::encode(&one)
+    );
+    assert!(!one
+        .streams
+        .iter()
+        .any(|s| matches!(s.kind, StreamKind::Collective { .. })));
+}
+
+#[test]
+fn the_verifier_rejects_a_sum_before_its_gradient_and_one_outside_its_buffer() {
+    let s = schedule("gpt2-tiny", |_| Policy::protrain(0, 1, 0, 0, 2), 2, 1, true);
+    let (comm, _, _) = collectives(&s);
+
+    // The first all-reduce moved ahead of the wait for its gradient's kernel.
+    let mut early = s.clone();
+    early.streams[comm].instrs.swap(0, 1);
+    assert!(matches!(
+        early.streams[comm].instrs[0],
+        Instr::AllReduce { .. }
+    ));
+    let e = verify_schedule(&early).expect_err("a sum unordered after its gradient");
+    assert_eq!(e.invariant, Invariant::DataFlow, "{e}");
+    assert!(e.message.contains("all_reduce"), "{e}");
+
+    // The wait of a reader of the sum dropped: that reader is unordered after the sum.
+    let mut unordered = s.clone();
+    let summed = unordered.streams[comm]
+        .instrs
+        .iter()
+        .find_map(|i| match i {
+            Instr::Record { event } => Some(*event),
+            _ => None,
+        })
+        .expect("the collective stream records");
+    for (si, st) in unordered.streams.iter_mut().enumerate() {
+        if si != comm {
+            st.instrs
+                .retain(|i| !matches!(i, Instr::Wait { event } if *event == summed));
+        }
+    }
+    // Keep the event waited for (so the events check passes) where it orders nothing.
+    let last = unordered.streams[0].instrs.len();
+    unordered.streams[0]
+        .instrs
+        .insert(last, Instr::Wait { event: summed });
+    let e = verify_schedule(&unordered).expect_err("a reader unordered after the sum");
+    assert_eq!(e.invariant, Invariant::DataFlow, "{e}");
+
+    // An all-reduce past the end of its buffer.
+    let mut outside = s.clone();
+    for i in &mut outside.streams[comm].instrs {
+        if let Instr::AllReduce { at, .. } = i {
+            at.offset = outside.buffers[at.buffer.index()].size;
+            break;
+        }
+    }
+    let e = verify_schedule(&outside).expect_err("a sum outside its buffer");
+    assert_eq!(e.invariant, Invariant::Bounds, "{e}");
+
+    // An all-reduce on the compute stream.
+    let mut misplaced = s.clone();
+    let sum = misplaced.streams[comm]
+        .instrs
+        .iter()
+        .find(|i| matches!(i, Instr::AllReduce { .. }))
+        .cloned()
+        .expect("a sum");
+    misplaced.streams[0].instrs.push(sum);
+    let e = verify_schedule(&misplaced).expect_err("a collective on the compute stream");
+    assert_eq!(e.invariant, Invariant::Ids, "{e}");
+    assert!(e.message.contains("collective stream"), "{e}");
+
+    // A collective stream of one rank.
+    let mut lonely = s;
+    lonely.streams[comm].kind = StreamKind::Collective { gpus: 1, nodes: 1 };
+    let e = verify_schedule(&lonely).expect_err("a one-rank collective stream");
+    assert_eq!(e.invariant, Invariant::Ids, "{e}");
+}
+
+#[test]
+fn the_simulator_prices_the_sums_on_the_interconnect() {
+    let h200 = HardwareProfile::preset("h200").expect("a preset");
+    let cost = cost_model(&h200);
+    let policy = |n| Policy::resident(n, 2);
+    let one = verify(schedule("gpt2-tiny", policy, 1, 2, false)).expect("verifies");
+    let two = verify(schedule("gpt2-tiny", policy, 2, 1, false)).expect("verifies");
+    let eight = verify(schedule("gpt2-tiny", policy, 8, 1, false)).expect("verifies");
+    let (s1, s2, s8) = (
+        simulate(&one, cost.as_ref()).expect("simulates"),
+        simulate(&two, cost.as_ref()).expect("simulates"),
+        simulate(&eight, cost.as_ref()).expect("simulates"),
+    );
+    assert_eq!(s1.collective_seconds(&one), 0.0);
+    let c2 = s2.collective_seconds(&two);
+    let c8 = s8.collective_seconds(&eight);
+    assert!(c2 > 0.0 && c8 > c2, "{c2} {c8}");
+    // Every gradient's bytes, priced as a ring all-reduce among 2 ranks.
+    let link = h200.interconnect.expect("h200 is linked");
+    let (_, summed, _) = collectives(&two);
+    let expected: f64 = summed
+        .iter()
+        .map(|&v| {
+            protrain_compiler::comm::collective_seconds(
+                protrain_compiler::comm::CollectiveKind::AllReduce,
+                two.graph.value(v).ty.bytes(),
+                Topology { gpus: 2, nodes: 1 },
+                &link,
+            )
+        })
+        .sum();
+    assert!((c2 - expected).abs() < 1e-12, "{c2} vs {expected}");
+    assert!(s2.timeline.iter().any(|span| span.category == "comm"));
+    assert!(s2.chrome_trace(&two).contains("\"comm\""));
+}
+
+#[test]
+fn a_two_rank_schedule_prints_its_collective_stream() {
+    let mut s = schedule(
+        "gpt2-tiny",
+        |_| Policy::protrain(1, 1, 0, 0, 2),
+        2,
+        1,
+        false,
+    );
+    s.header.prediction.step_seconds = 0.0;
+    s.header.prediction.stream_busy_seconds.fill(0.0);
+    insta::assert_snapshot!("gpt2_tiny_two_ranks", print_schedule(&s));
+    // The file format carries the collective stream and its instructions, and the decoded
+    // schedule verifies.
+    let bytes = protrain_ir::file::encode(&s);
+    let back = protrain_ir::file::decode(&bytes).expect("decodes and verifies");
+    assert_eq!(back.topology(), (2, 1));
+    assert_eq!(protrain_ir::file::encode(&back), bytes);
+}
+
+fn options(hardware: &str, gpus: u32, nodes: u32) -> CompileOptions {
+    let mut hardware = HardwareProfile::preset(hardware).expect("a preset");
+    hardware = hardware.with_host_memory(1 << 40);
+    CompileOptions {
+        topology: Topology { gpus, nodes },
+        policy: PolicyChoice::Auto,
+        ..CompileOptions::for_hardware(hardware)
+    }
+}
+
+#[test]
+fn topologies_the_hardware_cannot_hold_are_refused_with_the_way_out() {
+    let config = protrain_models::load("gpt2-tiny").expect("preset");
+    let err = |o: CompileOptions| compile(&config, &o).expect_err("refused").to_string();
+    let e = err(options("a100-80gb", 0, 1));
+    assert!(e.contains("at least 1"), "{e}");
+    let e = err(options("rtx3090", 8, 1));
+    assert!(
+        e.contains("more than the 4 GPUs") && e.contains("--nodes"),
+        "{e}"
+    );
+    let mut unlinked = options("a100-80gb", 2, 1);
+    unlinked.hardware.interconnect = None;
+    let e = err(unlinked);
+    assert!(e.contains("interconnect"), "{e}");
+    let mut eval = options("a100-80gb", 2, 1);
+    eval.forward_only = true;
+    eval.seq = 16;
+    let e = err(eval);
+    assert!(
+        e.contains("--forward-only") && e.contains("one rank"),
+        "{e}"
+    );
+    assert!(matches!(
+        compile(&config, &options("rtx3090", 0, 1)),
+        Err(CompileError::BadTopology(_))
+    ));
+}
+
+/// llama-2-70b on 8 A100s of one node: every rank keeps whole model states, so the node's
+/// host memory must hold 8 ranks' offloaded states. One fixed policy is compiled (the search
+/// is timed in `benches/compile.rs`, not here).
+#[test]
+fn llama_2_70b_compiles_for_eight_a100s_and_is_refused_a_host_share_too_small() {
+    let config = protrain_models::load("llama-2-70b").expect("preset");
+    let fixed = "n_persist=6 n_buffer=2 n_checkpoint=60";
+    let mut o = options("a100-80gb", 8, 1);
+    o.policy = PolicyChoice::parse(fixed).expect("a policy");
+    o.hardware = o.hardware.with_host_memory(8 << 40);
+    let c = compile(&config, &o).expect("llama-2-70b on 8 x a100-80gb with 8 TiB");
+    assert_eq!(c.schedule.ranks(), 8);
+    assert!(c.simulation.collective_seconds(&c.schedule) > 0.0);
+    // 1 TiB of host memory shared by 8 ranks is an eighth each: too little for replicas.
+    let mut small = options("a100-80gb", 8, 1);
+    small.policy = PolicyChoice::parse(fixed).expect("a policy");
+    let e = compile(&config, &small)
+        .expect_err("1 TiB for 8 replicas")
+        .to_string();
+    assert!(e.contains("--gpus 8") && e.contains("sharding"), "{e}");
+}

@@ -1,0 +1,227 @@
+//! Data parallelism on the host backend, ranks as threads: W ranks of one micro-batch each
+//! train bit for bit as one rank accumulating W micro-batches over the same rows (the
+//! rank-order sum of the collective is the single rank's accumulation order), under a roomy
+//! and a tight policy, in f32 and bf16, with clipping; ranks that accumulate several
+//! micro-batches each sum in another order and agree to rounding; a rank that dies or hangs
+//! fails the others within the timeout, through the executor.
+
+#[allow(dead_code)] // the shared helpers this file does not use
+mod common;
+
+use protrain::compiler::comm::Topology;
+use protrain::ir::verify_schedule::VerifiedSchedule;
+use protrain::ir::{DType, HardwareProfile};
+use protrain::runtime::collective::thread_ranks;
+use protrain::runtime::params::init_params;
+use protrain::runtime::train::vocab_of;
+use protrain::runtime::{Executor, RuntimeError};
+use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use std::time::{Duration, Instant};
+
+const ROOMY: &str = "blocks=KK";
+const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
+const BATCH: u64 = 2;
+const SEQ: u64 = 16;
+const STEPS: usize = 3;
+
+/// `model` compiled for `ranks` ranks (threads of this process) of `k` micro-batches of
+/// `BATCH x SEQ`, clipping at norm 1.
+fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
+    let config = protrain::models::load(model).expect("preset");
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        dtype,
+        hardware: HardwareProfile::host().with_thread_ranks(ranks),
+        policy: PolicyChoice::parse(policy).expect("a policy"),
+        optimizer: OptimizerConfig {
+            grad_clip: Some(1.0),
+            ..OptimizerConfig::default()
+        },
+        micro_batches: k,
+        topology: Topology {
+            gpus: ranks,
+            nodes: 1,
+        },
+        ..CompileOptions::default()
+    };
+    protrain::compile(&config, &options)
+        .unwrap_or_else(|e| panic!("{model} {policy} {ranks} ranks x {k}: {e}"))
+        .schedule
+}
+
+/// What a run gives: every step's (loss, grad norm) bits, and the final weights' bits.
+type Run = (Vec<(u32, Option<u32>)>, Vec<Vec<u32>>);
+
+/// Trains `STEPS` steps of the synthetic corpus on every rank of `schedule`, each rank its
+/// rows of the global batch (rank r the r-th of W equal slices), from the seed-0 weights.
+/// Every rank must report the same losses and end with the same weights; returns rank 0's.
+fn train(schedule: &VerifiedSchedule) -> Run {
+    let ranks = schedule.ranks() as usize;
+    let global = BATCH * u64::from(schedule.micro_batches()) * ranks as u64;
+    let vocab = vocab_of(&schedule.graph).expect("a language model");
+    let batches = common::batches(vocab, global, SEQ, STEPS, 7);
+    let run = |comm: Option<Box<dyn protrain::runtime::collective::Collective>>| -> Run {
+        let mut executor = Executor::new(schedule).expect("an executor");
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        if let Some(comm) = comm {
+            executor.set_collective(comm).expect("the group fits");
+        }
+        executor
+            .load_params(&init_params(&schedule.graph, 0))
+            .expect("loads");
+        let mut reports = Vec::new();
+        for [inputs, targets] in &batches {
+            let per = inputs.len() / ranks;
+            let mine = rank * per..(rank + 1) * per;
+            let r = executor
+                .step(&[&inputs[mine.clone()], &targets[mine]])
+                .expect("a step");
+            reports.push((r.loss.to_bits(), r.grad_norm.map(f32::to_bits)));
+        }
+        let weights = executor.params().expect("weights");
+        let bits = weights
+            .iter()
+            .map(|w| w.iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (reports, bits)
+    };
+    if ranks == 1 {
+        return run(None);
+    }
+    let comms = thread_ranks(ranks, Duration::from_secs(60)).expect("a group");
+    let runs: Vec<Run> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| scope.spawn(move || run(Some(Box::new(c)))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank"))
+            .collect()
+    });
+    for (r, other) in runs.iter().enumerate().skip(1) {
+        assert!(*other == runs[0], "rank {r} diverged from rank 0");
+    }
+    runs.into_iter().next().expect("rank 0")
+}
+
+#[test]
+fn ranks_of_one_micro_batch_train_as_one_rank_accumulating_them_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+    ] {
+        for ranks in [2u32, 4] {
+            let single = train(&compile(model, ROOMY, 1, u64::from(ranks), dtype));
+            assert!(
+                single.0.iter().all(|(_, n)| n.is_some()),
+                "clipping reports"
+            );
+            for policy in [ROOMY, TIGHT] {
+                let parallel = train(&compile(model, policy, ranks, 1, dtype));
+                assert_eq!(
+                    parallel.0, single.0,
+                    "{model} {dtype} {policy}: {ranks} ranks' losses and norms against one rank \
+                     of {ranks} micro-batches"
+                );
+                assert!(
+                    parallel.1 == single.1,
+                    "{model} {dtype} {policy}: {ranks} ranks' weights differ from one rank's"
+                );
+            }
+        }
+    }
+}
+
+/// Two ranks of two micro-batches sum `(g0 + g1) + (g2 + g3)`, one rank of four
+/// `((g0 + g1) + g2) + g3`: the same rows and the same first loss (computed before any update
+/// and averaged in the same order), then agreement to rounding, not to the bit.
+#[test]
+fn ranks_accumulating_several_micro_batches_sum_in_another_order_and_agree_to_rounding() {
+    let single = train(&compile("gpt2-tiny", TIGHT, 1, 4, DType::F32));
+    let parallel = train(&compile("gpt2-tiny", TIGHT, 2, 2, DType::F32));
+    assert_eq!(parallel.0[0].0, single.0[0].0, "the first step's loss");
+    for ((p, _), (s, _)) in parallel.0.iter().zip(&single.0) {
+        let (p, s) = (f32::from_bits(*p), f32::from_bits(*s));
+        assert!((p - s).abs() <= 1e-5 * s.abs(), "{p} vs {s}");
+    }
+    for (pw, sw) in parallel.1.iter().zip(&single.1) {
+        for (&p, &s) in pw.iter().zip(sw) {
+            let (p, s) = (f32::from_bits(p), f32::from_bits(s));
+            assert!((p - s).abs() <= 1e-5 + 1e-4 * s.abs(), "{p} vs {s}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_dies_or_hangs_fails_the_other_within_the_timeout() {
+    let schedule = compile("gpt2-tiny", ROOMY, 2, 1, DType::F32);
+    let vocab = vocab_of(&schedule.graph).expect("a language model");
+    let [inputs, targets] = common::batches(vocab, BATCH, SEQ, 1, 7).remove(0);
+    let step = |comm: protrain::runtime::collective::ThreadRank| {
+        let mut executor = Executor::new(&schedule).expect("an executor");
+        executor.set_collective(Box::new(comm)).expect("fits");
+        executor
+            .load_params(&init_params(&schedule.graph, 0))
+            .expect("loads");
+        let started = Instant::now();
+        let result = executor.step(&[&inputs, &targets]);
+        (result, started.elapsed())
+    };
+
+    // Rank 1 dies before its first collective: rank 0 fails at once, naming it.
+    let mut comms = thread_ranks(2, Duration::from_secs(30)).expect("a group");
+    drop(comms.pop());
+    let (result, took) = step(comms.pop().expect("rank 0"));
+    let e = result.expect_err("rank 1 is gone");
+    assert!(matches!(e, RuntimeError::Collective { rank: 0, .. }), "{e}");
+    assert!(e.to_string().contains("rank 1 left"), "{e}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+
+    // Rank 1 hangs (alive, never stepping): rank 0 fails after the 1 s timeout.
+    let mut comms = thread_ranks(2, Duration::from_secs(1)).expect("a group");
+    let hung = comms.pop().expect("rank 1");
+    let (result, took) = step(comms.pop().expect("rank 0"));
+    let e = result.expect_err("rank 1 never arrives");
+    assert!(e.to_string().contains("within 1.0 s"), "{e}");
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(10),
+        "{took:?}"
+    );
+    drop(hung);
+}
+
+#[test]
+fn a_data_parallel_schedule_needs_a_group_of_its_size() {
+    let schedule = compile("gpt2-tiny", ROOMY, 2, 1, DType::F32);
+    let mut executor = Executor::new(&schedule).expect("an executor");
+    executor
+        .load_params(&init_params(&schedule.graph, 0))
+        .expect("loads");
+    let n = (BATCH * SEQ) as usize;
+    let e = executor
+        .step(&[&vec![0; n], &vec![0; n]])
+        .expect_err("no collective");
+    assert!(e.to_string().contains("set_collective"), "{e}");
+    let mut three = thread_ranks(3, Duration::from_secs(1)).expect("a group");
+    let e = executor
+        .set_collective(Box::new(three.remove(0)))
+        .expect_err("3 ranks for 2");
+    assert!(e.to_string().contains("compiled for 2"), "{e}");
+}
+
+/// The CUDA backend has no collectives yet: it refuses a data-parallel schedule before it
+/// touches a device, naming what is missing, rather than training one rank alone.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_backend_refuses_data_parallel_schedules_naming_nccl() {
+    let schedule = compile("gpt2-tiny", ROOMY, 2, 1, DType::BF16);
+    let refused = Executor::<protrain::runtime::cuda::CudaBackend>::with_backend(&schedule);
+    let e = refused.err().expect("no NCCL yet");
+    assert!(
+        e.to_string().contains("NCCL") && e.to_string().contains("--gpus 1"),
+        "{e}"
+    );
+}
