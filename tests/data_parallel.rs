@@ -112,6 +112,7 @@ fn ranks_of_one_micro_batch_train_as_one_rank_accumulating_them_bit_for_bit() {
         ("gpt2-tiny", DType::F32),
         ("llama-tiny", DType::F32),
         ("gpt2-tiny", DType::BF16),
+        ("gpt2-tiny", DType::F16),
     ] {
         for ranks in [2u32, 4] {
             let single = train(&compile(model, ROOMY, 1, u64::from(ranks), dtype));

@@ -435,6 +435,32 @@ pub(crate) struct MemoryNeed {
     pub flag: &'static str,
 }
 
+/// Sums 2-byte values over the ranks in rank order, `add` rounding after each one: every rank
+/// gathers every rank's values and sums them alike, so all end with the same bits.
+fn all_reduce_narrow<T: Copy>(
+    values: &mut [T],
+    comm: &mut dyn Collective,
+    to_bits: fn(T) -> u16,
+    from_bits: fn(u16) -> T,
+    add: fn(T, T) -> T,
+) -> Result<()> {
+    let send: Vec<u8> = values
+        .iter()
+        .flat_map(|&v| to_bits(v).to_le_bytes())
+        .collect();
+    let mut all = vec![0u8; send.len() * comm.world()];
+    comm.all_gather(&send, &mut all)?;
+    let len = values.len();
+    let rank = |r: usize, i: usize| {
+        let at = (r * len + i) * 2;
+        from_bits(u16::from_le_bytes([all[at], all[at + 1]]))
+    };
+    for (i, v) in values.iter_mut().enumerate() {
+        *v = (1..comm.world()).fold(rank(0, i), |sum, r| add(sum, rank(r, i)));
+    }
+    Ok(())
+}
+
 impl Backend for HostBackend {
     type Stream = HostStream;
 
@@ -458,26 +484,24 @@ impl Backend for HostBackend {
         unsafe {
             match dtype {
                 DType::F32 => comm.all_reduce(self.slice_mut::<f32>(at, len)?),
-                DType::BF16 => {
-                    let values = self.slice_mut::<bf16>(at, len)?;
-                    let send: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    let mut all = vec![0u8; send.len() * comm.world()];
-                    comm.all_gather(&send, &mut all)?;
-                    let rank = |r: usize, i: usize| {
-                        let at = (r * len + i) * 2;
-                        bf16::from_le_bytes([all[at], all[at + 1]])
-                    };
-                    for (i, v) in values.iter_mut().enumerate() {
-                        let mut sum = rank(0, i);
-                        for r in 1..comm.world() {
-                            sum = bf16::from_f32(sum.to_f32() + rank(r, i).to_f32());
-                        }
-                        *v = sum;
-                    }
-                    Ok(())
-                }
+                // Narrow values are summed in rank order, rounded after each add, as one rank
+                // sums its micro-batches' gradients into a narrow accumulator.
+                DType::BF16 => all_reduce_narrow(
+                    self.slice_mut::<bf16>(at, len)?,
+                    comm,
+                    bf16::to_bits,
+                    bf16::from_bits,
+                    |a, b| bf16::from_f32(a.to_f32() + b.to_f32()),
+                ),
+                DType::F16 => all_reduce_narrow(
+                    self.slice_mut::<f16>(at, len)?,
+                    comm,
+                    f16::to_bits,
+                    f16::from_bits,
+                    |a, b| f16::from_f32(a.to_f32() + b.to_f32()),
+                ),
                 other => Err(RuntimeError::BadSchedule(format!(
-                    "an all-reduce of {other} values; collectives sum f32 and bf16"
+                    "an all-reduce of {other} values; collectives sum f32, bf16 and f16"
                 ))),
             }
         }

@@ -373,9 +373,14 @@ impl Checker<'_> {
                         ));
                     }
                     let dtype = g.value(*value).ty.dtype;
-                    if !matches!(dtype, crate::types::DType::F32 | crate::types::DType::BF16) {
+                    if !matches!(
+                        dtype,
+                        crate::types::DType::F32
+                            | crate::types::DType::BF16
+                            | crate::types::DType::F16
+                    ) {
                         return bad(format!(
-                            "sums {}, a {dtype} value; collectives sum f32 and bf16",
+                            "sums {}, a {dtype} value; collectives sum f32, bf16 and f16",
                             self.name(*value)
                         ));
                     }
