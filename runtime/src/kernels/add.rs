@@ -48,6 +48,23 @@ pub fn add_assign_bf16(acc: &mut [half::bf16], b: &[half::bf16]) {
         });
 }
 
+/// `acc = f16(f32(acc) + f32(b))` elementwise: [`add_assign_bf16`] for f16 (the CUDA
+/// `add_forward_f16` run in place computes the same bits; a sum past 65504 becomes infinity).
+pub fn add_assign_f16(acc: &mut [half::f16], b: &[half::f16]) {
+    assert_eq!(
+        acc.len(),
+        b.len(),
+        "add_assign_f16: b length differs from acc"
+    );
+    acc.par_chunks_mut(ELEM_GRAIN)
+        .zip(b.par_chunks(ELEM_GRAIN))
+        .for_each(|(acc, b)| {
+            for (o, b) in acc.iter_mut().zip(b) {
+                *o = half::f16::from_f32(o.to_f32() + b.to_f32());
+            }
+        });
+}
+
 /// `y[r, c] += bias[c]` for `y` `[rows, bias.len()]`: a bias added after the product it
 /// belongs to (the CUDA backend's `bias_add` after its GEMM, where bf16 storage rounds the
 /// product first; [`super::linear_forward`] adds an f32 bias before the product instead).
