@@ -20,7 +20,10 @@
 //! losses: the bf16 rounding of weights and activations, not an error, makes the difference.
 //! The same bf16 schedule run by the host backend (which rounds where the CUDA backend rounds)
 //! must give the GPU's losses far more closely, within 2e-3: there only the summation order
-//! differs, and a value it moves across a bf16 rounding boundary.
+//! differs, and a value it moves across a bf16 rounding boundary. f16 schedules (dynamic loss
+//! scaling) are compared with the host backend's run of the same schedule at the same scales,
+//! one step forced to overflow: both must skip exactly that step, the GPU's weights unchanged
+//! to the bit.
 
 #![cfg(feature = "cuda")]
 
@@ -51,6 +54,14 @@ const BF16_TOLERANCE: f64 = 2e-2;
 /// Relative tolerance of the GPU's bf16 losses against the host backend's run of the same bf16
 /// schedule.
 const BF16_HOST_TOLERANCE: f64 = 2e-3;
+
+/// Relative tolerance of the GPU's f16 losses against the host backend's run of the same f16
+/// schedule: as bf16's (only the summation order differs; f16 keeps more mantissa bits).
+const F16_HOST_TOLERANCE: f64 = 2e-3;
+/// The f16 runs' loss scale (GradScaler's default), and one at which every gradient overflows
+/// f16 (as tests/host_f16.rs forces a skipped step).
+const LOSS_SCALE: f64 = 65536.0;
+const OVERFLOWING: f64 = 1e30;
 
 /// Fails the test, with what is missing, when the CUDA backend cannot run here.
 fn require_gpu() {
@@ -385,4 +396,101 @@ fn check_accumulation(model: &str) {
 #[test]
 fn gpt2_accumulation_matches_the_host_backend() {
     check_accumulation("gpt2-tiny");
+}
+
+/// One f16 run of `schedule` on backend `B` at `scales[i]` for step `i`: each step's report,
+/// whether it was skipped, the weights after it, and AdamW's update count at the end.
+fn train_scaled<B: Backend>(
+    schedule: &VerifiedSchedule,
+    init: &HashMap<String, Vec<f32>>,
+    data: &[[Vec<i32>; 2]],
+    scales: &[f64],
+) -> (Vec<(StepReport, Vec<f32>)>, u64) {
+    let mut exec = Executor::<B>::with_backend(schedule).unwrap();
+    assert!(exec.loss_scaled(), "an f16 schedule is loss-scaled");
+    let values: Vec<Vec<f32>> = schedule
+        .graph
+        .params()
+        .map(|(_, p)| init[&p.name].clone())
+        .collect();
+    exec.load_params(&values).unwrap();
+    let steps = data
+        .iter()
+        .zip(scales)
+        .enumerate()
+        .map(|(step, ([x, y], &scale))| {
+            let report = exec
+                .step_with(&[x, y], None, Some(scale))
+                .unwrap_or_else(|e| panic!("step {step}: {e}"));
+            (report, exec.params().unwrap().concat())
+        })
+        .collect();
+    (steps, exec.updates_taken())
+}
+
+/// f16 with dynamic loss scaling on the GPU against the host backend on the same schedule,
+/// resident (the device AdamW and unscale kernel) and streamed (the CPU Adam), with and without
+/// two accumulated micro-batches: the same losses within [`F16_HOST_TOLERANCE`], and a step
+/// forced to overflow skipped on both, leaving the GPU's weights as they were, bit for bit.
+fn check_f16(model: &str) {
+    require_gpu();
+    // Steps 0 and 1 train, step 2 overflows, step 3 trains again.
+    let scales = [LOSS_SCALE, LOSS_SCALE, OVERFLOWING, LOSS_SCALE];
+    for k in [1, 2] {
+        let (mut graph, layers) = training(model, DType::F16, Some(1.0));
+        if k > 1 {
+            protrain_compiler::accumulate::scale_loss_gradient(&mut graph, k).unwrap();
+        }
+        let init: HashMap<String, Vec<f32>> = graph
+            .params()
+            .zip(init_params(&graph, SEED))
+            .map(|((_, p), v)| (p.name.clone(), v))
+            .collect();
+        let config = protrain_models::load(model).unwrap();
+        let data = common::batches(config.vocab_size as usize, k * BATCH, SEQ, 4, SEED);
+        let chunks = chunked(&graph);
+        let n = chunks.len() as u32;
+        for policy in [
+            Policy::resident(n, layers),
+            Policy::protrain(0, 2, 0, layers, layers),
+        ] {
+            let what = format!("{model} f16 --grad-accum {k} [{policy}]");
+            let schedule =
+                compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let schedule = verify(schedule).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (gpu, gpu_updates) = train_scaled::<CudaBackend>(&schedule, &init, &data, &scales);
+            let (host, host_updates) =
+                train_scaled::<HostBackend>(&schedule, &init, &data, &scales);
+            for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+                eprintln!(
+                    "{what} step {step}: loss host {} gpu {} (rel {:.2e}), skipped host {} gpu {}",
+                    h.loss,
+                    g.loss,
+                    relative(g.loss, h.loss),
+                    h.skipped,
+                    g.skipped
+                );
+                assert_eq!(g.skipped, step == 2, "{what} step {step}: the GPU's skip");
+                assert_eq!(h.skipped, step == 2, "{what} step {step}: the host's skip");
+                assert!(
+                    relative(g.loss, h.loss) <= F16_HOST_TOLERANCE,
+                    "{what} step {step}: loss {} on the GPU, {} on the host backend",
+                    g.loss,
+                    h.loss
+                );
+            }
+            assert_eq!((gpu_updates, host_updates), (3, 3), "{what}: AdamW updates");
+            let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert!(
+                bits(&gpu[2].1) == bits(&gpu[1].1),
+                "{what}: the skipped step changed the GPU's weights"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt2_f16_matches_the_host_backend_and_skips_an_overflowing_step() {
+    check_f16("gpt2-tiny");
 }

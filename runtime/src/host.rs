@@ -407,10 +407,7 @@ impl HostBackend {
                 }
                 (DType::F16, DType::F16) => {
                     let acc = self.slice_mut::<f16>(l.inputs[0], len)?;
-                    let grad = self.slice::<f16>(l.inputs[1], len)?;
-                    for (a, g) in acc.iter_mut().zip(grad) {
-                        *a = f16::from_f32(a.to_f32() + g.to_f32());
-                    }
+                    crate::kernels::add_assign_f16(acc, self.slice::<f16>(l.inputs[1], len)?);
                 }
                 (a, g) => {
                     return Err(RuntimeError::BadSchedule(format!(

@@ -140,7 +140,7 @@ pub struct ShapeArgs {
     #[arg(long)]
     pub seq: Option<u64>,
     /// Element type of parameters and activations [default: f32 on host hardware; bf16 with
-    /// f32 master weights on a GPU]. The host backend runs bf16 and f16 schedules too,
+    /// f32 master weights on a GPU]. Both backends run f32, bf16 and f16 schedules, the host
     /// rounding where the CUDA backend rounds. f16 trains with dynamic loss scaling: the loss
     /// gradient is multiplied by a scale, the gradients unscaled in f32 before clipping and
     /// AdamW, and a step whose f16 gradients overflow is skipped (see --loss-scale-init).

@@ -26,7 +26,7 @@ pub enum BackendKind {
     /// weights, the same rounding points; f16 with dynamic loss scaling).
     Host,
     /// An NVIDIA GPU through CUDA (needs a build with `--features cuda`, an NVIDIA driver for
-    /// CUDA 13, cuBLAS and NVRTC); runs bf16 and f32 schedules.
+    /// CUDA 13, cuBLAS and NVRTC); runs f32, bf16 and f16 schedules.
     Cuda,
 }
 
@@ -192,8 +192,8 @@ impl ExecArgs {
 /// Arguments of `protrain run`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A schedule written by `protrain compile` (f32, bf16 or f16; the host backend runs all
-    /// three, the CUDA backend f32 and bf16).
+    /// A schedule written by `protrain compile` (f32, bf16 or f16; both backends run all
+    /// three).
     schedule: PathBuf,
     #[command(flatten)]
     exec: ExecArgs,

@@ -122,7 +122,7 @@ pub struct CudaBackend {
     events: Vec<Event>,
     state: Mutex<EventState>,
     marked: Condvar,
-    /// The f32 master weight of each bf16 parameter, by the home of its Adam `m`.
+    /// The f32 master weight of each bf16 or f16 parameter, by the home of its Adam `m`.
     masters: HashMap<(Space, u64), Address>,
     /// Where the clip coefficient kernel writes the gradient norm (one f32).
     norm: DeviceMemory,
@@ -137,6 +137,7 @@ pub(super) trait Plain: Copy {}
 impl Plain for f32 {}
 impl Plain for i32 {}
 impl Plain for half::bf16 {}
+impl Plain for half::f16 {}
 
 impl CudaBackend {
     /// The device the backend runs on.
@@ -158,7 +159,7 @@ impl CudaBackend {
             .copied()
             .ok_or_else(|| {
                 RuntimeError::BadSchedule(format!(
-                "a bf16 AdamW reads its moment at {:?}+{} but no f32 master weight is known for \
+                "a bf16 or f16 AdamW reads its moment at {:?}+{} but no f32 master weight is known for \
                  it; run mixed-precision schedules through the executor, which finds them",
                 m.space, m.offset
             ))
@@ -316,7 +317,9 @@ impl CudaBackend {
             None => None,
         };
         let master = match (&op.kind, inputs.first()) {
-            (OpKind::AdamW { .. }, Some(p)) if p.dtype == DType::BF16 && l.inputs.len() > 2 => {
+            (OpKind::AdamW { .. }, Some(p))
+                if matches!(p.dtype, DType::BF16 | DType::F16) && l.inputs.len() > 2 =>
+            {
                 Some(self.gpu_addr(self.master_weight(l.inputs[2])?, 4 * p.numel())?)
             }
             _ => None,
@@ -438,7 +441,7 @@ impl CudaBackend {
     }
 
     /// Runs one op on the host optimizer stream, on the pinned region, with the host backend's
-    /// code: AdamW (f32, or bf16 with its f32 master weight), or any other kind through
+    /// code: AdamW (f32, or bf16 or f16 with its f32 master weight), or any other kind through
     /// [`dispatch::run`] when every operand is f32 (or i32) in the host region.
     ///
     /// # Safety
@@ -495,10 +498,28 @@ impl CudaBackend {
                         l.step,
                     );
                 }
+                (DType::F16, DType::F16) => {
+                    let master_at = self.master_weight(l.inputs[2])?;
+                    let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
+                    let p = unsafe { self.host_slice_mut::<half::f16>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<half::f16>(l.inputs[1], n)? };
+                    // As bf16; a negative coefficient (an overflowed loss-scaled step) makes
+                    // `adamw_mixed` change nothing, as on the host backend.
+                    dispatch::adamw_mixed(
+                        &op.kind,
+                        master,
+                        crate::kernels::Grad::F16(g),
+                        m,
+                        v,
+                        Some(crate::kernels::Low::F16(p)),
+                        coef,
+                        l.step,
+                    );
+                }
                 (p, g) => {
                     return Err(bad(format!(
-                        "a {p} parameter with a {g} gradient; the CPU Adam updates f32 or bf16 \
-                         parameters from gradients of their own type"
+                        "a {p} parameter with a {g} gradient; the CPU Adam updates f32, bf16 or \
+                         f16 parameters from gradients of their own type"
                     )))
                 }
             }
@@ -506,7 +527,7 @@ impl CudaBackend {
         }
         if op.kind == OpKind::AccumulateGrad {
             // A host accumulator: the offloaded gradient summed into it in place, in f32 or in
-            // bf16 through f32 (the host backend's arithmetic).
+            // bf16 or f16 through f32 (the host backend's arithmetic).
             if op.inputs.len() != 2 {
                 return Err(bad(format!(
                     "takes the accumulator and the gradient, not {} inputs",
@@ -527,6 +548,11 @@ impl CudaBackend {
                     let g = unsafe { self.host_slice::<half::bf16>(l.inputs[1], n)? };
                     crate::kernels::add_assign_bf16(acc, g);
                 }
+                (DType::F16, DType::F16) => {
+                    let acc = unsafe { self.host_slice_mut::<half::f16>(l.inputs[0], n)? };
+                    let g = unsafe { self.host_slice::<half::f16>(l.inputs[1], n)? };
+                    crate::kernels::add_assign_f16(acc, g);
+                }
                 (a, g) => {
                     return Err(bad(format!(
                         "a {g} gradient into a {a} accumulator; gradients are summed into \
@@ -536,15 +562,15 @@ impl CudaBackend {
             }
             return Ok(Outcome::default());
         }
-        // Any other kind: the host kernels, on operands in the pinned region, bf16 inputs (the
-        // squared norm of a bf16 host accumulator) widened to f32 first, as the host backend
-        // widens them.
+        // Any other kind: the host kernels, on operands in the pinned region, bf16 and f16
+        // inputs (the squared norm of a narrow host accumulator) widened to f32 first, as the
+        // host backend widens them.
         let mut wide: Vec<Option<Vec<f32>>> = Vec::with_capacity(op.inputs.len());
         for (i, &v) in op.inputs.iter().enumerate() {
             let t = ty(v);
-            if !matches!(t.dtype, DType::F32 | DType::I32 | DType::BF16) {
+            if !matches!(t.dtype, DType::F32 | DType::I32 | DType::BF16 | DType::F16) {
                 return Err(bad(format!(
-                    "input {i} is {t}; the host optimizer stream reads f32, i32 and bf16"
+                    "input {i} is {t}; the host optimizer stream reads f32, i32, bf16 and f16"
                 )));
             }
             self.gpu_addr(l.inputs[i], t.bytes())?;
@@ -558,6 +584,13 @@ impl CudaBackend {
                 // contract keeps writers away while this op reads.
                 DType::BF16 => Some(
                     unsafe { self.host_slice::<half::bf16>(l.inputs[i], t.numel() as usize)? }
+                        .iter()
+                        .map(|x| x.to_f32())
+                        .collect(),
+                ),
+                // SAFETY: as for bf16.
+                DType::F16 => Some(
+                    unsafe { self.host_slice::<half::f16>(l.inputs[i], t.numel() as usize)? }
                         .iter()
                         .map(|x| x.to_f32())
                         .collect(),
@@ -618,7 +651,7 @@ impl DeviceStream {
 
 /// The bytes of a slice of plain values.
 fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
-    // SAFETY: `T` is plain data without padding (f32, i32, bf16); any byte view is valid.
+    // SAFETY: `T` is plain data without padding (f32, i32, bf16, f16); any byte view is valid.
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
 }
 
@@ -668,6 +701,8 @@ impl Backend for CudaBackend {
     type Stream = CudaStreamHandle;
 
     const RUNS_BF16: bool = true;
+
+    const RUNS_F16: bool = true;
 
     const MISSING_COLLECTIVES: Option<&'static str> = Some(NO_NCCL);
 
@@ -936,6 +971,14 @@ impl Backend for CudaBackend {
         self.read_bytes(at, as_bytes_mut(out))
     }
 
+    fn write_f16(&mut self, at: Address, data: &[half::f16]) -> Result<()> {
+        self.write_bytes(at, Fill::Bytes(as_bytes(data)))
+    }
+
+    fn read_f16(&self, at: Address, out: &mut [half::f16]) -> Result<()> {
+        self.read_bytes(at, as_bytes_mut(out))
+    }
+
     fn step_outcome(&mut self) -> Result<Outcome> {
         if !self.norm_written.load(Ordering::Acquire) {
             return Ok(Outcome::default());
@@ -956,7 +999,7 @@ impl Backend for CudaBackend {
 struct HostInputs<'a> {
     b: &'a CudaBackend,
     l: &'a Launch<'a>,
-    /// Per input, its f32 widening when it is stored as bf16.
+    /// Per input, its f32 widening when it is stored as bf16 or f16.
     wide: &'a [Option<Vec<f32>>],
 }
 

@@ -1,4 +1,4 @@
-//! The matmuls of linear layers on cuBLAS: bf16 storage with f32 accumulation, or f32 with
+//! The matmuls of linear layers on cuBLAS: bf16 or f16 storage with f32 accumulation, or f32 with
 //! f32 compute (no TF32, so f32 schedules come close to the host backend's results).
 //!
 //! Tensors are row-major; cuBLAS is column-major. A row-major `[r, c]` matrix is the
@@ -273,10 +273,11 @@ impl Gemm {
         let data = match dtype {
             DType::F32 => cudaDataType::CUDA_R_32F,
             DType::BF16 => cudaDataType::CUDA_R_16BF,
+            DType::F16 => cudaDataType::CUDA_R_16F,
             other => {
                 return Err(RuntimeError::BadSchedule(format!(
-                    "{what}: the CUDA backend runs matmuls in f32 and bf16, not {other}; compile \
-                     with dtype bf16 or f32"
+                    "{what}: the CUDA backend runs matmuls in f32, bf16 and f16, not {other}; \
+                     compile with dtype f32, bf16 or f16"
                 )))
             }
         };
@@ -325,7 +326,7 @@ impl Gemm {
 
 impl Gemm {
     /// Issues a strided-batched GEMM with A and B in `ab`, C in `c_type`, f32 compute (no
-    /// TF32), the default algorithm (tensor cores for bf16).
+    /// TF32), the default algorithm (tensor cores for bf16 and f16).
     ///
     /// # Safety
     ///
@@ -341,9 +342,10 @@ impl Gemm {
         let data = |dtype: DType| match dtype {
             DType::F32 => Ok(cudaDataType::CUDA_R_32F),
             DType::BF16 => Ok(cudaDataType::CUDA_R_16BF),
+            DType::F16 => Ok(cudaDataType::CUDA_R_16F),
             other => Err(RuntimeError::BadSchedule(format!(
-                "{what}: the CUDA backend runs attention in f32 and bf16, not {other}; compile \
-                 with dtype bf16 or f32"
+                "{what}: the CUDA backend runs attention in f32, bf16 and f16, not {other}; \
+                 compile with dtype f32, bf16 or f16"
             ))),
         };
         let (ab_type, c_data) = (data(ab)?, data(c_type)?);
@@ -745,7 +747,7 @@ mod tests {
 
 /// A host model of `cublasGemmStridedBatchedEx` over byte-addressed memory, for the call
 /// plans' tests (`launch.rs`): operands are addresses inside buffers, as on the device, in
-/// f32 or bf16.
+/// f32, bf16 or f16.
 #[cfg(test)]
 pub(super) mod model {
     use super::*;
@@ -757,7 +759,7 @@ pub(super) mod model {
 
     fn size(dtype: DType) -> u64 {
         match dtype {
-            DType::BF16 => 2,
+            DType::BF16 | DType::F16 => 2,
             _ => 4,
         }
     }
@@ -783,11 +785,12 @@ pub(super) mod model {
             let b = &self.0[i].1[at..at + n as usize];
             Ok(match dtype {
                 DType::BF16 => half::bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32(),
+                DType::F16 => half::f16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32(),
                 _ => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
             })
         }
 
-        /// Writes `v` as `dtype` (bf16 rounded to nearest even) at `addr`.
+        /// Writes `v` as `dtype` (bf16 or f16 rounded to nearest even) at `addr`.
         pub fn write(
             &mut self,
             dtype: DType,
@@ -801,6 +804,7 @@ pub(super) mod model {
                 DType::BF16 => {
                     dst.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_ne_bytes())
                 }
+                DType::F16 => dst.copy_from_slice(&half::f16::from_f32(v).to_bits().to_ne_bytes()),
                 _ => dst.copy_from_slice(&v.to_ne_bytes()),
             }
             Ok(())

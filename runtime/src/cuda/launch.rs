@@ -7,8 +7,9 @@
 //!
 //! Every kind has its own arm, without a wildcard, so a kind added to the IR is a compile error
 //! here until it has kernels. The launch shapes follow the notes beside each entry point in
-//! `kernels/*.cu`. Storage is f32 or bf16 (the `_f32` / `_bf16` entry points); statistics,
-//! log-sum-exps and partial sums are f32 whatever the storage.
+//! `kernels/*.cu`. Storage is f32, bf16 or f16 (the `_f32` / `_bf16` / `_f16` entry points,
+//! chosen by [`Storage::pick`]); statistics, log-sum-exps and partial sums are f32 whatever the
+//! storage.
 //!
 //! Scratch. Every kernel's scratch is the workspace the memory plan gives its op, split as
 //! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta` and
@@ -110,7 +111,7 @@ pub(super) struct KernelCall {
 /// One GEMM on the stream's cuBLAS handle.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct GemmCall {
-    /// The storage type of every matrix (f32 or bf16; compute is f32).
+    /// The storage type of every matrix (f32, bf16 or f16; compute is f32).
     pub dtype: DType,
     /// The column-major description ([`super::blas`]).
     pub gemm: Gemm,
@@ -160,7 +161,7 @@ pub(super) struct Addresses {
     pub outputs: Vec<u64>,
     /// The planned workspace's address and size in bytes.
     pub workspace: Option<(u64, u64)>,
-    /// A bf16 AdamW's f32 master weight of its parameter.
+    /// A bf16 or f16 AdamW's f32 master weight of its parameter.
     pub master: Option<u64>,
 }
 
@@ -178,14 +179,31 @@ pub(super) struct Target {
 enum Storage {
     F32,
     Bf16,
+    F16,
 }
+
+/// An entry point's three storage variants, `[base_f32, base_bf16, base_f16]`, for
+/// [`Storage::pick`].
+macro_rules! entry {
+    ($base:literal) => {
+        [
+            concat!($base, "_f32"),
+            concat!($base, "_bf16"),
+            concat!($base, "_f16"),
+        ]
+    };
+}
+
+/// An entry point's variants by storage type, as [`entry!`] lists them.
+type Entries = [&'static str; 3];
 
 impl Storage {
     /// The entry point for this storage type.
-    fn pick(self, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
+    fn pick(self, [f32_name, bf16_name, f16_name]: Entries) -> &'static str {
         match self {
             Storage::F32 => f32_name,
             Storage::Bf16 => bf16_name,
+            Storage::F16 => f16_name,
         }
     }
 
@@ -194,6 +212,7 @@ impl Storage {
         match self {
             Storage::F32 => DType::F32,
             Storage::Bf16 => DType::BF16,
+            Storage::F16 => DType::F16,
         }
     }
 
@@ -201,7 +220,7 @@ impl Storage {
     fn size(self) -> u64 {
         match self {
             Storage::F32 => 4,
-            Storage::Bf16 => 2,
+            Storage::Bf16 | Storage::F16 => 2,
         }
     }
 }
@@ -210,7 +229,8 @@ fn storage_of(dtype: DType) -> Option<Storage> {
     match dtype {
         DType::F32 => Some(Storage::F32),
         DType::BF16 => Some(Storage::Bf16),
-        DType::F16 | DType::I32 => None,
+        DType::F16 => Some(Storage::F16),
+        DType::I32 => None,
     }
 }
 
@@ -272,8 +292,8 @@ impl Plan<'_> {
     fn storage(&self, i: usize) -> Result<Storage> {
         storage_of(self.ty_in(i).dtype).ok_or_else(|| {
             self.bad(format!(
-                "input {i} is {}; the CUDA kernels store f32 or bf16: compile with dtype bf16 \
-                 or f32",
+                "input {i} is {}; the CUDA kernels store f32, bf16 or f16: compile with dtype \
+                 f32, bf16 or f16",
                 self.ty_in(i)
             ))
         })
@@ -411,7 +431,7 @@ impl Plan<'_> {
         );
         let block = (COLUMN_SUM_BLOCK.0, COLUMN_SUM_BLOCK.1, 1);
         self.shaped(
-            st.pick("column_sum_partial_f32", "column_sum_partial_bf16"),
+            st.pick(entry!("column_sum_partial")),
             grid,
             block,
             vec![
@@ -423,7 +443,7 @@ impl Plan<'_> {
             ],
         );
         self.stride(
-            st.pick("column_sum_finish_f32", "column_sum_finish_bf16"),
+            st.pick(entry!("column_sum_finish")),
             cols,
             vec![
                 Ptr(dst),
@@ -744,7 +764,7 @@ impl AttnGemms {
 
 /// The calls that compute one op of `kind` on operands of `types` at `at`, in issue order.
 /// Pure: builds the list and issues nothing. Fails on what the kernels cannot run (a dtype
-/// other than f32 or bf16, sizes beyond 32 bits, a workspace smaller than the layout) with
+/// other than f32, bf16 or f16, sizes beyond 32 bits, a workspace smaller than the layout) with
 /// the way out.
 pub(super) fn calls(
     kind: &OpKind,
@@ -799,11 +819,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(p.int(vocab, "vocabulary")?),
                 I32(p.int(ch, "channels")?),
             ];
-            p.stride(
-                st.pick("embedding_forward_f32", "embedding_forward_bf16"),
-                tokens * ch,
-                args,
-            );
+            p.stride(st.pick(entry!("embedding_forward")), tokens * ch, args);
         }
         OpKind::PositionEmbedding { offset } => {
             let st = p.storage(1)?;
@@ -818,10 +834,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(p.int(*offset, "offset")?),
             ];
             p.stride(
-                st.pick(
-                    "position_embedding_forward_f32",
-                    "position_embedding_forward_bf16",
-                ),
+                st.pick(entry!("position_embedding_forward")),
                 t.numel() * ch,
                 args,
             );
@@ -841,11 +854,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(p.int(c, "channels")?),
                 F32(*eps as f32),
             ];
-            p.rows(
-                st.pick("layer_norm_forward_f32", "layer_norm_forward_bf16"),
-                rows,
-                args,
-            );
+            p.rows(st.pick(entry!("layer_norm_forward")), rows, args);
         }
         OpKind::RmsNorm { eps } => {
             let st = p.storage(0)?;
@@ -859,11 +868,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(p.int(c, "channels")?),
                 F32(*eps as f32),
             ];
-            p.rows(
-                st.pick("rms_norm_forward_f32", "rms_norm_forward_bf16"),
-                rows,
-                args,
-            );
+            p.rows(st.pick(entry!("rms_norm_forward")), rows, args);
         }
         OpKind::Linear { bias, layout } => {
             let st = p.storage(0)?;
@@ -890,18 +895,14 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                     I64(d.rows as i64),
                     I32(p.int(d.d_out as u64, "output features")?),
                 ];
-                p.stride(
-                    st.pick("bias_add_f32", "bias_add_bf16"),
-                    (d.rows * d.d_out) as u64,
-                    args,
-                );
+                p.stride(st.pick(entry!("bias_add")), (d.rows * d.d_out) as u64, args);
             }
         }
-        OpKind::Gelu => unary(p, "gelu_forward_f32", "gelu_forward_bf16")?,
-        OpKind::Relu => unary(p, "relu_forward_f32", "relu_forward_bf16")?,
-        OpKind::Silu => unary(p, "silu_forward_f32", "silu_forward_bf16")?,
-        OpKind::Swiglu => binary(p, "swiglu_forward_f32", "swiglu_forward_bf16")?,
-        OpKind::Add => binary(p, "add_forward_f32", "add_forward_bf16")?,
+        OpKind::Gelu => unary(p, entry!("gelu_forward"))?,
+        OpKind::Relu => unary(p, entry!("relu_forward"))?,
+        OpKind::Silu => unary(p, entry!("silu_forward"))?,
+        OpKind::Swiglu => binary(p, entry!("swiglu_forward"))?,
+        OpKind::Add => binary(p, entry!("add_forward"))?,
         OpKind::Rope {
             head_dim,
             theta,
@@ -930,7 +931,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 let g = AttnGemms::new(&dims, st, hb, scores, 0);
                 p.batched(st, DType::F32, g.scores(q, k), "attention scores (Q K^T)");
                 p.shaped(
-                    st.pick("attention_softmax_f32", "attention_softmax_bf16"),
+                    st.pick(entry!("attention_softmax")),
                     g.row_grid(p)?,
                     (BLOCK, 1, 1),
                     vec![
@@ -958,11 +959,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(rows_i),
                 I32(p.int(vocab, "vocabulary")?),
             ];
-            p.rows(
-                st.pick("cross_entropy_forward_f32", "cross_entropy_forward_bf16"),
-                rows,
-                args,
-            );
+            p.rows(st.pick(entry!("cross_entropy_forward")), rows, args);
             let args = vec![Ptr(p.output(0)), Ptr(row_loss), I32(rows_i)];
             p.shaped("cross_entropy_loss", (1, 1, 1), (1024, 1, 1), args);
         }
@@ -998,7 +995,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(pad),
             ];
             p.shaped(
-                st.pick("embedding_backward_f32", "embedding_backward_bf16"),
+                st.pick(entry!("embedding_backward")),
                 grid,
                 (BLOCK, 1, 1),
                 args,
@@ -1019,10 +1016,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(0),
             ];
             p.stride(
-                st.pick(
-                    "position_embedding_backward_f32",
-                    "position_embedding_backward_bf16",
-                ),
+                st.pick(entry!("position_embedding_backward")),
                 rows * ch,
                 args,
             );
@@ -1069,9 +1063,9 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             layout,
             epilogue,
         } => fused_linear_backward(p, *count as usize, *bias, *layout, *epilogue)?,
-        OpKind::GeluBackward => unary_backward(p, "gelu_backward_f32", "gelu_backward_bf16")?,
-        OpKind::ReluBackward => unary_backward(p, "relu_backward_f32", "relu_backward_bf16")?,
-        OpKind::SiluBackward => unary_backward(p, "silu_backward_f32", "silu_backward_bf16")?,
+        OpKind::GeluBackward => unary_backward(p, entry!("gelu_backward"))?,
+        OpKind::ReluBackward => unary_backward(p, entry!("relu_backward"))?,
+        OpKind::SiluBackward => unary_backward(p, entry!("silu_backward"))?,
         OpKind::SwigluBackward => {
             let st = p.storage(0)?;
             let n = p.ty_in(0).numel();
@@ -1083,11 +1077,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 Ptr(p.input(1)),
                 I64(n as i64),
             ];
-            p.stride(
-                st.pick("swiglu_backward_f32", "swiglu_backward_bf16"),
-                n,
-                args,
-            );
+            p.stride(st.pick(entry!("swiglu_backward")), n, args);
         }
         OpKind::RopeBackward {
             head_dim,
@@ -1102,18 +1092,18 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             qkv,
         } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
         OpKind::AccumulateGrad => accumulate(p)?,
-        OpKind::CrossEntropyBackwardLossScaled { .. } | OpKind::UnscaleCoef { .. } => {
-            return Err(p.bad(
-                "belongs to fp16 loss scaling, which the CUDA backend has no f16 kernels for \
-                 yet (the executor refuses f16 schedules on CUDA first): train f16 on the host \
-                 backend, or compile with --dtype bf16 for CUDA",
-            ));
-        }
-        OpKind::CrossEntropyBackward | OpKind::CrossEntropyBackwardScaled { .. } => {
+        OpKind::CrossEntropyBackward
+        | OpKind::CrossEntropyBackwardScaled { .. }
+        | OpKind::CrossEntropyBackwardLossScaled { .. } => {
+            // The loss gradient's seed, as dispatch.rs computes it for the host kernel.
             let dloss = match p.kind {
                 OpKind::CrossEntropyBackwardScaled { micro_batches } => {
                     crate::dispatch::loss_share(*micro_batches)
                 }
+                OpKind::CrossEntropyBackwardLossScaled {
+                    micro_batches,
+                    loss_scale,
+                } => crate::dispatch::scaled_loss_share(*micro_batches, *loss_scale),
                 _ => 1.0,
             };
             let st = p.storage(0)?;
@@ -1128,7 +1118,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 F32(dloss),
             ];
             p.stride(
-                st.pick("cross_entropy_backward_f32", "cross_entropy_backward_bf16"),
+                st.pick(entry!("cross_entropy_backward")),
                 rows * vocab,
                 args,
             );
@@ -1140,7 +1130,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             let partials = p.workspace(Scratch::NormPartials)?;
             let args = vec![Ptr(partials), Ptr(p.input(0)), I64(n as i64)];
             p.shaped(
-                st.pick("grad_norm_sq_partial_f32", "grad_norm_sq_partial_bf16"),
+                st.pick(entry!("grad_norm_sq_partial")),
                 (count as u32, 1, 1),
                 (BLOCK, 1, 1),
                 args,
@@ -1158,6 +1148,24 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 F32(*max_norm as f32),
             ];
             p.shaped("clip_coef", (1, 1, 1), (1, 1, 1), args);
+        }
+        OpKind::UnscaleCoef {
+            max_norm,
+            loss_scale,
+        } => {
+            let norms: Vec<u64> = (0..n_in).map(|i| p.input(i)).collect();
+            // f32(1 / S), rounded as the host's `kernels::unscale_coef` rounds it.
+            let inv_scale = (1.0 / *loss_scale) as f32;
+            let args = vec![
+                Ptr(p.output(0)),
+                Arg::NormSlot,
+                Arg::Table(ConstKey::Pointers(norms)),
+                I32(p.int(n_in as u64, "gradients")?),
+                F32(inv_scale),
+                F32(max_norm.unwrap_or(0.0) as f32),
+                I32(i32::from(max_norm.is_some())),
+            ];
+            p.shaped("unscale_coef", (1, 1, 1), (1, 1, 1), args);
         }
         OpKind::AdamW {
             lr,
@@ -1205,19 +1213,20 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 false => 0,
             };
             let mut args = Vec::with_capacity(14);
-            let entry = match p.storage(0)? {
-                Storage::F32 => {
-                    args.push(Ptr(p.input(0)));
-                    "adamw_f32"
-                }
-                Storage::Bf16 => {
+            let st = p.storage(0)?;
+            match st {
+                Storage::F32 => args.push(Ptr(p.input(0))),
+                Storage::Bf16 | Storage::F16 => {
                     let master = p.at.master.ok_or_else(|| {
-                        p.bad("a bf16 parameter needs the address of its f32 master weight")
+                        p.bad(format!(
+                            "a {} parameter needs the address of its f32 master weight",
+                            param.dtype
+                        ))
                     })?;
                     args.extend([Ptr(master), Ptr(p.input(0))]);
-                    "adamw_bf16"
                 }
-            };
+            }
+            let entry = st.pick(entry!("adamw"));
             args.extend([
                 Ptr(p.input(1)),
                 Ptr(p.input(2)),
@@ -1239,16 +1248,16 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
 }
 
 /// `out = f(x)`, elementwise.
-fn unary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+fn unary(p: &mut Plan<'_>, entries: Entries) -> Result<()> {
     let st = p.storage(0)?;
     let n = p.ty_in(0).numel();
     let args = vec![Ptr(p.output(0)), Ptr(p.input(0)), I64(n as i64)];
-    p.stride(st.pick(f32_name, bf16_name), n, args);
+    p.stride(st.pick(entries), n, args);
     Ok(())
 }
 
 /// `out = f(a, b)`, elementwise.
-fn binary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+fn binary(p: &mut Plan<'_>, entries: Entries) -> Result<()> {
     let st = p.storage(0)?;
     let n = p.ty_in(0).numel();
     let args = vec![
@@ -1257,7 +1266,7 @@ fn binary(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> 
         Ptr(p.input(1)),
         I64(n as i64),
     ];
-    p.stride(st.pick(f32_name, bf16_name), n, args);
+    p.stride(st.pick(entries), n, args);
     Ok(())
 }
 
@@ -1279,12 +1288,12 @@ fn accumulate(p: &mut Plan<'_>) -> Result<()> {
         Ptr(p.input(1)),
         I64(n as i64),
     ];
-    p.stride(st.pick("add_forward_f32", "add_forward_bf16"), n, args);
+    p.stride(st.pick(entry!("add_forward")), n, args);
     Ok(())
 }
 
 /// `dx = dy * f'(x)` from inputs `x`, `dy`.
-fn unary_backward(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static str) -> Result<()> {
+fn unary_backward(p: &mut Plan<'_>, entries: Entries) -> Result<()> {
     let st = p.storage(0)?;
     let n = p.ty_in(0).numel();
     let args = vec![
@@ -1293,7 +1302,7 @@ fn unary_backward(p: &mut Plan<'_>, f32_name: &'static str, bf16_name: &'static 
         Ptr(p.input(0)),
         I64(n as i64),
     ];
-    p.stride(st.pick(f32_name, bf16_name), n, args);
+    p.stride(st.pick(entries), n, args);
     Ok(())
 }
 
@@ -1314,8 +1323,8 @@ fn rope(
     let table = kernels::rope_inv_freq(head_dim as usize, theta, scaling);
     let inv = ConstKey::InvFreq(table.iter().map(|x| x.to_bits()).collect());
     let entry = match backward {
-        false => st.pick("rope_forward_f32", "rope_forward_bf16"),
-        true => st.pick("rope_backward_f32", "rope_backward_bf16"),
+        false => st.pick(entry!("rope_forward")),
+        true => st.pick(entry!("rope_backward")),
     };
     let args = vec![
         Ptr(p.output(0)),
@@ -1355,7 +1364,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
     // 1. The forward statistics (and throwaway normalised rows in dx).
     match layer {
         true => p.rows(
-            st.pick("layer_norm_forward_f32", "layer_norm_forward_bf16"),
+            st.pick(entry!("layer_norm_forward")),
             rows,
             vec![
                 Ptr(dx),
@@ -1370,7 +1379,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
             ],
         ),
         false => p.rows(
-            st.pick("rms_norm_forward_f32", "rms_norm_forward_bf16"),
+            st.pick(entry!("rms_norm_forward")),
             rows,
             vec![
                 Ptr(dx),
@@ -1390,10 +1399,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
         1,
     );
     p.shaped(
-        st.pick(
-            "norm_backward_params_partial_f32",
-            "norm_backward_params_partial_bf16",
-        ),
+        st.pick(entry!("norm_backward_params_partial")),
         grid,
         (COLUMN_SUM_BLOCK.0, COLUMN_SUM_BLOCK.1, 1),
         vec![
@@ -1408,7 +1414,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
             I32(COLUMN_SUM_ROWS_PER_CHUNK as i32),
         ],
     );
-    let finish = wst.pick("column_sum_finish_f32", "column_sum_finish_bf16");
+    let finish = wst.pick(entry!("column_sum_finish"));
     let mut sums = vec![(dw, pw)];
     if layer {
         sums.push((p.output(2), pb));
@@ -1423,7 +1429,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
     // 3. dx.
     match layer {
         true => p.rows(
-            st.pick("layer_norm_backward_f32", "layer_norm_backward_bf16"),
+            st.pick(entry!("layer_norm_backward")),
             rows,
             vec![
                 Ptr(dx),
@@ -1437,7 +1443,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
             ],
         ),
         false => p.rows(
-            st.pick("rms_norm_backward_f32", "rms_norm_backward_bf16"),
+            st.pick(entry!("rms_norm_backward")),
             rows,
             vec![
                 Ptr(dx),
@@ -1495,10 +1501,7 @@ fn attention_backward(
         1,
     );
     p.shaped(
-        st.pick(
-            "attention_backward_delta_f32",
-            "attention_backward_delta_bf16",
-        ),
+        st.pick(entry!("attention_backward_delta")),
         grid,
         (BLOCK, 1, 1),
         vec![
@@ -1528,7 +1531,7 @@ fn attention_backward(
             "attention backward dP (dO V^T)",
         );
         p.shaped(
-            st.pick("attention_backward_ds_f32", "attention_backward_ds_bf16"),
+            st.pick(entry!("attention_backward_ds")),
             g.row_grid(p)?,
             (BLOCK, 1, 1),
             vec![
@@ -1605,7 +1608,7 @@ fn fused_projection(
             I64(rows as i64),
             I32(p.int(d_out, "output features")?),
         ];
-        p.stride(st.pick("bias_add_f32", "bias_add_bf16"), rows * d_out, args);
+        p.stride(st.pick(entry!("bias_add")), rows * d_out, args);
     }
     Ok(())
 }
@@ -1632,8 +1635,8 @@ fn fused_linear(
             let (h, y) = (p.output(0), p.output(1));
             fused_projection(p, dtype, st, layout, n, bias, 0, h)?;
             let entry = match epilogue {
-                Epilogue::Gelu => st.pick("gelu_forward_f32", "gelu_forward_bf16"),
-                _ => st.pick("relu_forward_f32", "relu_forward_bf16"),
+                Epilogue::Gelu => st.pick(entry!("gelu_forward")),
+                _ => st.pick(entry!("relu_forward")),
             };
             let len = p.ty_out(0).numel();
             p.stride(entry, len, vec![Ptr(y), Ptr(h), I64(len as i64)]);
@@ -1644,7 +1647,7 @@ fn fused_linear(
             fused_projection(p, dtype, st, layout, n, bias, 1, up)?;
             let len = p.ty_out(2).numel();
             p.stride(
-                st.pick("swiglu_forward_f32", "swiglu_forward_bf16"),
+                st.pick(entry!("swiglu_forward")),
                 len,
                 vec![Ptr(y), Ptr(gate), Ptr(up), I64(len as i64)],
             );
@@ -1655,7 +1658,7 @@ fn fused_linear(
             let residual = p.input(n_in - 1);
             let len = p.ty_out(0).numel();
             p.stride(
-                st.pick("add_forward_f32", "add_forward_bf16"),
+                st.pick(entry!("add_forward")),
                 len,
                 vec![Ptr(y), Ptr(y), Ptr(residual), I64(len as i64)],
             );
@@ -1697,8 +1700,8 @@ fn fused_linear_backward(
             let dh = p.workspace(Scratch::ProjectionGrad(0))?;
             let len = p.ty_in(1 + n).numel();
             let entry = match epilogue {
-                Epilogue::Gelu => st.pick("gelu_backward_f32", "gelu_backward_bf16"),
-                _ => st.pick("relu_backward_f32", "relu_backward_bf16"),
+                Epilogue::Gelu => st.pick(entry!("gelu_backward")),
+                _ => st.pick(entry!("relu_backward")),
             };
             p.stride(entry, len, vec![Ptr(dh), Ptr(dy), Ptr(h), I64(len as i64)]);
             grads.push(dh);
@@ -1709,7 +1712,7 @@ fn fused_linear_backward(
             let dup = p.workspace(Scratch::ProjectionGrad(1))?;
             let len = p.ty_in(1 + n).numel();
             p.stride(
-                st.pick("swiglu_backward_f32", "swiglu_backward_bf16"),
+                st.pick(entry!("swiglu_backward")),
                 len,
                 vec![
                     Ptr(dgate),
@@ -1741,7 +1744,7 @@ fn fused_linear_backward(
         if i != n - 1 {
             let len = p.ty_in(0).numel();
             p.stride(
-                st.pick("add_forward_f32", "add_forward_bf16"),
+                st.pick(entry!("add_forward")),
                 len,
                 vec![Ptr(dx), Ptr(dx), Ptr(contribution), I64(len as i64)],
             );
@@ -1814,12 +1817,11 @@ mod tests {
             OpKind::Release { .. } => VARIANTS + 2,
             OpKind::CrossEntropyBackwardScaled { .. } => 30,
             OpKind::AccumulateGrad => 31,
-            // No kernel yet: see `loss_scaling_has_no_plan`.
-            OpKind::CrossEntropyBackwardLossScaled { .. } => VARIANTS + 3,
-            OpKind::UnscaleCoef { .. } => VARIANTS + 4,
+            OpKind::CrossEntropyBackwardLossScaled { .. } => 32,
+            OpKind::UnscaleCoef { .. } => 33,
         }
     }
-    const VARIANTS: usize = 32;
+    const VARIANTS: usize = 34;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2057,6 +2059,27 @@ mod tests {
                 vec![scalar.clone(), scalar.clone(), scalar.clone()],
             ),
             (
+                OpKind::CrossEntropyBackwardLossScaled {
+                    micro_batches: 2,
+                    loss_scale: 65536.0,
+                },
+                vec![logits.clone(), tokens.clone(), t(&[B, T], DType::F32)],
+            ),
+            (
+                OpKind::UnscaleCoef {
+                    max_norm: Some(1.0),
+                    loss_scale: 65536.0,
+                },
+                vec![scalar.clone(), scalar.clone()],
+            ),
+            (
+                OpKind::UnscaleCoef {
+                    max_norm: None,
+                    loss_scale: 1024.0,
+                },
+                vec![scalar.clone()],
+            ),
+            (
                 adamw(false),
                 vec![w.clone(), w.clone(), moments.clone(), moments.clone()],
             ),
@@ -2153,6 +2176,7 @@ mod tests {
         for (dt, entry) in [
             (DType::F32, "add_forward_f32"),
             (DType::BF16, "add_forward_bf16"),
+            (DType::F16, "add_forward_f16"),
         ] {
             let g = TensorType::new(vec![4, 8], dt);
             let (plan, _) = plan_of(&OpKind::AccumulateGrad, &[g.clone(), g.clone()]);
@@ -2198,59 +2222,58 @@ mod tests {
         assert!(err.contains("another type"), "{err}");
     }
 
-    /// fp16 loss scaling has no CUDA kernels: its ops fail with the way out, never a launch.
+    /// fp16 loss scaling's ops seed the loss gradient and unscale as dispatch.rs does for the
+    /// host kernels: dloss = S / K, and the unscale kernel gets f32(1 / S), the clip flag and
+    /// the norm slot (which the executor reads to tell a skipped step).
     #[test]
-    fn loss_scaling_has_no_plan() {
-        let logits = TensorType::new(vec![2, 3, 5], DType::F16);
-        let tokens = TensorType::new(vec![2, 3], DType::I32);
-        let lse = TensorType::new(vec![2, 3], DType::F32);
-        let norm = TensorType::new(vec![], DType::F32);
-        let target = Target {
-            max_blocks: 132 * 32,
-            step: 1,
+    fn loss_scaling_passes_the_hosts_scalars() {
+        let dt = DType::F16;
+        let logits = TensorType::new(vec![B, T, V], dt);
+        let tokens = TensorType::new(vec![B, T], DType::I32);
+        let lse = TensorType::new(vec![B, T], DType::F32);
+        let kind = OpKind::CrossEntropyBackwardLossScaled {
+            micro_batches: 4,
+            loss_scale: 1024.0,
         };
-        let cases: [(OpKind, Vec<&TensorType>, usize); 2] = [
-            (
-                OpKind::CrossEntropyBackwardLossScaled {
-                    micro_batches: 1,
-                    loss_scale: 65536.0,
-                },
-                vec![&logits, &tokens, &lse],
-                1,
-            ),
-            (
-                OpKind::UnscaleCoef {
-                    max_norm: None,
-                    loss_scale: 65536.0,
-                },
-                vec![&norm, &norm],
-                1,
-            ),
-        ];
-        for (kind, ins, outs) in cases {
-            let out_types = vec![&logits; outs];
-            let at = Addresses {
-                inputs: (0..ins.len() as u64).map(|i| 0x1000 * (i + 1)).collect(),
-                outputs: (0..outs as u64).map(|i| 0x10000 * (i + 1)).collect(),
-                workspace: None,
-                master: None,
+        let (plan, _) = plan_of(&kind, &[logits, tokens, lse]);
+        let [Call::Kernel(k)] = &plan[..] else {
+            panic!("one kernel, not {plan:?}");
+        };
+        assert_eq!(k.entry, "cross_entropy_backward_f16");
+        assert!(
+            matches!(k.args.last(), Some(Arg::F32(v)) if *v == 256.0),
+            "{:?}",
+            k.args
+        );
+
+        let scalar = TensorType::new(vec![], DType::F32);
+        for (max_norm, clip) in [(Some(0.5), 1), (None, 0)] {
+            let kind = OpKind::UnscaleCoef {
+                max_norm,
+                loss_scale: 3.0,
             };
-            let types = Types {
-                inputs: &ins,
-                outputs: &out_types,
+            let (plan, _) = plan_of(&kind, &[scalar.clone(), scalar.clone()]);
+            let [Call::Kernel(k)] = &plan[..] else {
+                panic!("one kernel, not {plan:?}");
             };
-            assert!(variant(&kind) >= VARIANTS);
-            let err = calls(&kind, types, &at, target)
-                .expect_err("no plan")
-                .to_string();
-            assert!(err.contains("--dtype bf16"), "{err}");
+            assert_eq!(k.entry, "unscale_coef");
+            let inv = (1.0f64 / 3.0) as f32;
+            assert!(
+                matches!(
+                    k.args[..],
+                    [Arg::Ptr(_), Arg::NormSlot, Arg::Table(_), Arg::I32(2), Arg::F32(i), Arg::F32(m), Arg::I32(c)]
+                        if i == inv && m == max_norm.unwrap_or(0.0) as f32 && c == clip
+                ),
+                "{max_norm:?}: {:?}",
+                k.args
+            );
         }
     }
 
     #[test]
     fn every_kind_launches_declared_kernels_with_matching_arguments() {
         let mut covered = [false; VARIANTS];
-        for dt in [DType::F32, DType::BF16] {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
             for (kind, inputs) in examples(dt) {
                 covered[variant(&kind)] = true;
                 let (plan, spans) = plan_of(&kind, &inputs);
@@ -2271,10 +2294,12 @@ mod tests {
                             assert!(k.grid.0 * k.grid.1 * k.grid.2 > 0, "{what}: empty grid");
                             let threads = k.block.0 * k.block.1 * k.block.2;
                             assert!((1..=1024).contains(&threads), "{what}: block {:?}", k.block);
-                            if dt == DType::F32 {
-                                assert!(!k.entry.ends_with("_bf16"), "{what}: bf16 kernel");
-                            } else {
-                                assert!(!k.entry.ends_with("_f32"), "{what}: f32 kernel");
+                            for other in [DType::F32, DType::BF16, DType::F16] {
+                                let suffix = format!("_{other}");
+                                assert!(
+                                    other == dt || !k.entry.ends_with(&suffix),
+                                    "{what}: {other} kernel"
+                                );
                             }
                             for a in &k.args {
                                 match a {
@@ -2327,10 +2352,12 @@ mod tests {
     fn run_kernel(mem: &mut Bytes, k: &KernelCall) {
         let st = if k.entry.ends_with("_bf16") {
             DType::BF16
+        } else if k.entry.ends_with("_f16") {
+            DType::F16
         } else {
             DType::F32
         };
-        let e = if st == DType::BF16 { 2 } else { 4 };
+        let e = if st == DType::F32 { 4 } else { 2 };
         let ptr = |i: usize| match k.args[i] {
             Arg::Ptr(p) => p,
             ref a => panic!("{}: argument {i} is {a:?}", k.entry),
@@ -2493,7 +2520,7 @@ mod tests {
 
     /// Attention's call plan (strided-batched GEMMs and the row kernels) executed in the
     /// cuBLAS model, forward and backward, against the host kernels: causal and windowed,
-    /// grouped KV heads, packed and separate q/k/v, odd sizes, f32 and bf16 storage. A wrong
+    /// grouped KV heads, packed and separate q/k/v, odd sizes, f32, bf16 and f16 storage. A wrong
     /// transpose, leading dimension, stride, head offset or accumulation flag fails it (a
     /// `beta` of 0 for the group's later heads drops their dK and dV; swapping `stride_a`
     /// and `stride_b` of the scores reads the wrong heads).
@@ -2546,9 +2573,14 @@ mod tests {
                     vec![dqkv]
                 }
             };
-            for dt in [DType::F32, DType::BF16] {
+            for dt in [DType::F32, DType::BF16, DType::F16] {
                 let what = format!("B{b} T{t} H{h} KV{kv} D{d} W{window:?} {qkv:?} {dt}");
-                let tol = if dt == DType::F32 { 2e-5 } else { 4e-2 };
+                // f16 keeps 3 more mantissa bits than bf16.
+                let tol = match dt {
+                    DType::F32 => 2e-5,
+                    DType::F16 => 1e-2,
+                    _ => 4e-2,
+                };
                 let f = |shape: &[u64]| TensorType::new(shape.to_vec(), dt);
                 let lse_ty = TensorType::new(vec![b, h, t], DType::F32);
                 let (fwd_types, fwd_inputs) = match qkv {

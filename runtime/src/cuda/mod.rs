@@ -2,7 +2,7 @@
 //! compilation.
 //!
 //! The kernels live as `.cu` files in `kernels/`, one per op family as in
-//! [`crate::kernels`], whose semantics they reproduce (f32 compute; `_f32` and `_bf16` storage
+//! [`crate::kernels`], whose semantics they reproduce (f32 compute; `_f32`, `_bf16` and `_f16`
 //! variants; deterministic reductions without floating-point atomics). Each source here is the
 //! shared prelude `kernels/common.cuh` followed by the family's file, so it compiles on its own
 //! with NVRTC, with no include path and no system header. [`SOURCES`] lists them with their
@@ -80,7 +80,7 @@ impl KernelSource {
     }
 }
 
-/// The prelude every source starts with (bf16 conversions, warp and block reductions).
+/// The prelude every source starts with (bf16 and f16 conversions, warp and block reductions).
 pub const PRELUDE: &str = include_str!("kernels/common.cuh");
 
 /// `common.cuh`, then a `#line` directive so NVRTC's messages give the family file's own line
@@ -108,20 +108,28 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "gelu_forward_f32",
             "gelu_forward_bf16",
+            "gelu_forward_f16",
             "gelu_backward_f32",
             "gelu_backward_bf16",
+            "gelu_backward_f16",
             "relu_forward_f32",
             "relu_forward_bf16",
+            "relu_forward_f16",
             "relu_backward_f32",
             "relu_backward_bf16",
+            "relu_backward_f16",
             "silu_forward_f32",
             "silu_forward_bf16",
+            "silu_forward_f16",
             "silu_backward_f32",
             "silu_backward_bf16",
+            "silu_backward_f16",
             "swiglu_forward_f32",
             "swiglu_forward_bf16",
+            "swiglu_forward_f16",
             "swiglu_backward_f32",
             "swiglu_backward_bf16",
+            "swiglu_backward_f16",
         ]
     ),
     kernel_source!(
@@ -129,26 +137,41 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "add_forward_f32",
             "add_forward_bf16",
+            "add_forward_f16",
             "add_backward_f32",
             "add_backward_bf16",
+            "add_backward_f16",
             "bias_add_f32",
             "bias_add_bf16",
+            "bias_add_f16",
         ]
     ),
-    kernel_source!("cast", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
+    kernel_source!(
+        "cast",
+        [
+            "cast_f32_to_bf16",
+            "cast_bf16_to_f32",
+            "cast_f32_to_f16",
+            "cast_f16_to_f32",
+        ]
+    ),
     kernel_source!(
         "embedding",
         [
             "check_tokens",
             "embedding_forward_f32",
             "embedding_forward_bf16",
+            "embedding_forward_f16",
             "embedding_backward_span",
             "embedding_backward_f32",
             "embedding_backward_bf16",
+            "embedding_backward_f16",
             "position_embedding_forward_f32",
             "position_embedding_forward_bf16",
+            "position_embedding_forward_f16",
             "position_embedding_backward_f32",
             "position_embedding_backward_bf16",
+            "position_embedding_backward_f16",
         ]
     ),
     kernel_source!(
@@ -156,14 +179,19 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "layer_norm_forward_f32",
             "layer_norm_forward_bf16",
+            "layer_norm_forward_f16",
             "layer_norm_backward_f32",
             "layer_norm_backward_bf16",
+            "layer_norm_backward_f16",
             "rms_norm_forward_f32",
             "rms_norm_forward_bf16",
+            "rms_norm_forward_f16",
             "rms_norm_backward_f32",
             "rms_norm_backward_bf16",
+            "rms_norm_backward_f16",
             "norm_backward_params_partial_f32",
             "norm_backward_params_partial_bf16",
+            "norm_backward_params_partial_f16",
         ]
     ),
     kernel_source!(
@@ -171,10 +199,13 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "column_sum_partial_f32",
             "column_sum_partial_bf16",
+            "column_sum_partial_f16",
             "column_sum_finish_f32",
             "column_sum_finish_bf16",
+            "column_sum_finish_f16",
             "grad_norm_sq_partial_f32",
             "grad_norm_sq_partial_bf16",
+            "grad_norm_sq_partial_f16",
             "grad_norm_sq_finish",
         ]
     ),
@@ -183,8 +214,10 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "rope_forward_f32",
             "rope_forward_bf16",
+            "rope_forward_f16",
             "rope_backward_f32",
             "rope_backward_bf16",
+            "rope_backward_f16",
         ]
     ),
     kernel_source!(
@@ -192,16 +225,22 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "attention_forward_f32",
             "attention_forward_bf16",
+            "attention_forward_f16",
             "attention_backward_delta_f32",
             "attention_backward_delta_bf16",
+            "attention_backward_delta_f16",
             "attention_backward_dq_f32",
             "attention_backward_dq_bf16",
+            "attention_backward_dq_f16",
             "attention_backward_dkv_f32",
             "attention_backward_dkv_bf16",
+            "attention_backward_dkv_f16",
             "attention_softmax_f32",
             "attention_softmax_bf16",
+            "attention_softmax_f16",
             "attention_backward_ds_f32",
             "attention_backward_ds_bf16",
+            "attention_backward_ds_f16",
         ]
     ),
     kernel_source!(
@@ -209,9 +248,11 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "cross_entropy_forward_f32",
             "cross_entropy_forward_bf16",
+            "cross_entropy_forward_f16",
             "cross_entropy_loss",
             "cross_entropy_backward_f32",
             "cross_entropy_backward_bf16",
+            "cross_entropy_backward_f16",
         ]
     ),
     kernel_source!(
@@ -219,11 +260,15 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "adamw_f32",
             "adamw_bf16",
+            "adamw_f16",
             "clip_coef",
+            "unscale_coef",
             "scale_f32",
             "scale_bf16",
+            "scale_f16",
             "scale_by_f32",
             "scale_by_bf16",
+            "scale_by_f16",
         ]
     ),
 ];

@@ -48,6 +48,23 @@ pub fn add_assign_bf16(acc: &mut [half::bf16], b: &[half::bf16]) {
         });
 }
 
+/// `acc = f16(f32(acc) + f32(b))` elementwise: [`add_assign_bf16`] for f16 (the CUDA
+/// `add_forward_f16` run in place computes the same bits; a sum past 65504 becomes infinity).
+pub fn add_assign_f16(acc: &mut [half::f16], b: &[half::f16]) {
+    assert_eq!(
+        acc.len(),
+        b.len(),
+        "add_assign_f16: b length differs from acc"
+    );
+    acc.par_chunks_mut(ELEM_GRAIN)
+        .zip(b.par_chunks(ELEM_GRAIN))
+        .for_each(|(acc, b)| {
+            for (o, b) in acc.iter_mut().zip(b) {
+                *o = half::f16::from_f32(o.to_f32() + b.to_f32());
+            }
+        });
+}
+
 /// `y[r, c] += bias[c]` for `y` `[rows, bias.len()]`: a bias added after the product it
 /// belongs to (the CUDA backend's `bias_add` after its GEMM, where bf16 storage rounds the
 /// product first; [`super::linear_forward`] adds an f32 bias before the product instead).
@@ -144,5 +161,29 @@ mod tests {
             .iter()
             .zip(&out)
             .all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+
+    /// f16 accumulation is the f32 sum rounded once, past 65504 to infinity, over more than one
+    /// parallel chunk (the CUDA `add_forward_f16` in place gives these bits; the emulation
+    /// harness checks that side).
+    #[test]
+    fn add_assign_f16_rounds_the_f32_sum_once() {
+        let mut rng = Rng::new(43);
+        let n = 3 * ELEM_GRAIN + 7;
+        let to_f16 = |v: Vec<f32>| -> Vec<half::f16> {
+            v.iter()
+                .map(|&x| half::f16::from_f32(x * 40000.0))
+                .collect()
+        };
+        let (a, b) = (to_f16(rng.vec(n)), to_f16(rng.vec(n)));
+        let mut acc = a.clone();
+        add_assign_f16(&mut acc, &b);
+        let mut overflowed = 0;
+        for (i, ((got, x), y)) in acc.iter().zip(&a).zip(&b).enumerate() {
+            let want = half::f16::from_f32(x.to_f32() + y.to_f32());
+            assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
+            overflowed += usize::from(got.is_infinite());
+        }
+        assert!(overflowed > 0, "some sums pass 65504");
     }
 }

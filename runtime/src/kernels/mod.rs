@@ -36,7 +36,9 @@ pub use adamw::{
     adamw_step, adamw_step_fused, bf16, clip_coef, f16, grad_norm_sq, scale, skips_step, to_bf16,
     unscale_coef, AdamWConfig, Grad, Low, ADAMW_BLOCK, SKIP_STEP,
 };
-pub use add::{add_assign, add_assign_bf16, add_backward, add_forward, bias_add_assign};
+pub use add::{
+    add_assign, add_assign_bf16, add_assign_f16, add_backward, add_forward, bias_add_assign,
+};
 pub use attention::{
     attention_backward, attention_backward_packed, attention_backward_packed_rounded,
     attention_backward_rounded, attention_forward, attention_forward_packed,

@@ -37,7 +37,7 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __double2float_rn(double a) { return (float)a; }
-using std::min; using std::max;
+using std::min; using std::max; using std::isfinite;
 inline void __trap() { fprintf(stderr, "__trap\n"); abort(); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }

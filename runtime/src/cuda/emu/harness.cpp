@@ -40,6 +40,11 @@ std::vector<double> dbl(const std::vector<float>& v) { return std::vector<double
 dim3 G(unsigned x, unsigned y = 1, unsigned z = 1) { return dim3(x, y, z); }
 std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = from_f32<bf16>(v[i]); return r; }
 std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = to_f32(v[i]); return r; }
+std::vector<f16> toh(const std::vector<float>& v) { std::vector<f16> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = from_f32<f16>(v[i]); return r; }
+std::vector<float> fromh(const std::vector<f16>& v) { std::vector<float> r(v.size()); for (size_t i = 0; i < v.size(); ++i) r[i] = to_f32(v[i]); return r; }
+/// The compiler's IEEE binary16 (`_Float16`, round to nearest even): the reference the
+/// hand-written f16 conversions of common.cuh are checked against.
+float ref_round_f16(float x) { return (float)(_Float16)x; }
 
 void test_activation() {
     const i64 n = 1000;
@@ -407,8 +412,128 @@ void test_adamw_norm() {
     close("adamw_bf16 param copy", fromb(pb), wpb, 0);
 }
 
+// f16 storage: the conversions against the compiler's `_Float16` (every f16, and f32 values at,
+// between and around every pair of neighbouring f16s: ties, overflow past 65504, subnormals),
+// then the loss-scaling kernels and f16 entry points against references.
+void test_f16() {
+    long bad = 0, checked = 0;
+    for (u32 h = 0; h < 0x10000u; ++h) {
+        f16 x; x.bits = (unsigned short)h;
+        _Float16 r; memcpy(&r, &x.bits, 2);
+        const float got = to_f32(x), want = (float)r;
+        checked++;
+        if (!(got == want || (std::isnan(got) && std::isnan(want))) || std::signbit(got) != std::signbit(want)) bad++;
+        if ((h & 0x7fffu) >= 0x7c00u) continue;  // inf and NaN: no next neighbour
+        // Midpoint to the next f16 up in magnitude (65504's is 65520, which overflows), and one
+        // f32 ulp either side of it, and the value itself.
+        const float next = to_f32(f16{(unsigned short)(h + 1)});
+        const float mid = (float)(((double)got + (double)next) / 2);
+        for (float v : {got, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 2 * mid)}) {
+            const f16 c = from_f32<f16>(v);
+            const float back = to_f32(c), w = ref_round_f16(v);
+            checked++;
+            if (!(back == w) || std::signbit(back) != std::signbit(w)) bad++;
+        }
+    }
+    for (float v : {NAN, -NAN, INFINITY, -INFINITY, 1e30f, -1e-30f, 65504.0f, 65519.99f, 65520.0f, 5.96e-8f, 2.98e-8f, 2.99e-8f}) {
+        const float back = to_f32(from_f32<f16>(v)), w = ref_round_f16(v);
+        checked++;
+        if (!(back == w || (std::isnan(back) && std::isnan(w))) || std::signbit(back) != std::signbit(w)) bad++;
+    }
+    printf("%s f16 conversions: %ld of %ld differ from _Float16\n", bad == 0 ? "ok  " : "FAIL", bad, checked);
+    if (bad) failures++;
+
+    const i64 n = 1000;
+    auto x = rnd(n, 6);
+    auto xh = toh(x); std::vector<f16> oh(n);
+    auto gelu = [](double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); };
+    launch(G(2), G(256), [&] { gelu_forward_f16(oh.data(), xh.data(), n); });
+    auto xr = fromh(xh); std::vector<double> w(n);
+    for (int i = 0; i < n; ++i) w[i] = gelu(xr[i]);
+    close("gelu fwd f16", fromh(oh), w, 1e-3);
+    // accumulate_grad in place, as the host's add_assign_f16: f32 sum rounded once; 60000 +
+    // 60000 overflows to infinity.
+    {
+        std::vector<f16> acc(n, from_f32<f16>(0.0f)); std::vector<double> wacc(n, 0.0);
+        for (int m = 0; m < 3; ++m) {
+            auto g = toh(rnd(n, 100)); auto gr = fromh(g);
+            launch(G(2), G(256), [&] { add_forward_f16(acc.data(), acc.data(), g.data(), n); });
+            for (int i = 0; i < n; ++i) wacc[i] = ref_round_f16((float)wacc[i] + gr[i]);
+        }
+        close("accumulate_grad in place f16", fromh(acc), wacc, 0);
+        std::vector<f16> big = toh({60000.0f, -60000.0f}), sum(2);
+        launch(G(1), G(32), [&] { add_forward_f16(sum.data(), big.data(), big.data(), 2); });
+        const bool ok = to_f32(sum[0]) == INFINITY && to_f32(sum[1]) == -INFINITY;
+        printf("%s add f16 overflow: %g %g\n", ok ? "ok  " : "FAIL", to_f32(sum[0]), to_f32(sum[1]));
+        if (!ok) failures++;
+    }
+    // The loss-scaled cross-entropy backward: the kernel of the unscaled one with dloss = S / K
+    // (S = 1024, K = 2), stored in f16.
+    {
+        const int N = 5, V = 300;
+        auto logits = toh(rnd((size_t)N * V, 4)); auto lr = fromh(logits);
+        std::vector<int> tg(N); for (int i = 0; i < N; ++i) tg[i] = (i * 37) % V;
+        std::vector<float> lse(N), rl(N); std::vector<f16> dl((size_t)N * V);
+        launch(G(2), G(256), [&] { cross_entropy_forward_f16(lse.data(), rl.data(), logits.data(), tg.data(), N, V); });
+        const float dloss = (float)(1024.0 / 2);
+        launch(G(4), G(256), [&] { cross_entropy_backward_f16(dl.data(), logits.data(), lse.data(), tg.data(), N, V, dloss); });
+        std::vector<double> wd((size_t)N * V);
+        for (int r = 0; r < N; ++r) { double m = -INFINITY, z = 0; for (int c = 0; c < V; ++c) m = std::max(m, (double)lr[(size_t)r * V + c]);
+            for (int c = 0; c < V; ++c) z += std::exp(lr[(size_t)r * V + c] - m);
+            for (int c = 0; c < V; ++c) wd[(size_t)r * V + c] = (std::exp(lr[(size_t)r * V + c] - m) / z - (c == tg[r])) * dloss / N; }
+        close("cross_entropy bwd f16 loss-scaled S/K", fromh(dl), wd, 1e-3);
+    }
+    // unscale_coef, transcribed from kernels::unscale_coef: norm = f32(sqrt(total)) * inv,
+    // coef = clip_coef(norm) * inv (or inv); an inf or NaN total gives -1 and norm inf / NaN.
+    {
+        const float inv = (float)(1.0 / 65536.0);
+        float a = 3.0e9f, b = 1.0e9f; const float* ptrs[2] = {&a, &b}; float coef, norm;
+        launch(G(1), G(32), [&] { unscale_coef(&coef, &norm, ptrs, 2, inv, 0.5f, 1); });
+        const float t = (float)std::sqrt((double)a + (double)b), wn = t * inv;
+        const float c = (1.0f / (wn + 1e-6f)) * 0.5f, wc = (c > 1.0f ? 1.0f : c) * inv;
+        bool ok = coef == wc && norm == wn;
+        printf("%s unscale_coef clipped %.9g (want %.9g) norm %.9g (want %.9g)\n", ok ? "ok  " : "FAIL", coef, wc, norm, wn); if (!ok) failures++;
+        launch(G(1), G(32), [&] { unscale_coef(&coef, &norm, ptrs, 2, inv, 0.0f, 0); });
+        ok = coef == inv && norm == wn;
+        printf("%s unscale_coef unclipped %.9g (want %.9g)\n", ok ? "ok  " : "FAIL", coef, inv); if (!ok) failures++;
+        b = INFINITY;
+        launch(G(1), G(32), [&] { unscale_coef(&coef, &norm, ptrs, 2, inv, 0.5f, 1); });
+        ok = coef == -1.0f && norm == INFINITY;
+        printf("%s unscale_coef overflow -> %g, norm %g\n", ok ? "ok  " : "FAIL", coef, norm); if (!ok) failures++;
+        b = NAN;
+        launch(G(1), G(32), [&] { unscale_coef(&coef, &norm, ptrs, 2, inv, 0.0f, 0); });
+        ok = coef == -1.0f && std::isnan(norm);
+        printf("%s unscale_coef nan -> %g, norm %g\n", ok ? "ok  " : "FAIL", coef, norm); if (!ok) failures++;
+    }
+    // AdamW: f16 as bf16 (bit-exact master, param the master rounded), and a negative
+    // coefficient (an overflowed step) leaves everything as it was, f32 and f16.
+    {
+        auto g = rnd(n), p = rnd(n), m = rnd(n, 0.1f), v = rnd(n, 0.01f); for (auto& y : v) y = std::fabs(y);
+        double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wdk = 0.01; int step = 2;
+        double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
+        float decay = (float)(1 - lr * wdk), lw = (float)(1 - b1), fb2 = (float)b2, omb2 = (float)(1 - b2), bcs = (float)std::sqrt(bc2), fe = (float)eps, nss = (float)(-(lr / bc1));
+        const float scale = 1.0f / 1024;
+        auto gh = toh(g); auto gr = fromh(gh);
+        std::vector<float> master = p, M = m, Vv = v; std::vector<f16> ph = toh(p);
+        launch(G(4), G(256), [&] { adamw_f16(master.data(), ph.data(), gh.data(), M.data(), Vv.data(), n, &scale, decay, lw, fb2, omb2, bcs, fe, nss); });
+        std::vector<double> wp(n), wph(n);
+        for (i64 i = 0; i < n; ++i) { float gi = gr[i] * scale; float pi = p[i] * decay; float mi = std::fmaf(lw, gi - m[i], m[i]);
+            float vi = std::fmaf(omb2 * gi, gi, v[i] * fb2); float den = std::sqrt(vi) / bcs + fe; wp[i] = pi + (nss * mi) / den; wph[i] = ref_round_f16((float)wp[i]); }
+        close("adamw_f16 master (bit-exact)", master, wp, 0);
+        close("adamw_f16 param copy", fromh(ph), wph, 0);
+        const float skip = -1.0f;
+        auto master0 = master, M0 = M, V0 = Vv; auto ph0 = fromh(ph);
+        launch(G(4), G(256), [&] { adamw_f16(master.data(), ph.data(), gh.data(), M.data(), Vv.data(), n, &skip, decay, lw, fb2, omb2, bcs, fe, nss); });
+        close("adamw_f16 skipped: master", master, dbl(master0), 0); close("adamw_f16 skipped: param", fromh(ph), dbl(ph0), 0);
+        close("adamw_f16 skipped: m", M, dbl(M0), 0); close("adamw_f16 skipped: v", Vv, dbl(V0), 0);
+        auto P = p; M = m; Vv = v;
+        launch(G(4), G(256), [&] { adamw_f32(P.data(), g.data(), M.data(), Vv.data(), n, &skip, decay, lw, fb2, omb2, bcs, fe, nss); });
+        close("adamw_f32 skipped: param", P, dbl(p), 0); close("adamw_f32 skipped: m", M, dbl(m), 0); close("adamw_f32 skipped: v", Vv, dbl(v), 0);
+    }
+}
+
 int main() {
-    test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm();
+    test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm(); test_f16();
     test_attention(2, 7, 4, 2, 4, 0, false);
     test_attention(2, 7, 4, 2, 4, 3, false);
     test_attention(1, 70, 2, 1, 8, 0, false);

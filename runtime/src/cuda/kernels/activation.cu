@@ -83,24 +83,32 @@ __device__ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, 
 /// out = gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 extern "C" __global__ void gelu_forward_f32(float* out, const float* x, i64 n) { gelu_forward(out, x, n); }
 extern "C" __global__ void gelu_forward_bf16(bf16* out, const bf16* x, i64 n) { gelu_forward(out, x, n); }
+extern "C" __global__ void gelu_forward_f16(f16* out, const f16* x, i64 n) { gelu_forward(out, x, n); }
 /// dx = dout * gelu'(x).
 extern "C" __global__ void gelu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { gelu_backward(dx, dout, x, n); }
 extern "C" __global__ void gelu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { gelu_backward(dx, dout, x, n); }
+extern "C" __global__ void gelu_backward_f16(f16* dx, const f16* dout, const f16* x, i64 n) { gelu_backward(dx, dout, x, n); }
 /// out = max(x, 0).
 extern "C" __global__ void relu_forward_f32(float* out, const float* x, i64 n) { relu_forward(out, x, n); }
 extern "C" __global__ void relu_forward_bf16(bf16* out, const bf16* x, i64 n) { relu_forward(out, x, n); }
+extern "C" __global__ void relu_forward_f16(f16* out, const f16* x, i64 n) { relu_forward(out, x, n); }
 /// dx = x > 0 ? dout : 0.
 extern "C" __global__ void relu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { relu_backward(dx, dout, x, n); }
 extern "C" __global__ void relu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { relu_backward(dx, dout, x, n); }
+extern "C" __global__ void relu_backward_f16(f16* dx, const f16* dout, const f16* x, i64 n) { relu_backward(dx, dout, x, n); }
 /// out = x / (1 + e^-x).
 extern "C" __global__ void silu_forward_f32(float* out, const float* x, i64 n) { silu_forward(out, x, n); }
 extern "C" __global__ void silu_forward_bf16(bf16* out, const bf16* x, i64 n) { silu_forward(out, x, n); }
+extern "C" __global__ void silu_forward_f16(f16* out, const f16* x, i64 n) { silu_forward(out, x, n); }
 /// dx = dout * s (1 + x (1 - s)), s = sigmoid(x).
 extern "C" __global__ void silu_backward_f32(float* dx, const float* dout, const float* x, i64 n) { silu_backward(dx, dout, x, n); }
 extern "C" __global__ void silu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, i64 n) { silu_backward(dx, dout, x, n); }
+extern "C" __global__ void silu_backward_f16(f16* dx, const f16* dout, const f16* x, i64 n) { silu_backward(dx, dout, x, n); }
 /// out = silu(gate) * up.
 extern "C" __global__ void swiglu_forward_f32(float* out, const float* gate, const float* up, i64 n) { swiglu_forward(out, gate, up, n); }
 extern "C" __global__ void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, i64 n) { swiglu_forward(out, gate, up, n); }
+extern "C" __global__ void swiglu_forward_f16(f16* out, const f16* gate, const f16* up, i64 n) { swiglu_forward(out, gate, up, n); }
 /// dgate = dout * up * silu'(gate), dup = dout * silu(gate).
 extern "C" __global__ void swiglu_backward_f32(float* dgate, float* dup, const float* dout, const float* gate, const float* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
 extern "C" __global__ void swiglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
+extern "C" __global__ void swiglu_backward_f16(f16* dgate, f16* dup, const f16* dout, const f16* gate, const f16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }

@@ -27,28 +27,45 @@ __device__ __forceinline__ float adamw_update(float p, float g, float* m, float*
     return __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));
 }
 
+/// Whether an AdamW reading clip coefficient `coef` leaves everything unchanged: a loss-scaled
+/// step whose gradients overflowed (`unscale_coef`'s -1), as the host's `kernels::skips_step`.
+__device__ __forceinline__ bool skips_step(float coef) { return coef < 0.0f; }
+
 /// Pure-f32 AdamW: updates `param`, `exp_avg`, `exp_avg_sq` in place from `grad`, all [n].
 /// `grad_scale` points at the clip coefficient (`clip_coef`'s output), or is null for an
 /// unclipped step; the gradient is multiplied by it first, as dispatch's `adamw_step_scaled`.
+/// A negative coefficient (an overflowed loss-scaled step) skips the update.
 extern "C" __global__ void adamw_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
     const float gs = grad_scale ? grad_scale[0] : 1.0f;
+    if (skips_step(gs)) return;
     GRID_STRIDE(i, n) {
         const float g = grad_scale ? __fmul_rn(grad[i], gs) : grad[i];
         param[i] = adamw_update(param[i], g, exp_avg, exp_avg_sq, i, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size);
     }
 }
 
-/// Mixed precision AdamW: the f32 master weights `master`, with `exp_avg`, `exp_avg_sq` (f32),
-/// are updated from the bf16 gradient `grad`; the bf16 working copy `param` is rewritten from
-/// the new master (round to nearest even). Arguments otherwise as `adamw_f32`.
-extern "C" __global__ void adamw_bf16(float* master, bf16* param, const bf16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+template <typename T>
+__device__ void adamw_low(float* master, T* param, const T* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
     const float gs = grad_scale ? grad_scale[0] : 1.0f;
+    if (skips_step(gs)) return;
     GRID_STRIDE(i, n) {
         const float g = grad_scale ? __fmul_rn(to_f32(grad[i]), gs) : to_f32(grad[i]);
         const float p = adamw_update(master[i], g, exp_avg, exp_avg_sq, i, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size);
         master[i] = p;
-        param[i] = from_f32<bf16>(p);
+        param[i] = from_f32<T>(p);
     }
+}
+
+/// Mixed precision AdamW: the f32 master weights `master`, with `exp_avg`, `exp_avg_sq` (f32),
+/// are updated from the bf16 (f16) gradient `grad`; the bf16 (f16) working copy `param` is
+/// rewritten from the new master (round to nearest even). Arguments otherwise as `adamw_f32`.
+extern "C" __global__ void adamw_bf16(float* master, bf16* param, const bf16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_low(master, param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
+extern "C" __global__ void adamw_f16(float* master, f16* param, const f16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_low(master, param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
+
+/// min((1 / (t + 1e-6)) * max_norm, 1) in f32, as the host's `kernels::clip_coef`.
+__device__ __forceinline__ float clip_factor(float t, float max_norm) {
+    const float c = __fmul_rn(__fdiv_rn(1.0f, __fadd_rn(t, 1e-6f)), max_norm);
+    return c > 1.0f ? 1.0f : c;
 }
 
 /// `clip_grad_norm_`'s factor from the `count` squared norms `*norm_sq[k]` (one f32 per
@@ -60,9 +77,30 @@ extern "C" __global__ void clip_coef(float* coef, float* norm, const float* cons
     double total = 0.0;
     for (int k = 0; k < count; ++k) total += (double)norm_sq[k][0];
     const float t = __double2float_rn(sqrt(total));
-    const float c = __fmul_rn(__fdiv_rn(1.0f, __fadd_rn(t, 1e-6f)), max_norm);
-    coef[0] = c > 1.0f ? 1.0f : c;
+    coef[0] = clip_factor(t, max_norm);
     norm[0] = t;
+}
+
+/// GradScaler's `unscale_` and `clip_grad_norm_` as one factor, as the host's
+/// `kernels::unscale_coef`: from the `count` squared norms of the loss-scaled gradients (summed
+/// in order in f64), norm[0] = f32(sqrt(total)) * inv_scale and coef[0] =
+/// clip_factor(norm) * inv_scale when `clip`, else inv_scale (`inv_scale` is
+/// f32(1 / loss_scale), rounded on the host). When the total is not finite (an f16 gradient
+/// overflowed), coef[0] = -1, which makes every AdamW reading it skip, and norm[0] =
+/// f32(sqrt(total)) (inf or NaN). Launch: one thread.
+extern "C" __global__ void unscale_coef(float* coef, float* norm, const float* const* norm_sq, int count, float inv_scale, float max_norm, int clip) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double total = 0.0;
+    for (int k = 0; k < count; ++k) total += (double)norm_sq[k][0];
+    const float t = __double2float_rn(sqrt(total));
+    if (!isfinite(total)) {
+        coef[0] = -1.0f;
+        norm[0] = t;
+        return;
+    }
+    const float n = __fmul_rn(t, inv_scale);
+    coef[0] = clip ? __fmul_rn(clip_factor(n, max_norm), inv_scale) : inv_scale;
+    norm[0] = n;
 }
 
 /// x *= s in place, `n` elements.
@@ -72,6 +110,9 @@ extern "C" __global__ void scale_f32(float* x, i64 n, float s) {
 extern "C" __global__ void scale_bf16(bf16* x, i64 n, float s) {
     GRID_STRIDE(i, n) { x[i] = from_f32<bf16>(__fmul_rn(to_f32(x[i]), s)); }
 }
+extern "C" __global__ void scale_f16(f16* x, i64 n, float s) {
+    GRID_STRIDE(i, n) { x[i] = from_f32<f16>(__fmul_rn(to_f32(x[i]), s)); }
+}
 /// x *= s[0] in place (a device scalar, e.g. the clip coefficient), `n` elements.
 extern "C" __global__ void scale_by_f32(float* x, i64 n, const float* s) {
     const float f = s[0];
@@ -80,4 +121,8 @@ extern "C" __global__ void scale_by_f32(float* x, i64 n, const float* s) {
 extern "C" __global__ void scale_by_bf16(bf16* x, i64 n, const float* s) {
     const float f = s[0];
     GRID_STRIDE(i, n) { x[i] = from_f32<bf16>(__fmul_rn(to_f32(x[i]), f)); }
+}
+extern "C" __global__ void scale_by_f16(f16* x, i64 n, const float* s) {
+    const float f = s[0];
+    GRID_STRIDE(i, n) { x[i] = from_f32<f16>(__fmul_rn(to_f32(x[i]), f)); }
 }

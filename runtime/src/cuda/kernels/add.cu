@@ -23,9 +23,12 @@ template <typename T> __device__ void bias_add(T* out, const T* x, const T* bias
 /// out = a + b, `n` elements.
 extern "C" __global__ void add_forward_f32(float* out, const float* a, const float* b, i64 n) { add_forward(out, a, b, n); }
 extern "C" __global__ void add_forward_bf16(bf16* out, const bf16* a, const bf16* b, i64 n) { add_forward(out, a, b, n); }
+extern "C" __global__ void add_forward_f16(f16* out, const f16* a, const f16* b, i64 n) { add_forward(out, a, b, n); }
 /// da = dout, db = dout.
 extern "C" __global__ void add_backward_f32(float* da, float* db, const float* dout, i64 n) { add_backward(da, db, dout, n); }
 extern "C" __global__ void add_backward_bf16(bf16* da, bf16* db, const bf16* dout, i64 n) { add_backward(da, db, dout, n); }
+extern "C" __global__ void add_backward_f16(f16* da, f16* db, const f16* dout, i64 n) { add_backward(da, db, dout, n); }
 /// out[r, c] = x[r, c] + bias[c] for `x`, `out` [rows, cols] and `bias` [cols].
 extern "C" __global__ void bias_add_f32(float* out, const float* x, const float* bias, i64 rows, int cols) { bias_add(out, x, bias, rows, cols); }
 extern "C" __global__ void bias_add_bf16(bf16* out, const bf16* x, const bf16* bias, i64 rows, int cols) { bias_add(out, x, bias, rows, cols); }
+extern "C" __global__ void bias_add_f16(f16* out, const f16* x, const f16* bias, i64 rows, int cols) { bias_add(out, x, bias, rows, cols); }

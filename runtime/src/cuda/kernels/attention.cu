@@ -139,6 +139,7 @@ __device__ void attention_forward(T* out, float* lse, const T* q, const T* k, co
 /// Launch: block ATTN_THREADS, grid (ceil(T / ATTN_FWD_ROWS), H, B).
 extern "C" __global__ void attention_forward_f32(float* out, float* lse, const float* q, const float* k, const float* v, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_forward(out, lse, q, k, v, B, T, H, KV, D, window, q_stride, kv_stride); }
 extern "C" __global__ void attention_forward_bf16(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_forward(out, lse, q, k, v, B, T, H, KV, D, window, q_stride, kv_stride); }
+extern "C" __global__ void attention_forward_f16(f16* out, float* lse, const f16* q, const f16* k, const f16* v, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_forward(out, lse, q, k, v, B, T, H, KV, D, window, q_stride, kv_stride); }
 
 template <typename T>
 __device__ void attention_backward_delta(float* delta, const T* out, const T* dout, int B, int T_len, int H, int D) {
@@ -164,6 +165,7 @@ __device__ void attention_backward_delta(float* delta, const T* out, const T* do
 /// grid (warps stride over the B * T * H rows).
 extern "C" __global__ void attention_backward_delta_f32(float* delta, const float* out, const float* dout, int B, int T, int H, int D) { attention_backward_delta(delta, out, dout, B, T, H, D); }
 extern "C" __global__ void attention_backward_delta_bf16(float* delta, const bf16* out, const bf16* dout, int B, int T, int H, int D) { attention_backward_delta(delta, out, dout, B, T, H, D); }
+extern "C" __global__ void attention_backward_delta_f16(float* delta, const f16* out, const f16* dout, int B, int T, int H, int D) { attention_backward_delta(delta, out, dout, B, T, H, D); }
 
 template <typename T>
 __device__ void attention_backward_dq(T* dq, const T* dout, const T* q, const T* k, const T* v, const float* lse,
@@ -240,6 +242,7 @@ __device__ void attention_backward_dq(T* dq, const T* dout, const T* q, const T*
 /// ATTN_THREADS, grid (ceil(T / ATTN_DQ_ROWS), H, B).
 extern "C" __global__ void attention_backward_dq_f32(float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dq(dq, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 extern "C" __global__ void attention_backward_dq_bf16(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dq(dq, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
+extern "C" __global__ void attention_backward_dq_f16(f16* dq, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dq(dq, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 
 template <typename T>
 __device__ void attention_backward_dkv(T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
@@ -328,6 +331,7 @@ __device__ void attention_backward_dkv(T* dk, T* dv, const T* dout, const T* q, 
 /// Launch: block ATTN_THREADS, grid (ceil(T / ATTN_DKV_ROWS), KV, B).
 extern "C" __global__ void attention_backward_dkv_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 extern "C" __global__ void attention_backward_dkv_bf16(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
+extern "C" __global__ void attention_backward_dkv_f16(f16* dk, f16* dv, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 
 // ---------------------------------------------------------------------------------------------
 // Attention on tensor cores (what the launcher plans; runtime/src/cuda/launch.rs). The matrix
@@ -387,6 +391,7 @@ __device__ void attention_softmax(float* scores, float* lse, i64 first, int T_le
 /// scores, and the row's logsumexp. See the notes above for the layout and launch.
 extern "C" __global__ void attention_softmax_f32(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<float>(scores, lse, first, T, window, head_stride); }
 extern "C" __global__ void attention_softmax_bf16(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<bf16>(scores, lse, first, T, window, head_stride); }
+extern "C" __global__ void attention_softmax_f16(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<f16>(scores, lse, first, T, window, head_stride); }
 
 template <typename T>
 __device__ void attention_backward_ds(float* scores, float* dprobs, const float* lse, const float* delta, i64 first,
@@ -418,3 +423,4 @@ __device__ void attention_backward_ds(float* scores, float* dprobs, const float*
 /// in the storage dtype. See the notes above for the layout and launch.
 extern "C" __global__ void attention_backward_ds_f32(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<float>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
 extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<bf16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
+extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<f16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }

@@ -1,10 +1,11 @@
 // Shared prelude of protrain's CUDA kernels. `runtime/src/cuda/mod.rs` prepends it to every
 // kernel source, so each source compiles on its own with NVRTC and no include path: nothing
-// here (or in the sources) includes a header. bf16 is stored as raw bits and converted by hand.
+// here (or in the sources) includes a header. bf16 and f16 are stored as raw bits and converted by
+// hand (the same code runs in the CPU emulation, emu/cuda_emu.h).
 //
 // Conventions of every kernel:
-// - compute in f32 (f64 for the loss and the gradient norm), storage f32 or bf16 (`_f32` /
-//   `_bf16` entry points); per-row statistics, logsumexps and partial sums are always f32;
+// - compute in f32 (f64 for the loss and the gradient norm), storage f32, bf16 or f16 (`_f32` /
+//   `_bf16` / `_f16` entry points); per-row statistics, logsumexps and partial sums are always f32;
 // - element counts are 64-bit (`i64`); row and column counts are `int`;
 // - reductions have one fixed order for a given launch shape (warp butterflies, fixed block
 //   trees, rows in index order), so results are the same bits run after run. No atomic takes
@@ -21,10 +22,23 @@ struct __align__(2) bf16 {
     unsigned short bits;
 };
 
+/// An IEEE binary16 value as its raw bits (cuBLAS's `CUDA_R_16F`, the `half` crate's `f16`).
+struct __align__(2) f16 {
+    unsigned short bits;
+};
+
 __device__ __forceinline__ float pt_inf() { return __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+
+/// Exact: every f16 is an f32 (subnormals are m * 2^-24, a normal f32).
+__device__ __forceinline__ float to_f32(f16 x) {
+    const u32 h = x.bits, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) return __uint_as_float(sign | __float_as_uint((float)m * 5.9604644775390625e-8f));
+    if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
 
 template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
@@ -39,6 +53,28 @@ template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) {
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+
+/// Round to nearest even, as `__float2half_rn` and the `half` crate: magnitudes from 65520 up
+/// become infinity (65504 is the largest finite f16), subnormals round at 2^-24, a NaN stays a
+/// quiet NaN of the same sign with its payload's top bits (as `half::f16::from_f32`).
+template <> __device__ __forceinline__ f16 from_f32<f16>(float x) {
+    const u32 u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    f16 r;
+    if (a > 0x7f800000u) {
+        r.bits = (unsigned short)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    } else if (a >= 0x477ff000u) {
+        r.bits = (unsigned short)(sign | 0x7c00u);
+    } else if (a >= 0x38800000u) {
+        // Rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even; a
+        // carry out of the mantissa correctly bumps the exponent.
+        r.bits = (unsigned short)(sign | ((a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13));
+    } else {
+        // Subnormal or zero: |x| * 2^24 is exact, `rintf` rounds it half to even (1024 is the
+        // smallest normal's bits).
+        r.bits = (unsigned short)(sign | (u32)rintf(__uint_as_float(a) * 16777216.0f));
+    }
     return r;
 }
 

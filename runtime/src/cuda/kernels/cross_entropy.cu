@@ -63,6 +63,7 @@ __device__ void cross_entropy_forward(float* lse, float* row_loss, const T* logi
 /// any (blocks stride over rows).
 extern "C" __global__ void cross_entropy_forward_f32(float* lse, float* row_loss, const float* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
 extern "C" __global__ void cross_entropy_forward_bf16(float* lse, float* row_loss, const bf16* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
+extern "C" __global__ void cross_entropy_forward_f16(float* lse, float* row_loss, const f16* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
 
 /// loss[0] = f32(sum of row_loss in f64 / rows). Launch: exactly one block (a multiple of 32
 /// threads, 1024 intended).
@@ -90,3 +91,4 @@ __device__ void cross_entropy_backward(T* dlogits, const T* logits, const float*
 /// overwrites dlogits [rows, vocab]. Grid-stride over rows * vocab.
 extern "C" __global__ void cross_entropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }
 extern "C" __global__ void cross_entropy_backward_bf16(bf16* dlogits, const bf16* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }
+extern "C" __global__ void cross_entropy_backward_f16(f16* dlogits, const f16* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }

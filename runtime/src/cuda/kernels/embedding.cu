@@ -44,6 +44,7 @@ __device__ void embedding_forward(T* out, const int* tokens, const T* table, int
 /// [n_tokens, channels]. An out-of-range id gives a zero row. Grid-stride over n_tokens*channels.
 extern "C" __global__ void embedding_forward_f32(float* out, const int* tokens, const float* table, int n_tokens, int vocab, int channels) { embedding_forward(out, tokens, table, n_tokens, vocab, channels); }
 extern "C" __global__ void embedding_forward_bf16(bf16* out, const int* tokens, const bf16* table, int n_tokens, int vocab, int channels) { embedding_forward(out, tokens, table, n_tokens, vocab, channels); }
+extern "C" __global__ void embedding_forward_f16(f16* out, const int* tokens, const f16* table, int n_tokens, int vocab, int channels) { embedding_forward(out, tokens, table, n_tokens, vocab, channels); }
 
 /// Step 1 of the token-embedding backward: span[2v] = first and span[2v+1] = last position of
 /// token v, or (EMB_NONE, -1) when v does not occur. `span` is [vocab, 2] i32 of workspace.
@@ -101,6 +102,7 @@ __device__ void embedding_backward(T* dtable, const T* dout, const int* tokens, 
 /// blockDim.x); grid.x any (blocks stride over vocabulary rows; `vocab` is ideal).
 extern "C" __global__ void embedding_backward_f32(float* dtable, const float* dout, const int* tokens, const int* span, int n_tokens, int vocab, int channels, int accumulate, int padding_idx) { embedding_backward(dtable, dout, tokens, span, n_tokens, vocab, channels, accumulate, padding_idx); }
 extern "C" __global__ void embedding_backward_bf16(bf16* dtable, const bf16* dout, const int* tokens, const int* span, int n_tokens, int vocab, int channels, int accumulate, int padding_idx) { embedding_backward(dtable, dout, tokens, span, n_tokens, vocab, channels, accumulate, padding_idx); }
+extern "C" __global__ void embedding_backward_f16(f16* dtable, const f16* dout, const int* tokens, const int* span, int n_tokens, int vocab, int channels, int accumulate, int padding_idx) { embedding_backward(dtable, dout, tokens, span, n_tokens, vocab, channels, accumulate, padding_idx); }
 
 template <typename T>
 __device__ void position_embedding_forward(T* out, const T* table, int batch, int seq, int channels, int offset) {
@@ -130,8 +132,10 @@ __device__ void position_embedding_backward(T* dtable, const T* dout, int batch,
 /// [batch, seq, channels]. Grid-stride over batch*seq*channels.
 extern "C" __global__ void position_embedding_forward_f32(float* out, const float* table, int batch, int seq, int channels, int offset) { position_embedding_forward(out, table, batch, seq, channels, offset); }
 extern "C" __global__ void position_embedding_forward_bf16(bf16* out, const bf16* table, int batch, int seq, int channels, int offset) { position_embedding_forward(out, table, batch, seq, channels, offset); }
+extern "C" __global__ void position_embedding_forward_f16(f16* out, const f16* table, int batch, int seq, int channels, int offset) { position_embedding_forward(out, table, batch, seq, channels, offset); }
 /// dtable[offset + t, :] (+)= sum over b in order of dout[b, t, :] for `dtable` [positions,
 /// channels]; rows outside offset..offset+seq become zero unless `accumulate`. Grid-stride
 /// over positions*channels.
 extern "C" __global__ void position_embedding_backward_f32(float* dtable, const float* dout, int batch, int seq, int channels, int offset, int positions, int accumulate) { position_embedding_backward(dtable, dout, batch, seq, channels, offset, positions, accumulate); }
 extern "C" __global__ void position_embedding_backward_bf16(bf16* dtable, const bf16* dout, int batch, int seq, int channels, int offset, int positions, int accumulate) { position_embedding_backward(dtable, dout, batch, seq, channels, offset, positions, accumulate); }
+extern "C" __global__ void position_embedding_backward_f16(f16* dtable, const f16* dout, int batch, int seq, int channels, int offset, int positions, int accumulate) { position_embedding_backward(dtable, dout, batch, seq, channels, offset, positions, accumulate); }

@@ -40,6 +40,7 @@ __device__ void layer_norm_forward(T* out, float* mean, float* rstd, const T* x,
 /// for the backward.
 extern "C" __global__ void layer_norm_forward_f32(float* out, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int rows, int channels, float eps) { layer_norm_forward(out, mean, rstd, x, weight, bias, rows, channels, eps); }
 extern "C" __global__ void layer_norm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight, const bf16* bias, int rows, int channels, float eps) { layer_norm_forward(out, mean, rstd, x, weight, bias, rows, channels, eps); }
+extern "C" __global__ void layer_norm_forward_f16(f16* out, float* mean, float* rstd, const f16* x, const f16* weight, const f16* bias, int rows, int channels, float eps) { layer_norm_forward(out, mean, rstd, x, weight, bias, rows, channels, eps); }
 
 template <typename T>
 __device__ void layer_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* mean,
@@ -67,6 +68,7 @@ __device__ void layer_norm_backward(T* dx, const T* dout, const T* x, const T* w
 /// overwrites dx [rows, C]. Weight and bias gradients: `norm_backward_params_partial_*`.
 extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 extern "C" __global__ void layer_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
+extern "C" __global__ void layer_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 
 template <typename T>
 __device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weight, int rows, int channels, float eps) {
@@ -87,6 +89,7 @@ __device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weigh
 /// out[r] = weight * (x[r] * rstd_r), rstd_r = 1 / sqrt(mean(x[r]^2) + eps); writes rstd [rows].
 extern "C" __global__ void rms_norm_forward_f32(float* out, float* rstd, const float* x, const float* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
 extern "C" __global__ void rms_norm_forward_bf16(bf16* out, float* rstd, const bf16* x, const bf16* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
+extern "C" __global__ void rms_norm_forward_f16(f16* out, float* rstd, const f16* x, const f16* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
 
 template <typename T>
 __device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* rstd, int rows, int channels) {
@@ -108,6 +111,7 @@ __device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* wei
 /// dx = (g - n * mean(g * n)) * rstd with n = x * rstd, g = dout * weight; overwrites dx.
 extern "C" __global__ void rms_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
 extern "C" __global__ void rms_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
+extern "C" __global__ void rms_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
 
 #define NORM_COL_TILE 32
 #define NORM_ROW_LANES 8
@@ -154,3 +158,4 @@ __device__ void norm_backward_params_partial(float* dweight_part, float* dbias_p
 /// Launch: block (32, 8), grid (ceil(C / 32), n_chunks).
 extern "C" __global__ void norm_backward_params_partial_f32(float* dweight_part, float* dbias_part, const float* dout, const float* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
 extern "C" __global__ void norm_backward_params_partial_bf16(float* dweight_part, float* dbias_part, const bf16* dout, const bf16* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
+extern "C" __global__ void norm_backward_params_partial_f16(float* dweight_part, float* dbias_part, const f16* dout, const f16* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }

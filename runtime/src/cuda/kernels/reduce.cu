@@ -42,6 +42,7 @@ __device__ void column_sum_partial(float* partials, const T* x, int rows, int co
 /// [rows, cols]. Launch: block (32, 8), grid (ceil(cols / 32), ceil(rows / rows_per_chunk)).
 extern "C" __global__ void column_sum_partial_f32(float* partials, const float* x, int rows, int cols, int rows_per_chunk) { column_sum_partial(partials, x, rows, cols, rows_per_chunk); }
 extern "C" __global__ void column_sum_partial_bf16(float* partials, const bf16* x, int rows, int cols, int rows_per_chunk) { column_sum_partial(partials, x, rows, cols, rows_per_chunk); }
+extern "C" __global__ void column_sum_partial_f16(float* partials, const f16* x, int rows, int cols, int rows_per_chunk) { column_sum_partial(partials, x, rows, cols, rows_per_chunk); }
 
 template <typename T>
 __device__ void column_sum_finish(T* dst, const float* partials, int n_chunks, int cols, int accumulate) {
@@ -56,6 +57,7 @@ __device__ void column_sum_finish(T* dst, const float* partials, int n_chunks, i
 /// Grid-stride over cols.
 extern "C" __global__ void column_sum_finish_f32(float* dst, const float* partials, int n_chunks, int cols, int accumulate) { column_sum_finish(dst, partials, n_chunks, cols, accumulate); }
 extern "C" __global__ void column_sum_finish_bf16(bf16* dst, const float* partials, int n_chunks, int cols, int accumulate) { column_sum_finish(dst, partials, n_chunks, cols, accumulate); }
+extern "C" __global__ void column_sum_finish_f16(f16* dst, const float* partials, int n_chunks, int cols, int accumulate) { column_sum_finish(dst, partials, n_chunks, cols, accumulate); }
 
 template <typename T> __device__ void grad_norm_sq_partial(double* partials, const T* x, i64 n) {
     __shared__ double scratch[32];
@@ -72,6 +74,7 @@ template <typename T> __device__ void grad_norm_sq_partial(double* partials, con
 /// multiple of 32 threads; the grid size (from n alone) is the number of partials.
 extern "C" __global__ void grad_norm_sq_partial_f32(double* partials, const float* x, i64 n) { grad_norm_sq_partial(partials, x, n); }
 extern "C" __global__ void grad_norm_sq_partial_bf16(double* partials, const bf16* x, i64 n) { grad_norm_sq_partial(partials, x, n); }
+extern "C" __global__ void grad_norm_sq_partial_f16(double* partials, const f16* x, i64 n) { grad_norm_sq_partial(partials, x, n); }
 
 /// out[0] = f32(sum of the `count` partials), the squared L2 norm of one gradient tensor (the
 /// GradNormSq op). Launch: exactly one block (a multiple of 32 threads, 256 intended).

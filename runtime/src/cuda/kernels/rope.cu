@@ -31,7 +31,9 @@ __device__ void rope(T* out, const T* x, const float* inv_freq, int batch, int s
 /// angle t * inv_freq[i] for position t = row % seq; `x`, `out` [batch, seq, n_heads * D].
 extern "C" __global__ void rope_forward_f32(float* out, const float* x, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(out, x, inv_freq, batch, seq, n_heads, head_dim, 1.0f); }
 extern "C" __global__ void rope_forward_bf16(bf16* out, const bf16* x, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(out, x, inv_freq, batch, seq, n_heads, head_dim, 1.0f); }
+extern "C" __global__ void rope_forward_f16(f16* out, const f16* x, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(out, x, inv_freq, batch, seq, n_heads, head_dim, 1.0f); }
 /// The transposed rotation: dx[i] = dout[i] cos + dout[i + D/2] sin,
 /// dx[i + D/2] = dout[i + D/2] cos - dout[i] sin.
 extern "C" __global__ void rope_backward_f32(float* dx, const float* dout, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(dx, dout, inv_freq, batch, seq, n_heads, head_dim, -1.0f); }
 extern "C" __global__ void rope_backward_bf16(bf16* dx, const bf16* dout, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(dx, dout, inv_freq, batch, seq, n_heads, head_dim, -1.0f); }
+extern "C" __global__ void rope_backward_f16(f16* dx, const f16* dout, const float* inv_freq, int batch, int seq, int n_heads, int head_dim) { rope(dx, dout, inv_freq, batch, seq, n_heads, head_dim, -1.0f); }
