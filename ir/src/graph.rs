@@ -317,20 +317,7 @@ impl Graph {
         block: BlockId,
         phase: Phase,
     ) -> Result<Vec<ValueId>> {
-        for &v in inputs {
-            if v.index() >= self.values.len() {
-                return Err(IrError::Invalid(format!(
-                    "{} reads undefined value {v}",
-                    kind.mnemonic()
-                )));
-            }
-        }
-        if block.index() >= self.blocks.len() {
-            return Err(IrError::Invalid(format!(
-                "{} is in undefined {block}",
-                kind.mnemonic()
-            )));
-        }
+        self.check_operands(&kind, inputs, block)?;
         let types: Vec<&TensorType> = inputs.iter().map(|v| &self.values[v.index()].ty).collect();
         let inferred = kind.infer(&types)?;
         if inferred.len() != outputs.len() {
@@ -348,6 +335,23 @@ impl Graph {
         Ok(self.push_op(kind, inputs, outputs, block, phase))
     }
 
+    /// Fails when an input of a new `kind` op or its block is undefined.
+    fn check_operands(&self, kind: &OpKind, inputs: &[ValueId], block: BlockId) -> Result<()> {
+        if let Some(v) = inputs.iter().find(|v| v.index() >= self.values.len()) {
+            return Err(IrError::Invalid(format!(
+                "{} reads undefined value {v}",
+                kind.mnemonic()
+            )));
+        }
+        if block.index() >= self.blocks.len() {
+            return Err(IrError::Invalid(format!(
+                "{} is in undefined {block}",
+                kind.mnemonic()
+            )));
+        }
+        Ok(())
+    }
+
     /// Adds an op whose outputs' names, roles and types the caller gives, as a pass that
     /// copies ops from another graph does, without inferring the types again: the graph
     /// verifier ([`crate::verify::verify_graph`]), which runs after every pass, checks them.
@@ -361,18 +365,7 @@ impl Graph {
         block: BlockId,
         phase: Phase,
     ) -> Result<Vec<ValueId>> {
-        if let Some(v) = inputs.iter().find(|v| v.index() >= self.values.len()) {
-            return Err(IrError::Invalid(format!(
-                "{} reads undefined value {v}",
-                kind.mnemonic()
-            )));
-        }
-        if block.index() >= self.blocks.len() {
-            return Err(IrError::Invalid(format!(
-                "{} is in undefined {block}",
-                kind.mnemonic()
-            )));
-        }
+        self.check_operands(&kind, inputs, block)?;
         Ok(self.push_op(kind, inputs, outputs, block, phase))
     }
 

@@ -237,6 +237,15 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Writes the inputs and targets as the executor takes them (i32 ids) into `inputs` and
+    /// `targets`, reusing their memory.
+    pub fn ids_into(&self, inputs: &mut Vec<i32>, targets: &mut Vec<i32>) {
+        inputs.clear();
+        inputs.extend(self.inputs.iter().map(|&t| t as i32));
+        targets.clear();
+        targets.extend(self.targets.iter().map(|&t| t as i32));
+    }
+
     /// Checks that every id is below `vocab`. The error names the token's absolute index in
     /// the stream (so it can be found in the file), its value and the vocabulary size.
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {

@@ -305,16 +305,22 @@ fn fused_linear_backward<'a>(
     }
 }
 
-/// Each micro-batch's share of the loss gradient with `micro_batches` per step: `1 / K` in
-/// f32, as PyTorch's `(loss / K).backward()` seeds it.
-pub fn loss_share(micro_batches: u64) -> f32 {
-    1.0 / micro_batches.max(1) as f32
-}
-
-/// The loss gradient of a loss-scaled (fp16) step's micro-batch: `loss_scale / K` in f32,
-/// GradScaler's `scale(loss / K)` (exact when the scale is a power of two and `K` is one).
-pub fn scaled_loss_share(micro_batches: u64, loss_scale: f64) -> f32 {
-    (loss_scale / micro_batches.max(1) as f64) as f32
+/// The seed of a cross-entropy backward op's loss gradient, for both backends: 1; with `K`
+/// micro-batches per step `1 / K` in f32, as PyTorch's `(loss / K).backward()` seeds it; and,
+/// loss-scaled (fp16), `loss_scale / K` in f32, GradScaler's `scale(loss / K)` (exact when
+/// the scale is a power of two and `K` is one). `None` for any other kind.
+pub fn loss_seed(kind: &OpKind) -> Option<f32> {
+    match *kind {
+        OpKind::CrossEntropyBackward => Some(1.0),
+        OpKind::CrossEntropyBackwardScaled { micro_batches } => {
+            Some(1.0 / micro_batches.max(1) as f32)
+        }
+        OpKind::CrossEntropyBackwardLossScaled {
+            micro_batches,
+            loss_scale,
+        } => Some((loss_scale / micro_batches.max(1) as f64) as f32),
+        _ => None,
+    }
 }
 
 /// Runs `op` of `graph` (any kind but AdamW, which updates its inputs: see [`adamw`]) on f32
@@ -648,7 +654,9 @@ pub fn run<'a>(
                 );
             }
         },
-        OpKind::CrossEntropyBackward => {
+        OpKind::CrossEntropyBackward
+        | OpKind::CrossEntropyBackwardScaled { .. }
+        | OpKind::CrossEntropyBackwardLossScaled { .. } => {
             let vocab = ty(0).last_dim() as usize;
             kernels::cross_entropy_backward(
                 outputs[0],
@@ -656,32 +664,7 @@ pub fn run<'a>(
                 ins.f32(2),
                 ins.i32(1),
                 vocab,
-                1.0,
-            );
-        }
-        OpKind::CrossEntropyBackwardScaled { micro_batches } => {
-            let vocab = ty(0).last_dim() as usize;
-            kernels::cross_entropy_backward(
-                outputs[0],
-                ins.f32(0),
-                ins.f32(2),
-                ins.i32(1),
-                vocab,
-                loss_share(*micro_batches),
-            );
-        }
-        OpKind::CrossEntropyBackwardLossScaled {
-            micro_batches,
-            loss_scale,
-        } => {
-            let vocab = ty(0).last_dim() as usize;
-            kernels::cross_entropy_backward(
-                outputs[0],
-                ins.f32(0),
-                ins.f32(2),
-                ins.i32(1),
-                vocab,
-                scaled_loss_share(*micro_batches, *loss_scale),
+                loss_seed(&op.kind).expect("a cross-entropy backward kind"),
             );
         }
         OpKind::UnscaleCoef {

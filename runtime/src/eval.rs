@@ -170,12 +170,7 @@ impl<'s, B: Backend> Evaluator<'s, B> {
         let mut sum = 0.0f64;
         for i in 0..self.batches {
             self.batcher.fill(i, &mut self.batch);
-            self.inputs.clear();
-            self.inputs
-                .extend(self.batch.inputs.iter().map(|&t| t as i32));
-            self.targets.clear();
-            self.targets
-                .extend(self.batch.targets.iter().map(|&t| t as i32));
+            self.batch.ids_into(&mut self.inputs, &mut self.targets);
             let ids: [&[i32]; 2] = [&self.inputs, &self.targets];
             sum += f64::from(self.executor.step(&ids)?.loss);
         }

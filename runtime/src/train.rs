@@ -805,12 +805,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let run_started = *self.started.get_or_insert(started);
         let batch = self.next_batch;
         self.batcher.fill(batch, &mut self.batch);
-        self.inputs.clear();
-        self.inputs
-            .extend(self.batch.inputs.iter().map(|&t| t as i32));
-        self.targets.clear();
-        self.targets
-            .extend(self.batch.targets.iter().map(|&t| t as i32));
+        self.batch.ids_into(&mut self.inputs, &mut self.targets);
         // This rank's rows of the global batch.
         let (rank, ranks) = self.executor.rank();
         let per_rank = self.inputs.len() / ranks;

@@ -1095,17 +1095,8 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
         OpKind::CrossEntropyBackward
         | OpKind::CrossEntropyBackwardScaled { .. }
         | OpKind::CrossEntropyBackwardLossScaled { .. } => {
-            // The loss gradient's seed, as dispatch.rs computes it for the host kernel.
-            let dloss = match p.kind {
-                OpKind::CrossEntropyBackwardScaled { micro_batches } => {
-                    crate::dispatch::loss_share(*micro_batches)
-                }
-                OpKind::CrossEntropyBackwardLossScaled {
-                    micro_batches,
-                    loss_scale,
-                } => crate::dispatch::scaled_loss_share(*micro_batches, *loss_scale),
-                _ => 1.0,
-            };
+            // The loss gradient's seed, the host kernel's.
+            let dloss = crate::dispatch::loss_seed(p.kind).expect("a cross-entropy backward kind");
             let st = p.storage(0)?;
             let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
             let args = vec![
