@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Tokens per second of one training step: protrain's host backend against PyTorch CPU eager.
 
-Both train the same GPT-2 (4 layers, hidden 256, 4 heads, vocabulary 8192, 256 positions,
-no dropout, f32) on the same batch shape with the same number of threads, in the same run:
+Both train the same GPT-2 on the same batch shape with the same number of threads, in the
+same run, without dropout, in f32. Two models (--model):
+
+- `small` (the default): 4 layers, hidden 256, 4 heads, vocabulary 8192, 256 positions;
+- `gpt2`: GPT-2 124M, the `gpt2` preset (12 layers, hidden 768, 12 heads, vocabulary 50257,
+  1024 positions), usually at --batch 4.
 
 - PyTorch: transformers' GPT2LMHeadModel with eager attention; a step is forward, mean
   cross-entropy over all B*T positions, backward, and an AdamW step (zero_grad(set_to_none)).
@@ -19,8 +23,9 @@ machine slowed down; the mean is printed too). With --rounds R the two alternate
 the ratios are printed.
 
 Usage (from anywhere in the repository):
-    python3 benches/compare_pytorch.py [--threads N] [--steps 10] [--warmup 3] [--rounds 1]
-        [--policy auto|KEY=VALUE,...] [--only protrain|pytorch]
+    python3 benches/compare_pytorch.py [--model small|gpt2] [--threads N] [--batch 8]
+        [--seq 256] [--steps 10] [--warmup 3] [--rounds 1] [--policy auto|KEY=VALUE,...]
+        [--only protrain|pytorch]
 """
 
 import argparse
@@ -35,8 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The model, as Hugging Face writes it; `benches/host_step.rs` builds the same one.
-CONFIG = {
+# The models, as Hugging Face writes them; `benches/host_step.rs` builds the small one.
+SMALL = {
     "model_type": "gpt2",
     "architectures": ["GPT2LMHeadModel"],
     "vocab_size": 8192,
@@ -53,9 +58,27 @@ CONFIG = {
     "attn_pdrop": 0.0,
 }
 
+# GPT-2 124M: Hugging Face's `gpt2` config.json without dropout.
+GPT2 = dict(
+    SMALL,
+    vocab_size=50257,
+    n_positions=1024,
+    n_embd=768,
+    n_layer=12,
+    n_head=12,
+)
+
+MODELS = {"small": SMALL, "gpt2": GPT2}
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="small",
+        help="small: GPT-2 4x256, vocabulary 8192 (default); gpt2: GPT-2 124M",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -85,20 +108,21 @@ def parse_args():
 
 def time_pytorch(args):
     """Seconds of each timed PyTorch CPU eager step."""
+    config_fields = MODELS[args.model]
     import torch
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    fields = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
-    # GPT-2's special token ids (50256) lie outside this vocabulary; no step uses them.
+    fields = {k: v for k, v in config_fields.items() if k not in ("model_type", "architectures")}
+    # GPT-2's special token ids (50256) may lie outside the vocabulary; no step uses them.
     fields.update(bos_token_id=None, eos_token_id=None)
     config = GPT2Config(**fields)
     config._attn_implementation = "eager"
     model = GPT2LMHeadModel(config).float().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    vocab = CONFIG["vocab_size"]
+    vocab = config_fields["vocab_size"]
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, vocab, (args.batch * args.seq + 1,), generator=g)
     inputs = stream[:-1].view(args.batch, args.seq)
@@ -127,7 +151,8 @@ def build_protrain():
     subprocess.run(
         ["cargo", "build", "--release", "--quiet", "--bin", "protrain"], cwd=REPO, check=True
     )
-    return REPO / "target" / "release" / "protrain"
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    return (REPO / target) / "release" / "protrain"
 
 
 def time_protrain(args, binary, config_dir):
@@ -169,15 +194,19 @@ def rate(args, seconds):
 
 def main():
     args = parse_args()
+    config = MODELS[args.model]
+    if args.seq > config["n_positions"]:
+        sys.exit(f"--seq {args.seq} is longer than the model's {config['n_positions']} positions")
     print(
-        f"GPT-2 4x256 (4 heads, vocab 8192), batch {args.batch} x seq {args.seq}, f32, "
+        f"GPT-2 {config['n_layer']}x{config['n_embd']} ({config['n_head']} heads, "
+        f"vocab {config['vocab_size']}), batch {args.batch} x seq {args.seq}, f32, "
         f"{args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps, "
         f"{args.rounds} round(s)"
     )
     binary = None if args.only == "pytorch" else build_protrain()
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
         for r in range(args.rounds):
             ours = rate(args, time_protrain(args, binary, tmp)) if binary else None
             theirs = rate(args, time_pytorch(args)) if args.only != "protrain" else None

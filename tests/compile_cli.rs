@@ -353,3 +353,41 @@ fn train_takes_the_host_memory_budget() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("host"), "{}", stderr(&out));
 }
+
+#[test]
+fn throughput_counts_every_rank_and_micro_batch_of_a_step() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("gpt2.ptsched");
+    // (extra flags, ranks, micro-batches): a step of B x T tokens per micro-batch per rank.
+    let cases: [(&[&str], u64, u64); 3] = [
+        (&[], 1, 1),
+        (&["--grad-accum", "3"], 1, 3),
+        (&["--gpus", "2", "--grad-accum", "2"], 2, 2),
+    ];
+    for (extra, ranks, micro_batches) in cases {
+        let mut args = vec![
+            "compile",
+            "gpt2",
+            "--hardware",
+            "rtx3090",
+            "--batch",
+            "2",
+            "--seq",
+            "128",
+            "-o",
+        ];
+        args.push(path(&file));
+        args.push("--json");
+        args.extend_from_slice(extra);
+        let v = json(&protrain(&args));
+        assert_eq!(v["ranks"], ranks, "{extra:?}: {v}");
+        assert_eq!(v["micro_batches"], micro_batches, "{extra:?}: {v}");
+        let tokens = v["tokens_per_s"].as_f64().expect("tokens_per_s")
+            * v["predicted_step_s"].as_f64().expect("predicted_step_s");
+        let expected = (ranks * micro_batches * 2 * 128) as f64;
+        assert!(
+            (tokens - expected).abs() < 1e-6 * expected,
+            "{extra:?}: a step trains {expected} tokens, the rate says {tokens}: {v}"
+        );
+    }
+}

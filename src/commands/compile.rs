@@ -85,9 +85,14 @@ fn file_stem(name: &str) -> String {
 }
 
 /// Tokens per second and achieved TFLOP/s of the predicted step.
+/// The predicted rates of a step: tokens per second over the whole run (every rank's
+/// micro-batches: `ranks x micro-batches x batch x seq` tokens a step) and TFLOP/s of one GPU
+/// (the schedule's FLOPs are one rank's, every micro-batch counted).
 fn rates(s: &Schedule) -> (f64, f64) {
     let p = &s.header.prediction;
-    let tokens = (s.header.batch * s.header.seq) as f64;
+    let tokens = (s.header.batch * s.header.seq) as f64
+        * f64::from(s.micro_batches())
+        * f64::from(s.ranks());
     (
         tokens / p.step_seconds,
         p.flops as f64 / p.step_seconds / 1e12,
@@ -109,6 +114,8 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
         "predicted_step_s": p.step_seconds,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
+        "ranks": s.ranks(),
+        "micro_batches": s.micro_batches(),
         "peak_device_bytes": p.peak_device_bytes,
         "lower_bound_bytes": p.lower_bound_bytes,
         "device_budget_bytes": s.header.device_budget_bytes,
@@ -164,7 +171,15 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
         "predicted step  {:.4} s (compute: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s)",
         p.step_seconds, ph.forward, ph.backward, ph.recompute, ph.optimizer
     );
-    outln!("throughput      {tokens_per_s:.0} tokens/s, {tflops:.1} TFLOP/s");
+    let ranks = s.ranks();
+    if ranks > 1 {
+        outln!(
+            "throughput      {tokens_per_s:.0} tokens/s over {ranks} ranks ({:.0} per rank), {tflops:.1} TFLOP/s per GPU",
+            tokens_per_s / f64::from(ranks)
+        );
+    } else {
+        outln!("throughput      {tokens_per_s:.0} tokens/s, {tflops:.1} TFLOP/s");
+    }
     let gap = p.peak_device_bytes.saturating_sub(p.lower_bound_bytes) as f64
         / p.lower_bound_bytes.max(1) as f64
         * 100.0;
