@@ -18,8 +18,13 @@
 //! f64 partials, a fused linear's intermediate gradients), every part 16-byte aligned. Nothing
 //! is allocated per launch, so the planned peak is the device's. The only other device memory a
 //! plan refers to is a small constant table per stream ([`Arg::Table`]: RoPE frequencies, the
-//! clip coefficient's pointer table), which the backend uploads on first use, and the backend's
-//! gradient-norm slot ([`Arg::NormSlot`]).
+//! clip coefficient's pointer table, a merged AdamW's tensor table), which the backend uploads
+//! on first use and reuses every step (the addresses in it are the plan's, fixed), and the
+//! backend's gradient-norm slot ([`Arg::NormSlot`]).
+//!
+//! AdamW. One op is one `adamw_*` launch ([`calls`]); a run of adjacent AdamW ops
+//! ([`super::runs`]) is one `adamw_multi_*` launch ([`adamw_multi`]) that updates each element
+//! with the same operations.
 
 use protrain_ir::{
     DType, Epilogue, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
