@@ -310,6 +310,10 @@ pub fn instr_seconds(
     }
 }
 
+/// What two adjacent AdamW instructions must share to be one launch: the op kind, the
+/// parameter's type and the clip coefficient's address ([`device_adamw_runs`]).
+type MergeKey<'a> = (&'a OpKind, DType, Option<TensorRef>);
+
 /// The runs of device AdamW instructions of `stream` that the CUDA backend updates in one
 /// multi-tensor launch each, as index ranges, in order; runs of one instruction included.
 ///
@@ -343,7 +347,7 @@ pub fn device_adamw_runs(schedule: &Schedule, stream: StreamId) -> Vec<Range<usi
         Some((&op.kind, param.ty.dtype, coefficient))
     };
     let mut runs = Vec::new();
-    let mut open: Option<(usize, (&OpKind, DType, Option<TensorRef>))> = None;
+    let mut open: Option<(usize, MergeKey<'_>)> = None;
     for (i, instr) in s.instrs.iter().enumerate() {
         let k = key(instr);
         if let (Some((_, current)), Some(k)) = (&open, &k) {

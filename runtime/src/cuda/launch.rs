@@ -2978,7 +2978,7 @@ mod tests {
                 for b in 0..u64::from(k.grid.0) {
                     let (mut lo, mut hi) = (0, count - 1);
                     while lo < hi {
-                        let mid = (lo + hi + 1) / 2;
+                        let mid = (lo + hi).div_ceil(2);
                         if first[mid] <= b {
                             lo = mid;
                         } else {
