@@ -10,7 +10,7 @@
 //! would, bit for bit, is checked by the CUDA emulation harness (`.ci/run`) and by the launch
 //! plan's unit tests (`runtime/src/cuda/launch.rs`).
 
-use protrain::compiler::cost::{cost_model, CostModel};
+use protrain::compiler::cost::cost_model;
 use protrain::compiler::simulate::{device_adamw_runs, simulate, stream_seconds};
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{DType, HardwareProfile, Instr, OpKind, Schedule, StreamId, StreamKind};

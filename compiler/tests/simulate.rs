@@ -778,9 +778,9 @@ mod simulate {
             let p = g.add_param(&name, shape.clone(), DType::F32, head);
             let p = g.param(p).value;
             let ty = TensorType::new(shape, DType::F32);
-            let grad = g.add_state(&format!("{name}.grad"), ty.clone());
-            let m = g.add_state(&format!("{name}.m"), ty.clone());
-            let v = g.add_state(&format!("{name}.v"), ty);
+            let grad = g.add_state(format!("{name}.grad"), ty.clone());
+            let m = g.add_state(format!("{name}.m"), ty.clone());
+            let v = g.add_state(format!("{name}.v"), ty);
             let adamw = OpKind::AdamW {
                 lr: 1e-3,
                 beta1: 0.9,
