@@ -41,8 +41,19 @@ pub trait CostModel {
     /// One host CPU Adam step over `params` parameters.
     fn cpu_adam_seconds(&self, params: u64) -> f64;
 
-    /// One device AdamW step over `params` parameters, launch included; 0 for 0 parameters.
+    /// One device AdamW launch over `params` parameters, launch included; 0 for 0 parameters.
+    /// Where [`CostModel::multi_tensor_adamw`] holds, `params` is a whole run's.
     fn gpu_adam_seconds(&self, params: u64) -> f64;
+
+    /// Whether the backend updates a run of adjacent device AdamW ops in one launch, as the
+    /// CUDA backend's multi-tensor `adamw_multi` does (`protrain_runtime::cuda::runs`): the
+    /// simulator then prices the run as one [`CostModel::gpu_adam_seconds`] over all its
+    /// parameters, one launch overhead plus bandwidth, instead of one launch per parameter.
+    /// `false` (the default) for a backend that launches one AdamW per parameter, as the host
+    /// backend does.
+    fn multi_tensor_adamw(&self) -> bool {
+        false
+    }
 
     /// On the host backend, where every stream runs on the CPU: the cores the compute kernels
     /// share with the copy threads (each copy is a `memcpy` on a thread of its own, taking one
@@ -337,6 +348,11 @@ impl CostModel for Roofline {
         params as f64 / self.profile.gpu_adam_params_per_s + self.profile.launch_overhead_s
     }
 
+    /// A GPU runs on the CUDA backend, which merges runs of AdamW; the host backend does not.
+    fn multi_tensor_adamw(&self) -> bool {
+        !self.profile.is_host()
+    }
+
     /// A host preset is not a measurement of any machine: its copies are taken to cost the
     /// compute kernels nothing (infinitely many cores), its CPU Adam all of them. This keeps
     /// schedules compiled for the `host` preset (and their snapshots) machine-independent.
@@ -419,6 +435,10 @@ impl CostModel for Measured {
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {
         self.roofline.gpu_adam_seconds(params)
+    }
+
+    fn multi_tensor_adamw(&self) -> bool {
+        self.roofline.multi_tensor_adamw()
     }
 
     /// A measured host profile describes the machine it was measured on, which is the one

@@ -9,6 +9,7 @@ use protrain_ir::{
 };
 use serde_json::{json, Map, Value as Json};
 use std::fmt;
+use std::ops::Range;
 
 /// The categories a [`Span`] can carry: what kind of work occupied its stream.
 ///
@@ -239,7 +240,8 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
     }
 }
 
-/// How long one instruction of `stream` takes, in seconds.
+/// How long one instruction of `stream` takes, in seconds, priced alone ([`stream_seconds`]
+/// prices a run of device AdamW ops as the one launch the CUDA backend makes of it).
 ///
 /// - a kernel runs for [`CostModel::op_seconds`] over its values' types, computing in the
 ///   element type of its first floating-point input (else output, else the header's); an
@@ -308,6 +310,96 @@ pub fn instr_seconds(
     }
 }
 
+/// What two adjacent AdamW instructions must share to be one launch: the op kind, the
+/// parameter's type and the clip coefficient's address ([`device_adamw_runs`]).
+type MergeKey<'a> = (&'a OpKind, DType, Option<TensorRef>);
+
+/// The runs of device AdamW instructions of `stream` that the CUDA backend updates in one
+/// multi-tensor launch each, as index ranges, in order; runs of one instruction included.
+///
+/// The rule is the runtime's (`protrain_runtime::cuda::runs`, which the compiler cannot call):
+/// a run is a maximal sequence of adjacent kernel instructions, on any stream but the host
+/// optimizer's, whose ops are AdamW with equal kinds (every hyper-parameter, and whether
+/// clipped), parameters of one type, and the same clip coefficient address. So a run never
+/// spans a record, a wait or any other instruction. A test of the root package checks that
+/// both give the same runs. An instruction naming an op or value the schedule lacks ends a
+/// run: this never panics.
+pub fn device_adamw_runs(schedule: &Schedule, stream: StreamId) -> Vec<Range<usize>> {
+    let Some(s) = schedule.streams.get(stream.index()) else {
+        return Vec::new();
+    };
+    if s.kind == StreamKind::HostOptimizer {
+        return Vec::new();
+    }
+    let key = |instr: &Instr| {
+        let Instr::Kernel { op, inputs, .. } = instr else {
+            return None;
+        };
+        let op = op_of(schedule, *op)?;
+        let OpKind::AdamW { clipped, .. } = op.kind else {
+            return None;
+        };
+        let param = value_of(schedule, *op.inputs.first()?)?;
+        let coefficient = match clipped {
+            true => Some(*inputs.get(4)?),
+            false => None,
+        };
+        Some((&op.kind, param.ty.dtype, coefficient))
+    };
+    let mut runs = Vec::new();
+    let mut open: Option<(usize, MergeKey<'_>)> = None;
+    for (i, instr) in s.instrs.iter().enumerate() {
+        let k = key(instr);
+        if let (Some((_, current)), Some(k)) = (&open, &k) {
+            if current == k {
+                continue;
+            }
+        }
+        if let Some((start, _)) = open.take() {
+            runs.push(start..i);
+        }
+        open = k.map(|k| (i, k));
+    }
+    if let Some((start, _)) = open {
+        runs.push(start..s.instrs.len());
+    }
+    runs
+}
+
+/// How long each instruction of `stream` takes in the simulation, by index: [`instr_seconds`],
+/// except that where [`CostModel::multi_tensor_adamw`] holds, each run of
+/// [`device_adamw_runs`] is one launch: its first instruction takes
+/// [`CostModel::gpu_adam_seconds`] over the parameters of the whole run and the others take
+/// nothing, so the run pays one launch overhead plus its bandwidth.
+pub fn stream_seconds(schedule: &Schedule, stream: StreamId, cost: &dyn CostModel) -> Vec<f64> {
+    let Some(s) = schedule.streams.get(stream.index()) else {
+        return Vec::new();
+    };
+    let mut seconds: Vec<f64> = s
+        .instrs
+        .iter()
+        .map(|instr| instr_seconds(schedule, stream, instr, cost))
+        .collect();
+    if cost.multi_tensor_adamw() {
+        for run in device_adamw_runs(schedule, stream) {
+            let params: u64 = s.instrs[run.clone()]
+                .iter()
+                .filter_map(|instr| match instr {
+                    Instr::Kernel { op, .. } => op_of(schedule, *op),
+                    _ => None,
+                })
+                .filter_map(|op| value_of(schedule, *op.inputs.first()?))
+                .map(|param| param.ty.numel())
+                .sum();
+            seconds[run.start] = cost.gpu_adam_seconds(params);
+            for later in &mut seconds[run.start + 1..run.end] {
+                *later = 0.0;
+            }
+        }
+    }
+    seconds
+}
+
 /// A readable label for an instruction: the op's mnemonic and its output's name for a kernel
 /// (`linear h.3.mlp.c_fc`; the parameter's name for `adamw`, which has no output), what moves
 /// and how much for a copy (`fetch chunk 3 (12.0 MiB)`), the event for a record or wait.
@@ -347,8 +439,9 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
 }
 
 /// Simulates one step: each stream runs its instructions in order, one at a time, all starting
-/// at 0; a kernel or copy takes [`instr_seconds`]; a record marks the time its stream reached
-/// it; a wait holds its stream until the event's record is reached.
+/// at 0; a kernel or copy takes [`instr_seconds`] (a run of device AdamW ops one launch, see
+/// [`stream_seconds`]); a record marks the time its stream reached it; a wait holds its
+/// stream until the event's record is reached.
 ///
 /// Streams compete for nothing but events (no shared bandwidth, no launch queue), so each
 /// stream runs ahead until it blocks on an event not yet recorded and resumes when the record
@@ -386,6 +479,9 @@ pub fn simulate_unverified(
     let mut recorded: Vec<Option<f64>> = vec![None; events];
     let mut waiters: Vec<Vec<usize>> = vec![Vec::new(); events];
     let mut phase_seconds = PhaseSeconds::default();
+    let seconds_of: Vec<Vec<f64>> = (0..n)
+        .map(|s| stream_seconds(schedule, StreamId::new(s), cost))
+        .collect();
     let total: usize = schedule.streams.iter().map(|s| s.instrs.len()).sum();
     let mut timeline = Vec::with_capacity(total);
     let mut ready: Vec<usize> = (0..n).rev().collect();
@@ -430,7 +526,7 @@ pub fn simulate_unverified(
                         }
                     },
                     Instr::Kernel { .. } | Instr::Copy { .. } | Instr::AllReduce { .. } => {
-                        let seconds = instr_seconds(schedule, id, instr, cost);
+                        let seconds = seconds_of[s][index];
                         if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
                             (instr, stream.kind)
                         {

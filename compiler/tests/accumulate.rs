@@ -214,9 +214,12 @@ fn the_simulator_costs_every_micro_batch_and_the_printer_shows_the_split() {
             .expect("simulates")
             .step_seconds;
         // Four forward and backward passes, one update: more than twice a step of one
-        // micro-batch, less than four and a half of them.
+        // micro-batch, less than five of them. (Each micro-batch also launches an
+        // accumulate_grad per parameter, which a step of one does not: 28 launches of 5 us
+        // on this model, about a quarter of its 0.5 ms step now that a run of device AdamW
+        // ops is one launch; the bound was 4.5 when the step of one paid a launch per AdamW.)
         assert!(
-            four > 2.0 * single && four < 4.5 * single,
+            four > 2.0 * single && four < 5.0 * single,
             "{what}: 4 micro-batches {four:e} s, one {single:e} s"
         );
         assert_eq!(

@@ -5,8 +5,8 @@
 mod simulate {
     use protrain_compiler::cost::{CopyDir, CostModel, Roofline};
     use protrain_compiler::simulate::{
-        category, chrome_trace, instr_label, instr_seconds, simulate_unverified, SimulateError,
-        Simulation, StuckStream,
+        category, chrome_trace, device_adamw_runs, instr_label, instr_seconds, simulate_unverified,
+        stream_seconds, SimulateError, Simulation, StuckStream,
     };
     use protrain_ir::{
         BlockKind, Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId,
@@ -725,5 +725,126 @@ mod simulate {
         // The stub tells the two apart exactly: 128/32 on the host, 128/128 on the device.
         assert_eq!(instr_seconds(&s, StreamId(1), &adamw, &Stub), 4.0);
         assert_eq!(instr_seconds(&s, StreamId(0), &adamw, &Stub), 1.0);
+    }
+
+    /// A device AdamW launch costs 1 s plus 1 s per 128 parameters; `multi` says whether the
+    /// backend merges runs of adjacent AdamW ops into one launch.
+    struct Launching {
+        multi: bool,
+    }
+
+    impl CostModel for Launching {
+        fn op_seconds(&self, _: &OpKind, _: &[&TensorType], _: &[&TensorType], _: DType) -> f64 {
+            0.25
+        }
+
+        fn copy_seconds(&self, _: u64, _: CopyDir) -> f64 {
+            0.0
+        }
+
+        fn cpu_adam_seconds(&self, params: u64) -> f64 {
+            params as f64 / 32.0
+        }
+
+        fn gpu_adam_seconds(&self, params: u64) -> f64 {
+            1.0 + params as f64 / 128.0
+        }
+
+        fn multi_tensor_adamw(&self) -> bool {
+            self.multi
+        }
+    }
+
+    /// Four AdamW ops on parameters of 128, 16, 16 and 16 elements, the last with another
+    /// weight decay; their ids in order.
+    fn adamw_graph() -> (Graph, [OpId; 4]) {
+        let mut g = Graph::new(GraphInfo {
+            model: "tiny".into(),
+            batch: 2,
+            seq: 4,
+        });
+        let head = g.add_block("lm_head", BlockKind::Head);
+        let mut ops = [OpId(0); 4];
+        for (i, (shape, weight_decay)) in [
+            (vec![8u64, 16], 0.0),
+            (vec![16], 0.0),
+            (vec![16], 0.0),
+            (vec![16], 0.1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let name = format!("p{i}");
+            let p = g.add_param(&name, shape.clone(), DType::F32, head);
+            let p = g.param(p).value;
+            let ty = TensorType::new(shape, DType::F32);
+            let grad = g.add_state(format!("{name}.grad"), ty.clone());
+            let m = g.add_state(format!("{name}.m"), ty.clone());
+            let v = g.add_state(format!("{name}.v"), ty);
+            let adamw = OpKind::AdamW {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay,
+                clipped: false,
+            };
+            g.add_op_multi(adamw, &[p, grad, m, v], &[], head, Phase::Optimizer)
+                .unwrap();
+            ops[i] = OpId(g.op_count() as u32 - 1);
+        }
+        (g, ops)
+    }
+
+    /// Runs of adjacent AdamW ops with equal kinds are one launch on a device stream: a record
+    /// between two ops splits the run, another weight decay starts a new one, and the host
+    /// optimizer's CPU Adam has no runs. With a merging backend the run's first op carries the
+    /// whole run (one launch overhead, every parameter's bandwidth) and the others cost
+    /// nothing; without one, every op pays its own launch, as before.
+    #[test]
+    fn simulate_prices_a_run_of_device_adamw_as_one_launch() {
+        let (graph, [a, b, c, d]) = adamw_graph();
+        let instrs = |event: Instr| vec![kernel(a), kernel(b), event, kernel(c), kernel(d)];
+        let s = schedule(
+            graph,
+            1,
+            vec![
+                ("compute", StreamKind::Compute, instrs(record(0))),
+                ("host adam", StreamKind::HostOptimizer, instrs(wait(0))),
+            ],
+        );
+        assert_eq!(device_adamw_runs(&s, StreamId(0)), vec![0..2, 3..4, 4..5]);
+        assert!(device_adamw_runs(&s, StreamId(1)).is_empty());
+        assert!(device_adamw_runs(&s, StreamId(7)).is_empty());
+
+        let merging = Launching { multi: true };
+        // a + b: 1 + 144/128; c: 1 + 16/128; d: 1 + 16/128.
+        assert_eq!(
+            stream_seconds(&s, StreamId(0), &merging),
+            vec![2.125, 0.0, 0.0, 1.125, 1.125]
+        );
+        let alone = Launching { multi: false };
+        assert_eq!(
+            stream_seconds(&s, StreamId(0), &alone),
+            vec![2.0, 1.125, 0.0, 1.125, 1.125]
+        );
+        // The host stream's CPU Adam is priced op by op either way.
+        assert_eq!(
+            stream_seconds(&s, StreamId(1), &merging),
+            vec![4.0, 0.5, 0.0, 0.5, 0.5]
+        );
+        let sim = simulate_unverified(&s, &merging).unwrap();
+        assert_eq!(sim.stream_busy_seconds[0], 4.375);
+        let sim = simulate_unverified(&s, &alone).unwrap();
+        assert_eq!(sim.stream_busy_seconds[0], 5.375);
+    }
+
+    #[test]
+    fn only_a_gpu_profile_merges_adamw_launches() {
+        let gpu = Roofline::new(HardwareProfile::preset("a100-80gb").unwrap());
+        assert!(gpu.multi_tensor_adamw());
+        let host = Roofline::new(HardwareProfile::preset("host").unwrap());
+        assert!(!host.multi_tensor_adamw());
+        assert!(!Stub.multi_tensor_adamw());
     }
 }

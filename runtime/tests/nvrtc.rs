@@ -74,6 +74,21 @@ fn every_kernel_source_compiles_for_sm80_and_sm90() {
     );
 }
 
+/// The multi-tensor AdamW (one launch per run of AdamW ops, see `protrain_runtime::cuda::runs`)
+/// compiles in every storage type, in the same unit as the per-tensor kernels it matches.
+#[test]
+fn the_multi_tensor_adamw_compiles_in_every_storage_type() {
+    require_nvrtc();
+    for dt in ["f32", "bf16", "f16"] {
+        let entry = format!("adamw_multi_{dt}");
+        let src = cuda::source_of(&entry).unwrap_or_else(|| panic!("{entry} is not in SOURCES"));
+        assert_eq!(cuda::source_of(&format!("adamw_{dt}")), Some(src));
+        let c = nvrtc::compile(src, "sm_90", &cuda::include_paths_from_env())
+            .unwrap_or_else(|e| panic!("{entry}: {e}"));
+        assert!(ptx_entries(&c.ptx).contains(&entry.as_str()), "{entry}");
+    }
+}
+
 #[test]
 fn a_compile_error_reports_the_file_and_line() {
     require_nvrtc();

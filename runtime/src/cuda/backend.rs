@@ -3,11 +3,13 @@
 //!
 //! Every tensor is a raw device address at its planned offset: nothing is allocated per step.
 //! An op on a device stream is the call plan [`super::launch::calls`] makes of it (kernels and
-//! GEMMs, as data), executed here in order; kernel scratch is the op's planned workspace.
+//! GEMMs, as data), executed here in order; kernel scratch is the op's planned workspace. A run
+//! of adjacent AdamW ops ([`super::runs`]) is one launch ([`super::launch::adamw_multi`]):
+//! each op of the run is held until the last arrives, whose launch updates them all.
 //! Besides the arena, each CUDA stream keeps only the constant tables its kernels read (RoPE
-//! frequencies, the clip coefficient's operand table: kilobytes, uploaded on that stream during
-//! the first step) and cuBLAS its own workspace per handle; the hardware profile's reserved
-//! bytes cover both. Writes outside kernels are ordered as [`super::driver::write_steps`] says
+//! frequencies, the clip coefficient's operand table, each merged AdamW's tensor table:
+//! kilobytes, uploaded on that stream during the first step) and cuBLAS its own workspace per
+//! handle; the hardware profile's reserved bytes cover both. Writes outside kernels are ordered as [`super::driver::write_steps`] says
 //! (the streams are non-blocking, so nothing on the default stream orders them), and the
 //! context blocks rather than spins while a thread waits for the GPU.
 //!
@@ -35,14 +37,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
+use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType, ValueId};
 
 use super::blas::Gemm;
 use super::driver::{
     driver_error, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event, Fill,
     Kernels, ParamKind, PinnedMemory, WriteKind,
 };
-use super::launch::{self, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
+use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
+use super::runs::{run_slots, RunSlot};
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
@@ -70,6 +73,16 @@ pub(super) struct DeviceStream {
     pub(super) stream: Arc<CudaStream>,
     gemm: Option<Gemm>,
     constants: Vec<(ConstKey, DeviceMemory)>,
+    /// The AdamW ops of the merged run being issued, held until its last one arrives.
+    pending: Vec<PendingAdamW>,
+}
+
+/// An AdamW op of a merged run, issued but not yet launched: what its plan needs.
+struct PendingAdamW {
+    kind: OpKind,
+    inputs: Vec<TensorType>,
+    outputs: Vec<TensorType>,
+    at: Addresses,
 }
 
 /// What the host optimizer stream owns.
@@ -130,6 +143,9 @@ pub struct CudaBackend {
     norm_written: AtomicBool,
     /// Most blocks of a grid-stride launch: enough to fill the GPU several times over.
     max_blocks: u32,
+    /// The AdamW ops updated in one launch with their neighbours ([`super::runs`]), by
+    /// parameter: set by [`Backend::prepare`].
+    runs: HashMap<ValueId, RunSlot>,
 }
 
 /// Element types that views of the pinned region can have: every bit pattern is a value.
@@ -338,7 +354,35 @@ impl CudaBackend {
             max_blocks: self.max_blocks,
             step: l.step,
         };
-        for call in launch::calls(&op.kind, types, &at, target)? {
+        let slot = match op.kind {
+            OpKind::AdamW { .. } => op.inputs.first().and_then(|p| self.runs.get(p)),
+            _ => None,
+        };
+        let plan = match slot {
+            None => launch::calls(&op.kind, types, &at, target)?,
+            Some(&slot) => {
+                let Some(run) = d.hold_adamw(slot, &op.kind, &inputs, &outputs, at)? else {
+                    // Launched with the run's last op, which the executor issues on this
+                    // stream with nothing between (see `super::runs`).
+                    return Ok(());
+                };
+                let refs: Vec<(Vec<&TensorType>, Vec<&TensorType>)> = run
+                    .iter()
+                    .map(|m| (m.inputs.iter().collect(), m.outputs.iter().collect()))
+                    .collect();
+                let members: Vec<AdamWMember<'_>> = run
+                    .iter()
+                    .zip(&refs)
+                    .map(|(m, (inputs, outputs))| AdamWMember {
+                        kind: &m.kind,
+                        types: Types { inputs, outputs },
+                        at: &m.at,
+                    })
+                    .collect();
+                launch::adamw_multi(&members, target)?
+            }
+        };
+        for call in plan {
             match call {
                 Call::Kernel(k) => {
                     let mut args = Vec::with_capacity(k.args.len());
@@ -625,6 +669,42 @@ impl CudaBackend {
 }
 
 impl DeviceStream {
+    /// Holds an AdamW op of a merged run (at `slot`); once the run's last op is held, hands
+    /// back the whole run, in order, to be launched as one. A run that an aborted step left
+    /// unfinished is dropped when the next step's issues its first op again.
+    fn hold_adamw(
+        &mut self,
+        slot: RunSlot,
+        kind: &OpKind,
+        inputs: &[&TensorType],
+        outputs: &[&TensorType],
+        at: Addresses,
+    ) -> Result<Option<Vec<PendingAdamW>>> {
+        if slot.index == 0 {
+            self.pending.clear();
+        }
+        if self.pending.len() != slot.index {
+            let held = self.pending.len();
+            self.pending.clear();
+            return Err(RuntimeError::BadSchedule(format!(
+                "adamw: op {} of a merged run of {} was issued after {held} ops of its run; \
+                 issue a schedule's instructions in stream order, as the executor does",
+                slot.index + 1,
+                slot.len
+            )));
+        }
+        self.pending.push(PendingAdamW {
+            kind: kind.clone(),
+            inputs: inputs.iter().map(|&t| t.clone()).collect(),
+            outputs: outputs.iter().map(|&t| t.clone()).collect(),
+            at,
+        });
+        if self.pending.len() < slot.len {
+            return Ok(None);
+        }
+        Ok(Some(std::mem::take(&mut self.pending)))
+    }
+
     /// The stream's cuBLAS handle, made on first use.
     pub(super) fn gemm(&mut self) -> Result<&Gemm> {
         if self.gemm.is_none() {
@@ -767,6 +847,7 @@ impl Backend for CudaBackend {
             norm,
             norm_written: AtomicBool::new(false),
             max_blocks,
+            runs: HashMap::new(),
         })
     }
 
@@ -774,6 +855,7 @@ impl Backend for CudaBackend {
         for m in master_weights(schedule)? {
             self.set_master_weight(m.m, m.master);
         }
+        self.runs = run_slots(schedule);
         Ok(())
     }
 
@@ -795,6 +877,7 @@ impl Backend for CudaBackend {
                     stream,
                     gemm,
                     constants: Vec::new(),
+                    pending: Vec::new(),
                 })
             }
             StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),

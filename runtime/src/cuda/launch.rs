@@ -18,8 +18,13 @@
 //! f64 partials, a fused linear's intermediate gradients), every part 16-byte aligned. Nothing
 //! is allocated per launch, so the planned peak is the device's. The only other device memory a
 //! plan refers to is a small constant table per stream ([`Arg::Table`]: RoPE frequencies, the
-//! clip coefficient's pointer table), which the backend uploads on first use, and the backend's
-//! gradient-norm slot ([`Arg::NormSlot`]).
+//! clip coefficient's pointer table, a merged AdamW's tensor table), which the backend uploads
+//! on first use and reuses every step (the addresses in it are the plan's, fixed), and the
+//! backend's gradient-norm slot ([`Arg::NormSlot`]).
+//!
+//! AdamW. One op is one `adamw_*` launch ([`calls`]); a run of adjacent AdamW ops
+//! ([`super::runs`]) is one `adamw_multi_*` launch ([`adamw_multi`]) that updates each element
+//! with the same operations.
 
 use protrain_ir::{
     DType, Epilogue, OpKind, QkvLayout, Scratch, TensorType, WeightLayout, WorkspaceLayout,
@@ -83,6 +88,8 @@ pub(super) enum ConstKey {
     InvFreq(Vec<u32>),
     /// Device addresses (the clip coefficient's squared norms).
     Pointers(Vec<u64>),
+    /// A merged AdamW's tensors, [`ADAMW_TABLE_WORDS`] words each (see [`adamw_multi`]).
+    AdamWTensors(Vec<u64>),
 }
 
 impl ConstKey {
@@ -90,7 +97,9 @@ impl ConstKey {
     pub(super) fn bytes(&self) -> Vec<u8> {
         match self {
             ConstKey::InvFreq(bits) => bits.iter().flat_map(|b| b.to_ne_bytes()).collect(),
-            ConstKey::Pointers(ptrs) => ptrs.iter().flat_map(|p| p.to_ne_bytes()).collect(),
+            ConstKey::Pointers(words) | ConstKey::AdamWTensors(words) => {
+                words.iter().flat_map(|w| w.to_ne_bytes()).collect()
+            }
         }
     }
 }
@@ -772,28 +781,37 @@ pub(super) fn calls(
     at: &Addresses,
     target: Target,
 ) -> Result<Vec<Call>> {
-    let (n_in, n_out) = (types.inputs.len(), types.outputs.len());
-    let mut p = Plan {
-        kind,
-        types,
-        at,
-        target,
-        layout: WorkspaceLayout::of(kind, types.inputs),
-        calls: Vec::new(),
-    };
-    if at.inputs.len() != n_in || at.outputs.len() != n_out {
-        return Err(p.bad(format!(
-            "the op has {n_in} inputs and {n_out} outputs but the kernel was given {} and {} \
-             addresses",
-            at.inputs.len(),
-            at.outputs.len()
-        )));
-    }
-    if let Some(arity) = kind.arity().filter(|&a| a != n_in) {
-        return Err(p.bad(format!("takes {arity} inputs but has {n_in}")));
-    }
+    let mut p = Plan::new(kind, types, at, target)?;
     plan(&mut p)?;
     Ok(p.calls)
+}
+
+impl<'a> Plan<'a> {
+    /// An empty plan for `kind`, its operand counts checked against the addresses and the
+    /// kind's arity.
+    fn new(kind: &'a OpKind, types: Types<'a>, at: &'a Addresses, target: Target) -> Result<Self> {
+        let (n_in, n_out) = (types.inputs.len(), types.outputs.len());
+        let p = Plan {
+            kind,
+            types,
+            at,
+            target,
+            layout: WorkspaceLayout::of(kind, types.inputs),
+            calls: Vec::new(),
+        };
+        if at.inputs.len() != n_in || at.outputs.len() != n_out {
+            return Err(p.bad(format!(
+                "the op has {n_in} inputs and {n_out} outputs but the kernel was given {} and \
+                 {} addresses",
+                at.inputs.len(),
+                at.outputs.len()
+            )));
+        }
+        if let Some(arity) = kind.arity().filter(|&a| a != n_in) {
+            return Err(p.bad(format!("takes {arity} inputs but has {n_in}")));
+        }
+        Ok(p)
+    }
 }
 
 /// Fills `p.calls` for its op.
@@ -1158,84 +1176,205 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             ];
             p.shaped("unscale_coef", (1, 1, 1), (1, 1, 1), args);
         }
-        OpKind::AdamW {
+        OpKind::AdamW { .. } => {
+            let a = adamw_operands(p)?;
+            let mut args = Vec::with_capacity(14);
+            args.push(Ptr(a.master));
+            if a.st != Storage::F32 {
+                args.push(Ptr(a.low));
+            }
+            args.extend([
+                Ptr(a.grad),
+                Ptr(a.m),
+                Ptr(a.v),
+                I64(a.n as i64),
+                Ptr(a.scale),
+            ]);
+            args.extend(a.scalars.map(F32));
+            p.stride(a.st.pick(entry!("adamw")), a.n, args);
+        }
+    }
+    Ok(())
+}
+
+/// One AdamW's operands and step scalars, checked: what its per-tensor kernel and a merged
+/// launch ([`adamw_multi`]) pass.
+struct AdamWOperands {
+    st: Storage,
+    /// The f32 parameter, or the f32 master weight of a bf16 or f16 one.
+    master: u64,
+    /// The bf16 or f16 parameter (0 in f32).
+    low: u64,
+    grad: u64,
+    m: u64,
+    v: u64,
+    n: u64,
+    /// The clip coefficient (0: unclipped).
+    scale: u64,
+    /// [`AdamWScalars`] in the kernels' parameter order.
+    scalars: [f32; 7],
+}
+
+/// The operands of the AdamW op `p` plans, with the way out when the kernels cannot update it.
+fn adamw_operands(p: &Plan<'_>) -> Result<AdamWOperands> {
+    let OpKind::AdamW {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        clipped,
+    } = *p.kind
+    else {
+        return Err(p.bad(
+            "is not AdamW but was planned as one; this is a bug in runtime/src/cuda/launch.rs",
+        ));
+    };
+    let n_in = p.types.inputs.len();
+    if n_in < 4 + usize::from(clipped) {
+        return Err(p.bad(format!(
+            "takes param, grad, m, v{}",
+            match clipped {
+                true => " and the clip coefficient",
+                false => "",
+            }
+        )));
+    }
+    let param = p.ty_in(0).clone();
+    if p.ty_in(1).dtype != param.dtype
+        || p.ty_in(2).dtype != DType::F32
+        || p.ty_in(3).dtype != DType::F32
+    {
+        return Err(p.bad(format!(
+            "param {param}, grad {}, m {}, v {}: the kernels update a param with a gradient of \
+             its type and f32 moments",
+            p.ty_in(1),
+            p.ty_in(2),
+            p.ty_in(3)
+        )));
+    }
+    let s = AdamWScalars::new(
+        &AdamWConfig {
             lr,
             beta1,
             beta2,
             eps,
             weight_decay,
-            clipped,
-        } => {
-            if n_in < 4 + usize::from(*clipped) {
-                return Err(p.bad(format!(
-                    "takes param, grad, m, v{}",
-                    match clipped {
-                        true => " and the clip coefficient",
-                        false => "",
-                    }
-                )));
-            }
-            let param = p.ty_in(0).clone();
-            let n = param.numel();
-            if p.ty_in(1).dtype != param.dtype
-                || p.ty_in(2).dtype != DType::F32
-                || p.ty_in(3).dtype != DType::F32
-            {
-                return Err(p.bad(format!(
-                    "param {param}, grad {}, m {}, v {}: the kernels update a param with a \
-                     gradient of its type and f32 moments",
-                    p.ty_in(1),
-                    p.ty_in(2),
-                    p.ty_in(3)
-                )));
-            }
-            let s = AdamWScalars::new(
-                &AdamWConfig {
-                    lr: *lr,
-                    beta1: *beta1,
-                    beta2: *beta2,
-                    eps: *eps,
-                    weight_decay: *weight_decay,
-                },
-                p.target.step,
-            );
-            let scale = match clipped {
-                true => p.input(4),
-                false => 0,
-            };
-            let mut args = Vec::with_capacity(14);
-            let st = p.storage(0)?;
-            match st {
-                Storage::F32 => args.push(Ptr(p.input(0))),
-                Storage::Bf16 | Storage::F16 => {
-                    let master = p.at.master.ok_or_else(|| {
-                        p.bad(format!(
-                            "a {} parameter needs the address of its f32 master weight",
-                            param.dtype
-                        ))
-                    })?;
-                    args.extend([Ptr(master), Ptr(p.input(0))]);
-                }
-            }
-            let entry = st.pick(entry!("adamw"));
-            args.extend([
-                Ptr(p.input(1)),
-                Ptr(p.input(2)),
-                Ptr(p.input(3)),
-                I64(n as i64),
-                Ptr(scale),
-                F32(s.decay),
-                F32(s.lerp_w),
-                F32(s.beta2),
-                F32(s.one_minus_beta2),
-                F32(s.bc2_sqrt),
-                F32(s.eps),
-                F32(s.neg_step_size),
-            ]);
-            p.stride(entry, n, args);
+        },
+        p.target.step,
+    );
+    let st = p.storage(0)?;
+    let (master, low) = match st {
+        Storage::F32 => (p.input(0), 0),
+        Storage::Bf16 | Storage::F16 => {
+            let master = p.at.master.ok_or_else(|| {
+                p.bad(format!(
+                    "a {} parameter needs the address of its f32 master weight",
+                    param.dtype
+                ))
+            })?;
+            (master, p.input(0))
         }
+    };
+    Ok(AdamWOperands {
+        st,
+        master,
+        low,
+        grad: p.input(1),
+        m: p.input(2),
+        v: p.input(3),
+        n: param.numel(),
+        scale: match clipped {
+            true => p.input(4),
+            false => 0,
+        },
+        scalars: [
+            s.decay,
+            s.lerp_w,
+            s.beta2,
+            s.one_minus_beta2,
+            s.bc2_sqrt,
+            s.eps,
+            s.neg_step_size,
+        ],
+    })
+}
+
+/// Words per tensor of an `adamw_multi_*` table: `master, low, grad, exp_avg, exp_avg_sq, n,
+/// first_block`, as `AdamWTensor` in `kernels/adamw.cu` lays them out.
+pub(super) const ADAMW_TABLE_WORDS: usize = 7;
+
+/// One AdamW op of a run that one launch updates: what [`calls`] takes for it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AdamWMember<'a> {
+    /// The op's kind (with the step's learning rate).
+    pub kind: &'a OpKind,
+    /// Its operand types.
+    pub types: Types<'a>,
+    /// Where its operands are.
+    pub at: &'a Addresses,
+}
+
+/// The calls that update a run of AdamW ops (see [`super::adamw_runs`]) with one
+/// `adamw_multi_*` launch: a table of every non-empty tensor ([`ConstKey::AdamWTensors`]) and
+/// a grid that gives each tensor the blocks its own launch would have had, so each element is
+/// updated with the same operations as [`calls`] would update it, by another thread. No call
+/// when every tensor is empty. Pure, as [`calls`].
+///
+/// Fails, with what is wrong, on an operand [`calls`] would refuse, and on members that differ
+/// in storage type, step scalars (hyper-parameters, learning rate, step) or clip coefficient,
+/// which one launch cannot pass.
+pub(super) fn adamw_multi(members: &[AdamWMember<'_>], target: Target) -> Result<Vec<Call>> {
+    let mut table = Vec::with_capacity(members.len() * ADAMW_TABLE_WORDS);
+    let mut first: Option<AdamWOperands> = None;
+    let mut blocks: u64 = 0;
+    let mut count: u64 = 0;
+    for member in members {
+        let p = Plan::new(member.kind, member.types, member.at, target)?;
+        let a = adamw_operands(&p)?;
+        if let Some(f) = &first {
+            if (f.st, f.scale, f.scalars) != (a.st, a.scale, a.scalars) {
+                return Err(p.bad(
+                    "cannot share a launch with the AdamW ops before it: their storage type, \
+                     step scalars or clip coefficient differ; this is a bug in \
+                     runtime/src/cuda/runs.rs, which merged them",
+                ));
+            }
+        }
+        if a.n > 0 {
+            table.extend([a.master, a.low, a.grad, a.m, a.v, a.n, blocks]);
+            blocks += u64::from(p.grid_for(a.n));
+            count += 1;
+        }
+        first.get_or_insert(a);
     }
-    Ok(())
+    let Some(f) = first.filter(|_| count > 0) else {
+        return Ok(Vec::new());
+    };
+    let too_many = |what: &str, v: u64| {
+        RuntimeError::BadSchedule(format!(
+            "adamw: a merged launch of {} tensors needs {v} {what}, more than one launch \
+             takes; this is a bug in runtime/src/cuda/runs.rs, which should split the run",
+            members.len()
+        ))
+    };
+    let grid = u32::try_from(blocks)
+        .ok()
+        .filter(|&g| g <= i32::MAX as u32)
+        .ok_or_else(|| too_many("blocks", blocks))?;
+    let count = i32::try_from(count).map_err(|_| too_many("table entries", count))?;
+    let mut args = vec![
+        Arg::Table(ConstKey::AdamWTensors(table)),
+        I32(count),
+        Ptr(f.scale),
+    ];
+    args.extend(f.scalars.map(F32));
+    Ok(vec![Call::Kernel(KernelCall {
+        entry: f.st.pick(entry!("adamw_multi")),
+        grid: (grid, 1, 1),
+        block: (BLOCK, 1, 1),
+        args,
+    })])
 }
 
 /// `out = f(x)`, elementwise.
@@ -2312,6 +2451,9 @@ mod tests {
                                         assert_eq!(ptrs.len(), inputs.len(), "{what}");
                                         assert!(ptrs.iter().all(|&p| inside(&spans, p)));
                                     }
+                                    Arg::Table(ConstKey::AdamWTensors(_)) => {
+                                        panic!("{what}: only a merged run has an AdamW table")
+                                    }
                                     Arg::I64(_) | Arg::I32(_) | Arg::F32(_) => {}
                                 }
                             }
@@ -2676,5 +2818,229 @@ mod tests {
         };
         let err = calls(&kind, types, &at, target).unwrap_err().to_string();
         assert!(err.contains("recompile the schedule"), "{err}");
+    }
+
+    /// An AdamW op's operands for [`adamw_multi`] tests: a parameter of `n` elements in `dt`
+    /// (its moments f32), every operand of op `k` at its own address, and the clip coefficient,
+    /// when `clipped`, at one address all ops share.
+    struct AdamWCase {
+        kind: OpKind,
+        inputs: Vec<TensorType>,
+        outputs: Vec<TensorType>,
+        at: Addresses,
+    }
+
+    const COEF: u64 = 0x6000_0000;
+
+    fn adamw_case(k: u64, n: u64, dt: DType, clipped: bool, lr: f64) -> AdamWCase {
+        let kind = OpKind::AdamW {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            clipped,
+        };
+        let mut inputs = vec![
+            t(&[n], dt),
+            t(&[n], dt),
+            t(&[n], DType::F32),
+            t(&[n], DType::F32),
+        ];
+        let mut addrs: Vec<u64> = (0..4)
+            .map(|i| 0x1000_0000 * (k + 1) + 0x100_0000 * i)
+            .collect();
+        if clipped {
+            inputs.push(t(&[], DType::F32));
+            addrs.push(COEF);
+        }
+        AdamWCase {
+            kind,
+            inputs,
+            outputs: Vec::new(),
+            at: Addresses {
+                inputs: addrs,
+                outputs: Vec::new(),
+                workspace: None,
+                master: Some(0x1000_0000 * (k + 1) + 0x800_0000),
+            },
+        }
+    }
+
+    fn target() -> Target {
+        Target {
+            max_blocks: 3,
+            step: 7,
+        }
+    }
+
+    /// The merged plan of `cases`, and each case's own (per-tensor) plan.
+    fn merged_and_alone(cases: &[AdamWCase]) -> (Result<Vec<Call>>, Vec<Vec<Call>>) {
+        let refs: Vec<(Vec<&TensorType>, Vec<&TensorType>)> = cases
+            .iter()
+            .map(|c| (c.inputs.iter().collect(), c.outputs.iter().collect()))
+            .collect();
+        let members: Vec<AdamWMember<'_>> = cases
+            .iter()
+            .zip(&refs)
+            .map(|(c, (inputs, outputs))| AdamWMember {
+                kind: &c.kind,
+                types: Types { inputs, outputs },
+                at: &c.at,
+            })
+            .collect();
+        let alone = members
+            .iter()
+            .map(|m| calls(m.kind, m.types, m.at, target()).unwrap())
+            .collect();
+        (adamw_multi(&members, target()), alone)
+    }
+
+    fn ptr(a: &Arg) -> u64 {
+        match a {
+            Arg::Ptr(p) => *p,
+            a => panic!("{a:?} is no pointer"),
+        }
+    }
+
+    /// A run of AdamW ops of odd sizes (one element, less than a block, a block and one, more
+    /// than `max_blocks` blocks' worth, and an empty one, which gets no entry) is one launch of
+    /// `adamw_multi_*`, clipped or not, in every storage type. Its table holds, for each
+    /// tensor, exactly the pointers and size the tensor's own `adamw_*` launch passes, its
+    /// scalars and coefficient are theirs, its arguments match the kernel's declaration, and
+    /// the kernel's block-to-tensor mapping (transcribed from `adamw.cu`) over its grid
+    /// visits every element of every tensor once, with each tensor's blocks as its own launch
+    /// would have them.
+    #[test]
+    fn a_run_of_adamw_is_one_launch_covering_every_element_once() {
+        let sizes = [1u64, 255, 0, 257, 1000];
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            for clipped in [false, true] {
+                let what = format!("{dt} clipped {clipped}");
+                let cases: Vec<AdamWCase> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| adamw_case(k as u64, n, dt, clipped, 1e-3))
+                    .collect();
+                let (merged, alone) = merged_and_alone(&cases);
+                let merged = merged.unwrap();
+                let [Call::Kernel(k)] = &merged[..] else {
+                    panic!("{what}: one launch, not {merged:?}");
+                };
+                assert_eq!(k.entry, format!("adamw_multi_{dt}"), "{what}");
+                let src = source_of(k.entry).expect("declared");
+                let sigs = signatures(src.source).expect("passable parameters");
+                let (_, params) = sigs.iter().find(|(n, _)| *n == k.entry).unwrap();
+                let kinds: Vec<ParamKind> = k.args.iter().map(Arg::kind).collect();
+                assert_eq!(&kinds, params, "{what}");
+                let Arg::Table(ConstKey::AdamWTensors(table)) = &k.args[0] else {
+                    panic!("{what}: {:?}", k.args[0]);
+                };
+                assert_eq!(k.args[1], I32(4), "{what}: the empty tensor has no entry");
+                assert_eq!(table.len(), 4 * ADAMW_TABLE_WORDS, "{what}");
+                assert_eq!(k.block, (BLOCK, 1, 1));
+                let mut entries = table.chunks(ADAMW_TABLE_WORDS);
+                let mut next_block = 0;
+                for (n, own) in sizes.iter().zip(&alone) {
+                    if *n == 0 {
+                        assert!(own.is_empty(), "{what}: an empty tensor launches nothing");
+                        continue;
+                    }
+                    let [Call::Kernel(own)] = &own[..] else {
+                        panic!("{what}: {own:?}")
+                    };
+                    let e = entries.next().unwrap();
+                    // The per-tensor arguments: [master,] param, grad, m, v, n, scale, scalars.
+                    let a = &own.args;
+                    let (master, low, rest) = match dt {
+                        DType::F32 => (ptr(&a[0]), 0, &a[1..]),
+                        _ => (ptr(&a[0]), ptr(&a[1]), &a[2..]),
+                    };
+                    assert_eq!(
+                        e[..6],
+                        [master, low, ptr(&rest[0]), ptr(&rest[1]), ptr(&rest[2]), *n],
+                        "{what}"
+                    );
+                    assert_eq!(rest[3], I64(*n as i64));
+                    assert_eq!(k.args[2..], rest[4..], "{what}: coefficient and scalars");
+                    assert_eq!(e[6], next_block, "{what}: first block");
+                    next_block += u64::from(own.grid.0);
+                }
+                assert_eq!(u64::from(k.grid.0), next_block, "{what}: grid");
+                // adamw.cu's mapping: block b works on the last tensor whose first block is at
+                // most b, striding with that tensor's blocks.
+                let first: Vec<u64> = table.chunks(ADAMW_TABLE_WORDS).map(|e| e[6]).collect();
+                let count = first.len();
+                let mut visits: Vec<Vec<u32>> = table
+                    .chunks(ADAMW_TABLE_WORDS)
+                    .map(|e| vec![0; e[5] as usize])
+                    .collect();
+                for b in 0..u64::from(k.grid.0) {
+                    let (mut lo, mut hi) = (0, count - 1);
+                    while lo < hi {
+                        let mid = (lo + hi).div_ceil(2);
+                        if first[mid] <= b {
+                            lo = mid;
+                        } else {
+                            hi = mid - 1;
+                        }
+                    }
+                    let end = first.get(lo + 1).copied().unwrap_or(u64::from(k.grid.0));
+                    let blocks = end - first[lo];
+                    for thread in 0..u64::from(BLOCK) {
+                        let mut i = (b - first[lo]) * u64::from(BLOCK) + thread;
+                        while i < visits[lo].len() as u64 {
+                            visits[lo][i as usize] += 1;
+                            i += blocks * u64::from(BLOCK);
+                        }
+                    }
+                }
+                for (t, v) in visits.iter().enumerate() {
+                    assert!(v.iter().all(|&c| c == 1), "{what}: tensor {t} visits {v:?}");
+                }
+            }
+        }
+    }
+
+    /// One launch passes one set of scalars and one coefficient: members that differ in their
+    /// learning rate, storage type or coefficient are refused (the run rule never merges
+    /// them), and so is a member the per-tensor plan refuses. A run of empty tensors launches
+    /// nothing.
+    #[test]
+    fn a_merged_launch_refuses_members_it_cannot_share() {
+        let base = || adamw_case(0, 10, DType::BF16, true, 1e-3);
+        let differ = [
+            ("learning rate", adamw_case(1, 10, DType::BF16, true, 2e-3)),
+            ("storage", adamw_case(1, 10, DType::F16, true, 1e-3)),
+            ("unclipped", adamw_case(1, 10, DType::BF16, false, 1e-3)),
+            ("coefficient", {
+                let mut c = adamw_case(1, 10, DType::BF16, true, 1e-3);
+                c.at.inputs[4] = COEF + 64;
+                c
+            }),
+        ];
+        for (what, other) in differ {
+            let (merged, _) = merged_and_alone(&[base(), other]);
+            let err = merged.expect_err(what).to_string();
+            assert!(err.contains("cannot share a launch"), "{what}: {err}");
+        }
+        let mut no_master = adamw_case(1, 10, DType::BF16, true, 1e-3);
+        no_master.at.master = None;
+        let refs: Vec<&TensorType> = no_master.inputs.iter().collect();
+        let member = AdamWMember {
+            kind: &no_master.kind,
+            types: Types {
+                inputs: &refs,
+                outputs: &[],
+            },
+            at: &no_master.at,
+        };
+        let err = adamw_multi(&[member], target()).unwrap_err().to_string();
+        assert!(err.contains("master weight"), "{err}");
+        let empty = [
+            adamw_case(0, 0, DType::F32, false, 1e-3),
+            adamw_case(1, 0, DType::F32, false, 1e-3),
+        ];
+        assert!(merged_and_alone(&empty).0.unwrap().is_empty());
     }
 }

@@ -17,7 +17,8 @@
 //! and events, and the executor of call plans; `launch.rs`: each op kind's kernels and GEMMs
 //! as a pure call plan; `blas.rs`: the matmuls;
 //! `driver.rs`: driver resources and the library probe; `profile.rs`: measuring a GPU for
-//! `protrain profile`). [`available`] says, without calling into a library that may be
+//! `protrain profile`). [`runs`] (plain data, built without the feature too) says which
+//! adjacent device AdamW ops the backend updates in one multi-tensor launch. [`available`] says, without calling into a library that may be
 //! missing, whether it can run here.
 
 #[cfg(feature = "cuda")]
@@ -32,11 +33,13 @@ mod launch;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod profile;
+pub mod runs;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaStreamHandle};
 #[cfg(feature = "cuda")]
 pub use driver::DeviceInfo;
+pub use runs::{adamw_runs, AdamWRun};
 
 /// What `--backend cuda` says in a build without the CUDA backend.
 pub const NOT_BUILT: &str = "the CUDA backend is not built into this protrain; rebuild with \
@@ -261,6 +264,9 @@ pub const SOURCES: &[KernelSource] = &[
             "adamw_f32",
             "adamw_bf16",
             "adamw_f16",
+            "adamw_multi_f32",
+            "adamw_multi_bf16",
+            "adamw_multi_f16",
             "clip_coef",
             "unscale_coef",
             "scale_f32",

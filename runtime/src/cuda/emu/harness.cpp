@@ -532,8 +532,72 @@ void test_f16() {
     }
 }
 
+// adamw_multi_* against the per-tensor kernels, bit for bit: several tensors of odd sizes (one
+// element, less than, one more than and several blocks' worth), some given fewer blocks than
+// elements need so that a block strides; the table laid out as launch.rs's `adamw_multi` lays
+// it out. Unclipped, clipped, and skipped (a negative coefficient changes nothing).
+template <typename T> bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && (a.empty() || memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+template <typename T> void test_adamw_multi_storage(const char* name) {
+    const std::vector<i64> sizes = {1, 255, 257, 1000, 3001};
+    const std::vector<unsigned> blocks = {1, 1, 2, 2, 3};
+    const size_t k = sizes.size();
+    const float decay = 1 - 1e-3f * 0.01f, lw = 0.1f, b2 = 0.999f, omb2 = 1 - 0.999f, bcs = std::sqrt(1 - 0.999f * 0.999f * 0.999f), eps = 1e-8f, nss = -1e-3f / (1 - 0.9f * 0.9f * 0.9f);
+    const bool is_f32 = std::is_same<T, float>::value;
+    for (float coef : {0.0f, 0.75f, -1.0f}) {
+        const float* scale = coef == 0.0f ? nullptr : &coef;
+        // Per tensor: master (or the f32 param), low copy, grad, m, v; `a` for the multi launch,
+        // `b` for the per-tensor launches, both from the same values.
+        std::vector<std::vector<float>> ma(k), mb(k), m_a(k), m_b(k), v_a(k), v_b(k);
+        std::vector<std::vector<T>> la(k), lb(k), g(k);
+        for (size_t t = 0; t < k; ++t) {
+            const size_t n = sizes[t];
+            ma[t] = mb[t] = rnd(n);
+            m_a[t] = m_b[t] = rnd(n, 0.1f);
+            v_a[t] = rnd(n, 0.01f); for (auto& x : v_a[t]) x = std::fabs(x); v_b[t] = v_a[t];
+            auto gf = rnd(n, 2.0f);
+            g[t].resize(n); la[t].resize(n); lb[t].resize(n);
+            for (size_t i = 0; i < n; ++i) { g[t][i] = from_f32<T>(gf[i]); la[t][i] = lb[t][i] = from_f32<T>(ma[t][i]); }
+        }
+        std::vector<AdamWTensor> table(k);
+        i64 first = 0;
+        for (size_t t = 0; t < k; ++t) {
+            table[t] = AdamWTensor{ma[t].data(), is_f32 ? nullptr : (void*)la[t].data(), g[t].data(), m_a[t].data(), v_a[t].data(), sizes[t], first};
+            first += blocks[t];
+        }
+        launch(G((unsigned)first), G(256), [&] {
+            if constexpr (std::is_same<T, float>::value) adamw_multi_f32(table.data(), (int)k, scale, decay, lw, b2, omb2, bcs, eps, nss);
+            else if constexpr (std::is_same<T, bf16>::value) adamw_multi_bf16(table.data(), (int)k, scale, decay, lw, b2, omb2, bcs, eps, nss);
+            else adamw_multi_f16(table.data(), (int)k, scale, decay, lw, b2, omb2, bcs, eps, nss);
+        });
+        bool ok = true, changed = false;
+        for (size_t t = 0; t < k; ++t) {
+            const i64 n = sizes[t];
+            std::vector<float> before = mb[t];
+            launch(G(4), G(256), [&] {
+                if constexpr (std::is_same<T, float>::value) adamw_f32(mb[t].data(), g[t].data(), m_b[t].data(), v_b[t].data(), n, scale, decay, lw, b2, omb2, bcs, eps, nss);
+                else if constexpr (std::is_same<T, bf16>::value) adamw_bf16(mb[t].data(), lb[t].data(), g[t].data(), m_b[t].data(), v_b[t].data(), n, scale, decay, lw, b2, omb2, bcs, eps, nss);
+                else adamw_f16(mb[t].data(), lb[t].data(), g[t].data(), m_b[t].data(), v_b[t].data(), n, scale, decay, lw, b2, omb2, bcs, eps, nss);
+            });
+            ok = ok && same_bits(ma[t], mb[t]) && same_bits(m_a[t], m_b[t]) && same_bits(v_a[t], v_b[t]) && same_bits(la[t], lb[t]);
+            changed = changed || !same_bits(before, mb[t]);
+        }
+        // A skipped step changes nothing; any other changes every tensor's weights.
+        ok = ok && changed == (coef >= 0.0f);
+        printf("%s adamw_multi_%s (coef %g) = adamw_%s per tensor, bit for bit, %zu tensors\n", ok ? "ok  " : "FAIL", name, coef, name, k);
+        if (!ok) failures++;
+    }
+}
+void test_adamw_multi() {
+    test_adamw_multi_storage<float>("f32");
+    test_adamw_multi_storage<bf16>("bf16");
+    test_adamw_multi_storage<f16>("f16");
+}
+
 int main() {
     test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm(); test_f16();
+    test_adamw_multi();
     test_attention(2, 7, 4, 2, 4, 0, false);
     test_attention(2, 7, 4, 2, 4, 3, false);
     test_attention(1, 70, 2, 1, 8, 0, false);

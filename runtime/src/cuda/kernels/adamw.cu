@@ -62,6 +62,59 @@ __device__ void adamw_low(float* master, T* param, const T* grad, float* exp_avg
 extern "C" __global__ void adamw_bf16(float* master, bf16* param, const bf16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_low(master, param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
 extern "C" __global__ void adamw_f16(float* master, f16* param, const f16* grad, float* exp_avg, float* exp_avg_sq, i64 n, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_low(master, param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
 
+/// One tensor of a multi-tensor AdamW launch, as the launcher's table lays it out: seven 8-byte
+/// words (`runtime/src/cuda/launch.rs`, `adamw_multi`). `master` is the f32 parameter (the f32
+/// master weight of a bf16 or f16 parameter), `low` the bf16 or f16 working copy (null in f32),
+/// `grad` the gradient in the storage type, `n` the element count (at least 1), and
+/// `first_block` the first block of the grid that works on this tensor: tensors are in table
+/// order and own consecutive block ranges, the last one up to `gridDim.x`.
+struct AdamWTensor {
+    float* master;
+    void* low;
+    const void* grad;
+    float* exp_avg;
+    float* exp_avg_sq;
+    i64 n;
+    i64 first_block;
+};
+
+/// Every tensor of `tensors[0..count]` updated as `adamw_f32` / `adamw_low` update one, element
+/// by element with the same operations, so a merged launch gives the per-tensor launches' bits;
+/// only which thread handles an element differs. Block `b` works on the last tensor whose
+/// `first_block` is at most `b` (a binary search of the table) and strides over its elements
+/// with that tensor's blocks.
+template <typename T>
+__device__ void adamw_multi(const AdamWTensor* tensors, int count, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+    const float gs = grad_scale ? grad_scale[0] : 1.0f;
+    if (skips_step(gs)) return;
+    const i64 b = blockIdx.x;
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tensors[mid].first_block <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const AdamWTensor t = tensors[lo];
+    const i64 blocks = (lo + 1 < count ? tensors[lo + 1].first_block : (i64)gridDim.x) - t.first_block;
+    const T* grad = (const T*)t.grad;
+    T* low = (T*)t.low;
+    for (i64 i = (b - t.first_block) * blockDim.x + threadIdx.x; i < t.n; i += blocks * blockDim.x) {
+        const float g = grad_scale ? __fmul_rn(to_f32(grad[i]), gs) : to_f32(grad[i]);
+        const float p = adamw_update(t.master[i], g, t.exp_avg, t.exp_avg_sq, i, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size);
+        t.master[i] = p;
+        if (low) low[i] = from_f32<T>(p);
+    }
+}
+
+/// Multi-tensor AdamW (apex's FusedAdam, torch's fused AdamW): one launch updates the `count`
+/// tensors of the table `tensors` (see `AdamWTensor`), all with the same step scalars and clip
+/// coefficient (`grad_scale`, or null; negative: the step is skipped, nothing changes), each
+/// element exactly as `adamw_f32` / `adamw_bf16` / `adamw_f16` would. Launch: 1-D blocks (256
+/// intended), `gridDim.x` the table's total of blocks.
+extern "C" __global__ void adamw_multi_f32(const AdamWTensor* tensors, int count, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_multi<float>(tensors, count, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
+extern "C" __global__ void adamw_multi_bf16(const AdamWTensor* tensors, int count, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_multi<bf16>(tensors, count, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
+extern "C" __global__ void adamw_multi_f16(const AdamWTensor* tensors, int count, const float* grad_scale, float decay, float lerp_w, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) { adamw_multi<f16>(tensors, count, grad_scale, decay, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size); }
+
 /// min((1 / (t + 1e-6)) * max_norm, 1) in f32, as the host's `kernels::clip_coef`.
 __device__ __forceinline__ float clip_factor(float t, float max_norm) {
     const float c = __fmul_rn(__fdiv_rn(1.0f, __fadd_rn(t, 1e-6f)), max_norm);
