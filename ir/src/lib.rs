@@ -36,7 +36,7 @@ pub use op::{
 pub use policy::{BlockMode, Policy, PolicySpec};
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{
-    Buffer, BufferKind, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, Space,
+    Buffer, BufferKind, ShardPart, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, Space,
     Stream, StreamKind, TensorRef, FORMAT_VERSION,
 };
 pub use types::{format_bytes, format_count, DType, TensorType};
