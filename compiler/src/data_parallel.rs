@@ -30,7 +30,9 @@
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
-use protrain_ir::{BufferKind, EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId};
+use protrain_ir::{
+    BufferKind, EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId,
+};
 use std::collections::{BTreeMap, HashSet};
 
 /// Makes `schedule` the program of every rank of `topology`; returns it unchanged for one
@@ -57,10 +59,7 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
                 let o = schedule.graph.op(*op);
                 // A sharded chunk's gradients are reduce-scattered instead ([`crate::shard`]).
                 let sharded = inputs.get(1).is_some_and(|t| {
-                    matches!(
-                        schedule.buffer(t.buffer).kind,
-                        BufferKind::HostShard { .. }
-                    )
+                    matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
                 });
                 if let (OpKind::AdamW { .. }, false) = (&o.kind, sharded) {
                     grads.push(o.inputs[1]);

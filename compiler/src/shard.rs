@@ -130,10 +130,7 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
         let mut instrs = Vec::with_capacity(old.len() + 8);
         let mut it = old.into_iter().peekable();
         while let Some(instr) = it.next() {
-            let Instr::Copy {
-                what, src, dst, ..
-            } = instr
-            else {
+            let Instr::Copy { what, src, dst, .. } = instr else {
                 instrs.push(instr);
                 continue;
             };

@@ -538,10 +538,9 @@ impl Builder {
         let chunk = chunks.chunk(c);
         let ranks = u64::from(chunks.world_size);
         let slice = chunks.chunk_bytes / ranks;
-        let element = chunk
-            .members
-            .first()
-            .map_or(4, |m| graph.value(graph.param(m.param).value).ty.dtype.size());
+        let element = chunk.members.first().map_or(4, |m| {
+            graph.value(graph.param(m.param).value).ty.dtype.size()
+        });
         let narrow = element < 4;
         let part = |this: &mut Self, name: &str, part: ShardPart, bytes: u64| {
             this.buffer(

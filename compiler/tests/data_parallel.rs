@@ -268,7 +268,13 @@ fn the_verifier_rejects_a_sum_before_its_gradient_and_one_outside_its_buffer() {
 /// Mutations of a sharded schedule's collectives, each of which the verifier must refuse.
 #[test]
 fn the_verifier_rejects_mis_sized_and_unordered_shard_collectives() {
-    let s = schedule("gpt2-tiny", |_| Policy::protrain(0, 1, 0, 0, 2), 2, 1, false);
+    let s = schedule(
+        "gpt2-tiny",
+        |_| Policy::protrain(0, 1, 0, 0, 2),
+        2,
+        1,
+        false,
+    );
     verify_schedule(&s).expect("the sharded schedule verifies");
     assert!(s.sharded());
     let (comm, _, _) = collectives(&s);
@@ -464,7 +470,11 @@ fn llama_2_70b_compiles_sharded_for_eight_a100s_in_1_tib_and_is_refused_half_of_
     let c = compile(&config, &o).expect("llama-2-70b on 8 x a100-80gb with 1 TiB");
     assert_eq!(c.schedule.ranks(), 8);
     assert!(c.schedule.sharded());
-    assert!(c.schedule.host_bytes <= (1 << 40) / 8, "{}", c.schedule.host_bytes);
+    assert!(
+        c.schedule.host_bytes <= (1 << 40) / 8,
+        "{}",
+        c.schedule.host_bytes
+    );
     assert!(c.simulation.collective_seconds(&c.schedule) > 0.0);
     let mut small = options("a100-80gb", 8, 1);
     small.policy = PolicyChoice::parse(fixed).expect("a policy");

@@ -9,7 +9,7 @@ use crate::chunks::{ChunkMember, ChunkTable};
 use crate::graph::Graph;
 use crate::ids::{BufferId, OpId, ValueId};
 use crate::schedule::{
-    Buffer, BufferKind, ShardPart, CopyKind, Instr, Schedule, Space, StreamKind, TensorRef,
+    Buffer, BufferKind, CopyKind, Instr, Schedule, ShardPart, Space, StreamKind, TensorRef,
 };
 use crate::types::{format_bytes, format_count};
 use std::fmt::Write;
@@ -296,7 +296,8 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
              ((step*{w} + r)*{k} + m)*batch*seq); gradients are summed over the ranks on the \
              collective stream{}",
             match s.sharded() {
-                true => "; offloaded chunks are sharded: each rank holds 1/ranks of their host \
+                true =>
+                    "; offloaded chunks are sharded: each rank holds 1/ranks of their host \
                          state, all-gathers them before use and reduce-scatters their gradients",
                 false => "",
             },

@@ -510,7 +510,12 @@ impl Schedule {
     /// tensor in a [`BufferKind::HostShard`] that is its overlap with the rank's slice
     /// (`None` when they do not overlap); for any other, all of it at
     /// [`Schedule::address`].
-    pub fn rank_slice(&self, t: TensorRef, bytes: u64, rank: u32) -> Option<(Space, u64, u64, u64)> {
+    pub fn rank_slice(
+        &self,
+        t: TensorRef,
+        bytes: u64,
+        rank: u32,
+    ) -> Option<(Space, u64, u64, u64)> {
         let b = self.buffer(t.buffer);
         match b.kind {
             BufferKind::HostShard { .. } => {

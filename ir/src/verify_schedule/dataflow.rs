@@ -191,7 +191,9 @@ impl Checker<'_> {
                 }
                 Instr::ReduceScatter {
                     chunk, at, bytes, ..
-                } => self.gather_or_scatter(&mut mem, r, &clocks[si], *chunk, *at, *bytes, false)?,
+                } => {
+                    self.gather_or_scatter(&mut mem, r, &clocks[si], *chunk, *at, *bytes, false)?
+                }
             }
             pc[si] += 1;
         }

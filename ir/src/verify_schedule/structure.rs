@@ -5,7 +5,9 @@ use super::{Checker, InstrRef, Invariant, ScheduleError};
 use crate::ids::{BufferId, OpId};
 use crate::op::OpKind;
 use crate::print_schedule::{copy_label, space_name, stream_kind_name};
-use crate::schedule::{BufferKind, CopyKind, ShardPart, Instr, Space, StreamKind, TensorRef, FORMAT_VERSION};
+use crate::schedule::{
+    BufferKind, CopyKind, Instr, ShardPart, Space, StreamKind, TensorRef, FORMAT_VERSION,
+};
 use crate::types::format_bytes;
 use crate::workspace::WORKSPACE_ALIGN;
 
@@ -363,7 +365,10 @@ impl Checker<'_> {
                     }
                 }
                 Instr::CopyShard {
-                    what, src, dst, bytes,
+                    what,
+                    src,
+                    dst,
+                    bytes,
                 } => {
                     let (chunk, stream, part, from, to) = match *what {
                         CopyKind::FetchChunk { chunk } => (
@@ -492,9 +497,12 @@ impl Checker<'_> {
                         ));
                     }
                     if let Instr::ReduceScatter { dtype, .. } = instr {
-                        let param = s.chunks.chunk(*chunk).members.first().map(|m| {
-                            self.g.value(self.g.param(m.param).value).ty.dtype
-                        });
+                        let param = s
+                            .chunks
+                            .chunk(*chunk)
+                            .members
+                            .first()
+                            .map(|m| self.g.value(self.g.param(m.param).value).ty.dtype);
                         if param.is_some_and(|p| p != *dtype) {
                             return bad(format!(
                                 "reduce-scatters {chunk}'s gradients as {dtype}, but its \
