@@ -279,11 +279,7 @@ fn the_verifier_rejects_mis_sized_and_unordered_shard_collectives() {
     assert!(s.sharded());
     let (comm, _, _) = collectives(&s);
     let position = |s: &Schedule, f: &dyn Fn(&Instr) -> bool| {
-        s.streams[comm]
-            .instrs
-            .iter()
-            .position(|i| f(i))
-            .expect("found")
+        s.streams[comm].instrs.iter().position(f).expect("found")
     };
     let is_gather = |i: &Instr| matches!(i, Instr::AllGather { .. });
     let is_scatter = |i: &Instr| matches!(i, Instr::ReduceScatter { .. });

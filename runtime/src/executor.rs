@@ -83,8 +83,9 @@ enum Planned {
         outputs: Vec<Address>,
         workspace: Option<(Address, u64)>,
         prepared: Prepared,
-        /// The rank's part of an AdamW op on a sharded chunk.
-        shard: Option<ShardLaunch>,
+        /// The rank's part of an AdamW op on a sharded chunk (boxed: rare, and the variant
+        /// is the enum's largest).
+        shard: Option<Box<ShardLaunch>>,
     },
     Copy {
         src: Address,
@@ -1018,7 +1019,7 @@ fn run_stream<B: Backend>(
                         outputs,
                         workspace: *workspace,
                         step,
-                        shard: *shard,
+                        shard: shard.as_deref().copied(),
                     };
                     // SAFETY: the schedule was verified when the executor was made, and its
                     // instructions are issued in stream order with its events: the verifier
@@ -1156,21 +1157,18 @@ fn plan(
                         return Planned::Skip;
                     };
                     addresses[0] = at;
-                    for i in 1..4 {
-                        addresses[i] = element_address(
-                            schedule,
-                            inputs[i],
-                            part.start,
-                            types[i].dtype.size(),
-                            rank,
-                        );
+                    // The gradient and both moments.
+                    for ((a, &t), ty) in
+                        addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1)
+                    {
+                        *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
                     }
-                    shard = Some(ShardLaunch {
+                    shard = Some(Box::new(ShardLaunch {
                         elements: part.len(),
                         master: masters
                             .get(&o.inputs[0])
                             .map(|&m| element_address(schedule, m, part.start, 4, rank)),
-                    });
+                    }));
                 }
             }
             Planned::Kernel {

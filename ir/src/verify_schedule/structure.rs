@@ -503,11 +503,10 @@ impl Checker<'_> {
                             .members
                             .first()
                             .map(|m| self.g.value(self.g.param(m.param).value).ty.dtype);
-                        if param.is_some_and(|p| p != *dtype) {
+                        if let Some(param) = param.filter(|p| p != dtype) {
                             return bad(format!(
                                 "reduce-scatters {chunk}'s gradients as {dtype}, but its \
-                                 parameters (and gradients) are {}",
-                                param.expect("checked")
+                                 parameters (and gradients) are {param}"
                             ));
                         }
                     }
