@@ -728,6 +728,9 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
             "--steps",
             steps,
             "--json",
+            // Clipped, so unsharded: train cannot yet checkpoint sharded ranks.
+            "--grad-clip",
+            "1.0",
         ];
         args.extend_from_slice(extra);
         protrain(&args)
@@ -748,6 +751,8 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "--steps",
         "4",
         "--json",
+        "--grad-clip",
+        "1.0",
         "--resume",
         path(&ckpt),
     ]);
@@ -760,4 +765,44 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "{}",
         stderr(&out)
     );
+}
+
+/// `train --gpus 2` under a policy that offloads every chunk shards them (no clipping, one
+/// micro-batch per rank) and trains as `--grad-accum 2` bit for bit; with `--save` it is
+/// refused before training (gathering the shards needs every rank, and only rank 0 saves),
+/// naming how to compile it unsharded.
+#[test]
+fn sharded_ranks_train_as_accumulation_and_refuse_saving_with_the_way_out() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let saved = dir.path().join("w.safetensors");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--json",
+            "--policy",
+            "n_persist=0 n_buffer=1",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let ranks = run(&["--gpus", "2"]);
+    assert!(ranks.status.success(), "{}", stderr(&ranks));
+    let accum = run(&["--grad-accum", "2"]);
+    assert!(accum.status.success(), "{}", stderr(&accum));
+    assert_eq!(losses(&ranks), losses(&accum));
+    let out = run(&["--gpus", "2", "--save", path(&saved)]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("shards its offloaded chunks") && err.contains("--grad-clip"),
+        "{err}"
+    );
+    assert!(!saved.exists());
 }

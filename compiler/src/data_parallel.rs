@@ -18,9 +18,10 @@
 //! The training graph's loss gradient is already scaled by `1 / (ranks * K)`
 //! ([`crate::accumulate::scale_loss_gradient`]), so the sum is the mean gradient over the
 //! global batch, and everything after it (the norm for clipping, AdamW) runs as on one rank.
-//! Every rank keeps every chunk whole: model states are replicated, not sharded (ZeRO-style
-//! reduce-scatter and all-gather of offloaded chunks is not done yet), so each rank needs the
-//! memory of a single-rank schedule. The loss each rank computes is its own rows'; the runtime
+//! Gradients of chunks that are sharded over the ranks (offloaded chunks, when
+//! [`crate::shard::shardable`] allows) are left out: [`crate::shard`], the pass after this
+//! one, reduce-scatters them. Every other chunk (the persistent ones, and every chunk when
+//! nothing is sharded) stays whole on every rank, replicated, with its gradients summed here. The loss each rank computes is its own rows'; the runtime
 //! averages it over the ranks.
 //!
 //! It does not move the squared norms a clipping schedule computes right after each gradient
@@ -29,7 +30,9 @@
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
-use protrain_ir::{EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId};
+use protrain_ir::{
+    BufferKind, EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId,
+};
 use std::collections::{BTreeMap, HashSet};
 
 /// Makes `schedule` the program of every rank of `topology`; returns it unchanged for one
@@ -54,7 +57,11 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
         for instr in &stream.instrs {
             if let Instr::Kernel { op, inputs, .. } = instr {
                 let o = schedule.graph.op(*op);
-                if let OpKind::AdamW { .. } = o.kind {
+                // A sharded chunk's gradients are reduce-scattered instead ([`crate::shard`]).
+                let sharded = inputs.get(1).is_some_and(|t| {
+                    matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
+                });
+                if let (OpKind::AdamW { .. }, false) = (&o.kind, sharded) {
                     grads.push(o.inputs[1]);
                     grad_at.push(inputs[1]);
                 }

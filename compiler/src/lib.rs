@@ -17,6 +17,7 @@ pub mod place;
 pub mod plan;
 pub mod search;
 pub mod search_forward;
+pub mod shard;
 pub mod simulate;
 pub mod streams;
 pub mod validate;

@@ -2,7 +2,7 @@
 //!
 //! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
 //! training graph -> chunk -> place(policy) (with movement) -> streams -> plan -> emit
-//! (-> accumulate, for K > 1) (-> data_parallel, for several ranks) -> Schedule -> verify ->
+//! (-> accumulate, for K > 1) (-> data_parallel -> shard, for several ranks) -> Schedule -> verify ->
 //! [`VerifiedSchedule`] -> simulate.
 //!
 //! A forward-only compilation ([`CompileOptions::forward_only`], for evaluation) skips
@@ -28,6 +28,7 @@ use crate::place::{place, Placed};
 use crate::plan::plan_buffers;
 use crate::search::{search, SearchOptions, SearchReport};
 use crate::search_forward::search_forward;
+use crate::shard::shard;
 use crate::simulate::{simulate, Simulation};
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
@@ -342,16 +343,17 @@ impl<'m> Context<'m> {
             .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
             .count();
         let device_budget = options.device_budget();
-        // The ranks of a node share its host memory, and every rank holds whole model states
-        // (nothing is sharded yet): each may use its share.
+        // The ranks of a node share its host memory: each may use its share. (Offloaded
+        // chunks sharded over the ranks take 1/ranks of their host state on each.)
         let gpus = u64::from(options.topology.gpus.max(1));
         let host_budget = options.hardware.host_memory_bytes / gpus;
         let shared = |e: CompileError| match e {
             CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
-                "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory: \
-                 every rank keeps whole model states, as their ZeRO sharding across ranks is not \
-                 implemented yet, so a node needs {gpus} times what one rank needs; give \
-                 --host-memory for the whole node, or use fewer --gpus per node)"
+                "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory; \
+                 offloaded chunks are sharded over the ranks, each keeping 1/ranks of their host \
+                 state, unless gradients are clipped or accumulated, when every rank keeps them \
+                 whole; give --host-memory for the whole node, use more ranks (--gpus, \
+                 --nodes), or drop --grad-clip and --grad-accum so that they are sharded)"
             )),
             e => e,
         };
@@ -527,6 +529,18 @@ pub fn compile_policy_on(
              share; scale it for ranks x --grad-accum"
         )));
     }
+    // Offloaded chunks are sharded over the ranks where the schedule allows it
+    // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.
+    let sharded_chunks;
+    let chunks = match crate::shard::shardable(training, chunks, topology, global / ranks) {
+        Ok(()) => {
+            let mut c = chunks.clone();
+            c.world_size = topology.ranks();
+            sharded_chunks = c;
+            &sharded_chunks
+        }
+        Err(_) => chunks,
+    };
     let placed = place(training, chunks, policy)?;
     verify_graph(&placed.graph)?;
     if cfg!(debug_assertions) {
@@ -545,7 +559,7 @@ pub fn compile_policy_on(
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
     let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
-    let schedule = data_parallel(schedule, topology)?;
+    let schedule = shard(data_parallel(schedule, topology)?)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }

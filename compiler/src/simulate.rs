@@ -275,7 +275,21 @@ pub fn instr_seconds(
                 .is_some_and(|s| s.kind == StreamKind::HostOptimizer);
             match (&op.kind, inputs.first()) {
                 (OpKind::AdamW { .. }, Some(param)) if on_host => {
-                    cost.cpu_adam_seconds(param.numel())
+                    // A sharded chunk's rank updates its slice: 1/ranks of the parameters.
+                    let sharded = match instr {
+                        Instr::Kernel { inputs, .. } => inputs.first().is_some_and(|t| {
+                            schedule.buffers.get(t.buffer.index()).is_some_and(|b| {
+                                matches!(b.kind, protrain_ir::BufferKind::HostShard { .. })
+                            })
+                        }),
+                        _ => false,
+                    };
+                    let share = if sharded {
+                        u64::from(schedule.ranks())
+                    } else {
+                        1
+                    };
+                    cost.cpu_adam_seconds(param.numel().div_ceil(share))
                 }
                 (OpKind::AdamW { .. }, Some(param)) => cost.gpu_adam_seconds(param.numel()),
                 _ => {
@@ -286,10 +300,28 @@ pub fn instr_seconds(
         }
         Instr::Copy {
             src, dst, bytes, ..
+        }
+        | Instr::CopyShard {
+            src, dst, bytes, ..
         } => match (space_of(schedule, *src), space_of(schedule, *dst)) {
             (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
             _ => 0.0,
         },
+        Instr::AllGather { bytes, .. } | Instr::ReduceScatter { bytes, .. } => {
+            let StreamKind::Collective { gpus, nodes } = schedule
+                .streams
+                .get(stream.index())
+                .map_or(StreamKind::Compute, |s| s.kind)
+            else {
+                return 0.0;
+            };
+            let kind = match instr {
+                Instr::AllGather { .. } => CollectiveKind::AllGather,
+                _ => CollectiveKind::ReduceScatter,
+            };
+            let topology = Topology { gpus, nodes };
+            cost.collective_seconds(kind, bytes * u64::from(topology.ranks()), topology)
+        }
         Instr::AllReduce { value, .. } => {
             let (Some(v), StreamKind::Collective { gpus, nodes }) = (
                 value_of(schedule, *value),
@@ -435,6 +467,18 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
         Instr::Wait { event } => format!("wait {event}"),
         Instr::EndMicroBatch { micro_batches } => format!("end of micro-batch x{micro_batches}"),
         Instr::AllReduce { value, .. } => format!("all_reduce {}", value_name(*value)),
+        Instr::CopyShard { what, bytes, .. } => {
+            let size = format_bytes(*bytes);
+            match what {
+                CopyKind::FetchChunk { chunk } => format!("fetch shard chunk {} ({size})", chunk.0),
+                CopyKind::OffloadGrads { chunk } => {
+                    format!("offload grads shard chunk {} ({size})", chunk.0)
+                }
+                _ => format!("copy shard ({size})"),
+            }
+        }
+        Instr::AllGather { chunk, .. } => format!("all_gather chunk {}", chunk.0),
+        Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter chunk {}", chunk.0),
     }
 }
 
@@ -525,7 +569,12 @@ pub fn simulate_unverified(
                             }
                         }
                     },
-                    Instr::Kernel { .. } | Instr::Copy { .. } | Instr::AllReduce { .. } => {
+                    Instr::Kernel { .. }
+                    | Instr::Copy { .. }
+                    | Instr::AllReduce { .. }
+                    | Instr::CopyShard { .. }
+                    | Instr::AllGather { .. }
+                    | Instr::ReduceScatter { .. } => {
                         let seconds = seconds_of[s][index];
                         if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
                             (instr, stream.kind)
@@ -726,8 +775,11 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
                 }
             }
         }
-        Some(Instr::Copy { bytes, .. }) => {
+        Some(Instr::Copy { bytes, .. } | Instr::CopyShard { bytes, .. }) => {
             args.insert("bytes".into(), json!(bytes));
+        }
+        Some(Instr::AllGather { bytes, .. } | Instr::ReduceScatter { bytes, .. }) => {
+            args.insert("bytes_per_rank".into(), json!(bytes));
         }
         Some(Instr::Record { event } | Instr::Wait { event }) => {
             args.insert("event".into(), json!(event.to_string()));
@@ -751,14 +803,16 @@ pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'
     match instr {
         Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
         Instr::Kernel { .. } => category::COMPUTE,
-        Instr::Copy { src, dst, .. } => {
+        Instr::Copy { src, dst, .. } | Instr::CopyShard { src, dst, .. } => {
             match (space_of(schedule, *src), space_of(schedule, *dst)) {
                 (Some(Space::Host), Some(Space::Device)) => category::H2D,
                 (Some(Space::Device), Some(Space::Device)) => category::D2D,
                 _ => category::D2H,
             }
         }
-        Instr::AllReduce { .. } => category::COMM,
+        Instr::AllReduce { .. } | Instr::AllGather { .. } | Instr::ReduceScatter { .. } => {
+            category::COMM
+        }
         Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => category::WAIT,
     }
 }
@@ -814,7 +868,7 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                         return Err(bad(format!("value {v} of {op}")));
                     }
                 }
-                Instr::Copy { src, dst, .. } => {
+                Instr::Copy { src, dst, .. } | Instr::CopyShard { src, dst, .. } => {
                     for t in [src, dst] {
                         if space_of(schedule, *t).is_none() {
                             return Err(bad(t.buffer.to_string()));
@@ -832,6 +886,14 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                 Instr::AllReduce { value, at } => {
                     if value_of(schedule, *value).is_none() {
                         return Err(bad(value.to_string()));
+                    }
+                    if space_of(schedule, *at).is_none() {
+                        return Err(bad(at.buffer.to_string()));
+                    }
+                }
+                Instr::AllGather { chunk, at, .. } | Instr::ReduceScatter { chunk, at, .. } => {
+                    if chunk.index() >= schedule.chunks.len() {
+                        return Err(bad(chunk.to_string()));
                     }
                     if space_of(schedule, *at).is_none() {
                         return Err(bad(at.buffer.to_string()));

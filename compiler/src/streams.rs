@@ -23,7 +23,7 @@ use crate::error::{CompileError, Result};
 use crate::place::Placed;
 use protrain_ir::{
     Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, Instr, Movement,
-    OpId, OpKind, ParamId, Role, Space, Stream, StreamKind, TensorRef, ValueId,
+    OpId, OpKind, ParamId, Role, ShardPart, Space, Stream, StreamKind, TensorRef, ValueId,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -438,6 +438,14 @@ impl Builder {
             .collect();
         for (c, chunk) in chunks.iter() {
             let persistent = !streamed.contains(&c);
+            let with_state = chunk
+                .members
+                .iter()
+                .any(|m| adam.contains_key(&graph.param(m.param).value));
+            if !persistent && with_state && chunks.world_size > 1 {
+                self.shard_homes(graph, chunks, c, &adam);
+                continue;
+            }
             let (space, kind) = match persistent {
                 true => (Space::Device, BufferKind::PersistentChunk { chunk: c }),
                 false => (Space::Host, BufferKind::HostChunk { chunk: c }),
@@ -454,10 +462,6 @@ impl Builder {
                 .map(|m| graph.value(graph.param(m.param).value).ty.numel())
                 .collect();
             let total: u64 = elems.iter().sum();
-            let with_state = chunk
-                .members
-                .iter()
-                .any(|m| adam.contains_key(&graph.param(m.param).value));
             let state = with_state.then(|| {
                 self.buffer(
                     format!("adam{}", c.0),
@@ -514,6 +518,72 @@ impl Builder {
                 self.grad_chunk.insert(c, (g, hg));
             }
         }
+    }
+
+    /// Homes of an offloaded chunk sharded over `chunks.world_size` ranks (ZeRO-3 style; see
+    /// [`protrain_ir::BufferKind::HostShard`]): each part of its host state (parameters,
+    /// gradients, Adam moments, f32 master weights) is one buffer of `1/ranks` of the part's
+    /// whole layout, which keeps the chunk's layout (`chunk_bytes`, padding included) for
+    /// parameters and gradients and mirrors it element for element in f32 for the rest. The
+    /// device gradient chunk spans `chunk_bytes`, as the reduce-scatter sums every rank's
+    /// equal slices of it. [`crate::shard`] turns the chunk's copies into shard copies and
+    /// collectives.
+    fn shard_homes(
+        &mut self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        c: ChunkId,
+        adam: &HashMap<ValueId, (ValueId, ValueId)>,
+    ) {
+        let chunk = chunks.chunk(c);
+        let ranks = u64::from(chunks.world_size);
+        let slice = chunks.chunk_bytes / ranks;
+        let element = chunk.members.first().map_or(4, |m| {
+            graph.value(graph.param(m.param).value).ty.dtype.size()
+        });
+        let narrow = element < 4;
+        let part = |this: &mut Self, name: &str, part: ShardPart, bytes: u64| {
+            this.buffer(
+                format!("{name}{}", c.0),
+                Space::Host,
+                bytes,
+                BufferKind::HostShard { chunk: c, part },
+                None,
+            )
+        };
+        let wide = slice / element * 4;
+        let home = part(self, "chunk", ShardPart::Params, slice);
+        let m_buf = part(self, "adam_m", ShardPart::AdamM, wide);
+        let v_buf = part(self, "adam_v", ShardPart::AdamV, wide);
+        let master = narrow.then(|| part(self, "master", ShardPart::Master, wide));
+        self.host_chunk.insert(c, home);
+        for member in &chunk.members {
+            let value = graph.param(member.param).value;
+            self.homes.push((value, Self::at(home, member.offset)));
+            self.home.insert(value, Self::at(home, member.offset));
+            let Some(&(m, v)) = adam.get(&value) else {
+                continue;
+            };
+            let wide_at = member.offset / element * 4;
+            let (mr, vr) = (Self::at(m_buf, wide_at), Self::at(v_buf, wide_at));
+            self.homes.push((m, mr));
+            self.homes.push((v, vr));
+            self.home.insert(m, mr);
+            self.home.insert(v, vr);
+            self.state_home.insert(member.param, (mr, vr));
+            if let Some(master) = master {
+                self.masters.push((value, Self::at(master, wide_at)));
+            }
+        }
+        let g = self.buffer(
+            format!("grads{}", c.0),
+            Space::Device,
+            chunks.chunk_bytes,
+            BufferKind::GradChunk { chunk: c },
+            Some((0, 0)),
+        );
+        let hg = part(self, "host_grads", ShardPart::Grads, slice);
+        self.grad_chunk.insert(c, (g, hg));
     }
 
     /// The chunk slots the graph's gathers name.

@@ -9,7 +9,7 @@ use crate::chunks::{ChunkMember, ChunkTable};
 use crate::graph::Graph;
 use crate::ids::{BufferId, OpId, ValueId};
 use crate::schedule::{
-    Buffer, BufferKind, CopyKind, Instr, Schedule, Space, StreamKind, TensorRef,
+    Buffer, BufferKind, CopyKind, Instr, Schedule, ShardPart, Space, StreamKind, TensorRef,
 };
 use crate::types::{format_bytes, format_count};
 use std::fmt::Write;
@@ -97,7 +97,13 @@ impl BufferNumbering {
                     mention(*src);
                     mention(*dst);
                 }
-                Instr::AllReduce { at, .. } => mention(*at),
+                Instr::AllReduce { at, .. }
+                | Instr::AllGather { at, .. }
+                | Instr::ReduceScatter { at, .. } => mention(*at),
+                Instr::CopyShard { src, dst, .. } => {
+                    mention(*src);
+                    mention(*dst);
+                }
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -164,6 +170,16 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
         BufferKind::Workspace => "workspace".into(),
         BufferKind::Accumulators => "accumulators".into(),
         BufferKind::HostScratch => "host scratch".into(),
+        BufferKind::HostShard { chunk, part } => {
+            let part = match part {
+                ShardPart::Params => "params",
+                ShardPart::Grads => "grads",
+                ShardPart::AdamM => "adam m",
+                ShardPart::AdamV => "adam v",
+                ShardPart::Master => "master",
+            };
+            format!("shard {chunk} {part}")
+        }
     }
 }
 
@@ -278,7 +294,13 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
             "; data parallel: {w} ranks ({gpus} GPUs x {nodes} nodes) run this schedule, \
              each on its own rows (rank r, micro-batch m reads tokens from \
              ((step*{w} + r)*{k} + m)*batch*seq); gradients are summed over the ranks on the \
-             collective stream",
+             collective stream{}",
+            match s.sharded() {
+                true =>
+                    "; offloaded chunks are sharded: each rank holds 1/ranks of their host \
+                         state, all-gathers them before use and reduce-scatters their gradients",
+                false => "",
+            },
             w = gpus * nodes
         );
     }
@@ -510,9 +532,17 @@ fn tensor_ref(cx: &Cx, t: TensorRef) -> String {
     }
 }
 
-/// `device[+0x40]`: the absolute address of a tensor in its space.
+/// `device[+0x40]`: the absolute address of a tensor in its space; `host[+0x40 shard +0x8]`
+/// for a tensor in a host shard: the buffer's start on every rank, and the offset in the
+/// whole layout the ranks' shards make.
 fn address(cx: &Cx, t: TensorRef) -> String {
     match cx.s.buffers.get(t.buffer.index()) {
+        Some(b) if matches!(b.kind, BufferKind::HostShard { .. }) => format!(
+            "{}[+{:#x} shard +{:#x}]",
+            space_name(b.space),
+            b.offset,
+            t.offset
+        ),
         Some(b) => format!(
             "{}[+{:#x}]",
             space_name(b.space),
@@ -552,6 +582,36 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
                 "end_micro_batch x{micro_batches}  ; above: each micro-batch, below: the update"
             )
         }
+        Instr::CopyShard {
+            what,
+            src,
+            dst,
+            bytes,
+        } => format!(
+            "copy_shard {} {} -> {} {} per rank  ; rank r: +r*{}",
+            copy_label(*what, &cx.names),
+            address(cx, *src),
+            address(cx, *dst),
+            format_bytes(*bytes),
+            format_bytes(*bytes)
+        ),
+        Instr::AllGather { chunk, at, bytes } => format!(
+            "all_gather {chunk} at {} = {} {} per rank  ; every rank's slice to every rank",
+            tensor_ref(cx, *at),
+            address(cx, *at),
+            format_bytes(*bytes)
+        ),
+        Instr::ReduceScatter {
+            chunk,
+            at,
+            bytes,
+            dtype,
+        } => format!(
+            "reduce_scatter {chunk} {dtype} at {} = {} {} per rank  ; rank r's slice summed over the ranks",
+            tensor_ref(cx, *at),
+            address(cx, *at),
+            format_bytes(*bytes)
+        ),
         Instr::AllReduce { value, at } => {
             let g = &cx.s.graph;
             let bytes = match value.index() < g.values().len() {

@@ -19,8 +19,21 @@
 //! that every rank runs (SPMD): the rank is a parameter of the run (which rows of the global
 //! batch it reads), never a different instruction list. Its collective stream sums gradients
 //! over the ranks ([`Instr::AllReduce`]) between their last contribution and their first
-//! reader in the optimizer. Single-rank schedules have no such stream and encode exactly as
-//! before; the format version is unchanged because a new variant only extends the layout
+//! reader in the optimizer.
+//!
+//! A data-parallel schedule may also *shard* its offloaded chunks (ZeRO-3 style): every such
+//! chunk's host state (parameters, gradients, Adam moments, master weights) is split into
+//! `ranks` equal slices and rank `r` keeps only slice `r`, in [`BufferKind::HostShard`]
+//! buffers, so each rank's host region holds `1/ranks` of it. Before the chunk is used each
+//! rank uploads its slice into its part of a chunk slot ([`Instr::CopyShard`]) and the
+//! collective stream all-gathers the rest ([`Instr::AllGather`]); after the chunk's last
+//! backward use the collective stream reduce-scatters its gradients ([`Instr::ReduceScatter`])
+//! and each rank offloads its slice and updates it with the CPU Adam, which on each rank
+//! updates only the elements of each parameter inside its slice. Instructions address the
+//! shards in the whole layout, so the instruction list is the same on every rank; the rank
+//! picks its slice when it runs ([`Schedule::rank_slice`]).
+//!
+//! Single-rank schedules have no such stream and encode exactly as before; the format version is unchanged because a new variant only extends the layout
 //! (an older protrain rejects a data-parallel schedule as undecodable).
 
 use crate::chunks::ChunkTable;
@@ -92,6 +105,35 @@ pub enum BufferKind {
     Accumulators,
     /// Scratch the update program uses on the host (squared norms of host accumulators).
     HostScratch,
+    /// One rank's shard of a sharded chunk's host state (ZeRO-3 style: see the module doc).
+    /// The buffer's `size` is what each rank holds; tensor addresses in it are offsets in
+    /// the *whole* layout of `ranks x size` bytes, of which rank `r` holds
+    /// `[r*size, (r+1)*size)` ([`Schedule::rank_slice`]).
+    HostShard {
+        /// The chunk.
+        chunk: ChunkId,
+        /// Which part of the chunk's state.
+        part: ShardPart,
+    },
+}
+
+/// Which part of a sharded chunk's host state a [`BufferKind::HostShard`] holds. Parameters
+/// and gradients keep the chunk's byte layout; the f32 parts mirror it element for element
+/// (a parameter at byte `o` of the chunk has its moments at `4 * o / element size`), so
+/// every part splits at the same element boundaries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardPart {
+    /// The parameters, in their own type.
+    Params,
+    /// The gradients, reduce-scattered and offloaded.
+    Grads,
+    /// Adam's first moments (f32).
+    AdamM,
+    /// Adam's second moments (f32).
+    AdamV,
+    /// f32 master weights of parameters narrower than f32.
+    Master,
 }
 
 /// A buffer: a byte range at a fixed offset in the device arena or the host region.
@@ -172,6 +214,47 @@ pub enum Instr {
         value: ValueId,
         /// Where it is, on every rank.
         at: TensorRef,
+    },
+    /// Copy this rank's slice of a sharded chunk: `bytes` from `src + rank * bytes` to
+    /// `dst + rank * bytes`, where `rank` is the rank running the schedule. A fetch uploads
+    /// the rank's parameter shard into its slice of a chunk slot (an [`Instr::AllGather`]
+    /// fills the rest); an offload moves the rank's slice of the reduce-scattered gradients
+    /// to its host shard. The addresses are the whole layout's (see
+    /// [`BufferKind::HostShard`]), so the instruction is the same on every rank.
+    CopyShard {
+        /// What is copied: [`CopyKind::FetchChunk`] or [`CopyKind::OffloadGrads`].
+        what: CopyKind,
+        /// Source of rank 0's slice.
+        src: TensorRef,
+        /// Destination of rank 0's slice.
+        dst: TensorRef,
+        /// Bytes of one slice (the chunk's bytes over the ranks).
+        bytes: u64,
+    },
+    /// All-gather a chunk in place on the collective stream: before it, each rank `r` holds
+    /// its slice `[at + r*bytes, at + (r+1)*bytes)`; after it, every rank holds every slice.
+    AllGather {
+        /// The chunk gathered.
+        chunk: ChunkId,
+        /// The start of the chunk's buffer (a chunk slot).
+        at: TensorRef,
+        /// Bytes of one slice.
+        bytes: u64,
+    },
+    /// Reduce-scatter a chunk's gradients in place on the collective stream: every rank
+    /// holds `ranks * bytes` bytes of gradients at `at`; afterwards rank `r`'s slice
+    /// `[at + r*bytes, at + (r+1)*bytes)` holds the sum over the ranks, added in rank order
+    /// (`((g0 + g1) + g2) + ...` in f32, rounded once to `dtype`), and the other slices are
+    /// undefined.
+    ReduceScatter {
+        /// The chunk whose gradients are summed.
+        chunk: ChunkId,
+        /// The start of the chunk's device gradient buffer.
+        at: TensorRef,
+        /// Bytes of one slice.
+        bytes: u64,
+        /// The gradients' element type.
+        dtype: DType,
     },
 }
 
@@ -394,9 +477,60 @@ impl Schedule {
         gpus * nodes
     }
 
-    /// The absolute byte address of a tensor in its space.
+    /// The absolute byte address of a tensor in its space. For a tensor in a
+    /// [`BufferKind::HostShard`] buffer it is the address in the *whole view*: the host
+    /// addresses from `host_bytes` on, where each sharded buffer at offset `o` spans
+    /// `[host_bytes + ranks*o, host_bytes + ranks*(o + size))` as if one rank held every
+    /// shard. The verifier checks data flow in that view (every rank does the same, so the
+    /// union of their shards behaves as one buffer); a rank reads and writes its own slice
+    /// ([`Schedule::rank_slice`]).
     pub fn address(&self, t: TensorRef) -> (Space, u64) {
         let b = self.buffer(t.buffer);
-        (b.space, b.offset + t.offset)
+        match b.kind {
+            BufferKind::HostShard { .. } => (
+                b.space,
+                self.host_bytes + u64::from(self.ranks()) * b.offset + t.offset,
+            ),
+            _ => (b.space, b.offset + t.offset),
+        }
+    }
+
+    /// Bytes a tensor address may reach in its buffer: its size, or for a
+    /// [`BufferKind::HostShard`] the whole layout's `ranks * size`.
+    pub fn extent(&self, b: BufferId) -> u64 {
+        let buffer = self.buffer(b);
+        match buffer.kind {
+            BufferKind::HostShard { .. } => u64::from(self.ranks()) * buffer.size,
+            _ => buffer.size,
+        }
+    }
+
+    /// What rank `rank` holds of the `bytes` bytes at `t`: `(space, address, skip, len)`,
+    /// the `len` bytes starting `skip` bytes into the tensor, at `address` in `space`. For a
+    /// tensor in a [`BufferKind::HostShard`] that is its overlap with the rank's slice
+    /// (`None` when they do not overlap); for any other, all of it at
+    /// [`Schedule::address`].
+    pub fn rank_slice(
+        &self,
+        t: TensorRef,
+        bytes: u64,
+        rank: u32,
+    ) -> Option<(Space, u64, u64, u64)> {
+        let b = self.buffer(t.buffer);
+        match b.kind {
+            BufferKind::HostShard { .. } => {
+                let (lo, hi) = (u64::from(rank) * b.size, u64::from(rank + 1) * b.size);
+                let (a, z) = (t.offset.max(lo), (t.offset + bytes).min(hi));
+                (a < z).then(|| (b.space, b.offset + a - lo, a - t.offset, z - a))
+            }
+            _ => Some((b.space, b.offset + t.offset, 0, bytes)),
+        }
+    }
+
+    /// Whether any buffer holds a shard of a sharded chunk.
+    pub fn sharded(&self) -> bool {
+        self.buffers
+            .iter()
+            .any(|b| matches!(b.kind, BufferKind::HostShard { .. }))
     }
 }

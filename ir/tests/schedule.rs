@@ -1051,7 +1051,13 @@ fn reversed_buffers() -> Schedule {
                 flip(src);
                 flip(dst);
             }
-            Instr::AllReduce { at, .. } => flip(at),
+            Instr::AllReduce { at, .. }
+            | Instr::AllGather { at, .. }
+            | Instr::ReduceScatter { at, .. } => flip(at),
+            Instr::CopyShard { src, dst, .. } => {
+                flip(src);
+                flip(dst);
+            }
             Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
         }
     }

@@ -48,6 +48,21 @@ pub struct Launch<'a> {
     pub workspace: Option<(Address, u64)>,
     /// The 1-based step number (AdamW's bias correction).
     pub step: u64,
+    /// For an AdamW op on a sharded chunk: the rank's part of the parameter (see
+    /// [`ShardLaunch`]); `None` for every other launch.
+    pub shard: Option<ShardLaunch>,
+}
+
+/// A rank's part of an AdamW op on a sharded chunk (see
+/// [`protrain_ir::BufferKind::HostShard`]): the launch's addresses point at the first element
+/// of the parameter (and of its gradient and moments) that the rank holds, and it updates
+/// `elements` of them; a narrow parameter's f32 master weight part is at `master`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardLaunch {
+    /// Elements the rank updates.
+    pub elements: usize,
+    /// The rank's part of the f32 master weight, for a parameter narrower than f32.
+    pub master: Option<Address>,
 }
 
 /// Sets the learning rate of an AdamW op's `kind` to `lr`, the one hyper-parameter that
@@ -145,6 +160,50 @@ pub trait Backend: Sync + Sized {
     ///
     /// The ordering contract (see the trait doc) holds for the range.
     unsafe fn all_reduce(
+        &self,
+        stream: &mut Self::Stream,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let _ = (stream, at, dtype, len, comm);
+        Err(RuntimeError::BadSchedule(format!(
+            "this backend has no {}; run data-parallel schedules on the host backend",
+            Self::MISSING_COLLECTIVES.unwrap_or("collectives")
+        )))
+    }
+
+    /// All-gathers a sharded chunk in place on `stream`: rank `r` holds `bytes` at
+    /// `at + r * bytes`, and afterwards every rank holds every rank's `bytes` there (the
+    /// ranks of `comm`, each calling it with the same arguments, in the same order).
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for the `ranks * bytes` at `at`.
+    unsafe fn all_gather(
+        &self,
+        stream: &mut Self::Stream,
+        at: Address,
+        bytes: u64,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let _ = (stream, at, bytes, comm);
+        Err(RuntimeError::BadSchedule(format!(
+            "this backend has no {}; run data-parallel schedules on the host backend",
+            Self::MISSING_COLLECTIVES.unwrap_or("collectives")
+        )))
+    }
+
+    /// Reduce-scatters `ranks * len` elements of `dtype` at `at` in place on `stream`: rank
+    /// `r`'s slice of `len` elements at `at + r * len` becomes the sum over the ranks of their
+    /// slice `r`, added in rank order (narrow values rounded after each add, as
+    /// [`Backend::all_reduce`] does); the other slices are left undefined.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for the whole range.
+    unsafe fn reduce_scatter(
         &self,
         stream: &mut Self::Stream,
         at: Address,

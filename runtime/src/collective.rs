@@ -2,6 +2,12 @@
 //! needs (all-gather of parameter shards, reduce-scatter of gradients, all-reduce of partial
 //! squared norms and losses), behind one trait.
 //!
+//! The host backend issues them for a data-parallel schedule's collective stream: all-reduces
+//! of replicated gradients, and for offloaded chunks sharded over the ranks (ZeRO-3 style) the
+//! all-gather of each chunk's parameter slices before use and the reduce-scatter of its
+//! gradients after their last backward use; the executor also gathers the shards when the
+//! weights or the optimizer state are read.
+//!
 //! [`ThreadRank`] (made by [`thread_ranks`]) implements it for ranks that are threads of one process, exchanging through
 //! shared memory. It is the host backend's collective and the test double for NCCL, in the
 //! spirit of PyTorch's threaded process group for its own distributed tests: every rank runs

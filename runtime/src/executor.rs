@@ -30,7 +30,7 @@
 //! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
 //! the same rows, bit for bit.
 
-use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch};
+use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch, ShardLaunch};
 use crate::collective::Collective;
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
@@ -39,10 +39,12 @@ use crate::interpreter::StepReport;
 use crate::kernels;
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
-    DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId, StreamKind,
-    TensorRef, ValueId,
+    BufferKind, DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId,
+    StreamKind, TensorRef, ValueId,
 };
 use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 /// How long the last step took.
@@ -81,6 +83,9 @@ enum Planned {
         outputs: Vec<Address>,
         workspace: Option<(Address, u64)>,
         prepared: Prepared,
+        /// The rank's part of an AdamW op on a sharded chunk (boxed: rare, and the variant
+        /// is the enum's largest).
+        shard: Option<Box<ShardLaunch>>,
     },
     Copy {
         src: Address,
@@ -94,6 +99,17 @@ enum Planned {
         dtype: DType,
         len: usize,
     },
+    AllGather {
+        at: Address,
+        bytes: u64,
+    },
+    ReduceScatter {
+        at: Address,
+        dtype: DType,
+        len: usize,
+    },
+    /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
+    Skip,
 }
 
 /// One stream: its handle, its program and what its last step measured.
@@ -113,12 +129,13 @@ struct StreamRun<S> {
 }
 
 /// A parameter's home, its element type, and the home of its f32 master weight when the
-/// parameter is narrower (mixed precision).
+/// parameter is narrower (mixed precision). In a sharded chunk the homes are in the whole
+/// layout of the ranks' shards; a rank reads and writes its part ([`held`]).
 struct ParamHome {
-    at: Address,
+    at: TensorRef,
     len: usize,
     dtype: DType,
-    master: Option<Address>,
+    master: Option<TensorRef>,
 }
 
 /// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
@@ -194,7 +211,7 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     /// Each parameter's home, in parameter order.
     params: Vec<ParamHome>,
     /// Each optimizer-state value (Adam m and v), its home and its length, in graph order.
-    state: Vec<(ValueId, Address, usize)>,
+    state: Vec<(ValueId, TensorRef, usize)>,
     loss: Address,
     /// Micro-batches per step (1 without accumulation).
     micro_batches: u32,
@@ -207,8 +224,13 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     updates: u64,
     timing: StepTiming,
     tracing: bool,
-    /// This rank's collective, for a data-parallel schedule.
-    comm: Option<Box<dyn Collective>>,
+    /// This rank's collective, for a data-parallel schedule (behind a lock so that reading
+    /// the weights of a sharded schedule, which gathers them, takes `&self`).
+    comm: Mutex<Option<Box<dyn Collective>>>,
+    /// This rank (0 without a collective): which slice of each sharded chunk it holds.
+    rank: u32,
+    /// Each narrow parameter's f32 master weight home, for planning sharded AdamW ops.
+    masters: HashMap<ValueId, TensorRef>,
 }
 
 impl<'s> Executor<'s, HostBackend> {
@@ -253,10 +275,9 @@ impl<'s, B: Backend> Executor<'s, B> {
                  --gpus 1 --nodes 1"
             )));
         }
-        let masters: HashMap<ValueId, Address> = master_weights(schedule)?
-            .into_iter()
-            .map(|m| (m.param, m.master))
-            .collect();
+        // Checks that every narrow parameter has its master weight.
+        master_weights(schedule)?;
+        let masters: HashMap<ValueId, TensorRef> = schedule.masters.iter().copied().collect();
         let mut backend = B::new(schedule.arena_bytes, schedule.host_bytes, schedule.events)?;
         backend.prepare(schedule)?;
         let mut streams = Vec::with_capacity(schedule.streams.len());
@@ -266,8 +287,14 @@ impl<'s, B: Backend> Executor<'s, B> {
             streams.push(StreamRun {
                 id: StreamId::new(s),
                 handle: backend.create_stream(stream.kind)?,
-                program: micro.iter().map(|i| plan(schedule, i)).collect(),
-                update: update.iter().map(|i| plan(schedule, i)).collect(),
+                program: micro
+                    .iter()
+                    .map(|i| plan(schedule, i, 0, &masters))
+                    .collect(),
+                update: update
+                    .iter()
+                    .map(|i| plan(schedule, i, 0, &masters))
+                    .collect(),
                 update_at: (stream.instrs.len() - update.len()) as u32,
                 collective: matches!(stream.kind, StreamKind::Collective { .. }),
                 busy: 0.0,
@@ -275,11 +302,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             });
         }
         // The verifier checked that every value without a producer has exactly one home.
-        let homes: HashMap<ValueId, Address> = schedule
-            .homes
-            .iter()
-            .map(|&(v, t)| (v, address(schedule, t)))
-            .collect();
+        let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
         let home = |v: ValueId| homes[&v];
         let mut inputs = Vec::new();
         for &v in graph.inputs() {
@@ -299,7 +322,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 .map(|n| n as usize);
             inputs.push(InputHome {
                 value: v,
-                at: home(v),
+                at: address(schedule, home(v)),
                 len: graph.value(v).ty.numel() as usize,
                 vocab,
             });
@@ -325,7 +348,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         let accumulators = graph
             .values()
             .filter(|(_, v)| v.role == Role::Accumulator && v.producer.is_none())
-            .map(|(id, v)| (home(id), v.ty.bytes()))
+            .map(|(id, v)| (address(schedule, home(id)), v.ty.bytes()))
             .collect();
         Ok(Self {
             schedule,
@@ -347,8 +370,59 @@ impl<'s, B: Backend> Executor<'s, B> {
             step: 0,
             updates: 0,
             tracing: false,
-            comm: None,
+            comm: Mutex::new(None),
+            rank: 0,
+            masters,
         })
+    }
+
+    /// The collective, locked (a rank that panicked while holding it left it whole).
+    fn comm(&self) -> MutexGuard<'_, Option<Box<dyn Collective>>> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What this rank holds of the `len` elements of `size` bytes at `t` ([`held`]).
+    fn held(&self, t: TensorRef, len: usize, size: u64) -> Option<(Address, Range<usize>)> {
+        held(self.schedule, t, len, size, self.rank)
+    }
+
+    /// Completes `out`, of which this rank filled the part it holds of the `len` elements of
+    /// `size` bytes at `t`, with the other ranks' parts when `t` is in a sharded chunk (every
+    /// rank must call it for the same tensors in the same order); one tensor at a time, so
+    /// no rank ever holds more than one whole tensor beyond its shards.
+    fn gather_parts(&self, t: TensorRef, size: u64, out: &mut [f32]) -> Result<()> {
+        let schedule = self.schedule;
+        if !matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. }) {
+            return Ok(());
+        }
+        let len = out.len();
+        let world = schedule.ranks();
+        let parts: Vec<Range<usize>> = (0..world)
+            .map(|q| held(schedule, t, len, size, q).map_or(0..0, |(_, r)| r))
+            .collect();
+        let widest = parts.iter().map(Range::len).max().unwrap_or(0);
+        let mut send = vec![0u8; 4 * widest];
+        for (bytes, x) in send
+            .chunks_exact_mut(4)
+            .zip(&out[parts[self.rank as usize].clone()])
+        {
+            bytes.copy_from_slice(&x.to_le_bytes());
+        }
+        let mut recv = vec![0u8; send.len() * world as usize];
+        let mut comm = self.comm();
+        let comm = comm.as_deref_mut().ok_or_else(|| RuntimeError::Collective {
+            rank: self.rank as usize,
+            problem: "reading the weights of a sharded schedule gathers them from every rank,                       but this executor has no collective; give it one                       (Executor::set_collective)"
+                .into(),
+        })?;
+        comm.all_gather(&send, &mut recv)?;
+        for (q, part) in parts.iter().enumerate() {
+            for (k, i) in part.clone().enumerate() {
+                let at = 4 * (q * widest + k);
+                out[i] = f32::from_le_bytes([recv[at], recv[at + 1], recv[at + 2], recv[at + 3]]);
+            }
+        }
+        Ok(())
     }
 
     /// Gives the executor its rank's collective, for a data-parallel schedule: the group must
@@ -365,19 +439,37 @@ impl<'s, B: Backend> Executor<'s, B> {
                 ),
             });
         }
-        self.comm = Some(comm);
+        // Sharded chunks: the rank picks its slices, so its instructions are planned again.
+        let rank = comm.rank() as u32;
+        *self.comm.get_mut().unwrap_or_else(PoisonError::into_inner) = Some(comm);
+        if rank != self.rank {
+            self.rank = rank;
+            let schedule = self.schedule;
+            for (s, (micro, update)) in self.streams.iter_mut().zip(schedule.phases()) {
+                s.program = micro
+                    .iter()
+                    .map(|i| plan(schedule, i, rank, &self.masters))
+                    .collect();
+                s.update = update
+                    .iter()
+                    .map(|i| plan(schedule, i, rank, &self.masters))
+                    .collect();
+            }
+        }
         Ok(())
     }
 
     /// Drops this rank's collective: the other ranks' next collective fails, naming this one,
     /// instead of waiting for it (after a failure here). Its steps fail from now on.
     pub fn leave_group(&mut self) {
-        self.comm = None;
+        *self.comm.get_mut().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// This rank and the number of ranks: `(0, 1)` without a collective.
     pub fn rank(&self) -> (usize, usize) {
-        self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()))
+        self.comm()
+            .as_ref()
+            .map_or((0, 1), |c| (c.rank(), c.world()))
     }
 
     /// Micro-batches per optimizer step: a step takes this many times the tokens of one
@@ -433,27 +525,33 @@ impl<'s, B: Backend> Executor<'s, B> {
                 });
             }
         }
+        // Each rank writes the part of each parameter it holds (all of it, unless sharded).
         for (home, data) in self.params.iter().zip(values) {
-            match home.dtype {
-                DType::BF16 => {
-                    let narrow: Vec<half::bf16> =
-                        data.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                    self.backend.write_bf16(home.at, &narrow)?;
+            if let Some((at, part)) = self.held(home.at, home.len, home.dtype.size()) {
+                let data = &data[part];
+                match home.dtype {
+                    DType::BF16 => {
+                        let narrow: Vec<half::bf16> =
+                            data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                        self.backend.write_bf16(at, &narrow)?;
+                    }
+                    DType::F16 => {
+                        let narrow: Vec<half::f16> =
+                            data.iter().map(|&x| half::f16::from_f32(x)).collect();
+                        self.backend.write_f16(at, &narrow)?;
+                    }
+                    _ => self.backend.write_f32(at, data)?,
                 }
-                DType::F16 => {
-                    let narrow: Vec<half::f16> =
-                        data.iter().map(|&x| half::f16::from_f32(x)).collect();
-                    self.backend.write_f16(home.at, &narrow)?;
-                }
-                _ => self.backend.write_f32(home.at, data)?,
             }
-            if let Some(master) = home.master {
-                self.backend.write_f32(master, data)?;
+            if let Some((at, part)) = home.master.and_then(|m| self.held(m, home.len, 4)) {
+                self.backend.write_f32(at, &data[part])?;
             }
         }
-        for &(_, at, len) in &self.state {
-            self.backend
-                .fill_zero(at, (len * std::mem::size_of::<f32>()) as u64)?;
+        for &(_, t, len) in &self.state {
+            if let Some((at, part)) = self.held(t, len, 4) {
+                self.backend
+                    .fill_zero(at, (part.len() * std::mem::size_of::<f32>()) as u64)?;
+            }
         }
         self.step = 0;
         self.updates = 0;
@@ -463,13 +561,19 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// Every optimizer-state value (Adam's m and v, f32) by its value name (`adam.m.NAME`,
     /// `adam.v.NAME`), in graph order, read from their homes. With [`Executor::params`] and
     /// [`Executor::steps_taken`] this is the whole training state.
+    ///
+    /// With a sharded schedule every rank must call it (it gathers the ranks' shards, one
+    /// value at a time) and every rank gets the whole state.
     pub fn state(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let graph = &self.schedule.graph;
         self.state
             .iter()
-            .map(|&(id, at, len)| {
+            .map(|&(id, t, len)| {
                 let mut out = vec![0.0; len];
-                self.backend.read_f32(at, &mut out)?;
+                if let Some((at, part)) = self.held(t, len, 4) {
+                    self.backend.read_f32(at, &mut out[part])?;
+                }
+                self.gather_parts(t, 4, &mut out)?;
                 Ok((graph.value(id).name.clone(), out))
             })
             .collect()
@@ -506,15 +610,17 @@ impl<'s, B: Backend> Executor<'s, B> {
                     got: data.len(),
                 });
             }
-            ordered.push((at, data));
+            ordered.push((at, len, data));
         }
         if let Some(name) = given.keys().min() {
             return Err(RuntimeError::Shape(format!(
                 "the schedule has no optimizer state `{name}`; the state is from another model"
             )));
         }
-        for (at, data) in ordered {
-            self.backend.write_f32(at, data)?;
+        for (t, len, data) in ordered {
+            if let Some((at, part)) = self.held(t, len, 4) {
+                self.backend.write_f32(at, &data[part])?;
+            }
         }
         Ok(())
     }
@@ -536,29 +642,40 @@ impl<'s, B: Backend> Executor<'s, B> {
 
     /// Every parameter's current values, in parameter order, read from their homes (from
     /// the f32 master weight of a bf16 parameter).
+    ///
+    /// With a sharded schedule every rank must call it (it gathers the ranks' shards, one
+    /// parameter at a time) and every rank gets the whole weights.
     pub fn params(&self) -> Result<Vec<Vec<f32>>> {
         self.params
             .iter()
             .map(|home| {
                 let mut out = vec![0.0; home.len];
-                match (home.master, home.dtype) {
-                    (Some(master), _) => self.backend.read_f32(master, &mut out)?,
-                    (None, DType::BF16) => {
-                        let mut narrow = vec![half::bf16::ZERO; home.len];
-                        self.backend.read_bf16(home.at, &mut narrow)?;
-                        for (o, x) in out.iter_mut().zip(narrow) {
-                            *o = x.to_f32();
+                let (t, size) = match home.master {
+                    Some(master) => (master, 4),
+                    None => (home.at, home.dtype.size()),
+                };
+                if let Some((at, part)) = self.held(t, home.len, size) {
+                    let out = &mut out[part];
+                    match (home.master, home.dtype) {
+                        (Some(_), _) => self.backend.read_f32(at, out)?,
+                        (None, DType::BF16) => {
+                            let mut narrow = vec![half::bf16::ZERO; out.len()];
+                            self.backend.read_bf16(at, &mut narrow)?;
+                            for (o, x) in out.iter_mut().zip(narrow) {
+                                *o = x.to_f32();
+                            }
                         }
-                    }
-                    (None, DType::F16) => {
-                        let mut narrow = vec![half::f16::ZERO; home.len];
-                        self.backend.read_f16(home.at, &mut narrow)?;
-                        for (o, x) in out.iter_mut().zip(narrow) {
-                            *o = x.to_f32();
+                        (None, DType::F16) => {
+                            let mut narrow = vec![half::f16::ZERO; out.len()];
+                            self.backend.read_f16(at, &mut narrow)?;
+                            for (o, x) in out.iter_mut().zip(narrow) {
+                                *o = x.to_f32();
+                            }
                         }
+                        (None, _) => self.backend.read_f32(at, out)?,
                     }
-                    (None, _) => self.backend.read_f32(home.at, &mut out)?,
                 }
+                self.gather_parts(t, size, &mut out)?;
                 Ok(out)
             })
             .collect()
@@ -705,7 +822,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             }
         }
         let ranks = self.schedule.ranks() as usize;
-        if self.comm.is_none() && ranks > 1 {
+        if self.comm().is_none() && ranks > 1 {
             return Err(RuntimeError::Collective {
                 rank: 0,
                 problem: format!(
@@ -747,7 +864,12 @@ impl<'s, B: Backend> Executor<'s, B> {
         // overflowed: then every AdamW read the skip coefficient and changed nothing.
         let skipped = self.loss_scaled && !outcome.grad_norm.is_some_and(f32::is_finite);
         // Every rank's losses, rank by rank: the global batch's micro-batches in order.
-        if let Some(comm) = self.comm.as_deref_mut() {
+        if let Some(comm) = self
+            .comm
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_deref_mut()
+        {
             let send: Vec<u8> = losses.iter().flat_map(|l| l.to_le_bytes()).collect();
             let mut all = vec![0u8; send.len() * comm.world()];
             comm.all_gather(&send, &mut all)?;
@@ -788,7 +910,11 @@ impl<'s, B: Backend> Executor<'s, B> {
         self.backend.begin_step();
         let (backend, tracing) = (&self.backend, self.tracing);
         // The collective stream (at most one) issues through this rank's collective.
-        let mut comm: Option<&mut (dyn Collective + 'static)> = self.comm.as_deref_mut();
+        let mut comm: Option<&mut (dyn Collective + 'static)> = self
+            .comm
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_deref_mut();
         let results: Vec<std::thread::Result<Result<Outcome>>> = std::thread::scope(|scope| {
             let running: Vec<_> = self
                 .streams
@@ -875,6 +1001,7 @@ fn run_stream<B: Backend>(
                     backend.record(&mut s.handle, *event)?;
                     continue;
                 }
+                Planned::Skip => continue,
                 Planned::Kernel {
                     op,
                     launched,
@@ -882,6 +1009,7 @@ fn run_stream<B: Backend>(
                     outputs,
                     workspace,
                     prepared,
+                    shard,
                 } => {
                     let launch = Launch {
                         graph,
@@ -891,6 +1019,7 @@ fn run_stream<B: Backend>(
                         outputs,
                         workspace: *workspace,
                         step,
+                        shard: shard.as_deref().copied(),
                     };
                     // SAFETY: the schedule was verified when the executor was made, and its
                     // instructions are issued in stream order with its events: the verifier
@@ -911,6 +1040,24 @@ fn run_stream<B: Backend>(
                     };
                     // SAFETY: as for kernels.
                     unsafe { backend.all_reduce(&mut s.handle, *at, *dtype, *len, comm)? };
+                }
+                Planned::AllGather { at, bytes } => {
+                    let Some(comm) = comm.as_deref_mut() else {
+                        return Err(RuntimeError::BadSchedule(
+                            "an all-gather on a stream without the rank's collective".into(),
+                        ));
+                    };
+                    // SAFETY: as for kernels.
+                    unsafe { backend.all_gather(&mut s.handle, *at, *bytes, comm)? };
+                }
+                Planned::ReduceScatter { at, dtype, len } => {
+                    let Some(comm) = comm.as_deref_mut() else {
+                        return Err(RuntimeError::BadSchedule(
+                            "a reduce-scatter on a stream without the rank's collective".into(),
+                        ));
+                    };
+                    // SAFETY: as for kernels.
+                    unsafe { backend.reduce_scatter(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
             }
             let ended = start.elapsed().as_secs_f64();
@@ -941,8 +1088,48 @@ fn address(schedule: &Schedule, t: TensorRef) -> Address {
     Address { space, offset }
 }
 
-/// An instruction of a verified schedule with its addresses resolved and its constants made.
-fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
+/// What rank `rank` holds of the `len` elements of `size` bytes at `t`: the address of the
+/// first element it holds and which elements; all of them unless `t` is in a sharded chunk
+/// ([`Schedule::rank_slice`]), `None` when it holds none.
+fn held(
+    schedule: &Schedule,
+    t: TensorRef,
+    len: usize,
+    size: u64,
+    rank: u32,
+) -> Option<(Address, Range<usize>)> {
+    let (space, offset, skip, bytes) = schedule.rank_slice(t, len as u64 * size, rank)?;
+    let first = (skip / size) as usize;
+    Some((
+        Address { space, offset },
+        first..first + (bytes / size) as usize,
+    ))
+}
+
+/// Where rank `rank` holds element `first` (of `size` bytes) of the tensor at `t`: its part
+/// of a sharded chunk's operand, whose parts split at the same elements.
+fn element_address(
+    schedule: &Schedule,
+    t: TensorRef,
+    first: usize,
+    size: u64,
+    rank: u32,
+) -> Address {
+    let at = TensorRef {
+        buffer: t.buffer,
+        offset: t.offset + first as u64 * size,
+    };
+    held(schedule, at, 1, size, rank).map_or_else(|| address(schedule, at), |(a, _)| a)
+}
+
+/// An instruction of a verified schedule with its addresses resolved, for rank `rank`, and
+/// its constants made.
+fn plan(
+    schedule: &Schedule,
+    instr: &Instr,
+    rank: u32,
+    masters: &HashMap<ValueId, TensorRef>,
+) -> Planned {
     let graph = &schedule.graph;
     match instr {
         Instr::Kernel {
@@ -953,7 +1140,39 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
         } => {
             let o = graph.op(*op);
             let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+            let mut addresses: Vec<Address> =
+                inputs.iter().map(|&t| address(schedule, t)).collect();
+            // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
+            // moments and its master weight (the verifier checked the operands' homes).
+            let sharded = |t: &TensorRef| {
+                matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
+            };
+            let mut shard = None;
+            if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
+                if sharded(param) {
+                    let ty = types[0];
+                    let Some((at, part)) =
+                        held(schedule, *param, ty.numel() as usize, ty.dtype.size(), rank)
+                    else {
+                        return Planned::Skip;
+                    };
+                    addresses[0] = at;
+                    // The gradient and both moments.
+                    for ((a, &t), ty) in
+                        addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1)
+                    {
+                        *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
+                    }
+                    shard = Some(Box::new(ShardLaunch {
+                        elements: part.len(),
+                        master: masters
+                            .get(&o.inputs[0])
+                            .map(|&m| element_address(schedule, m, part.start, 4, rank)),
+                    }));
+                }
+            }
             Planned::Kernel {
+                shard,
                 op: *op,
                 launched: matches!(
                     o.kind,
@@ -962,7 +1181,7 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
                         | OpKind::UnscaleCoef { .. }
                 )
                 .then(|| o.clone()),
-                inputs: inputs.iter().map(|&t| address(schedule, t)).collect(),
+                inputs: addresses,
                 outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
                 // The verifier checked that a kernel has a workspace exactly when its kind
                 // needs one, with room for what it needs.
@@ -977,6 +1196,28 @@ fn plan(schedule: &Schedule, instr: &Instr) -> Planned {
             src: address(schedule, *src),
             dst: address(schedule, *dst),
             bytes: *bytes,
+        },
+        // This rank's slice, `rank * bytes` into both sides of the whole layout.
+        Instr::CopyShard {
+            src, dst, bytes, ..
+        } => {
+            let shift = |t: TensorRef| element_address(schedule, t, rank as usize, *bytes, rank);
+            Planned::Copy {
+                src: shift(*src),
+                dst: shift(*dst),
+                bytes: *bytes,
+            }
+        }
+        Instr::AllGather { at, bytes, .. } => Planned::AllGather {
+            at: address(schedule, *at),
+            bytes: *bytes,
+        },
+        Instr::ReduceScatter {
+            at, bytes, dtype, ..
+        } => Planned::ReduceScatter {
+            at: address(schedule, *at),
+            dtype: *dtype,
+            len: (*bytes / dtype.size()) as usize,
         },
         Instr::Record { event } => Planned::Record(*event),
         Instr::Wait { event } => Planned::Wait(*event),

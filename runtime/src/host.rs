@@ -239,8 +239,18 @@ impl HostBackend {
                 ty(2)
             )));
         }
-        let n = param.numel() as usize;
-        let master_at = self.master_weight(l.inputs[2])?;
+        // A sharded chunk's rank updates its part, whose master weight the launch gives.
+        let (n, master_at) = match l.shard {
+            Some(shard) => (
+                shard.elements,
+                shard.master.ok_or_else(|| {
+                    RuntimeError::BadSchedule(format!(
+                        "a sharded {param} AdamW without its f32 master weight part"
+                    ))
+                })?,
+            ),
+            None => (param.numel() as usize, self.master_weight(l.inputs[2])?),
+        };
         // SAFETY (every view): the ordering contract gives this op its operands alone while it
         // runs; param, grad, m, v, the coefficient and the master weight are distinct values
         // at distinct homes, so the views do not overlap.
@@ -458,6 +468,33 @@ fn all_reduce_narrow<T: Copy>(
     Ok(())
 }
 
+/// `values[mine]` = the sum over the ranks of each one's `values[mine]`, gathered from every
+/// rank and added in rank order, rounded after each add.
+fn reduce_scatter_narrow<T: Copy>(
+    values: &mut [T],
+    mine: std::ops::Range<usize>,
+    comm: &mut dyn Collective,
+    to_bits: fn(T) -> u16,
+    from_bits: fn(u16) -> T,
+    add: fn(T, T) -> T,
+) -> Result<()> {
+    let send: Vec<u8> = values
+        .iter()
+        .flat_map(|&v| to_bits(v).to_le_bytes())
+        .collect();
+    let mut all = vec![0u8; send.len() * comm.world()];
+    comm.all_gather(&send, &mut all)?;
+    let len = values.len();
+    let rank = |r: usize, i: usize| {
+        let at = (r * len + i) * 2;
+        from_bits(u16::from_le_bytes([all[at], all[at + 1]]))
+    };
+    for i in mine {
+        values[i] = (1..comm.world()).fold(rank(0, i), |sum, r| add(sum, rank(r, i)));
+    }
+    Ok(())
+}
+
 impl Backend for HostBackend {
     type Stream = HostStream;
 
@@ -570,6 +607,8 @@ impl Backend for HostBackend {
             }
             // SAFETY: the caller upholds the ordering contract: nothing else touches the
             // parameter, moments or gradient meanwhile, and they do not overlap each other.
+            // A sharded chunk's rank updates its part of every operand.
+            let len = |v| l.shard.map_or_else(|| len(v), |shard| shard.elements);
             unsafe {
                 let param = self.slice_mut(l.inputs[0], len(op.inputs[0]))?;
                 let grad = self.slice(l.inputs[1], len(op.inputs[1]))?;
@@ -658,6 +697,60 @@ impl Backend for HostBackend {
         // overlap each other.
         unsafe { std::ptr::copy(from, to, bytes as usize) };
         Ok(())
+    }
+
+    /// Every rank's slice through [`Collective::all_gather`], written back in rank order.
+    unsafe fn all_gather(
+        &self,
+        _stream: &mut HostStream,
+        at: Address,
+        bytes: u64,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let (rank, world) = (comm.rank(), comm.world());
+        let bytes = bytes as usize;
+        // SAFETY: the caller's contract: nothing else touches the range meanwhile.
+        let all = unsafe { self.slice_mut::<u8>(at, world * bytes)? };
+        let send = all[rank * bytes..(rank + 1) * bytes].to_vec();
+        comm.all_gather(&send, all)
+    }
+
+    /// f32 through [`Collective::reduce_scatter`]; narrow values gathered from every rank and
+    /// this rank's slice summed here in rank order, rounded after each add (as
+    /// [`Backend::all_reduce`] sums them).
+    unsafe fn reduce_scatter(
+        &self,
+        _stream: &mut HostStream,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let (rank, world) = (comm.rank(), comm.world());
+        let mine = rank * len..(rank + 1) * len;
+        // SAFETY (each arm): the caller's contract: nothing else touches the range meanwhile.
+        match dtype {
+            DType::F32 => {
+                let all = unsafe { self.slice_mut::<f32>(at, world * len)? };
+                let send = all.to_vec();
+                comm.reduce_scatter(&send, &mut all[mine])
+            }
+            DType::BF16 => {
+                let all = unsafe { self.slice_mut::<bf16>(at, world * len)? };
+                reduce_scatter_narrow(all, mine, comm, bf16::to_bits, bf16::from_bits, |a, b| {
+                    bf16::from_f32(a.to_f32() + b.to_f32())
+                })
+            }
+            DType::F16 => {
+                let all = unsafe { self.slice_mut::<f16>(at, world * len)? };
+                reduce_scatter_narrow(all, mine, comm, f16::to_bits, f16::from_bits, |a, b| {
+                    f16::from_f32(a.to_f32() + b.to_f32())
+                })
+            }
+            other => Err(RuntimeError::BadSchedule(format!(
+                "a reduce-scatter of {other} values; collectives sum f32, bf16 and f16"
+            ))),
+        }
     }
 
     fn record(&self, _stream: &mut HostStream, event: EventId) -> Result<()> {

@@ -247,6 +247,7 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
                 outputs: &p.outputs,
                 workspace: p.workspace,
                 step: run as u64 + 1,
+                shard: None,
             };
             let began = Instant::now();
             // SAFETY: one stream on one thread, ops in graph order; every value has bytes of
@@ -327,6 +328,7 @@ pub fn measure_ops<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTi
                 outputs: &operands.outputs,
                 workspace: operands.workspace,
                 step: run as u64 + 1,
+                shard: None,
             };
             let began = Instant::now();
             // SAFETY: one stream, one thread: nothing else touches the arena, and the

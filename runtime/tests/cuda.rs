@@ -271,6 +271,7 @@ impl Case {
             outputs: &p.outputs,
             workspace: p.workspace,
             step: 1,
+            shard: None,
         };
         // SAFETY: one stream on one thread; every operand has bytes of its own.
         let reported = unsafe { p.backend.launch(&mut stream, &launch) }

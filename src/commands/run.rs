@@ -527,6 +527,19 @@ fn execute_on<'s, B: Backend>(
         (Some(corpus), Some(tokenizer)) => Some(tokenize_corpus(corpus, tokenizer, graph)?),
         (data, _) => data.clone(),
     };
+    // Reading the weights of a sharded schedule gathers them from every rank, and here only
+    // rank 0 reads them (checkpoints, --save, evaluation): the worker threads do not join.
+    let reads_weights =
+        (checkpoint_dir.is_some() && save_every.is_some()) || args.save.is_some() || eval.is_some();
+    if schedule.sharded() && reads_weights {
+        return Err(Error::Usage(format!(
+            "this schedule shards its offloaded chunks over its {} ranks, and train cannot yet \
+             gather them for --save, checkpoints or evaluation; compile it unsharded (with \
+             --grad-clip, or --grad-accum 2 and half the --batch) or with a policy that keeps \
+             every chunk on the device, or train without those options",
+            schedule.ranks()
+        )));
+    }
     let flags = args.run_flags(data);
     // The peak of the learning-rate schedule is the rate the AdamW ops were compiled with.
     let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);

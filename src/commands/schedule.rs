@@ -133,6 +133,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
             "exposed_communication_s": sim.exposed_communication_seconds(),
             "ranks": s.ranks(),
+            "sharded": s.sharded(),
             "collective_s": sim.collective_seconds(&s),
             "exposed_collective_s": sim.exposed_collective_seconds(),
             "streams": streams,
@@ -200,9 +201,14 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
     );
     let (gpus, nodes) = s.topology();
     if gpus * nodes > 1 {
+        let memory = match s.sharded() {
+            true => "offloaded chunks sharded: each holds 1/ranks of their host state",
+            false => "model states replicated",
+        };
         outln!(
-            "ranks    {} ({gpus} GPUs x {nodes} nodes), each with the memory above; {:.4} s of \
-             all-reduce per step on the collective stream, {:.4} s of it not hidden by compute",
+            "ranks    {} ({gpus} GPUs x {nodes} nodes), each with the memory above ({memory}); \
+             {:.4} s of collectives (all-reduce, all-gather, reduce-scatter) per step on the \
+             collective stream, {:.4} s of it not hidden by compute",
             gpus * nodes,
             sim.collective_seconds(&s),
             sim.exposed_collective_seconds()

@@ -329,6 +329,7 @@ impl Case {
             outputs: &outputs,
             workspace,
             step: 1,
+            shard: None,
         };
         // SAFETY: one stream on one thread; every operand has bytes of its own.
         let outcome = unsafe { backend.launch(&mut stream, &launch) }

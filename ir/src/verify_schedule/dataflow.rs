@@ -180,6 +180,20 @@ impl Checker<'_> {
                 Instr::AllReduce { value, at } => {
                     self.all_reduce(&mut mem, r, &clocks[si], &pc, *value, *at)?
                 }
+                Instr::CopyShard {
+                    what,
+                    src,
+                    dst,
+                    bytes,
+                } => self.copy_shard(&mut mem, r, &clocks[si], &pc, *what, *src, *dst, *bytes)?,
+                Instr::AllGather { chunk, at, bytes } => {
+                    self.gather_or_scatter(&mut mem, r, &clocks[si], *chunk, *at, *bytes, true)?
+                }
+                Instr::ReduceScatter {
+                    chunk, at, bytes, ..
+                } => {
+                    self.gather_or_scatter(&mut mem, r, &clocks[si], *chunk, *at, *bytes, false)?
+                }
             }
             pc[si] += 1;
         }
@@ -236,6 +250,39 @@ impl Checker<'_> {
                 _ => None,
             }),
         };
+        // Sharded chunks: what one rank's shard copy wrote is its slice alone until the
+        // all-gather; what a reduce-scatter wrote is summed in the rank's slice alone.
+        if found.is_none() {
+            for (_, seg) in mem.within(a, b) {
+                let Writer::Instr(w) = seg.writer else {
+                    continue;
+                };
+                let problem = match self.instr(w) {
+                    Instr::CopyShard {
+                        what: CopyKind::FetchChunk { .. },
+                        ..
+                    } => {
+                        "but each rank has written only its own slice there: an all-gather \
+                         must come between (and be waited for)"
+                    }
+                    Instr::ReduceScatter { .. } => {
+                        "but a reduce-scatter left the sum only in each rank's own slice \
+                         there: read it after offloading that slice"
+                    }
+                    _ => continue,
+                };
+                return Err(self.fail(
+                    Invariant::DataFlow,
+                    Some(r),
+                    format!(
+                        "reads {} at {}, written by {}, {problem}",
+                        self.name(v),
+                        Self::range(space, a, b),
+                        self.at(w)
+                    ),
+                ));
+            }
+        }
         match found {
             None => Ok(()),
             Some(found) => Err(self.bad_read(r, pc, v, space, a, b, found)),
@@ -341,7 +388,10 @@ impl Checker<'_> {
                 Instr::Record { .. }
                 | Instr::Wait { .. }
                 | Instr::EndMicroBatch { .. }
-                | Instr::AllReduce { .. } => false,
+                | Instr::AllReduce { .. }
+                | Instr::CopyShard { .. }
+                | Instr::AllGather { .. }
+                | Instr::ReduceScatter { .. } => false,
             };
             if writes {
                 return if (r.index as usize) < pc[r.stream.index()] {
@@ -572,6 +622,135 @@ impl Checker<'_> {
             updated: false,
         };
         m.write(a, b, &[(0, b - a, content)], r);
+        Ok(())
+    }
+
+    /// A shard copy, in the whole view: every rank's slice together is a copy of
+    /// `ranks * bytes`. An offload must copy gradients a reduce-scatter summed (and be
+    /// ordered after it); what a fetch writes is only each rank's slice until an all-gather
+    /// rewrites it (see `check_read`).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_shard(
+        &self,
+        mem: &mut [Memory; 2],
+        r: InstrRef,
+        clock: &[u32],
+        pc: &[usize],
+        what: CopyKind,
+        src: TensorRef,
+        dst: TensorRef,
+        bytes: u64,
+    ) -> Result<(), ScheduleError> {
+        let all = bytes * u64::from(self.s.ranks());
+        if let CopyKind::OffloadGrads { chunk } = what {
+            let (ss, sa, _) = self.span(src, all);
+            let from = &mut mem[space_index(ss)];
+            for m in &self.s.chunks.chunk(chunk).members {
+                let (a, b) = (sa + m.offset, sa + m.offset + m.bytes);
+                from.isolate(a, b);
+                let unsummed = from.within(a, b).find(|(_, seg)| {
+                    !matches!(seg.writer, Writer::Instr(w)
+                        if matches!(self.instr(w), Instr::ReduceScatter { .. }))
+                });
+                if let Some((start, seg)) = unsummed {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "offloads each rank's slice of {chunk}'s gradients, but {} at {} \
+                             was not reduce-scattered ({}): the ranks' gradients would not be \
+                             summed",
+                            self.describe_content(seg.content),
+                            Self::range(ss, start, seg.end),
+                            self.describe_writer(seg.writer)
+                        ),
+                    ));
+                }
+            }
+        }
+        self.copy(mem, r, clock, pc, what, src, dst, all)
+    }
+
+    /// An all-gather (`gather`) or a reduce-scatter of `chunk` in place at `at`: the slices of
+    /// every rank, `ranks * bytes` bytes, must have been written by instructions ordered
+    /// before it (for a gather, by the ranks' shard fetches); it rewrites them as they were,
+    /// now complete (gathered) or summed (scattered).
+    #[allow(clippy::too_many_arguments)]
+    fn gather_or_scatter(
+        &self,
+        mem: &mut [Memory; 2],
+        r: InstrRef,
+        clock: &[u32],
+        chunk: crate::ids::ChunkId,
+        at: TensorRef,
+        bytes: u64,
+        gather: bool,
+    ) -> Result<(), ScheduleError> {
+        let all = bytes * u64::from(self.s.ranks());
+        let (space, a, b) = self.span(at, all);
+        if a == b {
+            return Ok(());
+        }
+        let name = match gather {
+            true => "all-gathers",
+            false => "reduce-scatters",
+        };
+        let m = &mut mem[space_index(space)];
+        m.isolate(a, b);
+        for member in &self.s.chunks.chunk(chunk).members {
+            let (ma, mb) = (a + member.offset, a + member.offset + member.bytes);
+            m.isolate(ma, mb);
+            let mut pos = ma;
+            for (start, seg) in m.within(ma, mb) {
+                let fetched = matches!(seg.writer, Writer::Instr(w)
+                    if matches!(self.instr(w), Instr::CopyShard { what: CopyKind::FetchChunk { chunk: c }, .. } if *c == chunk));
+                let problem = match seg.writer {
+                    _ if start > pos => Some("nothing".to_string()),
+                    Writer::Instr(w) if !hb(w, clock) => Some(format!(
+                        "{}, written by {}, which is not ordered before it: a missing wait?",
+                        self.describe_content(seg.content),
+                        self.at(w)
+                    )),
+                    _ if gather && !fetched => Some(format!(
+                        "{} ({}), not the ranks' shards of it: fetch each rank's shard \
+                         (copy_shard) first",
+                        self.describe_content(seg.content),
+                        self.describe_writer(seg.writer)
+                    )),
+                    _ => None,
+                };
+                if let Some(problem) = problem {
+                    return Err(self.fail(
+                        Invariant::DataFlow,
+                        Some(r),
+                        format!(
+                            "{name} {chunk} at {}, where @{} should be, but finds {problem}",
+                            Self::range(space, ma, mb),
+                            self.g.param(member.param).name
+                        ),
+                    ));
+                }
+                pos = seg.end;
+            }
+            if pos < mb {
+                return Err(self.fail(
+                    Invariant::DataFlow,
+                    Some(r),
+                    format!(
+                        "{name} {chunk} at {}, where @{} should be, but finds nothing",
+                        Self::range(space, ma, mb),
+                        self.g.param(member.param).name
+                    ),
+                ));
+            }
+        }
+        let pieces: Vec<(u64, u64, Content)> = m
+            .within(a, b)
+            .map(|(start, seg)| (start - a, seg.end - a, seg.content))
+            .collect();
+        m.read(a, b, r);
+        self.check_write(m, r, clock, space, a, b)?;
+        m.write(a, b, &pieces, r);
         Ok(())
     }
 

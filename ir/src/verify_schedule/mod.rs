@@ -107,6 +107,23 @@
 //! runs, with no branch on the rank, so the sequence is the same by construction (the host
 //! runtime's collectives still check each call's kind and size against the other ranks').
 //!
+//! A sharded schedule (offloaded chunks split over the ranks, [`BufferKind::HostShard`](crate::BufferKind::HostShard))
+//! is checked in the *whole view* ([`Schedule::address`]): every rank runs the same
+//! instructions on its own slice, so the union of the ranks' slices behaves as one buffer.
+//! **ids** puts a [`Instr::CopyShard`] fetch on the host-to-device stream from the chunk's
+//! parameter shard (from its start, moving exactly one shard per rank) into the device arena,
+//! an offload on the device-to-host stream into its gradient shard, and
+//! [`Instr::AllGather`] and [`Instr::ReduceScatter`] on the collective stream, of a sharded
+//! chunk, moving exactly its shard's bytes per rank, a reduce-scatter in its parameters' type;
+//! **bounds** checks every rank's slices (`ranks x bytes`) inside their buffers, whose
+//! extent is `ranks x size` for a shard; **data flow** checks a shard copy as a copy of every
+//! rank's slice, an all-gather as a read of every member of its chunk written by the chunk's
+//! shard fetch and ordered before it, and a reduce-scatter as a read of every member ordered
+//! after its writers (the backward kernels), each rewriting what it read; no instruction may
+//! read what a shard fetch wrote before an all-gather rewrote it (each rank wrote only its
+//! slice) or what a reduce-scatter wrote (only each rank's slice holds the sum), and an
+//! offload must copy gradients a reduce-scatter wrote.
+//!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
 //! steps.
@@ -557,6 +574,11 @@ impl<'a> Checker<'a> {
                 format!("end of micro-batch program x{micro_batches}")
             }
             Instr::AllReduce { value, .. } => format!("all_reduce {}", self.name(*value)),
+            Instr::CopyShard { what, .. } => {
+                format!("copy_shard {}", copy_label(*what, &self.names))
+            }
+            Instr::AllGather { chunk, .. } => format!("all_gather {chunk}"),
+            Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter {chunk}"),
         };
         let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
         format!("stream {} #{index} ({what})", stream.name)

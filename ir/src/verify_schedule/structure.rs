@@ -5,7 +5,9 @@ use super::{Checker, InstrRef, Invariant, ScheduleError};
 use crate::ids::{BufferId, OpId};
 use crate::op::OpKind;
 use crate::print_schedule::{copy_label, space_name, stream_kind_name};
-use crate::schedule::{BufferKind, CopyKind, Instr, Space, StreamKind, TensorRef, FORMAT_VERSION};
+use crate::schedule::{
+    BufferKind, CopyKind, Instr, ShardPart, Space, StreamKind, TensorRef, FORMAT_VERSION,
+};
 use crate::types::format_bytes;
 use crate::workspace::WORKSPACE_ALIGN;
 
@@ -69,7 +71,8 @@ impl Checker<'_> {
             | BufferKind::HostChunk { chunk }
             | BufferKind::GradChunk { chunk }
             | BufferKind::HostGradChunk { chunk }
-            | BufferKind::OptimizerState { chunk } = b.kind
+            | BufferKind::OptimizerState { chunk }
+            | BufferKind::HostShard { chunk, .. } = b.kind
             {
                 if chunk.index() >= n_chunks {
                     return bad(format!(
@@ -140,7 +143,13 @@ impl Checker<'_> {
                 ));
             }
             match s.buffers.get(t.buffer.index()).map(|b| b.kind) {
-                Some(BufferKind::OptimizerState { .. }) => {}
+                Some(
+                    BufferKind::OptimizerState { .. }
+                    | BufferKind::HostShard {
+                        part: ShardPart::Master,
+                        ..
+                    },
+                ) => {}
                 Some(kind) => {
                     return bad(format!(
                         "the master weight of {} is in {} ({kind:?}), not an optimizer-state \
@@ -355,6 +364,153 @@ impl Checker<'_> {
                         }
                     }
                 }
+                Instr::CopyShard {
+                    what,
+                    src,
+                    dst,
+                    bytes,
+                } => {
+                    let (chunk, stream, part, from, to) = match *what {
+                        CopyKind::FetchChunk { chunk } => (
+                            chunk,
+                            StreamKind::HostToDevice,
+                            ShardPart::Params,
+                            *src,
+                            *dst,
+                        ),
+                        CopyKind::OffloadGrads { chunk } => (
+                            chunk,
+                            StreamKind::DeviceToHost,
+                            ShardPart::Grads,
+                            *dst,
+                            *src,
+                        ),
+                        _ => {
+                            return bad(format!(
+                                "copies a shard of {}; only chunk fetches and gradient \
+                                 offloads are sharded",
+                                copy_label(*what, &self.names)
+                            ))
+                        }
+                    };
+                    if kind != stream {
+                        return bad(format!(
+                            "a {} shard copy on a {} stream",
+                            copy_label(*what, &self.names),
+                            stream_kind_name(kind)
+                        ));
+                    }
+                    if s.ranks() < 2 {
+                        return bad(
+                            "copies a shard, but the schedule runs on one rank (it has no \
+                             collective stream)"
+                                .into(),
+                        );
+                    }
+                    for t in [src, dst] {
+                        if t.buffer.index() >= n_buffers {
+                            return bad(format!(
+                                "copies via {}, but there are {n_buffers} buffers",
+                                t.buffer
+                            ));
+                        }
+                    }
+                    let (host, device) = (s.buffer(from.buffer), s.buffer(to.buffer));
+                    if host.kind != (BufferKind::HostShard { chunk, part }) {
+                        return bad(format!(
+                            "copies a shard of {chunk} through {} ({}), which is not its \
+                             host shard of {}",
+                            self.buf(from.buffer),
+                            host.name,
+                            match part {
+                                ShardPart::Params => "parameters",
+                                _ => "gradients",
+                            }
+                        ));
+                    }
+                    if device.space != Space::Device {
+                        return bad(format!(
+                            "copies a shard of {chunk} to or from {} ({}), which is not in the \
+                             device arena",
+                            self.buf(to.buffer),
+                            device.name
+                        ));
+                    }
+                    if *bytes != host.size || from.offset != 0 {
+                        return bad(format!(
+                            "copies {bytes} bytes of each rank's shard of {chunk} from +{:#x}, \
+                             but each rank's shard is {} bytes from +0x0",
+                            from.offset, host.size
+                        ));
+                    }
+                }
+                Instr::AllGather { chunk, at, bytes }
+                | Instr::ReduceScatter {
+                    chunk, at, bytes, ..
+                } => {
+                    let (name, part) = match instr {
+                        Instr::AllGather { .. } => ("an all-gather", ShardPart::Params),
+                        _ => ("a reduce-scatter", ShardPart::Grads),
+                    };
+                    if !matches!(kind, StreamKind::Collective { .. }) {
+                        return bad(format!(
+                            "{name} on a {} stream: collectives run on the collective stream",
+                            stream_kind_name(kind)
+                        ));
+                    }
+                    if chunk.index() >= n_chunks {
+                        return bad(format!(
+                            "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
+                        ));
+                    }
+                    if at.buffer.index() >= n_buffers {
+                        return bad(format!(
+                            "{name} at {}, but there are {n_buffers} buffers",
+                            at.buffer
+                        ));
+                    }
+                    let shard = s.buffers.iter().find(|b| {
+                        b.kind
+                            == BufferKind::HostShard {
+                                chunk: *chunk,
+                                part,
+                            }
+                    });
+                    let Some(shard) = shard else {
+                        return bad(format!(
+                            "{name} of {chunk}, which is not sharded (no host shard holds it)"
+                        ));
+                    };
+                    if *bytes != shard.size {
+                        return bad(format!(
+                            "{name} of {chunk} moves {bytes} bytes per rank, but each rank's \
+                             shard of it is {} bytes",
+                            shard.size
+                        ));
+                    }
+                    let target = s.buffer(at.buffer);
+                    if target.space != Space::Device {
+                        return bad(format!(
+                            "{name} of {chunk} in {} ({}), which is not in the device arena",
+                            self.buf(at.buffer),
+                            target.name
+                        ));
+                    }
+                    if let Instr::ReduceScatter { dtype, .. } = instr {
+                        let param = s
+                            .chunks
+                            .chunk(*chunk)
+                            .members
+                            .first()
+                            .map(|m| self.g.value(self.g.param(m.param).value).ty.dtype);
+                        if let Some(param) = param.filter(|p| p != dtype) {
+                            return bad(format!(
+                                "reduce-scatters {chunk}'s gradients as {dtype}, but its \
+                                 parameters (and gradients) are {param}"
+                            ));
+                        }
+                    }
+                }
                 Instr::AllReduce { value, at } => {
                     if !matches!(kind, StreamKind::Collective { .. }) {
                         return bad(format!(
@@ -515,7 +671,7 @@ impl Checker<'_> {
         let fits = |t: TensorRef, bytes: u64| -> Result<(), String> {
             let b = s.buffer(t.buffer);
             match t.offset.checked_add(bytes) {
-                Some(end) if end <= b.size => Ok(()),
+                Some(end) if end <= s.extent(t.buffer) => Ok(()),
                 _ => Err(format!(
                     "{} B at {}+{:#x} end past {} ({}, {} B)",
                     bytes,
@@ -523,7 +679,7 @@ impl Checker<'_> {
                     t.offset,
                     self.buf(t.buffer),
                     b.name,
-                    b.size
+                    s.extent(t.buffer)
                 )),
             }
         };
@@ -587,6 +743,17 @@ impl Checker<'_> {
                     fits(*at, self.bytes(*value))
                         .map_err(|e| bad(format!("sums {}: {e}", self.name(*value))))?;
                 }
+                Instr::CopyShard {
+                    src, dst, bytes, ..
+                } => {
+                    let all = bytes.saturating_mul(u64::from(s.ranks()));
+                    fits(*src, all).map_err(|e| bad(format!("every rank's source: {e}")))?;
+                    fits(*dst, all).map_err(|e| bad(format!("every rank's destination: {e}")))?;
+                }
+                Instr::AllGather { at, bytes, .. } | Instr::ReduceScatter { at, bytes, .. } => {
+                    let all = bytes.saturating_mul(u64::from(s.ranks()));
+                    fits(*at, all).map_err(|e| bad(format!("every rank's slices: {e}")))?;
+                }
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -600,7 +767,15 @@ impl Checker<'_> {
         // Whether `t` is aligned to `align`; else a description of where it is. `what` names
         // what lies there, `parts` what would be misaligned.
         let aligned = |t: TensorRef, align: u64, what: &str, parts: &str| -> Result<(), String> {
-            let (space, a) = s.address(t);
+            // A shard's address on every rank is its buffer's start plus the offset inside
+            // the rank's slice, aligned as the whole layout's offset when the slices are.
+            let (space, a) = match s.buffer(t.buffer).kind {
+                BufferKind::HostShard { .. } => {
+                    let b = s.buffer(t.buffer);
+                    (b.space, b.offset + t.offset)
+                }
+                _ => s.address(t),
+            };
             if a.is_multiple_of(align) {
                 return Ok(());
             }

@@ -400,6 +400,7 @@ fn measure_ops(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
                 outputs: &operands.outputs,
                 workspace: operands.workspace,
                 step: run as u64 + 1,
+                shard: None,
             };
             times.push(timer.time(1, || {
                 // SAFETY: one stream, one thread: nothing else touches the arena, and the

@@ -1,0 +1,269 @@
+//! Sharding: offloaded chunks split over the ranks (ZeRO-3 style), all-gathered before use and
+//! reduce-scattered after their last backward use.
+//!
+//! The pass runs after [`crate::data_parallel`], on a schedule whose chunk table says it is
+//! sharded (`world_size > 1`, set by [`shardable`]'s caller before placement): there,
+//! [`crate::streams`] gave every offloaded chunk with optimizer state
+//! [`BufferKind::HostShard`] homes of `1/ranks` of its host state and a device gradient chunk
+//! of the whole `chunk_bytes`, and [`crate::data_parallel`] left those chunks' gradients out of
+//! its all-reduces. This pass rewrites the chunk's copies, on the streams that had them:
+//!
+//! - a fetch becomes a shard copy of the rank's slice of the parameters into its slice of the
+//!   chunk slot, then an all-gather on the collective stream, after which the event the fetch
+//!   recorded (what the compute stream waits for) is recorded;
+//! - a gradient offload becomes a reduce-scatter on the collective stream (after the waits
+//!   that ordered the offload after the backward kernels), then a shard copy of the rank's
+//!   slice of the summed gradients to its host shard, where the CPU Adam updates it.
+//!
+//! The collectives join the collective stream in the order one run of the step triggers
+//! them (a run in which every collective completes as soon as it is issued), interleaved
+//! with the all-reduces already there, so the stream never waits out of turn.
+//!
+//! Persistent chunks stay whole on every rank, their gradients all-reduced: the rule is fixed
+//! ("offloaded = sharded, persistent = replicated"), not chosen by the cost model per chunk.
+//! It does not shard schedules that clip gradients or scale the loss (their squared norms are
+//! computed from whole gradients on the device, before a reduce-scatter would leave each rank
+//! one slice of the sum), nor accumulating ones (their host accumulators are summed whole in
+//! the update); [`shardable`] says why.
+
+use crate::comm::Topology;
+use crate::error::{CompileError, Result};
+use protrain_ir::{
+    BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId, Graph, Instr, OpKind, Schedule,
+    ShardPart, StreamKind, TensorRef,
+};
+use std::collections::HashMap;
+
+/// Whether a training graph compiled for `topology` with `micro_batches` per rank shards its
+/// offloaded chunks; the reason when it does not (`None` for one rank).
+pub fn shardable(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    topology: Topology,
+    micro_batches: u64,
+) -> std::result::Result<(), String> {
+    let ranks = u64::from(topology.ranks());
+    if ranks < 2 {
+        return Err("one rank".into());
+    }
+    if micro_batches > 1 {
+        return Err(
+            "each rank accumulates several micro-batches, whose host accumulators are summed \
+             whole"
+                .into(),
+        );
+    }
+    if graph
+        .ops()
+        .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
+    {
+        return Err(
+            "the update reads the global gradient norm (clipping or loss scaling), computed \
+             from whole gradients"
+                .into(),
+        );
+    }
+    if !chunks.chunk_bytes.is_multiple_of(4 * ranks) {
+        return Err(format!(
+            "chunks of {} bytes do not split into {ranks} slices of whole 4-byte words",
+            chunks.chunk_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// A collective the pass adds: issued once `trigger` is recorded, recording `done` after.
+struct Job {
+    trigger: EventId,
+    instr: Instr,
+    done: EventId,
+}
+
+/// Turns the copies of `schedule`'s sharded chunks into shard copies and collectives (see the
+/// module doc); returns it unchanged when nothing is sharded. Fails on a schedule that
+/// shards without a collective stream or accumulates (a compiler bug).
+pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
+    let mut shards: HashMap<(ChunkId, ShardPart), (protrain_ir::BufferId, u64)> = HashMap::new();
+    for (i, b) in schedule.buffers.iter().enumerate() {
+        if let BufferKind::HostShard { chunk, part } = b.kind {
+            shards.insert((chunk, part), (protrain_ir::BufferId::new(i), b.size));
+        }
+    }
+    if shards.is_empty() {
+        return Ok(schedule);
+    }
+    let comm = schedule
+        .streams
+        .iter()
+        .position(|s| matches!(s.kind, StreamKind::Collective { .. }))
+        .ok_or_else(|| {
+            CompileError::Validation("a sharded schedule has no collective stream".into())
+        })?;
+    if schedule.micro_batches() > 1 {
+        return Err(CompileError::Validation(
+            "a sharded schedule accumulates micro-batches; sharding runs without accumulation"
+                .into(),
+        ));
+    }
+    let dtype_of = |chunk: ChunkId| -> DType {
+        schedule
+            .chunks
+            .chunk(chunk)
+            .members
+            .first()
+            .map_or(DType::F32, |m| {
+                let g = &schedule.graph;
+                g.value(g.param(m.param).value).ty.dtype
+            })
+    };
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    let mut jobs: Vec<Job> = Vec::new();
+    for (s, stream) in schedule.streams.iter_mut().enumerate() {
+        if s == comm {
+            continue;
+        }
+        let old = std::mem::take(&mut stream.instrs);
+        let mut instrs = Vec::with_capacity(old.len() + 8);
+        let mut it = old.into_iter().peekable();
+        while let Some(instr) = it.next() {
+            let Instr::Copy { what, src, dst, .. } = instr else {
+                instrs.push(instr);
+                continue;
+            };
+            let sharded = match what {
+                CopyKind::FetchChunk { chunk } => shards
+                    .get(&(chunk, ShardPart::Params))
+                    .map(|&s| (chunk, s, true)),
+                CopyKind::OffloadGrads { chunk } => shards
+                    .get(&(chunk, ShardPart::Grads))
+                    .map(|&s| (chunk, s, false)),
+                _ => None,
+            };
+            let Some((chunk, (home, bytes), fetch)) = sharded else {
+                instrs.push(instr);
+                continue;
+            };
+            let shard = TensorRef {
+                buffer: home,
+                offset: 0,
+            };
+            let trigger = event();
+            if fetch {
+                instrs.push(Instr::CopyShard {
+                    what,
+                    src: shard,
+                    dst,
+                    bytes,
+                });
+                instrs.push(Instr::Record { event: trigger });
+                // The fetch's own record (what the readers wait for) moves after the gather.
+                let done = match it.peek() {
+                    Some(&Instr::Record { event }) => {
+                        it.next();
+                        event
+                    }
+                    _ => {
+                        let done = event();
+                        instrs.push(Instr::Wait { event: done });
+                        done
+                    }
+                };
+                jobs.push(Job {
+                    trigger,
+                    instr: Instr::AllGather {
+                        chunk,
+                        at: dst,
+                        bytes,
+                    },
+                    done,
+                });
+            } else {
+                let done = event();
+                instrs.push(Instr::Record { event: trigger });
+                instrs.push(Instr::Wait { event: done });
+                instrs.push(Instr::CopyShard {
+                    what,
+                    src,
+                    dst: shard,
+                    bytes,
+                });
+                jobs.push(Job {
+                    trigger,
+                    instr: Instr::ReduceScatter {
+                        chunk,
+                        at: src,
+                        bytes,
+                        dtype: dtype_of(chunk),
+                    },
+                    done,
+                });
+            }
+        }
+        stream.instrs = instrs;
+    }
+    schedule.events = events;
+    let merged = merge(&schedule, comm, jobs)?;
+    schedule.streams[comm].instrs = merged;
+    Ok(schedule)
+}
+
+/// The collective stream's instructions with `jobs` merged in: one run of the step, the
+/// streams other than `comm` going one instruction at a time (the lowest-numbered that can),
+/// the collective stream running ahead whenever it can, and each job issued (and done) as
+/// soon as its trigger is recorded.
+fn merge(schedule: &Schedule, comm: usize, jobs: Vec<Job>) -> Result<Vec<Instr>> {
+    let streams = &schedule.streams;
+    let mut by_trigger: HashMap<EventId, Job> = jobs.into_iter().map(|j| (j.trigger, j)).collect();
+    let mut recorded = vec![false; schedule.events as usize];
+    let mut pc = vec![0usize; streams.len()];
+    let existing = &streams[comm].instrs;
+    let mut out = Vec::with_capacity(existing.len() + 3 * by_trigger.len());
+    loop {
+        // The collective stream's own instructions, as far as they can go.
+        while let Some(instr) = existing.get(pc[comm]) {
+            match *instr {
+                Instr::Wait { event } if !recorded[event.index()] => break,
+                Instr::Record { event } => recorded[event.index()] = true,
+                _ => {}
+            }
+            out.push(instr.clone());
+            pc[comm] += 1;
+        }
+        let next = (0..streams.len()).find(|&s| {
+            s != comm
+                && match streams[s].instrs.get(pc[s]) {
+                    None => false,
+                    Some(Instr::Wait { event }) => recorded[event.index()],
+                    Some(_) => true,
+                }
+        });
+        let Some(s) = next else {
+            break;
+        };
+        if let Instr::Record { event } = streams[s].instrs[pc[s]] {
+            recorded[event.index()] = true;
+            if let Some(job) = by_trigger.remove(&event) {
+                out.push(Instr::Wait { event });
+                out.push(job.instr);
+                out.push(Instr::Record { event: job.done });
+                recorded[job.done.index()] = true;
+            }
+        }
+        pc[s] += 1;
+    }
+    let stuck: Vec<String> = (0..streams.len())
+        .filter(|&s| pc[s] < streams[s].instrs.len())
+        .map(|s| format!("{} at #{}", streams[s].name, pc[s]))
+        .collect();
+    if !stuck.is_empty() || !by_trigger.is_empty() {
+        return Err(CompileError::Validation(format!(
+            "sharding could not order the collectives: {} wait for events never recorded",
+            stuck.join(", ")
+        )));
+    }
+    Ok(out)
+}

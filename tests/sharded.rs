@@ -1,0 +1,215 @@
+//! ZeRO-3 style sharding on the host backend, ranks as threads: offloaded chunks split over
+//! the ranks (each holds 1/W of their host state), all-gathered before use and
+//! reduce-scattered after their last backward use. W ranks of one micro-batch train bit for
+//! bit as one rank accumulating W micro-batches over the same rows (the reduce-scatter sums
+//! in rank order, the single rank's accumulation order), under a tight policy (every chunk
+//! offloaded and sharded) and a roomy one, in f32 and bf16; the state the ranks gather
+//! (weights, Adam moments) resumes on 2 ranks and on 1 as if uninterrupted.
+
+#[allow(dead_code)] // the shared helpers this file does not use
+mod common;
+
+use protrain::compiler::comm::Topology;
+use protrain::ir::verify_schedule::VerifiedSchedule;
+use protrain::ir::{DType, HardwareProfile, Instr};
+use protrain::runtime::collective::{thread_ranks, Collective};
+use protrain::runtime::params::init_params;
+use protrain::runtime::train::vocab_of;
+use protrain::runtime::Executor;
+use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use std::time::Duration;
+
+const ROOMY: &str = "blocks=KK";
+const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
+const BATCH: u64 = 2;
+const SEQ: u64 = 16;
+
+/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped (so
+/// that its offloaded chunks are sharded when it has several ranks).
+fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
+    let config = protrain::models::load(model).expect("preset");
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        dtype,
+        hardware: HardwareProfile::host().with_thread_ranks(ranks),
+        policy: PolicyChoice::parse(policy).expect("a policy"),
+        optimizer: OptimizerConfig::default(),
+        micro_batches: k,
+        topology: Topology {
+            gpus: ranks,
+            nodes: 1,
+        },
+        ..CompileOptions::default()
+    };
+    protrain::compile(&config, &options)
+        .unwrap_or_else(|e| panic!("{model} {policy} {ranks} ranks x {k}: {e}"))
+        .schedule
+}
+
+/// Every step's loss bits, the final weights' bits and the final Adam state's bits.
+type Run = (Vec<u32>, Vec<Vec<u32>>, Vec<(String, Vec<u32>)>);
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// What a run starts from: the seed-0 weights and zero moments at step 0, or a state read
+/// back from another run (weights, moments, steps taken).
+type Start = (Vec<Vec<f32>>, Option<Vec<(String, Vec<f32>)>>, u64);
+
+/// Trains on every rank of `schedule` (threads) the steps `first..first + steps` of the
+/// synthetic corpus, each rank its rows of each global batch, from `start`. Every rank must
+/// report the same losses and gather the same weights and state; returns rank 0's, with the
+/// state as floats for resuming.
+fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Start) {
+    let ranks = schedule.ranks() as usize;
+    let global = BATCH * u64::from(schedule.micro_batches()) * ranks as u64;
+    let vocab = vocab_of(&schedule.graph).expect("a language model");
+    let first = start.2 as usize;
+    let batches = common::batches(vocab, global, SEQ, first + steps, 7);
+    let run = |comm: Option<Box<dyn Collective>>| -> (Run, Start) {
+        let mut executor = Executor::new(schedule).expect("an executor");
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        if let Some(comm) = comm {
+            executor.set_collective(comm).expect("the group fits");
+        }
+        executor.load_params(&start.0).expect("loads");
+        if let Some(state) = &start.1 {
+            executor.load_state(state).expect("loads the state");
+            executor.set_step(start.2);
+        }
+        let mut losses = Vec::new();
+        for [inputs, targets] in &batches[first..] {
+            let per = inputs.len() / ranks;
+            let mine = rank * per..(rank + 1) * per;
+            let r = executor
+                .step(&[&inputs[mine.clone()], &targets[mine]])
+                .expect("a step");
+            losses.push(r.loss.to_bits());
+        }
+        let weights = executor.params().expect("weights");
+        let state = executor.state().expect("state");
+        let run = (
+            losses,
+            weights.iter().map(|w| bits(w)).collect(),
+            state.iter().map(|(n, s)| (n.clone(), bits(s))).collect(),
+        );
+        (run, (weights, Some(state), executor.steps_taken()))
+    };
+    if ranks == 1 {
+        return run(None);
+    }
+    let comms = thread_ranks(ranks, Duration::from_secs(60)).expect("a group");
+    let runs: Vec<(Run, Start)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| scope.spawn(move || run(Some(Box::new(c)))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank"))
+            .collect()
+    });
+    for (r, other) in runs.iter().enumerate().skip(1) {
+        assert!(other.0 == runs[0].0, "rank {r} diverged from rank 0");
+    }
+    runs.into_iter().next().expect("rank 0")
+}
+
+fn fresh(schedule: &VerifiedSchedule) -> Start {
+    (init_params(&schedule.graph, 0), None, 0)
+}
+
+/// How many all-gathers and reduce-scatters the collective stream issues.
+fn collectives(schedule: &VerifiedSchedule) -> (usize, usize) {
+    let all = || schedule.streams.iter().flat_map(|s| &s.instrs);
+    (
+        all()
+            .filter(|i| matches!(i, Instr::AllGather { .. }))
+            .count(),
+        all()
+            .filter(|i| matches!(i, Instr::ReduceScatter { .. }))
+            .count(),
+    )
+}
+
+#[test]
+fn sharded_ranks_train_as_one_rank_accumulating_their_micro_batches_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+    ] {
+        for ranks in [2u32, 4] {
+            let one = compile(model, TIGHT, 1, u64::from(ranks), dtype);
+            let (single, _) = train(&one, &fresh(&one), 3);
+            for policy in [TIGHT, ROOMY] {
+                let what = format!("{model} {dtype} {policy} on {ranks} ranks");
+                let schedule = compile(model, policy, ranks, 1, dtype);
+                let (gathers, scatters) = collectives(&schedule);
+                if policy == TIGHT {
+                    // Every chunk is offloaded, so sharded: gathered for the forward and the
+                    // backward pass, its gradients reduce-scattered once.
+                    assert!(schedule.sharded(), "{what}");
+                    assert_eq!(scatters, schedule.chunks.len(), "{what}");
+                    assert!(gathers >= 2 * scatters - 1, "{what}: {gathers} gathers");
+                    let whole = compile(model, policy, 1, u64::from(ranks), dtype);
+                    assert!(
+                        schedule.host_bytes * u64::from(ranks) < whole.host_bytes * 3 / 2,
+                        "{what}: {} host bytes per rank against {} for one rank",
+                        schedule.host_bytes,
+                        whole.host_bytes
+                    );
+                }
+                let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                assert_eq!(parallel.0, single.0, "{what}: losses");
+                assert!(parallel.1 == single.1, "{what}: weights differ");
+                assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            }
+        }
+    }
+}
+
+/// The weights and Adam moments read from 4 sharded ranks (gathered from their shards) resume
+/// on 2 sharded ranks and on 1 rank accumulating 4 micro-batches: the losses and final state
+/// of an uninterrupted 4-rank run.
+#[test]
+fn a_sharded_state_resumes_on_another_number_of_ranks_as_if_uninterrupted() {
+    let four = compile("gpt2-tiny", TIGHT, 4, 1, DType::F32);
+    let (whole, _) = train(&four, &fresh(&four), 4);
+    let (first, state) = train(&four, &fresh(&four), 2);
+    assert_eq!(first.0, whole.0[..2]);
+    for (ranks, k) in [(2u32, 2u64), (1, 4), (4, 1)] {
+        let schedule = compile("gpt2-tiny", TIGHT, ranks, k, DType::F32);
+        if ranks == 2 {
+            assert!(schedule.micro_batches() == 2 && !schedule.sharded());
+        }
+        let (rest, _) = train(&schedule, &state, 2);
+        let what = format!("resumed on {ranks} ranks x {k}");
+        if k > 1 && ranks > 1 {
+            // Two ranks of two micro-batches sum in another order: rounding apart.
+            for (&r, &w) in rest.0.iter().zip(&whole.0[2..]) {
+                let (r, w) = (f32::from_bits(r), f32::from_bits(w));
+                assert!((r - w).abs() <= 1e-5 * w.abs(), "{what}: {r} vs {w}");
+            }
+            continue;
+        }
+        assert_eq!(rest.0, whole.0[2..], "{what}: losses");
+        assert!(rest.1 == whole.1, "{what}: weights");
+        assert!(rest.2 == whole.2, "{what}: moments");
+    }
+}
+
+/// Two sharded ranks of the tight policy resume on 2 sharded ranks of the roomy one (its
+/// chunks persistent and replicated) bit for bit: where the state lives does not change it.
+#[test]
+fn a_sharded_state_resumes_under_another_policy_bit_for_bit() {
+    let tight = compile("gpt2-tiny", TIGHT, 2, 1, DType::F32);
+    let roomy = compile("gpt2-tiny", ROOMY, 2, 1, DType::F32);
+    let (whole, _) = train(&tight, &fresh(&tight), 4);
+    let (_, state) = train(&tight, &fresh(&tight), 2);
+    let (rest, _) = train(&roomy, &state, 2);
+    assert_eq!(rest.0, whole.0[2..]);
+    assert!(rest.1 == whole.1 && rest.2 == whole.2);
+}
