@@ -408,7 +408,7 @@ impl Builder {
     fn build(mut self, placed: Placed) -> Result<Streamed> {
         let (graph, chunks) = (&placed.graph, &placed.chunks);
         let program = Program::of(graph);
-        let lean = lean_chunks(graph, &program, placed.policy.host_layout);
+        let lean = lean_chunks(graph, &program, placed.host_layout);
         self.homes(graph, chunks, &program, &lean);
         self.slots(&program);
         let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
