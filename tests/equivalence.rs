@@ -18,7 +18,9 @@ use protrain_compiler::fuse::FuseLimits;
 use protrain_compiler::pipeline::{chunked, compile_policy, fused, training_graph};
 use protrain_compiler::{CompileError, OptimizerConfig};
 use protrain_ir::verify_schedule::verify;
-use protrain_ir::{BlockKind, BlockMode, DType, Graph, HardwareProfile, Instr, OpKind, Policy};
+use protrain_ir::{
+    BlockKind, BlockMode, DType, Graph, HardwareProfile, HostLayout, Instr, OpKind, Policy,
+};
 use protrain_runtime::interpreter::{Interpreter, StepReport};
 use protrain_runtime::params::init_params;
 use protrain_runtime::Executor;
@@ -69,6 +71,7 @@ fn policies(chunks: u32, layers: usize) -> Vec<Policy> {
             n_buffer,
             blocks: vec![mode; layers],
             prefetch: 1,
+            host_layout: HostLayout::Full,
         };
         [
             all(BlockMode::Keep),

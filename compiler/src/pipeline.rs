@@ -34,8 +34,8 @@ use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::{verify, verify_schedule, VerifiedSchedule};
 use protrain_ir::{
-    format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile, IrError,
-    Policy, PolicySpec, Schedule,
+    format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile,
+    HostLayout, IrError, Policy, PolicySpec, Schedule,
 };
 use protrain_models::{build_forward, BuildOptions, ModelConfig};
 use std::time::Instant;
@@ -403,9 +403,16 @@ impl<'m> Context<'m> {
                 if s.host_bytes > host_budget {
                     return Err(shared(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of host memory, more than the {} budget; use \
-                         --policy auto or a larger --host-memory",
+                         --policy auto, a larger --host-memory{}",
                         format_bytes(s.host_bytes),
-                        format_bytes(host_budget)
+                        format_bytes(host_budget),
+                        match policy.host_layout {
+                            HostLayout::Full =>
+                                ", or host_layout=14 in the policy (gradients \
+                                                 in the parameter storage, 14 bytes per \
+                                                 parameter instead of 16)",
+                            _ => "",
+                        }
                     ))));
                 }
                 s.header.host_budget_bytes = host_budget;

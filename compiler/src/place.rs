@@ -14,7 +14,8 @@
 use crate::error::{CompileError, Result};
 use crate::movement::{insert_movement, Lowering};
 use protrain_ir::{
-    BlockKind, BlockMode, ChunkTable, Graph, OpId, OpKind, Phase, Policy, Role, TensorType, ValueId,
+    BlockKind, BlockMode, ChunkTable, Graph, HostLayout, OpId, OpKind, Phase, Policy, Role,
+    TensorType, ValueId,
 };
 use std::collections::{BTreeSet, HashMap};
 
@@ -33,6 +34,9 @@ pub struct Placed {
     pub policy: Policy,
     /// The chunk table (parameter ids are the same in the placed graph).
     pub chunks: ChunkTable,
+    /// How offloaded chunks keep their state on the host: a placement decision the streams
+    /// pass applies to each chunk where it is safe (see [`HostLayout`]).
+    pub host_layout: HostLayout,
 }
 
 /// Applies `policy` to a training graph chunked as `chunks`.
@@ -230,5 +234,6 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         lowering,
         policy: policy.clone(),
         chunks: chunks.clone(),
+        host_layout: policy.host_layout,
     })
 }

@@ -27,8 +27,8 @@ use crate::error::{CompileError, Result};
 use crate::pipeline::compile_policy_on;
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
-    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, MemoryBreakdown, OpKind, Phase, Policy,
-    Schedule,
+    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MemoryBreakdown, OpKind,
+    Phase, Policy, Schedule,
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
@@ -1201,6 +1201,11 @@ pub fn search(
     let mut fastest = Stream::<Fastest>::new(&estimator, &layouts, listed);
     let mut leanest = Stream::<Leanest>::new(&estimator, &layouts, listed);
     let mut ratios: Vec<f64> = Vec::new();
+    // Whether the parameters are narrower than their f32 master weights: only then can
+    // gradients live in the parameter storage.
+    let narrow = crate::streams::state_bytes_per_element(training) == 12;
+    // The candidate that fits the device with the least host memory, when none fits both.
+    let mut best_trade: Option<Candidate> = None;
     let mut pass = 1;
     let mut compiled_in_pass = 0;
     loop {
@@ -1245,13 +1250,33 @@ pub fn search(
             .par_iter()
             .map(|x| {
                 let policy = x.key.policy(profile.layers);
-                let result = compile_policy_on(
-                    training,
-                    chunks,
-                    &policy,
-                    header(String::new()),
-                    options.topology,
-                );
+                let compile = |policy: &Policy| {
+                    compile_policy_on(
+                        training,
+                        chunks,
+                        policy,
+                        header(String::new()),
+                        options.topology,
+                    )
+                };
+                let result = compile(&policy);
+                // Host memory binds: trade the gradients' host storage away (the 14-byte
+                // layout costs no copy and no time, so it is only taken where it is needed,
+                // and the schedules of every search that fits stay as they were).
+                let (policy, result) = match result {
+                    Ok(s)
+                        if narrow
+                            && s.arena_bytes <= options.device_budget
+                            && s.host_bytes > options.host_budget =>
+                    {
+                        let lean = policy.with_layout(HostLayout::GradsInParams);
+                        match compile(&lean) {
+                            Ok(l) if l.host_bytes < s.host_bytes => (lean, Ok(l)),
+                            _ => (lean.with_layout(HostLayout::Full), Ok(s)),
+                        }
+                    }
+                    other => (policy, other),
+                };
                 (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
@@ -1287,6 +1312,12 @@ pub fn search(
             if candidate.fits {
                 report.compiled.push(candidate.clone());
                 contenders.push((candidate, schedule));
+            } else if fits_device
+                && best_trade
+                    .as_ref()
+                    .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
+            {
+                best_trade = Some(candidate);
             }
         }
         // Only those that can still tie with the fastest are kept (schedules are large).
@@ -1322,7 +1353,14 @@ pub fn search(
             schedule.header.host_budget_bytes = options.host_budget;
             Ok((schedule, report))
         }
-        None => Err(too_small(training, chunks, &profile, options, &report)),
+        None => Err(too_small(
+            training,
+            chunks,
+            &profile,
+            options,
+            &report,
+            best_trade.as_ref(),
+        )),
     }
 }
 
@@ -1374,9 +1412,16 @@ fn too_small(
     profile: &Profile,
     options: &SearchOptions,
     report: &SearchReport,
+    best_trade: Option<&Candidate>,
 ) -> CompileError {
     let streamed = chunks.len() as u32;
-    let lean = Policy::zero3_offload(streamed.clamp(1, 2), profile.layers);
+    // Gradients in the parameter storage where the parameters are narrower than their f32
+    // master weights (an f32 parameter is its own master, which the update reads).
+    let layout = match crate::streams::state_bytes_per_element(training) {
+        12 => HostLayout::GradsInParams,
+        _ => HostLayout::Full,
+    };
+    let lean = Policy::zero3_offload(streamed.clamp(1, 2), profile.layers).with_layout(layout);
     let header = HeaderInputs {
         model: options.model.clone(),
         hardware: options.hardware.clone(),
@@ -1386,11 +1431,26 @@ fn too_small(
     };
     match compile_policy_on(training, chunks, &lean, header, options.topology) {
         Ok(s) if s.arena_bytes <= options.device_budget && s.host_bytes > options.host_budget => {
+            // What persistence can trade: each chunk kept on the device takes its host bytes
+            // off the host and puts its parameters, gradients and states on the device.
+            let trade = match best_trade {
+                Some(b) => format!(
+                    " The best trade found ({}) needs {} of device memory and {} of host memory.",
+                    b.policy,
+                    format_bytes(b.peak_device_bytes),
+                    format_bytes(b.host_bytes)
+                ),
+                None => String::new(),
+            };
+            let together = s.arena_bytes + s.host_bytes;
             CompileError::BudgetTooSmall(format!(
-                "no policy fits {} of host memory ({} policies tried): offloading needs the model states of every streamed chunk in host memory, at least {} with the leanest policy ({lean}). Give --host-memory at least {}, or use a machine with more host memory",
+                "no policy fits {} of host memory ({} policies tried): offloading needs the model states of every streamed chunk in host memory, at least {} with the leanest policy ({lean}, {} bytes per parameter on the host), beside its {} of device memory: {} of host and device memory together, which keeping chunks on the device cannot lower.{trade} Give --host-memory at least {}, or use a machine with more host memory",
                 format_bytes(options.host_budget),
                 report.enumerated,
                 format_bytes(s.host_bytes),
+                lean.host_layout.number(),
+                format_bytes(s.arena_bytes),
+                format_bytes(together),
                 format_bytes(s.host_bytes),
             ))
         }

@@ -22,8 +22,9 @@
 use crate::error::{CompileError, Result};
 use crate::place::Placed;
 use protrain_ir::{
-    Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, Instr, Movement,
-    OpId, OpKind, ParamId, Role, ShardPart, Space, Stream, StreamKind, TensorRef, ValueId,
+    Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, HostLayout, Instr,
+    Movement, OpId, OpKind, ParamId, Role, ShardPart, Space, Stream, StreamKind, TensorRef,
+    ValueId,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -305,6 +306,39 @@ fn order_steps(
     (per_stream, order)
 }
 
+/// The streamed chunks whose gradients land in their host parameter storage under `layout`
+/// (see [`HostLayout::GradsInParams`]): none for the full layout, for f32 parameters (each is
+/// its own master weight, which the update reads) or with gradient accumulation (every
+/// micro-batch uploads the parameters again after the gradients arrived); else every chunk
+/// whose uploads are all needed by a kernel no later than the one its gradient offload waits
+/// for, so that each upload has read the storage before the gradients overwrite it. The
+/// others keep the full layout.
+fn lean_chunks(graph: &Graph, program: &Program, layout: HostLayout) -> BTreeSet<ChunkId> {
+    let narrow = state_bytes_per_element(graph) == 12;
+    if layout == HostLayout::Full || !narrow || crate::accumulate::micro_batches(graph) > 1 {
+        return BTreeSet::new();
+    }
+    let mut last_upload: HashMap<ChunkId, u32> = HashMap::new();
+    for copy in &program.copies {
+        if let Movement::Gather { chunk, .. } = copy.movement {
+            let t = last_upload.entry(chunk).or_insert(0);
+            *t = (*t).max(copy.needed);
+        }
+    }
+    program
+        .copies
+        .iter()
+        .filter_map(|copy| match copy.movement {
+            Movement::OffloadGrads { chunk } => {
+                let after = copy.after?;
+                let uploaded = last_upload.get(&chunk).copied().unwrap_or(0);
+                (uploaded <= after).then_some(chunk)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 /// Builds the streams of a placed graph.
 pub fn streams(placed: Placed) -> Result<Streamed> {
     Builder::new(placed.chunks.chunk_bytes).build(placed)
@@ -375,7 +409,8 @@ impl Builder {
     fn build(mut self, placed: Placed) -> Result<Streamed> {
         let (graph, chunks) = (&placed.graph, &placed.chunks);
         let program = Program::of(graph);
-        self.homes(graph, chunks, &program);
+        let lean = lean_chunks(graph, &program, placed.host_layout);
+        self.homes(graph, chunks, &program, &lean);
         self.slots(&program);
         let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
         self.gathers(graph, chunks, &program, &mut copies);
@@ -410,8 +445,15 @@ impl Builder {
     /// Homes of the inputs, the chunks and their optimizer state (Adam moments mirroring each
     /// chunk, then f32 master weights of narrower parameters), and the device and host
     /// gradient chunks of every streamed chunk the optimizer updates. A chunk is streamed when
-    /// the graph gathers it.
-    fn homes(&mut self, graph: &Graph, chunks: &ChunkTable, program: &Program) {
+    /// the graph gathers it. A `lean` chunk (the 14-byte host layout) has no host gradient
+    /// chunk: its gradients land in its host parameter storage.
+    fn homes(
+        &mut self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        program: &Program,
+        lean: &BTreeSet<ChunkId>,
+    ) {
         let streamed: BTreeSet<ChunkId> = program
             .copies
             .iter()
@@ -508,13 +550,16 @@ impl Builder {
                     BufferKind::GradChunk { chunk: c },
                     Some((0, 0)),
                 );
-                let hg = self.buffer(
-                    format!("host_grads{}", c.0),
-                    Space::Host,
-                    chunk.used_bytes,
-                    BufferKind::HostGradChunk { chunk: c },
-                    None,
-                );
+                let hg = match lean.contains(&c) {
+                    true => home,
+                    false => self.buffer(
+                        format!("host_grads{}", c.0),
+                        Space::Host,
+                        chunk.used_bytes,
+                        BufferKind::HostGradChunk { chunk: c },
+                        None,
+                    ),
+                };
                 self.grad_chunk.insert(c, (g, hg));
             }
         }

@@ -39,6 +39,63 @@ impl BlockMode {
     }
 }
 
+/// How an offloaded (non-persistent) chunk keeps its model state in host memory, in bytes per
+/// parameter for mixed precision (bf16 or f16 parameters with f32 master weights and moments).
+///
+/// - [`HostLayout::Full`], 16 bytes: the narrow parameters, their narrow gradients, and the
+///   f32 master weight, Adam `m` and `v`, each in storage of its own.
+/// - [`HostLayout::GradsInParams`], 14 bytes (PatrickStar's reuse): the gradients have no
+///   storage of their own. Once a chunk's parameters have been uploaded for the last time in a
+///   step (the backward pass reads them too), its gradient offload lands in the chunk's host
+///   parameter storage, and the CPU Adam reads each gradient element there before it writes
+///   the new parameter (the f32 master rounded, as always) over it, ready for the next step's
+///   first upload. The compiler uses it for a chunk only where every upload of the chunk is
+///   ordered before its gradient offload and the step takes one micro-batch (accumulation
+///   uploads the parameters again after the gradients arrive); other chunks, and f32
+///   schedules (whose parameter is its own master weight), keep the full layout. The
+///   verifier's data flow proves each such reuse: a fetch that reads the storage after the
+///   gradients arrived reads gradients where it must read parameters, and is refused.
+///
+/// The floor, 12 bytes (no host copy of the narrow parameters at all: each upload cast from the
+/// master into a staging buffer, gradients consumed from staging as they arrive), is not a
+/// layout here: with gradient clipping or loss scaling the CPU Adam needs a coefficient that
+/// exists only after every gradient of the step, so gradients cannot be consumed as they
+/// arrive and need a home until then, which is what the 14-byte layout gives them.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum HostLayout {
+    /// 16 bytes per parameter: parameters, gradients, master and moments apart.
+    #[default]
+    Full,
+    /// 14 bytes per parameter: gradients land in the parameter storage after its last upload.
+    GradsInParams,
+}
+
+impl HostLayout {
+    /// Host bytes per parameter of an offloaded chunk in this layout, with narrow parameters of
+    /// `narrow` bytes each (2 for bf16 and f16): parameters, gradients, f32 master, m and v.
+    pub fn bytes_per_param(self, narrow: u64) -> u64 {
+        match self {
+            HostLayout::Full => 2 * narrow + 12,
+            HostLayout::GradsInParams => narrow + 12,
+        }
+    }
+
+    /// The number the text form uses: the bytes per bf16 parameter (16, 14).
+    pub fn number(self) -> u32 {
+        self.bytes_per_param(2) as u32
+    }
+
+    /// The layout with that number, if one has it.
+    pub fn from_number(n: u32) -> Option<Self> {
+        [HostLayout::Full, HostLayout::GradsInParams]
+            .into_iter()
+            .find(|l| l.number() == n)
+    }
+}
+
 /// A placement policy.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Policy {
@@ -50,6 +107,8 @@ pub struct Policy {
     pub blocks: Vec<BlockMode>,
     /// How many chunks ahead of use a fetch is issued (1: the next chunk while this one runs).
     pub prefetch: u32,
+    /// How offloaded chunks keep their state on the host (see [`HostLayout`]).
+    pub host_layout: HostLayout,
 }
 
 impl Policy {
@@ -60,6 +119,7 @@ impl Policy {
             n_buffer: 0,
             blocks: vec![BlockMode::Keep; layers],
             prefetch: 1,
+            host_layout: HostLayout::Full,
         }
     }
 
@@ -80,6 +140,7 @@ impl Policy {
                 .map(|l| Self::protrain_mode(l, n_swap, n_checkpoint, layers))
                 .collect(),
             prefetch: 1,
+            host_layout: HostLayout::Full,
         }
     }
 
@@ -106,6 +167,7 @@ impl Policy {
             n_buffer,
             blocks: vec![BlockMode::Checkpoint; layers],
             prefetch: 1,
+            host_layout: HostLayout::Full,
         }
     }
 
@@ -118,6 +180,15 @@ impl Policy {
             n_buffer,
             blocks: vec![BlockMode::Checkpoint; layers],
             prefetch: 1,
+            host_layout: HostLayout::Full,
+        }
+    }
+
+    /// This policy with offloaded chunks in host layout `layout`.
+    pub fn with_layout(self, layout: HostLayout) -> Self {
+        Self {
+            host_layout: layout,
+            ..self
         }
     }
 
@@ -128,7 +199,8 @@ impl Policy {
 }
 
 impl fmt::Display for Policy {
-    /// `n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`
+    /// `n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`, then ` host_layout=14` when the
+    /// layout is not the full one.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let blocks: String = self.blocks.iter().map(|m| m.letter()).collect();
         write!(
@@ -142,7 +214,11 @@ impl fmt::Display for Policy {
             } else {
                 blocks
             }
-        )
+        )?;
+        if self.host_layout != HostLayout::Full {
+            write!(f, " host_layout={}", self.host_layout.number())?;
+        }
+        Ok(())
     }
 }
 
@@ -152,8 +228,8 @@ impl fmt::Display for Policy {
 /// Its text form is `key=value` pairs separated by commas or spaces, so the line a
 /// [`Policy`] prints (`n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`) parses back to
 /// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (one letter
-/// per layer, `-` for none) and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's
-/// interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
+/// per layer, `-` for none), `host_layout` (16 or 14 bytes per parameter, see [`HostLayout`])
+/// and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
 /// error rather than one silently winning.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicySpec {
@@ -169,16 +245,19 @@ pub struct PolicySpec {
     pub blocks: Option<Vec<BlockMode>>,
     /// The prefetch distance.
     pub prefetch: Option<u32>,
+    /// The host layout of offloaded chunks.
+    pub host_layout: Option<HostLayout>,
 }
 
 /// The keys of a policy's text form, in the order they are documented.
-const POLICY_KEYS: [&str; 6] = [
+const POLICY_KEYS: [&str; 7] = [
     "n_persist",
     "n_buffer",
     "n_swap",
     "n_checkpoint",
     "blocks",
     "prefetch",
+    "host_layout",
 ];
 
 impl FromStr for PolicySpec {
@@ -224,6 +303,15 @@ impl FromStr for PolicySpec {
                 "n_swap" => spec.n_swap = Some(number()?),
                 "n_checkpoint" => spec.n_checkpoint = Some(number()?),
                 "prefetch" => spec.prefetch = Some(number()?),
+                "host_layout" => {
+                    let layout = number().ok().and_then(HostLayout::from_number);
+                    spec.host_layout = Some(layout.ok_or_else(|| {
+                        bad(format!(
+                            "host_layout={value}: give 16 (parameters, gradients, master and \
+                             moments apart) or 14 (gradients in the parameter storage)"
+                        ))
+                    })?);
+                }
                 _ => {
                     let modes = if value == "-" {
                         Vec::new()
@@ -258,7 +346,7 @@ impl FromStr for PolicySpec {
 impl PolicySpec {
     /// The policy for a model with `chunks` chunks and `layers` layers. Unset keys default to
     /// everything persistent and kept, `n_buffer` to 2 (at most the streamed chunks) when
-    /// something is streamed, and `prefetch` to 1.
+    /// something is streamed, `prefetch` to 1 and `host_layout` to the full one.
     pub fn resolve(&self, chunks: u32, layers: usize) -> Result<Policy> {
         let bad = |why: String| IrError::BadPolicy {
             text: self.to_string(),
@@ -300,6 +388,7 @@ impl PolicySpec {
             n_buffer,
             blocks,
             prefetch: self.prefetch.unwrap_or(1),
+            host_layout: self.host_layout.unwrap_or_default(),
         })
     }
 }
@@ -327,6 +416,9 @@ impl fmt::Display for PolicySpec {
                 if letters.is_empty() { "-" } else { &letters }
             ));
         }
+        if let Some(layout) = self.host_layout {
+            parts.push(format!("host_layout={}", layout.number()));
+        }
         f.write_str(&parts.join(" "))
     }
 }
@@ -341,6 +433,8 @@ impl From<&Policy> for PolicySpec {
             n_checkpoint: None,
             blocks: Some(policy.blocks.clone()),
             prefetch: Some(policy.prefetch),
+            // Left out when full, its default, so the text form reads as it always did.
+            host_layout: (policy.host_layout != HostLayout::Full).then_some(policy.host_layout),
         }
     }
 }
@@ -360,6 +454,10 @@ mod tests {
             Policy::resident(5, 3),
             Policy::resident(5, 0),
             Policy::zero3_offload(2, 4),
+            Policy {
+                host_layout: HostLayout::GradsInParams,
+                ..Policy::zero3_offload(2, 4)
+            },
         ] {
             let printed = policy.to_string();
             let back = parse(&printed).unwrap().resolve(5, policy.blocks.len());
@@ -397,6 +495,8 @@ mod tests {
             ("n_persists=1", "unknown key `n_persists`"),
             ("n_buffer=-1", "not a whole number"),
             ("blocks=KX", "block mode `X`"),
+            ("host_layout=12", "give 16"),
+            ("host_layout=x", "give 16"),
         ] {
             let err = parse(text).unwrap_err().to_string();
             assert!(err.contains(says), "{text}: {err}");

@@ -43,8 +43,9 @@ use crate::policy::Policy;
 use crate::types::DType;
 use serde::{Deserialize, Serialize};
 
-/// The version of the schedule layout this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// The version of the schedule layout this build writes and reads. 3: the header's policy
+/// carries its host layout ([`HostLayout`](crate::HostLayout)).
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -19,6 +19,11 @@ pub mod bytes_per_param {
     pub const ADAM_V: u64 = 4;
     /// All of the above: 16.
     pub const TOTAL: u64 = PARAM + GRAD + MASTER + ADAM_M + ADAM_V;
+    /// Gradients in the parameter chunk after its last upload (PatrickStar's reuse): 14.
+    pub const GRADS_IN_PARAMS: u64 = TOTAL - GRAD;
+    /// Staging: only the master weight and the moments stored, the bf16 copies made at
+    /// upload and the gradients consumed as they arrive: 12, the floor.
+    pub const STAGED: u64 = MASTER + ADAM_M + ADAM_V;
 }
 
 /// Model-state bytes of mixed-precision AdamW training, part by part (before any chunking or
@@ -37,6 +42,10 @@ pub struct ModelStateBytes {
     pub adam_v: u64,
     /// The sum: 16 bytes per parameter.
     pub total: u64,
+    /// With gradients in the parameter chunk: 14 bytes per parameter.
+    pub grads_in_params: u64,
+    /// With staging (master and moments only): 12 bytes per parameter.
+    pub staged: u64,
 }
 
 impl ModelStateBytes {
@@ -50,6 +59,8 @@ impl ModelStateBytes {
             adam_m: parameters * ADAM_M,
             adam_v: parameters * ADAM_V,
             total: parameters * TOTAL,
+            grads_in_params: parameters * GRADS_IN_PARAMS,
+            staged: parameters * STAGED,
         }
     }
 }

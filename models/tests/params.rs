@@ -201,6 +201,8 @@ fn model_state_is_sixteen_bytes_per_parameter() {
             adam_m: 4 * p,
             adam_v: 4 * p,
             total: 16 * p,
+            grads_in_params: 14 * p,
+            staged: 12 * p,
         }
     );
     let json: Value = serde_json::to_value(&info).unwrap();

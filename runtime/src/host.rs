@@ -251,15 +251,27 @@ impl HostBackend {
             ),
             None => (param.numel() as usize, self.master_weight(l.inputs[2])?),
         };
+        // The 14-byte host layout: the gradient sits in the parameter's own storage (the
+        // verifier allows exactly that overlap and no partial one).
+        let in_low = l.inputs[0] == l.inputs[1];
         // SAFETY (every view): the ordering contract gives this op its operands alone while it
         // runs; param, grad, m, v, the coefficient and the master weight are distinct values
-        // at distinct homes, so the views do not overlap.
+        // at distinct homes, so the views do not overlap, but for a gradient in the
+        // parameter's storage, which is then not viewed apart (`Grad::InLow`).
         unsafe {
             let master = self.slice_mut::<f32>(master_at, n)?;
-            let (p, g) = match param.dtype {
-                DType::BF16 => (
+            let (p, g) = match (param.dtype, in_low) {
+                (DType::BF16, true) => (
+                    Low::Bf16(self.slice_mut::<bf16>(l.inputs[0], n)?),
+                    Grad::InLow,
+                ),
+                (DType::BF16, false) => (
                     Low::Bf16(self.slice_mut::<bf16>(l.inputs[0], n)?),
                     Grad::Bf16(self.slice::<bf16>(l.inputs[1], n)?),
+                ),
+                (_, true) => (
+                    Low::F16(self.slice_mut::<f16>(l.inputs[0], n)?),
+                    Grad::InLow,
                 ),
                 _ => (
                     Low::F16(self.slice_mut::<f16>(l.inputs[0], n)?),

@@ -47,5 +47,18 @@ pub fn run(args: Args) -> Result<()> {
     outln!("    fp32 master      {}", format_bytes(states.master));
     outln!("    fp32 Adam m      {}", format_bytes(states.adam_m));
     outln!("    fp32 Adam v      {}", format_bytes(states.adam_v));
+    outln!("  host bytes per offloaded parameter, bf16 training:");
+    outln!(
+        "    16  {:>10}  fully resident (all of the above)",
+        format_bytes(states.total)
+    );
+    outln!(
+        "    14  {:>10}  gradients in the parameter chunk (host_layout=14)",
+        format_bytes(states.grads_in_params)
+    );
+    outln!(
+        "    12  {:>10}  staging: master and moments only (the floor; not compiled yet)",
+        format_bytes(states.staged)
+    );
     Ok(())
 }

@@ -6,6 +6,7 @@ use super::memory::{hb, space_index, Content, Memory, Segment, Writer};
 use super::{overlaps, Checker, InstrRef, Invariant, ScheduleError, Span};
 use crate::graph::Role;
 use crate::ids::{OpId, StreamId, ValueId};
+use crate::op::OpKind;
 use crate::print_schedule::space_name;
 use crate::schedule::{CopyKind, Instr, Space, TensorRef};
 
@@ -321,6 +322,34 @@ impl Checker<'_> {
         found: Found,
     ) -> ScheduleError {
         let what = format!("reads {} at {}", self.name(v), Self::range(space, a, b));
+        // The 14-byte host layout's hazard: the chunk's gradients arrived in its parameter
+        // storage before this read of its parameters.
+        if let Found::Other(content, Writer::Instr(w)) = found {
+            let offload = self.s.streams[w.stream.index()]
+                .instrs
+                .get(w.index as usize)
+                .and_then(|i| match i {
+                    Instr::Copy {
+                        what: CopyKind::OffloadGrads { chunk },
+                        ..
+                    } => Some(*chunk),
+                    _ => None,
+                });
+            if let Some(chunk) = offload {
+                return self.fail(
+                    Invariant::DataFlow,
+                    Some(r),
+                    format!(
+                        "{what} but that memory holds the gradient {} of {chunk}: its gradient \
+                         offload ({}) landed in the parameter storage before this read (the \
+                         14-byte host layout); every upload of a chunk must come before its \
+                         gradient offload, or the chunk must keep a host gradient chunk",
+                        self.describe_content(content),
+                        self.at(w)
+                    ),
+                );
+            }
+        }
         let msg = match found {
             Found::Unordered(w) => format!(
                 "{what}, written by {}, but is not ordered after that write: a missing wait?",
@@ -495,10 +524,21 @@ impl Checker<'_> {
         workspace: Option<TensorRef>,
     ) -> Result<(), ScheduleError> {
         let o = self.g.op(op);
+        // The 14-byte host layout: an AdamW whose narrow parameter has an f32 master weight
+        // (which is what it reads and updates) may find its gradient in the parameter's own
+        // storage, exactly there; it reads each gradient element before writing the new
+        // parameter over it, so the parameter's old bits are not read and need not be there.
+        let grad_in_param = matches!(o.kind, OpKind::AdamW { .. })
+            && inputs.len() > 1
+            && inputs[0] == inputs[1]
+            && self.g.value(o.inputs[0]).ty == self.g.value(o.inputs[1]).ty
+            && self.s.masters.iter().any(|&(v, _)| v == o.inputs[0]);
         let mut reads = Vec::with_capacity(inputs.len());
-        for (&v, &t) in o.inputs.iter().zip(inputs) {
+        for (j, (&v, &t)) in o.inputs.iter().zip(inputs).enumerate() {
             let (space, a, b) = self.span(t, self.bytes(v));
-            self.check_read(&mut mem[space_index(space)], r, clock, pc, v, space, a, b)?;
+            if !(grad_in_param && j == 0) {
+                self.check_read(&mut mem[space_index(space)], r, clock, pc, v, space, a, b)?;
+            }
             reads.push((space, a, b));
         }
         let mut writes: Vec<KernelWrite> = Vec::with_capacity(o.outputs.len() + 1);
@@ -545,7 +585,8 @@ impl Checker<'_> {
         for (k, w) in writes.iter().enumerate() {
             let span = w.span;
             for (j, (&read, &v)) in reads.iter().zip(&o.inputs).enumerate() {
-                if w.in_place_of != Some(j) && overlaps(span, read) {
+                let reused = grad_in_param && w.in_place_of == Some(0) && j == 1;
+                if w.in_place_of != Some(j) && !reused && overlaps(span, read) {
                     return Err(self.fail(
                         Invariant::DataFlow,
                         Some(r),

@@ -70,6 +70,13 @@
 //!     - a kernel's outputs and workspace overlap none of its inputs or each other (AdamW's
 //!       in-place operands excepted); outputs come to hold their values, the workspace holds
 //!       scratch, in-place operands hold their updated values;
+//!     - the 14-byte host layout ([`HostLayout`](crate::HostLayout)): an AdamW whose narrow
+//!       parameter has a master weight may address its gradient exactly at its parameter (the
+//!       gradient offload landed in the parameter storage); the parameter's old bits are then
+//!       not read (the update reads the master) and the in-place write may cover the gradient.
+//!       The reuse is proven safe by the rules above and below: a fetch of the chunk after its
+//!       gradients arrived reads gradients where its parameters must be, and is refused, and
+//!       the offload's write must be ordered after every earlier fetch's read of that storage;
 //!     - a copy reads no kernel scratch, and what it reads was written by instructions that
 //!       happen-before it (bytes never written, such as chunk padding, arrive as undefined);
 //!       a fetch reads its chunk's parameters, an offload, reload or scalar copy exactly its

@@ -527,14 +527,21 @@ impl CudaBackend {
                     let master_at = self.master_weight(l.inputs[2])?;
                     let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
                     let p = unsafe { self.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
-                    let g = unsafe { self.host_slice::<half::bf16>(l.inputs[1], n)? };
+                    // The 14-byte host layout puts the gradient in the parameter's storage:
+                    // then it is read from there (`Grad::InLow`), never viewed apart.
+                    let g = match l.inputs[0] == l.inputs[1] {
+                        true => crate::kernels::Grad::InLow,
+                        false => crate::kernels::Grad::Bf16(unsafe {
+                            self.host_slice::<half::bf16>(l.inputs[1], n)?
+                        }),
+                    };
                     // One pass: the bf16 gradient is widened as it is read and the new bf16
                     // parameter written beside the f32 master, the same bits as the host
                     // executor's CPU Adam.
                     dispatch::adamw_mixed(
                         &op.kind,
                         master,
-                        crate::kernels::Grad::Bf16(g),
+                        g,
                         m,
                         v,
                         Some(crate::kernels::Low::Bf16(p)),
@@ -546,13 +553,18 @@ impl CudaBackend {
                     let master_at = self.master_weight(l.inputs[2])?;
                     let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
                     let p = unsafe { self.host_slice_mut::<half::f16>(l.inputs[0], n)? };
-                    let g = unsafe { self.host_slice::<half::f16>(l.inputs[1], n)? };
+                    let g = match l.inputs[0] == l.inputs[1] {
+                        true => crate::kernels::Grad::InLow,
+                        false => crate::kernels::Grad::F16(unsafe {
+                            self.host_slice::<half::f16>(l.inputs[1], n)?
+                        }),
+                    };
                     // As bf16; a negative coefficient (an overflowed loss-scaled step) makes
                     // `adamw_mixed` change nothing, as on the host backend.
                     dispatch::adamw_mixed(
                         &op.kind,
                         master,
-                        crate::kernels::Grad::F16(g),
+                        g,
                         m,
                         v,
                         Some(crate::kernels::Low::F16(p)),

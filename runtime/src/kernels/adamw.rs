@@ -53,6 +53,11 @@ pub enum Grad<'a> {
     Bf16(&'a [bf16]),
     /// An f16 gradient (of an f16 parameter with an f32 master weight).
     F16(&'a [f16]),
+    /// The gradient is what the narrow parameter storage (`low`) holds: the 14-byte host
+    /// layout, where a chunk's bf16 (f16) gradients land in its parameter storage after the
+    /// chunk's last upload of the step. Each element is read before the new parameter is
+    /// written over it, so the result is the bits of the same gradient given apart.
+    InLow,
 }
 
 /// The narrow copy of the parameter one step writes beside its f32 master weight (a mixed
@@ -81,18 +86,19 @@ impl Low<'_> {
 }
 
 impl Grad<'_> {
-    /// Elements.
-    pub fn len(&self) -> usize {
+    /// Elements; `None` for [`Grad::InLow`], which has the parameter storage's.
+    pub fn len(&self) -> Option<usize> {
         match self {
-            Grad::F32(g) => g.len(),
-            Grad::Bf16(g) => g.len(),
-            Grad::F16(g) => g.len(),
+            Grad::F32(g) => Some(g.len()),
+            Grad::Bf16(g) => Some(g.len()),
+            Grad::F16(g) => Some(g.len()),
+            Grad::InLow => None,
         }
     }
 
-    /// Whether it has no elements.
+    /// Whether it has no elements (`false` for [`Grad::InLow`], whose storage decides).
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len() == Some(0)
     }
 }
 
@@ -326,6 +332,41 @@ fn run<G: Widen + Sync, L: Narrow>(
     }
 }
 
+/// Elements of the stack copy [`run_in_low`] takes of a gradient before the new parameter is
+/// written over it (8 KiB of bf16).
+const IN_LOW_PIECE: usize = 4096;
+
+/// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
+/// each piece of the gradient is copied to the stack, then the step reads the copy and writes
+/// the new parameter over the gradient. Elementwise, so the pieces change no bit.
+fn run_in_low<L: Narrow + Widen + Default>(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    low: &mut [L],
+    c: &Coeffs,
+) {
+    p.par_chunks_mut(ADAMW_BLOCK)
+        .zip(low.par_chunks_mut(ADAMW_BLOCK))
+        .zip(
+            m.par_chunks_mut(ADAMW_BLOCK)
+                .zip(v.par_chunks_mut(ADAMW_BLOCK)),
+        )
+        .for_each(|((p, low), (m, v))| {
+            let mut g = [L::default(); IN_LOW_PIECE];
+            for (((p, low), m), v) in p
+                .chunks_mut(IN_LOW_PIECE)
+                .zip(low.chunks_mut(IN_LOW_PIECE))
+                .zip(m.chunks_mut(IN_LOW_PIECE))
+                .zip(v.chunks_mut(IN_LOW_PIECE))
+            {
+                let g = &mut g[..low.len()];
+                g.copy_from_slice(low);
+                run_block(p, g, m, v, Some(low), c);
+            }
+        });
+}
+
 /// One AdamW step over a parameter tensor in one pass over memory: the f32 `master` weight
 /// and the moments `exp_avg`, `exp_avg_sq` are read and updated in place from `grad` (f32 or
 /// bf16, multiplied by `grad_scale` when given, the clip coefficient), and when `low` is given
@@ -349,7 +390,9 @@ pub fn adamw_step_fused(
     cfg: &AdamWConfig,
 ) {
     let n = master.len();
-    assert_eq!(grad.len(), n, "adamw: grad length differs from param");
+    if let Some(len) = grad.len() {
+        assert_eq!(len, n, "adamw: grad length differs from param");
+    }
     assert_eq!(exp_avg.len(), n, "adamw: exp_avg length differs from param");
     assert_eq!(
         exp_avg_sq.len(),
@@ -376,7 +419,16 @@ pub fn adamw_step_fused(
             Grad::F32(g) => run(master, g, m, v, low, c),
             Grad::Bf16(g) => run(master, g, m, v, low, c),
             Grad::F16(g) => run(master, g, m, v, low, c),
+            Grad::InLow => unreachable!("handled below"),
         }
+    }
+    if let Grad::InLow = grad {
+        match low {
+            Some(Low::Bf16(low)) => run_in_low(master, exp_avg, exp_avg_sq, low, &c),
+            Some(Low::F16(low)) => run_in_low(master, exp_avg, exp_avg_sq, low, &c),
+            None => panic!("adamw: a gradient in the parameter storage needs that storage"),
+        }
+        return;
     }
     match low {
         None => with_grad::<bf16>(master, grad, exp_avg, exp_avg_sq, None, &c),
@@ -743,5 +795,62 @@ mod tests {
         // Below the limit the coefficient is clamped to exactly 1.
         assert_eq!(clip_coef(0.5, 1.0), 1.0);
         assert_eq!(clip_coef(0.0, 1.0), 1.0);
+    }
+
+    /// The 14-byte host layout's step, gradient read from the parameter storage, gives the
+    /// bits of the step given the same gradient apart, in bf16 and f16, over lengths that cut
+    /// a block and a stack piece unevenly, with and without a clip scale. (Writing the
+    /// parameter before reading its gradient element, or skipping a piece, fails this.)
+    #[test]
+    fn gradient_in_the_parameter_storage_gives_the_same_bits() {
+        let n = ADAMW_BLOCK + IN_LOW_PIECE + 37;
+        let master0: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1013) as f32 * 1e-3 - 0.5)
+            .collect();
+        let grad: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 977) as f32 * 1e-4 - 0.05)
+            .collect();
+        let cfg = AdamWConfig::default();
+        for scale in [None, Some(0.25f32)] {
+            let run = |in_low: bool, f16: bool| -> (Vec<u32>, Vec<u16>) {
+                let mut master = master0.clone();
+                let (mut m, mut v) = (vec![0.01f32; n], vec![0.02f32; n]);
+                let bits = if f16 {
+                    let g: Vec<f16> = grad.iter().map(|&x| f16::from_f32(x)).collect();
+                    let mut low = match in_low {
+                        true => g.clone(),
+                        false => vec![f16::ZERO; n],
+                    };
+                    let given = match in_low {
+                        true => Grad::InLow,
+                        false => Grad::F16(&g),
+                    };
+                    let low_ref = Some(Low::F16(&mut low));
+                    adamw_step_fused(&mut master, given, scale, &mut m, &mut v, low_ref, 3, &cfg);
+                    low.iter().map(|x| x.to_bits()).collect()
+                } else {
+                    let g: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+                    let mut low = match in_low {
+                        true => g.clone(),
+                        false => vec![bf16::ZERO; n],
+                    };
+                    let given = match in_low {
+                        true => Grad::InLow,
+                        false => Grad::Bf16(&g),
+                    };
+                    let low_ref = Some(Low::Bf16(&mut low));
+                    adamw_step_fused(&mut master, given, scale, &mut m, &mut v, low_ref, 3, &cfg);
+                    low.iter().map(|x| x.to_bits()).collect()
+                };
+                let state = master.iter().chain(&m).chain(&v).map(|x| x.to_bits());
+                (state.collect(), bits)
+            };
+            for f16 in [false, true] {
+                assert!(
+                    run(false, f16) == run(true, f16),
+                    "f16 {f16}, scale {scale:?}"
+                );
+            }
+        }
     }
 }
