@@ -768,13 +768,13 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
 }
 
 /// `train --gpus 2` under a policy that offloads every chunk shards them (no clipping, one
-/// micro-batch per rank) and trains as `--grad-accum 2` bit for bit; with `--save` it is
-/// refused before training (gathering the shards needs every rank, and only rank 0 saves),
-/// naming how to compile it unsharded.
+/// micro-batch per rank) and trains as `--grad-accum 2` bit for bit; `--save` gathers the
+/// shards (every rank joins rank 0's read) into the weights the accumulating run saves.
 #[test]
-fn sharded_ranks_train_as_accumulation_and_refuse_saving_with_the_way_out() {
+fn sharded_ranks_train_and_save_as_accumulation() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let saved = dir.path().join("w.safetensors");
+    let sharded = dir.path().join("sharded.safetensors");
+    let accumulated = dir.path().join("accumulated.safetensors");
     let run = |extra: &[&str]| {
         let mut args = vec![
             "train",
@@ -792,17 +792,60 @@ fn sharded_ranks_train_as_accumulation_and_refuse_saving_with_the_way_out() {
         args.extend_from_slice(extra);
         protrain(&args)
     };
-    let ranks = run(&["--gpus", "2"]);
+    let ranks = run(&["--gpus", "2", "--save", path(&sharded)]);
     assert!(ranks.status.success(), "{}", stderr(&ranks));
-    let accum = run(&["--grad-accum", "2"]);
+    assert!(stderr(&ranks).contains("sharded"), "{}", stderr(&ranks));
+    let accum = run(&["--grad-accum", "2", "--save", path(&accumulated)]);
     assert!(accum.status.success(), "{}", stderr(&accum));
     assert_eq!(losses(&ranks), losses(&accum));
-    let out = run(&["--gpus", "2", "--save", path(&saved)]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(
-        err.contains("shards its offloaded chunks") && err.contains("--grad-clip"),
-        "{err}"
+    assert_eq!(
+        std::fs::read(&sharded).expect("saved"),
+        std::fs::read(&accumulated).expect("saved"),
+        "the gathered shards are the accumulating run's weights, byte for byte"
     );
-    assert!(!saved.exists());
+}
+
+/// 4 ranks with sharded chunks checkpoint (the workers join rank 0's gathers) and resume on
+/// 4 ranks, and on 1 rank accumulating the 4 micro-batches, as the uninterrupted run; the
+/// checkpoint holds whole tensors, so any number of ranks can read it.
+#[test]
+fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = |steps: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            steps,
+            "--json",
+            "--policy",
+            "n_persist=0 n_buffer=1",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let whole = losses(&run("4", &["--gpus", "4"]));
+    let first = run(
+        "2",
+        &[
+            "--gpus",
+            "4",
+            "--checkpoint-dir",
+            path(&ckpt),
+            "--save-every",
+            "1",
+        ],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(stderr(&first).contains("sharded"), "{}", stderr(&first));
+    assert_eq!(losses(&first), whole[..2]);
+    let rest = losses(&run("4", &["--gpus", "4", "--resume", path(&ckpt)]));
+    assert_eq!(rest, whole[2..]);
+    let one = losses(&run("4", &["--grad-accum", "4", "--resume", path(&ckpt)]));
+    assert_eq!(one, whole[2..]);
 }

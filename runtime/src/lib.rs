@@ -28,4 +28,4 @@ pub use backend::Backend;
 pub use error::{Result, RuntimeError};
 pub use executor::{Executor, Span, StepTiming};
 pub use host::HostBackend;
-pub use train::{RunSettings, StepRecord, Trainer};
+pub use train::{RunSettings, StepRecord, Trainer, WeightReads};

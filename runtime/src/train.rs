@@ -462,6 +462,18 @@ pub struct CheckpointPlan {
     pub keep: usize,
 }
 
+/// What a rank other than 0 does where rank 0 reads the weights, in a run whose schedule
+/// shards its offloaded chunks over the ranks: reading them gathers every rank's shard, so
+/// every rank must issue the same gathers at the same steps ([`Trainer::mirror_weight_reads`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightReads {
+    /// Rank 0 writes a checkpoint (weights, then optimizer state) after every step that is a
+    /// multiple of this, and after the last.
+    pub checkpoint_every: Option<NonZeroU64>,
+    /// Rank 0 evaluates the weights after every step that is a multiple of this.
+    pub eval_every: Option<NonZeroU64>,
+}
+
 /// What one step did: what the caller prints, as text or JSON.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepRecord {
@@ -587,6 +599,8 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     started_at: u64,
     checkpoints: Option<CheckpointPlan>,
     eval: Option<EvalPlan<'s, B>>,
+    /// Rank 0's weight reads this rank joins (a sharded schedule's other ranks).
+    mirror: WeightReads,
     trace_last: bool,
     /// The last finite loss and its gradient norm, for the message if training diverges.
     previous: Option<(f32, Option<f32>)>,
@@ -700,6 +714,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             next_batch,
             checkpoints: None,
             eval: None,
+            mirror: WeightReads::default(),
             trace_last: false,
             previous: None,
             summary: RunSummary::default(),
@@ -731,6 +746,13 @@ impl<'s, B: Backend> Trainer<'s, B> {
             .check_params_of(&self.executor.schedule().graph)?;
         self.eval = Some(plan);
         Ok(())
+    }
+
+    /// Joins rank 0's weight reads (checkpoints and evaluations) on this rank, which writes
+    /// and evaluates nothing itself: with a schedule that shards its offloaded chunks, reading
+    /// the weights gathers every rank's shard, so every rank must read them at the same steps.
+    pub fn mirror_weight_reads(&mut self, reads: WeightReads) {
+        self.mirror = reads;
     }
 
     /// Records the timeline of the run's last step ([`Executor::timeline`]).
@@ -898,6 +920,19 @@ impl<'s, B: Backend> Trainer<'s, B> {
                 let origin = format!("the weights after step {step}");
                 let params = self.executor.params()?;
                 record.eval = Some(plan.evaluator.evaluate(&params, &origin)?);
+            }
+        }
+        // The gathers of rank 0's reads above, in the same order: a checkpoint reads the
+        // weights and then the optimizer state, an evaluation the weights.
+        if let Some(every) = self.mirror.checkpoint_every {
+            if step.is_multiple_of(every.get()) || step == self.settings.steps {
+                self.executor.params()?;
+                self.executor.state()?;
+            }
+        }
+        if let Some(every) = self.mirror.eval_every {
+            if step.is_multiple_of(every.get()) {
+                self.executor.params()?;
             }
         }
         on_step(&record);

@@ -9,7 +9,9 @@ use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::collective::{thread_ranks, ThreadRank};
 use protrain::runtime::params::{init_params, load_params, save_params};
-use protrain::runtime::train::{CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord};
+use protrain::runtime::train::{
+    CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord, WeightReads,
+};
 use protrain::runtime::weights::StorageDtype;
 use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
 use protrain::{Error, Result};
@@ -388,8 +390,12 @@ pub fn plan_lines(schedule: &Schedule) -> String {
             (1, 1) => String::new(),
             (gpus, nodes) => format!(
                 "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; here threads of \
-                 this process), each on its own rows, gradients summed over them",
-                gpus * nodes
+                 this process), each on its own rows, gradients summed over them{}",
+                gpus * nodes,
+                match schedule.sharded() {
+                    true => "; offloaded chunks sharded, each rank holding 1/ranks of their state",
+                    false => "",
+                }
             ),
         },
         p.step_seconds,
@@ -527,19 +533,6 @@ fn execute_on<'s, B: Backend>(
         (Some(corpus), Some(tokenizer)) => Some(tokenize_corpus(corpus, tokenizer, graph)?),
         (data, _) => data.clone(),
     };
-    // Reading the weights of a sharded schedule gathers them from every rank, and here only
-    // rank 0 reads them (checkpoints, --save, evaluation): the worker threads do not join.
-    let reads_weights =
-        (checkpoint_dir.is_some() && save_every.is_some()) || args.save.is_some() || eval.is_some();
-    if schedule.sharded() && reads_weights {
-        return Err(Error::Usage(format!(
-            "this schedule shards its offloaded chunks over its {} ranks, and train cannot yet \
-             gather them for --save, checkpoints or evaluation; compile it unsharded (with \
-             --grad-clip, or --grad-accum 2 and half the --batch) or with a policy that keeps \
-             every chunk on the device, or train without those options",
-            schedule.ranks()
-        )));
-    }
     let flags = args.run_flags(data);
     // The peak of the learning-rate schedule is the rate the AdamW ops were compiled with.
     let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);
@@ -565,7 +558,14 @@ fn execute_on<'s, B: Backend>(
         check_writable("--trace", path, &inputs)?;
         trainer.trace_last_step();
     }
+    // Reading the weights of a schedule that shards its offloaded chunks gathers every
+    // rank's shard: the other ranks join each read rank 0 makes (see `run_ranks`).
+    let mut reads = WeightReads {
+        checkpoint_every: None,
+        eval_every: None,
+    };
     if let (Some(dir), Some(every)) = (checkpoint_dir, save_every) {
+        reads.checkpoint_every = Some(every);
         let plan = CheckpointPlan {
             dir,
             every,
@@ -576,6 +576,7 @@ fn execute_on<'s, B: Backend>(
     let steps = trainer.settings().steps;
     let tokenizer = args.tokenizer.as_deref();
     if let Some(plan) = super::eval::plan::<B>(&args.eval, eval, tokenizer, steps)? {
+        reads.eval_every = Some(plan.every);
         trainer.evaluate_every(plan)?;
     }
 
@@ -632,6 +633,7 @@ fn execute_on<'s, B: Backend>(
         &flags,
         peak,
         comms,
+        reads,
         &mut trainer,
         |record| {
             if args.json {
@@ -795,12 +797,16 @@ fn run_ranks<'s, B: Backend>(
     flags: &RunFlags,
     peak: f64,
     comms: Vec<ThreadRank>,
+    reads: WeightReads,
     trainer: &mut Trainer<'s, B>,
     on_step: impl FnMut(&StepRecord),
 ) -> Result<()> {
     if comms.is_empty() {
         return Ok(trainer.run(on_step)?);
     }
+    // With sharded chunks, every read of the weights gathers the ranks' shards: the workers
+    // join rank 0's checkpoints and evaluations step by step, and its --save at the end.
+    let sharded = schedule.sharded();
     std::thread::scope(|scope| {
         let workers: Vec<_> = comms
             .into_iter()
@@ -808,7 +814,14 @@ fn run_ranks<'s, B: Backend>(
                 scope.spawn(move || -> Result<()> {
                     let (mut worker, _) =
                         rank_trainer::<B>(schedule, args, flags, peak, Some(comm))?;
-                    Ok(worker.run(|_| {})?)
+                    if sharded {
+                        worker.mirror_weight_reads(reads);
+                    }
+                    worker.run(|_| {})?;
+                    if sharded && args.save.is_some() {
+                        worker.executor().params()?;
+                    }
+                    Ok(())
                 })
             })
             .collect();
