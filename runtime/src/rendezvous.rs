@@ -212,7 +212,8 @@ impl Launch {
         }
         if local_rank >= gpus {
             return Err(RuntimeError::Launch(format!(
-                "local rank {local_rank} is not below --gpus {gpus}; a node runs workers 0 to {}",
+                "local rank {local_rank} is not below --gpus {gpus}; a node runs workers 0 to \
+                 {}, so pass a local rank in that range",
                 gpus - 1
             )));
         }
