@@ -288,6 +288,20 @@ pub enum RuntimeError {
         /// What went wrong, naming the other rank and the collective.
         problem: String,
     },
+    /// The launch settings of a multi-process run (torchrun's RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT, or `--nodes`, `--node-rank`, `--master`, `--gpus`) are
+    /// missing or inconsistent. The text names the setting and the way out.
+    #[error("launch settings: {0}")]
+    Launch(String),
+    /// The rendezvous that starts a multi-process run failed on this rank: a peer did not
+    /// come in time, died, or disagreed about the run. The text names the ranks concerned.
+    #[error("rank {rank}: rendezvous failed: {problem}")]
+    Rendezvous {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong and the way out.
+        problem: String,
+    },
 }
 
 /// The runtime's result alias.

@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod loss_scale;
 pub mod params;
 pub mod profiler;
+pub mod rendezvous;
 pub mod rng;
 pub mod synthetic;
 pub mod text;

@@ -17,8 +17,10 @@
 //! and events, and the executor of call plans; `launch.rs`: each op kind's kernels and GEMMs
 //! as a pure call plan; `blas.rs`: the matmuls;
 //! `driver.rs`: driver resources and the library probe; `profile.rs`: measuring a GPU for
-//! `protrain profile`). [`runs`] (plain data, built without the feature too) says which
-//! adjacent device AdamW ops the backend updates in one multi-tensor launch. [`available`] says, without calling into a library that may be
+//! `protrain profile`; `nccl.rs`: NCCL collectives between one process per GPU, whose call
+//! plans are plain data built without the feature too). [`runs`] (plain data, built without
+//! the feature too) says which adjacent device AdamW ops the backend updates in one
+//! multi-tensor launch. [`available`] says, without calling into a library that may be
 //! missing, whether it can run here.
 
 #[cfg(feature = "cuda")]
@@ -29,6 +31,7 @@ mod blas;
 mod driver;
 #[cfg(feature = "cuda")]
 mod launch;
+pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,382 @@
+//! NCCL collectives for the CUDA backend: a communicator made through the rendezvous, and the
+//! all-reduce, all-gather and reduce-scatter a data-parallel schedule issues, on device memory.
+//!
+//! A collective is first planned as data ([`NcclCall::plan`]: NCCL's count argument and the
+//! bytes each side touches, checked against the world size), which CPU-only builds test; the
+//! feature-gated [`NcclComm`] only hands a plan to NCCL with the buffers' device addresses and
+//! a CUDA stream. One process drives one GPU and one rank (NCCL's "one device per process"
+//! mode): rank 0 makes the 128-byte unique id, [`crate::rendezvous::share_blob`] hands it to
+//! every rank, and each calls `ncclCommInitRank` with its rank. A world of one rank takes the
+//! same path (the rendezvous then exchanges nothing), so one GPU checks it.
+//!
+//! **Reduction order.** NCCL sums bf16 and f16 natively and picks its algorithm (ring, tree,
+//! NVLS) and channel count from the topology and the message size, so the order in which the
+//! ranks' values are added differs from the host backend's rank order (`((x0 + x1) + x2)...`,
+//! see [`crate::collective`]). CUDA data parallelism is therefore deterministic for a given NCCL
+//! version, topology and configuration (fix `NCCL_ALGO` and `NCCL_PROTO` to pin it), but not
+//! bit-identical to the host backend's data parallelism; a world of one rank is exact (NCCL
+//! copies). bf16 and f16 sums are rounded per NCCL step, not once from f32 as the host does.
+//!
+//! **Loading libnccl.** cudarc loads NCCL at run time, trying `libnccl.so`, `libnccl64.so`,
+//! `libnccl64_13.so` and similar, then `libnccl.so.13`, `.12`, `.11`, `.10`, `.9` and `.1`
+//! ([`LIBRARY_NAMES`]), but never `libnccl.so.2`, NCCL's real soname, which is the only file
+//! the `nvidia-nccl-cu13` wheel installs (in `site-packages/nvidia/nccl/lib`). So after
+//! `pip install nvidia-nccl-cu13`, link `libnccl.so` to `libnccl.so.2` in a folder of your own
+//! and put that folder on `LD_LIBRARY_PATH` (`scripts/gpu-check.sh` shows how). A system NCCL
+//! (the `libnccl2` and `libnccl-dev` packages) provides `libnccl.so` itself.
+
+use crate::error::{Result, RuntimeError};
+use protrain_ir::DType;
+
+/// The file names cudarc 0.19 tries, in order, when it loads NCCL (`get_lib_name_candidates`
+/// for "nccl" on 64-bit Linux with CUDA 13.0).
+pub const LIBRARY_NAMES: &[&str] = &[
+    "libnccl.so",
+    "libnccl64.so",
+    "libnccl64_13.so",
+    "libnccl64_130.so",
+    "libnccl64_130_0.so",
+    "libnccl64_130_0.so",
+    "libnccl64_10.so",
+    "libnccl64_11.so",
+    "libnccl64_12.so",
+    "libnccl64_130_0.so",
+    "libnccl64_9.so",
+    "libnccl.so.13",
+    "libnccl.so.12",
+    "libnccl.so.11",
+    "libnccl.so.10",
+    "libnccl.so.9",
+    "libnccl.so.1",
+];
+
+/// What to do when libnccl cannot be loaded.
+pub const SETUP_HINT: &str = "install NCCL with `pip install nvidia-nccl-cu13`, then, since \
+    the wheel ships only libnccl.so.2 and cudarc looks for libnccl.so, run `ln -s \
+    <site-packages>/nvidia/nccl/lib/libnccl.so.2 <dir>/libnccl.so` and put <dir> on \
+    LD_LIBRARY_PATH (or install the system packages libnccl2 and libnccl-dev); or run on one \
+    GPU, or use --backend host";
+
+/// A collective a data-parallel schedule issues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NcclOp {
+    /// Every rank's buffer replaced by the sum over ranks (in place).
+    AllReduceSum,
+    /// Every rank's shard, concatenated in rank order into every rank's whole buffer.
+    AllGather,
+    /// The sum over ranks of every rank's whole buffer, rank `r` keeping shard `r`.
+    ReduceScatterSum,
+}
+
+/// One NCCL call as data: what [`NcclComm`] passes to NCCL, and the bytes each buffer must
+/// hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NcclCall {
+    /// The collective.
+    pub op: NcclOp,
+    /// The element type.
+    pub dtype: DType,
+    /// NCCL's count argument: all elements for an all-reduce, one shard's for an all-gather
+    /// (`sendcount`) and a reduce-scatter (`recvcount`).
+    pub count: usize,
+    /// Bytes read from the send buffer.
+    pub send_bytes: usize,
+    /// Bytes written to the receive buffer.
+    pub recv_bytes: usize,
+}
+
+impl NcclCall {
+    /// The call for `op` over a whole (unsharded) buffer of `elements` elements of `dtype`,
+    /// among `world` ranks. Sums take f32, bf16 or f16; gathers any type. A sharded collective
+    /// needs `elements` to be a multiple of `world` (the compiler pads chunks to one).
+    pub fn plan(op: NcclOp, dtype: DType, elements: usize, world: usize) -> Result<NcclCall> {
+        let bad = |problem: String| RuntimeError::BadSchedule(problem);
+        if world == 0 {
+            return Err(bad(
+                "a collective among 0 ranks; a run has at least one rank".into(),
+            ));
+        }
+        if elements == 0 {
+            return Err(bad(format!(
+                "a {op:?} of 0 elements; the schedule is malformed, recompile it"
+            )));
+        }
+        if op != NcclOp::AllGather && dtype == DType::I32 {
+            return Err(bad(format!(
+                "a {op:?} over i32 values; sums run over f32, bf16 or f16 gradients only, so \
+                 the schedule is malformed: recompile it"
+            )));
+        }
+        let size = dtype.size() as usize;
+        let whole = elements.checked_mul(size).ok_or_else(|| {
+            bad(format!(
+                "a {op:?} of {elements} elements overflows; recompile the schedule"
+            ))
+        })?;
+        if op != NcclOp::AllReduceSum && !elements.is_multiple_of(world) {
+            return Err(bad(format!(
+                "a {op:?} of {elements} elements does not split into {world} equal shards; \
+                 the schedule was compiled for another number of ranks: recompile it with \
+                 --gpus and --nodes matching this run"
+            )));
+        }
+        let shard = elements / world;
+        let (count, send_bytes, recv_bytes) = match op {
+            NcclOp::AllReduceSum => (elements, whole, whole),
+            NcclOp::AllGather => (shard, shard * size, whole),
+            NcclOp::ReduceScatterSum => (shard, whole, shard * size),
+        };
+        Ok(NcclCall {
+            op,
+            dtype,
+            count,
+            send_bytes,
+            recv_bytes,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use comm::{probe, NcclComm};
+
+#[cfg(feature = "cuda")]
+mod comm {
+    use super::{NcclCall, NcclOp, SETUP_HINT};
+    use crate::error::{Result, RuntimeError};
+    use crate::rendezvous::{share_blob, Launch};
+    use cudarc::driver::sys::{CUdeviceptr, CUstream};
+    use cudarc::nccl::{result, sys};
+    use protrain_ir::DType;
+    use std::ffi::c_void;
+    use std::mem::MaybeUninit;
+    use std::time::Duration;
+
+    /// This process's rank in an NCCL communicator over every rank of the run.
+    pub struct NcclComm {
+        comm: sys::ncclComm_t,
+        rank: usize,
+        world: usize,
+    }
+
+    // SAFETY: an NCCL communicator may be used from any thread, one call at a time; `&mut self`
+    // on every call keeps it to one.
+    unsafe impl Send for NcclComm {}
+
+    /// Whether libnccl loads, and its version (`22703` for 2.27.3); the error names the
+    /// library and how to install it.
+    pub fn probe() -> Result<i32> {
+        // SAFETY: only tries to dlopen the library under its candidate names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(RuntimeError::CudaUnavailable(format!(
+                "NCCL (libnccl.so), which a run on several GPUs needs, cannot be loaded: \
+                 {SETUP_HINT}"
+            )));
+        }
+        result::get_nccl_version().map_err(|e| {
+            RuntimeError::CudaUnavailable(format!(
+                "NCCL loaded but does not answer ({e:?}): {SETUP_HINT}"
+            ))
+        })
+    }
+
+    impl NcclComm {
+        /// Joins the communicator of `launch`'s run: rank 0 makes NCCL's unique id, the
+        /// rendezvous hands it to every rank within `timeout`, and `ncclCommInitRank` connects
+        /// them. Call it with the CUDA context of this rank's GPU (`LOCAL_RANK`) current on
+        /// this thread: NCCL binds the communicator to the current device. The rendezvous
+        /// bounds every wait before NCCL's; `ncclCommInitRank` itself waits for all ranks, which
+        /// the rendezvous has just seen alive.
+        pub fn connect(launch: &Launch, timeout: Duration) -> Result<NcclComm> {
+            let rank = launch.rank;
+            let fail = |what: &str, e: result::NcclError| RuntimeError::Collective {
+                rank,
+                problem: format!(
+                    "NCCL's {what} failed ({e:?}); set NCCL_DEBUG=INFO for NCCL's own \
+                     account, and check that every rank runs the same NCCL version"
+                ),
+            };
+            probe()?;
+            let blob = share_blob(launch, timeout, || {
+                let id = result::get_uniqueid().map_err(|e| fail("ncclGetUniqueId", e))?;
+                Ok(id.internal.iter().map(|&c| c as u8).collect())
+            })?;
+            let mut internal = [0 as std::ffi::c_char; 128];
+            if blob.len() != internal.len() {
+                return Err(RuntimeError::Rendezvous {
+                    rank,
+                    problem: format!(
+                        "rank 0 sent a {}-byte NCCL id, not 128 bytes; run the same protrain \
+                         build on every node",
+                        blob.len()
+                    ),
+                });
+            }
+            for (c, b) in internal.iter_mut().zip(&blob) {
+                *c = *b as std::ffi::c_char;
+            }
+            let id = sys::ncclUniqueId { internal };
+            let world = launch.world_size;
+            let (Ok(nranks), Ok(me)) = (i32::try_from(world), i32::try_from(rank)) else {
+                return Err(RuntimeError::Launch(format!(
+                    "a world of {world} ranks is more than NCCL can count; pass the real \
+                     number of GPUs"
+                )));
+            };
+            let mut comm = MaybeUninit::uninit();
+            // SAFETY: a valid out-pointer; the id is rank 0's, the same on every rank.
+            unsafe { result::comm_init_rank(comm.as_mut_ptr(), nranks, id, me) }
+                .map_err(|e| fail("ncclCommInitRank", e))?;
+            // SAFETY: initialised by the successful call above.
+            let comm = unsafe { comm.assume_init() };
+            Ok(NcclComm { comm, rank, world })
+        }
+
+        /// This rank.
+        pub fn rank(&self) -> usize {
+            self.rank
+        }
+
+        /// The number of ranks.
+        pub fn world(&self) -> usize {
+            self.world
+        }
+
+        /// Enqueues `call` on `stream`: reads `call.send_bytes` at `send`, writes
+        /// `call.recv_bytes` at `recv` (the same address for an in-place all-reduce). Returns
+        /// once NCCL has enqueued the work; order it with events like any other work on
+        /// `stream`.
+        ///
+        /// # Safety
+        /// `send` and `recv` must be device addresses of this communicator's GPU, valid for
+        /// those sizes until the work completes, and `stream` a live stream of the context
+        /// NCCL was initialised under.
+        pub unsafe fn enqueue(
+            &mut self,
+            call: &NcclCall,
+            send: CUdeviceptr,
+            recv: CUdeviceptr,
+            stream: CUstream,
+        ) -> Result<()> {
+            let dtype = match call.dtype {
+                DType::F32 => sys::ncclDataType_t::ncclFloat32,
+                DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+                DType::F16 => sys::ncclDataType_t::ncclFloat16,
+                DType::I32 => sys::ncclDataType_t::ncclInt32,
+            };
+            let sum = sys::ncclRedOp_t::ncclSum;
+            let send = send as *const c_void;
+            let recv = recv as *mut c_void;
+            let stream = stream as sys::cudaStream_t;
+            let done = match call.op {
+                NcclOp::AllReduceSum => {
+                    result::all_reduce(send, recv, call.count, dtype, sum, self.comm, stream)
+                }
+                NcclOp::AllGather => {
+                    result::all_gather(send, recv, call.count, dtype, self.comm, stream)
+                }
+                NcclOp::ReduceScatterSum => {
+                    result::reduce_scatter(send, recv, call.count, dtype, sum, self.comm, stream)
+                }
+            };
+            done.map(|_| ()).map_err(|e| RuntimeError::Collective {
+                rank: self.rank,
+                problem: format!(
+                    "NCCL {:?} of {} {:?} elements failed ({e:?}); another rank may have \
+                     failed (see its output), or set NCCL_DEBUG=INFO for NCCL's account",
+                    call.op, call.count, call.dtype
+                ),
+            })
+        }
+    }
+
+    impl Drop for NcclComm {
+        fn drop(&mut self) {
+            // SAFETY: the communicator is live and used by no one else. Abort rather than
+            // destroy: destroy waits for outstanding work, which a dead peer never finishes.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_bytes_follow_nccls_conventions() {
+        let call = |op, dtype, elements, world| NcclCall::plan(op, dtype, elements, world).unwrap();
+        // All-reduce: the whole buffer, in place.
+        let c = call(NcclOp::AllReduceSum, DType::BF16, 1000, 4);
+        assert_eq!((c.count, c.send_bytes, c.recv_bytes), (1000, 2000, 2000));
+        // All-gather: count is one shard; the receive buffer holds them all.
+        let c = call(NcclOp::AllGather, DType::F32, 1000, 4);
+        assert_eq!((c.count, c.send_bytes, c.recv_bytes), (250, 1000, 4000));
+        // Reduce-scatter: count is the shard received.
+        let c = call(NcclOp::ReduceScatterSum, DType::F16, 1000, 4);
+        assert_eq!((c.count, c.send_bytes, c.recv_bytes), (250, 2000, 500));
+        // A world of one: every collective is a copy of the whole buffer.
+        for op in [
+            NcclOp::AllReduceSum,
+            NcclOp::AllGather,
+            NcclOp::ReduceScatterSum,
+        ] {
+            let c = call(op, DType::F32, 7, 1);
+            assert_eq!((c.count, c.send_bytes, c.recv_bytes), (7, 28, 28));
+        }
+        // Gathers move any type; token ids too.
+        assert_eq!(call(NcclOp::AllGather, DType::I32, 8, 2).count, 4);
+    }
+
+    #[test]
+    fn malformed_collectives_are_refused_with_the_way_out() {
+        let cases = [
+            (NcclOp::AllGather, DType::F32, 10, 4, "equal shards"),
+            (
+                NcclOp::ReduceScatterSum,
+                DType::BF16,
+                6,
+                4,
+                "--gpus and --nodes",
+            ),
+            (NcclOp::AllReduceSum, DType::I32, 8, 2, "over i32"),
+            (NcclOp::ReduceScatterSum, DType::I32, 8, 2, "over i32"),
+            (NcclOp::AllReduceSum, DType::F32, 0, 2, "0 elements"),
+            (NcclOp::AllReduceSum, DType::F32, usize::MAX, 2, "overflows"),
+            (NcclOp::AllGather, DType::F32, 8, 0, "0 ranks"),
+        ];
+        for (op, dtype, elements, world, expected) in cases {
+            let message = NcclCall::plan(op, dtype, elements, world)
+                .unwrap_err()
+                .to_string();
+            assert!(message.contains(expected), "{op:?}: `{message}`");
+        }
+    }
+
+    #[test]
+    fn the_library_names_are_cudarcs_and_exclude_the_wheels_soname() {
+        // The setup hint exists because of this: the wheel installs libnccl.so.2 only.
+        assert_eq!(LIBRARY_NAMES[0], "libnccl.so");
+        assert!(!LIBRARY_NAMES.contains(&"libnccl.so.2"));
+        assert!(SETUP_HINT.contains("nvidia-nccl-cu13"));
+        assert!(SETUP_HINT.contains("LD_LIBRARY_PATH"));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_library_names_are_the_ones_cudarc_tries() {
+        assert_eq!(cudarc::get_lib_name_candidates("nccl"), LIBRARY_NAMES);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn probing_nccl_names_the_library_and_the_wheel_or_finds_it() {
+        match probe() {
+            Ok(version) => assert!(version >= 21800, "NCCL {version} is older than 2.18"),
+            Err(e) => {
+                let message = e.to_string();
+                assert!(message.contains("libnccl.so"), "{message}");
+                assert!(message.contains("nvidia-nccl-cu13"), "{message}");
+            }
+        }
+    }
+}
