@@ -748,6 +748,15 @@ impl<'s, B: Backend> Trainer<'s, B> {
         Ok(())
     }
 
+    /// The steps at which this trainer reads the weights (its checkpoints and evaluations):
+    /// what the other ranks of a sharded run must join ([`Trainer::mirror_weight_reads`]).
+    pub fn weight_reads(&self) -> WeightReads {
+        WeightReads {
+            checkpoint_every: self.checkpoints.as_ref().map(|plan| plan.every),
+            eval_every: self.eval.as_ref().map(|plan| plan.every),
+        }
+    }
+
     /// Joins rank 0's weight reads (checkpoints and evaluations) on this rank, which writes
     /// and evaluates nothing itself: with a schedule that shards its offloaded chunks, reading
     /// the weights gathers every rank's shard, so every rank must read them at the same steps.

@@ -9,9 +9,7 @@ use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::collective::{thread_ranks, ThreadRank};
 use protrain::runtime::params::{init_params, load_params, save_params};
-use protrain::runtime::train::{
-    CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord, WeightReads,
-};
+use protrain::runtime::train::{CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord};
 use protrain::runtime::weights::StorageDtype;
 use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
 use protrain::{Error, Result};
@@ -558,14 +556,7 @@ fn execute_on<'s, B: Backend>(
         check_writable("--trace", path, &inputs)?;
         trainer.trace_last_step();
     }
-    // Reading the weights of a schedule that shards its offloaded chunks gathers every
-    // rank's shard: the other ranks join each read rank 0 makes (see `run_ranks`).
-    let mut reads = WeightReads {
-        checkpoint_every: None,
-        eval_every: None,
-    };
     if let (Some(dir), Some(every)) = (checkpoint_dir, save_every) {
-        reads.checkpoint_every = Some(every);
         let plan = CheckpointPlan {
             dir,
             every,
@@ -576,7 +567,6 @@ fn execute_on<'s, B: Backend>(
     let steps = trainer.settings().steps;
     let tokenizer = args.tokenizer.as_deref();
     if let Some(plan) = super::eval::plan::<B>(&args.eval, eval, tokenizer, steps)? {
-        reads.eval_every = Some(plan.every);
         trainer.evaluate_every(plan)?;
     }
 
@@ -633,7 +623,6 @@ fn execute_on<'s, B: Backend>(
         &flags,
         peak,
         comms,
-        reads,
         &mut trainer,
         |record| {
             if args.json {
@@ -681,10 +670,13 @@ fn execute_on<'s, B: Backend>(
             }
         },
     );
-    if let Err(e) = result {
-        bar.abandon();
-        return Err(e);
-    }
+    let saved = match result {
+        Ok(saved) => saved,
+        Err(e) => {
+            bar.abandon();
+            return Err(e);
+        }
+    };
     bar.finish_and_clear();
     let summary = trainer.summary();
     if let (false, Some(first_loss), Some((last, n))) =
@@ -707,8 +699,8 @@ fn execute_on<'s, B: Backend>(
         }
     }
     let executor = trainer.executor();
-    if let Some(path) = &args.save {
-        save_params(graph, &executor.params()?, path, StorageDtype::F32)?;
+    if let (Some(path), Some(weights)) = (&args.save, saved) {
+        save_params(graph, &weights, path, StorageDtype::F32)?;
         if !args.json {
             outln!("saved weights to {}", path.display());
         }
@@ -797,16 +789,24 @@ fn run_ranks<'s, B: Backend>(
     flags: &RunFlags,
     peak: f64,
     comms: Vec<ThreadRank>,
-    reads: WeightReads,
     trainer: &mut Trainer<'s, B>,
     on_step: impl FnMut(&StepRecord),
-) -> Result<()> {
+) -> Result<Option<Vec<Vec<f32>>>> {
+    // The final weights for --save, read where every rank can join the read.
+    let final_weights = |trainer: &Trainer<'s, B>| -> Result<Option<Vec<Vec<f32>>>> {
+        match args.save {
+            Some(_) => Ok(Some(trainer.executor().params()?)),
+            None => Ok(None),
+        }
+    };
     if comms.is_empty() {
-        return Ok(trainer.run(on_step)?);
+        trainer.run(on_step)?;
+        return final_weights(trainer);
     }
     // With sharded chunks, every read of the weights gathers the ranks' shards: the workers
     // join rank 0's checkpoints and evaluations step by step, and its --save at the end.
     let sharded = schedule.sharded();
+    let reads = trainer.weight_reads();
     std::thread::scope(|scope| {
         let workers: Vec<_> = comms
             .into_iter()
@@ -825,7 +825,12 @@ fn run_ranks<'s, B: Backend>(
                 })
             })
             .collect();
-        let mut result: Result<()> = trainer.run(on_step).map_err(Into::into);
+        // The workers are joined only when the scope ends, so rank 0 reads the weights for
+        // --save inside it, where the workers of a sharded run join the gather.
+        let mut result: Result<Option<Vec<Vec<f32>>>> = trainer
+            .run(on_step)
+            .map_err(Into::into)
+            .and_then(|()| final_weights(trainer));
         if result.is_err() {
             trainer.leave_group();
         }
@@ -833,18 +838,17 @@ fn run_ranks<'s, B: Backend>(
             let worker = worker
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            let about_others = |r: &Result<()>| {
+            let about_others_err = |e: &Error| {
                 matches!(
-                    r,
-                    Err(Error::Runtime(
-                        protrain::runtime::RuntimeError::Collective { .. }
-                    ))
+                    e,
+                    Error::Runtime(protrain::runtime::RuntimeError::Collective { .. })
                 )
             };
-            if worker.is_err()
-                && (result.is_ok() || about_others(&result) && !about_others(&worker))
-            {
-                result = worker;
+            if let Err(e) = worker {
+                let rank0_err = result.as_ref().err();
+                if rank0_err.is_none_or(|r| about_others_err(r) && !about_others_err(&e)) {
+                    result = Err(e);
+                }
             }
         }
         result
