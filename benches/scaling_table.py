@@ -11,7 +11,8 @@ predicts; nothing is trained and no GPU is needed:
   13824, vocabulary 32000) with as many layers as fit, found by bisection over the layer count
   at batch 1 x seq 1024, in billions of parameters.
 
-A setup "fits" a model when `compile --policy auto` finds a policy within the device and host
+Host memory is per node: a preset's node holds at most NODE_GPUS of its GPUs (4 for the
+consumer cards), and more are spread over nodes of that many. A setup "fits" a model when `compile --policy auto` finds a policy within the device and host
 budgets; any other failure stops the script with the compiler's message.
 
 Usage (from anywhere in the repository):
@@ -30,6 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 MODELS = ["gpt2-xl", "llama-2-7b", "llama-2-13b"]
+
+# GPUs one node of a preset holds (`protrain compile --gpus` refuses more); more GPUs are
+# spread over nodes of this many, each with the setup's host memory.
+NODE_GPUS = {"rtx3090": 4, "rtx4090": 4}
 
 # LLaMA-2-13B's width, with the layer count left to fill in.
 WIDE = {
@@ -100,8 +105,11 @@ def compile_json(binary, model, preset, gpus, host, batch, seq, out):
         str(out),
         "--json",
     ]
+    per_node = NODE_GPUS.get(preset, gpus)
     if gpus > 1:
-        args += ["--gpus", str(gpus)]
+        args += ["--gpus", str(min(gpus, per_node))]
+    if gpus > per_node:
+        args += ["--nodes", str(gpus // per_node)]
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode == 0:
         return json.loads(done.stdout)
@@ -170,7 +178,9 @@ def main():
         out = Path(tmp) / "s.ptsched"
         for preset, host in setups:
             for gpus in gpu_counts:
-                row = [f"{gpus}x {preset}, {host} host"]
+                per_node = NODE_GPUS.get(preset, gpus)
+                nodes = f" ({gpus // per_node} nodes)" if gpus > per_node else ""
+                row = [f"{gpus}x {preset}{nodes}, {host} host per node"]
                 for model in MODELS:
                     r = best_rate(binary, model, preset, gpus, host, batches, args.seq, out)
                     row.append("does not fit" if r is None else f"{r[0]:,.0f} (batch {r[1]})")
