@@ -455,7 +455,8 @@ pub(crate) struct MemoryNeed {
 }
 
 /// Sums 2-byte values over the ranks in rank order, `add` rounding after each one: every rank
-/// gathers every rank's values and sums them alike, so all end with the same bits.
+/// gathers every rank's values and sums them alike, so all end with the same bits (the
+/// reduce-scatter of the whole range).
 fn all_reduce_narrow<T: Copy>(
     values: &mut [T],
     comm: &mut dyn Collective,
@@ -463,21 +464,8 @@ fn all_reduce_narrow<T: Copy>(
     from_bits: fn(u16) -> T,
     add: fn(T, T) -> T,
 ) -> Result<()> {
-    let send: Vec<u8> = values
-        .iter()
-        .flat_map(|&v| to_bits(v).to_le_bytes())
-        .collect();
-    let mut all = vec![0u8; send.len() * comm.world()];
-    comm.all_gather(&send, &mut all)?;
-    let len = values.len();
-    let rank = |r: usize, i: usize| {
-        let at = (r * len + i) * 2;
-        from_bits(u16::from_le_bytes([all[at], all[at + 1]]))
-    };
-    for (i, v) in values.iter_mut().enumerate() {
-        *v = (1..comm.world()).fold(rank(0, i), |sum, r| add(sum, rank(r, i)));
-    }
-    Ok(())
+    let all = 0..values.len();
+    reduce_scatter_narrow(values, all, comm, to_bits, from_bits, add)
 }
 
 /// `values[mine]` = the sum over the ranks of each one's `values[mine]`, gathered from every
