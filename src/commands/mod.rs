@@ -4,6 +4,7 @@ pub mod compile;
 pub mod dump;
 pub mod eval;
 pub mod info;
+pub mod launch;
 pub mod models;
 pub mod profile;
 pub mod run;
