@@ -9,8 +9,8 @@
 //! dropped, their standard error kept) unless they fail. When a worker fails, the launcher
 //! kills the others (which would otherwise wait in a collective for the dead one) and fails
 //! itself, naming the rank and showing the end of its error output: never a hang. A worker
-//! bounds NCCL's communicator setup with a watchdog ([`bounded`]), since `ncclCommInitRank`
-//! has no timeout of its own.
+//! bounds NCCL's communicator setup with a watchdog (`bounded`, built with the `cuda`
+//! feature), since `ncclCommInitRank` has no timeout of its own.
 //!
 //! `PROTRAIN_WORKER_PROBE=DIR` (for the launcher's tests, which need no GPU): a worker writes
 //! its launch variables to `DIR/rank-R.env` and exits before any CUDA call; with
@@ -22,6 +22,7 @@ use protrain::runtime::RuntimeError;
 use protrain::{Error, Result};
 use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Stdio};
+#[cfg(feature = "cuda")]
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,6 +38,7 @@ const KEPT_ERROR_BYTES: usize = 16 * 1024;
 const POLL: Duration = Duration::from_millis(50);
 /// How long a worker gives NCCL's communicator setup after the rendezvous (which every rank
 /// has passed, so all are alive) before it gives up.
+#[cfg(feature = "cuda")]
 const NCCL_INIT_GRACE: Duration = Duration::from_secs(120);
 
 /// The flags of a run on several nodes (torchrun's `--node-rank`, `--master-addr` and
@@ -319,6 +321,7 @@ pub fn probe(launch: &Launch) -> Option<Result<()>> {
 /// and the rank when it takes longer than the rendezvous timeout plus [`NCCL_INIT_GRACE`]:
 /// NCCL's `ncclCommInitRank` waits for every rank without a timeout of its own, and a worker
 /// must never hang (the launcher then stops the other workers of its node).
+#[cfg(feature = "cuda")]
 pub fn bounded<T>(launch: &Launch, what: &str, work: impl FnOnce() -> T) -> T {
     let limit = rendezvous::DEFAULT_TIMEOUT + NCCL_INIT_GRACE;
     let (done, watch) = mpsc::channel::<()>();
@@ -341,7 +344,7 @@ pub fn bounded<T>(launch: &Launch, what: &str, work: impl FnOnce() -> T) -> T {
 }
 
 /// This worker's collective: its GPU chosen (`LOCAL_RANK`), the rendezvous passed and NCCL's
-/// communicator made, within the rendezvous timeout and then [`bounded`].
+/// communicator made, within the rendezvous timeout and then `bounded`.
 #[cfg(feature = "cuda")]
 pub fn join(launch: &Launch) -> Result<Box<dyn protrain::runtime::collective::Collective>> {
     use protrain::runtime::cuda::nccl::NcclRank;

@@ -234,8 +234,14 @@ pub struct Args {
 }
 
 /// Reads and verifies the schedule, checks the flags against it, and executes it.
-pub fn run(args: Args) -> Result<()> {
+/// On the CUDA backend, a process that torchrun started (`RANK`, `WORLD_SIZE`, ... set) runs
+/// as that rank of a multi-process run; `run` starts no workers itself (`train` does).
+pub fn run(mut args: Args) -> Result<()> {
     check_backend(args.exec.backend)?;
+    if args.exec.backend == BackendKind::Cuda {
+        let launch = protrain::runtime::rendezvous::Launch::from_env()?;
+        args.exec.launch = launch.filter(|l| l.world_size > 1);
+    }
     if !args.schedule.exists() {
         return Err(Error::Usage(format!(
             "schedule {} does not exist; write one with `protrain compile MODEL --dtype f32 -o {}`",
@@ -393,8 +399,9 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         } + &match schedule.topology() {
             (1, 1) => String::new(),
             (gpus, nodes) => format!(
-                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; here threads of \
-                 this process), each on its own rows, gradients summed over them{}",
+                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; threads of this \
+                 process on the host backend, one process per GPU on cuda), each on its own \
+                 rows, gradients summed over them{}",
                 gpus * nodes,
                 match schedule.sharded() {
                     true => "; offloaded chunks sharded, each rank holding 1/ranks of their state",
