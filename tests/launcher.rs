@@ -199,3 +199,36 @@ fn bad_launch_flags_name_the_flag_and_the_way_out() {
         stderr(&out)
     );
 }
+
+/// A multi-rank schedule on the CUDA backend is never run as threads of one process: `run`
+/// without torchrun's variables says how to start one process per GPU.
+#[test]
+fn run_of_a_multi_rank_schedule_on_cuda_asks_for_one_process_per_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let schedule = dir.path().join("two.ptsched");
+    let out = cli_support::protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--gpus",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "-o",
+        path(&schedule),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_protrain"));
+    command.args(["run", path(&schedule), "--backend", "cuda", "--steps", "1"]);
+    for var in LAUNCH_VARS {
+        command.env_remove(var);
+    }
+    let out = command.output().expect("the protrain binary runs");
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("2 processes, one per GPU") && e.contains("torchrun"),
+        "{e}"
+    );
+}

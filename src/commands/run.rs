@@ -237,7 +237,7 @@ pub struct Args {
 /// On the CUDA backend, a process that torchrun started (`RANK`, `WORLD_SIZE`, ... set) runs
 /// as that rank of a multi-process run; `run` starts no workers itself (`train` does).
 pub fn run(mut args: Args) -> Result<()> {
-    check_backend(args.exec.backend)?;
+    // `execute` checks the backend, once it knows whether the schedule's ranks can run on it.
     if args.exec.backend == BackendKind::Cuda {
         let launch = protrain::runtime::rendezvous::Launch::from_env()?;
         args.exec.launch = launch.filter(|l| l.world_size > 1);
@@ -466,6 +466,16 @@ pub fn execute(
     predicted: std::result::Result<Vec<TraceSpan>, String>,
     eval: Option<&VerifiedSchedule>,
 ) -> Result<()> {
+    // On the CUDA backend the ranks are processes, one per GPU: never threads of this one.
+    let ranks = schedule.ranks();
+    if (args.backend, &args.launch, ranks > 1) == (BackendKind::Cuda, &None, true) {
+        return Err(Error::Usage(format!(
+            "the schedule runs on {ranks} ranks, which on the CUDA backend are {ranks} \
+             processes, one per GPU: `protrain train --backend cuda --gpus N` starts them, or \
+             start this command under torchrun (torchrun --nproc-per-node N protrain run ...); \
+             --backend host runs the ranks as threads of one process"
+        )));
+    }
     check_backend(args.backend)?;
     match args.backend {
         BackendKind::Host => {
