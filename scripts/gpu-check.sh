@@ -10,7 +10,11 @@
 #      --gpu-memory 12GiB (which streams chunks and recomputes or swaps layers);
 #   4. a LLaMA 13B-shaped model (llama-2-13b's width: hidden 5120, 40 heads, MLP 13824) whose
 #      model states do not fit in its device budget, so most of them live in pinned host
-#      memory and the CPU Adam updates them.
+#      memory and the CPU Adam updates them;
+#   5. NCCL in a world of one rank (runtime/tests/nccl.rs; one H200 cannot host two ranks):
+#      the communicator, its collectives at device addresses, and the CUDA backend's
+#      collective stream, each an exact copy. libnccl comes from the nvidia-nccl-cu13 wheel
+#      (through a libnccl.so link, since cudarc does not look for libnccl.so.2) or the system.
 #
 # For each training run it prints tokens/s, achieved TFLOP/s (the step's FLOPs, as the
 # compiler counts them, over the measured step), MFU against the h200 preset's bf16 peak
@@ -72,7 +76,7 @@ say() { printf '%s\n' "$*" >&2; }
 # ---------------------------------------------------------------------------------------
 # Building.
 
-# Release binaries: the CLI and the two GPU test executables, paths printed one per line as
+# Release binaries: the CLI and the three GPU test executables, paths printed one per line as
 # `NAME PATH`.
 build() {
   cargo build --release --features cuda --bin protrain >&2 || return 1
@@ -85,6 +89,14 @@ import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')"
+  json=$(cargo test --release --features cuda -p protrain-runtime --test nccl --no-run \
+    --message-format=json) || { say "building the NCCL tests failed"; return 1; }
+  echo "nccl-tests $(printf '%s\n' "$json" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
         print(m["executable"])')"
   json=$(cargo test --release --features cuda --test cuda_e2e --no-run \
     --message-format=json) || { say "building the end-to-end tests failed"; return 1; }
@@ -154,6 +166,27 @@ done
 for cand in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do
   [[ -e "$cand/libcuda.so.1" ]] && add_lib_dir "$cand"
 done
+# NCCL: cudarc looks for libnccl.so, the nvidia-nccl-cu13 wheel installs only libnccl.so.2
+# (runtime/src/cuda/nccl.rs), so a link named libnccl.so in the work folder points at it.
+nccl_found=0
+if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl_found=1
+else
+  nccl=""
+  while IFS= read -r dir; do
+    for cand in "$dir/nvidia/nccl/lib" "$dir/nvidia/cu13/lib"; do
+      if [[ -z "$nccl" && -n "$dir" && -e "$cand/libnccl.so.2" ]]; then nccl="$cand/libnccl.so.2"; fi
+    done
+  done <<<"$site_dirs"
+  if [[ -n "$nccl" ]]; then
+    mkdir -p "$WORK/nccl" && ln -sf "$nccl" "$WORK/nccl/libnccl.so"
+    add_lib_dir "$(cd "$WORK/nccl" && pwd)"
+    nccl_found=1
+    say "gpu-check: libnccl.so -> $nccl"
+  else
+    say "gpu-check: no NCCL (pip install nvidia-nccl-cu13); the nccl part is not run and counts as failed"
+  fi
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 ||
   say "gpu-check: nvidia-smi failed; is there a GPU?"
@@ -197,10 +230,12 @@ if [[ $BUNDLED == 0 ]] && command -v cargo >/dev/null 2>&1; then
   fi
   # The test binaries as cargo runs them (cargo test also builds nothing more now).
   kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test cuda)
+  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test nccl)
   e2e_tests=(cargo test --release --features cuda --test cuda_e2e)
 elif [[ -x "$BIN_DIR/protrain" ]]; then
   say "gpu-check: using the binaries in $BIN_DIR"
   kernel_tests=("$BIN_DIR/cuda-kernels")
+  nccl_tests=("$BIN_DIR/nccl-tests")
   e2e_tests=("$BIN_DIR/cuda-e2e")
 else
   say "gpu-check: no cargo (or --bundled) and no executable $BIN_DIR/protrain; install Rust, or run"
@@ -212,8 +247,19 @@ PROTRAIN="$BIN_DIR/protrain"
 
 # Time limits add up to 240 s (4 minutes), so that a device session holds a machine start,
 # the check and a rerun even when every part runs into its limit.
-part kernel-tests 45 "${kernel_tests[@]}"
-part e2e-tests 60 "${e2e_tests[@]}"
+part kernel-tests 40 "${kernel_tests[@]}"
+part e2e-tests 55 "${e2e_tests[@]}"
+# A world of one NCCL rank (one H200 cannot host two): the rendezvous, ncclCommInitRank, the
+# three collectives at raw device addresses, and the CUDA backend's in-place collectives on a
+# collective stream with the rank's host collectives, each an exact copy (the backend compiles
+# its kernels with NVRTC first). The test binary passes without libnccl by naming what is
+# missing, so without NCCL the part is not run and counts as failed.
+if [[ $nccl_found == 1 ]]; then
+  part nccl-one-rank 15 "${nccl_tests[@]}"
+else
+  SUMMARY+=("$(printf '%-22s MISSING  libnccl.so not found (pip install nvidia-nccl-cu13)' nccl-one-rank)")
+  FAILED=1
+fi
 
 # train NAME SECONDS MODEL BATCH SEQ STEPS COMPILE_FLAGS...: compiles MODEL in bf16 for the
 # h200 preset and runs it on the GPU; its figures go to $LOGS/NAME.json.
@@ -274,7 +320,7 @@ PY
 train gpt2-xl-resident 45 gpt2-xl 4 1024 3
 # The same under a 12 GiB device budget: chunks streamed from pinned host memory, layers
 # recomputed or swapped, offloaded chunks updated by the CPU Adam during the backward pass.
-train gpt2-xl-12gib 50 gpt2-xl 4 1024 3 --gpu-memory 12GiB
+train gpt2-xl-12gib 45 gpt2-xl 4 1024 3 --gpu-memory 12GiB
 
 # LLaMA-2-13B's width at LLAMA_LAYERS layers (1.0 B parameters at 2), under a 12 GiB budget
 # that its model states (16 bytes a parameter in bf16 with f32 master weights and moments,

@@ -26,6 +26,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A worker process of a multi-process run failed (the launcher stopped the others), or
+    /// could not be started or watched. The text names the rank and shows its error.
+    #[error("{0}")]
+    Launcher(String),
     /// Arguments that parse but do not make sense together.
     #[error("{0}")]
     Usage(String),

@@ -213,16 +213,33 @@ fn a_data_parallel_schedule_needs_a_group_of_its_size() {
     assert!(e.to_string().contains("compiled for 2"), "{e}");
 }
 
-/// The CUDA backend has no collectives yet: it refuses a data-parallel schedule before it
-/// touches a device, naming what is missing, rather than training one rank alone.
+/// The CUDA backend runs data-parallel schedules (NCCL, one process per GPU), so the executor
+/// no longer refuses them for want of collectives: without a GPU only the backend's own probe
+/// fails (naming CUDA, not NCCL); with one, a rank whose collective exchanges host memory
+/// (threads, the host backend's) is refused at its first collective, naming the way out.
 #[cfg(feature = "cuda")]
 #[test]
-fn the_cuda_backend_refuses_data_parallel_schedules_naming_nccl() {
+fn the_cuda_backend_takes_data_parallel_schedules_through_nccl_ranks() {
     let schedule = compile("gpt2-tiny", ROOMY, 2, 1, DType::BF16);
-    let refused = Executor::<protrain::runtime::cuda::CudaBackend>::with_backend(&schedule);
-    let e = refused.err().expect("no NCCL yet");
-    assert!(
-        e.to_string().contains("NCCL") && e.to_string().contains("--gpus 1"),
-        "{e}"
-    );
+    let mut executor =
+        match Executor::<protrain::runtime::cuda::CudaBackend>::with_backend(&schedule) {
+            Ok(executor) => executor,
+            Err(e) => {
+                assert!(protrain::runtime::cuda::available().is_err(), "{e}");
+                assert!(!e.to_string().contains("collectives"), "{e}");
+                return;
+            }
+        };
+    executor
+        .load_params(&init_params(&schedule.graph, 0))
+        .expect("loads");
+    let mut two = thread_ranks(2, Duration::from_secs(5)).expect("a group");
+    executor
+        .set_collective(Box::new(two.remove(0)))
+        .expect("2 ranks for 2");
+    let n = (BATCH * SEQ) as usize;
+    let e = executor
+        .step(&[&vec![0; n], &vec![0; n]])
+        .expect_err("threads are not NCCL ranks");
+    assert!(e.to_string().contains("one process per GPU"), "{e}");
 }

@@ -43,6 +43,14 @@ pub trait Collective: Send {
 
     /// The sum over ranks of `values`, written back into `values` on every rank.
     fn all_reduce(&mut self, values: &mut [f32]) -> Result<()>;
+
+    /// The NCCL communicator behind this rank, through which the CUDA backend runs a
+    /// schedule's collectives on device memory; `None` (the default) for ranks that exchange
+    /// host memory, such as [`ThreadRank`].
+    #[cfg(feature = "cuda")]
+    fn nccl(&mut self) -> Option<&mut crate::cuda::nccl::NcclComm> {
+        None
+    }
 }
 
 /// Which collective a rank issued, and its size in bytes, to check that all ranks agree.

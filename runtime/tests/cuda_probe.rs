@@ -51,7 +51,7 @@ fn the_gpu_check_fits_a_device_session() {
             }
         })
         .collect();
-    assert_eq!(limits.len(), 5, "the parts of gpu-check.sh: {limits:?}");
+    assert_eq!(limits.len(), 6, "the parts of gpu-check.sh: {limits:?}");
     let total: u64 = limits.iter().sum();
     assert!(
         total <= 240,

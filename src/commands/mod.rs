@@ -4,6 +4,7 @@ pub mod compile;
 pub mod dump;
 pub mod eval;
 pub mod info;
+pub mod launch;
 pub mod models;
 pub mod profile;
 pub mod run;
@@ -195,8 +196,8 @@ pub struct CompileArgs {
     /// (all-reduce on a collective stream) before clipping and AdamW; every rank keeps the
     /// whole model states (no sharding yet). The loss printed is the mean over all ranks.
     /// Checked against the hardware's interconnect; on host hardware the ranks are threads of
-    /// one process exchanging through memory (the host backend's stand-in for NCCL, which
-    /// the CUDA backend does not have yet) [default: 1].
+    /// one process exchanging through memory (the host backend's stand-in for NCCL); `train
+    /// --backend cuda` starts one process per GPU, whose collectives are NCCL's [default: 1].
     #[arg(long, value_name = "N")]
     pub gpus: Option<u32>,
     /// Nodes of --gpus GPUs each, for data parallelism across machines (collectives costed

@@ -7,9 +7,11 @@ use protrain::compiler::simulate::{
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
-use protrain::runtime::collective::{thread_ranks, ThreadRank};
+use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
 use protrain::runtime::params::{init_params, load_params, save_params};
-use protrain::runtime::train::{CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord};
+use protrain::runtime::train::{
+    CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord, WeightReads,
+};
 use protrain::runtime::weights::StorageDtype;
 use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
 use protrain::{Error, Result};
@@ -73,6 +75,10 @@ pub struct ExecArgs {
     /// Where to execute the schedule.
     #[arg(long, value_enum, default_value_t = BackendKind::Host)]
     pub backend: BackendKind,
+    /// This process's place in a run of one process per GPU (see `super::launch`), `None`
+    /// when it is the whole run.
+    #[arg(skip)]
+    pub launch: Option<protrain::runtime::rendezvous::Launch>,
     /// Token file: a 1-D integer `.npy`, or raw little-endian u16 `.bin`. Without it, training
     /// uses the built-in synthetic corpus (counting, copying and addition over 24 token ids)
     /// [default with --resume: the checkpointed run's data].
@@ -228,8 +234,14 @@ pub struct Args {
 }
 
 /// Reads and verifies the schedule, checks the flags against it, and executes it.
-pub fn run(args: Args) -> Result<()> {
-    check_backend(args.exec.backend)?;
+/// On the CUDA backend, a process that torchrun started (`RANK`, `WORLD_SIZE`, ... set) runs
+/// as that rank of a multi-process run; `run` starts no workers itself (`train` does).
+pub fn run(mut args: Args) -> Result<()> {
+    // `execute` checks the backend, once it knows whether the schedule's ranks can run on it.
+    if args.exec.backend == BackendKind::Cuda {
+        let launch = protrain::runtime::rendezvous::Launch::from_env()?;
+        args.exec.launch = launch.filter(|l| l.world_size > 1);
+    }
     if !args.schedule.exists() {
         return Err(Error::Usage(format!(
             "schedule {} does not exist; write one with `protrain compile MODEL --dtype f32 -o {}`",
@@ -387,8 +399,9 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         } + &match schedule.topology() {
             (1, 1) => String::new(),
             (gpus, nodes) => format!(
-                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; here threads of \
-                 this process), each on its own rows, gradients summed over them{}",
+                "\ndata parallel   {} ranks ({gpus} per node x {nodes} nodes; threads of this \
+                 process on the host backend, one process per GPU on cuda), each on its own \
+                 rows, gradients summed over them{}",
                 gpus * nodes,
                 match schedule.sharded() {
                     true => "; offloaded chunks sharded, each rank holding 1/ranks of their state",
@@ -453,13 +466,32 @@ pub fn execute(
     predicted: std::result::Result<Vec<TraceSpan>, String>,
     eval: Option<&VerifiedSchedule>,
 ) -> Result<()> {
+    // On the CUDA backend the ranks are processes, one per GPU: never threads of this one.
+    let ranks = schedule.ranks();
+    if (args.backend, &args.launch, ranks > 1) == (BackendKind::Cuda, &None, true) {
+        return Err(Error::Usage(format!(
+            "the schedule runs on {ranks} ranks, which on the CUDA backend are {ranks} \
+             processes, one per GPU: `protrain train --backend cuda --gpus N` starts them, or \
+             start this command under torchrun (torchrun --nproc-per-node N protrain run ...); \
+             --backend host runs the ranks as threads of one process"
+        )));
+    }
     check_backend(args.backend)?;
     match args.backend {
-        BackendKind::Host => execute_on::<HostBackend>(schedule, args, intro, predicted, eval),
+        BackendKind::Host => {
+            execute_on::<HostBackend>(schedule, args, intro, predicted, eval, None)
+        }
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => execute_on::<protrain::runtime::cuda::CudaBackend>(
-            schedule, args, intro, predicted, eval,
-        ),
+        BackendKind::Cuda => {
+            // A worker of a multi-process run joins the others through NCCL first.
+            let process = match &args.launch {
+                Some(me) => Some(super::launch::join(me)?),
+                None => None,
+            };
+            execute_on::<protrain::runtime::cuda::CudaBackend>(
+                schedule, args, intro, predicted, eval, process,
+            )
+        }
         // `check_backend` refused it above.
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => cuda_ready(),
@@ -499,13 +531,15 @@ pub fn tokenize_corpus(
     Ok(tokenized.cache)
 }
 
-/// [`execute`] on backend `B`.
+/// [`execute`] on backend `B`; `process` is this process's rank of a multi-process run
+/// (its collective), whose other ranks are other processes.
 fn execute_on<'s, B: Backend>(
     schedule: &'s VerifiedSchedule,
     args: &ExecArgs,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
     eval: Option<&'s VerifiedSchedule>,
+    process: Option<Box<dyn Collective>>,
 ) -> Result<()> {
     let graph = &schedule.graph;
     let header = &schedule.header;
@@ -536,12 +570,22 @@ fn execute_on<'s, B: Backend>(
     let peak = OptimizerSettings::of(graph).map_or(0.0, |o| o.lr);
     // A data-parallel schedule runs on its ranks as threads of this process: rank 0 here,
     // printing and writing, the others on threads of their own (see `run_ranks`).
-    let mut comms = match schedule.ranks() {
-        1 => Vec::new(),
-        n => thread_ranks(n as usize, RANK_TIMEOUT)?,
+    // In a multi-process run this process is one rank and the others are processes.
+    let (rank0, comms): (Option<Box<dyn Collective>>, Vec<ThreadRank>) = match process {
+        Some(me) => (Some(me), Vec::new()),
+        None => {
+            let mut comms = match schedule.ranks() {
+                1 => Vec::new(),
+                n => thread_ranks(n as usize, RANK_TIMEOUT)?,
+            };
+            let rank0 = (!comms.is_empty()).then(|| comms.remove(0));
+            (rank0.map(|c| Box::new(c) as Box<dyn Collective>), comms)
+        }
     };
-    let rank0 = (!comms.is_empty()).then(|| comms.remove(0));
     let (mut trainer, mut notes) = rank_trainer::<B>(schedule, args, &flags, peak, rank0)?;
+    if trainer.executor().rank().0 != 0 {
+        return quiet_rank(trainer, args, save_every, eval.is_some());
+    }
     notes.extend(trainer.notes().iter().cloned());
     let data = trainer.settings().data.clone();
     let inputs: Vec<&Path> = [&data, &args.init]
@@ -741,12 +785,12 @@ fn rank_trainer<'s, B: Backend>(
     args: &ExecArgs,
     flags: &RunFlags,
     peak: f64,
-    comm: Option<ThreadRank>,
+    comm: Option<Box<dyn Collective>>,
 ) -> Result<(Trainer<'s, B>, Vec<String>)> {
     let graph = &schedule.graph;
     let mut executor = Executor::<B>::with_backend(schedule)?;
     if let Some(comm) = comm {
-        executor.set_collective(Box::new(comm))?;
+        executor.set_collective(comm)?;
     }
     let mut notes = Vec::new();
     let trainer = match &args.resume {
@@ -813,7 +857,7 @@ fn run_ranks<'s, B: Backend>(
             .map(|comm| {
                 scope.spawn(move || -> Result<()> {
                     let (mut worker, _) =
-                        rank_trainer::<B>(schedule, args, flags, peak, Some(comm))?;
+                        rank_trainer::<B>(schedule, args, flags, peak, Some(Box::new(comm)))?;
                     if sharded {
                         worker.mirror_weight_reads(reads);
                     }
@@ -853,6 +897,35 @@ fn run_ranks<'s, B: Backend>(
         }
         result
     })
+}
+
+/// A rank other than 0 of a multi-process run: trains its rows silently (rank 0 prints,
+/// checkpoints, evaluates and saves for all, the states being the same on every rank), and
+/// with sharded chunks joins rank 0's reads of the weights, at the steps rank 0's flags make
+/// it read them (`save_every` with a checkpoint directory; evaluation when `evaluates`).
+fn quiet_rank<B: Backend>(
+    mut trainer: Trainer<'_, B>,
+    args: &ExecArgs,
+    save_every: Option<NonZeroU64>,
+    evaluates: bool,
+) -> Result<()> {
+    let sharded = trainer.executor().schedule().sharded();
+    if sharded {
+        let steps = trainer.settings().steps;
+        let eval_every = match (evaluates, &args.eval.eval_data, args.eval.eval_every) {
+            (true, Some(_), every) => NonZeroU64::new(every.unwrap_or(steps.max(1))),
+            _ => None,
+        };
+        trainer.mirror_weight_reads(WeightReads {
+            checkpoint_every: save_every,
+            eval_every,
+        });
+    }
+    trainer.run(|_| {})?;
+    if sharded && args.save.is_some() {
+        trainer.executor().params()?;
+    }
+    Ok(())
 }
 
 /// Predicted against measured: the step time (the mean over the steps after the first, which

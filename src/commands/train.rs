@@ -1,5 +1,6 @@
 //! `protrain train`: compile a model for this machine, then run the schedule.
 
+use super::launch::{self, NodeArgs, Role};
 use super::run::{check_backend, execute, plan_lines, BackendKind, ExecArgs};
 use super::{warn, CompileArgs, Dtype};
 use protrain::ir::format_count;
@@ -18,10 +19,32 @@ pub struct Args {
     compile: CompileArgs,
     #[command(flatten)]
     exec: ExecArgs,
+    #[command(flatten)]
+    node: NodeArgs,
 }
 
 /// Compiles the model for the hardware and budget, prints the plan, and runs the schedule.
+/// On the CUDA backend with more than one GPU, starts one worker process per GPU instead
+/// (see [`launch`]), or is one of them.
 pub fn run(mut args: Args) -> Result<()> {
+    let cuda = args.exec.backend == BackendKind::Cuda;
+    let (gpus, nodes) = (args.compile.gpus, args.compile.nodes);
+    match launch::role(cuda, gpus, nodes, &args.node, |v| std::env::var(v).ok())? {
+        Role::Single => {}
+        Role::Launcher(workers) => {
+            // The workers check the backend too; the launcher's tests probe them without one.
+            if std::env::var_os(launch::PROBE).is_none() {
+                check_backend(args.exec.backend)?;
+            }
+            return launch::run_workers(&workers);
+        }
+        Role::Worker(me) => {
+            if let Some(probed) = launch::probe(&me) {
+                return probed;
+            }
+            args.exec.launch = Some(me);
+        }
+    }
     check_backend(args.exec.backend)?;
     // The schedule must run on the backend: its kernels decide the element type.
     if args.compile.shape.dtype.is_none() {

@@ -26,14 +26,19 @@
 //! waiting on an event recorded on a device stream enqueues `cuStreamWaitEvent`; the host
 //! stream waiting on one calls `cuEventSynchronize`; an event recorded by the host stream marks
 //! work already done, so waiting on it needs nothing more.
-
-/// Why the CUDA backend refuses data-parallel schedules: what is missing.
-const NO_NCCL: &str = "collectives: NCCL (cudarc's nccl module, one process per GPU) is not \
-                       wired into the CUDA backend yet";
+//!
+//! A data-parallel schedule's [`StreamKind::Collective`] stream is a device stream too: its
+//! all-reduces, all-gathers and reduce-scatters are enqueued on its CUDA stream through the
+//! rank's NCCL communicator ([`super::nccl::NcclRank`], one process per GPU), in place at
+//! their arena addresses ([`super::nccl::InPlace`]), and ordered by the schedule's events like
+//! any other device work. The rank's slice copies ([`protrain_ir::Instr::CopyShard`]) are
+//! plain copies at the addresses the executor shifted to the rank, and the CPU Adam of a
+//! sharded chunk updates the rank's part of each parameter ([`crate::backend::ShardLaunch`]).
+//! The process runs on the GPU [`use_gpu`] chose (`LOCAL_RANK`), GPU 0 unless told.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
@@ -45,11 +50,27 @@ use super::driver::{
     Kernels, ParamKind, PinnedMemory, WriteKind,
 };
 use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
+use super::nccl::{gather_words, InPlace, NcclOp};
 use super::runs::{run_slots, RunSlot};
 use crate::backend::{Address, Backend, Launch};
+use crate::collective::Collective;
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
 use crate::executor::master_weights;
+
+/// The GPU this process's backends open (its ordinal); see [`use_gpu`].
+static GPU: AtomicUsize = AtomicUsize::new(0);
+
+/// Makes every CUDA backend this process creates from now on open GPU `ordinal` (a worker of
+/// a multi-process run takes its `LOCAL_RANK`); GPU 0 unless called.
+pub fn use_gpu(ordinal: usize) {
+    GPU.store(ordinal, Ordering::Relaxed);
+}
+
+/// The GPU [`use_gpu`] chose.
+pub fn gpu() -> usize {
+    GPU.load(Ordering::Relaxed)
+}
 
 /// How far each event has come this step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -309,6 +330,14 @@ impl CudaBackend {
     /// The backend's ordering contract holds for the op's operands.
     unsafe fn run_device(&self, d: &mut DeviceStream, l: &Launch<'_>) -> Result<()> {
         let (graph, op) = (l.graph, l.op);
+        if l.shard.is_some() {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{}: an AdamW on a sharded chunk issued on a device stream; the CUDA backend \
+                 updates sharded chunks with the CPU Adam on the host optimizer stream, where \
+                 the compiler places them: recompile the schedule",
+                op.kind.mnemonic()
+            )));
+        }
         let inputs: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
         let outputs: Vec<&TensorType> = op.outputs.iter().map(|&v| &graph.value(v).ty).collect();
         if l.inputs.len() != inputs.len() || l.outputs.len() != outputs.len() {
@@ -405,6 +434,54 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// Enqueues `op` over the `elements` of `dtype` at `at` in place on `stream`, through
+    /// the rank's NCCL communicator.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the whole range.
+    unsafe fn collective(
+        &self,
+        stream: &mut CudaStreamHandle,
+        op: NcclOp,
+        dtype: DType,
+        elements: usize,
+        at: Address,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let (rank, world) = (comm.rank(), comm.world());
+        if at.space != Space::Device {
+            return Err(RuntimeError::BadSchedule(format!(
+                "a {op:?} on the host region (offset {}); the CUDA backend runs collectives on \
+                 the device arena only: recompile the schedule",
+                at.offset
+            )));
+        }
+        let bytes = (elements as u64).saturating_mul(dtype.size());
+        let base = self.gpu_addr(at, bytes)?;
+        let placed = InPlace::plan(op, dtype, elements, world, rank, base)?;
+        let Some(nccl) = comm.nccl() else {
+            return Err(RuntimeError::Collective {
+                rank,
+                problem: format!(
+                    "the CUDA backend runs a {op:?} with NCCL on device memory, but this rank's \
+                     collective exchanges host memory; run one process per GPU (protrain train \
+                     --backend cuda --gpus N starts them), or use --backend host"
+                ),
+            });
+        };
+        let Some(d) = stream.device_stream() else {
+            return Err(RuntimeError::BadSchedule(format!(
+                "a {op:?} on the host optimizer stream; collectives run on the collective \
+                 stream: recompile the schedule"
+            )));
+        };
+        self.bind()?;
+        // SAFETY: both addresses lie in the arena (checked above for the whole buffer); the
+        // caller's ordering contract keeps other work away until the stream passes it.
+        unsafe { nccl.enqueue(&placed.call, placed.send, placed.recv, d.stream.cu_stream()) }
     }
 
     /// Blocks of a grid-stride launch over `n` elements with [`BLOCK`] threads.
@@ -507,7 +584,19 @@ impl CudaBackend {
                 ));
             }
             let param = ty(op.inputs[0]);
-            let n = param.numel() as usize;
+            // A sharded chunk's rank updates its part of each operand, and of the master
+            // weight the launch names (the host backend's `ShardLaunch` semantics).
+            let n = l
+                .shard
+                .map_or(param.numel() as usize, |shard| shard.elements);
+            let master_at = || match l.shard {
+                Some(shard) => shard.master.ok_or_else(|| {
+                    bad(format!(
+                        "a sharded {param} AdamW without its f32 master weight part"
+                    ))
+                }),
+                None => self.master_weight(l.inputs[2]),
+            };
             // SAFETY (for every view below): the ordering contract gives this op its operands
             // alone while it runs; param, grad, m, v, the coefficient and the master weight are
             // distinct values at distinct homes, so the views do not overlap.
@@ -524,7 +613,7 @@ impl CudaBackend {
                     dispatch::adamw(&op.kind, p, g, m, v, coef, l.step);
                 }
                 (DType::BF16, DType::BF16) => {
-                    let master_at = self.master_weight(l.inputs[2])?;
+                    let master_at = master_at()?;
                     let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
                     let p = unsafe { self.host_slice_mut::<half::bf16>(l.inputs[0], n)? };
                     // The 14-byte host layout puts the gradient in the parameter's storage:
@@ -550,7 +639,7 @@ impl CudaBackend {
                     );
                 }
                 (DType::F16, DType::F16) => {
-                    let master_at = self.master_weight(l.inputs[2])?;
+                    let master_at = master_at()?;
                     let master = unsafe { self.host_slice_mut::<f32>(master_at, n)? };
                     let p = unsafe { self.host_slice_mut::<half::f16>(l.inputs[0], n)? };
                     let g = match l.inputs[0] == l.inputs[1] {
@@ -796,7 +885,49 @@ impl Backend for CudaBackend {
 
     const RUNS_F16: bool = true;
 
-    const MISSING_COLLECTIVES: Option<&'static str> = Some(NO_NCCL);
+    const MISSING_COLLECTIVES: Option<&'static str> = None;
+
+    /// NCCL's all-reduce sum in place (f32, bf16 or f16). NCCL picks its own reduction order
+    /// (see [`super::nccl`]): deterministic for a topology, not the host backend's rank order.
+    unsafe fn all_reduce(
+        &self,
+        stream: &mut CudaStreamHandle,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        // SAFETY: the caller's ordering contract for the range.
+        unsafe { self.collective(stream, NcclOp::AllReduceSum, dtype, len, at, comm) }
+    }
+
+    /// NCCL's all-gather in place: rank `r`'s slice at `at + r * bytes` sent from there.
+    unsafe fn all_gather(
+        &self,
+        stream: &mut CudaStreamHandle,
+        at: Address,
+        bytes: u64,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let (dtype, words) = gather_words(bytes)?;
+        let elements = words * comm.world();
+        // SAFETY: the caller's ordering contract for the `ranks * bytes` at `at`.
+        unsafe { self.collective(stream, NcclOp::AllGather, dtype, elements, at, comm) }
+    }
+
+    /// NCCL's reduce-scatter sum in place: rank `r` receives its slice at `at + r * len`.
+    unsafe fn reduce_scatter(
+        &self,
+        stream: &mut CudaStreamHandle,
+        at: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let elements = len * comm.world();
+        // SAFETY: the caller's ordering contract for the whole range.
+        unsafe { self.collective(stream, NcclOp::ReduceScatterSum, dtype, elements, at, comm) }
+    }
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         // The pinned region is host memory, zeroed page by page below: check it fits first.
@@ -807,7 +938,7 @@ impl Backend for CudaBackend {
         };
         crate::host::check_host_memory(&[pinned], crate::host::memory_available())?;
         let info = probe()?;
-        let ctx = open_context(0)?;
+        let ctx = open_context(gpu())?;
         let kernels = Kernels::load(&ctx, info.compute_capability)?;
         let too_big = |what: &str, bytes: u64| {
             RuntimeError::BadSchedule(format!(
@@ -892,12 +1023,14 @@ impl Backend for CudaBackend {
                     pending: Vec::new(),
                 })
             }
+            // NCCL enqueues on the collective stream as kernels do on the others.
+            StreamKind::Collective { .. } => Exec::Device(DeviceStream {
+                stream,
+                gemm: None,
+                constants: Vec::new(),
+                pending: Vec::new(),
+            }),
             StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),
-            StreamKind::Collective { .. } => {
-                return Err(RuntimeError::BadSchedule(format!(
-                    "a collective stream needs NCCL, {NO_NCCL}"
-                )))
-            }
         };
         Ok(CudaStreamHandle { kind, exec })
     }

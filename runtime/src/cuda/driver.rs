@@ -34,7 +34,8 @@ pub struct DeviceInfo {
 }
 
 /// Checks, without any call that could panic, that the CUDA driver, a GPU, cuBLAS and NVRTC
-/// are there, and describes device 0. The error says what is missing and what to install.
+/// are there, and describes the GPU this process runs on ([`super::use_gpu`], GPU 0 unless set).
+/// The error says what is missing and what to install.
 pub fn probe() -> Result<DeviceInfo> {
     let unavailable = |why: String| RuntimeError::CudaUnavailable(why);
     // SAFETY: only tries to dlopen the library under its candidate names.
@@ -91,7 +92,15 @@ pub fn probe() -> Result<DeviceInfo> {
             nvrtc::SETUP_HINT
         )));
     }
-    let device = result::device::get(0).map_err(|e| unavailable(error_text(e)))?;
+    // The GPU this process runs on: 0, or a worker's LOCAL_RANK (`super::use_gpu`).
+    let ordinal = super::backend::gpu();
+    if ordinal >= count as usize {
+        return Err(unavailable(format!(
+            "this process runs on GPU {ordinal} (its LOCAL_RANK), but the driver sees {count} \
+             GPU(s); pass --gpus {count} or fewer per node, and check CUDA_VISIBLE_DEVICES"
+        )));
+    }
+    let device = result::device::get(ordinal as i32).map_err(|e| unavailable(error_text(e)))?;
     let attr = |a| {
         // SAFETY: a device handle from `device::get`; `a` is a valid attribute.
         unsafe { result::device::get_attribute(device, a) }.map_err(|e| unavailable(error_text(e)))

@@ -39,7 +39,7 @@ pub mod profile;
 pub mod runs;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaStreamHandle};
+pub use backend::{gpu, use_gpu, CudaBackend, CudaStreamHandle};
 #[cfg(feature = "cuda")]
 pub use driver::DeviceInfo;
 pub use runs::{adamw_runs, AdamWRun};

@@ -136,19 +136,93 @@ impl NcclCall {
     }
 }
 
+/// An in-place collective on one rank, as NCCL takes it: the call, and the device addresses
+/// it reads and writes. The CUDA backend runs every collective of a schedule in place, at the
+/// schedule's address of the whole buffer, with NCCL's in-place conventions: an all-reduce
+/// reads and writes the whole buffer; an all-gather sends this rank's slice from inside the
+/// receive buffer (`recv + rank * slice`); a reduce-scatter receives this rank's slice inside
+/// the send buffer (`send + rank * slice`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InPlace {
+    /// What NCCL is asked to do.
+    pub call: NcclCall,
+    /// The address NCCL reads.
+    pub send: u64,
+    /// The address NCCL writes.
+    pub recv: u64,
+}
+
+impl InPlace {
+    /// `op` over the whole buffer of `elements` elements of `dtype` at device address `base`,
+    /// on rank `rank` of `world` (see [`NcclCall::plan`] for what is refused).
+    pub fn plan(
+        op: NcclOp,
+        dtype: DType,
+        elements: usize,
+        world: usize,
+        rank: usize,
+        base: u64,
+    ) -> Result<InPlace> {
+        if rank >= world {
+            return Err(RuntimeError::BadSchedule(format!(
+                "rank {rank} in a world of {world} ranks; ranks count from 0, so RANK must be \
+                 below WORLD_SIZE"
+            )));
+        }
+        let call = NcclCall::plan(op, dtype, elements, world)?;
+        let slice = |bytes: usize| base + (rank * bytes) as u64;
+        let (send, recv) = match op {
+            NcclOp::AllReduceSum => (base, base),
+            NcclOp::AllGather => (slice(call.send_bytes), base),
+            NcclOp::ReduceScatterSum => (base, slice(call.recv_bytes)),
+        };
+        Ok(InPlace { call, send, recv })
+    }
+}
+
+/// The element type and count in which to all-gather `bytes` bytes per rank: a gather only
+/// moves bits, so the widest of i32 (4 bytes) and bf16 (2 bytes) that divides the slice.
+/// Schedules gather chunk slices of whole 2- or 4-byte elements; an odd slice is refused.
+pub fn gather_words(bytes: u64) -> Result<(DType, usize)> {
+    let dtype = match bytes {
+        0 => {
+            return Err(RuntimeError::BadSchedule(
+                "an all-gather of 0 bytes per rank; the schedule is malformed, recompile it".into(),
+            ))
+        }
+        b if b % 4 == 0 => DType::I32,
+        b if b % 2 == 0 => DType::BF16,
+        b => {
+            return Err(RuntimeError::BadSchedule(format!(
+                "an all-gather of {b} bytes per rank, not a whole number of 2-byte elements; \
+                 the schedule is malformed, recompile it"
+            )))
+        }
+    };
+    let count = usize::try_from(bytes / dtype.size()).map_err(|_| {
+        RuntimeError::BadSchedule(format!(
+            "an all-gather of {bytes} bytes per rank cannot be addressed on this machine"
+        ))
+    })?;
+    Ok((dtype, count))
+}
+
 #[cfg(feature = "cuda")]
-pub use comm::{probe, NcclComm};
+pub use comm::{probe, NcclComm, NcclRank};
 
 #[cfg(feature = "cuda")]
 mod comm {
     use super::{NcclCall, NcclOp, SETUP_HINT};
+    use crate::collective::Collective;
     use crate::error::{Result, RuntimeError};
     use crate::rendezvous::{share_blob, Launch};
     use cudarc::driver::sys::{CUdeviceptr, CUstream};
+    use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
     use cudarc::nccl::{result, sys};
     use protrain_ir::DType;
     use std::ffi::c_void;
     use std::mem::MaybeUninit;
+    use std::sync::Arc;
     use std::time::Duration;
 
     /// This process's rank in an NCCL communicator over every rank of the run.
@@ -289,6 +363,117 @@ mod comm {
         }
     }
 
+    /// This process's rank of a multi-process run as a [`Collective`]: the executor hands it
+    /// to the CUDA backend, which enqueues the schedule's collectives on device memory through
+    /// [`Collective::nccl`]; the few collectives of host values between steps (the ranks'
+    /// losses, the shards of the weights a sharded run reads) are staged through device
+    /// memory on a stream of their own and finished before they return.
+    pub struct NcclRank {
+        comm: NcclComm,
+        stream: Arc<CudaStream>,
+    }
+
+    impl NcclRank {
+        /// Joins the run of `launch` on its GPU (`LOCAL_RANK`, which every CUDA backend of
+        /// this process then opens: [`crate::cuda::use_gpu`]): the rendezvous and
+        /// `ncclCommInitRank` of [`NcclComm::connect`], with that GPU's context current.
+        pub fn connect(launch: &Launch, timeout: Duration) -> Result<Self> {
+            crate::cuda::use_gpu(launch.local_rank);
+            let ctx = crate::cuda::driver::open_context(launch.local_rank)?;
+            let stream = ctx.new_stream().map_err(|e| {
+                crate::cuda::driver::driver_error("creating the stream of host collectives", e)
+            })?;
+            let comm = NcclComm::connect(launch, timeout)?;
+            Ok(NcclRank { comm, stream })
+        }
+
+        /// Runs `op` over host bytes: `send` uploaded, the collective, the result downloaded
+        /// into `recv`, all finished before this returns.
+        fn staged(&mut self, op: NcclOp, dtype: DType, send: &[u8], recv: &mut [u8]) -> Result<()> {
+            let rank = self.comm.rank;
+            let size = dtype.size() as usize;
+            let elements = match op {
+                NcclOp::AllGather => send.len() * self.comm.world / size,
+                _ => send.len() / size,
+            };
+            let call = NcclCall::plan(op, dtype, elements, self.comm.world)?;
+            if (call.send_bytes, call.recv_bytes) != (send.len(), recv.len()) {
+                return Err(RuntimeError::Collective {
+                    rank,
+                    problem: format!(
+                        "a {op:?} of {} bytes into {} bytes, where NCCL moves {} into {}; this \
+                         is a bug in the executor's collective calls",
+                        send.len(),
+                        recv.len(),
+                        call.send_bytes,
+                        call.recv_bytes
+                    ),
+                });
+            }
+            let cuda = |e: cudarc::driver::DriverError| RuntimeError::Collective {
+                rank,
+                problem: format!(
+                    "staging a {op:?} of host values through the GPU failed ({e:?}); see \
+                     the other ranks' errors, or set NCCL_DEBUG=INFO"
+                ),
+            };
+            let stream = self.stream.clone();
+            let from = stream.clone_htod(send).map_err(cuda)?;
+            let mut to = stream.alloc_zeros::<u8>(recv.len()).map_err(cuda)?;
+            {
+                let (src, _a) = from.device_ptr(&stream);
+                let (dst, _b) = to.device_ptr_mut(&stream);
+                // SAFETY: both buffers are this context's and hold the planned bytes (checked
+                // above); they live until the stream is synchronised below.
+                unsafe { self.comm.enqueue(&call, src, dst, stream.cu_stream())? };
+            }
+            stream.memcpy_dtoh(&to, recv).map_err(cuda)?;
+            stream.synchronize().map_err(cuda)
+        }
+    }
+
+    impl Collective for NcclRank {
+        fn rank(&self) -> usize {
+            self.comm.rank
+        }
+
+        fn world(&self) -> usize {
+            self.comm.world
+        }
+
+        fn all_gather(&mut self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+            if send.is_empty() && recv.is_empty() {
+                return Ok(());
+            }
+            let (dtype, _) = super::gather_words(send.len() as u64)?;
+            self.staged(NcclOp::AllGather, dtype, send, recv)
+        }
+
+        fn reduce_scatter(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+            let send: Vec<u8> = send.iter().flat_map(|x| x.to_ne_bytes()).collect();
+            let mut out = vec![0u8; 4 * recv.len()];
+            self.staged(NcclOp::ReduceScatterSum, DType::F32, &send, &mut out)?;
+            for (x, b) in recv.iter_mut().zip(out.chunks_exact(4)) {
+                *x = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            Ok(())
+        }
+
+        fn all_reduce(&mut self, values: &mut [f32]) -> Result<()> {
+            let send: Vec<u8> = values.iter().flat_map(|x| x.to_ne_bytes()).collect();
+            let mut out = vec![0u8; send.len()];
+            self.staged(NcclOp::AllReduceSum, DType::F32, &send, &mut out)?;
+            for (x, b) in values.iter_mut().zip(out.chunks_exact(4)) {
+                *x = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            Ok(())
+        }
+
+        fn nccl(&mut self) -> Option<&mut NcclComm> {
+            Some(&mut self.comm)
+        }
+    }
+
     impl Drop for NcclComm {
         fn drop(&mut self) {
             // SAFETY: the communicator is live and used by no one else. Abort rather than
@@ -349,6 +534,56 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(message.contains(expected), "{op:?}: `{message}`");
+        }
+    }
+
+    #[test]
+    fn in_place_collectives_follow_nccls_in_place_conventions() {
+        let base = 0x7000_0000u64;
+        let at = |op, dtype, elements, world, rank| {
+            let p = InPlace::plan(op, dtype, elements, world, rank, base).unwrap();
+            (p.call.count, p.send - base, p.recv - base)
+        };
+        // All-reduce: the whole buffer read and written where it is, on every rank.
+        assert_eq!(at(NcclOp::AllReduceSum, DType::F32, 12, 4, 3), (12, 0, 0));
+        // All-gather (4 ranks of 3 i32 words): rank 2 sends its slice from inside the buffer
+        // (`recv + rank * sendcount * size`) and receives the whole buffer.
+        assert_eq!(at(NcclOp::AllGather, DType::I32, 12, 4, 2), (3, 24, 0));
+        assert_eq!(at(NcclOp::AllGather, DType::I32, 12, 4, 0), (3, 0, 0));
+        // Reduce-scatter (bf16): rank 3 receives its slice inside the buffer it sends.
+        assert_eq!(
+            at(NcclOp::ReduceScatterSum, DType::BF16, 12, 4, 3),
+            (3, 0, 18)
+        );
+        assert_eq!(
+            at(NcclOp::ReduceScatterSum, DType::BF16, 12, 4, 1),
+            (3, 0, 6)
+        );
+        // The slices a world's ranks touch tile the buffer exactly.
+        let mut covered = vec![0u32; 48];
+        for rank in 0..4 {
+            let p = InPlace::plan(NcclOp::AllGather, DType::I32, 12, 4, rank, 0).unwrap();
+            let start = p.send as usize;
+            for b in &mut covered[start..start + p.call.send_bytes] {
+                *b += 1;
+            }
+        }
+        assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+        let e = InPlace::plan(NcclOp::AllGather, DType::I32, 12, 4, 4, base).unwrap_err();
+        assert!(e.to_string().contains("below WORLD_SIZE"), "{e}");
+    }
+
+    #[test]
+    fn gathers_move_whole_words_and_refuse_odd_slices() {
+        assert_eq!(gather_words(8).unwrap(), (DType::I32, 2));
+        assert_eq!(gather_words(6).unwrap(), (DType::BF16, 3));
+        assert_eq!(gather_words(2).unwrap(), (DType::BF16, 1));
+        for (bytes, expected) in [(0, "0 bytes"), (7, "2-byte elements")] {
+            let e = gather_words(bytes).unwrap_err().to_string();
+            assert!(
+                e.contains(expected) && e.contains("recompile"),
+                "{bytes}: {e}"
+            );
         }
     }
 
