@@ -450,8 +450,11 @@ fn best_fit(
         let b = &intervals[i as usize];
         let (size, align) = (b.size, b.alignment());
         let offset = match index.taken(b, &mut below) {
-            None => best_hole_in([&below[..], &[], &[]], size, align),
-            Some(a) => match index.path_and_holes(a) {
+            Ancestors::None => best_hole_in([&below[..], &[], &[]], size, align),
+            Ancestors::Two(p, q) => {
+                best_hole_in([&below[..], &index.path[p], &index.path[q]], size, align)
+            }
+            Ancestors::One(a) => match index.path_and_holes(a) {
                 (path, Some(holes)) => {
                     best_hole_indexed(path, holes, &below, size, align, &mut scratch)
                 }
@@ -835,15 +838,14 @@ impl<'a> Occupancy<'a> {
     }
 
     /// The bytes of recorded buffers live with `b`: replaces `below` with byte ranges sorted by
-    /// start (they may overlap) and returns the node whose path union (see
-    /// [`path_and_holes`](Self::path_and_holes)) holds the
-    /// rest, brought up to date, if any.
+    /// start (they may overlap) and returns the nodes whose path unions (see
+    /// [`path_and_holes`](Self::path_and_holes)) hold the rest, brought up to date.
     ///
     /// The ancestors of the canonical nodes lie on two root-to-leaf paths, one per end of the
     /// span, through the deepest parents of canonical nodes; above the point where the two meet
     /// they are shared. That shared part is read as one cached union; the few nodes below it,
     /// on either side, are read as their own ranges.
-    fn taken(&mut self, b: &Interval, below: &mut Vec<(u64, u64)>) -> Option<usize> {
+    fn taken(&mut self, b: &Interval, below: &mut Vec<(u64, u64)>) -> Ancestors {
         below.clear();
         self.decompose(b);
         self.deepest.clear();
@@ -858,19 +860,34 @@ impl<'a> Occupancy<'a> {
                 self.deepest.push(parent);
             }
         }
-        let meet = meet?;
+        let Some(meet) = meet else {
+            below.sort();
+            return Ancestors::None;
+        };
         // Every deepest parent (two at most), up to the meeting node, which it excludes.
-        for &d in &self.deepest {
-            let mut u = d;
-            while u != meet {
-                below.extend_from_slice(self.own[u].as_slice());
-                u >>= 1;
-            }
-        }
+        let chain_ranges: usize = below_meet(&self.deepest, meet)
+            .map(|u| self.own[u].as_slice().len())
+            .sum();
         self.update_path(meet);
+        let shared = self.path[meet].len();
+        let ancestors = match self.deepest[..] {
+            // The two sides below the meeting node hold a large part of the ranges (a span
+            // across a high boundary of the tree): their cached unions beat sorting those.
+            [p, q] if shared < HOLE_INDEX_MIN || 2 * chain_ranges > shared => {
+                self.update_path(p);
+                self.update_path(q);
+                Ancestors::Two(p, q)
+            }
+            _ => {
+                for u in below_meet(&self.deepest, meet) {
+                    below.extend_from_slice(self.own[u].as_slice());
+                }
+                Ancestors::One(meet)
+            }
+        };
         // The stable sort finds and merges the sorted runs, one per node read.
         below.sort();
-        Some(meet)
+        ancestors
     }
 
     /// The union of what is recorded at node `v` and its ancestors, as of the last
@@ -893,9 +910,27 @@ impl<'a> Occupancy<'a> {
     }
 }
 
+/// Where the bytes taken by buffers recorded above a span's canonical nodes are, besides the
+/// ranges [`Occupancy::taken`] lists.
+enum Ancestors {
+    /// Nowhere: the span is the whole tree.
+    None,
+    /// In the path union of this node.
+    One(usize),
+    /// In the path unions of these two.
+    Two(usize, usize),
+}
+
 /// The shortest path union worth indexing by hole size; shorter ones are walked. Unit tests
 /// index nearly every union, so that their small random plans go through the index.
 const HOLE_INDEX_MIN: usize = if cfg!(test) { 2 } else { 32 };
+
+/// The nodes from each of `deepest` up to `meet`, an ancestor of all of them, which is left out.
+fn below_meet(deepest: &[usize], meet: usize) -> impl Iterator<Item = usize> + '_ {
+    deepest.iter().flat_map(move |&d| {
+        std::iter::successors(Some(d), |&u| Some(u >> 1)).take_while(move |&u| u != meet)
+    })
+}
 
 /// The deepest common ancestor of nodes `a` and `b` in the heap-numbered tree.
 fn common_ancestor(mut a: usize, mut b: usize) -> usize {
@@ -1084,10 +1119,15 @@ mod tests {
                 continue;
             }
             for q in &intervals {
-                let meet = index.taken(q, &mut got);
+                let ancestors = index.taken(q, &mut got);
                 assert!(got.is_sorted());
-                if let Some(m) = meet {
-                    got.extend_from_slice(index.path_and_holes(m).0);
+                match ancestors {
+                    Ancestors::None => {}
+                    Ancestors::One(m) => got.extend_from_slice(index.path_and_holes(m).0),
+                    Ancestors::Two(m, n) => {
+                        got.extend_from_slice(&index.path[m]);
+                        got.extend_from_slice(&index.path[n]);
+                    }
                 }
                 let want = (0..=i)
                     .filter(|&j| intervals[j].live_together(q))
