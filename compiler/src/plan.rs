@@ -182,28 +182,34 @@ impl fmt::Display for Plan {
 /// Assigns every buffer a fixed offset so that no two buffers live at the same time overlap.
 ///
 /// Pinned buffers keep their offset. The rest are placed by greedy best-fit once per
-/// [`Strategy`] ordering (in parallel): each buffer goes into the smallest hole, respecting its
-/// alignment, between the bytes taken by already-placed buffers whose live ranges intersect its
-/// own, or just above the highest of them if none fits. The smallest arena wins, the earlier
-/// strategy on a tie. The result depends only on the input: no hashing, every sort has a total
-/// order, and the strategies do not share state.
+/// [`Strategy`] ordering: each buffer goes into the smallest hole, respecting its alignment,
+/// between the bytes taken by already-placed buffers whose live ranges intersect its own, or
+/// just above the highest of them if none fits. The smallest arena wins, the earlier strategy on
+/// a tie. By size and by start run in parallel; by size x lifetime runs after them and stops as
+/// soon as its arena reaches theirs, since it could then only lose. The result depends only on
+/// the input: no hashing, every sort has a total order, and a strategy that stops is one that
+/// would not have been kept.
 ///
 /// Complexity per strategy, for `n` buffers over `m <= n` distinct start times:
 /// `O(sum_i (log m (log n + u_i) + r_i + b_i log b_i))`, where `r_i` is the number of byte ranges
-/// read for buffer `i`, `b_i <= r_i` those read below its span, and `u_i` the length of the unions
-/// it is added to. The taken bytes come from a segment tree over time whose nodes hold unions
-/// of byte ranges (see `Occupancy`), so a query reads `O(log m)` unions instead of every
-/// conflicting buffer: with `k_i` placed buffers live with buffer `i`, `r_i <= k_i` per union
-/// read, and in practice `r_i` is far below `k_i` because buffers that sit next to each other,
-/// as stacked activations do, merge into one range. The ranges below the span are sorted
-/// (`b_i log b_i`); the rest come from at most two cached ancestor unions, brought up to date by
-/// merging (counted in `r_i`) and walked merged with them in one pass. A union is a sorted
-/// vector, so adding a range is a binary search and a move of the `u_i` ranges above it.
+/// read for buffer `i`, `b_i <= r_i` those read outside the cached ancestor unions, and `u_i` the
+/// length of the unions it is added to. The taken bytes come from a segment tree over time whose
+/// nodes hold unions of byte ranges (see `Occupancy`), so a query reads `O(log m)` unions instead
+/// of every conflicting buffer: with `k_i` placed buffers live with buffer `i`, `r_i <= k_i` per
+/// union read, and in practice `r_i` is far below `k_i` because buffers that sit next to each
+/// other, as stacked activations do, merge into one range. The ranges below the span are sorted
+/// (`b_i log b_i`); the rest come from cached ancestor unions, brought up to date by merging
+/// (counted in `r_i`).
 ///
-/// `r_i` is what grows with depth: about 14 ranges per buffer by size or by start on a
-/// 1,024-layer GPT-2, but about 470 by size x lifetime, whose union around a long-lived buffer
-/// has about 220 holes that nearly all fit, so best fit must compare them all; that strategy
-/// costs about `n x r` with `r` proportional to the depth.
+/// The ancestors' union is what fragments with depth: by size x lifetime on a 1,024-layer
+/// GPT-2, the long-lived buffers placed first leave a union of about 220 holes around a
+/// short-lived buffer, nearly all big enough. Where the span's ancestors are one cached union,
+/// best fit does not walk those holes: an index of them by size (built the second time a union
+/// is read unchanged) gives the smallest untouched hole that fits by binary search, and only the
+/// holes that the `b_i` other ranges cut are walked, so such a query costs
+/// `O(b_i log u + t_i + s_i)` for `t_i` cut pieces and `s_i` holes skipped in the index, instead
+/// of one step per hole. A span across a high boundary of the tree, whose ancestors below the
+/// meeting point hold many ranges, walks its two ends' cached unions instead (`r_i` as before).
 ///
 /// This does not check its input: pinned buffers that collide, or a pinned offset that is not
 /// aligned, come out as given, and [`check_plan`] reports them.
@@ -529,10 +535,13 @@ fn best_hole_in(lists: [&[(u64, u64)]; 3], size: u64, align: u64) -> u64 {
     best.map_or(floor.next_multiple_of(align), |(_, offset)| offset)
 }
 
-/// The holes of a union (sorted, disjoint, non-adjacent ranges) by size: `(length, start, k)`
-/// for the hole just below range `k`, sorted, so that the smallest hole of at least a given
-/// length is a binary search away. The space above the last range is not a hole here.
-fn holes_of(union: &[(u64, u64)], out: &mut Vec<(u64, u64, u32)>) {
+/// A hole of a union: `(length, start, k)` for the hole just below the union's range `k`.
+type Hole = (u64, u64, u32);
+
+/// The holes of a union (sorted, disjoint, non-adjacent ranges), sorted by size then start, so
+/// that the smallest hole of at least a given length is a binary search away. The space above
+/// the last range is not a hole here.
+fn holes_of(union: &[(u64, u64)], out: &mut Vec<Hole>) {
     out.clear();
     let mut floor = 0;
     for (k, &(start, end)) in union.iter().enumerate() {
@@ -565,7 +574,7 @@ struct HoleScratch {
 /// holes and `s` holes skipped in the index (touched, or too small for the alignment).
 fn best_hole_indexed(
     union: &[(u64, u64)],
-    holes: &[(u64, u64, u32)],
+    holes: &[Hole],
     other: &[(u64, u64)],
     size: u64,
     align: u64,
@@ -724,12 +733,12 @@ fn merge_unions(a: &[(u64, u64)], b: &[(u64, u64)], out: &mut Vec<(u64, u64)>) {
 /// below one of them: so a query reads `O(log m)` unions, not the buffers one by one.
 ///
 /// What is recorded at the ancestors of a node is read as one union, `path`, kept between
-/// queries and brought up to date when an ancestor's own ranges grew since, and read once per
-/// end of the span rather than once per canonical node: buffers with nested lifetimes (the
-/// activations a forward pass keeps for its backward pass) sit at many different ancestors,
-/// each holding disconnected pieces of one stack, which merge in the union. (This halved the
-/// ranges read on a 1,024-layer schedule. What it cannot remove is a union that really has
-/// that many gaps: best fit looks at every hole, so a query still reads one range per gap.)
+/// queries and brought up to date when an ancestor's own ranges grew since, and read once for
+/// the ancestors the span's two ends share (or once per end) rather than once per canonical
+/// node: buffers with nested lifetimes (the activations a forward pass keeps for its backward
+/// pass) sit at many different ancestors, each holding disconnected pieces of one stack, which
+/// merge in the union. (This halved the ranges read on a 1,024-layer schedule.) A union that
+/// really has many gaps is indexed by hole size (`holes`), so that best fit need not walk them.
 struct Occupancy<'a> {
     starts: &'a [u32],
     /// Leaves at `width..2 * width`; node `n`'s children at `2n` and `2n + 1`.
@@ -745,7 +754,7 @@ struct Occupancy<'a> {
     /// Per node, [`holes_of`] its `path`, and the `computed` of the path it was built from:
     /// built for a long path read a second time, so that a path that changes between reads is
     /// walked rather than indexed.
-    holes: Vec<Vec<(u64, u64, u32)>>,
+    holes: Vec<Vec<Hole>>,
     holes_at: Vec<Option<u64>>,
     read_at: Vec<Option<u64>>,
     /// Inserts so far.
@@ -892,7 +901,7 @@ impl<'a> Occupancy<'a> {
 
     /// The union of what is recorded at node `v` and its ancestors, as of the last
     /// [`taken`](Self::taken) that named `v`, and its holes by size if indexed.
-    fn path_and_holes(&mut self, v: usize) -> (&[(u64, u64)], Option<&[(u64, u64, u32)]>) {
+    fn path_and_holes(&mut self, v: usize) -> (&[(u64, u64)], Option<&[Hole]>) {
         let at = self.computed[v];
         if self.path[v].len() < HOLE_INDEX_MIN {
             return (&self.path[v], None);
