@@ -13,19 +13,23 @@
 //!
 //! The same compile through the release binary, `/usr/bin/time -v target/release/protrain
 //! compile gpt2-N.json --gpu-memory (N x 640)KiB`, user CPU seconds on two shared, loaded
-//! cores (wall time there is noise), before and after the planner's unions became sorted
-//! vectors walked in one merged pass (schedules byte-identical):
+//! cores (wall time there is noise). Earlier, the planner's unions became sorted vectors walked
+//! in one merged pass (`first` to `then`); `now` is after best fit found the smallest fitting
+//! hole of a long ancestor union through an index of its holes by size, and best fit by size x
+//! lifetime stopped once its arena reached the other strategies'. Schedules byte-identical
+//! throughout. `then` and `now` were measured in the same session, one after the other.
 //!
-//! | layers | before | after  | after per layer |
-//! |-------:|-------:|-------:|----------------:|
-//! |     64 |  0.98  |  0.64  |  10 ms          |
-//! |    128 |  2.04  |  1.81  |  14 ms          |
-//! |    256 |  5.13  |  3.87  |  15 ms          |
-//! |    512 | 12.11  |  9.07  |  18 ms          |
-//! |  1,024 | 42.55  | 34.05  |  33 ms          |
+//! | layers | first | then  | now   | now per layer | max RSS then -> now |
+//! |-------:|------:|------:|------:|--------------:|--------------------:|
+//! |     64 |  0.98 |  0.65 |  0.48 |  7.5 ms       |  48 ->  49 MiB      |
+//! |    128 |  2.04 |  1.83 |  1.10 |  8.6 ms       |  80 ->  79 MiB      |
+//! |    256 |  5.13 |  3.60 |  2.59 | 10.1 ms       | 157 -> 152 MiB      |
+//! |    512 | 12.11 |  9.05 |  5.81 | 11.3 ms       | 348 -> 326 MiB      |
+//! |  1,024 | 42.55 | 29.80 | 18.76 | 18.3 ms       | 811 -> 726 MiB      |
 //!
-//! Not yet linear: best fit by size x lifetime still compares every hole of a fragmented union
-//! whose hole count grows with depth (see `plan::plan_offsets`); place and streams are linear.
+//! Still not linear from 512 to 1,024 layers (3.2x for 2x). The criterion groups at 1,024
+//! layers were not rerun for this table: they do not fit on this loaded machine in the time
+//! there was.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use protrain_compiler::cost::cost_model;

@@ -1,7 +1,6 @@
 //! Fixed-address memory planning: one arena offset per buffer, chosen before the run.
 
 use protrain_ir::{format_bytes, BufferId};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -183,28 +182,34 @@ impl fmt::Display for Plan {
 /// Assigns every buffer a fixed offset so that no two buffers live at the same time overlap.
 ///
 /// Pinned buffers keep their offset. The rest are placed by greedy best-fit once per
-/// [`Strategy`] ordering (in parallel): each buffer goes into the smallest hole, respecting its
-/// alignment, between the bytes taken by already-placed buffers whose live ranges intersect its
-/// own, or just above the highest of them if none fits. The smallest arena wins, the earlier
-/// strategy on a tie. The result depends only on the input: no hashing, every sort has a total
-/// order, and the strategies do not share state.
+/// [`Strategy`] ordering: each buffer goes into the smallest hole, respecting its alignment,
+/// between the bytes taken by already-placed buffers whose live ranges intersect its own, or
+/// just above the highest of them if none fits. The smallest arena wins, the earlier strategy on
+/// a tie. By size and by start run in parallel; by size x lifetime runs after them and stops as
+/// soon as its arena reaches theirs, since it could then only lose. The result depends only on
+/// the input: no hashing, every sort has a total order, and a strategy that stops is one that
+/// would not have been kept.
 ///
 /// Complexity per strategy, for `n` buffers over `m <= n` distinct start times:
 /// `O(sum_i (log m (log n + u_i) + r_i + b_i log b_i))`, where `r_i` is the number of byte ranges
-/// read for buffer `i`, `b_i <= r_i` those read below its span, and `u_i` the length of the unions
-/// it is added to. The taken bytes come from a segment tree over time whose nodes hold unions
-/// of byte ranges (see `Occupancy`), so a query reads `O(log m)` unions instead of every
-/// conflicting buffer: with `k_i` placed buffers live with buffer `i`, `r_i <= k_i` per union
-/// read, and in practice `r_i` is far below `k_i` because buffers that sit next to each other,
-/// as stacked activations do, merge into one range. The ranges below the span are sorted
-/// (`b_i log b_i`); the rest come from at most two cached ancestor unions, brought up to date by
-/// merging (counted in `r_i`) and walked merged with them in one pass. A union is a sorted
-/// vector, so adding a range is a binary search and a move of the `u_i` ranges above it.
+/// read for buffer `i`, `b_i <= r_i` those read outside the cached ancestor unions, and `u_i` the
+/// length of the unions it is added to. The taken bytes come from a segment tree over time whose
+/// nodes hold unions of byte ranges (see `Occupancy`), so a query reads `O(log m)` unions instead
+/// of every conflicting buffer: with `k_i` placed buffers live with buffer `i`, `r_i <= k_i` per
+/// union read, and in practice `r_i` is far below `k_i` because buffers that sit next to each
+/// other, as stacked activations do, merge into one range. The ranges below the span are sorted
+/// (`b_i log b_i`); the rest come from cached ancestor unions, brought up to date by merging
+/// (counted in `r_i`).
 ///
-/// `r_i` is what grows with depth: about 14 ranges per buffer by size or by start on a
-/// 1,024-layer GPT-2, but about 470 by size x lifetime, whose union around a long-lived buffer
-/// has about 220 holes that nearly all fit, so best fit must compare them all; that strategy
-/// costs about `n x r` with `r` proportional to the depth.
+/// The ancestors' union is what fragments with depth: by size x lifetime on a 1,024-layer
+/// GPT-2, the long-lived buffers placed first leave a union of about 220 holes around a
+/// short-lived buffer, nearly all big enough. Where the span's ancestors are one cached union,
+/// best fit does not walk those holes: an index of them by size (built the second time a union
+/// is read unchanged) gives the smallest untouched hole that fits by binary search, and only the
+/// holes that the `b_i` other ranges cut are walked, so such a query costs
+/// `O(b_i log u + t_i + s_i)` for `t_i` cut pieces and `s_i` holes skipped in the index, instead
+/// of one step per hole. A span across a high boundary of the tree, whose ancestors below the
+/// meeting point hold many ranges, walks its two ends' cached unions instead (`r_i` as before).
 ///
 /// This does not check its input: pinned buffers that collide, or a pinned offset that is not
 /// aligned, come out as given, and [`check_plan`] reports them.
@@ -215,15 +220,26 @@ pub fn plan_offsets(intervals: &[Interval]) -> Plan {
     );
     let lower_bound_bytes = lower_bound(intervals);
     let starts = distinct_starts(intervals);
-    let plans: Vec<Plan> = Strategy::ALL
-        .par_iter()
-        .map(|&strategy| plan_one(intervals, strategy, &starts, lower_bound_bytes))
-        .collect();
+    let [by_size, by_start, by_area] = Strategy::ALL;
+    let (first, second) = rayon::join(
+        || plan_one(intervals, by_size, &starts, lower_bound_bytes, None),
+        || plan_one(intervals, by_start, &starts, lower_bound_bytes, None),
+    );
+    let (first, second) = (
+        first.expect("an unbounded plan completes"),
+        second.expect("an unbounded plan completes"),
+    );
+    // The earlier strategy wins ties, so the last one must beat both strictly: it stops as soon
+    // as its arena reaches theirs, which is where size x lifetime spends most of its time when
+    // it loses (the short-lived buffers it places last read the most holes).
+    let bound = first.arena_bytes.min(second.arena_bytes);
+    let third = plan_one(intervals, by_area, &starts, lower_bound_bytes, Some(bound));
     // `min_by_key` keeps the first of equals: the earlier strategy.
-    plans
+    [Some(first), Some(second), third]
         .into_iter()
+        .flatten()
         .min_by_key(|plan| plan.arena_bytes)
-        .expect("Strategy::ALL is not empty")
+        .expect("the first two plans are complete")
 }
 
 /// [`plan_offsets`] with one ordering only: for comparing strategies, and for callers that know
@@ -238,22 +254,26 @@ pub fn plan_offsets_with(intervals: &[Interval], strategy: Strategy) -> Plan {
         strategy,
         &distinct_starts(intervals),
         lower_bound(intervals),
+        None,
     )
+    .expect("an unbounded plan completes")
 }
 
+/// The plan of one strategy, or `None` if its arena would reach `bound` bytes.
 fn plan_one(
     intervals: &[Interval],
     strategy: Strategy,
     starts: &[u32],
     lower_bound_bytes: u64,
-) -> Plan {
-    let offsets = best_fit(intervals, &strategy.order(intervals), starts);
-    Plan {
+    bound: Option<u64>,
+) -> Option<Plan> {
+    let offsets = best_fit(intervals, &strategy.order(intervals), starts, bound)?;
+    Some(Plan {
         arena_bytes: arena_size(intervals, &offsets),
         offsets,
         lower_bound_bytes,
         strategy,
-    }
+    })
 }
 
 /// Checks a plan against its intervals: one offset per buffer, pinned buffers where pinned,
@@ -403,8 +423,15 @@ fn distinct_starts(intervals: &[Interval]) -> Vec<u32> {
 }
 
 /// Places the pinned buffers, then the others in `order`, each by best fit against the bytes
-/// taken by placed buffers live with it.
-fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
+/// taken by placed buffers live with it; gives up, returning `None`, as soon as the arena
+/// reaches `bound` bytes, if given.
+fn best_fit(
+    intervals: &[Interval],
+    order: &[u32],
+    starts: &[u32],
+    bound: Option<u64>,
+) -> Option<Vec<u64>> {
+    let reached = |arena: u64| bound.is_some_and(|bound| arena >= bound);
     // Unpinned buffers that occupy nothing keep offset 0, which is always aligned.
     let mut offsets = vec![0u64; intervals.len()];
     let mut index = Occupancy::new(starts);
@@ -419,24 +446,32 @@ fn best_fit(intervals: &[Interval], order: &[u32], starts: &[u32]) -> Vec<u64> {
     // Reused across buffers: the taken byte ranges the current buffer must avoid, in sorted
     // lists: the ranges recorded below its span, and the unions of its span's ancestors.
     let mut below: Vec<(u64, u64)> = Vec::new();
-    let mut paths: Vec<usize> = Vec::new();
+    let mut scratch = HoleScratch::default();
+    // The arena so far: pinned ends, and the sizes of unplaced buffers at offset 0.
+    let mut arena = arena_size(intervals, &offsets);
     for &i in order {
+        if reached(arena) {
+            return None;
+        }
         let b = &intervals[i as usize];
-        index.taken(b, &mut below, &mut paths);
-        let offset = match paths[..] {
-            [] => best_hole_in([&below[..], &[], &[]], b.size, b.alignment()),
-            [p] => best_hole_in([&below[..], index.path(p), &[]], b.size, b.alignment()),
-            // `taken` names two paths at most.
-            [p, q, ..] => best_hole_in(
-                [&below[..], index.path(p), index.path(q)],
-                b.size,
-                b.alignment(),
-            ),
+        let (size, align) = (b.size, b.alignment());
+        let offset = match index.taken(b, &mut below) {
+            Ancestors::None => best_hole_in([&below[..], &[], &[]], size, align),
+            Ancestors::Two(p, q) => {
+                best_hole_in([&below[..], &index.path[p], &index.path[q]], size, align)
+            }
+            Ancestors::One(a) => match index.path_and_holes(a) {
+                (path, Some(holes)) => {
+                    best_hole_indexed(path, holes, &below, size, align, &mut scratch)
+                }
+                (path, None) => best_hole_in([&below[..], path, &[]], size, align),
+            },
         };
         offsets[i as usize] = offset;
+        arena = arena.max(offset.saturating_add(b.size));
         index.insert(b, offset);
     }
-    offsets
+    (!reached(arena)).then_some(offsets)
 }
 
 /// The lowest aligned offset in the smallest hole between `taken` ranges (which may overlap)
@@ -498,6 +533,123 @@ fn best_hole_in(lists: [&[(u64, u64)]; 3], size: u64, align: u64) -> u64 {
         floor = floor.max(end);
     }
     best.map_or(floor.next_multiple_of(align), |(_, offset)| offset)
+}
+
+/// A hole of a union: `(length, start, k)` for the hole just below the union's range `k`.
+type Hole = (u64, u64, u32);
+
+/// The holes of a union (sorted, disjoint, non-adjacent ranges), sorted by size then start, so
+/// that the smallest hole of at least a given length is a binary search away. The space above
+/// the last range is not a hole here.
+fn holes_of(union: &[(u64, u64)], out: &mut Vec<Hole>) {
+    out.clear();
+    let mut floor = 0;
+    for (k, &(start, end)) in union.iter().enumerate() {
+        if start > floor {
+            out.push((start - floor, floor, k as u32));
+        }
+        floor = end;
+    }
+    out.sort_unstable();
+}
+
+/// Reused buffers of [`best_hole_indexed`].
+#[derive(Default)]
+struct HoleScratch {
+    /// The other ranges as a union.
+    merged: Vec<(u64, u64)>,
+    /// The holes of the indexed union that the other ranges reach into, by `k`, ascending.
+    touched: Vec<u32>,
+}
+
+/// [`best_hole`] on the union of `union` (sorted, disjoint, non-adjacent, with its
+/// [`holes_of`]) and `other` (sorted by start, may overlap): the same offset, found without
+/// walking every hole of `union`.
+///
+/// A hole of `union` that no range of `other` reaches into is a hole of the whole, so the
+/// smallest of those that fits is the first fitting one in `holes` from `size` up, skipping the
+/// touched ones. The touched holes are cut by `other` into smaller ones, which are walked one by
+/// one. The smaller of the two winners (the lower on a tie, as the walk would pick) is the best
+/// fit. `O(o log u + t + s)` for `o` other ranges, `u` ranges in `union`, `t` pieces of touched
+/// holes and `s` holes skipped in the index (touched, or too small for the alignment).
+fn best_hole_indexed(
+    union: &[(u64, u64)],
+    holes: &[Hole],
+    other: &[(u64, u64)],
+    size: u64,
+    align: u64,
+    scratch: &mut HoleScratch,
+) -> u64 {
+    let HoleScratch { merged, touched } = scratch;
+    merged.clear();
+    for &(start, end) in other {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    // Hole `k` is `[end of range k - 1 (or 0), start of range k (or unbounded))`; a range
+    // `[s, e)` reaches into holes `lo..=hi`: those ending above `s` and starting below `e`.
+    touched.clear();
+    for &(s, e) in merged.iter() {
+        let lo = union.partition_point(|&(start, _)| start <= s);
+        let hi = union.partition_point(|&(_, end)| end < e);
+        for k in lo.max(touched.last().map_or(0, |&k| k as usize + 1))..=hi {
+            touched.push(k as u32);
+        }
+    }
+    // (hole length, hole start, offset) of the best fit so far.
+    let mut best: Option<(u64, u64, u64)> = None;
+    let consider = |floor: u64, start: u64, best: &mut Option<(u64, u64, u64)>| {
+        let candidate = floor.next_multiple_of(align);
+        if candidate.saturating_add(size) <= start
+            && best.is_none_or(|(hole, at, _)| (start - floor, floor) < (hole, at))
+        {
+            *best = Some((start - floor, floor, candidate));
+        }
+    };
+    // The touched holes, cut by the other ranges; the space above everything is `top`.
+    let mut top = union.last().map_or(0, |&(_, end)| end);
+    let mut j = 0;
+    for &k in touched.iter() {
+        let k = k as usize;
+        let hole_start = if k == 0 { 0 } else { union[k - 1].1 };
+        let hole_end = union.get(k).map(|&(start, _)| start);
+        while merged[j].1 <= hole_start {
+            j += 1; // a touched hole has a range reaching into it at or after `j`
+        }
+        let mut floor = hole_start;
+        for &(s, e) in &merged[j..] {
+            if hole_end.is_some_and(|hole_end| s >= hole_end) {
+                break;
+            }
+            if s > floor {
+                consider(floor, s, &mut best);
+            }
+            floor = floor.max(e);
+        }
+        match hole_end {
+            Some(hole_end) if hole_end > floor => consider(floor, hole_end, &mut best),
+            Some(_) => {}
+            None => top = floor,
+        }
+    }
+    // The untouched holes, smallest first: the first that fits is the best of them.
+    let from = holes.partition_point(|&(hole, _, _)| hole < size);
+    for &(hole, start, k) in &holes[from..] {
+        if best.is_some_and(|(best_hole, at, _)| (hole, start) >= (best_hole, at)) {
+            break;
+        }
+        if touched.binary_search(&k).is_ok() {
+            continue;
+        }
+        let candidate = start.next_multiple_of(align);
+        if candidate.saturating_add(size) <= start + hole {
+            best = Some((hole, start, candidate));
+            break;
+        }
+    }
+    best.map_or(top.next_multiple_of(align), |(_, _, offset)| offset)
 }
 
 /// Disjoint, non-adjacent byte ranges `[start, end)`, sorted: a union of placed buffers.
@@ -581,12 +733,12 @@ fn merge_unions(a: &[(u64, u64)], b: &[(u64, u64)], out: &mut Vec<(u64, u64)>) {
 /// below one of them: so a query reads `O(log m)` unions, not the buffers one by one.
 ///
 /// What is recorded at the ancestors of a node is read as one union, `path`, kept between
-/// queries and brought up to date when an ancestor's own ranges grew since, and read once per
-/// end of the span rather than once per canonical node: buffers with nested lifetimes (the
-/// activations a forward pass keeps for its backward pass) sit at many different ancestors,
-/// each holding disconnected pieces of one stack, which merge in the union. (This halved the
-/// ranges read on a 1,024-layer schedule. What it cannot remove is a union that really has
-/// that many gaps: best fit looks at every hole, so a query still reads one range per gap.)
+/// queries and brought up to date when an ancestor's own ranges grew since, and read once for
+/// the ancestors the span's two ends share (or once per end) rather than once per canonical
+/// node: buffers with nested lifetimes (the activations a forward pass keeps for its backward
+/// pass) sit at many different ancestors, each holding disconnected pieces of one stack, which
+/// merge in the union. (This halved the ranges read on a 1,024-layer schedule.) A union that
+/// really has many gaps is indexed by hole size (`holes`), so that best fit need not walk them.
 struct Occupancy<'a> {
     starts: &'a [u32],
     /// Leaves at `width..2 * width`; node `n`'s children at `2n` and `2n + 1`.
@@ -599,10 +751,18 @@ struct Occupancy<'a> {
     computed: Vec<Option<u64>>,
     /// Per node, the insert at which its `own` last grew.
     changed: Vec<u64>,
+    /// Per node, [`holes_of`] its `path`, and the `computed` of the path it was built from:
+    /// built for a long path read a second time, so that a path that changes between reads is
+    /// walked rather than indexed.
+    holes: Vec<Vec<Hole>>,
+    holes_at: Vec<Option<u64>>,
+    read_at: Vec<Option<u64>>,
     /// Inserts so far.
     clock: u64,
     /// Scratch: the canonical nodes of the current span.
     canonical: Vec<usize>,
+    /// Scratch: the deepest parents of canonical nodes.
+    deepest: Vec<usize>,
 }
 
 impl<'a> Occupancy<'a> {
@@ -616,8 +776,12 @@ impl<'a> Occupancy<'a> {
             path: vec![Vec::new(); 2 * width],
             computed: vec![None; 2 * width],
             changed: vec![0; 2 * width],
+            holes: vec![Vec::new(); 2 * width],
+            holes_at: vec![None; 2 * width],
+            read_at: vec![None; 2 * width],
             clock: 0,
             canonical: Vec::new(),
+            deepest: Vec::new(),
         }
     }
 
@@ -683,39 +847,113 @@ impl<'a> Occupancy<'a> {
     }
 
     /// The bytes of recorded buffers live with `b`: replaces `below` with byte ranges sorted by
-    /// start (they may overlap) and `paths` with at most two nodes whose [`path`](Self::path)
-    /// unions hold the rest, brought up to date.
-    fn taken(&mut self, b: &Interval, below: &mut Vec<(u64, u64)>, paths: &mut Vec<usize>) {
+    /// start (they may overlap) and returns the nodes whose path unions (see
+    /// [`path_and_holes`](Self::path_and_holes)) hold the rest, brought up to date.
+    ///
+    /// The ancestors of the canonical nodes lie on two root-to-leaf paths, one per end of the
+    /// span, through the deepest parents of canonical nodes; above the point where the two meet
+    /// they are shared. That shared part is read as one cached union; the few nodes below it,
+    /// on either side, are read as their own ranges.
+    fn taken(&mut self, b: &Interval, below: &mut Vec<(u64, u64)>) -> Ancestors {
         below.clear();
-        paths.clear();
         self.decompose(b);
+        self.deepest.clear();
+        let mut meet: Option<usize> = None;
         for i in 0..self.canonical.len() {
             let v = self.canonical[i];
             below.extend_from_slice(self.below[v].as_slice());
-            // The ancestors of `v`: read through the deepest parent of a canonical node, whose
-            // union holds those of every parent above it (the canonical nodes' parents lie on
-            // two root-to-leaf paths, one per end of the span).
             let parent = v >> 1;
             let deeper = |&w: &usize| w > 1 && w >> 1 != parent && is_ancestor(parent, w >> 1);
             if parent > 0 && !self.canonical.iter().any(deeper) {
-                self.update_path(parent);
-                if paths.len() < 2 {
-                    paths.push(parent);
-                } else {
-                    // Not reached (two paths hold every parent), but correct if it were.
-                    below.extend_from_slice(&self.path[parent]);
-                }
+                meet = Some(meet.map_or(parent, |m| common_ancestor(m, parent)));
+                self.deepest.push(parent);
             }
         }
+        let Some(meet) = meet else {
+            below.sort();
+            return Ancestors::None;
+        };
+        // Every deepest parent (two at most), up to the meeting node, which it excludes.
+        let chain_ranges: usize = below_meet(&self.deepest, meet)
+            .map(|u| self.own[u].as_slice().len())
+            .sum();
+        self.update_path(meet);
+        let shared = self.path[meet].len();
+        let ancestors = match self.deepest[..] {
+            // The two sides below the meeting node hold a large part of the ranges (a span
+            // across a high boundary of the tree): their cached unions beat sorting those.
+            [p, q] if shared < HOLE_INDEX_MIN || 2 * chain_ranges > shared => {
+                self.update_path(p);
+                self.update_path(q);
+                Ancestors::Two(p, q)
+            }
+            _ => {
+                for u in below_meet(&self.deepest, meet) {
+                    below.extend_from_slice(self.own[u].as_slice());
+                }
+                Ancestors::One(meet)
+            }
+        };
         // The stable sort finds and merges the sorted runs, one per node read.
         below.sort();
+        ancestors
     }
 
     /// The union of what is recorded at node `v` and its ancestors, as of the last
-    /// [`taken`](Self::taken) that named `v`.
-    fn path(&self, v: usize) -> &[(u64, u64)] {
-        &self.path[v]
+    /// [`taken`](Self::taken) that named `v`, and its holes by size if indexed.
+    fn path_and_holes(&mut self, v: usize) -> (&[(u64, u64)], Option<&[Hole]>) {
+        let at = self.computed[v];
+        if self.path[v].len() < HOLE_INDEX_MIN {
+            return (&self.path[v], None);
+        }
+        if self.holes_at[v] != at {
+            if self.read_at[v] != at {
+                // Read once at this version: a walk costs no more than indexing it would.
+                self.read_at[v] = at;
+                return (&self.path[v], None);
+            }
+            holes_of(&self.path[v], &mut self.holes[v]);
+            self.holes_at[v] = at;
+        }
+        (&self.path[v], Some(&self.holes[v]))
     }
+}
+
+/// Where the bytes taken by buffers recorded above a span's canonical nodes are, besides the
+/// ranges [`Occupancy::taken`] lists.
+enum Ancestors {
+    /// Nowhere: the span is the whole tree.
+    None,
+    /// In the path union of this node.
+    One(usize),
+    /// In the path unions of these two.
+    Two(usize, usize),
+}
+
+/// The shortest path union worth indexing by hole size; shorter ones are walked. Unit tests
+/// index nearly every union, so that their small random plans go through the index.
+const HOLE_INDEX_MIN: usize = if cfg!(test) { 2 } else { 32 };
+
+/// The nodes from each of `deepest` up to `meet`, an ancestor of all of them, which is left out.
+fn below_meet(deepest: &[usize], meet: usize) -> impl Iterator<Item = usize> + '_ {
+    deepest.iter().flat_map(move |&d| {
+        std::iter::successors(Some(d), |&u| Some(u >> 1)).take_while(move |&u| u != meet)
+    })
+}
+
+/// The deepest common ancestor of nodes `a` and `b` in the heap-numbered tree.
+fn common_ancestor(mut a: usize, mut b: usize) -> usize {
+    let (da, db) = (a.ilog2(), b.ilog2());
+    if da > db {
+        a >>= da - db;
+    } else {
+        b >>= db - da;
+    }
+    while a != b {
+        a >>= 1;
+        b >>= 1;
+    }
+    a
 }
 
 /// Whether node `a` is `b` or above it in the heap-numbered tree.
@@ -778,10 +1016,18 @@ mod tests {
             let starts = distinct_starts(&intervals);
             for strategy in Strategy::ALL {
                 let order = strategy.order(&intervals);
+                let offsets = best_fit_by_scan(&intervals, &order);
                 prop_assert_eq!(
-                    best_fit(&intervals, &order, &starts),
-                    best_fit_by_scan(&intervals, &order),
+                    best_fit(&intervals, &order, &starts, None),
+                    Some(offsets.clone()),
                     "{}", strategy
+                );
+                // A bound stops the placement exactly when the arena reaches it.
+                let arena = arena_size(&intervals, &offsets);
+                prop_assert_eq!(best_fit(&intervals, &order, &starts, Some(arena)), None);
+                prop_assert_eq!(
+                    best_fit(&intervals, &order, &starts, Some(arena + 1)),
+                    Some(offsets)
                 );
             }
         }
@@ -807,6 +1053,36 @@ mod tests {
             let mut all: Vec<(u64, u64)> = [&a[..], &b[..], &c[..]].concat();
             prop_assert_eq!(
                 best_hole_in([&a[..], &b[..], &c[..]], size, align),
+                best_hole(&mut all, size, align)
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_hole_index_finds_the_hole_a_sort_would(
+            union_of in sorted_ranges(),
+            other in sorted_ranges(),
+            spread in 1u64..4,
+            size in 1u64..100,
+            align in prop::sample::select(vec![1u64, 2, 8, 16, 64]),
+        ) {
+            // Spread one list out so that some of its holes are long and others cut.
+            let spread: Vec<(u64, u64)> =
+                union_of.iter().map(|&(s, e)| (s * spread, e * spread)).collect();
+            let indexed = union(spread);
+            let mut holes = Vec::new();
+            holes_of(&indexed, &mut holes);
+            let mut all: Vec<(u64, u64)> = [&indexed[..], &other[..]].concat();
+            prop_assert_eq!(
+                best_hole_indexed(
+                    &indexed,
+                    &holes,
+                    &other,
+                    size,
+                    align,
+                    &mut HoleScratch::default()
+                ),
                 best_hole(&mut all, size, align)
             );
         }
@@ -845,17 +1121,22 @@ mod tests {
         let offsets: Vec<u64> = intervals.iter().map(|_| next(2000)).collect();
         let starts = distinct_starts(&intervals);
         let mut index = Occupancy::new(&starts);
-        let (mut got, mut paths) = (Vec::new(), Vec::new());
+        let mut got = Vec::new();
         for (i, b) in intervals.iter().enumerate() {
             index.insert(b, offsets[i]);
             if i % 40 != 39 {
                 continue;
             }
             for q in &intervals {
-                index.taken(q, &mut got, &mut paths);
-                assert!(got.is_sorted() && paths.len() <= 2);
-                for &p in &paths {
-                    got.extend_from_slice(index.path(p));
+                let ancestors = index.taken(q, &mut got);
+                assert!(got.is_sorted());
+                match ancestors {
+                    Ancestors::None => {}
+                    Ancestors::One(m) => got.extend_from_slice(index.path_and_holes(m).0),
+                    Ancestors::Two(m, n) => {
+                        got.extend_from_slice(&index.path[m]);
+                        got.extend_from_slice(&index.path[n]);
+                    }
                 }
                 let want = (0..=i)
                     .filter(|&j| intervals[j].live_together(q))
