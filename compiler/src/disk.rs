@@ -39,13 +39,12 @@ use std::collections::HashMap;
 pub const DISK_ALIGN: u64 = 4096;
 
 /// One chunk whose state can move: its state buffer and where its AdamW kernels are on the
-/// host optimizer stream (first and last index).
-#[derive(Clone, Copy, Debug)]
+/// host optimizer stream (their indices, in order).
+#[derive(Clone, Debug)]
 struct Movable {
     chunk: ChunkId,
     buffer: BufferId,
-    first: usize,
-    last: usize,
+    kernels: Vec<usize>,
 }
 
 /// Moves the optimizer state of the fewest offloaded chunks to disk so that the host region
@@ -116,8 +115,8 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
 }
 
 /// The offloaded chunks whose state is on the host, in the order the host optimizer stream
-/// updates them; fails when a state buffer is used other than by that stream's kernels, or
-/// when two chunks' updates interleave (a compiler bug).
+/// first updates them; fails when a state buffer is used other than by that stream's
+/// kernels (a compiler bug).
 fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
     let Some(opt) = schedule
         .streams
@@ -174,27 +173,21 @@ fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
                     )));
                 }
                 match index.get(&t.buffer) {
-                    Some(&at) => out[at].last = i,
+                    Some(&at) => {
+                        if out[at].kernels.last() != Some(&i) {
+                            out[at].kernels.push(i);
+                        }
+                    }
                     None => {
                         index.insert(t.buffer, out.len());
                         out.push(Movable {
                             chunk,
                             buffer: t.buffer,
-                            first: i,
-                            last: i,
+                            kernels: vec![i],
                         });
                     }
                 }
             }
-        }
-    }
-    for pair in out.windows(2) {
-        if pair[1].first <= pair[0].last {
-            return Err(CompileError::Validation(format!(
-                "the CPU Adam updates {} and {} interleaved: their states cannot take turns \
-                 in the staging buffers",
-                pair[0].chunk, pair[1].chunk
-            )));
         }
     }
     Ok(out)
@@ -279,6 +272,57 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
         .position(|s| s.kind == StreamKind::HostOptimizer)
         .expect("movable chunks are on the host optimizer stream");
     let old = std::mem::take(&mut schedule.streams[opt].instrs);
+    // Each moved chunk's kernels are made adjacent, at its first (the CPU Adam may update
+    // the parameters of two chunks interleaved, as their gradients arrive; a later kernel
+    // of a chunk needs no wait its first did not, all of a chunk's gradients arriving in one
+    // offload, and the verifier checks that it is so), so that its state is read once and
+    // written once.
+    let mut grouped: Vec<usize> = Vec::with_capacity(old.len());
+    let mut taken = vec![false; old.len()];
+    let chunk_at: HashMap<usize, usize> = moved
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.kernels[0], i))
+        .collect();
+    for at in 0..old.len() {
+        if taken[at] {
+            continue;
+        }
+        match chunk_at.get(&at) {
+            Some(&i) => {
+                for &k in &moved[i].kernels {
+                    taken[k] = true;
+                    grouped.push(k);
+                }
+            }
+            None => grouped.push(at),
+        }
+    }
+    let mut old: Vec<Option<Instr>> = old.into_iter().map(Some).collect();
+    let old: Vec<Instr> = grouped
+        .into_iter()
+        .map(|k| old[k].take().expect("each instruction once"))
+        .collect();
+    // The new index of each moved chunk's first and last kernel.
+    let mut starts: HashMap<usize, usize> = HashMap::new();
+    let mut ends: HashMap<usize, usize> = HashMap::new();
+    let mut seen = vec![false; moved.len()];
+    for (at, instr) in old.iter().enumerate() {
+        let Instr::Kernel { inputs, .. } = instr else {
+            continue;
+        };
+        let Some(i) = inputs
+            .iter()
+            .find_map(|t| moved.iter().position(|m| m.buffer == t.buffer))
+        else {
+            continue;
+        };
+        if !seen[i] {
+            seen[i] = true;
+            starts.insert(at, i);
+            ends.insert(at + moved[i].kernels.len() - 1, i);
+        }
+    }
     let mut instrs = Vec::with_capacity(old.len() + 2 * moved.len());
     let slot_by_buffer: HashMap<BufferId, (usize, BufferId)> = moved
         .iter()
@@ -286,7 +330,7 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
         .map(|(i, m)| (m.buffer, (i, slot_of(i))))
         .collect();
     for (at, mut instr) in old.into_iter().enumerate() {
-        if let Some(i) = moved.iter().position(|m| m.first == at) {
+        if let Some(&i) = starts.get(&at) {
             instrs.push(Instr::Wait {
                 event: read_done(i),
             });
@@ -302,7 +346,7 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
             }
         }
         instrs.push(instr);
-        if let Some(i) = moved.iter().position(|m| m.last == at) {
+        if let Some(&i) = ends.get(&at) {
             instrs.push(Instr::Record {
                 event: update_done(i),
             });
