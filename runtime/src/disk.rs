@@ -96,6 +96,13 @@ impl DiskFile {
         check(&self.path)
     }
 
+    /// Flushes what was written to the disk itself (`fdatasync`).
+    pub fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| self.io_error("syncing", 0, e))
+    }
+
     /// Reads `out.len()` bytes at `offset`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.in_bounds(offset, out.len())?;
@@ -141,6 +148,45 @@ impl DiskFile {
     }
 }
 
+/// Sequential bandwidths of the disk tier's file I/O in a directory, bytes per second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DiskBandwidth {
+    /// Reads of `block` bytes, one after another, through the page cache, as the runtime
+    /// reads (a file just written may be read from memory: what the runtime sees too).
+    pub read: f64,
+    /// Writes of `block` bytes, one after another, then `fdatasync`: what reaches the disk.
+    pub write: f64,
+}
+
+/// Measures [`DiskBandwidth`] in `dir` with a file of `bytes` written and read in blocks of
+/// `block` bytes (a chunk's state is read and written whole, so use about that much); the
+/// file is removed after. Fails as [`DiskFile::create`] does.
+pub fn measure(dir: &Path, bytes: u64, block: usize) -> Result<DiskBandwidth> {
+    let block = block.max(1);
+    let file = DiskFile::create(dir, bytes)?;
+    file.sync()?;
+    let data = vec![0x5au8; block.min(bytes as usize)];
+    let started = std::time::Instant::now();
+    let mut at = 0u64;
+    while at < bytes {
+        let n = (bytes - at).min(block as u64) as usize;
+        file.write(at, &data[..n])?;
+        at += n as u64;
+    }
+    file.sync()?;
+    let write = bytes as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let mut out = vec![0u8; block.min(bytes as usize)];
+    let started = std::time::Instant::now();
+    let mut at = 0u64;
+    while at < bytes {
+        let n = (bytes - at).min(block as u64) as usize;
+        file.read(at, &mut out[..n])?;
+        at += n as u64;
+    }
+    let read = bytes as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    Ok(DiskBandwidth { read, write })
+}
+
 /// Fails when the disk tier's file `path` is gone (see [`DiskFile::check`]).
 pub fn check(path: &Path) -> Result<()> {
     match std::fs::metadata(path) {
@@ -183,6 +229,13 @@ mod tests {
         assert!(disk.read(9_999, &mut out).is_err(), "past the end");
         drop(disk);
         assert!(!path.exists(), "removed on drop");
+    }
+
+    #[test]
+    fn bandwidths_are_measured_in_a_directory() {
+        let bw = measure(&std::env::temp_dir(), 4 << 20, 1 << 20).unwrap();
+        assert!(bw.read.is_finite() && bw.read > 0.0, "{bw:?}");
+        assert!(bw.write.is_finite() && bw.write > 0.0, "{bw:?}");
     }
 
     #[test]
