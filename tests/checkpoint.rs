@@ -379,3 +379,68 @@ fn resume_alone_continues_a_scheduled_run_and_refuses_contradicting_flags() {
         "a refused resume touches no checkpoint"
     );
 }
+
+/// The disk tier under `kill -9` (issue 18): a run whose every chunk's optimizer state lives
+/// on disk (the tight policy, 5.5 MiB of host memory) is killed mid-run, wherever its disk
+/// stream is (reading or writing a chunk's state back), and resumed from its latest
+/// checkpoint into a new file: its losses are the uninterrupted run's, bit for bit, and that
+/// of a run with everything in memory. The killed run's file stays behind (no destructor
+/// runs); the resumed run makes and removes its own.
+#[test]
+fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
+    std::fs::create_dir(&disk).expect("disk dir");
+    let mut run = RUN.to_vec();
+    run.extend([
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--host-memory",
+        "5632KiB",
+        "--disk-memory",
+        "64MiB",
+        "--disk-dir",
+        path(&disk),
+        "--log-json",
+    ]);
+    let mut args = run.clone();
+    args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
+    args.extend(["--keep-checkpoints", "0"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the protrain binary starts");
+    let lines = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut seen = Vec::new();
+    for line in lines.lines() {
+        let (step, loss) = step_and_loss(&line.expect("a line"));
+        seen.push((step, loss));
+        if step == 12 {
+            break;
+        }
+    }
+    child.kill().expect("kill the run");
+    child.wait().expect("reap the run");
+    assert_eq!(files(&disk).len(), 1, "the killed run's state file stays");
+    let mut resume = run.clone();
+    resume.extend(["--resume", path(&ckpt)]);
+    let resumed = losses(&protrain(&resume));
+    assert_eq!(
+        files(&disk).len(),
+        1,
+        "the resumed run removed its own file"
+    );
+    let mut straight = RUN.to_vec();
+    straight.push("--log-json");
+    let straight = losses(&protrain(&straight));
+    let from = resumed.first().expect("the resumed run trained").0;
+    assert!(from == 11 || from == 16, "resumed at step {from}");
+    assert_eq!(
+        resumed,
+        straight[from as usize - 1..],
+        "the resumed disk run's losses are the uninterrupted in-memory run's, bit for bit"
+    );
+    assert_eq!(seen, straight[..12]);
+}

@@ -78,6 +78,7 @@ fn search_options(layers: u64) -> SearchOptions {
     let options = options(layers);
     SearchOptions {
         device_budget: options.device_budget(),
+        disk_budget: 0,
         host_budget: options.hardware.host_memory_bytes,
         max_compiled: 64,
         hardware: options.hardware.summary(),

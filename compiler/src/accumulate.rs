@@ -91,6 +91,7 @@ fn append(
     let end = match space {
         Space::Device => &mut schedule.arena_bytes,
         Space::Host => &mut schedule.host_bytes,
+        Space::Disk => &mut schedule.disk_bytes,
     };
     let offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
     *end = offset + bytes;
@@ -204,7 +205,8 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             }
             schedule.graph.set_input(op, 0, laid[i].0)?;
             match laid[i].1 {
-                Space::Host => {
+                // Accumulators are laid out before anything moves to disk.
+                Space::Host | Space::Disk => {
                     let o = schedule.graph.op(op);
                     let types: Vec<_> = o
                         .inputs

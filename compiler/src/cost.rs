@@ -13,6 +13,10 @@ pub enum CopyDir {
     DeviceToHost,
     /// Within device memory.
     DeviceToDevice,
+    /// From the disk region (a file) into host memory.
+    DiskToHost,
+    /// From host memory to the disk region.
+    HostToDisk,
 }
 
 /// Estimates how long instructions take on some hardware.
@@ -333,6 +337,8 @@ impl CostModel for Roofline {
             CopyDir::DeviceToHost => bytes as f64 / p.d2h_bandwidth,
             // A device copy reads and writes every byte.
             CopyDir::DeviceToDevice => 2.0 * bytes as f64 / p.device_bandwidth,
+            CopyDir::DiskToHost => bytes as f64 / p.disk.read_bandwidth,
+            CopyDir::HostToDisk => bytes as f64 / p.disk.write_bandwidth,
         };
         transfer + p.launch_overhead_s
     }

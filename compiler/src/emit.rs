@@ -78,6 +78,7 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         hardware: inputs.hardware,
         device_budget_bytes: inputs.device_budget_bytes,
         host_budget_bytes: inputs.host_budget_bytes,
+        disk_budget_bytes: 0,
         policy: placed.policy,
         prediction: Prediction {
             step_seconds: 0.0,
@@ -99,6 +100,7 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         events: streamed.events,
         arena_bytes: planned.arena_bytes,
         host_bytes: planned.host_bytes,
+        disk_bytes: 0,
         homes,
         masters,
         loss: streamed.loss,

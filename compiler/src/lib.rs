@@ -7,6 +7,7 @@ pub mod chunk;
 pub mod comm;
 pub mod cost;
 pub mod data_parallel;
+pub mod disk;
 pub mod egraph;
 pub mod emit;
 pub mod error;

@@ -347,6 +347,7 @@ impl<'m> Context<'m> {
         // chunks sharded over the ranks take 1/ranks of their host state on each.)
         let gpus = u64::from(options.topology.gpus.max(1));
         let host_budget = options.hardware.host_memory_bytes / gpus;
+        let disk_budget = options.hardware.disk.memory_bytes;
         let shared = |e: CompileError| match e {
             CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
                 "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory; \
@@ -362,6 +363,7 @@ impl<'m> Context<'m> {
                 let search_options = SearchOptions {
                     device_budget,
                     host_budget,
+                    disk_budget,
                     max_compiled: 64,
                     hardware: options.hardware.summary(),
                     model: self.config.name.clone(),
@@ -391,7 +393,8 @@ impl<'m> Context<'m> {
                     host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
                 };
-                let mut s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
+                let s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
+                let mut s = crate::disk::disk(s, host_budget, disk_budget)?;
                 if s.arena_bytes > device_budget {
                     return Err(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of device memory, more than the {} budget; \

@@ -44,6 +44,9 @@ pub struct SearchOptions {
     pub device_budget: u64,
     /// Host bytes a schedule may use.
     pub host_budget: u64,
+    /// Disk bytes a schedule may use for optimizer state host memory cannot hold (0: none;
+    /// see [`crate::disk`]).
+    pub disk_budget: u64,
     /// Most candidates compiled and simulated in full.
     pub max_compiled: usize,
     /// The hardware profile's summary, for the header.
@@ -1277,6 +1280,23 @@ pub fn search(
                     }
                     other => (policy, other),
                 };
+                // Host memory still binds: the disk tier takes the optimizer state of the
+                // chunks it cannot hold (only then, so a search that fits is unchanged).
+                let result = match result {
+                    Ok(s)
+                        if options.disk_budget > 0
+                            && s.arena_bytes <= options.device_budget
+                            && s.host_bytes > options.host_budget =>
+                    {
+                        // Over host and disk both: kept as it was, rejected for host memory.
+                        match crate::disk::disk(s.clone(), options.host_budget, options.disk_budget)
+                        {
+                            Err(CompileError::BudgetTooSmall(_)) => Ok(s),
+                            other => other,
+                        }
+                    }
+                    other => other,
+                };
                 (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
@@ -1351,6 +1371,9 @@ pub fn search(
             schedule.header.report = report.to_text();
             schedule.header.device_budget_bytes = options.device_budget;
             schedule.header.host_budget_bytes = options.host_budget;
+            if schedule.disk_bytes > 0 {
+                schedule.header.disk_budget_bytes = options.disk_budget;
+            }
             Ok((schedule, report))
         }
         None => Err(too_small(

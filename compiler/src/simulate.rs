@@ -27,6 +27,8 @@ pub mod category {
     pub const CPU_ADAM: &str = "cpu_adam";
     /// A collective among the ranks (on the collective stream).
     pub const COMM: &str = "comm";
+    /// A disk read or write of optimizer state (on the disk i/o stream).
+    pub const DISK: &str = "disk";
     /// A stream stalled on an event another stream has not recorded yet.
     pub const WAIT: &str = "wait";
 }
@@ -237,6 +239,8 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
         (Space::Host, Space::Device) => CopyDir::HostToDevice,
         (Space::Device, Space::Device) => CopyDir::DeviceToDevice,
         (Space::Device, Space::Host) | (Space::Host, Space::Host) => CopyDir::DeviceToHost,
+        (Space::Disk, _) => CopyDir::DiskToHost,
+        (_, Space::Disk) => CopyDir::HostToDisk,
     }
 }
 
@@ -302,6 +306,12 @@ pub fn instr_seconds(
             src, dst, bytes, ..
         }
         | Instr::CopyShard {
+            src, dst, bytes, ..
+        }
+        | Instr::DiskRead {
+            src, dst, bytes, ..
+        }
+        | Instr::DiskWrite {
             src, dst, bytes, ..
         } => match (space_of(schedule, *src), space_of(schedule, *dst)) {
             (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
@@ -479,6 +489,20 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
         }
         Instr::AllGather { chunk, .. } => format!("all_gather chunk {}", chunk.0),
         Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter chunk {}", chunk.0),
+        Instr::DiskRead { chunk, bytes, .. } => {
+            format!(
+                "disk read chunk {} state ({})",
+                chunk.0,
+                format_bytes(*bytes)
+            )
+        }
+        Instr::DiskWrite { chunk, bytes, .. } => {
+            format!(
+                "disk write chunk {} state ({})",
+                chunk.0,
+                format_bytes(*bytes)
+            )
+        }
     }
 }
 
@@ -574,7 +598,9 @@ pub fn simulate_unverified(
                     | Instr::AllReduce { .. }
                     | Instr::CopyShard { .. }
                     | Instr::AllGather { .. }
-                    | Instr::ReduceScatter { .. } => {
+                    | Instr::ReduceScatter { .. }
+                    | Instr::DiskRead { .. }
+                    | Instr::DiskWrite { .. } => {
                         let seconds = seconds_of[s][index];
                         if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
                             (instr, stream.kind)
@@ -775,7 +801,12 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
                 }
             }
         }
-        Some(Instr::Copy { bytes, .. } | Instr::CopyShard { bytes, .. }) => {
+        Some(
+            Instr::Copy { bytes, .. }
+            | Instr::CopyShard { bytes, .. }
+            | Instr::DiskRead { bytes, .. }
+            | Instr::DiskWrite { bytes, .. },
+        ) => {
             args.insert("bytes".into(), json!(bytes));
         }
         Some(Instr::AllGather { bytes, .. } | Instr::ReduceScatter { bytes, .. }) => {
@@ -813,6 +844,7 @@ pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'
         Instr::AllReduce { .. } | Instr::AllGather { .. } | Instr::ReduceScatter { .. } => {
             category::COMM
         }
+        Instr::DiskRead { .. } | Instr::DiskWrite { .. } => category::DISK,
         Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => category::WAIT,
     }
 }
@@ -868,7 +900,10 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                         return Err(bad(format!("value {v} of {op}")));
                     }
                 }
-                Instr::Copy { src, dst, .. } | Instr::CopyShard { src, dst, .. } => {
+                Instr::Copy { src, dst, .. }
+                | Instr::CopyShard { src, dst, .. }
+                | Instr::DiskRead { src, dst, .. }
+                | Instr::DiskWrite { src, dst, .. } => {
                     for t in [src, dst] {
                         if space_of(schedule, *t).is_none() {
                             return Err(bad(t.buffer.to_string()));

@@ -78,7 +78,7 @@ fn every_policy_accumulates_in_a_verified_schedule() {
                     let home = s.homes.iter().find(|(h, _)| *h == id).expect("a home").1;
                     match s.buffer(home.buffer).space {
                         Space::Device => v.ty.bytes().div_ceil(256) * 256,
-                        Space::Host => 0,
+                        Space::Host | Space::Disk => 0,
                     }
                 })
                 .sum();

@@ -25,6 +25,7 @@ fn run(
     let cost = cost_model(&profile);
     let options = SearchOptions {
         device_budget,
+        disk_budget: 0,
         host_budget: 256 * GIB,
         max_compiled: 64,
         hardware: profile.summary(),
@@ -102,6 +103,7 @@ fn when_the_fastest_estimates_do_not_fit_exactly_a_leaner_policy_is_found() {
     let cost = cost_model(&profile);
     let options = SearchOptions {
         device_budget: profile.usable_device_bytes(),
+        disk_budget: 0,
         host_budget: 2 << 40,
         max_compiled: 64,
         hardware: profile.summary(),
@@ -146,6 +148,7 @@ fn search_preset(
     let cost = cost_model(&profile);
     let options = SearchOptions {
         device_budget: profile.usable_device_bytes(),
+        disk_budget: 0,
         host_budget: host,
         max_compiled: 64,
         hardware: profile.summary(),

@@ -54,6 +54,8 @@ mod simulate {
                 CopyDir::HostToDevice => 1.0,
                 CopyDir::DeviceToHost => 0.5,
                 CopyDir::DeviceToDevice => 0.1,
+                CopyDir::DiskToHost => 2.0,
+                CopyDir::HostToDisk => 3.0,
             };
             bytes as f64 / MIB as f64 * per_mib
         }
@@ -164,6 +166,7 @@ mod simulate {
                 hardware: "stub".into(),
                 device_budget_bytes: 64 * MIB,
                 host_budget_bytes: 64 * MIB,
+                disk_budget_bytes: 0,
                 policy: Policy::resident(1, 0),
                 prediction: Prediction::default(),
                 report: String::new(),
@@ -188,6 +191,7 @@ mod simulate {
             events,
             arena_bytes: 64 * MIB,
             host_bytes: 64 * MIB,
+            disk_bytes: 0,
             homes: Vec::new(),
             masters: Vec::new(),
             loss: at(DEVICE),

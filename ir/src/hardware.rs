@@ -111,6 +111,50 @@ pub struct HardwareProfile {
     /// one GPU), which allows one GPU only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interconnect: Option<Interconnect>,
+    /// The disk tier: how much of a disk the schedule may use for optimizer state host memory
+    /// cannot hold, and how fast it reads and writes. A profile without it has the assumed
+    /// NVMe rates and no disk ([`Disk::default`]).
+    #[serde(default, skip_serializing_if = "Disk::is_default")]
+    pub disk: Disk,
+}
+
+/// Assumed sequential bandwidths of an NVMe SSD on PCIe 4.0 x4 for large (MiB) reads and
+/// writes: a Samsung 980 PRO's datasheet gives 7.0 GB/s read and 5.1 GB/s write, sustained
+/// writes past its SLC cache are lower, and a file system costs some; 5.0 and 3.5 GB/s are
+/// an assumption of what a plain file reaches. `protrain profile --disk-dir` measures it.
+const NVME_READ: f64 = 5.0 * GB;
+/// See [`NVME_READ`].
+const NVME_WRITE: f64 = 3.5 * GB;
+
+/// The disk tier of a machine (see [`HardwareProfile::disk`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Disk {
+    /// Bytes of disk the schedule may use (`--disk-memory`); 0: no disk tier.
+    #[serde(default)]
+    pub memory_bytes: u64,
+    /// Achievable sequential read bandwidth of large reads from a file, bytes per second.
+    pub read_bandwidth: f64,
+    /// Achievable sequential write bandwidth of large writes to a file, bytes per second.
+    pub write_bandwidth: f64,
+}
+
+impl Default for Disk {
+    /// No disk, at the assumed NVMe rates.
+    fn default() -> Self {
+        Self {
+            memory_bytes: 0,
+            read_bandwidth: NVME_READ,
+            write_bandwidth: NVME_WRITE,
+        }
+    }
+}
+
+impl Disk {
+    /// Whether this is [`Disk::default`] (it is then left out of a profile's JSON).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// The names [`HardwareProfile::preset`] accepts.
@@ -268,6 +312,7 @@ impl GpuSpec {
             gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
             measured_ops: Vec::new(),
             interconnect: Some(self.links.interconnect()),
+            disk: Disk::default(),
         }
     }
 }
@@ -472,6 +517,7 @@ impl HardwareProfile {
             gpu_adam_params_per_s: adam,
             measured_ops: Vec::new(),
             interconnect: None,
+            disk: Disk::default(),
         }
     }
 
@@ -500,6 +546,12 @@ impl HardwareProfile {
     /// The same profile with another host memory size (`--host-memory`).
     pub fn with_host_memory(mut self, bytes: u64) -> Self {
         self.host_memory_bytes = bytes;
+        self
+    }
+
+    /// The same profile with another disk size (`--disk-memory`).
+    pub fn with_disk_memory(mut self, bytes: u64) -> Self {
+        self.disk.memory_bytes = bytes;
         self
     }
 
@@ -594,6 +646,8 @@ impl HardwareProfile {
             ("host_memcpy_bandwidth", self.host_memcpy_bandwidth),
             ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
             ("gpu_adam_params_per_s", self.gpu_adam_params_per_s),
+            ("disk.read_bandwidth", self.disk.read_bandwidth),
+            ("disk.write_bandwidth", self.disk.write_bandwidth),
         ];
         for (field, value) in rates {
             if !(value.is_finite() && value > 0.0) {

@@ -100,7 +100,9 @@ impl BufferNumbering {
                 Instr::AllReduce { at, .. }
                 | Instr::AllGather { at, .. }
                 | Instr::ReduceScatter { at, .. } => mention(*at),
-                Instr::CopyShard { src, dst, .. } => {
+                Instr::CopyShard { src, dst, .. }
+                | Instr::DiskRead { src, dst, .. }
+                | Instr::DiskWrite { src, dst, .. } => {
                     mention(*src);
                     mention(*dst);
                 }
@@ -140,11 +142,12 @@ pub fn space_name(space: Space) -> &'static str {
     match space {
         Space::Device => "device",
         Space::Host => "host",
+        Space::Disk => "disk",
     }
 }
 
 /// The words for a stream kind: `compute`, `host-to-device`, `device-to-host`,
-/// `host optimizer`, `collective`.
+/// `host optimizer`, `collective`, `disk i/o`.
 pub fn stream_kind_name(kind: StreamKind) -> &'static str {
     match kind {
         StreamKind::Compute => "compute",
@@ -152,6 +155,7 @@ pub fn stream_kind_name(kind: StreamKind) -> &'static str {
         StreamKind::DeviceToHost => "device-to-host",
         StreamKind::HostOptimizer => "host optimizer",
         StreamKind::Collective { .. } => "collective",
+        StreamKind::DiskIo => "disk i/o",
     }
 }
 
@@ -180,6 +184,7 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
             };
             format!("shard {chunk} {part}")
         }
+        BufferKind::DiskStaging { slot } => format!("disk staging{slot}"),
     }
 }
 
@@ -341,6 +346,15 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
         format_bytes(s.host_bytes),
         format_bytes(p.host_bytes)
     );
+    if s.disk_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "; disk: region {} of {} budget, the optimizer state of {} chunk(s)",
+            format_bytes(s.disk_bytes),
+            format_bytes(s.header.disk_budget_bytes),
+            s.disk_chunks().len()
+        );
+    }
     let m = &p.memory;
     let _ = writeln!(
         out,
@@ -626,6 +640,28 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
                 format_bytes(bytes)
             )
         }
+        Instr::DiskRead {
+            chunk,
+            src,
+            dst,
+            bytes,
+        } => format!(
+            "disk_read {chunk} state {} -> {} {}",
+            address(cx, *src),
+            address(cx, *dst),
+            format_bytes(*bytes)
+        ),
+        Instr::DiskWrite {
+            chunk,
+            src,
+            dst,
+            bytes,
+        } => format!(
+            "disk_write {chunk} state {} -> {} {}",
+            address(cx, *src),
+            address(cx, *dst),
+            format_bytes(*bytes)
+        ),
         Instr::Record { event } => format!("record e{}", event.0),
         Instr::Wait { event } => format!("wait e{}", event.0),
     }

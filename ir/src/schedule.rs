@@ -35,6 +35,19 @@
 //!
 //! Single-rank schedules have no such stream and encode exactly as before; the format version is unchanged because a new variant only extends the layout
 //! (an older protrain rejects a data-parallel schedule as undecodable).
+//!
+//! The disk tier (ZeRO-Infinity's NVMe offload): when host memory cannot hold every offloaded
+//! chunk's optimizer state, the f32 master weights and Adam moments of some chunks live in
+//! [`Space::Disk`], one preallocated file of [`Schedule::disk_bytes`] bytes, each chunk's
+//! state at a fixed offset (its [`BufferKind::OptimizerState`] buffer is in that space, so
+//! its homes and master weights are there). A [`StreamKind::DiskIo`] stream reads each such
+//! chunk's state whole into one of two host staging buffers ([`BufferKind::DiskStaging`],
+//! [`Instr::DiskRead`]) before the CPU Adam updates it there, and writes it back
+//! ([`Instr::DiskWrite`]) after; the staging buffers alternate, so the next chunk's read
+//! overlaps this chunk's update and the previous chunk's write. A staging buffer holds a
+//! chunk's state at the same offsets as its disk buffer, so an AdamW that reads its moments
+//! in a staging buffer finds the master weight there too, at its home's offset in the disk
+//! buffer.
 
 use crate::chunks::ChunkTable;
 use crate::graph::Graph;
@@ -44,8 +57,9 @@ use crate::types::DType;
 use serde::{Deserialize, Serialize};
 
 /// The version of the schedule layout this build writes and reads. 3: the header's policy
-/// carries its host layout ([`HostLayout`](crate::HostLayout)).
-pub const FORMAT_VERSION: u32 = 3;
+/// carries its host layout ([`HostLayout`](crate::HostLayout)). 4: the disk tier (the
+/// header's disk budget, the schedule's disk region).
+pub const FORMAT_VERSION: u32 = 4;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -55,6 +69,9 @@ pub enum Space {
     Device,
     /// The pinned host region.
     Host,
+    /// The disk region: one preallocated file (optimizer state that host memory cannot
+    /// hold). Only [`Instr::DiskRead`] and [`Instr::DiskWrite`] touch it.
+    Disk,
 }
 
 /// What a buffer holds.
@@ -115,6 +132,12 @@ pub enum BufferKind {
         chunk: ChunkId,
         /// Which part of the chunk's state.
         part: ShardPart,
+    },
+    /// A host buffer a disk-resident chunk's state is read into, updated in and written back
+    /// from; two of them alternate (see the module doc).
+    DiskStaging {
+        /// Which of the two.
+        slot: u32,
     },
 }
 
@@ -257,6 +280,31 @@ pub enum Instr {
         /// The gradients' element type.
         dtype: DType,
     },
+    /// Read a disk-resident chunk's optimizer state (its whole [`BufferKind::OptimizerState`]
+    /// buffer in [`Space::Disk`]) into a host staging buffer, on the [`StreamKind::DiskIo`]
+    /// stream.
+    DiskRead {
+        /// The chunk whose state is read.
+        chunk: ChunkId,
+        /// Its state on disk.
+        src: TensorRef,
+        /// The host staging buffer.
+        dst: TensorRef,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// Write a disk-resident chunk's updated optimizer state from a host staging buffer back
+    /// to its place on disk, on the [`StreamKind::DiskIo`] stream.
+    DiskWrite {
+        /// The chunk whose state is written.
+        chunk: ChunkId,
+        /// The host staging buffer.
+        src: TensorRef,
+        /// Its state on disk.
+        dst: TensorRef,
+        /// Bytes.
+        bytes: u64,
+    },
 }
 
 /// Why a copy happens.
@@ -311,6 +359,10 @@ pub enum StreamKind {
         /// Nodes.
         nodes: u32,
     },
+    /// Disk reads and writes of disk-resident optimizer state ([`Instr::DiskRead`],
+    /// [`Instr::DiskWrite`]); a schedule without a disk region has none. Its own stream, not
+    /// the host optimizer's, so that the disk works while the CPU Adam does.
+    DiskIo,
 }
 
 /// An in-order instruction list.
@@ -379,6 +431,8 @@ pub struct Header {
     pub device_budget_bytes: u64,
     /// Host bytes the schedule was allowed.
     pub host_budget_bytes: u64,
+    /// Disk bytes the schedule was allowed (0: no disk tier).
+    pub disk_budget_bytes: u64,
     /// The placement policy.
     pub policy: Policy,
     /// Predicted time and memory.
@@ -406,6 +460,8 @@ pub struct Schedule {
     pub arena_bytes: u64,
     /// Bytes of the pinned host region.
     pub host_bytes: u64,
+    /// Bytes of the disk region (0: nothing lives on disk).
+    pub disk_bytes: u64,
     /// Where each value that lives across steps (parameters, optimizer state) and each step
     /// input is at the start of a step.
     pub homes: Vec<(ValueId, TensorRef)>,
@@ -526,6 +582,17 @@ impl Schedule {
             }
             _ => Some((b.space, b.offset + t.offset, 0, bytes)),
         }
+    }
+
+    /// The chunks whose optimizer state lives on disk, in buffer order.
+    pub fn disk_chunks(&self) -> Vec<ChunkId> {
+        self.buffers
+            .iter()
+            .filter_map(|b| match (b.space, b.kind) {
+                (Space::Disk, BufferKind::OptimizerState { chunk }) => Some(chunk),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Whether any buffer holds a shard of a sharded chunk.

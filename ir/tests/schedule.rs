@@ -283,6 +283,7 @@ fn tiny() -> Schedule {
             hardware: "test box: 1 KiB device, 1 KiB host".into(),
             device_budget_bytes: 1024,
             host_budget_bytes: 1024,
+            disk_budget_bytes: 0,
             policy: Policy::protrain(0, 1, 1, 0, 1),
             prediction: Prediction {
                 step_seconds: 1.5e-3,
@@ -330,6 +331,7 @@ fn tiny() -> Schedule {
         events: 6,
         arena_bytes: 320,
         host_bytes: 280,
+        disk_bytes: 0,
         homes: vec![
             (x, at(X, 0)),
             (targets, at(TARGETS, 0)),
@@ -1054,7 +1056,9 @@ fn reversed_buffers() -> Schedule {
             Instr::AllReduce { at, .. }
             | Instr::AllGather { at, .. }
             | Instr::ReduceScatter { at, .. } => flip(at),
-            Instr::CopyShard { src, dst, .. } => {
+            Instr::CopyShard { src, dst, .. }
+            | Instr::DiskRead { src, dst, .. }
+            | Instr::DiskWrite { src, dst, .. } => {
                 flip(src);
                 flip(dst);
             }

@@ -115,6 +115,22 @@ pub trait Backend: Sync + Sized {
     /// schedules. When it does not, this names what is missing, for the executor's refusal.
     const MISSING_COLLECTIVES: Option<&'static str> = Some("collectives");
 
+    /// Whether the backend runs schedules with a disk tier ([`Backend::attach_disk`]). When
+    /// it does not, this names what is missing, for the executor's refusal.
+    const MISSING_DISK: Option<&'static str> = Some("disk tier");
+
+    /// Gives the backend the file of a schedule's disk region: copies from and to
+    /// [`Space::Disk`](protrain_ir::Space::Disk) addresses read and write it, as do the
+    /// `read_*` and `write_*` methods. A backend without a disk tier refuses it.
+    fn attach_disk(&mut self, disk: crate::disk::DiskFile) -> Result<()> {
+        Err(RuntimeError::BadSchedule(format!(
+            "the schedule keeps optimizer state on disk ({}), but this backend has no {}; \
+             run it on the host backend (--backend host) or compile without --disk-memory",
+            disk.path().display(),
+            Self::MISSING_DISK.unwrap_or("disk tier")
+        )))
+    }
+
     /// Allocates the device arena and the host region, zeroed, and `events` events.
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self>;
 

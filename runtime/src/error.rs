@@ -15,6 +15,15 @@ pub enum RuntimeError {
         #[source]
         source: std::io::Error,
     },
+    /// The disk tier's directory or file failed (see [`crate::disk`]); the problem says what
+    /// to do.
+    #[error("disk tier {path}: {problem}")]
+    Disk {
+        /// The directory or file.
+        path: PathBuf,
+        /// What went wrong and the way out.
+        problem: String,
+    },
     /// A token id (input or target) is negative or not below the vocabulary size.
     #[error(
         "token {token} at position {position} is outside the vocabulary of {vocab} tokens; \

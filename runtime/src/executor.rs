@@ -32,6 +32,7 @@
 
 use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch, ShardLaunch};
 use crate::collective::Collective;
+use crate::disk::DiskFile;
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
@@ -44,6 +45,7 @@ use protrain_ir::{
 };
 use std::collections::HashMap;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -231,6 +233,8 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     rank: u32,
     /// Each narrow parameter's f32 master weight home, for planning sharded AdamW ops.
     masters: HashMap<ValueId, TensorRef>,
+    /// The disk tier's file, once given ([`Executor::set_disk_dir`]).
+    disk_path: Option<PathBuf>,
 }
 
 impl<'s> Executor<'s, HostBackend> {
@@ -273,6 +277,14 @@ impl<'s, B: Backend> Executor<'s, B> {
                 "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it \
                  on the host backend (--backend host, ranks as threads) or compile it with \
                  --gpus 1 --nodes 1"
+            )));
+        }
+        if let (true, Some(missing)) = (schedule.disk_bytes > 0, B::MISSING_DISK) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "the schedule keeps the optimizer state of {} chunk(s) on disk, but this \
+                 backend has no {missing} yet; run it on the host backend (--backend host) or \
+                 compile it with more --host-memory and no --disk-memory",
+                schedule.disk_chunks().len()
             )));
         }
         // Checks that every narrow parameter has its master weight.
@@ -373,7 +385,46 @@ impl<'s, B: Backend> Executor<'s, B> {
             comm: Mutex::new(None),
             rank: 0,
             masters,
+            disk_path: None,
         })
+    }
+
+    /// Makes the file of the schedule's disk region (its optimizer state that host memory
+    /// cannot hold) in `dir`, preallocated and zeroed ([`DiskFile::create`]), and gives it to
+    /// the backend; the file is removed when the executor is dropped. A schedule with a disk
+    /// region needs this before its state is loaded or a step runs; one without ignores it.
+    pub fn set_disk_dir(&mut self, dir: &Path) -> Result<()> {
+        let bytes = self.schedule.disk_bytes;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let file = DiskFile::create(dir, bytes)?;
+        let path = file.path().to_path_buf();
+        self.backend.attach_disk(file)?;
+        self.disk_path = Some(path);
+        Ok(())
+    }
+
+    /// The disk tier's file, once made ([`Executor::set_disk_dir`]).
+    pub fn disk_path(&self) -> Option<&Path> {
+        self.disk_path.as_deref()
+    }
+
+    /// Fails when the schedule has a disk region but no file, or its file vanished.
+    fn check_disk(&self) -> Result<()> {
+        if self.schedule.disk_bytes == 0 {
+            return Ok(());
+        }
+        match &self.disk_path {
+            Some(path) => crate::disk::check(path),
+            None => Err(RuntimeError::BadSchedule(format!(
+                "the schedule keeps the optimizer state of {} chunk(s) on disk ({} bytes), but \
+                 the executor has no file for it; give it a directory (--disk-dir DIR, \
+                 Executor::set_disk_dir)",
+                self.schedule.disk_chunks().len(),
+                self.schedule.disk_bytes
+            ))),
+        }
     }
 
     /// The collective, locked (a rank that panicked while holding it left it whole).
@@ -796,6 +847,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     ) -> Result<StepReport> {
         let schedule: &'s Schedule = self.schedule;
         let graph = &schedule.graph;
+        self.check_disk()?;
         if inputs.len() != self.inputs.len() {
             return Err(RuntimeError::Shape(format!(
                 "the schedule takes {} inputs, {} were given",
@@ -1148,6 +1200,23 @@ fn plan(
                 matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
             };
             let mut shard = None;
+            // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
+            // holds the chunk's state as its disk buffer does, so the master weight is at its
+            // home's offset there (the verifier checked both).
+            if let (OpKind::AdamW { .. }, Some(m)) = (&o.kind, inputs.get(2)) {
+                let b = schedule.buffer(m.buffer);
+                if matches!(b.kind, BufferKind::DiskStaging { .. }) {
+                    if let Some(master) = masters.get(&o.inputs[0]) {
+                        shard = Some(Box::new(ShardLaunch {
+                            elements: types[0].numel() as usize,
+                            master: Some(Address {
+                                space: b.space,
+                                offset: b.offset + master.offset,
+                            }),
+                        }));
+                    }
+                }
+            }
             if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
                 if sharded(param) {
                     let ty = types[0];
@@ -1208,6 +1277,17 @@ fn plan(
                 bytes: *bytes,
             }
         }
+        // The backend reads and writes the disk file at disk addresses.
+        Instr::DiskRead {
+            src, dst, bytes, ..
+        }
+        | Instr::DiskWrite {
+            src, dst, bytes, ..
+        } => Planned::Copy {
+            src: address(schedule, *src),
+            dst: address(schedule, *dst),
+            bytes: *bytes,
+        },
         Instr::AllGather { at, bytes, .. } => Planned::AllGather {
             at: address(schedule, *at),
             bytes: *bytes,

@@ -20,6 +20,7 @@
 
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
+use crate::disk::DiskFile;
 use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
 use crate::executor::master_weights;
@@ -127,6 +128,8 @@ pub struct HostBackend {
     event_recorded: Condvar,
     /// The f32 master weight of each bf16 parameter, by the home of its Adam `m`.
     masters: HashMap<(Space, u64), Address>,
+    /// The disk region's file, for a schedule with a disk tier.
+    disk: Option<DiskFile>,
 }
 
 /// A host stream: its work runs on the thread that issues it.
@@ -167,11 +170,46 @@ impl HostBackend {
             })
     }
 
-    fn region(&self, space: Space) -> &Region {
+    fn region(&self, space: Space) -> Result<&Region> {
         match space {
-            Space::Device => &self.arena,
-            Space::Host => &self.host,
+            Space::Device => Ok(&self.arena),
+            Space::Host => Ok(&self.host),
+            Space::Disk => Err(RuntimeError::BadSchedule(
+                "a kernel addresses the disk region, which only disk reads and writes touch".into(),
+            )),
         }
+    }
+
+    /// The disk region's file.
+    fn disk(&self) -> Result<&DiskFile> {
+        self.disk.as_ref().ok_or_else(|| {
+            RuntimeError::BadSchedule(
+                "the schedule keeps optimizer state on disk, but the executor has no file for \
+                 it; give it a directory (--disk-dir DIR, Executor::set_disk_dir)"
+                    .into(),
+            )
+        })
+    }
+
+    /// Writes `data` at `at`, in memory or in the disk file.
+    fn put<T: Pod>(&mut self, at: Address, data: &[T]) -> Result<()> {
+        if at.space == Space::Disk {
+            return self.disk()?.write(at.offset, bytemuck::cast_slice(data));
+        }
+        // SAFETY: `&mut self`: no step is running, so no other view exists.
+        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Reads `out.len()` elements at `at`, from memory or from the disk file.
+    fn get<T: Pod>(&self, at: Address, out: &mut [T]) -> Result<()> {
+        if at.space == Space::Disk {
+            return self.disk()?.read(at.offset, bytemuck::cast_slice_mut(out));
+        }
+        // SAFETY: nothing writes these bytes meanwhile: a `launch` or `copy` writing them
+        // concurrently would break the ordering contract its caller promised.
+        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, EventState> {
@@ -190,7 +228,7 @@ impl HostBackend {
     unsafe fn slice<T: Pod>(&self, at: Address, len: usize) -> Result<&[T]> {
         let size = std::mem::size_of::<T>();
         let ptr =
-            self.region(at.space)
+            self.region(at.space)?
                 .at(at.offset, (len * size) as u64, std::mem::align_of::<T>())?;
         // SAFETY: in bounds and aligned (checked above); zero-initialised at allocation and
         // every bit pattern is a `T` (`Pod`); unaliased by writers per the caller's contract.
@@ -208,7 +246,7 @@ impl HostBackend {
     unsafe fn slice_mut<T: Pod>(&self, at: Address, len: usize) -> Result<&mut [T]> {
         let size = std::mem::size_of::<T>();
         let ptr =
-            self.region(at.space)
+            self.region(at.space)?
                 .at(at.offset, (len * size) as u64, std::mem::align_of::<T>())?;
         // SAFETY: as in `slice`, and no other view exists per the caller's contract.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
@@ -327,7 +365,7 @@ impl ArenaInputs<'_> {
             let ty = self.ty(i);
             let size = element_bytes(ty)?;
             self.backend
-                .region(at.space)
+                .region(at.space)?
                 .at(at.offset, size * ty.numel(), size as usize)?;
         }
         Ok(())
@@ -503,6 +541,8 @@ impl Backend for HostBackend {
 
     const MISSING_COLLECTIVES: Option<&'static str> = None;
 
+    const MISSING_DISK: Option<&'static str> = None;
+
     /// f32 through [`Collective::all_reduce`]; bf16 gathered from every rank and summed here
     /// in rank order in f32, rounded to nearest even after each addition: the rounding a
     /// single rank's `accumulate_grad` makes, micro-batch after micro-batch.
@@ -564,7 +604,13 @@ impl Backend for HostBackend {
             }),
             event_recorded: Condvar::new(),
             masters: HashMap::new(),
+            disk: None,
         })
+    }
+
+    fn attach_disk(&mut self, disk: DiskFile) -> Result<()> {
+        self.disk = Some(disk);
+        Ok(())
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
@@ -690,8 +736,21 @@ impl Backend for HostBackend {
         dst: Address,
         bytes: u64,
     ) -> Result<()> {
-        let from = self.region(src.space).at(src.offset, bytes, 1)?;
-        let to = self.region(dst.space).at(dst.offset, bytes, 1)?;
+        // The disk tier: a read into, or a write from, host memory.
+        if src.space == Space::Disk || dst.space == Space::Disk {
+            let disk = self.disk()?;
+            // SAFETY (both arms): the caller upholds the ordering contract for the memory side.
+            return match src.space == Space::Disk {
+                true => disk.read(src.offset, unsafe {
+                    self.slice_mut::<u8>(dst, bytes as usize)?
+                }),
+                false => disk.write(dst.offset, unsafe {
+                    self.slice::<u8>(src, bytes as usize)?
+                }),
+            };
+        }
+        let from = self.region(src.space)?.at(src.offset, bytes, 1)?;
+        let to = self.region(dst.space)?.at(dst.offset, bytes, 1)?;
         // SAFETY: both ranges are inside their regions (checked above); the caller upholds the
         // ordering contract for them. `copy` (memmove): nothing here rules out that they
         // overlap each other.
@@ -799,53 +858,41 @@ impl Backend for HostBackend {
     }
 
     fn write_f32(&mut self, at: Address, data: &[f32]) -> Result<()> {
-        // SAFETY: `&mut self`: no step is running, so no other view exists.
-        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
-        Ok(())
+        self.put(at, data)
     }
 
     fn write_i32(&mut self, at: Address, data: &[i32]) -> Result<()> {
-        // SAFETY: as in `write_f32`.
-        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
-        Ok(())
+        self.put(at, data)
     }
 
     fn fill_zero(&mut self, at: Address, bytes: u64) -> Result<()> {
-        let ptr = self.region(at.space).at(at.offset, bytes, 1)?;
+        if at.space == Space::Disk {
+            return self.put(at, &vec![0u8; bytes as usize]);
+        }
+        let ptr = self.region(at.space)?.at(at.offset, bytes, 1)?;
         // SAFETY: in bounds (checked above); `&mut self`: no step is running.
         unsafe { std::ptr::write_bytes(ptr, 0, bytes as usize) };
         Ok(())
     }
 
     fn read_f32(&self, at: Address, out: &mut [f32]) -> Result<()> {
-        // SAFETY: nothing writes these bytes meanwhile: a `launch` or `copy` writing them
-        // concurrently would break the ordering contract its caller promised.
-        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
-        Ok(())
+        self.get(at, out)
     }
 
     fn write_bf16(&mut self, at: Address, data: &[bf16]) -> Result<()> {
-        // SAFETY: as in `write_f32`.
-        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
-        Ok(())
+        self.put(at, data)
     }
 
     fn read_bf16(&self, at: Address, out: &mut [bf16]) -> Result<()> {
-        // SAFETY: as in `read_f32`.
-        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
-        Ok(())
+        self.get(at, out)
     }
 
     fn write_f16(&mut self, at: Address, data: &[f16]) -> Result<()> {
-        // SAFETY: as in `write_f32`.
-        unsafe { self.slice_mut(at, data.len())? }.copy_from_slice(data);
-        Ok(())
+        self.put(at, data)
     }
 
     fn read_f16(&self, at: Address, out: &mut [f16]) -> Result<()> {
-        // SAFETY: as in `read_f32`.
-        out.copy_from_slice(unsafe { self.slice(at, out.len())? });
-        Ok(())
+        self.get(at, out)
     }
 }
 

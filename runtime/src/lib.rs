@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod cuda;
 pub mod data;
+pub mod disk;
 pub mod dispatch;
 pub mod error;
 pub mod eval;

@@ -128,6 +128,11 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
             "optimizer": c.simulation.phase_seconds.optimizer,
         },
         "stream_busy_seconds": p.stream_busy_seconds,
+        "disk_bytes": s.disk_bytes,
+        "disk_chunks": s.disk_chunks().len(),
+        "time_by_kind": super::time_by_kind(&c.simulation)
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(),
         "compile_s": c.compile_seconds,
         "warnings": c.warnings,
         "fusion": c.fusion,
@@ -205,9 +210,23 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
         format_bytes(p.host_bytes),
         format_bytes(h.host_budget_bytes)
     );
+    if s.disk_bytes > 0 {
+        outln!(
+            "disk            {} of {}: the optimizer state of {} of {} chunks, read and written \
+             back every step",
+            format_bytes(s.disk_bytes),
+            format_bytes(h.disk_budget_bytes),
+            s.disk_chunks().len(),
+            s.chunks.len()
+        );
+    }
     for (stream, busy) in s.streams.iter().zip(&p.stream_busy_seconds) {
         outln!("  {:<15}{busy:.4} s busy", stream.name);
     }
+    outln!(
+        "time by kind    {} (streams overlap)",
+        super::time_by_kind_text(&c.simulation)
+    );
     if let Some(fusion) = &c.fusion {
         out!("{}", fusion.to_text());
     }

@@ -44,6 +44,31 @@ pub struct Args {
     /// reads it.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
+    /// Also measure the disk tier's read and write bandwidth in this directory (a file of
+    /// --disk-bytes written, synced and read back, then removed); the profile keeps the
+    /// assumed NVMe rates without it.
+    #[arg(long, value_name = "DIR")]
+    disk_dir: Option<PathBuf>,
+    /// Bytes of the file --disk-dir is measured with.
+    #[arg(long, value_name = "SIZE", default_value = "256MiB")]
+    disk_bytes: String,
+}
+
+/// Measures the disk tier in `dir` (see `--disk-dir`) into `profile`, and says what it found.
+fn measure_disk(profile: &mut HardwareProfile, dir: &std::path::Path, bytes: &str) -> Result<()> {
+    let bytes = protrain::ir::parse_size(bytes)?;
+    // Blocks of 64 MiB: about one large chunk's state, read and written whole.
+    let bw = protrain::runtime::disk::measure(dir, bytes, 64 << 20)?;
+    profile.disk.read_bandwidth = bw.read.round();
+    profile.disk.write_bandwidth = bw.write.round();
+    eprintln!(
+        "disk            {:.2} GB/s read, {:.2} GB/s write (synced) in {} with {}",
+        bw.read / 1e9,
+        bw.write / 1e9,
+        dir.display(),
+        format_bytes(bytes)
+    );
+    Ok(())
 }
 
 /// The most times `--repeats` may time each op.
@@ -66,6 +91,16 @@ pub fn run(args: Args) -> Result<()> {
              good as of more, and each op would take that many runs",
             args.repeats
         )));
+    }
+    // A bad disk directory or size fails now, not after minutes of profiling.
+    if let Some(dir) = &args.disk_dir {
+        protrain::ir::parse_size(&args.disk_bytes)?;
+        if !dir.is_dir() {
+            return Err(Error::Usage(format!(
+                "--disk-dir {} is not a directory; create it (mkdir -p) or give another",
+                dir.display()
+            )));
+        }
     }
     let model_files = super::model_inputs(&args.model);
     let inputs: [&std::path::Path; 2] = [&model_files[0], &model_files[1]];
@@ -128,6 +163,9 @@ pub fn run(args: Args) -> Result<()> {
             profiled
                 .profile
                 .add_measured_ops(&extra.profile.measured_ops);
+            if let Some(dir) = &args.disk_dir {
+                measure_disk(&mut profiled.profile, dir, &args.disk_bytes)?;
+            }
             // Both graphs' time, not only the first's.
             profiled.elapsed_seconds = started.elapsed().as_secs_f64();
             (profiled, graph)
@@ -136,6 +174,9 @@ pub fn run(args: Args) -> Result<()> {
             spinner.set_message("measuring the GPU with the fused and the unfused graph");
             let mut profiled = cuda::profile(&graph, &unfused, &options)?;
             spinner.finish_and_clear();
+            if let Some(dir) = &args.disk_dir {
+                measure_disk(&mut profiled.profile, dir, &args.disk_bytes)?;
+            }
             profiled.elapsed_seconds = started.elapsed().as_secs_f64();
             if let Some(path) = &args.output {
                 print_cuda(&profiled, &graph, &config.name, batch, seq, path);

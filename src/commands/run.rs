@@ -173,6 +173,12 @@ pub struct ExecArgs {
     /// contradicts it is an error. The policy may differ.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Directory for the file of a schedule's disk tier (compiled with --disk-memory): it is
+    /// made there at the start, preallocated to the schedule's disk region, and removed at
+    /// exit (checkpoints copy what it holds). Needed exactly when the schedule keeps state on
+    /// disk.
+    #[arg(long, value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
     #[command(flatten)]
     pub eval: super::eval::EvalDataArgs,
 }
@@ -789,6 +795,17 @@ fn rank_trainer<'s, B: Backend>(
 ) -> Result<(Trainer<'s, B>, Vec<String>)> {
     let graph = &schedule.graph;
     let mut executor = Executor::<B>::with_backend(schedule)?;
+    if schedule.disk_bytes > 0 {
+        let Some(dir) = &args.disk_dir else {
+            return Err(Error::Usage(format!(
+                "the schedule keeps the optimizer state of {} chunk(s) on disk ({}): give \
+                 --disk-dir DIR, a directory on that disk for its file",
+                schedule.disk_chunks().len(),
+                format_bytes(schedule.disk_bytes)
+            )));
+        };
+        executor.set_disk_dir(dir)?;
+    }
     if let Some(comm) = comm {
         executor.set_collective(comm)?;
     }

@@ -214,6 +214,23 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             sim.exposed_collective_seconds()
         );
     }
+    if s.disk_bytes > 0 {
+        outln!(
+            "disk     {} in one file: the optimizer state of {} of {} chunks, read into {} \
+             staging buffers before the CPU Adam and written back after, on the disk i/o stream",
+            format_bytes(s.disk_bytes),
+            s.disk_chunks().len(),
+            s.chunks.len(),
+            s.buffers
+                .iter()
+                .filter(|b| matches!(b.kind, protrain::ir::BufferKind::DiskStaging { .. }))
+                .count()
+        );
+    }
+    outln!(
+        "by kind  {} (busy seconds; streams overlap)",
+        super::time_by_kind_text(&sim)
+    );
     for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
         outln!(
             "  {:<16}{busy:.4} s busy, {} instructions",

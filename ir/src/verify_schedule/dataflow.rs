@@ -8,7 +8,7 @@ use crate::graph::Role;
 use crate::ids::{OpId, StreamId, ValueId};
 use crate::op::OpKind;
 use crate::print_schedule::space_name;
-use crate::schedule::{CopyKind, Instr, Space, TensorRef};
+use crate::schedule::{BufferKind, CopyKind, Instr, Space, TensorRef};
 
 /// One range a kernel writes.
 struct KernelWrite {
@@ -90,6 +90,44 @@ impl Checker<'_> {
                     ));
                 };
                 let (hs, ha) = s.address(home);
+                // The disk tier: a moment whose home is on disk is updated in the staging
+                // buffer its chunk's state is read into, at its home's offset there (data
+                // flow checks that a write carries the update home).
+                if hs == Space::Disk {
+                    let staged = matches!(s.buffer(t.buffer).kind, BufferKind::DiskStaging { .. })
+                        && t.offset == home.offset;
+                    if !staged {
+                        return Err(self.fail(
+                            Invariant::Homes,
+                            Some(r),
+                            format!(
+                                "updates {} in place at {} {a:#x}, but its home is on disk                                  (disk {ha:#x}): it must be updated in a disk staging                                  buffer, at its offset in its chunk's state ({:#x})",
+                                self.name(v),
+                                space_name(space),
+                                home.offset
+                            ),
+                        ));
+                    }
+                    // The master weight rides in the same state: the runtime finds it in the
+                    // staging buffer at its offset in the disk buffer of `m`'s home.
+                    let param = o.inputs[0];
+                    if let Some(&(_, mt)) = s.masters.iter().find(|&&(p, _)| p == param) {
+                        if mt.buffer != home.buffer {
+                            return Err(self.fail(
+                                Invariant::Homes,
+                                Some(r),
+                                format!(
+                                    "updates {} in a disk staging buffer, but the master \
+                                     weight of {} is not in the same disk state as it: the \
+                                     staging buffer would not hold it",
+                                    self.name(v),
+                                    self.name(param)
+                                ),
+                            ));
+                        }
+                    }
+                    continue;
+                }
                 if (space, a) != (hs, ha) {
                     return Err(self.fail(
                         Invariant::Homes,
@@ -113,7 +151,7 @@ impl Checker<'_> {
     pub(super) fn data_flow(&self) -> Result<(), ScheduleError> {
         let s = self.s;
         let n = s.streams.len();
-        let mut mem = [Memory::new(n), Memory::new(n)];
+        let mut mem = [Memory::new(n), Memory::new(n), Memory::new(n)];
         for &(v, t) in &s.homes {
             let (space, a, b) = self.span(t, self.bytes(v));
             if a < b {
@@ -195,6 +233,12 @@ impl Checker<'_> {
                 } => {
                     self.gather_or_scatter(&mut mem, r, &clocks[si], *chunk, *at, *bytes, false)?
                 }
+                Instr::DiskRead {
+                    src, dst, bytes, ..
+                } => self.disk_copy(&mut mem, r, &clocks[si], *src, *dst, *bytes, false)?,
+                Instr::DiskWrite {
+                    src, dst, bytes, ..
+                } => self.disk_copy(&mut mem, r, &clocks[si], *src, *dst, *bytes, true)?,
             }
             pc[si] += 1;
         }
@@ -421,6 +465,8 @@ impl Checker<'_> {
                 | Instr::CopyShard { .. }
                 | Instr::AllGather { .. }
                 | Instr::ReduceScatter { .. } => false,
+                // A staging buffer receives a whole chunk state, not one value.
+                Instr::DiskRead { .. } | Instr::DiskWrite { .. } => false,
             };
             if writes {
                 return if (r.index as usize) < pc[r.stream.index()] {
@@ -514,7 +560,7 @@ impl Checker<'_> {
     #[allow(clippy::too_many_arguments)]
     fn kernel(
         &self,
-        mem: &mut [Memory; 2],
+        mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         pc: &[usize],
@@ -642,7 +688,7 @@ impl Checker<'_> {
     /// the value later must be ordered after the sum.
     fn all_reduce(
         &self,
-        mem: &mut [Memory; 2],
+        mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         pc: &[usize],
@@ -673,7 +719,7 @@ impl Checker<'_> {
     #[allow(clippy::too_many_arguments)]
     fn copy_shard(
         &self,
-        mem: &mut [Memory; 2],
+        mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         pc: &[usize],
@@ -719,7 +765,7 @@ impl Checker<'_> {
     #[allow(clippy::too_many_arguments)]
     fn gather_or_scatter(
         &self,
-        mem: &mut [Memory; 2],
+        mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         chunk: crate::ids::ChunkId,
@@ -798,7 +844,7 @@ impl Checker<'_> {
     #[allow(clippy::too_many_arguments)]
     fn copy(
         &self,
-        mem: &mut [Memory; 2],
+        mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         pc: &[usize],
@@ -842,6 +888,22 @@ impl Checker<'_> {
                 .collect(),
             _ => Vec::new(),
         };
+        self.transfer(mem, r, clock, (ss, sa, sb), (ds, da, db), &members)
+    }
+
+    /// Moves what `[sa, sb)` holds to `[da, db)` for the copy `r`: what it reads must be
+    /// written before it and be no kernel scratch (but for padding outside `members`, copied
+    /// as undefined bytes); the destination must be free to overwrite.
+    fn transfer(
+        &self,
+        mem: &mut [Memory; 3],
+        r: InstrRef,
+        clock: &[u32],
+        (ss, sa, sb): Span,
+        (ds, da, db): Span,
+        members: &[(u64, u64)],
+    ) -> Result<(), ScheduleError> {
+        let from = &mut mem[space_index(ss)];
         let padding = |a: u64, b: u64| {
             !members.is_empty() && members.iter().all(|&(ma, mb)| b <= ma || a >= mb)
         };
@@ -904,9 +966,74 @@ impl Checker<'_> {
         Ok(())
     }
 
+    /// A disk read or write of a chunk's whole optimizer state (see the module doc): a copy
+    /// of whatever the bytes hold (moments, the master weights the model does not track as
+    /// values, undefined padding). A write must not carry back a moment that an AdamW of
+    /// this part updates before that update: it would lose it.
+    #[allow(clippy::too_many_arguments)]
+    fn disk_copy(
+        &self,
+        mem: &mut [Memory; 3],
+        r: InstrRef,
+        clock: &[u32],
+        src: TensorRef,
+        dst: TensorRef,
+        bytes: u64,
+        write: bool,
+    ) -> Result<(), ScheduleError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (ss, sa, sb) = self.span(src, bytes);
+        if write {
+            let updated_here = self.updated_in_place();
+            let from = &mut mem[space_index(ss)];
+            from.isolate(sa, sb);
+            for (start, seg) in from.within(sa, sb) {
+                if let Content::Value {
+                    value,
+                    updated: false,
+                    ..
+                } = seg.content
+                {
+                    if updated_here.contains(&value) {
+                        return Err(self.fail(
+                            Invariant::DataFlow,
+                            Some(r),
+                            format!(
+                                "writes {} at {} back to disk before the AdamW that updates                                  it: the update would be lost (wait for the update first)",
+                                self.name(value),
+                                Self::range(ss, start, seg.end)
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        let dst_span = self.span(dst, bytes);
+        self.transfer(mem, r, clock, (ss, sa, sb), dst_span, &[])
+    }
+
+    /// The values an AdamW of the part being checked updates in place.
+    fn updated_in_place(&self) -> Vec<ValueId> {
+        let mut out = Vec::new();
+        for (_, instr) in self.instrs() {
+            if let Instr::Kernel { op, .. } = instr {
+                let o = self.g.op(*op);
+                out.extend(
+                    o.kind
+                        .writes_inputs()
+                        .iter()
+                        .filter_map(|&j| o.inputs.get(j)),
+                );
+            }
+        }
+        out
+    }
+
     // 12. end of step --------------------------------------------------------------------
 
-    fn end_of_step(&self, mem: &mut [Memory; 2]) -> Result<(), ScheduleError> {
+    fn end_of_step(&self, mem: &mut [Memory; 3]) -> Result<(), ScheduleError> {
         let s = self.s;
         let loss = self.loss_value();
         let (space, a, b) = self.span(s.loss, self.bytes(loss));

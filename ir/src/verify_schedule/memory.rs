@@ -127,5 +127,6 @@ pub(super) fn space_index(space: Space) -> usize {
     match space {
         Space::Device => 0,
         Space::Host => 1,
+        Space::Disk => 2,
     }
 }

@@ -131,6 +131,22 @@
 //! slice) or what a reduce-scatter wrote (only each rank's slice holds the sum), and an
 //! offload must copy gradients a reduce-scatter wrote.
 //!
+//! A schedule with a disk tier ([`Space::Disk`], see [`crate::schedule`]) is checked with its
+//! disk reads and writes as copies: **ids** puts every [`Instr::DiskRead`] and
+//! [`Instr::DiskWrite`] on a disk i/o stream, between the whole disk-resident
+//! optimizer-state buffer of its chunk (from its start, all its bytes) and the start of a
+//! host staging buffer that holds them; no kernel or other copy touches the disk; every
+//! AdamW that finds its moments in a staging buffer has them at the offsets their homes
+//! have in the chunk's disk buffer, as has its master weight, so that the master a staging
+//! buffer holds is the one the update reads; **bounds** keeps every disk buffer inside
+//! `disk_bytes`; **budget** checks `disk_bytes <= disk_budget_bytes`; **homes** lets AdamW
+//! update a moment whose home is on disk in its staging buffer (the update must then reach
+//! the home through a write, which **end of step** checks); **data flow** runs over a third
+//! byte model, the disk's: a read copies what the disk holds to the staging buffer (so the
+//! CPU Adam reads a moment only after the read that brought it, through events), a write
+//! copies the updated state back (so it must be ordered after the update, and the staging
+//! buffer is not read into again while a write still reads it).
+//!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
 //! steps.
@@ -586,6 +602,8 @@ impl<'a> Checker<'a> {
             }
             Instr::AllGather { chunk, .. } => format!("all_gather {chunk}"),
             Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter {chunk}"),
+            Instr::DiskRead { chunk, .. } => format!("disk_read {chunk}"),
+            Instr::DiskWrite { chunk, .. } => format!("disk_write {chunk}"),
         };
         let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
         format!("stream {} #{index} ({what})", stream.name)

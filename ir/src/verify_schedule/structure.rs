@@ -444,6 +444,75 @@ impl Checker<'_> {
                         ));
                     }
                 }
+                Instr::DiskRead {
+                    chunk,
+                    src,
+                    dst,
+                    bytes,
+                }
+                | Instr::DiskWrite {
+                    chunk,
+                    src,
+                    dst,
+                    bytes,
+                } => {
+                    let (name, disk, host) = match instr {
+                        Instr::DiskRead { .. } => ("a disk read", src, dst),
+                        _ => ("a disk write", dst, src),
+                    };
+                    if kind != StreamKind::DiskIo {
+                        return bad(format!(
+                            "{name} on a {} stream: disk reads and writes run on the disk i/o \
+                             stream",
+                            stream_kind_name(kind)
+                        ));
+                    }
+                    if chunk.index() >= n_chunks {
+                        return bad(format!(
+                            "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
+                        ));
+                    }
+                    for t in [src, dst] {
+                        if t.buffer.index() >= n_buffers {
+                            return bad(format!(
+                                "{name} via {}, but there are {n_buffers} buffers",
+                                t.buffer
+                            ));
+                        }
+                    }
+                    let (d, h) = (s.buffer(disk.buffer), s.buffer(host.buffer));
+                    if (d.space, d.kind)
+                        != (Space::Disk, BufferKind::OptimizerState { chunk: *chunk })
+                    {
+                        return bad(format!(
+                            "{name} of {chunk} on the disk side addresses {} ({}, {}), not \
+                             {chunk}'s optimizer state on disk",
+                            self.buf(disk.buffer),
+                            d.name,
+                            space_name(d.space)
+                        ));
+                    }
+                    if disk.offset != 0 || *bytes != d.size {
+                        return bad(format!(
+                            "{name} of {chunk} moves {bytes} bytes from +{:#x} of its state, \
+                             which is {} bytes: disk reads and writes move a chunk's whole \
+                             state from its start",
+                            disk.offset, d.size
+                        ));
+                    }
+                    if !(h.space == Space::Host
+                        && matches!(h.kind, BufferKind::DiskStaging { .. })
+                        && host.offset == 0)
+                    {
+                        return bad(format!(
+                            "{name} of {chunk} on the host side addresses {}+{:#x} ({}), not \
+                             the start of a disk staging buffer in host memory",
+                            self.buf(host.buffer),
+                            host.offset,
+                            h.name
+                        ));
+                    }
+                }
                 Instr::AllGather { chunk, at, bytes }
                 | Instr::ReduceScatter {
                     chunk, at, bytes, ..
@@ -651,6 +720,7 @@ impl Checker<'_> {
             let (limit, what) = match b.space {
                 Space::Device => (s.arena_bytes, "the arena"),
                 Space::Host => (s.host_bytes, "the host region"),
+                Space::Disk => (s.disk_bytes, "the disk region"),
             };
             if b.offset.checked_add(b.size).is_none_or(|end| end > limit) {
                 return Err(self.fail(
@@ -754,6 +824,15 @@ impl Checker<'_> {
                     let all = bytes.saturating_mul(u64::from(s.ranks()));
                     fits(*at, all).map_err(|e| bad(format!("every rank's slices: {e}")))?;
                 }
+                Instr::DiskRead {
+                    src, dst, bytes, ..
+                }
+                | Instr::DiskWrite {
+                    src, dst, bytes, ..
+                } => {
+                    fits(*src, *bytes).map_err(|e| bad(format!("source: {e}")))?;
+                    fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
+                }
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -840,6 +919,7 @@ impl Checker<'_> {
         for (what, used, budget) in [
             ("device arena", s.arena_bytes, h.device_budget_bytes),
             ("host region", s.host_bytes, h.host_budget_bytes),
+            ("disk region", s.disk_bytes, h.disk_budget_bytes),
         ] {
             if used > budget {
                 return Err(self.fail(

@@ -216,6 +216,7 @@ impl CudaBackend {
         let (base, len, name) = match at.space {
             Space::Device => (self.arena.ptr(), self.arena.len(), "device arena"),
             Space::Host => (self.host.ptr() as u64, self.host.len(), "host region"),
+            Space::Disk => return Err(no_disk()),
         };
         let end = at.offset.checked_add(bytes);
         if end.is_none_or(|end| end > len as u64) {
@@ -529,6 +530,7 @@ impl CudaBackend {
                 };
                 Ok(())
             }
+            Space::Disk => Err(no_disk()),
         }
     }
 
@@ -547,6 +549,7 @@ impl CudaBackend {
                 };
                 Ok(())
             }
+            Space::Disk => Err(no_disk()),
         }
     }
 
@@ -858,6 +861,9 @@ unsafe fn enqueue_copy(
     dst: u64,
     bytes: u64,
 ) -> Result<()> {
+    if from == Space::Disk || to == Space::Disk {
+        return Err(no_disk());
+    }
     let n = bytes as usize;
     // SAFETY: the caller's contract; pinned host memory is page-locked, so the copies are
     // truly asynchronous, and mapped, so its address works as a `CUdeviceptr` too.
@@ -871,11 +877,22 @@ unsafe fn enqueue_copy(
             }
             (Space::Device, Space::Device) => sys::cuMemcpyDtoDAsync_v2(dst, src, n, stream),
             (Space::Host, Space::Host) => sys::cuMemcpyAsync(dst, src, n, stream),
+            (Space::Disk, _) | (_, Space::Disk) => unreachable!("refused above"),
         }
     };
     status
         .result()
         .map_err(|e| driver_error(format!("copying {bytes} bytes {from:?} -> {to:?}"), e))
+}
+
+/// The CUDA backend's refusal of the disk tier.
+fn no_disk() -> RuntimeError {
+    RuntimeError::BadSchedule(
+        "the CUDA backend has no disk tier yet (optimizer state on disk is read and written by \
+         the host backend only); run the schedule with --backend host, or compile it with more \
+         --host-memory and no --disk-memory"
+            .into(),
+    )
 }
 
 impl Backend for CudaBackend {
@@ -1031,6 +1048,7 @@ impl Backend for CudaBackend {
                 pending: Vec::new(),
             }),
             StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),
+            StreamKind::DiskIo => return Err(no_disk()),
         };
         Ok(CudaStreamHandle { kind, exec })
     }

@@ -169,6 +169,7 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
         // One GPU measured: how it links to others is not known.
         interconnect: None,
+        disk: protrain_ir::Disk::default(),
     };
     profile
         .validate()

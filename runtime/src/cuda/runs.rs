@@ -230,6 +230,7 @@ mod tests {
                 hardware: "stub".into(),
                 device_budget_bytes: 1 << 20,
                 host_budget_bytes: 1 << 20,
+                disk_budget_bytes: 0,
                 policy: Policy::resident(1, 0),
                 prediction: Prediction::default(),
                 report: String::new(),
@@ -260,6 +261,7 @@ mod tests {
             events: 1,
             arena_bytes: 1 << 20,
             host_bytes: 1 << 20,
+            disk_bytes: 0,
             homes: Vec::new(),
             masters: Vec::new(),
             loss: TensorRef {

@@ -1,0 +1,405 @@
+//! The disk tier: optimizer state that host memory cannot hold moves to one preallocated file.
+//!
+//! The pass runs last, on an emitted schedule whose host region is over its budget. It moves
+//! the optimizer state (f32 master weights and Adam moments: the chunk's
+//! [`BufferKind::OptimizerState`] buffer, whole) of the fewest offloaded chunks that brings the
+//! host region within the budget to [`Space::Disk`], each at a fixed offset (aligned to
+//! [`DISK_ALIGN`]) in a region of [`Schedule::disk_bytes`]; takes the chunks in the order the
+//! CPU Adam updates them; lays the host region out again without their state and with two
+//! staging buffers (one when a single chunk moves) of the largest moved state; points each of
+//! their AdamW kernels at the staging buffer the chunk's state is read into (same offsets);
+//! and adds a [`StreamKind::DiskIo`] stream that reads every moved chunk's state ahead of its
+//! update and writes it back after, double-buffered:
+//!
+//! ```text
+//! disk i/o:        read c0->s0, read c1->s1, wait a0, write c0, read c2->s0, wait a1, write c1, ...
+//! host optimizer:  ..., wait r0, adamw c0 ..., record a0, wait r1, adamw c1 ..., record a1, ...
+//! ```
+//!
+//! so the read of the next chunk overlaps the update of this one and the write of the
+//! previous one. The reads of the first two chunks have no wait: they overlap the forward and
+//! backward passes. With gradient accumulation the disk stream's program is all update (it
+//! starts with its micro-batch marker).
+//!
+//! It does not shard (a sharded schedule is refused: its state is split over the ranks
+//! already, and the disk tier of each rank's slice is not built), does not choose between
+//! disk and a leaner host layout (the search tries the 14-byte layout first), and does not
+//! overlap a chunk's read with its own update (the CPU Adam updates a chunk whole).
+
+use crate::error::{CompileError, Result};
+use crate::streams::BUFFER_ALIGN;
+use protrain_ir::{
+    format_bytes, Buffer, BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream,
+    StreamKind, TensorRef,
+};
+use std::collections::HashMap;
+
+/// Alignment of each chunk's state in the disk file: a page, so that reads and writes could
+/// go around the page cache (`O_DIRECT`) without copying.
+pub const DISK_ALIGN: u64 = 4096;
+
+/// One chunk whose state can move: its state buffer and where its AdamW kernels are on the
+/// host optimizer stream (their indices, in order).
+#[derive(Clone, Debug)]
+struct Movable {
+    chunk: ChunkId,
+    buffer: BufferId,
+    kernels: Vec<usize>,
+}
+
+/// Moves the optimizer state of the fewest offloaded chunks to disk so that the host region
+/// fits `host_budget` (see the module doc); returns the schedule unchanged when it fits
+/// already or `disk_budget` is 0. Fails, naming what each tier would need, when even every
+/// chunk's state on disk leaves the host region over its budget or the disk region over
+/// `disk_budget`, and on a sharded schedule.
+pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Result<Schedule> {
+    if schedule.host_bytes <= host_budget || disk_budget == 0 {
+        return Ok(schedule);
+    }
+    if schedule.sharded() {
+        return Err(CompileError::BudgetTooSmall(format!(
+            "the host region needs {} of the {} budget and the disk tier does not take the \
+             state of chunks sharded over data-parallel ranks yet; give more --host-memory, \
+             or run fewer ranks (--gpus 1) with --disk-memory",
+            format_bytes(schedule.host_bytes),
+            format_bytes(host_budget)
+        )));
+    }
+    let movable = movable(&schedule)?;
+    if movable.is_empty() {
+        return Ok(schedule);
+    }
+    // The fewest chunks, in update order, whose state leaves the host within budget, double
+    // buffered; where no number of chunks fits so, through one staging buffer (the read of
+    // the next chunk then waits for the write of this one, and the disk does not overlap
+    // the CPU Adam).
+    let mut chosen = None;
+    'search: for slots in [2, 1] {
+        for k in 1..=movable.len() {
+            let moved: Vec<BufferId> = movable[..k].iter().map(|m| m.buffer).collect();
+            if host_after(&schedule, &moved, slots.min(k)) <= host_budget {
+                chosen = Some((k, slots.min(k)));
+                break 'search;
+            }
+        }
+    }
+    let all: Vec<BufferId> = movable.iter().map(|m| m.buffer).collect();
+    let Some((k, slots)) = chosen else {
+        return Err(CompileError::BudgetTooSmall(format!(
+            "the host region needs {} with the optimizer state of all {} offloaded chunks on \
+             disk (their staging buffers and everything else stay in host memory), over the \
+             {} budget; give more --host-memory or a leaner policy (more persistent chunks \
+             take their state to the device)",
+            format_bytes(host_after(&schedule, &all, 1)),
+            movable.len(),
+            format_bytes(host_budget)
+        )));
+    };
+    let moved = &movable[..k];
+    let disk_bytes = moved.iter().fold(0u64, |end, m| {
+        end.div_ceil(DISK_ALIGN) * DISK_ALIGN + schedule.buffer(m.buffer).size
+    });
+    if disk_bytes > disk_budget {
+        return Err(CompileError::BudgetTooSmall(format!(
+            "the optimizer state of {k} chunks must move to disk to bring the host region \
+             within its {} budget, which takes {} of disk, more than the {} of --disk-memory; \
+             give a larger --disk-memory or more --host-memory",
+            format_bytes(host_budget),
+            format_bytes(disk_bytes),
+            format_bytes(disk_budget)
+        )));
+    }
+    place(&mut schedule, moved, slots);
+    schedule.header.disk_budget_bytes = disk_budget;
+    Ok(schedule)
+}
+
+/// The offloaded chunks whose state is on the host, in the order the host optimizer stream
+/// first updates them; fails when a state buffer is used other than by that stream's
+/// kernels (a compiler bug).
+fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
+    let Some(opt) = schedule
+        .streams
+        .iter()
+        .position(|s| s.kind == StreamKind::HostOptimizer)
+    else {
+        return Ok(Vec::new());
+    };
+    let state: HashMap<BufferId, ChunkId> = schedule
+        .buffers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| match (b.space, b.kind) {
+            (Space::Host, BufferKind::OptimizerState { chunk }) => Some((BufferId::new(i), chunk)),
+            _ => None,
+        })
+        .collect();
+    let mut out: Vec<Movable> = Vec::new();
+    let mut index: HashMap<BufferId, usize> = HashMap::new();
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (i, instr) in stream.instrs.iter().enumerate() {
+            let refs: Vec<TensorRef> = match instr {
+                Instr::Kernel {
+                    inputs,
+                    outputs,
+                    workspace,
+                    ..
+                } => inputs
+                    .iter()
+                    .chain(outputs)
+                    .chain(workspace)
+                    .copied()
+                    .collect(),
+                Instr::Copy { src, dst, .. }
+                | Instr::CopyShard { src, dst, .. }
+                | Instr::DiskRead { src, dst, .. }
+                | Instr::DiskWrite { src, dst, .. } => vec![*src, *dst],
+                Instr::AllReduce { at, .. }
+                | Instr::AllGather { at, .. }
+                | Instr::ReduceScatter { at, .. } => vec![*at],
+                Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {
+                    Vec::new()
+                }
+            };
+            for t in refs {
+                let Some(&chunk) = state.get(&t.buffer) else {
+                    continue;
+                };
+                if s != opt || !matches!(instr, Instr::Kernel { .. }) {
+                    return Err(CompileError::Validation(format!(
+                        "the optimizer state of {chunk} is used by stream {} #{i}, not only \
+                         by the CPU Adam: it cannot move to disk",
+                        stream.name
+                    )));
+                }
+                match index.get(&t.buffer) {
+                    Some(&at) => {
+                        if out[at].kernels.last() != Some(&i) {
+                            out[at].kernels.push(i);
+                        }
+                    }
+                    None => {
+                        index.insert(t.buffer, out.len());
+                        out.push(Movable {
+                            chunk,
+                            buffer: t.buffer,
+                            kernels: vec![i],
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The size of the staging buffers of `moved` (state buffers): the largest state.
+fn staging(schedule: &Schedule, moved: &[BufferId]) -> u64 {
+    moved
+        .iter()
+        .map(|&b| schedule.buffer(b).size)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The host region after moving `moved` out and adding `slots` staging buffers, laid out
+/// one after another as the planner lays out host buffers.
+fn host_after(schedule: &Schedule, moved: &[BufferId], slots: usize) -> u64 {
+    let mut end = 0u64;
+    for (i, b) in schedule.buffers.iter().enumerate() {
+        if b.space == Space::Host && !moved.contains(&BufferId::new(i)) {
+            end = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN + b.size;
+        }
+    }
+    let size = staging(schedule, moved);
+    for _ in 0..slots {
+        end = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN + size;
+    }
+    end
+}
+
+/// Moves the state of `moved` to disk and adds the staging buffers, the disk stream and the
+/// host optimizer's waits and records (see the module doc).
+fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
+    let ids: Vec<BufferId> = moved.iter().map(|m| m.buffer).collect();
+    let size = staging(schedule, &ids);
+    // The disk region.
+    let mut disk = 0u64;
+    for m in moved {
+        let b = &mut schedule.buffers[m.buffer.index()];
+        b.space = Space::Disk;
+        b.offset = disk.div_ceil(DISK_ALIGN) * DISK_ALIGN;
+        disk = b.offset + b.size;
+    }
+    schedule.disk_bytes = disk;
+    // The host region, laid out again in its order, then the staging buffers.
+    let mut host: Vec<usize> = (0..schedule.buffers.len())
+        .filter(|&i| schedule.buffers[i].space == Space::Host)
+        .collect();
+    host.sort_by_key(|&i| schedule.buffers[i].offset);
+    let mut end = 0u64;
+    for i in host {
+        let b = &mut schedule.buffers[i];
+        b.offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
+        end = b.offset + b.size;
+    }
+    let mut slot_ids = Vec::with_capacity(slots);
+    for slot in 0..slots {
+        let offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
+        end = offset + size;
+        slot_ids.push(BufferId::new(schedule.buffers.len()));
+        schedule.buffers.push(Buffer {
+            name: format!("disk_staging{slot}"),
+            space: Space::Host,
+            offset,
+            size,
+            kind: BufferKind::DiskStaging { slot: slot as u32 },
+        });
+    }
+    schedule.host_bytes = end;
+    schedule.header.prediction.host_bytes = end;
+    // Events: read i done, update i done.
+    let first_event = schedule.events;
+    schedule.events += 2 * moved.len() as u32;
+    let read_done = |i: usize| EventId(first_event + 2 * i as u32);
+    let update_done = |i: usize| EventId(first_event + 2 * i as u32 + 1);
+    let slot_of = |i: usize| slot_ids[i % slots];
+    // The host optimizer: each moved chunk's kernels address its staging buffer, after a
+    // wait for its read and before a record of its update.
+    let opt = schedule
+        .streams
+        .iter()
+        .position(|s| s.kind == StreamKind::HostOptimizer)
+        .expect("movable chunks are on the host optimizer stream");
+    let old = std::mem::take(&mut schedule.streams[opt].instrs);
+    // Each moved chunk's kernels are made adjacent, at its first (the CPU Adam may update
+    // the parameters of two chunks interleaved, as their gradients arrive; a later kernel
+    // of a chunk needs no wait its first did not, all of a chunk's gradients arriving in one
+    // offload, and the verifier checks that it is so), so that its state is read once and
+    // written once.
+    let mut grouped: Vec<usize> = Vec::with_capacity(old.len());
+    let mut taken = vec![false; old.len()];
+    let chunk_at: HashMap<usize, usize> = moved
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.kernels[0], i))
+        .collect();
+    for at in 0..old.len() {
+        if taken[at] {
+            continue;
+        }
+        match chunk_at.get(&at) {
+            Some(&i) => {
+                for &k in &moved[i].kernels {
+                    taken[k] = true;
+                    grouped.push(k);
+                }
+            }
+            None => grouped.push(at),
+        }
+    }
+    let mut old: Vec<Option<Instr>> = old.into_iter().map(Some).collect();
+    let old: Vec<Instr> = grouped
+        .into_iter()
+        .map(|k| old[k].take().expect("each instruction once"))
+        .collect();
+    // The new index of each moved chunk's first and last kernel.
+    let mut starts: HashMap<usize, usize> = HashMap::new();
+    let mut ends: HashMap<usize, usize> = HashMap::new();
+    let mut seen = vec![false; moved.len()];
+    for (at, instr) in old.iter().enumerate() {
+        let Instr::Kernel { inputs, .. } = instr else {
+            continue;
+        };
+        let Some(i) = inputs
+            .iter()
+            .find_map(|t| moved.iter().position(|m| m.buffer == t.buffer))
+        else {
+            continue;
+        };
+        if !seen[i] {
+            seen[i] = true;
+            starts.insert(at, i);
+            ends.insert(at + moved[i].kernels.len() - 1, i);
+        }
+    }
+    let mut instrs = Vec::with_capacity(old.len() + 2 * moved.len());
+    let slot_by_buffer: HashMap<BufferId, (usize, BufferId)> = moved
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.buffer, (i, slot_of(i))))
+        .collect();
+    for (at, mut instr) in old.into_iter().enumerate() {
+        if let Some(&i) = starts.get(&at) {
+            instrs.push(Instr::Wait {
+                event: read_done(i),
+            });
+        }
+        if let Instr::Kernel {
+            inputs, outputs, ..
+        } = &mut instr
+        {
+            for t in inputs.iter_mut().chain(outputs.iter_mut()) {
+                if let Some(&(_, slot)) = slot_by_buffer.get(&t.buffer) {
+                    t.buffer = slot;
+                }
+            }
+        }
+        instrs.push(instr);
+        if let Some(&i) = ends.get(&at) {
+            instrs.push(Instr::Record {
+                event: update_done(i),
+            });
+        }
+    }
+    schedule.streams[opt].instrs = instrs;
+    // The disk stream.
+    let state_of = |i: usize| TensorRef {
+        buffer: moved[i].buffer,
+        offset: 0,
+    };
+    let staged = |i: usize| TensorRef {
+        buffer: slot_of(i),
+        offset: 0,
+    };
+    let bytes_of = |schedule: &Schedule, i: usize| schedule.buffer(moved[i].buffer).size;
+    let mut io = Vec::with_capacity(6 * moved.len() + 1);
+    let micro_batches = schedule.micro_batches();
+    if micro_batches > 1 {
+        io.push(Instr::EndMicroBatch { micro_batches });
+    }
+    let read = |io: &mut Vec<Instr>, i: usize| {
+        io.push(Instr::DiskRead {
+            chunk: moved[i].chunk,
+            src: state_of(i),
+            dst: staged(i),
+            bytes: bytes_of(schedule, i),
+        });
+        io.push(Instr::Record {
+            event: read_done(i),
+        });
+    };
+    for i in 0..slots {
+        read(&mut io, i);
+    }
+    for i in 0..moved.len() {
+        io.push(Instr::Wait {
+            event: update_done(i),
+        });
+        io.push(Instr::DiskWrite {
+            chunk: moved[i].chunk,
+            src: staged(i),
+            dst: state_of(i),
+            bytes: bytes_of(schedule, i),
+        });
+        if i + slots < moved.len() {
+            read(&mut io, i + slots);
+        }
+    }
+    schedule.streams.push(Stream {
+        name: "disk_io".into(),
+        kind: StreamKind::DiskIo,
+        instrs: io,
+    });
+    schedule.header.prediction.stream_busy_seconds.push(0.0);
+}
