@@ -37,6 +37,30 @@ fn files(dir: &Path) -> Vec<String> {
     names
 }
 
+/// Runs `protrain args` (which logs JSON lines) until it has printed step `step`, then kills
+/// it with SIGKILL (`Child::kill` on Unix: no destructor, no flush, no clean-up runs) and
+/// returns the steps and losses it printed.
+fn killed_after(args: &[&str], step: u64) -> Vec<(u64, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the protrain binary starts");
+    let lines = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut seen = Vec::new();
+    for line in lines.lines() {
+        let (at, loss) = step_and_loss(&line.expect("a line"));
+        seen.push((at, loss));
+        if at == step {
+            break;
+        }
+    }
+    child.kill().expect("kill the run");
+    child.wait().expect("reap the run");
+    seen
+}
+
 /// The training run of these tests: 40 steps of gpt2-tiny, large enough that a step takes a
 /// little while, so the kill lands inside one.
 const RUN: [&str; 8] = [
@@ -63,24 +87,7 @@ fn a_run_killed_mid_step_resumes_bit_identically() {
         path(&ckpt),
     ]);
     args.extend(["--keep-checkpoints", "0"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the protrain binary starts");
-    let lines = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut seen = Vec::new();
-    for line in lines.lines() {
-        let (step, loss) = step_and_loss(&line.expect("a line"));
-        seen.push((step, loss));
-        if step == 12 {
-            break;
-        }
-    }
-    // `Child::kill` is SIGKILL on Unix: no destructor, no flush, no clean-up runs.
-    child.kill().expect("kill the run");
-    child.wait().expect("reap the run");
+    let seen = killed_after(&args, 12);
     assert_eq!(
         seen.last().map(|s| s.0),
         Some(12),
@@ -406,23 +413,7 @@ fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
     let mut args = run.clone();
     args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
     args.extend(["--keep-checkpoints", "0"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the protrain binary starts");
-    let lines = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut seen = Vec::new();
-    for line in lines.lines() {
-        let (step, loss) = step_and_loss(&line.expect("a line"));
-        seen.push((step, loss));
-        if step == 12 {
-            break;
-        }
-    }
-    child.kill().expect("kill the run");
-    child.wait().expect("reap the run");
+    let seen = killed_after(&args, 12);
     assert_eq!(files(&disk).len(), 1, "the killed run's state file stays");
     let mut resume = run.clone();
     resume.extend(["--resume", path(&ckpt)]);
