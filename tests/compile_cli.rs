@@ -391,3 +391,50 @@ fn throughput_counts_every_rank_and_micro_batch_of_a_step() {
         );
     }
 }
+
+/// The disk tier from the command line: a fixed policy over its host budget is refused with
+/// `--disk-memory` among the ways out; with it, the compile, `verify` and `explain` all say
+/// how much state lives on disk.
+#[test]
+fn a_policy_over_host_memory_compiles_with_a_disk_tier() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("disk.ptsched");
+    let base = [
+        "compile",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--host-memory",
+        "5632KiB",
+        "-o",
+        path(&file),
+    ];
+    let refused = protrain(&base);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("--disk-memory SIZE"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let mut args = base.to_vec();
+    args.extend(["--disk-memory", "64MiB", "--json"]);
+    let v = json(&protrain(&args));
+    let disk = v["disk_bytes"].as_u64().expect("disk_bytes");
+    assert!(disk > 0 && disk <= 64 << 20, "{v}");
+    assert!(v["disk_chunks"].as_u64() > Some(0), "{v}");
+
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+    assert!(
+        String::from_utf8_lossy(&verified.stdout).contains(", disk "),
+        "verify names the disk region: {}",
+        String::from_utf8_lossy(&verified.stdout)
+    );
+    let explained = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(explained["disk_bytes"].as_u64(), Some(disk), "{explained}");
+}

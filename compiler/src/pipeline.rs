@@ -404,18 +404,26 @@ impl<'m> Context<'m> {
                     )));
                 }
                 if s.host_bytes > host_budget {
+                    let mut ways = vec!["--policy auto", "a larger --host-memory"];
+                    if policy.host_layout == HostLayout::Full {
+                        ways.push(
+                            "host_layout=14 in the policy (gradients in the parameter storage, \
+                             14 bytes per parameter instead of 16)",
+                        );
+                    }
+                    ways.push(match disk_budget {
+                        0 => {
+                            "--disk-memory SIZE (the optimizer state of offloaded chunks in a file)"
+                        }
+                        _ => "a larger --disk-memory",
+                    });
+                    let (last, first) = ways.split_last().expect("ways out");
                     return Err(shared(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of host memory, more than the {} budget; use \
-                         --policy auto, a larger --host-memory{}",
+                         {}, or {last}",
                         format_bytes(s.host_bytes),
                         format_bytes(host_budget),
-                        match policy.host_layout {
-                            HostLayout::Full =>
-                                ", or host_layout=14 in the policy (gradients \
-                                                 in the parameter storage, 14 bytes per \
-                                                 parameter instead of 16)",
-                            _ => "",
-                        }
+                        first.join(", "),
                     ))));
                 }
                 s.header.host_budget_bytes = host_budget;

@@ -92,8 +92,12 @@ fn compiled_for(schedule: &Schedule) -> &str {
 pub fn verify(args: VerifyArgs) -> Result<()> {
     let s = read(&args.schedule)?;
     let instrs: usize = s.streams.iter().map(|st| st.instrs.len()).sum();
+    let disk = match s.disk_bytes {
+        0 => String::new(),
+        bytes => format!(", disk {}", format_bytes(bytes)),
+    };
     outln!(
-        "{}: valid schedule for {} (batch {} x seq {}), {} instructions on {} streams, {} buffers, arena {} of {} budget, host {}",
+        "{}: valid schedule for {} (batch {} x seq {}), {} instructions on {} streams, {} buffers, arena {} of {} budget, host {}{disk}",
         args.schedule.display(),
         s.header.model,
         s.header.batch,
@@ -140,6 +144,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             "peak_device_bytes": p.peak_device_bytes,
             "lower_bound_bytes": p.lower_bound_bytes,
             "host_bytes": p.host_bytes,
+            "disk_bytes": s.disk_bytes,
             "memory": p.memory,
         });
         outln!(
