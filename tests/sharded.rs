@@ -24,9 +24,20 @@ const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
 const BATCH: u64 = 2;
 const SEQ: u64 = 16;
 
-/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped (so
-/// that its offloaded chunks are sharded when it has several ranks).
+/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped.
 fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
+    compile_clipped(model, policy, ranks, k, dtype, None)
+}
+
+/// [`compile`] with gradients clipped to the global norm `clip`.
+fn compile_clipped(
+    model: &str,
+    policy: &str,
+    ranks: u32,
+    k: u64,
+    dtype: DType,
+    clip: Option<f64>,
+) -> VerifiedSchedule {
     let config = protrain::models::load(model).expect("preset");
     let options = CompileOptions {
         batch: BATCH,
@@ -34,7 +45,10 @@ fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> Verif
         dtype,
         hardware: HardwareProfile::host().with_thread_ranks(ranks),
         policy: PolicyChoice::parse(policy).expect("a policy"),
-        optimizer: OptimizerConfig::default(),
+        optimizer: OptimizerConfig {
+            grad_clip: clip,
+            ..OptimizerConfig::default()
+        },
         micro_batches: k,
         topology: Topology {
             gpus: ranks,
@@ -167,6 +181,47 @@ fn sharded_ranks_train_as_one_rank_accumulating_their_micro_batches_bit_for_bit(
                 assert!(parallel.1 == single.1, "{what}: weights differ");
                 assert!(parallel.2 == single.2, "{what}: Adam moments differ");
             }
+        }
+    }
+}
+
+/// Clipping (and f16's loss scaling) reads the global gradient norm: sharded ranks sum the
+/// sharded chunks' gradients whole (all-reduce) so each squared norm reads the whole sum,
+/// and still keep 1/W of the host state each; they train bit for bit as one rank
+/// accumulating their micro-batches. A clip of 0.05 clips every step of these models.
+#[test]
+fn clipped_sharded_ranks_train_as_one_rank_accumulating_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+        ("llama-tiny", DType::BF16),
+        ("gpt2-tiny", DType::F16),
+    ] {
+        for ranks in [2u32, 4] {
+            let what = format!("{model} {dtype} clipped on {ranks} ranks");
+            let clip = Some(0.05);
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let (gathers, scatters) = collectives(&schedule);
+            assert_eq!(scatters, 0, "{what}: the gradients are all-reduced whole");
+            assert!(gathers >= 2 * schedule.chunks.len() - 1, "{what}");
+            assert!(
+                schedule.host_bytes * u64::from(ranks) < one.host_bytes * 3 / 2,
+                "{what}: {} host bytes per rank against {} for one rank",
+                schedule.host_bytes,
+                one.host_bytes
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            // The clip changed the run: unclipped, the weights differ.
+            let free = compile(model, TIGHT, ranks, 1, dtype);
+            let (unclipped, _) = train(&free, &fresh(&free), 3);
+            assert!(unclipped.1 != parallel.1, "{what}: the clip never bit");
         }
     }
 }

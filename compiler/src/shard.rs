@@ -21,10 +21,19 @@
 //!
 //! Persistent chunks stay whole on every rank, their gradients all-reduced: the rule is fixed
 //! ("offloaded = sharded, persistent = replicated"), not chosen by the cost model per chunk.
-//! It does not shard schedules that clip gradients or scale the loss (their squared norms are
-//! computed from whole gradients on the device, before a reduce-scatter would leave each rank
-//! one slice of the sum), nor accumulating ones (their host accumulators are summed whole in
-//! the update); [`shardable`] says why.
+//!
+//! A schedule that clips gradients or scales the loss reads the global gradient norm: one
+//! squared norm per gradient tensor (an f64 sum in the kernel's own tree order, rounded to
+//! f32), summed in parameter order. A rank holding one slice of a tensor's sum cannot give
+//! those bits (a slice boundary splits the kernel's tree, and f64 addition does not
+//! associate), so there [`crate::data_parallel`] all-reduces the sharded chunks' gradients
+//! whole, right after their kernels, as it does replicated ones; each squared norm reads the
+//! whole sum, bit for bit one rank's accumulated gradient, and the offload copies each rank's
+//! slice of the sum to its shard (no reduce-scatter). The host state stays sharded (1/W per
+//! rank); what it costs is the all-reduce's second half (an all-gather of the gradients).
+//!
+//! It does not shard accumulating schedules (their host accumulators are summed whole in the
+//! update); [`shardable`] says why.
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
@@ -34,10 +43,9 @@ use protrain_ir::{
 };
 use std::collections::HashMap;
 
-/// Whether a training graph compiled for `topology` with `micro_batches` per rank shards its
+/// Whether chunks compiled for `topology` with `micro_batches` per rank shard their
 /// offloaded chunks; the reason when it does not (`None` for one rank).
 pub fn shardable(
-    graph: &Graph,
     chunks: &ChunkTable,
     topology: Topology,
     micro_batches: u64,
@@ -53,16 +61,6 @@ pub fn shardable(
                 .into(),
         );
     }
-    if graph
-        .ops()
-        .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
-    {
-        return Err(
-            "the update reads the global gradient norm (clipping or loss scaling), computed \
-             from whole gradients"
-                .into(),
-        );
-    }
     if !chunks.chunk_bytes.is_multiple_of(4 * ranks) {
         return Err(format!(
             "chunks of {} bytes do not split into {ranks} slices of whole 4-byte words",
@@ -70,6 +68,15 @@ pub fn shardable(
         ));
     }
     Ok(())
+}
+
+/// Whether the update reads the global gradient norm (clipping, or loss scaling's unscale
+/// coefficient): then sharded chunks' gradients are all-reduced whole instead of
+/// reduce-scattered (see the module doc).
+pub fn reads_global_norm(graph: &Graph) -> bool {
+    graph
+        .ops()
+        .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
 }
 
 /// A collective the pass adds: issued once `trigger` is recorded, recording `done` after.
@@ -121,6 +128,9 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
         events += 1;
         EventId(events - 1)
     };
+    // Gradients already summed whole by [`crate::data_parallel`] (for the global norm) are
+    // offloaded as each rank's slice of the sum, without a reduce-scatter.
+    let summed = reads_global_norm(&schedule.graph);
     let mut jobs: Vec<Job> = Vec::new();
     for (s, stream) in schedule.streams.iter_mut().enumerate() {
         if s == comm {
@@ -151,8 +161,8 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                 buffer: home,
                 offset: 0,
             };
-            let trigger = event();
             if fetch {
+                let trigger = event();
                 instrs.push(Instr::CopyShard {
                     what,
                     src: shard,
@@ -181,8 +191,15 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                     },
                     done,
                 });
+            } else if summed {
+                instrs.push(Instr::CopyShard {
+                    what,
+                    src,
+                    dst: shard,
+                    bytes,
+                });
             } else {
-                let done = event();
+                let (trigger, done) = (event(), event());
                 instrs.push(Instr::Record { event: trigger });
                 instrs.push(Instr::Wait { event: done });
                 instrs.push(Instr::CopyShard {

@@ -129,7 +129,8 @@
 //! after its writers (the backward kernels), each rewriting what it read; no instruction may
 //! read what a shard fetch wrote before an all-gather rewrote it (each rank wrote only its
 //! slice) or what a reduce-scatter wrote (only each rank's slice holds the sum), and an
-//! offload must copy gradients a reduce-scatter wrote.
+//! offload must copy gradients a reduce-scatter wrote (or an all-reduce, which sums them
+//! whole where the update reads the global gradient norm).
 //!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
