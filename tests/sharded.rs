@@ -226,6 +226,39 @@ fn clipped_sharded_ranks_train_as_one_rank_accumulating_bit_for_bit() {
     }
 }
 
+/// Chunks whose size does not split into `W` slices of whole words are padded at their end
+/// and sharded all the same: `W` ranks (the fewest, from 3, that do not split the model's
+/// chunks evenly) train bit for bit as one rank accumulating `W` micro-batches, clipped or
+/// not.
+#[test]
+fn chunks_that_do_not_split_evenly_are_padded_and_sharded_bit_for_bit() {
+    for (model, dtype) in [("gpt2-tiny", DType::F32), ("llama-tiny", DType::BF16)] {
+        let chunk_bytes = compile(model, TIGHT, 1, 1, dtype).chunks.chunk_bytes;
+        let ranks = (3u32..=8)
+            .find(|&w| !chunk_bytes.is_multiple_of(4 * u64::from(w)))
+            .expect("a rank count that does not split the chunks");
+        for clip in [None, Some(0.05)] {
+            let what = format!("{model} {dtype} clip {clip:?} on {ranks} ranks");
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            assert_eq!(one.chunks.chunk_bytes, chunk_bytes, "{what}");
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let padded = schedule.chunks.chunk_bytes;
+            let words = 4 * u64::from(ranks);
+            assert!(padded.is_multiple_of(words), "{what}: {padded} bytes");
+            assert!(
+                padded > chunk_bytes && padded < chunk_bytes + words,
+                "{what}: {chunk_bytes} bytes padded to {padded}"
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+        }
+    }
+}
+
 /// The weights and Adam moments read from 4 sharded ranks (gathered from their shards) resume
 /// on 2 sharded ranks and on 1 rank accumulating 4 micro-batches: the losses and final state
 /// of an uninterrupted 4-rank run.

@@ -541,9 +541,7 @@ pub fn compile_policy_on(
     let sharded_chunks;
     let chunks = match crate::shard::shardable(chunks, topology, global / ranks) {
         Ok(()) => {
-            let mut c = chunks.clone();
-            c.world_size = topology.ranks();
-            sharded_chunks = c;
+            sharded_chunks = crate::shard::sharded_table(chunks, topology.ranks());
             &sharded_chunks
         }
         Err(_) => chunks,

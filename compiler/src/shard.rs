@@ -2,7 +2,7 @@
 //! reduce-scattered after their last backward use.
 //!
 //! The pass runs after [`crate::data_parallel`], on a schedule whose chunk table says it is
-//! sharded (`world_size > 1`, set by [`shardable`]'s caller before placement): there,
+//! sharded (`world_size > 1`, made by [`sharded_table`] before placement where [`shardable`] allows): there,
 //! [`crate::streams`] gave every offloaded chunk with optimizer state
 //! [`BufferKind::HostShard`] homes of `1/ranks` of its host state and a device gradient chunk
 //! of the whole `chunk_bytes`, and [`crate::data_parallel`] left those chunks' gradients out of
@@ -61,13 +61,22 @@ pub fn shardable(
                 .into(),
         );
     }
-    if !chunks.chunk_bytes.is_multiple_of(4 * ranks) {
-        return Err(format!(
-            "chunks of {} bytes do not split into {ranks} slices of whole 4-byte words",
-            chunks.chunk_bytes
-        ));
+    if chunks.is_empty() {
+        return Err("no chunks".into());
     }
     Ok(())
+}
+
+/// `chunks` sharded over `ranks`: the same chunks, each padded at its end so that it splits
+/// into `ranks` equal slices of whole 4-byte words (so every element type's elements, and
+/// their f32 mirrors, split evenly too). The padding is at most `4 * ranks - 4` bytes a chunk;
+/// its bytes belong to no parameter, are gathered and summed with the rest and read by
+/// nothing.
+pub fn sharded_table(chunks: &ChunkTable, ranks: u32) -> ChunkTable {
+    let mut table = chunks.clone();
+    table.world_size = ranks;
+    table.chunk_bytes = chunks.chunk_bytes.next_multiple_of(4 * u64::from(ranks));
+    table
 }
 
 /// Whether the update reads the global gradient norm (clipping, or loss scaling's unscale
