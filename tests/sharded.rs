@@ -10,8 +10,11 @@
 mod common;
 
 use protrain::compiler::comm::Topology;
+use protrain::ir::verify_schedule::verify;
 use protrain::ir::verify_schedule::VerifiedSchedule;
-use protrain::ir::{DType, HardwareProfile, Instr};
+use protrain::ir::{
+    BufferKind, CopyKind, DType, EventId, HardwareProfile, Instr, Schedule, ShardPart, StreamKind,
+};
 use protrain::runtime::collective::{thread_ranks, Collective};
 use protrain::runtime::params::init_params;
 use protrain::runtime::train::vocab_of;
@@ -257,6 +260,113 @@ fn chunks_that_do_not_split_evenly_are_padded_and_sharded_bit_for_bit() {
             assert!(parallel.2 == single.2, "{what}: Adam moments differ");
         }
     }
+}
+
+/// Sharding composes with the 14-byte host layout: each rank's slice of a chunk's summed
+/// bf16 gradients lands in its parameter shard after the chunk's last upload (no gradient
+/// shard), so a rank keeps 14 bytes per offloaded parameter over W; the ranks still train bit
+/// for bit as one rank accumulating their micro-batches (in the full layout, as accumulation
+/// always is), clipped or not.
+#[test]
+fn sharded_ranks_in_the_14_byte_layout_train_as_one_rank_accumulating_bit_for_bit() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let full = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1";
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for ranks in [2u32, 4] {
+            for clip in [None, Some(0.05)] {
+                let what = format!("{model} bf16 clip {clip:?} on {ranks} ranks, 14 bytes");
+                let dtype = DType::BF16;
+                let one = compile_clipped(model, full, 1, u64::from(ranks), dtype, clip);
+                let (single, _) = train(&one, &fresh(&one), 3);
+                let schedule = compile_clipped(model, lean, ranks, 1, dtype, clip);
+                let wide = compile_clipped(model, full, ranks, 1, dtype, clip);
+                assert!(schedule.sharded(), "{what}");
+                let grad_shards = |s: &VerifiedSchedule| {
+                    s.buffers
+                        .iter()
+                        .filter(|b| {
+                            matches!(
+                                b.kind,
+                                BufferKind::HostShard {
+                                    part: ShardPart::Grads,
+                                    ..
+                                }
+                            )
+                        })
+                        .count()
+                };
+                assert_eq!(grad_shards(&schedule), 0, "{what}: gradient shards");
+                assert_eq!(grad_shards(&wide), schedule.chunks.len(), "{what}");
+                // Each rank saves its slice of every chunk's gradients: 2 of 16 bytes.
+                let saved = wide.host_bytes - schedule.host_bytes;
+                let slice = schedule.chunks.chunk_bytes / u64::from(ranks);
+                assert!(
+                    saved >= slice * schedule.chunks.len() as u64,
+                    "{what}: {} host bytes against {} in the full layout",
+                    schedule.host_bytes,
+                    wide.host_bytes
+                );
+                let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                assert_eq!(parallel.0, single.0, "{what}: losses");
+                assert!(parallel.1 == single.1, "{what}: weights differ");
+                assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            }
+        }
+    }
+}
+
+/// The mutation: chunk 0's parameter shard uploaded once more at the end of the step, after
+/// each rank's slice of its gradients landed in that shard (14-byte layout). The verifier
+/// refuses it as a fetch that reads gradients where parameters must be; the schedule it was
+/// made from verifies.
+#[test]
+fn a_shard_upload_after_the_gradients_landed_in_it_is_refused() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let schedule: Schedule = (*compile("gpt2-tiny", lean, 2, 1, DType::BF16)).clone();
+    let mut mutated = schedule.clone();
+    let find = |kind: StreamKind| mutated.streams.iter().position(|s| s.kind == kind).unwrap();
+    let (h2d, d2h) = (
+        find(StreamKind::HostToDevice),
+        find(StreamKind::DeviceToHost),
+    );
+    let of_chunk0 = |i: &Instr, fetch: bool| match i {
+        Instr::CopyShard {
+            what: CopyKind::FetchChunk { chunk },
+            ..
+        } => fetch && chunk.0 == 0,
+        Instr::CopyShard {
+            what: CopyKind::OffloadGrads { chunk },
+            ..
+        } => !fetch && chunk.0 == 0,
+        _ => false,
+    };
+    let fetch = mutated.streams[h2d]
+        .instrs
+        .iter()
+        .find(|i| of_chunk0(i, true))
+        .cloned()
+        .expect("chunk 0's shard upload");
+    let offload = mutated.streams[d2h]
+        .instrs
+        .iter()
+        .position(|i| of_chunk0(i, false))
+        .expect("chunk 0's shard offload");
+    let event = EventId(mutated.events);
+    mutated.events += 1;
+    mutated.streams[d2h]
+        .instrs
+        .insert(offload + 1, Instr::Record { event });
+    mutated.streams[h2d].instrs.push(Instr::Wait { event });
+    mutated.streams[h2d].instrs.push(fetch);
+    let err = verify(mutated)
+        .expect_err("an upload after the gradient offload")
+        .to_string();
+    assert!(err.contains("data flow"), "{err}");
+    assert!(
+        err.contains("fetch chunk0") && err.contains("landed in the parameter storage"),
+        "the refusal names the upload and the gradients in its storage: {err}"
+    );
+    verify(schedule).expect("the schedule it was made from verifies");
 }
 
 /// The weights and Adam moments read from 4 sharded ranks (gathered from their shards) resume

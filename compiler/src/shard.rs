@@ -39,7 +39,7 @@ use crate::comm::Topology;
 use crate::error::{CompileError, Result};
 use protrain_ir::{
     BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId, Graph, Instr, OpKind, Schedule,
-    ShardPart, StreamKind, TensorRef,
+    StreamKind, TensorRef,
 };
 use std::collections::HashMap;
 
@@ -99,13 +99,7 @@ struct Job {
 /// module doc); returns it unchanged when nothing is sharded. Fails on a schedule that
 /// shards without a collective stream or accumulates (a compiler bug).
 pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
-    let mut shards: HashMap<(ChunkId, ShardPart), (protrain_ir::BufferId, u64)> = HashMap::new();
-    for (i, b) in schedule.buffers.iter().enumerate() {
-        if let BufferKind::HostShard { chunk, part } = b.kind {
-            shards.insert((chunk, part), (protrain_ir::BufferId::new(i), b.size));
-        }
-    }
-    if shards.is_empty() {
+    if !schedule.sharded() {
         return Ok(schedule);
     }
     let comm = schedule
@@ -153,13 +147,15 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                 instrs.push(instr);
                 continue;
             };
+            // A sharded chunk's fetch reads its parameter shard; its gradient offload writes
+            // its gradient shard, or its parameter shard in the 14-byte layout.
+            let shard_of = |t: &TensorRef| {
+                let b = &schedule.buffers[t.buffer.index()];
+                matches!(b.kind, BufferKind::HostShard { .. }).then_some((t.buffer, b.size))
+            };
             let sharded = match what {
-                CopyKind::FetchChunk { chunk } => shards
-                    .get(&(chunk, ShardPart::Params))
-                    .map(|&s| (chunk, s, true)),
-                CopyKind::OffloadGrads { chunk } => shards
-                    .get(&(chunk, ShardPart::Grads))
-                    .map(|&s| (chunk, s, false)),
+                CopyKind::FetchChunk { chunk } => shard_of(&src).map(|s| (chunk, s, true)),
+                CopyKind::OffloadGrads { chunk } => shard_of(&dst).map(|s| (chunk, s, false)),
                 _ => None,
             };
             let Some((chunk, (home, bytes), fetch)) = sharded else {

@@ -332,6 +332,10 @@ impl Checker<'_> {
                     Instr::Copy {
                         what: CopyKind::OffloadGrads { chunk },
                         ..
+                    }
+                    | Instr::CopyShard {
+                        what: CopyKind::OffloadGrads { chunk },
+                        ..
                     } => Some(*chunk),
                     _ => None,
                 });

@@ -119,7 +119,8 @@
 //! instructions on its own slice, so the union of the ranks' slices behaves as one buffer.
 //! **ids** puts a [`Instr::CopyShard`] fetch on the host-to-device stream from the chunk's
 //! parameter shard (from its start, moving exactly one shard per rank) into the device arena,
-//! an offload on the device-to-host stream into its gradient shard, and
+//! an offload on the device-to-host stream into its gradient shard (or its parameter shard,
+//! in the 14-byte layout, whose reuse **data flow** proves as for a whole chunk), and
 //! [`Instr::AllGather`] and [`Instr::ReduceScatter`] on the collective stream, of a sharded
 //! chunk, moving exactly its shard's bytes per rank, a reduce-scatter in its parameters' type;
 //! **bounds** checks every rank's slices (`ranks x bytes`) inside their buffers, whose
