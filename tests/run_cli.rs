@@ -728,7 +728,7 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
             "--steps",
             steps,
             "--json",
-            // Clipped, so unsharded: train cannot yet checkpoint sharded ranks.
+            // Clipped: sharded ranks all-reduce their gradients whole for the global norm.
             "--grad-clip",
             "1.0",
         ];

@@ -10,8 +10,11 @@
 mod common;
 
 use protrain::compiler::comm::Topology;
+use protrain::ir::verify_schedule::verify;
 use protrain::ir::verify_schedule::VerifiedSchedule;
-use protrain::ir::{DType, HardwareProfile, Instr};
+use protrain::ir::{
+    BufferKind, CopyKind, DType, EventId, HardwareProfile, Instr, Schedule, ShardPart, StreamKind,
+};
 use protrain::runtime::collective::{thread_ranks, Collective};
 use protrain::runtime::params::init_params;
 use protrain::runtime::train::vocab_of;
@@ -24,9 +27,20 @@ const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
 const BATCH: u64 = 2;
 const SEQ: u64 = 16;
 
-/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped (so
-/// that its offloaded chunks are sharded when it has several ranks).
+/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped.
 fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
+    compile_clipped(model, policy, ranks, k, dtype, None)
+}
+
+/// [`compile`] with gradients clipped to the global norm `clip`.
+fn compile_clipped(
+    model: &str,
+    policy: &str,
+    ranks: u32,
+    k: u64,
+    dtype: DType,
+    clip: Option<f64>,
+) -> VerifiedSchedule {
     let config = protrain::models::load(model).expect("preset");
     let options = CompileOptions {
         batch: BATCH,
@@ -34,7 +48,10 @@ fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> Verif
         dtype,
         hardware: HardwareProfile::host().with_thread_ranks(ranks),
         policy: PolicyChoice::parse(policy).expect("a policy"),
-        optimizer: OptimizerConfig::default(),
+        optimizer: OptimizerConfig {
+            grad_clip: clip,
+            ..OptimizerConfig::default()
+        },
         micro_batches: k,
         topology: Topology {
             gpus: ranks,
@@ -169,6 +186,187 @@ fn sharded_ranks_train_as_one_rank_accumulating_their_micro_batches_bit_for_bit(
             }
         }
     }
+}
+
+/// Clipping (and f16's loss scaling) reads the global gradient norm: sharded ranks sum the
+/// sharded chunks' gradients whole (all-reduce) so each squared norm reads the whole sum,
+/// and still keep 1/W of the host state each; they train bit for bit as one rank
+/// accumulating their micro-batches. A clip of 0.05 clips every step of these models.
+#[test]
+fn clipped_sharded_ranks_train_as_one_rank_accumulating_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+        ("llama-tiny", DType::BF16),
+        ("gpt2-tiny", DType::F16),
+    ] {
+        for ranks in [2u32, 4] {
+            let what = format!("{model} {dtype} clipped on {ranks} ranks");
+            let clip = Some(0.05);
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let (gathers, scatters) = collectives(&schedule);
+            assert_eq!(scatters, 0, "{what}: the gradients are all-reduced whole");
+            assert!(gathers >= 2 * schedule.chunks.len() - 1, "{what}");
+            assert!(
+                schedule.host_bytes * u64::from(ranks) < one.host_bytes * 3 / 2,
+                "{what}: {} host bytes per rank against {} for one rank",
+                schedule.host_bytes,
+                one.host_bytes
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            // The clip changed the run: unclipped, the weights differ.
+            let free = compile(model, TIGHT, ranks, 1, dtype);
+            let (unclipped, _) = train(&free, &fresh(&free), 3);
+            assert!(unclipped.1 != parallel.1, "{what}: the clip never bit");
+        }
+    }
+}
+
+/// Chunks whose size does not split into `W` slices of whole words are padded at their end
+/// and sharded all the same: `W` ranks (the fewest, from 3, that do not split the model's
+/// chunks evenly) train bit for bit as one rank accumulating `W` micro-batches, clipped or
+/// not.
+#[test]
+fn chunks_that_do_not_split_evenly_are_padded_and_sharded_bit_for_bit() {
+    for (model, dtype) in [("gpt2-tiny", DType::F32), ("llama-tiny", DType::BF16)] {
+        let chunk_bytes = compile(model, TIGHT, 1, 1, dtype).chunks.chunk_bytes;
+        let ranks = (3u32..=8)
+            .find(|&w| !chunk_bytes.is_multiple_of(4 * u64::from(w)))
+            .expect("a rank count that does not split the chunks");
+        for clip in [None, Some(0.05)] {
+            let what = format!("{model} {dtype} clip {clip:?} on {ranks} ranks");
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            assert_eq!(one.chunks.chunk_bytes, chunk_bytes, "{what}");
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let padded = schedule.chunks.chunk_bytes;
+            let words = 4 * u64::from(ranks);
+            assert!(padded.is_multiple_of(words), "{what}: {padded} bytes");
+            assert!(
+                padded > chunk_bytes && padded < chunk_bytes + words,
+                "{what}: {chunk_bytes} bytes padded to {padded}"
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+        }
+    }
+}
+
+/// Sharding composes with the 14-byte host layout: each rank's slice of a chunk's summed
+/// bf16 gradients lands in its parameter shard after the chunk's last upload (no gradient
+/// shard), so a rank keeps 14 bytes per offloaded parameter over W; the ranks still train bit
+/// for bit as one rank accumulating their micro-batches (in the full layout, as accumulation
+/// always is), clipped or not.
+#[test]
+fn sharded_ranks_in_the_14_byte_layout_train_as_one_rank_accumulating_bit_for_bit() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let full = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1";
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for ranks in [2u32, 4] {
+            for clip in [None, Some(0.05)] {
+                let what = format!("{model} bf16 clip {clip:?} on {ranks} ranks, 14 bytes");
+                let dtype = DType::BF16;
+                let one = compile_clipped(model, full, 1, u64::from(ranks), dtype, clip);
+                let (single, _) = train(&one, &fresh(&one), 3);
+                let schedule = compile_clipped(model, lean, ranks, 1, dtype, clip);
+                let wide = compile_clipped(model, full, ranks, 1, dtype, clip);
+                assert!(schedule.sharded(), "{what}");
+                let grad_shards = |s: &VerifiedSchedule| {
+                    s.buffers
+                        .iter()
+                        .filter(|b| {
+                            matches!(
+                                b.kind,
+                                BufferKind::HostShard {
+                                    part: ShardPart::Grads,
+                                    ..
+                                }
+                            )
+                        })
+                        .count()
+                };
+                assert_eq!(grad_shards(&schedule), 0, "{what}: gradient shards");
+                assert_eq!(grad_shards(&wide), schedule.chunks.len(), "{what}");
+                // Each rank saves its slice of every chunk's gradients: 2 of 16 bytes.
+                let saved = wide.host_bytes - schedule.host_bytes;
+                let slice = schedule.chunks.chunk_bytes / u64::from(ranks);
+                assert!(
+                    saved >= slice * schedule.chunks.len() as u64,
+                    "{what}: {} host bytes against {} in the full layout",
+                    schedule.host_bytes,
+                    wide.host_bytes
+                );
+                let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                assert_eq!(parallel.0, single.0, "{what}: losses");
+                assert!(parallel.1 == single.1, "{what}: weights differ");
+                assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            }
+        }
+    }
+}
+
+/// The mutation: chunk 0's parameter shard uploaded once more at the end of the step, after
+/// each rank's slice of its gradients landed in that shard (14-byte layout). The verifier
+/// refuses it as a fetch that reads gradients where parameters must be; the schedule it was
+/// made from verifies.
+#[test]
+fn a_shard_upload_after_the_gradients_landed_in_it_is_refused() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let schedule: Schedule = (*compile("gpt2-tiny", lean, 2, 1, DType::BF16)).clone();
+    let mut mutated = schedule.clone();
+    let find = |kind: StreamKind| mutated.streams.iter().position(|s| s.kind == kind).unwrap();
+    let (h2d, d2h) = (
+        find(StreamKind::HostToDevice),
+        find(StreamKind::DeviceToHost),
+    );
+    let of_chunk0 = |i: &Instr, fetch: bool| match i {
+        Instr::CopyShard {
+            what: CopyKind::FetchChunk { chunk },
+            ..
+        } => fetch && chunk.0 == 0,
+        Instr::CopyShard {
+            what: CopyKind::OffloadGrads { chunk },
+            ..
+        } => !fetch && chunk.0 == 0,
+        _ => false,
+    };
+    let fetch = mutated.streams[h2d]
+        .instrs
+        .iter()
+        .find(|i| of_chunk0(i, true))
+        .cloned()
+        .expect("chunk 0's shard upload");
+    let offload = mutated.streams[d2h]
+        .instrs
+        .iter()
+        .position(|i| of_chunk0(i, false))
+        .expect("chunk 0's shard offload");
+    let event = EventId(mutated.events);
+    mutated.events += 1;
+    mutated.streams[d2h]
+        .instrs
+        .insert(offload + 1, Instr::Record { event });
+    mutated.streams[h2d].instrs.push(Instr::Wait { event });
+    mutated.streams[h2d].instrs.push(fetch);
+    let err = verify(mutated)
+        .expect_err("an upload after the gradient offload")
+        .to_string();
+    assert!(err.contains("data flow"), "{err}");
+    assert!(
+        err.contains("fetch chunk0") && err.contains("landed in the parameter storage"),
+        "the refusal names the upload and the gradients in its storage: {err}"
+    );
+    verify(schedule).expect("the schedule it was made from verifies");
 }
 
 /// The weights and Adam moments read from 4 sharded ranks (gathered from their shards) resume

@@ -20,7 +20,8 @@
 //! global batch, and everything after it (the norm for clipping, AdamW) runs as on one rank.
 //! Gradients of chunks that are sharded over the ranks (offloaded chunks, when
 //! [`crate::shard::shardable`] allows) are left out: [`crate::shard`], the pass after this
-//! one, reduce-scatters them. Every other chunk (the persistent ones, and every chunk when
+//! one, reduce-scatters them, unless the update reads the global gradient norm: then they are
+//! summed here too, whole, and [`crate::shard`] copies each rank's slice of the sum. Every other chunk (the persistent ones, and every chunk when
 //! nothing is sharded) stays whole on every rank, replicated, with its gradients summed here. The loss each rank computes is its own rows'; the runtime
 //! averages it over the ranks.
 //!
@@ -50,6 +51,10 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
         events += 1;
         EventId(events - 1)
     };
+    // A schedule that reads the global gradient norm (clipping, loss scaling) sums sharded
+    // chunks' gradients here too, whole, so each squared norm reads the whole sum
+    // ([`crate::shard`] says why).
+    let norms = crate::shard::reads_global_norm(&schedule.graph);
     // The gradients the optimizer reads, in the order their AdamW ops appear.
     let mut grads: Vec<ValueId> = Vec::new();
     let mut grad_at: Vec<TensorRef> = Vec::new();
@@ -58,9 +63,10 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
             if let Instr::Kernel { op, inputs, .. } = instr {
                 let o = schedule.graph.op(*op);
                 // A sharded chunk's gradients are reduce-scattered instead ([`crate::shard`]).
-                let sharded = inputs.get(1).is_some_and(|t| {
-                    matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
-                });
+                let sharded = !norms
+                    && inputs.get(1).is_some_and(|t| {
+                        matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
+                    });
                 if let (OpKind::AdamW { .. }, false) = (&o.kind, sharded) {
                     grads.push(o.inputs[1]);
                     grad_at.push(inputs[1]);

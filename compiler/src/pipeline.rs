@@ -352,9 +352,9 @@ impl<'m> Context<'m> {
             CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
                 "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory; \
                  offloaded chunks are sharded over the ranks, each keeping 1/ranks of their host \
-                 state, unless gradients are clipped or accumulated, when every rank keeps them \
+                 state, unless gradients are accumulated, when every rank keeps them \
                  whole; give --host-memory for the whole node, use more ranks (--gpus, \
-                 --nodes), or drop --grad-clip and --grad-accum so that they are sharded)"
+                 --nodes), or drop --grad-accum so that they are sharded)"
             )),
             e => e,
         };
@@ -550,11 +550,9 @@ pub fn compile_policy_on(
     // Offloaded chunks are sharded over the ranks where the schedule allows it
     // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.
     let sharded_chunks;
-    let chunks = match crate::shard::shardable(training, chunks, topology, global / ranks) {
+    let chunks = match crate::shard::shardable(chunks, topology, global / ranks) {
         Ok(()) => {
-            let mut c = chunks.clone();
-            c.world_size = topology.ranks();
-            sharded_chunks = c;
+            sharded_chunks = crate::shard::sharded_table(chunks, topology.ranks());
             &sharded_chunks
         }
         Err(_) => chunks,

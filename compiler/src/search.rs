@@ -20,7 +20,7 @@
 //! profiles against the per-layer loop and a full sort. It does not change what is estimated:
 //! ProTrain's formula, per chunk, over ProTrain's interleaved layout.
 
-use crate::comm::Topology;
+use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
@@ -213,7 +213,18 @@ struct Profile {
 }
 
 impl Profile {
-    fn new(training: &Graph, chunks: &ChunkTable, cost: &dyn CostModel) -> Self {
+    /// The profile of `training` on `topology`'s ranks. Where they shard the offloaded chunks
+    /// ([`crate::shard::shardable`]), each rank uploads, offloads and updates its `1/W` slice
+    /// of a streamed chunk, and the chunk's all-gather (before use) and its gradients'
+    /// reduce-scatter (an all-reduce when the update reads the global norm) are priced with
+    /// those copies, as the schedule runs them one after the other. It does not price the
+    /// all-reduces of persistent (replicated) chunks' gradients.
+    fn new(
+        training: &Graph,
+        chunks: &ChunkTable,
+        cost: &dyn CostModel,
+        topology: Topology,
+    ) -> Self {
         let n = chunks.len();
         let layers = training
             .blocks()
@@ -321,17 +332,37 @@ impl Profile {
         let big = 1u64 << 30;
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
-        let copies = |dir| -> Vec<f64> {
+        let ranks = topology.ranks().max(1);
+        let per_rank = crate::accumulate::micro_batches(training) / u64::from(ranks);
+        let shards = match crate::shard::shardable(chunks, topology, per_rank) {
+            Ok(()) => u64::from(ranks),
+            Err(_) => 1,
+        };
+        let capacity = chunks.chunk_bytes.next_multiple_of(4 * shards);
+        let (gather, scatter) = match shards > 1 {
+            false => (0.0, 0.0),
+            true => {
+                let summed = match crate::shard::reads_global_norm(training) {
+                    true => CollectiveKind::AllReduce,
+                    false => CollectiveKind::ReduceScatter,
+                };
+                (
+                    cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
+                    cost.collective_seconds(summed, capacity, topology),
+                )
+            }
+        };
+        let copies = |dir, collective: f64| -> Vec<f64> {
             chunk_bytes
                 .iter()
-                .map(|&b| cost.copy_seconds(b, dir))
+                .map(|&b| cost.copy_seconds(b.div_ceil(shards), dir) + collective)
                 .collect()
         };
-        let fetch = copies(CopyDir::HostToDevice);
-        let offload = copies(CopyDir::DeviceToHost);
+        let fetch = copies(CopyDir::HostToDevice, gather);
+        let offload = copies(CopyDir::DeviceToHost, scatter);
         let cpu_adam: Vec<f64> = chunk_elems
             .iter()
-            .map(|&e| cost.cpu_adam_seconds(e))
+            .map(|&e| cost.cpu_adam_seconds(e.div_ceil(shards)))
             .collect();
         let gpu_adam: Vec<f64> = chunk_elems
             .iter()
@@ -1165,7 +1196,7 @@ pub fn search(
     cost: &dyn CostModel,
     options: &SearchOptions,
 ) -> Result<(Schedule, SearchReport)> {
-    let profile = Profile::new(training, chunks, cost);
+    let profile = Profile::new(training, chunks, cost, options.topology);
     let estimator = Estimator::new(&profile);
     let layouts = estimator.layouts();
     // Estimates are rough: let candidates up to 25% over budget through to the exact plan.
@@ -1874,6 +1905,7 @@ mod tests {
             &training,
             &chunks,
             crate::cost::cost_model(&hardware).as_ref(),
+            Topology::SINGLE,
         )
     }
 
@@ -1960,7 +1992,7 @@ mod tests {
         for hardware in ["host", "rtx3090"] {
             let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
             let cost = crate::cost::cost_model(&profile);
-            let profile = Profile::new(&training, &chunks, cost.as_ref());
+            let profile = Profile::new(&training, &chunks, cost.as_ref(), Topology::SINGLE);
             assert_eq!(profile.layers, 5);
             let estimator = Estimator::new(&profile);
             let swept = scored_by_sweeps(&estimator, u64::MAX);

@@ -2,7 +2,7 @@
 //! reduce-scattered after their last backward use.
 //!
 //! The pass runs after [`crate::data_parallel`], on a schedule whose chunk table says it is
-//! sharded (`world_size > 1`, set by [`shardable`]'s caller before placement): there,
+//! sharded (`world_size > 1`, made by [`sharded_table`] before placement where [`shardable`] allows): there,
 //! [`crate::streams`] gave every offloaded chunk with optimizer state
 //! [`BufferKind::HostShard`] homes of `1/ranks` of its host state and a device gradient chunk
 //! of the whole `chunk_bytes`, and [`crate::data_parallel`] left those chunks' gradients out of
@@ -21,23 +21,31 @@
 //!
 //! Persistent chunks stay whole on every rank, their gradients all-reduced: the rule is fixed
 //! ("offloaded = sharded, persistent = replicated"), not chosen by the cost model per chunk.
-//! It does not shard schedules that clip gradients or scale the loss (their squared norms are
-//! computed from whole gradients on the device, before a reduce-scatter would leave each rank
-//! one slice of the sum), nor accumulating ones (their host accumulators are summed whole in
-//! the update); [`shardable`] says why.
+//!
+//! A schedule that clips gradients or scales the loss reads the global gradient norm: one
+//! squared norm per gradient tensor (an f64 sum in the kernel's own tree order, rounded to
+//! f32), summed in parameter order. A rank holding one slice of a tensor's sum cannot give
+//! those bits (a slice boundary splits the kernel's tree, and f64 addition does not
+//! associate), so there [`crate::data_parallel`] all-reduces the sharded chunks' gradients
+//! whole, right after their kernels, as it does replicated ones; each squared norm reads the
+//! whole sum, bit for bit one rank's accumulated gradient, and the offload copies each rank's
+//! slice of the sum to its shard (no reduce-scatter). The host state stays sharded (1/W per
+//! rank); what it costs is the all-reduce's second half (an all-gather of the gradients).
+//!
+//! It does not shard accumulating schedules (their host accumulators are summed whole in the
+//! update); [`shardable`] says why.
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
 use protrain_ir::{
     BufferKind, ChunkId, ChunkTable, CopyKind, DType, EventId, Graph, Instr, OpKind, Schedule,
-    ShardPart, StreamKind, TensorRef,
+    StreamKind, TensorRef,
 };
 use std::collections::HashMap;
 
-/// Whether a training graph compiled for `topology` with `micro_batches` per rank shards its
+/// Whether chunks compiled for `topology` with `micro_batches` per rank shard their
 /// offloaded chunks; the reason when it does not (`None` for one rank).
 pub fn shardable(
-    graph: &Graph,
     chunks: &ChunkTable,
     topology: Topology,
     micro_batches: u64,
@@ -53,23 +61,31 @@ pub fn shardable(
                 .into(),
         );
     }
-    if graph
-        .ops()
-        .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
-    {
-        return Err(
-            "the update reads the global gradient norm (clipping or loss scaling), computed \
-             from whole gradients"
-                .into(),
-        );
-    }
-    if !chunks.chunk_bytes.is_multiple_of(4 * ranks) {
-        return Err(format!(
-            "chunks of {} bytes do not split into {ranks} slices of whole 4-byte words",
-            chunks.chunk_bytes
-        ));
+    if chunks.is_empty() {
+        return Err("no chunks".into());
     }
     Ok(())
+}
+
+/// `chunks` sharded over `ranks`: the same chunks, each padded at its end so that it splits
+/// into `ranks` equal slices of whole 4-byte words (so every element type's elements, and
+/// their f32 mirrors, split evenly too). The padding is at most `4 * ranks - 4` bytes a chunk;
+/// its bytes belong to no parameter, are gathered and summed with the rest and read by
+/// nothing.
+pub fn sharded_table(chunks: &ChunkTable, ranks: u32) -> ChunkTable {
+    let mut table = chunks.clone();
+    table.world_size = ranks;
+    table.chunk_bytes = chunks.chunk_bytes.next_multiple_of(4 * u64::from(ranks));
+    table
+}
+
+/// Whether the update reads the global gradient norm (clipping, or loss scaling's unscale
+/// coefficient): then sharded chunks' gradients are all-reduced whole instead of
+/// reduce-scattered (see the module doc).
+pub fn reads_global_norm(graph: &Graph) -> bool {
+    graph
+        .ops()
+        .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
 }
 
 /// A collective the pass adds: issued once `trigger` is recorded, recording `done` after.
@@ -83,13 +99,7 @@ struct Job {
 /// module doc); returns it unchanged when nothing is sharded. Fails on a schedule that
 /// shards without a collective stream or accumulates (a compiler bug).
 pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
-    let mut shards: HashMap<(ChunkId, ShardPart), (protrain_ir::BufferId, u64)> = HashMap::new();
-    for (i, b) in schedule.buffers.iter().enumerate() {
-        if let BufferKind::HostShard { chunk, part } = b.kind {
-            shards.insert((chunk, part), (protrain_ir::BufferId::new(i), b.size));
-        }
-    }
-    if shards.is_empty() {
+    if !schedule.sharded() {
         return Ok(schedule);
     }
     let comm = schedule
@@ -121,6 +131,9 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
         events += 1;
         EventId(events - 1)
     };
+    // Gradients already summed whole by [`crate::data_parallel`] (for the global norm) are
+    // offloaded as each rank's slice of the sum, without a reduce-scatter.
+    let summed = reads_global_norm(&schedule.graph);
     let mut jobs: Vec<Job> = Vec::new();
     for (s, stream) in schedule.streams.iter_mut().enumerate() {
         if s == comm {
@@ -134,13 +147,15 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                 instrs.push(instr);
                 continue;
             };
+            // A sharded chunk's fetch reads its parameter shard; its gradient offload writes
+            // its gradient shard, or its parameter shard in the 14-byte layout.
+            let shard_of = |t: &TensorRef| {
+                let b = &schedule.buffers[t.buffer.index()];
+                matches!(b.kind, BufferKind::HostShard { .. }).then_some((t.buffer, b.size))
+            };
             let sharded = match what {
-                CopyKind::FetchChunk { chunk } => shards
-                    .get(&(chunk, ShardPart::Params))
-                    .map(|&s| (chunk, s, true)),
-                CopyKind::OffloadGrads { chunk } => shards
-                    .get(&(chunk, ShardPart::Grads))
-                    .map(|&s| (chunk, s, false)),
+                CopyKind::FetchChunk { chunk } => shard_of(&src).map(|s| (chunk, s, true)),
+                CopyKind::OffloadGrads { chunk } => shard_of(&dst).map(|s| (chunk, s, false)),
                 _ => None,
             };
             let Some((chunk, (home, bytes), fetch)) = sharded else {
@@ -151,8 +166,8 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                 buffer: home,
                 offset: 0,
             };
-            let trigger = event();
             if fetch {
+                let trigger = event();
                 instrs.push(Instr::CopyShard {
                     what,
                     src: shard,
@@ -181,8 +196,15 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
                     },
                     done,
                 });
+            } else if summed {
+                instrs.push(Instr::CopyShard {
+                    what,
+                    src,
+                    dst: shard,
+                    bytes,
+                });
             } else {
-                let done = event();
+                let (trigger, done) = (event(), event());
                 instrs.push(Instr::Record { event: trigger });
                 instrs.push(Instr::Wait { event: done });
                 instrs.push(Instr::CopyShard {

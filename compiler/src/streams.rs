@@ -308,14 +308,22 @@ fn order_steps(
 
 /// The streamed chunks whose gradients land in their host parameter storage under `layout`
 /// (see [`HostLayout::GradsInParams`]): none for the full layout, for f32 parameters (each is
-/// its own master weight, which the update reads) or with gradient accumulation (every
-/// micro-batch uploads the parameters again after the gradients arrived); else every chunk
+/// its own master weight, which the update reads) or with gradient accumulation on a rank
+/// (every micro-batch uploads the parameters again after the gradients arrived); else every chunk
 /// whose uploads are all needed by a kernel no later than the one its gradient offload waits
 /// for, so that each upload has read the storage before the gradients overwrite it. The
 /// others keep the full layout.
-fn lean_chunks(graph: &Graph, program: &Program, layout: HostLayout) -> BTreeSet<ChunkId> {
+fn lean_chunks(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    program: &Program,
+    layout: HostLayout,
+) -> BTreeSet<ChunkId> {
     let narrow = state_bytes_per_element(graph) == 12;
-    if layout == HostLayout::Full || !narrow || crate::accumulate::micro_batches(graph) > 1 {
+    // The loss gradient is scaled for every rank's micro-batches; sharded ranks take one each
+    // ([`crate::shard::shardable`]), replicated ones may take several.
+    let per_rank = crate::accumulate::micro_batches(graph) / u64::from(chunks.world_size.max(1));
+    if layout == HostLayout::Full || !narrow || per_rank > 1 {
         return BTreeSet::new();
     }
     let mut last_upload: HashMap<ChunkId, u32> = HashMap::new();
@@ -409,7 +417,7 @@ impl Builder {
     fn build(mut self, placed: Placed) -> Result<Streamed> {
         let (graph, chunks) = (&placed.graph, &placed.chunks);
         let program = Program::of(graph);
-        let lean = lean_chunks(graph, &program, placed.host_layout);
+        let lean = lean_chunks(graph, chunks, &program, placed.host_layout);
         self.homes(graph, chunks, &program, &lean);
         self.slots(&program);
         let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
@@ -485,7 +493,7 @@ impl Builder {
                 .iter()
                 .any(|m| adam.contains_key(&graph.param(m.param).value));
             if !persistent && with_state && chunks.world_size > 1 {
-                self.shard_homes(graph, chunks, c, &adam);
+                self.shard_homes(graph, chunks, c, &adam, lean.contains(&c));
                 continue;
             }
             let (space, kind) = match persistent {
@@ -571,14 +579,17 @@ impl Builder {
     /// whole layout, which keeps the chunk's layout (`chunk_bytes`, padding included) for
     /// parameters and gradients and mirrors it element for element in f32 for the rest. The
     /// device gradient chunk spans `chunk_bytes`, as the reduce-scatter sums every rank's
-    /// equal slices of it. [`crate::shard`] turns the chunk's copies into shard copies and
-    /// collectives.
+    /// equal slices of it. A `lean` chunk (the 14-byte layout) has no gradient shard: each
+    /// rank's slice of the summed gradients lands in its parameter shard, as a whole chunk's
+    /// gradients land in its parameter storage. [`crate::shard`] turns the chunk's copies
+    /// into shard copies and collectives.
     fn shard_homes(
         &mut self,
         graph: &Graph,
         chunks: &ChunkTable,
         c: ChunkId,
         adam: &HashMap<ValueId, (ValueId, ValueId)>,
+        lean: bool,
     ) {
         let chunk = chunks.chunk(c);
         let ranks = u64::from(chunks.world_size);
@@ -627,7 +638,10 @@ impl Builder {
             BufferKind::GradChunk { chunk: c },
             Some((0, 0)),
         );
-        let hg = part(self, "host_grads", ShardPart::Grads, slice);
+        let hg = match lean {
+            true => home,
+            false => part(self, "host_grads", ShardPart::Grads, slice),
+        };
         self.grad_chunk.insert(c, (g, hg));
     }
 

@@ -121,16 +121,16 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                     assert_eq!(s.ranks(), ranks, "{what}");
                     assert_eq!(s.topology(), (ranks, 1), "{what}");
                     let (comm, mut summed, mut read) = collectives(&s);
-                    // Offloaded chunks are sharded (unclipped, one micro-batch per rank):
-                    // their gradients are reduce-scattered, each chunk's once.
+                    // Offloaded chunks are sharded (one micro-batch per rank): unclipped,
+                    // their gradients are reduce-scattered, each chunk's once; clipped, they
+                    // are all-reduced whole (for the norm) and nothing is reduce-scattered.
                     let sharded = sharded_grads(&s);
                     let offloads = s.header.policy.n_persist < s.chunks.len() as u32;
-                    assert_eq!(
-                        !sharded.is_empty(),
-                        !clip && k == 1 && offloads,
-                        "{what}: sharded"
-                    );
-                    summed.extend(&sharded);
+                    assert_eq!(!sharded.is_empty(), k == 1 && offloads, "{what}: sharded");
+                    assert_eq!(s.sharded(), k == 1 && offloads, "{what}: sharded");
+                    if !clip {
+                        summed.extend(&sharded);
+                    }
                     summed.sort();
                     read.sort();
                     assert_eq!(
@@ -155,7 +155,8 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                             )
                         })
                         .count();
-                    assert_eq!(scatters, shards, "{what}: one reduce-scatter per chunk");
+                    let scattered = if clip { 0 } else { shards };
+                    assert_eq!(scatters, scattered, "{what}: one reduce-scatter per chunk");
                     // Accumulating: the collective stream has its marker and sums in the update.
                     let instrs = &s.streams[comm].instrs;
                     let marker = instrs
@@ -196,7 +197,9 @@ fn one_rank_is_the_schedule_the_pipeline_always_made() {
 
 #[test]
 fn the_verifier_rejects_a_sum_before_its_gradient_and_one_outside_its_buffer() {
-    let s = schedule("gpt2-tiny", |_| Policy::protrain(0, 1, 0, 0, 2), 2, 1, true);
+    // Every chunk persistent, so replicated: each gradient all-reduced after its kernel.
+    let s = schedule("gpt2-tiny", |n| Policy::resident(n, 2), 2, 1, true);
+    assert!(!s.sharded());
     let (comm, _, _) = collectives(&s);
 
     // The first all-reduce moved ahead of the wait for its gradient's kernel.
@@ -265,6 +268,38 @@ fn the_verifier_rejects_a_sum_before_its_gradient_and_one_outside_its_buffer() {
     assert_eq!(e.invariant, Invariant::Ids, "{e}");
 }
 
+/// A clipped sharded schedule sums its sharded gradients whole (all-reduce) and offloads
+/// each rank's slice of the sum: dropping one of those all-reduces, or moving it after the
+/// offload it precedes, leaves the offload copying unsummed gradients, which the verifier
+/// refuses.
+#[test]
+fn the_verifier_rejects_a_clipped_shard_offload_of_unsummed_gradients() {
+    let s = schedule("gpt2-tiny", |_| Policy::protrain(0, 1, 0, 0, 2), 2, 1, true);
+    verify_schedule(&s).expect("the clipped sharded schedule verifies");
+    assert!(s.sharded());
+    let (comm, _, _) = collectives(&s);
+    let sharded = sharded_grads(&s);
+    let at = s.streams[comm]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::AllReduce { value, .. } if sharded.contains(value)))
+        .expect("a sharded gradient's all-reduce");
+    let rejects = |m: &Schedule, says: &str| {
+        let e = verify_schedule(m).expect_err(says);
+        assert_eq!(e.invariant, Invariant::DataFlow, "{says}: {e}");
+        assert!(e.message.contains(says), "{says}: {e}");
+    };
+    let mut m = s.clone();
+    m.streams[comm].instrs.remove(at);
+    rejects(&m, "neither reduce-scattered nor all-reduced");
+    // The all-reduce moved to the end of the collective stream: after the offload of the
+    // slice (whose stream no longer waits for it) and the norm that reads it.
+    let mut m = s.clone();
+    let sum = m.streams[comm].instrs.remove(at);
+    m.streams[comm].instrs.push(sum);
+    assert!(verify_schedule(&m).is_err(), "a late all-reduce verifies");
+}
+
 /// Mutations of a sharded schedule's collectives, each of which the verifier must refuse.
 #[test]
 fn the_verifier_rejects_mis_sized_and_unordered_shard_collectives() {
@@ -329,7 +364,11 @@ fn the_verifier_rejects_mis_sized_and_unordered_shard_collectives() {
     let mut m = s.clone();
     let at = position(&m, &is_scatter);
     m.streams[comm].instrs.remove(at);
-    rejects(&m, Invariant::DataFlow, "not reduce-scattered");
+    rejects(
+        &m,
+        Invariant::DataFlow,
+        "neither reduce-scattered nor all-reduced",
+    );
     // An all-gather dropped: the compute stream reads a slot each rank filled only its part of.
     let mut m = s.clone();
     let at = position(&m, &is_gather);

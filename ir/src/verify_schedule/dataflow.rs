@@ -376,6 +376,10 @@ impl Checker<'_> {
                     Instr::Copy {
                         what: CopyKind::OffloadGrads { chunk },
                         ..
+                    }
+                    | Instr::CopyShard {
+                        what: CopyKind::OffloadGrads { chunk },
+                        ..
                     } => Some(*chunk),
                     _ => None,
                 });
@@ -735,9 +739,11 @@ impl Checker<'_> {
             for m in &self.s.chunks.chunk(chunk).members {
                 let (a, b) = (sa + m.offset, sa + m.offset + m.bytes);
                 from.isolate(a, b);
+                // Summed over the ranks: by a reduce-scatter (each rank's slice), or whole by
+                // an all-reduce (for the global norm).
                 let unsummed = from.within(a, b).find(|(_, seg)| {
                     !matches!(seg.writer, Writer::Instr(w)
-                        if matches!(self.instr(w), Instr::ReduceScatter { .. }))
+                        if matches!(self.instr(w), Instr::ReduceScatter { .. } | Instr::AllReduce { .. }))
                 });
                 if let Some((start, seg)) = unsummed {
                     return Err(self.fail(
@@ -745,8 +751,8 @@ impl Checker<'_> {
                         Some(r),
                         format!(
                             "offloads each rank's slice of {chunk}'s gradients, but {} at {} \
-                             was not reduce-scattered ({}): the ranks' gradients would not be \
-                             summed",
+                             was neither reduce-scattered nor all-reduced ({}): the ranks' \
+                             gradients would not be summed",
                             self.describe_content(seg.content),
                             Self::range(ss, start, seg.end),
                             self.describe_writer(seg.writer)

@@ -119,7 +119,8 @@
 //! instructions on its own slice, so the union of the ranks' slices behaves as one buffer.
 //! **ids** puts a [`Instr::CopyShard`] fetch on the host-to-device stream from the chunk's
 //! parameter shard (from its start, moving exactly one shard per rank) into the device arena,
-//! an offload on the device-to-host stream into its gradient shard, and
+//! an offload on the device-to-host stream into its gradient shard (or its parameter shard,
+//! in the 14-byte layout, whose reuse **data flow** proves as for a whole chunk), and
 //! [`Instr::AllGather`] and [`Instr::ReduceScatter`] on the collective stream, of a sharded
 //! chunk, moving exactly its shard's bytes per rank, a reduce-scatter in its parameters' type;
 //! **bounds** checks every rank's slices (`ranks x bytes`) inside their buffers, whose
@@ -129,7 +130,8 @@
 //! after its writers (the backward kernels), each rewriting what it read; no instruction may
 //! read what a shard fetch wrote before an all-gather rewrote it (each rank wrote only its
 //! slice) or what a reduce-scatter wrote (only each rank's slice holds the sum), and an
-//! offload must copy gradients a reduce-scatter wrote.
+//! offload must copy gradients a reduce-scatter wrote (or an all-reduce, which sums them
+//! whole where the update reads the global gradient norm).
 //!
 //! A schedule with a disk tier ([`Space::Disk`], see [`crate::schedule`]) is checked with its
 //! disk reads and writes as copies: **ids** puts every [`Instr::DiskRead`] and

@@ -416,7 +416,15 @@ impl Checker<'_> {
                         }
                     }
                     let (host, device) = (s.buffer(from.buffer), s.buffer(to.buffer));
-                    if host.kind != (BufferKind::HostShard { chunk, part }) {
+                    // In the 14-byte layout an offload lands in the parameter shard (the data
+                    // flow proves no upload reads it after).
+                    let lean = part == ShardPart::Grads
+                        && host.kind
+                            == (BufferKind::HostShard {
+                                chunk,
+                                part: ShardPart::Params,
+                            });
+                    if host.kind != (BufferKind::HostShard { chunk, part }) && !lean {
                         return bad(format!(
                             "copies a shard of {chunk} through {} ({}), which is not its \
                              host shard of {}",
@@ -424,7 +432,7 @@ impl Checker<'_> {
                             host.name,
                             match part {
                                 ShardPart::Params => "parameters",
-                                _ => "gradients",
+                                _ => "gradients (or parameters, in the 14-byte layout)",
                             }
                         ));
                     }
@@ -538,13 +546,17 @@ impl Checker<'_> {
                             at.buffer
                         ));
                     }
-                    let shard = s.buffers.iter().find(|b| {
-                        b.kind
-                            == BufferKind::HostShard {
-                                chunk: *chunk,
-                                part,
-                            }
-                    });
+                    let shard_of = |part| {
+                        s.buffers.iter().find(|b| {
+                            b.kind
+                                == BufferKind::HostShard {
+                                    chunk: *chunk,
+                                    part,
+                                }
+                        })
+                    };
+                    // In the 14-byte layout the gradients' shard is the parameters'.
+                    let shard = shard_of(part).or_else(|| shard_of(ShardPart::Params));
                     let Some(shard) = shard else {
                         return bad(format!(
                             "{name} of {chunk}, which is not sharded (no host shard holds it)"
