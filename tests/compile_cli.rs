@@ -438,3 +438,41 @@ fn a_policy_over_host_memory_compiles_with_a_disk_tier() {
     let explained = json(&protrain(&["explain", path(&file), "--json"]));
     assert_eq!(explained["disk_bytes"].as_u64(), Some(disk), "{explained}");
 }
+
+/// Among candidates that tie on step time, the search takes the one with the least state on
+/// disk: here one policy needs the disk tier and others, as fast, do not; the report lists
+/// the disk candidate's disk bytes and the winner has none.
+#[test]
+fn a_tie_goes_to_the_candidate_without_a_disk_tier() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tie.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--gpu-memory",
+        "8MiB",
+        "--host-memory",
+        "2MiB",
+        "--disk-memory",
+        "64MiB",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(v["disk_bytes"].as_u64(), Some(0), "{v}");
+    let report = v["report"].as_str().expect("report");
+    let candidates: Vec<&str> = report.lines().filter(|l| l.contains("simulated")).collect();
+    assert!(
+        candidates[0].starts_with("  * ") && !candidates[0].contains("disk"),
+        "{report}"
+    );
+    assert!(
+        candidates[1..].iter().any(|l| l.contains("  disk ")),
+        "some candidate needed the disk tier: {report}"
+    );
+}

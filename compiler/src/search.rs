@@ -70,6 +70,8 @@ pub struct Candidate {
     pub peak_device_bytes: u64,
     /// The host region.
     pub host_bytes: u64,
+    /// The optimizer state it keeps on disk (see [`crate::disk`]); 0 without a disk tier.
+    pub disk_bytes: u64,
     /// Whether it fits both budgets.
     pub fits: bool,
 }
@@ -115,13 +117,17 @@ impl SearchReport {
         for (i, c) in self.compiled.iter().take(6).enumerate() {
             let _ = writeln!(
                 out,
-                "  {} {}  simulated {:.4} s (estimate {:.4} s)  device {}  host {}{}",
+                "  {} {}  simulated {:.4} s (estimate {:.4} s)  device {}  host {}{}{}",
                 if i == 0 { "*" } else { " " },
                 c.policy,
                 c.simulated_seconds,
                 c.estimated_seconds,
                 format_bytes(c.peak_device_bytes),
                 format_bytes(c.host_bytes),
+                match c.disk_bytes {
+                    0 => String::new(),
+                    bytes => format!("  disk {}", format_bytes(bytes)),
+                },
                 if c.fits { "" } else { "  (does not fit)" }
             );
         }
@@ -1358,6 +1364,7 @@ pub fn search(
                 simulated_seconds: sim.step_seconds,
                 peak_device_bytes: schedule.arena_bytes,
                 host_bytes: schedule.host_bytes,
+                disk_bytes: schedule.disk_bytes,
                 fits: fits_device && fits_host,
             };
             if candidate.fits {
@@ -1443,7 +1450,9 @@ fn fastest_of(compiled: &[Candidate]) -> f64 {
 }
 
 /// The winner's order: a candidate that does not tie with `fastest` loses to one that does;
-/// among ties, the least device memory, then the least host memory, then the fewer blocks
+/// among ties, the least state on disk (the disk tier is for when nothing else fits: it wears
+/// the drive and its time is the least certain), then the least device memory, then the least
+/// host memory, then the fewer blocks
 /// swapped or recomputed, the faster, and the policy's text, so the order is total and depends
 /// on nothing but the candidates.
 fn rank(a: &Candidate, b: &Candidate, fastest: f64) -> std::cmp::Ordering {
@@ -1452,6 +1461,7 @@ fn rank(a: &Candidate, b: &Candidate, fastest: f64) -> std::cmp::Ordering {
         ties(b.simulated_seconds, fastest),
     );
     tb.cmp(&ta)
+        .then(a.disk_bytes.cmp(&b.disk_bytes))
         .then(a.peak_device_bytes.cmp(&b.peak_device_bytes))
         .then(a.host_bytes.cmp(&b.host_bytes))
         .then(movement(&a.policy).cmp(&movement(&b.policy)))

@@ -70,6 +70,7 @@ pub fn search_forward(
             simulated_seconds: sim.step_seconds,
             peak_device_bytes: schedule.arena_bytes,
             host_bytes: schedule.host_bytes,
+            disk_bytes: schedule.disk_bytes,
             fits: schedule.arena_bytes <= options.device_budget
                 && schedule.host_bytes <= options.host_budget,
         };
