@@ -11,9 +11,7 @@
 mod common;
 
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
-use protrain::ir::{
-    BufferKind, CopyKind, DType, EventId, HardwareProfile, HostLayout, Instr, Schedule, StreamKind,
-};
+use protrain::ir::{BufferKind, CopyKind, DType, HardwareProfile, HostLayout, Instr, Schedule};
 use protrain::runtime::params::init_params;
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
@@ -155,41 +153,7 @@ fn llama_grads_in_params_train_bit_identically() {
 #[test]
 fn an_upload_after_the_gradients_landed_is_refused() {
     let schedule: Schedule = (*compile("gpt2-tiny", &format!("{TIGHT},host_layout=14"))).clone();
-    let mut mutated = schedule.clone();
-    let find = |kind: StreamKind| mutated.streams.iter().position(|s| s.kind == kind).unwrap();
-    let (h2d, d2h) = (
-        find(StreamKind::HostToDevice),
-        find(StreamKind::DeviceToHost),
-    );
-    let of_chunk0 = |i: &Instr, fetch: bool| match i {
-        Instr::Copy {
-            what: CopyKind::FetchChunk { chunk },
-            ..
-        } => fetch && chunk.0 == 0,
-        Instr::Copy {
-            what: CopyKind::OffloadGrads { chunk },
-            ..
-        } => !fetch && chunk.0 == 0,
-        _ => false,
-    };
-    let fetch = mutated.streams[h2d]
-        .instrs
-        .iter()
-        .find(|i| of_chunk0(i, true))
-        .cloned()
-        .unwrap();
-    let offload = mutated.streams[d2h]
-        .instrs
-        .iter()
-        .position(|i| of_chunk0(i, false))
-        .unwrap();
-    let event = EventId(mutated.events);
-    mutated.events += 1;
-    mutated.streams[d2h]
-        .instrs
-        .insert(offload + 1, Instr::Record { event });
-    mutated.streams[h2d].instrs.push(Instr::Wait { event });
-    mutated.streams[h2d].instrs.push(fetch);
+    let mutated = common::upload_chunk0_after_its_gradient_offload(&schedule);
     let err = verify(mutated)
         .expect_err("an upload after the gradient offload")
         .to_string();

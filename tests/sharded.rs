@@ -12,9 +12,7 @@ mod common;
 use protrain::compiler::comm::Topology;
 use protrain::ir::verify_schedule::verify;
 use protrain::ir::verify_schedule::VerifiedSchedule;
-use protrain::ir::{
-    BufferKind, CopyKind, DType, EventId, HardwareProfile, Instr, Schedule, ShardPart, StreamKind,
-};
+use protrain::ir::{BufferKind, DType, HardwareProfile, Instr, Schedule, ShardPart};
 use protrain::runtime::collective::{thread_ranks, Collective};
 use protrain::runtime::params::init_params;
 use protrain::runtime::train::vocab_of;
@@ -323,41 +321,7 @@ fn sharded_ranks_in_the_14_byte_layout_train_as_one_rank_accumulating_bit_for_bi
 fn a_shard_upload_after_the_gradients_landed_in_it_is_refused() {
     let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
     let schedule: Schedule = (*compile("gpt2-tiny", lean, 2, 1, DType::BF16)).clone();
-    let mut mutated = schedule.clone();
-    let find = |kind: StreamKind| mutated.streams.iter().position(|s| s.kind == kind).unwrap();
-    let (h2d, d2h) = (
-        find(StreamKind::HostToDevice),
-        find(StreamKind::DeviceToHost),
-    );
-    let of_chunk0 = |i: &Instr, fetch: bool| match i {
-        Instr::CopyShard {
-            what: CopyKind::FetchChunk { chunk },
-            ..
-        } => fetch && chunk.0 == 0,
-        Instr::CopyShard {
-            what: CopyKind::OffloadGrads { chunk },
-            ..
-        } => !fetch && chunk.0 == 0,
-        _ => false,
-    };
-    let fetch = mutated.streams[h2d]
-        .instrs
-        .iter()
-        .find(|i| of_chunk0(i, true))
-        .cloned()
-        .expect("chunk 0's shard upload");
-    let offload = mutated.streams[d2h]
-        .instrs
-        .iter()
-        .position(|i| of_chunk0(i, false))
-        .expect("chunk 0's shard offload");
-    let event = EventId(mutated.events);
-    mutated.events += 1;
-    mutated.streams[d2h]
-        .instrs
-        .insert(offload + 1, Instr::Record { event });
-    mutated.streams[h2d].instrs.push(Instr::Wait { event });
-    mutated.streams[h2d].instrs.push(fetch);
+    let mutated = common::upload_chunk0_after_its_gradient_offload(&schedule);
     let err = verify(mutated)
         .expect_err("an upload after the gradient offload")
         .to_string();

@@ -33,3 +33,53 @@ pub fn batches(vocab: usize, batch: u64, seq: u64, steps: usize, seed: u64) -> V
         })
         .collect()
 }
+
+/// `schedule` with chunk 0 uploaded once more at the end of the step, after its gradient
+/// offload (the host-to-device stream waits for an event recorded right after it): in the
+/// 14-byte layout, an upload that reads gradients where parameters must be. Whole chunks'
+/// copies and shard copies alike.
+#[allow(dead_code)] // used by the tests of the 14-byte layout, not by every file sharing this module
+pub fn upload_chunk0_after_its_gradient_offload(
+    schedule: &protrain_ir::Schedule,
+) -> protrain_ir::Schedule {
+    use protrain_ir::{CopyKind, EventId, Instr, StreamKind};
+    let mut mutated = schedule.clone();
+    let find = |kind: StreamKind| {
+        mutated
+            .streams
+            .iter()
+            .position(|s| s.kind == kind)
+            .expect("a copy stream")
+    };
+    let (h2d, d2h) = (
+        find(StreamKind::HostToDevice),
+        find(StreamKind::DeviceToHost),
+    );
+    let of_chunk0 = |i: &Instr, fetch: bool| match i {
+        Instr::Copy { what, .. } | Instr::CopyShard { what, .. } => match what {
+            CopyKind::FetchChunk { chunk } => fetch && chunk.0 == 0,
+            CopyKind::OffloadGrads { chunk } => !fetch && chunk.0 == 0,
+            _ => false,
+        },
+        _ => false,
+    };
+    let fetch = mutated.streams[h2d]
+        .instrs
+        .iter()
+        .find(|i| of_chunk0(i, true))
+        .cloned()
+        .expect("chunk 0's upload");
+    let offload = mutated.streams[d2h]
+        .instrs
+        .iter()
+        .position(|i| of_chunk0(i, false))
+        .expect("chunk 0's gradient offload");
+    let event = EventId(mutated.events);
+    mutated.events += 1;
+    mutated.streams[d2h]
+        .instrs
+        .insert(offload + 1, Instr::Record { event });
+    mutated.streams[h2d].instrs.push(Instr::Wait { event });
+    mutated.streams[h2d].instrs.push(fetch);
+    mutated
+}
