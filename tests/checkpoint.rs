@@ -415,13 +415,21 @@ fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
     args.extend(["--keep-checkpoints", "0"]);
     let seen = killed_after(&args, 12);
     assert_eq!(files(&disk).len(), 1, "the killed run's state file stays");
+    let left = files(&disk);
     let mut resume = run.clone();
     resume.extend(["--resume", path(&ckpt)]);
-    let resumed = losses(&protrain(&resume));
+    let out = protrain(&resume);
+    let resumed = losses(&out);
     assert_eq!(
-        files(&disk).len(),
-        1,
-        "the resumed run removed its own file"
+        files(&disk),
+        Vec::<String>::new(),
+        "the resumed run removed the killed run's file, and its own"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("removed 1 state file(s) that killed runs left")
+            && stderr.contains(&left[0]),
+        "the removal is reported: {stderr}"
     );
     let mut straight = RUN.to_vec();
     straight.push("--log-json");

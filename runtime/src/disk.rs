@@ -3,7 +3,10 @@
 //!
 //! [`DiskFile::create`] makes a new file there and writes zeros over all of it, so that a
 //! disk too small fails at the start, naming the directory, not in the middle of a step; the
-//! file is removed when the [`DiskFile`] is dropped. Reads and writes are positioned
+//! file is removed when the [`DiskFile`] is dropped. A run killed with `kill -9` cannot remove
+//! its file: every live file is held under an exclusive lock ([`File::try_lock`]) for the
+//! life of its process, so the next [`DiskFile::create`] in the directory removes the files
+//! nobody holds ([`sweep`]) and says which. Reads and writes are positioned
 //! (`pread`/`pwrite` through [`FileExt`]), so several threads can use the file at once; the
 //! schedule's events keep them off each other's bytes. Plain buffered I/O: `O_DIRECT` would
 //! need aligned host buffers and is not measured to pay yet.
@@ -24,6 +27,7 @@ pub struct DiskFile {
     file: File,
     path: PathBuf,
     bytes: u64,
+    swept: Vec<PathBuf>,
 }
 
 /// Files made by this process so far, for unique names.
@@ -53,6 +57,7 @@ impl DiskFile {
                 )))
             }
         }
+        let swept = sweep(dir);
         let n = MADE.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("protrain-{}-{n}.state", std::process::id()));
         let file = OpenOptions::new()
@@ -67,7 +72,20 @@ impl DiskFile {
                     path.display()
                 ))
             })?;
-        let disk = Self { file, path, bytes };
+        // Held until the file is closed: the mark of a live file for another run's sweep.
+        file.try_lock().map_err(|e| {
+            bad(format!(
+                "cannot lock the state file {} it holds ({e}); give a --disk-dir on a file \
+                 system with file locks",
+                path.display()
+            ))
+        })?;
+        let disk = Self {
+            file,
+            path,
+            bytes,
+            swept,
+        };
         let zeros = vec![0u8; FILL.min(bytes as usize)];
         let mut at = 0u64;
         while at < bytes {
@@ -83,6 +101,12 @@ impl DiskFile {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The state files of killed runs that [`DiskFile::create`] removed from the directory
+    /// before making this one ([`sweep`]).
+    pub fn swept(&self) -> &[PathBuf] {
+        &self.swept
     }
 
     /// The file's size in bytes.
@@ -202,6 +226,53 @@ pub fn check(path: &Path) -> Result<()> {
     }
 }
 
+/// Whether `name` is the name [`DiskFile::create`] gives its files: `protrain-PID-N.state`.
+/// Returns the PID.
+fn state_file_pid(name: &str) -> Option<u32> {
+    let (pid, n) = name
+        .strip_prefix("protrain-")?
+        .strip_suffix(".state")?
+        .split_once('-')?;
+    n.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
+/// Removes from `dir` the state files that no live run holds: left by runs killed before
+/// they could remove their own (what they held lives on in their checkpoints, never in this
+/// file). A file counts as left when its name is one [`DiskFile::create`] gives, it is a plain
+/// file, no process holds its lock, and the process that made it (the PID in its name) is not
+/// running on this machine (checked through `/proc` where there is one; the lock alone
+/// decides elsewhere). Returns the paths removed; files it cannot open, lock or remove are
+/// left alone, since they are not provably stale.
+pub fn sweep(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let proc_here = Path::new("/proc/self").exists();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(state_file_pid) else {
+            continue;
+        };
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if proc_here && Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            continue;
+        };
+        if file.try_lock().is_ok() && std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    removed
+}
+
 impl Drop for DiskFile {
     fn drop(&mut self) {
         // Nothing else holds the path: the state lives on only in checkpoints, which copy it.
@@ -229,6 +300,49 @@ mod tests {
         assert!(disk.read(9_999, &mut out).is_err(), "past the end");
         drop(disk);
         assert!(!path.exists(), "removed on drop");
+    }
+
+    /// The PID of a process that has exited (and been waited for).
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    fn a_killed_runs_file_is_swept_and_a_held_or_foreign_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid = dead_pid();
+        let left = dir.path().join(format!("protrain-{pid}-0.state"));
+        let held = dir.path().join(format!("protrain-{pid}-1.state"));
+        let foreign = [
+            "protrain-x-0.state",
+            "protrain-1-0.state.tmp",
+            "notes.state",
+        ];
+        std::fs::write(&left, b"left by kill -9").unwrap();
+        std::fs::write(&held, b"still in use").unwrap();
+        for name in foreign {
+            std::fs::write(dir.path().join(name), b"not ours").unwrap();
+        }
+        let holder = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&held)
+            .unwrap();
+        holder.try_lock().unwrap();
+        let disk = DiskFile::create(dir.path(), 64).unwrap();
+        assert_eq!(disk.swept(), [left.clone()]);
+        assert!(!left.exists() && held.exists());
+        for name in foreign {
+            assert!(dir.path().join(name).exists(), "{name} is not a state file");
+        }
+        // Another run's sweep leaves this live file (held, and made by a live process).
+        assert!(sweep(dir.path()).is_empty());
+        assert!(disk.path().exists());
+        drop(holder);
+        assert_eq!(sweep(dir.path()), [held]);
     }
 
     #[test]

@@ -393,16 +393,19 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// cannot hold) in `dir`, preallocated and zeroed ([`DiskFile::create`]), and gives it to
     /// the backend; the file is removed when the executor is dropped. A schedule with a disk
     /// region needs this before its state is loaded or a step runs; one without ignores it.
-    pub fn set_disk_dir(&mut self, dir: &Path) -> Result<()> {
+    /// Returns the files of killed runs that making it removed from `dir`
+    /// ([`crate::disk::sweep`]), for the caller to report.
+    pub fn set_disk_dir(&mut self, dir: &Path) -> Result<Vec<PathBuf>> {
         let bytes = self.schedule.disk_bytes;
         if bytes == 0 {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let file = DiskFile::create(dir, bytes)?;
         let path = file.path().to_path_buf();
+        let swept = file.swept().to_vec();
         self.backend.attach_disk(file)?;
         self.disk_path = Some(path);
-        Ok(())
+        Ok(swept)
     }
 
     /// The disk tier's file, once made ([`Executor::set_disk_dir`]).

@@ -795,6 +795,7 @@ fn rank_trainer<'s, B: Backend>(
 ) -> Result<(Trainer<'s, B>, Vec<String>)> {
     let graph = &schedule.graph;
     let mut executor = Executor::<B>::with_backend(schedule)?;
+    let mut notes = Vec::new();
     if schedule.disk_bytes > 0 {
         let Some(dir) = &args.disk_dir else {
             return Err(Error::Usage(format!(
@@ -804,12 +805,20 @@ fn rank_trainer<'s, B: Backend>(
                 format_bytes(schedule.disk_bytes)
             )));
         };
-        executor.set_disk_dir(dir)?;
+        let swept = executor.set_disk_dir(dir)?;
+        if !swept.is_empty() {
+            let names: Vec<String> = swept.iter().map(|p| p.display().to_string()).collect();
+            notes.push(format!(
+                "note: removed {} state file(s) that killed runs left in --disk-dir: {} (their \
+                 state lives in their checkpoints)",
+                swept.len(),
+                names.join(", ")
+            ));
+        }
     }
     if let Some(comm) = comm {
         executor.set_collective(comm)?;
     }
-    let mut notes = Vec::new();
     let trainer = match &args.resume {
         Some(dir) => {
             let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
