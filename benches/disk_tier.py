@@ -1,25 +1,30 @@
 #!/usr/bin/env python3
 """The disk tier on this machine: schedule-driven disk throughput against a plain sequential
 read and write of the same directory, measured in the same run, and the step-time cost of a
-tiny model's optimizer state on disk against host memory.
+tiny model's optimizer state on disk against host memory, with O_DIRECT and with buffered I/O.
 
 It builds the release binary, compiles gpt2-tiny (f32, batch 8 x seq 128, every chunk streamed:
-n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1) twice, once with everything in host memory and
-once with --host-memory small enough that every chunk's optimizer state moves to disk, trains
-each for --steps steps on the host backend (`protrain train`, whose report has the measured step
-time and each stream's measured busy time), and reads:
+n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1) with everything in host memory and with
+--host-memory small enough that every chunk's optimizer state moves to disk, trains each for
+--steps steps on the host backend (`protrain train`, whose report has the measured step time and
+each stream's measured busy time; the disk schedule once with PROTRAIN_DISK_IO=direct and once
+with PROTRAIN_DISK_IO=buffered, since the runtime's `auto` picks buffered for a state this
+small), and reads:
 
 - the disk schedule's throughput: the disk region's bytes read plus written per step over the
   disk_io stream's measured busy time;
-- a plain sequential throughput of --dir: --bytes written in 1 MiB blocks and fsync'd, then
-  read back, by this script (through the page cache, as the runtime reads);
-- the step time of both schedules and its ratio.
+- a plain sequential throughput of --dir by this script, in 8 MiB blocks: --bytes written and
+  fdatasync'd, then read back after dropping the file's pages from the page cache
+  (posix_fadvise DONTNEED), once buffered and once with O_DIRECT;
+- the step time of each schedule and its ratio to the host-memory one.
 
-Both disk figures go through the page cache: at this size the "disk" is mostly memory, which
-is what the runtime sees too. Use a larger model or --bytes beyond RAM to measure the device.
+At this model size the whole state is a few MB: buffered I/O is then served by the page cache,
+which is why it can look faster through the schedule than O_DIRECT. A state that needs the disk
+tier is larger than host memory, so the sequential figures (--bytes of 1 GiB or more) are the
+ones that say how fast it moves.
 
 Usage (from anywhere in the repository):
-    python3 benches/disk_tier.py [--dir /tmp] [--steps 30] [--bytes 256MiB]
+    python3 benches/disk_tier.py [--dir /tmp] [--steps 30] [--bytes 1GiB]
 """
 
 import argparse
@@ -49,7 +54,7 @@ def size(text: str) -> int:
     return int(text)
 
 
-def train(exe: Path, steps: int, extra: list) -> dict:
+def train(exe: Path, steps: int, extra: list, io: str = "direct") -> dict:
     out = subprocess.run(
         [str(exe), "train", "gpt2-tiny", "--steps", str(steps), "--policy", POLICY]
         + SHAPE
@@ -57,6 +62,7 @@ def train(exe: Path, steps: int, extra: list) -> dict:
         capture_output=True,
         text=True,
         check=True,
+        env=dict(os.environ, PROTRAIN_DISK_IO=io),
     ).stdout
     step = re.search(r"step time .* measured ([0-9.]+) s", out)
     busy = dict(re.findall(r"^  (\w+)\s+[0-9.]+ s\s+([0-9.]+) s", out, re.M))
@@ -85,22 +91,36 @@ def host_region(exe: Path, tmp: Path) -> tuple:
     return size(region), states
 
 
-def sequential(directory: Path, nbytes: int) -> tuple:
-    block = b"\x5a" * (1 << 20)
+def sequential(directory: Path, nbytes: int, direct: bool) -> tuple:
+    """Read and write bandwidth of --dir, buffered or with O_DIRECT (None where refused)."""
+    import mmap
+
+    block = mmap.mmap(-1, 8 << 20)  # page-aligned, as O_DIRECT needs
+    block.write(b"\x5a" * len(block))
+    nbytes = max(len(block), nbytes // len(block) * len(block))
     path = directory / f"protrain-bench-{os.getpid()}.bin"
+    extra = os.O_DIRECT if direct else 0
     try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | extra, 0o644)
+        except OSError:
+            return None
         started = time.perf_counter()
-        with open(path, "wb") as f:
-            for _ in range(nbytes // len(block)):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            for at in range(0, nbytes, len(block)):
+                os.pwritev(fd, [block], at)
+        except OSError:
+            return None
+        os.fdatasync(fd)
         write = nbytes / (time.perf_counter() - started)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | extra)
         started = time.perf_counter()
-        with open(path, "rb") as f:
-            while f.read(len(block)):
-                pass
+        for at in range(0, nbytes, len(block)):
+            os.preadv(fd, [block], at)
         read = nbytes / (time.perf_counter() - started)
+        os.close(fd)
     finally:
         path.unlink(missing_ok=True)
     return read, write
@@ -110,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--bytes", default="256MiB")
+    parser.add_argument("--bytes", default="1GiB")
     args = parser.parse_args()
     exe = binary()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -118,26 +138,32 @@ def main() -> None:
         region, states = host_region(exe, tmp)
         # Two staging buffers of the largest state replace all of them.
         budget = region - sum(states) + 2 * max(states) + 4096
+        flags = ["--host-memory", str(budget), "--disk-memory", "1GiB", "--disk-dir", str(tmp)]
         host = train(exe, args.steps, [])
-        disk = train(
-            exe,
-            args.steps,
-            ["--host-memory", str(budget), "--disk-memory", "1GiB", "--disk-dir", str(tmp)],
-        )
-        read, write = sequential(Path(args.dir), size(args.bytes))
+        disk = {io: train(exe, args.steps, flags, io) for io in ("direct", "buffered")}
+        plain = {io: sequential(Path(args.dir), size(args.bytes), io == "direct") for io in disk}
     moved = 2 * sum(states)
-    io = disk["busy"].get("disk_io", 0.0)
     print(f"directory          {args.dir}")
-    print(f"sequential         {read / 1e9:.2f} GB/s read, {write / 1e9:.2f} GB/s write (fsync'd)")
-    if io > 0:
+    for io in ("direct", "buffered"):
+        if plain[io] is None:
+            print(f"sequential {io:8} refused by the file system")
+            continue
+        read, write = plain[io]
         print(
-            f"schedule           {moved / io / 1e9:.2f} GB/s ({moved / 1e6:.2f} MB read + written "
-            f"per step in {io * 1e3:.3f} ms of disk_io busy time)"
+            f"sequential {io:8} {read / 1e9:.2f} GB/s read (uncached), {write / 1e9:.2f} GB/s "
+            f"write (fdatasync'd), {size(args.bytes) >> 20} MiB in 8 MiB blocks"
         )
-    print(
-        f"step time          host {host['step'] * 1e3:.2f} ms, disk {disk['step'] * 1e3:.2f} ms "
-        f"({disk['step'] / host['step']:.2f}x)"
-    )
+    for io, run in disk.items():
+        busy = run["busy"].get("disk_io", 0.0)
+        if busy > 0:
+            print(
+                f"schedule   {io:8} {moved / busy / 1e9:.2f} GB/s ({moved / 1e6:.2f} MB read + "
+                f"written per step in {busy * 1e3:.3f} ms of disk_io busy time)"
+            )
+    print(f"step time          host {host['step'] * 1e3:.2f} ms", end="")
+    for io, run in disk.items():
+        print(f", disk {io} {run['step'] * 1e3:.2f} ms ({run['step'] / host['step']:.2f}x)", end="")
+    print()
 
 
 if __name__ == "__main__":

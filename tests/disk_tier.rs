@@ -92,7 +92,13 @@ fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
 /// optimizer state's bits, in order.
 type Trace = (Vec<u32>, Vec<Vec<u32>>, Vec<Vec<u32>>);
 
+/// An executor of `schedule` with its disk file in `dir`. Every file in these tests moves its
+/// bulk with `O_DIRECT` (where the file system takes it), the runtime's choice for a state
+/// the page cache cannot hold, so that path runs through whole schedules; the runtime's unit
+/// tests cover buffered I/O and every alignment against a plain byte vector.
 fn executor<'s>(schedule: &'s VerifiedSchedule, dir: &std::path::Path) -> Executor<'s> {
+    static DIRECT: std::sync::Once = std::sync::Once::new();
+    DIRECT.call_once(|| std::env::set_var(protrain::runtime::disk::IO_ENV, "direct"));
     let mut exec = Executor::new(schedule).unwrap();
     exec.set_disk_dir(dir).unwrap();
     exec

@@ -45,7 +45,8 @@ pub struct Args {
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
     /// Also measure the disk tier's read and write bandwidth in this directory (a file of
-    /// --disk-bytes written, synced and read back, then removed); the profile keeps the
+    /// --disk-bytes written, synced and read back, then removed), with O_DIRECT as the runtime
+    /// moves state (PROTRAIN_DISK_IO=buffered: through the page cache); the profile keeps the
     /// assumed NVMe rates without it.
     #[arg(long, value_name = "DIR")]
     disk_dir: Option<PathBuf>,
@@ -61,8 +62,12 @@ fn measure_disk(profile: &mut HardwareProfile, dir: &std::path::Path, bytes: &st
     let bw = protrain::runtime::disk::measure(dir, bytes, 64 << 20)?;
     profile.disk.read_bandwidth = bw.read.round();
     profile.disk.write_bandwidth = bw.write.round();
+    let io = match bw.io {
+        protrain::runtime::disk::DiskIo::Direct => "O_DIRECT",
+        protrain::runtime::disk::DiskIo::Buffered => "through the page cache",
+    };
     eprintln!(
-        "disk            {:.2} GB/s read, {:.2} GB/s write (synced) in {} with {}",
+        "disk            {:.2} GB/s read, {:.2} GB/s write (synced) in {} with {}, {io}",
         bw.read / 1e9,
         bw.write / 1e9,
         dir.display(),
