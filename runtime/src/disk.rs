@@ -15,10 +15,10 @@
 //! a range that starts on a block boundary (every chunk's state does, see the compiler's
 //! `DISK_ALIGN`) move straight between the disk and memory, through an aligned bounce buffer
 //! when the memory side is not block-aligned; a range's unaligned head or tail goes through
-//! the page cache. Measured on this project's 2-core test machine (`benches/disk_tier.py`,
-//! sequential 8 MiB blocks of a 2 GiB file, each write run ended by `fdatasync`): buffered
-//! writes reach 0.3 to 0.5 GB/s and `O_DIRECT` writes 2.1 to 2.4 GB/s, with reads about equal
-//! (1.1 to 1.4 GB/s, the page cache dropped first). A state that lives on disk is larger than
+//! the page cache. Measured on this project's 2-core test machine (sequential 8 MiB blocks of
+//! a 1 to 2 GiB file, each write run ended by `fdatasync`; `benches/disk_tier.py` measures it
+//! so): buffered writes reach 0.3 to 0.5 GB/s and `O_DIRECT` writes 1.5 to 2.4 GB/s, with
+//! reads about equal (1.0 to 1.4 GB/s, the page cache dropped first). A state that lives on disk is larger than
 //! host memory, so the page cache cannot hold it, and buffered writes end up at the rate of
 //! the kernel's write-back; `O_DIRECT` also spares the copy into the cache. A file the page
 //! cache can hold is better served from it (the same benchmark's tiny state moved 5.3 GB/s
