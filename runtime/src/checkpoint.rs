@@ -57,6 +57,9 @@ const FORMAT_KEY: &str = "protrain.checkpoint";
 /// (`METADATA_CHECKSUM_KEY`). Versions 1 and 2 are still read.
 const FORMAT_VERSION: &str = "3";
 
+/// The bytes of a rank's error that [`Checkpoint::restore`] passes on to the other ranks.
+const REPORT_BYTES: usize = 1024;
+
 /// The layouts this build reads.
 const READABLE_VERSIONS: [&str; 3] = ["1", "2", "3"];
 
@@ -1063,27 +1066,35 @@ impl Checkpoint {
             Ok(())
         };
         let result = restored();
-        // 0: restored; 1: damaged (fall back); 2: another failure.
-        let status = match &result {
-            Ok(()) => 0u8,
-            Err(RuntimeError::BadCheckpoint { .. }) => 1,
-            Err(_) => 2,
-        };
-        let all = executor.exchange(&[status])?;
+        // Each rank's outcome (0: restored; 1: damaged, so fall back; 2: another failure)
+        // and the start of its error, so rank 0's message names what a worker found.
+        let mut send = vec![0u8; 1 + REPORT_BYTES];
+        if let Err(e) = &result {
+            send[0] = match e {
+                RuntimeError::BadCheckpoint { .. } => 1,
+                _ => 2,
+            };
+            let text = e.to_string();
+            let mut end = text.len().min(REPORT_BYTES);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            send[1..1 + end].copy_from_slice(&text.as_bytes()[..end]);
+        }
+        let all = executor.exchange(&send)?;
         result?;
         if let Some((q, s)) = all.iter().enumerate().find(|(_, s)| s[0] != 0) {
+            let text = String::from_utf8_lossy(&s[1..]);
+            let text = text.trim_end_matches('\0');
             return Err(match s[0] {
                 1 => RuntimeError::BadCheckpoint {
                     path: self.path.clone(),
-                    problem: format!(
-                        "is damaged: rank {q} found a shard's data that does not match its \
-                         checksum (its warning names it); resume from an earlier checkpoint"
-                    ),
+                    problem: format!("could not be read on rank {q}: {text}"),
                 },
                 _ => RuntimeError::Collective {
                     rank: q,
                     problem: format!(
-                        "could not restore its part of {} (its error says why)",
+                        "could not restore its part of {}: {text}",
                         self.path.display()
                     ),
                 },
@@ -1122,13 +1133,14 @@ fn expected_tensors(graph: &Graph) -> Vec<ExpectedTensor> {
 /// The problems (how many, and the first few listed) of a sharded checkpoint's tensors
 /// against the tensors `expected`: missing, of another shape, or not expected.
 fn manifest_mismatch(shards: &Shards, expected: &[ExpectedTensor]) -> Option<(usize, String)> {
+    // The lines `WeightFile::check_against` gives for a single file.
     let mut problems = Vec::new();
     for e in expected {
         let name = &e.names[0];
         match shards.find(name) {
-            None => problems.push(format!("missing: {name} {:?}", e.shape)),
+            None => problems.push(format!("  missing: `{name}` {:?}", e.shape)),
             Some(i) if shards.manifest.tensors[i].shape != e.shape => problems.push(format!(
-                "shape: {name} is {:?} in the checkpoint, the model expects {:?}",
+                "  wrong shape: `{name}` is {:?} in the file, the model expects {:?}",
                 shards.manifest.tensors[i].shape, e.shape
             )),
             Some(_) => {}
@@ -1136,11 +1148,17 @@ fn manifest_mismatch(shards: &Shards, expected: &[ExpectedTensor]) -> Option<(us
     }
     for t in &shards.manifest.tensors {
         if !expected.iter().any(|e| e.names[0] == t.name) {
-            problems.push(format!("unexpected: {} {:?}", t.name, t.shape));
+            problems.push(format!(
+                "  unexpected: `{}` {:?} is not a tensor of the model",
+                t.name, t.shape
+            ));
         }
     }
     let count = problems.len();
     problems.truncate(5);
+    if count > 5 {
+        problems.push(format!("  ... and {} more", count - 5));
+    }
     (count > 0).then(|| (count, problems.join("\n")))
 }
 
