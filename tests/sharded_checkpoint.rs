@@ -124,10 +124,8 @@ fn close(have: &[(u64, String)], want: &[(u64, String)], rel: f64) {
 /// third step's loss bit for bit (the state read back is the same) and the fourth within
 /// 1e-5 (2 ranks of 2 micro-batches sum the gradients in another order than 4 ranks do).
 ///
-/// Mutations that fail it: `Executor::load_held` reading `0..hi - lo` instead of `lo..hi`
-/// (every rank but 0 reads rank 0's elements: the 4-rank resume's losses differ); the owner
-/// rule giving each piece to the highest rank holding it (rank 3 writes everything: the
-/// size check fails).
+/// Mutation that fails it: `Executor::load_held` reading `0..hi - lo` instead of `lo..hi`
+/// (every rank but 0 reads rank 0's elements: the 4-rank resume's losses differ).
 #[test]
 fn four_ranks_write_a_shard_each_and_resume_on_four_two_and_one() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -240,9 +238,8 @@ fn flip_last_byte(file: &Path) {
 /// but before the manifest (no manifest: the shards alone do not count).
 ///
 /// Mutations that fail it: `Shards::read` skipping the block checksum (the flipped byte is
-/// read: the losses differ and no warning is given); `Checkpoint::restore` not telling the
-/// other ranks (rank 3 fails alone: the run fails instead of falling back); `Shards::open`
-/// not checking the shard files (the missing one fails the restore instead).
+/// read: no warning is given); `Checkpoint::restore` not telling the other ranks (rank 3
+/// fails alone: the run fails instead of falling back).
 #[test]
 fn damaged_or_missing_shards_fall_back_to_the_checkpoint_before() {
     let whole = uninterrupted();
@@ -314,9 +311,9 @@ fn damaged_or_missing_shards_fall_back_to_the_checkpoint_before() {
 /// resume as if uninterrupted: whatever a shard or manifest write was doing, the newest
 /// complete manifest and its shards are intact (each written atomically, the manifest last).
 ///
-/// Mutation that fails it: writing the manifest before the shards (rank 0 writes it before
-/// the exchange): a kill between them leaves a manifest naming shards that are not there,
-/// and resuming warns of a missing shard; the test asserts no warning.
+/// Mutation that fails it: `Executor::load_held` reading `0..hi - lo` (the resumed losses
+/// differ). Where the kill lands is not controlled (a step's line is printed after its
+/// checkpoint, and the ranks fsync five files a step, so it mostly lands in a save).
 #[test]
 fn a_sharded_run_killed_while_saving_resumes_as_if_uninterrupted() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -387,8 +384,8 @@ fn a_sharded_run_killed_while_saving_resumes_as_if_uninterrupted() {
 /// byte, streamed one parameter at a time (the workers join each gather).
 ///
 /// Mutation that fails it: the workers reading the parameters in parameter order instead of
-/// the file's (`save_order`): their gathers pair with rank 0's for other tensors, so the
-/// sizes mismatch and the run fails.
+/// the file's (`save_order`): their gathers pair with rank 0's for other tensors, and the
+/// run fails.
 #[test]
 fn save_of_sharded_ranks_is_the_single_ranks_file_byte_for_byte() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -423,4 +420,80 @@ fn a_sharded_checkpoint_with_another_global_batch_is_refused() {
         "{err}"
     );
     assert!(out.stdout.is_empty());
+}
+
+/// 2 ranks of which every one holds the persistent chunk whole (replicated) and a slice of
+/// each streamed chunk: rank 0 alone writes the replicated tensors, once, and each rank its
+/// slices; the checkpoint resumes on 1 rank of 2 micro-batches as the uninterrupted run.
+///
+/// Mutation that fails it: the owner rule giving a tensor every rank holds to the highest
+/// rank (`t.held[q + 1..]` for `t.held[..q]`): the embedding lands in rank 1's shard.
+#[test]
+fn replicated_state_is_written_once_by_rank_0() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let two_ranks = |steps: &'static str, ranks: &[&'static str], extra: &[&str]| {
+        let mut a: Vec<String> = [
+            "train",
+            "gpt2-tiny",
+            "--dtype",
+            "bf16",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            steps,
+            "--json",
+            "--policy",
+            "n_persist=1 n_buffer=1",
+        ]
+        .iter()
+        .chain(ranks)
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        protrain(&a)
+    };
+    let whole = losses(&two_ranks("4", &["--gpus", "2"], &[]));
+    let first = two_ranks(
+        "2",
+        &["--gpus", "2"],
+        &["--checkpoint-dir", path(&ckpt), "--save-every", "2"],
+    );
+    assert!(
+        stderr(&first).contains("1 of 4 chunks persistent"),
+        "{}",
+        stderr(&first)
+    );
+    assert_eq!(losses(&first), whole[..2]);
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(ckpt.join("step-00000002.manifest.json")).expect("the manifest"),
+    )
+    .expect("the manifest is JSON");
+    let pieces = |name: &str| {
+        let tensors = manifest["tensors"].as_array().expect("tensors");
+        let t = tensors
+            .iter()
+            .find(|t| t["name"] == name)
+            .expect("the tensor");
+        t["pieces"].clone()
+    };
+    // In the persistent chunk: whole, in rank 0's shard.
+    assert_eq!(
+        pieces("transformer.wte.weight"),
+        serde_json::json!([{"shard": 0, "start": 0, "len": 16384}])
+    );
+    // In a streamed chunk, across the ranks' slices.
+    let split = pieces("transformer.h.1.attn.c_attn.weight");
+    let shards: Vec<u64> = split
+        .as_array()
+        .expect("pieces")
+        .iter()
+        .map(|p| p["shard"].as_u64().expect("a shard"))
+        .collect();
+    assert_eq!(shards, [0, 1]);
+    let one = two_ranks("4", &["--grad-accum", "2"], &["--resume", path(&ckpt)]);
+    assert_eq!(losses(&one), whole[2..]);
 }
