@@ -231,6 +231,9 @@ fn flip_last_byte(file: &Path) {
     std::fs::write(file, bytes).expect("write it back");
 }
 
+/// What a case does to a copy of the checkpoint directory.
+type Damage<'a> = &'a dyn Fn(&Path);
+
 /// A checkpoint whose newest shard, manifest or save is damaged resumes from the one before,
 /// on every rank alike, with a warning naming what was wrong: a flipped byte in one shard's
 /// data (found only by the rank whose part it is, by its block checksum), a manifest naming
@@ -246,7 +249,7 @@ fn damaged_or_missing_shards_fall_back_to_the_checkpoint_before() {
     let template = tempfile::tempdir().expect("temp dir");
     let written = template.path().join("ckpt");
     checkpoint_four_ranks(&written, &whole);
-    let cases: [(&str, &dyn Fn(&Path), &str); 4] = [
+    let cases: [(&str, Damage, &str); 4] = [
         (
             "a flipped byte in rank 3's shard",
             &|d| flip_last_byte(&d.join("step-00000002.rank-3-of-4.safetensors")),
