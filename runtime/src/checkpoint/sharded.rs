@@ -427,6 +427,14 @@ impl Shards {
                 ))
             })?;
         }
+        let recorded = manifest.metadata.get("ranks");
+        if recorded != Some(&ranks.to_string()) {
+            return Err(bad(format!(
+                "is damaged: it records {} rank(s) but names {ranks} shard file(s); resume from \
+                 an earlier checkpoint",
+                recorded.map_or("no", String::as_str)
+            )));
+        }
         let step = manifest.metadata.get("step").cloned().unwrap_or_default();
         let dir = path.parent().unwrap_or(Path::new("."));
         let mut files = Vec::with_capacity(ranks);
