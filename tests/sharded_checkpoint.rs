@@ -407,7 +407,11 @@ fn save_of_sharded_ranks_is_the_single_ranks_file_byte_for_byte() {
 }
 
 /// A sharded checkpoint resumed with another global batch (2 ranks x 1 micro-batch for the
-/// checkpoint's 4) is refused before anything runs, naming the way out.
+/// checkpoint's 4) is refused before anything runs, naming the way out: the settings are
+/// read from the manifest before anything is compiled.
+///
+/// Mutation that fails it: `peek_latest` reading a manifest as a single file (the run fails
+/// with a safetensors error instead).
 #[test]
 fn a_sharded_checkpoint_with_another_global_batch_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
