@@ -805,9 +805,9 @@ fn sharded_ranks_train_and_save_as_accumulation() {
     );
 }
 
-/// 4 ranks with sharded chunks checkpoint (the workers join rank 0's gathers) and resume on
-/// 4 ranks, and on 1 rank accumulating the 4 micro-batches, as the uninterrupted run; the
-/// checkpoint holds whole tensors, so any number of ranks can read it.
+/// 4 ranks with sharded chunks checkpoint (each rank its own shard, rank 0 the manifest) and
+/// resume on 4 ranks, and on 1 rank accumulating the 4 micro-batches, as the uninterrupted
+/// run; each resuming rank reads its part (`tests/sharded_checkpoint.rs` covers the rest).
 #[test]
 fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     let dir = tempfile::tempdir().expect("temp dir");

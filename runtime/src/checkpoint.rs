@@ -22,6 +22,16 @@
 //! metadata (every other key and value, tensor checksums included); both are verified on load,
 //! and the step in the metadata must match the file name: a damaged checkpoint is refused, and
 //! [`load_latest`] falls back to the one before it with a warning.
+//!
+//! A run of several ranks writes a *sharded* checkpoint instead ([`sharded`]): each rank its
+//! own shard file of the state it holds, with no gather, and rank 0 a manifest
+//! (`step-NNNNNNNN.manifest.json`) naming them, written last. Either kind resumes on any
+//! number of ranks: each rank reads the elements it holds under the resuming schedule
+//! ([`Checkpoint::restore`]), from the shards that hold them, so a checkpoint of 4 ranks
+//! resumes on 2 or 1 and one of 1 rank on 4 (re-sharding). A single rank writes the
+//! single file, as before.
+
+pub mod sharded;
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
@@ -31,8 +41,11 @@ use crate::train::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
 use serde::{Deserialize, Serialize};
+pub use sharded::{manifest_name, shard_name};
+use sharded::{Shards, MANIFEST_SUFFIX};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// The metadata key that marks a protrain checkpoint; its value is the layout version.
@@ -43,6 +56,9 @@ const FORMAT_KEY: &str = "protrain.checkpoint";
 /// (`RUN_KEY`, `OPTIMIZER_KEY`) and the checksum of the whole metadata
 /// (`METADATA_CHECKSUM_KEY`). Versions 1 and 2 are still read.
 const FORMAT_VERSION: &str = "3";
+
+/// The bytes of a rank's error that [`Checkpoint::restore`] passes on to the other ranks.
+const REPORT_BYTES: usize = 1024;
 
 /// The layouts this build reads.
 const READABLE_VERSIONS: [&str; 3] = ["1", "2", "3"];
@@ -251,10 +267,13 @@ pub fn file_name(step: u64) -> String {
     format!("{PREFIX}{step:08}{SUFFIX}")
 }
 
-/// The step a checkpoint file name stands for; `None` for any other name (temporary files
-/// included).
+/// The step a checkpoint file name (a single file's or a sharded checkpoint's manifest)
+/// stands for; `None` for any other name (temporary files and shard files included).
 fn step_of(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix(PREFIX)?.strip_suffix(SUFFIX)?;
+    let rest = name.strip_prefix(PREFIX)?;
+    let digits = rest
+        .strip_suffix(SUFFIX)
+        .or_else(|| rest.strip_suffix(MANIFEST_SUFFIX))?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
@@ -283,6 +302,10 @@ fn metadata_checksum<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) 
 /// Writes the executor's training state to `dir` (created if need be) as
 /// [`file_name`]`(progress.step)`, atomically, and returns its path. The checkpoint records no
 /// run settings: see [`save_run`] for one that `--resume` alone continues.
+///
+/// An executor of several ranks writes a sharded checkpoint ([`sharded`]): every rank must
+/// call this at the same step; each writes its own shard, rank 0 the manifest
+/// ([`manifest_name`]) once all are written, and every rank returns the manifest's path.
 pub fn save<B: Backend>(
     dir: &Path,
     executor: &Executor<'_, B>,
@@ -302,7 +325,8 @@ pub fn save_run<B: Backend>(
     write(dir, executor, progress, Some(run))
 }
 
-/// Writes a checkpoint, with the run's settings when given.
+/// Writes a checkpoint, with the run's settings when given: one file from a single rank, a
+/// sharded checkpoint from several.
 fn write<B: Backend>(
     dir: &Path,
     executor: &Executor<'_, B>,
@@ -313,6 +337,12 @@ fn write<B: Backend>(
         path: dir.to_path_buf(),
         source,
     })?;
+    let path = dir.join(file_name(progress.step));
+    let metadata = run_metadata(&path, executor.schedule(), progress, run)?;
+    if executor.rank().1 > 1 {
+        sharded::write(dir, executor, progress.step, metadata)?;
+        return Ok(dir.join(manifest_name(progress.step)));
+    }
     let schedule = executor.schedule();
     let graph = &schedule.graph;
     let params = executor.params()?;
@@ -335,67 +365,74 @@ fn write<B: Backend>(
     for ((name, data), s) in state.iter().zip(&state_shapes) {
         tensors.push((name.as_str(), s, data));
     }
-    let fingerprint = Fingerprint::of(schedule);
-    let (step, data_step, data_tokens) = (
-        progress.step.to_string(),
-        progress.data_step.to_string(),
-        progress.data_tokens.to_string(),
-    );
-    let (batch, seq) = (fingerprint.batch.to_string(), fingerprint.seq.to_string());
     let checksums: Vec<(String, String)> = tensors
         .iter()
         .map(|(name, _, data)| (format!("{CHECKSUM_PREFIX}{name}"), checksum(data)))
         .collect();
-    let mut metadata = vec![
-        (FORMAT_KEY, FORMAT_VERSION),
-        ("step", step.as_str()),
-        ("data_step", data_step.as_str()),
-        ("data_tokens", data_tokens.as_str()),
-        ("fingerprint", fingerprint.hash.as_str()),
-        ("model", fingerprint.model.as_str()),
-        ("batch", batch.as_str()),
-        ("seq", seq.as_str()),
-        ("optimizer", fingerprint.optimizer.as_str()),
-    ];
+    let mut metadata: Vec<(&str, &str)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     metadata.extend(checksums.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let sum = metadata_checksum(metadata.iter().copied());
+    metadata.push((METADATA_CHECKSUM_KEY, sum.as_str()));
+    save_safetensors(&path, &tensors, StorageDtype::F32, &metadata)?;
+    Ok(path)
+}
+
+/// What every checkpoint's metadata records of its run (but the tensor checksums and the
+/// metadata's own checksum): layout, progress, fingerprint, loss scaler, run and optimizer
+/// settings. `path` is named when the settings do not encode.
+fn run_metadata(
+    path: &Path,
+    schedule: &Schedule,
+    progress: &Progress,
+    run: Option<&RunSettings>,
+) -> Result<Vec<(String, String)>> {
+    let graph = &schedule.graph;
+    let fingerprint = Fingerprint::of(schedule);
+    let mut metadata: Vec<(String, String)> = [
+        (FORMAT_KEY, FORMAT_VERSION.to_string()),
+        ("step", progress.step.to_string()),
+        ("data_step", progress.data_step.to_string()),
+        ("data_tokens", progress.data_tokens.to_string()),
+        ("fingerprint", fingerprint.hash),
+        ("model", fingerprint.model),
+        ("batch", fingerprint.batch.to_string()),
+        ("seq", fingerprint.seq.to_string()),
+        ("optimizer", fingerprint.optimizer),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
     // The scale is an f32 (GradScaler's), so its shortest f64 text reads back exactly.
-    let scaler: Vec<(&str, String)> = match &progress.scaler {
-        Some(sc) => vec![
-            ("loss_scale", sc.scale.to_string()),
-            ("loss_scale_clean_steps", sc.clean_steps.to_string()),
-            ("adam_steps", sc.updates.to_string()),
-        ],
-        None => Vec::new(),
-    };
-    metadata.extend(scaler.iter().map(|(k, v)| (*k, v.as_str())));
-    let path = dir.join(file_name(progress.step));
+    if let Some(sc) = &progress.scaler {
+        metadata.push(("loss_scale".into(), sc.scale.to_string()));
+        metadata.push(("loss_scale_clean_steps".into(), sc.clean_steps.to_string()));
+        metadata.push(("adam_steps".into(), sc.updates.to_string()));
+    }
     let json = |what: &str, value: serde_json::Result<String>| {
         value.map_err(|e| RuntimeError::BadCheckpoint {
-            path: path.clone(),
+            path: path.to_path_buf(),
             problem: format!(
                 "cannot be written: its {what} do not encode as JSON ({e}); use a token file \
                  path that is valid UTF-8"
             ),
         })
     };
-    let run_json = run
-        .map(|r| json("run settings", serde_json::to_string(r)))
-        .transpose()?;
-    if let Some(text) = &run_json {
-        metadata.push((RUN_KEY, text.as_str()));
+    if let Some(r) = run {
+        metadata.push((
+            RUN_KEY.into(),
+            json("run settings", serde_json::to_string(r))?,
+        ));
     }
-    let optimizer_json = OptimizerSettings::of(graph)
-        .map(|o| json("optimizer settings", serde_json::to_string(&o)))
-        .transpose()?;
-    if let Some(text) = &optimizer_json {
-        metadata.push((OPTIMIZER_KEY, text.as_str()));
+    if let Some(o) = OptimizerSettings::of(graph) {
+        let text = json("optimizer settings", serde_json::to_string(&o))?;
+        metadata.push((OPTIMIZER_KEY.into(), text));
     }
     // Written by `save_safetensors` anyway; given here so that the checksum covers it.
-    metadata.push(("format", "pt"));
-    let sum = metadata_checksum(metadata.iter().copied());
-    metadata.push((METADATA_CHECKSUM_KEY, sum.as_str()));
-    save_safetensors(&path, &tensors, StorageDtype::F32, &metadata)?;
-    Ok(path)
+    metadata.push(("format".into(), "pt".into()));
+    Ok(metadata)
 }
 
 /// Every complete checkpoint in `dir` as `(step, path)`, oldest first. Temporary files left by
@@ -486,6 +523,38 @@ pub fn load_latest_params(dir: &Path, graph: &Graph) -> Result<(Vec<Vec<f32>>, P
 
 /// The parameters of the checkpoint at `path` for `graph`; see [`load_latest_params`].
 fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
+    if is_manifest(path) {
+        let shards = Shards::open(path)?;
+        header_of(path, &shards.manifest.metadata)?;
+        return graph
+            .params()
+            .map(|(_, p)| {
+                let want: Vec<usize> = graph
+                    .value(p.value)
+                    .ty
+                    .shape
+                    .iter()
+                    .map(|&d| d as usize)
+                    .collect();
+                let found = shards.find(&p.name);
+                let shape = found.map(|i| &shards.manifest.tensors[i].shape);
+                match (found, shape) {
+                    (Some(i), Some(shape)) if *shape == want => {
+                        shards.read(i, 0..want.iter().product())
+                    }
+                    _ => Err(RuntimeError::CheckpointMismatch {
+                        path: path.to_path_buf(),
+                        differences: format!(
+                            "parameter `{}` {}, the model expects {want:?}: the checkpoint is \
+                             of another model",
+                            p.name,
+                            shape.map_or("is missing".into(), |s| format!("is {s:?}"))
+                        ),
+                    }),
+                }
+            })
+            .collect();
+    }
     let (file, header) = read_header(path)?;
     let meta = file.metadata();
     let mut params = Vec::with_capacity(graph.params().len());
@@ -557,20 +626,41 @@ pub fn check_dir_is_ours(dir: &Path, resumed: Option<&Path>) -> Result<()> {
     })
 }
 
-/// Deletes all but the newest `keep` checkpoints in `dir` (none when `keep` is 0).
+/// Deletes all but the newest `keep` checkpoints in `dir` (none when `keep` is 0): a sharded
+/// one's manifest first (so it no longer counts), then its shard files; and the shard files
+/// older than the oldest kept checkpoint that no manifest names (left by a save that was
+/// killed).
 pub fn prune(dir: &Path, keep: usize) -> Result<()> {
     if keep == 0 {
         return Ok(());
     }
+    let remove = |path: &Path| {
+        std::fs::remove_file(path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
     let found = list(dir)?;
     let old = found.len().saturating_sub(keep);
     for (_, path) in &found[..old] {
-        std::fs::remove_file(path).map_err(|source| RuntimeError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        remove(path)?;
+    }
+    let Some(&(oldest_kept, _)) = found.get(old) else {
+        return Ok(());
+    };
+    for (step, path) in sharded::shard_files(dir)? {
+        if step < oldest_kept {
+            remove(&path)?;
+        }
     }
     Ok(())
+}
+
+/// Whether `path` names a sharded checkpoint's manifest (by its name).
+fn is_manifest(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with(MANIFEST_SUFFIX))
 }
 
 /// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3),
@@ -589,7 +679,21 @@ struct Header {
 /// are not read.
 fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
     let file = WeightFile::open(path)?;
-    let meta = file.metadata();
+    let header = header_of(path, file.metadata())?;
+    Ok((file, header))
+}
+
+/// The metadata of any checkpoint at `path` (a single file's, or a sharded checkpoint's
+/// manifest's) checked ([`Header`]); no tensor or shard file is read.
+fn read_any_header(path: &Path) -> Result<Header> {
+    match is_manifest(path) {
+        true => header_of(path, &sharded::read_manifest(path)?.metadata),
+        false => read_header(path).map(|(_, h)| h),
+    }
+}
+
+/// Checks the metadata `meta` of the checkpoint at `path` ([`Header`]).
+fn header_of(path: &Path, meta: &BTreeMap<String, String>) -> Result<Header> {
     let bad = |problem: String| RuntimeError::BadCheckpoint {
         path: path.to_path_buf(),
         problem,
@@ -693,7 +797,7 @@ fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
         run: parse(meta, RUN_KEY, bad)?,
         optimizer: parse(meta, OPTIMIZER_KEY, bad)?,
     };
-    Ok((file, header))
+    Ok(header)
 }
 
 /// What the newest readable checkpoint of a directory says about its run, read from its
@@ -722,8 +826,8 @@ pub fn peek_latest(dir: &Path) -> Result<SavedRun> {
     let found = list(dir)?;
     let mut last_error = None;
     for (_, path) in found.iter().rev() {
-        match read_header(path) {
-            Ok((_, h)) => {
+        match read_any_header(path) {
+            Ok(h) => {
                 return Ok(SavedRun {
                     path: path.clone(),
                     progress: h.progress,
@@ -742,28 +846,57 @@ pub fn peek_latest(dir: &Path) -> Result<SavedRun> {
 }
 
 /// A checkpoint read back and checked against a schedule, ready to [`restore`](Self::restore).
-#[derive(Clone, Debug)]
+///
+/// A single-file checkpoint is checked whole when it is loaded (every tensor's checksum); a
+/// sharded one's manifest and shard files are checked when it is loaded and its data, block
+/// by block, when it is restored (each rank reads only the blocks it needs).
+#[derive(Debug)]
 pub struct Checkpoint {
-    /// The file it was read from.
+    /// The file it was read from (a sharded checkpoint's manifest).
     pub path: PathBuf,
     /// Where the run stood when it was written.
     pub progress: Progress,
-    /// Every parameter, in the schedule's parameter order.
-    pub params: Vec<Vec<f32>>,
-    /// Every optimizer-state value by name.
-    pub state: Vec<(String, Vec<f32>)>,
     /// The run's settings, when the checkpoint records them (written by [`save_run`], layout
     /// 3 or later).
     pub run: Option<RunSettings>,
+    /// The ranks whose state it holds: the shard files of a sharded checkpoint, 1 for a
+    /// single file.
+    pub ranks: usize,
+    /// Where the tensors are.
+    source: Source,
+}
+
+/// Where a loaded checkpoint's tensors are.
+#[derive(Debug)]
+enum Source {
+    /// One file, whose tensors (under their own names) were checked when it was loaded.
+    File(WeightFile),
+    /// A sharded checkpoint.
+    Shards(Shards),
 }
 
 impl Checkpoint {
-    /// Reads the checkpoint at `path` for `schedule`. Fails with an error naming what differs
-    /// when it was written for another model, batch shape or optimizer, and with one naming
-    /// the file when it is not a protrain checkpoint or is damaged.
+    /// Reads the checkpoint at `path` (a single file, or a sharded checkpoint's manifest) for
+    /// `schedule`. Fails with an error naming what differs when it was written for another
+    /// model, batch shape or optimizer, and with one naming the file when it is not a
+    /// protrain checkpoint or is damaged (a shard file missing, or not the one its manifest
+    /// names).
     pub fn load(path: &Path, schedule: &Schedule) -> Result<Self> {
-        let (file, header) = read_header(path)?;
-        let meta = file.metadata();
+        let (source, header) = match is_manifest(path) {
+            true => {
+                let shards = Shards::open(path)?;
+                let header = header_of(path, &shards.manifest.metadata)?;
+                (Source::Shards(shards), header)
+            }
+            false => {
+                let (file, header) = read_header(path)?;
+                (Source::File(file), header)
+            }
+        };
+        let meta = match &source {
+            Source::File(file) => file.metadata(),
+            Source::Shards(shards) => &shards.manifest.metadata,
+        };
         let bad = |problem: String| RuntimeError::BadCheckpoint {
             path: path.to_path_buf(),
             problem,
@@ -806,32 +939,20 @@ impl Checkpoint {
                 ));
             }
         }
-        let dims = |id: ValueId| -> Vec<usize> {
-            graph
-                .value(id)
-                .ty
-                .shape
-                .iter()
-                .map(|&d| d as usize)
-                .collect()
+        let expected = expected_tensors(graph);
+        let tensor_problems = match &source {
+            Source::File(file) => match file.check_against(&expected) {
+                Ok(_) => None,
+                Err(RuntimeError::WeightsMismatch { count, report }) => Some((count, report)),
+                Err(e) => return Err(e),
+            },
+            Source::Shards(shards) => manifest_mismatch(shards, &expected),
         };
-        let expected: Vec<ExpectedTensor> = graph
-            .params()
-            .map(|(_, p)| ExpectedTensor::new(p.name.clone(), dims(p.value)))
-            .chain(
-                state_values(graph)
-                    .map(|id| ExpectedTensor::new(graph.value(id).name.clone(), dims(id))),
-            )
-            .collect();
-        match file.check_against(&expected) {
-            Ok(_) => {}
-            Err(RuntimeError::WeightsMismatch { count, report }) => {
-                differences.push(format!(
-                    "tensors: {count} problem(s)\n  {}",
-                    report.replace('\n', "\n  ")
-                ));
-            }
-            Err(e) => return Err(e),
+        if let Some((count, report)) = tensor_problems {
+            differences.push(format!(
+                "tensors: {count} problem(s)\n  {}",
+                report.replace('\n', "\n  ")
+            ));
         }
         if differences.is_empty() && text("fingerprint") != want.hash {
             differences.push(format!(
@@ -846,51 +967,237 @@ impl Checkpoint {
                 differences: differences.join("\n  "),
             });
         }
-        let n_params = graph.params().len();
-        let mut params = Vec::with_capacity(n_params);
-        let mut state = Vec::with_capacity(expected.len() - n_params);
-        for (i, tensor) in expected.iter().enumerate() {
-            let name = &tensor.names[0];
-            let data = file.read_f32_vec(name)?;
-            if version != 1 {
-                let key = format!("{CHECKSUM_PREFIX}{name}");
-                let Some(want) = meta.get(&key) else {
-                    return Err(bad(format!("lacks the checksum of {name}; it is damaged")));
-                };
-                let have = checksum(&data);
-                if *want != have {
-                    return Err(bad(format!(
-                        "is damaged: tensor {name} has checksum {have}, but {want} was \
-                         written; resume from an earlier checkpoint"
-                    )));
+        let ranks = match &source {
+            Source::File(file) => {
+                // Every tensor against its checksum, one at a time.
+                if version != 1 {
+                    for tensor in &expected {
+                        let name = &tensor.names[0];
+                        let data = file.read_f32_vec(name)?;
+                        let key = format!("{CHECKSUM_PREFIX}{name}");
+                        let Some(want) = meta.get(&key) else {
+                            return Err(bad(format!(
+                                "lacks the checksum of {name}; it is damaged"
+                            )));
+                        };
+                        let have = checksum(&data);
+                        if *want != have {
+                            return Err(bad(format!(
+                                "is damaged: tensor {name} has checksum {have}, but {want} \
+                                 was written; resume from an earlier checkpoint"
+                            )));
+                        }
+                    }
                 }
+                1
             }
-            if i < n_params {
-                params.push(data);
-            } else {
-                state.push((name.clone(), data));
-            }
-        }
+            Source::Shards(shards) => shards.ranks(),
+        };
         Ok(Self {
             path: path.to_path_buf(),
             progress,
-            params,
-            state,
             run: header.run,
+            ranks,
+            source,
         })
     }
 
+    /// Elements `range` of the checkpoint's tensor `name`: sliced from the tensor of a
+    /// single file, read from the shards that hold them (each block checked) of a sharded
+    /// one.
+    fn read(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        match &self.source {
+            Source::File(file) => {
+                let whole = file.read_f32_vec(name)?;
+                whole
+                    .get(range.clone())
+                    .map(<[f32]>::to_vec)
+                    .ok_or_else(|| {
+                        RuntimeError::Shape(format!(
+                            "elements {range:?} of {name} were asked for, the checkpoint holds {}",
+                            whole.len()
+                        ))
+                    })
+            }
+            Source::Shards(shards) => {
+                let index = shards
+                    .find(name)
+                    .ok_or_else(|| RuntimeError::BadCheckpoint {
+                        path: self.path.clone(),
+                        problem: format!(
+                            "has no tensor {name}; restore it into the schedule it was loaded for"
+                        ),
+                    })?;
+                shards.read(index, range)
+            }
+        }
+    }
+
     /// Puts the checkpoint's parameters, optimizer state and step count into `executor`, so
-    /// its next step is the one the checkpointed run would have taken next.
+    /// its next step is the one the checkpointed run would have taken next. Each rank reads
+    /// only the elements it holds under `executor`'s schedule, whatever the number of ranks
+    /// that wrote the checkpoint, and every rank of a data-parallel schedule must call it:
+    /// the ranks then agree whether all of them restored their part, so when one rank finds
+    /// damage ([`RuntimeError::BadCheckpoint`]) every rank fails with that kind of error and
+    /// [`restore_latest`] falls back to the same earlier checkpoint on every rank. Parameters
+    /// that are not finite are refused, naming the first.
     pub fn restore<B: Backend>(&self, executor: &mut Executor<'_, B>) -> Result<()> {
-        executor.load_params(&self.params)?;
-        executor.load_state(&self.state)?;
+        let origin = format!("the checkpoint {}", self.path.display());
+        let tensors = executor.state_tensors();
+        let n_params = executor.schedule().graph.params().len();
+        let mut restored = || -> Result<()> {
+            for (i, t) in tensors.iter().enumerate() {
+                executor.load_held(i, &mut |range| {
+                    let data = self.read(&t.name, range)?;
+                    if i < n_params {
+                        if let Some(&value) = data.iter().find(|v| !v.is_finite()) {
+                            return Err(RuntimeError::NonFiniteWeights {
+                                origin: origin.clone(),
+                                name: t.name.clone(),
+                                value,
+                                count: data.iter().filter(|v| !v.is_finite()).count(),
+                                len: data.len(),
+                            });
+                        }
+                    }
+                    Ok(data)
+                })?;
+            }
+            Ok(())
+        };
+        let result = restored();
+        // Each rank's outcome (0: restored; 1: damaged, so fall back; 2: another failure)
+        // and the start of its error, so rank 0's message names what a worker found.
+        let mut send = vec![0u8; 1 + REPORT_BYTES];
+        if let Err(e) = &result {
+            send[0] = match e {
+                RuntimeError::BadCheckpoint { .. } => 1,
+                _ => 2,
+            };
+            let text = e.to_string();
+            let mut end = text.len().min(REPORT_BYTES);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            send[1..1 + end].copy_from_slice(&text.as_bytes()[..end]);
+        }
+        let all = executor.exchange(&send)?;
+        result?;
+        if let Some((q, s)) = all.iter().enumerate().find(|(_, s)| s[0] != 0) {
+            let text = String::from_utf8_lossy(&s[1..]);
+            let text = text.trim_end_matches('\0');
+            return Err(match s[0] {
+                1 => RuntimeError::BadCheckpoint {
+                    path: self.path.clone(),
+                    problem: format!("could not be read on rank {q}: {text}"),
+                },
+                _ => RuntimeError::Collective {
+                    rank: q,
+                    problem: format!(
+                        "could not restore its part of {}: {text}",
+                        self.path.display()
+                    ),
+                },
+            });
+        }
         match &self.progress.scaler {
             Some(sc) => executor.set_steps(self.progress.step, sc.updates),
             None => executor.set_step(self.progress.step),
         }
         Ok(())
     }
+}
+
+/// The tensors a checkpoint of `graph`'s run holds: every parameter, then every
+/// optimizer-state value, with their shapes.
+fn expected_tensors(graph: &Graph) -> Vec<ExpectedTensor> {
+    let dims = |id: ValueId| -> Vec<usize> {
+        graph
+            .value(id)
+            .ty
+            .shape
+            .iter()
+            .map(|&d| d as usize)
+            .collect()
+    };
+    graph
+        .params()
+        .map(|(_, p)| ExpectedTensor::new(p.name.clone(), dims(p.value)))
+        .chain(
+            state_values(graph)
+                .map(|id| ExpectedTensor::new(graph.value(id).name.clone(), dims(id))),
+        )
+        .collect()
+}
+
+/// The problems (how many, and the first few listed) of a sharded checkpoint's tensors
+/// against the tensors `expected`: missing, of another shape, or not expected.
+fn manifest_mismatch(shards: &Shards, expected: &[ExpectedTensor]) -> Option<(usize, String)> {
+    // The lines `WeightFile::check_against` gives for a single file.
+    let mut problems = Vec::new();
+    for e in expected {
+        let name = &e.names[0];
+        match shards.find(name) {
+            None => problems.push(format!("  missing: `{name}` {:?}", e.shape)),
+            Some(i) if shards.manifest.tensors[i].shape != e.shape => problems.push(format!(
+                "  wrong shape: `{name}` is {:?} in the file, the model expects {:?}",
+                shards.manifest.tensors[i].shape, e.shape
+            )),
+            Some(_) => {}
+        }
+    }
+    for t in &shards.manifest.tensors {
+        if !expected.iter().any(|e| e.names[0] == t.name) {
+            problems.push(format!(
+                "  unexpected: `{}` {:?} is not a tensor of the model",
+                t.name, t.shape
+            ));
+        }
+    }
+    let count = problems.len();
+    problems.truncate(5);
+    if count > 5 {
+        problems.push(format!("  ... and {} more", count - 5));
+    }
+    (count > 0).then(|| (count, problems.join("\n")))
+}
+
+/// Restores the newest checkpoint in `dir` that loads for `executor`'s schedule and whose
+/// data every rank reads intact ([`Checkpoint::restore`]), and returns it with a warning for
+/// each newer one that was damaged and skipped, as [`load_latest`] skips them. Every rank of
+/// a data-parallel schedule must call it; they skip the same checkpoints.
+pub fn restore_latest<B: Backend>(
+    dir: &Path,
+    executor: &mut Executor<'_, B>,
+) -> Result<(Checkpoint, Vec<String>)> {
+    let schedule = executor.schedule();
+    let found = list(dir)?;
+    if found.is_empty() {
+        return Err(RuntimeError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let mut warnings = Vec::new();
+    let mut last_error = None;
+    for (_, path) in found.iter().rev() {
+        let restored =
+            Checkpoint::load(path, schedule).and_then(|ckpt| ckpt.restore(executor).map(|()| ckpt));
+        match restored {
+            Ok(ckpt) => return Ok((ckpt, warnings)),
+            Err(e @ RuntimeError::CheckpointMismatch { .. }) => return Err(e),
+            Err(e @ (RuntimeError::NonFiniteWeights { .. } | RuntimeError::Collective { .. })) => {
+                return Err(e)
+            }
+            Err(e) => {
+                warnings.push(format!(
+                    "warning: skipping {}: {e}; trying the checkpoint before it",
+                    path.display()
+                ));
+                last_error = Some(e);
+            }
+        }
+    }
+    Err(last_error.expect("at least one checkpoint was tried"))
 }
 
 #[cfg(test)]
@@ -909,7 +1216,12 @@ mod tests {
     fn only_complete_checkpoint_names_count() {
         assert_eq!(step_of(&file_name(40)), Some(40));
         assert_eq!(step_of("step-123456789.safetensors"), Some(123_456_789));
+        // A sharded checkpoint counts by its manifest; its shard files do not count.
+        assert_eq!(step_of(&manifest_name(40)), Some(40));
         for name in [
+            "step-00000040.rank-0-of-4.safetensors",
+            ".step-00000040.manifest.json.a1B2c3.tmp",
+            "step-00000040.manifest.json.tmp",
             "step-00000040.safetensors.tmp",
             ".step-00000040.safetensors.a1B2c3.tmp",
             "step-.safetensors",

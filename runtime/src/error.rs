@@ -174,8 +174,9 @@ pub enum RuntimeError {
     StepAborted,
     /// A directory to resume from that holds no checkpoint.
     #[error(
-        "no checkpoint in {dir} (the files are named step-NNNNNNNN.safetensors); check the \
-         directory, or start the run afresh instead of resuming"
+        "no checkpoint in {dir} (the files are named step-NNNNNNNN.safetensors, or \
+         step-NNNNNNNN.manifest.json for the shards of several ranks); check the directory, or \
+         start the run afresh instead of resuming"
     )]
     NoCheckpoint {
         /// The directory.

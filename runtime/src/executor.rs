@@ -188,6 +188,20 @@ pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
     Ok(out)
 }
 
+/// One tensor of the training state and the elements each rank holds of it
+/// ([`Executor::state_tensors`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateTensor {
+    /// The parameter's name, or the optimizer-state value's (`adam.m.NAME`).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its elements.
+    pub len: usize,
+    /// The elements rank `q` holds, at index `q` (empty when it holds none).
+    pub held: Vec<Range<usize>>,
+}
+
 /// A step input's home and the vocabulary its ids must fall in.
 struct InputHome {
     value: ValueId,
@@ -700,39 +714,232 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// With a sharded schedule every rank must call it (it gathers the ranks' shards, one
     /// parameter at a time) and every rank gets the whole weights.
     pub fn params(&self) -> Result<Vec<Vec<f32>>> {
-        self.params
-            .iter()
-            .map(|home| {
-                let mut out = vec![0.0; home.len];
+        (0..self.params.len()).map(|i| self.param(i)).collect()
+    }
+
+    /// Parameter `index`'s current values (in parameter order), as [`Executor::params`]
+    /// reads them: one tensor, so a caller writing the weights out holds one whole tensor
+    /// beyond the rank's shards at a time. With a sharded schedule every rank must call it
+    /// for the same parameters in the same order.
+    pub fn param(&self, index: usize) -> Result<Vec<f32>> {
+        let home = self.params.get(index).ok_or_else(|| {
+            RuntimeError::Shape(format!(
+                "the model has {} parameters, there is no parameter {index}",
+                self.params.len()
+            ))
+        })?;
+        let mut out = vec![0.0; home.len];
+        let (t, size) = match home.master {
+            Some(master) => (master, 4),
+            None => (home.at, home.dtype.size()),
+        };
+        if let Some((at, part)) = self.held(t, home.len, size) {
+            self.read_param_part(home, at, &mut out[part])?;
+        }
+        self.gather_parts(t, size, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads the `out.len()` elements of parameter `home` held at `at` as f32: from its f32
+    /// master weight when it has one, else widened from its own type.
+    fn read_param_part(&self, home: &ParamHome, at: Address, out: &mut [f32]) -> Result<()> {
+        match (home.master, home.dtype) {
+            (Some(_), _) => self.backend.read_f32(at, out)?,
+            (None, DType::BF16) => {
+                let mut narrow = vec![half::bf16::ZERO; out.len()];
+                self.backend.read_bf16(at, &mut narrow)?;
+                for (o, x) in out.iter_mut().zip(narrow) {
+                    *o = x.to_f32();
+                }
+            }
+            (None, DType::F16) => {
+                let mut narrow = vec![half::f16::ZERO; out.len()];
+                self.backend.read_f16(at, &mut narrow)?;
+                for (o, x) in out.iter_mut().zip(narrow) {
+                    *o = x.to_f32();
+                }
+            }
+            (None, _) => self.backend.read_f32(at, out)?,
+        }
+        Ok(())
+    }
+
+    /// The training state tensor by tensor, as the ranks hold it: every parameter (its f32
+    /// values, read from its master weight when it has one), then every optimizer-state value
+    /// in graph order (the order of [`Executor::params`] and [`Executor::state`]), each with
+    /// the elements every rank holds. Rank `q`'s part of a tensor in a sharded chunk is its
+    /// slice of the chunk; every rank holds all of any other tensor. A pure function of the
+    /// schedule: every rank computes every rank's parts without a collective.
+    pub fn state_tensors(&self) -> Vec<StateTensor> {
+        let graph = &self.schedule.graph;
+        let ranks = self.schedule.ranks();
+        let parts = |t: TensorRef, len: usize, size: u64| -> Vec<Range<usize>> {
+            (0..ranks)
+                .map(|q| held(self.schedule, t, len, size, q).map_or(0..0, |(_, r)| r))
+                .collect()
+        };
+        let shape = |id: ValueId| {
+            graph
+                .value(id)
+                .ty
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .collect()
+        };
+        let params = graph.params().zip(&self.params).map(|((_, p), home)| {
+            let (t, size) = match home.master {
+                Some(master) => (master, 4),
+                None => (home.at, home.dtype.size()),
+            };
+            StateTensor {
+                name: p.name.clone(),
+                shape: shape(p.value),
+                len: home.len,
+                held: parts(t, home.len, size),
+            }
+        });
+        let state = self.state.iter().map(|&(id, t, len)| StateTensor {
+            name: graph.value(id).name.clone(),
+            shape: shape(id),
+            len,
+            held: parts(t, len, 4),
+        });
+        params.chain(state).collect()
+    }
+
+    /// This rank's part of state tensor `index` ([`Executor::state_tensors`]: its
+    /// `held[rank]` elements), read from its home without any collective.
+    pub fn read_held(&self, index: usize) -> Result<Vec<f32>> {
+        match index.checked_sub(self.params.len()) {
+            None => {
+                let home = &self.params[index];
                 let (t, size) = match home.master {
                     Some(master) => (master, 4),
                     None => (home.at, home.dtype.size()),
                 };
-                if let Some((at, part)) = self.held(t, home.len, size) {
-                    let out = &mut out[part];
-                    match (home.master, home.dtype) {
-                        (Some(_), _) => self.backend.read_f32(at, out)?,
-                        (None, DType::BF16) => {
-                            let mut narrow = vec![half::bf16::ZERO; out.len()];
-                            self.backend.read_bf16(at, &mut narrow)?;
-                            for (o, x) in out.iter_mut().zip(narrow) {
-                                *o = x.to_f32();
-                            }
+                let Some((at, part)) = self.held(t, home.len, size) else {
+                    return Ok(Vec::new());
+                };
+                let mut out = vec![0.0; part.len()];
+                self.read_param_part(home, at, &mut out)?;
+                Ok(out)
+            }
+            Some(s) => {
+                let &(_, t, len) = self.state.get(s).ok_or_else(|| {
+                    RuntimeError::Shape(format!(
+                        "the training state has {} tensors, there is no tensor {index}",
+                        self.params.len() + self.state.len()
+                    ))
+                })?;
+                let Some((at, part)) = self.held(t, len, 4) else {
+                    return Ok(Vec::new());
+                };
+                let mut out = vec![0.0; part.len()];
+                self.backend.read_f32(at, &mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// Writes this rank's part of state tensor `index` ([`Executor::state_tensors`]) from
+    /// `read`, which is given the elements this rank needs (one range: for a parameter the
+    /// span of its own home's part and its master weight's) and returns their values. The
+    /// range is empty, and `read` not called, when the rank holds none of the tensor. A
+    /// parameter is written at its home (narrowed to its type) and at its master weight; the
+    /// step count is left alone ([`Executor::set_step`]).
+    pub fn load_held(
+        &mut self,
+        index: usize,
+        read: &mut dyn FnMut(Range<usize>) -> Result<Vec<f32>>,
+    ) -> Result<()> {
+        let wrong_length = |name: String, len: usize, got: usize| {
+            RuntimeError::Shape(format!(
+                "{got} values were read for {len} elements of {name}; the checkpoint is damaged"
+            ))
+        };
+        match index.checked_sub(self.params.len()) {
+            None => {
+                let home = &self.params[index];
+                let (len, dtype) = (home.len, home.dtype);
+                let mine = self.held(home.at, len, dtype.size());
+                let master = home.master.and_then(|m| self.held(m, len, 4));
+                let ranges: Vec<&Range<usize>> =
+                    mine.iter().chain(&master).map(|(_, r)| r).collect();
+                let (Some(lo), Some(hi)) = (
+                    ranges.iter().map(|r| r.start).min(),
+                    ranges.iter().map(|r| r.end).max(),
+                ) else {
+                    return Ok(());
+                };
+                let data = read(lo..hi)?;
+                if data.len() != hi - lo {
+                    let name = self
+                        .schedule
+                        .graph
+                        .params()
+                        .nth(index)
+                        .map(|(_, p)| p.name.clone());
+                    return Err(wrong_length(name.unwrap_or_default(), hi - lo, data.len()));
+                }
+                if let Some((at, part)) = mine {
+                    let data = &data[part.start - lo..part.end - lo];
+                    match dtype {
+                        DType::BF16 => {
+                            let narrow: Vec<half::bf16> =
+                                data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                            self.backend.write_bf16(at, &narrow)?;
                         }
-                        (None, DType::F16) => {
-                            let mut narrow = vec![half::f16::ZERO; out.len()];
-                            self.backend.read_f16(at, &mut narrow)?;
-                            for (o, x) in out.iter_mut().zip(narrow) {
-                                *o = x.to_f32();
-                            }
+                        DType::F16 => {
+                            let narrow: Vec<half::f16> =
+                                data.iter().map(|&x| half::f16::from_f32(x)).collect();
+                            self.backend.write_f16(at, &narrow)?;
                         }
-                        (None, _) => self.backend.read_f32(at, out)?,
+                        _ => self.backend.write_f32(at, data)?,
                     }
                 }
-                self.gather_parts(t, size, &mut out)?;
-                Ok(out)
-            })
-            .collect()
+                if let Some((at, part)) = master {
+                    self.backend
+                        .write_f32(at, &data[part.start - lo..part.end - lo])?;
+                }
+                Ok(())
+            }
+            Some(s) => {
+                let &(id, t, len) = self.state.get(s).ok_or_else(|| {
+                    RuntimeError::Shape(format!(
+                        "the training state has {} tensors, there is no tensor {index}",
+                        self.params.len() + self.state.len()
+                    ))
+                })?;
+                let Some((at, part)) = self.held(t, len, 4) else {
+                    return Ok(());
+                };
+                let data = read(part.clone())?;
+                if data.len() != part.len() {
+                    let name = self.schedule.graph.value(id).name.clone();
+                    return Err(wrong_length(name, part.len(), data.len()));
+                }
+                self.backend.write_f32(at, &data)
+            }
+        }
+    }
+
+    /// Every rank's `send` (all of the same length), in rank order: `send` alone without a
+    /// collective. Every rank of a data-parallel schedule must call it at the same point;
+    /// what the ranks agree on between steps (a checkpoint's shards) goes through it.
+    pub fn exchange(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut comm = self.comm();
+        let Some(comm) = comm.as_deref_mut() else {
+            return Ok(vec![send.to_vec()]);
+        };
+        let world = comm.world();
+        let mut recv = vec![0u8; send.len() * world];
+        comm.all_gather(send, &mut recv)?;
+        Ok(recv
+            .chunks(send.len().max(1))
+            .take(world)
+            .map(<[u8]>::to_vec)
+            .collect())
     }
 
     /// Records a [`Span`] for every kernel and copy of the following steps (or stops).

@@ -3,7 +3,10 @@
 
 use crate::error::Result;
 use crate::rng::Rng;
-use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
+use crate::weights::{
+    safetensors_order, save_safetensors, save_safetensors_streamed, ExpectedTensor, StorageDtype,
+    WeightFile,
+};
 use protrain_ir::{Graph, ParamInit};
 use std::path::Path;
 
@@ -57,6 +60,38 @@ pub fn load_params(graph: &Graph, path: &Path) -> Result<Vec<Vec<f32>>> {
     let file = WeightFile::open(path)?;
     let names = file.check_against(&expected_tensors(graph))?;
     names.iter().map(|name| file.read_f32_vec(name)).collect()
+}
+
+/// [`save_params`] with each parameter's values read when it is written, by `read` (given
+/// its index in parameter order), in [`save_order`]: the writer holds one parameter at a
+/// time, so a rank of a sharded run writes the whole model holding one tensor beyond its
+/// shards. The bytes are [`save_params`]'.
+pub fn save_params_streamed(
+    graph: &Graph,
+    path: &Path,
+    dtype: StorageDtype,
+    read: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+) -> Result<()> {
+    let shapes: Vec<Vec<usize>> = graph
+        .params()
+        .map(|(_, p)| {
+            let shape = &graph.value(p.value).ty.shape;
+            shape.iter().map(|&d| d as usize).collect()
+        })
+        .collect();
+    let specs: Vec<(&str, &[usize])> = graph
+        .params()
+        .zip(&shapes)
+        .map(|((_, p), shape)| (p.name.as_str(), shape.as_slice()))
+        .collect();
+    save_safetensors_streamed(path, &specs, dtype, &[], read)
+}
+
+/// The order [`save_params_streamed`] reads the parameters in (indices in parameter order):
+/// the file's, sorted by name. The other ranks of a sharded run read the weights in this
+/// order too, to join each gather.
+pub fn save_order(graph: &Graph) -> Vec<usize> {
+    safetensors_order(graph.params().map(|(_, p)| p.name.as_str()))
 }
 
 /// Saves parameters under their Hugging Face names (tied aliases are not written twice, as

@@ -465,11 +465,10 @@ pub struct CheckpointPlan {
 /// What a rank other than 0 does where rank 0 reads the weights, in a run whose schedule
 /// shards its offloaded chunks over the ranks: reading them gathers every rank's shard, so
 /// every rank must issue the same gathers at the same steps ([`Trainer::mirror_weight_reads`]).
+/// Checkpoints gather nothing: every rank writes its own shard ([`Trainer::save_checkpoints`]
+/// on every rank).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WeightReads {
-    /// Rank 0 writes a checkpoint (weights, then optimizer state) after every step that is a
-    /// multiple of this, and after the last.
-    pub checkpoint_every: Option<NonZeroU64>,
     /// Rank 0 evaluates the weights after every step that is a multiple of this.
     pub eval_every: Option<NonZeroU64>,
 }
@@ -640,16 +639,33 @@ impl<'s, B: Backend> Trainer<'s, B> {
         settings: RunSettings,
         checkpoint: &Checkpoint,
     ) -> Result<Self> {
-        let origin = format!("the checkpoint {}", checkpoint.path.display());
-        check_finite(&checkpoint.params, &executor.schedule().graph, &origin)?;
         checkpoint.restore(&mut executor)?;
+        Self::restored(executor, settings, checkpoint)
+    }
+
+    /// [`Trainer::resume`] with an executor into which `checkpoint` was restored already
+    /// ([`checkpoint::restore_latest`], which falls back past damaged checkpoints on every
+    /// rank alike).
+    pub fn restored(
+        executor: Executor<'s, B>,
+        settings: RunSettings,
+        checkpoint: &Checkpoint,
+    ) -> Result<Self> {
         let progress = checkpoint.progress;
+        let ranks = executor.rank().1;
         let mut trainer = Self::new(executor, settings, progress.data_step, progress.scaler)?;
         trainer.notes.push(format!(
             "resuming from {} (step {})",
             checkpoint.path.display(),
             progress.step
         ));
+        if checkpoint.ranks != ranks {
+            trainer.notes.push(format!(
+                "re-sharding: the checkpoint holds the state of {} rank(s), this run has {ranks}; \
+                 each rank read the part it holds",
+                checkpoint.ranks
+            ));
+        }
         // The synthetic corpus grows with the steps, always from the same start, so only a
         // token file can make the batches differ.
         let tokens = trainer.batcher.stream().len() as u64;
@@ -728,7 +744,9 @@ impl<'s, B: Backend> Trainer<'s, B> {
 
     /// Writes checkpoints as `plan` says, after checking that its directory holds none of
     /// another run ([`checkpoint::check_dir_is_ours`]; `resumed_from` is the directory this
-    /// run resumed from, whose checkpoints are its own).
+    /// run resumed from, whose checkpoints are its own). Every rank of a data-parallel run
+    /// must be given the same plan: each writes its own shard, rank 0 the manifest and the
+    /// pruning ([`checkpoint::save`]).
     pub fn save_checkpoints(
         &mut self,
         plan: CheckpointPlan,
@@ -752,14 +770,13 @@ impl<'s, B: Backend> Trainer<'s, B> {
     /// what the other ranks of a sharded run must join ([`Trainer::mirror_weight_reads`]).
     pub fn weight_reads(&self) -> WeightReads {
         WeightReads {
-            checkpoint_every: self.checkpoints.as_ref().map(|plan| plan.every),
             eval_every: self.eval.as_ref().map(|plan| plan.every),
         }
     }
 
-    /// Joins rank 0's weight reads (checkpoints and evaluations) on this rank, which writes
-    /// and evaluates nothing itself: with a schedule that shards its offloaded chunks, reading
-    /// the weights gathers every rank's shard, so every rank must read them at the same steps.
+    /// Joins rank 0's weight reads (evaluations) on this rank, which evaluates nothing
+    /// itself: with a schedule that shards its offloaded chunks, reading the weights gathers
+    /// every rank's shard, so every rank must read them at the same steps.
     pub fn mirror_weight_reads(&mut self, reads: WeightReads) {
         self.mirror = reads;
     }
@@ -918,9 +935,12 @@ impl<'s, B: Backend> Trainer<'s, B> {
                         updates: self.executor.updates_taken(),
                     }),
                 };
+                // Every rank writes its shard; rank 0 the manifest, then it prunes.
                 let path =
                     checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;
-                checkpoint::prune(&plan.dir, plan.keep)?;
+                if self.executor.rank().0 == 0 {
+                    checkpoint::prune(&plan.dir, plan.keep)?;
+                }
                 record.checkpoint = Some(path);
             }
         }
@@ -931,14 +951,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
                 record.eval = Some(plan.evaluator.evaluate(&params, &origin)?);
             }
         }
-        // The gathers of rank 0's reads above, in the same order: a checkpoint reads the
-        // weights and then the optimizer state, an evaluation the weights.
-        if let Some(every) = self.mirror.checkpoint_every {
-            if step.is_multiple_of(every.get()) || step == self.settings.steps {
-                self.executor.params()?;
-                self.executor.state()?;
-            }
-        }
+        // The gathers of rank 0's evaluation above.
         if let Some(every) = self.mirror.eval_every {
             if step.is_multiple_of(every.get()) {
                 self.executor.params()?;

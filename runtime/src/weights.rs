@@ -399,6 +399,20 @@ impl WeightFile {
         })
     }
 
+    /// The stored bytes of an F32 tensor (little-endian), straight from the map: a reader
+    /// that needs part of a tensor touches only those bytes. Another dtype is an error naming
+    /// the tensor and its dtype.
+    pub fn f32_bytes(&self, name: &str) -> Result<&[u8]> {
+        let entry = self.entry(name)?;
+        if entry.dtype != Dtype::F32 {
+            return Err(RuntimeError::UnsupportedTensorDtype {
+                name: name.to_string(),
+                dtype: format!("{:?} (F32 expected here)", entry.dtype),
+            });
+        }
+        Ok(&self.shards[entry.shard].map[entry.bytes.clone()])
+    }
+
     fn entry(&self, name: &str) -> Result<&Entry> {
         self.tensors
             .get(name)
@@ -480,17 +494,49 @@ pub fn save_safetensors(
     dtype: StorageDtype,
     metadata: &[(&str, &str)],
 ) -> Result<()> {
+    for &(name, shape, values) in tensors {
+        let count = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if count != Some(values.len()) {
+            return Err(RuntimeError::InvalidTensorToSave {
+                name: name.to_string(),
+                problem: format!(
+                    "shape {shape:?} has {} elements but {} values were given; pass values of \
+                     the shape's size",
+                    count.map_or("too many".to_string(), |c| c.to_string()),
+                    values.len()
+                ),
+            });
+        }
+    }
+    let specs: Vec<(&str, &[usize])> = tensors.iter().map(|&(n, s, _)| (n, s)).collect();
+    save_safetensors_streamed(path, &specs, dtype, metadata, &mut |i| {
+        Ok(tensors[i].2.to_vec())
+    })
+}
+
+/// [`save_safetensors`] of tensors given by name and shape (`specs`), whose values `values`
+/// hands over one tensor at a time when it is written (its index into `specs`), in the order
+/// the file lays them out ([`safetensors_order`]): the writer holds one tensor at a time,
+/// however many there are. A tensor of the wrong length is an error naming it; the file is
+/// then not written (nor is it when `values` fails).
+pub fn save_safetensors_streamed(
+    path: impl AsRef<Path>,
+    specs: &[(&str, &[usize])],
+    dtype: StorageDtype,
+    metadata: &[(&str, &str)],
+    values: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+) -> Result<()> {
     let path = path.as_ref();
-    let mut order: Vec<&(&str, &[usize], &[f32])> = tensors.iter().collect();
-    order.sort_by_key(|t| t.0);
+    let order = safetensors_order(specs.iter().map(|s| s.0));
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0usize;
-    for (i, &&(name, shape, values)) in order.iter().enumerate() {
+    for (k, &i) in order.iter().enumerate() {
+        let (name, shape) = specs[i];
         let invalid = |problem: String| RuntimeError::InvalidTensorToSave {
             name: name.to_string(),
             problem,
         };
-        if i > 0 && order[i - 1].0 == name {
+        if k > 0 && specs[order[k - 1]].0 == name {
             return Err(invalid(
                 "the name is given twice; tensor names must be unique".into(),
             ));
@@ -500,16 +546,11 @@ pub fn save_safetensors(
                 "the name is reserved by the safetensors format".into(),
             ));
         }
-        let count = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if count != Some(values.len()) {
-            return Err(invalid(format!(
-                "shape {shape:?} has {} elements but {} values were given; pass values of the \
-                 shape's size",
-                count.map_or("too many".to_string(), |c| c.to_string()),
-                values.len()
-            )));
-        }
-        let end = offset + values.len() * dtype.size();
+        let count = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| invalid(format!("shape {shape:?} has too many elements")))?;
+        let end = offset + count * dtype.size();
         infos.push((
             name.to_string(),
             TensorInfo {
@@ -538,6 +579,9 @@ pub fn save_safetensors(
     // safetensors crate does.
     header.resize(header.len().next_multiple_of(8), b' ');
 
+    // An error of `values` (or a wrong length) is kept here; the I/O error that stops the
+    // write only carries it out of `write_atomic`, which then removes its temporary file.
+    let mut failed: Option<RuntimeError> = None;
     let written = write_atomic(path, |w| {
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
@@ -545,8 +589,28 @@ pub fn save_safetensors(
         // as bytes.
         let mut bits32: Vec<u32> = Vec::with_capacity(CONVERT_CHUNK);
         let mut bits16: Vec<u16> = Vec::with_capacity(CONVERT_CHUNK);
-        for (_, _, values) in &order {
-            for piece in values.chunks(CONVERT_CHUNK) {
+        for &i in &order {
+            let (name, shape) = specs[i];
+            let want: usize = shape.iter().product();
+            let data = match values(i) {
+                Ok(data) if data.len() == want => data,
+                Ok(data) => {
+                    failed = Some(RuntimeError::InvalidTensorToSave {
+                        name: name.to_string(),
+                        problem: format!(
+                            "shape {shape:?} has {want} elements but {} values were given; \
+                             pass values of the shape's size",
+                            data.len()
+                        ),
+                    });
+                    return Err(std::io::Error::other("a tensor of the wrong size"));
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    return Err(std::io::Error::other("reading a tensor failed"));
+                }
+            };
+            for piece in data.chunks(CONVERT_CHUNK) {
                 match dtype {
                     StorageDtype::F32 => {
                         bits32.clear();
@@ -569,10 +633,22 @@ pub fn save_safetensors(
         }
         Ok(())
     });
+    if let Some(e) = failed {
+        return Err(e);
+    }
     written.map_err(|source| RuntimeError::Io {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// The order [`save_safetensors`] lays tensors out in, as indices into `names`: sorted by
+/// name, as the safetensors crate does (a stable sort, so duplicates keep their order).
+pub fn safetensors_order<'a>(names: impl Iterator<Item = &'a str>) -> Vec<usize> {
+    let names: Vec<&str> = names.collect();
+    let mut order: Vec<usize> = (0..names.len()).collect();
+    order.sort_by_key(|&i| names[i]);
+    order
 }
 
 /// Maps a safetensors file and validates its header.

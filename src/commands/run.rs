@@ -8,7 +8,7 @@ use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
-use protrain::runtime::params::{init_params, load_params, save_params};
+use protrain::runtime::params::{init_params, load_params, save_order, save_params_streamed};
 use protrain::runtime::train::{
     CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord, WeightReads,
 };
@@ -548,7 +548,6 @@ fn execute_on<'s, B: Backend>(
     process: Option<Box<dyn Collective>>,
 ) -> Result<()> {
     let graph = &schedule.graph;
-    let header = &schedule.header;
     let checkpoint_dir = args
         .checkpoint_dir
         .clone()
@@ -588,9 +587,87 @@ fn execute_on<'s, B: Backend>(
             (rank0.map(|c| Box::new(c) as Box<dyn Collective>), comms)
         }
     };
-    let (mut trainer, mut notes) = rank_trainer::<B>(schedule, args, &flags, peak, rank0)?;
+    // Every rank writes its own shard of each checkpoint.
+    let plan = match (checkpoint_dir, save_every) {
+        (Some(dir), Some(every)) => Some(CheckpointPlan {
+            dir,
+            every,
+            keep: args.keep_checkpoints,
+        }),
+        _ => None,
+    };
+    if comms.is_empty() {
+        return lead::<B>(
+            schedule, args, intro, predicted, eval, &flags, peak, plan, rank0,
+        );
+    }
+    // The other ranks start first: a resumed run's ranks agree whether they read their parts
+    // of the checkpoint intact (Checkpoint::restore) before rank 0 goes on.
+    let (flags, plan) = (&flags, plan.as_ref());
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                scope.spawn(move || -> Result<()> {
+                    let (worker, _) =
+                        rank_trainer::<B>(schedule, args, flags, peak, Some(Box::new(comm)))?;
+                    quiet_rank(worker, args, plan.cloned(), eval.is_some())
+                })
+            })
+            .collect();
+        // Rank 0's trainer (and so its collective) is dropped when `lead` returns, so the
+        // workers' next collective fails at once when rank 0 failed.
+        let mut result = lead::<B>(
+            schedule,
+            args,
+            intro,
+            predicted,
+            eval,
+            flags,
+            peak,
+            plan.cloned(),
+            rank0,
+        );
+        for worker in workers {
+            let worker = worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            let about_others_err = |e: &Error| {
+                matches!(
+                    e,
+                    Error::Runtime(protrain::runtime::RuntimeError::Collective { .. })
+                )
+            };
+            if let Err(e) = worker {
+                let rank0_err = result.as_ref().err();
+                if rank0_err.is_none_or(|r| about_others_err(r) && !about_others_err(&e)) {
+                    result = Err(e);
+                }
+            }
+        }
+        result
+    })
+}
+
+/// Rank 0's part of [`execute_on`] (or the whole run's, with one rank): builds its trainer,
+/// prints, trains, checkpoints (its shard and the manifest), evaluates and saves; in a
+/// multi-process run, the process of another rank trains quietly instead ([`quiet_rank`]).
+#[allow(clippy::too_many_arguments)]
+fn lead<'s, B: Backend>(
+    schedule: &'s VerifiedSchedule,
+    args: &ExecArgs,
+    intro: &str,
+    predicted: std::result::Result<Vec<TraceSpan>, String>,
+    eval: Option<&'s VerifiedSchedule>,
+    flags: &RunFlags,
+    peak: f64,
+    plan: Option<CheckpointPlan>,
+    rank0: Option<Box<dyn Collective>>,
+) -> Result<()> {
+    let header = &schedule.header;
+    let (mut trainer, mut notes) = rank_trainer::<B>(schedule, args, flags, peak, rank0)?;
     if trainer.executor().rank().0 != 0 {
-        return quiet_rank(trainer, args, save_every, eval.is_some());
+        return quiet_rank(trainer, args, plan, eval.is_some());
     }
     notes.extend(trainer.notes().iter().cloned());
     let data = trainer.settings().data.clone();
@@ -606,13 +683,8 @@ fn execute_on<'s, B: Backend>(
         check_writable("--trace", path, &inputs)?;
         trainer.trace_last_step();
     }
-    if let (Some(dir), Some(every)) = (checkpoint_dir, save_every) {
-        let plan = CheckpointPlan {
-            dir,
-            every,
-            keep: args.keep_checkpoints,
-        };
-        trainer.save_checkpoints(plan, args.resume.as_deref())?;
+    if let Some(plan) = &plan {
+        trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?;
     }
     let steps = trainer.settings().steps;
     let tokenizer = args.tokenizer.as_deref();
@@ -667,59 +739,51 @@ fn execute_on<'s, B: Backend>(
             "step", "loss", "grad norm", "lr", "tokens/s"
         ));
     }
-    let result = run_ranks::<B>(
-        schedule,
-        args,
-        &flags,
-        peak,
-        comms,
-        &mut trainer,
-        |record| {
-            if args.json {
-                let mut line = serde_json::json!({
-                    "step": record.step,
-                    "loss": record.loss,
-                    "grad_norm": record.grad_norm,
-                    "lr": record.lr,
-                    "tokens_per_s": record.tokens_per_s,
-                    "step_s": record.step_seconds,
-                });
-                if let Some(scale) = record.loss_scale {
-                    line["loss_scale"] = scale.into();
-                    line["skipped"] = record.skipped.into();
-                }
-                outln!("{line}");
-                if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
-                    outln!("{}", super::eval::eval_json(record.step, data, e));
-                }
-                return;
+    let result = train_and_save(schedule, args, &mut trainer, |record| {
+        if args.json {
+            let mut line = serde_json::json!({
+                "step": record.step,
+                "loss": record.loss,
+                "grad_norm": record.grad_norm,
+                "lr": record.lr,
+                "tokens_per_s": record.tokens_per_s,
+                "step_s": record.step_seconds,
+            });
+            if let Some(scale) = record.loss_scale {
+                line["loss_scale"] = scale.into();
+                line["skipped"] = record.skipped.into();
             }
-            let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
-            bar.set_message(format!(
-                "loss {:.4}  {:.0} tokens/s  lr {lr}",
-                record.loss, record.tokens_per_s
-            ));
-            bar.inc(1);
-            if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
-                row(format!(
-                    "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
+            outln!("{line}");
+            if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
+                outln!("{}", super::eval::eval_json(record.step, data, e));
+            }
+            return;
+        }
+        let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
+        bar.set_message(format!(
+            "loss {:.4}  {:.0} tokens/s  lr {lr}",
+            record.loss, record.tokens_per_s
+        ));
+        bar.inc(1);
+        if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
+            row(format!(
+                "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
                      halves to {}",
-                    record.step,
-                    scale / 2.0
-                ));
-            }
-            if record.step.is_multiple_of(report_every) || record.step == first + 1 {
-                let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-                row(format!(
-                    "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
-                    record.step, record.loss, norm, lr, record.tokens_per_s
-                ));
-            }
-            if let Some(e) = &record.eval {
-                row(super::eval::eval_line(record.step, e));
-            }
-        },
-    );
+                record.step,
+                scale / 2.0
+            ));
+        }
+        if record.step.is_multiple_of(report_every) || record.step == first + 1 {
+            let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
+            row(format!(
+                "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
+                record.step, record.loss, norm, lr, record.tokens_per_s
+            ));
+        }
+        if let Some(e) = &record.eval {
+            row(super::eval::eval_line(record.step, e));
+        }
+    });
     let saved = match result {
         Ok(saved) => saved,
         Err(e) => {
@@ -749,8 +813,7 @@ fn execute_on<'s, B: Backend>(
         }
     }
     let executor = trainer.executor();
-    if let (Some(path), Some(weights)) = (&args.save, saved) {
-        save_params(graph, &weights, path, StorageDtype::F32)?;
+    if let (Some(path), true) = (&args.save, saved) {
         if !args.json {
             outln!("saved weights to {}", path.display());
         }
@@ -821,14 +884,15 @@ fn rank_trainer<'s, B: Backend>(
     }
     let trainer = match &args.resume {
         Some(dir) => {
-            let (ckpt, warnings) = checkpoint::load_latest(dir, schedule)?;
+            // Every rank reads its part, and all fall back past the same damaged ones.
+            let (ckpt, warnings) = checkpoint::restore_latest(dir, &mut executor)?;
             notes.extend(warnings);
             // A checkpoint written before run settings were recorded resumes with the flags.
             let settings = match &ckpt.run {
                 Some(saved) => flags.resume(saved, &ckpt.path)?,
                 None => flags.fresh(peak)?,
             };
-            Trainer::resume(executor, settings, &ckpt)?
+            Trainer::restored(executor, settings, &ckpt)?
         }
         None => {
             let settings = flags.fresh(peak)?;
@@ -848,93 +912,52 @@ fn rank_trainer<'s, B: Backend>(
     Ok((trainer, notes))
 }
 
-/// Runs `trainer` (rank 0's, handing each record to `on_step`) to the end, with the other
-/// ranks (`comms`, ranks 1..) on threads of their own, each training its rows silently (no
-/// checkpoints, evaluation or output: rank 0 does those for all, the states being the same
-/// on every rank). When a rank fails, it leaves the group and the others' next collective
-/// fails; the error shown is the first rank's that is not about another rank leaving.
-fn run_ranks<'s, B: Backend>(
+/// Runs rank 0's `trainer` to the end, handing each record to `on_step`, then writes
+/// `--save`'s file streamed: one parameter at a time (which the workers of a sharded run
+/// join, [`join_save`]), so no rank holds the whole model beyond its own state. Returns
+/// whether it saved.
+fn train_and_save<'s, B: Backend>(
     schedule: &'s VerifiedSchedule,
     args: &ExecArgs,
-    flags: &RunFlags,
-    peak: f64,
-    comms: Vec<ThreadRank>,
     trainer: &mut Trainer<'s, B>,
     on_step: impl FnMut(&StepRecord),
-) -> Result<Option<Vec<Vec<f32>>>> {
-    // The final weights for --save, read where every rank can join the read.
-    let final_weights = |trainer: &Trainer<'s, B>| -> Result<Option<Vec<Vec<f32>>>> {
-        match args.save {
-            Some(_) => Ok(Some(trainer.executor().params()?)),
-            None => Ok(None),
-        }
+) -> Result<bool> {
+    trainer.run(on_step)?;
+    let Some(path) = &args.save else {
+        return Ok(false);
     };
-    if comms.is_empty() {
-        trainer.run(on_step)?;
-        return final_weights(trainer);
+    let executor = trainer.executor();
+    save_params_streamed(&schedule.graph, path, StorageDtype::F32, &mut |i| {
+        executor.param(i)
+    })?;
+    Ok(true)
+}
+
+/// A worker's part in rank 0's `--save` of a sharded run: the same reads of the weights, one
+/// parameter at a time in the file's order ([`save_order`]), each joining rank 0's gather.
+fn join_save<B: Backend>(trainer: &Trainer<'_, B>, args: &ExecArgs, sharded: bool) -> Result<()> {
+    if sharded && args.save.is_some() {
+        let executor = trainer.executor();
+        for i in save_order(&executor.schedule().graph) {
+            executor.param(i)?;
+        }
     }
-    // With sharded chunks, every read of the weights gathers the ranks' shards: the workers
-    // join rank 0's checkpoints and evaluations step by step, and its --save at the end.
-    let sharded = schedule.sharded();
-    let reads = trainer.weight_reads();
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                scope.spawn(move || -> Result<()> {
-                    let (mut worker, _) =
-                        rank_trainer::<B>(schedule, args, flags, peak, Some(Box::new(comm)))?;
-                    if sharded {
-                        worker.mirror_weight_reads(reads);
-                    }
-                    worker.run(|_| {})?;
-                    if sharded && args.save.is_some() {
-                        worker.executor().params()?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        // The workers are joined only when the scope ends, so rank 0 reads the weights for
-        // --save inside it, where the workers of a sharded run join the gather.
-        let mut result: Result<Option<Vec<Vec<f32>>>> = trainer
-            .run(on_step)
-            .map_err(Into::into)
-            .and_then(|()| final_weights(trainer));
-        if result.is_err() {
-            trainer.leave_group();
-        }
-        for worker in workers {
-            let worker = worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            let about_others_err = |e: &Error| {
-                matches!(
-                    e,
-                    Error::Runtime(protrain::runtime::RuntimeError::Collective { .. })
-                )
-            };
-            if let Err(e) = worker {
-                let rank0_err = result.as_ref().err();
-                if rank0_err.is_none_or(|r| about_others_err(r) && !about_others_err(&e)) {
-                    result = Err(e);
-                }
-            }
-        }
-        result
-    })
+    Ok(())
 }
 
 /// A rank other than 0 of a multi-process run: trains its rows silently (rank 0 prints,
-/// checkpoints, evaluates and saves for all, the states being the same on every rank), and
-/// with sharded chunks joins rank 0's reads of the weights, at the steps rank 0's flags make
-/// it read them (`save_every` with a checkpoint directory; evaluation when `evaluates`).
+/// evaluates and saves for all, the states being the same on every rank), writes its own
+/// shard of each checkpoint (`plan`), and with sharded chunks joins rank 0's reads of the
+/// weights, at the steps rank 0's flags make it read them (evaluation when `evaluates`).
 fn quiet_rank<B: Backend>(
     mut trainer: Trainer<'_, B>,
     args: &ExecArgs,
-    save_every: Option<NonZeroU64>,
+    plan: Option<CheckpointPlan>,
     evaluates: bool,
 ) -> Result<()> {
+    if let Some(plan) = plan {
+        trainer.save_checkpoints(plan, args.resume.as_deref())?;
+    }
     let sharded = trainer.executor().schedule().sharded();
     if sharded {
         let steps = trainer.settings().steps;
@@ -942,16 +965,10 @@ fn quiet_rank<B: Backend>(
             (true, Some(_), every) => NonZeroU64::new(every.unwrap_or(steps.max(1))),
             _ => None,
         };
-        trainer.mirror_weight_reads(WeightReads {
-            checkpoint_every: save_every,
-            eval_every,
-        });
+        trainer.mirror_weight_reads(WeightReads { eval_every });
     }
     trainer.run(|_| {})?;
-    if sharded && args.save.is_some() {
-        trainer.executor().params()?;
-    }
-    Ok(())
+    join_save(&trainer, args, sharded)
 }
 
 /// Predicted against measured: the step time (the mean over the steps after the first, which
