@@ -234,6 +234,35 @@ pub trait Backend: Sync + Sized {
         )))
     }
 
+    /// Sums `len` elements of `dtype` at `grad` over the ranks into the accumulator of as
+    /// many at `acc` on `stream`: every rank's accumulator (the same on every rank) becomes
+    /// `((acc + g0) + g1) + ...` in rank order (narrow values rounded after each add), the
+    /// sums one rank makes accumulating the ranks' gradients one micro-batch after another
+    /// ([`Collective::all_reduce_into`]). The gradient's bytes are left undefined: this is
+    /// its last reader. This default refuses, naming what the backend lacks.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for both ranges.
+    unsafe fn all_reduce_into(
+        &self,
+        stream: &mut Self::Stream,
+        acc: Address,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let _ = (stream, acc, grad, dtype, len, comm);
+        Err(RuntimeError::BadSchedule(
+            "this backend cannot sum a micro-batch's gradients over the ranks into their \
+             accumulators (accumulate_grad on the collective stream); run several ranks with \
+             --grad-accum on the host backend (--backend host), or train each rank on one \
+             micro-batch (--grad-accum 1)"
+                .into(),
+        ))
+    }
+
     /// Records `event` once the work issued on `stream` so far is done.
     fn record(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;
 
