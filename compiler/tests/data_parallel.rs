@@ -1,6 +1,7 @@
 //! Data-parallel schedules: every policy's schedule for 2 and 4 ranks verifies, with one
-//! all-reduce per gradient on the collective stream (on the accumulators, in the update, when
-//! accumulating); the verifier rejects collectives out of order or out of their buffers; the
+//! all-reduce per gradient on the collective stream (when accumulating, one `accumulate_grad`
+//! per gradient there, summing each micro-batch's gradient over the ranks into its
+//! accumulator); the verifier rejects collectives out of order or out of their buffers; the
 //! simulator prices them on the interconnect; the printer shows them (a snapshot); bad
 //! topologies are refused with the way out; llama-2-70b compiles for 8 A100s.
 
@@ -78,8 +79,8 @@ fn sharded_grads(s: &Schedule) -> Vec<protrain_ir::ValueId> {
         .collect()
 }
 
-/// The collective stream's index, its all-reduces' values, and the gradients the AdamW ops
-/// read.
+/// The collective stream's index, the values it sums (its all-reduces' and the accumulators
+/// its `accumulate_grad` kernels sum into), and the gradients the AdamW ops read.
 fn collectives(s: &Schedule) -> (usize, Vec<protrain_ir::ValueId>, Vec<protrain_ir::ValueId>) {
     let comm = s
         .streams
@@ -91,6 +92,9 @@ fn collectives(s: &Schedule) -> (usize, Vec<protrain_ir::ValueId>, Vec<protrain_
         .iter()
         .filter_map(|i| match i {
             Instr::AllReduce { value, .. } => Some(*value),
+            Instr::Kernel { op, .. } if s.graph.op(*op).kind == OpKind::AccumulateGrad => {
+                Some(s.graph.op(*op).inputs[0])
+            }
             _ => None,
         })
         .collect();
@@ -157,12 +161,26 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                         .count();
                     let scattered = if clip { 0 } else { shards };
                     assert_eq!(scatters, scattered, "{what}: one reduce-scatter per chunk");
-                    // Accumulating: the collective stream has its marker and sums in the update.
+                    // Accumulating: the collective stream sums each micro-batch's gradients
+                    // into the accumulators, its marker last (nothing in the update), and no
+                    // other stream accumulates.
                     let instrs = &s.streams[comm].instrs;
                     let marker = instrs
                         .iter()
                         .position(|i| matches!(i, Instr::EndMicroBatch { .. }));
-                    assert_eq!(marker, (k > 1).then_some(0), "{what}");
+                    assert_eq!(marker, (k > 1).then(|| instrs.len() - 1), "{what}");
+                    let local = s.streams[..comm]
+                        .iter()
+                        .flat_map(|st| &st.instrs)
+                        .filter(|i| {
+                            matches!(i, Instr::Kernel { op, .. }
+                            if s.graph.op(*op).kind == OpKind::AccumulateGrad)
+                        })
+                        .count();
+                    assert_eq!(
+                        local, 0,
+                        "{what}: accumulate_grad off the collective stream"
+                    );
                 }
             }
         }
