@@ -111,12 +111,14 @@ enum Planned {
         len: usize,
     },
     /// An `accumulate_grad` on the collective stream: the gradient summed over the ranks
-    /// into the accumulator ([`Backend::all_reduce_into`]).
+    /// into the accumulator ([`Backend::all_reduce_into`]), or, where the backend sums the
+    /// gradient in place instead, then added by `kernel` (the op planned as a kernel).
     AccumulateOverRanks {
         acc: Address,
         grad: Address,
         dtype: DType,
         len: usize,
+        kernel: Box<Planned>,
     },
     /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
     Skip,
@@ -1069,30 +1071,13 @@ fn run_stream<B: Backend>(
                     continue;
                 }
                 Planned::Skip => continue,
-                Planned::Kernel {
-                    op,
-                    launched,
-                    inputs,
-                    outputs,
-                    workspace,
-                    prepared,
-                    shard,
-                } => {
-                    let launch = Launch {
-                        graph,
-                        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
-                        prepared,
-                        inputs,
-                        outputs,
-                        workspace: *workspace,
-                        step,
-                        shard: shard.as_deref().copied(),
-                    };
+                Planned::Kernel { .. } => {
                     // SAFETY: the schedule was verified when the executor was made, and its
                     // instructions are issued in stream order with its events: the verifier
                     // proves that no two threads then touch overlapping bytes unordered and
                     // that a kernel's outputs overlap none of its inputs.
-                    let done = unsafe { backend.launch(&mut s.handle, &launch)? };
+                    let done =
+                        unsafe { launch_kernel(backend, &mut s.handle, graph, instr, step)? };
                     outcome = outcome.merge(done);
                 }
                 Planned::Copy { src, dst, bytes } => {
@@ -1131,6 +1116,7 @@ fn run_stream<B: Backend>(
                     grad,
                     dtype,
                     len,
+                    kernel,
                 } => {
                     let Some(comm) = comm.as_deref_mut() else {
                         return Err(RuntimeError::BadSchedule(
@@ -1140,9 +1126,17 @@ fn run_stream<B: Backend>(
                         ));
                     };
                     // SAFETY: as for kernels.
-                    unsafe {
+                    let summed = unsafe {
                         backend.all_reduce_into(&mut s.handle, *acc, *grad, *dtype, *len, comm)?
                     };
+                    // A backend that summed the gradient over the ranks in place (NCCL) leaves
+                    // the accumulation to the op's kernel, after the sum on this stream.
+                    if !summed {
+                        // SAFETY: as for kernels; the sum wrote only the gradient's bytes.
+                        let done =
+                            unsafe { launch_kernel(backend, &mut s.handle, graph, kernel, step)? };
+                        outcome = outcome.merge(done);
+                    }
                 }
             }
             let ended = start.elapsed().as_secs_f64();
@@ -1165,6 +1159,46 @@ fn run_stream<B: Backend>(
             Err(e)
         }
     }
+}
+
+/// Launches `planned`, a planned kernel, on `stream` for step `step`; anything else is a bug.
+///
+/// # Safety
+///
+/// The ordering contract of [`Backend::launch`] holds for its operands.
+unsafe fn launch_kernel<B: Backend>(
+    backend: &B,
+    stream: &mut B::Stream,
+    graph: &Graph,
+    planned: &Planned,
+    step: u64,
+) -> Result<Outcome> {
+    let Planned::Kernel {
+        op,
+        launched,
+        inputs,
+        outputs,
+        workspace,
+        prepared,
+        shard,
+    } = planned
+    else {
+        return Err(RuntimeError::BadSchedule(
+            "an instruction planned as a kernel is not one; this is a bug in the executor".into(),
+        ));
+    };
+    let launch = Launch {
+        graph,
+        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
+        prepared,
+        inputs,
+        outputs,
+        workspace: *workspace,
+        step,
+        shard: shard.as_deref().copied(),
+    };
+    // SAFETY: the caller's contract.
+    unsafe { backend.launch(stream, &launch) }
 }
 
 /// A tensor's address.
@@ -1228,6 +1262,7 @@ fn plan(
                 grad: address(schedule, inputs[1]),
                 dtype: ty.dtype,
                 len: ty.numel() as usize,
+                kernel: Box::new(plan(schedule, instr, rank, masters, false)),
             }
         }
         Instr::Kernel {

@@ -851,11 +851,11 @@ impl Backend for HostBackend {
         dtype: DType,
         len: usize,
         comm: &mut dyn Collective,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         // SAFETY (each arm): the caller's contract: nothing else touches either range
         // meanwhile, and the accumulator and the gradient are distinct values at distinct
         // homes.
-        unsafe {
+        let summed = unsafe {
             match dtype {
                 DType::F32 => {
                     let send = self.slice::<f32>(grad, len)?.to_vec();
@@ -882,7 +882,8 @@ impl Backend for HostBackend {
                      bf16 and f16"
                 ))),
             }
-        }
+        };
+        summed.map(|()| true)
     }
 
     fn record(&self, _stream: &mut HostStream, event: EventId) -> Result<()> {
