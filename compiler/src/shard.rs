@@ -32,8 +32,10 @@
 //! slice of the sum to its shard (no reduce-scatter). The host state stays sharded (1/W per
 //! rank); what it costs is the all-reduce's second half (an all-gather of the gradients).
 //!
-//! It does not shard accumulating schedules (their host accumulators are summed whole in the
-//! update); [`shardable`] says why.
+//! It does not shard accumulating schedules: there [`crate::data_parallel`] sums each
+//! micro-batch's gradients over the ranks into whole accumulators (`accumulate_grad` on the
+//! collective stream), and a reduce-scatter into sharded accumulators is not written yet;
+//! [`shardable`] says why.
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
@@ -56,8 +58,8 @@ pub fn shardable(
     }
     if micro_batches > 1 {
         return Err(
-            "each rank accumulates several micro-batches, whose host accumulators are summed \
-             whole"
+            "each rank accumulates several micro-batches, whose gradients are summed over the \
+             ranks into whole accumulators"
                 .into(),
         );
     }
