@@ -806,8 +806,9 @@ fn sharded_ranks_train_and_save_as_accumulation() {
 }
 
 /// 4 ranks with sharded chunks checkpoint (each rank its own shard, rank 0 the manifest) and
-/// resume on 4 ranks, and on 1 rank accumulating the 4 micro-batches, as the uninterrupted
-/// run; each resuming rank reads its part (`tests/sharded_checkpoint.rs` covers the rest).
+/// resume on 4 ranks, on 2 ranks accumulating 2 micro-batches each, and on 1 rank
+/// accumulating the 4 micro-batches, as the uninterrupted run, bit for bit; each resuming
+/// rank reads its part (`tests/sharded_checkpoint.rs` covers the rest).
 #[test]
 fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -848,4 +849,11 @@ fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     assert_eq!(rest, whole[2..]);
     let one = losses(&run("4", &["--grad-accum", "4", "--resume", path(&ckpt)]));
     assert_eq!(one, whole[2..]);
+    // 2 ranks of 2 micro-batches each (interleaved rows, each micro-batch summed over the
+    // ranks into the accumulators): the same sums, bit for bit.
+    let two = losses(&run(
+        "4",
+        &["--gpus", "2", "--grad-accum", "2", "--resume", path(&ckpt)],
+    ));
+    assert_eq!(two, whole[2..]);
 }

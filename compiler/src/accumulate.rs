@@ -14,6 +14,10 @@
 //! host accumulators run on the host optimizer and travel to the device as scalars for the
 //! clip coefficient.
 //!
+//! In a data-parallel schedule [`crate::data_parallel`] then moves each `accumulate_grad` to
+//! the collective stream, where it adds every rank's gradient to the accumulator in rank
+//! order: the sums one rank accumulating every rank's micro-batches makes.
+//!
 //! Accumulators live the whole step, so the pass appends them to the arena and the host
 //! region (the exact peak grows by exactly their bytes). It does not reorder the micro-batch
 //! program, share gradient memory with accumulators, or overlap the update with the last

@@ -12,8 +12,15 @@
 //!   its next instruction that reads one of them or records an event (through which another
 //!   stream, such as the gradient offload, could read them). The backward kernels that do not
 //!   read the gradient overlap the sum;
-//! - with accumulation, at the start of the update program, on the accumulators: the
-//!   collective stream sums them all, and every stream whose update reads one waits for it.
+//! - with accumulation, once per micro-batch, into the accumulators: each `accumulate_grad`
+//!   (see [`crate::accumulate`]) moves to the collective stream, where it adds every rank's
+//!   gradient to the accumulator one by one in rank order (`((acc + g0) + g1) + ...`); its
+//!   stream records an event where it was and waits for the sum. With rank `r`'s
+//!   micro-batch `m` the global micro-batch `m * ranks + r` (the runtime's
+//!   `data::rank_rows`), `W` ranks of `A` micro-batches make the very sums one rank of
+//!   `W * A` micro-batches makes (`(((0 + g0) + g1) + g2) + g3`), where summing each rank's
+//!   accumulator at the end would make `(g0 + g2) + (g1 + g3)`. It costs one collective per
+//!   gradient per micro-batch instead of one per step, as ZeRO's reduce per micro-batch does.
 //!
 //! The training graph's loss gradient is already scaled by `1 / (ranks * K)`
 //! ([`crate::accumulate::scale_loss_gradient`]), so the sum is the mean gradient over the
@@ -26,13 +33,15 @@
 //! averages it over the ranks.
 //!
 //! It does not move the squared norms a clipping schedule computes right after each gradient
-//! (so with clipping the compute stream waits for each sum), nor overlap the accumulated
-//! sums with the last micro-batch's backward pass.
+//! (so with clipping the compute stream waits for each sum), nor let a stream run on past an
+//! accumulation over the ranks before it is done (the gradient's memory may be reused
+//! right after).
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
+use crate::shard::{merge, Job};
 use protrain_ir::{
-    BufferKind, EventId, Instr, OpKind, Role, Schedule, Stream, StreamKind, TensorRef, ValueId,
+    BufferKind, EventId, Instr, OpKind, Schedule, Stream, StreamKind, TensorRef, ValueId,
 };
 use std::collections::{BTreeMap, HashSet};
 
@@ -77,37 +86,45 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
     let k = schedule.micro_batches();
     let mut comm: Vec<Instr> = Vec::new();
     if k > 1 {
-        // The update sums the accumulators (what AdamW reads there) once, before anything
-        // reads them.
-        let summed = event();
-        comm.push(Instr::EndMicroBatch { micro_batches: k });
-        for (&value, &at) in grads.iter().zip(&grad_at) {
-            comm.push(Instr::AllReduce { value, at });
-        }
-        comm.push(Instr::Record { event: summed });
+        // Each micro-batch's gradients are summed over the ranks into the accumulators:
+        // every `accumulate_grad` moves to the collective stream, where it adds every rank's
+        // gradient to the accumulator in rank order; its stream records an event where it
+        // was and waits for the sum before going on (the gradient's memory may be reused
+        // after it, its last reader).
         let graph = &schedule.graph;
-        for stream in &mut schedule.streams {
-            let Some(marker) = stream
-                .instrs
-                .iter()
-                .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
-            else {
-                continue;
-            };
-            let reads_sum = stream.instrs[marker + 1..].iter().any(|i| match i {
-                Instr::Kernel { op, .. } => graph
-                    .op(*op)
-                    .inputs
-                    .iter()
-                    .any(|&v| graph.value(v).role == Role::Accumulator),
-                _ => false,
-            });
-            if reads_sum {
-                stream
-                    .instrs
-                    .insert(marker + 1, Instr::Wait { event: summed });
+        let mut jobs: Vec<Job> = Vec::new();
+        for stream in schedule.streams.iter_mut() {
+            let old = std::mem::take(&mut stream.instrs);
+            let mut instrs = Vec::with_capacity(old.len() + 8);
+            for instr in old {
+                let accumulates = matches!(&instr, Instr::Kernel { op, .. }
+                    if graph.op(*op).kind == OpKind::AccumulateGrad);
+                if !accumulates {
+                    instrs.push(instr);
+                    continue;
+                }
+                let (trigger, done) = (event(), event());
+                instrs.push(Instr::Record { event: trigger });
+                instrs.push(Instr::Wait { event: done });
+                jobs.push(Job {
+                    trigger,
+                    instr,
+                    done,
+                });
             }
+            stream.instrs = instrs;
         }
+        schedule.streams.push(Stream {
+            name: "comm".into(),
+            kind,
+            instrs: Vec::new(),
+        });
+        schedule.events = events;
+        let comm = schedule.streams.len() - 1;
+        let mut merged = merge(&schedule, comm, jobs)?;
+        merged.push(Instr::EndMicroBatch { micro_batches: k });
+        schedule.streams[comm].instrs = merged;
+        return Ok(schedule);
     } else {
         // Each kernel that writes gradients, by (stream, index), with the gradients and where.
         let wanted: HashSet<ValueId> = grads.iter().copied().collect();

@@ -32,8 +32,10 @@
 //! slice of the sum to its shard (no reduce-scatter). The host state stays sharded (1/W per
 //! rank); what it costs is the all-reduce's second half (an all-gather of the gradients).
 //!
-//! It does not shard accumulating schedules (their host accumulators are summed whole in the
-//! update); [`shardable`] says why.
+//! It does not shard accumulating schedules: there [`crate::data_parallel`] sums each
+//! micro-batch's gradients over the ranks into whole accumulators (`accumulate_grad` on the
+//! collective stream), and a reduce-scatter into sharded accumulators is not written yet;
+//! [`shardable`] says why.
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
@@ -56,8 +58,8 @@ pub fn shardable(
     }
     if micro_batches > 1 {
         return Err(
-            "each rank accumulates several micro-batches, whose host accumulators are summed \
-             whole"
+            "each rank accumulates several micro-batches, whose gradients are summed over the \
+             ranks into whole accumulators"
                 .into(),
         );
     }
@@ -88,11 +90,14 @@ pub fn reads_global_norm(graph: &Graph) -> bool {
         .any(|(_, op)| matches!(op.kind, OpKind::GradNormSq))
 }
 
-/// A collective the pass adds: issued once `trigger` is recorded, recording `done` after.
-struct Job {
-    trigger: EventId,
-    instr: Instr,
-    done: EventId,
+/// A collective a pass adds: issued once `trigger` is recorded, recording `done` after.
+pub(crate) struct Job {
+    /// The event after which the collective may run.
+    pub trigger: EventId,
+    /// The collective.
+    pub instr: Instr,
+    /// The event it records when done.
+    pub done: EventId,
 }
 
 /// Turns the copies of `schedule`'s sharded chunks into shard copies and collectives (see the
@@ -237,7 +242,7 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
 /// streams other than `comm` going one instruction at a time (the lowest-numbered that can),
 /// the collective stream running ahead whenever it can, and each job issued (and done) as
 /// soon as its trigger is recorded.
-fn merge(schedule: &Schedule, comm: usize, jobs: Vec<Job>) -> Result<Vec<Instr>> {
+pub(crate) fn merge(schedule: &Schedule, comm: usize, jobs: Vec<Job>) -> Result<Vec<Instr>> {
     let streams = &schedule.streams;
     let mut by_trigger: HashMap<EventId, Job> = jobs.into_iter().map(|j| (j.trigger, j)).collect();
     let mut recorded = vec![false; schedule.events as usize];

@@ -250,7 +250,10 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
 /// - a kernel runs for [`CostModel::op_seconds`] over its values' types, computing in the
 ///   element type of its first floating-point input (else output, else the header's); an
 ///   `adamw` kernel instead takes [`CostModel::cpu_adam_seconds`] on the host optimizer stream
-///   and [`CostModel::gpu_adam_seconds`] elsewhere, over its parameter's elements;
+///   and [`CostModel::gpu_adam_seconds`] elsewhere, over its parameter's elements; an
+///   `accumulate_grad` on the collective stream (a micro-batch's gradient summed over the
+///   ranks into its accumulator) takes [`CostModel::collective_seconds`] of an all-reduce of
+///   its bytes;
 /// - a copy takes [`CostModel::copy_seconds`] in the direction of its buffers' spaces;
 /// - records and waits take no time (how long a wait stalls is the simulation's business).
 ///
@@ -273,11 +276,25 @@ pub fn instr_seconds(
             let Some(outputs) = types_of(schedule, &op.outputs) else {
                 return 0.0;
             };
-            let on_host = schedule
+            let kind = schedule
                 .streams
                 .get(stream.index())
-                .is_some_and(|s| s.kind == StreamKind::HostOptimizer);
+                .map_or(StreamKind::Compute, |s| s.kind);
+            let on_host = kind == StreamKind::HostOptimizer;
             match (&op.kind, inputs.first()) {
+                // On the collective stream: the gradient summed over the ranks into the
+                // accumulator, an all-reduce of its bytes (the adds ride along).
+                (OpKind::AccumulateGrad, Some(acc)) => match kind {
+                    StreamKind::Collective { gpus, nodes } => cost.collective_seconds(
+                        CollectiveKind::AllReduce,
+                        acc.bytes(),
+                        Topology { gpus, nodes },
+                    ),
+                    _ => {
+                        let dtype = compute_dtype(&inputs, &outputs, schedule.header.dtype);
+                        cost.op_seconds(&op.kind, &inputs, &outputs, dtype)
+                    }
+                },
                 (OpKind::AdamW { .. }, Some(param)) if on_host => {
                     // A sharded chunk's rank updates its slice: 1/ranks of the parameters.
                     let sharded = match instr {
@@ -833,6 +850,7 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
 pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'static str {
     match instr {
         Instr::Kernel { .. } if kind == StreamKind::HostOptimizer => category::CPU_ADAM,
+        Instr::Kernel { .. } if matches!(kind, StreamKind::Collective { .. }) => category::COMM,
         Instr::Kernel { .. } => category::COMPUTE,
         Instr::Copy { src, dst, .. } | Instr::CopyShard { src, dst, .. } => {
             match (space_of(schedule, *src), space_of(schedule, *dst)) {

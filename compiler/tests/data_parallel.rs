@@ -1,6 +1,7 @@
 //! Data-parallel schedules: every policy's schedule for 2 and 4 ranks verifies, with one
-//! all-reduce per gradient on the collective stream (on the accumulators, in the update, when
-//! accumulating); the verifier rejects collectives out of order or out of their buffers; the
+//! all-reduce per gradient on the collective stream (when accumulating, one `accumulate_grad`
+//! per gradient there, summing each micro-batch's gradient over the ranks into its
+//! accumulator); the verifier rejects collectives out of order or out of their buffers; the
 //! simulator prices them on the interconnect; the printer shows them (a snapshot); bad
 //! topologies are refused with the way out; llama-2-70b compiles for 8 A100s.
 
@@ -78,8 +79,8 @@ fn sharded_grads(s: &Schedule) -> Vec<protrain_ir::ValueId> {
         .collect()
 }
 
-/// The collective stream's index, its all-reduces' values, and the gradients the AdamW ops
-/// read.
+/// The collective stream's index, the values it sums (its all-reduces' and the accumulators
+/// its `accumulate_grad` kernels sum into), and the gradients the AdamW ops read.
 fn collectives(s: &Schedule) -> (usize, Vec<protrain_ir::ValueId>, Vec<protrain_ir::ValueId>) {
     let comm = s
         .streams
@@ -91,6 +92,9 @@ fn collectives(s: &Schedule) -> (usize, Vec<protrain_ir::ValueId>, Vec<protrain_
         .iter()
         .filter_map(|i| match i {
             Instr::AllReduce { value, .. } => Some(*value),
+            Instr::Kernel { op, .. } if s.graph.op(*op).kind == OpKind::AccumulateGrad => {
+                Some(s.graph.op(*op).inputs[0])
+            }
             _ => None,
         })
         .collect();
@@ -157,12 +161,26 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                         .count();
                     let scattered = if clip { 0 } else { shards };
                     assert_eq!(scatters, scattered, "{what}: one reduce-scatter per chunk");
-                    // Accumulating: the collective stream has its marker and sums in the update.
+                    // Accumulating: the collective stream sums each micro-batch's gradients
+                    // into the accumulators, its marker last (nothing in the update), and no
+                    // other stream accumulates.
                     let instrs = &s.streams[comm].instrs;
                     let marker = instrs
                         .iter()
                         .position(|i| matches!(i, Instr::EndMicroBatch { .. }));
-                    assert_eq!(marker, (k > 1).then_some(0), "{what}");
+                    assert_eq!(marker, (k > 1).then(|| instrs.len() - 1), "{what}");
+                    let local = s.streams[..comm]
+                        .iter()
+                        .flat_map(|st| &st.instrs)
+                        .filter(|i| {
+                            matches!(i, Instr::Kernel { op, .. }
+                            if s.graph.op(*op).kind == OpKind::AccumulateGrad)
+                        })
+                        .count();
+                    assert_eq!(
+                        local, 0,
+                        "{what}: accumulate_grad off the collective stream"
+                    );
                 }
             }
         }
@@ -266,6 +284,111 @@ fn the_verifier_rejects_a_sum_before_its_gradient_and_one_outside_its_buffer() {
     lonely.streams[comm].kind = StreamKind::Collective { gpus: 1, nodes: 1 };
     let e = verify_schedule(&lonely).expect_err("a one-rank collective stream");
     assert_eq!(e.invariant, Invariant::Ids, "{e}");
+}
+
+/// An accumulating schedule sums each micro-batch's gradients over the ranks with
+/// `accumulate_grad` kernels on the collective stream; the verifier checks them as kernels:
+/// one moved ahead of the wait for its gradient, one whose stream no longer waits for it
+/// before reusing the gradient's memory, one with its gradient in the other memory, and an
+/// AdamW moved onto the collective stream are each refused, and the schedule they were made
+/// from verifies.
+#[test]
+fn the_verifier_rejects_misplaced_and_unordered_accumulations_over_the_ranks() {
+    let policies: [fn(u32) -> Policy; 2] = [
+        |n| Policy::resident(n, 2),
+        |_| Policy::protrain(0, 1, 0, 0, 2),
+    ];
+    let mut split_checked = 0;
+    for policy in policies {
+        let s = schedule("gpt2-tiny", policy, 2, 2, false);
+        verify_schedule(&s).expect("the accumulating schedule verifies");
+        let (comm, _, _) = collectives(&s);
+        let graph = &s.graph;
+        let first = s.streams[comm]
+            .instrs
+            .iter()
+            .position(|i| {
+                matches!(i, Instr::Kernel { op, .. }
+                if graph.op(*op).kind == OpKind::AccumulateGrad)
+            })
+            .expect("an accumulation on the collective stream");
+        let Instr::Wait { event: trigger } = s.streams[comm].instrs[first - 1] else {
+            panic!("the accumulation waits for its gradient right before it");
+        };
+        let Instr::Record { event: done } = s.streams[comm].instrs[first + 1] else {
+            panic!("the accumulation records its end right after it");
+        };
+
+        // Ahead of the wait for its gradient's writer.
+        let mut early = s.clone();
+        early.streams[comm].instrs.swap(first - 1, first);
+        let e = verify_schedule(&early).expect_err("an accumulation before its gradient");
+        assert_eq!(e.invariant, Invariant::DataFlow, "{e}");
+        assert!(e.message.contains("accumulate_grad"), "{e}");
+
+        // Its stream goes on without waiting for it (the wait kept at its stream's end so
+        // that the events check passes): the gradient's memory is reused under it, or the
+        // update reads the accumulator unordered.
+        let mut unordered = s.clone();
+        for (si, st) in unordered.streams.iter_mut().enumerate() {
+            if si != comm && st.instrs.contains(&Instr::Record { event: trigger }) {
+                st.instrs.retain(|i| *i != Instr::Wait { event: done });
+                st.instrs.push(Instr::Wait { event: done });
+            }
+        }
+        assert!(
+            verify_schedule(&unordered).is_err(),
+            "an accumulation its stream does not wait for verifies"
+        );
+
+        // Its gradient addressed in the other memory (where the schedule has both).
+        let Instr::Kernel { inputs, .. } = &s.streams[comm].instrs[first] else {
+            unreachable!("found as a kernel above")
+        };
+        let space = s.buffers[inputs[0].buffer.index()].space;
+        if let Some(other) = s.buffers.iter().position(|b| b.space != space) {
+            let mut split = s.clone();
+            if let Instr::Kernel { inputs, .. } = &mut split.streams[comm].instrs[first] {
+                inputs[1] = protrain_ir::TensorRef {
+                    buffer: protrain_ir::BufferId::new(other),
+                    offset: 0,
+                };
+            }
+            let e = verify_schedule(&split).expect_err("operands in two memories");
+            assert_eq!(e.invariant, Invariant::Ids, "{e}");
+            split_checked += 1;
+        }
+
+        // An AdamW on the collective stream.
+        let mut adamw = s.clone();
+        let (si, ii) = adamw
+            .streams
+            .iter()
+            .enumerate()
+            .find_map(|(si, st)| {
+                st.instrs
+                    .iter()
+                    .position(|i| {
+                        matches!(i, Instr::Kernel { op, .. }
+                    if matches!(graph.op(*op).kind, OpKind::AdamW { .. }))
+                    })
+                    .map(|ii| (si, ii))
+            })
+            .expect("an AdamW");
+        let moved = adamw.streams[si].instrs.remove(ii);
+        let end = adamw.streams[comm].instrs.len();
+        adamw.streams[comm].instrs.insert(end, moved);
+        let e = verify_schedule(&adamw).expect_err("an AdamW on the collective stream");
+        assert_eq!(e.invariant, Invariant::Ids, "{e}");
+        assert!(
+            e.message.contains("accumulate_grad on the collective"),
+            "{e}"
+        );
+    }
+    assert!(
+        split_checked > 0,
+        "no schedule had a buffer in the other memory"
+    );
 }
 
 /// A clipped sharded schedule sums its sharded gradients whole (all-reduce) and offloads
@@ -428,6 +551,28 @@ fn the_simulator_prices_the_sums_on_the_interconnect() {
         })
         .sum();
     assert!((c2 - expected).abs() < 1e-12, "{c2} vs {expected}");
+    // Accumulating 2 micro-batches a rank: every gradient summed over the ranks into its
+    // accumulator once per micro-batch, each sum priced as an all-reduce of its bytes.
+    let accumulating = verify(schedule("gpt2-tiny", policy, 2, 2, false)).expect("verifies");
+    let sa = simulate(&accumulating, cost.as_ref()).expect("simulates");
+    let (_, accumulators, _) = collectives(&accumulating);
+    assert!(!accumulators.is_empty());
+    let per_micro_batch: f64 = accumulators
+        .iter()
+        .map(|&v| {
+            protrain_compiler::comm::collective_seconds(
+                protrain_compiler::comm::CollectiveKind::AllReduce,
+                accumulating.graph.value(v).ty.bytes(),
+                Topology { gpus: 2, nodes: 1 },
+                &link,
+            )
+        })
+        .sum();
+    let ca = sa.collective_seconds(&accumulating);
+    assert!(
+        (ca - 2.0 * per_micro_batch).abs() < 1e-12,
+        "{ca} vs 2 x {per_micro_batch}"
+    );
     assert!(s2.timeline.iter().any(|span| span.category == "comm"));
     assert!(s2.chrome_trace(&two).contains("\"comm\""));
 }

@@ -19,7 +19,11 @@
 //! that every rank runs (SPMD): the rank is a parameter of the run (which rows of the global
 //! batch it reads), never a different instruction list. Its collective stream sums gradients
 //! over the ranks ([`Instr::AllReduce`]) between their last contribution and their first
-//! reader in the optimizer.
+//! reader in the optimizer. With accumulation it runs each gradient's `accumulate_grad`
+//! kernel instead, once per micro-batch: on the collective stream that op adds every rank's
+//! gradient to the accumulator (the same on every rank) one by one in rank order, in the
+//! accumulator's memory, so ranks whose micro-batches interleave (rank `r`'s micro-batch `m`
+//! the global micro-batch `m * ranks + r`) make the sums one rank of all of them makes.
 //!
 //! A data-parallel schedule may also *shard* its offloaded chunks (ZeRO-3 style): every such
 //! chunk's host state (parameters, gradients, Adam moments, master weights) is split into

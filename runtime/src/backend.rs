@@ -234,6 +234,36 @@ pub trait Backend: Sync + Sized {
         )))
     }
 
+    /// Sums `len` elements of `dtype` at `grad` over the ranks into the accumulator of as
+    /// many at `acc` on `stream`, the same on every rank; returns whether it did.
+    ///
+    /// A backend that can starts from the accumulator's value and adds every rank's gradient
+    /// in rank order, `((acc + g0) + g1) + ...` (narrow values rounded after each add): the
+    /// sums one rank makes accumulating the ranks' gradients one micro-batch after another
+    /// ([`Collective::all_reduce_into`]), and returns `true`. This default sums the gradient
+    /// over the ranks in place ([`Backend::all_reduce`]) and returns `false`, for the caller
+    /// to add it to the accumulator with the `accumulate_grad` kernel after it on `stream`:
+    /// `acc + (g0 + g1 + ...)`, which is NCCL's way and not one rank's bits. Either way the
+    /// gradient's bytes are its last reader's to overwrite.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for both ranges.
+    unsafe fn all_reduce_into(
+        &self,
+        stream: &mut Self::Stream,
+        acc: Address,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<bool> {
+        let _ = acc;
+        // SAFETY: the caller's contract covers the gradient's range.
+        unsafe { self.all_reduce(stream, grad, dtype, len, comm)? };
+        Ok(false)
+    }
+
     /// Records `event` once the work issued on `stream` so far is done.
     fn record(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;
 

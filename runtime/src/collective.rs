@@ -11,9 +11,17 @@
 //! [`ThreadRank`] (made by [`thread_ranks`]) implements it for ranks that are threads of one process, exchanging through
 //! shared memory. It is the host backend's collective and the test double for NCCL, in the
 //! spirit of PyTorch's threaded process group for its own distributed tests: every rank runs
-//! the same schedule code, only the transport differs. Its sums run in rank order
-//! (`((x0 + x1) + x2) + ...`, in f32), so results are deterministic and equal a single rank's
-//! accumulation of the same gradients in the same order.
+//! the same schedule code, only the transport differs. Its sums run in rank order from a
+//! zero (`((0 + x0) + x1) + ...`, in f32), so results are deterministic and equal a single
+//! rank's accumulation of the same gradients in the same order into a zeroed accumulator,
+//! down to the sign of a zero sum. [`Collective::all_reduce_into`] starts the same chain from
+//! the destination's value instead (`((acc + x0) + x1) + ...`): ranks that accumulate
+//! micro-batches sum each micro-batch's gradients into their accumulators that way, so `W`
+//! ranks of `A` micro-batches make the very sums one rank of `W * A` micro-batches makes.
+//!
+//! NCCL (the CUDA backend's collective) picks its own reduction order and promises none of
+//! this: its `all_reduce_into` is the trait's default, an all-reduce into a temporary added
+//! to the destination, deterministic for a topology but not a single rank's bits.
 //!
 //! Every rank must issue the same sequence of collectives with the same sizes; a rank that
 //! issues a different one, leaves the group (its thread failed or returned), or does not
@@ -44,6 +52,32 @@ pub trait Collective: Send {
     /// The sum over ranks of `values`, written back into `values` on every rank.
     fn all_reduce(&mut self, values: &mut [f32]) -> Result<()>;
 
+    /// `acc` plus the sum over ranks of `send` (as long as `acc`), on every rank: how ranks
+    /// that accumulate micro-batches sum each one's gradients into their (equal) accumulators.
+    ///
+    /// The default all-reduces a copy of `send` and adds it to `acc`: `acc + (x0 + x1 + ...)`,
+    /// which is not the bits of one rank accumulating the same gradients one by one;
+    /// [`ThreadRank`] adds them to `acc` one by one in rank order, which is.
+    fn all_reduce_into(&mut self, send: &[f32], acc: &mut [f32]) -> Result<()> {
+        if send.len() != acc.len() {
+            return Err(RuntimeError::Collective {
+                rank: self.rank(),
+                problem: format!(
+                    "all_reduce_into of {} values into an accumulator of {}; the two must be \
+                     as long; this is a bug in the executor's collective calls",
+                    send.len(),
+                    acc.len()
+                ),
+            });
+        }
+        let mut sum = send.to_vec();
+        self.all_reduce(&mut sum)?;
+        for (a, s) in acc.iter_mut().zip(sum) {
+            *a += s;
+        }
+        Ok(())
+    }
+
     /// The NCCL communicator behind this rank, through which the CUDA backend runs a
     /// schedule's collectives on device memory; `None` (the default) for ranks that exchange
     /// host memory, such as [`ThreadRank`].
@@ -59,6 +93,7 @@ enum Call {
     AllGather(usize),
     ReduceScatter(usize),
     AllReduce(usize),
+    AllReduceInto(usize),
 }
 
 impl std::fmt::Display for Call {
@@ -67,6 +102,7 @@ impl std::fmt::Display for Call {
             Call::AllGather(n) => write!(f, "all_gather of {n} bytes"),
             Call::ReduceScatter(n) => write!(f, "reduce_scatter of {n} bytes"),
             Call::AllReduce(n) => write!(f, "all_reduce of {n} bytes"),
+            Call::AllReduceInto(n) => write!(f, "all_reduce_into of {n} bytes"),
         }
     }
 }
@@ -288,27 +324,42 @@ impl Collective for ThreadRank {
         }
         let inputs = self.exchange(Call::ReduceScatter(send.len() * 4), to_bytes(send))?;
         let start = self.rank * recv.len();
+        recv.fill(0.0);
         sum_in_rank_order(&inputs, start, recv);
         Ok(())
     }
 
     fn all_reduce(&mut self, values: &mut [f32]) -> Result<()> {
         let inputs = self.exchange(Call::AllReduce(values.len() * 4), to_bytes(values))?;
+        values.fill(0.0);
         sum_in_rank_order(&inputs, 0, values);
+        Ok(())
+    }
+
+    fn all_reduce_into(&mut self, send: &[f32], acc: &mut [f32]) -> Result<()> {
+        if send.len() != acc.len() {
+            return Err(self.fail(format!(
+                "all_reduce_into of {} values into an accumulator of {}; the two must be as \
+                 long; this is a bug in the executor's collective calls",
+                send.len(),
+                acc.len()
+            )));
+        }
+        let inputs = self.exchange(Call::AllReduceInto(send.len() * 4), to_bytes(send))?;
+        sum_in_rank_order(&inputs, 0, acc);
         Ok(())
     }
 }
 
-/// `out[i]` = the sum over ranks of element `start + i` of each rank's input, added in rank
-/// order starting from rank 0's value.
+/// `out[i]` += element `start + i` of each rank's input, added one by one in rank order:
+/// `((out + x0) + x1) + ...` in f32. Plain sums start from a zeroed `out`, as a zeroed
+/// accumulator does (so a sum of negative zeros is +0, as one rank accumulating them gets).
 fn sum_in_rank_order(inputs: &[Arc<Vec<u8>>], start: usize, out: &mut [f32]) {
     for (i, o) in out.iter_mut().enumerate() {
         let at = 4 * (start + i);
-        let mut sum = f32_at(&inputs[0], at);
-        for input in &inputs[1..] {
-            sum += f32_at(input, at);
+        for input in inputs {
+            *o += f32_at(input, at);
         }
-        *o = sum;
     }
 }
 
@@ -370,17 +421,17 @@ mod tests {
             .collect()
     }
 
-    /// The plain reference: the sum of element `i` over ranks 0, 1, ... in order.
+    /// The plain reference: the sum of element `i` over ranks 0, 1, ... in order, from 0.
     fn reference_sum(world: usize, n: usize) -> Vec<f32> {
-        let all: Vec<Vec<f32>> = (0..world).map(|r| values(r, n)).collect();
-        (0..n)
-            .map(|i| {
-                let mut sum = all[0][i];
-                for v in &all[1..] {
-                    sum += v[i];
-                }
-                sum
-            })
+        reference_into(world, &vec![0.0; n])
+    }
+
+    /// `acc[i]` plus element `i` of every rank's values, added one by one in rank order.
+    fn reference_into(world: usize, acc: &[f32]) -> Vec<f32> {
+        let all: Vec<Vec<f32>> = (0..world).map(|r| values(r, acc.len())).collect();
+        acc.iter()
+            .enumerate()
+            .map(|(i, &a)| all.iter().fold(a, |sum, v| sum + v[i]))
             .collect()
     }
 
@@ -418,6 +469,105 @@ mod tests {
             for v in results {
                 assert_eq!(bits(&v), expected, "world {world}");
             }
+        }
+    }
+
+    /// Each rank's accumulator, the same on every rank: magnitudes that make the order of the
+    /// additions show.
+    fn accumulator(n: usize) -> Vec<f32> {
+        (0..n).map(|i| 3.0e7 - 0.7 * i as f32).collect()
+    }
+
+    #[test]
+    fn all_reduce_into_adds_every_rank_to_the_accumulator_one_by_one_in_rank_order() {
+        for world in [1, 2, 3, 4] {
+            let results = on_ranks(world, TIMEOUT, |mut c| {
+                let send = values(c.rank(), 12);
+                let mut acc = accumulator(12);
+                c.all_reduce_into(&send, &mut acc).expect("all_reduce_into");
+                acc
+            });
+            let expected = bits(&reference_into(world, &accumulator(12)));
+            for acc in results {
+                assert_eq!(bits(&acc), expected, "world {world}");
+            }
+            // Adding the sum of the ranks to the accumulator instead (what the trait's
+            // default does, as NCCL must) gives other bits: the order shows.
+            if world > 1 {
+                let sum = reference_sum(world, 12);
+                let after: Vec<f32> = accumulator(12)
+                    .iter()
+                    .zip(&sum)
+                    .map(|(a, s)| a + s)
+                    .collect();
+                assert_ne!(
+                    bits(&after),
+                    expected,
+                    "world {world}: the order never showed"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_all_reduce_into_adds_the_sum_to_the_accumulator() {
+        /// A collective with only an all-reduce of its own: the trait's default `into`.
+        struct Plain(ThreadRank);
+        impl Collective for Plain {
+            fn rank(&self) -> usize {
+                self.0.rank()
+            }
+            fn world(&self) -> usize {
+                self.0.world()
+            }
+            fn all_gather(&mut self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+                self.0.all_gather(send, recv)
+            }
+            fn reduce_scatter(&mut self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+                self.0.reduce_scatter(send, recv)
+            }
+            fn all_reduce(&mut self, values: &mut [f32]) -> Result<()> {
+                self.0.all_reduce(values)
+            }
+        }
+        let results = on_ranks(2, TIMEOUT, |c| {
+            let mut c = Plain(c);
+            let mut acc = accumulator(12);
+            c.all_reduce_into(&values(c.rank(), 12), &mut acc)
+                .expect("all_reduce_into");
+            let err = c
+                .all_reduce_into(&[1.0; 3], &mut [0.0; 2])
+                .expect_err("3 values into 2");
+            assert!(err.to_string().contains("as long"), "{err}");
+            acc
+        });
+        let sum = reference_sum(2, 12);
+        let after: Vec<f32> = accumulator(12)
+            .iter()
+            .zip(&sum)
+            .map(|(a, s)| a + s)
+            .collect();
+        for acc in results {
+            assert_eq!(bits(&acc), bits(&after));
+        }
+    }
+
+    /// A zeroed accumulator that one rank adds `-0.0` to twice holds `+0.0`; ranks summing
+    /// `-0.0` each get the same, not rank 0's `-0.0`.
+    #[test]
+    fn a_sum_of_negative_zeros_is_the_positive_zero_a_zeroed_accumulator_holds() {
+        let single = (0.0f32 + -0.0) + -0.0;
+        let results = on_ranks(2, TIMEOUT, |mut c| {
+            let mut v = vec![-0.0f32; 2];
+            c.all_reduce(&mut v).expect("all_reduce");
+            let mut recv = vec![-0.0f32; 1];
+            c.reduce_scatter(&[-0.0; 2], &mut recv)
+                .expect("reduce_scatter");
+            (v, recv)
+        });
+        for (v, recv) in results {
+            assert_eq!(bits(&v), bits(&[single; 2]));
+            assert_eq!(bits(&recv), bits(&[single]));
         }
     }
 

@@ -262,6 +262,45 @@ impl Batch {
     }
 }
 
+/// Rank `rank`'s rows of a global batch, for `ranks` ranks of `micro_batches` micro-batches
+/// each: `global` (ids of one step's global batch, `ranks * micro_batches` micro-batches of
+/// equal size, in order) cut into those micro-batches, and rank `r`'s micro-batch `m` the
+/// global micro-batch `m * ranks + r`, written into `out` (reusing its memory) in the order
+/// the rank's executor feeds them.
+///
+/// Interleaved so that, micro-batch after micro-batch, the ranks together sum the global
+/// micro-batches in their order: `W` ranks of `A` micro-batches, each summing every
+/// micro-batch's gradients over the ranks into its accumulator in rank order, make the very
+/// sums one rank of `W * A` micro-batches makes (whatever `W` and `A`, the same rows a
+/// single rank reads). With one micro-batch, rank `r` reads the `r`-th of `ranks` equal
+/// parts of the batch.
+///
+/// Fails when `global` does not cut into `ranks * micro_batches` equal micro-batches.
+pub fn rank_rows(
+    global: &[i32],
+    rank: usize,
+    ranks: usize,
+    micro_batches: usize,
+    out: &mut Vec<i32>,
+) -> Result<()> {
+    let parts = ranks.saturating_mul(micro_batches);
+    if parts == 0 || rank >= ranks || !global.len().is_multiple_of(parts) {
+        return Err(RuntimeError::Shape(format!(
+            "a global batch of {} ids for rank {rank} of {ranks} ranks of {micro_batches} \
+             micro-batches each: it must cut into ranks x micro-batches equal micro-batches; \
+             give the schedule's batch x --grad-accum x ranks rows",
+            global.len()
+        )));
+    }
+    let per = global.len() / parts;
+    out.clear();
+    for m in 0..micro_batches {
+        let g = m * ranks + rank;
+        out.extend_from_slice(&global[g * per..(g + 1) * per]);
+    }
+    Ok(())
+}
+
 /// Cuts a [`TokenStream`] into per-step batches of `batch` rows of `seq` tokens.
 ///
 /// The rule, a pure function of the step so that a resumed run reads exactly what the
@@ -824,5 +863,38 @@ mod tests {
         std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
         let e = TokenStream::open(&link).unwrap_err().to_string();
         assert!(e.contains("not a regular file"), "{e}");
+    }
+
+    /// Rank `r`'s micro-batch `m` is the global micro-batch `m * W + r`: with 2 ranks of 2
+    /// micro-batches of 2 ids, rank 0 reads micro-batches 0 and 2, rank 1 reads 1 and 3; with
+    /// one micro-batch a rank reads its contiguous part; every id is read once over the ranks.
+    #[test]
+    fn ranks_read_the_global_micro_batches_interleaved() {
+        let global: Vec<i32> = (0..8).collect();
+        let mut out = Vec::new();
+        let cases: [(usize, usize, usize, &[i32]); 5] = [
+            (0, 2, 2, &[0, 1, 4, 5]),
+            (1, 2, 2, &[2, 3, 6, 7]),
+            (1, 2, 1, &[4, 5, 6, 7]),
+            (3, 4, 1, &[6, 7]),
+            (0, 1, 4, &[0, 1, 2, 3, 4, 5, 6, 7]),
+        ];
+        for (rank, ranks, k, want) in cases {
+            rank_rows(&global, rank, ranks, k, &mut out).unwrap();
+            assert_eq!(out, want, "rank {rank} of {ranks} x {k}");
+        }
+        let mut seen: Vec<i32> = Vec::new();
+        for rank in 0..4 {
+            rank_rows(&global, rank, 4, 2, &mut out).unwrap();
+            seen.extend(&out);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, global);
+        for (rank, ranks, k) in [(0, 3, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0)] {
+            let e = rank_rows(&global, rank, ranks, k, &mut out)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--grad-accum"), "{e}");
+        }
     }
 }

@@ -110,6 +110,16 @@ enum Planned {
         dtype: DType,
         len: usize,
     },
+    /// An `accumulate_grad` on the collective stream: the gradient summed over the ranks
+    /// into the accumulator ([`Backend::all_reduce_into`]), or, where the backend sums the
+    /// gradient in place instead, then added by `kernel` (the op planned as a kernel).
+    AccumulateOverRanks {
+        acc: Address,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        kernel: Box<Planned>,
+    },
     /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
     Skip,
 }
@@ -310,19 +320,20 @@ impl<'s, B: Backend> Executor<'s, B> {
         for (s, (stream, (micro, update))) in
             schedule.streams.iter().zip(schedule.phases()).enumerate()
         {
+            let collective = matches!(stream.kind, StreamKind::Collective { .. });
             streams.push(StreamRun {
                 id: StreamId::new(s),
                 handle: backend.create_stream(stream.kind)?,
                 program: micro
                     .iter()
-                    .map(|i| plan(schedule, i, 0, &masters))
+                    .map(|i| plan(schedule, i, 0, &masters, collective))
                     .collect(),
                 update: update
                     .iter()
-                    .map(|i| plan(schedule, i, 0, &masters))
+                    .map(|i| plan(schedule, i, 0, &masters, collective))
                     .collect(),
                 update_at: (stream.instrs.len() - update.len()) as u32,
-                collective: matches!(stream.kind, StreamKind::Collective { .. }),
+                collective,
                 busy: 0.0,
                 spans: Vec::new(),
             });
@@ -516,11 +527,11 @@ impl<'s, B: Backend> Executor<'s, B> {
             for (s, (micro, update)) in self.streams.iter_mut().zip(schedule.phases()) {
                 s.program = micro
                     .iter()
-                    .map(|i| plan(schedule, i, rank, &self.masters))
+                    .map(|i| plan(schedule, i, rank, &self.masters, s.collective))
                     .collect();
                 s.update = update
                     .iter()
-                    .map(|i| plan(schedule, i, rank, &self.masters))
+                    .map(|i| plan(schedule, i, rank, &self.masters, s.collective))
                     .collect();
             }
         }
@@ -1125,7 +1136,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         // The loss-scaled ops report the unscaled norm, infinite or NaN when a gradient
         // overflowed: then every AdamW read the skip coefficient and changed nothing.
         let skipped = self.loss_scaled && !outcome.grad_norm.is_some_and(f32::is_finite);
-        // Every rank's losses, rank by rank: the global batch's micro-batches in order.
+        // Every rank's losses: the global batch's micro-batches in order.
         if let Some(comm) = self
             .comm
             .get_mut()
@@ -1133,11 +1144,17 @@ impl<'s, B: Backend> Executor<'s, B> {
             .as_deref_mut()
         {
             let send: Vec<u8> = losses.iter().flat_map(|l| l.to_le_bytes()).collect();
-            let mut all = vec![0u8; send.len() * comm.world()];
+            let world = comm.world();
+            let mut all = vec![0u8; send.len() * world];
             comm.all_gather(&send, &mut all)?;
-            losses = all
+            let gathered: Vec<f32> = all
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            // Rank `r`'s micro-batch `m` is the global batch's micro-batch `m * W + r`
+            // ([`crate::data::rank_rows`]): the losses in that order, one rank's order.
+            losses = (0..gathered.len())
+                .map(|g| gathered[(g % world) * k + g / world])
                 .collect();
         }
         let n = losses.len();
@@ -1264,30 +1281,13 @@ fn run_stream<B: Backend>(
                     continue;
                 }
                 Planned::Skip => continue,
-                Planned::Kernel {
-                    op,
-                    launched,
-                    inputs,
-                    outputs,
-                    workspace,
-                    prepared,
-                    shard,
-                } => {
-                    let launch = Launch {
-                        graph,
-                        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
-                        prepared,
-                        inputs,
-                        outputs,
-                        workspace: *workspace,
-                        step,
-                        shard: shard.as_deref().copied(),
-                    };
+                Planned::Kernel { .. } => {
                     // SAFETY: the schedule was verified when the executor was made, and its
                     // instructions are issued in stream order with its events: the verifier
                     // proves that no two threads then touch overlapping bytes unordered and
                     // that a kernel's outputs overlap none of its inputs.
-                    let done = unsafe { backend.launch(&mut s.handle, &launch)? };
+                    let done =
+                        unsafe { launch_kernel(backend, &mut s.handle, graph, instr, step)? };
                     outcome = outcome.merge(done);
                 }
                 Planned::Copy { src, dst, bytes } => {
@@ -1321,6 +1321,33 @@ fn run_stream<B: Backend>(
                     // SAFETY: as for kernels.
                     unsafe { backend.reduce_scatter(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
+                Planned::AccumulateOverRanks {
+                    acc,
+                    grad,
+                    dtype,
+                    len,
+                    kernel,
+                } => {
+                    let Some(comm) = comm.as_deref_mut() else {
+                        return Err(RuntimeError::BadSchedule(
+                            "an accumulation over the ranks on a stream without the rank's \
+                             collective"
+                                .into(),
+                        ));
+                    };
+                    // SAFETY: as for kernels.
+                    let summed = unsafe {
+                        backend.all_reduce_into(&mut s.handle, *acc, *grad, *dtype, *len, comm)?
+                    };
+                    // A backend that summed the gradient over the ranks in place (NCCL) leaves
+                    // the accumulation to the op's kernel, after the sum on this stream.
+                    if !summed {
+                        // SAFETY: as for kernels; the sum wrote only the gradient's bytes.
+                        let done =
+                            unsafe { launch_kernel(backend, &mut s.handle, graph, kernel, step)? };
+                        outcome = outcome.merge(done);
+                    }
+                }
             }
             let ended = start.elapsed().as_secs_f64();
             s.busy += ended - began;
@@ -1342,6 +1369,46 @@ fn run_stream<B: Backend>(
             Err(e)
         }
     }
+}
+
+/// Launches `planned`, a planned kernel, on `stream` for step `step`; anything else is a bug.
+///
+/// # Safety
+///
+/// The ordering contract of [`Backend::launch`] holds for its operands.
+unsafe fn launch_kernel<B: Backend>(
+    backend: &B,
+    stream: &mut B::Stream,
+    graph: &Graph,
+    planned: &Planned,
+    step: u64,
+) -> Result<Outcome> {
+    let Planned::Kernel {
+        op,
+        launched,
+        inputs,
+        outputs,
+        workspace,
+        prepared,
+        shard,
+    } = planned
+    else {
+        return Err(RuntimeError::BadSchedule(
+            "an instruction planned as a kernel is not one; this is a bug in the executor".into(),
+        ));
+    };
+    let launch = Launch {
+        graph,
+        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
+        prepared,
+        inputs,
+        outputs,
+        workspace: *workspace,
+        step,
+        shard: shard.as_deref().copied(),
+    };
+    // SAFETY: the caller's contract.
+    unsafe { backend.launch(stream, &launch) }
 }
 
 /// A tensor's address.
@@ -1385,15 +1452,29 @@ fn element_address(
 }
 
 /// An instruction of a verified schedule with its addresses resolved, for rank `rank`, and
-/// its constants made.
+/// its constants made; `collective` when it is on the collective stream, where an
+/// `accumulate_grad` sums the gradient over the ranks into the accumulator.
 fn plan(
     schedule: &Schedule,
     instr: &Instr,
     rank: u32,
     masters: &HashMap<ValueId, TensorRef>,
+    collective: bool,
 ) -> Planned {
     let graph = &schedule.graph;
     match instr {
+        Instr::Kernel { op, inputs, .. }
+            if collective && graph.op(*op).kind == OpKind::AccumulateGrad =>
+        {
+            let ty = &graph.value(graph.op(*op).inputs[0]).ty;
+            Planned::AccumulateOverRanks {
+                acc: address(schedule, inputs[0]),
+                grad: address(schedule, inputs[1]),
+                dtype: ty.dtype,
+                len: ty.numel() as usize,
+                kernel: Box::new(plan(schedule, instr, rank, masters, false)),
+            }
+        }
         Instr::Kernel {
             op,
             inputs,

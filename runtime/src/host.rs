@@ -506,8 +506,35 @@ fn all_reduce_narrow<T: Copy>(
     reduce_scatter_narrow(values, all, comm, to_bits, from_bits, add)
 }
 
+/// `acc[i]` plus every rank's `send[i]`, gathered from every rank and added to it one by one
+/// in rank order, rounded after each add.
+fn reduce_narrow_into<T: Copy>(
+    acc: &mut [T],
+    send: &[T],
+    comm: &mut dyn Collective,
+    to_bits: fn(T) -> u16,
+    from_bits: fn(u16) -> T,
+    add: fn(T, T) -> T,
+) -> Result<()> {
+    let mut all = vec![0u8; 2 * send.len() * comm.world()];
+    let mine: Vec<u8> = send
+        .iter()
+        .flat_map(|&v| to_bits(v).to_le_bytes())
+        .collect();
+    comm.all_gather(&mine, &mut all)?;
+    let len = send.len();
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = (0..comm.world()).fold(*a, |sum, r| {
+            let at = (r * len + i) * 2;
+            add(sum, from_bits(u16::from_le_bytes([all[at], all[at + 1]])))
+        });
+    }
+    Ok(())
+}
+
 /// `values[mine]` = the sum over the ranks of each one's `values[mine]`, gathered from every
-/// rank and added in rank order, rounded after each add.
+/// rank and added in rank order from a zero (as into a zeroed accumulator), rounded after
+/// each add.
 fn reduce_scatter_narrow<T: Copy>(
     values: &mut [T],
     mine: std::ops::Range<usize>,
@@ -527,8 +554,9 @@ fn reduce_scatter_narrow<T: Copy>(
         let at = (r * len + i) * 2;
         from_bits(u16::from_le_bytes([all[at], all[at + 1]]))
     };
+    let zero = from_bits(0);
     for i in mine {
-        values[i] = (1..comm.world()).fold(rank(0, i), |sum, r| add(sum, rank(r, i)));
+        values[i] = (0..comm.world()).fold(zero, |sum, r| add(sum, rank(r, i)));
     }
     Ok(())
 }
@@ -810,6 +838,52 @@ impl Backend for HostBackend {
                 "a reduce-scatter of {other} values; collectives sum f32, bf16 and f16"
             ))),
         }
+    }
+
+    /// f32 through [`Collective::all_reduce_into`]; bf16 and f16 gathered from every rank
+    /// and added to the accumulator here in rank order in f32, rounded after each add: what
+    /// one rank's `accumulate_grad` does micro-batch after micro-batch.
+    unsafe fn all_reduce_into(
+        &self,
+        _stream: &mut HostStream,
+        acc: Address,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<bool> {
+        // SAFETY (each arm): the caller's contract: nothing else touches either range
+        // meanwhile, and the accumulator and the gradient are distinct values at distinct
+        // homes.
+        let summed = unsafe {
+            match dtype {
+                DType::F32 => {
+                    let send = self.slice::<f32>(grad, len)?.to_vec();
+                    comm.all_reduce_into(&send, self.slice_mut::<f32>(acc, len)?)
+                }
+                DType::BF16 => reduce_narrow_into(
+                    self.slice_mut::<bf16>(acc, len)?,
+                    self.slice::<bf16>(grad, len)?,
+                    comm,
+                    bf16::to_bits,
+                    bf16::from_bits,
+                    |a, b| bf16::from_f32(a.to_f32() + b.to_f32()),
+                ),
+                DType::F16 => reduce_narrow_into(
+                    self.slice_mut::<f16>(acc, len)?,
+                    self.slice::<f16>(grad, len)?,
+                    comm,
+                    f16::to_bits,
+                    f16::from_bits,
+                    |a, b| f16::from_f32(a.to_f32() + b.to_f32()),
+                ),
+                other => Err(RuntimeError::BadSchedule(format!(
+                    "an accumulation over the ranks of {other} values; collectives sum f32, \
+                     bf16 and f16"
+                ))),
+            }
+        };
+        summed.map(|()| true)
     }
 
     fn record(&self, _stream: &mut HostStream, event: EventId) -> Result<()> {

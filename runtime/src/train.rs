@@ -19,8 +19,9 @@
 //!
 //! With a data-parallel schedule of `W` ranks (one trainer per rank, each executor given its
 //! rank's collective), a batch is the global batch of `W*K*B` sequences, the rows one rank of
-//! `W*K` micro-batches would read, and rank `r` trains rows `r*K*B..(r+1)*K*B` of it: its
-//! micro-batch `m` reads what that single rank's micro-batch `r*K + m` reads.
+//! `W*K` micro-batches would read, cut into its `W*K` micro-batches, and rank `r`'s
+//! micro-batch `m` reads what that single rank's micro-batch `m*W + r` reads (interleaved:
+//! [`crate::data::rank_rows`] says why).
 //!
 //! Given an [`EvalPlan`] ([`Trainer::evaluate_every`]), it also evaluates the weights on
 //! held-out data every few steps, with a forward-only schedule of its own
@@ -610,6 +611,9 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     batch: Batch,
     inputs: Vec<i32>,
     targets: Vec<i32>,
+    /// This rank's rows of them ([`crate::data::rank_rows`]).
+    rank_inputs: Vec<i32>,
+    rank_targets: Vec<i32>,
     /// The loss scaler of a loss-scaled (f16) schedule.
     scaler: Option<LossScaler>,
 }
@@ -738,6 +742,8 @@ impl<'s, B: Backend> Trainer<'s, B> {
             notes: Vec::new(),
             inputs: Vec::with_capacity(n),
             targets: Vec::with_capacity(n),
+            rank_inputs: Vec::with_capacity(n),
+            rank_targets: Vec::with_capacity(n),
             scaler,
         })
     }
@@ -854,11 +860,13 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let batch = self.next_batch;
         self.batcher.fill(batch, &mut self.batch);
         self.batch.ids_into(&mut self.inputs, &mut self.targets);
-        // This rank's rows of the global batch.
+        // This rank's rows of the global batch, its micro-batches interleaved with the
+        // other ranks' ([`crate::data::rank_rows`]).
         let (rank, ranks) = self.executor.rank();
-        let per_rank = self.inputs.len() / ranks;
-        let mine = rank * per_rank..(rank + 1) * per_rank;
-        let ids: [&[i32]; 2] = [&self.inputs[mine.clone()], &self.targets[mine]];
+        let k = self.executor.micro_batches() as usize;
+        crate::data::rank_rows(&self.inputs, rank, ranks, k, &mut self.rank_inputs)?;
+        crate::data::rank_rows(&self.targets, rank, ranks, k, &mut self.rank_targets)?;
+        let ids: [&[i32]; 2] = [&self.rank_inputs, &self.rank_targets];
         let loss_scale = self.scaler.map(|s| s.scale());
         let (report, lr) = match self.has_optimizer {
             true => {

@@ -113,6 +113,12 @@
 //! of collectives needs no check: the schedule is SPMD, one instruction list that every rank
 //! runs, with no branch on the rank, so the sequence is the same by construction (the host
 //! runtime's collectives still check each call's kind and size against the other ranks').
+//! An accumulating data-parallel schedule sums each micro-batch's gradients over the ranks
+//! into the accumulators with `accumulate_grad` kernels on the collective stream: **ids**
+//! takes a kernel there for that op alone, with every operand in its accumulator's memory
+//! (device or host); sizes, bounds and **data flow** check it as the kernel it is (it reads
+//! the gradient after its writers and updates the accumulator in place, which the update's
+//! readers follow), and **phases** counts it as the accumulator's one `accumulate_grad`.
 //!
 //! A sharded schedule (offloaded chunks split over the ranks, [`BufferKind::HostShard`](crate::BufferKind::HostShard))
 //! is checked in the *whole view* ([`Schedule::address`]): every rank runs the same

@@ -211,21 +211,36 @@ impl Checker<'_> {
                     outputs,
                     workspace,
                 } => {
-                    let space = match kind {
-                        StreamKind::Compute => Space::Device,
-                        StreamKind::HostOptimizer => Space::Host,
-                        _ => {
-                            return bad(format!(
-                                "a kernel on a {} stream: kernels run on compute and host \
-                                 optimizer streams",
-                                stream_kind_name(kind)
-                            ))
-                        }
-                    };
                     if op.index() >= n_ops {
                         return bad(format!("runs {op}, but the graph has {n_ops} ops"));
                     }
                     let o = g.op(*op);
+                    let space = match kind {
+                        StreamKind::Compute => Space::Device,
+                        StreamKind::HostOptimizer => Space::Host,
+                        // A micro-batch's gradient summed over the ranks into its
+                        // accumulator, in the accumulator's memory (both operands there).
+                        StreamKind::Collective { .. }
+                            if o.kind == crate::op::OpKind::AccumulateGrad =>
+                        {
+                            match inputs.first().and_then(|t| s.buffers.get(t.buffer.index())) {
+                                Some(b) => b.space,
+                                None => {
+                                    return bad(
+                                        "an accumulate_grad with no accumulator address".into()
+                                    )
+                                }
+                            }
+                        }
+                        _ => {
+                            return bad(format!(
+                                "a kernel on a {} stream: kernels run on compute and host \
+                                 optimizer streams (and accumulate_grad on the collective \
+                                 stream)",
+                                stream_kind_name(kind)
+                            ))
+                        }
+                    };
                     if inputs.len() != o.inputs.len() || outputs.len() != o.outputs.len() {
                         return bad(format!(
                             "addresses {} inputs and {} outputs, its op has {} and {}",

@@ -16,6 +16,14 @@
 //! version, topology and configuration (fix `NCCL_ALGO` and `NCCL_PROTO` to pin it), but not
 //! bit-identical to the host backend's data parallelism; a world of one rank is exact (NCCL
 //! copies). bf16 and f16 sums are rounded per NCCL step, not once from f32 as the host does.
+//! Ranks that accumulate micro-batches sum each one's gradients over the ranks into their
+//! accumulators: the host backend adds every rank's gradient to the accumulator one by one
+//! (`((acc + g0) + g1) + ...`, one rank's accumulation order); NCCL cannot start a sum from
+//! a destination's value, so the CUDA backend all-reduces the gradient in place and its
+//! `accumulate_grad` kernel adds the sum to the accumulator (`acc + (g0 + g1 + ...)`, the
+//! [`Backend::all_reduce_into`](crate::Backend::all_reduce_into) default), and
+//! [`NcclRank`]'s host `all_reduce_into` is the trait's default, an all-reduce into a
+//! temporary added to the destination: neither promises a single rank's bits.
 //!
 //! **Loading libnccl.** cudarc loads NCCL at run time, trying `libnccl.so`, `libnccl64.so`,
 //! `libnccl64_13.so` and similar, then `libnccl.so.13`, `.12`, `.11`, `.10`, `.9` and `.1`
