@@ -27,9 +27,27 @@
 //! |    512 | 12.11 |  9.05 |  5.81 | 11.3 ms       | 348 -> 326 MiB      |
 //! |  1,024 | 42.55 | 29.80 | 18.76 | 18.3 ms       | 811 -> 726 MiB      |
 //!
-//! Still not linear from 512 to 1,024 layers (3.2x for 2x). The criterion groups at 1,024
-//! layers were not rerun for this table: they do not fit on this loaded machine in the time
-//! there was.
+//! Next (a later session, the machine under a load of 5 to 10 on its two cores, so every
+//! number is higher than above): `before` is the `now` build, `after` is after the streams pass
+//! stopped recomputing the optimizer-state bytes per element for every chunk (chunks x
+//! parameters) and hashed its side tables with FNV, and the planner ran by start first and
+//! stopped the other two strategies once they could not beat it. The least of three runs
+//! each, before and after alternating; max RSS of the last run.
+//!
+//! | layers | before | after | after per layer | max RSS before -> after |
+//! |-------:|-------:|------:|----------------:|------------------------:|
+//! |     64 |   0.70 |  0.62 |  9.7 ms         |  48 ->  48 MiB          |
+//! |    128 |   1.18 |  1.35 | 10.5 ms         |  79 ->  79 MiB          |
+//! |    256 |   3.48 |  3.36 | 13.1 ms         | 156 -> 152 MiB          |
+//! |    512 |   6.89 |  6.14 | 12.0 ms         | 322 -> 318 MiB          |
+//! |  1,024 |  25.52 | 21.92 | 21.4 ms         | 714 -> 710 MiB          |
+//!
+//! Still not linear from 512 to 1,024 layers (3.6x for 2x): part of it is the search itself,
+//! which compiles 24 candidates at 1,024 layers against 16 at 64 to 512 (three batches of
+//! eight instead of two: the report says so), and the rest is the per-candidate passes (place,
+//! streams, emit, the simulation) growing by 2.1x in instructions but more in time as their
+//! graphs outgrow the caches. The criterion groups at 1,024 layers were not rerun for either
+//! table: they do not fit on this loaded machine in the time there was.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use protrain_compiler::cost::cost_model;

@@ -13,11 +13,12 @@
 
 use crate::error::{CompileError, Result};
 use crate::movement::{insert_movement, Lowering};
+use fnv::FnvHashMap as HashMap;
 use protrain_ir::{
     BlockKind, BlockMode, ChunkTable, Graph, HostLayout, OpId, OpKind, Phase, Policy, Role,
     TensorType, ValueId,
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 /// A training graph with a policy applied: the compute order, recomputation, and every copy
 /// between memories as a movement op.
@@ -113,7 +114,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         chunks.locate(p).0 .0 < policy.n_persist
     };
     let clip = training.ops().any(|(_, op)| op.kind.is_grad_coef());
-    let mut after: HashMap<OpId, Vec<OpId>> = HashMap::new();
+    let mut after: HashMap<OpId, Vec<OpId>> = HashMap::default();
     let mut tail_device: Vec<OpId> = Vec::new();
     let mut tail_host: Vec<(OpId, OpId)> = Vec::new();
     for (id, op) in training.ops() {
@@ -147,7 +148,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         .map(|(id, _)| (id, false))
         .collect();
     let mut recomputed = BTreeSet::new();
-    let mut position: HashMap<OpId, usize> = HashMap::new();
+    let mut position: HashMap<OpId, usize> = HashMap::default();
     for &id in &backward {
         let block = training.op(id).block;
         if let BlockKind::Layer(i) = training.block(block).kind {
@@ -179,7 +180,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
 
     // Rebuild.
     let (mut graph, mut map) = training.skeleton();
-    let mut clone_of: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut clone_of: HashMap<ValueId, ValueId> = HashMap::default();
     for (id, value) in training.values() {
         if value.role == Role::OptimizerState && value.producer.is_none() {
             map.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));

@@ -21,12 +21,13 @@
 
 use crate::error::{CompileError, Result};
 use crate::place::Placed;
+use fnv::FnvHashMap as HashMap;
 use protrain_ir::{
     Buffer, BufferId, BufferKind, ChunkId, ChunkTable, CopyKind, EventId, Graph, HostLayout, Instr,
     Movement, OpId, OpKind, ParamId, Role, ShardPart, Space, Stream, StreamKind, TensorRef,
     ValueId,
 };
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Buffers start at multiples of this many bytes.
 pub const BUFFER_ALIGN: u64 = 256;
@@ -150,13 +151,13 @@ impl Program {
     fn of(graph: &Graph) -> Self {
         let mut device = Vec::new();
         let mut host = Vec::new();
-        let mut time = HashMap::new();
-        let mut starts: HashMap<OpId, (Movement, Option<u32>)> = HashMap::new();
+        let mut time = HashMap::default();
+        let mut starts: HashMap<OpId, (Movement, Option<u32>)> = HashMap::default();
         let mut copies = Vec::new();
-        let mut copy_of_done = HashMap::new();
+        let mut copy_of_done = HashMap::default();
         let mut pending_dones: Vec<usize> = Vec::new();
         let mut waits: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        let mut start_index: HashMap<OpId, usize> = HashMap::new();
+        let mut start_index: HashMap<OpId, usize> = HashMap::default();
         let mut order: Vec<OpId> = Vec::new();
         for (id, op) in graph.ops() {
             match op.kind {
@@ -193,7 +194,7 @@ impl Program {
         for (new, &old) in by_start.iter().enumerate() {
             renumber[old] = new;
         }
-        let mut needed_of: HashMap<usize, u32> = HashMap::new();
+        let mut needed_of: HashMap<usize, u32> = HashMap::default();
         for (&t, list) in &waits {
             for &c in list {
                 needed_of.insert(c, t);
@@ -326,7 +327,7 @@ fn lean_chunks(
     if layout == HostLayout::Full || !narrow || per_rank > 1 {
         return BTreeSet::new();
     }
-    let mut last_upload: HashMap<ChunkId, u32> = HashMap::new();
+    let mut last_upload: HashMap<ChunkId, u32> = HashMap::default();
     for copy in &program.copies {
         if let Movement::Gather { chunk, .. } = copy.movement {
             let t = last_upload.entry(chunk).or_insert(0);
@@ -376,12 +377,12 @@ impl Builder {
             buffers: Vec::new(),
             homes: Vec::new(),
             masters: Vec::new(),
-            primary: HashMap::new(),
-            home: HashMap::new(),
+            primary: HashMap::default(),
+            home: HashMap::default(),
             slots: Vec::new(),
-            host_chunk: HashMap::new(),
-            grad_chunk: HashMap::new(),
-            state_home: HashMap::new(),
+            host_chunk: HashMap::default(),
+            grad_chunk: HashMap::default(),
+            state_home: HashMap::default(),
         }
     }
 
@@ -416,6 +417,8 @@ impl Builder {
     /// that order, which fixes their ids.
     fn build(mut self, placed: Placed) -> Result<Streamed> {
         let (graph, chunks) = (&placed.graph, &placed.chunks);
+        // Most values get a place: one allocation instead of a rehash at every doubling.
+        self.primary.reserve(graph.values().len());
         let program = Program::of(graph);
         let lean = lean_chunks(graph, chunks, &program, placed.host_layout);
         self.homes(graph, chunks, &program, &lean);
@@ -486,6 +489,8 @@ impl Builder {
             .filter(|(_, op)| matches!(op.kind, OpKind::AdamW { .. }))
             .map(|(_, op)| (op.inputs[0], (op.inputs[2], op.inputs[3])))
             .collect();
+        // Per element of a chunk's parameters; computed once, as it reads every parameter.
+        let state_bytes = state_bytes_per_element(graph);
         for (c, chunk) in chunks.iter() {
             let persistent = !streamed.contains(&c);
             let with_state = chunk
@@ -516,7 +521,7 @@ impl Builder {
                 self.buffer(
                     format!("adam{}", c.0),
                     space,
-                    state_bytes_per_element(graph) * total,
+                    state_bytes * total,
                     BufferKind::OptimizerState { chunk: c },
                     None,
                 )
@@ -729,7 +734,7 @@ impl Builder {
         copies: &mut [Option<CopyPlan>],
     ) {
         // The parameter of each host gradient copy: the host optimizer op that reads it.
-        let mut param_of_host_grad: HashMap<ValueId, ParamId> = HashMap::new();
+        let mut param_of_host_grad: HashMap<ValueId, ParamId> = HashMap::default();
         for &op in &program.host {
             let o = graph.op(op);
             if let (OpKind::AdamW { .. }, Some(p)) = (&o.kind, graph.param_of(o.inputs[0])) {
@@ -769,7 +774,7 @@ impl Builder {
     /// parameters go into their gradient chunk instead), live from its writer to its last
     /// reader, and until a copy that reads it is done; the loss's until the end.
     fn activations(&mut self, graph: &Graph, program: &Program) {
-        let mut last: HashMap<ValueId, u32> = HashMap::new();
+        let mut last: HashMap<ValueId, u32> = HashMap::default();
         for (t, &op) in program.device.iter().enumerate() {
             for &v in &graph.op(op).inputs {
                 last.insert(v, t as u32);
@@ -809,14 +814,14 @@ impl Builder {
     /// Each swapped activation's host copy, and the device buffer it is reloaded into, live
     /// from the first kernel after the reload starts to the reloaded copy's last reader.
     fn swaps(&mut self, graph: &Graph, program: &Program, copies: &mut [Option<CopyPlan>]) {
-        let mut last: HashMap<ValueId, u32> = HashMap::new();
+        let mut last: HashMap<ValueId, u32> = HashMap::default();
         for (t, &op) in program.device.iter().enumerate() {
             for &v in &graph.op(op).inputs {
                 last.insert(v, t as u32);
             }
         }
         // The reload of each offload: the copy whose start reads the offload's host copy.
-        let mut reload_of: HashMap<usize, usize> = HashMap::new();
+        let mut reload_of: HashMap<usize, usize> = HashMap::default();
         for (i, copy) in program.copies.iter().enumerate() {
             if let Movement::Reload = copy.movement {
                 let host = graph.op(copy.start).inputs[0];
@@ -914,7 +919,7 @@ impl Builder {
     /// their kind needs one (created in time order, so workspace buffers are numbered the
     /// same way every run); host ops read homes and host copies.
     fn kernels(&mut self, graph: &Graph, program: &Program) -> HashMap<OpId, Instr> {
-        let mut kernels: HashMap<OpId, Instr> = HashMap::new();
+        let mut kernels: HashMap<OpId, Instr> = HashMap::default();
         for (t, &op) in program.device.iter().enumerate() {
             let t = t as u32;
             let o = graph.op(op);
@@ -972,7 +977,7 @@ impl Builder {
         time: &HashMap<OpId, u32>,
     ) -> (Vec<Stream>, u32) {
         let mut compute_event: BTreeMap<u32, EventId> = BTreeMap::new();
-        let mut copy_event: HashMap<usize, EventId> = HashMap::new();
+        let mut copy_event: HashMap<usize, EventId> = HashMap::default();
         let mut next = 0u32;
         let event = |next: &mut u32| {
             *next += 1;
@@ -992,7 +997,7 @@ impl Builder {
             }
         }
         // Copies in stream order, to map copy index -> position.
-        let mut copy_index_of: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut copy_index_of: HashMap<(usize, usize), usize> = HashMap::default();
         let mut per_stream_count = [0usize; 4];
         for &i in order {
             let stream = copies[i].stream;
