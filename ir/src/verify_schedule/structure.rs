@@ -871,8 +871,10 @@ impl Checker<'_> {
     pub(super) fn alignment(&self) -> Result<(), ScheduleError> {
         let s = self.s;
         // Whether `t` is aligned to `align`; else a description of where it is. `what` names
-        // what lies there, `parts` what would be misaligned.
-        let aligned = |t: TensorRef, align: u64, what: &str, parts: &str| -> Result<(), String> {
+        // what lies there, `parts` what would be misaligned: both made only on a failure, since
+        // this runs for every home and operand of every schedule verified.
+        type Text<'t> = &'t dyn Fn() -> String;
+        let aligned = |t: TensorRef, align: u64, what: Text, parts: Text| -> Result<(), String> {
             // A shard's address on every rank is its buffer's start plus the offset inside
             // the rank's slice, aligned as the whole layout's offset when the slices are.
             let (space, a) = match s.buffer(t.buffer).kind {
@@ -890,24 +892,29 @@ impl Checker<'_> {
                 off => format!("{}+{off:#x}", self.buf(t.buffer)),
             };
             Err(format!(
-                "{what} at {} {a:#x} ({at}), which is not a multiple of {align} bytes ({parts} \
+                "{} at {} {a:#x} ({at}), which is not a multiple of {align} bytes ({} \
                  would be misaligned)",
-                space_name(space)
+                what(),
+                space_name(space),
+                parts()
             ))
         };
         let value = |v, t: TensorRef, what: &str| {
             let ty = &self.g.value(v).ty;
-            let what = format!("{what}{} ({ty})", self.name(v));
-            let parts = format!("its {} elements", ty.dtype);
-            aligned(t, ty.dtype.size(), &what, &parts)
+            aligned(
+                t,
+                ty.dtype.size(),
+                &|| format!("{what}{} ({ty})", self.name(v)),
+                &|| format!("its {} elements", ty.dtype),
+            )
         };
         let whole = |e: String| self.fail(Invariant::Alignment, None, e);
         for &(v, t) in &s.homes {
             value(v, t, "the home of ").map_err(whole)?;
         }
         for &(v, t) in &s.masters {
-            let what = format!("the f32 master weight of {}", self.name(v));
-            aligned(t, 4, &what, "its elements").map_err(whole)?;
+            let what = || format!("the f32 master weight of {}", self.name(v));
+            aligned(t, 4, &what, &|| "its elements".into()).map_err(whole)?;
         }
         value(self.loss_value(), s.loss, "`loss` ").map_err(whole)?;
         for (r, instr) in self.instrs() {
@@ -933,7 +940,8 @@ impl Checker<'_> {
                 value(*v, *t, "writes ").map_err(bad)?;
             }
             if let Some(w) = workspace {
-                aligned(*w, WORKSPACE_ALIGN, "has its workspace", "its parts").map_err(bad)?;
+                let (what, parts) = (|| "has its workspace".into(), || "its parts".into());
+                aligned(*w, WORKSPACE_ALIGN, &what, &parts).map_err(bad)?;
             }
         }
         Ok(())
