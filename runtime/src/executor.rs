@@ -30,7 +30,9 @@
 //! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
 //! the same rows, bit for bit.
 
-use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch, ShardLaunch};
+use crate::backend::{
+    set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
+};
 use crate::collective::Collective;
 use crate::disk::DiskFile;
 use crate::dispatch::{Outcome, Prepared};
@@ -112,6 +114,8 @@ enum Planned {
     },
     /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
     Skip,
+    /// A staged chunk's cast (the 12-byte host layout).
+    Cast(CastLaunch),
 }
 
 /// One stream: its handle, its program and what its last step measured.
@@ -132,9 +136,10 @@ struct StreamRun<S> {
 
 /// A parameter's home, its element type, and the home of its f32 master weight when the
 /// parameter is narrower (mixed precision). In a sharded chunk the homes are in the whole
-/// layout of the ranks' shards; a rank reads and writes its part ([`held`]).
+/// layout of the ranks' shards; a rank reads and writes its part ([`held`]). A staged
+/// parameter (the 12-byte host layout) has no home, only its master weight.
 struct ParamHome {
-    at: TensorRef,
+    at: Option<TensorRef>,
     len: usize,
     dtype: DType,
     master: Option<TensorRef>,
@@ -313,7 +318,8 @@ impl<'s, B: Backend> Executor<'s, B> {
                 spans: Vec::new(),
             });
         }
-        // The verifier checked that every value without a producer has exactly one home.
+        // The verifier checked that every value without a producer has exactly one home,
+        // but a staged parameter, which has a master weight instead.
         let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
         let home = |v: ValueId| homes[&v];
         let mut inputs = Vec::new();
@@ -344,7 +350,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             .map(|(_, p)| {
                 let ty = &graph.value(p.value).ty;
                 ParamHome {
-                    at: home(p.value),
+                    at: homes.get(&p.value).copied(),
                     len: ty.numel() as usize,
                     dtype: ty.dtype,
                     master: masters.get(&p.value).copied(),
@@ -578,7 +584,10 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         // Each rank writes the part of each parameter it holds (all of it, unless sharded).
         for (home, data) in self.params.iter().zip(values) {
-            if let Some((at, part)) = self.held(home.at, home.len, home.dtype.size()) {
+            let narrow = home
+                .at
+                .and_then(|t| self.held(t, home.len, home.dtype.size()));
+            if let Some((at, part)) = narrow {
                 let data = &data[part];
                 match home.dtype {
                     DType::BF16 => {
@@ -701,9 +710,16 @@ impl<'s, B: Backend> Executor<'s, B> {
             .iter()
             .map(|home| {
                 let mut out = vec![0.0; home.len];
-                let (t, size) = match home.master {
-                    Some(master) => (master, 4),
-                    None => (home.at, home.dtype.size()),
+                let (t, size) = match (home.master, home.at) {
+                    (Some(master), _) => (master, 4),
+                    (None, Some(at)) => (at, home.dtype.size()),
+                    (None, None) => {
+                        return Err(RuntimeError::BadSchedule(
+                            "a parameter with neither a home nor a master weight; recompile \
+                             the schedule with this protrain"
+                                .into(),
+                        ))
+                    }
                 };
                 if let Some((at, part)) = self.held(t, home.len, size) {
                     let out = &mut out[part];
@@ -1054,6 +1070,10 @@ fn run_stream<B: Backend>(
                     continue;
                 }
                 Planned::Skip => continue,
+                Planned::Cast(cast) => {
+                    // SAFETY: as for kernels.
+                    unsafe { backend.cast(&mut s.handle, cast)? };
+                }
                 Planned::Kernel {
                     op,
                     launched,
@@ -1299,6 +1319,27 @@ fn plan(
             dtype: *dtype,
             len: (*bytes / dtype.size()) as usize,
         },
+        Instr::CastChunk {
+            chunk,
+            src,
+            dst,
+            bytes,
+        } => Planned::Cast(CastLaunch {
+            // The verifier checked that every member is a narrow parameter.
+            parts: schedule
+                .cast_pieces(*chunk, *src, *dst)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| CastPart {
+                    master: address(schedule, p.master),
+                    narrow: address(schedule, p.narrow),
+                    len: p.len as usize,
+                    dtype: p.dtype,
+                })
+                .collect(),
+            dst: address(schedule, *dst),
+            bytes: *bytes,
+        }),
         Instr::Record { event } => Planned::Record(*event),
         Instr::Wait { event } => Planned::Wait(*event),
         Instr::AllReduce { value, at } => {
