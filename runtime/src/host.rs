@@ -736,9 +736,7 @@ impl Backend for HostBackend {
     ) -> Result<()> {
         // SAFETY: the caller's ordering contract; `at` checks bounds and alignment.
         unsafe {
-            cast.run_on_host(|at, bytes, align| {
-                Ok(self.region(at.space)?.at(at.offset, bytes, align)?)
-            })
+            cast.run_on_host(|at, bytes, align| self.region(at.space)?.at(at.offset, bytes, align))
         }
     }
 
