@@ -19,6 +19,11 @@ pub enum CopyDir {
     HostToDisk,
 }
 
+/// What a cast costs against a CPU Adam step, per parameter: the cast reads the f32 master
+/// and writes the narrow parameter (6 bytes); the CPU Adam reads the narrow gradient and the
+/// f32 master, m and v and writes those three and the narrow parameter (28 bytes).
+pub const CAST_PER_ADAM: f64 = 6.0 / 28.0;
+
 /// Estimates how long instructions take on some hardware.
 ///
 /// A trait, as egg's `CostFunction` is, so the analytic [`Roofline`] and the table-driven
@@ -44,6 +49,14 @@ pub trait CostModel {
 
     /// One host CPU Adam step over `params` parameters.
     fn cpu_adam_seconds(&self, params: u64) -> f64;
+
+    /// Rounding `params` f32 master weights into narrow parameters on the host (a staged
+    /// chunk's cast before an upload, the 12-byte layout). Both it and the CPU Adam stream
+    /// memory, so it is priced from the measured CPU Adam rate by the bytes each moves per
+    /// parameter ([`CAST_PER_ADAM`]).
+    fn cpu_cast_seconds(&self, params: u64) -> f64 {
+        self.cpu_adam_seconds(params) * CAST_PER_ADAM
+    }
 
     /// One device AdamW launch over `params` parameters, launch included; 0 for 0 parameters.
     /// Where [`CostModel::multi_tensor_adamw`] holds, `params` is a whole run's.

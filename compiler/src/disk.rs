@@ -24,7 +24,9 @@
 //! It does not shard (a sharded schedule is refused: its state is split over the ranks
 //! already, and the disk tier of each rank's slice is not built), does not choose between
 //! disk and a leaner host layout (the search tries the 14-byte layout first), and does not
-//! overlap a chunk's read with its own update (the CPU Adam updates a chunk whole).
+//! overlap a chunk's read with its own update (the CPU Adam updates a chunk whole). A staged
+//! chunk's state (the 12-byte layout) stays on the host: its casts read the master weights
+//! before every upload.
 
 use crate::error::{CompileError, Result};
 use crate::streams::BUFFER_ALIGN;
@@ -154,6 +156,9 @@ fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
                 | Instr::CopyShard { src, dst, .. }
                 | Instr::DiskRead { src, dst, .. }
                 | Instr::DiskWrite { src, dst, .. } => vec![*src, *dst],
+                // A staged chunk's master weights are cast from host memory before each
+                // upload: its state stays on the host.
+                Instr::CastChunk { .. } => Vec::new(),
                 Instr::AllReduce { at, .. }
                 | Instr::AllGather { at, .. }
                 | Instr::ReduceScatter { at, .. } => vec![*at],
@@ -190,6 +195,8 @@ fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
             }
         }
     }
+    let staged = schedule.staged_chunks();
+    out.retain(|m| !staged.contains(&m.chunk));
     Ok(out)
 }
 

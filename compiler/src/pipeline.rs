@@ -411,6 +411,12 @@ impl<'m> Context<'m> {
                              14 bytes per parameter instead of 16)",
                         );
                     }
+                    if !matches!(policy.host_layout, HostLayout::Staged { .. }) {
+                        ways.push(
+                            "host_layout=12 in the policy (uploads cast from the master \
+                             weights, 12 bytes per parameter; not with --grad-clip or f16)",
+                        );
+                    }
                     ways.push(match disk_budget {
                         0 => {
                             "--disk-memory SIZE (the optimizer state of offloaded chunks in a file)"

@@ -1317,6 +1317,19 @@ pub fn search(
                     }
                     other => (policy, other),
                 };
+                // Host memory still binds: stage chunks (the 12-byte layout), as few as
+                // bring the host region within its budget, since each costs a cast per
+                // upload (see `stage_for`).
+                let (policy, result) = match result {
+                    Ok(s)
+                        if narrow
+                            && s.arena_bytes <= options.device_budget
+                            && s.host_bytes > options.host_budget =>
+                    {
+                        stage_for(&policy, s, options, chunks.chunk_bytes, compile)
+                    }
+                    other => (policy, other),
+                };
                 // Host memory still binds: the disk tier takes the optimizer state of the
                 // chunks it cannot hold (only then, so a search that fits is unchanged).
                 let result = match result {
@@ -1425,6 +1438,53 @@ pub fn search(
     }
 }
 
+/// The per-chunk choice of the 12-byte layout for a candidate whose 14-byte schedule `lean`
+/// fits the device but not `host_budget`: stages the fewest chunks that save the excess
+/// (each staged chunk saves its parameter storage, about `chunk_bytes`; the four staging
+/// buffers cost four chunks once), which [`HostLayout::Staged`] takes among the chunks
+/// uploaded fewest times per step; every eligible chunk when that is not enough. Returns the
+/// leanest schedule tried (`lean` itself when staging saves nothing: clipping, loss scaling
+/// or several ranks keep the 14-byte floor) with its policy; but where a disk tier is
+/// allowed and staging every chunk still does not fit, `lean`, whose optimizer state the
+/// disk tier can take (a staged chunk's stays on the host for its casts).
+fn stage_for(
+    policy: &Policy,
+    lean: Schedule,
+    options: &SearchOptions,
+    chunk_bytes: u64,
+    compile: impl Fn(&Policy) -> Result<Schedule>,
+) -> (Policy, Result<Schedule>) {
+    let host_budget = options.host_budget;
+    let over = lean.host_bytes - host_budget;
+    let some = (over + 4 * chunk_bytes).div_ceil(chunk_bytes.max(1)) as u32;
+    let mut best: Option<(Policy, Schedule)> = None;
+    let first =
+        (some < lean.chunks.len() as u32).then_some(HostLayout::Staged { limit: Some(some) });
+    for layout in first.into_iter().chain([HostLayout::STAGED]) {
+        let staged = policy.clone().with_layout(layout);
+        let least = best.as_ref().map_or(lean.host_bytes, |(_, b)| b.host_bytes);
+        match compile(&staged) {
+            Ok(s) if s.host_bytes < least => {
+                let fits = s.host_bytes <= host_budget;
+                best = Some((staged, s));
+                if fits {
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    match best {
+        // Where a disk tier may take what still does not fit, it takes the 14-byte
+        // schedule's state.
+        Some((_, s)) if s.host_bytes > host_budget && options.disk_budget > 0 => {
+            (policy.clone(), Ok(lean))
+        }
+        Some((p, s)) => (p, Ok(s)),
+        None => (policy.clone(), Ok(lean)),
+    }
+}
+
 /// Candidates compiled in parallel at a time. A constant, not the thread count: which
 /// candidates are compiled (the search stops after the batch in which the fourth fits, and
 /// calibrates its memory estimate between batches) must not depend on the machine, or the
@@ -1481,8 +1541,9 @@ fn too_small(
     let streamed = chunks.len() as u32;
     // Gradients in the parameter storage where the parameters are narrower than their f32
     // master weights (an f32 parameter is its own master, which the update reads).
+    // Staged where it can be (one rank, no clipping or loss scaling), else 14 bytes.
     let layout = match crate::streams::state_bytes_per_element(training) {
-        12 => HostLayout::GradsInParams,
+        12 => HostLayout::STAGED,
         _ => HostLayout::Full,
     };
     let lean = Policy::zero3_offload(streamed.clamp(1, 2), profile.layers).with_layout(layout);
@@ -1512,7 +1573,10 @@ fn too_small(
                 format_bytes(options.host_budget),
                 report.enumerated,
                 format_bytes(s.host_bytes),
-                lean.host_layout.number(),
+                match (lean.host_layout, s.staged_chunks().is_empty()) {
+                    (HostLayout::STAGED, true) => HostLayout::GradsInParams.number(),
+                    (layout, _) => layout.number(),
+                },
                 format_bytes(s.arena_bytes),
                 format_bytes(together),
                 format_bytes(s.host_bytes),

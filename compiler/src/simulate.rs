@@ -29,6 +29,8 @@ pub mod category {
     pub const COMM: &str = "comm";
     /// A disk read or write of optimizer state (on the disk i/o stream).
     pub const DISK: &str = "disk";
+    /// A staged chunk's cast of its master weights before an upload (the host cast stream).
+    pub const CAST: &str = "cpu_cast";
     /// A stream stalled on an event another stream has not recorded yet.
     pub const WAIT: &str = "wait";
 }
@@ -334,6 +336,20 @@ pub fn instr_seconds(
             (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
             _ => 0.0,
         },
+        Instr::CastChunk { chunk, .. } => {
+            let params = schedule
+                .chunks
+                .iter()
+                .find(|(c, _)| c == chunk)
+                .map_or(0, |(_, c)| {
+                    c.members
+                        .iter()
+                        .filter_map(|m| schedule.graph.params().nth(m.param.index()))
+                        .map(|(_, p)| value_of(schedule, p.value).map_or(0, |v| v.ty.numel()))
+                        .sum()
+                });
+            cost.cpu_cast_seconds(params)
+        }
         Instr::AllGather { bytes, .. } | Instr::ReduceScatter { bytes, .. } => {
             let StreamKind::Collective { gpus, nodes } = schedule
                 .streams
@@ -520,6 +536,9 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
                 format_bytes(*bytes)
             )
         }
+        Instr::CastChunk { chunk, bytes, .. } => {
+            format!("cast chunk {} ({})", chunk.0, format_bytes(*bytes))
+        }
     }
 }
 
@@ -617,7 +636,8 @@ pub fn simulate_unverified(
                     | Instr::AllGather { .. }
                     | Instr::ReduceScatter { .. }
                     | Instr::DiskRead { .. }
-                    | Instr::DiskWrite { .. } => {
+                    | Instr::DiskWrite { .. }
+                    | Instr::CastChunk { .. } => {
                         let seconds = seconds_of[s][index];
                         if let (Instr::Kernel { op, .. }, StreamKind::Compute) =
                             (instr, stream.kind)
@@ -822,7 +842,8 @@ fn span_args(schedule: &Schedule, span: &Span) -> Json {
             Instr::Copy { bytes, .. }
             | Instr::CopyShard { bytes, .. }
             | Instr::DiskRead { bytes, .. }
-            | Instr::DiskWrite { bytes, .. },
+            | Instr::DiskWrite { bytes, .. }
+            | Instr::CastChunk { bytes, .. },
         ) => {
             args.insert("bytes".into(), json!(bytes));
         }
@@ -863,6 +884,7 @@ pub fn span_category(schedule: &Schedule, kind: StreamKind, instr: &Instr) -> &'
             category::COMM
         }
         Instr::DiskRead { .. } | Instr::DiskWrite { .. } => category::DISK,
+        Instr::CastChunk { .. } => category::CAST,
         Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => category::WAIT,
     }
 }
@@ -921,7 +943,8 @@ fn check_references(schedule: &Schedule) -> Result<(), SimulateError> {
                 Instr::Copy { src, dst, .. }
                 | Instr::CopyShard { src, dst, .. }
                 | Instr::DiskRead { src, dst, .. }
-                | Instr::DiskWrite { src, dst, .. } => {
+                | Instr::DiskWrite { src, dst, .. }
+                | Instr::CastChunk { src, dst, .. } => {
                     for t in [src, dst] {
                         if space_of(schedule, *t).is_none() {
                             return Err(bad(t.buffer.to_string()));

@@ -17,6 +17,13 @@
 //! - a value's device buffer lives from its writer to its last reader, and until the copy
 //!   that reads it is done; a copy's device destination from the first kernel after its start.
 //!
+//! - the 12-byte host layout ([`HostLayout::Staged`]): a staged chunk has no host parameter
+//!   or gradient chunk; a host cast stream casts its master weights into one of two
+//!   parameter staging buffers before each of its uploads (alternating in upload order,
+//!   each cast after the upload that last read its buffer), the upload waits for its cast,
+//!   and its gradient offload lands in one of two gradient staging buffers (alternating in
+//!   offload order, each offload after the CPU Adam that last read its buffer).
+//!
 //! It does not choose offsets: every buffer gets one in the `plan` pass.
 
 use crate::error::{CompileError, Result};
@@ -80,6 +87,31 @@ enum Step {
     AfterCompute(u32),
     /// Wait for a copy (by its index in `copies`).
     AfterCopy(usize),
+    /// Cast a staged chunk's master weights for an upload (by its index in the casts).
+    Cast(usize),
+    /// Wait for a cast (by its index in the casts).
+    AfterCast(usize),
+    /// Wait until the host optimizer has finished this op.
+    AfterHost(OpId),
+}
+
+/// The host cast stream (the 12-byte layout), after the other four when there are casts.
+pub const HOST_CAST: usize = 4;
+
+/// Staging buffers of each kind (parameters, gradients): two, so that filling one overlaps
+/// the transfer or update reading the other.
+pub const STAGING_SLOTS: usize = 2;
+
+/// A cast of a staged chunk's master weights before one of its uploads.
+struct CastPlan {
+    chunk: ChunkId,
+    src: TensorRef,
+    dst: TensorRef,
+    bytes: u64,
+    /// The upload it makes (index in `copies`).
+    upload: usize,
+    /// The upload that last read its staging buffer, which it must wait for.
+    after_upload: Option<usize>,
 }
 
 /// Bytes of optimizer state per parameter element: Adam's m and v in f32, plus an f32 master
@@ -250,16 +282,36 @@ fn order_steps(
     graph: &Graph,
     program: &Program,
     copies: &[CopyPlan],
+    staging: &Staging,
 ) -> (Vec<Vec<Step>>, Vec<usize>) {
-    let mut per_stream: Vec<Vec<Step>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-    let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_by_key(|&i| (copies[i].needed, copies[i].after.unwrap_or(0), i));
+    let mut per_stream: Vec<Vec<Step>> = (0..5).map(|_| Vec::new()).collect();
+    let order = copy_order(copies);
+    let cast_of: HashMap<usize, usize> = staging
+        .casts
+        .iter()
+        .enumerate()
+        .map(|(k, c)| (c.upload, k))
+        .collect();
     for &i in &order {
         let c = &copies[i];
         if let Some(after) = c.after {
             per_stream[c.stream].push(Step::AfterCompute(after));
         }
+        // The 12-byte layout: an upload waits for its cast; an offload into a gradient
+        // staging buffer waits for the CPU Adam that read the buffer's previous gradients.
+        if let Some(&k) = cast_of.get(&i) {
+            per_stream[c.stream].push(Step::AfterCast(k));
+        }
+        if let Some(&op) = staging.offload_after.get(&i) {
+            per_stream[c.stream].push(Step::AfterHost(op));
+        }
         per_stream[c.stream].push(Step::Copy(c.kind, c.src, c.dst, c.bytes));
+    }
+    for (k, cast) in staging.casts.iter().enumerate() {
+        if let Some(upload) = cast.after_upload {
+            per_stream[HOST_CAST].push(Step::AfterCopy(upload));
+        }
+        per_stream[HOST_CAST].push(Step::Cast(k));
     }
     for (t, &op) in program.device.iter().enumerate() {
         for &i in program
@@ -307,6 +359,54 @@ fn order_steps(
     (per_stream, order)
 }
 
+/// The copies in the order their streams issue them: by the kernel that needs them, then
+/// the kernel they follow.
+fn copy_order(copies: &[CopyPlan]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_by_key(|&i| (copies[i].needed, copies[i].after.unwrap_or(0), i));
+    order
+}
+
+/// The 12-byte layout's plan: the casts in upload order, and for each offload into a
+/// gradient staging buffer the last host optimizer op that read the buffer before it.
+#[derive(Default)]
+struct Staging {
+    casts: Vec<CastPlan>,
+    offload_after: HashMap<usize, OpId>,
+}
+
+/// The chunks of `lean` that are staged under `layout` (see [`HostLayout::Staged`]): none
+/// unless the layout is the staged one, the schedule runs on one rank and no AdamW reads a
+/// coefficient of the whole step's gradients (clipping, loss scaling: they need every
+/// gradient before the first update, so gradients need a home until then, which the 14-byte
+/// layout gives them). With a limit, the chunks uploaded fewest times per step are staged
+/// first (each upload costs a cast), the later chunk among equals; the others stay lean.
+fn staged_chunks(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    program: &Program,
+    layout: HostLayout,
+    lean: &BTreeSet<ChunkId>,
+) -> BTreeSet<ChunkId> {
+    let HostLayout::Staged { limit } = layout else {
+        return BTreeSet::new();
+    };
+    let coef = graph.ops().any(|(_, op)| op.kind.is_grad_coef());
+    if coef || chunks.world_size > 1 {
+        return BTreeSet::new();
+    }
+    let mut uploads: HashMap<ChunkId, u32> = HashMap::default();
+    for copy in &program.copies {
+        if let Movement::Gather { chunk, .. } = copy.movement {
+            *uploads.entry(chunk).or_insert(0) += 1;
+        }
+    }
+    let mut order: Vec<ChunkId> = lean.iter().copied().collect();
+    order.sort_by_key(|c| (uploads.get(c).copied().unwrap_or(0), std::cmp::Reverse(*c)));
+    let take = limit.map_or(order.len(), |n| (n as usize).min(order.len()));
+    order.into_iter().take(take).collect()
+}
+
 /// The streamed chunks whose gradients land in their host parameter storage under `layout`
 /// (see [`HostLayout::GradsInParams`]): none for the full layout, for f32 parameters (each is
 /// its own master weight, which the update reads) or with gradient accumulation on a rank
@@ -324,7 +424,7 @@ fn lean_chunks(
     // The loss gradient is scaled for every rank's micro-batches; sharded ranks take one each
     // ([`crate::shard::shardable`]), replicated ones may take several.
     let per_rank = crate::accumulate::micro_batches(graph) / u64::from(chunks.world_size.max(1));
-    if layout == HostLayout::Full || !narrow || per_rank > 1 {
+    if !layout.lean() || !narrow || per_rank > 1 {
         return BTreeSet::new();
     }
     let mut last_upload: HashMap<ChunkId, u32> = HashMap::default();
@@ -368,6 +468,14 @@ struct Builder {
     grad_chunk: HashMap<ChunkId, (BufferId, BufferId)>,
     /// Optimizer-state homes of each parameter: (m, v).
     state_home: HashMap<ParamId, (TensorRef, TensorRef)>,
+    /// The 12-byte layout: staged chunks, the staging buffers (parameters, gradients), the
+    /// staging buffer of each staged upload and offload (by copy index), and where each
+    /// staged chunk's master weights start.
+    staged: BTreeSet<ChunkId>,
+    param_staging: Vec<BufferId>,
+    grad_staging: Vec<BufferId>,
+    staging_of_copy: HashMap<usize, usize>,
+    master_start: HashMap<ChunkId, TensorRef>,
 }
 
 impl Builder {
@@ -383,6 +491,11 @@ impl Builder {
             host_chunk: HashMap::default(),
             grad_chunk: HashMap::default(),
             state_home: HashMap::default(),
+            staged: BTreeSet::new(),
+            param_staging: Vec::new(),
+            grad_staging: Vec::new(),
+            staging_of_copy: HashMap::default(),
+            master_start: HashMap::default(),
         }
     }
 
@@ -421,6 +534,8 @@ impl Builder {
         self.primary.reserve(graph.values().len());
         let program = Program::of(graph);
         let lean = lean_chunks(graph, chunks, &program, placed.host_layout);
+        self.staged = staged_chunks(graph, chunks, &program, placed.host_layout, &lean);
+        self.assign_staging(graph, chunks, &program);
         self.homes(graph, chunks, &program, &lean);
         self.slots(&program);
         let mut copies: Vec<Option<CopyPlan>> = (0..program.copies.len()).map(|_| None).collect();
@@ -439,8 +554,16 @@ impl Builder {
             .first()
             .map(|v| self.primary[v])
             .ok_or(CompileError::NoLoss)?;
-        let (per_stream, order) = order_steps(graph, &program, &copies);
-        let (streams, events) = self.lower(per_stream, &order, &copies, kernels, &program.time);
+        let staging = self.staging(graph, chunks, &program, &copies);
+        let (per_stream, order) = order_steps(graph, &program, &copies, &staging);
+        let (streams, events) = self.lower(
+            per_stream,
+            &order,
+            &copies,
+            &staging,
+            kernels,
+            &program.time,
+        );
         Ok(Streamed {
             placed,
             buffers: self.buffers,
@@ -505,8 +628,12 @@ impl Builder {
                 true => (Space::Device, BufferKind::PersistentChunk { chunk: c }),
                 false => (Space::Host, BufferKind::HostChunk { chunk: c }),
             };
-            let home = self.buffer(format!("chunk{}", c.0), space, chunk.used_bytes, kind, None);
-            if !persistent {
+            // A staged chunk (the 12-byte layout) keeps no narrow copy: its uploads are cast
+            // into a parameter staging buffer.
+            let staged = self.staged.contains(&c);
+            let home = (!staged)
+                .then(|| self.buffer(format!("chunk{}", c.0), space, chunk.used_bytes, kind, None));
+            if let (false, Some(home)) = (persistent, home) {
                 self.host_chunk.insert(c, home);
             }
             // Adam moments mirror the chunk: every m, then every v, f32. Parameters in a
@@ -527,12 +654,17 @@ impl Builder {
                 )
             });
             let mut elem = 0;
+            if let (true, Some(state)) = (staged, state) {
+                self.master_start.insert(c, Self::at(state, 4 * 2 * total));
+            }
             for (member, n) in chunk.members.iter().zip(&elems) {
                 let value = graph.param(member.param).value;
-                self.homes.push((value, Self::at(home, member.offset)));
-                self.home.insert(value, Self::at(home, member.offset));
-                if persistent {
-                    self.primary.insert(value, Self::at(home, member.offset));
+                if let Some(home) = home {
+                    self.homes.push((value, Self::at(home, member.offset)));
+                    self.home.insert(value, Self::at(home, member.offset));
+                    if persistent {
+                        self.primary.insert(value, Self::at(home, member.offset));
+                    }
                 }
                 if let (Some(state), Some(&(m, v))) = (state, adam.get(&value)) {
                     let (mr, vr) = (
@@ -563,9 +695,12 @@ impl Builder {
                     BufferKind::GradChunk { chunk: c },
                     Some((0, 0)),
                 );
-                let hg = match lean.contains(&c) {
-                    true => home,
-                    false => self.buffer(
+                // A staged chunk's gradients land in a gradient staging buffer (chosen per
+                // offload, see `grad_offloads`); a lean one's in its parameter storage.
+                let hg = match (home, lean.contains(&c)) {
+                    (None, _) => self.grad_staging[0],
+                    (Some(home), true) => home,
+                    (Some(_), false) => self.buffer(
                         format!("host_grads{}", c.0),
                         Space::Host,
                         chunk.used_bytes,
@@ -650,6 +785,132 @@ impl Builder {
         self.grad_chunk.insert(c, (g, hg));
     }
 
+    /// The 12-byte layout: the staging buffers, and which one each staged upload and offload
+    /// uses (alternating in the order their streams issue them). Stages nothing when the host
+    /// optimizer would update staged chunks in another order than their offloads arrive (an
+    /// offload waits for the update two before it, which would then wait for it).
+    fn assign_staging(&mut self, graph: &Graph, chunks: &ChunkTable, program: &Program) {
+        if self.staged.is_empty() {
+            return;
+        }
+        let mut order: Vec<usize> = (0..program.copies.len()).collect();
+        order.sort_by_key(|&i| {
+            let c = &program.copies[i];
+            (c.needed, c.after.unwrap_or(0), i)
+        });
+        let offloads: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|&i| {
+                matches!(program.copies[i].movement,
+                    Movement::OffloadGrads { chunk } if self.staged.contains(&chunk))
+            })
+            .collect();
+        let mut updated: Vec<ChunkId> = Vec::new();
+        for &op in &program.host {
+            let o = graph.op(op);
+            if let (OpKind::AdamW { .. }, Some(p)) = (&o.kind, graph.param_of(o.inputs[0])) {
+                let c = chunks.locate(p).0;
+                if self.staged.contains(&c) && !updated.contains(&c) {
+                    updated.push(c);
+                }
+            }
+        }
+        let offloaded: Vec<ChunkId> = offloads
+            .iter()
+            .map(|&i| match program.copies[i].movement {
+                Movement::OffloadGrads { chunk } => chunk,
+                _ => unreachable!("filtered to offloads"),
+            })
+            .collect();
+        if offloaded != updated {
+            self.staged.clear();
+            return;
+        }
+        let uploads = order.iter().copied().filter(|&i| {
+            matches!(program.copies[i].movement,
+                Movement::Gather { chunk, .. } if self.staged.contains(&chunk))
+        });
+        for (k, i) in uploads.enumerate() {
+            self.staging_of_copy.insert(i, k % STAGING_SLOTS);
+        }
+        for (k, &i) in offloads.iter().enumerate() {
+            self.staging_of_copy.insert(i, k % STAGING_SLOTS);
+        }
+        let bytes = self.chunk_bytes;
+        for slot in 0..STAGING_SLOTS as u32 {
+            let b = self.buffer(
+                format!("param_staging{slot}"),
+                Space::Host,
+                bytes,
+                BufferKind::ParamStaging { slot },
+                None,
+            );
+            self.param_staging.push(b);
+        }
+        for slot in 0..STAGING_SLOTS as u32 {
+            let b = self.buffer(
+                format!("grad_staging{slot}"),
+                Space::Host,
+                bytes,
+                BufferKind::GradStaging { slot },
+                None,
+            );
+            self.grad_staging.push(b);
+        }
+    }
+
+    /// The 12-byte layout's casts and waits (see [`Staging`]): a cast before each staged
+    /// upload, waiting for the upload that read its staging buffer before; each offload into
+    /// a gradient staging buffer after the last AdamW of the chunk that used it before.
+    fn staging(
+        &self,
+        graph: &Graph,
+        chunks: &ChunkTable,
+        program: &Program,
+        copies: &[CopyPlan],
+    ) -> Staging {
+        let mut staging = Staging::default();
+        if self.staged.is_empty() {
+            return staging;
+        }
+        let mut last_update: HashMap<ChunkId, OpId> = HashMap::default();
+        for &op in &program.host {
+            let o = graph.op(op);
+            if let (OpKind::AdamW { .. }, Some(p)) = (&o.kind, graph.param_of(o.inputs[0])) {
+                last_update.insert(chunks.locate(p).0, op);
+            }
+        }
+        let mut last_upload: [Option<usize>; STAGING_SLOTS] = [None; STAGING_SLOTS];
+        let mut last_offload: [Option<ChunkId>; STAGING_SLOTS] = [None; STAGING_SLOTS];
+        for i in copy_order(copies) {
+            let Some(&k) = self.staging_of_copy.get(&i) else {
+                continue;
+            };
+            match program.copies[i].movement {
+                Movement::Gather { chunk, .. } => {
+                    staging.casts.push(CastPlan {
+                        chunk,
+                        src: self.master_start[&chunk],
+                        dst: Self::at(self.param_staging[k], 0),
+                        bytes: chunks.chunk(chunk).used_bytes,
+                        upload: i,
+                        after_upload: last_upload[k],
+                    });
+                    last_upload[k] = Some(i);
+                }
+                Movement::OffloadGrads { chunk } => {
+                    if let Some(before) = last_offload[k] {
+                        staging.offload_after.insert(i, last_update[&before]);
+                    }
+                    last_offload[k] = Some(chunk);
+                }
+                _ => {}
+            }
+        }
+        staging
+    }
+
     /// The chunk slots the graph's gathers name.
     fn slots(&mut self, program: &Program) {
         let slots = program
@@ -713,10 +974,14 @@ impl Builder {
                     .expect("gathers copy parameters");
                 self.primary.insert(v, Self::at(slot, chunks.locate(p).1));
             }
+            let src = match self.staging_of_copy.get(&i) {
+                Some(&k) => self.param_staging[k],
+                None => self.host_chunk[&chunk],
+            };
             copies[i] = Some(Self::plan(
                 copy,
                 CopyKind::FetchChunk { chunk },
-                Self::at(self.host_chunk[&chunk], 0),
+                Self::at(src, 0),
                 Self::at(slot, 0),
                 chunks.chunk(chunk).used_bytes,
             ));
@@ -745,7 +1010,11 @@ impl Builder {
             let Movement::OffloadGrads { chunk } = copy.movement else {
                 continue;
             };
-            let (g, hg) = self.grad_chunk[&chunk];
+            let (g, mut hg) = self.grad_chunk[&chunk];
+            let staged = self.staging_of_copy.get(&i).copied();
+            if let Some(k) = staged {
+                hg = self.grad_staging[k];
+            }
             let start = graph.op(copy.start);
             let mut first = copy.needed;
             let mut done = 0;
@@ -754,6 +1023,11 @@ impl Builder {
                 let offset = chunks.locate(p).1;
                 self.primary.insert(grad, Self::at(g, offset));
                 self.primary.insert(host, Self::at(hg, offset));
+                // A staged parameter has no home: its AdamW writes the rounded parameter
+                // over the gradient it read, in the staging buffer.
+                if staged.is_some() {
+                    self.home.insert(graph.param(p).value, Self::at(hg, offset));
+                }
                 let producer = graph.value(grad).producer.expect("gradients are computed");
                 let t = program.time[&producer];
                 first = first.min(t);
@@ -973,11 +1247,14 @@ impl Builder {
         per_stream: Vec<Vec<Step>>,
         order: &[usize],
         copies: &[CopyPlan],
+        staging: &Staging,
         mut kernels: HashMap<OpId, Instr>,
         time: &HashMap<OpId, u32>,
     ) -> (Vec<Stream>, u32) {
         let mut compute_event: BTreeMap<u32, EventId> = BTreeMap::new();
         let mut copy_event: HashMap<usize, EventId> = HashMap::default();
+        let mut cast_event: HashMap<usize, EventId> = HashMap::default();
+        let mut host_event: HashMap<OpId, EventId> = HashMap::default();
         let mut next = 0u32;
         let event = |next: &mut u32| {
             *next += 1;
@@ -992,27 +1269,38 @@ impl Builder {
                     Step::AfterCopy(i) => {
                         copy_event.entry(*i).or_insert_with(|| event(&mut next));
                     }
+                    Step::AfterCast(k) => {
+                        cast_event.entry(*k).or_insert_with(|| event(&mut next));
+                    }
+                    Step::AfterHost(op) => {
+                        host_event.entry(*op).or_insert_with(|| event(&mut next));
+                    }
                     _ => {}
                 }
             }
         }
         // Copies in stream order, to map copy index -> position.
         let mut copy_index_of: HashMap<(usize, usize), usize> = HashMap::default();
-        let mut per_stream_count = [0usize; 4];
+        let mut per_stream_count = [0usize; 5];
         for &i in order {
             let stream = copies[i].stream;
             copy_index_of.insert((stream, per_stream_count[stream]), i);
             per_stream_count[stream] += 1;
         }
-        let names = ["compute", "h2d", "d2h", "host_optimizer"];
+        let names = ["compute", "h2d", "d2h", "host_optimizer", "host_cast"];
         let kinds = [
             StreamKind::Compute,
             StreamKind::HostToDevice,
             StreamKind::DeviceToHost,
             StreamKind::HostOptimizer,
+            StreamKind::HostCast,
         ];
         let mut streams = Vec::new();
         for (s, steps) in per_stream.into_iter().enumerate() {
+            // The host cast stream exists only where chunks are staged.
+            if s == HOST_CAST && steps.is_empty() {
+                continue;
+            }
             let mut instrs = Vec::new();
             let mut copies_seen = 0;
             for step in steps {
@@ -1024,7 +1312,28 @@ impl Builder {
                                 instrs.push(Instr::Record { event: e });
                             }
                         }
+                        if let (HOST_OPTIMIZER, Some(&e)) = (s, host_event.get(&op)) {
+                            instrs.push(Instr::Record { event: e });
+                        }
                     }
+                    Step::Cast(k) => {
+                        let c = &staging.casts[k];
+                        instrs.push(Instr::CastChunk {
+                            chunk: c.chunk,
+                            src: c.src,
+                            dst: c.dst,
+                            bytes: c.bytes,
+                        });
+                        if let Some(&e) = cast_event.get(&k) {
+                            instrs.push(Instr::Record { event: e });
+                        }
+                    }
+                    Step::AfterCast(k) => instrs.push(Instr::Wait {
+                        event: cast_event[&k],
+                    }),
+                    Step::AfterHost(op) => instrs.push(Instr::Wait {
+                        event: host_event[&op],
+                    }),
                     Step::Copy(what, src, dst, bytes) => {
                         instrs.push(Instr::Copy {
                             what,

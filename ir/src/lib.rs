@@ -36,8 +36,8 @@ pub use op::{
 pub use policy::{BlockMode, HostLayout, Policy, PolicySpec};
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{
-    Buffer, BufferKind, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule, ShardPart,
-    Space, Stream, StreamKind, TensorRef, FORMAT_VERSION,
+    Buffer, BufferKind, CastPiece, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule,
+    ShardPart, Space, Stream, StreamKind, TensorRef, FORMAT_VERSION,
 };
 pub use types::{format_bytes, format_count, DType, TensorType};
 pub use verify_schedule::VerifiedSchedule;

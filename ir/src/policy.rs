@@ -55,12 +55,24 @@ impl BlockMode {
 ///   schedules (whose parameter is its own master weight), keep the full layout. The
 ///   verifier's data flow proves each such reuse: a fetch that reads the storage after the
 ///   gradients arrived reads gradients where it must read parameters, and is refused.
-///
-/// The floor, 12 bytes (no host copy of the narrow parameters at all: each upload cast from the
-/// master into a staging buffer, gradients consumed from staging as they arrive), is not a
-/// layout here: with gradient clipping or loss scaling the CPU Adam needs a coefficient that
-/// exists only after every gradient of the step, so gradients cannot be consumed as they
-/// arrive and need a home until then, which is what the 14-byte layout gives them.
+/// - [`HostLayout::Staged`], 12 bytes (the floor: the f32 master and the two moments): the
+///   chunk keeps no narrow copy at all. Before each upload a host cast stream rounds its f32
+///   master weights into one of two host parameter staging buffers
+///   ([`BufferKind::ParamStaging`](crate::BufferKind::ParamStaging)), exactly as the CPU Adam
+///   rounds the master into the parameter in the other layouts, and the upload copies from
+///   there; the buffers alternate, so the cast of the next chunk overlaps this chunk's upload.
+///   Its gradients are offloaded into one of two host gradient staging buffers
+///   ([`BufferKind::GradStaging`](crate::BufferKind::GradStaging)), where the CPU Adam reads
+///   them (writing the rounded parameter over each gradient it read, which the next offload
+///   into that buffer overwrites: the master carries the update). The pools are fixed, four
+///   chunks' bytes whatever the number of staged chunks. It applies where the 14-byte layout
+///   does and, besides, only on one rank and where the update reads no global coefficient:
+///   gradient clipping by global norm and fp16's loss-scale overflow check need every
+///   gradient of the step before the first update, so the gradients would need a home until
+///   then, which is what the 14-byte layout gives them; such schedules keep 14 bytes as
+///   their floor. `limit` stages at most that many chunks (the search's per-chunk choice:
+///   the chunks uploaded fewest times per step first, as each upload costs a cast), the
+///   other eligible chunks taking 14 bytes; `None` stages every eligible chunk.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
@@ -71,28 +83,79 @@ pub enum HostLayout {
     Full,
     /// 14 bytes per parameter: gradients land in the parameter storage after its last upload.
     GradsInParams,
+    /// 12 bytes per parameter: uploads cast from the master through staging buffers,
+    /// gradients consumed from staging buffers; at most `limit` chunks (the others 14).
+    Staged {
+        /// How many offloaded chunks are staged at most (`None`: every one that can be).
+        limit: Option<u32>,
+    },
 }
 
 impl HostLayout {
+    /// Every eligible offloaded chunk staged (12 bytes per parameter).
+    pub const STAGED: HostLayout = HostLayout::Staged { limit: None };
+
     /// Host bytes per parameter of an offloaded chunk in this layout, with narrow parameters of
     /// `narrow` bytes each (2 for bf16 and f16): parameters, gradients, f32 master, m and v.
     pub fn bytes_per_param(self, narrow: u64) -> u64 {
         match self {
             HostLayout::Full => 2 * narrow + 12,
             HostLayout::GradsInParams => narrow + 12,
+            HostLayout::Staged { .. } => 12,
         }
     }
 
-    /// The number the text form uses: the bytes per bf16 parameter (16, 14).
+    /// The number the text form uses: the bytes per bf16 parameter (16, 14, 12).
     pub fn number(self) -> u32 {
         self.bytes_per_param(2) as u32
     }
 
-    /// The layout with that number, if one has it.
+    /// The layout with that number, if one has it (12: every eligible chunk staged).
     pub fn from_number(n: u32) -> Option<Self> {
-        [HostLayout::Full, HostLayout::GradsInParams]
-            .into_iter()
-            .find(|l| l.number() == n)
+        [
+            HostLayout::Full,
+            HostLayout::GradsInParams,
+            HostLayout::STAGED,
+        ]
+        .into_iter()
+        .find(|l| l.number() == n)
+    }
+
+    /// Whether chunks' gradients may land in their parameter storage or in staging: the
+    /// 14- and 12-byte layouts.
+    pub fn lean(self) -> bool {
+        self != HostLayout::Full
+    }
+}
+
+impl fmt::Display for HostLayout {
+    /// `16`, `14`, `12`, or `12x30` (at most 30 chunks staged, the other eligible ones at
+    /// 14), as `host_layout=` takes it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostLayout::Staged { limit: Some(n) } => write!(f, "12x{n}"),
+            other => write!(f, "{}", other.number()),
+        }
+    }
+}
+
+impl FromStr for HostLayout {
+    type Err = ();
+
+    /// The text [`HostLayout`]'s `Display` writes.
+    fn from_str(text: &str) -> std::result::Result<Self, ()> {
+        match text.split_once('x') {
+            Some(("12", n)) => n
+                .parse::<u32>()
+                .map(|n| HostLayout::Staged { limit: Some(n) })
+                .map_err(|_| ()),
+            Some(_) => Err(()),
+            None => text
+                .parse::<u32>()
+                .ok()
+                .and_then(HostLayout::from_number)
+                .ok_or(()),
+        }
     }
 }
 
@@ -216,7 +279,7 @@ impl fmt::Display for Policy {
             }
         )?;
         if self.host_layout != HostLayout::Full {
-            write!(f, " host_layout={}", self.host_layout.number())?;
+            write!(f, " host_layout={}", self.host_layout)?;
         }
         Ok(())
     }
@@ -228,7 +291,8 @@ impl fmt::Display for Policy {
 /// Its text form is `key=value` pairs separated by commas or spaces, so the line a
 /// [`Policy`] prints (`n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`) parses back to
 /// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (one letter
-/// per layer, `-` for none), `host_layout` (16 or 14 bytes per parameter, see [`HostLayout`])
+/// per layer, `-` for none), `host_layout` (16, 14 or 12 bytes per parameter, or `12xN` for
+/// at most `N` chunks at 12 and the rest at 14; see [`HostLayout`])
 /// and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
 /// error rather than one silently winning.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -304,11 +368,12 @@ impl FromStr for PolicySpec {
                 "n_checkpoint" => spec.n_checkpoint = Some(number()?),
                 "prefetch" => spec.prefetch = Some(number()?),
                 "host_layout" => {
-                    let layout = number().ok().and_then(HostLayout::from_number);
-                    spec.host_layout = Some(layout.ok_or_else(|| {
+                    spec.host_layout = Some(value.parse::<HostLayout>().map_err(|()| {
                         bad(format!(
                             "host_layout={value}: give 16 (parameters, gradients, master and \
-                             moments apart) or 14 (gradients in the parameter storage)"
+                             moments apart), 14 (gradients in the parameter storage), 12 (no \
+                             narrow copy: uploads cast from the master through staging) or \
+                             12xN (at most N chunks at 12 bytes, the others at 14)"
                         ))
                     })?);
                 }
@@ -417,7 +482,7 @@ impl fmt::Display for PolicySpec {
             ));
         }
         if let Some(layout) = self.host_layout {
-            parts.push(format!("host_layout={}", layout.number()));
+            parts.push(format!("host_layout={layout}"));
         }
         f.write_str(&parts.join(" "))
     }
@@ -458,11 +523,36 @@ mod tests {
                 host_layout: HostLayout::GradsInParams,
                 ..Policy::zero3_offload(2, 4)
             },
+            Policy::zero3_offload(2, 4).with_layout(HostLayout::STAGED),
+            Policy::zero3_offload(2, 4).with_layout(HostLayout::Staged { limit: Some(3) }),
         ] {
             let printed = policy.to_string();
             let back = parse(&printed).unwrap().resolve(5, policy.blocks.len());
             assert_eq!(back.unwrap(), policy, "{printed}");
         }
+    }
+
+    #[test]
+    fn host_layouts_print_as_their_bytes_per_parameter() {
+        for (text, layout) in [
+            ("16", HostLayout::Full),
+            ("14", HostLayout::GradsInParams),
+            ("12", HostLayout::STAGED),
+            ("12x30", HostLayout::Staged { limit: Some(30) }),
+        ] {
+            assert_eq!(text.parse::<HostLayout>(), Ok(layout));
+            assert_eq!(layout.to_string(), text);
+        }
+        let p = parse("n_persist=0 host_layout=12x3")
+            .unwrap()
+            .resolve(5, 1)
+            .unwrap();
+        assert_eq!(p.host_layout, HostLayout::Staged { limit: Some(3) });
+        assert_eq!(
+            p.to_string(),
+            "n_persist=0 n_buffer=2 prefetch=1 blocks=K host_layout=12x3"
+        );
+        assert_eq!(HostLayout::STAGED.bytes_per_param(2), 12);
     }
 
     #[test]
@@ -495,8 +585,11 @@ mod tests {
             ("n_persists=1", "unknown key `n_persists`"),
             ("n_buffer=-1", "not a whole number"),
             ("blocks=KX", "block mode `X`"),
-            ("host_layout=12", "give 16"),
+            ("host_layout=13", "give 16"),
             ("host_layout=x", "give 16"),
+            ("host_layout=14x2", "12xN"),
+            ("host_layout=12x", "12xN"),
+            ("host_layout=12x-1", "12xN"),
         ] {
             let err = parse(text).unwrap_err().to_string();
             assert!(err.contains(says), "{text}: {err}");

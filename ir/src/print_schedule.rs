@@ -102,7 +102,8 @@ impl BufferNumbering {
                 | Instr::ReduceScatter { at, .. } => mention(*at),
                 Instr::CopyShard { src, dst, .. }
                 | Instr::DiskRead { src, dst, .. }
-                | Instr::DiskWrite { src, dst, .. } => {
+                | Instr::DiskWrite { src, dst, .. }
+                | Instr::CastChunk { src, dst, .. } => {
                     mention(*src);
                     mention(*dst);
                 }
@@ -147,7 +148,7 @@ pub fn space_name(space: Space) -> &'static str {
 }
 
 /// The words for a stream kind: `compute`, `host-to-device`, `device-to-host`,
-/// `host optimizer`, `collective`, `disk i/o`.
+/// `host optimizer`, `collective`, `disk i/o`, `host cast`.
 pub fn stream_kind_name(kind: StreamKind) -> &'static str {
     match kind {
         StreamKind::Compute => "compute",
@@ -156,6 +157,7 @@ pub fn stream_kind_name(kind: StreamKind) -> &'static str {
         StreamKind::HostOptimizer => "host optimizer",
         StreamKind::Collective { .. } => "collective",
         StreamKind::DiskIo => "disk i/o",
+        StreamKind::HostCast => "host cast",
     }
 }
 
@@ -185,6 +187,8 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
             format!("shard {chunk} {part}")
         }
         BufferKind::DiskStaging { slot } => format!("disk staging{slot}"),
+        BufferKind::ParamStaging { slot } => format!("param staging{slot}"),
+        BufferKind::GradStaging { slot } => format!("grad staging{slot}"),
     }
 }
 
@@ -658,6 +662,17 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             bytes,
         } => format!(
             "disk_write {chunk} state {} -> {} {}",
+            address(cx, *src),
+            address(cx, *dst),
+            format_bytes(*bytes)
+        ),
+        Instr::CastChunk {
+            chunk,
+            src,
+            dst,
+            bytes,
+        } => format!(
+            "cast {chunk} master {} -> {} {}  ; f32 master rounded into its parameters",
             address(cx, *src),
             address(cx, *dst),
             format_bytes(*bytes)

@@ -52,6 +52,19 @@
 //! chunk's state at the same offsets as its disk buffer, so an AdamW that reads its moments
 //! in a staging buffer finds the master weight there too, at its home's offset in the disk
 //! buffer.
+//!
+//! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
+//! chunk has no host copy of its narrow parameters and no host gradient chunk. A
+//! [`StreamKind::HostCast`] stream runs one [`Instr::CastChunk`] before each of its uploads,
+//! rounding the chunk's f32 master weights into one of two host parameter staging buffers
+//! ([`BufferKind::ParamStaging`], alternating in upload order); the upload copies from there.
+//! Its gradient offload lands in one of two host gradient staging buffers
+//! ([`BufferKind::GradStaging`], alternating in offload order), where the CPU Adam reads each
+//! gradient and writes the rounded parameter over it (as in the 14-byte layout: the narrow
+//! operand of the AdamW kernel is the gradient's address), a write nothing reads; the master
+//! weight carries the update to the next step's casts. Events order every reuse: a cast
+//! waits for the upload that last read its staging buffer, an upload for its cast, an offload
+//! into a gradient staging buffer for the CPU Adam that last read it.
 
 use crate::chunks::ChunkTable;
 use crate::graph::Graph;
@@ -62,8 +75,9 @@ use serde::{Deserialize, Serialize};
 
 /// The version of the schedule layout this build writes and reads. 3: the header's policy
 /// carries its host layout ([`HostLayout`](crate::HostLayout)). 4: the disk tier (the
-/// header's disk budget, the schedule's disk region).
-pub const FORMAT_VERSION: u32 = 4;
+/// header's disk budget, the schedule's disk region). 5: the 12-byte host layout (the staged
+/// layout in the policy, staging buffers, the host cast stream and its casts).
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -140,6 +154,18 @@ pub enum BufferKind {
     /// A host buffer a disk-resident chunk's state is read into, updated in and written back
     /// from; two of them alternate (see the module doc).
     DiskStaging {
+        /// Which of the two.
+        slot: u32,
+    },
+    /// A host buffer a staged chunk's narrow parameters are cast into from its f32 master
+    /// weights and uploaded from (the 12-byte layout, see the module doc); two alternate.
+    ParamStaging {
+        /// Which of the two.
+        slot: u32,
+    },
+    /// A host buffer a staged chunk's gradients are offloaded into and the CPU Adam reads
+    /// them from (the 12-byte layout, see the module doc); two alternate.
+    GradStaging {
         /// Which of the two.
         slot: u32,
     },
@@ -309,6 +335,38 @@ pub enum Instr {
         /// Bytes.
         bytes: u64,
     },
+    /// Round a staged chunk's f32 master weights into its narrow parameter layout at `dst`
+    /// (the start of a [`BufferKind::ParamStaging`] buffer), on the [`StreamKind::HostCast`]
+    /// stream: member `k` of the chunk, of `n` elements, is read at `src + 4 * e` (`e` the
+    /// elements of the members before it: the chunk's master weights are contiguous, in
+    /// member order) and written at `dst + offset of k`; the bytes of `dst .. dst + bytes`
+    /// between members are zeroed. [`Schedule::cast_pieces`] lists the pieces.
+    CastChunk {
+        /// The chunk.
+        chunk: ChunkId,
+        /// The master weight of the chunk's first member.
+        src: TensorRef,
+        /// The staging buffer.
+        dst: TensorRef,
+        /// Bytes written: the chunk's used bytes.
+        bytes: u64,
+    },
+}
+
+/// One member of a [`Instr::CastChunk`]: `len` f32 master weights at `master` rounded into
+/// `len` narrow elements of `dtype` at `narrow`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CastPiece {
+    /// The parameter.
+    pub value: ValueId,
+    /// Its f32 master weight.
+    pub master: TensorRef,
+    /// Where its narrow copy goes.
+    pub narrow: TensorRef,
+    /// Elements.
+    pub len: u64,
+    /// The narrow type.
+    pub dtype: DType,
 }
 
 /// Why a copy happens.
@@ -367,6 +425,10 @@ pub enum StreamKind {
     /// [`Instr::DiskWrite`]); a schedule without a disk region has none. Its own stream, not
     /// the host optimizer's, so that the disk works while the CPU Adam does.
     DiskIo,
+    /// CPU work that makes staged chunks' uploads ([`Instr::CastChunk`], the 12-byte
+    /// layout); a schedule without staged chunks has none. Its own stream, so that casts
+    /// overlap the uploads and the CPU Adam.
+    HostCast,
 }
 
 /// An in-order instruction list.
@@ -597,6 +659,64 @@ impl Schedule {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The pieces of a [`Instr::CastChunk`] of `chunk` from `src` to `dst`: one per member of
+    /// the chunk, in member order (see the instruction's doc). `None` when the chunk is out of
+    /// range or a member is not a narrow parameter (an unverified schedule).
+    pub fn cast_pieces(
+        &self,
+        chunk: ChunkId,
+        src: TensorRef,
+        dst: TensorRef,
+    ) -> Option<Vec<CastPiece>> {
+        if chunk.index() >= self.chunks.len() {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut elem = 0u64;
+        for m in &self.chunks.chunk(chunk).members {
+            if m.param.index() >= self.graph.params().len() {
+                return None;
+            }
+            let value = self.graph.param(m.param).value;
+            let ty = &self.graph.value(value).ty;
+            if !matches!(ty.dtype, DType::BF16 | DType::F16) {
+                return None;
+            }
+            let len = ty.numel();
+            out.push(CastPiece {
+                value,
+                master: TensorRef {
+                    buffer: src.buffer,
+                    offset: src.offset + 4 * elem,
+                },
+                narrow: TensorRef {
+                    buffer: dst.buffer,
+                    offset: dst.offset + m.offset,
+                },
+                len,
+                dtype: ty.dtype,
+            });
+            elem += len;
+        }
+        Some(out)
+    }
+
+    /// The chunks a [`Instr::CastChunk`] makes uploads of (the 12-byte layout), in order.
+    pub fn staged_chunks(&self) -> Vec<ChunkId> {
+        let mut out: Vec<ChunkId> = self
+            .streams
+            .iter()
+            .flat_map(|s| &s.instrs)
+            .filter_map(|i| match i {
+                Instr::CastChunk { chunk, .. } => Some(*chunk),
+                _ => None,
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Whether any buffer holds a shard of a sharded chunk.

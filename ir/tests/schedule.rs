@@ -1058,7 +1058,8 @@ fn reversed_buffers() -> Schedule {
             | Instr::ReduceScatter { at, .. } => flip(at),
             Instr::CopyShard { src, dst, .. }
             | Instr::DiskRead { src, dst, .. }
-            | Instr::DiskWrite { src, dst, .. } => {
+            | Instr::DiskWrite { src, dst, .. }
+            | Instr::CastChunk { src, dst, .. } => {
                 flip(src);
                 flip(dst);
             }

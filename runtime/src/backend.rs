@@ -65,6 +65,102 @@ pub struct ShardLaunch {
     pub master: Option<Address>,
 }
 
+/// One member of a staged chunk's cast ([`protrain_ir::Instr::CastChunk`]): `len` f32 master
+/// weights at `master` rounded into `len` elements of `dtype` (bf16 or f16) at `narrow`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CastPart {
+    /// The f32 master weights.
+    pub master: Address,
+    /// Where the narrow parameters go.
+    pub narrow: Address,
+    /// Elements.
+    pub len: usize,
+    /// The narrow type.
+    pub dtype: DType,
+}
+
+/// A staged chunk's cast (the 12-byte host layout) as data: its members' parts, and the
+/// `bytes` at `dst` (the staging buffer) it fills, the bytes between parts zeroed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CastLaunch {
+    /// The members, in chunk order.
+    pub parts: Vec<CastPart>,
+    /// The start of the staging buffer.
+    pub dst: Address,
+    /// Bytes it fills.
+    pub bytes: u64,
+}
+
+impl CastLaunch {
+    /// The byte ranges of `dst .. dst + bytes` no part writes (padding between members), as
+    /// `(offset from dst, bytes)`.
+    pub fn gaps(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        for p in &self.parts {
+            let at = p.narrow.offset - self.dst.offset;
+            if at > pos {
+                out.push((pos, at - pos));
+            }
+            pos = pos.max(at + p.len as u64 * p.dtype.size());
+        }
+        if pos < self.bytes {
+            out.push((pos, self.bytes - pos));
+        }
+        out
+    }
+
+    /// Runs the cast on the host, with `at(address, bytes, align)` giving a pointer to
+    /// `bytes` bytes of host memory at `address` aligned to `align` (or failing): the one
+    /// code path of every backend whose host stream runs CPU work.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the master weights and the staging bytes,
+    /// and `at` returns pointers to memory that stays allocated for the call.
+    pub unsafe fn run_on_host(
+        &self,
+        at: impl Fn(Address, u64, usize) -> Result<*mut u8>,
+    ) -> Result<()> {
+        for (off, len) in self.gaps() {
+            let to = at(
+                Address {
+                    space: self.dst.space,
+                    offset: self.dst.offset + off,
+                },
+                len,
+                1,
+            )?;
+            // SAFETY: `at` checked the range; the ordering contract keeps other work away.
+            unsafe { std::ptr::write_bytes(to, 0, len as usize) };
+        }
+        for p in &self.parts {
+            let size = p.dtype.size();
+            let master = at(p.master, 4 * p.len as u64, 4)?;
+            let narrow = at(p.narrow, size * p.len as u64, size as usize)?;
+            // SAFETY: both ranges in bounds and aligned (checked by `at`); a verified cast's
+            // master weights and staging bytes do not overlap and nothing else touches them
+            // meanwhile (the ordering contract).
+            let master = unsafe { std::slice::from_raw_parts(master.cast::<f32>(), p.len) };
+            match p.dtype {
+                DType::BF16 => crate::kernels::cast_bf16(master, unsafe {
+                    std::slice::from_raw_parts_mut(narrow.cast::<half::bf16>(), p.len)
+                }),
+                DType::F16 => crate::kernels::cast_f16(master, unsafe {
+                    std::slice::from_raw_parts_mut(narrow.cast::<half::f16>(), p.len)
+                }),
+                other => {
+                    return Err(RuntimeError::BadSchedule(format!(
+                        "a cast into {other} parameters: only bf16 and f16 parameters are \
+                         cast from f32 master weights (host_layout=12); recompile the schedule"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Sets the learning rate of an AdamW op's `kind` to `lr`, the one hyper-parameter that
 /// changes from step to step (see [`Launch`]); any other kind is left as it is.
 pub fn set_learning_rate(kind: &mut OpKind, lr: f64) {
@@ -262,6 +358,23 @@ pub trait Backend: Sync + Sized {
         // SAFETY: the caller's contract covers the gradient's range.
         unsafe { self.all_reduce(stream, grad, dtype, len, comm)? };
         Ok(false)
+    }
+
+    /// Runs a staged chunk's cast (the 12-byte host layout, [`CastLaunch`]) on `stream`, a
+    /// host cast stream. A backend whose host streams cannot run CPU work refuses it.
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for the master weights and the
+    /// staging bytes.
+    unsafe fn cast(&self, stream: &mut Self::Stream, cast: &CastLaunch) -> Result<()> {
+        let _ = (stream, cast);
+        Err(RuntimeError::BadSchedule(
+            "the schedule stages chunks (host_layout=12: uploads cast from the f32 master \
+             weights on the host), which this backend cannot run; compile with host_layout=14 \
+             in the policy, or run it on the host backend"
+                .into(),
+        ))
     }
 
     /// Records `event` once the work issued on `stream` so far is done.

@@ -30,7 +30,9 @@
 //! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
 //! the same rows, bit for bit.
 
-use crate::backend::{set_learning_rate, set_loss_scale, Address, Backend, Launch, ShardLaunch};
+use crate::backend::{
+    set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
+};
 use crate::collective::Collective;
 use crate::disk::DiskFile;
 use crate::dispatch::{Outcome, Prepared};
@@ -122,6 +124,8 @@ enum Planned {
     },
     /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
     Skip,
+    /// A staged chunk's cast (the 12-byte host layout).
+    Cast(CastLaunch),
 }
 
 /// One stream: its handle, its program and what its last step measured.
@@ -142,12 +146,26 @@ struct StreamRun<S> {
 
 /// A parameter's home, its element type, and the home of its f32 master weight when the
 /// parameter is narrower (mixed precision). In a sharded chunk the homes are in the whole
-/// layout of the ranks' shards; a rank reads and writes its part ([`held`]).
+/// layout of the ranks' shards; a rank reads and writes its part ([`held`]). A staged
+/// parameter (the 12-byte host layout) has no home, only its master weight.
 struct ParamHome {
-    at: TensorRef,
+    at: Option<TensorRef>,
     len: usize,
     dtype: DType,
     master: Option<TensorRef>,
+}
+
+impl ParamHome {
+    /// Where the parameter's values are read and written whole, and its element size: its f32
+    /// master weight when it has one, else its home (every parameter has one of the two,
+    /// checked when the executor is made).
+    fn source(&self) -> (TensorRef, u64) {
+        match (self.master, self.at) {
+            (Some(master), _) => (master, 4),
+            (None, Some(at)) => (at, self.dtype.size()),
+            (None, None) => unreachable!("a parameter without a home has a master weight"),
+        }
+    }
 }
 
 /// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
@@ -338,7 +356,8 @@ impl<'s, B: Backend> Executor<'s, B> {
                 spans: Vec::new(),
             });
         }
-        // The verifier checked that every value without a producer has exactly one home.
+        // The verifier checked that every value without a producer has exactly one home,
+        // but a staged parameter, which has a master weight instead.
         let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
         let home = |v: ValueId| homes[&v];
         let mut inputs = Vec::new();
@@ -368,14 +387,22 @@ impl<'s, B: Backend> Executor<'s, B> {
             .params()
             .map(|(_, p)| {
                 let ty = &graph.value(p.value).ty;
-                ParamHome {
-                    at: home(p.value),
+                let home = ParamHome {
+                    at: homes.get(&p.value).copied(),
                     len: ty.numel() as usize,
                     dtype: ty.dtype,
                     master: masters.get(&p.value).copied(),
+                };
+                match home.at.is_some() || home.master.is_some() {
+                    true => Ok(home),
+                    false => Err(RuntimeError::BadSchedule(format!(
+                        "parameter {} has neither a home nor a master weight; recompile the \
+                         schedule with this protrain",
+                        p.name
+                    ))),
                 }
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let state = graph
             .values()
             .filter(|(_, v)| v.role == Role::OptimizerState && v.producer.is_none())
@@ -606,7 +633,10 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         // Each rank writes the part of each parameter it holds (all of it, unless sharded).
         for (home, data) in self.params.iter().zip(values) {
-            if let Some((at, part)) = self.held(home.at, home.len, home.dtype.size()) {
+            let narrow = home
+                .at
+                .and_then(|t| self.held(t, home.len, home.dtype.size()));
+            if let Some((at, part)) = narrow {
                 let data = &data[part];
                 match home.dtype {
                     DType::BF16 => {
@@ -740,10 +770,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             ))
         })?;
         let mut out = vec![0.0; home.len];
-        let (t, size) = match home.master {
-            Some(master) => (master, 4),
-            None => (home.at, home.dtype.size()),
-        };
+        let (t, size) = home.source();
         if let Some((at, part)) = self.held(t, home.len, size) {
             self.read_param_part(home, at, &mut out[part])?;
         }
@@ -799,10 +826,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 .collect()
         };
         let params = graph.params().zip(&self.params).map(|((_, p), home)| {
-            let (t, size) = match home.master {
-                Some(master) => (master, 4),
-                None => (home.at, home.dtype.size()),
-            };
+            let (t, size) = home.source();
             StateTensor {
                 name: p.name.clone(),
                 shape: shape(p.value),
@@ -825,10 +849,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         match index.checked_sub(self.params.len()) {
             None => {
                 let home = &self.params[index];
-                let (t, size) = match home.master {
-                    Some(master) => (master, 4),
-                    None => (home.at, home.dtype.size()),
-                };
+                let (t, size) = home.source();
                 let Some((at, part)) = self.held(t, home.len, size) else {
                     return Ok(Vec::new());
                 };
@@ -873,7 +894,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             None => {
                 let home = &self.params[index];
                 let (len, dtype) = (home.len, home.dtype);
-                let mine = self.held(home.at, len, dtype.size());
+                let mine = home.at.and_then(|at| self.held(at, len, dtype.size()));
                 let master = home.master.and_then(|m| self.held(m, len, 4));
                 let ranges: Vec<&Range<usize>> =
                     mine.iter().chain(&master).map(|(_, r)| r).collect();
@@ -1281,6 +1302,10 @@ fn run_stream<B: Backend>(
                     continue;
                 }
                 Planned::Skip => continue,
+                Planned::Cast(cast) => {
+                    // SAFETY: as for kernels.
+                    unsafe { backend.cast(&mut s.handle, cast)? };
+                }
                 Planned::Kernel { .. } => {
                     // SAFETY: the schedule was verified when the executor was made, and its
                     // instructions are issued in stream order with its events: the verifier
@@ -1590,6 +1615,27 @@ fn plan(
             dtype: *dtype,
             len: (*bytes / dtype.size()) as usize,
         },
+        Instr::CastChunk {
+            chunk,
+            src,
+            dst,
+            bytes,
+        } => Planned::Cast(CastLaunch {
+            // The verifier checked that every member is a narrow parameter.
+            parts: schedule
+                .cast_pieces(*chunk, *src, *dst)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| CastPart {
+                    master: address(schedule, p.master),
+                    narrow: address(schedule, p.narrow),
+                    len: p.len as usize,
+                    dtype: p.dtype,
+                })
+                .collect(),
+            dst: address(schedule, *dst),
+            bytes: *bytes,
+        }),
         Instr::Record { event } => Planned::Record(*event),
         Instr::Wait { event } => Planned::Wait(*event),
         Instr::AllReduce { value, at } => {

@@ -757,6 +757,17 @@ impl Backend for HostBackend {
         )
     }
 
+    unsafe fn cast(
+        &self,
+        _stream: &mut HostStream,
+        cast: &crate::backend::CastLaunch,
+    ) -> Result<()> {
+        // SAFETY: the caller's ordering contract; `at` checks bounds and alignment.
+        unsafe {
+            cast.run_on_host(|at, bytes, align| self.region(at.space)?.at(at.offset, bytes, align))
+        }
+    }
+
     unsafe fn copy(
         &self,
         _stream: &mut HostStream,

@@ -57,7 +57,7 @@ pub fn run(args: Args) -> Result<()> {
         format_bytes(states.grads_in_params)
     );
     outln!(
-        "    12  {:>10}  staging: master and moments only (the floor; not compiled yet)",
+        "    12  {:>10}  staging: master and moments only (host_layout=12; not with --grad-clip or f16)",
         format_bytes(states.staged)
     );
     Ok(())

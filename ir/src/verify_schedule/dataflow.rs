@@ -9,6 +9,7 @@ use crate::ids::{OpId, StreamId, ValueId};
 use crate::op::OpKind;
 use crate::print_schedule::space_name;
 use crate::schedule::{BufferKind, CopyKind, Instr, Space, TensorRef};
+use std::collections::HashMap;
 
 /// One range a kernel writes.
 struct KernelWrite {
@@ -78,6 +79,16 @@ impl Checker<'_> {
                     continue;
                 };
                 let (space, a) = s.address(t);
+                // The 12-byte layout: a staged parameter has no home; its AdamW writes the
+                // rounded parameter over the gradient it read in a gradient staging buffer
+                // (a write nothing reads: the master weight carries the update).
+                let staged = j == 0
+                    && home_of[v.index()].is_none()
+                    && inputs.get(1) == Some(&t)
+                    && matches!(s.buffer(t.buffer).kind, BufferKind::GradStaging { .. });
+                if staged {
+                    continue;
+                }
                 let Some(home) = home_of[v.index()] else {
                     return Err(self.fail(
                         Invariant::Homes,
@@ -170,6 +181,27 @@ impl Checker<'_> {
                 );
             }
         }
+        // The 12-byte layout: the master weights of staged chunks, which casts read and
+        // AdamW updates, hold their parameters (as values) from the start of the step.
+        let staged = self.staged_masters();
+        for (&v, &t) in &staged {
+            let (space, a, b) = self.span(t, 4 * self.g.value(v).ty.numel());
+            if a < b {
+                mem[space_index(space)].segments.insert(
+                    a,
+                    Segment {
+                        end: b,
+                        content: Content::Value {
+                            value: v,
+                            base: a,
+                            updated: false,
+                        },
+                        writer: Writer::Home,
+                        readers: vec![0; n].into_boxed_slice(),
+                    },
+                );
+            }
+        }
         let mut pc = vec![0usize; n];
         let mut clocks = vec![vec![0u32; n]; n];
         let mut event_clocks: Vec<Option<Vec<u32>>> = vec![None; s.events as usize];
@@ -202,14 +234,19 @@ impl Checker<'_> {
                     workspace,
                 } => self.kernel(
                     &mut mem,
-                    r,
-                    &clocks[si],
-                    &pc,
+                    (r, &clocks[si], &pc),
+                    &staged,
                     *op,
                     inputs,
                     outputs,
                     *workspace,
                 )?,
+                Instr::CastChunk {
+                    chunk,
+                    src,
+                    dst,
+                    bytes,
+                } => self.cast(&mut mem, r, &clocks[si], &pc, *chunk, *src, *dst, *bytes)?,
                 Instr::Copy {
                     what,
                     src,
@@ -471,6 +508,14 @@ impl Checker<'_> {
                 | Instr::ReduceScatter { .. } => false,
                 // A staging buffer receives a whole chunk state, not one value.
                 Instr::DiskRead { .. } | Instr::DiskWrite { .. } => false,
+                Instr::CastChunk {
+                    chunk, src, dst, ..
+                } => self
+                    .s
+                    .cast_pieces(*chunk, *src, *dst)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|p| p.value == v && at(p.narrow)),
             };
             if writes {
                 return if (r.index as usize) < pc[r.stream.index()] {
@@ -561,13 +606,102 @@ impl Checker<'_> {
         Ok(())
     }
 
+    /// The master weight of every parameter of a chunk a cast reads (the 12-byte layout).
+    fn staged_masters(&self) -> HashMap<ValueId, TensorRef> {
+        let staged = self.s.staged_chunks();
+        let mut params = std::collections::HashSet::new();
+        for c in staged {
+            for m in &self.s.chunks.chunk(c).members {
+                params.insert(self.g.param(m.param).value);
+            }
+        }
+        self.s
+            .masters
+            .iter()
+            .filter(|(v, _)| params.contains(v))
+            .copied()
+            .collect()
+    }
+
+    /// A cast of a staged chunk's master weights into a parameter staging buffer (the
+    /// 12-byte layout): a read of every member's master weight, which must still hold the
+    /// step's parameters (no AdamW has updated it yet, or the upload would carry the next
+    /// step's weights), and a write of the members' parameters at their offsets in the
+    /// staging buffer, which nothing may still read (the upload that read it last must be
+    /// ordered before).
     #[allow(clippy::too_many_arguments)]
-    fn kernel(
+    fn cast(
         &self,
         mem: &mut [Memory; 3],
         r: InstrRef,
         clock: &[u32],
         pc: &[usize],
+        chunk: crate::ids::ChunkId,
+        src: TensorRef,
+        dst: TensorRef,
+        bytes: u64,
+    ) -> Result<(), ScheduleError> {
+        let pieces = self.s.cast_pieces(chunk, src, dst).unwrap_or_default();
+        for p in &pieces {
+            let (space, a, b) = self.span(p.master, 4 * p.len);
+            let m = &mut mem[space_index(space)];
+            if let Err(Found::Other(Content::Value { updated: true, .. }, writer)) =
+                Self::holds(m, p.value, a, b, false)
+            {
+                return Err(self.fail(
+                    Invariant::DataFlow,
+                    Some(r),
+                    format!(
+                        "casts the master weight of {} at {}, but it was already updated this \
+                         step ({}): the upload would carry the next step's weights; every cast \
+                         of a chunk must come before its update",
+                        self.name(p.value),
+                        Self::range(space, a, b),
+                        self.describe_writer(writer)
+                    ),
+                ));
+            }
+            self.check_read(m, r, clock, pc, p.value, space, a, b)?;
+            m.read(a, b, r);
+        }
+        let (ds, da, db) = self.span(dst, bytes);
+        if da == db {
+            return Ok(());
+        }
+        let mut written = Vec::with_capacity(2 * pieces.len() + 1);
+        let mut pos = 0;
+        for p in &pieces {
+            let (_, a, b) = self.span(p.narrow, p.len * p.dtype.size());
+            let (a, b) = (a - da, b - da);
+            if a > pos {
+                written.push((pos, a, Content::Undefined));
+            }
+            written.push((
+                a,
+                b,
+                Content::Value {
+                    value: p.value,
+                    base: da + a,
+                    updated: false,
+                },
+            ));
+            pos = b;
+        }
+        if pos < db - da {
+            written.push((pos, db - da, Content::Undefined));
+        }
+        let to = &mut mem[space_index(ds)];
+        self.check_write(to, r, clock, ds, da, db)?;
+        to.write(da, db, &written, r);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn kernel(
+        &self,
+        mem: &mut [Memory; 3],
+        (r, clock, pc): (InstrRef, &[u32], &[usize]),
+        staged: &HashMap<ValueId, TensorRef>,
         op: OpId,
         inputs: &[TensorRef],
         outputs: &[TensorRef],
@@ -612,6 +746,25 @@ impl Checker<'_> {
                 content: Content::Scratch,
                 in_place_of: None,
             });
+        }
+        // The 12-byte layout: AdamW reads and updates a staged parameter's master weight,
+        // which casts read: it must hold the step's parameter, and the update must come after
+        // every cast of it.
+        if let (OpKind::AdamW { .. }, Some(&master)) = (&o.kind, staged.get(&o.inputs[0])) {
+            let v = o.inputs[0];
+            let span = self.span(master, 4 * self.g.value(v).ty.numel());
+            let (space, a, b) = span;
+            self.check_read(&mut mem[space_index(space)], r, clock, pc, v, space, a, b)?;
+            writes.push(KernelWrite {
+                span,
+                content: Content::Value {
+                    value: v,
+                    base: a,
+                    updated: true,
+                },
+                in_place_of: None,
+            });
+            reads.push(span);
         }
         for &j in o.kind.writes_inputs() {
             if let (Some(&span), Some(&v)) = (reads.get(j), o.inputs.get(j)) {

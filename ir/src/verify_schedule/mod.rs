@@ -155,6 +155,23 @@
 //! copies the updated state back (so it must be ordered after the update, and the staging
 //! buffer is not read into again while a write still reads it).
 //!
+//! A schedule with staged chunks (the 12-byte host layout, [`Instr::CastChunk`], see
+//! [`crate::schedule`]) is checked with its casts as instructions: **ids** puts every cast on
+//! a host cast stream, from its chunk's optimizer-state buffer in host memory, where every
+//! member's piece ([`Schedule::cast_pieces`]) must be that parameter's master weight (so the
+//! cast reads what AdamW updates), into the start of a parameter staging buffer, writing the
+//! chunk's used bytes; a staged chunk's parameters have master weights and no homes;
+//! **bounds** and **alignment** check the master weights read and each member's narrow copy
+//! written; **homes** lets AdamW update a staged parameter (which has no home) at its
+//! gradient's address in a gradient staging buffer; **data flow** tracks the master weights
+//! of staged chunks as their parameters' values (placed before the step): a cast must find
+//! each not yet updated this step (else the upload would carry the next step's weights) and
+//! writes the members' parameters into the staging buffer, which nothing may still read (the
+//! upload that read it last must be ordered before); an upload reads its parameters there
+//! (so it waits for its cast); AdamW reads the master weight and writes it updated, after
+//! every cast that read it; an offload into a gradient staging buffer must be ordered after
+//! the CPU Adam that read the gradients it overwrites.
+//!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
 //! the memory plan is tight; and it checks one step: the runtime puts a barrier between
 //! steps.
@@ -612,6 +629,7 @@ impl<'a> Checker<'a> {
             Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter {chunk}"),
             Instr::DiskRead { chunk, .. } => format!("disk_read {chunk}"),
             Instr::DiskWrite { chunk, .. } => format!("disk_write {chunk}"),
+            Instr::CastChunk { chunk, .. } => format!("cast {chunk}"),
         };
         let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
         format!("stream {} #{index} ({what})", stream.name)

@@ -182,7 +182,36 @@ impl Checker<'_> {
                 }
             }
         }
+        // The 12-byte layout: a staged chunk keeps no narrow copy of its parameters (each
+        // upload is cast from the master weights), so they have master weights and no home.
+        let mut staged = vec![false; n_values];
+        for c in s.staged_chunks() {
+            if c.index() >= n_chunks {
+                continue;
+            }
+            for m in &s.chunks.chunk(c).members {
+                if m.param.index() < n_params {
+                    staged[g.param(m.param).value.index()] = true;
+                }
+            }
+        }
         for (v, value) in g.values() {
+            if staged[v.index()] {
+                if homed[v.index()] || !mastered[v.index()] {
+                    return bad(format!(
+                        "{} ({}) belongs to a chunk whose uploads are cast from its master \
+                         weights (the 12-byte layout), so it needs a master weight and no home; \
+                         it has {}",
+                        self.name(v),
+                        value.name,
+                        match homed[v.index()] {
+                            true => "a home",
+                            false => "no master weight",
+                        }
+                    ));
+                }
+                continue;
+            }
             if value.producer.is_none() && !homed[v.index()] {
                 return bad(format!(
                     "{} ({}, {}) has no home: every input, parameter and optimizer state needs one",
@@ -536,6 +565,81 @@ impl Checker<'_> {
                         ));
                     }
                 }
+                Instr::CastChunk {
+                    chunk,
+                    src,
+                    dst,
+                    bytes,
+                } => {
+                    if kind != StreamKind::HostCast {
+                        return bad(format!(
+                            "a cast on a {} stream: casts run on the host cast stream",
+                            stream_kind_name(kind)
+                        ));
+                    }
+                    if chunk.index() >= n_chunks {
+                        return bad(format!(
+                            "casts {chunk}, but the chunk table has {n_chunks} chunks"
+                        ));
+                    }
+                    for t in [src, dst] {
+                        if t.buffer.index() >= n_buffers {
+                            return bad(format!(
+                                "casts via {}, but there are {n_buffers} buffers",
+                                t.buffer
+                            ));
+                        }
+                    }
+                    let (from, to) = (s.buffer(src.buffer), s.buffer(dst.buffer));
+                    if (from.space, from.kind)
+                        != (Space::Host, BufferKind::OptimizerState { chunk: *chunk })
+                    {
+                        return bad(format!(
+                            "casts {chunk} from {} ({}, {}), not {chunk}'s optimizer state in \
+                             host memory, where its master weights are",
+                            self.buf(src.buffer),
+                            from.name,
+                            space_name(from.space)
+                        ));
+                    }
+                    if !(to.space == Space::Host
+                        && matches!(to.kind, BufferKind::ParamStaging { .. })
+                        && dst.offset == 0)
+                    {
+                        return bad(format!(
+                            "casts {chunk} into {}+{:#x} ({}), not the start of a parameter \
+                             staging buffer in host memory",
+                            self.buf(dst.buffer),
+                            dst.offset,
+                            to.name
+                        ));
+                    }
+                    let used = s.chunks.chunk(*chunk).used_bytes;
+                    if *bytes != used {
+                        return bad(format!(
+                            "casts {bytes} bytes of {chunk}, which uses {used}: a cast writes \
+                             the whole chunk"
+                        ));
+                    }
+                    let Some(pieces) = s.cast_pieces(*chunk, *src, *dst) else {
+                        return bad(format!(
+                            "casts {chunk}, whose parameters are not all bf16 or f16: only \
+                             narrow parameters are cast from f32 master weights"
+                        ));
+                    };
+                    for p in pieces {
+                        if !s.masters.contains(&(p.value, p.master)) {
+                            return bad(format!(
+                                "casts {} from {}+{:#x}, which is not its master weight: the \
+                                 chunk's master weights must be contiguous in member order \
+                                 from the cast's source",
+                                self.name(p.value),
+                                self.buf(p.master.buffer),
+                                p.master.offset
+                            ));
+                        }
+                    }
+                }
                 Instr::AllGather { chunk, at, bytes }
                 | Instr::ReduceScatter {
                     chunk, at, bytes, ..
@@ -860,6 +964,22 @@ impl Checker<'_> {
                     fits(*src, *bytes).map_err(|e| bad(format!("source: {e}")))?;
                     fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
                 }
+                Instr::CastChunk {
+                    chunk,
+                    src,
+                    dst,
+                    bytes,
+                } => {
+                    let elems: u64 = s
+                        .chunks
+                        .chunk(*chunk)
+                        .members
+                        .iter()
+                        .map(|m| self.g.value(self.g.param(m.param).value).ty.numel())
+                        .sum();
+                    fits(*src, 4 * elems).map_err(|e| bad(format!("master weights: {e}")))?;
+                    fits(*dst, *bytes).map_err(|e| bad(format!("destination: {e}")))?;
+                }
                 Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => {}
             }
         }
@@ -920,6 +1040,16 @@ impl Checker<'_> {
         for (r, instr) in self.instrs() {
             if let Instr::AllReduce { value: v, at } = instr {
                 value(*v, *at, "sums ").map_err(|e| self.fail(Invariant::Alignment, Some(r), e))?;
+                continue;
+            }
+            if let Instr::CastChunk {
+                chunk, src, dst, ..
+            } = instr
+            {
+                for p in s.cast_pieces(*chunk, *src, *dst).unwrap_or_default() {
+                    value(p.value, p.narrow, "casts ")
+                        .map_err(|e| self.fail(Invariant::Alignment, Some(r), e))?;
+                }
                 continue;
             }
             let Instr::Kernel {

@@ -16,7 +16,8 @@
 //! Work issued on a device stream ([`StreamKind::Compute`], [`StreamKind::HostToDevice`],
 //! [`StreamKind::DeviceToHost`]) is enqueued on that stream's CUDA stream and runs
 //! asynchronously. The [`StreamKind::HostOptimizer`] stream runs on its issuing thread with the
-//! host backend's code (CPU Adam on the pinned region), as the host backend would.
+//! host backend's code (CPU Adam on the pinned region), as the host backend would, and so does
+//! the [`StreamKind::HostCast`] stream (the 12-byte layout's casts, the same code).
 //!
 //! Events cross between the two worlds, and a CUDA event has a pitfall: `cuStreamWaitEvent` on
 //! an event not yet recorded returns at once, waiting for nothing. So every event also has a
@@ -1047,7 +1048,10 @@ impl Backend for CudaBackend {
                 constants: Vec::new(),
                 pending: Vec::new(),
             }),
-            StreamKind::HostOptimizer => Exec::Host(HostStream { copier: stream }),
+            // The host cast stream (the 12-byte layout) runs CPU work as the host optimizer.
+            StreamKind::HostOptimizer | StreamKind::HostCast => {
+                Exec::Host(HostStream { copier: stream })
+            }
             StreamKind::DiskIo => return Err(no_disk()),
         };
         Ok(CudaStreamHandle { kind, exec })
@@ -1072,6 +1076,25 @@ impl Backend for CudaBackend {
             }
             // SAFETY: the caller's ordering contract.
             Exec::Host(_) => unsafe { self.run_host(l) },
+        }
+    }
+
+    unsafe fn cast(
+        &self,
+        stream: &mut CudaStreamHandle,
+        cast: &crate::backend::CastLaunch,
+    ) -> Result<()> {
+        match &stream.exec {
+            // SAFETY: the caller's ordering contract; `host_ptr` checks that every range is
+            // in the pinned region, in bounds and aligned. The host backend's code path.
+            Exec::Host(_) => unsafe {
+                cast.run_on_host(|at, bytes, align| self.host_ptr(at, bytes, align))
+            },
+            Exec::Device(_) => Err(RuntimeError::BadSchedule(format!(
+                "a cast (host_layout=12) on the {:?} stream: casts run on the host cast \
+                 stream; recompile the schedule",
+                stream.kind
+            ))),
         }
     }
 

@@ -17,6 +17,7 @@ pub mod activation;
 pub mod adamw;
 pub mod add;
 pub mod attention;
+pub mod cast;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod linear;
@@ -44,6 +45,7 @@ pub use attention::{
     attention_backward_rounded, attention_forward, attention_forward_packed,
     attention_forward_packed_rounded, attention_forward_rounded, AttentionDims,
 };
+pub use cast::{cast_bf16, cast_f16, CAST_BLOCK};
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 pub use embedding::{
     check_tokens, embedding_backward, embedding_forward, position_embedding_backward,
