@@ -445,7 +445,7 @@ fn run_in_low<L: Narrow + Widen + Default>(
 ///
 /// Per element it is `torch.optim.AdamW(foreach=False)` on CPU to the bit, on `grad *
 /// grad_scale` rounded to f32 (what `clip_grad_norm_` leaves in the gradient); vectorised
-/// (AVX2 + FMA when the CPU has them, chosen at run time) and parallel over fixed
+/// (AVX-512F, else AVX2 + FMA, as the CPU has them, chosen at run time) and parallel over fixed
 /// [`ADAMW_BLOCK`]-element blocks. Elementwise with no reduction, so the result is the same
 /// bits for any thread count. Panics when the lengths differ.
 #[allow(clippy::too_many_arguments)]
