@@ -18,11 +18,14 @@ fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(ELEM_GRAIN)
         .zip(x.par_chunks(ELEM_GRAIN))
         .for_each(|(o, x)| {
-            fast(|| {
-                for (o, &x) in o.iter_mut().zip(x) {
-                    *o = f(x);
-                }
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    for (o, &x) in o.iter_mut().zip(x) {
+                        *o = f(x);
+                    }
+                },
+            )
         });
 }
 
@@ -33,11 +36,14 @@ fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Syn
     out.par_chunks_mut(ELEM_GRAIN)
         .zip(a.par_chunks(ELEM_GRAIN).zip(b.par_chunks(ELEM_GRAIN)))
         .for_each(|(o, (a, b))| {
-            fast(|| {
-                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                    *o = f(a, b);
-                }
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                        *o = f(a, b);
+                    }
+                },
+            )
         });
 }
 
@@ -53,33 +59,60 @@ fn gelu_parts(x: f32) -> f32 {
 /// GELU, tanh approximation (HF `gelu_new`, `F.gelu(approximate="tanh")`):
 /// `out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu_forward(out: &mut [f32], x: &[f32]) {
-    map(out, x, |x| x * gelu_parts(x));
+    map(
+        out,
+        x,
+        #[inline(always)]
+        |x| x * gelu_parts(x),
+    );
 }
 
 /// Backward of [`gelu_forward`]: `dx = dout * gelu'(x)`, with
 /// `gelu'(x) = s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 x^2)` and `s = sigmoid(2u)`.
 pub fn gelu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
-    map2(dx, dout, x, |d, x| {
-        let s = gelu_parts(x);
-        let du = GELU_K * (1.0 + 3.0 * GELU_C * (x * x));
-        d * (s + 2.0 * x * s * (1.0 - s) * du)
-    });
+    map2(
+        dx,
+        dout,
+        x,
+        #[inline(always)]
+        |d, x| {
+            let s = gelu_parts(x);
+            let du = GELU_K * (1.0 + 3.0 * GELU_C * (x * x));
+            d * (s + 2.0 * x * s * (1.0 - s) * du)
+        },
+    );
 }
 
 /// ReLU: `out = max(x, 0)`, NaN propagated as `torch.relu` does.
 pub fn relu_forward(out: &mut [f32], x: &[f32]) {
-    map(out, x, |x| if x <= 0.0 { 0.0 } else { x });
+    map(
+        out,
+        x,
+        #[inline(always)]
+        |x| if x <= 0.0 { 0.0 } else { x },
+    );
 }
 
 /// Backward of [`relu_forward`]: `dx = dout` where `x > 0`, else 0 (torch's
 /// `threshold_backward`).
 pub fn relu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
-    map2(dx, dout, x, |d, x| if x <= 0.0 { 0.0 } else { d });
+    map2(
+        dx,
+        dout,
+        x,
+        #[inline(always)]
+        |d, x| if x <= 0.0 { 0.0 } else { d },
+    );
 }
 
 /// SiLU: `out = x / (1 + e^-x)` (= `x * sigmoid(x)`, in the form torch's CPU kernel uses).
 pub fn silu_forward(out: &mut [f32], x: &[f32]) {
-    map(out, x, |x| x / (1.0 + super::math::exp(-x)));
+    map(
+        out,
+        x,
+        #[inline(always)]
+        |x| x / (1.0 + super::math::exp(-x)),
+    );
 }
 
 /// `d silu / dx = s (1 + x (1 - s))` with `s = sigmoid(x)`.
@@ -91,12 +124,24 @@ fn silu_grad(x: f32) -> f32 {
 
 /// Backward of [`silu_forward`]: `dx = dout * s (1 + x (1 - s))`, `s = sigmoid(x)`.
 pub fn silu_backward(dx: &mut [f32], dout: &[f32], x: &[f32]) {
-    map2(dx, dout, x, |d, x| d * silu_grad(x));
+    map2(
+        dx,
+        dout,
+        x,
+        #[inline(always)]
+        |d, x| d * silu_grad(x),
+    );
 }
 
 /// SwiGLU, the LLaMA MLP gate: `out = silu(gate) * up`; all three have the same shape.
 pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
-    map2(out, gate, up, |g, u| g / (1.0 + super::math::exp(-g)) * u);
+    map2(
+        out,
+        gate,
+        up,
+        #[inline(always)]
+        |g, u| g / (1.0 + super::math::exp(-g)) * u,
+    );
 }
 
 /// Backward of [`swiglu_forward`]: `dgate = dout * up * silu'(gate)`, `dup = dout *
@@ -117,13 +162,16 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
         .zip(dout.par_chunks(ELEM_GRAIN))
         .zip(gate.par_chunks(ELEM_GRAIN).zip(up.par_chunks(ELEM_GRAIN)))
         .for_each(|(((dg, du), d), (g, u))| {
-            fast(|| {
-                for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
-                    let s = sigmoid(g);
-                    *du = d * (g * s);
-                    *dg = d * u * (s * (1.0 + g * (1.0 - s)));
-                }
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
+                        let s = sigmoid(g);
+                        *du = d * (g * s);
+                        *dg = d * u * (s * (1.0 + g * (1.0 - s)));
+                    }
+                },
+            )
         });
 }
 

@@ -373,69 +373,72 @@ fn forward_impl(
     lse.par_chunks_mut(t_len)
         .enumerate()
         .for_each(|(bh, lse_row)| {
-            fast(|| {
-                let (b, h) = (bh / h_len, bh % h_len);
-                let kvh = h / group;
-                let mut tile = [0.0f32; Q_TILE * K_TILE];
-                for t0 in (0..t_len).step_by(Q_TILE) {
-                    let nq = (t_len - t0).min(Q_TILE);
-                    let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
-                    for t in t0..t0 + nq {
-                        // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is dropped
-                        // at once.
-                        unsafe { out.get(b, t, h) }.fill(0.0);
-                    }
-                    let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
-                    while s0 < t0 + nq {
-                        let nk = (t0 + nq - s0).min(K_TILE);
-                        scores(
-                            &mut tile,
-                            q.block(b, t0, h),
-                            k.block_t(b, s0, kvh),
-                            (nq, nk, d),
-                            scale,
-                        );
-                        for i in 0..nq {
-                            let row = &mut tile[i * K_TILE..i * K_TILE + nk];
-                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                            if lo == hi {
-                                row.fill(0.0);
-                                continue;
-                            }
-                            let m_new = m[i].max(max(&row[lo..hi]));
-                            // Rescale what earlier blocks accumulated (exp(-inf) = 0 on the first).
-                            let corr = exp(m[i] - m_new);
-                            row[..lo].fill(0.0);
-                            row[hi..].fill(0.0);
-                            row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
-                            l[i] = l[i] * corr + sum(&row[lo..hi]);
-                            m[i] = m_new;
-                            if corr != 1.0 {
-                                // SAFETY: as above.
-                                unsafe { out.get(b, t0 + i, h) }
-                                    .iter_mut()
-                                    .for_each(|x| *x *= corr);
-                            }
+            fast(
+                #[inline(always)]
+                || {
+                    let (b, h) = (bh / h_len, bh % h_len);
+                    let kvh = h / group;
+                    let mut tile = [0.0f32; Q_TILE * K_TILE];
+                    for t0 in (0..t_len).step_by(Q_TILE) {
+                        let nq = (t_len - t0).min(Q_TILE);
+                        let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
+                        for t in t0..t0 + nq {
+                            // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is dropped
+                            // at once.
+                            unsafe { out.get(b, t, h) }.fill(0.0);
                         }
-                        let p = Mat {
-                            data: &tile,
-                            rs: K_TILE,
-                            cs: 1,
-                        };
-                        // SAFETY: only this task writes these rows; no slice of them is alive.
-                        unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
-                        s0 += nk;
+                        let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
+                        while s0 < t0 + nq {
+                            let nk = (t0 + nq - s0).min(K_TILE);
+                            scores(
+                                &mut tile,
+                                q.block(b, t0, h),
+                                k.block_t(b, s0, kvh),
+                                (nq, nk, d),
+                                scale,
+                            );
+                            for i in 0..nq {
+                                let row = &mut tile[i * K_TILE..i * K_TILE + nk];
+                                let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                                if lo == hi {
+                                    row.fill(0.0);
+                                    continue;
+                                }
+                                let m_new = m[i].max(max(&row[lo..hi]));
+                                // Rescale what earlier blocks accumulated (exp(-inf) = 0 on the first).
+                                let corr = exp(m[i] - m_new);
+                                row[..lo].fill(0.0);
+                                row[hi..].fill(0.0);
+                                row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
+                                l[i] = l[i] * corr + sum(&row[lo..hi]);
+                                m[i] = m_new;
+                                if corr != 1.0 {
+                                    // SAFETY: as above.
+                                    unsafe { out.get(b, t0 + i, h) }
+                                        .iter_mut()
+                                        .for_each(|x| *x *= corr);
+                                }
+                            }
+                            let p = Mat {
+                                data: &tile,
+                                rs: K_TILE,
+                                cs: 1,
+                            };
+                            // SAFETY: only this task writes these rows; no slice of them is alive.
+                            unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
+                            s0 += nk;
+                        }
+                        for i in 0..nq {
+                            let inv = 1.0 / l[i];
+                            // SAFETY: as above.
+                            unsafe { out.get(b, t0 + i, h) }
+                                .iter_mut()
+                                .for_each(|x| *x *= inv);
+                            lse_row[t0 + i] = m[i] + l[i].ln();
+                        }
                     }
-                    for i in 0..nq {
-                        let inv = 1.0 / l[i];
-                        // SAFETY: as above.
-                        unsafe { out.get(b, t0 + i, h) }
-                            .iter_mut()
-                            .for_each(|x| *x *= inv);
-                        lse_row[t0 + i] = m[i] + l[i].ln();
-                    }
-                }
-            })
+                },
+            )
         });
 }
 
@@ -458,83 +461,86 @@ fn forward_normalised(
     lse.par_chunks_mut(t_len)
         .enumerate()
         .for_each(|(bh, lse_row)| {
-            fast(|| {
-                let (b, h) = (bh / h_len, bh % h_len);
-                let kvh = h / group;
-                let mut tile = [0.0f32; Q_TILE * K_TILE];
-                for t0 in (0..t_len).step_by(Q_TILE) {
-                    let nq = (t_len - t0).min(Q_TILE);
-                    let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
-                    let first = dims.first_key(t0) / K_TILE * K_TILE;
-                    // Pass 1: each row's max and sum of exponentials.
-                    let mut s0 = first;
-                    while s0 < t0 + nq {
-                        let nk = (t0 + nq - s0).min(K_TILE);
-                        scores(
-                            &mut tile,
-                            q.block(b, t0, h),
-                            k.block_t(b, s0, kvh),
-                            (nq, nk, d),
-                            scale,
-                        );
-                        for i in 0..nq {
-                            let row = &mut tile[i * K_TILE..i * K_TILE + nk];
-                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                            if lo == hi {
-                                continue;
+            fast(
+                #[inline(always)]
+                || {
+                    let (b, h) = (bh / h_len, bh % h_len);
+                    let kvh = h / group;
+                    let mut tile = [0.0f32; Q_TILE * K_TILE];
+                    for t0 in (0..t_len).step_by(Q_TILE) {
+                        let nq = (t_len - t0).min(Q_TILE);
+                        let (mut m, mut l) = ([f32::NEG_INFINITY; Q_TILE], [0.0f32; Q_TILE]);
+                        let first = dims.first_key(t0) / K_TILE * K_TILE;
+                        // Pass 1: each row's max and sum of exponentials.
+                        let mut s0 = first;
+                        while s0 < t0 + nq {
+                            let nk = (t0 + nq - s0).min(K_TILE);
+                            scores(
+                                &mut tile,
+                                q.block(b, t0, h),
+                                k.block_t(b, s0, kvh),
+                                (nq, nk, d),
+                                scale,
+                            );
+                            for i in 0..nq {
+                                let row = &mut tile[i * K_TILE..i * K_TILE + nk];
+                                let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                                if lo == hi {
+                                    continue;
+                                }
+                                let m_new = m[i].max(max(&row[lo..hi]));
+                                let corr = exp(m[i] - m_new);
+                                row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
+                                l[i] = l[i] * corr + sum(&row[lo..hi]);
+                                m[i] = m_new;
                             }
-                            let m_new = m[i].max(max(&row[lo..hi]));
-                            let corr = exp(m[i] - m_new);
-                            row[lo..hi].iter_mut().for_each(|x| *x = exp(*x - m_new));
-                            l[i] = l[i] * corr + sum(&row[lo..hi]);
-                            m[i] = m_new;
+                            s0 += nk;
                         }
-                        s0 += nk;
-                    }
-                    // Pass 2: the stored probabilities, and their product with v.
-                    for t in t0..t0 + nq {
-                        // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is
-                        // dropped at once.
-                        unsafe { out.get(b, t, h) }.fill(0.0);
-                    }
-                    let mut s0 = first;
-                    while s0 < t0 + nq {
-                        let nk = (t0 + nq - s0).min(K_TILE);
-                        scores(
-                            &mut tile,
-                            q.block(b, t0, h),
-                            k.block_t(b, s0, kvh),
-                            (nq, nk, d),
-                            scale,
-                        );
-                        for i in 0..nq {
-                            let row = &mut tile[i * K_TILE..i * K_TILE + nk];
-                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                            if lo == hi {
-                                row.fill(0.0);
-                                continue;
+                        // Pass 2: the stored probabilities, and their product with v.
+                        for t in t0..t0 + nq {
+                            // SAFETY: only this (b, h) task touches out[b, :, h]; the slice is
+                            // dropped at once.
+                            unsafe { out.get(b, t, h) }.fill(0.0);
+                        }
+                        let mut s0 = first;
+                        while s0 < t0 + nq {
+                            let nk = (t0 + nq - s0).min(K_TILE);
+                            scores(
+                                &mut tile,
+                                q.block(b, t0, h),
+                                k.block_t(b, s0, kvh),
+                                (nq, nk, d),
+                                scale,
+                            );
+                            for i in 0..nq {
+                                let row = &mut tile[i * K_TILE..i * K_TILE + nk];
+                                let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                                if lo == hi {
+                                    row.fill(0.0);
+                                    continue;
+                                }
+                                let (mi, li) = (m[i], l[i]);
+                                row[lo..hi]
+                                    .iter_mut()
+                                    .for_each(|x| *x = rounding.round(exp(*x - mi) / li));
+                                row[..lo].fill(0.0);
+                                row[hi..].fill(0.0);
                             }
-                            let (mi, li) = (m[i], l[i]);
-                            row[lo..hi]
-                                .iter_mut()
-                                .for_each(|x| *x = rounding.round(exp(*x - mi) / li));
-                            row[..lo].fill(0.0);
-                            row[hi..].fill(0.0);
+                            let p = Mat {
+                                data: &tile,
+                                rs: K_TILE,
+                                cs: 1,
+                            };
+                            // SAFETY: only this task writes these rows; no slice of them is alive.
+                            unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
+                            s0 += nk;
                         }
-                        let p = Mat {
-                            data: &tile,
-                            rs: K_TILE,
-                            cs: 1,
-                        };
-                        // SAFETY: only this task writes these rows; no slice of them is alive.
-                        unsafe { out.add_product(b, t0, h, nq, p, v.block(b, s0, kvh), nk) };
-                        s0 += nk;
+                        for i in 0..nq {
+                            lse_row[t0 + i] = m[i] + l[i].ln();
+                        }
                     }
-                    for i in 0..nq {
-                        lse_row[t0 + i] = m[i] + l[i].ln();
-                    }
-                }
-            })
+                },
+            )
         });
 }
 
@@ -661,107 +667,110 @@ fn backward_impl(
     let group = h_len / kv_len;
     let scale = 1.0 / (d as f32).sqrt();
     (0..dims.batch * kv_len).into_par_iter().for_each(|task| {
-        fast(|| {
-            let (b, kvh) = (task / kv_len, task % kv_len);
-            for s in 0..t_len {
-                // SAFETY: only this (b, kv head) task touches dk[b, :, kvh] and dv[b, :, kvh]; the
-                // slices are dropped at once.
-                unsafe {
-                    dk.get(b, s, kvh).fill(0.0);
-                    dv.get(b, s, kvh).fill(0.0);
-                }
-            }
-            let mut p = [0.0f32; Q_TILE * K_TILE];
-            let mut ds = [0.0f32; Q_TILE * K_TILE];
-            for h in kvh * group..(kvh + 1) * group {
-                let lse_h = &lse[(b * h_len + h) * t_len..(b * h_len + h + 1) * t_len];
-                for t0 in (0..t_len).step_by(Q_TILE) {
-                    let nq = (t_len - t0).min(Q_TILE);
-                    let mut delta = [0.0f32; Q_TILE];
-                    for (i, di) in delta[..nq].iter_mut().enumerate() {
-                        *di = dot(dout.get(b, t0 + i, h), out.get(b, t0 + i, h));
-                        // SAFETY: query head h is in this task's group; only it touches dq[b, :, h].
-                        unsafe { dq.get(b, t0 + i, h) }.fill(0.0);
+        fast(
+            #[inline(always)]
+            || {
+                let (b, kvh) = (task / kv_len, task % kv_len);
+                for s in 0..t_len {
+                    // SAFETY: only this (b, kv head) task touches dk[b, :, kvh] and dv[b, :, kvh]; the
+                    // slices are dropped at once.
+                    unsafe {
+                        dk.get(b, s, kvh).fill(0.0);
+                        dv.get(b, s, kvh).fill(0.0);
                     }
-                    let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
-                    while s0 < t0 + nq {
-                        let nk = (t0 + nq - s0).min(K_TILE);
-                        scores(
-                            &mut p,
-                            q.block(b, t0, h),
-                            k.block_t(b, s0, kvh),
-                            (nq, nk, d),
-                            scale,
-                        );
-                        // dP = dO V^T, into ds.
-                        scores(
-                            &mut ds,
-                            dout.block(b, t0, h),
-                            v.block_t(b, s0, kvh),
-                            (nq, nk, d),
-                            1.0,
-                        );
-                        for i in 0..nq {
-                            let (lo, hi) = visible(dims, t0 + i, s0, nk);
-                            let pr = &mut p[i * K_TILE..i * K_TILE + nk];
-                            let dr = &mut ds[i * K_TILE..i * K_TILE + nk];
-                            let (l, di) = (lse_h[t0 + i], delta[i]);
-                            for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
-                                *x = exp(*x - l);
-                                *y = *x * (*y - di) * scale;
-                            }
-                            pr[..lo].fill(0.0);
-                            pr[hi..].fill(0.0);
-                            dr[..lo].fill(0.0);
-                            dr[hi..].fill(0.0);
-                            if rounding.rounds() {
-                                // Stored before their products; ds from the unrounded p.
+                }
+                let mut p = [0.0f32; Q_TILE * K_TILE];
+                let mut ds = [0.0f32; Q_TILE * K_TILE];
+                for h in kvh * group..(kvh + 1) * group {
+                    let lse_h = &lse[(b * h_len + h) * t_len..(b * h_len + h + 1) * t_len];
+                    for t0 in (0..t_len).step_by(Q_TILE) {
+                        let nq = (t_len - t0).min(Q_TILE);
+                        let mut delta = [0.0f32; Q_TILE];
+                        for (i, di) in delta[..nq].iter_mut().enumerate() {
+                            *di = dot(dout.get(b, t0 + i, h), out.get(b, t0 + i, h));
+                            // SAFETY: query head h is in this task's group; only it touches dq[b, :, h].
+                            unsafe { dq.get(b, t0 + i, h) }.fill(0.0);
+                        }
+                        let mut s0 = dims.first_key(t0) / K_TILE * K_TILE;
+                        while s0 < t0 + nq {
+                            let nk = (t0 + nq - s0).min(K_TILE);
+                            scores(
+                                &mut p,
+                                q.block(b, t0, h),
+                                k.block_t(b, s0, kvh),
+                                (nq, nk, d),
+                                scale,
+                            );
+                            // dP = dO V^T, into ds.
+                            scores(
+                                &mut ds,
+                                dout.block(b, t0, h),
+                                v.block_t(b, s0, kvh),
+                                (nq, nk, d),
+                                1.0,
+                            );
+                            for i in 0..nq {
+                                let (lo, hi) = visible(dims, t0 + i, s0, nk);
+                                let pr = &mut p[i * K_TILE..i * K_TILE + nk];
+                                let dr = &mut ds[i * K_TILE..i * K_TILE + nk];
+                                let (l, di) = (lse_h[t0 + i], delta[i]);
                                 for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
-                                    *x = rounding.round(*x);
-                                    *y = rounding.round(*y);
+                                    *x = exp(*x - l);
+                                    *y = *x * (*y - di) * scale;
+                                }
+                                pr[..lo].fill(0.0);
+                                pr[hi..].fill(0.0);
+                                dr[..lo].fill(0.0);
+                                dr[hi..].fill(0.0);
+                                if rounding.rounds() {
+                                    // Stored before their products; ds from the unrounded p.
+                                    for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
+                                        *x = rounding.round(*x);
+                                        *y = rounding.round(*y);
+                                    }
                                 }
                             }
-                        }
-                        let ds_m = Mat {
-                            data: &ds,
-                            rs: K_TILE,
-                            cs: 1,
-                        };
-                        let ds_t = Mat {
-                            data: &ds,
-                            rs: 1,
-                            cs: K_TILE,
-                        };
-                        let p_t = Mat {
-                            data: &p,
-                            rs: 1,
-                            cs: K_TILE,
-                        };
-                        // SAFETY: these blocks belong to this task and no slice of them is alive.
-                        unsafe {
-                            dq.add_product(b, t0, h, nq, ds_m, k.block(b, s0, kvh), nk);
-                            dk.add_product(b, s0, kvh, nk, ds_t, q.block(b, t0, h), nq);
-                            dv.add_product(b, s0, kvh, nk, p_t, dout.block(b, t0, h), nq);
-                        }
-                        s0 += nk;
-                    }
-                }
-                if rounding.rounds() {
-                    // The running dk and dv are stored after each query head of the group.
-                    for s in 0..t_len {
-                        // SAFETY: as above; each slice is dropped before the next is made.
-                        unsafe {
-                            dk.get(b, s, kvh)
-                                .iter_mut()
-                                .for_each(|x| *x = rounding.round(*x));
-                            dv.get(b, s, kvh)
-                                .iter_mut()
-                                .for_each(|x| *x = rounding.round(*x));
+                            let ds_m = Mat {
+                                data: &ds,
+                                rs: K_TILE,
+                                cs: 1,
+                            };
+                            let ds_t = Mat {
+                                data: &ds,
+                                rs: 1,
+                                cs: K_TILE,
+                            };
+                            let p_t = Mat {
+                                data: &p,
+                                rs: 1,
+                                cs: K_TILE,
+                            };
+                            // SAFETY: these blocks belong to this task and no slice of them is alive.
+                            unsafe {
+                                dq.add_product(b, t0, h, nq, ds_m, k.block(b, s0, kvh), nk);
+                                dk.add_product(b, s0, kvh, nk, ds_t, q.block(b, t0, h), nq);
+                                dv.add_product(b, s0, kvh, nk, p_t, dout.block(b, t0, h), nq);
+                            }
+                            s0 += nk;
                         }
                     }
+                    if rounding.rounds() {
+                        // The running dk and dv are stored after each query head of the group.
+                        for s in 0..t_len {
+                            // SAFETY: as above; each slice is dropped before the next is made.
+                            unsafe {
+                                dk.get(b, s, kvh)
+                                    .iter_mut()
+                                    .for_each(|x| *x = rounding.round(*x));
+                                dv.get(b, s, kvh)
+                                    .iter_mut()
+                                    .for_each(|x| *x = rounding.round(*x));
+                            }
+                        }
+                    }
                 }
-            }
-        })
+            },
+        )
     });
 }
 

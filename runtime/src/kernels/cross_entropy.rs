@@ -29,20 +29,23 @@ pub fn cross_entropy_forward<T: TokenId>(
     lse.par_iter_mut()
         .zip(logits.par_chunks(vocab))
         .for_each(|(l, row)| {
-            *l = fast(|| {
-                let m = max(row);
-                let mut acc = [0.0f32; 8];
-                let chunks = row.chunks_exact(8);
-                let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - m)).sum();
-                for c in chunks {
-                    for i in 0..8 {
-                        acc[i] += exp(c[i] - m);
+            *l = fast(
+                #[inline(always)]
+                || {
+                    let m = max(row);
+                    let mut acc = [0.0f32; 8];
+                    let chunks = row.chunks_exact(8);
+                    let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - m)).sum();
+                    for c in chunks {
+                        for i in 0..8 {
+                            acc[i] += exp(c[i] - m);
+                        }
                     }
-                }
-                let z = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
-                    + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-                m + (z + tail).ln()
-            });
+                    let z = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
+                        + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                    m + (z + tail).ln()
+                },
+            );
         });
     let total: f64 = lse
         .iter()
@@ -83,11 +86,14 @@ pub fn cross_entropy_backward<T: TokenId>(
         .zip(logits.par_chunks(vocab))
         .zip(lse.par_iter().zip(targets.par_iter()))
         .for_each(|((d, x), (&l, t))| {
-            fast(|| {
-                for (d, &x) in d.iter_mut().zip(x) {
-                    *d = exp(x - l) * g;
-                }
-            });
+            fast(
+                #[inline(always)]
+                || {
+                    for (d, &x) in d.iter_mut().zip(x) {
+                        *d = exp(x - l) * g;
+                    }
+                },
+            );
             if let Some(i) = t.index().filter(|&i| i < vocab) {
                 d[i] = (exp(x[i] - l) - 1.0) * g;
             }

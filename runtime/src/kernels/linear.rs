@@ -158,12 +158,18 @@ pub fn linear_backward(
     }
     if let Some(db) = dbias {
         assert_eq!(db.len(), d_out, "linear_backward: dbias is not [out]");
-        reduce_rows(db, rows, accumulate, |row, c0, block| {
-            let s = row * d_out + c0;
-            for (b, &g) in block.iter_mut().zip(&dy[s..]) {
-                *b += g;
-            }
-        });
+        reduce_rows(
+            db,
+            rows,
+            accumulate,
+            #[inline(always)]
+            |row, c0, block| {
+                let s = row * d_out + c0;
+                for (b, &g) in block.iter_mut().zip(&dy[s..]) {
+                    *b += g;
+                }
+            },
+        );
     }
 }
 

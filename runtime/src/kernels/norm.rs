@@ -38,25 +38,28 @@ pub fn layer_norm_forward(
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .with_min_len(ROW_GRAIN)
         .for_each(|((o, xr), (m, s))| {
-            fast(|| {
-                let mu = sum(xr) / c as f32;
-                for (oi, &xi) in o.iter_mut().zip(xr) {
-                    let d = xi - mu;
-                    *oi = d * d;
-                }
-                let var = sum(o) / c as f32;
-                let r = 1.0 / (var + eps).sqrt();
-                for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
-                    *oi = (xi - mu) * r * w;
-                }
-                if let Some(b) = bias {
-                    for (oi, &bi) in o.iter_mut().zip(b) {
-                        *oi += bi;
+            fast(
+                #[inline(always)]
+                || {
+                    let mu = sum(xr) / c as f32;
+                    for (oi, &xi) in o.iter_mut().zip(xr) {
+                        let d = xi - mu;
+                        *oi = d * d;
                     }
-                }
-                *m = mu;
-                *s = r;
-            })
+                    let var = sum(o) / c as f32;
+                    let r = 1.0 / (var + eps).sqrt();
+                    for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
+                        *oi = (xi - mu) * r * w;
+                    }
+                    if let Some(b) = bias {
+                        for (oi, &bi) in o.iter_mut().zip(b) {
+                            *oi += bi;
+                        }
+                    }
+                    *m = mu;
+                    *s = r;
+                },
+            )
         });
 }
 
@@ -97,35 +100,50 @@ pub fn layer_norm_backward(
         .zip(mean.par_iter().zip(rstd.par_iter()))
         .with_min_len(ROW_GRAIN)
         .for_each(|((dxr, (dor, xr)), (&mu, &r))| {
-            fast(|| {
-                let (mut g_sum, mut gn_sum) = (0.0f32, 0.0f32);
-                for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
-                    let g = d * w;
-                    g_sum += g;
-                    gn_sum += g * ((xi - mu) * r);
-                }
-                let (g_mean, gn_mean) = (g_sum / c as f32, gn_sum / c as f32);
-                for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
-                    let n = (xi - mu) * r;
-                    *o = (d * w - g_mean - n * gn_mean) * r;
-                }
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    let (mut g_sum, mut gn_sum) = (0.0f32, 0.0f32);
+                    for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
+                        let g = d * w;
+                        g_sum += g;
+                        gn_sum += g * ((xi - mu) * r);
+                    }
+                    let (g_mean, gn_mean) = (g_sum / c as f32, gn_sum / c as f32);
+                    for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
+                        let n = (xi - mu) * r;
+                        *o = (d * w - g_mean - n * gn_mean) * r;
+                    }
+                },
+            )
         });
-    reduce_rows(dweight, rows, accumulate, |row, c0, block| {
-        let (mu, r) = (mean[row], rstd[row]);
-        let s = row * c + c0;
-        for ((dw, &d), &xi) in block.iter_mut().zip(&dout[s..]).zip(&x[s..]) {
-            *dw += d * ((xi - mu) * r);
-        }
-    });
+    reduce_rows(
+        dweight,
+        rows,
+        accumulate,
+        #[inline(always)]
+        |row, c0, block| {
+            let (mu, r) = (mean[row], rstd[row]);
+            let s = row * c + c0;
+            for ((dw, &d), &xi) in block.iter_mut().zip(&dout[s..]).zip(&x[s..]) {
+                *dw += d * ((xi - mu) * r);
+            }
+        },
+    );
     if let Some(db) = dbias {
         assert_eq!(db.len(), c, "layer_norm_backward: dbias is not [C]");
-        reduce_rows(db, rows, accumulate, |row, c0, block| {
-            let s = row * c + c0;
-            for (b, &d) in block.iter_mut().zip(&dout[s..]) {
-                *b += d;
-            }
-        });
+        reduce_rows(
+            db,
+            rows,
+            accumulate,
+            #[inline(always)]
+            |row, c0, block| {
+                let s = row * c + c0;
+                for (b, &d) in block.iter_mut().zip(&dout[s..]) {
+                    *b += d;
+                }
+            },
+        );
     }
 }
 
@@ -155,16 +173,19 @@ pub fn rms_norm_forward(
         .zip(rstd.par_iter_mut())
         .with_min_len(ROW_GRAIN)
         .for_each(|((o, xr), s)| {
-            fast(|| {
-                for (oi, &xi) in o.iter_mut().zip(xr) {
-                    *oi = xi * xi;
-                }
-                let r = 1.0 / (sum(o) / c as f32 + eps).sqrt();
-                for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
-                    *oi = w * (xi * r);
-                }
-                *s = r;
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    for (oi, &xi) in o.iter_mut().zip(xr) {
+                        *oi = xi * xi;
+                    }
+                    let r = 1.0 / (sum(o) / c as f32 + eps).sqrt();
+                    for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
+                        *oi = w * (xi * r);
+                    }
+                    *s = r;
+                },
+            )
         });
 }
 
@@ -199,24 +220,33 @@ pub fn rms_norm_backward(
         .zip(rstd.par_iter())
         .with_min_len(ROW_GRAIN)
         .for_each(|((dxr, (dor, xr)), &r)| {
-            fast(|| {
-                let mut gn_sum = 0.0f32;
-                for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
-                    gn_sum += (d * w) * (xi * r);
-                }
-                let gn_mean = gn_sum / c as f32;
-                for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
-                    *o = (d * w - (xi * r) * gn_mean) * r;
-                }
-            })
+            fast(
+                #[inline(always)]
+                || {
+                    let mut gn_sum = 0.0f32;
+                    for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
+                        gn_sum += (d * w) * (xi * r);
+                    }
+                    let gn_mean = gn_sum / c as f32;
+                    for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
+                        *o = (d * w - (xi * r) * gn_mean) * r;
+                    }
+                },
+            )
         });
-    reduce_rows(dweight, rows, accumulate, |row, c0, block| {
-        let r = rstd[row];
-        let s = row * c + c0;
-        for ((dw, &d), &xi) in block.iter_mut().zip(&dout[s..]).zip(&x[s..]) {
-            *dw += d * (xi * r);
-        }
-    });
+    reduce_rows(
+        dweight,
+        rows,
+        accumulate,
+        #[inline(always)]
+        |row, c0, block| {
+            let r = rstd[row];
+            let s = row * c + c0;
+            for ((dw, &d), &xi) in block.iter_mut().zip(&dout[s..]).zip(&x[s..]) {
+                *dw += d * (xi * r);
+            }
+        },
+    );
 }
 
 #[cfg(test)]
