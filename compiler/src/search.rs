@@ -1360,15 +1360,18 @@ pub fn search(
                 Err(e) => return Err(e),
             };
             ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
+            // Over the device by its exact plan: nothing reads its step time, so it is not
+            // simulated (at depth most compiled candidates are).
+            if schedule.arena_bytes > options.device_budget {
+                report.rejected_exact += 1;
+                continue;
+            }
             let sim = simulate_unverified(&schedule, cost)
                 .map_err(|e| CompileError::Simulation(e.to_string()))?;
             schedule.header.prediction.step_seconds = sim.step_seconds;
             schedule.header.prediction.stream_busy_seconds = sim.stream_busy_seconds.clone();
-            let fits_device = schedule.arena_bytes <= options.device_budget;
             let fits_host = schedule.host_bytes <= options.host_budget;
-            if !fits_device {
-                report.rejected_exact += 1;
-            } else if !fits_host {
+            if !fits_host {
                 report.rejected_host += 1;
             }
             let candidate = Candidate {
@@ -1378,15 +1381,14 @@ pub fn search(
                 peak_device_bytes: schedule.arena_bytes,
                 host_bytes: schedule.host_bytes,
                 disk_bytes: schedule.disk_bytes,
-                fits: fits_device && fits_host,
+                fits: fits_host,
             };
             if candidate.fits {
                 report.compiled.push(candidate.clone());
                 contenders.push((candidate, schedule));
-            } else if fits_device
-                && best_trade
-                    .as_ref()
-                    .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
+            } else if best_trade
+                .as_ref()
+                .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
             {
                 best_trade = Some(candidate);
             }
