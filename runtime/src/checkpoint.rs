@@ -476,6 +476,21 @@ pub fn latest(dir: &Path) -> Result<PathBuf> {
 /// checkpoint of another training run ([`RuntimeError::CheckpointMismatch`]) is not skipped:
 /// the older ones are of that run too, and the error says what differs.
 pub fn load_latest(dir: &Path, schedule: &Schedule) -> Result<(Checkpoint, Vec<String>)> {
+    newest(
+        dir,
+        |e| matches!(e, RuntimeError::CheckpointMismatch { .. }),
+        |path| Checkpoint::load(path, schedule),
+    )
+}
+
+/// The newest checkpoint in `dir` that `attempt` takes, newest first, with a warning for each
+/// newer one it failed on and that was skipped; an error `fatal` says no fallback can mend
+/// (another run's checkpoint, or one every rank must give up on alike) ends the search.
+fn newest(
+    dir: &Path,
+    fatal: impl Fn(&RuntimeError) -> bool,
+    mut attempt: impl FnMut(&Path) -> Result<Checkpoint>,
+) -> Result<(Checkpoint, Vec<String>)> {
     let found = list(dir)?;
     if found.is_empty() {
         return Err(RuntimeError::NoCheckpoint {
@@ -485,9 +500,9 @@ pub fn load_latest(dir: &Path, schedule: &Schedule) -> Result<(Checkpoint, Vec<S
     let mut warnings = Vec::new();
     let mut last_error = None;
     for (_, path) in found.iter().rev() {
-        match Checkpoint::load(path, schedule) {
+        match attempt(path) {
             Ok(ckpt) => return Ok((ckpt, warnings)),
-            Err(e @ RuntimeError::CheckpointMismatch { .. }) => return Err(e),
+            Err(e) if fatal(&e) => return Err(e),
             Err(e) => {
                 warnings.push(format!(
                     "warning: skipping {}: {e}; trying the checkpoint before it",
@@ -1170,34 +1185,22 @@ pub fn restore_latest<B: Backend>(
     dir: &Path,
     executor: &mut Executor<'_, B>,
 ) -> Result<(Checkpoint, Vec<String>)> {
-    let schedule = executor.schedule();
-    let found = list(dir)?;
-    if found.is_empty() {
-        return Err(RuntimeError::NoCheckpoint {
-            dir: dir.to_path_buf(),
-        });
-    }
-    let mut warnings = Vec::new();
-    let mut last_error = None;
-    for (_, path) in found.iter().rev() {
-        let restored =
-            Checkpoint::load(path, schedule).and_then(|ckpt| ckpt.restore(executor).map(|()| ckpt));
-        match restored {
-            Ok(ckpt) => return Ok((ckpt, warnings)),
-            Err(e @ RuntimeError::CheckpointMismatch { .. }) => return Err(e),
-            Err(e @ (RuntimeError::NonFiniteWeights { .. } | RuntimeError::Collective { .. })) => {
-                return Err(e)
-            }
-            Err(e) => {
-                warnings.push(format!(
-                    "warning: skipping {}: {e}; trying the checkpoint before it",
-                    path.display()
-                ));
-                last_error = Some(e);
-            }
-        }
-    }
-    Err(last_error.expect("at least one checkpoint was tried"))
+    newest(
+        dir,
+        |e| {
+            matches!(
+                e,
+                RuntimeError::CheckpointMismatch { .. }
+                    | RuntimeError::NonFiniteWeights { .. }
+                    | RuntimeError::Collective { .. }
+            )
+        },
+        |path| {
+            let ckpt = Checkpoint::load(path, executor.schedule())?;
+            ckpt.restore(executor)?;
+            Ok(ckpt)
+        },
+    )
 }
 
 #[cfg(test)]

@@ -163,29 +163,16 @@ impl Checker<'_> {
         let s = self.s;
         let n = s.streams.len();
         let mut mem = [Memory::new(n), Memory::new(n), Memory::new(n)];
-        for &(v, t) in &s.homes {
-            let (space, a, b) = self.span(t, self.bytes(v));
-            if a < b {
-                mem[space_index(space)].segments.insert(
-                    a,
-                    Segment {
-                        end: b,
-                        content: Content::Value {
-                            value: v,
-                            base: a,
-                            updated: false,
-                        },
-                        writer: Writer::Home,
-                        readers: vec![0; n].into_boxed_slice(),
-                    },
-                );
-            }
-        }
-        // The 12-byte layout: the master weights of staged chunks, which casts read and
-        // AdamW updates, hold their parameters (as values) from the start of the step.
+        // The homes, and (the 12-byte layout) the master weights of staged chunks, which casts
+        // read and AdamW updates: each holds its value from the start of the step.
         let staged = self.staged_masters();
-        for (&v, &t) in &staged {
-            let (space, a, b) = self.span(t, 4 * self.g.value(v).ty.numel());
+        let held = s.homes.iter().map(|&(v, t)| (v, t, self.bytes(v))).chain(
+            staged
+                .iter()
+                .map(|(&v, &t)| (v, t, 4 * self.g.value(v).ty.numel())),
+        );
+        for (v, t, bytes) in held {
+            let (space, a, b) = self.span(t, bytes);
             if a < b {
                 mem[space_index(space)].segments.insert(
                     a,
