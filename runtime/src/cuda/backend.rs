@@ -40,18 +40,18 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType, ValueId};
 
 use super::blas::Gemm;
 use super::driver::{
-    driver_error, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event, Fill,
+    self, driver_error, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event, Fill,
     Kernels, ParamKind, PinnedMemory, WriteKind,
 };
 use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
-use super::nccl::{gather_words, InPlace, NcclOp};
+use super::nccl::{gather_words, poll_until, InPlace, NcclOp, NcclWatch};
 use super::runs::{run_slots, RunSlot};
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
@@ -168,6 +168,11 @@ pub struct CudaBackend {
     /// The AdamW ops updated in one launch with their neighbours ([`super::runs`]), by
     /// parameter: set by [`Backend::prepare`].
     runs: HashMap<ValueId, RunSlot>,
+    /// The rank's NCCL communicator, once a collective was issued through it: from then on
+    /// every host wait for device work polls it for asynchronous errors and gives up after
+    /// its timeout ([`CudaBackend::finish`]), since a peer that dies mid-collective would
+    /// leave a blocking wait hanging.
+    watch: OnceLock<NcclWatch>,
 }
 
 /// Element types that views of the pinned region can have: every bit pattern is a value.
@@ -481,9 +486,29 @@ impl CudaBackend {
             )));
         };
         self.bind()?;
+        self.watch.get_or_init(|| nccl.watch());
         // SAFETY: both addresses lie in the arena (checked above for the whole buffer); the
         // caller's ordering contract keeps other work away until the stream passes it.
         unsafe { nccl.enqueue(&placed.call, placed.send, placed.recv, d.stream.cu_stream()) }
+    }
+
+    /// Waits until `done` says the device work awaited (`what`) has finished. Without
+    /// collectives in flight that is `block`, CUDA's own blocking wait; with them it polls
+    /// `done` and the communicator's health ([`poll_until`]) and aborts the communicator if
+    /// the wait fails, so that no later wait of this rank hangs on it either.
+    fn finish(
+        &self,
+        what: &str,
+        done: impl FnMut() -> Result<bool>,
+        block: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let Some(watch) = self.watch.get() else {
+            return block();
+        };
+        poll_until(watch.rank(), what, watch.timeout(), done, || {
+            watch.check(what)
+        })
+        .inspect_err(|_| watch.abort())
     }
 
     /// Blocks of a grid-stride launch over `n` elements with [`BLOCK`] threads.
@@ -1009,6 +1034,7 @@ impl Backend for CudaBackend {
             norm_written: AtomicBool::new(false),
             max_blocks,
             runs: HashMap::new(),
+            watch: OnceLock::new(),
         })
     }
 
@@ -1129,9 +1155,13 @@ impl Backend for CudaBackend {
                     unsafe {
                         enqueue_copy(h.copier.cu_stream(), src.space, dst.space, from, to, bytes)?
                     };
-                    h.copier
-                        .synchronize()
-                        .map_err(|e| driver_error("finishing a copy on the host stream", e))
+                    let what = "finishing a copy on the host stream";
+                    self.finish(
+                        what,
+                        // SAFETY: the host stream's live copier, its context bound.
+                        || unsafe { driver::stream_done(h.copier.cu_stream(), what) },
+                        || h.copier.synchronize().map_err(|e| driver_error(what, e)),
+                    )
                 }
             },
         }
@@ -1190,19 +1220,32 @@ impl Backend for CudaBackend {
             }
             (Exec::Host(_), Mark::Device) => {
                 self.bind()?;
-                // SAFETY: a live event, recorded this step.
-                unsafe { result::event::synchronize(ev.raw()) }
-                    .map_err(|e| driver_error(format!("waiting on event {}", event.0), e))
+                let what = format!("waiting on event {}", event.0);
+                self.finish(
+                    &what,
+                    // SAFETY: a live event, recorded this step.
+                    || unsafe { driver::event_done(ev.raw(), &what) },
+                    // SAFETY: as above.
+                    || {
+                        unsafe { result::event::synchronize(ev.raw()) }
+                            .map_err(|e| driver_error(&what, e))
+                    },
+                )
             }
         }
     }
 
     fn synchronize(&self, stream: &mut CudaStreamHandle) -> Result<()> {
         match &stream.exec {
-            Exec::Device(d) => d
-                .stream
-                .synchronize()
-                .map_err(|e| driver_error("waiting for a stream to finish", e)),
+            Exec::Device(d) => {
+                let what = format!("waiting for the {:?} stream to finish", stream.kind);
+                self.finish(
+                    &what,
+                    // SAFETY: a live stream of this backend's context.
+                    || unsafe { driver::stream_done(d.stream.cu_stream(), &what) },
+                    || d.stream.synchronize().map_err(|e| driver_error(&what, e)),
+                )
+            }
             // Its work ran when it was issued; its copies were waited for one by one.
             Exec::Host(_) => Ok(()),
         }
@@ -1211,6 +1254,12 @@ impl Backend for CudaBackend {
     fn abort(&self) {
         self.lock().aborted = true;
         self.marked.notify_all();
+        // A step abandoned midway leaves the ranks' sequences of collectives out of step, so
+        // the communicator cannot serve another; aborting it also ends this rank's NCCL
+        // kernels, so the waits that settle the device after a failure cannot hang on them.
+        if let Some(watch) = self.watch.get() {
+            watch.abort();
+        }
     }
 
     fn write_f32(&mut self, at: Address, data: &[f32]) -> Result<()> {

@@ -141,6 +141,35 @@ pub fn error_text(e: result::DriverError) -> String {
 }
 
 /// The error of a failed driver call made while doing `during`, with the way out that fits.
+/// Whether the work enqueued on `stream` so far has finished (`cuStreamQuery`), without
+/// blocking: for waits that must stay able to give up ([`super::nccl::poll_until`]).
+///
+/// # Safety
+/// `stream` is a live stream of the context current on this thread.
+pub unsafe fn stream_done(stream: sys::CUstream, during: &str) -> Result<bool> {
+    // SAFETY: the caller's contract.
+    done(unsafe { sys::cuStreamQuery(stream) }, during)
+}
+
+/// Whether the work before `event`'s last record has finished (`cuEventQuery`), without
+/// blocking (see [`stream_done`]).
+///
+/// # Safety
+/// `event` is a live event of the context current on this thread.
+pub unsafe fn event_done(event: sys::CUevent, during: &str) -> Result<bool> {
+    // SAFETY: the caller's contract.
+    done(unsafe { sys::cuEventQuery(event) }, during)
+}
+
+/// A query's answer: finished, not yet, or the error it reports.
+fn done(status: sys::CUresult, during: &str) -> Result<bool> {
+    match status {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(driver_error(during, result::DriverError(e))),
+    }
+}
+
 pub fn driver_error(during: impl Into<String>, e: result::DriverError) -> RuntimeError {
     let hint = match e.0 {
         sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {

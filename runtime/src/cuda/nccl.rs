@@ -25,6 +25,12 @@
 //! [`NcclRank`]'s host `all_reduce_into` is the trait's default, an all-reduce into a
 //! temporary added to the destination: neither promises a single rank's bits.
 //!
+//! **Failures.** A peer that dies mid-collective on another node leaves this rank's NCCL
+//! kernels waiting for data that never comes. So once a rank has issued a collective, the
+//! CUDA backend's host waits poll ([`poll_until`]) and ask NCCL for asynchronous errors
+//! between polls ([`NcclWatch`]): an error, or a wait longer than [`TIMEOUT_VAR`], aborts
+//! the communicator (its kernels exit) and fails the step with what was seen.
+//!
 //! **Loading libnccl.** cudarc loads NCCL at run time, trying `libnccl.so`, `libnccl64.so`,
 //! `libnccl64_13.so` and similar, then `libnccl.so.13`, `.12`, `.11`, `.10`, `.9` and `.1`
 //! ([`LIBRARY_NAMES`]), but never `libnccl.so.2`, NCCL's real soname, which is the only file
@@ -35,6 +41,7 @@
 
 use crate::error::{Result, RuntimeError};
 use protrain_ir::DType;
+use std::time::{Duration, Instant};
 
 /// The file names cudarc 0.19 tries, in order, when it loads NCCL (`get_lib_name_candidates`
 /// for "nccl" on 64-bit Linux with CUDA 13.0).
@@ -215,8 +222,89 @@ pub fn gather_words(bytes: u64) -> Result<(DType, usize)> {
     Ok((dtype, count))
 }
 
+/// The environment variable that bounds, in seconds, how long a rank waits for device work
+/// while collectives are in flight (see [`poll_until`]).
+pub const TIMEOUT_VAR: &str = "PROTRAIN_NCCL_TIMEOUT";
+
+/// The bound when [`TIMEOUT_VAR`] is unset: longer than any step protrain plans (an offloaded
+/// 70B step on one GPU with its states on disk is about six minutes), shorter than a human's
+/// patience with a hung job.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// The wait bound [`TIMEOUT_VAR`]'s value gives (`None`: unset): seconds, a positive number.
+pub fn collective_timeout(value: Option<&str>) -> Result<Duration> {
+    let Some(text) = value else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    match text.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 1e9 => {
+            Ok(Duration::from_secs_f64(secs))
+        }
+        _ => Err(RuntimeError::Launch(format!(
+            "{TIMEOUT_VAR}={text:?} is not a number of seconds; set it to how long a rank may \
+             wait for a collective (a positive number, {} by default), or unset it",
+            DEFAULT_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// Waits until `done` says the awaited device work has finished, asking `health` between
+/// polls whether the communicator is still sound, for at most `timeout`.
+///
+/// A blocking `cuStreamSynchronize` would never return when a peer dies in the middle of a
+/// collective on another node: the NCCL kernel on this GPU waits for data that never comes,
+/// and no launcher on this node sees the death. NCCL notices the broken connection itself and
+/// reports it through `ncclCommGetAsyncError`, which is what `health` asks; a peer that hangs
+/// without dying is caught by `timeout`. So every host wait of a rank with collectives in
+/// flight polls: first by yielding (a step's last kernels usually finish within
+/// microseconds), then by sleeps that double up to a quarter of a millisecond. A finished
+/// wait is seen at most that late (the host optimizer waits once per offloaded chunk, so a
+/// step of a hundred chunks loses at most 25 ms), and a waiting thread stays nearly idle (a
+/// query costs microseconds).
+///
+/// `rank` and `what` (what is being waited for, as "finishing the collective stream") name the
+/// wait in the errors: `health`'s own, or the timeout's, which names [`TIMEOUT_VAR`].
+pub fn poll_until(
+    rank: usize,
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut() -> Result<bool>,
+    mut health: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    const SPINS: u32 = 64;
+    const LONGEST_SLEEP: Duration = Duration::from_micros(250);
+    let start = Instant::now();
+    let mut sleep = Duration::from_micros(20);
+    let mut spins = 0;
+    loop {
+        if done()? {
+            return Ok(());
+        }
+        health()?;
+        if start.elapsed() >= timeout {
+            return Err(RuntimeError::Collective {
+                rank,
+                problem: format!(
+                    "{what} took longer than {:.0} s while collectives were in flight: another \
+                     rank is probably hung or unreachable (see its output; NCCL_DEBUG=INFO \
+                     gives NCCL's account). If the steps really are this long, raise \
+                     {TIMEOUT_VAR} (seconds)",
+                    timeout.as_secs_f64()
+                ),
+            });
+        }
+        if spins < SPINS {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(sleep.min(timeout.saturating_sub(start.elapsed())));
+            sleep = (sleep * 2).min(LONGEST_SLEEP);
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
-pub use comm::{probe, NcclComm, NcclRank};
+pub use comm::{probe, NcclComm, NcclRank, NcclWatch};
 
 #[cfg(feature = "cuda")]
 mod comm {
@@ -230,19 +318,144 @@ mod comm {
     use protrain_ir::DType;
     use std::ffi::c_void;
     use std::mem::MaybeUninit;
-    use std::sync::Arc;
+    use std::sync::{Arc, PoisonError, RwLock};
     use std::time::Duration;
 
     /// This process's rank in an NCCL communicator over every rank of the run.
     pub struct NcclComm {
-        comm: sys::ncclComm_t,
+        shared: Arc<Shared>,
         rank: usize,
         world: usize,
     }
 
-    // SAFETY: an NCCL communicator may be used from any thread, one call at a time; `&mut self`
-    // on every call keeps it to one.
-    unsafe impl Send for NcclComm {}
+    /// The communicator itself, shared by the rank's [`NcclComm`] (which issues collectives)
+    /// and the [`NcclWatch`]es that ask it for asynchronous errors while the rank waits.
+    struct Shared {
+        comm: sys::ncclComm_t,
+        rank: usize,
+        /// Whether the communicator was aborted (after a failure, or when dropped). Calls into
+        /// NCCL hold the read lock and the abort takes the write lock, so no call uses a
+        /// communicator that is being freed.
+        aborted: RwLock<bool>,
+        /// How long a wait for device work may take while collectives are in flight.
+        timeout: Duration,
+    }
+
+    // SAFETY: NCCL lets one thread issue a communicator's collectives while others call
+    // `ncclCommGetAsyncError` and `ncclCommAbort` on it (PyTorch's watchdog thread does
+    // exactly this); collectives go through `&mut NcclComm`, one at a time, and the lock
+    // orders the abort after any call in progress and before none.
+    unsafe impl Send for Shared {}
+    // SAFETY: as above.
+    unsafe impl Sync for Shared {}
+
+    impl Shared {
+        /// Aborts the communicator once: its kernels still running on the GPU exit, so waits
+        /// on streams behind them end, and later calls are refused.
+        fn abort(&self) {
+            let mut aborted = self.aborted.write().unwrap_or_else(PoisonError::into_inner);
+            if !*aborted {
+                *aborted = true;
+                // SAFETY: the communicator is live (not aborted yet) and no call is in
+                // progress (the write lock). Abort rather than destroy: destroy waits for
+                // outstanding work, which a dead peer never finishes.
+                let _ = unsafe { result::comm_abort(self.comm) };
+            }
+        }
+
+        /// The error for a call on a communicator already aborted.
+        fn aborted_error(&self) -> RuntimeError {
+            RuntimeError::Collective {
+                rank: self.rank,
+                problem: "the NCCL communicator was aborted after an earlier failure of this \
+                          run (see the error before this one)"
+                    .into(),
+            }
+        }
+    }
+
+    impl Drop for Shared {
+        fn drop(&mut self) {
+            self.abort();
+        }
+    }
+
+    /// A handle on a rank's communicator for the waits of the CUDA backend: asks NCCL whether
+    /// a collective failed asynchronously (a peer died, a connection dropped), and aborts the
+    /// communicator when one did or a wait timed out, so that nothing waits for it forever.
+    #[derive(Clone)]
+    pub struct NcclWatch {
+        shared: Arc<Shared>,
+    }
+
+    impl NcclWatch {
+        /// This rank.
+        pub fn rank(&self) -> usize {
+            self.shared.rank
+        }
+
+        /// How long a wait may take ([`super::TIMEOUT_VAR`]).
+        pub fn timeout(&self) -> Duration {
+            self.shared.timeout
+        }
+
+        /// `Ok` while NCCL reports no asynchronous error. On one, aborts the communicator (the
+        /// NCCL kernels this rank's streams wait for then exit) and says what NCCL saw, and
+        /// that it was seen while `what`.
+        pub fn check(&self, what: &str) -> Result<()> {
+            let aborted = self
+                .shared
+                .aborted
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            if *aborted {
+                return Err(self.shared.aborted_error());
+            }
+            let mut seen = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator (not aborted, under the read lock) and a valid
+            // out-pointer; NCCL allows this call beside collectives issued by another thread.
+            let asked = unsafe { sys::ncclCommGetAsyncError(self.shared.comm, &mut seen) };
+            drop(aborted);
+            let problem = match (asked, seen) {
+                (
+                    sys::ncclResult_t::ncclSuccess,
+                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress,
+                ) => return Ok(()),
+                (sys::ncclResult_t::ncclSuccess, error) => describe(error),
+                (failed, _) => format!("that it cannot report its errors ({failed:?})"),
+            };
+            self.shared.abort();
+            Err(RuntimeError::Collective {
+                rank: self.shared.rank,
+                problem: format!(
+                    "while {what}, NCCL reported {problem}; this rank stopped and aborted its \
+                     communicator. See the other ranks' errors for the first failure, or set \
+                     NCCL_DEBUG=INFO for NCCL's account"
+                ),
+            })
+        }
+
+        /// Aborts the communicator (after a wait gave up), so that nothing else waits for it.
+        pub fn abort(&self) {
+            self.shared.abort();
+        }
+    }
+
+    /// What an asynchronous NCCL error means for a run.
+    fn describe(error: sys::ncclResult_t) -> String {
+        match error {
+            sys::ncclResult_t::ncclRemoteError => "a remote error (ncclRemoteError): another \
+                rank died, or the network connection to it dropped"
+                .into(),
+            sys::ncclResult_t::ncclSystemError => "a system error (ncclSystemError): a \
+                network or system call failed, as when another rank dies mid-collective"
+                .into(),
+            sys::ncclResult_t::ncclUnhandledCudaError => {
+                "a CUDA error inside NCCL (ncclUnhandledCudaError)".into()
+            }
+            other => format!("an error ({other:?})"),
+        }
+    }
 
     /// Whether libnccl loads, and its version (`22703` for 2.27.3); the error names the
     /// library and how to install it.
@@ -270,6 +483,8 @@ mod comm {
         /// the rendezvous has just seen alive.
         pub fn connect(launch: &Launch, timeout: Duration) -> Result<NcclComm> {
             let rank = launch.rank;
+            let waits =
+                super::collective_timeout(std::env::var(super::TIMEOUT_VAR).ok().as_deref())?;
             let fail = |what: &str, e: result::NcclError| RuntimeError::Collective {
                 rank,
                 problem: format!(
@@ -310,7 +525,24 @@ mod comm {
                 .map_err(|e| fail("ncclCommInitRank", e))?;
             // SAFETY: initialised by the successful call above.
             let comm = unsafe { comm.assume_init() };
-            Ok(NcclComm { comm, rank, world })
+            let shared = Arc::new(Shared {
+                comm,
+                rank,
+                aborted: RwLock::new(false),
+                timeout: waits,
+            });
+            Ok(NcclComm {
+                shared,
+                rank,
+                world,
+            })
+        }
+
+        /// A handle for the waits of device work behind this communicator's collectives.
+        pub fn watch(&self) -> NcclWatch {
+            NcclWatch {
+                shared: self.shared.clone(),
+            }
         }
 
         /// This rank.
@@ -349,16 +581,27 @@ mod comm {
             let send = send as *const c_void;
             let recv = recv as *mut c_void;
             let stream = stream as sys::cudaStream_t;
+            let aborted = self
+                .shared
+                .aborted
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            if *aborted {
+                return Err(self.shared.aborted_error());
+            }
+            let comm = self.shared.comm;
+            // SAFETY: the caller's contract for the buffers and the stream; the communicator
+            // is live (not aborted, and the read lock keeps it so until the call returns).
             let done = match call.op {
-                NcclOp::AllReduceSum => {
-                    result::all_reduce(send, recv, call.count, dtype, sum, self.comm, stream)
-                }
-                NcclOp::AllGather => {
-                    result::all_gather(send, recv, call.count, dtype, self.comm, stream)
-                }
-                NcclOp::ReduceScatterSum => {
-                    result::reduce_scatter(send, recv, call.count, dtype, sum, self.comm, stream)
-                }
+                NcclOp::AllReduceSum => unsafe {
+                    result::all_reduce(send, recv, call.count, dtype, sum, comm, stream)
+                },
+                NcclOp::AllGather => unsafe {
+                    result::all_gather(send, recv, call.count, dtype, comm, stream)
+                },
+                NcclOp::ReduceScatterSum => unsafe {
+                    result::reduce_scatter(send, recv, call.count, dtype, sum, comm, stream)
+                },
             };
             done.map(|_| ()).map_err(|e| RuntimeError::Collective {
                 rank: self.rank,
@@ -435,6 +678,19 @@ mod comm {
                 // above); they live until the stream is synchronised below.
                 unsafe { self.comm.enqueue(&call, src, dst, stream.cu_stream())? };
             }
+            // Wait for the collective by polling, not inside the download: a peer that died
+            // would leave a blocking wait hanging.
+            let watch = self.comm.watch();
+            let what = format!("exchanging host values ({op:?})");
+            super::poll_until(
+                rank,
+                &what,
+                watch.timeout(),
+                // SAFETY: the rank's live stream, with its context current (`connect`).
+                || unsafe { crate::cuda::driver::stream_done(stream.cu_stream(), &what) },
+                || watch.check(&what),
+            )
+            .inspect_err(|_| watch.abort())?;
             stream.memcpy_dtoh(&to, recv).map_err(cuda)?;
             stream.synchronize().map_err(cuda)
         }
@@ -479,14 +735,6 @@ mod comm {
 
         fn nccl(&mut self) -> Option<&mut NcclComm> {
             Some(&mut self.comm)
-        }
-    }
-
-    impl Drop for NcclComm {
-        fn drop(&mut self) {
-            // SAFETY: the communicator is live and used by no one else. Abort rather than
-            // destroy: destroy waits for outstanding work, which a dead peer never finishes.
-            let _ = unsafe { result::comm_abort(self.comm) };
         }
     }
 }
@@ -591,6 +839,107 @@ mod tests {
             assert!(
                 e.contains(expected) && e.contains("recompile"),
                 "{bytes}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_wait_ends_when_the_work_is_done_and_polls_health_meanwhile() {
+        let (mut polls, mut checks) = (0, 0);
+        let waited = poll_until(
+            1,
+            "finishing the collective stream",
+            Duration::from_secs(60),
+            || {
+                polls += 1;
+                Ok(polls == 200)
+            },
+            || {
+                checks += 1;
+                Ok(())
+            },
+        );
+        assert!(waited.is_ok(), "{waited:?}");
+        // Every unfinished poll asked the communicator; the finished one did not need to.
+        assert_eq!((polls, checks), (200, 199));
+    }
+
+    #[test]
+    fn a_failed_communicator_ends_the_wait_with_its_error() {
+        let mut checks = 0;
+        let started = Instant::now();
+        let e = poll_until(
+            2,
+            "waiting on event 7",
+            Duration::from_secs(60),
+            || Ok(false),
+            || {
+                checks += 1;
+                if checks < 5 {
+                    Ok(())
+                } else {
+                    Err(RuntimeError::Collective {
+                        rank: 2,
+                        problem: "NCCL reported a remote error".into(),
+                    })
+                }
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("remote error"), "{e}");
+        assert_eq!(checks, 5);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn work_that_never_finishes_times_out_naming_the_wait_and_the_setting() {
+        let timeout = Duration::from_millis(150);
+        let started = Instant::now();
+        let e = poll_until(
+            3,
+            "waiting for the compute stream",
+            timeout,
+            || Ok(false),
+            || Ok(()),
+        )
+        .unwrap_err();
+        let waited = started.elapsed();
+        assert!(
+            waited >= timeout && waited < Duration::from_secs(30),
+            "{waited:?}"
+        );
+        let message = e.to_string();
+        for expected in ["rank 3", "waiting for the compute stream", TIMEOUT_VAR] {
+            assert!(message.contains(expected), "`{expected}` in `{message}`");
+        }
+        // A query that fails ends the wait with its own error.
+        let e = poll_until(
+            0,
+            "x",
+            timeout,
+            || Err(RuntimeError::Launch("the query failed".into())),
+            || Ok(()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("the query failed"), "{e}");
+    }
+
+    #[test]
+    fn the_timeout_setting_is_seconds_or_a_clear_error() {
+        assert_eq!(collective_timeout(None).unwrap(), DEFAULT_TIMEOUT);
+        assert_eq!(
+            collective_timeout(Some("90")).unwrap(),
+            Duration::from_secs(90)
+        );
+        assert_eq!(
+            collective_timeout(Some(" 0.5 ")).unwrap(),
+            Duration::from_millis(500)
+        );
+        for bad in ["", "ten", "0", "-3", "nan", "inf", "1e300"] {
+            let e = collective_timeout(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(TIMEOUT_VAR) && e.contains("seconds"),
+                "{bad}: {e}"
             );
         }
     }
