@@ -259,11 +259,11 @@ fn host_state(schedule: &VerifiedSchedule) -> (u64, u64, u64) {
 /// whole host accumulator); clipped, the accumulators stay whole so that every squared norm
 /// reads a whole sum.
 ///
-/// Mutations that fail it: the host backend's `accumulate_into_shard` adding the ranks' sum
-/// to the accumulator (`acc + (g0 + g1)`, starting the fold from zero and adding `acc` last):
-/// the f32 losses differ from the second step; the accumulate pass laying a sharded chunk's
-/// accumulators out whole (`Laid::Appended` for every accumulator): the host accumulators
-/// assertion.
+/// Mutations that fail it: the host backend's sharded sum adding the ranks' sum to the
+/// accumulator (`acc + (g0 + g1)`: the fold in `reduce_part_into` starting from rank 0's
+/// gradient, `acc` added last): gpt2-tiny f32 on 2 x 2, the weights differ; the accumulate
+/// pass laying a sharded chunk's accumulators out whole (`Laid::Appended` for every
+/// accumulator): the whole-accumulators assertion.
 #[test]
 fn sharded_ranks_of_several_micro_batches_train_as_one_rank_of_w_x_a_bit_for_bit() {
     for model in ["gpt2-tiny", "llama-tiny"] {
