@@ -575,3 +575,68 @@ fn a_sharded_sum_before_its_gradient_is_written_is_refused() {
     );
     verify(schedule).expect("the schedule it was made from verifies");
 }
+
+/// The simulator prices a sharded chunk's sum into the ranks' accumulator shards as what it
+/// moves: a reduce-scatter of the gradient over the interconnect plus the copy of the rank's
+/// `1/W` of it to the host (a replicated accumulator's sum is an all-reduce), on 4 ranks of
+/// a100-80gb accumulating 2 micro-batches.
+///
+/// Mutation that fails it: pricing every sum on the collective stream as an all-reduce of its
+/// bytes (what `instr_seconds` did before sharded accumulation).
+#[test]
+fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
+    use protrain::compiler::comm::CollectiveKind;
+    use protrain::compiler::cost::{cost_model, CopyDir};
+    use protrain::compiler::simulate::instr_seconds;
+    let config = protrain::models::load("gpt2-tiny").expect("preset");
+    let hardware = HardwareProfile::preset("a100-80gb").expect("a preset");
+    let topology = Topology { gpus: 4, nodes: 1 };
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        policy: PolicyChoice::parse(TIGHT).expect("a policy"),
+        micro_batches: 2,
+        topology,
+        ..CompileOptions::for_hardware(hardware.clone())
+    };
+    let schedule = protrain::compile(&config, &options)
+        .expect("compiles")
+        .schedule;
+    assert!(schedule.sharded());
+    let cost = cost_model(&hardware);
+    let mut priced = 0;
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for instr in &stream.instrs {
+            let Instr::Kernel { op, inputs, .. } = instr else {
+                continue;
+            };
+            let sharded = matches!(
+                schedule.buffer(inputs[0].buffer).kind,
+                BufferKind::HostShard { .. }
+            );
+            if schedule.graph.op(*op).kind != OpKind::AccumulateGrad || !sharded {
+                continue;
+            }
+            let bytes = schedule
+                .graph
+                .value(schedule.graph.op(*op).inputs[0])
+                .ty
+                .bytes();
+            let expected = cost.collective_seconds(CollectiveKind::ReduceScatter, bytes, topology)
+                + cost.copy_seconds(bytes.div_ceil(4), CopyDir::DeviceToHost);
+            let got = instr_seconds(
+                &schedule,
+                protrain::ir::StreamId::new(s),
+                instr,
+                cost.as_ref(),
+            );
+            assert!(
+                (got - expected).abs() <= 1e-9 * expected && expected > 0.0,
+                "{}: {got} s, not {expected} s",
+                schedule.graph.value(schedule.graph.op(*op).inputs[0]).name
+            );
+            priced += 1;
+        }
+    }
+    assert!(priced > 0, "no sharded sum");
+}
