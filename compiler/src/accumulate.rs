@@ -342,8 +342,6 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         })
         .collect();
 
-    // The micro-batch program: each AdamW becomes its gradient's sum, where it was; the rest
-    // of the optimizer moves to the update; every record and wait stays.
     // A sharded chunk's sums take the place of its gradient offload, reading the gradients
     // on the device, in the order of their AdamW ops.
     let mut at_offload: HashMap<(usize, usize), Vec<Instr>> = HashMap::new();
@@ -357,6 +355,9 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             });
         }
     }
+    // The micro-batch program: each AdamW becomes its gradient's sum, where it was (a
+    // sharded chunk's, where its offload was); the rest of the optimizer moves to the update;
+    // every record and wait stays.
     let mut moved: Vec<Instr> = Vec::new();
     for (s, stream) in schedule.streams.iter_mut().enumerate() {
         let mut kept = Vec::with_capacity(stream.instrs.len() + 1);

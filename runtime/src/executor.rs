@@ -28,7 +28,9 @@
 //! gathers every rank's micro-batch losses and returns their mean in global order (rank, then
 //! micro-batch), summed in f64 exactly as one rank sums its micro-batches' losses. So `W`
 //! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
-//! the same rows, bit for bit.
+//! the same rows, bit for bit. Where the schedule shards a chunk and accumulates, each
+//! rank zeroes and sums into only the part of each accumulator it holds (the collective
+//! stream's `accumulate_grad` of a sharded chunk, [`Backend::accumulate_into_shard`]).
 
 use crate::backend::{
     set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
