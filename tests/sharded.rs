@@ -221,37 +221,100 @@ fn accumulations_over_ranks(schedule: &VerifiedSchedule) -> (usize, usize) {
     (on_comm, adamws)
 }
 
-/// W ranks of A micro-batches each, for W in {2, 4} and A in {1, 2}, gpt2-tiny and
-/// llama-tiny, f32 and bf16, clipped and not: the losses, weights and Adam moments of one
-/// rank accumulating W x A micro-batches, bit for bit. Rank r's micro-batch m reads global
-/// micro-batch m x W + r, and each micro-batch's gradients are summed over the ranks into
-/// the accumulators in rank order, so the ranks add the global micro-batches' gradients one
-/// by one in their order, as the single rank does. (With A = 1 the offloaded chunks are
-/// sharded; with A = 2 they stay whole on every rank: `shard::shardable` refuses
-/// accumulation.) Summing each rank's accumulator at the end instead, or reading a rank's
-/// micro-batches as one contiguous run of rows, fails this.
+/// The host bytes of `schedule`'s buffers that hold offloaded chunks' state: sharded (every
+/// part of every shard, each rank's), whole (parameters, gradients, optimizer state), and
+/// whole host accumulators.
+fn host_state(schedule: &VerifiedSchedule) -> (u64, u64, u64) {
+    let of = |f: fn(&BufferKind) -> bool| {
+        schedule
+            .buffers
+            .iter()
+            .filter(|b| b.space == protrain::ir::Space::Host && f(&b.kind))
+            .map(|b| b.size)
+            .sum()
+    };
+    (
+        of(|k| matches!(k, BufferKind::HostShard { .. })),
+        of(|k| {
+            matches!(
+                k,
+                BufferKind::HostChunk { .. }
+                    | BufferKind::HostGradChunk { .. }
+                    | BufferKind::OptimizerState { .. }
+            )
+        }),
+        of(|k| matches!(k, BufferKind::Accumulators)),
+    )
+}
+
+/// W ranks of A micro-batches each, for W in {2, 4} and A in {2, 3}, gpt2-tiny and
+/// llama-tiny, f32 and bf16, clipped and not, under the tight policy (every chunk offloaded,
+/// so sharded) and the roomy one: the losses, weights and Adam moments of one rank
+/// accumulating W x A micro-batches, bit for bit. Rank r's micro-batch m reads global
+/// micro-batch m x W + r, and each micro-batch's gradients are summed over the ranks in rank
+/// order into the accumulators (a sharded chunk's straight from the device into the part
+/// each rank holds), so the ranks add the global micro-batches' gradients one by one in
+/// their order, as the single rank does. Each rank holds 1/W of the sharded chunks' host
+/// state, and unclipped 1/W of their accumulators too (they are the gradient shards: no
+/// whole host accumulator); clipped, the accumulators stay whole so that every squared norm
+/// reads a whole sum.
+///
+/// Mutations that fail it: the host backend's sharded sum adding the ranks' sum to the
+/// accumulator (`acc + (g0 + g1)`: the fold in `reduce_part_into` starting from rank 0's
+/// gradient, `acc` added last): gpt2-tiny f32 on 2 x 2, the weights differ; the accumulate
+/// pass laying a sharded chunk's accumulators out whole (`Laid::Appended` for every
+/// accumulator): the whole-accumulators assertion.
 #[test]
-fn w_ranks_of_a_micro_batches_train_as_one_rank_of_w_x_a_bit_for_bit() {
+fn sharded_ranks_of_several_micro_batches_train_as_one_rank_of_w_x_a_bit_for_bit() {
     for model in ["gpt2-tiny", "llama-tiny"] {
         for dtype in [DType::F32, DType::BF16] {
             for clip in [None, Some(0.05)] {
-                let mut singles: Vec<(u64, Run)> = Vec::new();
-                for (ranks, a) in [(2u32, 1u64), (2, 2), (4, 1), (4, 2)] {
-                    let what = format!("{model} {dtype} clip {clip:?}: {ranks} ranks x {a}");
+                let mut singles: Vec<(u64, VerifiedSchedule, Run)> = Vec::new();
+                for (ranks, a) in [(2u32, 2u64), (2, 3), (4, 2), (4, 3)] {
                     let all = u64::from(ranks) * a;
-                    if !singles.iter().any(|(k, _)| *k == all) {
+                    if !singles.iter().any(|(k, _, _)| *k == all) {
                         let one = compile_clipped(model, TIGHT, 1, all, dtype, clip);
-                        singles.push((all, train(&one, &fresh(&one), 3).0));
+                        let run = train(&one, &fresh(&one), 3).0;
+                        singles.push((all, one, run));
                     }
-                    let single = &singles.iter().find(|(k, _)| *k == all).expect("run").1;
-                    let schedule = compile_clipped(model, TIGHT, ranks, a, dtype, clip);
-                    assert_eq!(schedule.sharded(), a == 1, "{what}");
-                    let (on_comm, adamws) = accumulations_over_ranks(&schedule);
-                    assert_eq!(on_comm, if a > 1 { adamws } else { 0 }, "{what}");
-                    let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
-                    assert_eq!(parallel.0, single.0, "{what}: losses");
-                    assert!(parallel.1 == single.1, "{what}: weights differ");
-                    assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+                    let (_, one, single) = singles.iter().find(|(k, _, _)| *k == all).expect("run");
+                    for policy in [TIGHT, ROOMY] {
+                        let what =
+                            format!("{model} {dtype} clip {clip:?} {policy}: {ranks} ranks x {a}");
+                        let schedule = compile_clipped(model, policy, ranks, a, dtype, clip);
+                        let (on_comm, adamws) = accumulations_over_ranks(&schedule);
+                        assert_eq!(on_comm, adamws, "{what}");
+                        if policy == TIGHT {
+                            assert!(schedule.sharded(), "{what}");
+                            let (shards, unsharded, accumulators) = host_state(&schedule);
+                            let (_, state, whole) = host_state(one);
+                            assert_eq!(unsharded, 0, "{what}: whole state on a rank");
+                            match clip {
+                                // The accumulators are the gradient shards.
+                                None => {
+                                    assert_eq!(accumulators, 0, "{what}: whole accumulators");
+                                    assert!(
+                                        schedule.host_bytes * u64::from(ranks)
+                                            < one.host_bytes * 3 / 2,
+                                        "{what}: {} host bytes per rank against {} for one rank",
+                                        schedule.host_bytes,
+                                        one.host_bytes
+                                    );
+                                }
+                                Some(_) => assert_eq!(accumulators, whole, "{what}"),
+                            }
+                            // The sharded state is 1/W of one rank's (padding aside).
+                            assert!(
+                                shards * u64::from(ranks) <= state + state / 8
+                                    && shards * u64::from(ranks) * 8 >= state * 7,
+                                "{what}: {shards} sharded bytes per rank of a {state}-byte state"
+                            );
+                        }
+                        let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                        assert_eq!(parallel.0, single.0, "{what}: losses");
+                        assert!(parallel.1 == single.1, "{what}: weights differ");
+                        assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+                    }
                 }
             }
         }
@@ -419,7 +482,7 @@ fn a_sharded_state_resumes_on_another_number_of_ranks_as_if_uninterrupted() {
     for (ranks, k) in [(2u32, 2u64), (1, 4), (4, 1)] {
         let schedule = compile("gpt2-tiny", TIGHT, ranks, k, DType::F32);
         if ranks == 2 {
-            assert!(schedule.micro_batches() == 2 && !schedule.sharded());
+            assert!(schedule.micro_batches() == 2 && schedule.sharded());
         }
         let (rest, _) = train(&schedule, &state, 2);
         let what = format!("resumed on {ranks} ranks x {k}");
@@ -440,4 +503,140 @@ fn a_sharded_state_resumes_under_another_policy_bit_for_bit() {
     let (rest, _) = train(&roomy, &state, 2);
     assert_eq!(rest.0, whole.0[2..]);
     assert!(rest.1 == whole.1 && rest.2 == whole.2);
+}
+
+/// 4 sharded ranks of 2 micro-batches each: the weights and Adam moments they gather resume
+/// on 2 sharded ranks of 4 micro-batches, on 1 rank of 8 and on 4 x 2 again, bit for bit as
+/// the uninterrupted run (every layout sums the global micro-batches' gradients in their
+/// order).
+#[test]
+fn a_sharded_accumulating_state_resumes_on_another_number_of_ranks_as_if_uninterrupted() {
+    for dtype in [DType::F32, DType::BF16] {
+        let four = compile("gpt2-tiny", TIGHT, 4, 2, dtype);
+        assert!(four.sharded() && four.micro_batches() == 2);
+        let (whole, _) = train(&four, &fresh(&four), 4);
+        let (first, state) = train(&four, &fresh(&four), 2);
+        assert_eq!(first.0, whole.0[..2]);
+        for (ranks, k) in [(2u32, 4u64), (1, 8), (4, 2)] {
+            let schedule = compile("gpt2-tiny", TIGHT, ranks, k, dtype);
+            assert_eq!(schedule.sharded(), ranks > 1);
+            let (rest, _) = train(&schedule, &state, 2);
+            let what = format!("{dtype} resumed on {ranks} ranks x {k}");
+            assert_eq!(rest.0, whole.0[2..], "{what}: losses");
+            assert!(rest.1 == whole.1, "{what}: weights");
+            assert!(rest.2 == whole.2, "{what}: moments");
+        }
+    }
+}
+
+/// The mutation: in a sharded schedule of 2 micro-batches per rank, the collective stream's
+/// first sum of a sharded chunk's gradient into the ranks' accumulator shards moved to the
+/// start of the stream, before any wait. The verifier refuses it (the sum would read the
+/// gradient before the backward pass writes it); the schedule it was made from verifies.
+#[test]
+fn a_sharded_sum_before_its_gradient_is_written_is_refused() {
+    let schedule: Schedule = (*compile("gpt2-tiny", TIGHT, 2, 2, DType::F32)).clone();
+    let mut mutated = schedule.clone();
+    let comm = mutated
+        .streams
+        .iter_mut()
+        .find(|s| matches!(s.kind, StreamKind::Collective { .. }))
+        .expect("a collective stream");
+    let buffers = &schedule.buffers;
+    let at = comm
+        .instrs
+        .iter()
+        .position(|i| match i {
+            Instr::Kernel { inputs, .. } => {
+                matches!(
+                    buffers[inputs[0].buffer.index()].kind,
+                    BufferKind::HostShard {
+                        part: ShardPart::Grads,
+                        ..
+                    }
+                ) && buffers[inputs[1].buffer.index()].space == protrain::ir::Space::Device
+            }
+            _ => false,
+        })
+        .expect("a sum into a gradient shard, from the device");
+    assert!(
+        matches!(comm.instrs[at - 1], Instr::Wait { .. }),
+        "the sum waits for its trigger"
+    );
+    let sum = comm.instrs.remove(at);
+    comm.instrs.insert(0, sum);
+    let err = verify(mutated)
+        .expect_err("a sum before its gradient")
+        .to_string();
+    assert!(err.contains("data flow"), "{err}");
+    assert!(
+        err.contains("accumulate_grad"),
+        "the refusal names the sum: {err}"
+    );
+    verify(schedule).expect("the schedule it was made from verifies");
+}
+
+/// The simulator prices a sharded chunk's sum into the ranks' accumulator shards as what it
+/// moves: a reduce-scatter of the gradient over the interconnect plus the copy of the rank's
+/// `1/W` of it to the host (a replicated accumulator's sum is an all-reduce), on 4 ranks of
+/// a100-80gb accumulating 2 micro-batches.
+///
+/// Mutation that fails it: pricing every sum on the collective stream as an all-reduce of its
+/// bytes (what `instr_seconds` did before sharded accumulation).
+#[test]
+fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
+    use protrain::compiler::comm::CollectiveKind;
+    use protrain::compiler::cost::{cost_model, CopyDir};
+    use protrain::compiler::simulate::instr_seconds;
+    let config = protrain::models::load("gpt2-tiny").expect("preset");
+    let hardware = HardwareProfile::preset("a100-80gb").expect("a preset");
+    let topology = Topology { gpus: 4, nodes: 1 };
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        policy: PolicyChoice::parse(TIGHT).expect("a policy"),
+        micro_batches: 2,
+        topology,
+        ..CompileOptions::for_hardware(hardware.clone())
+    };
+    let schedule = protrain::compile(&config, &options)
+        .expect("compiles")
+        .schedule;
+    assert!(schedule.sharded());
+    let cost = cost_model(&hardware);
+    let mut priced = 0;
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for instr in &stream.instrs {
+            let Instr::Kernel { op, inputs, .. } = instr else {
+                continue;
+            };
+            let sharded = matches!(
+                schedule.buffer(inputs[0].buffer).kind,
+                BufferKind::HostShard { .. }
+            );
+            if schedule.graph.op(*op).kind != OpKind::AccumulateGrad || !sharded {
+                continue;
+            }
+            let bytes = schedule
+                .graph
+                .value(schedule.graph.op(*op).inputs[0])
+                .ty
+                .bytes();
+            let expected = cost.collective_seconds(CollectiveKind::ReduceScatter, bytes, topology)
+                + cost.copy_seconds(bytes.div_ceil(4), CopyDir::DeviceToHost);
+            let got = instr_seconds(
+                &schedule,
+                protrain::ir::StreamId::new(s),
+                instr,
+                cost.as_ref(),
+            );
+            assert!(
+                (got - expected).abs() <= 1e-9 * expected && expected > 0.0,
+                "{}: {got} s, not {expected} s",
+                schedule.graph.value(schedule.graph.op(*op).inputs[0]).name
+            );
+            priced += 1;
+        }
+    }
+    assert!(priced > 0, "no sharded sum");
 }

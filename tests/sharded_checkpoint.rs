@@ -496,3 +496,37 @@ fn replicated_state_is_written_once_by_rank_0() {
     let one = two_ranks("4", &["--grad-accum", "2"], &["--resume", path(&ckpt)]);
     assert_eq!(losses(&one), whole[2..]);
 }
+
+/// 4 sharded ranks of 2 micro-batches each (a global batch of 8 micro-batches) write a
+/// shard each; the checkpoint resumes on 2 sharded ranks of 4 micro-batches and on 1 rank of
+/// 8, bit for bit as the uninterrupted 4 x 2 run.
+///
+/// Mutation that fails it: the host backend's sharded sum adding the ranks in reverse order
+/// (`(0..world).rev()` in `reduce_part_into`): 4 ranks and 2 ranks then add the global
+/// micro-batches in different orders, and the resumed losses differ.
+#[test]
+fn four_ranks_of_two_micro_batches_resume_on_two_of_four_and_one_of_eight() {
+    const FOUR_X2: &[&str] = &["--gpus", "4", "--grad-accum", "2"];
+    const TWO_X4: &[&str] = &["--gpus", "2", "--grad-accum", "4"];
+    const ONE_X8: &[&str] = &["--grad-accum", "8"];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let whole = run(&args("4", FOUR_X2, &[]));
+    assert_eq!(whole.len(), 4);
+    let out = protrain(&args(
+        "2",
+        FOUR_X2,
+        &["--checkpoint-dir", path(&ckpt), "--save-every", "2"],
+    ));
+    assert!(
+        stderr(&out).contains("offloaded chunks sharded"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(losses(&out), whole[..2]);
+    assert!(files(&ckpt).contains(&"step-00000002.rank-3-of-4.safetensors".to_string()));
+    for ranks in [TWO_X4, ONE_X8] {
+        let out = protrain(&args("4", ranks, &["--resume", path(&ckpt)]));
+        assert_eq!(losses(&out), whole[2..], "resumed as {ranks:?}");
+    }
+}

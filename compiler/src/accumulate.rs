@@ -18,6 +18,15 @@
 //! the collective stream, where it adds every rank's gradient to the accumulator in rank
 //! order: the sums one rank accumulating every rank's micro-batches makes.
 //!
+//! A chunk sharded over the ranks ([`crate::shard`]; its gradient offload lands in a
+//! [`BufferKind::HostShard`]) is summed earlier: its `accumulate_grad` kernels take the
+//! place of its gradient offload, reading each gradient where the backward pass left it on
+//! the device, so that the sum over the ranks is also the offload and no rank needs a whole
+//! host copy of the chunk's gradients. The accumulator is the gradient's own place in the
+//! gradient shard (each rank holds its `1/W`, and no host accumulator is appended), unless
+//! the update reads the global norm ([`crate::shard::reads_global_norm`]): then it is whole,
+//! appended as any host accumulator, so that each squared norm reads a whole sum.
+//!
 //! Accumulators live the whole step, so the pass appends them to the arena and the host
 //! region (the exact peak grows by exactly their bytes). It does not reorder the micro-batch
 //! program, share gradient memory with accumulators, or overlap the update with the last
@@ -114,6 +123,42 @@ fn aligned(bytes: u64) -> u64 {
     bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
 }
 
+/// Where an accumulator is laid out.
+#[derive(Clone, Copy)]
+enum Laid {
+    /// At this offset of the accumulators' buffer of its space, appended to the space.
+    Appended(u64),
+    /// At this address: a sharded chunk's gradient in its gradient shard.
+    At(TensorRef),
+}
+
+/// The gradient offloads into a sharded chunk's shard, by the shard buffer: where the copy
+/// is (stream, index), its source and destination, and its bytes.
+fn sharded_offloads(
+    schedule: &Schedule,
+) -> HashMap<BufferId, ((usize, usize), TensorRef, TensorRef, u64)> {
+    let mut out = HashMap::new();
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (i, instr) in stream.instrs.iter().enumerate() {
+            if let Instr::Copy {
+                what: CopyKind::OffloadGrads { .. },
+                src,
+                dst,
+                bytes,
+            } = *instr
+            {
+                if matches!(
+                    schedule.buffer(dst.buffer).kind,
+                    BufferKind::HostShard { .. }
+                ) {
+                    out.insert(dst.buffer, ((s, i), src, dst, bytes));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// A gradient's accumulator.
 struct Acc {
     acc: ValueId,
@@ -165,9 +210,34 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             }
         }
     }
-    // Accumulators: offsets in their space's buffer first, the buffers appended after.
+    // A sharded chunk's gradients (see the module doc): each AdamW's gradient shard, and
+    // where the gradient was on the device before the offload that the sums replace.
+    let offloads = sharded_offloads(&schedule);
+    let norms = crate::shard::reads_global_norm(&schedule.graph);
+    let mut on_device: HashMap<OpId, (TensorRef, (usize, usize))> = HashMap::new();
+    for &(op, grad, at) in &adamws {
+        let Some(&(place, src, dst, bytes)) = offloads.get(&at.buffer) else {
+            continue;
+        };
+        let within = at.offset.checked_sub(dst.offset).filter(|o| *o < bytes);
+        let Some(within) = within else {
+            return Err(CompileError::Validation(format!(
+                "{} is read at {:#x} in its chunk's gradient shard, outside the offload that \
+                 fills it",
+                schedule.graph.value(grad).name,
+                at.offset
+            )));
+        };
+        let device = TensorRef {
+            buffer: src.buffer,
+            offset: src.offset + within,
+        };
+        on_device.insert(op, (device, place));
+    }
+    // Accumulators: offsets in their space's buffer first, the buffers appended after; a
+    // sharded chunk's accumulate in its gradient shard unless the update reads the norm.
     let mut used = [0u64; 2];
-    let mut laid: Vec<(ValueId, Space, u64)> = Vec::with_capacity(adamws.len());
+    let mut laid: Vec<(ValueId, Space, Laid)> = Vec::with_capacity(adamws.len());
     let mut acc_of: HashMap<ValueId, usize> = HashMap::new();
     let mut sum_of: HashMap<OpId, OpId> = HashMap::new();
     for &(op, grad, at) in &adamws {
@@ -191,9 +261,13 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         sum_of.insert(op, OpId::new(schedule.graph.op_count() - 1));
         schedule.graph.set_input(op, 1, acc)?;
         let space = schedule.buffer(at.buffer).space;
-        let slot = &mut used[usize::from(space == Space::Host)];
-        laid.push((acc, space, *slot));
-        *slot += aligned(ty.bytes());
+        if on_device.contains_key(&op) && !norms {
+            laid.push((acc, space, Laid::At(at)));
+        } else {
+            let slot = &mut used[usize::from(space == Space::Host)];
+            laid.push((acc, space, Laid::Appended(*slot)));
+            *slot += aligned(ty.bytes());
+        }
         acc_of.insert(grad, laid.len() - 1);
     }
     // Squared norms read the accumulators; those of host ones need host scratch for their
@@ -255,32 +329,55 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
     });
     let accs: Vec<Acc> = laid
         .iter()
-        .map(|&(acc, space, offset)| Acc {
+        .map(|&(acc, space, laid)| Acc {
             acc,
             space,
-            home: TensorRef {
-                buffer: buffer_of[usize::from(space == Space::Host)].expect("appended above"),
-                offset,
+            home: match laid {
+                Laid::At(home) => home,
+                Laid::Appended(offset) => TensorRef {
+                    buffer: buffer_of[usize::from(space == Space::Host)].expect("appended above"),
+                    offset,
+                },
             },
         })
         .collect();
 
-    // The micro-batch program: each AdamW becomes its gradient's sum, where it was; the rest
-    // of the optimizer moves to the update; every record and wait stays.
+    // A sharded chunk's sums take the place of its gradient offload, reading the gradients
+    // on the device, in the order of their AdamW ops.
+    let mut at_offload: HashMap<(usize, usize), Vec<Instr>> = HashMap::new();
+    for &(op, grad, _) in &adamws {
+        if let Some(&(device, place)) = on_device.get(&op) {
+            at_offload.entry(place).or_default().push(Instr::Kernel {
+                op: sum_of[&op],
+                inputs: vec![accs[acc_of[&grad]].home, device],
+                outputs: vec![],
+                workspace: None,
+            });
+        }
+    }
+    // The micro-batch program: each AdamW becomes its gradient's sum, where it was (a
+    // sharded chunk's, where its offload was); the rest of the optimizer moves to the update;
+    // every record and wait stays.
     let mut moved: Vec<Instr> = Vec::new();
-    for stream in schedule.streams.iter_mut() {
+    for (s, stream) in schedule.streams.iter_mut().enumerate() {
         let mut kept = Vec::with_capacity(stream.instrs.len() + 1);
-        for instr in std::mem::take(&mut stream.instrs) {
+        for (i, instr) in std::mem::take(&mut stream.instrs).into_iter().enumerate() {
+            if let Some(sums) = at_offload.remove(&(s, i)) {
+                kept.extend(sums);
+                continue;
+            }
             match &instr {
                 Instr::Kernel { op, inputs, .. } => match schedule.graph.op(*op).kind {
                     OpKind::AdamW { .. } => {
-                        let grad = schedule.graph.op(sum_of[op]).inputs[1];
-                        kept.push(Instr::Kernel {
-                            op: sum_of[op],
-                            inputs: vec![accs[acc_of[&grad]].home, inputs[1]],
-                            outputs: vec![],
-                            workspace: None,
-                        });
+                        if !on_device.contains_key(op) {
+                            let grad = schedule.graph.op(sum_of[op]).inputs[1];
+                            kept.push(Instr::Kernel {
+                                op: sum_of[op],
+                                inputs: vec![accs[acc_of[&grad]].home, inputs[1]],
+                                outputs: vec![],
+                                workspace: None,
+                            });
+                        }
                         moved.push(instr);
                     }
                     OpKind::GradNormSq | OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => {

@@ -21,6 +21,8 @@
 //!   `W * A` micro-batches makes (`(((0 + g0) + g1) + g2) + g3`), where summing each rank's
 //!   accumulator at the end would make `(g0 + g2) + (g1 + g3)`. It costs one collective per
 //!   gradient per micro-batch instead of one per step, as ZeRO's reduce per micro-batch does.
+//!   A sharded chunk's `accumulate_grad` sits where its gradient offload was (see
+//!   [`crate::accumulate`]) and moves from there: each rank keeps the sums of its slice.
 //!
 //! The training graph's loss gradient is already scaled by `1 / (ranks * K)`
 //! ([`crate::accumulate::scale_loss_gradient`]), so the sum is the mean gradient over the

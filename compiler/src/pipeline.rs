@@ -352,9 +352,8 @@ impl<'m> Context<'m> {
             CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
                 "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory; \
                  offloaded chunks are sharded over the ranks, each keeping 1/ranks of their host \
-                 state, unless gradients are accumulated, when every rank keeps them \
-                 whole; give --host-memory for the whole node, use more ranks (--gpus, \
-                 --nodes), or drop --grad-accum so that they are sharded)"
+                 state; give --host-memory for the whole node, or use more ranks (--gpus, \
+                 --nodes) so that each keeps less)"
             )),
             e => e,
         };
@@ -556,7 +555,7 @@ pub fn compile_policy_on(
     // Offloaded chunks are sharded over the ranks where the schedule allows it
     // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.
     let sharded_chunks;
-    let chunks = match crate::shard::shardable(chunks, topology, global / ranks) {
+    let chunks = match crate::shard::shardable(chunks, topology) {
         Ok(()) => {
             sharded_chunks = crate::shard::sharded_table(chunks, topology.ranks());
             &sharded_chunks

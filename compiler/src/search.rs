@@ -339,8 +339,7 @@ impl Profile {
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
         let ranks = topology.ranks().max(1);
-        let per_rank = crate::accumulate::micro_batches(training) / u64::from(ranks);
-        let shards = match crate::shard::shardable(chunks, topology, per_rank) {
+        let shards = match crate::shard::shardable(chunks, topology) {
             Ok(()) => u64::from(ranks),
             Err(_) => 1,
         };

@@ -32,10 +32,18 @@
 //! slice of the sum to its shard (no reduce-scatter). The host state stays sharded (1/W per
 //! rank); what it costs is the all-reduce's second half (an all-gather of the gradients).
 //!
-//! It does not shard accumulating schedules: there [`crate::data_parallel`] sums each
-//! micro-batch's gradients over the ranks into whole accumulators (`accumulate_grad` on the
-//! collective stream), and a reduce-scatter into sharded accumulators is not written yet;
-//! [`shardable`] says why.
+//! With accumulation (`A > 1` micro-batches per rank) a sharded chunk's gradients reach no
+//! gradient offload here: [`crate::accumulate`] replaced each one with the chunk's
+//! `accumulate_grad` kernels, which [`crate::data_parallel`] moved to the collective stream.
+//! There each micro-batch's gradient is read on the device and summed over the ranks in rank
+//! order into the part of its accumulator each rank holds, `((acc + g0) + g1) + ...` per
+//! element (a reduce-scatter into the accumulator shards): the accumulator is the gradient's
+//! place in the chunk's gradient shard, so a rank keeps `1/W` of the accumulators too, and
+//! the CPU Adam of the rank reads its slice of the sums. Where the update reads the global
+//! norm the accumulators stay whole on every rank (each squared norm reads a whole sum, as
+//! one rank's does), summed as replicated ones are, and only the optimizer state is sharded.
+//! This pass then turns the fetches alone, merging the all-gathers into the collective
+//! stream's micro-batch program (before its [`Instr::EndMicroBatch`]).
 
 use crate::comm::Topology;
 use crate::error::{CompileError, Result};
@@ -45,23 +53,11 @@ use protrain_ir::{
 };
 use std::collections::HashMap;
 
-/// Whether chunks compiled for `topology` with `micro_batches` per rank shard their
-/// offloaded chunks; the reason when it does not (`None` for one rank).
-pub fn shardable(
-    chunks: &ChunkTable,
-    topology: Topology,
-    micro_batches: u64,
-) -> std::result::Result<(), String> {
-    let ranks = u64::from(topology.ranks());
-    if ranks < 2 {
+/// Whether chunks compiled for `topology` shard their offloaded chunks (with or without
+/// accumulation); the reason when they do not.
+pub fn shardable(chunks: &ChunkTable, topology: Topology) -> std::result::Result<(), String> {
+    if topology.ranks() < 2 {
         return Err("one rank".into());
-    }
-    if micro_batches > 1 {
-        return Err(
-            "each rank accumulates several micro-batches, whose gradients are summed over the \
-             ranks into whole accumulators"
-                .into(),
-        );
     }
     if chunks.is_empty() {
         return Err("no chunks".into());
@@ -102,7 +98,7 @@ pub(crate) struct Job {
 
 /// Turns the copies of `schedule`'s sharded chunks into shard copies and collectives (see the
 /// module doc); returns it unchanged when nothing is sharded. Fails on a schedule that
-/// shards without a collective stream or accumulates (a compiler bug).
+/// shards without a collective stream (a compiler bug).
 pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
     if !schedule.sharded() {
         return Ok(schedule);
@@ -114,12 +110,6 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
         .ok_or_else(|| {
             CompileError::Validation("a sharded schedule has no collective stream".into())
         })?;
-    if schedule.micro_batches() > 1 {
-        return Err(CompileError::Validation(
-            "a sharded schedule accumulates micro-batches; sharding runs without accumulation"
-                .into(),
-        ));
-    }
     let dtype_of = |chunk: ChunkId| -> DType {
         schedule
             .chunks
@@ -249,11 +239,26 @@ pub(crate) fn merge(schedule: &Schedule, comm: usize, jobs: Vec<Job>) -> Result<
     let mut pc = vec![0usize; streams.len()];
     let existing = &streams[comm].instrs;
     let mut out = Vec::with_capacity(existing.len() + 3 * by_trigger.len());
+    // Where each stream's micro-batch program ends (accumulation): the collective stream
+    // passes its marker only once every other stream has, so that no collective of the
+    // micro-batch lands in the update program.
+    let marker: Vec<Option<usize>> = streams
+        .iter()
+        .map(|s| {
+            s.instrs
+                .iter()
+                .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
+        })
+        .collect();
     loop {
+        let others_done = (0..streams.len())
+            .filter(|&s| s != comm)
+            .all(|s| marker[s].is_none_or(|m| pc[s] > m));
         // The collective stream's own instructions, as far as they can go.
         while let Some(instr) = existing.get(pc[comm]) {
             match *instr {
                 Instr::Wait { event } if !recorded[event.index()] => break,
+                Instr::EndMicroBatch { .. } if !others_done => break,
                 Instr::Record { event } => recorded[event.index()] = true,
                 _ => {}
             }

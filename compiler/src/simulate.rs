@@ -255,7 +255,9 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
 ///   and [`CostModel::gpu_adam_seconds`] elsewhere, over its parameter's elements; an
 ///   `accumulate_grad` on the collective stream (a micro-batch's gradient summed over the
 ///   ranks into its accumulator) takes [`CostModel::collective_seconds`] of an all-reduce of
-///   its bytes;
+///   its bytes, or, for a sharded chunk's gradient summed from the device into the ranks'
+///   accumulator shards, of a reduce-scatter of its bytes plus the copy of the rank's `1/W`
+///   to the host (the whole gradient's copy where the accumulator is whole, for the norm);
 /// - a copy takes [`CostModel::copy_seconds`] in the direction of its buffers' spaces;
 /// - records and waits take no time (how long a wait stalls is the simulation's business).
 ///
@@ -286,12 +288,32 @@ pub fn instr_seconds(
             match (&op.kind, inputs.first()) {
                 // On the collective stream: the gradient summed over the ranks into the
                 // accumulator, an all-reduce of its bytes (the adds ride along).
-                (OpKind::AccumulateGrad, Some(acc)) => match kind {
-                    StreamKind::Collective { gpus, nodes } => cost.collective_seconds(
-                        CollectiveKind::AllReduce,
-                        acc.bytes(),
-                        Topology { gpus, nodes },
-                    ),
+                (OpKind::AccumulateGrad, Some(acc)) => match (kind, instr) {
+                    (StreamKind::Collective { gpus, nodes }, Instr::Kernel { inputs, .. }) => {
+                        let topology = Topology { gpus, nodes };
+                        let space = |i: usize| {
+                            inputs
+                                .get(i)
+                                .and_then(|t| schedule.buffers.get(t.buffer.index()))
+                        };
+                        let from_device = space(1).is_some_and(|b| b.space == Space::Device)
+                            && space(0).is_some_and(|b| b.space == Space::Host);
+                        let sharded = space(0).is_some_and(|b| {
+                            matches!(b.kind, protrain_ir::BufferKind::HostShard { .. })
+                        });
+                        let (collective, copied) = match sharded {
+                            true => (
+                                CollectiveKind::ReduceScatter,
+                                acc.bytes().div_ceil(u64::from(topology.ranks().max(1))),
+                            ),
+                            false => (CollectiveKind::AllReduce, acc.bytes()),
+                        };
+                        let copy = match from_device {
+                            true => cost.copy_seconds(copied, CopyDir::DeviceToHost),
+                            false => 0.0,
+                        };
+                        cost.collective_seconds(collective, acc.bytes(), topology) + copy
+                    }
                     _ => {
                         let dtype = compute_dtype(&inputs, &outputs, schedule.header.dtype);
                         cost.op_seconds(&op.kind, &inputs, &outputs, dtype)

@@ -125,14 +125,18 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                     assert_eq!(s.ranks(), ranks, "{what}");
                     assert_eq!(s.topology(), (ranks, 1), "{what}");
                     let (comm, mut summed, mut read) = collectives(&s);
-                    // Offloaded chunks are sharded (one micro-batch per rank): unclipped,
+                    // Offloaded chunks are sharded: with one micro-batch per rank, unclipped,
                     // their gradients are reduce-scattered, each chunk's once; clipped, they
                     // are all-reduced whole (for the norm) and nothing is reduce-scattered.
+                    // Accumulating, each micro-batch's are summed into the accumulators by
+                    // `accumulate_grad` (below): unclipped, the accumulators are the
+                    // gradient shards; clipped, whole host accumulators.
                     let sharded = sharded_grads(&s);
                     let offloads = s.header.policy.n_persist < s.chunks.len() as u32;
-                    assert_eq!(!sharded.is_empty(), k == 1 && offloads, "{what}: sharded");
-                    assert_eq!(s.sharded(), k == 1 && offloads, "{what}: sharded");
-                    if !clip {
+                    let in_shards = offloads && (k == 1 || !clip);
+                    assert_eq!(!sharded.is_empty(), in_shards, "{what}: sharded");
+                    assert_eq!(s.sharded(), offloads, "{what}: sharded");
+                    if !clip && k == 1 {
                         summed.extend(&sharded);
                     }
                     summed.sort();
@@ -159,7 +163,7 @@ fn every_policy_verifies_with_one_all_reduce_per_gradient_on_the_collective_stre
                             )
                         })
                         .count();
-                    let scattered = if clip { 0 } else { shards };
+                    let scattered = if clip || k > 1 { 0 } else { shards };
                     assert_eq!(scatters, scattered, "{what}: one reduce-scatter per chunk");
                     // Accumulating: the collective stream sums each micro-batch's gradients
                     // into the accumulators, its marker last (nothing in the update), and no
@@ -319,9 +323,12 @@ fn the_verifier_rejects_misplaced_and_unordered_accumulations_over_the_ranks() {
             panic!("the accumulation records its end right after it");
         };
 
-        // Ahead of the wait for its gradient's writer.
+        // Ahead of the wait for its gradient's writer, at the start of its stream (right
+        // before its own wait is not always early enough: in a sharded schedule an earlier
+        // wait of the collective stream may already order it after the writer).
         let mut early = s.clone();
-        early.streams[comm].instrs.swap(first - 1, first);
+        let sum = early.streams[comm].instrs.remove(first);
+        early.streams[comm].instrs.insert(0, sum);
         let e = verify_schedule(&early).expect_err("an accumulation before its gradient");
         assert_eq!(e.invariant, Invariant::DataFlow, "{e}");
         assert!(e.message.contains("accumulate_grad"), "{e}");
@@ -341,18 +348,24 @@ fn the_verifier_rejects_misplaced_and_unordered_accumulations_over_the_ranks() {
             "an accumulation its stream does not wait for verifies"
         );
 
-        // Its gradient addressed in the other memory (where the schedule has both).
-        let Instr::Kernel { inputs, .. } = &s.streams[comm].instrs[first] else {
-            unreachable!("found as a kernel above")
+        // Its accumulator in the device arena and its gradient in host memory (where the
+        // schedule has both): two memories, of which only a sharded chunk's gradient on the
+        // device summed into a host accumulator is taken.
+        let in_space = |space| {
+            s.buffers
+                .iter()
+                .position(|b| b.space == space)
+                .map(|b| protrain_ir::TensorRef {
+                    buffer: protrain_ir::BufferId::new(b),
+                    offset: 0,
+                })
         };
-        let space = s.buffers[inputs[0].buffer.index()].space;
-        if let Some(other) = s.buffers.iter().position(|b| b.space != space) {
+        let device = in_space(protrain_ir::Space::Device);
+        if let (Some(device), Some(host)) = (device, in_space(protrain_ir::Space::Host)) {
             let mut split = s.clone();
             if let Instr::Kernel { inputs, .. } = &mut split.streams[comm].instrs[first] {
-                inputs[1] = protrain_ir::TensorRef {
-                    buffer: protrain_ir::BufferId::new(other),
-                    offset: 0,
-                };
+                inputs[0] = device;
+                inputs[1] = host;
             }
             let e = verify_schedule(&split).expect_err("operands in two memories");
             assert_eq!(e.invariant, Invariant::Ids, "{e}");

@@ -33,7 +33,11 @@
 //! collective stream all-gathers the rest ([`Instr::AllGather`]); after the chunk's last
 //! backward use the collective stream reduce-scatters its gradients ([`Instr::ReduceScatter`])
 //! and each rank offloads its slice and updates it with the CPU Adam, which on each rank
-//! updates only the elements of each parameter inside its slice. Instructions address the
+//! updates only the elements of each parameter inside its slice. With accumulation a sharded
+//! chunk's gradients are neither reduce-scattered nor offloaded: its `accumulate_grad`
+//! kernels on the collective stream read each gradient on the device and add every rank's,
+//! in rank order, to the part of the accumulator (homed in the gradient shard) each rank
+//! holds. Instructions address the
 //! shards in the whole layout, so the instruction list is the same on every rank; the rank
 //! picks its slice when it runs ([`Schedule::rank_slice`]).
 //!

@@ -211,6 +211,13 @@ pub trait Backend: Sync + Sized {
     /// schedules. When it does not, this names what is missing, for the executor's refusal.
     const MISSING_COLLECTIVES: Option<&'static str> = Some("collectives");
 
+    /// Whether the backend sums a sharded chunk's micro-batch gradients over the ranks into
+    /// the ranks' accumulator shards ([`Backend::accumulate_into_shard`]), and so runs
+    /// sharded schedules that accumulate micro-batches. When it does not, this names what is
+    /// missing, for the executor's refusal.
+    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> =
+        Some("sum of micro-batch gradients into the ranks' accumulator shards");
+
     /// Whether the backend runs schedules with a disk tier ([`Backend::attach_disk`]). When
     /// it does not, this names what is missing, for the executor's refusal.
     const MISSING_DISK: Option<&'static str> = Some("disk tier");
@@ -358,6 +365,39 @@ pub trait Backend: Sync + Sized {
         // SAFETY: the caller's contract covers the gradient's range.
         unsafe { self.all_reduce(stream, grad, dtype, len, comm)? };
         Ok(false)
+    }
+
+    /// Sums `len` elements of `dtype` at `grad` (each rank's gradient of a sharded chunk's
+    /// parameter, where the backward pass left it) over the ranks into the part of the
+    /// parameter's accumulator this rank holds, elements `part` of the `len`, at `acc`, on
+    /// `stream`; every rank calls it with the same `grad`, `dtype` and `len`, in the same
+    /// order, a rank holding none of the accumulator with an empty `part` (and `acc`
+    /// unused). Element `i` becomes `((acc[i] + g0[i]) + g1[i]) + ...` in rank order,
+    /// narrow values rounded after each add: the sums one rank makes accumulating the ranks'
+    /// gradients one micro-batch after another, kept only where this rank holds them (a
+    /// reduce-scatter into the accumulator shards). A backend without it refuses
+    /// ([`Backend::MISSING_SHARDED_ACCUMULATION`]).
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for both ranges.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_into_shard(
+        &self,
+        stream: &mut Self::Stream,
+        acc: Address,
+        part: std::ops::Range<usize>,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        let _ = (stream, acc, part, grad, dtype, len, comm);
+        Err(RuntimeError::BadSchedule(format!(
+            "this backend has no {}; run sharded schedules that accumulate micro-batches on \
+             the host backend",
+            Self::MISSING_SHARDED_ACCUMULATION.unwrap_or("sharded accumulation")
+        )))
     }
 
     /// Runs a staged chunk's cast (the 12-byte host layout, [`CastLaunch`]) on `stream`, a

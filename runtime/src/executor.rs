@@ -28,7 +28,9 @@
 //! gathers every rank's micro-batch losses and returns their mean in global order (rank, then
 //! micro-batch), summed in f64 exactly as one rank sums its micro-batches' losses. So `W`
 //! ranks of `K` micro-batches report the loss one rank of `W*K` micro-batches reports over
-//! the same rows, bit for bit.
+//! the same rows, bit for bit. Where the schedule shards a chunk and accumulates, each
+//! rank zeroes and sums into only the part of each accumulator it holds (the collective
+//! stream's `accumulate_grad` of a sharded chunk, [`Backend::accumulate_into_shard`]).
 
 use crate::backend::{
     set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
@@ -121,6 +123,16 @@ enum Planned {
         dtype: DType,
         len: usize,
         kernel: Box<Planned>,
+    },
+    /// An `accumulate_grad` of a sharded chunk's gradient on the collective stream: every
+    /// rank's gradient at `grad` summed into the `part` of the accumulator this rank holds,
+    /// at `acc` ([`Backend::accumulate_into_shard`]).
+    AccumulateIntoShard {
+        acc: Address,
+        part: Range<usize>,
+        grad: Address,
+        dtype: DType,
+        len: usize,
     },
     /// An AdamW op on a sharded chunk of which this rank holds none of the parameter.
     Skip,
@@ -259,8 +271,9 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     loss: Address,
     /// Micro-batches per step (1 without accumulation).
     micro_batches: u32,
-    /// Each gradient accumulator's home and bytes, zeroed before each step.
-    accumulators: Vec<(Address, u64)>,
+    /// Each gradient accumulator's home and bytes, zeroed before each step (the rank's part of
+    /// a sharded one).
+    accumulators: Vec<(TensorRef, u64)>,
     /// Whether the schedule is loss-scaled (f16): its steps can be skipped.
     loss_scaled: bool,
     step: u64,
@@ -319,6 +332,16 @@ impl<'s, B: Backend> Executor<'s, B> {
                 "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it \
                  on the host backend (--backend host, ranks as threads) or compile it with \
                  --gpus 1 --nodes 1"
+            )));
+        }
+        let sharded_sums = schedule.sharded() && schedule.micro_batches() > 1;
+        if let (true, Some(missing)) = (sharded_sums, B::MISSING_SHARDED_ACCUMULATION) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "the schedule shards its offloaded chunks over {ranks} ranks and accumulates {} \
+                 micro-batches, but this backend has no {missing}; run it on the host backend \
+                 (--backend host), or compile it with --grad-accum 1 (a bigger --batch for the \
+                 same global batch)",
+                schedule.micro_batches()
             )));
         }
         if let (true, Some(missing)) = (schedule.disk_bytes > 0, B::MISSING_DISK) {
@@ -412,7 +435,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         let accumulators = graph
             .values()
             .filter(|(_, v)| v.role == Role::Accumulator && v.producer.is_none())
-            .map(|(id, v)| (address(schedule, home(id)), v.ty.bytes()))
+            .map(|(id, v)| (home(id), v.ty.bytes()))
             .collect();
         Ok(Self {
             schedule,
@@ -1127,8 +1150,12 @@ impl<'s, B: Backend> Executor<'s, B> {
             });
         }
         self.set_hyperparameters(lr, loss_scale);
-        for &(at, bytes) in &self.accumulators {
-            self.backend.fill_zero(at, bytes)?;
+        // A sharded chunk's accumulator: the rank zeroes the part it holds.
+        for &(home, bytes) in &self.accumulators {
+            if let Some((space, offset, _, len)) = self.schedule.rank_slice(home, bytes, self.rank)
+            {
+                self.backend.fill_zero(Address { space, offset }, len)?;
+            }
         }
         for s in &mut self.streams {
             s.busy = 0.0;
@@ -1346,6 +1373,33 @@ fn run_stream<B: Backend>(
                     // SAFETY: as for kernels.
                     unsafe { backend.reduce_scatter(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
+                Planned::AccumulateIntoShard {
+                    acc,
+                    part,
+                    grad,
+                    dtype,
+                    len,
+                } => {
+                    let Some(comm) = comm.as_deref_mut() else {
+                        return Err(RuntimeError::BadSchedule(
+                            "an accumulation over the ranks on a stream without the rank's \
+                             collective"
+                                .into(),
+                        ));
+                    };
+                    // SAFETY: as for kernels.
+                    unsafe {
+                        backend.accumulate_into_shard(
+                            &mut s.handle,
+                            *acc,
+                            part.clone(),
+                            *grad,
+                            *dtype,
+                            *len,
+                            comm,
+                        )?
+                    };
+                }
                 Planned::AccumulateOverRanks {
                     acc,
                     grad,
@@ -1492,11 +1546,27 @@ fn plan(
             if collective && graph.op(*op).kind == OpKind::AccumulateGrad =>
         {
             let ty = &graph.value(graph.op(*op).inputs[0]).ty;
+            let len = ty.numel() as usize;
+            // A sharded chunk's accumulator: the rank adds the ranks' gradients to its part.
+            if matches!(
+                schedule.buffer(inputs[0].buffer).kind,
+                BufferKind::HostShard { .. }
+            ) {
+                let (acc, part) = held(schedule, inputs[0], len, ty.dtype.size(), rank)
+                    .unwrap_or_else(|| (address(schedule, inputs[0]), 0..0));
+                return Planned::AccumulateIntoShard {
+                    acc,
+                    part,
+                    grad: address(schedule, inputs[1]),
+                    dtype: ty.dtype,
+                    len,
+                };
+            }
             Planned::AccumulateOverRanks {
                 acc: address(schedule, inputs[0]),
                 grad: address(schedule, inputs[1]),
                 dtype: ty.dtype,
-                len: ty.numel() as usize,
+                len,
                 kernel: Box::new(plan(schedule, instr, rank, masters, false)),
             }
         }

@@ -532,6 +532,34 @@ fn reduce_narrow_into<T: Copy>(
     Ok(())
 }
 
+/// `acc[k]` plus every rank's `grad[part.start + k]`, each rank's whole gradient gathered
+/// from every rank and added to the accumulator one by one in rank order (`add` rounds as
+/// the element type does): the rank's part of a sharded accumulator. Every rank gathers,
+/// whatever its part, so that every rank issues the same collective.
+fn reduce_part_into<T: Copy, const N: usize>(
+    acc: &mut [T],
+    part: std::ops::Range<usize>,
+    grad: &[T],
+    comm: &mut dyn Collective,
+    to_le: fn(T) -> [u8; N],
+    from_le: fn([u8; N]) -> T,
+    add: fn(T, T) -> T,
+) -> Result<()> {
+    let send: Vec<u8> = grad.iter().flat_map(|&v| to_le(v)).collect();
+    let mut all = vec![0u8; send.len() * comm.world()];
+    comm.all_gather(&send, &mut all)?;
+    let len = grad.len();
+    for (a, i) in acc.iter_mut().zip(part) {
+        *a = (0..comm.world()).fold(*a, |sum, r| {
+            let at = (r * len + i) * N;
+            let mut bytes = [0u8; N];
+            bytes.copy_from_slice(&all[at..at + N]);
+            add(sum, from_le(bytes))
+        });
+    }
+    Ok(())
+}
+
 /// `values[mine]` = the sum over the ranks of each one's `values[mine]`, gathered from every
 /// rank and added in rank order from a zero (as into a zeroed accumulator), rounded after
 /// each add.
@@ -570,6 +598,8 @@ impl Backend for HostBackend {
     const MISSING_COLLECTIVES: Option<&'static str> = None;
 
     const MISSING_DISK: Option<&'static str> = None;
+
+    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> = None;
 
     /// f32 through [`Collective::all_reduce`]; bf16 gathered from every rank and summed here
     /// in rank order in f32, rounded to nearest even after each addition: the rounding a
@@ -895,6 +925,76 @@ impl Backend for HostBackend {
             }
         };
         summed.map(|()| true)
+    }
+
+    /// Every rank's whole gradient gathered ([`Collective::all_gather`]) and added to this
+    /// rank's part of the accumulator here, in rank order, rounded after each add as the
+    /// element type rounds: what one rank's `accumulate_grad` does micro-batch after
+    /// micro-batch, on the elements the rank holds.
+    unsafe fn accumulate_into_shard(
+        &self,
+        _stream: &mut HostStream,
+        acc: Address,
+        part: std::ops::Range<usize>,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        if part.end > len {
+            return Err(RuntimeError::BadSchedule(format!(
+                "a rank's part {part:?} of a sharded accumulator of {len} elements; this is a \
+                 bug in the executor"
+            )));
+        }
+        let held = part.len();
+        // SAFETY (each arm): the caller's contract: nothing else touches either range
+        // meanwhile; the accumulator shard is host memory apart from the device gradient. A
+        // rank holding none of the accumulator reads no accumulator memory.
+        unsafe {
+            match dtype {
+                DType::F32 => reduce_part_into(
+                    match held {
+                        0 => &mut [][..],
+                        n => self.slice_mut::<f32>(acc, n)?,
+                    },
+                    part,
+                    self.slice::<f32>(grad, len)?,
+                    comm,
+                    f32::to_le_bytes,
+                    f32::from_le_bytes,
+                    |a, b| a + b,
+                ),
+                DType::BF16 => reduce_part_into(
+                    match held {
+                        0 => &mut [][..],
+                        n => self.slice_mut::<bf16>(acc, n)?,
+                    },
+                    part,
+                    self.slice::<bf16>(grad, len)?,
+                    comm,
+                    |v| v.to_bits().to_le_bytes(),
+                    |b| bf16::from_bits(u16::from_le_bytes(b)),
+                    |a, b| bf16::from_f32(a.to_f32() + b.to_f32()),
+                ),
+                DType::F16 => reduce_part_into(
+                    match held {
+                        0 => &mut [][..],
+                        n => self.slice_mut::<f16>(acc, n)?,
+                    },
+                    part,
+                    self.slice::<f16>(grad, len)?,
+                    comm,
+                    |v| v.to_bits().to_le_bytes(),
+                    |b| f16::from_bits(u16::from_le_bytes(b)),
+                    |a, b| f16::from_f32(a.to_f32() + b.to_f32()),
+                ),
+                other => Err(RuntimeError::BadSchedule(format!(
+                    "an accumulation over the ranks of {other} values; collectives sum f32, \
+                     bf16 and f16"
+                ))),
+            }
+        }
     }
 
     fn record(&self, _stream: &mut HostStream, event: EventId) -> Result<()> {

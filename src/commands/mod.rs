@@ -205,8 +205,10 @@ pub struct CompileArgs {
     /// Data parallelism: GPUs (ranks) per node. Every rank runs the same schedule on its own
     /// rows of the global batch (ranks x K x --batch sequences per step, the rows one rank
     /// with --grad-accum ranks*K would read) and the gradients are summed over the ranks
-    /// (all-reduce on a collective stream) before clipping and AdamW; every rank keeps the
-    /// whole model states (no sharding yet). The loss printed is the mean over all ranks.
+    /// (all-reduce on a collective stream) before clipping and AdamW; offloaded chunks are
+    /// sharded over the ranks (ZeRO-3 style: each rank keeps 1/N of their host state, with
+    /// --grad-accum of their accumulators too), persistent ones replicated. The loss printed
+    /// is the mean over all ranks.
     /// Checked against the hardware's interconnect; on host hardware the ranks are threads of
     /// one process exchanging through memory (the host backend's stand-in for NCCL); `train
     /// --backend cuda` starts one process per GPU, whose collectives are NCCL's [default: 1].

@@ -116,9 +116,13 @@
 //! An accumulating data-parallel schedule sums each micro-batch's gradients over the ranks
 //! into the accumulators with `accumulate_grad` kernels on the collective stream: **ids**
 //! takes a kernel there for that op alone, with every operand in its accumulator's memory
-//! (device or host); sizes, bounds and **data flow** check it as the kernel it is (it reads
-//! the gradient after its writers and updates the accumulator in place, which the update's
-//! readers follow), and **phases** counts it as the accumulator's one `accumulate_grad`.
+//! (device or host), but in a sharded schedule a host accumulator's gradient may be in the
+//! device arena (a sharded chunk's gradients summed where the backward pass left them into
+//! the ranks' accumulator shards, or whole where the update reads the norm); sizes, bounds
+//! and **data flow** check it as the kernel it is (it reads the gradient after its writers,
+//! before anything overwrites it, and updates the accumulator in place, in the whole view
+//! for a shard, which the update's readers follow), and **phases** counts it as the
+//! accumulator's one `accumulate_grad`.
 //!
 //! A sharded schedule (offloaded chunks split over the ranks, [`BufferKind::HostShard`](crate::BufferKind::HostShard))
 //! is checked in the *whole view* ([`Schedule::address`]): every rank runs the same

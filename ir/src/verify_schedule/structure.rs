@@ -248,7 +248,8 @@ impl Checker<'_> {
                         StreamKind::Compute => Space::Device,
                         StreamKind::HostOptimizer => Space::Host,
                         // A micro-batch's gradient summed over the ranks into its
-                        // accumulator, in the accumulator's memory (both operands there).
+                        // accumulator, in the accumulator's memory (both operands there, but
+                        // a sharded chunk's gradient, read where the backward pass left it).
                         StreamKind::Collective { .. }
                             if o.kind == crate::op::OpKind::AccumulateGrad =>
                         {
@@ -279,7 +280,12 @@ impl Checker<'_> {
                             o.outputs.len()
                         ));
                     }
-                    for t in inputs.iter().chain(outputs).chain(workspace) {
+                    // A sharded chunk's accumulator (in its gradient shard, or whole in host
+                    // memory where the update reads the norm) sums gradients on the device.
+                    let from_device = matches!(kind, StreamKind::Collective { .. })
+                        && space == Space::Host
+                        && s.sharded();
+                    for (j, t) in inputs.iter().chain(outputs).chain(workspace).enumerate() {
                         if t.buffer.index() >= n_buffers {
                             return bad(format!(
                                 "addresses {}, but there are {n_buffers} buffers",
@@ -287,7 +293,8 @@ impl Checker<'_> {
                             ));
                         }
                         let b = s.buffer(t.buffer);
-                        if b.space != space {
+                        let device_grad = from_device && j == 1 && b.space == Space::Device;
+                        if b.space != space && !device_grad {
                             return bad(format!(
                                 "addresses {} ({}) in {} memory, but a kernel on a {} stream \
                                  works in {} memory",
