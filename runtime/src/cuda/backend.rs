@@ -929,6 +929,7 @@ impl Backend for CudaBackend {
     const RUNS_F16: bool = true;
 
     const MISSING_COLLECTIVES: Option<&'static str> = None;
+    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> = None;
 
     /// NCCL's all-reduce sum in place (f32, bf16 or f16). NCCL picks its own reduction order
     /// (see [`super::nccl`]): deterministic for a topology, not the host backend's rank order.
@@ -970,6 +971,57 @@ impl Backend for CudaBackend {
         let elements = len * comm.world();
         // SAFETY: the caller's ordering contract for the whole range.
         unsafe { self.collective(stream, NcclOp::ReduceScatterSum, dtype, elements, at, comm) }
+    }
+
+    /// A sharded chunk's micro-batch gradient summed over the ranks into the part of its
+    /// accumulator this rank holds. NCCL's reduce-scatter splits a buffer into equal slices,
+    /// one per rank, but a rank's part of one parameter is where the parameter crosses the
+    /// rank's slice of the chunk, of any length: so the whole gradient is all-reduced in place
+    /// (as an unsharded accumulation does, twice a reduce-scatter's traffic), then the
+    /// `add_forward` kernel adds the rank's part into its accumulator, which lies in the mapped
+    /// host region, over the bus. The sum is `acc + (g0 + g1 + ...)` in NCCL's order, as the
+    /// CUDA backend's other accumulations over ranks are (see [`super::nccl`]), not the host
+    /// backend's rank order.
+    unsafe fn accumulate_into_shard(
+        &self,
+        stream: &mut CudaStreamHandle,
+        acc: Address,
+        part: std::ops::Range<usize>,
+        grad: Address,
+        dtype: DType,
+        len: usize,
+        comm: &mut dyn Collective,
+    ) -> Result<()> {
+        if part.end > len {
+            return Err(RuntimeError::BadSchedule(format!(
+                "a rank's part {part:?} of a sharded accumulator of {len} elements; this is a \
+                 bug in the executor"
+            )));
+        }
+        // SAFETY: the caller's ordering contract for the gradient's whole range.
+        unsafe { self.collective(stream, NcclOp::AllReduceSum, dtype, len, grad, comm)? };
+        if part.is_empty() {
+            return Ok(());
+        }
+        let size = dtype.size();
+        let n = part.len() as u64;
+        let from = Address {
+            space: grad.space,
+            offset: grad.offset + part.start as u64 * size,
+        };
+        let g = self.gpu_addr(from, n * size)?;
+        let a = self.gpu_addr(acc, n * size)?;
+        let entry = launch::accumulate_entry(dtype)?;
+        let grid = (self.grid_for(n), 1, 1);
+        let Some(d) = stream.device_stream() else {
+            return Err(RuntimeError::BadSchedule(
+                "an accumulation over the ranks on the host optimizer stream; it runs on the \
+                 collective stream: recompile the schedule"
+                    .into(),
+            ));
+        };
+        let args = [Arg::Ptr(a), Arg::Ptr(a), Arg::Ptr(g), Arg::I64(n as i64)];
+        self.launch_kernel(&d.stream, entry, grid, (BLOCK, 1, 1), &args)
     }
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {

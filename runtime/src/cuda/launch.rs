@@ -1400,6 +1400,18 @@ fn binary(p: &mut Plan<'_>, entries: Entries) -> Result<()> {
     Ok(())
 }
 
+/// The kernel that adds one `dtype` buffer into another in place (`add_forward` with its output
+/// on its first input, as [`accumulate`] launches it): for sums the backend issues itself.
+pub(super) fn accumulate_entry(dtype: DType) -> Result<&'static str> {
+    let st = storage_of(dtype).ok_or_else(|| {
+        RuntimeError::BadSchedule(format!(
+            "an accumulation of {dtype} values; the CUDA kernels sum f32, bf16 or f16: \
+             recompile the schedule"
+        ))
+    })?;
+    Ok(st.pick(entry!("add_forward")))
+}
+
 /// `acc += grad` in place, from inputs `acc`, `grad`: `add_forward` with its output on its first
 /// input (the kernel allows it; each element is read before it is written, by the same
 /// thread), so a bf16 accumulator is summed in f32 and rounded once per micro-batch, as the host
