@@ -13,8 +13,8 @@ pub(crate) const COL_GRAIN: usize = 16;
 
 /// The most columns per rayon task of [`reduce_rows`]. A task reads its block of every row, one
 /// row a few KiB after the last, so each row costs a cache miss the prefetcher does not
-/// foresee; 128 columns (512 bytes, eight lines) per miss instead of 16 (one line) took a
-/// 2048-row bias gradient from 2.4-3.6 GB/s to 8-9 GB/s on one core (AVX-512, rows of 256
+/// foresee; 64 to 128 columns (four to eight lines) per miss instead of 16 (one line) took a
+/// 2048-row bias gradient from 2.4-3.6 GB/s to 7-9 GB/s on one core (AVX-512, rows of 256
 /// to 3072 columns evicted from cache first, as in a training step).
 const COL_BLOCK_MAX: usize = 128;
 
@@ -169,12 +169,13 @@ pub(crate) fn reduce_rows(
 }
 
 /// Columns per task of [`reduce_rows`] over `columns` columns on `threads` threads: wide
-/// blocks read rows in longer runs ([`COL_BLOCK_MAX`]), but never so wide that a thread is left
-/// without a block; a whole number of cache lines ([`COL_GRAIN`]). The width changes no bits:
-/// every column is summed alone, in row order.
+/// blocks read rows in longer runs ([`COL_BLOCK_MAX`]), but at least two blocks per thread,
+/// so a thread the OS preempts leaves work for the others to steal; a whole number of cache
+/// lines ([`COL_GRAIN`]). The width changes no bits: every column is summed alone, in row
+/// order.
 fn reduce_block(columns: usize, threads: usize) -> usize {
     columns
-        .div_ceil(threads.max(1))
+        .div_ceil(2 * threads.max(1))
         .next_multiple_of(COL_GRAIN)
         .clamp(COL_GRAIN, COL_BLOCK_MAX)
 }
@@ -463,10 +464,10 @@ mod tests {
             });
             assert_eq!(bits(&got), bits(&want), "{threads} threads");
         }
-        assert_eq!(reduce_block(256, 2), 128);
-        assert_eq!(reduce_block(3072, 2), COL_BLOCK_MAX);
+        assert_eq!(reduce_block(256, 2), 64);
+        assert_eq!(reduce_block(768, 2), COL_BLOCK_MAX);
         assert_eq!(reduce_block(256, 16), COL_GRAIN);
-        assert_eq!(reduce_block(200, 3), 80);
+        assert_eq!(reduce_block(200, 3), 48);
         assert_eq!(reduce_block(5, 2), COL_GRAIN);
     }
 
