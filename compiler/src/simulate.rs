@@ -1051,7 +1051,7 @@ mod tests {
             span(2, 5.0, 6.0, category::D2H),
         ];
         assert_eq!(shared_core_seconds(&timeline, 2.0), 2.0);
-        // A preset host (infinitely many cores): the copies cost compute nothing.
+        // Cores to spare (infinitely many): the copies cost compute nothing.
         assert_eq!(shared_core_seconds(&timeline, f64::INFINITY), 1.0);
         // Nothing overlaps compute: nothing is shared.
         let apart = [

@@ -253,6 +253,56 @@ mod cost {
     }
 
     #[test]
+    fn host_copies_cost_compute_their_whole_time_and_device_copies_nothing() {
+        // A host profile's copies are memcpys that slow the kernels beside them by about
+        // their whole duration; a device's copy engines take nothing from its compute.
+        assert_eq!(Roofline::new(profile("host")).host_cores(), Some(1.0));
+        assert_eq!(cost_model(&profile("host")).host_cores(), Some(1.0));
+        assert_eq!(Roofline::new(profile("h200")).host_cores(), None);
+        assert_eq!(Measured::new(profile("rtx3090")).host_cores(), None);
+    }
+
+    /// The search on a 2-core host with room for everything (the `host` preset pinned as
+    /// the schedule snapshots pin it) keeps every block and chunk of GPT-2 4x256 (batch 8 x
+    /// seq 256, f32): swapping a block to host memory is a memcpy on the same cores, which
+    /// ran 6% slower there (`blocks=SSKK`, what the search chose while copies were free).
+    #[test]
+    fn the_host_search_keeps_what_it_has_room_for() {
+        use protrain_compiler::pipeline::{compile, CompileOptions};
+        use protrain_ir::BlockMode;
+        use protrain_models::{ConfigSource, ModelConfig};
+        let gpt2_4x256 = r#"{"model_type": "gpt2", "vocab_size": 8192, "n_positions": 256,
+            "n_embd": 256, "n_layer": 4, "n_head": 4, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-05, "tie_word_embeddings": true}"#;
+        let config = ModelConfig::from_json(gpt2_4x256, ConfigSource::Text("4x256".into()))
+            .expect("a GPT-2 config");
+        // The `host` preset's rates are per core times the cores here: as on 2 cores.
+        let mut host = profile("host");
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let two_cores = |rate: &mut f64| *rate = (*rate / cores * 2.0).round();
+        two_cores(&mut host.peak_flops.f32);
+        two_cores(&mut host.peak_flops.bf16);
+        two_cores(&mut host.peak_flops.f16);
+        two_cores(&mut host.device_bandwidth);
+        two_cores(&mut host.h2d_bandwidth);
+        two_cores(&mut host.d2h_bandwidth);
+        two_cores(&mut host.host_memcpy_bandwidth);
+        two_cores(&mut host.cpu_adam_params_per_s);
+        two_cores(&mut host.gpu_adam_params_per_s);
+        host.device_memory_bytes = 8 << 30;
+        host.host_memory_bytes = 8 << 30;
+        let options = CompileOptions {
+            batch: 8,
+            seq: 256,
+            ..CompileOptions::for_hardware(host)
+        };
+        let compiled = compile(&config, &options).expect("it fits");
+        let policy = &compiled.schedule.header.policy;
+        assert_eq!(policy.count(BlockMode::Swap), 0, "chose {policy}");
+        assert_eq!(compiled.schedule.host_bytes, 0, "chose {policy}");
+    }
+
+    #[test]
     fn adam_times_scale_with_parameters() {
         let p = profile("a100-80gb");
         let roofline = Roofline::new(p.clone());
