@@ -48,6 +48,38 @@
 //! streams, emit, the simulation) growing by 2.1x in instructions but more in time as their
 //! graphs outgrow the caches. The criterion groups at 1,024 layers were not rerun for either
 //! table: they do not fit on this loaded machine in the time there was.
+//!
+//! Why depth added a batch: the estimate over-counts a constant (about 6.4 MB here, the
+//! head), while the search lets a candidate through when its estimate, scaled by the median
+//! ratio of exact to estimated bytes so far, is within 1% over the budget. 1% of the budget
+//! grows with depth (6.7 MB at 1,024 layers, 3.4 MB at 512) and one more swapped layer saves
+//! only ~2 MB, so at 1,024 layers the second batch's eight candidates all sit between the
+//! budget and 1% over it, and a third batch is needed. Tightening that limit would compile
+//! other candidates, and among candidates that tie on time the winner is the leanest
+//! compiled, so it would change the chosen schedule. Instead (session 10) a candidate whose
+//! peak of live device bytes, counted after the streams pass, is over the budget is stopped
+//! there: its exact arena cannot be under that peak, so nothing that could fit is lost; its
+//! live bytes stand for its arena in the ratio (within the planner's gap, 0.00% on these
+//! candidates), so the same candidates are compiled. Planning, emission and the passes after
+//! are skipped for 17 of the 24 candidates at 1,024 layers (3 of 16 at 512). Then the rebuilt
+//! graphs of `place` and `movement` reserve their vectors instead of growing them by
+//! doubling. `before` is main at session 10's start, `after` this branch; release binary,
+//! least of three alternating runs, max RSS of the last, load 6 to 8 on two cores:
+//!
+//! | layers | before | after | after per layer | max RSS before -> after |
+//! |-------:|-------:|------:|----------------:|------------------------:|
+//! |     64 |   0.29 |  0.23 |  3.6 ms         |  48 ->  42 MiB          |
+//! |    128 |   0.65 |  0.46 |  3.6 ms         |  79 ->  65 MiB          |
+//! |    256 |   1.64 |  1.14 |  4.5 ms         | 153 -> 137 MiB          |
+//! |    512 |   3.98 |  2.35 |  4.6 ms         | 316 -> 226 MiB          |
+//! |  1,024 |  14.46 |  8.90 |  8.7 ms         | 705 -> 564 MiB          |
+//!
+//! The first step alone (stopping at the live peak) took 1,024 layers from 14.2 to 9.3 s and
+//! 512 from 3.9 to 2.7 s; reserving, 9.5 -> 9.1 s and 610 -> 575 MiB at 1,024 in its own
+//! alternating runs. Still 2.4x from 64 to 1,024 layers per layer: the per-candidate passes
+//! (the streams pass's hash maps and graph walks above all, 11% of a 1,024-layer compile
+//! against 5% at 128) miss the caches as their graphs grow, and the 17 stopped candidates
+//! still pay for `place` and `streams`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use protrain_compiler::cost::cost_model;
