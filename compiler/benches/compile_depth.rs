@@ -61,7 +61,7 @@
 //! there: its exact arena cannot be under that peak, so nothing that could fit is lost; its
 //! live bytes stand for its arena in the ratio (within the planner's gap, 0.00% on these
 //! candidates), so the same candidates are compiled. Planning, emission and the passes after
-//! are skipped for 17 of the 24 candidates at 1,024 layers (3 of 16 at 512). Then the rebuilt
+//! are skipped for 17 of the 24 candidates at 1,024 layers (11 of 16 at 512). Then the rebuilt
 //! graphs of `place` and `movement` reserve their vectors instead of growing them by
 //! doubling. `before` is main at session 10's start, `after` this branch; release binary,
 //! least of three alternating runs, max RSS of the last, load 6 to 8 on two cores:
