@@ -546,7 +546,7 @@ pub fn compile_policy_on(
     topology: Topology,
 ) -> Result<Schedule> {
     match compile_policy_within(training, chunks, policy, header, topology, u64::MAX)? {
-        Within::Compiled(schedule) => Ok(*schedule),
+        Within::Compiled(schedule) => Ok(schedule),
         Within::Over { live_bytes } => unreachable!("{live_bytes} live bytes exceed u64::MAX"),
     }
 }
@@ -554,9 +554,8 @@ pub fn compile_policy_on(
 /// What [`compile_policy_within`] made of a policy.
 #[derive(Clone, Debug)]
 pub enum Within {
-    /// The schedule, as [`compile_policy_on`] returns it (boxed: it is large, the other
-    /// variant a number).
-    Compiled(Box<Schedule>),
+    /// The schedule, as [`compile_policy_on`] returns it.
+    Compiled(Schedule),
     /// The peak of live device bytes after the streams pass exceeds the budget, so every
     /// arena the planner could choose does too (and the later passes only add to it): not
     /// planned or emitted.
@@ -622,5 +621,5 @@ pub fn compile_policy_within(
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }
-    Ok(Within::Compiled(Box::new(schedule)))
+    Ok(Within::Compiled(schedule))
 }

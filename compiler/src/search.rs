@@ -1313,7 +1313,7 @@ pub fn search(
                     options.topology,
                     options.device_budget,
                 ) {
-                    Ok(Within::Compiled(s)) => Ok(*s),
+                    Ok(Within::Compiled(s)) => Ok(s),
                     Ok(Within::Over { live_bytes }) => {
                         return (policy, profile.seconds(x.ticks), x.bytes, Err(live_bytes));
                     }
