@@ -545,38 +545,6 @@ pub fn compile_policy_on(
     header: HeaderInputs,
     topology: Topology,
 ) -> Result<Schedule> {
-    match compile_policy_within(training, chunks, policy, header, topology, u64::MAX)? {
-        Within::Compiled(schedule) => Ok(schedule),
-        Within::Over { live_bytes } => unreachable!("{live_bytes} live bytes exceed u64::MAX"),
-    }
-}
-
-/// What [`compile_policy_within`] made of a policy.
-#[derive(Clone, Debug)]
-pub enum Within {
-    /// The schedule, as [`compile_policy_on`] returns it.
-    Compiled(Schedule),
-    /// The peak of live device bytes after the streams pass exceeds the budget, so every
-    /// arena the planner could choose does too (and the later passes only add to it): not
-    /// planned or emitted.
-    Over {
-        /// The peak of live device bytes ([`crate::plan::live_peak`]).
-        live_bytes: u64,
-    },
-}
-
-/// [`compile_policy_on`], stopping before the planner when the schedule's peak of live device
-/// bytes already exceeds `device_budget`: the search rejects such a candidate without paying
-/// for its offsets and emission (at depth, most of the candidates it compiles are such).
-/// The peak is exact, not an estimate, so nothing that could fit is stopped.
-pub fn compile_policy_within(
-    training: &Graph,
-    chunks: &ChunkTable,
-    policy: &Policy,
-    header: HeaderInputs,
-    topology: Topology,
-    device_budget: u64,
-) -> Result<Within> {
     let ranks = u64::from(topology.ranks().max(1));
     let global = crate::accumulate::micro_batches(training);
     if !global.is_multiple_of(ranks) {
@@ -611,15 +579,11 @@ pub fn compile_policy_within(
         }
     }
     let mut streamed = streams(placed)?;
-    let live_bytes = crate::plan::live_peak(&streamed);
-    if live_bytes > device_budget {
-        return Ok(Within::Over { live_bytes });
-    }
     let planned = plan_buffers(&mut streamed);
     let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
     let schedule = shard(data_parallel(schedule, topology)?)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;
     }
-    Ok(Within::Compiled(schedule))
+    Ok(schedule)
 }

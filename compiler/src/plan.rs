@@ -1169,7 +1169,22 @@ mod tests {
 pub fn plan_buffers(streamed: &mut crate::streams::Streamed) -> Planned {
     use protrain_ir::Space;
     let end = streamed.compute_kernels.saturating_sub(1);
-    let (device, intervals) = device_intervals(streamed);
+    let device: Vec<usize> = (0..streamed.buffers.len())
+        .filter(|&i| streamed.buffers[i].buffer.space == Space::Device)
+        .collect();
+    let intervals: Vec<Interval> = device
+        .iter()
+        .map(|&i| {
+            let p = &streamed.buffers[i];
+            let (first, last) = p.live.unwrap_or((0, end));
+            Interval::new(
+                p.buffer.size,
+                crate::streams::BUFFER_ALIGN,
+                first,
+                last.max(first),
+            )
+        })
+        .collect();
     let plan = plan_offsets(&intervals);
     for (&i, &offset) in device.iter().zip(&plan.offsets) {
         streamed.buffers[i].buffer.offset = offset;
@@ -1220,37 +1235,6 @@ pub fn plan_buffers(streamed: &mut crate::streams::Streamed) -> Planned {
         memory,
         strategy: plan.strategy,
     }
-}
-
-/// The device buffers of a streamed schedule (their indices) and their live ranges on the
-/// compute timeline, as the planner sees them.
-fn device_intervals(streamed: &crate::streams::Streamed) -> (Vec<usize>, Vec<Interval>) {
-    let end = streamed.compute_kernels.saturating_sub(1);
-    let device: Vec<usize> = (0..streamed.buffers.len())
-        .filter(|&i| streamed.buffers[i].buffer.space == protrain_ir::Space::Device)
-        .collect();
-    let intervals = device
-        .iter()
-        .map(|&i| {
-            let p = &streamed.buffers[i];
-            let (first, last) = p.live.unwrap_or((0, end));
-            Interval::new(
-                p.buffer.size,
-                crate::streams::BUFFER_ALIGN,
-                first,
-                last.max(first),
-            )
-        })
-        .collect();
-    (device, intervals)
-}
-
-/// The peak of live device bytes of a streamed schedule, before any offset is chosen: the
-/// [`Planned::lower_bound_bytes`] that [`plan_buffers`] would report, which no arena it plans
-/// is under. It costs a sort of the live ranges' ends, so a caller that only needs to know
-/// whether a schedule can fit a budget learns it before paying for the offsets.
-pub fn live_peak(streamed: &crate::streams::Streamed) -> u64 {
-    lower_bound(&device_intervals(streamed).1)
 }
 
 /// What the planning pass decided.

@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
-use crate::pipeline::{compile_policy_on, compile_policy_within, Within};
+use crate::pipeline::compile_policy_on;
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
     format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MemoryBreakdown, OpKind,
@@ -88,8 +88,7 @@ pub struct SearchReport {
     pub layouts_swept: usize,
     /// Rejected because the memory estimate exceeded the device budget.
     pub rejected_estimate: usize,
-    /// Over the device budget by the exact schedule: its peak of live bytes, counted before
-    /// the planner runs (it then stops there), or else its planned arena, exceeded it.
+    /// Compiled, but the exact arena exceeded the device budget.
     pub rejected_exact: usize,
     /// Rejected because the host region exceeds host memory.
     pub rejected_host: usize,
@@ -1287,10 +1286,7 @@ pub fn search(
             continue;
         }
         compiled_in_pass += batch.len();
-        // Per candidate: its policy, estimated seconds and bytes, and its schedule (or why
-        // not), or the live bytes that put it over the device before it was planned.
-        type Compiled = (Policy, f64, u64, std::result::Result<Result<Schedule>, u64>);
-        let results: Vec<Compiled> = batch
+        let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
             .map(|x| {
                 let policy = x.key.policy(profile.layers);
@@ -1303,22 +1299,7 @@ pub fn search(
                         options.topology,
                     )
                 };
-                // Stopped before planning when its live bytes alone exceed the device: the
-                // exact arena cannot be under them.
-                let result = match compile_policy_within(
-                    training,
-                    chunks,
-                    &policy,
-                    header(String::new()),
-                    options.topology,
-                    options.device_budget,
-                ) {
-                    Ok(Within::Compiled(s)) => Ok(s),
-                    Ok(Within::Over { live_bytes }) => {
-                        return (policy, profile.seconds(x.ticks), x.bytes, Err(live_bytes));
-                    }
-                    Err(e) => Err(e),
-                };
+                let result = compile(&policy);
                 // Host memory binds: trade the gradients' host storage away (the 14-byte
                 // layout costs no copy and no time, so it is only taken where it is needed,
                 // and the schedules of every search that fits stay as they were).
@@ -1366,25 +1347,17 @@ pub fn search(
                     }
                     other => other,
                 };
-                (policy, profile.seconds(x.ticks), x.bytes, Ok(result))
+                (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
         for (policy, estimate, estimated_bytes, result) in results {
             let mut schedule = match result {
-                Ok(Ok(s)) => s,
-                Ok(Err(CompileError::BadPolicy(_) | CompileError::TooFewBuffers { .. })) => {
+                Ok(s) => s,
+                Err(CompileError::BadPolicy(_) | CompileError::TooFewBuffers { .. }) => {
                     report.rejected_invalid += 1;
                     continue;
                 }
-                Ok(Err(e)) => return Err(e),
-                // Over the device by its live bytes, which its exact arena is at least (and
-                // within the planner's gap of, well under the estimate's error): their ratio
-                // to the estimate calibrates the next batch as the arena's would.
-                Err(live_bytes) => {
-                    ratios.push(live_bytes as f64 / estimated_bytes.max(1) as f64);
-                    report.rejected_exact += 1;
-                    continue;
-                }
+                Err(e) => return Err(e),
             };
             ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
             // Over the device by its exact plan: nothing reads its step time, so it is not
