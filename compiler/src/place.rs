@@ -178,10 +178,13 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         training.op_count()
     );
 
-    // Rebuild: every op in `order` once, with as many values as the training graph plus
-    // the clones' outputs (at most one per op).
+    // Rebuild: every op in `order` once, with the training graph's values and about one
+    // more per recompute clone (room to start with, not a limit).
     let (mut graph, mut map) = training.skeleton();
-    graph.reserve(order.len(), training.values().len() + (order.len() - training.op_count()));
+    graph.reserve(
+        order.len(),
+        training.values().len() + (order.len() - training.op_count()),
+    );
     let mut clone_of: HashMap<ValueId, ValueId> = HashMap::default();
     for (id, value) in training.values() {
         if value.role == Role::OptimizerState && value.producer.is_none() {
