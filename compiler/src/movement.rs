@@ -502,6 +502,10 @@ fn rebuild(
     items.sort_by_key(|&(p, _)| p);
 
     let (mut graph, skeleton) = compute.skeleton();
+    // One op per item; the compute graph's values and each copy's outputs at its start and
+    // its done.
+    let moved: usize = copies.iter().map(|c| c.sources.len()).sum();
+    graph.reserve(items.len(), compute.values().len() + 2 * moved);
     // Each compute value's placed value, by compute value index.
     let mut map: Vec<Option<ValueId>> = vec![None; compute.values().len()];
     for (old, new) in skeleton {
@@ -662,7 +666,7 @@ fn copied(graph: &Graph, sources: &[ValueId], suffix: &str) -> Vec<(String, Role
         .map(|&v| {
             let value = graph.value(v);
             (
-                format!("{}.{suffix}", value.name),
+                [value.name.as_str(), ".", suffix].concat(),
                 value.role,
                 value.ty.clone(),
             )

@@ -178,8 +178,13 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         training.op_count()
     );
 
-    // Rebuild.
+    // Rebuild: every op in `order` once, with the training graph's values and about one
+    // more per recompute clone (room to start with, not a limit).
     let (mut graph, mut map) = training.skeleton();
+    graph.reserve(
+        order.len(),
+        training.values().len() + (order.len() - training.op_count()),
+    );
     let mut clone_of: HashMap<ValueId, ValueId> = HashMap::default();
     for (id, value) in training.values() {
         if value.role == Role::OptimizerState && value.producer.is_none() {
@@ -207,7 +212,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
             .map(|&v| {
                 let value = training.value(v);
                 let name = match is_clone {
-                    true => format!("{}.recompute", value.name),
+                    true => [value.name.as_str(), ".recompute"].concat(),
                     false => value.name.clone(),
                 };
                 (name, value.role, value.ty.clone())

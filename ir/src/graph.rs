@@ -400,6 +400,15 @@ impl Graph {
         out
     }
 
+    /// Makes room for `ops` more ops (with about two dataflow edges each) and `values` more
+    /// values, so that a pass rebuilding a graph of known size does not grow its vectors by
+    /// doubling (copying every op and value as it goes). Changes nothing else.
+    pub fn reserve(&mut self, ops: usize, values: usize) {
+        self.dataflow.reserve_nodes(ops);
+        self.dataflow.reserve_edges(ops.saturating_mul(2));
+        self.values.reserve(values);
+    }
+
     /// Adds a value that is set from outside the step and persists across steps (optimizer
     /// state such as Adam moments).
     pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
