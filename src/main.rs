@@ -7,6 +7,12 @@ mod commands;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// mimalloc instead of the system allocator: a compile builds and drops a graph per searched
+/// candidate, and the system allocator's malloc and free were a fifth of a deep model's
+/// compile (issue 12).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Train large language models on GPUs too small to hold them.
 ///
 /// protrain lowers a model to a dataflow IR, derives its backward pass, and compiles a
