@@ -1284,6 +1284,17 @@ impl<'s, B: Backend> Executor<'s, B> {
     }
 }
 
+/// The rank's collective, which `what` (a collective instruction) needs: only the collective
+/// stream's thread has it.
+fn rank_collective<'c>(
+    comm: &'c mut Option<&mut (dyn Collective + 'static)>,
+    what: &str,
+) -> Result<&'c mut (dyn Collective + 'static)> {
+    comm.as_deref_mut().ok_or_else(|| {
+        RuntimeError::BadSchedule(format!("{what} on a stream without the rank's collective"))
+    })
+}
+
 /// Aborts the step when a stream thread unwinds, so the others stop waiting for it.
 struct AbortOnPanic<'a, B: Backend>(&'a B);
 
@@ -1347,29 +1358,17 @@ fn run_stream<B: Backend>(
                     unsafe { backend.copy(&mut s.handle, *src, *dst, *bytes)? };
                 }
                 Planned::AllReduce { at, dtype, len } => {
-                    let Some(comm) = comm.as_deref_mut() else {
-                        return Err(RuntimeError::BadSchedule(
-                            "an all-reduce on a stream without the rank's collective".into(),
-                        ));
-                    };
+                    let comm = rank_collective(&mut comm, "an all-reduce")?;
                     // SAFETY: as for kernels.
                     unsafe { backend.all_reduce(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
                 Planned::AllGather { at, bytes } => {
-                    let Some(comm) = comm.as_deref_mut() else {
-                        return Err(RuntimeError::BadSchedule(
-                            "an all-gather on a stream without the rank's collective".into(),
-                        ));
-                    };
+                    let comm = rank_collective(&mut comm, "an all-gather")?;
                     // SAFETY: as for kernels.
                     unsafe { backend.all_gather(&mut s.handle, *at, *bytes, comm)? };
                 }
                 Planned::ReduceScatter { at, dtype, len } => {
-                    let Some(comm) = comm.as_deref_mut() else {
-                        return Err(RuntimeError::BadSchedule(
-                            "a reduce-scatter on a stream without the rank's collective".into(),
-                        ));
-                    };
+                    let comm = rank_collective(&mut comm, "a reduce-scatter")?;
                     // SAFETY: as for kernels.
                     unsafe { backend.reduce_scatter(&mut s.handle, *at, *dtype, *len, comm)? };
                 }
@@ -1380,13 +1379,13 @@ fn run_stream<B: Backend>(
                     dtype,
                     len,
                 } => {
-                    let Some(comm) = comm.as_deref_mut() else {
-                        return Err(RuntimeError::BadSchedule(
-                            "an accumulation over the ranks on a stream without the rank's \
-                             collective"
-                                .into(),
-                        ));
-                    };
+                    let comm = rank_collective(&mut comm, "an accumulation over the ranks")?;
+                    if part.end > *len {
+                        return Err(RuntimeError::BadSchedule(format!(
+                            "a rank's part {part:?} of a sharded accumulator of {len} \
+                             elements; this is a bug in the executor"
+                        )));
+                    }
                     // SAFETY: as for kernels.
                     unsafe {
                         backend.accumulate_into_shard(
@@ -1407,13 +1406,7 @@ fn run_stream<B: Backend>(
                     len,
                     kernel,
                 } => {
-                    let Some(comm) = comm.as_deref_mut() else {
-                        return Err(RuntimeError::BadSchedule(
-                            "an accumulation over the ranks on a stream without the rank's \
-                             collective"
-                                .into(),
-                        ));
-                    };
+                    let comm = rank_collective(&mut comm, "an accumulation over the ranks")?;
                     // SAFETY: as for kernels.
                     let summed = unsafe {
                         backend.all_reduce_into(&mut s.handle, *acc, *grad, *dtype, *len, comm)?

@@ -318,7 +318,7 @@ mod comm {
     use protrain_ir::DType;
     use std::ffi::c_void;
     use std::mem::MaybeUninit;
-    use std::sync::{Arc, PoisonError, RwLock};
+    use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
     use std::time::Duration;
 
     /// This process's rank in an NCCL communicator over every rank of the run.
@@ -363,14 +363,19 @@ mod comm {
             }
         }
 
-        /// The error for a call on a communicator already aborted.
-        fn aborted_error(&self) -> RuntimeError {
-            RuntimeError::Collective {
-                rank: self.rank,
-                problem: "the NCCL communicator was aborted after an earlier failure of this \
-                          run (see the error before this one)"
-                    .into(),
+        /// The read lock that keeps the communicator live for a call into NCCL; an error when
+        /// it was aborted already.
+        fn live(&self) -> Result<RwLockReadGuard<'_, bool>> {
+            let aborted = self.aborted.read().unwrap_or_else(PoisonError::into_inner);
+            if *aborted {
+                return Err(RuntimeError::Collective {
+                    rank: self.rank,
+                    problem: "the NCCL communicator was aborted after an earlier failure of \
+                              this run (see the error before this one)"
+                        .into(),
+                });
             }
+            Ok(aborted)
         }
     }
 
@@ -403,19 +408,12 @@ mod comm {
         /// NCCL kernels this rank's streams wait for then exit) and says what NCCL saw, and
         /// that it was seen while `what`.
         pub fn check(&self, what: &str) -> Result<()> {
-            let aborted = self
-                .shared
-                .aborted
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            if *aborted {
-                return Err(self.shared.aborted_error());
-            }
+            let live = self.shared.live()?;
             let mut seen = sys::ncclResult_t::ncclSuccess;
             // SAFETY: a live communicator (not aborted, under the read lock) and a valid
             // out-pointer; NCCL allows this call beside collectives issued by another thread.
             let asked = unsafe { sys::ncclCommGetAsyncError(self.shared.comm, &mut seen) };
-            drop(aborted);
+            drop(live);
             let problem = match (asked, seen) {
                 (
                     sys::ncclResult_t::ncclSuccess,
@@ -581,14 +579,7 @@ mod comm {
             let send = send as *const c_void;
             let recv = recv as *mut c_void;
             let stream = stream as sys::cudaStream_t;
-            let aborted = self
-                .shared
-                .aborted
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            if *aborted {
-                return Err(self.shared.aborted_error());
-            }
+            let _live = self.shared.live()?;
             let comm = self.shared.comm;
             // SAFETY: the caller's contract for the buffers and the stream; the communicator
             // is live (not aborted, and the read lock keeps it so until the call returns).
