@@ -342,17 +342,22 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         })
         .collect();
 
+    // The sum of AdamW `op`'s gradient, read at `grad_at`, into its accumulator.
+    let sum = |op: OpId, grad: ValueId, grad_at: TensorRef| Instr::Kernel {
+        op: sum_of[&op],
+        inputs: vec![accs[acc_of[&grad]].home, grad_at],
+        outputs: vec![],
+        workspace: None,
+    };
     // A sharded chunk's sums take the place of its gradient offload, reading the gradients
     // on the device, in the order of their AdamW ops.
     let mut at_offload: HashMap<(usize, usize), Vec<Instr>> = HashMap::new();
     for &(op, grad, _) in &adamws {
         if let Some(&(device, place)) = on_device.get(&op) {
-            at_offload.entry(place).or_default().push(Instr::Kernel {
-                op: sum_of[&op],
-                inputs: vec![accs[acc_of[&grad]].home, device],
-                outputs: vec![],
-                workspace: None,
-            });
+            at_offload
+                .entry(place)
+                .or_default()
+                .push(sum(op, grad, device));
         }
     }
     // The micro-batch program: each AdamW becomes its gradient's sum, where it was (a
@@ -371,12 +376,7 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
                     OpKind::AdamW { .. } => {
                         if !on_device.contains_key(op) {
                             let grad = schedule.graph.op(sum_of[op]).inputs[1];
-                            kept.push(Instr::Kernel {
-                                op: sum_of[op],
-                                inputs: vec![accs[acc_of[&grad]].home, inputs[1]],
-                                outputs: vec![],
-                                workspace: None,
-                            });
+                            kept.push(sum(*op, grad, inputs[1]));
                         }
                         moved.push(instr);
                     }

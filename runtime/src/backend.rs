@@ -211,13 +211,6 @@ pub trait Backend: Sync + Sized {
     /// schedules. When it does not, this names what is missing, for the executor's refusal.
     const MISSING_COLLECTIVES: Option<&'static str> = Some("collectives");
 
-    /// Whether the backend sums a sharded chunk's micro-batch gradients over the ranks into
-    /// the ranks' accumulator shards ([`Backend::accumulate_into_shard`]), and so runs
-    /// sharded schedules that accumulate micro-batches. When it does not, this names what is
-    /// missing, for the executor's refusal.
-    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> =
-        Some("sum of micro-batch gradients into the ranks' accumulator shards");
-
     /// Whether the backend runs schedules with a disk tier ([`Backend::attach_disk`]). When
     /// it does not, this names what is missing, for the executor's refusal.
     const MISSING_DISK: Option<&'static str> = Some("disk tier");
@@ -375,8 +368,7 @@ pub trait Backend: Sync + Sized {
     /// unused). Element `i` becomes `((acc[i] + g0[i]) + g1[i]) + ...` in rank order,
     /// narrow values rounded after each add: the sums one rank makes accumulating the ranks'
     /// gradients one micro-batch after another, kept only where this rank holds them (a
-    /// reduce-scatter into the accumulator shards). A backend without it refuses
-    /// ([`Backend::MISSING_SHARDED_ACCUMULATION`]).
+    /// reduce-scatter into the accumulator shards).
     ///
     /// # Safety
     ///
@@ -391,14 +383,7 @@ pub trait Backend: Sync + Sized {
         dtype: DType,
         len: usize,
         comm: &mut dyn Collective,
-    ) -> Result<()> {
-        let _ = (stream, acc, part, grad, dtype, len, comm);
-        Err(RuntimeError::BadSchedule(format!(
-            "this backend has no {}; run sharded schedules that accumulate micro-batches on \
-             the host backend",
-            Self::MISSING_SHARDED_ACCUMULATION.unwrap_or("sharded accumulation")
-        )))
-    }
+    ) -> Result<()>;
 
     /// Runs a staged chunk's cast (the 12-byte host layout, [`CastLaunch`]) on `stream`, a
     /// host cast stream. A backend whose host streams cannot run CPU work refuses it.

@@ -334,16 +334,6 @@ impl<'s, B: Backend> Executor<'s, B> {
                  --gpus 1 --nodes 1"
             )));
         }
-        let sharded_sums = schedule.sharded() && schedule.micro_batches() > 1;
-        if let (true, Some(missing)) = (sharded_sums, B::MISSING_SHARDED_ACCUMULATION) {
-            return Err(RuntimeError::BadSchedule(format!(
-                "the schedule shards its offloaded chunks over {ranks} ranks and accumulates {} \
-                 micro-batches, but this backend has no {missing}; run it on the host backend \
-                 (--backend host), or compile it with --grad-accum 1 (a bigger --batch for the \
-                 same global batch)",
-                schedule.micro_batches()
-            )));
-        }
         if let (true, Some(missing)) = (schedule.disk_bytes > 0, B::MISSING_DISK) {
             return Err(RuntimeError::BadSchedule(format!(
                 "the schedule keeps the optimizer state of {} chunk(s) on disk, but this \

@@ -506,32 +506,6 @@ fn all_reduce_narrow<T: Copy>(
     reduce_scatter_narrow(values, all, comm, to_bits, from_bits, add)
 }
 
-/// `acc[i]` plus every rank's `send[i]`, gathered from every rank and added to it one by one
-/// in rank order, rounded after each add.
-fn reduce_narrow_into<T: Copy>(
-    acc: &mut [T],
-    send: &[T],
-    comm: &mut dyn Collective,
-    to_bits: fn(T) -> u16,
-    from_bits: fn(u16) -> T,
-    add: fn(T, T) -> T,
-) -> Result<()> {
-    let mut all = vec![0u8; 2 * send.len() * comm.world()];
-    let mine: Vec<u8> = send
-        .iter()
-        .flat_map(|&v| to_bits(v).to_le_bytes())
-        .collect();
-    comm.all_gather(&mine, &mut all)?;
-    let len = send.len();
-    for (i, a) in acc.iter_mut().enumerate() {
-        *a = (0..comm.world()).fold(*a, |sum, r| {
-            let at = (r * len + i) * 2;
-            add(sum, from_bits(u16::from_le_bytes([all[at], all[at + 1]])))
-        });
-    }
-    Ok(())
-}
-
 /// `acc[k]` plus every rank's `grad[part.start + k]`, each rank's whole gradient gathered
 /// from every rank and added to the accumulator one by one in rank order (`add` rounds as
 /// the element type does): the rank's part of a sharded accumulator. Every rank gathers,
@@ -598,8 +572,6 @@ impl Backend for HostBackend {
     const MISSING_COLLECTIVES: Option<&'static str> = None;
 
     const MISSING_DISK: Option<&'static str> = None;
-
-    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> = None;
 
     /// f32 through [`Collective::all_reduce`]; bf16 gathered from every rank and summed here
     /// in rank order in f32, rounded to nearest even after each addition: the rounding a
@@ -886,7 +858,7 @@ impl Backend for HostBackend {
     /// one rank's `accumulate_grad` does micro-batch after micro-batch.
     unsafe fn all_reduce_into(
         &self,
-        _stream: &mut HostStream,
+        stream: &mut HostStream,
         acc: Address,
         grad: Address,
         dtype: DType,
@@ -902,26 +874,8 @@ impl Backend for HostBackend {
                     let send = self.slice::<f32>(grad, len)?.to_vec();
                     comm.all_reduce_into(&send, self.slice_mut::<f32>(acc, len)?)
                 }
-                DType::BF16 => reduce_narrow_into(
-                    self.slice_mut::<bf16>(acc, len)?,
-                    self.slice::<bf16>(grad, len)?,
-                    comm,
-                    bf16::to_bits,
-                    bf16::from_bits,
-                    |a, b| bf16::from_f32(a.to_f32() + b.to_f32()),
-                ),
-                DType::F16 => reduce_narrow_into(
-                    self.slice_mut::<f16>(acc, len)?,
-                    self.slice::<f16>(grad, len)?,
-                    comm,
-                    f16::to_bits,
-                    f16::from_bits,
-                    |a, b| f16::from_f32(a.to_f32() + b.to_f32()),
-                ),
-                other => Err(RuntimeError::BadSchedule(format!(
-                    "an accumulation over the ranks of {other} values; collectives sum f32, \
-                     bf16 and f16"
-                ))),
+                // Narrow values: the whole accumulator is this rank's part.
+                _ => self.accumulate_into_shard(stream, acc, 0..len, grad, dtype, len, comm),
             }
         };
         summed.map(|()| true)

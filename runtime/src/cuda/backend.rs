@@ -929,7 +929,6 @@ impl Backend for CudaBackend {
     const RUNS_F16: bool = true;
 
     const MISSING_COLLECTIVES: Option<&'static str> = None;
-    const MISSING_SHARDED_ACCUMULATION: Option<&'static str> = None;
 
     /// NCCL's all-reduce sum in place (f32, bf16 or f16). NCCL picks its own reduction order
     /// (see [`super::nccl`]): deterministic for a topology, not the host backend's rank order.
