@@ -9,24 +9,31 @@
 // prints predicted and measured step time and busy time per stream, with the errors; with
 // `FIDELITY_BY_OP=1` also per op kind. Target: every step time within 5%.
 //
-// The prediction is the simulation's step, which on the host backend includes what the
-// compute kernels lose to the copy threads and the CPU Adam on the same cores
-// (`simulate::shared_core_seconds`, printed as "shared").
+// Each round profiles the host again, just before it runs the schedules, and predicts their
+// steps from that profile (the schedules stay those compiled from the first): a user profiles
+// and then trains, and on a shared virtual machine the same op runs several percent faster or
+// slower from one minute to the next (the serial compute of one profile to the next is
+// printed, so the drift is visible). The prediction is the simulation's step, which on the
+// host backend includes what the compute kernels lose to the copy threads and the CPU Adam on
+// the same cores (`simulate::shared_core_seconds`, printed as "shared").
 //
 // `cargo bench --bench fidelity`. Environment: `FIDELITY_LAYERS`, `FIDELITY_HIDDEN`,
-// `FIDELITY_BATCH`, `FIDELITY_SEQ`, `FIDELITY_STEPS`, `FIDELITY_BUDGET` (fraction of the
-// resident arena), `FIDELITY_POLICIES` (`;`-separated, `auto` for the search's) override the
-// defaults; `FIDELITY_ISOLATED=1` times each op alone (hot caches) instead of in place. The host is measured as it is: run it on an idle
-// machine (other processes on the same cores inflate the measured times).
+// `FIDELITY_BATCH`, `FIDELITY_SEQ`, `FIDELITY_STEPS` (timed steps per run, default 9; the
+// median is kept), `FIDELITY_REPEATS` (timed runs per op in each profile, default 9),
+// `FIDELITY_BUDGET` (fraction of the resident arena), `FIDELITY_POLICIES` (`;`-separated,
+// `auto` for the search's) override the defaults; `FIDELITY_ISOLATED=1` times each op alone
+// (hot caches) instead of in place. The host is measured as it is: run it on an idle machine
+// (other processes on the same cores inflate the measured times).
 
 mod common;
 use common::{env, median, model};
 use protrain::compiler::cost::{cost_model, CostModel, Measured};
-use protrain::compiler::simulate::{instr_seconds, shared_core_seconds};
+use protrain::compiler::simulate::{instr_seconds, shared_core_seconds, simulate};
 use protrain::ir::verify_schedule::VerifiedSchedule;
+use protrain::ir::Graph;
 use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Instr, Schedule, StreamId};
 use protrain::runtime::params::init_params;
-use protrain::runtime::profiler::{profile_host, ProfileOptions};
+use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::collections::BTreeMap;
@@ -105,6 +112,17 @@ fn predicted_by_kind(schedule: &Schedule, cost: &dyn CostModel) -> BTreeMap<(usi
     out
 }
 
+/// A host profile with both sides of every fusion measured: the fused training graph's op
+/// table, plus the unfused graph's ops (`graphs` is [`protrain::profiling_graphs`]'s pair).
+fn profile_both(graphs: &[Graph], options: &ProfileOptions) -> Profiled {
+    let mut profiled = profile_host(&graphs[1], options).expect("profiling");
+    let unfused = profile_host(&graphs[0], options).expect("profiling");
+    profiled
+        .profile
+        .add_measured_ops(&unfused.profile.measured_ops);
+    profiled
+}
+
 fn error_pct(predicted: f64, measured: f64) -> f64 {
     (predicted - measured) / measured * 100.0
 }
@@ -114,7 +132,7 @@ fn main() {
     let hidden = env("FIDELITY_HIDDEN", 256u64);
     let batch = env("FIDELITY_BATCH", 4u64);
     let seq = env("FIDELITY_SEQ", 256u64);
-    let steps = env("FIDELITY_STEPS", 5usize);
+    let steps = env("FIDELITY_STEPS", 9usize);
     let fraction = env("FIDELITY_BUDGET", 0.45f64);
     let config = model(layers, hidden);
     let optimizer = OptimizerConfig::default();
@@ -133,12 +151,12 @@ fn main() {
     let isolated = env("FIDELITY_ISOLATED", 0u8) == 1;
     let profile_options = ProfileOptions {
         in_place_limit: if isolated { 0 } else { u64::MAX },
+        repeats: env("FIDELITY_REPEATS", 9usize),
         ..ProfileOptions::default()
     };
-    let profiled = profile_host(graph, &profile_options).expect("profiling");
-    let mut profile = profiled.profile;
-    let unfused = profile_host(&graphs[0], &profile_options).expect("profiling");
-    profile.add_measured_ops(&unfused.profile.measured_ops);
+    let profiled = profile_both(&graphs, &profile_options);
+    let profile = profiled.profile.clone();
+    let first_serial = profiled.graph_seconds;
     println!(
         "model {} ({} params), batch {batch} x seq {seq}, f32; profiled in {:.1} s ({}): {} \
          ops, {:.3} s serial compute, copies {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
@@ -232,24 +250,44 @@ fn main() {
 
     let runs = env("FIDELITY_RUNS", 2usize);
     let by_op = env("FIDELITY_BY_OP", 0u8) == 1;
-    let cost = cost_model(&profile);
-    let cores = cost.host_cores().unwrap_or(f64::INFINITY);
     let mut worst: f64 = 0.0;
     for round in 1..=runs {
-        for c in &compiled {
-            let schedule = &c.schedule;
+        // This round's profile, taken now, predicts this round's steps.
+        let profiled = profile_both(&graphs, &profile_options);
+        let cost = cost_model(&profiled.profile);
+        let cores = cost.host_cores().unwrap_or(f64::INFINITY);
+        println!(
+            "run {round} profile: {:.4} s serial compute ({:+.1}% against the first), copies \
+             {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
+            profiled.graph_seconds,
+            error_pct(profiled.graph_seconds, first_serial),
+            profiled.profile.h2d_bandwidth / 1e9,
+            profiled.profile.d2h_bandwidth / 1e9,
+            profiled.profile.cpu_adam_params_per_s / 1e6,
+        );
+        for schedule in compiled
+            .iter()
+            .map(|c| &c.schedule)
+            .chain([&resident.schedule])
+        {
+            let simulation = simulate(schedule, cost.as_ref()).expect("a verified schedule");
             let (measured, busy, measured_kinds) = run(schedule, config.vocab_size as usize, steps);
-            let predicted = c.simulation.step_seconds;
-            let shared = shared_core_seconds(&c.simulation.timeline, cores);
+            let predicted = simulation.step_seconds;
+            // Overlap arithmetic can leave -0.0 where nothing overlaps.
+            let shared = shared_core_seconds(&simulation.timeline, cores).max(0.0);
             let err = error_pct(predicted, measured);
-            worst = worst.max(err.abs());
+            let is_resident = std::ptr::eq(schedule, &resident.schedule);
+            if !is_resident {
+                worst = worst.max(err.abs());
+            }
             println!(
-                "run {round} {}: predicted {predicted:.4} s (shared {shared:.4} s), measured \
+                "run {round} {}{}: predicted {predicted:.4} s (shared {shared:.4} s), measured \
                  {measured:.4} s (median of {steps}), error {err:+.1}%",
+                if is_resident { "(resident) " } else { "" },
                 schedule.header.policy
             );
             for (i, stream) in schedule.streams.iter().enumerate() {
-                let p = c.simulation.stream_busy_seconds[i];
+                let p = simulation.stream_busy_seconds[i];
                 let m = busy[i];
                 let err = if m > 0.0 {
                     format!("{:+.1}%", error_pct(p, m))
@@ -276,12 +314,6 @@ fn main() {
             }
         }
     }
-    let (r_measured, _, _) = run(&resident.schedule, config.vocab_size as usize, steps);
-    println!(
-        "resident        predicted {:.4} s, measured {r_measured:.4} s, error {:+.1}%",
-        resident.simulation.step_seconds,
-        error_pct(resident.simulation.step_seconds, r_measured)
-    );
     println!(
         "fidelity        {} (worst {worst:.1}% over {} policies x {runs} runs; target: within 5%)",
         if worst <= 5.0 { "ok" } else { "MISSED" },
