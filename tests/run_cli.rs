@@ -126,7 +126,6 @@ fn every_refusal_names_the_problem_and_the_fix() {
     let fx = Fixture::new();
     let good = path(&fx.schedule).to_string();
     let bytes = std::fs::read(&fx.schedule).expect("read");
-    let schedule = file::read(&fx.schedule).expect("a valid schedule");
 
     let truncated = fx.write("truncated.ptsched", &bytes[..bytes.len() / 2]);
     let mut flipped = bytes.clone();
@@ -136,7 +135,26 @@ fn every_refusal_names_the_problem_and_the_fix() {
     let mut newer = bytes.clone();
     newer[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
     let newer = fx.write("newer.ptsched", &newer);
-    let unverified = fx.write("nowait.ptsched", &file::encode(&without_a_wait(&schedule)));
+    // A schedule that streams its chunks, so that its streams wait on each other (the search
+    // keeps this model resident on the host, one stream without a wait).
+    let streamed = fx.file("streamed.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--policy",
+        "n_persist=0 n_buffer=1",
+        "-o",
+        path(&streamed),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let streamed = file::read(&streamed).expect("a valid schedule");
+    let unverified = fx.write("nowait.ptsched", &file::encode(&without_a_wait(&streamed)));
 
     // Weights of another model, saved by a short llama-tiny run.
     let llama = fx.file("llama.safetensors");

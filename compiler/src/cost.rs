@@ -525,6 +525,21 @@ impl IterationEstimate {
     }
 }
 
+/// [`estimate_iteration`] on the host backend, where the CPU Adam runs on the cores the
+/// compute runs on and so cannot hide behind the backward pass:
+/// `T_iter = T_fwd + T_bwd + T_gpu_optim + T_cpu_optim`.
+pub fn estimate_iteration_sharing_cores(
+    chunks: &[ChunkTimes],
+    gpu_optimizer: f64,
+    cpu_optimizer: f64,
+) -> IterationEstimate {
+    let overlapped = estimate_iteration(chunks, gpu_optimizer, cpu_optimizer);
+    IterationEstimate {
+        total: overlapped.forward + overlapped.backward + gpu_optimizer + cpu_optimizer,
+        ..overlapped
+    }
+}
+
 /// ProTrain's closed-form iteration time (arXiv 2406.08334, §4):
 /// `T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)`, with
 /// `T_fwd = Σ_chunks max(T_compute, T_comm)` and
