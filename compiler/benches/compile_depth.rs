@@ -140,7 +140,10 @@
 //! alignments' common divisor adds nothing here, so it equals the live peak, and by start
 //! sits 252 bytes above that, one small buffer's padding),
 //! and the holes left at the peak that the buffers not yet placed could not fill (there are
-//! always enough small ones). Outside user time, a deep compile also waits on the kernel
+//! always enough small ones). A third, that the buffers of at least each size still
+//! waiting at the peak fit in the free ranges of at least that size below by start's arena,
+//! fired at 14,300 buffers instead of 15,300 and saved nothing measurable (5.35-5.51 against
+//! 5.54-5.59 s user on one thread); none was kept. Outside user time, a deep compile also waits on the kernel
 //! zeroing pages that mimalloc gives back and takes again (the planner's per-node unions, a
 //! sixth to a fifth of the samples at 1,024 layers, by perf): with
 //! `MIMALLOC_PURGE_DELAY=-1` its sys time at 1,024 layers went from 0.9-1.5 s to 0.4-0.7 s.
