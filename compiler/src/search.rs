@@ -1224,6 +1224,24 @@ fn corrected_limit(correction: f64, budget: u64) -> u64 {
     lo
 }
 
+/// The largest byte estimate that, less `over_count` (the most a compiled candidate's
+/// estimate exceeded its exact arena), is within `budget`: no limit before any candidate
+/// was compiled.
+///
+/// The estimate's error is mostly a constant (it counts the head and the workspaces as a
+/// policy's peak would hold them all at once: 6.4 MB on the tiny GPT-2 of
+/// `benches/compile_depth.rs` at every depth), which the ratio of [`corrected_limit`] turns
+/// into a tolerance of 1% of the budget: at 1,024 of those layers that is three more swapped
+/// layers than fit, and a whole batch of candidates that do not. A candidate this limit
+/// skips would need a larger over-count than any seen to fit, so the search applies both
+/// limits, and the ratio's alone where the over-count varies between candidates (real
+/// models, whose activation estimate errs by a share of itself).
+fn additive_limit(over_count: Option<i128>, budget: u64) -> u64 {
+    over_count.map_or(u64::MAX, |over| {
+        u64::try_from((i128::from(budget) + over).max(0)).unwrap_or(u64::MAX)
+    })
+}
+
 /// Blocks that are not simply kept: what a policy swaps or recomputes.
 fn movement(p: &Policy) -> usize {
     p.blocks.len() - p.count(BlockMode::Keep)
@@ -1272,13 +1290,17 @@ pub fn search(
     // Two passes, each in batches of `COMPILE_BATCH` compiled in parallel, until four candidates fit:
     // 1. the fastest by estimate, skipping those whose estimated bytes, corrected by how the
     //    estimate compared with the exact plans so far (the median ratio; 0.8 before any, so a
-    //    25% over-estimate still gets through), exceed the budget;
+    //    25% over-estimate still gets through), exceed the budget, or whose estimated bytes
+    //    less the largest over-count so far exceed it (see `additive_limit`);
     // 2. if none of those fit, the leanest by estimate.
     // Both walk the policies whose estimated bytes are within `slack`, in their order.
     let listed = options.max_compiled.max(COMPILE_BATCH) + COMPILE_BATCH;
     let mut fastest = Stream::<Fastest>::new(&estimator, &layouts, listed);
     let mut leanest = Stream::<Leanest>::new(&estimator, &layouts, listed);
     let mut ratios: Vec<f64> = Vec::new();
+    // The most any compiled candidate's estimate over-counted its exact arena (negative if
+    // every estimate fell short); `None` before any.
+    let mut over_count: Option<i128> = None;
     // Whether the parameters are narrower than their f32 master weights: only then can
     // gradients live in the parameter storage.
     let narrow = crate::streams::state_bytes_per_element(training) == 12;
@@ -1300,7 +1322,9 @@ pub fn search(
                 sorted[n / 2]
             }
         };
-        let limit = slack.min(corrected_limit(correction, options.device_budget));
+        let limit = slack
+            .min(corrected_limit(correction, options.device_budget))
+            .min(additive_limit(over_count, options.device_budget));
         let mut batch = Vec::with_capacity(COMPILE_BATCH);
         if compiled_in_pass < options.max_compiled {
             while batch.len() < COMPILE_BATCH {
@@ -1398,6 +1422,8 @@ pub fn search(
                 Err(e) => return Err(e),
             };
             ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
+            let over = i128::from(estimated_bytes) - i128::from(schedule.arena_bytes);
+            over_count = Some(over_count.map_or(over, |o| o.max(over)));
             // Over the device by its exact plan: nothing reads its step time, so it is not
             // simulated (at depth most compiled candidates are).
             if schedule.arena_bytes > options.device_budget {
@@ -2007,6 +2033,25 @@ mod tests {
             let passes = |bytes: u64| bytes as f64 * correction <= allowed;
             prop_assert!(passes(limit));
             prop_assert!(limit == u64::MAX || !passes(limit + 1));
+        }
+
+        #[test]
+        fn the_additive_limit_is_the_largest_estimate_that_passes(
+            over in -(1i128 << 52)..(1i128 << 52),
+            budget in 0u64..(1 << 50),
+        ) {
+            let limit = additive_limit(Some(over), budget);
+            // An estimate passes when, less the largest over-count seen, it is within budget.
+            let passes = |bytes: u64| i128::from(bytes) - over <= i128::from(budget);
+            if budget as i128 + over < 0 {
+                // Every estimate, less an over-count this negative, is over: none passes
+                // but 0, which only an empty candidate could estimate.
+                prop_assert_eq!(limit, 0);
+            } else {
+                prop_assert!(passes(limit));
+                prop_assert!(!passes(limit + 1));
+            }
+            prop_assert_eq!(additive_limit(None, budget), u64::MAX);
         }
     }
 
