@@ -203,9 +203,11 @@ struct Profile {
     /// take.
     gpu_adam: Vec<Ticks>,
     cpu_adam: Vec<Ticks>,
-    /// Whether the CPU Adam runs on the cores the compute runs on (the host backend,
-    /// [`CostModel::host_cores`]): it then adds to the step instead of hiding behind the
-    /// backward pass ([`Profile::after_forward`]).
+    /// Whether the CPU Adam and the copies run on the cores the compute runs on (the host
+    /// backend, [`CostModel::host_cores`]): the CPU Adam (with a streamed chunk's copies'
+    /// share) then adds to the step instead of hiding behind the backward pass
+    /// ([`Profile::after_forward`]), and so does a swapped block's share of its copies
+    /// ([`Profile::swap_added`]) instead of hiding behind its chunk's compute.
     cpu_shares_cores: bool,
     /// Per chunk: device bytes while persistent (parameters, gradients, optimizer state).
     resident_bytes: Vec<u64>,
@@ -386,13 +388,16 @@ impl Profile {
             .iter()
             .map(|&e| cost.gpu_adam_seconds(e))
             .collect();
+        // On the host backend a swap's copies take `1 / cores` of their time from compute and
+        // add to the step (see `Profile::cpu_shares_cores`), so that is what they cost there.
+        let swap_share = cost.host_cores().map_or(1.0, |cores| 1.0 / cores);
         let swap_out: Vec<f64> = layer_saved
             .iter()
-            .map(|&b| b as f64 * d2h_per_byte)
+            .map(|&b| b as f64 * d2h_per_byte * swap_share)
             .collect();
         let swap_in: Vec<f64> = layer_saved
             .iter()
-            .map(|&b| b as f64 * h2d_per_byte)
+            .map(|&b| b as f64 * h2d_per_byte * swap_share)
             .collect();
         // Every estimate is at most the sum of all of these.
         let scale = TickScale::new(&[
@@ -453,6 +458,34 @@ impl Profile {
         match self.cpu_shares_cores {
             true => backward_gpu + cpu,
             false => backward_gpu.max(cpu),
+        }
+    }
+
+    /// What a chunk's swapped and recomputed blocks add to its four terms over keep mode:
+    /// forward persistent and streamed, backward persistent and streamed, from its compute
+    /// (`f`, `b`), its traffic when streamed (`fetch`, `comm`), the swaps out and in and the
+    /// recompute. ProTrain's overlap (`max(compute, comm)` per chunk, the swaps with the comm)
+    /// on a GPU; on the host backend, where a swap takes compute's cores, a swap adds to its
+    /// chunk whatever else runs: `max(f + out, fetch + out)`, `max(b + again + back, comm +
+    /// back)`.
+    fn swap_added(
+        &self,
+        [f, b, fetch, comm]: [Ticks; 4],
+        [out, back, again]: [Ticks; 3],
+    ) -> [Ticks; 4] {
+        match self.cpu_shares_cores {
+            true => [
+                out,
+                out,
+                again + back,
+                (b + again + back).max(comm + back) - b.max(comm),
+            ],
+            false => [
+                f.max(out) - f,
+                f.max(fetch + out) - f.max(fetch),
+                (b + again).max(back) - b,
+                (b + again).max(comm + back) - b.max(comm),
+            ],
         }
     }
 
@@ -812,17 +845,26 @@ impl<'p> Estimator<'p> {
         let swap_out = u64::from(s) * self.min_swap_out[prefix];
         let swap_in = u64::from(s) * self.min_swap_in[prefix];
         let backward_compute = self.backward_resident[self.chunks];
-        // A chunk's max(compute, comm) is at least either: sum each side over the chunks.
-        let forward = self
-            .keep_forward(p)
-            .max(self.suffix(&self.fetch, p) + swap_out);
-        let backward = self
-            .keep_backward(p)
-            .max(backward_compute + recompute)
-            .max(self.suffix(&self.backward_comm, p) + swap_in);
+        let (forward, backward, swaps) = match self.profile.cpu_shares_cores {
+            // Swaps add to their chunks (`Profile::swap_added`).
+            true => (
+                self.keep_forward(p) + swap_out,
+                self.keep_backward(p).max(backward_compute + recompute) + swap_in,
+                swap_out + swap_in,
+            ),
+            // A chunk's max(compute, comm) is at least either: sum each side over the chunks.
+            false => (
+                self.keep_forward(p)
+                    .max(self.suffix(&self.fetch, p) + swap_out),
+                self.keep_backward(p)
+                    .max(backward_compute + recompute)
+                    .max(self.suffix(&self.backward_comm, p) + swap_in),
+                0,
+            ),
+        };
         // Moving blocks off the device never speeds a chunk up: no layout beats keeping all.
         self.min_keep_time[p]
-            .max(self.min_forward_gpu[p] + backward_compute + recompute)
+            .max(self.min_forward_gpu[p] + backward_compute + recompute + swaps)
             .max(forward + self.profile.after_forward(backward, self.cpu(p)))
     }
 
@@ -872,12 +914,7 @@ impl<'p> Estimator<'p> {
                 scratch.swap_in[k],
                 scratch.recompute[k],
             );
-            let added = [
-                f.max(out) - f,
-                f.max(fetch + out) - f.max(fetch),
-                (b + again).max(back) - b,
-                (b + again).max(comm + back) - b.max(comm),
-            ];
+            let added = profile.swap_added([f, b, fetch, comm], [out, back, again]);
             for (t, a) in total.iter_mut().zip(added) {
                 *t += a;
             }
@@ -1726,6 +1763,11 @@ mod tests {
                     BlockMode::Swap => {
                         times[c][3] += self.swap_out[l];
                         times[c][4] += self.swap_in[l];
+                        if self.cpu_shares_cores {
+                            // On the host a swap also takes compute's time.
+                            times[c][0] += self.swap_out[l];
+                            times[c][2] += self.swap_in[l];
+                        }
                     }
                 }
             }
@@ -2010,6 +2052,11 @@ mod tests {
                         BlockMode::Swap => {
                             times[c].forward_comm += profile.swap_out[l] as f64;
                             times[c].backward_comm += profile.swap_in[l] as f64;
+                            if profile.cpu_shares_cores {
+                                // On the host a swap takes compute's cores as well.
+                                times[c].forward_compute += profile.swap_out[l] as f64;
+                                times[c].recompute += profile.swap_in[l] as f64;
+                            }
                         }
                     }
                 }
