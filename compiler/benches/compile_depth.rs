@@ -147,6 +147,30 @@
 //! zeroing pages that mimalloc gives back and takes again (the planner's per-node unions, a
 //! sixth to a fifth of the samples at 1,024 layers, by perf): with
 //! `MIMALLOC_PURGE_DELAY=-1` its sys time at 1,024 layers went from 0.9-1.5 s to 0.4-0.7 s.
+//! (Against mimalloc's own default, 1,000 ms in the v3 it builds, not the 10 ms of v2, three
+//! alternating runs at 1,024 layers showed no difference: 5.24-5.44 against 5.26-5.33 s user,
+//! 3.07-3.83 against 3.13-3.35 s wall; not set.)
+//!
+//! Then the host search began to charge the CPU Adam and the copies to the compute they share
+//! the cores with (issue 14; `search::Profile::after_forward` and `swap_added`). This bench
+//! runs on the host preset, so its choices moved, each to a slightly faster simulated step: a
+//! few persistent chunks (n_persist 3, 4 and 2 at 64, 256 and 1,024 layers, predicted 0.1673,
+//! 0.6644 and 2.6527 s against 0.1678, 0.6650 and 2.6537). Idle machine, least of three, user
+//! s (wall s), max RSS of the three:
+//!
+//! | layers | user s (wall) | per layer | max RSS |
+//! |-------:|--------------:|----------:|--------:|
+//! |     64 |  0.16 (0.11)  |  2.5 ms   | 132 MiB |
+//! |    128 |  0.39 (0.25)  |  3.0 ms   | 162 MiB |
+//! |    256 |  0.87 (0.54)  |  3.4 ms   | 244 MiB |
+//! |    512 |  2.07 (1.29)  |  4.0 ms   | 452 MiB |
+//! |  1,024 |  5.39 (3.39)  |  5.3 ms   | 816 MiB |
+//!
+//! 2.1x per layer from 64 to 1,024 layers. Tried and not kept: a lower bound that counts
+//! each live buffer's rounding to `BUFFER_ALIGN` but the top one's, to skip by size x
+//! lifetime when by start lands on it. It equals the live peak here (one 4-byte buffer is
+//! live at the peak, and every other size is a multiple of 256), so by start's 252 bytes above
+//! it could still be beaten in principle, and nothing was skipped.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use protrain_compiler::cost::cost_model;
