@@ -161,6 +161,24 @@ struct Rates {
     torch: Option<f64>,
 }
 
+/// Median seconds of `steps` AdamW steps of `p` from `grad`, writing the bf16 copy to `low`
+/// when given.
+fn adam_seconds(
+    steps: usize,
+    config: &AdamWConfig,
+    p: &mut [f32],
+    grad: Grad<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    mut low: Option<&mut [bf16]>,
+) -> f64 {
+    time(steps, |step| {
+        let narrow = low.as_deref_mut().map(kernels::Low::Bf16);
+        kernels::adamw_step_fused(p, grad, None, m, v, narrow, step, config);
+        black_box(&mut *p);
+    })
+}
+
 /// Times protrain's three forms and the copy on `n` parameters, `steps` steps each.
 fn protrain_rates(n: usize, steps: usize, threads: usize, config: &AdamWConfig) -> Rates {
     let mut p = wave(n, 1);
@@ -168,48 +186,28 @@ fn protrain_rates(n: usize, steps: usize, threads: usize, config: &AdamWConfig) 
     let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
     let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
     let mut low = vec![bf16::ZERO; n];
-    let f32_s = time(steps, |step| {
-        kernels::adamw_step_fused(
-            &mut p,
-            Grad::F32(&g),
-            None,
-            &mut m,
-            &mut v,
-            None,
-            step,
-            config,
-        );
-        black_box(&mut p);
-    });
-    let bf16_s = time(steps, |step| {
-        kernels::adamw_step_fused(
-            &mut p,
-            Grad::Bf16(&g16),
-            None,
-            &mut m,
-            &mut v,
-            Some(kernels::Low::Bf16(&mut low)),
-            step,
-            config,
-        );
-        black_box(&mut low);
-    });
+    let f32_s = adam_seconds(steps, config, &mut p, Grad::F32(&g), &mut m, &mut v, None);
+    let bf16_s = adam_seconds(
+        steps,
+        config,
+        &mut p,
+        Grad::Bf16(&g16),
+        &mut m,
+        &mut v,
+        Some(&mut low),
+    );
     // The gradient in the parameter storage; each step leaves the new parameter there, which
     // the next step reads as its gradient: other values, the same work.
     low.copy_from_slice(&g16);
-    let in_low_s = time(steps, |step| {
-        kernels::adamw_step_fused(
-            &mut p,
-            Grad::InLow,
-            None,
-            &mut m,
-            &mut v,
-            Some(kernels::Low::Bf16(&mut low)),
-            step,
-            config,
-        );
-        black_box(&mut low);
-    });
+    let in_low_s = adam_seconds(
+        steps,
+        config,
+        &mut p,
+        Grad::InLow,
+        &mut m,
+        &mut v,
+        Some(&mut low),
+    );
     drop((p, g, g16, m, v, low));
     // 14 bytes per parameter each way, as f32 words (rounded up).
     let words = (14 * n).div_ceil(4);

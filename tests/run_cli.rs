@@ -5,7 +5,7 @@ mod cli_support;
 use cli_support::{path, protrain, stderr, stdout};
 
 use protrain::ir::{file, verify_schedule::verify_schedule, Instr, Schedule, FORMAT_VERSION};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 /// The loss of every step of a successful `--log-json` run, as printed (text compares bits).
@@ -27,29 +27,39 @@ struct Fixture {
     schedule: PathBuf,
 }
 
+/// Compiles gpt2-tiny in f32 at batch 2 x seq 16, with `extra` flags, to `to`.
+fn compile_gpt2_tiny(to: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+    ];
+    args.extend(extra);
+    args.extend(["-o", path(to)]);
+    let out = protrain(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 impl Fixture {
     fn new() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let schedule = dir.path().join("gpt2.ptsched");
-        let out = protrain(&[
-            "compile",
-            "gpt2-tiny",
-            "--dtype",
-            "f32",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--lr",
-            "0.001",
-            "--beta2",
-            "0.999",
-            "--weight-decay",
-            "0.01",
-            "-o",
-            path(&schedule),
-        ]);
-        assert!(out.status.success(), "{}", stderr(&out));
+        compile_gpt2_tiny(
+            &schedule,
+            &[
+                "--lr",
+                "0.001",
+                "--beta2",
+                "0.999",
+                "--weight-decay",
+                "0.01",
+            ],
+        );
         Self { dir, schedule }
     }
 
@@ -138,21 +148,7 @@ fn every_refusal_names_the_problem_and_the_fix() {
     // A schedule that streams its chunks, so that its streams wait on each other (the search
     // keeps this model resident on the host, one stream without a wait).
     let streamed = fx.file("streamed.ptsched");
-    let out = protrain(&[
-        "compile",
-        "gpt2-tiny",
-        "--dtype",
-        "f32",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--policy",
-        "n_persist=0 n_buffer=1",
-        "-o",
-        path(&streamed),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    compile_gpt2_tiny(&streamed, &["--policy", "n_persist=0 n_buffer=1"]);
     let streamed = file::read(&streamed).expect("a valid schedule");
     let unverified = fx.write("nowait.ptsched", &file::encode(&without_a_wait(&streamed)));
 

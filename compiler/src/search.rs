@@ -373,10 +373,12 @@ impl Profile {
         };
         let fetch = copies(CopyDir::HostToDevice, gather);
         let offload = copies(CopyDir::DeviceToHost, scatter);
-        // On the host backend a streamed chunk's copies (fetched twice, offloaded once) also
-        // take compute's cores, `1 / cores` of their time, as the simulator charges them: with
-        // the CPU Adam they are what streaming the chunk adds to the step there.
-        let host_copy_share = cost.host_cores().map_or(0.0, |cores| 1.0 / cores);
+        // On the host backend every copy takes `1 / cores` of its time from compute, as the
+        // simulator charges it (`Profile::cpu_shares_cores`): a streamed chunk's (fetched
+        // twice, offloaded once) add to its CPU Adam, what streaming it adds to the step
+        // there, and a swap's are what the swap costs.
+        let host_share = cost.host_cores().map(|cores| 1.0 / cores);
+        let host_copy_share = host_share.unwrap_or(0.0);
         let cpu_adam: Vec<f64> = chunk_elems
             .iter()
             .zip(fetch.iter().zip(&offload))
@@ -388,9 +390,7 @@ impl Profile {
             .iter()
             .map(|&e| cost.gpu_adam_seconds(e))
             .collect();
-        // On the host backend a swap's copies take `1 / cores` of their time from compute and
-        // add to the step (see `Profile::cpu_shares_cores`), so that is what they cost there.
-        let swap_share = cost.host_cores().map_or(1.0, |cores| 1.0 / cores);
+        let swap_share = host_share.unwrap_or(1.0);
         let swap_out: Vec<f64> = layer_saved
             .iter()
             .map(|&b| b as f64 * d2h_per_byte * swap_share)
@@ -428,7 +428,7 @@ impl Profile {
             backward_comm,
             gpu_adam: ticks(&gpu_adam),
             cpu_adam: ticks(&cpu_adam),
-            cpu_shares_cores: cost.host_cores().is_some(),
+            cpu_shares_cores: host_share.is_some(),
             resident_bytes,
             chunk_capacity: chunks.chunk_bytes,
             layer_chunk,
@@ -445,7 +445,6 @@ impl Profile {
         self.forward.len()
     }
 
-    /// `ticks` in seconds.
     /// The step after the forward pass from its backward pass plus device optimizer
     /// (`backward_gpu`) and its CPU optimizer (`cpu`): ProTrain's `max(T_bwd + T_gpu_optim,
     /// T_cpu_optim)` where the CPU Adam overlaps the backward pass from other cores; their sum
@@ -489,6 +488,7 @@ impl Profile {
         }
     }
 
+    /// `ticks` in seconds.
     fn seconds(&self, ticks: Ticks) -> f64 {
         ticks as f64 / self.ticks_per_second
     }
@@ -1504,7 +1504,7 @@ pub fn search(
     report.layouts_swept = fastest.swept + leanest.swept;
     let fastest = fastest_of(&report.compiled);
     // On the host backend the device arena and the host region are the same memory.
-    let one_memory = cost.host_cores().is_some();
+    let one_memory = profile.cpu_shares_cores;
     let rank = |a: &Candidate, b: &Candidate, fastest: f64| rank(a, b, fastest, one_memory);
     let best = contenders
         .into_iter()

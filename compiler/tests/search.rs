@@ -10,29 +10,50 @@ use protrain_ir::{BlockMode, HardwareProfile, Schedule};
 
 const GIB: u64 = 1 << 30;
 
-/// Searches gpt2 (124M, bf16) at batch 4 x 1024 on an A100 80GB profile under a device
-/// budget.
-fn run(
-    device_budget: u64,
-) -> Result<(Schedule, protrain_compiler::search::SearchReport), CompileError> {
-    let config = protrain_models::load("gpt2").expect("preset");
+/// What a search returns.
+type Searched = Result<(Schedule, protrain_compiler::search::SearchReport), CompileError>;
+
+/// Searches `config` at `batch` x `seq` on the `hardware` preset with `host` bytes of host
+/// memory and `device` bytes of device memory (the preset's usable bytes when `None`).
+fn search_on(
+    config: &protrain_models::ModelConfig,
+    (batch, seq): (u64, u64),
+    hardware: &str,
+    device: Option<u64>,
+    host: u64,
+) -> (SearchOptions, Searched) {
     let forward =
-        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(4, 1024))
+        protrain_models::build_forward(config, &protrain_models::BuildOptions::new(batch, seq))
             .expect("builds");
     let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
     let chunks = chunked(&training);
-    let profile = HardwareProfile::preset("a100-80gb").expect("preset");
+    let profile = HardwareProfile::preset(hardware).expect("preset");
     let cost = cost_model(&profile);
     let options = SearchOptions {
-        device_budget,
+        device_budget: device.unwrap_or_else(|| profile.usable_device_bytes()),
         disk_budget: 0,
-        host_budget: 256 * GIB,
+        host_budget: host,
         max_compiled: 64,
         hardware: profile.summary(),
-        model: "gpt2".into(),
+        model: config.name.clone(),
         topology: Topology::SINGLE,
     };
-    search(&training, &chunks, cost.as_ref(), &options)
+    let searched = search(&training, &chunks, cost.as_ref(), &options);
+    (options, searched)
+}
+
+/// Searches gpt2 (124M, bf16) at batch 4 x 1024 on an A100 80GB profile under a device
+/// budget.
+fn run(device_budget: u64) -> Searched {
+    let config = protrain_models::load("gpt2").expect("preset");
+    search_on(
+        &config,
+        (4, 1024),
+        "a100-80gb",
+        Some(device_budget),
+        256 * GIB,
+    )
+    .1
 }
 
 #[test]
@@ -139,23 +160,9 @@ fn search_preset(
     seq: u64,
 ) -> (Schedule, protrain_compiler::search::SearchReport) {
     let config = protrain_models::load(model).expect("preset");
-    let forward =
-        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(batch, seq))
-            .expect("builds");
-    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
-    let chunks = chunked(&training);
-    let profile = HardwareProfile::preset(hardware).expect("preset");
-    let cost = cost_model(&profile);
-    let options = SearchOptions {
-        device_budget: profile.usable_device_bytes(),
-        disk_budget: 0,
-        host_budget: host,
-        max_compiled: 64,
-        hardware: profile.summary(),
-        model: model.into(),
-        topology: Topology::SINGLE,
-    };
-    search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits")
+    search_on(&config, (batch, seq), hardware, None, host)
+        .1
+        .expect("a policy fits")
 }
 
 /// The tie rule, checked on a report: the winner heads it, and no candidate within
@@ -229,24 +236,14 @@ fn a_constant_over_count_lets_no_calibrated_candidate_over_the_budget() {
         protrain_models::ConfigSource::Text(format!("gpt2-{layers}-layers")),
     )
     .expect("a valid config");
-    let forward =
-        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(8, 64))
-            .expect("builds");
-    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
-    let chunks = chunked(&training);
-    let profile = HardwareProfile::preset("host").expect("preset");
-    let cost = cost_model(&profile);
-    let options = SearchOptions {
-        device_budget: layers * (640 << 10),
-        disk_budget: 0,
-        host_budget: 256 * GIB,
-        max_compiled: 64,
-        hardware: profile.summary(),
-        model: "gpt2-tiny".into(),
-        topology: Topology::SINGLE,
-    };
-    let (schedule, report) =
-        search(&training, &chunks, cost.as_ref(), &options).expect("a policy fits");
+    let (options, searched) = search_on(
+        &config,
+        (8, 64),
+        "host",
+        Some(layers * (640 << 10)),
+        256 * GIB,
+    );
+    let (schedule, report) = searched.expect("a policy fits");
     assert!(
         report.rejected_exact <= COMPILE_BATCH,
         "{} over the budget by exact plan, more than the first batch: {}",
