@@ -1,7 +1,7 @@
 //! `protrain profile` as a user runs it, and `protrain compile --hardware` reading its output.
 
 mod cli_support;
-use cli_support::{protrain, stderr};
+use cli_support::{compile_gpt2_tiny, protrain, stderr};
 
 use protrain::ir::{op_key, HardwareProfile, TensorType};
 use protrain::OptimizerConfig;
@@ -81,22 +81,7 @@ fn a_profile_covers_the_graph_and_compile_accepts_it() {
     assert_eq!(profile.host_memory_bytes, host.host_memory_bytes);
 
     let schedule = dir.path().join("tiny.ptsched");
-    let out = protrain(&[
-        "compile",
-        "gpt2-tiny",
-        "--hardware",
-        file,
-        "--dtype",
-        "f32",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--json",
-        "-o",
-        schedule.to_str().unwrap(),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = compile_gpt2_tiny(&schedule, &["--hardware", file, "--json"]);
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(summary["predicted_step_s"].as_f64().unwrap() > 0.0);
     // The same call as a user would type it, at the default batch.

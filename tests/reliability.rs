@@ -3,7 +3,7 @@
 //! checkpoints, and a NaN loss explained by what caused it.
 
 mod cli_support;
-use cli_support::{path, protrain, stderr};
+use cli_support::{compile_gpt2_tiny, path, protrain, stderr};
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -27,19 +27,7 @@ fn check_error(out: &Output, words: &[&str]) {
 /// A small f32 schedule of gpt2-tiny in `dir`, compiled once per test that needs one.
 fn schedule(dir: &Path) -> PathBuf {
     let s = dir.join("tiny.ptsched");
-    let out = protrain(&[
-        "compile",
-        "gpt2-tiny",
-        "--dtype",
-        "f32",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "-o",
-        path(&s),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    compile_gpt2_tiny(&s, &[]);
     s
 }
 

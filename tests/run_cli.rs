@@ -2,10 +2,10 @@
 //! it trains; and `protrain train` giving the same losses under a roomy and a tight budget.
 
 mod cli_support;
-use cli_support::{path, protrain, stderr, stdout};
+use cli_support::{compile_gpt2_tiny, path, protrain, stderr, stdout};
 
 use protrain::ir::{file, verify_schedule::verify_schedule, Instr, Schedule, FORMAT_VERSION};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Output;
 
 /// The loss of every step of a successful `--log-json` run, as printed (text compares bits).
@@ -27,39 +27,21 @@ struct Fixture {
     schedule: PathBuf,
 }
 
-/// Compiles gpt2-tiny in f32 at batch 2 x seq 16, with `extra` flags, to `to`.
-fn compile_gpt2_tiny(to: &Path, extra: &[&str]) {
-    let mut args = vec![
-        "compile",
-        "gpt2-tiny",
-        "--dtype",
-        "f32",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-    ];
-    args.extend(extra);
-    args.extend(["-o", path(to)]);
-    let out = protrain(&args);
-    assert!(out.status.success(), "{}", stderr(&out));
-}
+/// PyTorch's AdamW defaults, which the fixture is compiled with and `train` is told.
+const TORCH_ADAMW: [&str; 6] = [
+    "--lr",
+    "0.001",
+    "--beta2",
+    "0.999",
+    "--weight-decay",
+    "0.01",
+];
 
 impl Fixture {
     fn new() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let schedule = dir.path().join("gpt2.ptsched");
-        compile_gpt2_tiny(
-            &schedule,
-            &[
-                "--lr",
-                "0.001",
-                "--beta2",
-                "0.999",
-                "--weight-decay",
-                "0.01",
-            ],
-        );
+        compile_gpt2_tiny(&schedule, &TORCH_ADAMW);
         Self { dir, schedule }
     }
 
@@ -274,7 +256,7 @@ fn run_trains_like_train_and_reports_prediction_against_measurement() {
     let good = path(&fx.schedule);
     // The fixture was compiled with PyTorch's AdamW defaults; `train` is told the same.
     let ran = protrain(&["run", good, "--steps", "4", "--log-json", "--lr", "0.001"]);
-    let trained = protrain(&[
+    let mut train = vec![
         "train",
         "gpt2-tiny",
         "--batch",
@@ -284,15 +266,11 @@ fn run_trains_like_train_and_reports_prediction_against_measurement() {
         "--steps",
         "4",
         "--log-json",
-        "--lr",
-        "0.001",
-        "--beta2",
-        "0.999",
-        "--weight-decay",
-        "0.01",
         "--policy",
         "n_persist=4",
-    ]);
+    ];
+    train.extend(TORCH_ADAMW);
+    let trained = protrain(&train);
     assert_eq!(losses(&ran), losses(&trained));
     assert_eq!(losses(&ran).len(), 4);
 
@@ -506,20 +484,8 @@ fn run_follows_a_learning_rate_schedule_as_train_does() {
     ];
     let mut run = vec!["run", path(&fx.schedule)];
     run.extend(schedule);
-    let mut train = vec![
-        "train",
-        "gpt2-tiny",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--lr",
-        "0.001",
-        "--beta2",
-        "0.999",
-        "--weight-decay",
-        "0.01",
-    ];
+    let mut train = vec!["train", "gpt2-tiny", "--batch", "2", "--seq", "16"];
+    train.extend(TORCH_ADAMW);
     train.extend(schedule);
     let (ran, trained) = (protrain(&run), protrain(&train));
     assert_eq!(losses(&ran), losses(&trained));

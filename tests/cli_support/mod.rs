@@ -23,6 +23,26 @@ pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Compiles gpt2-tiny in f32 at batch 2 x seq 16, with `extra` flags, to `to`; fails the test
+/// unless it succeeds, and returns the run for what it printed.
+pub fn compile_gpt2_tiny(to: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+    ];
+    args.extend(extra);
+    args.extend(["-o", path(to)]);
+    let out = protrain(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    out
+}
+
 /// A path as the argument it is given as.
 pub fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
