@@ -9,13 +9,18 @@
 // prints predicted and measured step time and busy time per stream, with the errors; with
 // `FIDELITY_BY_OP=1` also per op kind. Target: every step time within 5%.
 //
-// Each round profiles the host again, just before it runs the schedules, and predicts their
-// steps from that profile (the schedules stay those compiled from the first): a user profiles
-// and then trains, and on a shared virtual machine the same op runs several percent faster or
-// slower from one minute to the next (the serial compute of one profile to the next is
-// printed, so the drift is visible). The prediction is the simulation's step, which on the
-// host backend includes what the compute kernels lose to the copy threads and the CPU Adam on
-// the same cores (`simulate::shared_core_seconds`, printed as "shared").
+// The prediction comes from profiles taken between the run's own steps: before each timed
+// step the host is profiled once (one timed run per op and per copy direction), and the
+// schedule's step is predicted from the median of those profiles. On a shared virtual machine
+// the same op runs tens of percent faster or slower from one minute to the next (on
+// 2026-12-02's AMD EPYC guest, one profile's serial compute read 0.557 s and the next, a
+// minute later, 0.435 s), so a profile taken apart from the run measures the drift more than
+// the model; profiles and steps that alternate see the machine alike. `FIDELITY_INTERLEAVE=0`
+// profiles once per round instead, just before the round's runs (the method of the README's
+// earlier tables). The prediction is the simulation's step, which on the host backend
+// includes what the compute kernels lose to the copy threads and the CPU Adam on the same
+// cores (`simulate::shared_core_seconds`, printed as "shared"). `FIDELITY_CONTENTION=N` first
+// measures that loss directly (see `contention`), N times alternating.
 //
 // `cargo bench --bench fidelity`. Environment: `FIDELITY_LAYERS`, `FIDELITY_HIDDEN`,
 // `FIDELITY_BATCH`, `FIDELITY_SEQ`, `FIDELITY_STEPS` (timed steps per run, default 9; the
@@ -38,14 +43,27 @@ use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::collections::BTreeMap;
 
-/// Measured median step seconds and per-stream busy seconds over `steps` steps after one
-/// warm-up step, and the median over those steps of the seconds per (stream, op mnemonic or
-/// copy).
+/// What one schedule's run measured.
+struct Run {
+    /// Median step seconds.
+    step: f64,
+    /// Median busy seconds per stream.
+    busy: Vec<f64>,
+    /// Median seconds per (stream, op mnemonic or copy).
+    by_kind: BTreeMap<(usize, String), f64>,
+    /// The profiles taken between its steps, when interleaved.
+    profiles: Vec<Profiled>,
+}
+
+/// Runs `steps` steps after one warm-up step; with `interleave`, profiles the host (one timed
+/// run per op) before each timed step, so that the profiles and the steps see the machine at
+/// the same moments.
 fn run(
     schedule: &VerifiedSchedule,
     vocab: usize,
     steps: usize,
-) -> (f64, Vec<f64>, BTreeMap<(usize, String), f64>) {
+    interleave: Option<(&[Graph], &ProfileOptions)>,
+) -> Run {
     let mut executor = Executor::new(schedule).expect("the schedule runs on the host");
     executor
         .load_params(&init_params(&schedule.graph, 1))
@@ -59,7 +77,11 @@ fn run(
     let mut busy: Vec<Vec<f64>> = vec![Vec::new(); schedule.streams.len()];
     let mut kinds: BTreeMap<(usize, String), Vec<f64>> = BTreeMap::new();
     executor.set_tracing(true);
+    let mut profiles = Vec::new();
     for step in 0..=steps {
+        if let (Some((graphs, options)), true) = (interleave, step > 0) {
+            profiles.push(profile_both(graphs, options));
+        }
         executor.step(&[x, y]).expect("a step runs");
         if step == 0 {
             continue;
@@ -79,12 +101,41 @@ fn run(
             b.push(s);
         }
     }
-    let by_kind = kinds.into_iter().map(|(k, v)| (k, median(v))).collect();
-    (
-        median(walls),
-        busy.into_iter().map(median).collect(),
-        by_kind,
-    )
+    Run {
+        step: median(walls),
+        busy: busy.into_iter().map(median).collect(),
+        by_kind: kinds.into_iter().map(|(k, v)| (k, median(v))).collect(),
+        profiles,
+    }
+}
+
+/// The median of several profiles of one machine: every measured figure (op times by key,
+/// bandwidths, rates, launch overhead, peaks) is the median of its values, the rest is the
+/// first profile's.
+fn median_profile(profiles: &[Profiled]) -> HardwareProfile {
+    let figure = |f: &dyn Fn(&HardwareProfile) -> f64| {
+        median(profiles.iter().map(|p| f(&p.profile)).collect())
+    };
+    let mut out = profiles[0].profile.clone();
+    out.peak_flops.f32 = figure(&|p| p.peak_flops.f32);
+    out.peak_flops.bf16 = figure(&|p| p.peak_flops.bf16);
+    out.peak_flops.f16 = figure(&|p| p.peak_flops.f16);
+    out.device_bandwidth = figure(&|p| p.device_bandwidth);
+    out.h2d_bandwidth = figure(&|p| p.h2d_bandwidth);
+    out.d2h_bandwidth = figure(&|p| p.d2h_bandwidth);
+    out.host_memcpy_bandwidth = figure(&|p| p.host_memcpy_bandwidth);
+    out.launch_overhead_s = figure(&|p| p.launch_overhead_s);
+    out.cpu_adam_params_per_s = figure(&|p| p.cpu_adam_params_per_s);
+    out.gpu_adam_params_per_s = figure(&|p| p.gpu_adam_params_per_s);
+    for op in &mut out.measured_ops {
+        op.seconds = median(
+            profiles
+                .iter()
+                .filter_map(|p| p.profile.measured(&op.key))
+                .collect(),
+        );
+    }
+    out
 }
 
 /// An instruction's op mnemonic, or `copy`.
@@ -123,8 +174,119 @@ fn profile_both(graphs: &[Graph], options: &ProfileOptions) -> Profiled {
     profiled
 }
 
+/// What the compute kernels lose to a CPU Adam or a `memcpy` running beside them on the same
+/// cores: the serial compute of `graph` timed in place alone, beside a loop of host AdamW steps
+/// (`FIDELITY_ADAM_PARAMS` parameters each), and beside a loop of 64 MiB copies, `rounds`
+/// times each, alternating so that the machine's drift falls on all three alike. Prints, per
+/// neighbour, the compute's slowdown and its cost per second of the neighbour's own work (at
+/// its isolated rate) that overlapped it: the factor the simulator's sharing term
+/// (`simulate::shared_core_seconds`) assumes to be 1 for the Adam and 1 for a copy (one core
+/// of the host profile's).
+fn contention(graph: &Graph, rounds: usize) {
+    use protrain::runtime::kernels::{adamw_step, AdamWConfig};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::Instant;
+    let params = env("FIDELITY_ADAM_PARAMS", 4usize << 20);
+    let copy_bytes = 64usize << 20;
+    let options = ProfileOptions {
+        repeats: 1,
+        copy_repeats: 1,
+        ..ProfileOptions::default()
+    };
+    // Isolated rates: Adam steps and copies per second.
+    let adam_rate = protrain::runtime::profiler::measure_adam(params, 5) / params as f64;
+    let copy_rate =
+        protrain::runtime::profiler::measure_memcpy(copy_bytes as u64, 5) / copy_bytes as f64;
+    // The neighbours' operands, allocated and touched once, outside the timed windows.
+    let (mut p, g) = (vec![0.1f32; params], vec![0.01f32; params]);
+    let (mut m, mut v) = (vec![0.0f32; params], vec![0.0f32; params]);
+    let (src, mut dst) = (vec![1u8; copy_bytes], vec![0u8; copy_bytes]);
+    let config = AdamWConfig::default();
+    let mut step = 0;
+    // Serial compute seconds, and the neighbour's isolated seconds per wall second.
+    let mut timed = |neighbour: u8| -> (f64, f64) {
+        let stop = AtomicBool::new(false);
+        let done = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            if neighbour > 0 {
+                scope.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        match neighbour {
+                            1 => {
+                                step += 1;
+                                adamw_step(&mut p, &g, &mut m, &mut v, step, &config)
+                            }
+                            _ => dst.copy_from_slice(std::hint::black_box(&src)),
+                        }
+                        std::hint::black_box(&mut dst);
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+            let began = Instant::now();
+            let profiled = profile_host(graph, &options).expect("profiling");
+            let wall = began.elapsed().as_secs_f64();
+            stop.store(true, Ordering::Relaxed);
+            let units = done.load(Ordering::Relaxed) as f64;
+            let rate = if neighbour == 1 { adam_rate } else { copy_rate };
+            (profiled.graph_seconds, units / rate / wall)
+        })
+    };
+    let mut samples: [Vec<(f64, f64)>; 3] = Default::default();
+    for _ in 0..rounds {
+        for (neighbour, s) in samples.iter_mut().enumerate() {
+            s.push(timed(neighbour as u8));
+        }
+    }
+    let alone = median(samples[0].iter().map(|s| s.0).collect());
+    println!(
+        "contention: serial compute alone {alone:.4} s (median of {rounds}); Adam {:.0} M \
+         params/s, memcpy {:.1} GB/s alone",
+        adam_rate * params as f64 / 1e6,
+        copy_rate * copy_bytes as f64 / 1e9
+    );
+    for (name, s) in ["beside CPU Adam", "beside memcpy"]
+        .iter()
+        .zip(&samples[1..])
+    {
+        let shared = median(s.iter().map(|s| s.0).collect());
+        let duty = median(s.iter().map(|s| s.1).collect());
+        // Compute lost per second of the neighbour's isolated work that overlapped it.
+        let factor = (shared - alone) / (duty * shared);
+        println!(
+            "  {name:<16} {shared:.4} s ({:+.1}%), neighbour did {:.2} s of isolated work per \
+             second: compute loses {factor:.2} s per second of it",
+            error_pct(shared, alone),
+            duty
+        );
+    }
+}
+
 fn error_pct(predicted: f64, measured: f64) -> f64 {
     (predicted - measured) / measured * 100.0
+}
+
+/// One line on the profile that predicts the next run: its serial compute (the median of
+/// `profiles`' and their range when several) against the first profile's, copies and Adam.
+fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled], first: f64) {
+    let serial: Vec<f64> = profiles.iter().map(|p| p.graph_seconds).collect();
+    let (lo, hi) = serial.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &s| {
+        (lo.min(s), hi.max(s))
+    });
+    let serial = median(serial);
+    let range = if profiles.len() > 1 {
+        format!(" (median of {}, {lo:.4}-{hi:.4})", profiles.len())
+    } else {
+        String::new()
+    };
+    println!(
+        "{label}: {serial:.4} s serial compute{range}, {:+.1}% against the first; copies \
+         {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
+        error_pct(serial, first),
+        profile.h2d_bandwidth / 1e9,
+        profile.d2h_bandwidth / 1e9,
+        profile.cpu_adam_params_per_s / 1e6,
+    );
 }
 
 fn main() {
@@ -248,30 +410,65 @@ fn main() {
         }
     }
 
+    if env("FIDELITY_CONTENTION", 0usize) > 0 {
+        contention(graph, env("FIDELITY_CONTENTION", 0usize));
+    }
     let runs = env("FIDELITY_RUNS", 2usize);
     let by_op = env("FIDELITY_BY_OP", 0u8) == 1;
+    let interleave = env("FIDELITY_INTERLEAVE", 1u8) == 1;
+    // Between steps: one timed run per op and per copy direction, the median over the steps.
+    let step_options = ProfileOptions {
+        repeats: 1,
+        copy_repeats: 1,
+        ..profile_options.clone()
+    };
     let mut worst: f64 = 0.0;
     for round in 1..=runs {
-        // This round's profile, taken now, predicts this round's steps.
-        let profiled = profile_both(&graphs, &profile_options);
-        let cost = cost_model(&profiled.profile);
-        let cores = cost.host_cores().unwrap_or(f64::INFINITY);
-        println!(
-            "run {round} profile: {:.4} s serial compute ({:+.1}% against the first), copies \
-             {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
-            profiled.graph_seconds,
-            error_pct(profiled.graph_seconds, first_serial),
-            profiled.profile.h2d_bandwidth / 1e9,
-            profiled.profile.d2h_bandwidth / 1e9,
-            profiled.profile.cpu_adam_params_per_s / 1e6,
-        );
+        // Not interleaved: this round's profile, taken now, predicts this round's steps.
+        let round_profile = (!interleave).then(|| {
+            let profiled = profile_both(&graphs, &profile_options);
+            print_profile(
+                &format!("run {round} profile"),
+                &profiled.profile,
+                &[&profiled],
+                first_serial,
+            );
+            profiled.profile
+        });
         for schedule in compiled
             .iter()
             .map(|c| &c.schedule)
             .chain([&resident.schedule])
         {
+            let measured_run = run(
+                schedule,
+                config.vocab_size as usize,
+                steps,
+                interleave.then_some((&graphs[..], &step_options)),
+            );
+            let profile = match &round_profile {
+                Some(profile) => profile.clone(),
+                None => {
+                    let profile = median_profile(&measured_run.profiles);
+                    let all: Vec<&Profiled> = measured_run.profiles.iter().collect();
+                    print_profile(
+                        &format!("run {round} profiles between its steps"),
+                        &profile,
+                        &all,
+                        first_serial,
+                    );
+                    profile
+                }
+            };
+            let cost = cost_model(&profile);
+            let cores = cost.host_cores().unwrap_or(f64::INFINITY);
             let simulation = simulate(schedule, cost.as_ref()).expect("a verified schedule");
-            let (measured, busy, measured_kinds) = run(schedule, config.vocab_size as usize, steps);
+            let Run {
+                step: measured,
+                busy,
+                by_kind: measured_kinds,
+                ..
+            } = measured_run;
             let predicted = simulation.step_seconds;
             // Overlap arithmetic can leave -0.0 where nothing overlaps.
             let shared = shared_core_seconds(&simulation.timeline, cores).max(0.0);
