@@ -186,9 +186,10 @@
 //! Session 13, on another machine (a 2-core AMD EPYC guest, AVX2, idle): release binary,
 //! three runs each, (user + sys) / layers: 64 layers 5.5-8.4 ms, 128 5.4-5.9, 256 6.6-7.0,
 //! 512 7.2-8.0, 1,024 9.5-12.6 ms (user 8.9-11.7 s, max RSS 661-728 MiB). Where the growth
-//! is, by `perf record` (cpu-clock, user and kernel): the planner's own functions are 17% of
-//! the samples at 64 layers (1.8 ms a layer) and 31% at 1,024 (4.0 ms a layer); the other
-//! passes together stay at 8.7-8.8 ms a layer. With best fit by size x lifetime switched off
+//! is, by `perf record` (cpu-clock, user and kernel, 10.5 ms a layer at 64 layers and 12.8 at
+//! 1,024): the planner's own functions are 17% of the samples at 64 layers (1.8 ms a layer)
+//! and 28% at 1,024 (3.6 ms a layer, and 3.4% more in the stable sort it calls); everything
+//! else goes from 8.7 to 9.2 ms a layer. With best fit by size x lifetime switched off
 //! (an experiment, not kept) 1,024 layers took 6.6-7.1 s user against 9.7-10.4, and 128
 //! layers 0.60-0.66 against 0.85-0.88: that strategy is a third of the deep compile.
 //!
