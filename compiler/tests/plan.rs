@@ -139,6 +139,35 @@ fn plan_in_the_lower_bounds_granule_is_kept() {
     assert_eq!(plan.lower_bound_bytes, 1540);
 }
 
+/// By size ends 4 bytes above the lower bound, one granule above it but within one part in
+/// [`plan::OPTIMALITY_GAP`], so by size x lifetime, which would end on the bound, is not run:
+/// the plan kept is 4 bytes (0.0001%) larger than running every order would give.
+#[test]
+fn plan_within_the_optimality_gap_is_kept() {
+    let intervals = [
+        Interval::new(4 * MIB, 256, 0, 6),
+        Interval::new(768, 256, 1, 1),
+        Interval::new(512, 256, 2, 5),
+        Interval::new(768, 256, 5, 5),
+        Interval::new(4, 256, 0, 4),
+        Interval::new(4, 256, 2, 4),
+    ];
+    let by = |strategy| plan_offsets_with(&intervals, strategy).arena_bytes;
+    let [by_size, by_start, by_area] = plan::Strategy::ALL.map(by);
+    let bound = 4 * MIB + 1280;
+    assert_eq!(
+        (by_size, by_start, by_area),
+        (bound + 4, bound + 256, bound)
+    );
+    let plan = plan_offsets(&intervals);
+    check_plan(&intervals, &plan).unwrap();
+    assert_eq!(plan.strategy, plan::Strategy::BySize);
+    assert_eq!(
+        (plan.arena_bytes, plan.lower_bound_bytes),
+        (bound + 4, bound)
+    );
+}
+
 #[test]
 fn plan_zero_sized_buffers_take_no_space() {
     let plan = check(
@@ -244,10 +273,17 @@ proptest! {
             each.push(one);
         }
         // Exactly the first of the smallest, offset for offset: a strategy that stops once it
-        // cannot win, or is skipped because by start is in the lower bound's granule, must
-        // never change which plan is kept.
+        // cannot win must never change which plan is kept. Best fit by size x lifetime, skipped
+        // when the better of the other two is close to the lower bound, is the one exception,
+        // and then the plan kept is within `OPTIMALITY_GAP` of the bound.
+        let first_two = each[..2].iter().min_by_key(|p| granules(p)).unwrap().clone();
         let first_smallest = each.into_iter().min_by_key(granules).unwrap();
-        prop_assert_eq!(plan, first_smallest);
+        if plan != first_smallest {
+            prop_assert_eq!(&plan, &first_two);
+            prop_assert_eq!(first_smallest.strategy, plan::Strategy::ByArea);
+            let gap = plan.arena_bytes - plan.lower_bound_bytes;
+            prop_assert!(gap <= plan.lower_bound_bytes / plan::OPTIMALITY_GAP);
+        }
     }
 
     #[test]
