@@ -174,37 +174,49 @@ fn profile_both(graphs: &[Graph], options: &ProfileOptions) -> Profiled {
     profiled
 }
 
-/// What the compute kernels lose to a CPU Adam or a `memcpy` running beside them on the same
-/// cores: the serial compute of `graph` timed in place alone, beside a loop of host AdamW steps
-/// (`FIDELITY_ADAM_PARAMS` parameters each), and beside a loop of 64 MiB copies, `rounds`
-/// times each, alternating so that the machine's drift falls on all three alike. Prints, per
-/// neighbour, the compute's slowdown and its cost per second of the neighbour's own work (at
-/// its isolated rate) that overlapped it: the factor the simulator's sharing term
-/// (`simulate::shared_core_seconds`) assumes to be 1 for the Adam and 1 for a copy (one core
-/// of the host profile's).
+/// What the compute kernels lose to the other streams' threads on the same cores: the serial
+/// compute of `graph` timed in place alone, beside a loop of host AdamW steps
+/// (`FIDELITY_ADAM_PARAMS` parameters each), beside a loop of 64 MiB copies, and beside a
+/// thread that only wakes (every 200 us, for 20 us of work), `rounds` times each, alternating
+/// so that the machine's drift falls on all four alike. Prints, per neighbour, the compute's
+/// slowdown, and its cost per second of the neighbour's own work (at its isolated rate) that
+/// overlapped it: the factor that the simulator's sharing term
+/// (`simulate::shared_core_seconds`) takes as 1 for the Adam, and for a copy as 1 / cores (a
+/// measured profile) or 1 (the host preset). The waking thread's cost is per wake-up: what a
+/// kernel split over every core loses when a thread takes one of them for a moment.
 fn contention(graph: &Graph, rounds: usize) {
     use protrain::runtime::kernels::{adamw_step, AdamWConfig};
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
+    const NEIGHBOURS: [&str; 4] = [
+        "alone",
+        "beside CPU Adam",
+        "beside memcpy",
+        "beside wake-ups",
+    ];
     let params = env("FIDELITY_ADAM_PARAMS", 4usize << 20);
     let copy_bytes = 64usize << 20;
+    let (nap, work) = (Duration::from_micros(200), Duration::from_micros(20));
     let options = ProfileOptions {
         repeats: 1,
         copy_repeats: 1,
         ..ProfileOptions::default()
     };
-    // Isolated rates: Adam steps and copies per second.
-    let adam_rate = protrain::runtime::profiler::measure_adam(params, 5) / params as f64;
-    let copy_rate =
-        protrain::runtime::profiler::measure_memcpy(copy_bytes as u64, 5) / copy_bytes as f64;
+    // Isolated seconds of one unit of each neighbour's work: an Adam step, a copy, a wake-up.
+    let unit_seconds = [
+        0.0,
+        params as f64 / protrain::runtime::profiler::measure_adam(params, 5),
+        copy_bytes as f64 / protrain::runtime::profiler::measure_memcpy(copy_bytes as u64, 5),
+        work.as_secs_f64(),
+    ];
     // The neighbours' operands, allocated and touched once, outside the timed windows.
     let (mut p, g) = (vec![0.1f32; params], vec![0.01f32; params]);
     let (mut m, mut v) = (vec![0.0f32; params], vec![0.0f32; params]);
     let (src, mut dst) = (vec![1u8; copy_bytes], vec![0u8; copy_bytes]);
     let config = AdamWConfig::default();
     let mut step = 0;
-    // Serial compute seconds, and the neighbour's isolated seconds per wall second.
-    let mut timed = |neighbour: u8| -> (f64, f64) {
+    // Serial compute seconds, and the neighbour's units of work per wall second.
+    let mut timed = |neighbour: usize| -> (f64, f64) {
         let stop = AtomicBool::new(false);
         let done = AtomicU64::new(0);
         std::thread::scope(|scope| {
@@ -216,7 +228,14 @@ fn contention(graph: &Graph, rounds: usize) {
                                 step += 1;
                                 adamw_step(&mut p, &g, &mut m, &mut v, step, &config)
                             }
-                            _ => dst.copy_from_slice(std::hint::black_box(&src)),
+                            2 => dst.copy_from_slice(std::hint::black_box(&src)),
+                            _ => {
+                                std::thread::sleep(nap);
+                                let woke = Instant::now();
+                                while woke.elapsed() < work {
+                                    std::hint::spin_loop();
+                                }
+                            }
                         }
                         std::hint::black_box(&mut dst);
                         done.fetch_add(1, Ordering::Relaxed);
@@ -227,37 +246,40 @@ fn contention(graph: &Graph, rounds: usize) {
             let profiled = profile_host(graph, &options).expect("profiling");
             let wall = began.elapsed().as_secs_f64();
             stop.store(true, Ordering::Relaxed);
-            let units = done.load(Ordering::Relaxed) as f64;
-            let rate = if neighbour == 1 { adam_rate } else { copy_rate };
-            (profiled.graph_seconds, units / rate / wall)
+            (
+                profiled.graph_seconds,
+                done.load(Ordering::Relaxed) as f64 / wall,
+            )
         })
     };
-    let mut samples: [Vec<(f64, f64)>; 3] = Default::default();
+    let mut samples: [Vec<(f64, f64)>; 4] = Default::default();
     for _ in 0..rounds {
         for (neighbour, s) in samples.iter_mut().enumerate() {
-            s.push(timed(neighbour as u8));
+            s.push(timed(neighbour));
         }
     }
     let alone = median(samples[0].iter().map(|s| s.0).collect());
     println!(
         "contention: serial compute alone {alone:.4} s (median of {rounds}); Adam {:.0} M \
          params/s, memcpy {:.1} GB/s alone",
-        adam_rate * params as f64 / 1e6,
-        copy_rate * copy_bytes as f64 / 1e9
+        params as f64 / unit_seconds[1] / 1e6,
+        copy_bytes as f64 / unit_seconds[2] / 1e9
     );
-    for (name, s) in ["beside CPU Adam", "beside memcpy"]
-        .iter()
-        .zip(&samples[1..])
-    {
+    for (neighbour, s) in samples.iter().enumerate().skip(1) {
         let shared = median(s.iter().map(|s| s.0).collect());
-        let duty = median(s.iter().map(|s| s.1).collect());
-        // Compute lost per second of the neighbour's isolated work that overlapped it.
-        let factor = (shared - alone) / (duty * shared);
+        let per_second = median(s.iter().map(|s| s.1).collect());
+        let lost = shared - alone;
+        // The neighbour's isolated work that overlapped the timed compute.
+        let units = per_second * shared;
         println!(
-            "  {name:<16} {shared:.4} s ({:+.1}%), neighbour did {:.2} s of isolated work per \
-             second: compute loses {factor:.2} s per second of it",
+            "  {:<16} {shared:.4} s ({:+.1}%): {units:.0} units of work beside it, {:.2} s \
+             of its isolated work per second; compute loses {:.2} s per second of it, {:.1} us \
+             per unit",
+            NEIGHBOURS[neighbour],
             error_pct(shared, alone),
-            duty
+            per_second * unit_seconds[neighbour],
+            lost / (units * unit_seconds[neighbour]),
+            lost / units * 1e6,
         );
     }
 }
