@@ -280,16 +280,22 @@ pub fn plan_offsets(intervals: &[Interval]) -> Plan {
 /// plans.
 pub const OPTIMALITY_GAP: u64 = 10_000;
 
-/// The unit in which [`plan_offsets`] compares arenas: the coarsest alignment of any buffer (1
-/// if none asks for one; 256 bytes in a schedule, which is also the alignment the runtime
-/// allocates its regions with). Two arenas that round up to the same multiple of it are equally
-/// good: the bytes between them could hold no further buffer of that alignment. Counting in it
+/// The unit in which [`plan_offsets`] compares arenas: the coarsest alignment of any buffer
+/// that takes bytes (1 if none asks for one; 256 bytes in a schedule, which is also the
+/// alignment the runtime allocates its regions with). Two arenas that round up to the same
+/// multiple of it are equally good: the bytes between them could hold no further buffer of
+/// that alignment. Counting in it
 /// lets a plan be known optimal, and the other orders be skipped, once it is in the lower
 /// bound's granule: the lower bound counts live bytes without the padding that alignment
 /// forces (a 4-byte scalar beside 256-byte-aligned buffers), so an arena a few bytes above it
 /// is often the best any order can do.
 pub fn granule(intervals: &[Interval]) -> u64 {
-    intervals.iter().map(Interval::alignment).max().unwrap_or(1)
+    intervals
+        .iter()
+        .filter(|b| b.occupies())
+        .map(Interval::alignment)
+        .max()
+        .unwrap_or(1)
 }
 
 /// [`plan_offsets`] with one ordering only: for comparing strategies, and for callers that know
