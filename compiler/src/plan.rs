@@ -195,10 +195,11 @@ impl fmt::Display for Plan {
 ///
 /// By size x lifetime is the expensive one on deep graphs: it places long-lived buffers out of
 /// nesting order, and each later long span reads hundreds of scattered ranges, where the other
-/// two read tens, so its cost grows faster than the number of buffers. The other two come
-/// within a constant few kilobytes of the bound on such graphs (alignment padding, a few small
-/// buffers), a gap that shrinks against an arena growing with depth, so it is skipped where it
-/// costs the most. On the depth benchmark (`benches/compile_depth.rs`) by start ends 252 bytes
+/// two read tens, so its cost grows faster than the number of buffers. On such graphs the
+/// other two end a gap above the bound that does not grow with depth (alignment padding, a few
+/// holes: 252 bytes on the depth benchmark, 236 KiB on a LLaMA of its size under a tight
+/// budget), which shrinks against an arena growing with depth, so it is skipped where it costs
+/// the most, past a depth that depends on that gap. On the depth benchmark (`benches/compile_depth.rs`) by start ends 252 bytes
 /// above the bound, in its granule, on all 16 candidates at 256 to 1,024 layers. The result
 /// depends only on the input: no hashing, every sort has a total order, and a strategy that
 /// stops is one that would not have been kept.
@@ -260,16 +261,14 @@ pub fn plan_offsets(intervals: &[Interval]) -> Plan {
     // Above the lower bound's granule, so at least one granule: by size x lifetime stops at
     // the first byte count in it.
     let reached = (granules(&better) - 1) * granule + 1;
-    match plan_one(
+    plan_one(
         intervals,
         by_area,
         &starts,
         lower_bound_bytes,
         Some(reached),
-    ) {
-        Some(third) => third,
-        None => better,
-    }
+    )
+    .unwrap_or(better)
 }
 
 /// How close to the lower bound a plan must be for [`plan_offsets`] not to try best fit by size
@@ -284,11 +283,10 @@ pub const OPTIMALITY_GAP: u64 = 10_000;
 /// that takes bytes (1 if none asks for one; 256 bytes in a schedule, which is also the
 /// alignment the runtime allocates its regions with). Two arenas that round up to the same
 /// multiple of it are equally good: the bytes between them could hold no further buffer of
-/// that alignment. Counting in it
-/// lets a plan be known optimal, and the other orders be skipped, once it is in the lower
-/// bound's granule: the lower bound counts live bytes without the padding that alignment
-/// forces (a 4-byte scalar beside 256-byte-aligned buffers), so an arena a few bytes above it
-/// is often the best any order can do.
+/// that alignment. Counting in it lets a plan be known optimal, and the other orders be
+/// skipped, once it is in the lower bound's granule: the lower bound counts live bytes without
+/// the padding that alignment forces (a 4-byte scalar beside 256-byte-aligned buffers), so an
+/// arena a few bytes above it is often the best any order can do.
 pub fn granule(intervals: &[Interval]) -> u64 {
     intervals
         .iter()
