@@ -271,6 +271,46 @@
 //! where several lists interleave. At the peak, the by-size plan's 236 KiB above the bound are
 //! two holes (11.5 and 224 KiB) that live buffers of 2 to 8 KiB could have filled, so no
 //! tighter lower bound would prove it optimal either.
+//!
+//! Session 15: best fit no longer merges (or concatenates and sorts) the unions a query reads.
+//! Each union in turn cuts the free space still big enough for the buffer, the longest union
+//! first, galloping past the ranges and the free windows that do not meet
+//! (`plan::best_hole_across`), and empty unions are not named. Counted on the tight LLaMA at
+//! 1,024 layers, one candidate: by size x lifetime's long spans read 576 ranges from about 14
+//! unions, the longest (181 ranges) leaves 171 windows, and the rest cut them down to 26-50;
+//! half its queries end on top of everything. Per strategy, one thread, the search's 16 plans
+//! (best fit only), two alternating runs each:
+//!
+//! | case | by start | by size | by size x lifetime |
+//! |---|---:|---:|---:|
+//! | LLaMA 1,024, before | 902-919 ms | 1,012-1,055 | 3,213-3,397 |
+//! | LLaMA 1,024, after  | 900-906    | 1,031-1,045 | 2,268-2,618 |
+//! | LLaMA 256, before   | 211-219    | 187-194     | 294-300     |
+//! | LLaMA 256, after    | 206-218    | 181-195     | 237-256     |
+//! | GPT-2 1,024, before | 573-585    | 683-706     | (skipped)   |
+//! | GPT-2 1,024, after  | 568-587    | 674-693     | (skipped)   |
+//!
+//! The whole LLaMA compile (5/8 MiB a layer, release binary, three alternating runs, (user +
+//! sys) s): 64 layers 0.30-0.35 -> 0.29-0.35, 128 0.64-0.67 -> 0.62-0.77, 256 1.44-1.59 ->
+//! 1.35-1.42, 512 5.08-5.28 -> 4.57-5.18, 1,024 8.91-9.54 -> 7.54-8.06; schedules
+//! byte-identical. So 4.5, 4.8, 5.3, 8.9 and 7.4 ms a layer: 1.6x a layer from 64 to 1,024
+//! layers (1.85x before in the same runs). 512 layers is the outlier because its search
+//! compiles 11 candidates against 5 or 6 at the other depths. The same tiny Mistral (sliding
+//! window 8) behaves as the LLaMA (0.38, 1.41 and 9.1 s at 64, 256 and 1,024 layers); an OPT
+//! of these dimensions takes 0.32, 1.24 and 6.2 s (1.25x a layer).
+//!
+//! What is left of by size x lifetime's growth there, counted: half its time is in bringing
+//! the ancestors' unions up to date (it merged 7.1 million ranges at 1,024 layers against 0.54
+//! million at 256, 13x for 4x: the unions fragment, 157 ranges a merge against 39), the rest
+//! in the cut itself. Tried and not kept:
+//! - reading the ancestors' own unions instead of the stale cached one, the first time a
+//!   node's union is read at a version (as the hole index waits for a second read): merges
+//!   went only from 44,892 to 39,282, since most stale reads come back at the same version;
+//! - a sound early stop: the arena can end no lower than any unplaced buffer's lowest free
+//!   offset now, plus its size. Probing the 32 largest unplaced buffers every 250 placements
+//!   never fired: the arena creeps up to the bound through small placements on top (824.4 MB
+//!   after 5,000 buffers, 828.6 after 10,000, 832.4 after 20,000, against a bound of 832.76),
+//!   and the largest buffers always find room below it.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use protrain_compiler::cost::cost_model;

@@ -224,7 +224,7 @@ impl fmt::Display for Plan {
 /// dimensions, 5/8 MiB a layer; see `benches/compile_depth.rs`): its long spans read about 576
 /// ranges each from 14 unions at 1,024 layers, of which the longest leaves about 170 windows
 /// that the rest cut down. Cutting rather than merging and sorting took its 16 plans there
-/// from 3.05-3.20 s to 2.06-2.32 s (one thread), with the other two orders 0-10% faster.
+/// from 3.21-3.40 s to 2.27-2.62 s (one thread), the other two orders unchanged.
 ///
 /// The ancestors' union is what fragments with depth: by size x lifetime on a 1,024-layer
 /// GPT-2, the long-lived buffers placed first leave a union of about 220 holes around a
