@@ -972,9 +972,10 @@ impl<'a> Occupancy<'a> {
         }
     }
 
-    /// The bytes of recorded buffers live with `b`: names in `lists` the unions below its span
-    /// and along it (empty ones left out), and returns the nodes whose path unions (see
-    /// [`path_and_holes`](Self::path_and_holes)) hold the rest, brought up to date.
+    /// The bytes of recorded buffers live with `b`: names in `lists` the unions at and below
+    /// its span's canonical nodes and, where one path union is read, the own unions of their
+    /// ancestors below the meeting node (empty unions left out); returns the nodes whose path
+    /// unions (see [`path_and_holes`](Self::path_and_holes)) hold the rest, brought up to date.
     ///
     /// The ancestors of the canonical nodes lie on two root-to-leaf paths, one per end of the
     /// span, through the deepest parents of canonical nodes; above the point where the two meet
