@@ -975,7 +975,7 @@ impl<'a> Occupancy<'a> {
     /// The bytes of recorded buffers live with `b`: names in `lists` the unions at and below
     /// its span's canonical nodes and, where one path union is read, the own unions of their
     /// ancestors below the meeting node (empty unions left out); returns the nodes whose path
-    /// unions (see [`path_and_holes`](Self::path_and_holes)) hold the rest, brought up to date.
+    /// unions (`path`) hold the rest, brought up to date.
     ///
     /// The ancestors of the canonical nodes lie on two root-to-leaf paths, one per end of the
     /// span, through the deepest parents of canonical nodes; above the point where the two meet
@@ -1046,12 +1046,6 @@ impl<'a> Occupancy<'a> {
         out.sort();
     }
 
-    /// Whether the path union of node `v` is indexed by hole size, after a
-    /// [`taken`](Self::taken) that returned `v` (indexing it on its second read).
-    fn indexed(&mut self, v: usize) -> bool {
-        self.path_and_holes(v).1.is_some()
-    }
-
     /// Best fit for `size` bytes at `align` against the unions named by the last
     /// [`taken`](Self::taken) and the path unions of `ancestors`, read by
     /// [`best_hole_across`], the longest first.
@@ -1074,23 +1068,24 @@ impl<'a> Occupancy<'a> {
         offset
     }
 
-    /// The union of what is recorded at node `v` and its ancestors, as of the last
-    /// [`taken`](Self::taken) that named `v`, and its holes by size if indexed.
-    fn path_and_holes(&mut self, v: usize) -> (&[(u64, u64)], Option<&[Hole]>) {
+    /// Whether `holes[v]` indexes `path[v]` (the union of what is recorded at node `v` and its
+    /// ancestors, as of the last [`taken`](Self::taken) that named `v`) by hole size, indexing
+    /// a long union the second time it is read unchanged.
+    fn indexed(&mut self, v: usize) -> bool {
         let at = self.computed[v];
         if self.path[v].len() < HOLE_INDEX_MIN {
-            return (&self.path[v], None);
+            return false;
         }
         if self.holes_at[v] != at {
             if self.read_at[v] != at {
                 // Read once at this version: a walk costs no more than indexing it would.
                 self.read_at[v] = at;
-                return (&self.path[v], None);
+                return false;
             }
             holes_of(&self.path[v], &mut self.holes[v]);
             self.holes_at[v] = at;
         }
-        (&self.path[v], Some(&self.holes[v]))
+        true
     }
 }
 
@@ -1308,7 +1303,7 @@ mod tests {
                 assert!(got.is_sorted());
                 match ancestors {
                     Ancestors::None => {}
-                    Ancestors::One(m) => got.extend_from_slice(index.path_and_holes(m).0),
+                    Ancestors::One(m) => got.extend_from_slice(&index.path[m]),
                     Ancestors::Two(m, n) => {
                         got.extend_from_slice(&index.path[m]);
                         got.extend_from_slice(&index.path[n]);
