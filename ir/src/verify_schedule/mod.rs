@@ -6,7 +6,8 @@
 //! (`stream compute #12`), counted as the printer counts them; buffers are named as the
 //! printer numbers them ([`BufferNumbering`]).
 //!
-//! Structure (`structure.rs`): what each part of the schedule says, one part at a time.
+//! Structure (`structure.rs`, with each instruction kind's ids check in `instrs.rs`): what each
+//! part of the schedule says, one part at a time.
 //!
 //! 1. **graph**: the placed graph verifies ([`verify_graph`]). Checked first, because every
 //!    other check reads the graph.
@@ -182,6 +183,7 @@
 
 mod dataflow;
 mod events;
+mod instrs;
 mod memory;
 mod structure;
 

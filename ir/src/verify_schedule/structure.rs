@@ -4,10 +4,8 @@
 use super::{Checker, InstrRef, Invariant, ScheduleError};
 use crate::ids::{BufferId, OpId};
 use crate::op::OpKind;
-use crate::print_schedule::{copy_label, space_name, stream_kind_name};
-use crate::schedule::{
-    BufferKind, CopyKind, Instr, ShardPart, Space, StreamKind, TensorRef, FORMAT_VERSION,
-};
+use crate::print_schedule::space_name;
+use crate::schedule::{BufferKind, Instr, ShardPart, Space, StreamKind, TensorRef, FORMAT_VERSION};
 use crate::types::format_bytes;
 use crate::workspace::WORKSPACE_ALIGN;
 
@@ -24,16 +22,32 @@ impl Checker<'_> {
     // 2. ids ------------------------------------------------------------------------------
 
     pub(super) fn ids(&self) -> Result<(), ScheduleError> {
-        let (s, g) = (self.s, self.g);
-        let bad = |msg: String| Err(self.fail(Invariant::Ids, None, msg));
+        let table = |msg: String| self.fail(Invariant::Ids, None, msg);
+        self.stream_ids().map_err(table)?;
+        self.chunk_ids().map_err(table)?;
+        let homed = self.home_ids().map_err(table)?;
+        let mastered = self.master_ids().map_err(table)?;
+        self.staged_ids(&homed, &mastered).map_err(table)?;
+        self.loss_ids().map_err(table)?;
+        for (r, instr) in self.instrs() {
+            let kind = self.s.streams[r.stream.index()].kind;
+            self.instr_ids(kind, instr)
+                .map_err(|msg| self.fail(Invariant::Ids, Some(r), msg))?;
+        }
+        Ok(())
+    }
+
+    /// The format version, and at most one collective stream, of at least two ranks.
+    fn stream_ids(&self) -> Result<(), String> {
+        let s = self.s;
         if s.header.format_version != FORMAT_VERSION {
-            return bad(format!(
+            return Err(format!(
                 "the header says format version {}, this build writes {FORMAT_VERSION}",
                 s.header.format_version
             ));
         }
         if s.streams.is_empty() {
-            return bad("the schedule has no stream".into());
+            return Err("the schedule has no stream".into());
         }
         let collectives: Vec<(u32, u32)> = s
             .streams
@@ -47,25 +61,27 @@ impl Checker<'_> {
             [] => {}
             [(gpus, nodes)] if gpus >= 1 && nodes >= 1 && gpus.saturating_mul(nodes) >= 2 => {}
             [(gpus, nodes)] => {
-                return bad(format!(
+                return Err(format!(
                     "the collective stream connects {gpus} GPUs x {nodes} nodes; a \
                      data-parallel schedule has at least 2 ranks"
                 ))
             }
             _ => {
-                return bad(format!(
+                return Err(format!(
                     "{} collective streams; a schedule has at most one",
                     collectives.len()
                 ))
             }
         }
-        let (n_buffers, n_chunks, n_values, n_ops, n_params) = (
-            s.buffers.len(),
-            s.chunks.len(),
-            g.values().len(),
-            g.op_count(),
-            g.params().len(),
-        );
+        Ok(())
+    }
+
+    /// Every buffer's chunk is in the chunk table; every chunk member's parameter is in the
+    /// graph, with its type's bytes.
+    fn chunk_ids(&self) -> Result<(), String> {
+        let (s, g) = (self.s, self.g);
+        let n_chunks = s.chunks.len();
+        let n_params = g.params().len();
         for (i, b) in s.buffers.iter().enumerate() {
             if let BufferKind::PersistentChunk { chunk }
             | BufferKind::HostChunk { chunk }
@@ -75,7 +91,7 @@ impl Checker<'_> {
             | BufferKind::HostShard { chunk, .. } = b.kind
             {
                 if chunk.index() >= n_chunks {
-                    return bad(format!(
+                    return Err(format!(
                         "{} ({}) belongs to {chunk}, but the chunk table has {n_chunks} chunks",
                         self.buf(BufferId::new(i)),
                         b.name
@@ -86,7 +102,7 @@ impl Checker<'_> {
         for (c, chunk) in s.chunks.iter() {
             for m in &chunk.members {
                 if m.param.index() >= n_params {
-                    return bad(format!(
+                    return Err(format!(
                         "{c} holds {}, but the graph has {n_params} parameters",
                         m.param
                     ));
@@ -94,29 +110,38 @@ impl Checker<'_> {
                 let p = g.param(m.param);
                 let want = g.value(p.value).ty.bytes();
                 if m.bytes != want {
-                    return bad(format!(
+                    return Err(format!(
                         "{c} gives @{} {} bytes, its type takes {want}",
                         p.name, m.bytes
                     ));
                 }
             }
         }
+        Ok(())
+    }
+
+    /// `homes` lists values without a producer, once each, in buffers that exist. Returns which
+    /// values have a home.
+    fn home_ids(&self) -> Result<Vec<bool>, String> {
+        let (s, g) = (self.s, self.g);
+        let n_buffers = s.buffers.len();
+        let n_values = g.values().len();
         let mut homed = vec![false; n_values];
         for &(v, t) in &s.homes {
             if v.index() >= n_values {
-                return bad(format!(
+                return Err(format!(
                     "homes lists {v}, but the graph has {n_values} values"
                 ));
             }
             if t.buffer.index() >= n_buffers {
-                return bad(format!(
+                return Err(format!(
                     "the home of {} is in {}, but there are {n_buffers} buffers",
                     self.name(v),
                     t.buffer
                 ));
             }
             if let Some(op) = g.value(v).producer {
-                return bad(format!(
+                return Err(format!(
                     "homes lists {}, which {} computes: only inputs, parameters and optimizer \
                      state have homes",
                     self.name(v),
@@ -124,19 +149,28 @@ impl Checker<'_> {
                 ));
             }
             if std::mem::replace(&mut homed[v.index()], true) {
-                return bad(format!("homes lists {} twice", self.name(v)));
+                return Err(format!("homes lists {} twice", self.name(v)));
             }
         }
+        Ok(homed)
+    }
+
+    /// `masters` lists narrow parameters, once each, in optimizer-state buffers, and every narrow
+    /// parameter AdamW updates has one. Returns which values have a master weight.
+    fn master_ids(&self) -> Result<Vec<bool>, String> {
+        let (s, g) = (self.s, self.g);
+        let n_buffers = s.buffers.len();
+        let n_values = g.values().len();
         let mut mastered = vec![false; n_values];
         for &(v, t) in &s.masters {
             if v.index() >= n_values {
-                return bad(format!(
+                return Err(format!(
                     "masters lists {v}, but the graph has {n_values} values"
                 ));
             }
             let ty = &g.value(v).ty;
             if g.param_of(v).is_none() || ty.dtype == crate::DType::F32 {
-                return bad(format!(
+                return Err(format!(
                     "masters lists {} ({ty}): only parameters narrower than f32 have an f32 \
                      master weight",
                     self.name(v)
@@ -151,7 +185,7 @@ impl Checker<'_> {
                     },
                 ) => {}
                 Some(kind) => {
-                    return bad(format!(
+                    return Err(format!(
                         "the master weight of {} is in {} ({kind:?}), not an optimizer-state \
                          buffer",
                         self.name(v),
@@ -159,7 +193,7 @@ impl Checker<'_> {
                     ))
                 }
                 None => {
-                    return bad(format!(
+                    return Err(format!(
                         "the master weight of {} is in {}, but there are {n_buffers} buffers",
                         self.name(v),
                         t.buffer
@@ -167,14 +201,14 @@ impl Checker<'_> {
                 }
             }
             if std::mem::replace(&mut mastered[v.index()], true) {
-                return bad(format!("masters lists {} twice", self.name(v)));
+                return Err(format!("masters lists {} twice", self.name(v)));
             }
         }
         for (_, op) in g.ops() {
             if let OpKind::AdamW { .. } = op.kind {
                 let p = op.inputs[0];
                 if g.value(p).ty.dtype != crate::DType::F32 && !mastered[p.index()] {
-                    return bad(format!(
+                    return Err(format!(
                         "AdamW updates {} ({}) but the schedule gives it no f32 master weight",
                         self.name(p),
                         g.value(p).ty
@@ -182,6 +216,16 @@ impl Checker<'_> {
                 }
             }
         }
+        Ok(mastered)
+    }
+
+    /// Every value without a producer has a home, but a staged chunk's parameters, which have a
+    /// master weight instead.
+    fn staged_ids(&self, homed: &[bool], mastered: &[bool]) -> Result<(), String> {
+        let (s, g) = (self.s, self.g);
+        let n_chunks = s.chunks.len();
+        let n_values = g.values().len();
+        let n_params = g.params().len();
         // The 12-byte layout: a staged chunk keeps no narrow copy of its parameters (each
         // upload is cast from the master weights), so they have master weights and no home.
         let mut staged = vec![false; n_values];
@@ -198,7 +242,7 @@ impl Checker<'_> {
         for (v, value) in g.values() {
             if staged[v.index()] {
                 if homed[v.index()] || !mastered[v.index()] {
-                    return bad(format!(
+                    return Err(format!(
                         "{} ({}) belongs to a chunk whose uploads are cast from its master \
                          weights (the 12-byte layout), so it needs a master weight and no home; \
                          it has {}",
@@ -213,7 +257,7 @@ impl Checker<'_> {
                 continue;
             }
             if value.producer.is_none() && !homed[v.index()] {
-                return bad(format!(
+                return Err(format!(
                     "{} ({}, {}) has no home: every input, parameter and optimizer state needs one",
                     self.name(v),
                     value.name,
@@ -221,549 +265,24 @@ impl Checker<'_> {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The graph has an output, and `loss` is in a buffer that exists.
+    fn loss_ids(&self) -> Result<(), String> {
+        let (s, g) = (self.s, self.g);
+        let n_buffers = s.buffers.len();
         if g.outputs().is_empty() {
-            return bad("the graph has no output for `loss` to hold".into());
+            return Err("the graph has no output for `loss` to hold".into());
         }
         if s.loss.buffer.index() >= n_buffers {
-            return bad(format!(
+            return Err(format!(
                 "`loss` is in {}, but there are {n_buffers} buffers",
                 s.loss.buffer
             ));
         }
-        for (r, instr) in self.instrs() {
-            let kind = s.streams[r.stream.index()].kind;
-            let bad = |msg: String| Err(self.fail(Invariant::Ids, Some(r), msg));
-            match instr {
-                Instr::Kernel {
-                    op,
-                    inputs,
-                    outputs,
-                    workspace,
-                } => {
-                    if op.index() >= n_ops {
-                        return bad(format!("runs {op}, but the graph has {n_ops} ops"));
-                    }
-                    let o = g.op(*op);
-                    let space = match kind {
-                        StreamKind::Compute => Space::Device,
-                        StreamKind::HostOptimizer => Space::Host,
-                        // A micro-batch's gradient summed over the ranks into its
-                        // accumulator, in the accumulator's memory (both operands there, but
-                        // a sharded chunk's gradient, read where the backward pass left it).
-                        StreamKind::Collective { .. }
-                            if o.kind == crate::op::OpKind::AccumulateGrad =>
-                        {
-                            match inputs.first().and_then(|t| s.buffers.get(t.buffer.index())) {
-                                Some(b) => b.space,
-                                None => {
-                                    return bad(
-                                        "an accumulate_grad with no accumulator address".into()
-                                    )
-                                }
-                            }
-                        }
-                        _ => {
-                            return bad(format!(
-                                "a kernel on a {} stream: kernels run on compute and host \
-                                 optimizer streams (and accumulate_grad on the collective \
-                                 stream)",
-                                stream_kind_name(kind)
-                            ))
-                        }
-                    };
-                    if inputs.len() != o.inputs.len() || outputs.len() != o.outputs.len() {
-                        return bad(format!(
-                            "addresses {} inputs and {} outputs, its op has {} and {}",
-                            inputs.len(),
-                            outputs.len(),
-                            o.inputs.len(),
-                            o.outputs.len()
-                        ));
-                    }
-                    // A sharded chunk's accumulator (in its gradient shard, or whole in host
-                    // memory where the update reads the norm) sums gradients on the device.
-                    let from_device = matches!(kind, StreamKind::Collective { .. })
-                        && space == Space::Host
-                        && s.sharded();
-                    for (j, t) in inputs.iter().chain(outputs).chain(workspace).enumerate() {
-                        if t.buffer.index() >= n_buffers {
-                            return bad(format!(
-                                "addresses {}, but there are {n_buffers} buffers",
-                                t.buffer
-                            ));
-                        }
-                        let b = s.buffer(t.buffer);
-                        let device_grad = from_device && j == 1 && b.space == Space::Device;
-                        if b.space != space && !device_grad {
-                            return bad(format!(
-                                "addresses {} ({}) in {} memory, but a kernel on a {} stream \
-                                 works in {} memory",
-                                self.buf(t.buffer),
-                                b.name,
-                                space_name(b.space),
-                                stream_kind_name(kind),
-                                space_name(space)
-                            ));
-                        }
-                    }
-                    let need = self.workspace_need(*op);
-                    match (need, workspace) {
-                        (0, Some(w)) => {
-                            return bad(format!(
-                                "has a workspace ({}) but {} needs none",
-                                self.buf(w.buffer),
-                                o.kind.mnemonic()
-                            ))
-                        }
-                        (n, None) if n > 0 => {
-                            return bad(format!(
-                                "has no workspace but needs {} ({n} B)",
-                                format_bytes(n)
-                            ))
-                        }
-                        _ => {}
-                    }
-                }
-                Instr::Copy {
-                    what,
-                    src,
-                    dst,
-                    bytes,
-                } => {
-                    let (from, to) = match kind {
-                        StreamKind::HostToDevice => (Space::Host, Space::Device),
-                        StreamKind::DeviceToHost => (Space::Device, Space::Host),
-                        _ => {
-                            return bad(format!(
-                                "a copy on a {} stream: copies run on host-to-device and \
-                                 device-to-host streams",
-                                stream_kind_name(kind)
-                            ))
-                        }
-                    };
-                    for t in [src, dst] {
-                        if t.buffer.index() >= n_buffers {
-                            return bad(format!(
-                                "copies via {}, but there are {n_buffers} buffers",
-                                t.buffer
-                            ));
-                        }
-                    }
-                    let (sb, db) = (s.buffer(src.buffer), s.buffer(dst.buffer));
-                    if sb.space != from || db.space != to {
-                        return bad(format!(
-                            "copies from {} ({}) to {} ({}) on a {} stream, which copies \
-                             from {} to {}",
-                            space_name(sb.space),
-                            sb.name,
-                            space_name(db.space),
-                            db.name,
-                            stream_kind_name(kind),
-                            space_name(from),
-                            space_name(to)
-                        ));
-                    }
-                    // A scalar goes either way: the clip coefficient to the host optimizer, or,
-                    // in an accumulating schedule's update, host squared norms to the device.
-                    let inbound = match what {
-                        CopyKind::FetchChunk { .. } | CopyKind::ReloadActivation { .. } => true,
-                        CopyKind::Scalar { .. } => sb.space == Space::Host,
-                        CopyKind::OffloadGrads { .. } | CopyKind::OffloadActivation { .. } => false,
-                    };
-                    if inbound != (kind == StreamKind::HostToDevice) {
-                        return bad(format!(
-                            "a {} copy goes the other way",
-                            copy_label(*what, &self.names)
-                        ));
-                    }
-                    match *what {
-                        CopyKind::FetchChunk { chunk } | CopyKind::OffloadGrads { chunk } => {
-                            if chunk.index() >= n_chunks {
-                                return bad(format!(
-                                    "copies {chunk}, but the chunk table has {n_chunks} chunks"
-                                ));
-                            }
-                            if let CopyKind::FetchChunk { .. } = what {
-                                let c = s.chunks.chunk(chunk);
-                                if let Some(m) = c.members.iter().find(|m| {
-                                    m.offset.checked_add(m.bytes).is_none_or(|e| e > *bytes)
-                                }) {
-                                    return bad(format!(
-                                        "fetches {bytes} bytes of {chunk}, which leaves out \
-                                         @{} at +{:#x}",
-                                        g.param(m.param).name,
-                                        m.offset
-                                    ));
-                                }
-                            }
-                        }
-                        CopyKind::OffloadActivation { value }
-                        | CopyKind::ReloadActivation { value }
-                        | CopyKind::Scalar { value } => {
-                            if value.index() >= n_values {
-                                return bad(format!(
-                                    "copies {value}, but the graph has {n_values} values"
-                                ));
-                            }
-                            if *bytes != self.bytes(value) {
-                                return bad(format!(
-                                    "copies {bytes} bytes of {}, which has {}",
-                                    self.name(value),
-                                    self.bytes(value)
-                                ));
-                            }
-                        }
-                    }
-                }
-                Instr::CopyShard {
-                    what,
-                    src,
-                    dst,
-                    bytes,
-                } => {
-                    let (chunk, stream, part, from, to) = match *what {
-                        CopyKind::FetchChunk { chunk } => (
-                            chunk,
-                            StreamKind::HostToDevice,
-                            ShardPart::Params,
-                            *src,
-                            *dst,
-                        ),
-                        CopyKind::OffloadGrads { chunk } => (
-                            chunk,
-                            StreamKind::DeviceToHost,
-                            ShardPart::Grads,
-                            *dst,
-                            *src,
-                        ),
-                        _ => {
-                            return bad(format!(
-                                "copies a shard of {}; only chunk fetches and gradient \
-                                 offloads are sharded",
-                                copy_label(*what, &self.names)
-                            ))
-                        }
-                    };
-                    if kind != stream {
-                        return bad(format!(
-                            "a {} shard copy on a {} stream",
-                            copy_label(*what, &self.names),
-                            stream_kind_name(kind)
-                        ));
-                    }
-                    if s.ranks() < 2 {
-                        return bad(
-                            "copies a shard, but the schedule runs on one rank (it has no \
-                             collective stream)"
-                                .into(),
-                        );
-                    }
-                    for t in [src, dst] {
-                        if t.buffer.index() >= n_buffers {
-                            return bad(format!(
-                                "copies via {}, but there are {n_buffers} buffers",
-                                t.buffer
-                            ));
-                        }
-                    }
-                    let (host, device) = (s.buffer(from.buffer), s.buffer(to.buffer));
-                    // In the 14-byte layout an offload lands in the parameter shard (the data
-                    // flow proves no upload reads it after).
-                    let lean = part == ShardPart::Grads
-                        && host.kind
-                            == (BufferKind::HostShard {
-                                chunk,
-                                part: ShardPart::Params,
-                            });
-                    if host.kind != (BufferKind::HostShard { chunk, part }) && !lean {
-                        return bad(format!(
-                            "copies a shard of {chunk} through {} ({}), which is not its \
-                             host shard of {}",
-                            self.buf(from.buffer),
-                            host.name,
-                            match part {
-                                ShardPart::Params => "parameters",
-                                _ => "gradients (or parameters, in the 14-byte layout)",
-                            }
-                        ));
-                    }
-                    if device.space != Space::Device {
-                        return bad(format!(
-                            "copies a shard of {chunk} to or from {} ({}), which is not in the \
-                             device arena",
-                            self.buf(to.buffer),
-                            device.name
-                        ));
-                    }
-                    if *bytes != host.size || from.offset != 0 {
-                        return bad(format!(
-                            "copies {bytes} bytes of each rank's shard of {chunk} from +{:#x}, \
-                             but each rank's shard is {} bytes from +0x0",
-                            from.offset, host.size
-                        ));
-                    }
-                }
-                Instr::DiskRead {
-                    chunk,
-                    src,
-                    dst,
-                    bytes,
-                }
-                | Instr::DiskWrite {
-                    chunk,
-                    src,
-                    dst,
-                    bytes,
-                } => {
-                    let (name, disk, host) = match instr {
-                        Instr::DiskRead { .. } => ("a disk read", src, dst),
-                        _ => ("a disk write", dst, src),
-                    };
-                    if kind != StreamKind::DiskIo {
-                        return bad(format!(
-                            "{name} on a {} stream: disk reads and writes run on the disk i/o \
-                             stream",
-                            stream_kind_name(kind)
-                        ));
-                    }
-                    if chunk.index() >= n_chunks {
-                        return bad(format!(
-                            "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
-                        ));
-                    }
-                    for t in [src, dst] {
-                        if t.buffer.index() >= n_buffers {
-                            return bad(format!(
-                                "{name} via {}, but there are {n_buffers} buffers",
-                                t.buffer
-                            ));
-                        }
-                    }
-                    let (d, h) = (s.buffer(disk.buffer), s.buffer(host.buffer));
-                    if (d.space, d.kind)
-                        != (Space::Disk, BufferKind::OptimizerState { chunk: *chunk })
-                    {
-                        return bad(format!(
-                            "{name} of {chunk} on the disk side addresses {} ({}, {}), not \
-                             {chunk}'s optimizer state on disk",
-                            self.buf(disk.buffer),
-                            d.name,
-                            space_name(d.space)
-                        ));
-                    }
-                    if disk.offset != 0 || *bytes != d.size {
-                        return bad(format!(
-                            "{name} of {chunk} moves {bytes} bytes from +{:#x} of its state, \
-                             which is {} bytes: disk reads and writes move a chunk's whole \
-                             state from its start",
-                            disk.offset, d.size
-                        ));
-                    }
-                    if !(h.space == Space::Host
-                        && matches!(h.kind, BufferKind::DiskStaging { .. })
-                        && host.offset == 0)
-                    {
-                        return bad(format!(
-                            "{name} of {chunk} on the host side addresses {}+{:#x} ({}), not \
-                             the start of a disk staging buffer in host memory",
-                            self.buf(host.buffer),
-                            host.offset,
-                            h.name
-                        ));
-                    }
-                }
-                Instr::CastChunk {
-                    chunk,
-                    src,
-                    dst,
-                    bytes,
-                } => {
-                    if kind != StreamKind::HostCast {
-                        return bad(format!(
-                            "a cast on a {} stream: casts run on the host cast stream",
-                            stream_kind_name(kind)
-                        ));
-                    }
-                    if chunk.index() >= n_chunks {
-                        return bad(format!(
-                            "casts {chunk}, but the chunk table has {n_chunks} chunks"
-                        ));
-                    }
-                    for t in [src, dst] {
-                        if t.buffer.index() >= n_buffers {
-                            return bad(format!(
-                                "casts via {}, but there are {n_buffers} buffers",
-                                t.buffer
-                            ));
-                        }
-                    }
-                    let (from, to) = (s.buffer(src.buffer), s.buffer(dst.buffer));
-                    if (from.space, from.kind)
-                        != (Space::Host, BufferKind::OptimizerState { chunk: *chunk })
-                    {
-                        return bad(format!(
-                            "casts {chunk} from {} ({}, {}), not {chunk}'s optimizer state in \
-                             host memory, where its master weights are",
-                            self.buf(src.buffer),
-                            from.name,
-                            space_name(from.space)
-                        ));
-                    }
-                    if !(to.space == Space::Host
-                        && matches!(to.kind, BufferKind::ParamStaging { .. })
-                        && dst.offset == 0)
-                    {
-                        return bad(format!(
-                            "casts {chunk} into {}+{:#x} ({}), not the start of a parameter \
-                             staging buffer in host memory",
-                            self.buf(dst.buffer),
-                            dst.offset,
-                            to.name
-                        ));
-                    }
-                    let used = s.chunks.chunk(*chunk).used_bytes;
-                    if *bytes != used {
-                        return bad(format!(
-                            "casts {bytes} bytes of {chunk}, which uses {used}: a cast writes \
-                             the whole chunk"
-                        ));
-                    }
-                    let Some(pieces) = s.cast_pieces(*chunk, *src, *dst) else {
-                        return bad(format!(
-                            "casts {chunk}, whose parameters are not all bf16 or f16: only \
-                             narrow parameters are cast from f32 master weights"
-                        ));
-                    };
-                    for p in pieces {
-                        if !s.masters.contains(&(p.value, p.master)) {
-                            return bad(format!(
-                                "casts {} from {}+{:#x}, which is not its master weight: the \
-                                 chunk's master weights must be contiguous in member order \
-                                 from the cast's source",
-                                self.name(p.value),
-                                self.buf(p.master.buffer),
-                                p.master.offset
-                            ));
-                        }
-                    }
-                }
-                Instr::AllGather { chunk, at, bytes }
-                | Instr::ReduceScatter {
-                    chunk, at, bytes, ..
-                } => {
-                    let (name, part) = match instr {
-                        Instr::AllGather { .. } => ("an all-gather", ShardPart::Params),
-                        _ => ("a reduce-scatter", ShardPart::Grads),
-                    };
-                    if !matches!(kind, StreamKind::Collective { .. }) {
-                        return bad(format!(
-                            "{name} on a {} stream: collectives run on the collective stream",
-                            stream_kind_name(kind)
-                        ));
-                    }
-                    if chunk.index() >= n_chunks {
-                        return bad(format!(
-                            "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
-                        ));
-                    }
-                    if at.buffer.index() >= n_buffers {
-                        return bad(format!(
-                            "{name} at {}, but there are {n_buffers} buffers",
-                            at.buffer
-                        ));
-                    }
-                    let shard_of = |part| {
-                        s.buffers.iter().find(|b| {
-                            b.kind
-                                == BufferKind::HostShard {
-                                    chunk: *chunk,
-                                    part,
-                                }
-                        })
-                    };
-                    // In the 14-byte layout the gradients' shard is the parameters'.
-                    let shard = shard_of(part).or_else(|| shard_of(ShardPart::Params));
-                    let Some(shard) = shard else {
-                        return bad(format!(
-                            "{name} of {chunk}, which is not sharded (no host shard holds it)"
-                        ));
-                    };
-                    if *bytes != shard.size {
-                        return bad(format!(
-                            "{name} of {chunk} moves {bytes} bytes per rank, but each rank's \
-                             shard of it is {} bytes",
-                            shard.size
-                        ));
-                    }
-                    let target = s.buffer(at.buffer);
-                    if target.space != Space::Device {
-                        return bad(format!(
-                            "{name} of {chunk} in {} ({}), which is not in the device arena",
-                            self.buf(at.buffer),
-                            target.name
-                        ));
-                    }
-                    if let Instr::ReduceScatter { dtype, .. } = instr {
-                        let param = s
-                            .chunks
-                            .chunk(*chunk)
-                            .members
-                            .first()
-                            .map(|m| self.g.value(self.g.param(m.param).value).ty.dtype);
-                        if let Some(param) = param.filter(|p| p != dtype) {
-                            return bad(format!(
-                                "reduce-scatters {chunk}'s gradients as {dtype}, but its \
-                                 parameters (and gradients) are {param}"
-                            ));
-                        }
-                    }
-                }
-                Instr::AllReduce { value, at } => {
-                    if !matches!(kind, StreamKind::Collective { .. }) {
-                        return bad(format!(
-                            "an all-reduce on a {} stream: collectives run on the collective \
-                             stream",
-                            stream_kind_name(kind)
-                        ));
-                    }
-                    if value.index() >= n_values {
-                        return bad(format!("sums {value}, but the graph has {n_values} values"));
-                    }
-                    if at.buffer.index() >= n_buffers {
-                        return bad(format!(
-                            "sums at {}, but there are {n_buffers} buffers",
-                            at.buffer
-                        ));
-                    }
-                    let dtype = g.value(*value).ty.dtype;
-                    if !matches!(
-                        dtype,
-                        crate::types::DType::F32
-                            | crate::types::DType::BF16
-                            | crate::types::DType::F16
-                    ) {
-                        return bad(format!(
-                            "sums {}, a {dtype} value; collectives sum f32, bf16 and f16",
-                            self.name(*value)
-                        ));
-                    }
-                }
-                // Checked before any part is (`Checker::phases`).
-                Instr::EndMicroBatch { .. } => {}
-                Instr::Record { event } | Instr::Wait { event } => {
-                    if event.0 >= s.events {
-                        return bad(format!(
-                            "uses e{}, but events are numbered 0..{}",
-                            event.0, s.events
-                        ));
-                    }
-                }
-            }
-        }
         Ok(())
     }
-
-    // 3. optimizer ------------------------------------------------------------------------
 
     pub(super) fn optimizer(&self) -> Result<(), ScheduleError> {
         // (setting, value, whether it is valid, the range, the flag that sets it)
