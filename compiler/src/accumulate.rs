@@ -33,25 +33,12 @@
 //! micro-batch's backward pass.
 
 use crate::error::{CompileError, Result};
-use crate::streams::BUFFER_ALIGN;
+use crate::plan::BUFFER_ALIGN;
 use protrain_ir::{
     Buffer, BufferId, BufferKind, CopyKind, EventId, Instr, OpId, OpKind, Phase, Schedule, Space,
     StreamKind, TensorRef, ValueId,
 };
 use std::collections::HashMap;
-
-/// The micro-batches a training graph's loss gradient is scaled for: `K` when its
-/// cross-entropy backward is [`OpKind::CrossEntropyBackwardScaled`], else 1.
-pub fn micro_batches(graph: &protrain_ir::Graph) -> u64 {
-    graph
-        .ops()
-        .find_map(|(_, op)| match op.kind {
-            OpKind::CrossEntropyBackwardScaled { micro_batches }
-            | OpKind::CrossEntropyBackwardLossScaled { micro_batches, .. } => Some(micro_batches),
-            _ => None,
-        })
-        .unwrap_or(1)
-}
 
 /// Prepares a training graph for `k` micro-batches per step: its loss gradient becomes
 /// `1 / k` ([`OpKind::CrossEntropyBackwardScaled`]), which is also how [`accumulate`] (and
@@ -172,7 +159,7 @@ struct Acc {
 /// Fails when the schedule lacks a stream the update program needs, or when two AdamW ops
 /// read one gradient (compiler bugs).
 pub fn accumulate(schedule: Schedule) -> Result<Schedule> {
-    let k = micro_batches(&schedule.graph);
+    let k = schedule.graph.micro_batches();
     accumulate_micro_batches(schedule, k)
 }
 

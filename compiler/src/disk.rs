@@ -29,7 +29,7 @@
 //! before every upload.
 
 use crate::error::{CompileError, Result};
-use crate::streams::BUFFER_ALIGN;
+use crate::plan::BUFFER_ALIGN;
 use protrain_ir::{
     format_bytes, Buffer, BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream,
     StreamKind, TensorRef,

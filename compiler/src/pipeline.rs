@@ -545,7 +545,7 @@ pub fn compile_policy_on(
     topology: Topology,
 ) -> Result<Schedule> {
     let ranks = u64::from(topology.ranks().max(1));
-    let global = crate::accumulate::micro_batches(training);
+    let global = training.micro_batches();
     if !global.is_multiple_of(ranks) {
         return Err(CompileError::BadTopology(format!(
             "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \

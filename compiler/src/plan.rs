@@ -6,6 +6,10 @@ use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// Buffers start at multiples of this many bytes: every offset the planner gives, and every
+/// region the runtime allocates, is aligned to it.
+pub const BUFFER_ALIGN: u64 = 256;
+
 /// One device buffer to place: its size, alignment and live range in the linear instruction
 /// order.
 ///
@@ -1339,12 +1343,7 @@ pub fn plan_buffers(streamed: &mut crate::streams::Streamed) -> Planned {
         .map(|&i| {
             let p = &streamed.buffers[i];
             let (first, last) = p.live.unwrap_or((0, end));
-            Interval::new(
-                p.buffer.size,
-                crate::streams::BUFFER_ALIGN,
-                first,
-                last.max(first),
-            )
+            Interval::new(p.buffer.size, BUFFER_ALIGN, first, last.max(first))
         })
         .collect();
     let plan = plan_offsets(&intervals);
@@ -1358,8 +1357,7 @@ pub fn plan_buffers(streamed: &mut crate::streams::Streamed) -> Planned {
         .filter(|p| p.buffer.space == Space::Host)
     {
         p.buffer.offset = host;
-        host = (host + p.buffer.size).div_ceil(crate::streams::BUFFER_ALIGN)
-            * crate::streams::BUFFER_ALIGN;
+        host = (host + p.buffer.size).div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
     }
 
     // What the device holds at the peak of live bytes.

@@ -36,9 +36,6 @@ use protrain_ir::{
 };
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Buffers start at multiples of this many bytes.
-pub const BUFFER_ALIGN: u64 = 256;
-
 /// The compute stream.
 pub const COMPUTE: usize = 0;
 /// The host-to-device copy stream.
@@ -423,7 +420,7 @@ fn lean_chunks(
     let narrow = state_bytes_per_element(graph) == 12;
     // The loss gradient is scaled for every rank's micro-batches; sharded ranks take one each
     // ([`crate::shard::shardable`]), replicated ones may take several.
-    let per_rank = crate::accumulate::micro_batches(graph) / u64::from(chunks.world_size.max(1));
+    let per_rank = graph.micro_batches() / u64::from(chunks.world_size.max(1));
     if !layout.lean() || !narrow || per_rank > 1 {
         return BTreeSet::new();
     }

@@ -2,7 +2,7 @@
 //! its accumulators' bytes and no more, runs the optimizer once, and a step of one micro-batch
 //! is the schedule the pipeline always made.
 
-use protrain_compiler::accumulate::{micro_batches, scale_loss_gradient};
+use protrain_compiler::accumulate::scale_loss_gradient;
 use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::simulate::simulate;
@@ -36,7 +36,7 @@ fn schedules(model: &str, dtype: DType, k: u64) -> Vec<(String, Schedule, Schedu
         let single = training_graph(&forward, &optimizer).expect("autodiff");
         let mut training = single.clone();
         scale_loss_gradient(&mut training, k).expect("scales");
-        assert_eq!(micro_batches(&training), k);
+        assert_eq!(training.micro_batches(), k);
         let chunks = chunked(&training);
         let n = chunks.len() as u32;
         for policy in [

@@ -610,6 +610,21 @@ impl Graph {
         self.ops().all(|(_, op)| op.phase == Phase::Forward)
     }
 
+    /// The micro-batches the loss gradient is scaled for: `K` when the cross-entropy backward
+    /// is [`OpKind::CrossEntropyBackwardScaled`] (or its loss-scaled form), else 1. The
+    /// compiler's accumulation pass and the search learn `K` from it.
+    pub fn micro_batches(&self) -> u64 {
+        self.ops()
+            .find_map(|(_, op)| match op.kind {
+                OpKind::CrossEntropyBackwardScaled { micro_batches }
+                | OpKind::CrossEntropyBackwardLossScaled { micro_batches, .. } => {
+                    Some(micro_batches)
+                }
+                _ => None,
+            })
+            .unwrap_or(1)
+    }
+
     /// The parameter that a value holds, if it is one.
     pub fn param_of(&self, value: ValueId) -> Option<ParamId> {
         let index = self.param_index.get_or_init(|| {
