@@ -1,4 +1,4 @@
-//! Device AdamW is one launch per run of adjacent AdamW ops (issue 14): the runs the CUDA
+//! Device AdamW is one launch per run of adjacent AdamW ops: the runs the CUDA
 //! backend merges (`protrain_runtime::cuda::adamw_runs`) are exactly the runs the simulator
 //! prices as one launch each (`protrain_compiler::simulate::device_adamw_runs`), on GPT-2 and
 //! LLaMA schedules under every policy, clipped or not, f32 and bf16; a resident GPT-2

@@ -202,9 +202,9 @@ fn check_tie_rule(report: &protrain_compiler::search::SearchReport, one_memory: 
 
 #[test]
 fn among_tied_candidates_the_least_device_memory_wins() {
-    // Issue 14: six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4
-    // buffers: 6.1611 s each) and the rule before it, the least movement among ties, chose
-    // blocks=C..CKKK at 22.32 GiB over the 21.54 GiB of blocks=C..CK with 2 buffers.
+    // Six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4 buffers: 6.1611 s
+    // each); ranking ties by the least movement instead would choose blocks=C..CKKK at
+    // 22.32 GiB over the 21.54 GiB of blocks=C..CK with 2 buffers.
     let (schedule, report) = search_preset("llama-2-7b", "rtx3090", 256 * GIB, 4, 1024);
     let tied = report
         .compiled
