@@ -198,12 +198,10 @@ impl fmt::Display for Plan {
 /// two read tens, so its cost grows faster than the number of buffers. On such graphs the
 /// other two end a gap above the bound that does not grow with depth (alignment padding, a few
 /// holes), which shrinks against an arena growing with depth, so it is skipped where it costs
-/// the most, past a depth that depends on that gap: on the depth benchmark
-/// (`benches/compile_depth.rs`) by start ends 252 bytes above the bound, in its granule, on all
-/// 16 candidates at 256 to 1,024 layers; a LLaMA of its size under a tight budget ends 236 KiB
-/// above, within the gap only past about 3,000 layers. The result depends only on the input:
-/// no hashing, every sort has a total order, and a strategy that stops is one that would not
-/// have been kept.
+/// the most, past a depth that depends on that gap (`benches/RESULTS.md` has the figures of
+/// `compiler/benches/compile_depth.rs`). The result depends only on the input: no hashing,
+/// every sort has a total order, and a strategy that stops is one that would not have been
+/// kept.
 ///
 /// Complexity per strategy, for `n` buffers over `m <= n` distinct start times:
 /// `O(sum_i (log m (log n + u_i) + r_i + b_i log b_i))`, where `r_i` is the number of byte ranges
