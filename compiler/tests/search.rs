@@ -219,12 +219,12 @@ fn among_tied_candidates_the_least_device_memory_wins() {
 
 #[test]
 fn a_constant_over_count_lets_no_calibrated_candidate_over_the_budget() {
-    // Issue 12: the tiny GPT-2 of `benches/compile_depth.rs` at 128 layers. Its memory
-    // estimate over-counts every policy by the same 6.4 MB (the head), against 2 MB per
-    // swapped layer; the ratio calibration alone tolerated 1% of the budget over, and
-    // compiled a candidate over it in its second batch (three at 512 layers, a third batch at
-    // 1,024). The first batch, before any calibration, is over by design (its 0.8 lets a 25%
-    // over-estimate through); every batch after it must fit.
+    // The tiny GPT-2 of `benches/compile_depth.rs` at 128 layers. Its memory estimate
+    // over-counts every policy by the same 6.4 MB (the head), against 2 MB per swapped layer;
+    // a calibration on the ratio of exact to estimated bytes alone tolerates 1% of the budget
+    // over, and would compile a candidate over it in the second batch (three at 512 layers, a
+    // third batch at 1,024). The first batch, before any calibration, is over by design (its
+    // 0.8 lets a 25% over-estimate through); every batch after it must fit.
     let layers = 128;
     let json = format!(
         r#"{{"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": {layers},
