@@ -171,7 +171,7 @@ fn a_gpu_step_pays_one_adamw_launch_per_run() {
 }
 
 /// The host backend launches one AdamW per parameter, and its profile says so: host
-/// predictions price every AdamW alone, as before.
+/// predictions price every AdamW alone.
 #[test]
 fn the_host_prices_every_adamw_alone() {
     let host = HardwareProfile::preset("host").expect("host is a preset");
