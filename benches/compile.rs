@@ -10,8 +10,8 @@
 //! LLaMA-2 70B is compiled with 2 TiB of host memory: its offloaded model states (about 1 TiB
 //! with fp32 master weights and Adam moments) do not fit the presets' host memory.
 //!
-//! `compile_data_parallel` times the data-parallel compilations of issue 15: LLaMA-2 70B on
-//! 8 A100s (target 3 s) and GPT-3 175B on 4 nodes of 8 (target 10 s).
+//! `compile_data_parallel` times two data-parallel compilations: LLaMA-2 70B on 8 A100s
+//! (target 3 s) and GPT-3 175B on 4 nodes of 8 (target 10 s).
 //!
 //! Run with `cargo bench --bench compile`; the search's rayon pool follows
 //! `RAYON_NUM_THREADS`, all cores by default. Each model is compiled once before it is timed;
@@ -152,7 +152,7 @@ fn compile(c: &mut Criterion) {
     }
 }
 
-/// Data-parallel compilations (issue 15), with their targets in seconds: GPUs per node,
+/// Data-parallel compilations, with their targets in seconds: GPUs per node,
 /// nodes, and the host memory of a node (every rank keeps whole model states, so a node holds
 /// one replica of the offloaded states per GPU).
 const DATA_PARALLEL: [(&str, u32, u32, u64, f64); 2] = [

@@ -12,12 +12,10 @@
 // The prediction comes from profiles taken between the run's own steps: before each timed
 // step the host is profiled once (one timed run per op and per copy direction), and the
 // schedule's step is predicted from the median of those profiles. On a shared virtual machine
-// the same op runs tens of percent faster or slower from one minute to the next (on
-// 2026-12-02's AMD EPYC guest, one profile's serial compute read 0.557 s and the next, a
-// minute later, 0.435 s), so a profile taken apart from the run measures the drift more than
-// the model; profiles and steps that alternate see the machine alike. `FIDELITY_INTERLEAVE=0`
-// profiles once per round instead, just before the round's runs (the method of the README's
-// earlier tables). The prediction is the simulation's step, which on the host backend
+// the same op runs tens of percent faster or slower from one minute to the next, so a profile
+// taken apart from the run measures the drift more than the model; profiles and steps that
+// alternate see the machine alike. `FIDELITY_INTERLEAVE=0` profiles once per round instead,
+// just before the round's runs. The prediction is the simulation's step, which on the host backend
 // includes what the compute kernels lose to the copy threads and the CPU Adam on the same
 // cores (`simulate::shared_core_seconds`, printed as "shared"). `FIDELITY_CONTENTION=N` first
 // measures that loss directly (see `contention`), N times alternating.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's scaling table: what the simulator predicts on 1 to 8 GPUs of a kind.
+"""The scaling table of benches/RESULTS.md: what the simulator predicts on 1 to 8 GPUs of a kind.
 
 For each setup (a GPU preset, a count of GPUs in one node, the node's host memory) it runs
 `protrain compile ... --json` (the release build, made first) and reads what the compiler

@@ -21,7 +21,7 @@
 # (989 TFLOP/s, NVIDIA's datasheet) and the predicted against the measured step time, then a
 # summary. Each part has its own `timeout`; the limits add up to 240 s, so that a device
 # session of 15 minutes holds a machine start, one run and one rerun. The exit status is
-# non-zero when a part fails; the performance targets of the issue (40% MFU resident, 60% of
+# non-zero when a part fails; the performance targets (40% MFU resident, 60% of
 # the resident tokens/s under 12 GiB, predicted step within 10%) are reported, not enforced.
 #
 #   bash scripts/gpu-check.sh                 # build here (needs cargo), then check

@@ -8,8 +8,8 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 /// mimalloc instead of the system allocator: a compile builds and drops a graph per searched
-/// candidate, and the system allocator's malloc and free were a fifth of a deep model's
-/// compile (issue 12).
+/// candidate, and the system allocator's malloc and free take about a fifth of a deep model's
+/// compile.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

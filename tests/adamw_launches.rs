@@ -1,4 +1,4 @@
-//! Device AdamW is one launch per run of adjacent AdamW ops (issue 14): the runs the CUDA
+//! Device AdamW is one launch per run of adjacent AdamW ops: the runs the CUDA
 //! backend merges (`protrain_runtime::cuda::adamw_runs`) are exactly the runs the simulator
 //! prices as one launch each (`protrain_compiler::simulate::device_adamw_runs`), on GPT-2 and
 //! LLaMA schedules under every policy, clipped or not, f32 and bf16; a resident GPT-2
@@ -171,7 +171,7 @@ fn a_gpu_step_pays_one_adamw_launch_per_run() {
 }
 
 /// The host backend launches one AdamW per parameter, and its profile says so: host
-/// predictions price every AdamW alone, as before.
+/// predictions price every AdamW alone.
 #[test]
 fn the_host_prices_every_adamw_alone() {
     let host = HardwareProfile::preset("host").expect("host is a preset");

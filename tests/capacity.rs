@@ -1,4 +1,4 @@
-//! Capacity (issue 18): on an rtx3090 with 256 GiB of host memory, batch 1 x seq 1024, bf16,
+//! Capacity: on an rtx3090 with 256 GiB of host memory, batch 1 x seq 1024, bf16,
 //! the deepest LLaMA-13B-width model (hidden 5120, 40 heads, intermediate 13824, vocab 32000)
 //! that compiles, found by bisection over the layer count, is at least 95% of the capacity
 //! bound at 12 bytes per parameter:

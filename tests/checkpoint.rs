@@ -387,7 +387,7 @@ fn resume_alone_continues_a_scheduled_run_and_refuses_contradicting_flags() {
     );
 }
 
-/// The disk tier under `kill -9` (issue 18): a run whose every chunk's optimizer state lives
+/// The disk tier under `kill -9`: a run whose every chunk's optimizer state lives
 /// on disk (the tight policy, 5.5 MiB of host memory) is killed mid-run, wherever its disk
 /// stream is (reading or writing a chunk's state back), and resumed from its latest
 /// checkpoint into a new file: its losses are the uninterrupted run's, bit for bit, and that

@@ -214,7 +214,7 @@ fn a_data_parallel_schedule_needs_a_group_of_its_size() {
 }
 
 /// The CUDA backend runs data-parallel schedules (NCCL, one process per GPU), so the executor
-/// no longer refuses them for want of collectives: without a GPU only the backend's own probe
+/// does not refuse them for want of collectives: without a GPU only the backend's own probe
 /// fails (naming CUDA, not NCCL); with one, a rank whose collective exchanges host memory
 /// (threads, the host backend's) is refused at its first collective, naming the way out.
 #[cfg(feature = "cuda")]

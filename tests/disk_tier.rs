@@ -1,4 +1,4 @@
-//! The disk tier (issue 18 item 3): the optimizer state of offloaded chunks that host memory
+//! The disk tier: the optimizer state of offloaded chunks that host memory
 //! cannot hold lives in a file, read into staging buffers before the CPU Adam updates it and
 //! written back after. On the host backend gpt2-tiny and llama-tiny train with every chunk's
 //! state on disk bit for bit as the same policy fully in host memory and as every chunk

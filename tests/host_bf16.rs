@@ -39,7 +39,7 @@ const SEQ: u64 = 16;
 const STEPS: usize = 20;
 const SEED: u64 = 5;
 /// Most relative difference allowed between a bf16 loss and the f32 run's loss at the same
-/// step (the bound). Measured: 1.44e-4 at most over both models' 20 steps (the test
+/// step. Measured: 1.44e-4 at most over both models' 20 steps (the test
 /// prints every step's).
 const TOLERANCE: f64 = 1e-2;
 /// Every chunk persistent, every block kept.

@@ -1,4 +1,4 @@
-//! Host layouts of offloaded chunks (issue 18): the 14-byte layout, where a chunk's bf16
+//! Host layouts of offloaded chunks: the 14-byte layout, where a chunk's bf16
 //! gradients land in its host parameter storage after the chunk's last upload of the step and
 //! the CPU Adam writes the new parameters over them, trains gpt2-tiny and llama-tiny on the
 //! host backend bit for bit as the 16-byte layout and as every chunk resident (the f32

@@ -1,4 +1,4 @@
-//! The 12-byte host layout (issue 18 item 1): a staged chunk keeps no host copy of its bf16
+//! The 12-byte host layout: a staged chunk keeps no host copy of its bf16
 //! parameters and no host gradient chunk; a host cast stream rounds its f32 master weights
 //! into one of two parameter staging buffers before each upload, and its gradients are
 //! offloaded into one of two gradient staging buffers that the CPU Adam reads. It trains

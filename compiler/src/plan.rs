@@ -202,12 +202,10 @@ impl fmt::Display for Plan {
 /// two read tens, so its cost grows faster than the number of buffers. On such graphs the
 /// other two end a gap above the bound that does not grow with depth (alignment padding, a few
 /// holes), which shrinks against an arena growing with depth, so it is skipped where it costs
-/// the most, past a depth that depends on that gap: on the depth benchmark
-/// (`benches/compile_depth.rs`) by start ends 252 bytes above the bound, in its granule, on all
-/// 16 candidates at 256 to 1,024 layers; a LLaMA of its size under a tight budget ends 236 KiB
-/// above, within the gap only past about 3,000 layers. The result depends only on the input:
-/// no hashing, every sort has a total order, and a strategy that stops is one that would not
-/// have been kept.
+/// the most, past a depth that depends on that gap (`benches/RESULTS.md` has the figures of
+/// `compiler/benches/compile_depth.rs`). The result depends only on the input: no hashing,
+/// every sort has a total order, and a strategy that stops is one that would not have been
+/// kept.
 ///
 /// Complexity per strategy, for `n` buffers over `m <= n` distinct start times:
 /// `O(sum_i (log m (log n + u_i) + r_i + b_i log b_i))`, where `r_i` is the number of byte ranges
@@ -288,10 +286,11 @@ pub fn plan_offsets(intervals: &[Interval]) -> Plan {
 
 /// How close to the lower bound a plan must be for [`plan_offsets`] not to try best fit by size
 /// x lifetime: within one part in this many. 10,000 is the relative gap at which MIP solvers
-/// stop by default (Gurobi's `MIPGap`, CPLEX's `mipgap`: 1e-4). Over the 4,723 plans of
-/// session 13's sweep (11 preset models on three hardware presets at two budgets, and the
-/// depth benchmark), it and the granule skip that order in 1,273 and change none of the kept
-/// plans.
+/// stop by default (Gurobi's `MIPGap`, CPLEX's `mipgap`: 1e-4), so the plan kept is at most
+/// that much larger than the one that order could give. It skips that order where it costs
+/// the most: on deep graphs the other two orders end a constant few hundred kilobytes above the
+/// bound while the bound grows with depth. How often it fires is measured in
+/// `benches/RESULTS.md`.
 pub const OPTIMALITY_GAP: u64 = 10_000;
 
 /// The unit in which [`plan_offsets`] compares arenas: the coarsest alignment of any buffer

@@ -3,8 +3,7 @@
 //! exercise every kind of movement (streamed chunks through one to three buffers, swapped and
 //! recomputed blocks, the host optimizer).
 //!
-//! Moving a decision from one pass to another must not change a schedule: the digests below
-//! were recorded before movement became nodes of the placed graph, and a restructuring that
+//! Moving a decision from one pass to another must not change a schedule: a restructuring that
 //! changes a buffer, an instruction, an event or their order changes a digest. A change that
 //! is meant to change schedules updates the table, and says why in its commit. The predicted
 //! step time is left out (it belongs to the cost model, which may be recalibrated).

@@ -202,9 +202,9 @@ fn check_tie_rule(report: &protrain_compiler::search::SearchReport, one_memory: 
 
 #[test]
 fn among_tied_candidates_the_least_device_memory_wins() {
-    // Issue 14: six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4
-    // buffers: 6.1611 s each) and the rule before it, the least movement among ties, chose
-    // blocks=C..CKKK at 22.32 GiB over the 21.54 GiB of blocks=C..CK with 2 buffers.
+    // Six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4 buffers: 6.1611 s
+    // each); ranking ties by the least movement instead would choose blocks=C..CKKK at
+    // 22.32 GiB over the 21.54 GiB of blocks=C..CK with 2 buffers.
     let (schedule, report) = search_preset("llama-2-7b", "rtx3090", 256 * GIB, 4, 1024);
     let tied = report
         .compiled
@@ -219,12 +219,12 @@ fn among_tied_candidates_the_least_device_memory_wins() {
 
 #[test]
 fn a_constant_over_count_lets_no_calibrated_candidate_over_the_budget() {
-    // Issue 12: the tiny GPT-2 of `benches/compile_depth.rs` at 128 layers. Its memory
-    // estimate over-counts every policy by the same 6.4 MB (the head), against 2 MB per
-    // swapped layer; the ratio calibration alone tolerated 1% of the budget over, and
-    // compiled a candidate over it in its second batch (three at 512 layers, a third batch at
-    // 1,024). The first batch, before any calibration, is over by design (its 0.8 lets a 25%
-    // over-estimate through); every batch after it must fit.
+    // The tiny GPT-2 of `benches/compile_depth.rs` at 128 layers. Its memory estimate
+    // over-counts every policy by the same 6.4 MB (the head), against 2 MB per swapped layer;
+    // a calibration on the ratio of exact to estimated bytes alone tolerates 1% of the budget
+    // over, and would compile a candidate over it in the second batch (three at 512 layers, a
+    // third batch at 1,024). The first batch, before any calibration, is over by design (its
+    // 0.8 lets a 25% over-estimate through); every batch after it must fit.
     let layers = 128;
     let json = format!(
         r#"{{"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": {layers},

@@ -804,7 +804,7 @@ mod simulate {
     /// between two ops splits the run, another weight decay starts a new one, and the host
     /// optimizer's CPU Adam has no runs. With a merging backend the run's first op carries the
     /// whole run (one launch overhead, every parameter's bandwidth) and the others cost
-    /// nothing; without one, every op pays its own launch, as before.
+    /// nothing; without one, every op pays its own launch.
     #[test]
     fn simulate_prices_a_run_of_device_adamw_as_one_launch() {
         let (graph, [a, b, c, d]) = adamw_graph();

@@ -41,7 +41,8 @@
 //! shards in the whole layout, so the instruction list is the same on every rank; the rank
 //! picks its slice when it runs ([`Schedule::rank_slice`]).
 //!
-//! Single-rank schedules have no such stream and encode exactly as before; the format version is unchanged because a new variant only extends the layout
+//! Single-rank schedules have no collective stream, so data parallelism changes nothing in
+//! their encoding; the format version stays because a new variant only extends the layout
 //! (an older protrain rejects a data-parallel schedule as undecodable).
 //!
 //! The disk tier (ZeRO-Infinity's NVMe offload): when host memory cannot hold every offloaded

@@ -590,8 +590,8 @@ fn rope_forward_and_backward() {
 fn attention_forward_and_backward() {
     for dtype in DTYPES {
         // (heads, kv_heads, head_dim, window, qkv, seq): grouped heads, a sliding window,
-        // GPT-2's packed layout, heads wider than the old scalar kernels took (the GEMM path
-        // has no limit), and T = 2048 with 5 KV heads: 16 MiB of f32 scores per head, so the
+        // GPT-2's packed layout, heads of 128 and wider (the GEMM path has no limit on the
+        // head dimension), and T = 2048 with 5 KV heads: 16 MiB of f32 scores per head, so the
         // plan runs two GEMM batches of KV heads (4, then 1), each for both heads of a group.
         let shapes = [
             (4u64, 2u64, 16u64, None, QkvLayout::Separate, 37u64),

@@ -345,7 +345,7 @@ pub enum OpKind {
         slot: u32,
     },
 
-    // Gradient accumulation (appended last, so schedules without it encode as before).
+    // Gradient accumulation (appended last, so schedules without it keep their encoding).
     /// [`OpKind::CrossEntropyBackward`] for a loss gradient of `1 / micro_batches`: with
     /// gradient accumulation the step's loss is the mean of `micro_batches` micro-batch
     /// losses, so each micro-batch's backward pass starts from that share (PyTorch's
@@ -359,7 +359,7 @@ pub enum OpKind {
     /// `acc` in micro-batch order, from zero.
     AccumulateGrad,
 
-    // fp16 dynamic loss scaling (appended last, so schedules without it encode as before).
+    // fp16 dynamic loss scaling (appended last, so schedules without it keep their encoding).
     /// [`OpKind::CrossEntropyBackward`] for a loss gradient of `loss_scale / micro_batches`:
     /// torch.cuda.amp.GradScaler's `scaler.scale(loss / K).backward()`, so that small fp16
     /// gradients do not flush to zero. `loss_scale` is the compiled initial scale; the runtime

@@ -368,10 +368,10 @@ fn block_in<G: Widen, L: Narrow>(
 }
 
 /// [`block`] compiled for AVX-512F: sixteen lanes per instruction instead of eight, so about
-/// half the instructions per element; with a bf16 gradient and a bf16 copy written, AVX2's
-/// extra narrowing work (an extract and a pack per eight lanes) made the step about 10% slower
-/// in CPU time than the f32-gradient one, and this instance closes that gap (measured on
-/// thread CPU time, `benches/adam.rs` for the wall-clock comparison with torch).
+/// half the instructions per element. With a bf16 gradient and a bf16 copy written, AVX2's
+/// extra narrowing work (an extract and a pack per eight lanes) makes the step about 10% slower
+/// in CPU time than the f32-gradient one; this instance closes that gap (`benches/adam.rs`
+/// compares it with torch, `benches/RESULTS.md` has the figures).
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX2 and FMA.
