@@ -144,6 +144,8 @@ fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
         seed: 0,
         data: Some(fixtures().join("lr_schedule/tokens.npy")),
         loss_scale: None,
+        save_every: None,
+        data_checksum: None,
     }
 }
 

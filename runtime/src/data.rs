@@ -166,6 +166,37 @@ impl TokenStream {
         self.source.as_deref()
     }
 
+    /// A checksum of the stream's contents that reads a bounded sample, not the whole file:
+    /// FNV-1a (64-bit) of the length and of [`SAMPLE_WINDOWS`] windows of
+    /// [`SAMPLE_TOKENS`] ids spread evenly from the first id to the last (the whole stream
+    /// when it is shorter than the windows together), as 16 hex digits. A file replaced by
+    /// another of the same length differs in a window unless the two agree in all of them,
+    /// so a resumed run can tell (see [`crate::train::RunSettings::data_checksum`]) at the
+    /// cost of reading 64 Ki ids, whatever the file's size.
+    pub fn sample_checksum(&self) -> String {
+        use std::hash::Hasher;
+        let mut hasher = fnv::FnvHasher::default();
+        let len = self.len();
+        hasher.write(&(len as u64).to_le_bytes());
+        let mut hash = |range: std::ops::Range<usize>| {
+            for i in range {
+                hasher.write(&self.get(i).to_le_bytes());
+            }
+        };
+        let windows = SAMPLE_WINDOWS;
+        if len <= windows * SAMPLE_TOKENS {
+            hash(0..len);
+        } else {
+            // Window w starts at w / (windows - 1) of the way to the last full window.
+            let last = len - SAMPLE_TOKENS;
+            for w in 0..windows {
+                let start = (last as u128 * w as u128 / (windows - 1) as u128) as usize;
+                hash(start..start + SAMPLE_TOKENS);
+            }
+        }
+        format!("{:016x}", hasher.finish())
+    }
+
     /// Checks every token of the stream against a vocabulary of `vocab` ids; the error names the
     /// first offending token's index in the stream and its value.
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
@@ -184,6 +215,11 @@ impl TokenStream {
         }
     }
 }
+
+/// Windows [`TokenStream::sample_checksum`] reads.
+pub const SAMPLE_WINDOWS: usize = 16;
+/// Ids in each window of [`TokenStream::sample_checksum`].
+pub const SAMPLE_TOKENS: usize = 4096;
 
 /// The integer in `bytes` (1, 2, 4 or 8 of them) in the given byte order, zero-extended.
 fn decode(bytes: &[u8], big_endian: bool) -> u64 {
@@ -244,6 +280,24 @@ impl Batch {
         inputs.extend(self.inputs.iter().map(|&t| t as i32));
         targets.clear();
         targets.extend(self.targets.iter().map(|&t| t as i32));
+    }
+
+    /// [`Batch::check_vocab`], the error naming the data (`--data tokens.npy`) it was read
+    /// from.
+    pub fn check_vocab_of(&self, vocab: usize, data: &str) -> Result<()> {
+        self.check_vocab(vocab).map_err(|e| match e {
+            RuntimeError::TokenOutOfRange {
+                token,
+                position,
+                vocab,
+            } => RuntimeError::DataOutOfVocab {
+                data: data.to_string(),
+                token,
+                position,
+                vocab,
+            },
+            other => other,
+        })
     }
 
     /// Checks that every id is below `vocab`. The error names the token's absolute index in
@@ -373,6 +427,17 @@ impl Batcher {
         } else {
             start
         }
+    }
+
+    /// The pass over the stream (1-based) that batch `step` belongs to: a pass starts where a
+    /// batch goes back to the stream's start, which with the rule above is batch `s` where
+    /// the window after it, `(s + 1) * n`, reaches a multiple of the length; so batch `s`
+    /// is in pass `floor((s + 1) * n / len) + 1`. Batch `s > 0` starts a pass when its pass
+    /// is later than batch `s - 1`'s.
+    pub fn epoch_of(&self, step: u64) -> u64 {
+        let n = (self.batch * self.seq) as u128;
+        let passes = (u128::from(step) + 1) * n / self.stream.len().max(1) as u128;
+        u64::try_from(passes).unwrap_or(u64::MAX).saturating_add(1)
     }
 
     /// The batch of `step`, freshly allocated.
