@@ -720,7 +720,9 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "2",
         &["--checkpoint-dir", path(&ckpt), "--save-every", "2"],
     ));
-    let rest = losses(&run("4", &["--resume", path(&ckpt)]));
+    // A resumed run goes on saving into the directory it resumes: each resumes a copy.
+    let copy = |name: &str| copy_dir(&ckpt, &dir.path().join(name));
+    let rest = losses(&run("4", &["--resume", path(&copy("rest"))]));
     assert_eq!(first, whole[..2]);
     assert_eq!(rest, whole[2..]);
     // One rank accumulating both ranks' micro-batches resumes it too (the state is the same
@@ -734,7 +736,7 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "--grad-clip",
         "1.0",
         "--resume",
-        path(&ckpt),
+        path(&copy("one")),
     ]);
     assert_eq!(losses(&out), whole[2..]);
     // Ranks that would take another global batch are refused, naming the way out.
@@ -825,17 +827,39 @@ fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     assert!(first.status.success(), "{}", stderr(&first));
     assert!(stderr(&first).contains("sharded"), "{}", stderr(&first));
     assert_eq!(losses(&first), whole[..2]);
-    let rest = losses(&run("4", &["--gpus", "4", "--resume", path(&ckpt)]));
+    // A resumed run goes on saving into the directory it resumes: each resumes a copy.
+    let copy = |name: &str| copy_dir(&ckpt, &dir.path().join(name));
+    let rest = losses(&run("4", &["--gpus", "4", "--resume", path(&copy("rest"))]));
     assert_eq!(rest, whole[2..]);
-    let one = losses(&run("4", &["--grad-accum", "4", "--resume", path(&ckpt)]));
+    let one = losses(&run(
+        "4",
+        &["--grad-accum", "4", "--resume", path(&copy("one"))],
+    ));
     assert_eq!(one, whole[2..]);
     // 2 ranks of 2 micro-batches each (interleaved rows, each micro-batch summed over the
     // ranks into the accumulators): the same sums, bit for bit.
     let two = losses(&run(
         "4",
-        &["--gpus", "2", "--grad-accum", "2", "--resume", path(&ckpt)],
+        &[
+            "--gpus",
+            "2",
+            "--grad-accum",
+            "2",
+            "--resume",
+            path(&copy("two")),
+        ],
     ));
     assert_eq!(two, whole[2..]);
+}
+
+/// A copy of the flat directory `from` (a checkpoint directory) at `to`; returns `to`.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> PathBuf {
+    std::fs::create_dir_all(to).expect("create the copy");
+    for entry in std::fs::read_dir(from).expect("list") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+    to.to_path_buf()
 }
 
 /// `train` as gpt2-tiny at batch 2 x seq 16 with `extra` flags, to completion.

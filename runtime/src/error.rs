@@ -46,8 +46,8 @@ pub enum RuntimeError {
     DataOutOfVocab {
         /// The data, as the flag that named it and its path (`--data tokens.npy`).
         data: String,
-        /// The offending id.
-        token: i64,
+        /// The offending value, as the file holds it (it may be negative or above `2^32`).
+        token: i128,
         /// Its index in the file's tokens.
         position: usize,
         /// The vocabulary size it must be below.

@@ -116,7 +116,7 @@ impl<'s, B: Backend> Evaluator<'s, B> {
         let mut batch = batcher.batch(0);
         for i in 0..batches {
             batcher.fill(i, &mut batch);
-            batch.check_vocab_of(vocab, data)?;
+            batcher.check_batch(&batch, vocab, data)?;
         }
         Ok(Self {
             batch,

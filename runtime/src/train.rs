@@ -861,13 +861,18 @@ impl<'s, B: Backend> Trainer<'s, B> {
             Some(path) => format!("--data {}", path.display()),
             None => "the synthetic corpus".into(),
         };
+        // The first batch is checked before the run starts, so the common mistake (data of
+        // another tokenizer) is refused before anything is printed or written; the others
+        // as they are read ([`Trainer::step`]).
+        let batch = batcher.batch(next_batch);
+        batcher.check_batch(&batch, vocab, &data_label)?;
         Ok(Self {
             vocab,
             data_label,
             last_checkpoint: None,
             started_at: executor.steps_taken(),
             executor,
-            batch: batcher.batch(next_batch),
+            batch,
             batcher,
             settings,
             has_optimizer: optimizer.is_some(),
@@ -1044,7 +1049,8 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let batch = self.next_batch;
         self.batcher.fill(batch, &mut self.batch);
         // Checked as read, so a huge token file is not read through before step 1.
-        self.batch.check_vocab_of(self.vocab, &self.data_label)?;
+        self.batcher
+            .check_batch(&self.batch, self.vocab, &self.data_label)?;
         self.batch.ids_into(&mut self.inputs, &mut self.targets);
         let epoch = self.batcher.epoch_of(batch);
         let epoch_started =

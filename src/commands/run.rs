@@ -834,7 +834,7 @@ fn lead<'s, B: Backend>(
         Ok(Finished::Saved(saved)) => saved,
         Ok(Finished::Stopped(signal)) => {
             bar.abandon();
-            return stopped(&mut trainer, signal);
+            return stopped(trainer, signal);
         }
         Err(e) => {
             bar.abandon();
@@ -1036,9 +1036,10 @@ impl StopSignals {
 }
 
 /// Ends a run that `signal` stopped: writes a checkpoint of its last finished step (unless
-/// it has one), prints the command that resumes it, and exits with 128 + the signal's number
-/// (130 for SIGINT, 143 for SIGTERM), as a shell reports a process the signal killed.
-fn stopped<B: Backend>(trainer: &mut Trainer<'_, B>, signal: i32) -> Result<()> {
+/// it has one), prints the command that resumes it, releases the trainer, and exits with
+/// 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports a
+/// process the signal killed.
+fn stopped<B: Backend>(mut trainer: Trainer<'_, B>, signal: i32) -> Result<()> {
     let name = match signal {
         signal_hook::consts::SIGINT => "SIGINT",
         _ => "SIGTERM",
@@ -1054,6 +1055,8 @@ fn stopped<B: Backend>(trainer: &mut Trainer<'_, B>, signal: i32) -> Result<()> 
         }
         None => eprintln!("stopped by {name} before the first step; nothing to save"),
     }
+    // Dropped first: the executor removes the disk tier's state file.
+    drop(trainer);
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
