@@ -228,7 +228,7 @@ impl TokenStream {
                             .source
                             .as_deref()
                             .map_or(String::new(), |p| p.display().to_string()),
-                        token: self.raw(i),
+                        token: self.raw(i).to_string(),
                         position: i,
                         vocab,
                     }),
@@ -454,7 +454,7 @@ impl Batcher {
                 position, vocab, ..
             } => RuntimeError::DataOutOfVocab {
                 data: data.to_string(),
-                token: self.stream.raw(position),
+                token: self.stream.raw(position).to_string(),
                 position,
                 vocab,
             },

@@ -46,8 +46,9 @@ pub enum RuntimeError {
     DataOutOfVocab {
         /// The data, as the flag that named it and its path (`--data tokens.npy`).
         data: String,
-        /// The offending value, as the file holds it (it may be negative or above `2^32`).
-        token: i128,
+        /// The offending value as the file holds it, in decimal (it may be negative or
+        /// beyond `2^32`, so no one integer type holds every such value).
+        token: String,
         /// Its index in the file's tokens.
         position: usize,
         /// The vocabulary size it must be below.

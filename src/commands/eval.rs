@@ -81,7 +81,7 @@ pub struct Args {
     /// The model's vocabulary size, as `train --vocab` takes it (a preset given a --tokenizer
     /// with more ids than its vocabulary takes the tokenizer's size without it).
     #[arg(long, value_name = "N")]
-    vocab: Option<u64>,
+    vocab: Option<u32>,
 }
 
 /// Compiles the model's forward pass, loads the weights and prints their loss on the data.

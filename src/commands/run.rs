@@ -163,7 +163,9 @@ pub struct ExecArgs {
     pub trace: Option<PathBuf>,
     /// Write checkpoints (weights, Adam moments, step, data position, learning-rate schedule
     /// and the other run settings) to this directory every --save-every steps and at the
-    /// last step.
+    /// last step. On one rank, SIGINT (Ctrl-C) or SIGTERM stops the run after the step under
+    /// way with a checkpoint of it, prints the command that resumes, and exits 130 or 143; a
+    /// second signal exits at once.
     #[arg(long, value_name = "DIR", requires = "save_every")]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints; with --resume and no --checkpoint-dir, they go to the

@@ -24,7 +24,7 @@ pub struct Args {
     /// The model's vocabulary size, in place of its config's or preset's (a preset given a
     /// --tokenizer with more ids than its vocabulary takes the tokenizer's size without it).
     #[arg(long, value_name = "N")]
-    vocab: Option<u64>,
+    vocab: Option<u32>,
 }
 
 /// Compiles the model for the hardware and budget, prints the plan, and runs the schedule.
@@ -134,7 +134,7 @@ pub fn run(mut args: Args) -> Result<()> {
 pub fn fit_vocab(
     config: &mut protrain::models::ModelConfig,
     model: &str,
-    vocab: Option<u64>,
+    vocab: Option<u32>,
     tokenizer: Option<&std::path::Path>,
 ) -> Result<Option<String>> {
     let was = config.vocab_size;
@@ -144,7 +144,7 @@ pub fn fit_vocab(
                 "--vocab 0 leaves no token ids; give the tokenizer's vocabulary size".into(),
             ))
         }
-        (Some(n), _) => config.vocab_size = n,
+        (Some(n), _) => config.vocab_size = u64::from(n),
         (None, Some(path)) if protrain::models::find_preset(model).is_some() => {
             let ids = protrain::runtime::text::TextTokenizer::load(path)?.vocab_size() as u64;
             if ids <= was {
