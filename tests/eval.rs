@@ -212,6 +212,8 @@ fn a_trainer_evaluates_its_weights_every_k_steps() {
         seed: 0,
         data: Some(tokens),
         loss_scale: None,
+        save_every: None,
+        data_checksum: None,
     };
     let executor = Executor::new(&training).expect("executor");
     let mut trainer = Trainer::start(executor, settings, &params, "the fixture").expect("trainer");
@@ -268,6 +270,8 @@ fn a_trainer_evaluates_its_weights_every_k_steps() {
         seed: 0,
         data: Some(fixtures().join("lr_schedule/tokens.npy")),
         loss_scale: None,
+        save_every: None,
+        data_checksum: None,
     };
     let mut trainer = Trainer::start(executor, settings, &params, "the fixture").expect("trainer");
     let err = trainer

@@ -548,3 +548,60 @@ fn evaluation_refuses_bad_input_and_says_the_way_out() {
     let text = refused(&["train", "gpt2-tiny", "--eval-every", "5"]);
     assert!(text.contains("--eval-data"), "{text}");
 }
+
+/// Gradient accumulation and held-out evaluation together: the evaluation schedule is
+/// compiled without the training's micro-batches.
+#[test]
+fn accumulation_and_held_out_evaluation_train_together() {
+    let data = fixtures().join("lr_schedule/tokens.npy");
+    let held_out = fixtures().join("eval/tokens.npy");
+    let lines = json_of(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-accum",
+        "2",
+        "--data",
+        path(&data),
+        "--eval-data",
+        path(&held_out),
+        "--eval-batches",
+        "2",
+        "--json",
+    ]);
+    let evals: Vec<&Value> = lines.iter().filter(|l| l.get("eval").is_some()).collect();
+    assert_eq!(evals.len(), 1, "{lines:?}");
+    assert_eq!(evals[0]["step"], 2);
+    assert_eq!(evals[0]["tokens"], 64);
+}
+
+/// `eval --eval-batches` is `train --eval-batches`; `--batches` stays as its alias.
+#[test]
+fn eval_and_train_share_the_eval_batches_flag() {
+    let weights = fixtures().join("gpt2/model.safetensors");
+    let model = fixtures().join("gpt2");
+    let tokens = fixtures().join("gpt2/tokens.npy");
+    for flag in ["--eval-batches", "--batches"] {
+        let e = json_of(&[
+            "eval",
+            path(&model),
+            "--init",
+            path(&weights),
+            "--data",
+            path(&tokens),
+            flag,
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--json",
+        ]);
+        assert_eq!(e[0]["batches"], 1, "{flag}");
+    }
+}

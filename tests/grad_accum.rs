@@ -120,6 +120,8 @@ fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
         seed: 0,
         data: Some(fixtures().join("grad_accum/tokens.npy")),
         loss_scale: None,
+        save_every: None,
+        data_checksum: None,
     }
 }
 

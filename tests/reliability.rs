@@ -237,6 +237,10 @@ fn a_damaged_checkpoint_is_caught_and_the_one_before_it_used() {
     );
     assert!(two.is_file() && four.is_file());
     flip_last_bit(&four);
+    // Copied now: the resumed run below goes on saving into `ckpt`, step 4 again included.
+    let only = dir.path().join("only");
+    std::fs::create_dir(&only).unwrap();
+    std::fs::copy(&four, only.join("step-00000004.safetensors")).unwrap();
     let out = train("6", &["--resume", path(&ckpt)]);
     assert!(out.status.success(), "{}", stderr(&out));
     let err = stderr(&out);
@@ -250,9 +254,6 @@ fn a_damaged_checkpoint_is_caught_and_the_one_before_it_used() {
     );
 
     // With nothing to fall back to, it is an error naming the damage.
-    let only = dir.path().join("only");
-    std::fs::create_dir(&only).unwrap();
-    std::fs::copy(&four, only.join("step-00000004.safetensors")).unwrap();
     check_error(
         &train("6", &["--resume", path(&only)]),
         &["damaged", "checksum"],

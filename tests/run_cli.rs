@@ -720,7 +720,9 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "2",
         &["--checkpoint-dir", path(&ckpt), "--save-every", "2"],
     ));
-    let rest = losses(&run("4", &["--resume", path(&ckpt)]));
+    // A resumed run goes on saving into the directory it resumes: each resumes a copy.
+    let copy = |name: &str| copy_dir(&ckpt, &dir.path().join(name));
+    let rest = losses(&run("4", &["--resume", path(&copy("rest"))]));
     assert_eq!(first, whole[..2]);
     assert_eq!(rest, whole[2..]);
     // One rank accumulating both ranks' micro-batches resumes it too (the state is the same
@@ -734,7 +736,7 @@ fn ranks_as_threads_resume_from_a_checkpoint_as_if_uninterrupted() {
         "--grad-clip",
         "1.0",
         "--resume",
-        path(&ckpt),
+        path(&copy("one")),
     ]);
     assert_eq!(losses(&out), whole[2..]);
     // Ranks that would take another global batch are refused, naming the way out.
@@ -825,15 +827,464 @@ fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     assert!(first.status.success(), "{}", stderr(&first));
     assert!(stderr(&first).contains("sharded"), "{}", stderr(&first));
     assert_eq!(losses(&first), whole[..2]);
-    let rest = losses(&run("4", &["--gpus", "4", "--resume", path(&ckpt)]));
+    // A resumed run goes on saving into the directory it resumes: each resumes a copy.
+    let copy = |name: &str| copy_dir(&ckpt, &dir.path().join(name));
+    let rest = losses(&run("4", &["--gpus", "4", "--resume", path(&copy("rest"))]));
     assert_eq!(rest, whole[2..]);
-    let one = losses(&run("4", &["--grad-accum", "4", "--resume", path(&ckpt)]));
+    let one = losses(&run(
+        "4",
+        &["--grad-accum", "4", "--resume", path(&copy("one"))],
+    ));
     assert_eq!(one, whole[2..]);
     // 2 ranks of 2 micro-batches each (interleaved rows, each micro-batch summed over the
     // ranks into the accumulators): the same sums, bit for bit.
     let two = losses(&run(
         "4",
-        &["--gpus", "2", "--grad-accum", "2", "--resume", path(&ckpt)],
+        &[
+            "--gpus",
+            "2",
+            "--grad-accum",
+            "2",
+            "--resume",
+            path(&copy("two")),
+        ],
     ));
     assert_eq!(two, whole[2..]);
+}
+
+/// A copy of the flat directory `from` (a checkpoint directory) at `to`; returns `to`.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> PathBuf {
+    std::fs::create_dir_all(to).expect("create the copy");
+    for entry in std::fs::read_dir(from).expect("list") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+    to.to_path_buf()
+}
+
+/// `train` as gpt2-tiny at batch 2 x seq 16 with `extra` flags, to completion.
+fn train_tiny(extra: &[&str]) -> Output {
+    let mut args = vec!["train", "gpt2-tiny", "--batch", "2", "--seq", "16"];
+    args.extend_from_slice(extra);
+    protrain(&args)
+}
+
+/// The repository's token fixture of the learning-rate tests.
+fn lr_tokens() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lr_schedule/tokens.npy")
+}
+
+/// The checkpoint files in `dir`, by name, sorted.
+fn checkpoint_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("the checkpoint directory")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-") && n.ends_with(".safetensors"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// `--init` takes what `eval --init` takes: a checkpoint directory (its newest checkpoint) or
+/// one checkpoint file, whose weights (not its Adam moments) start a new run, which says
+/// where they came from; its first loss is the one `eval` finds for those weights.
+#[test]
+fn train_init_takes_a_checkpoint_directory_or_one_of_its_files() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let data = lr_tokens();
+    let out = train_tiny(&[
+        "--steps",
+        "2",
+        "--data",
+        path(&data),
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let file = ckpt.join("step-00000002.safetensors");
+    let eval = protrain(&[
+        "eval",
+        "gpt2-tiny",
+        "--init",
+        path(&ckpt),
+        "--data",
+        path(&data),
+        "--batches",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--json",
+    ]);
+    assert!(eval.status.success(), "{}", stderr(&eval));
+    let e: serde_json::Value = serde_json::from_str(stdout(&eval).trim()).expect("JSON");
+    let eval_loss = (e["loss"].as_f64().expect("loss") as f32).to_bits();
+    for init in [&ckpt, &file] {
+        let out = train_tiny(&[
+            "--steps",
+            "1",
+            "--data",
+            path(&data),
+            "--init",
+            path(init),
+            "--json",
+        ]);
+        let loss = losses(&out);
+        let text = stderr(&out);
+        assert!(
+            text.contains("starting from the weights of checkpoint")
+                && text.contains("step-00000002.safetensors (the weights after step 2"),
+            "{text}"
+        );
+        let first: f64 = loss[0].parse().expect("a number");
+        assert_eq!((first as f32).to_bits(), eval_loss, "{first} against {e}");
+    }
+}
+
+/// Warnings before a run: a warmup longer than the run, a resumed run that goes past the end
+/// of its cosine (where the rate rises again), and data that wraps around (naming the epoch
+/// and the step it starts at).
+#[test]
+fn train_warns_of_a_long_warmup_a_schedule_overrun_and_wrapping_data() {
+    let out = train_tiny(&["--steps", "2", "--warmup-steps", "6"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--warmup-steps 6 is more than --steps 2"),
+        "{}",
+        stderr(&out)
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let out = train_tiny(&[
+        "--steps",
+        "2",
+        "--lr-schedule",
+        "cosine",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("warning"), "{}", stderr(&out));
+    let out = train_tiny(&["--steps", "4", "--resume", path(&ckpt)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stderr(&out);
+    assert!(
+        text.contains("past the end of its cosine schedule at step 2")
+            && text.contains("from step 3 transformers' cosine rises again"),
+        "{text}"
+    );
+    // 97 tokens hold three batches of 32 (each with the token after it): step 4 reads the
+    // start again.
+    let tokens: Vec<u8> = (0..97u16).flat_map(|t| (t % 200).to_le_bytes()).collect();
+    let data = dir.path().join("short.bin");
+    std::fs::write(&data, tokens).expect("write");
+    let out = train_tiny(&["--steps", "5", "--data", path(&data)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("the data wraps around: epoch 2 of") && text.contains("starts at step 4"),
+        "{text}"
+    );
+    assert!(!text.contains("epoch 3"), "{text}");
+}
+
+/// Without a terminal (as here, and under `nohup ... > log`) the table has a row at least
+/// every 5% of the run, and at least every minute.
+#[test]
+fn without_a_terminal_rows_come_every_twentieth_of_the_run_and_every_minute() {
+    let out = train_tiny(&["--steps", "40"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let steps: Vec<u64> = stdout(&out)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    let every_second: Vec<u64> = std::iter::once(1).chain((1..=20).map(|i| i * 2)).collect();
+    assert_eq!(steps, every_second);
+    // The minute, on a clock of its own.
+    use protrain::runtime::train::ReportPace;
+    use std::time::{Duration, Instant};
+    let t0 = Instant::now();
+    let mut pace = ReportPace::new(0, 1000, false);
+    assert!(pace.due(1, t0));
+    assert!(!pace.due(2, t0 + Duration::from_secs(59)));
+    assert!(pace.due(3, t0 + Duration::from_secs(61)));
+    assert!(!pace.due(4, t0 + Duration::from_secs(62)));
+    assert!(pace.due(50, t0 + Duration::from_secs(63)));
+    // With a progress bar, every tenth and no clock.
+    let mut bar = ReportPace::new(0, 1000, true);
+    assert!(bar.due(1, t0));
+    assert!(!bar.due(50, t0 + Duration::from_secs(600)));
+    assert!(bar.due(100, t0 + Duration::from_secs(601)));
+}
+
+/// Sends `signal` to a `train` with checkpoints after it has trained a while, and checks
+/// that it saved its last step, said how to resume, and exited with 128 + the signal; then
+/// that the command it printed resumes the run.
+fn stop_with(signal: i32, code: i32) {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let data = lr_tokens();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args([
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "100000000",
+            "--data",
+            path(&data),
+            "--checkpoint-dir",
+            path(&ckpt),
+            "--save-every",
+            "100000000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the protrain binary starts");
+    let mut lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut text = String::new();
+    for line in lines.by_ref() {
+        let line = line.expect("stderr is text");
+        text.push_str(&line);
+        text.push('\n');
+        if line.starts_with("training on") {
+            break;
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let pid = i32::try_from(child.id()).expect("a pid");
+    // SAFETY: kill only sends a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    for line in lines {
+        text.push_str(&line.expect("stderr is text"));
+        text.push('\n');
+    }
+    let status = child.wait().expect("the child ends");
+    assert_eq!(status.code(), Some(code), "{text}");
+    let saved = checkpoint_names(&ckpt);
+    assert_eq!(saved.len(), 1, "{saved:?}: {text}");
+    let step: u64 = saved[0]["step-".len()..saved[0].len() - ".safetensors".len()]
+        .parse()
+        .expect("a step");
+    assert!(step > 0);
+    assert!(
+        text.contains(&format!("after step {step}, saved in")),
+        "{text}"
+    );
+    let command = text
+        .lines()
+        .skip_while(|l| !l.ends_with("resume with:"))
+        .nth(1)
+        .expect("the resume command")
+        .trim();
+    assert!(
+        command.contains("--resume") && command.ends_with(path(&ckpt)),
+        "{command}"
+    );
+    // The printed command resumes (here for two more steps).
+    let resumed = train_tiny(&[
+        "--resume",
+        path(&ckpt),
+        "--steps",
+        &(step + 2).to_string(),
+        "--json",
+    ]);
+    assert_eq!(losses(&resumed).len(), 2);
+    assert!(
+        stderr(&resumed).contains(&format!("(step {step})")),
+        "{}",
+        stderr(&resumed)
+    );
+}
+
+#[test]
+fn sigint_saves_the_last_step_says_how_to_resume_and_exits_130() {
+    stop_with(libc::SIGINT, 130);
+}
+
+#[test]
+fn sigterm_saves_the_last_step_says_how_to_resume_and_exits_143() {
+    stop_with(libc::SIGTERM, 143);
+}
+
+/// `--resume DIR` without `--save-every` goes on saving as the resumed run did.
+#[test]
+fn a_resumed_run_keeps_saving_as_often_as_the_run_it_continues() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let out = train_tiny(&[
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = train_tiny(&[
+        "--steps",
+        "4",
+        "--resume",
+        path(&ckpt),
+        "--keep-checkpoints",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        checkpoint_names(&ckpt),
+        (1..=4)
+            .map(|s| format!("step-{s:08}.safetensors"))
+            .collect::<Vec<_>>()
+    );
+}
+
+/// A token file replaced by another of the same length is told apart on resume.
+#[test]
+fn resuming_on_a_replaced_token_file_of_the_same_length_warns() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let data = dir.path().join("tokens.bin");
+    let write = |shift: u16| {
+        let bytes: Vec<u8> = (0..400u16)
+            .flat_map(|t| ((t * 7 + shift) % 250).to_le_bytes())
+            .collect();
+        std::fs::write(&data, bytes).expect("write");
+    };
+    write(0);
+    let out = train_tiny(&[
+        "--steps",
+        "2",
+        "--data",
+        path(&data),
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = train_tiny(&["--steps", "3", "--resume", path(&ckpt)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("replaced"), "{}", stderr(&out));
+    write(1);
+    let out = train_tiny(&["--steps", "4", "--resume", path(&ckpt)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out)
+            .contains("has the 400 tokens of the checkpointed run's data but not its contents"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// An out-of-vocabulary id is found when its batch is read (a run that never reads it
+/// trains), and the error names the flag of its file.
+#[test]
+fn token_ids_are_checked_per_batch_and_errors_name_the_flag() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Two batches of 32 ids (and the one after): an id of 300 in the second.
+    let mut tokens: Vec<u16> = (0..65u16).map(|t| t % 200).collect();
+    tokens[40] = 300;
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let data = dir.path().join("bad.bin");
+    std::fs::write(&data, bytes).expect("write");
+    let out = train_tiny(&["--steps", "1", "--data", path(&data)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = train_tiny(&["--steps", "2", "--data", path(&data)]);
+    assert_eq!(out.status.code(), Some(2));
+    let text = stderr(&out);
+    assert!(
+        text.contains(&format!("--data {}: token 300 at position 40", path(&data))),
+        "{text}"
+    );
+    let out = train_tiny(&["--steps", "1", "--eval-data", path(&data)]);
+    assert_eq!(out.status.code(), Some(2));
+    let text = stderr(&out);
+    assert!(
+        text.contains(&format!("--eval-data {}: token 300", path(&data))),
+        "{text}"
+    );
+}
+
+/// `run` given a model directory or config points to `train`; a text corpus without
+/// `--tokenizer` says to add one.
+#[test]
+fn run_on_a_model_points_to_train_and_text_data_asks_for_a_tokenizer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, "{}").expect("write");
+    for model in [dir.path(), config.as_path()] {
+        let out = protrain(&["run", path(model)]);
+        assert_eq!(out.status.code(), Some(2));
+        let text = stderr(&out);
+        assert!(
+            text.contains(&format!("`protrain train {}`", path(model))),
+            "{text}"
+        );
+    }
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "some text\n").expect("write");
+    let out = train_tiny(&["--steps", "1", "--data", path(&corpus)]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("add --tokenizer tokenizer.json"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A tiny preset trains with a tokenizer of more ids than its 256: the vocabulary follows
+/// the tokenizer, or `--vocab`.
+#[test]
+fn a_tiny_preset_takes_the_vocabulary_of_its_tokenizer_or_vocab() {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("runtime/tests/fixtures/text");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::copy(fixtures.join("corpus.txt"), &corpus).expect("copy the corpus");
+    let text = std::fs::read_to_string(fixtures.join("tokenizer.json")).expect("read");
+    let mut tokenizer: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let vocab = tokenizer["model"]["vocab"]
+        .as_object_mut()
+        .expect("a BPE vocabulary");
+    for i in 0..100 {
+        vocab.insert(format!("<extra{i}>"), (256 + i).into());
+    }
+    let big = dir.path().join("tokenizer.json");
+    std::fs::write(&big, tokenizer.to_string()).expect("write");
+    let out = train_tiny(&[
+        "--steps",
+        "1",
+        "--data",
+        path(&corpus),
+        "--tokenizer",
+        path(&big),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("vocabulary      356 ids in place of the 256 of gpt2-tiny"),
+        "{}",
+        stderr(&out)
+    );
+    // An id of 300 in a token file trains with --vocab 301, and not without.
+    let tokens: Vec<u8> = (0..65u16)
+        .flat_map(|t| if t == 5 { 300u16 } else { t }.to_le_bytes())
+        .collect();
+    let data = dir.path().join("wide.bin");
+    std::fs::write(&data, tokens).expect("write");
+    let out = train_tiny(&["--steps", "1", "--data", path(&data), "--vocab", "301"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = train_tiny(&["--steps", "1", "--data", path(&data)]);
+    assert_eq!(out.status.code(), Some(2));
 }

@@ -103,9 +103,22 @@ fn checkpoint_four_ranks(ckpt: &Path, whole: &[(u64, String)]) {
     assert_eq!(losses(&out), whole[..2]);
 }
 
-/// The resumed run's notes and warnings (stderr).
+/// The run resumed from a copy of `ckpt` (a resumed run goes on saving into the directory it
+/// resumes, so each resumes the checkpoints as they were written).
 fn resume(ckpt: &Path, ranks: &[&str]) -> Output {
-    protrain(&args("4", ranks, &["--resume", path(ckpt)]))
+    resume_with(ckpt, "4", ranks)
+}
+
+/// [`resume`] to `steps` steps with the flags `extra`.
+fn resume_with(ckpt: &Path, steps: &str, extra: &[&str]) -> Output {
+    let copy = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(ckpt).expect("the checkpoint directory") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).expect("copy");
+    }
+    let mut flags = extra.to_vec();
+    flags.extend(["--resume", path(copy.path())]);
+    protrain(&args(steps, &[], &flags))
 }
 
 /// 4 sharded ranks write one shard file each and a manifest naming them, each shard a
@@ -526,7 +539,7 @@ fn four_ranks_of_two_micro_batches_resume_on_two_of_four_and_one_of_eight() {
     assert_eq!(losses(&out), whole[..2]);
     assert!(files(&ckpt).contains(&"step-00000002.rank-3-of-4.safetensors".to_string()));
     for ranks in [TWO_X4, ONE_X8] {
-        let out = protrain(&args("4", ranks, &["--resume", path(&ckpt)]));
+        let out = resume_with(&ckpt, "4", ranks);
         assert_eq!(losses(&out), whole[2..], "resumed as {ranks:?}");
     }
 }

@@ -536,6 +536,14 @@ pub fn load_latest_params(dir: &Path, graph: &Graph) -> Result<(Vec<Vec<f32>>, P
     }))
 }
 
+/// The parameters for `graph` of the one checkpoint at `path` (a file, or a sharded
+/// checkpoint's manifest), read as [`load_latest_params`] reads them, and the step it was
+/// written after; `None` when `path` is not named as a checkpoint is ([`file_name`]).
+pub fn load_params_at(path: &Path, graph: &Graph) -> Option<Result<(Vec<Vec<f32>>, u64)>> {
+    let step = path.file_name()?.to_str().and_then(step_of)?;
+    Some(read_params(path, graph).map(|params| (params, step)))
+}
+
 /// The parameters of the checkpoint at `path` for `graph`; see [`load_latest_params`].
 fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
     if is_manifest(path) {

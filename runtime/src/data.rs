@@ -32,14 +32,15 @@ pub struct TokenStream {
 enum Storage {
     /// Ids in memory.
     Owned(Vec<u32>),
-    /// Integers of `width` bytes at `offset` in a mapped file, each checked at open to be a
-    /// token id.
+    /// Integers of `width` bytes at `offset` in a mapped file (`signed`: two's complement),
+    /// checked as they are read, not at open, so opening a huge file reads only its header.
     Mapped {
         map: Arc<Mmap>,
         offset: usize,
         len: usize,
         width: usize,
         big_endian: bool,
+        signed: bool,
     },
 }
 
@@ -56,10 +57,10 @@ impl Eq for TokenStream {}
 impl TokenStream {
     /// Opens a token file, choosing the format by extension, and maps it into memory:
     ///
-    /// - `.npy`: a 1-D array of any integer dtype (`i1`..`i8`, `u1`..`u8`, either byte order);
-    ///   every value must lie in `0..2^32` (checked here, by one pass over the file for the
-    ///   dtypes that can hold other values). Floats and arrays of more than one dimension are
-    ///   rejected.
+    /// - `.npy`: a 1-D array of any integer dtype (`i1`..`i8`, `u1`..`u8`, either byte order).
+    ///   A value outside `0..2^32` is no token id; it is found where a vocabulary check reads
+    ///   it ([`TokenStream::get`]), not here, so opening reads the header alone. Floats and
+    ///   arrays of more than one dimension are rejected.
     /// - `.bin`: raw little-endian `u16` tokens with no header (nanoGPT's `train.bin`).
     ///
     /// Any other extension is an error naming the two accepted formats, and so is a path that
@@ -124,21 +125,37 @@ impl TokenStream {
         self.len() == 0
     }
 
-    /// The id at `index`. Panics when `index >= len()`, as slice indexing does.
+    /// The id at `index`. Panics when `index >= len()`, as slice indexing does. A value of
+    /// the file that is no token id (negative, or `2^32` and above) reads as `u32::MAX`,
+    /// which no vocabulary holds, so a vocabulary check refuses it ([`TokenStream::raw`]
+    /// gives the value itself).
     pub fn get(&self, index: usize) -> u32 {
+        u32::try_from(self.raw(index)).unwrap_or(u32::MAX)
+    }
+
+    /// The integer the stream holds at `index`, as the file stores it. Panics when
+    /// `index >= len()`, as slice indexing does.
+    pub fn raw(&self, index: usize) -> i128 {
         match &self.storage {
-            Storage::Owned(t) => t[index],
+            Storage::Owned(t) => i128::from(t[index]),
             Storage::Mapped {
                 map,
                 offset,
                 len,
                 width,
                 big_endian,
+                signed,
             } => {
                 assert!(index < *len, "token {index} of {len}");
                 let at = offset + index * width;
-                // Checked at open: every value is a token id, so the low 4 bytes hold it.
-                decode(&map[at..at + width], *big_endian) as u32
+                let raw = decode(&map[at..at + width], *big_endian);
+                match signed {
+                    true => {
+                        let shift = 64 - 8 * *width as u32;
+                        i128::from(((raw << shift) as i64) >> shift)
+                    }
+                    false => i128::from(raw),
+                }
             }
         }
     }
@@ -166,15 +183,52 @@ impl TokenStream {
         self.source.as_deref()
     }
 
+    /// A checksum of the stream's contents that reads a bounded sample, not the whole file:
+    /// FNV-1a (64-bit) of the length and of [`SAMPLE_WINDOWS`] windows of
+    /// [`SAMPLE_TOKENS`] ids spread evenly from the first id to the last (the whole stream
+    /// when it is shorter than the windows together), as 16 hex digits. A file replaced by
+    /// another of the same length differs in a window unless the two agree in all of them,
+    /// so a resumed run can tell (see [`crate::train::RunSettings::data_checksum`]) at the
+    /// cost of reading 64 Ki ids, whatever the file's size.
+    pub fn sample_checksum(&self) -> String {
+        use std::hash::Hasher;
+        let mut hasher = fnv::FnvHasher::default();
+        let len = self.len();
+        hasher.write(&(len as u64).to_le_bytes());
+        let mut hash = |range: std::ops::Range<usize>| {
+            for i in range {
+                hasher.write(&self.get(i).to_le_bytes());
+            }
+        };
+        let windows = SAMPLE_WINDOWS;
+        if len <= windows * SAMPLE_TOKENS {
+            hash(0..len);
+        } else {
+            // Window w starts at w / (windows - 1) of the way to the last full window.
+            let last = len - SAMPLE_TOKENS;
+            for w in 0..windows {
+                let start = (last as u128 * w as u128 / (windows - 1) as u128) as usize;
+                hash(start..start + SAMPLE_TOKENS);
+            }
+        }
+        format!("{:016x}", hasher.finish())
+    }
+
     /// Checks every token of the stream against a vocabulary of `vocab` ids; the error names the
-    /// first offending token's index in the stream and its value.
+    /// first offending token's index in the stream and its value (and the file it is in).
+    /// Reads the whole stream: training and evaluation check each batch as they read it
+    /// instead ([`Batcher::check_batch`]).
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
         match &self.storage {
             Storage::Owned(t) => check_ids(t, 0, vocab),
             Storage::Mapped { .. } => {
                 match (0..self.len()).find(|&i| self.get(i) as usize >= vocab) {
-                    Some(i) => Err(RuntimeError::TokenOutOfRange {
-                        token: i64::from(self.get(i)),
+                    Some(i) => Err(RuntimeError::DataOutOfVocab {
+                        data: self
+                            .source
+                            .as_deref()
+                            .map_or(String::new(), |p| p.display().to_string()),
+                        token: self.raw(i).to_string(),
                         position: i,
                         vocab,
                     }),
@@ -184,6 +238,11 @@ impl TokenStream {
         }
     }
 }
+
+/// Windows [`TokenStream::sample_checksum`] reads.
+pub const SAMPLE_WINDOWS: usize = 16;
+/// Ids in each window of [`TokenStream::sample_checksum`].
+pub const SAMPLE_TOKENS: usize = 4096;
 
 /// The integer in `bytes` (1, 2, 4 or 8 of them) in the given byte order, zero-extended.
 fn decode(bytes: &[u8], big_endian: bool) -> u64 {
@@ -375,6 +434,34 @@ impl Batcher {
         }
     }
 
+    /// The pass over the stream (1-based) that batch `step` belongs to: a pass starts where a
+    /// batch goes back to the stream's start, which with the rule above is batch `s` where
+    /// the window after it, `(s + 1) * n`, reaches a multiple of the length; so batch `s`
+    /// is in pass `floor((s + 1) * n / len) + 1`. Batch `s > 0` starts a pass when its pass
+    /// is later than batch `s - 1`'s.
+    pub fn epoch_of(&self, step: u64) -> u64 {
+        let n = (self.batch * self.seq) as u128;
+        let passes = (u128::from(step) + 1) * n / self.stream.len().max(1) as u128;
+        u64::try_from(passes).unwrap_or(u64::MAX).saturating_add(1)
+    }
+
+    /// Checks that every id of `batch` (read by this batcher) is below `vocab`; the error
+    /// names the data (`--data tokens.npy`), the id's index in the stream and the value the
+    /// file holds there.
+    pub fn check_batch(&self, batch: &Batch, vocab: usize, data: &str) -> Result<()> {
+        batch.check_vocab(vocab).map_err(|e| match e {
+            RuntimeError::TokenOutOfRange {
+                position, vocab, ..
+            } => RuntimeError::DataOutOfVocab {
+                data: data.to_string(),
+                token: self.stream.raw(position).to_string(),
+                position,
+                vocab,
+            },
+            other => other,
+        })
+    }
+
     /// The batch of `step`, freshly allocated.
     pub fn batch(&self, step: u64) -> Batch {
         let n = self.batch * self.seq;
@@ -465,10 +552,11 @@ fn read_bin(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
         len,
         width: 2,
         big_endian: false,
+        signed: false,
     })
 }
 
-/// The stream of a mapped 1-D integer `.npy` array, every value checked to be a token id.
+/// The stream of a mapped 1-D integer `.npy` array (its values are checked as they are read).
 fn read_npy(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
     let empty: &[u8] = &[];
     let bytes: &[u8] = map.as_deref().map_or(empty, |m| m);
@@ -541,28 +629,6 @@ fn read_npy(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
     }
     let offset = bytes.len() - data.len();
     let big_endian = ty.endianness() == Endianness::Big;
-    // Unsigned values of up to 4 bytes are all token ids; the others are checked once here,
-    // so that reading a batch cannot fail.
-    if signed || width == 8 {
-        for (index, value) in data.chunks_exact(width).enumerate() {
-            let raw = decode(value, big_endian);
-            let value: i128 = if signed {
-                let shift = 64 - 8 * width as u32;
-                i128::from(((raw << shift) as i64) >> shift)
-            } else {
-                i128::from(raw)
-            };
-            if u32::try_from(value).is_err() {
-                return Err(bad_file(
-                    path,
-                    format!(
-                        "holds {value} at index {index}, which is not a token id (ids lie in \
-                         0..2^32); the array is not token ids, or was corrupted"
-                    ),
-                ));
-            }
-        }
-    }
     match map {
         Some(map) if count > 0 => Ok(Storage::Mapped {
             map,
@@ -570,6 +636,7 @@ fn read_npy(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
             len: count as usize,
             width,
             big_endian,
+            signed,
         }),
         _ => Ok(Storage::Owned(Vec::new())),
     }
@@ -673,14 +740,26 @@ mod tests {
         let e = open_err("m.npy", &two_d);
         assert!(e.contains("2-D") && e.contains("must be 1-D"), "{e}");
 
-        let negative = npy_bytes("<i2", "(2,)", &[1, 0, 0xff, 0xff]);
-        let e = open_err("n.npy", &negative);
-        assert!(e.contains("holds -1 at index 1"), "{e}");
-
-        let huge = npy_bytes("<u8", "(1,)", &u64::MAX.to_le_bytes());
-        let e = open_err("h.npy", &huge);
+        // Values that are no token ids open (only the header is read) and are refused
+        // where they are read, by their value.
+        let dir = tempfile::tempdir().unwrap();
+        let negative = write(
+            &dir,
+            "n.npy",
+            &npy_bytes("<i2", "(2,)", &[1, 0, 0xff, 0xff]),
+        );
+        let stream = TokenStream::open(&negative).unwrap();
+        let e = stream.check_vocab(100).unwrap_err().to_string();
+        assert!(e.contains("token -1 at position 1"), "{e}");
+        let huge = write(
+            &dir,
+            "h.npy",
+            &npy_bytes("<u8", "(1,)", &u64::MAX.to_le_bytes()),
+        );
+        let stream = TokenStream::open(&huge).unwrap();
+        let e = stream.check_vocab(100).unwrap_err().to_string();
         assert!(
-            e.contains(&u64::MAX.to_string()) && e.contains("index 0"),
+            e.contains(&format!("token {} at position 0", u64::MAX)),
             "{e}"
         );
 
@@ -826,6 +905,25 @@ mod tests {
             .check_vocab(256)
             .unwrap_err();
         assert!(e.to_string().contains("position 10"), "{e}");
+    }
+
+    #[test]
+    fn a_batch_check_names_the_data_and_the_value_the_file_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ids: Vec<i32> = (0..21).collect();
+        ids[15] = -5;
+        let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let path = write(&dir, "t.npy", &npy_bytes("<i4", "(21,)", &bytes));
+        let b = Batcher::new(TokenStream::open(&path).unwrap(), 1, 10).unwrap();
+        assert!(b.check_batch(&b.batch(0), 256, "--data t.npy").is_ok());
+        let e = b
+            .check_batch(&b.batch(1), 256, "--data t.npy")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--data t.npy: token -5 at position 15"),
+            "{e}"
+        );
     }
 
     /// Anonymous resident memory of this process, from /proc/self/status (Linux).

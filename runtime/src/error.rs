@@ -37,10 +37,28 @@ pub enum RuntimeError {
         /// The vocabulary size it must be below.
         vocab: usize,
     },
+    /// A token id of a data file is not below the vocabulary size, found when a batch is
+    /// read (batches are checked as they are read, so a huge file is not read before step 1).
+    #[error(
+        "{data}: token {token} at position {position} is outside the vocabulary of {vocab} \
+         tokens; check that it was tokenized for this model (its vocab_size)"
+    )]
+    DataOutOfVocab {
+        /// The data, as the flag that named it and its path (`--data tokens.npy`).
+        data: String,
+        /// The offending value as the file holds it, in decimal (it may be negative or
+        /// beyond `2^32`, so no one integer type holds every such value).
+        token: String,
+        /// Its index in the file's tokens.
+        position: usize,
+        /// The vocabulary size it must be below.
+        vocab: usize,
+    },
     /// A token file's extension is neither `.npy` nor `.bin`.
     #[error(
         "{path}: unknown token file format; pass a `.npy` file (a 1-D integer array) or a \
-         `.bin` file (raw little-endian u16 tokens)"
+         `.bin` file (raw little-endian u16 tokens), or, for a UTF-8 text corpus, add \
+         --tokenizer tokenizer.json (a Hugging Face tokenizer) to tokenize it"
     )]
     UnknownTokenFormat {
         /// The file.

@@ -65,10 +65,12 @@ pub struct Evaluator<'s, B: Backend = HostBackend> {
 
 impl<'s, B: Backend> Evaluator<'s, B> {
     /// An evaluator of `executor`'s schedule on the first `batches` batches of `stream` (all
-    /// the whole batches it holds when `None`). `data` names the stream in messages.
+    /// the whole batches it holds when `None`). `data` names the stream in messages, as the
+    /// flag that gave it and its path (`--eval-data held_out.npy`).
     ///
     /// Fails when the schedule is not forward-only (it would train the weights it is meant to
-    /// measure), when the stream holds a token outside the model's vocabulary, when it cannot
+    /// measure), when a batch it evaluates holds a token outside the model's vocabulary
+    /// (the rest of the stream is not read), when it cannot
     /// fill one batch, or when `batches` is 0 or more than it holds.
     pub fn new(
         executor: Executor<'s, B>,
@@ -91,7 +93,6 @@ impl<'s, B: Backend> Evaluator<'s, B> {
                 "the schedule's graph takes no token ids; compile a language model".into(),
             )
         })?;
-        stream.check_vocab(vocab)?;
         let (b, t) = (schedule.header.batch as usize, schedule.header.seq as usize);
         let batcher = Batcher::new(stream, b, t)?;
         let held = batches_in(batcher.stream().len(), b, t);
@@ -111,8 +112,14 @@ impl<'s, B: Backend> Evaluator<'s, B> {
             Some(n) => n,
             None => held,
         };
+        // Only the batches evaluated must be token ids of the model, and only they are read.
+        let mut batch = batcher.batch(0);
+        for i in 0..batches {
+            batcher.fill(i, &mut batch);
+            batcher.check_batch(&batch, vocab, data)?;
+        }
         Ok(Self {
-            batch: batcher.batch(0),
+            batch,
             batcher,
             batches,
             inputs: Vec::with_capacity(b * t),
@@ -195,18 +202,37 @@ pub struct EvalPlan<'s, B: Backend = HostBackend> {
     pub every: NonZeroU64,
 }
 
-/// The weights at `path` for `graph`, in parameter order, and how to name them: the newest
-/// intact checkpoint of a checkpoint directory (`protrain train --checkpoint-dir`), else a
-/// Hugging Face safetensors file, sharded index or model directory.
+/// The weights at `path` for `graph`, in parameter order, and how to name them (a checkpoint
+/// is named with the step it was written after): the newest intact checkpoint of a
+/// checkpoint directory (`protrain train --checkpoint-dir`), one checkpoint file of such a
+/// directory (`step-00000040.safetensors`, or a sharded checkpoint's manifest), else a
+/// Hugging Face safetensors file, sharded index or model directory. Only the weights of a
+/// checkpoint are read, not its Adam moments: what `eval --init` and `train --init` take.
 pub fn load_weights(graph: &Graph, path: &Path) -> Result<(Vec<Vec<f32>>, String)> {
     let checkpoints = match path.is_dir() {
         true => checkpoint::list(path)?,
         false => Vec::new(),
     };
+    if let Some(one) = checkpoint::load_params_at(path, graph) {
+        let (params, step) = one?;
+        return Ok((params, checkpoint_origin(path, step)));
+    }
     if checkpoints.is_empty() {
         let params = load_params(graph, path)?;
         return Ok((params, path.display().to_string()));
     }
     let (params, file) = checkpoint::load_latest_params(path, graph)?;
-    Ok((params, format!("checkpoint {}", file.display())))
+    let step = checkpoints
+        .iter()
+        .find(|(_, p)| *p == file)
+        .map_or(0, |&(step, _)| step);
+    Ok((params, checkpoint_origin(&file, step)))
+}
+
+/// How weights read from the checkpoint `file`, written after `step`, are named.
+fn checkpoint_origin(file: &Path, step: u64) -> String {
+    format!(
+        "checkpoint {} (the weights after step {step}; its optimizer state is not read)",
+        file.display()
+    )
 }

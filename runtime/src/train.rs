@@ -242,6 +242,16 @@ pub struct RunSettings {
     /// GradScaler's defaults, [`LossScaleSettings::default`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<LossScaleSettings>,
+    /// Steps between checkpoints, when the run writes them: a run resumed without
+    /// `--save-every` goes on saving as often (checkpoints written before it was recorded
+    /// lack it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub save_every: Option<u64>,
+    /// [`TokenStream::sample_checksum`] of the token file, so a resumed run can tell a file
+    /// replaced by another of the same length (checkpoints written before it was recorded,
+    /// and runs on the synthetic corpus, lack it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_checksum: Option<String>,
 }
 
 impl RunSettings {
@@ -250,6 +260,94 @@ impl RunSettings {
         self.data
             .as_ref()
             .map_or("the synthetic corpus".into(), |p| p.display().to_string())
+    }
+
+    /// Warnings about a run with these settings that goes on from step `first` (0 for a
+    /// new run; `resumed` when it continues a checkpoint, whose schedule it cannot change):
+    /// a warmup longer than the run, and a run that goes past the end of its decay, where
+    /// transformers' cosine rises again and the linear schedule stays at its minimum.
+    pub fn warnings(&self, first: u64, resumed: bool) -> Vec<String> {
+        let s = &self.lr_schedule;
+        let steps = self.steps;
+        let mut out = Vec::new();
+        if s.warmup_steps > steps {
+            out.push(format!(
+                "warning: --warmup-steps {} is more than --steps {steps}: the run ends while the \
+                 learning rate still warms up (step {steps} trains at {:.3e}, not --lr {}); \
+                 give fewer warmup steps or more steps",
+                s.warmup_steps,
+                s.lr(steps),
+                s.peak
+            ));
+        }
+        if s.kind != LrScheduleKind::Constant && steps > s.decay_steps && steps > first {
+            let end = s.decay_steps;
+            let after = match s.kind {
+                LrScheduleKind::Cosine => format!(
+                    "from step {} transformers' cosine rises again, to {:.3e} at step {steps}",
+                    end + 1,
+                    s.lr(steps)
+                ),
+                _ => format!("steps {}..={steps} stay at --min-lr {}", end + 1, s.min_lr),
+            };
+            let way_out = match resumed {
+                true => format!(
+                    "a resumed run keeps its schedule: stop at --steps {end}, or start a new \
+                     run from the checkpoint with --init DIR and a schedule of its own"
+                ),
+                false => format!("give --decay-steps {steps} to decay over the whole run"),
+            };
+            out.push(format!(
+                "warning: the run goes on to step {steps}, past the end of its {} schedule at \
+                 step {end} (--decay-steps): {after}; {way_out}",
+                s.kind
+            ));
+        }
+        out
+    }
+}
+
+/// When a run prints a row of its table: after its first step, its last, every
+/// `every`-th step, and, without a progress bar (no terminal, as under `nohup ... > log`),
+/// at least every [`ReportPace::INTERVAL`], so a log shows progress at least every 5% of
+/// the run and every minute.
+#[derive(Clone, Debug)]
+pub struct ReportPace {
+    first: u64,
+    last: u64,
+    every: u64,
+    interval: Option<std::time::Duration>,
+    printed: Option<Instant>,
+}
+
+impl ReportPace {
+    /// The longest a run without a progress bar goes without a row.
+    pub const INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// The pace of a run of steps `first + 1..=steps`: with a progress bar (`bar`), a row
+    /// every tenth of the run; without one, every twentieth and every minute.
+    pub fn new(first: u64, steps: u64, bar: bool) -> Self {
+        Self {
+            first,
+            last: steps,
+            every: (steps / if bar { 10 } else { 20 }).max(1),
+            interval: (!bar).then_some(Self::INTERVAL),
+            printed: None,
+        }
+    }
+
+    /// Whether step `step`, finished at `now`, gets a row; a row is counted as printed.
+    pub fn due(&mut self, step: u64, now: Instant) -> bool {
+        let late = match (self.interval, self.printed) {
+            (Some(interval), Some(at)) => now.saturating_duration_since(at) >= interval,
+            _ => false,
+        };
+        let due =
+            late || step == self.first + 1 || step == self.last || step.is_multiple_of(self.every);
+        if due {
+            self.printed = Some(now);
+        }
+        due
     }
 }
 
@@ -299,6 +397,8 @@ impl RunFlags {
             seed: self.seed.unwrap_or(0),
             data: self.data.as_deref().map(absolute),
             loss_scale: self.loss_scale(None)?,
+            save_every: None,
+            data_checksum: None,
         })
     }
 
@@ -420,6 +520,8 @@ impl RunFlags {
             seed,
             data,
             loss_scale,
+            save_every: saved.save_every,
+            data_checksum: saved.data_checksum.clone(),
         })
     }
 
@@ -502,6 +604,9 @@ pub struct StepRecord {
     pub checkpoint: Option<PathBuf>,
     /// The evaluation of the weights after the step, if one was due ([`EvalPlan`]).
     pub eval: Option<EvalResult>,
+    /// The pass over the data (1-based, [`Batcher::epoch_of`]) this step's batch starts,
+    /// when the data wrapped around to its start with it.
+    pub epoch_started: Option<u64>,
 }
 
 /// What a run measured, for the summary after it; nothing in it grows with the steps.
@@ -616,6 +721,12 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     rank_targets: Vec<i32>,
     /// The loss scaler of a loss-scaled (f16) schedule.
     scaler: Option<LossScaler>,
+    /// The vocabulary every batch's ids must fall in, checked as each is read.
+    vocab: usize,
+    /// The data as messages name it: `--data PATH`, or the synthetic corpus.
+    data_label: String,
+    /// The step of the last checkpoint this trainer wrote, and where.
+    last_checkpoint: Option<(u64, PathBuf)>,
 }
 
 impl<'s, B: Backend> Trainer<'s, B> {
@@ -630,7 +741,10 @@ impl<'s, B: Backend> Trainer<'s, B> {
     ) -> Result<Self> {
         check_finite(params, &executor.schedule().graph, origin)?;
         executor.load_params(params)?;
-        Self::new(executor, settings, 0, None)
+        let mut trainer = Self::new(executor, settings, 0, None)?;
+        let warnings = trainer.settings.warnings(0, false);
+        trainer.notes.extend(warnings);
+        Ok(trainer)
     }
 
     /// A run continued from `checkpoint`, which must have been read for `executor`'s
@@ -657,6 +771,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
     ) -> Result<Self> {
         let progress = checkpoint.progress;
         let ranks = executor.rank().1;
+        let saved_checksum = settings.data_checksum.clone();
         let mut trainer = Self::new(executor, settings, progress.data_step, progress.scaler)?;
         trainer.notes.push(format!(
             "resuming from {} (step {})",
@@ -681,7 +796,20 @@ impl<'s, B: Backend> Trainer<'s, B> {
                 progress.data_tokens
             );
             trainer.notes.push(warning);
+        } else if let (Some(theirs), Some(ours)) = (saved_checksum, &trainer.settings.data_checksum)
+        {
+            if theirs != *ours {
+                trainer.notes.push(format!(
+                    "warning: {} has the {tokens} tokens of the checkpointed run's data but not \
+                     its contents (checksum {ours}, the run's {theirs}): it was replaced, and \
+                     the batches from here on differ from the original run's",
+                    trainer.settings.data_name()
+                ));
+            }
         }
+        let first = trainer.executor.steps_taken();
+        let warnings = trainer.settings.warnings(first, true);
+        trainer.notes.extend(warnings);
         Ok(trainer)
     }
 
@@ -722,12 +850,29 @@ impl<'s, B: Backend> Trainer<'s, B> {
                 )));
             }
         }
-        let batcher = open_data(&settings, schedule)?;
+        let (batcher, vocab) = open_data(&settings, schedule)?;
         let n = batcher.batch_size() * batcher.seq_len();
+        let mut settings = settings;
+        settings.data_checksum = settings
+            .data
+            .as_ref()
+            .map(|_| batcher.stream().sample_checksum());
+        let data_label = match &settings.data {
+            Some(path) => format!("--data {}", path.display()),
+            None => "the synthetic corpus".into(),
+        };
+        // The first batch is checked before the run starts, so the common mistake (data of
+        // another tokenizer) is refused before anything is printed or written; the others
+        // as they are read ([`Trainer::step`]).
+        let batch = batcher.batch(next_batch);
+        batcher.check_batch(&batch, vocab, &data_label)?;
         Ok(Self {
+            vocab,
+            data_label,
+            last_checkpoint: None,
             started_at: executor.steps_taken(),
             executor,
-            batch: batcher.batch(next_batch),
+            batch,
             batcher,
             settings,
             has_optimizer: optimizer.is_some(),
@@ -759,8 +904,52 @@ impl<'s, B: Backend> Trainer<'s, B> {
         resumed_from: Option<&Path>,
     ) -> Result<()> {
         checkpoint::check_dir_is_ours(&plan.dir, resumed_from)?;
+        self.settings.save_every = Some(plan.every.get());
         self.checkpoints = Some(plan);
         Ok(())
+    }
+
+    /// Writes a checkpoint of the last step taken now, if the run writes checkpoints and
+    /// that step has none yet (a run stopped between its checkpoints, by a signal), and
+    /// returns the step's checkpoint; `None` when the run writes none or has taken no step.
+    /// Every rank of a data-parallel run must call it alike, as [`Trainer::step`] saves.
+    pub fn checkpoint_now(&mut self) -> Result<Option<(u64, PathBuf)>> {
+        let step = self.executor.steps_taken();
+        if self.checkpoints.is_none() || step == 0 {
+            return Ok(None);
+        }
+        match &self.last_checkpoint {
+            Some((saved, path)) if *saved == step => Ok(Some((step, path.clone()))),
+            _ => {
+                let path = self.write_checkpoint(step)?;
+                Ok(Some((step, path)))
+            }
+        }
+    }
+
+    /// Writes the checkpoint of `step`, the last step taken, as the plan says.
+    fn write_checkpoint(&mut self, step: u64) -> Result<PathBuf> {
+        let plan = self
+            .checkpoints
+            .as_ref()
+            .expect("a checkpoint is written only with a plan");
+        let progress = Progress {
+            step,
+            data_step: self.next_batch,
+            data_tokens: self.batcher.stream().len() as u64,
+            scaler: self.scaler.map(|s| ScalerState {
+                scale: s.scale(),
+                clean_steps: s.clean_steps(),
+                updates: self.executor.updates_taken(),
+            }),
+        };
+        // Every rank writes its shard; rank 0 the manifest, then it prunes.
+        let path = checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;
+        if self.executor.rank().0 == 0 {
+            checkpoint::prune(&plan.dir, plan.keep)?;
+        }
+        self.last_checkpoint = Some((step, path.clone()));
+        Ok(path)
     }
 
     /// Evaluates the weights as `plan` says, after every step that is a multiple of its
@@ -859,7 +1048,13 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let run_started = *self.started.get_or_insert(started);
         let batch = self.next_batch;
         self.batcher.fill(batch, &mut self.batch);
+        // Checked as read, so a huge token file is not read through before step 1.
+        self.batcher
+            .check_batch(&self.batch, self.vocab, &self.data_label)?;
         self.batch.ids_into(&mut self.inputs, &mut self.targets);
+        let epoch = self.batcher.epoch_of(batch);
+        let epoch_started =
+            (batch > 0 && epoch > self.batcher.epoch_of(batch - 1)).then_some(epoch);
         // This rank's rows of the global batch, its micro-batches interleaved with the
         // other ranks' ([`crate::data::rank_rows`]).
         let (rank, ranks) = self.executor.rank();
@@ -901,6 +1096,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
             checkpoint: None,
             eval: None,
+            epoch_started,
         };
         self.summary.push(&record, &timing.stream_busy_seconds);
         self.summary.elapsed_seconds = run_started.elapsed().as_secs_f64();
@@ -931,26 +1127,11 @@ impl<'s, B: Backend> Trainer<'s, B> {
             )));
         }
         self.previous = Some((record.loss, record.grad_norm));
-        if let Some(plan) = &self.checkpoints {
-            if step.is_multiple_of(plan.every.get()) || step == self.settings.steps {
-                let progress = Progress {
-                    step,
-                    data_step: self.next_batch,
-                    data_tokens: self.batcher.stream().len() as u64,
-                    scaler: self.scaler.map(|s| ScalerState {
-                        scale: s.scale(),
-                        clean_steps: s.clean_steps(),
-                        updates: self.executor.updates_taken(),
-                    }),
-                };
-                // Every rank writes its shard; rank 0 the manifest, then it prunes.
-                let path =
-                    checkpoint::save_run(&plan.dir, &self.executor, &progress, &self.settings)?;
-                if self.executor.rank().0 == 0 {
-                    checkpoint::prune(&plan.dir, plan.keep)?;
-                }
-                record.checkpoint = Some(path);
-            }
+        let due = self.checkpoints.as_ref().is_some_and(|plan| {
+            step.is_multiple_of(plan.every.get()) || step == self.settings.steps
+        });
+        if due {
+            record.checkpoint = Some(self.write_checkpoint(step)?);
         }
         if let Some(plan) = &mut self.eval {
             if step.is_multiple_of(plan.every.get()) {
@@ -972,8 +1153,9 @@ impl<'s, B: Backend> Trainer<'s, B> {
 
 /// The batches of a run: its token file, or the synthetic corpus drawn from its seed (long
 /// enough for its steps, at most 16 Mi tokens, wrapping after that), checked against the
-/// schedule's vocabulary and batch shape.
-fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result<Batcher> {
+/// batch shape; and the schedule's vocabulary. The synthetic corpus is checked against the
+/// vocabulary here; a token file's batches are checked as they are read ([`Trainer::step`]).
+fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result<(Batcher, usize)> {
     let graph = &schedule.graph;
     let vocab = vocab_of(graph).ok_or_else(|| {
         RuntimeError::BadSchedule(
@@ -992,11 +1174,12 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
                 .saturating_mul(seq)
                 .saturating_mul(settings.steps.max(1) as usize)
                 .saturating_add(1);
-            SyntheticCorpus::new(vocab, settings.seed)?.stream(wanted.min(1 << 24))
+            let stream = SyntheticCorpus::new(vocab, settings.seed)?.stream(wanted.min(1 << 24));
+            stream.check_vocab(vocab)?;
+            stream
         }
     };
-    stream.check_vocab(vocab)?;
-    Batcher::new(stream, batch, seq)
+    Ok((Batcher::new(stream, batch, seq)?, vocab))
 }
 
 /// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit

@@ -45,7 +45,7 @@ pub struct Args {
     #[arg(long, value_name = "WEIGHTS")]
     init: PathBuf,
     /// The data: a token file (a 1-D integer `.npy`, or raw little-endian u16 `.bin`), or a
-    /// UTF-8 text corpus with --tokenizer. Evaluation reads its first --batches batches of
+    /// UTF-8 text corpus with --tokenizer. Evaluation reads its first --eval-batches batches of
     /// batch x seq tokens, batch i from token i x batch x seq (its targets shifted by one),
     /// as training reads its first batches: the result is deterministic, and on the batch a
     /// training step reads it is that step's loss to the bit.
@@ -55,8 +55,9 @@ pub struct Args {
     /// beside it (as `train --tokenizer` does).
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<PathBuf>,
-    /// Batches to evaluate [default: every whole batch the data holds].
-    #[arg(long, value_name = "N")]
+    /// Batches to evaluate, the name `train --eval-batches` has too (`--batches` is the same
+    /// flag) [default: every whole batch the data holds].
+    #[arg(long = "eval-batches", visible_alias = "batches", value_name = "N")]
     batches: Option<u64>,
     #[command(flatten)]
     machine: MachineArgs,
@@ -77,6 +78,10 @@ pub struct Args {
     /// device_bytes, eval_s.
     #[arg(long)]
     json: bool,
+    /// The model's vocabulary size, as `train --vocab` takes it (a preset given a --tokenizer
+    /// with more ids than its vocabulary takes the tokenizer's size without it).
+    #[arg(long, value_name = "N")]
+    vocab: Option<u32>,
 }
 
 /// Compiles the model's forward pass, loads the weights and prints their loss on the data.
@@ -90,7 +95,17 @@ pub fn run(args: Args) -> Result<()> {
             )));
         }
     }
-    let config = protrain::models::load(&args.model)?;
+    let mut config = protrain::models::load(&args.model)?;
+    if let Some(note) = super::train::fit_vocab(
+        &mut config,
+        &args.model,
+        args.vocab,
+        args.tokenizer.as_deref(),
+    )? {
+        if !args.json {
+            eprintln!("{note}");
+        }
+    }
     let (hardware, device_budget) = args.machine.profile()?;
     let (batch, seq, _) = args.shape.resolve(&config, &hardware);
     // The schedule must run on the backend: as `train`, its kernels decide the element type.
@@ -130,7 +145,7 @@ fn evaluate_on<B: Backend>(args: &Args, config: &ModelConfig, compiled: &Compile
     let (params, origin) = load_weights(graph, &args.init)?;
     let mut evaluator = open::<B>(
         schedule,
-        &args.data,
+        ("--data", &args.data),
         args.tokenizer.as_deref(),
         args.batches,
     )?;
@@ -177,10 +192,11 @@ fn evaluate_on<B: Backend>(args: &Args, config: &ModelConfig, compiled: &Compile
     Ok(())
 }
 
-/// An evaluator of the forward-only `schedule` on `data` (text when `tokenizer` is given).
+/// An evaluator of the forward-only `schedule` on `data` (text when `tokenizer` is given),
+/// given with the flag `flag` (which its messages name).
 fn open<'s, B: Backend>(
     schedule: &'s VerifiedSchedule,
-    data: &Path,
+    (flag, data): (&str, &Path),
     tokenizer: Option<&Path>,
     batches: Option<u64>,
 ) -> Result<Evaluator<'s, B>> {
@@ -190,7 +206,7 @@ fn open<'s, B: Backend>(
     };
     let stream = TokenStream::open(&tokens)?;
     let executor = Executor::<B>::with_backend(schedule)?;
-    let name = data.display().to_string();
+    let name = format!("{flag} {}", data.display());
     Ok(Evaluator::new(executor, stream, batches, &name)?)
 }
 
@@ -214,7 +230,12 @@ pub fn plan<'s, B: Backend>(
         Some(k) => k,
         None => steps.max(1),
     };
-    let evaluator = open::<B>(schedule, data, tokenizer, args.eval_batches)?;
+    let evaluator = open::<B>(
+        schedule,
+        ("--eval-data", data),
+        tokenizer,
+        args.eval_batches,
+    )?;
     Ok(Some(EvalPlan {
         evaluator,
         every: NonZeroU64::new(every).expect("checked above"),
@@ -233,8 +254,10 @@ pub fn reserve_for_eval(config: &ModelConfig, options: &mut CompileOptions) -> R
             device_budget: Some(u64::MAX),
             policy: PolicyChoice::parse(&format!("n_persist=0 n_buffer={n_buffer}"))?,
             forward_only: true,
-            // Evaluation runs on one rank, whatever the training's ranks.
+            // Evaluation runs on one rank without accumulation, whatever the training's
+            // ranks and micro-batches: it reads batch x seq tokens per forward pass.
             topology: protrain::compiler::comm::Topology::SINGLE,
+            micro_batches: 1,
             ..options.clone()
         };
         match protrain::compile(config, &lean) {
@@ -273,6 +296,7 @@ pub fn compile_for_training(
         policy: PolicyChoice::Auto,
         forward_only: true,
         topology: protrain::compiler::comm::Topology::SINGLE,
+        micro_batches: 1,
         ..options.clone()
     };
     Ok(protrain::compile(config, &eval_options)?.schedule)

@@ -8,9 +8,10 @@ use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
-use protrain::runtime::params::{init_params, load_params, save_order, save_params_streamed};
+use protrain::runtime::eval::load_weights;
+use protrain::runtime::params::{init_params, save_order, save_params_streamed};
 use protrain::runtime::train::{
-    CheckpointPlan, LrScheduleKind, RunFlags, RunSummary, StepRecord, WeightReads,
+    CheckpointPlan, LrScheduleKind, ReportPace, RunFlags, RunSummary, StepRecord, WeightReads,
 };
 use protrain::runtime::weights::StorageDtype;
 use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
@@ -18,6 +19,8 @@ use protrain::{Error, Result};
 use std::io::IsTerminal;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Where a schedule is executed.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,8 +93,11 @@ pub struct ExecArgs {
     /// tokenizer's end-of-text token; its id goes between them.
     #[arg(long, value_name = "FILE", requires = "data")]
     pub tokenizer: Option<PathBuf>,
-    /// Initial weights: a Hugging Face safetensors file, sharded index, or model directory.
-    /// Without it, weights are drawn as transformers initialises them, from --seed.
+    /// Initial weights, as `eval --init` takes them: a checkpoint directory written by
+    /// --checkpoint-dir (its newest intact checkpoint) or one checkpoint file of it, whose
+    /// weights start a new run from step 0 (its Adam moments and step are not read: --resume
+    /// continues a run); or a Hugging Face safetensors file, sharded index, or model
+    /// directory. Without it, weights are drawn as transformers initialises them, from --seed.
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]
     pub init: Option<PathBuf>,
     /// Optimizer steps to take in all; a resumed run goes on from its checkpoint up to this
@@ -157,11 +163,13 @@ pub struct ExecArgs {
     pub trace: Option<PathBuf>,
     /// Write checkpoints (weights, Adam moments, step, data position, learning-rate schedule
     /// and the other run settings) to this directory every --save-every steps and at the
-    /// last step.
+    /// last step. On one rank, SIGINT (Ctrl-C) or SIGTERM stops the run after the step under
+    /// way with a checkpoint of it, prints the command that resumes, and exits 130 or 143; a
+    /// second signal exits at once.
     #[arg(long, value_name = "DIR", requires = "save_every")]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints; with --resume and no --checkpoint-dir, they go to the
-    /// resumed directory.
+    /// resumed directory [default with --resume: as often as the resumed run saved].
     #[arg(long, value_name = "K")]
     pub save_every: Option<u64>,
     /// Checkpoints to keep: older ones are deleted after each save (0 keeps all).
@@ -247,6 +255,21 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.exec.backend == BackendKind::Cuda {
         let launch = protrain::runtime::rendezvous::Launch::from_env()?;
         args.exec.launch = launch.filter(|l| l.world_size > 1);
+    }
+    let is_config = args.schedule.extension().is_some_and(|e| e == "json");
+    if args.schedule.is_dir() || is_config {
+        let what = match is_config {
+            true => "a model config",
+            false => "a directory",
+        };
+        return Err(Error::Usage(format!(
+            "{} is {what}, and `run` runs a compiled schedule (.ptsched): `protrain train {}` \
+             compiles the model and trains it in one go (or `protrain compile {} -o \
+             S.ptsched`, then `protrain run S.ptsched`)",
+            args.schedule.display(),
+            args.schedule.display(),
+            args.schedule.display()
+        )));
     }
     if !args.schedule.exists() {
         return Err(Error::Usage(format!(
@@ -548,11 +571,20 @@ fn execute_on<'s, B: Backend>(
     process: Option<Box<dyn Collective>>,
 ) -> Result<()> {
     let graph = &schedule.graph;
+    // A resumed run saves as often as the run it continues did, unless told otherwise.
+    let resumed_every = match (&args.resume, args.save_every) {
+        (Some(dir), None) => checkpoint::peek_latest(dir)
+            .ok()
+            .and_then(|saved| saved.run)
+            .and_then(|run| run.save_every),
+        _ => None,
+    };
+    let every = args.save_every.or(resumed_every);
     let checkpoint_dir = args
         .checkpoint_dir
         .clone()
-        .or_else(|| args.resume.clone().filter(|_| args.save_every.is_some()));
-    let save_every = match (&checkpoint_dir, args.save_every) {
+        .or_else(|| args.resume.clone().filter(|_| every.is_some()));
+    let save_every = match (&checkpoint_dir, every) {
         (_, Some(0)) => {
             return Err(Error::Usage(
                 "--save-every 0 would never save; give a number of steps of at least 1".into(),
@@ -730,7 +762,12 @@ fn lead<'s, B: Backend>(
         );
         bar
     };
-    let report_every = (settings.steps / 10).max(1);
+    let mut pace = ReportPace::new(first, settings.steps, !bar.is_hidden());
+    // A single-rank run that writes checkpoints stops at a signal with one of its last step.
+    let stop = match (&plan, schedule.ranks(), &args.launch) {
+        (Some(_), 1, None) => Some(StopSignals::install()?),
+        _ => None,
+    };
     // Table rows go to stdout above the bar (which draws on stderr).
     let row = |text: String| bar.suspend(|| outln!("{text}"));
     if !args.json && to_run > 0 {
@@ -739,7 +776,18 @@ fn lead<'s, B: Backend>(
             "step", "loss", "grad norm", "lr", "tokens/s"
         ));
     }
-    let result = train_and_save(schedule, args, &mut trainer, |record| {
+    let data_name = settings.data_name();
+    let result = train_and_save(schedule, args, &mut trainer, stop.as_ref(), |record| {
+        if let Some(epoch) = record.epoch_started {
+            let line = format!(
+                "note: the data wraps around: epoch {epoch} of {data_name} starts at step {}",
+                record.step
+            );
+            match args.json {
+                true => eprintln!("{line}"),
+                false => row(line),
+            }
+        }
         if args.json {
             let mut line = serde_json::json!({
                 "step": record.step,
@@ -773,7 +821,7 @@ fn lead<'s, B: Backend>(
                 scale / 2.0
             ));
         }
-        if record.step.is_multiple_of(report_every) || record.step == first + 1 {
+        if pace.due(record.step, std::time::Instant::now()) {
             let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
             row(format!(
                 "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
@@ -785,7 +833,11 @@ fn lead<'s, B: Backend>(
         }
     });
     let saved = match result {
-        Ok(saved) => saved,
+        Ok(Finished::Saved(saved)) => saved,
+        Ok(Finished::Stopped(signal)) => {
+            bar.abandon();
+            return stopped(trainer, signal);
+        }
         Err(e) => {
             bar.abandon();
             return Err(e);
@@ -897,10 +949,11 @@ fn rank_trainer<'s, B: Backend>(
         None => {
             let settings = flags.fresh(peak)?;
             let (values, origin) = match &args.init {
-                Some(path) => (
-                    load_params(graph, path)?,
-                    format!("--init {}", path.display()),
-                ),
+                Some(path) => {
+                    let (values, origin) = load_weights(graph, path)?;
+                    notes.push(format!("starting from the weights of {origin} (--init)"));
+                    (values, format!("--init {origin}"))
+                }
                 None => (
                     init_params(graph, settings.seed),
                     format!("the initialisation from --seed {}", settings.seed),
@@ -912,25 +965,128 @@ fn rank_trainer<'s, B: Backend>(
     Ok((trainer, notes))
 }
 
+/// How [`train_and_save`] ended.
+enum Finished {
+    /// Every step was taken; whether `--save`'s file was written.
+    Saved(bool),
+    /// A signal (its number) stopped the run after a step.
+    Stopped(i32),
+}
+
 /// Runs rank 0's `trainer` to the end, handing each record to `on_step`, then writes
 /// `--save`'s file streamed: one parameter at a time (which the workers of a sharded run
-/// join, [`join_save`]), so no rank holds the whole model beyond its own state. Returns
-/// whether it saved.
+/// join, [`join_save`]), so no rank holds the whole model beyond its own state. With `stop`,
+/// a SIGINT or SIGTERM ends the run after the step it arrives in, saving nothing.
 fn train_and_save<'s, B: Backend>(
     schedule: &'s VerifiedSchedule,
     args: &ExecArgs,
     trainer: &mut Trainer<'s, B>,
-    on_step: impl FnMut(&StepRecord),
-) -> Result<bool> {
-    trainer.run(on_step)?;
+    stop: Option<&StopSignals>,
+    mut on_step: impl FnMut(&StepRecord),
+) -> Result<Finished> {
+    while trainer.step(&mut on_step)?.is_some() {
+        if let Some(signal) = stop.and_then(StopSignals::caught) {
+            return Ok(Finished::Stopped(signal));
+        }
+    }
     let Some(path) = &args.save else {
-        return Ok(false);
+        return Ok(Finished::Saved(false));
     };
     let executor = trainer.executor();
     save_params_streamed(&schedule.graph, path, StorageDtype::F32, &mut |i| {
         executor.param(i)
     })?;
-    Ok(true)
+    Ok(Finished::Saved(true))
+}
+
+/// SIGINT and SIGTERM while a run trains: the first is noted, and the run stops after the
+/// step it arrives in ([`stopped`]); a second one exits at once, with the status a shell
+/// gives a process that signal killed (128 + its number: 130, 143).
+struct StopSignals {
+    caught: Arc<AtomicUsize>,
+}
+
+impl StopSignals {
+    /// Installs the handlers for the rest of the process.
+    fn install() -> Result<Self> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        use signal_hook::flag;
+        let caught = Arc::new(AtomicUsize::new(0));
+        let armed = Arc::new(AtomicBool::new(false));
+        let failed = |e: std::io::Error| {
+            Error::Usage(format!(
+                "cannot install the SIGINT and SIGTERM handlers: {e}"
+            ))
+        };
+        for signal in [SIGINT, SIGTERM] {
+            // Registered first, so it sees the flag the first signal sets, not its own.
+            flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&armed))
+                .map_err(failed)?;
+            flag::register(signal, Arc::clone(&armed)).map_err(failed)?;
+            flag::register_usize(signal, Arc::clone(&caught), signal as usize).map_err(failed)?;
+        }
+        Ok(Self { caught })
+    }
+
+    /// The signal caught, if one was.
+    fn caught(&self) -> Option<i32> {
+        match self.caught.load(Ordering::SeqCst) {
+            0 => None,
+            signal => i32::try_from(signal).ok(),
+        }
+    }
+}
+
+/// Ends a run that `signal` stopped: writes a checkpoint of its last finished step (unless
+/// it has one), prints the command that resumes it, releases the trainer, and exits with
+/// 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports a
+/// process the signal killed.
+fn stopped<B: Backend>(mut trainer: Trainer<'_, B>, signal: i32) -> Result<()> {
+    let name = match signal {
+        signal_hook::consts::SIGINT => "SIGINT",
+        _ => "SIGTERM",
+    };
+    match trainer.checkpoint_now()? {
+        Some((step, path)) => {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            eprintln!(
+                "stopped by {name} after step {step}, saved in {}; resume with:\n  {}",
+                path.display(),
+                resume_command(std::env::args(), dir)
+            );
+        }
+        None => eprintln!("stopped by {name} before the first step; nothing to save"),
+    }
+    // Dropped first: the executor removes the disk tier's state file.
+    drop(trainer);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::process::exit(128 + signal)
+}
+
+/// This process's command line `argv`, made to resume from the checkpoints in `dir`: without
+/// --init (a resumed run takes its weights from the checkpoint) and with `--resume DIR` in
+/// place of any other, each word quoted for a POSIX shell where it needs to be.
+fn resume_command(argv: impl IntoIterator<Item = String>, dir: &Path) -> String {
+    let mut words = Vec::new();
+    let mut argv = argv.into_iter();
+    while let Some(word) = argv.next() {
+        match word.as_str() {
+            "--init" | "--resume" => {
+                argv.next();
+            }
+            w if w.starts_with("--init=") || w.starts_with("--resume=") => {}
+            _ => words.push(word),
+        }
+    }
+    words.push("--resume".into());
+    words.push(dir.display().to_string());
+    words
+        .iter()
+        .map(|w| shlex::try_quote(w).map_or_else(|_| w.clone(), |q| q.into_owned()))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A worker's part in rank 0's `--save` of a sharded run: the same reads of the weights, one

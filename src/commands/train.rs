@@ -21,6 +21,10 @@ pub struct Args {
     exec: ExecArgs,
     #[command(flatten)]
     node: NodeArgs,
+    /// The model's vocabulary size, in place of its config's or preset's (a preset given a
+    /// --tokenizer with more ids than its vocabulary takes the tokenizer's size without it).
+    #[arg(long, value_name = "N")]
+    vocab: Option<u32>,
 }
 
 /// Compiles the model for the hardware and budget, prints the plan, and runs the schedule.
@@ -57,7 +61,13 @@ pub fn run(mut args: Args) -> Result<()> {
         let saved = checkpoint::peek_latest(dir)?;
         take_from_checkpoint(&mut args.compile, &saved)?;
     }
-    let config = protrain::models::load(&args.model)?;
+    let mut config = protrain::models::load(&args.model)?;
+    let vocab_note = fit_vocab(
+        &mut config,
+        &args.model,
+        args.vocab,
+        args.exec.tokenizer.as_deref(),
+    )?;
     let mut options = args.compile.options(&config)?;
     // With --eval-data, the evaluation schedule's leanest arena is set aside first, so the
     // training schedule always leaves room for one.
@@ -84,7 +94,8 @@ pub fn run(mut args: Args) -> Result<()> {
         k => format!(" x {k} micro-batches"),
     };
     let intro = format!(
-        "training {} ({} parameters), batch {} x seq {}{accum}, lr {}; compiled in {:.3} s\n{}",
+        "{}training {} ({} parameters), batch {} x seq {}{accum}, lr {}; compiled in {:.3} s\n{}",
+        vocab_note.map_or(String::new(), |n| n + "\n"),
         config.name,
         format_count(schedule.header.param_count),
         options.batch,
@@ -114,6 +125,48 @@ pub fn run(mut args: Args) -> Result<()> {
         Ok(compiled.simulation.timeline.clone()),
         eval.as_ref(),
     )
+}
+
+/// Sets the vocabulary of `config` (loaded from `model`) to `vocab` when given, else, for a
+/// preset, to the size of `tokenizer` when it has more ids than the preset's vocabulary (a
+/// tiny preset's 256 ids hold no byte-level BPE), so a preset trains with one's own
+/// tokenizer. Returns a note saying what was changed.
+pub fn fit_vocab(
+    config: &mut protrain::models::ModelConfig,
+    model: &str,
+    vocab: Option<u32>,
+    tokenizer: Option<&std::path::Path>,
+) -> Result<Option<String>> {
+    let was = config.vocab_size;
+    match (vocab, tokenizer) {
+        (Some(0), _) => {
+            return Err(protrain::Error::Usage(
+                "--vocab 0 leaves no token ids; give the tokenizer's vocabulary size".into(),
+            ))
+        }
+        (Some(n), _) => config.vocab_size = u64::from(n),
+        (None, Some(path)) if protrain::models::find_preset(model).is_some() => {
+            let ids = protrain::runtime::text::TextTokenizer::load(path)?.vocab_size() as u64;
+            if ids <= was {
+                return Ok(None);
+            }
+            config.vocab_size = ids;
+        }
+        _ => return Ok(None),
+    }
+    Ok((config.vocab_size != was).then(|| {
+        format!(
+            "vocabulary      {} ids in place of the {was} of {model} ({})",
+            config.vocab_size,
+            match vocab {
+                Some(_) => "--vocab".to_string(),
+                None => format!(
+                    "the size of --tokenizer {}",
+                    tokenizer.unwrap_or(std::path::Path::new("")).display()
+                ),
+            }
+        )
+    }))
 }
 
 /// Fills the batch shape and optimizer flags left out with the settings of the run `saved`
