@@ -83,6 +83,8 @@ struct Block {
     std::string message;
 };
 
+// Per worker thread. Not initial-exec TLS: the loader would then have to place the whole TLS
+// block (with the kernels' `__shared__` arrays) in the small static TLS space, and dlopen fails.
 thread_local Fiber* t_fiber = nullptr;
 thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
 static thread_local Block* t_block = nullptr;
@@ -255,7 +257,7 @@ CUresult run_grid(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsign
             for (unsigned x = 0; x < gx; ++x) {
                 t_block_idx = dim3(x, y, z);
                 b.block_arrived = 0;
-                for (auto& w : b.warps) w = Warp();
+                for (unsigned w = 0; w < (b.n + 31) / 32; ++w) b.warps[w] = Warp();
                 for (unsigned i = 0; i < b.n; ++i) {
                     Fiber& f = b.fibers[i];
                     f = Fiber();
