@@ -49,8 +49,11 @@ namespace sim {
 
 enum State { Ready, AtBlockBarrier, AtWarpExchange, Done };
 
+struct Block;
+
 struct Fiber {
     void* sp = nullptr;
+    Block* block = nullptr;
     dim3 tid;
     int flat = 0;
     State state = Ready;
@@ -87,7 +90,6 @@ struct Block {
 // block (with the kernels' `__shared__` arrays) in the small static TLS space, and dlopen fails.
 thread_local Fiber* t_fiber = nullptr;
 thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
-static thread_local Block* t_block = nullptr;
 
 /// Fiber stacks of this worker thread: 1024 (the most threads a block has) of STACK bytes,
 /// each below a guard page, mapped once per thread.
@@ -109,10 +111,33 @@ static char* stacks() {
 const dim3& thread_idx() { return t_fiber->tid; }
 int lane() { return t_fiber->flat & 31; }
 
-static void yield() { sim_switch(&t_fiber->sp, t_block->sched_sp); }
+static bool runnable(const Block* b, const Fiber& f);
+
+/// Leaves the calling fiber (which has set why it waits) for the next fiber that can run, in
+/// thread order after it, or for the scheduler when none can (or the launch failed).
+static void yield() {
+    Fiber* me = t_fiber;
+    Block* b = me->block;
+    Fiber* next = nullptr;
+    if (b->error == CUDA_SUCCESS)
+        for (unsigned k = 1; k <= b->n; ++k) {
+            Fiber& f = b->fibers[(me->flat + k) % b->n];
+            if (runnable(b, f)) {
+                next = &f;
+                break;
+            }
+        }
+    if (next) {
+        next->state = Ready;
+        t_fiber = next;
+        sim_switch(&me->sp, next->sp);
+    } else {
+        sim_switch(&me->sp, b->sched_sp);
+    }
+}
 
 void block_barrier() {
-    Block* b = t_block;
+    Block* b = t_fiber->block;
     uint64_t g = b->block_gen;
     if (++b->block_arrived == b->n) {
         b->block_arrived = 0;
@@ -125,9 +150,10 @@ void block_barrier() {
 }
 
 [[noreturn]] static void abort_launch(CUresult code, std::string message) {
-    if (t_block->error == CUDA_SUCCESS) {
-        t_block->error = code;
-        t_block->message = std::move(message);
+    Block* b = t_fiber->block;
+    if (b->error == CUDA_SUCCESS) {
+        b->error = code;
+        b->message = std::move(message);
     }
     t_fiber->state = Done;
     yield();
@@ -137,7 +163,7 @@ void block_barrier() {
 /// Publishes `bits` for lane l of the caller's warp and waits for the rest of `mask`; returns
 /// the parity whose slots hold the exchange.
 static int warp_arrive(unsigned mask, uint64_t bits, const char* what) {
-    Block* b = t_block;
+    Block* b = t_fiber->block;
     int flat = t_fiber->flat, l = flat & 31;
     Warp& w = b->warps[flat >> 5];
     if (!((mask >> l) & 1))
@@ -170,7 +196,7 @@ static int warp_arrive(unsigned mask, uint64_t bits, const char* what) {
 
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) {
     int p = warp_arrive(mask, bits, what);
-    Warp& w = t_block->warps[t_fiber->flat >> 5];
+    Warp& w = t_fiber->block->warps[t_fiber->flat >> 5];
     if (!((mask >> src) & 1))
         abort_launch(CUDA_ERROR_ILLEGAL_INSTRUCTION,
                      std::string(what) + " reads lane " + std::to_string(src) +
@@ -180,7 +206,7 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
 
 unsigned warp_ballot(unsigned mask, bool pred) {
     int p = warp_arrive(mask, pred ? 1 : 0, "__ballot_sync");
-    Warp& w = t_block->warps[t_fiber->flat >> 5];
+    Warp& w = t_fiber->block->warps[t_fiber->flat >> 5];
     unsigned r = 0;
     for (int i = 0; i < 32; ++i)
         if (((mask >> i) & 1) && w.slots[p][i]) r |= 1u << i;
@@ -192,7 +218,7 @@ void trap() { abort_launch(CUDA_ERROR_ILLEGAL_INSTRUCTION, "the kernel executed 
 /// The first code of every fiber: runs the kernel for the fiber's thread, then returns to the
 /// scheduler for good.
 static void fiber_main() {
-    Block* b = t_block;
+    Block* b = t_fiber->block;
     b->k->call(b->k->fn, b->args, b->offsets);
     t_fiber->state = Done;
     yield();
@@ -211,6 +237,15 @@ static void* initial_frame(char* top) {
     --sp;
     memcpy(sp, ctl, 8);
     return sp;
+}
+
+static bool runnable(const Block* b, const Fiber& f) {
+    switch (f.state) {
+    case Ready: return true;
+    case AtBlockBarrier: return b->block_gen != f.wait_gen;
+    case AtWarpExchange: return b->warps[f.flat >> 5].gen != f.wait_gen;
+    default: return false;
+    }
 }
 
 static std::string describe_stall(Block* b) {
@@ -249,7 +284,6 @@ CUresult run_grid(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsign
     b.offsets = offsets;
     b.n = bx * by * bz;
     b.fibers.resize(b.n);
-    t_block = &b;
     t_block_dim = dim3(bx, by, bz);
     t_grid_dim = dim3(gx, gy, gz);
     for (unsigned z = 0; z < gz; ++z)
@@ -262,42 +296,31 @@ CUresult run_grid(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsign
                     Fiber& f = b.fibers[i];
                     f = Fiber();
                     f.flat = (int)i;
+                    f.block = &b;
                     f.tid = dim3(i % bx, (i / bx) % by, i / (bx * by));
                     f.sp = initial_frame(st + i * each + each);
                 }
-                unsigned done = 0;
-                while (done < b.n) {
-                    bool ran = false;
-                    done = 0;
-                    for (auto& f : b.fibers) {
-                        if (f.state == Done) { done++; continue; }
-                        if (f.state == AtBlockBarrier && b.block_gen == f.wait_gen) continue;
-                        if (f.state == AtWarpExchange && b.warps[f.flat >> 5].gen == f.wait_gen)
-                            continue;
-                        f.state = Ready;
-                        t_fiber = &f;
-                        sim_switch(&b.sched_sp, f.sp);
-                        t_fiber = nullptr;
-                        ran = true;
-                        if (b.error != CUDA_SUCCESS) break;
-                        if (f.state == Done) done++;
-                    }
-                    if (b.error != CUDA_SUCCESS) break;
-                    if (!ran && done < b.n) {
+                // Fibers hand over to each other (yield); control comes back here only when
+                // none can run: all finished, the launch failed, or the rest wait forever.
+                b.fibers[0].state = Ready;
+                t_fiber = &b.fibers[0];
+                sim_switch(&b.sched_sp, b.fibers[0].sp);
+                t_fiber = nullptr;
+                if (b.error == CUDA_SUCCESS) {
+                    unsigned done = 0;
+                    for (auto& f : b.fibers) done += f.state == Done;
+                    if (done < b.n) {
                         b.error = CUDA_ERROR_LAUNCH_FAILED;
                         b.message = describe_stall(&b);
                     }
-                    if (b.error != CUDA_SUCCESS) break;
                 }
                 if (b.error != CUDA_SUCCESS) {
                     char where[96];
                     snprintf(where, sizeof where, "block (%u,%u,%u): ", x, y, z);
                     error = where + b.message;
-                    t_block = nullptr;
                     return b.error;
                 }
             }
-    t_block = nullptr;
     return CUDA_SUCCESS;
 }
 
