@@ -92,20 +92,31 @@ thread_local Fiber* t_fiber = nullptr;
 thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
 
 /// Fiber stacks of this worker thread: 1024 (the most threads a block has) of STACK bytes,
-/// each below a guard page, mapped once per thread.
+/// each below a guard page, mapped on the thread's first launch and unmapped when it exits
+/// (a destroyed stream's worker gives its stacks back).
 static constexpr size_t STACK = 128 * 1024;
-static thread_local char* t_stacks = nullptr;
+static constexpr int MAX_THREADS = 1024;
+
+struct Stacks {
+    char* base = nullptr;
+    size_t bytes = 0;
+    ~Stacks() {
+        if (base) munmap(base, bytes);
+    }
+};
+static thread_local Stacks t_stacks;
 
 static char* stacks() {
-    if (!t_stacks) {
+    if (!t_stacks.base) {
         size_t page = (size_t)sysconf(_SC_PAGESIZE), each = STACK + page;
-        void* m = mmap(nullptr, each * 1024, PROT_READ | PROT_WRITE,
+        void* m = mmap(nullptr, each * MAX_THREADS, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) return nullptr;
-        for (int i = 0; i < 1024; ++i) mprotect((char*)m + i * each, page, PROT_NONE);
-        t_stacks = (char*)m;
+        for (int i = 0; i < MAX_THREADS; ++i) mprotect((char*)m + i * each, page, PROT_NONE);
+        t_stacks.base = (char*)m;
+        t_stacks.bytes = each * MAX_THREADS;
     }
-    return t_stacks;
+    return t_stacks.base;
 }
 
 const dim3& thread_idx() { return t_fiber->tid; }
