@@ -13,8 +13,9 @@
 #include <type_traits>
 #include <utility>
 
-// Saves the callee-saved registers, the SSE and x87 control words and the stack pointer in
-// *save, then resumes the fiber whose stack pointer is `next`.
+// Saves the callee-saved registers and the stack pointer in *save, then resumes the fiber
+// whose stack pointer is `next`. The SSE and x87 control words are not switched: no kernel
+// changes the rounding mode, so every fiber runs with the worker thread's.
 extern "C" void sim_switch(void** save, void* next);
 asm(R"(
 .text
@@ -27,14 +28,8 @@ sim_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -236,17 +231,13 @@ static void fiber_main() {
     __builtin_unreachable();
 }
 
-/// A fresh stack for `sim_switch` to resume into fiber_main: the saved control words and
-/// callee-saved registers, then fiber_main as the return address, with the stack aligned as
-/// at a function's entry.
+/// A fresh stack for `sim_switch` to resume into fiber_main: the callee-saved registers, then
+/// fiber_main as the return address, with the stack aligned as at a function's entry.
 static void* initial_frame(char* top) {
     uint64_t* sp = (uint64_t*)top;
     *--sp = 0;                       // alignment slot: rsp % 16 == 8 at fiber_main's entry
     *--sp = (uint64_t)&fiber_main;   // return address of sim_switch's `ret`
     for (int i = 0; i < 6; ++i) *--sp = 0; // rbp rbx r12 r13 r14 r15
-    uint32_t ctl[2] = {0x1f80u, 0x037fu};    // MXCSR, x87 control word: the defaults
-    --sp;
-    memcpy(sp, ctl, 8);
     return sp;
 }
 
