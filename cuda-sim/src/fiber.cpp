@@ -360,9 +360,11 @@ template <typename... A> static Kernel entry(const char* name, void (*fn)(A...))
     return Kernel{name, {sizeof(A)...}, {std::is_pointer_v<A>...}, (void*)fn, &Caller<A...>::run};
 }
 
+/// Every kernel, by name. Never destroyed: a stream worker may still run one while the
+/// process exits.
 static const std::vector<Kernel>& table() {
 #define K(name) entry(#name, &name),
-    static const std::vector<Kernel> t = {
+    static const std::vector<Kernel>& t = *new std::vector<Kernel>{
 #include "kernels.inc"
     };
 #undef K
