@@ -21,4 +21,3 @@ nvrtc="$(bash "$root/scripts/nvrtc-env.sh" --install)" || {
 }
 echo "$nvrtc"
 echo "export LD_LIBRARY_PATH=$root/target/cuda-sim/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-echo "export PROTRAIN_CUDA_SIM=1"
