@@ -59,7 +59,10 @@ fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwarePr
 
 /// The schedule simulated on the hardware asked for (else the one it was compiled for), and
 /// that hardware's name.
-fn simulated(schedule: &VerifiedSchedule, hardware: Option<&str>) -> Result<(Simulation, String)> {
+pub(super) fn simulated(
+    schedule: &VerifiedSchedule,
+    hardware: Option<&str>,
+) -> Result<(Simulation, String)> {
     let mut profile = profile_for(schedule, hardware)?;
     // A data-parallel schedule is priced on the profile's interconnect (on the host, ranks
     // as threads); one that has none cannot price its collectives.
