@@ -398,11 +398,11 @@ fn draw<DB: DrawingBackend>(
     )))?;
     chart.draw_series(std::iter::once(Text::new(
         format!("arena {} (planned)", format_bytes(p.arena)),
-        (ms * 0.01, p.arena as f64 / u),
+        (ms * 0.99, p.arena as f64 / u),
         ("sans-serif", 13)
             .into_font()
             .color(&BLACK.mix(0.8))
-            .pos(Pos::new(HPos::Left, VPos::Bottom)),
+            .pos(Pos::new(HPos::Right, VPos::Top)),
     )))?;
     let budget_label = format!("budget {}", format_bytes(p.budget));
     if budget_shown {
