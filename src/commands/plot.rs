@@ -86,7 +86,11 @@ impl Format {
 /// What the picture shows, computed before any drawing.
 struct Picture {
     title: String,
+    /// The predicted step time.
     step_seconds: f64,
+    /// Where the timeline ends: the step less what the host backend's shared cores add to
+    /// it, which no span shows. The charts span this.
+    timeline_seconds: f64,
     budget: u64,
     arena: u64,
     /// Device buffers of nonzero size with their lives, offsets and sizes.
@@ -182,6 +186,8 @@ fn peak_by_kind(timeline: &MemoryTimeline) -> Vec<(MemoryKind, u64)> {
         .collect()
 }
 
+/// What to draw of schedule `s`, whose simulation on `on` gave `spans` and a step of `step`
+/// seconds.
 fn picture(
     s: &Schedule,
     spans: &[protrain::compiler::simulate::Span],
@@ -206,7 +212,12 @@ fn picture(
             "{} (batch {} x seq {}, {}) on {on}: device memory over one step",
             h.model, h.batch, h.seq, h.dtype
         ),
-        step_seconds: step.max(f64::MIN_POSITIVE),
+        step_seconds: step,
+        timeline_seconds: spans
+            .iter()
+            .map(|sp| sp.end)
+            .fold(0.0, f64::max)
+            .max(f64::MIN_POSITIVE),
         budget: h.device_budget_bytes,
         arena: s.arena_bytes,
         buffers,
@@ -341,7 +352,7 @@ fn draw<DB: DrawingBackend>(
     root.fill(&WHITE)?;
     let root = root.titled(&p.title, ("sans-serif", 20))?;
     let (top, bottom) = root.split_vertically(SIZE.1 * 45 / 100);
-    let ms = p.step_seconds * 1e3;
+    let ms = p.timeline_seconds * 1e3;
     let (peak, peak_at) = p.peak;
 
     // Memory over time, stacked by kind.
@@ -371,7 +382,7 @@ fn draw<DB: DrawingBackend>(
         .axis_desc_style(("sans-serif", 14))
         .light_line_style(WHITE.mix(0.0))
         .draw()?;
-    let cols = columns(&p.timeline, p.step_seconds);
+    let cols = columns(&p.timeline, p.timeline_seconds);
     let kinds = &p.timeline.kinds;
     for (k, &kind) in kinds.iter().enumerate() {
         if cols.iter().all(|c| c.2[k] == 0) {
@@ -435,7 +446,7 @@ fn draw<DB: DrawingBackend>(
         BLACK.stroke_width(2),
     )))?;
     // The peak's label sits on the side of the point with more room.
-    let left = peak_at < p.step_seconds / 2.0;
+    let left = peak_at < p.timeline_seconds / 2.0;
     chart.draw_series(std::iter::once(Text::new(
         format!("peak {} at {:.3} ms", format_bytes(peak), peak_at * 1e3),
         peak_point,
