@@ -40,7 +40,7 @@
 //! let text = protrain::compile(&config, &options)?.schedule.to_text();
 //! // In a test of your own crate (with insta as a dev-dependency):
 //! //     insta::assert_snapshot!(text);
-//! assert!(text.contains("; policy: n_persist=0 n_buffer=2 prefetch=1 blocks=CC"));
+//! assert!(text.contains("; policy: n_persist=0 n_buffer=2 prefetch=1 blocks=C2"));
 //! assert!(text.contains("copy fetch chunk0 host[+0x0] -> device["));
 //! # Ok::<(), protrain::Error>(())
 //! ```

@@ -58,6 +58,9 @@ enum Command {
     Explain(commands::schedule::ExplainArgs),
     /// Write a schedule's predicted timeline as a Chrome trace.
     Trace(commands::schedule::TraceArgs),
+    /// Draw a schedule's device memory over one predicted step, stacked by kind with the
+    /// budget and the peak, above the arena as planned (SVG or PNG).
+    Plot(commands::plot::Args),
     /// Measure this machine (op times, copy bandwidths, Adam rate) as a hardware profile JSON.
     Profile(commands::profile::Args),
 }
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Command::Verify(args) => commands::schedule::verify(args),
         Command::Explain(args) => commands::schedule::explain(args),
         Command::Trace(args) => commands::schedule::trace(args),
+        Command::Plot(args) => commands::plot::run(args),
         Command::Profile(args) => commands::profile::run(args),
     };
     match result {

@@ -338,3 +338,96 @@ fn train_rejects_weights_of_another_model() {
         "the error should name a missing tensor: {err}"
     );
 }
+
+/// Every text of an SVG document, in order.
+fn svg_texts(doc: &roxmltree::Document<'_>) -> Vec<String> {
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .map(|n| n.text().unwrap_or_default().trim().to_string())
+        .collect()
+}
+
+#[test]
+fn plot_draws_memory_by_kind_with_budget_peak_and_every_planned_buffer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sched = dir.path().join("tiny.ptsched");
+    cli_support::compile_gpt2_tiny(&sched, &[]);
+    let s = protrain::ir::file::read(&sched).expect("the compiled schedule reads back");
+    let planned = s
+        .buffers
+        .iter()
+        .filter(|b| b.space == protrain::ir::Space::Device && b.size > 0)
+        .count();
+    let budget = protrain::ir::format_bytes(s.header.device_budget_bytes);
+
+    let svg = dir.path().join("memory.svg");
+    let out = protrain(&[
+        "plot",
+        cli_support::path(&sched),
+        "-o",
+        cli_support::path(&svg),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("wrote "), "{}", stdout(&out));
+    let text = std::fs::read_to_string(&svg).expect("the SVG is written");
+    let doc = roxmltree::Document::parse(&text).expect("the SVG is well-formed XML");
+    assert!(doc.root_element().has_tag_name("svg"));
+    let texts = svg_texts(&doc);
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.starts_with(&format!("budget {budget}"))),
+        "no budget mark in {texts:?}"
+    );
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.starts_with("peak ") && t.contains(" at ")),
+        "no peak mark in {texts:?}"
+    );
+    for kind in ["persistent chunks", "activations kept", "workspaces"] {
+        assert!(texts.iter().any(|t| t == kind), "no {kind} in the legend");
+    }
+    // The arena's buffers are the rectangles drawn translucent.
+    let rects = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("rect") && n.attribute("opacity") == Some("0.9"))
+        .count();
+    assert_eq!(rects, planned, "one rectangle per planned device buffer");
+
+    // The same on standard output.
+    let out = protrain(&["plot", cli_support::path(&sched), "-o", "-"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("<svg"), "{}", &stdout(&out)[..80]);
+
+    // PNG, by the extension.
+    let png = dir.path().join("memory.png");
+    let out = protrain(&[
+        "plot",
+        cli_support::path(&sched),
+        "-o",
+        cli_support::path(&png),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let decoder = png::Decoder::new(std::fs::File::open(&png).expect("the PNG is written"));
+    let reader = decoder.read_info().expect("the PNG decodes");
+    assert_eq!((reader.info().width, reader.info().height), (1200, 900));
+
+    // --json says what was drawn.
+    let out = protrain(&[
+        "plot",
+        cli_support::path(&sched),
+        "-o",
+        cli_support::path(&svg),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("one JSON object");
+    assert_eq!(v["buffers"], planned);
+    assert_eq!(v["budget_bytes"], s.header.device_budget_bytes);
+    assert_eq!(v["arena_bytes"], s.arena_bytes);
+    assert!(v["peak_bytes"].as_u64().unwrap() <= s.arena_bytes);
+
+    let err = check_error(&["plot", cli_support::path(&sched), "-o", "memory.jpg"]);
+    assert!(err.contains("FILE.svg or FILE.png"), "{err}");
+}

@@ -476,3 +476,104 @@ fn a_tie_goes_to_the_candidate_without_a_disk_tier() {
         "some candidate needed the disk tier: {report}"
     );
 }
+
+#[test]
+fn every_printing_command_takes_json_and_dash_writes_standard_output() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    cli_support::compile_gpt2_tiny(&file, &[]);
+
+    // verify and trace print JSON.
+    let v = json(&protrain(&["verify", path(&file), "--json"]));
+    assert_eq!(v["valid"], true);
+    assert_eq!(v["model"], "gpt2-tiny");
+    assert!(v["arena_bytes"].as_u64().expect("bytes") > 0);
+    let trace = dir.path().join("trace.json");
+    let v = json(&protrain(&[
+        "trace",
+        path(&file),
+        "-o",
+        path(&trace),
+        "--json",
+    ]));
+    assert!(v["spans"].as_u64().expect("count") > 0, "{v}");
+    assert!(trace.is_file());
+
+    // `trace -o -` writes the trace on standard output, and no file named `-`.
+    let cwd = tempfile::tempdir().expect("temp dir");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["trace", path(&file), "-o", "-"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    let events = json(&out);
+    assert!(events["traceEvents"]
+        .as_array()
+        .is_some_and(|e| !e.is_empty()));
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+
+    // `compile -o -` writes the schedule on standard output: it reads back as the same file.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args([
+            "compile",
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "-o",
+            "-",
+        ])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+    let piped = dir.path().join("piped.ptsched");
+    std::fs::write(&piped, &out.stdout).expect("write");
+    let a = protrain::ir::file::read(&piped).expect("stdout holds a schedule");
+    let b = protrain::ir::file::read(&file).expect("schedule");
+    assert_eq!(a.header.policy, b.header.policy);
+
+    // `compile --dry-run` prints the plan and writes nothing.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["compile", "gpt2-tiny", "--dry-run", "--json"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    let v = json(&out);
+    assert!(v["schedule"].is_null(), "{v}");
+    assert!(v["policy"].is_string());
+    assert_eq!(
+        std::fs::read_dir(cwd.path()).expect("dir").count(),
+        0,
+        "a dry run writes nothing"
+    );
+    let out = protrain(&["compile", "gpt2-tiny", "--dry-run"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not written (--dry-run)"));
+
+    // `dump FILE.ptsched` prints the planned stage without being told.
+    let plain = protrain(&["dump", path(&file)]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let planned = protrain(&["dump", path(&file), "--stage", "planned"]);
+    assert_eq!(plain.stdout, planned.stdout);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["dump", path(&file), "-o", "-"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    assert_eq!(out.stdout, plain.stdout);
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+}

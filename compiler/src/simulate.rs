@@ -4,8 +4,8 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
-    format_bytes, CopyKind, DType, EventId, Instr, Op, OpId, OpKind, Phase, Schedule, Space,
-    StreamId, StreamKind, TensorRef, TensorType, Value, ValueId,
+    format_bytes, BufferId, BufferKind, CopyKind, DType, EventId, Instr, Op, OpId, OpKind, Phase,
+    Role, Schedule, ShardPart, Space, StreamId, StreamKind, TensorRef, TensorType, Value, ValueId,
 };
 use serde_json::{json, Map, Value as Json};
 use std::fmt;
@@ -807,7 +807,9 @@ fn union(spans: &[Span], categories: &[&str]) -> Vec<(f64, f64)> {
 /// A timeline as Chrome / Perfetto trace-event JSON (open it in `chrome://tracing` or
 /// ui.perfetto.dev): one complete (`"ph":"X"`) event per span of nonzero duration, times in
 /// microseconds, one thread per stream (`tid` = the stream's index) named by `thread_name`
-/// metadata, and arguments from the schedule (instruction index, op phase and block, bytes).
+/// metadata, and arguments from the schedule (instruction index, op phase and block, bytes);
+/// then counter (`"ph":"C"`) tracks of device and host memory by [`MemoryKind`], from each
+/// buffer's life on the same spans ([`buffer_lives`]).
 ///
 /// It takes the spans rather than a [`Simulation`] so that a measured run's timeline exports
 /// the same way. Spans naming instructions the schedule lacks keep only their own fields.
@@ -839,7 +841,47 @@ pub fn chrome_trace(schedule: &Schedule, spans: &[Span]) -> String {
             "args": span_args(schedule, span),
         }));
     }
+    let lives = buffer_lives(schedule, spans);
+    for (space, kinds) in [
+        ("device", &MemoryKind::DEVICE[..]),
+        ("host", &MemoryKind::HOST[..]),
+    ] {
+        memory_counters(schedule, &lives, space, kinds, &mut events);
+    }
     json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+}
+
+/// Counter (`"ph":"C"`) events of one space's memory over the step: `"{space} memory"` with
+/// the bytes of each kind that holds any (chrome://tracing stacks them; Perfetto shows a
+/// track per kind), and `"{space} memory in use"` with their sum, one event per change.
+fn memory_counters(
+    schedule: &Schedule,
+    lives: &[BufferLife],
+    space: &str,
+    kinds: &[MemoryKind],
+    events: &mut Vec<Json>,
+) {
+    let timeline = MemoryTimeline::new(schedule, lives, kinds);
+    let used: Vec<usize> = (0..kinds.len())
+        .filter(|&k| timeline.points.iter().any(|(_, b)| b[k] > 0))
+        .collect();
+    if used.is_empty() {
+        return;
+    }
+    for (t, bytes) in &timeline.points {
+        let by_kind: Map<String, Json> = used
+            .iter()
+            .map(|&k| (kinds[k].name().to_string(), json!(bytes[k])))
+            .collect();
+        events.push(json!({
+            "name": format!("{space} memory"), "ph": "C", "ts": t * 1e6, "pid": 1,
+            "args": by_kind,
+        }));
+        events.push(json!({
+            "name": format!("{space} memory in use"), "ph": "C", "ts": t * 1e6, "pid": 1,
+            "args": { "bytes": bytes.iter().sum::<u64>() },
+        }));
+    }
 }
 
 /// What the trace shows when a span is clicked.
@@ -1023,6 +1065,376 @@ fn record_sites(schedule: &Schedule) -> Result<Vec<Option<(StreamId, usize)>>, S
         }
     }
     Ok(sites)
+}
+
+/// What a buffer holds, as the memory plot and the Chrome trace's counters group memory.
+///
+/// Device kinds come first, in the order the plot stacks them (what lives all step at the
+/// bottom); [`MemoryKind::DEVICE`] and [`MemoryKind::HOST`] list each space's kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MemoryKind {
+    /// Step inputs (token ids, targets).
+    Inputs,
+    /// Persistent chunks' parameters and their device optimizer state.
+    PersistentChunks,
+    /// The slots streamed chunks are fetched into.
+    ChunkBuffers,
+    /// Gradients on the device: streamed chunks' gradient chunks, persistent chunks'
+    /// gradients, accumulators.
+    Gradients,
+    /// Forward activations kept on the device until their backward use.
+    ActivationsKept,
+    /// Activations offloaded to the host, and the device buffers they are reloaded into.
+    ActivationsSwapped,
+    /// Forward values recomputed in the backward pass.
+    ActivationsRecomputed,
+    /// Intermediates used only in the phase that writes them (forward values of recomputed
+    /// blocks, backward intermediates, the optimizer's scalars).
+    Temporaries,
+    /// Kernel scratch memory.
+    Workspaces,
+    /// Parameters in host memory (streamed chunks' homes, staging buffers for uploads).
+    HostParameters,
+    /// Gradients in host memory (offloaded gradient chunks, staging buffers, accumulators).
+    HostGradients,
+    /// f32 master weights and Adam moments in host memory, and the buffers disk-resident
+    /// state is staged through.
+    HostOptimizerState,
+    /// Swapped activations' host copies (and scalars copied to the host).
+    HostActivations,
+    /// Anything else in host memory (the update program's scratch).
+    HostOther,
+}
+
+impl MemoryKind {
+    /// The device kinds, bottom of the stack first.
+    pub const DEVICE: [MemoryKind; 9] = [
+        MemoryKind::Inputs,
+        MemoryKind::PersistentChunks,
+        MemoryKind::ChunkBuffers,
+        MemoryKind::Gradients,
+        MemoryKind::ActivationsKept,
+        MemoryKind::ActivationsSwapped,
+        MemoryKind::ActivationsRecomputed,
+        MemoryKind::Temporaries,
+        MemoryKind::Workspaces,
+    ];
+
+    /// The host kinds.
+    pub const HOST: [MemoryKind; 5] = [
+        MemoryKind::HostParameters,
+        MemoryKind::HostGradients,
+        MemoryKind::HostOptimizerState,
+        MemoryKind::HostActivations,
+        MemoryKind::HostOther,
+    ];
+
+    /// The words a legend or a counter shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Inputs => "inputs",
+            MemoryKind::PersistentChunks => "persistent chunks",
+            MemoryKind::ChunkBuffers => "chunk buffers",
+            MemoryKind::Gradients => "gradients",
+            MemoryKind::ActivationsKept => "activations kept",
+            MemoryKind::ActivationsSwapped => "activations swapped",
+            MemoryKind::ActivationsRecomputed => "activations recomputed",
+            MemoryKind::Temporaries => "temporaries",
+            MemoryKind::Workspaces => "workspaces",
+            MemoryKind::HostParameters => "parameters",
+            MemoryKind::HostGradients => "gradients",
+            MemoryKind::HostOptimizerState => "optimizer state",
+            MemoryKind::HostActivations => "activations",
+            MemoryKind::HostOther => "other",
+        }
+    }
+
+    /// Whether buffers of this kind are in device memory.
+    pub fn on_device(self) -> bool {
+        MemoryKind::DEVICE.contains(&self)
+    }
+}
+
+/// When a buffer holds something on a timeline: from the start of the first instruction that
+/// touches it to the end of the last, or the whole step for the buffers that hold state
+/// across steps (chunks, chunk slots, optimizer state, inputs, accumulators, staging).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BufferLife {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// What it holds.
+    pub kind: MemoryKind,
+    /// Seconds after the step began.
+    pub start: f64,
+    /// Seconds after the step began; at least `start`.
+    pub end: f64,
+}
+
+/// Every device and host buffer of `schedule` with its kind and its life on the timeline
+/// `spans` (simulated or measured), in buffer order. Disk buffers are left out.
+///
+/// A buffer no span touches is given the whole step, as the planner gives a buffer it has no
+/// live range for. The step ends at the last span's end.
+pub fn buffer_lives(schedule: &Schedule, spans: &[Span]) -> Vec<BufferLife> {
+    let step = spans.iter().map(|s| s.end).fold(0.0, f64::max);
+    let n = schedule.buffers.len();
+    let mut touched: Vec<Option<(f64, f64)>> = vec![None; n];
+    for span in spans {
+        let Some(instr) = schedule
+            .streams
+            .get(span.stream.index())
+            .and_then(|st| st.instrs.get(span.index))
+        else {
+            continue;
+        };
+        for t in instr_refs(instr) {
+            if let Some(slot) = touched.get_mut(t.buffer.index()) {
+                let (a, b) = slot.get_or_insert((span.start, span.end));
+                *a = a.min(span.start);
+                *b = b.max(span.end);
+            }
+        }
+    }
+    let kinds = buffer_kinds(schedule);
+    schedule
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.space != Space::Disk)
+        .map(|(i, b)| {
+            let kind = kinds[i];
+            let whole = lives_all_step(&b.kind);
+            let (start, end) = match touched[i] {
+                Some(range) if !whole => range,
+                _ => (0.0, step),
+            };
+            BufferLife {
+                buffer: BufferId::new(i),
+                kind,
+                start,
+                end: end.max(start),
+            }
+        })
+        .collect()
+}
+
+/// Bytes in use over a step by kind: a step function, one point per time its value changes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryTimeline {
+    /// The kinds of the columns of `bytes`.
+    pub kinds: Vec<MemoryKind>,
+    /// `(time, bytes of each kind)` from that time until the next point, times ascending;
+    /// the first point is at 0.
+    pub points: Vec<(f64, Vec<u64>)>,
+}
+
+impl MemoryTimeline {
+    /// The bytes in use of `lives` of the given `kinds` over time. A buffer counts from its
+    /// start (inclusive) to its end (exclusive), so one that ends when another starts at the
+    /// same bytes is not counted twice.
+    pub fn new(schedule: &Schedule, lives: &[BufferLife], kinds: &[MemoryKind]) -> Self {
+        let mut changes: Vec<(f64, usize, i128)> = Vec::new();
+        for life in lives {
+            let Some(k) = kinds.iter().position(|&k| k == life.kind) else {
+                continue;
+            };
+            let size = schedule.buffers[life.buffer.index()].size;
+            if size == 0 || life.end <= life.start {
+                continue;
+            }
+            changes.push((life.start, k, i128::from(size)));
+            changes.push((life.end, k, -i128::from(size)));
+        }
+        changes.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut now = vec![0i128; kinds.len()];
+        let mut points: Vec<(f64, Vec<u64>)> = vec![(0.0, vec![0; kinds.len()])];
+        let mut i = 0;
+        while i < changes.len() {
+            let t = changes[i].0;
+            while i < changes.len() && changes[i].0 == t {
+                now[changes[i].1] += changes[i].2;
+                i += 1;
+            }
+            let bytes: Vec<u64> = now.iter().map(|&b| b.max(0) as u64).collect();
+            match points.last_mut() {
+                Some(last) if last.0 == t => last.1 = bytes,
+                _ => points.push((t, bytes)),
+            }
+        }
+        Self {
+            kinds: kinds.to_vec(),
+            points,
+        }
+    }
+
+    /// The most bytes in use at once, and the first time it is reached.
+    pub fn peak(&self) -> (u64, f64) {
+        self.points
+            .iter()
+            .map(|(t, b)| (b.iter().sum::<u64>(), *t))
+            .fold((0, 0.0), |best, p| if p.0 > best.0 { p } else { best })
+    }
+}
+
+/// Whether a buffer of this kind holds state across the step (or is reused all step), so that
+/// it lives from the step's start to its end whatever touches it when.
+fn lives_all_step(kind: &BufferKind) -> bool {
+    !matches!(
+        kind,
+        BufferKind::Activation
+            | BufferKind::Workspace
+            | BufferKind::GradChunk { .. }
+            | BufferKind::HostActivation
+    )
+}
+
+/// The [`MemoryKind`] of every buffer, by [`BufferId`]. Activation buffers are told apart by
+/// the copies that move them and the op that writes them.
+fn buffer_kinds(schedule: &Schedule) -> Vec<MemoryKind> {
+    let n = schedule.buffers.len();
+    let mut swapped = vec![false; n];
+    // The op that first writes each buffer on a device stream, and the last phase that reads it.
+    let mut writer: Vec<Option<OpId>> = vec![None; n];
+    let mut read_in_backward = vec![false; n];
+    for stream in &schedule.streams {
+        for instr in &stream.instrs {
+            match instr {
+                Instr::Copy {
+                    what: CopyKind::OffloadActivation { .. },
+                    src,
+                    ..
+                } => {
+                    if let Some(s) = swapped.get_mut(src.buffer.index()) {
+                        *s = true;
+                    }
+                }
+                Instr::Copy {
+                    what: CopyKind::ReloadActivation { .. },
+                    dst,
+                    ..
+                } => {
+                    if let Some(s) = swapped.get_mut(dst.buffer.index()) {
+                        *s = true;
+                    }
+                }
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } if stream.kind == StreamKind::Compute => {
+                    for t in outputs {
+                        if let Some(w) = writer.get_mut(t.buffer.index()) {
+                            w.get_or_insert(*op);
+                        }
+                    }
+                    let backward = op_of(schedule, *op)
+                        .is_some_and(|o| matches!(o.phase, Phase::Backward | Phase::Recompute));
+                    for t in inputs {
+                        if let Some(r) = read_in_backward.get_mut(t.buffer.index()) {
+                            *r |= backward;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    schedule
+        .buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let device = b.space == Space::Device;
+            match (&b.kind, device) {
+                (BufferKind::Input, true) => MemoryKind::Inputs,
+                (BufferKind::PersistentChunk { .. } | BufferKind::OptimizerState { .. }, true) => {
+                    MemoryKind::PersistentChunks
+                }
+                (BufferKind::ChunkSlot { .. }, _) => MemoryKind::ChunkBuffers,
+                (BufferKind::GradChunk { .. } | BufferKind::Accumulators, true) => {
+                    MemoryKind::Gradients
+                }
+                (BufferKind::Workspace, true) => MemoryKind::Workspaces,
+                (BufferKind::Activation, true) if swapped[i] => MemoryKind::ActivationsSwapped,
+                (_, true) => {
+                    let op = writer[i].and_then(|op| op_of(schedule, op));
+                    let role = op.and_then(|o| {
+                        o.outputs
+                            .iter()
+                            .find_map(|&v| value_of(schedule, v))
+                            .map(|v| v.role)
+                    });
+                    match (op.map(|o| o.phase), role) {
+                        (_, Some(Role::Grad | Role::Accumulator)) => MemoryKind::Gradients,
+                        (Some(Phase::Recompute), _) => MemoryKind::ActivationsRecomputed,
+                        (Some(Phase::Forward), _) if read_in_backward[i] => {
+                            MemoryKind::ActivationsKept
+                        }
+                        (_, Some(Role::Loss)) => MemoryKind::ActivationsKept,
+                        _ => MemoryKind::Temporaries,
+                    }
+                }
+                (
+                    BufferKind::HostChunk { .. }
+                    | BufferKind::ParamStaging { .. }
+                    | BufferKind::HostShard {
+                        part: ShardPart::Params,
+                        ..
+                    },
+                    false,
+                ) => MemoryKind::HostParameters,
+                (
+                    BufferKind::HostGradChunk { .. }
+                    | BufferKind::GradStaging { .. }
+                    | BufferKind::Accumulators
+                    | BufferKind::GradChunk { .. }
+                    | BufferKind::HostShard {
+                        part: ShardPart::Grads,
+                        ..
+                    },
+                    false,
+                ) => MemoryKind::HostGradients,
+                (
+                    BufferKind::OptimizerState { .. }
+                    | BufferKind::DiskStaging { .. }
+                    | BufferKind::HostShard { .. }
+                    | BufferKind::PersistentChunk { .. },
+                    false,
+                ) => MemoryKind::HostOptimizerState,
+                (BufferKind::HostActivation | BufferKind::Activation, false) => {
+                    MemoryKind::HostActivations
+                }
+                _ => MemoryKind::HostOther,
+            }
+        })
+        .collect()
+}
+
+/// Every tensor address an instruction names.
+fn instr_refs(instr: &Instr) -> Vec<TensorRef> {
+    match instr {
+        Instr::Kernel {
+            inputs,
+            outputs,
+            workspace,
+            ..
+        } => inputs
+            .iter()
+            .chain(outputs)
+            .chain(workspace.iter())
+            .copied()
+            .collect(),
+        Instr::Copy { src, dst, .. }
+        | Instr::CopyShard { src, dst, .. }
+        | Instr::DiskRead { src, dst, .. }
+        | Instr::DiskWrite { src, dst, .. }
+        | Instr::CastChunk { src, dst, .. } => vec![*src, *dst],
+        Instr::AllReduce { at, .. }
+        | Instr::AllGather { at, .. }
+        | Instr::ReduceScatter { at, .. } => vec![*at],
+        Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => Vec::new(),
+    }
 }
 
 #[cfg(test)]

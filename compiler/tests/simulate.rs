@@ -658,6 +658,87 @@ mod simulate {
         assert_eq!(complete[0]["args"]["index"], 42);
     }
 
+    /// The counter events named `name` as `(ts, args)`.
+    fn counters<'a>(events: &'a [Json], name: &str) -> Vec<(f64, &'a Json)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "C" && e["name"] == name)
+            .map(|e| (e["ts"].as_f64().unwrap(), &e["args"]))
+            .collect()
+    }
+
+    #[test]
+    fn simulate_chrome_trace_has_memory_counters_by_kind() {
+        // The fetch's slot and the host chunk hold state all step; a 1 MiB activation lives
+        // from its writer (the embedding, 0-1 s) to its last reader (the linear, 3-5 s).
+        let mut s = fetch_then_compute(3);
+        s.buffers[DEVICE.index()].kind = BufferKind::ChunkSlot { slot: 0 };
+        s.buffers[HOST.index()].kind = BufferKind::HostChunk { chunk: ChunkId(0) };
+        s.buffers.push(Buffer {
+            name: "h".into(),
+            space: Space::Device,
+            offset: 64 * MIB,
+            size: MIB,
+            kind: BufferKind::Activation,
+        });
+        let act = at(BufferId(2));
+        s.streams[0].instrs[0] = Instr::Kernel {
+            op: EMBEDDING,
+            inputs: Vec::new(),
+            outputs: vec![act],
+            workspace: None,
+        };
+        s.streams[0].instrs[2] = Instr::Kernel {
+            op: LINEAR,
+            inputs: vec![act],
+            outputs: Vec::new(),
+            workspace: None,
+        };
+        let sim = simulate_unverified(&s, &Stub).unwrap();
+        let trace: Json = serde_json::from_str(&sim.chrome_trace(&s)).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        for e in events.iter().filter(|e| e["ph"] == "C") {
+            assert_eq!(e["pid"], 1);
+        }
+        let device: Vec<(f64, Json)> = counters(events, "device memory")
+            .into_iter()
+            .map(|(t, a)| (t, a.clone()))
+            .collect();
+        let slot = 64 * MIB;
+        assert_eq!(
+            device,
+            [
+                (
+                    0.0,
+                    serde_json::json!({"chunk buffers": slot, "temporaries": MIB})
+                ),
+                (
+                    5e6,
+                    serde_json::json!({"chunk buffers": slot, "temporaries": 0})
+                ),
+                (
+                    5.5e6,
+                    serde_json::json!({"chunk buffers": 0, "temporaries": 0})
+                ),
+            ]
+        );
+        let in_use = |name| -> Vec<(f64, u64)> {
+            counters(events, name)
+                .into_iter()
+                .map(|(t, a)| (t, a["bytes"].as_u64().unwrap()))
+                .collect()
+        };
+        assert_eq!(
+            in_use("device memory in use"),
+            [(0.0, slot + MIB), (5e6, slot), (5.5e6, 0)]
+        );
+        assert_eq!(in_use("host memory in use"), [(0.0, 64 * MIB), (5.5e6, 0)]);
+        assert_eq!(
+            counters(events, "host memory")[0].1,
+            &serde_json::json!({"parameters": 64 * MIB})
+        );
+    }
+
     /// A schedule whose graph is one big bf16 linear, `x [8,1024,4096] @ w [4096,4096]`, in a
     /// header that says f32: the kernel must be costed in the op's own element type.
     fn big_linear() -> Schedule {

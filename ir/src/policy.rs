@@ -39,6 +39,75 @@ impl BlockMode {
     }
 }
 
+/// Layers a `blocks=` value may name at most: a count in its text must not make the parser
+/// allocate without bound.
+pub const MAX_BLOCKS: usize = 1 << 20;
+
+/// Block modes in their compact text form: each run of one mode as its letter, followed by
+/// the run's length when longer than one (`S3C2K27` for three swapped, two checkpointed and
+/// 27 kept blocks); `-` for none. [`parse_blocks`] reads it back.
+pub fn format_blocks(modes: &[BlockMode]) -> String {
+    if modes.is_empty() {
+        return "-".into();
+    }
+    let mut out = String::new();
+    let mut i = 0;
+    while i < modes.len() {
+        let run = modes[i..].iter().take_while(|&&m| m == modes[i]).count();
+        out.push(modes[i].letter());
+        if run > 1 {
+            out.push_str(&run.to_string());
+        }
+        i += run;
+    }
+    out
+}
+
+/// Block modes from text: letters (either case), each optionally followed by a count of
+/// repeats, so both the compact form [`format_blocks`] prints (`S3C2K27`) and one letter per
+/// layer (`SSSCCKKK`) read; `-` is none. The error says what is wrong with the text.
+pub fn parse_blocks(text: &str) -> std::result::Result<Vec<BlockMode>, String> {
+    if text == "-" {
+        return Ok(Vec::new());
+    }
+    let mut modes = Vec::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        let Some(mode) = BlockMode::from_letter(c) else {
+            return Err(if c.is_ascii_digit() {
+                format!("blocks={text} has a count `{c}` with no mode letter before it")
+            } else {
+                format!(
+                    "block mode `{c}` in blocks={text} is not K (keep), C (checkpoint) or S (swap)"
+                )
+            });
+        };
+        let mut digits = String::new();
+        while let Some(d) = chars.next_if(char::is_ascii_digit) {
+            digits.push(d);
+        }
+        let run = if digits.is_empty() {
+            1
+        } else {
+            match digits.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    return Err(format!(
+                        "blocks={text}: `{c}{digits}` repeats a mode {digits} times; give a                          count from 1 up"
+                    ))
+                }
+            }
+        };
+        if modes.len().saturating_add(run) > MAX_BLOCKS {
+            return Err(format!(
+                "blocks={text} names more than {MAX_BLOCKS} layers; give one mode per layer of                  the model"
+            ));
+        }
+        modes.extend(std::iter::repeat_n(mode, run));
+    }
+    Ok(modes)
+}
+
 /// How an offloaded (non-persistent) chunk keeps its model state in host memory, in bytes per
 /// parameter for mixed precision (bf16 or f16 parameters with f32 master weights and moments).
 ///
@@ -262,21 +331,16 @@ impl Policy {
 }
 
 impl fmt::Display for Policy {
-    /// `n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`, then ` host_layout=14` when the
-    /// layout is not the full one.
+    /// `n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCK4` (blocks in the compact form of
+    /// [`format_blocks`]), then ` host_layout=14` when the layout is not the full one.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let blocks: String = self.blocks.iter().map(|m| m.letter()).collect();
         write!(
             f,
             "n_persist={} n_buffer={} prefetch={} blocks={}",
             self.n_persist,
             self.n_buffer,
             self.prefetch,
-            if blocks.is_empty() {
-                "-".into()
-            } else {
-                blocks
-            }
+            format_blocks(&self.blocks)
         )?;
         if self.host_layout != HostLayout::Full {
             write!(f, " host_layout={}", self.host_layout)?;
@@ -289,9 +353,10 @@ impl fmt::Display for Policy {
 /// on the model ([`PolicySpec::resolve`]).
 ///
 /// Its text form is `key=value` pairs separated by commas or spaces, so the line a
-/// [`Policy`] prints (`n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCKKKK`) parses back to
-/// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (one letter
-/// per layer, `-` for none), `host_layout` (16, 14 or 12 bytes per parameter, or `12xN` for
+/// [`Policy`] prints (`n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCK4`) parses back to
+/// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (a mode
+/// letter per run of layers followed by the run's length when over one, or one letter per
+/// layer; `-` for none; see [`parse_blocks`]), `host_layout` (16, 14 or 12 bytes per parameter, or `12xN` for
 /// at most `N` chunks at 12 and the rest at 14; see [`HostLayout`])
 /// and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
 /// error rather than one silently winning.
@@ -377,24 +442,7 @@ impl FromStr for PolicySpec {
                         ))
                     })?);
                 }
-                _ => {
-                    let modes = if value == "-" {
-                        Vec::new()
-                    } else {
-                        value
-                            .chars()
-                            .map(|c| {
-                                BlockMode::from_letter(c).ok_or_else(|| {
-                                    bad(format!(
-                                        "block mode `{c}` in blocks={value} is not K (keep), \
-                                         C (checkpoint) or S (swap)"
-                                    ))
-                                })
-                            })
-                            .collect::<Result<_>>()?
-                    };
-                    spec.blocks = Some(modes);
-                }
+                _ => spec.blocks = Some(parse_blocks(value).map_err(bad)?),
             }
         }
         if spec.blocks.is_some() && (spec.n_swap.is_some() || spec.n_checkpoint.is_some()) {
@@ -475,11 +523,7 @@ impl fmt::Display for PolicySpec {
             }
         }
         if let Some(modes) = &self.blocks {
-            let letters: String = modes.iter().map(|m| m.letter()).collect();
-            parts.push(format!(
-                "blocks={}",
-                if letters.is_empty() { "-" } else { &letters }
-            ));
+            parts.push(format!("blocks={}", format_blocks(modes)));
         }
         if let Some(layout) = self.host_layout {
             parts.push(format!("host_layout={layout}"));
@@ -529,6 +573,37 @@ mod tests {
             let printed = policy.to_string();
             let back = parse(&printed).unwrap().resolve(5, policy.blocks.len());
             assert_eq!(back.unwrap(), policy, "{printed}");
+        }
+    }
+
+    #[test]
+    fn blocks_print_as_runs_and_both_forms_parse() {
+        use BlockMode::{Checkpoint as C, Keep as K, Swap as S};
+        let mut modes = vec![S, S, S, C, C];
+        modes.extend([K; 27]);
+        let policy = Policy {
+            blocks: modes.clone(),
+            ..Policy::resident(4, 32)
+        };
+        assert_eq!(
+            policy.to_string(),
+            "n_persist=4 n_buffer=0 prefetch=1 blocks=S3C2K27"
+        );
+        assert_eq!(format_blocks(&[S, C, S, K, K]), "SCSK2");
+        assert_eq!(format_blocks(&[]), "-");
+        let long: String = modes.iter().map(|m| m.letter()).collect();
+        assert_eq!(parse_blocks(&long).unwrap(), modes);
+        assert_eq!(parse_blocks("s3c2k27").unwrap(), modes);
+        assert_eq!(parse_blocks("S1C1").unwrap(), [S, C]);
+        for (text, why) in [
+            ("K0", "from 1 up"),
+            ("3K", "no mode letter"),
+            ("K99999999999999999999", "from 1 up"),
+            ("K2000000", "more than 1048576 layers"),
+            ("KX", "block mode `X`"),
+        ] {
+            let err = parse_blocks(text).unwrap_err();
+            assert!(err.contains(why), "{text}: {err}");
         }
     }
 
@@ -616,7 +691,7 @@ mod tests {
         let p = Policy::protrain(1, 2, 2, 4, 8);
         assert_eq!(
             p.to_string(),
-            "n_persist=1 n_buffer=2 prefetch=1 blocks=SCCSCCKK"
+            "n_persist=1 n_buffer=2 prefetch=1 blocks=SC2SC2K2"
         );
         assert_eq!(p.count(BlockMode::Swap), 2);
         assert_eq!(p.count(BlockMode::Checkpoint), 4);
@@ -631,12 +706,12 @@ mod tests {
     fn other_systems_policies() {
         assert_eq!(
             Policy::zero3_offload(2, 3).to_string(),
-            "n_persist=0 n_buffer=2 prefetch=1 blocks=CCC"
+            "n_persist=0 n_buffer=2 prefetch=1 blocks=C3"
         );
         assert_eq!(Policy::gemini(0.5, 9, 2, 2).n_persist, 4);
         assert_eq!(
             Policy::resident(5, 2).to_string(),
-            "n_persist=5 n_buffer=0 prefetch=1 blocks=KK"
+            "n_persist=5 n_buffer=0 prefetch=1 blocks=K2"
         );
     }
 }

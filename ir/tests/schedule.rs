@@ -1339,3 +1339,28 @@ fn decode_verifies_and_decode_unverified_does_not() {
     assert!(matches!(err, IrError::Io { .. }), "{err}");
     assert!(err.to_string().starts_with("cannot read "), "{err}");
 }
+
+proptest::proptest! {
+    /// A policy's printed line, blocks in runs, parses back to the same policy, and so does
+    /// its blocks written one letter per layer.
+    #[test]
+    fn policy_print_then_parse_round_trips(
+        modes in proptest::collection::vec(0u8..3, 0..80),
+        n_persist in 0u32..6,
+        n_buffer in 0u32..3,
+        prefetch in 1u32..3,
+    ) {
+        use protrain_ir::{BlockMode, PolicySpec};
+        let blocks: Vec<BlockMode> = modes
+            .iter()
+            .map(|m| [BlockMode::Keep, BlockMode::Checkpoint, BlockMode::Swap][*m as usize])
+            .collect();
+        let policy = Policy { n_persist, n_buffer, prefetch, blocks, ..Policy::resident(0, 0) };
+        let printed = policy.to_string();
+        let back = printed.parse::<PolicySpec>().unwrap().resolve(6, policy.blocks.len());
+        proptest::prop_assert_eq!(back.unwrap(), policy.clone(), "{}", printed);
+        let long: String = policy.blocks.iter().map(|m| m.letter()).collect();
+        let long = if long.is_empty() { "-".to_string() } else { long };
+        proptest::prop_assert_eq!(protrain_ir::parse_blocks(&long).unwrap(), policy.blocks);
+    }
+}

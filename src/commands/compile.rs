@@ -12,9 +12,13 @@ pub struct Args {
     model: String,
     #[command(flatten)]
     compile: CompileArgs,
-    /// Write the schedule here [default: MODEL.ptsched in the current directory].
+    /// Write the schedule here, or `-` for standard output (then nothing else is printed)
+    /// [default: MODEL.ptsched in the current directory].
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
+    /// Compile and print the plan without writing a schedule file.
+    #[arg(long, conflicts_with = "output")]
+    dry_run: bool,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
@@ -26,14 +30,22 @@ pub struct Args {
     forward_only: bool,
 }
 
-/// Compiles, writes the schedule and prints the plan.
+/// Compiles, writes the schedule (to standard output for `-o -`, nowhere for `--dry-run`) and
+/// prints the plan.
 pub fn run(args: Args) -> Result<()> {
     let model_files = super::model_inputs(&args.model);
     let mut inputs: Vec<&std::path::Path> = model_files.iter().map(|p| p.as_path()).collect();
     if let Some(hardware) = &args.compile.machine.hardware {
         inputs.push(std::path::Path::new(hardware));
     }
-    if let Some(path) = &args.output {
+    let to_stdout = args.output.as_deref() == Some(std::path::Path::new("-"));
+    if to_stdout && args.json {
+        return Err(protrain::Error::Usage(
+            "`-o -` writes the schedule on standard output, where --json would print too:              write the schedule to a file, or use --dry-run --json to see the plan alone"
+                .into(),
+        ));
+    }
+    if let Some(path) = args.output.as_ref().filter(|_| !to_stdout) {
         super::check_output(path, &inputs)?;
     }
     let config = protrain::models::load(&args.model)?;
@@ -55,16 +67,25 @@ pub fn run(args: Args) -> Result<()> {
         .output
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}.ptsched", file_stem(&config.name))));
-    super::check_output(&path, &inputs)?;
-    protrain::ir::file::write(&path, &compiled.schedule)?;
+    if to_stdout {
+        crate::out::write_all(&protrain::ir::file::encode(&compiled.schedule));
+        return Ok(());
+    }
+    let written = if args.dry_run {
+        None
+    } else {
+        super::check_output(&path, &inputs)?;
+        protrain::ir::file::write(&path, &compiled.schedule)?;
+        Some(path.as_path())
+    };
     if args.json {
         outln!(
             "{}",
-            serde_json::to_string_pretty(&summary_json(&compiled, &path))
+            serde_json::to_string_pretty(&summary_json(&compiled, written))
                 .expect("JSON values serialise")
         );
     } else {
-        print_summary(&compiled, &profile, &path);
+        print_summary(&compiled, &profile, written);
     }
     Ok(())
 }
@@ -99,7 +120,8 @@ fn rates(s: &Schedule) -> (f64, f64) {
     )
 }
 
-fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
+/// The plan as JSON; `schedule` is the file written, null for a dry run.
+fn summary_json(c: &Compiled, path: Option<&std::path::Path>) -> serde_json::Value {
     let s = &c.schedule;
     let p = &s.header.prediction;
     let (tokens_per_s, tflops) = rates(s);
@@ -136,11 +158,11 @@ fn summary_json(c: &Compiled, path: &std::path::Path) -> serde_json::Value {
         "compile_s": c.compile_seconds,
         "warnings": c.warnings,
         "fusion": c.fusion,
-        "schedule": path.display().to_string(),
+        "schedule": path.map(|p| p.display().to_string()),
     })
 }
 
-fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path) {
+fn print_summary(c: &Compiled, profile: &HardwareProfile, path: Option<&std::path::Path>) {
     let s = &c.schedule;
     let h = &s.header;
     let p = &h.prediction;
@@ -233,5 +255,8 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: &std::path::Path
     if let Some(report) = &c.report {
         out!("search          {}", report.to_text());
     }
-    outln!("schedule        {}", path.display());
+    match path {
+        Some(path) => outln!("schedule        {}", path.display()),
+        None => outln!("schedule        not written (--dry-run)"),
+    }
 }

@@ -81,16 +81,17 @@ pub struct Args {
     model: String,
     /// The compilation stage to print: forward, fused, autodiff and chunked build the model's
     /// graphs (autodiff and chunked from the fused graph unless --no-fuse); placed, scheduled
-    /// and planned compile it (or read the schedule file given).
-    #[arg(long, value_enum, default_value_t = Stage::Forward)]
-    stage: Stage,
+    /// and planned compile it (or read the schedule file given) [default: forward for a
+    /// model, planned for a schedule file].
+    #[arg(long, value_enum)]
+    stage: Option<Stage>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
     /// Print JSON: the same as --format json.
     #[arg(long, conflicts_with = "format")]
     json: bool,
-    /// Write to this file instead of standard output.
+    /// Write to this file instead of standard output (`-` is standard output).
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
     /// How to build and compile the model (ignored stages aside, as `compile` takes them).
@@ -116,16 +117,18 @@ impl Args {
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
 /// and prints it.
 pub fn run(args: Args) -> Result<()> {
-    if let Some(path) = &args.output {
+    let output = args.output.as_deref().filter(|p| *p != Path::new("-"));
+    if let Some(path) = output {
         let inputs = super::model_inputs(&args.model);
         super::check_output(path, &[&inputs[0], &inputs[1]])?;
     }
     let text = if is_schedule_file(Path::new(&args.model)) {
-        if !args.stage.in_schedule() {
+        let stage = args.stage.unwrap_or(Stage::Planned);
+        if !stage.in_schedule() {
             return Err(Error::Usage(format!(
                 "{} is a compiled schedule, which holds the stages placed, scheduled and planned, not {}; dump a model (preset or config.json) for the stages forward, autodiff and chunked",
                 args.model,
-                args.stage.name()
+                stage.name()
             )));
         }
         let given = args.compile.machine.given();
@@ -138,12 +141,12 @@ pub fn run(args: Args) -> Result<()> {
             )));
         }
         let schedule = protrain::ir::file::read(&args.model)?;
-        schedule_stage(&schedule, args.stage, args.format())?
+        schedule_stage(&schedule, stage, args.format())?
     } else {
         model_stage(&args)?
     };
     let inputs = super::model_inputs(&args.model);
-    write_output(args.output.as_deref(), &[&inputs[0], &inputs[1]], &text)
+    write_output(output, &[&inputs[0], &inputs[1]], &text)
 }
 
 /// Whether `path` names a schedule: a `.ptsched` file, or any file that starts with the
@@ -169,7 +172,8 @@ fn is_schedule_file(path: &Path) -> bool {
 fn model_stage(args: &Args) -> Result<String> {
     let config = protrain::models::load(&args.model)?;
     let format = args.format();
-    if args.stage == Stage::Fused && args.compile.no_fuse {
+    let stage = args.stage.unwrap_or(Stage::Forward);
+    if stage == Stage::Fused && args.compile.no_fuse {
         return Err(Error::Usage(
             "--stage fused with --no-fuse asks for fusion and refuses it; drop --no-fuse".into(),
         ));
@@ -177,7 +181,7 @@ fn model_stage(args: &Args) -> Result<String> {
     let mut options = args.compile.options(&config)?;
     options.forward_only = args.forward_only;
     let mut context = Context::new(&config, options);
-    let until = match args.stage {
+    let until = match stage {
         Stage::Forward => PipelineStage::Forward,
         Stage::Fused => PipelineStage::Fused,
         Stage::Autodiff => PipelineStage::Autodiff,
@@ -195,10 +199,10 @@ fn model_stage(args: &Args) -> Result<String> {
     if until == PipelineStage::Compiled {
         let compiled = context.compile()?;
         super::warn(&compiled.warnings);
-        return schedule_stage(&compiled.schedule, args.stage, format);
+        return schedule_stage(&compiled.schedule, stage, format);
     }
     context.run_until(until)?;
-    Ok(match args.stage {
+    Ok(match stage {
         Stage::Forward => graph_text(context.forward().expect("built"), format),
         Stage::Fused => {
             let (graph, report) = context.fused().expect("fused");

@@ -6,6 +6,7 @@ pub mod eval;
 pub mod info;
 pub mod launch;
 pub mod models;
+pub mod plot;
 pub mod profile;
 pub mod run;
 pub mod schedule;
@@ -184,8 +185,9 @@ pub struct CompileArgs {
     /// separated by commas or spaces (the form `compile` prints, so a printed policy can be
     /// passed back): n_persist (chunks kept on the device), n_buffer (chunk buffers),
     /// prefetch (chunks fetched ahead), n_swap and n_checkpoint (blocks swapped and
-    /// recomputed, in ProTrain's interleaved layout), or blocks=KCS... (one mode per layer:
-    /// keep, checkpoint, swap). Keys left out take their defaults: everything persistent and
+    /// recomputed, in ProTrain's interleaved layout), or blocks=S3C2K27 (a mode per run of
+    /// layers, keep, checkpoint or swap, with the run's length; or one letter per layer,
+    /// blocks=SSSCCKKK...). Keys left out take their defaults: everything persistent and
     /// kept.
     #[arg(long, default_value = "auto")]
     pub policy: String,

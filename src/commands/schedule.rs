@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 pub struct VerifyArgs {
     /// A schedule written by `protrain compile`.
     schedule: PathBuf,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `protrain explain`.
@@ -31,12 +34,16 @@ pub struct ExplainArgs {
 pub struct TraceArgs {
     /// A schedule written by `protrain compile`.
     schedule: PathBuf,
-    /// Where to write the Chrome trace (open it in chrome://tracing or ui.perfetto.dev).
+    /// Where to write the Chrome trace (open it in chrome://tracing or ui.perfetto.dev), or
+    /// `-` for standard output (then nothing else is printed).
     #[arg(short, long, value_name = "FILE")]
     output: PathBuf,
     /// The hardware to predict times for [default: the one the schedule was compiled for].
     #[arg(long)]
     hardware: Option<String>,
+    /// Print what was written as one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Reads and verifies a schedule file.
@@ -59,7 +66,10 @@ fn profile_for(schedule: &Schedule, hardware: Option<&str>) -> Result<HardwarePr
 
 /// The schedule simulated on the hardware asked for (else the one it was compiled for), and
 /// that hardware's name.
-fn simulated(schedule: &VerifiedSchedule, hardware: Option<&str>) -> Result<(Simulation, String)> {
+pub(super) fn simulated(
+    schedule: &VerifiedSchedule,
+    hardware: Option<&str>,
+) -> Result<(Simulation, String)> {
     let mut profile = profile_for(schedule, hardware)?;
     // A data-parallel schedule is priced on the profile's interconnect (on the host, ranks
     // as threads); one that has none cannot price its collectives.
@@ -92,6 +102,27 @@ fn compiled_for(schedule: &Schedule) -> &str {
 pub fn verify(args: VerifyArgs) -> Result<()> {
     let s = read(&args.schedule)?;
     let instrs: usize = s.streams.iter().map(|st| st.instrs.len()).sum();
+    if args.json {
+        let v = serde_json::json!({
+            "schedule": args.schedule,
+            "valid": true,
+            "model": s.header.model,
+            "batch": s.header.batch,
+            "seq": s.header.seq,
+            "instructions": instrs,
+            "streams": s.streams.len(),
+            "buffers": s.buffers.len(),
+            "arena_bytes": s.arena_bytes,
+            "device_budget_bytes": s.header.device_budget_bytes,
+            "host_bytes": s.host_bytes,
+            "disk_bytes": s.disk_bytes,
+        });
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("JSON values serialise")
+        );
+        return Ok(());
+    }
     let disk = match s.disk_bytes {
         0 => String::new(),
         bytes => format!(", disk {}", format_bytes(bytes)),
@@ -246,13 +277,40 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
     Ok(())
 }
 
-/// `protrain trace`: the predicted timeline as a Chrome trace.
+/// `protrain trace`: the predicted timeline as a Chrome trace, to a file or (`-o -`) to
+/// standard output.
 pub fn trace(args: TraceArgs) -> Result<()> {
-    super::check_output(&args.output, &[&args.schedule])?;
+    let to_stdout = args.output == Path::new("-");
+    if to_stdout && args.json {
+        return Err(Error::Usage(
+            "`-o -` writes the trace on standard output, where --json would print too: write \
+             the trace to a file, or leave out --json"
+                .into(),
+        ));
+    }
+    if !to_stdout {
+        super::check_output(&args.output, &[&args.schedule])?;
+    }
     let s = read(&args.schedule)?;
-    let (sim, _) = simulated(&s, args.hardware.as_deref())?;
+    let (sim, on) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);
+    if to_stdout {
+        return super::write_output(None, &[&args.schedule], &json);
+    }
     super::write_output(Some(&args.output), &[&args.schedule], &json)?;
+    if args.json {
+        let v = serde_json::json!({
+            "output": args.output,
+            "hardware": on,
+            "spans": sim.timeline.len(),
+            "predicted_step_s": sim.step_seconds,
+        });
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("JSON values serialise")
+        );
+        return Ok(());
+    }
     outln!(
         "wrote {} spans over {:.4} s to {}",
         sim.timeline.len(),
