@@ -116,9 +116,12 @@ impl Args {
 /// Builds the model's graph at the requested stage, or compiles it or reads a schedule file,
 /// and prints it.
 pub fn run(args: Args) -> Result<()> {
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .model(&args.model)
+        .hardware(args.compile.machine.hardware.as_deref());
     if let Some(path) = &args.output {
-        let inputs = super::model_inputs(&args.model);
-        super::check_output(path, &[&inputs[0], &inputs[1]])?;
+        super::paths::check_outputs(&[("-o", path)], &inputs)?;
     }
     let text = if is_schedule_file(Path::new(&args.model)) {
         if !args.stage.in_schedule() {
@@ -142,8 +145,7 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         model_stage(&args)?
     };
-    let inputs = super::model_inputs(&args.model);
-    write_output(args.output.as_deref(), &[&inputs[0], &inputs[1]], &text)
+    write_output(args.output.as_deref(), &inputs.paths(), &text)
 }
 
 /// Whether `path` names a schedule: a `.ptsched` file, or any file that starts with the

@@ -6,6 +6,7 @@ pub mod eval;
 pub mod info;
 pub mod launch;
 pub mod models;
+pub mod paths;
 pub mod profile;
 pub mod run;
 pub mod schedule;

@@ -255,6 +255,12 @@ pub fn run(mut args: Args) -> Result<()> {
             args.schedule.display()
         )));
     }
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .file(&args.schedule)
+        .maybe(args.eval_schedule.as_deref())
+        .exec(&args.exec);
+    super::paths::check_exec_outputs(&args.exec, &inputs)?;
     let schedule = protrain::ir::file::read(&args.schedule)?;
     if schedule.graph.is_forward_only() {
         return Err(Error::Usage(format!(
@@ -684,7 +690,7 @@ fn lead<'s, B: Backend>(
         trainer.trace_last_step();
     }
     if let Some(plan) = &plan {
-        trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?;
+        notes.extend(trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?);
     }
     let steps = trainer.settings().steps;
     let tokenizer = args.tokenizer.as_deref();

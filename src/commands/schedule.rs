@@ -248,11 +248,15 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
 
 /// `protrain trace`: the predicted timeline as a Chrome trace.
 pub fn trace(args: TraceArgs) -> Result<()> {
-    super::check_output(&args.output, &[&args.schedule])?;
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .file(&args.schedule)
+        .hardware(args.hardware.as_deref());
+    super::paths::check_outputs(&[("-o", &args.output)], &inputs)?;
     let s = read(&args.schedule)?;
     let (sim, _) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);
-    super::write_output(Some(&args.output), &[&args.schedule], &json)?;
+    super::write_output(Some(&args.output), &inputs.paths(), &json)?;
     outln!(
         "wrote {} spans over {:.4} s to {}",
         sim.timeline.len(),
