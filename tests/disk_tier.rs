@@ -344,5 +344,8 @@ fn a_disk_too_small_is_refused_before_anything_is_written() {
     assert!(meta.blocks() * 512 >= 8 << 20, "the blocks are reserved");
     let mut back = vec![1u8; 1 << 20];
     file.read(3 << 20, &mut back).unwrap();
-    assert!(back.iter().all(|&b| b == 0), "an allocated file reads as zeros");
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "an allocated file reads as zeros"
+    );
 }

@@ -95,7 +95,9 @@ fn cases() -> u32 {
 /// rate for the campaign script.
 fn fuzz(name: &str, seed: &[u8], property: impl Fn(&[u8])) {
     let damage = proptest::collection::vec(mutation(), 1..6);
-    fuzz_with(name, damage, |mutations| property(&mutate(seed, &mutations)));
+    fuzz_with(name, damage, |mutations| {
+        property(&mutate(seed, &mutations))
+    });
 }
 
 /// Runs `property` on `cases()` values of `strategy`, from a fixed seed (or the campaign's),
@@ -315,7 +317,8 @@ fn set_count(s: &mut protrain::ir::Schedule, field: u8, index: usize, value: u64
         _ => {
             // More streams than any schedule has: the verifier's clocks are streams squared.
             let copy = s.streams[index % streams].clone();
-            s.streams.extend(std::iter::repeat_n(copy, (value % 512) as usize));
+            s.streams
+                .extend(std::iter::repeat_n(copy, (value % 512) as usize));
         }
     }
 }

@@ -597,3 +597,65 @@ fn leftover_temporary_checkpoints_are_removed_when_a_run_takes_the_directory() {
     assert!(ckpt.join("notes.tmp").exists());
     assert!(ckpt.join("step-00000004.safetensors").is_file());
 }
+
+/// `protrain args` with its address space limited to `kib` KiB (`ulimit -v`).
+fn protrain_limited(kib: u64, args: &[&str]) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_protrain"))
+        .args(args)
+        .output()
+        .expect("sh runs")
+}
+
+#[test]
+fn a_config_too_deep_to_compile_in_the_memory_there_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |layers: u64| {
+        let mut json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string("tests/fixtures/llama/config.json").unwrap(),
+        )
+        .unwrap();
+        json["num_hidden_layers"] = layers.into();
+        let path = dir.path().join(format!("deep-{layers}.json"));
+        std::fs::write(&path, json.to_string()).unwrap();
+        path
+    };
+    // 16,384 layers take gigabytes to compile; under a 2 GiB limit the compile used to abort
+    // part way ("memory allocation failed"), or be killed.
+    let deep = config(16_384);
+    let out_file = dir.path().join("deep.ptsched");
+    let args = [
+        "compile",
+        path(&deep),
+        "--dtype",
+        "f32",
+        "-o",
+        path(&out_file),
+    ];
+    let out = protrain_limited(2 << 20, &args);
+    check_error(
+        &out,
+        &[
+            "16384 layers",
+            "would take about",
+            "per layer",
+            "ulimit -v",
+            "fewer layers",
+        ],
+    );
+    assert!(!out_file.exists());
+    // A shallow one compiles under the same limit.
+    let shallow = config(4);
+    let args = [
+        "compile",
+        path(&shallow),
+        "--dtype",
+        "f32",
+        "-o",
+        path(&out_file),
+    ];
+    let out = protrain_limited(2 << 20, &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -154,9 +154,7 @@ impl TextTokenizer {
         if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
             return Err(bad_file(
                 path,
-                format!(
-                    "is not JSON ({e}); give the tokenizer.json file saved with the model"
-                ),
+                format!("is not JSON ({e}); give the tokenizer.json file saved with the model"),
             ));
         }
         let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
