@@ -441,6 +441,8 @@ fn schedule_and_profile_inputs_are_regular_files_of_bounded_size() {
             &protrain(&["compile", "gpt2-tiny", "--hardware", path(&fifo)]),
             &["not a regular file"],
         );
+        let out = train("1", &["--init", path(&fifo)]);
+        check_error(&out, &["not a regular file"]);
     }
 }
 
