@@ -149,9 +149,10 @@ impl TextTokenizer {
             ));
         }
         let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-        // JSON syntax first: the tokenizers crate panics on a syntax error inside its
-        // `decoder` entry (an `expect` in its deserializer) instead of returning it.
-        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
+        // Parsed as JSON first, every string decoded: the tokenizers crate panics on a syntax
+        // error inside its `decoder` entry, or an escape that is no character there (an
+        // `expect` in its deserializer), instead of returning it.
+        if let Err(e) = serde_json::from_slice::<serde_json::Value>(&bytes) {
             return Err(bad_file(
                 path,
                 format!("is not JSON ({e}); give the tokenizer.json file saved with the model"),
