@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A longer fuzzing campaign over every reader of user files (tests/fuzz.rs): the model config
-# parser, the schedule reader, the safetensors and .npy readers and the checkpoint loader.
+# parser, the schedule reader (its bytes, and its counts), the hardware profile and tokenizer
+# readers, the safetensors and .npy readers and the checkpoint loader.
 #
 #   scripts/fuzz.sh [MINUTES] [CASES_PER_ROUND]     (defaults: 10 minutes, 2000 cases)
 #

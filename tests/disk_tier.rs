@@ -307,3 +307,45 @@ fn a_disk_schedule_needs_a_directory() {
         "{err}"
     );
 }
+
+/// A disk tier larger than the free space is refused with the figures before its file exists
+/// (it was written with zeros until the disk was full); one that fits is allocated whole.
+#[test]
+fn a_disk_too_small_is_refused_before_anything_is_written() {
+    use protrain::runtime::disk::{DiskFile, DiskIo};
+    let dir = tempfile::tempdir().unwrap();
+    // What `df` says is free (the runtime asks statvfs, as df does).
+    let df = std::process::Command::new("df")
+        .args(["-B1", "--output=avail"])
+        .arg(dir.path())
+        .output()
+        .expect("df runs");
+    let free: u64 = String::from_utf8_lossy(&df.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .expect("df prints the bytes available");
+    for io in [DiskIo::Direct, DiskIo::Buffered] {
+        let want = free.saturating_add(1 << 40);
+        let err = DiskFile::create_with(dir.path(), want, io)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("free") && err.contains("--disk-dir"), "{err}");
+        assert!(
+            err.contains(&protrain::ir::format_bytes(want)),
+            "names what the schedule needs: {err}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "{err}");
+    }
+    let file = DiskFile::create_with(dir.path(), 8 << 20, DiskIo::Direct).unwrap();
+    let meta = std::fs::metadata(file.path()).unwrap();
+    assert_eq!(meta.len(), 8 << 20);
+    use std::os::unix::fs::MetadataExt;
+    assert!(meta.blocks() * 512 >= 8 << 20, "the blocks are reserved");
+    let mut back = vec![1u8; 1 << 20];
+    file.read(3 << 20, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "an allocated file reads as zeros"
+    );
+}

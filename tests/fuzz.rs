@@ -1,5 +1,7 @@
 //! Mutation fuzzing of every reader of user files: the model config parser, the schedule
-//! reader, the safetensors and `.npy` readers, and the checkpoint loader. Each property takes a
+//! reader (its bytes, and its counts set to what a damaged file could say), the hardware
+//! profile reader, the tokenizer reader, the safetensors and `.npy` readers, and the
+//! checkpoint loader. Each property takes a
 //! valid file, damages it (bit flips, overwritten bytes, cuts, insertions, repeated pieces)
 //! and asks only that reading it returns, `Ok` or an error: no panic, no hang, no allocation
 //! sized by a number in the file.
@@ -92,6 +94,15 @@ fn cases() -> u32 {
 /// Runs `property` on `cases()` damaged copies of `seed`, from a fixed seed, and prints the
 /// rate for the campaign script.
 fn fuzz(name: &str, seed: &[u8], property: impl Fn(&[u8])) {
+    let damage = proptest::collection::vec(mutation(), 1..6);
+    fuzz_with(name, damage, |mutations| {
+        property(&mutate(seed, &mutations))
+    });
+}
+
+/// Runs `property` on `cases()` values of `strategy`, from a fixed seed (or the campaign's),
+/// and prints the rate for the campaign script.
+fn fuzz_with<S: Strategy>(name: &str, strategy: S, property: impl Fn(S::Value)) {
     let rng_seed = std::env::var("PROTRAIN_FUZZ_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -104,8 +115,8 @@ fn fuzz(name: &str, seed: &[u8], property: impl Fn(&[u8])) {
     };
     let mut runner = TestRunner::new(config);
     let started = Instant::now();
-    let result = runner.run(&proptest::collection::vec(mutation(), 1..6), |mutations| {
-        property(&mutate(seed, &mutations));
+    let result = runner.run(&strategy, |value| {
+        property(value);
         Ok(())
     });
     println!(
@@ -260,6 +271,98 @@ fn checkpoint_loader() {
             // Damage to the tensors is caught by their checksums, to the step by the file name.
             if let Ok(ckpt) = Checkpoint::load(p, schedule) {
                 assert_eq!(ckpt.progress.step, progress.step);
+            }
+        })
+    });
+}
+
+/// A count as a damaged file could hold it: anything, small, a power of two, or a type's end.
+fn count() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        any::<u64>(),
+        0..4096u64,
+        (0..64u32).prop_map(|b| 1u64 << b),
+        Just(u64::from(u32::MAX)),
+        Just(u64::MAX),
+    ]
+}
+
+/// Sets one count of `s` (chosen by `field`, at `index` where there are several) to `value`.
+fn set_count(s: &mut protrain::ir::Schedule, field: u8, index: usize, value: u64) {
+    use protrain::ir::{Instr, StreamKind};
+    let streams = s.streams.len();
+    let buffers = s.buffers.len();
+    match field % 10 {
+        0 => s.events = value as u32,
+        1 => s.arena_bytes = value,
+        2 => s.host_bytes = value,
+        3 => s.disk_bytes = value,
+        4 => {
+            s.streams[index % streams].kind = StreamKind::Collective {
+                gpus: value as u32,
+                nodes: (value >> 32) as u32,
+            }
+        }
+        5 => s.streams[index % streams]
+            .instrs
+            .push(Instr::EndMicroBatch {
+                micro_batches: value as u32,
+            }),
+        6 => s.buffers[index % buffers].size = value,
+        7 => s.buffers[index % buffers].offset = value,
+        8 => {
+            s.header.batch = value;
+            s.header.seq = value >> 32;
+        }
+        _ => {
+            // More streams than any schedule has: the verifier's clocks are streams squared.
+            let copy = s.streams[index % streams].clone();
+            s.streams
+                .extend(std::iter::repeat_n(copy, (value % 512) as usize));
+        }
+    }
+}
+
+#[test]
+fn schedule_counts() {
+    let base: protrain::ir::Schedule = (**schedule()).clone();
+    let changes = proptest::collection::vec((any::<u8>(), any::<usize>(), count()), 1..4);
+    fuzz_with("counts", changes, |changes| {
+        let mut s = base.clone();
+        for (field, index, value) in changes {
+            set_count(&mut s, field, index, value);
+        }
+        // Encoded whole, checksum and all: only the counts are wrong.
+        let _ = protrain::ir::file::decode(&protrain::ir::file::encode(&s));
+    });
+}
+
+#[test]
+fn profile_reader() {
+    let mut profile = protrain::ir::HardwareProfile::preset("rtx3090").expect("a preset");
+    profile.add_measured_ops(&[protrain::ir::MeasuredOp {
+        key: "matmul f32[8,64]x[64,64]".into(),
+        seconds: 1e-6,
+    }]);
+    let seed = profile.to_json().expect("it encodes").into_bytes();
+    fuzz("profile", &seed, |bytes| {
+        with_file("p.json", bytes, |p| {
+            if let Ok(profile) = protrain::ir::HardwareProfile::load(p.to_str().unwrap()) {
+                let _ = profile.summary();
+                let _ = profile.usable_device_bytes();
+                let _ = profile.peak(protrain::ir::DType::BF16);
+            }
+        })
+    });
+}
+
+#[test]
+fn tokenizer_reader() {
+    let seed = std::fs::read("runtime/tests/fixtures/text/tokenizer.json").expect("the fixture");
+    fuzz("tokenizer", &seed, |bytes| {
+        with_file("tokenizer.json", bytes, |p| {
+            if let Ok(t) = protrain::runtime::text::TextTokenizer::load(p) {
+                let _ = t.check_vocab(256);
             }
         })
     });

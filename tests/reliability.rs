@@ -330,3 +330,335 @@ fn a_nan_loss_names_its_cause() {
     let out = train("10", &["--lr", "1e30"]);
     check_error(&out, &["the step before: loss", "non-finite", "lower --lr"]);
 }
+
+/// Fails unless `args` is refused as writing over an input, and `file` is left as it was.
+fn check_input_kept(args: &[&str], file: &Path) {
+    let before = std::fs::read(file).unwrap();
+    check_error(&protrain(args), &["input"]);
+    assert_eq!(
+        std::fs::read(file).unwrap(),
+        before,
+        "{args:?} ate its input"
+    );
+}
+
+#[test]
+fn train_and_run_outputs_never_replace_their_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    let config = model.join("config.json");
+    std::fs::copy("tests/fixtures/gpt2/config.json", &config).unwrap();
+    let short = ["--steps", "1", "--batch", "1", "--seq", "8"];
+    for flag in ["--save", "--trace"] {
+        // The config named as a file, and through its directory.
+        for m in [&config, &model] {
+            let mut args = vec!["train", path(m), flag, path(&config)];
+            args.extend(short);
+            check_input_kept(&args, &config);
+        }
+    }
+    // A hardware profile written by `profile` (here the host preset's figures).
+    let profile = dir.path().join("p.json");
+    let json = protrain::ir::HardwareProfile::host().to_json().unwrap();
+    std::fs::write(&profile, json).unwrap();
+    let mut args = vec!["train", "gpt2-tiny", "--hardware", path(&profile)];
+    args.extend(short);
+    args.extend(["--save", path(&profile)]);
+    check_input_kept(&args, &profile);
+
+    let s = schedule(dir.path());
+    for flag in ["--save", "--trace"] {
+        check_input_kept(&["run", path(&s), "--steps", "1", flag, path(&s)], &s);
+    }
+    // Checkpoints would replace (and prune) an input under a checkpoint's name.
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir(&ckpt).unwrap();
+    let weights = ckpt.join("step-00000001.safetensors");
+    let out = train("1", &["--save", path(&weights)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    check_input_kept(
+        &[
+            "run",
+            path(&s),
+            "--steps",
+            "1",
+            "--init",
+            path(&weights),
+            "--checkpoint-dir",
+            path(&ckpt),
+            "--save-every",
+            "1",
+        ],
+        &weights,
+    );
+    // An output that is no input is written.
+    let out = protrain(&[
+        "run",
+        path(&s),
+        "--steps",
+        "1",
+        "--save",
+        path(&dir.path().join("w")),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn schedule_and_profile_inputs_are_regular_files_of_bounded_size() {
+    let dir = tempfile::tempdir().unwrap();
+    for command in ["verify", "explain", "run"] {
+        check_error(&protrain(&[command, "/dev/zero"]), &["not a regular file"]);
+    }
+    let out = dir.path().join("t.json");
+    check_error(
+        &protrain(&["trace", "/dev/zero", "-o", path(&out)]),
+        &["not a regular file"],
+    );
+    check_error(
+        &protrain(&["compile", "gpt2-tiny", "--hardware", "/dev/zero"]),
+        &["not a regular file", "hardware profile"],
+    );
+    // Sparse files far larger than any schedule or profile: refused by their size, unread.
+    let big = dir.path().join("big.ptsched");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(18 << 30)
+        .unwrap();
+    check_error(&protrain(&["verify", path(&big)]), &["bytes, more than"]);
+    check_error(
+        &protrain(&["compile", "gpt2-tiny", "--hardware", path(&big)]),
+        &["bytes, more than", "hardware profile"],
+    );
+    // A FIFO is not even opened: opening one blocks until a writer comes.
+    let fifo = dir.path().join("fifo");
+    if Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        check_error(&protrain(&["run", path(&fifo)]), &["not a regular file"]);
+        check_error(
+            &protrain(&["compile", "gpt2-tiny", "--hardware", path(&fifo)]),
+            &["not a regular file"],
+        );
+        let out = train("1", &["--init", path(&fifo)]);
+        check_error(&out, &["not a regular file"]);
+    }
+}
+
+/// `s` with its payload re-encoded after `change`, the checksum matching.
+fn rewrite_schedule(s: &Path, to: &Path, change: impl FnOnce(&mut protrain::ir::Schedule)) {
+    let mut schedule = protrain::ir::file::read_unverified(s).unwrap();
+    change(&mut schedule);
+    std::fs::write(to, protrain::ir::file::encode(&schedule)).unwrap();
+}
+
+#[test]
+fn a_count_in_a_schedule_cannot_size_an_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = schedule(dir.path());
+    let damaged = dir.path().join("damaged.ptsched");
+    // 2^31 events: 12 bytes each in the verifier's tables (25 GiB) before any check.
+    rewrite_schedule(&s, &damaged, |s| s.events = 1 << 31);
+    check_error(&protrain(&["verify", path(&damaged)]), &["event count"]);
+    // 2^16 x 2^16 ranks overflow the rank count.
+    rewrite_schedule(&s, &damaged, |s| {
+        s.streams[0].kind = protrain::ir::StreamKind::Collective {
+            gpus: 1 << 16,
+            nodes: 1 << 16,
+        }
+    });
+    check_error(&protrain(&["verify", path(&damaged)]), &["rank count"]);
+}
+
+#[test]
+fn two_runs_on_one_checkpoint_directory_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let first = Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args([
+            "train",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--json",
+            "--steps",
+            "1000000",
+            "--checkpoint-dir",
+            path(&ckpt),
+            "--save-every",
+            "1000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the protrain binary runs");
+    let mut first = Killed(first);
+    // Once it prints a step, it holds the directory.
+    let mut lines = BufReader::new(first.0.stdout.take().unwrap()).lines();
+    lines.next().expect("a step").expect("a line");
+    let out = train("2", &["--checkpoint-dir", path(&ckpt), "--save-every", "1"]);
+    check_error(
+        &out,
+        &["in use by another run", &format!("PID {}", first.0.id())],
+    );
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    // Its holder gone (killed: no clean-up ran), the directory is free again.
+    let out = train("2", &["--checkpoint-dir", path(&ckpt), "--save-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(ckpt.join("step-00000002.safetensors").is_file());
+}
+
+/// A child process killed when dropped, so a failing test leaves no run behind.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Flips one bit of the first occurrence of `"NAME":{` in `file` (a tensor's entry in the
+/// safetensors header, not its checksum's key in the metadata).
+fn flip_tensor_name(file: &Path, name: &str) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let needle = format!("\"{name}\":{{");
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_bytes())
+        .expect("the tensor's entry");
+    bytes[at + 1] ^= 1;
+    std::fs::write(file, bytes).unwrap();
+}
+
+#[test]
+fn a_damaged_name_or_layout_in_the_newest_checkpoint_falls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let out = train("4", &["--checkpoint-dir", path(&ckpt), "--save-every", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let four = ckpt.join("step-00000004.safetensors");
+    let pristine = std::fs::read(&four).unwrap();
+    let fall_back = |what: &str| {
+        let out = train("6", &["--resume", path(&ckpt)]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{what}: {err}");
+        assert!(
+            err.contains("warning: skipping") && err.contains("damaged"),
+            "{what}: {err}"
+        );
+        assert!(err.contains("step-00000002"), "{what}: {err}");
+        assert!(!err.contains("another"), "{what}: {err}");
+    };
+    flip_tensor_name(&four, "transformer.wte.weight");
+    fall_back("a tensor name");
+    // The layout number is covered by the metadata's checksum: "3" read as "2" would skip it.
+    std::fs::write(&four, &pristine).unwrap();
+    let mut bytes = pristine.clone();
+    let needle = b"\"protrain.checkpoint\":\"3\"";
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the layout entry");
+    bytes[at + needle.len() - 2] = b'2';
+    std::fs::write(&four, &bytes).unwrap();
+    fall_back("the layout");
+}
+
+#[test]
+fn leftover_temporary_checkpoints_are_removed_when_a_run_takes_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let out = train("2", &["--checkpoint-dir", path(&ckpt), "--save-every", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // What a run killed while saving leaves: a single file's, a manifest's and a shard's.
+    let left = [
+        ".step-00000004.safetensors.a1B2c3.tmp",
+        ".step-00000004.manifest.json.x9Y8z7.tmp",
+        ".step-00000004.rank-1-of-2.safetensors.Qw3rTy.tmp",
+    ];
+    for name in left {
+        std::fs::write(ckpt.join(name), vec![0u8; 1000]).unwrap();
+    }
+    // Not ours: kept.
+    std::fs::write(ckpt.join("notes.tmp"), b"mine").unwrap();
+    let out = train("4", &["--resume", path(&ckpt), "--save-every", "2"]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("removed 3 leftover temporary checkpoint file(s)"),
+        "{err}"
+    );
+    for name in left {
+        assert!(!ckpt.join(name).exists(), "{name} is still there");
+    }
+    assert!(ckpt.join("notes.tmp").exists());
+    assert!(ckpt.join("step-00000004.safetensors").is_file());
+}
+
+/// `protrain args` with its address space limited to `kib` KiB (`ulimit -v`).
+fn protrain_limited(kib: u64, args: &[&str]) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_protrain"))
+        .args(args)
+        .output()
+        .expect("sh runs")
+}
+
+#[test]
+fn a_config_too_deep_to_compile_in_the_memory_there_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |layers: u64| {
+        let mut json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string("tests/fixtures/llama/config.json").unwrap(),
+        )
+        .unwrap();
+        json["num_hidden_layers"] = layers.into();
+        let path = dir.path().join(format!("deep-{layers}.json"));
+        std::fs::write(&path, json.to_string()).unwrap();
+        path
+    };
+    // 16,384 layers take gigabytes to compile; under a 2 GiB limit the compile used to abort
+    // part way ("memory allocation failed"), or be killed.
+    let deep = config(16_384);
+    let out_file = dir.path().join("deep.ptsched");
+    let args = [
+        "compile",
+        path(&deep),
+        "--dtype",
+        "f32",
+        "-o",
+        path(&out_file),
+    ];
+    let out = protrain_limited(2 << 20, &args);
+    check_error(
+        &out,
+        &[
+            "16384 layers",
+            "would take about",
+            "per layer",
+            "ulimit -v",
+            "fewer layers",
+        ],
+    );
+    assert!(!out_file.exists());
+    // A shallow one compiles under the same limit.
+    let shallow = config(4);
+    let args = [
+        "compile",
+        path(&shallow),
+        "--dtype",
+        "f32",
+        "-o",
+        path(&out_file),
+    ];
+    let out = protrain_limited(2 << 20, &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

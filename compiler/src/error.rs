@@ -48,6 +48,31 @@ pub enum CompileError {
     /// The GPUs and nodes asked for do not fit the hardware profile's interconnect.
     #[error("{0}")]
     BadTopology(String),
+    /// The compile would take more memory than the machine has available
+    /// ([`crate::pipeline::check_compile_memory`]).
+    #[error(
+        "compiling {model}'s {layers} layers would take about {} of memory ({} per layer), \
+         but {} is available{limit}; compile a config with fewer layers (num_hidden_layers), \
+         or on a machine with more free memory",
+        protrain_ir::format_bytes(*need),
+        protrain_ir::format_bytes(*per_layer),
+        protrain_ir::format_bytes(*available),
+        limit = if *limited { " to this process (ulimit -v)" } else { "" }
+    )]
+    TooLargeToCompile {
+        /// The model.
+        model: String,
+        /// Its transformer layers.
+        layers: u64,
+        /// The estimated peak memory of the compile, in bytes.
+        need: u64,
+        /// The estimate's bytes per layer.
+        per_layer: u64,
+        /// The memory available, in bytes.
+        available: u64,
+        /// Whether the process's address-space limit, not the machine, set `available`.
+        limited: bool,
+    },
 }
 
 impl From<protrain_models::ModelError> for CompileError {

@@ -229,6 +229,7 @@ impl<'m> Context<'m> {
     pub fn run_until(&mut self, stage: Stage) -> Result<()> {
         self.options.topology.interconnect(&self.options.hardware)?;
         if self.forward.is_none() {
+            check_compile_memory(self.config, memory_available())?;
             let build = BuildOptions::new(self.options.batch, self.options.seq)
                 .with_dtype(self.options.dtype);
             let forward = build_forward(self.config, &build)?;
@@ -452,6 +453,69 @@ impl<'m> Context<'m> {
             simulation,
             compile_seconds: self.started.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// Peak memory of a compile besides its per-layer part, in bytes (measured: see
+/// [`COMPILE_LAYER_BYTES`]).
+pub const COMPILE_BASE_BYTES: u64 = 160 << 20;
+
+/// Peak memory of a compile per transformer layer, in bytes: the graphs, chunk table,
+/// candidate schedules and simulation grow with the ops, a fixed number per layer, not with
+/// the tensors' sizes (nothing is allocated for a tensor's data). Measured as the maximum
+/// resident set (`/usr/bin/time -v`) of the release build's `protrain compile --dtype f32` of
+/// a LLaMA config of hidden 64 and 4 heads on 2 cores: 64 layers 86 MiB, 256 170 MiB, 512
+/// 332 MiB, 1,024 395 MiB, 2,048 743 MiB, 4,096 1,433 MiB (345 KiB per layer from 1,024 on);
+/// hidden 1,024 with 16 heads took 445 MiB at 1,024 layers, and one thread 375 MiB. The
+/// estimate, 160 MiB plus 384 KiB per layer, lies above every one of them.
+pub const COMPILE_LAYER_BYTES: u64 = 384 << 10;
+
+/// The estimated peak memory of compiling `config`: [`COMPILE_BASE_BYTES`] plus
+/// [`COMPILE_LAYER_BYTES`] per layer.
+pub fn compile_memory_estimate(config: &ModelConfig) -> u64 {
+    COMPILE_BASE_BYTES.saturating_add(config.num_layers.saturating_mul(COMPILE_LAYER_BYTES))
+}
+
+/// Memory this process may still take, as `(bytes, whether its address-space limit set it)`:
+/// the machine's available memory (`MemAvailable`), capped by the process's `ulimit -v`
+/// (`RLIMIT_AS`); `None` when neither is known (not Linux).
+pub fn memory_available() -> Option<(u64, bool)> {
+    let field = |text: &str, key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().next()?.parse().ok()
+    };
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| field(&t, "MemAvailable:"))
+        .map(|kib| kib.saturating_mul(1024));
+    // "Max address space  <soft> <hard> bytes"; "unlimited" does not parse.
+    let limit = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|t| field(&t, "Max address space"));
+    match (machine, limit) {
+        (Some(m), Some(l)) if l < m => Some((l, true)),
+        (Some(m), _) => Some((m, false)),
+        (None, Some(l)) => Some((l, true)),
+        (None, None) => None,
+    }
+}
+
+/// Fails, before anything is built, when compiling `config` would take more memory than
+/// `available` ([`memory_available`]) by [`compile_memory_estimate`]: a config deep enough
+/// (the parser takes up to 65,536 layers) would otherwise be killed part way, or abort.
+/// `None` (not known) passes.
+pub fn check_compile_memory(config: &ModelConfig, available: Option<(u64, bool)>) -> Result<()> {
+    let need = compile_memory_estimate(config);
+    match available {
+        Some((available, limited)) if need > available => Err(CompileError::TooLargeToCompile {
+            model: config.name.clone(),
+            layers: config.num_layers,
+            need,
+            per_layer: COMPILE_LAYER_BYTES,
+            available,
+            limited,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -25,6 +25,15 @@ pub enum IrError {
         /// Why reading failed.
         source: std::io::Error,
     },
+    /// An input file is refused before it is read: not a regular file, or larger than any
+    /// file of its kind ([`crate::file::read_input`]).
+    #[error("{path} {problem}")]
+    InputFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it, and what to give instead.
+        problem: String,
+    },
     /// A hardware profile's JSON does not parse as a profile.
     #[error("{origin} is not a hardware profile: {source}")]
     ProfileJson {

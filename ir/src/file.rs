@@ -20,6 +20,66 @@ const HEADER_BYTES: u64 = 8 + 4 + 8;
 /// Bytes after the payload: its CRC-32.
 const CHECKSUM_BYTES: u64 = 4;
 
+/// The largest schedule file read. A schedule of LLaMA 2 70B is a few MiB; this refuses a
+/// device, a sparse file or the wrong file given by mistake before it is read whole.
+pub const MAX_SCHEDULE_BYTES: u64 = 1 << 30;
+
+/// The most streams a schedule may have: the compiler makes one per kind of work (compute,
+/// two copy directions, CPU Adam, collectives, disk, casts). The verifier keeps a clock of
+/// every stream for every stream, so this bounds what it allocates from the count.
+pub const MAX_STREAMS: usize = 64;
+
+/// The most ranks (GPUs x nodes) a schedule may run on: each rank is a thread or a process
+/// of the run, so a count past any real cluster is damage, not a plan.
+pub const MAX_RANKS: u64 = 1 << 16;
+
+/// The most micro-batches a step may take (`--grad-accum`): a step reads that many batches,
+/// so a damaged count would size the step's token buffer.
+pub const MAX_MICRO_BATCHES: u64 = 1 << 20;
+
+/// Reads the whole file `path` of at most `limit` bytes, for a command's input of the kind
+/// `what` names ("a schedule written by `protrain compile`"). Refuses, before opening it,
+/// anything but a regular file (opening a FIFO blocks until something writes to it; a device
+/// such as `/dev/zero` never ends) and a file over `limit`; reads at most `limit` bytes even
+/// when the file grows meanwhile. The error names the file and says what to give instead.
+pub fn read_input(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let refuse = |problem: String| IrError::InputFile {
+        path: path.display().to_string(),
+        problem,
+    };
+    let io = |source: std::io::Error| IrError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let meta = fs::metadata(path).map_err(io)?;
+    if meta.is_dir() {
+        return Err(refuse(format!("is a directory; give {what}")));
+    }
+    if !meta.is_file() {
+        return Err(refuse(format!(
+            "is not a regular file (a device, FIFO or socket); give {what}"
+        )));
+    }
+    let too_big = |bytes: u64| {
+        refuse(format!(
+            "is {bytes} bytes, more than the {} a file of this kind may hold; give {what}",
+            crate::format_bytes(limit)
+        ))
+    };
+    if meta.len() > limit {
+        return Err(too_big(meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    fs::File::open(path)
+        .and_then(|f| f.take(limit + 1).read_to_end(&mut bytes))
+        .map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
 /// Why bytes are not a schedule this build can read; each says what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum FileProblem {
@@ -90,6 +150,19 @@ pub enum FileProblem {
         /// What the decoder says.
         why: String,
     },
+    /// A count in the payload is more than the schedule can hold or describe.
+    #[error(
+        "{what} is {found}, but {why}; the file is damaged: copy it again or compile it again \
+         with `protrain compile`"
+    )]
+    Count {
+        /// What is counted.
+        what: &'static str,
+        /// The count in the file.
+        found: u64,
+        /// The bound it breaks.
+        why: String,
+    },
     /// The schedule decodes but the verifier rejects it.
     #[error("{0}; compile it again with `protrain compile`")]
     Invalid(ScheduleError),
@@ -151,10 +224,8 @@ pub fn read(path: impl AsRef<Path>) -> Result<VerifiedSchedule> {
 /// Reads a `.ptsched` file without verifying the schedule.
 pub fn read_unverified(path: impl AsRef<Path>) -> Result<Schedule> {
     let path = path.as_ref();
-    let bytes = fs::read(path).map_err(|source| IrError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let what = "a schedule (.ptsched) written by `protrain compile`";
+    let bytes = read_input(path, MAX_SCHEDULE_BYTES, what)?;
     parse(&bytes).map_err(|problem| IrError::ScheduleFile {
         origin: path.display().to_string(),
         problem,
@@ -218,7 +289,57 @@ fn parse(bytes: &[u8]) -> std::result::Result<Schedule, FileProblem> {
             body.len() - used
         )));
     }
+    check_counts(&schedule)?;
     Ok(schedule)
+}
+
+/// Bounds every count of a decoded schedule that something is allocated from (the verifier's
+/// and the runtime's tables) by what the schedule describes, before anything is: vectors in
+/// the payload are bounded by its length already (bincode reads each element), but a number
+/// such as `events` is not.
+fn check_counts(s: &Schedule) -> std::result::Result<(), FileProblem> {
+    let count = |what, found: u64, why: String| FileProblem::Count { what, found, why };
+    // Each event is recorded by exactly one instruction (the verifier's invariant), so there
+    // are no more events than instructions.
+    let instrs: u64 = s.streams.iter().map(|st| st.instrs.len() as u64).sum();
+    if u64::from(s.events) > instrs {
+        return Err(count(
+            "the event count",
+            s.events.into(),
+            format!("each event is recorded by one instruction and there are {instrs}"),
+        ));
+    }
+    if s.streams.len() > MAX_STREAMS {
+        return Err(count(
+            "the stream count",
+            s.streams.len() as u64,
+            format!("a schedule has at most {MAX_STREAMS} streams"),
+        ));
+    }
+    for st in &s.streams {
+        if let crate::StreamKind::Collective { gpus, nodes } = st.kind {
+            let ranks = u64::from(gpus) * u64::from(nodes);
+            if ranks > MAX_RANKS {
+                return Err(count(
+                    "the rank count (GPUs x nodes)",
+                    ranks,
+                    format!("a schedule runs on at most {MAX_RANKS} ranks"),
+                ));
+            }
+        }
+        for i in &st.instrs {
+            if let crate::Instr::EndMicroBatch { micro_batches } = *i {
+                if u64::from(micro_batches) > MAX_MICRO_BATCHES {
+                    return Err(count(
+                        "the micro-batch count",
+                        micro_batches.into(),
+                        format!("a step takes at most {MAX_MICRO_BATCHES} micro-batches"),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decodes a payload under a byte limit that a valid payload never reaches, so that a length

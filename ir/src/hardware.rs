@@ -202,6 +202,10 @@ const HOST_F32_FLOPS_PER_CORE: f64 = 64e9;
 const HOST_BANDWIDTH_PER_CORE: f64 = 10.0 * GB;
 /// Handing a kernel to a host thread pool costs on the order of a microsecond or two.
 const HOST_LAUNCH_OVERHEAD_S: f64 = 2e-6;
+/// The largest hardware profile file read: a measured profile is tens of KiB of JSON (its op
+/// table grows with the models measured); this refuses weights or a device given by mistake.
+pub const MAX_PROFILE_BYTES: u64 = 64 << 20;
+
 /// Host memory assumed when `/proc/meminfo` cannot be read.
 const HOST_FALLBACK_MEMORY: u64 = 16 * GIB;
 
@@ -464,12 +468,15 @@ impl HardwareProfile {
     }
 
     /// A preset by name, or else a profile JSON file at that path: what `--hardware` takes.
+    /// The file is read as [`from_json_file`](Self::from_json_file) reads it: a regular file
+    /// of at most [`MAX_PROFILE_BYTES`].
     pub fn load(name_or_path: &str) -> Result<Self> {
         if let Some(profile) = Self::preset(name_or_path) {
             return Ok(profile);
         }
         let path = Path::new(name_or_path);
-        if path.exists() {
+        // `symlink_metadata`: a dangling link is named as a file, not as an unknown preset.
+        if path.symlink_metadata().is_ok() {
             return Self::from_json_file(path);
         }
         Err(IrError::UnknownHardware {
@@ -712,11 +719,9 @@ impl HardwareProfile {
     /// Reads, parses and validates a profile JSON file.
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| IrError::Io {
-            path: path.display().to_string(),
-            source: e,
-        })?;
-        let profile: Self = serde_json::from_str(&text).map_err(|e| IrError::ProfileJson {
+        let what = "a hardware profile JSON written by `protrain profile`, or a preset name";
+        let bytes = crate::file::read_input(path, MAX_PROFILE_BYTES, what)?;
+        let profile: Self = serde_json::from_slice(&bytes).map_err(|e| IrError::ProfileJson {
             origin: path.display().to_string(),
             source: e,
         })?;

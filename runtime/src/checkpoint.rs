@@ -649,6 +649,110 @@ pub fn check_dir_is_ours(dir: &Path, resumed: Option<&Path>) -> Result<()> {
     })
 }
 
+/// The file a run holds locked in its checkpoint directory ([`take_dir`]); it holds the
+/// run's PID.
+pub const LOCK_NAME: &str = ".protrain.lock";
+
+/// A checkpoint directory held by this run: an exclusive lock ([`File::try_lock`], `flock`) on
+/// its [`LOCK_NAME`] file, released when the process ends, however it ends (so a run killed
+/// with `kill -9` leaves no stale lock, only the file). Dropping it removes the file, then
+/// releases the lock.
+///
+/// [`File::try_lock`]: std::fs::File::try_lock
+#[derive(Debug)]
+pub struct DirLock {
+    /// The open lock file; the lock lives as long as it is open.
+    file: std::fs::File,
+    /// Its path.
+    path: PathBuf,
+    /// The temporary files of interrupted saves removed when the directory was taken.
+    pub removed: Vec<PathBuf>,
+    /// Their bytes.
+    pub removed_bytes: u64,
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Removed while still locked: a run that opened this file meanwhile finds, once it
+        // has the lock, that the path no longer names it, and takes the directory anew.
+        let _ = std::fs::remove_file(&self.path);
+        let _ = &self.file;
+    }
+}
+
+/// Takes the checkpoint directory `dir` (created if need be) for this run, so that no other
+/// run writes or prunes checkpoints there meanwhile: two runs on one directory would each
+/// delete the other's checkpoints as the oldest. Fails with
+/// [`RuntimeError::CheckpointDirInUse`], naming the other run's PID, when one holds it.
+///
+/// Holding the directory, it then removes the temporary files of saves that were interrupted
+/// (`.step-N.safetensors.XXXXXX.tmp` and the like, left by a run killed while saving: never a
+/// live save, since only the holder saves there) and lists them in [`DirLock::removed`].
+/// A file system without locks (some network file systems) is used without one.
+pub fn take_dir(dir: &Path) -> Result<DirLock> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::MetadataExt;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| RuntimeError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = dir.join(LOCK_NAME);
+    let mut file = loop {
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io(&path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                return Err(RuntimeError::CheckpointDirInUse {
+                    dir: dir.to_path_buf(),
+                    pid: text.trim().parse().ok(),
+                });
+            }
+            // No locks here: the directory is used as before, unguarded.
+            Err(std::fs::TryLockError::Error(_)) => break file,
+        }
+        // The run that held it may have removed the file between our open and our lock:
+        // the lock counts only on the file the path still names.
+        let ours = file.metadata().map_err(io(&path))?;
+        match std::fs::metadata(&path) {
+            Ok(now) if (now.dev(), now.ino()) == (ours.dev(), ours.ino()) => break file,
+            _ => continue,
+        }
+    };
+    // The PID is for the message of a run refused; a failure to write it costs only that.
+    let _ = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| write!(file, "{}", std::process::id()));
+    let mut removed = Vec::new();
+    let mut removed_bytes = 0;
+    for entry in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let leftover = name.starts_with(&format!(".{PREFIX}")) && name.ends_with(".tmp");
+        let Ok(meta) = entry.metadata() else { continue };
+        if leftover && meta.is_file() && std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
+            removed_bytes += meta.len();
+        }
+    }
+    removed.sort();
+    Ok(DirLock {
+        file,
+        path,
+        removed,
+        removed_bytes,
+    })
+}
+
 /// Deletes all but the newest `keep` checkpoints in `dir` (none when `keep` is 0): a sharded
 /// one's manifest first (so it no longer counts), then its shard files; and the shard files
 /// older than the oldest kept checkpoint that no manifest names (left by a save that was
@@ -703,7 +807,34 @@ struct Header {
 fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
     let file = WeightFile::open(path)?;
     let header = header_of(path, file.metadata())?;
+    if header.version >= 2 {
+        check_tensor_names(path, &file)?;
+    }
     Ok((file, header))
+}
+
+/// Fails unless the tensors of the checkpoint file at `path` are exactly those its metadata
+/// holds checksums of. The metadata's checksum covers those names but not the file's tensor
+/// table, so a name damaged there shows up as a tensor without a checksum (and a checksum
+/// without its tensor): damage, never a checkpoint of another model.
+fn check_tensor_names(path: &Path, file: &WeightFile) -> Result<()> {
+    let summed: std::collections::BTreeSet<&str> = file
+        .metadata()
+        .keys()
+        .filter_map(|k| k.strip_prefix(CHECKSUM_PREFIX))
+        .collect();
+    let stored: std::collections::BTreeSet<&str> = file.names().collect();
+    let unsummed = stored.difference(&summed).next();
+    let missing = summed.difference(&stored).next();
+    let problem = match (unsummed, missing) {
+        (None, None) => return Ok(()),
+        (Some(name), _) => format!("holds a tensor `{name}` that its metadata has no checksum of"),
+        (None, Some(name)) => format!("lacks the tensor `{name}` its metadata has a checksum of"),
+    };
+    Err(RuntimeError::BadCheckpoint {
+        path: path.to_path_buf(),
+        problem: format!("is damaged: it {problem}; resume from an earlier checkpoint"),
+    })
 }
 
 /// The metadata of any checkpoint at `path` (a single file's, or a sharded checkpoint's
@@ -738,7 +869,9 @@ fn header_of(path: &Path, meta: &BTreeMap<String, String>) -> Result<Header> {
         }
     };
     let version: u32 = version.parse().expect("the readable versions are numbers");
-    if version >= 3 {
+    // Checked whenever the checksum is there, whatever the layout says: the layout is one of
+    // the values it covers, so a damaged layout number cannot switch the check off.
+    if version >= 3 || meta.contains_key(METADATA_CHECKSUM_KEY) {
         let Some(want) = meta.get(METADATA_CHECKSUM_KEY) else {
             return Err(bad(format!(
                 "lacks the `{METADATA_CHECKSUM_KEY}` metadata; it is damaged, resume from an \
@@ -971,6 +1104,16 @@ impl Checkpoint {
             },
             Source::Shards(shards) => manifest_mismatch(shards, &expected),
         };
+        let intact_fingerprint = text("fingerprint") == want.hash;
+        if let (true, Some((count, report))) = (intact_fingerprint, &tensor_problems) {
+            // The metadata says this run's structure (and its checksum says the metadata is
+            // intact), so tensors that do not match it are damage, not another run.
+            return Err(bad(format!(
+                "is damaged: its metadata is this run's but its tensors are not ({count} \
+                 problem(s): {}); resume from an earlier checkpoint",
+                report.lines().next().unwrap_or_default()
+            )));
+        }
         if let Some((count, report)) = tensor_problems {
             differences.push(format!(
                 "tensors: {count} problem(s)\n  {}",

@@ -1,8 +1,10 @@
 //! The disk tier's file: one preallocated file in a directory the user gives (`--disk-dir`),
 //! holding a schedule's disk region ([`protrain_ir::Space::Disk`]) at fixed offsets.
 //!
-//! [`DiskFile::create`] makes a new file there and writes zeros over all of it, so that a
-//! disk too small fails at the start, naming the directory, not in the middle of a step; the
+//! [`DiskFile::create`] checks the file system's free space (`statvfs`), then makes a new
+//! file there and allocates all of it (`posix_fallocate`: blocks reserved, reading as zeros,
+//! nothing written), so that a disk too small fails at the start, naming the directory and
+//! the figures, not in the middle of a step nor after filling the disk; the
 //! file is removed when the [`DiskFile`] is dropped. A run killed with `kill -9` cannot remove
 //! its file: every live file is held under an exclusive lock ([`File::try_lock`]) for the
 //! life of its process, so the next [`DiskFile::create`] in the directory removes the files
@@ -27,6 +29,7 @@
 //! `O_DIRECT` (tmpfs, some network file systems), everything goes through the page cache.
 
 use crate::error::{Result, RuntimeError};
+use protrain_ir::format_bytes;
 use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -34,9 +37,6 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
-/// Bytes of zeros written at a time while preallocating.
-const FILL: usize = 8 << 20;
 
 /// The block `O_DIRECT` transfers align to: file offsets, lengths and memory addresses.
 pub const DIRECT_ALIGN: usize = 4096;
@@ -181,32 +181,60 @@ impl DiskFile {
             }
         }
         let swept = sweep(dir);
+        // The room first: a disk too small is refused with the figures, before a byte of
+        // the file exists.
+        if let Some(free) = free_bytes(dir) {
+            if bytes > free {
+                return Err(bad(format!(
+                    "has {} free, but the schedule keeps {} of optimizer state on disk; free \
+                     space there, give a --disk-dir on a larger disk, or compile with a \
+                     smaller --disk-memory (or more --host-memory)",
+                    format_bytes(free),
+                    format_bytes(bytes)
+                )));
+            }
+        }
         let n = MADE.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("protrain-{}-{n}.state", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| {
-                bad(format!(
-                    "cannot create the state file {} in it ({e}); check that the directory \
-                     is writable or give another --disk-dir",
-                    path.display()
-                ))
-            })?;
+        let create = |flags: i32| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .custom_flags(flags)
+                .open(&path)
+        };
+        let cannot_create = |e: std::io::Error| {
+            bad(format!(
+                "cannot create the state file {} in it ({e}); check that the directory is \
+                 writable or give another --disk-dir",
+                path.display()
+            ))
+        };
+        // Whether the file system takes `O_DIRECT` is known as the file is made: it refuses
+        // the flag at open (`EINVAL`), before anything is allocated.
+        let direct = match io {
+            DiskIo::Direct => match create(libc::O_DIRECT) {
+                Ok(file) => Some(file),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => None,
+                Err(e) => return Err(cannot_create(e)),
+            },
+            DiskIo::Buffered => None,
+        };
+        let file = match direct {
+            Some(_) => OpenOptions::new().read(true).write(true).open(&path),
+            None => create(0),
+        };
+        let file = match file {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(cannot_create(e));
+            }
+        };
         // Held until the file is closed: the mark of a live file for another run's sweep.
         // A file system without locks leaves only the PID check to protect it.
         let _ = file.try_lock();
-        let direct = match io {
-            DiskIo::Direct => OpenOptions::new()
-                .read(true)
-                .write(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&path)
-                .ok(),
-            DiskIo::Buffered => None,
-        };
         let disk = Self {
             file,
             direct_ok: AtomicBool::new(direct.is_some()),
@@ -215,13 +243,22 @@ impl DiskFile {
             bytes,
             swept,
         };
-        let mut zeros = Aligned::zeroed(FILL.min(bytes as usize));
-        let zeros = zeros.bytes();
-        let mut at = 0u64;
-        while at < bytes {
-            let n = (bytes - at).min(zeros.len() as u64) as usize;
-            disk.put(at, &zeros[..n], "preallocating")?;
-            at += n as u64;
+        // Allocated, not written: the file system reserves the blocks (reading as zeros) in
+        // moments, where writing zeros took minutes for a large state. A failure (the disk
+        // filled meanwhile) removes the file as `disk` is dropped.
+        if bytes > 0 {
+            use std::os::fd::AsRawFd;
+            let len = libc::off_t::try_from(bytes).unwrap_or(libc::off_t::MAX);
+            // SAFETY: a valid open descriptor, whole-file range from 0.
+            let errno = unsafe { libc::posix_fallocate(disk.file.as_raw_fd(), 0, len) };
+            if errno != 0 {
+                let e = std::io::Error::from_raw_os_error(errno);
+                return Err(bad(format!(
+                    "cannot hold the {} of optimizer state the schedule keeps on disk ({e}); \
+                     free space there or give a --disk-dir on a larger disk",
+                    format_bytes(bytes)
+                )));
+            }
         }
         Ok(disk)
     }
@@ -438,6 +475,22 @@ pub fn measure(dir: &Path, bytes: u64, block: usize) -> Result<DiskBandwidth> {
         write,
         io: file.io(),
     })
+}
+
+/// Bytes an unprivileged process may still allocate in the file system of `dir`
+/// (`statvfs`: available blocks times the fragment size); `None` when it cannot be asked.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a NUL-terminated path and a buffer of the struct's size, filled on success.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: `statvfs` returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+    Some(u64::from(st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// Fails when the disk tier's file `path` is gone (see [`DiskFile::check`]).

@@ -214,6 +214,20 @@ pub enum RuntimeError {
         /// The newest one's step.
         newest: u64,
     },
+    /// Another run holds the checkpoint directory ([`crate::checkpoint::take_dir`]).
+    #[error(
+        "checkpoint directory {} is in use by another run{}; two runs on one directory \
+         delete each other's checkpoints: wait for that run to end, or give this one another \
+         --checkpoint-dir",
+        dir.display(),
+        pid.map_or(String::new(), |p| format!(" (PID {p})"))
+    )]
+    CheckpointDirInUse {
+        /// The directory.
+        dir: PathBuf,
+        /// The holder's PID, as its lock file says.
+        pid: Option<u32>,
+    },
     /// A file that is not a readable protrain checkpoint.
     #[error("checkpoint {path} {problem}")]
     BadCheckpoint {

@@ -136,7 +136,28 @@ impl TextTokenizer {
                 "is not a regular file; give the tokenizer.json file saved with the model",
             ));
         }
+        // A tokenizer.json of a 256k vocabulary is tens of MiB; a file far past that is not one.
+        const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+        if meta.len() > MAX_TOKENIZER_BYTES {
+            return Err(bad_file(
+                path,
+                format!(
+                    "is {} bytes, more than the 1 GiB a tokenizer.json may hold; give the \
+                     tokenizer.json file saved with the model",
+                    meta.len()
+                ),
+            ));
+        }
         let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+        // Parsed as JSON first, every string decoded: the tokenizers crate panics on a syntax
+        // error inside its `decoder` entry, or an escape that is no character there (an
+        // `expect` in its deserializer), instead of returning it.
+        if let Err(e) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+            return Err(bad_file(
+                path,
+                format!("is not JSON ({e}); give the tokenizer.json file saved with the model"),
+            ));
+        }
         let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
             bad_file(
                 path,

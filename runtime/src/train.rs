@@ -703,6 +703,8 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     /// Optimizer steps taken when this trainer started.
     started_at: u64,
     checkpoints: Option<CheckpointPlan>,
+    /// The checkpoint directory, held while this trainer writes there (rank 0's).
+    checkpoint_dir: Option<checkpoint::DirLock>,
     eval: Option<EvalPlan<'s, B>>,
     /// Rank 0's weight reads this rank joins (a sharded schedule's other ranks).
     mirror: WeightReads,
@@ -885,6 +887,7 @@ impl<'s, B: Backend> Trainer<'s, B> {
             summary: RunSummary::default(),
             started: None,
             notes: Vec::new(),
+            checkpoint_dir: None,
             inputs: Vec::with_capacity(n),
             targets: Vec::with_capacity(n),
             rank_inputs: Vec::with_capacity(n),
@@ -893,20 +896,36 @@ impl<'s, B: Backend> Trainer<'s, B> {
         })
     }
 
-    /// Writes checkpoints as `plan` says, after checking that its directory holds none of
+    /// Writes checkpoints as `plan` says, after taking its directory for this run (rank 0
+    /// does, [`checkpoint::take_dir`]: a directory another run holds is refused, and leftover
+    /// temporary files of interrupted saves are removed) and checking that it holds none of
     /// another run ([`checkpoint::check_dir_is_ours`]; `resumed_from` is the directory this
     /// run resumed from, whose checkpoints are its own). Every rank of a data-parallel run
     /// must be given the same plan: each writes its own shard, rank 0 the manifest and the
-    /// pruning ([`checkpoint::save`]).
+    /// pruning ([`checkpoint::save`]). Returns notes for the user (the files removed).
     pub fn save_checkpoints(
         &mut self,
         plan: CheckpointPlan,
         resumed_from: Option<&Path>,
-    ) -> Result<()> {
+    ) -> Result<Vec<String>> {
+        let mut notes = Vec::new();
+        if self.executor.rank().0 == 0 {
+            let held = checkpoint::take_dir(&plan.dir)?;
+            if !held.removed.is_empty() {
+                notes.push(format!(
+                    "removed {} leftover temporary checkpoint file(s) ({}) of saves that were \
+                     interrupted from {}",
+                    held.removed.len(),
+                    protrain_ir::format_bytes(held.removed_bytes),
+                    plan.dir.display()
+                ));
+            }
+            self.checkpoint_dir = Some(held);
+        }
         checkpoint::check_dir_is_ours(&plan.dir, resumed_from)?;
         self.settings.save_every = Some(plan.every.get());
         self.checkpoints = Some(plan);
-        Ok(())
+        Ok(notes)
     }
 
     /// Writes a checkpoint of the last step taken now, if the run writes checkpoints and

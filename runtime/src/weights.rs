@@ -103,6 +103,16 @@ impl WeightFile {
                     .into(),
             });
         }
+        // Checked before opening: opening a FIFO blocks until something writes to it.
+        if !path.is_file() {
+            return Err(RuntimeError::WeightsNotFound {
+                path: path.to_path_buf(),
+                problem: "is not a regular file (a device, FIFO or socket); pass a \
+                          .safetensors file, a model.safetensors.index.json or a directory \
+                          holding one"
+                    .into(),
+            });
+        }
         if path.to_string_lossy().ends_with(".json") {
             Self::open_index(path)
         } else {
@@ -123,10 +133,23 @@ impl WeightFile {
     }
 
     fn open_index(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::Io {
+        // An index names each tensor's shard: a few hundred KiB for the largest models.
+        const MAX_INDEX_BYTES: u64 = 64 << 20;
+        let io = |source| RuntimeError::Io {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        if len > MAX_INDEX_BYTES {
+            return Err(RuntimeError::WeightsNotFound {
+                path: path.to_path_buf(),
+                problem: format!(
+                    "is {len} bytes, more than the 64 MiB a safetensors index may hold; pass \
+                     the model.safetensors.index.json saved with the weights"
+                ),
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
         let index: Index =
             serde_json::from_str(&text).map_err(|e| RuntimeError::BadWeightFile {
                 path: path.to_path_buf(),

@@ -33,20 +33,20 @@ pub struct Args {
 /// Compiles, writes the schedule (to standard output for `-o -`, nowhere for `--dry-run`) and
 /// prints the plan.
 pub fn run(args: Args) -> Result<()> {
-    let model_files = super::model_inputs(&args.model);
-    let mut inputs: Vec<&std::path::Path> = model_files.iter().map(|p| p.as_path()).collect();
-    if let Some(hardware) = &args.compile.machine.hardware {
-        inputs.push(std::path::Path::new(hardware));
-    }
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .model(&args.model)
+        .hardware(args.compile.machine.hardware.as_deref());
     let to_stdout = args.output.as_deref() == Some(std::path::Path::new("-"));
     if to_stdout && args.json {
         return Err(protrain::Error::Usage(
-            "`-o -` writes the schedule on standard output, where --json would print too:              write the schedule to a file, or use --dry-run --json to see the plan alone"
+            "`-o -` writes the schedule on standard output, where --json would print too: \
+             write the schedule to a file, or use --dry-run --json to see the plan alone"
                 .into(),
         ));
     }
     if let Some(path) = args.output.as_ref().filter(|_| !to_stdout) {
-        super::check_output(path, &inputs)?;
+        super::paths::check_outputs(&[("-o", path)], &inputs)?;
     }
     let config = protrain::models::load(&args.model)?;
     let mut options = args.compile.options(&config)?;
@@ -74,7 +74,7 @@ pub fn run(args: Args) -> Result<()> {
     let written = if args.dry_run {
         None
     } else {
-        super::check_output(&path, &inputs)?;
+        super::paths::check_outputs(&[("-o", &path)], &inputs)?;
         protrain::ir::file::write(&path, &compiled.schedule)?;
         Some(path.as_path())
     };

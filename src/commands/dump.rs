@@ -118,9 +118,12 @@ impl Args {
 /// and prints it.
 pub fn run(args: Args) -> Result<()> {
     let output = args.output.as_deref().filter(|p| *p != Path::new("-"));
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .model(&args.model)
+        .hardware(args.compile.machine.hardware.as_deref());
     if let Some(path) = output {
-        let inputs = super::model_inputs(&args.model);
-        super::check_output(path, &[&inputs[0], &inputs[1]])?;
+        super::paths::check_outputs(&[("-o", path)], &inputs)?;
     }
     let text = if is_schedule_file(Path::new(&args.model)) {
         let stage = args.stage.unwrap_or(Stage::Planned);
@@ -145,8 +148,7 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         model_stage(&args)?
     };
-    let inputs = super::model_inputs(&args.model);
-    write_output(output, &[&inputs[0], &inputs[1]], &text)
+    write_output(output, &inputs.paths(), &text)
 }
 
 /// Whether `path` names a schedule: a `.ptsched` file, or any file that starts with the

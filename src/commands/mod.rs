@@ -7,6 +7,7 @@ pub mod info;
 pub mod launch;
 pub mod models;
 pub mod plot;
+pub mod paths;
 pub mod profile;
 pub mod run;
 pub mod schedule;

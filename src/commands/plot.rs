@@ -110,8 +110,12 @@ pub fn run(args: Args) -> Result<()> {
                 .into(),
         ));
     }
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .file(&args.schedule)
+        .hardware(args.hardware.as_deref());
     if !to_stdout {
-        super::check_output(&args.output, &[&args.schedule])?;
+        super::paths::check_outputs(&[("-o", &args.output)], &inputs)?;
     }
     let s = super::schedule::read(&args.schedule)?;
     let (sim, on) = super::schedule::simulated(&s, args.hardware.as_deref())?;

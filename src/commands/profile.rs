@@ -107,10 +107,10 @@ pub fn run(args: Args) -> Result<()> {
             )));
         }
     }
-    let model_files = super::model_inputs(&args.model);
-    let inputs: [&std::path::Path; 2] = [&model_files[0], &model_files[1]];
+    let mut inputs = super::paths::Inputs::new();
+    inputs.model(&args.model);
     if let Some(path) = &args.output {
-        super::check_output(path, &inputs)?;
+        super::paths::check_outputs(&[("-o", path)], &inputs)?;
     }
     let config = protrain::models::load(&args.model)?;
     let options = ProfileOptions {
@@ -187,12 +187,12 @@ pub fn run(args: Args) -> Result<()> {
                 print_cuda(&profiled, &graph, &config.name, batch, seq, path);
             }
             let text = profiled.profile.to_json()?;
-            write_output(args.output.as_deref(), &inputs, &format!("{text}\n"))?;
+            write_output(args.output.as_deref(), &inputs.paths(), &format!("{text}\n"))?;
             return Ok(());
         }
     };
     let text = profiled.profile.to_json()?;
-    write_output(args.output.as_deref(), &inputs, &format!("{text}\n"))?;
+    write_output(args.output.as_deref(), &inputs.paths(), &format!("{text}\n"))?;
     if let Some(path) = &args.output {
         let p = &profiled.profile;
         outln!(

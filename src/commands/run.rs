@@ -278,6 +278,12 @@ pub fn run(mut args: Args) -> Result<()> {
             args.schedule.display()
         )));
     }
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .file(&args.schedule)
+        .maybe(args.eval_schedule.as_deref())
+        .exec(&args.exec);
+    super::paths::check_exec_outputs(&args.exec, &inputs)?;
     let schedule = protrain::ir::file::read(&args.schedule)?;
     if schedule.graph.is_forward_only() {
         return Err(Error::Usage(format!(
@@ -461,26 +467,6 @@ fn predicted_timeline(schedule: &VerifiedSchedule) -> std::result::Result<Vec<Tr
     simulate::simulate(schedule, cost.as_ref())
         .map(|s| s.timeline)
         .map_err(|e| e.to_string())
-}
-
-/// Fails unless `path`'s directory exists and `path` may be written (a regular file or
-/// nothing, none of `inputs`), so that a run does not train for an hour and then fail to write
-/// its output.
-fn check_writable(flag: &str, path: &Path, inputs: &[&Path]) -> Result<()> {
-    super::check_output(path, inputs)?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    if dir.is_dir() {
-        Ok(())
-    } else {
-        Err(Error::Usage(format!(
-            "{flag} {}: the directory {} does not exist; create it or choose another path",
-            path.display(),
-            dir.display()
-        )))
-    }
 }
 
 /// Executes `schedule` on the backend `args` name as they say: loads data and weights (or a
@@ -703,20 +689,20 @@ fn lead<'s, B: Backend>(
     }
     notes.extend(trainer.notes().iter().cloned());
     let data = trainer.settings().data.clone();
-    let inputs: Vec<&Path> = [&data, &args.init]
+    // Checked again with the data the run resolved (a resumed run's may come from its
+    // checkpoint), just before anything is written.
+    let mut inputs = super::paths::Inputs::new();
+    inputs.maybe(data.as_deref()).maybe(args.init.as_deref());
+    let outputs: Vec<(&str, &Path)> = [("--save", &args.save), ("--trace", &args.trace)]
         .into_iter()
-        .flatten()
-        .map(PathBuf::as_path)
+        .filter_map(|(flag, path)| Some((flag, path.as_deref()?)))
         .collect();
-    if let Some(path) = &args.save {
-        check_writable("--save", path, &inputs)?;
-    }
-    if let Some(path) = &args.trace {
-        check_writable("--trace", path, &inputs)?;
+    super::paths::check_outputs(&outputs, &inputs)?;
+    if args.trace.is_some() {
         trainer.trace_last_step();
     }
     if let Some(plan) = &plan {
-        trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?;
+        notes.extend(trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?);
     }
     let steps = trainer.settings().steps;
     let tokenizer = args.tokenizer.as_deref();
@@ -882,7 +868,7 @@ fn lead<'s, B: Backend>(
                 ),
             ),
         };
-        super::write_output(Some(path), &inputs, &text)?;
+        super::write_output(Some(path), &inputs.paths(), &text)?;
         let line = format!("wrote the last step's timeline to {}{note}", path.display());
         if args.json {
             eprintln!("{line}");

@@ -288,16 +288,20 @@ pub fn trace(args: TraceArgs) -> Result<()> {
                 .into(),
         ));
     }
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .file(&args.schedule)
+        .hardware(args.hardware.as_deref());
     if !to_stdout {
-        super::check_output(&args.output, &[&args.schedule])?;
+        super::paths::check_outputs(&[("-o", &args.output)], &inputs)?;
     }
     let s = read(&args.schedule)?;
     let (sim, on) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);
     if to_stdout {
-        return super::write_output(None, &[&args.schedule], &json);
+        return super::write_output(None, &inputs.paths(), &json);
     }
-    super::write_output(Some(&args.output), &[&args.schedule], &json)?;
+    super::write_output(Some(&args.output), &inputs.paths(), &json)?;
     if args.json {
         let v = serde_json::json!({
             "output": args.output,

@@ -31,6 +31,12 @@ pub struct Args {
 /// On the CUDA backend with more than one GPU, starts one worker process per GPU instead
 /// (see [`launch`]), or is one of them.
 pub fn run(mut args: Args) -> Result<()> {
+    let mut inputs = super::paths::Inputs::new();
+    inputs
+        .model(&args.model)
+        .hardware(args.compile.machine.hardware.as_deref())
+        .exec(&args.exec);
+    super::paths::check_exec_outputs(&args.exec, &inputs)?;
     let cuda = args.exec.backend == BackendKind::Cuda;
     let (gpus, nodes) = (args.compile.gpus, args.compile.nodes);
     match launch::role(cuda, gpus, nodes, &args.node, |v| std::env::var(v).ok())? {

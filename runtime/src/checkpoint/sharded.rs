@@ -604,10 +604,21 @@ pub(super) fn read_manifest(path: &Path) -> Result<Manifest> {
         path: path.to_path_buf(),
         problem,
     };
-    let text = std::fs::read(path).map_err(|source| RuntimeError::Io {
+    // A manifest lists the checkpoint's tensors and shards: far under this for any model.
+    const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+    let io = |source| RuntimeError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() || meta.len() > MAX_MANIFEST_BYTES {
+        return Err(bad(format!(
+            "is not a regular file of at most 256 MiB ({} bytes); it is damaged, resume from \
+             an earlier checkpoint",
+            meta.len()
+        )));
+    }
+    let text = std::fs::read(path).map_err(io)?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
         bad(format!(
             "is not a readable manifest ({e}); it is damaged, resume from an earlier checkpoint"
