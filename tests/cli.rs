@@ -338,3 +338,24 @@ fn train_rejects_weights_of_another_model() {
         "the error should name a missing tensor: {err}"
     );
 }
+
+#[test]
+fn train_with_several_ranks_says_what_each_budget_is_per() {
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "4MiB",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("of 4.0 MiB budget per GPU"), "{text}");
+    assert!(
+        text.contains(" per rank (1/2 of the node's --host-memory)"),
+        "{text}"
+    );
+}
