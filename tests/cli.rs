@@ -352,7 +352,8 @@ fn train_with_several_ranks_says_what_each_budget_is_per() {
         "4MiB",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
+    // The plan goes to standard error, beside the log.
+    let text = stderr(&out);
     assert!(text.contains("of 4.0 MiB budget per GPU"), "{text}");
     assert!(
         text.contains(" per rank (1/2 of the node's --host-memory)"),
