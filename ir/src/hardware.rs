@@ -1136,6 +1136,49 @@ mod tests {
     }
 
     #[test]
+    fn a_resource_twice_as_fast_doubles_its_figures_and_no_others() {
+        let base = HardwareProfile::preset("h100").unwrap();
+        for r in Resource::ALL {
+            let f = base.clone().with_faster(r, 2.0);
+            assert_eq!(
+                f.peak_flops.bf16 == base.peak_flops.bf16 * 2.0
+                    && f.device_bandwidth == base.device_bandwidth * 2.0,
+                r == Resource::Compute
+            );
+            assert_eq!(
+                f.launch_overhead_s * 2.0 == base.launch_overhead_s,
+                r == Resource::Compute
+            );
+            assert_eq!(f.h2d_bandwidth == base.h2d_bandwidth * 2.0, r == Resource::PcieToDevice);
+            assert_eq!(f.d2h_bandwidth == base.d2h_bandwidth * 2.0, r == Resource::PcieToHost);
+            assert_eq!(
+                f.cpu_adam_params_per_s == base.cpu_adam_params_per_s * 2.0,
+                r == Resource::CpuAdam
+            );
+            assert_eq!(
+                f.disk.read_bandwidth == base.disk.read_bandwidth * 2.0
+                    && f.disk.write_bandwidth == base.disk.write_bandwidth * 2.0,
+                r == Resource::Disk
+            );
+            let (a, b) = (f.interconnect.unwrap(), base.interconnect.unwrap());
+            assert_eq!(
+                a.intra_node_bandwidth == b.intra_node_bandwidth * 2.0
+                    && a.inter_node_bandwidth == b.inter_node_bandwidth * 2.0,
+                r == Resource::Network
+            );
+            assert_eq!(f.device_memory_bytes, base.device_memory_bytes);
+        }
+        // Measured op times halve with the compute.
+        let mut measured = base.clone();
+        measured.measured_ops.push(MeasuredOp {
+            key: "k".into(),
+            seconds: 1.0,
+        });
+        let f = measured.with_faster(Resource::Compute, 2.0);
+        assert_eq!(f.measured("k"), Some(0.5));
+    }
+
+    #[test]
     fn overrides_change_the_budget() {
         let p = HardwareProfile::preset("rtx3090")
             .unwrap()
