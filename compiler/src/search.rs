@@ -1619,9 +1619,9 @@ pub fn search(
 /// persistent chunks that fit (by bisection over exact plans: the arena grows with them) with
 /// the fewest chunk buffers the family tries, and the leanest host layout (staged where
 /// the parameters are narrower than f32, else the 16-byte one; the disk tier where allowed).
-/// Returns the policy and its host bytes, `None` when not even the leanest fits the device. The search asks once, when candidates
-/// fit the device and none the host: if this does not fit the host, nothing does, and the
-/// search stops instead of compiling the rest.
+/// Returns the policy and its host bytes, `None` when not even the leanest fits the device.
+/// The search asks once, when candidates fit the device and none the host: if this does not
+/// fit the host, nothing does, and the search stops instead of compiling the rest.
 fn host_leanest(
     chunks: usize,
     layers: usize,
@@ -1683,11 +1683,18 @@ fn host_leanest(
 /// For each `n_persist` from 0 to the chunk count, the bytes of f32 master weights and Adam
 /// moments (12 per parameter) of the chunks it streams, per rank (a sharded chunk's are
 /// split over `ranks`): what such a policy must keep in host memory or on disk at the least,
-/// whatever its layout.
+/// whatever its layout. Where no chunk can be staged (the parameters narrower than f32 and
+/// several ranks, clipping or loss scaling: see [`HostLayout::Staged`]), the parameters'
+/// own storage too, which the uploads read from host memory (the 14-byte layout).
 fn offloaded_state_floor(training: &Graph, chunks: &ChunkTable, ranks: u32) -> Vec<u64> {
-    let numel: Vec<u64> = training
+    let narrow = crate::streams::state_bytes_per_element(training) == 12;
+    let unstaged = narrow && (ranks > 1 || training.ops().any(|(_, op)| op.kind.is_grad_coef()));
+    let state: Vec<u64> = training
         .params()
-        .map(|(_, p)| training.value(p.value).ty.numel())
+        .map(|(_, p)| {
+            let ty = &training.value(p.value).ty;
+            ty.numel() * 12 + if unstaged { ty.bytes() } else { 0 }
+        })
         .collect();
     let ranks = u64::from(ranks.max(1));
     let mut floor = vec![0u64; chunks.len() + 1];
@@ -1695,9 +1702,9 @@ fn offloaded_state_floor(training: &Graph, chunks: &ChunkTable, ranks: u32) -> V
         let params: u64 = chunk
             .members
             .iter()
-            .map(|m| numel.get(m.param.index()).copied().unwrap_or(0))
+            .map(|m| state.get(m.param.index()).copied().unwrap_or(0))
             .sum();
-        floor[i] = floor[i + 1].saturating_add(params.saturating_mul(12) / ranks);
+        floor[i] = floor[i + 1].saturating_add(params / ranks);
     }
     floor
 }

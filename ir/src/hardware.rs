@@ -1149,8 +1149,14 @@ mod tests {
                 f.launch_overhead_s * 2.0 == base.launch_overhead_s,
                 r == Resource::Compute
             );
-            assert_eq!(f.h2d_bandwidth == base.h2d_bandwidth * 2.0, r == Resource::PcieToDevice);
-            assert_eq!(f.d2h_bandwidth == base.d2h_bandwidth * 2.0, r == Resource::PcieToHost);
+            assert_eq!(
+                f.h2d_bandwidth == base.h2d_bandwidth * 2.0,
+                r == Resource::PcieToDevice
+            );
+            assert_eq!(
+                f.d2h_bandwidth == base.d2h_bandwidth * 2.0,
+                r == Resource::PcieToHost
+            );
             assert_eq!(
                 f.cpu_adam_params_per_s == base.cpu_adam_params_per_s * 2.0,
                 r == Resource::CpuAdam
