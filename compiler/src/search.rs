@@ -1428,7 +1428,7 @@ pub fn search(
         batch.retain(|x| {
             floor
                 .get(x.key.n_persist as usize)
-                .map_or(true, |&f| f <= host_and_disk)
+                .is_none_or(|&f| f <= host_and_disk)
         });
         report.rejected_host += before - batch.len();
         let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
