@@ -431,3 +431,25 @@ fn plot_draws_memory_by_kind_with_budget_peak_and_every_planned_buffer() {
     let err = check_error(&["plot", cli_support::path(&sched), "-o", "memory.jpg"]);
     assert!(err.contains("FILE.svg or FILE.png"), "{err}");
 }
+
+#[test]
+fn train_with_several_ranks_says_what_each_budget_is_per() {
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "4MiB",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The plan goes to standard error, beside the log.
+    let text = stderr(&out);
+    assert!(text.contains("of 4.0 MiB budget per GPU"), "{text}");
+    assert!(
+        text.contains(" per rank (1/2 of the node's --host-memory)"),
+        "{text}"
+    );
+}

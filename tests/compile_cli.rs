@@ -1,7 +1,7 @@
 //! `protrain compile`, `verify`, `explain` and `trace` as a user runs them.
 
 mod cli_support;
-use cli_support::{path, protrain, stderr};
+use cli_support::{path, protrain, stderr, stdout};
 
 use std::process::Output;
 
@@ -283,20 +283,28 @@ fn broken_schedule_files_are_refused_clearly() {
 }
 
 #[test]
-fn explain_on_other_hardware_says_whose_times_it_shows_and_dump_refuses_hardware() {
+fn explain_on_other_hardware_shows_only_that_hardwares_figures_and_dump_refuses_hardware() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let file = dir.path().join("tiny.ptsched");
-    let compiled = protrain(&[
-        "compile",
-        "gpt2-tiny",
-        "--hardware",
-        "rtx3090",
-        "--policy",
-        "n_persist=1",
-        "-o",
-        path(&file),
-    ]);
-    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    // The same schedule compiled for two machines (a fixed policy, no fusion: nothing
+    // depends on the hardware), so explaining one on the other's hardware must print every
+    // figure the other's explain prints.
+    let compile = |hardware: &str| {
+        let file = dir.path().join(format!("{hardware}.ptsched"));
+        let compiled = protrain(&[
+            "compile",
+            "gpt2-tiny",
+            "--hardware",
+            hardware,
+            "--no-fuse",
+            "--policy",
+            "n_persist=1",
+            "-o",
+            path(&file),
+        ]);
+        assert!(compiled.status.success(), "{}", stderr(&compiled));
+        file
+    };
+    let (file, h100) = (compile("rtx3090"), compile("h100"));
     let same = String::from_utf8_lossy(&protrain(&["explain", path(&file)]).stdout).to_string();
     assert!(
         same.lines().next().unwrap().contains("on rtx3090:"),
@@ -304,21 +312,70 @@ fn explain_on_other_hardware_says_whose_times_it_shows_and_dump_refuses_hardware
     );
     let out = protrain(&["explain", path(&file), "--hardware", "h100"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
     let first = text.lines().next().expect("a first line");
-    assert!(first.contains("on h100, compiled for rtx3090"), "{text}");
+    assert!(first.contains("on h100: "), "{text}");
+    assert!(first.ends_with("compiled for rtx3090"), "{text}");
     assert!(
-        text.contains("(chosen for rtx3090, with rtx3090's times)"),
+        !first.contains("24.00 GiB"),
+        "the rtx3090's figures are not shown: {text}"
+    );
+    // The search's report is in the rtx3090's times: left out, and said so.
+    assert!(
+        text.contains("with rtx3090's times, left out here"),
         "{text}"
     );
-    let json = json(&protrain(&[
+    let native = stdout(&protrain(&["explain", path(&h100)]));
+    // Every line with a figure: memory, the peak's parts, time, what bounds the step, time by
+    // kind, and each stream's.
+    let figures = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| {
+                [
+                    "memory ",
+                    "         at the peak",
+                    "time ",
+                    "bound by ",
+                    "by kind ",
+                    "  ",
+                ]
+                .iter()
+                .any(|p| l.starts_with(p))
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(
+        figures(&text),
+        figures(&native),
+        "explain --hardware h100 against h100's own:\n{text}\n{native}"
+    );
+    assert!(figures(&text).len() >= 7, "{text}");
+    assert!(text.contains("bound by "), "{text}");
+    let other = json(&protrain(&[
         "explain",
         path(&file),
         "--hardware",
         "h100",
         "--json",
     ]));
-    assert_eq!(json["hardware"], "h100");
+    let native_json = json(&protrain(&["explain", path(&h100), "--json"]));
+    assert_eq!(other["hardware"], "h100");
+    assert_eq!(other["compiled_for"], "rtx3090");
+    assert!(other["report"].is_null(), "{other}");
+    for key in [
+        "hardware_summary",
+        "predicted_step_s",
+        "phase_seconds",
+        "streams",
+        "bound_by",
+        "critical_path",
+        "usable_device_bytes",
+        "memory",
+        "exposed_communication_s",
+    ] {
+        assert_eq!(other[key], native_json[key], "{key}");
+    }
     // dump prints a schedule as compiled: a hardware flag would be silently meaningless.
     let refused = protrain(&[
         "dump",
@@ -333,6 +390,93 @@ fn explain_on_other_hardware_says_whose_times_it_shows_and_dump_refuses_hardware
         stderr(&refused).contains("protrain explain"),
         "{}",
         stderr(&refused)
+    );
+}
+
+#[test]
+fn explain_says_what_bounds_the_step_and_what_twice_as_fast_would_give() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("streamed.ptsched");
+    // Every chunk streamed on an rtx3090: the CPU Adam, which updates every parameter on
+    // the host after the backward pass, bounds it (76% of the step), not the kernels.
+    let compiled = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "rtx3090",
+        "--policy",
+        "n_persist=0 n_buffer=2",
+        "-o",
+        path(&file),
+    ]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let v = json(&protrain(&["explain", path(&file), "--json"]));
+    let step = v["predicted_step_s"].as_f64().expect("a step");
+    let by = &v["bound_by"];
+    assert_eq!(by["resource"], "cpu_adam", "{v}");
+    let share = by["share"].as_f64().expect("a share");
+    assert!(share > 0.5 && share <= 1.0, "{v}");
+    let faster = by["step_if_twice_as_fast_s"].as_f64().expect("a step");
+    assert!(faster < step * 0.9 && faster >= step / 2.0 - 1e-9, "{v}");
+    // The critical path accounts for the step: the shares add up to it.
+    let path_s: f64 = v["critical_path"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| r["critical_s"].as_f64().expect("seconds"))
+        .sum();
+    assert!(
+        (path_s - step).abs() <= step * 1e-6,
+        "{path_s} of {step}: {v}"
+    );
+    assert_eq!(v["critical_path"][0], *by);
+    let compute = v["critical_path"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resource"] == "compute")
+        .expect("compute is on the path");
+    assert!(
+        compute["step_if_twice_as_fast_s"].as_f64().unwrap() > faster,
+        "{v}"
+    );
+    let text = stdout(&protrain(&["explain", path(&file)]));
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("bound by CPU Adam: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains(&format!("{faster:.4} s")), "{line}");
+    assert!(
+        text.contains("ties     among policies predicted within 0.5%"),
+        "{text}"
+    );
+    // With accumulation the first micro-batch is simulated once and counted per micro-batch:
+    // the path through it counts as often, and still adds up to the step.
+    let accumulated = dir.path().join("accumulated.ptsched");
+    let compiled = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "rtx3090",
+        "--policy",
+        "n_persist=0 n_buffer=2",
+        "--grad-accum",
+        "3",
+        "-o",
+        path(&accumulated),
+    ]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let v = json(&protrain(&["explain", path(&accumulated), "--json"]));
+    let step = v["predicted_step_s"].as_f64().expect("a step");
+    let path_s: f64 = v["critical_path"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| r["critical_s"].as_f64().expect("seconds"))
+        .sum();
+    assert!(
+        (path_s - step).abs() <= step * 1e-6,
+        "{path_s} of {step}: {v}"
     );
 }
 
@@ -575,5 +719,192 @@ fn every_printing_command_takes_json_and_dash_writes_standard_output() {
     assert!(
         !cwd.path().join("-").exists(),
         "`-o -` wrote a file named -"
+    );
+}
+
+#[test]
+fn budgets_say_what_they_are_per_and_errors_quote_the_figures_given() {
+    let help = stdout(&protrain(&["compile", "--help"]));
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(flat.contains("on each GPU (a budget per GPU"), "{help}");
+    assert!(flat.contains("Host memory of each node"), "{help}");
+    assert!(
+        flat.contains("with --gpus N its N ranks share it"),
+        "{help}"
+    );
+    assert!(flat.contains("Disk of each node"), "{help}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("two.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--host-memory",
+        "64GiB",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = stdout(&out);
+    assert!(plan.contains("budget per GPU"), "{plan}");
+    assert!(
+        plan.contains(
+            "of 32.00 GiB per rank (the node's 64.00 GiB of --host-memory shared by --gpus 2)"
+        ),
+        "{plan}"
+    );
+    // Host memory too small for the ranks of a node: the error quotes the node's figure as
+    // given, each rank's share, and the node's figure that would fit.
+    let out = protrain(&[
+        "compile",
+        "gpt2-xl",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "6GiB",
+        "--host-memory",
+        "8GiB",
+        "-o",
+        path(&file),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: no policy fits 4.00 GiB of host memory per rank"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--host-memory 8.00 GiB over --gpus 2 gives each rank 4.00 GiB"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--gpu-memory is per GPU; --host-memory and --disk-memory are per node"),
+        "{err}"
+    );
+    let need = err
+        .split("Give --host-memory (per node, for its 2 ranks) at least ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    // The node's figure it quotes fits.
+    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (64 << 20);
+    let out = protrain(&[
+        "compile",
+        "gpt2-xl",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "6GiB",
+        "--host-memory",
+        &bytes.to_string(),
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{need}: {}", stderr(&out));
+}
+
+#[test]
+fn a_gpu_memory_over_the_device_is_refused_naming_its_capacity() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--gpu-memory",
+        "100GiB",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: --gpu-memory 100.0 GiB is more than the rtx3090 device has"),
+        "{err}"
+    );
+    assert!(err.contains("24.00 GiB of device memory"), "{err}");
+    assert!(err.contains("give --gpu-memory 23.00 GiB or less"), "{err}");
+    assert!(!dir.path().join("x.ptsched").exists());
+    // All of it is allowed.
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--gpu-memory",
+        "23GiB",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("x.ptsched");
+    let compile = |extra: &[&str]| {
+        let mut args = vec![
+            "compile",
+            "gpt2-xl",
+            "--hardware",
+            "rtx3090",
+            "--gpu-memory",
+            "6GiB",
+            "-o",
+            path(&file),
+        ];
+        args.extend(extra);
+        protrain(&args)
+    };
+    // Clipping keeps chunks from being staged: the policy and its bytes per parameter agree.
+    let out = compile(&["--host-memory", "8GiB", "--grad-clip", "1.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(!err.contains("host_layout=12, 14 bytes"), "{err}");
+    assert!(
+        err.contains("host_layout=14, 14 bytes per parameter"),
+        "{err}"
+    );
+    assert!(err.contains("or --disk-memory at least "), "{err}");
+    assert!(err.contains("--nodes M with --gpus N"), "{err}");
+    // The disk tier given: the least host memory quoted is the one with it, and it fits.
+    let out = compile(&["--host-memory", "2GiB", "--disk-memory", "1TiB"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("That is with the disk tier"), "{err}");
+    let need = err
+        .split("Give --host-memory at least ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (16 << 20);
+    let out = compile(&["--host-memory", &bytes.to_string(), "--disk-memory", "1TiB"]);
+    assert!(out.status.success(), "{need}: {}", stderr(&out));
+    assert!(stdout(&out).contains("\ndisk "), "{}", stdout(&out));
+    // A batch that does not fit the device: gradient accumulation is the way out.
+    let out = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "a100-80gb",
+        "--gpu-memory",
+        "64MiB",
+        "--batch",
+        "4",
+        "-o",
+        path(&file),
+    ]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("--batch 2 with twice the --grad-accum"),
+        "{err}"
     );
 }

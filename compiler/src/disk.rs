@@ -60,9 +60,10 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
     }
     if schedule.sharded() {
         return Err(CompileError::BudgetTooSmall(format!(
-            "the host region needs {} of the {} budget and the disk tier does not take the \
-             state of chunks sharded over data-parallel ranks yet; give more --host-memory, \
-             or run fewer ranks (--gpus 1) with --disk-memory",
+            "the host region needs {} of host memory per rank, more than the {} each rank \
+             has, and the disk tier does not take the state of chunks sharded over \
+             data-parallel ranks yet; give more --host-memory, or run fewer ranks (--gpus 1) \
+             with --disk-memory",
             format_bytes(schedule.host_bytes),
             format_bytes(host_budget)
         )));
@@ -90,8 +91,8 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
         return Err(CompileError::BudgetTooSmall(format!(
             "the host region needs {} with the optimizer state of all {} offloaded chunks on \
              disk (their staging buffers and everything else stay in host memory), over the \
-             {} budget; give more --host-memory or a leaner policy (more persistent chunks \
-             take their state to the device)",
+             {} of host memory (--host-memory); give more --host-memory or a leaner policy \
+             (more persistent chunks take their state to the device)",
             format_bytes(host_after(&schedule, &all, 1)),
             movable.len(),
             format_bytes(host_budget)
@@ -104,8 +105,8 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
     if disk_bytes > disk_budget {
         return Err(CompileError::BudgetTooSmall(format!(
             "the optimizer state of {k} chunks must move to disk to bring the host region \
-             within its {} budget, which takes {} of disk, more than the {} of --disk-memory; \
-             give a larger --disk-memory or more --host-memory",
+             within the {} of host memory (--host-memory), which takes {} of disk, more than \
+             the {} of disk (--disk-memory); give a larger --disk-memory or more --host-memory",
             format_bytes(host_budget),
             format_bytes(disk_bytes),
             format_bytes(disk_budget)
@@ -114,6 +115,25 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
     place(&mut schedule, moved, slots);
     schedule.header.disk_budget_bytes = disk_budget;
     Ok(schedule)
+}
+
+/// The least host region `schedule` can have with the disk tier, and the disk that takes:
+/// the optimizer state of every chunk whose state can move on disk, through one staging
+/// buffer. `None` where the disk tier does not apply: a sharded schedule, or one with no
+/// such chunk. For errors that quote the smallest budgets that would fit.
+pub fn least_host(schedule: &Schedule) -> Option<(u64, u64)> {
+    if schedule.sharded() {
+        return None;
+    }
+    let movable = movable(schedule).ok()?;
+    if movable.is_empty() {
+        return None;
+    }
+    let all: Vec<BufferId> = movable.iter().map(|m| m.buffer).collect();
+    let disk_bytes = movable.iter().fold(0u64, |end, m| {
+        end.div_ceil(DISK_ALIGN) * DISK_ALIGN + schedule.buffer(m.buffer).size
+    });
+    Some((host_after(schedule, &all, 1), disk_bytes))
 }
 
 /// The offloaded chunks whose state is on the host, in the order the host optimizer stream

@@ -1,6 +1,6 @@
 //! The compiler's error type.
 
-use protrain_ir::IrError;
+use protrain_ir::{format_bytes, IrError};
 
 /// Everything the compiler can reject.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +79,24 @@ impl From<protrain_models::ModelError> for CompileError {
     fn from(e: protrain_models::ModelError) -> Self {
         Self::Model(Box::new(e))
     }
+}
+
+/// A host-memory or disk budget in words for errors: `per_rank` bytes is what each of a
+/// node's `gpus` ranks may use. `--host-memory` and `--disk-memory` are budgets per node,
+/// shared by its ranks, so with several the figure says it is a rank's share (the pipeline
+/// adds the node's figure as given): `16.0 GiB of host memory per rank`; with one,
+/// `128.0 GiB of host memory (--host-memory)`.
+pub fn rank_budget(per_rank: u64, gpus: u32, what: &str, flag: &str) -> String {
+    match gpus {
+        0 | 1 => format!("{} of {what} ({flag})", format_bytes(per_rank)),
+        _ => format!("{} of {what} per rank", format_bytes(per_rank)),
+    }
+}
+
+/// What each rank of a node may use of a node's `bytes` (host memory or disk) shared by
+/// `gpus` ranks.
+pub fn per_rank(bytes: u64, gpus: u32) -> u64 {
+    bytes / u64::from(gpus.max(1))
 }
 
 /// The compiler's result alias.

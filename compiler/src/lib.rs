@@ -3,6 +3,7 @@
 
 pub mod accumulate;
 pub mod autodiff;
+pub mod bound;
 pub mod chunk;
 pub mod comm;
 pub mod cost;

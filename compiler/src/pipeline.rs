@@ -22,7 +22,7 @@ use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
 use crate::data_parallel::data_parallel;
 use crate::emit::{emit, HeaderInputs};
-use crate::error::{CompileError, Result};
+use crate::error::{per_rank, rank_budget, CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
 use crate::place::{place, Placed};
 use crate::plan::plan_buffers;
@@ -344,18 +344,34 @@ impl<'m> Context<'m> {
             .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
             .count();
         let device_budget = options.device_budget();
-        // The ranks of a node share its host memory: each may use its share. (Offloaded
-        // chunks sharded over the ranks take 1/ranks of their host state on each.)
-        let gpus = u64::from(options.topology.gpus.max(1));
-        let host_budget = options.hardware.host_memory_bytes / gpus;
-        let disk_budget = options.hardware.disk.memory_bytes;
+        // The ranks of a node share its host memory and disk: each may use its share.
+        // (Offloaded chunks sharded over the ranks take 1/ranks of their host state on each.)
+        let gpus = options.topology.gpus.max(1);
+        let node_host = options.hardware.host_memory_bytes;
+        let node_disk = options.hardware.disk.memory_bytes;
+        let host_budget = per_rank(node_host, gpus);
+        let disk_budget = per_rank(node_disk, gpus);
+        // With several ranks a node, errors quote each rank's share; this adds the node's
+        // figures as given, and the ways out that ranks open.
         let shared = |e: CompileError| match e {
-            CompileError::BudgetTooSmall(why) if gpus > 1 => CompileError::BudgetTooSmall(format!(
-                "{why} (with --gpus {gpus}, each rank has 1/{gpus} of the node's host memory; \
-                 offloaded chunks are sharded over the ranks, each keeping 1/ranks of their host \
-                 state; give --host-memory for the whole node, or use more ranks (--gpus, \
-                 --nodes) so that each keeps less)"
-            )),
+            CompileError::BudgetTooSmall(why) if gpus > 1 => {
+                let disk = match node_disk {
+                    0 => String::new(),
+                    d => format!(
+                        " and --disk-memory {} gives each {}",
+                        format_bytes(d),
+                        format_bytes(disk_budget)
+                    ),
+                };
+                CompileError::BudgetTooSmall(format!(
+                    "{why}. Budgets: --gpu-memory is per GPU; --host-memory and --disk-memory \
+                     are per node, shared by its ranks: --host-memory {} over --gpus {gpus} \
+                     gives each rank {}{disk} (offloaded chunks are sharded over all ranks, \
+                     each keeping 1/ranks of their host state)",
+                    format_bytes(node_host),
+                    format_bytes(host_budget),
+                ))
+            }
             e => e,
         };
         let (mut schedule, report) = match &options.policy {
@@ -372,7 +388,7 @@ impl<'m> Context<'m> {
                 let cost = self.cost.as_ref();
                 let (s, r) = match options.forward_only {
                     true => search_forward(training, chunks, cost, &search_options)?,
-                    false => search(training, chunks, cost, &search_options).map_err(shared)?,
+                    false => search(training, chunks, cost, &search_options).map_err(&shared)?,
                 };
                 (s, Some(r))
             }
@@ -394,11 +410,12 @@ impl<'m> Context<'m> {
                     report: format!("policy given: {policy}"),
                 };
                 let s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
-                let mut s = crate::disk::disk(s, host_budget, disk_budget)?;
+                let mut s = crate::disk::disk(s, host_budget, disk_budget).map_err(&shared)?;
                 if s.arena_bytes > device_budget {
                     return Err(CompileError::BudgetTooSmall(format!(
-                        "policy {policy} needs {} of device memory, more than the {} budget; \
-                         use --policy auto or a larger --gpu-memory",
+                        "policy {policy} needs {} of device memory, more than the {} of device \
+                         memory per GPU (--gpu-memory); use --policy auto or a larger \
+                         --gpu-memory",
                         format_bytes(s.arena_bytes),
                         format_bytes(device_budget)
                     )));
@@ -425,10 +442,10 @@ impl<'m> Context<'m> {
                     });
                     let (last, first) = ways.split_last().expect("ways out");
                     return Err(shared(CompileError::BudgetTooSmall(format!(
-                        "policy {policy} needs {} of host memory, more than the {} budget; use \
-                         {}, or {last}",
+                        "policy {policy} needs {} of host memory, more than the {}; use {}, or \
+                         {last}",
                         format_bytes(s.host_bytes),
-                        format_bytes(host_budget),
+                        rank_budget(host_budget, gpus, "host memory", "--host-memory"),
                         first.join(", "),
                     ))));
                 }

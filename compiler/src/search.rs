@@ -72,6 +72,9 @@ pub struct Candidate {
     pub host_bytes: u64,
     /// The optimizer state it keeps on disk (see [`crate::disk`]); 0 without a disk tier.
     pub disk_bytes: u64,
+    /// What it moves in a step: bytes over PCIe and to and from disk, and FLOPs recomputed
+    /// ([`movement_of`]). Among candidates that tie, the least movement wins.
+    pub movement: Movement,
     /// Whether it fits both budgets.
     pub fits: bool,
 }
@@ -117,7 +120,7 @@ impl SearchReport {
         for (i, c) in self.compiled.iter().take(6).enumerate() {
             let _ = writeln!(
                 out,
-                "  {} {}  simulated {:.4} s (estimate {:.4} s)  device {}  host {}{}{}",
+                "  {} {}  simulated {:.4} s (estimate {:.4} s)  device {}  host {}{}  moves {}{}{}",
                 if i == 0 { "*" } else { " " },
                 c.policy,
                 c.simulated_seconds,
@@ -127,6 +130,11 @@ impl SearchReport {
                 match c.disk_bytes {
                     0 => String::new(),
                     bytes => format!("  disk {}", format_bytes(bytes)),
+                },
+                format_bytes(c.movement.bytes),
+                match c.movement.recomputed_flops {
+                    0 => String::new(),
+                    flops => format!(", recomputes {:.1} GFLOP", flops as f64 / 1e9),
                 },
                 if c.fits { "" } else { "  (does not fit)" }
             );
@@ -1280,7 +1288,7 @@ fn additive_limit(over_count: Option<i128>, budget: u64) -> u64 {
 }
 
 /// Blocks that are not simply kept: what a policy swaps or recomputes.
-fn movement(p: &Policy) -> usize {
+fn blocks_moved(p: &Policy) -> usize {
     p.blocks.len() - p.count(BlockMode::Keep)
 }
 
@@ -1320,6 +1328,35 @@ pub fn search(
         host_budget_bytes: u64::MAX,
         report,
     };
+    // Every parameter's f32 master weight and Adam moments live somewhere: on the device
+    // (persistent chunks), in host memory or on disk (streamed ones). Where even all three
+    // budgets together cannot hold them, nothing fits, and no candidate need be compiled to
+    // know it; and a candidate whose streamed chunks' state alone exceeds host and disk is
+    // rejected without compiling it (a search that fails takes no longer than one that fits).
+    let floor = offloaded_state_floor(training, chunks, options.topology.ranks());
+    let host_and_disk = options.host_budget.saturating_add(options.disk_budget);
+    if floor[0] > host_and_disk.saturating_add(options.device_budget) {
+        let compile = |policy: &Policy| {
+            compile_policy_on(
+                training,
+                chunks,
+                policy,
+                header(String::new()),
+                options.topology,
+            )
+        };
+        let narrow = crate::streams::state_bytes_per_element(training) == 12;
+        let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
+        return Err(too_small(
+            training,
+            chunks,
+            &profile,
+            options,
+            &report,
+            None,
+            probe.as_ref(),
+        ));
+    }
 
     // The fitting candidates within the tie tolerance of the fastest so far, with their
     // schedules; the winner is chosen among them at the end.
@@ -1343,6 +1380,8 @@ pub fn search(
     let narrow = crate::streams::state_bytes_per_element(training) == 12;
     // The candidate that fits the device with the least host memory, when none fits both.
     let mut best_trade: Option<Candidate> = None;
+    // The policy that needs the least host memory, once asked for (see `host_leanest`).
+    let mut host_probe: Option<Option<(Policy, u64)>> = None;
     let mut pass = 1;
     let mut compiled_in_pass = 0;
     loop {
@@ -1385,6 +1424,13 @@ pub fn search(
             continue;
         }
         compiled_in_pass += batch.len();
+        let before = batch.len();
+        batch.retain(|x| {
+            floor
+                .get(x.key.n_persist as usize)
+                .is_none_or(|&f| f <= host_and_disk)
+        });
+        report.rejected_host += before - batch.len();
         let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
             .map(|x| {
@@ -1482,6 +1528,7 @@ pub fn search(
                 peak_device_bytes: schedule.arena_bytes,
                 host_bytes: schedule.host_bytes,
                 disk_bytes: schedule.disk_bytes,
+                movement: movement_of(&schedule),
                 fits: fits_host,
             };
             if candidate.fits {
@@ -1492,6 +1539,27 @@ pub fn search(
                 .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
             {
                 best_trade = Some(candidate);
+            }
+        }
+        // Candidates fit the device and none the host: if the policy that needs the least
+        // host memory does not fit it either, nothing does (see `host_leanest`).
+        if contenders.is_empty() && best_trade.is_some() && host_probe.is_none() {
+            let compile = |policy: &Policy| {
+                compile_policy_on(
+                    training,
+                    chunks,
+                    policy,
+                    header(String::new()),
+                    options.topology,
+                )
+            };
+            let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
+            let hopeless = probe
+                .as_ref()
+                .is_some_and(|&(_, host)| host > options.host_budget);
+            host_probe = Some(probe);
+            if hopeless {
+                break;
             }
         }
         // Only those that can still tie with the fastest are kept (schedules are large).
@@ -1540,8 +1608,105 @@ pub fn search(
             options,
             &report,
             best_trade.as_ref(),
+            host_probe.flatten().as_ref(),
         )),
     }
+}
+
+/// The policy of the family that needs the least host memory among those that fit the
+/// device budget, with that need: every block checkpointed (the fewest activations on the
+/// device, so the most room for persistent chunks, whose state leaves the host), the most
+/// persistent chunks that fit (by bisection over exact plans: the arena grows with them) with
+/// the fewest chunk buffers the family tries, and the leanest host layout (staged where
+/// the parameters are narrower than f32, else the 16-byte one; the disk tier where allowed).
+/// Returns the policy and its host bytes, `None` when not even the leanest fits the device.
+/// The search asks once, when candidates fit the device and none the host: if this does not
+/// fit the host, nothing does, and the search stops instead of compiling the rest.
+fn host_leanest(
+    chunks: usize,
+    layers: usize,
+    options: &SearchOptions,
+    narrow: bool,
+    compile: impl Fn(&Policy) -> Result<Schedule>,
+) -> Option<(Policy, u64)> {
+    let policy = |n_persist: usize| {
+        let n_buffer = *buffer_choices(chunks, n_persist).start();
+        Policy::protrain(n_persist as u32, n_buffer, 0, layers, layers)
+    };
+    let fits = |n_persist: usize| {
+        compile(&policy(n_persist)).is_ok_and(|s| s.arena_bytes <= options.device_budget)
+    };
+    if !fits(0) {
+        return None;
+    }
+    // Invariant: `lo` fits, `hi + 1` does not (or is past the last chunk).
+    let (mut lo, mut hi) = (0usize, chunks);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let base = policy(lo);
+    let layouts: &[HostLayout] = match narrow {
+        true => &[HostLayout::GradsInParams, HostLayout::STAGED],
+        false => &[HostLayout::Full],
+    };
+    let mut best: Option<(Policy, u64)> = None;
+    for &layout in layouts {
+        let p = base.clone().with_layout(layout);
+        let Ok(s) = compile(&p) else { continue };
+        let mut host = s.host_bytes;
+        if options.disk_budget > 0 {
+            // The disk tier's least: every chunk's state it can take on disk, if the disk
+            // holds it all; else what it makes of this budget.
+            match crate::disk::least_host(&s) {
+                Some((h, disk)) if disk <= options.disk_budget => host = host.min(h),
+                _ => {
+                    if let Ok(d) = crate::disk::disk(s, options.host_budget, options.disk_budget) {
+                        host = host.min(d.host_bytes);
+                    }
+                }
+            }
+        }
+        // Strictly less: where staging saves nothing (several ranks, clipping, loss
+        // scaling stage no chunk) the 14-byte layout, tried first, is the one named.
+        if best.as_ref().is_none_or(|(_, b)| host < *b) {
+            best = Some((p, host));
+        }
+    }
+    best
+}
+
+/// For each `n_persist` from 0 to the chunk count, the bytes of f32 master weights and Adam
+/// moments (12 per parameter) of the chunks it streams, per rank (a sharded chunk's are
+/// split over `ranks`): what such a policy must keep in host memory or on disk at the least,
+/// whatever its layout. Where no chunk can be staged (the parameters narrower than f32 and
+/// several ranks, clipping or loss scaling: see [`HostLayout::Staged`]), the parameters'
+/// own storage too, which the uploads read from host memory (the 14-byte layout).
+fn offloaded_state_floor(training: &Graph, chunks: &ChunkTable, ranks: u32) -> Vec<u64> {
+    let narrow = crate::streams::state_bytes_per_element(training) == 12;
+    let unstaged = narrow && (ranks > 1 || training.ops().any(|(_, op)| op.kind.is_grad_coef()));
+    let state: Vec<u64> = training
+        .params()
+        .map(|(_, p)| {
+            let ty = &training.value(p.value).ty;
+            ty.numel() * 12 + if unstaged { ty.bytes() } else { 0 }
+        })
+        .collect();
+    let ranks = u64::from(ranks.max(1));
+    let mut floor = vec![0u64; chunks.len() + 1];
+    for (i, chunk) in chunks.chunks.iter().enumerate().rev() {
+        let params: u64 = chunk
+            .members
+            .iter()
+            .map(|m| state.get(m.param.index()).copied().unwrap_or(0))
+            .sum();
+        floor[i] = floor[i + 1].saturating_add(params / ranks);
+    }
+    floor
 }
 
 /// The per-chunk choice of the 12-byte layout for a candidate whose 14-byte schedule `lean`
@@ -1615,17 +1780,89 @@ fn fastest_of(compiled: &[Candidate]) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-/// The winner's order: a candidate that does not tie with `fastest` loses to one that does;
-/// among ties, the least state on disk (the disk tier is for when nothing else fits: it wears
-/// the drive and its time is the least certain), then the least device memory, then the least
-/// host memory, then the fewer blocks swapped or recomputed, the faster, and the policy's
-/// text, so the order is total and depends on nothing but the candidates. With `one_memory`
-/// (the host backend, whose "device" arena is host memory too) the least device and host
-/// memory together, then the fewer blocks moved, come before the least device memory: there,
-/// streaming a chunk or swapping a block moves bytes from one part of the same memory to
-/// another (GPT-2 124M swapping four blocks took exactly the bytes from the arena that it
-/// added to the host region), and a policy that does it only to shrink the arena saves
-/// nothing and costs copies.
+/// How the search breaks ties, for people: `explain` and the search report state it.
+pub const TIE_RULE: &str = "among policies predicted within 0.5% of the fastest, the one that \
+     moves least wins (bytes over PCIe and to and from disk, then FLOPs recomputed), then the \
+     one with the least device memory: a prediction is least sure where data moves, and free \
+     memory costs nothing";
+
+/// What a schedule moves in one step, the first tie-breaker of the search ([`TIE_RULE`]).
+///
+/// Ordered by `bytes`, then `recomputed_flops`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Movement {
+    /// Bytes copied between device and host memory (both ways) and read from or written to
+    /// disk, every micro-batch counted.
+    pub bytes: u64,
+    /// FLOPs of the forward ops re-run in the backward pass (checkpointed blocks), every
+    /// micro-batch counted.
+    pub recomputed_flops: u64,
+}
+
+/// [`Movement`] of a schedule: its copies between the device and the host and to or from
+/// disk (copies within one memory and collectives are not counted: every candidate of a
+/// search runs on the same ranks), and the FLOPs of its recompute-phase kernels.
+/// Instructions before a stream's micro-batch marker count once per micro-batch.
+pub fn movement_of(schedule: &Schedule) -> Movement {
+    use protrain_ir::Instr;
+    let micro_batches = u64::from(schedule.micro_batches());
+    let space =
+        |t: &protrain_ir::TensorRef| schedule.buffers.get(t.buffer.index()).map(|b| b.space);
+    let graph = &schedule.graph;
+    let mut movement = Movement::default();
+    for stream in &schedule.streams {
+        let mut repeat = micro_batches;
+        for instr in &stream.instrs {
+            match instr {
+                Instr::EndMicroBatch { .. } => repeat = 1,
+                Instr::Copy {
+                    src, dst, bytes, ..
+                }
+                | Instr::CopyShard {
+                    src, dst, bytes, ..
+                }
+                | Instr::DiskRead {
+                    src, dst, bytes, ..
+                }
+                | Instr::DiskWrite {
+                    src, dst, bytes, ..
+                } => {
+                    let moves = match (space(src), space(dst)) {
+                        (Some(a), Some(b)) => a != b,
+                        _ => false,
+                    };
+                    if moves {
+                        movement.bytes =
+                            movement.bytes.saturating_add(bytes.saturating_mul(repeat));
+                    }
+                }
+                Instr::Kernel { op, .. } if op.index() < graph.op_count() => {
+                    let op = graph.op(*op);
+                    if op.phase == Phase::Recompute {
+                        let ins: Vec<_> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+                        let outs: Vec<_> = op.outputs.iter().map(|&v| &graph.value(v).ty).collect();
+                        movement.recomputed_flops = movement
+                            .recomputed_flops
+                            .saturating_add(op.kind.flops(&ins, &outs).saturating_mul(repeat));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    movement
+}
+
+/// The winner's order ([`TIE_RULE`]): a candidate that does not tie with `fastest` loses to
+/// one that does; among ties, the least [`Movement`] (bytes over PCIe and to and from disk,
+/// then FLOPs recomputed: where data moves a prediction is least sure, and free memory costs
+/// nothing, so a policy that streams or swaps with the device half empty is a poor bet),
+/// then the least device memory, then the least host memory, then the fewer blocks swapped
+/// or recomputed, the faster, and the policy's text, so the order is total and depends on
+/// nothing but the candidates. With `one_memory` (the host backend, whose "device" arena is
+/// host memory too) the least device and host memory together, then the fewer blocks moved,
+/// come before the least device memory: there, streaming a chunk or swapping a block moves
+/// bytes from one part of the same memory to another, so shrinking the arena saves nothing.
 fn rank(a: &Candidate, b: &Candidate, fastest: f64, one_memory: bool) -> std::cmp::Ordering {
     let (ta, tb) = (
         ties(a.simulated_seconds, fastest),
@@ -1634,21 +1871,27 @@ fn rank(a: &Candidate, b: &Candidate, fastest: f64, one_memory: bool) -> std::cm
     let together = |c: &Candidate| match one_memory {
         true => (
             c.peak_device_bytes.saturating_add(c.host_bytes),
-            movement(&c.policy),
+            blocks_moved(&c.policy),
         ),
         false => (0, 0),
     };
     tb.cmp(&ta)
-        .then(a.disk_bytes.cmp(&b.disk_bytes))
+        .then(a.movement.cmp(&b.movement))
         .then(together(a).cmp(&together(b)))
         .then(a.peak_device_bytes.cmp(&b.peak_device_bytes))
         .then(a.host_bytes.cmp(&b.host_bytes))
-        .then(movement(&a.policy).cmp(&movement(&b.policy)))
+        .then(blocks_moved(&a.policy).cmp(&blocks_moved(&b.policy)))
         .then(a.simulated_seconds.total_cmp(&b.simulated_seconds))
         .then_with(|| a.policy.to_string().cmp(&b.policy.to_string()))
 }
 
-/// The error for a budget nothing fits: compiles the leanest policy to say what it needs.
+/// The error for a budget nothing fits: compiles the leanest policy to say what it needs,
+/// and names the ways out with the figures that would fit. Budgets are quoted per GPU
+/// (device) and per rank (host, disk: the pipeline adds the node's figures where several
+/// ranks share a node), and the figures to give per node (`--host-memory` and
+/// `--disk-memory` are a node's, shared by its `gpus` ranks). `host_leanest` is the policy
+/// that needs the least host memory among those that fit the device, where the search
+/// found it ([`host_leanest`]): its need is the smallest `--host-memory` quoted.
 fn too_small(
     training: &Graph,
     chunks: &ChunkTable,
@@ -1656,14 +1899,18 @@ fn too_small(
     options: &SearchOptions,
     report: &SearchReport,
     best_trade: Option<&Candidate>,
+    host_leanest: Option<&(Policy, u64)>,
 ) -> CompileError {
     let streamed = chunks.len() as u32;
+    let gpus = options.topology.gpus.max(1);
+    let node = |per_rank: u64| per_rank.saturating_mul(u64::from(gpus));
+    let narrow = crate::streams::state_bytes_per_element(training) == 12;
     // Gradients in the parameter storage where the parameters are narrower than their f32
     // master weights (an f32 parameter is its own master, which the update reads).
     // Staged where it can be (one rank, no clipping or loss scaling), else 14 bytes.
-    let layout = match crate::streams::state_bytes_per_element(training) {
-        12 => HostLayout::STAGED,
-        _ => HostLayout::Full,
+    let layout = match narrow {
+        true => HostLayout::STAGED,
+        false => HostLayout::Full,
     };
     let lean = Policy::zero3_offload(streamed.clamp(1, 2), profile.layers).with_layout(layout);
     let header = HeaderInputs {
@@ -1673,47 +1920,119 @@ fn too_small(
         host_budget_bytes: u64::MAX,
         report: String::new(),
     };
-    match compile_policy_on(training, chunks, &lean, header, options.topology) {
+    let compile = |policy: &Policy| {
+        compile_policy_on(training, chunks, policy, header.clone(), options.topology)
+    };
+    // Staging needs one rank, no clipping and no loss scaling: where a schedule stages
+    // nothing, it is the 14-byte layout's, and its policy says so.
+    let shown =
+        |policy: &Policy, s: &Schedule| match (policy.host_layout, s.staged_chunks().is_empty()) {
+            (HostLayout::Staged { .. }, true) if narrow => {
+                policy.clone().with_layout(HostLayout::GradsInParams)
+            }
+            _ => policy.clone(),
+        };
+    let host_words =
+        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
+    match compile(&lean) {
         Ok(s) if s.arena_bytes <= options.device_budget && s.host_bytes > options.host_budget => {
-            // What persistence can trade: each chunk kept on the device takes its host bytes
-            // off the host and puts its parameters, gradients and states on the device.
-            let trade = match best_trade {
-                Some(b) => format!(
-                    " The best trade found ({}) needs {} of device memory and {} of host memory.",
-                    b.policy,
-                    format_bytes(b.peak_device_bytes),
-                    format_bytes(b.host_bytes)
-                ),
-                None => String::new(),
-            };
+            let lean = shown(&lean, &s);
+            // The least host memory any policy found needs beside a device within budget:
+            // the leanest, the best trade the search compiled, or the policy that needs the
+            // least ([`host_leanest`], the disk tier included where allowed).
+            let mut least = (lean.clone(), s.host_bytes);
+            if let Some(b) = best_trade {
+                if b.host_bytes < least.1 {
+                    least = (b.policy.clone(), b.host_bytes);
+                }
+            }
+            if let Some((p, host)) = host_leanest {
+                if *host < least.1 {
+                    least = (p.clone(), *host);
+                }
+            }
+            let (least_policy, least_host) = least;
             let together = s.arena_bytes + s.host_bytes;
-            CompileError::BudgetTooSmall(format!(
-                "no policy fits {} of host memory ({} policies tried): offloading needs the model states of every streamed chunk in host memory, at least {} with the leanest policy ({lean}, {} bytes per parameter on the host), beside its {} of device memory: {} of host and device memory together, which keeping chunks on the device cannot lower.{trade} Give --host-memory at least {}, or use a machine with more host memory",
-                format_bytes(options.host_budget),
+            let needs = format!(
+                "no policy fits {host_words}; {} policies tried. Offloading keeps the model \
+                 states of every streamed chunk in host memory: the leanest policy on the \
+                 device ({lean}, {} bytes per parameter on the host) needs {} of host memory \
+                 beside {} of device memory, {} together, and keeping chunks on the device \
+                 moves their state there without lowering the sum; the least host memory \
+                 found beside a device within budget is {} ({least_policy}).",
                 report.enumerated,
+                lean.host_layout.number(),
                 format_bytes(s.host_bytes),
-                match (lean.host_layout, s.staged_chunks().is_empty()) {
-                    (HostLayout::STAGED, true) => HostLayout::GradsInParams.number(),
-                    (layout, _) => layout.number(),
-                },
                 format_bytes(s.arena_bytes),
                 format_bytes(together),
-                format_bytes(s.host_bytes),
-            ))
+                format_bytes(least_host),
+            );
+            // More ranks on one node share its host memory, so only more nodes lower what
+            // each needs.
+            let nodes = "or shard the state over more machines (--nodes M with --gpus N: \
+                         offloaded chunks are sharded over all the ranks, so each node keeps \
+                         1/M of them; ranks on one node share its host memory, so more --gpus \
+                         alone do not lower it)";
+            let host_flag = match gpus {
+                1 => "--host-memory".to_string(),
+                n => format!("--host-memory (per node, for its {n} ranks)"),
+            };
+            if options.disk_budget > 0 {
+                // The least found includes the disk tier's help already.
+                return CompileError::BudgetTooSmall(format!(
+                    "{needs} That is with the disk tier ({}) taking the optimizer state it \
+                     can. Give {host_flag} at least {}, {nodes}",
+                    crate::error::rank_budget(options.disk_budget, gpus, "disk", "--disk-memory"),
+                    format_bytes(node(least_host)),
+                ));
+            }
+            // The disk tier takes the state of the 14-byte (or f32) layout's chunks; a
+            // staged chunk's stays on the host for its casts.
+            let for_disk = host_leanest.map_or(lean.clone(), |(p, _)| p.clone());
+            let with_disk = match narrow {
+                true => compile(&for_disk.with_layout(HostLayout::GradsInParams)).ok(),
+                false => compile(&for_disk).ok(),
+            }
+            .and_then(|d| crate::disk::least_host(&d));
+            match with_disk {
+                Some((host, disk)) if host < least_host => CompileError::BudgetTooSmall(format!(
+                    "{needs} Give {host_flag} at least {}; or --disk-memory at least {} (the \
+                     optimizer state of offloaded chunks in a file, read and written around \
+                     the CPU Adam), which brings the host memory needed down to {}; {nodes}",
+                    format_bytes(node(least_host)),
+                    format_bytes(node(disk)),
+                    format_bytes(node(host)),
+                )),
+                _ => CompileError::BudgetTooSmall(format!(
+                    "{needs} Give {host_flag} at least {}, {nodes}",
+                    format_bytes(node(least_host)),
+                )),
+            }
         }
         Ok(s) => {
             let m: MemoryBreakdown = s.header.prediction.memory;
             let host = if s.host_bytes > options.host_budget {
                 format!(
-                    "; it also needs {} of host memory, more than the {} allowed (--host-memory)",
+                    "; it also needs {} of host memory, more than the {host_words}",
                     format_bytes(s.host_bytes),
-                    format_bytes(options.host_budget)
                 )
             } else {
                 String::new()
             };
+            let batch = training.info.batch;
+            let split = match batch {
+                0 | 1 => String::new(),
+                b => format!(
+                    " (--batch {} with twice the --grad-accum, 2 if none was given, trains \
+                     on the same rows per step in the activations of half the batch)",
+                    b.div_ceil(2)
+                ),
+            };
             CompileError::BudgetTooSmall(format!(
-                "no policy fits {} of device memory ({} policies tried). The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, inputs {}{host}. Give --gpu-memory at least {}, or a smaller --batch or --seq",
+                "no policy fits {} of device memory per GPU (--gpu-memory); {} policies tried. \
+                 The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, \
+                 inputs {}{host}. Give --gpu-memory at least {}, or take a smaller batch with \
+                 gradient accumulation{split}, or a smaller --seq",
                 format_bytes(options.device_budget),
                 report.enumerated,
                 lean,

@@ -71,6 +71,7 @@ pub fn search_forward(
             peak_device_bytes: schedule.arena_bytes,
             host_bytes: schedule.host_bytes,
             disk_bytes: schedule.disk_bytes,
+            movement: crate::search::movement_of(&schedule),
             fits: schedule.arena_bytes <= options.device_budget
                 && schedule.host_bytes <= options.host_budget,
         };

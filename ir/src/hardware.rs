@@ -82,7 +82,8 @@ pub struct HardwareProfile {
     pub description: String,
     /// Total device memory in bytes.
     pub device_memory_bytes: u64,
-    /// Host memory the schedule may use for offloaded state (pinned), in bytes.
+    /// Host memory of one node the schedules may use for offloaded state (pinned), in bytes:
+    /// a budget per node, which the node's ranks share (each is planned within its share).
     pub host_memory_bytes: u64,
     /// Device bytes no schedule may use: the CUDA context, cuBLAS/cuBLASLt workspaces, NCCL
     /// buffers and allocator slack.
@@ -268,6 +269,62 @@ impl Links {
     }
 }
 
+/// A resource a step's time goes to, as the simulator's timeline tells them apart: what
+/// `explain` names as bounding a step, and what [`HardwareProfile::with_faster`] speeds up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resource {
+    /// The device: kernels and copies within device memory (peak FLOP/s, device bandwidth,
+    /// the device AdamW, launch overhead, measured op times).
+    Compute,
+    /// PCIe from the host to the device.
+    PcieToDevice,
+    /// PCIe from the device to the host.
+    PcieToHost,
+    /// The host CPU's Adam (and the casts a staged chunk's uploads need, priced from it).
+    CpuAdam,
+    /// Disk reads and writes of optimizer state.
+    Disk,
+    /// Collectives among ranks: the links within a node and the network between nodes.
+    Network,
+}
+
+impl Resource {
+    /// Every resource, in the order above.
+    pub const ALL: [Resource; 6] = [
+        Resource::Compute,
+        Resource::PcieToDevice,
+        Resource::PcieToHost,
+        Resource::CpuAdam,
+        Resource::Disk,
+        Resource::Network,
+    ];
+
+    /// Its name for people: `compute`, `PCIe to device`, `CPU Adam`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Resource::Compute => "compute",
+            Resource::PcieToDevice => "PCIe to device",
+            Resource::PcieToHost => "PCIe to host",
+            Resource::CpuAdam => "CPU Adam",
+            Resource::Disk => "disk",
+            Resource::Network => "network",
+        }
+    }
+
+    /// Its name in JSON: `compute`, `pcie_to_device`, `cpu_adam`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Resource::Compute => "compute",
+            Resource::PcieToDevice => "pcie_to_device",
+            Resource::PcieToHost => "pcie_to_host",
+            Resource::CpuAdam => "cpu_adam",
+            Resource::Disk => "disk",
+            Resource::Network => "network",
+        }
+    }
+}
+
 /// Figures that define a GPU preset; [`GpuSpec::profile`] derives the rest.
 struct GpuSpec {
     name: &'static str,
@@ -282,7 +339,7 @@ struct GpuSpec {
     memory_gbs: f64,
     /// Theoretical one-direction PCIe bandwidth of the host link, bytes/s.
     pcie: f64,
-    /// Host memory available to this GPU, GiB.
+    /// Host memory of a node with such GPUs, GiB (its ranks share it).
     host_gib: u64,
     /// Host DRAM bandwidth available to this GPU, GB/s.
     host_dram_gbs: f64,
@@ -574,6 +631,43 @@ impl HardwareProfile {
                 inter_node_bandwidth: self.device_bandwidth,
                 step_latency_s: self.launch_overhead_s,
             });
+        }
+        self
+    }
+
+    /// This profile with `resource` `factor` times as fast: its rates multiplied and its
+    /// fixed costs divided by `factor` (for [`Resource::Compute`], every peak FLOP/s, the
+    /// device bandwidth, the device AdamW rate, the launch overhead and every measured op
+    /// time; for [`Resource::Network`], both bandwidths and the ring step latency of the
+    /// interconnect, where there is one). What `explain` re-simulates to say what a step would
+    /// take with one resource faster.
+    pub fn with_faster(mut self, resource: Resource, factor: f64) -> Self {
+        match resource {
+            Resource::Compute => {
+                self.peak_flops.f32 *= factor;
+                self.peak_flops.bf16 *= factor;
+                self.peak_flops.f16 *= factor;
+                self.device_bandwidth *= factor;
+                self.gpu_adam_params_per_s *= factor;
+                self.launch_overhead_s /= factor;
+                for m in &mut self.measured_ops {
+                    m.seconds /= factor;
+                }
+            }
+            Resource::PcieToDevice => self.h2d_bandwidth *= factor,
+            Resource::PcieToHost => self.d2h_bandwidth *= factor,
+            Resource::CpuAdam => self.cpu_adam_params_per_s *= factor,
+            Resource::Disk => {
+                self.disk.read_bandwidth *= factor;
+                self.disk.write_bandwidth *= factor;
+            }
+            Resource::Network => {
+                if let Some(i) = &mut self.interconnect {
+                    i.intra_node_bandwidth *= factor;
+                    i.inter_node_bandwidth *= factor;
+                    i.step_latency_s /= factor;
+                }
+            }
         }
         self
     }
@@ -1044,6 +1138,55 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(missing.contains("/nonexistent/profile.json"), "{missing}");
+    }
+
+    #[test]
+    fn a_resource_twice_as_fast_doubles_its_figures_and_no_others() {
+        let base = HardwareProfile::preset("h100").unwrap();
+        for r in Resource::ALL {
+            let f = base.clone().with_faster(r, 2.0);
+            assert_eq!(
+                f.peak_flops.bf16 == base.peak_flops.bf16 * 2.0
+                    && f.device_bandwidth == base.device_bandwidth * 2.0,
+                r == Resource::Compute
+            );
+            assert_eq!(
+                f.launch_overhead_s * 2.0 == base.launch_overhead_s,
+                r == Resource::Compute
+            );
+            assert_eq!(
+                f.h2d_bandwidth == base.h2d_bandwidth * 2.0,
+                r == Resource::PcieToDevice
+            );
+            assert_eq!(
+                f.d2h_bandwidth == base.d2h_bandwidth * 2.0,
+                r == Resource::PcieToHost
+            );
+            assert_eq!(
+                f.cpu_adam_params_per_s == base.cpu_adam_params_per_s * 2.0,
+                r == Resource::CpuAdam
+            );
+            assert_eq!(
+                f.disk.read_bandwidth == base.disk.read_bandwidth * 2.0
+                    && f.disk.write_bandwidth == base.disk.write_bandwidth * 2.0,
+                r == Resource::Disk
+            );
+            let (a, b) = (f.interconnect.unwrap(), base.interconnect.unwrap());
+            assert_eq!(
+                a.intra_node_bandwidth == b.intra_node_bandwidth * 2.0
+                    && a.inter_node_bandwidth == b.inter_node_bandwidth * 2.0,
+                r == Resource::Network
+            );
+            assert_eq!(f.device_memory_bytes, base.device_memory_bytes);
+        }
+        // Measured op times halve with the compute.
+        let mut measured = base.clone();
+        measured.measured_ops.push(MeasuredOp {
+            key: "k".into(),
+            seconds: 1.0,
+        });
+        let f = measured.with_faster(Resource::Compute, 2.0);
+        assert_eq!(f.measured("k"), Some(0.5));
     }
 
     #[test]

@@ -211,7 +211,7 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: Option<&std::pat
         / p.lower_bound_bytes.max(1) as f64
         * 100.0;
     outln!(
-        "device memory   {} of {} budget (lower bound {}, gap {:.2}%)",
+        "device memory   {} of {} budget per GPU (lower bound {}, gap {:.2}%)",
         format_bytes(p.peak_device_bytes),
         format_bytes(h.device_budget_bytes),
         format_bytes(p.lower_bound_bytes),
@@ -230,14 +230,24 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: Option<&std::pat
     outln!(
         "host memory     {} of {}",
         format_bytes(p.host_bytes),
-        format_bytes(h.host_budget_bytes)
+        super::per_rank_budget(
+            h.host_budget_bytes,
+            profile.host_memory_bytes,
+            s,
+            "--host-memory"
+        )
     );
     if s.disk_bytes > 0 {
         outln!(
             "disk            {} of {}: the optimizer state of {} of {} chunks, read and written \
              back every step",
             format_bytes(s.disk_bytes),
-            format_bytes(h.disk_budget_bytes),
+            super::per_rank_budget(
+                h.disk_budget_bytes,
+                profile.disk.memory_bytes,
+                s,
+                "--disk-memory"
+            ),
             s.disk_chunks().len(),
             s.chunks.len()
         );

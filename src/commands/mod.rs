@@ -6,15 +6,15 @@ pub mod eval;
 pub mod info;
 pub mod launch;
 pub mod models;
-pub mod plot;
 pub mod paths;
+pub mod plot;
 pub mod profile;
 pub mod run;
 pub mod schedule;
 pub mod train;
 
 use protrain::compiler::comm::Topology;
-use protrain::ir::{parse_size, DType, HardwareProfile};
+use protrain::ir::{format_bytes, parse_size, DType, HardwareProfile};
 use protrain::models::ModelConfig;
 use protrain::{default_shape, CompileOptions, Error, PolicyChoice, Result};
 use std::path::Path;
@@ -93,24 +93,31 @@ pub struct MachineArgs {
     /// time and the defaults of --batch, --seq and --dtype [default: host].
     #[arg(long)]
     pub hardware: Option<String>,
-    /// Device memory the schedule may use, e.g. 24GiB, 512MiB or plain bytes [default: the
-    /// hardware's memory less its reserved bytes]. A tight budget makes the plan stream
-    /// parameter chunks and swap or recompute activations; the losses stay the same bits.
+    /// Device memory the schedule may use on each GPU (a budget per GPU, whatever --gpus
+    /// and --nodes), e.g. 24GiB, 512MiB or plain bytes; at most what the hardware leaves
+    /// usable [default: the hardware's memory less its reserved bytes]. A tight budget makes
+    /// the plan stream parameter chunks and swap or recompute activations; the losses stay
+    /// the same bits.
     #[arg(long, value_name = "SIZE")]
     pub gpu_memory: Option<String>,
-    /// Host memory the schedule may use for offloaded state [default: the hardware profile's].
+    /// Host memory of each node the schedule may use for offloaded state (a budget per node:
+    /// with --gpus N its N ranks share it, each planned within 1/N of it) [default: the
+    /// hardware profile's, per node].
     #[arg(long, value_name = "SIZE")]
     pub host_memory: Option<String>,
-    /// Disk the schedule may use for optimizer state that host memory cannot hold (the f32
-    /// master weights and Adam moments of offloaded chunks, read and written around the CPU
-    /// Adam on a disk i/o stream), e.g. 2TiB [default: none]. Used only when host memory
-    /// binds; `train` and `run` then need --disk-dir for the file.
+    /// Disk of each node the schedule may use for optimizer state that host memory cannot
+    /// hold (the f32 master weights and Adam moments of offloaded chunks, read and written
+    /// around the CPU Adam on a disk i/o stream), e.g. 2TiB (a budget per node, shared by its
+    /// ranks as --host-memory is) [default: none]. Used only when host memory binds; `train`
+    /// and `run` then need --disk-dir for the file.
     #[arg(long, value_name = "SIZE")]
     pub disk_memory: Option<String>,
 }
 
 impl MachineArgs {
-    /// The hardware profile with the host-memory override applied, and the device budget.
+    /// The hardware profile with the host-memory and disk overrides applied, and the device
+    /// budget. A device budget over what the hardware leaves usable is refused: the plan
+    /// could not run.
     pub fn profile(&self) -> Result<(HardwareProfile, Option<u64>)> {
         let mut profile = HardwareProfile::load(self.hardware.as_deref().unwrap_or("host"))?;
         if let Some(host) = &self.host_memory {
@@ -120,6 +127,9 @@ impl MachineArgs {
             profile = profile.with_disk_memory(parse_size(disk)?);
         }
         let budget = self.gpu_memory.as_deref().map(parse_size).transpose()?;
+        if let Some(budget) = budget {
+            check_device_budget(budget, &profile)?;
+        }
         Ok((profile, budget))
     }
 
@@ -140,6 +150,33 @@ impl MachineArgs {
         }
         given
     }
+}
+
+/// Fails unless a `--gpu-memory` of `budget` bytes fits `profile`'s device: its memory less
+/// the bytes it reserves (context, library workspaces), the most a schedule can use.
+pub fn check_device_budget(budget: u64, profile: &HardwareProfile) -> Result<()> {
+    let usable = profile.usable_device_bytes();
+    if budget <= usable {
+        return Ok(());
+    }
+    let reserved = match profile.reserved_device_bytes {
+        0 => String::new(),
+        r => format!(
+            " less the {} it reserves (CUDA context, library workspaces)",
+            format_bytes(r)
+        ),
+    };
+    Err(Error::Usage(format!(
+        "--gpu-memory {} is more than the {} device has: {} of device memory{reserved} leaves \
+         {} for a schedule, and a plan over it could not run; give --gpu-memory {} or less \
+         (it is per GPU), leave it out to use all of it, or pick the hardware the schedule \
+         runs on (--hardware)",
+        format_bytes(budget),
+        profile.name,
+        format_bytes(profile.device_memory_bytes),
+        format_bytes(usable),
+        format_bytes(usable),
+    )))
 }
 
 /// The shape and element type of a step, shared by every command that builds a model's
@@ -252,6 +289,26 @@ impl CompileArgs {
             micro_batches: self.grad_accum.unwrap_or(1),
             topology,
         })
+    }
+}
+
+/// A host or disk budget of a compiled schedule in words: the rank's `per_rank` bytes and,
+/// where several ranks share a node, the node's `node` bytes as given (`--host-memory` and
+/// `--disk-memory` are per node): `15.00 GiB per rank (the node's 120.0 GiB of --host-memory
+/// shared by --gpus 8)`, or `120.0 GiB` for one rank a node.
+pub fn per_rank_budget(
+    per_rank: u64,
+    node: u64,
+    schedule: &protrain::ir::Schedule,
+    flag: &str,
+) -> String {
+    match schedule.topology().0 {
+        0 | 1 => format_bytes(per_rank),
+        gpus => format!(
+            "{} per rank (the node's {} of {flag} shared by --gpus {gpus})",
+            format_bytes(per_rank),
+            format_bytes(node)
+        ),
     }
 }
 

@@ -187,12 +187,20 @@ pub fn run(args: Args) -> Result<()> {
                 print_cuda(&profiled, &graph, &config.name, batch, seq, path);
             }
             let text = profiled.profile.to_json()?;
-            write_output(args.output.as_deref(), &inputs.paths(), &format!("{text}\n"))?;
+            write_output(
+                args.output.as_deref(),
+                &inputs.paths(),
+                &format!("{text}\n"),
+            )?;
             return Ok(());
         }
     };
     let text = profiled.profile.to_json()?;
-    write_output(args.output.as_deref(), &inputs.paths(), &format!("{text}\n"))?;
+    write_output(
+        args.output.as_deref(),
+        &inputs.paths(),
+        &format!("{text}\n"),
+    )?;
     if let Some(path) = &args.output {
         let p = &profiled.profile;
         outln!(

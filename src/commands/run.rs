@@ -416,7 +416,7 @@ pub fn plan_lines(schedule: &Schedule) -> String {
     format!(
         "policy          {}\n                {} of {} chunks persistent, {} streamed through {} \
          buffers; layers: {} kept, {} checkpointed, {} swapped{}\npredicted step  {:.4} s on \
-         {}\ndevice arena    {} of {} budget\nhost region     {}",
+         {}\ndevice arena    {} of {} budget per GPU\nhost region     {}{}",
         h.policy,
         h.policy.n_persist,
         chunks,
@@ -449,6 +449,14 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         format_bytes(schedule.arena_bytes),
         format_bytes(h.device_budget_bytes),
         format_bytes(schedule.host_bytes),
+        // Host memory is budgeted per node; each rank's schedule has its share.
+        match schedule.topology().0 {
+            0 | 1 => String::new(),
+            gpus => format!(
+                " per rank, of {} per rank (1/{gpus} of the node's --host-memory)",
+                format_bytes(h.host_budget_bytes)
+            ),
+        },
     )
 }
 

@@ -70,6 +70,16 @@ pub(super) fn simulated(
     schedule: &VerifiedSchedule,
     hardware: Option<&str>,
 ) -> Result<(Simulation, String)> {
+    let (simulation, profile) = priced(schedule, hardware)?;
+    Ok((simulation, profile.name))
+}
+
+/// The schedule simulated on the hardware asked for (else the one it was compiled for), and
+/// that hardware's profile as the simulation priced it.
+fn priced(
+    schedule: &VerifiedSchedule,
+    hardware: Option<&str>,
+) -> Result<(Simulation, HardwareProfile)> {
     let mut profile = profile_for(schedule, hardware)?;
     // A data-parallel schedule is priced on the profile's interconnect (on the host, ranks
     // as threads); one that has none cannot price its collectives.
@@ -83,7 +93,7 @@ pub(super) fn simulated(
     let cost = protrain::compiler::cost::cost_model(&profile);
     let simulation = simulate(schedule, cost.as_ref())
         .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))?;
-    Ok((simulation, profile.name))
+    Ok((simulation, profile))
 }
 
 /// The name of the hardware a schedule was compiled for (the first field of its summary).
@@ -144,13 +154,21 @@ pub fn verify(args: VerifyArgs) -> Result<()> {
 }
 
 /// `protrain explain`: the policy and why, the memory breakdown, predicted time per phase and
-/// per stream.
+/// per stream, and what bounds the step. With `--hardware` other than the schedule's, every
+/// figure is that hardware's: the search's report, priced on the hardware compiled for, is
+/// left out.
 pub fn explain(args: ExplainArgs) -> Result<()> {
     let s = read(&args.schedule)?;
-    let (sim, on) = simulated(&s, args.hardware.as_deref())?;
+    let (sim, profile) = priced(&s, args.hardware.as_deref())?;
+    let bound = protrain::compiler::bound::bound(&s, &profile, &sim)
+        .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))?;
+    let on = profile.name.clone();
     let compiled = compiled_for(&s);
+    let same = on == compiled;
     let p = &s.header.prediction;
     let ph = &sim.phase_seconds;
+    let usable = profile.usable_device_bytes();
+    let tie_rule = protrain::compiler::search::TIE_RULE;
     if args.json {
         let streams: Vec<serde_json::Value> = s
             .streams
@@ -161,9 +179,12 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         let v = serde_json::json!({
             "model": s.header.model,
             "hardware": on,
-            "compiled_for": s.header.hardware,
+            "hardware_summary": profile.summary(),
+            "compiled_for": compiled,
+            // The search's reasoning, priced on the hardware compiled for: only shown there.
+            "report": same.then(|| s.header.report.clone()),
+            "tie_rule": tie_rule,
             "policy": s.header.policy.to_string(),
-            "report": s.header.report,
             "predicted_step_s": sim.step_seconds,
             "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
             "exposed_communication_s": sim.exposed_communication_seconds(),
@@ -172,7 +193,12 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             "collective_s": sim.collective_seconds(&s),
             "exposed_collective_s": sim.exposed_collective_seconds(),
             "streams": streams,
+            "bound_by": bound.by().map(resource_json),
+            "critical_path": bound.resources.iter().map(resource_json).collect::<Vec<_>>(),
+            "unattributed_s": bound.unattributed_seconds,
             "peak_device_bytes": p.peak_device_bytes,
+            "usable_device_bytes": usable,
+            "fits_device": p.peak_device_bytes <= usable,
             "lower_bound_bytes": p.lower_bound_bytes,
             "host_bytes": p.host_bytes,
             "disk_bytes": s.disk_bytes,
@@ -184,7 +210,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         );
         return Ok(());
     }
-    if on == compiled {
+    if same {
         outln!(
             "{} (batch {} x seq {}, {}) on {}",
             s.header.model,
@@ -195,26 +221,35 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         );
     } else {
         outln!(
-            "{} (batch {} x seq {}, {}) on {on}, compiled for {}",
+            "{} (batch {} x seq {}, {}) on {}; compiled for {compiled}",
             s.header.model,
             s.header.batch,
             s.header.seq,
             s.header.dtype,
-            s.header.hardware
+            profile.summary()
         );
     }
     outln!("policy   {}", s.header.policy);
-    let why = s.header.report.trim_end().replace('\n', "\n         ");
-    if on == compiled {
+    if same {
+        let why = s.header.report.trim_end().replace('\n', "\n         ");
         outln!("why      {why}");
     } else {
-        // The report is the compiler's reasoning with the compile-time hardware's times.
-        outln!("why      (chosen for {compiled}, with {compiled}'s times)\n         {why}");
+        // The report is the compiler's reasoning in the compile-time hardware's times.
+        outln!(
+            "why      the search chose it with {compiled}'s times, left out here: every figure \
+             below is {on}'s (compile for {on} to see its search, or explain without --hardware)"
+        );
     }
+    outln!("ties     {tie_rule}");
     outln!(
-        "memory   {} device (lower bound {}), {} host",
+        "memory   {} device (lower bound {}) of the {} usable on {on}{}, {} host",
         format_bytes(p.peak_device_bytes),
         format_bytes(p.lower_bound_bytes),
+        format_bytes(usable),
+        match p.peak_device_bytes <= usable {
+            true => "",
+            false => ": does not fit, compile for it",
+        },
         format_bytes(p.host_bytes)
     );
     let m = &p.memory;
@@ -235,6 +270,26 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         ph.optimizer,
         sim.exposed_communication_seconds()
     );
+    if let Some(by) = bound.by() {
+        let others: Vec<String> = bound.resources[1..]
+            .iter()
+            .filter(|r| r.critical_seconds > 0.0)
+            .map(|r| format!("{} {:.0}%", r.resource.name(), r.share * 100.0))
+            .collect();
+        outln!(
+            "bound by {}: {:.0}% of the step ({:.4} s) is its work on the critical path{}; \
+             with {} twice as fast the step would take {:.4} s (simulated on {on})",
+            by.resource.name(),
+            by.share * 100.0,
+            by.critical_seconds,
+            match others.is_empty() {
+                true => String::new(),
+                false => format!(" (then {})", others.join(", ")),
+            },
+            by.resource.name(),
+            by.step_if_twice_as_fast
+        );
+    }
     let (gpus, nodes) = s.topology();
     if gpus * nodes > 1 {
         let memory = match s.sharded() {
@@ -275,6 +330,16 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One resource's part in the step, as `explain --json` gives it.
+fn resource_json(r: &protrain::compiler::bound::ResourceTime) -> serde_json::Value {
+    serde_json::json!({
+        "resource": r.resource.key(),
+        "critical_s": r.critical_seconds,
+        "share": r.share,
+        "step_if_twice_as_fast_s": r.step_if_twice_as_fast,
+    })
 }
 
 /// `protrain trace`: the predicted timeline as a Chrome trace, to a file or (`-o -`) to
