@@ -557,6 +557,14 @@ fn a_damaged_name_or_layout_in_the_newest_checkpoint_falls_back() {
     };
     flip_tensor_name(&four, "transformer.wte.weight");
     fall_back("a tensor name");
+    // A resumed run goes on saving into the directory it resumes: drop the step-6 checkpoint
+    // that resume wrote, so the next one again finds step 4 the newest.
+    for entry in std::fs::read_dir(&ckpt).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name().to_string_lossy().starts_with("step-00000006") {
+            std::fs::remove_file(entry.path()).unwrap();
+        }
+    }
     // The layout number is covered by the metadata's checksum: "3" read as "2" would skip it.
     std::fs::write(&four, &pristine).unwrap();
     let mut bytes = pristine.clone();
