@@ -8,12 +8,12 @@
 //! step time.
 //!
 //! A change meant to change what the search chooses updates this table, and says why in its
-//! commit. Since the tie rule prefers the least movement to the least device memory
-//! (`search::TIE_RULE`), three rows changed, each to a tie that moves less: gpt2-medium keeps
-//! the three layers it swapped (94.6 MB a step over PCIe each way, the device then 6.0 of its
-//! 22.5 usable GB), opt-1.3b on an rtx3090 recomputes one layer instead of three, and on an
-//! a100-40gb takes a third chunk buffer, which spares a chunk's fetch between the forward and
-//! backward passes. (The CLI caps the sequence at a model's positions; `CompileOptions::for_hardware`
+//! commit. Three rows sit on ties that the tie rule (`search::TIE_RULE`) settles by movement
+//! rather than device memory: gpt2-medium keeps every layer rather than swap three (94.6 MB a
+//! step over PCIe each way, with the device at 6.0 of its 22.5 usable GB), opt-1.3b on an
+//! rtx3090 recomputes one layer rather than three, and on an a100-40gb takes a third chunk
+//! buffer, which spares one chunk's fetch between the forward and backward passes (5.19 GiB
+//! moved a step against 5.44 with two buffers, the search report's `moves`). (The CLI caps the sequence at a model's positions; `CompileOptions::for_hardware`
 //! does not, so only models with at least 1,024 positions are pinned here.)
 
 use protrain_compiler::pipeline::{compile, CompileOptions};
