@@ -561,7 +561,11 @@ fn a_damaged_name_or_layout_in_the_newest_checkpoint_falls_back() {
     // that resume wrote, so the next one again finds step 4 the newest.
     for entry in std::fs::read_dir(&ckpt).unwrap() {
         let entry = entry.unwrap();
-        if entry.file_name().to_string_lossy().starts_with("step-00000006") {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with("step-00000006")
+        {
             std::fs::remove_file(entry.path()).unwrap();
         }
     }

@@ -1023,14 +1023,18 @@ fn without_a_terminal_rows_come_every_twentieth_of_the_run_and_every_minute() {
     assert!(bar.due(100, t0 + Duration::from_secs(601)));
 }
 
-/// Sends `signal` to a `train` with checkpoints after it has trained a while, and checks
-/// that it saved its last step, said how to resume, and exited with 128 + the signal; then
-/// that the command it printed resumes the run.
-fn stop_with(signal: i32, code: i32) {
+/// A `train` with checkpoints, of more steps than it will take, once it has trained a while
+/// (1.5 s after its first step): the child, the rest of its standard error, and what it has
+/// written there so far.
+fn training_with_checkpoints(
+    ckpt: &std::path::Path,
+    data: &std::path::Path,
+) -> (
+    std::process::Child,
+    std::io::Lines<std::io::BufReader<std::process::ChildStderr>>,
+    String,
+) {
     use std::io::BufRead;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ckpt = dir.path().join("ckpt");
-    let data = lr_tokens();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
         .args([
             "train",
@@ -1042,9 +1046,9 @@ fn stop_with(signal: i32, code: i32) {
             "--steps",
             "100000000",
             "--data",
-            path(&data),
+            path(data),
             "--checkpoint-dir",
-            path(&ckpt),
+            path(ckpt),
             "--save-every",
             "100000000",
         ])
@@ -1063,6 +1067,17 @@ fn stop_with(signal: i32, code: i32) {
         }
     }
     std::thread::sleep(std::time::Duration::from_millis(1500));
+    (child, lines, text)
+}
+
+/// Sends `signal` to a `train` with checkpoints after it has trained a while, and checks
+/// that it saved its last step, said how to resume, and exited with 128 + the signal; then
+/// that the command it printed resumes the run.
+fn stop_with(signal: i32, code: i32) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let data = lr_tokens();
+    let (mut child, lines, mut text) = training_with_checkpoints(&ckpt, &data);
     let pid = i32::try_from(child.id()).expect("a pid");
     // SAFETY: kill only sends a signal to the child this test started.
     assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
@@ -1116,6 +1131,32 @@ fn sigint_saves_the_last_step_says_how_to_resume_and_exits_130() {
 #[test]
 fn sigterm_saves_the_last_step_says_how_to_resume_and_exits_143() {
     stop_with(libc::SIGTERM, 143);
+}
+
+/// A second signal exits at once: no checkpoint is written and no resume command is printed,
+/// and the status is the second signal's. SIGINT and SIGTERM are sent back to back (two
+/// signals the kernel cannot merge into one while both are pending); a process-directed signal
+/// goes to any of the run's threads, so either may be handled first, and the status is 130 or
+/// 143. Without the immediate exit, the run would stop after its step, save and print.
+#[test]
+fn a_second_signal_exits_at_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let data = lr_tokens();
+    let (mut child, lines, mut text) = training_with_checkpoints(&ckpt, &data);
+    let pid = i32::try_from(child.id()).expect("a pid");
+    // SAFETY: kill only sends signals to the child this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    for line in lines {
+        text.push_str(&line.expect("stderr is text"));
+        text.push('\n');
+    }
+    let status = child.wait().expect("the child ends");
+    assert!(matches!(status.code(), Some(130 | 143)), "{status:?}: {text}");
+    assert!(!text.contains("resume with:"), "{text}");
+    assert!(checkpoint_names(&ckpt).is_empty(), "{text}");
 }
 
 /// `--resume DIR` without `--save-every` goes on saving as the resumed run did.

@@ -155,7 +155,11 @@ impl TextTokenizer {
         if let Err(e) = serde_json::from_slice::<serde_json::Value>(&bytes) {
             return Err(bad_file(
                 path,
-                format!("is not JSON ({e}); give the tokenizer.json file saved with the model"),
+                format!(
+                    "is not a Hugging Face tokenizer.json: it is not JSON ({e}); give the \
+                     tokenizer.json that transformers' `save_pretrained` or the `tokenizers` \
+                     library writes"
+                ),
             ));
         }
         let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
