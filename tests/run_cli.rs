@@ -1154,7 +1154,10 @@ fn a_second_signal_exits_at_once() {
         text.push('\n');
     }
     let status = child.wait().expect("the child ends");
-    assert!(matches!(status.code(), Some(130 | 143)), "{status:?}: {text}");
+    assert!(
+        matches!(status.code(), Some(130 | 143)),
+        "{status:?}: {text}"
+    );
     assert!(!text.contains("resume with:"), "{text}");
     assert!(checkpoint_names(&ckpt).is_empty(), "{text}");
 }
