@@ -63,7 +63,7 @@ impl DiskIo {
     /// unknown) and [`DiskIo::Buffered`] when it could, since then reads come from memory.
     /// Fails, naming the variable, on any other value.
     pub fn from_env(bytes: u64) -> Result<Self> {
-        let available = crate::host::memory_available();
+        let available = crate::memory::memory_available();
         Ok(Self::parse(std::env::var(IO_ENV).ok().as_deref())?
             .unwrap_or_else(|| Self::auto(bytes, available)))
     }

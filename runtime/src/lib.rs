@@ -17,6 +17,7 @@ pub mod host;
 pub mod interpreter;
 pub mod kernels;
 pub mod loss_scale;
+mod memory;
 pub mod params;
 pub mod profiler;
 pub mod rendezvous;

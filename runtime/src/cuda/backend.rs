@@ -1019,12 +1019,12 @@ impl Backend for CudaBackend {
 
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         // The pinned region is host memory, zeroed page by page below: check it fits first.
-        let pinned = crate::host::MemoryNeed {
+        let pinned = crate::memory::MemoryNeed {
             name: "pinned host region",
             bytes: host_bytes,
             flag: "--host-memory",
         };
-        crate::host::check_host_memory(&[pinned], crate::host::memory_available())?;
+        crate::memory::check_host_memory(&[pinned], crate::memory::memory_available())?;
         let info = probe()?;
         let ctx = open_context(gpu())?;
         let kernels = Kernels::load(&ctx, info.compute_capability)?;
