@@ -145,7 +145,7 @@ fn real_configs_have_their_published_counts() {
 }
 
 #[test]
-fn every_shared_config_is_covered() {
+fn every_real_config_is_covered() {
     let hf = hf_params();
     for entry in std::fs::read_dir(real_configs()).unwrap() {
         let path = entry.unwrap().path();
@@ -153,7 +153,7 @@ fn every_shared_config_is_covered() {
             let stem = path.file_stem().unwrap().to_str().unwrap();
             check(
                 &ModelConfig::from_file(&path).unwrap(),
-                &hf[format!("shared/{stem}")],
+                &hf[format!("real/{stem}")],
             );
         }
     }

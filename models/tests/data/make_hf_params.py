@@ -3,7 +3,7 @@
 ships or tests, so the Rust tests can hold the builders against it without Python.
 
 For every preset (models/src/presets/*.json), every test config (models/tests/configs/*.json) and
-every real config in ../shared/configs/*.json, the model is built with
+every real config (models/tests/real-configs/*.json), the model is built with
 `AutoModelForCausalLM.from_config` on the `meta` device (no memory, no weights) and the script
 records:
 
@@ -31,11 +31,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.dirname(os.path.dirname(HERE))
-ROOT = os.path.dirname(MODELS)
 SOURCES = {
     "preset": os.path.join(MODELS, "src", "presets"),
     "test": os.path.join(MODELS, "tests", "configs"),
-    "shared": os.path.join(os.path.dirname(ROOT), "shared", "configs"),
+    "real": os.path.join(MODELS, "tests", "real-configs"),
 }
 
 
