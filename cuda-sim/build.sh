@@ -2,13 +2,14 @@
 # Builds the CUDA simulator into $1 (default target/cuda-sim): lib/libcudasim.so, installed
 # under the names cudarc dlopens (libcuda.so, libcuda.so.1, libcublas.so, libcublas.so.13,
 # libcublasLt.so, libcublasLt.so.13), and bin/strict, its own test program. Rebuilds only when
-# a source (the simulator's or a kernel's) is newer than the library. Needs g++ 12 or newer
+# a source (the simulator's, a kernel's, or the intrinsics it shares with the emulation
+# harness) is newer than the library. Needs g++ 12 or newer
 # (C++20) on x86-64 Linux. Prints nothing on success.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root/target/cuda-sim}"
 lib="$out/lib/libcudasim.so"
-sources=("$root"/cuda-sim/src/* "$root"/cuda-sim/tests/* "$root"/runtime/src/cuda/kernels/* "$root"/runtime/src/cuda/mod.rs "$root"/cuda-sim/build.sh)
+sources=("$root"/cuda-sim/src/* "$root"/cuda-sim/tests/* "$root"/runtime/src/cuda/kernels/* "$root"/runtime/src/cuda/emu/intrinsics.h "$root"/runtime/src/cuda/mod.rs "$root"/cuda-sim/build.sh)
 if [[ -e "$lib" && -e "$out/bin/strict" ]]; then
   stale=0
   for s in "${sources[@]}"; do [[ "$s" -nt "$lib" ]] && stale=1 && break; done

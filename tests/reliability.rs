@@ -637,8 +637,9 @@ fn a_config_too_deep_to_compile_in_the_memory_there_is_refused_up_front() {
         std::fs::write(&path, json.to_string()).unwrap();
         path
     };
-    // 16,384 layers take gigabytes to compile; under a 2 GiB limit the compile used to abort
-    // part way ("memory allocation failed"), or be killed.
+    // 16,384 layers take gigabytes to compile: under a 2 GiB limit a compile that started
+    // would abort part way ("memory allocation failed") or be killed, so it must be refused
+    // before it starts.
     let deep = config(16_384);
     let out_file = dir.path().join("deep.ptsched");
     let args = [

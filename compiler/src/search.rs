@@ -1328,6 +1328,16 @@ pub fn search(
         host_budget_bytes: u64::MAX,
         report,
     };
+    // A candidate as the search compiles it: no budget and no report in its header.
+    let compile = |policy: &Policy| {
+        compile_policy_on(
+            training,
+            chunks,
+            policy,
+            header(String::new()),
+            options.topology,
+        )
+    };
     // Every parameter's f32 master weight and Adam moments live somewhere: on the device
     // (persistent chunks), in host memory or on disk (streamed ones). Where even all three
     // budgets together cannot hold them, nothing fits, and no candidate need be compiled to
@@ -1336,15 +1346,6 @@ pub fn search(
     let floor = offloaded_state_floor(training, chunks, options.topology.ranks());
     let host_and_disk = options.host_budget.saturating_add(options.disk_budget);
     if floor[0] > host_and_disk.saturating_add(options.device_budget) {
-        let compile = |policy: &Policy| {
-            compile_policy_on(
-                training,
-                chunks,
-                policy,
-                header(String::new()),
-                options.topology,
-            )
-        };
         let narrow = crate::streams::state_bytes_per_element(training) == 12;
         let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
         return Err(too_small(
@@ -1435,15 +1436,6 @@ pub fn search(
             .par_iter()
             .map(|x| {
                 let policy = x.key.policy(profile.layers);
-                let compile = |policy: &Policy| {
-                    compile_policy_on(
-                        training,
-                        chunks,
-                        policy,
-                        header(String::new()),
-                        options.topology,
-                    )
-                };
                 let result = compile(&policy);
                 // Host memory binds: trade the gradients' host storage away (the 14-byte
                 // layout costs no copy and no time, so it is only taken where it is needed,
@@ -1544,15 +1536,6 @@ pub fn search(
         // Candidates fit the device and none the host: if the policy that needs the least
         // host memory does not fit it either, nothing does (see `host_leanest`).
         if contenders.is_empty() && best_trade.is_some() && host_probe.is_none() {
-            let compile = |policy: &Policy| {
-                compile_policy_on(
-                    training,
-                    chunks,
-                    policy,
-                    header(String::new()),
-                    options.topology,
-                )
-            };
             let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
             let hopeless = probe
                 .as_ref()

@@ -211,8 +211,8 @@ fn among_tied_candidates_the_least_movement_wins() {
     // Six candidates tie here (n_persist=7, blocks C..CK to C..CKKK, 2 to 4 buffers, within
     // 0.5%). They stream the same chunks, so the recomputed FLOPs decide: the fewest
     // checkpointed blocks (blocks=C..CKKK, 22.32 GiB) wins over the least device memory
-    // (blocks=C..CK with 2 buffers, 21.54 GiB), which the rule before this one chose, with
-    // the device a gigabyte short of full either way.
+    // (blocks=C..CK with 2 buffers, 21.54 GiB), with the device a gigabyte short of full
+    // either way.
     let (schedule, report) = search_preset("llama-2-7b", "rtx3090", 256 * GIB, 4, 1024);
     let tied: Vec<_> = report
         .compiled

@@ -42,27 +42,9 @@ int lane();
 #define blockDim (sim::t_block_dim)
 #define gridDim (sim::t_grid_dim)
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
+#include "../../runtime/src/cuda/emu/intrinsics.h"
 #define __shared__ static thread_local
-#define __align__(n) alignas(n)
-#define __restrict__
-
-inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-inline float __double2float_rn(double a) { return (float)a; }
-using std::isfinite;
-using std::max;
-using std::min;
 inline void __trap() { sim::trap(); }
-inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline void __syncthreads() { sim::block_barrier(); }
 
 template <typename T> inline T sim_shfl(unsigned mask, T v, int src, const char* what) {

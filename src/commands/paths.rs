@@ -95,6 +95,23 @@ pub fn check_outputs(outputs: &[(&str, &Path)], inputs: &Inputs) -> Result<()> {
     Ok(())
 }
 
+/// Whether `output` is `-`, standard output, once checked: `-` may not come with `--json`,
+/// which prints there too (`what` names what `-o` writes); a file is checked against `inputs`
+/// as [`check_outputs`] checks it.
+pub fn stdout_or_checked(output: &Path, json: bool, what: &str, inputs: &Inputs) -> Result<bool> {
+    if output != Path::new("-") {
+        check_outputs(&[("-o", output)], inputs)?;
+        return Ok(false);
+    }
+    if json {
+        return Err(Error::Usage(format!(
+            "`-o -` writes the {what} on standard output, where --json would print too: write \
+             the {what} to a file, or leave out --json"
+        )));
+    }
+    Ok(true)
+}
+
 /// Fails unless `dir` may take checkpoints: not an existing file of another kind than a
 /// directory, and holding no input under a name the checkpoints use (`step-*`), which a
 /// save would replace or a prune delete. `flag` names the option that gave it.

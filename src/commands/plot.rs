@@ -102,21 +102,11 @@ struct Picture {
 /// `protrain plot`: simulates the schedule and draws its memory.
 pub fn run(args: Args) -> Result<()> {
     let format = Format::of(&args.output)?;
-    let to_stdout = args.output == Path::new("-");
-    if to_stdout && args.json {
-        return Err(Error::Usage(
-            "`-o -` writes the SVG on standard output, where --json would print too: write \
-             the picture to a file, or leave out --json"
-                .into(),
-        ));
-    }
     let mut inputs = super::paths::Inputs::new();
     inputs
         .file(&args.schedule)
         .hardware(args.hardware.as_deref());
-    if !to_stdout {
-        super::paths::check_outputs(&[("-o", &args.output)], &inputs)?;
-    }
+    let to_stdout = super::paths::stdout_or_checked(&args.output, args.json, "picture", &inputs)?;
     let s = super::schedule::read(&args.schedule)?;
     let (sim, on) = super::schedule::simulated(&s, args.hardware.as_deref())?;
     let picture = picture(&s, &sim.timeline, sim.step_seconds, &on);

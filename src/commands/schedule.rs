@@ -345,21 +345,11 @@ fn resource_json(r: &protrain::compiler::bound::ResourceTime) -> serde_json::Val
 /// `protrain trace`: the predicted timeline as a Chrome trace, to a file or (`-o -`) to
 /// standard output.
 pub fn trace(args: TraceArgs) -> Result<()> {
-    let to_stdout = args.output == Path::new("-");
-    if to_stdout && args.json {
-        return Err(Error::Usage(
-            "`-o -` writes the trace on standard output, where --json would print too: write \
-             the trace to a file, or leave out --json"
-                .into(),
-        ));
-    }
     let mut inputs = super::paths::Inputs::new();
     inputs
         .file(&args.schedule)
         .hardware(args.hardware.as_deref());
-    if !to_stdout {
-        super::paths::check_outputs(&[("-o", &args.output)], &inputs)?;
-    }
+    let to_stdout = super::paths::stdout_or_checked(&args.output, args.json, "trace", &inputs)?;
     let s = read(&args.schedule)?;
     let (sim, on) = simulated(&s, args.hardware.as_deref())?;
     let json = chrome_trace(&s, &sim.timeline);

@@ -67,6 +67,19 @@ impl Checker<'_> {
         }
     }
 
+    /// Fails unless each of `refs` is in a buffer that exists; `what` says how the instruction
+    /// uses them (`copies via`), as the message's start.
+    fn buffers_exist(&self, what: &str, refs: &[&TensorRef]) -> Result<(), String> {
+        let n_buffers = self.s.buffers.len();
+        match refs.iter().find(|t| t.buffer.index() >= n_buffers) {
+            Some(t) => Err(format!(
+                "{what} {}, but there are {n_buffers} buffers",
+                t.buffer
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// A kernel: its op exists and has as many operands as it addresses, all in the memory of
     /// its stream, with a workspace exactly when its op needs one.
     fn kernel_ids(
@@ -170,7 +183,6 @@ impl Checker<'_> {
         bytes: &u64,
     ) -> Result<(), String> {
         let (s, g) = (self.s, self.g);
-        let n_buffers = s.buffers.len();
         let n_chunks = s.chunks.len();
         let n_values = g.values().len();
         let (from, to) = match kind {
@@ -184,14 +196,7 @@ impl Checker<'_> {
                 ))
             }
         };
-        for t in [src, dst] {
-            if t.buffer.index() >= n_buffers {
-                return Err(format!(
-                    "copies via {}, but there are {n_buffers} buffers",
-                    t.buffer
-                ));
-            }
-        }
+        self.buffers_exist("copies via", &[src, dst])?;
         let (sb, db) = (s.buffer(src.buffer), s.buffer(dst.buffer));
         if sb.space != from || db.space != to {
             return Err(format!(
@@ -273,7 +278,6 @@ impl Checker<'_> {
         bytes: &u64,
     ) -> Result<(), String> {
         let s = self.s;
-        let n_buffers = s.buffers.len();
         let (chunk, stream, part, from, to) = match *what {
             CopyKind::FetchChunk { chunk } => (
                 chunk,
@@ -311,14 +315,7 @@ impl Checker<'_> {
                     .into(),
             );
         }
-        for t in [src, dst] {
-            if t.buffer.index() >= n_buffers {
-                return Err(format!(
-                    "copies via {}, but there are {n_buffers} buffers",
-                    t.buffer
-                ));
-            }
-        }
+        self.buffers_exist("copies via", &[src, dst])?;
         let (host, device) = (s.buffer(from.buffer), s.buffer(to.buffer));
         // In the 14-byte layout an offload lands in the parameter shard (the data
         // flow proves no upload reads it after).
@@ -370,7 +367,6 @@ impl Checker<'_> {
         bytes: &u64,
     ) -> Result<(), String> {
         let s = self.s;
-        let n_buffers = s.buffers.len();
         let n_chunks = s.chunks.len();
         let (name, disk, host) = match instr {
             Instr::DiskRead { .. } => ("a disk read", src, dst),
@@ -388,14 +384,7 @@ impl Checker<'_> {
                 "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
             ));
         }
-        for t in [src, dst] {
-            if t.buffer.index() >= n_buffers {
-                return Err(format!(
-                    "{name} via {}, but there are {n_buffers} buffers",
-                    t.buffer
-                ));
-            }
-        }
+        self.buffers_exist(&format!("{name} via"), &[src, dst])?;
         let (d, h) = (s.buffer(disk.buffer), s.buffer(host.buffer));
         if (d.space, d.kind) != (Space::Disk, BufferKind::OptimizerState { chunk: *chunk }) {
             return Err(format!(
@@ -440,7 +429,6 @@ impl Checker<'_> {
         bytes: &u64,
     ) -> Result<(), String> {
         let s = self.s;
-        let n_buffers = s.buffers.len();
         let n_chunks = s.chunks.len();
         if kind != StreamKind::HostCast {
             return Err(format!(
@@ -453,14 +441,7 @@ impl Checker<'_> {
                 "casts {chunk}, but the chunk table has {n_chunks} chunks"
             ));
         }
-        for t in [src, dst] {
-            if t.buffer.index() >= n_buffers {
-                return Err(format!(
-                    "casts via {}, but there are {n_buffers} buffers",
-                    t.buffer
-                ));
-            }
-        }
+        self.buffers_exist("casts via", &[src, dst])?;
         let (from, to) = (s.buffer(src.buffer), s.buffer(dst.buffer));
         if (from.space, from.kind) != (Space::Host, BufferKind::OptimizerState { chunk: *chunk }) {
             return Err(format!(
@@ -522,7 +503,6 @@ impl Checker<'_> {
         bytes: &u64,
     ) -> Result<(), String> {
         let s = self.s;
-        let n_buffers = s.buffers.len();
         let n_chunks = s.chunks.len();
         let (name, part) = match instr {
             Instr::AllGather { .. } => ("an all-gather", ShardPart::Params),
@@ -539,12 +519,7 @@ impl Checker<'_> {
                 "{name} of {chunk}, but the chunk table has {n_chunks} chunks"
             ));
         }
-        if at.buffer.index() >= n_buffers {
-            return Err(format!(
-                "{name} at {}, but there are {n_buffers} buffers",
-                at.buffer
-            ));
-        }
+        self.buffers_exist(&format!("{name} at"), &[at])?;
         let shard_of = |part| {
             s.buffers.iter().find(|b| {
                 b.kind
@@ -600,8 +575,7 @@ impl Checker<'_> {
         value: &ValueId,
         at: &TensorRef,
     ) -> Result<(), String> {
-        let (s, g) = (self.s, self.g);
-        let n_buffers = s.buffers.len();
+        let g = self.g;
         let n_values = g.values().len();
         if !matches!(kind, StreamKind::Collective { .. }) {
             return Err(format!(
@@ -613,12 +587,7 @@ impl Checker<'_> {
         if value.index() >= n_values {
             return Err(format!("sums {value}, but the graph has {n_values} values"));
         }
-        if at.buffer.index() >= n_buffers {
-            return Err(format!(
-                "sums at {}, but there are {n_buffers} buffers",
-                at.buffer
-            ));
-        }
+        self.buffers_exist("sums at", &[at])?;
         let dtype = g.value(*value).ty.dtype;
         if !matches!(
             dtype,

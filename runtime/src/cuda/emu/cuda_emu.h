@@ -21,25 +21,9 @@ inline std::barrier<>* g_block_bar = nullptr;
 inline std::barrier<>* g_warp_bar[32];
 inline double g_slots[32][32];
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
+#include "intrinsics.h"
 #define __shared__ static
-#define __align__(n) alignas(n)
-#define __restrict__
-
-inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-inline float __double2float_rn(double a) { return (float)a; }
-using std::min; using std::max; using std::isfinite;
 inline void __trap() { fprintf(stderr, "__trap\n"); abort(); }
-inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y; }
 template <typename T> inline T exch(T v, int src_lane) {
