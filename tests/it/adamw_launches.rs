@@ -10,6 +10,7 @@
 //! would, bit for bit, is checked by the CUDA emulation harness (`.ci/run`) and by the launch
 //! plan's unit tests (`runtime/src/cuda/launch.rs`).
 
+use crate::common::rtx3090;
 use protrain::compiler::cost::cost_model;
 use protrain::compiler::simulate::{device_adamw_runs, simulate, stream_seconds};
 use protrain::ir::verify_schedule::VerifiedSchedule;
@@ -23,10 +24,6 @@ const POLICIES: [&str; 3] = [
     "n_persist=0,n_buffer=2,n_checkpoint=2",
     "n_persist=1,n_buffer=2,n_swap=1,n_checkpoint=1",
 ];
-
-fn rtx3090() -> HardwareProfile {
-    HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset")
-}
 
 fn compile(model: &str, policy: &str, dtype: DType, grad_clip: Option<f64>) -> VerifiedSchedule {
     let config = protrain::models::load(model).expect("the test models load");

@@ -1,28 +1,11 @@
 //! Checkpoints as a user meets them: a killed run resumes bit-identically; a checkpoint of
 //! another run is refused; a half-written checkpoint is ignored.
 
-mod cli_support;
-use cli_support::{path, protrain, stderr};
+use crate::cli_support;
+use cli_support::{killed_after, losses, path, protrain, stderr};
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-
-/// `(step, loss as printed)` of one `--log-json` line: the loss compared as text is compared
-/// bit for bit.
-fn step_and_loss(line: &str) -> (u64, String) {
-    let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object per line");
-    (v["step"].as_u64().expect("step"), v["loss"].to_string())
-}
-
-/// Every step's loss of a successful `--log-json` run.
-fn losses(out: &Output) -> Vec<(u64, String)> {
-    assert!(out.status.success(), "{}", stderr(out));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(step_and_loss)
-        .collect()
-}
+use std::process::Output;
 
 /// The checkpoint files in `dir`, by name.
 fn files(dir: &Path) -> Vec<String> {
@@ -35,30 +18,6 @@ fn files(dir: &Path) -> Vec<String> {
         .unwrap_or_default();
     names.sort();
     names
-}
-
-/// Runs `protrain args` (which logs JSON lines) until it has printed step `step`, then kills
-/// it with SIGKILL (`Child::kill` on Unix: no destructor, no flush, no clean-up runs) and
-/// returns the steps and losses it printed.
-fn killed_after(args: &[&str], step: u64) -> Vec<(u64, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the protrain binary starts");
-    let lines = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut seen = Vec::new();
-    for line in lines.lines() {
-        let (at, loss) = step_and_loss(&line.expect("a line"));
-        seen.push((at, loss));
-        if at == step {
-            break;
-        }
-    }
-    child.kill().expect("kill the run");
-    child.wait().expect("reap the run");
-    seen
 }
 
 /// The training run of these tests: 40 steps of gpt2-tiny, large enough that a step takes a

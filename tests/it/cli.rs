@@ -1,6 +1,6 @@
 //! The command line as a user runs it: output, exit status, and every error's text.
 
-mod cli_support;
+use crate::cli_support;
 use cli_support::protrain;
 
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! `protrain compile`, `verify`, `explain` and `trace` as a user runs them.
 
-mod cli_support;
+use crate::cli_support;
 use cli_support::{path, protrain, stderr, stdout};
 
 use std::process::Output;

@@ -3,7 +3,7 @@
 //! `scripts/gpu-check.sh`:
 //!
 //! ```text
-//! cargo test --release --features cuda --test cuda_e2e
+//! cargo test --release --features cuda --test it -- cuda_e2e::
 //! ```
 //!
 //! Without a GPU (or the driver, cuBLAS, NVRTC) every test fails, saying what is missing: it
@@ -25,9 +25,8 @@
 //! one step forced to overflow: both must skip exactly that step, the GPU's weights unchanged
 //! to the bit.
 
-#![cfg(feature = "cuda")]
-
-mod common;
+use crate::common;
+use crate::common::relative_f32 as relative;
 
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::OptimizerConfig;
@@ -59,7 +58,7 @@ const BF16_HOST_TOLERANCE: f64 = 2e-3;
 /// schedule: as bf16's (only the summation order differs; f16 keeps more mantissa bits).
 const F16_HOST_TOLERANCE: f64 = 2e-3;
 /// The f16 runs' loss scale (GradScaler's default), and one at which every gradient overflows
-/// f16 (as tests/host_f16.rs forces a skipped step).
+/// f16 (as tests/it/host_f16.rs forces a skipped step).
 const LOSS_SCALE: f64 = 65536.0;
 const OVERFLOWING: f64 = 1e30;
 
@@ -128,10 +127,6 @@ fn train<B: Backend>(
             (report, weights)
         })
         .collect()
-}
-
-fn relative(a: f32, b: f32) -> f64 {
-    (f64::from(a) - f64::from(b)).abs() / f64::from(b).abs().max(1e-12)
 }
 
 /// The fraction of weights that differ between `gpu` and `host` by more than summation order

@@ -6,8 +6,7 @@
 //! accumulators) do too; a rank that dies or hangs
 //! fails the others within the timeout, through the executor.
 
-#[allow(dead_code)] // the shared helpers this file does not use
-mod common;
+use crate::common;
 
 use protrain::compiler::comm::Topology;
 use protrain::ir::verify_schedule::VerifiedSchedule;

@@ -7,9 +7,7 @@
 //! disk schedule that writes a chunk's state back before its update, or updates it before it
 //! is read; the runtime refuses a disk schedule without a directory.
 
-#[path = "common/mod.rs"]
-#[allow(dead_code)] // the shared helpers this file does not use
-mod common;
+use crate::common;
 
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain::ir::{parse_size, DType, HardwareProfile, Instr, Schedule, Space, StreamKind};

@@ -3,14 +3,11 @@
 //! binary has, the pages name no command the binary lacks and link only to files in this
 //! repository; and code comments say what the code does, not the history of its making.
 
-mod cli_support;
+use crate::common::root;
+use crate::cli_support;
 
 use cli_support::{protrain, stdout};
 use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

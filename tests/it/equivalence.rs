@@ -11,7 +11,7 @@
 //! (matched by name) must be the same bits. Some cases clip gradients, so the clip coefficient
 //! reaches the host optimizer.
 
-mod common;
+use crate::common;
 
 use protrain_compiler::cost::Roofline;
 use protrain_compiler::fuse::FuseLimits;

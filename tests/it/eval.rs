@@ -4,6 +4,7 @@
 //! a roomy and a tight policy; and on the batch a training step reads, that step's loss to the
 //! bit, in f32 and bf16. A trainer evaluates every K steps the weights it has.
 
+use crate::common::{fixtures, read_json, relative};
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::DType;
 use protrain::runtime::data::TokenStream;
@@ -11,18 +12,8 @@ use protrain::runtime::eval::{load_weights, EvalPlan, EvalResult, Evaluator};
 use protrain::runtime::train::{LrSchedule, RunSettings, StepRecord};
 use protrain::runtime::{Executor, RuntimeError, Trainer};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
-use serde_json::Value;
 use std::num::NonZeroU64;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("fixture JSON")
-}
+use std::path::Path;
 
 /// Every parameter on the device.
 const ROOMY: &str = "blocks=KK";
@@ -68,10 +59,6 @@ fn evaluate(
     evaluator
         .evaluate(params, "the test")
         .expect("it evaluates")
-}
-
-fn relative(got: f64, want: f64) -> f64 {
-    (got - want).abs() / want.abs()
 }
 
 #[test]

@@ -4,19 +4,11 @@
 //! a checkpoint directory evaluates to what the run evaluated when it wrote it; the README's
 //! text-corpus run works; and bad input is refused with the way out.
 
-mod cli_support;
+use crate::common::{fixtures, root};
+use crate::cli_support;
 
 use cli_support::{path, protrain, stderr, stdout};
 use serde_json::Value;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn fixtures() -> PathBuf {
-    root().join("tests/fixtures")
-}
 
 /// Every JSON line of standard output.
 fn records(out: &std::process::Output) -> Vec<Value> {

@@ -5,6 +5,7 @@
 //! micro-batches of B sequences against one batch of K*B; and a resumed accumulating run
 //! (fixtures made by `tests/fixtures/make_grad_accum_fixtures.py`).
 
+use crate::common::{fixtures, numbers, read_json, relative};
 use protrain::ir::DType;
 use protrain::runtime::checkpoint;
 use protrain::runtime::params::load_params;
@@ -15,24 +16,6 @@ use protrain::runtime::{Executor, Trainer};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use serde_json::Value;
 use std::num::NonZeroU64;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("fixture JSON")
-}
-
-fn numbers(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("an array")
-        .iter()
-        .map(|x| x.as_f64().expect("a number"))
-        .collect()
-}
 
 /// What the PyTorch runs of `expected.json` share.
 struct Expected {
@@ -160,10 +143,6 @@ fn train_as(
         .expect("the run trains");
     let finals = trainer.executor().params().expect("weights read back");
     (records, finals)
-}
-
-fn relative(got: f64, want: f64) -> f64 {
-    (got - want).abs() / want.abs()
 }
 
 #[test]

@@ -19,13 +19,9 @@
 //! `runtime/src/kernels/attention.rs`. AdamW: the f32 master, moments and the rounded bf16
 //! parameter are the f32 AdamW's bits.
 
-// Only the batches of the shared helpers: these schedules are compiled through the facade.
-#[allow(dead_code)]
-mod common;
-#[path = "common/bf16.rs"]
-mod one_op;
-
-use one_op::{bits, round, rounded, run_f32, Case, Data, OneOp};
+use crate::common;
+use crate::common::relative_f32 as relative;
+use crate::common::bf16::{bits, round, rounded, run_f32, Case, Data, OneOp};
 use protrain::ir::{BlockMode, DType, Epilogue, HardwareProfile, OpKind, QkvLayout, RopeScaling};
 use protrain::ir::{VerifiedSchedule, WeightLayout};
 use protrain::runtime::kernels::{self, AttentionDims, Rounding};
@@ -103,10 +99,6 @@ fn train(
         norms,
         params,
     }
-}
-
-fn relative(a: f32, b: f32) -> f64 {
-    (f64::from(a) - f64::from(b)).abs() / f64::from(b).abs().max(1e-12)
 }
 
 fn mean(x: &[f32]) -> f64 {

@@ -11,8 +11,7 @@
 //! checkpoint scales, skips and trains as its uninterrupted twin. With gradient accumulation
 //! the check covers the accumulated gradients.
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use protrain::ir::{BlockMode, DType, HardwareProfile, OpKind, VerifiedSchedule};
 use protrain::runtime::checkpoint::{self, Checkpoint};

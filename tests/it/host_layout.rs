@@ -6,9 +6,7 @@
 //! saves each lean chunk's gradient bytes of host memory. The verifier refuses a schedule that
 //! uploads a chunk after its storage holds gradients.
 
-#[path = "common/mod.rs"]
-#[allow(dead_code)] // the shared helpers this file does not use
-mod common;
+use crate::common;
 
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain::ir::{BufferKind, CopyKind, DType, HardwareProfile, HostLayout, Instr, Schedule};

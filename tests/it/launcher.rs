@@ -3,7 +3,7 @@
 //! call), so these tests check the processes it starts, their variables, how it ends when a
 //! worker fails, and its refusals of bad flags.
 
-mod cli_support;
+use crate::cli_support;
 
 use cli_support::{path, stderr};
 use std::collections::BTreeMap;

@@ -6,6 +6,7 @@
 //! policy, and resumed from a checkpoint as if never interrupted (fixtures made by
 //! `tests/fixtures/make_lr_schedule_fixtures.py`).
 
+use crate::common::{fixtures, numbers, read_json, relative};
 use protrain::ir::DType;
 use protrain::runtime::checkpoint;
 use protrain::runtime::params::load_params;
@@ -16,16 +17,6 @@ use protrain::runtime::{Executor, Trainer};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use serde_json::Value;
 use std::num::NonZeroU64;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("fixture JSON")
-}
 
 fn kind(name: &str) -> LrScheduleKind {
     match name {
@@ -40,14 +31,6 @@ fn kind(name: &str) -> LrScheduleKind {
 fn f64_of_hex(v: &Value) -> f64 {
     let text = v.as_str().expect("a hex string");
     f64::from_bits(u64::from_str_radix(text.trim_start_matches("0x"), 16).expect("hex"))
-}
-
-fn numbers(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("an array")
-        .iter()
-        .map(|x| x.as_f64().expect("a number"))
-        .collect()
 }
 
 #[test]
@@ -170,10 +153,6 @@ fn train(
         .expect("the run trains");
     let finals = trainer.executor().params().expect("weights read back");
     (records, finals)
-}
-
-fn relative(got: f64, want: f64) -> f64 {
-    (got - want).abs() / want.abs()
 }
 
 #[test]

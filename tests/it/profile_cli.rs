@@ -1,6 +1,6 @@
 //! `protrain profile` as a user runs it, and `protrain compile --hardware` reading its output.
 
-mod cli_support;
+use crate::cli_support;
 use cli_support::{compile_gpt2_tiny, protrain, stderr};
 
 use protrain::ir::{op_key, HardwareProfile, TensorType};

@@ -2,7 +2,7 @@
 //! outputs that would destroy inputs or devices, inputs that never end, damaged and foreign
 //! checkpoints, and a NaN loss explained by what caused it.
 
-mod cli_support;
+use crate::cli_support;
 use cli_support::{compile_gpt2_tiny, path, protrain, stderr};
 
 use std::io::{BufRead, BufReader, Read};

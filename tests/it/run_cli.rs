@@ -1,7 +1,7 @@
 //! `protrain run` as a user runs it: every way it refuses its inputs, and what it prints when
 //! it trains; and `protrain train` giving the same losses under a roomy and a tight budget.
 
-mod cli_support;
+use crate::cli_support;
 use cli_support::{compile_gpt2_tiny, path, protrain, stderr, stdout};
 
 use protrain::ir::{file, verify_schedule::verify_schedule, Instr, Schedule, FORMAT_VERSION};
@@ -790,7 +790,7 @@ fn sharded_ranks_train_and_save_as_accumulation() {
 /// 4 ranks with sharded chunks checkpoint (each rank its own shard, rank 0 the manifest) and
 /// resume on 4 ranks, on 2 ranks accumulating 2 micro-batches each, and on 1 rank
 /// accumulating the 4 micro-batches, as the uninterrupted run, bit for bit; each resuming
-/// rank reads its part (`tests/sharded_checkpoint.rs` covers the rest).
+/// rank reads its part (`tests/it/sharded_checkpoint.rs` covers the rest).
 #[test]
 fn sharded_ranks_checkpoint_and_resume_on_other_rank_counts() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -3,9 +3,11 @@
 //! The snapshots are the canonical text of the tiny test models' schedules (f32, batch 2,
 //! seq 16) without the search report (`PrintOptions::WITHOUT_REPORT`), under fixed policies,
 //! compiled through the facade (`PolicyChoice::Fixed`). Review a change with
-//! `cargo insta review`, or accept it with `INSTA_UPDATE=always cargo test --test schedules`.
+//! `cargo insta review`, or accept it with
+//! `INSTA_UPDATE=always cargo test --test it -- schedules::`.
 
-mod cli_support;
+use crate::common::rtx3090;
+use crate::cli_support;
 use cli_support::{path, protrain};
 
 use protrain::ir::{BlockKind, DType, HardwareProfile, PeakFlops, Policy, PrintOptions, Schedule};
@@ -48,10 +50,6 @@ fn host() -> HardwareProfile {
     p.cpu_adam_params_per_s = two_cores(p.cpu_adam_params_per_s);
     p.gpu_adam_params_per_s = two_cores(p.gpu_adam_params_per_s);
     p
-}
-
-fn rtx3090() -> HardwareProfile {
-    HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset")
 }
 
 fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {

@@ -6,8 +6,7 @@
 //! offloaded and sharded) and a roomy one, in f32 and bf16; the state the ranks gather
 //! (weights, Adam moments) resumes on 2 ranks and on 1 as if uninterrupted.
 
-#[allow(dead_code)] // the shared helpers this file does not use
-mod common;
+use crate::common;
 
 use protrain::compiler::comm::Topology;
 use protrain::ir::verify_schedule::verify;

@@ -7,28 +7,11 @@
 //! chunk, which 4 ranks of 1 micro-batch each shard (the plan line says so); the global batch
 //! is 4 micro-batches of 2 x 16 tokens, taken as 4 ranks x 1, 2 ranks x 2 or 1 rank x 4.
 
-mod cli_support;
-use cli_support::{path, protrain, stderr};
+use crate::cli_support;
+use cli_support::{killed_after, losses, path, protrain, stderr};
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-
-/// `(step, loss as printed)` of every `--json` line of a successful run: equal text is equal
-/// bits.
-fn losses(out: &Output) -> Vec<(u64, String)> {
-    assert!(out.status.success(), "{}", stderr(out));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(step_and_loss)
-        .collect()
-}
-
-/// `(step, loss as printed)` of one `--json` line.
-fn step_and_loss(line: &str) -> (u64, String) {
-    let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object per line");
-    (v["step"].as_u64().expect("step"), v["loss"].to_string())
-}
+use std::process::Output;
 
 /// The files in `dir`, by name.
 fn files(dir: &Path) -> Vec<String> {
@@ -359,24 +342,9 @@ fn a_sharded_run_killed_while_saving_resumes_as_if_uninterrupted() {
         ],
     );
     killed.push(path(&ckpt));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_protrain"))
-        .args(&killed)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the protrain binary starts");
-    let lines = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut seen = Vec::new();
-    for line in lines.lines() {
-        seen.push(step_and_loss(&line.expect("a line")));
-        if seen.len() == 5 {
-            break;
-        }
-    }
     // A step's line is printed after its checkpoint: the kill lands in step 6's work or
     // its save.
-    child.kill().expect("kill the run");
-    child.wait().expect("reap the run");
+    let seen = killed_after(&killed, 5);
     assert_eq!(seen, whole[..5]);
     let out = protrain(&long("12", &["--resume", path(&ckpt)]));
     let err = stderr(&out);

@@ -8,9 +8,7 @@
 //! upload not ordered after its cast, a cast after the update of its master weights, and a
 //! gradient staging buffer overwritten before the CPU Adam read it.
 
-#[path = "common/mod.rs"]
-#[allow(dead_code)] // the shared helpers this file does not use
-mod common;
+use crate::common;
 
 use protrain::ir::print_schedule::PrintOptions;
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};

@@ -320,7 +320,7 @@ fn a_read_after_a_release_is_refused() {
 #[test]
 fn the_stream_pass_asks_the_graph_not_the_policy() {
     // Every movement decision is in the placed graph: the stream pass never reads the policy.
-    let source = include_str!("../src/streams.rs");
+    let source = include_str!("../../src/streams.rs");
     for asks in [".policy", "n_persist", "n_buffer", "BlockMode", "Policy"] {
         assert!(!source.contains(asks), "streams.rs reads `{asks}`");
     }

@@ -2,7 +2,7 @@
 //! and bf16 storage. Needs the `cuda` feature and a GPU; run by `scripts/gpu-check.sh`:
 //!
 //! ```text
-//! cargo test --release --features cuda -p protrain-runtime --test cuda
+//! cargo test --release --features cuda -p protrain-runtime --test it -- cuda::
 //! ```
 //!
 //! Without a GPU (or the driver, cuBLAS, NVRTC) every test fails, saying what is missing: it
@@ -22,7 +22,6 @@
 //!   ulp each, plus the f32 differences above); f32 outputs of bf16 ops (log-sum-exps, the
 //!   loss, squared norms): 1e-4;
 //! - AdamW: the same bits as the host (the device update is written to round as the host's).
-#![cfg(feature = "cuda")]
 
 use protrain_ir::{
     BlockKind, DType, Epilogue, Graph, GraphInfo, OpId, OpKind, Phase, QkvLayout, Role,

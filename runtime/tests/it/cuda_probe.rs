@@ -1,7 +1,6 @@
 //! `cuda::available()` on whatever machine runs it: with a GPU it must find one the backend can
 //! use; without one (CI) it must say what is missing and the way out, never panic. CI runs
 //! this with `--features cuda` on a machine with no NVIDIA driver.
-#![cfg(feature = "cuda")]
 
 use protrain_runtime::cuda::{available, CudaBackend};
 use protrain_runtime::Backend;
@@ -40,7 +39,7 @@ fn available_finds_a_usable_device_or_names_what_is_missing() {
 /// the check and a rerun, so its parts' time limits add up to at most 4 minutes.
 #[test]
 fn the_gpu_check_fits_a_device_session() {
-    let script = include_str!("../../scripts/gpu-check.sh");
+    let script = include_str!("../../../scripts/gpu-check.sh");
     let limits: Vec<u64> = script
         .lines()
         .filter_map(|line| {

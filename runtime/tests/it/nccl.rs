@@ -2,7 +2,6 @@
 //! multi-GPU run takes (rendezvous, `ncclCommInitRank`, the collectives at raw device
 //! addresses), where every collective must copy its input exactly. Without a GPU or without
 //! libnccl it checks that the refusal names what is missing, as `cuda_probe.rs` does.
-#![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use protrain_ir::DType;

@@ -3,11 +3,10 @@
 //!
 //! ```text
 //! source <(bash scripts/nvrtc-env.sh --install)
-//! cargo test -p protrain-runtime --features cuda --test nvrtc
+//! cargo test -p protrain-runtime --features cuda --test it -- nvrtc::
 //! ```
 //!
 //! A missing NVRTC fails the test (it never skips), with the commands above in the message.
-#![cfg(feature = "cuda")]
 
 use protrain_runtime::cuda::{self, nvrtc, SOURCES};
 

@@ -55,10 +55,13 @@ fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
-/// Starts rank `rank` of `world` as a child running `test`.
+/// Starts rank `rank` of `world` as a child running `test`, a test of this module.
 fn spawn_rank(test: &str, rank: usize, world: usize, port: u16, timeout: Duration) -> Child {
+    // The harness names a test by its path below the crate root (`rendezvous::NAME`).
+    let module = module_path!().split_once("::").map_or("", |(_, path)| path);
+    let test = format!("{module}::{test}");
     Command::new(std::env::current_exe().expect("the test binary"))
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, timeout.as_millis().to_string())
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())

@@ -1,8 +1,54 @@
-//! Helpers the integration tests that train share: schedule headers without budgets, and the
-//! batches the data loader would cut from the synthetic corpus.
+//! Helpers the integration tests share: the repository's paths and JSON fixtures, relative
+//! errors, schedule headers without budgets, and the batches the data loader would cut from
+//! the synthetic corpus.
 
+pub mod bf16;
+
+use protrain::ir::HardwareProfile;
 use protrain_compiler::emit::HeaderInputs;
 use protrain_runtime::synthetic::SyntheticCorpus;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// The repository's root (the `protrain` crate's directory).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `tests/fixtures`: the fixture models and what PyTorch and transformers computed for them.
+pub fn fixtures() -> PathBuf {
+    root().join("tests/fixtures")
+}
+
+/// The JSON file at `path`; fails the test naming the file if it cannot be read.
+pub fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("fixture JSON")
+}
+
+/// A JSON array of numbers.
+pub fn numbers(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .expect("an array")
+        .iter()
+        .map(|x| x.as_f64().expect("a number"))
+        .collect()
+}
+
+/// The relative error of `got` against `want`.
+pub fn relative(got: f64, want: f64) -> f64 {
+    (got - want).abs() / want.abs()
+}
+
+/// The relative error of `a` against `b`, with `b` held at least 1e-12 away from zero.
+pub fn relative_f32(a: f32, b: f32) -> f64 {
+    (f64::from(a) - f64::from(b)).abs() / f64::from(b).abs().max(1e-12)
+}
+
+/// The rtx3090 preset.
+pub fn rtx3090() -> HardwareProfile {
+    HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset")
+}
 
 /// A header for a schedule compiled in a test: no budgets, no report.
 pub fn header(model: &str, hardware: &str) -> HeaderInputs {
@@ -38,7 +84,6 @@ pub fn batches(vocab: usize, batch: u64, seq: u64, steps: usize, seed: u64) -> V
 /// offload (the host-to-device stream waits for an event recorded right after it): in the
 /// 14-byte layout, an upload that reads gradients where parameters must be. Whole chunks'
 /// copies and shard copies alike.
-#[allow(dead_code)] // used by the tests of the 14-byte layout, not by every file sharing this module
 pub fn upload_chunk0_after_its_gradient_offload(
     schedule: &protrain_ir::Schedule,
 ) -> protrain_ir::Schedule {
