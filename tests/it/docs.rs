@@ -3,8 +3,8 @@
 //! binary has, the pages name no command the binary lacks and link only to files in this
 //! repository; and code comments say what the code does, not the history of its making.
 
-use crate::common::root;
 use crate::cli_support;
+use crate::common::root;
 
 use cli_support::{protrain, stdout};
 use std::path::{Path, PathBuf};

@@ -4,8 +4,8 @@
 //! a checkpoint directory evaluates to what the run evaluated when it wrote it; the README's
 //! text-corpus run works; and bad input is refused with the way out.
 
-use crate::common::{fixtures, root};
 use crate::cli_support;
+use crate::common::{fixtures, root};
 
 use cli_support::{path, protrain, stderr, stdout};
 use serde_json::Value;

@@ -20,8 +20,8 @@
 //! parameter are the f32 AdamW's bits.
 
 use crate::common;
-use crate::common::relative_f32 as relative;
 use crate::common::bf16::{bits, round, rounded, run_f32, Case, Data, OneOp};
+use crate::common::relative_f32 as relative;
 use protrain::ir::{BlockMode, DType, Epilogue, HardwareProfile, OpKind, QkvLayout, RopeScaling};
 use protrain::ir::{VerifiedSchedule, WeightLayout};
 use protrain::runtime::kernels::{self, AttentionDims, Rounding};

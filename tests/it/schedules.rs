@@ -6,8 +6,8 @@
 //! `cargo insta review`, or accept it with
 //! `INSTA_UPDATE=always cargo test --test it -- schedules::`.
 
-use crate::common::rtx3090;
 use crate::cli_support;
+use crate::common::rtx3090;
 use cli_support::{path, protrain};
 
 use protrain::ir::{BlockKind, DType, HardwareProfile, PeakFlops, Policy, PrintOptions, Schedule};
