@@ -70,7 +70,7 @@ fn missing_files_and_directories() {
         "no-such-config.json",
         "config file no-such-config.json does not exist",
     );
-    let dir = format!("{MODELS}/tests/snapshots");
+    let dir = format!("{MODELS}/tests/it/snapshots");
     check_load(
         &dir,
         &format!("directory {dir} holds no config.json; give the path of a Hugging Face config.json or a preset name"),
