@@ -10,7 +10,7 @@
 //!   the host, streamed through two buffers and updated by the host Adam, two blocks swapped and
 //!   two checkpointed (ProTrain's layout).
 //!
-//! Every schedule trains bit-identically to the interpreter (`tests/equivalence.rs`), so the
+//! Every schedule trains bit-identically to the interpreter (`tests/it/equivalence.rs`), so the
 //! three differ only in speed: what placement costs on the host, and how close the executor's
 //! overhead is to none. Run with `cargo bench --bench host_step`; the rayon pool (and so the
 //! gemm threads) follows `RAYON_NUM_THREADS`, all cores by default.

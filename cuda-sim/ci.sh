@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash cuda-sim/test.sh
 eval "$(bash scripts/cuda-sim-env.sh)"
-cargo test --features cuda -p protrain-runtime --test cuda --test cuda_probe
-cargo test --features cuda --test cuda_e2e
+cargo test --features cuda -p protrain-runtime --test it -- cuda:: cuda_probe::
+cargo test --features cuda --test it -- cuda_e2e::
 for seed in 1 2 3; do
-  PROTRAIN_CUDA_SIM_CHAOS=$seed cargo test --features cuda --test cuda_e2e
+  PROTRAIN_CUDA_SIM_CHAOS=$seed cargo test --features cuda --test it -- cuda_e2e::
 done
 cargo build --features cuda
 bash cuda-sim/e2e.sh target/debug/protrain

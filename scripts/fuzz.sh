@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A longer fuzzing campaign over every reader of user files (tests/fuzz.rs): the model config
+# A longer fuzzing campaign over every reader of user files (tests/it/fuzz.rs): the model config
 # parser, the schedule reader (its bytes, and its counts), the hardware profile and tokenizer
 # readers, the safetensors and .npy readers and the checkpoint loader.
 #
@@ -10,7 +10,7 @@
 # Runs rounds of the properties with a new seed each round until the time is up, then prints
 # the cases per minute of each reader, the failures, the hangs and the peak memory of a round,
 # and every failure with the seed that reproduces it:
-#   PROTRAIN_FUZZ_SEED=SEED PROTRAIN_FUZZ_CASES=N cargo test --test fuzz
+#   PROTRAIN_FUZZ_SEED=SEED PROTRAIN_FUZZ_CASES=N cargo test --test it -- fuzz::
 # Memory is capped (ulimit -v) so that an allocation sized by a number in a file fails the
 # round instead of taking the machine; a round that runs past its time limit counts as a hang.
 # Peak memory is the largest resident set of a round's test process (GNU time's %M), when
@@ -25,11 +25,11 @@ trap 'rm -f "$log" "$rss"' EXIT
 
 # Each round runs the test binary itself, not `cargo test`: cargo would check the build and
 # take the target directory's lock every round, waiting behind any other build there.
-built=$(cargo test ${CARGO_FLAGS:-} --test fuzz --no-run 2>&1) || {
-    echo "fuzz: the fuzz tests do not build; run cargo test --test fuzz" >&2
+built=$(cargo test ${CARGO_FLAGS:-} --test it --no-run 2>&1) || {
+    echo "fuzz: the fuzz tests do not build; run cargo test --test it -- fuzz::" >&2
     exit 2
 }
-binary=$(sed -n 's/^ *Executable tests\/fuzz\.rs (\(.*\))$/\1/p' <<<"$built" | tail -n 1)
+binary=$(sed -n 's/^ *Executable tests\/it\/main\.rs (\(.*\))$/\1/p' <<<"$built" | tail -n 1)
 [ -x "$binary" ] || {
     echo "fuzz: cargo built the fuzz tests but did not say where: $built" >&2
     exit 2
@@ -51,7 +51,7 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     : >"$rss"
     ( ulimit -v $((8 * 1024 * 1024)); \
       PROTRAIN_FUZZ_SEED=$seed PROTRAIN_FUZZ_CASES=$cases \
-      "${measure[@]}" timeout 900 "$binary" --nocapture --test-threads 2 ) >"$log" 2>&1
+      "${measure[@]}" timeout 900 "$binary" fuzz:: --nocapture --test-threads 2 ) >"$log" 2>&1
     status=$?
     kib=$(tail -n 1 "$rss" 2>/dev/null)
     if [[ "$kib" =~ ^[0-9]+$ ]] && [ "$kib" -gt "$peak_kib" ]; then

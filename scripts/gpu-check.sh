@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The CUDA backend's checks that need a GPU (an H200 with driver 580 / CUDA 13.0 in mind):
 #
-#   1. every kernel family against the host kernel (runtime/tests/cuda.rs);
+#   1. every kernel family against the host kernel (runtime/tests/it/cuda.rs);
 #   2. tiny GPT-2 and LLaMA models: 3 steps on the GPU against the host backend in f32 under
 #      three policies (the first step and the first update's weights tightly, later losses
 #      within a bound derived from the host's run), and bf16 losses close to them
-#      (tests/cuda_e2e.rs);
+#      (tests/it/cuda_e2e.rs);
 #   3. a GPT-2 1.5B-shaped model (gpt2-xl) trained in bf16 fully resident, then under
 #      --gpu-memory 12GiB (which streams chunks and recomputes or swaps layers);
 #   4. a LLaMA 13B-shaped model (llama-2-13b's width: hidden 5120, 40 heads, MLP 13824) whose
 #      model states do not fit in its device budget, so most of them live in pinned host
 #      memory and the CPU Adam updates them;
-#   5. NCCL in a world of one rank (runtime/tests/nccl.rs; one H200 cannot host two ranks):
+#   5. NCCL in a world of one rank (runtime/tests/it/nccl.rs; one H200 cannot host two ranks):
 #      the communicator, its collectives at device addresses, and the CUDA backend's
 #      collective stream, each an exact copy. libnccl comes from the nvidia-nccl-cu13 wheel
 #      (through a libnccl.so link, since cudarc does not look for libnccl.so.2) or the system.
@@ -48,7 +48,7 @@
 # (libnvrtc-builtins.so.13, beside libnvrtc.so.13) through LD_LIBRARY_PATH, and without it
 # every kernel compile fails:
 #
-#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/cuda-kernels attention
+#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/runtime-tests cuda::attention
 #
 # Libraries: cudarc loads libcuda (the driver's), libcublas.so.13 and libnvrtc.so.13 at run
 # time. They are looked for in the pip wheels of `python3` (nvidia/cu13/lib, as PyTorch for
@@ -76,36 +76,28 @@ say() { printf '%s\n' "$*" >&2; }
 # ---------------------------------------------------------------------------------------
 # Building.
 
-# Release binaries: the CLI and the three GPU test executables, paths printed one per line as
-# `NAME PATH`.
+# Release binaries: the CLI and the two test executables that hold the GPU tests (the
+# runtime's and the CLI crate's, one per crate), paths printed one per line as `NAME PATH`.
 build() {
   cargo build --release --features cuda --bin protrain >&2 || return 1
   echo "protrain target/release/protrain"
   local json
-  json=$(cargo test --release --features cuda -p protrain-runtime --test cuda --no-run \
-    --message-format=json) || { say "building the kernel tests failed"; return 1; }
-  echo "cuda-kernels $(printf '%s\n' "$json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
-        print(m["executable"])')"
-  json=$(cargo test --release --features cuda -p protrain-runtime --test nccl --no-run \
-    --message-format=json) || { say "building the NCCL tests failed"; return 1; }
-  echo "nccl-tests $(printf '%s\n' "$json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
-        print(m["executable"])')"
-  json=$(cargo test --release --features cuda --test cuda_e2e --no-run \
+  json=$(cargo test --release --features cuda -p protrain-runtime --test it --no-run \
+    --message-format=json) || { say "building the runtime's tests failed"; return 1; }
+  echo "runtime-tests $(test_executable <<<"$json")"
+  json=$(cargo test --release --features cuda -p protrain --test it --no-run \
     --message-format=json) || { say "building the end-to-end tests failed"; return 1; }
-  echo "cuda-e2e $(printf '%s\n' "$json" | python3 -c '
+  echo "protrain-tests $(test_executable <<<"$json")"
+}
+
+# The executable of the test target `it` in cargo's JSON messages on standard input.
+test_executable() {
+  python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_e2e":
-        print(m["executable"])')"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "it":
+        print(m["executable"])'
 }
 
 BUNDLED=0
@@ -229,14 +221,14 @@ if [[ $BUNDLED == 0 ]] && command -v cargo >/dev/null 2>&1; then
     exit 1
   fi
   # The test binaries as cargo runs them (cargo test also builds nothing more now).
-  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test cuda)
-  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test nccl)
-  e2e_tests=(cargo test --release --features cuda --test cuda_e2e)
+  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- cuda::)
+  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- nccl::)
+  e2e_tests=(cargo test --release --features cuda -p protrain --test it -- cuda_e2e::)
 elif [[ -x "$BIN_DIR/protrain" ]]; then
   say "gpu-check: using the binaries in $BIN_DIR"
-  kernel_tests=("$BIN_DIR/cuda-kernels")
-  nccl_tests=("$BIN_DIR/nccl-tests")
-  e2e_tests=("$BIN_DIR/cuda-e2e")
+  kernel_tests=("$BIN_DIR/runtime-tests" cuda::)
+  nccl_tests=("$BIN_DIR/runtime-tests" nccl::)
+  e2e_tests=("$BIN_DIR/protrain-tests" cuda_e2e::)
 else
   say "gpu-check: no cargo (or --bundled) and no executable $BIN_DIR/protrain; install Rust, or run"
   say "  bash scripts/gpu-check.sh --bundle"

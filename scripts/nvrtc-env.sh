@@ -3,10 +3,10 @@
 # PyPI wheel, for the kernel compile check on machines without a CUDA toolkit:
 #
 #   source <(bash scripts/nvrtc-env.sh --install)
-#   cargo test -p protrain-runtime --features cuda --test nvrtc
+#   cargo test -p protrain-runtime --features cuda --test it -- nvrtc::
 #
-# Source it too before running a CUDA test binary by hand (target/gpu-check/bin/cuda-kernels,
-# cuda-e2e): libnvrtc loads libnvrtc-builtins.so.13 through LD_LIBRARY_PATH, so without these
+# Source it too before running a CUDA test binary by hand (target/gpu-check/bin/runtime-tests,
+# protrain-tests): libnvrtc loads libnvrtc-builtins.so.13 through LD_LIBRARY_PATH, so without these
 # lines every kernel compile fails even where libnvrtc itself is found.
 #
 # With --install it first installs the pinned wheels below, if they are not there yet, with

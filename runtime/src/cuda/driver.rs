@@ -642,7 +642,8 @@ fn compiled_for(cc: (i32, i32)) -> Result<Arc<Vec<Compiled>>> {
         during: format!("compiling the kernels for {arch}"),
         detail: e.to_string(),
         hint: "this is a bug in the kernel sources or an NVRTC too old for the GPU; run \
-               `cargo test -p protrain-runtime --features cuda --test nvrtc` and report its output"
+               `cargo test -p protrain-runtime --features cuda --test it -- nvrtc::` and report \
+               its output"
             .into(),
     })?;
     let compiled = Arc::new(compiled);

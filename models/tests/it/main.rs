@@ -1,0 +1,7 @@
+//! The models crate's integration tests, one module per subject, linked into one test binary
+//! (`cargo test -p protrain-models --test it`; one subject: `-- parsing::`).
+
+mod errors;
+mod graphs;
+mod params;
+mod parsing;

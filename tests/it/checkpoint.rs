@@ -1,0 +1,404 @@
+//! Checkpoints as a user meets them: a killed run resumes bit-identically; a checkpoint of
+//! another run is refused; a half-written checkpoint is ignored.
+
+use crate::cli_support;
+use cli_support::{killed_after, losses, path, protrain, stderr};
+
+use std::path::Path;
+use std::process::Output;
+
+/// The checkpoint files in `dir`, by name.
+fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// The training run of these tests: 40 steps of gpt2-tiny, large enough that a step takes a
+/// little while, so the kill lands inside one.
+const RUN: [&str; 8] = [
+    "train",
+    "gpt2-tiny",
+    "--steps",
+    "40",
+    "--batch",
+    "8",
+    "--seq",
+    "128",
+];
+
+#[test]
+fn a_run_killed_mid_step_resumes_bit_identically() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let mut args = RUN.to_vec();
+    args.extend([
+        "--log-json",
+        "--save-every",
+        "5",
+        "--checkpoint-dir",
+        path(&ckpt),
+    ]);
+    args.extend(["--keep-checkpoints", "0"]);
+    let seen = killed_after(&args, 12);
+    assert_eq!(
+        seen.last().map(|s| s.0),
+        Some(12),
+        "the run printed 12 steps"
+    );
+    let saved = files(&ckpt);
+    assert!(
+        saved.contains(&"step-00000010.safetensors".to_string()),
+        "a checkpoint at step 10: {saved:?}"
+    );
+
+    // Resume under another policy: a checkpoint holds values, not offsets.
+    let mut resume = RUN.to_vec();
+    resume.extend(["--log-json", "--resume", path(&ckpt)]);
+    resume.extend(["--policy", "n_persist=0,n_checkpoint=2"]);
+    let resumed = losses(&protrain(&resume));
+    let mut straight = RUN.to_vec();
+    straight.push("--log-json");
+    let straight = losses(&protrain(&straight));
+    assert_eq!(straight.len(), 40);
+    // The run may have saved step 15 before the kill arrived; it resumes from its latest.
+    let from = resumed.first().expect("the resumed run trained").0;
+    assert!(from == 11 || from == 16, "resumed at step {from}");
+    assert_eq!(resumed.last().map(|s| s.0), Some(40));
+    assert_eq!(
+        resumed,
+        straight[from as usize - 1..],
+        "the resumed losses are the uninterrupted run's, bit for bit"
+    );
+    // And the killed run's own steps agree with the uninterrupted one's.
+    assert_eq!(seen, straight[..12]);
+}
+
+#[test]
+fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("llama");
+    let out = protrain(&[
+        "train",
+        "llama-tiny",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--log-json",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let before = files(&ckpt);
+    assert_eq!(
+        before,
+        ["step-00000001.safetensors", "step-00000002.safetensors"]
+    );
+    let cases: [(&str, Vec<&str>, &[&str]); 3] = [
+        (
+            "another model",
+            vec!["gpt2-tiny", "--batch", "2", "--seq", "16"],
+            &[
+                "model: the checkpoint is of llama-tiny, this run trains gpt2-tiny",
+                "missing: `transformer.wte.weight`",
+            ],
+        ),
+        (
+            "another batch shape",
+            vec!["llama-tiny", "--batch", "4", "--seq", "16"],
+            &["batch x seq: the checkpoint is 2 x 16, this run is 4 x 16"],
+        ),
+        (
+            "another learning rate",
+            vec!["llama-tiny", "--batch", "2", "--seq", "16", "--lr", "0.01"],
+            &[
+                "optimizer: the checkpoint has lr=0.003",
+                "this run has lr=0.01",
+            ],
+        ),
+    ];
+    for (what, run, needles) in cases {
+        let mut args = vec!["train"];
+        args.extend(run);
+        args.extend(["--steps", "4", "--log-json", "--resume", path(&ckpt)]);
+        args.extend(["--save-every", "1"]);
+        let out = protrain(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+        assert!(err.starts_with("error: checkpoint "), "{what}: {err}");
+        assert!(
+            err.contains("was written by another training run"),
+            "{what}: {err}"
+        );
+        assert!(
+            err.contains("resume it with the model, batch, seq and optimizer"),
+            "{what}: {err}"
+        );
+        for needle in needles {
+            assert!(err.contains(needle), "{what}: no `{needle}` in {err}");
+        }
+        assert!(!err.contains("panicked"), "{what}: {err}");
+        assert!(out.stdout.is_empty(), "{what}: trained anyway");
+        assert_eq!(files(&ckpt), before, "{what}: the checkpoints were touched");
+    }
+}
+
+#[test]
+fn a_half_written_checkpoint_is_ignored() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let short = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--log-json",
+    ];
+    let mut args = short.to_vec();
+    args.extend([
+        "--steps",
+        "10",
+        "--save-every",
+        "5",
+        "--checkpoint-dir",
+        path(&ckpt),
+    ]);
+    losses(&protrain(&args));
+    // What a save killed before its rename leaves: the start of a checkpoint, as `.tmp`.
+    let whole = std::fs::read(ckpt.join("step-00000010.safetensors")).expect("step 10 saved");
+    std::fs::write(
+        ckpt.join("step-00000015.safetensors.tmp"),
+        &whole[..whole.len() / 2],
+    )
+    .expect("write the leftover");
+
+    let mut resume = short.to_vec();
+    resume.extend(["--steps", "13", "--resume", path(&ckpt)]);
+    let out = protrain(&resume);
+    assert!(
+        stderr(&out).contains("step-00000010.safetensors (step 10)"),
+        "{}",
+        stderr(&out)
+    );
+    let resumed = losses(&out);
+    let mut straight = short.to_vec();
+    straight.extend(["--steps", "13"]);
+    let straight = losses(&protrain(&straight));
+    assert_eq!(resumed, straight[10..]);
+}
+
+/// Every step's `(step, loss, lr)` of a successful `--log-json` run, as printed.
+fn losses_and_rates(out: &Output) -> Vec<(u64, String, String)> {
+    assert!(out.status.success(), "{}", stderr(out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object a line");
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].to_string(),
+                v["lr"].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Rewrites the safetensors metadata value of `key` in `file` to `value`, leaving the rest
+/// (the checksums included) as written: what damage to the metadata looks like.
+fn rewrite_metadata(file: &Path, key: &str, value: &str) {
+    let bytes = std::fs::read(file).expect("read the checkpoint");
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..8 + len]).expect("a JSON header");
+    assert!(header["__metadata__"][key].is_string(), "{key} is recorded");
+    header["__metadata__"][key] = value.into();
+    let mut text = header.to_string().into_bytes();
+    // The data must still start 8-byte aligned.
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + len..]);
+    std::fs::write(file, out).expect("write the checkpoint");
+}
+
+#[test]
+fn resume_alone_continues_a_scheduled_run_and_refuses_contradicting_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "8",
+        "--lr",
+        "0.01",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--grad-clip",
+        "1.0",
+        "--seed",
+        "3",
+        "--log-json",
+    ];
+    let straight = losses_and_rates(&protrain(&run));
+    assert_eq!(straight.len(), 8);
+    assert_eq!(straight[0].2, "0.0", "a warmup's first step has rate 0");
+    assert_eq!(straight[2].2, "0.01", "the warmup ends at --lr");
+    let mut saving = run.to_vec();
+    saving.extend(["--checkpoint-dir", path(&ckpt), "--save-every", "3"]);
+    saving.extend(["--keep-checkpoints", "0"]);
+    assert_eq!(losses_and_rates(&protrain(&saving)), straight);
+    assert_eq!(
+        files(&ckpt),
+        [
+            "step-00000003.safetensors",
+            "step-00000006.safetensors",
+            "step-00000008.safetensors"
+        ]
+    );
+    // As if the run had been killed after step 6, with the checkpoint of step 6 damaged in
+    // its metadata only (a data position no tensor checksum covers).
+    std::fs::remove_file(ckpt.join("step-00000008.safetensors")).expect("remove step 8");
+    rewrite_metadata(&ckpt.join("step-00000006.safetensors"), "data_step", "7");
+
+    // `--resume DIR` alone: model aside, every setting comes from the checkpoint; the
+    // policy may differ.
+    let resume = [
+        "train",
+        "gpt2-tiny",
+        "--resume",
+        path(&ckpt),
+        "--log-json",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_checkpoint=2",
+    ];
+    let out = protrain(&resume);
+    let err = stderr(&out);
+    assert!(
+        err.contains("skipping") && err.contains("its metadata has checksum"),
+        "{err}"
+    );
+    assert!(err.contains("step-00000003.safetensors (step 3)"), "{err}");
+    assert_eq!(
+        losses_and_rates(&out),
+        straight[3..],
+        "the resumed steps, their losses and rates are the uninterrupted run's"
+    );
+
+    let contrary: [(&[&str], &str); 4] = [
+        (
+            &["--warmup-steps", "3"],
+            "--warmup-steps: the checkpoint has 2, this run has 3",
+        ),
+        (
+            &["--lr-schedule", "linear"],
+            "--lr-schedule: the checkpoint has cosine, this run has linear",
+        ),
+        (
+            &["--seed", "4"],
+            "--seed: the checkpoint has 3, this run has 4",
+        ),
+        (
+            &["--grad-clip", "0.5"],
+            "optimizer: the checkpoint has grad_clip=1, this run has grad_clip=0.5",
+        ),
+    ];
+    let before = files(&ckpt);
+    for (flags, needle) in contrary {
+        let mut args = resume.to_vec();
+        args.extend(flags);
+        let out = protrain(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.starts_with("error: checkpoint "), "{flags:?}: {err}");
+        assert!(err.contains(needle), "{flags:?}: no `{needle}` in {err}");
+        assert!(
+            err.contains("drop the ones that differ"),
+            "{flags:?}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{flags:?}: trained anyway");
+    }
+    assert_eq!(
+        files(&ckpt),
+        before,
+        "a refused resume touches no checkpoint"
+    );
+}
+
+/// The disk tier under `kill -9`: a run whose every chunk's optimizer state lives
+/// on disk (the tight policy, 5.5 MiB of host memory) is killed mid-run, wherever its disk
+/// stream is (reading or writing a chunk's state back), and resumed from its latest
+/// checkpoint into a new file: its losses are the uninterrupted run's, bit for bit, and that
+/// of a run with everything in memory. The killed run's file stays behind (no destructor
+/// runs); the resumed run makes and removes its own.
+#[test]
+fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
+    std::fs::create_dir(&disk).expect("disk dir");
+    let mut run = RUN.to_vec();
+    run.extend([
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--host-memory",
+        "5632KiB",
+        "--disk-memory",
+        "64MiB",
+        "--disk-dir",
+        path(&disk),
+        "--log-json",
+    ]);
+    let mut args = run.clone();
+    args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
+    args.extend(["--keep-checkpoints", "0"]);
+    let seen = killed_after(&args, 12);
+    assert_eq!(files(&disk).len(), 1, "the killed run's state file stays");
+    let left = files(&disk);
+    let mut resume = run.clone();
+    resume.extend(["--resume", path(&ckpt)]);
+    let out = protrain(&resume);
+    let resumed = losses(&out);
+    assert_eq!(
+        files(&disk),
+        Vec::<String>::new(),
+        "the resumed run removed the killed run's file, and its own"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("removed 1 state file(s) that killed runs left")
+            && stderr.contains(&left[0]),
+        "the removal is reported: {stderr}"
+    );
+    let mut straight = RUN.to_vec();
+    straight.push("--log-json");
+    let straight = losses(&protrain(&straight));
+    let from = resumed.first().expect("the resumed run trained").0;
+    assert!(from == 11 || from == 16, "resumed at step {from}");
+    assert_eq!(
+        resumed,
+        straight[from as usize - 1..],
+        "the resumed disk run's losses are the uninterrupted in-memory run's, bit for bit"
+    );
+    assert_eq!(seen, straight[..12]);
+}

@@ -1,0 +1,910 @@
+//! `protrain compile`, `verify`, `explain` and `trace` as a user runs them.
+
+use crate::cli_support;
+use cli_support::{path, protrain, stderr, stdout};
+
+use std::process::Output;
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("--json prints one JSON object")
+}
+
+const GIB: u64 = 1 << 30;
+
+#[test]
+fn llama_2_7b_on_an_rtx3090_keeps_some_chunks_and_streams_the_rest() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("llama.ptsched");
+    let out = protrain(&[
+        "compile",
+        "llama-2-7b",
+        "--hardware",
+        "rtx3090",
+        "--host-memory",
+        "256GiB",
+        "--batch",
+        "4",
+        "--seq",
+        "1024",
+        "-o",
+        path(&file),
+        "--json",
+    ]);
+    let v = json(&out);
+    for key in [
+        "policy",
+        "predicted_step_s",
+        "tokens_per_s",
+        "peak_device_bytes",
+        "lower_bound_bytes",
+        "host_bytes",
+        "compile_s",
+    ] {
+        assert!(!v[key].is_null(), "--json lacks {key}: {v}");
+    }
+    // 24 GiB less the profile's reserved GiB.
+    assert!(
+        v["peak_device_bytes"].as_u64().expect("bytes") <= 23 * GIB,
+        "{v}"
+    );
+    let persist = v["n_persist"].as_u64().expect("n_persist");
+    let chunks = v["chunks"].as_u64().expect("chunks");
+    assert!(
+        persist > 0 && persist < chunks,
+        "some chunks persistent and the rest offloaded: {v}"
+    );
+    assert!(v["peak_device_bytes"].as_u64() >= v["lower_bound_bytes"].as_u64());
+
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+    assert!(String::from_utf8_lossy(&verified.stdout).contains("valid schedule for llama-2-7b"));
+
+    let explained = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(explained["policy"], v["policy"]);
+    assert!(
+        explained["phase_seconds"]["recompute"]
+            .as_f64()
+            .expect("seconds")
+            >= 0.0
+    );
+
+    let trace = dir.path().join("trace.json");
+    let traced = protrain(&["trace", path(&file), "-o", path(&trace)]);
+    assert!(traced.status.success(), "{}", stderr(&traced));
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace written"))
+            .expect("JSON");
+    let events = events["traceEvents"].as_array().expect("traceEvents");
+    assert!(events.iter().any(|e| e["name"]
+        .as_str()
+        .is_some_and(|n| n.starts_with("fetch chunk"))));
+    assert!(events.iter().any(|e| e["cat"] == "cpu_adam"));
+}
+
+#[test]
+fn a_budget_too_small_says_the_smallest_that_fits() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "a100-80gb",
+        "--gpu-memory",
+        "64MiB",
+        "--batch",
+        "4",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: no policy fits 64.0 MiB of device memory"),
+        "{err}"
+    );
+    assert!(err.contains("Give --gpu-memory at least"), "{err}");
+    assert!(
+        !dir.path().join("x.ptsched").exists(),
+        "nothing is written on error"
+    );
+}
+
+#[test]
+fn a_fixed_policy_is_applied_as_given() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    let v = json(&protrain(&[
+        "compile",
+        "llama-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "--policy",
+        "n_persist=1,n_buffer=2,blocks=SC",
+        "-o",
+        path(&file),
+        "--json",
+    ]));
+    assert_eq!(v["policy"], "n_persist=1 n_buffer=2 prefetch=1 blocks=SC");
+    let bad = protrain(&[
+        "compile",
+        "llama-tiny",
+        "--policy",
+        "blocks=SCK",
+        "-o",
+        path(&file),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("blocks= has 3 modes but the model has 2 layers"),
+        "{}",
+        stderr(&bad)
+    );
+    let bad = protrain(&[
+        "compile",
+        "llama-tiny",
+        "--policy",
+        "n_persist=1,speed=fast",
+        "-o",
+        path(&file),
+    ]);
+    assert!(
+        stderr(&bad).contains("unknown key `speed`"),
+        "{}",
+        stderr(&bad)
+    );
+    // The policy as printed is accepted back, and compiles to the same policy.
+    let printed = v["policy"]
+        .as_str()
+        .expect("the policy is printed")
+        .to_string();
+    let again = json(&protrain(&[
+        "compile",
+        "llama-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "--policy",
+        &printed,
+        "-o",
+        path(&file),
+        "--json",
+    ]));
+    assert_eq!(again["policy"], printed.as_str());
+    // A key given twice, or blocks with n_swap, is refused rather than one silently winning.
+    for (policy, says) in [
+        ("n_persist=1,n_persist=2", "n_persist is given twice"),
+        ("blocks=KK,n_swap=1", "either blocks or n_swap/n_checkpoint"),
+    ] {
+        let bad = protrain(&[
+            "compile",
+            "llama-tiny",
+            "--policy",
+            policy,
+            "-o",
+            path(&file),
+        ]);
+        assert_eq!(bad.status.code(), Some(2), "{policy}");
+        assert!(stderr(&bad).contains(says), "{policy}: {}", stderr(&bad));
+    }
+}
+
+#[test]
+fn a_schedule_compiled_with_the_defaults_runs_with_the_defaults() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("gpt2-tiny.ptsched");
+    let compiled = protrain(&["compile", "gpt2-tiny", "-o", path(&file)]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let ran = protrain(&["run", path(&file), "--steps", "2", "--json"]);
+    assert!(ran.status.success(), "{}", stderr(&ran));
+    assert_eq!(String::from_utf8_lossy(&ran.stdout).lines().count(), 2);
+    // A bf16 schedule runs on the host backend too (bf16 storage, f32 arithmetic).
+    let bf16 = dir.path().join("bf16.ptsched");
+    let compiled = protrain(&["compile", "gpt2-tiny", "--dtype", "bf16", "-o", path(&bf16)]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let ran = protrain(&["run", path(&bf16), "--steps", "1", "--json"]);
+    assert!(ran.status.success(), "{}", stderr(&ran));
+    assert_eq!(String::from_utf8_lossy(&ran.stdout).lines().count(), 1);
+}
+
+/// Sizes and checksums change whenever the schedule does; the snapshot keeps the words.
+fn redact_numbers(text: &str) -> String {
+    let mut out = String::new();
+    let mut token = String::new();
+    let flush = |token: &mut String, out: &mut String| {
+        let is_hex = token.starts_with("0x") && token.len() > 2;
+        let is_big = token.len() >= 3 && token.chars().all(|c| c.is_ascii_digit());
+        out.push_str(if is_hex {
+            "0x…"
+        } else if is_big {
+            "N"
+        } else {
+            token
+        });
+        token.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_alphanumeric() {
+            token.push(c);
+        } else {
+            flush(&mut token, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut token, &mut out);
+    out
+}
+
+#[test]
+fn broken_schedule_files_are_refused_clearly() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--seq",
+        "32",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let bytes = std::fs::read(&file).expect("written");
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated", bytes[..bytes.len() / 2].to_vec()),
+        ("corrupted", {
+            let mut b = bytes.clone();
+            let i = b.len() / 2;
+            b[i] ^= 0x5a;
+            b
+        }),
+        ("foreign", b"{\"not\": \"a schedule\"}".to_vec()),
+        ("newer", {
+            let mut b = bytes.clone();
+            b[8] = b[8].wrapping_add(1);
+            b
+        }),
+    ];
+    let mut report = String::new();
+    for (what, data) in cases {
+        let broken = dir.path().join(format!("{what}.ptsched"));
+        std::fs::write(&broken, data).expect("write");
+        let out = protrain(&["verify", path(&broken)]);
+        assert_eq!(out.status.code(), Some(2), "{what}: {}", stderr(&out));
+        let err = redact_numbers(&stderr(&out).replace(path(dir.path()), "<dir>"));
+        assert!(!err.contains("panicked"), "{what}: {err}");
+        report.push_str(&format!("{what}:\n  {err}"));
+    }
+    insta::assert_snapshot!(report);
+}
+
+#[test]
+fn explain_on_other_hardware_shows_only_that_hardwares_figures_and_dump_refuses_hardware() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The same schedule compiled for two machines (a fixed policy, no fusion: nothing
+    // depends on the hardware), so explaining one on the other's hardware must print every
+    // figure the other's explain prints.
+    let compile = |hardware: &str| {
+        let file = dir.path().join(format!("{hardware}.ptsched"));
+        let compiled = protrain(&[
+            "compile",
+            "gpt2-tiny",
+            "--hardware",
+            hardware,
+            "--no-fuse",
+            "--policy",
+            "n_persist=1",
+            "-o",
+            path(&file),
+        ]);
+        assert!(compiled.status.success(), "{}", stderr(&compiled));
+        file
+    };
+    let (file, h100) = (compile("rtx3090"), compile("h100"));
+    let same = String::from_utf8_lossy(&protrain(&["explain", path(&file)]).stdout).to_string();
+    assert!(
+        same.lines().next().unwrap().contains("on rtx3090:"),
+        "{same}"
+    );
+    let out = protrain(&["explain", path(&file), "--hardware", "h100"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let first = text.lines().next().expect("a first line");
+    assert!(first.contains("on h100: "), "{text}");
+    assert!(first.ends_with("compiled for rtx3090"), "{text}");
+    assert!(
+        !first.contains("24.00 GiB"),
+        "the rtx3090's figures are not shown: {text}"
+    );
+    // The search's report is in the rtx3090's times: left out, and said so.
+    assert!(
+        text.contains("with rtx3090's times, left out here"),
+        "{text}"
+    );
+    let native = stdout(&protrain(&["explain", path(&h100)]));
+    // Every line with a figure: memory, the peak's parts, time, what bounds the step, time by
+    // kind, and each stream's.
+    let figures = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| {
+                [
+                    "memory ",
+                    "         at the peak",
+                    "time ",
+                    "bound by ",
+                    "by kind ",
+                    "  ",
+                ]
+                .iter()
+                .any(|p| l.starts_with(p))
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(
+        figures(&text),
+        figures(&native),
+        "explain --hardware h100 against h100's own:\n{text}\n{native}"
+    );
+    assert!(figures(&text).len() >= 7, "{text}");
+    assert!(text.contains("bound by "), "{text}");
+    let other = json(&protrain(&[
+        "explain",
+        path(&file),
+        "--hardware",
+        "h100",
+        "--json",
+    ]));
+    let native_json = json(&protrain(&["explain", path(&h100), "--json"]));
+    assert_eq!(other["hardware"], "h100");
+    assert_eq!(other["compiled_for"], "rtx3090");
+    assert!(other["report"].is_null(), "{other}");
+    for key in [
+        "hardware_summary",
+        "predicted_step_s",
+        "phase_seconds",
+        "streams",
+        "bound_by",
+        "critical_path",
+        "usable_device_bytes",
+        "memory",
+        "exposed_communication_s",
+    ] {
+        assert_eq!(other[key], native_json[key], "{key}");
+    }
+    // dump prints a schedule as compiled: a hardware flag would be silently meaningless.
+    let refused = protrain(&[
+        "dump",
+        path(&file),
+        "--stage",
+        "planned",
+        "--hardware",
+        "h100",
+    ]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        stderr(&refused).contains("protrain explain"),
+        "{}",
+        stderr(&refused)
+    );
+}
+
+#[test]
+fn explain_says_what_bounds_the_step_and_what_twice_as_fast_would_give() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("streamed.ptsched");
+    // Every chunk streamed on an rtx3090: the CPU Adam, which updates every parameter on
+    // the host after the backward pass, bounds it (76% of the step), not the kernels.
+    let compiled = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "rtx3090",
+        "--policy",
+        "n_persist=0 n_buffer=2",
+        "-o",
+        path(&file),
+    ]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let v = json(&protrain(&["explain", path(&file), "--json"]));
+    let step = v["predicted_step_s"].as_f64().expect("a step");
+    let by = &v["bound_by"];
+    assert_eq!(by["resource"], "cpu_adam", "{v}");
+    let share = by["share"].as_f64().expect("a share");
+    assert!(share > 0.5 && share <= 1.0, "{v}");
+    let faster = by["step_if_twice_as_fast_s"].as_f64().expect("a step");
+    assert!(faster < step * 0.9 && faster >= step / 2.0 - 1e-9, "{v}");
+    // The critical path accounts for the step: the shares add up to it.
+    let path_s: f64 = v["critical_path"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| r["critical_s"].as_f64().expect("seconds"))
+        .sum();
+    assert!(
+        (path_s - step).abs() <= step * 1e-6,
+        "{path_s} of {step}: {v}"
+    );
+    assert_eq!(v["critical_path"][0], *by);
+    let compute = v["critical_path"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resource"] == "compute")
+        .expect("compute is on the path");
+    assert!(
+        compute["step_if_twice_as_fast_s"].as_f64().unwrap() > faster,
+        "{v}"
+    );
+    let text = stdout(&protrain(&["explain", path(&file)]));
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("bound by CPU Adam: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains(&format!("{faster:.4} s")), "{line}");
+    assert!(
+        text.contains("ties     among policies predicted within 0.5%"),
+        "{text}"
+    );
+    // With accumulation the first micro-batch is simulated once and counted per micro-batch:
+    // the path through it counts as often, and still adds up to the step.
+    let accumulated = dir.path().join("accumulated.ptsched");
+    let compiled = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "rtx3090",
+        "--policy",
+        "n_persist=0 n_buffer=2",
+        "--grad-accum",
+        "3",
+        "-o",
+        path(&accumulated),
+    ]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let v = json(&protrain(&["explain", path(&accumulated), "--json"]));
+    let step = v["predicted_step_s"].as_f64().expect("a step");
+    let path_s: f64 = v["critical_path"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| r["critical_s"].as_f64().expect("seconds"))
+        .sum();
+    assert!(
+        (path_s - step).abs() <= step * 1e-6,
+        "{path_s} of {step}: {v}"
+    );
+}
+
+#[test]
+fn train_takes_the_host_memory_budget() {
+    let out = protrain(&[
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--host-memory",
+        "1KiB",
+        "--gpu-memory",
+        "4MiB",
+        "--json",
+    ]);
+    // 1 KiB of host memory cannot hold the offloaded chunks a 4 MiB device needs.
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("host"), "{}", stderr(&out));
+}
+
+#[test]
+fn throughput_counts_every_rank_and_micro_batch_of_a_step() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("gpt2.ptsched");
+    // (extra flags, ranks, micro-batches): a step of B x T tokens per micro-batch per rank.
+    let cases: [(&[&str], u64, u64); 3] = [
+        (&[], 1, 1),
+        (&["--grad-accum", "3"], 1, 3),
+        (&["--gpus", "2", "--grad-accum", "2"], 2, 2),
+    ];
+    for (extra, ranks, micro_batches) in cases {
+        let mut args = vec![
+            "compile",
+            "gpt2",
+            "--hardware",
+            "rtx3090",
+            "--batch",
+            "2",
+            "--seq",
+            "128",
+            "-o",
+        ];
+        args.push(path(&file));
+        args.push("--json");
+        args.extend_from_slice(extra);
+        let v = json(&protrain(&args));
+        assert_eq!(v["ranks"], ranks, "{extra:?}: {v}");
+        assert_eq!(v["micro_batches"], micro_batches, "{extra:?}: {v}");
+        let tokens = v["tokens_per_s"].as_f64().expect("tokens_per_s")
+            * v["predicted_step_s"].as_f64().expect("predicted_step_s");
+        let expected = (ranks * micro_batches * 2 * 128) as f64;
+        assert!(
+            (tokens - expected).abs() < 1e-6 * expected,
+            "{extra:?}: a step trains {expected} tokens, the rate says {tokens}: {v}"
+        );
+    }
+}
+
+/// The disk tier from the command line: a fixed policy over its host budget is refused with
+/// `--disk-memory` among the ways out; with it, the compile, `verify` and `explain` all say
+/// how much state lives on disk.
+#[test]
+fn a_policy_over_host_memory_compiles_with_a_disk_tier() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("disk.ptsched");
+    let base = [
+        "compile",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--host-memory",
+        "5632KiB",
+        "-o",
+        path(&file),
+    ];
+    let refused = protrain(&base);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("--disk-memory SIZE"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let mut args = base.to_vec();
+    args.extend(["--disk-memory", "64MiB", "--json"]);
+    let v = json(&protrain(&args));
+    let disk = v["disk_bytes"].as_u64().expect("disk_bytes");
+    assert!(disk > 0 && disk <= 64 << 20, "{v}");
+    assert!(v["disk_chunks"].as_u64() > Some(0), "{v}");
+
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+    assert!(
+        String::from_utf8_lossy(&verified.stdout).contains(", disk "),
+        "verify names the disk region: {}",
+        String::from_utf8_lossy(&verified.stdout)
+    );
+    let explained = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(explained["disk_bytes"].as_u64(), Some(disk), "{explained}");
+}
+
+/// Among candidates that tie on step time, the search takes the one with the least state on
+/// disk: here one policy needs the disk tier and others, as fast, do not; the report lists
+/// the disk candidate's disk bytes and the winner has none.
+#[test]
+fn a_tie_goes_to_the_candidate_without_a_disk_tier() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tie.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--gpu-memory",
+        "8MiB",
+        "--host-memory",
+        "2MiB",
+        "--disk-memory",
+        "64MiB",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v = json(&protrain(&["explain", path(&file), "--json"]));
+    assert_eq!(v["disk_bytes"].as_u64(), Some(0), "{v}");
+    let report = v["report"].as_str().expect("report");
+    let candidates: Vec<&str> = report.lines().filter(|l| l.contains("simulated")).collect();
+    assert!(
+        candidates[0].starts_with("  * ") && !candidates[0].contains("disk"),
+        "{report}"
+    );
+    assert!(
+        candidates[1..].iter().any(|l| l.contains("  disk ")),
+        "some candidate needed the disk tier: {report}"
+    );
+}
+
+#[test]
+fn every_printing_command_takes_json_and_dash_writes_standard_output() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("tiny.ptsched");
+    cli_support::compile_gpt2_tiny(&file, &[]);
+
+    // verify and trace print JSON.
+    let v = json(&protrain(&["verify", path(&file), "--json"]));
+    assert_eq!(v["valid"], true);
+    assert_eq!(v["model"], "gpt2-tiny");
+    assert!(v["arena_bytes"].as_u64().expect("bytes") > 0);
+    let trace = dir.path().join("trace.json");
+    let v = json(&protrain(&[
+        "trace",
+        path(&file),
+        "-o",
+        path(&trace),
+        "--json",
+    ]));
+    assert!(v["spans"].as_u64().expect("count") > 0, "{v}");
+    assert!(trace.is_file());
+
+    // `trace -o -` writes the trace on standard output, and no file named `-`.
+    let cwd = tempfile::tempdir().expect("temp dir");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["trace", path(&file), "-o", "-"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    let events = json(&out);
+    assert!(events["traceEvents"]
+        .as_array()
+        .is_some_and(|e| !e.is_empty()));
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+
+    // `compile -o -` writes the schedule on standard output: it reads back as the same file.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args([
+            "compile",
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "-o",
+            "-",
+        ])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+    let piped = dir.path().join("piped.ptsched");
+    std::fs::write(&piped, &out.stdout).expect("write");
+    let a = protrain::ir::file::read(&piped).expect("stdout holds a schedule");
+    let b = protrain::ir::file::read(&file).expect("schedule");
+    assert_eq!(a.header.policy, b.header.policy);
+
+    // `compile --dry-run` prints the plan and writes nothing.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["compile", "gpt2-tiny", "--dry-run", "--json"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    let v = json(&out);
+    assert!(v["schedule"].is_null(), "{v}");
+    assert!(v["policy"].is_string());
+    assert_eq!(
+        std::fs::read_dir(cwd.path()).expect("dir").count(),
+        0,
+        "a dry run writes nothing"
+    );
+    let out = protrain(&["compile", "gpt2-tiny", "--dry-run"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not written (--dry-run)"));
+
+    // `dump FILE.ptsched` prints the planned stage without being told.
+    let plain = protrain(&["dump", path(&file)]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let planned = protrain(&["dump", path(&file), "--stage", "planned"]);
+    assert_eq!(plain.stdout, planned.stdout);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["dump", path(&file), "-o", "-"])
+        .current_dir(cwd.path())
+        .output()
+        .expect("runs");
+    assert_eq!(out.stdout, plain.stdout);
+    assert!(
+        !cwd.path().join("-").exists(),
+        "`-o -` wrote a file named -"
+    );
+}
+
+#[test]
+fn budgets_say_what_they_are_per_and_errors_quote_the_figures_given() {
+    let help = stdout(&protrain(&["compile", "--help"]));
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(flat.contains("on each GPU (a budget per GPU"), "{help}");
+    assert!(flat.contains("Host memory of each node"), "{help}");
+    assert!(
+        flat.contains("with --gpus N its N ranks share it"),
+        "{help}"
+    );
+    assert!(flat.contains("Disk of each node"), "{help}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("two.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--host-memory",
+        "64GiB",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = stdout(&out);
+    assert!(plan.contains("budget per GPU"), "{plan}");
+    assert!(
+        plan.contains(
+            "of 32.00 GiB per rank (the node's 64.00 GiB of --host-memory shared by --gpus 2)"
+        ),
+        "{plan}"
+    );
+    // Host memory too small for the ranks of a node: the error quotes the node's figure as
+    // given, each rank's share, and the node's figure that would fit.
+    let out = protrain(&[
+        "compile",
+        "gpt2-xl",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "6GiB",
+        "--host-memory",
+        "8GiB",
+        "-o",
+        path(&file),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: no policy fits 4.00 GiB of host memory per rank"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--host-memory 8.00 GiB over --gpus 2 gives each rank 4.00 GiB"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--gpu-memory is per GPU; --host-memory and --disk-memory are per node"),
+        "{err}"
+    );
+    let need = err
+        .split("Give --host-memory (per node, for its 2 ranks) at least ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    // The node's figure it quotes fits.
+    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (64 << 20);
+    let out = protrain(&[
+        "compile",
+        "gpt2-xl",
+        "--hardware",
+        "h100",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "6GiB",
+        "--host-memory",
+        &bytes.to_string(),
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{need}: {}", stderr(&out));
+}
+
+#[test]
+fn a_gpu_memory_over_the_device_is_refused_naming_its_capacity() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--gpu-memory",
+        "100GiB",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("error: --gpu-memory 100.0 GiB is more than the rtx3090 device has"),
+        "{err}"
+    );
+    assert!(err.contains("24.00 GiB of device memory"), "{err}");
+    assert!(err.contains("give --gpu-memory 23.00 GiB or less"), "{err}");
+    assert!(!dir.path().join("x.ptsched").exists());
+    // All of it is allowed.
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--gpu-memory",
+        "23GiB",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("x.ptsched");
+    let compile = |extra: &[&str]| {
+        let mut args = vec![
+            "compile",
+            "gpt2-xl",
+            "--hardware",
+            "rtx3090",
+            "--gpu-memory",
+            "6GiB",
+            "-o",
+            path(&file),
+        ];
+        args.extend(extra);
+        protrain(&args)
+    };
+    // Clipping keeps chunks from being staged: the policy and its bytes per parameter agree.
+    let out = compile(&["--host-memory", "8GiB", "--grad-clip", "1.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(!err.contains("host_layout=12, 14 bytes"), "{err}");
+    assert!(
+        err.contains("host_layout=14, 14 bytes per parameter"),
+        "{err}"
+    );
+    assert!(err.contains("or --disk-memory at least "), "{err}");
+    assert!(err.contains("--nodes M with --gpus N"), "{err}");
+    // The disk tier given: the least host memory quoted is the one with it, and it fits.
+    let out = compile(&["--host-memory", "2GiB", "--disk-memory", "1TiB"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("That is with the disk tier"), "{err}");
+    let need = err
+        .split("Give --host-memory at least ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (16 << 20);
+    let out = compile(&["--host-memory", &bytes.to_string(), "--disk-memory", "1TiB"]);
+    assert!(out.status.success(), "{need}: {}", stderr(&out));
+    assert!(stdout(&out).contains("\ndisk "), "{}", stdout(&out));
+    // A batch that does not fit the device: gradient accumulation is the way out.
+    let out = protrain(&[
+        "compile",
+        "gpt2",
+        "--hardware",
+        "a100-80gb",
+        "--gpu-memory",
+        "64MiB",
+        "--batch",
+        "4",
+        "-o",
+        path(&file),
+    ]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("--batch 2 with twice the --grad-accum"),
+        "{err}"
+    );
+}

@@ -1,0 +1,491 @@
+//! The CUDA backend end to end: tiny GPT-2 and LLaMA models trained for three steps on the GPU
+//! give the host backend's losses. Needs the `cuda` feature and a GPU; run by
+//! `scripts/gpu-check.sh`:
+//!
+//! ```text
+//! cargo test --release --features cuda --test it -- cuda_e2e::
+//! ```
+//!
+//! Without a GPU (or the driver, cuBLAS, NVRTC) every test fails, saying what is missing: it
+//! never skips.
+//!
+//! In f32 the device computes what the host computes in another summation order (cuBLAS
+//! without TF32, reductions in fixed trees), under three policies: everything resident; every
+//! chunk streamed through two buffers with every layer recomputed (the CPU Adam on the host
+//! optimizer stream, events crossing between it and the CUDA streams); half the chunks
+//! persistent with ProTrain's interleaved swap and checkpoint layout. What must agree, and how
+//! closely, is in [`check_f32`]: the first step tightly, the gradients through the first
+//! update tightly, later steps within a bound derived from the host's own run. In bf16 (f32
+//! master weights and moments) the losses must stay within 2e-2 relative of the host's f32
+//! losses: the bf16 rounding of weights and activations, not an error, makes the difference.
+//! The same bf16 schedule run by the host backend (which rounds where the CUDA backend rounds)
+//! must give the GPU's losses far more closely, within 2e-3: there only the summation order
+//! differs, and a value it moves across a bf16 rounding boundary. f16 schedules (dynamic loss
+//! scaling) are compared with the host backend's run of the same schedule at the same scales,
+//! one step forced to overflow: both must skip exactly that step, the GPU's weights unchanged
+//! to the bit.
+
+use crate::common;
+use crate::common::relative_f32 as relative;
+
+use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
+use protrain_compiler::OptimizerConfig;
+use protrain_ir::verify_schedule::verify;
+use protrain_ir::{BlockKind, DType, Graph, Policy, VerifiedSchedule};
+use protrain_runtime::cuda::CudaBackend;
+use protrain_runtime::interpreter::StepReport;
+use protrain_runtime::params::init_params;
+use protrain_runtime::{Backend, Executor, HostBackend};
+use std::collections::HashMap;
+
+const BATCH: u64 = 2;
+const SEQ: u64 = 16;
+const STEPS: usize = 3;
+const SEED: u64 = 11;
+/// Relative tolerance of f32 results computed from the same weights (the first step's loss and
+/// gradient norm, each weight after the first update): summation order alone.
+const F32_TOLERANCE: f64 = 1e-5;
+/// Most weights allowed to differ after the first update: those whose gradient is rounding
+/// noise around zero, which may have either sign (see [`check_f32`]).
+const MAX_FLIPPED: f64 = 1e-2;
+/// Relative tolerance of bf16 losses against the host's f32 losses.
+const BF16_TOLERANCE: f64 = 2e-2;
+/// Relative tolerance of the GPU's bf16 losses against the host backend's run of the same bf16
+/// schedule.
+const BF16_HOST_TOLERANCE: f64 = 2e-3;
+
+/// Relative tolerance of the GPU's f16 losses against the host backend's run of the same f16
+/// schedule: as bf16's (only the summation order differs; f16 keeps more mantissa bits).
+const F16_HOST_TOLERANCE: f64 = 2e-3;
+/// The f16 runs' loss scale (GradScaler's default), and one at which every gradient overflows
+/// f16 (as tests/it/host_f16.rs forces a skipped step).
+const LOSS_SCALE: f64 = 65536.0;
+const OVERFLOWING: f64 = 1e30;
+
+/// Fails the test, with what is missing, when the CUDA backend cannot run here.
+fn require_gpu() {
+    if let Err(why) = protrain_runtime::cuda::available() {
+        panic!(
+            "no CUDA device is available: {why}\nthese tests need a GPU; \
+             scripts/gpu-check.sh runs them on one"
+        );
+    }
+}
+
+/// The training graph of `model` in `dtype`, its layer count.
+fn training(model: &str, dtype: DType, grad_clip: Option<f64>) -> (Graph, usize) {
+    let config = protrain_models::load(model).unwrap();
+    let forward = protrain_models::build_forward(
+        &config,
+        &protrain_models::BuildOptions::new(BATCH, SEQ).with_dtype(dtype),
+    )
+    .unwrap();
+    let optimizer = OptimizerConfig {
+        lr: 1e-3,
+        grad_clip,
+        ..Default::default()
+    };
+    let graph = training_graph(&forward, &optimizer).unwrap();
+    let layers = graph
+        .blocks()
+        .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
+        .count();
+    (graph, layers)
+}
+
+/// The three policies: resident; streamed through two buffers, every layer recomputed; half
+/// persistent with one swapped and one checkpointed layer.
+fn policies(chunks: u32, layers: usize) -> Vec<Policy> {
+    vec![
+        Policy::resident(chunks, layers),
+        Policy::protrain(0, 2, 0, layers, layers),
+        Policy::protrain(chunks / 2, 2, 1, 1, layers),
+    ]
+}
+
+/// Trains `schedule` on backend `B` from the initial values `init` (by parameter name); each
+/// step's report with the weights after its update.
+fn train<B: Backend>(
+    schedule: &VerifiedSchedule,
+    init: &HashMap<String, Vec<f32>>,
+    data: &[[Vec<i32>; 2]],
+) -> Vec<(StepReport, Vec<f32>)> {
+    let mut exec = Executor::<B>::with_backend(schedule).unwrap();
+    let values: Vec<Vec<f32>> = schedule
+        .graph
+        .params()
+        .map(|(_, p)| init[&p.name].clone())
+        .collect();
+    exec.load_params(&values).unwrap();
+    data.iter()
+        .enumerate()
+        .map(|(step, [x, y])| {
+            let report = exec
+                .step(&[x, y])
+                .unwrap_or_else(|e| panic!("step {step}: {e}"));
+            let weights = exec.params().unwrap().concat();
+            (report, weights)
+        })
+        .collect()
+}
+
+/// The fraction of weights that differ between `gpu` and `host` by more than summation order
+/// explains.
+fn diverged(gpu: &[f32], host: &[f32], lr: f64) -> f64 {
+    let far = gpu
+        .iter()
+        .zip(host)
+        .filter(|&(&g, &h)| {
+            (f64::from(g) - f64::from(h)).abs() > F32_TOLERANCE * (f64::from(h).abs() + lr)
+        })
+        .count();
+    far as f64 / host.len().max(1) as f64
+}
+
+/// How far a value the host computed at step `k` may be from the GPU's, given the fraction
+/// `flipped` of weights that had diverged before the step and the host's values at steps
+/// `0..=k` (losses or gradient norms).
+///
+/// Why. Both runs see the same weights at step 0, so its loss and gradient norm differ by
+/// summation order alone (`F32_TOLERANCE`). The first AdamW update moves each weight by
+/// `-lr * g / (|g| + eps)`, i.e. by `lr` against the sign of its gradient: a gradient that is
+/// rounding noise around zero may get the other sign under another summation order, and that
+/// weight then moves by `2 lr` the other way. Such weights are the diverged fraction `flipped`
+/// (at most `MAX_FLIPPED`, or the gradients themselves disagree). Their gradients are the
+/// smallest, so to first order their share of the loss change the updates made is at most
+/// their share of the weights: reversing them changes a later value by at most
+/// `2 * flipped * (the host's total change since step 0)`; a factor 2 more covers the second
+/// order and the flips' effect on later moments. Near zero, summation order alone remains.
+/// This fails when a kernel is wrong (wrong gradients diverge most weights after the first
+/// update, and a wrong forward fails step 0), not when near-zero gradients flip.
+fn later_bound(flipped: f64, host: &[f32]) -> f64 {
+    let k = host.len() - 1;
+    let moved: f64 = host
+        .windows(2)
+        .map(|w| (f64::from(w[1]) - f64::from(w[0])).abs())
+        .sum();
+    F32_TOLERANCE * f64::from(host[k]).abs() + 4.0 * flipped * moved
+}
+
+/// Host and GPU losses, gradient norms and weights of `model` under every policy, in f32.
+fn check_f32(model: &str, grad_clip: Option<f64>) {
+    require_gpu();
+    let (graph, layers) = training(model, DType::F32, grad_clip);
+    let lr = 1e-3;
+    let chunks = chunked(&graph);
+    let init: HashMap<String, Vec<f32>> = graph
+        .params()
+        .zip(init_params(&graph, SEED))
+        .map(|((_, p), v)| (p.name.clone(), v))
+        .collect();
+    let config = protrain_models::load(model).unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    for policy in policies(chunks.len() as u32, layers) {
+        let schedule = compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+            .unwrap_or_else(|e| panic!("{model} [{policy}]: {e}"));
+        let schedule = verify(schedule).unwrap_or_else(|e| panic!("{model} [{policy}]: {e}"));
+        let host = train::<HostBackend>(&schedule, &init, &data);
+        let gpu = train::<CudaBackend>(&schedule, &init, &data);
+        let host_losses: Vec<f32> = host.iter().map(|(r, _)| r.loss).collect();
+        let host_norms: Vec<f32> = host.iter().filter_map(|(r, _)| r.grad_norm).collect();
+        // The weights before each step: the initial ones agree exactly.
+        let mut flipped = 0.0;
+        for (step, ((h, hw), (g, gw))) in host.iter().zip(&gpu).enumerate() {
+            let what = format!("{model} [{policy}] step {step}");
+            let loss_bound = later_bound(flipped, &host_losses[..=step]);
+            eprintln!(
+                "{what}: loss host {} gpu {} (rel {:.2e}, bound {:.2e} abs); grad norm host \
+                 {:?} gpu {:?}; {:.3}% of weights diverged before the step",
+                h.loss,
+                g.loss,
+                relative(g.loss, h.loss),
+                loss_bound,
+                h.grad_norm,
+                g.grad_norm,
+                100.0 * flipped
+            );
+            assert!(
+                (f64::from(g.loss) - f64::from(h.loss)).abs() <= loss_bound,
+                "{what}: the GPU's loss {} differs from the host's {} by more than {loss_bound:e}",
+                g.loss,
+                h.loss
+            );
+            match (h.grad_norm, g.grad_norm) {
+                (None, None) => {}
+                (Some(hn), Some(gn)) => {
+                    let bound = later_bound(flipped, &host_norms[..=step]);
+                    assert!(
+                        (f64::from(gn) - f64::from(hn)).abs() <= bound,
+                        "{what}: gradient norm {gn} on the GPU, {hn} on the host (bound {bound:e})"
+                    )
+                }
+                (hn, gn) => {
+                    panic!("{what}: gradient norm {hn:?} on the host but {gn:?} on the GPU")
+                }
+            }
+            flipped = diverged(gw, hw, lr);
+            if step == 0 {
+                // The first update is a function of the first gradients' signs: it checks the
+                // gradients themselves, element by element.
+                assert!(
+                    flipped <= MAX_FLIPPED,
+                    "{what}: {:.3}% of the weights differ after the first update (at most \
+                     {:.1}% may, where a gradient is rounding noise around zero): the GPU's \
+                     gradients are not the host's",
+                    100.0 * flipped,
+                    100.0 * MAX_FLIPPED
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpt2_f32_losses_match_the_host_under_three_policies() {
+    check_f32("gpt2-tiny", Some(0.5));
+}
+
+#[test]
+fn llama_f32_losses_match_the_host_under_three_policies() {
+    check_f32("llama-tiny", None);
+}
+
+/// bf16 schedules (bf16 parameters resident or streamed from the host, f32 master weights
+/// updated by the device AdamW or the CPU Adam) train close to the host's f32 run.
+fn check_bf16(model: &str) {
+    require_gpu();
+    let (f32_graph, layers) = training(model, DType::F32, Some(1.0));
+    let (bf16_graph, _) = training(model, DType::BF16, Some(1.0));
+    let init: HashMap<String, Vec<f32>> = f32_graph
+        .params()
+        .zip(init_params(&f32_graph, SEED))
+        .map(|((_, p), v)| (p.name.clone(), v))
+        .collect();
+    let config = protrain_models::load(model).unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    let f32_chunks = chunked(&f32_graph);
+    let resident = Policy::resident(f32_chunks.len() as u32, layers);
+    let reference = compile_policy(
+        &f32_graph,
+        &f32_chunks,
+        &resident,
+        common::header("cuda-e2e", "h200"),
+    )
+    .unwrap();
+    let reference = verify(reference).unwrap();
+    let host = train::<HostBackend>(&reference, &init, &data);
+    let chunks = chunked(&bf16_graph);
+    // Resident (the device AdamW on bf16 parameters) and every chunk streamed (the CPU Adam).
+    let n = chunks.len() as u32;
+    for policy in [
+        Policy::resident(n, layers),
+        Policy::protrain(0, 2, 0, layers, layers),
+    ] {
+        let schedule = compile_policy(
+            &bf16_graph,
+            &chunks,
+            &policy,
+            common::header("cuda-e2e", "h200"),
+        )
+        .unwrap_or_else(|e| panic!("{model} bf16 [{policy}]: {e}"));
+        let schedule = verify(schedule).unwrap_or_else(|e| panic!("{model} bf16 [{policy}]: {e}"));
+        let gpu = train::<CudaBackend>(&schedule, &init, &data);
+        let host_bf16 = train::<HostBackend>(&schedule, &init, &data);
+        for (step, ((h, _), (g, _))) in host_bf16.iter().zip(&gpu).enumerate() {
+            eprintln!(
+                "{model} bf16 [{policy}] step {step}: loss host bf16 {} gpu bf16 {} (rel {:.2e})",
+                h.loss,
+                g.loss,
+                relative(g.loss, h.loss)
+            );
+            assert!(
+                relative(g.loss, h.loss) <= BF16_HOST_TOLERANCE,
+                "{model} bf16 [{policy}] step {step}: loss {} on the GPU, {} on the host backend \
+                 running the same bf16 schedule",
+                g.loss,
+                h.loss
+            );
+        }
+        for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+            eprintln!(
+                "{model} bf16 [{policy}] step {step}: loss host f32 {} gpu bf16 {} (rel {:.2e})",
+                h.loss,
+                g.loss,
+                relative(g.loss, h.loss)
+            );
+            assert!(
+                relative(g.loss, h.loss) <= BF16_TOLERANCE,
+                "{model} bf16 [{policy}] step {step}: loss {} on the GPU, {} on the host in f32",
+                g.loss,
+                h.loss
+            );
+            assert!(
+                g.grad_norm.is_some_and(f32::is_finite),
+                "{model} bf16 [{policy}] step {step}: no finite gradient norm"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt2_bf16_losses_stay_close_to_f32() {
+    check_bf16("gpt2-tiny");
+}
+
+#[test]
+fn llama_bf16_losses_stay_close_to_f32() {
+    check_bf16("llama-tiny");
+}
+
+/// Gradient accumulation on the GPU: two micro-batches per step, against the host backend
+/// running the same schedule, resident (device accumulators, the device AdamW) and streamed
+/// (host accumulators summed and normed by the CPU, the CPU Adam), in f32 and bf16.
+fn check_accumulation(model: &str) {
+    require_gpu();
+    const K: u64 = 2;
+    for (dtype, tolerance) in [
+        (DType::F32, F32_TOLERANCE),
+        (DType::BF16, BF16_HOST_TOLERANCE),
+    ] {
+        let (mut graph, layers) = training(model, dtype, Some(1.0));
+        protrain_compiler::accumulate::scale_loss_gradient(&mut graph, K).unwrap();
+        let init: HashMap<String, Vec<f32>> = graph
+            .params()
+            .zip(init_params(&graph, SEED))
+            .map(|((_, p), v)| (p.name.clone(), v))
+            .collect();
+        let config = protrain_models::load(model).unwrap();
+        let data = common::batches(config.vocab_size as usize, K * BATCH, SEQ, STEPS, SEED);
+        let chunks = chunked(&graph);
+        let n = chunks.len() as u32;
+        for policy in [
+            Policy::resident(n, layers),
+            Policy::protrain(0, 2, 0, layers, layers),
+        ] {
+            let what = format!("{model} {dtype} --grad-accum {K} [{policy}]");
+            let schedule =
+                compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let schedule = verify(schedule).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(schedule.micro_batches(), K as u32, "{what}");
+            let gpu = train::<CudaBackend>(&schedule, &init, &data);
+            let host = train::<HostBackend>(&schedule, &init, &data);
+            for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+                eprintln!(
+                    "{what} step {step}: loss host {} gpu {} (rel {:.2e})",
+                    h.loss,
+                    g.loss,
+                    relative(g.loss, h.loss)
+                );
+                assert!(
+                    relative(g.loss, h.loss) <= tolerance,
+                    "{what} step {step}: loss {} on the GPU, {} on the host backend",
+                    g.loss,
+                    h.loss
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpt2_accumulation_matches_the_host_backend() {
+    check_accumulation("gpt2-tiny");
+}
+
+/// One f16 run of `schedule` on backend `B` at `scales[i]` for step `i`: each step's report,
+/// whether it was skipped, the weights after it, and AdamW's update count at the end.
+fn train_scaled<B: Backend>(
+    schedule: &VerifiedSchedule,
+    init: &HashMap<String, Vec<f32>>,
+    data: &[[Vec<i32>; 2]],
+    scales: &[f64],
+) -> (Vec<(StepReport, Vec<f32>)>, u64) {
+    let mut exec = Executor::<B>::with_backend(schedule).unwrap();
+    assert!(exec.loss_scaled(), "an f16 schedule is loss-scaled");
+    let values: Vec<Vec<f32>> = schedule
+        .graph
+        .params()
+        .map(|(_, p)| init[&p.name].clone())
+        .collect();
+    exec.load_params(&values).unwrap();
+    let steps = data
+        .iter()
+        .zip(scales)
+        .enumerate()
+        .map(|(step, ([x, y], &scale))| {
+            let report = exec
+                .step_with(&[x, y], None, Some(scale))
+                .unwrap_or_else(|e| panic!("step {step}: {e}"));
+            (report, exec.params().unwrap().concat())
+        })
+        .collect();
+    (steps, exec.updates_taken())
+}
+
+/// f16 with dynamic loss scaling on the GPU against the host backend on the same schedule,
+/// resident (the device AdamW and unscale kernel) and streamed (the CPU Adam), with and without
+/// two accumulated micro-batches: the same losses within [`F16_HOST_TOLERANCE`], and a step
+/// forced to overflow skipped on both, leaving the GPU's weights as they were, bit for bit.
+fn check_f16(model: &str) {
+    require_gpu();
+    // Steps 0 and 1 train, step 2 overflows, step 3 trains again.
+    let scales = [LOSS_SCALE, LOSS_SCALE, OVERFLOWING, LOSS_SCALE];
+    for k in [1, 2] {
+        let (mut graph, layers) = training(model, DType::F16, Some(1.0));
+        if k > 1 {
+            protrain_compiler::accumulate::scale_loss_gradient(&mut graph, k).unwrap();
+        }
+        let init: HashMap<String, Vec<f32>> = graph
+            .params()
+            .zip(init_params(&graph, SEED))
+            .map(|((_, p), v)| (p.name.clone(), v))
+            .collect();
+        let config = protrain_models::load(model).unwrap();
+        let data = common::batches(config.vocab_size as usize, k * BATCH, SEQ, 4, SEED);
+        let chunks = chunked(&graph);
+        let n = chunks.len() as u32;
+        for policy in [
+            Policy::resident(n, layers),
+            Policy::protrain(0, 2, 0, layers, layers),
+        ] {
+            let what = format!("{model} f16 --grad-accum {k} [{policy}]");
+            let schedule =
+                compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let schedule = verify(schedule).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (gpu, gpu_updates) = train_scaled::<CudaBackend>(&schedule, &init, &data, &scales);
+            let (host, host_updates) =
+                train_scaled::<HostBackend>(&schedule, &init, &data, &scales);
+            for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+                eprintln!(
+                    "{what} step {step}: loss host {} gpu {} (rel {:.2e}), skipped host {} gpu {}",
+                    h.loss,
+                    g.loss,
+                    relative(g.loss, h.loss),
+                    h.skipped,
+                    g.skipped
+                );
+                assert_eq!(g.skipped, step == 2, "{what} step {step}: the GPU's skip");
+                assert_eq!(h.skipped, step == 2, "{what} step {step}: the host's skip");
+                assert!(
+                    relative(g.loss, h.loss) <= F16_HOST_TOLERANCE,
+                    "{what} step {step}: loss {} on the GPU, {} on the host backend",
+                    g.loss,
+                    h.loss
+                );
+            }
+            assert_eq!((gpu_updates, host_updates), (3, 3), "{what}: AdamW updates");
+            let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert!(
+                bits(&gpu[2].1) == bits(&gpu[1].1),
+                "{what}: the skipped step changed the GPU's weights"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpt2_f16_matches_the_host_backend_and_skips_an_overflowing_step() {
+    check_f16("gpt2-tiny");
+}

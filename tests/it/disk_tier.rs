@@ -1,0 +1,349 @@
+//! The disk tier: the optimizer state of offloaded chunks that host memory
+//! cannot hold lives in a file, read into staging buffers before the CPU Adam updates it and
+//! written back after. On the host backend gpt2-tiny and llama-tiny train with every chunk's
+//! state on disk bit for bit as the same policy fully in host memory and as every chunk
+//! resident (bf16, clipped), and as the interpreter (f32); a checkpoint carries the state on
+//! disk, and resuming from it gives the uninterrupted run's losses. The verifier refuses a
+//! disk schedule that writes a chunk's state back before its update, or updates it before it
+//! is read; the runtime refuses a disk schedule without a directory.
+
+use crate::common;
+
+use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
+use protrain::ir::{parse_size, DType, HardwareProfile, Instr, Schedule, Space, StreamKind};
+use protrain::runtime::checkpoint::{self, Progress};
+use protrain::runtime::interpreter::Interpreter;
+use protrain::runtime::params::init_params;
+use protrain::runtime::Executor;
+use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+
+const BATCH: u64 = 2;
+const SEQ: u64 = 16;
+const STEPS: usize = 4;
+const SEED: u64 = 11;
+/// Every chunk streamed and updated by the CPU Adam, one layer swapped and one recomputed.
+const TIGHT: &str = "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1";
+
+/// `model` for the host under `policy`, with `host` bytes of host memory (the profile's when
+/// `None`) and a disk tier of 64 MiB; clipped (the CPU Adam then waits for the clip
+/// coefficient, which exists only after every gradient).
+fn compile(model: &str, dtype: DType, policy: &str, host: Option<u64>) -> VerifiedSchedule {
+    let config = protrain::models::load(model).unwrap();
+    let mut hardware = HardwareProfile::preset("host").unwrap();
+    if let Some(bytes) = host {
+        hardware = hardware.with_host_memory(bytes);
+    }
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        dtype,
+        policy: PolicyChoice::parse(policy).unwrap(),
+        optimizer: OptimizerConfig {
+            grad_clip: Some(1.0),
+            ..Default::default()
+        },
+        ..CompileOptions::for_hardware(hardware.with_disk_memory(parse_size("64MiB").unwrap()))
+    };
+    protrain::compile(&config, &options)
+        .unwrap_or_else(|e| panic!("{model} [{policy}]: {e}"))
+        .schedule
+}
+
+/// `model`'s tight policy with every chunk's optimizer state on disk: the host budget is
+/// what the host region needs with all of them moved, which moving fewer does not meet
+/// (gpt2-tiny has four alike chunks, double-buffered; llama-tiny two, through one staging
+/// buffer).
+fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
+    let host = compile(model, dtype, TIGHT, None);
+    assert_eq!(
+        host.disk_bytes, 0,
+        "{model}: fits the host without the disk"
+    );
+    let state: u64 = host
+        .buffers
+        .iter()
+        .filter(|b| matches!(b.kind, protrain::ir::BufferKind::OptimizerState { .. }))
+        .map(|b| b.size)
+        .sum();
+    let largest = host
+        .buffers
+        .iter()
+        .filter(|b| matches!(b.kind, protrain::ir::BufferKind::OptimizerState { .. }))
+        .map(|b| b.size)
+        .max()
+        .unwrap();
+    // Everything but the state, plus two staging buffers of the largest (one for two
+    // chunks, where two would save nothing), and alignment.
+    let chunks = host.chunks.len() as u64;
+    let budget = host.host_bytes - state + 2.min(chunks - 1) * largest + 4096;
+    let disk = compile(model, dtype, TIGHT, Some(budget));
+    assert_eq!(
+        disk.disk_chunks().len() as u64,
+        chunks,
+        "{model}: every chunk's state on disk"
+    );
+    assert!(disk.host_bytes <= budget && disk.host_bytes < host.host_bytes);
+    disk
+}
+
+/// Each step's loss and gradient norm bits, then every final weight's bits and every
+/// optimizer state's bits, in order.
+type Trace = (Vec<u32>, Vec<Vec<u32>>, Vec<Vec<u32>>);
+
+/// An executor of `schedule` with its disk file in `dir`. Every file in these tests moves its
+/// bulk with `O_DIRECT` (where the file system takes it), the runtime's choice for a state
+/// the page cache cannot hold, so that path runs through whole schedules; the runtime's unit
+/// tests cover buffered I/O and every alignment against a plain byte vector.
+fn executor<'s>(schedule: &'s VerifiedSchedule, dir: &std::path::Path) -> Executor<'s> {
+    static DIRECT: std::sync::Once = std::sync::Once::new();
+    DIRECT.call_once(|| std::env::set_var(protrain::runtime::disk::IO_ENV, "direct"));
+    let mut exec = Executor::new(schedule).unwrap();
+    exec.set_disk_dir(dir).unwrap();
+    exec
+}
+
+fn finish(exec: &Executor<'_>, trace: Vec<u32>) -> Trace {
+    let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect();
+    let params = exec.params().unwrap().iter().map(bits).collect();
+    let state = exec.state().unwrap().iter().map(|(_, v)| bits(v)).collect();
+    (trace, params, state)
+}
+
+fn train(schedule: &VerifiedSchedule, model: &str) -> Trace {
+    let config = protrain::models::load(model).unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    let dir = tempfile::tempdir().unwrap();
+    let mut exec = executor(schedule, dir.path());
+    exec.load_params(&init_params(&schedule.graph, SEED))
+        .unwrap();
+    let mut trace = Vec::new();
+    for [x, y] in &data {
+        let report = exec.step(&[x, y]).unwrap();
+        trace.push(report.loss.to_bits());
+        trace.push(report.grad_norm.expect("clipped").to_bits());
+    }
+    let out = finish(&exec, trace);
+    if schedule.disk_bytes > 0 {
+        let path = exec.disk_path().unwrap().to_path_buf();
+        assert!(path.starts_with(dir.path()) && path.exists());
+        drop(exec);
+        assert!(!path.exists(), "the file is removed with the executor");
+    }
+    out
+}
+
+fn check_bf16(model: &str) {
+    let disk = on_disk(model, DType::BF16);
+    let host = compile(model, DType::BF16, TIGHT, None);
+    let resident = compile(model, DType::BF16, "", None);
+    let want = train(&resident, model);
+    assert_eq!(train(&host, model), want, "{model}: host vs resident");
+    assert_eq!(
+        train(&disk, model),
+        want,
+        "{model}: the state on disk trains differently from the resident schedule"
+    );
+}
+
+#[test]
+fn gpt2_with_its_state_on_disk_trains_bit_identically() {
+    check_bf16("gpt2-tiny");
+}
+
+#[test]
+fn llama_with_its_state_on_disk_trains_bit_identically() {
+    check_bf16("llama-tiny");
+}
+
+/// f32: the disk schedule's losses and weights are the interpreter's, step by step.
+#[test]
+fn f32_state_on_disk_matches_the_interpreter() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let disk = on_disk(model, DType::F32);
+        let config = protrain::models::load(model).unwrap();
+        let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+        let init = init_params(&disk.graph, SEED);
+        let dir = tempfile::tempdir().unwrap();
+        let mut exec = executor(&disk, dir.path());
+        exec.load_params(&init).unwrap();
+        let mut interp = Interpreter::new(&disk.graph);
+        for ((id, _), values) in disk.graph.params().zip(&init) {
+            interp.set_param(id, values).unwrap();
+        }
+        for [x, y] in &data {
+            let got = exec.step(&[x, y]).unwrap();
+            let want = interp.step(&[x, y]).unwrap();
+            assert_eq!(got.loss.to_bits(), want.loss.to_bits(), "{model}");
+        }
+        let got = exec.params().unwrap();
+        for ((id, _), values) in disk.graph.params().zip(&got) {
+            let want = interp.param(id);
+            assert!(
+                values
+                    .iter()
+                    .zip(want.iter())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{model}: {} differs from the interpreter's",
+                disk.graph.param(id).name
+            );
+        }
+    }
+}
+
+/// A checkpoint after step 2 of 4 holds the state on disk: restored into a new executor (a
+/// new file), the last two steps give the uninterrupted run's losses, weights and state.
+#[test]
+fn a_checkpoint_carries_the_state_on_disk() {
+    let model = "gpt2-tiny";
+    let disk = on_disk(model, DType::BF16);
+    let want = train(&disk, model);
+    let config = protrain::models::load(model).unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    let (dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut first = executor(&disk, dir.path());
+    first.load_params(&init_params(&disk.graph, SEED)).unwrap();
+    let mut trace = Vec::new();
+    for [x, y] in &data[..2] {
+        let report = first.step(&[x, y]).unwrap();
+        trace.push(report.loss.to_bits());
+        trace.push(report.grad_norm.unwrap().to_bits());
+    }
+    let progress = Progress {
+        step: 2,
+        data_step: 2,
+        data_tokens: 0,
+        scaler: None,
+    };
+    checkpoint::save(ckpt.path(), &first, &progress).unwrap();
+    drop(first);
+    let (saved, _) = checkpoint::load_latest(ckpt.path(), &disk).unwrap();
+    let mut resumed = executor(&disk, dir.path());
+    saved.restore(&mut resumed).unwrap();
+    for [x, y] in &data[2..] {
+        let report = resumed.step(&[x, y]).unwrap();
+        trace.push(report.loss.to_bits());
+        trace.push(report.grad_norm.unwrap().to_bits());
+    }
+    assert_eq!(finish(&resumed, trace), want, "resumed vs uninterrupted");
+}
+
+/// The disk i/o stream of a verified disk schedule, and the index of its first write.
+fn first_write(s: &Schedule) -> (usize, usize) {
+    let io = s
+        .streams
+        .iter()
+        .position(|st| st.kind == StreamKind::DiskIo)
+        .unwrap();
+    let at = s.streams[io]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::DiskWrite { .. }))
+        .unwrap();
+    (io, at)
+}
+
+/// Mutations the verifier refuses: a write back that no longer waits for the update (the
+/// update would be lost, or race the write), and an update that no longer waits for its
+/// read (it would read moments not there yet).
+#[test]
+fn the_verifier_refuses_a_write_before_the_update_and_an_update_before_the_read() {
+    let schedule: Schedule = (*on_disk("gpt2-tiny", DType::BF16)).clone();
+    let (io, at) = first_write(&schedule);
+    let mut early = schedule.clone();
+    // The wait for the update moves after the write.
+    let wait = early.streams[io].instrs.remove(at - 1);
+    assert!(matches!(wait, Instr::Wait { .. }));
+    early.streams[io].instrs.insert(at, wait);
+    let err = verify(early)
+        .expect_err("a write before its update")
+        .to_string();
+    assert!(
+        err.contains("data flow") && err.contains("disk_write"),
+        "{err}"
+    );
+
+    let mut unread = schedule.clone();
+    let opt = unread
+        .streams
+        .iter()
+        .position(|st| st.kind == StreamKind::HostOptimizer)
+        .unwrap();
+    let Some(Instr::Record { event }) = unread.streams[io].instrs.get(1).cloned() else {
+        panic!("the first read records its event")
+    };
+    let wait = unread.streams[opt]
+        .instrs
+        .iter()
+        .position(|i| *i == Instr::Wait { event })
+        .unwrap();
+    unread.streams[opt].instrs.remove(wait);
+    // The event must still be waited for somewhere: the compute stream waits at its end.
+    unread.streams[0].instrs.push(Instr::Wait { event });
+    let err = verify(unread)
+        .expect_err("an update before its read")
+        .to_string();
+    assert!(err.contains("data flow") && err.contains("adamw"), "{err}");
+    verify(schedule).unwrap();
+}
+
+/// Without a directory the executor refuses to run a disk schedule; a missing directory is
+/// named with the way out.
+#[test]
+fn a_disk_schedule_needs_a_directory() {
+    let schedule = on_disk("gpt2-tiny", DType::BF16);
+    assert!(schedule.buffers.iter().any(|b| b.space == Space::Disk));
+    let mut exec = Executor::new(&schedule).unwrap();
+    let err = exec
+        .load_params(&init_params(&schedule.graph, SEED))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--disk-dir"), "{err}");
+    let missing = std::env::temp_dir().join("protrain-disk-tier-test-missing");
+    let err = exec.set_disk_dir(&missing).unwrap_err().to_string();
+    assert!(
+        err.contains("protrain-disk-tier-test-missing") && err.contains("mkdir"),
+        "{err}"
+    );
+}
+
+/// A disk tier larger than the free space is refused with the figures before its file exists
+/// (it was written with zeros until the disk was full); one that fits is allocated whole.
+#[test]
+fn a_disk_too_small_is_refused_before_anything_is_written() {
+    use protrain::runtime::disk::{DiskFile, DiskIo};
+    let dir = tempfile::tempdir().unwrap();
+    // What `df` says is free (the runtime asks statvfs, as df does).
+    let df = std::process::Command::new("df")
+        .args(["-B1", "--output=avail"])
+        .arg(dir.path())
+        .output()
+        .expect("df runs");
+    let free: u64 = String::from_utf8_lossy(&df.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .expect("df prints the bytes available");
+    for io in [DiskIo::Direct, DiskIo::Buffered] {
+        let want = free.saturating_add(1 << 40);
+        let err = DiskFile::create_with(dir.path(), want, io)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("free") && err.contains("--disk-dir"), "{err}");
+        assert!(
+            err.contains(&protrain::ir::format_bytes(want)),
+            "names what the schedule needs: {err}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "{err}");
+    }
+    let file = DiskFile::create_with(dir.path(), 8 << 20, DiskIo::Direct).unwrap();
+    let meta = std::fs::metadata(file.path()).unwrap();
+    assert_eq!(meta.len(), 8 << 20);
+    use std::os::unix::fs::MetadataExt;
+    assert!(meta.blocks() * 512 >= 8 << 20, "the blocks are reserved");
+    let mut back = vec![1u8; 1 << 20];
+    file.read(3 << 20, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "an allocated file reads as zeros"
+    );
+}

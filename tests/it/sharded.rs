@@ -1,0 +1,641 @@
+//! ZeRO-3 style sharding on the host backend, ranks as threads: offloaded chunks split over
+//! the ranks (each holds 1/W of their host state), all-gathered before use and
+//! reduce-scattered after their last backward use. W ranks of one micro-batch train bit for
+//! bit as one rank accumulating W micro-batches over the same rows (the reduce-scatter sums
+//! in rank order, the single rank's accumulation order), under a tight policy (every chunk
+//! offloaded and sharded) and a roomy one, in f32 and bf16; the state the ranks gather
+//! (weights, Adam moments) resumes on 2 ranks and on 1 as if uninterrupted.
+
+use crate::common;
+
+use protrain::compiler::comm::Topology;
+use protrain::ir::verify_schedule::verify;
+use protrain::ir::verify_schedule::VerifiedSchedule;
+use protrain::ir::{
+    BufferKind, DType, HardwareProfile, Instr, OpKind, Schedule, ShardPart, StreamKind,
+};
+use protrain::runtime::collective::{thread_ranks, Collective};
+use protrain::runtime::data::rank_rows;
+use protrain::runtime::params::init_params;
+use protrain::runtime::train::vocab_of;
+use protrain::runtime::Executor;
+use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use std::time::Duration;
+
+const ROOMY: &str = "blocks=KK";
+const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
+const BATCH: u64 = 2;
+const SEQ: u64 = 16;
+
+/// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped.
+fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
+    compile_clipped(model, policy, ranks, k, dtype, None)
+}
+
+/// [`compile`] with gradients clipped to the global norm `clip`.
+fn compile_clipped(
+    model: &str,
+    policy: &str,
+    ranks: u32,
+    k: u64,
+    dtype: DType,
+    clip: Option<f64>,
+) -> VerifiedSchedule {
+    let config = protrain::models::load(model).expect("preset");
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        dtype,
+        hardware: HardwareProfile::host().with_thread_ranks(ranks),
+        policy: PolicyChoice::parse(policy).expect("a policy"),
+        optimizer: OptimizerConfig {
+            grad_clip: clip,
+            ..OptimizerConfig::default()
+        },
+        micro_batches: k,
+        topology: Topology {
+            gpus: ranks,
+            nodes: 1,
+        },
+        ..CompileOptions::default()
+    };
+    protrain::compile(&config, &options)
+        .unwrap_or_else(|e| panic!("{model} {policy} {ranks} ranks x {k}: {e}"))
+        .schedule
+}
+
+/// Every step's loss bits, the final weights' bits and the final Adam state's bits.
+type Run = (Vec<u32>, Vec<Vec<u32>>, Vec<(String, Vec<u32>)>);
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// What a run starts from: the seed-0 weights and zero moments at step 0, or a state read
+/// back from another run (weights, moments, steps taken).
+type Start = (Vec<Vec<f32>>, Option<Vec<(String, Vec<f32>)>>, u64);
+
+/// Trains on every rank of `schedule` (threads) the steps `first..first + steps` of the
+/// synthetic corpus, each rank its rows of each global batch, from `start`. Every rank must
+/// report the same losses and gather the same weights and state; returns rank 0's, with the
+/// state as floats for resuming.
+fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Start) {
+    let ranks = schedule.ranks() as usize;
+    let global = BATCH * u64::from(schedule.micro_batches()) * ranks as u64;
+    let vocab = vocab_of(&schedule.graph).expect("a language model");
+    let first = start.2 as usize;
+    let batches = common::batches(vocab, global, SEQ, first + steps, 7);
+    let run = |comm: Option<Box<dyn Collective>>| -> (Run, Start) {
+        let mut executor = Executor::new(schedule).expect("an executor");
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        if let Some(comm) = comm {
+            executor.set_collective(comm).expect("the group fits");
+        }
+        executor.load_params(&start.0).expect("loads");
+        if let Some(state) = &start.1 {
+            executor.load_state(state).expect("loads the state");
+            executor.set_step(start.2);
+        }
+        let mut losses = Vec::new();
+        let k = schedule.micro_batches() as usize;
+        let (mut ins, mut outs) = (Vec::new(), Vec::new());
+        for [inputs, targets] in &batches[first..] {
+            rank_rows(inputs, rank, ranks, k, &mut ins).expect("rows");
+            rank_rows(targets, rank, ranks, k, &mut outs).expect("rows");
+            let r = executor.step(&[&ins, &outs]).expect("a step");
+            losses.push(r.loss.to_bits());
+        }
+        let weights = executor.params().expect("weights");
+        let state = executor.state().expect("state");
+        let run = (
+            losses,
+            weights.iter().map(|w| bits(w)).collect(),
+            state.iter().map(|(n, s)| (n.clone(), bits(s))).collect(),
+        );
+        (run, (weights, Some(state), executor.steps_taken()))
+    };
+    if ranks == 1 {
+        return run(None);
+    }
+    let comms = thread_ranks(ranks, Duration::from_secs(60)).expect("a group");
+    let runs: Vec<(Run, Start)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| scope.spawn(move || run(Some(Box::new(c)))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank"))
+            .collect()
+    });
+    for (r, other) in runs.iter().enumerate().skip(1) {
+        assert!(other.0 == runs[0].0, "rank {r} diverged from rank 0");
+    }
+    runs.into_iter().next().expect("rank 0")
+}
+
+fn fresh(schedule: &VerifiedSchedule) -> Start {
+    (init_params(&schedule.graph, 0), None, 0)
+}
+
+/// How many all-gathers and reduce-scatters the collective stream issues.
+fn collectives(schedule: &VerifiedSchedule) -> (usize, usize) {
+    let all = || schedule.streams.iter().flat_map(|s| &s.instrs);
+    (
+        all()
+            .filter(|i| matches!(i, Instr::AllGather { .. }))
+            .count(),
+        all()
+            .filter(|i| matches!(i, Instr::ReduceScatter { .. }))
+            .count(),
+    )
+}
+
+#[test]
+fn sharded_ranks_train_as_one_rank_accumulating_their_micro_batches_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+    ] {
+        for ranks in [2u32, 4] {
+            let one = compile(model, TIGHT, 1, u64::from(ranks), dtype);
+            let (single, _) = train(&one, &fresh(&one), 3);
+            for policy in [TIGHT, ROOMY] {
+                let what = format!("{model} {dtype} {policy} on {ranks} ranks");
+                let schedule = compile(model, policy, ranks, 1, dtype);
+                let (gathers, scatters) = collectives(&schedule);
+                if policy == TIGHT {
+                    // Every chunk is offloaded, so sharded: gathered for the forward and the
+                    // backward pass, its gradients reduce-scattered once.
+                    assert!(schedule.sharded(), "{what}");
+                    assert_eq!(scatters, schedule.chunks.len(), "{what}");
+                    assert!(gathers >= 2 * scatters - 1, "{what}: {gathers} gathers");
+                    let whole = compile(model, policy, 1, u64::from(ranks), dtype);
+                    assert!(
+                        schedule.host_bytes * u64::from(ranks) < whole.host_bytes * 3 / 2,
+                        "{what}: {} host bytes per rank against {} for one rank",
+                        schedule.host_bytes,
+                        whole.host_bytes
+                    );
+                }
+                let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                assert_eq!(parallel.0, single.0, "{what}: losses");
+                assert!(parallel.1 == single.1, "{what}: weights differ");
+                assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            }
+        }
+    }
+}
+
+/// How many `accumulate_grad` kernels the collective stream runs (each sums a micro-batch's
+/// gradient over the ranks into its accumulator), and how many AdamW ops the schedule has.
+fn accumulations_over_ranks(schedule: &VerifiedSchedule) -> (usize, usize) {
+    let graph = &schedule.graph;
+    let kernels = |collective: bool| {
+        schedule
+            .streams
+            .iter()
+            .filter(|s| matches!(s.kind, StreamKind::Collective { .. }) == collective)
+            .flat_map(|s| &s.instrs)
+            .filter_map(|i| match i {
+                Instr::Kernel { op, .. } => Some(&graph.op(*op).kind),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let on_comm = kernels(true)
+        .into_iter()
+        .filter(|k| **k == OpKind::AccumulateGrad)
+        .count();
+    let adamws = graph
+        .ops()
+        .filter(|(_, o)| matches!(o.kind, OpKind::AdamW { .. }))
+        .count();
+    let local = kernels(false)
+        .into_iter()
+        .filter(|k| **k == OpKind::AccumulateGrad)
+        .count();
+    assert_eq!(local, 0, "an accumulate_grad off the collective stream");
+    (on_comm, adamws)
+}
+
+/// The host bytes of `schedule`'s buffers that hold offloaded chunks' state: sharded (every
+/// part of every shard, each rank's), whole (parameters, gradients, optimizer state), and
+/// whole host accumulators.
+fn host_state(schedule: &VerifiedSchedule) -> (u64, u64, u64) {
+    let of = |f: fn(&BufferKind) -> bool| {
+        schedule
+            .buffers
+            .iter()
+            .filter(|b| b.space == protrain::ir::Space::Host && f(&b.kind))
+            .map(|b| b.size)
+            .sum()
+    };
+    (
+        of(|k| matches!(k, BufferKind::HostShard { .. })),
+        of(|k| {
+            matches!(
+                k,
+                BufferKind::HostChunk { .. }
+                    | BufferKind::HostGradChunk { .. }
+                    | BufferKind::OptimizerState { .. }
+            )
+        }),
+        of(|k| matches!(k, BufferKind::Accumulators)),
+    )
+}
+
+/// W ranks of A micro-batches each, for W in {2, 4} and A in {2, 3}, gpt2-tiny and
+/// llama-tiny, f32 and bf16, clipped and not, under the tight policy (every chunk offloaded,
+/// so sharded) and the roomy one: the losses, weights and Adam moments of one rank
+/// accumulating W x A micro-batches, bit for bit. Rank r's micro-batch m reads global
+/// micro-batch m x W + r, and each micro-batch's gradients are summed over the ranks in rank
+/// order into the accumulators (a sharded chunk's straight from the device into the part
+/// each rank holds), so the ranks add the global micro-batches' gradients one by one in
+/// their order, as the single rank does. Each rank holds 1/W of the sharded chunks' host
+/// state, and unclipped 1/W of their accumulators too (they are the gradient shards: no
+/// whole host accumulator); clipped, the accumulators stay whole so that every squared norm
+/// reads a whole sum.
+///
+/// Mutations that fail it: the host backend's sharded sum adding the ranks' sum to the
+/// accumulator (`acc + (g0 + g1)`: the fold in `reduce_part_into` starting from rank 0's
+/// gradient, `acc` added last): gpt2-tiny f32 on 2 x 2, the weights differ; the accumulate
+/// pass laying a sharded chunk's accumulators out whole (`Laid::Appended` for every
+/// accumulator): the whole-accumulators assertion.
+#[test]
+fn sharded_ranks_of_several_micro_batches_train_as_one_rank_of_w_x_a_bit_for_bit() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for dtype in [DType::F32, DType::BF16] {
+            for clip in [None, Some(0.05)] {
+                let mut singles: Vec<(u64, VerifiedSchedule, Run)> = Vec::new();
+                for (ranks, a) in [(2u32, 2u64), (2, 3), (4, 2), (4, 3)] {
+                    let all = u64::from(ranks) * a;
+                    if !singles.iter().any(|(k, _, _)| *k == all) {
+                        let one = compile_clipped(model, TIGHT, 1, all, dtype, clip);
+                        let run = train(&one, &fresh(&one), 3).0;
+                        singles.push((all, one, run));
+                    }
+                    let (_, one, single) = singles.iter().find(|(k, _, _)| *k == all).expect("run");
+                    for policy in [TIGHT, ROOMY] {
+                        let what =
+                            format!("{model} {dtype} clip {clip:?} {policy}: {ranks} ranks x {a}");
+                        let schedule = compile_clipped(model, policy, ranks, a, dtype, clip);
+                        let (on_comm, adamws) = accumulations_over_ranks(&schedule);
+                        assert_eq!(on_comm, adamws, "{what}");
+                        if policy == TIGHT {
+                            assert!(schedule.sharded(), "{what}");
+                            let (shards, unsharded, accumulators) = host_state(&schedule);
+                            let (_, state, whole) = host_state(one);
+                            assert_eq!(unsharded, 0, "{what}: whole state on a rank");
+                            match clip {
+                                // The accumulators are the gradient shards.
+                                None => {
+                                    assert_eq!(accumulators, 0, "{what}: whole accumulators");
+                                    assert!(
+                                        schedule.host_bytes * u64::from(ranks)
+                                            < one.host_bytes * 3 / 2,
+                                        "{what}: {} host bytes per rank against {} for one rank",
+                                        schedule.host_bytes,
+                                        one.host_bytes
+                                    );
+                                }
+                                Some(_) => assert_eq!(accumulators, whole, "{what}"),
+                            }
+                            // The sharded state is 1/W of one rank's (padding aside).
+                            assert!(
+                                shards * u64::from(ranks) <= state + state / 8
+                                    && shards * u64::from(ranks) * 8 >= state * 7,
+                                "{what}: {shards} sharded bytes per rank of a {state}-byte state"
+                            );
+                        }
+                        let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                        assert_eq!(parallel.0, single.0, "{what}: losses");
+                        assert!(parallel.1 == single.1, "{what}: weights differ");
+                        assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Clipping (and f16's loss scaling) reads the global gradient norm: sharded ranks sum the
+/// sharded chunks' gradients whole (all-reduce) so each squared norm reads the whole sum,
+/// and still keep 1/W of the host state each; they train bit for bit as one rank
+/// accumulating their micro-batches. A clip of 0.05 clips every step of these models.
+#[test]
+fn clipped_sharded_ranks_train_as_one_rank_accumulating_bit_for_bit() {
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+        ("llama-tiny", DType::BF16),
+        ("gpt2-tiny", DType::F16),
+    ] {
+        for ranks in [2u32, 4] {
+            let what = format!("{model} {dtype} clipped on {ranks} ranks");
+            let clip = Some(0.05);
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let (gathers, scatters) = collectives(&schedule);
+            assert_eq!(scatters, 0, "{what}: the gradients are all-reduced whole");
+            assert!(gathers >= 2 * schedule.chunks.len() - 1, "{what}");
+            assert!(
+                schedule.host_bytes * u64::from(ranks) < one.host_bytes * 3 / 2,
+                "{what}: {} host bytes per rank against {} for one rank",
+                schedule.host_bytes,
+                one.host_bytes
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            // The clip changed the run: unclipped, the weights differ.
+            let free = compile(model, TIGHT, ranks, 1, dtype);
+            let (unclipped, _) = train(&free, &fresh(&free), 3);
+            assert!(unclipped.1 != parallel.1, "{what}: the clip never bit");
+        }
+    }
+}
+
+/// Chunks whose size does not split into `W` slices of whole words are padded at their end
+/// and sharded all the same: `W` ranks (the fewest, from 3, that do not split the model's
+/// chunks evenly) train bit for bit as one rank accumulating `W` micro-batches, clipped or
+/// not.
+#[test]
+fn chunks_that_do_not_split_evenly_are_padded_and_sharded_bit_for_bit() {
+    for (model, dtype) in [("gpt2-tiny", DType::F32), ("llama-tiny", DType::BF16)] {
+        let chunk_bytes = compile(model, TIGHT, 1, 1, dtype).chunks.chunk_bytes;
+        let ranks = (3u32..=8)
+            .find(|&w| !chunk_bytes.is_multiple_of(4 * u64::from(w)))
+            .expect("a rank count that does not split the chunks");
+        for clip in [None, Some(0.05)] {
+            let what = format!("{model} {dtype} clip {clip:?} on {ranks} ranks");
+            let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+            assert_eq!(one.chunks.chunk_bytes, chunk_bytes, "{what}");
+            let (single, _) = train(&one, &fresh(&one), 3);
+            let schedule = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+            assert!(schedule.sharded(), "{what}");
+            let padded = schedule.chunks.chunk_bytes;
+            let words = 4 * u64::from(ranks);
+            assert!(padded.is_multiple_of(words), "{what}: {padded} bytes");
+            assert!(
+                padded > chunk_bytes && padded < chunk_bytes + words,
+                "{what}: {chunk_bytes} bytes padded to {padded}"
+            );
+            let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+            assert_eq!(parallel.0, single.0, "{what}: losses");
+            assert!(parallel.1 == single.1, "{what}: weights differ");
+            assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+        }
+    }
+}
+
+/// Sharding composes with the 14-byte host layout: each rank's slice of a chunk's summed
+/// bf16 gradients lands in its parameter shard after the chunk's last upload (no gradient
+/// shard), so a rank keeps 14 bytes per offloaded parameter over W; the ranks still train bit
+/// for bit as one rank accumulating their micro-batches (in the full layout, as accumulation
+/// always is), clipped or not.
+#[test]
+fn sharded_ranks_in_the_14_byte_layout_train_as_one_rank_accumulating_bit_for_bit() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let full = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1";
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for ranks in [2u32, 4] {
+            for clip in [None, Some(0.05)] {
+                let what = format!("{model} bf16 clip {clip:?} on {ranks} ranks, 14 bytes");
+                let dtype = DType::BF16;
+                let one = compile_clipped(model, full, 1, u64::from(ranks), dtype, clip);
+                let (single, _) = train(&one, &fresh(&one), 3);
+                let schedule = compile_clipped(model, lean, ranks, 1, dtype, clip);
+                let wide = compile_clipped(model, full, ranks, 1, dtype, clip);
+                assert!(schedule.sharded(), "{what}");
+                let grad_shards = |s: &VerifiedSchedule| {
+                    s.buffers
+                        .iter()
+                        .filter(|b| {
+                            matches!(
+                                b.kind,
+                                BufferKind::HostShard {
+                                    part: ShardPart::Grads,
+                                    ..
+                                }
+                            )
+                        })
+                        .count()
+                };
+                assert_eq!(grad_shards(&schedule), 0, "{what}: gradient shards");
+                assert_eq!(grad_shards(&wide), schedule.chunks.len(), "{what}");
+                // Each rank saves its slice of every chunk's gradients: 2 of 16 bytes.
+                let saved = wide.host_bytes - schedule.host_bytes;
+                let slice = schedule.chunks.chunk_bytes / u64::from(ranks);
+                assert!(
+                    saved >= slice * schedule.chunks.len() as u64,
+                    "{what}: {} host bytes against {} in the full layout",
+                    schedule.host_bytes,
+                    wide.host_bytes
+                );
+                let (parallel, _) = train(&schedule, &fresh(&schedule), 3);
+                assert_eq!(parallel.0, single.0, "{what}: losses");
+                assert!(parallel.1 == single.1, "{what}: weights differ");
+                assert!(parallel.2 == single.2, "{what}: Adam moments differ");
+            }
+        }
+    }
+}
+
+/// The mutation: chunk 0's parameter shard uploaded once more at the end of the step, after
+/// each rank's slice of its gradients landed in that shard (14-byte layout). The verifier
+/// refuses it as a fetch that reads gradients where parameters must be; the schedule it was
+/// made from verifies.
+#[test]
+fn a_shard_upload_after_the_gradients_landed_in_it_is_refused() {
+    let lean = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1 host_layout=14";
+    let schedule: Schedule = (*compile("gpt2-tiny", lean, 2, 1, DType::BF16)).clone();
+    let mutated = common::upload_chunk0_after_its_gradient_offload(&schedule);
+    let err = verify(mutated)
+        .expect_err("an upload after the gradient offload")
+        .to_string();
+    assert!(err.contains("data flow"), "{err}");
+    assert!(
+        err.contains("fetch chunk0") && err.contains("landed in the parameter storage"),
+        "the refusal names the upload and the gradients in its storage: {err}"
+    );
+    verify(schedule).expect("the schedule it was made from verifies");
+}
+
+/// The weights and Adam moments read from 4 sharded ranks (gathered from their shards) resume
+/// on 2 ranks accumulating 2 micro-batches each, on 1 rank accumulating 4 and on 4 again:
+/// the losses and final state of an uninterrupted 4-rank run, bit for bit (the 2 ranks sum
+/// each micro-batch's gradients into their accumulators in rank order, the global
+/// micro-batches' order).
+#[test]
+fn a_sharded_state_resumes_on_another_number_of_ranks_as_if_uninterrupted() {
+    let four = compile("gpt2-tiny", TIGHT, 4, 1, DType::F32);
+    let (whole, _) = train(&four, &fresh(&four), 4);
+    let (first, state) = train(&four, &fresh(&four), 2);
+    assert_eq!(first.0, whole.0[..2]);
+    for (ranks, k) in [(2u32, 2u64), (1, 4), (4, 1)] {
+        let schedule = compile("gpt2-tiny", TIGHT, ranks, k, DType::F32);
+        if ranks == 2 {
+            assert!(schedule.micro_batches() == 2 && schedule.sharded());
+        }
+        let (rest, _) = train(&schedule, &state, 2);
+        let what = format!("resumed on {ranks} ranks x {k}");
+        assert_eq!(rest.0, whole.0[2..], "{what}: losses");
+        assert!(rest.1 == whole.1, "{what}: weights");
+        assert!(rest.2 == whole.2, "{what}: moments");
+    }
+}
+
+/// Two sharded ranks of the tight policy resume on 2 sharded ranks of the roomy one (its
+/// chunks persistent and replicated) bit for bit: where the state lives does not change it.
+#[test]
+fn a_sharded_state_resumes_under_another_policy_bit_for_bit() {
+    let tight = compile("gpt2-tiny", TIGHT, 2, 1, DType::F32);
+    let roomy = compile("gpt2-tiny", ROOMY, 2, 1, DType::F32);
+    let (whole, _) = train(&tight, &fresh(&tight), 4);
+    let (_, state) = train(&tight, &fresh(&tight), 2);
+    let (rest, _) = train(&roomy, &state, 2);
+    assert_eq!(rest.0, whole.0[2..]);
+    assert!(rest.1 == whole.1 && rest.2 == whole.2);
+}
+
+/// 4 sharded ranks of 2 micro-batches each: the weights and Adam moments they gather resume
+/// on 2 sharded ranks of 4 micro-batches, on 1 rank of 8 and on 4 x 2 again, bit for bit as
+/// the uninterrupted run (every layout sums the global micro-batches' gradients in their
+/// order).
+#[test]
+fn a_sharded_accumulating_state_resumes_on_another_number_of_ranks_as_if_uninterrupted() {
+    for dtype in [DType::F32, DType::BF16] {
+        let four = compile("gpt2-tiny", TIGHT, 4, 2, dtype);
+        assert!(four.sharded() && four.micro_batches() == 2);
+        let (whole, _) = train(&four, &fresh(&four), 4);
+        let (first, state) = train(&four, &fresh(&four), 2);
+        assert_eq!(first.0, whole.0[..2]);
+        for (ranks, k) in [(2u32, 4u64), (1, 8), (4, 2)] {
+            let schedule = compile("gpt2-tiny", TIGHT, ranks, k, dtype);
+            assert_eq!(schedule.sharded(), ranks > 1);
+            let (rest, _) = train(&schedule, &state, 2);
+            let what = format!("{dtype} resumed on {ranks} ranks x {k}");
+            assert_eq!(rest.0, whole.0[2..], "{what}: losses");
+            assert!(rest.1 == whole.1, "{what}: weights");
+            assert!(rest.2 == whole.2, "{what}: moments");
+        }
+    }
+}
+
+/// The mutation: in a sharded schedule of 2 micro-batches per rank, the collective stream's
+/// first sum of a sharded chunk's gradient into the ranks' accumulator shards moved to the
+/// start of the stream, before any wait. The verifier refuses it (the sum would read the
+/// gradient before the backward pass writes it); the schedule it was made from verifies.
+#[test]
+fn a_sharded_sum_before_its_gradient_is_written_is_refused() {
+    let schedule: Schedule = (*compile("gpt2-tiny", TIGHT, 2, 2, DType::F32)).clone();
+    let mut mutated = schedule.clone();
+    let comm = mutated
+        .streams
+        .iter_mut()
+        .find(|s| matches!(s.kind, StreamKind::Collective { .. }))
+        .expect("a collective stream");
+    let buffers = &schedule.buffers;
+    let at = comm
+        .instrs
+        .iter()
+        .position(|i| match i {
+            Instr::Kernel { inputs, .. } => {
+                matches!(
+                    buffers[inputs[0].buffer.index()].kind,
+                    BufferKind::HostShard {
+                        part: ShardPart::Grads,
+                        ..
+                    }
+                ) && buffers[inputs[1].buffer.index()].space == protrain::ir::Space::Device
+            }
+            _ => false,
+        })
+        .expect("a sum into a gradient shard, from the device");
+    assert!(
+        matches!(comm.instrs[at - 1], Instr::Wait { .. }),
+        "the sum waits for its trigger"
+    );
+    let sum = comm.instrs.remove(at);
+    comm.instrs.insert(0, sum);
+    let err = verify(mutated)
+        .expect_err("a sum before its gradient")
+        .to_string();
+    assert!(err.contains("data flow"), "{err}");
+    assert!(
+        err.contains("accumulate_grad"),
+        "the refusal names the sum: {err}"
+    );
+    verify(schedule).expect("the schedule it was made from verifies");
+}
+
+/// The simulator prices a sharded chunk's sum into the ranks' accumulator shards as what it
+/// moves: a reduce-scatter of the gradient over the interconnect plus the copy of the rank's
+/// `1/W` of it to the host (a replicated accumulator's sum is an all-reduce), on 4 ranks of
+/// a100-80gb accumulating 2 micro-batches.
+///
+/// Mutation that fails it: pricing every sum on the collective stream as an all-reduce of its
+/// bytes (what `instr_seconds` did before sharded accumulation).
+#[test]
+fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
+    use protrain::compiler::comm::CollectiveKind;
+    use protrain::compiler::cost::{cost_model, CopyDir};
+    use protrain::compiler::simulate::instr_seconds;
+    let config = protrain::models::load("gpt2-tiny").expect("preset");
+    let hardware = HardwareProfile::preset("a100-80gb").expect("a preset");
+    let topology = Topology { gpus: 4, nodes: 1 };
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        policy: PolicyChoice::parse(TIGHT).expect("a policy"),
+        micro_batches: 2,
+        topology,
+        ..CompileOptions::for_hardware(hardware.clone())
+    };
+    let schedule = protrain::compile(&config, &options)
+        .expect("compiles")
+        .schedule;
+    assert!(schedule.sharded());
+    let cost = cost_model(&hardware);
+    let mut priced = 0;
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for instr in &stream.instrs {
+            let Instr::Kernel { op, inputs, .. } = instr else {
+                continue;
+            };
+            let sharded = matches!(
+                schedule.buffer(inputs[0].buffer).kind,
+                BufferKind::HostShard { .. }
+            );
+            if schedule.graph.op(*op).kind != OpKind::AccumulateGrad || !sharded {
+                continue;
+            }
+            let bytes = schedule
+                .graph
+                .value(schedule.graph.op(*op).inputs[0])
+                .ty
+                .bytes();
+            let expected = cost.collective_seconds(CollectiveKind::ReduceScatter, bytes, topology)
+                + cost.copy_seconds(bytes.div_ceil(4), CopyDir::DeviceToHost);
+            let got = instr_seconds(
+                &schedule,
+                protrain::ir::StreamId::new(s),
+                instr,
+                cost.as_ref(),
+            );
+            assert!(
+                (got - expected).abs() <= 1e-9 * expected && expected > 0.0,
+                "{}: {got} s, not {expected} s",
+                schedule.graph.value(schedule.graph.op(*op).inputs[0]).name
+            );
+            priced += 1;
+        }
+    }
+    assert!(priced > 0, "no sharded sum");
+}
