@@ -29,7 +29,7 @@
 //! number of ranks: each rank reads the elements it holds under the resuming schedule
 //! ([`Checkpoint::restore`]), from the shards that hold them, so a checkpoint of 4 ranks
 //! resumes on 2 or 1 and one of 1 rank on 4 (re-sharding). A single rank writes the
-//! single file, as before.
+//! single file: one rank has nothing to shard, and one file is what other tools read.
 
 pub mod sharded;
 
@@ -155,7 +155,8 @@ impl OptimizerSettings {
 
 impl std::fmt::Display for OptimizerSettings {
     /// `lr=0.003 beta1=0.9 beta2=0.95 eps=1e-8 weight_decay=0 grad_clip=none`, then
-    /// ` grad_accum=K` with accumulation (so a run without it reads as before).
+    /// ` grad_accum=K` with accumulation (left out without it, so a run that accumulates
+    /// nothing shows only the settings that apply to it).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -716,7 +717,7 @@ pub fn take_dir(dir: &Path) -> Result<DirLock> {
                     pid: text.trim().parse().ok(),
                 });
             }
-            // No locks here: the directory is used as before, unguarded.
+            // The file system has no locks: the directory is used unguarded rather than refused.
             Err(std::fs::TryLockError::Error(_)) => break file,
         }
         // The run that held it may have removed the file between our open and our lock:
