@@ -30,6 +30,14 @@ pub enum Error {
     /// could not be started or watched. The text names the rank and shows its error.
     #[error("{0}")]
     Launcher(String),
+    /// A byte size does not parse ([`crate::size::parse_size`]).
+    #[error("invalid size `{input}`: {why} (examples: 24GiB, 512MiB, 1.5GB, 1000)")]
+    BadSize {
+        /// The text given.
+        input: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// Arguments that parse but do not make sense together.
     #[error("{0}")]
     Usage(String),
