@@ -14,8 +14,8 @@ pub enum Error {
     /// The compiler rejected something.
     #[error(transparent)]
     Compile(#[from] protrain_compiler::CompileError),
-    /// The runtime failed.
-    #[error(transparent)]
+    /// The runtime failed ([`runtime_text`] words it).
+    #[error("{}", runtime_text(.0))]
     Runtime(#[from] protrain_runtime::RuntimeError),
     /// An output file could not be written.
     #[error("cannot write {path}: {source}")]
@@ -43,5 +43,84 @@ pub enum Error {
     Usage(String),
 }
 
+impl protrain_runtime::thread_ranks::RankFailure for Error {
+    fn from_another_rank(&self) -> bool {
+        matches!(self, Error::Runtime(e) if e.from_another_rank())
+    }
+}
+
+/// A runtime error in the CLI's words: a refusal for want of host memory names the
+/// `protrain compile` flag of each region's budget, where the runtime names the budget.
+fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
+    use protrain_runtime::error::{host_memory_short_text, Budget};
+    match e {
+        protrain_runtime::RuntimeError::HostMemoryShort { regions, available } => {
+            let flag = |budget| match budget {
+                Budget::Device => "--gpu-memory".to_string(),
+                Budget::Host => "--host-memory".to_string(),
+            };
+            format!(
+                "cannot execute the schedule: {}",
+                host_memory_short_text(regions, *available, flag)
+            )
+        }
+        e => e.to_string(),
+    }
+}
+
 /// The facade's result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protrain_runtime::error::{HostRegion, MemoryNeed};
+    use protrain_runtime::RuntimeError;
+
+    #[test]
+    fn a_host_memory_refusal_names_the_flag_of_each_budget() {
+        let regions = vec![
+            MemoryNeed {
+                region: HostRegion::DeviceArena,
+                bytes: 3 << 30,
+            },
+            MemoryNeed {
+                region: HostRegion::HostRegion,
+                bytes: 2 << 30,
+            },
+        ];
+        let e = Error::from(RuntimeError::HostMemoryShort {
+            regions,
+            available: 4 << 30,
+        });
+        assert_eq!(
+            e.to_string(),
+            "cannot execute the schedule: the device arena (3.00 GiB) and host region \
+             (2.00 GiB) need 5.00 GiB of host memory, but only 4.00 GiB is available on this \
+             machine (1.00 GiB missing); free memory, or compile the schedule for less with \
+             --gpu-memory and --host-memory"
+        );
+        let pinned = Error::from(RuntimeError::HostMemoryShort {
+            regions: vec![MemoryNeed {
+                region: HostRegion::PinnedHostRegion,
+                bytes: 2 << 30,
+            }],
+            available: 1 << 30,
+        });
+        assert!(
+            pinned
+                .to_string()
+                .ends_with("pinned host region (2.00 GiB) needs 2.00 GiB of host memory, but only 1.00 GiB is available on this machine (1.00 GiB missing); free memory, or compile the schedule for less with --host-memory"),
+            "{pinned}"
+        );
+    }
+
+    #[test]
+    fn other_runtime_errors_read_as_the_runtime_words_them() {
+        let e = RuntimeError::BadSchedule("an operand it cannot read".into());
+        assert_eq!(
+            Error::from(e).to_string(),
+            "cannot execute the schedule: an operand it cannot read"
+        );
+    }
+}

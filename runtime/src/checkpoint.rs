@@ -37,7 +37,7 @@ use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::executor::Executor;
 use crate::loss_scale::ScalerState;
-use crate::train::RunSettings;
+use crate::run_settings::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
 use serde::{Deserialize, Serialize};

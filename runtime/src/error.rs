@@ -186,6 +186,19 @@ pub enum RuntimeError {
     /// memory, an operand it cannot read.
     #[error("cannot execute the schedule: {0}")]
     BadSchedule(String),
+    /// The host memory a backend is about to take is more than this machine has available
+    /// ([`host_memory_short_text`] words it; the CLI names the flag of each
+    /// region's budget instead of the budget).
+    #[error(
+        "cannot execute the schedule: {}",
+        host_memory_short_text(regions, *available, |b| b.name().to_string())
+    )]
+    HostMemoryShort {
+        /// The regions the backend is about to take.
+        regions: Vec<MemoryNeed>,
+        /// The bytes available.
+        available: u64,
+    },
     /// A stream gave up on a step because another stream failed; the other stream's error is
     /// the one to report.
     #[error("the step was abandoned because another stream failed")]
@@ -348,3 +361,97 @@ pub enum RuntimeError {
 
 /// The runtime's result alias.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// Host memory a backend takes, for [`crate::memory::check_host_memory`]: which region and
+/// its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryNeed {
+    /// The region.
+    pub region: HostRegion,
+    /// Its size.
+    pub bytes: u64,
+}
+
+/// A region of host memory a backend takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostRegion {
+    /// The host backend's stand-in for device memory.
+    DeviceArena,
+    /// The schedule's host memory, on the host backend.
+    HostRegion,
+    /// The schedule's host memory, pinned by the CUDA backend.
+    PinnedHostRegion,
+}
+
+impl HostRegion {
+    /// What an error calls the region.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostRegion::DeviceArena => "device arena",
+            HostRegion::HostRegion => "host region",
+            HostRegion::PinnedHostRegion => "pinned host region",
+        }
+    }
+
+    /// The compile-time budget that bounds the region: the device's memory for the arena,
+    /// the host's for the host region.
+    pub fn budget(self) -> Budget {
+        match self {
+            HostRegion::DeviceArena => Budget::Device,
+            HostRegion::HostRegion | HostRegion::PinnedHostRegion => Budget::Host,
+        }
+    }
+}
+
+/// A memory budget a schedule is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// The GPU's memory.
+    Device,
+    /// The host's memory.
+    Host,
+}
+
+impl Budget {
+    /// The budget in words: `device memory`, `host memory`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Budget::Device => "device memory",
+            Budget::Host => "host memory",
+        }
+    }
+}
+
+/// The text of [`RuntimeError::HostMemoryShort`]: what `regions` need, what is `available`,
+/// and the way out, with `budget` wording the compile-time budget of each region (the CLI
+/// names its flag; the library error names the budget).
+pub fn host_memory_short_text(
+    regions: &[MemoryNeed],
+    available: u64,
+    budget: impl Fn(Budget) -> String,
+) -> String {
+    let needed = regions
+        .iter()
+        .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
+    let what: Vec<String> = regions
+        .iter()
+        .map(|r| {
+            format!(
+                "{} ({})",
+                r.region.name(),
+                protrain_ir::format_bytes(r.bytes)
+            )
+        })
+        .collect();
+    let budgets: Vec<String> = regions.iter().map(|r| budget(r.region.budget())).collect();
+    format!(
+        "the {} {} {} of host memory, but only {} is available on this machine ({} \
+         missing); free memory, or compile the schedule for less with {}",
+        what.join(" and "),
+        if regions.len() == 1 { "needs" } else { "need" },
+        protrain_ir::format_bytes(needed),
+        protrain_ir::format_bytes(available),
+        protrain_ir::format_bytes(needed.saturating_sub(available)),
+        budgets.join(" and "),
+    )
+}

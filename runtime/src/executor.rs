@@ -33,7 +33,8 @@
 //! stream's `accumulate_grad` of a sharded chunk, [`Backend::accumulate_into_shard`]).
 
 use crate::backend::{
-    set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
+    master_weights, set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart,
+    Launch, ShardLaunch,
 };
 use crate::collective::Collective;
 use crate::disk::DiskFile;
@@ -178,54 +179,6 @@ impl ParamHome {
             (None, None) => unreachable!("a parameter without a home has a master weight"),
         }
     }
-}
-
-/// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
-/// schedule lists it ([`Schedule::masters`]), with the home of the parameter's Adam `m`, by
-/// which a backend's AdamW kernel (which reads `m` as its third input) finds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MasterWeight {
-    /// The parameter's value.
-    pub param: ValueId,
-    /// The home of its Adam `m`.
-    pub m: Address,
-    /// The home of its f32 master weight.
-    pub master: Address,
-}
-
-/// The master weight of every parameter that an AdamW op updates and whose type is narrower
-/// than f32, in graph order; empty for an f32 schedule. A verified schedule lists every one
-/// ([`protrain_ir::verify_schedule`] checks it); this fails, naming the parameter, when one is
-/// missing anyway.
-pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
-    let graph = &schedule.graph;
-    let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
-    let masters: HashMap<ValueId, TensorRef> = schedule.masters.iter().copied().collect();
-    let mut out = Vec::new();
-    for (_, op) in graph.ops() {
-        let OpKind::AdamW { .. } = op.kind else {
-            continue;
-        };
-        let (param, m) = (op.inputs[0], op.inputs[2]);
-        let ty = &graph.value(param).ty;
-        if ty.dtype == DType::F32 {
-            continue;
-        }
-        let (Some(&mr), Some(&master)) = (homes.get(&m), masters.get(&param)) else {
-            return Err(RuntimeError::BadSchedule(format!(
-                "{} is {} but the schedule gives it no f32 master weight or Adam moment home; \
-                 recompile the schedule with this protrain",
-                graph.value(param).name,
-                ty
-            )));
-        };
-        out.push(MasterWeight {
-            param,
-            m: address(schedule, mr),
-            master: address(schedule, master),
-        });
-    }
-    Ok(out)
 }
 
 /// One tensor of the training state and the elements each rank holds of it
@@ -1475,8 +1428,7 @@ unsafe fn launch_kernel<B: Backend>(
 
 /// A tensor's address.
 fn address(schedule: &Schedule, t: TensorRef) -> Address {
-    let (space, offset) = schedule.address(t);
-    Address { space, offset }
+    Address::of(schedule, t)
 }
 
 /// What rank `rank` holds of the `len` elements of `size` bytes at `t`: the address of the

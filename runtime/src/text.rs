@@ -319,6 +319,26 @@ pub struct Tokenized {
     pub fallback_reason: Option<String>,
 }
 
+impl TokenStream {
+    /// Tokenizes a UTF-8 text corpus with a Hugging Face tokenizer, once: the ids are cached in
+    /// a token file beside the corpus and mapped from there, and later calls reuse that file
+    /// while neither the corpus nor the tokenizer.json changes. [`crate::text`] has the rules
+    /// (documents and the end-of-text token between them, the cache's name, the fallback
+    /// directory when the corpus's directory is not writable). `progress(bytes_done,
+    /// bytes_total)` is called as the corpus is read, not when the cache is reused.
+    ///
+    /// Check the tokenizer against the model first ([`TextTokenizer::check_vocab`]);
+    /// [`crate::text::tokenize`] does the same as this and also says where the cache is.
+    pub fn from_text(
+        corpus: impl AsRef<Path>,
+        tokenizer: &TextTokenizer,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Self> {
+        let options = TextOptions::default();
+        Ok(tokenize(corpus.as_ref(), tokenizer, &options, progress)?.stream)
+    }
+}
+
 /// Tokenizes `corpus` with `tokenizer` into a cached token file, or reuses the cache written
 /// by an earlier call for the same corpus and tokenizer (the module doc has the rules).
 /// `progress(bytes_done, bytes_total)` is called after each piece; it is not called when the
