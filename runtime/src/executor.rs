@@ -1480,106 +1480,14 @@ fn plan(
         Instr::Kernel { op, inputs, .. }
             if collective && graph.op(*op).kind == OpKind::AccumulateGrad =>
         {
-            let ty = &graph.value(graph.op(*op).inputs[0]).ty;
-            let len = ty.numel() as usize;
-            // A sharded chunk's accumulator: the rank adds the ranks' gradients to its part.
-            if matches!(
-                schedule.buffer(inputs[0].buffer).kind,
-                BufferKind::HostShard { .. }
-            ) {
-                let (acc, part) = held(schedule, inputs[0], len, ty.dtype.size(), rank)
-                    .unwrap_or_else(|| (address(schedule, inputs[0]), 0..0));
-                return Planned::AccumulateIntoShard {
-                    acc,
-                    part,
-                    grad: address(schedule, inputs[1]),
-                    dtype: ty.dtype,
-                    len,
-                };
-            }
-            Planned::AccumulateOverRanks {
-                acc: address(schedule, inputs[0]),
-                grad: address(schedule, inputs[1]),
-                dtype: ty.dtype,
-                len,
-                kernel: Box::new(plan(schedule, instr, rank, masters, false)),
-            }
+            plan_accumulate(schedule, instr, *op, inputs, rank, masters)
         }
         Instr::Kernel {
             op,
             inputs,
             outputs,
             workspace,
-        } => {
-            let o = graph.op(*op);
-            let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-            let mut addresses: Vec<Address> =
-                inputs.iter().map(|&t| address(schedule, t)).collect();
-            // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
-            // moments and its master weight (the verifier checked the operands' homes).
-            let sharded = |t: &TensorRef| {
-                matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
-            };
-            let mut shard = None;
-            // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
-            // holds the chunk's state as its disk buffer does, so the master weight is at its
-            // home's offset there (the verifier checked both).
-            if let (OpKind::AdamW { .. }, Some(m)) = (&o.kind, inputs.get(2)) {
-                let b = schedule.buffer(m.buffer);
-                if matches!(b.kind, BufferKind::DiskStaging { .. }) {
-                    if let Some(master) = masters.get(&o.inputs[0]) {
-                        shard = Some(Box::new(ShardLaunch {
-                            elements: types[0].numel() as usize,
-                            master: Some(Address {
-                                space: b.space,
-                                offset: b.offset + master.offset,
-                            }),
-                        }));
-                    }
-                }
-            }
-            if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
-                if sharded(param) {
-                    let ty = types[0];
-                    let Some((at, part)) =
-                        held(schedule, *param, ty.numel() as usize, ty.dtype.size(), rank)
-                    else {
-                        return Planned::Skip;
-                    };
-                    addresses[0] = at;
-                    // The gradient and both moments.
-                    for ((a, &t), ty) in
-                        addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1)
-                    {
-                        *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
-                    }
-                    shard = Some(Box::new(ShardLaunch {
-                        elements: part.len(),
-                        master: masters
-                            .get(&o.inputs[0])
-                            .map(|&m| element_address(schedule, m, part.start, 4, rank)),
-                    }));
-                }
-            }
-            Planned::Kernel {
-                shard,
-                op: *op,
-                launched: matches!(
-                    o.kind,
-                    OpKind::AdamW { .. }
-                        | OpKind::CrossEntropyBackwardLossScaled { .. }
-                        | OpKind::UnscaleCoef { .. }
-                )
-                .then(|| o.clone()),
-                inputs: addresses,
-                outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
-                // The verifier checked that a kernel has a workspace exactly when its kind
-                // needs one, with room for what it needs.
-                workspace: workspace
-                    .map(|t| (address(schedule, t), o.kind.workspace_bytes(&types))),
-                prepared: Prepared::new(&o.kind),
-            }
-        }
+        } => plan_kernel(schedule, *op, inputs, outputs, *workspace, rank, masters),
         Instr::Copy {
             src, dst, bytes, ..
         } => Planned::Copy {
@@ -1653,5 +1561,122 @@ fn plan(
         }
         // `Schedule::phases` splits the streams at their markers: none reaches here.
         Instr::EndMicroBatch { .. } => unreachable!("streams are planned without their markers"),
+    }
+}
+
+/// [`plan`] of an `AccumulateGrad` kernel of a run with a collective: into a sharded chunk's
+/// accumulator, the rank adds the ranks' gradients to its part; elsewhere every rank adds
+/// the all-reduced gradient after its own kernel `instr`.
+fn plan_accumulate(
+    schedule: &Schedule,
+    instr: &Instr,
+    op: OpId,
+    inputs: &[TensorRef],
+    rank: u32,
+    masters: &HashMap<ValueId, TensorRef>,
+) -> Planned {
+    let graph = &schedule.graph;
+    let ty = &graph.value(graph.op(op).inputs[0]).ty;
+    let len = ty.numel() as usize;
+    // A sharded chunk's accumulator: the rank adds the ranks' gradients to its part.
+    if matches!(
+        schedule.buffer(inputs[0].buffer).kind,
+        BufferKind::HostShard { .. }
+    ) {
+        let (acc, part) = held(schedule, inputs[0], len, ty.dtype.size(), rank)
+            .unwrap_or_else(|| (address(schedule, inputs[0]), 0..0));
+        return Planned::AccumulateIntoShard {
+            acc,
+            part,
+            grad: address(schedule, inputs[1]),
+            dtype: ty.dtype,
+            len,
+        };
+    }
+    Planned::AccumulateOverRanks {
+        acc: address(schedule, inputs[0]),
+        grad: address(schedule, inputs[1]),
+        dtype: ty.dtype,
+        len,
+        kernel: Box::new(plan(schedule, instr, rank, masters, false)),
+    }
+}
+
+/// [`plan`] of a kernel `op` over the tensors `inputs` and `outputs` (and `workspace`): its
+/// operands' addresses, and for AdamW on a sharded or disk-resident chunk, the elements and
+/// master weight the rank updates ([`ShardLaunch`]); [`Planned::Skip`] when the rank holds
+/// none of a sharded parameter.
+fn plan_kernel(
+    schedule: &Schedule,
+    op: OpId,
+    inputs: &[TensorRef],
+    outputs: &[TensorRef],
+    workspace: Option<TensorRef>,
+    rank: u32,
+    masters: &HashMap<ValueId, TensorRef>,
+) -> Planned {
+    let graph = &schedule.graph;
+    let o = graph.op(op);
+    let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+    let mut addresses: Vec<Address> = inputs.iter().map(|&t| address(schedule, t)).collect();
+    // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
+    // moments and its master weight (the verifier checked the operands' homes).
+    let sharded =
+        |t: &TensorRef| matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. });
+    let mut shard = None;
+    // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
+    // holds the chunk's state as its disk buffer does, so the master weight is at its
+    // home's offset there (the verifier checked both).
+    if let (OpKind::AdamW { .. }, Some(m)) = (&o.kind, inputs.get(2)) {
+        let b = schedule.buffer(m.buffer);
+        if matches!(b.kind, BufferKind::DiskStaging { .. }) {
+            if let Some(master) = masters.get(&o.inputs[0]) {
+                shard = Some(Box::new(ShardLaunch {
+                    elements: types[0].numel() as usize,
+                    master: Some(Address {
+                        space: b.space,
+                        offset: b.offset + master.offset,
+                    }),
+                }));
+            }
+        }
+    }
+    if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
+        if sharded(param) {
+            let ty = types[0];
+            let Some((at, part)) =
+                held(schedule, *param, ty.numel() as usize, ty.dtype.size(), rank)
+            else {
+                return Planned::Skip;
+            };
+            addresses[0] = at;
+            // The gradient and both moments.
+            for ((a, &t), ty) in addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1) {
+                *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
+            }
+            shard = Some(Box::new(ShardLaunch {
+                elements: part.len(),
+                master: masters
+                    .get(&o.inputs[0])
+                    .map(|&m| element_address(schedule, m, part.start, 4, rank)),
+            }));
+        }
+    }
+    Planned::Kernel {
+        shard,
+        op,
+        launched: matches!(
+            o.kind,
+            OpKind::AdamW { .. }
+                | OpKind::CrossEntropyBackwardLossScaled { .. }
+                | OpKind::UnscaleCoef { .. }
+        )
+        .then(|| o.clone()),
+        inputs: addresses,
+        outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
+        // The verifier checked that a kernel has a workspace exactly when its kind
+        // needs one, with room for what it needs.
+        workspace: workspace.map(|t| (address(schedule, t), o.kind.workspace_bytes(&types))),
+        prepared: Prepared::new(&o.kind),
     }
 }
