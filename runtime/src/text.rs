@@ -906,18 +906,19 @@ fn strip_line_break(document: &str) -> &str {
     }
 }
 
-/// The header of a version 1.0 `.npy` file holding `count` little-endian `u32`s.
+/// The header of a `.npy` file holding `count` little-endian `u32`s, as `npyz` writes it
+/// (version 1.0, padded to 64 bytes as numpy pads it).
 fn npy_u32_header(count: u64) -> Vec<u8> {
-    let mut dict = format!("{{'descr': '<u4', 'fortran_order': False, 'shape': ({count},), }}");
-    // Magic (6) + version (2) + length (2) + dictionary + '\n', padded to 64 bytes.
-    while !(10 + dict.len() + 1).is_multiple_of(64) {
-        dict.push(' ');
-    }
-    dict.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    // The dictionary is under 200 bytes: a u16 holds its length.
-    out.extend((dict.len() as u16).to_le_bytes());
-    out.extend(dict.as_bytes());
+    use npyz::WriterBuilder;
+    let mut out = Vec::new();
+    npyz::WriteOptions::new_header_only()
+        .dtype(npyz::DType::Plain(
+            "<u4".parse().expect("`<u4` is a numpy type string"),
+        ))
+        .shape(&[count])
+        .writer(&mut out)
+        .write_header_only()
+        .expect("writing to memory does not fail");
     out
 }
 
@@ -1031,6 +1032,7 @@ mod tests {
             assert_eq!(header.len() % 64, 0);
             let parsed = npyz::NpyHeader::from_reader(&mut &header[..]).unwrap();
             assert_eq!(parsed.shape(), [count]);
+            assert_eq!(parsed.dtype().descr(), "'<u4'");
         }
     }
 }
