@@ -44,8 +44,8 @@ pub enum Error {
 }
 
 impl protrain_runtime::thread_ranks::RankFailure for Error {
-    fn from_another_rank(&self) -> bool {
-        matches!(self, Error::Runtime(e) if e.from_another_rank())
+    fn caused_by_another_rank(&self) -> bool {
+        matches!(self, Error::Runtime(e) if e.caused_by_another_rank())
     }
 }
 

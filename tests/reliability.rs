@@ -570,10 +570,11 @@ fn a_damaged_name_or_layout_in_the_newest_checkpoint_falls_back() {
             std::fs::remove_file(entry.path()).unwrap();
         }
     }
-    // The layout number is covered by the metadata's checksum: "3" read as "2" would skip it.
+    // The layout number is covered by the metadata's checksum: "4" read as "2" would skip
+    // that checksum and the run settings.
     std::fs::write(&four, &pristine).unwrap();
     let mut bytes = pristine.clone();
-    let needle = b"\"protrain.checkpoint\":\"3\"";
+    let needle = b"\"protrain.checkpoint\":\"4\"";
     let at = bytes
         .windows(needle.len())
         .position(|w| w == needle)

@@ -823,8 +823,8 @@ fn is_manifest(path: &Path) -> bool {
         .is_some_and(|n| n.ends_with(MANIFEST_SUFFIX))
 }
 
-/// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3),
-/// the step against the file name.
+/// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3
+/// and later), the step against the file name.
 struct Header {
     /// The layout version.
     version: u32,

@@ -14,11 +14,11 @@ use crate::error::RuntimeError;
 pub trait RankFailure {
     /// Whether the error says only that another rank failed (its collective lost a peer),
     /// so another rank's error says more.
-    fn from_another_rank(&self) -> bool;
+    fn caused_by_another_rank(&self) -> bool;
 }
 
 impl RankFailure for RuntimeError {
-    fn from_another_rank(&self) -> bool {
+    fn caused_by_another_rank(&self) -> bool {
         matches!(self, RuntimeError::Collective { .. })
     }
 }
@@ -26,7 +26,7 @@ impl RankFailure for RuntimeError {
 /// Runs `worker(rank)` for every rank of `workers` (ranks 1 and up, each on a thread of its
 /// own, started first) and `lead()` (rank 0) on the calling thread, waits for all of them,
 /// and returns `lead`'s value, or the error that says most: rank 0's, unless it is only
-/// [`RankFailure::from_another_rank`] and a worker's is not (then the first such worker's).
+/// [`RankFailure::caused_by_another_rank`] and a worker's is not (then the first such worker's).
 /// A worker that panics re-raises its panic here once `lead` has returned.
 pub fn run_thread_ranks<R, T, E>(
     workers: Vec<R>,
@@ -50,7 +50,9 @@ where
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             if let Err(e) = outcome {
                 let reported = result.as_ref().err();
-                if reported.is_none_or(|r| r.from_another_rank() && !e.from_another_rank()) {
+                if reported
+                    .is_none_or(|r| r.caused_by_another_rank() && !e.caused_by_another_rank())
+                {
                     result = Err(e);
                 }
             }
@@ -69,7 +71,7 @@ mod tests {
     struct Failed(&'static str, bool);
 
     impl RankFailure for Failed {
-        fn from_another_rank(&self) -> bool {
+        fn caused_by_another_rank(&self) -> bool {
             self.1
         }
     }

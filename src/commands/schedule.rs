@@ -230,7 +230,7 @@ fn explain_json(x: &Explained) {
         "exposed_communication_s": sim.exposed_communication_seconds(),
         "ranks": s.ranks(),
         "sharded": s.sharded(),
-        "collective_s": sim.collective_seconds(&s),
+        "collective_s": sim.collective_seconds(s),
         "exposed_collective_s": sim.exposed_collective_seconds(),
         "streams": streams,
         "bound_by": bound.by().map(resource_json),
@@ -367,7 +367,7 @@ fn explain_ranks_disk_streams(x: &Explained) {
              {:.4} s of collectives (all-reduce, all-gather, reduce-scatter) per step on the \
              collective stream, {:.4} s of it not hidden by compute",
             gpus * nodes,
-            sim.collective_seconds(&s),
+            sim.collective_seconds(s),
             sim.exposed_collective_seconds()
         );
     }
@@ -386,7 +386,7 @@ fn explain_ranks_disk_streams(x: &Explained) {
     }
     outln!(
         "by kind  {} (busy seconds; streams overlap)",
-        super::time_by_kind_text(&sim)
+        super::time_by_kind_text(sim)
     );
     for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
         outln!(
