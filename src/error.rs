@@ -64,7 +64,21 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
                 host_memory_short_text(regions, *available, flag)
             )
         }
+        protrain_runtime::RuntimeError::InvalidLrSchedule(problem) => {
+            protrain_runtime::error::lr_schedule_text(problem, |setting| lr_flag(setting).into())
+        }
         e => e.to_string(),
+    }
+}
+
+/// The flag that gives a learning-rate schedule's `setting`.
+fn lr_flag(setting: protrain_runtime::error::LrSetting) -> &'static str {
+    use protrain_runtime::error::LrSetting;
+    match setting {
+        LrSetting::Lr => "--lr",
+        LrSetting::MinLr => "--min-lr",
+        LrSetting::DecaySteps => "--decay-steps",
+        LrSetting::Schedule => "--lr-schedule",
     }
 }
 
@@ -113,6 +127,49 @@ mod tests {
                 .ends_with("pinned host region (2.00 GiB) needs 2.00 GiB of host memory, but only 1.00 GiB is available on this machine (1.00 GiB missing); free memory, or compile the schedule for less with --host-memory"),
             "{pinned}"
         );
+    }
+
+    #[test]
+    fn learning_rate_schedule_errors_name_the_flags() {
+        use protrain_runtime::error::LrScheduleProblem;
+        let text = |problem| Error::from(RuntimeError::InvalidLrSchedule(problem)).to_string();
+        assert_eq!(
+            text(LrScheduleProblem::Peak { peak: -1.0 }),
+            "the peak learning rate -1 must be a finite number >= 0; give another --lr"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::MinLr {
+                min_lr: 0.5,
+                peak: 0.1
+            }),
+            "--min-lr 0.5 must be a finite number between 0 and the peak learning rate 0.1 (--lr)"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::MinLrWithoutDecay { min_lr: 0.001 }),
+            "--min-lr 0.001 applies to the linear and cosine schedules, which decay; the \
+             constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule linear or \
+             cosine"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::DecayWithoutDecay { decay_steps: 7 }),
+            "--decay-steps 7 applies to the linear and cosine schedules; the constant schedule \
+             does not decay. Drop --decay-steps or choose --lr-schedule linear or cosine"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::PeakNotCompiled {
+                peak: 0.01,
+                compiled: 0.003
+            }),
+            "the learning-rate schedule peaks at 0.01 but the schedule's AdamW ops were compiled \
+             with lr 0.003; the peak is the compiled rate: compile with --lr 0.01"
+        );
+        // The runtime names the run settings' fields instead.
+        let runtime = RuntimeError::InvalidLrSchedule(LrScheduleProblem::DecayWithoutDecay {
+            decay_steps: 7,
+        })
+        .to_string();
+        assert!(runtime.starts_with("decay_steps 7 applies"), "{runtime}");
+        assert!(!runtime.contains("--"), "{runtime}");
     }
 
     #[test]

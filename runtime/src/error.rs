@@ -293,9 +293,10 @@ pub enum RuntimeError {
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]
     InvalidEval(String),
-    /// A learning-rate schedule whose settings do not fit together; the text names the flag.
-    #[error("{0}")]
-    InvalidLrSchedule(String),
+    /// A learning-rate schedule whose settings do not fit together
+    /// ([`lr_schedule_text`] words it; the CLI names each setting by its flag).
+    #[error("{}", lr_schedule_text(.0, LrSetting::field))]
+    InvalidLrSchedule(LrScheduleProblem),
     /// Initial weights (or a checkpoint's) that hold NaN or infinity.
     #[error(
         "the weights from {origin} are not finite: {name} holds {value} ({count} of its {len} \
@@ -454,4 +455,95 @@ pub fn host_memory_short_text(
         protrain_ir::format_bytes(needed.saturating_sub(available)),
         budgets.join(" and "),
     )
+}
+
+/// A setting of a learning-rate schedule, as an error about it names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LrSetting {
+    /// The peak learning rate (the rate the schedule's AdamW ops were compiled with).
+    Lr,
+    /// The minimum the decay ends at.
+    MinLr,
+    /// The steps the decay ends after.
+    DecaySteps,
+    /// The schedule's shape.
+    Schedule,
+}
+
+impl LrSetting {
+    /// The setting's name in the run settings (`lr`, `min_lr`, `decay_steps`, `lr_schedule`).
+    pub fn field(self) -> String {
+        match self {
+            LrSetting::Lr => "lr",
+            LrSetting::MinLr => "min_lr",
+            LrSetting::DecaySteps => "decay_steps",
+            LrSetting::Schedule => "lr_schedule",
+        }
+        .to_string()
+    }
+}
+
+/// What is wrong with a learning-rate schedule's settings ([`RuntimeError::InvalidLrSchedule`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrScheduleProblem {
+    /// A peak that is negative or not finite.
+    Peak {
+        /// The peak given.
+        peak: f64,
+    },
+    /// A minimum outside `0..=peak` or not finite.
+    MinLr {
+        /// The minimum given.
+        min_lr: f64,
+        /// The peak.
+        peak: f64,
+    },
+    /// A minimum above 0 for the constant schedule, which never decays.
+    MinLrWithoutDecay {
+        /// The minimum given.
+        min_lr: f64,
+    },
+    /// A decay length for the constant schedule, which never decays.
+    DecayWithoutDecay {
+        /// The decay steps given.
+        decay_steps: u64,
+    },
+    /// A peak other than the rate the schedule's AdamW ops were compiled with.
+    PeakNotCompiled {
+        /// The schedule's peak.
+        peak: f64,
+        /// The compiled rate.
+        compiled: f64,
+    },
+}
+
+/// The text of [`RuntimeError::InvalidLrSchedule`] for `problem`, each setting named by
+/// `name` (the runtime uses [`LrSetting::field`], the CLI the setting's flag).
+pub fn lr_schedule_text(problem: &LrScheduleProblem, name: impl Fn(LrSetting) -> String) -> String {
+    let (lr, min_lr) = (name(LrSetting::Lr), name(LrSetting::MinLr));
+    let (decay, schedule) = (name(LrSetting::DecaySteps), name(LrSetting::Schedule));
+    match *problem {
+        LrScheduleProblem::Peak { peak } => {
+            format!("the peak learning rate {peak} must be a finite number >= 0; give another {lr}")
+        }
+        LrScheduleProblem::MinLr {
+            min_lr: value,
+            peak,
+        } => format!(
+            "{min_lr} {value} must be a finite number between 0 and the peak learning rate \
+             {peak} ({lr})"
+        ),
+        LrScheduleProblem::MinLrWithoutDecay { min_lr: value } => format!(
+            "{min_lr} {value} applies to the linear and cosine schedules, which decay; the \
+             constant schedule stays at {lr}. Drop {min_lr} or choose {schedule} linear or cosine"
+        ),
+        LrScheduleProblem::DecayWithoutDecay { decay_steps } => format!(
+            "{decay} {decay_steps} applies to the linear and cosine schedules; the constant \
+             schedule does not decay. Drop {decay} or choose {schedule} linear or cosine"
+        ),
+        LrScheduleProblem::PeakNotCompiled { peak, compiled } => format!(
+            "the learning-rate schedule peaks at {peak} but the schedule's AdamW ops were \
+             compiled with lr {compiled}; the peak is the compiled rate: compile with {lr} {peak}"
+        ),
+    }
 }

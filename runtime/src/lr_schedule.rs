@@ -1,7 +1,7 @@
 //! Learning-rate schedules: the rate of every optimizer step, after transformers'
 //! `get_*_schedule_with_warmup`.
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{LrScheduleProblem, Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 
 /// The shape of a learning-rate schedule, after transformers' `get_*_schedule_with_warmup`.
@@ -89,24 +89,15 @@ impl LrSchedule {
         decay_steps: u64,
         min_lr: f64,
     ) -> Result<Self> {
-        let bad = |why: String| Err(RuntimeError::InvalidLrSchedule(why));
+        let bad = |problem| Err(RuntimeError::InvalidLrSchedule(problem));
         if !(peak.is_finite() && peak >= 0.0) {
-            return bad(format!(
-                "the peak learning rate {peak} must be a finite number >= 0; give another --lr"
-            ));
+            return bad(LrScheduleProblem::Peak { peak });
         }
         if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= peak) {
-            return bad(format!(
-                "--min-lr {min_lr} must be a finite number between 0 and the peak learning \
-                 rate {peak} (--lr)"
-            ));
+            return bad(LrScheduleProblem::MinLr { min_lr, peak });
         }
         if kind == LrScheduleKind::Constant && min_lr != 0.0 {
-            return bad(format!(
-                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; \
-                 the constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule \
-                 linear or cosine"
-            ));
+            return bad(LrScheduleProblem::MinLrWithoutDecay { min_lr });
         }
         Ok(Self {
             kind,

@@ -2,7 +2,7 @@
 //! user gives become them: filled with defaults for a new run, reconciled with a
 //! checkpoint's for a resumed one.
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{LrScheduleProblem, Result, RuntimeError};
 use crate::loss_scale::LossScaleSettings;
 use crate::lr_schedule::{LrSchedule, LrScheduleKind};
 use serde::{Deserialize, Serialize};
@@ -271,19 +271,15 @@ impl RunFlags {
         if kind != LrScheduleKind::Constant {
             return Ok(());
         }
-        if let Some(decay) = self.decay_steps {
-            return Err(RuntimeError::InvalidLrSchedule(format!(
-                "--decay-steps {decay} applies to the linear and cosine schedules; the \
-                 constant schedule does not decay. Drop --decay-steps or choose --lr-schedule \
-                 linear or cosine"
-            )));
+        if let Some(decay_steps) = self.decay_steps {
+            return Err(RuntimeError::InvalidLrSchedule(
+                LrScheduleProblem::DecayWithoutDecay { decay_steps },
+            ));
         }
         match self.min_lr {
-            Some(min_lr) if min_lr != 0.0 => Err(RuntimeError::InvalidLrSchedule(format!(
-                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; the \
-                 constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule linear \
-                 or cosine"
-            ))),
+            Some(min_lr) if min_lr != 0.0 => Err(RuntimeError::InvalidLrSchedule(
+                LrScheduleProblem::MinLrWithoutDecay { min_lr },
+            )),
             _ => Ok(()),
         }
     }

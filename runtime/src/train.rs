@@ -41,7 +41,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
 pub use crate::data::vocab_of;
 use crate::data::{Batch, Batcher, TokenStream};
-use crate::error::{Result, RuntimeError};
+use crate::error::{LrScheduleProblem, Result, RuntimeError};
 use crate::eval::{EvalPlan, EvalResult};
 use crate::executor::Executor;
 use crate::host::HostBackend;
@@ -391,11 +391,12 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let optimizer = OptimizerSettings::of(graph);
         if let Some(compiled) = optimizer {
             if compiled.lr != settings.lr_schedule.peak {
-                return Err(RuntimeError::InvalidLrSchedule(format!(
-                    "the learning-rate schedule peaks at {} but the schedule's AdamW ops were \
-                     compiled with lr {}; the peak is the compiled rate: compile with --lr {}",
-                    settings.lr_schedule.peak, compiled.lr, settings.lr_schedule.peak
-                )));
+                return Err(RuntimeError::InvalidLrSchedule(
+                    LrScheduleProblem::PeakNotCompiled {
+                        peak: settings.lr_schedule.peak,
+                        compiled: compiled.lr,
+                    },
+                ));
             }
         }
         let (batcher, vocab) = open_data(&settings, schedule)?;
@@ -868,24 +869,39 @@ mod tests {
     }
 
     #[test]
-    fn invalid_schedules_name_the_flag() {
+    fn invalid_schedules_say_which_setting_is_wrong() {
+        use crate::error::LrScheduleProblem as P;
         use LrScheduleKind::*;
-        let err = |kind, peak, min_lr| {
-            LrSchedule::new(kind, peak, 0, 10, min_lr)
-                .unwrap_err()
-                .to_string()
+        let err = |kind, peak, min_lr| match LrSchedule::new(kind, peak, 0, 10, min_lr) {
+            Err(RuntimeError::InvalidLrSchedule(problem)) => problem,
+            other => panic!("not a schedule problem: {other:?}"),
         };
-        assert!(err(Linear, 0.1, 0.2).contains("--min-lr 0.2"));
-        assert!(err(Linear, 0.1, -1.0).contains("between 0 and the peak"));
-        assert!(err(Linear, f64::NAN, 0.0).contains("--lr"));
-        assert!(err(Constant, 0.1, 0.01).contains("choose --lr-schedule linear or cosine"));
+        assert_eq!(
+            err(Linear, 0.1, 0.2),
+            P::MinLr {
+                min_lr: 0.2,
+                peak: 0.1
+            }
+        );
+        assert_eq!(
+            err(Linear, 0.1, -1.0),
+            P::MinLr {
+                min_lr: -1.0,
+                peak: 0.1
+            }
+        );
+        assert!(matches!(err(Linear, f64::NAN, 0.0), P::Peak { peak } if peak.is_nan()));
+        assert_eq!(
+            err(Constant, 0.1, 0.01),
+            P::MinLrWithoutDecay { min_lr: 0.01 }
+        );
         let flags = RunFlags {
             decay_steps: Some(5),
             ..RunFlags::default()
         };
         let e = flags.fresh(0.1).unwrap_err().to_string();
         assert!(
-            e.contains("--decay-steps 5 applies to the linear and cosine"),
+            e.contains("decay_steps 5 applies to the linear and cosine"),
             "{e}"
         );
     }
