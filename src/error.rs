@@ -14,8 +14,8 @@ pub enum Error {
     /// The compiler rejected something.
     #[error(transparent)]
     Compile(#[from] protrain_compiler::CompileError),
-    /// The runtime failed.
-    #[error(transparent)]
+    /// The runtime failed ([`runtime_text`] words it).
+    #[error("{}", runtime_text(.0))]
     Runtime(#[from] protrain_runtime::RuntimeError),
     /// An output file could not be written.
     #[error("cannot write {path}: {source}")]
@@ -30,10 +30,154 @@ pub enum Error {
     /// could not be started or watched. The text names the rank and shows its error.
     #[error("{0}")]
     Launcher(String),
+    /// A byte size does not parse ([`crate::size::parse_size`]).
+    #[error("invalid size `{input}`: {why} (examples: 24GiB, 512MiB, 1.5GB, 1000)")]
+    BadSize {
+        /// The text given.
+        input: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// Arguments that parse but do not make sense together.
     #[error("{0}")]
     Usage(String),
 }
 
+impl protrain_runtime::thread_ranks::RankFailure for Error {
+    fn caused_by_another_rank(&self) -> bool {
+        matches!(self, Error::Runtime(e) if e.caused_by_another_rank())
+    }
+}
+
+/// A runtime error in the CLI's words: a refusal for want of host memory names the
+/// `protrain compile` flag of each region's budget, where the runtime names the budget.
+fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
+    use protrain_runtime::error::{host_memory_short_text, Budget};
+    match e {
+        protrain_runtime::RuntimeError::HostMemoryShort { regions, available } => {
+            let flag = |budget| match budget {
+                Budget::Device => "--gpu-memory".to_string(),
+                Budget::Host => "--host-memory".to_string(),
+            };
+            format!(
+                "cannot execute the schedule: {}",
+                host_memory_short_text(regions, *available, flag)
+            )
+        }
+        protrain_runtime::RuntimeError::InvalidLrSchedule(problem) => {
+            protrain_runtime::error::lr_schedule_text(problem, |setting| lr_flag(setting).into())
+        }
+        e => e.to_string(),
+    }
+}
+
+/// The flag that gives a learning-rate schedule's `setting`.
+fn lr_flag(setting: protrain_runtime::error::LrSetting) -> &'static str {
+    use protrain_runtime::error::LrSetting;
+    match setting {
+        LrSetting::Lr => "--lr",
+        LrSetting::MinLr => "--min-lr",
+        LrSetting::DecaySteps => "--decay-steps",
+        LrSetting::Schedule => "--lr-schedule",
+    }
+}
+
 /// The facade's result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protrain_runtime::error::{HostRegion, MemoryNeed};
+    use protrain_runtime::RuntimeError;
+
+    #[test]
+    fn a_host_memory_refusal_names_the_flag_of_each_budget() {
+        let regions = vec![
+            MemoryNeed {
+                region: HostRegion::DeviceArena,
+                bytes: 3 << 30,
+            },
+            MemoryNeed {
+                region: HostRegion::HostRegion,
+                bytes: 2 << 30,
+            },
+        ];
+        let e = Error::from(RuntimeError::HostMemoryShort {
+            regions,
+            available: 4 << 30,
+        });
+        assert_eq!(
+            e.to_string(),
+            "cannot execute the schedule: the device arena (3.00 GiB) and host region \
+             (2.00 GiB) need 5.00 GiB of host memory, but only 4.00 GiB is available on this \
+             machine (1.00 GiB missing); free memory, or compile the schedule for less with \
+             --gpu-memory and --host-memory"
+        );
+        let pinned = Error::from(RuntimeError::HostMemoryShort {
+            regions: vec![MemoryNeed {
+                region: HostRegion::PinnedHostRegion,
+                bytes: 2 << 30,
+            }],
+            available: 1 << 30,
+        });
+        assert!(
+            pinned
+                .to_string()
+                .ends_with("pinned host region (2.00 GiB) needs 2.00 GiB of host memory, but only 1.00 GiB is available on this machine (1.00 GiB missing); free memory, or compile the schedule for less with --host-memory"),
+            "{pinned}"
+        );
+    }
+
+    #[test]
+    fn learning_rate_schedule_errors_name_the_flags() {
+        use protrain_runtime::error::LrScheduleProblem;
+        let text = |problem| Error::from(RuntimeError::InvalidLrSchedule(problem)).to_string();
+        assert_eq!(
+            text(LrScheduleProblem::Peak { peak: -1.0 }),
+            "the peak learning rate -1 must be a finite number >= 0; give another --lr"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::MinLr {
+                min_lr: 0.5,
+                peak: 0.1
+            }),
+            "--min-lr 0.5 must be a finite number between 0 and the peak learning rate 0.1 (--lr)"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::MinLrWithoutDecay { min_lr: 0.001 }),
+            "--min-lr 0.001 applies to the linear and cosine schedules, which decay; the \
+             constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule linear or \
+             cosine"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::DecayWithoutDecay { decay_steps: 7 }),
+            "--decay-steps 7 applies to the linear and cosine schedules; the constant schedule \
+             does not decay. Drop --decay-steps or choose --lr-schedule linear or cosine"
+        );
+        assert_eq!(
+            text(LrScheduleProblem::PeakNotCompiled {
+                peak: 0.01,
+                compiled: 0.003
+            }),
+            "the learning-rate schedule peaks at 0.01 but the schedule's AdamW ops were compiled \
+             with lr 0.003; the peak is the compiled rate: compile with --lr 0.01"
+        );
+        // The runtime names the run settings' fields instead.
+        let runtime = RuntimeError::InvalidLrSchedule(LrScheduleProblem::DecayWithoutDecay {
+            decay_steps: 7,
+        })
+        .to_string();
+        assert!(runtime.starts_with("decay_steps 7 applies"), "{runtime}");
+        assert!(!runtime.contains("--"), "{runtime}");
+    }
+
+    #[test]
+    fn other_runtime_errors_read_as_the_runtime_words_them() {
+        let e = RuntimeError::BadSchedule("an operand it cannot read".into());
+        assert_eq!(
+            Error::from(e).to_string(),
+            "cannot execute the schedule: an operand it cannot read"
+        );
+    }
+}

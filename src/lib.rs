@@ -57,6 +57,7 @@ pub use protrain_compiler::OptimizerConfig;
 pub use protrain_ir::Graph;
 
 mod error;
+pub mod size;
 pub use error::{Error, Result};
 pub use protrain_compiler::pipeline::{
     default_shape, CompileOptions, Compiled, Context, PolicyChoice, Stage,

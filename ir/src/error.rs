@@ -58,14 +58,6 @@ pub enum IrError {
         /// The preset names, comma-separated.
         known: String,
     },
-    /// A byte size does not parse.
-    #[error("invalid size `{input}`: {why} (examples: 24GiB, 512MiB, 1.5GB, 1000)")]
-    BadSize {
-        /// The text given.
-        input: String,
-        /// What is wrong with it.
-        why: String,
-    },
     /// A schedule breaks an invariant of the schedule verifier.
     #[error(transparent)]
     Schedule(#[from] crate::verify_schedule::ScheduleError),

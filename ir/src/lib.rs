@@ -26,8 +26,7 @@ pub use chunks::{Chunk, ChunkMember, ChunkSizeTrial, ChunkTable};
 pub use error::{IrError, Result};
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
 pub use hardware::{
-    op_key, parse_size, Disk, HardwareProfile, Interconnect, MeasuredOp, PeakFlops, Resource,
-    PRESETS,
+    op_key, Disk, HardwareProfile, Interconnect, MeasuredOp, PeakFlops, Resource, PRESETS,
 };
 pub use ids::{BlockId, BufferId, ChunkId, EventId, OpId, ParamId, StreamId, ValueId};
 pub use op::{

@@ -12,7 +12,10 @@
 use crate::collective::Collective;
 use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
-use protrain_ir::{DType, EventId, Graph, Op, OpKind, Schedule, Space, StreamKind};
+use protrain_ir::{
+    DType, EventId, Graph, Op, OpKind, Schedule, Space, StreamKind, TensorRef, ValueId,
+};
+use std::collections::HashMap;
 
 /// A byte address in the device arena or the host region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +24,62 @@ pub struct Address {
     pub space: Space,
     /// Byte offset from its start.
     pub offset: u64,
+}
+
+impl Address {
+    /// Where the schedule keeps the tensor `t`.
+    pub fn of(schedule: &Schedule, t: TensorRef) -> Self {
+        let (space, offset) = schedule.address(t);
+        Self { space, offset }
+    }
+}
+
+/// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
+/// schedule lists it ([`Schedule::masters`]), with the home of the parameter's Adam `m`, by
+/// which a backend's AdamW kernel (which reads `m` as its third input) finds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MasterWeight {
+    /// The parameter's value.
+    pub param: ValueId,
+    /// The home of its Adam `m`.
+    pub m: Address,
+    /// The home of its f32 master weight.
+    pub master: Address,
+}
+
+/// The master weight of every parameter that an AdamW op updates and whose type is narrower
+/// than f32, in graph order; empty for an f32 schedule. A verified schedule lists every one
+/// ([`protrain_ir::verify_schedule`] checks it); this fails, naming the parameter, when one is
+/// missing anyway.
+pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
+    let graph = &schedule.graph;
+    let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
+    let masters: HashMap<ValueId, TensorRef> = schedule.masters.iter().copied().collect();
+    let mut out = Vec::new();
+    for (_, op) in graph.ops() {
+        let OpKind::AdamW { .. } = op.kind else {
+            continue;
+        };
+        let (param, m) = (op.inputs[0], op.inputs[2]);
+        let ty = &graph.value(param).ty;
+        if ty.dtype == DType::F32 {
+            continue;
+        }
+        let (Some(&mr), Some(&master)) = (homes.get(&m), masters.get(&param)) else {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{} is {} but the schedule gives it no f32 master weight or Adam moment home; \
+                 recompile the schedule with this protrain",
+                graph.value(param).name,
+                ty
+            )));
+        };
+        out.push(MasterWeight {
+            param,
+            m: Address::of(schedule, mr),
+            master: Address::of(schedule, master),
+        });
+    }
+    Ok(out)
 }
 
 /// A kernel to launch: an op of the schedule's graph and where its operands are.

@@ -29,7 +29,7 @@
 //! number of ranks: each rank reads the elements it holds under the resuming schedule
 //! ([`Checkpoint::restore`]), from the shards that hold them, so a checkpoint of 4 ranks
 //! resumes on 2 or 1 and one of 1 rank on 4 (re-sharding). A single rank writes the
-//! single file, as before.
+//! single file: one rank has nothing to shard, and one file is what other tools read.
 
 pub mod sharded;
 
@@ -37,7 +37,7 @@ use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::executor::Executor;
 use crate::loss_scale::ScalerState;
-use crate::train::RunSettings;
+use crate::run_settings::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
 use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
 use serde::{Deserialize, Serialize};
@@ -52,16 +52,17 @@ use std::path::{Path, PathBuf};
 const FORMAT_KEY: &str = "protrain.checkpoint";
 
 /// The checkpoint layout this build writes. Version 2 adds a checksum per tensor
-/// (`CHECKSUM_PREFIX` + name in the metadata); version 3 the run and optimizer settings
-/// (`RUN_KEY`, `OPTIMIZER_KEY`) and the checksum of the whole metadata
-/// (`METADATA_CHECKSUM_KEY`). Versions 1 and 2 are still read.
-const FORMAT_VERSION: &str = "3";
+/// (`LEGACY_CHECKSUM_PREFIX` + name in the metadata); version 3 the run and optimizer
+/// settings (`RUN_KEY`, `OPTIMIZER_KEY`) and the checksum of the whole metadata
+/// (`METADATA_CHECKSUM_KEY`); version 4 checks tensors with CRC-32 (`CHECKSUM_PREFIX`)
+/// instead of FNV-1a. Versions 1 to 3 are still read.
+const FORMAT_VERSION: &str = "4";
 
 /// The bytes of a rank's error that [`Checkpoint::restore`] passes on to the other ranks.
 const REPORT_BYTES: usize = 1024;
 
 /// The layouts this build reads.
-const READABLE_VERSIONS: [&str; 3] = ["1", "2", "3"];
+const READABLE_VERSIONS: [&str; 4] = ["1", "2", "3", "4"];
 
 /// The metadata key of the metadata's own checksum ([`metadata_checksum`]).
 const METADATA_CHECKSUM_KEY: &str = "metadata_checksum";
@@ -72,9 +73,13 @@ const RUN_KEY: &str = "run";
 /// The metadata key of the optimizer settings, as JSON ([`OptimizerSettings`]).
 const OPTIMIZER_KEY: &str = "optimizer_settings";
 
-/// The metadata key prefix of a tensor's checksum: FNV-1a (64-bit) of its little-endian f32
-/// bytes, as 16 hex digits.
-const CHECKSUM_PREFIX: &str = "fnv1a64.";
+/// The metadata key prefix of a tensor's checksum (layout 4): CRC-32 of its little-endian
+/// f32 bytes, as 8 hex digits ([`checksum`]).
+const CHECKSUM_PREFIX: &str = "crc32.";
+
+/// The metadata key prefix of a tensor's checksum in layouts 2 and 3: FNV-1a (64-bit) of its
+/// little-endian f32 bytes, as 16 hex digits ([`legacy_checksum`]).
+const LEGACY_CHECKSUM_PREFIX: &str = "fnv1a64.";
 
 /// The file name prefix of checkpoints; the step number (8 digits or more) and
 /// `.safetensors` follow.
@@ -155,7 +160,8 @@ impl OptimizerSettings {
 
 impl std::fmt::Display for OptimizerSettings {
     /// `lr=0.003 beta1=0.9 beta2=0.95 eps=1e-8 weight_decay=0 grad_clip=none`, then
-    /// ` grad_accum=K` with accumulation (so a run without it reads as before).
+    /// ` grad_accum=K` with accumulation (left out without it, so a run that accumulates
+    /// nothing shows only the settings that apply to it).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -227,16 +233,42 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     hasher.finish()
 }
 
-/// The checksum of a tensor's values: FNV-1a (64-bit) of their little-endian bytes, as 16 hex
-/// digits.
+/// The checksum of a tensor's values: CRC-32 of their little-endian bytes, as 8 hex digits.
+/// CRC-32 catches every burst of damage up to 32 bits and runs many bytes a cycle
+/// (`crc32fast` uses the CPU's carry-less multiply), where FNV-1a takes one byte a step.
 fn checksum(data: &[f32]) -> String {
+    let mut hasher = crc32fast::Hasher::new();
+    hash_le_bytes(data, |bytes| hasher.update(bytes));
+    format!("{:08x}", hasher.finalize())
+}
+
+/// The checksum of a tensor's values in checkpoint layouts 2 and 3, which this build reads
+/// but no longer writes: FNV-1a (64-bit) of their little-endian bytes, as 16 hex digits.
+fn legacy_checksum(data: &[f32]) -> String {
     use std::hash::Hasher;
     let mut hasher = fnv::FnvHasher::default();
-    for chunk in data.chunks(4096) {
-        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
-        hasher.write(&bytes);
-    }
+    hash_le_bytes(data, |bytes| hasher.write(bytes));
     format!("{:016x}", hasher.finish())
+}
+
+/// Feeds `data`'s little-endian bytes to `feed`, a bounded chunk at a time (the bytes of a
+/// big tensor are never all copied at once).
+fn hash_le_bytes(data: &[f32], mut feed: impl FnMut(&[u8])) {
+    let mut bytes = Vec::with_capacity(4 * 4096);
+    for chunk in data.chunks(4096) {
+        bytes.clear();
+        bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+        feed(&bytes);
+    }
+}
+
+/// The metadata key prefix and the checksum function of the tensors of a checkpoint of
+/// layout `version` (2 or later).
+fn tensor_checksum(version: u32) -> (&'static str, fn(&[f32]) -> String) {
+    match version {
+        2 | 3 => (LEGACY_CHECKSUM_PREFIX, legacy_checksum),
+        _ => (CHECKSUM_PREFIX, checksum),
+    }
 }
 
 /// The optimizer-state values that persist across steps, in graph order (as
@@ -609,7 +641,8 @@ fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
         }
         let data = file.read_f32_vec(&p.name)?;
         if header.version != 1 {
-            let key = format!("{CHECKSUM_PREFIX}{}", p.name);
+            let (prefix, checksum) = tensor_checksum(header.version);
+            let key = format!("{prefix}{}", p.name);
             let have = checksum(&data);
             if meta.get(&key) != Some(&have) {
                 return Err(RuntimeError::BadCheckpoint {
@@ -716,7 +749,7 @@ pub fn take_dir(dir: &Path) -> Result<DirLock> {
                     pid: text.trim().parse().ok(),
                 });
             }
-            // No locks here: the directory is used as before, unguarded.
+            // The file system has no locks: the directory is used unguarded rather than refused.
             Err(std::fs::TryLockError::Error(_)) => break file,
         }
         // The run that held it may have removed the file between our open and our lock:
@@ -790,8 +823,8 @@ fn is_manifest(path: &Path) -> bool {
         .is_some_and(|n| n.ends_with(MANIFEST_SUFFIX))
 }
 
-/// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3),
-/// the step against the file name.
+/// What a checkpoint's metadata says, checked: its layout, the metadata's checksum (layout 3
+/// and later), the step against the file name.
 struct Header {
     /// The layout version.
     version: u32,
@@ -808,7 +841,7 @@ fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
     let file = WeightFile::open(path)?;
     let header = header_of(path, file.metadata())?;
     if header.version >= 2 {
-        check_tensor_names(path, &file)?;
+        check_tensor_names(path, &file, tensor_checksum(header.version).0)?;
     }
     Ok((file, header))
 }
@@ -817,11 +850,11 @@ fn read_header(path: &Path) -> Result<(WeightFile, Header)> {
 /// holds checksums of. The metadata's checksum covers those names but not the file's tensor
 /// table, so a name damaged there shows up as a tensor without a checksum (and a checksum
 /// without its tensor): damage, never a checkpoint of another model.
-fn check_tensor_names(path: &Path, file: &WeightFile) -> Result<()> {
+fn check_tensor_names(path: &Path, file: &WeightFile, prefix: &str) -> Result<()> {
     let summed: std::collections::BTreeSet<&str> = file
         .metadata()
         .keys()
-        .filter_map(|k| k.strip_prefix(CHECKSUM_PREFIX))
+        .filter_map(|k| k.strip_prefix(prefix))
         .collect();
     let stored: std::collections::BTreeSet<&str> = file.names().collect();
     let unsummed = stored.difference(&summed).next();
@@ -1137,10 +1170,11 @@ impl Checkpoint {
             Source::File(file) => {
                 // Every tensor against its checksum, one at a time.
                 if version != 1 {
+                    let (prefix, checksum) = tensor_checksum(version);
                     for tensor in &expected {
                         let name = &tensor.names[0];
                         let data = file.read_f32_vec(name)?;
-                        let key = format!("{CHECKSUM_PREFIX}{name}");
+                        let key = format!("{prefix}{name}");
                         let Some(want) = meta.get(&key) else {
                             return Err(bad(format!(
                                 "lacks the checksum of {name}; it is damaged"

@@ -8,7 +8,6 @@ use memmap2::Mmap;
 use npyz::{DType, Endianness, NpyHeader, TypeChar};
 
 use crate::error::{Result, RuntimeError};
-use crate::text::{TextOptions, TextTokenizer};
 
 /// The magic number at the start of llm.c's token files, which carry a 1024-byte header that a
 /// raw `.bin` reader would otherwise take for tokens.
@@ -92,24 +91,6 @@ impl TokenStream {
             storage: Storage::Owned(tokens),
             source: None,
         }
-    }
-
-    /// Tokenizes a UTF-8 text corpus with a Hugging Face tokenizer, once: the ids are cached in
-    /// a token file beside the corpus and mapped from there, and later calls reuse that file
-    /// while neither the corpus nor the tokenizer.json changes. [`crate::text`] has the rules
-    /// (documents and the end-of-text token between them, the cache's name, the fallback
-    /// directory when the corpus's directory is not writable). `progress(bytes_done,
-    /// bytes_total)` is called as the corpus is read, not when the cache is reused.
-    ///
-    /// Check the tokenizer against the model first ([`TextTokenizer::check_vocab`]);
-    /// [`crate::text::tokenize`] does the same as this and also says where the cache is.
-    pub fn from_text(
-        corpus: impl AsRef<Path>,
-        tokenizer: &TextTokenizer,
-        progress: impl FnMut(u64, u64),
-    ) -> Result<Self> {
-        let options = TextOptions::default();
-        Ok(crate::text::tokenize(corpus.as_ref(), tokenizer, &options, progress)?.stream)
     }
 
     /// The number of tokens.
@@ -640,6 +621,20 @@ fn read_npy(path: &Path, map: Option<Arc<Mmap>>) -> Result<Storage> {
         }),
         _ => Ok(Storage::Owned(Vec::new())),
     }
+}
+
+/// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit
+/// width that indexes with them.
+pub fn vocab_of(graph: &protrain_ir::Graph) -> Option<usize> {
+    graph
+        .ops()
+        .filter_map(|(_, op)| match op.kind {
+            protrain_ir::OpKind::Embedding { .. } => Some(graph.value(op.inputs[1]).ty.shape[0]),
+            protrain_ir::OpKind::CrossEntropy => Some(graph.value(op.inputs[0]).ty.last_dim()),
+            _ => None,
+        })
+        .min()
+        .map(|n| n as usize)
 }
 
 #[cfg(test)]

@@ -186,6 +186,19 @@ pub enum RuntimeError {
     /// memory, an operand it cannot read.
     #[error("cannot execute the schedule: {0}")]
     BadSchedule(String),
+    /// The host memory a backend is about to take is more than this machine has available
+    /// ([`host_memory_short_text`] words it; the CLI names the flag of each
+    /// region's budget instead of the budget).
+    #[error(
+        "cannot execute the schedule: {}",
+        host_memory_short_text(regions, *available, |b| b.name().to_string())
+    )]
+    HostMemoryShort {
+        /// The regions the backend is about to take.
+        regions: Vec<MemoryNeed>,
+        /// The bytes available.
+        available: u64,
+    },
     /// A stream gave up on a step because another stream failed; the other stream's error is
     /// the one to report.
     #[error("the step was abandoned because another stream failed")]
@@ -280,9 +293,10 @@ pub enum RuntimeError {
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]
     InvalidEval(String),
-    /// A learning-rate schedule whose settings do not fit together; the text names the flag.
-    #[error("{0}")]
-    InvalidLrSchedule(String),
+    /// A learning-rate schedule whose settings do not fit together
+    /// ([`lr_schedule_text`] words it; the CLI names each setting by its flag).
+    #[error("{}", lr_schedule_text(.0, LrSetting::field))]
+    InvalidLrSchedule(LrScheduleProblem),
     /// Initial weights (or a checkpoint's) that hold NaN or infinity.
     #[error(
         "the weights from {origin} are not finite: {name} holds {value} ({count} of its {len} \
@@ -348,3 +362,188 @@ pub enum RuntimeError {
 
 /// The runtime's result alias.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// Host memory a backend takes, for [`crate::memory::check_host_memory`]: which region and
+/// its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryNeed {
+    /// The region.
+    pub region: HostRegion,
+    /// Its size.
+    pub bytes: u64,
+}
+
+/// A region of host memory a backend takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostRegion {
+    /// The host backend's stand-in for device memory.
+    DeviceArena,
+    /// The schedule's host memory, on the host backend.
+    HostRegion,
+    /// The schedule's host memory, pinned by the CUDA backend.
+    PinnedHostRegion,
+}
+
+impl HostRegion {
+    /// What an error calls the region.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostRegion::DeviceArena => "device arena",
+            HostRegion::HostRegion => "host region",
+            HostRegion::PinnedHostRegion => "pinned host region",
+        }
+    }
+
+    /// The compile-time budget that bounds the region: the device's memory for the arena,
+    /// the host's for the host region.
+    pub fn budget(self) -> Budget {
+        match self {
+            HostRegion::DeviceArena => Budget::Device,
+            HostRegion::HostRegion | HostRegion::PinnedHostRegion => Budget::Host,
+        }
+    }
+}
+
+/// A memory budget a schedule is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// The GPU's memory.
+    Device,
+    /// The host's memory.
+    Host,
+}
+
+impl Budget {
+    /// The budget in words: `device memory`, `host memory`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Budget::Device => "device memory",
+            Budget::Host => "host memory",
+        }
+    }
+}
+
+/// The text of [`RuntimeError::HostMemoryShort`]: what `regions` need, what is `available`,
+/// and the way out, with `budget` wording the compile-time budget of each region (the CLI
+/// names its flag; the library error names the budget).
+pub fn host_memory_short_text(
+    regions: &[MemoryNeed],
+    available: u64,
+    budget: impl Fn(Budget) -> String,
+) -> String {
+    let needed = regions
+        .iter()
+        .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
+    let what: Vec<String> = regions
+        .iter()
+        .map(|r| {
+            format!(
+                "{} ({})",
+                r.region.name(),
+                protrain_ir::format_bytes(r.bytes)
+            )
+        })
+        .collect();
+    let budgets: Vec<String> = regions.iter().map(|r| budget(r.region.budget())).collect();
+    format!(
+        "the {} {} {} of host memory, but only {} is available on this machine ({} \
+         missing); free memory, or compile the schedule for less with {}",
+        what.join(" and "),
+        if regions.len() == 1 { "needs" } else { "need" },
+        protrain_ir::format_bytes(needed),
+        protrain_ir::format_bytes(available),
+        protrain_ir::format_bytes(needed.saturating_sub(available)),
+        budgets.join(" and "),
+    )
+}
+
+/// A setting of a learning-rate schedule, as an error about it names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LrSetting {
+    /// The peak learning rate (the rate the schedule's AdamW ops were compiled with).
+    Lr,
+    /// The minimum the decay ends at.
+    MinLr,
+    /// The steps the decay ends after.
+    DecaySteps,
+    /// The schedule's shape.
+    Schedule,
+}
+
+impl LrSetting {
+    /// The setting's name in the run settings (`lr`, `min_lr`, `decay_steps`, `lr_schedule`).
+    pub fn field(self) -> String {
+        match self {
+            LrSetting::Lr => "lr",
+            LrSetting::MinLr => "min_lr",
+            LrSetting::DecaySteps => "decay_steps",
+            LrSetting::Schedule => "lr_schedule",
+        }
+        .to_string()
+    }
+}
+
+/// What is wrong with a learning-rate schedule's settings ([`RuntimeError::InvalidLrSchedule`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrScheduleProblem {
+    /// A peak that is negative or not finite.
+    Peak {
+        /// The peak given.
+        peak: f64,
+    },
+    /// A minimum outside `0..=peak` or not finite.
+    MinLr {
+        /// The minimum given.
+        min_lr: f64,
+        /// The peak.
+        peak: f64,
+    },
+    /// A minimum above 0 for the constant schedule, which never decays.
+    MinLrWithoutDecay {
+        /// The minimum given.
+        min_lr: f64,
+    },
+    /// A decay length for the constant schedule, which never decays.
+    DecayWithoutDecay {
+        /// The decay steps given.
+        decay_steps: u64,
+    },
+    /// A peak other than the rate the schedule's AdamW ops were compiled with.
+    PeakNotCompiled {
+        /// The schedule's peak.
+        peak: f64,
+        /// The compiled rate.
+        compiled: f64,
+    },
+}
+
+/// The text of [`RuntimeError::InvalidLrSchedule`] for `problem`, each setting named by
+/// `name` (the runtime uses [`LrSetting::field`], the CLI the setting's flag).
+pub fn lr_schedule_text(problem: &LrScheduleProblem, name: impl Fn(LrSetting) -> String) -> String {
+    let (lr, min_lr) = (name(LrSetting::Lr), name(LrSetting::MinLr));
+    let (decay, schedule) = (name(LrSetting::DecaySteps), name(LrSetting::Schedule));
+    match *problem {
+        LrScheduleProblem::Peak { peak } => {
+            format!("the peak learning rate {peak} must be a finite number >= 0; give another {lr}")
+        }
+        LrScheduleProblem::MinLr {
+            min_lr: value,
+            peak,
+        } => format!(
+            "{min_lr} {value} must be a finite number between 0 and the peak learning rate \
+             {peak} ({lr})"
+        ),
+        LrScheduleProblem::MinLrWithoutDecay { min_lr: value } => format!(
+            "{min_lr} {value} applies to the linear and cosine schedules, which decay; the \
+             constant schedule stays at {lr}. Drop {min_lr} or choose {schedule} linear or cosine"
+        ),
+        LrScheduleProblem::DecayWithoutDecay { decay_steps } => format!(
+            "{decay} {decay_steps} applies to the linear and cosine schedules; the constant \
+             schedule does not decay. Drop {decay} or choose {schedule} linear or cosine"
+        ),
+        LrScheduleProblem::PeakNotCompiled { peak, compiled } => format!(
+            "the learning-rate schedule peaks at {peak} but the schedule's AdamW ops were \
+             compiled with lr {compiled}; the peak is the compiled rate: compile with {lr} {peak}"
+        ),
+    }
+}

@@ -18,12 +18,11 @@
 
 use crate::backend::Backend;
 use crate::checkpoint;
-use crate::data::{Batch, Batcher, TokenStream};
+use crate::data::{vocab_of, Batch, Batcher, TokenStream};
 use crate::error::{Result, RuntimeError};
 use crate::executor::Executor;
 use crate::host::HostBackend;
 use crate::params::load_params;
-use crate::train::vocab_of;
 use protrain_ir::Graph;
 use std::num::NonZeroU64;
 use std::path::Path;
@@ -172,7 +171,7 @@ impl<'s, B: Backend> Evaluator<'s, B> {
     /// Fails when a parameter is not finite, naming it and `origin`.
     pub fn evaluate(&mut self, params: &[Vec<f32>], origin: &str) -> Result<EvalResult> {
         let started = Instant::now();
-        crate::train::check_finite(params, &self.executor.schedule().graph, origin)?;
+        crate::params::check_finite(params, &self.executor.schedule().graph, origin)?;
         self.executor.load_params(params)?;
         let mut sum = 0.0f64;
         for i in 0..self.batches {

@@ -33,7 +33,8 @@
 //! stream's `accumulate_grad` of a sharded chunk, [`Backend::accumulate_into_shard`]).
 
 use crate::backend::{
-    set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart, Launch, ShardLaunch,
+    master_weights, set_learning_rate, set_loss_scale, Address, Backend, CastLaunch, CastPart,
+    Launch, ShardLaunch,
 };
 use crate::collective::Collective;
 use crate::disk::DiskFile;
@@ -178,54 +179,6 @@ impl ParamHome {
             (None, None) => unreachable!("a parameter without a home has a master weight"),
         }
     }
-}
-
-/// The f32 master weight of a parameter stored in a narrower type (mixed precision), as the
-/// schedule lists it ([`Schedule::masters`]), with the home of the parameter's Adam `m`, by
-/// which a backend's AdamW kernel (which reads `m` as its third input) finds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MasterWeight {
-    /// The parameter's value.
-    pub param: ValueId,
-    /// The home of its Adam `m`.
-    pub m: Address,
-    /// The home of its f32 master weight.
-    pub master: Address,
-}
-
-/// The master weight of every parameter that an AdamW op updates and whose type is narrower
-/// than f32, in graph order; empty for an f32 schedule. A verified schedule lists every one
-/// ([`protrain_ir::verify_schedule`] checks it); this fails, naming the parameter, when one is
-/// missing anyway.
-pub fn master_weights(schedule: &Schedule) -> Result<Vec<MasterWeight>> {
-    let graph = &schedule.graph;
-    let homes: HashMap<ValueId, TensorRef> = schedule.homes.iter().copied().collect();
-    let masters: HashMap<ValueId, TensorRef> = schedule.masters.iter().copied().collect();
-    let mut out = Vec::new();
-    for (_, op) in graph.ops() {
-        let OpKind::AdamW { .. } = op.kind else {
-            continue;
-        };
-        let (param, m) = (op.inputs[0], op.inputs[2]);
-        let ty = &graph.value(param).ty;
-        if ty.dtype == DType::F32 {
-            continue;
-        }
-        let (Some(&mr), Some(&master)) = (homes.get(&m), masters.get(&param)) else {
-            return Err(RuntimeError::BadSchedule(format!(
-                "{} is {} but the schedule gives it no f32 master weight or Adam moment home; \
-                 recompile the schedule with this protrain",
-                graph.value(param).name,
-                ty
-            )));
-        };
-        out.push(MasterWeight {
-            param,
-            m: address(schedule, mr),
-            master: address(schedule, master),
-        });
-    }
-    Ok(out)
 }
 
 /// One tensor of the training state and the elements each rank holds of it
@@ -1475,8 +1428,7 @@ unsafe fn launch_kernel<B: Backend>(
 
 /// A tensor's address.
 fn address(schedule: &Schedule, t: TensorRef) -> Address {
-    let (space, offset) = schedule.address(t);
-    Address { space, offset }
+    Address::of(schedule, t)
 }
 
 /// What rank `rank` holds of the `len` elements of `size` bytes at `t`: the address of the
@@ -1528,106 +1480,14 @@ fn plan(
         Instr::Kernel { op, inputs, .. }
             if collective && graph.op(*op).kind == OpKind::AccumulateGrad =>
         {
-            let ty = &graph.value(graph.op(*op).inputs[0]).ty;
-            let len = ty.numel() as usize;
-            // A sharded chunk's accumulator: the rank adds the ranks' gradients to its part.
-            if matches!(
-                schedule.buffer(inputs[0].buffer).kind,
-                BufferKind::HostShard { .. }
-            ) {
-                let (acc, part) = held(schedule, inputs[0], len, ty.dtype.size(), rank)
-                    .unwrap_or_else(|| (address(schedule, inputs[0]), 0..0));
-                return Planned::AccumulateIntoShard {
-                    acc,
-                    part,
-                    grad: address(schedule, inputs[1]),
-                    dtype: ty.dtype,
-                    len,
-                };
-            }
-            Planned::AccumulateOverRanks {
-                acc: address(schedule, inputs[0]),
-                grad: address(schedule, inputs[1]),
-                dtype: ty.dtype,
-                len,
-                kernel: Box::new(plan(schedule, instr, rank, masters, false)),
-            }
+            plan_accumulate(schedule, instr, *op, inputs, rank, masters)
         }
         Instr::Kernel {
             op,
             inputs,
             outputs,
             workspace,
-        } => {
-            let o = graph.op(*op);
-            let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-            let mut addresses: Vec<Address> =
-                inputs.iter().map(|&t| address(schedule, t)).collect();
-            // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
-            // moments and its master weight (the verifier checked the operands' homes).
-            let sharded = |t: &TensorRef| {
-                matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
-            };
-            let mut shard = None;
-            // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
-            // holds the chunk's state as its disk buffer does, so the master weight is at its
-            // home's offset there (the verifier checked both).
-            if let (OpKind::AdamW { .. }, Some(m)) = (&o.kind, inputs.get(2)) {
-                let b = schedule.buffer(m.buffer);
-                if matches!(b.kind, BufferKind::DiskStaging { .. }) {
-                    if let Some(master) = masters.get(&o.inputs[0]) {
-                        shard = Some(Box::new(ShardLaunch {
-                            elements: types[0].numel() as usize,
-                            master: Some(Address {
-                                space: b.space,
-                                offset: b.offset + master.offset,
-                            }),
-                        }));
-                    }
-                }
-            }
-            if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
-                if sharded(param) {
-                    let ty = types[0];
-                    let Some((at, part)) =
-                        held(schedule, *param, ty.numel() as usize, ty.dtype.size(), rank)
-                    else {
-                        return Planned::Skip;
-                    };
-                    addresses[0] = at;
-                    // The gradient and both moments.
-                    for ((a, &t), ty) in
-                        addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1)
-                    {
-                        *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
-                    }
-                    shard = Some(Box::new(ShardLaunch {
-                        elements: part.len(),
-                        master: masters
-                            .get(&o.inputs[0])
-                            .map(|&m| element_address(schedule, m, part.start, 4, rank)),
-                    }));
-                }
-            }
-            Planned::Kernel {
-                shard,
-                op: *op,
-                launched: matches!(
-                    o.kind,
-                    OpKind::AdamW { .. }
-                        | OpKind::CrossEntropyBackwardLossScaled { .. }
-                        | OpKind::UnscaleCoef { .. }
-                )
-                .then(|| o.clone()),
-                inputs: addresses,
-                outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
-                // The verifier checked that a kernel has a workspace exactly when its kind
-                // needs one, with room for what it needs.
-                workspace: workspace
-                    .map(|t| (address(schedule, t), o.kind.workspace_bytes(&types))),
-                prepared: Prepared::new(&o.kind),
-            }
-        }
+        } => plan_kernel(schedule, *op, inputs, outputs, *workspace, rank, masters),
         Instr::Copy {
             src, dst, bytes, ..
         } => Planned::Copy {
@@ -1701,5 +1561,122 @@ fn plan(
         }
         // `Schedule::phases` splits the streams at their markers: none reaches here.
         Instr::EndMicroBatch { .. } => unreachable!("streams are planned without their markers"),
+    }
+}
+
+/// [`plan`] of an `AccumulateGrad` kernel of a run with a collective: into a sharded chunk's
+/// accumulator, the rank adds the ranks' gradients to its part; elsewhere every rank adds
+/// the all-reduced gradient after its own kernel `instr`.
+fn plan_accumulate(
+    schedule: &Schedule,
+    instr: &Instr,
+    op: OpId,
+    inputs: &[TensorRef],
+    rank: u32,
+    masters: &HashMap<ValueId, TensorRef>,
+) -> Planned {
+    let graph = &schedule.graph;
+    let ty = &graph.value(graph.op(op).inputs[0]).ty;
+    let len = ty.numel() as usize;
+    // A sharded chunk's accumulator: the rank adds the ranks' gradients to its part.
+    if matches!(
+        schedule.buffer(inputs[0].buffer).kind,
+        BufferKind::HostShard { .. }
+    ) {
+        let (acc, part) = held(schedule, inputs[0], len, ty.dtype.size(), rank)
+            .unwrap_or_else(|| (address(schedule, inputs[0]), 0..0));
+        return Planned::AccumulateIntoShard {
+            acc,
+            part,
+            grad: address(schedule, inputs[1]),
+            dtype: ty.dtype,
+            len,
+        };
+    }
+    Planned::AccumulateOverRanks {
+        acc: address(schedule, inputs[0]),
+        grad: address(schedule, inputs[1]),
+        dtype: ty.dtype,
+        len,
+        kernel: Box::new(plan(schedule, instr, rank, masters, false)),
+    }
+}
+
+/// [`plan`] of a kernel `op` over the tensors `inputs` and `outputs` (and `workspace`): its
+/// operands' addresses, and for AdamW on a sharded or disk-resident chunk, the elements and
+/// master weight the rank updates ([`ShardLaunch`]); [`Planned::Skip`] when the rank holds
+/// none of a sharded parameter.
+fn plan_kernel(
+    schedule: &Schedule,
+    op: OpId,
+    inputs: &[TensorRef],
+    outputs: &[TensorRef],
+    workspace: Option<TensorRef>,
+    rank: u32,
+    masters: &HashMap<ValueId, TensorRef>,
+) -> Planned {
+    let graph = &schedule.graph;
+    let o = graph.op(op);
+    let types: Vec<_> = o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+    let mut addresses: Vec<Address> = inputs.iter().map(|&t| address(schedule, t)).collect();
+    // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
+    // moments and its master weight (the verifier checked the operands' homes).
+    let sharded =
+        |t: &TensorRef| matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. });
+    let mut shard = None;
+    // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
+    // holds the chunk's state as its disk buffer does, so the master weight is at its
+    // home's offset there (the verifier checked both).
+    if let (OpKind::AdamW { .. }, Some(m)) = (&o.kind, inputs.get(2)) {
+        let b = schedule.buffer(m.buffer);
+        if matches!(b.kind, BufferKind::DiskStaging { .. }) {
+            if let Some(master) = masters.get(&o.inputs[0]) {
+                shard = Some(Box::new(ShardLaunch {
+                    elements: types[0].numel() as usize,
+                    master: Some(Address {
+                        space: b.space,
+                        offset: b.offset + master.offset,
+                    }),
+                }));
+            }
+        }
+    }
+    if let (OpKind::AdamW { .. }, Some(param)) = (&o.kind, inputs.first()) {
+        if sharded(param) {
+            let ty = types[0];
+            let Some((at, part)) =
+                held(schedule, *param, ty.numel() as usize, ty.dtype.size(), rank)
+            else {
+                return Planned::Skip;
+            };
+            addresses[0] = at;
+            // The gradient and both moments.
+            for ((a, &t), ty) in addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1) {
+                *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
+            }
+            shard = Some(Box::new(ShardLaunch {
+                elements: part.len(),
+                master: masters
+                    .get(&o.inputs[0])
+                    .map(|&m| element_address(schedule, m, part.start, 4, rank)),
+            }));
+        }
+    }
+    Planned::Kernel {
+        shard,
+        op,
+        launched: matches!(
+            o.kind,
+            OpKind::AdamW { .. }
+                | OpKind::CrossEntropyBackwardLossScaled { .. }
+                | OpKind::UnscaleCoef { .. }
+        )
+        .then(|| o.clone()),
+        inputs: addresses,
+        outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
+        // The verifier checked that a kernel has a workspace exactly when its kind
+        // needs one, with room for what it needs.
+        workspace: workspace.map(|t| (address(schedule, t), o.kind.workspace_bytes(&types))),
+        prepared: Prepared::new(&o.kind),
     }
 }

@@ -18,14 +18,14 @@
 //! master weight (found by its Adam `m`, as [`Backend::prepare`] records them) with f32
 //! moments and rewrites the bf16 parameter from it, with the CPU Adam's code and bits.
 
+use crate::backend::master_weights;
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
 use crate::disk::DiskFile;
 use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
-use crate::executor::master_weights;
 use crate::kernels::{bf16, f16, Grad, Low};
-use crate::memory::{check_host_memory, memory_available, MemoryNeed};
+use crate::memory::{check_host_memory, memory_available, HostRegion, MemoryNeed};
 use bytemuck::Pod;
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
 use std::alloc::Layout;
@@ -561,14 +561,12 @@ impl Backend for HostBackend {
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         let regions = [
             MemoryNeed {
-                name: "device arena",
+                region: HostRegion::DeviceArena,
                 bytes: arena_bytes,
-                flag: "--gpu-memory",
             },
             MemoryNeed {
-                name: "host region",
+                region: HostRegion::HostRegion,
                 bytes: host_bytes,
-                flag: "--host-memory",
             },
         ];
         check_host_memory(&regions, memory_available())?;

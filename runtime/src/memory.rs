@@ -1,6 +1,7 @@
 //! This machine's host memory: what it can give now, and the check that the regions a backend
 //! is about to take fit in it.
 
+pub(crate) use crate::error::{HostRegion, MemoryNeed};
 use crate::error::{Result, RuntimeError};
 
 /// Memory the system can give without swapping (`MemAvailable` in `/proc/meminfo`), where
@@ -15,8 +16,9 @@ pub(crate) fn memory_available() -> Option<u64> {
 /// Fails when `regions`, the host memory a backend is about to take (each named, with its
 /// bytes), need more than `available` bytes together. The allocation itself would succeed
 /// (pages are zeroed lazily, or pinned and then zeroed page by page) and the run be killed part
-/// way when they are touched; this says up front what is missing and which compile flag makes
-/// it smaller. `None` (not known) passes.
+/// way when they are touched; this says up front what is missing
+/// ([`RuntimeError::HostMemoryShort`], whose regions say which compile-time budget makes it
+/// smaller). `None` (not known) passes.
 ///
 /// The host backend holds its device arena and host region in host memory; the CUDA backend
 /// pins its host region (the arena is on the GPU, checked against the GPU's free memory).
@@ -25,36 +27,12 @@ pub(crate) fn check_host_memory(regions: &[MemoryNeed], available: Option<u64>) 
         .iter()
         .fold(0u64, |sum, r| sum.saturating_add(r.bytes));
     match available {
-        Some(available) if needed > available => {
-            let what: Vec<String> = regions
-                .iter()
-                .map(|r| format!("{} ({})", r.name, protrain_ir::format_bytes(r.bytes)))
-                .collect();
-            let flags: Vec<&str> = regions.iter().map(|r| r.flag).collect();
-            Err(RuntimeError::BadSchedule(format!(
-                "the {} {} {} of host memory, but only {} is available on this machine ({} \
-                 missing); free memory, or compile the schedule for less with {}",
-                what.join(" and "),
-                if regions.len() == 1 { "needs" } else { "need" },
-                protrain_ir::format_bytes(needed),
-                protrain_ir::format_bytes(available),
-                protrain_ir::format_bytes(needed - available),
-                flags.join(" and "),
-            )))
-        }
+        Some(available) if needed > available => Err(RuntimeError::HostMemoryShort {
+            regions: regions.to_vec(),
+            available,
+        }),
         _ => Ok(()),
     }
-}
-
-/// Host memory a backend takes, for [`check_host_memory`]: the region's name, its bytes,
-/// and the compile flag that bounds it.
-pub(crate) struct MemoryNeed {
-    /// What the error calls the region.
-    pub name: &'static str,
-    /// Its size.
-    pub bytes: u64,
-    /// The `protrain compile` flag that compiles a schedule needing less of it.
-    pub flag: &'static str,
 }
 
 #[cfg(test)]
@@ -63,12 +41,13 @@ mod tests {
 
     #[test]
     fn regions_fit_while_their_sum_is_available() {
-        let need = |name, bytes| MemoryNeed {
-            name,
-            bytes,
-            flag: "--host-memory",
+        let need = |region, bytes| MemoryNeed { region, bytes };
+        let both = |a, b| {
+            [
+                need(HostRegion::DeviceArena, a),
+                need(HostRegion::HostRegion, b),
+            ]
         };
-        let both = |a, b| [need("device arena", a), need("host region", b)];
         assert!(check_host_memory(&both(1, 1), Some(2)).is_ok());
         assert!(check_host_memory(&both(2, 1), Some(2)).is_err());
         assert!(check_host_memory(&both(u64::MAX, 1), None).is_ok());
@@ -76,31 +55,37 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_names_every_region_and_the_flag_that_bounds_it() {
+    fn a_refusal_carries_every_region_and_names_its_budget() {
         let regions = [
             MemoryNeed {
-                name: "device arena",
+                region: HostRegion::DeviceArena,
                 bytes: 3 << 30,
-                flag: "--gpu-memory",
             },
             MemoryNeed {
-                name: "host region",
+                region: HostRegion::HostRegion,
                 bytes: 2 << 30,
-                flag: "--host-memory",
             },
         ];
-        let e = check_host_memory(&regions, Some(4 << 30))
-            .unwrap_err()
-            .to_string();
+        let err = check_host_memory(&regions, Some(4 << 30)).unwrap_err();
+        let RuntimeError::HostMemoryShort {
+            regions: carried,
+            available,
+        } = &err
+        else {
+            panic!("not a host memory refusal: {err}");
+        };
+        assert_eq!((carried.as_slice(), *available), (&regions[..], 4 << 30));
+        let e = err.to_string();
         for part in [
             "device arena (3.00 GiB)",
             "host region (2.00 GiB)",
             "need 5.00 GiB",
             "only 4.00 GiB",
             "1.00 GiB missing",
-            "--gpu-memory and --host-memory",
+            "for less with device memory and host memory",
         ] {
             assert!(e.contains(part), "{part:?} not in: {e}");
         }
+        assert!(!e.contains("--"), "the library names no flag: {e}");
     }
 }

@@ -1,7 +1,7 @@
 //! Parameter values: seeded random initialisation, loading from a Hugging Face checkpoint, and
 //! saving back under the same names.
 
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::rng::Rng;
 use crate::weights::{
     safetensors_order, save_safetensors, save_safetensors_streamed, ExpectedTensor, StorageDtype,
@@ -121,4 +121,21 @@ pub fn save_params(
         .map(|(((_, p), shape), data)| (p.name.as_str(), shape.as_slice(), data.as_slice()))
         .collect();
     save_safetensors(path, &tensors, dtype, &[])
+}
+
+/// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
+/// naming it and where the weights came from: training from them can only give a NaN loss.
+pub(crate) fn check_finite(values: &[Vec<f32>], graph: &Graph, origin: &str) -> Result<()> {
+    for ((_, p), data) in graph.params().zip(values) {
+        if let Some(&value) = data.iter().find(|v| !v.is_finite()) {
+            return Err(RuntimeError::NonFiniteWeights {
+                origin: origin.to_string(),
+                name: p.name.clone(),
+                value,
+                count: data.iter().filter(|v| !v.is_finite()).count(),
+                len: data.len(),
+            });
+        }
+    }
+    Ok(())
 }

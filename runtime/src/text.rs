@@ -319,6 +319,26 @@ pub struct Tokenized {
     pub fallback_reason: Option<String>,
 }
 
+impl TokenStream {
+    /// Tokenizes a UTF-8 text corpus with a Hugging Face tokenizer, once: the ids are cached in
+    /// a token file beside the corpus and mapped from there, and later calls reuse that file
+    /// while neither the corpus nor the tokenizer.json changes. [`crate::text`] has the rules
+    /// (documents and the end-of-text token between them, the cache's name, the fallback
+    /// directory when the corpus's directory is not writable). `progress(bytes_done,
+    /// bytes_total)` is called as the corpus is read, not when the cache is reused.
+    ///
+    /// Check the tokenizer against the model first ([`TextTokenizer::check_vocab`]);
+    /// [`crate::text::tokenize`] does the same as this and also says where the cache is.
+    pub fn from_text(
+        corpus: impl AsRef<Path>,
+        tokenizer: &TextTokenizer,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Self> {
+        let options = TextOptions::default();
+        Ok(tokenize(corpus.as_ref(), tokenizer, &options, progress)?.stream)
+    }
+}
+
 /// Tokenizes `corpus` with `tokenizer` into a cached token file, or reuses the cache written
 /// by an earlier call for the same corpus and tokenizer (the module doc has the rules).
 /// `progress(bytes_done, bytes_total)` is called after each piece; it is not called when the
@@ -886,18 +906,19 @@ fn strip_line_break(document: &str) -> &str {
     }
 }
 
-/// The header of a version 1.0 `.npy` file holding `count` little-endian `u32`s.
+/// The header of a `.npy` file holding `count` little-endian `u32`s, as `npyz` writes it
+/// (version 1.0, padded to 64 bytes as numpy pads it).
 fn npy_u32_header(count: u64) -> Vec<u8> {
-    let mut dict = format!("{{'descr': '<u4', 'fortran_order': False, 'shape': ({count},), }}");
-    // Magic (6) + version (2) + length (2) + dictionary + '\n', padded to 64 bytes.
-    while !(10 + dict.len() + 1).is_multiple_of(64) {
-        dict.push(' ');
-    }
-    dict.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    // The dictionary is under 200 bytes: a u16 holds its length.
-    out.extend((dict.len() as u16).to_le_bytes());
-    out.extend(dict.as_bytes());
+    use npyz::WriterBuilder;
+    let mut out = Vec::new();
+    npyz::WriteOptions::new_header_only()
+        .dtype(npyz::DType::Plain(
+            "<u4".parse().expect("`<u4` is a numpy type string"),
+        ))
+        .shape(&[count])
+        .writer(&mut out)
+        .write_header_only()
+        .expect("writing to memory does not fail");
     out
 }
 
@@ -1011,6 +1032,7 @@ mod tests {
             assert_eq!(header.len() % 64, 0);
             let parsed = npyz::NpyHeader::from_reader(&mut &header[..]).unwrap();
             assert_eq!(parsed.shape(), [count]);
+            assert_eq!(parsed.dtype().descr(), "'<u4'");
         }
     }
 }

@@ -39,273 +39,22 @@
 
 use crate::backend::Backend;
 use crate::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
+pub use crate::data::vocab_of;
 use crate::data::{Batch, Batcher, TokenStream};
-use crate::error::{Result, RuntimeError};
+use crate::error::{LrScheduleProblem, Result, RuntimeError};
 use crate::eval::{EvalPlan, EvalResult};
 use crate::executor::Executor;
 use crate::host::HostBackend;
-use crate::loss_scale::{LossScaleSettings, LossScaler, ScalerState};
+use crate::loss_scale::{LossScaler, ScalerState};
+pub use crate::lr_schedule::{LrSchedule, LrScheduleKind};
+use crate::params::check_finite;
+pub use crate::run_settings::{RunFlags, RunSettings, DEFAULT_STEPS};
 use crate::synthetic::SyntheticCorpus;
-use protrain_ir::{Graph, OpKind};
-use serde::{Deserialize, Serialize};
+use protrain_ir::Graph;
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-/// The shape of a learning-rate schedule, after transformers' `get_*_schedule_with_warmup`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LrScheduleKind {
-    /// `get_constant_schedule_with_warmup`: a linear warmup from 0, then the peak.
-    Constant,
-    /// `get_linear_schedule_with_warmup`: a linear warmup, then a linear decay to the
-    /// minimum at the end of the decay.
-    Linear,
-    /// `get_cosine_schedule_with_warmup` with `num_cycles = 0.5`: a linear warmup, then half
-    /// a cosine down to the minimum at the end of the decay.
-    Cosine,
-}
-
-impl LrScheduleKind {
-    /// The name `--lr-schedule` takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            LrScheduleKind::Constant => "constant",
-            LrScheduleKind::Linear => "linear",
-            LrScheduleKind::Cosine => "cosine",
-        }
-    }
-}
-
-impl std::fmt::Display for LrScheduleKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A learning-rate schedule: the rate of every optimizer step, from its peak (the rate the
-/// schedule's AdamW ops were compiled with).
-///
-/// With `min_lr = 0` the rate of step `s` (1-based) is exactly
-/// `peak * lr_lambda(s - 1)` of transformers' `get_{constant,linear,cosine}_schedule_with_warmup`
-/// (`num_cycles = 0.5`), computed in the same f64 operations, so it is the same bits as the
-/// learning rate torch's `LambdaLR` hands AdamW at that step: the first `warmup_steps` steps
-/// ramp up from 0 (the first step of a run with a warmup has rate 0), then the rate decays
-/// over the remaining `decay_steps - warmup_steps` steps. With `min_lr > 0` the decay ends at
-/// `min_lr` instead of 0: after the warmup the factor `f` in `[0, 1]` becomes
-/// `f * (1 - min_lr / peak) + min_lr / peak`, which is transformers'
-/// `get_cosine_with_min_lr_schedule_with_warmup(min_lr=...)` for the cosine, and the same
-/// rescaling of the linear decay; the warmup still starts from 0.
-///
-/// Past `decay_steps` the linear schedule stays at its minimum; the cosine follows
-/// transformers' formula, which rises again (half a cosine period is `decay_steps -
-/// warmup_steps` steps): keep `decay_steps` at least the number of steps trained.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LrSchedule {
-    /// The shape.
-    pub kind: LrScheduleKind,
-    /// The rate at the end of the warmup.
-    pub peak: f64,
-    /// Steps of linear warmup from 0.
-    pub warmup_steps: u64,
-    /// The schedule's length in steps, warmup included (transformers'
-    /// `num_training_steps`): the rate reaches `min_lr` after this many steps; unused by the
-    /// constant schedule.
-    pub decay_steps: u64,
-    /// The rate the decay ends at (0 in transformers); 0 for the constant schedule.
-    pub min_lr: f64,
-}
-
-impl LrSchedule {
-    /// The peak rate at every step, without warmup: what a schedule's AdamW ops do alone.
-    pub fn constant(peak: f64) -> Self {
-        Self {
-            kind: LrScheduleKind::Constant,
-            peak,
-            warmup_steps: 0,
-            decay_steps: 0,
-            min_lr: 0.0,
-        }
-    }
-
-    /// A schedule, checked: `peak` and `min_lr` finite and at least 0, `min_lr` at most
-    /// `peak`, and `min_lr` 0 for the constant schedule (which never decays).
-    pub fn new(
-        kind: LrScheduleKind,
-        peak: f64,
-        warmup_steps: u64,
-        decay_steps: u64,
-        min_lr: f64,
-    ) -> Result<Self> {
-        let bad = |why: String| Err(RuntimeError::InvalidLrSchedule(why));
-        if !(peak.is_finite() && peak >= 0.0) {
-            return bad(format!(
-                "the peak learning rate {peak} must be a finite number >= 0; give another --lr"
-            ));
-        }
-        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= peak) {
-            return bad(format!(
-                "--min-lr {min_lr} must be a finite number between 0 and the peak learning \
-                 rate {peak} (--lr)"
-            ));
-        }
-        if kind == LrScheduleKind::Constant && min_lr != 0.0 {
-            return bad(format!(
-                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; \
-                 the constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule \
-                 linear or cosine"
-            ));
-        }
-        Ok(Self {
-            kind,
-            peak,
-            warmup_steps,
-            decay_steps,
-            min_lr,
-        })
-    }
-
-    /// The factor the peak is multiplied by after `current_step` scheduler steps (0-based):
-    /// transformers' `lr_lambda(current_step)`, with the `min_lr` rescaling after the warmup
-    /// (see the type's doc).
-    pub fn factor(&self, current_step: u64) -> f64 {
-        // transformers computes in Python integers, which do not overflow or wrap; i128 holds
-        // every difference of two u64.
-        let (s, w, n) = (
-            i128::from(current_step),
-            i128::from(self.warmup_steps),
-            i128::from(self.decay_steps),
-        );
-        if s < w {
-            return s as f64 / w.max(1) as f64;
-        }
-        let decayed = match self.kind {
-            LrScheduleKind::Constant => return 1.0,
-            LrScheduleKind::Linear => (0.0f64).max((n - s) as f64 / (n - w).max(1) as f64),
-            LrScheduleKind::Cosine => {
-                let progress = (s - w) as f64 / (n - w).max(1) as f64;
-                let cycles = 0.5;
-                (0.0f64).max(0.5 * (1.0 + (std::f64::consts::PI * cycles * 2.0 * progress).cos()))
-            }
-        };
-        if self.min_lr == 0.0 {
-            // transformers' `factor * (1 - 0) + 0` is `factor`, bit for bit.
-            return decayed;
-        }
-        let rate = self.min_lr / self.peak;
-        decayed * (1.0 - rate) + rate
-    }
-
-    /// The learning rate of optimizer step `step` (1-based): `peak * factor(step - 1)`, as
-    /// torch's `LambdaLR` sets it before the step (it has stepped `step - 1` times).
-    pub fn lr(&self, step: u64) -> f64 {
-        self.peak * self.factor(step.saturating_sub(1))
-    }
-}
-
-impl std::fmt::Display for LrSchedule {
-    /// `0.003 (constant)`, or `cosine from 0.01 to 0 after step 100, warming up from 0 over
-    /// 10 steps`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.kind {
-            LrScheduleKind::Constant => write!(f, "{} (constant)", self.peak)?,
-            kind => write!(
-                f,
-                "{kind} from {} to {} after step {}",
-                self.peak, self.min_lr, self.decay_steps
-            )?,
-        }
-        if self.warmup_steps > 0 {
-            write!(f, ", warming up from 0 over {} steps", self.warmup_steps)?;
-        }
-        Ok(())
-    }
-}
-
-/// Steps a run takes when `--steps` is not given.
-pub const DEFAULT_STEPS: u64 = 200;
-
-/// Everything a training run is besides its schedule and weights: what a checkpoint records,
-/// so that a resumed run goes on as the original would have.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RunSettings {
-    /// Optimizer steps the run takes in all (counting steps taken before a resume).
-    pub steps: u64,
-    /// The learning rate of each step.
-    pub lr_schedule: LrSchedule,
-    /// The seed of the random initialisation and of the synthetic corpus.
-    pub seed: u64,
-    /// The token file, as an absolute path; `None` for the built-in synthetic corpus.
-    pub data: Option<PathBuf>,
-    /// The loss scaler's settings when a flag set them (an f16 run otherwise takes
-    /// GradScaler's defaults, [`LossScaleSettings::default`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_scale: Option<LossScaleSettings>,
-    /// Steps between checkpoints, when the run writes them: a run resumed without
-    /// `--save-every` goes on saving as often (checkpoints written before it was recorded
-    /// lack it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub save_every: Option<u64>,
-    /// [`TokenStream::sample_checksum`] of the token file, so a resumed run can tell a file
-    /// replaced by another of the same length (checkpoints written before it was recorded,
-    /// and runs on the synthetic corpus, lack it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data_checksum: Option<String>,
-}
-
-impl RunSettings {
-    /// What the run trains on, for messages: the token file, or "the synthetic corpus".
-    pub fn data_name(&self) -> String {
-        self.data
-            .as_ref()
-            .map_or("the synthetic corpus".into(), |p| p.display().to_string())
-    }
-
-    /// Warnings about a run with these settings that goes on from step `first` (0 for a
-    /// new run; `resumed` when it continues a checkpoint, whose schedule it cannot change):
-    /// a warmup longer than the run, and a run that goes past the end of its decay, where
-    /// transformers' cosine rises again and the linear schedule stays at its minimum.
-    pub fn warnings(&self, first: u64, resumed: bool) -> Vec<String> {
-        let s = &self.lr_schedule;
-        let steps = self.steps;
-        let mut out = Vec::new();
-        if s.warmup_steps > steps {
-            out.push(format!(
-                "warning: --warmup-steps {} is more than --steps {steps}: the run ends while the \
-                 learning rate still warms up (step {steps} trains at {:.3e}, not --lr {}); \
-                 give fewer warmup steps or more steps",
-                s.warmup_steps,
-                s.lr(steps),
-                s.peak
-            ));
-        }
-        if s.kind != LrScheduleKind::Constant && steps > s.decay_steps && steps > first {
-            let end = s.decay_steps;
-            let after = match s.kind {
-                LrScheduleKind::Cosine => format!(
-                    "from step {} transformers' cosine rises again, to {:.3e} at step {steps}",
-                    end + 1,
-                    s.lr(steps)
-                ),
-                _ => format!("steps {}..={steps} stay at --min-lr {}", end + 1, s.min_lr),
-            };
-            let way_out = match resumed {
-                true => format!(
-                    "a resumed run keeps its schedule: stop at --steps {end}, or start a new \
-                     run from the checkpoint with --init DIR and a schedule of its own"
-                ),
-                false => format!("give --decay-steps {steps} to decay over the whole run"),
-            };
-            out.push(format!(
-                "warning: the run goes on to step {steps}, past the end of its {} schedule at \
-                 step {end} (--decay-steps): {after}; {way_out}",
-                s.kind
-            ));
-        }
-        out
-    }
-}
 
 /// When a run prints a row of its table: after its first step, its last, every
 /// `every`-th step, and, without a progress bar (no terminal, as under `nohup ... > log`),
@@ -349,209 +98,6 @@ impl ReportPace {
         }
         due
     }
-}
-
-/// Run settings as a user gives them: `None` for a flag left out. A fresh run fills the gaps
-/// with defaults ([`RunFlags::fresh`]); a resumed one with the checkpoint's settings, and a
-/// flag that contradicts them is an error ([`RunFlags::resume`]).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct RunFlags {
-    /// `--steps`: optimizer steps in all.
-    pub steps: Option<u64>,
-    /// `--lr-schedule`.
-    pub lr_schedule: Option<LrScheduleKind>,
-    /// `--warmup-steps`.
-    pub warmup_steps: Option<u64>,
-    /// `--decay-steps`.
-    pub decay_steps: Option<u64>,
-    /// `--min-lr`.
-    pub min_lr: Option<f64>,
-    /// `--seed`.
-    pub seed: Option<u64>,
-    /// `--data`.
-    pub data: Option<PathBuf>,
-    /// `--loss-scale-init`.
-    pub loss_scale_init: Option<f64>,
-    /// `--loss-scale-growth-interval`.
-    pub loss_scale_growth_interval: Option<u64>,
-}
-
-impl RunFlags {
-    /// The settings of a new run whose schedule was compiled with learning rate `peak`:
-    /// [`DEFAULT_STEPS`] steps, the constant schedule without warmup, seed 0 and the
-    /// synthetic corpus unless given; `--decay-steps` defaults to the steps.
-    pub fn fresh(&self, peak: f64) -> Result<RunSettings> {
-        let steps = self.steps.unwrap_or(DEFAULT_STEPS);
-        let kind = self.lr_schedule.unwrap_or(LrScheduleKind::Constant);
-        self.check_applies(kind)?;
-        let lr_schedule = LrSchedule::new(
-            kind,
-            peak,
-            self.warmup_steps.unwrap_or(0),
-            self.decay_steps.unwrap_or(steps),
-            self.min_lr.unwrap_or(0.0),
-        )?;
-        Ok(RunSettings {
-            steps,
-            lr_schedule,
-            seed: self.seed.unwrap_or(0),
-            data: self.data.as_deref().map(absolute),
-            loss_scale: self.loss_scale(None)?,
-            save_every: None,
-            data_checksum: None,
-        })
-    }
-
-    /// The loss scaler's settings the flags give, over `saved` (a resumed run's) or the
-    /// defaults; `None` when neither flag is given and nothing was saved. Fails on a
-    /// setting that cannot train.
-    fn loss_scale(&self, saved: Option<LossScaleSettings>) -> Result<Option<LossScaleSettings>> {
-        if self.loss_scale_init.is_none() && self.loss_scale_growth_interval.is_none() {
-            return Ok(saved);
-        }
-        let base = saved.unwrap_or_default();
-        let settings = LossScaleSettings {
-            init: self.loss_scale_init.unwrap_or(base.init),
-            growth_interval: self
-                .loss_scale_growth_interval
-                .unwrap_or(base.growth_interval),
-        };
-        settings.validate()?;
-        Ok(Some(settings))
-    }
-
-    /// The settings of a run resumed from the checkpoint at `path`, which was written with
-    /// `saved`: every flag left out takes the checkpoint's value. `--steps` may differ (it is
-    /// how a finished run is extended; the decay keeps its length); any other flag that
-    /// differs is an error naming each contradiction. A token file that was moved may be
-    /// named again with `--data` where the checkpoint's path no longer exists.
-    pub fn resume(&self, saved: &RunSettings, path: &Path) -> Result<RunSettings> {
-        let was = &saved.lr_schedule;
-        let kind = self.lr_schedule.unwrap_or(was.kind);
-        self.check_applies(kind)?;
-        let mut differences = Vec::new();
-        let mut differ = |what: &str, theirs: String, ours: String| {
-            differences.push(format!(
-                "{what}: the checkpoint has {theirs}, this run has {ours}"
-            ));
-        };
-        if kind != was.kind {
-            differ("--lr-schedule", was.kind.to_string(), kind.to_string());
-        }
-        let warmup = self.warmup_steps.unwrap_or(was.warmup_steps);
-        if warmup != was.warmup_steps {
-            differ(
-                "--warmup-steps",
-                was.warmup_steps.to_string(),
-                warmup.to_string(),
-            );
-        }
-        let decay = self.decay_steps.unwrap_or(was.decay_steps);
-        if decay != was.decay_steps && kind != LrScheduleKind::Constant {
-            differ(
-                "--decay-steps",
-                was.decay_steps.to_string(),
-                decay.to_string(),
-            );
-        }
-        let min_lr = self.min_lr.unwrap_or(was.min_lr);
-        if min_lr != was.min_lr {
-            differ("--min-lr", was.min_lr.to_string(), min_lr.to_string());
-        }
-        let seed = self.seed.unwrap_or(saved.seed);
-        if seed != saved.seed {
-            differ("--seed", saved.seed.to_string(), seed.to_string());
-        }
-        let data = match (&saved.data, &self.data) {
-            (saved_data, None) => saved_data.clone(),
-            (None, Some(given)) => {
-                differ(
-                    "data",
-                    "the synthetic corpus".into(),
-                    format!("--data {}", given.display()),
-                );
-                None
-            }
-            (Some(theirs), Some(given)) => {
-                let ours = absolute(given);
-                if ours != *theirs && theirs.exists() {
-                    differ(
-                        "--data",
-                        theirs.display().to_string(),
-                        ours.display().to_string(),
-                    );
-                }
-                Some(ours)
-            }
-        };
-        let saved_scale = saved.loss_scale;
-        let loss_scale = self.loss_scale(saved_scale)?;
-        if let (Some(ours), theirs) = (loss_scale, saved_scale.unwrap_or_default()) {
-            if ours.init != theirs.init {
-                differ(
-                    "--loss-scale-init",
-                    theirs.init.to_string(),
-                    ours.init.to_string(),
-                );
-            }
-            if ours.growth_interval != theirs.growth_interval {
-                differ(
-                    "--loss-scale-growth-interval",
-                    theirs.growth_interval.to_string(),
-                    ours.growth_interval.to_string(),
-                );
-            }
-        }
-        if !differences.is_empty() {
-            return Err(RuntimeError::CheckpointMismatch {
-                path: path.to_path_buf(),
-                differences: differences.join("\n  "),
-            });
-        }
-        if let Some(data) = data.as_ref().filter(|d| !d.exists()) {
-            return Err(RuntimeError::RunDataMissing {
-                checkpoint: path.to_path_buf(),
-                data: data.clone(),
-            });
-        }
-        Ok(RunSettings {
-            steps: self.steps.unwrap_or(saved.steps),
-            lr_schedule: LrSchedule::new(kind, was.peak, warmup, decay, min_lr)?,
-            seed,
-            data,
-            loss_scale,
-            save_every: saved.save_every,
-            data_checksum: saved.data_checksum.clone(),
-        })
-    }
-
-    /// Fails when a flag is given that the schedule `kind` does not use.
-    fn check_applies(&self, kind: LrScheduleKind) -> Result<()> {
-        if kind != LrScheduleKind::Constant {
-            return Ok(());
-        }
-        if let Some(decay) = self.decay_steps {
-            return Err(RuntimeError::InvalidLrSchedule(format!(
-                "--decay-steps {decay} applies to the linear and cosine schedules; the \
-                 constant schedule does not decay. Drop --decay-steps or choose --lr-schedule \
-                 linear or cosine"
-            )));
-        }
-        match self.min_lr {
-            Some(min_lr) if min_lr != 0.0 => Err(RuntimeError::InvalidLrSchedule(format!(
-                "--min-lr {min_lr} applies to the linear and cosine schedules, which decay; the \
-                 constant schedule stays at --lr. Drop --min-lr or choose --lr-schedule linear \
-                 or cosine"
-            ))),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// `path` made absolute (against the current directory, symbolic links left as they are), so
-/// a resumed run finds it from any directory; as given when there is no current directory.
-fn absolute(path: &Path) -> PathBuf {
-    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Where and how often a run writes checkpoints.
@@ -845,11 +391,12 @@ impl<'s, B: Backend> Trainer<'s, B> {
         let optimizer = OptimizerSettings::of(graph);
         if let Some(compiled) = optimizer {
             if compiled.lr != settings.lr_schedule.peak {
-                return Err(RuntimeError::InvalidLrSchedule(format!(
-                    "the learning-rate schedule peaks at {} but the schedule's AdamW ops were \
-                     compiled with lr {}; the peak is the compiled rate: compile with --lr {}",
-                    settings.lr_schedule.peak, compiled.lr, settings.lr_schedule.peak
-                )));
+                return Err(RuntimeError::InvalidLrSchedule(
+                    LrScheduleProblem::PeakNotCompiled {
+                        peak: settings.lr_schedule.peak,
+                        compiled: compiled.lr,
+                    },
+                ));
             }
         }
         let (batcher, vocab) = open_data(&settings, schedule)?;
@@ -1201,37 +748,6 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
     Ok((Batcher::new(stream, batch, seq)?, vocab))
 }
 
-/// The vocabulary the schedule's token ids must fall in: the smallest embedding table or logit
-/// width that indexes with them.
-pub fn vocab_of(graph: &Graph) -> Option<usize> {
-    graph
-        .ops()
-        .filter_map(|(_, op)| match op.kind {
-            OpKind::Embedding { .. } => Some(graph.value(op.inputs[1]).ty.shape[0]),
-            OpKind::CrossEntropy => Some(graph.value(op.inputs[0]).ty.last_dim()),
-            _ => None,
-        })
-        .min()
-        .map(|n| n as usize)
-}
-
-/// Fails when a parameter of `values` (in `graph`'s parameter order) holds NaN or infinity,
-/// naming it and where the weights came from: training from them can only give a NaN loss.
-pub(crate) fn check_finite(values: &[Vec<f32>], graph: &Graph, origin: &str) -> Result<()> {
-    for ((_, p), data) in graph.params().zip(values) {
-        if let Some(&value) = data.iter().find(|v| !v.is_finite()) {
-            return Err(RuntimeError::NonFiniteWeights {
-                origin: origin.to_string(),
-                name: p.name.clone(),
-                value,
-                count: data.iter().filter(|v| !v.is_finite()).count(),
-                len: data.len(),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Why step `record` diverged (a loss or gradient norm that is NaN or infinite), from what was
 /// seen: the weights now (`params`), whether this was the run's first step, the last finite
 /// loss and gradient norm, and the optimizer settings.
@@ -1353,24 +869,39 @@ mod tests {
     }
 
     #[test]
-    fn invalid_schedules_name_the_flag() {
+    fn invalid_schedules_say_which_setting_is_wrong() {
+        use crate::error::LrScheduleProblem as P;
         use LrScheduleKind::*;
-        let err = |kind, peak, min_lr| {
-            LrSchedule::new(kind, peak, 0, 10, min_lr)
-                .unwrap_err()
-                .to_string()
+        let err = |kind, peak, min_lr| match LrSchedule::new(kind, peak, 0, 10, min_lr) {
+            Err(RuntimeError::InvalidLrSchedule(problem)) => problem,
+            other => panic!("not a schedule problem: {other:?}"),
         };
-        assert!(err(Linear, 0.1, 0.2).contains("--min-lr 0.2"));
-        assert!(err(Linear, 0.1, -1.0).contains("between 0 and the peak"));
-        assert!(err(Linear, f64::NAN, 0.0).contains("--lr"));
-        assert!(err(Constant, 0.1, 0.01).contains("choose --lr-schedule linear or cosine"));
+        assert_eq!(
+            err(Linear, 0.1, 0.2),
+            P::MinLr {
+                min_lr: 0.2,
+                peak: 0.1
+            }
+        );
+        assert_eq!(
+            err(Linear, 0.1, -1.0),
+            P::MinLr {
+                min_lr: -1.0,
+                peak: 0.1
+            }
+        );
+        assert!(matches!(err(Linear, f64::NAN, 0.0), P::Peak { peak } if peak.is_nan()));
+        assert_eq!(
+            err(Constant, 0.1, 0.01),
+            P::MinLrWithoutDecay { min_lr: 0.01 }
+        );
         let flags = RunFlags {
             decay_steps: Some(5),
             ..RunFlags::default()
         };
         let e = flags.fresh(0.1).unwrap_err().to_string();
         assert!(
-            e.contains("--decay-steps 5 applies to the linear and cosine"),
+            e.contains("decay_steps 5 applies to the linear and cosine"),
             "{e}"
         );
     }

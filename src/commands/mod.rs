@@ -14,8 +14,9 @@ pub mod schedule;
 pub mod train;
 
 use protrain::compiler::comm::Topology;
-use protrain::ir::{format_bytes, parse_size, DType, HardwareProfile};
+use protrain::ir::{format_bytes, DType, HardwareProfile};
 use protrain::models::ModelConfig;
+use protrain::size::parse_size;
 use protrain::{default_shape, CompileOptions, Error, PolicyChoice, Result};
 use std::path::Path;
 

@@ -7,6 +7,7 @@
 //! writes. Drawing is plotters'; text is laid out with a font compiled into the binary, so
 //! neither building nor running needs a system font.
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -338,18 +339,27 @@ fn columns(t: &MemoryTimeline, step: f64) -> Vec<(f64, f64, Vec<u64>)> {
     out
 }
 
-fn draw<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    p: &Picture,
-) -> std::result::Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+/// An error of drawing on `DB`.
+type DrawResult<DB> =
+    std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+/// A chart of milliseconds (x) against bytes or offsets in some unit (y).
+type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, p: &Picture) -> DrawResult<DB> {
     register_font();
     root.fill(&WHITE)?;
     let root = root.titled(&p.title, ("sans-serif", 20))?;
     let (top, bottom) = root.split_vertically(SIZE.1 * 45 / 100);
-    let ms = p.timeline_seconds * 1e3;
-    let (peak, peak_at) = p.peak;
+    draw_memory(&top, p)?;
+    draw_arena(&bottom, p)
+}
 
-    // Memory over time, stacked by kind.
+/// The top chart: memory over time, stacked by kind, with the arena, the budget and the
+/// peak marked, and the legend of the kinds drawn.
+fn draw_memory<DB: DrawingBackend>(top: &DrawingArea<DB, Shift>, p: &Picture) -> DrawResult<DB> {
+    let ms = p.timeline_seconds * 1e3;
+    let (peak, _) = p.peak;
     let high = peak.max(p.arena).max(1);
     // The budget is drawn where it is within reach of the memory used; far above, it is
     // named at the top instead of squashing the memory into a sliver.
@@ -361,7 +371,7 @@ fn draw<DB: DrawingBackend>(
     };
     let (u, uname) = unit(top_bytes);
     let y_max = top_bytes as f64 / u * 1.12;
-    let mut chart = ChartBuilder::on(&top)
+    let mut chart = ChartBuilder::on(top)
         .margin(12)
         .margin_right(LEGEND_WIDTH)
         .x_label_area_size(36)
@@ -396,6 +406,27 @@ fn draw<DB: DrawingBackend>(
         let fill = colour(kind);
         chart.draw_series(std::iter::once(Polygon::new(outline, fill.filled())))?;
     }
+    draw_marks(&mut chart, p, u, y_max, budget_shown)?;
+    let shown = kinds
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| cols.iter().any(|c| c.2[k] > 0))
+        .map(|(_, &kind)| kind);
+    draw_legend(top, shown)
+}
+
+/// The memory chart's marks (its y axis in units of `u` bytes, up to `y_max`): the planned
+/// arena, the budget (at its height when `budget_shown`, else named at the top), and the
+/// peak with its label on the side with more room.
+fn draw_marks<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    p: &Picture,
+    u: f64,
+    y_max: f64,
+    budget_shown: bool,
+) -> DrawResult<DB> {
+    let ms = p.timeline_seconds * 1e3;
+    let (peak, peak_at) = p.peak;
     let hline = |bytes: u64| vec![(0.0, bytes as f64 / u), (ms, bytes as f64 / u)];
     chart.draw_series(std::iter::once(PathElement::new(
         hline(p.arena),
@@ -449,13 +480,16 @@ fn draw<DB: DrawingBackend>(
             VPos::Bottom,
         )),
     )))?;
-    // The legend, in the margin kept right of the charts.
+    Ok(())
+}
+
+/// The legend of the memory kinds `shown`, in the margin kept right of the charts.
+fn draw_legend<DB: DrawingBackend>(
+    top: &DrawingArea<DB, Shift>,
+    shown: impl Iterator<Item = MemoryKind>,
+) -> DrawResult<DB> {
     let x0 = (SIZE.0 - LEGEND_WIDTH + 8) as i32;
-    let shown = kinds
-        .iter()
-        .enumerate()
-        .filter(|&(k, _)| cols.iter().any(|c| c.2[k] > 0));
-    for (row, (_, &kind)) in shown.enumerate() {
+    for (row, kind) in shown.enumerate() {
         let y = 60 + 22 * row as i32;
         top.draw(&Rectangle::new(
             [(x0, y), (x0 + 14, y + 14)],
@@ -471,10 +505,16 @@ fn draw<DB: DrawingBackend>(
         ))?;
     }
 
-    // The arena as planned: each buffer a rectangle over its offset and its life.
+    Ok(())
+}
+
+/// The bottom chart: the arena as planned, each buffer a rectangle over its offset and its
+/// life.
+fn draw_arena<DB: DrawingBackend>(bottom: &DrawingArea<DB, Shift>, p: &Picture) -> DrawResult<DB> {
+    let ms = p.timeline_seconds * 1e3;
     let (au, aname) = unit(p.arena.max(1));
     let a_max = p.arena.max(1) as f64 / au * 1.04;
-    let mut arena = ChartBuilder::on(&bottom)
+    let mut arena = ChartBuilder::on(bottom)
         .margin(12)
         .margin_right(LEGEND_WIDTH)
         .x_label_area_size(36)

@@ -57,7 +57,7 @@ pub struct Args {
 
 /// Measures the disk tier in `dir` (see `--disk-dir`) into `profile`, and says what it found.
 fn measure_disk(profile: &mut HardwareProfile, dir: &std::path::Path, bytes: &str) -> Result<()> {
-    let bytes = protrain::ir::parse_size(bytes)?;
+    let bytes = protrain::size::parse_size(bytes)?;
     // Blocks of 64 MiB: about one large chunk's state, read and written whole.
     let bw = protrain::runtime::disk::measure(dir, bytes, 64 << 20)?;
     profile.disk.read_bandwidth = bw.read.round();
@@ -84,29 +84,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.backend == BackendKind::Cuda {
         cuda::ready()?;
     }
-    if args.repeats == 0 {
-        return Err(Error::Usage(
-            "--repeats must be at least 1; each op is timed that many times".into(),
-        ));
-    }
-    // The profiler keeps every time it measures (for the median): bound what it allocates.
-    if args.repeats > MAX_REPEATS {
-        return Err(Error::Usage(format!(
-            "--repeats {} is more than {MAX_REPEATS}; the median of that many timings is as \
-             good as of more, and each op would take that many runs",
-            args.repeats
-        )));
-    }
-    // A bad disk directory or size fails now, not after minutes of profiling.
-    if let Some(dir) = &args.disk_dir {
-        protrain::ir::parse_size(&args.disk_bytes)?;
-        if !dir.is_dir() {
-            return Err(Error::Usage(format!(
-                "--disk-dir {} is not a directory; create it (mkdir -p) or give another",
-                dir.display()
-            )));
-        }
-    }
+    check_args(&args)?;
     let mut inputs = super::paths::Inputs::new();
     inputs.model(&args.model);
     if let Some(path) = &args.output {
@@ -202,40 +180,81 @@ pub fn run(args: Args) -> Result<()> {
         &format!("{text}\n"),
     )?;
     if let Some(path) = &args.output {
-        let p = &profiled.profile;
-        outln!(
-            "profiled {} (batch {} x seq {}, f32) on the host in {:.1} s",
-            config.name,
-            batch,
-            seq,
-            profiled.elapsed_seconds
-        );
-        outln!(
-            "ops             {} distinct of {}, {:.4} s per serial step",
-            p.measured_ops.len(),
-            graph.op_count(),
-            profiled.graph_seconds
-        );
-        outln!(
-            "copies          {:.2} GB/s host->device, {:.2} GB/s device->host, {:.1} us launch",
-            p.h2d_bandwidth / 1e9,
-            p.d2h_bandwidth / 1e9,
-            p.launch_overhead_s * 1e6
-        );
-        outln!(
-            "host            {:.2} GB/s memcpy, Adam {:.1} M params/s, {:.1} GFLOP/s f32 peak",
-            p.host_memcpy_bandwidth / 1e9,
-            p.cpu_adam_params_per_s / 1e6,
-            p.peak_flops.f32 / 1e9
-        );
-        outln!(
-            "memory          {} device, {} host (from the host preset)",
-            format_bytes(p.device_memory_bytes),
-            format_bytes(p.host_memory_bytes)
-        );
-        outln!("profile         {}", path.display());
+        print_host(&profiled, &graph, &config.name, batch, seq, path);
     }
     Ok(())
+}
+
+/// Fails on arguments that cannot profile, before minutes of profiling: `--repeats` out of
+/// range, a `--disk-bytes` that does not parse, a `--disk-dir` that is not a directory.
+fn check_args(args: &Args) -> Result<()> {
+    if args.repeats == 0 {
+        return Err(Error::Usage(
+            "--repeats must be at least 1; each op is timed that many times".into(),
+        ));
+    }
+    // The profiler keeps every time it measures (for the median): bound what it allocates.
+    if args.repeats > MAX_REPEATS {
+        return Err(Error::Usage(format!(
+            "--repeats {} is more than {MAX_REPEATS}; the median of that many timings is as \
+             good as of more, and each op would take that many runs",
+            args.repeats
+        )));
+    }
+    // A bad disk directory or size fails now, not after minutes of profiling.
+    if let Some(dir) = &args.disk_dir {
+        protrain::size::parse_size(&args.disk_bytes)?;
+        if !dir.is_dir() {
+            return Err(Error::Usage(format!(
+                "--disk-dir {} is not a directory; create it (mkdir -p) or give another",
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The summary of a host profile written to `path`.
+fn print_host(
+    profiled: &Profiled,
+    graph: &Graph,
+    model: &str,
+    batch: u64,
+    seq: u64,
+    path: &std::path::Path,
+) {
+    let p = &profiled.profile;
+    outln!(
+        "profiled {} (batch {} x seq {}, f32) on the host in {:.1} s",
+        model,
+        batch,
+        seq,
+        profiled.elapsed_seconds
+    );
+    outln!(
+        "ops             {} distinct of {}, {:.4} s per serial step",
+        p.measured_ops.len(),
+        graph.op_count(),
+        profiled.graph_seconds
+    );
+    outln!(
+        "copies          {:.2} GB/s host->device, {:.2} GB/s device->host, {:.1} us launch",
+        p.h2d_bandwidth / 1e9,
+        p.d2h_bandwidth / 1e9,
+        p.launch_overhead_s * 1e6
+    );
+    outln!(
+        "host            {:.2} GB/s memcpy, Adam {:.1} M params/s, {:.1} GFLOP/s f32 peak",
+        p.host_memcpy_bandwidth / 1e9,
+        p.cpu_adam_params_per_s / 1e6,
+        p.peak_flops.f32 / 1e9
+    );
+    outln!(
+        "memory          {} device, {} host (from the host preset)",
+        format_bytes(p.device_memory_bytes),
+        format_bytes(p.host_memory_bytes)
+    );
+    outln!("profile         {}", path.display());
 }
 
 /// The summary of a GPU profile.

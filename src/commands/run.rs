@@ -10,8 +10,10 @@ use protrain::runtime::checkpoint::{self, OptimizerSettings};
 use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
 use protrain::runtime::eval::load_weights;
 use protrain::runtime::params::{init_params, save_order, save_params_streamed};
+use protrain::runtime::thread_ranks::run_thread_ranks;
 use protrain::runtime::train::{
-    CheckpointPlan, LrScheduleKind, ReportPace, RunFlags, RunSummary, StepRecord, WeightReads,
+    CheckpointPlan, LrScheduleKind, ReportPace, RunFlags, RunSettings, RunSummary, StepRecord,
+    WeightReads,
 };
 use protrain::runtime::weights::StorageDtype;
 use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
@@ -531,7 +533,7 @@ pub fn tokenize_corpus(
 ) -> Result<PathBuf> {
     use protrain::runtime::text::{self, TextOptions, TextTokenizer};
     let t = TextTokenizer::load(tokenizer)?;
-    if let Some(vocab) = protrain::runtime::train::vocab_of(graph) {
+    if let Some(vocab) = protrain::runtime::data::vocab_of(graph) {
         t.check_vocab(vocab)?;
     }
     let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -622,102 +624,69 @@ fn execute_on<'s, B: Backend>(
         }),
         _ => None,
     };
+    let setup = RankSetup {
+        schedule,
+        args,
+        eval,
+        flags: &flags,
+        peak,
+        plan,
+    };
     if comms.is_empty() {
-        return lead::<B>(
-            schedule, args, intro, predicted, eval, &flags, peak, plan, rank0,
-        );
+        return lead::<B>(&setup, intro, predicted, rank0);
     }
     // The other ranks start first: a resumed run's ranks agree whether they read their parts
-    // of the checkpoint intact (Checkpoint::restore) before rank 0 goes on.
-    let (flags, plan) = (&flags, plan.as_ref());
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                scope.spawn(move || -> Result<()> {
-                    let (worker, _) =
-                        rank_trainer::<B>(schedule, args, flags, peak, Some(Box::new(comm)))?;
-                    quiet_rank(worker, args, plan.cloned(), eval.is_some())
-                })
-            })
-            .collect();
-        // Rank 0's trainer (and so its collective) is dropped when `lead` returns, so the
-        // workers' next collective fails at once when rank 0 failed.
-        let mut result = lead::<B>(
-            schedule,
-            args,
-            intro,
-            predicted,
-            eval,
-            flags,
-            peak,
-            plan.cloned(),
-            rank0,
-        );
-        for worker in workers {
-            let worker = worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            let about_others_err = |e: &Error| {
-                matches!(
-                    e,
-                    Error::Runtime(protrain::runtime::RuntimeError::Collective { .. })
-                )
-            };
-            if let Err(e) = worker {
-                let rank0_err = result.as_ref().err();
-                if rank0_err.is_none_or(|r| about_others_err(r) && !about_others_err(&e)) {
-                    result = Err(e);
-                }
-            }
-        }
-        result
-    })
+    // of the checkpoint intact (Checkpoint::restore) before rank 0 goes on. Rank 0's trainer
+    // (and so its collective) is dropped when `lead` returns, so the workers' next
+    // collective fails at once when rank 0 failed.
+    run_thread_ranks(
+        comms,
+        |comm| {
+            let (worker, _) =
+                rank_trainer::<B>(schedule, args, &flags, peak, Some(Box::new(comm)))?;
+            quiet_rank(worker, args, setup.plan.clone(), eval.is_some())
+        },
+        || lead::<B>(&setup, intro, predicted, rank0),
+    )
+}
+
+/// What every rank of a run is started with: the schedule, the flags and what
+/// [`execute_on`] made of them.
+struct RankSetup<'s, 'a> {
+    schedule: &'s VerifiedSchedule,
+    args: &'a ExecArgs,
+    /// The forward-only schedule of `--eval-data`, when the run evaluates.
+    eval: Option<&'s VerifiedSchedule>,
+    flags: &'a RunFlags,
+    /// The peak of the learning-rate schedule.
+    peak: f64,
+    plan: Option<CheckpointPlan>,
 }
 
 /// Rank 0's part of [`execute_on`] (or the whole run's, with one rank): builds its trainer,
 /// prints, trains, checkpoints (its shard and the manifest), evaluates and saves; in a
 /// multi-process run, the process of another rank trains quietly instead ([`quiet_rank`]).
-#[allow(clippy::too_many_arguments)]
 fn lead<'s, B: Backend>(
-    schedule: &'s VerifiedSchedule,
-    args: &ExecArgs,
+    setup: &RankSetup<'s, '_>,
     intro: &str,
     predicted: std::result::Result<Vec<TraceSpan>, String>,
-    eval: Option<&'s VerifiedSchedule>,
-    flags: &RunFlags,
-    peak: f64,
-    plan: Option<CheckpointPlan>,
     rank0: Option<Box<dyn Collective>>,
 ) -> Result<()> {
-    let header = &schedule.header;
+    let RankSetup {
+        schedule,
+        args,
+        eval,
+        flags,
+        peak,
+        ..
+    } = *setup;
+    let plan = setup.plan.clone();
     let (mut trainer, mut notes) = rank_trainer::<B>(schedule, args, flags, peak, rank0)?;
     if trainer.executor().rank().0 != 0 {
         return quiet_rank(trainer, args, plan, eval.is_some());
     }
     notes.extend(trainer.notes().iter().cloned());
-    let data = trainer.settings().data.clone();
-    // Checked again with the data the run resolved (a resumed run's may come from its
-    // checkpoint), just before anything is written.
-    let mut inputs = super::paths::Inputs::new();
-    inputs.maybe(data.as_deref()).maybe(args.init.as_deref());
-    let outputs: Vec<(&str, &Path)> = [("--save", &args.save), ("--trace", &args.trace)]
-        .into_iter()
-        .filter_map(|(flag, path)| Some((flag, path.as_deref()?)))
-        .collect();
-    super::paths::check_outputs(&outputs, &inputs)?;
-    if args.trace.is_some() {
-        trainer.trace_last_step();
-    }
-    if let Some(plan) = &plan {
-        notes.extend(trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?);
-    }
-    let steps = trainer.settings().steps;
-    let tokenizer = args.tokenizer.as_deref();
-    if let Some(plan) = super::eval::plan::<B>(&args.eval, eval, tokenizer, steps)? {
-        trainer.evaluate_every(plan)?;
-    }
-
+    let inputs = prepare_lead(&mut trainer, setup, &mut notes)?;
     // Everything is checked: from here on the run prints and writes.
     eprintln!("{intro}");
     for note in &notes {
@@ -726,36 +695,8 @@ fn lead<'s, B: Backend>(
     let settings = trainer.settings().clone();
     let first = trainer.steps_taken();
     let to_run = trainer.remaining();
-    if to_run == 0 {
-        eprintln!(
-            "the run is already at step {first} of --steps {}; nothing to train (raise --steps to \
-             train further)",
-            settings.steps
-        );
-    } else if !args.json {
-        eprintln!(
-            "training on {}: steps {}..={} of {}x{} tokens, learning rate {}",
-            settings.data_name(),
-            first + 1,
-            settings.steps,
-            header.batch,
-            header.seq,
-            settings.lr_schedule
-        );
-    }
-    // The bar draws on a terminal only; elsewhere the table's rows are the progress lines.
-    let bar = if args.json || to_run == 0 || !std::io::stderr().is_terminal() {
-        ProgressBar::hidden()
-    } else {
-        let bar = ProgressBar::new(to_run);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
-            )
-            .expect("the template is valid"),
-        );
-        bar
-    };
+    announce(schedule, args, &settings, first, to_run);
+    let bar = progress_bar(args, to_run);
     let mut pace = ReportPace::new(first, settings.steps, !bar.is_hidden());
     // A single-rank run that writes checkpoints stops at a signal with one of its last step.
     let stop = match (&plan, schedule.ranks(), &args.launch) {
@@ -772,59 +713,7 @@ fn lead<'s, B: Backend>(
     }
     let data_name = settings.data_name();
     let result = train_and_save(schedule, args, &mut trainer, stop.as_ref(), |record| {
-        if let Some(epoch) = record.epoch_started {
-            let line = format!(
-                "note: the data wraps around: epoch {epoch} of {data_name} starts at step {}",
-                record.step
-            );
-            match args.json {
-                true => eprintln!("{line}"),
-                false => row(line),
-            }
-        }
-        if args.json {
-            let mut line = serde_json::json!({
-                "step": record.step,
-                "loss": record.loss,
-                "grad_norm": record.grad_norm,
-                "lr": record.lr,
-                "tokens_per_s": record.tokens_per_s,
-                "step_s": record.step_seconds,
-            });
-            if let Some(scale) = record.loss_scale {
-                line["loss_scale"] = scale.into();
-                line["skipped"] = record.skipped.into();
-            }
-            outln!("{line}");
-            if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
-                outln!("{}", super::eval::eval_json(record.step, data, e));
-            }
-            return;
-        }
-        let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
-        bar.set_message(format!(
-            "loss {:.4}  {:.0} tokens/s  lr {lr}",
-            record.loss, record.tokens_per_s
-        ));
-        bar.inc(1);
-        if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
-            row(format!(
-                "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
-                     halves to {}",
-                record.step,
-                scale / 2.0
-            ));
-        }
-        if pace.due(record.step, std::time::Instant::now()) {
-            let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
-            row(format!(
-                "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
-                record.step, record.loss, norm, lr, record.tokens_per_s
-            ));
-        }
-        if let Some(e) = &record.eval {
-            row(super::eval::eval_line(record.step, e));
-        }
+        print_step(record, args, &data_name, &bar, &mut pace, &row)
     });
     let saved = match result {
         Ok(Finished::Saved(saved)) => saved,
@@ -838,6 +727,155 @@ fn lead<'s, B: Backend>(
         }
     };
     bar.finish_and_clear();
+    finish(schedule, args, &trainer, saved, &predicted, &inputs)
+}
+
+/// Rank 0's checks before it prints anything: the input and output paths (again, with the
+/// data the run resolved: a resumed run's may come from its checkpoint), then the trace, the
+/// checkpoints and the evaluation set up on `trainer`. Returns the run's input paths.
+fn prepare_lead<'s, B: Backend>(
+    trainer: &mut Trainer<'s, B>,
+    setup: &RankSetup<'s, '_>,
+    notes: &mut Vec<String>,
+) -> Result<super::paths::Inputs> {
+    let args = setup.args;
+    let data = trainer.settings().data.clone();
+    let mut inputs = super::paths::Inputs::new();
+    inputs.maybe(data.as_deref()).maybe(args.init.as_deref());
+    let outputs: Vec<(&str, &Path)> = [("--save", &args.save), ("--trace", &args.trace)]
+        .into_iter()
+        .filter_map(|(flag, path)| Some((flag, path.as_deref()?)))
+        .collect();
+    super::paths::check_outputs(&outputs, &inputs)?;
+    if args.trace.is_some() {
+        trainer.trace_last_step();
+    }
+    if let Some(plan) = &setup.plan {
+        notes.extend(trainer.save_checkpoints(plan.clone(), args.resume.as_deref())?);
+    }
+    let steps = trainer.settings().steps;
+    let tokenizer = args.tokenizer.as_deref();
+    if let Some(plan) = super::eval::plan::<B>(&args.eval, setup.eval, tokenizer, steps)? {
+        trainer.evaluate_every(plan)?;
+    }
+    Ok(inputs)
+}
+
+/// Says what the run trains (steps `first + 1..` of `settings`, `to_run` of them), or that
+/// it has nothing left to train.
+fn announce(schedule: &Schedule, args: &ExecArgs, settings: &RunSettings, first: u64, to_run: u64) {
+    if to_run == 0 {
+        eprintln!(
+            "the run is already at step {first} of --steps {}; nothing to train (raise --steps to \
+             train further)",
+            settings.steps
+        );
+    } else if !args.json {
+        eprintln!(
+            "training on {}: steps {}..={} of {}x{} tokens, learning rate {}",
+            settings.data_name(),
+            first + 1,
+            settings.steps,
+            schedule.header.batch,
+            schedule.header.seq,
+            settings.lr_schedule
+        );
+    }
+}
+
+/// The progress bar of `to_run` steps: drawn on a terminal only; elsewhere (and with
+/// `--json`) the table's rows are the progress lines.
+fn progress_bar(args: &ExecArgs, to_run: u64) -> ProgressBar {
+    if args.json || to_run == 0 || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(to_run);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
+        )
+        .expect("the template is valid"),
+    );
+    bar
+}
+
+/// Prints one step's `record`: a JSON line with `--json`, else the bar's message and, when
+/// `pace` says so, a table row (through `row`), with a note when the data wraps around, a
+/// skipped step and an evaluation on lines of their own.
+fn print_step(
+    record: &StepRecord,
+    args: &ExecArgs,
+    data_name: &str,
+    bar: &ProgressBar,
+    pace: &mut ReportPace,
+    row: &impl Fn(String),
+) {
+    if let Some(epoch) = record.epoch_started {
+        let line = format!(
+            "note: the data wraps around: epoch {epoch} of {data_name} starts at step {}",
+            record.step
+        );
+        match args.json {
+            true => eprintln!("{line}"),
+            false => row(line),
+        }
+    }
+    if args.json {
+        let mut line = serde_json::json!({
+            "step": record.step,
+            "loss": record.loss,
+            "grad_norm": record.grad_norm,
+            "lr": record.lr,
+            "tokens_per_s": record.tokens_per_s,
+            "step_s": record.step_seconds,
+        });
+        if let Some(scale) = record.loss_scale {
+            line["loss_scale"] = scale.into();
+            line["skipped"] = record.skipped.into();
+        }
+        outln!("{line}");
+        if let (Some(e), Some(data)) = (&record.eval, &args.eval.eval_data) {
+            outln!("{}", super::eval::eval_json(record.step, data, e));
+        }
+        return;
+    }
+    let lr = record.lr.map_or("-".into(), |lr| format!("{lr:.3e}"));
+    bar.set_message(format!(
+        "loss {:.4}  {:.0} tokens/s  lr {lr}",
+        record.loss, record.tokens_per_s
+    ));
+    bar.inc(1);
+    if let (true, Some(scale)) = (record.skipped, record.loss_scale) {
+        row(format!(
+            "{:>6}  gradients overflowed f16 at loss scale {scale}: step skipped, the scale \
+                 halves to {}",
+            record.step,
+            scale / 2.0
+        ));
+    }
+    if pace.due(record.step, std::time::Instant::now()) {
+        let norm = record.grad_norm.map_or("-".into(), |n| format!("{n:.4}"));
+        row(format!(
+            "{:>6}  {:>10.4}  {:>10}  {:>10}  {:>12.0}",
+            record.step, record.loss, norm, lr, record.tokens_per_s
+        ));
+    }
+    if let Some(e) = &record.eval {
+        row(super::eval::eval_line(record.step, e));
+    }
+}
+
+/// What rank 0 prints and writes once every step is taken: the loss summary, the timing
+/// report, where the weights were `saved`, and `--trace`'s timeline (the measured last step
+/// beside the `predicted` one).
+fn finish<B: Backend>(
+    schedule: &VerifiedSchedule,
+    args: &ExecArgs,
+    trainer: &Trainer<'_, B>,
+    saved: bool,
+    predicted: &std::result::Result<Vec<TraceSpan>, String>,
+    inputs: &super::paths::Inputs,
+) -> Result<()> {
     let summary = trainer.summary();
     if let (false, Some(first_loss), Some((last, n))) =
         (args.json, summary.first_loss, summary.last_loss_mean())
@@ -858,31 +896,31 @@ fn lead<'s, B: Backend>(
             out!("{report}");
         }
     }
-    let executor = trainer.executor();
     if let (Some(path), true) = (&args.save, saved) {
         if !args.json {
             outln!("saved weights to {}", path.display());
         }
     }
-    if let Some(path) = &args.trace {
-        let measured = measured_spans(schedule, &executor.timeline());
-        let (text, note) = match &predicted {
-            Ok(p) => (trace_json(schedule, &measured, Some(p)), String::new()),
-            Err(why) => (
-                trace_json(schedule, &measured, None),
-                format!(
-                    " (measured only: no prediction, {why}; `protrain trace SCHEDULE \
-                     --hardware H` writes the predicted one)"
-                ),
+    let Some(path) = &args.trace else {
+        return Ok(());
+    };
+    let measured = measured_spans(schedule, &trainer.executor().timeline());
+    let (text, note) = match predicted {
+        Ok(p) => (trace_json(schedule, &measured, Some(p)), String::new()),
+        Err(why) => (
+            trace_json(schedule, &measured, None),
+            format!(
+                " (measured only: no prediction, {why}; `protrain trace SCHEDULE \
+                 --hardware H` writes the predicted one)"
             ),
-        };
-        super::write_output(Some(path), &inputs.paths(), &text)?;
-        let line = format!("wrote the last step's timeline to {}{note}", path.display());
-        if args.json {
-            eprintln!("{line}");
-        } else {
-            outln!("{line}");
-        }
+        ),
+    };
+    super::write_output(Some(path), &inputs.paths(), &text)?;
+    let line = format!("wrote the last step's timeline to {}{note}", path.display());
+    if args.json {
+        eprintln!("{line}");
+    } else {
+        outln!("{line}");
     }
     Ok(())
 }

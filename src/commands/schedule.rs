@@ -162,54 +162,100 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
     let (sim, profile) = priced(&s, args.hardware.as_deref())?;
     let bound = protrain::compiler::bound::bound(&s, &profile, &sim)
         .map_err(|e| Error::Usage(format!("the schedule cannot be simulated: {e}")))?;
-    let on = profile.name.clone();
-    let compiled = compiled_for(&s);
-    let same = on == compiled;
+    let x = Explained {
+        s: &s,
+        sim: &sim,
+        profile: &profile,
+        bound: &bound,
+    };
+    if args.json {
+        explain_json(&x);
+        return Ok(());
+    }
+    explain_header(&x);
+    explain_figures(&x);
+    explain_ranks_disk_streams(&x);
+    Ok(())
+}
+
+/// A schedule as `explain` prices it: simulated on `profile`, with what bounds its step.
+struct Explained<'a> {
+    s: &'a VerifiedSchedule,
+    sim: &'a Simulation,
+    profile: &'a HardwareProfile,
+    bound: &'a protrain::compiler::bound::Bound,
+}
+
+impl Explained<'_> {
+    /// The hardware priced on, the hardware compiled for, and whether they are the same (the
+    /// search's report is shown only then: it is priced on the hardware compiled for).
+    fn hardware(&self) -> (String, &str, bool) {
+        let on = self.profile.name.clone();
+        let compiled = compiled_for(self.s);
+        let same = on == compiled;
+        (on, compiled, same)
+    }
+}
+
+/// `explain --json`: every figure as one JSON object.
+fn explain_json(x: &Explained) {
+    let Explained {
+        s,
+        sim,
+        profile,
+        bound,
+    } = *x;
+    let (on, compiled, same) = x.hardware();
     let p = &s.header.prediction;
     let ph = &sim.phase_seconds;
     let usable = profile.usable_device_bytes();
     let tie_rule = protrain::compiler::search::TIE_RULE;
-    if args.json {
-        let streams: Vec<serde_json::Value> = s
-            .streams
-            .iter()
-            .zip(&sim.stream_busy_seconds)
-            .map(|(st, busy)| serde_json::json!({"stream": st.name, "busy_s": busy, "instructions": st.instrs.len()}))
-            .collect();
-        let v = serde_json::json!({
-            "model": s.header.model,
-            "hardware": on,
-            "hardware_summary": profile.summary(),
-            "compiled_for": compiled,
-            // The search's reasoning, priced on the hardware compiled for: only shown there.
-            "report": same.then(|| s.header.report.clone()),
-            "tie_rule": tie_rule,
-            "policy": s.header.policy.to_string(),
-            "predicted_step_s": sim.step_seconds,
-            "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
-            "exposed_communication_s": sim.exposed_communication_seconds(),
-            "ranks": s.ranks(),
-            "sharded": s.sharded(),
-            "collective_s": sim.collective_seconds(&s),
-            "exposed_collective_s": sim.exposed_collective_seconds(),
-            "streams": streams,
-            "bound_by": bound.by().map(resource_json),
-            "critical_path": bound.resources.iter().map(resource_json).collect::<Vec<_>>(),
-            "unattributed_s": bound.unattributed_seconds,
-            "peak_device_bytes": p.peak_device_bytes,
-            "usable_device_bytes": usable,
-            "fits_device": p.peak_device_bytes <= usable,
-            "lower_bound_bytes": p.lower_bound_bytes,
-            "host_bytes": p.host_bytes,
-            "disk_bytes": s.disk_bytes,
-            "memory": p.memory,
-        });
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&v).expect("JSON values serialise")
-        );
-        return Ok(());
-    }
+    let streams: Vec<serde_json::Value> = s
+        .streams
+        .iter()
+        .zip(&sim.stream_busy_seconds)
+        .map(|(st, busy)| serde_json::json!({"stream": st.name, "busy_s": busy, "instructions": st.instrs.len()}))
+        .collect();
+    let v = serde_json::json!({
+        "model": s.header.model,
+        "hardware": on,
+        "hardware_summary": profile.summary(),
+        "compiled_for": compiled,
+        // The search's reasoning, priced on the hardware compiled for: only shown there.
+        "report": same.then(|| s.header.report.clone()),
+        "tie_rule": tie_rule,
+        "policy": s.header.policy.to_string(),
+        "predicted_step_s": sim.step_seconds,
+        "phase_seconds": {"forward": ph.forward, "backward": ph.backward, "recompute": ph.recompute, "optimizer": ph.optimizer},
+        "exposed_communication_s": sim.exposed_communication_seconds(),
+        "ranks": s.ranks(),
+        "sharded": s.sharded(),
+        "collective_s": sim.collective_seconds(s),
+        "exposed_collective_s": sim.exposed_collective_seconds(),
+        "streams": streams,
+        "bound_by": bound.by().map(resource_json),
+        "critical_path": bound.resources.iter().map(resource_json).collect::<Vec<_>>(),
+        "unattributed_s": bound.unattributed_seconds,
+        "peak_device_bytes": p.peak_device_bytes,
+        "usable_device_bytes": usable,
+        "fits_device": p.peak_device_bytes <= usable,
+        "lower_bound_bytes": p.lower_bound_bytes,
+        "host_bytes": p.host_bytes,
+        "disk_bytes": s.disk_bytes,
+        "memory": p.memory,
+    });
+    outln!(
+        "{}",
+        serde_json::to_string_pretty(&v).expect("JSON values serialise")
+    );
+}
+
+/// `explain`'s first lines: the model and hardware, the policy, why the search chose it (or
+/// why that is left out), and the rule that breaks ties.
+fn explain_header(x: &Explained) {
+    let (s, profile) = (x.s, x.profile);
+    let (on, compiled, same) = x.hardware();
+    let tie_rule = protrain::compiler::search::TIE_RULE;
     if same {
         outln!(
             "{} (batch {} x seq {}, {}) on {}",
@@ -241,6 +287,20 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         );
     }
     outln!("ties     {tie_rule}");
+}
+
+/// `explain`'s memory, time and bound lines.
+fn explain_figures(x: &Explained) {
+    let Explained {
+        s,
+        sim,
+        profile,
+        bound,
+    } = *x;
+    let (on, _, _) = x.hardware();
+    let p = &s.header.prediction;
+    let ph = &sim.phase_seconds;
+    let usable = profile.usable_device_bytes();
     outln!(
         "memory   {} device (lower bound {}) of the {} usable on {on}{}, {} host",
         format_bytes(p.peak_device_bytes),
@@ -290,6 +350,12 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             by.step_if_twice_as_fast
         );
     }
+}
+
+/// `explain`'s lines about the ranks (of a multi-GPU schedule), the disk tier (when used)
+/// and the busy time of each kind of work and each stream.
+fn explain_ranks_disk_streams(x: &Explained) {
+    let (s, sim) = (x.s, x.sim);
     let (gpus, nodes) = s.topology();
     if gpus * nodes > 1 {
         let memory = match s.sharded() {
@@ -301,7 +367,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
              {:.4} s of collectives (all-reduce, all-gather, reduce-scatter) per step on the \
              collective stream, {:.4} s of it not hidden by compute",
             gpus * nodes,
-            sim.collective_seconds(&s),
+            sim.collective_seconds(s),
             sim.exposed_collective_seconds()
         );
     }
@@ -320,7 +386,7 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
     }
     outln!(
         "by kind  {} (busy seconds; streams overlap)",
-        super::time_by_kind_text(&sim)
+        super::time_by_kind_text(sim)
     );
     for (st, busy) in s.streams.iter().zip(&sim.stream_busy_seconds) {
         outln!(
@@ -329,7 +395,6 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             st.instrs.len()
         );
     }
-    Ok(())
 }
 
 /// One resource's part in the step, as `explain --json` gives it.

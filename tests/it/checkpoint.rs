@@ -402,3 +402,109 @@ fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
     );
     assert_eq!(seen, straight[..12]);
 }
+
+/// FNV-1a (64-bit) of `bytes`: the tensor and metadata checksum of checkpoint layout 3.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Rewrites the layout-4 checkpoint `file` as checkpoint layout 3 writes it: every tensor's
+/// checksum FNV-1a (64-bit, 16 hex digits) under `fnv1a64.NAME` instead of CRC-32 under
+/// `crc32.NAME`, the layout number 3, and the metadata's checksum computed anew over it all
+/// (FNV-1a of every other key and value in key order, each as its u64 length and bytes).
+fn rewrite_as_layout_3(file: &Path) {
+    let bytes = std::fs::read(file).expect("read the checkpoint");
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let data = &bytes[8 + len..];
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..8 + len]).expect("a JSON header");
+    let mut meta: std::collections::BTreeMap<String, String> =
+        serde_json::from_value(header["__metadata__"].take()).expect("string metadata");
+    assert_eq!(meta["protrain.checkpoint"], "4", "written in layout 4");
+    let names: Vec<String> = meta
+        .keys()
+        .filter_map(|k| k.strip_prefix("crc32."))
+        .map(str::to_string)
+        .collect();
+    assert!(!names.is_empty(), "layout 4 checks its tensors with CRC-32");
+    for name in names {
+        meta.remove(&format!("crc32.{name}"));
+        let offsets = &header[&name]["data_offsets"];
+        let (start, end) = (offsets[0].as_u64().unwrap(), offsets[1].as_u64().unwrap());
+        let sum = fnv1a64(&data[start as usize..end as usize]);
+        meta.insert(format!("fnv1a64.{name}"), format!("{sum:016x}"));
+    }
+    meta.insert("protrain.checkpoint".into(), "3".into());
+    meta.remove("metadata_checksum");
+    let mut summed = Vec::new();
+    for (key, value) in &meta {
+        for text in [key, value] {
+            summed.extend((text.len() as u64).to_le_bytes());
+            summed.extend(text.as_bytes());
+        }
+    }
+    meta.insert(
+        "metadata_checksum".into(),
+        format!("{:016x}", fnv1a64(&summed)),
+    );
+    header["__metadata__"] = serde_json::to_value(meta).expect("metadata as JSON");
+    let mut text = header.to_string().into_bytes();
+    // The data must still start 8-byte aligned.
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(data);
+    std::fs::write(file, out).expect("write the checkpoint");
+}
+
+/// A checkpoint of layout 3 (tensors checked with FNV-1a) still resumes bit-identically, and
+/// its tensor checksums are still checked: one flipped bit of its data is refused as damage.
+#[test]
+fn a_layout_3_checkpoint_resumes_and_its_fnv_checksums_are_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "6",
+        "--log-json",
+    ];
+    let straight = losses(&protrain(&run));
+    let mut saving = run.to_vec();
+    saving.extend(["--checkpoint-dir", path(&ckpt), "--save-every", "3"]);
+    saving.extend(["--keep-checkpoints", "0"]);
+    assert_eq!(losses(&protrain(&saving)), straight);
+    std::fs::remove_file(ckpt.join("step-00000006.safetensors")).expect("remove step 6");
+    let step3 = ckpt.join("step-00000003.safetensors");
+    rewrite_as_layout_3(&step3);
+
+    let resume = ["train", "gpt2-tiny", "--resume", path(&ckpt), "--log-json"];
+    assert_eq!(
+        losses(&protrain(&resume)),
+        straight[3..],
+        "the layout-3 checkpoint resumes bit for bit"
+    );
+
+    // The resumed run saved step 6 as the original did; step 3 is to be the latest again.
+    std::fs::remove_file(ckpt.join("step-00000006.safetensors")).expect("remove step 6");
+    // One flipped bit in the last byte of the data (a tensor's, not the header's).
+    let mut bytes = std::fs::read(&step3).expect("read");
+    *bytes.last_mut().expect("data") ^= 1;
+    std::fs::write(&step3, bytes).expect("write");
+    let out = protrain(&resume);
+    let err = stderr(&out);
+    assert!(
+        err.contains("step-00000003.safetensors") && err.contains("checksum"),
+        "the damaged tensor is caught: {err}"
+    );
+    assert!(out.stdout.is_empty(), "trained from a damaged checkpoint");
+}

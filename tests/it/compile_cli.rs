@@ -792,7 +792,7 @@ fn budgets_say_what_they_are_per_and_errors_quote_the_figures_given() {
         .and_then(|rest| rest.split(',').next())
         .unwrap_or_else(|| panic!("{err}"));
     // The node's figure it quotes fits.
-    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (64 << 20);
+    let bytes = protrain::size::parse_size(&need.replace(' ', "")).expect("a size") + (64 << 20);
     let out = protrain(&[
         "compile",
         "gpt2-xl",
@@ -885,7 +885,7 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
         .nth(1)
         .and_then(|rest| rest.split(',').next())
         .unwrap_or_else(|| panic!("{err}"));
-    let bytes = protrain::ir::parse_size(&need.replace(' ', "")).expect("a size") + (16 << 20);
+    let bytes = protrain::size::parse_size(&need.replace(' ', "")).expect("a size") + (16 << 20);
     let out = compile(&["--host-memory", &bytes.to_string(), "--disk-memory", "1TiB"]);
     assert!(out.status.success(), "{need}: {}", stderr(&out));
     assert!(stdout(&out).contains("\ndisk "), "{}", stdout(&out));

@@ -10,11 +10,12 @@
 use crate::common;
 
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
-use protrain::ir::{parse_size, DType, HardwareProfile, Instr, Schedule, Space, StreamKind};
+use protrain::ir::{DType, HardwareProfile, Instr, Schedule, Space, StreamKind};
 use protrain::runtime::checkpoint::{self, Progress};
 use protrain::runtime::interpreter::Interpreter;
 use protrain::runtime::params::init_params;
 use protrain::runtime::Executor;
+use protrain::size::parse_size;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 
 const BATCH: u64 = 2;

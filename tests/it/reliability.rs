@@ -101,8 +101,9 @@ fn a_closed_pipe_ends_quietly_and_a_full_one_is_an_error() {
 
 #[test]
 fn steps_are_not_preallocated() {
-    // Both used to abort at once: 32 GiB preallocated, or a capacity overflow panic. Now the
-    // run trains until its reader goes away.
+    // A step count near u32::MAX or u64::MAX must not size anything up front (that would be
+    // 32 GiB preallocated, or a capacity overflow panic): the run trains until its reader
+    // goes away.
     let dir = tempfile::tempdir().unwrap();
     let s = schedule(dir.path());
     for steps in ["4294967296", "18446744073709551615"] {
@@ -569,10 +570,11 @@ fn a_damaged_name_or_layout_in_the_newest_checkpoint_falls_back() {
             std::fs::remove_file(entry.path()).unwrap();
         }
     }
-    // The layout number is covered by the metadata's checksum: "3" read as "2" would skip it.
+    // The layout number is covered by the metadata's checksum: "4" read as "2" would skip
+    // that checksum and the run settings.
     std::fs::write(&four, &pristine).unwrap();
     let mut bytes = pristine.clone();
-    let needle = b"\"protrain.checkpoint\":\"3\"";
+    let needle = b"\"protrain.checkpoint\":\"4\"";
     let at = bytes
         .windows(needle.len())
         .position(|w| w == needle)

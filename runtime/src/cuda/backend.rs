@@ -53,11 +53,11 @@ use super::driver::{
 use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
 use super::nccl::{gather_words, poll_until, InPlace, NcclOp, NcclWatch};
 use super::runs::{run_slots, RunSlot};
+use crate::backend::master_weights;
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
-use crate::executor::master_weights;
 
 /// The GPU this process's backends open (its ordinal); see [`use_gpu`].
 static GPU: AtomicUsize = AtomicUsize::new(0);
@@ -1020,9 +1020,8 @@ impl Backend for CudaBackend {
     fn new(arena_bytes: u64, host_bytes: u64, events: u32) -> Result<Self> {
         // The pinned region is host memory, zeroed page by page below: check it fits first.
         let pinned = crate::memory::MemoryNeed {
-            name: "pinned host region",
+            region: crate::memory::HostRegion::PinnedHostRegion,
             bytes: host_bytes,
-            flag: "--host-memory",
         };
         crate::memory::check_host_memory(&[pinned], crate::memory::memory_available())?;
         let info = probe()?;

@@ -211,68 +211,23 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
     let mut backend = CudaBackend::new(arena, copy, 0)?;
     let mut stream = backend.create_stream(StreamKind::Compute)?;
     let timer = Timer::new(&backend, &stream)?;
-    let device = |offset: u64| Address {
-        space: Space::Device,
-        offset,
-    };
-    let host = Address {
-        space: Space::Host,
-        offset: 0,
-    };
-    let repeat = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
-        let mut times = Vec::with_capacity(options.copy_repeats);
-        for _ in 0..options.copy_repeats {
-            times.push(f()?);
-        }
-        Ok(median(&mut times))
-    };
-
-    // Matmuls on small positive values (random-looking data draws more power than zeros,
-    // which the tensor cores run faster; these are neither, but close to real weights).
-    let fill = |backend: &mut CudaBackend, dtype: DType, n: usize, bytes: u64| -> Result<()> {
-        let values: Vec<f32> = (0..n)
-            .map(|k| ((k as u64 * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0)
-            .collect();
-        for i in 0..2u64 {
-            match dtype {
-                DType::BF16 => {
-                    let narrow: Vec<half::bf16> =
-                        values.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                    backend.write_bf16(device(i * bytes), &narrow)?
-                }
-                _ => backend.write_f32(device(i * bytes), &values)?,
-            }
-        }
-        Ok(())
-    };
-    let mut matmul = |backend: &mut CudaBackend, dtype: DType, size: usize| -> Result<f64> {
-        let bytes = (size * size) as u64 * dtype.size();
-        fill(backend, dtype, size * size, bytes)?;
-        let (a, w, y) = (
-            backend.gpu_addr(device(0), bytes)?,
-            backend.gpu_addr(device(bytes), bytes)?,
-            backend.gpu_addr(device(2 * bytes), bytes)?,
-        );
-        let dims = LinearDims {
-            rows: size,
-            d_in: size,
-            d_out: size,
-        };
-        let d = stream
-            .device_stream()
-            .ok_or_else(|| RuntimeError::Profile("a compute stream is a device stream".into()))?;
-        let gemm = d.gemm()?;
-        let seconds = repeat(&mut || {
-            timer.time(4, || {
-                // SAFETY: a, w, y are three disjoint size x size matrices in the arena;
-                // nothing else runs on the device.
-                unsafe { gemm.linear_forward(dtype, WeightLayout::OutIn, dims, a, w, y) }
-            })
-        })?;
-        Ok(2.0 * (size as f64).powi(3) / seconds)
-    };
-    let bf16_flops = matmul(&mut backend, DType::BF16, BF16_MATMUL)?;
-    let f32_flops = matmul(&mut backend, DType::F32, F32_MATMUL)?;
+    let repeats = options.copy_repeats;
+    let bf16_flops = matmul_flops(
+        &mut backend,
+        &mut stream,
+        &timer,
+        repeats,
+        DType::BF16,
+        BF16_MATMUL,
+    )?;
+    let f32_flops = matmul_flops(
+        &mut backend,
+        &mut stream,
+        &timer,
+        repeats,
+        DType::F32,
+        F32_MATMUL,
+    )?;
 
     // Device bandwidth: a copy reads and writes every byte.
     let (src, dst) = (
@@ -280,7 +235,7 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
         backend.gpu_addr(device(DEVICE_COPY_BYTES), DEVICE_COPY_BYTES)?,
     );
     let cu = timer.stream.cu_stream();
-    let dtod = repeat(&mut || {
+    let dtod = median_time(repeats, &mut || {
         timer.time(2, || {
             // SAFETY: two disjoint ranges of the arena; nothing else runs.
             unsafe { result::memcpy_dtod_async(dst, src, DEVICE_COPY_BYTES as usize, cu) }
@@ -290,8 +245,12 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
     let device_bandwidth = 2.0 * DEVICE_COPY_BYTES as f64 / dtod;
 
     // Pinned copies each way, through the backend's own copy path.
+    let host = Address {
+        space: Space::Host,
+        offset: 0,
+    };
     let mut pinned = |src: Address, dst: Address| -> Result<f64> {
-        let s = repeat(&mut || {
+        let s = median_time(repeats, &mut || {
             timer.time(2, || {
                 // SAFETY: the host region and the start of the arena; nothing else runs.
                 unsafe { backend.copy(&mut stream, src, dst, copy) }
@@ -304,7 +263,7 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
 
     // Launch overhead: back-to-back launches of a kernel with nothing to do, GPU time each.
     let x = backend.gpu_addr(device(0), 4)?;
-    let launch_s = repeat(&mut || {
+    let launch_s = median_time(repeats, &mut || {
         timer.time(LAUNCHES, || {
             backend.launch_kernel(
                 &timer.stream,
@@ -315,8 +274,98 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
             )
         })
     })?;
+    let gpu_adam = adam_rate(&mut backend, &timer, repeats)?;
+    let reserved_bytes = reserved_bytes(&backend, arena)?;
+    Ok(DeviceRates {
+        device: backend.device().name.clone(),
+        memory_bytes: backend.device().memory_bytes,
+        reserved_bytes,
+        bf16_flops,
+        f32_flops,
+        device_bandwidth,
+        h2d,
+        d2h,
+        launch_s,
+        gpu_adam,
+    })
+}
 
-    // Device AdamW, mixed precision: master f32, param bf16, grad bf16, m and v f32.
+/// The arena address `offset` bytes in.
+fn device(offset: u64) -> Address {
+    Address {
+        space: Space::Device,
+        offset,
+    }
+}
+
+/// The median of `repeats` timings by `time`.
+fn median_time(repeats: usize, time: &mut dyn FnMut() -> Result<f64>) -> Result<f64> {
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        times.push(time()?);
+    }
+    Ok(median(&mut times))
+}
+
+/// Fills the first two `bytes`-byte matrices of the arena with `n` small values each of
+/// `dtype`: random-looking data draws more power than zeros, which the tensor cores run
+/// faster; these are neither, but close to real weights.
+fn fill_matrices(backend: &mut CudaBackend, dtype: DType, n: usize, bytes: u64) -> Result<()> {
+    let values: Vec<f32> = (0..n)
+        .map(|k| ((k as u64 * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    for i in 0..2u64 {
+        match dtype {
+            DType::BF16 => {
+                let narrow: Vec<half::bf16> =
+                    values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                backend.write_bf16(device(i * bytes), &narrow)?
+            }
+            _ => backend.write_f32(device(i * bytes), &values)?,
+        }
+    }
+    Ok(())
+}
+
+/// The FLOP/s of a `size` x `size` x `size` matmul in `dtype` on `stream`, the median of
+/// `repeats` timings.
+fn matmul_flops(
+    backend: &mut CudaBackend,
+    stream: &mut CudaStreamHandle,
+    timer: &Timer,
+    repeats: usize,
+    dtype: DType,
+    size: usize,
+) -> Result<f64> {
+    let bytes = (size * size) as u64 * dtype.size();
+    fill_matrices(backend, dtype, size * size, bytes)?;
+    let (a, w, y) = (
+        backend.gpu_addr(device(0), bytes)?,
+        backend.gpu_addr(device(bytes), bytes)?,
+        backend.gpu_addr(device(2 * bytes), bytes)?,
+    );
+    let dims = LinearDims {
+        rows: size,
+        d_in: size,
+        d_out: size,
+    };
+    let d = stream
+        .device_stream()
+        .ok_or_else(|| RuntimeError::Profile("a compute stream is a device stream".into()))?;
+    let gemm = d.gemm()?;
+    let seconds = median_time(repeats, &mut || {
+        timer.time(4, || {
+            // SAFETY: a, w, y are three disjoint size x size matrices in the arena;
+            // nothing else runs on the device.
+            unsafe { gemm.linear_forward(dtype, WeightLayout::OutIn, dims, a, w, y) }
+        })
+    })?;
+    Ok(2.0 * (size as f64).powi(3) / seconds)
+}
+
+/// Parameters a second of the device AdamW in mixed precision (master f32, param bf16, grad
+/// bf16, m and v f32), the median of `repeats` timings.
+fn adam_rate(backend: &mut CudaBackend, timer: &Timer, repeats: usize) -> Result<f64> {
     let n = GPU_ADAM_PARAMS;
     let at = |k: u64| backend.gpu_addr(device(k), 1);
     let (master, param, grad, m, v) = (at(0)?, at(4 * n)?, at(6 * n)?, at(8 * n)?, at(12 * n)?);
@@ -339,7 +388,7 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
         Arg::F32(s.neg_step_size),
     ];
     let blocks = backend.grid_for(n);
-    let adam_s = repeat(&mut || {
+    let adam_s = median_time(repeats, &mut || {
         timer.time(2, || {
             backend.launch_kernel(
                 &timer.stream,
@@ -350,9 +399,12 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
             )
         })
     })?;
-    let gpu_adam = n as f64 / adam_s;
+    Ok(n as f64 / adam_s)
+}
 
-    // What the context, the modules and cuBLAS hold, less this profile's own arena.
+/// The device memory the context, the modules and cuBLAS hold (less this profile's own
+/// `arena`), with slack, in whole MiB.
+fn reserved_bytes(backend: &CudaBackend, arena: u64) -> Result<u64> {
     backend.bind()?;
     let (free, total) = backend
         .ctx
@@ -361,19 +413,7 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
     let held = (total as u64)
         .saturating_sub(free as u64)
         .saturating_sub(arena);
-    let reserved_bytes = (held + RESERVED_SLACK).next_multiple_of(1 << 20);
-    Ok(DeviceRates {
-        device: backend.device().name.clone(),
-        memory_bytes: backend.device().memory_bytes,
-        reserved_bytes,
-        bf16_flops,
-        f32_flops,
-        device_bandwidth,
-        h2d,
-        d2h,
-        launch_s,
-        gpu_adam,
-    })
+    Ok((held + RESERVED_SLACK).next_multiple_of(1 << 20))
 }
 
 /// The median GPU time of each distinct [`op_key`] of `graph`, by key, each op launched on

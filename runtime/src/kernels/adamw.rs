@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::math::ELEM_GRAIN;
+use super::math::{fast_in, Isa, ELEM_GRAIN};
 
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them. `f64` because torch does the
 /// scalar arithmetic (bias corrections, step size) in Python floats.
@@ -297,39 +297,6 @@ fn block<G: Widen, L: Narrow, const FROM_M: bool>(
     }
 }
 
-/// The instruction sets [`block`] is compiled for, widest first; [`run_block`] takes the
-/// widest the CPU has. Every instance gives the same bits (each operation is an IEEE add,
-/// multiply, FMA, divide or square root, or integer bit work, in every lane alike).
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-enum Isa {
-    /// AVX-512F (sixteen lanes; the bf16 copy narrowed by one `vpmovdw`).
-    Avx512,
-    /// AVX2 + FMA (eight lanes).
-    Avx2,
-    /// As built (SSE2 on x86-64; `mul_add` is then a libm call).
-    Baseline,
-}
-
-impl Isa {
-    /// The widest instruction set this CPU has (`is_x86_feature_detected!` caches its answer).
-    fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Baseline
-    }
-}
-
 /// [`block`] for both lerp forms, in the CPU's widest instruction set ([`Isa::detect`]).
 fn run_block<G: Widen, L: Narrow>(
     p: &mut [f32],
@@ -339,12 +306,21 @@ fn run_block<G: Widen, L: Narrow>(
     low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
-    block_in(Isa::detect(), p, g, m, v, low, c)
+    // SAFETY: the instruction set was detected on this CPU.
+    unsafe { block_in(Isa::detect(), p, g, m, v, low, c) }
 }
 
-/// [`block`] compiled for `isa`, which the CPU must have (tests call each instance the CPU
-/// has, to compare their bits).
-fn block_in<G: Widen, L: Narrow>(
+/// [`block`] compiled for `isa` through [`fast_in`], `block` inlined into the instance (it
+/// and the closure are `#[inline(always)]`), so its loop is vectorised for it: `vdivps` and
+/// `vsqrtps` on `ymm` or `zmm` registers and `vfmadd`, not `divss` and calls to `fmaf`. Every instance
+/// gives the same bits (each operation is an IEEE add, multiply, FMA, divide or square root,
+/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`
+/// where AVX2 extracts and packs every eight lanes. Tests call each instance the CPU has, to
+/// compare their bits.
+///
+/// # Safety
+/// The CPU must have `isa`.
+unsafe fn block_in<G: Widen, L: Narrow>(
     isa: Isa,
     p: &mut [f32],
     g: &[G],
@@ -353,65 +329,16 @@ fn block_in<G: Widen, L: Narrow>(
     low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` was detected on this CPU (the caller's contract).
-        Isa::Avx512 => unsafe { block_avx512(p, g, m, v, low, c) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { block_avx2(p, g, m, v, low, c) },
-        _ => match c.lerp_from_m {
-            true => block::<G, L, true>(p, g, m, v, low, c),
-            false => block::<G, L, false>(p, g, m, v, low, c),
-        },
-    }
-}
-
-/// [`block`] compiled for AVX-512F: sixteen lanes per instruction instead of eight, so about
-/// half the instructions per element. With a bf16 gradient and a bf16 copy written, AVX2's
-/// extra narrowing work (an extract and a pack per eight lanes) makes the step about 10% slower
-/// in CPU time than the f32-gradient one; this instance closes that gap (`benches/adam.rs`
-/// compares it with torch, `benches/RESULTS.md` has the figures).
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn block_avx512<G: Widen, L: Narrow>(
-    p: &mut [f32],
-    g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
-    low: Option<&mut [L]>,
-    c: &Coeffs,
-) {
-    match c.lerp_from_m {
-        true => block::<G, L, true>(p, g, m, v, low, c),
-        false => block::<G, L, false>(p, g, m, v, low, c),
-    }
-}
-
-/// [`block`] compiled for AVX2 + FMA. It is a `target_feature` function of its own, with
-/// `block` inlined into it, because a closure passed to one (as `math::fast` does) is compiled
-/// apart, for the baseline, unless it is marked `#[inline(always)]`: checked in the
-/// disassembly (`vdivps`/`vsqrtps` on `ymm` registers and `vfmadd`, not `divss` and calls to
-/// `fmaf`).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_avx2<G: Widen, L: Narrow>(
-    p: &mut [f32],
-    g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
-    low: Option<&mut [L]>,
-    c: &Coeffs,
-) {
-    match c.lerp_from_m {
-        true => block::<G, L, true>(p, g, m, v, low, c),
-        false => block::<G, L, false>(p, g, m, v, low, c),
+    // SAFETY: the caller's contract.
+    unsafe {
+        fast_in(
+            isa,
+            #[inline(always)]
+            || match c.lerp_from_m {
+                true => block::<G, L, true>(p, g, m, v, low, c),
+                false => block::<G, L, false>(p, g, m, v, low, c),
+            },
+        )
     }
 }
 
@@ -913,9 +840,10 @@ mod tests {
                 let (mut p, mut m, mut v) = (p0[..n].to_vec(), m0[..n].to_vec(), v0[..n].to_vec());
                 let mut low = vec![bf16::ZERO; n];
                 let low_arg = with_low.then_some(&mut low[..]);
+                // SAFETY: `has(isa)`: the CPU has it.
                 match bf16_grad {
-                    true => block_in(isa, &mut p, &g16, &mut m, &mut v, low_arg, &c),
-                    false => block_in(isa, &mut p, &g[..n], &mut m, &mut v, low_arg, &c),
+                    true => unsafe { block_in(isa, &mut p, &g16, &mut m, &mut v, low_arg, &c) },
+                    false => unsafe { block_in(isa, &mut p, &g[..n], &mut m, &mut v, low_arg, &c) },
                 }
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
                 let low: Vec<u16> = low.iter().map(|x| x.to_bits()).collect();

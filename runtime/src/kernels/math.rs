@@ -180,32 +180,69 @@ fn reduce_block(columns: usize, threads: usize) -> usize {
         .clamp(COL_GRAIN, COL_BLOCK_MAX)
 }
 
+/// The instruction sets [`fast_in`] compiles a closure for, widest first: the one mechanism
+/// of run-time CPU feature dispatch in the kernels ([`fast`] picks the widest the CPU has;
+/// tests run each instance the CPU has to compare their bits).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) enum Isa {
+    /// AVX-512F with AVX2 and FMA (sixteen lanes).
+    Avx512,
+    /// AVX2 + FMA (eight lanes).
+    Avx2,
+    /// As built (SSE2 on x86-64; `mul_add` is then a libm call).
+    Baseline,
+}
+
+impl Isa {
+    /// The widest instruction set this CPU has (`is_x86_feature_detected!` caches its answer).
+    #[inline(always)]
+    pub(crate) fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                if std::is_x86_feature_detected!("avx512f") {
+                    return Isa::Avx512;
+                }
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
+}
+
 /// Runs `f` compiled for AVX-512F when the CPU has it, else for AVX2 (and FMA) when it has
-/// them, else as built (SSE2 on x86-64). `f` is inlined into the chosen instance, so the loops
-/// in it (and the `#[inline(always)]` helpers above) are vectorised sixteen or eight wide
-/// instead of four. Results are the same bits on every path: Rust never contracts `a * b + c`
-/// into an FMA, LLVM never reorders a floating-point sum, and every lane computes what the
-/// scalar code does.
+/// them, else as built (SSE2 on x86-64): [`fast_in`] with [`Isa::detect`]. `f` is inlined into
+/// the chosen instance, so the loops in it (and the `#[inline(always)]` helpers above) are
+/// vectorised sixteen or eight wide instead of four. Results are the same bits on every path:
+/// Rust never contracts `a * b + c` into an FMA, LLVM never reorders a floating-point sum, and
+/// every lane computes what the scalar code does.
 ///
 /// The closure must be marked `#[inline(always)]` (`fast(#[inline(always)] || ...)`), and so
-/// must any closure it calls in its loops: a closure LLVM declines to inline (a long one, such
-/// as a softmax row or an attention tile loop) is compiled apart for the baseline and runs four
-/// SSE lanes wide, as the cross-entropy, GELU, layer-norm and attention loops did (seen in the
-/// disassembly: no `ymm` register in them).
+/// must any closure or function it calls in its loops: one LLVM declines to inline (a long
+/// one, such as a softmax row or an attention tile loop) is compiled apart for the baseline
+/// and runs four SSE lanes wide (seen in the disassembly: no `ymm` register in it).
 #[inline(always)]
 pub(crate) fn fast<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            if std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the features were just detected.
-                return unsafe { avx512(f) };
-            }
-            // SAFETY: the features were just detected.
-            return unsafe { avx2(f) };
-        }
+    // SAFETY: the instruction set was detected on this CPU.
+    unsafe { fast_in(Isa::detect(), f) }
+}
+
+/// Runs `f` compiled for `isa` (inlined into that instance, as [`fast`] says).
+///
+/// # Safety
+/// The CPU must have `isa` ([`Isa::detect`] or a narrower one).
+#[inline(always)]
+pub(crate) unsafe fn fast_in<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract.
+        Isa::Avx512 => unsafe { avx512(f) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract.
+        Isa::Avx2 => unsafe { avx2(f) },
+        _ => f(),
     }
-    f()
 }
 
 /// The AVX2 instance of [`fast`].
@@ -385,31 +422,21 @@ mod tests {
             || helper_bits(&x, &y),
         );
         assert!(picked == baseline, "fast differs from the baseline");
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                // SAFETY: the features were just detected.
-                let got = unsafe {
-                    avx2(
-                        #[inline(always)]
-                        || helper_bits(&x, &y),
-                    )
-                };
-                assert!(got == baseline, "AVX2 differs from the baseline");
+        let widest = Isa::detect();
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            let has = matches!((widest, isa), (Isa::Avx512, _) | (Isa::Avx2, Isa::Avx2));
+            if !has {
+                continue;
             }
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: as above.
-                let got = unsafe {
-                    avx512(
-                        #[inline(always)]
-                        || helper_bits(&x, &y),
-                    )
-                };
-                assert!(got == baseline, "AVX-512 differs from the baseline");
-            }
+            // SAFETY: the CPU has `isa` (it has the widest detected, which includes it).
+            let got = unsafe {
+                fast_in(
+                    isa,
+                    #[inline(always)]
+                    || helper_bits(&x, &y),
+                )
+            };
+            assert!(got == baseline, "{isa:?} differs from the baseline");
         }
     }
 
