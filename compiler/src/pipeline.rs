@@ -11,31 +11,29 @@
 //!
 //! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
 //! turn, verifying the graph after every pass, keeping each stage's product so that a caller
-//! (`protrain dump`) can stop at any stage and print it. `search` runs `place..emit` for many
-//! policies through [`compile_policy`]. The free functions below run one stage each, with
-//! the verifier, for tests and tools that assemble stages themselves.
+//! (`protrain dump`) can stop at any stage and print it. Lowering one policy (`place..shard`)
+//! is [`crate::lower`], which the searches also run for every candidate. The free functions
+//! below run one stage each, with the verifier, for tests and tools that assemble stages
+//! themselves.
 
-use crate::accumulate::{accumulate_micro_batches, scale_loss_gradient};
+use crate::accumulate::scale_loss_gradient;
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
 use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
-use crate::data_parallel::data_parallel;
-use crate::emit::{emit, HeaderInputs};
+use crate::emit::HeaderInputs;
 use crate::error::{per_rank, rank_budget, CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
+pub use crate::lower::{compile_policy, compile_policy_on};
 use crate::place::{place, Placed};
-use crate::plan::plan_buffers;
 use crate::search::{search, SearchOptions, SearchReport};
 use crate::search_forward::search_forward;
-use crate::shard::shard;
 use crate::simulate::{simulate, Simulation};
-use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
-use protrain_ir::verify_schedule::{verify, verify_schedule, VerifiedSchedule};
+use protrain_ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain_ir::{
     format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile,
-    HostLayout, IrError, Policy, PolicySpec, Schedule,
+    HostLayout, IrError, PolicySpec,
 };
 use protrain_models::{build_forward, BuildOptions, ModelConfig};
 use std::time::Instant;
@@ -597,73 +595,4 @@ pub fn training_graph(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Gr
 /// Chunks a training graph's parameters (one rank).
 pub fn chunked(training: &Graph) -> ChunkTable {
     chunk(training, 1)
-}
-
-/// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
-/// when the graph's loss gradient is scaled for several micro-batches. The placed graph
-/// is verified after placement and, in tests and debug builds, validated against the training
-/// graph with an e-graph, and the schedule verified after emission. It returns the schedule
-/// unverified in release builds: the search compiles many candidates and verifies only the
-/// one it keeps ([`Context`] does that); its step time is left for the simulator.
-pub fn compile_policy(
-    training: &Graph,
-    chunks: &ChunkTable,
-    policy: &Policy,
-    header: HeaderInputs,
-) -> Result<Schedule> {
-    compile_policy_on(training, chunks, policy, header, Topology::SINGLE)
-}
-
-/// [`compile_policy`] for the ranks of `topology`: the schedule every rank runs, with its
-/// gradients summed over the ranks ([`data_parallel`], the last pass). The training graph's
-/// loss gradient must be scaled for `ranks x K` micro-batches ([`scale_loss_gradient`]); each
-/// rank accumulates `K` of them.
-pub fn compile_policy_on(
-    training: &Graph,
-    chunks: &ChunkTable,
-    policy: &Policy,
-    header: HeaderInputs,
-    topology: Topology,
-) -> Result<Schedule> {
-    let ranks = u64::from(topology.ranks().max(1));
-    let global = training.micro_batches();
-    if !global.is_multiple_of(ranks) {
-        return Err(CompileError::BadTopology(format!(
-            "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \
-             share; scale it for ranks x --grad-accum"
-        )));
-    }
-    // Offloaded chunks are sharded over the ranks where the schedule allows it
-    // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.
-    let sharded_chunks;
-    let chunks = match crate::shard::shardable(chunks, topology) {
-        Ok(()) => {
-            sharded_chunks = crate::shard::sharded_table(chunks, topology.ranks());
-            &sharded_chunks
-        }
-        Err(_) => chunks,
-    };
-    let placed = place(training, chunks, policy)?;
-    verify_graph(&placed.graph)?;
-    if cfg!(debug_assertions) {
-        let miswired = crate::validate::check_gathers(&placed.graph, chunks);
-        if !miswired.is_empty() {
-            return Err(CompileError::Validation(miswired.join("; ")));
-        }
-        let v = crate::validate::validate(training, &placed.graph);
-        if !v.holds() {
-            return Err(CompileError::Validation(format!(
-                "placement under {policy} changed {}",
-                v.differing.join(", ")
-            )));
-        }
-    }
-    let mut streamed = streams(placed)?;
-    let planned = plan_buffers(&mut streamed);
-    let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
-    let schedule = shard(data_parallel(schedule, topology)?)?;
-    if cfg!(debug_assertions) {
-        verify_schedule(&schedule)?;
-    }
-    Ok(schedule)
 }

@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
-use crate::pipeline::compile_policy_on;
+use crate::lower::compile_policy_on;
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
     format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MemoryBreakdown, OpKind,
@@ -2431,8 +2431,8 @@ mod tests {
             protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(8, 64))
                 .expect("builds");
         let training =
-            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
-        let chunks = crate::pipeline::chunked(&training);
+            crate::autodiff::autodiff(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::chunk::chunk(&training, 1);
         let hardware = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
         Profile::new(
             &training,
@@ -2520,8 +2520,8 @@ mod tests {
             protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(2, 16))
                 .expect("builds");
         let training =
-            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
-        let chunks = crate::pipeline::chunked(&training);
+            crate::autodiff::autodiff(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::chunk::chunk(&training, 1);
         for hardware in ["host", "rtx3090"] {
             let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
             let cost = crate::cost::cost_model(&profile);
