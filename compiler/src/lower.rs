@@ -86,3 +86,38 @@ pub fn compile_policy_on(
     }
     Ok(schedule)
 }
+
+/// What a lowered schedule's host region must fit, per rank: its host memory and the disk
+/// the disk tier may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostBudgets {
+    /// Bytes of host memory a rank may use.
+    pub host: u64,
+    /// Bytes of disk a rank may use; 0 for no disk tier.
+    pub disk: u64,
+}
+
+/// The last stage of lowering a policy, the disk tier ([`crate::disk`]): where `schedule`'s
+/// host region is over `budgets.host`, the optimizer state of the fewest offloaded chunks
+/// that brings it within moves to disk. It returns the schedule unchanged when it fits or
+/// there is no disk budget, and fails, naming what each tier would need, when even the disk
+/// cannot bring it within budget.
+pub fn disk_tier(schedule: Schedule, budgets: HostBudgets) -> Result<Schedule> {
+    crate::disk::disk(schedule, budgets.host, budgets.disk)
+}
+
+/// Lowers one policy to a schedule within `budgets`: [`compile_policy_on`], then
+/// [`disk_tier`]. The device budget is the caller's to check (the arena is exact here).
+pub fn lower_within(
+    training: &Graph,
+    chunks: &ChunkTable,
+    policy: &Policy,
+    header: HeaderInputs,
+    topology: Topology,
+    budgets: HostBudgets,
+) -> Result<Schedule> {
+    disk_tier(
+        compile_policy_on(training, chunks, policy, header, topology)?,
+        budgets,
+    )
+}

@@ -25,6 +25,7 @@ use crate::emit::HeaderInputs;
 use crate::error::{per_rank, rank_budget, CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
 pub use crate::lower::{compile_policy, compile_policy_on};
+use crate::lower::{lower_within, HostBudgets};
 use crate::place::{place, Placed};
 use crate::search::{search, SearchOptions, SearchReport};
 use crate::search_forward::search_forward;
@@ -407,8 +408,13 @@ impl<'m> Context<'m> {
                     host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
                 };
-                let s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
-                let mut s = crate::disk::disk(s, host_budget, disk_budget).map_err(&shared)?;
+                let budgets = HostBudgets {
+                    host: host_budget,
+                    disk: disk_budget,
+                };
+                let mut s =
+                    lower_within(training, chunks, &policy, header, options.topology, budgets)
+                        .map_err(&shared)?;
                 if s.arena_bytes > device_budget {
                     return Err(CompileError::BudgetTooSmall(format!(
                         "policy {policy} needs {} of device memory, more than the {} of device \
