@@ -48,9 +48,7 @@ use std::collections::HashMap;
 /// Fails when `k` is 0 or the graph has no cross-entropy backward op to scale.
 pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<()> {
     if k == 0 {
-        return Err(CompileError::BadOptimizer(
-            "--grad-accum 0: a step takes at least one micro-batch".into(),
-        ));
+        return Err(CompileError::NoMicroBatches);
     }
     if k == 1 {
         return Ok(());

@@ -47,10 +47,10 @@ pub fn compile_policy_on(
     let ranks = u64::from(topology.ranks().max(1));
     let global = training.micro_batches();
     if !global.is_multiple_of(ranks) {
-        return Err(CompileError::BadTopology(format!(
-            "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \
-             share; scale it for ranks x --grad-accum"
-        )));
+        return Err(CompileError::UnevenMicroBatches {
+            micro_batches: global,
+            ranks,
+        });
     }
     // Offloaded chunks are sharded over the ranks where the schedule allows it
     // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.

@@ -250,18 +250,15 @@ impl<'m> Context<'m> {
             let ranks = self.options.topology.ranks();
             let training = if self.options.forward_only {
                 if ranks > 1 {
-                    return Err(CompileError::BadTopology(format!(
-                        "--gpus {} --nodes {} with --forward-only: evaluation runs on one rank; \
-                         drop --gpus and --nodes",
-                        self.options.topology.gpus, self.options.topology.nodes
-                    )));
+                    return Err(CompileError::ForwardOnlyRanks {
+                        gpus: self.options.topology.gpus,
+                        nodes: self.options.topology.nodes,
+                    });
                 }
                 if self.options.micro_batches > 1 {
-                    return Err(CompileError::BadOptimizer(format!(
-                        "--grad-accum {} with --forward-only: accumulation splits a training \
-                         step, and a forward-only schedule has none; drop one of the two",
-                        self.options.micro_batches
-                    )));
+                    return Err(CompileError::ForwardOnlyAccumulation {
+                        micro_batches: self.options.micro_batches,
+                    });
                 }
                 fused.clone()
             } else {
@@ -416,13 +413,11 @@ impl<'m> Context<'m> {
                     lower_within(training, chunks, &policy, header, options.topology, budgets)
                         .map_err(&shared)?;
                 if s.arena_bytes > device_budget {
-                    return Err(CompileError::BudgetTooSmall(format!(
-                        "policy {policy} needs {} of device memory, more than the {} of device \
-                         memory per GPU (--gpu-memory); use --policy auto or a larger \
-                         --gpu-memory",
-                        format_bytes(s.arena_bytes),
-                        format_bytes(device_budget)
-                    )));
+                    return Err(CompileError::PolicyOverDevice {
+                        policy: policy.to_string(),
+                        need: s.arena_bytes,
+                        budget: device_budget,
+                    });
                 }
                 if s.host_bytes > host_budget {
                     let mut ways = vec!["--policy auto", "a larger --host-memory"];
