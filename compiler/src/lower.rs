@@ -1,5 +1,6 @@
 //! Lowering one policy: a training graph and its chunk table, under one policy, to an
-//! emitted schedule (place, streams, plan, emit, accumulate, data-parallel, shard).
+//! emitted schedule (place, streams, plan, emit, accumulate, data-parallel, shard), and, as
+//! its last stage where the host region is over its budget, the disk tier ([`disk_tier`]).
 //!
 //! The pipeline's [`crate::pipeline::Context`] lowers the policy it is given through here, and
 //! the searches ([`crate::search`], [`crate::search_forward`]) lower each candidate through
@@ -23,7 +24,8 @@ use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
 /// is verified after placement and, in tests and debug builds, validated against the training
 /// graph with an e-graph, and the schedule verified after emission. It returns the schedule
 /// unverified in release builds: the search compiles many candidates and verifies only the
-/// one it keeps ([`crate::pipeline::Context`] does that); its step time is left for the simulator.
+/// one it keeps ([`crate::pipeline::Context`] does that); its step time is left for the
+/// simulator.
 pub fn compile_policy(
     training: &Graph,
     chunks: &ChunkTable,
@@ -34,9 +36,9 @@ pub fn compile_policy(
 }
 
 /// [`compile_policy`] for the ranks of `topology`: the schedule every rank runs, with its
-/// gradients summed over the ranks ([`data_parallel`], the last pass). The training graph's
-/// loss gradient must be scaled for `ranks x K` micro-batches ([`crate::accumulate::scale_loss_gradient`]); each
-/// rank accumulates `K` of them.
+/// gradients summed over the ranks ([`data_parallel`], then [`shard`]). The training graph's
+/// loss gradient must be scaled for `ranks x K` micro-batches
+/// ([`crate::accumulate::scale_loss_gradient`]); each rank accumulates `K` of them.
 pub fn compile_policy_on(
     training: &Graph,
     chunks: &ChunkTable,
