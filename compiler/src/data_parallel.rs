@@ -134,14 +134,14 @@ fn sum_micro_batches(mut schedule: Schedule, kind: StreamKind, k: u32) -> Result
     Ok(schedule)
 }
 
-/// Each kernel that writes gradients the optimizer reads, by (stream, index), with the
-/// gradients and where; fails when one of `grads` has no such kernel.
-fn gradient_producers(
-    schedule: &Schedule,
-    grads: &[ValueId],
-) -> Result<BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>>> {
+/// Kernels that write gradients, by (stream, index), with the gradients and where.
+type Producers = BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>>;
+
+/// Each kernel that writes gradients the optimizer reads; fails when one of `grads` has no
+/// such kernel.
+fn gradient_producers(schedule: &Schedule, grads: &[ValueId]) -> Result<Producers> {
     let wanted: HashSet<ValueId> = grads.iter().copied().collect();
-    let mut producers: BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>> = BTreeMap::new();
+    let mut producers = Producers::new();
     for (s, stream) in schedule.streams.iter().enumerate() {
         for (i, instr) in stream.instrs.iter().enumerate() {
             if let Instr::Kernel { op, outputs, .. } = instr {
