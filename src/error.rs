@@ -144,7 +144,10 @@ mod tests {
         ];
         for (e, want) in cases {
             let library = e.to_string();
-            assert!(!library.contains("--"), "the library names a flag: {library}");
+            assert!(
+                !library.contains("--"),
+                "the library names a flag: {library}"
+            );
             assert_eq!(Error::from(e).to_string(), want);
         }
     }
