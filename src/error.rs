@@ -11,8 +11,9 @@ pub enum Error {
     /// The IR rejected something.
     #[error(transparent)]
     Ir(#[from] protrain_ir::IrError),
-    /// The compiler rejected something.
-    #[error(transparent)]
+    /// The compiler rejected something; worded with the flags that set what it names
+    /// ([`compile_message`]).
+    #[error("{}", compile_message(.0))]
     Compile(#[from] protrain_compiler::CompileError),
     /// The runtime failed ([`runtime_text`] words it).
     #[error("{}", runtime_text(.0))]
@@ -71,6 +72,54 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
     }
 }
 
+/// A compiler error in the CLI's words: where the error carries the figures a flag set
+/// (`--gpus`, `--nodes`, `--grad-accum`, `--forward-only`, `--gpu-memory`, `--policy`), the
+/// message names the flag and the way out; any other error says what the compiler says.
+pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
+    use protrain_compiler::CompileError as E;
+    use protrain_ir::format_bytes;
+    match e {
+        E::NoRanks { gpus, nodes } => {
+            format!("--gpus {gpus} --nodes {nodes}: both must be at least 1")
+        }
+        E::TooManyGpus {
+            gpus,
+            per_node,
+            hardware,
+        } => format!(
+            "--gpus {gpus} is more than the {per_node} GPUs of one {hardware} node; use --nodes \
+             for more"
+        ),
+        E::NoMicroBatches => "--grad-accum 0: a step takes at least one micro-batch".into(),
+        E::ForwardOnlyRanks { gpus, nodes } => format!(
+            "--gpus {gpus} --nodes {nodes} with --forward-only: evaluation runs on one rank; \
+             drop --gpus and --nodes"
+        ),
+        E::ForwardOnlyAccumulation { micro_batches } => format!(
+            "--grad-accum {micro_batches} with --forward-only: accumulation splits a training \
+             step, and a forward-only schedule has none; drop one of the two"
+        ),
+        E::UnevenMicroBatches {
+            micro_batches,
+            ranks,
+        } => format!(
+            "the loss gradient is scaled for {micro_batches} micro-batches, which {ranks} ranks \
+             cannot share; scale it for ranks x --grad-accum"
+        ),
+        E::PolicyOverDevice {
+            policy,
+            need,
+            budget,
+        } => format!(
+            "policy {policy} needs {} of device memory, more than the {} of device memory per \
+             GPU (--gpu-memory); use --policy auto or a larger --gpu-memory",
+            format_bytes(*need),
+            format_bytes(*budget)
+        ),
+        e => e.to_string(),
+    }
+}
+
 /// The flag that gives a learning-rate schedule's `setting`.
 fn lr_flag(setting: protrain_runtime::error::LrSetting) -> &'static str {
     use protrain_runtime::error::LrSetting;
@@ -88,6 +137,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use protrain_compiler::CompileError as E;
     use protrain_runtime::error::{HostRegion, MemoryNeed};
     use protrain_runtime::RuntimeError;
 
@@ -179,5 +229,65 @@ mod tests {
             Error::from(e).to_string(),
             "cannot execute the schedule: an operand it cannot read"
         );
+    }
+
+    /// The compiler's errors carry figures; the CLI names the flags that set them, in the
+    /// words the CLI has always printed.
+    #[test]
+    fn compiler_errors_are_worded_with_their_flags() {
+        let cases = [
+            (
+                E::NoRanks { gpus: 0, nodes: 1 },
+                "--gpus 0 --nodes 1: both must be at least 1",
+            ),
+            (
+                E::TooManyGpus {
+                    gpus: 8,
+                    per_node: 4,
+                    hardware: "rtx3090".into(),
+                },
+                "--gpus 8 is more than the 4 GPUs of one rtx3090 node; use --nodes for more",
+            ),
+            (
+                E::NoMicroBatches,
+                "--grad-accum 0: a step takes at least one micro-batch",
+            ),
+            (
+                E::ForwardOnlyRanks { gpus: 2, nodes: 1 },
+                "--gpus 2 --nodes 1 with --forward-only: evaluation runs on one rank; drop \
+                 --gpus and --nodes",
+            ),
+            (
+                E::ForwardOnlyAccumulation { micro_batches: 4 },
+                "--grad-accum 4 with --forward-only: accumulation splits a training step, and \
+                 a forward-only schedule has none; drop one of the two",
+            ),
+            (
+                E::UnevenMicroBatches {
+                    micro_batches: 3,
+                    ranks: 2,
+                },
+                "the loss gradient is scaled for 3 micro-batches, which 2 ranks cannot share; \
+                 scale it for ranks x --grad-accum",
+            ),
+            (
+                E::PolicyOverDevice {
+                    policy: "n_persist=1".into(),
+                    need: 3 << 30,
+                    budget: 2 << 30,
+                },
+                "policy n_persist=1 needs 3.00 GiB of device memory, more than the 2.00 GiB of \
+                 device memory per GPU (--gpu-memory); use --policy auto or a larger \
+                 --gpu-memory",
+            ),
+        ];
+        for (e, want) in cases {
+            let library = e.to_string();
+            assert!(
+                !library.contains("--"),
+                "the library names a flag: {library}"
+            );
+            assert_eq!(Error::from(e).to_string(), want);
+        }
     }
 }

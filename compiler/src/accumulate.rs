@@ -27,15 +27,16 @@
 //! the update reads the global norm ([`crate::shard::reads_global_norm`]): then it is whole,
 //! appended as any host accumulator, so that each squared norm reads a whole sum.
 //!
-//! Accumulators live the whole step, so the pass appends them to the arena and the host
-//! region (the exact peak grows by exactly their bytes). It does not reorder the micro-batch
+//! Accumulators live the whole step, so the planner places their buffers at the end of the
+//! arena and the host region ([`crate::plan::append_buffer`]; the exact peak grows by exactly
+//! their bytes); the pass itself lays out each accumulator within its buffer. It does not reorder the micro-batch
 //! program, share gradient memory with accumulators, or overlap the update with the last
 //! micro-batch's backward pass.
 
 use crate::error::{CompileError, Result};
-use crate::plan::BUFFER_ALIGN;
+use crate::plan::{aligned, append_buffer};
 use protrain_ir::{
-    Buffer, BufferId, BufferKind, CopyKind, EventId, Instr, OpId, OpKind, Phase, Schedule, Space,
+    BufferId, BufferKind, CopyKind, EventId, Instr, OpId, OpKind, Phase, Schedule, Space,
     StreamKind, TensorRef, ValueId,
 };
 use std::collections::HashMap;
@@ -47,9 +48,7 @@ use std::collections::HashMap;
 /// Fails when `k` is 0 or the graph has no cross-entropy backward op to scale.
 pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<()> {
     if k == 0 {
-        return Err(CompileError::BadOptimizer(
-            "--grad-accum 0: a step takes at least one micro-batch".into(),
-        ));
+        return Err(CompileError::NoMicroBatches);
     }
     if k == 1 {
         return Ok(());
@@ -78,36 +77,6 @@ pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<
         training.set_kind(op, kind)?;
     }
     Ok(())
-}
-
-/// Appends a buffer of `bytes` at the end of `space`; returns its id.
-fn append(
-    schedule: &mut Schedule,
-    name: &str,
-    space: Space,
-    kind: BufferKind,
-    bytes: u64,
-) -> BufferId {
-    let end = match space {
-        Space::Device => &mut schedule.arena_bytes,
-        Space::Host => &mut schedule.host_bytes,
-        Space::Disk => &mut schedule.disk_bytes,
-    };
-    let offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
-    *end = offset + bytes;
-    schedule.buffers.push(Buffer {
-        name: name.into(),
-        space,
-        offset,
-        size: bytes,
-        kind,
-    });
-    BufferId::new(schedule.buffers.len() - 1)
-}
-
-/// `bytes` rounded up to the planner's buffer alignment.
-fn aligned(bytes: u64) -> u64 {
-    bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
 }
 
 /// Where an accumulator is laid out.
@@ -153,6 +122,32 @@ struct Acc {
     space: Space,
 }
 
+/// An AdamW kernel: its op, the gradient it reads and where.
+type AdamW = (OpId, ValueId, TensorRef);
+
+/// Where a sharded chunk's gradient was on the device before the offload the sums replace,
+/// and where that offload is (stream, index), by AdamW op.
+type OnDevice = HashMap<OpId, (TensorRef, (usize, usize))>;
+
+/// The accumulators added to the graph before they are placed: each one's value, space and
+/// layout, the accumulator of each gradient (an index into `laid`), the sum op of each AdamW
+/// op, and the bytes appended to the device (`[0]`) and host (`[1]`) accumulators' buffers.
+#[derive(Default)]
+struct Added {
+    laid: Vec<(ValueId, Space, Laid)>,
+    acc_of: HashMap<ValueId, usize>,
+    sum_of: HashMap<OpId, OpId>,
+    used: [u64; 2],
+}
+
+/// The squared norms that read accumulators: the host ones (op, accumulator index), in op
+/// order, with the workspace the largest of them needs, and the device ones.
+struct Norms {
+    host: Vec<(OpId, usize)>,
+    device: HashMap<OpId, usize>,
+    workspace: u64,
+}
+
 /// Makes `schedule` accumulate gradients over the micro-batches its graph's loss gradient is
 /// scaled for ([`micro_batches`]); returns it unchanged for one.
 ///
@@ -174,19 +169,40 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             "{k} micro-batches per step is more than a schedule counts"
         ))
     })?;
-    let stream_of = |s: &Schedule, kind: StreamKind| {
-        s.streams
-            .iter()
-            .position(|st| st.kind == kind)
-            .ok_or_else(|| {
-                CompileError::Validation(format!(
-                    "accumulation needs a {kind:?} stream, the schedule has none"
-                ))
-            })
-    };
+    let adamws = adamw_kernels(&schedule);
+    let on_device = sharded_gradients(&schedule, &adamws)?;
+    let added = add_accumulators(&mut schedule, &adamws, &on_device)?;
+    let norms = read_accumulators(&mut schedule, &added)?;
+    let (accs, scratch) = place_accumulators(&mut schedule, &added, &norms);
+    let moved = micro_batch_program(
+        &mut schedule,
+        &adamws,
+        &on_device,
+        &added,
+        &accs,
+        micro_batches,
+    );
+    update_program(&mut schedule, &moved, &accs, &norms, scratch)?;
+    schedule.homes.extend(accs.iter().map(|a| (a.acc, a.home)));
+    predict(&mut schedule, k, added.used[0]);
+    Ok(schedule)
+}
 
-    // Every AdamW kernel, the gradient it reads and where.
-    let mut adamws: Vec<(OpId, ValueId, TensorRef)> = Vec::new();
+/// Finds the stream of `kind`; fails when the schedule has none (a compiler bug).
+fn stream_of(s: &Schedule, kind: StreamKind) -> Result<usize> {
+    s.streams
+        .iter()
+        .position(|st| st.kind == kind)
+        .ok_or_else(|| {
+            CompileError::Validation(format!(
+                "accumulation needs a {kind:?} stream, the schedule has none"
+            ))
+        })
+}
+
+/// Every AdamW kernel, the gradient it reads and where.
+fn adamw_kernels(schedule: &Schedule) -> Vec<AdamW> {
+    let mut adamws = Vec::new();
     for stream in &schedule.streams {
         for instr in &stream.instrs {
             if let Instr::Kernel { op, inputs, .. } = instr {
@@ -197,12 +213,16 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             }
         }
     }
-    // A sharded chunk's gradients (see the module doc): each AdamW's gradient shard, and
-    // where the gradient was on the device before the offload that the sums replace.
-    let offloads = sharded_offloads(&schedule);
-    let norms = crate::shard::reads_global_norm(&schedule.graph);
-    let mut on_device: HashMap<OpId, (TensorRef, (usize, usize))> = HashMap::new();
-    for &(op, grad, at) in &adamws {
+    adamws
+}
+
+/// A sharded chunk's gradients (see the module doc): for each AdamW reading its gradient
+/// from a gradient shard, where the gradient was on the device before the offload that the
+/// sums replace.
+fn sharded_gradients(schedule: &Schedule, adamws: &[AdamW]) -> Result<OnDevice> {
+    let offloads = sharded_offloads(schedule);
+    let mut on_device = OnDevice::new();
+    for &(op, grad, at) in adamws {
         let Some(&(place, src, dst, bytes)) = offloads.get(&at.buffer) else {
             continue;
         };
@@ -221,14 +241,22 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         };
         on_device.insert(op, (device, place));
     }
-    // Accumulators: offsets in their space's buffer first, the buffers appended after; a
-    // sharded chunk's accumulate in its gradient shard unless the update reads the norm.
-    let mut used = [0u64; 2];
-    let mut laid: Vec<(ValueId, Space, Laid)> = Vec::with_capacity(adamws.len());
-    let mut acc_of: HashMap<ValueId, usize> = HashMap::new();
-    let mut sum_of: HashMap<OpId, OpId> = HashMap::new();
-    for &(op, grad, at) in &adamws {
-        if acc_of.contains_key(&grad) {
+    Ok(on_device)
+}
+
+/// Adds an accumulator and its sum op for each AdamW's gradient and points the AdamW at the
+/// accumulator; lays each out at its offset in its space's accumulators' buffer, or, for a
+/// sharded chunk's gradient when the update does not read the norm, at the gradient's own
+/// place in its shard.
+fn add_accumulators(
+    schedule: &mut Schedule,
+    adamws: &[AdamW],
+    on_device: &OnDevice,
+) -> Result<Added> {
+    let norms = crate::shard::reads_global_norm(&schedule.graph);
+    let mut added = Added::default();
+    for &(op, grad, at) in adamws {
+        if added.acc_of.contains_key(&grad) {
             return Err(CompileError::Validation(format!(
                 "{} is read by two AdamW ops; accumulation sums each gradient once",
                 schedule.graph.value(grad).name
@@ -245,31 +273,43 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             o.block,
             Phase::Backward,
         )?;
-        sum_of.insert(op, OpId::new(schedule.graph.op_count() - 1));
+        added
+            .sum_of
+            .insert(op, OpId::new(schedule.graph.op_count() - 1));
         schedule.graph.set_input(op, 1, acc)?;
         let space = schedule.buffer(at.buffer).space;
         if on_device.contains_key(&op) && !norms {
-            laid.push((acc, space, Laid::At(at)));
+            added.laid.push((acc, space, Laid::At(at)));
         } else {
-            let slot = &mut used[usize::from(space == Space::Host)];
-            laid.push((acc, space, Laid::Appended(*slot)));
+            let slot = &mut added.used[usize::from(space == Space::Host)];
+            added.laid.push((acc, space, Laid::Appended(*slot)));
             *slot += aligned(ty.bytes());
         }
-        acc_of.insert(grad, laid.len() - 1);
+        added.acc_of.insert(grad, added.laid.len() - 1);
     }
-    // Squared norms read the accumulators; those of host ones need host scratch for their
-    // results and (shared, they run in turn) workspace.
-    let mut host_norms: Vec<(OpId, usize)> = Vec::new();
-    let mut device_norm_of: HashMap<OpId, usize> = HashMap::new();
-    let mut norm_workspace = 0u64;
-    let grads: Vec<(ValueId, usize)> = acc_of.iter().map(|(&g, &i)| (g, i)).collect();
+    Ok(added)
+}
+
+/// Points the squared norms at the accumulators; those of host ones need host scratch for
+/// their results and (shared, they run in turn) workspace.
+fn read_accumulators(schedule: &mut Schedule, added: &Added) -> Result<Norms> {
+    let mut norms = Norms {
+        host: Vec::new(),
+        device: HashMap::new(),
+        workspace: 0,
+    };
+    // In accumulator order (that of the AdamW ops): rewiring an input moves the graph's
+    // edges, so the order of the rewiring is part of the schedule file, which must be the
+    // same on every run.
+    let mut grads: Vec<(ValueId, usize)> = added.acc_of.iter().map(|(&g, &i)| (g, i)).collect();
+    grads.sort_by_key(|&(_, i)| i);
     for (grad, i) in grads {
         for op in schedule.graph.users(grad) {
             if schedule.graph.op(op).kind != OpKind::GradNormSq {
                 continue;
             }
-            schedule.graph.set_input(op, 0, laid[i].0)?;
-            match laid[i].1 {
+            schedule.graph.set_input(op, 0, added.laid[i].0)?;
+            match added.laid[i].1 {
                 // Accumulators are laid out before anything moves to disk.
                 Space::Host | Space::Disk => {
                     let o = schedule.graph.op(op);
@@ -278,25 +318,35 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
                         .iter()
                         .map(|v| &schedule.graph.value(*v).ty)
                         .collect();
-                    norm_workspace = norm_workspace.max(o.kind.workspace_bytes(&types));
-                    host_norms.push((op, i));
+                    norms.workspace = norms.workspace.max(o.kind.workspace_bytes(&types));
+                    norms.host.push((op, i));
                 }
                 Space::Device => {
-                    device_norm_of.insert(op, i);
+                    norms.device.insert(op, i);
                 }
             }
         }
     }
-    host_norms.sort();
+    norms.host.sort();
+    Ok(norms)
+}
+
+/// Has the planner place the accumulators' buffers and the host update scratch
+/// ([`append_buffer`]); returns each accumulator's home and the scratch buffer, if any.
+fn place_accumulators(
+    schedule: &mut Schedule,
+    added: &Added,
+    norms: &Norms,
+) -> (Vec<Acc>, Option<BufferId>) {
     let mut buffer_of = [None, None];
     for (space, name) in [
         (Space::Device, "accumulators"),
         (Space::Host, "host accumulators"),
     ] {
-        let bytes = used[usize::from(space == Space::Host)];
+        let bytes = added.used[usize::from(space == Space::Host)];
         if bytes > 0 {
-            buffer_of[usize::from(space == Space::Host)] = Some(append(
-                &mut schedule,
+            buffer_of[usize::from(space == Space::Host)] = Some(append_buffer(
+                schedule,
                 name,
                 space,
                 BufferKind::Accumulators,
@@ -304,17 +354,18 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             ));
         }
     }
-    let scratch_bytes = aligned(4) * host_norms.len() as u64 + norm_workspace;
-    let scratch = (!host_norms.is_empty()).then(|| {
-        append(
-            &mut schedule,
+    let scratch_bytes = aligned(4) * norms.host.len() as u64 + norms.workspace;
+    let scratch = (!norms.host.is_empty()).then(|| {
+        append_buffer(
+            schedule,
             "host update scratch",
             Space::Host,
             BufferKind::HostScratch,
             scratch_bytes,
         )
     });
-    let accs: Vec<Acc> = laid
+    let accs = added
+        .laid
         .iter()
         .map(|&(acc, space, laid)| Acc {
             acc,
@@ -328,18 +379,32 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             },
         })
         .collect();
+    (accs, scratch)
+}
 
+/// Makes each stream's program the micro-batch program: each AdamW becomes its gradient's
+/// sum, where it was (a sharded chunk's, where its offload was); the rest of the optimizer
+/// moves to the update, returned in stream order; every record and wait stays; each stream
+/// ends with its micro-batch marker.
+fn micro_batch_program(
+    schedule: &mut Schedule,
+    adamws: &[AdamW],
+    on_device: &OnDevice,
+    added: &Added,
+    accs: &[Acc],
+    micro_batches: u32,
+) -> Vec<Instr> {
     // The sum of AdamW `op`'s gradient, read at `grad_at`, into its accumulator.
     let sum = |op: OpId, grad: ValueId, grad_at: TensorRef| Instr::Kernel {
-        op: sum_of[&op],
-        inputs: vec![accs[acc_of[&grad]].home, grad_at],
+        op: added.sum_of[&op],
+        inputs: vec![accs[added.acc_of[&grad]].home, grad_at],
         outputs: vec![],
         workspace: None,
     };
     // A sharded chunk's sums take the place of its gradient offload, reading the gradients
     // on the device, in the order of their AdamW ops.
     let mut at_offload: HashMap<(usize, usize), Vec<Instr>> = HashMap::new();
-    for &(op, grad, _) in &adamws {
+    for &(op, grad, _) in adamws {
         if let Some(&(device, place)) = on_device.get(&op) {
             at_offload
                 .entry(place)
@@ -347,9 +412,6 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
                 .push(sum(op, grad, device));
         }
     }
-    // The micro-batch program: each AdamW becomes its gradient's sum, where it was (a
-    // sharded chunk's, where its offload was); the rest of the optimizer moves to the update;
-    // every record and wait stays.
     let mut moved: Vec<Instr> = Vec::new();
     for (s, stream) in schedule.streams.iter_mut().enumerate() {
         let mut kept = Vec::with_capacity(stream.instrs.len() + 1);
@@ -362,7 +424,7 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
                 Instr::Kernel { op, inputs, .. } => match schedule.graph.op(*op).kind {
                     OpKind::AdamW { .. } => {
                         if !on_device.contains_key(op) {
-                            let grad = schedule.graph.op(sum_of[op]).inputs[1];
+                            let grad = schedule.graph.op(added.sum_of[op]).inputs[1];
                             kept.push(sum(*op, grad, inputs[1]));
                         }
                         moved.push(instr);
@@ -382,10 +444,20 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         kept.push(Instr::EndMicroBatch { micro_batches });
         stream.instrs = kept;
     }
+    moved
+}
 
-    // The update program: squared norms (device ones where the gradients' were, host ones
-    // on the host optimizer, their results then copied to where the gradients' were on the
-    // device), the clip coefficient, device AdamW, the coefficient's copy, host AdamW.
+/// Appends the update program to the streams: squared norms (device ones where the
+/// gradients' were, host ones on the host optimizer, their results then copied to where the
+/// gradients' were on the device), the clip coefficient, device AdamW, the coefficient's
+/// copy, host AdamW.
+fn update_program(
+    schedule: &mut Schedule,
+    moved: &[Instr],
+    accs: &[Acc],
+    norms: &Norms,
+    scratch: Option<BufferId>,
+) -> Result<()> {
     let graph = &schedule.graph;
     let home_of = |v: ValueId| accs.iter().find(|a| a.acc == v).map(|a| (a.home, a.space));
     let reading_acc = |instr: &Instr, index: usize| -> (Instr, Option<Space>) {
@@ -403,7 +475,7 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         Instr::Kernel { op, .. } => Some(&graph.op(*op).kind),
         _ => None,
     };
-    let compute = stream_of(&schedule, StreamKind::Compute)?;
+    let compute = stream_of(schedule, StreamKind::Compute)?;
     let mut update: Vec<Vec<Instr>> = vec![Vec::new(); schedule.streams.len()];
     let mut events = schedule.events;
     let mut event = || {
@@ -415,54 +487,15 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         .filter(|i| kind_of(i) == Some(&OpKind::GradNormSq))
     {
         if let Instr::Kernel { op, .. } = instr {
-            if device_norm_of.contains_key(op) {
+            if norms.device.contains_key(op) {
                 update[compute].push(reading_acc(instr, 0).0);
             }
         }
     }
     if let Some(scratch) = scratch {
-        let host = stream_of(&schedule, StreamKind::HostOptimizer)?;
-        let h2d = stream_of(&schedule, StreamKind::HostToDevice)?;
-        let workspace = TensorRef {
-            buffer: scratch,
-            offset: aligned(4) * host_norms.len() as u64,
-        };
-        let mut uploads = Vec::with_capacity(host_norms.len());
-        for (n, &(op, i)) in host_norms.iter().enumerate() {
-            let at = TensorRef {
-                buffer: scratch,
-                offset: aligned(4) * n as u64,
-            };
-            let o = graph.op(op);
-            let types: Vec<_> = o.inputs.iter().map(|v| &graph.value(*v).ty).collect();
-            update[host].push(Instr::Kernel {
-                op,
-                inputs: vec![accs[i].home],
-                outputs: vec![at],
-                workspace: (o.kind.workspace_bytes(&types) > 0).then_some(workspace),
-            });
-            // Where the gradient's squared norm was on the device, for the clip coefficient.
-            let on_device = moved.iter().find_map(|instr| match instr {
-                Instr::Kernel {
-                    op: o2, outputs, ..
-                } if *o2 == op => Some(outputs[0]),
-                _ => None,
-            });
-            let Some(dst) = on_device else {
-                return Err(CompileError::Validation(format!(
-                    "no device address for the squared norm {}",
-                    graph.value(o.outputs[0]).name
-                )));
-            };
-            uploads.push(Instr::Copy {
-                what: CopyKind::Scalar {
-                    value: o.outputs[0],
-                },
-                src: at,
-                dst,
-                bytes: 4,
-            });
-        }
+        let host = stream_of(schedule, StreamKind::HostOptimizer)?;
+        let h2d = stream_of(schedule, StreamKind::HostToDevice)?;
+        let uploads = host_norms(schedule, moved, accs, norms, scratch, &mut update[host])?;
         let (normed, uploaded) = (event(), event());
         update[host].push(Instr::Record { event: normed });
         // Device norms' workspaces may lie where the uploads land: upload after them.
@@ -497,9 +530,9 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         }
     }
     if !host_adamw.is_empty() {
-        let host = stream_of(&schedule, StreamKind::HostOptimizer)?;
+        let host = stream_of(schedule, StreamKind::HostOptimizer)?;
         if let Some(copy) = moved.iter().find(|i| matches!(i, Instr::Copy { .. })) {
-            let d2h = stream_of(&schedule, StreamKind::DeviceToHost)?;
+            let d2h = stream_of(schedule, StreamKind::DeviceToHost)?;
             let (clipped, copied) = (event(), event());
             update[compute].push(Instr::Record { event: clipped });
             update[d2h].push(Instr::Wait { event: clipped });
@@ -513,9 +546,67 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
         stream.instrs.extend(tail);
     }
     schedule.events = events;
-    schedule.homes.extend(accs.iter().map(|a| (a.acc, a.home)));
+    Ok(())
+}
 
-    // The prediction: K micro-batches of work, and the accumulators' memory.
+/// The host accumulators' squared norms, pushed to the host optimizer's update program
+/// `host`, each into its slot of the scratch buffer (its workspace after the slots); returns
+/// the copies of their results to where each gradient's squared norm was on the device, for
+/// the clip coefficient.
+fn host_norms(
+    schedule: &Schedule,
+    moved: &[Instr],
+    accs: &[Acc],
+    norms: &Norms,
+    scratch: BufferId,
+    host: &mut Vec<Instr>,
+) -> Result<Vec<Instr>> {
+    let graph = &schedule.graph;
+    let workspace = TensorRef {
+        buffer: scratch,
+        offset: aligned(4) * norms.host.len() as u64,
+    };
+    let mut uploads = Vec::with_capacity(norms.host.len());
+    for (n, &(op, i)) in norms.host.iter().enumerate() {
+        let at = TensorRef {
+            buffer: scratch,
+            offset: aligned(4) * n as u64,
+        };
+        let o = graph.op(op);
+        let types: Vec<_> = o.inputs.iter().map(|v| &graph.value(*v).ty).collect();
+        host.push(Instr::Kernel {
+            op,
+            inputs: vec![accs[i].home],
+            outputs: vec![at],
+            workspace: (o.kind.workspace_bytes(&types) > 0).then_some(workspace),
+        });
+        let on_device = moved.iter().find_map(|instr| match instr {
+            Instr::Kernel {
+                op: o2, outputs, ..
+            } if *o2 == op => Some(outputs[0]),
+            _ => None,
+        });
+        let Some(dst) = on_device else {
+            return Err(CompileError::Validation(format!(
+                "no device address for the squared norm {}",
+                graph.value(o.outputs[0]).name
+            )));
+        };
+        uploads.push(Instr::Copy {
+            what: CopyKind::Scalar {
+                value: o.outputs[0],
+            },
+            src: at,
+            dst,
+            bytes: 4,
+        });
+    }
+    Ok(uploads)
+}
+
+/// The prediction: `k` micro-batches of work, and the accumulators' memory (`device_bytes` of
+/// them on the device).
+fn predict(schedule: &mut Schedule, k: u64, device_bytes: u64) {
     let graph = &schedule.graph;
     let flops: u64 = graph
         .ops()
@@ -529,12 +620,10 @@ pub fn accumulate_micro_batches(mut schedule: Schedule, k: u64) -> Result<Schedu
             }
         })
         .sum();
-    let device_bytes = used[0];
     let p = &mut schedule.header.prediction;
     p.flops = flops;
     p.peak_device_bytes = schedule.arena_bytes;
     p.lower_bound_bytes += device_bytes;
     p.host_bytes = schedule.host_bytes;
     p.memory.persistent += device_bytes;
-    Ok(schedule)
 }

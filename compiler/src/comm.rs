@@ -48,10 +48,10 @@ impl Topology {
     pub fn interconnect(&self, hardware: &HardwareProfile) -> Result<Option<Interconnect>> {
         let bad = |why: String| Err(CompileError::BadTopology(why));
         if self.gpus == 0 || self.nodes == 0 {
-            return bad(format!(
-                "--gpus {} --nodes {}: both must be at least 1",
-                self.gpus, self.nodes
-            ));
+            return Err(CompileError::NoRanks {
+                gpus: self.gpus,
+                nodes: self.nodes,
+            });
         }
         if self.ranks() == 1 {
             return Ok(None);
@@ -66,10 +66,11 @@ impl Topology {
             ));
         };
         if self.gpus > link.gpus_per_node {
-            return bad(format!(
-                "--gpus {} is more than the {} GPUs of one {} node; use --nodes for more",
-                self.gpus, link.gpus_per_node, hardware.name
-            ));
+            return Err(CompileError::TooManyGpus {
+                gpus: self.gpus,
+                per_node: link.gpus_per_node,
+                hardware: hardware.name.clone(),
+            });
         }
         Ok(Some(link))
     }
@@ -186,10 +187,10 @@ mod tests {
         let rtx = HardwareProfile::preset("rtx3090").unwrap();
         let err = Topology { gpus: 8, nodes: 1 }
             .interconnect(&rtx)
-            .unwrap_err()
-            .to_string();
+            .unwrap_err();
         assert!(
-            err.contains("more than the 4 GPUs") && err.contains("--nodes"),
+            matches!(&err, CompileError::TooManyGpus { gpus: 8, per_node: 4, hardware }
+                if hardware == "rtx3090"),
             "{err}"
         );
         let host = HardwareProfile::preset("host").unwrap();
@@ -203,9 +204,11 @@ mod tests {
         );
         let err = Topology { gpus: 0, nodes: 1 }
             .interconnect(&rtx)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("at least 1"), "{err}");
+            .unwrap_err();
+        assert!(
+            matches!(err, CompileError::NoRanks { gpus: 0, nodes: 1 }),
+            "{err}"
+        );
         assert_eq!(Topology::SINGLE.interconnect(&host).unwrap(), None);
         assert!(Topology { gpus: 4, nodes: 2 }
             .interconnect(&rtx)

@@ -377,10 +377,10 @@ impl CostModel for Roofline {
     /// the kernels beside it (gemm packing, the element-wise and attention kernels) wait on
     /// the same memory. Measured on the 2-core host (GPT-2 4x256, `blocks=SSKK`): the swaps'
     /// copies took 36 ms of a 572 ms step, and the step ran 6% slower than `KKKK`, the copies'
-    /// whole time; charging them per core (or not at all, as before) made swapping a block
-    /// look free, and the search swapped blocks the host had room to keep (issue 14). One
-    /// core, not the machine's count, so a schedule compiled for a given profile (and its
-    /// snapshot) is the same on every machine.
+    /// whole time; charging them per core, or not at all, would make swapping a block look
+    /// free, and the search would swap blocks the host has room to keep. One core, not the
+    /// machine's count, so a schedule compiled for a given profile (and its snapshot) is the
+    /// same on every machine.
     fn host_cores(&self) -> Option<f64> {
         self.profile.is_host().then_some(1.0)
     }

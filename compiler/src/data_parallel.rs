@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, HashSet};
 
 /// Makes `schedule` the program of every rank of `topology`; returns it unchanged for one
 /// rank. Fails when an AdamW op's gradient has no producing kernel (a compiler bug).
-pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Schedule> {
+pub fn data_parallel(schedule: Schedule, topology: Topology) -> Result<Schedule> {
     if topology.ranks() <= 1 {
         return Ok(schedule);
     }
@@ -57,152 +57,177 @@ pub fn data_parallel(mut schedule: Schedule, topology: Topology) -> Result<Sched
         gpus: topology.gpus,
         nodes: topology.nodes,
     };
-    let mut events = schedule.events;
-    let mut event = || {
-        events += 1;
-        EventId(events - 1)
-    };
-    // A schedule that reads the global gradient norm (clipping, loss scaling) sums sharded
-    // chunks' gradients here too, whole, so each squared norm reads the whole sum
-    // ([`crate::shard`] says why).
+    match schedule.micro_batches() {
+        k if k > 1 => sum_micro_batches(schedule, kind, k),
+        _ => all_reduce_gradients(schedule, kind),
+    }
+}
+
+/// The gradients the optimizer reads, in the order their AdamW ops appear, but those of
+/// sharded chunks, which [`crate::shard`] reduce-scatters, unless the schedule reads the
+/// global gradient norm (clipping, loss scaling): then it sums sharded chunks' gradients here
+/// too, whole, so each squared norm reads the whole sum ([`crate::shard`] says why).
+fn summed_gradients(schedule: &Schedule) -> Vec<ValueId> {
     let norms = crate::shard::reads_global_norm(&schedule.graph);
-    // The gradients the optimizer reads, in the order their AdamW ops appear.
     let mut grads: Vec<ValueId> = Vec::new();
-    let mut grad_at: Vec<TensorRef> = Vec::new();
     for stream in &schedule.streams {
         for instr in &stream.instrs {
             if let Instr::Kernel { op, inputs, .. } = instr {
                 let o = schedule.graph.op(*op);
-                // A sharded chunk's gradients are reduce-scattered instead ([`crate::shard`]).
                 let sharded = !norms
                     && inputs.get(1).is_some_and(|t| {
                         matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. })
                     });
                 if let (OpKind::AdamW { .. }, false) = (&o.kind, sharded) {
                     grads.push(o.inputs[1]);
-                    grad_at.push(inputs[1]);
                 }
             }
         }
     }
-    let k = schedule.micro_batches();
-    let mut comm: Vec<Instr> = Vec::new();
-    if k > 1 {
-        // Each micro-batch's gradients are summed over the ranks into the accumulators:
-        // every `accumulate_grad` moves to the collective stream, where it adds every rank's
-        // gradient to the accumulator in rank order; its stream records an event where it
-        // was and waits for the sum before going on (the gradient's memory may be reused
-        // after it, its last reader).
-        let graph = &schedule.graph;
-        let mut jobs: Vec<Job> = Vec::new();
-        for stream in schedule.streams.iter_mut() {
-            let old = std::mem::take(&mut stream.instrs);
-            let mut instrs = Vec::with_capacity(old.len() + 8);
-            for instr in old {
-                let accumulates = matches!(&instr, Instr::Kernel { op, .. }
-                    if graph.op(*op).kind == OpKind::AccumulateGrad);
-                if !accumulates {
-                    instrs.push(instr);
-                    continue;
-                }
-                let (trigger, done) = (event(), event());
-                instrs.push(Instr::Record { event: trigger });
-                instrs.push(Instr::Wait { event: done });
-                jobs.push(Job {
-                    trigger,
-                    instr,
-                    done,
-                });
+    grads
+}
+
+/// With `k > 1` micro-batches, each micro-batch's gradients are summed over the ranks into
+/// the accumulators: every `accumulate_grad` moves to the collective stream, where it adds
+/// every rank's gradient to the accumulator in rank order; its stream records an event where
+/// it was and waits for the sum before going on (the gradient's memory may be reused after
+/// it, its last reader).
+fn sum_micro_batches(mut schedule: Schedule, kind: StreamKind, k: u32) -> Result<Schedule> {
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    let graph = &schedule.graph;
+    let mut jobs: Vec<Job> = Vec::new();
+    for stream in schedule.streams.iter_mut() {
+        let old = std::mem::take(&mut stream.instrs);
+        let mut instrs = Vec::with_capacity(old.len() + 8);
+        for instr in old {
+            let accumulates = matches!(&instr, Instr::Kernel { op, .. }
+                if graph.op(*op).kind == OpKind::AccumulateGrad);
+            if !accumulates {
+                instrs.push(instr);
+                continue;
             }
-            stream.instrs = instrs;
+            let (trigger, done) = (event(), event());
+            instrs.push(Instr::Record { event: trigger });
+            instrs.push(Instr::Wait { event: done });
+            jobs.push(Job {
+                trigger,
+                instr,
+                done,
+            });
         }
-        schedule.streams.push(Stream {
-            name: "comm".into(),
-            kind,
-            instrs: Vec::new(),
-        });
-        schedule.events = events;
-        let comm = schedule.streams.len() - 1;
-        let mut merged = merge(&schedule, comm, jobs)?;
-        merged.push(Instr::EndMicroBatch { micro_batches: k });
-        schedule.streams[comm].instrs = merged;
-        return Ok(schedule);
-    } else {
-        // Each kernel that writes gradients, by (stream, index), with the gradients and where.
-        let wanted: HashSet<ValueId> = grads.iter().copied().collect();
-        let mut producers: BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>> = BTreeMap::new();
-        for (s, stream) in schedule.streams.iter().enumerate() {
-            for (i, instr) in stream.instrs.iter().enumerate() {
-                if let Instr::Kernel { op, outputs, .. } = instr {
-                    for (&v, &t) in schedule.graph.op(*op).outputs.iter().zip(outputs) {
-                        if wanted.contains(&v) {
-                            producers.entry((s, i)).or_default().push((v, t));
-                        }
+        stream.instrs = instrs;
+    }
+    schedule.streams.push(Stream {
+        name: "comm".into(),
+        kind,
+        instrs: Vec::new(),
+    });
+    schedule.events = events;
+    let comm = schedule.streams.len() - 1;
+    let mut merged = merge(&schedule, comm, jobs)?;
+    merged.push(Instr::EndMicroBatch { micro_batches: k });
+    schedule.streams[comm].instrs = merged;
+    Ok(schedule)
+}
+
+/// Kernels that write gradients, by (stream, index), with the gradients and where.
+type Producers = BTreeMap<(usize, usize), Vec<(ValueId, TensorRef)>>;
+
+/// Each kernel that writes gradients the optimizer reads; fails when one of `grads` has no
+/// such kernel.
+fn gradient_producers(schedule: &Schedule, grads: &[ValueId]) -> Result<Producers> {
+    let wanted: HashSet<ValueId> = grads.iter().copied().collect();
+    let mut producers = Producers::new();
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for (i, instr) in stream.instrs.iter().enumerate() {
+            if let Instr::Kernel { op, outputs, .. } = instr {
+                for (&v, &t) in schedule.graph.op(*op).outputs.iter().zip(outputs) {
+                    if wanted.contains(&v) {
+                        producers.entry((s, i)).or_default().push((v, t));
                     }
                 }
             }
         }
-        let found: HashSet<ValueId> = producers.values().flatten().map(|&(v, _)| v).collect();
-        if let Some(&missing) = grads.iter().find(|v| !found.contains(v)) {
-            return Err(CompileError::Validation(format!(
-                "no kernel computes the gradient {} that AdamW reads",
-                schedule.graph.value(missing).name
-            )));
+    }
+    let found: HashSet<ValueId> = producers.values().flatten().map(|&(v, _)| v).collect();
+    if let Some(&missing) = grads.iter().find(|v| !found.contains(v)) {
+        return Err(CompileError::Validation(format!(
+            "no kernel computes the gradient {} that AdamW reads",
+            schedule.graph.value(missing).name
+        )));
+    }
+    Ok(producers)
+}
+
+/// With one micro-batch, each gradient is all-reduced right after the kernel that computes
+/// it (see the module doc), and the kernel's stream waits for the sum before its next
+/// instruction that reads one of them or records an event.
+fn all_reduce_gradients(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule> {
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    let grads = summed_gradients(&schedule);
+    let producers = gradient_producers(&schedule, &grads)?;
+    let mut comm: Vec<Instr> = Vec::new();
+    // Instructions to insert after (stream, index), and before (stream, index).
+    let mut after: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
+    let mut before: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
+    // `producers` is ordered by stream, then index: the collective stream sums the
+    // gradients in the order they are computed, so it never waits out of turn.
+    for (&(s, i), outs) in &producers {
+        let (computed, summed) = (event(), event());
+        after
+            .entry((s, i))
+            .or_default()
+            .push(Instr::Record { event: computed });
+        comm.push(Instr::Wait { event: computed });
+        for &(value, at) in outs {
+            comm.push(Instr::AllReduce { value, at });
         }
-        // Instructions to insert after (stream, index), and before (stream, index).
-        let mut after: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
-        let mut before: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();
-        // `producers` is ordered by stream, then index: the collective stream sums the
-        // gradients in the order they are computed, so it never waits out of turn.
-        for (&(s, i), outs) in &producers {
-            let (computed, summed) = (event(), event());
-            after
-                .entry((s, i))
-                .or_default()
-                .push(Instr::Record { event: computed });
-            comm.push(Instr::Wait { event: computed });
-            for &(value, at) in outs {
-                comm.push(Instr::AllReduce { value, at });
-            }
-            comm.push(Instr::Record { event: summed });
-            let instrs = &schedule.streams[s].instrs;
-            let summed_values: HashSet<ValueId> = outs.iter().map(|&(v, _)| v).collect();
-            let next = instrs[i + 1..]
-                .iter()
-                .position(|instr| match instr {
-                    Instr::Record { .. } | Instr::EndMicroBatch { .. } => true,
-                    Instr::Kernel { op, .. } => schedule
-                        .graph
-                        .op(*op)
-                        .inputs
-                        .iter()
-                        .any(|v| summed_values.contains(v)),
-                    _ => false,
-                })
-                .map_or(instrs.len(), |p| i + 1 + p);
-            before
-                .entry((s, next))
-                .or_default()
-                .push(Instr::Wait { event: summed });
-        }
-        for (s, stream) in schedule.streams.iter_mut().enumerate() {
-            let old = std::mem::take(&mut stream.instrs);
-            let n = old.len();
-            let mut instrs = Vec::with_capacity(n + 4);
-            for (i, instr) in old.into_iter().enumerate() {
-                if let Some(waits) = before.remove(&(s, i)) {
-                    instrs.extend(waits);
-                }
-                instrs.push(instr);
-                if let Some(records) = after.remove(&(s, i)) {
-                    instrs.extend(records);
-                }
-            }
-            if let Some(waits) = before.remove(&(s, n)) {
+        comm.push(Instr::Record { event: summed });
+        let instrs = &schedule.streams[s].instrs;
+        let summed_values: HashSet<ValueId> = outs.iter().map(|&(v, _)| v).collect();
+        let next = instrs[i + 1..]
+            .iter()
+            .position(|instr| match instr {
+                Instr::Record { .. } | Instr::EndMicroBatch { .. } => true,
+                Instr::Kernel { op, .. } => schedule
+                    .graph
+                    .op(*op)
+                    .inputs
+                    .iter()
+                    .any(|v| summed_values.contains(v)),
+                _ => false,
+            })
+            .map_or(instrs.len(), |p| i + 1 + p);
+        before
+            .entry((s, next))
+            .or_default()
+            .push(Instr::Wait { event: summed });
+    }
+    for (s, stream) in schedule.streams.iter_mut().enumerate() {
+        let old = std::mem::take(&mut stream.instrs);
+        let n = old.len();
+        let mut instrs = Vec::with_capacity(n + 4);
+        for (i, instr) in old.into_iter().enumerate() {
+            if let Some(waits) = before.remove(&(s, i)) {
                 instrs.extend(waits);
             }
-            stream.instrs = instrs;
+            instrs.push(instr);
+            if let Some(records) = after.remove(&(s, i)) {
+                instrs.extend(records);
+            }
         }
+        if let Some(waits) = before.remove(&(s, n)) {
+            instrs.extend(waits);
+        }
+        stream.instrs = instrs;
     }
     schedule.streams.push(Stream {
         name: "comm".into(),

@@ -5,8 +5,9 @@
 //! [`BufferKind::OptimizerState`] buffer, whole) of the fewest offloaded chunks that brings the
 //! host region within the budget to [`Space::Disk`], each at a fixed offset (aligned to
 //! [`DISK_ALIGN`]) in a region of [`Schedule::disk_bytes`]; takes the chunks in the order the
-//! CPU Adam updates them; lays the host region out again without their state and with two
-//! staging buffers (one when a single chunk moves) of the largest moved state; points each of
+//! CPU Adam updates them; has the planner lay the host region out again without their state
+//! and with two staging buffers (one when a single chunk moves) of the largest moved state
+//! ([`crate::plan::move_to_disk`], [`crate::plan::append_buffer`]); points each of
 //! their AdamW kernels at the staging buffer the chunk's state is read into (same offsets);
 //! and adds a [`StreamKind::DiskIo`] stream that reads every moved chunk's state ahead of its
 //! update and writes it back after, double-buffered:
@@ -29,16 +30,15 @@
 //! before every upload.
 
 use crate::error::{CompileError, Result};
-use crate::plan::BUFFER_ALIGN;
+use crate::plan::{append_buffer, disk_region_bytes, host_bytes_after, move_to_disk};
 use protrain_ir::{
-    format_bytes, Buffer, BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream,
+    format_bytes, BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream,
     StreamKind, TensorRef,
 };
 use std::collections::HashMap;
 
-/// Alignment of each chunk's state in the disk file: a page, so that reads and writes could
-/// go around the page cache (`O_DIRECT`) without copying.
-pub const DISK_ALIGN: u64 = 4096;
+/// Alignment of each chunk's state in the disk file (laid out by [`crate::plan`]).
+pub use crate::plan::DISK_ALIGN;
 
 /// One chunk whose state can move: its state buffer and where its AdamW kernels are on the
 /// host optimizer stream (their indices, in order).
@@ -99,9 +99,7 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
         )));
     };
     let moved = &movable[..k];
-    let disk_bytes = moved.iter().fold(0u64, |end, m| {
-        end.div_ceil(DISK_ALIGN) * DISK_ALIGN + schedule.buffer(m.buffer).size
-    });
+    let disk_bytes = disk_region_bytes(moved.iter().map(|m| schedule.buffer(m.buffer).size));
     if disk_bytes > disk_budget {
         return Err(CompileError::BudgetTooSmall(format!(
             "the optimizer state of {k} chunks must move to disk to bring the host region \
@@ -130,9 +128,7 @@ pub fn least_host(schedule: &Schedule) -> Option<(u64, u64)> {
         return None;
     }
     let all: Vec<BufferId> = movable.iter().map(|m| m.buffer).collect();
-    let disk_bytes = movable.iter().fold(0u64, |end, m| {
-        end.div_ceil(DISK_ALIGN) * DISK_ALIGN + schedule.buffer(m.buffer).size
-    });
+    let disk_bytes = disk_region_bytes(movable.iter().map(|m| schedule.buffer(m.buffer).size));
     Some((host_after(schedule, &all, 1), disk_bytes))
 }
 
@@ -229,20 +225,31 @@ fn staging(schedule: &Schedule, moved: &[BufferId]) -> u64 {
         .unwrap_or(0)
 }
 
-/// The host region after moving `moved` out and adding `slots` staging buffers, laid out
-/// one after another as the planner lays out host buffers.
+/// The host region after moving `moved` out and adding `slots` staging buffers, as the
+/// planner lays it out ([`host_bytes_after`]).
 fn host_after(schedule: &Schedule, moved: &[BufferId], slots: usize) -> u64 {
-    let mut end = 0u64;
-    for (i, b) in schedule.buffers.iter().enumerate() {
-        if b.space == Space::Host && !moved.contains(&BufferId::new(i)) {
-            end = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN + b.size;
-        }
+    host_bytes_after(schedule, moved, &vec![staging(schedule, moved); slots])
+}
+
+/// The staging buffers and events of the moved chunks: chunk `i` is read into slot `i mod
+/// slots`, its read records `read_done(i)` and its update `update_done(i)`.
+struct Tier {
+    slot_ids: Vec<BufferId>,
+    first_event: u32,
+}
+
+impl Tier {
+    fn read_done(&self, i: usize) -> EventId {
+        EventId(self.first_event + 2 * i as u32)
     }
-    let size = staging(schedule, moved);
-    for _ in 0..slots {
-        end = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN + size;
+
+    fn update_done(&self, i: usize) -> EventId {
+        EventId(self.first_event + 2 * i as u32 + 1)
     }
-    end
+
+    fn slot_of(&self, i: usize) -> BufferId {
+        self.slot_ids[i % self.slot_ids.len()]
+    }
 }
 
 /// Moves the state of `moved` to disk and adds the staging buffers, the disk stream and the
@@ -250,61 +257,43 @@ fn host_after(schedule: &Schedule, moved: &[BufferId], slots: usize) -> u64 {
 fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
     let ids: Vec<BufferId> = moved.iter().map(|m| m.buffer).collect();
     let size = staging(schedule, &ids);
-    // The disk region.
-    let mut disk = 0u64;
-    for m in moved {
-        let b = &mut schedule.buffers[m.buffer.index()];
-        b.space = Space::Disk;
-        b.offset = disk.div_ceil(DISK_ALIGN) * DISK_ALIGN;
-        disk = b.offset + b.size;
-    }
-    schedule.disk_bytes = disk;
-    // The host region, laid out again in its order, then the staging buffers.
-    let mut host: Vec<usize> = (0..schedule.buffers.len())
-        .filter(|&i| schedule.buffers[i].space == Space::Host)
+    // The planner lays out the disk region and the host region without the moved state, then
+    // places the staging buffers at the host region's end.
+    move_to_disk(schedule, &ids);
+    let slot_ids: Vec<BufferId> = (0..slots)
+        .map(|slot| {
+            append_buffer(
+                schedule,
+                &format!("disk_staging{slot}"),
+                Space::Host,
+                BufferKind::DiskStaging { slot: slot as u32 },
+                size,
+            )
+        })
         .collect();
-    host.sort_by_key(|&i| schedule.buffers[i].offset);
-    let mut end = 0u64;
-    for i in host {
-        let b = &mut schedule.buffers[i];
-        b.offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
-        end = b.offset + b.size;
-    }
-    let mut slot_ids = Vec::with_capacity(slots);
-    for slot in 0..slots {
-        let offset = end.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
-        end = offset + size;
-        slot_ids.push(BufferId::new(schedule.buffers.len()));
-        schedule.buffers.push(Buffer {
-            name: format!("disk_staging{slot}"),
-            space: Space::Host,
-            offset,
-            size,
-            kind: BufferKind::DiskStaging { slot: slot as u32 },
-        });
-    }
-    schedule.host_bytes = end;
-    schedule.header.prediction.host_bytes = end;
-    // Events: read i done, update i done.
-    let first_event = schedule.events;
+    schedule.header.prediction.host_bytes = schedule.host_bytes;
+    let tier = Tier {
+        slot_ids,
+        first_event: schedule.events,
+    };
     schedule.events += 2 * moved.len() as u32;
-    let read_done = |i: usize| EventId(first_event + 2 * i as u32);
-    let update_done = |i: usize| EventId(first_event + 2 * i as u32 + 1);
-    let slot_of = |i: usize| slot_ids[i % slots];
-    // The host optimizer: each moved chunk's kernels address its staging buffer, after a
-    // wait for its read and before a record of its update.
-    let opt = schedule
-        .streams
-        .iter()
-        .position(|s| s.kind == StreamKind::HostOptimizer)
-        .expect("movable chunks are on the host optimizer stream");
-    let old = std::mem::take(&mut schedule.streams[opt].instrs);
-    // Each moved chunk's kernels are made adjacent, at its first (the CPU Adam may update
-    // the parameters of two chunks interleaved, as their gradients arrive; a later kernel
-    // of a chunk needs no wait its first did not, all of a chunk's gradients arriving in one
-    // offload, and the verifier checks that it is so), so that its state is read once and
-    // written once.
-    let mut grouped: Vec<usize> = Vec::with_capacity(old.len());
+    address_staging(schedule, moved, &tier);
+    let io = disk_program(schedule, moved, &tier);
+    schedule.streams.push(Stream {
+        name: "disk_io".into(),
+        kind: StreamKind::DiskIo,
+        instrs: io,
+    });
+    schedule.header.prediction.stream_busy_seconds.push(0.0);
+}
+
+/// The host optimizer's instructions with each moved chunk's kernels made adjacent, at its
+/// first (the CPU Adam may update the parameters of two chunks interleaved, as their
+/// gradients arrive; a later kernel of a chunk needs no wait its first did not, all of a
+/// chunk's gradients arriving in one offload, and the verifier checks that it is so), so
+/// that its state is read once and written once.
+fn grouped(old: Vec<Instr>, moved: &[Movable]) -> Vec<Instr> {
+    let mut order: Vec<usize> = Vec::with_capacity(old.len());
     let mut taken = vec![false; old.len()];
     let chunk_at: HashMap<usize, usize> = moved
         .iter()
@@ -319,17 +308,28 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
             Some(&i) => {
                 for &k in &moved[i].kernels {
                     taken[k] = true;
-                    grouped.push(k);
+                    order.push(k);
                 }
             }
-            None => grouped.push(at),
+            None => order.push(at),
         }
     }
     let mut old: Vec<Option<Instr>> = old.into_iter().map(Some).collect();
-    let old: Vec<Instr> = grouped
+    order
         .into_iter()
         .map(|k| old[k].take().expect("each instruction once"))
-        .collect();
+        .collect()
+}
+
+/// Points the host optimizer's kernels of each moved chunk at its staging buffer, after a
+/// wait for its read and before a record of its update.
+fn address_staging(schedule: &mut Schedule, moved: &[Movable], tier: &Tier) {
+    let opt = schedule
+        .streams
+        .iter()
+        .position(|s| s.kind == StreamKind::HostOptimizer)
+        .expect("movable chunks are on the host optimizer stream");
+    let old = grouped(std::mem::take(&mut schedule.streams[opt].instrs), moved);
     // The new index of each moved chunk's first and last kernel.
     let mut starts: HashMap<usize, usize> = HashMap::new();
     let mut ends: HashMap<usize, usize> = HashMap::new();
@@ -351,15 +351,15 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
         }
     }
     let mut instrs = Vec::with_capacity(old.len() + 2 * moved.len());
-    let slot_by_buffer: HashMap<BufferId, (usize, BufferId)> = moved
+    let slot_by_buffer: HashMap<BufferId, BufferId> = moved
         .iter()
         .enumerate()
-        .map(|(i, m)| (m.buffer, (i, slot_of(i))))
+        .map(|(i, m)| (m.buffer, tier.slot_of(i)))
         .collect();
     for (at, mut instr) in old.into_iter().enumerate() {
         if let Some(&i) = starts.get(&at) {
             instrs.push(Instr::Wait {
-                event: read_done(i),
+                event: tier.read_done(i),
             });
         }
         if let Instr::Kernel {
@@ -367,7 +367,7 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
         } = &mut instr
         {
             for t in inputs.iter_mut().chain(outputs.iter_mut()) {
-                if let Some(&(_, slot)) = slot_by_buffer.get(&t.buffer) {
+                if let Some(&slot) = slot_by_buffer.get(&t.buffer) {
                     t.buffer = slot;
                 }
             }
@@ -375,21 +375,26 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
         instrs.push(instr);
         if let Some(&i) = ends.get(&at) {
             instrs.push(Instr::Record {
-                event: update_done(i),
+                event: tier.update_done(i),
             });
         }
     }
     schedule.streams[opt].instrs = instrs;
-    // The disk stream.
+}
+
+/// The disk stream's program: the first `slots` reads at once, then for each chunk in turn
+/// a wait for its update, its write back and the read of the chunk that takes its slot next.
+fn disk_program(schedule: &Schedule, moved: &[Movable], tier: &Tier) -> Vec<Instr> {
+    let slots = tier.slot_ids.len();
     let state_of = |i: usize| TensorRef {
         buffer: moved[i].buffer,
         offset: 0,
     };
     let staged = |i: usize| TensorRef {
-        buffer: slot_of(i),
+        buffer: tier.slot_of(i),
         offset: 0,
     };
-    let bytes_of = |schedule: &Schedule, i: usize| schedule.buffer(moved[i].buffer).size;
+    let bytes_of = |i: usize| schedule.buffer(moved[i].buffer).size;
     let mut io = Vec::with_capacity(6 * moved.len() + 1);
     let micro_batches = schedule.micro_batches();
     if micro_batches > 1 {
@@ -400,10 +405,10 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
             chunk: moved[i].chunk,
             src: state_of(i),
             dst: staged(i),
-            bytes: bytes_of(schedule, i),
+            bytes: bytes_of(i),
         });
         io.push(Instr::Record {
-            event: read_done(i),
+            event: tier.read_done(i),
         });
     };
     for i in 0..slots {
@@ -411,22 +416,17 @@ fn place(schedule: &mut Schedule, moved: &[Movable], slots: usize) {
     }
     for i in 0..moved.len() {
         io.push(Instr::Wait {
-            event: update_done(i),
+            event: tier.update_done(i),
         });
         io.push(Instr::DiskWrite {
             chunk: moved[i].chunk,
             src: staged(i),
             dst: state_of(i),
-            bytes: bytes_of(schedule, i),
+            bytes: bytes_of(i),
         });
         if i + slots < moved.len() {
             read(&mut io, i + slots);
         }
     }
-    schedule.streams.push(Stream {
-        name: "disk_io".into(),
-        kind: StreamKind::DiskIo,
-        instrs: io,
-    });
-    schedule.header.prediction.stream_busy_seconds.push(0.0);
+    io
 }

@@ -48,6 +48,71 @@ pub enum CompileError {
     /// The GPUs and nodes asked for do not fit the hardware profile's interconnect.
     #[error("{0}")]
     BadTopology(String),
+    /// A topology of no ranks: a count of GPUs per node or of nodes is 0.
+    #[error("{gpus} GPUs per node and {nodes} nodes: both must be at least 1")]
+    NoRanks {
+        /// GPUs per node asked for.
+        gpus: u32,
+        /// Nodes asked for.
+        nodes: u32,
+    },
+    /// More GPUs per node than the hardware profile's node has.
+    #[error("{gpus} GPUs per node is more than the {per_node} GPUs of one {hardware} node")]
+    TooManyGpus {
+        /// GPUs per node asked for.
+        gpus: u32,
+        /// GPUs of one node of the profile.
+        per_node: u32,
+        /// The profile's name.
+        hardware: String,
+    },
+    /// A step of no micro-batches.
+    #[error("0 micro-batches per step: a step takes at least one")]
+    NoMicroBatches,
+    /// A forward-only (evaluation) compilation for several ranks.
+    #[error(
+        "{gpus} GPUs per node on {nodes} nodes for a forward-only schedule: evaluation runs          on one rank"
+    )]
+    ForwardOnlyRanks {
+        /// GPUs per node asked for.
+        gpus: u32,
+        /// Nodes asked for.
+        nodes: u32,
+    },
+    /// A forward-only (evaluation) compilation with gradient accumulation.
+    #[error(
+        "{micro_batches} micro-batches per step for a forward-only schedule: accumulation          splits a training step, and a forward-only schedule has none"
+    )]
+    ForwardOnlyAccumulation {
+        /// Micro-batches per step asked for.
+        micro_batches: u64,
+    },
+    /// A training graph whose loss gradient is scaled for a number of micro-batches the
+    /// ranks cannot share evenly.
+    #[error(
+        "the loss gradient is scaled for {micro_batches} micro-batches, which {ranks} ranks \
+         cannot share; scale it for ranks x micro-batches per rank"
+    )]
+    UnevenMicroBatches {
+        /// Micro-batches the loss gradient is scaled for.
+        micro_batches: u64,
+        /// Ranks.
+        ranks: u64,
+    },
+    /// A policy given whose exact arena is over the device budget.
+    #[error(
+        "policy {policy} needs {} of device memory, more than the {} of device memory per GPU",
+        format_bytes(*need),
+        format_bytes(*budget)
+    )]
+    PolicyOverDevice {
+        /// The policy, in its text form.
+        policy: String,
+        /// Bytes of its arena.
+        need: u64,
+        /// Device bytes allowed per GPU.
+        budget: u64,
+    },
     /// The compile would take more memory than the machine has available
     /// ([`crate::pipeline::check_compile_memory`]).
     #[error(

@@ -451,31 +451,26 @@ fn clip_scalar(graph: &Graph, timeline: &Timeline, copies: &mut Vec<Copy>) -> Op
 /// after it; the rank orders the ops of one place.
 type Position = (u64, u64);
 
-/// Rebuilds the graph in program order with the movement ops in place: each copy's start
-/// right after the kernel it follows (a gather's after its slot's release), its done right
-/// before the kernel that needs it (or after the last kernel when it cannot be earlier);
-/// each release right after its chunk's last reader in the slot. Ops in one place keep the
-/// order the copies were decided in.
-#[allow(clippy::too_many_arguments)]
-fn rebuild(
-    compute: &Graph,
-    chunks: &ChunkTable,
+/// One op of the placed graph in program order: a compute kernel, a copy's start or done,
+/// or a chunk slot's release (by tenancy).
+#[derive(Clone, Copy)]
+enum Item {
+    Kernel(OpId),
+    Start(usize),
+    Done(usize),
+    Release(usize),
+}
+
+/// The placed graph's ops in program order: each copy's start right after the kernel it
+/// follows (releases first, then starts), its done right before the kernel that needs it (or
+/// after the last kernel when the copy starts there); each release right after its chunk's
+/// last reader in the slot; the host kernels after every device one.
+fn program_order(
     timeline: &Timeline,
     copies: &[Copy],
     tenancies: &[Tenancy],
-    slot_at: &SlotAt,
-    grad_copy: &HashMap<ValueId, usize>,
-    swap_copy: &HashMap<ValueId, (usize, usize)>,
-    scalar_copy: Option<usize>,
-) -> Result<(Graph, Lowering)> {
+) -> Vec<(Position, Item)> {
     let n = copies.len() as u64;
-    #[derive(Clone, Copy)]
-    enum Item {
-        Kernel(OpId),
-        Start(usize),
-        Done(usize),
-        Release(usize),
-    }
     let before = |t: u32| 2 * u64::from(t) + 1;
     let after = |t: Option<u32>| t.map_or(0, |t| 2 * u64::from(t) + 2);
     let mut items: Vec<(Position, Item)> = Vec::new();
@@ -500,6 +495,27 @@ fn rebuild(
         items.push((done, Item::Done(i)));
     }
     items.sort_by_key(|&(p, _)| p);
+    items
+}
+
+/// Rebuilds the graph in program order with the movement ops in place: each copy's start
+/// right after the kernel it follows (a gather's after its slot's release), its done right
+/// before the kernel that needs it (or after the last kernel when it cannot be earlier);
+/// each release right after its chunk's last reader in the slot. Ops in one place keep the
+/// order the copies were decided in.
+#[allow(clippy::too_many_arguments)]
+fn rebuild(
+    compute: &Graph,
+    chunks: &ChunkTable,
+    timeline: &Timeline,
+    copies: &[Copy],
+    tenancies: &[Tenancy],
+    slot_at: &SlotAt,
+    grad_copy: &HashMap<ValueId, usize>,
+    swap_copy: &HashMap<ValueId, (usize, usize)>,
+    scalar_copy: Option<usize>,
+) -> Result<(Graph, Lowering)> {
+    let items = program_order(timeline, copies, tenancies);
 
     let (mut graph, skeleton) = compute.skeleton();
     // One op per item; the compute graph's values and each copy's outputs at its start and
@@ -626,6 +642,22 @@ fn rebuild(
     for &v in compute.outputs() {
         graph.add_output(placed(&map, v));
     }
+    let lowering = lowering_of(&graph, &map, copies, &started, &done, op_origin);
+    Ok((graph, lowering))
+}
+
+/// Where each op and value of the placed `graph` comes from: `ops`, each op's compute op
+/// (none for a movement op); each value's compute value, or for a copy's outputs its
+/// source. `map` is each compute value's placed value, `started` and `done` each copy's
+/// outputs at its start and its done.
+fn lowering_of(
+    graph: &Graph,
+    map: &[Option<ValueId>],
+    copies: &[Copy],
+    started: &[Vec<ValueId>],
+    done: &[Vec<ValueId>],
+    ops: Vec<Option<OpId>>,
+) -> Lowering {
     let mut origin: Vec<Option<ValueId>> = vec![None; graph.values().len()];
     for (old, new) in map.iter().enumerate() {
         if let Some(new) = new {
@@ -642,11 +674,7 @@ fn rebuild(
         .into_iter()
         .map(|v| v.expect("every placed value is a compute value or a copy of one"))
         .collect();
-    let lowering = Lowering {
-        ops: op_origin,
-        values,
-    };
-    Ok((graph, lowering))
+    Lowering { ops, values }
 }
 
 /// What a copy's name adds to its source's: where the copy is.

@@ -11,31 +11,30 @@
 //!
 //! [`Context`] owns a compilation: it builds the model's forward graph and runs each pass in
 //! turn, verifying the graph after every pass, keeping each stage's product so that a caller
-//! (`protrain dump`) can stop at any stage and print it. `search` runs `place..emit` for many
-//! policies through [`compile_policy`]. The free functions below run one stage each, with
-//! the verifier, for tests and tools that assemble stages themselves.
+//! (`protrain dump`) can stop at any stage and print it. Lowering one policy (`place..shard`)
+//! is [`crate::lower`], which the searches also run for every candidate. The free functions
+//! below run one stage each, with the verifier, for tests and tools that assemble stages
+//! themselves.
 
-use crate::accumulate::{accumulate_micro_batches, scale_loss_gradient};
+use crate::accumulate::scale_loss_gradient;
 use crate::autodiff::{autodiff, OptimizerConfig};
 use crate::chunk::chunk;
 use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
-use crate::data_parallel::data_parallel;
-use crate::emit::{emit, HeaderInputs};
+use crate::emit::HeaderInputs;
 use crate::error::{per_rank, rank_budget, CompileError, Result};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
+pub use crate::lower::{compile_policy, compile_policy_on};
+use crate::lower::{lower_within, HostBudgets};
 use crate::place::{place, Placed};
-use crate::plan::plan_buffers;
 use crate::search::{search, SearchOptions, SearchReport};
 use crate::search_forward::search_forward;
-use crate::shard::shard;
 use crate::simulate::{simulate, Simulation};
-use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
-use protrain_ir::verify_schedule::{verify, verify_schedule, VerifiedSchedule};
+use protrain_ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain_ir::{
     format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile,
-    HostLayout, IrError, Policy, PolicySpec, Schedule,
+    HostLayout, IrError, PolicySpec,
 };
 use protrain_models::{build_forward, BuildOptions, ModelConfig};
 use std::time::Instant;
@@ -251,18 +250,15 @@ impl<'m> Context<'m> {
             let ranks = self.options.topology.ranks();
             let training = if self.options.forward_only {
                 if ranks > 1 {
-                    return Err(CompileError::BadTopology(format!(
-                        "--gpus {} --nodes {} with --forward-only: evaluation runs on one rank; \
-                         drop --gpus and --nodes",
-                        self.options.topology.gpus, self.options.topology.nodes
-                    )));
+                    return Err(CompileError::ForwardOnlyRanks {
+                        gpus: self.options.topology.gpus,
+                        nodes: self.options.topology.nodes,
+                    });
                 }
                 if self.options.micro_batches > 1 {
-                    return Err(CompileError::BadOptimizer(format!(
-                        "--grad-accum {} with --forward-only: accumulation splits a training \
-                         step, and a forward-only schedule has none; drop one of the two",
-                        self.options.micro_batches
-                    )));
+                    return Err(CompileError::ForwardOnlyAccumulation {
+                        micro_batches: self.options.micro_batches,
+                    });
                 }
                 fused.clone()
             } else {
@@ -409,16 +405,19 @@ impl<'m> Context<'m> {
                     host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
                 };
-                let s = compile_policy_on(training, chunks, &policy, header, options.topology)?;
-                let mut s = crate::disk::disk(s, host_budget, disk_budget).map_err(&shared)?;
+                let budgets = HostBudgets {
+                    host: host_budget,
+                    disk: disk_budget,
+                };
+                let mut s =
+                    lower_within(training, chunks, &policy, header, options.topology, budgets)
+                        .map_err(&shared)?;
                 if s.arena_bytes > device_budget {
-                    return Err(CompileError::BudgetTooSmall(format!(
-                        "policy {policy} needs {} of device memory, more than the {} of device \
-                         memory per GPU (--gpu-memory); use --policy auto or a larger \
-                         --gpu-memory",
-                        format_bytes(s.arena_bytes),
-                        format_bytes(device_budget)
-                    )));
+                    return Err(CompileError::PolicyOverDevice {
+                        policy: policy.to_string(),
+                        need: s.arena_bytes,
+                        budget: device_budget,
+                    });
                 }
                 if s.host_bytes > host_budget {
                     let mut ways = vec!["--policy auto", "a larger --host-memory"];
@@ -597,73 +596,4 @@ pub fn training_graph(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Gr
 /// Chunks a training graph's parameters (one rank).
 pub fn chunked(training: &Graph) -> ChunkTable {
     chunk(training, 1)
-}
-
-/// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
-/// when the graph's loss gradient is scaled for several micro-batches. The placed graph
-/// is verified after placement and, in tests and debug builds, validated against the training
-/// graph with an e-graph, and the schedule verified after emission. It returns the schedule
-/// unverified in release builds: the search compiles many candidates and verifies only the
-/// one it keeps ([`Context`] does that); its step time is left for the simulator.
-pub fn compile_policy(
-    training: &Graph,
-    chunks: &ChunkTable,
-    policy: &Policy,
-    header: HeaderInputs,
-) -> Result<Schedule> {
-    compile_policy_on(training, chunks, policy, header, Topology::SINGLE)
-}
-
-/// [`compile_policy`] for the ranks of `topology`: the schedule every rank runs, with its
-/// gradients summed over the ranks ([`data_parallel`], the last pass). The training graph's
-/// loss gradient must be scaled for `ranks x K` micro-batches ([`scale_loss_gradient`]); each
-/// rank accumulates `K` of them.
-pub fn compile_policy_on(
-    training: &Graph,
-    chunks: &ChunkTable,
-    policy: &Policy,
-    header: HeaderInputs,
-    topology: Topology,
-) -> Result<Schedule> {
-    let ranks = u64::from(topology.ranks().max(1));
-    let global = training.micro_batches();
-    if !global.is_multiple_of(ranks) {
-        return Err(CompileError::BadTopology(format!(
-            "the loss gradient is scaled for {global} micro-batches, which {ranks} ranks cannot \
-             share; scale it for ranks x --grad-accum"
-        )));
-    }
-    // Offloaded chunks are sharded over the ranks where the schedule allows it
-    // ([`crate::shard`]); the chunk table says so to the passes that lay out their homes.
-    let sharded_chunks;
-    let chunks = match crate::shard::shardable(chunks, topology) {
-        Ok(()) => {
-            sharded_chunks = crate::shard::sharded_table(chunks, topology.ranks());
-            &sharded_chunks
-        }
-        Err(_) => chunks,
-    };
-    let placed = place(training, chunks, policy)?;
-    verify_graph(&placed.graph)?;
-    if cfg!(debug_assertions) {
-        let miswired = crate::validate::check_gathers(&placed.graph, chunks);
-        if !miswired.is_empty() {
-            return Err(CompileError::Validation(miswired.join("; ")));
-        }
-        let v = crate::validate::validate(training, &placed.graph);
-        if !v.holds() {
-            return Err(CompileError::Validation(format!(
-                "placement under {policy} changed {}",
-                v.differing.join(", ")
-            )));
-        }
-    }
-    let mut streamed = streams(placed)?;
-    let planned = plan_buffers(&mut streamed);
-    let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
-    let schedule = shard(data_parallel(schedule, topology)?)?;
-    if cfg!(debug_assertions) {
-        verify_schedule(&schedule)?;
-    }
-    Ok(schedule)
 }

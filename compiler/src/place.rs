@@ -45,6 +45,41 @@ pub struct Placed {
 /// Fails when the policy names more blocks than the model has layers, more persistent chunks
 /// than there are, or too few chunk buffers to stream the others.
 pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<Placed> {
+    check_policy(training, chunks, policy)?;
+    let (read_backward, boundary) = forward_reads(training);
+    let mode_of = |op: OpId| -> BlockMode {
+        match training.block(training.op(op).block).kind {
+            BlockKind::Layer(i) => policy.blocks[i as usize],
+            _ => BlockMode::Keep,
+        }
+    };
+    let mut swapped_old = BTreeSet::new();
+    for (id, op) in training.ops().filter(|(_, op)| op.phase == Phase::Forward) {
+        if mode_of(id) == BlockMode::Swap {
+            swapped_old.extend(
+                op.outputs
+                    .iter()
+                    .filter(|v| read_backward.contains(v) && !boundary.contains(v)),
+            );
+        }
+    }
+    let order = compute_order(training, chunks, policy, &boundary);
+    let (compute, map) = rebuild(training, &order)?;
+    let swapped = swapped_old.iter().map(|v| map[v]).collect();
+    let (graph, lowering) = insert_movement(&compute, chunks, policy, &swapped)?;
+    Ok(Placed {
+        graph,
+        compute,
+        lowering,
+        policy: policy.clone(),
+        chunks: chunks.clone(),
+        host_layout: policy.host_layout,
+    })
+}
+
+/// Fails when `policy` does not fit the graph: a block mode per layer, no more persistent
+/// chunks than there are, and a chunk buffer where any chunk is streamed.
+fn check_policy(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<()> {
     let layers = training
         .blocks()
         .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
@@ -66,15 +101,12 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
     if (policy.n_persist as usize) < chunks.len() && policy.n_buffer == 0 {
         return bad("streaming chunks needs at least one chunk buffer (n_buffer >= 1)".into());
     }
-    let mode_of = |op: OpId| -> BlockMode {
-        match training.block(training.op(op).block).kind {
-            BlockKind::Layer(i) => policy.blocks[i as usize],
-            _ => BlockMode::Keep,
-        }
-    };
+    Ok(())
+}
 
-    // Which forward values the backward pass reads, and which cross a block boundary in the
-    // forward pass (the block's output, which is its checkpoint and is always kept).
+/// Which forward values the backward pass reads, and which cross a block boundary in the
+/// forward pass (the block's output, which is its checkpoint and is always kept).
+fn forward_reads(training: &Graph) -> (BTreeSet<ValueId>, BTreeSet<ValueId>) {
     let mut read_backward: BTreeSet<ValueId> = BTreeSet::new();
     let mut boundary: BTreeSet<ValueId> = BTreeSet::new();
     for (_, op) in training.ops() {
@@ -97,17 +129,21 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
             }
         }
     }
-    let mut swapped_old = BTreeSet::new();
-    for (id, op) in training.ops().filter(|(_, op)| op.phase == Phase::Forward) {
-        if mode_of(id) == BlockMode::Swap {
-            swapped_old.extend(
-                op.outputs
-                    .iter()
-                    .filter(|v| read_backward.contains(v) && !boundary.contains(v)),
-            );
-        }
-    }
+    (read_backward, boundary)
+}
 
+/// The compute order, each op with whether it is a recompute clone: the forward pass; the
+/// backward pass with each checkpointed block's forward ops (all but those whose outputs all
+/// cross the block boundary) cloned before its first backward op; each gradient's squared
+/// norm and each persistent parameter's AdamW (without clipping) right after the op that
+/// completes the gradient; then the device tail (clip coefficient, persistent AdamW under
+/// clipping) and the host AdamW ops in the order their gradients complete.
+fn compute_order(
+    training: &Graph,
+    chunks: &ChunkTable,
+    policy: &Policy,
+    boundary: &BTreeSet<ValueId>,
+) -> Vec<(OpId, bool)> {
     // The op that completes each parameter's gradient, and the ops that must follow it.
     let persistent = |value: ValueId| -> bool {
         let p = training.param_of(value).expect("AdamW updates a parameter");
@@ -177,7 +213,15 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         order.iter().filter(|(_, clone)| !clone).count(),
         training.op_count()
     );
+    order
+}
 
+/// Rebuilds the graph with every op of `order` once, a clone reading clones where they
+/// exist; returns it with the map from the training graph's values to the new ones.
+fn rebuild(
+    training: &Graph,
+    order: &[(OpId, bool)],
+) -> Result<(Graph, std::collections::HashMap<ValueId, ValueId>)> {
     // Rebuild: every op in `order` once, with the training graph's values and about one
     // more per recompute clone (room to start with, not a limit).
     let (mut graph, mut map) = training.skeleton();
@@ -191,7 +235,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
             map.insert(id, graph.add_state(value.name.clone(), value.ty.clone()));
         }
     }
-    for &(old, is_clone) in &order {
+    for &(old, is_clone) in order {
         let op = training.op(old);
         let inputs: Vec<ValueId> = op
             .inputs
@@ -231,15 +275,5 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
     for &v in training.outputs() {
         graph.add_output(map[&v]);
     }
-    let swapped = swapped_old.iter().map(|v| map[v]).collect();
-    let compute = graph;
-    let (graph, lowering) = insert_movement(&compute, chunks, policy, &swapped)?;
-    Ok(Placed {
-        graph,
-        compute,
-        lowering,
-        policy: policy.clone(),
-        chunks: chunks.clone(),
-        host_layout: policy.host_layout,
-    })
+    Ok((graph, map))
 }

@@ -1,6 +1,6 @@
 //! Fixed-address memory planning: one arena offset per buffer, chosen before the run.
 
-use protrain_ir::{format_bytes, BufferId};
+use protrain_ir::{format_bytes, Buffer, BufferId, BufferKind, Schedule, Space};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -1409,4 +1409,91 @@ pub struct Planned {
     pub memory: protrain_ir::MemoryBreakdown,
     /// The ordering whose arena was kept.
     pub strategy: Strategy,
+}
+
+/// Alignment of each buffer in the disk region: a page, so that reads and writes could go
+/// around the page cache (`O_DIRECT`) without copying.
+pub const DISK_ALIGN: u64 = 4096;
+
+/// `bytes` rounded up to [`BUFFER_ALIGN`]: where the next buffer after `bytes` starts.
+pub fn aligned(bytes: u64) -> u64 {
+    bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
+}
+
+/// Places a buffer that a pass after emission adds ([`crate::accumulate`]'s accumulators and
+/// host scratch, [`crate::disk`]'s staging buffers): at the end of `space`, at the next
+/// multiple of [`BUFFER_ALIGN`], growing the space by it. Such a buffer lives the whole step,
+/// so it overlaps nothing there and the exact peak grows by exactly its bytes; placing it at
+/// the end keeps every offset [`plan_buffers`] gave. Returns its id.
+pub fn append_buffer(
+    schedule: &mut Schedule,
+    name: &str,
+    space: Space,
+    kind: BufferKind,
+    size: u64,
+) -> BufferId {
+    let end = match space {
+        Space::Device => &mut schedule.arena_bytes,
+        Space::Host => &mut schedule.host_bytes,
+        Space::Disk => &mut schedule.disk_bytes,
+    };
+    let offset = aligned(*end);
+    *end = offset + size;
+    schedule.buffers.push(Buffer {
+        name: name.into(),
+        space,
+        offset,
+        size,
+        kind,
+    });
+    BufferId::new(schedule.buffers.len() - 1)
+}
+
+/// The bytes of a disk region holding buffers of `sizes`, in that order, each at the next
+/// multiple of [`DISK_ALIGN`] (as [`move_to_disk`] lays them out).
+pub fn disk_region_bytes(sizes: impl IntoIterator<Item = u64>) -> u64 {
+    sizes.into_iter().fold(0u64, |end, size| {
+        end.div_ceil(DISK_ALIGN) * DISK_ALIGN + size
+    })
+}
+
+/// The bytes of `schedule`'s host region laid out again without the buffers `moved` and with
+/// buffers of `added` sizes appended, as [`move_to_disk`] and [`append_buffer`] would lay it
+/// out: for the disk tier to weigh a choice before it makes it.
+pub fn host_bytes_after(schedule: &Schedule, moved: &[BufferId], added: &[u64]) -> u64 {
+    let kept = schedule
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|&(i, b)| b.space == Space::Host && !moved.contains(&BufferId::new(i)))
+        .map(|(_, b)| b.size);
+    kept.chain(added.iter().copied())
+        .fold(0u64, |end, size| aligned(end) + size)
+}
+
+/// Moves the buffers `moved` (host buffers, in this order) to the disk region, each at the next
+/// multiple of [`DISK_ALIGN`], and lays the host region out again without them, its buffers
+/// back to back in the order of their offsets, each at the next multiple of [`BUFFER_ALIGN`].
+/// Sets [`Schedule::disk_bytes`] and [`Schedule::host_bytes`] (the end of the last buffer). For
+/// [`crate::disk`], which then appends its staging buffers ([`append_buffer`]).
+pub fn move_to_disk(schedule: &mut Schedule, moved: &[BufferId]) {
+    let mut disk = 0u64;
+    for &m in moved {
+        let b = &mut schedule.buffers[m.index()];
+        b.space = Space::Disk;
+        b.offset = disk.div_ceil(DISK_ALIGN) * DISK_ALIGN;
+        disk = b.offset + b.size;
+    }
+    schedule.disk_bytes = disk;
+    let mut host: Vec<usize> = (0..schedule.buffers.len())
+        .filter(|&i| schedule.buffers[i].space == Space::Host)
+        .collect();
+    host.sort_by_key(|&i| schedule.buffers[i].offset);
+    let mut end = 0u64;
+    for i in host {
+        let b = &mut schedule.buffers[i];
+        b.offset = aligned(end);
+        end = b.offset + b.size;
+    }
+    schedule.host_bytes = end;
 }

@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
-use crate::pipeline::compile_policy_on;
+use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
     format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MemoryBreakdown, OpKind,
@@ -55,6 +55,16 @@ pub struct SearchOptions {
     pub model: String,
     /// The ranks every candidate runs on ([`Topology::SINGLE`] for one GPU).
     pub topology: Topology,
+}
+
+impl SearchOptions {
+    /// The host and disk budgets, for the disk tier ([`crate::lower::disk_tier`]).
+    pub fn host_budgets(&self) -> HostBudgets {
+        HostBudgets {
+            host: self.host_budget,
+            disk: self.disk_budget,
+        }
+    }
 }
 
 /// One fully compiled candidate.
@@ -234,24 +244,26 @@ struct Profile {
     head_bytes: u64,
 }
 
-impl Profile {
-    /// The profile of `training` on `topology`'s ranks. Where they shard the offloaded chunks
-    /// ([`crate::shard::shardable`]), each rank uploads, offloads and updates its `1/W` slice
-    /// of a streamed chunk, and the chunk's all-gather (before use) and its gradients'
-    /// reduce-scatter (an all-reduce when the update reads the global norm) are priced with
-    /// those copies, as the schedule runs them one after the other. It does not price the
-    /// all-reduces of persistent (replicated) chunks' gradients.
-    fn new(
-        training: &Graph,
-        chunks: &ChunkTable,
-        cost: &dyn CostModel,
-        topology: Topology,
-    ) -> Self {
+/// What one walk over a training graph's forward and backward ops finds, in seconds and
+/// bytes, for [`Profile::new`].
+struct OpWalk {
+    /// Per chunk: forward and backward compute of the ops that read it (an op without a
+    /// parameter is charged to the chunk of the last op with one).
+    chunk_forward: Vec<f64>,
+    chunk_backward: Vec<f64>,
+    /// Per layer: its forward time, the chunk that most of its forward ops read, the bytes
+    /// of its activations the backward pass reads, and the bytes of its input.
+    layer_forward: Vec<f64>,
+    layer_chunk: Vec<usize>,
+    layer_saved: Vec<u64>,
+    layer_input: Vec<u64>,
+    /// Bytes live outside the layers at the peak (embeddings, logits and their gradient).
+    head_bytes: u64,
+}
+
+impl OpWalk {
+    fn new(training: &Graph, chunks: &ChunkTable, cost: &dyn CostModel, layers: usize) -> Self {
         let n = chunks.len();
-        let layers = training
-            .blocks()
-            .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
-            .count();
         let layer_of = |block: protrain_ir::BlockId| match training.block(block).kind {
             BlockKind::Layer(i) if (i as usize) < layers => Some(i as usize),
             _ => None,
@@ -331,6 +343,44 @@ impl Profile {
                     .map_or(0, |(&c, _)| c)
             })
             .collect();
+        Self {
+            chunk_forward,
+            chunk_backward,
+            layer_forward,
+            layer_chunk,
+            layer_saved,
+            layer_input,
+            head_bytes,
+        }
+    }
+}
+
+impl Profile {
+    /// The profile of `training` on `topology`'s ranks. Where they shard the offloaded chunks
+    /// ([`crate::shard::shardable`]), each rank uploads, offloads and updates its `1/W` slice
+    /// of a streamed chunk, and the chunk's all-gather (before use) and its gradients'
+    /// reduce-scatter (an all-reduce when the update reads the global norm) are priced with
+    /// those copies, as the schedule runs them one after the other. It does not price the
+    /// all-reduces of persistent (replicated) chunks' gradients.
+    fn new(
+        training: &Graph,
+        chunks: &ChunkTable,
+        cost: &dyn CostModel,
+        topology: Topology,
+    ) -> Self {
+        let layers = training
+            .blocks()
+            .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
+            .count();
+        let OpWalk {
+            chunk_forward,
+            chunk_backward,
+            layer_forward,
+            layer_chunk,
+            layer_saved,
+            layer_input,
+            head_bytes,
+        } = OpWalk::new(training, chunks, cost, layers);
         let chunk_bytes: Vec<u64> = chunks.chunks.iter().map(|c| c.used_bytes).collect();
         let chunk_elems: Vec<u64> = chunks
             .chunks
@@ -1312,7 +1362,7 @@ pub fn search(
         .saturating_add(options.device_budget / 4);
     let mut sorted_bytes: Vec<u64> = layouts.iter().map(|l| l.bytes).collect();
     sorted_bytes.par_sort_unstable();
-    let mut report = SearchReport {
+    let report = SearchReport {
         enumerated: estimator.policy_count(layouts.len()),
         layouts: layouts.len(),
         rejected_estimate: estimator.count_over(&sorted_bytes, slack),
@@ -1345,79 +1395,49 @@ pub fn search(
     // rejected without compiling it (a search that fails takes no longer than one that fits).
     let floor = offloaded_state_floor(training, chunks, options.topology.ranks());
     let host_and_disk = options.host_budget.saturating_add(options.disk_budget);
+    // Whether the parameters are narrower than their f32 master weights: only then can
+    // gradients live in the parameter storage.
+    let narrow = crate::streams::state_bytes_per_element(training) == 12;
     if floor[0] > host_and_disk.saturating_add(options.device_budget) {
-        let narrow = crate::streams::state_bytes_per_element(training) == 12;
         let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
-        return Err(too_small(
+        let asked = Asked {
             training,
             chunks,
-            &profile,
+            profile: &profile,
             options,
-            &report,
-            None,
-            probe.as_ref(),
-        ));
+        };
+        return Err(too_small(asked, &report, None, probe.as_ref()));
     }
 
-    // The fitting candidates within the tie tolerance of the fastest so far, with their
-    // schedules; the winner is chosen among them at the end.
-    let mut contenders: Vec<(Candidate, Schedule)> = Vec::new();
     // Two passes, each in batches of `COMPILE_BATCH` compiled in parallel, until four candidates fit:
     // 1. the fastest by estimate, skipping those whose estimated bytes, corrected by how the
-    //    estimate compared with the exact plans so far (the median ratio; 0.8 before any, so a
-    //    25% over-estimate still gets through), exceed the budget, or whose estimated bytes
-    //    less the largest over-count so far exceed it (see `additive_limit`);
+    //    estimate compared with the exact plans so far (see `Contest::limit`), exceed the
+    //    budget;
     // 2. if none of those fit, the leanest by estimate.
     // Both walk the policies whose estimated bytes are within `slack`, in their order.
     let listed = options.max_compiled.max(COMPILE_BATCH) + COMPILE_BATCH;
     let mut fastest = Stream::<Fastest>::new(&estimator, &layouts, listed);
     let mut leanest = Stream::<Leanest>::new(&estimator, &layouts, listed);
-    let mut ratios: Vec<f64> = Vec::new();
-    // The most any compiled candidate's estimate over-counted its exact arena (negative if
-    // every estimate fell short); `None` before any.
-    let mut over_count: Option<i128> = None;
-    // Whether the parameters are narrower than their f32 master weights: only then can
-    // gradients live in the parameter storage.
-    let narrow = crate::streams::state_bytes_per_element(training) == 12;
-    // The candidate that fits the device with the least host memory, when none fits both.
-    let mut best_trade: Option<Candidate> = None;
-    // The policy that needs the least host memory, once asked for (see `host_leanest`).
-    let mut host_probe: Option<Option<(Policy, u64)>> = None;
+    let mut contest = Contest::new(report);
     let mut pass = 1;
     let mut compiled_in_pass = 0;
     loop {
-        if !contenders.is_empty()
-            && (report.compiled.len() >= 4 || compiled_in_pass >= options.max_compiled)
+        if !contest.contenders.is_empty()
+            && (contest.report.compiled.len() >= 4 || compiled_in_pass >= options.max_compiled)
         {
             break;
         }
-        let correction = match ratios.len() {
-            0 => 0.8,
-            n => {
-                let mut sorted = ratios.clone();
-                sorted.sort_by(f64::total_cmp);
-                sorted[n / 2]
-            }
-        };
-        let limit = slack
-            .min(corrected_limit(correction, options.device_budget))
-            .min(additive_limit(over_count, options.device_budget));
         let mut batch = Vec::with_capacity(COMPILE_BATCH);
         if compiled_in_pass < options.max_compiled {
-            while batch.len() < COMPILE_BATCH {
-                let next = if pass == 1 {
-                    fastest.next(limit)
-                } else {
-                    leanest.next(slack)
-                };
-                match next {
-                    Some(x) => batch.push(x),
-                    None => break,
-                }
-            }
+            let limit = contest.limit(slack, options.device_budget);
+            let mut next = || match pass {
+                1 => fastest.next(limit),
+                _ => leanest.next(slack),
+            };
+            batch.extend(std::iter::from_fn(&mut next).take(COMPILE_BATCH));
         }
         if batch.is_empty() {
-            if !contenders.is_empty() || pass == 2 {
+            if !contest.contenders.is_empty() || pass == 2 {
                 break;
             }
             pass = 2;
@@ -1431,151 +1451,30 @@ pub fn search(
                 .get(x.key.n_persist as usize)
                 .is_none_or(|&f| f <= host_and_disk)
         });
-        report.rejected_host += before - batch.len();
+        contest.report.rejected_host += before - batch.len();
         let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
             .map(|x| {
                 let policy = x.key.policy(profile.layers);
-                let result = compile(&policy);
-                // Host memory binds: trade the gradients' host storage away (the 14-byte
-                // layout costs no copy and no time, so it is only taken where it is needed,
-                // and the schedules of every search that fits stay as they were).
-                let (policy, result) = match result {
-                    Ok(s)
-                        if narrow
-                            && s.arena_bytes <= options.device_budget
-                            && s.host_bytes > options.host_budget =>
-                    {
-                        let lean = policy.with_layout(HostLayout::GradsInParams);
-                        match compile(&lean) {
-                            Ok(l) if l.host_bytes < s.host_bytes => (lean, Ok(l)),
-                            _ => (lean.with_layout(HostLayout::Full), Ok(s)),
-                        }
-                    }
-                    other => (policy, other),
-                };
-                // Host memory still binds: stage chunks (the 12-byte layout), as few as
-                // bring the host region within its budget, since each costs a cast per
-                // upload (see `stage_for`).
-                let (policy, result) = match result {
-                    Ok(s)
-                        if narrow
-                            && s.arena_bytes <= options.device_budget
-                            && s.host_bytes > options.host_budget =>
-                    {
-                        stage_for(&policy, s, options, chunks.chunk_bytes, compile)
-                    }
-                    other => (policy, other),
-                };
-                // Host memory still binds: the disk tier takes the optimizer state of the
-                // chunks it cannot hold (only then, so a search that fits is unchanged).
-                let result = match result {
-                    Ok(s)
-                        if options.disk_budget > 0
-                            && s.arena_bytes <= options.device_budget
-                            && s.host_bytes > options.host_budget =>
-                    {
-                        // Over host and disk both: kept as it was, rejected for host memory.
-                        match crate::disk::disk(s.clone(), options.host_budget, options.disk_budget)
-                        {
-                            Err(CompileError::BudgetTooSmall(_)) => Ok(s),
-                            other => other,
-                        }
-                    }
-                    other => other,
-                };
+                let (policy, result) =
+                    fit_host(policy, options, narrow, chunks.chunk_bytes, compile);
                 (policy, profile.seconds(x.ticks), x.bytes, result)
             })
             .collect();
         for (policy, estimate, estimated_bytes, result) in results {
-            let mut schedule = match result {
-                Ok(s) => s,
-                Err(CompileError::BadPolicy(_) | CompileError::TooFewBuffers { .. }) => {
-                    report.rejected_invalid += 1;
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            ratios.push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
-            let over = i128::from(estimated_bytes) - i128::from(schedule.arena_bytes);
-            over_count = Some(over_count.map_or(over, |o| o.max(over)));
-            // Over the device by its exact plan: nothing reads its step time, so it is not
-            // simulated (at depth most compiled candidates are).
-            if schedule.arena_bytes > options.device_budget {
-                report.rejected_exact += 1;
-                continue;
-            }
-            let sim = simulate_unverified(&schedule, cost)
-                .map_err(|e| CompileError::Simulation(e.to_string()))?;
-            schedule.header.prediction.step_seconds = sim.step_seconds;
-            schedule.header.prediction.stream_busy_seconds = sim.stream_busy_seconds.clone();
-            let fits_host = schedule.host_bytes <= options.host_budget;
-            if !fits_host {
-                report.rejected_host += 1;
-            }
-            let candidate = Candidate {
-                policy,
-                estimated_seconds: estimate,
-                simulated_seconds: sim.step_seconds,
-                peak_device_bytes: schedule.arena_bytes,
-                host_bytes: schedule.host_bytes,
-                disk_bytes: schedule.disk_bytes,
-                movement: movement_of(&schedule),
-                fits: fits_host,
-            };
-            if candidate.fits {
-                report.compiled.push(candidate.clone());
-                contenders.push((candidate, schedule));
-            } else if best_trade
-                .as_ref()
-                .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
-            {
-                best_trade = Some(candidate);
-            }
+            contest.admit(policy, estimate, estimated_bytes, result, cost, options)?;
         }
-        // Candidates fit the device and none the host: if the policy that needs the least
-        // host memory does not fit it either, nothing does (see `host_leanest`).
-        if contenders.is_empty() && best_trade.is_some() && host_probe.is_none() {
-            let probe = host_leanest(chunks.len(), profile.layers, options, narrow, compile);
-            let hopeless = probe
-                .as_ref()
-                .is_some_and(|&(_, host)| host > options.host_budget);
-            host_probe = Some(probe);
-            if hopeless {
-                break;
-            }
+        let probe = || host_leanest(chunks.len(), profile.layers, options, narrow, compile);
+        if contest.hopeless(probe, options.host_budget) {
+            break;
         }
-        // Only those that can still tie with the fastest are kept (schedules are large).
-        let fastest = contenders
-            .iter()
-            .map(|(c, _)| c.simulated_seconds)
-            .fold(f64::INFINITY, f64::min);
-        contenders.retain(|(c, _)| ties(c.simulated_seconds, fastest));
+        contest.keep_ties();
     }
-    report.layouts_swept = fastest.swept + leanest.swept;
-    let fastest = fastest_of(&report.compiled);
+    contest.report.layouts_swept = fastest.swept + leanest.swept;
     // On the host backend the device arena and the host region are the same memory.
-    let one_memory = profile.cpu_shares_cores;
-    let rank = |a: &Candidate, b: &Candidate, fastest: f64| rank(a, b, fastest, one_memory);
-    let best = contenders
-        .into_iter()
-        .min_by(|(a, _), (b, _)| rank(a, b, fastest));
-    // Ties first in the winner's order (so the winner heads the report), then the rest,
-    // fastest first: the report reads the same for any thread count.
-    report.compiled.sort_by(|a, b| {
-        let tied = |c: &Candidate| ties(c.simulated_seconds, fastest);
-        match (tied(a), tied(b)) {
-            (true, true) => rank(a, b, fastest),
-            (true, false) => std::cmp::Ordering::Less,
-            (false, true) => std::cmp::Ordering::Greater,
-            (false, false) => a
-                .simulated_seconds
-                .total_cmp(&b.simulated_seconds)
-                .then_with(|| rank(a, b, fastest)),
-        }
-    });
+    let (best, report) = contest.rank(profile.cpu_shares_cores);
     match best {
-        Some((_, mut schedule)) => {
+        Some(mut schedule) => {
             schedule.header.report = report.to_text();
             schedule.header.device_budget_bytes = options.device_budget;
             schedule.header.host_budget_bytes = options.host_budget;
@@ -1585,15 +1484,224 @@ pub fn search(
             Ok((schedule, report))
         }
         None => Err(too_small(
-            training,
-            chunks,
-            &profile,
-            options,
+            Asked {
+                training,
+                chunks,
+                profile: &profile,
+                options,
+            },
             &report,
-            best_trade.as_ref(),
-            host_probe.flatten().as_ref(),
+            contest.best_trade.as_ref(),
+            contest.host_probe.flatten().as_ref(),
         )),
     }
+}
+
+/// The state of a search between batches: the report so far, the fitting candidates within
+/// the tie tolerance of the fastest so far with their schedules (the winner is chosen among
+/// them at the end), how the estimates compared with the exact plans, the candidate that
+/// fits the device with the least host memory when none fits both, and the policy that
+/// needs the least host memory once asked for (see [`host_leanest`]).
+struct Contest {
+    report: SearchReport,
+    contenders: Vec<(Candidate, Schedule)>,
+    /// Exact arena over estimated bytes, per compiled candidate.
+    ratios: Vec<f64>,
+    /// The most any compiled candidate's estimate over-counted its exact arena (negative if
+    /// every estimate fell short); `None` before any.
+    over_count: Option<i128>,
+    best_trade: Option<Candidate>,
+    host_probe: Option<Option<(Policy, u64)>>,
+}
+
+impl Contest {
+    fn new(report: SearchReport) -> Self {
+        Self {
+            report,
+            contenders: Vec::new(),
+            ratios: Vec::new(),
+            over_count: None,
+            best_trade: None,
+            host_probe: None,
+        }
+    }
+
+    /// The most estimated bytes a candidate of the fastest pass may have: within `slack`,
+    /// its estimate corrected by the median ratio of exact to estimated bytes so far (0.8
+    /// before any, so a 25% over-estimate still gets through) within the budget, and its
+    /// estimate less the largest over-count so far within it (see [`additive_limit`]).
+    fn limit(&self, slack: u64, device_budget: u64) -> u64 {
+        let correction = match self.ratios.len() {
+            0 => 0.8,
+            n => {
+                let mut sorted = self.ratios.clone();
+                sorted.sort_by(f64::total_cmp);
+                sorted[n / 2]
+            }
+        };
+        slack
+            .min(corrected_limit(correction, device_budget))
+            .min(additive_limit(self.over_count, device_budget))
+    }
+
+    /// Takes one compiled candidate: counts an invalid policy or one over the device by its
+    /// exact plan as rejected (unsimulated: nothing reads its step time), simulates the
+    /// rest, and keeps those that fit the host as contenders, else the best trade.
+    fn admit(
+        &mut self,
+        policy: Policy,
+        estimate: f64,
+        estimated_bytes: u64,
+        result: Result<Schedule>,
+        cost: &dyn CostModel,
+        options: &SearchOptions,
+    ) -> Result<()> {
+        let report = &mut self.report;
+        let mut schedule = match result {
+            Ok(s) => s,
+            Err(CompileError::BadPolicy(_) | CompileError::TooFewBuffers { .. }) => {
+                report.rejected_invalid += 1;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        self.ratios
+            .push(schedule.arena_bytes as f64 / estimated_bytes.max(1) as f64);
+        let over = i128::from(estimated_bytes) - i128::from(schedule.arena_bytes);
+        self.over_count = Some(self.over_count.map_or(over, |o| o.max(over)));
+        if schedule.arena_bytes > options.device_budget {
+            report.rejected_exact += 1;
+            return Ok(());
+        }
+        let sim = simulate_unverified(&schedule, cost)
+            .map_err(|e| CompileError::Simulation(e.to_string()))?;
+        schedule.header.prediction.step_seconds = sim.step_seconds;
+        schedule.header.prediction.stream_busy_seconds = sim.stream_busy_seconds.clone();
+        let fits_host = schedule.host_bytes <= options.host_budget;
+        if !fits_host {
+            report.rejected_host += 1;
+        }
+        let candidate = Candidate {
+            policy,
+            estimated_seconds: estimate,
+            simulated_seconds: sim.step_seconds,
+            peak_device_bytes: schedule.arena_bytes,
+            host_bytes: schedule.host_bytes,
+            disk_bytes: schedule.disk_bytes,
+            movement: movement_of(&schedule),
+            fits: fits_host,
+        };
+        if candidate.fits {
+            report.compiled.push(candidate.clone());
+            self.contenders.push((candidate, schedule));
+        } else if self
+            .best_trade
+            .as_ref()
+            .is_none_or(|b: &Candidate| candidate.host_bytes < b.host_bytes)
+        {
+            self.best_trade = Some(candidate);
+        }
+        Ok(())
+    }
+
+    /// Whether no policy can fit the host: where candidates fit the device and none the host,
+    /// asks once for the policy that needs the least host memory (`probe`, see
+    /// [`host_leanest`]); if that does not fit `host_budget` either, nothing does.
+    fn hopeless(
+        &mut self,
+        probe: impl FnOnce() -> Option<(Policy, u64)>,
+        host_budget: u64,
+    ) -> bool {
+        if !self.contenders.is_empty() || self.best_trade.is_none() || self.host_probe.is_some() {
+            return false;
+        }
+        let probe = probe();
+        let hopeless = probe.as_ref().is_some_and(|&(_, host)| host > host_budget);
+        self.host_probe = Some(probe);
+        hopeless
+    }
+
+    /// Keeps only the contenders that can still tie with the fastest (schedules are large).
+    fn keep_ties(&mut self) {
+        let fastest = self
+            .contenders
+            .iter()
+            .map(|(c, _)| c.simulated_seconds)
+            .fold(f64::INFINITY, f64::min);
+        self.contenders
+            .retain(|(c, _)| ties(c.simulated_seconds, fastest));
+    }
+
+    /// The winner's schedule, if any fits, and the report with its compiled candidates
+    /// sorted: ties first in the winner's order (so the winner heads the report), then the
+    /// rest, fastest first, so that the report reads the same for any thread count.
+    /// `one_memory`: the device arena and the host region are the same memory (the host
+    /// backend).
+    fn rank(&mut self, one_memory: bool) -> (Option<Schedule>, SearchReport) {
+        let mut report = std::mem::take(&mut self.report);
+        let fastest = fastest_of(&report.compiled);
+        let rank = |a: &Candidate, b: &Candidate, fastest: f64| rank(a, b, fastest, one_memory);
+        let best = std::mem::take(&mut self.contenders)
+            .into_iter()
+            .min_by(|(a, _), (b, _)| rank(a, b, fastest));
+        report.compiled.sort_by(|a, b| {
+            let tied = |c: &Candidate| ties(c.simulated_seconds, fastest);
+            match (tied(a), tied(b)) {
+                (true, true) => rank(a, b, fastest),
+                (true, false) => std::cmp::Ordering::Less,
+                (false, true) => std::cmp::Ordering::Greater,
+                (false, false) => a
+                    .simulated_seconds
+                    .total_cmp(&b.simulated_seconds)
+                    .then_with(|| rank(a, b, fastest)),
+            }
+        });
+        (best.map(|(_, s)| s), report)
+    }
+}
+
+/// Compiles `policy` and, where its schedule fits the device but not the host, repairs it
+/// in three stages, each taken only where host memory still binds (so the schedules of
+/// every search that fits stay as they were): gradients in the parameter storage (the
+/// 14-byte layout, which costs no copy and no time), then staged chunks (the 12-byte layout,
+/// as few as bring the host region within its budget, since each costs a cast per upload:
+/// see [`stage_for`]), then the disk tier ([`crate::lower::disk_tier`]) for the optimizer
+/// state host memory still cannot hold. Returns the policy as repaired and its schedule; a
+/// schedule over host and disk both is returned as it was, for the search to reject.
+fn fit_host(
+    policy: Policy,
+    options: &SearchOptions,
+    narrow: bool,
+    chunk_bytes: u64,
+    compile: impl Fn(&Policy) -> Result<Schedule>,
+) -> (Policy, Result<Schedule>) {
+    let binds =
+        |s: &Schedule| s.arena_bytes <= options.device_budget && s.host_bytes > options.host_budget;
+    let result = compile(&policy);
+    let (policy, result) = match result {
+        Ok(s) if narrow && binds(&s) => {
+            let lean = policy.with_layout(HostLayout::GradsInParams);
+            match compile(&lean) {
+                Ok(l) if l.host_bytes < s.host_bytes => (lean, Ok(l)),
+                _ => (lean.with_layout(HostLayout::Full), Ok(s)),
+            }
+        }
+        other => (policy, other),
+    };
+    let (policy, result) = match result {
+        Ok(s) if narrow && binds(&s) => stage_for(&policy, s, options, chunk_bytes, &compile),
+        other => (policy, other),
+    };
+    let result = match result {
+        Ok(s) if options.disk_budget > 0 && binds(&s) => {
+            match crate::lower::disk_tier(s.clone(), options.host_budgets()) {
+                Err(CompileError::BudgetTooSmall(_)) => Ok(s),
+                other => other,
+            }
+        }
+        other => other,
+    };
+    (policy, result)
 }
 
 /// The policy of the family that needs the least host memory among those that fit the
@@ -1648,7 +1756,7 @@ fn host_leanest(
             match crate::disk::least_host(&s) {
                 Some((h, disk)) if disk <= options.disk_budget => host = host.min(h),
                 _ => {
-                    if let Ok(d) = crate::disk::disk(s, options.host_budget, options.disk_budget) {
+                    if let Ok(d) = crate::lower::disk_tier(s, options.host_budgets()) {
                         host = host.min(d.host_bytes);
                     }
                 }
@@ -1868,167 +1976,222 @@ fn rank(a: &Candidate, b: &Candidate, fastest: f64, one_memory: bool) -> std::cm
         .then_with(|| a.policy.to_string().cmp(&b.policy.to_string()))
 }
 
+/// What a search was asked, for the error when nothing fits: the training graph, its chunks,
+/// their profile and the search's options.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    training: &'a Graph,
+    chunks: &'a ChunkTable,
+    profile: &'a Profile,
+    options: &'a SearchOptions,
+}
+
+impl Asked<'_> {
+    /// Compiles `policy` as the search compiles a candidate: no budget and no report in its
+    /// header.
+    fn compile(&self, policy: &Policy) -> Result<Schedule> {
+        let header = HeaderInputs {
+            model: self.options.model.clone(),
+            hardware: self.options.hardware.clone(),
+            device_budget_bytes: u64::MAX,
+            host_budget_bytes: u64::MAX,
+            report: String::new(),
+        };
+        compile_policy_on(
+            self.training,
+            self.chunks,
+            policy,
+            header,
+            self.options.topology,
+        )
+    }
+
+    /// Whether the parameters are narrower than their f32 master weights.
+    fn narrow(&self) -> bool {
+        crate::streams::state_bytes_per_element(self.training) == 12
+    }
+}
+
 /// The error for a budget nothing fits: compiles the leanest policy to say what it needs,
-/// and names the ways out with the figures that would fit. Budgets are quoted per GPU
-/// (device) and per rank (host, disk: the pipeline adds the node's figures where several
-/// ranks share a node), and the figures to give per node (`--host-memory` and
-/// `--disk-memory` are a node's, shared by its `gpus` ranks). `host_leanest` is the policy
-/// that needs the least host memory among those that fit the device, where the search
-/// found it ([`host_leanest`]): its need is the smallest `--host-memory` quoted.
+/// and names the ways out with the figures that would fit: [`host_too_small`] where the
+/// leanest fits the device but not the host, else [`device_too_small`]. `host_leanest` is
+/// the policy that needs the least host memory among those that fit the device, where the
+/// search found it ([`host_leanest`]).
 fn too_small(
-    training: &Graph,
-    chunks: &ChunkTable,
-    profile: &Profile,
-    options: &SearchOptions,
+    asked: Asked,
     report: &SearchReport,
     best_trade: Option<&Candidate>,
     host_leanest: Option<&(Policy, u64)>,
 ) -> CompileError {
-    let streamed = chunks.len() as u32;
-    let gpus = options.topology.gpus.max(1);
-    let node = |per_rank: u64| per_rank.saturating_mul(u64::from(gpus));
-    let narrow = crate::streams::state_bytes_per_element(training) == 12;
+    let streamed = asked.chunks.len() as u32;
     // Gradients in the parameter storage where the parameters are narrower than their f32
     // master weights (an f32 parameter is its own master, which the update reads).
     // Staged where it can be (one rank, no clipping or loss scaling), else 14 bytes.
-    let layout = match narrow {
+    let layout = match asked.narrow() {
         true => HostLayout::STAGED,
         false => HostLayout::Full,
     };
-    let lean = Policy::zero3_offload(streamed.clamp(1, 2), profile.layers).with_layout(layout);
-    let header = HeaderInputs {
-        model: options.model.clone(),
-        hardware: options.hardware.clone(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    };
-    let compile = |policy: &Policy| {
-        compile_policy_on(training, chunks, policy, header.clone(), options.topology)
-    };
-    // Staging needs one rank, no clipping and no loss scaling: where a schedule stages
-    // nothing, it is the 14-byte layout's, and its policy says so.
-    let shown =
-        |policy: &Policy, s: &Schedule| match (policy.host_layout, s.staged_chunks().is_empty()) {
-            (HostLayout::Staged { .. }, true) if narrow => {
-                policy.clone().with_layout(HostLayout::GradsInParams)
-            }
-            _ => policy.clone(),
-        };
-    let host_words =
-        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
-    match compile(&lean) {
+    let lean =
+        Policy::zero3_offload(streamed.clamp(1, 2), asked.profile.layers).with_layout(layout);
+    let options = asked.options;
+    match asked.compile(&lean) {
         Ok(s) if s.arena_bytes <= options.device_budget && s.host_bytes > options.host_budget => {
-            let lean = shown(&lean, &s);
-            // The least host memory any policy found needs beside a device within budget:
-            // the leanest, the best trade the search compiled, or the policy that needs the
-            // least ([`host_leanest`], the disk tier included where allowed).
-            let mut least = (lean.clone(), s.host_bytes);
-            if let Some(b) = best_trade {
-                if b.host_bytes < least.1 {
-                    least = (b.policy.clone(), b.host_bytes);
-                }
-            }
-            if let Some((p, host)) = host_leanest {
-                if *host < least.1 {
-                    least = (p.clone(), *host);
-                }
-            }
-            let (least_policy, least_host) = least;
-            let together = s.arena_bytes + s.host_bytes;
-            let needs = format!(
-                "no policy fits {host_words}; {} policies tried. Offloading keeps the model \
-                 states of every streamed chunk in host memory: the leanest policy on the \
-                 device ({lean}, {} bytes per parameter on the host) needs {} of host memory \
-                 beside {} of device memory, {} together, and keeping chunks on the device \
-                 moves their state there without lowering the sum; the least host memory \
-                 found beside a device within budget is {} ({least_policy}).",
-                report.enumerated,
-                lean.host_layout.number(),
-                format_bytes(s.host_bytes),
-                format_bytes(s.arena_bytes),
-                format_bytes(together),
-                format_bytes(least_host),
-            );
-            // More ranks on one node share its host memory, so only more nodes lower what
-            // each needs.
-            let nodes = "or shard the state over more machines (--nodes M with --gpus N: \
-                         offloaded chunks are sharded over all the ranks, so each node keeps \
-                         1/M of them; ranks on one node share its host memory, so more --gpus \
-                         alone do not lower it)";
-            let host_flag = match gpus {
-                1 => "--host-memory".to_string(),
-                n => format!("--host-memory (per node, for its {n} ranks)"),
-            };
-            if options.disk_budget > 0 {
-                // The least found includes the disk tier's help already.
-                return CompileError::BudgetTooSmall(format!(
-                    "{needs} That is with the disk tier ({}) taking the optimizer state it \
-                     can. Give {host_flag} at least {}, {nodes}",
-                    crate::error::rank_budget(options.disk_budget, gpus, "disk", "--disk-memory"),
-                    format_bytes(node(least_host)),
-                ));
-            }
-            // The disk tier takes the state of the 14-byte (or f32) layout's chunks; a
-            // staged chunk's stays on the host for its casts.
-            let for_disk = host_leanest.map_or(lean.clone(), |(p, _)| p.clone());
-            let with_disk = match narrow {
-                true => compile(&for_disk.with_layout(HostLayout::GradsInParams)).ok(),
-                false => compile(&for_disk).ok(),
-            }
-            .and_then(|d| crate::disk::least_host(&d));
-            match with_disk {
-                Some((host, disk)) if host < least_host => CompileError::BudgetTooSmall(format!(
-                    "{needs} Give {host_flag} at least {}; or --disk-memory at least {} (the \
-                     optimizer state of offloaded chunks in a file, read and written around \
-                     the CPU Adam), which brings the host memory needed down to {}; {nodes}",
-                    format_bytes(node(least_host)),
-                    format_bytes(node(disk)),
-                    format_bytes(node(host)),
-                )),
-                _ => CompileError::BudgetTooSmall(format!(
-                    "{needs} Give {host_flag} at least {}, {nodes}",
-                    format_bytes(node(least_host)),
-                )),
-            }
+            host_too_small(asked, report, &lean, &s, best_trade, host_leanest)
         }
-        Ok(s) => {
-            let m: MemoryBreakdown = s.header.prediction.memory;
-            let host = if s.host_bytes > options.host_budget {
-                format!(
-                    "; it also needs {} of host memory, more than the {host_words}",
-                    format_bytes(s.host_bytes),
-                )
-            } else {
-                String::new()
-            };
-            let batch = training.info.batch;
-            let split = match batch {
-                0 | 1 => String::new(),
-                b => format!(
-                    " (--batch {} with twice the --grad-accum, 2 if none was given, trains \
-                     on the same rows per step in the activations of half the batch)",
-                    b.div_ceil(2)
-                ),
-            };
-            CompileError::BudgetTooSmall(format!(
-                "no policy fits {} of device memory per GPU (--gpu-memory); {} policies tried. \
-                 The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, \
-                 inputs {}{host}. Give --gpu-memory at least {}, or take a smaller batch with \
-                 gradient accumulation{split}, or a smaller --seq",
-                format_bytes(options.device_budget),
-                report.enumerated,
-                lean,
-                format_bytes(s.arena_bytes),
-                format_bytes(m.activations),
-                format_bytes(m.chunk_buffers),
-                format_bytes(m.workspace),
-                format_bytes(m.inputs),
-                format_bytes(s.arena_bytes),
-            ))
-        }
+        Ok(s) => device_too_small(asked, report, &lean, &s),
         Err(e) => e,
     }
+}
+
+/// The error where the leanest policy `lean` (its schedule `s`) fits the device but not the
+/// host. Budgets are quoted per rank (the pipeline adds the node's figures where several
+/// ranks share a node), and the figures to give per node (`--host-memory` and
+/// `--disk-memory` are a node's, shared by its `gpus` ranks); the least host need found
+/// (of `lean`, `best_trade` and `host_leanest`) is the smallest `--host-memory` quoted.
+fn host_too_small(
+    asked: Asked,
+    report: &SearchReport,
+    lean: &Policy,
+    s: &Schedule,
+    best_trade: Option<&Candidate>,
+    host_leanest: Option<&(Policy, u64)>,
+) -> CompileError {
+    let options = asked.options;
+    let narrow = asked.narrow();
+    let gpus = options.topology.gpus.max(1);
+    let node = |per_rank: u64| per_rank.saturating_mul(u64::from(gpus));
+    let host_words =
+        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
+    // Staging needs one rank, no clipping and no loss scaling: where a schedule stages
+    // nothing, it is the 14-byte layout's, and its policy says so.
+    let lean = match (lean.host_layout, s.staged_chunks().is_empty()) {
+        (HostLayout::Staged { .. }, true) if narrow => {
+            lean.clone().with_layout(HostLayout::GradsInParams)
+        }
+        _ => lean.clone(),
+    };
+    // The least host memory any policy found needs beside a device within budget:
+    // the leanest, the best trade the search compiled, or the policy that needs the
+    // least ([`host_leanest`], the disk tier included where allowed).
+    let mut least = (lean.clone(), s.host_bytes);
+    if let Some(b) = best_trade {
+        if b.host_bytes < least.1 {
+            least = (b.policy.clone(), b.host_bytes);
+        }
+    }
+    if let Some((p, host)) = host_leanest {
+        if *host < least.1 {
+            least = (p.clone(), *host);
+        }
+    }
+    let (least_policy, least_host) = least;
+    let together = s.arena_bytes + s.host_bytes;
+    let needs = format!(
+        "no policy fits {host_words}; {} policies tried. Offloading keeps the model \
+         states of every streamed chunk in host memory: the leanest policy on the \
+         device ({lean}, {} bytes per parameter on the host) needs {} of host memory \
+         beside {} of device memory, {} together, and keeping chunks on the device \
+         moves their state there without lowering the sum; the least host memory \
+         found beside a device within budget is {} ({least_policy}).",
+        report.enumerated,
+        lean.host_layout.number(),
+        format_bytes(s.host_bytes),
+        format_bytes(s.arena_bytes),
+        format_bytes(together),
+        format_bytes(least_host),
+    );
+    // More ranks on one node share its host memory, so only more nodes lower what
+    // each needs.
+    let nodes = "or shard the state over more machines (--nodes M with --gpus N: \
+                 offloaded chunks are sharded over all the ranks, so each node keeps \
+                 1/M of them; ranks on one node share its host memory, so more --gpus \
+                 alone do not lower it)";
+    let host_flag = match gpus {
+        1 => "--host-memory".to_string(),
+        n => format!("--host-memory (per node, for its {n} ranks)"),
+    };
+    if options.disk_budget > 0 {
+        // The least found includes the disk tier's help already.
+        return CompileError::BudgetTooSmall(format!(
+            "{needs} That is with the disk tier ({}) taking the optimizer state it \
+             can. Give {host_flag} at least {}, {nodes}",
+            crate::error::rank_budget(options.disk_budget, gpus, "disk", "--disk-memory"),
+            format_bytes(node(least_host)),
+        ));
+    }
+    // The disk tier takes the state of the 14-byte (or f32) layout's chunks; a
+    // staged chunk's stays on the host for its casts.
+    let for_disk = host_leanest.map_or(lean.clone(), |(p, _)| p.clone());
+    let with_disk = match narrow {
+        true => asked
+            .compile(&for_disk.with_layout(HostLayout::GradsInParams))
+            .ok(),
+        false => asked.compile(&for_disk).ok(),
+    }
+    .and_then(|d| crate::disk::least_host(&d));
+    match with_disk {
+        Some((host, disk)) if host < least_host => CompileError::BudgetTooSmall(format!(
+            "{needs} Give {host_flag} at least {}; or --disk-memory at least {} (the \
+             optimizer state of offloaded chunks in a file, read and written around \
+             the CPU Adam), which brings the host memory needed down to {}; {nodes}",
+            format_bytes(node(least_host)),
+            format_bytes(node(disk)),
+            format_bytes(node(host)),
+        )),
+        _ => CompileError::BudgetTooSmall(format!(
+            "{needs} Give {host_flag} at least {}, {nodes}",
+            format_bytes(node(least_host)),
+        )),
+    }
+}
+
+/// The error where not even the leanest policy `lean` (its schedule `s`) fits the device:
+/// what its arena holds, and the ways out (a larger budget, a smaller batch with
+/// accumulation, a shorter sequence).
+fn device_too_small(
+    asked: Asked,
+    report: &SearchReport,
+    lean: &Policy,
+    s: &Schedule,
+) -> CompileError {
+    let options = asked.options;
+    let training = asked.training;
+    let gpus = options.topology.gpus.max(1);
+    let host_words =
+        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
+    let m: MemoryBreakdown = s.header.prediction.memory;
+    let host = if s.host_bytes > options.host_budget {
+        format!(
+            "; it also needs {} of host memory, more than the {host_words}",
+            format_bytes(s.host_bytes),
+        )
+    } else {
+        String::new()
+    };
+    let batch = training.info.batch;
+    let split = match batch {
+        0 | 1 => String::new(),
+        b => format!(
+            " (--batch {} with twice the --grad-accum, 2 if none was given, trains \
+             on the same rows per step in the activations of half the batch)",
+            b.div_ceil(2)
+        ),
+    };
+    CompileError::BudgetTooSmall(format!(
+        "no policy fits {} of device memory per GPU (--gpu-memory); {} policies tried. \
+         The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, \
+         inputs {}{host}. Give --gpu-memory at least {}, or take a smaller batch with \
+         gradient accumulation{split}, or a smaller --seq",
+        format_bytes(options.device_budget),
+        report.enumerated,
+        lean,
+        format_bytes(s.arena_bytes),
+        format_bytes(m.activations),
+        format_bytes(m.chunk_buffers),
+        format_bytes(m.workspace),
+        format_bytes(m.inputs),
+        format_bytes(s.arena_bytes),
+    ))
 }
 
 #[cfg(test)]
@@ -2430,9 +2593,8 @@ mod tests {
         let forward =
             protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(8, 64))
                 .expect("builds");
-        let training =
-            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
-        let chunks = crate::pipeline::chunked(&training);
+        let training = crate::autodiff::autodiff(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::chunk::chunk(&training, 1);
         let hardware = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
         Profile::new(
             &training,
@@ -2519,9 +2681,8 @@ mod tests {
         let forward =
             protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(2, 16))
                 .expect("builds");
-        let training =
-            crate::pipeline::training_graph(&forward, &Default::default()).expect("autodiff");
-        let chunks = crate::pipeline::chunked(&training);
+        let training = crate::autodiff::autodiff(&forward, &Default::default()).expect("autodiff");
+        let chunks = crate::chunk::chunk(&training, 1);
         for hardware in ["host", "rtx3090"] {
             let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
             let cost = crate::cost::cost_model(&profile);

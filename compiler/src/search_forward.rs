@@ -17,7 +17,7 @@
 use crate::cost::CostModel;
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, Result};
-use crate::pipeline::compile_policy;
+use crate::lower::compile_policy;
 use crate::search::{Candidate, SearchOptions, SearchReport, TIE_TOLERANCE};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{format_bytes, BlockKind, ChunkTable, Graph, Policy, Schedule};

@@ -82,9 +82,12 @@ pub fn run(mut args: Args) -> Result<()> {
         None => 0,
     };
     let compiled = match protrain::compile(&config, &options) {
-        Err(protrain::Error::Compile(protrain::compiler::CompileError::BudgetTooSmall(why)))
-            if reserved > 0 =>
-        {
+        Err(
+            why @ protrain::Error::Compile(
+                protrain::compiler::CompileError::BudgetTooSmall(_)
+                | protrain::compiler::CompileError::PolicyOverDevice { .. },
+            ),
+        ) if reserved > 0 => {
             return Err(protrain::Error::Usage(format!(
                 "{why} (with --eval-data, add the {} its forward-only schedule needs beside \
                  the training one)",

@@ -284,3 +284,27 @@ fn the_verifier_checks_the_update_programs_order() {
         "{what}: {e}"
     );
 }
+
+/// An accumulating schedule that clips is the same file on every compile: the squared norms
+/// are rewired to the accumulators in one order, and the order of the rewiring is in the
+/// file (it moves the graph's edges).
+#[test]
+fn a_clipped_accumulating_schedule_is_the_same_file_every_time() {
+    let config = protrain_models::load("gpt2-tiny").expect("preset");
+    let options = protrain_models::BuildOptions::new(2, 16);
+    let forward = protrain_models::build_forward(&config, &options).expect("builds");
+    let optimizer = OptimizerConfig {
+        grad_clip: Some(1.0),
+        ..Default::default()
+    };
+    let mut training = training_graph(&forward, &optimizer).expect("autodiff");
+    scale_loss_gradient(&mut training, 2).expect("scales");
+    let chunks = chunked(&training);
+    let policy = Policy::protrain(0, 2, 0, 2, 2);
+    let bytes =
+        || file::encode(&compile_policy(&training, &chunks, &policy, header()).expect("compiles"));
+    let first = bytes();
+    for _ in 0..4 {
+        assert!(bytes() == first, "two compiles of one schedule differ");
+    }
+}

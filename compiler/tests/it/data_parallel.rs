@@ -622,31 +622,32 @@ fn options(hardware: &str, gpus: u32, nodes: u32) -> CompileOptions {
 
 #[test]
 fn topologies_the_hardware_cannot_hold_are_refused_with_the_way_out() {
+    // The errors carry the figures; the CLI words them with the flags (`src/error.rs`).
     let config = protrain_models::load("gpt2-tiny").expect("preset");
-    let err = |o: CompileOptions| compile(&config, &o).expect_err("refused").to_string();
+    let err = |o: CompileOptions| compile(&config, &o).expect_err("refused");
     let e = err(options("a100-80gb", 0, 1));
-    assert!(e.contains("at least 1"), "{e}");
+    assert!(
+        matches!(e, CompileError::NoRanks { gpus: 0, nodes: 1 }),
+        "{e}"
+    );
     let e = err(options("rtx3090", 8, 1));
     assert!(
-        e.contains("more than the 4 GPUs") && e.contains("--nodes"),
+        matches!(&e, CompileError::TooManyGpus { gpus: 8, per_node: 4, hardware }
+            if hardware == "rtx3090"),
         "{e}"
     );
     let mut unlinked = options("a100-80gb", 2, 1);
     unlinked.hardware.interconnect = None;
-    let e = err(unlinked);
+    let e = err(unlinked).to_string();
     assert!(e.contains("interconnect"), "{e}");
     let mut eval = options("a100-80gb", 2, 1);
     eval.forward_only = true;
     eval.seq = 16;
     let e = err(eval);
     assert!(
-        e.contains("--forward-only") && e.contains("one rank"),
+        matches!(e, CompileError::ForwardOnlyRanks { gpus: 2, nodes: 1 }),
         "{e}"
     );
-    assert!(matches!(
-        compile(&config, &options("rtx3090", 0, 1)),
-        Err(CompileError::BadTopology(_))
-    ));
 }
 
 /// llama-2-70b on 8 A100s of one node: the offloaded chunks are sharded, so each rank holds

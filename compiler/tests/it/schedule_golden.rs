@@ -207,3 +207,208 @@ llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 77200fbe298c913
 llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK e7e9420f70e44c1e
 llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 ce1f8663c02f4b6d
 ";
+
+/// The passes that rewrite an emitted schedule, pinned the same way: gradient accumulation
+/// (`K = 2`), two data-parallel ranks (sharded offloaded chunks) with and without
+/// accumulation, and the disk tier (the state of one chunk, and of every chunk it can take,
+/// on disk), over the tiny GPT-2 and LLaMA, with and without clipping. These passes add
+/// buffers after emission, which the planner places ([`protrain_compiler::plan`]): a change
+/// in where it places them changes a digest.
+fn rewritten_digests() -> Vec<String> {
+    use protrain_compiler::accumulate::scale_loss_gradient;
+    use protrain_compiler::comm::Topology;
+    use protrain_compiler::pipeline::compile_policy_on;
+    let mut lines = Vec::new();
+    let digest = |mut s: protrain_ir::Schedule| {
+        s.header.prediction.step_seconds = 0.0;
+        s.header.prediction.stream_busy_seconds.fill(0.0);
+        format!("{:016x}", fnv1a(&file::encode(&s)))
+    };
+    for (model, dtype) in [
+        ("gpt2-tiny", DType::F32),
+        ("llama-tiny", DType::F32),
+        ("gpt2-tiny", DType::BF16),
+    ] {
+        let config = protrain_models::load(model).expect("preset");
+        let options = protrain_models::BuildOptions::new(2, 16).with_dtype(dtype);
+        let forward = protrain_models::build_forward(&config, &options).expect("builds");
+        for clip in [None, Some(1.0)] {
+            let optimizer = OptimizerConfig {
+                grad_clip: clip,
+                ..Default::default()
+            };
+            let clip = clip.map_or("noclip", |_| "clip");
+            let training = training_graph(&forward, &optimizer).expect("autodiff");
+            let chunks = chunked(&training);
+            let n = chunks.len() as u32;
+            let policies = [
+                Policy::resident(n, 2),
+                Policy::protrain(0, 2, 0, 2, 2),
+                Policy::protrain(1, 2, 1, 1, 2),
+                Policy::protrain(0, 1, 2, 0, 2),
+            ];
+            // (what, ranks, micro-batches per rank)
+            for (what, ranks, k) in [("accum2", 1u32, 2u64), ("dp2", 2, 1), ("dp2accum2", 2, 2)] {
+                let mut scaled = training.clone();
+                scale_loss_gradient(&mut scaled, k * u64::from(ranks)).expect("scales");
+                let topology = Topology {
+                    gpus: ranks,
+                    nodes: 1,
+                };
+                for policy in &policies {
+                    let s = compile_policy_on(&scaled, &chunks, policy, header(), topology)
+                        .unwrap_or_else(|e| panic!("{model} {what} {policy}: {e}"));
+                    lines.push(format!(
+                        "{model} {dtype} {clip} {what} {policy} {}",
+                        digest(s)
+                    ));
+                }
+            }
+            for policy in &policies[1..] {
+                let s = compile_policy(&training, &chunks, policy, header()).expect("compiles");
+                // One chunk's state on disk (a budget just under the host region), and every
+                // chunk's the tier can take (the least host region it can make).
+                let least = protrain_compiler::disk::least_host(&s).map_or(0, |(h, _)| h);
+                for (what, host) in [("disk1", s.host_bytes - 1), ("diskall", least)] {
+                    let d = protrain_compiler::disk::disk(s.clone(), host, u64::MAX / 4);
+                    let d = match d {
+                        Ok(d) => digest(d),
+                        Err(e) => format!("refused: {e}"),
+                    };
+                    lines.push(format!("{model} {dtype} {clip} {what} {policy} {d}"));
+                }
+            }
+        }
+    }
+    lines
+}
+
+#[test]
+fn rewritten_schedules_are_byte_identical_to_the_recorded_ones() {
+    let got = rewritten_digests();
+    let want: Vec<&str> = REWRITTEN.lines().filter(|l| !l.trim().is_empty()).collect();
+    let differing: Vec<String> = got
+        .iter()
+        .filter(|g| !want.contains(&g.as_str()))
+        .cloned()
+        .collect();
+    assert!(
+        differing.is_empty() && got.len() == want.len(),
+        "{} of {} schedules differ from the recorded ones:\n{}\n\nthe whole table now:\n{}",
+        differing.len(),
+        want.len(),
+        differing.join("\n"),
+        got.join("\n")
+    );
+}
+
+const REWRITTEN: &str = "
+gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 86975efa4be42624
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 246e09070435f3f8
+gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c9cdcfed6600bafd
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 608a910155868841
+gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9e61bf8f916bfbce
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cc1f314454af1c15
+gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 49ddb31fe2e62b89
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3197a47ed75e5c0d
+gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c61c8d9532e986b
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 43f166b2e9f5bf9c
+gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 903b7d7f07acb59f
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5bbcb9d052daef0f
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8646d08dd8fee9d3
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4cfb3b97dacf1cd7
+gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8fbff5a4ba96109b
+gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1cb34f841f306bb3
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 66c2902a6410a431
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 aed9e0fe709f8eb1
+gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ba0adce2c41b9de3
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ff9d25b7d910dae2
+gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d1cbff7c053f1e8e
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2bc7203fc98f4797
+gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 537db19758cb2287
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f4767d725a325cd1
+gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 28199f8f3e5d3522
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c3f63311d33946dc
+gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fdaa853514bc0ea7
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 29d23398df5ecec9
+gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a85d491a78745730
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 81b7dd63aec43d21
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 2abc374986134502
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 70f38cc478ba7cf9
+gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ba5e1c2cb87cf10f
+gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c1622cd8c9970840
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e1dfd1ab218129ca
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0ccbed3b8b7a6a73
+llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 8f068265f357a6ac
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fcd935ddd6564f5e
+llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4308f42902a05127
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3a214c33f83656e1
+llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f4ef1360832b04df
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6ee6215ed60137a3
+llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 28bcb0c11e692e0e
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4cdc1510c20d3c82
+llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 756f98e288999aca
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ebd4b1dc893e02b6
+llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6950068523df9781
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 f64910e720f7353f
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0e49fa4d002b8b6b
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0e49fa4d002b8b6b
+llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.5 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.5 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 11a2c119932defb4
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a8c513d2184ffa76
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a8c513d2184ffa76
+llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 0135706f7b9d0101
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d8d5c5f402c6f75a
+llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6edfcc41c8f8e1e0
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 efb49a8c05624cd3
+llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 b25df54a89939c4c
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7f90dd511eb4e31a
+llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f433d673512e999b
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c89fb9f8193e511b
+llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ff21b6a8d7c045fa
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4f3807e21c7a16f6
+llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC aba4ae292cedffb4
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 eb396287808cb37a
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a3be5663b497ecf9
+llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a3be5663b497ecf9
+llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.8 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.7 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC e985bfc27f5ced41
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b90db2cfa8330838
+llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b90db2cfa8330838
+gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8f5a70977f29c6fe
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 060f55346513eb31
+gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2244a9df44a28852
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ea51edb10d40297b
+gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 77695ca732ed97a3
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 425fcea6bbed4ac8
+gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a558fa2d1138ae92
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 07dc5077df3b86ce
+gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 168433969b23dfe1
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 be19f451adcca1f7
+gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6d77661c158b5f4
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 67715efb88432753
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e61640af34f7570c
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cb0cb81cd5ee9dc8
+gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6cbd2471f1eda48e
+gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2f481decaf81cb5a
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0b4570e6f79f1fc7
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 17ac55abce4cf572
+gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 c28134e3e101e3c5
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ffc0bb627eb84960
+gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bcbba362a209052b
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 582dd2ae21976a52
+gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fbcdf1f2b04d00d1
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b3908f3f8beb77c5
+gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a9635fbbc20dd938
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 03a75d8193609c08
+gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 09125002fc824318
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 559ade15b7aa531a
+gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 87ffbb055d389b58
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8c29c629a518bf80
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 82e4fa1b1525a7d1
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 835f81ba43cc245f
+gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cec75305c1f6ec5b
+gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 857b19b96eb34459
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a76ca177e72512bd
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0d1cfbcefe5475c1
+";

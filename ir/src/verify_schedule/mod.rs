@@ -441,6 +441,30 @@ impl<'a> Checker<'a> {
     /// index of each stream's first update instruction in the whole schedule.
     fn phases(&self) -> Result<Option<(Schedule, Schedule, Vec<u32>)>, ScheduleError> {
         let s = self.s;
+        let Some(cuts) = self.markers()? else {
+            return Ok(None);
+        };
+        self.event_sides(&cuts)?;
+        self.accumulators()?;
+        self.kernel_sides(&cuts)?;
+        let cut = |update: bool| {
+            let mut part = s.clone();
+            for (stream, &c) in part.streams.iter_mut().zip(&cuts) {
+                stream.instrs = match update {
+                    false => stream.instrs[..c].to_vec(),
+                    true => stream.instrs[c + 1..].to_vec(),
+                };
+            }
+            part
+        };
+        let offsets = cuts.iter().map(|&c| c as u32 + 1).collect();
+        Ok(Some((cut(false), cut(true), offsets)))
+    }
+
+    /// The index of each stream's micro-batch marker, `None` where no stream has one; fails
+    /// unless every stream has exactly one and they agree on a count of at least 2.
+    fn markers(&self) -> Result<Option<Vec<usize>>, ScheduleError> {
+        let s = self.s;
         let mut count: Option<u32> = None;
         let mut cuts = Vec::with_capacity(s.streams.len());
         for (si, stream) in s.streams.iter().enumerate() {
@@ -504,8 +528,13 @@ impl<'a> Checker<'a> {
                 ),
             ));
         }
-        let cuts: Vec<usize> = cuts.into_iter().flatten().collect();
-        // Which side each event is used on.
+        Ok(Some(cuts.into_iter().flatten().collect()))
+    }
+
+    /// Each event is used on one side of the micro-batch markers (`cuts`): no event crosses
+    /// them.
+    fn event_sides(&self, cuts: &[usize]) -> Result<(), ScheduleError> {
+        let s = self.s;
         let mut side: Vec<Option<bool>> = vec![None; s.events as usize];
         for (si, stream) in s.streams.iter().enumerate() {
             for (i, instr) in stream.instrs.iter().enumerate() {
@@ -532,6 +561,12 @@ impl<'a> Checker<'a> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Each accumulator is summed into by exactly one `accumulate_grad` op and produced by
+    /// none.
+    fn accumulators(&self) -> Result<(), ScheduleError> {
         for (v, value) in self.g.values() {
             if value.role != crate::graph::Role::Accumulator {
                 continue;
@@ -553,7 +588,13 @@ impl<'a> Checker<'a> {
                 ));
             }
         }
-        // What runs where: the optimizer once per step, everything else per micro-batch.
+        Ok(())
+    }
+
+    /// What runs where: the optimizer once per step, after the markers (`cuts`), everything
+    /// else per micro-batch, before them.
+    fn kernel_sides(&self, cuts: &[usize]) -> Result<(), ScheduleError> {
+        let s = self.s;
         for (si, stream) in s.streams.iter().enumerate() {
             for (i, instr) in stream.instrs.iter().enumerate() {
                 let Instr::Kernel { op, .. } = instr else {
@@ -583,18 +624,7 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        let cut = |update: bool| {
-            let mut part = s.clone();
-            for (stream, &c) in part.streams.iter_mut().zip(&cuts) {
-                stream.instrs = match update {
-                    false => stream.instrs[..c].to_vec(),
-                    true => stream.instrs[c + 1..].to_vec(),
-                };
-            }
-            part
-        };
-        let offsets = cuts.iter().map(|&c| c as u32 + 1).collect();
-        Ok(Some((cut(false), cut(true), offsets)))
+        Ok(())
     }
 
     fn name(&self, v: ValueId) -> &str {
