@@ -8,10 +8,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash cuda-sim/test.sh
 eval "$(bash scripts/cuda-sim-env.sh)"
-cargo test --features cuda -p protrain-runtime --test cuda --test cuda_probe
-cargo test --features cuda --test cuda_e2e
+# The device tests are `#[ignore = "needs a GPU or the CUDA simulator"]`: --include-ignored
+# runs them here, on the simulator.
+cargo test --features cuda -p protrain-runtime --test cuda --test cuda_probe --test nccl -- --include-ignored
+cargo test --features cuda --test cuda_e2e -- --include-ignored
 for seed in 1 2 3; do
-  PROTRAIN_CUDA_SIM_CHAOS=$seed cargo test --features cuda --test cuda_e2e
+  PROTRAIN_CUDA_SIM_CHAOS=$seed cargo test --features cuda --test cuda_e2e -- --include-ignored
 done
 cargo build --features cuda
 bash cuda-sim/e2e.sh target/debug/protrain

@@ -48,7 +48,7 @@
 # (libnvrtc-builtins.so.13, beside libnvrtc.so.13) through LD_LIBRARY_PATH, and without it
 # every kernel compile fails:
 #
-#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/cuda-kernels attention
+#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/cuda-kernels --include-ignored attention
 #
 # Libraries: cudarc loads libcuda (the driver's), libcublas.so.13 and libnvrtc.so.13 at run
 # time. They are looked for in the pip wheels of `python3` (nvidia/cu13/lib, as PyTorch for
@@ -229,14 +229,16 @@ if [[ $BUNDLED == 0 ]] && command -v cargo >/dev/null 2>&1; then
     exit 1
   fi
   # The test binaries as cargo runs them (cargo test also builds nothing more now).
-  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test cuda)
-  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test nccl)
-  e2e_tests=(cargo test --release --features cuda --test cuda_e2e)
+  # The device tests are `#[ignore = "needs a GPU or the CUDA simulator"]` (so that a
+  # machine with neither never passes them by skipping): --include-ignored runs them here.
+  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test cuda -- --include-ignored)
+  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test nccl -- --include-ignored)
+  e2e_tests=(cargo test --release --features cuda --test cuda_e2e -- --include-ignored)
 elif [[ -x "$BIN_DIR/protrain" ]]; then
   say "gpu-check: using the binaries in $BIN_DIR"
-  kernel_tests=("$BIN_DIR/cuda-kernels")
-  nccl_tests=("$BIN_DIR/nccl-tests")
-  e2e_tests=("$BIN_DIR/cuda-e2e")
+  kernel_tests=("$BIN_DIR/cuda-kernels" --include-ignored)
+  nccl_tests=("$BIN_DIR/nccl-tests" --include-ignored)
+  e2e_tests=("$BIN_DIR/cuda-e2e" --include-ignored)
 else
   say "gpu-check: no cargo (or --bundled) and no executable $BIN_DIR/protrain; install Rust, or run"
   say "  bash scripts/gpu-check.sh --bundle"
