@@ -754,3 +754,153 @@ fn cli_checkpoints_move_between_the_device_and_the_host() {
         );
     }
 }
+
+/// `train --backend cuda` names the device it trains on, as the driver names it; on the
+/// simulator that name says plainly that it is the CPU simulator, not a GPU.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_train_names_the_device() {
+    require_gpu();
+    let info = protrain_runtime::cuda::device().unwrap();
+    let out = cli::run(
+        "cuda",
+        &["gpt2-tiny", "--dtype", "f32", "--steps", "1"],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let line = format!("device          {}", info.name);
+    assert!(stderr.contains(&line), "no `{line}` in: {stderr}");
+    if protrain_runtime::cuda::simulator_counters().is_some() {
+        assert!(
+            info.name.contains("simulator on the CPU (not a GPU)"),
+            "{}",
+            info.name
+        );
+    }
+}
+
+/// Chaos mode catches a missing wait: with the backend's first device-side event wait of
+/// every step dropped (the test hook `PROTRAIN_CUDA_DROP_WAIT`), a streamed run whose stream
+/// operations chaos mode delays at random gives other losses than the host backend's (or
+/// fails on what it read too early), where the unmodified backend gives the host's within
+/// 1e-5 (`cli_gpt2_streamed_under_1mib_with_clipping_gives_the_hosts_losses`). Only for the
+/// simulator: a GPU has no chaos mode.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn chaos_mode_catches_a_dropped_wait() {
+    require_gpu();
+    if protrain_runtime::cuda::simulator_counters().is_none() {
+        // A real GPU: there is no chaos mode to demonstrate; the other tests ran the backend.
+        println!("not the simulator: chaos mode does not exist here");
+        return;
+    }
+    let args = [
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--gpu-memory",
+        "1MiB",
+        "--steps",
+        "2",
+    ];
+    let host = cli::losses("host", &args, &[]);
+    let mut seen = Vec::new();
+    for seed in ["1", "2", "3"] {
+        let env = [
+            ("PROTRAIN_CUDA_SIM_CHAOS", seed),
+            ("PROTRAIN_CUDA_SIM_CHAOS_MAX_US", "20000"),
+            (protrain_runtime::cuda::DROP_WAIT_VAR, "1"),
+        ];
+        let out = cli::run("cuda", &args, &env);
+        let device = cli::parse(&String::from_utf8_lossy(&out.stdout));
+        let differs = !out.status.success()
+            || device.len() != host.len()
+            || host
+                .iter()
+                .any(|(s, h)| !((device[s] - h).abs() / h.abs() <= cli::F32_LOSSES));
+        if differs {
+            println!("chaos seed {seed} caught the dropped wait: {device:?} against {host:?}");
+            return;
+        }
+        seen.push(device);
+    }
+    panic!("no chaos seed caught the dropped wait: {seen:?} against the host's {host:?}");
+}
+
+/// The simulator's counters per step against the schedule's plan: a steady step of a streamed
+/// schedule copies exactly the schedule's host-device movements plus the batch it uploads
+/// (tokens and targets) and the loss it reads back, allocates no pinned memory, and its
+/// launches, GEMMs and host waits repeat exactly from step to step; so an extra copy, a
+/// per-step allocation or a new sync fails this test.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn counters_per_step_match_the_schedules_plan() {
+    use protrain_ir::{Instr, Space};
+    require_gpu();
+    let Some(_) = protrain_runtime::cuda::simulator_counters() else {
+        println!("not the simulator: no counters");
+        return;
+    };
+    let (graph, layers) = training("gpt2-tiny", DType::F32, None);
+    let chunks = chunked(&graph);
+    let policy = Policy::protrain(0, 2, 0, layers, layers);
+    let schedule =
+        compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200")).unwrap();
+    let schedule = verify(schedule).unwrap();
+    let (mut htod, mut dtoh) = (0u64, 0u64);
+    for stream in &schedule.streams {
+        for instr in &stream.instrs {
+            if let Instr::Copy {
+                src, dst, bytes, ..
+            } = instr
+            {
+                let (from, to) = (
+                    schedule.buffer(src.buffer).space,
+                    schedule.buffer(dst.buffer).space,
+                );
+                match (from, to) {
+                    (Space::Host, Space::Device) => htod += bytes,
+                    (Space::Device, Space::Host) => dtoh += bytes,
+                    _ => {}
+                }
+            }
+        }
+    }
+    let config = protrain_models::load("gpt2-tiny").unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, 4, SEED);
+    let mut exec = Executor::<CudaBackend>::with_backend(&schedule).unwrap();
+    exec.load_params(&init_params(&schedule.graph, SEED))
+        .unwrap();
+    let mut per_step = Vec::new();
+    for [x, y] in &data {
+        let before = protrain_runtime::cuda::simulator_counters().unwrap();
+        exec.step(&[x, y]).unwrap();
+        per_step.push(protrain_runtime::cuda::simulator_counters().unwrap() - before);
+    }
+    println!("planned: {htod} B to the device, {dtoh} B back; counted per step: {per_step:#?}");
+    // The batch: tokens and targets, i32 each.
+    let batch = 2 * 4 * BATCH * SEQ;
+    for (step, c) in per_step.iter().enumerate().skip(1) {
+        assert_eq!(
+            c.host_allocs, 0,
+            "step {step} allocated pinned memory: {c:?}"
+        );
+        assert_eq!(
+            c.htod_bytes,
+            htod + batch,
+            "step {step}: bytes to the device"
+        );
+        assert_eq!(
+            c.dtoh_bytes,
+            dtoh + 4,
+            "step {step}: bytes to the host (the loss)"
+        );
+        assert_eq!(*c, per_step[1], "step {step} differs from step 1");
+    }
+    assert!(
+        per_step[1].launches > 0 && per_step[1].gemms > 0,
+        "{:?}",
+        per_step[1]
+    );
+}

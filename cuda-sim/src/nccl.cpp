@@ -10,7 +10,8 @@
 // slot: each rank copies its piece of the send buffer into its slot and says so, waits until
 // every rank has, computes its result from every slot, and says it has read them before any
 // slot is reused. Sums are in f32 in rank order from zero, each element rounded once to its
-// type, like the host backend's collectives (real NCCL picks its own order).
+// type, like the host backend's collectives (real NCCL picks its own order); a world of one
+// copies bit for bit, as NCCL does.
 //
 // While it waits, a rank checks that its peers are alive (by pid) and have not aborted or
 // left. A dead peer makes the collective stall, as a real NCCL kernel does, with
