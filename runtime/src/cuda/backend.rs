@@ -177,17 +177,18 @@ pub struct CudaBackend {
     /// its timeout ([`CudaBackend::finish`]), since a peer that dies mid-collective would
     /// leave a blocking wait hanging.
     watch: OnceLock<NcclWatch>,
-    /// The test hook [`DROP_WAIT_VAR`]: which device-side event wait of each step (counting
-    /// from 1) is skipped; `None` normally.
+    /// The test hook [`DROP_WAIT_VAR`]: which wait of the host optimizer stream for device
+    /// work, in each step (counting from 1), is skipped; `None` normally.
     drop_wait: Option<usize>,
-    /// Device-side event waits issued so far this step, for `drop_wait`.
-    device_waits: AtomicUsize,
+    /// Waits of the host optimizer stream for device work so far this step, for `drop_wait`.
+    host_waits: AtomicUsize,
 }
 
 /// A test hook, never for real runs: `PROTRAIN_CUDA_DROP_WAIT=N` makes the backend skip the
-/// N-th device-side event wait (`cuStreamWaitEvent`) of every step, so that a test can show
-/// that the simulator's chaos mode (`PROTRAIN_CUDA_SIM_CHAOS`) turns a missing wait into
-/// wrong results (docs/cuda-sim.md).
+/// N-th wait of every step in which the host optimizer stream waits for device work (an
+/// event recorded on a CUDA stream, `cuEventSynchronize`): one stream issues those, so the
+/// N-th is the same wait in every run. A test shows with it that the simulator's chaos mode
+/// (`PROTRAIN_CUDA_SIM_CHAOS`) turns a missing wait into wrong results (docs/cuda-sim.md).
 pub const DROP_WAIT_VAR: &str = "PROTRAIN_CUDA_DROP_WAIT";
 
 /// The wait [`DROP_WAIT_VAR`]'s value names (`None`: unset).
@@ -1161,7 +1162,7 @@ impl Backend for CudaBackend {
             nccl: Mutex::new(None),
             watch: OnceLock::new(),
             drop_wait: drop_wait(std::env::var(DROP_WAIT_VAR).ok().as_deref())?,
-            device_waits: AtomicUsize::new(0),
+            host_waits: AtomicUsize::new(0),
         })
     }
 
@@ -1215,7 +1216,7 @@ impl Backend for CudaBackend {
         state.marks.fill(Mark::Pending);
         state.aborted = false;
         self.norm_written.store(false, Ordering::Release);
-        self.device_waits.store(0, Ordering::Relaxed);
+        self.host_waits.store(0, Ordering::Relaxed);
     }
 
     unsafe fn launch(&self, stream: &mut CudaStreamHandle, l: &Launch<'_>) -> Result<Outcome> {
@@ -1335,10 +1336,6 @@ impl Backend for CudaBackend {
         match (&stream.exec, mark) {
             (_, Mark::Host) | (_, Mark::Pending) => Ok(()),
             (Exec::Device(d), Mark::Device) => {
-                let nth = self.device_waits.fetch_add(1, Ordering::Relaxed) + 1;
-                if self.drop_wait == Some(nth) {
-                    return Ok(());
-                }
                 self.bind()?;
                 // SAFETY: a live event, recorded this step, and a live stream.
                 unsafe {
@@ -1351,6 +1348,10 @@ impl Backend for CudaBackend {
                 .map_err(|e| driver_error(format!("waiting on event {}", event.0), e))
             }
             (Exec::Host(_), Mark::Device) => {
+                let nth = self.host_waits.fetch_add(1, Ordering::Relaxed) + 1;
+                if self.drop_wait == Some(nth) {
+                    return Ok(());
+                }
                 self.bind()?;
                 let what = format!("waiting on event {}", event.0);
                 self.finish(
