@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA simulator into $1 (default target/cuda-sim): lib/libcudasim.so, installed
 # under the names cudarc dlopens (libcuda.so, libcuda.so.1, libcublas.so, libcublas.so.13,
-# libcublasLt.so, libcublasLt.so.13), and bin/strict, its own test program. Rebuilds only when
+# libcublasLt.so, libcublasLt.so.13, libnccl.so, and NCCL's soname libnccl.so.2), and bin/strict, its own test program. Rebuilds only when
 # a source (the simulator's, a kernel's, or the intrinsics it shares with the emulation
 # harness) is newer than the library. Needs g++ 12 or newer
 # (C++20) on x86-64 Linux. Prints nothing on success.
@@ -26,14 +26,14 @@ defines=$(sed -n '/^pub const KERNEL_DEFINES/,/^];/p' "$root/runtime/src/cuda/mo
 [[ -n "$defines" ]] || { echo "cuda-sim/build.sh: no KERNEL_DEFINES found in runtime/src/cuda/mod.rs" >&2; exit 1; }
 flags=(-std=c++20 -O2 -g -fPIC -pthread -fvisibility=hidden -ffp-contract=off -Wall -Wno-unknown-pragmas -Wno-unused-function)
 objs=()
-for src in driver cublas fiber; do
+for src in driver cublas fiber nccl; do
   # shellcheck disable=SC2086
   g++ "${flags[@]}" $defines -I"$out/gen" -c "$root/cuda-sim/src/$src.cpp" -o "$out/gen/$src.o"
   objs+=("$out/gen/$src.o")
 done
 g++ -shared -pthread -Wl,-soname,libcuda.so.1 -o "$lib.tmp" "${objs[@]}"
 mv "$lib.tmp" "$lib"
-for name in libcuda.so libcuda.so.1 libcublas.so libcublas.so.13 libcublasLt.so libcublasLt.so.13; do
+for name in libcuda.so libcuda.so.1 libcublas.so libcublas.so.13 libcublasLt.so libcublasLt.so.13 libnccl.so libnccl.so.2; do
   ln -sfn libcudasim.so "$out/lib/$name"
 done
 g++ -std=c++20 -O1 -g -pthread -o "$out/bin/strict" "$root/cuda-sim/tests/strict.cpp" -ldl

@@ -48,7 +48,7 @@
 # (libnvrtc-builtins.so.13, beside libnvrtc.so.13) through LD_LIBRARY_PATH, and without it
 # every kernel compile fails:
 #
-#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/runtime-tests cuda::attention
+#   source <(bash scripts/nvrtc-env.sh) && target/gpu-check/bin/runtime-tests --include-ignored cuda::attention
 #
 # Libraries: cudarc loads libcuda (the driver's), libcublas.so.13 and libnvrtc.so.13 at run
 # time. They are looked for in the pip wheels of `python3` (nvidia/cu13/lib, as PyTorch for
@@ -221,14 +221,16 @@ if [[ $BUNDLED == 0 ]] && command -v cargo >/dev/null 2>&1; then
     exit 1
   fi
   # The test binaries as cargo runs them (cargo test also builds nothing more now).
-  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- cuda::)
-  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- nccl::)
-  e2e_tests=(cargo test --release --features cuda -p protrain --test it -- cuda_e2e::)
+  # The device tests are `#[ignore = "needs a GPU or the CUDA simulator"]` (so that a
+  # machine with neither never passes them by skipping): --include-ignored runs them here.
+  kernel_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- --include-ignored cuda::)
+  nccl_tests=(cargo test --release --features cuda -p protrain-runtime --test it -- --include-ignored nccl::)
+  e2e_tests=(cargo test --release --features cuda -p protrain --test it -- --include-ignored cuda_e2e::)
 elif [[ -x "$BIN_DIR/protrain" ]]; then
   say "gpu-check: using the binaries in $BIN_DIR"
-  kernel_tests=("$BIN_DIR/runtime-tests" cuda::)
-  nccl_tests=("$BIN_DIR/runtime-tests" nccl::)
-  e2e_tests=("$BIN_DIR/protrain-tests" cuda_e2e::)
+  kernel_tests=("$BIN_DIR/runtime-tests" --include-ignored cuda::)
+  nccl_tests=("$BIN_DIR/runtime-tests" --include-ignored nccl::)
+  e2e_tests=("$BIN_DIR/protrain-tests" --include-ignored cuda_e2e::)
 else
   say "gpu-check: no cargo (or --bundled) and no executable $BIN_DIR/protrain; install Rust, or run"
   say "  bash scripts/gpu-check.sh --bundle"

@@ -47,7 +47,9 @@ static size_t env_size(const char* name, size_t dflt) {
     return (size_t)strtoull(v, nullptr, 10);
 }
 
-static int device_count() { return (int)std::max<size_t>(1, env_size("PROTRAIN_CUDA_SIM_DEVICES", 1)); }
+/// Devices the driver reports (PROTRAIN_CUDA_SIM_DEVICES, default 8, as on an 8-GPU node), so
+/// that the workers of `--gpus N` each find their LOCAL_RANK; each process simulates its own.
+static int device_count() { return (int)std::max<size_t>(1, env_size("PROTRAIN_CUDA_SIM_DEVICES", 8)); }
 /// Device memory of each simulated device (PROTRAIN_CUDA_SIM_MEMORY_MIB, default 4 GiB).
 static size_t device_bytes() { return env_size("PROTRAIN_CUDA_SIM_MEMORY_MIB", 4096) << 20; }
 /// Chaos mode's seed (PROTRAIN_CUDA_SIM_CHAOS), 0 when off.
@@ -539,6 +541,8 @@ SIM_API CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned flags) {
     // Pinned memory from the driver is not zeroed: poisoned like device memory.
     if (CUresult r = map_guarded(bytes, Space::Pinned, c, 0xff, &a)) return r;
     *p = (void*)a;
+    std::lock_guard<std::mutex> l(g_mu);
+    g_counters.host_allocs++;
     return CUDA_SUCCESS;
 }
 
@@ -960,15 +964,17 @@ SIM_API CUresult cuFuncGetAttribute(int* v, int attr, CUfunction f) {
 
 // ---- Counters, for tests (not a CUDA entry point) ----
 
-/// Copies the process's counters: launches, host synchronisations, bytes host to device and
-/// device to host, GEMMs.
-SIM_API void protrain_cuda_sim_counters(uint64_t out[5]) {
+/// Copies the process's counters: kernel launches, host synchronisations (every wait of the
+/// host for device work: stream and event synchronisations, synchronous copies, frees), bytes
+/// copied host to device and device to host, GEMMs, and pinned host allocations.
+SIM_API void protrain_cuda_sim_counters(uint64_t out[6]) {
     std::lock_guard<std::mutex> l(g_mu);
     out[0] = g_counters.launches;
     out[1] = g_counters.syncs;
     out[2] = g_counters.htod_bytes;
     out[3] = g_counters.dtoh_bytes;
     out[4] = g_counters.gemms;
+    out[5] = g_counters.host_allocs;
 }
 
 /// Refused: the driver's private export tables are what NVRTC and the CUDA runtime probe for

@@ -134,7 +134,7 @@ CUresult check_device(uint64_t p, size_t n, const char* what);
 
 /// Counters per process, for tests that compare them with a schedule's plan.
 struct Counters {
-    uint64_t launches = 0, syncs = 0, htod_bytes = 0, dtoh_bytes = 0, gemms = 0;
+    uint64_t launches = 0, syncs = 0, htod_bytes = 0, dtoh_bytes = 0, gemms = 0, host_allocs = 0;
 };
 extern Counters g_counters;
 

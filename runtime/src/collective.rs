@@ -77,14 +77,6 @@ pub trait Collective: Send {
         }
         Ok(())
     }
-
-    /// The NCCL communicator behind this rank, through which the CUDA backend runs a
-    /// schedule's collectives on device memory; `None` (the default) for ranks that exchange
-    /// host memory, such as [`ThreadRank`].
-    #[cfg(feature = "cuda")]
-    fn nccl(&mut self) -> Option<&mut crate::cuda::nccl::NcclComm> {
-        None
-    }
 }
 
 /// Which collective a rank issued, and its size in bytes, to check that all ranks agree.

@@ -508,6 +508,18 @@ pub fn execute(
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
+            // The device the run trains on, named as the driver names it (the CPU simulator's
+            // name says that it is not a GPU).
+            let info = protrain::runtime::cuda::device()
+                .map_err(|why| Error::Usage(format!("no CUDA device is available: {why}")))?;
+            let intro = format!(
+                "{intro}\ndevice          {} (compute capability {}.{}, {})",
+                info.name,
+                info.compute_capability.0,
+                info.compute_capability.1,
+                protrain::ir::format_bytes(info.memory_bytes)
+            );
+            let intro = intro.as_str();
             // A worker of a multi-process run joins the others through NCCL first.
             let process = match &args.launch {
                 Some(me) => Some(super::launch::join(me)?),

@@ -3,11 +3,12 @@
 //! `scripts/gpu-check.sh`:
 //!
 //! ```text
-//! cargo test --release --features cuda --test it -- cuda_e2e::
+//! cargo test --release --features cuda --test it -- --include-ignored cuda_e2e::
 //! ```
 //!
-//! Without a GPU (or the driver, cuBLAS, NVRTC) every test fails, saying what is missing: it
-//! never skips.
+//! Every test is `#[ignore = "needs a GPU or the CUDA simulator"]`: `cuda-sim/ci.sh` runs them on
+//! the simulator and `scripts/gpu-check.sh` on a GPU, both with `--include-ignored`. Run where
+//! neither is, a test fails saying what is missing: it never passes by returning early.
 //!
 //! In f32 the device computes what the host computes in another summation order (cuBLAS
 //! without TF32, reductions in fixed trees), under three policies: everything resident; every
@@ -241,11 +242,13 @@ fn check_f32(model: &str, grad_clip: Option<f64>) {
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn gpt2_f32_losses_match_the_host_under_three_policies() {
     check_f32("gpt2-tiny", Some(0.5));
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn llama_f32_losses_match_the_host_under_three_policies() {
     check_f32("llama-tiny", None);
 }
@@ -328,11 +331,13 @@ fn check_bf16(model: &str) {
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn gpt2_bf16_losses_stay_close_to_f32() {
     check_bf16("gpt2-tiny");
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn llama_bf16_losses_stay_close_to_f32() {
     check_bf16("llama-tiny");
 }
@@ -389,6 +394,7 @@ fn check_accumulation(model: &str) {
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn gpt2_accumulation_matches_the_host_backend() {
     check_accumulation("gpt2-tiny");
 }
@@ -486,6 +492,413 @@ fn check_f16(model: &str) {
 }
 
 #[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
 fn gpt2_f16_matches_the_host_backend_and_skips_an_overflowing_step() {
     check_f16("gpt2-tiny");
+}
+
+/// The CLI end to end: `protrain train` (this build, with the CUDA backend) on the device and
+/// on the host backend, the same flags, every step's loss compared. On the simulator these are
+/// the launcher's real worker processes, NCCL between them, checkpoints on disk.
+mod cli {
+    use std::collections::BTreeMap;
+    use std::process::Command;
+
+    /// Relative tolerance of the f32 losses of a CLI run on the device against the host
+    /// backend's: summation order alone (cuBLAS and the kernels' reduction trees against the
+    /// host's loops), over a few steps of a tiny model.
+    pub const F32_LOSSES: f64 = 1e-5;
+
+    /// Every step's loss of `protrain train` with `args` on `backend`, with `env` set; fails
+    /// with the run's stderr when it fails.
+    pub fn losses(backend: &str, args: &[&str], env: &[(&str, &str)]) -> BTreeMap<u64, f64> {
+        let out = run(backend, args, env);
+        assert!(
+            out.status.success(),
+            "train --backend {backend} {args:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        parse(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// `protrain train` with `args` on `backend`, `--json`, with `env` set and none of
+    /// torchrun's variables inherited.
+    pub fn run(backend: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_protrain"));
+        command
+            .arg("train")
+            .args(args)
+            .args(["--json", "--backend", backend]);
+        for var in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            command.env_remove(var);
+        }
+        command.envs(env.iter().copied());
+        command.output().expect("the protrain binary runs")
+    }
+
+    /// The `{"step": .., "loss": ..}` lines of a `--json` run.
+    pub fn parse(stdout: &str) -> BTreeMap<u64, f64> {
+        stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
+            .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
+            .collect()
+    }
+
+    /// Fails unless `device` and `host` have the same steps, `steps` of them, and every loss
+    /// agrees within `tolerance` relative; returns the largest relative difference.
+    pub fn assert_close(
+        what: &str,
+        device: &BTreeMap<u64, f64>,
+        host: &BTreeMap<u64, f64>,
+        steps: u64,
+        tolerance: f64,
+    ) -> f64 {
+        let want: Vec<u64> = (1..=steps).collect();
+        assert_eq!(
+            host.keys().copied().collect::<Vec<_>>(),
+            want,
+            "{what}: host steps"
+        );
+        assert_eq!(
+            device.keys().copied().collect::<Vec<_>>(),
+            want,
+            "{what}: device steps"
+        );
+        let worst = host
+            .iter()
+            .map(|(s, h)| (device[s] - h).abs() / h.abs())
+            .fold(0.0, f64::max);
+        println!("{what}: largest relative loss difference device vs host {worst:.2e}");
+        assert!(
+            worst <= tolerance,
+            "{what}: the device's losses {device:?} differ from the host's {host:?} by {worst:.2e} \
+             relative (at most {tolerance:.0e})"
+        );
+        worst
+    }
+
+    /// `protrain train` with `args` on the device and on the host: every loss within
+    /// [`F32_LOSSES`].
+    pub fn check(what: &str, args: &[&str], steps: u64) {
+        let steps_arg = steps.to_string();
+        let args: Vec<&str> = args
+            .iter()
+            .copied()
+            .chain(["--steps", &steps_arg])
+            .collect();
+        let device = losses("cuda", &args, &[]);
+        let host = losses("host", &args, &[]);
+        assert_close(what, &device, &host, steps, F32_LOSSES);
+    }
+}
+
+/// Streamed: a 4 MiB device budget (the leanest policy needs 3.3 MiB) keeps one chunk of four
+/// resident; the others are fetched and offloaded and the CPU Adam updates them (the host optimizer stream's events crossing the
+/// CUDA streams), with the gradient clipped.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_gpt2_streamed_under_4mib_with_clipping_gives_the_hosts_losses() {
+    require_gpu();
+    cli::check(
+        "gpt2-tiny f32 --gpu-memory 4MiB --grad-clip 1.0",
+        &[
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--gpu-memory",
+            "4MiB",
+            "--grad-clip",
+            "1.0",
+        ],
+        3,
+    );
+}
+
+/// LLaMA, resident, two micro-batches a step.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_llama_with_gradient_accumulation_gives_the_hosts_losses() {
+    require_gpu();
+    cli::check(
+        "llama-tiny f32 --grad-accum 2",
+        &["llama-tiny", "--dtype", "f32", "--grad-accum", "2"],
+        3,
+    );
+}
+
+/// LLaMA streamed without clipping, where offloaded chunks take the 12-byte host layout
+/// (master and moments only; the gradients staged through the device).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_llama_streamed_in_the_12_byte_layout_gives_the_hosts_losses() {
+    require_gpu();
+    cli::check(
+        "llama-tiny f32 --gpu-memory 4MiB",
+        &["llama-tiny", "--dtype", "f32", "--gpu-memory", "4MiB"],
+        3,
+    );
+}
+
+/// Two ranks, data-parallel (everything resident, gradients all-reduced): on the CUDA
+/// backend the launcher's two worker processes and NCCL; on the host two threads.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_two_ranks_data_parallel_give_the_hosts_losses() {
+    require_gpu();
+    cli::check(
+        "gpt2-tiny f32 --gpus 2",
+        &[
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--gpus",
+            "2",
+            "--hardware",
+            "a100-80gb",
+        ],
+        3,
+    );
+}
+
+/// Two ranks with every chunk offloaded, so sharded over them (all-gathers of parameter
+/// slices, reduce-scatters of gradients, each rank's CPU Adam on its shard).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_two_ranks_sharded_give_the_hosts_losses() {
+    require_gpu();
+    cli::check(
+        "gpt2-tiny f32 --gpus 2 --gpu-memory 4MiB",
+        &[
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--gpus",
+            "2",
+            "--hardware",
+            "a100-80gb",
+            "--gpu-memory",
+            "4MiB",
+        ],
+        3,
+    );
+}
+
+/// A checkpoint written on the device resumes on the host backend: a 4-step run on the
+/// device saves at steps 2 and 4, its step-4 checkpoint is removed, and the host backend
+/// resumes from step 2: its steps 3 and 4 give the device run's losses. (Resuming on the
+/// device is not checked here: a run resumed by the CUDA backend gives losses 2e-4 off an
+/// uninterrupted run, from either backend's checkpoint, a defect still open.)
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_a_checkpoint_written_on_the_device_resumes_on_the_host() {
+    require_gpu();
+    for (first, then) in [("cuda", "host")] {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().to_str().unwrap().to_string();
+        let base = [
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--gpu-memory",
+            "4MiB",
+            "--steps",
+            "4",
+        ];
+        let mut start: Vec<&str> = base.to_vec();
+        start.extend(["--checkpoint-dir", &ckpt, "--save-every", "2"]);
+        let whole = cli::losses(first, &start, &[]);
+        let mut removed = 0;
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("step-00000004")
+            {
+                std::fs::remove_file(&path).unwrap();
+                removed += 1;
+            }
+        }
+        assert!(removed > 0, "{first} wrote no step-4 checkpoint");
+        let resumed = cli::losses(then, &["gpt2-tiny", "--resume", &ckpt], &[]);
+        let tail: std::collections::BTreeMap<u64, f64> = whole
+            .iter()
+            .filter(|(s, _)| **s > 2)
+            .map(|(s, l)| (*s, *l))
+            .collect();
+        assert_eq!(
+            resumed.keys().copied().collect::<Vec<_>>(),
+            [3, 4],
+            "{then} resumed at step 2"
+        );
+        let worst = tail
+            .iter()
+            .map(|(s, l)| (resumed[s] - l).abs() / l.abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= cli::F32_LOSSES,
+            "resumed on {then} from {first}'s checkpoint: {resumed:?} against {tail:?}"
+        );
+    }
+}
+
+/// `train --backend cuda` names the device it trains on, as the driver names it; on the
+/// simulator that name says plainly that it is the CPU simulator, not a GPU.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_train_names_the_device() {
+    require_gpu();
+    let info = protrain_runtime::cuda::device().unwrap();
+    let out = cli::run(
+        "cuda",
+        &["gpt2-tiny", "--dtype", "f32", "--steps", "1"],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let line = format!("device          {}", info.name);
+    assert!(stderr.contains(&line), "no `{line}` in: {stderr}");
+    if protrain_runtime::cuda::simulator_counters().is_some() {
+        assert!(
+            info.name.contains("simulator on the CPU (not a GPU)"),
+            "{}",
+            info.name
+        );
+    }
+}
+
+/// Chaos mode catches a missing wait: with the first wait of every step in which the host
+/// optimizer stream (the CPU Adam of the streamed chunks) waits for device work dropped (the
+/// test hook `PROTRAIN_CUDA_DROP_WAIT`), a streamed run whose stream
+/// operations chaos mode delays at random gives other losses than the host backend's (or
+/// fails on what it read too early), where the unmodified backend gives the host's within
+/// 1e-5 (`cli_gpt2_streamed_under_4mib_with_clipping_gives_the_hosts_losses`). Only for the
+/// simulator: a GPU has no chaos mode.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn chaos_mode_catches_a_dropped_wait() {
+    require_gpu();
+    if protrain_runtime::cuda::simulator_counters().is_none() {
+        // A real GPU: there is no chaos mode to demonstrate; the other tests ran the backend.
+        println!("not the simulator: chaos mode does not exist here");
+        return;
+    }
+    let args = [
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--gpu-memory",
+        "4MiB",
+        "--steps",
+        "2",
+    ];
+    let host = cli::losses("host", &args, &[]);
+    let mut seen = Vec::new();
+    for seed in ["1", "2", "3"] {
+        let env = [
+            ("PROTRAIN_CUDA_SIM_CHAOS", seed),
+            ("PROTRAIN_CUDA_SIM_CHAOS_MAX_US", "20000"),
+            (protrain_runtime::cuda::DROP_WAIT_VAR, "1"),
+        ];
+        let out = cli::run("cuda", &args, &env);
+        let device = cli::parse(&String::from_utf8_lossy(&out.stdout));
+        let differs = !out.status.success()
+            || device.len() != host.len()
+            || host.iter().any(|(s, h)| {
+                let off = (device[s] - h).abs() / h.abs();
+                off.is_nan() || off > cli::F32_LOSSES
+            });
+        if differs {
+            println!("chaos seed {seed} caught the dropped wait: {device:?} against {host:?}");
+            return;
+        }
+        seen.push(device);
+    }
+    panic!("no chaos seed caught the dropped wait: {seen:?} against the host's {host:?}");
+}
+
+/// The simulator's counters per step against the schedule's plan: a steady step of a streamed
+/// schedule copies exactly the schedule's host-device movements plus the batch it uploads
+/// (tokens and targets) and the loss it reads back, allocates no pinned memory, and its
+/// launches, GEMMs and host waits repeat exactly from step to step; so an extra copy, a
+/// per-step allocation or a new sync fails this test.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn counters_per_step_match_the_schedules_plan() {
+    use protrain_ir::{Instr, Space};
+    require_gpu();
+    let Some(_) = protrain_runtime::cuda::simulator_counters() else {
+        println!("not the simulator: no counters");
+        return;
+    };
+    let (graph, layers) = training("gpt2-tiny", DType::F32, None);
+    let chunks = chunked(&graph);
+    let policy = Policy::protrain(0, 2, 0, layers, layers);
+    let schedule =
+        compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200")).unwrap();
+    let schedule = verify(schedule).unwrap();
+    let (mut htod, mut dtoh) = (0u64, 0u64);
+    for stream in &schedule.streams {
+        for instr in &stream.instrs {
+            if let Instr::Copy {
+                src, dst, bytes, ..
+            } = instr
+            {
+                let (from, to) = (
+                    schedule.buffer(src.buffer).space,
+                    schedule.buffer(dst.buffer).space,
+                );
+                match (from, to) {
+                    (Space::Host, Space::Device) => htod += bytes,
+                    (Space::Device, Space::Host) => dtoh += bytes,
+                    _ => {}
+                }
+            }
+        }
+    }
+    let config = protrain_models::load("gpt2-tiny").unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, 4, SEED);
+    let mut exec = Executor::<CudaBackend>::with_backend(&schedule).unwrap();
+    exec.load_params(&init_params(&schedule.graph, SEED))
+        .unwrap();
+    let mut per_step = Vec::new();
+    for [x, y] in &data {
+        let before = protrain_runtime::cuda::simulator_counters().unwrap();
+        exec.step(&[x, y]).unwrap();
+        per_step.push(protrain_runtime::cuda::simulator_counters().unwrap() - before);
+    }
+    println!("planned: {htod} B to the device, {dtoh} B back; counted per step: {per_step:#?}");
+    // The batch: tokens and targets, i32 each.
+    let batch = 2 * 4 * BATCH * SEQ;
+    for (step, c) in per_step.iter().enumerate().skip(1) {
+        assert_eq!(
+            c.host_allocs, 0,
+            "step {step} allocated pinned memory: {c:?}"
+        );
+        assert_eq!(
+            c.htod_bytes,
+            htod + batch,
+            "step {step}: bytes to the device"
+        );
+        assert_eq!(
+            c.dtoh_bytes,
+            dtoh + 4,
+            "step {step}: bytes to the host (the loss)"
+        );
+        assert_eq!(*c, per_step[1], "step {step} differs from step 1");
+    }
+    assert!(
+        per_step[1].launches > 0 && per_step[1].gemms > 0,
+        "{:?}",
+        per_step[1]
+    );
 }

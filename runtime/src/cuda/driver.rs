@@ -18,6 +18,69 @@ use crate::error::{Result, RuntimeError};
 /// NVRTC, and cudarc is built against the CUDA 13.0 API.
 const MIN_DRIVER_VERSION: i32 = 13000;
 
+/// What the CUDA simulator (`cuda-sim/`) has counted in this process so far: the performance
+/// proxy its tests compare with a schedule's plan. Read with [`simulator_counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Kernel launches (`cuLaunchKernel`).
+    pub launches: u64,
+    /// Host waits for device work: stream and event synchronisations, synchronous copies,
+    /// frees.
+    pub syncs: u64,
+    /// Bytes copied from host to device memory.
+    pub htod_bytes: u64,
+    /// Bytes copied from device to host memory.
+    pub dtoh_bytes: u64,
+    /// cuBLAS GEMMs (each batched call counts once).
+    pub gemms: u64,
+    /// Pinned host allocations (`cuMemHostAlloc`).
+    pub host_allocs: u64,
+}
+
+impl std::ops::Sub for SimCounters {
+    type Output = SimCounters;
+
+    /// What was counted between two readings (`later - earlier`).
+    fn sub(self, earlier: SimCounters) -> SimCounters {
+        SimCounters {
+            launches: self.launches - earlier.launches,
+            syncs: self.syncs - earlier.syncs,
+            htod_bytes: self.htod_bytes - earlier.htod_bytes,
+            dtoh_bytes: self.dtoh_bytes - earlier.dtoh_bytes,
+            gemms: self.gemms - earlier.gemms,
+            host_allocs: self.host_allocs - earlier.host_allocs,
+        }
+    }
+}
+
+/// The simulator's counters, when the driver loaded is the CUDA simulator (which exports
+/// `protrain_cuda_sim_counters`, no CUDA entry point); `None` on a real driver or none.
+pub fn simulator_counters() -> Option<SimCounters> {
+    // SAFETY: only tries to dlopen the library under its candidate names.
+    if !unsafe { sys::is_culib_present() } {
+        return None;
+    }
+    // SAFETY: the library is present; the symbol, where it exists, is the simulator's
+    // `void protrain_cuda_sim_counters(uint64_t out[6])`.
+    let read = unsafe {
+        sys::culib()
+            .get::<unsafe extern "C" fn(*mut u64)>(b"protrain_cuda_sim_counters\0")
+            .ok()?
+    };
+    let mut out = [0u64; 6];
+    // SAFETY: `out` holds the six counters the function writes.
+    unsafe { read(out.as_mut_ptr()) };
+    let [launches, syncs, htod_bytes, dtoh_bytes, gemms, host_allocs] = out;
+    Some(SimCounters {
+        launches,
+        syncs,
+        htod_bytes,
+        dtoh_bytes,
+        gemms,
+        host_allocs,
+    })
+}
+
 /// What a device can be asked, learnt once by [`probe`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {

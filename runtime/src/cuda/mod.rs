@@ -39,9 +39,9 @@ pub mod profile;
 pub mod runs;
 
 #[cfg(feature = "cuda")]
-pub use backend::{gpu, use_gpu, CudaBackend, CudaStreamHandle};
+pub use backend::{gpu, use_gpu, CudaBackend, CudaStreamHandle, DROP_WAIT_VAR};
 #[cfg(feature = "cuda")]
-pub use driver::DeviceInfo;
+pub use driver::{simulator_counters, DeviceInfo, SimCounters};
 pub use runs::{adamw_runs, AdamWRun};
 
 /// What `--backend cuda` says in a build without the CUDA backend.
@@ -64,6 +64,17 @@ pub fn available() -> Result<(), String> {
     {
         Err(NOT_BUILT.to_string())
     }
+}
+
+/// The GPU this process runs on ([`use_gpu`], GPU 0 unless set): its name, compute capability
+/// and memory, as the driver reports them (on the CPU simulator the name says so). The error
+/// is [`available`]'s.
+#[cfg(feature = "cuda")]
+pub fn device() -> Result<DeviceInfo, String> {
+    driver::probe().map_err(|e| match e {
+        crate::RuntimeError::CudaUnavailable(why) => why,
+        other => other.to_string(),
+    })
 }
 
 use crate::kernels::AdamWConfig;

@@ -304,7 +304,7 @@ pub fn poll_until(
 }
 
 #[cfg(feature = "cuda")]
-pub use comm::{probe, NcclComm, NcclRank, NcclWatch};
+pub use comm::{joined, probe, NcclComm, NcclRank, NcclWatch};
 
 #[cfg(feature = "cuda")]
 mod comm {
@@ -318,7 +318,7 @@ mod comm {
     use protrain_ir::DType;
     use std::ffi::c_void;
     use std::mem::MaybeUninit;
-    use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+    use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
     use std::time::Duration;
 
     /// This process's rank in an NCCL communicator over every rank of the run.
@@ -333,6 +333,7 @@ mod comm {
     struct Shared {
         comm: sys::ncclComm_t,
         rank: usize,
+        world: usize,
         /// Whether the communicator was aborted (after a failure, or when dropped). Calls into
         /// NCCL hold the read lock and the abort takes the write lock, so no call uses a
         /// communicator that is being freed.
@@ -472,6 +473,27 @@ mod comm {
         })
     }
 
+    /// This process's communicator, the one [`NcclRank::connect`] made: one process drives one
+    /// GPU and one rank, so every CUDA backend of the process takes its collectives' NCCL
+    /// communicator from here ([`joined`]). Weak, so that the communicator is still aborted
+    /// when the last handle of its rank goes.
+    static JOINED: Mutex<Weak<Shared>> = Mutex::new(Weak::new());
+
+    /// A handle on this process's NCCL communicator, if [`NcclRank::connect`] made one that is
+    /// still alive: what the CUDA backend issues a schedule's collectives through.
+    pub fn joined() -> Option<NcclComm> {
+        let shared = JOINED
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .upgrade()?;
+        let (rank, world) = (shared.rank, shared.world);
+        Some(NcclComm {
+            shared,
+            rank,
+            world,
+        })
+    }
+
     impl NcclComm {
         /// Joins the communicator of `launch`'s run: rank 0 makes NCCL's unique id, the
         /// rendezvous hands it to every rank within `timeout`, and `ncclCommInitRank` connects
@@ -526,6 +548,7 @@ mod comm {
             let shared = Arc::new(Shared {
                 comm,
                 rank,
+                world,
                 aborted: RwLock::new(false),
                 timeout: waits,
             });
@@ -606,8 +629,9 @@ mod comm {
     }
 
     /// This process's rank of a multi-process run as a [`Collective`]: the executor hands it
-    /// to the CUDA backend, which enqueues the schedule's collectives on device memory through
-    /// [`Collective::nccl`]; the few collectives of host values between steps (the ranks'
+    /// to the CUDA backend with each collective, for the rank and the world; the backend
+    /// enqueues the schedule's collectives on device memory through its own handle on the
+    /// same communicator ([`joined`]); the few collectives of host values between steps (the ranks'
     /// losses, the shards of the weights a sharded run reads) are staged through device
     /// memory on a stream of their own and finished before they return.
     pub struct NcclRank {
@@ -626,6 +650,7 @@ mod comm {
                 crate::cuda::driver::driver_error("creating the stream of host collectives", e)
             })?;
             let comm = NcclComm::connect(launch, timeout)?;
+            *JOINED.lock().unwrap_or_else(PoisonError::into_inner) = Arc::downgrade(&comm.shared);
             Ok(NcclRank { comm, stream })
         }
 
@@ -722,10 +747,6 @@ mod comm {
                 *x = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
             }
             Ok(())
-        }
-
-        fn nccl(&mut self) -> Option<&mut NcclComm> {
-            Some(&mut self.comm)
         }
     }
 }

@@ -57,3 +57,69 @@ fn the_gpu_check_fits_a_device_session() {
         "the parts may take {total} s in all; at most 240 fit"
     );
 }
+
+/// A device test never passes by returning early: every test of a file that needs a device
+/// (one that defines `require_gpu` or `require_nccl`, which fail naming what is missing) is
+/// `#[ignore = "needs a GPU or the CUDA simulator"]`, and the scripts that run them on the
+/// simulator and on a GPU pass `--include-ignored`. Reads the test sources wherever they live
+/// under the workspace's test folders.
+#[test]
+fn device_tests_are_ignored_not_skipped_and_the_device_scripts_include_them() {
+    const IGNORE: &str = "#[ignore = \"needs a GPU or the CUDA simulator\"]";
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    let mut dirs = vec![root.join("tests"), root.join("runtime/tests")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut device_files = 0;
+    for path in files {
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Spelt in two halves so that this file, which names them, is not one of them.
+        let markers = [
+            concat!("fn require", "_gpu()"),
+            concat!("fn require", "_nccl()"),
+        ];
+        if !markers.iter().any(|m| text.contains(m)) {
+            continue;
+        }
+        device_files += 1;
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        for (i, line) in lines.iter().enumerate() {
+            if *line == "#[test]" {
+                assert_eq!(
+                    lines.get(i + 1).copied(),
+                    Some(IGNORE),
+                    "{}:{}: a device test without `{IGNORE}`",
+                    path.display(),
+                    i + 1
+                );
+            }
+        }
+    }
+    assert!(
+        device_files >= 3,
+        "found {device_files} files of device tests"
+    );
+    for script in ["cuda-sim/ci.sh", "scripts/gpu-check.sh"] {
+        let text = std::fs::read_to_string(root.join(script)).unwrap();
+        for line in text.lines().filter(|l| {
+            l.contains("--features cuda")
+                && l.contains("cargo test")
+                && !l.contains("--no-run")
+                && !l.trim_start().starts_with('#')
+        }) {
+            assert!(
+                line.contains("--include-ignored"),
+                "{script} runs device tests without --include-ignored: {line}"
+            );
+        }
+    }
+}
