@@ -304,3 +304,18 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
     let want = interp.step(&[x, y]).unwrap();
     assert_eq!(got.loss.to_bits(), want.loss.to_bits());
 }
+
+/// The parity fixture's model of `family` (tests/fixtures), by path.
+fn fixture_model(family: &str) -> String {
+    format!("{}/tests/fixtures/{family}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn qwen2_every_policy_matches_the_interpreter_with_clipping() {
+    check(&fixture_model("qwen2"), Some(0.5));
+}
+
+#[test]
+fn qwen3_every_policy_matches_the_interpreter() {
+    check(&fixture_model("qwen3"), None);
+}

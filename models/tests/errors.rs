@@ -103,11 +103,11 @@ fn invalid_json_says_where() {
 fn model_type_must_be_known() {
     check(
         r#"{"n_embd": 768}"#,
-        "config.json: missing required field `model_type`; supported: gpt2, llama, mistral, opt",
+        "config.json: missing required field `model_type`; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": "bert"}"#,
-        "config.json: unknown model_type 'bert'; supported: gpt2, llama, mistral, opt",
+        "config.json: unknown model_type 'bert'; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": 2}"#,
@@ -335,4 +335,21 @@ fn no_json_makes_the_parser_panic() {
             }
         }
     }
+}
+
+#[test]
+fn qwen_layer_types_other_than_full_then_sliding_are_refused_by_name() {
+    let qwen = r#""model_type": "qwen2", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2"#;
+    check(
+        &format!(r#"{{{qwen}, "layer_types": ["sliding_attention", "full_attention"]}}"#),
+        "config.json: layer_types 'full_attention at layer 1' is not supported for qwen2; \
+         supported: full_attention layers followed by sliding_attention layers",
+    );
+    check(
+        &format!(r#"{{{qwen}, "layer_types": ["full_attention"]}}"#),
+        "config.json: field `layer_types` must be a list of 2 layer types (one per layer), \
+         found 1 entries",
+    );
 }
