@@ -925,7 +925,11 @@ impl RotaryJson {
         let (field, params) = match (&self.rope_scaling, &self.rope_parameters) {
             (Some(params), _) => ("rope_scaling", params),
             (None, Some(params)) => ("rope_parameters", params),
-            (None, None) => return Ok((top_theta, RopeScaling::None)),
+            (None, None) => {
+                // transformers reads a top-level factor without any RoPE dict too.
+                check_partial_rotary(c, self.partial_rotary_factor.as_ref())?;
+                return Ok((top_theta, RopeScaling::None));
+            }
         };
         if let Some((key, _)) = params.others.iter().find(|(_, v)| v.is_object()) {
             return Err(c.unsupported(
@@ -940,15 +944,7 @@ impl RotaryJson {
             .partial_rotary_factor
             .as_ref()
             .or(self.partial_rotary_factor.as_ref());
-        if let Some(Number(factor)) = partial {
-            if factor.as_f64() != Some(1.0) {
-                return Err(c.unsupported(
-                    "partial_rotary_factor",
-                    &factor.to_string(),
-                    "1.0 (rotate the whole head)",
-                ));
-            }
-        }
+        check_partial_rotary(c, partial)?;
         let rope_type = match params.rope_type.as_ref().or(params.old_type.as_ref()) {
             Some(Text(t)) => t.as_str(),
             None => "default",
@@ -981,6 +977,21 @@ impl RotaryJson {
         };
         Ok((theta, scaling))
     }
+}
+
+/// Refuses a `partial_rotary_factor` other than 1: rotating part of each head is not
+/// implemented.
+fn check_partial_rotary(c: &Context, partial: Option<&Number>) -> Result<()> {
+    if let Some(Number(factor)) = partial {
+        if factor.as_f64() != Some(1.0) {
+            return Err(c.unsupported(
+                "partial_rotary_factor",
+                &factor.to_string(),
+                "1.0 (rotate the whole head)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl OptJson {
