@@ -55,9 +55,11 @@ pub fn build_forward(config: &ModelConfig, options: &BuildOptions) -> Result<Gra
     let mut b = Builder::new(config, options);
     match &config.architecture {
         Architecture::Gpt2 => gpt2::build(&mut b, config)?,
-        Architecture::Llama(layout) | Architecture::Mistral(layout) => {
-            llama::build(&mut b, config, layout)?
-        }
+        Architecture::Llama(layout)
+        | Architecture::Mistral(layout)
+        | Architecture::Qwen2(layout)
+        | Architecture::Qwen3(layout)
+        | Architecture::Olmo2(layout) => llama::build(&mut b, config, layout)?,
         Architecture::Opt(layout) => opt::build(&mut b, config, layout)?,
     }
     let mut graph = b.graph;
@@ -326,7 +328,15 @@ impl Builder {
                 &[x, norm.weight.value, bias.value],
                 name,
             ),
-            None => self.op(OpKind::RmsNorm { eps }, &[x, norm.weight.value], name),
+            None => self.op(
+                OpKind::RmsNorm {
+                    eps,
+                    head_dim: None,
+                    unit_offset: false,
+                },
+                &[x, norm.weight.value],
+                name,
+            ),
         }
     }
 

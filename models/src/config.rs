@@ -29,7 +29,8 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["gpt2", "llama", "mistral", "opt"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 7] =
+    ["gpt2", "llama", "mistral", "olmo2", "opt", "qwen2", "qwen3"];
 
 /// The largest accepted width of any dimension (vocabulary, hidden size, heads, positions).
 ///
@@ -85,6 +86,41 @@ pub struct LlamaLayout {
     pub mlp_bias: bool,
     /// Mistral's sliding attention window in tokens; `None` attends to the whole prefix.
     pub sliding_window: Option<u64>,
+    /// Layers before this one attend to the whole prefix even with a window (Qwen2's
+    /// `max_window_layers`: the window is on layers `i >= max_window_layers`).
+    #[serde(default)]
+    pub full_attention_layers: u64,
+    /// Biases on the q, k and v projections only, not on `o_proj` (Qwen2).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// RMSNorms of the projected queries and keys (Qwen3, OLMo 2).
+    #[serde(default)]
+    pub qk_norm: QkNorm,
+    /// Norms after attention and after the MLP, on the block outputs before each residual add,
+    /// instead of before them (OLMo 2).
+    #[serde(default)]
+    pub post_norm: bool,
+}
+
+impl LlamaLayout {
+    /// The attention window of layer `layer`.
+    pub fn window_of(&self, layer: u64) -> Option<u64> {
+        self.sliding_window
+            .filter(|_| layer >= self.full_attention_layers)
+    }
+}
+
+/// Where the queries and keys are RMS-normalised after their projections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    /// Not normalised.
+    #[default]
+    None,
+    /// Each head separately, with a `[head_dim]` weight (Qwen3's `q_norm`, `k_norm`).
+    PerHead,
+    /// The whole projection, with a `[heads * head_dim]` weight (OLMo 2's).
+    Whole,
 }
 
 /// What OPT adds to the common dimensions.
@@ -111,6 +147,12 @@ pub enum Architecture {
     Llama(LlamaLayout),
     /// Mistral: LLaMA with an optional sliding attention window.
     Mistral(LlamaLayout),
+    /// Qwen2 and Qwen2.5: LLaMA with q/k/v biases and windows on the upper layers.
+    Qwen2(LlamaLayout),
+    /// Qwen3: LLaMA with per-head q/k RMSNorm and an explicit `head_dim`.
+    Qwen3(LlamaLayout),
+    /// OLMo 2: LLaMA with norms after attention and MLP and q/k RMSNorm over the projection.
+    Olmo2(LlamaLayout),
     /// OPT: learned positions offset by 2, LayerNorm, ReLU MLP, biases.
     Opt(OptLayout),
 }
@@ -181,7 +223,9 @@ impl ModelConfig {
         };
         match model_type {
             "gpt2" => typed::<Gpt2Json>(&value, &from)?.into_config(&context),
-            "llama" | "mistral" => typed::<RotaryJson>(&value, &from)?.into_config(&context),
+            "llama" | "mistral" | "qwen2" | "qwen3" | "olmo2" => {
+                typed::<RotaryJson>(&value, &from)?.into_config(&context)
+            }
             _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
@@ -241,6 +285,9 @@ impl ModelConfig {
             Architecture::Gpt2 => "gpt2",
             Architecture::Llama(_) => "llama",
             Architecture::Mistral(_) => "mistral",
+            Architecture::Qwen2(_) => "qwen2",
+            Architecture::Qwen3(_) => "qwen3",
+            Architecture::Olmo2(_) => "olmo2",
             Architecture::Opt(_) => "opt",
         }
     }
@@ -250,7 +297,11 @@ impl ModelConfig {
     pub fn learned_positions(&self) -> Option<u64> {
         match self.architecture {
             Architecture::Gpt2 | Architecture::Opt(_) => Some(self.max_position_embeddings),
-            Architecture::Llama(_) | Architecture::Mistral(_) => None,
+            Architecture::Llama(_)
+            | Architecture::Mistral(_)
+            | Architecture::Qwen2(_)
+            | Architecture::Qwen3(_)
+            | Architecture::Olmo2(_) => None,
         }
     }
 }
@@ -490,9 +541,15 @@ struct RotaryJson {
     attention_bias: Option<Flag>,
     /// LLaMA only.
     mlp_bias: Option<Flag>,
-    /// Mistral only.
+    /// Mistral, Qwen2 and Qwen3.
     #[serde(default)]
     sliding_window: Given<Dim<{ u64::MAX }>>,
+    /// Qwen2 and Qwen3: whether `sliding_window` applies at all.
+    use_sliding_window: Option<Flag>,
+    /// Qwen2 and Qwen3: layers below this one have no window.
+    max_window_layers: Option<Dim<{ u64::MAX }>>,
+    /// Qwen2 and Qwen3: `full_attention` or `sliding_attention` per layer.
+    layer_types: Option<Vec<Text>>,
 }
 
 /// v4's `rope_scaling` or v5's `rope_parameters`.
@@ -710,20 +767,23 @@ const ROPE_TYPES: &str = "default, linear, llama3";
 
 impl RotaryJson {
     fn into_config(self, c: &Context) -> Result<ModelConfig> {
-        let mistral = c.model_type == "mistral";
+        let family = c.model_type;
+        let mistral = family == "mistral";
+        let qwen = matches!(family, "qwen2" | "qwen3");
         let vocab = c.required(self.vocab_size, "vocab_size")?;
         let hidden = c.required(self.hidden_size, "hidden_size")?;
         let intermediate = c.required(self.intermediate_size, "intermediate_size")?;
         let layers = c.required(self.num_hidden_layers, "num_hidden_layers")?;
         let heads = c.required(self.num_attention_heads, "num_attention_heads")?;
-        // LlamaConfig always requires hidden % heads == 0; MistralConfig only uses the quotient
-        // when `head_dim` is not given.
+        // LlamaConfig always requires hidden % heads == 0; the others only use the quotient
+        // when `head_dim` is not given, and Qwen3Config's default is 128.
         let head_dim = match self.head_dim {
-            Some(Dim(d)) if mistral => d,
+            Some(Dim(d)) if family != "llama" => d,
             Some(Dim(d)) => {
                 c.split_heads(hidden, heads)?;
                 d
             }
+            None if family == "qwen3" => 128,
             None => c.split_heads(hidden, heads)?,
         };
         if head_dim % 2 != 0 {
@@ -733,23 +793,24 @@ impl RotaryJson {
                 head_dim,
             ));
         }
-        // MistralConfig's defaults are 8 KV heads and a 4096-token window when the field is
-        // absent, while an explicit `null` means "as many as the heads" and "no window".
+        // MistralConfig's default is 8 KV heads and Qwen's 32 when the field is absent, while an
+        // explicit `null` means "as many as the heads".
         let kv_heads = match self.num_key_value_heads {
             Given::Absent if mistral => 8,
+            Given::Absent if qwen => 32,
             Given::Absent | Given::Null => heads,
             Given::Value(Dim(n)) => n,
         };
         c.check_kv_heads(heads, kv_heads)?;
-        let sliding_window = match self.sliding_window {
-            _ if !mistral => None,
-            Given::Absent => Some(4096),
-            Given::Null => None,
-            Given::Value(Dim(w)) => Some(w),
-        };
-        let max_positions = self
-            .max_position_embeddings
-            .map_or(if mistral { 4096 * 32 } else { 2048 }, |d| d.0);
+        let (sliding_window, full_attention_layers) = self.window(c, layers)?;
+        let max_positions = self.max_position_embeddings.map_or(
+            match family {
+                "mistral" => 4096 * 32,
+                "qwen2" | "qwen3" => 32768,
+                _ => 2048,
+            },
+            |d| d.0,
+        );
         c.activation(
             "hidden_act",
             self.hidden_act.as_ref(),
@@ -757,23 +818,37 @@ impl RotaryJson {
             &[Activation::Silu],
         )?;
         let (rope_theta, rope_scaling) = self.rope(c, max_positions)?;
+        // Qwen2 always has q/k/v biases and reads neither flag; Mistral reads neither either.
+        let reads_biases = matches!(family, "llama" | "qwen3" | "olmo2");
         let layout = LlamaLayout {
             rope_theta,
             rope_scaling,
-            attention_bias: !mistral && flag(self.attention_bias, false),
-            mlp_bias: !mistral && flag(self.mlp_bias, false),
+            attention_bias: reads_biases && flag(self.attention_bias, false),
+            mlp_bias: family == "llama" && flag(self.mlp_bias, false),
             sliding_window,
+            full_attention_layers,
+            qkv_bias: family == "qwen2",
+            qk_norm: match family {
+                "qwen3" => QkNorm::PerHead,
+                "olmo2" => QkNorm::Whole,
+                _ => QkNorm::None,
+            },
+            post_norm: family == "olmo2",
         };
+        // OLMo2Config's pad_token_id defaults to 1.
         let padding_idx = match &self.pad_token_id {
+            Given::Absent if family == "olmo2" => Some(1).filter(|&p| p < vocab),
             Given::Absent | Given::Null => None,
             Given::Value(id) => Some(c.padding_idx(id, vocab)?),
         };
         Ok(ModelConfig {
             name: c.name(),
-            architecture: if mistral {
-                Architecture::Mistral(layout)
-            } else {
-                Architecture::Llama(layout)
+            architecture: match family {
+                "mistral" => Architecture::Mistral(layout),
+                "qwen2" => Architecture::Qwen2(layout),
+                "qwen3" => Architecture::Qwen3(layout),
+                "olmo2" => Architecture::Olmo2(layout),
+                _ => Architecture::Llama(layout),
             },
             vocab_size: vocab,
             hidden_size: hidden,
@@ -783,12 +858,61 @@ impl RotaryJson {
             head_dim,
             intermediate_size: intermediate,
             max_position_embeddings: max_positions,
-            norm_eps: non_negative(self.rms_norm_eps, 1e-6),
+            norm_eps: non_negative(
+                self.rms_norm_eps,
+                if family == "olmo2" { 1e-5 } else { 1e-6 },
+            ),
             activation: Activation::Silu,
             tie_word_embeddings: flag(self.tie_word_embeddings, false),
             padding_idx,
             initializer_range: non_negative(self.initializer_range, 0.02),
         })
+    }
+
+    /// The attention window and the layers below it that have none, as each family's config
+    /// class reads them. Mistral: `sliding_window` (4096 when absent, none when `null`) on
+    /// every layer. Qwen2 and Qwen3: none unless `use_sliding_window`, then `sliding_window`
+    /// (4096 when absent) on the layers `layer_types` marks `sliding_attention`, by default
+    /// those at or above `max_window_layers` (28). LLaMA and OLMo 2 read no window.
+    fn window(&self, c: &Context, layers: u64) -> Result<(Option<u64>, u64)> {
+        let size = |absent: Option<u64>| match self.sliding_window {
+            Given::Absent => absent,
+            Given::Null => None,
+            Given::Value(Dim(w)) => Some(w),
+        };
+        match c.model_type {
+            "mistral" => Ok((size(Some(4096)), 0)),
+            "qwen2" | "qwen3" => {
+                let window = size(Some(4096)).filter(|_| flag(self.use_sliding_window, false));
+                let Some(types) = &self.layer_types else {
+                    let below = self.max_window_layers.map_or(28, |d| d.0).min(layers);
+                    return Ok((window, below));
+                };
+                if types.len() as u64 != layers {
+                    return Err(c.invalid(
+                        "layer_types",
+                        &format!("a list of {layers} layer types (one per layer)"),
+                        format!("{} entries", types.len()),
+                    ));
+                }
+                // Full layers first, then windowed ones: the one pattern Qwen's configs make.
+                let full = types.iter().take_while(|t| t.0 == "full_attention").count();
+                if let Some((i, t)) = types
+                    .iter()
+                    .enumerate()
+                    .skip(full)
+                    .find(|(_, t)| t.0 != "sliding_attention")
+                {
+                    return Err(c.unsupported(
+                        "layer_types",
+                        &format!("{} at layer {i}", t.0),
+                        "full_attention layers followed by sliding_attention layers",
+                    ));
+                }
+                Ok((window, full as u64))
+            }
+            _ => Ok((None, 0)),
+        }
     }
 
     /// RoPE settings as transformers' `RotaryEmbeddingConfigMixin` standardizes them: v4's
@@ -801,7 +925,11 @@ impl RotaryJson {
         let (field, params) = match (&self.rope_scaling, &self.rope_parameters) {
             (Some(params), _) => ("rope_scaling", params),
             (None, Some(params)) => ("rope_parameters", params),
-            (None, None) => return Ok((top_theta, RopeScaling::None)),
+            (None, None) => {
+                // transformers reads a top-level factor without any RoPE dict too.
+                check_partial_rotary(c, self.partial_rotary_factor.as_ref())?;
+                return Ok((top_theta, RopeScaling::None));
+            }
         };
         if let Some((key, _)) = params.others.iter().find(|(_, v)| v.is_object()) {
             return Err(c.unsupported(
@@ -816,15 +944,7 @@ impl RotaryJson {
             .partial_rotary_factor
             .as_ref()
             .or(self.partial_rotary_factor.as_ref());
-        if let Some(Number(factor)) = partial {
-            if factor.as_f64() != Some(1.0) {
-                return Err(c.unsupported(
-                    "partial_rotary_factor",
-                    &factor.to_string(),
-                    "1.0 (rotate the whole head)",
-                ));
-            }
-        }
+        check_partial_rotary(c, partial)?;
         let rope_type = match params.rope_type.as_ref().or(params.old_type.as_ref()) {
             Some(Text(t)) => t.as_str(),
             None => "default",
@@ -857,6 +977,21 @@ impl RotaryJson {
         };
         Ok((theta, scaling))
     }
+}
+
+/// Refuses a `partial_rotary_factor` other than 1: rotating part of each head is not
+/// implemented.
+fn check_partial_rotary(c: &Context, partial: Option<&Number>) -> Result<()> {
+    if let Some(Number(factor)) = partial {
+        if factor.as_f64() != Some(1.0) {
+            return Err(c.unsupported(
+                "partial_rotary_factor",
+                &factor.to_string(),
+                "1.0 (rotate the whole head)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl OptJson {

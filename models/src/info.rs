@@ -1,8 +1,9 @@
 //! A model's vital statistics: dimensions, exact parameter count, and model-state memory.
 
 use crate::build::{build_forward, BuildOptions};
-use crate::config::ModelConfig;
+use crate::config::{Architecture, LlamaLayout, ModelConfig, QkNorm};
 use crate::error::Result;
+use protrain_ir::RopeScaling;
 use serde::{Deserialize, Serialize};
 
 /// Bytes of model state per parameter in mixed-precision AdamW training, part by part.
@@ -92,6 +93,9 @@ pub struct ModelInfo {
     pub parameters: u64,
     /// Model-state memory of mixed-precision AdamW training.
     pub model_state_bytes: ModelStateBytes,
+    /// What makes the model what it is beyond its sizes, one `what: how` line each: norms and
+    /// where they sit, biases, q/k norms, tied embeddings, positions, attention windows.
+    pub features: Vec<String>,
 }
 
 impl ModelInfo {
@@ -113,6 +117,7 @@ impl ModelInfo {
             max_positions: config.max_position_embeddings,
             parameters,
             model_state_bytes: ModelStateBytes::for_parameters(parameters),
+            features: features(config),
         })
     }
 }
@@ -122,4 +127,112 @@ impl ModelConfig {
     pub fn info(&self) -> Result<ModelInfo> {
         ModelInfo::new(self)
     }
+}
+
+/// The `what: how` lines of [`ModelInfo::features`].
+fn features(config: &ModelConfig) -> Vec<String> {
+    let tied = match config.tie_word_embeddings {
+        true => "tied embeddings: lm_head is the token embedding",
+        false => "tied embeddings: no (lm_head has its own weight)",
+    };
+    let mut lines = match &config.architecture {
+        Architecture::Gpt2 => vec![
+            "norms: LayerNorm before attention and MLP".to_string(),
+            "biases: every linear".into(),
+            format!("positions: {} learned rows", config.max_position_embeddings),
+        ],
+        Architecture::Opt(l) => vec![
+            format!(
+                "norms: LayerNorm {} attention and MLP{}",
+                if l.do_layer_norm_before {
+                    "before"
+                } else {
+                    "after"
+                },
+                if l.final_layer_norm {
+                    ", and a final one"
+                } else {
+                    ""
+                }
+            ),
+            format!(
+                "biases: {}",
+                if l.enable_bias {
+                    "every linear"
+                } else {
+                    "none"
+                }
+            ),
+            format!(
+                "positions: {} learned rows, offset 2",
+                config.max_position_embeddings
+            ),
+        ],
+        Architecture::Llama(l)
+        | Architecture::Mistral(l)
+        | Architecture::Qwen2(l)
+        | Architecture::Qwen3(l)
+        | Architecture::Olmo2(l) => rotary_features(config, l),
+    };
+    lines.push(tied.into());
+    lines
+}
+
+/// The features of the LLaMA-like families.
+fn rotary_features(config: &ModelConfig, l: &LlamaLayout) -> Vec<String> {
+    let norms = match l.post_norm {
+        false => "norms: RMSNorm before attention and MLP",
+        true => "norms: RMSNorm after attention and MLP (on each output, before its residual add)",
+    };
+    let mut biases = Vec::new();
+    if l.attention_bias {
+        biases.push("q, k, v, o");
+    } else if l.qkv_bias {
+        biases.push("q, k, v");
+    }
+    if l.mlp_bias {
+        biases.push("gate, up, down");
+    }
+    let biases = match biases.is_empty() {
+        true => "none".to_string(),
+        false => biases.join("; "),
+    };
+    let qk_norm = match l.qk_norm {
+        QkNorm::None => "none".to_string(),
+        QkNorm::PerHead => format!("RMSNorm per head ({} wide)", config.head_dim),
+        QkNorm::Whole => "RMSNorm over the whole projection".into(),
+    };
+    let scaling = match l.rope_scaling {
+        RopeScaling::None => String::new(),
+        RopeScaling::Linear { factor } => format!(", linear scaling by {factor}"),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => format!(
+            ", llama3 scaling (factor {factor}, low {low_freq_factor}, high {high_freq_factor}, \
+             original {original_max_position_embeddings})"
+        ),
+    };
+    let window = match l.sliding_window {
+        None => "none (every layer attends to the whole prefix)".to_string(),
+        Some(w) if l.full_attention_layers == 0 => format!("{w} tokens on every layer"),
+        Some(_) if l.full_attention_layers >= config.num_layers => {
+            "none (the window starts above the last layer)".into()
+        }
+        Some(w) => format!(
+            "{w} tokens on layers {}..={}; the whole prefix on layers 0..={}",
+            l.full_attention_layers,
+            config.num_layers - 1,
+            l.full_attention_layers - 1
+        ),
+    };
+    vec![
+        norms.into(),
+        format!("biases: {biases}"),
+        format!("q/k norm: {qk_norm}"),
+        format!("positions: RoPE theta {}{scaling}", l.rope_theta),
+        format!("attention window: {window}"),
+    ]
 }

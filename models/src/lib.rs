@@ -19,7 +19,7 @@ pub mod presets;
 
 pub use build::{build_forward, BuildOptions};
 pub use config::{
-    Activation, Architecture, LlamaLayout, ModelConfig, OptLayout, SUPPORTED_MODEL_TYPES,
+    Activation, Architecture, LlamaLayout, ModelConfig, OptLayout, QkNorm, SUPPORTED_MODEL_TYPES,
 };
 pub use error::{ConfigSource, ModelError, Result};
 pub use info::{ModelInfo, ModelStateBytes};

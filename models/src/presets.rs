@@ -82,6 +82,18 @@ const PRESETS: &[Preset] = &[
         "Mistral 7B v0.1: 7.24B parameters, 8 KV heads, 4096-token sliding window"
     ),
     preset!(
+        "qwen2.5-7b",
+        "Qwen2.5 7B: 7.62B parameters, 28 layers, hidden 3584, 4 KV heads, q/k/v biases"
+    ),
+    preset!(
+        "qwen3-8b",
+        "Qwen3 8B: 8.19B parameters, 36 layers, hidden 4096, 8 KV heads, per-head q/k norms"
+    ),
+    preset!(
+        "olmo2-1b",
+        "OLMo 2 1B: 1.48B parameters, 16 layers, hidden 2048, norms after attention and MLP"
+    ),
+    preset!(
         "opt-1.3b",
         "OPT 1.3B: 1.32B parameters, 24 layers, hidden 2048, 2048 positions"
     ),

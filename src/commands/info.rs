@@ -38,6 +38,10 @@ pub fn run(args: Args) -> Result<()> {
     outln!("  vocab              {}", info.vocab);
     outln!("  max positions      {}", info.max_positions);
     outln!("  parameters         {}", format_count(info.parameters));
+    for feature in &info.features {
+        let (what, how) = feature.split_once(": ").unwrap_or((feature, ""));
+        outln!("  {:<18} {how}", what);
+    }
     outln!(
         "  model states       {} (16 bytes per parameter)",
         format_bytes(states.total)

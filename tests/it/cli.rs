@@ -82,6 +82,11 @@ fn info_counts_every_shared_config_exactly() {
         ("llama-2-7b.json", 6738415616),
         ("mistral-7b.json", 7241732096),
         ("opt-1.3b.json", 1315758080),
+        ("qwen2.5-0.5b.json", 494032768),
+        ("qwen2.5-7b.json", 7615616512),
+        ("qwen3-0.6b.json", 596049920),
+        ("qwen3-8b.json", 8190735360),
+        ("olmo-2-1b.json", 1484916736),
     ] {
         let path = shared_config(file);
         let out = protrain(&["info", path.to_str().expect("utf-8"), "--json"]);
@@ -96,6 +101,48 @@ fn info_prints_a_readable_table() {
     let out = protrain(&["info", "llama-2-7b"]);
     assert!(out.status.success());
     insta::assert_snapshot!(stdout(&out));
+}
+
+#[test]
+fn info_shows_what_makes_each_family_what_it_is() {
+    // Configs that differ in biases, norms, q/k norms, tying or windows read differently.
+    let (_dir, qwen_window) = temp_config(
+        r#"{"model_type": "qwen2", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "use_sliding_window": true,
+            "sliding_window": 64, "max_window_layers": 1}"#,
+    );
+    let mut text = String::new();
+    for file in [
+        "llama-2-7b.json",
+        "qwen2.5-0.5b.json",
+        "qwen2.5-7b.json",
+        "qwen3-8b.json",
+        "olmo-2-1b.json",
+        "mistral-7b.json",
+    ] {
+        let out = protrain(&["info", shared_config(file).to_str().expect("utf-8")]);
+        assert!(out.status.success(), "{file}: {}", stderr(&out));
+        text.push_str(&format!("{file}:\n"));
+        for line in stdout(&out)
+            .lines()
+            .skip(8)
+            .take_while(|l| !l.contains("model states"))
+        {
+            text.push_str(&format!("{line}\n"));
+        }
+    }
+    let out = protrain(&["info", &qwen_window]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    text.push_str("qwen2 with a window above layer 0:\n");
+    for line in stdout(&out)
+        .lines()
+        .skip(8)
+        .take_while(|l| !l.contains("model states"))
+    {
+        text.push_str(&format!("{line}\n"));
+    }
+    insta::assert_snapshot!(text);
 }
 
 #[test]

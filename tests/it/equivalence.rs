@@ -108,6 +108,12 @@ fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
 
 /// Trains `model` under every policy of the grid and holds each against the interpreter.
 fn check(model: &str, grad_clip: Option<f64>) {
+    check_fusing(model, grad_clip, true);
+}
+
+/// [`check`], for a model where fusion applies (`fuses`) or, as in OLMo 2, where no rewrite
+/// keeps the bits and nothing is fused.
+fn check_fusing(model: &str, grad_clip: Option<f64>, fuses: bool) {
     let config = protrain_models::load(model).unwrap();
     let forward = protrain_models::build_forward(
         &config,
@@ -122,15 +128,19 @@ fn check(model: &str, grad_clip: Option<f64>) {
     let unfused = training_graph(&forward, &optimizer).unwrap();
     let cost = Roofline::new(HardwareProfile::preset("host").unwrap());
     let (fused_forward, report) = fused(&forward, &cost, &FuseLimits::default()).unwrap();
-    assert!(
+    assert_eq!(
         !report.fusions.is_empty(),
-        "{model}: nothing fused: {}",
+        fuses,
+        "{model}: fusions: {}",
         report.to_text()
     );
     let training = training_graph(&fused_forward, &optimizer).unwrap();
-    assert!(training
-        .ops()
-        .any(|(_, op)| matches!(op.kind, OpKind::FusedLinearBackward { .. })));
+    assert_eq!(
+        training
+            .ops()
+            .any(|(_, op)| matches!(op.kind, OpKind::FusedLinearBackward { .. })),
+        fuses
+    );
     let chunks = chunked(&training);
     let layers = training
         .blocks()
@@ -303,4 +313,26 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
     }
     let want = interp.step(&[x, y]).unwrap();
     assert_eq!(got.loss.to_bits(), want.loss.to_bits());
+}
+
+/// The parity fixture's model of `family` (tests/fixtures), by path.
+fn fixture_model(family: &str) -> String {
+    format!("{}/tests/fixtures/{family}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn qwen2_every_policy_matches_the_interpreter_with_clipping() {
+    check(&fixture_model("qwen2"), Some(0.5));
+}
+
+#[test]
+fn qwen3_every_policy_matches_the_interpreter() {
+    check(&fixture_model("qwen3"), None);
+}
+
+#[test]
+fn olmo2_every_policy_matches_the_interpreter_with_clipping() {
+    // Its q/k/v and gate/up read the residual stream, which the residual add reads too: fusing
+    // them would sum that stream's gradient in another order, so they stay apart.
+    check_fusing(&fixture_model("olmo2"), Some(0.5), false);
 }

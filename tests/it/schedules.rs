@@ -437,3 +437,40 @@ fn dump_reads_a_schedule_file_for_the_stages_it_holds() {
     let err = check_error(&["dump", file, "--stage", "planned", "--format", "dot"]);
     assert!(err.contains("use --format text or json"), "{err}");
 }
+
+#[test]
+fn qwen_and_olmo_real_configs_compile_for_an_rtx3090() {
+    // The policy search on the published configs, as `protrain compile CONFIG --hardware
+    // rtx3090` runs it (bf16, batch 1, 512 tokens).
+    for file in [
+        "qwen2.5-0.5b",
+        "qwen2.5-7b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "olmo-2-1b",
+    ] {
+        let spec = format!(
+            "{}/models/tests/real-configs/{file}.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let config = protrain::models::load(&spec).expect("the real configs load");
+        let mut hardware = rtx3090();
+        hardware.host_memory_bytes = 256 * GIB;
+        let options = CompileOptions {
+            batch: 1,
+            seq: 512,
+            dtype: DType::BF16,
+            policy: PolicyChoice::Auto,
+            ..options(hardware, "")
+        };
+        let compiled = protrain::compile(&config, &options)
+            .unwrap_or_else(|e| panic!("{file} does not compile for an rtx3090: {e}"));
+        let peak = compiled
+            .schedule
+            .into_inner()
+            .header
+            .prediction
+            .peak_device_bytes;
+        assert!(peak <= rtx3090().device_memory_bytes, "{file}: peak {peak}");
+    }
+}

@@ -190,6 +190,19 @@ fn price(
             }
         }
     }
+    // Autodiff sums a value's gradient contributions in reverse reading order, each reader's
+    // alone. A group's backward sums its projections' contributions first, so when something
+    // outside the group also reads the shared input (OLMo 2's residual stream feeds q/k/v and
+    // the residual add), the sum would be associated differently and differ in its last bits.
+    if let OpKind::FusedLinear { count: 2.., .. } = kind {
+        let x = *inputs.first().ok_or(UNRESOLVED)?;
+        if readers[x.index()].iter().any(|u| !covers.contains(u)) {
+            return Err(
+                "its shared input is also read by other ops, whose gradients would be \
+                        summed in another order",
+            );
+        }
+    }
     Ok(Priced {
         rule: candidate.rule,
         kind: kind.clone(),

@@ -7,7 +7,9 @@
 //! each of its outputs with the value it computes:
 //!
 //! - `group`: linears of one input with the same layout and bias become one op with `count`
-//!   projections (LLaMA's q/k/v and gate/up, OPT's q/k/v);
+//!   projections (LLaMA's q/k/v and gate/up, OPT's q/k/v); extraction applies it only when
+//!   nothing else reads that input, since autodiff would otherwise sum the input's gradient
+//!   in another association (OLMo 2's projections read the residual stream);
 //! - `gelu`, `relu`: an activation of a linear becomes its epilogue;
 //! - `swiglu`: `swiglu` of a two-projection group's outputs becomes its epilogue, so gate/up and
 //!   the activation are one op;

@@ -1,10 +1,13 @@
-//! LLaMA and Mistral (`LlamaForCausalLM`, `MistralForCausalLM`): RMSNorm, q/k/v projections with
-//! rotate-half RoPE on q and k, grouped KV heads, Mistral's sliding window, a SwiGLU MLP.
+//! LLaMA and the families built like it (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Olmo2ForCausalLM`): RMSNorm, q/k/v projections with
+//! rotate-half RoPE on q and k, grouped KV heads, a SwiGLU MLP; Mistral's and Qwen's sliding
+//! windows, Qwen2's q/k/v biases, Qwen3's per-head and OLMo 2's whole-projection q/k norms, and
+//! OLMo 2's norms after (not before) attention and MLP.
 
-use super::{Builder, Linear, Norm, Weight};
-use crate::config::{LlamaLayout, ModelConfig};
+use super::{Blocks, Builder, Linear, Norm, Weight};
+use crate::config::{LlamaLayout, ModelConfig, QkNorm};
 use crate::error::Result;
-use protrain_ir::{OpKind, QkvLayout, WeightLayout};
+use protrain_ir::{BlockId, OpKind, QkvLayout, ValueId, WeightLayout};
 
 /// One `model.layers.{i}` block's parameters.
 struct Layer {
@@ -12,19 +15,22 @@ struct Layer {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Qwen3's and OLMo 2's `self_attn.q_norm` and `self_attn.k_norm`.
+    qk_norm: Option<(Norm, Norm)>,
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
-    input_layernorm: Norm,
-    post_attention_layernorm: Norm,
+    /// The norm before attention (`input_layernorm`), or OLMo 2's after it
+    /// (`post_attention_layernorm`).
+    attention_norm: Norm,
+    /// The norm before the MLP (`post_attention_layernorm`), or OLMo 2's after it
+    /// (`post_feedforward_layernorm`).
+    mlp_norm: Norm,
 }
 
-/// Declares LLaMA's (or Mistral's) parameters and emits its forward ops.
+/// Declares the parameters of a LLaMA-like model and emits its forward ops.
 pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout) -> Result<()> {
     let (c, v) = (config.hidden_size, config.vocab_size);
-    let q_width = config.num_heads * config.head_dim;
-    let kv_width = config.num_kv_heads * config.head_dim;
-    let inner = config.intermediate_size;
     let (tokens, targets) = b.inputs();
     let blocks = b.blocks(
         "model.embed_tokens",
@@ -42,80 +48,11 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout)
     if config.tie_word_embeddings {
         b.alias(embed, "lm_head.weight".into());
     }
-    let linear = WeightLayout::OutIn;
-    let (attn_bias, mlp_bias) = (layout.attention_bias, layout.mlp_bias);
     let layers: Vec<Layer> = blocks
         .layers
         .iter()
         .enumerate()
-        .map(|(i, &block)| {
-            let p = format!("model.layers.{i}");
-            Layer {
-                q_proj: b.linear_params(
-                    &format!("{p}.self_attn.q_proj"),
-                    c,
-                    q_width,
-                    attn_bias,
-                    linear,
-                    block,
-                ),
-                k_proj: b.linear_params(
-                    &format!("{p}.self_attn.k_proj"),
-                    c,
-                    kv_width,
-                    attn_bias,
-                    linear,
-                    block,
-                ),
-                v_proj: b.linear_params(
-                    &format!("{p}.self_attn.v_proj"),
-                    c,
-                    kv_width,
-                    attn_bias,
-                    linear,
-                    block,
-                ),
-                o_proj: b.linear_params(
-                    &format!("{p}.self_attn.o_proj"),
-                    q_width,
-                    c,
-                    attn_bias,
-                    linear,
-                    block,
-                ),
-                gate_proj: b.linear_params(
-                    &format!("{p}.mlp.gate_proj"),
-                    c,
-                    inner,
-                    mlp_bias,
-                    linear,
-                    block,
-                ),
-                up_proj: b.linear_params(
-                    &format!("{p}.mlp.up_proj"),
-                    c,
-                    inner,
-                    mlp_bias,
-                    linear,
-                    block,
-                ),
-                down_proj: b.linear_params(
-                    &format!("{p}.mlp.down_proj"),
-                    inner,
-                    c,
-                    mlp_bias,
-                    linear,
-                    block,
-                ),
-                input_layernorm: b.norm_params(&format!("{p}.input_layernorm"), c, false, block),
-                post_attention_layernorm: b.norm_params(
-                    &format!("{p}.post_attention_layernorm"),
-                    c,
-                    false,
-                    block,
-                ),
-            }
-        })
+        .map(|(i, &block)| layer_params(b, config, layout, i, block))
         .collect();
     let norm = b.norm_params("model.norm", c, false, blocks.head);
     let lm_head: Weight = if config.tie_word_embeddings {
@@ -134,43 +71,164 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout)
         "embed_tokens".into(),
     )?;
     let eps = config.norm_eps;
+    for (i, layer) in layers.iter().enumerate() {
+        x = decoder_layer(b, config, layout, &blocks, i, layer, x)?;
+    }
+    b.enter(blocks.head);
+    let x = b.norm(x, &norm, eps, "norm".into())?;
+    b.logits_and_loss(x, lm_head, targets)
+}
+
+/// Declares `model.layers.{i}`'s parameters, in `named_parameters()` order.
+fn layer_params(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &LlamaLayout,
+    i: usize,
+    block: BlockId,
+) -> Layer {
+    let c = config.hidden_size;
+    let q_width = config.num_heads * config.head_dim;
+    let kv_width = config.num_kv_heads * config.head_dim;
+    let inner = config.intermediate_size;
+    let p = format!("model.layers.{i}");
+    let linear = WeightLayout::OutIn;
+    let (qkv_bias, o_bias) = (
+        layout.attention_bias || layout.qkv_bias,
+        layout.attention_bias,
+    );
+    let mlp_bias = layout.mlp_bias;
+    let mut proj = |name: &str, input: u64, output: u64, bias: bool| {
+        b.linear_params(&format!("{p}.{name}"), input, output, bias, linear, block)
+    };
+    let q_proj = proj("self_attn.q_proj", c, q_width, qkv_bias);
+    let k_proj = proj("self_attn.k_proj", c, kv_width, qkv_bias);
+    let v_proj = proj("self_attn.v_proj", c, kv_width, qkv_bias);
+    let o_proj = proj("self_attn.o_proj", q_width, c, o_bias);
+    let qk_width = match layout.qk_norm {
+        QkNorm::None => None,
+        QkNorm::PerHead => Some((config.head_dim, config.head_dim)),
+        QkNorm::Whole => Some((q_width, kv_width)),
+    };
+    let qk_norm = qk_width.map(|(q, k)| {
+        (
+            b.norm_params(&format!("{p}.self_attn.q_norm"), q, false, block),
+            b.norm_params(&format!("{p}.self_attn.k_norm"), k, false, block),
+        )
+    });
+    let mut proj = |name: &str, input: u64, output: u64| {
+        b.linear_params(
+            &format!("{p}.{name}"),
+            input,
+            output,
+            mlp_bias,
+            linear,
+            block,
+        )
+    };
+    let gate_proj = proj("mlp.gate_proj", c, inner);
+    let up_proj = proj("mlp.up_proj", c, inner);
+    let down_proj = proj("mlp.down_proj", inner, c);
+    let (first, second) = match layout.post_norm {
+        false => ("input_layernorm", "post_attention_layernorm"),
+        true => ("post_attention_layernorm", "post_feedforward_layernorm"),
+    };
+    Layer {
+        q_proj,
+        k_proj,
+        v_proj,
+        o_proj,
+        qk_norm,
+        gate_proj,
+        up_proj,
+        down_proj,
+        attention_norm: b.norm_params(&format!("{p}.{first}"), c, false, block),
+        mlp_norm: b.norm_params(&format!("{p}.{second}"), c, false, block),
+    }
+}
+
+/// Emits layer `i`'s forward ops on the residual stream `x`; returns the new stream.
+fn decoder_layer(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &LlamaLayout,
+    blocks: &Blocks,
+    i: usize,
+    layer: &Layer,
+    x: ValueId,
+) -> Result<ValueId> {
+    let eps = config.norm_eps;
+    b.enter(blocks.layers[i]);
+    let n = |what: &str| format!("layers.{i}.{what}");
+    // Pre-norm: x + attn(norm(x)); OLMo 2's post-norm: x + norm(attn(x)). The same for the MLP.
+    let h = match layout.post_norm {
+        false => b.norm(x, &layer.attention_norm, eps, n("input_layernorm"))?,
+        true => x,
+    };
+    let att = attention(b, config, layout, i as u64, layer, h)?;
+    let att = match layout.post_norm {
+        false => att,
+        true => b.norm(
+            att,
+            &layer.attention_norm,
+            eps,
+            n("post_attention_layernorm"),
+        )?,
+    };
+    let x = b.add(x, att, n("attn.residual"))?;
+    let h = match layout.post_norm {
+        false => b.norm(x, &layer.mlp_norm, eps, n("post_attention_layernorm"))?,
+        true => x,
+    };
+    let gate = b.linear(h, &layer.gate_proj, n("mlp.gate"))?;
+    let up = b.linear(h, &layer.up_proj, n("mlp.up"))?;
+    let h = b.op(OpKind::Swiglu, &[gate, up], n("mlp.act"))?;
+    let h = b.linear(h, &layer.down_proj, n("mlp.out"))?;
+    let h = match layout.post_norm {
+        false => h,
+        true => b.norm(h, &layer.mlp_norm, eps, n("post_feedforward_layernorm"))?,
+    };
+    b.add(x, h, n("out"))
+}
+
+/// Emits layer `layer_index`'s attention on the normalised stream `h`, up to `o_proj`.
+fn attention(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &LlamaLayout,
+    layer_index: u64,
+    layer: &Layer,
+    h: ValueId,
+) -> Result<ValueId> {
+    let i = layer_index;
+    let n = |what: &str| format!("layers.{i}.{what}");
+    let mut q = b.linear(h, &layer.q_proj, n("attn.q"))?;
+    let mut k = b.linear(h, &layer.k_proj, n("attn.k"))?;
+    let v = b.linear(h, &layer.v_proj, n("attn.v"))?;
+    if let Some((q_norm, k_norm)) = &layer.qk_norm {
+        let head_dim = (layout.qk_norm == QkNorm::PerHead).then_some(config.head_dim);
+        let norm = OpKind::RmsNorm {
+            eps: config.norm_eps,
+            head_dim,
+            unit_offset: false,
+        };
+        q = b.op(norm.clone(), &[q, q_norm.weight.value], n("attn.q_norm"))?;
+        k = b.op(norm, &[k, k_norm.weight.value], n("attn.k_norm"))?;
+    }
     let rope = OpKind::Rope {
         head_dim: config.head_dim,
         theta: layout.rope_theta,
         scaling: layout.rope_scaling,
     };
+    let q = b.op(rope.clone(), &[q], n("attn.q_rope"))?;
+    let k = b.op(rope, &[k], n("attn.k_rope"))?;
     let attention = OpKind::Attention {
         heads: config.num_heads,
         kv_heads: config.num_kv_heads,
         head_dim: config.head_dim,
-        window: layout.sliding_window,
+        window: layout.window_of(layer_index),
         qkv: QkvLayout::Separate,
     };
-    for (i, (layer, &block)) in layers.iter().zip(&blocks.layers).enumerate() {
-        b.enter(block);
-        let n = |what: &str| format!("layers.{i}.{what}");
-        let h = b.norm(x, &layer.input_layernorm, eps, n("input_layernorm"))?;
-        let q = b.linear(h, &layer.q_proj, n("attn.q"))?;
-        let k = b.linear(h, &layer.k_proj, n("attn.k"))?;
-        let v = b.linear(h, &layer.v_proj, n("attn.v"))?;
-        let q = b.op(rope.clone(), &[q], n("attn.q_rope"))?;
-        let k = b.op(rope.clone(), &[k], n("attn.k_rope"))?;
-        let att = b.op(attention.clone(), &[q, k, v], n("attn.core"))?;
-        let att = b.linear(att, &layer.o_proj, n("attn.out"))?;
-        x = b.add(x, att, n("attn.residual"))?;
-        let h = b.norm(
-            x,
-            &layer.post_attention_layernorm,
-            eps,
-            n("post_attention_layernorm"),
-        )?;
-        let gate = b.linear(h, &layer.gate_proj, n("mlp.gate"))?;
-        let up = b.linear(h, &layer.up_proj, n("mlp.up"))?;
-        let h = b.op(OpKind::Swiglu, &[gate, up], n("mlp.act"))?;
-        let h = b.linear(h, &layer.down_proj, n("mlp.out"))?;
-        x = b.add(x, h, n("out"))?;
-    }
-    b.enter(blocks.head);
-    let x = b.norm(x, &norm, eps, "norm".into())?;
-    b.logits_and_loss(x, lm_head, targets)
+    let att = b.op(attention, &[q, k, v], n("attn.core"))?;
+    b.linear(att, &layer.o_proj, n("attn.out"))
 }

@@ -17,7 +17,7 @@ Run from the repository root:
     pip install torch transformers
     python models/tests/data/make_hf_params.py
 
-Produced with python 3.11.7, torch 2.15.0, transformers 5.24.0 (recorded in the output).
+Produced with python 3.11.7, torch 2.15.0, transformers 5.25.0 (recorded in the output).
 """
 
 import glob

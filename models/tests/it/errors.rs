@@ -103,11 +103,11 @@ fn invalid_json_says_where() {
 fn model_type_must_be_known() {
     check(
         r#"{"n_embd": 768}"#,
-        "config.json: missing required field `model_type`; supported: gpt2, llama, mistral, opt",
+        "config.json: missing required field `model_type`; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": "bert"}"#,
-        "config.json: unknown model_type 'bert'; supported: gpt2, llama, mistral, opt",
+        "config.json: unknown model_type 'bert'; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": 2}"#,
@@ -335,4 +335,42 @@ fn no_json_makes_the_parser_panic() {
             }
         }
     }
+}
+
+#[test]
+fn qwen_layer_types_other_than_full_then_sliding_are_refused_by_name() {
+    let qwen = r#""model_type": "qwen2", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2"#;
+    check(
+        &format!(r#"{{{qwen}, "layer_types": ["sliding_attention", "full_attention"]}}"#),
+        "config.json: layer_types 'full_attention at layer 1' is not supported for qwen2; \
+         supported: full_attention layers followed by sliding_attention layers",
+    );
+    check(
+        &format!(r#"{{{qwen}, "layer_types": ["full_attention"]}}"#),
+        "config.json: field `layer_types` must be a list of 2 layer types (one per layer), \
+         found 1 entries",
+    );
+}
+
+#[test]
+fn rope_scaling_types_not_implemented_are_refused_by_name_for_the_new_families() {
+    // Qwen2.5's long-context recipe: YaRN, which this crate does not implement yet.
+    let qwen = r#""model_type": "qwen2", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2"#;
+    check(
+        &format!(
+            r#"{{{qwen}, "rope_scaling": {{"type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}}}}"#
+        ),
+        "config.json: rope_scaling.rope_type 'yarn' is not supported for qwen2; supported: \
+         default, linear, llama3",
+    );
+    check(
+        &format!(r#"{{{qwen}, "partial_rotary_factor": 0.5}}"#),
+        "config.json: partial_rotary_factor '0.5' is not supported for qwen2; supported: 1.0 \
+         (rotate the whole head)",
+    );
 }

@@ -101,7 +101,7 @@ fn test_configs_match_transformers() {
         .map(|e| e.unwrap().path())
         .collect();
     files.sort();
-    assert!(files.len() >= 7, "{files:?}");
+    assert!(files.len() >= 10, "{files:?}");
     for file in files {
         let stem = file.file_stem().unwrap().to_str().unwrap().to_string();
         check(
@@ -114,7 +114,7 @@ fn test_configs_match_transformers() {
 #[test]
 fn reference_fixtures_match_transformers() {
     // The configs transformers 5 wrote for the numerics fixtures, with everything it records.
-    for model in ["gpt2", "llama", "mistral", "opt"] {
+    for model in ["gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2"] {
         let dir = Path::new(MODELS).join("../tests/fixtures").join(model);
         let mut expected = read_json(&dir.join("expected.json"));
         expected["parameters"] = expected["param_count"].clone();
@@ -139,6 +139,11 @@ fn real_configs_have_their_published_counts() {
         ("llama-2-7b.json", 6_738_415_616),
         ("mistral-7b.json", 7_241_732_096),
         ("opt-1.3b.json", 1_315_758_080),
+        ("qwen2.5-0.5b.json", 494_032_768),
+        ("qwen2.5-7b.json", 7_615_616_512),
+        ("qwen3-0.6b.json", 596_049_920),
+        ("qwen3-8b.json", 8_190_735_360),
+        ("olmo-2-1b.json", 1_484_916_736),
     ] {
         check_count(real_configs().join(file).to_str().unwrap(), parameters);
     }
@@ -173,6 +178,9 @@ fn presets_have_their_published_counts() {
         ("llama-2-70b", 68_976_648_192),
         ("llama-3-8b", 8_030_261_248),
         ("mistral-7b", 7_241_732_096),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen3-8b", 8_190_735_360),
+        ("olmo2-1b", 1_484_916_736),
         ("opt-1.3b", 1_315_758_080),
         ("opt-13b", 12_853_473_280),
         // 48 layers x 616,655,872 + 50272 x 7168 tokens + 2050 x 7168 positions + 2 x 7168 final

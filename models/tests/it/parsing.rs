@@ -2,7 +2,7 @@
 
 use protrain_ir::RopeScaling;
 use protrain_models::{
-    load, presets, Architecture, ConfigSource, LlamaLayout, ModelConfig, OptLayout,
+    load, presets, Architecture, ConfigSource, LlamaLayout, ModelConfig, OptLayout, QkNorm,
 };
 
 const MODELS: &str = env!("CARGO_MANIFEST_DIR");
@@ -19,7 +19,11 @@ fn check_same(a: &str, b: &str) {
 
 fn llama_layout(config: &ModelConfig) -> &LlamaLayout {
     match &config.architecture {
-        Architecture::Llama(layout) | Architecture::Mistral(layout) => layout,
+        Architecture::Llama(layout)
+        | Architecture::Mistral(layout)
+        | Architecture::Qwen2(layout)
+        | Architecture::Qwen3(layout)
+        | Architecture::Olmo2(layout) => layout,
         other => panic!("not a rotary model: {other:?}"),
     }
 }
@@ -226,6 +230,9 @@ fn presets_are_listed_in_a_stable_order() {
             "llama-2-70b",
             "llama-3-8b",
             "mistral-7b",
+            "qwen2.5-7b",
+            "qwen3-8b",
+            "olmo2-1b",
             "opt-1.3b",
             "opt-13b",
             "opt-30b",
@@ -295,4 +302,73 @@ fn tiny_presets_fit_the_synthetic_corpus() {
         llama_layout(&load("mistral-7b").unwrap()).sliding_window,
         Some(4096)
     );
+}
+
+const QWEN: &str = r#""vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 4"#;
+
+#[test]
+fn qwen_windows_sit_on_the_layers_transformers_gives_them() {
+    let qwen2 = |extra: &str| {
+        parse(&format!(
+            r#"{{"model_type": "qwen2", {QWEN}, "num_attention_heads": 32, "head_dim": 8{extra}}}"#
+        ))
+    };
+    // No window unless `use_sliding_window`, whatever `sliding_window` says.
+    let off = qwen2(r#", "sliding_window": 3"#);
+    let layout = llama_layout(&off);
+    assert_eq!(
+        (0..4).map(|i| layout.window_of(i)).collect::<Vec<_>>(),
+        [None; 4]
+    );
+    // With it: the layers at or above `max_window_layers`.
+    let on = qwen2(r#", "use_sliding_window": true, "sliding_window": 3, "max_window_layers": 1"#);
+    let windows: Vec<_> = (0..4).map(|i| llama_layout(&on).window_of(i)).collect();
+    assert_eq!(windows, [None, Some(3), Some(3), Some(3)]);
+    // An explicit `layer_types` says the same.
+    check_same(
+        &format!(
+            r#"{{"model_type": "qwen2", {QWEN}, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "use_sliding_window": true, "sliding_window": 3, "max_window_layers": 1}}"#
+        ),
+        &format!(
+            r#"{{"model_type": "qwen2", {QWEN}, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "use_sliding_window": true, "sliding_window": 3, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+            "sliding_attention"]}}"#
+        ),
+    );
+    // transformers' defaults: the window 4096 above layer 28, 32 KV heads when absent.
+    let defaults = qwen2(r#", "use_sliding_window": true"#);
+    assert_eq!(llama_layout(&defaults).sliding_window, Some(4096));
+    assert_eq!(llama_layout(&defaults).full_attention_layers, 4);
+    assert_eq!(defaults.num_kv_heads, 32);
+}
+
+#[test]
+fn each_rotary_family_has_its_own_biases_norms_and_defaults() {
+    let family = |t: &str, extra: &str| {
+        parse(&format!(
+            r#"{{"model_type": "{t}", {QWEN}, "num_attention_heads": 4,
+            "num_key_value_heads": 4{extra}}}"#
+        ))
+    };
+    let qwen2 = family("qwen2", r#", "attention_bias": true"#);
+    let l = llama_layout(&qwen2);
+    // Qwen2 has q/k/v biases and no o_proj bias whatever `attention_bias` says.
+    assert!(l.qkv_bias && !l.attention_bias && l.qk_norm == QkNorm::None && !l.post_norm);
+    let qwen3 = family("qwen3", r#", "attention_bias": true"#);
+    let l = llama_layout(&qwen3);
+    assert!(!l.qkv_bias && l.attention_bias && l.qk_norm == QkNorm::PerHead && !l.post_norm);
+    // Qwen3Config's head_dim defaults to 128, not hidden / heads.
+    assert_eq!(qwen3.head_dim, 128);
+    let olmo2 = family("olmo2", "");
+    let l = llama_layout(&olmo2);
+    assert!(!l.qkv_bias && l.qk_norm == QkNorm::Whole && l.post_norm);
+    assert_eq!(
+        (olmo2.head_dim, olmo2.num_kv_heads, olmo2.norm_eps),
+        (8, 4, 1e-5)
+    );
+    // OLMo2Config's pad_token_id defaults to 1.
+    assert_eq!(olmo2.padding_idx, Some(1));
+    assert_eq!(qwen2.padding_idx, None);
 }
