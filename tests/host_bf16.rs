@@ -732,6 +732,8 @@ fn attention_rounds_its_probabilities_and_gradients() {
             head_dim,
             window,
             qkv,
+            scale: None,
+            softcap: None,
         });
         let (stored, _) = fwd.run_host_bf16();
         check_op(&what, &fwd);
@@ -750,6 +752,8 @@ fn attention_rounds_its_probabilities_and_gradients() {
                 head_dim,
                 window,
                 qkv,
+                scale: None,
+                softcap: None,
             });
         check_op(&format!("{what} backward"), &bwd);
     }

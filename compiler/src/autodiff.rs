@@ -162,6 +162,11 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
         OpKind::Relu => rule(OpKind::ReluBackward, vec![Input(0)], vec![0]),
         OpKind::Silu => rule(OpKind::SiluBackward, vec![Input(0)], vec![0]),
         OpKind::Swiglu => rule(OpKind::SwigluBackward, vec![Input(0), Input(1)], vec![0, 1]),
+        OpKind::Geglu => rule(OpKind::GegluBackward, vec![Input(0), Input(1)], vec![0, 1]),
+        // From the output: the loss that reads the capped logits keeps them alive anyway.
+        OpKind::Softcap { cap } => rule(OpKind::SoftcapBackward { cap }, vec![Output(0)], vec![0]),
+        // Linear: the gradient is the output gradient scaled by the same factor.
+        OpKind::Scale { factor } => rule(OpKind::Scale { factor }, vec![], vec![0]),
         OpKind::Add => VjpRule {
             backward: None,
             saves: vec![],
@@ -188,6 +193,8 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
             let backward = OpKind::AttentionBackward {
                 heads,
@@ -195,6 +202,8 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
                 head_dim,
                 window,
                 qkv,
+                scale,
+                softcap,
             };
             match qkv {
                 QkvLayout::Separate => rule(

@@ -118,6 +118,8 @@ mod cost {
             head_dim: 64,
             window: None,
             qkv: QkvLayout::Packed,
+            scale: None,
+            softcap: None,
         };
         assert_eq!(OpClass::of(&attention), OpClass::Attention);
         let time = |efficiency| {
@@ -163,6 +165,8 @@ mod cost {
             head_dim: 2,
             window: None,
             qkv: QkvLayout::Separate,
+            scale: None,
+            softcap: None,
         };
         assert!(roofline
             .op_seconds(&attention, &[], &[], DType::F32)

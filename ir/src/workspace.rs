@@ -195,6 +195,11 @@ impl WorkspaceLayout {
             | OpKind::ReluBackward
             | OpKind::SiluBackward
             | OpKind::SwigluBackward
+            | OpKind::Scale { .. }
+            | OpKind::Softcap { .. }
+            | OpKind::Geglu
+            | OpKind::SoftcapBackward { .. }
+            | OpKind::GegluBackward
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
@@ -325,6 +330,8 @@ mod tests {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 }
             } else {
                 OpKind::Attention {
@@ -333,6 +340,8 @@ mod tests {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 }
             }
         };

@@ -612,6 +612,8 @@ fn attention_forward_and_backward() {
                 head_dim,
                 window,
                 qkv,
+                scale: None,
+                softcap: None,
             };
             let fwd = match qkv {
                 QkvLayout::Separate => Builder::new(17)
@@ -644,6 +646,8 @@ fn attention_forward_and_backward() {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 })
                 .check(&format!("{what} backward"), REDUCTION);
         }

@@ -145,6 +145,8 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout)
         head_dim: config.head_dim,
         window: layout.sliding_window,
         qkv: QkvLayout::Separate,
+        scale: None,
+        softcap: None,
     };
     for (i, (layer, &block)) in layers.iter().zip(&blocks.layers).enumerate() {
         b.enter(block);
