@@ -584,13 +584,24 @@ fn norms_round_their_outputs_and_keep_f32_statistics() {
         "layer_norm_backward",
         &case.op(OpKind::LayerNormBackward { eps }),
     );
-    let case = OneOp::new(11).act(&x, 2.0).act(&[c], 1.0);
-    check_op("rms_norm", &case.op(OpKind::RmsNorm { eps }));
-    let case = OneOp::new(12).act(&x, 2.0).act(&[c], 1.0).act(&x, 1.0);
-    check_op(
-        "rms_norm_backward",
-        &case.op(OpKind::RmsNormBackward { eps }),
-    );
+    // Whole rows, then per head of 24 with a `1 + weight` scale.
+    for (head_dim, unit_offset) in [(None, false), (Some(24), true)] {
+        let w = head_dim.unwrap_or(c);
+        let case = OneOp::new(11).act(&x, 2.0).act(&[w], 1.0);
+        let kind = OpKind::RmsNorm {
+            eps,
+            head_dim,
+            unit_offset,
+        };
+        check_op("rms_norm", &case.op(kind));
+        let case = OneOp::new(12).act(&x, 2.0).act(&[w], 1.0).act(&x, 1.0);
+        let kind = OpKind::RmsNormBackward {
+            eps,
+            head_dim,
+            unit_offset,
+        };
+        check_op("rms_norm_backward", &case.op(kind));
+    }
 }
 
 #[test]
@@ -849,5 +860,82 @@ fn adamw_updates_the_f32_master_and_stores_its_rounding() {
             bits(&got_master),
             "{what}: the parameter is rounded"
         );
+    }
+}
+
+/// An RMS norm per head of width `d` with a `1 + weight` scale, in f64: each group of `d`
+/// elements of `x` normalised alone, the weight shared by the groups.
+fn rms_per_head_f64(x: &[f64], w: &[f64], d: usize, eps: f64) -> Vec<f64> {
+    let mut out = vec![0.0; x.len()];
+    for (o, g) in out.chunks_mut(d).zip(x.chunks(d)) {
+        let rstd = 1.0 / (g.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(g).zip(w) {
+            *o = (1.0 + w) * (v * rstd);
+        }
+    }
+    out
+}
+
+#[test]
+fn rms_norm_per_head_with_unit_offset_matches_finite_differences() {
+    // Two rows of three heads of 8: each head normalised alone, scaled by 1 + weight.
+    let (shape, d, eps) = ([1u64, 2, 24], 8usize, 1e-6);
+    let n = 48;
+    let wave = |k: f64, len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as f64 * k).sin() * 1.5) as f32)
+            .collect()
+    };
+    let (x, w, dy) = (wave(0.7, n), wave(1.9, d), wave(0.31, n));
+    let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<_>>();
+    let (head_dim, unit_offset) = (Some(d as u64), true);
+    let (out, _) = run_f32(
+        OpKind::RmsNorm {
+            eps,
+            head_dim,
+            unit_offset,
+        },
+        &[
+            (&shape, Data::F(x.clone())),
+            (&[d as u64], Data::F(w.clone())),
+        ],
+    );
+    let want = rms_per_head_f64(&f64s(&x), &f64s(&w), d, eps);
+    for (i, (g, w)) in out[0].iter().zip(&want).enumerate() {
+        assert!((*g as f64 - w).abs() < 1e-5, "out[{i}]: {g} vs {w}");
+    }
+    let (grads, _) = run_f32(
+        OpKind::RmsNormBackward {
+            eps,
+            head_dim,
+            unit_offset,
+        },
+        &[
+            (&shape, Data::F(x.clone())),
+            (&[d as u64], Data::F(w.clone())),
+            (&shape, Data::F(dy.clone())),
+        ],
+    );
+    // d/dv of sum(dy * f(x, w)) by central differences of the f64 reference.
+    let loss = |x: &[f64], w: &[f64]| -> f64 {
+        let y = rms_per_head_f64(x, w, d, eps);
+        y.iter().zip(&dy).map(|(y, g)| y * *g as f64).sum()
+    };
+    let h = 1e-6;
+    for (which, base, got) in [(0, f64s(&x), &grads[0]), (1, f64s(&w), &grads[1])] {
+        for i in 0..base.len() {
+            let (mut up, mut down) = (base.clone(), base.clone());
+            up[i] += h;
+            down[i] -= h;
+            let fd = match which {
+                0 => (loss(&up, &f64s(&w)) - loss(&down, &f64s(&w))) / (2.0 * h),
+                _ => (loss(&f64s(&x), &up) - loss(&f64s(&x), &down)) / (2.0 * h),
+            };
+            assert!(
+                (got[i] as f64 - fd).abs() < 1e-4 * (1.0 + fd.abs()),
+                "gradient {which}[{i}]: {} vs finite difference {fd}",
+                got[i]
+            );
+        }
     }
 }

@@ -148,8 +148,16 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             vec![Input(0), Input(1)],
             vec![0, 1, 2],
         ),
-        OpKind::RmsNorm { eps } => rule(
-            OpKind::RmsNormBackward { eps },
+        OpKind::RmsNorm {
+            eps,
+            head_dim,
+            unit_offset,
+        } => rule(
+            OpKind::RmsNormBackward {
+                eps,
+                head_dim,
+                unit_offset,
+            },
             vec![Input(0), Input(1)],
             vec![0, 1],
         ),

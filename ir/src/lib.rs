@@ -42,7 +42,7 @@ pub use schedule::{
 };
 pub use types::{format_bytes, format_count, DType, TensorType};
 pub use verify_schedule::VerifiedSchedule;
-pub use workspace::{Region, Scratch, WorkspaceLayout, WORKSPACE_ALIGN};
+pub use workspace::{norm_rows, Region, Scratch, WorkspaceLayout, WORKSPACE_ALIGN};
 
 impl Graph {
     /// The canonical text form; see [`print::print_graph`].

@@ -115,16 +115,22 @@ impl WorkspaceLayout {
                 l.push(Scratch::Mean, 4 * rows);
                 l.push(Scratch::Rstd, 4 * rows);
             }
-            OpKind::RmsNorm { .. } => l.push(Scratch::Rstd, 4 * rows),
+            OpKind::RmsNorm { head_dim, .. } => {
+                l.push(Scratch::Rstd, 4 * norm_rows(rows, cols, *head_dim))
+            }
             OpKind::LayerNormBackward { .. } => {
                 l.push(Scratch::Mean, 4 * rows);
                 l.push(Scratch::Rstd, 4 * rows);
                 l.push(Scratch::WeightPartials, partials(rows, cols));
                 l.push(Scratch::BiasPartials, partials(rows, cols));
             }
-            OpKind::RmsNormBackward { .. } => {
-                l.push(Scratch::Rstd, 4 * rows);
-                l.push(Scratch::WeightPartials, partials(rows, cols));
+            OpKind::RmsNormBackward { head_dim, .. } => {
+                let groups = norm_rows(rows, cols, *head_dim);
+                l.push(Scratch::Rstd, 4 * groups);
+                l.push(
+                    Scratch::WeightPartials,
+                    partials(groups, head_dim.unwrap_or(cols)),
+                );
             }
             OpKind::LinearBackward { bias: true, .. } => {
                 l.push(
@@ -228,6 +234,16 @@ impl WorkspaceLayout {
     /// Every part, in address order.
     pub fn parts(&self) -> &[(Scratch, Region)] {
         &self.parts
+    }
+}
+
+/// The rows an RMS norm normalises: the rows of its input, or with `head_dim` every group of
+/// `head_dim` elements of each row (a zero `head_dim`, which the type rules refuse, counts
+/// whole rows).
+pub fn norm_rows(rows: u64, cols: u64, head_dim: Option<u64>) -> u64 {
+    match head_dim {
+        Some(d) if d > 0 => rows * (cols / d),
+        _ => rows,
     }
 }
 

@@ -326,7 +326,15 @@ impl Builder {
                 &[x, norm.weight.value, bias.value],
                 name,
             ),
-            None => self.op(OpKind::RmsNorm { eps }, &[x, norm.weight.value], name),
+            None => self.op(
+                OpKind::RmsNorm {
+                    eps,
+                    head_dim: None,
+                    unit_offset: false,
+                },
+                &[x, norm.weight.value],
+                name,
+            ),
         }
     }
 

@@ -4,7 +4,8 @@
 use crate::config::{Architecture, ModelConfig};
 use protrain_ir::{Graph, OpKind, ParamId, ParamInit};
 
-/// Sets every parameter's [`ParamInit`] from how the graph uses it: norm scales are ones,
+/// Sets every parameter's [`ParamInit`] from how the graph uses it: norm scales are ones (zeros
+/// where the norm scales by `1 + weight`),
 /// norm shifts and linear biases zeros, every other weight normal with std
 /// `initializer_range`; GPT-2 scales its residual projections (`c_proj.weight`) by
 /// `1/sqrt(2 * n_layer)`, as `GPT2PreTrainedModel._init_weights` does.
@@ -16,6 +17,13 @@ pub fn assign_inits(config: &ModelConfig, graph: &mut Graph) {
     for (_, op) in graph.ops() {
         let fixed = |slot: usize| -> Option<ParamInit> {
             match (&op.kind, slot) {
+                // A `1 + weight` scale starts at one from a zero weight (Gemma's `RMSNorm`).
+                (
+                    OpKind::RmsNorm {
+                        unit_offset: true, ..
+                    },
+                    1,
+                ) => Some(ParamInit::Zeros),
                 (OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. }, 1) => Some(ParamInit::Ones),
                 (OpKind::LayerNorm { .. }, 2) | (OpKind::Linear { bias: true, .. }, 2) => {
                     Some(ParamInit::Zeros)

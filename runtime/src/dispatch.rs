@@ -140,6 +140,16 @@ fn project(
     rounding.apply(y);
 }
 
+/// The rows and columns an RMS norm of input `x` normalises: `x`'s rows and last dimension, or
+/// with `head_dim` every group of `head_dim` elements of each row as a row of its own.
+fn norm_groups(x: &TensorType, head_dim: Option<u64>) -> (usize, usize) {
+    let (rows, cols) = (x.rows(), x.last_dim());
+    (
+        protrain_ir::norm_rows(rows, cols, head_dim) as usize,
+        head_dim.unwrap_or(cols) as usize,
+    )
+}
+
 /// The parts `want` of an f32 workspace laid out as `layout` says (every part of a host op
 /// is f32 and starts at a multiple of 16 bytes, so each is a whole number of f32s), in the
 /// order asked; an empty slice for a part the layout does not have.
@@ -381,8 +391,12 @@ pub fn run<'a>(
                 *eps as f32,
             );
         }
-        OpKind::RmsNorm { eps } => {
-            let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
+        OpKind::RmsNorm {
+            eps,
+            head_dim,
+            unit_offset,
+        } => {
+            let (rows, c) = norm_groups(ty(0), *head_dim);
             kernels::rms_norm_forward(
                 outputs[0],
                 workspace_parts(workspace, &ws_layout(), [Scratch::Rstd])[0],
@@ -391,6 +405,7 @@ pub fn run<'a>(
                 rows,
                 c,
                 *eps as f32,
+                *unit_offset,
             );
         }
         OpKind::Linear { bias, layout } => {
@@ -524,14 +539,27 @@ pub fn run<'a>(
                 false,
             );
         }
-        OpKind::RmsNormBackward { eps } => {
-            let (rows, c) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
+        OpKind::RmsNormBackward {
+            eps,
+            head_dim,
+            unit_offset,
+        } => {
+            let (rows, c) = norm_groups(ty(0), *head_dim);
             let [dx, dw] = outputs else {
                 unreachable!("rms_norm_backward writes dx and dweight")
             };
             // As for layer norm: the statistics into the workspace, the rows into dx.
             let [workspace] = workspace_parts(workspace, &ws_layout(), [Scratch::Rstd]);
-            kernels::rms_norm_forward(dx, workspace, ins.f32(0), ins.f32(1), rows, c, *eps as f32);
+            kernels::rms_norm_forward(
+                dx,
+                workspace,
+                ins.f32(0),
+                ins.f32(1),
+                rows,
+                c,
+                *eps as f32,
+                *unit_offset,
+            );
             kernels::rms_norm_backward(
                 dx,
                 dw,
@@ -541,6 +569,7 @@ pub fn run<'a>(
                 workspace,
                 rows,
                 c,
+                *unit_offset,
                 false,
             );
         }

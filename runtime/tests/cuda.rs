@@ -472,17 +472,32 @@ fn norms_forward_and_backward() {
             .float(&x, dtype, 1.0)
             .op(OpKind::LayerNormBackward { eps })
             .check(&format!("layer_norm_backward {dtype}"), REDUCTION);
-        Builder::new(11)
-            .float(&x, dtype, 2.0)
-            .float(&[c], dtype, 1.0)
-            .op(OpKind::RmsNorm { eps })
-            .check(&format!("rms_norm {dtype}"), REDUCTION);
-        Builder::new(12)
-            .float(&x, dtype, 2.0)
-            .float(&[c], dtype, 1.0)
-            .float(&x, dtype, 1.0)
-            .op(OpKind::RmsNormBackward { eps })
-            .check(&format!("rms_norm_backward {dtype}"), REDUCTION);
+        // Whole rows, then per head of 24 (Qwen3's q_norm) with a `1 + weight` scale (Gemma).
+        for (head_dim, unit_offset) in [(None, false), (Some(24), true)] {
+            let w = head_dim.unwrap_or(c);
+            Builder::new(11)
+                .float(&x, dtype, 2.0)
+                .float(&[w], dtype, 1.0)
+                .op(OpKind::RmsNorm {
+                    eps,
+                    head_dim,
+                    unit_offset,
+                })
+                .check(&format!("rms_norm {dtype} {head_dim:?}"), REDUCTION);
+            Builder::new(12)
+                .float(&x, dtype, 2.0)
+                .float(&[w], dtype, 1.0)
+                .float(&x, dtype, 1.0)
+                .op(OpKind::RmsNormBackward {
+                    eps,
+                    head_dim,
+                    unit_offset,
+                })
+                .check(
+                    &format!("rms_norm_backward {dtype} {head_dim:?}"),
+                    REDUCTION,
+                );
+        }
     }
 }
 

@@ -327,12 +327,28 @@ impl OpKind {
                 shape.push(table.shape[1]);
                 Ok(TensorType::new(shape, table.dtype))
             }
-            OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. } => {
+            OpKind::LayerNorm { .. } => {
                 let x = inputs[0];
                 float(x, "input")?;
                 for p in &inputs[1..] {
                     vector(p, x.last_dim(), "weight and bias")?;
                 }
+                Ok(x.clone())
+            }
+            OpKind::RmsNorm { head_dim, .. } => {
+                let x = inputs[0];
+                float(x, "input")?;
+                let width = match *head_dim {
+                    None => x.last_dim(),
+                    Some(d) if d > 0 && x.last_dim().is_multiple_of(d) => d,
+                    Some(d) => {
+                        return Err(fail(format!(
+                            "the last dimension of {x} is not a whole number of groups of \
+                             head_dim {d}"
+                        )))
+                    }
+                };
+                vector(inputs[1], width, "weight")?;
                 Ok(x.clone())
             }
             OpKind::Linear { bias, layout } => {

@@ -155,10 +155,19 @@ pub enum OpKind {
         /// Added to the variance.
         eps: f64,
     },
-    /// Root-mean-square normalisation over the last dimension: `x`, `weight [C]`.
+    /// Root-mean-square normalisation over the last dimension: `x`, `weight [C]`; or, with
+    /// `head_dim`, over each group of `head_dim` elements of the last dimension separately,
+    /// with `weight [head_dim]` shared by the groups (Qwen3's and Gemma 3's `q_norm`/`k_norm`).
     RmsNorm {
         /// Added to the mean square.
         eps: f64,
+        /// Width of each separately normalised group; `None` normalises the whole last
+        /// dimension.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        head_dim: Option<u64>,
+        /// Scale by `1 + weight` (computed in f32) instead of `weight` (Gemma's `RMSNorm`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unit_offset: bool,
     },
     /// `x [..,in]`, `weight`, optional `bias [out]` -> `[..,out]`.
     Linear {
@@ -250,6 +259,12 @@ pub enum OpKind {
     RmsNormBackward {
         /// The forward op's epsilon.
         eps: f64,
+        /// The forward op's group width.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        head_dim: Option<u64>,
+        /// Whether the forward op scaled by `1 + weight`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unit_offset: bool,
     },
     /// `x`, `weight`, `dy` -> `dx`, `dweight`, and `dbias` when the forward op had a bias.
     LinearBackward {
@@ -544,7 +559,15 @@ impl OpKind {
                 OpKind::PositionEmbedding { offset }
             }
             OpKind::LayerNormBackward { eps } => OpKind::LayerNorm { eps },
-            OpKind::RmsNormBackward { eps } => OpKind::RmsNorm { eps },
+            OpKind::RmsNormBackward {
+                eps,
+                head_dim,
+                unit_offset,
+            } => OpKind::RmsNorm {
+                eps,
+                head_dim,
+                unit_offset,
+            },
             OpKind::LinearBackward { bias, layout } => OpKind::Linear { bias, layout },
             OpKind::GeluBackward => OpKind::Gelu,
             OpKind::ReluBackward => OpKind::Relu,
@@ -687,8 +710,20 @@ impl OpKind {
             OpKind::PositionEmbedding { offset } if *offset != 0 => {
                 vec![("offset", offset.to_string())]
             }
-            OpKind::LayerNorm { eps } | OpKind::RmsNorm { eps } => {
-                vec![("eps", format!("{eps:e}"))]
+            OpKind::LayerNorm { eps } => vec![("eps", format!("{eps:e}"))],
+            OpKind::RmsNorm {
+                eps,
+                head_dim,
+                unit_offset,
+            } => {
+                let mut attrs = vec![("eps", format!("{eps:e}"))];
+                if let Some(d) = head_dim {
+                    attrs.push(("head_dim", d.to_string()));
+                }
+                if *unit_offset {
+                    attrs.push(("unit_offset", "true".into()));
+                }
+                attrs
             }
             OpKind::Linear { layout, .. } => match layout {
                 WeightLayout::OutIn => vec![],
@@ -866,9 +901,12 @@ impl OpKind {
                 // QK^T recomputed, then dV, dP, dQ and dK: five matmuls.
                 10 * b * heads * head_dim * attention_pairs(t, window)
             }
-            OpKind::LayerNorm { .. } | OpKind::RmsNorm { .. } => 8 * out,
-            OpKind::LayerNormBackward { .. } | OpKind::RmsNormBackward { .. } => {
-                12 * inputs[0].numel()
+            OpKind::LayerNorm { .. } => 8 * out,
+            // `1 + weight` costs one more per element.
+            OpKind::RmsNorm { unit_offset, .. } => (8 + u64::from(*unit_offset)) * out,
+            OpKind::LayerNormBackward { .. } => 12 * inputs[0].numel(),
+            OpKind::RmsNormBackward { unit_offset, .. } => {
+                (12 + u64::from(*unit_offset)) * inputs[0].numel()
             }
             OpKind::CrossEntropy
             | OpKind::CrossEntropyBackward
@@ -983,4 +1021,51 @@ pub struct Op {
     pub block: BlockId,
     /// The part of the step it runs in.
     pub phase: Phase,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rms(head_dim: Option<u64>, unit_offset: bool) -> OpKind {
+        OpKind::RmsNorm {
+            eps: 1e-6,
+            head_dim,
+            unit_offset,
+        }
+    }
+
+    #[test]
+    fn rms_norm_per_head_takes_a_head_wide_weight_and_prints_its_attributes() {
+        let x = TensorType::new([2, 3, 24], DType::F32);
+        let (head, whole) = (
+            TensorType::new([8], DType::F32),
+            TensorType::new([24], DType::F32),
+        );
+        assert!(rms(Some(8), true).infer(&[&x, &head]).is_ok());
+        assert!(rms(None, false).infer(&[&x, &whole]).is_ok());
+        assert!(rms(Some(8), false).infer(&[&x, &whole]).is_err());
+        let err = rms(Some(5), false).infer(&[&x, &head]).unwrap_err();
+        assert!(err.to_string().contains("head_dim 5"), "{err}");
+        assert_eq!(
+            rms(Some(8), true).attributes(),
+            [
+                ("eps", "1e-6".to_string()),
+                ("head_dim", "8".into()),
+                ("unit_offset", "true".into())
+            ]
+        );
+        assert_eq!(rms(None, false).attributes(), [("eps", "1e-6".to_string())]);
+        // The backward kind carries both and differentiates the same forward.
+        let backward = OpKind::RmsNormBackward {
+            eps: 1e-6,
+            head_dim: Some(8),
+            unit_offset: true,
+        };
+        assert_eq!(backward.forward_of(), Some(rms(Some(8), true)));
+        assert_eq!(backward.infer(&[&x, &head, &x]).unwrap().len(), 2);
+        // Older files, without the new fields, read as whole-row norms scaled by the weight.
+        let old: OpKind = serde_json::from_str(r#"{"rms_norm":{"eps":1e-6}}"#).unwrap();
+        assert_eq!(old, rms(None, false));
+    }
 }

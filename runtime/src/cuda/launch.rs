@@ -889,9 +889,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             ];
             p.rows(st.pick(entry!("layer_norm_forward")), rows, args);
         }
-        OpKind::RmsNorm { eps } => {
+        OpKind::RmsNorm {
+            eps,
+            head_dim,
+            unit_offset,
+        } => {
             let st = p.storage(0)?;
-            let (rows, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let (rows, c) = rms_norm_groups(p.ty_in(0), *head_dim);
             let args = vec![
                 Ptr(p.output(0)),
                 Ptr(p.workspace(Scratch::Rstd)?),
@@ -900,6 +904,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(p.int(rows, "rows")?),
                 I32(p.int(c, "channels")?),
                 F32(*eps as f32),
+                I32(i32::from(*unit_offset)),
             ];
             p.rows(st.pick(entry!("rms_norm_forward")), rows, args);
         }
@@ -1095,8 +1100,12 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 args,
             );
         }
-        OpKind::LayerNormBackward { eps } => norm_backward(p, *eps, true)?,
-        OpKind::RmsNormBackward { eps } => norm_backward(p, *eps, false)?,
+        OpKind::LayerNormBackward { eps } => norm_backward(p, *eps, None)?,
+        OpKind::RmsNormBackward {
+            eps,
+            head_dim,
+            unit_offset,
+        } => norm_backward(p, *eps, Some((*head_dim, *unit_offset)))?,
         OpKind::LinearBackward { bias, layout } => {
             let st = p.storage(0)?;
             let dtype = p.ty_in(0).dtype;
@@ -1546,15 +1555,28 @@ fn rope(
     Ok(())
 }
 
+/// The rows and columns an RMS norm's kernels see: the input's rows and last dimension, or
+/// with `head_dim` each group of `head_dim` elements of a row as a row of its own.
+fn rms_norm_groups(x: &TensorType, head_dim: Option<u64>) -> (u64, u64) {
+    let (rows, cols) = (x.rows(), x.last_dim());
+    (
+        protrain_ir::norm_rows(rows, cols, head_dim),
+        head_dim.unwrap_or(cols),
+    )
+}
+
 /// Layer norm's (`layer`) or RMS norm's backward from inputs `x`, `weight`, `dy`: recompute
 /// the forward statistics into the planned workspace (the normalised rows the forward kernel
 /// also writes land in `dx`, which the last kernel overwrites), sum the weight (and bias)
 /// gradients over rows, then write `dx`.
-fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
+fn norm_backward(p: &mut Plan<'_>, eps: f64, rms: Option<(Option<u64>, bool)>) -> Result<()> {
     let st = p.storage(0)?;
     let wst = p.storage(1)?;
     let eps = eps as f32;
-    let (rows, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+    let layer = rms.is_none();
+    let (head_dim, unit_offset) = rms.unwrap_or((None, false));
+    let unit_offset = I32(i32::from(unit_offset));
+    let (rows, c) = rms_norm_groups(p.ty_in(0), head_dim);
     let (rows_i, c_i) = (p.int(rows, "rows")?, p.int(c, "channels")?);
     let (x, w, dy) = (p.input(0), p.input(1), p.input(2));
     let (dx, dw) = (p.output(0), p.output(1));
@@ -1596,6 +1618,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
                 I32(rows_i),
                 I32(c_i),
                 F32(eps),
+                unit_offset.clone(),
             ],
         ),
     }
@@ -1660,6 +1683,7 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, layer: bool) -> Result<()> {
                 Ptr(rstd),
                 I32(rows_i),
                 I32(c_i),
+                unit_offset,
             ],
         ),
     }
@@ -2111,8 +2135,20 @@ mod tests {
                 vec![x.clone(), vec_c.clone(), vec_c.clone()],
             ),
             (
-                OpKind::RmsNorm { eps: 1e-6 },
+                OpKind::RmsNorm {
+                    eps: 1e-6,
+                    head_dim: None,
+                    unit_offset: false,
+                },
                 vec![x.clone(), vec_c.clone()],
+            ),
+            (
+                OpKind::RmsNorm {
+                    eps: 1e-6,
+                    head_dim: Some(2),
+                    unit_offset: true,
+                },
+                vec![x.clone(), f(&[2])],
             ),
             (
                 OpKind::Linear {
@@ -2203,8 +2239,20 @@ mod tests {
                 vec![x.clone(), vec_c.clone(), x.clone()],
             ),
             (
-                OpKind::RmsNormBackward { eps: 1e-6 },
+                OpKind::RmsNormBackward {
+                    eps: 1e-6,
+                    head_dim: None,
+                    unit_offset: false,
+                },
                 vec![x.clone(), vec_c.clone(), x.clone()],
+            ),
+            (
+                OpKind::RmsNormBackward {
+                    eps: 1e-6,
+                    head_dim: Some(2),
+                    unit_offset: true,
+                },
+                vec![x.clone(), f(&[2]), x.clone()],
             ),
             (
                 OpKind::LinearBackward {

@@ -148,8 +148,11 @@ pub fn layer_norm_backward(
 }
 
 /// RMS norm as LLaMA's `LlamaRMSNorm` in f32: `rstd_r = 1 / sqrt(mean(x[r]^2) + eps)`,
-/// `out[r] = weight * (x[r] * rstd_r)`. `x`, `out` are `[N, C]`, `weight` is `[C]`; `rstd`
-/// (`[N]`) is saved for the backward. Outputs are overwritten.
+/// `out[r] = s * (x[r] * rstd_r)` with the scale `s = weight`, or `s = 1 + weight` when
+/// `unit_offset` (Gemma's `RMSNorm`). `x`, `out` are `[N, C]`, `weight` is `[C]`; `rstd`
+/// (`[N]`) is saved for the backward. Outputs are overwritten. A norm per head of width `D` is
+/// this with `N` the number of heads in all rows and `C = D`.
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_forward(
     out: &mut [f32],
     rstd: &mut [f32],
@@ -158,6 +161,7 @@ pub fn rms_norm_forward(
     rows: usize,
     channels: usize,
     eps: f32,
+    unit_offset: bool,
 ) {
     let c = channels;
     assert!(c > 0, "rms_norm: C must be positive");
@@ -181,7 +185,7 @@ pub fn rms_norm_forward(
                     }
                     let r = 1.0 / (sum(o) / c as f32 + eps).sqrt();
                     for ((oi, &xi), &w) in o.iter_mut().zip(xr).zip(weight) {
-                        *oi = w * (xi * r);
+                        *oi = scale(w, unit_offset) * (xi * r);
                     }
                     *s = r;
                 },
@@ -189,9 +193,20 @@ pub fn rms_norm_forward(
         });
 }
 
-/// Backward of [`rms_norm_forward`]. With `n = x * rstd` and `g = dout * weight`:
-/// `dx = (g - n * mean(g * n)) * rstd` (overwritten); `dweight = sum_r dout * n`, overwritten
-/// unless `accumulate`, reduced in row order per column.
+/// The factor an RMS norm multiplies its normalised rows by: `weight`, or `1 + weight` in f32.
+#[inline(always)]
+fn scale(w: f32, unit_offset: bool) -> f32 {
+    if unit_offset {
+        1.0 + w
+    } else {
+        w
+    }
+}
+
+/// Backward of [`rms_norm_forward`]. With `n = x * rstd` and `g = dout * s` (`s` the forward's
+/// scale): `dx = (g - n * mean(g * n)) * rstd` (overwritten); `dweight = sum_r dout * n` (the
+/// same with a unit offset: `ds/dweight = 1`), overwritten unless `accumulate`, reduced in row
+/// order per column.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     dx: &mut [f32],
@@ -202,6 +217,7 @@ pub fn rms_norm_backward(
     rstd: &[f32],
     rows: usize,
     channels: usize,
+    unit_offset: bool,
     accumulate: bool,
 ) {
     let c = channels;
@@ -225,11 +241,11 @@ pub fn rms_norm_backward(
                 || {
                     let mut gn_sum = 0.0f32;
                     for ((&d, &xi), &w) in dor.iter().zip(xr).zip(weight) {
-                        gn_sum += (d * w) * (xi * r);
+                        gn_sum += (d * scale(w, unit_offset)) * (xi * r);
                     }
                     let gn_mean = gn_sum / c as f32;
                     for (((o, &d), &xi), &w) in dxr.iter_mut().zip(dor).zip(xr).zip(weight) {
-                        *o = (d * w - (xi * r) * gn_mean) * r;
+                        *o = (d * scale(w, unit_offset) - (xi * r) * gn_mean) * r;
                     }
                 },
             )
@@ -263,9 +279,9 @@ mod tests {
         out
     }
 
-    fn rms(x: &[f32], w: &[f32]) -> Vec<f32> {
+    fn rms(x: &[f32], w: &[f32], unit_offset: bool) -> Vec<f32> {
         let (mut out, mut r) = (vec![0.0; N * C], vec![0.0; N]);
-        rms_norm_forward(&mut out, &mut r, x, w, N, C, 1e-6);
+        rms_norm_forward(&mut out, &mut r, x, w, N, C, 1e-6, unit_offset);
         out
     }
 
@@ -331,29 +347,40 @@ mod tests {
     }
 
     #[test]
-    fn rms_norm_forward_matches_llama_reference() {
+    fn rms_norm_forward_matches_llama_and_gemma_references() {
         let mut rng = Rng::new(12);
         let (x, w) = (rng.vec(N * C), rng.vec(C));
-        let mut want = vec![0.0f64; N * C];
-        for r in 0..N {
-            let row = &x[r * C..(r + 1) * C];
-            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
-            for j in 0..C {
-                want[r * C + j] = w[j] as f64 * (row[j] as f64 / (ms + 1e-6).sqrt());
+        for unit_offset in [false, true] {
+            let mut want = vec![0.0f64; N * C];
+            for r in 0..N {
+                let row = &x[r * C..(r + 1) * C];
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
+                for j in 0..C {
+                    let s = w[j] as f64 + if unit_offset { 1.0 } else { 0.0 };
+                    want[r * C + j] = s * (row[j] as f64 / (ms + 1e-6).sqrt());
+                }
             }
+            assert_close("rms_norm", &rms(&x, &w, unit_offset), &want, 2e-6);
         }
-        assert_close("rms_norm", &rms(&x, &w), &want, 2e-6);
     }
 
     #[test]
     fn rms_norm_gradients() {
         let mut rng = Rng::new(13);
         let (x, w, cot) = (rng.vec(N * C), rng.vec(C), rng.vec(N * C));
-        let (mut out, mut r) = (vec![0.0; N * C], vec![0.0; N]);
-        rms_norm_forward(&mut out, &mut r, &x, &w, N, C, 1e-6);
-        let (mut dx, mut dw) = (vec![f32::NAN; N * C], vec![f32::NAN; C]);
-        rms_norm_backward(&mut dx, &mut dw, &cot, &x, &w, &r, N, C, false);
-        check_grad("rms_norm dx", &x, &dx, |x| rms(x, &w), &cot);
-        check_grad("rms_norm dweight", &w, &dw, |w| rms(&x, w), &cot);
+        for unit_offset in [false, true] {
+            let (mut out, mut r) = (vec![0.0; N * C], vec![0.0; N]);
+            rms_norm_forward(&mut out, &mut r, &x, &w, N, C, 1e-6, unit_offset);
+            let (mut dx, mut dw) = (vec![f32::NAN; N * C], vec![f32::NAN; C]);
+            rms_norm_backward(&mut dx, &mut dw, &cot, &x, &w, &r, N, C, unit_offset, false);
+            check_grad("rms_norm dx", &x, &dx, |x| rms(x, &w, unit_offset), &cot);
+            check_grad(
+                "rms_norm dweight",
+                &w,
+                &dw,
+                |w| rms(&x, w, unit_offset),
+                &cot,
+            );
+        }
     }
 }

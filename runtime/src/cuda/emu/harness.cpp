@@ -222,7 +222,7 @@ void test_norm() {
     // RMS
     const float e2 = 1e-6f;
     std::vector<float> rr(R);
-    launch(G(7), G(256), [&] { rms_norm_forward_f32(out.data(), rr.data(), x.data(), wt.data(), R, C, e2); });
+    launch(G(7), G(256), [&] { rms_norm_forward_f32(out.data(), rr.data(), x.data(), wt.data(), R, C, e2, 0); });
     std::fill(wdw.begin(), wdw.end(), 0.0);
     for (int r = 0; r < R; ++r) {
         double ms = 0; for (int c = 0; c < C; ++c) ms += std::pow(x[(size_t)r * C + c], 2); ms /= C;
@@ -231,11 +231,32 @@ void test_norm() {
         for (int c = 0; c < C; ++c) { double n = x[(size_t)r * C + c] * rs; wdx[(size_t)r * C + c] = (dout[(size_t)r * C + c] * wt[c] - n * gns / C) * rs; }
     }
     close("rms_norm fwd", out, w, 1e-5);
-    launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), wt.data(), rr.data(), R, C); });
+    launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), wt.data(), rr.data(), R, C, 0); });
     close("rms_norm bwd dx", dx, wdx, 1e-5);
     launch(G((C + 31) / 32, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), nullptr, dout.data(), x.data(), nullptr, rr.data(), R, C, rpc); });
     launch(G(2), G(256), [&] { column_sum_finish_f32(dw.data(), pw.data(), chunks, C, 0); });
     close("rms_norm bwd dweight", dw, wdw, 1e-5);
+    // RMS per head of D = 37 (C = 333 = 9 heads) with a `1 + weight` scale (Qwen3's q_norm on
+    // Gemma's RMSNorm): each head of each row normalised alone, the weight [D] shared.
+    {
+        const int D = 37, H = C / D, HR = R * H, hchunks = (HR + rpc - 1) / rpc;
+        std::vector<float> hw(wt.begin(), wt.begin() + D), hr(HR), hdw(D), hpw((size_t)hchunks * D);
+        std::vector<double> want((size_t)R * C), wantdx((size_t)R * C), wantdw(D, 0.0);
+        for (int g = 0; g < HR; ++g) {
+            const size_t b = (size_t)g * D;
+            double ms = 0; for (int c = 0; c < D; ++c) ms += std::pow(x[b + c], 2); ms /= D;
+            double rs = 1 / std::sqrt(ms + e2), gns = 0;
+            for (int c = 0; c < D; ++c) { double n = x[b + c] * rs, s = 1.0 + hw[c]; want[b + c] = s * n; gns += dout[b + c] * s * n; wantdw[c] += dout[b + c] * n; }
+            for (int c = 0; c < D; ++c) { double n = x[b + c] * rs; wantdx[b + c] = (dout[b + c] * (1.0 + hw[c]) - n * gns / D) * rs; }
+        }
+        launch(G(7), G(256), [&] { rms_norm_forward_f32(out.data(), hr.data(), x.data(), hw.data(), HR, D, e2, 1); });
+        close("rms_norm per head, unit offset fwd", out, want, 1e-5);
+        launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), hw.data(), hr.data(), HR, D, 1); });
+        close("rms_norm per head, unit offset bwd dx", dx, wantdx, 1e-5);
+        launch(G((D + 31) / 32, hchunks), G(32, 8), [&] { norm_backward_params_partial_f32(hpw.data(), nullptr, dout.data(), x.data(), nullptr, hr.data(), HR, D, rpc); });
+        launch(G(2), G(256), [&] { column_sum_finish_f32(hdw.data(), hpw.data(), hchunks, D, 0); });
+        close("rms_norm per head, unit offset bwd dweight", hdw, wantdw, 1e-5);
+    }
     // bf16 layer norm forward
     auto xb = tobf(x), wb = tobf(wt), bb = tobf(bs); std::vector<bf16> ob((size_t)R * C);
     launch(G(7), G(256), [&] { layer_norm_forward_bf16(ob.data(), mean.data(), rstd.data(), xb.data(), wb.data(), bb.data(), R, C, eps); });

@@ -70,8 +70,15 @@ extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* dout,
 extern "C" __global__ void layer_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 extern "C" __global__ void layer_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 
+/// The factor an RMS norm multiplies its normalised rows by: weight, or 1 + weight in f32.
 template <typename T>
-__device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weight, int rows, int channels, float eps) {
+__device__ __forceinline__ float rms_scale(const T* weight, int c, int unit_offset) {
+    const float w = ld(weight, c);
+    return unit_offset ? 1.0f + w : w;
+}
+
+template <typename T>
+__device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weight, int rows, int channels, float eps, int unit_offset) {
     __shared__ float scratch[32];
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 base = (i64)r * channels;
@@ -81,37 +88,40 @@ __device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weigh
             q += v * v;
         }
         const float rs = 1.0f / sqrtf(block_sum(q, scratch) / (float)channels + eps);
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) st(out, base + c, ld(weight, c) * (ld(x, base + c) * rs));
+        for (int c = threadIdx.x; c < channels; c += blockDim.x) st(out, base + c, rms_scale(weight, c, unit_offset) * (ld(x, base + c) * rs));
         if (threadIdx.x == 0) rstd[r] = rs;
     }
 }
 
-/// out[r] = weight * (x[r] * rstd_r), rstd_r = 1 / sqrt(mean(x[r]^2) + eps); writes rstd [rows].
-extern "C" __global__ void rms_norm_forward_f32(float* out, float* rstd, const float* x, const float* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
-extern "C" __global__ void rms_norm_forward_bf16(bf16* out, float* rstd, const bf16* x, const bf16* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
-extern "C" __global__ void rms_norm_forward_f16(f16* out, float* rstd, const f16* x, const f16* weight, int rows, int channels, float eps) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps); }
+/// out[r] = s * (x[r] * rstd_r), rstd_r = 1 / sqrt(mean(x[r]^2) + eps), with the scale s = weight,
+/// or s = 1 + weight when unit_offset (Gemma); writes rstd [rows]. A norm per head of width D
+/// launches with rows = all heads of all rows and channels = D.
+extern "C" __global__ void rms_norm_forward_f32(float* out, float* rstd, const float* x, const float* weight, int rows, int channels, float eps, int unit_offset) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps, unit_offset); }
+extern "C" __global__ void rms_norm_forward_bf16(bf16* out, float* rstd, const bf16* x, const bf16* weight, int rows, int channels, float eps, int unit_offset) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps, unit_offset); }
+extern "C" __global__ void rms_norm_forward_f16(f16* out, float* rstd, const f16* x, const f16* weight, int rows, int channels, float eps, int unit_offset) { rms_norm_forward(out, rstd, x, weight, rows, channels, eps, unit_offset); }
 
 template <typename T>
-__device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* rstd, int rows, int channels) {
+__device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* rstd, int rows, int channels, int unit_offset) {
     __shared__ float scratch[32];
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 base = (i64)r * channels;
         const float rs = rstd[r];
         float gns = 0.0f;
         for (int c = threadIdx.x; c < channels; c += blockDim.x)
-            gns += (ld(dout, base + c) * ld(weight, c)) * (ld(x, base + c) * rs);
+            gns += (ld(dout, base + c) * rms_scale(weight, c, unit_offset)) * (ld(x, base + c) * rs);
         const float gn_mean = block_sum(gns, scratch) / (float)channels;
         for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float g = ld(dout, base + c) * ld(weight, c);
+            float g = ld(dout, base + c) * rms_scale(weight, c, unit_offset);
             st(dx, base + c, (g - (ld(x, base + c) * rs) * gn_mean) * rs);
         }
     }
 }
 
-/// dx = (g - n * mean(g * n)) * rstd with n = x * rstd, g = dout * weight; overwrites dx.
-extern "C" __global__ void rms_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
-extern "C" __global__ void rms_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
-extern "C" __global__ void rms_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* rstd, int rows, int channels) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels); }
+/// dx = (g - n * mean(g * n)) * rstd with n = x * rstd, g = dout * s (s the forward's scale);
+/// overwrites dx.
+extern "C" __global__ void rms_norm_backward_f32(float* dx, const float* dout, const float* x, const float* weight, const float* rstd, int rows, int channels, int unit_offset) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels, unit_offset); }
+extern "C" __global__ void rms_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* rstd, int rows, int channels, int unit_offset) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels, unit_offset); }
+extern "C" __global__ void rms_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* rstd, int rows, int channels, int unit_offset) { rms_norm_backward(dx, dout, x, weight, rstd, rows, channels, unit_offset); }
 
 #define NORM_COL_TILE 32
 #define NORM_ROW_LANES 8
