@@ -19,6 +19,10 @@
 //!
 //! Parsing never panics: every number is range-checked before any arithmetic uses it.
 
+mod gemma;
+
+pub use gemma::{GemmaLayout, LayerType, Rotary};
+
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
 use serde::de::Error as _;
@@ -29,7 +33,8 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["gpt2", "llama", "mistral", "opt"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 6] =
+    ["gemma2", "gemma3_text", "gpt2", "llama", "mistral", "opt"];
 
 /// The largest accepted width of any dimension (vocabulary, hidden size, heads, positions).
 ///
@@ -113,6 +118,13 @@ pub enum Architecture {
     Mistral(LlamaLayout),
     /// OPT: learned positions offset by 2, LayerNorm, ReLU MLP, biases.
     Opt(OptLayout),
+    /// Gemma 2: scaled embeddings, RMSNorms with a unit offset before and after attention and
+    /// MLP, GeGLU, soft-capped attention scores and logits, sliding and global layers.
+    Gemma2(GemmaLayout),
+    /// Gemma 3 (text): Gemma 2 with per-head q/k RMSNorms instead of score soft-capping, and
+    /// a RoPE base per layer type.
+    #[serde(rename = "gemma3_text")]
+    Gemma3(GemmaLayout),
 }
 
 /// A model's architecture, normalized across families, with transformers' defaults applied.
@@ -182,6 +194,9 @@ impl ModelConfig {
         match model_type {
             "gpt2" => typed::<Gpt2Json>(&value, &from)?.into_config(&context),
             "llama" | "mistral" => typed::<RotaryJson>(&value, &from)?.into_config(&context),
+            "gemma2" | "gemma3_text" => {
+                typed::<gemma::GemmaJson>(&value, &from)?.into_config(&context)
+            }
             _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
@@ -242,6 +257,8 @@ impl ModelConfig {
             Architecture::Llama(_) => "llama",
             Architecture::Mistral(_) => "mistral",
             Architecture::Opt(_) => "opt",
+            Architecture::Gemma2(_) => "gemma2",
+            Architecture::Gemma3(_) => "gemma3_text",
         }
     }
 
@@ -250,7 +267,10 @@ impl ModelConfig {
     pub fn learned_positions(&self) -> Option<u64> {
         match self.architecture {
             Architecture::Gpt2 | Architecture::Opt(_) => Some(self.max_position_embeddings),
-            Architecture::Llama(_) | Architecture::Mistral(_) => None,
+            Architecture::Llama(_)
+            | Architecture::Mistral(_)
+            | Architecture::Gemma2(_)
+            | Architecture::Gemma3(_) => None,
         }
     }
 }
