@@ -304,3 +304,19 @@ fn executor_refuses_unverified_schedules_and_bad_batches() {
     let want = interp.step(&[x, y]).unwrap();
     assert_eq!(got.loss.to_bits(), want.loss.to_bits());
 }
+
+#[test]
+fn gemma2_every_policy_matches_the_interpreter_with_clipping() {
+    check(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma2"),
+        Some(0.5),
+    );
+}
+
+#[test]
+fn gemma3_every_policy_matches_the_interpreter() {
+    check(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma3"),
+        None,
+    );
+}

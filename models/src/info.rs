@@ -1,7 +1,7 @@
 //! A model's vital statistics: dimensions, exact parameter count, and model-state memory.
 
 use crate::build::{build_forward, BuildOptions};
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::error::Result;
 use serde::{Deserialize, Serialize};
 
@@ -92,6 +92,9 @@ pub struct ModelInfo {
     pub parameters: u64,
     /// Model-state memory of mixed-precision AdamW training.
     pub model_state_bytes: ModelStateBytes,
+    /// What makes the model what it is beyond its sizes, one `what: how` line each: norms and
+    /// where they sit, biases, q/k norms, tied embeddings, positions, attention windows.
+    pub features: Vec<String>,
 }
 
 impl ModelInfo {
@@ -113,6 +116,7 @@ impl ModelInfo {
             max_positions: config.max_position_embeddings,
             parameters,
             model_state_bytes: ModelStateBytes::for_parameters(parameters),
+            features: features(config),
         })
     }
 }
@@ -121,5 +125,13 @@ impl ModelConfig {
     /// This model's [`ModelInfo`].
     pub fn info(&self) -> Result<ModelInfo> {
         ModelInfo::new(self)
+    }
+}
+
+/// The `what: how` lines of [`ModelInfo::features`].
+fn features(config: &ModelConfig) -> Vec<String> {
+    match &config.architecture {
+        Architecture::Gemma2(layout) | Architecture::Gemma3(layout) => layout.features(config),
+        _ => Vec::new(),
     }
 }

@@ -38,6 +38,9 @@ pub fn run(args: Args) -> Result<()> {
     outln!("  vocab              {}", info.vocab);
     outln!("  max positions      {}", info.max_positions);
     outln!("  parameters         {}", format_count(info.parameters));
+    for line in &info.features {
+        outln!("  {line}");
+    }
     outln!(
         "  model states       {} (16 bytes per parameter)",
         format_bytes(states.total)

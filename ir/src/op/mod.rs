@@ -163,10 +163,10 @@ pub enum OpKind {
         eps: f64,
         /// Width of each separately normalised group; `None` normalises the whole last
         /// dimension.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(default)]
         head_dim: Option<u64>,
         /// Scale by `1 + weight` (computed in f32) instead of `weight` (Gemma's `RMSNorm`).
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        #[serde(default)]
         unit_offset: bool,
     },
     /// `x [..,in]`, `weight`, optional `bias [out]` -> `[..,out]`.
@@ -260,10 +260,10 @@ pub enum OpKind {
         /// The forward op's epsilon.
         eps: f64,
         /// The forward op's group width.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(default)]
         head_dim: Option<u64>,
         /// Whether the forward op scaled by `1 + weight`.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        #[serde(default)]
         unit_offset: bool,
     },
     /// `x`, `weight`, `dy` -> `dx`, `dweight`, and `dbias` when the forward op had a bias.

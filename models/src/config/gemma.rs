@@ -74,6 +74,81 @@ impl GemmaLayout {
     }
 }
 
+impl GemmaLayout {
+    /// What makes this Gemma what it is beyond its sizes, one `what: how` line each (for
+    /// `protrain info`), so that two configs that build different models read differently.
+    pub fn features(&self, config: &ModelConfig) -> Vec<String> {
+        let cap =
+            |c: Option<f64>| c.map_or("none".to_string(), |c| format!("{c} (c * tanh(x / c))"));
+        let rope = |r: Rotary| match r.scaling {
+            RopeScaling::None => format!("theta {}", r.theta),
+            RopeScaling::Linear { factor } => {
+                format!("theta {}, linear scaling x{factor}", r.theta)
+            }
+            RopeScaling::Llama3 { factor, .. } => format!("theta {}, llama3 x{factor}", r.theta),
+        };
+        let global: Vec<String> = (0..self.layer_types.len())
+            .filter(|&i| self.layer_types[i] == LayerType::Full)
+            .map(|i| i.to_string())
+            .collect();
+        let sliding = self.layer_types.len() - global.len();
+        let mut lines = vec![
+            "norms: RMSNorm scaling by (1 + weight) in f32, before and after attention and MLP"
+                .to_string(),
+            format!(
+                "embeddings: scaled by sqrt({}) in the activation dtype",
+                config.hidden_size
+            ),
+            format!(
+                "attention scale: query_pre_attn_scalar^-0.5 = {}^-0.5",
+                self.query_pre_attn_scalar
+            ),
+            format!("attention soft-cap: {}", cap(self.attn_logit_softcapping)),
+            format!(
+                "final logit soft-cap: {}",
+                cap(self.final_logit_softcapping)
+            ),
+            format!(
+                "windows: {} on {sliding} of {} layers; global layers {}",
+                self.sliding_window
+                    .map_or("none".to_string(), |w| format!("{w} tokens")),
+                self.layer_types.len(),
+                if global.is_empty() {
+                    "none".to_string()
+                } else {
+                    global.join(", ")
+                }
+            ),
+            format!(
+                "rope: {} on global layers, {} on sliding layers",
+                rope(self.rope_global),
+                rope(self.rope_local)
+            ),
+            "mlp: GeGLU (gelu_pytorch_tanh(gate) * up)".to_string(),
+            format!(
+                "biases: {}",
+                if self.attention_bias {
+                    "q, k, v, o"
+                } else {
+                    "none"
+                }
+            ),
+            format!(
+                "tied embeddings: {}",
+                if config.tie_word_embeddings {
+                    "lm_head is the token embedding"
+                } else {
+                    "no (lm_head has its own weight)"
+                }
+            ),
+        ];
+        if self.qk_norm {
+            lines.push("q/k norms: per head, RMSNorm scaling by (1 + weight)".into());
+        }
+        lines
+    }
+}
+
 /// `Gemma2Config` and `Gemma3TextConfig`; each field is type-checked even where the other
 /// family ignores it.
 #[derive(Deserialize)]
