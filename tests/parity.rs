@@ -245,3 +245,66 @@ fn gemma2_with_soft_caps_sandwich_norms_and_alternating_windows_matches_pytorch(
 fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
     check("gemma3");
 }
+
+/// Gemma's Hugging Face weights: a checkpoint sharded in two with its index loads as the single
+/// file does, and saving writes every tensor back under the Hub's name (the tied head once, as
+/// `save_pretrained` does) with the same values.
+#[test]
+fn gemma_weights_load_sharded_and_save_with_the_hub_names() {
+    use protrain::runtime::params::save_params;
+    use protrain::runtime::weights::{save_safetensors, StorageDtype};
+    for name in ["gemma2", "gemma3"] {
+        let dir = fixture(name);
+        let expected = read_expected(&dir);
+        let config = protrain::models::load(dir.to_str().expect("utf-8 path")).expect("config");
+        let graph = protrain::forward_graph(&config, expected.batch, expected.seq).expect("graph");
+        let single = load_params(&graph, &dir.join("model.safetensors")).expect("weights load");
+
+        let hub = WeightFile::open(dir.join("model.safetensors")).expect("fixture weights");
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let names: Vec<String> = hub.names().map(str::to_string).collect();
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = names
+            .iter()
+            .map(|n| {
+                let shape = hub.shape(n).expect("shape").to_vec();
+                (n.clone(), shape, hub.read_f32_vec(n).expect("values"))
+            })
+            .collect();
+        let mut weight_map = serde_json::Map::new();
+        for (shard, part) in tensors.chunks(tensors.len().div_ceil(2)).enumerate() {
+            let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+            let specs: Vec<(&str, &[usize], &[f32])> = part
+                .iter()
+                .map(|(n, s, v)| (n.as_str(), s.as_slice(), v.as_slice()))
+                .collect();
+            save_safetensors(tmp.path().join(&file), &specs, StorageDtype::F32, &[])
+                .expect("shard written");
+            for (n, _, _) in part {
+                weight_map.insert(n.clone(), file.clone().into());
+            }
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(
+            tmp.path().join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .expect("index written");
+        let sharded = load_params(&graph, tmp.path()).expect("sharded weights load");
+        assert!(sharded == single, "{name}: sharded and single files differ");
+
+        let out = tmp.path().join("saved.safetensors");
+        save_params(&graph, &sharded, &out, StorageDtype::F32).expect("saved");
+        let saved = WeightFile::open(&out).expect("saved file opens");
+        let mut ours: Vec<&str> = saved.names().collect();
+        let mut theirs: Vec<&str> = hub.names().collect();
+        ours.sort_unstable();
+        theirs.sort_unstable();
+        assert_eq!(ours, theirs, "{name}: saved names are the Hub's");
+        for (n, _, values) in &tensors {
+            assert!(
+                saved.read_f32_vec(n).expect("saved tensor") == *values,
+                "{name}: {n} changed on the way"
+            );
+        }
+    }
+}
