@@ -229,6 +229,10 @@ fn presets_are_listed_in_a_stable_order() {
             "opt-1.3b",
             "opt-13b",
             "opt-30b",
+            "gemma-2-2b",
+            "gemma-2-9b",
+            "gemma-3-1b",
+            "gemma-3-4b",
             "gpt2-tiny",
             "llama-tiny",
             "mistral-tiny",
@@ -244,9 +248,13 @@ fn presets_are_listed_in_a_stable_order() {
             preset.name
         );
         // GPT-3 has no transformers model type of its own: its shape is built as GPT-2's.
-        let family = match preset.name.starts_with("gpt3-") {
-            true => "gpt2",
-            false => preset.name,
+        // Gemma's presets are named as Google names them (`gemma-2-9b`), its types `gemma2`
+        // and `gemma3_text`.
+        let family = match preset.name {
+            n if n.starts_with("gpt3-") => "gpt2",
+            n if n.starts_with("gemma-2-") => "gemma2",
+            n if n.starts_with("gemma-3-") => "gemma3_text",
+            n => n,
         };
         assert!(family.starts_with(config.model_type()), "{}", preset.name);
     }
