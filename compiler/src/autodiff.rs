@@ -170,6 +170,11 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
         OpKind::Relu => rule(OpKind::ReluBackward, vec![Input(0)], vec![0]),
         OpKind::Silu => rule(OpKind::SiluBackward, vec![Input(0)], vec![0]),
         OpKind::Swiglu => rule(OpKind::SwigluBackward, vec![Input(0), Input(1)], vec![0, 1]),
+        OpKind::Geglu => rule(OpKind::GegluBackward, vec![Input(0), Input(1)], vec![0, 1]),
+        // From the output: the loss that reads the capped logits keeps them alive anyway.
+        OpKind::Softcap { cap } => rule(OpKind::SoftcapBackward { cap }, vec![Output(0)], vec![0]),
+        // Linear: the gradient is the output gradient scaled by the same factor.
+        OpKind::Scale { factor } => rule(OpKind::Scale { factor }, vec![], vec![0]),
         OpKind::Add => VjpRule {
             backward: None,
             saves: vec![],
@@ -196,6 +201,8 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
             let backward = OpKind::AttentionBackward {
                 heads,
@@ -203,6 +210,8 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
                 head_dim,
                 window,
                 qkv,
+                scale,
+                softcap,
             };
             match qkv {
                 QkvLayout::Separate => rule(

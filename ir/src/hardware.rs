@@ -1182,6 +1182,8 @@ mod tests {
             head_dim: 64,
             window: None,
             qkv: QkvLayout::Packed,
+            scale: None,
+            softcap: None,
         };
         assert_eq!(
             op_key(&attention, &[&qkv]),

@@ -81,8 +81,10 @@ use serde::{Deserialize, Serialize};
 /// The version of the schedule layout this build writes and reads. 3: the header's policy
 /// carries its host layout ([`HostLayout`](crate::HostLayout)). 4: the disk tier (the
 /// header's disk budget, the schedule's disk region). 5: the 12-byte host layout (the staged
-/// layout in the policy, staging buffers, the host cast stream and its casts).
-pub const FORMAT_VERSION: u32 = 5;
+/// layout in the policy, staging buffers, the host cast stream and its casts). 6: Gemma's ops
+/// (attention's score scale and soft-cap, RMSNorm's group width and unit offset, and the
+/// scale, softcap and geglu kinds).
+pub const FORMAT_VERSION: u32 = 6;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

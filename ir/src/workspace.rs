@@ -201,6 +201,11 @@ impl WorkspaceLayout {
             | OpKind::ReluBackward
             | OpKind::SiluBackward
             | OpKind::SwigluBackward
+            | OpKind::Scale { .. }
+            | OpKind::Softcap { .. }
+            | OpKind::Geglu
+            | OpKind::SoftcapBackward { .. }
+            | OpKind::GegluBackward
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
@@ -341,6 +346,8 @@ mod tests {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 }
             } else {
                 OpKind::Attention {
@@ -349,6 +356,8 @@ mod tests {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 }
             }
         };

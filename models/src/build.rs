@@ -6,6 +6,7 @@
 //! order), then emits the forward ops in execution order. It does not build the backward pass or
 //! the optimizer: the compiler derives those.
 
+mod gemma;
 mod gpt2;
 mod llama;
 mod opt;
@@ -61,6 +62,9 @@ pub fn build_forward(config: &ModelConfig, options: &BuildOptions) -> Result<Gra
         | Architecture::Qwen3(layout)
         | Architecture::Olmo2(layout) => llama::build(&mut b, config, layout)?,
         Architecture::Opt(layout) => opt::build(&mut b, config, layout)?,
+        Architecture::Gemma2(layout) | Architecture::Gemma3(layout) => {
+            gemma::build(&mut b, config, layout)?
+        }
     }
     let mut graph = b.graph;
     crate::init::assign_inits(config, &mut graph);

@@ -19,6 +19,10 @@
 //!
 //! Parsing never panics: every number is range-checked before any arithmetic uses it.
 
+mod gemma;
+
+pub use gemma::{GemmaLayout, LayerType, Rotary};
+
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
 use serde::de::Error as _;
@@ -29,8 +33,17 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 7] =
-    ["gpt2", "llama", "mistral", "olmo2", "opt", "qwen2", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 9] = [
+    "gemma2",
+    "gemma3_text",
+    "gpt2",
+    "llama",
+    "mistral",
+    "olmo2",
+    "opt",
+    "qwen2",
+    "qwen3",
+];
 
 /// The largest accepted width of any dimension (vocabulary, hidden size, heads, positions).
 ///
@@ -155,6 +168,13 @@ pub enum Architecture {
     Olmo2(LlamaLayout),
     /// OPT: learned positions offset by 2, LayerNorm, ReLU MLP, biases.
     Opt(OptLayout),
+    /// Gemma 2: scaled embeddings, RMSNorms with a unit offset before and after attention and
+    /// MLP, GeGLU, soft-capped attention scores and logits, sliding and global layers.
+    Gemma2(GemmaLayout),
+    /// Gemma 3 (text): Gemma 2 with per-head q/k RMSNorms instead of score soft-capping, and
+    /// a RoPE base per layer type.
+    #[serde(rename = "gemma3_text")]
+    Gemma3(GemmaLayout),
 }
 
 /// A model's architecture, normalized across families, with transformers' defaults applied.
@@ -226,6 +246,9 @@ impl ModelConfig {
             "llama" | "mistral" | "qwen2" | "qwen3" | "olmo2" => {
                 typed::<RotaryJson>(&value, &from)?.into_config(&context)
             }
+            "gemma2" | "gemma3_text" => {
+                typed::<gemma::GemmaJson>(&value, &from)?.into_config(&context)
+            }
             _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
@@ -289,6 +312,8 @@ impl ModelConfig {
             Architecture::Qwen3(_) => "qwen3",
             Architecture::Olmo2(_) => "olmo2",
             Architecture::Opt(_) => "opt",
+            Architecture::Gemma2(_) => "gemma2",
+            Architecture::Gemma3(_) => "gemma3_text",
         }
     }
 
@@ -301,7 +326,9 @@ impl ModelConfig {
             | Architecture::Mistral(_)
             | Architecture::Qwen2(_)
             | Architecture::Qwen3(_)
-            | Architecture::Olmo2(_) => None,
+            | Architecture::Olmo2(_)
+            | Architecture::Gemma2(_)
+            | Architecture::Gemma3(_) => None,
         }
     }
 }

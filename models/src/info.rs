@@ -173,6 +173,8 @@ fn features(config: &ModelConfig) -> Vec<String> {
         | Architecture::Qwen2(l)
         | Architecture::Qwen3(l)
         | Architecture::Olmo2(l) => rotary_features(config, l),
+        // Gemma's lines name its tied embeddings among its own features.
+        Architecture::Gemma2(l) | Architecture::Gemma3(l) => return l.features(config),
     };
     lines.push(tied.into());
     lines

@@ -106,6 +106,25 @@ const PRESETS: &[Preset] = &[
         "OPT 30B: 30.0B parameters, 48 layers, hidden 7168"
     ),
     preset!(
+        "gemma-2-2b",
+        "Gemma 2 2B: 2.61B parameters, 26 layers alternating 4096-token windows and global, \
+         soft-capped scores and logits, tied embeddings"
+    ),
+    preset!(
+        "gemma-2-9b",
+        "Gemma 2 9B: 9.24B parameters, 42 layers, hidden 3584, 8 KV heads, head_dim 256"
+    ),
+    preset!(
+        "gemma-3-1b",
+        "Gemma 3 1B (text): 1.00B parameters, 26 layers, 5 of every 6 with 512-token windows, \
+         q/k norms"
+    ),
+    preset!(
+        "gemma-3-4b",
+        "Gemma 3 4B (text part): 3.88B parameters, 34 layers, linear RoPE scaling x8 on global \
+         layers"
+    ),
+    preset!(
         "gpt2-tiny",
         "Test GPT-2: hidden 64, 2 layers, 4 heads, vocabulary 256, 256 positions"
     ),

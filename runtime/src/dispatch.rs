@@ -425,6 +425,13 @@ pub fn run<'a>(
         OpKind::Relu => kernels::relu_forward(outputs[0], ins.f32(0)),
         OpKind::Silu => kernels::silu_forward(outputs[0], ins.f32(0)),
         OpKind::Swiglu => kernels::swiglu_forward(outputs[0], ins.f32(0), ins.f32(1)),
+        OpKind::Geglu => kernels::geglu_forward(outputs[0], ins.f32(0), ins.f32(1)),
+        OpKind::Softcap { cap } => kernels::softcap_forward(outputs[0], ins.f32(0), *cap as f32),
+        OpKind::Scale { factor } => {
+            // The factor is a tensor of the input's dtype in transformers: rounded first.
+            let factor = Rounding::of(ty(0).dtype).round(*factor as f32);
+            kernels::scale_forward(outputs[0], ins.f32(0), factor)
+        }
         OpKind::Add => kernels::add_forward(outputs[0], ins.f32(0), ins.f32(1)),
         OpKind::Rope { head_dim, .. } => {
             let x = ty(0);
@@ -444,8 +451,11 @@ pub fn run<'a>(
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
-            let dims = attention_dims(out_ty(0), *heads, *kv_heads, *head_dim, *window);
+            let dims = attention_dims(out_ty(0), *heads, *kv_heads, *head_dim, *window)
+                .scored(*scale, *softcap);
             let [o, lse] = outputs else {
                 unreachable!("attention writes out and lse")
             };
@@ -626,6 +636,15 @@ pub fn run<'a>(
         OpKind::GeluBackward => kernels::gelu_backward(outputs[0], ins.f32(1), ins.f32(0)),
         OpKind::ReluBackward => kernels::relu_backward(outputs[0], ins.f32(1), ins.f32(0)),
         OpKind::SiluBackward => kernels::silu_backward(outputs[0], ins.f32(1), ins.f32(0)),
+        OpKind::SoftcapBackward { cap } => {
+            kernels::softcap_backward(outputs[0], ins.f32(1), ins.f32(0), *cap as f32)
+        }
+        OpKind::GegluBackward => {
+            let [dgate, dup] = outputs else {
+                unreachable!("geglu_backward writes dgate and dup")
+            };
+            kernels::geglu_backward(dgate, dup, ins.f32(2), ins.f32(0), ins.f32(1));
+        }
         OpKind::SwigluBackward => {
             let [dgate, dup] = outputs else {
                 unreachable!("swiglu_backward writes dgate and dup")
@@ -650,9 +669,12 @@ pub fn run<'a>(
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => match qkv {
             QkvLayout::Separate => {
-                let dims = attention_dims(ty(3), *heads, *kv_heads, *head_dim, *window);
+                let dims = attention_dims(ty(3), *heads, *kv_heads, *head_dim, *window)
+                    .scored(*scale, *softcap);
                 let [dq, dk, dv] = outputs else {
                     unreachable!("attention_backward writes dq, dk and dv")
                 };
@@ -671,7 +693,8 @@ pub fn run<'a>(
                 );
             }
             QkvLayout::Packed => {
-                let dims = attention_dims(ty(1), *heads, *kv_heads, *head_dim, *window);
+                let dims = attention_dims(ty(1), *heads, *kv_heads, *head_dim, *window)
+                    .scored(*scale, *softcap);
                 kernels::attention_backward_packed_rounded(
                     outputs[0],
                     ins.f32(3),
@@ -1040,6 +1063,8 @@ fn attention_dims(
         n_kv_heads: kv_heads as usize,
         head_dim: head_dim as usize,
         window: window.map(|w| w as usize),
+        scale: None,
+        softcap: None,
     }
 }
 

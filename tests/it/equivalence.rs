@@ -336,3 +336,19 @@ fn olmo2_every_policy_matches_the_interpreter_with_clipping() {
     // them would sum that stream's gradient in another order, so they stay apart.
     check_fusing(&fixture_model("olmo2"), Some(0.5), false);
 }
+
+#[test]
+fn gemma2_every_policy_matches_the_interpreter_with_clipping() {
+    check(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma2"),
+        Some(0.5),
+    );
+}
+
+#[test]
+fn gemma3_every_policy_matches_the_interpreter() {
+    check(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma3"),
+        None,
+    );
+}

@@ -268,6 +268,8 @@ fn attention_dims(
         n_kv_heads: kv_heads as usize,
         head_dim: head_dim as usize,
         window: window.map(|w| w as usize),
+        scale: None,
+        softcap: None,
     }
 }
 
@@ -387,9 +389,12 @@ fn contract(case: &Case) -> Vec<Vec<f32>> {
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
             let out_shape = case.output_type(0).shape;
-            let dims = attention_dims(&out_shape, heads, kv_heads, head_dim, window);
+            let dims = attention_dims(&out_shape, heads, kv_heads, head_dim, window)
+                .scored(scale, softcap);
             let mut o = vec![0.0; case.output_type(0).numel() as usize];
             let mut lse = vec![0.0; dims.lse_len()];
             match qkv {
@@ -418,12 +423,15 @@ fn contract(case: &Case) -> Vec<Vec<f32>> {
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
             let first = match qkv {
                 QkvLayout::Separate => 3,
                 QkvLayout::Packed => 1,
             };
-            let dims = attention_dims(&shape(first), heads, kv_heads, head_dim, window);
+            let dims = attention_dims(&shape(first), heads, kv_heads, head_dim, window)
+                .scored(scale, softcap);
             let (out, lse, dout) = (f(first), f(first + 1), f(first + 2));
             match qkv {
                 QkvLayout::Separate => {
@@ -735,6 +743,8 @@ fn attention_rounds_its_probabilities_and_gradients() {
             head_dim,
             window,
             qkv,
+            scale: None,
+            softcap: None,
         });
         let (stored, _) = fwd.run_host_bf16();
         check_op(&what, &fwd);
@@ -753,6 +763,8 @@ fn attention_rounds_its_probabilities_and_gradients() {
                 head_dim,
                 window,
                 qkv,
+                scale: None,
+                softcap: None,
             });
         check_op(&format!("{what} backward"), &bwd);
     }

@@ -324,8 +324,18 @@ fn check_hub_weights_round_trip(family: &str) {
 }
 
 #[test]
-fn qwen2_qwen3_and_olmo2_hub_weights_load_from_shards_and_save_with_hub_names() {
-    for family in ["qwen2", "qwen3", "olmo2"] {
+fn hub_weights_load_from_shards_and_save_with_hub_names() {
+    for family in ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3"] {
         check_hub_weights_round_trip(family);
     }
+}
+
+#[test]
+fn gemma2_with_soft_caps_sandwich_norms_and_alternating_windows_matches_pytorch() {
+    check("gemma2");
+}
+
+#[test]
+fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
+    check("gemma3");
 }

@@ -118,6 +118,8 @@ mod cost {
             head_dim: 64,
             window: None,
             qkv: QkvLayout::Packed,
+            scale: None,
+            softcap: None,
         };
         assert_eq!(OpClass::of(&attention), OpClass::Attention);
         let time = |efficiency| {
@@ -163,10 +165,40 @@ mod cost {
             head_dim: 2,
             window: None,
             qkv: QkvLayout::Separate,
+            scale: None,
+            softcap: None,
         };
         assert!(roofline
             .op_seconds(&attention, &[], &[], DType::F32)
             .is_finite());
+    }
+
+    /// Gemma's elementwise kinds are priced as the vector-unit ops they are: their FLOPs and
+    /// the bytes they move, a GeGLU like a SwiGLU that reads two inputs, and a soft-capped
+    /// attention like the attention it is.
+    #[test]
+    fn gemma_kinds_are_priced_as_elementwise_ops() {
+        let roofline = Roofline::new(profile("rtx3090"));
+        let x = TensorType::new([8, 1024, 4096], DType::BF16);
+        let one = roofline.op_time(&OpKind::Scale { factor: 48.0 }, &[&x], &[&x], DType::BF16);
+        let cap = roofline.op_time(&OpKind::Softcap { cap: 30.0 }, &[&x], &[&x], DType::BF16);
+        let geglu = roofline.op_time(&OpKind::Geglu, &[&x, &x], &[&x], DType::BF16);
+        let swiglu = roofline.op_time(&OpKind::Swiglu, &[&x, &x], &[&x], DType::BF16);
+        assert_eq!(OpClass::of(&OpKind::Geglu), OpClass::Elementwise);
+        assert!(one.memory_s > 0.0 && one.memory_s == cap.memory_s);
+        assert!(cap.compute_s > one.compute_s);
+        assert_eq!(geglu.memory_s, swiglu.memory_s);
+        assert!(geglu.compute_s > swiglu.compute_s);
+        let attention = |softcap| OpKind::Attention {
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 256,
+            window: Some(4096),
+            qkv: QkvLayout::Separate,
+            scale: Some(0.0625),
+            softcap,
+        };
+        assert_eq!(OpClass::of(&attention(Some(50.0))), OpClass::Attention);
     }
 
     #[test]

@@ -186,7 +186,11 @@ impl OpKind {
                 same(inputs[0], dy, "dy")?;
                 vec![inputs[0].clone()]
             }
-            OpKind::SwigluBackward => {
+            OpKind::SoftcapBackward { .. } => {
+                same(inputs[0], dy, "dy")?;
+                vec![inputs[0].clone()]
+            }
+            OpKind::SwigluBackward | OpKind::GegluBackward => {
                 let y = forward.infer_forward(&inputs[..2])?;
                 same(&y, dy, "dy")?;
                 vec![inputs[0].clone(), inputs[1].clone()]
@@ -365,11 +369,20 @@ impl OpKind {
                 }
                 Ok(x.with_last_dim(w_out))
             }
-            OpKind::Gelu | OpKind::Relu | OpKind::Silu => {
+            OpKind::Gelu
+            | OpKind::Relu
+            | OpKind::Silu
+            | OpKind::Scale { .. }
+            | OpKind::Softcap { .. } => {
+                if let OpKind::Softcap { cap: v } | OpKind::Scale { factor: v } = self {
+                    if !(v.is_finite() && (*v > 0.0 || matches!(self, OpKind::Scale { .. }))) {
+                        return Err(fail(format!("{v} must be a finite number (a cap > 0)")));
+                    }
+                }
                 float(inputs[0], "input")?;
                 Ok(inputs[0].clone())
             }
-            OpKind::Swiglu | OpKind::Add => {
+            OpKind::Swiglu | OpKind::Geglu | OpKind::Add => {
                 float(inputs[0], "input")?;
                 if inputs[0] != inputs[1] {
                     return Err(fail(format!(
@@ -398,8 +411,15 @@ impl OpKind {
                 kv_heads,
                 head_dim,
                 qkv,
+                scale,
+                softcap,
                 ..
             } => {
+                for (what, v) in [("scale", scale), ("softcap", softcap)] {
+                    if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                        return Err(fail(format!("{what} {v} must be a finite number > 0")));
+                    }
+                }
                 if *kv_heads == 0 || heads % kv_heads != 0 {
                     return Err(fail(format!(
                         "{heads} heads are not a multiple of {kv_heads} KV heads"

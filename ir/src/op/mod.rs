@@ -208,6 +208,11 @@ pub enum OpKind {
         window: Option<u64>,
         /// How q, k and v arrive.
         qkv: QkvLayout,
+        /// The score scale when it is not `head_dim^-0.5` (Gemma's `query_pre_attn_scalar^-0.5`).
+        scale: Option<f64>,
+        /// Scores soft-capped to `cap * tanh(s / cap)` before the mask and softmax (Gemma 2's
+        /// `attn_logit_softcapping`).
+        softcap: Option<f64>,
     },
     /// Mean cross-entropy: `logits [B,T,V]`, `targets i32[B,T]` -> loss `f32[]` and the
     /// log-sum-exp of each row `f32[B,T]`, which the backward pass reuses.
@@ -298,6 +303,10 @@ pub enum OpKind {
         window: Option<u64>,
         /// How q, k and v arrived.
         qkv: QkvLayout,
+        /// The forward op's score scale.
+        scale: Option<f64>,
+        /// The forward op's soft-cap.
+        softcap: Option<f64>,
     },
     /// `logits`, `targets`, `lse` -> `dlogits`, for a loss gradient of 1.
     CrossEntropyBackward,
@@ -398,6 +407,31 @@ pub enum OpKind {
         /// The loss scale the gradients carry (launched with each step's).
         loss_scale: f64,
     },
+
+    // Gemma's elementwise kinds (appended last, so schedules without them keep their encoding).
+    /// `x * factor`, elementwise, with `factor` first rounded to `x`'s dtype (Gemma's embedding
+    /// scale `sqrt(hidden_size)`, which transformers makes a tensor of the activations' dtype).
+    /// Linear, so its backward is the same kind applied to the output gradient.
+    Scale {
+        /// The multiplier.
+        factor: f64,
+    },
+    /// `cap * tanh(x / cap)`, elementwise (Gemma 2's `final_logit_softcapping`).
+    Softcap {
+        /// The bound of the output's magnitude.
+        cap: f64,
+    },
+    /// `gelu_tanh(gate) * up` (GeGLU with `gelu_pytorch_tanh`, the formula of
+    /// [`OpKind::Gelu`]): inputs `gate`, `up`.
+    Geglu,
+    /// `y`, `dy` -> `dx = dy * (1 - (y / cap)^2)`, from the forward's output (which the loss
+    /// keeps anyway), not its input.
+    SoftcapBackward {
+        /// The forward op's cap.
+        cap: f64,
+    },
+    /// `gate`, `up`, `dy` -> `dgate`, `dup`.
+    GegluBackward,
 }
 
 impl OpKind {
@@ -447,6 +481,11 @@ impl OpKind {
             OpKind::AccumulateGrad => "accumulate_grad",
             OpKind::CrossEntropyBackwardLossScaled { .. } => "cross_entropy_backward",
             OpKind::UnscaleCoef { .. } => "unscale_coef",
+            OpKind::Scale { .. } => "scale",
+            OpKind::Softcap { .. } => "softcap",
+            OpKind::Geglu => "geglu",
+            OpKind::SoftcapBackward { .. } => "softcap_backward",
+            OpKind::GegluBackward => "geglu_backward",
         }
     }
 
@@ -549,13 +588,19 @@ impl OpKind {
                 head_dim,
                 window,
                 qkv,
+                scale,
+                softcap,
             } => OpKind::Attention {
                 heads,
                 kv_heads,
                 head_dim,
                 window,
                 qkv,
+                scale,
+                softcap,
             },
+            OpKind::SoftcapBackward { cap } => OpKind::Softcap { cap },
+            OpKind::GegluBackward => OpKind::Geglu,
             OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
             | OpKind::CrossEntropyBackwardLossScaled { .. } => OpKind::CrossEntropy,
@@ -621,7 +666,7 @@ impl OpKind {
             OpKind::RmsNormBackward { .. } => &["dx", "dweight"],
             OpKind::LinearBackward { bias: true, .. } => &["dx", "dweight", "dbias"],
             OpKind::LinearBackward { bias: false, .. } => &["dx", "dweight"],
-            OpKind::SwigluBackward => &["dgate", "dup"],
+            OpKind::SwigluBackward | OpKind::GegluBackward => &["dgate", "dup"],
             OpKind::AttentionBackward {
                 qkv: QkvLayout::Separate,
                 ..
@@ -731,6 +776,8 @@ impl OpKind {
                 head_dim,
                 window,
                 qkv,
+                scale,
+                softcap,
             } => {
                 let mut attrs = vec![
                     ("heads", heads.to_string()),
@@ -740,11 +787,19 @@ impl OpKind {
                 if let Some(w) = window {
                     attrs.push(("window", w.to_string()));
                 }
+                if let Some(s) = scale {
+                    attrs.push(("scale", format!("{s}")));
+                }
+                if let Some(c) = softcap {
+                    attrs.push(("softcap", format!("{c}")));
+                }
                 if *qkv == QkvLayout::Packed {
                     attrs.push(("qkv", "packed".into()));
                 }
                 attrs
             }
+            OpKind::Scale { factor } => vec![("factor", format!("{factor}"))],
+            OpKind::Softcap { cap } => vec![("cap", format!("{cap}"))],
             _ => vec![],
         }
     }
@@ -756,8 +811,15 @@ impl OpKind {
             OpKind::LayerNorm { .. } => 3,
             OpKind::RmsNorm { .. } => 2,
             OpKind::Linear { bias, .. } => 2 + usize::from(*bias),
-            OpKind::Gelu | OpKind::Relu | OpKind::Silu | OpKind::Rope { .. } => 1,
-            OpKind::Swiglu | OpKind::Add | OpKind::CrossEntropy => 2,
+            OpKind::Gelu
+            | OpKind::Relu
+            | OpKind::Silu
+            | OpKind::Rope { .. }
+            | OpKind::Scale { .. }
+            | OpKind::Softcap { .. } => 1,
+            OpKind::Swiglu | OpKind::Geglu | OpKind::Add | OpKind::CrossEntropy => 2,
+            OpKind::SoftcapBackward { .. } => 2,
+            OpKind::GegluBackward => 3,
             OpKind::Attention { qkv, .. } => match qkv {
                 QkvLayout::Separate => 3,
                 QkvLayout::Packed => 1,
@@ -853,6 +915,11 @@ impl OpKind {
             OpKind::AccumulateGrad => inputs[0].numel(),
             OpKind::Gelu => 10 * out,
             OpKind::GeluBackward => 16 * out,
+            OpKind::Geglu => 11 * out,
+            OpKind::GegluBackward => 9 * out,
+            OpKind::Softcap { .. } => 6 * out,
+            OpKind::SoftcapBackward { .. } => 4 * out,
+            OpKind::Scale { .. } => out,
             OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => {
                 5 * out
             }

@@ -96,6 +96,8 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig) -> Result<()> {
         head_dim: config.head_dim,
         window: None,
         qkv: QkvLayout::Packed,
+        scale: None,
+        softcap: None,
     };
     for (i, (layer, &block)) in layers.iter().zip(&blocks.layers).enumerate() {
         b.enter(block);

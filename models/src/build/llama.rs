@@ -228,6 +228,8 @@ fn attention(
         head_dim: config.head_dim,
         window: layout.window_of(layer_index),
         qkv: QkvLayout::Separate,
+        scale: None,
+        softcap: None,
     };
     let att = b.op(attention, &[q, k, v], n("attn.core"))?;
     b.linear(att, &layer.o_proj, n("attn.out"))

@@ -164,6 +164,8 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &OptLayout) -
         head_dim: config.head_dim,
         window: None,
         qkv: QkvLayout::Separate,
+        scale: None,
+        softcap: None,
     };
     for (i, (layer, &block)) in layers.iter().zip(&blocks.layers).enumerate() {
         b.enter(block);

@@ -103,11 +103,11 @@ fn invalid_json_says_where() {
 fn model_type_must_be_known() {
     check(
         r#"{"n_embd": 768}"#,
-        "config.json: missing required field `model_type`; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
+        "config.json: missing required field `model_type`; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": "bert"}"#,
-        "config.json: unknown model_type 'bert'; supported: gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
+        "config.json: unknown model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
     );
     check(
         r#"{"model_type": 2}"#,
@@ -372,5 +372,53 @@ fn rope_scaling_types_not_implemented_are_refused_by_name_for_the_new_families()
         &format!(r#"{{{qwen}, "partial_rotary_factor": 0.5}}"#),
         "config.json: partial_rotary_factor '0.5' is not supported for qwen2; supported: 1.0 \
          (rotate the whole head)",
+    );
+}
+
+const GEMMA2: &str = r#""model_type": "gemma2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4"#;
+const GEMMA3: &str = r#""model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4"#;
+
+/// Gemma fields that would change the model and that the builder does not express are refused
+/// by name, never ignored.
+#[test]
+fn gemma_fields_that_change_the_model_are_refused_by_name() {
+    check(
+        &format!(r#"{{{GEMMA3}, "attn_logit_softcapping": 50.0}}"#),
+        "config.json: attn_logit_softcapping '50' is not supported for gemma3_text; supported: \
+         null (transformers' Gemma 3 attention does not soft-cap its scores)",
+    );
+    check(
+        &format!(r#"{{{GEMMA2}, "use_bidirectional_attention": true}}"#),
+        "config.json: use_bidirectional_attention 'true' is not supported for gemma2; supported: \
+         false (causal language models)",
+    );
+    check(
+        &format!(r#"{{{GEMMA2}, "hidden_activation": "gelu"}}"#),
+        "config.json: hidden_activation 'gelu' is not supported for gemma2; supported: gelu_new, \
+         gelu_pytorch_tanh",
+    );
+    check(
+        &format!(r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "yarn", "factor": 8.0}}}}"#),
+        "config.json: rope_scaling.rope_type 'yarn' is not supported for gemma3_text; supported: \
+         default, linear",
+    );
+    check(
+        &format!(r#"{{{GEMMA3}, "layer_types": ["sliding_attention", "chunked_attention"]}}"#),
+        "config.json: layer_types[1] 'chunked_attention' is not supported for gemma3_text; \
+         supported: sliding_attention, full_attention",
+    );
+    check(
+        &format!(r#"{{{GEMMA2}, "layer_types": ["sliding_attention"]}}"#),
+        "config.json: field `layer_types` must be a list of num_hidden_layers = 2 layer types, \
+         found 1 of them",
+    );
+    check(
+        &format!(r#"{{{GEMMA3}, "rope_parameters": {{"global": {{"rope_type": "default"}}}}}}"#),
+        "config.json: rope_parameters.global 'a layer type' is not supported for gemma3_text; \
+         supported: full_attention, sliding_attention",
+    );
+    check(
+        &format!(r#"{{{GEMMA2}, "final_logit_softcapping": -1}}"#),
+        "config.json: field `final_logit_softcapping` must be a positive number, found -1",
     );
 }

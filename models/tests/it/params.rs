@@ -114,7 +114,7 @@ fn test_configs_match_transformers() {
 #[test]
 fn reference_fixtures_match_transformers() {
     // The configs transformers 5 wrote for the numerics fixtures, with everything it records.
-    for model in ["gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2"] {
+    for model in ["gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3"] {
         let dir = Path::new(MODELS).join("../tests/fixtures").join(model);
         let mut expected = read_json(&dir.join("expected.json"));
         expected["parameters"] = expected["param_count"].clone();
@@ -144,6 +144,10 @@ fn real_configs_have_their_published_counts() {
         ("qwen3-0.6b.json", 596_049_920),
         ("qwen3-8b.json", 8_190_735_360),
         ("olmo-2-1b.json", 1_484_916_736),
+        ("gemma-2-2b.json", 2_614_341_888),
+        ("gemma-2-9b.json", 9_241_705_984),
+        ("gemma-3-1b.json", 999_885_952),
+        ("gemma-3-4b.json", 3_880_263_168),
     ] {
         check_count(real_configs().join(file).to_str().unwrap(), parameters);
     }
@@ -182,6 +186,10 @@ fn presets_have_their_published_counts() {
         ("qwen3-8b", 8_190_735_360),
         ("olmo2-1b", 1_484_916_736),
         ("opt-1.3b", 1_315_758_080),
+        ("gemma-2-2b", 2_614_341_888),
+        ("gemma-2-9b", 9_241_705_984),
+        ("gemma-3-1b", 999_885_952),
+        ("gemma-3-4b", 3_880_263_168),
         ("opt-13b", 12_853_473_280),
         // 48 layers x 616,655,872 + 50272 x 7168 tokens + 2050 x 7168 positions + 2 x 7168 final
         // norm, as transformers builds it (not 29,974,401,024, a figure that circulates).

@@ -236,6 +236,10 @@ fn presets_are_listed_in_a_stable_order() {
             "opt-1.3b",
             "opt-13b",
             "opt-30b",
+            "gemma-2-2b",
+            "gemma-2-9b",
+            "gemma-3-1b",
+            "gemma-3-4b",
             "gpt2-tiny",
             "llama-tiny",
             "mistral-tiny",
@@ -251,9 +255,13 @@ fn presets_are_listed_in_a_stable_order() {
             preset.name
         );
         // GPT-3 has no transformers model type of its own: its shape is built as GPT-2's.
-        let family = match preset.name.starts_with("gpt3-") {
-            true => "gpt2",
-            false => preset.name,
+        // Gemma's presets are named as Google names them (`gemma-2-9b`), its types `gemma2`
+        // and `gemma3_text`.
+        let family = match preset.name {
+            n if n.starts_with("gpt3-") => "gpt2",
+            n if n.starts_with("gemma-2-") => "gemma2",
+            n if n.starts_with("gemma-3-") => "gemma3_text",
+            n => n,
         };
         assert!(family.starts_with(config.model_type()), "{}", preset.name);
     }
@@ -371,4 +379,105 @@ fn each_rotary_family_has_its_own_biases_norms_and_defaults() {
     // OLMo2Config's pad_token_id defaults to 1.
     assert_eq!(olmo2.padding_idx, Some(1));
     assert_eq!(qwen2.padding_idx, None);
+}
+
+mod gemma {
+    use super::*;
+
+    const GEMMA3: &str = r#""model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 12, "num_attention_heads": 4"#;
+
+    fn layout(config: &ModelConfig) -> &protrain_models::GemmaLayout {
+        match &config.architecture {
+            Architecture::Gemma2(l) | Architecture::Gemma3(l) => l,
+            other => panic!("not Gemma: {other:?}"),
+        }
+    }
+
+    /// transformers' defaults: Gemma 2's soft-caps 50 and 30 and every second layer global;
+    /// Gemma 3's none, five sliding layers to one global, RoPE 1e6 global and 1e4 local, and
+    /// `rope_scaling` on the global layers only.
+    #[test]
+    fn defaults_follow_transformers() {
+        let g2 = load("gemma-2-2b").unwrap();
+        let l = layout(&g2);
+        assert_eq!(
+            (l.attn_logit_softcapping, l.final_logit_softcapping),
+            (Some(50.0), Some(30.0))
+        );
+        assert_eq!((g2.padding_idx, g2.tie_word_embeddings), (Some(0), true));
+        assert_eq!(l.window(0), Some(4096));
+        assert_eq!(l.window(1), None);
+        let g3 = parse(&format!(
+            r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "linear", "factor": 8.0}}}}"#
+        ));
+        let l = layout(&g3);
+        assert_eq!(
+            (l.attn_logit_softcapping, l.final_logit_softcapping),
+            (None, None)
+        );
+        let globals: Vec<usize> = (0..12).filter(|&i| l.window(i).is_none()).collect();
+        assert_eq!(globals, [5, 11]);
+        assert_eq!(l.rope(5).theta, 1e6);
+        assert_eq!(l.rope(5).scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(
+            (l.rope(0).theta, l.rope(0).scaling),
+            (1e4, RopeScaling::None)
+        );
+        // v5's per-layer-type `rope_parameters` mean the same model.
+        check_same(
+            &format!(r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "linear", "factor": 8.0}}}}"#),
+            &format!(
+                r#"{{{GEMMA3}, "rope_parameters": {{
+                    "full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+                    "sliding_attention": {{"rope_type": "default", "rope_theta": 1e4}}}}}}"#
+            ),
+        );
+        // `sliding_window_pattern` sets the layer types when they are not given.
+        let g3 = parse(&format!(r#"{{{GEMMA3}, "sliding_window_pattern": 3}}"#));
+        let globals: Vec<usize> = (0..12)
+            .filter(|&i| layout(&g3).window(i).is_none())
+            .collect();
+        assert_eq!(globals, [2, 5, 8, 11]);
+    }
+
+    /// `info` lists the soft-caps, windows, norms and RoPE, so configs that differ in them
+    /// read differently.
+    #[test]
+    fn info_shows_what_makes_a_gemma() {
+        let features = |json: &str| parse(json).info().unwrap().features;
+        let base = format!(r#"{GEMMA3}, "layer_types": null"#);
+        let plain = features(&format!("{{{base}}}"));
+        assert!(
+            plain.iter().any(|l| l == "attention soft-cap: none"),
+            "{plain:?}"
+        );
+        assert!(
+            plain
+                .iter()
+                .any(|l| l == "windows: 4096 tokens on 10 of 12 layers; global layers 5, 11"),
+            "{plain:?}"
+        );
+        assert!(
+            plain.iter().any(|l| l.starts_with("q/k norms")),
+            "{plain:?}"
+        );
+        for variant in [
+            r#""final_logit_softcapping": 30.0"#,
+            r#""sliding_window": 512"#,
+            r#""sliding_window_pattern": 2"#,
+            r#""rope_local_base_freq": 5000"#,
+            r#""query_pre_attn_scalar": 144"#,
+            r#""tie_word_embeddings": false"#,
+        ] {
+            let other = features(&format!("{{{base}, {variant}}}"));
+            assert_ne!(other, plain, "{variant} is not seen in info");
+        }
+        let g2 = load("gemma-2-9b").unwrap().info().unwrap().features;
+        assert!(
+            g2.iter().any(|l| l.starts_with("attention soft-cap: 50")),
+            "{g2:?}"
+        );
+        assert!(!g2.iter().any(|l| l.starts_with("q/k norms")), "{g2:?}");
+    }
 }

@@ -478,6 +478,10 @@ struct AttnDims {
     kv_stride: i32,
     /// Byte offsets of k and v from q (packed), or `None` (separate tensors).
     packed: Option<(u64, u64)>,
+    /// The score scale (`D^-0.5` unless the op says otherwise).
+    scale: f32,
+    /// The scores' soft-cap; 0 for none.
+    softcap: f32,
 }
 
 impl AttnDims {
@@ -523,7 +527,18 @@ impl AttnDims {
             q_stride: p.int(q_stride, "q row width")?,
             kv_stride: p.int(kv_stride, "kv row width")?,
             packed,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: 0.0,
         })
+    }
+
+    /// These dimensions with the op's score scale and soft-cap.
+    fn scored(self, scale: Option<f64>, softcap: Option<f64>) -> Self {
+        Self {
+            scale: scale.map_or(self.scale, |s| s as f32),
+            softcap: softcap.map_or(0.0, |c| c as f32),
+            ..self
+        }
     }
 
     /// The GEMM batches, in issue order: for each batch element, each batch of up to
@@ -611,7 +626,7 @@ impl AttnGemms {
             kv_row0: hb.b * t,
             kv_col0: hb.kv0 * d,
             lse_row0: (hb.b * h + hb.kv0 * group + hb.j) * t,
-            scale: 1.0 / (d as f32).sqrt(),
+            scale: dims.scale,
             scores,
             dprobs,
             accumulate: hb.j > 0,
@@ -925,6 +940,43 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
         OpKind::Relu => unary(p, entry!("relu_forward"))?,
         OpKind::Silu => unary(p, entry!("silu_forward"))?,
         OpKind::Swiglu => binary(p, entry!("swiglu_forward"))?,
+        OpKind::Geglu => binary(p, entry!("geglu_forward"))?,
+        OpKind::Softcap { cap } => {
+            let st = p.storage(0)?;
+            let n = p.ty_in(0).numel();
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                F32(*cap as f32),
+                I64(n as i64),
+            ];
+            p.stride(st.pick(entry!("softcap_forward")), n, args);
+        }
+        OpKind::Scale { factor } => {
+            let st = p.storage(0)?;
+            let n = p.ty_in(0).numel();
+            // A tensor of the storage type in transformers: rounded before the product.
+            let factor = crate::kernels::Rounding::of(p.ty_in(0).dtype).round(*factor as f32);
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                F32(factor),
+                I64(n as i64),
+            ];
+            p.stride(st.pick(entry!("scale_forward")), n, args);
+        }
+        OpKind::SoftcapBackward { cap } => {
+            let st = p.storage(0)?;
+            let n = p.ty_in(0).numel();
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                Ptr(p.input(0)),
+                F32(*cap as f32),
+                I64(n as i64),
+            ];
+            p.stride(st.pick(entry!("softcap_backward")), n, args);
+        }
         OpKind::Add => binary(p, entry!("add_forward"))?,
         OpKind::Rope {
             head_dim,
@@ -937,10 +989,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             window,
             qkv,
+            scale,
+            softcap,
         } => {
             let st = p.storage(0)?;
             let out = p.ty_out(0).clone();
-            let dims = AttnDims::new(p, &out, *heads, *kv_heads, *head_dim, *window, *qkv, st)?;
+            let dims = AttnDims::new(p, &out, *heads, *kv_heads, *head_dim, *window, *qkv, st)?
+                .scored(*scale, *softcap);
             let (q, k, v) = match dims.packed {
                 Some((k_off, v_off)) => {
                     let qkv = p.input(0);
@@ -964,6 +1019,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                         I32(dims.t),
                         I32(dims.window),
                         I32(g.lse_head_stride()?),
+                        F32(dims.softcap),
                     ],
                 );
                 p.batched(st, st.dtype(), g.output(v, o), "attention output (P V)");
@@ -1093,7 +1149,11 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
         OpKind::GeluBackward => unary_backward(p, entry!("gelu_backward"))?,
         OpKind::ReluBackward => unary_backward(p, entry!("relu_backward"))?,
         OpKind::SiluBackward => unary_backward(p, entry!("silu_backward"))?,
-        OpKind::SwigluBackward => {
+        OpKind::SwigluBackward | OpKind::GegluBackward => {
+            let entries = match p.kind {
+                OpKind::GegluBackward => entry!("geglu_backward"),
+                _ => entry!("swiglu_backward"),
+            };
             let st = p.storage(0)?;
             let n = p.ty_in(0).numel();
             let args = vec![
@@ -1104,7 +1164,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 Ptr(p.input(1)),
                 I64(n as i64),
             ];
-            p.stride(st.pick(entry!("swiglu_backward")), n, args);
+            p.stride(st.pick(entries), n, args);
         }
         OpKind::RopeBackward {
             head_dim,
@@ -1117,7 +1177,12 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             window,
             qkv,
-        } => attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv)?,
+            scale,
+            softcap,
+        } => {
+            let scores = (*scale, *softcap);
+            attention_backward(p, *heads, *kv_heads, *head_dim, *window, *qkv, scores)?
+        }
         OpKind::AccumulateGrad => accumulate(p)?,
         OpKind::CrossEntropyBackward
         | OpKind::CrossEntropyBackwardScaled { .. }
@@ -1633,6 +1698,7 @@ fn attention_backward(
     head_dim: u64,
     window: Option<u64>,
     qkv: QkvLayout,
+    (scale, softcap): (Option<f64>, Option<f64>),
 ) -> Result<()> {
     let st = p.storage(0)?;
     // Inputs: q, k, v (or qkv), then out, lse, dout.
@@ -1641,7 +1707,8 @@ fn attention_backward(
         QkvLayout::Packed => 1,
     };
     let out_ty = p.ty_in(first).clone();
-    let dims = AttnDims::new(p, &out_ty, heads, kv_heads, head_dim, window, qkv, st)?;
+    let dims = AttnDims::new(p, &out_ty, heads, kv_heads, head_dim, window, qkv, st)?
+        .scored(scale, softcap);
     let (out, lse, dout) = (p.input(first), p.input(first + 1), p.input(first + 2));
     let ((q, k, v), (dq, dk, dv)) = match dims.packed {
         Some((k_off, v_off)) => {
@@ -1709,7 +1776,8 @@ fn attention_backward(
                 I32(dims.t),
                 I32(dims.window),
                 I32(g.lse_head_stride()?),
-                F32(1.0 / (dims.d as f32).sqrt()),
+                F32(dims.scale),
+                F32(dims.softcap),
             ],
         );
         p.batched(
@@ -1985,9 +2053,14 @@ mod tests {
             OpKind::AccumulateGrad => 31,
             OpKind::CrossEntropyBackwardLossScaled { .. } => 32,
             OpKind::UnscaleCoef { .. } => 33,
+            OpKind::Scale { .. } => 34,
+            OpKind::Softcap { .. } => 35,
+            OpKind::Geglu => 36,
+            OpKind::SoftcapBackward { .. } => 37,
+            OpKind::GegluBackward => 38,
         }
     }
-    const VARIANTS: usize = 34;
+    const VARIANTS: usize = 39;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2012,6 +2085,8 @@ mod tests {
             head_dim: D,
             window,
             qkv: qkv_layout,
+            scale: None,
+            softcap: None,
         };
         let attn_bwd = |qkv_layout, window| OpKind::AttentionBackward {
             heads: H,
@@ -2019,6 +2094,8 @@ mod tests {
             head_dim: D,
             window,
             qkv: qkv_layout,
+            scale: None,
+            softcap: None,
         };
         let rope = RopeScaling::None;
         let fused = |count, bias, epilogue| OpKind::FusedLinear {
@@ -2091,6 +2168,26 @@ mod tests {
             (OpKind::Relu, vec![x.clone()]),
             (OpKind::Silu, vec![x.clone()]),
             (OpKind::Swiglu, vec![x.clone(), x.clone()]),
+            (OpKind::Geglu, vec![x.clone(), x.clone()]),
+            (OpKind::Softcap { cap: 30.0 }, vec![x.clone()]),
+            (OpKind::Scale { factor: 48.0 }, vec![x.clone()]),
+            (
+                OpKind::SoftcapBackward { cap: 30.0 },
+                vec![x.clone(), x.clone()],
+            ),
+            (OpKind::GegluBackward, vec![x.clone(), x.clone(), x.clone()]),
+            (
+                OpKind::Attention {
+                    heads: H,
+                    kv_heads: KV,
+                    head_dim: D,
+                    window: Some(3),
+                    qkv: QkvLayout::Separate,
+                    scale: Some(0.1),
+                    softcap: Some(50.0),
+                },
+                vec![q.clone(), kv.clone(), kv.clone()],
+            ),
             (OpKind::Add, vec![x.clone(), x.clone()]),
             (
                 OpKind::Rope {
@@ -2735,6 +2832,8 @@ mod tests {
                 n_kv_heads: kv as usize,
                 head_dim: d as usize,
                 window: window.map(|w| w as usize),
+                scale: None,
+                softcap: None,
             };
             let q_len = b * t * h * d;
             let kv_len = b * t * kv * d;
@@ -2789,6 +2888,8 @@ mod tests {
                     head_dim: d,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 };
                 let got = execute(&fwd, &fwd_types, &fwd_inputs);
                 assert_close(&format!("{what} out"), &got[0], &out, tol);
@@ -2800,6 +2901,8 @@ mod tests {
                     head_dim: d,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 };
                 let mut types = fwd_types.clone();
                 types.extend([f(&[b, t, h * d]), lse_ty, f(&[b, t, h * d])]);
@@ -2826,6 +2929,8 @@ mod tests {
             q_stride: 80,
             kv_stride: 40,
             packed: None,
+            scale: 0.35,
+            softcap: 0.0,
         };
         assert_eq!(attention_head_batch(5, 2048), 4);
         let batches = dims.head_batches();
@@ -2850,6 +2955,8 @@ mod tests {
             head_dim: 8,
             window: None,
             qkv: QkvLayout::Separate,
+            scale: None,
+            softcap: None,
         };
         let l = WorkspaceLayout::of(&kind, &[&q, &kv, &kv]);
         assert_eq!(l.get(Scratch::Scores).unwrap().bytes, 4 * 4 * 2048 * 2048);

@@ -1,4 +1,5 @@
-//! Pointwise activations: GELU (tanh form, HF `gelu_new`), ReLU, SiLU and SwiGLU.
+//! Pointwise activations: GELU (tanh form, HF `gelu_new`), ReLU, SiLU, SwiGLU, GeGLU, and
+//! Gemma's soft-cap and constant scale.
 //!
 //! Every backward overwrites its input gradient(s). All are parallel over fixed-size chunks and
 //! compute each element independently, so results do not depend on the thread count.
@@ -175,6 +176,86 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
         });
 }
 
+/// GeGLU, Gemma's MLP gate: `out = gelu_tanh(gate) * up` (transformers' `gelu_pytorch_tanh`,
+/// the formula of [`gelu_forward`]).
+pub fn geglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    map2(
+        out,
+        gate,
+        up,
+        #[inline(always)]
+        |g, u| g * gelu_parts(g) * u,
+    );
+}
+
+/// Backward of [`geglu_forward`]: `dgate = dout * up * gelu'(gate)`, `dup = dout *
+/// gelu(gate)`, both overwritten.
+pub fn geglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &[f32], up: &[f32]) {
+    let n = dout.len();
+    for (len, what) in [
+        (dgate.len(), "dgate"),
+        (dup.len(), "dup"),
+        (gate.len(), "gate"),
+        (up.len(), "up"),
+    ] {
+        assert_eq!(len, n, "geglu_backward: {what} length differs from dout");
+    }
+    dgate
+        .par_chunks_mut(ELEM_GRAIN)
+        .zip(dup.par_chunks_mut(ELEM_GRAIN))
+        .zip(dout.par_chunks(ELEM_GRAIN))
+        .zip(gate.par_chunks(ELEM_GRAIN).zip(up.par_chunks(ELEM_GRAIN)))
+        .for_each(|(((dg, du), d), (g, u))| {
+            fast(
+                #[inline(always)]
+                || {
+                    for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(g).zip(u) {
+                        let s = gelu_parts(g);
+                        let dk = GELU_K * (1.0 + 3.0 * GELU_C * (g * g));
+                        *du = d * (g * s);
+                        *dg = d * u * (s + 2.0 * g * s * (1.0 - s) * dk);
+                    }
+                },
+            )
+        });
+}
+
+/// Soft-capping: `out = cap * tanh(x / cap)` (Gemma 2's final logits).
+pub fn softcap_forward(out: &mut [f32], x: &[f32], cap: f32) {
+    map(
+        out,
+        x,
+        #[inline(always)]
+        |x| cap * (x / cap).tanh(),
+    );
+}
+
+/// Backward of [`softcap_forward`] from its output `y`: `dx = dout * (1 - (y / cap)^2)`
+/// (torch's tanh backward, which also reads the output).
+pub fn softcap_backward(dx: &mut [f32], dout: &[f32], y: &[f32], cap: f32) {
+    map2(
+        dx,
+        dout,
+        y,
+        #[inline(always)]
+        |d, y| {
+            let t = y / cap;
+            d * (1.0 - t * t)
+        },
+    );
+}
+
+/// `out = x * factor` (Gemma's embedding scale; the caller rounds `factor` to the storage
+/// type first, as transformers makes it a tensor of the activations' dtype). Its own backward.
+pub fn scale_forward(out: &mut [f32], x: &[f32], factor: f32) {
+    map(
+        out,
+        x,
+        #[inline(always)]
+        |x| x * factor,
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,5 +341,47 @@ mod tests {
         };
         check_grad("swiglu dgate", &x, &dg, |g| sw(g, &up), &cot);
         check_grad("swiglu dup", &up, &du, |u| sw(&x, u), &cot);
+        let (mut dg, mut du) = (vec![f32::NAN; 40], vec![f32::NAN; 40]);
+        geglu_backward(&mut dg, &mut du, &cot, &x, &up);
+        let ge = |g: &[f32], u: &[f32]| {
+            let mut o = vec![0.0; 40];
+            geglu_forward(&mut o, g, u);
+            o
+        };
+        check_grad("geglu dgate", &x, &dg, |g| ge(g, &up), &cot);
+        check_grad("geglu dup", &up, &du, |u| ge(&x, u), &cot);
+        // A cap of 2 bends inputs of magnitude up to 4 well into tanh's curve.
+        let cap = |x: &[f32]| {
+            let mut o = vec![0.0; 40];
+            softcap_forward(&mut o, x, 2.0);
+            o
+        };
+        let mut dx = vec![f32::NAN; 40];
+        softcap_backward(&mut dx, &cot, &cap(&x), 2.0);
+        check_grad("softcap", &x, &dx, cap, &cot);
+    }
+
+    #[test]
+    fn gemma_forwards_match_the_pytorch_formulas_in_f64() {
+        let (x, y) = (inputs(35, 64), inputs(36, 64));
+        let gelu = |x: f64| {
+            let k = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * x * (1.0 + (k * (x + 0.044715 * x.powi(3))).tanh())
+        };
+        let mut out = vec![0.0; 64];
+        geglu_forward(&mut out, &x, &y);
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&y)
+            .map(|(&g, &u)| gelu(g as f64) * u as f64)
+            .collect();
+        assert_close("geglu", &out, &want, 1e-6);
+        softcap_forward(&mut out, &x, 3.0);
+        let want: Vec<f64> = x.iter().map(|&x| 3.0 * (x as f64 / 3.0).tanh()).collect();
+        assert_close("softcap", &out, &want, 1e-6);
+        assert!(out.iter().all(|y| y.abs() < 3.0));
+        scale_forward(&mut out, &x, 1.5);
+        let want: Vec<f64> = x.iter().map(|&x| 1.5 * x as f64).collect();
+        assert_close("scale", &out, &want, 1e-6);
     }
 }

@@ -38,8 +38,8 @@ pub const K_TILE: usize = 64;
 /// Single-threaded: the parallelism is over heads, and a fixed order keeps results exact.
 const SERIAL: gemm::Parallelism = gemm::Parallelism::None;
 
-/// The shape of a causal self-attention.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The shape of a causal self-attention, and how its scores are made.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {
     /// B.
     pub batch: usize,
@@ -57,9 +57,38 @@ pub struct AttentionDims {
     /// `masking_utils.py`) combined with `causal_mask_function` (`kv_idx <= q_idx`). `None` is
     /// plain causal attention.
     pub window: Option<usize>,
+    /// The score scale; `None` is `D^-0.5` (Gemma scales by `query_pre_attn_scalar^-0.5`).
+    pub scale: Option<f32>,
+    /// Soft-cap of the scaled scores, `c * tanh(s / c)`, before the mask and softmax (Gemma 2's
+    /// `attn_logit_softcapping`, as its eager attention computes it).
+    pub softcap: Option<f32>,
 }
 
 impl AttentionDims {
+    /// These dimensions with the scores an attention op's attributes ask for.
+    pub fn scored(self, scale: Option<f64>, softcap: Option<f64>) -> Self {
+        AttentionDims {
+            scale: scale.map(|s| s as f32),
+            softcap: softcap.map(|c| c as f32),
+            ..self
+        }
+    }
+
+    /// The factor `q . k` is multiplied by.
+    pub fn score_scale(&self) -> f32 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// Soft-caps the `nq x nk` scores of a tile with row stride `K_TILE` in place.
+    fn cap_tile(&self, tile: &mut [f32; Q_TILE * K_TILE], nq: usize, nk: usize) {
+        if let Some(c) = self.softcap {
+            for row in tile.chunks_mut(K_TILE).take(nq) {
+                row[..nk].iter_mut().for_each(|x| *x = c * (*x / c).tanh());
+            }
+        }
+    }
+
     /// `H * D`: the width of `q` and of the output.
     pub fn q_width(&self) -> usize {
         self.n_heads * self.head_dim
@@ -369,7 +398,7 @@ fn forward_impl(
         return forward_normalised(out, lse, q, k, v, dims, rounding);
     }
     let group = h_len / dims.n_kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = dims.score_scale();
     lse.par_chunks_mut(t_len)
         .enumerate()
         .for_each(|(bh, lse_row)| {
@@ -397,6 +426,7 @@ fn forward_impl(
                                 (nq, nk, d),
                                 scale,
                             );
+                            dims.cap_tile(&mut tile, nq, nk);
                             for i in 0..nq {
                                 let row = &mut tile[i * K_TILE..i * K_TILE + nk];
                                 let (lo, hi) = visible(dims, t0 + i, s0, nk);
@@ -457,7 +487,7 @@ fn forward_normalised(
 ) {
     let (t_len, h_len, d) = (dims.seq, dims.n_heads, dims.head_dim);
     let group = h_len / dims.n_kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = dims.score_scale();
     lse.par_chunks_mut(t_len)
         .enumerate()
         .for_each(|(bh, lse_row)| {
@@ -482,6 +512,7 @@ fn forward_normalised(
                                 (nq, nk, d),
                                 scale,
                             );
+                            dims.cap_tile(&mut tile, nq, nk);
                             for i in 0..nq {
                                 let row = &mut tile[i * K_TILE..i * K_TILE + nk];
                                 let (lo, hi) = visible(dims, t0 + i, s0, nk);
@@ -512,6 +543,7 @@ fn forward_normalised(
                                 (nq, nk, d),
                                 scale,
                             );
+                            dims.cap_tile(&mut tile, nq, nk);
                             for i in 0..nq {
                                 let row = &mut tile[i * K_TILE..i * K_TILE + nk];
                                 let (lo, hi) = visible(dims, t0 + i, s0, nk);
@@ -665,7 +697,7 @@ fn backward_impl(
     );
     let (t_len, h_len, kv_len, d) = (dims.seq, dims.n_heads, dims.n_kv_heads, dims.head_dim);
     let group = h_len / kv_len;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = dims.score_scale();
     (0..dims.batch * kv_len).into_par_iter().for_each(|task| {
         fast(
             #[inline(always)]
@@ -714,9 +746,21 @@ fn backward_impl(
                                 let pr = &mut p[i * K_TILE..i * K_TILE + nk];
                                 let dr = &mut ds[i * K_TILE..i * K_TILE + nk];
                                 let (l, di) = (lse_h[t0 + i], delta[i]);
-                                for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
-                                    *x = exp(*x - l);
-                                    *y = *x * (*y - di) * scale;
+                                match dims.softcap {
+                                    None => {
+                                        for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
+                                            *x = exp(*x - l);
+                                            *y = *x * (*y - di) * scale;
+                                        }
+                                    }
+                                    // Through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2.
+                                    Some(c) => {
+                                        for (x, y) in pr[lo..hi].iter_mut().zip(&mut dr[lo..hi]) {
+                                            let t = (*x / c).tanh();
+                                            *x = exp(c * t - l);
+                                            *y = *x * (*y - di) * (1.0 - t * t) * scale;
+                                        }
+                                    }
                                 }
                                 pr[..lo].fill(0.0);
                                 pr[hi..].fill(0.0);
@@ -794,6 +838,8 @@ mod tests {
             n_kv_heads: kv,
             head_dim: d,
             window: w,
+            scale: None,
+            softcap: None,
         }
     }
 
@@ -816,7 +862,14 @@ mod tests {
                             let ki = (b * t_len + s) * kw + kvh * hd;
                             let qk: f64 =
                                 (0..hd).map(|i| q[qi + i] as f64 * k[ki + i] as f64).sum();
-                            *sc = qk / (hd as f64).sqrt();
+                            let scaled = match d.scale {
+                                Some(scale) => qk * f64::from(scale),
+                                None => qk / (hd as f64).sqrt(),
+                            };
+                            *sc = match d.softcap.map(f64::from) {
+                                Some(c) => c * (scaled / c).tanh(),
+                                None => scaled,
+                            };
                         }
                     }
                     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -885,6 +938,34 @@ mod tests {
             let (want_out, want_lse) = naive(&q, &k, &v, &d);
             assert_close(&format!("{d:?} out"), &out, &want_out, 2e-6);
             assert_close(&format!("{d:?} lse"), &lse, &want_lse, 2e-6);
+        }
+    }
+
+    /// Gemma's scores: a scale other than `D^-0.5` and a soft-cap small enough to bend them
+    /// (the inputs' scores reach several units), in both forwards and the backward. Without
+    /// the cap in the backward's chain rule the gradient check fails.
+    #[test]
+    fn scale_and_softcap_forward_and_gradients() {
+        for w in [None, Some(3)] {
+            let d = AttentionDims {
+                scale: Some(0.7),
+                softcap: Some(1.5),
+                ..dims(2, 7, 4, 2, 4, w)
+            };
+            let (q, k, v) = inputs(&d, 80);
+            let (out, lse) = fwd(&q, &k, &v, d);
+            let (want_out, want_lse) = naive(&q, &k, &v, &d);
+            assert_close(&format!("{d:?} out"), &out, &want_out, 2e-6);
+            assert_close(&format!("{d:?} lse"), &lse, &want_lse, 2e-6);
+            // The two-pass forward (bf16 storage) computes the same scores.
+            let (mut o3, mut l3) = (vec![0.0; out.len()], vec![0.0; lse.len()]);
+            attention_forward_rounded(&mut o3, &mut l3, &q, &k, &v, d, Rounding::Bf16);
+            assert_close("bf16 lse", &l3, &want_lse, 2e-6);
+            let cot = Rng::new(81).vec(q.len());
+            let [dq, dk, dv] = bwd(&q, &k, &v, &cot, d);
+            check_grad("capped dq", &q, &dq, |q| fwd(q, &k, &v, d).0, &cot);
+            check_grad("capped dk", &k, &dk, |k| fwd(&q, k, &v, d).0, &cot);
+            check_grad("capped dv", &v, &dv, |v| fwd(&q, &k, v, d).0, &cot);
         }
     }
 

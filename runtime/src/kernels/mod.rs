@@ -30,8 +30,9 @@ pub mod storage;
 mod testutil;
 
 pub use activation::{
-    gelu_backward, gelu_forward, relu_backward, relu_forward, silu_backward, silu_forward,
-    swiglu_backward, swiglu_forward,
+    geglu_backward, geglu_forward, gelu_backward, gelu_forward, relu_backward, relu_forward,
+    scale_forward, silu_backward, silu_forward, softcap_backward, softcap_forward, swiglu_backward,
+    swiglu_forward,
 };
 pub use adamw::{
     adamw_step, adamw_step_fused, bf16, clip_coef, f16, grad_norm_sq, scale, skips_step, to_bf16,

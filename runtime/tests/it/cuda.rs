@@ -634,6 +634,8 @@ fn attention_forward_and_backward() {
                 head_dim,
                 window,
                 qkv,
+                scale: None,
+                softcap: None,
             };
             let fwd = match qkv {
                 QkvLayout::Separate => Builder::new(17)
@@ -666,6 +668,8 @@ fn attention_forward_and_backward() {
                     head_dim,
                     window,
                     qkv,
+                    scale: None,
+                    softcap: None,
                 })
                 .check(&format!("{what} backward"), REDUCTION);
         }

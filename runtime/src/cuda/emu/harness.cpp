@@ -79,6 +79,24 @@ void test_activation() {
     for (int i = 0; i < n; ++i) { w[i] = d[i] * u[i] * num(silu, x[i]); w2[i] = d[i] * silu(x[i]); }
     close("swiglu bwd dgate", o, w, 1e-5);
     close("swiglu bwd dup", o2, w2, 1e-6);
+    launch(G(3), G(256), [&] { geglu_forward_f32(o.data(), x.data(), u.data(), n); });
+    for (int i = 0; i < n; ++i) w[i] = gelu(x[i]) * u[i];
+    close("geglu fwd", o, w, 1e-6);
+    launch(G(3), G(256), [&] { geglu_backward_f32(o.data(), o2.data(), d.data(), x.data(), u.data(), n); });
+    for (int i = 0; i < n; ++i) { w[i] = d[i] * u[i] * num(gelu, x[i]); w2[i] = d[i] * gelu(x[i]); }
+    close("geglu bwd dgate", o, w, 1e-5);
+    close("geglu bwd dup", o2, w2, 1e-6);
+    auto cap = [](double x) { return 2.0 * std::tanh(x / 2.0); };
+    launch(G(3), G(256), [&] { softcap_forward_f32(o.data(), x.data(), 2.0f, n); });
+    for (int i = 0; i < n; ++i) w[i] = cap(x[i]);
+    close("softcap fwd", o, w, 1e-6);
+    std::vector<float> y(o);
+    launch(G(3), G(256), [&] { softcap_backward_f32(o.data(), d.data(), y.data(), 2.0f, n); });
+    for (int i = 0; i < n; ++i) w[i] = d[i] * num(cap, x[i]);
+    close("softcap bwd", o, w, 1e-5);
+    launch(G(3), G(256), [&] { scale_forward_f32(o.data(), x.data(), 1.5f, n); });
+    for (int i = 0; i < n; ++i) w[i] = 1.5 * x[i];
+    close("scale fwd", o, w, 1e-7);
     // bf16 variant: same function on rounded inputs, result rounded.
     auto xb = tobf(x); std::vector<bf16> ob(n);
     launch(G(2), G(256), [&] { gelu_forward_bf16(ob.data(), xb.data(), n); });
@@ -333,8 +351,11 @@ void test_attention(int B, int T, int H, int KV, int D, int W, bool packed) {
 // (P in the storage type over the f32 row, ld T * 4 / sizeof(storage)), then the backward's
 // P and dS = P (dP - delta) scale, against f64 softmax with the causal / window mask.
 template <typename S>
-void test_attention_rows(int n, int T, int W, int threads) {
-    char name[160]; snprintf(name, sizeof name, "attention rows n%d T%d W%d %s x%d", n, T, W, sizeof(S) == 2 ? "bf16" : "f32", threads);
+void test_attention_rows(int n, int T, int W, int threads, float cap = 0.0f) {
+    char name[160]; snprintf(name, sizeof name, "attention rows n%d T%d W%d %s x%d cap%g", n, T, W, sizeof(S) == 2 ? "bf16" : "f32", threads, cap);
+    // Gemma 2's soft-cap of the scores, and its derivative.
+    auto capped = [&](double x) { return cap > 0 ? cap * std::tanh(x / cap) : x; };
+    auto dcap = [&](double x) { double th = cap > 0 ? std::tanh(x / cap) : 0.0; return 1.0 - th * th; };
     const int hs = 3 * T;  // lse / delta head stride (the heads of a GQA group lie apart)
     const size_t tt = (size_t)n * T * T;
     const int ldp = T * 4 / (int)sizeof(S);
@@ -344,7 +365,7 @@ void test_attention_rows(int n, int T, int W, int threads) {
     auto scores = s0;
     const i64 first = 5;  // the batch's first row in lse / delta
     std::vector<float> lse_all((size_t)n * hs + first, NAN);
-    launch(G(T, n), G(threads), [&] { attention_softmax<S>(scores.data(), lse_all.data(), first, T, W, hs); });
+    launch(G(T, n), G(threads), [&] { attention_softmax<S>(scores.data(), lse_all.data(), first, T, W, hs, cap); });
     const float* lse = lse_all.data() + first;
     auto visible = [&](int t, int c) { return c <= t && (W <= 0 || c > t - W); };
     std::vector<float> got_p(tt), got_lse((size_t)n * T), got_ds(tt);
@@ -352,13 +373,13 @@ void test_attention_rows(int n, int T, int W, int threads) {
     for (int i = 0; i < n; ++i) for (int t = 0; t < T; ++t) {
         const float* row = &s0[((size_t)i * T + t) * T];
         double m = -INFINITY, z = 0;
-        for (int c = 0; c < T; ++c) if (visible(t, c)) m = std::max(m, (double)row[c]);
-        for (int c = 0; c < T; ++c) if (visible(t, c)) z += std::exp(row[c] - m);
+        for (int c = 0; c < T; ++c) if (visible(t, c)) m = std::max(m, capped(row[c]));
+        for (int c = 0; c < T; ++c) if (visible(t, c)) z += std::exp(capped(row[c]) - m);
         want_lse[(size_t)i * T + t] = m + std::log(z);
         got_lse[(size_t)i * T + t] = lse[(size_t)i * hs + t];
         const S* p = reinterpret_cast<const S*>(&scores[((size_t)i * T + t) * T]);
         for (int c = 0; c < T; ++c) {
-            want_p[((size_t)i * T + t) * T + c] = visible(t, c) ? std::exp(row[c] - m) / z : 0.0;
+            want_p[((size_t)i * T + t) * T + c] = visible(t, c) ? std::exp(capped(row[c]) - m) / z : 0.0;
             got_p[((size_t)i * T + t) * T + c] = to_f32(p[c]);
         }
     }
@@ -368,7 +389,7 @@ void test_attention_rows(int n, int T, int W, int threads) {
     // Backward, from the f32 scores and the lse the forward wrote.
     scores = s0;
     auto dp = dp0;
-    launch(G(T, n), G(threads), [&] { attention_backward_ds<S>(scores.data(), dp.data(), lse_all.data(), delta_all.data(), first, T, W, hs, scale); });
+    launch(G(T, n), G(threads), [&] { attention_backward_ds<S>(scores.data(), dp.data(), lse_all.data(), delta_all.data(), first, T, W, hs, scale, cap); });
     for (int i = 0; i < n; ++i) for (int t = 0; t < T; ++t) {
         const size_t r = ((size_t)i * T + t) * T;
         const S* p = reinterpret_cast<const S*>(&scores[r]);
@@ -376,8 +397,8 @@ void test_attention_rows(int n, int T, int W, int threads) {
         for (int c = 0; c < T; ++c) {
             got_p[r + c] = to_f32(p[c]);
             got_ds[r + c] = to_f32(ds[c]);
-            const double pv = visible(t, c) ? std::exp((double)s0[r + c] - lse[(size_t)i * hs + t]) : 0.0;
-            want_ds[r + c] = pv * (dp0[r + c] - (double)delta[(size_t)i * hs + t]) * scale;
+            const double pv = visible(t, c) ? std::exp(capped(s0[r + c]) - lse[(size_t)i * hs + t]) : 0.0;
+            want_ds[r + c] = pv * (dp0[r + c] - (double)delta[(size_t)i * hs + t]) * dcap(s0[r + c]) * scale;
         }
     }
     close((std::string(name) + " backward P").c_str(), got_p, want_p, tol);
@@ -634,6 +655,8 @@ int main() {
         test_attention_rows<bf16>(3, 70, 0, threads);
         test_attention_rows<bf16>(1, 129, 20, threads);
         test_attention_rows<float>(2, 100, 1, threads);
+        test_attention_rows<float>(2, 70, 9, threads, 1.5f);
+        test_attention_rows<bf16>(1, 33, 0, threads, 0.7f);
     }
     printf("%d failure(s)\n", failures);
     return failures != 0;

@@ -1,5 +1,6 @@
 // Pointwise activations, mirroring runtime/src/kernels/activation.rs: GELU (tanh form, HF
-// `gelu_new`), ReLU, SiLU, SwiGLU, and their backwards.
+// `gelu_new`), ReLU, SiLU, SwiGLU, GeGLU, Gemma's soft-cap and constant scale, and their
+// backwards.
 //
 // Every entry point is a grid-stride loop over `n` elements: any grid, any 1-D block (256
 // threads is the intended launch). Each element is independent, so in-place use (`out == x`,
@@ -80,6 +81,43 @@ __device__ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, 
     }
 }
 
+template <typename T> __device__ void geglu_forward(T* out, const T* gate, const T* up, i64 n) {
+    GRID_STRIDE(i, n) {
+        float g = ld(gate, i), u = ld(up, i);
+        st(out, i, g * gelu_s(g) * u);
+    }
+}
+
+template <typename T>
+__device__ void geglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
+                               i64 n) {
+    GRID_STRIDE(i, n) {
+        float d = ld(dout, i), g = ld(gate, i), u = ld(up, i);
+        float s = gelu_s(g);
+        float dk = GELU_K * (1.0f + 3.0f * GELU_C * (g * g));
+        st(dup, i, d * (g * s));
+        st(dgate, i, d * u * (s + 2.0f * g * s * (1.0f - s) * dk));
+    }
+}
+
+template <typename T> __device__ void softcap_forward(T* out, const T* x, float cap, i64 n) {
+    GRID_STRIDE(i, n) { st(out, i, cap * tanhf(ld(x, i) / cap)); }
+}
+
+/// From the forward's output y: dx = dout (1 - (y / cap)^2).
+template <typename T>
+__device__ void softcap_backward(T* dx, const T* dout, const T* y, float cap, i64 n) {
+    GRID_STRIDE(i, n) {
+        float t = ld(y, i) / cap;
+        st(dx, i, ld(dout, i) * (1.0f - t * t));
+    }
+}
+
+/// `factor` arrives rounded to the storage type by the launcher.
+template <typename T> __device__ void scale_forward(T* out, const T* x, float factor, i64 n) {
+    GRID_STRIDE(i, n) { st(out, i, ld(x, i) * factor); }
+}
+
 /// out = gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 extern "C" __global__ void gelu_forward_f32(float* out, const float* x, i64 n) { gelu_forward(out, x, n); }
 extern "C" __global__ void gelu_forward_bf16(bf16* out, const bf16* x, i64 n) { gelu_forward(out, x, n); }
@@ -112,3 +150,23 @@ extern "C" __global__ void swiglu_forward_f16(f16* out, const f16* gate, const f
 extern "C" __global__ void swiglu_backward_f32(float* dgate, float* dup, const float* dout, const float* gate, const float* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
 extern "C" __global__ void swiglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
 extern "C" __global__ void swiglu_backward_f16(f16* dgate, f16* dup, const f16* dout, const f16* gate, const f16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
+/// out = gelu_tanh(gate) * up.
+extern "C" __global__ void geglu_forward_f32(float* out, const float* gate, const float* up, i64 n) { geglu_forward(out, gate, up, n); }
+extern "C" __global__ void geglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, i64 n) { geglu_forward(out, gate, up, n); }
+extern "C" __global__ void geglu_forward_f16(f16* out, const f16* gate, const f16* up, i64 n) { geglu_forward(out, gate, up, n); }
+/// dgate = dout * up * gelu'(gate), dup = dout * gelu(gate).
+extern "C" __global__ void geglu_backward_f32(float* dgate, float* dup, const float* dout, const float* gate, const float* up, i64 n) { geglu_backward(dgate, dup, dout, gate, up, n); }
+extern "C" __global__ void geglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, i64 n) { geglu_backward(dgate, dup, dout, gate, up, n); }
+extern "C" __global__ void geglu_backward_f16(f16* dgate, f16* dup, const f16* dout, const f16* gate, const f16* up, i64 n) { geglu_backward(dgate, dup, dout, gate, up, n); }
+/// out = cap * tanh(x / cap).
+extern "C" __global__ void softcap_forward_f32(float* out, const float* x, float cap, i64 n) { softcap_forward(out, x, cap, n); }
+extern "C" __global__ void softcap_forward_bf16(bf16* out, const bf16* x, float cap, i64 n) { softcap_forward(out, x, cap, n); }
+extern "C" __global__ void softcap_forward_f16(f16* out, const f16* x, float cap, i64 n) { softcap_forward(out, x, cap, n); }
+/// dx = dout * (1 - (y / cap)^2).
+extern "C" __global__ void softcap_backward_f32(float* dx, const float* dout, const float* y, float cap, i64 n) { softcap_backward(dx, dout, y, cap, n); }
+extern "C" __global__ void softcap_backward_bf16(bf16* dx, const bf16* dout, const bf16* y, float cap, i64 n) { softcap_backward(dx, dout, y, cap, n); }
+extern "C" __global__ void softcap_backward_f16(f16* dx, const f16* dout, const f16* y, float cap, i64 n) { softcap_backward(dx, dout, y, cap, n); }
+/// out = x * factor.
+extern "C" __global__ void scale_forward_f32(float* out, const float* x, float factor, i64 n) { scale_forward(out, x, factor, n); }
+extern "C" __global__ void scale_forward_bf16(bf16* out, const bf16* x, float factor, i64 n) { scale_forward(out, x, factor, n); }
+extern "C" __global__ void scale_forward_f16(f16* out, const f16* x, float factor, i64 n) { scale_forward(out, x, factor, n); }

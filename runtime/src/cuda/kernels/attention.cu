@@ -338,7 +338,8 @@ extern "C" __global__ void attention_backward_dkv_f16(f16* dk, f16* dv, const f1
 // products are cuBLAS strided-batched GEMMs over a batch of KV heads (bf16 or f32 in, f32
 // accumulate); the kernels below do what lies between them, one block per score row:
 //
-//   forward:  S = scale Q K^T (GEMM, f32) -> attention_softmax -> P (storage dtype, over S)
+//   forward:  S = scale Q K^T (GEMM, f32) -> attention_softmax -> P (storage dtype, over S;
+//             soft-capped scores when `cap > 0`)
 //             -> O = P V (GEMM)
 //   backward: S again (GEMM), dP = dO V^T (GEMM, f32) -> attention_backward_ds -> P over S,
 //             dS = P (dP - delta) scale over dP -> dV += P^T dO, dQ = dS K, dK += dS^T Q (GEMMs)
@@ -354,6 +355,9 @@ extern "C" __global__ void attention_backward_dkv_f16(f16* dk, f16* dv, const f1
 // row starts at element `first`, with `head_stride` floats between the batch's heads.
 // Launch: 1-D blocks of a multiple of 32 threads (at most 1024; 256 intended), grid (T, heads).
 
+/// A score soft-capped to `cap * tanh(s / cap)` (Gemma 2); `cap == 0` leaves it.
+__device__ __forceinline__ float attn_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
 /// Max over the whole block (as `block_sum`).
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -366,21 +370,21 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 template <typename T>
-__device__ void attention_softmax(float* scores, float* lse, i64 first, int T_len, int window, int head_stride) {
+__device__ void attention_softmax(float* scores, float* lse, i64 first, int T_len, int window, int head_stride, float cap) {
     __shared__ float red[32];
     const int t = blockIdx.x, i = blockIdx.y;
     float* s = scores + ((i64)i * T_len + t) * T_len;
     T* p = reinterpret_cast<T*>(s);
     const int lo = attn_first_key(t, window);
     float m = -pt_inf();
-    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) m = fmaxf(m, s[c]);
+    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) m = fmaxf(m, attn_cap(s[c], cap));
     m = block_max(m, red);
     float l = 0.0f;
-    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) l += expf(s[c] - m);
+    for (int c = lo + threadIdx.x; c <= t; c += blockDim.x) l += expf(attn_cap(s[c], cap) - m);
     l = block_sum(l, red);
     for (int base = 0; base < T_len; base += blockDim.x) {
         const int c = base + threadIdx.x;
-        const float v = c >= lo && c <= t ? expf(s[c] - m) / l : 0.0f;
+        const float v = c >= lo && c <= t ? expf(attn_cap(s[c], cap) - m) / l : 0.0f;
         __syncthreads();
         if (c < T_len) st(p, c, v);
     }
@@ -389,13 +393,13 @@ __device__ void attention_softmax(float* scores, float* lse, i64 first, int T_le
 
 /// Softmax of each causal (and windowed) score row in place: P (storage dtype) over the f32
 /// scores, and the row's logsumexp. See the notes above for the layout and launch.
-extern "C" __global__ void attention_softmax_f32(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<float>(scores, lse, first, T, window, head_stride); }
-extern "C" __global__ void attention_softmax_bf16(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<bf16>(scores, lse, first, T, window, head_stride); }
-extern "C" __global__ void attention_softmax_f16(float* scores, float* lse, i64 first, int T, int window, int head_stride) { attention_softmax<f16>(scores, lse, first, T, window, head_stride); }
+extern "C" __global__ void attention_softmax_f32(float* scores, float* lse, i64 first, int T, int window, int head_stride, float cap) { attention_softmax<float>(scores, lse, first, T, window, head_stride, cap); }
+extern "C" __global__ void attention_softmax_bf16(float* scores, float* lse, i64 first, int T, int window, int head_stride, float cap) { attention_softmax<bf16>(scores, lse, first, T, window, head_stride, cap); }
+extern "C" __global__ void attention_softmax_f16(float* scores, float* lse, i64 first, int T, int window, int head_stride, float cap) { attention_softmax<f16>(scores, lse, first, T, window, head_stride, cap); }
 
 template <typename T>
 __device__ void attention_backward_ds(float* scores, float* dprobs, const float* lse, const float* delta, i64 first,
-                                      int T_len, int window, int head_stride, float scale) {
+                                      int T_len, int window, int head_stride, float scale, float cap) {
     const int t = blockIdx.x, i = blockIdx.y;
     const i64 row = ((i64)i * T_len + t) * T_len;
     float* s = scores + row;
@@ -407,8 +411,15 @@ __device__ void attention_backward_ds(float* scores, float* dprobs, const float*
         const int c = base + threadIdx.x;
         float pv = 0.0f, dsv = 0.0f;
         if (c >= lo && c <= t) {
-            pv = expf(s[c] - L);
-            dsv = pv * (dp[c] - dl) * scale;
+            if (cap > 0.0f) {
+                // Through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2.
+                const float th = tanhf(s[c] / cap);
+                pv = expf(cap * th - L);
+                dsv = pv * (dp[c] - dl) * (1.0f - th * th) * scale;
+            } else {
+                pv = expf(s[c] - L);
+                dsv = pv * (dp[c] - dl) * scale;
+            }
         }
         __syncthreads();
         if (c < T_len) {
@@ -421,6 +432,6 @@ __device__ void attention_backward_ds(float* scores, float* dprobs, const float*
 /// The backward's elementwise step over each score row, in place: P = exp(S - lse) (masked
 /// to 0) over the scores and dS = P (dP - delta) scale over the probability gradients, both
 /// in the storage dtype. See the notes above for the layout and launch.
-extern "C" __global__ void attention_backward_ds_f32(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<float>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
-extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<bf16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
-extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale) { attention_backward_ds<f16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale); }
+extern "C" __global__ void attention_backward_ds_f32(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<float>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
+extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<bf16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
+extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<f16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
