@@ -98,114 +98,114 @@ fn schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const GOLDEN: &str = "
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fc598056c57314e7
-gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 f92622a265c6c6fe
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 becc49f33fa0daed
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 ed483e90aa23ff92
-gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 584784cce6c518c3
-gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 2f3097a19e413fb6
-gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 d797a08692dd8c77
-gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 30806a5d1e3a046e
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 f8ca4e1b6b12d149
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8588bc61f4a7d902
-gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 42cd225de5ead80f
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ee29a4fe6a4685ef
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 b49152174b290b89
-gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC d5598e58daa0c745
-gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC dd9ee63b7327d671
-gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 f2fc47a2c7214808
-gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 3ef92da08629b7f6
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 e79300947ed1babb
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 0678c7c8c73466c3
-llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 2b55c421c714250d
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 414379548e8ad0cf
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4f96df8dff9ed20b
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC de1b01688bb3d0ee
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC de1b01688bb3d0ee
-llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 78cf8f5c08eb1394
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK e3fe502d4876a3aa
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 942a692d0b09513c
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 2cdd70b4a3b24e77
-llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 0c43b908b82aca3c
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 dee86cca2dc84137
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 f68c5b9e0ee7862e
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0318077ca9250306
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0318077ca9250306
-llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 6f03621612f25932
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 25980d9327fc660e
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 c559a5450679ec07
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 d2311c5d62efde9c
-mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 c6dfb3053127db14
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a116a79405ed2d3a
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7252dc253ded17a3
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0f70115aa21c9450
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0f70115aa21c9450
-mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c36883ae3f22be31
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 5d24e84179492a3b
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 b0ff06ec24f0ab6d
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 8bb634365f22d0b6
-mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 ec02f9b234eb7fde
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 70cdbf617b58b175
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 28e35be13e016b96
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 70518572161b3437
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 70518572161b3437
-mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 729f35c781758128
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9e399acd4b3ad997
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 a244b727d556882f
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 c18fac730b64c34c
-opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 3a00322ed3add389
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b07df7560fdf6512
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4506b7ece98519ec
-opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 28c12f508ac05c17
-opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 57ac413204165321
-opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 14db29aba94a9cb2
-opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK cd0d166230642d0b
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 b098a0dab5f55361
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 3c030c539ab9ec02
-opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 4d057b2fd12071da
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 89d22fd4206a2b59
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 605bcc5930dabf87
-opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0bc31accb136f9c2
-opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5eb89aed0aae47e4
-opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 e03be4a54735138e
-opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 0a83e5f09347991d
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 154e425719752a42
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 d95f05107c336ae4
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 11d1f5229cdb1e62
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8367ddcf1f96b898
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 76d2444d1d6613a0
-gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9238f343f453b9b9
-gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3c4fa547dc184959
-gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 886d7f8719f07c97
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 0390859ab09ed8df
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 36033dc3df4a2b22
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 deec6b4956209b21
-gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 0e901ab3db23fdff
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1afcc16b51e8a3e4
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 758f8f957b17db6b
-gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 405f9c9b11aab620
-gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 4e4ddb942b7c3053
-gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 8592bfcc1ca00f9c
-gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 16b9dfc6943165f9
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 bed52a52b24a9c09
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 0674e4a5f76462ba
-llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 4cc195c74d7d8291
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 06ccf4af36f73c6b
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 41b5594bb8660e3d
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 954e7219f9667672
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 954e7219f9667672
-llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 25a1dfe105b8c445
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 6d30c5c9798f4150
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 387ed8e3e6365be8
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 7b9918d89fceda88
-llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 c1d95e390f098000
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 3308b63b9a067b1e
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 f52e10e387599b66
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC bbcde883b69ab240
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC bbcde883b69ab240
-llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 5e067342eacf6c29
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 681f5a44bac2cfe5
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 4faf1c8d89d93a3e
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 b6a81a64a0ea427f
+gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 5f4730ccea81a7b0
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4c67db12d9cab77c
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 b6f1fbcf031458ff
+gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b569edf03e0841df
+gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3b875a289833b7f3
+gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 fbd9f654e377f9e5
+gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 36408a9d09421b53
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 e088d9e0bf726c66
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 944f9c3e1890cb0e
+gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 73c0fa26a0cbe533
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 39bfe948cc0a6e37
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 c36b667b04f4c959
+gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 51ed9039b6443bf7
+gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC c15ac71ad402f3ec
+gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 d927b1a2d9d65967
+gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 923c7b9c3e6ac585
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 f53131ce96ef3fad
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f0c8d69969acdf2b
+llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 2a896d13d977b2f6
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b52c7312565bc787
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7417c254ac9c29c4
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
+llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 9e746b52243b2946
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 56ac11fd16f4aae8
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 99d8356e44fee0a6
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 4911efdfbf245f06
+llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 f5c2060f0c153a33
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b625f5cf04bcb51f
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 5c8047e841f47344
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
+llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 31e03a2d116cc2d6
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK e6d5236530147f82
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 c7da9f4dac949ff7
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 e568cd1ec3b37827
+mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 6e10d3e83482758c
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 13e07a6f80101ca9
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9fac3fff5e5e9e70
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8b99f8e3659cea0c
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8b99f8e3659cea0c
+mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 b59bf1bdbdbb3e44
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9ef6d58c7a67e8ea
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 bc423cf98642a35c
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c2db7e0a4d4f710c
+mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 8d4249a46a977bb4
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fd721a4432074fe3
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9890c68d300f5079
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC f33880bdaf446f86
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC f33880bdaf446f86
+mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 80e3bd920403fdc7
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 1afd94b8dd1b489f
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 e347d9886b0f216a
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ab68b11131783166
+opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 68a1f88a00784101
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 00172defeb424433
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 c7204821b20e093f
+opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fc648619d5bcdeb2
+opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5d287b51565a0f2c
+opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 a8eba1988247f900
+opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK af387ac208af8d14
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 794e7d99095c573e
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9625e37f0ae95d58
+opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7150f26d02924f83
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c0ac52d77cab13ad
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 1f8ad7b7df64b38c
+opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC abd7a6c22085ecc2
+opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3b1a229861a20021
+opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 c7a60f8ed0fc28d4
+opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 5785489601194d95
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 03787fed416dc649
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f719ca82e75eb80b
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 aa8de8b81edad7be
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0f7f7f46dcb80196
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 53251270f0db89a5
+gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9c6435dc727c76c0
+gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 8fafa306c3fa5bfe
+gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 9652d86ea7f98a10
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK eb4589fcb143b663
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 f5788484538cea6f
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 59bfac61e649c436
+gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 01ad4f4106160383
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 726953d71a06fa4d
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 52ee3890c45819b7
+gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC bf583160001d4bf5
+gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 583d64e99515f2f8
+gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 f5158af283b134db
+gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK b92022b35a27b8d6
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 3c07952e75c3f880
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 36648e69e36d202e
+llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 52dd06f2825281d1
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9b25dfffe13bf24b
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4df9906bc055cb2c
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 25cbbe5860222851
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 25cbbe5860222851
+llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 d3a33332e699c719
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 22c6174955cb9385
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 9300824afc85f469
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 eaee3c86386b7ee9
+llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 6b68c9307d970cd3
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d92c8c7c30c5af74
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 faa627d4e015d478
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC a742137145dccd65
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC a742137145dccd65
+llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 495909413d8b8dc4
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 8c9bc737c88009c7
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 fd098027e7d8c229
 ";
 
 /// The passes that rewrite an emitted schedule, pinned the same way: gradient accumulation
@@ -303,112 +303,112 @@ fn rewritten_schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const REWRITTEN: &str = "
-gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 86975efa4be42624
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 246e09070435f3f8
-gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c9cdcfed6600bafd
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 608a910155868841
-gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9e61bf8f916bfbce
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cc1f314454af1c15
-gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 49ddb31fe2e62b89
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3197a47ed75e5c0d
-gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c61c8d9532e986b
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 43f166b2e9f5bf9c
-gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 903b7d7f07acb59f
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5bbcb9d052daef0f
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8646d08dd8fee9d3
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4cfb3b97dacf1cd7
-gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8fbff5a4ba96109b
-gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1cb34f841f306bb3
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 66c2902a6410a431
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 aed9e0fe709f8eb1
-gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ba0adce2c41b9de3
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ff9d25b7d910dae2
-gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d1cbff7c053f1e8e
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2bc7203fc98f4797
-gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 537db19758cb2287
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f4767d725a325cd1
-gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 28199f8f3e5d3522
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c3f63311d33946dc
-gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fdaa853514bc0ea7
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 29d23398df5ecec9
-gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a85d491a78745730
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 81b7dd63aec43d21
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 2abc374986134502
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 70f38cc478ba7cf9
-gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ba5e1c2cb87cf10f
-gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c1622cd8c9970840
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e1dfd1ab218129ca
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0ccbed3b8b7a6a73
-llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 8f068265f357a6ac
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fcd935ddd6564f5e
-llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4308f42902a05127
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3a214c33f83656e1
-llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f4ef1360832b04df
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6ee6215ed60137a3
-llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 28bcb0c11e692e0e
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4cdc1510c20d3c82
-llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 756f98e288999aca
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ebd4b1dc893e02b6
-llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6950068523df9781
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 f64910e720f7353f
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0e49fa4d002b8b6b
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0e49fa4d002b8b6b
+gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ae9134c0953e0306
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 70319c1184ff2464
+gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC e98fe15c0407e63f
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7fada2e2ce343fa9
+gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0fe7704d989b2906
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c103ab386c608284
+gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a90b9d7d8f57a2a6
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dc479935e6c9e3f8
+gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 3ff748c0cb3e9223
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 79de46df84ec820d
+gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d51dd3e4b7ab2fc
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 993800cf8991c7ec
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 3c557718d1f144b3
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 68bb570757698234
+gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f70962ce6b3df4e5
+gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4420ac17d7fe681e
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9f6bcea8e50cdab1
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 31abfad61775f56c
+gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9dfac33dad22d5ca
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8d0fe3098c5f7f69
+gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9beac7fb1a9f35e5
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d1815f0e58516f16
+gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9363210adf2e7512
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 916709fa562d0232
+gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2e136ee5ca2fa459
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4bf84de530aaee66
+gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9ffd2e6a00302533
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d86b7f52580b1dcf
+gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 04460e3824b15687
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8f0cb196e0da24cd
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a8bbbff5b876bac5
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9b379ce454b1d7e3
+gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 03f6fb5abc3a9951
+gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b8dabdb8b9ab3b78
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e70d326ca0354fc2
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5996e7bb85574ce2
+llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f592e96f323ba613
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 43553f58266d7abb
+llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9c9a46560f05c5da
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3929f27f38b3b858
+llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 fecf1e7239ebff81
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 afceafa9eb56d317
+llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c53d9e5af8e095ab
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 549dcc4cd32753f2
+llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 94f41ebc46a482bf
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 859f687d69e74671
+llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ac5bcef07c08ab35
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b91211717b30fb52
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
 llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.5 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.5 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 11a2c119932defb4
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a8c513d2184ffa76
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a8c513d2184ffa76
-llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 0135706f7b9d0101
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d8d5c5f402c6f75a
-llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6edfcc41c8f8e1e0
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 efb49a8c05624cd3
-llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 b25df54a89939c4c
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7f90dd511eb4e31a
-llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f433d673512e999b
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c89fb9f8193e511b
-llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ff21b6a8d7c045fa
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4f3807e21c7a16f6
-llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC aba4ae292cedffb4
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 eb396287808cb37a
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a3be5663b497ecf9
-llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a3be5663b497ecf9
+llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
+llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 07c03f0132c2d0a8
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4fcbabd60f6dba53
+llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2df53c12ddc75c80
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4b2dff8056a7a5e1
+llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 66a253ae1a5366ba
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4528de9bef2df0a2
+llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC af5d4e59c83b4a64
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4d7c3e13568e5668
+llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ad388b29c9a9ee77
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1c0cbcb2f6d8a5d6
+llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4f24032122f06a53
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 cf1c6ed28ac30f27
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
+llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
 llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.8 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.7 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC e985bfc27f5ced41
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b90db2cfa8330838
-llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b90db2cfa8330838
-gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8f5a70977f29c6fe
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 060f55346513eb31
-gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2244a9df44a28852
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ea51edb10d40297b
-gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 77695ca732ed97a3
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 425fcea6bbed4ac8
-gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a558fa2d1138ae92
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 07dc5077df3b86ce
-gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 168433969b23dfe1
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 be19f451adcca1f7
-gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6d77661c158b5f4
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 67715efb88432753
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e61640af34f7570c
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cb0cb81cd5ee9dc8
-gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6cbd2471f1eda48e
-gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2f481decaf81cb5a
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0b4570e6f79f1fc7
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 17ac55abce4cf572
-gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 c28134e3e101e3c5
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ffc0bb627eb84960
-gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bcbba362a209052b
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 582dd2ae21976a52
-gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fbcdf1f2b04d00d1
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b3908f3f8beb77c5
-gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a9635fbbc20dd938
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 03a75d8193609c08
-gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 09125002fc824318
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 559ade15b7aa531a
-gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 87ffbb055d389b58
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8c29c629a518bf80
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 82e4fa1b1525a7d1
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 835f81ba43cc245f
-gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cec75305c1f6ec5b
-gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 857b19b96eb34459
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a76ca177e72512bd
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0d1cfbcefe5475c1
+llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a
+llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a
+gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 de38b6e9c6acf4df
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c624a424431b109d
+gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 51a84569e4e3e27d
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 caee2ef93c753ee9
+gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f2ef6c093459c7a7
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 19e0deef1fec03e2
+gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bef34e956b00fbeb
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 20e5990a75cd84ca
+gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 adbd061eaafd736d
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 99bd6cdba1b1a4b0
+gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7f29238c70272cc7
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4206036124541d4d
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4921aaff913ff1ee
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 57ff017ef9846deb
+gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6e9ff242b448a96d
+gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC bd96c9f391c22575
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5229b8a90f466d87
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 10e0398908ab5c67
+gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 362fc43618bbaf4d
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0fe7c638212ad180
+gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 485da65291ead8bc
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 89b7d69dd57cc51e
+gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 153b40d52b9a6f4e
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4a0cab918d1f63c6
+gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f2d12d0f0dbf06e6
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8cda83ba25e0eb5b
+gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 525a63d274df6900
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e54b2e63dedc9704
+gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC dd5f5b4399d794f8
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 84959eb5d1274237
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e80fc859d3531505
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 309672610472a651
+gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6eb2d0a774fc6fd1
+gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6dc466104ff0a02
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d60950d7ea2621fa
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2c839952e0a0e877
 ";
