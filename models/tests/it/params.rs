@@ -114,7 +114,9 @@ fn test_configs_match_transformers() {
 #[test]
 fn reference_fixtures_match_transformers() {
     // The configs transformers 5 wrote for the numerics fixtures, with everything it records.
-    for model in ["gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3"] {
+    for model in [
+        "gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3",
+    ] {
         let dir = Path::new(MODELS).join("../tests/fixtures").join(model);
         let mut expected = read_json(&dir.join("expected.json"));
         expected["parameters"] = expected["param_count"].clone();
