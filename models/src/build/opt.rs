@@ -5,7 +5,7 @@
 use super::{activation, Builder, Linear, Norm, Weight};
 use crate::config::{ModelConfig, OptLayout};
 use crate::error::Result;
-use protrain_ir::{OpKind, QkvLayout, WeightLayout};
+use protrain_ir::{BlockId, OpKind, QkvLayout, ValueId, WeightLayout};
 
 /// `OPTLearnedPositionalEmbedding` keeps two rows before position 0 (fairseq's padding rows).
 const POSITION_OFFSET: u64 = 2;
@@ -76,58 +76,11 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &OptLayout) -
     let final_norm = layout
         .final_layer_norm
         .then(|| b.norm_params(&format!("{d}.final_layer_norm"), c, true, blocks.head));
-    let bias = layout.enable_bias;
-    let ffn = config.intermediate_size;
     let layers: Vec<Layer> = blocks
         .layers
         .iter()
         .enumerate()
-        .map(|(i, &block)| {
-            let p = format!("{d}.layers.{i}");
-            Layer {
-                k_proj: b.linear_params(
-                    &format!("{p}.self_attn.k_proj"),
-                    c,
-                    c,
-                    bias,
-                    linear,
-                    block,
-                ),
-                v_proj: b.linear_params(
-                    &format!("{p}.self_attn.v_proj"),
-                    c,
-                    c,
-                    bias,
-                    linear,
-                    block,
-                ),
-                q_proj: b.linear_params(
-                    &format!("{p}.self_attn.q_proj"),
-                    c,
-                    c,
-                    bias,
-                    linear,
-                    block,
-                ),
-                out_proj: b.linear_params(
-                    &format!("{p}.self_attn.out_proj"),
-                    c,
-                    c,
-                    bias,
-                    linear,
-                    block,
-                ),
-                self_attn_layer_norm: b.norm_params(
-                    &format!("{p}.self_attn_layer_norm"),
-                    c,
-                    true,
-                    block,
-                ),
-                fc1: b.linear_params(&format!("{p}.fc1"), c, ffn, bias, linear, block),
-                fc2: b.linear_params(&format!("{p}.fc2"), ffn, c, bias, linear, block),
-                final_layer_norm: b.norm_params(&format!("{p}.final_layer_norm"), c, true, block),
-            }
-        })
+        .map(|(i, &block)| layer_params(b, config, layout, i, block))
         .collect();
     let lm_head: Weight = if config.tie_word_embeddings {
         embed
@@ -156,8 +109,6 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &OptLayout) -
         "embed_positions".into(),
     )?;
     let mut x = b.add(tok, pos, "embed".into())?;
-    let eps = config.norm_eps;
-    let pre_norm = layout.do_layer_norm_before;
     let attention = OpKind::Attention {
         heads: config.num_heads,
         kv_heads: config.num_kv_heads,
@@ -169,48 +120,98 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &OptLayout) -
     };
     for (i, (layer, &block)) in layers.iter().zip(&blocks.layers).enumerate() {
         b.enter(block);
-        let n = |what: &str| format!("layers.{i}.{what}");
-        let mut h = x;
-        if pre_norm {
-            h = b.norm(
-                x,
-                &layer.self_attn_layer_norm,
-                eps,
-                n("self_attn_layer_norm"),
-            )?;
-        }
-        let q = b.linear(h, &layer.q_proj, n("attn.q"))?;
-        let k = b.linear(h, &layer.k_proj, n("attn.k"))?;
-        let v = b.linear(h, &layer.v_proj, n("attn.v"))?;
-        let att = b.op(attention.clone(), &[q, k, v], n("attn.core"))?;
-        let att = b.linear(att, &layer.out_proj, n("attn.out"))?;
-        x = b.add(x, att, n("attn.residual"))?;
-        if !pre_norm {
-            x = b.norm(
-                x,
-                &layer.self_attn_layer_norm,
-                eps,
-                n("self_attn_layer_norm"),
-            )?;
-        }
-        let mut h = x;
-        if pre_norm {
-            h = b.norm(x, &layer.final_layer_norm, eps, n("final_layer_norm"))?;
-        }
-        let h = b.linear(h, &layer.fc1, n("mlp.fc1"))?;
-        let h = b.op(activation(config.activation), &[h], n("mlp.act"))?;
-        let h = b.linear(h, &layer.fc2, n("mlp.out"))?;
-        x = b.add(x, h, n("out"))?;
-        if !pre_norm {
-            x = b.norm(x, &layer.final_layer_norm, eps, n("final_layer_norm"))?;
-        }
+        x = decoder_layer(b, config, layout, &attention, layer, i, x)?;
     }
     b.enter(blocks.head);
     if let Some(final_norm) = &final_norm {
-        x = b.norm(x, final_norm, eps, "final_layer_norm".into())?;
+        x = b.norm(x, final_norm, config.norm_eps, "final_layer_norm".into())?;
     }
     if let Some(project_out) = &project_out {
         x = b.linear(x, project_out, "project_out".into())?;
     }
     b.logits_and_loss(x, lm_head, targets)
+}
+
+/// Declares layer `i`'s parameters in block `block`, in OPTDecoderLayer's definition order.
+fn layer_params(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &OptLayout,
+    i: usize,
+    block: BlockId,
+) -> Layer {
+    let d = "model.decoder";
+    let c = config.hidden_size;
+    let bias = layout.enable_bias;
+    let ffn = config.intermediate_size;
+    let linear = WeightLayout::OutIn;
+    let p = format!("{d}.layers.{i}");
+    Layer {
+        k_proj: b.linear_params(&format!("{p}.self_attn.k_proj"), c, c, bias, linear, block),
+        v_proj: b.linear_params(&format!("{p}.self_attn.v_proj"), c, c, bias, linear, block),
+        q_proj: b.linear_params(&format!("{p}.self_attn.q_proj"), c, c, bias, linear, block),
+        out_proj: b.linear_params(
+            &format!("{p}.self_attn.out_proj"),
+            c,
+            c,
+            bias,
+            linear,
+            block,
+        ),
+        self_attn_layer_norm: b.norm_params(&format!("{p}.self_attn_layer_norm"), c, true, block),
+        fc1: b.linear_params(&format!("{p}.fc1"), c, ffn, bias, linear, block),
+        fc2: b.linear_params(&format!("{p}.fc2"), ffn, c, bias, linear, block),
+        final_layer_norm: b.norm_params(&format!("{p}.final_layer_norm"), c, true, block),
+    }
+}
+
+/// Emits layer `i` on the residual stream `x`: attention then the MLP, each normalised before
+/// (`do_layer_norm_before`) or after its residual add.
+fn decoder_layer(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &OptLayout,
+    attention: &OpKind,
+    layer: &Layer,
+    i: usize,
+    mut x: ValueId,
+) -> Result<ValueId> {
+    let eps = config.norm_eps;
+    let pre_norm = layout.do_layer_norm_before;
+    let n = |what: &str| format!("layers.{i}.{what}");
+    let mut h = x;
+    if pre_norm {
+        h = b.norm(
+            x,
+            &layer.self_attn_layer_norm,
+            eps,
+            n("self_attn_layer_norm"),
+        )?;
+    }
+    let q = b.linear(h, &layer.q_proj, n("attn.q"))?;
+    let k = b.linear(h, &layer.k_proj, n("attn.k"))?;
+    let v = b.linear(h, &layer.v_proj, n("attn.v"))?;
+    let att = b.op(attention.clone(), &[q, k, v], n("attn.core"))?;
+    let att = b.linear(att, &layer.out_proj, n("attn.out"))?;
+    x = b.add(x, att, n("attn.residual"))?;
+    if !pre_norm {
+        x = b.norm(
+            x,
+            &layer.self_attn_layer_norm,
+            eps,
+            n("self_attn_layer_norm"),
+        )?;
+    }
+    let mut h = x;
+    if pre_norm {
+        h = b.norm(x, &layer.final_layer_norm, eps, n("final_layer_norm"))?;
+    }
+    let h = b.linear(h, &layer.fc1, n("mlp.fc1"))?;
+    let h = b.op(activation(config.activation), &[h], n("mlp.act"))?;
+    let h = b.linear(h, &layer.fc2, n("mlp.out"))?;
+    x = b.add(x, h, n("out"))?;
+    if !pre_norm {
+        x = b.norm(x, &layer.final_layer_norm, eps, n("final_layer_norm"))?;
+    }
+    Ok(x)
 }
