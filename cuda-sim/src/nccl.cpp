@@ -239,10 +239,17 @@ void run_collective(ncclComm* c, const Call& k) {
     // Elements per piece, per rank-slice for a reduce-scatter (which posts all W slices).
     size_t per = kSlot / size / (k.op == kReduceScatter ? W : 1);
     RankSlot& mine = c->h->ranks[me];
+    const char* what = k.op == kAllReduce ? "in ncclAllReduce" : k.op == kAllGather ? "in ncclAllGather" : "in ncclReduceScatter";
+    if (k.count == 0) return;
+    // This rank's fields name the collective its pieces belong to, and every rank compares
+    // them once a piece is posted. They change only after every rank has read (and so
+    // checked) the last piece of the collective before: a slower rank still checking that
+    // piece would otherwise see this collective's fields and report a mismatch that is not one.
+    const uint64_t last = c->piece;
+    if (!wait_all(c, [&](int r) { return load(c->h->ranks[r].consumed) >= last; }, what)) return;
     store(mine.op, (int32_t)k.op);
     store(mine.dtype, (int32_t)k.dtype);
     store(mine.count, (uint64_t)k.count);
-    const char* what = k.op == kAllReduce ? "in ncclAllReduce" : k.op == kAllGather ? "in ncclAllGather" : "in ncclReduceScatter";
     std::vector<float> acc;
     for (size_t at = 0; at < k.count || (k.count == 0 && at == 0); at += per) {
         if (k.count == 0) break;
