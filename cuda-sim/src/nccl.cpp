@@ -106,6 +106,11 @@ struct ncclComm {
     std::condition_variable cv;
     uint64_t issued = 0, finished = 0;
     uint64_t piece = 0; // pieces moved so far (touched only by the running collective)
+    // The collective a stream worker is running (its ticket, 0 before the first) and the
+    // last piece it needs every peer to post: a peer that has posted it and then left owes
+    // this rank nothing more for it.
+    std::atomic<uint64_t> running{0};
+    std::atomic<uint64_t> needs{0};
 };
 typedef ncclComm* ncclComm_t;
 
@@ -213,6 +218,12 @@ template <class F> bool wait_all(ncclComm* c, F ready, const char* what) {
                 if (r == c->rank) continue;
                 std::string p = peer_problem(c, r);
                 if (!p.empty()) {
+                    // A peer that posted (or read) what this wait needs and then left is no
+                    // failure: its state is stored after its progress, so reading the
+                    // progress again now sees everything it did before it left.
+                    bool now_all = true;
+                    for (int q = 0; q < c->nranks && now_all; ++q) now_all = ready(q);
+                    if (now_all) return true;
                     int expected = ncclSuccess;
                     if (c->async.compare_exchange_strong(expected, ncclRemoteError))
                         nfail(ncclRemoteError, "rank %d: %s while %s: ncclRemoteError until the communicator is aborted",
@@ -226,6 +237,19 @@ template <class F> bool wait_all(ncclComm* c, F ready, const char* what) {
     }
 }
 
+/// How long this rank lingers after the last piece of every collective before the stream
+/// sees it finished, in milliseconds: PROTRAIN_CUDA_SIM_NCCL_SLOW_RANK="RANK:MS" (none
+/// when unset). It widens the window in which a faster peer has finished the same
+/// collective, and even destroyed its communicator, while this one still waits on it.
+uint64_t linger_ms(int rank) {
+    const char* v = getenv("PROTRAIN_CUDA_SIM_NCCL_SLOW_RANK");
+    if (!v || !*v) return 0;
+    char* end = nullptr;
+    long r = strtol(v, &end, 10);
+    if (end == v || *end != ':' || r != rank) return 0;
+    return strtoull(end + 1, nullptr, 10);
+}
+
 struct Call {
     int op, dtype;
     size_t count; // NCCL's count argument
@@ -233,13 +257,15 @@ struct Call {
 };
 
 /// Runs one collective (on a stream worker): piece by piece through the slots.
-void run_collective(ncclComm* c, const Call& k) {
+void run_collective(ncclComm* c, const Call& k, uint64_t ticket) {
     const int W = c->nranks, me = c->rank;
     const size_t size = type_size(k.dtype);
     // Elements per piece, per rank-slice for a reduce-scatter (which posts all W slices).
     size_t per = kSlot / size / (k.op == kReduceScatter ? W : 1);
     RankSlot& mine = c->h->ranks[me];
     const char* what = k.op == kAllReduce ? "in ncclAllReduce" : k.op == kAllGather ? "in ncclAllGather" : "in ncclReduceScatter";
+    c->needs.store(c->piece + (k.count + per - 1) / per);
+    c->running.store(ticket);
     if (k.count == 0) return;
     // This rank's fields name the collective its pieces belong to, and every rank compares
     // them once a piece is posted. They change only after every rank has read (and so
@@ -298,6 +324,7 @@ void run_collective(ncclComm* c, const Call& k) {
         }
         store(mine.consumed, piece);
     }
+    if (uint64_t ms = linger_ms(me)) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 } // namespace
@@ -427,7 +454,7 @@ static ncclResult_t enqueue_collective(const char* api, Call k, ncclComm_t c, vo
                                     std::unique_lock<std::mutex> l(c->mu);
                                     c->cv.wait(l, [&] { return c->finished + 1 == ticket || c->aborted.load(); });
                                 }
-                                if (!c->aborted.load()) run_collective(c, k);
+                                if (!c->aborted.load()) run_collective(c, k, ticket);
                                 std::lock_guard<std::mutex> l(c->mu);
                                 if (c->finished < ticket) c->finished = ticket;
                                 c->cv.notify_all();
@@ -458,13 +485,18 @@ SIM_API ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t* out) {
     if (!c || !out) return ncclInvalidArgument;
     if (c->aborted.load() || c->destroyed.load()) return nfail(ncclInvalidUsage, "ncclCommGetAsyncError on an aborted or destroyed communicator");
     *out = c->async.load();
-    // A peer that died while nothing waited on it is seen here too, as NCCL's proxy thread
-    // sees a closed connection.
+    // A peer that died, aborted or left while this rank still needs it is seen here too, as
+    // NCCL's proxy thread sees a closed connection, even before a collective waits on it. A
+    // peer that posted every piece of this rank's one outstanding collective before it went
+    // owes nothing (the last rank to finish a run's last collective sees the others go).
     if (*out == ncclSuccess)
         for (int r = 0; r < c->nranks; ++r)
             if (r != c->rank && !peer_problem(c, r).empty()) {
                 std::lock_guard<std::mutex> l(c->mu);
-                if (c->issued > c->finished) {
+                bool owed = c->issued > c->finished;
+                if (owed && c->issued == c->finished + 1 && c->running.load() == c->issued)
+                    owed = load(c->h->ranks[r].posted) < c->needs.load();
+                if (owed) {
                     int expected = ncclSuccess;
                     c->async.compare_exchange_strong(expected, ncclRemoteError);
                     *out = c->async.load();

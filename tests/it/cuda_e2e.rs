@@ -691,6 +691,39 @@ fn cli_two_ranks_sharded_give_the_hosts_losses() {
     );
 }
 
+/// A rank that is slow to finish each collective (the simulator holds rank 0 back 20 ms after
+/// each one) still trains: its peer finishes the run's last collective first and destroys its
+/// communicator while rank 0 is still in it, which is a peer that left after doing its part,
+/// not a remote error.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_two_ranks_sharded_with_a_slow_rank_give_the_hosts_losses() {
+    require_gpu();
+    let args = [
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--gpus",
+        "2",
+        "--hardware",
+        "a100-80gb",
+        "--gpu-memory",
+        "4MiB",
+        "--steps",
+        "2",
+    ];
+    let slow = [("PROTRAIN_CUDA_SIM_NCCL_SLOW_RANK", "0:20")];
+    let device = cli::losses("cuda", &args, &slow);
+    let host = cli::losses("host", &args, &[]);
+    cli::assert_close(
+        "gpt2-tiny f32 --gpus 2 sharded, rank 0 slow",
+        &device,
+        &host,
+        2,
+        cli::F32_LOSSES,
+    );
+}
+
 /// A checkpoint written on the device resumes on the host backend: a 4-step run on the
 /// device saves at steps 2 and 4, its step-4 checkpoint is removed, and the host backend
 /// resumes from step 2: its steps 3 and 4 give the device run's losses. (Resuming on the
