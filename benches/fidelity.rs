@@ -309,6 +309,188 @@ fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled],
     );
 }
 
+/// The resident schedule (no budget), the device budget the search gets (`fraction` of the
+/// resident arena) and the schedules of `FIDELITY_POLICIES` under it.
+fn compile_policies(
+    config: &protrain::models::ModelConfig,
+    profile: &HardwareProfile,
+    optimizer: &OptimizerConfig,
+    (batch, seq): (u64, u64),
+    fraction: f64,
+) -> (protrain::Compiled, u64, Vec<protrain::Compiled>) {
+    let options = |budget: Option<u64>, policy: PolicyChoice| CompileOptions {
+        batch,
+        seq,
+        dtype: DType::F32,
+        hardware: profile.clone(),
+        device_budget: budget,
+        policy,
+        optimizer: optimizer.clone(),
+        fuse: true,
+        forward_only: false,
+        micro_batches: 1,
+        topology: protrain::compiler::comm::Topology::SINGLE,
+    };
+    let resident = protrain::compile(
+        config,
+        &options(None, PolicyChoice::Fixed(Default::default())),
+    )
+    .expect("the resident schedule compiles");
+    let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
+    let specs: String = env(
+        "FIDELITY_POLICIES",
+        "auto;n_persist=0 n_buffer=2 n_checkpoint=4;n_persist=0 n_buffer=2 n_swap=2 n_checkpoint=2"
+            .to_string(),
+    );
+    let compiled = specs
+        .split(';')
+        .map(|spec| match spec.trim() {
+            "auto" => protrain::compile(config, &options(Some(budget), PolicyChoice::Auto))
+                .expect("a schedule fits the budget"),
+            spec => {
+                let spec = spec.parse().expect("FIDELITY_POLICIES holds policies");
+                protrain::compile(config, &options(None, PolicyChoice::Fixed(spec)))
+                    .expect("the policy compiles")
+            }
+        })
+        .collect();
+    (resident, budget, compiled)
+}
+
+/// Prints each compiled schedule's policy, its fusions, and how many of its ops the profile
+/// does not cover.
+fn describe(
+    compiled: &[protrain::Compiled],
+    resident: &protrain::Compiled,
+    budget: u64,
+    fraction: f64,
+    profile: &HardwareProfile,
+) {
+    let table = Measured::new(profile.clone());
+    for c in compiled {
+        let schedule = &c.schedule;
+        let policy = &schedule.header.policy;
+        println!(
+            "policy {policy}: {} of {} chunks persistent, {} checkpointed, {} swapped, arena {} \
+             (budget for the search: {}, {:.0}% of the resident {})",
+            policy.n_persist,
+            schedule.chunks.len(),
+            policy.count(BlockMode::Checkpoint),
+            policy.count(BlockMode::Swap),
+            format_bytes(schedule.arena_bytes),
+            format_bytes(budget),
+            fraction * 100.0,
+            format_bytes(resident.schedule.arena_bytes),
+        );
+        if let Some(fusion) = &c.fusion {
+            // Fused forms are kept only where the measured op times say they are faster.
+            print!("{}", fusion.to_text());
+        }
+        let missing = schedule
+            .graph
+            .ops()
+            .filter(|(_, op)| {
+                let types: Vec<_> = op
+                    .inputs
+                    .iter()
+                    .map(|&v| &schedule.graph.value(v).ty)
+                    .collect();
+                table.lookup(&op.kind, &types).is_none()
+            })
+            .count();
+        if missing > 0 {
+            println!("warning: {missing} ops of the schedule are not in the op table (roofline)");
+        }
+    }
+}
+
+/// Which run of which schedule [`compare`] reports on.
+struct Label {
+    round: usize,
+    steps: usize,
+    is_resident: bool,
+    by_op: bool,
+    first_serial: f64,
+}
+
+/// Prints one schedule's predicted and measured step and busy time per stream (and per op
+/// kind with `by_op`); the prediction uses `round_profile`, or else the median of the profiles
+/// taken between the run's steps. Returns the step's error in percent.
+fn compare(
+    schedule: &VerifiedSchedule,
+    measured_run: Run,
+    round_profile: Option<&HardwareProfile>,
+    label: Label,
+) -> f64 {
+    let Label {
+        round,
+        steps,
+        is_resident,
+        by_op,
+        first_serial,
+    } = label;
+    let profile = match round_profile {
+        Some(profile) => profile.clone(),
+        None => {
+            let profile = median_profile(&measured_run.profiles);
+            let all: Vec<&Profiled> = measured_run.profiles.iter().collect();
+            print_profile(
+                &format!("run {round} profiles between its steps"),
+                &profile,
+                &all,
+                first_serial,
+            );
+            profile
+        }
+    };
+    let cost = cost_model(&profile);
+    let cores = cost.host_cores().unwrap_or(f64::INFINITY);
+    let simulation = simulate(schedule, cost.as_ref()).expect("a verified schedule");
+    let Run {
+        step: measured,
+        busy,
+        by_kind: measured_kinds,
+        ..
+    } = measured_run;
+    let predicted = simulation.step_seconds;
+    // Overlap arithmetic can leave -0.0 where nothing overlaps.
+    let shared = shared_core_seconds(&simulation.timeline, cores).max(0.0);
+    let err = error_pct(predicted, measured);
+    println!(
+        "run {round} {}{}: predicted {predicted:.4} s (shared {shared:.4} s), measured \
+         {measured:.4} s (median of {steps}), error {err:+.1}%",
+        if is_resident { "(resident) " } else { "" },
+        schedule.header.policy
+    );
+    for (i, stream) in schedule.streams.iter().enumerate() {
+        let p = simulation.stream_busy_seconds[i];
+        let m = busy[i];
+        let err = if m > 0.0 {
+            format!("{:+.1}%", error_pct(p, m))
+        } else {
+            "-".into()
+        };
+        println!(
+            "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
+            stream.name
+        );
+    }
+    if by_op {
+        let predicted_kinds = predicted_by_kind(schedule, cost.as_ref());
+        println!("  by op (median step)        predicted   measured");
+        for (key, p) in &predicted_kinds {
+            let m = measured_kinds.get(key).copied().unwrap_or(0.0);
+            println!(
+                "    {:<14} {:<28} {p:>8.4} s {m:>8.4} s {:+6.1}%",
+                schedule.streams[key.0].name,
+                key.1,
+                error_pct(*p, m)
+            );
+        }
+    }
+    err
+}
+
 fn main() {
     let layers = env("FIDELITY_LAYERS", 8u64);
     let hidden = env("FIDELITY_HIDDEN", 256u64);
@@ -357,79 +539,9 @@ fn main() {
         profile.cpu_adam_params_per_s / 1e6,
     );
 
-    let options = |budget: Option<u64>, policy: PolicyChoice| CompileOptions {
-        batch,
-        seq,
-        dtype: DType::F32,
-        hardware: profile.clone(),
-        device_budget: budget,
-        policy,
-        optimizer: optimizer.clone(),
-        fuse: true,
-        forward_only: false,
-        micro_batches: 1,
-        topology: protrain::compiler::comm::Topology::SINGLE,
-    };
-    let resident = protrain::compile(
-        &config,
-        &options(None, PolicyChoice::Fixed(Default::default())),
-    )
-    .expect("the resident schedule compiles");
-    let budget = (resident.schedule.arena_bytes as f64 * fraction) as u64;
-    let specs: String = env(
-        "FIDELITY_POLICIES",
-        "auto;n_persist=0 n_buffer=2 n_checkpoint=4;n_persist=0 n_buffer=2 n_swap=2 n_checkpoint=2"
-            .to_string(),
-    );
-    let compiled: Vec<protrain::Compiled> = specs
-        .split(';')
-        .map(|spec| match spec.trim() {
-            "auto" => protrain::compile(&config, &options(Some(budget), PolicyChoice::Auto))
-                .expect("a schedule fits the budget"),
-            spec => {
-                let spec = spec.parse().expect("FIDELITY_POLICIES holds policies");
-                protrain::compile(&config, &options(None, PolicyChoice::Fixed(spec)))
-                    .expect("the policy compiles")
-            }
-        })
-        .collect();
-    let table = Measured::new(profile.clone());
-    for c in &compiled {
-        let schedule = &c.schedule;
-        let policy = &schedule.header.policy;
-        println!(
-            "policy {policy}: {} of {} chunks persistent, {} checkpointed, {} swapped, arena {} \
-             (budget for the search: {}, {:.0}% of the resident {})",
-            policy.n_persist,
-            schedule.chunks.len(),
-            policy.count(BlockMode::Checkpoint),
-            policy.count(BlockMode::Swap),
-            format_bytes(schedule.arena_bytes),
-            format_bytes(budget),
-            fraction * 100.0,
-            format_bytes(resident.schedule.arena_bytes),
-        );
-        if let Some(fusion) = &c.fusion {
-            // Fused forms are kept only where the measured op times say they are faster.
-            print!("{}", fusion.to_text());
-        }
-        let missing = schedule
-            .graph
-            .ops()
-            .filter(|(_, op)| {
-                let types: Vec<_> = op
-                    .inputs
-                    .iter()
-                    .map(|&v| &schedule.graph.value(v).ty)
-                    .collect();
-                table.lookup(&op.kind, &types).is_none()
-            })
-            .count();
-        if missing > 0 {
-            println!("warning: {missing} ops of the schedule are not in the op table (roofline)");
-        }
-    }
-
+    let (resident, budget, compiled) =
+        compile_policies(&config, &profile, &optimizer, (batch, seq), fraction);
+    describe(&compiled, &resident, budget, fraction, &profile);
     if env("FIDELITY_CONTENTION", 0usize) > 0 {
         contention(graph, env("FIDELITY_CONTENTION", 0usize));
     }
@@ -460,74 +572,27 @@ fn main() {
             .map(|c| &c.schedule)
             .chain([&resident.schedule])
         {
+            let is_resident = std::ptr::eq(schedule, &resident.schedule);
             let measured_run = run(
                 schedule,
                 config.vocab_size as usize,
                 steps,
                 interleave.then_some((&graphs[..], &step_options)),
             );
-            let profile = match &round_profile {
-                Some(profile) => profile.clone(),
-                None => {
-                    let profile = median_profile(&measured_run.profiles);
-                    let all: Vec<&Profiled> = measured_run.profiles.iter().collect();
-                    print_profile(
-                        &format!("run {round} profiles between its steps"),
-                        &profile,
-                        &all,
-                        first_serial,
-                    );
-                    profile
-                }
-            };
-            let cost = cost_model(&profile);
-            let cores = cost.host_cores().unwrap_or(f64::INFINITY);
-            let simulation = simulate(schedule, cost.as_ref()).expect("a verified schedule");
-            let Run {
-                step: measured,
-                busy,
-                by_kind: measured_kinds,
-                ..
-            } = measured_run;
-            let predicted = simulation.step_seconds;
-            // Overlap arithmetic can leave -0.0 where nothing overlaps.
-            let shared = shared_core_seconds(&simulation.timeline, cores).max(0.0);
-            let err = error_pct(predicted, measured);
-            let is_resident = std::ptr::eq(schedule, &resident.schedule);
+            let err = compare(
+                schedule,
+                measured_run,
+                round_profile.as_ref(),
+                Label {
+                    round,
+                    steps,
+                    is_resident,
+                    by_op,
+                    first_serial,
+                },
+            );
             if !is_resident {
                 worst = worst.max(err.abs());
-            }
-            println!(
-                "run {round} {}{}: predicted {predicted:.4} s (shared {shared:.4} s), measured \
-                 {measured:.4} s (median of {steps}), error {err:+.1}%",
-                if is_resident { "(resident) " } else { "" },
-                schedule.header.policy
-            );
-            for (i, stream) in schedule.streams.iter().enumerate() {
-                let p = simulation.stream_busy_seconds[i];
-                let m = busy[i];
-                let err = if m > 0.0 {
-                    format!("{:+.1}%", error_pct(p, m))
-                } else {
-                    "-".into()
-                };
-                println!(
-                    "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
-                    stream.name
-                );
-            }
-            if by_op {
-                let predicted_kinds = predicted_by_kind(schedule, cost.as_ref());
-                println!("  by op (median step)        predicted   measured");
-                for (key, p) in &predicted_kinds {
-                    let m = measured_kinds.get(key).copied().unwrap_or(0.0);
-                    println!(
-                        "    {:<14} {:<28} {p:>8.4} s {m:>8.4} s {:+6.1}%",
-                        schedule.streams[key.0].name,
-                        key.1,
-                        error_pct(*p, m)
-                    );
-                }
             }
         }
     }
