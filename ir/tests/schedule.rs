@@ -78,15 +78,19 @@ fn wait(e: u32) -> Instr {
     Instr::Wait { event: EventId(e) }
 }
 
-/// A training step of a one-layer model: `logits = linear(x, w)`, `loss = cross_entropy`,
-/// their backward ops and an AdamW update of `w`.
-///
-/// `w` lives in host chunk 0 and is fetched into a device slot over the host-to-device stream;
-/// `logits` is swapped: offloaded after the forward pass, reloaded into another buffer for the
-/// backward pass; `w`'s gradient is offloaded and the host optimizer updates `w`, `m` and `v`
-/// at their homes. Values: x %0, targets %1, w @lm_head.weight, m %2, v %3, logits %4,
-/// loss %5, lse %6, dlogits %7, dx %8, dw %9.
-fn tiny() -> Schedule {
+/// The tiny schedule's graph: `logits = x W^T`, cross-entropy, its backward and one AdamW
+/// update of `W`; with the values its homes and buffers name.
+struct TinyGraph {
+    g: Graph,
+    x: ValueId,
+    targets: ValueId,
+    w: ValueId,
+    m: ValueId,
+    v: ValueId,
+    logits: ValueId,
+}
+
+fn tiny_graph() -> TinyGraph {
     let mut g = Graph::new(GraphInfo {
         model: "tiny".into(),
         batch: 1,
@@ -161,10 +165,22 @@ fn tiny() -> Schedule {
     };
     g.add_op_multi(adamw, &[w, grads[1], m, v], &[], head, Phase::Optimizer)
         .unwrap();
+    TinyGraph {
+        g,
+        x,
+        targets,
+        w,
+        m,
+        v,
+        logits,
+    }
+}
 
+/// The tiny schedule's buffers, on the device and on the host.
+fn tiny_buffers() -> Vec<Buffer> {
     use BufferKind::*;
     use Space::{Device, Host};
-    let buffers = vec![
+    vec![
         buf("x", Device, 0, 32, Input),
         buf("targets", Device, 32, 8, Input),
         buf("slot0", Device, 64, 64, ChunkSlot { slot: 0 }),
@@ -199,7 +215,11 @@ fn tiny() -> Schedule {
         buf("logits (swapped)", Host, 256, 24, HostActivation),
         // Cross-entropy's per-row losses (2 rows of f32), aligned as workspaces are.
         buf("workspace.cross_entropy", Device, 48, 8, Workspace),
-    ];
+    ]
+}
+
+/// The tiny schedule's four streams: compute, the two copy directions and the host optimizer.
+fn tiny_streams(logits: ValueId) -> Vec<Stream> {
     let fetch = CopyKind::FetchChunk { chunk: ChunkId(0) };
     let compute = vec![
         wait(0),
@@ -272,62 +292,93 @@ fn tiny() -> Schedule {
         kind,
         instrs,
     };
-    Schedule {
-        header: Header {
-            format_version: FORMAT_VERSION,
-            model: "tiny".into(),
-            batch: 1,
-            seq: 2,
-            dtype: DType::F32,
-            param_count: g.param_count(),
-            hardware: "test box: 1 KiB device, 1 KiB host".into(),
-            device_budget_bytes: 1024,
-            host_budget_bytes: 1024,
-            disk_budget_bytes: 0,
-            policy: Policy::protrain(0, 1, 1, 0, 1),
-            prediction: Prediction {
-                step_seconds: 1.5e-3,
-                stream_busy_seconds: vec![1e-3, 2e-4, 2.5e-4, 1e-4],
-                flops: 1_000,
-                peak_device_bytes: 320,
-                lower_bound_bytes: 296,
-                host_bytes: 280,
-                memory: MemoryBreakdown {
-                    persistent: 0,
-                    chunk_buffers: 128,
-                    activations: 128,
-                    workspace: 0,
-                    inputs: 40,
-                },
+    vec![
+        stream("compute", StreamKind::Compute, compute),
+        stream("h2d", StreamKind::HostToDevice, h2d),
+        stream("d2h", StreamKind::DeviceToHost, d2h),
+        stream("host_opt", StreamKind::HostOptimizer, host_opt),
+    ]
+}
+
+/// The tiny schedule's header: the model, budgets, policy and prediction.
+fn tiny_header(param_count: u64) -> Header {
+    Header {
+        format_version: FORMAT_VERSION,
+        model: "tiny".into(),
+        batch: 1,
+        seq: 2,
+        dtype: DType::F32,
+        param_count,
+        hardware: "test box: 1 KiB device, 1 KiB host".into(),
+        device_budget_bytes: 1024,
+        host_budget_bytes: 1024,
+        disk_budget_bytes: 0,
+        policy: Policy::protrain(0, 1, 1, 0, 1),
+        prediction: Prediction {
+            step_seconds: 1.5e-3,
+            stream_busy_seconds: vec![1e-3, 2e-4, 2.5e-4, 1e-4],
+            flops: 1_000,
+            peak_device_bytes: 320,
+            lower_bound_bytes: 296,
+            host_bytes: 280,
+            memory: MemoryBreakdown {
+                persistent: 0,
+                chunk_buffers: 128,
+                activations: 128,
+                workspace: 0,
+                inputs: 40,
             },
-            report: "1 candidate, 1 fits\nchosen: the only one".into(),
         },
-        chunks: ChunkTable {
+        report: "1 candidate, 1 fits\nchosen: the only one".into(),
+    }
+}
+
+/// The tiny schedule's one chunk, holding `W`.
+fn tiny_chunks() -> ChunkTable {
+    ChunkTable {
+        chunk_bytes: 64,
+        chunks: vec![Chunk {
+            members: vec![ChunkMember {
+                param: ParamId(0),
+                offset: 0,
+                bytes: 48,
+            }],
+            used_bytes: 48,
+            owner: 0,
+        }],
+        world_size: 1,
+        param_chunk: vec![(ChunkId(0), 0)],
+        trials: vec![ChunkSizeTrial {
             chunk_bytes: 64,
-            chunks: vec![Chunk {
-                members: vec![ChunkMember {
-                    param: ParamId(0),
-                    offset: 0,
-                    bytes: 48,
-                }],
-                used_bytes: 48,
-                owner: 0,
-            }],
-            world_size: 1,
-            param_chunk: vec![(ChunkId(0), 0)],
-            trials: vec![ChunkSizeTrial {
-                chunk_bytes: 64,
-                chunks: 1,
-                waste_bytes: 16,
-            }],
-        },
-        buffers,
-        streams: vec![
-            stream("compute", StreamKind::Compute, compute),
-            stream("h2d", StreamKind::HostToDevice, h2d),
-            stream("d2h", StreamKind::DeviceToHost, d2h),
-            stream("host_opt", StreamKind::HostOptimizer, host_opt),
-        ],
+            chunks: 1,
+            waste_bytes: 16,
+        }],
+    }
+}
+
+/// A training step of a one-layer model: `logits = linear(x, w)`, `loss = cross_entropy`,
+/// their backward ops and an AdamW update of `w`.
+///
+/// `w` lives in host chunk 0 and is fetched into a device slot over the host-to-device stream;
+/// `logits` is swapped: offloaded after the forward pass, reloaded into another buffer for the
+/// backward pass; `w`'s gradient is offloaded and the host optimizer updates `w`, `m` and `v`
+/// at their homes. Values: x %0, targets %1, w @lm_head.weight, m %2, v %3, logits %4,
+/// loss %5, lse %6, dlogits %7, dx %8, dw %9.
+fn tiny() -> Schedule {
+    let TinyGraph {
+        g,
+        x,
+        targets,
+        w,
+        m,
+        v,
+        logits,
+    } = tiny_graph();
+    Schedule {
+        header: tiny_header(g.param_count()),
+        chunks: tiny_chunks(),
+        buffers: tiny_buffers(),
+        streams: tiny_streams(logits),
         events: 6,
         arena_bytes: 320,
         host_bytes: 280,
@@ -831,11 +882,9 @@ fn every_broken_invariant_reads_clearly() {
 
 // A long pipeline -------------------------------------------------------------------------
 
-/// A forward pass of `layers` linear layers, each weight in its own host chunk, fetched into
-/// two slots in turn: the fetch of layer `k` waits for the kernel of layer `k - 2` to be done
-/// with the slot. About `6 * layers` instructions.
-fn pipeline(layers: usize) -> Schedule {
-    let mut s = tiny();
+/// The graph of [`pipeline`]: `layers` linear layers, each with its own weight, and a
+/// cross-entropy loss; with its inputs and weights.
+fn pipeline_graph(layers: usize) -> (Graph, ValueId, ValueId, Vec<ValueId>) {
     let mut g = Graph::new(GraphInfo {
         model: "pipeline".into(),
         batch: 1,
@@ -876,7 +925,63 @@ fn pipeline(layers: usize) -> Schedule {
         )
         .unwrap();
     g.add_output(loss);
+    (g, x, targets, weights)
+}
 
+/// The compute and host-to-device streams of [`pipeline`]: each layer's chunk fetched into
+/// one of two slots, alternating, and the layer run once it arrives.
+fn pipeline_streams(
+    layers: usize,
+    first_chunk: u32,
+    ce_workspace: u32,
+) -> (Vec<Instr>, Vec<Instr>) {
+    // Events: fetched(k) = k; slot_free(k) = layers + k, for k < layers - 2.
+    let mut compute = Vec::new();
+    let mut h2d = Vec::new();
+    for k in 0..layers {
+        let slot = SLOT + (k % 2) as u32;
+        if k >= 2 {
+            h2d.push(wait((layers + k - 2) as u32));
+        }
+        h2d.push(copy(
+            CopyKind::FetchChunk {
+                chunk: ChunkId(k as u32),
+            },
+            at(first_chunk + k as u32, 0),
+            at(slot, 0),
+            64,
+        ));
+        h2d.push(record(k as u32));
+        let input = if k == 0 {
+            at(X, 0)
+        } else {
+            at(4 + ((k - 1) % 2) as u32, 0)
+        };
+        compute.push(wait(k as u32));
+        compute.push(kernel(
+            k as u32,
+            &[input, at(slot, 0)],
+            &[at(4 + (k % 2) as u32, 0)],
+        ));
+        if k + 2 < layers {
+            compute.push(record((layers + k) as u32));
+        }
+    }
+    compute.push(Instr::Kernel {
+        op: OpId(layers as u32),
+        inputs: vec![at(4 + ((layers - 1) % 2) as u32, 0), at(TARGETS, 0)],
+        outputs: vec![at(6, 0), at(7, 0)],
+        workspace: Some(at(ce_workspace, 0)),
+    });
+    (compute, h2d)
+}
+
+/// A forward pass of `layers` linear layers, each weight in its own host chunk, fetched into
+/// two slots in turn: the fetch of layer `k` waits for the kernel of layer `k - 2` to be done
+/// with the slot. About `6 * layers` instructions.
+fn pipeline(layers: usize) -> Schedule {
+    let mut s = tiny();
+    let (g, x, targets, weights) = pipeline_graph(layers);
     use Space::{Device, Host};
     let n = layers as u64;
     let mut buffers = vec![
@@ -919,44 +1024,7 @@ fn pipeline(layers: usize) -> Schedule {
             owner: 0,
         });
     }
-    // Events: fetched(k) = k; slot_free(k) = layers + k, for k < layers - 2.
-    let mut compute = Vec::new();
-    let mut h2d = Vec::new();
-    for k in 0..layers {
-        let slot = SLOT + (k % 2) as u32;
-        if k >= 2 {
-            h2d.push(wait((layers + k - 2) as u32));
-        }
-        h2d.push(copy(
-            CopyKind::FetchChunk {
-                chunk: ChunkId(k as u32),
-            },
-            at(first_chunk + k as u32, 0),
-            at(slot, 0),
-            64,
-        ));
-        h2d.push(record(k as u32));
-        let input = if k == 0 {
-            at(X, 0)
-        } else {
-            at(4 + ((k - 1) % 2) as u32, 0)
-        };
-        compute.push(wait(k as u32));
-        compute.push(kernel(
-            k as u32,
-            &[input, at(slot, 0)],
-            &[at(4 + (k % 2) as u32, 0)],
-        ));
-        if k + 2 < layers {
-            compute.push(record((layers + k) as u32));
-        }
-    }
-    compute.push(Instr::Kernel {
-        op: OpId(layers as u32),
-        inputs: vec![at(4 + ((layers - 1) % 2) as u32, 0), at(TARGETS, 0)],
-        outputs: vec![at(6, 0), at(7, 0)],
-        workspace: Some(at(ce_workspace, 0)),
-    });
+    let (compute, h2d) = pipeline_streams(layers, first_chunk, ce_workspace);
     s.homes = vec![(x, at(X, 0)), (targets, at(TARGETS, 0))];
     s.homes.extend(
         weights
