@@ -319,10 +319,10 @@ mod cost {
         assert_eq!(compiled.schedule.host_bytes, 0, "chose {policy}");
     }
 
-    /// The same for GPT-2 124M (batch 4 x seq 256), one 478.5 MiB chunk: the search used to
-    /// estimate streaming it as fast as keeping it (the CPU Adam hidden behind the backward
-    /// pass, as on a GPU) and chose to stream it and swap four blocks (simulated 9.28 s);
-    /// on the host the CPU Adam and the copies take compute's cores, and keeping everything
+    /// The same for GPT-2 124M (batch 4 x seq 256), one 478.5 MiB chunk: an estimate that
+    /// hides the CPU Adam behind the backward pass (as on a GPU) prices streaming it as fast
+    /// as keeping it, and would stream it and swap four blocks (simulated 9.28 s); on the
+    /// host the CPU Adam and the copies take compute's cores, and keeping everything
     /// simulates at 9.14 s and measured 2-2.5% faster. Among the ties, swapping a block there
     /// moves bytes within one memory: it must not win on its smaller arena.
     #[test]
