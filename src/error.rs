@@ -65,6 +65,18 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
                 host_memory_short_text(regions, *available, flag)
             )
         }
+        protrain_runtime::RuntimeError::InvalidLossScale(problem) => format!(
+            "invalid loss scaling: {}",
+            protrain_runtime::error::loss_scale_text(problem, |setting| {
+                loss_scale_flag(setting).into()
+            })
+        ),
+        protrain_runtime::RuntimeError::NodeLaunch(problem) => format!(
+            "launch settings: {}",
+            protrain_runtime::error::node_launch_text(problem, |setting| {
+                node_flag(setting).into()
+            })
+        ),
         protrain_runtime::RuntimeError::InvalidLrSchedule(problem) => {
             protrain_runtime::error::lr_schedule_text(problem, |setting| lr_flag(setting).into())
         }
@@ -128,6 +140,27 @@ fn lr_flag(setting: protrain_runtime::error::LrSetting) -> &'static str {
         LrSetting::MinLr => "--min-lr",
         LrSetting::DecaySteps => "--decay-steps",
         LrSetting::Schedule => "--lr-schedule",
+    }
+}
+
+/// The flag that sets a loss-scaling setting.
+fn loss_scale_flag(setting: protrain_runtime::error::LossScaleSetting) -> &'static str {
+    use protrain_runtime::error::LossScaleSetting;
+    match setting {
+        LossScaleSetting::Init => "--loss-scale-init",
+        LossScaleSetting::GrowthInterval => "--loss-scale-growth-interval",
+        LossScaleSetting::Dtype => "--dtype",
+    }
+}
+
+/// The flag that sets a setting of one node's launch.
+fn node_flag(setting: protrain_runtime::error::NodeSetting) -> &'static str {
+    use protrain_runtime::error::NodeSetting;
+    match setting {
+        NodeSetting::Nodes => "--nodes",
+        NodeSetting::Gpus => "--gpus",
+        NodeSetting::NodeRank => "--node-rank",
+        NodeSetting::Master => "--master",
     }
 }
 

@@ -800,7 +800,7 @@ fn optimizer_settings_out_of_range_are_named() {
         &[
             "stream host_opt #1 (adamw lm_head.weight): eps = -1e233, but it must be finite \
              and > 0",
-            "compile the schedule again with a valid --eps",
+            "compile the schedule again with a valid AdamW epsilon",
         ],
     );
     let cases = [

@@ -285,10 +285,10 @@ pub enum RuntimeError {
         /// The 1-based step it was for.
         step: u64,
     },
-    /// A loss scaler setting or scale that cannot train: the text names the flag and the
-    /// way out.
-    #[error("invalid loss scaling: {0}")]
-    InvalidLossScale(String),
+    /// A loss scaler setting or scale that cannot train ([`loss_scale_text`] words it; the CLI
+    /// names each setting by its flag).
+    #[error("invalid loss scaling: {}", loss_scale_text(.0, LossScaleSetting::field))]
+    InvalidLossScale(LossScaleProblem),
     /// An evaluation that cannot run as asked (a training schedule, more batches than the
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]
@@ -349,6 +349,11 @@ pub enum RuntimeError {
     /// missing or inconsistent. The text names the setting and the way out.
     #[error("launch settings: {0}")]
     Launch(String),
+    /// The shape of a launch one node is asked for (nodes, workers per node, this node's
+    /// rank, rank 0's address) does not make sense ([`node_launch_text`] words it; the CLI
+    /// names each setting by its flag).
+    #[error("launch settings: {}", node_launch_text(.0, NodeSetting::field))]
+    NodeLaunch(NodeLaunchProblem),
     /// The rendezvous that starts a multi-process run failed on this rank: a peer did not
     /// come in time, died, or disagreed about the run. The text names the ranks concerned.
     #[error("rank {rank}: rendezvous failed: {problem}")]
@@ -544,6 +549,189 @@ pub fn lr_schedule_text(problem: &LrScheduleProblem, name: impl Fn(LrSetting) ->
         LrScheduleProblem::PeakNotCompiled { peak, compiled } => format!(
             "the learning-rate schedule peaks at {peak} but the schedule's AdamW ops were \
              compiled with lr {compiled}; the peak is the compiled rate: compile with {lr} {peak}"
+        ),
+    }
+}
+
+/// A setting of loss scaling, as an error about it names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossScaleSetting {
+    /// The scale of the first step.
+    Init,
+    /// Consecutive clean steps after which the scale doubles.
+    GrowthInterval,
+    /// The schedule's compute dtype (only f16 schedules are loss-scaled).
+    Dtype,
+}
+
+impl LossScaleSetting {
+    /// The setting's name in the run settings (`loss_scale.init`,
+    /// `loss_scale.growth_interval`) or the schedule's header (`dtype`).
+    pub fn field(self) -> String {
+        match self {
+            LossScaleSetting::Init => "loss_scale.init",
+            LossScaleSetting::GrowthInterval => "loss_scale.growth_interval",
+            LossScaleSetting::Dtype => "dtype",
+        }
+        .to_string()
+    }
+}
+
+/// What is wrong with loss scaling ([`RuntimeError::InvalidLossScale`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LossScaleProblem {
+    /// An initial scale that is not a finite number above 0 that f32 holds.
+    Init {
+        /// The scale given.
+        init: f64,
+    },
+    /// A growth interval of 0.
+    GrowthInterval,
+    /// Loss-scaling settings for a schedule that is not loss-scaled (not f16).
+    NotLossScaled,
+    /// A step asked to run at a scale that is not finite and above 0.
+    Scale {
+        /// The 1-based step.
+        step: u64,
+        /// The scale asked for.
+        scale: f64,
+    },
+}
+
+/// The text of [`RuntimeError::InvalidLossScale`] for `problem`, each setting named by `name`
+/// (the runtime uses [`LossScaleSetting::field`], the CLI the setting's flag).
+pub fn loss_scale_text(
+    problem: &LossScaleProblem,
+    name: impl Fn(LossScaleSetting) -> String,
+) -> String {
+    match *problem {
+        LossScaleProblem::Init { init } => format!(
+            "{} {init}: the loss scale must be a finite number above 0 that f32 can hold (at \
+             most about 3.4e38); GradScaler's default is 65536 (2^16)",
+            name(LossScaleSetting::Init)
+        ),
+        LossScaleProblem::GrowthInterval => format!(
+            "{} 0: the scale doubles after this many consecutive clean steps, so it must be at \
+             least 1; GradScaler's default is 2000",
+            name(LossScaleSetting::GrowthInterval)
+        ),
+        LossScaleProblem::NotLossScaled => {
+            let (init, growth) = (
+                name(LossScaleSetting::Init),
+                name(LossScaleSetting::GrowthInterval),
+            );
+            format!(
+                "{init} and {growth} apply to f16 schedules, which are loss-scaled; this \
+                 schedule is not. Drop them, or compile with {} f16",
+                name(LossScaleSetting::Dtype)
+            )
+        }
+        LossScaleProblem::Scale { step, scale } => format!(
+            "step {step} would run at loss scale {scale}; a loss scale must be finite and > 0"
+        ),
+    }
+}
+
+/// A setting of a launch of one node's workers, as an error about it names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeSetting {
+    /// How many nodes the run has.
+    Nodes,
+    /// How many workers (GPUs) each node runs.
+    Gpus,
+    /// This node's rank among the nodes.
+    NodeRank,
+    /// Rank 0's `HOST:PORT`.
+    Master,
+}
+
+impl NodeSetting {
+    /// The setting's name in a [`crate::rendezvous::Launch`]'s terms (`nodes`,
+    /// `workers_per_node`, `node_rank`, `master`).
+    pub fn field(self) -> String {
+        match self {
+            NodeSetting::Nodes => "nodes",
+            NodeSetting::Gpus => "workers_per_node",
+            NodeSetting::NodeRank => "node_rank",
+            NodeSetting::Master => "master",
+        }
+        .to_string()
+    }
+}
+
+/// What is wrong with a launch of one node's workers ([`RuntimeError::NodeLaunch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeLaunchProblem {
+    /// No nodes.
+    NoNodes,
+    /// No workers per node.
+    NoWorkers,
+    /// A node rank not below the number of nodes.
+    NodeRank {
+        /// The node rank given.
+        node_rank: usize,
+        /// The number of nodes.
+        nodes: usize,
+    },
+    /// A worker's local rank not below the workers per node.
+    LocalRank {
+        /// The local rank given.
+        local_rank: usize,
+        /// The workers per node.
+        gpus: usize,
+    },
+    /// More ranks than a `usize` counts.
+    Overflow {
+        /// The number of nodes.
+        nodes: usize,
+        /// The workers per node.
+        gpus: usize,
+    },
+    /// Rank 0's address does not parse.
+    Master {
+        /// The address given.
+        master: String,
+        /// What is wrong with it ("has no port").
+        why: &'static str,
+    },
+}
+
+/// The text of [`RuntimeError::NodeLaunch`] for `problem`, each setting named by `name` (the
+/// runtime uses [`NodeSetting::field`], the CLI the setting's flag).
+pub fn node_launch_text(
+    problem: &NodeLaunchProblem,
+    name: impl Fn(NodeSetting) -> String,
+) -> String {
+    let (nodes_, gpus_) = (name(NodeSetting::Nodes), name(NodeSetting::Gpus));
+    match problem {
+        NodeLaunchProblem::NoNodes => {
+            format!("{nodes_} 0: a run needs at least one node; pass {nodes_} 1 or more")
+        }
+        NodeLaunchProblem::NoWorkers => {
+            format!("{gpus_} 0: a node needs at least one worker; pass {gpus_} 1 or more")
+        }
+        NodeLaunchProblem::NodeRank { node_rank, nodes } => {
+            let rank_ = name(NodeSetting::NodeRank);
+            format!(
+                "{rank_} {node_rank} is not below {nodes_} {nodes}; node ranks count from 0, so \
+                 pass {rank_} 0 to {}",
+                nodes - 1
+            )
+        }
+        NodeLaunchProblem::LocalRank { local_rank, gpus } => format!(
+            "local rank {local_rank} is not below {gpus_} {gpus}; a node runs workers 0 to {}, \
+             so pass a local rank in that range",
+            gpus - 1
+        ),
+        NodeLaunchProblem::Overflow { nodes, gpus } => format!(
+            "{nodes_} {nodes} x {gpus_} {gpus} overflows; pass the real number of nodes and \
+             GPUs per node"
+        ),
+        NodeLaunchProblem::Master { master, why } => format!(
+            "{} `{master}` {why}; pass the host name or address of the node that runs rank 0 \
+             and a free TCP port, as HOST:PORT (e.g. node0:29500, or [::1]:29500 for an IPv6 \
+             address)",
+            name(NodeSetting::Master)
         ),
     }
 }

@@ -1005,10 +1005,12 @@ impl<'s, B: Backend> Executor<'s, B> {
             });
         }
         if let Some(scale) = loss_scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
-            return Err(RuntimeError::InvalidLossScale(format!(
-                "step {} would run at loss scale {scale}; a loss scale must be finite and > 0",
-                self.step + 1
-            )));
+            return Err(RuntimeError::InvalidLossScale(
+                crate::error::LossScaleProblem::Scale {
+                    step: self.step + 1,
+                    scale,
+                },
+            ));
         }
         self.run_step(inputs, lr, loss_scale)
     }

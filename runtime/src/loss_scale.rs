@@ -13,7 +13,7 @@
 //! the schedule where it was, as transformers' Trainer does not step its scheduler when the
 //! optimizer step was skipped).
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{LossScaleProblem, Result, RuntimeError};
 use protrain_ir::{LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT};
 use serde::{Deserialize, Serialize};
 
@@ -37,21 +37,18 @@ impl Default for LossScaleSettings {
 }
 
 impl LossScaleSettings {
-    /// Fails, naming the flag and the way out, unless the initial scale is a finite f32 above
-    /// 0 and the growth interval at least 1.
+    /// Fails, naming the setting and the way out, unless the initial scale is a finite f32
+    /// above 0 and the growth interval at least 1.
     pub fn validate(&self) -> Result<()> {
         let init = self.init;
         if !(init.is_finite() && init > 0.0 && (init as f32).is_finite() && init as f32 > 0.0) {
-            return Err(RuntimeError::InvalidLossScale(format!(
-                "--loss-scale-init {init}: the loss scale must be a finite number above 0 that \
-                 f32 can hold (at most about 3.4e38); GradScaler's default is 65536 (2^16)"
-            )));
+            return Err(RuntimeError::InvalidLossScale(LossScaleProblem::Init {
+                init,
+            }));
         }
         if self.growth_interval == 0 {
             return Err(RuntimeError::InvalidLossScale(
-                "--loss-scale-growth-interval 0: the scale doubles after this many consecutive \
-                 clean steps, so it must be at least 1; GradScaler's default is 2000"
-                    .into(),
+                LossScaleProblem::GrowthInterval,
             ));
         }
         Ok(())
@@ -173,22 +170,29 @@ mod tests {
     }
 
     #[test]
-    fn bad_settings_name_the_flag() {
-        for (init, interval, flag) in [
-            (0.0, 2000, "--loss-scale-init"),
-            (f64::NAN, 2000, "--loss-scale-init"),
-            (1e300, 2000, "--loss-scale-init"),
-            (65536.0, 0, "--loss-scale-growth-interval"),
+    fn bad_settings_are_named_with_the_problem() {
+        for (init, interval, problem) in [
+            (0.0, 2000, LossScaleProblem::Init { init: 0.0 }),
+            (1e300, 2000, LossScaleProblem::Init { init: 1e300 }),
+            (65536.0, 0, LossScaleProblem::GrowthInterval),
         ] {
             let e = LossScaleSettings {
                 init,
                 growth_interval: interval,
             }
             .validate()
-            .unwrap_err()
-            .to_string();
-            assert!(e.contains(flag), "{e}");
+            .unwrap_err();
+            match e {
+                RuntimeError::InvalidLossScale(p) => assert_eq!(p, problem),
+                e => panic!("{e}"),
+            }
         }
+        let nan = LossScaleSettings {
+            init: f64::NAN,
+            growth_interval: 1,
+        };
+        let e = nan.validate().unwrap_err().to_string();
+        assert!(e.contains("loss_scale.init NaN"), "{e}");
         assert!(LossScaleSettings::default().validate().is_ok());
     }
 }

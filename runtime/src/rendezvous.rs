@@ -24,7 +24,7 @@
 //! Only `std::net` is used. The rendezvous carries no secrets and authenticates nothing: like
 //! torchrun's store, run it on a trusted network.
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{NodeLaunchProblem, Result, RuntimeError};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -185,7 +185,7 @@ impl Launch {
     /// The launch of worker `local_rank` of node `node_rank`, in a run of `nodes` nodes with
     /// `gpus` workers each, whose rank 0 listens at `master` (`HOST:PORT`, an IPv6 address in
     /// brackets): rank = `node_rank * gpus + local_rank`, world size = `nodes * gpus`. Errors
-    /// name the command-line option at fault.
+    /// name the setting at fault ([`RuntimeError::NodeLaunch`]).
     pub fn for_node(
         nodes: usize,
         node_rank: usize,
@@ -193,36 +193,22 @@ impl Launch {
         local_rank: usize,
         master: &str,
     ) -> Result<Launch> {
+        let problem = |p| Err(RuntimeError::NodeLaunch(p));
         if nodes == 0 {
-            return Err(RuntimeError::Launch(
-                "--nodes 0: a run needs at least one node; pass --nodes 1 or more".into(),
-            ));
+            return problem(NodeLaunchProblem::NoNodes);
         }
         if gpus == 0 {
-            return Err(RuntimeError::Launch(
-                "--gpus 0: a node needs at least one worker; pass --gpus 1 or more".into(),
-            ));
+            return problem(NodeLaunchProblem::NoWorkers);
         }
         if node_rank >= nodes {
-            return Err(RuntimeError::Launch(format!(
-                "--node-rank {node_rank} is not below --nodes {nodes}; node ranks count from 0, \
-                 so pass --node-rank 0 to {}",
-                nodes - 1
-            )));
+            return problem(NodeLaunchProblem::NodeRank { node_rank, nodes });
         }
         if local_rank >= gpus {
-            return Err(RuntimeError::Launch(format!(
-                "local rank {local_rank} is not below --gpus {gpus}; a node runs workers 0 to \
-                 {}, so pass a local rank in that range",
-                gpus - 1
-            )));
+            return problem(NodeLaunchProblem::LocalRank { local_rank, gpus });
         }
-        let world_size = nodes.checked_mul(gpus).ok_or_else(|| {
-            RuntimeError::Launch(format!(
-                "--nodes {nodes} x --gpus {gpus} overflows; pass the real number of nodes and \
-                 GPUs per node"
-            ))
-        })?;
+        let Some(world_size) = nodes.checked_mul(gpus) else {
+            return problem(NodeLaunchProblem::Overflow { nodes, gpus });
+        };
         let (master_addr, master_port) = parse_master(master)?;
         Ok(Launch {
             rank: node_rank * gpus + local_rank,
@@ -255,14 +241,13 @@ impl Launch {
     }
 }
 
-/// Splits `--master HOST:PORT` (`[ADDR]:PORT` for IPv6) into host and port.
+/// Splits rank 0's address, `HOST:PORT` (`[ADDR]:PORT` for IPv6), into host and port.
 pub fn parse_master(master: &str) -> Result<(String, u16)> {
-    let bad = |why: &str| {
-        RuntimeError::Launch(format!(
-            "--master `{master}` {why}; pass the host name or address of the node that runs \
-             rank 0 and a free TCP port, as HOST:PORT (e.g. node0:29500, or [::1]:29500 for an \
-             IPv6 address)"
-        ))
+    let bad = |why: &'static str| {
+        RuntimeError::NodeLaunch(NodeLaunchProblem::Master {
+            master: master.to_string(),
+            why,
+        })
     };
     let (host, port) = master
         .trim()
@@ -779,10 +764,17 @@ mod tests {
     #[test]
     fn bad_node_options_are_named() {
         let cases: &[(usize, usize, usize, usize, &str, &str)] = &[
-            (0, 0, 1, 0, "h:1", "--nodes 0"),
-            (1, 0, 0, 0, "h:1", "--gpus 0"),
-            (2, 2, 1, 0, "h:1", "--node-rank 2 is not below --nodes 2"),
-            (1, 0, 2, 2, "h:1", "local rank 2 is not below --gpus 2"),
+            (0, 0, 1, 0, "h:1", "nodes 0"),
+            (1, 0, 0, 0, "h:1", "workers_per_node 0"),
+            (2, 2, 1, 0, "h:1", "node_rank 2 is not below nodes 2"),
+            (
+                1,
+                0,
+                2,
+                2,
+                "h:1",
+                "local rank 2 is not below workers_per_node 2",
+            ),
             (1, 0, 1, 0, "node0", "has no port"),
             (1, 0, 1, 0, ":29500", "has no host"),
             (1, 0, 1, 0, "h:http", "port that is not a number"),

@@ -369,25 +369,23 @@ impl<'s, B: Backend> Trainer<'s, B> {
     ) -> Result<Self> {
         let schedule = executor.schedule();
         let graph = &schedule.graph;
-        let scaler =
-            match (executor.loss_scaled(), settings.loss_scale) {
-                (false, Some(_)) => return Err(RuntimeError::InvalidLossScale(
-                    "--loss-scale-init and --loss-scale-growth-interval apply to f16 schedules, \
-                     which are loss-scaled; this schedule is not. Drop the flags, or compile \
-                     with --dtype f16"
-                        .into(),
-                )),
-                (false, None) => None,
-                (true, given) => {
-                    let given = given.unwrap_or_default();
-                    given.validate()?;
-                    // A resumed run's scaler goes on where the checkpoint's stood.
-                    Some(match &scaler {
-                        Some(state) => LossScaler::restore(given, state),
-                        None => LossScaler::new(given),
-                    })
-                }
-            };
+        let scaler = match (executor.loss_scaled(), settings.loss_scale) {
+            (false, Some(_)) => {
+                return Err(RuntimeError::InvalidLossScale(
+                    crate::error::LossScaleProblem::NotLossScaled,
+                ))
+            }
+            (false, None) => None,
+            (true, given) => {
+                let given = given.unwrap_or_default();
+                given.validate()?;
+                // A resumed run's scaler goes on where the checkpoint's stood.
+                Some(match &scaler {
+                    Some(state) => LossScaler::restore(given, state),
+                    None => LossScaler::new(given),
+                })
+            }
+        };
         let optimizer = OptimizerSettings::of(graph);
         if let Some(compiled) = optimizer {
             if compiled.lr != settings.lr_schedule.peak {

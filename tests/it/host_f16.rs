@@ -408,10 +408,10 @@ fn bad_loss_scale_settings_are_refused() {
     let exec = Executor::new(&f32_schedule).unwrap();
     let settings = flags(3).fresh(OptimizerConfig::default().lr).unwrap();
     let params = init_params(&f32_schedule.graph, SEED);
-    let err = Trainer::start(exec, settings, &params, "w")
-        .err()
-        .unwrap()
-        .to_string();
+    // The runtime names the settings; the CLI's words (protrain::Error) name their flags.
+    let err = Trainer::start(exec, settings, &params, "w").err().unwrap();
+    assert!(err.to_string().contains("dtype f16"), "{err}");
+    let err = protrain::Error::from(err).to_string();
     assert!(err.contains("--dtype f16"), "{err}");
     for (init, interval, flag) in [
         (Some(0.0), None, "--loss-scale-init"),
@@ -424,14 +424,14 @@ fn bad_loss_scale_settings_are_refused() {
             ..Default::default()
         }
         .fresh(1e-3)
-        .unwrap_err()
-        .to_string();
+        .unwrap_err();
+        let err = protrain::Error::from(err).to_string();
         assert!(err.contains(flag), "{err}");
     }
 }
 
 /// The verifier refuses a loss scale that cannot train (a schedule file edited or damaged),
-/// naming the flag that sets it.
+/// naming the setting.
 #[test]
 fn the_verifier_refuses_a_loss_scale_of_zero() {
     let verified = compile(DType::F16, ROOMY, 1);
@@ -464,7 +464,7 @@ fn the_verifier_refuses_a_loss_scale_of_zero() {
             .expect_err("refused")
             .to_string();
         assert!(
-            err.contains("loss_scale") && err.contains("--loss-scale-init"),
+            err.contains("loss_scale") && err.contains("initial loss scale"),
             "{err}"
         );
     }

@@ -285,7 +285,7 @@ impl Checker<'_> {
     }
 
     pub(super) fn optimizer(&self) -> Result<(), ScheduleError> {
-        // (setting, value, whether it is valid, the range, the flag that sets it)
+        // (setting, value, whether it is valid, the range, what the setting is to a user)
         type Setting = (&'static str, f64, bool, &'static str, &'static str);
         let finite_at_least_0 = |x: f64| x.is_finite() && x >= 0.0;
         let finite_above_0 = |x: f64| x.is_finite() && x > 0.0;
@@ -300,16 +300,28 @@ impl Checker<'_> {
                     weight_decay,
                     ..
                 } => vec![
-                    ("lr", lr, finite_at_least_0(lr), "finite and >= 0", "--lr"),
-                    ("beta1", beta1, decay(beta1), "in [0, 1)", "--beta1"),
-                    ("beta2", beta2, decay(beta2), "in [0, 1)", "--beta2"),
-                    ("eps", eps, finite_above_0(eps), "finite and > 0", "--eps"),
+                    (
+                        "lr",
+                        lr,
+                        finite_at_least_0(lr),
+                        "finite and >= 0",
+                        "learning rate",
+                    ),
+                    ("beta1", beta1, decay(beta1), "in [0, 1)", "AdamW beta1"),
+                    ("beta2", beta2, decay(beta2), "in [0, 1)", "AdamW beta2"),
+                    (
+                        "eps",
+                        eps,
+                        finite_above_0(eps),
+                        "finite and > 0",
+                        "AdamW epsilon",
+                    ),
                     (
                         "weight_decay",
                         weight_decay,
                         finite_at_least_0(weight_decay),
                         "finite and >= 0",
-                        "--weight-decay",
+                        "weight decay",
                     ),
                 ],
                 OpKind::ClipCoef { max_norm } => vec![(
@@ -317,7 +329,7 @@ impl Checker<'_> {
                     max_norm,
                     finite_above_0(max_norm),
                     "finite and > 0",
-                    "--grad-clip",
+                    "gradient clipping norm",
                 )],
                 OpKind::UnscaleCoef {
                     max_norm,
@@ -328,7 +340,7 @@ impl Checker<'_> {
                         loss_scale,
                         finite_above_0(loss_scale),
                         "finite and > 0",
-                        "--loss-scale-init",
+                        "initial loss scale",
                     )];
                     if let Some(max_norm) = max_norm {
                         v.push((
@@ -336,7 +348,7 @@ impl Checker<'_> {
                             max_norm,
                             finite_above_0(max_norm),
                             "finite and > 0",
-                            "--grad-clip",
+                            "gradient clipping norm",
                         ));
                     }
                     v
@@ -346,18 +358,18 @@ impl Checker<'_> {
                     loss_scale,
                     finite_above_0(loss_scale),
                     "finite and > 0",
-                    "--loss-scale-init",
+                    "initial loss scale",
                 )],
                 _ => continue,
             };
-            if let Some(&(name, value, _, range, flag)) = settings.iter().find(|s| !s.2) {
+            if let Some(&(name, value, _, range, what)) = settings.iter().find(|s| !s.2) {
                 let at = self.instrs().find_map(|(r, instr)| match instr {
                     Instr::Kernel { op, .. } if *op == id => Some(r),
                     _ => None,
                 });
                 let msg = format!(
                     "{name} = {value:?}, but it must be {range}, or the step computes NaN or \
-                     diverges; compile the schedule again with a valid {flag}"
+                     diverges; compile the schedule again with a valid {what}"
                 );
                 let msg = match at {
                     Some(_) => msg,
