@@ -15,7 +15,7 @@
 //! policy computes the same bits (the project's equivalence guarantee).
 //!
 //! The metadata also records the run's settings ([`RunSettings`]: steps, learning-rate
-//! schedule, seed, data) and its optimizer settings, so `--resume DIR` alone continues the run
+//! schedule, seed, data), its optimizer settings and its element type, so `--resume DIR` alone continues the run
 //! ([`peek_latest`] reads them before anything is compiled).
 //!
 //! Every tensor's checksum is stored in the metadata, and so is a checksum of the whole
@@ -39,7 +39,7 @@ use crate::executor::Executor;
 use crate::loss_scale::ScalerState;
 use crate::run_settings::RunSettings;
 use crate::weights::{save_safetensors, ExpectedTensor, StorageDtype, WeightFile};
-use protrain_ir::{Graph, OpKind, Role, Schedule, ValueId};
+use protrain_ir::{DType, Graph, OpKind, Role, Schedule, ValueId};
 use serde::{Deserialize, Serialize};
 pub use sharded::{manifest_name, shard_name};
 use sharded::{Shards, MANIFEST_SUFFIX};
@@ -72,6 +72,11 @@ const RUN_KEY: &str = "run";
 
 /// The metadata key of the optimizer settings, as JSON ([`OptimizerSettings`]).
 const OPTIMIZER_KEY: &str = "optimizer_settings";
+
+/// The metadata key of the run's element type (`f32`, `bf16`, `f16`): not part of the
+/// fingerprint, since the stored tensors are f32 whatever it is and any schedule of the model
+/// can load them, but `--resume DIR` alone must train in it to continue the run.
+const DTYPE_KEY: &str = "dtype";
 
 /// The metadata key prefix of a tensor's checksum (layout 4): CRC-32 of its little-endian
 /// f32 bytes, as 8 hex digits ([`checksum`]).
@@ -433,6 +438,7 @@ fn run_metadata(
         ("batch", fingerprint.batch.to_string()),
         ("seq", fingerprint.seq.to_string()),
         ("optimizer", fingerprint.optimizer),
+        (DTYPE_KEY, schedule.header.dtype.name().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -831,6 +837,7 @@ struct Header {
     progress: Progress,
     batch: Option<u64>,
     seq: Option<u64>,
+    dtype: Option<DType>,
     run: Option<RunSettings>,
     optimizer: Option<OptimizerSettings>,
 }
@@ -983,6 +990,19 @@ fn header_of(path: &Path, meta: &BTreeMap<String, String>) -> Result<Header> {
         progress,
         batch: number("batch").ok(),
         seq: number("seq").ok(),
+        dtype: match meta.get(DTYPE_KEY) {
+            None => None,
+            Some(text) => Some(
+                [DType::F32, DType::BF16, DType::F16]
+                    .into_iter()
+                    .find(|d| d.name() == text)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "has `{DTYPE_KEY}` = {text:?}, not f32, bf16 or f16; it is damaged"
+                        ))
+                    })?,
+            ),
+        },
         run: parse(meta, RUN_KEY, bad)?,
         optimizer: parse(meta, OPTIMIZER_KEY, bad)?,
     };
@@ -1002,6 +1022,9 @@ pub struct SavedRun {
     pub batch: Option<u64>,
     /// Tokens per sequence, when recorded.
     pub seq: Option<u64>,
+    /// The element type of the run's parameters and activations, when recorded (the
+    /// parameters are stored in f32 whatever it is: the master weights of a bf16 or f16 run).
+    pub dtype: Option<DType>,
     /// The optimizer settings (layout 3 or later, with an optimizer).
     pub optimizer: Option<OptimizerSettings>,
     /// The run settings (layout 3 or later, written by [`save_run`]).
@@ -1022,6 +1045,7 @@ pub fn peek_latest(dir: &Path) -> Result<SavedRun> {
                     progress: h.progress,
                     batch: h.batch,
                     seq: h.seq,
+                    dtype: h.dtype,
                     optimizer: h.optimizer,
                     run: h.run,
                 })

@@ -83,6 +83,16 @@ impl Dtype {
             Dtype::F32 => DType::F32,
         }
     }
+
+    /// The flag value of the IR's element type `dtype` (f32 for any type a schedule is not
+    /// compiled for).
+    pub fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::BF16 => Dtype::Bf16,
+            DType::F16 => Dtype::F16,
+            DType::F32 | DType::I32 => Dtype::F32,
+        }
+    }
 }
 
 /// The machine a schedule is compiled for, shared by `compile`, `dump`, `train` and `profile`'s

@@ -56,16 +56,17 @@ pub fn run(mut args: Args) -> Result<()> {
         }
     }
     check_backend(args.exec.backend)?;
-    // The schedule must run on the backend: its kernels decide the element type.
+    // A resumed run trains in its checkpoint's element type (taken here when recorded);
+    // otherwise the schedule must run on the backend: its kernels decide the element type.
+    if let Some(dir) = &args.exec.resume {
+        let saved = checkpoint::peek_latest(dir)?;
+        take_from_checkpoint(&mut args.compile, &saved)?;
+    }
     if args.compile.shape.dtype.is_none() {
         args.compile.shape.dtype = Some(match args.exec.backend {
             BackendKind::Host => Dtype::F32,
             BackendKind::Cuda => Dtype::Bf16,
         });
-    }
-    if let Some(dir) = &args.exec.resume {
-        let saved = checkpoint::peek_latest(dir)?;
-        take_from_checkpoint(&mut args.compile, &saved)?;
     }
     let mut config = protrain::models::load(&args.model)?;
     let vocab_note = fit_vocab(
@@ -178,9 +179,9 @@ pub fn fit_vocab(
     }))
 }
 
-/// Fills the batch shape and optimizer flags left out with the settings of the run `saved`
-/// (what `--resume DIR` alone continues), and fails, naming each, when a flag given
-/// contradicts them. A checkpoint that does not record a setting leaves its flag as it is.
+/// Fills the batch shape, element type and optimizer flags left out with the settings of the
+/// run `saved` (what `--resume DIR` alone continues), and fails, naming each, when a flag
+/// given contradicts them. A checkpoint that does not record a setting leaves its flag as it is.
 fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<()> {
     let mut differences = Vec::new();
     if let (Some(b), Some(s)) = (saved.batch, saved.seq) {
@@ -190,6 +191,16 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
             differences.push(format!(
                 "batch x seq: the checkpoint is {b} x {s}, this run is {batch} x {seq}"
             ));
+        }
+    }
+    if let Some(have) = saved.dtype {
+        let was = Dtype::of(have);
+        match *compile.shape.dtype.get_or_insert(was) {
+            given if given != was => differences.push(format!(
+                "--dtype: the checkpoint has {have}, this run has {}",
+                given.ir()
+            )),
+            _ => {}
         }
     }
     if let Some(have) = saved.optimizer {

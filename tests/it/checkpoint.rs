@@ -105,7 +105,7 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
         before,
         ["step-00000001.safetensors", "step-00000002.safetensors"]
     );
-    let cases: [(&str, Vec<&str>, &[&str]); 3] = [
+    let cases: [(&str, Vec<&str>, &[&str]); 4] = [
         (
             "another model",
             vec!["gpt2-tiny", "--batch", "2", "--seq", "16"],
@@ -126,6 +126,19 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
                 "optimizer: the checkpoint has lr=0.003",
                 "this run has lr=0.01",
             ],
+        ),
+        (
+            "another element type",
+            vec![
+                "llama-tiny",
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--dtype",
+                "bf16",
+            ],
+            &["--dtype: the checkpoint has f32, this run has bf16"],
         ),
     ];
     for (what, run, needles) in cases {
@@ -152,6 +165,41 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
         assert!(out.stdout.is_empty(), "{what}: trained anyway");
         assert_eq!(files(&ckpt), before, "{what}: the checkpoints were touched");
     }
+}
+
+/// `--resume DIR` alone trains in the element type of the checkpointed run, not in the
+/// backend's default (f32 on the host, bf16 on the CUDA backend): a bf16 run resumed on the
+/// host gives the uninterrupted run's losses bit for bit, where an f32 resume of its f32
+/// master weights would give others.
+#[test]
+fn a_run_resumed_alone_trains_in_its_checkpoints_element_type() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let run = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--dtype",
+        "bf16",
+        "--steps",
+        "4",
+        "--log-json",
+    ];
+    let mut saving = run.to_vec();
+    saving.extend(["--save-every", "2", "--checkpoint-dir", path(&ckpt)]);
+    let straight = losses(&protrain(&saving));
+    assert_eq!(straight.len(), 4);
+    std::fs::remove_file(ckpt.join("step-00000004.safetensors")).expect("remove step 4");
+    let out = protrain(&["train", "gpt2-tiny", "--log-json", "--resume", path(&ckpt)]);
+    assert_eq!(
+        losses(&out),
+        straight[2..],
+        "the resumed steps are the uninterrupted bf16 run's: {}",
+        stderr(&out)
+    );
 }
 
 #[test]
