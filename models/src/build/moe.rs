@@ -103,7 +103,12 @@ pub(super) fn expert_params(
 }
 
 /// Emits the sparse block on the normalised stream `h` (`[B,T,C]`); returns its output.
-pub(super) fn forward(b: &mut Builder, experts: &Experts, h: ValueId, name: &str) -> Result<ValueId> {
+pub(super) fn forward(
+    b: &mut Builder,
+    experts: &Experts,
+    h: ValueId,
+    name: &str,
+) -> Result<ValueId> {
     let n = |what: &str| format!("{name}.{what}");
     let count = experts.gate.len() as u64;
     let logits = b.linear(h, &experts.router, n("router"))?;
@@ -132,7 +137,11 @@ pub(super) fn forward(b: &mut Builder, experts: &Experts, h: ValueId, name: &str
         unreachable!("moe_route writes five outputs")
     };
     let top_k = experts.top_k;
-    let xs = b.op(OpKind::MoeDispatch { top_k }, &[h, rows, slots], n("dispatch"))?;
+    let xs = b.op(
+        OpKind::MoeDispatch { top_k },
+        &[h, rows, slots],
+        n("dispatch"),
+    )?;
     let grouped = |b: &mut Builder, x: ValueId, weights: &[ValueId], what: &str| {
         let mut inputs = vec![x, offsets];
         inputs.extend(weights);
@@ -142,5 +151,9 @@ pub(super) fn forward(b: &mut Builder, experts: &Experts, h: ValueId, name: &str
     let up = grouped(b, xs, &experts.up, "experts.up")?;
     let act = b.op(OpKind::Swiglu, &[gate, up], n("experts.act"))?;
     let ys = grouped(b, act, &experts.down, "experts.down")?;
-    b.op(OpKind::MoeCombine { top_k }, &[ys, weights, slots], n("combine"))
+    b.op(
+        OpKind::MoeCombine { top_k },
+        &[ys, weights, slots],
+        n("combine"),
+    )
 }

@@ -80,7 +80,12 @@ impl MoeJson {
                  it only when this is true)",
             ));
         }
-        if mixtral && self.router_jitter_noise.as_ref().is_some_and(|n| n.0 != 0.0) {
+        if mixtral
+            && self
+                .router_jitter_noise
+                .as_ref()
+                .is_some_and(|n| n.0 != 0.0)
+        {
             return Err(c.unsupported("router_jitter_noise", "non-zero", "0.0"));
         }
         if let Some(d) = self.shared_expert_intermediate_size.filter(|d| d.0 > 0) {
@@ -94,7 +99,11 @@ impl MoeJson {
             true => self.num_local_experts.map_or(8, |d| d.0),
             false => self.num_experts.map_or(128, |d| d.0),
         };
-        let expert_field = if mixtral { "num_local_experts" } else { "num_experts" };
+        let expert_field = if mixtral {
+            "num_local_experts"
+        } else {
+            "num_experts"
+        };
         if !(1..=MAX_EXPERTS).contains(&experts) {
             return Err(c.invalid(
                 expert_field,
