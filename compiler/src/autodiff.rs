@@ -264,6 +264,38 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
                 },
             }
         }
+        // Mixture of experts: the gradient reaches the logits through the chosen weights only.
+        OpKind::MoeRoute {
+            experts,
+            top_k,
+            normalize,
+        } => rule(
+            OpKind::MoeRouteBackward {
+                experts,
+                top_k,
+                normalize,
+            },
+            vec![Input(0), Output(1)],
+            vec![0],
+        ),
+        OpKind::MoeDispatch { top_k } => rule(
+            OpKind::MoeDispatchBackward { top_k },
+            vec![Input(2)],
+            vec![0],
+        ),
+        OpKind::GroupedLinear { experts } => {
+            let e = experts as usize;
+            rule(
+                OpKind::GroupedLinearBackward { experts },
+                (0..2 + e).map(Input).collect(),
+                std::iter::once(0).chain(2..2 + e).collect(),
+            )
+        }
+        OpKind::MoeCombine { top_k } => rule(
+            OpKind::MoeCombineBackward { top_k },
+            vec![Input(0), Input(1), Input(2)],
+            vec![0, 1],
+        ),
         _ => return None,
     })
 }

@@ -206,6 +206,14 @@ impl WorkspaceLayout {
             | OpKind::Geglu
             | OpKind::SoftcapBackward { .. }
             | OpKind::GegluBackward
+            | OpKind::MoeRoute { .. }
+            | OpKind::MoeDispatch { .. }
+            | OpKind::GroupedLinear { .. }
+            | OpKind::MoeCombine { .. }
+            | OpKind::MoeRouteBackward { .. }
+            | OpKind::MoeDispatchBackward { .. }
+            | OpKind::GroupedLinearBackward { .. }
+            | OpKind::MoeCombineBackward { .. }
             | OpKind::RopeBackward { .. }
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }

@@ -9,6 +9,7 @@
 mod gemma;
 mod gpt2;
 mod llama;
+mod moe;
 mod opt;
 
 use crate::config::{Activation, Architecture, ModelConfig, MAX_DIM, MAX_LAYERS};
@@ -60,7 +61,10 @@ pub fn build_forward(config: &ModelConfig, options: &BuildOptions) -> Result<Gra
         | Architecture::Mistral(layout)
         | Architecture::Qwen2(layout)
         | Architecture::Qwen3(layout)
-        | Architecture::Olmo2(layout) => llama::build(&mut b, config, layout)?,
+        | Architecture::Olmo2(layout) => llama::build(&mut b, config, layout, None)?,
+        Architecture::Mixtral(arch) | Architecture::Qwen3Moe(arch) => {
+            llama::build(&mut b, config, &arch.layout, Some(&arch.moe))?
+        }
         Architecture::Opt(layout) => opt::build(&mut b, config, layout)?,
         Architecture::Gemma2(layout) | Architecture::Gemma3(layout) => {
             gemma::build(&mut b, config, layout)?

@@ -20,8 +20,10 @@
 //! Parsing never panics: every number is range-checked before any arithmetic uses it.
 
 mod gemma;
+mod moe;
 
 pub use gemma::{GemmaLayout, LayerType, Rotary};
+pub use moe::{MoeArchitecture, MoeLayout};
 
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
@@ -33,16 +35,18 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 9] = [
+pub const SUPPORTED_MODEL_TYPES: [&str; 11] = [
     "gemma2",
     "gemma3_text",
     "gpt2",
     "llama",
     "mistral",
+    "mixtral",
     "olmo2",
     "opt",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
 ];
 
 /// The largest accepted width of any dimension (vocabulary, hidden size, heads, positions).
@@ -175,6 +179,12 @@ pub enum Architecture {
     /// a RoPE base per layer type.
     #[serde(rename = "gemma3_text")]
     Gemma3(GemmaLayout),
+    /// Mixtral: Mistral whose MLPs are mixtures of SwiGLU experts with renormalised top-k
+    /// routing.
+    Mixtral(MoeArchitecture),
+    /// Qwen3-MoE: Qwen3 whose MLPs (all but `mlp_only_layers`, every `decoder_sparse_step`-th)
+    /// are mixtures of experts.
+    Qwen3Moe(MoeArchitecture),
 }
 
 /// A model's architecture, normalized across families, with transformers' defaults applied.
@@ -243,7 +253,7 @@ impl ModelConfig {
         };
         match model_type {
             "gpt2" => typed::<Gpt2Json>(&value, &from)?.into_config(&context),
-            "llama" | "mistral" | "qwen2" | "qwen3" | "olmo2" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "olmo2" | "mixtral" | "qwen3_moe" => {
                 typed::<RotaryJson>(&value, &from)?.into_config(&context)
             }
             "gemma2" | "gemma3_text" => {
@@ -314,6 +324,8 @@ impl ModelConfig {
             Architecture::Opt(_) => "opt",
             Architecture::Gemma2(_) => "gemma2",
             Architecture::Gemma3(_) => "gemma3_text",
+            Architecture::Mixtral(_) => "mixtral",
+            Architecture::Qwen3Moe(_) => "qwen3_moe",
         }
     }
 
@@ -327,6 +339,8 @@ impl ModelConfig {
             | Architecture::Qwen2(_)
             | Architecture::Qwen3(_)
             | Architecture::Olmo2(_)
+            | Architecture::Mixtral(_)
+            | Architecture::Qwen3Moe(_)
             | Architecture::Gemma2(_)
             | Architecture::Gemma3(_) => None,
         }
@@ -577,6 +591,9 @@ struct RotaryJson {
     max_window_layers: Option<Dim<{ u64::MAX }>>,
     /// Qwen2 and Qwen3: `full_attention` or `sliding_attention` per layer.
     layer_types: Option<Vec<Text>>,
+    /// Mixtral and Qwen3-MoE: the experts and their router.
+    #[serde(flatten)]
+    moe: moe::MoeJson,
 }
 
 /// v4's `rope_scaling` or v5's `rope_parameters`.
@@ -795,7 +812,7 @@ const ROPE_TYPES: &str = "default, linear, llama3";
 impl RotaryJson {
     fn into_config(self, c: &Context) -> Result<ModelConfig> {
         let family = c.model_type;
-        let mistral = family == "mistral";
+        let mistral = matches!(family, "mistral" | "mixtral");
         let qwen = matches!(family, "qwen2" | "qwen3");
         let vocab = c.required(self.vocab_size, "vocab_size")?;
         let hidden = c.required(self.hidden_size, "hidden_size")?;
@@ -824,6 +841,7 @@ impl RotaryJson {
         // explicit `null` means "as many as the heads".
         let kv_heads = match self.num_key_value_heads {
             Given::Absent if mistral => 8,
+            Given::Absent if family == "qwen3_moe" => 4,
             Given::Absent if qwen => 32,
             Given::Absent | Given::Null => heads,
             Given::Value(Dim(n)) => n,
@@ -832,8 +850,8 @@ impl RotaryJson {
         let (sliding_window, full_attention_layers) = self.window(c, layers)?;
         let max_positions = self.max_position_embeddings.map_or(
             match family {
-                "mistral" => 4096 * 32,
-                "qwen2" | "qwen3" => 32768,
+                "mistral" | "mixtral" => 4096 * 32,
+                "qwen2" | "qwen3" | "qwen3_moe" => 32768,
                 _ => 2048,
             },
             |d| d.0,
@@ -846,7 +864,7 @@ impl RotaryJson {
         )?;
         let (rope_theta, rope_scaling) = self.rope(c, max_positions)?;
         // Qwen2 always has q/k/v biases and reads neither flag; Mistral reads neither either.
-        let reads_biases = matches!(family, "llama" | "qwen3" | "olmo2");
+        let reads_biases = matches!(family, "llama" | "qwen3" | "olmo2" | "qwen3_moe");
         let layout = LlamaLayout {
             rope_theta,
             rope_scaling,
@@ -856,7 +874,7 @@ impl RotaryJson {
             full_attention_layers,
             qkv_bias: family == "qwen2",
             qk_norm: match family {
-                "qwen3" => QkNorm::PerHead,
+                "qwen3" | "qwen3_moe" => QkNorm::PerHead,
                 "olmo2" => QkNorm::Whole,
                 _ => QkNorm::None,
             },
@@ -875,6 +893,14 @@ impl RotaryJson {
                 "qwen2" => Architecture::Qwen2(layout),
                 "qwen3" => Architecture::Qwen3(layout),
                 "olmo2" => Architecture::Olmo2(layout),
+                "mixtral" => Architecture::Mixtral(MoeArchitecture {
+                    layout,
+                    moe: self.moe.into_layout(c, layers, intermediate)?,
+                }),
+                "qwen3_moe" => Architecture::Qwen3Moe(MoeArchitecture {
+                    layout,
+                    moe: self.moe.into_layout(c, layers, intermediate)?,
+                }),
                 _ => Architecture::Llama(layout),
             },
             vocab_size: vocab,
@@ -887,7 +913,11 @@ impl RotaryJson {
             max_position_embeddings: max_positions,
             norm_eps: non_negative(
                 self.rms_norm_eps,
-                if family == "olmo2" { 1e-5 } else { 1e-6 },
+                if matches!(family, "olmo2" | "mixtral") {
+                    1e-5
+                } else {
+                    1e-6
+                },
             ),
             activation: Activation::Silu,
             tie_word_embeddings: flag(self.tie_word_embeddings, false),
@@ -909,6 +939,13 @@ impl RotaryJson {
         };
         match c.model_type {
             "mistral" => Ok((size(Some(4096)), 0)),
+            // MixtralConfig's window is none unless given.
+            "mixtral" => Ok((size(None), 0)),
+            "qwen3_moe" if flag(self.use_sliding_window, false) => Err(c.unsupported(
+                "use_sliding_window",
+                "true",
+                "false (Qwen3-MoE's attention windows are not built)",
+            )),
             "qwen2" | "qwen3" => {
                 let window = size(Some(4096)).filter(|_| flag(self.use_sliding_window, false));
                 let Some(types) = &self.layer_types else {
@@ -948,7 +985,13 @@ impl RotaryJson {
     /// `rope_type`; llama3's `original_max_position_embeddings` is the top-level field, else
     /// the dict's, else `max_position_embeddings`.
     fn rope(&self, c: &Context, max_positions: u64) -> Result<(f64, RopeScaling)> {
-        let top_theta = self.rope_theta.as_ref().map_or(10_000.0, |t| t.0);
+        // MixtralConfig's `default_theta` is 1e6; the others' 1e4.
+        let default_theta = if c.model_type == "mixtral" {
+            1_000_000.0
+        } else {
+            10_000.0
+        };
+        let top_theta = self.rope_theta.as_ref().map_or(default_theta, |t| t.0);
         let (field, params) = match (&self.rope_scaling, &self.rope_parameters) {
             (Some(params), _) => ("rope_scaling", params),
             (None, Some(params)) => ("rope_parameters", params),

@@ -173,6 +173,21 @@ fn features(config: &ModelConfig) -> Vec<String> {
         | Architecture::Qwen2(l)
         | Architecture::Qwen3(l)
         | Architecture::Olmo2(l) => rotary_features(config, l),
+        Architecture::Mixtral(arch) | Architecture::Qwen3Moe(arch) => {
+            let mut lines = rotary_features(config, &arch.layout);
+            let moe = &arch.moe;
+            let sparse = moe.sparse_layers.iter().filter(|s| **s).count();
+            lines.push(format!(
+                "experts: {} per sparse layer ({sparse} of {} layers), top-{} routing{}, \
+                 SwiGLU experts {} wide",
+                moe.experts,
+                config.num_layers,
+                moe.top_k,
+                if moe.normalize { " renormalised" } else { "" },
+                moe.expert_intermediate_size
+            ));
+            lines
+        }
         // Gemma's lines name its tied embeddings among its own features.
         Architecture::Gemma2(l) | Architecture::Gemma3(l) => return l.features(config),
     };

@@ -90,6 +90,16 @@ const PRESETS: &[Preset] = &[
         "Qwen3 8B: 8.19B parameters, 36 layers, hidden 4096, 8 KV heads, per-head q/k norms"
     ),
     preset!(
+        "mixtral-8x7b",
+        "Mixtral 8x7B: 46.7B parameters (12.9B active), 32 layers of 8 SwiGLU experts, top-2 \
+         routing, 8 KV heads"
+    ),
+    preset!(
+        "qwen3-30b-a3b",
+        "Qwen3-30B-A3B: 30.5B parameters (3.3B active), 48 layers of 128 experts, top-8 \
+         routing, 4 KV heads, per-head q/k norms"
+    ),
+    preset!(
         "olmo2-1b",
         "OLMo 2 1B: 1.48B parameters, 16 layers, hidden 2048, norms after attention and MLP"
     ),

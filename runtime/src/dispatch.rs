@@ -25,8 +25,11 @@ use protrain_ir::{
 };
 
 /// Most outputs an op kind writes: a fused linear's backward with the most projections
-/// ([`protrain_ir::op::MAX_PROJECTIONS`], each with a bias) writes `1 + 2 * 15`.
-pub const MAX_OUTPUTS: usize = 1 + 2 * protrain_ir::op::MAX_PROJECTIONS as usize;
+/// ([`protrain_ir::op::MAX_PROJECTIONS`], each with a bias) writes `1 + 2 * 15`; a grouped
+/// matmul's backward with the most experts ([`protrain_ir::op::MAX_EXPERTS`]) writes
+/// `1 + 256`.
+/// A grouped matmul's backward with the most experts writes `1 + MAX_EXPERTS`, more.
+pub const MAX_OUTPUTS: usize = 1 + protrain_ir::op::MAX_EXPERTS as usize;
 
 /// Where a kernel reads its inputs: input `i` of the op, as floats or as token ids.
 ///
@@ -639,6 +642,104 @@ pub fn run<'a>(
         OpKind::SoftcapBackward { cap } => {
             kernels::softcap_backward(outputs[0], ins.f32(1), ins.f32(0), *cap as f32)
         }
+        OpKind::MoeRoute {
+            experts,
+            top_k,
+            normalize,
+        } => {
+            let [weights, chosen, rows, slots, offsets] = outputs else {
+                unreachable!("moe_route writes weights, experts, rows, slots and offsets")
+            };
+            kernels::moe_route(
+                weights,
+                bytemuck::cast_slice_mut(*chosen),
+                bytemuck::cast_slice_mut(*rows),
+                bytemuck::cast_slice_mut(*slots),
+                bytemuck::cast_slice_mut(*offsets),
+                ins.f32(0),
+                *experts as usize,
+                *top_k as usize,
+                *normalize,
+            );
+        }
+        OpKind::MoeRouteBackward {
+            experts,
+            top_k,
+            normalize,
+        } => kernels::moe_route_backward(
+            outputs[0],
+            ins.f32(2),
+            ins.f32(0),
+            ins.i32(1),
+            *experts as usize,
+            *top_k as usize,
+            *normalize,
+        ),
+        OpKind::MoeDispatch { top_k } => kernels::moe_dispatch(
+            outputs[0],
+            ins.f32(0),
+            ins.i32(1),
+            ty(0).last_dim() as usize,
+            *top_k as usize,
+        ),
+        OpKind::MoeDispatchBackward { top_k } => kernels::moe_dispatch_backward(
+            outputs[0],
+            ins.f32(1),
+            ins.i32(0),
+            ty(1).last_dim() as usize,
+            *top_k as usize,
+        ),
+        OpKind::GroupedLinear { experts } => {
+            let weights: Vec<&[f32]> = (0..*experts as usize).map(|e| ins.f32(2 + e)).collect();
+            kernels::grouped_linear_forward(
+                outputs[0],
+                ins.f32(0),
+                ins.i32(1),
+                &weights,
+                ty(0).last_dim() as usize,
+                out_ty(0).last_dim() as usize,
+            );
+        }
+        OpKind::GroupedLinearBackward { experts } => {
+            let e = *experts as usize;
+            let weights: Vec<&[f32]> = (0..e).map(|i| ins.f32(2 + i)).collect();
+            let (dxs, dweights) = outputs
+                .split_first_mut()
+                .expect("grouped_linear_backward writes dxs");
+            kernels::grouped_linear_backward(
+                dxs,
+                dweights,
+                ins.f32(2 + e),
+                ins.f32(0),
+                ins.i32(1),
+                &weights,
+                ty(0).last_dim() as usize,
+                ty(2 + e).last_dim() as usize,
+            );
+        }
+        OpKind::MoeCombine { top_k } => kernels::moe_combine(
+            outputs[0],
+            ins.f32(0),
+            ins.f32(1),
+            ins.i32(2),
+            ty(0).last_dim() as usize,
+            *top_k as usize,
+        ),
+        OpKind::MoeCombineBackward { top_k } => {
+            let [dys, dweights] = outputs else {
+                unreachable!("moe_combine_backward writes dys and dweights")
+            };
+            kernels::moe_combine_backward(
+                dys,
+                dweights,
+                ins.f32(3),
+                ins.f32(0),
+                ins.f32(1),
+                ins.i32(2),
+                ty(0).last_dim() as usize,
+                *top_k as usize,
+            );
+        }
         OpKind::GegluBackward => {
             let [dgate, dup] = outputs else {
                 unreachable!("geglu_backward writes dgate and dup")
@@ -912,7 +1013,7 @@ pub fn run_stored<'a>(
         false => workspace,
     };
     let outcome = {
-        let mut views: [&mut [f32]; MAX_OUTPUTS] = Default::default();
+        let mut views: [&mut [f32]; MAX_OUTPUTS] = std::array::from_fn(|_| Default::default());
         let mut free = &mut *outputs_part;
         for (view, out) in views.iter_mut().zip(outputs.iter_mut()) {
             *view = match out {

@@ -676,15 +676,10 @@ impl Backend for HostBackend {
             // other output and the workspace, and no other stream touches them meanwhile.
             *out = unsafe {
                 match ty.dtype {
-                    DType::F32 => StoredMut::F32(self.slice_mut(at, len)?),
+                    // Routing's i32 outputs: the kernels write their bits through an f32 view.
+                    DType::F32 | DType::I32 => StoredMut::F32(self.slice_mut(at, len)?),
                     DType::BF16 => StoredMut::Bf16(self.slice_mut(at, len)?),
                     DType::F16 => StoredMut::F16(self.slice_mut(at, len)?),
-                    _ => {
-                        return Err(RuntimeError::BadSchedule(format!(
-                            "{} writes output {i} as {ty}; the host kernels write f32, bf16 or f16",
-                            op.kind.mnemonic()
-                        )))
-                    }
                 }
             };
         }

@@ -120,6 +120,10 @@ impl<'g> Interpreter<'g> {
     fn i32(&self, value: ValueId) -> &[i32] {
         match &self.slots[value.index()] {
             Slot::I32(v) => v,
+            // Routing's i32 outputs, written as bits through an f32 view.
+            Slot::F32(v) if self.graph.value(value).ty.dtype == protrain_ir::DType::I32 => {
+                bytemuck::cast_slice(v)
+            }
             _ => panic!(
                 "{value} ({}) is not a token tensor",
                 self.graph.value(value).name

@@ -352,3 +352,13 @@ fn gemma3_every_policy_matches_the_interpreter() {
         None,
     );
 }
+
+#[test]
+fn mixtral_every_policy_matches_the_interpreter_with_clipping() {
+    check(&fixture_model("mixtral"), Some(0.5));
+}
+
+#[test]
+fn qwen3_moe_every_policy_matches_the_interpreter() {
+    check(&fixture_model("qwen3_moe"), None);
+}

@@ -244,7 +244,7 @@ fn accumulated_training_matches_pytorch_under_every_policy() {
 fn micro_batches_train_as_one_batch_of_their_rows() {
     let e = expected();
     let schedule = LrSchedule::new(LrScheduleKind::Cosine, e.optimizer.lr, 1, 5, 0.0).expect("lr");
-    for model in ["gpt2", "llama"] {
+    for model in ["gpt2", "llama", "mixtral", "qwen3_moe"] {
         let (big, big_weights) = train(model, &e.optimizer, ROOMY, (8, 1), settings(schedule, 5));
         let (accum, accum_weights) =
             train(model, &e.optimizer, TIGHT, (2, 4), settings(schedule, 5));

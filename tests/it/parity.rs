@@ -325,7 +325,15 @@ fn check_hub_weights_round_trip(family: &str) {
 
 #[test]
 fn hub_weights_load_from_shards_and_save_with_hub_names() {
-    for family in ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3"] {
+    for family in [
+        "qwen2",
+        "qwen3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         check_hub_weights_round_trip(family);
     }
 }
@@ -338,4 +346,14 @@ fn gemma2_with_soft_caps_sandwich_norms_and_alternating_windows_matches_pytorch(
 #[test]
 fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
     check("gemma3");
+}
+
+#[test]
+fn mixtral_with_renormalised_top_2_of_4_experts_matches_pytorch() {
+    check("mixtral");
+}
+
+#[test]
+fn qwen3_moe_with_a_dense_layer_and_top_2_of_8_experts_unnormalised_matches_pytorch() {
+    check("qwen3_moe");
 }

@@ -474,3 +474,50 @@ fn qwen_and_olmo_real_configs_compile_for_an_rtx3090() {
         assert!(peak <= rtx3090().device_memory_bytes, "{file}: peak {peak}");
     }
 }
+
+#[test]
+fn mixture_of_experts_presets_compile_and_verify_for_one_gpu() {
+    // Qwen3-30B-A3B on one rtx3090 with 512 GiB of host memory, Mixtral-8x7B on one h200 with
+    // 1 TiB, as `protrain compile PRESET --hardware ... --host-memory ...` runs them (bf16,
+    // batch 1, 512 tokens). Every expert's weights are chunk members: most of them live on the
+    // host and stream through the chunk buffers.
+    for (preset, hardware, host) in [
+        ("qwen3-30b-a3b", rtx3090(), 512 * GIB),
+        (
+            "mixtral-8x7b",
+            HardwareProfile::preset("h200").expect("the h200 preset"),
+            1024 * GIB,
+        ),
+    ] {
+        let config = protrain::models::load(preset).expect("the preset loads");
+        let mut hardware = hardware;
+        hardware.host_memory_bytes = host;
+        let device = hardware.device_memory_bytes;
+        let options = CompileOptions {
+            batch: 1,
+            seq: 512,
+            dtype: DType::BF16,
+            policy: PolicyChoice::Auto,
+            ..options(hardware, "")
+        };
+        let started = std::time::Instant::now();
+        let compiled = protrain::compile(&config, &options)
+            .unwrap_or_else(|e| panic!("{preset} does not compile: {e}"));
+        let schedule = compiled.schedule.into_inner();
+        let prediction = &schedule.header.prediction;
+        eprintln!(
+            "{preset}: compiled and verified in {:.1} s; peak device {:.2} GiB, host {:.1} GiB",
+            started.elapsed().as_secs_f64(),
+            prediction.peak_device_bytes as f64 / GIB as f64,
+            prediction.host_bytes as f64 / GIB as f64,
+        );
+        assert!(prediction.peak_device_bytes <= device, "{preset}");
+        // The experts' weights, most of the model, are in chunks like any parameter.
+        let experts = schedule
+            .graph
+            .params()
+            .filter(|(_, p)| p.name.contains(".experts."))
+            .count();
+        assert!(experts > 1000, "{preset}: {experts} expert weights");
+    }
+}

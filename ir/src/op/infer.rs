@@ -17,6 +17,9 @@ impl OpKind {
             _ => {}
         }
         let f32_scalar = TensorType::new([], DType::F32);
+        if self.is_moe() {
+            return self.infer_moe(inputs);
+        }
         if let Some(forward) = self.forward_of() {
             return self.infer_backward(&forward, inputs);
         }

@@ -1,7 +1,10 @@
 //! Operations: kinds with their attributes and phases; their type rules are in `infer.rs`.
 
 mod infer;
+mod moe;
 mod movement;
+
+pub use moe::MAX_EXPERTS;
 
 pub use movement::Movement;
 
@@ -432,6 +435,69 @@ pub enum OpKind {
     },
     /// `gate`, `up`, `dy` -> `dgate`, `dup`.
     GegluBackward,
+
+    // Mixture of experts (appended last, so schedules without it keep their encoding); see
+    // `op/moe.rs` for how a static schedule holds data-dependent routing.
+    /// Top-k routing of router logits `[B,T,E]`: the softmax in f32, the `top_k` largest
+    /// probabilities (ties to the lower expert, as `torch.topk`), divided by their sum when
+    /// `normalize`. Outputs: `weights f32[B,T,k]`, the chosen `experts i32[B,T,k]`, `rows
+    /// i32[B*T*k]` (for each packed row, grouped by expert and by token within a group, the
+    /// slot `t*k + j` it holds), `slots i32[B,T,k]` (each slot's packed row) and `offsets
+    /// i32[E+1]` (where each expert's group starts; the last is `B*T*k`).
+    MoeRoute {
+        /// Experts of the layer.
+        experts: u64,
+        /// Experts each token is sent to.
+        top_k: u64,
+        /// Whether the chosen probabilities are divided by their sum.
+        normalize: bool,
+    },
+    /// `x [B,T,C]`, `rows`, `slots` -> the packed `[B*T*k, C]`: row `r` is token
+    /// `rows[r] / k`. `slots` is read by the backward only.
+    MoeDispatch {
+        /// Experts each token is sent to.
+        top_k: u64,
+    },
+    /// The experts' matmul over a packed buffer: `xs [R,in]`, `offsets i32[E+1]`, then the
+    /// `experts` weights `[out,in]` -> `[R,out]`, rows `offsets[e]..offsets[e+1]` times
+    /// expert `e`'s weight transposed, each row as [`OpKind::Linear`] computes it.
+    GroupedLinear {
+        /// Experts (weights).
+        experts: u64,
+    },
+    /// `ys [B*T*k, C]`, `weights`, `slots` -> `[B,T,C]`: each token's expert outputs times
+    /// their weights, summed in slot order.
+    MoeCombine {
+        /// Experts each token is sent to.
+        top_k: u64,
+    },
+    /// `logits`, the chosen `experts`, `dweights` -> `dlogits`: the gradient through the
+    /// chosen (renormalised) probabilities and the softmax; the choice is not differentiated.
+    MoeRouteBackward {
+        /// Experts of the layer.
+        experts: u64,
+        /// Experts each token is sent to.
+        top_k: u64,
+        /// Whether the forward op renormalised.
+        normalize: bool,
+    },
+    /// `slots`, `dxs [B*T*k, C]` -> `dx [B,T,C]`: each token's packed-row gradients summed in
+    /// slot order.
+    MoeDispatchBackward {
+        /// Experts each token is sent to.
+        top_k: u64,
+    },
+    /// `xs`, `offsets`, the weights, `dys` -> `dxs` and each expert's weight gradient (zero for
+    /// an expert no token chose).
+    GroupedLinearBackward {
+        /// Experts (weights).
+        experts: u64,
+    },
+    /// `ys`, `weights`, `slots`, `dout` -> `dys`, `dweights`.
+    MoeCombineBackward {
+        /// Experts each token is sent to.
+        top_k: u64,
+    },
 }
 
 impl OpKind {
@@ -486,6 +552,14 @@ impl OpKind {
             OpKind::Geglu => "geglu",
             OpKind::SoftcapBackward { .. } => "softcap_backward",
             OpKind::GegluBackward => "geglu_backward",
+            OpKind::MoeRoute { .. } => "moe_route",
+            OpKind::MoeDispatch { .. } => "moe_dispatch",
+            OpKind::GroupedLinear { .. } => "grouped_linear",
+            OpKind::MoeCombine { .. } => "moe_combine",
+            OpKind::MoeRouteBackward { .. } => "moe_route_backward",
+            OpKind::MoeDispatchBackward { .. } => "moe_dispatch_backward",
+            OpKind::GroupedLinearBackward { .. } => "grouped_linear_backward",
+            OpKind::MoeCombineBackward { .. } => "moe_combine_backward",
         }
     }
 
@@ -601,6 +675,18 @@ impl OpKind {
             },
             OpKind::SoftcapBackward { cap } => OpKind::Softcap { cap },
             OpKind::GegluBackward => OpKind::Geglu,
+            OpKind::MoeRouteBackward {
+                experts,
+                top_k,
+                normalize,
+            } => OpKind::MoeRoute {
+                experts,
+                top_k,
+                normalize,
+            },
+            OpKind::MoeDispatchBackward { top_k } => OpKind::MoeDispatch { top_k },
+            OpKind::GroupedLinearBackward { experts } => OpKind::GroupedLinear { experts },
+            OpKind::MoeCombineBackward { top_k } => OpKind::MoeCombine { top_k },
             OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
             | OpKind::CrossEntropyBackwardLossScaled { .. } => OpKind::CrossEntropy,
@@ -667,6 +753,11 @@ impl OpKind {
             OpKind::LinearBackward { bias: true, .. } => &["dx", "dweight", "dbias"],
             OpKind::LinearBackward { bias: false, .. } => &["dx", "dweight"],
             OpKind::SwigluBackward | OpKind::GegluBackward => &["dgate", "dup"],
+            OpKind::MoeRoute { .. } => moe::ROUTE_LABELS,
+            OpKind::MoeRouteBackward { .. } => &["dlogits"],
+            OpKind::MoeCombineBackward { .. } => &["dys", "dweights"],
+            // The weight gradients are named with `Graph::add_op_multi`.
+            OpKind::GroupedLinearBackward { .. } => &["dxs"],
             OpKind::AttentionBackward {
                 qkv: QkvLayout::Separate,
                 ..
@@ -800,6 +891,7 @@ impl OpKind {
             }
             OpKind::Scale { factor } => vec![("factor", format!("{factor}"))],
             OpKind::Softcap { cap } => vec![("cap", format!("{cap}"))],
+            kind if kind.is_moe() => kind.moe_attributes(),
             _ => vec![],
         }
     }
@@ -864,6 +956,14 @@ impl OpKind {
             OpKind::GradNormSq => 1,
             OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. } => return None,
             OpKind::AdamW { clipped, .. } => 4 + usize::from(*clipped),
+            OpKind::MoeRoute { .. }
+            | OpKind::MoeDispatch { .. }
+            | OpKind::GroupedLinear { .. }
+            | OpKind::MoeCombine { .. }
+            | OpKind::MoeRouteBackward { .. }
+            | OpKind::MoeDispatchBackward { .. }
+            | OpKind::GroupedLinearBackward { .. }
+            | OpKind::MoeCombineBackward { .. } => self.moe_arity(),
         })
     }
 
@@ -979,6 +1079,14 @@ impl OpKind {
             | OpKind::PositionEmbeddingBackward { .. }
             | OpKind::ClipCoef { .. }
             | OpKind::UnscaleCoef { .. } => out,
+            OpKind::MoeRoute { .. }
+            | OpKind::MoeDispatch { .. }
+            | OpKind::GroupedLinear { .. }
+            | OpKind::MoeCombine { .. }
+            | OpKind::MoeRouteBackward { .. }
+            | OpKind::MoeDispatchBackward { .. }
+            | OpKind::GroupedLinearBackward { .. }
+            | OpKind::MoeCombineBackward { .. } => self.moe_flops(inputs, outputs),
         }
     }
 }

@@ -4,8 +4,9 @@
 //! windows, Qwen2's q/k/v biases, Qwen3's per-head and OLMo 2's whole-projection q/k norms, and
 //! OLMo 2's norms after (not before) attention and MLP.
 
+use super::moe::{self, Experts};
 use super::{Blocks, Builder, Linear, Norm, Weight};
-use crate::config::{LlamaLayout, ModelConfig, QkNorm};
+use crate::config::{LlamaLayout, ModelConfig, MoeLayout, QkNorm};
 use crate::error::Result;
 use protrain_ir::{BlockId, OpKind, QkvLayout, ValueId, WeightLayout};
 
@@ -17,9 +18,7 @@ struct Layer {
     o_proj: Linear,
     /// Qwen3's and OLMo 2's `self_attn.q_norm` and `self_attn.k_norm`.
     qk_norm: Option<(Norm, Norm)>,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    mlp: Mlp,
     /// The norm before attention (`input_layernorm`), or OLMo 2's after it
     /// (`post_attention_layernorm`).
     attention_norm: Norm,
@@ -28,8 +27,24 @@ struct Layer {
     mlp_norm: Norm,
 }
 
-/// Declares the parameters of a LLaMA-like model and emits its forward ops.
-pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout) -> Result<()> {
+/// A layer's MLP: dense SwiGLU, or (Mixtral, Qwen3-MoE) a mixture of SwiGLU experts.
+enum Mlp {
+    Dense {
+        gate_proj: Linear,
+        up_proj: Linear,
+        down_proj: Linear,
+    },
+    Sparse(Experts),
+}
+
+/// Declares the parameters of a LLaMA-like model and emits its forward ops; with `moe`, the
+/// layers it marks sparse have mixtures of experts as MLPs.
+pub(super) fn build(
+    b: &mut Builder,
+    config: &ModelConfig,
+    layout: &LlamaLayout,
+    moe: Option<&MoeLayout>,
+) -> Result<()> {
     let (c, v) = (config.hidden_size, config.vocab_size);
     let (tokens, targets) = b.inputs();
     let blocks = b.blocks(
@@ -52,7 +67,7 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &LlamaLayout)
         .layers
         .iter()
         .enumerate()
-        .map(|(i, &block)| layer_params(b, config, layout, i, block))
+        .map(|(i, &block)| layer_params(b, config, layout, moe, i, block))
         .collect();
     let norm = b.norm_params("model.norm", c, false, blocks.head);
     let lm_head: Weight = if config.tie_word_embeddings {
@@ -84,6 +99,7 @@ fn layer_params(
     b: &mut Builder,
     config: &ModelConfig,
     layout: &LlamaLayout,
+    moe: Option<&MoeLayout>,
     i: usize,
     block: BlockId,
 ) -> Layer {
@@ -126,9 +142,22 @@ fn layer_params(
             block,
         )
     };
-    let gate_proj = proj("mlp.gate_proj", c, inner);
-    let up_proj = proj("mlp.up_proj", c, inner);
-    let down_proj = proj("mlp.down_proj", inner, c);
+    let mlp = match moe.filter(|m| m.is_sparse(i)) {
+        Some(m) => {
+            // Mixtral's Hub checkpoints call the sparse block `block_sparse_moe` and its
+            // experts' projections w1 (gate), w2 (down) and w3 (up).
+            let names = match config.model_type() {
+                "mixtral" => moe::Names::MIXTRAL,
+                _ => moe::Names::QWEN,
+            };
+            Mlp::Sparse(moe::expert_params(b, &p, names, c, m, block))
+        }
+        None => Mlp::Dense {
+            gate_proj: proj("mlp.gate_proj", c, inner),
+            up_proj: proj("mlp.up_proj", c, inner),
+            down_proj: proj("mlp.down_proj", inner, c),
+        },
+    };
     let (first, second) = match layout.post_norm {
         false => ("input_layernorm", "post_attention_layernorm"),
         true => ("post_attention_layernorm", "post_feedforward_layernorm"),
@@ -139,9 +168,7 @@ fn layer_params(
         v_proj,
         o_proj,
         qk_norm,
-        gate_proj,
-        up_proj,
-        down_proj,
+        mlp,
         attention_norm: b.norm_params(&format!("{p}.{first}"), c, false, block),
         mlp_norm: b.norm_params(&format!("{p}.{second}"), c, false, block),
     }
@@ -180,10 +207,19 @@ fn decoder_layer(
         false => b.norm(x, &layer.mlp_norm, eps, n("post_attention_layernorm"))?,
         true => x,
     };
-    let gate = b.linear(h, &layer.gate_proj, n("mlp.gate"))?;
-    let up = b.linear(h, &layer.up_proj, n("mlp.up"))?;
-    let h = b.op(OpKind::Swiglu, &[gate, up], n("mlp.act"))?;
-    let h = b.linear(h, &layer.down_proj, n("mlp.out"))?;
+    let h = match &layer.mlp {
+        Mlp::Dense {
+            gate_proj,
+            up_proj,
+            down_proj,
+        } => {
+            let gate = b.linear(h, gate_proj, n("mlp.gate"))?;
+            let up = b.linear(h, up_proj, n("mlp.up"))?;
+            let h = b.op(OpKind::Swiglu, &[gate, up], n("mlp.act"))?;
+            b.linear(h, down_proj, n("mlp.out"))?
+        }
+        Mlp::Sparse(experts) => moe::forward(b, experts, h, &n("mlp"))?,
+    };
     let h = match layout.post_norm {
         false => h,
         true => b.norm(h, &layer.mlp_norm, eps, n("post_feedforward_layernorm"))?,

@@ -3,5 +3,6 @@
 
 mod errors;
 mod graphs;
+mod moe;
 mod params;
 mod parsing;

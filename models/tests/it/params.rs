@@ -186,6 +186,9 @@ fn presets_have_their_published_counts() {
         ("mistral-7b", 7_241_732_096),
         ("qwen2.5-7b", 7_615_616_512),
         ("qwen3-8b", 8_190_735_360),
+        // transformers on the meta device (models/tests/data/make_hf_params.py).
+        ("mixtral-8x7b", 46_702_792_704),
+        ("qwen3-30b-a3b", 30_532_122_624),
         ("olmo2-1b", 1_484_916_736),
         ("opt-1.3b", 1_315_758_080),
         ("gemma-2-2b", 2_614_341_888),

@@ -24,6 +24,7 @@ fn llama_layout(config: &ModelConfig) -> &LlamaLayout {
         | Architecture::Qwen2(layout)
         | Architecture::Qwen3(layout)
         | Architecture::Olmo2(layout) => layout,
+        Architecture::Mixtral(arch) | Architecture::Qwen3Moe(arch) => &arch.layout,
         other => panic!("not a rotary model: {other:?}"),
     }
 }

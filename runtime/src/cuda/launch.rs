@@ -833,6 +833,19 @@ impl<'a> Plan<'a> {
 fn plan(p: &mut Plan<'_>) -> Result<()> {
     let (n_in, n_out) = (p.types.inputs.len(), p.types.outputs.len());
     match p.kind {
+        OpKind::MoeRoute { .. }
+        | OpKind::MoeDispatch { .. }
+        | OpKind::GroupedLinear { .. }
+        | OpKind::MoeCombine { .. }
+        | OpKind::MoeRouteBackward { .. }
+        | OpKind::MoeDispatchBackward { .. }
+        | OpKind::GroupedLinearBackward { .. }
+        | OpKind::MoeCombineBackward { .. } => {
+            return Err(p.bad(
+                "is a mixture-of-experts op, which the CUDA backend has no kernel for yet; \
+                 train mixture-of-experts models on the host backend (--backend host)",
+            ));
+        }
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
             return Err(p.bad(
                 "is a movement op, which no kernel runs: a schedule's copies are copy \
@@ -2058,9 +2071,17 @@ mod tests {
             OpKind::Geglu => 36,
             OpKind::SoftcapBackward { .. } => 37,
             OpKind::GegluBackward => 38,
+            OpKind::MoeRoute { .. } => 39,
+            OpKind::MoeDispatch { .. } => 40,
+            OpKind::GroupedLinear { .. } => 41,
+            OpKind::MoeCombine { .. } => 42,
+            OpKind::MoeRouteBackward { .. } => 43,
+            OpKind::MoeDispatchBackward { .. } => 44,
+            OpKind::GroupedLinearBackward { .. } => 45,
+            OpKind::MoeCombineBackward { .. } => 46,
         }
     }
-    const VARIANTS: usize = 39;
+    const VARIANTS: usize = 47;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)

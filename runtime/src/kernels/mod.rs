@@ -22,6 +22,7 @@ pub mod cross_entropy;
 pub mod embedding;
 pub mod linear;
 mod math;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod storage;
@@ -53,6 +54,10 @@ pub use embedding::{
     position_embedding_forward, TokenId,
 };
 pub use linear::{linear_backward, linear_forward, WeightLayout};
+pub use moe::{
+    grouped_linear_backward, grouped_linear_forward, moe_combine, moe_combine_backward,
+    moe_dispatch, moe_dispatch_backward, moe_route, moe_route_backward,
+};
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
 pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
 pub use storage::{narrow, narrow_f16, widen, widen_f16, Rounding};

@@ -1,0 +1,150 @@
+//! The mixture-of-experts fields of `MixtralConfig` and `Qwen3MoeConfig`, and what they
+//! become: [`MoeLayout`].
+
+use super::{flag, Context, Dim, Flag, LlamaLayout, NonNegative};
+use crate::error::Result;
+use protrain_ir::op::MAX_EXPERTS;
+use serde::{Deserialize, Serialize};
+
+/// A LLaMA-like layout whose MLPs are (some of them) mixtures of experts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeArchitecture {
+    /// Attention, norms and RoPE, as the dense family has them.
+    pub layout: LlamaLayout,
+    /// The experts and their router.
+    pub moe: MoeLayout,
+}
+
+/// The sparse MLP blocks: a router linear (no bias), softmax in f32, top-k, SwiGLU experts and
+/// the weighted combine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeLayout {
+    /// Experts per sparse layer (`num_local_experts`, Qwen's `num_experts`).
+    pub experts: u64,
+    /// Experts each token is sent to (`num_experts_per_tok`).
+    pub top_k: u64,
+    /// Whether the chosen probabilities are divided by their sum (always for Mixtral; Qwen's
+    /// `norm_topk_prob`).
+    pub normalize: bool,
+    /// Width of one expert's hidden layer (Mixtral's `intermediate_size`, Qwen's
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: u64,
+    /// Which layers are sparse, one flag per layer (Qwen's `decoder_sparse_step` and
+    /// `mlp_only_layers`; every layer for Mixtral). The others have a dense SwiGLU MLP of
+    /// `intermediate_size`.
+    pub sparse_layers: Vec<bool>,
+}
+
+impl MoeLayout {
+    /// Whether layer `i` has experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse_layers.get(layer).copied().unwrap_or(false)
+    }
+}
+
+/// The fields both configuration classes may carry; each is read by the family that has it.
+#[derive(Deserialize, Default)]
+pub(super) struct MoeJson {
+    /// Mixtral.
+    num_local_experts: Option<Dim>,
+    /// Qwen3-MoE.
+    num_experts: Option<Dim>,
+    num_experts_per_tok: Option<Dim>,
+    norm_topk_prob: Option<Flag>,
+    moe_intermediate_size: Option<Dim>,
+    decoder_sparse_step: Option<Dim>,
+    mlp_only_layers: Option<Vec<Dim<{ u64::MAX }>>>,
+    output_router_logits: Option<Flag>,
+    router_jitter_noise: Option<NonNegative>,
+    /// Qwen2-MoE's shared expert, which Qwen3-MoE does not have.
+    shared_expert_intermediate_size: Option<Dim<{ u64::MAX }>>,
+}
+
+impl MoeJson {
+    /// The sparse blocks as `c.model_type`'s configuration class reads them, for `layers`
+    /// layers whose dense MLPs are `intermediate` wide. Refuses by name what would change the
+    /// model and is not built: the load-balancing loss (`output_router_logits`), Mixtral's
+    /// router jitter, a shared expert.
+    pub(super) fn into_layout(
+        self,
+        c: &Context,
+        layers: u64,
+        intermediate: u64,
+    ) -> Result<MoeLayout> {
+        let mixtral = c.model_type == "mixtral";
+        if flag(self.output_router_logits, false) {
+            return Err(c.unsupported(
+                "output_router_logits",
+                "true",
+                "false (the load-balancing auxiliary loss is not built yet; transformers adds \
+                 it only when this is true)",
+            ));
+        }
+        if mixtral
+            && self
+                .router_jitter_noise
+                .as_ref()
+                .is_some_and(|n| n.0 != 0.0)
+        {
+            return Err(c.unsupported("router_jitter_noise", "non-zero", "0.0"));
+        }
+        if let Some(d) = self.shared_expert_intermediate_size.filter(|d| d.0 > 0) {
+            return Err(c.unsupported(
+                "shared_expert_intermediate_size",
+                &d.0.to_string(),
+                "absent or 0 (Qwen3-MoE has no shared expert)",
+            ));
+        }
+        let experts = match mixtral {
+            true => self.num_local_experts.map_or(8, |d| d.0),
+            false => self.num_experts.map_or(128, |d| d.0),
+        };
+        let expert_field = if mixtral {
+            "num_local_experts"
+        } else {
+            "num_experts"
+        };
+        if !(1..=MAX_EXPERTS).contains(&experts) {
+            return Err(c.invalid(
+                expert_field,
+                &format!("a number of experts in 1..={MAX_EXPERTS}"),
+                experts,
+            ));
+        }
+        let top_k = self
+            .num_experts_per_tok
+            .map_or(if mixtral { 2 } else { 8 }, |d| d.0);
+        if top_k > experts {
+            return Err(c.invalid(
+                "num_experts_per_tok",
+                &format!("at most {expert_field} ({experts})"),
+                top_k,
+            ));
+        }
+        let sparse_layers = match mixtral {
+            true => vec![true; layers as usize],
+            false => {
+                let step = self.decoder_sparse_step.map_or(1, |d| d.0);
+                let dense: Vec<u64> = self
+                    .mlp_only_layers
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|d| d.0)
+                    .collect();
+                (0..layers)
+                    .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                    .collect()
+            }
+        };
+        Ok(MoeLayout {
+            experts,
+            top_k,
+            normalize: mixtral || flag(self.norm_topk_prob, false),
+            expert_intermediate_size: match mixtral {
+                true => intermediate,
+                false => self.moe_intermediate_size.map_or(768, |d| d.0),
+            },
+            sparse_layers,
+        })
+    }
+}
