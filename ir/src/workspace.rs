@@ -8,7 +8,7 @@
 //! itself at an aligned offset). It says where scratch lies, not what a kernel computes there.
 
 use crate::op::{grad_norm_partials, reduction_chunks, OpKind, QkvLayout};
-use crate::types::TensorType;
+use crate::types::{DType, TensorType};
 
 /// Every part of a workspace starts at a multiple of this many bytes: enough for f64 partials
 /// and for the 16-byte vector loads a kernel may use.
@@ -25,6 +25,17 @@ pub const ATTENTION_SCORE_BYTES: u64 = 64 << 20;
 pub fn attention_head_batch(kv_heads: u64, t: u64) -> u64 {
     let per_head = 4 * t * t;
     (ATTENTION_SCORE_BYTES / per_head.max(1)).clamp(1, kv_heads.max(1))
+}
+
+/// Head dimensions the CUDA backend's flash attention kernels are built for.
+pub const FLASH_ATTENTION_HEAD_DIMS: [u64; 3] = [64, 128, 256];
+
+/// Whether the CUDA backend runs attention over activations of `dtype` with heads of
+/// `head_dim` as flash attention on tensor cores (bf16 or f16, a head dimension of
+/// [`FLASH_ATTENTION_HEAD_DIMS`]; GPUs of compute capability 8.0 and newer), which needs no
+/// score workspace, rather than as GEMMs over [`Scratch::Scores`].
+pub fn attention_runs_flash(dtype: DType, head_dim: u64) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16) && FLASH_ATTENTION_HEAD_DIMS.contains(&head_dim)
 }
 
 /// One part of a workspace: `bytes` bytes at `offset` from the workspace's start.
@@ -77,10 +88,15 @@ pub enum Scratch {
 }
 
 /// Bytes of one batch of f32 attention scores for `q` `[B, T, *]`: [`attention_head_batch`]
-/// matrices of `[T, T]`.
-fn attention_scores(kv_heads: u64, q: Option<&TensorType>) -> u64 {
-    let t = q.and_then(|q| q.shape.get(1).copied()).unwrap_or(0);
-    4 * attention_head_batch(kv_heads, t) * t * t
+/// matrices of `[T, T]`; none when the attention runs as flash attention
+/// ([`attention_runs_flash`]).
+fn attention_scores(kv_heads: u64, head_dim: u64, q: Option<&TensorType>) -> Option<u64> {
+    let q = q?;
+    if attention_runs_flash(q.dtype, head_dim) {
+        return None;
+    }
+    let t = q.shape.get(1).copied().unwrap_or(0);
+    Some(4 * attention_head_batch(kv_heads, t) * t * t)
 }
 
 /// The parts of one op's workspace, in address order. See the module doc.
@@ -165,20 +181,30 @@ impl WorkspaceLayout {
                 }
             }
             OpKind::CrossEntropy => l.push(Scratch::RowLoss, 4 * rows),
-            OpKind::Attention { kv_heads, .. } => {
-                l.push(Scratch::Scores, attention_scores(*kv_heads, x(0)));
+            OpKind::Attention {
+                kv_heads, head_dim, ..
+            } => {
+                if let Some(bytes) = attention_scores(*kv_heads, *head_dim, x(0)) {
+                    l.push(Scratch::Scores, bytes);
+                }
             }
             // The log-sum-exp input has the delta's shape `[B, H, T]`. The host kernels use
             // the delta only; the score parts are the CUDA backend's (see `Scratch::Scores`).
-            OpKind::AttentionBackward { qkv, kv_heads, .. } => {
+            OpKind::AttentionBackward {
+                qkv,
+                kv_heads,
+                head_dim,
+                ..
+            } => {
                 let lse = match qkv {
                     QkvLayout::Separate => x(4),
                     QkvLayout::Packed => x(2),
                 };
                 l.push(Scratch::Delta, lse.map_or(0, |t| 4 * t.numel()));
-                let scores = attention_scores(*kv_heads, x(0));
-                l.push(Scratch::Scores, scores);
-                l.push(Scratch::ScoreGrads, scores);
+                if let Some(scores) = attention_scores(*kv_heads, *head_dim, x(0)) {
+                    l.push(Scratch::Scores, scores);
+                    l.push(Scratch::ScoreGrads, scores);
+                }
             }
             OpKind::EmbeddingBackward { rows: vocab, .. } => l.push(Scratch::TokenSpan, 8 * vocab),
             OpKind::GradNormSq => l.push(
@@ -336,6 +362,64 @@ mod tests {
             let l = WorkspaceLayout::of(&kind, &[&x, &x, &x]);
             assert!(l.parts().is_empty(), "{kind:?}");
             assert_eq!(kind.workspace_bytes(&[&x, &x, &x]), 0);
+        }
+    }
+
+    #[test]
+    fn flash_attention_plans_no_scores() {
+        // bf16 and f16 with a flash head dimension: the backward's delta only, nothing in the
+        // forward; f32, or another head dimension, keeps the GEMM path's score batches.
+        let lse = t(&[2, 4, 100], DType::F32);
+        for (dtype, head_dim, flash) in [
+            (DType::BF16, 64, true),
+            (DType::F16, 128, true),
+            (DType::BF16, 256, true),
+            (DType::F32, 64, false),
+            (DType::BF16, 80, false),
+        ] {
+            let q = t(&[2, 100, 4 * head_dim], dtype);
+            let kv = t(&[2, 100, 2 * head_dim], dtype);
+            let (heads, kv_heads, window, qkv) = (4, 2, None, QkvLayout::Separate);
+            let fwd = OpKind::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+                scale: None,
+                softcap: None,
+            };
+            let bwd = OpKind::AttentionBackward {
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                qkv,
+                scale: None,
+                softcap: None,
+            };
+            assert_eq!(attention_runs_flash(dtype, head_dim), flash);
+            let f = WorkspaceLayout::of(&fwd, &[&q, &kv, &kv]);
+            let b = WorkspaceLayout::of(&bwd, &[&q, &kv, &kv, &q, &lse, &q]);
+            assert_eq!(
+                f.get(Scratch::Scores).is_none(),
+                flash,
+                "{dtype:?} {head_dim}"
+            );
+            assert_eq!(
+                b.get(Scratch::ScoreGrads).is_none(),
+                flash,
+                "{dtype:?} {head_dim}"
+            );
+            assert_eq!(
+                b.get(Scratch::Delta).map(|r| r.bytes),
+                Some(4 * 2 * 4 * 100)
+            );
+            let scores = 4 * 2 * 100 * 100;
+            assert_eq!(
+                fwd.workspace_bytes(&[&q, &kv, &kv]),
+                if flash { 0 } else { scores }
+            );
         }
     }
 

@@ -720,6 +720,9 @@ impl OpKind {
     ///   most [`ATTENTION_SCORE_BYTES`](crate::workspace::ATTENTION_SCORE_BYTES) unless one
     ///   head needs more); attention backward: each query row's `sum(dout * out)` (f32
     ///   `[B, H, T]`), then the scores and the probability gradients, each as the forward's;
+    ///   no scores where the CUDA backend runs flash attention
+    ///   ([`attention_runs_flash`](crate::workspace::attention_runs_flash): bf16 and f16 with a
+    ///   head dimension of 64, 128 or 256), which keeps nothing of size `[T, T]`;
     /// - cross-entropy: each row's loss (f32); token embedding backward: the first and last
     ///   position of each token id in the sorted order (i32 `[V, 2]`); a gradient's squared
     ///   norm: [`grad_norm_partials`] f64 partial sums.

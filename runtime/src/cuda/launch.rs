@@ -31,13 +31,15 @@ use protrain_ir::{
 };
 
 use cudarc::cublas::sys::cublasOperation_t as CuOp;
-use protrain_ir::workspace::attention_head_batch;
+use protrain_ir::workspace::{
+    attention_head_batch, attention_runs_flash, FLASH_ATTENTION_HEAD_DIMS,
+};
 
 use super::blas::{backward_calls, forward_call, Batched, Call as Gemm, LinearDims};
 use super::driver::ParamKind;
 use super::{
-    column_sum_chunks, grad_norm_partials, AdamWScalars, COLUMN_SUM_BLOCK,
-    COLUMN_SUM_ROWS_PER_CHUNK,
+    column_sum_chunks, grad_norm_partials, AdamWScalars, ATTN_FLASH_ROWS, ATTN_FLASH_THREADS,
+    COLUMN_SUM_BLOCK, COLUMN_SUM_ROWS_PER_CHUNK,
 };
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, AdamWConfig};
@@ -564,6 +566,76 @@ impl AttnDims {
     }
 }
 
+/// The flash attention kernels of `attention.cu` by storage (bf16, f16) and head dimension
+/// ([`FLASH_ATTENTION_HEAD_DIMS`], in order).
+type FlashEntries = [[&'static str; 3]; 2];
+
+macro_rules! flash_entries {
+    ($kernel:literal) => {
+        [
+            [
+                concat!("flash_attention_", $kernel, "_bf16_d64"),
+                concat!("flash_attention_", $kernel, "_bf16_d128"),
+                concat!("flash_attention_", $kernel, "_bf16_d256"),
+            ],
+            [
+                concat!("flash_attention_", $kernel, "_f16_d64"),
+                concat!("flash_attention_", $kernel, "_f16_d128"),
+                concat!("flash_attention_", $kernel, "_f16_d256"),
+            ],
+        ]
+    };
+}
+const FLASH_FORWARD: FlashEntries = flash_entries!("forward");
+const FLASH_BACKWARD_DQ: FlashEntries = flash_entries!("backward_dq");
+const FLASH_BACKWARD_DKV: FlashEntries = flash_entries!("backward_dkv");
+
+/// The flash attention kernel of `entries` for attention in `st` with heads of `head_dim`, when
+/// the attention runs as flash attention ([`attention_runs_flash`], the rule the workspace
+/// layout follows: such an op has no score workspace); `None` for the GEMM path.
+fn flash_entry(st: Storage, head_dim: u64, entries: FlashEntries) -> Option<&'static str> {
+    if !attention_runs_flash(st.dtype(), head_dim) {
+        return None;
+    }
+    let row = match st {
+        Storage::Bf16 => 0,
+        Storage::F16 => 1,
+        Storage::F32 => return None,
+    };
+    let col = FLASH_ATTENTION_HEAD_DIMS
+        .iter()
+        .position(|&d| d == head_dim)?;
+    Some(entries[row][col])
+}
+
+impl AttnDims {
+    /// A flash attention grid: `ceil(T / ATTN_FLASH_ROWS)` row tiles by `heads` by B.
+    fn flash_grid(&self, p: &Plan<'_>, heads: i32) -> Result<(u32, u32, u32)> {
+        let tiles = (self.t as u64).div_ceil(ATTN_FLASH_ROWS as u64);
+        let tiles = u32::try_from(tiles).map_err(|_| p.bad("sequence beyond 32 bits"))?;
+        Ok((
+            tiles,
+            p.grid_yz(heads as u64, "attention heads")?,
+            p.grid_yz(self.b as u64, "batch")?,
+        ))
+    }
+
+    /// The flash kernels' arguments after their pointers: T, H, KV, window, the strides, the
+    /// scale and the soft-cap.
+    fn flash_args(&self) -> [Arg; 8] {
+        [
+            I32(self.t),
+            I32(self.h),
+            I32(self.kv),
+            I32(self.window),
+            I32(self.q_stride),
+            I32(self.kv_stride),
+            F32(self.scale),
+            F32(self.softcap),
+        ]
+    }
+}
+
 /// One strided-batched step of attention: batch element `b`, KV heads `kv0..kv0 + heads`,
 /// and of each one's group of query heads the `j`-th (query head `kv * group + j`).
 #[derive(Clone, Copy, Debug)]
@@ -1016,8 +1088,15 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 }
                 None => (p.input(0), p.input(1), p.input(2)),
             };
-            let scores = p.workspace(Scratch::Scores)?;
             let (o, lse) = (p.output(0), p.output(1));
+            if let Some(entry) = flash_entry(st, *head_dim, FLASH_FORWARD) {
+                let grid = dims.flash_grid(p, dims.h)?;
+                let mut args = vec![Ptr(o), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
+                args.extend(dims.flash_args());
+                p.shaped(entry, grid, (ATTN_FLASH_THREADS, 1, 1), args);
+                return Ok(());
+            }
+            let scores = p.workspace(Scratch::Scores)?;
             for hb in dims.head_batches() {
                 let g = AttnGemms::new(&dims, st, hb, scores, 0);
                 p.batched(st, DType::F32, g.scores(q, k), "attention scores (Q K^T)");
@@ -1760,6 +1839,37 @@ fn attention_backward(
             I32(dims.d),
         ],
     );
+    if let (Some(dq_entry), Some(dkv_entry)) = (
+        flash_entry(st, head_dim, FLASH_BACKWARD_DQ),
+        flash_entry(st, head_dim, FLASH_BACKWARD_DKV),
+    ) {
+        let mut args = vec![
+            Ptr(dq),
+            Ptr(dout),
+            Ptr(q),
+            Ptr(k),
+            Ptr(v),
+            Ptr(lse),
+            Ptr(delta),
+        ];
+        args.extend(dims.flash_args());
+        let grid = dims.flash_grid(p, dims.h)?;
+        p.shaped(dq_entry, grid, (ATTN_FLASH_THREADS, 1, 1), args);
+        let mut args = vec![
+            Ptr(dk),
+            Ptr(dv),
+            Ptr(dout),
+            Ptr(q),
+            Ptr(k),
+            Ptr(v),
+            Ptr(lse),
+            Ptr(delta),
+        ];
+        args.extend(dims.flash_args());
+        let grid = dims.flash_grid(p, dims.kv)?;
+        p.shaped(dkv_entry, grid, (ATTN_FLASH_THREADS, 1, 1), args);
+        return Ok(());
+    }
     let scores = p.workspace(Scratch::Scores)?;
     let dprobs = p.workspace(Scratch::ScoreGrads)?;
     for hb in dims.head_batches() {
@@ -2576,6 +2686,98 @@ mod tests {
                 k.args
             );
         }
+    }
+
+    #[test]
+    fn bf16_and_f16_attention_with_a_flash_head_dim_runs_the_flash_kernels() {
+        let (b, t, h, kv) = (2u64, 100u64, 4u64, 2u64);
+        for (dt, d, flash) in [
+            (DType::BF16, 64, true),
+            (DType::F16, 128, true),
+            (DType::BF16, 256, true),
+            (DType::F32, 64, false),
+            (DType::BF16, 80, false),
+        ] {
+            let (q, kvt, lse) = (
+                t_of(&[b, t, h * d], dt),
+                t_of(&[b, t, kv * d], dt),
+                t_of(&[b, h, t], DType::F32),
+            );
+            let (window, scale, softcap) = (Some(5), Some(0.3), Some(20.0));
+            let fwd = OpKind::Attention {
+                heads: h,
+                kv_heads: kv,
+                head_dim: d,
+                window,
+                qkv: QkvLayout::Separate,
+                scale,
+                softcap,
+            };
+            let bwd = OpKind::AttentionBackward {
+                heads: h,
+                kv_heads: kv,
+                head_dim: d,
+                window,
+                qkv: QkvLayout::Separate,
+                scale,
+                softcap,
+            };
+            let (fplan, _) = plan_of(&fwd, &[q.clone(), kvt.clone(), kvt.clone()]);
+            let (bplan, _) = plan_of(&bwd, &[q.clone(), kvt.clone(), kvt, q.clone(), lse, q]);
+            let kernels = |plan: &[Call]| -> Vec<(String, (u32, u32, u32), Vec<Arg>)> {
+                plan.iter()
+                    .filter_map(|c| match c {
+                        Call::Kernel(k) => Some((k.entry.to_string(), k.grid, k.args.clone())),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let (fk, bk) = (kernels(&fplan), kernels(&bplan));
+            if !flash {
+                assert!(
+                    fplan.iter().any(|c| matches!(c, Call::Batched(_))),
+                    "{dt} {d}"
+                );
+                assert!(fk.iter().chain(&bk).all(|k| !k.0.starts_with("flash")));
+                continue;
+            }
+            // One launch forward; backward the delta, dq, then dk and dv; no GEMM.
+            assert_eq!(fplan.len(), 1, "{dt} {d}");
+            assert_eq!(bplan.len(), 3, "{dt} {d}");
+            let names: Vec<&str> = fk.iter().chain(&bk).map(|k| k.0.as_str()).collect();
+            assert_eq!(
+                names,
+                [
+                    format!("flash_attention_forward_{dt}_d{d}"),
+                    format!("attention_backward_delta_{dt}"),
+                    format!("flash_attention_backward_dq_{dt}_d{d}"),
+                    format!("flash_attention_backward_dkv_{dt}_d{d}"),
+                ]
+            );
+            assert_eq!(fk[0].1, (2, 4, 2), "query tiles of 64, H, B");
+            assert_eq!(bk[1].1, (2, 4, 2), "dq: query tiles, H, B");
+            assert_eq!(bk[2].1, (2, 2, 2), "dk/dv: key tiles, KV, B");
+            for (entry, _, args) in fk.iter().chain(&bk[1..]) {
+                let src = source_of(entry).expect("a kernel in SOURCES");
+                let sigs = signatures(src.source).expect("passable parameters");
+                let (_, params) = sigs.iter().find(|(n, _)| n == entry).expect("declared");
+                let kinds: Vec<ParamKind> = args.iter().map(Arg::kind).collect();
+                assert_eq!(&kinds, params, "{entry}: arguments");
+                let tail = &args[args.len() - 8..];
+                assert!(
+                    matches!(
+                        tail,
+                        [I32(100), I32(4), I32(2), I32(5), I32(qs), I32(ks), F32(sc), F32(cap)]
+                            if *qs == (h * d) as i32 && *ks == (kv * d) as i32 && *sc == 0.3 && *cap == 20.0
+                    ),
+                    "{dt} {d}: {tail:?}"
+                );
+            }
+        }
+    }
+
+    fn t_of(shape: &[u64], dtype: DType) -> TensorType {
+        TensorType::new(shape.to_vec(), dtype)
     }
 
     #[test]

@@ -273,6 +273,24 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_backward_ds_f32",
             "attention_backward_ds_bf16",
             "attention_backward_ds_f16",
+            "flash_attention_forward_bf16_d64",
+            "flash_attention_backward_dq_bf16_d64",
+            "flash_attention_backward_dkv_bf16_d64",
+            "flash_attention_forward_bf16_d128",
+            "flash_attention_backward_dq_bf16_d128",
+            "flash_attention_backward_dkv_bf16_d128",
+            "flash_attention_forward_bf16_d256",
+            "flash_attention_backward_dq_bf16_d256",
+            "flash_attention_backward_dkv_bf16_d256",
+            "flash_attention_forward_f16_d64",
+            "flash_attention_backward_dq_f16_d64",
+            "flash_attention_backward_dkv_f16_d64",
+            "flash_attention_forward_f16_d128",
+            "flash_attention_backward_dq_f16_d128",
+            "flash_attention_backward_dkv_f16_d128",
+            "flash_attention_forward_f16_d256",
+            "flash_attention_backward_dq_f16_d256",
+            "flash_attention_backward_dkv_f16_d256",
         ]
     ),
     kernel_source!(
@@ -319,12 +337,14 @@ pub fn source_of(entry_point: &str) -> Option<&'static KernelSource> {
 /// constants, which launchers size grids with. `kernels/attention.cu` defines none of them (it
 /// stops with `#error` without them), so this table is their only copy; `.ci/run` reads it to
 /// compile the CPU emulation harness.
-pub const KERNEL_DEFINES: [(&str, u64); 5] = [
+pub const KERNEL_DEFINES: [(&str, u64); 7] = [
     ("ATTN_MAX_D", 128),
     ("ATTN_THREADS", 128),
     ("ATTN_FWD_ROWS", 16),
     ("ATTN_DQ_ROWS", 8),
     ("ATTN_DKV_ROWS", 8),
+    ("ATTN_FLASH_THREADS", 128),
+    ("ATTN_FLASH_ROWS", 64),
 ];
 
 /// The attention kernels' largest head dimension (`ATTN_MAX_D`); they trap on a larger one.
@@ -337,6 +357,11 @@ pub const ATTN_FWD_ROWS: usize = KERNEL_DEFINES[2].1 as usize;
 pub const ATTN_DQ_ROWS: usize = KERNEL_DEFINES[3].1 as usize;
 /// Key rows per dk/dv block: grid `(ceil(T / this), KV, B)` (`ATTN_DKV_ROWS`).
 pub const ATTN_DKV_ROWS: usize = KERNEL_DEFINES[4].1 as usize;
+/// Threads per block of the flash attention kernels (`ATTN_FLASH_THREADS`, 4 warps).
+pub const ATTN_FLASH_THREADS: u32 = KERNEL_DEFINES[5].1 as u32;
+/// Rows per flash attention block, 16 per warp: grid `(ceil(T / this), H, B)` for the forward
+/// and dq, `(ceil(T / this), KV, B)` for dk/dv (`ATTN_FLASH_ROWS`).
+pub const ATTN_FLASH_ROWS: usize = KERNEL_DEFINES[6].1 as usize;
 
 /// The block shape of the column-sum partial kernels (`column_sum_partial_*`,
 /// `norm_backward_params_partial_*`): 32 columns by 8 row lanes.

@@ -637,7 +637,150 @@ void test_adamw_multi() {
     test_adamw_multi_storage<f16>("f16");
 }
 
-int main() {
+// Flash attention on tensor cores (bf16 / f16, the m16n8k16 fragments exchanged between the
+// warp's lanes as on the GPU) against f64 attention on the same rounded inputs, with the op's
+// scale and soft-cap, GQA, windows, T not a multiple of the tiles, packed q/k/v.
+struct FlashRef { std::vector<double> out, lse, dq, dk, dv; };
+FlashRef flash_naive(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                     const std::vector<float>& dout, int B, int T, int H, int KV, int D, int W, int qs, int ks,
+                     int ko, int vo, double scale, double cap) {
+    FlashRef r;
+    r.out.assign((size_t)B * T * H * D, 0); r.lse.assign((size_t)B * H * T, 0);
+    r.dq.assign((size_t)B * T * H * D, 0); r.dk.assign((size_t)B * T * KV * D, 0); r.dv.assign((size_t)B * T * KV * D, 0);
+    for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) for (int t = 0; t < T; ++t) {
+        const int kvh = h / (H / KV);
+        std::vector<double> s(T, -INFINITY), p(T, 0), dc(T, 1);
+        double m = -INFINITY;
+        for (int j = 0; j < T; ++j) {
+            if (j > t || (W > 0 && j <= t - W)) continue;
+            double dot = 0;
+            for (int e = 0; e < D; ++e) dot += (double)q[((size_t)b * T + t) * qs + h * D + e] * k[((size_t)b * T + j) * ks + ko + kvh * D + e];
+            double x = dot * scale;
+            if (cap > 0) { double th = std::tanh(x / cap); x = cap * th; dc[j] = 1 - th * th; }
+            s[j] = x; m = std::max(m, x);
+        }
+        double z = 0;
+        for (int j = 0; j < T; ++j) z += s[j] == -INFINITY ? 0 : std::exp(s[j] - m);
+        for (int j = 0; j < T; ++j) p[j] = s[j] == -INFINITY ? 0 : std::exp(s[j] - m) / z;
+        r.lse[((size_t)b * H + h) * T + t] = m + std::log(z);
+        const size_t orow = ((size_t)b * T + t) * H * D + h * D;
+        for (int e = 0; e < D; ++e) {
+            double o = 0;
+            for (int j = 0; j < T; ++j) o += p[j] * v[((size_t)b * T + j) * ks + vo + kvh * D + e];
+            r.out[orow + e] = o;
+        }
+        std::vector<double> dp(T, 0); double delta = 0;
+        for (int j = 0; j < T; ++j) for (int e = 0; e < D; ++e) dp[j] += (double)dout[orow + e] * v[((size_t)b * T + j) * ks + vo + kvh * D + e];
+        for (int j = 0; j < T; ++j) delta += p[j] * dp[j];
+        for (int j = 0; j < T; ++j) {
+            const double ds = p[j] * (dp[j] - delta) * dc[j] * scale;
+            for (int e = 0; e < D; ++e) {
+                r.dq[orow + e] += ds * k[((size_t)b * T + j) * ks + ko + kvh * D + e];
+                r.dk[((size_t)b * T + j) * KV * D + kvh * D + e] += ds * q[((size_t)b * T + t) * qs + h * D + e];
+                r.dv[((size_t)b * T + j) * KV * D + kvh * D + e] += p[j] * dout[orow + e];
+            }
+        }
+    }
+    return r;
+}
+
+template <typename S, int D>
+void test_flash(int B, int T, int H, int KV, int W, float cap, bool packed) {
+    char name[160];
+    snprintf(name, sizeof name, "flash %s B%d T%d H%d KV%d D%d W%d cap%g %s", std::is_same<S, bf16>::value ? "bf16" : "f16", B, T, H, KV, D, W, cap, packed ? "packed" : "separate");
+    const int qs = packed ? (H + 2 * KV) * D : H * D, ks = packed ? qs : KV * D;
+    const int ko = packed ? H * D : 0, vo = packed ? (H + KV) * D : 0;
+    auto round = [](const std::vector<float>& x) { std::vector<S> r(x.size()); for (size_t i = 0; i < x.size(); ++i) r[i] = from_f32<S>(x[i]); return r; };
+    auto back = [](const std::vector<S>& x) { std::vector<float> r(x.size()); for (size_t i = 0; i < x.size(); ++i) r[i] = to_f32(x[i]); return r; };
+    // Scores of a few units (scale 1 / sqrt(D) over entries of 1.5), so the softmax is peaked.
+    std::vector<S> qh = round(rnd((size_t)B * T * qs, 1.5f)), kh, vh;
+    if (!packed) { kh = round(rnd((size_t)B * T * ks, 1.5f)); vh = round(rnd((size_t)B * T * ks, 1.0f)); }
+    const S* qp = qh.data();
+    const S* kp = packed ? qh.data() + ko : kh.data();
+    const S* vp = packed ? qh.data() + vo : vh.data();
+    std::vector<S> douth = round(rnd((size_t)B * T * H * D));
+    const float scale = 1.0f / std::sqrt((float)D);
+    std::vector<S> out((size_t)B * T * H * D);
+    std::vector<float> lse((size_t)B * H * T, NAN), delta((size_t)B * H * T);
+    const unsigned tiles = (T + ATTN_FLASH_ROWS - 1) / ATTN_FLASH_ROWS;
+    launch(G(tiles, H, B), G(ATTN_FLASH_THREADS), [&] {
+        if constexpr (std::is_same<S, bf16>::value) {
+            if constexpr (D == 64) flash_attention_forward_bf16_d64(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_forward_bf16_d128(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_forward_bf16_d256(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+        } else {
+            if constexpr (D == 64) flash_attention_forward_f16_d64(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_forward_f16_d128(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_forward_f16_d256(out.data(), lse.data(), qp, kp, vp, T, H, KV, W, qs, ks, scale, cap);
+        }
+    });
+    const std::vector<float> qf = back(qh), kf = packed ? qf : back(kh), vf = packed ? qf : back(vh), df = back(douth);
+    const FlashRef ref = flash_naive(qf, kf, vf, df, B, T, H, KV, D, W, qs, ks, ko, vo, scale, cap);
+    // The probabilities enter P V rounded to 16 bits, as in FlashAttention-2; outputs are
+    // rounded to the storage type.
+    const double tol = 8e-3;
+    close((std::string(name) + " out").c_str(), back(out), ref.out, tol);
+    close((std::string(name) + " lse").c_str(), lse, ref.lse, 1e-5);
+    launch(G(3), G(128), [&] {
+        if constexpr (std::is_same<S, bf16>::value) attention_backward_delta_bf16(delta.data(), out.data(), douth.data(), B, T, H, D);
+        else attention_backward_delta_f16(delta.data(), out.data(), douth.data(), B, T, H, D);
+    });
+    const S nan = from_f32<S>(NAN);
+    std::vector<S> dqh((size_t)B * T * qs, nan), dkh(packed ? 0 : (size_t)B * T * ks, nan), dvh(dkh.size(), nan);
+    S* dqp = dqh.data();
+    S* dkp = packed ? dqh.data() + ko : dkh.data();
+    S* dvp = packed ? dqh.data() + vo : dvh.data();
+    launch(G(tiles, H, B), G(ATTN_FLASH_THREADS), [&] {
+        if constexpr (std::is_same<S, bf16>::value) {
+            if constexpr (D == 64) flash_attention_backward_dq_bf16_d64(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_backward_dq_bf16_d128(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_backward_dq_bf16_d256(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+        } else {
+            if constexpr (D == 64) flash_attention_backward_dq_f16_d64(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_backward_dq_f16_d128(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_backward_dq_f16_d256(dqp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+        }
+    });
+    launch(G(tiles, KV, B), G(ATTN_FLASH_THREADS), [&] {
+        if constexpr (std::is_same<S, bf16>::value) {
+            if constexpr (D == 64) flash_attention_backward_dkv_bf16_d64(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_backward_dkv_bf16_d128(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_backward_dkv_bf16_d256(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+        } else {
+            if constexpr (D == 64) flash_attention_backward_dkv_f16_d64(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 128) flash_attention_backward_dkv_f16_d128(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+            if constexpr (D == 256) flash_attention_backward_dkv_f16_d256(dkp, dvp, douth.data(), qp, kp, vp, lse.data(), delta.data(), T, H, KV, W, qs, ks, scale, cap);
+        }
+    });
+    std::vector<float> dq((size_t)B * T * H * D), dk((size_t)B * T * KV * D), dv(dk.size());
+    for (size_t r = 0; r < (size_t)B * T; ++r) {
+        for (int e = 0; e < H * D; ++e) dq[r * H * D + e] = to_f32(dqh[r * qs + e]);
+        for (int e = 0; e < KV * D; ++e) {
+            dk[r * KV * D + e] = to_f32(packed ? dqh[r * qs + ko + e] : dkh[r * ks + e]);
+            dv[r * KV * D + e] = to_f32(packed ? dqh[r * qs + vo + e] : dvh[r * ks + e]);
+        }
+    }
+    close((std::string(name) + " dq").c_str(), dq, ref.dq, tol);
+    close((std::string(name) + " dk").c_str(), dk, ref.dk, tol);
+    close((std::string(name) + " dv").c_str(), dv, ref.dv, tol);
+}
+
+void test_flash_all() {
+    test_flash<bf16, 64>(2, 100, 4, 2, 0, 0.0f, false);   // GQA, T not a multiple of 64
+    test_flash<f16, 64>(1, 70, 2, 2, 0, 0.0f, true);      // packed q/k/v (GPT-2)
+    test_flash<bf16, 64>(1, 150, 2, 1, 40, 0.0f, false);  // sliding window: skipped tiles
+    test_flash<bf16, 128>(1, 80, 4, 1, 0, 0.0f, false);   // Llama's head dimension, 4 heads a group
+    test_flash<f16, 128>(1, 33, 2, 1, 17, 0.0f, false);
+    test_flash<bf16, 256>(1, 70, 2, 1, 30, 5.0f, false);  // Gemma 2: D 256, soft-cap, window
+}
+
+int main(int argc, char** argv) {
+    // `harness flash` runs the flash attention checks alone.
+    if (argc > 1 && std::string(argv[1]) == "flash") {
+        test_flash_all();
+        printf("%d failure(s)\n", failures);
+        return failures != 0;
+    }
     test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm(); test_f16();
     test_adamw_multi();
     test_attention(2, 7, 4, 2, 4, 0, false);
@@ -658,6 +801,7 @@ int main() {
         test_attention_rows<float>(2, 70, 9, threads, 1.5f);
         test_attention_rows<bf16>(1, 33, 0, threads, 0.7f);
     }
+    test_flash_all();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -435,3 +435,470 @@ __device__ void attention_backward_ds(float* scores, float* dprobs, const float*
 extern "C" __global__ void attention_backward_ds_f32(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<float>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
 extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<bf16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
 extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<f16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
+
+// ---------------------------------------------------------------------------------------------
+// Flash attention on tensor cores (bf16 and f16 storage; what the launcher plans on sm_80 and
+// newer): `mma.sync.aligned.m16n8k16` with f32 accumulation, FlashAttention-2's work split
+// (arXiv 2307.08691). Nothing of size [T, T] exists: the forward keeps an online softmax per
+// query row and saves the row logsumexp; the backward recomputes the probabilities from it.
+//
+// Same layouts, masks and GQA as the scalar kernels at the top of this file (q, k, v rows with
+// `q_stride` / `kv_stride`, out and dout [B, T, H * D], lse and delta [B, H, T] f32, query head
+// h reads kv head h / (H / KV)), with the op's own `scale` and soft-cap: score =
+// cap tanh(scale q.k / cap) when cap > 0, scale q.k otherwise; lse is over those scores.
+//
+// Work split: 1-D blocks of ATTN_FLASH_THREADS (4 warps); each warp owns 16 rows (queries in the
+// forward and dq, keys in dk/dv) as the A rows of its products; the block's 64 rows' partners
+// (keys, or queries) are staged in shared memory in tiles of FLASH_KEYS(D) rows, 16-bit values
+// kept in pairs (u32) with rows padded by 8 values so that the fragment reads of a warp hit 32
+// distinct banks. Tiles that no row of the block can see (after the diagonal, before the
+// window) are not visited, and a warp skips the tiles none of its own rows see.
+//
+// Fragments follow the PTX ISA's m16n8k16 layout (see emu/intrinsics.h): a product's C
+// fragment of P or dS becomes the A fragment of the next product without leaving registers;
+// B fragments of K, Q, dO (as K^T, Q^T, dO^T) are 32-bit shared reads, those of V, dO, Q, K
+// (as B with k along the rows) gather two 16-bit values of consecutive rows.
+//
+// Determinism: no atomics; every sum has one order for a given launch (keys, queries and the
+// group's query heads in index order; quad butterflies for the row statistics). dQ has its own
+// kernel (dq over the key tiles) and dK, dV theirs (over the group's query heads and query
+// tiles), as the scalar kernels.
+//
+// Head dimensions: 64, 128 and 256 (an entry point each); others use the GEMM path.
+
+// Tiles from the launcher's KERNEL_DEFINES, as those above: ATTN_FLASH_THREADS threads per
+// block, ATTN_FLASH_ROWS rows (queries, or keys in dk/dv) per block, 16 per warp.
+#if !defined(ATTN_FLASH_THREADS) || !defined(ATTN_FLASH_ROWS)
+#error "compile with the -D defines of KERNEL_DEFINES in runtime/src/cuda/mod.rs"
+#endif
+static_assert(ATTN_FLASH_ROWS == 16 * (ATTN_FLASH_THREADS / 32), "each warp owns 16 rows, the m16 of its products");
+
+/// Rows per staged tile of keys (forward, dq) or queries (dk/dv) for head dimension D: the
+/// two staged tiles of a D = 256 kernel fit the 48 KiB of static shared memory with 32 rows.
+template <int D> struct FlashTile {
+    static constexpr int ROWS = D > 128 ? 32 : 64;
+    static constexpr int PITCH = D / 2 + 4; // u32 per staged row: D values and 8 of padding
+    static_assert(D % 64 == 0 && 2 * ROWS >= ATTN_FLASH_ROWS, "the Q tile is staged through both tiles");
+};
+
+/// One warp's tensor-core product d += a b (see emu/intrinsics.h for the fragments).
+template <bool F16> __device__ __forceinline__ void flash_mma(float d[4], const u32 a[4], const u32 b[2]) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+    if (F16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap(); // the launcher plans these kernels on sm_80 and newer only
+#endif
+#else
+    pt_emu_mma_m16n8k16<F16>(d, a, b);
+#endif
+}
+
+/// Two f32s as a pair of 16-bit values (the first in the low half).
+template <typename T> __device__ __forceinline__ u32 flash_pack(float lo, float hi) {
+    return (u32)from_f32<T>(lo).bits | ((u32)from_f32<T>(hi).bits << 16);
+}
+
+/// The 16-bit value at (row, col) of a staged tile.
+__device__ __forceinline__ u32 flash_half(const u32* s, int pitch, int row, int col) {
+    return (s[row * pitch + (col >> 1)] >> ((col & 1) * 16)) & 0xffffu;
+}
+
+/// B fragment of M^T for a staged M (rows n0.. are B's columns, k0.. its rows): 32-bit reads.
+__device__ __forceinline__ void flash_b_rows(u32 b[2], const u32* s, int pitch, int n0, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, i = lane & 3;
+    b[0] = s[(n0 + g) * pitch + (k0 >> 1) + i];
+    b[1] = s[(n0 + g) * pitch + (k0 >> 1) + 4 + i];
+}
+
+/// B fragment of a staged M itself (rows k0.. are B's rows, columns n0.. its columns).
+__device__ __forceinline__ void flash_b_cols(u32 b[2], const u32* s, int pitch, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, i = lane & 3;
+    b[0] = flash_half(s, pitch, k0 + 2 * i, n0 + g) | (flash_half(s, pitch, k0 + 2 * i + 1, n0 + g) << 16);
+    b[1] = flash_half(s, pitch, k0 + 2 * i + 8, n0 + g) | (flash_half(s, pitch, k0 + 2 * i + 9, n0 + g) << 16);
+}
+
+/// A fragments of rows r0..r0+15 of a staged tile, all D / 16 k steps.
+template <int D> __device__ __forceinline__ void flash_a_rows(u32 a[D / 16][4], const u32* s, int r0) {
+    constexpr int P = FlashTile<D>::PITCH;
+    const int lane = threadIdx.x & 31, g = lane >> 2, i = lane & 3;
+#pragma unroll
+    for (int kt = 0; kt < D / 16; ++kt) {
+        a[kt][0] = s[(r0 + g) * P + kt * 8 + i];
+        a[kt][1] = s[(r0 + g + 8) * P + kt * 8 + i];
+        a[kt][2] = s[(r0 + g) * P + kt * 8 + 4 + i];
+        a[kt][3] = s[(r0 + g + 8) * P + kt * 8 + 4 + i];
+    }
+}
+
+/// Stages rows r0..r0+count of head `head` (zeros past T) as 16-bit pairs.
+template <typename T, int D>
+__device__ __forceinline__ void flash_stage(u32* dst, const T* src, int b, int r0, int count, int head, int T_len,
+                                            int stride) {
+    constexpr int P = FlashTile<D>::PITCH, HALF = D / 2;
+    for (int e = threadIdx.x; e < count * HALF; e += blockDim.x) {
+        const int j = e / HALF, c = e - j * HALF, r = r0 + j;
+        u32 v = 0;
+        if (r < T_len) {
+            const T* p = src + ((i64)b * T_len + r) * stride + (i64)head * D + 2 * c;
+            v = (u32)p[0].bits | ((u32)p[1].bits << 16);
+        }
+        dst[j * P + c] = v;
+    }
+}
+
+/// Whether query t sees key s.
+__device__ __forceinline__ bool flash_visible(int t, int s, int T_len, int window) {
+    return s <= t && t < T_len && (window <= 0 || s > t - window);
+}
+
+/// The scaled, soft-capped score of a raw dot product, and d(score)/d(dot) / scale.
+__device__ __forceinline__ float flash_score(float dot, float scale, float cap, float* dcap) {
+    const float x = dot * scale;
+    if (cap > 0.0f) {
+        const float th = tanhf(x / cap);
+        *dcap = 1.0f - th * th;
+        return cap * th;
+    }
+    *dcap = 1.0f;
+    return x;
+}
+
+template <typename T, bool F16, int D>
+__device__ void flash_forward(T* out, float* lse, const T* q, const T* k, const T* v, int T_len, int H, int KV,
+                              int window, int q_stride, int kv_stride, float scale, float cap) {
+    constexpr int BK = FlashTile<D>::ROWS, P = FlashTile<D>::PITCH, KT = D / 16, NT = BK / 8;
+    __shared__ u32 smem[2 * BK * P];
+    u32* sk = smem;
+    u32* sv = smem + BK * P;
+    if (blockDim.x != ATTN_FLASH_THREADS || H % KV != 0) __trap();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, i = lane & 3;
+    const int q0 = blockIdx.x * ATTN_FLASH_ROWS, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
+    const int w0 = q0 + warp * 16; // the warp's first query
+    const int t_row[2] = {w0 + g, w0 + g + 8};
+
+    flash_stage<T, D>(smem, q, b, q0, ATTN_FLASH_ROWS, h, T_len, q_stride);
+    __syncthreads();
+    u32 qa[KT][4];
+    flash_a_rows<D>(qa, smem, warp * 16);
+
+    float o[D / 8][4], m[2] = {-pt_inf(), -pt_inf()}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    const int s_begin = attn_first_key(q0, window) / BK * BK;
+    const int s_end = min(T_len, q0 + ATTN_FLASH_ROWS);
+    for (int s0 = s_begin; s0 < s_end; s0 += BK) {
+        __syncthreads();
+        flash_stage<T, D>(sk, k, b, s0, BK, kvh, T_len, kv_stride);
+        flash_stage<T, D>(sv, v, b, s0, BK, kvh, T_len, kv_stride);
+        __syncthreads();
+        // Warp-uniform: no row of this warp sees a key of this tile.
+        if (w0 >= T_len || s0 > w0 + 15 || (window > 0 && s0 + BK - 1 <= w0 - window)) continue;
+        float sc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int kt = 0; kt < KT; ++kt) {
+                u32 bf[2];
+                flash_b_rows(bf, sk, P, nt * 8, kt * 16);
+                flash_mma<F16>(sc[nt], qa[kt], bf);
+            }
+        }
+        float mx[2] = {-pt_inf(), -pt_inf()};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, s = s0 + nt * 8 + 2 * i + (e & 1);
+                float unused;
+                const float x = flash_score(sc[nt][e], scale, cap, &unused);
+                sc[nt][e] = flash_visible(t_row[r], s, T_len, window) ? x : -pt_inf();
+                mx[r] = fmaxf(mx[r], sc[nt][e]);
+            }
+        float base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // The row's four lanes share their maxima.
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            base[r] = m_new == -pt_inf() ? 0.0f : m_new; // nothing seen yet: every p is 0
+            const float corr = expf(m[r] - base[r]);
+            m[r] = m_new;
+            l[r] *= corr;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][2 * r] *= corr;
+                o[dt][2 * r + 1] *= corr;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                sc[nt][e] = expf(sc[nt][e] - base[e >> 1]);
+                l[e >> 1] += sc[nt][e];
+            }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const u32 pa[4] = {flash_pack<T>(sc[2 * kk][0], sc[2 * kk][1]), flash_pack<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                               flash_pack<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                               flash_pack<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                u32 bf[2];
+                flash_b_cols(bf, sv, P, kk * 16, dt * 8);
+                flash_mma<F16>(o[dt], pa, bf);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        const int t = t_row[r];
+        if (t >= T_len) continue;
+        const float inv = 1.0f / sum;
+        const i64 row = ((i64)b * T_len + t) * H * D + (i64)h * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            st(out, row + dt * 8 + 2 * i, o[dt][2 * r] * inv);
+            st(out, row + dt * 8 + 2 * i + 1, o[dt][2 * r + 1] * inv);
+        }
+        if (i == 0) lse[((i64)b * H + h) * T_len + t] = m[r] + logf(sum);
+    }
+}
+
+template <typename T, bool F16, int D>
+__device__ void flash_backward_dq(T* dq, const T* dout, const T* q, const T* k, const T* v, const float* lse,
+                                  const float* delta, int T_len, int H, int KV, int window, int q_stride,
+                                  int kv_stride, float scale, float cap) {
+    constexpr int BK = FlashTile<D>::ROWS, P = FlashTile<D>::PITCH, KT = D / 16, NT = BK / 8;
+    __shared__ u32 smem[2 * BK * P];
+    u32* sk = smem;
+    u32* sv = smem + BK * P;
+    if (blockDim.x != ATTN_FLASH_THREADS || H % KV != 0) __trap();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, i = lane & 3;
+    const int q0 = blockIdx.x * ATTN_FLASH_ROWS, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
+    const int w0 = q0 + warp * 16;
+    const int t_row[2] = {w0 + g, w0 + g + 8};
+
+    u32 qa[KT][4], da[KT][4];
+    flash_stage<T, D>(smem, q, b, q0, ATTN_FLASH_ROWS, h, T_len, q_stride);
+    __syncthreads();
+    flash_a_rows<D>(qa, smem, warp * 16);
+    __syncthreads();
+    flash_stage<T, D>(smem, dout, b, q0, ATTN_FLASH_ROWS, h, T_len, H * D);
+    __syncthreads();
+    flash_a_rows<D>(da, smem, warp * 16);
+    float lr[2], dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const i64 at = ((i64)b * H + h) * T_len + t_row[r];
+        lr[r] = t_row[r] < T_len ? lse[at] : 0.0f;
+        dr[r] = t_row[r] < T_len ? delta[at] : 0.0f;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    const int s_begin = attn_first_key(q0, window) / BK * BK;
+    const int s_end = min(T_len, q0 + ATTN_FLASH_ROWS);
+    for (int s0 = s_begin; s0 < s_end; s0 += BK) {
+        __syncthreads();
+        flash_stage<T, D>(sk, k, b, s0, BK, kvh, T_len, kv_stride);
+        flash_stage<T, D>(sv, v, b, s0, BK, kvh, T_len, kv_stride);
+        __syncthreads();
+        if (w0 >= T_len || s0 > w0 + 15 || (window > 0 && s0 + BK - 1 <= w0 - window)) continue;
+        float sc[NT][4], dp[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+            for (int kt = 0; kt < KT; ++kt) {
+                u32 bf[2];
+                flash_b_rows(bf, sk, P, nt * 8, kt * 16);
+                flash_mma<F16>(sc[nt], qa[kt], bf);
+                flash_b_rows(bf, sv, P, nt * 8, kt * 16);
+                flash_mma<F16>(dp[nt], da[kt], bf);
+            }
+        }
+        // dS = P (dP - delta) d(score)/d(dot), over sc.
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, s = s0 + nt * 8 + 2 * i + (e & 1);
+                float dcap;
+                const float x = flash_score(sc[nt][e], scale, cap, &dcap);
+                const float p = flash_visible(t_row[r], s, T_len, window) ? expf(x - lr[r]) : 0.0f;
+                sc[nt][e] = p * (dp[nt][e] - dr[r]) * dcap * scale;
+            }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const u32 pa[4] = {flash_pack<T>(sc[2 * kk][0], sc[2 * kk][1]), flash_pack<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                               flash_pack<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                               flash_pack<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                u32 bf[2];
+                flash_b_cols(bf, sk, P, kk * 16, dt * 8);
+                flash_mma<F16>(acc[dt], pa, bf);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int t = t_row[r];
+        if (t >= T_len) continue;
+        const i64 row = ((i64)b * T_len + t) * q_stride + (i64)h * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            st(dq, row + dt * 8 + 2 * i, acc[dt][2 * r]);
+            st(dq, row + dt * 8 + 2 * i + 1, acc[dt][2 * r + 1]);
+        }
+    }
+}
+
+template <typename T, bool F16, int D>
+__device__ void flash_backward_dkv(T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,
+                                   const float* delta, int T_len, int H, int KV, int window, int q_stride,
+                                   int kv_stride, float scale, float cap) {
+    constexpr int BQ = 32, P = FlashTile<D>::PITCH, KT = D / 16, NT = BQ / 8;
+    // Q and dO tiles of BQ rows, and the 64 K (then V) rows staged through both.
+    __shared__ u32 smem[2 * BQ * P];
+    __shared__ float slse[BQ], sdelta[BQ];
+    u32* sq = smem;
+    u32* sdo = smem + BQ * P;
+    if (blockDim.x != ATTN_FLASH_THREADS || H % KV != 0) __trap();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, i = lane & 3;
+    const int s0 = blockIdx.x * ATTN_FLASH_ROWS, kvh = blockIdx.y, b = blockIdx.z, group = H / KV;
+    const int w0 = s0 + warp * 16; // the warp's first key
+    const int s_row[2] = {w0 + g, w0 + g + 8};
+
+    u32 ka[KT][4], va[KT][4];
+    flash_stage<T, D>(smem, k, b, s0, ATTN_FLASH_ROWS, kvh, T_len, kv_stride);
+    __syncthreads();
+    flash_a_rows<D>(ka, smem, warp * 16);
+    __syncthreads();
+    flash_stage<T, D>(smem, v, b, s0, ATTN_FLASH_ROWS, kvh, T_len, kv_stride);
+    __syncthreads();
+    flash_a_rows<D>(va, smem, warp * 16);
+    float gk[D / 8][4], gv[D / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gk[dt][e] = gv[dt][e] = 0.0f;
+    // Queries that see any of keys s0..s0+63: t >= s0, and t < s_last + W with a window.
+    const int s_last = min(T_len, s0 + ATTN_FLASH_ROWS) - 1;
+    const int t_end = window > 0 ? min(T_len, s_last + window) : T_len;
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        for (int t0 = s0; t0 < t_end; t0 += BQ) {
+            __syncthreads();
+            flash_stage<T, D>(sq, q, b, t0, BQ, h, T_len, q_stride);
+            flash_stage<T, D>(sdo, dout, b, t0, BQ, h, T_len, H * D);
+            if (threadIdx.x < BQ) {
+                const int t = t0 + threadIdx.x;
+                const i64 at = ((i64)b * H + h) * T_len + t;
+                slse[threadIdx.x] = t < T_len ? lse[at] : 0.0f;
+                sdelta[threadIdx.x] = t < T_len ? delta[at] : 0.0f;
+            }
+            __syncthreads();
+            // Warp-uniform: no key of this warp is seen by a query of this tile.
+            if (w0 >= T_len || t0 + BQ - 1 < w0 || (window > 0 && t0 > w0 + 15 + window - 1)) continue;
+            // S^T = K Q^T and dP^T = V dO^T: rows are keys, columns queries.
+            float sc[NT][4], dp[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+                for (int kt = 0; kt < KT; ++kt) {
+                    u32 bf[2];
+                    flash_b_rows(bf, sq, P, nt * 8, kt * 16);
+                    flash_mma<F16>(sc[nt], ka[kt], bf);
+                    flash_b_rows(bf, sdo, P, nt * 8, kt * 16);
+                    flash_mma<F16>(dp[nt], va[kt], bf);
+                }
+            }
+            // P^T over sc, dS^T over dp.
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = nt * 8 + 2 * i + (e & 1), s = s_row[e >> 1];
+                    float dcap;
+                    const float x = flash_score(sc[nt][e], scale, cap, &dcap);
+                    const float p = s < T_len && flash_visible(t0 + c, s, T_len, window) ? expf(x - slse[c]) : 0.0f;
+                    sc[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - sdelta[c]) * dcap * scale;
+                }
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                const u32 pa[4] = {flash_pack<T>(sc[2 * kk][0], sc[2 * kk][1]),
+                                   flash_pack<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                                   flash_pack<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   flash_pack<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+                const u32 sa[4] = {flash_pack<T>(dp[2 * kk][0], dp[2 * kk][1]),
+                                   flash_pack<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                                   flash_pack<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                   flash_pack<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    u32 bf[2];
+                    flash_b_cols(bf, sdo, P, kk * 16, dt * 8);
+                    flash_mma<F16>(gv[dt], pa, bf);
+                    flash_b_cols(bf, sq, P, kk * 16, dt * 8);
+                    flash_mma<F16>(gk[dt], sa, bf);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int s = s_row[r];
+        if (s >= T_len) continue;
+        const i64 row = ((i64)b * T_len + s) * kv_stride + (i64)kvh * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            st(dk, row + dt * 8 + 2 * i, gk[dt][2 * r]);
+            st(dk, row + dt * 8 + 2 * i + 1, gk[dt][2 * r + 1]);
+            st(dv, row + dt * 8 + 2 * i, gv[dt][2 * r]);
+            st(dv, row + dt * 8 + 2 * i + 1, gv[dt][2 * r + 1]);
+        }
+    }
+}
+
+// Entry points, one per storage dtype and head dimension. Launch: block ATTN_FLASH_THREADS; grid
+// (ceil(T / ATTN_FLASH_ROWS), H, B) for the forward and dq, (ceil(T / ATTN_FLASH_ROWS), KV, B) for dk/dv.
+// The backward needs `delta` first (attention_backward_delta_*). dq overwrites dq (stride
+// q_stride); dk/dv overwrite dk and dv (stride kv_stride).
+extern "C" __global__ void flash_attention_forward_bf16_d64(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<bf16, false, 64>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_bf16_d64(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<bf16, false, 64>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_bf16_d64(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<bf16, false, 64>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_forward_bf16_d128(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<bf16, false, 128>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_bf16_d128(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<bf16, false, 128>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_bf16_d128(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<bf16, false, 128>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_forward_bf16_d256(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<bf16, false, 256>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_bf16_d256(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<bf16, false, 256>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_bf16_d256(bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<bf16, false, 256>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_forward_f16_d64(f16* out, float* lse, const f16* q, const f16* k, const f16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<f16, true, 64>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_f16_d64(f16* dq, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<f16, true, 64>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_f16_d64(f16* dk, f16* dv, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<f16, true, 64>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_forward_f16_d128(f16* out, float* lse, const f16* q, const f16* k, const f16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<f16, true, 128>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_f16_d128(f16* dq, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<f16, true, 128>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_f16_d128(f16* dk, f16* dv, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<f16, true, 128>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_forward_f16_d256(f16* out, float* lse, const f16* q, const f16* k, const f16* v, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_forward<f16, true, 256>(out, lse, q, k, v, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dq_f16_d256(f16* dq, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dq<f16, true, 256>(dq, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
+extern "C" __global__ void flash_attention_backward_dkv_f16_d256(f16* dk, f16* dv, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int T, int H, int KV, int window, int q_stride, int kv_stride, float scale, float cap) { flash_backward_dkv<f16, true, 256>(dk, dv, dout, q, k, v, lse, delta, T, H, KV, window, q_stride, kv_stride, scale, cap); }
