@@ -430,3 +430,48 @@ fn disk_program(schedule: &Schedule, moved: &[Movable], tier: &Tier) -> Vec<Inst
     }
     io
 }
+
+/// What the disk tier moves in one step: bytes read from and written to the disk region,
+/// every micro-batch counted (instructions before a stream's micro-batch marker run once per
+/// micro-batch, those after it once).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskTraffic {
+    /// Bytes read from disk into host memory.
+    pub read_bytes: u64,
+    /// Bytes written from host memory to disk.
+    pub write_bytes: u64,
+}
+
+impl DiskTraffic {
+    /// Both directions together.
+    pub fn bytes(&self) -> u64 {
+        self.read_bytes.saturating_add(self.write_bytes)
+    }
+}
+
+/// [`DiskTraffic`] of `schedule`: the bytes of its [`Instr::DiskRead`]s and
+/// [`Instr::DiskWrite`]s in one step; zero without a disk tier.
+pub fn traffic(schedule: &Schedule) -> DiskTraffic {
+    let micro_batches = u64::from(schedule.micro_batches());
+    let mut traffic = DiskTraffic::default();
+    for (per_micro_batch, update) in schedule.phases() {
+        for (instrs, repeat) in [(per_micro_batch, micro_batches), (update, 1)] {
+            for instr in instrs {
+                match instr {
+                    Instr::DiskRead { bytes, .. } => {
+                        traffic.read_bytes = traffic
+                            .read_bytes
+                            .saturating_add(bytes.saturating_mul(repeat));
+                    }
+                    Instr::DiskWrite { bytes, .. } => {
+                        traffic.write_bytes = traffic
+                            .write_bytes
+                            .saturating_add(bytes.saturating_mul(repeat));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    traffic
+}

@@ -221,6 +221,12 @@ struct Profile {
     /// take.
     gpu_adam: Vec<Ticks>,
     cpu_adam: Vec<Ticks>,
+    /// Per `n_persist` from 0 to the chunk count: the disk tier's reads and writes in a step
+    /// where the streamed chunks' host state is over the host budget ([`disk_by_persist`]);
+    /// it only falls as `n_persist` grows. The disk i/o stream works beside the CPU Adam, so
+    /// the host side of the step after the forward pass is the longer of the two
+    /// ([`Estimator::cpu`]).
+    disk: Vec<Ticks>,
     /// Whether the CPU Adam and the copies run on the cores the compute runs on (the host
     /// backend, [`CostModel::host_cores`]): the CPU Adam (with a streamed chunk's copies'
     /// share) then adds to the step instead of hiding behind the backward pass
@@ -362,11 +368,16 @@ impl Profile {
     /// reduce-scatter (an all-reduce when the update reads the global norm) are priced with
     /// those copies, as the schedule runs them one after the other. It does not price the
     /// all-reduces of persistent (replicated) chunks' gradients.
+    ///
+    /// `budgets` price the disk tier: where the streamed chunks' host state is over
+    /// `budgets.host` and `budgets.disk` is not 0, each policy's step includes the disk
+    /// traffic that tier would add ([`disk_by_persist`]).
     fn new(
         training: &Graph,
         chunks: &ChunkTable,
         cost: &dyn CostModel,
         topology: Topology,
+        budgets: HostBudgets,
     ) -> Self {
         let layers = training
             .blocks()
@@ -457,8 +468,36 @@ impl Profile {
             .iter()
             .map(|&b| b as f64 * h2d_per_byte * swap_share)
             .collect();
+        // The disk tier's traffic per `n_persist` (none on sharded ranks: the tier does not
+        // take sharded chunks' state).
+        let disk = match shards {
+            1 => {
+                let state: Vec<u64> = chunk_elems
+                    .iter()
+                    .map(|&e| e.saturating_mul(state_per_elem))
+                    .collect();
+                // The host layout the search's repair takes before the disk tier: gradients
+                // in the parameter storage when the parameters are narrower than f32
+                // (the 14-byte layout), else a gradient beside each parameter.
+                let storage = match state_per_elem {
+                    12 => 1,
+                    _ => 2,
+                };
+                let host: Vec<u64> = chunk_bytes
+                    .iter()
+                    .zip(&state)
+                    .map(|(&b, &s)| b.saturating_mul(storage).saturating_add(s))
+                    .collect();
+                disk_by_persist(&host, &state, budgets, |bytes| {
+                    cost.copy_seconds(bytes, CopyDir::DiskToHost)
+                        + cost.copy_seconds(bytes, CopyDir::HostToDisk)
+                })
+            }
+            _ => vec![0.0; chunk_bytes.len() + 1],
+        };
         // Every estimate is at most the sum of all of these.
         let scale = TickScale::new(&[
+            &disk[..1],
             &chunk_forward,
             &chunk_backward,
             &fetch,
@@ -486,6 +525,7 @@ impl Profile {
             backward_comm,
             gpu_adam: ticks(&gpu_adam),
             cpu_adam: ticks(&cpu_adam),
+            disk: ticks(&disk),
             cpu_shares_cores: host_share.is_some(),
             resident_bytes,
             chunk_capacity: chunks.chunk_bytes,
@@ -773,9 +813,12 @@ impl<'p> Estimator<'p> {
         self.gpu_adam[p]
     }
 
-    /// The host optimizer over the streamed chunks; it only falls as `p` grows.
+    /// The host side of the step after the forward pass: the CPU Adam over the streamed
+    /// chunks, or the disk tier's reads and writes of their state where they take longer
+    /// (the disk i/o stream reads a chunk's state ahead of its update and writes it back
+    /// after, beside the CPU Adam); it only falls as `p` grows.
     fn cpu(&self, p: usize) -> Ticks {
-        self.suffix(&self.cpu_adam, p)
+        self.suffix(&self.cpu_adam, p).max(self.profile.disk[p])
     }
 
     /// The step time with `p` chunks persistent and every block kept: no layout is faster.
@@ -1353,7 +1396,13 @@ pub fn search(
     cost: &dyn CostModel,
     options: &SearchOptions,
 ) -> Result<(Schedule, SearchReport)> {
-    let profile = Profile::new(training, chunks, cost, options.topology);
+    let profile = Profile::new(
+        training,
+        chunks,
+        cost,
+        options.topology,
+        options.host_budgets(),
+    );
     let estimator = Estimator::new(&profile);
     let layouts = estimator.layouts();
     // Estimates are rough: let candidates up to 25% over budget through to the exact plan.
@@ -1769,6 +1818,46 @@ fn host_leanest(
         }
     }
     best
+}
+
+/// For each `n_persist` from 0 to the chunk count, the seconds of disk traffic a step takes
+/// when the disk tier ([`crate::disk`]) brings the streamed chunks' host bytes (`host`, per
+/// chunk: parameter storage and optimizer state) within `budgets.host`: it moves the state
+/// (`state`, per chunk) of the fewest chunks in the order the CPU Adam updates them (the
+/// last chunk first) until the rest with two staging buffers of the largest moved state
+/// fits, and each moved state is read and written once a step (`read_write` seconds for a
+/// state of so many bytes). 0 where the host bytes fit, or there is no disk budget; every
+/// streamed chunk's state where even that does not fit (such a policy is rejected once
+/// compiled). It leaves out the host bytes of swapped activations and of the other host
+/// buffers, which the exact plan counts. Made non-increasing in `n_persist` (each entry the
+/// most of those after it), as the search's lower bounds need.
+fn disk_by_persist(
+    host: &[u64],
+    state: &[u64],
+    budgets: HostBudgets,
+    read_write: impl Fn(u64) -> f64,
+) -> Vec<f64> {
+    let n = host.len();
+    let mut seconds = vec![0.0; n + 1];
+    if budgets.disk == 0 {
+        return seconds;
+    }
+    for p in 0..n {
+        let need: u64 = host[p..].iter().sum();
+        let (mut moved, mut largest) = (0u64, 0u64);
+        for c in (p..n).rev() {
+            if need - moved + 2 * largest <= budgets.host {
+                break;
+            }
+            moved += state[c];
+            largest = largest.max(state[c]);
+            seconds[p] += read_write(state[c]);
+        }
+    }
+    for p in (0..n).rev() {
+        seconds[p] = f64::max(seconds[p], seconds[p + 1]);
+    }
+    seconds
 }
 
 /// For each `n_persist` from 0 to the chunk count, the bytes of f32 master weights and Adam
@@ -2200,6 +2289,9 @@ mod tests {
     use crate::cost::{estimate_iteration, estimate_iteration_sharing_cores, ChunkTimes};
     use proptest::prelude::*;
 
+    /// Budgets without a disk tier: no policy's estimate prices disk traffic.
+    const NO_DISK: HostBudgets = HostBudgets { host: 0, disk: 0 };
+
     impl Profile {
         /// The per-layer loop the sweeps replace: ProTrain's chunk times, each layer adding
         /// to its chunk's, summed chunk by chunk. The reference the sweeps must equal.
@@ -2237,7 +2329,10 @@ mod tests {
                 }
             }
             let gpu: Ticks = (0..p).map(|c| self.gpu_adam[c]).sum();
-            let cpu: Ticks = (p..n).map(|c| self.cpu_adam[c]).sum();
+            let cpu: Ticks = (p..n)
+                .map(|c| self.cpu_adam[c])
+                .sum::<Ticks>()
+                .max(self.disk[p]);
             let forward: Ticks = times.iter().map(|t| t[0].max(t[3])).sum();
             let backward: Ticks = times.iter().map(|t| (t[1] + t[2]).max(t[4])).sum();
             forward + self.after_forward(backward + gpu, cpu)
@@ -2334,7 +2429,12 @@ mod tests {
                         per_chunk(),
                         per_chunk(),
                     ),
-                    (prop::collection::vec(1u64..60, chunks), 1u64..30, 0u64..40),
+                    (
+                        prop::collection::vec(1u64..60, chunks),
+                        1u64..30,
+                        0u64..40,
+                        prop::collection::vec(0u64..12, chunks + 1),
+                    ),
                     (
                         prop::collection::vec(0..chunks, layers),
                         per_layer(4),
@@ -2349,11 +2449,15 @@ mod tests {
             .prop_map(
                 |(
                     c,
-                    (resident_bytes, chunk_capacity, head_bytes),
+                    (resident_bytes, chunk_capacity, head_bytes, mut disk),
                     l,
                     (uniform, cpu_shares_cores),
                 )| {
                     let (forward, backward, fetch, backward_comm, gpu_adam, cpu_adam) = c;
+                    // The disk tier's traffic only falls as more chunks persist.
+                    for p in (0..forward.len()).rev() {
+                        disk[p] = disk[p].max(disk[p + 1]);
+                    }
                     let (mut layer_chunk, mut fwd, mut out, mut back, mut saved, mut input) = l;
                     if uniform {
                         layer_chunk.sort_unstable();
@@ -2372,6 +2476,7 @@ mod tests {
                         backward_comm,
                         gpu_adam,
                         cpu_adam,
+                        disk,
                         cpu_shares_cores,
                         resident_bytes,
                         chunk_capacity,
@@ -2526,7 +2631,11 @@ mod tests {
                     }
                 }
                 let gpu: f64 = (0..p).map(|c| profile.gpu_adam[c] as f64).sum();
-                let cpu: f64 = (p..n).map(|c| profile.cpu_adam[c] as f64).sum();
+                // The host side is the CPU Adam or the disk tier's traffic, the longer.
+                let cpu: f64 = (p..n)
+                    .map(|c| profile.cpu_adam[c] as f64)
+                    .sum::<f64>()
+                    .max(profile.disk[p] as f64);
                 let formula = match profile.cpu_shares_cores {
                     true => estimate_iteration_sharing_cores(&times, gpu, cpu).total,
                     false => estimate_iteration(&times, gpu, cpu).total,
@@ -2585,6 +2694,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_disk_tier_moves_the_fewest_states_the_host_needs_it_to() {
+        // Ten chunks of 10 host bytes, 8 of them state, under 60 bytes of host: with `p`
+        // persistent, `10 (10 - p) - 8 k + 2 x 8 <= 60` takes `k` states to disk, each read
+        // and written (its bytes in seconds here); from 4 persistent on, all fits.
+        let (host, state) = (vec![10; 10], vec![8; 10]);
+        let budgets = HostBudgets { host: 60, disk: 1 };
+        let seconds = disk_by_persist(&host, &state, budgets, |b| b as f64);
+        let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
+        let expected: Vec<f64> = moved.iter().map(|k| 8.0 * *k as f64).collect();
+        assert_eq!(seconds, expected);
+        // Without a disk budget nothing is priced.
+        let none = disk_by_persist(&host, &state, HostBudgets { host: 60, disk: 0 }, |b| {
+            b as f64
+        });
+        assert_eq!(none, vec![0.0; 11]);
+    }
+
     /// The profile of a GPT-2 with tiny dimensions at `layers` layers, batch 8 x 64, on
     /// `hardware`.
     fn deep_profile(layers: u64, hardware: &str) -> Profile {
@@ -2601,6 +2728,7 @@ mod tests {
             &chunks,
             crate::cost::cost_model(&hardware).as_ref(),
             Topology::SINGLE,
+            NO_DISK,
         )
     }
 
@@ -2686,7 +2814,8 @@ mod tests {
         for hardware in ["host", "rtx3090"] {
             let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
             let cost = crate::cost::cost_model(&profile);
-            let profile = Profile::new(&training, &chunks, cost.as_ref(), Topology::SINGLE);
+            let profile =
+                Profile::new(&training, &chunks, cost.as_ref(), Topology::SINGLE, NO_DISK);
             assert_eq!(profile.layers, 5);
             let estimator = Estimator::new(&profile);
             let swept = scored_by_sweeps(&estimator, u64::MAX);

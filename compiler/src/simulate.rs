@@ -142,6 +142,26 @@ impl Simulation {
         exposed_seconds(&self.timeline, &[category::COMM], &[category::COMPUTE])
     }
 
+    /// Seconds of disk reads and writes (the disk tier's stream busy, every micro-batch
+    /// counted); 0 without a disk tier.
+    pub fn disk_seconds(&self) -> f64 {
+        self.timeline
+            .iter()
+            .filter(|s| s.category == category::DISK)
+            .map(Span::seconds)
+            .fold(0.0, |a, b| a + b)
+    }
+
+    /// Seconds during which the disk is read or written and neither a compute kernel nor the
+    /// CPU Adam runs: the part of [`Simulation::disk_seconds`] the schedule failed to hide.
+    pub fn exposed_disk_seconds(&self) -> f64 {
+        exposed_seconds(
+            &self.timeline,
+            &[category::DISK],
+            &[category::COMPUTE, category::CPU_ADAM],
+        )
+    }
+
     /// The timeline as a Chrome trace; see [`chrome_trace`].
     pub fn chrome_trace(&self, schedule: &Schedule) -> String {
         chrome_trace(schedule, &self.timeline)

@@ -242,6 +242,7 @@ fn explain_json(x: &Explained) {
         "lower_bound_bytes": p.lower_bound_bytes,
         "host_bytes": p.host_bytes,
         "disk_bytes": s.disk_bytes,
+        "disk": disk_json(s, sim),
         "memory": p.memory,
     });
     outln!(
@@ -372,6 +373,7 @@ fn explain_ranks_disk_streams(x: &Explained) {
         );
     }
     if s.disk_bytes > 0 {
+        let traffic = protrain::compiler::disk::traffic(s);
         outln!(
             "disk     {} in one file: the optimizer state of {} of {} chunks, read into {} \
              staging buffers before the CPU Adam and written back after, on the disk i/o stream",
@@ -382,6 +384,14 @@ fn explain_ranks_disk_streams(x: &Explained) {
                 .iter()
                 .filter(|b| matches!(b.kind, protrain::ir::BufferKind::DiskStaging { .. }))
                 .count()
+        );
+        outln!(
+            "         per step: {} read and {} written, {:.4} s of disk i/o, {:.4} s of it \
+             hidden by neither compute nor the CPU Adam",
+            format_bytes(traffic.read_bytes),
+            format_bytes(traffic.write_bytes),
+            sim.disk_seconds(),
+            sim.exposed_disk_seconds()
         );
     }
     outln!(
@@ -395,6 +405,18 @@ fn explain_ranks_disk_streams(x: &Explained) {
             st.instrs.len()
         );
     }
+}
+
+/// The disk tier's part in the step, as `explain --json` gives it: bytes read and written
+/// per step and the seconds they take, in all and not hidden; zeros without a disk tier.
+fn disk_json(s: &VerifiedSchedule, sim: &Simulation) -> serde_json::Value {
+    let traffic = protrain::compiler::disk::traffic(s);
+    serde_json::json!({
+        "read_bytes_per_step": traffic.read_bytes,
+        "write_bytes_per_step": traffic.write_bytes,
+        "busy_s": sim.disk_seconds(),
+        "exposed_s": sim.exposed_disk_seconds(),
+    })
 }
 
 /// One resource's part in the step, as `explain --json` gives it.

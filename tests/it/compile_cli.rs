@@ -968,3 +968,40 @@ fn gemma_real_configs_compile_for_an_rtx3090() {
         assert!(verified.status.success(), "{name}: {}", stderr(&verified));
     }
 }
+
+/// `explain` says what the disk tier moves per step and what it costs, in text and in JSON:
+/// the bytes read and written, the seconds of disk i/o and the part of them not hidden.
+#[test]
+fn explain_shows_the_disk_tiers_bytes_and_time_per_step() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("disk.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--hardware",
+        "rtx3090",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--host-memory",
+        "3MiB",
+        "--disk-memory",
+        "64MiB",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&protrain(&["explain", path(&file)]));
+    let lines: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("disk "))
+        .take(2)
+        .collect();
+    let v = json(&protrain(&["explain", path(&file), "--json"]));
+    assert!(v["disk"]["read_bytes_per_step"].as_u64() > Some(0), "{v}");
+    let disk = serde_json::to_string_pretty(&v["disk"]).expect("JSON");
+    insta::assert_snapshot!(format!("{}\n{disk}", lines.join("\n")));
+}

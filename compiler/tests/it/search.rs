@@ -297,3 +297,59 @@ fn the_choice_and_the_report_do_not_depend_on_the_thread_count() {
     assert_eq!(one.1, three.1, "the header's report");
     assert_eq!(one.2, three.2, "the report");
 }
+
+/// Searches gpt2 (124M, bf16) at batch 1 x 256 on an rtx3090 whose disk reads and writes at
+/// `disk_bandwidth` bytes a second, under a device budget that streams most chunks and a
+/// host budget that holds about half of their state, with `disk` bytes of disk.
+fn disk_bound(disk_bandwidth: f64, disk: u64) -> (SearchOptions, Searched) {
+    let config = protrain_models::load("gpt2").expect("preset");
+    let forward =
+        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 256))
+            .expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let chunks = chunked(&training);
+    let mut profile = HardwareProfile::preset("rtx3090").expect("preset");
+    profile.disk.read_bandwidth = disk_bandwidth;
+    profile.disk.write_bandwidth = disk_bandwidth;
+    let cost = cost_model(&profile);
+    let options = SearchOptions {
+        device_budget: GIB,
+        disk_budget: disk,
+        host_budget: 1200 << 20,
+        max_compiled: 64,
+        hardware: profile.summary(),
+        model: config.name.clone(),
+        topology: Topology::SINGLE,
+    };
+    let searched = search(&training, &chunks, cost.as_ref(), &options);
+    (options, searched)
+}
+
+/// The search prices the disk tier's reads and writes: where they bound the step, every
+/// compiled candidate's estimate is within 25% of its simulated step (without the disk in
+/// the estimate it was under 1% of it), and a slower disk raises the estimate.
+#[test]
+fn the_estimate_prices_the_disk_tier() {
+    let (_, fast) = disk_bound(2e9, 64 * GIB);
+    let (_, slow) = disk_bound(2e8, 64 * GIB);
+    let (fast, fast_report) = fast.expect("fits with the disk tier");
+    let (slow, slow_report) = slow.expect("fits with the disk tier");
+    assert!(fast.disk_bytes > 0 && slow.disk_bytes > 0);
+    for c in slow_report.compiled.iter().filter(|c| c.disk_bytes > 0) {
+        let ratio = c.estimated_seconds / c.simulated_seconds;
+        assert!(
+            (0.75..=1.25).contains(&ratio),
+            "{}: estimated {} s, simulated {} s",
+            c.policy,
+            c.estimated_seconds,
+            c.simulated_seconds
+        );
+    }
+    let estimate = |r: &protrain_compiler::search::SearchReport| r.compiled[0].estimated_seconds;
+    assert!(
+        estimate(&slow_report) > 5.0 * estimate(&fast_report),
+        "ten times slower disk: estimated {} s against {} s",
+        estimate(&slow_report),
+        estimate(&fast_report)
+    );
+}
