@@ -475,3 +475,28 @@ pub fn traffic(schedule: &Schedule) -> DiskTraffic {
     }
     traffic
 }
+
+/// What the host region of `schedule` holds that the disk tier does not take, by kind, each
+/// the sum of its buffers' sizes (buffers that never live at once may share bytes, so the
+/// sum can exceed the region): the parameters of streamed chunks, their gradients, the
+/// gradient accumulators, and swapped activations. Kinds with no bytes are left out. For
+/// errors that say why more disk would not help.
+pub fn host_kept(schedule: &Schedule) -> Vec<(&'static str, u64)> {
+    let mut kept = [
+        ("parameters", 0u64),
+        ("gradients", 0),
+        ("gradient accumulators", 0),
+        ("swapped activations", 0),
+    ];
+    for b in schedule.buffers.iter().filter(|b| b.space == Space::Host) {
+        let at = match b.kind {
+            BufferKind::HostChunk { .. } => 0,
+            BufferKind::HostGradChunk { .. } => 1,
+            BufferKind::Accumulators => 2,
+            BufferKind::HostActivation => 3,
+            _ => continue,
+        };
+        kept[at].1 = kept[at].1.saturating_add(b.size);
+    }
+    kept.into_iter().filter(|&(_, bytes)| bytes > 0).collect()
+}

@@ -2200,10 +2200,28 @@ fn host_too_small(
         n => format!("--host-memory (per node, for its {n} ranks)"),
     };
     if options.disk_budget > 0 {
-        // The least found includes the disk tier's help already.
+        // The least found includes the disk tier's help already; say what it leaves in
+        // host memory, which no disk budget takes.
+        let left = asked
+            .compile(&least_policy)
+            .ok()
+            .map(|l| crate::disk::host_kept(&l))
+            .filter(|kept| !kept.is_empty())
+            .map_or(String::new(), |kept| {
+                let kept: Vec<String> = kept
+                    .iter()
+                    .map(|&(what, bytes)| format!("{} of {what}", format_bytes(node(bytes))))
+                    .collect();
+                format!(
+                    " The disk tier takes only optimizer state (f32 master weights and Adam \
+                     moments); host memory still holds {} of that policy, so a larger \
+                     --disk-memory does not lower it.",
+                    kept.join(", ")
+                )
+            });
         return CompileError::BudgetTooSmall(format!(
             "{needs} That is with the disk tier ({}) taking the optimizer state it \
-             can. Give {host_flag} at least {}, {nodes}",
+             can.{left} Give {host_flag} at least {}, {nodes}",
             crate::error::rank_budget(options.disk_budget, gpus, "disk", "--disk-memory"),
             format_bytes(node(least_host)),
         ));

@@ -29,6 +29,17 @@ const TIGHT: &str = "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1";
 /// `None`) and a disk tier of 64 MiB; clipped (the CPU Adam then waits for the clip
 /// coefficient, which exists only after every gradient).
 fn compile(model: &str, dtype: DType, policy: &str, host: Option<u64>) -> VerifiedSchedule {
+    compile_k(model, dtype, policy, host, 1)
+}
+
+/// [`compile`] accumulating the gradients of `micro_batches` micro-batches per step.
+fn compile_k(
+    model: &str,
+    dtype: DType,
+    policy: &str,
+    host: Option<u64>,
+    micro_batches: u64,
+) -> VerifiedSchedule {
     let config = protrain::models::load(model).unwrap();
     let mut hardware = HardwareProfile::preset("host").unwrap();
     if let Some(bytes) = host {
@@ -43,6 +54,7 @@ fn compile(model: &str, dtype: DType, policy: &str, host: Option<u64>) -> Verifi
             grad_clip: Some(1.0),
             ..Default::default()
         },
+        micro_batches,
         ..CompileOptions::for_hardware(hardware.with_disk_memory(parse_size("64MiB").unwrap()))
     };
     protrain::compile(&config, &options)
@@ -55,7 +67,12 @@ fn compile(model: &str, dtype: DType, policy: &str, host: Option<u64>) -> Verifi
 /// (gpt2-tiny has four alike chunks, double-buffered; llama-tiny two, through one staging
 /// buffer).
 fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
-    let host = compile(model, dtype, TIGHT, None);
+    on_disk_k(model, dtype, 1)
+}
+
+/// [`on_disk`] accumulating `micro_batches` micro-batches per step.
+fn on_disk_k(model: &str, dtype: DType, micro_batches: u64) -> VerifiedSchedule {
+    let host = compile_k(model, dtype, TIGHT, None, micro_batches);
     assert_eq!(
         host.disk_bytes, 0,
         "{model}: fits the host without the disk"
@@ -77,7 +94,7 @@ fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
     // chunks, where two would save nothing), and alignment.
     let chunks = host.chunks.len() as u64;
     let budget = host.host_bytes - state + 2.min(chunks - 1) * largest + 4096;
-    let disk = compile(model, dtype, TIGHT, Some(budget));
+    let disk = compile_k(model, dtype, TIGHT, Some(budget), micro_batches);
     assert_eq!(
         disk.disk_chunks().len() as u64,
         chunks,
@@ -112,7 +129,8 @@ fn finish(exec: &Executor<'_>, trace: Vec<u32>) -> Trace {
 
 fn train(schedule: &VerifiedSchedule, model: &str) -> Trace {
     let config = protrain::models::load(model).unwrap();
-    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    let rows = BATCH * u64::from(schedule.micro_batches());
+    let data = common::batches(config.vocab_size as usize, rows, SEQ, STEPS, SEED);
     let dir = tempfile::tempdir().unwrap();
     let mut exec = executor(schedule, dir.path());
     exec.load_params(&init_params(&schedule.graph, SEED))
@@ -157,6 +175,26 @@ fn llama_with_its_state_on_disk_trains_bit_identically() {
 }
 
 /// f32: the disk schedule's losses and weights are the interpreter's, step by step.
+/// Accumulation composes with the disk tier: two micro-batches per step, every chunk's
+/// state on disk (read and written once a step, after the last micro-batch), train bit for
+/// bit as the same policy with the state in host memory and as every chunk resident.
+#[test]
+fn accumulating_with_the_state_on_disk_trains_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let disk = on_disk_k(model, DType::BF16, 2);
+        assert_eq!(disk.micro_batches(), 2);
+        let host = compile_k(model, DType::BF16, TIGHT, None, 2);
+        let resident = compile_k(model, DType::BF16, "", None, 2);
+        let want = train(&resident, model);
+        assert_eq!(train(&host, model), want, "{model}: host vs resident");
+        assert_eq!(
+            train(&disk, model),
+            want,
+            "{model}: accumulating with the state on disk trains differently"
+        );
+    }
+}
+
 #[test]
 fn f32_state_on_disk_matches_the_interpreter() {
     for model in ["gpt2-tiny", "llama-tiny"] {

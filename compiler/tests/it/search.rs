@@ -302,6 +302,11 @@ fn the_choice_and_the_report_do_not_depend_on_the_thread_count() {
 /// `disk_bandwidth` bytes a second, under a device budget that streams most chunks and a
 /// host budget that holds about half of their state, with `disk` bytes of disk.
 fn disk_bound(disk_bandwidth: f64, disk: u64) -> (SearchOptions, Searched) {
+    disk_bound_in(disk_bandwidth, disk, 1200 << 20)
+}
+
+/// [`disk_bound`] with `host` bytes of host memory.
+fn disk_bound_in(disk_bandwidth: f64, disk: u64, host: u64) -> (SearchOptions, Searched) {
     let config = protrain_models::load("gpt2").expect("preset");
     let forward =
         protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 256))
@@ -315,7 +320,7 @@ fn disk_bound(disk_bandwidth: f64, disk: u64) -> (SearchOptions, Searched) {
     let options = SearchOptions {
         device_budget: GIB,
         disk_budget: disk,
-        host_budget: 1200 << 20,
+        host_budget: host,
         max_compiled: 64,
         hardware: profile.summary(),
         model: config.name.clone(),
@@ -352,4 +357,23 @@ fn the_estimate_prices_the_disk_tier() {
         estimate(&slow_report),
         estimate(&fast_report)
     );
+}
+
+/// Where even the disk tier leaves the host region over its budget, the refusal says the
+/// disk was considered, what it leaves in host memory (the streamed chunks' parameters,
+/// which it does not take) and the host memory that would fit.
+#[test]
+fn a_host_too_small_even_with_the_disk_says_what_the_disk_leaves_there() {
+    let (_, searched) = disk_bound_in(2e9, 64 * GIB, 640 << 20);
+    let Err(CompileError::BudgetTooSmall(message)) = searched else {
+        panic!("640 MiB of host is too small for gpt2's parameters: {searched:?}");
+    };
+    for words in [
+        "with the disk tier (64.00 GiB of disk (--disk-memory))",
+        "The disk tier takes only optimizer state",
+        "of parameters of that policy, so a larger --disk-memory does not lower it",
+        "Give --host-memory at least",
+    ] {
+        assert!(message.contains(words), "{words:?} in {message}");
+    }
 }
