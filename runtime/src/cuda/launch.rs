@@ -12,8 +12,9 @@
 //! storage.
 //!
 //! Scratch. Every kernel's scratch is the workspace the memory plan gives its op, split as
-//! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta` and
-//! its score matrices, one batch of KV heads at a time,
+//! [`WorkspaceLayout`] says (norm statistics, column-sum partials, attention's `delta` and,
+//! on the GEMM path, its score matrices, one batch of KV heads at a time; bf16 and f16
+//! attention with heads of 64, 128 or 256 runs as flash attention and has no scores,
 //! cross-entropy's per-row losses, the token embedding backward's spans, the gradient norm's
 //! f64 partials, a fused linear's intermediate gradients), every part 16-byte aligned. Nothing
 //! is allocated per launch, so the planned peak is the device's. The only other device memory a
