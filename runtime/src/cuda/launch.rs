@@ -2704,7 +2704,7 @@ mod tests {
             };
             let (fplan, _) = plan_of(&fwd, &[q.clone(), kvt.clone(), kvt.clone()]);
             let (bplan, _) = plan_of(&bwd, &[q.clone(), kvt.clone(), kvt, q.clone(), lse, q]);
-            let kernels = |plan: &[Call]| -> Vec<(String, (u32, u32, u32), Vec<Arg>)> {
+            let kernels = |plan: &[Call]| -> Vec<Launch> {
                 plan.iter()
                     .filter_map(|c| match c {
                         Call::Kernel(k) => Some((k.entry.to_string(), k.grid, k.args.clone())),
@@ -2755,6 +2755,9 @@ mod tests {
             }
         }
     }
+
+    /// A kernel launch of a plan: entry point, grid, arguments.
+    type Launch = (String, (u32, u32, u32), Vec<Arg>);
 
     fn t_of(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
