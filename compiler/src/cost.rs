@@ -263,6 +263,74 @@ impl Roofline {
     }
 }
 
+/// Query-key pairs a causal mask (with an optional sliding window of `window` keys) leaves
+/// visible in a sequence of `t`: `t (t + 1) / 2` causal, `sum_t min(t + 1, W)` windowed.
+pub fn visible_pairs(t: u64, window: Option<u64>) -> f64 {
+    let t = t as f64;
+    match window {
+        Some(w) if (w as f64) < t => {
+            let w = w as f64;
+            // Rows 0..w see t + 1 keys each; the rest see w.
+            w * (w + 1.0) / 2.0 + (t - w) * w
+        }
+        _ => t * (t + 1.0) / 2.0,
+    }
+}
+
+/// Throughput of the CUDA backend's flash attention kernels as a fraction of the dense
+/// bf16/f16 tensor peak, from published measurements of the design they follow.
+///
+/// The kernels are FlashAttention-2's design (arXiv 2307.08691): `mma.sync` m16n8k16 tensor
+/// core products with f32 accumulation, one warp per 16 rows, online softmax, a separate dQ
+/// and dK/dV pass. Published figures for that design:
+/// - A100 (and the other `mma.sync` GPUs, Ampere and Ada): FlashAttention-2, section 4.1
+///   ("Benchmarking attention"): up to 73% of the theoretical maximum FLOP/s forward and up
+///   to 63% backward on A100 80 GB (FLOPs of a causal mask counted once).
+/// - H100 and H200: FlashAttention-3 (arXiv 2407.08608), abstract and section 4.1: the same
+///   FlashAttention-2 kernels reach about 35% of H100's dense peak, because they issue
+///   `mma.sync` instead of Hopper's asynchronous `wgmma` and TMA; the backward keeps
+///   FlashAttention-2's backward-to-forward ratio on A100 (63 / 73). FlashAttention-3's own
+///   75% forward needs those Hopper instructions, which these kernels do not use.
+///
+/// These are the best published figures of the design, so a prediction is an upper bound on
+/// these kernels until `scripts/gpu-check.sh` measures them; a measured profile replaces them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashEfficiency {
+    /// Forward fraction of peak.
+    pub forward: f64,
+    /// Backward fraction of peak.
+    pub backward: f64,
+}
+
+/// FlashAttention-2 on A100 (arXiv 2307.08691, section 4.1).
+pub const FLASH_A100: FlashEfficiency = FlashEfficiency {
+    forward: 0.73,
+    backward: 0.63,
+};
+
+/// FlashAttention-2's kernels on H100 (arXiv 2407.08608: 35% utilization), backward scaled by
+/// FlashAttention-2's own backward-to-forward ratio.
+pub const FLASH_HOPPER: FlashEfficiency = FlashEfficiency {
+    forward: 0.35,
+    backward: 0.35 * 0.63 / 0.73,
+};
+
+impl FlashEfficiency {
+    /// The figures for `profile`'s GPU: Hopper (a name naming an H100, H200, H800 or GH200,
+    /// as the presets and `nvidia-smi` names do) or the `mma.sync` generations before it.
+    pub fn of(profile: &HardwareProfile) -> Self {
+        let name = profile.name.to_ascii_lowercase();
+        if ["h100", "h200", "h800", "gh200"]
+            .iter()
+            .any(|h| name.contains(h))
+        {
+            FLASH_HOPPER
+        } else {
+            FLASH_A100
+        }
+    }
+}
+
 impl Roofline {
     /// Attention as the CUDA backend runs it (`runtime/src/cuda/launch.rs`): per batch
     /// element, batch of KV heads and query head of a group, strided-batched GEMMs on the
@@ -273,7 +341,10 @@ impl Roofline {
     /// `e` bytes; backward: S and dP written and read, P and dS written, P read once and dS
     /// twice, `16 + 5e`). The row kernels wait on the GEMMs and the GEMMs on them, so the
     /// compute term is the GEMM time plus the score traffic; the memory term is the operands;
-    /// each call is one launch. `None` for other kinds, and for the `host` profile (the preset,
+    /// each call is one launch. Attention in bf16 or f16 with a head dimension of 64, 128 or
+    /// 256 runs as flash attention instead ([`workspace::attention_runs_flash`]): the visible
+    /// pairs' FLOPs at [`FlashEfficiency`] of the peak, no score traffic, one launch forward and
+    /// three backward (delta, dQ, dK and dV). `None` for other kinds, and for the `host` profile (the preset,
     /// and what the profiler names a host measurement), whose backend runs attention as fused
     /// tiles without a score matrix: the generic roofline over the unmasked pairs prices that.
     fn attention_time(
@@ -283,19 +354,21 @@ impl Roofline {
         operand_bytes: u64,
         dtype: DType,
     ) -> Option<OpTime> {
-        let (heads, kv_heads, head_dim, backward) = match *kind {
+        let (heads, kv_heads, head_dim, window, backward) = match *kind {
             OpKind::Attention {
                 heads,
                 kv_heads,
                 head_dim,
+                window,
                 ..
-            } => (heads, kv_heads, head_dim, false),
+            } => (heads, kv_heads, head_dim, window, false),
             OpKind::AttentionBackward {
                 heads,
                 kv_heads,
                 head_dim,
+                window,
                 ..
-            } => (heads, kv_heads, head_dim, true),
+            } => (heads, kv_heads, head_dim, window, true),
             _ => return None,
         };
         if self.profile.is_host() {
@@ -303,6 +376,23 @@ impl Roofline {
         }
         let q = inputs.first()?;
         let (b, t) = (*q.shape.first()?, *q.shape.get(1)?);
+        if workspace::attention_runs_flash(dtype, head_dim) {
+            let p = &self.profile;
+            let f = FlashEfficiency::of(p);
+            // FLOPs of the visible pairs only (the kernels skip masked tiles): 2 products of
+            // 2 D FLOPs a pair forward, 5 backward (S again, dP, dV, dQ, dK).
+            let pairs = (b * heads) as f64 * visible_pairs(t, window);
+            let (products, fraction, calls) = if backward {
+                (5.0, f.backward, 3.0)
+            } else {
+                (2.0, f.forward, 1.0)
+            };
+            return Some(OpTime {
+                compute_s: products * 2.0 * pairs * head_dim as f64 / (p.peak(dtype) * fraction),
+                memory_s: operand_bytes as f64 / p.device_bandwidth,
+                launch_s: calls * p.launch_overhead_s,
+            });
+        }
         let e = dtype.size();
         let pairs = (b * heads * t * t) as f64;
         let (gemms, score_bytes, calls_per_batch) = if backward {

@@ -342,6 +342,73 @@ fn llama_bf16_losses_stay_close_to_f32() {
     check_bf16("llama-tiny");
 }
 
+/// Flash attention on tensor cores end to end: llama-tiny widened to two 64-wide query heads
+/// over one KV head (GQA, a head dimension the flash kernels are built for), 80 positions (a
+/// full and a partial 64-row tile), trained in bf16 on the CUDA backend and by the host backend
+/// running the same schedule. The schedule plans no score workspace, so the CUDA backend can
+/// only run the flash kernels; the losses agree within [`BF16_HOST_TOLERANCE`].
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn llama_flash_attention_bf16_gives_the_host_losses() {
+    require_gpu();
+    let (batch, seq) = (2, 80);
+    let mut config = protrain_models::load("llama-tiny").unwrap();
+    config.hidden_size = 128;
+    config.num_heads = 2;
+    config.num_kv_heads = 1;
+    config.head_dim = 64;
+    assert!(protrain_ir::workspace::attention_runs_flash(
+        DType::BF16,
+        config.head_dim
+    ));
+    let forward = protrain_models::build_forward(
+        &config,
+        &protrain_models::BuildOptions::new(batch, seq).with_dtype(DType::BF16),
+    )
+    .unwrap();
+    let optimizer = OptimizerConfig {
+        lr: 1e-3,
+        grad_clip: Some(1.0),
+        ..Default::default()
+    };
+    let graph = training_graph(&forward, &optimizer).unwrap();
+    let layers = graph
+        .blocks()
+        .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
+        .count();
+    let init: HashMap<String, Vec<f32>> = graph
+        .params()
+        .zip(init_params(&graph, SEED))
+        .map(|((_, p), v)| (p.name.clone(), v))
+        .collect();
+    let data = common::batches(config.vocab_size as usize, batch, seq, STEPS, SEED);
+    let chunks = chunked(&graph);
+    let policy = Policy::resident(chunks.len() as u32, layers);
+    let schedule = compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200"))
+        .unwrap_or_else(|e| panic!("flash bf16: {e}"));
+    let schedule = verify(schedule).unwrap_or_else(|e| panic!("flash bf16: {e}"));
+    let gpu = train::<CudaBackend>(&schedule, &init, &data);
+    let host = train::<HostBackend>(&schedule, &init, &data);
+    for (step, ((h, _), (g, _))) in host.iter().zip(&gpu).enumerate() {
+        eprintln!(
+            "flash bf16 step {step}: loss host bf16 {} gpu bf16 {} (rel {:.2e})",
+            h.loss,
+            g.loss,
+            relative(g.loss, h.loss)
+        );
+        assert!(
+            relative(g.loss, h.loss) <= BF16_HOST_TOLERANCE,
+            "flash bf16 step {step}: loss {} on the GPU, {} on the host backend",
+            g.loss,
+            h.loss
+        );
+        assert!(
+            g.grad_norm.is_some_and(f32::is_finite),
+            "flash bf16 step {step}: no finite gradient norm"
+        );
+    }
+}
+
 /// Gradient accumulation on the GPU: two micro-batches per step, against the host backend
 /// running the same schedule, resident (device accumulators, the device AdamW) and streamed
 /// (host accumulators summed and normed by the CPU, the CPU Adam), in f32 and bf16.

@@ -3,8 +3,8 @@
 // One module, so that `cargo test -p protrain-compiler cost` selects these tests by name.
 mod cost {
     use protrain_compiler::cost::{
-        cost_model, estimate_iteration, ChunkTimes, CopyDir, CostModel, Efficiency,
-        IterationEstimate, Measured, OpClass, Roofline,
+        cost_model, estimate_iteration, visible_pairs, ChunkTimes, CopyDir, CostModel, Efficiency,
+        FlashEfficiency, IterationEstimate, Measured, OpClass, Roofline, FLASH_A100, FLASH_HOPPER,
     };
     use protrain_ir::{
         op_key, DType, HardwareProfile, MeasuredOp, OpKind, QkvLayout, TensorType, WeightLayout,
@@ -108,14 +108,15 @@ mod cost {
 
     #[test]
     fn attention_is_priced_as_gemms_over_whole_score_matrices() {
+        // Heads of 96: no flash kernel, so bf16 attention runs as GEMMs.
         let p = profile("h100");
-        let qkv = TensorType::new([8, 1024, 3 * 768], DType::BF16);
-        let out = TensorType::new([8, 1024, 768], DType::BF16);
+        let qkv = TensorType::new([8, 1024, 3 * 1152], DType::BF16);
+        let out = TensorType::new([8, 1024, 1152], DType::BF16);
         let lse = TensorType::new([8, 12, 1024], DType::F32);
         let attention = OpKind::Attention {
             heads: 12,
             kv_heads: 12,
-            head_dim: 64,
+            head_dim: 96,
             window: None,
             qkv: QkvLayout::Packed,
             scale: None,
@@ -135,7 +136,7 @@ mod cost {
         // Q K^T and P V over all 1024 x 1024 pairs (the mask is applied between the GEMMs),
         // then the row kernels' score traffic: f32 S written and read, bf16 P written and read.
         let pairs = 8.0 * 12.0 * 1024.0 * 1024.0;
-        let gemm = 2.0 * 2.0 * pairs * 64.0 / p.peak(DType::BF16);
+        let gemm = 2.0 * 2.0 * pairs * 96.0 / p.peak(DType::BF16);
         let scores = pairs * (8.0 + 2.0 * 2.0) / p.device_bandwidth;
         check_close(
             "attention at full efficiency",
@@ -149,6 +150,88 @@ mod cost {
             full.launch_s,
             8.0 * 3.0 * p.launch_overhead_s,
         );
+    }
+
+    /// bf16 and f16 attention with a flash head dimension is priced as the flash kernels run
+    /// it: the visible pairs' FLOPs (a causal mask counted once, a window fewer) at the
+    /// published fraction of peak of FlashAttention-2's design on that GPU, no score traffic,
+    /// one launch forward and three backward.
+    #[test]
+    fn flash_attention_is_priced_over_the_visible_pairs_at_the_published_fraction() {
+        let (b, t, h, kv, d) = (4u64, 1000u64, 8u64, 2u64, 128u64);
+        let q = TensorType::new([b, t, h * d], DType::BF16);
+        let kvt = TensorType::new([b, t, kv * d], DType::BF16);
+        let lse = TensorType::new([b, h, t], DType::F32);
+        for (preset, f) in [
+            ("a100-80gb", FLASH_A100),
+            ("h100", FLASH_HOPPER),
+            ("h200", FLASH_HOPPER),
+        ] {
+            let p = profile(preset);
+            assert_eq!(FlashEfficiency::of(&p), f, "{preset}");
+            let roofline = Roofline::new(p.clone());
+            for window in [None, Some(100)] {
+                let pairs = match window {
+                    None => 1000.0 * 1001.0 / 2.0,
+                    Some(_) => 100.0 * 101.0 / 2.0 + 900.0 * 100.0,
+                };
+                assert_eq!(visible_pairs(t, window), pairs);
+                let flops = (b * h) as f64 * pairs * d as f64;
+                let fwd = OpKind::Attention {
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    window,
+                    qkv: QkvLayout::Separate,
+                    scale: None,
+                    softcap: None,
+                };
+                let bwd = OpKind::AttentionBackward {
+                    heads: h,
+                    kv_heads: kv,
+                    head_dim: d,
+                    window,
+                    qkv: QkvLayout::Separate,
+                    scale: None,
+                    softcap: None,
+                };
+                let peak = p.peak(DType::BF16);
+                let time = roofline.op_time(&fwd, &[&q, &kvt, &kvt], &[&q, &lse], DType::BF16);
+                check_close("forward", time.compute_s, 4.0 * flops / (peak * f.forward));
+                check_close("forward launch", time.launch_s, p.launch_overhead_s);
+                let ins = [&q, &kvt, &kvt, &q, &lse, &q];
+                let time = roofline.op_time(&bwd, &ins, &[&q, &kvt, &kvt], DType::BF16);
+                check_close(
+                    "backward",
+                    time.compute_s,
+                    10.0 * flops / (peak * f.backward),
+                );
+                check_close(
+                    "backward launches",
+                    time.launch_s,
+                    3.0 * p.launch_overhead_s,
+                );
+            }
+        }
+        // The published figures: FlashAttention-2 on A100, its kernels on H100 (35%).
+        assert_eq!((FLASH_A100.forward, FLASH_A100.backward), (0.73, 0.63));
+        assert_eq!(FLASH_HOPPER.forward, 0.35);
+        // f32 keeps the GEMM path: more than the flash price of the same shape in bf16.
+        let f32_q = TensorType::new([b, t, h * d], DType::F32);
+        let f32_kv = TensorType::new([b, t, kv * d], DType::F32);
+        let fwd = OpKind::Attention {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+            window: None,
+            qkv: QkvLayout::Separate,
+            scale: None,
+            softcap: None,
+        };
+        let roofline = Roofline::new(profile("h100"));
+        let gemm = roofline.op_time(&fwd, &[&f32_q, &f32_kv, &f32_kv], &[], DType::F32);
+        let whole = 2.0 * 2.0 * (b * h * t * t * d) as f64;
+        assert!(gemm.compute_s >= whole / profile("h100").peak(DType::F32));
     }
 
     #[test]

@@ -13,8 +13,9 @@
 // W <= 0: plain causal. Scale 1 / sqrt(D). D must be at most ATTN_MAX_D (the kernels trap
 // otherwise).
 //
-// The plan runs attention on tensor cores with the GEMM path at the end of this file; these
-// fused scalar kernels are kept as the reference the CPU emulation checks both against.
+// The plan runs bf16 and f16 attention with heads of 64, 128 or 256 as the flash kernels on
+// tensor cores at the end of this file, and every other attention as the GEMM path before
+// them; these fused scalar kernels are kept as the reference the CPU emulation checks against.
 //
 // Work split (correctness first; no tensor cores). All kernels: 1-D blocks of exactly
 // ATTN_THREADS threads (4 warps). Each warp owns a few query (or key) rows; lane j handles key
@@ -334,7 +335,8 @@ extern "C" __global__ void attention_backward_dkv_bf16(bf16* dk, bf16* dv, const
 extern "C" __global__ void attention_backward_dkv_f16(f16* dk, f16* dv, const f16* dout, const f16* q, const f16* k, const f16* v, const float* lse, const float* delta, int B, int T, int H, int KV, int D, int window, int q_stride, int kv_stride) { attention_backward_dkv(dk, dv, dout, q, k, v, lse, delta, B, T, H, KV, D, window, q_stride, kv_stride); }
 
 // ---------------------------------------------------------------------------------------------
-// Attention on tensor cores (what the launcher plans; runtime/src/cuda/launch.rs). The matrix
+// Attention as GEMMs (what the launcher plans for f32, and for head dimensions the flash
+// kernels below are not built for; runtime/src/cuda/launch.rs). The matrix
 // products are cuBLAS strided-batched GEMMs over a batch of KV heads (bf16 or f32 in, f32
 // accumulate); the kernels below do what lies between them, one block per score row:
 //
@@ -437,8 +439,9 @@ extern "C" __global__ void attention_backward_ds_bf16(float* scores, float* dpro
 extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprobs, const float* lse, const float* delta, i64 first, int T, int window, int head_stride, float scale, float cap) { attention_backward_ds<f16>(scores, dprobs, lse, delta, first, T, window, head_stride, scale, cap); }
 
 // ---------------------------------------------------------------------------------------------
-// Flash attention on tensor cores (bf16 and f16 storage; what the launcher plans on sm_80 and
-// newer): `mma.sync.aligned.m16n8k16` with f32 accumulation, FlashAttention-2's work split
+// Flash attention on tensor cores (bf16 and f16 storage; what the launcher plans for them):
+// `mma.sync.aligned.m16n8k16` with f32 accumulation (sm_80 and newer; built for an older
+// architecture the kernels trap), FlashAttention-2's work split
 // (arXiv 2307.08691). Nothing of size [T, T] exists: the forward keeps an online softmax per
 // query row and saves the row logsumexp; the backward recomputes the probabilities from it.
 //
@@ -449,7 +452,9 @@ extern "C" __global__ void attention_backward_ds_f16(float* scores, float* dprob
 //
 // Work split: 1-D blocks of ATTN_FLASH_THREADS (4 warps); each warp owns 16 rows (queries in the
 // forward and dq, keys in dk/dv) as the A rows of its products; the block's 64 rows' partners
-// (keys, or queries) are staged in shared memory in tiles of FLASH_KEYS(D) rows, 16-bit values
+// (keys, or queries) are staged in shared memory in tiles of FlashTile<D>::ROWS rows (32
+// queries in dk/dv), one thread per pair of 16-bit values (no cp.async pipelining, no
+// ldmatrix: plain loads the emulation runs as they are), 16-bit values
 // kept in pairs (u32) with rows padded by 8 values so that the fragment reads of a warp hit 32
 // distinct banks. Tiles that no row of the block can see (after the diagonal, before the
 // window) are not visited, and a warp skips the tiles none of its own rows see.
