@@ -5,10 +5,10 @@
 //! [--gpu-memory 6GiB] --json` built from main at 4eb43ea, the last commit that sorted every
 //! policy; the same comparison over every preset model on rtx3090, a100-40gb and h100, with the
 //! default budget and 6 GiB (96 runs), matched in policy, peak bytes, host bytes and predicted
-//! step time. The peaks then fell by the attention score workspace when bf16 attention with
-//! 64-wide heads became flash attention (no `[T, T]` scores), which let opt-1.3b on an rtx3090
-//! keep its 24th layer rather than recompute it; those rows are this search's choices and were
-//! not compared with sorting again.
+//! step time, with the attention score workspace planned for every model. Attention in bf16
+//! with a flash head dimension (64, 128, 256) plans no `[T, T]` scores, so the peaks here are
+//! lower by that workspace, and opt-1.3b on an rtx3090 keeps its 24th layer rather than
+//! recompute it: those figures are this search's own, not compared with sorting.
 //!
 //! A change meant to change what the search chooses updates this table, and says why in its
 //! commit. Three rows sit on ties that the tie rule (`search::TIE_RULE`) settles by movement
