@@ -2,8 +2,8 @@
 # Everything CI runs on the CUDA simulator, in order: the simulator's own strictness checks,
 # the backend's kernel, NCCL (two real processes, a killed rank) and end-to-end tests (the
 # schedule-level ones also under three chaos seeds; the CLI's, with the launcher's worker
-# processes, checkpoints and two ranks), and the CLI's 20-step gpt2-tiny run against the host
-# backend. Each part's time is printed. Run from anywhere; needs the Rust toolchain,
+# processes, checkpoints resumed across backends, two and four ranks, bf16 and f16), and the
+# CLI's 20-step gpt2-tiny run against the host backend. Each part's time is printed. Run from anywhere; needs the Rust toolchain,
 # g++ 12+, python3 with pip (NVRTC's wheel). Its environment stays inside this script, so what
 # runs after it does not see the simulator.
 set -euo pipefail

@@ -179,8 +179,8 @@ pub struct ExecArgs {
     pub keep_checkpoints: usize,
     /// Continue from the latest checkpoint in this directory, bit-identically to a run that
     /// was never interrupted: `--resume DIR` alone takes the optimizer, schedule, steps,
-    /// seed and data from the checkpoint (with `train`, the batch and seq too); a flag that
-    /// contradicts it is an error. The policy may differ.
+    /// seed and data from the checkpoint (with `train`, the batch, seq and --dtype too); a
+    /// flag that contradicts it is an error. The policy may differ.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Directory for the file of a schedule's disk tier (compiled with --disk-memory): it is

@@ -195,12 +195,12 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
     }
     if let Some(have) = saved.dtype {
         let was = Dtype::of(have);
-        match *compile.shape.dtype.get_or_insert(was) {
-            given if given != was => differences.push(format!(
+        let given = *compile.shape.dtype.get_or_insert(was);
+        if given != was {
+            differences.push(format!(
                 "--dtype: the checkpoint has {have}, this run has {}",
                 given.ir()
-            )),
-            _ => {}
+            ));
         }
     }
     if let Some(have) = saved.optimizer {
