@@ -207,6 +207,10 @@ impl WorkspaceLayout {
             | OpKind::SoftcapBackward { .. }
             | OpKind::GegluBackward
             | OpKind::RopeBackward { .. }
+            | OpKind::PartialRope { .. }
+            | OpKind::PartialRopeBackward { .. }
+            | OpKind::PackedSwiglu
+            | OpKind::PackedSwigluBackward
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
             | OpKind::CrossEntropyBackwardLossScaled { .. }

@@ -20,8 +20,10 @@
 //! Parsing never panics: every number is range-checked before any arithmetic uses it.
 
 mod gemma;
+mod phi3;
 
 pub use gemma::{GemmaLayout, LayerType, Rotary};
+pub use phi3::{LongRope, Phi3Layout};
 
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
@@ -33,7 +35,7 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 9] = [
+pub const SUPPORTED_MODEL_TYPES: [&str; 10] = [
     "gemma2",
     "gemma3_text",
     "gpt2",
@@ -41,6 +43,7 @@ pub const SUPPORTED_MODEL_TYPES: [&str; 9] = [
     "mistral",
     "olmo2",
     "opt",
+    "phi3",
     "qwen2",
     "qwen3",
 ];
@@ -175,6 +178,9 @@ pub enum Architecture {
     /// a RoPE base per layer type.
     #[serde(rename = "gemma3_text")]
     Gemma3(GemmaLayout),
+    /// Phi-3: LLaMA with fused `qkv_proj` and `gate_up_proj` weights, LongRoPE, partial
+    /// rotary embeddings and an optional window on every layer.
+    Phi3(Phi3Layout),
 }
 
 /// A model's architecture, normalized across families, with transformers' defaults applied.
@@ -249,6 +255,7 @@ impl ModelConfig {
             "gemma2" | "gemma3_text" => {
                 typed::<gemma::GemmaJson>(&value, &from)?.into_config(&context)
             }
+            "phi3" => typed::<phi3::Phi3Json>(&value, &from)?.into_config(&context),
             _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
@@ -314,6 +321,7 @@ impl ModelConfig {
             Architecture::Opt(_) => "opt",
             Architecture::Gemma2(_) => "gemma2",
             Architecture::Gemma3(_) => "gemma3_text",
+            Architecture::Phi3(_) => "phi3",
         }
     }
 
@@ -328,7 +336,8 @@ impl ModelConfig {
             | Architecture::Qwen3(_)
             | Architecture::Olmo2(_)
             | Architecture::Gemma2(_)
-            | Architecture::Gemma3(_) => None,
+            | Architecture::Gemma3(_)
+            | Architecture::Phi3(_) => None,
         }
     }
 }

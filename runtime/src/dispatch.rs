@@ -57,10 +57,39 @@ impl Prepared {
                 head_dim,
                 theta,
                 scaling,
-            } => kernels::rope_inv_freq(*head_dim as usize, *theta, *scaling),
+            } => kernels::rope_inv_freq(*head_dim as usize, *theta, scaling),
+            OpKind::PartialRope {
+                rotary_dim,
+                theta,
+                scaling,
+                ..
+            }
+            | OpKind::PartialRopeBackward {
+                rotary_dim,
+                theta,
+                scaling,
+                ..
+            } => kernels::rope_inv_freq(*rotary_dim as usize, *theta, scaling),
             _ => Vec::new(),
         };
         Self { inv_freq }
+    }
+}
+
+/// The geometry of a [`OpKind::PartialRope`] over `x [B,T,N*head_dim]`.
+fn partial_rope_dims(
+    x: &TensorType,
+    head_dim: u64,
+    rotary_dim: u64,
+    heads: u64,
+) -> kernels::RopeDims {
+    kernels::RopeDims {
+        batch: x.shape[0] as usize,
+        seq: x.shape[1] as usize,
+        heads: (x.last_dim() / head_dim) as usize,
+        head_dim: head_dim as usize,
+        rotary_dim: rotary_dim as usize,
+        rotated_heads: heads as usize,
     }
 }
 
@@ -445,6 +474,23 @@ pub fn run<'a>(
                 *head_dim as usize,
             );
         }
+        OpKind::PartialRope {
+            head_dim,
+            rotary_dim,
+            heads,
+            scaling,
+            ..
+        } => kernels::partial_rope_forward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *rotary_dim, *heads),
+        ),
+        OpKind::PackedSwiglu => {
+            let width = (ty(0).last_dim() / 2) as usize;
+            kernels::packed_swiglu_forward(outputs[0], ins.f32(0), width)
+        }
         OpKind::Attention {
             heads,
             kv_heads,
@@ -662,6 +708,23 @@ pub fn run<'a>(
                 (x.last_dim() / head_dim) as usize,
                 *head_dim as usize,
             );
+        }
+        OpKind::PartialRopeBackward {
+            head_dim,
+            rotary_dim,
+            heads,
+            scaling,
+            ..
+        } => kernels::partial_rope_backward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *rotary_dim, *heads),
+        ),
+        OpKind::PackedSwigluBackward => {
+            let width = (ty(0).last_dim() / 2) as usize;
+            kernels::packed_swiglu_backward(outputs[0], ins.f32(1), ins.f32(0), width)
         }
         OpKind::AttentionBackward {
             heads,

@@ -352,3 +352,9 @@ fn gemma3_every_policy_matches_the_interpreter() {
         None,
     );
 }
+
+#[test]
+fn phi3_every_policy_matches_the_interpreter_with_clipping() {
+    // Packed qkv rotated in place (partial, LongRoPE), packed SwiGLU, a window on every layer.
+    check(&fixture_model("phi3"), Some(0.5));
+}

@@ -325,7 +325,7 @@ fn check_hub_weights_round_trip(family: &str) {
 
 #[test]
 fn hub_weights_load_from_shards_and_save_with_hub_names() {
-    for family in ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3"] {
+    for family in ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "phi3"] {
         check_hub_weights_round_trip(family);
     }
 }
@@ -338,4 +338,9 @@ fn gemma2_with_soft_caps_sandwich_norms_and_alternating_windows_matches_pytorch(
 #[test]
 fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
     check("gemma3");
+}
+
+#[test]
+fn phi3_with_fused_projections_partial_longrope_and_a_window_matches_pytorch() {
+    check("phi3");
 }

@@ -240,6 +240,8 @@ fn presets_are_listed_in_a_stable_order() {
             "gemma-2-9b",
             "gemma-3-1b",
             "gemma-3-4b",
+            "phi-3-mini",
+            "phi-3-mini-128k",
             "gpt2-tiny",
             "llama-tiny",
             "mistral-tiny",
@@ -421,7 +423,7 @@ mod gemma {
         assert_eq!(l.rope(5).theta, 1e6);
         assert_eq!(l.rope(5).scaling, RopeScaling::Linear { factor: 8.0 });
         assert_eq!(
-            (l.rope(0).theta, l.rope(0).scaling),
+            (l.rope(0).theta, l.rope(0).scaling.clone()),
             (1e4, RopeScaling::None)
         );
         // v5's per-layer-type `rope_parameters` mean the same model.
