@@ -462,18 +462,15 @@ pub fn run<'a>(
             kernels::scale_forward(outputs[0], ins.f32(0), factor)
         }
         OpKind::Add => kernels::add_forward(outputs[0], ins.f32(0), ins.f32(1)),
-        OpKind::Rope { head_dim, .. } => {
-            let x = ty(0);
-            kernels::rope_forward(
-                outputs[0],
-                ins.f32(0),
-                &prepared.inv_freq,
-                x.shape[0] as usize,
-                x.shape[1] as usize,
-                (x.last_dim() / head_dim) as usize,
-                *head_dim as usize,
-            );
-        }
+        OpKind::Rope {
+            head_dim, scaling, ..
+        } => kernels::partial_rope_forward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *head_dim, ty(0).last_dim() / head_dim),
+        ),
         OpKind::PartialRope {
             head_dim,
             rotary_dim,
@@ -697,18 +694,15 @@ pub fn run<'a>(
             };
             kernels::swiglu_backward(dgate, dup, ins.f32(2), ins.f32(0), ins.f32(1));
         }
-        OpKind::RopeBackward { head_dim, .. } => {
-            let x = ty(0);
-            kernels::rope_backward(
-                outputs[0],
-                ins.f32(0),
-                &prepared.inv_freq,
-                x.shape[0] as usize,
-                x.shape[1] as usize,
-                (x.last_dim() / head_dim) as usize,
-                *head_dim as usize,
-            );
-        }
+        OpKind::RopeBackward {
+            head_dim, scaling, ..
+        } => kernels::partial_rope_backward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *head_dim, ty(0).last_dim() / head_dim),
+        ),
         OpKind::PartialRopeBackward {
             head_dim,
             rotary_dim,

@@ -344,3 +344,8 @@ fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
 fn phi3_with_fused_projections_partial_longrope_and_a_window_matches_pytorch() {
     check("phi3");
 }
+
+#[test]
+fn qwen2_with_yarn_rope_scaling_matches_pytorch() {
+    check("qwen2_yarn");
+}

@@ -53,6 +53,24 @@ pub enum RopeScaling {
         /// The multiplier of cos and sin.
         attention_factor: f64,
     },
+    /// YaRN (transformers' `yarn`): each inverse frequency blended between itself and itself
+    /// divided by `factor`, by a linear ramp over the pairs between the correction dimensions
+    /// of `beta_fast` and `beta_slow` rotations in `original_max_position_embeddings` tokens;
+    /// cos and sin multiplied by `attention_factor`.
+    Yarn {
+        /// The context extension factor.
+        factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: u64,
+        /// Rotations that bound the extrapolated (unscaled) pairs.
+        beta_fast: f64,
+        /// Rotations that bound the interpolated (scaled) pairs.
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded out to whole pairs (floor and ceil).
+        truncate: bool,
+        /// The multiplier of cos and sin.
+        attention_factor: f64,
+    },
 }
 
 impl RopeScaling {
@@ -61,6 +79,9 @@ impl RopeScaling {
     pub fn attention_factor(&self) -> f64 {
         match self {
             RopeScaling::LongRope {
+                attention_factor, ..
+            }
+            | RopeScaling::Yarn {
                 attention_factor, ..
             } => *attention_factor,
             RopeScaling::None | RopeScaling::Linear { .. } | RopeScaling::Llama3 { .. } => 1.0,
@@ -87,6 +108,17 @@ impl RopeScaling {
                 let factors: Vec<String> = factors.iter().map(|f| format!("{f}")).collect();
                 Some(format!("longrope([{}],{attention_factor})", factors.join(",")))
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => Some(format!(
+                "yarn({factor},{original_max_position_embeddings},{beta_fast},{beta_slow},\
+                 {truncate},{attention_factor})"
+            )),
         }
     }
 }

@@ -5,3 +5,4 @@ mod errors;
 mod graphs;
 mod params;
 mod parsing;
+mod phi3;

@@ -115,7 +115,17 @@ fn test_configs_match_transformers() {
 fn reference_fixtures_match_transformers() {
     // The configs transformers 5 wrote for the numerics fixtures, with everything it records.
     for model in [
-        "gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "phi3",
+        "gpt2",
+        "llama",
+        "mistral",
+        "opt",
+        "qwen2",
+        "qwen3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "qwen2_yarn",
     ] {
         let dir = Path::new(MODELS).join("../tests/fixtures").join(model);
         let mut expected = read_json(&dir.join("expected.json"));

@@ -25,6 +25,44 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<
     match scaling {
         RopeScaling::None => inv,
         RopeScaling::Linear { factor } => inv.iter().map(|&f| f / *factor as f32).collect(),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: old,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => {
+            // `_compute_yarn_parameters`: the correction range in f64 (Python floats), the
+            // ramp and the blend in f32 (tensors), each Python scalar rounded to f32 where it
+            // meets a tensor.
+            let d = head_dim as f64;
+            let correction = |rotations: f64| {
+                d * (*old as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+            if *truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            let (low_f, span) = (low as f32, (high - low) as f32);
+            let factor = *factor as f32;
+            (0..head_dim / 2)
+                .map(|i| {
+                    let pos = base.powf((2 * i) as f32 / dim);
+                    let extrapolation = 1.0 / pos;
+                    let interpolation = 1.0 / (factor * pos);
+                    let ramp = ((i as f32 - low_f) / span).clamp(0.0, 1.0);
+                    let extrapolation_factor = 1.0 - ramp;
+                    interpolation * (1.0 - extrapolation_factor)
+                        + extrapolation * extrapolation_factor
+                })
+                .collect()
+        }
         RopeScaling::LongRope { factors, .. } => {
             assert_eq!(
                 factors.len(),
@@ -255,12 +293,14 @@ mod tests {
 
     #[test]
     fn inv_freq_matches_transformers() {
-        // Printed by `make_fixtures.py` (transformers 5.24, torch 2.15:
-        // `_compute_default_rope_parameters`,
-        // `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`) for
-        // head_dim 16; llama3 with theta 500000, factor 8, low 1, high 4, original 8192 and
-        // linear with theta 10000, factor 4. Every llama3 branch (kept, interpolated, divided)
-        // occurs for head_dim 16 at this theta.
+        // Printed by `make_fixtures.py` (transformers 5.24 and 5.25, torch 2.15:
+        // `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters`,
+        // `_compute_llama3_parameters`, `_compute_yarn_parameters`,
+        // `_compute_longrope_parameters`) for head_dim 16; llama3 with theta 500000, factor 8,
+        // low 1, high 4, original 8192; the others with theta 10000: linear factor 4, yarn
+        // factor 4 over 64 original positions (betas 32 and 1 truncated, 8 and 2 not),
+        // longrope's short factors 1, 1.5, .., 4.5. Every llama3 branch (kept, interpolated,
+        // divided) and every yarn ramp region occurs for head_dim 16 at these settings.
         let default = rope_inv_freq(16, 10000.0, &RopeScaling::None);
         let linear = rope_inv_freq(16, 10000.0, &RopeScaling::Linear { factor: 4.0 });
         let llama3 = rope_inv_freq(
@@ -273,13 +313,39 @@ mod tests {
                 original_max_position_embeddings: 8192,
             },
         );
-        let want_default = fixture::DEFAULT;
-        let want_linear = fixture::LINEAR;
-        let want_llama3 = fixture::LLAMA3;
+        let yarn = |beta_fast, beta_slow, truncate| {
+            rope_inv_freq(
+                16,
+                10000.0,
+                &RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position_embeddings: 64,
+                    beta_fast,
+                    beta_slow,
+                    truncate,
+                    attention_factor: 1.0,
+                },
+            )
+        };
+        let longrope = rope_inv_freq(
+            16,
+            10000.0,
+            &RopeScaling::LongRope {
+                factors: (0..8).map(|i| 1.0 + 0.5 * f64::from(i)).collect(),
+                attention_factor: 1.0,
+            },
+        );
         for (got, want, name) in [
-            (&default, want_default, "default"),
-            (&linear, want_linear, "linear"),
-            (&llama3, want_llama3, "llama3"),
+            (&default, fixture::DEFAULT, "default"),
+            (&linear, fixture::LINEAR, "linear"),
+            (&llama3, fixture::LLAMA3, "llama3"),
+            (&yarn(32.0, 1.0, true), fixture::YARN, "yarn"),
+            (
+                &yarn(8.0, 2.0, false),
+                fixture::YARN_UNTRUNCATED,
+                "yarn untruncated",
+            ),
+            (&longrope, fixture::LONGROPE, "longrope"),
         ] {
             // Within one ulp: libm's powf and PyTorch's vectorised pow may round differently.
             assert_eq!(got.len(), want.len(), "{name}");
@@ -305,6 +371,7 @@ mod tests {
             0.0010000000474974513,
             0.0003162277862429619,
         ];
+        // LINEAR: attention factor 1.0
         pub const LINEAR: &[f64] = &[
             0.25,
             0.07905694097280502,
@@ -315,6 +382,7 @@ mod tests {
             0.0002500000118743628,
             7.905694656074047e-05,
         ];
+        // LLAMA3: attention factor 1.0
         pub const LLAMA3: &[f64] = &[
             1.0,
             0.193922758102417,
@@ -324,6 +392,39 @@ mod tests {
             3.428102354519069e-05,
             6.647869668086059e-06,
             1.289173155782919e-06,
+        ];
+        // YARN: attention factor 1.138629436111989
+        pub const YARN: &[f64] = &[
+            1.0,
+            0.23717081546783447,
+            0.04999999701976776,
+            0.007905694656074047,
+            0.0024999999441206455,
+            0.0007905694656074047,
+            0.0002500000118743628,
+            7.905694656074047e-05,
+        ];
+        // YARN_UNTRUNCATED: attention factor 1.138629436111989
+        pub const YARN_UNTRUNCATED: &[f64] = &[
+            1.0,
+            0.16058915853500366,
+            0.02500000037252903,
+            0.007905694656074047,
+            0.0024999999441206455,
+            0.0007905694656074047,
+            0.0002500000118743628,
+            7.905694656074047e-05,
+        ];
+        // LONGROPE: attention factor 1.0408329997330663
+        pub const LONGROPE: &[f64] = &[
+            1.0,
+            0.21081849932670593,
+            0.05000000074505806,
+            0.012649111449718475,
+            0.0033333334140479565,
+            0.0009035079274326563,
+            0.0002500000118743628,
+            7.027283572824672e-05,
         ];
     }
 
