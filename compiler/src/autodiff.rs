@@ -195,6 +195,24 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             vec![],
             vec![0],
         ),
+        OpKind::PartialRope {
+            head_dim,
+            rotary_dim,
+            heads,
+            theta,
+            scaling,
+        } => rule(
+            OpKind::PartialRopeBackward {
+                head_dim,
+                rotary_dim,
+                heads,
+                theta,
+                scaling,
+            },
+            vec![],
+            vec![0],
+        ),
+        OpKind::PackedSwiglu => rule(OpKind::PackedSwigluBackward, vec![Input(0)], vec![0]),
         OpKind::Attention {
             heads,
             kv_heads,

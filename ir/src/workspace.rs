@@ -241,6 +241,10 @@ impl WorkspaceLayout {
             | OpKind::GroupedLinearBackward { .. }
             | OpKind::MoeCombineBackward { .. }
             | OpKind::RopeBackward { .. }
+            | OpKind::PartialRope { .. }
+            | OpKind::PartialRopeBackward { .. }
+            | OpKind::PackedSwiglu
+            | OpKind::PackedSwigluBackward
             | OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
             | OpKind::CrossEntropyBackwardLossScaled { .. }

@@ -11,6 +11,7 @@ mod gpt2;
 mod llama;
 mod moe;
 mod opt;
+mod phi3;
 
 use crate::config::{Activation, Architecture, ModelConfig, MAX_DIM, MAX_LAYERS};
 use crate::error::{ModelError, Result};
@@ -69,6 +70,7 @@ pub fn build_forward(config: &ModelConfig, options: &BuildOptions) -> Result<Gra
         Architecture::Gemma2(layout) | Architecture::Gemma3(layout) => {
             gemma::build(&mut b, config, layout)?
         }
+        Architecture::Phi3(layout) => phi3::build(&mut b, config, layout)?,
     }
     let mut graph = b.graph;
     crate::init::assign_inits(config, &mut graph);

@@ -21,9 +21,11 @@
 
 mod gemma;
 mod moe;
+mod phi3;
 
 pub use gemma::{GemmaLayout, LayerType, Rotary};
 pub use moe::{MoeArchitecture, MoeLayout};
+pub use phi3::{LongRope, Phi3Layout};
 
 use crate::error::{ConfigSource, ModelError, Result};
 use protrain_ir::RopeScaling;
@@ -35,7 +37,7 @@ use std::fmt;
 use std::path::Path;
 
 /// The `model_type` values this crate builds.
-pub const SUPPORTED_MODEL_TYPES: [&str; 11] = [
+pub const SUPPORTED_MODEL_TYPES: [&str; 12] = [
     "gemma2",
     "gemma3_text",
     "gpt2",
@@ -44,6 +46,7 @@ pub const SUPPORTED_MODEL_TYPES: [&str; 11] = [
     "mixtral",
     "olmo2",
     "opt",
+    "phi3",
     "qwen2",
     "qwen3",
     "qwen3_moe",
@@ -185,6 +188,9 @@ pub enum Architecture {
     /// Qwen3-MoE: Qwen3 whose MLPs (all but `mlp_only_layers`, every `decoder_sparse_step`-th)
     /// are mixtures of experts.
     Qwen3Moe(MoeArchitecture),
+    /// Phi-3: LLaMA with fused `qkv_proj` and `gate_up_proj` weights, LongRoPE, partial
+    /// rotary embeddings and an optional window on every layer.
+    Phi3(Phi3Layout),
 }
 
 /// A model's architecture, normalized across families, with transformers' defaults applied.
@@ -259,6 +265,7 @@ impl ModelConfig {
             "gemma2" | "gemma3_text" => {
                 typed::<gemma::GemmaJson>(&value, &from)?.into_config(&context)
             }
+            "phi3" => typed::<phi3::Phi3Json>(&value, &from)?.into_config(&context),
             _ => typed::<OptJson>(&value, &from)?.into_config(&context),
         }
     }
@@ -326,6 +333,7 @@ impl ModelConfig {
             Architecture::Gemma3(_) => "gemma3_text",
             Architecture::Mixtral(_) => "mixtral",
             Architecture::Qwen3Moe(_) => "qwen3_moe",
+            Architecture::Phi3(_) => "phi3",
         }
     }
 
@@ -342,7 +350,8 @@ impl ModelConfig {
             | Architecture::Mixtral(_)
             | Architecture::Qwen3Moe(_)
             | Architecture::Gemma2(_)
-            | Architecture::Gemma3(_) => None,
+            | Architecture::Gemma3(_)
+            | Architecture::Phi3(_) => None,
         }
     }
 }
@@ -610,6 +619,16 @@ struct RopeJson {
     low_freq_factor: Option<Positive>,
     high_freq_factor: Option<Positive>,
     original_max_position_embeddings: Option<Dim>,
+    /// YaRN's multiplier of cos and sin, when given.
+    attention_factor: Option<Positive>,
+    /// YaRN's ramp bounds (`None` or 0 take 32 and 1, as transformers' `or` does).
+    beta_fast: Option<NonNegative>,
+    beta_slow: Option<NonNegative>,
+    /// YaRN's attention-factor scalars.
+    mscale: Option<NonNegative>,
+    mscale_all_dim: Option<NonNegative>,
+    /// YaRN: whether the ramp's ends are rounded out (default true).
+    truncate: Option<Flag>,
     /// Every other key: an object among them means per-layer-type settings.
     #[serde(flatten)]
     others: BTreeMap<String, Value>,
@@ -806,8 +825,8 @@ impl Gpt2Json {
     }
 }
 
-/// The RoPE types this crate implements.
-const ROPE_TYPES: &str = "default, linear, llama3";
+/// The RoPE types this crate implements for the LLaMA-like families.
+const ROPE_TYPES: &str = "default, linear, llama3, yarn";
 
 impl RotaryJson {
     fn into_config(self, c: &Context) -> Result<ModelConfig> {
@@ -1043,21 +1062,65 @@ impl RotaryJson {
                     .or(params.original_max_position_embeddings.as_ref())
                     .map_or(max_positions, |d| d.0),
             },
+            "yarn" => {
+                let original = self
+                    .original_max_position_embeddings
+                    .as_ref()
+                    .or(params.original_max_position_embeddings.as_ref())
+                    .map_or(max_positions, |d| d.0);
+                yarn(params, max_positions, original)
+            }
             other => return Err(c.unsupported(&path("rope_type"), other, ROPE_TYPES)),
         };
         Ok((theta, scaling))
     }
 }
 
-/// Refuses a `partial_rotary_factor` other than 1: rotating part of each head is not
-/// implemented.
+/// YaRN's settings as `_compute_yarn_parameters` derives them: `factor` (else
+/// `max_position_embeddings / original`), `beta_fast` 32 and `beta_slow` 1 when absent or 0,
+/// `truncate` true, and the attention factor given, else `mscale(factor, mscale) /
+/// mscale(factor, mscale_all_dim)` when both are given and non-zero, else `mscale(factor)`, with
+/// `mscale(s, m) = 0.1 * m * ln(s) + 1` (1 for `s <= 1`).
+fn yarn(params: &RopeJson, max_positions: u64, original: u64) -> RopeScaling {
+    let factor = params
+        .factor
+        .as_ref()
+        .map_or(max_positions as f64 / original as f64, |f| f.0);
+    let mscale = |scale: f64, m: f64| match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * scale.ln() + 1.0,
+    };
+    let given = |x: &Option<NonNegative>| x.as_ref().map(|x| x.0).filter(|&x| x != 0.0);
+    let attention_factor = match (
+        &params.attention_factor,
+        given(&params.mscale),
+        given(&params.mscale_all_dim),
+    ) {
+        (Some(a), _, _) => a.0,
+        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+        (None, _, _) => mscale(factor, 1.0),
+    };
+    RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: given(&params.beta_fast).unwrap_or(32.0),
+        beta_slow: given(&params.beta_slow).unwrap_or(1.0),
+        truncate: flag(params.truncate, true),
+        attention_factor,
+    }
+}
+
+/// Refuses a `partial_rotary_factor` other than 1: transformers' modelling code of these
+/// families applies cos and sin to the whole head (only Phi-3's rotates part of it), so a
+/// smaller factor builds no model there either.
 fn check_partial_rotary(c: &Context, partial: Option<&Number>) -> Result<()> {
     if let Some(Number(factor)) = partial {
         if factor.as_f64() != Some(1.0) {
             return Err(c.unsupported(
                 "partial_rotary_factor",
                 &factor.to_string(),
-                "1.0 (rotate the whole head)",
+                "1.0 (transformers' modelling of this family rotates the whole head; \
+                 Phi-3 is the family that rotates part of it)",
             ));
         }
     }

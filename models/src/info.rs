@@ -190,6 +190,7 @@ fn features(config: &ModelConfig) -> Vec<String> {
         }
         // Gemma's lines name its tied embeddings among its own features.
         Architecture::Gemma2(l) | Architecture::Gemma3(l) => return l.features(config),
+        Architecture::Phi3(l) => l.features(config),
     };
     lines.push(tied.into());
     lines
@@ -219,7 +220,7 @@ fn rotary_features(config: &ModelConfig, l: &LlamaLayout) -> Vec<String> {
         QkNorm::PerHead => format!("RMSNorm per head ({} wide)", config.head_dim),
         QkNorm::Whole => "RMSNorm over the whole projection".into(),
     };
-    let scaling = match l.rope_scaling {
+    let scaling = match &l.rope_scaling {
         RopeScaling::None => String::new(),
         RopeScaling::Linear { factor } => format!(", linear scaling by {factor}"),
         RopeScaling::Llama3 {
@@ -231,6 +232,7 @@ fn rotary_features(config: &ModelConfig, l: &LlamaLayout) -> Vec<String> {
             ", llama3 scaling (factor {factor}, low {low_freq_factor}, high {high_freq_factor}, \
              original {original_max_position_embeddings})"
         ),
+        other => format!(", {}", other.describe().unwrap_or_default()),
     };
     let window = match l.sliding_window {
         None => "none (every layer attends to the whole prefix)".to_string(),

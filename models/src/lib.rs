@@ -19,8 +19,8 @@ pub mod presets;
 
 pub use build::{build_forward, BuildOptions};
 pub use config::{
-    Activation, Architecture, GemmaLayout, LayerType, LlamaLayout, ModelConfig, MoeArchitecture,
-    MoeLayout, OptLayout, QkNorm, Rotary, SUPPORTED_MODEL_TYPES,
+    Activation, Architecture, GemmaLayout, LayerType, LlamaLayout, LongRope, ModelConfig,
+    MoeArchitecture, MoeLayout, OptLayout, Phi3Layout, QkNorm, Rotary, SUPPORTED_MODEL_TYPES,
 };
 pub use error::{ConfigSource, ModelError, Result};
 pub use info::{ModelInfo, ModelStateBytes};

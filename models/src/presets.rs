@@ -135,6 +135,16 @@ const PRESETS: &[Preset] = &[
          layers"
     ),
     preset!(
+        "phi-3-mini",
+        "Phi-3 mini 4k: 3.82B parameters, 32 layers, hidden 3072, fused qkv_proj and \
+         gate_up_proj, 2047-token window"
+    ),
+    preset!(
+        "phi-3-mini-128k",
+        "Phi-3 mini 128k: phi-3-mini with LongRoPE (short and long factors beyond 4096 tokens) \
+         and 131072 positions"
+    ),
+    preset!(
         "gpt2-tiny",
         "Test GPT-2: hidden 64, 2 layers, 4 heads, vocabulary 256, 256 positions"
     ),

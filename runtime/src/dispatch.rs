@@ -60,10 +60,39 @@ impl Prepared {
                 head_dim,
                 theta,
                 scaling,
-            } => kernels::rope_inv_freq(*head_dim as usize, *theta, *scaling),
+            } => kernels::rope_inv_freq(*head_dim as usize, *theta, scaling),
+            OpKind::PartialRope {
+                rotary_dim,
+                theta,
+                scaling,
+                ..
+            }
+            | OpKind::PartialRopeBackward {
+                rotary_dim,
+                theta,
+                scaling,
+                ..
+            } => kernels::rope_inv_freq(*rotary_dim as usize, *theta, scaling),
             _ => Vec::new(),
         };
         Self { inv_freq }
+    }
+}
+
+/// The geometry of a [`OpKind::PartialRope`] over `x [B,T,N*head_dim]`.
+fn partial_rope_dims(
+    x: &TensorType,
+    head_dim: u64,
+    rotary_dim: u64,
+    heads: u64,
+) -> kernels::RopeDims {
+    kernels::RopeDims {
+        batch: x.shape[0] as usize,
+        seq: x.shape[1] as usize,
+        heads: (x.last_dim() / head_dim) as usize,
+        head_dim: head_dim as usize,
+        rotary_dim: rotary_dim as usize,
+        rotated_heads: heads as usize,
     }
 }
 
@@ -436,17 +465,31 @@ pub fn run<'a>(
             kernels::scale_forward(outputs[0], ins.f32(0), factor)
         }
         OpKind::Add => kernels::add_forward(outputs[0], ins.f32(0), ins.f32(1)),
-        OpKind::Rope { head_dim, .. } => {
-            let x = ty(0);
-            kernels::rope_forward(
-                outputs[0],
-                ins.f32(0),
-                &prepared.inv_freq,
-                x.shape[0] as usize,
-                x.shape[1] as usize,
-                (x.last_dim() / head_dim) as usize,
-                *head_dim as usize,
-            );
+        OpKind::Rope {
+            head_dim, scaling, ..
+        } => kernels::partial_rope_forward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *head_dim, ty(0).last_dim() / head_dim),
+        ),
+        OpKind::PartialRope {
+            head_dim,
+            rotary_dim,
+            heads,
+            scaling,
+            ..
+        } => kernels::partial_rope_forward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *rotary_dim, *heads),
+        ),
+        OpKind::PackedSwiglu => {
+            let width = (ty(0).last_dim() / 2) as usize;
+            kernels::packed_swiglu_forward(outputs[0], ins.f32(0), width)
         }
         OpKind::Attention {
             heads,
@@ -752,17 +795,31 @@ pub fn run<'a>(
             };
             kernels::swiglu_backward(dgate, dup, ins.f32(2), ins.f32(0), ins.f32(1));
         }
-        OpKind::RopeBackward { head_dim, .. } => {
-            let x = ty(0);
-            kernels::rope_backward(
-                outputs[0],
-                ins.f32(0),
-                &prepared.inv_freq,
-                x.shape[0] as usize,
-                x.shape[1] as usize,
-                (x.last_dim() / head_dim) as usize,
-                *head_dim as usize,
-            );
+        OpKind::RopeBackward {
+            head_dim, scaling, ..
+        } => kernels::partial_rope_backward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *head_dim, ty(0).last_dim() / head_dim),
+        ),
+        OpKind::PartialRopeBackward {
+            head_dim,
+            rotary_dim,
+            heads,
+            scaling,
+            ..
+        } => kernels::partial_rope_backward(
+            outputs[0],
+            ins.f32(0),
+            &prepared.inv_freq,
+            scaling.attention_factor() as f32,
+            partial_rope_dims(ty(0), *head_dim, *rotary_dim, *heads),
+        ),
+        OpKind::PackedSwigluBackward => {
+            let width = (ty(0).last_dim() / 2) as usize;
+            kernels::packed_swiglu_backward(outputs[0], ins.f32(1), ins.f32(0), width)
         }
         OpKind::AttentionBackward {
             heads,

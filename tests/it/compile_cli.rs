@@ -909,6 +909,46 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
     );
 }
 
+/// Phi-3 mini's published configs (4k and 128k) compile for a 24 GiB card, fit it, and verify;
+/// the 128k one at 8192 tokens takes its LongRoPE long factors.
+#[test]
+fn phi3_real_configs_compile_for_an_rtx3090() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (name, seq) in [
+        ("phi-3-mini-4k", "1024"),
+        ("phi-3-mini-128k", "1024"),
+        ("phi-3-mini-128k", "8192"),
+    ] {
+        let config = format!(
+            "{}/models/tests/real-configs/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let file = dir.path().join(format!("{name}-{seq}.ptsched"));
+        let out = protrain(&[
+            "compile",
+            &config,
+            "--hardware",
+            "rtx3090",
+            "--host-memory",
+            "256GiB",
+            "--batch",
+            "1",
+            "--seq",
+            seq,
+            "-o",
+            path(&file),
+            "--json",
+        ]);
+        let v = json(&out);
+        assert!(
+            v["peak_device_bytes"].as_u64().expect("bytes") <= 23 * GIB,
+            "{name}: {v}"
+        );
+        let verified = protrain(&["verify", path(&file)]);
+        assert!(verified.status.success(), "{name}: {}", stderr(&verified));
+    }
+}
+
 /// Gemma's published configs compile for a 24 GiB card and fit it, but for Gemma-2-9B: its
 /// tied embedding, 256000 x 3584 = 917M parameters, is one tensor and so lies whole in one
 /// chunk, and two buffers of that chunk's size do not fit beside the activations; the compiler

@@ -362,3 +362,14 @@ fn mixtral_every_policy_matches_the_interpreter_with_clipping() {
 fn qwen3_moe_every_policy_matches_the_interpreter() {
     check(&fixture_model("qwen3_moe"), None);
 }
+
+#[test]
+fn phi3_every_policy_matches_the_interpreter_with_clipping() {
+    // Packed qkv rotated in place (partial, LongRoPE), packed SwiGLU, a window on every layer.
+    check(&fixture_model("phi3"), Some(0.5));
+}
+
+#[test]
+fn qwen2_yarn_every_policy_matches_the_interpreter_with_clipping() {
+    check(&fixture_model("qwen2_yarn"), Some(0.5));
+}

@@ -708,7 +708,7 @@ fn rope_rounds_its_outputs() {
     let kind = OpKind::Rope {
         head_dim,
         theta,
-        scaling,
+        scaling: scaling.clone(),
     };
     check_op("rope", &OneOp::new(17).act(&x, 2.0).op(kind));
     let kind = OpKind::RopeBackward {

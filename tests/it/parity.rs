@@ -331,6 +331,7 @@ fn hub_weights_load_from_shards_and_save_with_hub_names() {
         "olmo2",
         "gemma2",
         "gemma3",
+        "phi3",
         "mixtral",
         "qwen3_moe",
     ] {
@@ -356,4 +357,14 @@ fn mixtral_with_renormalised_top_2_of_4_experts_matches_pytorch() {
 #[test]
 fn qwen3_moe_with_a_dense_layer_and_top_2_of_8_experts_unnormalised_matches_pytorch() {
     check("qwen3_moe");
+}
+
+#[test]
+fn phi3_with_fused_projections_partial_longrope_and_a_window_matches_pytorch() {
+    check("phi3");
+}
+
+#[test]
+fn qwen2_with_yarn_rope_scaling_matches_pytorch() {
+    check("qwen2_yarn");
 }

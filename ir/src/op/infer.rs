@@ -198,7 +198,14 @@ impl OpKind {
                 same(&y, dy, "dy")?;
                 vec![inputs[0].clone(), inputs[1].clone()]
             }
-            OpKind::RopeBackward { .. } => vec![forward.infer_forward(&[dy])?],
+            OpKind::RopeBackward { .. } | OpKind::PartialRopeBackward { .. } => {
+                vec![forward.infer_forward(&[dy])?]
+            }
+            OpKind::PackedSwigluBackward => {
+                let y = forward.infer_forward(&inputs[..1])?;
+                same(&y, dy, "dy")?;
+                vec![inputs[0].clone()]
+            }
             OpKind::AttentionBackward { qkv, .. } => {
                 let n = match qkv {
                     QkvLayout::Separate => 3,
@@ -395,7 +402,9 @@ impl OpKind {
                 }
                 Ok(inputs[0].clone())
             }
-            OpKind::Rope { head_dim, .. } => {
+            OpKind::Rope {
+                head_dim, scaling, ..
+            } => {
                 let x = inputs[0];
                 float(x, "input")?;
                 if *head_dim == 0
@@ -407,7 +416,48 @@ impl OpKind {
                         "{x} is not [B,T,heads*{head_dim}] with an even head_dim"
                     )));
                 }
+                check_rope_scaling(scaling, *head_dim).map_err(fail)?;
                 Ok(x.clone())
+            }
+            OpKind::PartialRope {
+                head_dim,
+                rotary_dim,
+                heads,
+                scaling,
+                ..
+            } => {
+                let x = inputs[0];
+                float(x, "input")?;
+                if *head_dim == 0 || !x.last_dim().is_multiple_of(*head_dim) || x.shape.len() != 3 {
+                    return Err(fail(format!("{x} is not [B,T,heads*{head_dim}]")));
+                }
+                if *rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+                    return Err(fail(format!(
+                        "rotary_dim {rotary_dim} is not even and from 2 to head_dim {head_dim}"
+                    )));
+                }
+                let total = x.last_dim() / head_dim;
+                if *heads == 0 || *heads > total {
+                    return Err(fail(format!(
+                        "{heads} rotated heads, but {x} holds {total} heads of {head_dim}"
+                    )));
+                }
+                check_rope_scaling(scaling, *rotary_dim).map_err(fail)?;
+                Ok(x.clone())
+            }
+            OpKind::PackedSwiglu => {
+                let x = inputs[0];
+                float(x, "input")?;
+                if x.shape.is_empty() || !x.last_dim().is_multiple_of(2) {
+                    return Err(fail(format!(
+                        "{x} does not end in an even width (gate then up)"
+                    )));
+                }
+                let mut shape = x.shape.clone();
+                if let Some(last) = shape.last_mut() {
+                    *last /= 2;
+                }
+                Ok(TensorType::new(shape, x.dtype))
             }
             OpKind::Attention {
                 heads,
@@ -475,4 +525,30 @@ impl OpKind {
             _ => Err(fail("is not a forward kind".into())),
         }
     }
+}
+
+/// Checks a RoPE scaling against the rotated width: finite positive factors, and one LongRoPE
+/// factor per rotated pair.
+fn check_rope_scaling(scaling: &crate::op::RopeScaling, rotary_dim: u64) -> Result<(), String> {
+    if let crate::op::RopeScaling::LongRope {
+        factors,
+        attention_factor,
+    } = scaling
+    {
+        if factors.len() as u64 != rotary_dim / 2 {
+            return Err(format!(
+                "longrope has {} factors, but the rotation has {} pairs",
+                factors.len(),
+                rotary_dim / 2
+            ));
+        }
+        if let Some(bad) = factors
+            .iter()
+            .chain([attention_factor])
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return Err(format!("longrope factor {bad} must be a finite number > 0"));
+        }
+    }
+    Ok(())
 }

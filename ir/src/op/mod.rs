@@ -25,7 +25,7 @@ pub enum WeightLayout {
 }
 
 /// How rotary position frequencies are rescaled for long contexts (transformers' `rope_scaling`).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RopeScaling {
     /// Plain RoPE.
@@ -46,6 +46,84 @@ pub enum RopeScaling {
         /// The context length the model was pre-trained with.
         original_max_position_embeddings: u64,
     },
+    /// Phi-3's LongRoPE (transformers' `longrope`), for one sequence length: every inverse
+    /// frequency divided by its own factor (the config's `short_factor` up to
+    /// `original_max_position_embeddings`, `long_factor` beyond), and cos and sin multiplied
+    /// by `attention_factor`.
+    LongRope {
+        /// One divisor per rotated pair (`rotary_dim / 2` of them).
+        factors: Vec<f64>,
+        /// The multiplier of cos and sin.
+        attention_factor: f64,
+    },
+    /// YaRN (transformers' `yarn`): each inverse frequency blended between itself and itself
+    /// divided by `factor`, by a linear ramp over the pairs between the correction dimensions
+    /// of `beta_fast` and `beta_slow` rotations in `original_max_position_embeddings` tokens;
+    /// cos and sin multiplied by `attention_factor`.
+    Yarn {
+        /// The context extension factor.
+        factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: u64,
+        /// Rotations that bound the extrapolated (unscaled) pairs.
+        beta_fast: f64,
+        /// Rotations that bound the interpolated (scaled) pairs.
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded out to whole pairs (floor and ceil).
+        truncate: bool,
+        /// The multiplier of cos and sin.
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// What cos and sin are multiplied by (transformers' `attention_scaling`): 1 but for
+    /// LongRoPE.
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::LongRope {
+                attention_factor, ..
+            }
+            | RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
+            RopeScaling::None | RopeScaling::Linear { .. } | RopeScaling::Llama3 { .. } => 1.0,
+        }
+    }
+
+    /// The printed form (`linear(4)`, `llama3(...)`, `longrope(...)`); `None` for plain RoPE.
+    pub fn describe(&self) -> Option<String> {
+        match self {
+            RopeScaling::None => None,
+            RopeScaling::Linear { factor } => Some(format!("linear({factor})")),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => Some(format!(
+                "llama3({factor},{low_freq_factor},{high_freq_factor},{original_max_position_embeddings})"
+            )),
+            RopeScaling::LongRope {
+                factors,
+                attention_factor,
+            } => {
+                let factors: Vec<String> = factors.iter().map(|f| format!("{f}")).collect();
+                Some(format!("longrope([{}],{attention_factor})", factors.join(",")))
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => Some(format!(
+                "yarn({factor},{original_max_position_embeddings},{beta_fast},{beta_slow},\
+                 {truncate},{attention_factor})"
+            )),
+        }
+    }
 }
 
 /// How the query, key and value projections reach an attention op.
@@ -498,6 +576,42 @@ pub enum OpKind {
         /// Experts each token is sent to.
         top_k: u64,
     },
+    // Phi-3's kinds (appended last, so schedules without them keep their encoding).
+    /// Rotary embedding of part of `x [B,T,N*head_dim]`: in each of the first `heads` heads
+    /// the first `rotary_dim` elements are rotated (rotate-half within them, as
+    /// [`OpKind::Rope`] rotates a whole head); every other element is copied. Rotates q and k
+    /// inside Phi-3's packed `qkv_proj` output (v's heads copied), and the rotary part of a
+    /// head under `partial_rotary_factor`.
+    PartialRope {
+        /// Width of one head.
+        head_dim: u64,
+        /// Rotated width of each rotated head (even, at most `head_dim`).
+        rotary_dim: u64,
+        /// Rotated heads, counted from the first.
+        heads: u64,
+        /// Base of the frequencies.
+        theta: f64,
+        /// Long-context rescaling.
+        scaling: RopeScaling,
+    },
+    /// `dy` -> `dx` (the inverse rotation of the rotated part, the rest copied).
+    PartialRopeBackward {
+        /// Width of one head.
+        head_dim: u64,
+        /// Rotated width of each rotated head.
+        rotary_dim: u64,
+        /// Rotated heads, counted from the first.
+        heads: u64,
+        /// Base of the frequencies.
+        theta: f64,
+        /// Long-context rescaling.
+        scaling: RopeScaling,
+    },
+    /// `x [..,2I]` -> `silu(gate) * up` `[..,I]` with `gate` the first half of the last
+    /// dimension and `up` the second (Phi-3's `gate_up_proj` output, `chunk(2, dim=-1)`).
+    PackedSwiglu,
+    /// `x`, `dy` -> `dx [..,2I]`: `dgate` in the first half, `dup` in the second.
+    PackedSwigluBackward,
 }
 
 impl OpKind {
@@ -560,6 +674,10 @@ impl OpKind {
             OpKind::MoeDispatchBackward { .. } => "moe_dispatch_backward",
             OpKind::GroupedLinearBackward { .. } => "grouped_linear_backward",
             OpKind::MoeCombineBackward { .. } => "moe_combine_backward",
+            OpKind::PartialRope { .. } => "partial_rope",
+            OpKind::PartialRopeBackward { .. } => "partial_rope_backward",
+            OpKind::PackedSwiglu => "packed_swiglu",
+            OpKind::PackedSwigluBackward => "packed_swiglu_backward",
         }
     }
 
@@ -687,6 +805,20 @@ impl OpKind {
             OpKind::MoeDispatchBackward { top_k } => OpKind::MoeDispatch { top_k },
             OpKind::GroupedLinearBackward { experts } => OpKind::GroupedLinear { experts },
             OpKind::MoeCombineBackward { top_k } => OpKind::MoeCombine { top_k },
+            OpKind::PartialRopeBackward {
+                head_dim,
+                rotary_dim,
+                heads,
+                theta,
+                scaling,
+            } => OpKind::PartialRope {
+                head_dim,
+                rotary_dim,
+                heads,
+                theta,
+                scaling,
+            },
+            OpKind::PackedSwigluBackward => OpKind::PackedSwiglu,
             OpKind::CrossEntropyBackward
             | OpKind::CrossEntropyBackwardScaled { .. }
             | OpKind::CrossEntropyBackwardLossScaled { .. } => OpKind::CrossEntropy,
@@ -847,20 +979,8 @@ impl OpKind {
                     ("head_dim", head_dim.to_string()),
                     ("theta", format!("{theta}")),
                 ];
-                match scaling {
-                    RopeScaling::None => {}
-                    RopeScaling::Linear { factor } => attrs.push(("scaling", format!("linear({factor})"))),
-                    RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position_embeddings,
-                    } => attrs.push((
-                        "scaling",
-                        format!(
-                            "llama3({factor},{low_freq_factor},{high_freq_factor},{original_max_position_embeddings})"
-                        ),
-                    )),
+                if let Some(scaling) = scaling.describe() {
+                    attrs.push(("scaling", scaling));
                 }
                 attrs
             }
@@ -895,6 +1015,24 @@ impl OpKind {
             OpKind::Scale { factor } => vec![("factor", format!("{factor}"))],
             OpKind::Softcap { cap } => vec![("cap", format!("{cap}"))],
             kind if kind.is_moe() => kind.moe_attributes(),
+            OpKind::PartialRope {
+                head_dim,
+                rotary_dim,
+                heads,
+                theta,
+                scaling,
+            } => {
+                let mut attrs = vec![
+                    ("head_dim", head_dim.to_string()),
+                    ("rotary_dim", rotary_dim.to_string()),
+                    ("heads", heads.to_string()),
+                    ("theta", format!("{theta}")),
+                ];
+                if let Some(scaling) = scaling.describe() {
+                    attrs.push(("scaling", scaling));
+                }
+                attrs
+            }
             _ => vec![],
         }
     }
@@ -910,8 +1048,12 @@ impl OpKind {
             | OpKind::Relu
             | OpKind::Silu
             | OpKind::Rope { .. }
+            | OpKind::PartialRope { .. }
+            | OpKind::PartialRopeBackward { .. }
+            | OpKind::PackedSwiglu
             | OpKind::Scale { .. }
             | OpKind::Softcap { .. } => 1,
+            OpKind::PackedSwigluBackward => 2,
             OpKind::Swiglu | OpKind::Geglu | OpKind::Add | OpKind::CrossEntropy => 2,
             OpKind::SoftcapBackward { .. } => 2,
             OpKind::GegluBackward => 3,
@@ -1023,10 +1165,16 @@ impl OpKind {
             OpKind::Softcap { .. } => 6 * out,
             OpKind::SoftcapBackward { .. } => 4 * out,
             OpKind::Scale { .. } => out,
-            OpKind::Silu | OpKind::Swiglu | OpKind::Rope { .. } | OpKind::RopeBackward { .. } => {
-                5 * out
-            }
+            OpKind::Silu
+            | OpKind::Swiglu
+            | OpKind::PackedSwiglu
+            | OpKind::Rope { .. }
+            | OpKind::RopeBackward { .. }
+            | OpKind::PartialRope { .. }
+            | OpKind::PartialRopeBackward { .. } => 5 * out,
             OpKind::SiluBackward | OpKind::SwigluBackward => 8 * out,
+            // Per element of `dx`: both halves' derivatives come from one `dy`.
+            OpKind::PackedSwigluBackward => 4 * out,
             OpKind::Relu | OpKind::Add | OpKind::ReluBackward => out,
             OpKind::FusedLinear {
                 count, epilogue, ..

@@ -191,7 +191,7 @@ fn decoder_layer(
     let rope = OpKind::Rope {
         head_dim: config.head_dim,
         theta: rotary.theta,
-        scaling: rotary.scaling,
+        scaling: rotary.scaling.clone(),
     };
     let attention = OpKind::Attention {
         heads: config.num_heads,

@@ -254,7 +254,7 @@ fn attention(
     let rope = OpKind::Rope {
         head_dim: config.head_dim,
         theta: layout.rope_theta,
-        scaling: layout.rope_scaling,
+        scaling: layout.rope_scaling.clone(),
     };
     let q = b.op(rope.clone(), &[q], n("attn.q_rope"))?;
     let k = b.op(rope, &[k], n("attn.k_rope"))?;

@@ -25,7 +25,7 @@ pub enum LayerType {
 }
 
 /// RoPE settings of one layer type.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rotary {
     /// Base of the frequencies.
     pub theta: f64,
@@ -66,10 +66,10 @@ impl GemmaLayout {
     }
 
     /// The RoPE settings of layer `i`.
-    pub fn rope(&self, i: usize) -> Rotary {
+    pub fn rope(&self, i: usize) -> &Rotary {
         match self.layer_types.get(i) {
-            Some(LayerType::Sliding) => self.rope_local,
-            _ => self.rope_global,
+            Some(LayerType::Sliding) => &self.rope_local,
+            _ => &self.rope_global,
         }
     }
 }
@@ -80,12 +80,17 @@ impl GemmaLayout {
     pub fn features(&self, config: &ModelConfig) -> Vec<String> {
         let cap =
             |c: Option<f64>| c.map_or("none".to_string(), |c| format!("{c} (c * tanh(x / c))"));
-        let rope = |r: Rotary| match r.scaling {
+        let rope = |r: &Rotary| match &r.scaling {
             RopeScaling::None => format!("theta {}", r.theta),
             RopeScaling::Linear { factor } => {
                 format!("theta {}, linear scaling x{factor}", r.theta)
             }
             RopeScaling::Llama3 { factor, .. } => format!("theta {}, llama3 x{factor}", r.theta),
+            other => format!(
+                "theta {}, {}",
+                r.theta,
+                other.describe().unwrap_or_default()
+            ),
         };
         let global: Vec<String> = (0..self.layer_types.len())
             .filter(|&i| self.layer_types[i] == LayerType::Full)
@@ -121,8 +126,8 @@ impl GemmaLayout {
             ),
             format!(
                 "rope: {} on global layers, {} on sliding layers",
-                rope(self.rope_global),
-                rope(self.rope_local)
+                rope(&self.rope_global),
+                rope(&self.rope_local)
             ),
             "mlp: GeGLU (gelu_pytorch_tanh(gate) * up)".to_string(),
             format!(
@@ -374,7 +379,7 @@ impl GemmaJson {
                 scaling: RopeScaling::None,
             },
             // Gemma 2 has one rotary embedding for every layer.
-            None => global,
+            None => global.clone(),
         };
         Ok((global, local))
     }

@@ -103,11 +103,11 @@ fn invalid_json_says_where() {
 fn model_type_must_be_known() {
     check(
         r#"{"n_embd": 768}"#,
-        "config.json: missing required field `model_type`; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
+        "config.json: missing required field `model_type`; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, phi3, qwen2, qwen3",
     );
     check(
         r#"{"model_type": "bert"}"#,
-        "config.json: unknown model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, qwen2, qwen3",
+        "config.json: unknown model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, phi3, qwen2, qwen3",
     );
     check(
         r#"{"model_type": 2}"#,
@@ -236,12 +236,12 @@ fn unsupported_values_list_what_is_supported() {
         "config.json: hidden_act 'gelu_new' is not supported for llama; supported: silu, swish",
     );
     check(
-        &format!(r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#),
-        "config.json: rope_scaling.rope_type 'yarn' is not supported for llama; supported: default, linear, llama3",
+        &format!(r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {{"rope_type": "longrope", "factor": 4.0}}}}"#),
+        "config.json: rope_scaling.rope_type 'longrope' is not supported for llama; supported: default, linear, llama3, yarn",
     );
     check(
         &format!(r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {{"type": "dynamic"}}}}"#),
-        "config.json: rope_parameters.rope_type 'dynamic' is not supported for llama; supported: default, linear, llama3",
+        "config.json: rope_parameters.rope_type 'dynamic' is not supported for llama; supported: default, linear, llama3, yarn",
     );
     check(
         &format!(r#"{{{LLAMA}, "hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {{"rope_type": "linear"}}}}"#),
@@ -356,22 +356,23 @@ fn qwen_layer_types_other_than_full_then_sliding_are_refused_by_name() {
 
 #[test]
 fn rope_scaling_types_not_implemented_are_refused_by_name_for_the_new_families() {
-    // Qwen2.5's long-context recipe: YaRN, which this crate does not implement yet.
+    // Phi-3's LongRoPE, which transformers' Qwen2 does not read.
     let qwen = r#""model_type": "qwen2", "vocab_size": 96, "hidden_size": 32,
         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2"#;
     check(
         &format!(
-            r#"{{{qwen}, "rope_scaling": {{"type": "yarn", "factor": 4.0,
+            r#"{{{qwen}, "rope_scaling": {{"type": "longrope", "factor": 4.0,
             "original_max_position_embeddings": 32768}}}}"#
         ),
-        "config.json: rope_scaling.rope_type 'yarn' is not supported for qwen2; supported: \
-         default, linear, llama3",
+        "config.json: rope_scaling.rope_type 'longrope' is not supported for qwen2; supported: \
+         default, linear, llama3, yarn",
     );
     check(
         &format!(r#"{{{qwen}, "partial_rotary_factor": 0.5}}"#),
         "config.json: partial_rotary_factor '0.5' is not supported for qwen2; supported: 1.0 \
-         (rotate the whole head)",
+         (transformers' modelling of this family rotates the whole head; Phi-3 is the family \
+         that rotates part of it)",
     );
 }
 

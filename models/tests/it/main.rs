@@ -6,3 +6,4 @@ mod graphs;
 mod moe;
 mod params;
 mod parsing;
+mod phi3;

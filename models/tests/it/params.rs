@@ -115,7 +115,17 @@ fn test_configs_match_transformers() {
 fn reference_fixtures_match_transformers() {
     // The configs transformers 5 wrote for the numerics fixtures, with everything it records.
     for model in [
-        "gpt2", "llama", "mistral", "opt", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3",
+        "gpt2",
+        "llama",
+        "mistral",
+        "opt",
+        "qwen2",
+        "qwen3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "qwen2_yarn",
     ] {
         let dir = Path::new(MODELS).join("../tests/fixtures").join(model);
         let mut expected = read_json(&dir.join("expected.json"));
@@ -150,6 +160,8 @@ fn real_configs_have_their_published_counts() {
         ("gemma-2-9b.json", 9_241_705_984),
         ("gemma-3-1b.json", 999_885_952),
         ("gemma-3-4b.json", 3_880_263_168),
+        ("phi-3-mini-4k.json", 3_821_079_552),
+        ("phi-3-mini-128k.json", 3_821_079_552),
     ] {
         check_count(real_configs().join(file).to_str().unwrap(), parameters);
     }
@@ -195,6 +207,8 @@ fn presets_have_their_published_counts() {
         ("gemma-2-9b", 9_241_705_984),
         ("gemma-3-1b", 999_885_952),
         ("gemma-3-4b", 3_880_263_168),
+        ("phi-3-mini", 3_821_079_552),
+        ("phi-3-mini-128k", 3_821_079_552),
         ("opt-13b", 12_853_473_280),
         // 48 layers x 616,655,872 + 50272 x 7168 tokens + 2050 x 7168 positions + 2 x 7168 final
         // norm, as transformers builds it (not 29,974,401,024, a figure that circulates).

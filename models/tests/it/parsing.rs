@@ -241,6 +241,8 @@ fn presets_are_listed_in_a_stable_order() {
             "gemma-2-9b",
             "gemma-3-1b",
             "gemma-3-4b",
+            "phi-3-mini",
+            "phi-3-mini-128k",
             "gpt2-tiny",
             "llama-tiny",
             "mistral-tiny",
@@ -257,9 +259,10 @@ fn presets_are_listed_in_a_stable_order() {
         );
         // GPT-3 has no transformers model type of its own: its shape is built as GPT-2's.
         // Gemma's presets are named as Google names them (`gemma-2-9b`), its types `gemma2`
-        // and `gemma3_text`.
+        // and `gemma3_text`, and Phi-3's as Microsoft names them (`phi-3-mini`), its type `phi3`.
         let family = match preset.name {
             n if n.starts_with("gpt3-") => "gpt2",
+            n if n.starts_with("phi-3-") => "phi3",
             n if n.starts_with("gemma-2-") => "gemma2",
             n if n.starts_with("gemma-3-") => "gemma3_text",
             n => n,
@@ -422,7 +425,7 @@ mod gemma {
         assert_eq!(l.rope(5).theta, 1e6);
         assert_eq!(l.rope(5).scaling, RopeScaling::Linear { factor: 8.0 });
         assert_eq!(
-            (l.rope(0).theta, l.rope(0).scaling),
+            (l.rope(0).theta, l.rope(0).scaling.clone()),
             (1e4, RopeScaling::None)
         );
         // v5's per-layer-type `rope_parameters` mean the same model.
@@ -481,4 +484,83 @@ mod gemma {
         );
         assert!(!g2.iter().any(|l| l.starts_with("q/k norms")), "{g2:?}");
     }
+}
+
+/// YaRN as `_compute_yarn_parameters` reads it: the factor given or derived, the original
+/// context from the top level, the dict or the positions, betas 32 and 1 when absent or 0, the
+/// attention factor given, from `mscale` and `mscale_all_dim`, or `0.1 ln(factor) + 1`.
+#[test]
+fn yarn_reads_as_transformers_reads_it() {
+    let scaling = |json: &str| llama_layout(&parse(json)).rope_scaling.clone();
+    let qwen = r#""model_type": "qwen2", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 131072"#;
+    let v4 = scaling(&format!(
+        r#"{{{qwen}, "rope_scaling": {{"type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}}}}"#
+    ));
+    assert_eq!(
+        v4,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+        }
+    );
+    let v5 = scaling(&format!(
+        r#"{{{qwen}, "rope_parameters": {{"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768, "beta_fast": 0, "rope_theta": 1e4}}}}"#
+    ));
+    assert_eq!(v4, v5);
+    // No factor: max_position_embeddings / original; the given attention factor wins.
+    match scaling(&format!(
+        r#"{{{qwen}, "original_max_position_embeddings": 4096, "rope_scaling": {{"type": "yarn",
+            "attention_factor": 1.5, "beta_fast": 16, "truncate": false}}}}"#
+    )) {
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            truncate,
+            attention_factor,
+            ..
+        } => assert_eq!(
+            (
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                truncate,
+                attention_factor
+            ),
+            (32.0, 4096, 16.0, false, 1.5)
+        ),
+        other => panic!("{other:?}"),
+    }
+    // DeepSeek's mscale pair: mscale(f, m) / mscale(f, m_all).
+    let RopeScaling::Yarn {
+        attention_factor, ..
+    } = scaling(&format!(
+        r#"{{{qwen}, "rope_scaling": {{"type": "yarn", "factor": 40.0,
+            "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5}}}}"#
+    ))
+    else {
+        panic!("yarn")
+    };
+    let m = |s: f64, k: f64| 0.1 * k * s.ln() + 1.0;
+    assert_eq!(attention_factor, m(40.0, 1.0) / m(40.0, 0.5));
+    // Other types are refused by name, with what is supported.
+    let err = ModelConfig::from_json(
+        &format!(r#"{{{qwen}, "rope_scaling": {{"type": "dynamic", "factor": 2.0}}}}"#),
+        ConfigSource::Text("test".into()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rope_scaling.rope_type 'dynamic' is not supported for qwen2")
+            && err.contains("default, linear, llama3, yarn"),
+        "{err}"
+    );
 }

@@ -925,6 +925,16 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                  instructions (the schedule verifier refuses movement ops in its graph)",
             ));
         }
+        OpKind::PartialRope { .. }
+        | OpKind::PartialRopeBackward { .. }
+        | OpKind::PackedSwiglu
+        | OpKind::PackedSwigluBackward => {
+            return Err(p.bad(
+                "is one of Phi-3's kinds (a partial or packed rotary embedding, a packed \
+                 SwiGLU), which the CUDA kernels do not implement yet: train this model with \
+                 the host backend",
+            ));
+        }
         OpKind::Embedding { .. } => {
             let st = p.storage(1)?;
             let table = p.ty_in(1);
@@ -1068,7 +1078,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             theta,
             scaling,
-        } => rope(p, *head_dim, *theta, *scaling, false)?,
+        } => rope(p, *head_dim, *theta, scaling, false)?,
         OpKind::Attention {
             heads,
             kv_heads,
@@ -1263,7 +1273,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             theta,
             scaling,
-        } => rope(p, *head_dim, *theta, *scaling, true)?,
+        } => rope(p, *head_dim, *theta, scaling, true)?,
         OpKind::AttentionBackward {
             heads,
             kv_heads,
@@ -1620,9 +1630,17 @@ fn rope(
     p: &mut Plan<'_>,
     head_dim: u64,
     theta: f64,
-    scaling: protrain_ir::RopeScaling,
+    scaling: &protrain_ir::RopeScaling,
     backward: bool,
 ) -> Result<()> {
+    if scaling.attention_factor() != 1.0 {
+        return Err(p.bad(format!(
+            "scales cos and sin by {} ({}), which the CUDA RoPE kernel does not: train this \
+             model with the host backend",
+            scaling.attention_factor(),
+            scaling.describe().unwrap_or_default()
+        )));
+    }
     let st = p.storage(0)?;
     let x = p.ty_in(0).clone();
     if x.shape.len() != 3 || head_dim == 0 || !x.last_dim().is_multiple_of(head_dim) {
@@ -2190,6 +2208,11 @@ mod tests {
             OpKind::MoeDispatchBackward { .. } => 44,
             OpKind::GroupedLinearBackward { .. } => 45,
             OpKind::MoeCombineBackward { .. } => 46,
+            // Phi-3's kinds have no CUDA kernel: `plan` refuses them by name.
+            OpKind::PartialRope { .. } => VARIANTS + 3,
+            OpKind::PartialRopeBackward { .. } => VARIANTS + 4,
+            OpKind::PackedSwiglu => VARIANTS + 5,
+            OpKind::PackedSwigluBackward => VARIANTS + 6,
         }
     }
     const VARIANTS: usize = 47;

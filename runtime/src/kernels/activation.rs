@@ -256,6 +256,71 @@ pub fn scale_forward(out: &mut [f32], x: &[f32], factor: f32) {
     );
 }
 
+/// SwiGLU of a packed `[gate | up]`: `x` is rows of `2 * width` (gate first, as
+/// `chunk(2, dim=-1)` splits Phi-3's `gate_up_proj` output), `out` rows of `width`, each
+/// element computed as [`swiglu_forward`] computes it.
+pub fn packed_swiglu_forward(out: &mut [f32], x: &[f32], width: usize) {
+    assert!(width > 0, "packed_swiglu: empty rows");
+    assert_eq!(
+        x.len(),
+        2 * out.len(),
+        "packed_swiglu: x is not [.., 2 * width]"
+    );
+    assert!(
+        out.len().is_multiple_of(width),
+        "packed_swiglu: out is not [.., width]"
+    );
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(2 * width))
+        .with_min_len(ELEM_GRAIN / width + 1)
+        .for_each(|(o, xr)| {
+            let (gate, up) = xr.split_at(width);
+            fast(
+                #[inline(always)]
+                || {
+                    for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                        *o = g / (1.0 + super::math::exp(-g)) * u;
+                    }
+                },
+            )
+        });
+}
+
+/// Backward of [`packed_swiglu_forward`]: each row of `dx` is `[dgate | dup]`, each element
+/// as [`swiglu_backward`] computes it. Overwrites `dx`.
+pub fn packed_swiglu_backward(dx: &mut [f32], dout: &[f32], x: &[f32], width: usize) {
+    assert!(width > 0, "packed_swiglu_backward: empty rows");
+    assert_eq!(
+        x.len(),
+        2 * dout.len(),
+        "packed_swiglu_backward: x is not [.., 2 * width]"
+    );
+    assert_eq!(
+        dx.len(),
+        x.len(),
+        "packed_swiglu_backward: dx differs from x"
+    );
+    dx.par_chunks_mut(2 * width)
+        .zip(dout.par_chunks(width))
+        .zip(x.par_chunks(2 * width))
+        .with_min_len(ELEM_GRAIN / width + 1)
+        .for_each(|((dxr, d), xr)| {
+            let (gate, up) = xr.split_at(width);
+            let (dg, du) = dxr.split_at_mut(width);
+            fast(
+                #[inline(always)]
+                || {
+                    for ((((dg, du), &d), &g), &u) in dg.iter_mut().zip(du).zip(d).zip(gate).zip(up)
+                    {
+                        let s = sigmoid(g);
+                        *du = d * (g * s);
+                        *dg = d * u * (s * (1.0 + g * (1.0 - s)));
+                    }
+                },
+            )
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,5 +448,41 @@ mod tests {
         scale_forward(&mut out, &x, 1.5);
         let want: Vec<f64> = x.iter().map(|&x| 1.5 * x as f64).collect();
         assert_close("scale", &out, &want, 1e-6);
+    }
+
+    #[test]
+    fn packed_swiglu_is_swiglu_of_the_two_halves_bit_for_bit() {
+        let (rows, width) = (7, 5);
+        let mut rng = Rng::new(90);
+        let (x, dout) = (rng.vec(rows * 2 * width), rng.vec(rows * width));
+        let gate: Vec<f32> = x
+            .chunks(2 * width)
+            .flat_map(|r| r[..width].to_vec())
+            .collect();
+        let up: Vec<f32> = x
+            .chunks(2 * width)
+            .flat_map(|r| r[width..].to_vec())
+            .collect();
+        let mut want = vec![0.0; rows * width];
+        swiglu_forward(&mut want, &gate, &up);
+        let mut got = vec![f32::NAN; rows * width];
+        packed_swiglu_forward(&mut got, &x, width);
+        assert_eq!(got, want);
+        let (mut dgate, mut dup) = (vec![0.0; rows * width], vec![0.0; rows * width]);
+        swiglu_backward(&mut dgate, &mut dup, &dout, &gate, &up);
+        let mut dx = vec![f32::NAN; x.len()];
+        packed_swiglu_backward(&mut dx, &dout, &x, width);
+        let want_dx: Vec<f32> = dgate
+            .chunks(width)
+            .zip(dup.chunks(width))
+            .flat_map(|(g, u)| [g, u].concat())
+            .collect();
+        assert_eq!(dx, want_dx);
+        let f = |x: &[f32]| {
+            let mut out = vec![0.0; rows * width];
+            packed_swiglu_forward(&mut out, x, width);
+            out
+        };
+        check_grad("packed swiglu dx", &x, &dx, f, &dout);
     }
 }

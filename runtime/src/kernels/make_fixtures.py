@@ -1,6 +1,6 @@
 """Prints the PyTorch / transformers reference values embedded in the kernel tests.
 
-Run with torch and transformers installed (made with torch 2.15, transformers 5.24, on an
+Run with torch and transformers installed (made with torch 2.15, transformers 5.24; yarn and longrope with 5.25, on an
 AVX-512 CPU) and paste the output over the `fixture` / `torch_fixture` modules in `rope.rs` and
 `adamw.rs`:
 
@@ -16,12 +16,20 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 def rope():
-    """inv_freq for head_dim 16: default and linear (theta 1e4), llama3 (theta 5e5)."""
+    """inv_freq for head_dim 16: default, linear, yarn and longrope (short factors, theta 1e4),
+    llama3 (theta 5e5)."""
     cases = [
         ("DEFAULT", 10000.0, dict(rope_type="default")),
         ("LINEAR", 10000.0, dict(rope_type="linear", factor=4.0)),
         ("LLAMA3", 500000.0, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                   high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        # Every ramp region (extrapolated, blended, interpolated) occurs for head_dim 16 here.
+        ("YARN", 10000.0, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+        ("YARN_UNTRUNCATED", 10000.0, dict(rope_type="yarn", factor=4.0, beta_fast=8.0,
+                                           beta_slow=2.0, truncate=False,
+                                           original_max_position_embeddings=64)),
+        ("LONGROPE", 10000.0, dict(rope_type="longrope", short_factor=[1.0 + 0.5 * i for i in range(8)],
+                                   long_factor=[2.0] * 8, original_max_position_embeddings=4096)),
     ]
     print("    mod fixture {")
     for name, theta, params in cases:
@@ -31,7 +39,8 @@ def rope():
         if params["rope_type"] == "default":
             inv, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
         else:
-            inv, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None)
+            inv, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None)
+            print(f"        // {name}: attention factor {scaling!r}")
         assert inv.dtype == torch.float32
         values = ", ".join(repr(float(v)) for v in inv.tolist())
         print(f"        pub const {name}: &[f64] = &[{values}];")

@@ -31,9 +31,9 @@ pub mod storage;
 mod testutil;
 
 pub use activation::{
-    geglu_backward, geglu_forward, gelu_backward, gelu_forward, relu_backward, relu_forward,
-    scale_forward, silu_backward, silu_forward, softcap_backward, softcap_forward, swiglu_backward,
-    swiglu_forward,
+    geglu_backward, geglu_forward, gelu_backward, gelu_forward, packed_swiglu_backward,
+    packed_swiglu_forward, relu_backward, relu_forward, scale_forward, silu_backward, silu_forward,
+    softcap_backward, softcap_forward, swiglu_backward, swiglu_forward,
 };
 pub use adamw::{
     adamw_step, adamw_step_fused, bf16, clip_coef, f16, grad_norm_sq, scale, skips_step, to_bf16,
@@ -59,5 +59,8 @@ pub use moe::{
     moe_dispatch, moe_dispatch_backward, moe_route, moe_route_backward,
 };
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
-pub use rope::{rope_backward, rope_forward, rope_inv_freq, RopeScaling};
+pub use rope::{
+    partial_rope_backward, partial_rope_forward, rope_backward, rope_forward, rope_inv_freq,
+    RopeDims, RopeScaling,
+};
 pub use storage::{narrow, narrow_f16, widen, widen_f16, Rounding};

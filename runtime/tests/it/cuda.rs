@@ -592,7 +592,7 @@ fn rope_forward_and_backward() {
                 .op(OpKind::Rope {
                     head_dim,
                     theta,
-                    scaling,
+                    scaling: scaling.clone(),
                 })
                 .check(&what, REDUCTION);
             Builder::new(16)
