@@ -243,6 +243,7 @@ fn explain_json(x: &Explained) {
         "host_bytes": p.host_bytes,
         "disk_bytes": s.disk_bytes,
         "memory": p.memory,
+        "experts": s.expert_placement(),
     });
     outln!(
         "{}",
@@ -321,6 +322,17 @@ fn explain_figures(x: &Explained) {
         format_bytes(m.workspace),
         format_bytes(m.inputs)
     );
+    if let Some(e) = s.expert_placement() {
+        outln!(
+            "experts  {} weights, {} in {} chunks: {} on the device all step, {} in host memory \
+             (fetched into the chunk buffers before use)",
+            e.tensors,
+            format_bytes(e.persistent_bytes + e.streamed_bytes),
+            e.chunks,
+            format_bytes(e.persistent_bytes),
+            format_bytes(e.streamed_bytes)
+        );
+    }
     outln!(
         "time     {:.4} s per step: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s on the compute stream; {:.4} s of communication not hidden",
         sim.step_seconds,

@@ -968,3 +968,43 @@ fn gemma_real_configs_compile_for_an_rtx3090() {
         assert!(verified.status.success(), "{name}: {}", stderr(&verified));
     }
 }
+
+#[test]
+fn explain_shows_where_the_expert_weights_of_qwen3_30b_a3b_live() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("qwen3-moe.ptsched");
+    let out = protrain(&[
+        "compile",
+        "qwen3-30b-a3b",
+        "--hardware",
+        "rtx3090",
+        "--host-memory",
+        "512GiB",
+        "--seq",
+        "512",
+        "-o",
+        path(&file),
+        "--json",
+    ]);
+    json(&out);
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+    let explained = json(&protrain(&["explain", path(&file), "--json"]));
+    let experts = &explained["experts"];
+    // 48 layers x 128 experts x 3 weights of 2048 x 768 bf16 elements.
+    assert_eq!(experts["tensors"], 48 * 128 * 3, "{experts}");
+    let total = experts["persistent_bytes"].as_u64().expect("bytes")
+        + experts["streamed_bytes"].as_u64().expect("bytes");
+    assert_eq!(total, 48 * 128 * 3 * 2048 * 768 * 2);
+    // 28.9 GB of experts cannot all stay on a 24 GB card.
+    assert!(
+        experts["streamed_bytes"].as_u64().expect("bytes") > 0,
+        "{experts}"
+    );
+    let text = stdout(&protrain(&["explain", path(&file)]));
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("experts  18432 weights")),
+        "{text}"
+    );
+}
