@@ -145,8 +145,12 @@ pub fn validate(training: &Graph, placed: &Graph) -> Validation {
     let before = add_graph(&mut egraph, training);
     let after = add_graph(&mut egraph, placed);
     egraph.rebuild();
-    // One application merges every copy with its source; a second finds nothing new.
+    // One application merges every copy with its source; a second finds nothing new. Every
+    // match is applied: egg's default backoff scheduler bans a rule after 1000 matches in an
+    // iteration, and a model with thousands of parameters (a mixture of experts has three per
+    // expert) has more movement outputs than that, which would leave copies unmerged.
     let runner = Runner::default()
+        .with_scheduler(egg::SimpleScheduler)
         .with_egraph(egraph)
         .with_iter_limit(4)
         .with_node_limit(usize::MAX)

@@ -5,6 +5,7 @@
 pub mod chunks;
 pub mod dot;
 pub mod error;
+pub mod experts;
 pub mod graph;
 pub mod hardware;
 pub mod ids;
@@ -24,6 +25,7 @@ pub mod verify_schedule;
 
 pub use chunks::{Chunk, ChunkMember, ChunkSizeTrial, ChunkTable};
 pub use error::{IrError, Result};
+pub use experts::ExpertPlacement;
 pub use graph::{Block, BlockKind, Graph, GraphInfo, Location, Param, ParamInit, Role, Value};
 pub use hardware::{
     op_key, Disk, HardwareProfile, Interconnect, MeasuredOp, PeakFlops, Resource, PRESETS,

@@ -695,10 +695,10 @@ pub fn run<'a>(
             };
             kernels::moe_route(
                 weights,
-                bytemuck::cast_slice_mut(*chosen),
-                bytemuck::cast_slice_mut(*rows),
-                bytemuck::cast_slice_mut(*slots),
-                bytemuck::cast_slice_mut(*offsets),
+                bytemuck::cast_slice_mut(chosen),
+                bytemuck::cast_slice_mut(rows),
+                bytemuck::cast_slice_mut(slots),
+                bytemuck::cast_slice_mut(offsets),
                 ins.f32(0),
                 *experts as usize,
                 *top_k as usize,

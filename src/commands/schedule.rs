@@ -244,6 +244,7 @@ fn explain_json(x: &Explained) {
         "disk_bytes": s.disk_bytes,
         "disk": disk_json(s, sim),
         "memory": p.memory,
+        "experts": s.expert_placement(),
     });
     outln!(
         "{}",
@@ -322,6 +323,17 @@ fn explain_figures(x: &Explained) {
         format_bytes(m.workspace),
         format_bytes(m.inputs)
     );
+    if let Some(e) = s.expert_placement() {
+        outln!(
+            "experts  {} weights, {} in {} chunks: {} on the device all step, {} in host memory \
+             (fetched into the chunk buffers before use)",
+            e.tensors,
+            format_bytes(e.persistent_bytes + e.streamed_bytes),
+            e.chunks,
+            format_bytes(e.persistent_bytes),
+            format_bytes(e.streamed_bytes)
+        );
+    }
     outln!(
         "time     {:.4} s per step: forward {:.4} s, backward {:.4} s, recompute {:.4} s, optimizer {:.4} s on the compute stream; {:.4} s of communication not hidden",
         sim.step_seconds,

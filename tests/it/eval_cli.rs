@@ -597,3 +597,52 @@ fn eval_and_train_share_the_eval_batches_flag() {
         assert_eq!(e[0]["batches"], 1, "{flag}");
     }
 }
+
+#[test]
+fn mixture_of_experts_models_train_and_evaluate_on_the_host() {
+    // The tiny Mixtral and Qwen3-MoE fixtures: `train`'s first loss is `eval`'s of the same
+    // weights and batch, to the bit, and PyTorch's step-0 loss (tests/fixtures/*/expected.json).
+    for family in ["mixtral", "qwen3_moe"] {
+        let model = fixtures().join(family);
+        let weights = model.join("model.safetensors");
+        let tokens = model.join("tokens.npy");
+        let expected: Value = serde_json::from_str(
+            &std::fs::read_to_string(model.join("expected.json")).expect("expected.json"),
+        )
+        .expect("JSON");
+        let torch = expected["losses"][0].as_f64().expect("a loss");
+        let common = [
+            path(&model),
+            "--init",
+            path(&weights),
+            "--data",
+            path(&tokens),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--json",
+        ];
+        let mut train = vec!["train"];
+        train.extend(common);
+        train.extend(["--steps", "2"]);
+        let steps = json_of(&train);
+        assert_eq!(steps.len(), 2, "{family}: {steps:?}");
+        let mut eval = vec!["eval"];
+        eval.extend(common);
+        eval.extend(["--batches", "1"]);
+        let e = &json_of(&eval)[0];
+        assert_eq!(
+            f32_bits(&steps[0]["loss"]),
+            f32_bits(&e["loss"]),
+            "{family}: train {} against eval {}",
+            steps[0]["loss"],
+            e["loss"]
+        );
+        let loss = e["loss"].as_f64().expect("loss");
+        assert!(
+            (loss - torch).abs() / torch < 1e-5,
+            "{family}: {loss} vs PyTorch {torch}"
+        );
+    }
+}

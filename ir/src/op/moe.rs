@@ -289,3 +289,108 @@ impl OpKind {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[u64], dtype: DType) -> TensorType {
+        TensorType::new(shape.to_vec(), dtype)
+    }
+
+    #[test]
+    fn routing_gives_the_packed_layout_and_its_types() {
+        let route = OpKind::MoeRoute {
+            experts: 4,
+            top_k: 2,
+            normalize: true,
+        };
+        let out = route.infer(&[&t(&[2, 3, 4], DType::BF16)]).unwrap();
+        assert_eq!(
+            out,
+            [
+                t(&[2, 3, 2], DType::F32),
+                t(&[2, 3, 2], DType::I32),
+                t(&[12], DType::I32),
+                t(&[2, 3, 2], DType::I32),
+                t(&[5], DType::I32),
+            ]
+        );
+        assert_eq!(route.output_labels().len(), out.len());
+        assert_eq!(
+            route.attributes(),
+            [
+                ("experts", "4".to_string()),
+                ("top_k", "2".into()),
+                ("normalize", "true".into())
+            ]
+        );
+        let wrong = route.infer(&[&t(&[2, 3, 5], DType::F32)]).unwrap_err();
+        assert!(wrong.to_string().contains("4 experts"), "{wrong}");
+        let too_many = OpKind::MoeRoute {
+            experts: 4,
+            top_k: 5,
+            normalize: false,
+        };
+        let err = too_many.infer(&[&t(&[2, 3, 4], DType::F32)]).unwrap_err();
+        assert!(err.to_string().contains("top_k 5"), "{err}");
+    }
+
+    #[test]
+    fn dispatch_grouped_matmul_and_combine_keep_the_static_row_count() {
+        let (x, rows, slots, offsets) = (
+            t(&[2, 3, 8], DType::F32),
+            t(&[12], DType::I32),
+            t(&[2, 3, 2], DType::I32),
+            t(&[5], DType::I32),
+        );
+        let dispatch = OpKind::MoeDispatch { top_k: 2 };
+        let xs = dispatch.infer(&[&x, &rows, &slots]).unwrap().remove(0);
+        assert_eq!(xs, t(&[12, 8], DType::F32));
+        let w = t(&[6, 8], DType::F32);
+        let grouped = OpKind::GroupedLinear { experts: 4 };
+        let ys = grouped
+            .infer(&[&xs, &offsets, &w, &w, &w, &w])
+            .unwrap()
+            .remove(0);
+        assert_eq!(ys, t(&[12, 6], DType::F32));
+        // Priced by every packed row: 2 * rows * in * out.
+        assert_eq!(
+            grouped.flops(&[&xs, &offsets, &w, &w, &w, &w], &[&ys]),
+            2 * 12 * 8 * 6
+        );
+        let other = t(&[6, 4], DType::F32);
+        assert!(grouped.infer(&[&xs, &offsets, &w, &other, &w, &w]).is_err());
+        assert!(
+            grouped.infer(&[&xs, &offsets, &w, &w, &w]).is_err(),
+            "one weight short"
+        );
+        let weights = t(&[2, 3, 2], DType::F32);
+        let combine = OpKind::MoeCombine { top_k: 2 };
+        let out = combine.infer(&[&ys, &weights, &slots]).unwrap().remove(0);
+        assert_eq!(out, t(&[2, 3, 6], DType::F32));
+        // The backward kinds give the gradients of the differentiated inputs.
+        let back = OpKind::GroupedLinearBackward { experts: 4 };
+        let grads = back.infer(&[&xs, &offsets, &w, &w, &w, &w, &ys]).unwrap();
+        assert_eq!(grads.len(), 5);
+        assert_eq!(back.forward_of(), Some(grouped));
+        let back = OpKind::MoeCombineBackward { top_k: 2 };
+        let grads = back.infer(&[&ys, &weights, &slots, &out]).unwrap();
+        assert_eq!(grads, [ys.clone(), weights.clone()]);
+        let back = OpKind::MoeDispatchBackward { top_k: 2 };
+        assert_eq!(back.infer(&[&slots, &xs]).unwrap(), [x]);
+        let back = OpKind::MoeRouteBackward {
+            experts: 4,
+            top_k: 2,
+            normalize: true,
+        };
+        let logits = t(&[2, 3, 4], DType::F32);
+        let chosen = t(&[2, 3, 2], DType::I32);
+        assert_eq!(
+            back.infer(&[&logits, &chosen, &weights]).unwrap(),
+            std::slice::from_ref(&logits)
+        );
+        assert_eq!(back.mnemonic(), "moe_route_backward");
+        assert_eq!(back.attributes()[1], ("top_k", "2".to_string()));
+    }
+}

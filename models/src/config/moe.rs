@@ -45,9 +45,9 @@ impl MoeLayout {
 /// The fields both configuration classes may carry; each is read by the family that has it.
 #[derive(Deserialize, Default)]
 pub(super) struct MoeJson {
-    /// Mixtral.
+    /// The experts of a sparse layer (both families).
     num_local_experts: Option<Dim>,
-    /// Qwen3-MoE.
+    /// The other name of `num_local_experts` (Qwen's Hub configs use it).
     num_experts: Option<Dim>,
     num_experts_per_tok: Option<Dim>,
     norm_topk_prob: Option<Flag>,
@@ -95,14 +95,20 @@ impl MoeJson {
                 "absent or 0 (Qwen3-MoE has no shared expert)",
             ));
         }
-        let experts = match mixtral {
-            true => self.num_local_experts.map_or(8, |d| d.0),
-            false => self.num_experts.map_or(128, |d| d.0),
-        };
-        let expert_field = if mixtral {
-            "num_local_experts"
-        } else {
-            "num_experts"
+        // Both classes map `num_experts` onto `num_local_experts` (transformers 5 writes the
+        // latter for Qwen3-MoE too); two different counts are ambiguous.
+        let expert_field = "num_local_experts";
+        let experts = match (self.num_local_experts, self.num_experts) {
+            (Some(a), Some(b)) if a.0 != b.0 => {
+                return Err(c.invalid(
+                    expert_field,
+                    &format!("the same count as num_experts ({}), or absent", b.0),
+                    a.0,
+                ))
+            }
+            (Some(d), _) | (None, Some(d)) => d.0,
+            (None, None) if mixtral => 8,
+            (None, None) => 128,
         };
         if !(1..=MAX_EXPERTS).contains(&experts) {
             return Err(c.invalid(

@@ -57,6 +57,20 @@ fn qwen3_moe_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() {
     };
     assert_eq!((arch.moe.experts, arch.moe.top_k), (128, 8));
     assert_eq!(defaults.num_kv_heads, 4);
+    // transformers 5 writes Qwen3-MoE's count as `num_local_experts`, the Hub's configs as
+    // `num_experts`: both name one field of both classes.
+    for field in ["num_experts", "num_local_experts"] {
+        let config = parse(&format!("{{{QWEN3_MOE}, \"{field}\": 8}}")).unwrap();
+        let Architecture::Qwen3Moe(arch) = &config.architecture else {
+            panic!("not qwen3_moe")
+        };
+        assert_eq!(arch.moe.experts, 8, "{field}");
+    }
+    let err = parse(&format!(
+        r#"{{{QWEN3_MOE}, "num_experts": 8, "num_local_experts": 4}}"#
+    ))
+    .unwrap_err();
+    assert!(err.contains("num_local_experts"), "{err}");
 }
 
 #[test]

@@ -2200,22 +2200,23 @@ mod tests {
             OpKind::Geglu => 36,
             OpKind::SoftcapBackward { .. } => 37,
             OpKind::GegluBackward => 38,
-            OpKind::MoeRoute { .. } => 39,
-            OpKind::MoeDispatch { .. } => 40,
-            OpKind::GroupedLinear { .. } => 41,
-            OpKind::MoeCombine { .. } => 42,
-            OpKind::MoeRouteBackward { .. } => 43,
-            OpKind::MoeDispatchBackward { .. } => 44,
-            OpKind::GroupedLinearBackward { .. } => 45,
-            OpKind::MoeCombineBackward { .. } => 46,
+            // No CUDA kernels yet: `plan` refuses them (`moe_kinds_are_refused_by_name`).
+            OpKind::MoeRoute { .. } => VARIANTS + 3,
+            OpKind::MoeDispatch { .. } => VARIANTS + 4,
+            OpKind::GroupedLinear { .. } => VARIANTS + 5,
+            OpKind::MoeCombine { .. } => VARIANTS + 6,
+            OpKind::MoeRouteBackward { .. } => VARIANTS + 7,
+            OpKind::MoeDispatchBackward { .. } => VARIANTS + 8,
+            OpKind::GroupedLinearBackward { .. } => VARIANTS + 9,
+            OpKind::MoeCombineBackward { .. } => VARIANTS + 10,
             // Phi-3's kinds have no CUDA kernel: `plan` refuses them by name.
-            OpKind::PartialRope { .. } => VARIANTS + 3,
-            OpKind::PartialRopeBackward { .. } => VARIANTS + 4,
-            OpKind::PackedSwiglu => VARIANTS + 5,
-            OpKind::PackedSwigluBackward => VARIANTS + 6,
+            OpKind::PartialRope { .. } => VARIANTS + 11,
+            OpKind::PartialRopeBackward { .. } => VARIANTS + 12,
+            OpKind::PackedSwiglu => VARIANTS + 13,
+            OpKind::PackedSwigluBackward => VARIANTS + 14,
         }
     }
-    const VARIANTS: usize = 47;
+    const VARIANTS: usize = 39;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2611,6 +2612,45 @@ mod tests {
                 .to_string();
             assert!(err.contains("movement op"), "{kind:?}: {err}");
         }
+    }
+
+    #[test]
+    fn moe_kinds_are_refused_by_name() {
+        let logits = TensorType::new(vec![2, 3, 4], DType::F32);
+        let kind = OpKind::MoeRoute {
+            experts: 4,
+            top_k: 2,
+            normalize: true,
+        };
+        assert!(variant(&kind) >= VARIANTS);
+        let plan = calls_of_refused(&kind, &[logits]);
+        assert!(plan.contains("mixture-of-experts"), "{plan}");
+    }
+
+    /// The error `calls` gives for a kind it refuses.
+    fn calls_of_refused(kind: &OpKind, inputs: &[TensorType]) -> String {
+        let ins: Vec<&TensorType> = inputs.iter().collect();
+        let outputs = kind.infer(&ins).expect("the example's types");
+        let outs: Vec<&TensorType> = outputs.iter().collect();
+        let at = Addresses {
+            inputs: (0..ins.len()).map(|i| 0x1000 * (i as u64 + 1)).collect(),
+            outputs: (0..outs.len())
+                .map(|i| 0x10_0000 * (i as u64 + 1))
+                .collect(),
+            workspace: None,
+            master: None,
+        };
+        let types = Types {
+            inputs: &ins,
+            outputs: &outs,
+        };
+        let target = Target {
+            max_blocks: 132 * 32,
+            step: 1,
+        };
+        calls(kind, types, &at, target)
+            .expect_err("no plan")
+            .to_string()
     }
 
     #[test]
