@@ -63,14 +63,26 @@ const F16_HOST_TOLERANCE: f64 = 2e-3;
 const LOSS_SCALE: f64 = 65536.0;
 const OVERFLOWING: f64 = 1e30;
 
-/// Fails the test, with what is missing, when the CUDA backend cannot run here.
-fn require_gpu() {
+/// Held (shared) by every test of this module while it uses the device, and alone by
+/// [`counters_per_step_match_the_schedules_plan`]: the simulator's counters are the
+/// process's, so a test running beside it would add its own copies and waits to the steps it
+/// counts.
+static DEVICE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Fails the test, with what is missing, when the CUDA backend cannot run here; otherwise
+/// a share of the device, to hold for the whole test ([`DEVICE`]).
+#[must_use = "hold the share for the whole test"]
+fn require_gpu() -> std::sync::RwLockReadGuard<'static, ()> {
+    let share = DEVICE
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Err(why) = protrain_runtime::cuda::available() {
         panic!(
             "no CUDA device is available: {why}\nthese tests need a GPU; \
              scripts/gpu-check.sh runs them on one"
         );
     }
+    share
 }
 
 /// The training graph of `model` in `dtype`, its layer count.
@@ -170,7 +182,7 @@ fn later_bound(flipped: f64, host: &[f32]) -> f64 {
 
 /// Host and GPU losses, gradient norms and weights of `model` under every policy, in f32.
 fn check_f32(model: &str, grad_clip: Option<f64>) {
-    require_gpu();
+    let _device = require_gpu();
     let (graph, layers) = training(model, DType::F32, grad_clip);
     let lr = 1e-3;
     let chunks = chunked(&graph);
@@ -256,7 +268,7 @@ fn llama_f32_losses_match_the_host_under_three_policies() {
 /// bf16 schedules (bf16 parameters resident or streamed from the host, f32 master weights
 /// updated by the device AdamW or the CPU Adam) train close to the host's f32 run.
 fn check_bf16(model: &str) {
-    require_gpu();
+    let _device = require_gpu();
     let (f32_graph, layers) = training(model, DType::F32, Some(1.0));
     let (bf16_graph, _) = training(model, DType::BF16, Some(1.0));
     let init: HashMap<String, Vec<f32>> = f32_graph
@@ -350,7 +362,7 @@ fn llama_bf16_losses_stay_close_to_f32() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn llama_flash_attention_bf16_gives_the_host_losses() {
-    require_gpu();
+    let _device = require_gpu();
     let (batch, seq) = (2, 80);
     let mut config = protrain_models::load("llama-tiny").unwrap();
     config.hidden_size = 128;
@@ -413,7 +425,7 @@ fn llama_flash_attention_bf16_gives_the_host_losses() {
 /// running the same schedule, resident (device accumulators, the device AdamW) and streamed
 /// (host accumulators summed and normed by the CPU, the CPU Adam), in f32 and bf16.
 fn check_accumulation(model: &str) {
-    require_gpu();
+    let _device = require_gpu();
     const K: u64 = 2;
     for (dtype, tolerance) in [
         (DType::F32, F32_TOLERANCE),
@@ -501,7 +513,7 @@ fn train_scaled<B: Backend>(
 /// two accumulated micro-batches: the same losses within [`F16_HOST_TOLERANCE`], and a step
 /// forced to overflow skipped on both, leaving the GPU's weights as they were, bit for bit.
 fn check_f16(model: &str) {
-    require_gpu();
+    let _device = require_gpu();
     // Steps 0 and 1 train, step 2 overflows, step 3 trains again.
     let scales = [LOSS_SCALE, LOSS_SCALE, OVERFLOWING, LOSS_SCALE];
     for k in [1, 2] {
@@ -689,7 +701,7 @@ mod cli {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_gpt2_streamed_under_4mib_with_clipping_gives_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "gpt2-tiny f32 --gpu-memory 4MiB --grad-clip 1.0",
         &[
@@ -709,7 +721,7 @@ fn cli_gpt2_streamed_under_4mib_with_clipping_gives_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_llama_with_gradient_accumulation_gives_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "llama-tiny f32 --grad-accum 2",
         &["llama-tiny", "--dtype", "f32", "--grad-accum", "2"],
@@ -722,7 +734,7 @@ fn cli_llama_with_gradient_accumulation_gives_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_llama_streamed_in_the_12_byte_layout_gives_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "llama-tiny f32 --gpu-memory 4MiB",
         &["llama-tiny", "--dtype", "f32", "--gpu-memory", "4MiB"],
@@ -735,7 +747,7 @@ fn cli_llama_streamed_in_the_12_byte_layout_gives_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_two_ranks_data_parallel_give_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "gpt2-tiny f32 --gpus 2",
         &[
@@ -756,7 +768,7 @@ fn cli_two_ranks_data_parallel_give_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_two_ranks_sharded_give_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "gpt2-tiny f32 --gpus 2 --gpu-memory 4MiB",
         &[
@@ -781,7 +793,7 @@ fn cli_two_ranks_sharded_give_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_bf16_and_f16_give_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     for dtype in ["bf16", "f16"] {
         cli::check_within(
             &format!("gpt2-tiny {dtype} --batch 2 --seq 16 --gpu-memory 1MiB"),
@@ -808,7 +820,7 @@ fn cli_bf16_and_f16_give_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_gpt2_under_1mib_with_accumulation_gives_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     cli::check(
         "gpt2-tiny f32 --gpu-memory 1MiB --batch 1 --grad-accum 8",
         &[
@@ -833,7 +845,7 @@ fn cli_gpt2_under_1mib_with_accumulation_gives_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_four_ranks_data_parallel_and_sharded_give_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     let four = [
         "gpt2-tiny",
         "--dtype",
@@ -863,7 +875,7 @@ fn cli_four_ranks_data_parallel_and_sharded_give_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_two_ranks_sharded_with_a_slow_rank_give_the_hosts_losses() {
-    require_gpu();
+    let _device = require_gpu();
     let args = [
         "gpt2-tiny",
         "--dtype",
@@ -898,7 +910,7 @@ fn cli_two_ranks_sharded_with_a_slow_rank_give_the_hosts_losses() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_checkpoints_resume_across_backends_and_on_the_device() {
-    require_gpu();
+    let _device = require_gpu();
     use std::collections::BTreeMap;
     let base = [
         "gpt2-tiny",
@@ -977,7 +989,7 @@ fn cli_checkpoints_resume_across_backends_and_on_the_device() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn cli_train_names_the_device() {
-    require_gpu();
+    let _device = require_gpu();
     let info = protrain_runtime::cuda::device().unwrap();
     let out = cli::run(
         "cuda",
@@ -1007,7 +1019,7 @@ fn cli_train_names_the_device() {
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn chaos_mode_catches_a_dropped_wait() {
-    require_gpu();
+    let _device = require_gpu();
     if protrain_runtime::cuda::simulator_counters().is_none() {
         // A real GPU: there is no chaos mode to demonstrate; the other tests ran the backend.
         println!("not the simulator: chaos mode does not exist here");
@@ -1056,7 +1068,11 @@ fn chaos_mode_catches_a_dropped_wait() {
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn counters_per_step_match_the_schedules_plan() {
     use protrain_ir::{Instr, Space};
-    require_gpu();
+    drop(require_gpu());
+    // Alone on the device: the counters are the process's.
+    let _alone = DEVICE
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(_) = protrain_runtime::cuda::simulator_counters() else {
         println!("not the simulator: no counters");
         return;

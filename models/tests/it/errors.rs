@@ -103,11 +103,11 @@ fn invalid_json_says_where() {
 fn model_type_must_be_known() {
     check(
         r#"{"n_embd": 768}"#,
-        "config.json: missing required field `model_type`; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, phi3, qwen2, qwen3",
+        "config.json: missing required field `model_type`; supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3, qwen3_moe",
     );
     check(
         r#"{"model_type": "bert"}"#,
-        "config.json: unknown model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, opt, phi3, qwen2, qwen3",
+        "config.json: unknown model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, olmo2, opt, phi3, qwen2, qwen3, qwen3_moe",
     );
     check(
         r#"{"model_type": 2}"#,

@@ -233,6 +233,8 @@ fn presets_are_listed_in_a_stable_order() {
             "mistral-7b",
             "qwen2.5-7b",
             "qwen3-8b",
+            "mixtral-8x7b",
+            "qwen3-30b-a3b",
             "olmo2-1b",
             "opt-1.3b",
             "opt-13b",
@@ -259,12 +261,14 @@ fn presets_are_listed_in_a_stable_order() {
         );
         // GPT-3 has no transformers model type of its own: its shape is built as GPT-2's.
         // Gemma's presets are named as Google names them (`gemma-2-9b`), its types `gemma2`
-        // and `gemma3_text`, and Phi-3's as Microsoft names them (`phi-3-mini`), its type `phi3`.
+        // and `gemma3_text`, Phi-3's as Microsoft names them (`phi-3-mini`), its type `phi3`, and
+        // Qwen3's mixture of experts as Qwen names it (`qwen3-30b-a3b`), its type `qwen3_moe`.
         let family = match preset.name {
             n if n.starts_with("gpt3-") => "gpt2",
             n if n.starts_with("phi-3-") => "phi3",
             n if n.starts_with("gemma-2-") => "gemma2",
             n if n.starts_with("gemma-3-") => "gemma3_text",
+            n if n.starts_with("qwen3-30b-a3b") => "qwen3_moe",
             n => n,
         };
         assert!(family.starts_with(config.model_type()), "{}", preset.name);
