@@ -525,6 +525,22 @@ __device__ __forceinline__ void flash_b_rows(u32 b[2], const u32* s, int pitch, 
     b[1] = s[(n0 + g) * pitch + (k0 >> 1) + 4 + i];
 }
 
+/// `c = A M^T` for the A fragments `a` (16 rows, KT k steps) and a staged M (rows are M^T's
+/// columns): NT tiles of 8 columns, each summed over k in order.
+template <bool F16, int NT, int KT>
+__device__ __forceinline__ void flash_product_t(float c[NT][4], const u32 a[KT][4], const u32* s, int pitch) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            u32 bf[2];
+            flash_b_rows(bf, s, pitch, nt * 8, kt * 16);
+            flash_mma<F16>(c[nt], a[kt], bf);
+        }
+    }
+}
+
 /// B fragment of a staged M itself (rows k0.. are B's rows, columns n0.. its columns).
 __device__ __forceinline__ void flash_b_cols(u32 b[2], const u32* s, int pitch, int k0, int n0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, i = lane & 3;
@@ -609,16 +625,7 @@ __device__ void flash_forward(T* out, float* lse, const T* q, const T* k, const 
         // Warp-uniform: no row of this warp sees a key of this tile.
         if (w0 >= T_len || s0 > w0 + 15 || (window > 0 && s0 + BK - 1 <= w0 - window)) continue;
         float sc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-#pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {
-                u32 bf[2];
-                flash_b_rows(bf, sk, P, nt * 8, kt * 16);
-                flash_mma<F16>(sc[nt], qa[kt], bf);
-            }
-        }
+        flash_product_t<F16, NT, KT>(sc, qa, sk, P);
         float mx[2] = {-pt_inf(), -pt_inf()};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -726,19 +733,8 @@ __device__ void flash_backward_dq(T* dq, const T* dout, const T* q, const T* k, 
         __syncthreads();
         if (w0 >= T_len || s0 > w0 + 15 || (window > 0 && s0 + BK - 1 <= w0 - window)) continue;
         float sc[NT][4], dp[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
-#pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {
-                u32 bf[2];
-                flash_b_rows(bf, sk, P, nt * 8, kt * 16);
-                flash_mma<F16>(sc[nt], qa[kt], bf);
-                flash_b_rows(bf, sv, P, nt * 8, kt * 16);
-                flash_mma<F16>(dp[nt], da[kt], bf);
-            }
-        }
+        flash_product_t<F16, NT, KT>(sc, qa, sk, P);
+        flash_product_t<F16, NT, KT>(dp, da, sv, P);
         // dS = P (dP - delta) d(score)/d(dot), over sc.
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -824,19 +820,8 @@ __device__ void flash_backward_dkv(T* dk, T* dv, const T* dout, const T* q, cons
             if (w0 >= T_len || t0 + BQ - 1 < w0 || (window > 0 && t0 > w0 + 15 + window - 1)) continue;
             // S^T = K Q^T and dP^T = V dO^T: rows are keys, columns queries.
             float sc[NT][4], dp[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
-#pragma unroll
-                for (int kt = 0; kt < KT; ++kt) {
-                    u32 bf[2];
-                    flash_b_rows(bf, sq, P, nt * 8, kt * 16);
-                    flash_mma<F16>(sc[nt], ka[kt], bf);
-                    flash_b_rows(bf, sdo, P, nt * 8, kt * 16);
-                    flash_mma<F16>(dp[nt], va[kt], bf);
-                }
-            }
+            flash_product_t<F16, NT, KT>(sc, ka, sq, P);
+            flash_product_t<F16, NT, KT>(dp, va, sdo, P);
             // P^T over sc, dS^T over dp.
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
