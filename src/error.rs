@@ -349,20 +349,29 @@ mod tests {
         }
     }
 
-    /// Runtime errors that name a run's settings: the library names each by its field, the
-    /// CLI by its flag, in the words the CLI has always printed.
+    /// `(error, what its library text must hold, the CLI's text)`.
+    type Case = (RuntimeError, &'static [&'static str], &'static str);
+
+    /// Runtime errors that name a run's settings: the library names each by its field (and
+    /// no flag), the CLI by its flag, in the words the CLI has always printed.
+    fn check_settings_named(cases: Vec<Case>) {
+        for (e, library_names, cli) in cases {
+            let library = e.to_string();
+            assert!(
+                !library.contains("--"),
+                "the library names a flag: {library}"
+            );
+            for name in library_names {
+                assert!(library.contains(name), "no `{name}` in: {library}");
+            }
+            assert_eq!(Error::from(e).to_string(), cli);
+        }
+    }
+
     #[test]
-    fn runtime_errors_name_settings_as_fields_and_the_cli_as_flags() {
-        use protrain_runtime::error::{
-            DataLabel, Difference, DiskIoCause, DiskProblem, Divergence, Setting,
-        };
-        let disk = |problem| RuntimeError::Disk {
-            path: "/d".into(),
-            problem,
-        };
-        // (error, what the library must name, the CLI's text or a part of it)
-        let cases: Vec<(RuntimeError, &[&str], &str)> =
-            vec![
+    fn data_and_checkpoint_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::{DataLabel, Difference, Setting};
+        check_settings_named(vec![
             (
                 RuntimeError::DataOutOfVocab {
                     data: DataLabel::File {
@@ -449,6 +458,13 @@ mod tests {
                 "the learning rate -1 of step 3 is not a finite number >= 0; check --lr, \
                  --min-lr and the learning-rate schedule",
             ),
+        ]);
+    }
+
+    #[test]
+    fn divergence_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::Divergence;
+        check_settings_named(vec![
             (
                 RuntimeError::Diverged(Divergence::LossScaleExhausted {
                     step: 4,
@@ -480,6 +496,17 @@ mod tests {
                 &["diverged; lower lr"],
                 "the loss became NaN at step 5: training diverged; lower --lr",
             ),
+        ]);
+    }
+
+    #[test]
+    fn disk_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::{DiskIoCause, DiskProblem};
+        let disk = |problem| RuntimeError::Disk {
+            path: "/d".into(),
+            problem,
+        };
+        check_settings_named(vec![
             (
                 disk(DiskProblem::NotADirectory),
                 &["give disk_dir a directory"],
@@ -499,7 +526,10 @@ mod tests {
                     free: 1 << 30,
                     bytes: 2 << 30,
                 }),
-                &["a disk_dir on a larger disk", "smaller disk_budget (or more host_budget)"],
+                &[
+                    "a disk_dir on a larger disk",
+                    "smaller disk_budget (or more host_budget)",
+                ],
                 "disk tier /d: has 1.00 GiB free, but the schedule keeps 2.00 GiB of optimizer \
                  state on disk; free space there, give a --disk-dir on a larger disk, or \
                  compile with a smaller --disk-memory (or more --host-memory)",
@@ -543,17 +573,6 @@ mod tests {
                  while the run used it; keep --disk-dir out of reach of cleaners and resume \
                  from the last checkpoint (--resume)",
             ),
-        ];
-        for (e, library_names, cli) in cases {
-            let library = e.to_string();
-            assert!(
-                !library.contains("--"),
-                "the library names a flag: {library}"
-            );
-            for name in library_names {
-                assert!(library.contains(name), "no `{name}` in: {library}");
-            }
-            assert_eq!(Error::from(e).to_string(), cli);
-        }
+        ]);
     }
 }
