@@ -51,7 +51,8 @@ impl protrain_runtime::thread_ranks::RankFailure for Error {
 }
 
 /// A runtime error in the CLI's words: a refusal for want of host memory names the
-/// `protrain compile` flag of each region's budget, where the runtime names the budget.
+/// `protrain compile` flag of each region's budget, where the runtime names the budget; every
+/// other setting an error names is named by its flag ([`setting_flag`]).
 fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
     use protrain_runtime::error::{host_memory_short_text, Budget};
     match e {
@@ -80,7 +81,7 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
         protrain_runtime::RuntimeError::InvalidLrSchedule(problem) => {
             protrain_runtime::error::lr_schedule_text(problem, |setting| lr_flag(setting).into())
         }
-        e => e.to_string(),
+        e => e.worded(|setting| setting_flag(setting).into()),
     }
 }
 
@@ -140,6 +141,30 @@ fn lr_flag(setting: protrain_runtime::error::LrSetting) -> &'static str {
         LrSetting::MinLr => "--min-lr",
         LrSetting::DecaySteps => "--decay-steps",
         LrSetting::Schedule => "--lr-schedule",
+    }
+}
+
+/// The flag that gives a run's `setting` (for the budgets, `protrain compile`'s flag).
+fn setting_flag(setting: protrain_runtime::error::Setting) -> &'static str {
+    use protrain_runtime::error::Setting;
+    match setting {
+        Setting::Lr => "--lr",
+        Setting::LrSchedule => "--lr-schedule",
+        Setting::WarmupSteps => "--warmup-steps",
+        Setting::DecaySteps => "--decay-steps",
+        Setting::MinLr => "--min-lr",
+        Setting::Seed => "--seed",
+        Setting::Data => "--data",
+        Setting::Tokenizer => "--tokenizer",
+        Setting::LossScaleInit => "--loss-scale-init",
+        Setting::LossScaleGrowthInterval => "--loss-scale-growth-interval",
+        Setting::Resume => "--resume",
+        Setting::CheckpointDir => "--checkpoint-dir",
+        Setting::GradClip => "--grad-clip",
+        Setting::Dtype => "--dtype",
+        Setting::DiskDir => "--disk-dir",
+        Setting::DiskBudget => "--disk-memory",
+        Setting::HostBudget => "--host-memory",
     }
 }
 
@@ -322,5 +347,232 @@ mod tests {
             );
             assert_eq!(Error::from(e).to_string(), want);
         }
+    }
+
+    /// `(error, what its library text must hold, the CLI's text)`.
+    type Case = (RuntimeError, &'static [&'static str], &'static str);
+
+    /// Runtime errors that name a run's settings: the library names each by its field (and
+    /// no flag), the CLI by its flag, in the words the CLI has always printed.
+    fn check_settings_named(cases: Vec<Case>) {
+        for (e, library_names, cli) in cases {
+            let library = e.to_string();
+            assert!(
+                !library.contains("--"),
+                "the library names a flag: {library}"
+            );
+            for name in library_names {
+                assert!(library.contains(name), "no `{name}` in: {library}");
+            }
+            assert_eq!(Error::from(e).to_string(), cli);
+        }
+    }
+
+    #[test]
+    fn data_and_checkpoint_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::{DataLabel, Difference, Setting};
+        check_settings_named(vec![
+            (
+                RuntimeError::DataOutOfVocab {
+                    data: DataLabel::File {
+                        setting: Setting::Data,
+                        path: "t.npy".into(),
+                    },
+                    token: "-5".into(),
+                    position: 15,
+                    vocab: 256,
+                },
+                &["data t.npy: token -5"],
+                "--data t.npy: token -5 at position 15 is outside the vocabulary of 256 tokens; \
+                 check that it was tokenized for this model (its vocab_size)",
+            ),
+            (
+                RuntimeError::UnknownTokenFormat {
+                    path: "c.txt".into(),
+                },
+                &["add tokenizer tokenizer.json"],
+                "c.txt: unknown token file format; pass a `.npy` file (a 1-D integer array) or \
+                 a `.bin` file (raw little-endian u16 tokens), or, for a UTF-8 text corpus, add \
+                 --tokenizer tokenizer.json (a Hugging Face tokenizer) to tokenize it",
+            ),
+            (
+                RuntimeError::ForeignCheckpointDir {
+                    dir: "ck".into(),
+                    count: 2,
+                    newest: 9,
+                },
+                &["with resume ck"],
+                "checkpoint directory ck already holds 2 checkpoint(s), up to step 9, of another \
+                 run; keeping the newest would delete this run's. Continue that run with \
+                 --resume ck, or give an empty directory",
+            ),
+            (
+                RuntimeError::CheckpointDirInUse {
+                    dir: "ck".into(),
+                    pid: Some(7),
+                },
+                &["another checkpoint_dir"],
+                "checkpoint directory ck is in use by another run (PID 7); two runs on one \
+                 directory delete each other's checkpoints: wait for that run to end, or give \
+                 this one another --checkpoint-dir",
+            ),
+            (
+                RuntimeError::CheckpointMismatch {
+                    path: "ck/s.safetensors".into(),
+                    differences: vec![
+                        Difference::Setting {
+                            setting: Setting::WarmupSteps,
+                            checkpoint: "2".into(),
+                            run: "5".into(),
+                        },
+                        Difference::DataOverSynthetic {
+                            path: "/t.npy".into(),
+                        },
+                        Difference::Other("optimizer: the checkpoint has lr=1".into()),
+                    ],
+                },
+                &[
+                    "warmup_steps: the checkpoint has 2",
+                    "this run has data /t.npy",
+                ],
+                "checkpoint ck/s.safetensors was written by another training run:\n  \
+                 --warmup-steps: the checkpoint has 2, this run has 5\n  data: the checkpoint \
+                 has the synthetic corpus, this run has --data /t.npy\n  optimizer: the \
+                 checkpoint has lr=1\nresume it with the model, batch, seq and optimizer \
+                 settings it was written with (settings left out are taken from the \
+                 checkpoint, so drop the ones that differ), or start afresh with another \
+                 checkpoint directory",
+            ),
+            (
+                RuntimeError::RunDataMissing {
+                    checkpoint: "ck".into(),
+                    data: "/t.npy".into(),
+                },
+                &["new location with data"],
+                "checkpoint ck is of a run that read its tokens from /t.npy, which no longer \
+                 exists; pass the file's new location with --data",
+            ),
+            (
+                RuntimeError::InvalidLearningRate { lr: -1.0, step: 3 },
+                &["check lr, min_lr and"],
+                "the learning rate -1 of step 3 is not a finite number >= 0; check --lr, \
+                 --min-lr and the learning-rate schedule",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn divergence_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::Divergence;
+        check_settings_named(vec![
+            (
+                RuntimeError::Diverged(Divergence::LossScaleExhausted {
+                    step: 4,
+                    scale: 1e-38,
+                }),
+                &["lower lr, clip gradients with grad_clip", "(dtype bf16)"],
+                "the gradients overflowed f16 at every loss scale down to 1e-38 (step 4): the \
+                 model diverged. Train with a lower --lr, clip gradients with --grad-clip, or \
+                 train in bf16 (--dtype bf16), whose range is f32's",
+            ),
+            (
+                RuntimeError::Diverged(Divergence::Later {
+                    what: "the loss became NaN at step 5".into(),
+                    seen: " (the step before: loss 2)".into(),
+                    weights: String::new(),
+                    clipped: false,
+                }),
+                &["lower lr or set grad_clip"],
+                "the loss became NaN at step 5 (the step before: loss 2): training diverged; \
+                 lower --lr or set --grad-clip",
+            ),
+            (
+                RuntimeError::Diverged(Divergence::Later {
+                    what: "the loss became NaN at step 5".into(),
+                    seen: String::new(),
+                    weights: String::new(),
+                    clipped: true,
+                }),
+                &["diverged; lower lr"],
+                "the loss became NaN at step 5: training diverged; lower --lr",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn disk_errors_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::{DiskIoCause, DiskProblem};
+        let disk = |problem| RuntimeError::Disk {
+            path: "/d".into(),
+            problem,
+        };
+        check_settings_named(vec![
+            (
+                disk(DiskProblem::NotADirectory),
+                &["give disk_dir a directory"],
+                "disk tier /d: is not a directory; give --disk-dir a directory on the disk for \
+                 the optimizer state",
+            ),
+            (
+                disk(DiskProblem::CannotUse {
+                    error: "gone".into(),
+                }),
+                &["as disk_dir (gone)"],
+                "disk tier /d: cannot be used as --disk-dir (gone); create it (mkdir -p) or \
+                 give another directory",
+            ),
+            (
+                disk(DiskProblem::NoRoom {
+                    free: 1 << 30,
+                    bytes: 2 << 30,
+                }),
+                &[
+                    "a disk_dir on a larger disk",
+                    "smaller disk_budget (or more host_budget)",
+                ],
+                "disk tier /d: has 1.00 GiB free, but the schedule keeps 2.00 GiB of optimizer \
+                 state on disk; free space there, give a --disk-dir on a larger disk, or \
+                 compile with a smaller --disk-memory (or more --host-memory)",
+            ),
+            (
+                disk(DiskProblem::CannotCreate {
+                    file: "/d/f".into(),
+                    error: "denied".into(),
+                }),
+                &["another disk_dir"],
+                "disk tier /d: cannot create the state file /d/f in it (denied); check that the \
+                 directory is writable or give another --disk-dir",
+            ),
+            (
+                disk(DiskProblem::CannotAllocate {
+                    bytes: 1 << 20,
+                    error: "full".into(),
+                }),
+                &["a disk_dir on a larger disk"],
+                "disk tier /d: cannot hold the 1.0 MiB of optimizer state the schedule keeps \
+                 on disk (full); free space there or give a --disk-dir on a larger disk",
+            ),
+            (
+                disk(DiskProblem::Io {
+                    doing: "write".into(),
+                    offset: 4096,
+                    error: "no space".into(),
+                    cause: DiskIoCause::Full,
+                    bytes: 100,
+                }),
+                &["another disk_dir"],
+                "disk tier /d: write at offset 0x1000 failed (no space); the disk is full: the \
+                 schedule needs 100 bytes there; free space or give another --disk-dir",
+            ),
+            (
+                disk(DiskProblem::Vanished {
+                    error: "gone".into(),
+                }),
+                &["keep disk_dir out of reach", "checkpoint (resume)"],
+                "disk tier /d: the optimizer state file vanished (gone): something removed it \
+                 while the run used it; keep --disk-dir out of reach of cleaners and resume \
+                 from the last checkpoint (--resume)",
+            ),
+        ]);
     }
 }

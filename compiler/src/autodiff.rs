@@ -20,7 +20,7 @@
 
 use crate::error::{CompileError, Result};
 use protrain_ir::{
-    DType, Epilogue, Graph, OpKind, Phase, QkvLayout, Role, ValueId, LOSS_SCALE_INIT,
+    DType, Epilogue, Graph, OpId, OpKind, Phase, QkvLayout, Role, ValueId, LOSS_SCALE_INIT,
 };
 use std::collections::HashMap;
 
@@ -348,6 +348,28 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         .params()
         .any(|(_, p)| forward.value(p.value).ty.dtype == DType::F16);
     let mut graph = forward.clone();
+    let pending = backward(&mut graph, forward, loss_op, loss_scaled)?;
+    optimizer_ops(
+        &mut graph,
+        forward,
+        &pending,
+        loss_op,
+        loss_scaled,
+        optimizer,
+    )?;
+    Ok(graph)
+}
+
+/// Appends the backward pass of `forward` (whose loss op is `loss_op`) to `graph`, a copy of
+/// it: walks the forward ops in reverse, emits each reached op's backward op, and sums each
+/// value's gradient contributions once its last reader is done. Returns every value's
+/// gradient state (its summed gradient in `total`, `None` where it does not reach the loss).
+fn backward(
+    graph: &mut Graph,
+    forward: &Graph,
+    loss_op: OpId,
+    loss_scaled: bool,
+) -> Result<HashMap<ValueId, Pending>> {
     let forward_ops: Vec<_> = forward.ops().map(|(id, op)| (id, op.clone())).collect();
 
     // Every float input of a differentiable op is one reader that will contribute a gradient.
@@ -413,7 +435,7 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
                 let names: Vec<(String, Role)> = rule
                     .grads_of
                     .iter()
-                    .map(|&i| grad_name_and_role(&graph, op.inputs[i]))
+                    .map(|&i| grad_name_and_role(graph, op.inputs[i]))
                     .collect();
                 let kind = match kind {
                     OpKind::CrossEntropyBackward if loss_scaled => {
@@ -440,12 +462,26 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
             entry.readers_left -= 1;
             if entry.readers_left == 0 {
                 let parts = std::mem::take(&mut entry.parts);
-                let total = sum_parts(&mut graph, value, &parts, op.block)?;
+                let total = sum_parts(graph, value, &parts, op.block)?;
                 pending.get_mut(&value).expect("present").total = total;
             }
         }
     }
 
+    Ok(pending)
+}
+
+/// Appends the optimizer to `graph`: for every parameter with a gradient in `pending`, in
+/// declaration order, its clipping or unscaling norm (when `optimizer` clips or the graph is
+/// `loss_scaled`), then one coefficient, then its AdamW update with fresh moment states.
+fn optimizer_ops(
+    graph: &mut Graph,
+    forward: &Graph,
+    pending: &HashMap<ValueId, Pending>,
+    loss_op: OpId,
+    loss_scaled: bool,
+    optimizer: &OptimizerConfig,
+) -> Result<()> {
     // The optimizer: parameters in declaration order.
     let params: Vec<(String, ValueId, protrain_ir::BlockId)> = graph
         .params()
@@ -517,7 +553,7 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
         };
         graph.add_op_multi(kind, &inputs, &[], block, Phase::Optimizer)?;
     }
-    Ok(graph)
+    Ok(())
 }
 
 /// The name and role of the gradient of `value`: parameter gradients are `grad`s, the rest

@@ -34,7 +34,7 @@
 pub mod sharded;
 
 use crate::backend::Backend;
-use crate::error::{Result, RuntimeError};
+use crate::error::{Difference, Result, RuntimeError};
 use crate::executor::Executor;
 use crate::loss_scale::ScalerState;
 use crate::run_settings::RunSettings;
@@ -605,12 +605,12 @@ fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
                     }
                     _ => Err(RuntimeError::CheckpointMismatch {
                         path: path.to_path_buf(),
-                        differences: format!(
+                        differences: vec![Difference::Other(format!(
                             "parameter `{}` {}, the model expects {want:?}: the checkpoint is \
                              of another model",
                             p.name,
                             shape.map_or("is missing".into(), |s| format!("is {s:?}"))
-                        ),
+                        ))],
                     }),
                 }
             })
@@ -638,11 +638,11 @@ fn read_params(path: &Path, graph: &Graph) -> Result<Vec<Vec<f32>>> {
             };
             return Err(RuntimeError::CheckpointMismatch {
                 path: path.to_path_buf(),
-                differences: format!(
+                differences: vec![Difference::Other(format!(
                     "parameter `{}` {found}, the model expects {want:?}: the checkpoint is of \
                      another model",
                     p.name
-                ),
+                ))],
             });
         }
         let data = file.read_f32_vec(&p.name)?;
@@ -1187,7 +1187,7 @@ impl Checkpoint {
         if !differences.is_empty() {
             return Err(RuntimeError::CheckpointMismatch {
                 path: path.to_path_buf(),
-                differences: differences.join("\n  "),
+                differences: differences.into_iter().map(Difference::Other).collect(),
             });
         }
         let ranks = match &source {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use npyz::{DType, Endianness, NpyHeader, TypeChar};
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{DataLabel, Result, RuntimeError};
 
 /// The magic number at the start of llm.c's token files, which carry a 1024-byte header that a
 /// raw `.bin` reader would otherwise take for tokens.
@@ -205,10 +205,11 @@ impl TokenStream {
             Storage::Mapped { .. } => {
                 match (0..self.len()).find(|&i| self.get(i) as usize >= vocab) {
                     Some(i) => Err(RuntimeError::DataOutOfVocab {
-                        data: self
-                            .source
-                            .as_deref()
-                            .map_or(String::new(), |p| p.display().to_string()),
+                        data: DataLabel::Words(
+                            self.source
+                                .as_deref()
+                                .map_or(String::new(), |p| p.display().to_string()),
+                        ),
                         token: self.raw(i).to_string(),
                         position: i,
                         vocab,
@@ -328,7 +329,7 @@ pub fn rank_rows(
         return Err(RuntimeError::Shape(format!(
             "a global batch of {} ids for rank {rank} of {ranks} ranks of {micro_batches} \
              micro-batches each: it must cut into ranks x micro-batches equal micro-batches; \
-             give the schedule's batch x --grad-accum x ranks rows",
+             give the schedule's batch x micro-batches x ranks rows",
             global.len()
         )));
     }
@@ -427,14 +428,14 @@ impl Batcher {
     }
 
     /// Checks that every id of `batch` (read by this batcher) is below `vocab`; the error
-    /// names the data (`--data tokens.npy`), the id's index in the stream and the value the
-    /// file holds there.
-    pub fn check_batch(&self, batch: &Batch, vocab: usize, data: &str) -> Result<()> {
+    /// names the data (`data`: the setting that named the file and its path, or words), the
+    /// id's index in the stream and the value the file holds there.
+    pub fn check_batch(&self, batch: &Batch, vocab: usize, data: &DataLabel) -> Result<()> {
         batch.check_vocab(vocab).map_err(|e| match e {
             RuntimeError::TokenOutOfRange {
                 position, vocab, ..
             } => RuntimeError::DataOutOfVocab {
-                data: data.to_string(),
+                data: data.clone(),
                 token: self.stream.raw(position).to_string(),
                 position,
                 vocab,
@@ -910,14 +911,21 @@ mod tests {
         let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
         let path = write(&dir, "t.npy", &npy_bytes("<i4", "(21,)", &bytes));
         let b = Batcher::new(TokenStream::open(&path).unwrap(), 1, 10).unwrap();
-        assert!(b.check_batch(&b.batch(0), 256, "--data t.npy").is_ok());
-        let e = b
-            .check_batch(&b.batch(1), 256, "--data t.npy")
-            .unwrap_err()
-            .to_string();
+        let label = DataLabel::File {
+            setting: crate::error::Setting::Data,
+            path: "t.npy".into(),
+        };
+        assert!(b.check_batch(&b.batch(0), 256, &label).is_ok());
+        let e = b.check_batch(&b.batch(1), 256, &label).unwrap_err();
+        let library = e.to_string();
         assert!(
-            e.starts_with("--data t.npy: token -5 at position 15"),
-            "{e}"
+            library.starts_with("data t.npy: token -5 at position 15"),
+            "{library}"
+        );
+        let worded = e.worded(|_| "--data".into());
+        assert!(
+            worded.starts_with("--data t.npy: token -5 at position 15"),
+            "{worded}"
         );
     }
 
@@ -987,7 +995,7 @@ mod tests {
             let e = rank_rows(&global, rank, ranks, k, &mut out)
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("--grad-accum"), "{e}");
+            assert!(e.contains("batch x micro-batches x ranks rows"), "{e}");
         }
     }
 }

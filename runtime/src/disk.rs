@@ -28,8 +28,7 @@
 //! `PROTRAIN_DISK_IO` to `direct` or `buffered` to choose). Where the file system refuses
 //! `O_DIRECT` (tmpfs, some network file systems), everything goes through the page cache.
 
-use crate::error::{Result, RuntimeError};
-use protrain_ir::format_bytes;
+use crate::error::{DiskIoCause, DiskProblem, Result, RuntimeError};
 use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -84,11 +83,10 @@ impl DiskIo {
             Some("buffered") => Ok(Some(DiskIo::Buffered)),
             Some(other) => Err(RuntimeError::Disk {
                 path: PathBuf::from(IO_ENV),
-                problem: format!(
-                    "{IO_ENV}={other} is not a way to do disk I/O; set it to `direct` \
-                     (O_DIRECT), `buffered` (the page cache) or `auto` (O_DIRECT for a file \
-                     the page cache cannot hold), or unset it"
-                ),
+                problem: DiskProblem::BadIoMode {
+                    var: IO_ENV,
+                    value: other.to_string(),
+                },
             }),
         }
     }
@@ -160,24 +158,17 @@ impl DiskFile {
     /// [`DiskFile::create`] with the I/O given: [`DiskIo::Direct`] still falls back to the
     /// page cache where the file system refuses `O_DIRECT` ([`DiskFile::io`] says which).
     pub fn create_with(dir: &Path, bytes: u64, io: DiskIo) -> Result<Self> {
-        let bad = |problem: String| RuntimeError::Disk {
+        let bad = |problem: DiskProblem| RuntimeError::Disk {
             path: dir.to_path_buf(),
             problem,
         };
         match std::fs::metadata(dir) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(bad(
-                    "is not a directory; give --disk-dir a directory on the disk for the \
-                     optimizer state"
-                        .into(),
-                ))
-            }
+            Ok(_) => return Err(bad(DiskProblem::NotADirectory)),
             Err(e) => {
-                return Err(bad(format!(
-                    "cannot be used as --disk-dir ({e}); create it (mkdir -p) or give another \
-                     directory"
-                )))
+                return Err(bad(DiskProblem::CannotUse {
+                    error: e.to_string(),
+                }))
             }
         }
         let swept = sweep(dir);
@@ -185,13 +176,7 @@ impl DiskFile {
         // the file exists.
         if let Some(free) = free_bytes(dir) {
             if bytes > free {
-                return Err(bad(format!(
-                    "has {} free, but the schedule keeps {} of optimizer state on disk; free \
-                     space there, give a --disk-dir on a larger disk, or compile with a \
-                     smaller --disk-memory (or more --host-memory)",
-                    format_bytes(free),
-                    format_bytes(bytes)
-                )));
+                return Err(bad(DiskProblem::NoRoom { free, bytes }));
             }
         }
         let n = MADE.fetch_add(1, Ordering::Relaxed);
@@ -205,11 +190,10 @@ impl DiskFile {
                 .open(&path)
         };
         let cannot_create = |e: std::io::Error| {
-            bad(format!(
-                "cannot create the state file {} in it ({e}); check that the directory is \
-                 writable or give another --disk-dir",
-                path.display()
-            ))
+            bad(DiskProblem::CannotCreate {
+                file: path.clone(),
+                error: e.to_string(),
+            })
         };
         // Whether the file system takes `O_DIRECT` is known as the file is made: it refuses
         // the flag at open (`EINVAL`), before anything is allocated.
@@ -253,11 +237,10 @@ impl DiskFile {
             let errno = unsafe { libc::posix_fallocate(disk.file.as_raw_fd(), 0, len) };
             if errno != 0 {
                 let e = std::io::Error::from_raw_os_error(errno);
-                return Err(bad(format!(
-                    "cannot hold the {} of optimizer state the schedule keeps on disk ({e}); \
-                     free space there or give a --disk-dir on a larger disk",
-                    format_bytes(bytes)
-                )));
+                return Err(bad(DiskProblem::CannotAllocate {
+                    bytes,
+                    error: e.to_string(),
+                }));
             }
         }
         Ok(disk)
@@ -387,20 +370,20 @@ impl DiskFile {
     }
 
     fn io_error(&self, doing: &str, offset: u64, e: std::io::Error) -> RuntimeError {
-        let way_out = match e.kind() {
-            ErrorKind::StorageFull | ErrorKind::QuotaExceeded => format!(
-                "the disk is full: the schedule needs {} bytes there; free space or give \
-                 another --disk-dir",
-                self.bytes
-            ),
-            ErrorKind::UnexpectedEof => "the file is shorter than the disk region: something \
-                                         truncated it; resume from the last checkpoint"
-                .into(),
-            _ => "check the disk and resume from the last checkpoint".into(),
+        let cause = match e.kind() {
+            ErrorKind::StorageFull | ErrorKind::QuotaExceeded => DiskIoCause::Full,
+            ErrorKind::UnexpectedEof => DiskIoCause::Truncated,
+            _ => DiskIoCause::Other,
         };
         RuntimeError::Disk {
             path: self.path.clone(),
-            problem: format!("{doing} at offset {offset:#x} failed ({e}); {way_out}"),
+            problem: DiskProblem::Io {
+                doing: doing.to_string(),
+                offset,
+                error: e.to_string(),
+                cause,
+                bytes: self.bytes,
+            },
         }
     }
 }
@@ -499,11 +482,9 @@ pub fn check(path: &Path) -> Result<()> {
         Ok(_) => Ok(()),
         Err(e) => Err(RuntimeError::Disk {
             path: path.to_path_buf(),
-            problem: format!(
-                "the optimizer state file vanished ({e}): something removed it while the run \
-                 used it; keep --disk-dir out of reach of cleaners and resume from the last \
-                 checkpoint (--resume)"
-            ),
+            problem: DiskProblem::Vanished {
+                error: e.to_string(),
+            },
         }),
     }
 }
@@ -724,13 +705,16 @@ mod tests {
         let missing = std::env::temp_dir().join("protrain-no-such-dir-for-disk-test");
         let e = DiskFile::create(&missing, 16).unwrap_err().to_string();
         assert!(
-            e.contains("protrain-no-such-dir") && e.contains("mkdir"),
+            e.contains("protrain-no-such-dir") && e.contains("mkdir") && e.contains("disk_dir"),
             "{e}"
         );
         let disk = DiskFile::create(&std::env::temp_dir(), 16).unwrap();
         disk.check().unwrap();
         std::fs::remove_file(disk.path()).unwrap();
         let e = disk.check().unwrap_err().to_string();
-        assert!(e.contains("vanished") && e.contains("--resume"), "{e}");
+        assert!(
+            e.contains("vanished") && e.contains("(resume)") && !e.contains("--"),
+            "{e}"
+        );
     }
 }

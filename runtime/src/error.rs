@@ -1,6 +1,6 @@
 //! The runtime's error type.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Everything that can go wrong in the runtime. Each message names the problem and, where
 /// there is one, the way out.
@@ -16,13 +16,13 @@ pub enum RuntimeError {
         source: std::io::Error,
     },
     /// The disk tier's directory or file failed (see [`crate::disk`]); the problem says what
-    /// to do.
-    #[error("disk tier {path}: {problem}")]
+    /// to do ([`disk_text`]).
+    #[error("disk tier {}: {}", path.display(), disk_text(problem, Setting::field))]
     Disk {
         /// The directory or file.
         path: PathBuf,
-        /// What went wrong and the way out.
-        problem: String,
+        /// What went wrong.
+        problem: DiskProblem,
     },
     /// A token id (input or target) is negative or not below the vocabulary size.
     #[error(
@@ -40,12 +40,13 @@ pub enum RuntimeError {
     /// A token id of a data file is not below the vocabulary size, found when a batch is
     /// read (batches are checked as they are read, so a huge file is not read before step 1).
     #[error(
-        "{data}: token {token} at position {position} is outside the vocabulary of {vocab} \
-         tokens; check that it was tokenized for this model (its vocab_size)"
+        "{}: token {token} at position {position} is outside the vocabulary of {vocab} \
+         tokens; check that it was tokenized for this model (its vocab_size)",
+        data.text(Setting::field)
     )]
     DataOutOfVocab {
-        /// The data, as the flag that named it and its path (`--data tokens.npy`).
-        data: String,
+        /// The data: the setting that named the file and its path, or words.
+        data: DataLabel,
         /// The offending value as the file holds it, in decimal (it may be negative or
         /// beyond `2^32`, so no one integer type holds every such value).
         token: String,
@@ -55,11 +56,7 @@ pub enum RuntimeError {
         vocab: usize,
     },
     /// A token file's extension is neither `.npy` nor `.bin`.
-    #[error(
-        "{path}: unknown token file format; pass a `.npy` file (a 1-D integer array) or a \
-         `.bin` file (raw little-endian u16 tokens), or, for a UTF-8 text corpus, add \
-         --tokenizer tokenizer.json (a Hugging Face tokenizer) to tokenize it"
-    )]
+    #[error("{}", unknown_token_format_text(path, Setting::field))]
     UnknownTokenFormat {
         /// The file.
         path: PathBuf,
@@ -214,11 +211,7 @@ pub enum RuntimeError {
         dir: PathBuf,
     },
     /// A checkpoint directory that holds checkpoints of another run.
-    #[error(
-        "checkpoint directory {dir} already holds {count} checkpoint(s), up to step {newest}, \
-         of another run; keeping the newest would delete this run's. Continue that run with \
-         --resume {dir}, or give an empty directory"
-    )]
+    #[error("{}", foreign_checkpoint_dir_text(dir, *count, *newest, Setting::field))]
     ForeignCheckpointDir {
         /// The directory.
         dir: PathBuf,
@@ -228,13 +221,7 @@ pub enum RuntimeError {
         newest: u64,
     },
     /// Another run holds the checkpoint directory ([`crate::checkpoint::take_dir`]).
-    #[error(
-        "checkpoint directory {} is in use by another run{}; two runs on one directory \
-         delete each other's checkpoints: wait for that run to end, or give this one another \
-         --checkpoint-dir",
-        dir.display(),
-        pid.map_or(String::new(), |p| format!(" (PID {p})"))
-    )]
+    #[error("{}", checkpoint_dir_in_use_text(dir, *pid, Setting::field))]
     CheckpointDirInUse {
         /// The directory.
         dir: PathBuf,
@@ -250,24 +237,16 @@ pub enum RuntimeError {
         problem: String,
     },
     /// A checkpoint written for another model, batch shape, optimizer or run settings, or
-    /// flags that contradict it.
-    #[error(
-        "checkpoint {path} was written by another training run:\n  {differences}\nresume it \
-         with the model, batch, seq and optimizer settings it was written with (flags left out \
-         are taken from the checkpoint, so drop the ones that differ), or start afresh with \
-         another checkpoint directory"
-    )]
+    /// settings that contradict it.
+    #[error("{}", checkpoint_mismatch_text(path, differences, Setting::field))]
     CheckpointMismatch {
         /// The file.
         path: PathBuf,
         /// What differs, one item per line.
-        differences: String,
+        differences: Vec<Difference>,
     },
     /// A checkpoint's run read a token file that is no longer where it was.
-    #[error(
-        "checkpoint {checkpoint} is of a run that read its tokens from {data}, which no longer \
-         exists; pass the file's new location with --data"
-    )]
+    #[error("{}", run_data_missing_text(checkpoint, data, Setting::field))]
     RunDataMissing {
         /// The checkpoint.
         checkpoint: PathBuf,
@@ -275,10 +254,7 @@ pub enum RuntimeError {
         data: PathBuf,
     },
     /// A learning rate that is negative, infinite or NaN.
-    #[error(
-        "the learning rate {lr} of step {step} is not a finite number >= 0; check --lr, \
-         --min-lr and the learning-rate schedule"
-    )]
+    #[error("{}", invalid_learning_rate_text(*lr, *step, Setting::field))]
     InvalidLearningRate {
         /// The rate.
         lr: f64,
@@ -315,9 +291,9 @@ pub enum RuntimeError {
         len: usize,
     },
     /// Training diverged: a loss or gradient norm became NaN or infinite. The text says at
-    /// which step, what was seen before, and what to change.
-    #[error("{0}")]
-    Diverged(String),
+    /// which step, what was seen before, and what to change ([`divergence_text`]).
+    #[error("{}", divergence_text(.0, Setting::field))]
+    Diverged(Divergence),
     /// The profiler could not measure what it was asked to.
     #[error("cannot profile: {0}")]
     Profile(String),
@@ -732,6 +708,459 @@ pub fn node_launch_text(
              and a free TCP port, as HOST:PORT (e.g. node0:29500, or [::1]:29500 for an IPv6 \
              address)",
             name(NodeSetting::Master)
+        ),
+    }
+}
+
+/// A setting of a training run, as an error about it names it: the library by the name of its
+/// field ([`Setting::field`]), the CLI by its flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    /// The peak learning rate, the rate the schedule's AdamW ops were compiled with.
+    Lr,
+    /// The learning-rate schedule's shape.
+    LrSchedule,
+    /// Warmup steps of the learning-rate schedule.
+    WarmupSteps,
+    /// Steps the learning-rate decay ends after.
+    DecaySteps,
+    /// The minimum the learning-rate decay ends at.
+    MinLr,
+    /// The seed of the initialisation and of the synthetic corpus.
+    Seed,
+    /// The token file.
+    Data,
+    /// The tokenizer that turns a text corpus into tokens.
+    Tokenizer,
+    /// The loss scale of the first step.
+    LossScaleInit,
+    /// Clean steps after which the loss scale doubles.
+    LossScaleGrowthInterval,
+    /// The checkpoint directory a run resumes from.
+    Resume,
+    /// The directory a run writes its checkpoints to.
+    CheckpointDir,
+    /// Gradient clipping.
+    GradClip,
+    /// The schedule's compute dtype.
+    Dtype,
+    /// The directory of the disk tier's file.
+    DiskDir,
+    /// The compile-time disk budget.
+    DiskBudget,
+    /// The compile-time host memory budget.
+    HostBudget,
+}
+
+impl Setting {
+    /// The setting's name as the library calls it: the field of
+    /// [`crate::run_settings::RunFlags`] (or of the compiler's options, for the budgets).
+    pub fn field(self) -> String {
+        match self {
+            Setting::Lr => "lr",
+            Setting::LrSchedule => "lr_schedule",
+            Setting::WarmupSteps => "warmup_steps",
+            Setting::DecaySteps => "decay_steps",
+            Setting::MinLr => "min_lr",
+            Setting::Seed => "seed",
+            Setting::Data => "data",
+            Setting::Tokenizer => "tokenizer",
+            Setting::LossScaleInit => "loss_scale_init",
+            Setting::LossScaleGrowthInterval => "loss_scale_growth_interval",
+            Setting::Resume => "resume",
+            Setting::CheckpointDir => "checkpoint_dir",
+            Setting::GradClip => "grad_clip",
+            Setting::Dtype => "dtype",
+            Setting::DiskDir => "disk_dir",
+            Setting::DiskBudget => "disk_budget",
+            Setting::HostBudget => "host_budget",
+        }
+        .to_string()
+    }
+}
+
+impl RuntimeError {
+    /// The message, with each [`Setting`] it names worded by `name` (the CLI passes its
+    /// flags); [`std::fmt::Display`] names the settings by [`Setting::field`]. The errors that
+    /// name settings through their own enums ([`loss_scale_text`], [`node_launch_text`],
+    /// [`lr_schedule_text`], [`host_memory_short_text`]) are worded by their own functions.
+    pub fn worded(&self, name: impl Fn(Setting) -> String) -> String {
+        match self {
+            RuntimeError::DataOutOfVocab {
+                data,
+                token,
+                position,
+                vocab,
+            } => format!(
+                "{}: token {token} at position {position} is outside the vocabulary of {vocab} \
+                 tokens; check that it was tokenized for this model (its vocab_size)",
+                data.text(name)
+            ),
+            RuntimeError::UnknownTokenFormat { path } => unknown_token_format_text(path, name),
+            RuntimeError::ForeignCheckpointDir { dir, count, newest } => {
+                foreign_checkpoint_dir_text(dir, *count, *newest, name)
+            }
+            RuntimeError::CheckpointDirInUse { dir, pid } => {
+                checkpoint_dir_in_use_text(dir, *pid, name)
+            }
+            RuntimeError::CheckpointMismatch { path, differences } => {
+                checkpoint_mismatch_text(path, differences, name)
+            }
+            RuntimeError::RunDataMissing { checkpoint, data } => {
+                run_data_missing_text(checkpoint, data, name)
+            }
+            RuntimeError::InvalidLearningRate { lr, step } => {
+                invalid_learning_rate_text(*lr, *step, name)
+            }
+            RuntimeError::Diverged(divergence) => divergence_text(divergence, name),
+            RuntimeError::Disk { path, problem } => {
+                format!("disk tier {}: {}", path.display(), disk_text(problem, name))
+            }
+            e => e.to_string(),
+        }
+    }
+}
+
+/// The data a batch was read from, as an error names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataLabel {
+    /// A token file, and the setting that named it.
+    File {
+        /// The setting ([`Setting::Data`] for a training run's tokens).
+        setting: Setting,
+        /// The file.
+        path: PathBuf,
+    },
+    /// Anything else, in words (`the synthetic corpus`, or a caller's own label).
+    Words(String),
+}
+
+impl DataLabel {
+    /// The label, the setting named by `name`: `data tokens.npy` (`--data tokens.npy` in the
+    /// CLI's words).
+    pub fn text(&self, name: impl Fn(Setting) -> String) -> String {
+        match self {
+            DataLabel::File { setting, path } => format!("{} {}", name(*setting), path.display()),
+            DataLabel::Words(words) => words.clone(),
+        }
+    }
+}
+
+/// The text of [`RuntimeError::UnknownTokenFormat`].
+pub fn unknown_token_format_text(path: &Path, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "{}: unknown token file format; pass a `.npy` file (a 1-D integer array) or a `.bin` \
+         file (raw little-endian u16 tokens), or, for a UTF-8 text corpus, add {} \
+         tokenizer.json (a Hugging Face tokenizer) to tokenize it",
+        path.display(),
+        name(Setting::Tokenizer)
+    )
+}
+
+/// The text of [`RuntimeError::ForeignCheckpointDir`].
+pub fn foreign_checkpoint_dir_text(
+    dir: &Path,
+    count: usize,
+    newest: u64,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    let dir = dir.display();
+    format!(
+        "checkpoint directory {dir} already holds {count} checkpoint(s), up to step {newest}, \
+         of another run; keeping the newest would delete this run's. Continue that run with \
+         {} {dir}, or give an empty directory",
+        name(Setting::Resume)
+    )
+}
+
+/// The text of [`RuntimeError::CheckpointDirInUse`].
+pub fn checkpoint_dir_in_use_text(
+    dir: &Path,
+    pid: Option<u32>,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "checkpoint directory {} is in use by another run{}; two runs on one directory \
+         delete each other's checkpoints: wait for that run to end, or give this one another \
+         {}",
+        dir.display(),
+        pid.map_or(String::new(), |p| format!(" (PID {p})")),
+        name(Setting::CheckpointDir)
+    )
+}
+
+/// One way a checkpoint differs from the run that loads it ([`RuntimeError::CheckpointMismatch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Difference {
+    /// A run setting: the checkpoint's value and this run's.
+    Setting {
+        /// The setting.
+        setting: Setting,
+        /// The checkpoint's value.
+        checkpoint: String,
+        /// This run's value.
+        run: String,
+    },
+    /// The checkpoint's run trained on the synthetic corpus; this one names a token file.
+    DataOverSynthetic {
+        /// The token file this run names.
+        path: PathBuf,
+    },
+    /// Anything else (the model, the batch shape, the optimizer), in words.
+    Other(String),
+}
+
+impl Difference {
+    /// The difference on one line, each setting named by `name`.
+    pub fn text(&self, name: impl Fn(Setting) -> String) -> String {
+        match self {
+            Difference::Setting {
+                setting,
+                checkpoint,
+                run,
+            } => format!(
+                "{}: the checkpoint has {checkpoint}, this run has {run}",
+                name(*setting)
+            ),
+            Difference::DataOverSynthetic { path } => format!(
+                "data: the checkpoint has the synthetic corpus, this run has {} {}",
+                name(Setting::Data),
+                path.display()
+            ),
+            Difference::Other(words) => words.clone(),
+        }
+    }
+}
+
+/// The text of [`RuntimeError::CheckpointMismatch`], each setting named by `name`.
+pub fn checkpoint_mismatch_text(
+    path: &Path,
+    differences: &[Difference],
+    name: impl Fn(Setting) -> String,
+) -> String {
+    let lines: Vec<String> = differences.iter().map(|d| d.text(&name)).collect();
+    format!(
+        "checkpoint {} was written by another training run:\n  {}\nresume it with the model, \
+         batch, seq and optimizer settings it was written with (settings left out are taken \
+         from the checkpoint, so drop the ones that differ), or start afresh with another \
+         checkpoint directory",
+        path.display(),
+        lines.join("\n  ")
+    )
+}
+
+/// The text of [`RuntimeError::RunDataMissing`].
+pub fn run_data_missing_text(
+    checkpoint: &Path,
+    data: &Path,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "checkpoint {} is of a run that read its tokens from {}, which no longer exists; pass \
+         the file's new location with {}",
+        checkpoint.display(),
+        data.display(),
+        name(Setting::Data)
+    )
+}
+
+/// The text of [`RuntimeError::InvalidLearningRate`].
+pub fn invalid_learning_rate_text(lr: f64, step: u64, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "the learning rate {lr} of step {step} is not a finite number >= 0; check {}, {} and \
+         the learning-rate schedule",
+        name(Setting::Lr),
+        name(Setting::MinLr)
+    )
+}
+
+/// How a training run diverged ([`RuntimeError::Diverged`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Divergence {
+    /// An f16 run's gradients overflowed at every loss scale down to `scale`.
+    LossScaleExhausted {
+        /// The step.
+        step: u64,
+        /// The last scale tried.
+        scale: f64,
+    },
+    /// The first step of a run gave a loss or gradient norm that is not finite, from finite
+    /// weights: the forward or backward pass itself overflowed.
+    FirstStep {
+        /// What became non-finite, and at which step.
+        what: String,
+    },
+    /// A later step gave a loss or gradient norm that is not finite.
+    Later {
+        /// What became non-finite, and at which step.
+        what: String,
+        /// The step before's loss and gradient norm, in words (empty when unknown).
+        seen: String,
+        /// The parameter tensors the update made non-finite, in words (empty when none).
+        weights: String,
+        /// Whether the run clips gradients already.
+        clipped: bool,
+    },
+}
+
+/// The text of [`RuntimeError::Diverged`], each setting of the way out named by `name`.
+pub fn divergence_text(divergence: &Divergence, name: impl Fn(Setting) -> String) -> String {
+    let lr = name(Setting::Lr);
+    match divergence {
+        Divergence::LossScaleExhausted { step, scale } => format!(
+            "the gradients overflowed f16 at every loss scale down to {scale:e} (step {step}): \
+             the model diverged. Train with a lower {lr}, clip gradients with {}, or train in \
+             bf16 ({} bf16), whose range is f32's",
+            name(Setting::GradClip),
+            name(Setting::Dtype)
+        ),
+        Divergence::FirstStep { what } => format!(
+            "{what}, the first step of this run, from finite weights: the forward or backward \
+             pass itself overflowed; check the data and the weights' scale"
+        ),
+        Divergence::Later {
+            what,
+            seen,
+            weights,
+            clipped,
+        } => {
+            let way_out = match clipped {
+                true => format!("lower {lr}"),
+                false => format!("lower {lr} or set {}", name(Setting::GradClip)),
+            };
+            format!("{what}{seen}{weights}: training diverged; {way_out}")
+        }
+    }
+}
+
+/// What went wrong with the disk tier ([`RuntimeError::Disk`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskProblem {
+    /// The I/O mode's environment variable holds no mode.
+    BadIoMode {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// The disk directory is not a directory.
+    NotADirectory,
+    /// The disk directory cannot be read.
+    CannotUse {
+        /// What the operating system said.
+        error: String,
+    },
+    /// The disk has less room than the state the schedule keeps there.
+    NoRoom {
+        /// Bytes free.
+        free: u64,
+        /// Bytes the schedule keeps on disk.
+        bytes: u64,
+    },
+    /// The state file cannot be created in the directory.
+    CannotCreate {
+        /// The file.
+        file: PathBuf,
+        /// What the operating system said.
+        error: String,
+    },
+    /// The file system cannot allocate the state file.
+    CannotAllocate {
+        /// Bytes the schedule keeps on disk.
+        bytes: u64,
+        /// What the operating system said.
+        error: String,
+    },
+    /// A read or write of the state file failed.
+    Io {
+        /// `read` or `write`.
+        doing: String,
+        /// Where in the file.
+        offset: u64,
+        /// What the operating system said.
+        error: String,
+        /// Why, as far as it is known.
+        cause: DiskIoCause,
+        /// Bytes the schedule keeps on disk.
+        bytes: u64,
+    },
+    /// The state file was removed while the run used it.
+    Vanished {
+        /// What the operating system said.
+        error: String,
+    },
+}
+
+/// Why a read or write of the disk tier's file failed, as far as it is known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskIoCause {
+    /// The disk or the quota is full.
+    Full,
+    /// The file is shorter than the region: something truncated it.
+    Truncated,
+    /// Anything else.
+    Other,
+}
+
+/// The text of [`RuntimeError::Disk`]'s problem, each setting named by `name`.
+pub fn disk_text(problem: &DiskProblem, name: impl Fn(Setting) -> String) -> String {
+    let dir = name(Setting::DiskDir);
+    match problem {
+        DiskProblem::BadIoMode { var, value } => format!(
+            "{var}={value} is not a way to do disk I/O; set it to `direct` (O_DIRECT), \
+             `buffered` (the page cache) or `auto` (O_DIRECT for a file the page cache cannot \
+             hold), or unset it"
+        ),
+        DiskProblem::NotADirectory => {
+            format!(
+                "is not a directory; give {dir} a directory on the disk for the optimizer state"
+            )
+        }
+        DiskProblem::CannotUse { error } => format!(
+            "cannot be used as {dir} ({error}); create it (mkdir -p) or give another directory"
+        ),
+        DiskProblem::NoRoom { free, bytes } => format!(
+            "has {} free, but the schedule keeps {} of optimizer state on disk; free space \
+             there, give a {dir} on a larger disk, or compile with a smaller {} (or more {})",
+            protrain_ir::format_bytes(*free),
+            protrain_ir::format_bytes(*bytes),
+            name(Setting::DiskBudget),
+            name(Setting::HostBudget)
+        ),
+        DiskProblem::CannotCreate { file, error } => format!(
+            "cannot create the state file {} in it ({error}); check that the directory is \
+             writable or give another {dir}",
+            file.display()
+        ),
+        DiskProblem::CannotAllocate { bytes, error } => format!(
+            "cannot hold the {} of optimizer state the schedule keeps on disk ({error}); free \
+             space there or give a {dir} on a larger disk",
+            protrain_ir::format_bytes(*bytes)
+        ),
+        DiskProblem::Io {
+            doing,
+            offset,
+            error,
+            cause,
+            bytes,
+        } => {
+            let way_out = match cause {
+                DiskIoCause::Full => format!(
+                    "the disk is full: the schedule needs {bytes} bytes there; free space or give \
+                     another {dir}"
+                ),
+                DiskIoCause::Truncated => "the file is shorter than the disk region: something \
+                                           truncated it; resume from the last checkpoint"
+                    .into(),
+                DiskIoCause::Other => "check the disk and resume from the last checkpoint".into(),
+            };
+            format!("{doing} at offset {offset:#x} failed ({error}); {way_out}")
+        }
+        DiskProblem::Vanished { error } => format!(
+            "the optimizer state file vanished ({error}): something removed it while the run \
+             used it; keep {dir} out of reach of cleaners and resume from the last checkpoint \
+             ({})",
+            name(Setting::Resume)
         ),
     }
 }

@@ -113,9 +113,10 @@ impl<'s, B: Backend> Evaluator<'s, B> {
         };
         // Only the batches evaluated must be token ids of the model, and only they are read.
         let mut batch = batcher.batch(0);
+        let label = crate::error::DataLabel::Words(data.to_string());
         for i in 0..batches {
             batcher.fill(i, &mut batch);
-            batcher.check_batch(&batch, vocab, data)?;
+            batcher.check_batch(&batch, vocab, &label)?;
         }
         Ok(Self {
             batch,

@@ -2,7 +2,7 @@
 //! user gives become them: filled with defaults for a new run, reconciled with a
 //! checkpoint's for a resumed one.
 
-use crate::error::{LrScheduleProblem, Result, RuntimeError};
+use crate::error::{Difference, LrScheduleProblem, Result, RuntimeError, Setting};
 use crate::loss_scale::LossScaleSettings;
 use crate::lr_schedule::{LrSchedule, LrScheduleKind};
 use serde::{Deserialize, Serialize};
@@ -171,56 +171,66 @@ impl RunFlags {
         let kind = self.lr_schedule.unwrap_or(was.kind);
         self.check_applies(kind)?;
         let mut differences = Vec::new();
-        let mut differ = |what: &str, theirs: String, ours: String| {
-            differences.push(format!(
-                "{what}: the checkpoint has {theirs}, this run has {ours}"
-            ));
+        let differ = |setting: Setting, checkpoint: String, run: String| Difference::Setting {
+            setting,
+            checkpoint,
+            run,
         };
         if kind != was.kind {
-            differ("--lr-schedule", was.kind.to_string(), kind.to_string());
+            differences.push(differ(
+                Setting::LrSchedule,
+                was.kind.to_string(),
+                kind.to_string(),
+            ));
         }
         let warmup = self.warmup_steps.unwrap_or(was.warmup_steps);
         if warmup != was.warmup_steps {
-            differ(
-                "--warmup-steps",
+            differences.push(differ(
+                Setting::WarmupSteps,
                 was.warmup_steps.to_string(),
                 warmup.to_string(),
-            );
+            ));
         }
         let decay = self.decay_steps.unwrap_or(was.decay_steps);
         if decay != was.decay_steps && kind != LrScheduleKind::Constant {
-            differ(
-                "--decay-steps",
+            differences.push(differ(
+                Setting::DecaySteps,
                 was.decay_steps.to_string(),
                 decay.to_string(),
-            );
+            ));
         }
         let min_lr = self.min_lr.unwrap_or(was.min_lr);
         if min_lr != was.min_lr {
-            differ("--min-lr", was.min_lr.to_string(), min_lr.to_string());
+            differences.push(differ(
+                Setting::MinLr,
+                was.min_lr.to_string(),
+                min_lr.to_string(),
+            ));
         }
         let seed = self.seed.unwrap_or(saved.seed);
         if seed != saved.seed {
-            differ("--seed", saved.seed.to_string(), seed.to_string());
+            differences.push(differ(
+                Setting::Seed,
+                saved.seed.to_string(),
+                seed.to_string(),
+            ));
         }
         let data = match (&saved.data, &self.data) {
             (saved_data, None) => saved_data.clone(),
             (None, Some(given)) => {
-                differ(
-                    "data",
-                    "the synthetic corpus".into(),
-                    format!("--data {}", given.display()),
-                );
+                differences.push(Difference::DataOverSynthetic {
+                    path: given.clone(),
+                });
                 None
             }
             (Some(theirs), Some(given)) => {
                 let ours = absolute(given);
                 if ours != *theirs && theirs.exists() {
-                    differ(
-                        "--data",
+                    differences.push(differ(
+                        Setting::Data,
                         theirs.display().to_string(),
                         ours.display().to_string(),
-                    );
+                    ));
                 }
                 Some(ours)
             }
@@ -229,24 +239,24 @@ impl RunFlags {
         let loss_scale = self.loss_scale(saved_scale)?;
         if let (Some(ours), theirs) = (loss_scale, saved_scale.unwrap_or_default()) {
             if ours.init != theirs.init {
-                differ(
-                    "--loss-scale-init",
+                differences.push(differ(
+                    Setting::LossScaleInit,
                     theirs.init.to_string(),
                     ours.init.to_string(),
-                );
+                ));
             }
             if ours.growth_interval != theirs.growth_interval {
-                differ(
-                    "--loss-scale-growth-interval",
+                differences.push(differ(
+                    Setting::LossScaleGrowthInterval,
                     theirs.growth_interval.to_string(),
                     ours.growth_interval.to_string(),
-                );
+                ));
             }
         }
         if !differences.is_empty() {
             return Err(RuntimeError::CheckpointMismatch {
                 path: path.to_path_buf(),
-                differences: differences.join("\n  "),
+                differences,
             });
         }
         if let Some(data) = data.as_ref().filter(|d| !d.exists()) {

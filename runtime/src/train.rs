@@ -41,7 +41,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, Checkpoint, OptimizerSettings, Progress};
 pub use crate::data::vocab_of;
 use crate::data::{Batch, Batcher, TokenStream};
-use crate::error::{LrScheduleProblem, Result, RuntimeError};
+use crate::error::{DataLabel, Divergence, LrScheduleProblem, Result, RuntimeError, Setting};
 use crate::eval::{EvalPlan, EvalResult};
 use crate::executor::Executor;
 use crate::host::HostBackend;
@@ -271,8 +271,8 @@ pub struct Trainer<'s, B: Backend = HostBackend> {
     scaler: Option<LossScaler>,
     /// The vocabulary every batch's ids must fall in, checked as each is read.
     vocab: usize,
-    /// The data as messages name it: `--data PATH`, or the synthetic corpus.
-    data_label: String,
+    /// The data as messages name it: the data setting and its path, or the synthetic corpus.
+    data_label: DataLabel,
     /// The step of the last checkpoint this trainer wrote, and where.
     last_checkpoint: Option<(u64, PathBuf)>,
 }
@@ -405,8 +405,11 @@ impl<'s, B: Backend> Trainer<'s, B> {
             .as_ref()
             .map(|_| batcher.stream().sample_checksum());
         let data_label = match &settings.data {
-            Some(path) => format!("--data {}", path.display()),
-            None => "the synthetic corpus".into(),
+            Some(path) => DataLabel::File {
+                setting: Setting::Data,
+                path: path.clone(),
+            },
+            None => DataLabel::Words("the synthetic corpus".into()),
         };
         // The first batch is checked before the run starts, so the common mistake (data of
         // another tokenizer) is refused before anything is printed or written; the others
@@ -672,12 +675,10 @@ impl<'s, B: Backend> Trainer<'s, B> {
             .filter(|s| s.scale() < f64::from(f32::MIN_POSITIVE))
         {
             on_step(&record);
-            return Err(RuntimeError::Diverged(format!(
-                "the gradients overflowed f16 at every loss scale down to {:e} (step {step}): \
-                 the model diverged. Train with a lower --lr, clip gradients with \
-                 --grad-clip, or train in bf16 (--dtype bf16), whose range is f32's",
-                scaler.scale() * 2.0
-            )));
+            return Err(RuntimeError::Diverged(Divergence::LossScaleExhausted {
+                step,
+                scale: scaler.scale() * 2.0,
+            }));
         }
         if !finite {
             on_step(&record);
@@ -755,7 +756,7 @@ fn diverged(
     first_of_run: bool,
     previous: Option<(f32, Option<f32>)>,
     params: &[Vec<f32>],
-) -> String {
+) -> Divergence {
     let step = record.step;
     let head = match record.grad_norm {
         Some(norm) if record.loss.is_finite() => format!(
@@ -765,10 +766,7 @@ fn diverged(
         _ => format!("the loss became {} at step {step}", record.loss),
     };
     if first_of_run {
-        return format!(
-            "{head}, the first step of this run, from finite weights: the forward or backward \
-             pass itself overflowed; check the data and the weights' scale"
-        );
+        return Divergence::FirstStep { what: head };
     }
     let broken: Vec<&str> = graph
         .params()
@@ -792,11 +790,12 @@ fn diverged(
     };
     // An --eps of 0 never gets here: the verifier refuses it (0/0 in AdamW).
     let clipped = OptimizerSettings::of(graph).is_some_and(|s| s.grad_clip.is_some());
-    let way_out = match clipped {
-        true => "lower --lr",
-        false => "lower --lr or set --grad-clip",
-    };
-    format!("{head}{seen}{weights}: training diverged; {way_out}")
+    Divergence::Later {
+        what: head,
+        seen,
+        weights,
+        clipped,
+    }
 }
 
 #[cfg(test)]
@@ -946,11 +945,13 @@ mod tests {
         };
         let e = contrary.resume(&saved, path).unwrap_err().to_string();
         for needle in [
-            "--lr-schedule: the checkpoint has cosine, this run has linear",
-            "--warmup-steps: the checkpoint has 2, this run has 5",
-            "--seed: the checkpoint has 3, this run has 4",
+            "lr_schedule: the checkpoint has cosine, this run has linear",
+            "warmup_steps: the checkpoint has 2, this run has 5",
+            "seed: the checkpoint has 3, this run has 4",
+            "settings left out are taken from the checkpoint",
         ] {
             assert!(e.contains(needle), "no `{needle}` in: {e}");
         }
+        assert!(!e.contains("--"), "the library names a flag: {e}");
     }
 }

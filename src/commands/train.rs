@@ -261,7 +261,10 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
     }
     Err(RuntimeError::CheckpointMismatch {
         path: saved.path.clone(),
-        differences: differences.join("\n  "),
+        differences: differences
+            .into_iter()
+            .map(protrain::runtime::error::Difference::Other)
+            .collect(),
     }
     .into())
 }

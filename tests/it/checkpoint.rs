@@ -2,23 +2,10 @@
 //! another run is refused; a half-written checkpoint is ignored.
 
 use crate::cli_support;
-use cli_support::{killed_after, losses, path, protrain, stderr};
+use cli_support::{files, killed_after, losses, path, protrain, stderr};
 
 use std::path::Path;
 use std::process::Output;
-
-/// The checkpoint files in `dir`, by name.
-fn files(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
-}
 
 /// The training run of these tests: 40 steps of gpt2-tiny, large enough that a step takes a
 /// little while, so the kill lands inside one.

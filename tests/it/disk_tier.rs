@@ -367,7 +367,11 @@ fn a_disk_too_small_is_refused_before_anything_is_written() {
         let err = DiskFile::create_with(dir.path(), want, io)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("free") && err.contains("--disk-dir"), "{err}");
+        // The library names the setting; the CLI words it as --disk-dir (src/error.rs).
+        assert!(
+            err.contains("free") && err.contains("a disk_dir on a larger disk"),
+            "{err}"
+        );
         assert!(
             err.contains(&protrain::ir::format_bytes(want)),
             "names what the schedule needs: {err}"

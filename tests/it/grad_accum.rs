@@ -5,15 +5,14 @@
 //! micro-batches of B sequences against one batch of K*B; and a resumed accumulating run
 //! (fixtures made by `tests/fixtures/make_grad_accum_fixtures.py`).
 
+use crate::common::fixture_run::{compile, settings, train, Shape};
 use crate::common::{fixtures, numbers, read_json, relative};
 use protrain::ir::DType;
 use protrain::runtime::checkpoint;
 use protrain::runtime::params::load_params;
-use protrain::runtime::train::{
-    CheckpointPlan, LrSchedule, LrScheduleKind, RunFlags, RunSettings, StepRecord,
-};
+use protrain::runtime::train::{CheckpointPlan, LrSchedule, LrScheduleKind, RunFlags, StepRecord};
 use protrain::runtime::{Executor, Trainer};
-use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use protrain::OptimizerConfig;
 use serde_json::Value;
 use std::num::NonZeroU64;
 
@@ -51,6 +50,9 @@ fn expected() -> Expected {
     }
 }
 
+/// The fixture directory of the runs' tokens.
+const TOKENS: &str = "grad_accum";
+
 /// Every parameter stays on the device (gradients accumulate there) and every layer keeps
 /// its activations.
 const ROOMY: &str = "blocks=KK";
@@ -60,96 +62,11 @@ const TIGHT: &str = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1";
 /// One chunk on the device, the rest streamed: accumulators in both memories.
 const MIXED: &str = "n_persist=1 n_buffer=2 n_checkpoint=1";
 
-/// A verified f32 schedule of the fixture model `model` (`batch` x 16, `k` micro-batches)
-/// under `policy`.
-fn compile(
-    model: &str,
-    optimizer: &OptimizerConfig,
-    policy: &str,
-    batch: u64,
-    k: u64,
-) -> protrain::Compiled {
-    compile_as(model, optimizer, policy, batch, k, DType::F32)
-}
-
-/// [`compile`] in element type `dtype`.
-fn compile_as(
-    model: &str,
-    optimizer: &OptimizerConfig,
-    policy: &str,
-    batch: u64,
-    k: u64,
-    dtype: DType,
-) -> protrain::Compiled {
-    let config = protrain::models::load(fixtures().join(model).to_str().expect("utf-8"))
-        .expect("the fixture's config parses");
-    let options = CompileOptions {
-        batch,
-        seq: 16,
-        dtype,
-        policy: PolicyChoice::parse(policy).expect("a policy"),
-        optimizer: optimizer.clone(),
-        micro_batches: k,
-        topology: protrain::compiler::comm::Topology::SINGLE,
-        ..CompileOptions::default()
-    };
-    protrain::compile(&config, &options).expect("the fixture model compiles")
-}
-
-fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
-    RunSettings {
-        steps,
-        lr_schedule: schedule,
-        seed: 0,
-        data: Some(fixtures().join("grad_accum/tokens.npy")),
-        loss_scale: None,
-        save_every: None,
-        data_checksum: None,
-    }
-}
-
-/// Trains `model` from its fixture weights; returns every step's record and the final
-/// weights.
-fn train(
-    model: &str,
-    optimizer: &OptimizerConfig,
-    policy: &str,
-    shape: (u64, u64),
-    settings: RunSettings,
-) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
-    train_as(model, optimizer, policy, shape, settings, DType::F32)
-}
-
-/// [`train`] with a schedule in element type `dtype`.
-fn train_as(
-    model: &str,
-    optimizer: &OptimizerConfig,
-    policy: &str,
-    (batch, k): (u64, u64),
-    settings: RunSettings,
-    dtype: DType,
-) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
-    let compiled = compile_as(model, optimizer, policy, batch, k, dtype);
-    let schedule = &compiled.schedule;
-    assert_eq!(u64::from(schedule.micro_batches()), k);
-    let weights = fixtures().join(model).join("model.safetensors");
-    let params = load_params(&schedule.graph, &weights).expect("the fixture weights load");
-    let executor = Executor::new(schedule).expect("an executor");
-    let mut trainer =
-        Trainer::start(executor, settings, &params, "the fixture").expect("a trainer");
-    let mut records = Vec::new();
-    trainer
-        .run(|r| records.push(r.clone()))
-        .expect("the run trains");
-    let finals = trainer.executor().params().expect("weights read back");
-    (records, finals)
-}
-
 #[test]
 fn accumulated_training_matches_pytorch_under_every_policy() {
     let e = expected();
     assert_eq!(e.runs.len(), 4, "gpt2 and llama, cosine and linear");
-    let shape = (e.batch, e.grad_accum);
+    let shape = Shape::f32(e.batch, e.grad_accum);
     for run in &e.runs {
         let model = run["model"].as_str().expect("model");
         let kind = match run["lr_schedule"].as_str().expect("schedule") {
@@ -166,7 +83,7 @@ fn accumulated_training_matches_pytorch_under_every_policy() {
                 &e.optimizer,
                 policy,
                 shape,
-                settings(schedule, e.steps),
+                settings(TOKENS, schedule, e.steps),
             )
         };
         let (roomy, roomy_weights) = run_with(ROOMY);
@@ -224,8 +141,8 @@ fn accumulated_training_matches_pytorch_under_every_policy() {
             model,
             &e.optimizer,
             ROOMY,
-            (e.batch, 1),
-            settings(schedule, e.steps),
+            Shape::f32(e.batch, 1),
+            settings(TOKENS, schedule, e.steps),
         );
         let worst = single
             .iter()
@@ -251,9 +168,20 @@ fn micro_batches_train_as_one_batch_of_their_rows() {
         ("mixtral", ROOMY),
         ("qwen3_moe", "blocks=KKK"),
     ] {
-        let (big, big_weights) = train(model, &e.optimizer, roomy, (8, 1), settings(schedule, 5));
-        let (accum, accum_weights) =
-            train(model, &e.optimizer, TIGHT, (2, 4), settings(schedule, 5));
+        let (big, big_weights) = train(
+            model,
+            &e.optimizer,
+            roomy,
+            Shape::f32(8, 1),
+            settings(TOKENS, schedule, 5),
+        );
+        let (accum, accum_weights) = train(
+            model,
+            &e.optimizer,
+            TIGHT,
+            Shape::f32(2, 4),
+            settings(TOKENS, schedule, 5),
+        );
         let mut worst = 0.0f64;
         for (a, b) in accum.iter().zip(&big) {
             assert_eq!((a.step, a.batch, a.tokens), (b.step, b.batch, b.tokens));
@@ -272,7 +200,13 @@ fn micro_batches_train_as_one_batch_of_their_rows() {
         assert!(weights < 1e-5, "{model}: weights differ by {weights:e}");
         // Not trivially equal: the sums run in another order, and the run without
         // accumulation reads other rows.
-        let (small, _) = train(model, &e.optimizer, roomy, (2, 1), settings(schedule, 5));
+        let (small, _) = train(
+            model,
+            &e.optimizer,
+            roomy,
+            Shape::f32(2, 1),
+            settings(TOKENS, schedule, 5),
+        );
         let apart = small
             .iter()
             .zip(&big)
@@ -288,7 +222,7 @@ fn micro_batches_train_as_one_batch_of_their_rows() {
 #[test]
 fn an_accumulating_run_resumes_as_if_never_interrupted() {
     let e = expected();
-    let shape = (e.batch, e.grad_accum);
+    let shape = Shape::f32(e.batch, e.grad_accum);
     let schedule = LrSchedule::new(
         LrScheduleKind::Cosine,
         e.optimizer.lr,
@@ -302,17 +236,22 @@ fn an_accumulating_run_resumes_as_if_never_interrupted() {
         &e.optimizer,
         ROOMY,
         shape,
-        settings(schedule, e.steps),
+        settings(TOKENS, schedule, e.steps),
     );
     let dir = tempfile::tempdir().expect("temp dir");
     {
-        let compiled = compile("gpt2", &e.optimizer, ROOMY, shape.0, shape.1);
+        let compiled = compile("gpt2", &e.optimizer, ROOMY, shape);
         let s = &compiled.schedule;
         let weights = fixtures().join("gpt2/model.safetensors");
         let params = load_params(&s.graph, &weights).expect("weights");
         let executor = Executor::new(s).expect("an executor");
-        let mut trainer = Trainer::start(executor, settings(schedule, e.steps), &params, "fixture")
-            .expect("a trainer");
+        let mut trainer = Trainer::start(
+            executor,
+            settings(TOKENS, schedule, e.steps),
+            &params,
+            "fixture",
+        )
+        .expect("a trainer");
         let plan = CheckpointPlan {
             dir: dir.path().to_path_buf(),
             every: NonZeroU64::new(2).expect("2 > 0"),
@@ -326,13 +265,13 @@ fn an_accumulating_run_resumes_as_if_never_interrupted() {
     // The checkpoint records the accumulation; a schedule with another count is refused.
     let peek = checkpoint::peek_latest(dir.path()).expect("a checkpoint");
     assert_eq!(peek.optimizer.expect("optimizer settings").grad_accum, 2);
-    let other = compile("gpt2", &e.optimizer, ROOMY, shape.0, 3);
+    let other = compile("gpt2", &e.optimizer, ROOMY, Shape::f32(e.batch, 3));
     let err = checkpoint::load_latest(dir.path(), &other.schedule)
         .map(|_| ())
         .expect_err("another --grad-accum");
     assert!(err.to_string().contains("grad_accum=2"), "{err}");
 
-    let compiled = compile("gpt2", &e.optimizer, TIGHT, shape.0, shape.1);
+    let compiled = compile("gpt2", &e.optimizer, TIGHT, shape);
     let tight = &compiled.schedule;
     let (ckpt, warnings) = checkpoint::load_latest(dir.path(), tight).expect("the checkpoint");
     assert!(warnings.is_empty(), "{warnings:?}");
@@ -361,13 +300,16 @@ fn bf16_accumulation_is_the_same_bits_under_every_policy() {
     let schedule =
         LrSchedule::new(LrScheduleKind::Linear, e.optimizer.lr, 1, 5, 0.0).expect("schedule");
     let run = |policy: &str| {
-        train_as(
+        let shape = Shape {
+            dtype: DType::BF16,
+            ..Shape::f32(e.batch, e.grad_accum)
+        };
+        train(
             "gpt2",
             &e.optimizer,
             policy,
-            (e.batch, e.grad_accum),
-            settings(schedule, 5),
-            DType::BF16,
+            shape,
+            settings(TOKENS, schedule, 5),
         )
     };
     let (roomy, roomy_weights) = run(ROOMY);
@@ -375,8 +317,8 @@ fn bf16_accumulation_is_the_same_bits_under_every_policy() {
         "gpt2",
         &e.optimizer,
         ROOMY,
-        (e.batch, e.grad_accum),
-        settings(schedule, 5),
+        Shape::f32(e.batch, e.grad_accum),
+        settings(TOKENS, schedule, 5),
     );
     for (a, b) in roomy.iter().zip(&f32_run) {
         let rel = relative(f64::from(a.loss), f64::from(b.loss));

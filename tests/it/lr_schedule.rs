@@ -6,15 +6,15 @@
 //! policy, and resumed from a checkpoint as if never interrupted (fixtures made by
 //! `tests/fixtures/make_lr_schedule_fixtures.py`).
 
+use crate::common::fixture_run::{compile, settings, train, Shape};
 use crate::common::{fixtures, numbers, read_json, relative};
-use protrain::ir::DType;
 use protrain::runtime::checkpoint;
 use protrain::runtime::params::load_params;
 use protrain::runtime::train::{
     CheckpointPlan, LrSchedule, LrScheduleKind, RunFlags, RunSettings, StepRecord,
 };
 use protrain::runtime::{Executor, Trainer};
-use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
+use protrain::OptimizerConfig;
 use serde_json::Value;
 use std::num::NonZeroU64;
 
@@ -104,56 +104,10 @@ const ROOMY: &str = "blocks=KK";
 /// Every chunk streamed through two buffers; one layer swapped, one recomputed.
 const TIGHT: &str = "n_persist=0 n_buffer=2 n_swap=1 n_checkpoint=1";
 
-/// A verified f32 schedule of the fixture model `model` (batch 2 x seq 16) under `policy`.
-fn compile(model: &str, optimizer: &OptimizerConfig, policy: &str) -> protrain::Compiled {
-    let config = protrain::models::load(fixtures().join(model).to_str().expect("utf-8"))
-        .expect("the fixture's config parses");
-    let options = CompileOptions {
-        batch: 2,
-        seq: 16,
-        dtype: DType::F32,
-        policy: PolicyChoice::parse(policy).expect("a policy"),
-        optimizer: optimizer.clone(),
-        ..CompileOptions::default()
-    };
-    protrain::compile(&config, &options).expect("the fixture model compiles")
-}
-
-/// The run settings of the fixture runs: `steps` steps of `schedule` on the fixture tokens.
-fn settings(schedule: LrSchedule, steps: u64) -> RunSettings {
-    RunSettings {
-        steps,
-        lr_schedule: schedule,
-        seed: 0,
-        data: Some(fixtures().join("lr_schedule/tokens.npy")),
-        loss_scale: None,
-        save_every: None,
-        data_checksum: None,
-    }
-}
-
-/// Trains `model` from its fixture weights under `policy` with `settings`; returns every
-/// step's record and the final weights.
-fn train(
-    model: &str,
-    optimizer: &OptimizerConfig,
-    policy: &str,
-    settings: RunSettings,
-) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
-    let compiled = compile(model, optimizer, policy);
-    let schedule = &compiled.schedule;
-    let weights = fixtures().join(model).join("model.safetensors");
-    let params = load_params(&schedule.graph, &weights).expect("the fixture weights load");
-    let executor = Executor::new(schedule).expect("an executor");
-    let mut trainer =
-        Trainer::start(executor, settings, &params, "the fixture").expect("a trainer");
-    let mut records = Vec::new();
-    trainer
-        .run(|r| records.push(r.clone()))
-        .expect("the run trains");
-    let finals = trainer.executor().params().expect("weights read back");
-    (records, finals)
-}
+/// The fixture runs' shape: batch 2 (x seq 16), no accumulation, f32.
+const SHAPE: Shape = Shape::f32(2, 1);
+/// The fixture directory of the runs' tokens.
+const TOKENS: &str = "lr_schedule";
 
 #[test]
 fn scheduled_training_matches_pytorch_under_every_policy() {
@@ -165,8 +119,20 @@ fn scheduled_training_matches_pytorch_under_every_policy() {
         let what = format!("{model} {shape}");
         let schedule =
             LrSchedule::new(shape, e.optimizer.lr, e.warmup, e.decay, 0.0).expect("schedule");
-        let (roomy, roomy_weights) = train(model, &e.optimizer, ROOMY, settings(schedule, e.steps));
-        let (tight, tight_weights) = train(model, &e.optimizer, TIGHT, settings(schedule, e.steps));
+        let (roomy, roomy_weights) = train(
+            model,
+            &e.optimizer,
+            ROOMY,
+            SHAPE,
+            settings(TOKENS, schedule, e.steps),
+        );
+        let (tight, tight_weights) = train(
+            model,
+            &e.optimizer,
+            TIGHT,
+            SHAPE,
+            settings(TOKENS, schedule, e.steps),
+        );
         assert_eq!(roomy.len() as u64, e.steps, "{what}: steps");
 
         let losses = numbers(&run["losses"]);
@@ -213,7 +179,13 @@ fn scheduled_training_matches_pytorch_under_every_policy() {
         // step's loss (the first two run at the same rates) out of the tolerance.
         let wrong =
             LrSchedule::new(shape, e.optimizer.lr, e.warmup - 1, e.decay, 0.0).expect("schedule");
-        let (off, _) = train(model, &e.optimizer, ROOMY, settings(wrong, e.steps));
+        let (off, _) = train(
+            model,
+            &e.optimizer,
+            ROOMY,
+            SHAPE,
+            settings(TOKENS, wrong, e.steps),
+        );
         let worst = off
             .iter()
             .zip(&losses)
@@ -238,20 +210,30 @@ fn a_resumed_scheduled_run_takes_the_uninterrupted_runs_steps() {
         0.0,
     )
     .expect("schedule");
-    let (straight, straight_weights) =
-        train("llama", &e.optimizer, ROOMY, settings(schedule, e.steps));
+    let (straight, straight_weights) = train(
+        "llama",
+        &e.optimizer,
+        ROOMY,
+        SHAPE,
+        settings(TOKENS, schedule, e.steps),
+    );
 
     // Two steps under the roomy policy, saved, then the rest under the tight one from the
     // checkpoint alone: the settings come from it.
     let dir = tempfile::tempdir().expect("temp dir");
     {
-        let compiled = compile("llama", &e.optimizer, ROOMY);
+        let compiled = compile("llama", &e.optimizer, ROOMY, SHAPE);
         let schedule_file = &compiled.schedule;
         let weights = fixtures().join("llama/model.safetensors");
         let params = load_params(&schedule_file.graph, &weights).expect("weights");
         let executor = Executor::new(schedule_file).expect("an executor");
-        let mut trainer = Trainer::start(executor, settings(schedule, e.steps), &params, "fixture")
-            .expect("a trainer");
+        let mut trainer = Trainer::start(
+            executor,
+            settings(TOKENS, schedule, e.steps),
+            &params,
+            "fixture",
+        )
+        .expect("a trainer");
         let plan = CheckpointPlan {
             dir: dir.path().to_path_buf(),
             every: NonZeroU64::new(2).expect("2 > 0"),
@@ -264,7 +246,7 @@ fn a_resumed_scheduled_run_takes_the_uninterrupted_runs_steps() {
             trainer.step(|_| {}).expect("a step").expect("steps remain");
         }
     }
-    let compiled = compile("llama", &e.optimizer, TIGHT);
+    let compiled = compile("llama", &e.optimizer, TIGHT, SHAPE);
     let tight = &compiled.schedule;
     let (ckpt, warnings) = checkpoint::load_latest(dir.path(), tight).expect("the checkpoint");
     assert!(warnings.is_empty(), "{warnings:?}");
@@ -280,7 +262,7 @@ fn a_resumed_scheduled_run_takes_the_uninterrupted_runs_steps() {
     let recorded = RunSettings {
         save_every: Some(2),
         data_checksum: saved.data_checksum.clone(),
-        ..settings(schedule, e.steps)
+        ..settings(TOKENS, schedule, e.steps)
     };
     assert!(recorded.data_checksum.is_some());
     assert_eq!(resumed_settings, recorded);
@@ -302,7 +284,7 @@ fn a_resumed_scheduled_run_takes_the_uninterrupted_runs_steps() {
 #[test]
 fn the_interpreter_and_the_executor_take_the_same_rate_per_step() {
     let e = expected();
-    let compiled = compile("gpt2", &e.optimizer, TIGHT);
+    let compiled = compile("gpt2", &e.optimizer, TIGHT, SHAPE);
     let schedule = &compiled.schedule;
     let config =
         protrain::models::load(fixtures().join("gpt2").to_str().expect("utf-8")).expect("config");

@@ -8,20 +8,10 @@
 //! is 4 micro-batches of 2 x 16 tokens, taken as 4 ranks x 1, 2 ranks x 2 or 1 rank x 4.
 
 use crate::cli_support;
-use cli_support::{killed_after, losses, path, protrain, stderr};
+use cli_support::{files, killed_after, losses, path, protrain, stderr};
 
 use std::path::Path;
 use std::process::Output;
-
-/// The files in `dir`, by name.
-fn files(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .expect("the checkpoint directory")
-        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
-        .collect();
-    names.sort();
-    names
-}
 
 /// The arguments of a run of `steps` steps taking the global batch as `ranks` (`--gpus N`
 /// and `--grad-accum K`, N x K = 4), then `extra`.

@@ -12,13 +12,7 @@ use protrain_ir::verify_schedule::{verify, verify_schedule, Invariant};
 use protrain_ir::{file, BufferKind, DType, Instr, OpKind, Policy, Role, Schedule, Space};
 
 fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "accumulate".into(),
-        hardware: "test".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
+    crate::common::header("accumulate", "test")
 }
 
 /// Every policy of the golden table, for `model` with and without clipping, at `k`

@@ -22,13 +22,7 @@ use protrain_ir::{
 };
 
 fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "data_parallel".into(),
-        hardware: "test".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
+    crate::common::header("data_parallel", "test")
 }
 
 /// `model` (batch 2 x 16, clipping when `clip`) compiled under `policy` for `ranks` ranks

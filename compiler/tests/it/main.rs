@@ -6,6 +6,7 @@
 #![allow(clippy::module_inception)]
 
 mod accumulate;
+mod common;
 mod cost;
 mod data_parallel;
 mod forward_only;

@@ -8,13 +8,7 @@ use protrain_ir::verify_schedule::verify_schedule;
 use protrain_ir::{BlockMode, DType, Policy};
 
 fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "test".into(),
-        hardware: "test".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
+    crate::common::header("test", "test")
 }
 
 #[test]

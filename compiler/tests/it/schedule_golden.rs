@@ -14,13 +14,7 @@ use protrain_compiler::OptimizerConfig;
 use protrain_ir::{file, DType, Policy};
 
 fn header() -> HeaderInputs {
-    HeaderInputs {
-        model: "golden".into(),
-        hardware: "golden".into(),
-        device_budget_bytes: u64::MAX,
-        host_budget_bytes: u64::MAX,
-        report: String::new(),
-    }
+    crate::common::header("golden", "golden")
 }
 
 /// FNV-1a, 64 bits: a digest that needs no dependency and is stable across platforms.

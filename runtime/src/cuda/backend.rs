@@ -35,7 +35,7 @@
 //! any other device work. The rank's slice copies ([`protrain_ir::Instr::CopyShard`]) are
 //! plain copies at the addresses the executor shifted to the rank, and the CPU Adam of a
 //! sharded chunk updates the rank's part of each parameter ([`crate::backend::ShardLaunch`]).
-//! The process runs on the GPU [`use_gpu`] chose (`LOCAL_RANK`), GPU 0 unless told.
+//! The process runs on the GPU [`super::use_gpu`] chose (`LOCAL_RANK`), GPU 0 unless told.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -47,8 +47,8 @@ use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorTyp
 
 use super::blas::Gemm;
 use super::driver::{
-    self, driver_error, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event, Fill,
-    Kernels, ParamKind, PinnedMemory, WriteKind,
+    self, driver_error, gpu, open_context, probe, write_device, DeviceInfo, DeviceMemory, Event,
+    Fill, Kernels, ParamKind, PinnedMemory, WriteKind,
 };
 use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
 use super::nccl::{gather_words, poll_until, InPlace, NcclComm, NcclOp, NcclWatch};
@@ -58,20 +58,6 @@ use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
-
-/// The GPU this process's backends open (its ordinal); see [`use_gpu`].
-static GPU: AtomicUsize = AtomicUsize::new(0);
-
-/// Makes every CUDA backend this process creates from now on open GPU `ordinal` (a worker of
-/// a multi-process run takes its `LOCAL_RANK`); GPU 0 unless called.
-pub fn use_gpu(ordinal: usize) {
-    GPU.store(ordinal, Ordering::Relaxed);
-}
-
-/// The GPU [`use_gpu`] chose.
-pub fn gpu() -> usize {
-    GPU.load(Ordering::Relaxed)
-}
 
 /// How far each event has come this step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

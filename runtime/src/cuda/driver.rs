@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
@@ -96,8 +97,22 @@ pub struct DeviceInfo {
     pub driver_version: i32,
 }
 
+/// The GPU this process's backends open (its ordinal); see [`use_gpu`].
+static GPU: AtomicUsize = AtomicUsize::new(0);
+
+/// Makes every CUDA backend this process creates from now on open GPU `ordinal` (a worker of
+/// a multi-process run takes its `LOCAL_RANK`); GPU 0 unless called.
+pub fn use_gpu(ordinal: usize) {
+    GPU.store(ordinal, Ordering::Relaxed);
+}
+
+/// The GPU [`use_gpu`] chose.
+pub fn gpu() -> usize {
+    GPU.load(Ordering::Relaxed)
+}
+
 /// Checks, without any call that could panic, that the CUDA driver, a GPU, cuBLAS and NVRTC
-/// are there, and describes the GPU this process runs on ([`super::use_gpu`], GPU 0 unless set).
+/// are there, and describes the GPU this process runs on ([`use_gpu`], GPU 0 unless set).
 /// The error says what is missing and what to install.
 pub fn probe() -> Result<DeviceInfo> {
     let unavailable = |why: String| RuntimeError::CudaUnavailable(why);
@@ -155,8 +170,8 @@ pub fn probe() -> Result<DeviceInfo> {
             nvrtc::SETUP_HINT
         )));
     }
-    // The GPU this process runs on: 0, or a worker's LOCAL_RANK (`super::use_gpu`).
-    let ordinal = super::backend::gpu();
+    // The GPU this process runs on: 0, or a worker's LOCAL_RANK ([`use_gpu`]).
+    let ordinal = gpu();
     if ordinal >= count as usize {
         return Err(unavailable(format!(
             "this process runs on GPU {ordinal} (its LOCAL_RANK), but the driver sees {count} \

@@ -39,9 +39,9 @@ pub mod profile;
 pub mod runs;
 
 #[cfg(feature = "cuda")]
-pub use backend::{gpu, use_gpu, CudaBackend, CudaStreamHandle, DROP_WAIT_VAR};
+pub use backend::{CudaBackend, CudaStreamHandle, DROP_WAIT_VAR};
 #[cfg(feature = "cuda")]
-pub use driver::{simulator_counters, DeviceInfo, SimCounters};
+pub use driver::{gpu, simulator_counters, use_gpu, DeviceInfo, SimCounters};
 pub use runs::{adamw_runs, AdamWRun};
 
 /// What `--backend cuda` says in a build without the CUDA backend.

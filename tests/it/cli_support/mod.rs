@@ -45,6 +45,20 @@ pub fn compile_gpt2_tiny(to: &Path, extra: &[&str]) -> Output {
     out
 }
 
+/// The names of the files in `dir`, sorted; none when `dir` does not exist (a run that has
+/// not written a checkpoint yet).
+pub fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 /// A path as the argument it is given as.
 pub fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")

@@ -3,6 +3,7 @@
 //! the synthetic corpus.
 
 pub mod bf16;
+pub mod fixture_run;
 
 use protrain::ir::HardwareProfile;
 use protrain_compiler::emit::HeaderInputs;
