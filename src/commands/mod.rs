@@ -301,11 +301,15 @@ impl CompileArgs {
                 .collect();
                 Err(Error::Usage(format!(
                     "--global-batch {rows} with {}: --global-batch asks the compiler to choose \
-                     the micro-batch rows and the accumulation, which {} sets; drop {}, or \
+                     the micro-batch rows and the accumulation, which {}; drop {}, or \
                      drop --global-batch to choose the split yourself (rows per step = \
                      --batch x --grad-accum x ranks)",
                     given.join(" and "),
-                    if given.len() == 1 { "it" } else { "they" },
+                    if given.len() == 1 {
+                        "it sets"
+                    } else {
+                        "they set"
+                    },
                     if given.len() == 1 { "it" } else { "them" },
                 )))
             }

@@ -101,11 +101,10 @@ pub fn run(mut args: Args) -> Result<()> {
     };
     warn(&compiled.warnings);
     let schedule = &compiled.schedule;
-    // The split the compiler chose, where it chose one, is the shape the schedule runs (and
-    // the forward-only evaluation schedule, below, is compiled for).
-    options.batch = schedule.header.batch;
-    options.micro_batches = u64::from(schedule.micro_batches());
-    let accum = match options.micro_batches {
+    // The split the compiler chose, where it chose one, is the shape the schedule runs; the
+    // evaluation schedule (below) reads batches of the rows asked for, as its reserve was
+    // planned.
+    let accum = match schedule.micro_batches() {
         1 => String::new(),
         k => format!(" x {k} micro-batches"),
     };
@@ -116,7 +115,7 @@ pub fn run(mut args: Args) -> Result<()> {
         vocab_note.map_or(String::new(), |n| n + "\n"),
         config.name,
         format_count(schedule.header.param_count),
-        options.batch,
+        schedule.header.batch,
         options.seq,
         options.optimizer.lr,
         compiled.compile_seconds,
