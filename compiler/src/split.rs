@@ -238,7 +238,7 @@ fn divisors(n: u64) -> Vec<u64> {
     let mut large = Vec::new();
     let mut d = 1;
     while d * d <= n {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             small.push(d);
             if d * d != n {
                 large.push(n / d);
@@ -317,9 +317,9 @@ pub fn compile_split(
                     micro_batches: k,
                     step: Some(StepTimes::of(&c)),
                 });
-                let faster = best.as_ref().map_or(true, |b| {
-                    c.simulation.step_seconds < b.simulation.step_seconds
-                });
+                let faster = best
+                    .as_ref()
+                    .is_none_or(|b| c.simulation.step_seconds < b.simulation.step_seconds);
                 if faster {
                     best = Some(c);
                 }
