@@ -1454,3 +1454,57 @@ fn run_resume_refuses_a_checkpoint_of_another_dtype() {
     let out = resume(&f32_schedule);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// `train --resume` with `--global-batch` keeps the checkpoint's split when its rows per step
+/// are the ones given, and refuses other rows, naming both.
+#[test]
+fn train_resume_with_a_global_batch_keeps_the_checkpoints_split() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--seq",
+            "16",
+            "--gpu-memory",
+            "800KiB",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let first = train(&[
+        "--global-batch",
+        "8",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "1",
+    ]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let resumed = train(&[
+        "--global-batch",
+        "8",
+        "--steps",
+        "3",
+        "--resume",
+        path(&ckpt),
+    ]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let other = train(&[
+        "--global-batch",
+        "4",
+        "--steps",
+        "4",
+        "--resume",
+        path(&ckpt),
+    ]);
+    assert_eq!(other.status.code(), Some(2), "{}", stderr(&other));
+    assert!(
+        stderr(&other).contains("--global-batch: the checkpoint's steps take 8 rows"),
+        "{}",
+        stderr(&other)
+    );
+}
