@@ -129,6 +129,19 @@ pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
             format_bytes(*need),
             format_bytes(*budget)
         ),
+        E::GlobalBatchZero => {
+            "--global-batch 0: a step takes at least one row; give the rows per step".into()
+        }
+        E::GlobalBatchNotDivisible { rows, ranks } => format!(
+            "--global-batch {rows} cannot be shared by {ranks} ranks (--gpus x --nodes): give \
+             a multiple of {ranks}, e.g. {}",
+            (rows / ranks + 1) * ranks
+        ),
+        E::NoSplitFits { rows, source } => format!(
+            "batch {rows} does not fit even as {rows} micro-batches of 1 row, accumulated; at 1 \
+             row: {}",
+            compile_message(source)
+        ),
         e => e.to_string(),
     }
 }
@@ -335,6 +348,29 @@ mod tests {
                     budget: 2 << 30,
                 },
                 "policy n_persist=1 needs 3.00 GiB of device memory, more than the 2.00 GiB of \
+                 device memory per GPU (--gpu-memory); use --policy auto or a larger \
+                 --gpu-memory",
+            ),
+            (
+                E::GlobalBatchZero,
+                "--global-batch 0: a step takes at least one row; give the rows per step",
+            ),
+            (
+                E::GlobalBatchNotDivisible { rows: 9, ranks: 2 },
+                "--global-batch 9 cannot be shared by 2 ranks (--gpus x --nodes): give a \
+                 multiple of 2, e.g. 10",
+            ),
+            (
+                E::NoSplitFits {
+                    rows: 8,
+                    source: Box::new(E::PolicyOverDevice {
+                        policy: "n_persist=1".into(),
+                        need: 3 << 30,
+                        budget: 2 << 30,
+                    }),
+                },
+                "batch 8 does not fit even as 8 micro-batches of 1 row, accumulated; at 1 row: \
+                 policy n_persist=1 needs 3.00 GiB of device memory, more than the 2.00 GiB of \
                  device memory per GPU (--gpu-memory); use --policy auto or a larger \
                  --gpu-memory",
             ),

@@ -70,6 +70,18 @@ pub fn compile(config: &models::ModelConfig, options: &CompileOptions) -> Result
     Ok(compiler::pipeline::compile(config, options)?)
 }
 
+/// [`compile`] with the step's rows cut into micro-batches as `split` says: a batch that
+/// does not fit split into the fewest micro-batches that do, or the fastest split of a
+/// global batch ([`compiler::split`]). Returns the report of the choice when the split was
+/// chosen here.
+pub fn compile_split(
+    config: &models::ModelConfig,
+    options: &CompileOptions,
+    split: compiler::split::Split,
+) -> Result<(Compiled, Option<compiler::split::SplitReport>)> {
+    Ok(compiler::split::compile_split(config, options, split)?)
+}
+
 /// Builds the forward graph of a model at `[batch, seq]` in f32.
 pub fn forward_graph(config: &models::ModelConfig, batch: u64, seq: u64) -> Result<Graph> {
     let options = models::BuildOptions::new(batch, seq).with_dtype(ir::DType::F32);

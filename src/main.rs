@@ -43,13 +43,13 @@ enum Command {
     Dump(commands::dump::Args),
     /// Train a model on a token file or the built-in synthetic corpus: compile it for this
     /// machine (or --hardware and --gpu-memory), then run the schedule.
-    Train(commands::train::Args),
+    Train(Box<commands::train::Args>),
     /// Evaluate weights (a checkpoint directory or a safetensors file) on held-out data:
     /// the mean loss and perplexity, by a forward-only schedule.
     Eval(commands::eval::Args),
     /// Run a compiled schedule for a number of steps, and compare its step time with the
     /// prediction.
-    Run(commands::run::Args),
+    Run(Box<commands::run::Args>),
     /// Compile the fastest schedule that fits a machine and write it as a .ptsched file.
     Compile(commands::compile::Args),
     /// Check a schedule file: its format, checksum and every invariant of the verifier.
@@ -71,9 +71,9 @@ fn main() -> ExitCode {
         Command::Models(args) => commands::models::run(args),
         Command::Info(args) => commands::info::run(args),
         Command::Dump(args) => commands::dump::run(args),
-        Command::Train(args) => commands::train::run(args),
+        Command::Train(args) => commands::train::run(*args),
         Command::Eval(args) => commands::eval::run(args),
-        Command::Run(args) => commands::run::run(args),
+        Command::Run(args) => commands::run::run(*args),
         Command::Compile(args) => commands::compile::run(args),
         Command::Verify(args) => commands::schedule::verify(args),
         Command::Explain(args) => commands::schedule::explain(args),

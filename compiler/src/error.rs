@@ -113,6 +113,28 @@ pub enum CompileError {
         /// Device bytes allowed per GPU.
         budget: u64,
     },
+    /// A global batch of no rows ([`crate::split::Split::Global`]).
+    #[error("a global batch of 0 rows: a step takes at least one row")]
+    GlobalBatchZero,
+    /// A global batch the ranks cannot share evenly.
+    #[error("a global batch of {rows} rows cannot be shared evenly by {ranks} ranks")]
+    GlobalBatchNotDivisible {
+        /// Rows per step asked for.
+        rows: u64,
+        /// Ranks.
+        ranks: u64,
+    },
+    /// Not even micro-batches of one row fit the budgets ([`crate::split::Split::IfNeeded`]).
+    #[error(
+        "batch {rows} does not fit even as {rows} micro-batches of 1 row, accumulated; at 1 \
+         row: {source}"
+    )]
+    NoSplitFits {
+        /// Rows per step on each rank.
+        rows: u64,
+        /// Why one-row micro-batches do not fit.
+        source: Box<CompileError>,
+    },
     /// The compile would take more memory than the machine has available
     /// ([`crate::pipeline::check_compile_memory`]).
     #[error(

@@ -22,6 +22,7 @@ pub mod search;
 pub mod search_forward;
 pub mod shard;
 pub mod simulate;
+pub mod split;
 pub mod streams;
 pub mod validate;
 

@@ -2279,16 +2279,16 @@ fn device_too_small(
     let split = match batch {
         0 | 1 => String::new(),
         b => format!(
-            " (--batch {} with twice the --grad-accum, 2 if none was given, trains \
-             on the same rows per step in the activations of half the batch)",
+            ", or take a smaller batch with gradient accumulation (--batch {} with twice the \
+             --grad-accum, 2 if none was given, trains on the same rows per step in the \
+             activations of half the batch)",
             b.div_ceil(2)
         ),
     };
     CompileError::BudgetTooSmall(format!(
         "no policy fits {} of device memory per GPU (--gpu-memory); {} policies tried. \
          The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, \
-         inputs {}{host}. Give --gpu-memory at least {}, or take a smaller batch with \
-         gradient accumulation{split}, or a smaller --seq",
+         inputs {}{host}. Give --gpu-memory at least {}{split}, or a smaller --seq",
         format_bytes(options.device_budget),
         report.enumerated,
         lean,

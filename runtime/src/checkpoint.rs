@@ -1058,6 +1058,18 @@ pub fn peek_latest(dir: &Path) -> Result<SavedRun> {
     }))
 }
 
+/// The element type the weights at `path` were trained in, when `path` is a checkpoint that
+/// records it: the one checkpoint a file (or a sharded checkpoint's manifest) named as a
+/// checkpoint is ([`file_name`]), or the newest intact one of a directory of checkpoints.
+/// `None` for anything else (a weights file) and for a checkpoint that does not record it.
+pub fn saved_dtype(path: &Path) -> Option<DType> {
+    if path.is_dir() {
+        return peek_latest(path).ok()?.dtype;
+    }
+    path.file_name()?.to_str().and_then(step_of)?;
+    read_any_header(path).ok()?.dtype
+}
+
 /// A checkpoint read back and checked against a schedule, ready to [`restore`](Self::restore).
 ///
 /// A single-file checkpoint is checked whole when it is loaded (every tensor's checksum); a

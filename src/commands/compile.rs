@@ -1,6 +1,7 @@
 //! `protrain compile`: the fastest schedule that fits a machine.
 
 use super::{warn, CompileArgs};
+use protrain::compiler::split::{SplitReport, SplitWhy};
 use protrain::ir::{format_bytes, format_count, BlockMode, HardwareProfile, Schedule};
 use protrain::{Compiled, Result};
 use std::path::PathBuf;
@@ -61,7 +62,18 @@ pub fn run(args: Args) -> Result<()> {
         ));
     }
     let profile = options.hardware.clone();
-    let compiled = protrain::compile(&config, &options)?;
+    let split = match args.forward_only {
+        true if args.compile.global_batch.is_some() => {
+            return Err(protrain::Error::Usage(
+                "--global-batch with --forward-only: a forward-only schedule has no optimizer \
+                 step to split into micro-batches; give --batch"
+                    .into(),
+            ))
+        }
+        true => protrain::compiler::split::Split::Exact,
+        false => args.compile.split()?,
+    };
+    let (compiled, split) = protrain::compile_split(&config, &options, split)?;
     warn(&compiled.warnings);
     let path = args
         .output
@@ -81,11 +93,11 @@ pub fn run(args: Args) -> Result<()> {
     if args.json {
         outln!(
             "{}",
-            serde_json::to_string_pretty(&summary_json(&compiled, written))
+            serde_json::to_string_pretty(&summary_json(&compiled, split.as_ref(), written))
                 .expect("JSON values serialise")
         );
     } else {
-        print_summary(&compiled, &profile, written);
+        print_summary(&compiled, split.as_ref(), &profile, written);
     }
     Ok(())
 }
@@ -120,8 +132,37 @@ fn rates(s: &Schedule) -> (f64, f64) {
     )
 }
 
-/// The plan as JSON; `schedule` is the file written, null for a dry run.
-fn summary_json(c: &Compiled, path: Option<&std::path::Path>) -> serde_json::Value {
+/// The split chosen as JSON: the rows per step, the micro-batch rows and count chosen, why,
+/// and each split tried with its predicted step (null where it did not fit).
+fn split_json(r: &SplitReport) -> serde_json::Value {
+    serde_json::json!({
+        "rows": r.rows,
+        "ranks": r.ranks,
+        "batch": r.batch,
+        "micro_batches": r.micro_batches,
+        "why": match r.why {
+            SplitWhy::DoesNotFit => "does_not_fit",
+            SplitWhy::Fastest => "fastest",
+        },
+        "text": r.to_text(),
+        "tried": r.tried.iter().map(|t| serde_json::json!({
+            "batch": t.batch,
+            "micro_batches": t.micro_batches,
+            "predicted_step_s": t.step.as_ref().map(|s| s.seconds),
+            "compute_s": t.step.as_ref().map(|s| s.compute),
+            "cpu_adam_s": t.step.as_ref().map(|s| s.cpu_adam),
+            "peak_device_bytes": t.step.as_ref().map(|s| s.peak_device_bytes),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The plan as JSON; `schedule` is the file written, null for a dry run; `split` the split
+/// the compiler chose, null where the batch was compiled as given.
+fn summary_json(
+    c: &Compiled,
+    split: Option<&SplitReport>,
+    path: Option<&std::path::Path>,
+) -> serde_json::Value {
     let s = &c.schedule;
     let p = &s.header.prediction;
     let (tokens_per_s, tflops) = rates(s);
@@ -138,6 +179,8 @@ fn summary_json(c: &Compiled, path: Option<&std::path::Path>) -> serde_json::Val
         "tflops": tflops,
         "ranks": s.ranks(),
         "micro_batches": s.micro_batches(),
+        "batch": s.header.batch,
+        "split": split.map(split_json),
         "peak_device_bytes": p.peak_device_bytes,
         "lower_bound_bytes": p.lower_bound_bytes,
         "device_budget_bytes": s.header.device_budget_bytes,
@@ -162,7 +205,12 @@ fn summary_json(c: &Compiled, path: Option<&std::path::Path>) -> serde_json::Val
     })
 }
 
-fn print_summary(c: &Compiled, profile: &HardwareProfile, path: Option<&std::path::Path>) {
+fn print_summary(
+    c: &Compiled,
+    split: Option<&SplitReport>,
+    profile: &HardwareProfile,
+    path: Option<&std::path::Path>,
+) {
     let s = &c.schedule;
     let h = &s.header;
     let p = &h.prediction;
@@ -177,6 +225,9 @@ fn print_summary(c: &Compiled, profile: &HardwareProfile, path: Option<&std::pat
         profile.name,
         c.compile_seconds
     );
+    if let Some(split) = split {
+        out!("{}", split.to_text());
+    }
     let streamed = s.chunks.len() as u32 - h.policy.n_persist;
     outln!("policy          {}", h.policy);
     if s.graph.is_forward_only() {

@@ -1,6 +1,7 @@
 //! `protrain dump`: a model's IR, or a schedule's, at a compilation stage.
 
 use super::{write_output, CompileArgs};
+use protrain::compiler::split::Split;
 use protrain::ir::print::value_names;
 use protrain::ir::print_schedule::print_chunk_table;
 use protrain::ir::{
@@ -182,7 +183,6 @@ fn model_stage(args: &Args) -> Result<String> {
     }
     let mut options = args.compile.options(&config)?;
     options.forward_only = args.forward_only;
-    let mut context = Context::new(&config, options);
     let until = match stage {
         Stage::Forward => PipelineStage::Forward,
         Stage::Fused => PipelineStage::Fused,
@@ -191,6 +191,30 @@ fn model_stage(args: &Args) -> Result<String> {
         Stage::Placed => PipelineStage::Placed,
         Stage::Scheduled | Stage::Planned => PipelineStage::Compiled,
     };
+    // The stages of the split `compile` would choose: a global batch's fastest split at every
+    // stage; a batch that does not fit split where a stage places a policy.
+    let split = match args.forward_only {
+        true => Split::Exact,
+        false => args.compile.split()?,
+    };
+    let resolve = match split {
+        Split::Exact => false,
+        Split::IfNeeded => until >= PipelineStage::Placed,
+        Split::Global { .. } => true,
+    };
+    if resolve {
+        let (compiled, report) = protrain::compile_split(&config, &options, split)?;
+        if let Some(report) = report {
+            eprint!("{}", report.to_text());
+        }
+        if until == PipelineStage::Compiled {
+            super::warn(&compiled.warnings);
+            return schedule_stage(&compiled.schedule, stage, format);
+        }
+        options.batch = compiled.schedule.header.batch;
+        options.micro_batches = u64::from(compiled.schedule.micro_batches());
+    }
+    let mut context = Context::new(&config, options);
     if until == PipelineStage::Placed {
         context.run_until(until)?;
         let compiled = context.compiled().expect("placing compiles");

@@ -108,12 +108,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let (hardware, device_budget) = args.machine.profile()?;
     let (batch, seq, _) = args.shape.resolve(&config, &hardware);
-    // The schedule must run on the backend: as `train`, its kernels decide the element type.
-    let dtype = match (args.shape.dtype, args.backend) {
-        (Some(dtype), _) => dtype.ir(),
-        (None, BackendKind::Host) => protrain::ir::DType::F32,
-        (None, BackendKind::Cuda) => protrain::ir::DType::BF16,
-    };
+    let saved = protrain::runtime::checkpoint::saved_dtype(&args.init);
+    let dtype = eval_dtype(args.shape.dtype, saved, args.backend);
     let options = CompileOptions {
         batch,
         seq,
@@ -135,6 +131,22 @@ pub fn run(args: Args) -> Result<()> {
         // `check_backend` refused it above.
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => check_backend(args.backend),
+    }
+}
+
+/// The element type to evaluate in: the one given, else the one the checkpoint `saved` was
+/// trained in (as `train --resume` takes it), else the backend's default (f32 on the host,
+/// bf16 on CUDA, as `train`).
+fn eval_dtype(
+    given: Option<super::Dtype>,
+    saved: Option<protrain::ir::DType>,
+    backend: BackendKind,
+) -> protrain::ir::DType {
+    match (given, saved, backend) {
+        (Some(dtype), _, _) => dtype.ir(),
+        (None, Some(saved), _) => saved,
+        (None, None, BackendKind::Host) => protrain::ir::DType::F32,
+        (None, None, BackendKind::Cuda) => protrain::ir::DType::BF16,
     }
 }
 
@@ -321,4 +333,36 @@ pub fn eval_json(step: u64, data: &Path, e: &EvalResult) -> serde_json::Value {
         "tokens": e.tokens,
         "eval_s": e.seconds,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protrain::ir::DType;
+
+    /// A checkpoint evaluates in the type it was trained in on either backend, unless --dtype
+    /// says otherwise; other weights take the backend's default.
+    #[test]
+    fn a_checkpoint_evaluates_in_its_own_element_type() {
+        use super::super::Dtype;
+        let cases = [
+            (None, Some(DType::F32), BackendKind::Cuda, DType::F32),
+            (None, Some(DType::F16), BackendKind::Host, DType::F16),
+            (None, None, BackendKind::Cuda, DType::BF16),
+            (None, None, BackendKind::Host, DType::F32),
+            (
+                Some(Dtype::Bf16),
+                Some(DType::F32),
+                BackendKind::Cuda,
+                DType::BF16,
+            ),
+        ];
+        for (given, saved, backend, want) in cases {
+            assert_eq!(
+                eval_dtype(given, saved, backend),
+                want,
+                "{given:?} {saved:?}"
+            );
+        }
+    }
 }

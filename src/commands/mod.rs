@@ -14,6 +14,7 @@ pub mod schedule;
 pub mod train;
 
 use protrain::compiler::comm::Topology;
+use protrain::compiler::split::Split;
 use protrain::ir::{format_bytes, DType, HardwareProfile};
 use protrain::models::ModelConfig;
 use protrain::size::parse_size;
@@ -253,6 +254,16 @@ pub struct CompileArgs {
     /// [default: 1; with train --resume, the checkpointed run's].
     #[arg(long, value_name = "K")]
     pub grad_accum: Option<u64>,
+    /// Rows (sequences) per optimizer step over all ranks, split by the compiler: it compiles
+    /// every split B x K x ranks = ROWS (B rows a micro-batch, B dividing ROWS / ranks, K
+    /// micro-batches accumulated) and keeps the one whose predicted step is fastest (the CPU
+    /// Adam, paid once a step, is amortised over K micro-batches where that is faster),
+    /// printing which it chose and why. Not with --batch or --grad-accum, which give the
+    /// split yourself. Without any of the three, a --batch that does not fit the memory
+    /// budgets in one micro-batch is split into the fewest micro-batches that fit, which
+    /// train on the same rows in the same order.
+    #[arg(long, value_name = "ROWS")]
+    pub global_batch: Option<u64>,
     /// Data parallelism: GPUs (ranks) per node. Every rank runs the same schedule on its own
     /// rows of the global batch (ranks x K x --batch sequences per step, the rows one rank
     /// with --grad-accum ranks*K would read) and the gradients are summed over the ranks
@@ -274,6 +285,39 @@ pub struct CompileArgs {
 }
 
 impl CompileArgs {
+    /// How the step's rows are cut into micro-batches: the compiler's choice for
+    /// --global-batch, the user's for --grad-accum, else --batch split only where it does
+    /// not fit. Refuses --global-batch with --batch or --grad-accum.
+    pub fn split(&self) -> Result<Split> {
+        match (self.global_batch, self.shape.batch, self.grad_accum) {
+            (Some(rows), None, None) => Ok(Split::Global { rows }),
+            (Some(rows), batch, accum) => {
+                let given: Vec<String> = [
+                    batch.map(|b| format!("--batch {b}")),
+                    accum.map(|k| format!("--grad-accum {k}")),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                Err(Error::Usage(format!(
+                    "--global-batch {rows} with {}: --global-batch asks the compiler to choose \
+                     the micro-batch rows and the accumulation, which {}; drop {}, or \
+                     drop --global-batch to choose the split yourself (rows per step = \
+                     --batch x --grad-accum x ranks)",
+                    given.join(" and "),
+                    if given.len() == 1 {
+                        "it sets"
+                    } else {
+                        "they set"
+                    },
+                    if given.len() == 1 { "it" } else { "them" },
+                )))
+            }
+            (None, _, Some(_)) => Ok(Split::Exact),
+            (None, _, None) => Ok(Split::IfNeeded),
+        }
+    }
+
     /// The compile options these flags describe for `config`.
     pub fn options(&self, config: &ModelConfig) -> Result<CompileOptions> {
         let (hardware, device_budget) = self.machine.profile()?;

@@ -6,7 +6,7 @@ use protrain::compiler::simulate::{
 };
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
-use protrain::runtime::checkpoint::{self, OptimizerSettings};
+use protrain::runtime::checkpoint::{self, OptimizerSettings, SavedRun};
 use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
 use protrain::runtime::eval::load_weights;
 use protrain::runtime::params::{init_params, save_order, save_params_streamed};
@@ -16,7 +16,7 @@ use protrain::runtime::train::{
     WeightReads,
 };
 use protrain::runtime::weights::StorageDtype;
-use protrain::runtime::{Backend, Executor, HostBackend, Trainer};
+use protrain::runtime::{Backend, Executor, HostBackend, RuntimeError, Trainer};
 use protrain::{Error, Result};
 use std::io::IsTerminal;
 use std::num::NonZeroU64;
@@ -297,6 +297,9 @@ pub fn run(mut args: Args) -> Result<()> {
         )));
     }
     check_optimizer_flags(&schedule, &args)?;
+    if let Some(dir) = &args.exec.resume {
+        check_resume_dtype(&schedule, &args.schedule, &checkpoint::peek_latest(dir)?)?;
+    }
     let k = u64::from(schedule.micro_batches());
     if let Some(given) = args.grad_accum.filter(|&g| g != k) {
         return Err(Error::Usage(format!(
@@ -1007,6 +1010,27 @@ fn rank_trainer<'s, B: Backend>(
         }
     };
     Ok((trainer, notes))
+}
+
+/// Fails unless the run `saved` trained in the element type of `schedule` (read from
+/// `path`), as `train --resume` checks its --dtype: a checkpoint resumes in the type it was
+/// trained in. A checkpoint that does not record its type passes.
+fn check_resume_dtype(schedule: &Schedule, path: &Path, saved: &SavedRun) -> Result<()> {
+    match saved.dtype {
+        Some(have) if have != schedule.header.dtype => Err(RuntimeError::CheckpointMismatch {
+            path: saved.path.clone(),
+            differences: format!(
+                "--dtype: the checkpoint has {have}, schedule {} is {}; compile the schedule \
+                 again with --dtype {} (or resume with `protrain train MODEL --resume DIR`, \
+                 which takes the checkpoint's)",
+                path.display(),
+                schedule.header.dtype,
+                have,
+            ),
+        }
+        .into()),
+        _ => Ok(()),
+    }
 }
 
 /// How [`train_and_save`] ended.

@@ -82,11 +82,13 @@ pub fn run(mut args: Args) -> Result<()> {
         Some(_) => super::eval::reserve_for_eval(&config, &mut options)?,
         None => 0,
     };
-    let compiled = match protrain::compile(&config, &options) {
+    let split = args.compile.split()?;
+    let (compiled, split) = match protrain::compile_split(&config, &options, split) {
         Err(
             why @ protrain::Error::Compile(
                 protrain::compiler::CompileError::BudgetTooSmall(_)
-                | protrain::compiler::CompileError::PolicyOverDevice { .. },
+                | protrain::compiler::CompileError::PolicyOverDevice { .. }
+                | protrain::compiler::CompileError::NoSplitFits { .. },
             ),
         ) if reserved > 0 => {
             return Err(protrain::Error::Usage(format!(
@@ -99,16 +101,21 @@ pub fn run(mut args: Args) -> Result<()> {
     };
     warn(&compiled.warnings);
     let schedule = &compiled.schedule;
-    let accum = match options.micro_batches {
+    // The split the compiler chose, where it chose one, is the shape the schedule runs; the
+    // evaluation schedule (below) reads batches of the rows asked for, as its reserve was
+    // planned.
+    let accum = match schedule.micro_batches() {
         1 => String::new(),
         k => format!(" x {k} micro-batches"),
     };
+    let split_note = split.map_or(String::new(), |r| r.to_text());
     let intro = format!(
-        "{}training {} ({} parameters), batch {} x seq {}{accum}, lr {}; compiled in {:.3} s\n{}",
+        "{}{split_note}training {} ({} parameters), batch {} x seq {}{accum}, lr {}; compiled \
+         in {:.3} s\n{}",
         vocab_note.map_or(String::new(), |n| n + "\n"),
         config.name,
         format_count(schedule.header.param_count),
-        options.batch,
+        schedule.header.batch,
         options.seq,
         options.optimizer.lr,
         compiled.compile_seconds,
@@ -201,6 +208,20 @@ fn take_from_checkpoint(compile: &mut CompileArgs, saved: &SavedRun) -> Result<(
                 "--dtype: the checkpoint has {have}, this run has {}",
                 given.ir()
             ));
+        }
+    }
+    if let (Some(rows), Some(b), Some(have)) = (compile.global_batch, saved.batch, saved.optimizer)
+    {
+        // The checkpoint's split is kept when its rows per step are the ones asked for.
+        let saved_rows = b * have.grad_accum;
+        if rows != saved_rows {
+            differences.push(format!(
+                "--global-batch: the checkpoint's steps take {saved_rows} rows ({} micro-batches \
+                 of {b}), this run's {rows}",
+                have.grad_accum
+            ));
+        } else if compile.shape.batch == Some(b) {
+            compile.global_batch = None;
         }
     }
     if let Some(have) = saved.optimizer {

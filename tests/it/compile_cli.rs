@@ -99,8 +99,12 @@ fn a_budget_too_small_says_the_smallest_that_fits() {
     ]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
+    // The batch is split first; not even one-row micro-batches fit.
     assert!(
-        err.starts_with("error: no policy fits 64.0 MiB of device memory"),
+        err.starts_with(
+            "error: batch 4 does not fit even as 4 micro-batches of 1 row, accumulated; at 1 \
+             row: no policy fits 64.0 MiB of device memory"
+        ),
         "{err}"
     );
     assert!(err.contains("Give --gpu-memory at least"), "{err}");
@@ -491,9 +495,12 @@ fn train_takes_the_host_memory_budget() {
         "1KiB",
         "--gpu-memory",
         "4MiB",
+        "--grad-accum",
+        "1",
         "--json",
     ]);
-    // 1 KiB of host memory cannot hold the offloaded chunks a 4 MiB device needs.
+    // 1 KiB of host memory cannot hold the offloaded chunks a 4 MiB device needs at batch 8
+    // (kept in one micro-batch: split in two, every chunk would fit the device).
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("host"), "{}", stderr(&out));
 }
@@ -552,6 +559,9 @@ fn a_policy_over_host_memory_compiles_with_a_disk_tier() {
         "128",
         "--policy",
         "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        // One micro-batch (split, the swapped activations would shrink to fit).
+        "--grad-accum",
+        "1",
         "--host-memory",
         "5632KiB",
         "-o",
@@ -889,7 +899,8 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
     let out = compile(&["--host-memory", &bytes.to_string(), "--disk-memory", "1TiB"]);
     assert!(out.status.success(), "{need}: {}", stderr(&out));
     assert!(stdout(&out).contains("\ndisk "), "{}", stdout(&out));
-    // A batch that does not fit the device: gradient accumulation is the way out.
+    // A batch that does not fit the device in the split given (--grad-accum keeps it):
+    // gradient accumulation is the way out.
     let out = protrain(&[
         "compile",
         "gpt2",
@@ -897,6 +908,8 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
         "a100-80gb",
         "--gpu-memory",
         "64MiB",
+        "--grad-accum",
+        "1",
         "--batch",
         "4",
         "-o",
@@ -1044,4 +1057,91 @@ fn explain_shows_the_disk_tiers_bytes_and_time_per_step() {
     assert!(v["disk"]["read_bytes_per_step"].as_u64() > Some(0), "{v}");
     let disk = serde_json::to_string_pretty(&v["disk"]).expect("JSON");
     insta::assert_snapshot!(format!("{}\n{disk}", lines.join("\n")));
+}
+
+/// `--global-batch` compiles every split of the rows and keeps the fastest predicted step,
+/// saying why, in the text and JSON of `compile` and in `explain` (the report heads the
+/// schedule's): on an RTX 3090 at 64 tokens one micro-batch of 8 rows is fastest; at 256
+/// tokens in 16 MiB, 8 rows must recompute both layers where 4 keep them, and 2 micro-batches
+/// of 4 rows win.
+#[test]
+fn global_batch_picks_the_fastest_split_and_says_why() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut shown = String::new();
+    for (extra, k) in [
+        (&["--seq", "64"][..], 1),
+        (&["--seq", "256", "--gpu-memory", "16MiB"][..], 2),
+    ] {
+        let mut args = vec![
+            "compile",
+            "gpt2-tiny",
+            "--hardware",
+            "rtx3090",
+            "--dtype",
+            "f32",
+            "--global-batch",
+            "8",
+            "--dry-run",
+        ];
+        args.extend_from_slice(extra);
+        let out = protrain(&args);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        let text = stdout(&out);
+        let split: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("split:"))
+            .take_while(|l| l.starts_with("split:") || l.starts_with("  "))
+            .collect();
+        assert_eq!(split.len(), 5, "{text}");
+        shown.push_str(&format!("{extra:?}\n{}\n", split.join("\n")));
+        args.push("--json");
+        let v = json(&protrain(&args));
+        assert_eq!(v["micro_batches"], k, "{v}");
+        assert_eq!(v["batch"], 8 / k, "{v}");
+        assert_eq!(v["split"]["micro_batches"], k, "{v}");
+        assert_eq!(v["split"]["why"], "fastest", "{v}");
+        let tried = v["split"]["tried"].as_array().expect("tried");
+        let fastest = tried
+            .iter()
+            .filter_map(|t| t["predicted_step_s"].as_f64().map(|s| (s, t)))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .expect("a split fits");
+        assert_eq!(fastest.1["micro_batches"], k, "{v}");
+        // The schedule written says the same in its report, which `explain` prints.
+        let file = dir.path().join(format!("k{k}.ptsched"));
+        let mut write: Vec<&str> = args
+            .iter()
+            .copied()
+            .filter(|a| !matches!(*a, "--dry-run" | "--json"))
+            .collect();
+        write.extend(["-o", path(&file)]);
+        assert!(protrain(&write).status.success());
+        let explained = json(&protrain(&["explain", path(&file), "--json"]));
+        let report = explained["report"].as_str().expect("the report");
+        assert!(report.starts_with("split: global batch 8: "), "{report}");
+    }
+    insta::assert_snapshot!(shown);
+}
+
+/// `--global-batch` refuses nonsense: zero rows, rows the ranks cannot share, and the flags
+/// that set the split themselves; a batch that does not fit even as one-row micro-batches
+/// says so and what one row needs.
+#[test]
+fn global_batch_and_split_refusals_name_the_way_out() {
+    let mut shown = String::new();
+    for extra in [
+        &["--global-batch", "0"][..],
+        &["--global-batch", "3", "--gpus", "2"][..],
+        &["--global-batch", "8", "--batch", "2"][..],
+        &["--global-batch", "8", "--grad-accum", "2"][..],
+        &["--global-batch", "8", "--batch", "2", "--grad-accum", "4"][..],
+        &["--batch", "8", "--gpu-memory", "100KiB"][..],
+    ] {
+        let mut args = vec!["compile", "gpt2-tiny", "--hardware", "rtx3090", "--dry-run"];
+        args.extend_from_slice(extra);
+        let out = protrain(&args);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", stderr(&out));
+        shown.push_str(&format!("{extra:?}\n{}", stderr(&out)));
+    }
+    insta::assert_snapshot!(shown);
 }

@@ -838,6 +838,45 @@ fn cli_gpt2_under_1mib_with_accumulation_gives_the_hosts_losses() {
     );
 }
 
+/// gpt2-tiny at its default batch 8 x seq 64 under 1 MiB in f32, no batch flags: the compiler
+/// splits the batch that does not fit into 8 micro-batches of one sequence and says so, and
+/// the CUDA backend's losses are the host backend's, split the same way and unsplit with
+/// roomy memory (the same rows in the same order a step).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_gpt2_under_1mib_at_the_default_batch_gives_the_hosts_losses() {
+    let _device = require_gpu();
+    let args = ["gpt2-tiny", "--dtype", "f32", "--steps", "2"];
+    let tight: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--gpu-memory", "1MiB"])
+        .collect();
+    let out = cli::run("cuda", &tight, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("split: batch 8 does not fit 1.0 MiB: 8 micro-batches of 1 row, accumulated"),
+        "{err}"
+    );
+    let device = cli::parse(&String::from_utf8_lossy(&out.stdout));
+    let what = "gpt2-tiny f32 --gpu-memory 1MiB at the default batch";
+    cli::assert_close(
+        what,
+        &device,
+        &cli::losses("host", &tight, &[]),
+        2,
+        cli::F32_LOSSES,
+    );
+    cli::assert_close(
+        what,
+        &device,
+        &cli::losses("host", &args, &[]),
+        2,
+        cli::F32_LOSSES,
+    );
+}
+
 /// Four ranks (the launcher's four worker processes), data-parallel with every chunk resident
 /// (gradients all-reduced) and with every chunk offloaded and so sharded over them
 /// (all-gathers, reduce-scatters, each rank's CPU Adam on its quarter), against the host

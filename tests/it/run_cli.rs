@@ -1332,3 +1332,179 @@ fn a_tiny_preset_takes_the_vocabulary_of_its_tokenizer_or_vocab() {
     let out = train_tiny(&["--steps", "1", "--data", path(&data)]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A batch that does not fit the device budget is split into the fewest micro-batches that
+/// fit (gpt2-tiny's batch of 8 at 16 tokens fits 1 MiB as 2 micro-batches of 4 rows, 800 KiB
+/// as 4 of 2), and trains on the rows the unsplit batch reads, in the same order: the losses
+/// are the roomy run's within 1e-5. So do the split runs of `--global-batch 8`, which picks
+/// among 1 x 8, 2 x 4, 4 x 2 and 8 x 1 rows, and `--batch 1 --grad-accum 8` with roomy
+/// memory. An explicit `--grad-accum` keeps the user's split: refused where it does not fit.
+#[test]
+fn train_splits_a_batch_that_does_not_fit_with_the_unsplit_losses() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--log-json",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let parse = |out: &Output| -> Vec<f64> {
+        losses(out)
+            .iter()
+            .map(|l| l.parse().expect("a number"))
+            .collect()
+    };
+    let whole = parse(&run(&[]));
+    assert_eq!(whole.len(), 3);
+    for (extra, said) in [
+        (
+            &["--gpu-memory", "1MiB"][..],
+            Some("split: batch 8 does not fit 1.0 MiB: 2 micro-batches of 4 rows, accumulated"),
+        ),
+        (
+            &["--gpu-memory", "800KiB"][..],
+            Some("split: batch 8 does not fit 800.0 KiB: 4 micro-batches of 2 rows, accumulated"),
+        ),
+        (
+            &["--gpu-memory", "800KiB", "--global-batch", "8"][..],
+            Some("split: global batch 8: "),
+        ),
+        (&["--batch", "1", "--grad-accum", "8"][..], None),
+    ] {
+        let out = run(extra);
+        if let Some(said) = said {
+            assert!(stderr(&out).contains(said), "{extra:?}: {}", stderr(&out));
+        }
+        let split = parse(&out);
+        assert_eq!(split.len(), whole.len(), "{extra:?}");
+        for (a, b) in split.iter().zip(&whole) {
+            assert!((a - b).abs() / b < 1e-5, "{extra:?}: {a} vs {b}");
+        }
+    }
+    let out = run(&["--gpu-memory", "1MiB", "--grad-accum", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("error: no policy fits 1.0 MiB of device memory"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// `run --resume` checks the checkpoint's element type against the schedule's, as `train
+/// --resume` checks its --dtype: an f32 checkpoint does not resume under a bf16 schedule (the
+/// same batch and model), and the refusal names both types and the way out.
+#[test]
+fn run_resume_refuses_a_checkpoint_of_another_dtype() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let f32_schedule = dir.path().join("f32.ptsched");
+    compile_gpt2_tiny(&f32_schedule, &[]);
+    let saved = protrain(&[
+        "run",
+        path(&f32_schedule),
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "1",
+    ]);
+    assert!(saved.status.success(), "{}", stderr(&saved));
+    let bf16_schedule = dir.path().join("bf16.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt2-tiny",
+        "--dtype",
+        "bf16",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "-o",
+        path(&bf16_schedule),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resume = |schedule: &std::path::Path| {
+        protrain(&[
+            "run",
+            path(schedule),
+            "--resume",
+            path(&ckpt),
+            "--steps",
+            "3",
+        ])
+    };
+    let out = resume(&bf16_schedule);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "--dtype: the checkpoint has f32, schedule {} is bf16; compile the schedule again \
+             with --dtype f32",
+            bf16_schedule.display()
+        )),
+        "{err}"
+    );
+    let out = resume(&f32_schedule);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `train --resume` with `--global-batch` keeps the checkpoint's split when its rows per step
+/// are the ones given, and refuses other rows, naming both.
+#[test]
+fn train_resume_with_a_global_batch_keeps_the_checkpoints_split() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "gpt2-tiny",
+            "--seq",
+            "16",
+            "--gpu-memory",
+            "800KiB",
+        ];
+        args.extend_from_slice(extra);
+        protrain(&args)
+    };
+    let first = train(&[
+        "--global-batch",
+        "8",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--save-every",
+        "1",
+    ]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let resumed = train(&[
+        "--global-batch",
+        "8",
+        "--steps",
+        "3",
+        "--resume",
+        path(&ckpt),
+    ]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let other = train(&[
+        "--global-batch",
+        "4",
+        "--steps",
+        "4",
+        "--resume",
+        path(&ckpt),
+    ]);
+    assert_eq!(other.status.code(), Some(2), "{}", stderr(&other));
+    assert!(
+        stderr(&other).contains("--global-batch: the checkpoint's steps take 8 rows"),
+        "{}",
+        stderr(&other)
+    );
+}
