@@ -278,8 +278,8 @@ fn llama_f32_losses_match_the_host_under_three_policies() {
 /// biases, tied and untied embeddings, non-trivial norm weights), trains on the device as on
 /// the host in f32: Qwen2 (q/k/v biases, a 5-token window), Qwen3 (per-head q/k norms),
 /// Gemma 2 (both soft-caps, a 6-token window shorter than the 16-token sequence, GeGLU,
-/// `1 + w` norms), Gemma 3 (q/k norms, local and global RoPE bases, linear scaling on global
-/// layers), Phi-3 (packed qkv and gate_up, half the head rotated, LongRoPE's long factors and
+/// `1 + w` norms), Gemma 3 (q/k norms, local and global RoPE bases, linear or YaRN scaling on
+/// global layers), Phi-3 (packed qkv and gate_up, half the head rotated, LongRoPE's long factors and
 /// attention factor), OLMo 2 (norms after the blocks, q/k norms over the projection) and Qwen2
 /// with YaRN (cos and sin scaled). One policy per family, the one that exercises the most
 /// (every chunk streamed through two buffers by the CPU Adam, every layer recomputed): the
@@ -292,6 +292,7 @@ fn families_f32_losses_match_the_host() {
         "qwen3",
         "gemma2",
         "gemma3",
+        "gemma3_yarn",
         "phi3",
         "olmo2",
         "qwen2_yarn",
