@@ -18,7 +18,7 @@
 
 use crate::accumulate::scale_loss_gradient;
 use crate::autodiff::{autodiff, OptimizerConfig};
-use crate::chunk::chunk;
+use crate::chunk::{chunk, chunk_apart};
 use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
 use crate::emit::HeaderInputs;
@@ -277,7 +277,11 @@ impl<'m> Context<'m> {
             ));
         }
         if stage >= Stage::Placed && self.compiled.is_none() {
-            self.compiled = Some(self.schedule()?);
+            let compiled = match self.schedule() {
+                Err(CompileError::BudgetTooSmall(why)) => self.schedule_apart(why)?,
+                other => other?,
+            };
+            self.compiled = Some(compiled);
         }
         if stage == Stage::Placed && self.placed.is_none() {
             let training = self.training.as_ref().expect("differentiated above");
@@ -324,6 +328,30 @@ impl<'m> Context<'m> {
     /// The compiled schedule, once run until [`Stage::Placed`] or [`Stage::Compiled`].
     pub fn compiled(&self) -> Option<&Compiled> {
         self.compiled.as_ref()
+    }
+
+    /// Where no policy fits the chunk table and a parameter is more than four times the
+    /// layers' largest ([`chunk_apart`]), searches again with that parameter in a chunk of its
+    /// own and the rest packed at the layers' scale, and keeps that table. Fails with `why`,
+    /// the first search's refusal, where there is no such parameter, where the policy was given
+    /// (it counts the first table's chunks), or where no policy fits the second table either.
+    fn schedule_apart(&mut self, why: String) -> Result<Compiled> {
+        let training = self.training.as_ref().expect("differentiated first");
+        let apart = match self.options.policy {
+            PolicyChoice::Auto => chunk_apart(training, 1),
+            PolicyChoice::Fixed(_) => None,
+        };
+        let Some(apart) = apart else {
+            return Err(CompileError::BudgetTooSmall(why));
+        };
+        let first = self.chunks.replace(apart);
+        match self.schedule() {
+            Ok(compiled) => Ok(compiled),
+            Err(_) => {
+                self.chunks = first;
+                Err(CompileError::BudgetTooSmall(why))
+            }
+        }
     }
 
     /// Places, orders, plans and emits the schedule (searching for the policy or resolving

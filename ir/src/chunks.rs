@@ -39,7 +39,8 @@ pub struct ChunkSizeTrial {
 /// Every chunk, the capacity they share, and where each parameter sits.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkTable {
-    /// Capacity of every chunk, in bytes of the parameters' element type.
+    /// Capacity of every chunk (a chunk buffer's size), in bytes of the parameters' element
+    /// type: the packing size, or a parameter's own chunk where one is larger.
     pub chunk_bytes: u64,
     /// The chunks, in first-use order.
     pub chunks: Vec<Chunk>,

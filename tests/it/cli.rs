@@ -500,3 +500,148 @@ fn train_with_several_ranks_says_what_each_budget_is_per() {
         "{text}"
     );
 }
+
+/// Every family's tiny parity model (tests/fixtures/*) through the binary: `train` gives
+/// PyTorch's losses (within 1e-4 relative, the parity tests' bound) with the fixture's
+/// optimizer settings, `eval` of the initial weights gives `train`'s first loss to the bit, a
+/// run checkpointed after step 2 and resumed gives the uninterrupted run's third loss to the
+/// bit, `compile` writes a schedule that `verify` accepts, and `dump` shows the ops and weights
+/// that make the family what it is.
+#[test]
+fn every_family_trains_evaluates_compiles_dumps_and_resumes() {
+    let families: [(&str, &[&str]); 8] = [
+        ("qwen2", &["self_attn.q_proj.bias", "= swiglu"]),
+        (
+            "qwen3",
+            &["rms_norm[eps=1e-6, head_dim=", "self_attn.k_norm.weight"],
+        ),
+        (
+            "gemma2",
+            &["unit_offset=true", "softcap=1]", "= softcap[", "= geglu"],
+        ),
+        (
+            "gemma3",
+            &["self_attn.q_norm.weight", "= geglu", "scaling=linear("],
+        ),
+        ("gemma3_yarn", &["scaling=yarn(", "= geglu"]),
+        (
+            "phi3",
+            &["= partial_rope[", "= packed_swiglu", "qkv_proj.weight"],
+        ),
+        (
+            "olmo2",
+            &["self_attn.q_norm.weight", "post_feedforward_layernorm"],
+        ),
+        ("qwen2_yarn", &["scaling=yarn(", "self_attn.k_proj.bias"]),
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (family, markers) in families {
+        let model = crate::common::fixtures().join(family);
+        let expected = crate::common::read_json(&model.join("expected.json"));
+        let torch = crate::common::numbers(&expected["losses"]);
+        let number = |key: &str| expected[key].as_f64().expect(key).to_string();
+        let (lr, beta1, beta2) = (number("lr"), number("beta1"), number("beta2"));
+        let (eps, decay) = (number("eps"), number("weight_decay"));
+        let clip = expected["grad_clip"].as_f64().map(|c| c.to_string());
+        let weights = model.join("model.safetensors");
+        let tokens = model.join("tokens.npy");
+        let shape = ["--batch", "2", "--seq", "16", "--dtype", "f32"];
+        let mut data = vec!["--data", cli_support::path(&tokens)];
+        data.extend(shape);
+        data.push("--json");
+        let mut optimizer = vec![
+            "--lr",
+            &lr,
+            "--beta1",
+            &beta1,
+            "--beta2",
+            &beta2,
+            "--eps",
+            &eps,
+            "--weight-decay",
+            &decay,
+        ];
+        if let Some(clip) = &clip {
+            optimizer.extend(["--grad-clip", clip.as_str()]);
+        }
+        let train = |steps: &str, extra: &[&str]| {
+            let mut args = vec!["train", cli_support::path(&model), "--steps", steps];
+            args.extend(&data);
+            args.extend(&optimizer);
+            args.extend(extra);
+            let out = protrain(&args);
+            assert!(out.status.success(), "{family}: {}", stderr(&out));
+            cli_support::losses(&out)
+        };
+        let init = ["--init", cli_support::path(&weights)];
+        let full = train("3", &init);
+        assert_eq!(full.len(), 3, "{family}: {full:?}");
+        for ((_, got), want) in full.iter().zip(&torch) {
+            let got: f64 = got.parse().expect("a loss");
+            assert!(
+                ((got - want) / want).abs() < 1e-4,
+                "{family}: loss {got} against PyTorch's {want}"
+            );
+        }
+        let mut eval = vec![
+            "eval",
+            cli_support::path(&model),
+            "--init",
+            cli_support::path(&weights),
+        ];
+        eval.extend(&data);
+        eval.extend(["--batches", "1"]);
+        let out = protrain(&eval);
+        assert!(out.status.success(), "{family}: {}", stderr(&out));
+        let e: serde_json::Value =
+            serde_json::from_str(stdout(&out).lines().last().expect("a line")).expect("JSON");
+        assert_eq!(
+            e["loss"].to_string(),
+            full[0].1,
+            "{family}: eval against train"
+        );
+
+        let ckpt = dir.path().join(format!("{family}-ckpt"));
+        let saved = [
+            "--init",
+            cli_support::path(&weights),
+            "--checkpoint-dir",
+            cli_support::path(&ckpt),
+            "--save-every",
+            "2",
+        ];
+        assert_eq!(
+            train("2", &saved),
+            full[..2],
+            "{family}: the checkpointed run"
+        );
+        let resumed = train("3", &["--resume", cli_support::path(&ckpt)]);
+        assert_eq!(resumed, full[2..], "{family}: the resumed run");
+
+        let schedule = dir.path().join(format!("{family}.ptsched"));
+        let mut compile = vec![
+            "compile",
+            cli_support::path(&model),
+            "-o",
+            cli_support::path(&schedule),
+        ];
+        compile.extend(shape);
+        let out = protrain(&compile);
+        assert!(out.status.success(), "{family}: {}", stderr(&out));
+        let out = protrain(&["verify", cli_support::path(&schedule)]);
+        assert!(out.status.success(), "{family}: {}", stderr(&out));
+        let out = protrain(&[
+            "dump",
+            cli_support::path(&model),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+        ]);
+        assert!(out.status.success(), "{family}: {}", stderr(&out));
+        let text = stdout(&out);
+        for marker in markers {
+            assert!(text.contains(marker), "{family}: no `{marker}` in the dump");
+        }
+    }
+}

@@ -182,6 +182,15 @@ fn later_bound(flipped: f64, host: &[f32]) -> f64 {
 
 /// Host and GPU losses, gradient norms and weights of `model` under every policy, in f32.
 fn check_f32(model: &str, grad_clip: Option<f64>) {
+    check_f32_under(model, grad_clip, policies);
+}
+
+/// [`check_f32`] under the policies `policies(chunks, layers)` gives.
+fn check_f32_under(
+    model: &str,
+    grad_clip: Option<f64>,
+    policies: impl Fn(u32, usize) -> Vec<Policy>,
+) {
     let _device = require_gpu();
     let (graph, layers) = training(model, DType::F32, grad_clip);
     let lr = 1e-3;
@@ -263,6 +272,36 @@ fn gpt2_f32_losses_match_the_host_under_three_policies() {
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn llama_f32_losses_match_the_host_under_three_policies() {
     check_f32("llama-tiny", None);
+}
+
+/// Every family beyond GPT-2 and LLaMA, as the parity fixtures build it (tests/fixtures/*:
+/// biases, tied and untied embeddings, non-trivial norm weights), trains on the device as on
+/// the host in f32: Qwen2 (q/k/v biases, a 5-token window), Qwen3 (per-head q/k norms),
+/// Gemma 2 (both soft-caps, a 6-token window shorter than the 16-token sequence, GeGLU,
+/// `1 + w` norms), Gemma 3 (q/k norms, local and global RoPE bases, linear or YaRN scaling on
+/// global layers), Phi-3 (packed qkv and gate_up, half the head rotated, LongRoPE's long factors and
+/// attention factor), OLMo 2 (norms after the blocks, q/k norms over the projection) and Qwen2
+/// with YaRN (cos and sin scaled). One policy per family, the one that exercises the most
+/// (every chunk streamed through two buffers by the CPU Adam, every layer recomputed): the
+/// simulator is slow, and the policies' equivalence is the host's own test.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn families_f32_losses_match_the_host() {
+    for family in [
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "gemma3_yarn",
+        "phi3",
+        "olmo2",
+        "qwen2_yarn",
+    ] {
+        let config = common::fixtures().join(family).join("config.json");
+        check_f32_under(config.to_str().unwrap(), Some(0.5), |_, layers| {
+            vec![Policy::protrain(0, 2, 0, layers, layers)]
+        });
+    }
 }
 
 /// bf16 schedules (bf16 parameters resident or streamed from the host, f32 master weights

@@ -349,6 +349,13 @@ fn gemma3_with_qk_norms_and_per_layer_type_rope_matches_pytorch() {
     check("gemma3");
 }
 
+/// YaRN on the global layer (the sliding ones unscaled): blended frequencies and cos and sin
+/// scaled by the attention factor.
+#[test]
+fn gemma3_with_yarn_on_global_layers_matches_pytorch() {
+    check("gemma3_yarn");
+}
+
 #[test]
 fn mixtral_with_renormalised_top_2_of_4_experts_matches_pytorch() {
     check("mixtral");

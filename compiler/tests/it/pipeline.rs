@@ -1,6 +1,7 @@
 //! The passes end to end on the tiny models, under policies that exercise every mechanism:
 //! every schedule compiles and passes the verifier.
 
+use protrain_compiler::chunk::chunk_apart;
 use protrain_compiler::emit::HeaderInputs;
 use protrain_compiler::pipeline::{chunked, compile_policy, training_graph};
 use protrain_compiler::OptimizerConfig;
@@ -117,4 +118,51 @@ fn a_bf16_schedule_without_a_master_weight_or_with_one_over_a_home_is_refused() 
         err.contains("overlap") && err.contains("master weight"),
         "{err}"
     );
+}
+
+/// Packed apart, a parameter outside the layers more than four times the layers' largest (here
+/// a 4096-token vocabulary's embedding and head beside 64-wide layers) is a chunk of its own,
+/// sized to it; the other chunks are packed at the layers' scale, and every policy still
+/// compiles and verifies with chunk buffers of the table's capacity, the largest chunk's.
+#[test]
+fn a_parameter_larger_than_the_chunk_size_is_a_chunk_of_its_own() {
+    let mut config = protrain_models::load("llama-tiny").expect("preset");
+    config.vocab_size = 4096;
+    let options = protrain_models::BuildOptions::new(2, 16).with_dtype(DType::F32);
+    let forward = protrain_models::build_forward(&config, &options).expect("builds");
+    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    // The default table sizes every chunk to the embedding; llama-tiny's own 256-token
+    // vocabulary has no parameter to set apart.
+    assert!(chunked(&training).chunk_bytes >= 4096 * 64 * 4);
+    let tiny = protrain_models::build_forward(
+        &protrain_models::load("llama-tiny").expect("preset"),
+        &options,
+    )
+    .expect("builds");
+    let tiny = training_graph(&tiny, &OptimizerConfig::default()).expect("autodiff");
+    assert!(chunk_apart(&tiny, 1).is_none());
+    let chunks = chunk_apart(&training, 1).expect("the embedding is set apart");
+    let embedding = 4096 * 64 * 4;
+    assert_eq!(chunks.chunk_bytes, embedding, "{:?}", chunks.trials);
+    let own: Vec<usize> = (0..chunks.len())
+        .filter(|&c| chunks.chunks[c].used_bytes == embedding)
+        .collect();
+    assert_eq!(own.len(), 2, "the embedding and the untied head: {own:?}");
+    for &c in &own {
+        assert_eq!(chunks.chunks[c].members.len(), 1);
+    }
+    // The packing size (the best trial) is at most four times the largest layer weight
+    // (64 x 128 f32 = 32 KiB), so the layers stream in several chunks.
+    assert!(chunks.trials[0].chunk_bytes <= 4 * 64 * 128 * 4);
+    assert!(chunks.len() >= 4, "{} chunks", chunks.len());
+    let n = chunks.len() as u32;
+    for policy in [
+        Policy::resident(n, 2),
+        Policy::protrain(0, 2, 0, 2, 2),
+        Policy::protrain(1, 2, 1, 1, 2),
+    ] {
+        let s = compile_policy(&training, &chunks, &policy, header())
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
+        verify_schedule(&s).unwrap_or_else(|e| panic!("{policy}: {e}"));
+    }
 }

@@ -190,7 +190,7 @@ pub(super) struct GemmaJson {
 }
 
 /// The RoPE types Gemma's builder implements.
-const GEMMA_ROPE_TYPES: &str = "default, linear";
+const GEMMA_ROPE_TYPES: &str = "default, linear, yarn";
 
 impl GemmaJson {
     pub(super) fn into_config(self, c: &Context) -> Result<ModelConfig> {
@@ -237,7 +237,10 @@ impl GemmaJson {
             ));
         }
         let layer_types = self.layer_types(c, layers, gemma3)?;
-        let (rope_global, rope_local) = self.rope(c, gemma3)?;
+        let max_positions = self
+            .max_position_embeddings
+            .map_or(if gemma3 { 131_072 } else { 8192 }, |d| d.0);
+        let (rope_global, rope_local) = self.rope(c, gemma3, max_positions)?;
         let padding_idx = match &self.pad_token_id {
             Given::Absent => Some(0),
             Given::Null => None,
@@ -272,9 +275,7 @@ impl GemmaJson {
             num_kv_heads: kv_heads,
             head_dim,
             intermediate_size: intermediate,
-            max_position_embeddings: self
-                .max_position_embeddings
-                .map_or(if gemma3 { 131_072 } else { 8192 }, |d| d.0),
+            max_position_embeddings: max_positions,
             norm_eps: non_negative(self.rms_norm_eps, 1e-6),
             activation: Activation::GeluTanh,
             tie_word_embeddings: flag(self.tie_word_embeddings, true),
@@ -324,8 +325,11 @@ impl GemmaJson {
     /// The global and local RoPE settings. v4's `rope_scaling` (and Gemma 3's top-level
     /// `rope_theta` and `rope_local_base_freq`) win over v5's `rope_parameters`, which is one
     /// set for every layer or, for Gemma 3, one per layer type (`full_attention`,
-    /// `sliding_attention`).
-    fn rope(&self, c: &Context, gemma3: bool) -> Result<(Rotary, Rotary)> {
+    /// `sliding_attention`). YaRN's `original_max_position_embeddings` defaults to
+    /// `max_positions`; its `truncate` is read from a flat settings object only: transformers
+    /// reads it from the top level of `rope_parameters`, where Gemma 3's per-type objects
+    /// (which a v4 `rope_scaling` is merged into) have none, so there it is always true.
+    fn rope(&self, c: &Context, gemma3: bool, max_positions: u64) -> Result<(Rotary, Rotary)> {
         let default_global = if gemma3 { 1_000_000.0 } else { 10_000.0 };
         let global_theta = self.rope_theta.map_or(default_global, |t| t.0);
         let local_theta = match (gemma3, self.rope_local_base_freq) {
@@ -362,10 +366,18 @@ impl GemmaJson {
         } else {
             (Some(params), (!gemma3).then_some(params))
         };
+        // Where transformers reads YaRN's `truncate`: the top level of `rope_parameters`.
+        let yarn = YarnContext {
+            max_positions,
+            top_level: match gemma3 && (per_type || self.rope_scaling.is_some()) {
+                true => None,
+                false => Some(self.rope_scaling.as_ref().unwrap_or(params)),
+            },
+        };
         let global = match &self.rope_scaling {
-            Some(scaling) => one_rope(c, "rope_scaling", scaling, global_theta)?,
+            Some(scaling) => one_rope(c, "rope_scaling", scaling, global_theta, &yarn)?,
             None => match global_params {
-                Some(p) => one_rope(c, "rope_parameters", p, global_theta)?,
+                Some(p) => one_rope(c, "rope_parameters", p, global_theta, &yarn)?,
                 None => Rotary {
                     theta: global_theta,
                     scaling: RopeScaling::None,
@@ -373,7 +385,7 @@ impl GemmaJson {
             },
         };
         let local = match local_params {
-            Some(p) => one_rope(c, "rope_parameters", p, local_theta)?,
+            Some(p) => one_rope(c, "rope_parameters", p, local_theta, &yarn)?,
             None if gemma3 => Rotary {
                 theta: local_theta,
                 scaling: RopeScaling::None,
@@ -385,9 +397,23 @@ impl GemmaJson {
     }
 }
 
-/// One RoPE settings object: `rope_type` (or v4's `type`) `default` or `linear` with its
-/// `factor`; `rope_theta` inside it wins over `theta`.
-fn one_rope(c: &Context, field: &str, params: &Map<String, Value>, theta: f64) -> Result<Rotary> {
+/// What YaRN's settings read beyond their own object.
+struct YarnContext<'a> {
+    /// `max_position_embeddings`: the default `original_max_position_embeddings`.
+    max_positions: u64,
+    /// The object `truncate` is read from (`None`: none, so true).
+    top_level: Option<&'a Map<String, Value>>,
+}
+
+/// One RoPE settings object: `rope_type` (or v4's `type`) `default`, `linear` with its
+/// `factor`, or `yarn` as [`super::yarn`] reads it; `rope_theta` inside it wins over `theta`.
+fn one_rope(
+    c: &Context,
+    field: &str,
+    params: &Map<String, Value>,
+    theta: f64,
+    yarn: &YarnContext<'_>,
+) -> Result<Rotary> {
     let path = |key: &str| format!("{field}.{key}");
     let positive = |key: &str| -> Result<Option<f64>> {
         match params.get(key) {
@@ -421,6 +447,21 @@ fn one_rope(c: &Context, field: &str, params: &Map<String, Value>, theta: f64) -
                 )
             })?,
         },
+        "yarn" => {
+            let mut object = params.clone();
+            // `truncate` comes from where transformers reads it, not from this object.
+            object.remove("truncate");
+            if let Some(t) = yarn.top_level.and_then(|top| top.get("truncate")) {
+                object.insert("truncate".into(), t.clone());
+            }
+            let json: super::RopeJson = serde_json::from_value(Value::Object(object))
+                .map_err(|e| c.invalid(field, "YaRN settings", e.to_string()))?;
+            let original = json
+                .original_max_position_embeddings
+                .as_ref()
+                .map_or(yarn.max_positions, |d| d.0);
+            super::yarn(&json, yarn.max_positions, original)
+        }
         other => return Err(c.unsupported(&path("rope_type"), other, GEMMA_ROPE_TYPES)),
     };
     Ok(Rotary { theta, scaling })

@@ -399,9 +399,9 @@ fn gemma_fields_that_change_the_model_are_refused_by_name() {
          gelu_pytorch_tanh",
     );
     check(
-        &format!(r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "yarn", "factor": 8.0}}}}"#),
-        "config.json: rope_scaling.rope_type 'yarn' is not supported for gemma3_text; supported: \
-         default, linear",
+        &format!(r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "longrope", "factor": 8.0}}}}"#),
+        "config.json: rope_scaling.rope_type 'longrope' is not supported for gemma3_text; \
+         supported: default, linear, yarn",
     );
     check(
         &format!(r#"{{{GEMMA3}, "layer_types": ["sliding_attention", "chunked_attention"]}}"#),

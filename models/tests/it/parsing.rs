@@ -449,6 +449,55 @@ mod gemma {
         assert_eq!(globals, [2, 5, 8, 11]);
     }
 
+    /// YaRN on Gemma 3's global layers as transformers reads it: the original length from the
+    /// settings, else `max_position_embeddings` (131072 by default); `truncate` always true
+    /// (transformers reads it from the top level of `rope_parameters`, which Gemma 3 nests by
+    /// layer type, so a `truncate` inside the global settings is never seen); the local layers
+    /// unscaled. Gemma 2's flat settings keep their `truncate`.
+    #[test]
+    fn yarn_on_global_layers_reads_as_transformers_reads_it() {
+        let g3 = parse(&format!(
+            r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "yarn", "factor": 8.0,
+                "truncate": false}}}}"#
+        ));
+        let want = RopeScaling::Yarn {
+            factor: 8.0,
+            original_max_position_embeddings: 131072,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 0.1 * 8f64.ln() + 1.0,
+        };
+        assert_eq!(layout(&g3).rope(5).scaling, want);
+        assert_eq!(layout(&g3).rope(0).scaling, RopeScaling::None);
+        check_same(
+            &format!(r#"{{{GEMMA3}, "rope_scaling": {{"rope_type": "yarn", "factor": 8.0}}}}"#),
+            &format!(
+                r#"{{{GEMMA3}, "rope_parameters": {{
+                    "full_attention": {{"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6,
+                        "original_max_position_embeddings": 131072, "truncate": false}},
+                    "sliding_attention": {{"rope_type": "default", "rope_theta": 1e4}}}}}}"#
+            ),
+        );
+        let g2 = parse(
+            r#"{"model_type": "gemma2", "vocab_size": 256, "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                    "original_max_position_embeddings": 4096, "truncate": false}}"#,
+        );
+        match &layout(&g2).rope(1).scaling {
+            RopeScaling::Yarn {
+                truncate,
+                original_max_position_embeddings,
+                ..
+            } => assert_eq!(
+                (*truncate, *original_max_position_embeddings),
+                (false, 4096)
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// `info` lists the soft-caps, windows, norms and RoPE, so configs that differ in them
     /// read differently.
     #[test]

@@ -925,16 +925,28 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                  instructions (the schedule verifier refuses movement ops in its graph)",
             ));
         }
-        OpKind::PartialRope { .. }
-        | OpKind::PartialRopeBackward { .. }
-        | OpKind::PackedSwiglu
-        | OpKind::PackedSwigluBackward => {
-            return Err(p.bad(
-                "is one of Phi-3's kinds (a partial or packed rotary embedding, a packed \
-                 SwiGLU), which the CUDA kernels do not implement yet: train this model with \
-                 the host backend",
-            ));
+        OpKind::PartialRope {
+            head_dim,
+            rotary_dim,
+            heads,
+            theta,
+            scaling,
+        } => {
+            let part = Some((*rotary_dim, *heads));
+            rope(p, *head_dim, part, *theta, scaling, false)?
         }
+        OpKind::PartialRopeBackward {
+            head_dim,
+            rotary_dim,
+            heads,
+            theta,
+            scaling,
+        } => {
+            let part = Some((*rotary_dim, *heads));
+            rope(p, *head_dim, part, *theta, scaling, true)?
+        }
+        OpKind::PackedSwiglu => packed_swiglu(p, false)?,
+        OpKind::PackedSwigluBackward => packed_swiglu(p, true)?,
         OpKind::Embedding { .. } => {
             let st = p.storage(1)?;
             let table = p.ty_in(1);
@@ -1078,7 +1090,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             theta,
             scaling,
-        } => rope(p, *head_dim, *theta, scaling, false)?,
+        } => rope(p, *head_dim, None, *theta, scaling, false)?,
         OpKind::Attention {
             heads,
             kv_heads,
@@ -1273,7 +1285,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             head_dim,
             theta,
             scaling,
-        } => rope(p, *head_dim, *theta, scaling, true)?,
+        } => rope(p, *head_dim, None, *theta, scaling, true)?,
         OpKind::AttentionBackward {
             heads,
             kv_heads,
@@ -1625,29 +1637,27 @@ fn unary_backward(p: &mut Plan<'_>, entries: Entries) -> Result<()> {
     Ok(())
 }
 
-/// RoPE forward, or its transpose for the backward, of input 0 `[B, T, heads * head_dim]`.
+/// RoPE forward, or its transpose for the backward, of input 0 `[B, T, heads * head_dim]`:
+/// of whole heads, or with `part = (rotary_dim, rotated heads)` of the first `rotary_dim`
+/// elements of the first heads (the rest copied), cos and sin scaled by the scaling's attention
+/// factor.
 fn rope(
     p: &mut Plan<'_>,
     head_dim: u64,
+    part: Option<(u64, u64)>,
     theta: f64,
     scaling: &protrain_ir::RopeScaling,
     backward: bool,
 ) -> Result<()> {
-    if scaling.attention_factor() != 1.0 {
-        return Err(p.bad(format!(
-            "scales cos and sin by {} ({}), which the CUDA RoPE kernel does not: train this \
-             model with the host backend",
-            scaling.attention_factor(),
-            scaling.describe().unwrap_or_default()
-        )));
-    }
     let st = p.storage(0)?;
     let x = p.ty_in(0).clone();
     if x.shape.len() != 3 || head_dim == 0 || !x.last_dim().is_multiple_of(head_dim) {
         return Err(p.bad(format!("{x} is not [B, T, heads * {head_dim}]")));
     }
     let heads = x.last_dim() / head_dim;
-    let table = kernels::rope_inv_freq(head_dim as usize, theta, scaling);
+    // The type rules hold the rotated width even and within the head, the heads within x's.
+    let (rotary_dim, rotated) = part.unwrap_or((head_dim, heads));
+    let table = kernels::rope_inv_freq(rotary_dim as usize, theta, scaling);
     let inv = ConstKey::InvFreq(table.iter().map(|x| x.to_bits()).collect());
     let entry = match backward {
         false => st.pick(entry!("rope_forward")),
@@ -1661,8 +1671,44 @@ fn rope(
         I32(p.int(x.shape[1], "sequence")?),
         I32(p.int(heads, "heads")?),
         I32(p.int(head_dim, "head_dim")?),
+        I32(p.int(rotary_dim, "rotary_dim")?),
+        I32(p.int(rotated, "rotated heads")?),
+        F32(scaling.attention_factor() as f32),
     ];
-    p.stride(entry, x.numel() / 2, args);
+    // One thread per rotation pair or copied element: `head_dim - rotary_dim / 2` per head.
+    let units = x.numel() / head_dim * (head_dim - rotary_dim / 2);
+    p.stride(entry, units, args);
+    Ok(())
+}
+
+/// Phi-3's SwiGLU over packed `[gate | up]` rows of input 0 `[.., 2 width]`: forward to
+/// `[.., width]`, or backward from `x`, `dy` to `dx [.., 2 width]`.
+fn packed_swiglu(p: &mut Plan<'_>, backward: bool) -> Result<()> {
+    let st = p.storage(0)?;
+    let x = p.ty_in(0);
+    if x.shape.is_empty() || !x.last_dim().is_multiple_of(2) || x.last_dim() == 0 {
+        return Err(p.bad(format!("{x} is not [.., 2 * width]")));
+    }
+    let width = x.last_dim() / 2;
+    let n = x.numel() / 2;
+    let width = I32(p.int(width, "width")?);
+    let (entry, args) = match backward {
+        false => (
+            st.pick(entry!("packed_swiglu_forward")),
+            vec![Ptr(p.output(0)), Ptr(p.input(0)), width, I64(n as i64)],
+        ),
+        true => (
+            st.pick(entry!("packed_swiglu_backward")),
+            vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                Ptr(p.input(0)),
+                width,
+                I64(n as i64),
+            ],
+        ),
+    };
+    p.stride(entry, n, args);
     Ok(())
 }
 
@@ -2209,14 +2255,13 @@ mod tests {
             OpKind::MoeDispatchBackward { .. } => VARIANTS + 8,
             OpKind::GroupedLinearBackward { .. } => VARIANTS + 9,
             OpKind::MoeCombineBackward { .. } => VARIANTS + 10,
-            // Phi-3's kinds have no CUDA kernel: `plan` refuses them by name.
-            OpKind::PartialRope { .. } => VARIANTS + 11,
-            OpKind::PartialRopeBackward { .. } => VARIANTS + 12,
-            OpKind::PackedSwiglu => VARIANTS + 13,
-            OpKind::PackedSwigluBackward => VARIANTS + 14,
+            OpKind::PartialRope { .. } => 39,
+            OpKind::PartialRopeBackward { .. } => 40,
+            OpKind::PackedSwiglu => 41,
+            OpKind::PackedSwigluBackward => 42,
         }
     }
-    const VARIANTS: usize = 39;
+    const VARIANTS: usize = 43;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2254,6 +2299,38 @@ mod tests {
             softcap: None,
         };
         let rope = RopeScaling::None;
+        let yarn = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.1386,
+        };
+        // Phi-3's: q's and k's heads of a packed qkv, half of each head, LongRoPE.
+        let partial_rope = |backward| {
+            let (head_dim, rotary_dim, heads, theta) = (D, D / 2, H + KV, 10000.0);
+            let scaling = RopeScaling::LongRope {
+                factors: vec![1.5],
+                attention_factor: 1.25,
+            };
+            match backward {
+                false => OpKind::PartialRope {
+                    head_dim,
+                    rotary_dim,
+                    heads,
+                    theta,
+                    scaling,
+                },
+                true => OpKind::PartialRopeBackward {
+                    head_dim,
+                    rotary_dim,
+                    heads,
+                    theta,
+                    scaling,
+                },
+            }
+        };
         let fused = |count, bias, epilogue| OpKind::FusedLinear {
             count,
             bias,
@@ -2352,6 +2429,21 @@ mod tests {
                     scaling: rope,
                 },
                 vec![q.clone()],
+            ),
+            (
+                OpKind::Rope {
+                    head_dim: D,
+                    theta: 10000.0,
+                    scaling: yarn.clone(),
+                },
+                vec![q.clone()],
+            ),
+            (partial_rope(false), vec![qkv.clone()]),
+            (partial_rope(true), vec![qkv.clone()]),
+            (OpKind::PackedSwiglu, vec![f(&[B, T, 12])]),
+            (
+                OpKind::PackedSwigluBackward,
+                vec![f(&[B, T, 12]), h.clone()],
             ),
             (
                 attn(QkvLayout::Separate, None),
@@ -2653,6 +2745,118 @@ mod tests {
             .to_string()
     }
 
+    /// The rope kernels' arguments after the table: batch, sequence, heads, head_dim, rotated
+    /// width, rotated heads, attention factor; and one thread per rotation pair or copied
+    /// element.
+    #[test]
+    fn rope_launches_pass_the_rotated_part_and_the_attention_factor() {
+        let qkv = TensorType::new(vec![2, 3, 4 * 6], DType::F32);
+        let longrope = RopeScaling::LongRope {
+            factors: vec![1.5, 3.0],
+            attention_factor: 1.25,
+        };
+        let yarn = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.1386,
+        };
+        let cases = [
+            (
+                OpKind::PartialRope {
+                    head_dim: 6,
+                    rotary_dim: 4,
+                    heads: 3,
+                    theta: 10000.0,
+                    scaling: longrope.clone(),
+                },
+                "rope_forward_f32",
+                [2, 3, 4, 6, 4, 3],
+                1.25,
+                2 * 3 * 4 * (6 - 2),
+            ),
+            (
+                OpKind::PartialRopeBackward {
+                    head_dim: 6,
+                    rotary_dim: 4,
+                    heads: 3,
+                    theta: 10000.0,
+                    scaling: longrope,
+                },
+                "rope_backward_f32",
+                [2, 3, 4, 6, 4, 3],
+                1.25,
+                2 * 3 * 4 * (6 - 2),
+            ),
+            (
+                OpKind::Rope {
+                    head_dim: 6,
+                    theta: 10000.0,
+                    scaling: yarn,
+                },
+                "rope_forward_f32",
+                [2, 3, 4, 6, 6, 4],
+                1.1386,
+                2 * 3 * 4 * 3,
+            ),
+        ];
+        for (kind, entry, ints, factor, units) in cases {
+            let (plan, _) = plan_of(&kind, std::slice::from_ref(&qkv));
+            let [Call::Kernel(k)] = &plan[..] else {
+                panic!("{kind:?}: one kernel, not {plan:?}");
+            };
+            assert_eq!(k.entry, entry);
+            let tail: Vec<Arg> = ints.iter().map(|&v| Arg::I32(v)).collect();
+            assert_eq!(&k.args[3..9], &tail[..], "{kind:?}");
+            assert_eq!(k.args[9], Arg::F32(factor), "{kind:?}");
+            assert!(
+                u64::from(k.grid.0) * u64::from(k.block.0) >= units,
+                "{kind:?}: {:?} x {:?} threads for {units} units",
+                k.grid,
+                k.block
+            );
+        }
+    }
+
+    /// Phi-3's packed SwiGLU reads `[gate | up]` rows of width 2I: forward from `x` to `out`,
+    /// backward from `dy` (input 1) and `x` (input 0) to `dx`, one thread per output element.
+    #[test]
+    fn packed_swiglu_launches_read_both_halves_of_each_row() {
+        let x = TensorType::new(vec![2, 3, 10], DType::BF16);
+        let dy = TensorType::new(vec![2, 3, 5], DType::BF16);
+        let (plan, _) = plan_of(&OpKind::PackedSwiglu, std::slice::from_ref(&x));
+        let [Call::Kernel(k)] = &plan[..] else {
+            panic!("one kernel, not {plan:?}");
+        };
+        assert_eq!(k.entry, "packed_swiglu_forward_bf16");
+        assert_eq!(
+            k.args,
+            [
+                Arg::Ptr(0x2000_0000),
+                Arg::Ptr(0x1000_0000),
+                Arg::I32(5),
+                Arg::I64(30)
+            ]
+        );
+        let (plan, _) = plan_of(&OpKind::PackedSwigluBackward, &[x, dy]);
+        let [Call::Kernel(k)] = &plan[..] else {
+            panic!("one kernel, not {plan:?}");
+        };
+        assert_eq!(k.entry, "packed_swiglu_backward_bf16");
+        assert_eq!(
+            k.args,
+            [
+                Arg::Ptr(0x3000_0000),
+                Arg::Ptr(0x2000_0000),
+                Arg::Ptr(0x1000_0000),
+                Arg::I32(5),
+                Arg::I64(30)
+            ]
+        );
+    }
+
     #[test]
     fn accumulation_adds_in_place() {
         for (dt, entry) in [
@@ -2892,7 +3096,14 @@ mod tests {
                                         }
                                     }
                                     Arg::Table(ConstKey::InvFreq(bits)) => {
-                                        assert_eq!(bits.len() as u64, D / 2, "{what}")
+                                        let rotated = match &kind {
+                                            OpKind::PartialRope { rotary_dim, .. }
+                                            | OpKind::PartialRopeBackward { rotary_dim, .. } => {
+                                                *rotary_dim
+                                            }
+                                            _ => D,
+                                        };
+                                        assert_eq!(bits.len() as u64, rotated / 2, "{what}")
                                     }
                                     Arg::Table(ConstKey::Pointers(ptrs)) => {
                                         assert_eq!(ptrs.len(), inputs.len(), "{what}");

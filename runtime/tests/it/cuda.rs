@@ -415,6 +415,17 @@ fn activations_and_add() {
             .float(&x, dtype, 1.0)
             .op(OpKind::SwigluBackward)
             .check(&format!("swiglu_backward {dtype}"), ELEMENTWISE);
+        // Phi-3's packed `[gate | up]` rows (odd width, so a half-row offset is unaligned).
+        let packed = [3, 37, 2 * 35];
+        Builder::new(5)
+            .float(&packed, dtype, 4.0)
+            .op(OpKind::PackedSwiglu)
+            .check(&format!("packed_swiglu {dtype}"), ELEMENTWISE);
+        Builder::new(6)
+            .float(&packed, dtype, 4.0)
+            .float(&[3, 37, 35], dtype, 1.0)
+            .op(OpKind::PackedSwigluBackward)
+            .check(&format!("packed_swiglu_backward {dtype}"), ELEMENTWISE);
     }
 }
 
@@ -582,8 +593,21 @@ fn rope_forward_and_backward() {
                 high_freq_factor: 4.0,
                 original_max_position_embeddings: 16,
             },
+            // cos and sin scaled by the attention factor.
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 16,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                attention_factor: 1.1386,
+            },
+            RopeScaling::LongRope {
+                factors: (0..8).map(|i| 1.0 + 0.5 * f64::from(i)).collect(),
+                attention_factor: 1.0408,
+            },
         ];
-        for scaling in scalings {
+        for scaling in scalings.clone() {
             let (head_dim, theta) = (16, 10_000.0);
             let x = [2, 37, 4 * head_dim];
             let what = format!("rope {scaling:?} {dtype}");
@@ -600,6 +624,48 @@ fn rope_forward_and_backward() {
                 .op(OpKind::RopeBackward {
                     head_dim,
                     theta,
+                    scaling,
+                })
+                .check(&format!("{what} backward"), REDUCTION);
+        }
+        // Phi-3's packed qkv [B, T, (4 + 2 + 2) * 16]: q's and k's six heads rotated, v's two
+        // copied; and a partial rotary factor of 1/2 (8 of 16 elements rotated, the rest
+        // copied) over every head.
+        for (rotary_dim, heads, scaling) in [
+            (16, 6, scalings[3].clone()),
+            (8, 8, RopeScaling::None),
+            (8, 6, scalings[2].clone()),
+        ] {
+            let head_dim = 16;
+            let x = [2, 37, 8 * head_dim];
+            let what = format!("partial rope {rotary_dim} of {heads} heads {scaling:?} {dtype}");
+            let scaling = match scaling {
+                // One divisor per rotated pair.
+                RopeScaling::LongRope {
+                    attention_factor, ..
+                } => RopeScaling::LongRope {
+                    factors: (0..rotary_dim / 2).map(|i| 1.0 + 0.5 * i as f64).collect(),
+                    attention_factor,
+                },
+                other => other,
+            };
+            Builder::new(17)
+                .float(&x, dtype, 2.0)
+                .op(OpKind::PartialRope {
+                    head_dim,
+                    rotary_dim,
+                    heads,
+                    theta: 10_000.0,
+                    scaling: scaling.clone(),
+                })
+                .check(&what, REDUCTION);
+            Builder::new(18)
+                .float(&x, dtype, 2.0)
+                .op(OpKind::PartialRopeBackward {
+                    head_dim,
+                    rotary_dim,
+                    heads,
+                    theta: 10_000.0,
                     scaling,
                 })
                 .check(&format!("{what} backward"), REDUCTION);

@@ -79,6 +79,23 @@ void test_activation() {
     for (int i = 0; i < n; ++i) { w[i] = d[i] * u[i] * num(silu, x[i]); w2[i] = d[i] * silu(x[i]); }
     close("swiglu bwd dgate", o, w, 1e-5);
     close("swiglu bwd dup", o2, w2, 1e-6);
+    {
+        // Phi-3's packed rows [gate | up] of width W: the same arithmetic on the two halves.
+        const int W = 37, rows = 9;
+        auto px = rnd((size_t)rows * 2 * W, 6), pd = rnd((size_t)rows * W);
+        std::vector<float> po((size_t)rows * W, NAN), pdx((size_t)rows * 2 * W, NAN);
+        std::vector<double> pw((size_t)rows * W), pwdx((size_t)rows * 2 * W);
+        launch(G(2), G(256), [&] { packed_swiglu_forward_f32(po.data(), px.data(), W, (i64)rows * W); });
+        for (int r = 0; r < rows; ++r) for (int c = 0; c < W; ++c) { double g = px[r * 2 * W + c], u = px[r * 2 * W + W + c]; pw[r * W + c] = silu(g) * u; }
+        close("packed swiglu fwd", po, pw, 1e-6);
+        launch(G(2), G(256), [&] { packed_swiglu_backward_f32(pdx.data(), pd.data(), px.data(), W, (i64)rows * W); });
+        for (int r = 0; r < rows; ++r) for (int c = 0; c < W; ++c) {
+            double g = px[r * 2 * W + c], u = px[r * 2 * W + W + c], dd = pd[r * W + c];
+            pwdx[r * 2 * W + c] = dd * u * num(silu, g);
+            pwdx[r * 2 * W + W + c] = dd * silu(g);
+        }
+        close("packed swiglu bwd", pdx, pwdx, 1e-5);
+    }
     launch(G(3), G(256), [&] { geglu_forward_f32(o.data(), x.data(), u.data(), n); });
     for (int i = 0; i < n; ++i) w[i] = gelu(x[i]) * u[i];
     close("geglu fwd", o, w, 1e-6);
@@ -265,19 +282,38 @@ void test_norm() {
     close("layer_norm fwd bf16 vs f32 on the same inputs", fromb(ob), dbl(ln32), 8e-3);
 }
 
-void test_rope() {
-    const int B = 2, T = 9, H = 3, D = 16;
-    std::vector<float> inv(D / 2); for (int i = 0; i < D / 2; ++i) inv[i] = 1.0f / std::pow(10000.0f, 2.0f * i / D);
-    auto x = rnd((size_t)B * T * H * D); std::vector<float> o(x.size()), back(x.size()); std::vector<double> w(x.size());
-    launch(G(2), G(256), [&] { rope_forward_f32(o.data(), x.data(), inv.data(), B, T, H, D); });
+/// Whole heads (R = D, every head rotated, factor 1), then Phi-3's forms: a partial rotary
+/// width, heads past `rot` copied whole, cos and sin scaled by an attention factor.
+void test_rope_case(const char* what, int B, int T, int H, int D, int R, int rot, float factor) {
+    std::vector<float> inv(R / 2); for (int i = 0; i < R / 2; ++i) inv[i] = 1.0f / std::pow(10000.0f, 2.0f * i / R);
+    auto x = rnd((size_t)B * T * H * D); std::vector<float> o(x.size(), NAN), back(x.size(), NAN); std::vector<double> w(x.size());
+    launch(G(2), G(256), [&] { rope_forward_f32(o.data(), x.data(), inv.data(), B, T, H, D, R, rot, factor); });
     for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) for (int i = 0; i < D; ++i) {
-        size_t base = (((size_t)b * T + t) * H + h) * D; int j = i % (D / 2); double a = (double)(float)((float)t * inv[j]);
-        double rot = i < D / 2 ? -x[base + i + D / 2] : x[base + i - D / 2];
-        w[base + i] = x[base + i] * std::cos(a) + rot * std::sin(a);
+        size_t base = (((size_t)b * T + t) * H + h) * D;
+        if (h >= rot || i >= R) { w[base + i] = x[base + i]; continue; }
+        int j = i % (R / 2); double a = (double)(float)((float)t * inv[j]);
+        double rot_x = i < R / 2 ? -x[base + i + R / 2] : x[base + i - R / 2];
+        w[base + i] = (x[base + i] * std::cos(a) + rot_x * std::sin(a)) * factor;
     }
-    close("rope fwd", o, w, 1e-6);
-    launch(G(2), G(256), [&] { rope_backward_f32(back.data(), o.data(), inv.data(), B, T, H, D); });
-    close("rope bwd (inverse rotation of fwd)", back, dbl(x), 1e-6);
+    std::string name = std::string(what) + " fwd";
+    close(name.c_str(), o, w, 1e-6);
+    // The backward is the transposed rotation: applied to the forward's output it gives
+    // x * factor^2 in the rotated part and x elsewhere.
+    launch(G(2), G(256), [&] { rope_backward_f32(back.data(), o.data(), inv.data(), B, T, H, D, R, rot, factor); });
+    for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) for (int i = 0; i < D; ++i) {
+        size_t at = (((size_t)b * T + t) * H + h) * D + i;
+        w[at] = (h >= rot || i >= R) ? x[at] : (double)x[at] * factor * factor;
+    }
+    name = std::string(what) + " bwd (inverse rotation of fwd)";
+    close(name.c_str(), back, w, 1e-6);
+}
+
+void test_rope() {
+    test_rope_case("rope", 2, 9, 3, 16, 16, 3, 1.0f);
+    test_rope_case("rope scaled (yarn's attention factor)", 2, 9, 3, 16, 16, 3, 1.1386f);
+    test_rope_case("partial rope (packed qkv, v copied, longrope factor)", 2, 9, 8, 16, 16, 6, 1.0408f);
+    test_rope_case("partial rope (rotary 10 of 16)", 1, 7, 3, 16, 10, 3, 1.0f);
+    test_rope_case("partial rope (rotary 6 of 10 in 2 of 5 heads)", 2, 5, 5, 10, 6, 2, 1.25f);
 }
 
 struct AttnRef { std::vector<double> out, lse, dq, dk, dv; };

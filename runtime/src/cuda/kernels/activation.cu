@@ -1,6 +1,6 @@
 // Pointwise activations, mirroring runtime/src/kernels/activation.rs: GELU (tanh form, HF
-// `gelu_new`), ReLU, SiLU, SwiGLU, GeGLU, Gemma's soft-cap and constant scale, and their
-// backwards.
+// `gelu_new`), ReLU, SiLU, SwiGLU (also over Phi-3's packed `[gate | up]` rows), GeGLU, Gemma's
+// soft-cap and constant scale, and their backwards.
 //
 // Every entry point is a grid-stride loop over `n` elements: any grid, any 1-D block (256
 // threads is the intended launch). Each element is independent, so in-place use (`out == x`,
@@ -81,6 +81,31 @@ __device__ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, 
     }
 }
 
+/// Phi-3's packed form: row r of `x` [rows, 2 width] is `[gate | up]`; `n` = rows * width
+/// output elements, one per thread.
+template <typename T> __device__ void packed_swiglu_forward(T* out, const T* x, int width, i64 n) {
+    GRID_STRIDE(i, n) {
+        const i64 r = i / width, c = i - r * width;
+        const i64 g_at = r * 2 * width + c;
+        float g = ld(x, g_at), u = ld(x, g_at + width);
+        st(out, i, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+/// Row r of `dx` is `[dgate | dup]`, each element as `swiglu_backward` computes it. Each thread
+/// reads its gate and up before writing their gradients, so `dx == x` is allowed.
+template <typename T>
+__device__ void packed_swiglu_backward(T* dx, const T* dout, const T* x, int width, i64 n) {
+    GRID_STRIDE(i, n) {
+        const i64 r = i / width, c = i - r * width;
+        const i64 g_at = r * 2 * width + c;
+        float d = ld(dout, i), g = ld(x, g_at), u = ld(x, g_at + width);
+        float s = sigmoid_f(g);
+        st(dx, g_at + width, d * (g * s));
+        st(dx, g_at, d * u * (s * (1.0f + g * (1.0f - s))));
+    }
+}
+
 template <typename T> __device__ void geglu_forward(T* out, const T* gate, const T* up, i64 n) {
     GRID_STRIDE(i, n) {
         float g = ld(gate, i), u = ld(up, i);
@@ -150,6 +175,14 @@ extern "C" __global__ void swiglu_forward_f16(f16* out, const f16* gate, const f
 extern "C" __global__ void swiglu_backward_f32(float* dgate, float* dup, const float* dout, const float* gate, const float* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
 extern "C" __global__ void swiglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
 extern "C" __global__ void swiglu_backward_f16(f16* dgate, f16* dup, const f16* dout, const f16* gate, const f16* up, i64 n) { swiglu_backward(dgate, dup, dout, gate, up, n); }
+/// out[r, c] = silu(x[r, c]) * x[r, width + c] for `x` [rows, 2 width], `n` = rows * width.
+extern "C" __global__ void packed_swiglu_forward_f32(float* out, const float* x, int width, i64 n) { packed_swiglu_forward(out, x, width, n); }
+extern "C" __global__ void packed_swiglu_forward_bf16(bf16* out, const bf16* x, int width, i64 n) { packed_swiglu_forward(out, x, width, n); }
+extern "C" __global__ void packed_swiglu_forward_f16(f16* out, const f16* x, int width, i64 n) { packed_swiglu_forward(out, x, width, n); }
+/// dx[r, c] = dout * up * silu'(gate), dx[r, width + c] = dout * silu(gate).
+extern "C" __global__ void packed_swiglu_backward_f32(float* dx, const float* dout, const float* x, int width, i64 n) { packed_swiglu_backward(dx, dout, x, width, n); }
+extern "C" __global__ void packed_swiglu_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, int width, i64 n) { packed_swiglu_backward(dx, dout, x, width, n); }
+extern "C" __global__ void packed_swiglu_backward_f16(f16* dx, const f16* dout, const f16* x, int width, i64 n) { packed_swiglu_backward(dx, dout, x, width, n); }
 /// out = gelu_tanh(gate) * up.
 extern "C" __global__ void geglu_forward_f32(float* out, const float* gate, const float* up, i64 n) { geglu_forward(out, gate, up, n); }
 extern "C" __global__ void geglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, i64 n) { geglu_forward(out, gate, up, n); }
