@@ -983,7 +983,11 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(c_i),
                 I32(k_i),
             ];
-            p.stride(st.pick(entry!("moe_combine_backward_dys")), n_slots * c, args);
+            p.stride(
+                st.pick(entry!("moe_combine_backward_dys")),
+                n_slots * c,
+                args,
+            );
             let args = vec![
                 Ptr(p.output(1)),
                 Ptr(dout),
@@ -993,7 +997,11 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 I32(c_i),
                 I32(k_i),
             ];
-            p.stride(st.pick(entry!("moe_combine_backward_weights")), n_slots, args);
+            p.stride(
+                st.pick(entry!("moe_combine_backward_weights")),
+                n_slots,
+                args,
+            );
         }
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
             return Err(p.bad(
@@ -1888,7 +1896,13 @@ const MOE_TILE: u64 = 16;
 /// Top-k routing (`backward`: its gradient) of `logits [B,T,E]`. The forward is two launches:
 /// the per-token softmax and top-k, then `moe_route_pack`, which computes the packed layout
 /// (rows, slots, group offsets) on the device, so the step never waits for the routing.
-fn moe_route(p: &mut Plan<'_>, experts: u64, top_k: u64, normalize: bool, backward: bool) -> Result<()> {
+fn moe_route(
+    p: &mut Plan<'_>,
+    experts: u64,
+    top_k: u64,
+    normalize: bool,
+    backward: bool,
+) -> Result<()> {
     let st = p.storage(0)?;
     if experts > u64::from(MOE_PACK_THREADS) {
         return Err(p.bad(format!(
@@ -2004,7 +2018,12 @@ fn grouped_linear(p: &mut Plan<'_>, experts: u64, backward: bool) -> Result<()> 
         I32(in_i),
         I32(out_i),
     ];
-    p.shaped(st.pick(entry!("grouped_linear_backward_dx")), grid, block, args);
+    p.shaped(
+        st.pick(entry!("grouped_linear_backward_dx")),
+        grid,
+        block,
+        args,
+    );
     let dweights = Arg::Table(ConstKey::Pointers((1..=e).map(|i| p.output(i)).collect()));
     let grid = (
         u32::try_from(d_in.div_ceil(MOE_TILE)).map_err(|_| p.bad("input tiles beyond 32 bits"))?,
@@ -2019,7 +2038,12 @@ fn grouped_linear(p: &mut Plan<'_>, experts: u64, backward: bool) -> Result<()> 
         I32(in_i),
         I32(out_i),
     ];
-    p.shaped(st.pick(entry!("grouped_linear_backward_dw")), grid, block, args);
+    p.shaped(
+        st.pick(entry!("grouped_linear_backward_dw")),
+        grid,
+        block,
+        args,
+    );
     Ok(())
 }
 

@@ -7,7 +7,9 @@
 //! shared prelude `kernels/common.cuh` followed by the family's file, so it compiles on its own
 //! with NVRTC, with no include path and no system header. [`SOURCES`] lists them with their
 //! entry points; it is plain data, available without the `cuda` feature, so CPU-only builds can
-//! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here.
+//! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here; the
+//! mixture-of-experts grouped matmul is (`kernels/moe.cu`), since it reads its group boundaries
+//! from device memory.
 //!
 //! Launch shapes are documented beside each entry point in the `.cu` files. The attention
 //! tiles a launcher sizes grids with are defined here only and passed to NVRTC as `-D` defines
@@ -323,7 +325,8 @@ pub const SOURCES: &[KernelSource] = &[
             "scale_by_bf16",
             "scale_by_f16",
         ]
-    ),    kernel_source!(
+    ),
+    kernel_source!(
         "moe",
         [
             "moe_route_softmax_f32",

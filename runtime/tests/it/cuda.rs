@@ -22,7 +22,10 @@
 //! - bf16 storage: 1e-2 (each output is rounded to bf16 once or twice: 2^-8 relative, half an
 //!   ulp each, plus the f32 differences above); f32 outputs of bf16 ops (log-sum-exps, the
 //!   loss, squared norms): 1e-4;
-//! - AdamW: the same bits as the host (the device update is written to round as the host's).
+//! - AdamW: the same bits as the host (the device update is written to round as the host's);
+//! - mixture of experts: indices (the packed layout) exactly; in f32 on the simulator the
+//!   routing, dispatch and combine give the host's bits, `ELEMENTWISE` on a GPU; the grouped
+//!   matmul `REDUCTION`.
 
 use protrain_ir::{
     BlockKind, DType, Epilogue, Graph, GraphInfo, OpId, OpKind, Phase, QkvLayout, Role,
@@ -874,25 +877,38 @@ fn host_adamw(case: &Case, kind: &OpKind, master: Option<Vec<f32>>) -> Vec<Vec<f
     vec![param, m, v]
 }
 
-/// The routing of `n` tokens over `e` experts, `k` each, by the host kernel: (weights,
-/// experts, rows, slots, offsets).
-fn host_route(
-    logits: &[f32],
-    e: usize,
-    k: usize,
-) -> (Vec<f32>, Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
+/// A routing as the host kernel computes it.
+struct Routed {
+    weights: Vec<f32>,
+    experts: Vec<i32>,
+    rows: Vec<i32>,
+    slots: Vec<i32>,
+    offsets: Vec<i32>,
+}
+
+/// The renormalised routing of the tokens of `logits` over `e` experts, `k` each, by the host
+/// kernel.
+fn host_route(logits: &[f32], e: usize, k: usize) -> Routed {
     let n = logits.len() / e;
-    let (mut w, mut ex, mut rows, mut slots, mut off) = (
-        vec![0.0; n * k],
-        vec![0; n * k],
-        vec![0; n * k],
-        vec![0; n * k],
-        vec![0; e + 1],
-    );
+    let mut r = Routed {
+        weights: vec![0.0; n * k],
+        experts: vec![0; n * k],
+        rows: vec![0; n * k],
+        slots: vec![0; n * k],
+        offsets: vec![0; e + 1],
+    };
     protrain_runtime::kernels::moe_route(
-        &mut w, &mut ex, &mut rows, &mut slots, &mut off, logits, e, k, true,
+        &mut r.weights,
+        &mut r.experts,
+        &mut r.rows,
+        &mut r.slots,
+        &mut r.offsets,
+        logits,
+        e,
+        k,
+        true,
     );
-    (w, ex, rows, slots, off)
+    r
 }
 
 /// Whether the device is the CPU simulator, whose `expf` is the host's: there the routing and
@@ -917,7 +933,13 @@ fn mixture_of_experts_forward_and_backward() {
     let n = (b * t) as usize;
     let mut rng = Rng(21);
     let logits = rng.vec(n * e as usize, 3.0);
-    let (w, ex, rows, slots, off) = host_route(&logits, e as usize, k as usize);
+    let Routed {
+        weights: w,
+        experts: ex,
+        rows,
+        slots,
+        offsets: off,
+    } = host_route(&logits, e as usize, k as usize);
     for dtype in DTYPES {
         for normalize in [true, false] {
             Builder::new(30)
@@ -937,7 +959,10 @@ fn mixture_of_experts_forward_and_backward() {
                     top_k: k,
                     normalize,
                 })
-                .check(&format!("moe route backward {dtype} normalize {normalize}"), exact);
+                .check(
+                    &format!("moe route backward {dtype} normalize {normalize}"),
+                    exact,
+                );
         }
         let r = b * t * k;
         Builder::new(32)
