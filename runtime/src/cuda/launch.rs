@@ -2908,6 +2908,65 @@ mod tests {
         }
     }
 
+    /// The routing packs on the device (one block of `MOE_PACK_THREADS` after the per-token
+    /// kernel, writing rows, slots and offsets from the chosen experts); the grouped matmuls
+    /// get the experts' weights (and weight gradients) as a table in expert order and a row-tile
+    /// grid of `ceil(R / MOE_TILE) + E` blocks, enough for any split of the rows.
+    #[test]
+    fn moe_plans_pack_on_the_device_and_cover_every_group() {
+        let addr = |i: usize| 0x1000_0000 * (i as u64 + 1);
+        let route = OpKind::MoeRoute {
+            experts: E,
+            top_k: K,
+            normalize: true,
+        };
+        let (plan, _) = plan_of(&route, &[t(&[B, T, E], DType::BF16)]);
+        let [Call::Kernel(soft), Call::Kernel(pack)] = &plan[..] else {
+            panic!("two kernels, not {plan:?}");
+        };
+        assert_eq!(soft.entry, "moe_route_softmax_bf16");
+        assert_eq!(pack.entry, "moe_route_pack");
+        assert_eq!((pack.grid, pack.block), ((1, 1, 1), (256, 1, 1)));
+        // Outputs follow the one input: weights, experts, rows, slots, offsets.
+        let (experts, rows, slots, offsets) = (addr(2), addr(3), addr(4), addr(5));
+        assert_eq!(
+            pack.args,
+            [
+                Ptr(rows),
+                Ptr(slots),
+                Ptr(offsets),
+                Ptr(experts),
+                I32((B * T * K) as i32),
+                I32(E as i32),
+            ]
+        );
+        // 40 packed rows: two full tiles and a partial one, plus one per expert.
+        let rows = 40;
+        let mut ins = vec![t(&[rows, C], DType::F32), t(&[E + 1], DType::I32)];
+        ins.extend((0..E).map(|_| t(&[6, C], DType::F32)));
+        let weights = ConstKey::Pointers((2..2 + E as usize).map(addr).collect());
+        let (plan, _) = plan_of(&OpKind::GroupedLinear { experts: E }, &ins);
+        let [Call::Kernel(fwd)] = &plan[..] else {
+            panic!("one kernel, not {plan:?}");
+        };
+        assert_eq!(fwd.grid, (3 + E as u32, 1, 1));
+        assert_eq!(fwd.args[3], Arg::Table(weights.clone()));
+        ins.push(t(&[rows, 6], DType::F32));
+        let (plan, _) = plan_of(&OpKind::GroupedLinearBackward { experts: E }, &ins);
+        let [Call::Kernel(dx), Call::Kernel(dw)] = &plan[..] else {
+            panic!("two kernels, not {plan:?}");
+        };
+        assert_eq!(dx.grid, (3 + E as u32, 1, 1));
+        assert_eq!(dx.args[3], Arg::Table(weights));
+        // dxs is the first output (after the 2 + E + 1 inputs), the weight gradients follow.
+        let first_out = 3 + E as usize;
+        assert_eq!(dx.args[0], Ptr(addr(first_out)));
+        let dweights =
+            ConstKey::Pointers((first_out + 1..=first_out + E as usize).map(addr).collect());
+        assert_eq!(dw.args[0], Arg::Table(dweights));
+        assert_eq!(dw.grid, (1, 1, E as u32));
+    }
+
     #[test]
     fn accumulation_adds_in_place() {
         for (dt, entry) in [
