@@ -338,6 +338,7 @@ CUresult run_grid(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsign
 #include "../../runtime/src/cuda/kernels/attention.cu"
 #include "../../runtime/src/cuda/kernels/cross_entropy.cu"
 #include "../../runtime/src/cuda/kernels/adamw.cu"
+#include "../../runtime/src/cuda/kernels/moe.cu"
 #include "../tests/test_kernels.cuh"
 
 template <typename T> static T load_arg(const char* p) {

@@ -304,6 +304,28 @@ fn families_f32_losses_match_the_host() {
     }
 }
 
+/// The tiny Mixtral or Qwen3-MoE of the PyTorch parity fixtures (`tests/fixtures/FAMILY`).
+fn moe_fixture(family: &str) -> String {
+    format!("{}/tests/fixtures/{family}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Mixtral (4 experts, renormalised top-2): routing, the packed layout computed on the device,
+/// grouped matmuls and the combine give the host's losses, gradient norms and first update
+/// under the three policies (the streamed one runs every expert's weights through two chunk
+/// buffers and the CPU Adam).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn mixtral_f32_losses_match_the_host_under_three_policies() {
+    check_f32(&moe_fixture("mixtral"), Some(0.5));
+}
+
+/// Qwen3-MoE (8 experts, top-2 not renormalised, a dense layer among the sparse ones).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn qwen3_moe_f32_losses_match_the_host_under_three_policies() {
+    check_f32(&moe_fixture("qwen3_moe"), None);
+}
+
 /// bf16 schedules (bf16 parameters resident or streamed from the host, f32 master weights
 /// updated by the device AdamW or the CPU Adam) train close to the host's f32 run.
 fn check_bf16(model: &str) {
@@ -391,6 +413,20 @@ fn gpt2_bf16_losses_stay_close_to_f32() {
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn llama_bf16_losses_stay_close_to_f32() {
     check_bf16("llama-tiny");
+}
+
+/// Mixtral in bf16, resident and streamed: as close to the host's runs as llama-tiny's.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn mixtral_bf16_losses_stay_close_to_f32() {
+    check_bf16(&moe_fixture("mixtral"));
+}
+
+/// Qwen3-MoE in bf16, resident and streamed.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn qwen3_moe_bf16_losses_stay_close_to_f32() {
+    check_bf16(&moe_fixture("qwen3_moe"));
 }
 
 /// Flash attention on tensor cores end to end: llama-tiny widened to two 64-wide query heads
@@ -753,6 +789,84 @@ fn cli_gpt2_streamed_under_4mib_with_clipping_gives_the_hosts_losses() {
             "1.0",
         ],
         3,
+    );
+}
+
+/// Mixtral through the CLI, streamed (a 320 KiB budget: every chunk, every expert's weights
+/// among them, fetched through buffers and updated by the CPU Adam) with clipping, evaluated
+/// on held-out tokens after every step: the training and the evaluation losses are the host's.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_mixtral_streamed_with_evaluation_gives_the_hosts_losses() {
+    let _device = require_gpu();
+    let fixture = moe_fixture("mixtral");
+    let tokens = format!("{fixture}/tokens.npy");
+    let args = [
+        fixture.as_str(),
+        "--dtype",
+        "f32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--gpu-memory",
+        "320KiB",
+        "--grad-clip",
+        "1.0",
+        "--eval-data",
+        &tokens,
+        "--eval-every",
+        "1",
+        "--steps",
+        "3",
+    ];
+    // Training lines and evaluation lines (those naming the "eval" data), by step.
+    let split = |backend: &str| {
+        let out = cli::run(backend, &args, &[]);
+        assert!(
+            out.status.success(),
+            "train --backend {backend} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let (eval, train): (Vec<&str>, Vec<&str>) =
+            stdout.lines().partition(|l| l.contains("\"eval\""));
+        (cli::parse(&train.join("\n")), cli::parse(&eval.join("\n")))
+    };
+    let (device_train, device_eval) = split("cuda");
+    let (host_train, host_eval) = split("host");
+    let what = "mixtral f32 --gpu-memory 320KiB --eval-every 1";
+    cli::assert_close(what, &device_train, &host_train, 3, cli::F32_LOSSES);
+    cli::assert_close(
+        &format!("{what} (evaluation)"),
+        &device_eval,
+        &host_eval,
+        3,
+        cli::F32_LOSSES,
+    );
+}
+
+/// Qwen3-MoE through the CLI in bf16, two micro-batches a step.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_qwen3_moe_bf16_with_accumulation_gives_the_hosts_losses() {
+    let _device = require_gpu();
+    let fixture = moe_fixture("qwen3_moe");
+    cli::check_within(
+        "qwen3_moe bf16 --batch 1 --grad-accum 2",
+        &[
+            &fixture,
+            "--dtype",
+            "bf16",
+            "--batch",
+            "1",
+            "--grad-accum",
+            "2",
+            "--seq",
+            "16",
+        ],
+        3,
+        cli::NARROW_LOSSES,
     );
 }
 

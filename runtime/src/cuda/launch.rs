@@ -906,18 +906,102 @@ impl<'a> Plan<'a> {
 fn plan(p: &mut Plan<'_>) -> Result<()> {
     let (n_in, n_out) = (p.types.inputs.len(), p.types.outputs.len());
     match p.kind {
-        OpKind::MoeRoute { .. }
-        | OpKind::MoeDispatch { .. }
-        | OpKind::GroupedLinear { .. }
-        | OpKind::MoeCombine { .. }
-        | OpKind::MoeRouteBackward { .. }
-        | OpKind::MoeDispatchBackward { .. }
-        | OpKind::GroupedLinearBackward { .. }
-        | OpKind::MoeCombineBackward { .. } => {
-            return Err(p.bad(
-                "is a mixture-of-experts op, which the CUDA backend has no kernel for yet; \
-                 train mixture-of-experts models on the host backend (--backend host)",
-            ));
+        OpKind::MoeRoute {
+            experts,
+            top_k,
+            normalize,
+        } => moe_route(p, *experts, *top_k, *normalize, false)?,
+        OpKind::MoeRouteBackward {
+            experts,
+            top_k,
+            normalize,
+        } => moe_route(p, *experts, *top_k, *normalize, true)?,
+        OpKind::MoeDispatch { top_k } => {
+            let st = p.storage(0)?;
+            let (n_rows, c) = (p.ty_out(0).rows(), p.ty_out(0).last_dim());
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                I32(p.int(n_rows, "packed rows")?),
+                I32(p.int(c, "channels")?),
+                I32(p.int(*top_k, "top_k")?),
+            ];
+            p.stride(st.pick(entry!("moe_dispatch")), n_rows * c, args);
+        }
+        OpKind::MoeDispatchBackward { top_k } => {
+            let st = p.storage(1)?;
+            let (tokens, c) = (p.ty_out(0).rows(), p.ty_out(0).last_dim());
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(1)),
+                Ptr(p.input(0)),
+                I32(p.int(tokens, "tokens")?),
+                I32(p.int(c, "channels")?),
+                I32(p.int(*top_k, "top_k")?),
+            ];
+            p.stride(st.pick(entry!("moe_dispatch_backward")), tokens * c, args);
+        }
+        OpKind::GroupedLinear { experts } => grouped_linear(p, *experts, false)?,
+        OpKind::GroupedLinearBackward { experts } => grouped_linear(p, *experts, true)?,
+        OpKind::MoeCombine { top_k } => {
+            let st = p.storage(0)?;
+            let (tokens, c) = (p.ty_out(0).rows(), p.ty_out(0).last_dim());
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(p.input(0)),
+                Ptr(p.input(1)),
+                Ptr(p.input(2)),
+                I32(p.int(tokens, "tokens")?),
+                I32(p.int(c, "channels")?),
+                I32(p.int(*top_k, "top_k")?),
+            ];
+            p.stride(st.pick(entry!("moe_combine")), tokens * c, args);
+        }
+        OpKind::MoeCombineBackward { top_k } => {
+            let st = p.storage(0)?;
+            if p.ty_in(3).dtype != p.ty_in(0).dtype {
+                return Err(p.bad(format!(
+                    "the output gradient {} and the expert outputs {} differ in type",
+                    p.ty_in(3),
+                    p.ty_in(0)
+                )));
+            }
+            let (n_slots, c) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let (n_i, c_i, k_i) = (
+                p.int(n_slots, "packed rows")?,
+                p.int(c, "channels")?,
+                p.int(*top_k, "top_k")?,
+            );
+            let (ys, weights, slots, dout) = (p.input(0), p.input(1), p.input(2), p.input(3));
+            let args = vec![
+                Ptr(p.output(0)),
+                Ptr(dout),
+                Ptr(weights),
+                Ptr(slots),
+                I32(n_i),
+                I32(c_i),
+                I32(k_i),
+            ];
+            p.stride(
+                st.pick(entry!("moe_combine_backward_dys")),
+                n_slots * c,
+                args,
+            );
+            let args = vec![
+                Ptr(p.output(1)),
+                Ptr(dout),
+                Ptr(ys),
+                Ptr(slots),
+                I32(n_i),
+                I32(c_i),
+                I32(k_i),
+            ];
+            p.stride(
+                st.pick(entry!("moe_combine_backward_weights")),
+                n_slots,
+                args,
+            );
         }
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
             return Err(p.bad(
@@ -1847,6 +1931,168 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, rms: Option<(Option<u64>, bool)>) -
     Ok(())
 }
 
+/// Threads of `moe_route_pack`'s one block (`MOE_PACK_THREADS` in `kernels/moe.cu`), and the
+/// most experts it packs.
+const MOE_PACK_THREADS: u32 = 256;
+
+/// Rows and columns of a grouped-matmul tile (`MOE_TILE` in `kernels/moe.cu`); its kernels run
+/// `MOE_TILE x MOE_TILE` threads.
+const MOE_TILE: u64 = 16;
+
+/// Top-k routing (`backward`: its gradient) of `logits [B,T,E]`. The forward is two launches:
+/// the per-token softmax and top-k, then `moe_route_pack`, which computes the packed layout
+/// (rows, slots, group offsets) on the device, so the step never waits for the routing.
+fn moe_route(
+    p: &mut Plan<'_>,
+    experts: u64,
+    top_k: u64,
+    normalize: bool,
+    backward: bool,
+) -> Result<()> {
+    let st = p.storage(0)?;
+    if experts > u64::from(MOE_PACK_THREADS) {
+        return Err(p.bad(format!(
+            "{experts} experts: the CUDA routing kernel packs at most {MOE_PACK_THREADS}"
+        )));
+    }
+    let tokens = p.ty_in(0).rows();
+    let (n, e, k) = (
+        p.int(tokens, "tokens")?,
+        p.int(experts, "experts")?,
+        p.int(top_k, "top_k")?,
+    );
+    let slots = p.int(tokens * top_k, "packed rows")?;
+    let norm = I32(i32::from(normalize));
+    if backward {
+        let args = vec![
+            Ptr(p.output(0)),
+            Ptr(p.input(2)),
+            Ptr(p.input(0)),
+            Ptr(p.input(1)),
+            I32(n),
+            I32(e),
+            I32(k),
+            norm,
+        ];
+        p.stride(st.pick(entry!("moe_route_backward")), tokens, args);
+        return Ok(());
+    }
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(p.output(1)),
+        Ptr(p.input(0)),
+        I32(n),
+        I32(e),
+        I32(k),
+        norm,
+    ];
+    p.stride(st.pick(entry!("moe_route_softmax")), tokens, args);
+    let args = vec![
+        Ptr(p.output(2)),
+        Ptr(p.output(3)),
+        Ptr(p.output(4)),
+        Ptr(p.output(1)),
+        I32(slots),
+        I32(e),
+    ];
+    p.shaped("moe_route_pack", (1, 1, 1), (MOE_PACK_THREADS, 1, 1), args);
+    Ok(())
+}
+
+/// The grouped matmul over the packed rows (`backward`: its input and weight gradients). The
+/// kernels read the group boundaries from the route's `offsets` on the device; the weights
+/// (and the weight gradients) are passed as a table of the experts' addresses. A row-tile grid
+/// of `ceil(R / MOE_TILE) + E` blocks covers every group whatever the boundaries (each group
+/// adds at most one partial tile).
+fn grouped_linear(p: &mut Plan<'_>, experts: u64, backward: bool) -> Result<()> {
+    let st = p.storage(0)?;
+    let e = experts as usize;
+    let xs = p.ty_in(0).clone();
+    if let Some(w) = (2..2 + e).map(|i| p.ty_in(i)).find(|w| w.dtype != xs.dtype) {
+        return Err(p.bad(format!(
+            "the packed input {xs} and the expert weight {w} differ in type"
+        )));
+    }
+    let (rows, d_in) = (xs.rows(), xs.last_dim());
+    let d_out = p.ty_in(2).shape[0];
+    let (e_i, in_i, out_i) = (
+        p.int(experts, "experts")?,
+        p.int(d_in, "input features")?,
+        p.int(d_out, "output features")?,
+    );
+    let row_tiles = rows.div_ceil(MOE_TILE) + experts;
+    let row_tiles = u32::try_from(row_tiles).map_err(|_| p.bad("packed rows beyond 32 bits"))?;
+    let weights = Arg::Table(ConstKey::Pointers((2..2 + e).map(|i| p.input(i)).collect()));
+    let block = (MOE_TILE as u32, MOE_TILE as u32, 1);
+    let (xs_at, offsets) = (p.input(0), p.input(1));
+    if !backward {
+        let grid = (
+            row_tiles,
+            p.grid_yz(d_out.div_ceil(MOE_TILE), "output tiles")?,
+            1,
+        );
+        let args = vec![
+            Ptr(p.output(0)),
+            Ptr(xs_at),
+            Ptr(offsets),
+            weights,
+            I32(e_i),
+            I32(in_i),
+            I32(out_i),
+        ];
+        p.shaped(st.pick(entry!("grouped_linear_forward")), grid, block, args);
+        return Ok(());
+    }
+    let dys = p.input(2 + e);
+    if p.ty_in(2 + e).dtype != xs.dtype {
+        return Err(p.bad(format!(
+            "the output gradient {} and the packed input {xs} differ in type",
+            p.ty_in(2 + e)
+        )));
+    }
+    let grid = (
+        row_tiles,
+        p.grid_yz(d_in.div_ceil(MOE_TILE), "input tiles")?,
+        1,
+    );
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(dys),
+        Ptr(offsets),
+        weights,
+        I32(e_i),
+        I32(in_i),
+        I32(out_i),
+    ];
+    p.shaped(
+        st.pick(entry!("grouped_linear_backward_dx")),
+        grid,
+        block,
+        args,
+    );
+    let dweights = Arg::Table(ConstKey::Pointers((1..=e).map(|i| p.output(i)).collect()));
+    let grid = (
+        u32::try_from(d_in.div_ceil(MOE_TILE)).map_err(|_| p.bad("input tiles beyond 32 bits"))?,
+        p.grid_yz(d_out.div_ceil(MOE_TILE), "output tiles")?,
+        p.grid_yz(experts, "experts")?,
+    );
+    let args = vec![
+        dweights,
+        Ptr(dys),
+        Ptr(xs_at),
+        Ptr(offsets),
+        I32(in_i),
+        I32(out_i),
+    ];
+    p.shaped(
+        st.pick(entry!("grouped_linear_backward_dw")),
+        grid,
+        block,
+        args,
+    );
+    Ok(())
+}
+
 /// Attention's backward: `delta` into the workspace, then dq, then dk and dv.
 fn attention_backward(
     p: &mut Plan<'_>,
@@ -2196,6 +2442,9 @@ mod tests {
     const H: u64 = 2;
     const KV: u64 = 1;
     const D: u64 = 4;
+    /// Experts, and experts per token, of the mixture-of-experts examples.
+    const E: u64 = 3;
+    const K: u64 = 2;
     const WS: u64 = 0x7000_0000;
     const MASTER: u64 = 0x7800_0000;
 
@@ -2246,22 +2495,21 @@ mod tests {
             OpKind::Geglu => 36,
             OpKind::SoftcapBackward { .. } => 37,
             OpKind::GegluBackward => 38,
-            // No CUDA kernels yet: `plan` refuses them (`moe_kinds_are_refused_by_name`).
-            OpKind::MoeRoute { .. } => VARIANTS + 3,
-            OpKind::MoeDispatch { .. } => VARIANTS + 4,
-            OpKind::GroupedLinear { .. } => VARIANTS + 5,
-            OpKind::MoeCombine { .. } => VARIANTS + 6,
-            OpKind::MoeRouteBackward { .. } => VARIANTS + 7,
-            OpKind::MoeDispatchBackward { .. } => VARIANTS + 8,
-            OpKind::GroupedLinearBackward { .. } => VARIANTS + 9,
-            OpKind::MoeCombineBackward { .. } => VARIANTS + 10,
-            OpKind::PartialRope { .. } => 39,
-            OpKind::PartialRopeBackward { .. } => 40,
-            OpKind::PackedSwiglu => 41,
-            OpKind::PackedSwigluBackward => 42,
+            OpKind::MoeRoute { .. } => 39,
+            OpKind::MoeDispatch { .. } => 40,
+            OpKind::GroupedLinear { .. } => 41,
+            OpKind::MoeCombine { .. } => 42,
+            OpKind::MoeRouteBackward { .. } => 43,
+            OpKind::MoeDispatchBackward { .. } => 44,
+            OpKind::GroupedLinearBackward { .. } => 45,
+            OpKind::MoeCombineBackward { .. } => 46,
+            OpKind::PartialRope { .. } => 47,
+            OpKind::PartialRopeBackward { .. } => 48,
+            OpKind::PackedSwiglu => 49,
+            OpKind::PackedSwigluBackward => 50,
         }
     }
-    const VARIANTS: usize = 43;
+    const VARIANTS: usize = 51;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2346,6 +2594,16 @@ mod tests {
         let w_in_out = f(&[C, 6]);
         let h = f(&[B, T, 6]);
         let b6 = f(&[6]);
+        let route = |normalize| OpKind::MoeRoute {
+            experts: E,
+            top_k: K,
+            normalize,
+        };
+        let routed_i32 = t(&[B, T, K], DType::I32);
+        let routed_f32 = t(&[B, T, K], DType::F32);
+        let packed_i32 = t(&[B * T * K], DType::I32);
+        let mut grouped = vec![f(&[B * T * K, C]), t(&[E + 1], DType::I32)];
+        grouped.extend((0..E).map(|_| w.clone()));
         let adamw = |clipped| OpKind::AdamW {
             lr: 1e-3,
             beta1: 0.9,
@@ -2618,6 +2876,42 @@ mod tests {
                 adamw(false),
                 vec![w.clone(), w.clone(), moments.clone(), moments.clone()],
             ),
+            (route(true), vec![f(&[B, T, E])]),
+            (
+                OpKind::MoeRouteBackward {
+                    experts: E,
+                    top_k: K,
+                    normalize: false,
+                },
+                vec![f(&[B, T, E]), routed_i32.clone(), routed_f32.clone()],
+            ),
+            (
+                OpKind::MoeDispatch { top_k: K },
+                vec![x.clone(), packed_i32.clone(), routed_i32.clone()],
+            ),
+            (
+                OpKind::MoeDispatchBackward { top_k: K },
+                vec![routed_i32.clone(), f(&[B * T * K, C])],
+            ),
+            (OpKind::GroupedLinear { experts: E }, grouped.clone()),
+            (OpKind::GroupedLinearBackward { experts: E }, {
+                let mut ins = grouped.clone();
+                ins.push(f(&[B * T * K, 6]));
+                ins
+            }),
+            (
+                OpKind::MoeCombine { top_k: K },
+                vec![f(&[B * T * K, C]), routed_f32.clone(), routed_i32.clone()],
+            ),
+            (
+                OpKind::MoeCombineBackward { top_k: K },
+                vec![
+                    f(&[B * T * K, C]),
+                    routed_f32.clone(),
+                    routed_i32.clone(),
+                    x.clone(),
+                ],
+            ),
             (
                 adamw(true),
                 vec![
@@ -2706,43 +3000,63 @@ mod tests {
         }
     }
 
+    /// The routing packs on the device (one block of `MOE_PACK_THREADS` after the per-token
+    /// kernel, writing rows, slots and offsets from the chosen experts); the grouped matmuls
+    /// get the experts' weights (and weight gradients) as a table in expert order and a row-tile
+    /// grid of `ceil(R / MOE_TILE) + E` blocks, enough for any split of the rows.
     #[test]
-    fn moe_kinds_are_refused_by_name() {
-        let logits = TensorType::new(vec![2, 3, 4], DType::F32);
-        let kind = OpKind::MoeRoute {
-            experts: 4,
-            top_k: 2,
+    fn moe_plans_pack_on_the_device_and_cover_every_group() {
+        let addr = |i: usize| 0x1000_0000 * (i as u64 + 1);
+        let route = OpKind::MoeRoute {
+            experts: E,
+            top_k: K,
             normalize: true,
         };
-        assert!(variant(&kind) >= VARIANTS);
-        let plan = calls_of_refused(&kind, &[logits]);
-        assert!(plan.contains("mixture-of-experts"), "{plan}");
-    }
-
-    /// The error `calls` gives for a kind it refuses.
-    fn calls_of_refused(kind: &OpKind, inputs: &[TensorType]) -> String {
-        let ins: Vec<&TensorType> = inputs.iter().collect();
-        let outputs = kind.infer(&ins).expect("the example's types");
-        let outs: Vec<&TensorType> = outputs.iter().collect();
-        let at = Addresses {
-            inputs: (0..ins.len()).map(|i| 0x1000 * (i as u64 + 1)).collect(),
-            outputs: (0..outs.len())
-                .map(|i| 0x10_0000 * (i as u64 + 1))
-                .collect(),
-            workspace: None,
-            master: None,
+        let (plan, _) = plan_of(&route, &[t(&[B, T, E], DType::BF16)]);
+        let [Call::Kernel(soft), Call::Kernel(pack)] = &plan[..] else {
+            panic!("two kernels, not {plan:?}");
         };
-        let types = Types {
-            inputs: &ins,
-            outputs: &outs,
+        assert_eq!(soft.entry, "moe_route_softmax_bf16");
+        assert_eq!(pack.entry, "moe_route_pack");
+        assert_eq!((pack.grid, pack.block), ((1, 1, 1), (256, 1, 1)));
+        // Outputs follow the one input: weights, experts, rows, slots, offsets.
+        let (experts, rows, slots, offsets) = (addr(2), addr(3), addr(4), addr(5));
+        assert_eq!(
+            pack.args,
+            [
+                Ptr(rows),
+                Ptr(slots),
+                Ptr(offsets),
+                Ptr(experts),
+                I32((B * T * K) as i32),
+                I32(E as i32),
+            ]
+        );
+        // 40 packed rows: two full tiles and a partial one, plus one per expert.
+        let rows = 40;
+        let mut ins = vec![t(&[rows, C], DType::F32), t(&[E + 1], DType::I32)];
+        ins.extend((0..E).map(|_| t(&[6, C], DType::F32)));
+        let weights = ConstKey::Pointers((2..2 + E as usize).map(addr).collect());
+        let (plan, _) = plan_of(&OpKind::GroupedLinear { experts: E }, &ins);
+        let [Call::Kernel(fwd)] = &plan[..] else {
+            panic!("one kernel, not {plan:?}");
         };
-        let target = Target {
-            max_blocks: 132 * 32,
-            step: 1,
+        assert_eq!(fwd.grid, (3 + E as u32, 1, 1));
+        assert_eq!(fwd.args[3], Arg::Table(weights.clone()));
+        ins.push(t(&[rows, 6], DType::F32));
+        let (plan, _) = plan_of(&OpKind::GroupedLinearBackward { experts: E }, &ins);
+        let [Call::Kernel(dx), Call::Kernel(dw)] = &plan[..] else {
+            panic!("two kernels, not {plan:?}");
         };
-        calls(kind, types, &at, target)
-            .expect_err("no plan")
-            .to_string()
+        assert_eq!(dx.grid, (3 + E as u32, 1, 1));
+        assert_eq!(dx.args[3], Arg::Table(weights));
+        // dxs is the first output (after the 2 + E + 1 inputs), the weight gradients follow.
+        let first_out = 3 + E as usize;
+        assert_eq!(dx.args[0], Ptr(addr(first_out)));
+        let dweights =
+            ConstKey::Pointers((first_out + 1..=first_out + E as usize).map(addr).collect());
+        assert_eq!(dw.args[0], Arg::Table(dweights));
+        assert_eq!(dw.grid, (1, 1, E as u32));
     }
 
     /// The rope kernels' arguments after the table: batch, sequence, heads, head_dim, rotated
@@ -3106,7 +3420,9 @@ mod tests {
                                         assert_eq!(bits.len() as u64, rotated / 2, "{what}")
                                     }
                                     Arg::Table(ConstKey::Pointers(ptrs)) => {
-                                        assert_eq!(ptrs.len(), inputs.len(), "{what}");
+                                        // The clip coefficient's squared norms (its inputs), or
+                                        // the grouped matmul's weights or weight gradients.
+                                        assert!(ptrs.len() <= inputs.len(), "{what}");
                                         assert!(ptrs.iter().all(|&p| inside(&spans, p)));
                                     }
                                     Arg::Table(ConstKey::AdamWTensors(_)) => {

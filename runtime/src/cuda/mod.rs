@@ -7,7 +7,9 @@
 //! shared prelude `kernels/common.cuh` followed by the family's file, so it compiles on its own
 //! with NVRTC, with no include path and no system header. [`SOURCES`] lists them with their
 //! entry points; it is plain data, available without the `cuda` feature, so CPU-only builds can
-//! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here.
+//! check it. Matmuls (linear forward and backward) go to cuBLAS / cuBLASLt and are not here; the
+//! mixture-of-experts grouped matmul is (`kernels/moe.cu`), since it reads its group boundaries
+//! from device memory.
 //!
 //! Launch shapes are documented beside each entry point in the `.cu` files. The attention
 //! tiles a launcher sizes grids with are defined here only and passed to NVRTC as `-D` defines
@@ -330,6 +332,42 @@ pub const SOURCES: &[KernelSource] = &[
             "scale_by_f16",
         ]
     ),
+    kernel_source!(
+        "moe",
+        [
+            "moe_route_softmax_f32",
+            "moe_route_softmax_bf16",
+            "moe_route_softmax_f16",
+            "moe_route_pack",
+            "moe_route_backward_f32",
+            "moe_route_backward_bf16",
+            "moe_route_backward_f16",
+            "moe_dispatch_f32",
+            "moe_dispatch_bf16",
+            "moe_dispatch_f16",
+            "moe_dispatch_backward_f32",
+            "moe_dispatch_backward_bf16",
+            "moe_dispatch_backward_f16",
+            "grouped_linear_forward_f32",
+            "grouped_linear_forward_bf16",
+            "grouped_linear_forward_f16",
+            "grouped_linear_backward_dx_f32",
+            "grouped_linear_backward_dx_bf16",
+            "grouped_linear_backward_dx_f16",
+            "grouped_linear_backward_dw_f32",
+            "grouped_linear_backward_dw_bf16",
+            "grouped_linear_backward_dw_f16",
+            "moe_combine_f32",
+            "moe_combine_bf16",
+            "moe_combine_f16",
+            "moe_combine_backward_dys_f32",
+            "moe_combine_backward_dys_bf16",
+            "moe_combine_backward_dys_f16",
+            "moe_combine_backward_weights_f32",
+            "moe_combine_backward_weights_bf16",
+            "moe_combine_backward_weights_f16",
+        ]
+    ),
 ];
 
 /// The source that defines `entry_point`, if any.
@@ -516,6 +554,7 @@ mod tests {
             "attention",
             "cross_entropy",
             "embedding",
+            "moe",
             "norm",
             "rope",
         ] {

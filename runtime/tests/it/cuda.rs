@@ -22,7 +22,10 @@
 //! - bf16 storage: 1e-2 (each output is rounded to bf16 once or twice: 2^-8 relative, half an
 //!   ulp each, plus the f32 differences above); f32 outputs of bf16 ops (log-sum-exps, the
 //!   loss, squared norms): 1e-4;
-//! - AdamW: the same bits as the host (the device update is written to round as the host's).
+//! - AdamW: the same bits as the host (the device update is written to round as the host's);
+//! - mixture of experts: indices (the packed layout) exactly; in f32 on the simulator the
+//!   routing, dispatch and combine give the host's bits, `ELEMENTWISE` on a GPU; the grouped
+//!   matmul `REDUCTION`.
 
 use protrain_ir::{
     BlockKind, DType, Epilogue, Graph, GraphInfo, OpId, OpKind, Phase, QkvLayout, Role,
@@ -128,6 +131,17 @@ impl Builder {
             .add_input(name, TensorType::new(shape.to_vec(), DType::I32));
         self.inputs.push(v);
         self.data.push(Data::I(ids));
+        self
+    }
+
+    /// An i32 input of `shape` with these values (routing tables).
+    fn ints(mut self, shape: &[u64], values: Vec<i32>) -> Self {
+        let name = format!("in{}", self.inputs.len());
+        let v = self
+            .g
+            .add_input(name, TensorType::new(shape.to_vec(), DType::I32));
+        self.inputs.push(v);
+        self.data.push(Data::I(values));
         self
     }
 
@@ -322,6 +336,12 @@ impl Case {
         for (i, (&v, want)) in op.outputs.iter().zip(&want).enumerate() {
             let ty = self.ty(v);
             let got = Self::read(&p, p.outputs[i], want.len(), ty.dtype);
+            if ty.dtype == DType::I32 {
+                // Indices: the same values, not close ones.
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits() as i32).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(want), "{what}: output {i} ({ty})");
+                continue;
+            }
             let tol = match ty.dtype {
                 DType::BF16 => BF16,
                 _ => f32_tol,
@@ -921,4 +941,142 @@ fn host_adamw(case: &Case, kind: &OpKind, master: Option<Vec<f32>>) -> Vec<Vec<f
     let coef = (case.data.len() > 4).then(|| f(4)[0]);
     dispatch::adamw(kind, &mut param, &grad, &mut m, &mut v, coef, 1);
     vec![param, m, v]
+}
+
+/// A routing as the host kernel computes it.
+struct Routed {
+    weights: Vec<f32>,
+    experts: Vec<i32>,
+    rows: Vec<i32>,
+    slots: Vec<i32>,
+    offsets: Vec<i32>,
+}
+
+/// The renormalised routing of the tokens of `logits` over `e` experts, `k` each, by the host
+/// kernel.
+fn host_route(logits: &[f32], e: usize, k: usize) -> Routed {
+    let n = logits.len() / e;
+    let mut r = Routed {
+        weights: vec![0.0; n * k],
+        experts: vec![0; n * k],
+        rows: vec![0; n * k],
+        slots: vec![0; n * k],
+        offsets: vec![0; e + 1],
+    };
+    protrain_runtime::kernels::moe_route(
+        &mut r.weights,
+        &mut r.experts,
+        &mut r.rows,
+        &mut r.slots,
+        &mut r.offsets,
+        logits,
+        e,
+        k,
+        true,
+    );
+    r
+}
+
+/// Whether the device is the CPU simulator, whose `expf` is the host's: there the routing and
+/// the combine give the host's bits.
+fn simulated() -> bool {
+    protrain_runtime::cuda::device().is_ok_and(|d| d.name.contains("simulator"))
+}
+
+/// Every mixture-of-experts kind against the host kernels: the routing (both normalisations;
+/// its packed layout computed on the device must be the host's exactly), its gradient,
+/// dispatch and combine and their gradients, and the grouped matmul and its gradients over the
+/// uneven groups a random routing gives (4 experts, 13 tokens, top-2). In f32 on the
+/// simulator, every kind but the grouped matmul (another summation order than the host's gemm
+/// crate, `REDUCTION`) gives the host's bits; on a GPU, whose `expf` may differ in the last
+/// place, they are `ELEMENTWISE` close.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn mixture_of_experts_forward_and_backward() {
+    require_gpu();
+    let (b, t, e, k, c, o) = (1u64, 13u64, 4u64, 2u64, 6u64, 5u64);
+    let exact = if simulated() { 0.0 } else { ELEMENTWISE };
+    let n = (b * t) as usize;
+    let mut rng = Rng(21);
+    let logits = rng.vec(n * e as usize, 3.0);
+    let Routed {
+        weights: w,
+        experts: ex,
+        rows,
+        slots,
+        offsets: off,
+    } = host_route(&logits, e as usize, k as usize);
+    for dtype in DTYPES {
+        for normalize in [true, false] {
+            Builder::new(30)
+                .float_values(&[b, t, e], dtype, logits.clone())
+                .op(OpKind::MoeRoute {
+                    experts: e,
+                    top_k: k,
+                    normalize,
+                })
+                .check(&format!("moe route {dtype} normalize {normalize}"), exact);
+            Builder::new(31)
+                .float_values(&[b, t, e], dtype, logits.clone())
+                .ints(&[b, t, k], ex.clone())
+                .float(&[b, t, k], DType::F32, 1.0)
+                .op(OpKind::MoeRouteBackward {
+                    experts: e,
+                    top_k: k,
+                    normalize,
+                })
+                .check(
+                    &format!("moe route backward {dtype} normalize {normalize}"),
+                    exact,
+                );
+        }
+        let r = b * t * k;
+        Builder::new(32)
+            .float(&[b, t, c], dtype, 1.0)
+            .ints(&[r], rows.clone())
+            .ints(&[b, t, k], slots.clone())
+            .op(OpKind::MoeDispatch { top_k: k })
+            .check(&format!("moe dispatch {dtype}"), exact);
+        Builder::new(33)
+            .ints(&[b, t, k], slots.clone())
+            .float(&[r, c], dtype, 1.0)
+            .op(OpKind::MoeDispatchBackward { top_k: k })
+            .check(&format!("moe dispatch backward {dtype}"), exact);
+        Builder::new(34)
+            .float(&[r, c], dtype, 1.0)
+            .float_values(&[b, t, k], DType::F32, w.clone())
+            .ints(&[b, t, k], slots.clone())
+            .op(OpKind::MoeCombine { top_k: k })
+            .check(&format!("moe combine {dtype}"), exact);
+        Builder::new(35)
+            .float(&[r, c], dtype, 1.0)
+            .float_values(&[b, t, k], DType::F32, w.clone())
+            .ints(&[b, t, k], slots.clone())
+            .float(&[b, t, c], dtype, 1.0)
+            .op(OpKind::MoeCombineBackward { top_k: k })
+            .check(&format!("moe combine backward {dtype}"), exact);
+        let mut grouped = Builder::new(36)
+            .float(&[r, c], dtype, 1.0)
+            .ints(&[e + 1], off.clone());
+        for _ in 0..e {
+            grouped = grouped.float(&[o, c], dtype, 0.5);
+        }
+        grouped
+            .op(OpKind::GroupedLinear { experts: e })
+            .check(&format!("grouped linear {dtype}"), REDUCTION);
+        let mut grouped = Builder::new(37)
+            .float(&[r, c], dtype, 1.0)
+            .ints(&[e + 1], off.clone());
+        for _ in 0..e {
+            grouped = grouped.float(&[o, c], dtype, 0.5);
+        }
+        grouped
+            .float(&[r, o], dtype, 1.0)
+            .op(OpKind::GroupedLinearBackward { experts: e })
+            .check(&format!("grouped linear backward {dtype}"), REDUCTION);
+    }
+    // The routing must leave some expert with more rows than another for the groups to be
+    // uneven.
+    let sizes: Vec<i32> = off.windows(2).map(|g| g[1] - g[0]).collect();
+    assert!(sizes.iter().min() < sizes.iter().max(), "{sizes:?}");
 }

@@ -21,6 +21,7 @@
 #include "../kernels/attention.cu"
 #include "../kernels/cross_entropy.cu"
 #include "../kernels/adamw.cu"
+#include "../kernels/moe.cu"
 
 static int failures = 0;
 static std::mt19937 rng(42);
@@ -810,8 +811,181 @@ void test_flash_all() {
     test_flash<bf16, 256>(1, 70, 2, 1, 30, 5.0f, false);  // Gemma 2: D 256, soft-cap, window
 }
 
+/// Integer results must be equal: prints one line, counts a failure when they differ.
+void same(const char* what, const std::vector<int>& got, const std::vector<int>& want) {
+    size_t at = 0;
+    while (at < got.size() && at < want.size() && got[at] == want[at]) ++at;
+    const bool ok = got.size() == want.size() && at == got.size();
+    if (!ok) failures++;
+    if (ok) printf("ok   %s: %zu equal\n", what, got.size());
+    else printf("FAIL %s: differ at %zu (got %d want %d)\n", what, at, at < got.size() ? got[at] : -1, at < want.size() ? want[at] : -1);
+}
+
+/// The mixture-of-experts kernels against naive references from runtime/src/kernels/moe.rs:
+/// routing (softmax, top-k with ties to the lower expert, renormalisation) and the packed
+/// layout over several tiles of the packing block, its gradient, dispatch and combine and their
+/// gradients, and the grouped matmul over uneven groups (an empty one, one longer than a tile,
+/// sizes that are no multiple of the tile).
+void test_moe() {
+    const int N = 150, E = 5, K = 2, NK = N * K;
+    std::vector<float> logits = rnd((size_t)N * E, 3.0f);
+    // Token 0 ties experts 1 and 3 for first place and 0 and 4 for third.
+    for (int e = 0; e < E; ++e) logits[e] = e == 1 || e == 3 ? 2.0f : e == 2 ? -1.0f : 0.5f;
+    for (int normalize : {1, 0}) {
+        std::vector<float> w(NK, NAN);
+        std::vector<int> ex(NK, -1), rows(NK, -1), slots(NK, -1), off(E + 1, -1);
+        launch(G(2), G(64), [&] { moe_route_softmax_f32(w.data(), ex.data(), logits.data(), N, E, K, normalize); });
+        launch(G(1), G(256), [&] { moe_route_pack(rows.data(), slots.data(), off.data(), ex.data(), NK, E); });
+        std::vector<int> want_ex(NK);
+        std::vector<double> want_w(NK);
+        for (int t = 0; t < N; ++t) {
+            double mx = -INFINITY, sum = 0;
+            for (int e = 0; e < E; ++e) mx = std::max(mx, (double)logits[t * E + e]);
+            std::vector<double> p(E);
+            for (int e = 0; e < E; ++e) sum += p[e] = std::exp(logits[t * E + e] - mx);
+            for (int e = 0; e < E; ++e) p[e] /= sum;
+            double chosen_sum = 0;
+            for (int j = 0; j < K; ++j) {
+                int best = -1;
+                for (int e = 0; e < E; ++e) {
+                    bool taken = false;
+                    for (int i = 0; i < j; ++i) taken |= want_ex[t * K + i] == e;
+                    if (!taken && (best < 0 || p[e] > p[best])) best = e;
+                }
+                want_ex[t * K + j] = best;
+                want_w[t * K + j] = p[best];
+                chosen_sum += p[best];
+            }
+            if (normalize)
+                for (int j = 0; j < K; ++j) want_w[t * K + j] /= chosen_sum;
+        }
+        same(normalize ? "moe route experts (renormalised)" : "moe route experts", ex, want_ex);
+        if (ex[0] != 1 || ex[1] != 3) { printf("FAIL moe route: a tie went to %d, %d\n", ex[0], ex[1]); failures++; }
+        close(normalize ? "moe route weights (renormalised)" : "moe route weights", w, want_w, 1e-6);
+        // The packed layout: a stable counting sort of the slots by expert.
+        std::vector<int> want_off(E + 1, 0), want_rows, want_slots(NK);
+        for (int e = 0; e < E; ++e) {
+            for (int s = 0; s < NK; ++s)
+                if (want_ex[s] == e) {
+                    want_slots[s] = (int)want_rows.size();
+                    want_rows.push_back(s);
+                }
+            want_off[e + 1] = (int)want_rows.size();
+        }
+        same("moe route offsets", off, want_off);
+        same("moe route rows", rows, want_rows);
+        same("moe route slots", slots, want_slots);
+
+        // The routing gradient: through the renormalisation and the softmax.
+        const std::vector<float> dw = rnd(NK);
+        std::vector<float> dl((size_t)N * E, NAN);
+        launch(G(3), G(32), [&] { moe_route_backward_f32(dl.data(), dw.data(), logits.data(), ex.data(), N, E, K, normalize); });
+        std::vector<double> want_dl((size_t)N * E);
+        for (int t = 0; t < N; ++t) {
+            double mx = -INFINITY, sum = 0;
+            for (int e = 0; e < E; ++e) mx = std::max(mx, (double)logits[t * E + e]);
+            std::vector<double> p(E), dp(E, 0.0);
+            for (int e = 0; e < E; ++e) sum += p[e] = std::exp(logits[t * E + e] - mx);
+            for (int e = 0; e < E; ++e) p[e] /= sum;
+            double s = 0, dot = 0;
+            for (int j = 0; j < K; ++j) s += p[want_ex[t * K + j]];
+            for (int j = 0; j < K; ++j) dot += dw[t * K + j] * p[want_ex[t * K + j]] / s;
+            for (int j = 0; j < K; ++j)
+                dp[want_ex[t * K + j]] = normalize ? (dw[t * K + j] - dot) / s : dw[t * K + j];
+            double dot2 = 0;
+            for (int e = 0; e < E; ++e) dot2 += dp[e] * p[e];
+            for (int e = 0; e < E; ++e) want_dl[t * E + e] = p[e] * (dp[e] - dot2);
+        }
+        close(normalize ? "moe route backward (renormalised)" : "moe route backward", dl, want_dl, 1e-5);
+
+        // Dispatch and its gradient, combine and its gradients, on this routing.
+        const int C = 7;
+        const std::vector<float> x = rnd((size_t)N * C);
+        std::vector<float> xs((size_t)NK * C, NAN);
+        launch(G(4), G(64), [&] { moe_dispatch_f32(xs.data(), x.data(), rows.data(), NK, C, K); });
+        std::vector<double> want_xs((size_t)NK * C);
+        for (int r = 0; r < NK; ++r)
+            for (int c = 0; c < C; ++c) want_xs[(size_t)r * C + c] = x[(size_t)(want_rows[r] / K) * C + c];
+        close("moe dispatch", xs, want_xs, 0.0);
+        const std::vector<float> dxs = rnd((size_t)NK * C);
+        std::vector<float> dx((size_t)N * C, NAN);
+        launch(G(4), G(64), [&] { moe_dispatch_backward_f32(dx.data(), dxs.data(), slots.data(), N, C, K); });
+        std::vector<double> want_dx((size_t)N * C, 0.0);
+        for (int s = 0; s < NK; ++s)
+            for (int c = 0; c < C; ++c) want_dx[(size_t)(s / K) * C + c] += dxs[(size_t)want_slots[s] * C + c];
+        close("moe dispatch backward", dx, want_dx, 1e-6);
+        const std::vector<float> ys = rnd((size_t)NK * C), dout = rnd((size_t)N * C);
+        std::vector<float> out((size_t)N * C, NAN), dys((size_t)NK * C, NAN), dwt(NK, NAN);
+        launch(G(4), G(64), [&] { moe_combine_f32(out.data(), ys.data(), w.data(), slots.data(), N, C, K); });
+        launch(G(4), G(64), [&] { moe_combine_backward_dys_f32(dys.data(), dout.data(), w.data(), slots.data(), NK, C, K); });
+        launch(G(2), G(64), [&] { moe_combine_backward_weights_f32(dwt.data(), dout.data(), ys.data(), slots.data(), NK, C, K); });
+        std::vector<double> want_out((size_t)N * C, 0.0), want_dys((size_t)NK * C), want_dwt(NK, 0.0);
+        for (int s = 0; s < NK; ++s) {
+            const size_t r = (size_t)want_slots[s], t = (size_t)(s / K);
+            for (int c = 0; c < C; ++c) {
+                want_out[t * C + c] += (double)ys[r * C + c] * w[s];
+                want_dys[r * C + c] = (double)dout[t * C + c] * w[s];
+                want_dwt[s] += (double)dout[t * C + c] * ys[r * C + c];
+            }
+        }
+        close("moe combine", out, want_out, 1e-6);
+        close("moe combine backward dys", dys, want_dys, 1e-6);
+        close("moe combine backward weights", dwt, want_dwt, 1e-6);
+        if (normalize) {
+            // bf16 storage: loaded exactly, computed in f32, rounded once when stored.
+            const std::vector<bf16> ysb = tobf(ys);
+            std::vector<bf16> outb((size_t)N * C);
+            launch(G(4), G(64), [&] { moe_combine_bf16(outb.data(), ysb.data(), w.data(), slots.data(), N, C, K); });
+            std::vector<double> want_b((size_t)N * C, 0.0);
+            for (int s = 0; s < NK; ++s)
+                for (int c = 0; c < C; ++c)
+                    want_b[(size_t)(s / K) * C + c] += (double)to_f32(ysb[(size_t)want_slots[s] * C + c]) * w[s];
+            close("moe combine bf16", fromb(outb), want_b, 4e-3);
+        }
+    }
+
+    // The grouped matmul over groups of 0, 21, 3 and 16 rows, 20 inputs, 19 outputs.
+    const int GE = 4, DI = 20, DO = 19;
+    const std::vector<int> goff = {0, 0, 21, 24, 40};
+    const int R = goff[GE];
+    const std::vector<float> gx = rnd((size_t)R * DI), gdy = rnd((size_t)R * DO);
+    std::vector<std::vector<float>> gw(GE);
+    for (auto& m : gw) m = rnd((size_t)DO * DI);
+    const float* wp[GE] = {gw[0].data(), gw[1].data(), gw[2].data(), gw[3].data()};
+    std::vector<float> gy((size_t)R * DO, NAN), gdx((size_t)R * DI, NAN);
+    std::vector<std::vector<float>> gdw(GE, std::vector<float>((size_t)DO * DI, NAN));
+    float* dwp[GE] = {gdw[0].data(), gdw[1].data(), gdw[2].data(), gdw[3].data()};
+    const unsigned row_tiles = (R + MOE_TILE - 1) / MOE_TILE + GE;
+    launch(G(row_tiles, (DO + 15) / 16), G(16, 16), [&] { grouped_linear_forward_f32(gy.data(), gx.data(), goff.data(), wp, GE, DI, DO); });
+    launch(G(row_tiles, (DI + 15) / 16), G(16, 16), [&] { grouped_linear_backward_dx_f32(gdx.data(), gdy.data(), goff.data(), wp, GE, DI, DO); });
+    launch(G((DI + 15) / 16, (DO + 15) / 16, GE), G(16, 16), [&] { grouped_linear_backward_dw_f32(dwp, gdy.data(), gx.data(), goff.data(), DI, DO); });
+    std::vector<double> want_y((size_t)R * DO, 0.0), want_gdx((size_t)R * DI, 0.0);
+    std::vector<std::vector<double>> want_gdw(GE, std::vector<double>((size_t)DO * DI, 0.0));
+    for (int e = 0; e < GE; ++e)
+        for (int r = goff[e]; r < goff[e + 1]; ++r)
+            for (int o = 0; o < DO; ++o)
+                for (int i = 0; i < DI; ++i) {
+                    const double wv = gw[e][(size_t)o * DI + i];
+                    want_y[(size_t)r * DO + o] += (double)gx[(size_t)r * DI + i] * wv;
+                    want_gdx[(size_t)r * DI + i] += (double)gdy[(size_t)r * DO + o] * wv;
+                    want_gdw[e][(size_t)o * DI + i] += (double)gdy[(size_t)r * DO + o] * gx[(size_t)r * DI + i];
+                }
+    close("grouped linear forward", gy, want_y, 1e-5);
+    close("grouped linear backward dx", gdx, want_gdx, 1e-5);
+    for (int e = 0; e < GE; ++e) {
+        const std::string what = "grouped linear backward dw, expert " + std::to_string(e) + (e == 0 ? " (no rows: zero)" : "");
+        close(what.c_str(), gdw[e], want_gdw[e], 1e-5);
+    }
+}
+
 int main(int argc, char** argv) {
-    // `harness flash` runs the flash attention checks alone.
+    // `harness flash` runs the flash attention checks alone, `harness moe` the
+    // mixture-of-experts checks.
+    if (argc > 1 && std::string(argv[1]) == "moe") {
+        test_moe();
+        printf("%d failure(s)\n", failures);
+        return failures != 0;
+    }
     if (argc > 1 && std::string(argv[1]) == "flash") {
         test_flash_all();
         printf("%d failure(s)\n", failures);
@@ -838,6 +1012,7 @@ int main(int argc, char** argv) {
         test_attention_rows<bf16>(1, 33, 0, threads, 0.7f);
     }
     test_flash_all();
+    test_moe();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
