@@ -8,6 +8,7 @@ use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, format_count, Schedule};
 use protrain::runtime::checkpoint::{self, OptimizerSettings, SavedRun};
 use protrain::runtime::collective::{thread_ranks, Collective, ThreadRank};
+use protrain::runtime::error::Difference;
 use protrain::runtime::eval::load_weights;
 use protrain::runtime::params::{init_params, save_order, save_params_streamed};
 use protrain::runtime::thread_ranks::run_thread_ranks;
@@ -1019,14 +1020,14 @@ fn check_resume_dtype(schedule: &Schedule, path: &Path, saved: &SavedRun) -> Res
     match saved.dtype {
         Some(have) if have != schedule.header.dtype => Err(RuntimeError::CheckpointMismatch {
             path: saved.path.clone(),
-            differences: format!(
+            differences: vec![Difference::Other(format!(
                 "--dtype: the checkpoint has {have}, schedule {} is {}; compile the schedule \
                  again with --dtype {} (or resume with `protrain train MODEL --resume DIR`, \
                  which takes the checkpoint's)",
                 path.display(),
                 schedule.header.dtype,
                 have,
-            ),
+            ))],
         }
         .into()),
         _ => Ok(()),
