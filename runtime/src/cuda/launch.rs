@@ -913,7 +913,9 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
         | OpKind::MoeRouteBackward { .. }
         | OpKind::MoeDispatchBackward { .. }
         | OpKind::GroupedLinearBackward { .. }
-        | OpKind::MoeCombineBackward { .. } => {
+        | OpKind::MoeCombineBackward { .. }
+        | OpKind::MoeAuxLoss { .. }
+        | OpKind::MoeAuxLossBackward { .. } => {
             return Err(p.bad(
                 "is a mixture-of-experts op, which the CUDA backend has no kernel for yet; \
                  train mixture-of-experts models on the host backend (--backend host)",
