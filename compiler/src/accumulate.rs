@@ -70,10 +70,36 @@ pub fn scale_loss_gradient(training: &mut protrain_ir::Graph, k: u64) -> Result<
             _ => None,
         })
         .collect();
+    // The load-balancing loss's gradient takes the same share (each micro-batch's loss is its
+    // own cross-entropy plus its own auxiliary loss, and the step's is their mean).
+    let aux: Vec<(OpId, OpKind)> = training
+        .ops()
+        .filter_map(|(id, op)| match op.kind.clone() {
+            OpKind::MoeAuxLossBackward {
+                experts,
+                top_k,
+                layers,
+                coef,
+                loss_scale,
+                ..
+            } => Some((
+                id,
+                OpKind::MoeAuxLossBackward {
+                    experts,
+                    top_k,
+                    layers,
+                    coef,
+                    micro_batches: k,
+                    loss_scale,
+                },
+            )),
+            _ => None,
+        })
+        .collect();
     if seeds.is_empty() {
         return Err(CompileError::NoLoss);
     }
-    for (op, kind) in seeds {
+    for (op, kind) in seeds.into_iter().chain(aux) {
         training.set_kind(op, kind)?;
     }
     Ok(())

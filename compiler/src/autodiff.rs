@@ -314,6 +314,30 @@ pub fn vjp_rule(kind: &OpKind, input_rows: &[u64]) -> Option<VjpRule> {
             vec![Input(0), Input(1), Input(2)],
             vec![0, 1],
         ),
+        // A loss: its gradient is the seed, as the cross-entropy's is. The cross-entropy input
+        // is not differentiated here: the cross-entropy backward seeds itself.
+        OpKind::MoeAuxLoss {
+            experts,
+            top_k,
+            layers,
+            coef,
+        } => {
+            let logits: Vec<usize> = (1..=layers as usize).collect();
+            VjpRule {
+                backward: Some(OpKind::MoeAuxLossBackward {
+                    experts,
+                    top_k,
+                    layers,
+                    coef,
+                    micro_batches: 1,
+                    loss_scale: None,
+                }),
+                saves: logits.iter().copied().map(Input).collect(),
+                output_grads: vec![],
+                grads_of: logits,
+                passes: vec![],
+            }
+        }
         _ => return None,
     })
 }
@@ -331,24 +355,39 @@ struct Pending {
 
 /// Derives the training graph: the forward graph, then the backward pass, then the optimizer.
 ///
-/// Fails with [`CompileError::NoLoss`] when the forward graph has no `cross_entropy` op whose
-/// loss is a graph output.
+/// The loss is a graph output computed by a `cross_entropy` op, or by a `moe_aux_loss` op that
+/// adds the load-balancing loss to a cross-entropy; each of the two seeds its own gradient.
+///
+/// Fails with [`CompileError::NoLoss`] when the forward graph has no such op whose loss is a
+/// graph output.
 pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
     optimizer.validate()?;
     let loss_op = forward
         .ops()
         .find(|(_, op)| {
-            op.kind == OpKind::CrossEntropy && forward.outputs().contains(&op.outputs[0])
+            matches!(op.kind, OpKind::CrossEntropy | OpKind::MoeAuxLoss { .. })
+                && forward.outputs().contains(&op.outputs[0])
         })
         .map(|(id, _)| id)
         .ok_or(CompileError::NoLoss)?;
+    // The ops whose gradients are seeds: the loss op and, under an auxiliary loss, the
+    // cross-entropy it adds to.
+    let mut roots = vec![loss_op];
+    if let OpKind::MoeAuxLoss { .. } = forward.op(loss_op).kind {
+        let ce = forward
+            .value(forward.op(loss_op).inputs[0])
+            .producer
+            .filter(|&p| forward.op(p).kind == OpKind::CrossEntropy)
+            .ok_or(CompileError::NoLoss)?;
+        roots.push(ce);
+    }
 
     // fp16 parameters train with dynamic loss scaling (see the module doc).
     let loss_scaled = forward
         .params()
         .any(|(_, p)| forward.value(p.value).ty.dtype == DType::F16);
     let mut graph = forward.clone();
-    let pending = backward(&mut graph, forward, loss_op, loss_scaled)?;
+    let pending = backward(&mut graph, forward, &roots, loss_scaled)?;
     optimizer_ops(
         &mut graph,
         forward,
@@ -360,14 +399,14 @@ pub fn autodiff(forward: &Graph, optimizer: &OptimizerConfig) -> Result<Graph> {
     Ok(graph)
 }
 
-/// Appends the backward pass of `forward` (whose loss op is `loss_op`) to `graph`, a copy of
-/// it: walks the forward ops in reverse, emits each reached op's backward op, and sums each
+/// Appends the backward pass of `forward` (whose gradients start at the ops `roots`: the loss
+/// op and, under an auxiliary loss, the cross-entropy it adds to) to `graph`, a copy of it: walks the forward ops in reverse, emits each reached op's backward op, and sums each
 /// value's gradient contributions once its last reader is done. Returns every value's
 /// gradient state (its summed gradient in `total`, `None` where it does not reach the loss).
 fn backward(
     graph: &mut Graph,
     forward: &Graph,
-    loss_op: OpId,
+    roots: &[OpId],
     loss_scaled: bool,
 ) -> Result<HashMap<ValueId, Pending>> {
     let forward_ops: Vec<_> = forward.ops().map(|(id, op)| (id, op.clone())).collect();
@@ -404,7 +443,7 @@ fn backward(
             .map(|&o| pending.get(&op.outputs[o]).and_then(|p| p.total))
             .collect();
         let reached = if rule.output_grads.is_empty() {
-            *op_id == loss_op
+            roots.contains(op_id)
         } else if output_grads.iter().all(Option::is_some) {
             true
         } else if output_grads.iter().any(Option::is_some) {
@@ -444,6 +483,21 @@ fn backward(
                             loss_scale: LOSS_SCALE_INIT,
                         }
                     }
+                    OpKind::MoeAuxLossBackward {
+                        experts,
+                        top_k,
+                        layers,
+                        coef,
+                        micro_batches,
+                        ..
+                    } if loss_scaled => OpKind::MoeAuxLossBackward {
+                        experts: *experts,
+                        top_k: *top_k,
+                        layers: *layers,
+                        coef: *coef,
+                        micro_batches: *micro_batches,
+                        loss_scale: Some(LOSS_SCALE_INIT),
+                    },
                     kind => kind.clone(),
                 };
                 let outs = graph.add_op_multi(kind, &inputs, &names, op.block, Phase::Backward)?;

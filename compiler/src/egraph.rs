@@ -21,9 +21,9 @@
 //! [`Encoding`]), so appliers and analyses read what an id stands for without parsing text.
 //! [`add_graph`] is the only way a graph enters an e-graph: fusion encodes the forward graph
 //! and its fused result with it, translation validation the training graph and the placed one.
-//! Op kinds the IR gains later (chunk gathers, activation offloads and reloads) are output
-//! nodes like any other, and their identities (`reload(offload(x)) = x`) are rewrites over this
-//! language, not another encoding.
+//! Movement ops (chunk gathers, activation offloads and reloads) are identities
+//! (`reload(offload(x)) = x`): [`add_graph_with_copies`] gives their outputs their inputs'
+//! classes as it adds them, which is what the identity rewrite would prove, at linear cost.
 
 use egg::{define_language, Analysis, DidMerge, EGraph, Id, Symbol};
 use protrain_ir::{Graph, OpKind, Role};
@@ -258,6 +258,20 @@ pub fn kind_of<A: Encoding>(egraph: &EGraph<Node, A>, class: Id) -> Option<&OpKi
 /// Adds `graph`: every value no op produces as a leaf, in value order, then every op in graph
 /// order. Returns the class of each value, indexed by its id. Does not rebuild the e-graph.
 pub fn add_graph<A: Encoding>(egraph: &mut EGraph<Node, A>, graph: &Graph) -> Vec<Id> {
+    add_graph_with_copies(egraph, graph, |_| false)
+}
+
+/// [`add_graph`], where each op whose kind `is_copy` picks is an identity: its output `i` is
+/// its input `i`'s class (the op adds no node). Equivalent to adding the op and the rewrite
+/// `copy#i(x_0, .., x_n, kind) => x_i`, without the unions: each union re-canonicalises every
+/// parent of the merged class, and a copy's parents are the nodes of every op reading it,
+/// so a gather of `m` members read by ops of `m` inputs costs `m^2` per union and `m^3` per
+/// gather (the experts of a mixture-of-experts layer are hundreds of members).
+pub fn add_graph_with_copies<A: Encoding>(
+    egraph: &mut EGraph<Node, A>,
+    graph: &Graph,
+    is_copy: impl Fn(&OpKind) -> bool,
+) -> Vec<Id> {
     let mut class: Vec<Option<Id>> = vec![None; graph.values().len()];
     for (id, value) in graph.values() {
         if value.producer.is_none() {
@@ -270,6 +284,12 @@ pub fn add_graph<A: Encoding>(egraph: &mut EGraph<Node, A>, graph: &Graph) -> Ve
             .iter()
             .map(|v| class[v.index()].expect("a value is defined before it is read"))
             .collect();
+        if is_copy(&op.kind) && op.outputs.len() <= inputs.len() {
+            for (&value, &c) in op.outputs.iter().zip(&inputs) {
+                class[value.index()] = Some(c);
+            }
+            continue;
+        }
         let (_, outputs) = add_op(egraph, &op.kind, &inputs, op.outputs.len());
         for (&value, c) in op.outputs.iter().zip(outputs) {
             class[value.index()] = Some(c);

@@ -9,8 +9,9 @@
 //! recomputation, the loss, every parameter's gradient and every optimizer update of the
 //! placed graph land in the same e-classes as the unplaced one's.
 //!
-//! Movement is proven by one rewrite, [`movement_identity`]: output `i` of a movement start or
-//! done equals its input `i` (a copy holds what it copies, wherever it lives). So
+//! Movement is proven by one identity, applied as the placed graph is encoded
+//! ([`add_graph_with_copies`]): output `i` of a movement start or done is its input `i` (a
+//! copy holds what it copies, wherever it lives). So
 //! `reload(offload(x)) = x` and `use(gather(chunk)) = use(param)`: a kernel that reads the
 //! right copy of the right parameter is congruent to the unplaced kernel, and one that reads
 //! the wrong member of a gather, or a copy of another value, is not. Slots and timing are not
@@ -18,63 +19,10 @@
 //! [`check_gathers`] that each gather copies its chunk. It checks what is computed, not when:
 //! the schedule verifier checks the order.
 
-use crate::egraph::{add_graph, kind_of, Encoding, Node, Plain};
-use egg::{EGraph, Id, Rewrite, Runner, SearchMatches, Searcher, Subst, Var};
+use crate::egraph::{add_graph, add_graph_with_copies, Node, Plain};
+use egg::EGraph;
 use protrain_ir::{ChunkTable, Graph, Movement, OpKind, Role, ValueId};
 use std::collections::HashMap;
-
-/// Searches for outputs of movement ops, binding `?x` to the input each one copies.
-struct MovementOutputs {
-    x: Var,
-}
-
-impl<A: Encoding> Searcher<Node, A> for MovementOutputs {
-    fn search_eclass_with_limit(
-        &self,
-        egraph: &EGraph<Node, A>,
-        eclass: Id,
-        limit: usize,
-    ) -> Option<SearchMatches<'_, Node>> {
-        let mut substs = Vec::new();
-        for node in &egraph[eclass].nodes {
-            let Node::Output(out, children) = node else {
-                continue;
-            };
-            let Some(&kind) = children.last() else {
-                continue;
-            };
-            let moves = matches!(
-                kind_of(egraph, kind),
-                Some(OpKind::MoveStart(_) | OpKind::MoveDone(_))
-            );
-            if let (true, Some(&copied)) = (moves, children.get(out.index as usize)) {
-                let mut subst = Subst::with_capacity(1);
-                subst.insert(self.x, copied);
-                substs.push(subst);
-                if substs.len() >= limit {
-                    break;
-                }
-            }
-        }
-        (!substs.is_empty()).then_some(SearchMatches {
-            eclass,
-            substs,
-            ast: None,
-        })
-    }
-
-    fn vars(&self) -> Vec<Var> {
-        vec![self.x]
-    }
-}
-
-/// The movement identity as an egg rewrite: `move#i(x_0, .., x_n, kind) => x_i` for every
-/// movement start and done.
-pub fn movement_identity<A: Encoding>() -> Rewrite<Node, A> {
-    let x: Var = "?x".parse().expect("a variable");
-    let applier: egg::Pattern<Node> = "?x".parse().expect("a pattern");
-    Rewrite::new("copy(x) = x", MovementOutputs { x }, applier).expect("a valid rewrite")
-}
 
 /// Checks that every gather of `placed` copies exactly its chunk's parameters, in member
 /// order: the name of each chunk that a gather miswires.
@@ -143,20 +91,9 @@ fn observed(graph: &Graph) -> HashMap<String, ValueId> {
 pub fn validate(training: &Graph, placed: &Graph) -> Validation {
     let mut egraph: EGraph<Node, Plain> = EGraph::default();
     let before = add_graph(&mut egraph, training);
-    let after = add_graph(&mut egraph, placed);
+    let is_copy = |k: &OpKind| matches!(k, OpKind::MoveStart(_) | OpKind::MoveDone(_));
+    let after = add_graph_with_copies(&mut egraph, placed, is_copy);
     egraph.rebuild();
-    // One application merges every copy with its source; a second finds nothing new. Every
-    // match is applied: egg's default backoff scheduler bans a rule after 1000 matches in an
-    // iteration, and a model with thousands of parameters (a mixture of experts has three per
-    // expert) has more movement outputs than that, which would leave copies unmerged.
-    let runner = Runner::default()
-        .with_scheduler(egg::SimpleScheduler)
-        .with_egraph(egraph)
-        .with_iter_limit(4)
-        .with_node_limit(usize::MAX)
-        .with_time_limit(std::time::Duration::from_secs(3600))
-        .run(&[movement_identity()]);
-    let egraph = runner.egraph;
     let (want, got) = (observed(training), observed(placed));
     let mut differing = Vec::new();
     let mut names: Vec<&String> = want.keys().collect();

@@ -240,6 +240,8 @@ impl WorkspaceLayout {
             | OpKind::MoeDispatchBackward { .. }
             | OpKind::GroupedLinearBackward { .. }
             | OpKind::MoeCombineBackward { .. }
+            | OpKind::MoeAuxLoss { .. }
+            | OpKind::MoeAuxLossBackward { .. }
             | OpKind::RopeBackward { .. }
             | OpKind::PartialRope { .. }
             | OpKind::PartialRopeBackward { .. }

@@ -182,6 +182,21 @@ pub(crate) struct Builder {
     graph: Graph,
     dtype: DType,
     block: Option<BlockId>,
+    /// The load-balancing loss the head adds to the cross-entropy, when the model has one.
+    aux_loss: Option<AuxLoss>,
+}
+
+/// The load-balancing loss of a mixture-of-experts model (`output_router_logits`): every
+/// sparse layer's router logits, in layer order, and the loss's settings.
+pub(crate) struct AuxLoss {
+    /// The router logits `[B,T,E]` of each sparse layer emitted so far.
+    logits: Vec<ValueId>,
+    /// Experts per sparse layer.
+    experts: u64,
+    /// Experts each token is sent to.
+    top_k: u64,
+    /// `router_aux_loss_coef`.
+    coef: f64,
 }
 
 /// A declared parameter: its id (for aliases) and the value that holds it.
@@ -215,6 +230,7 @@ impl Builder {
                 seq: options.seq,
             }),
             dtype: options.dtype,
+            aux_loss: None,
             block: None,
         }
     }
@@ -364,12 +380,35 @@ impl Builder {
             layout: WeightLayout::OutIn,
         };
         let logits = self.linear(x, &head, "logits".into())?;
-        let loss = self.op_with_role(
-            OpKind::CrossEntropy,
-            &[logits, targets],
-            "loss".into(),
-            Role::Loss,
-        )?;
+        let loss = match self.aux_loss.take().filter(|a| !a.logits.is_empty()) {
+            None => self.op_with_role(
+                OpKind::CrossEntropy,
+                &[logits, targets],
+                "loss".into(),
+                Role::Loss,
+            )?,
+            // transformers' `loss += router_aux_loss_coef * aux_loss`.
+            Some(aux) => {
+                let ce = self.op(
+                    OpKind::CrossEntropy,
+                    &[logits, targets],
+                    "cross_entropy".into(),
+                )?;
+                let mut inputs = vec![ce];
+                inputs.extend(&aux.logits);
+                self.op_with_role(
+                    OpKind::MoeAuxLoss {
+                        experts: aux.experts,
+                        top_k: aux.top_k,
+                        layers: aux.logits.len() as u64,
+                        coef: aux.coef,
+                    },
+                    &inputs,
+                    "loss".into(),
+                    Role::Loss,
+                )?
+            }
+        };
         self.graph.add_output(loss);
         Ok(())
     }

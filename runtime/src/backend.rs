@@ -235,6 +235,10 @@ pub fn set_loss_scale(kind: &mut OpKind, scale: f64) {
     match kind {
         OpKind::CrossEntropyBackwardLossScaled { loss_scale, .. }
         | OpKind::UnscaleCoef { loss_scale, .. } => *loss_scale = scale,
+        OpKind::MoeAuxLossBackward {
+            loss_scale: Some(loss_scale),
+            ..
+        } => *loss_scale = scale,
         _ => {}
     }
 }

@@ -347,7 +347,8 @@ fn fused_linear_backward<'a>(
     }
 }
 
-/// The seed of a cross-entropy backward op's loss gradient, for both backends: 1; with `K`
+/// The seed of a loss gradient (a cross-entropy backward's or a load-balancing loss
+/// backward's), for both backends: 1; with `K`
 /// micro-batches per step `1 / K` in f32, as PyTorch's `(loss / K).backward()` seeds it; and,
 /// loss-scaled (fp16), `loss_scale / K` in f32, GradScaler's `scale(loss / K)` (exact when
 /// the scale is a power of two and `K` is one). `None` for any other kind.
@@ -361,6 +362,11 @@ pub fn loss_seed(kind: &OpKind) -> Option<f32> {
             micro_batches,
             loss_scale,
         } => Some((loss_scale / micro_batches.max(1) as f64) as f32),
+        OpKind::MoeAuxLossBackward {
+            micro_batches,
+            loss_scale,
+            ..
+        } => Some((loss_scale.unwrap_or(1.0) / micro_batches.max(1) as f64) as f32),
         _ => None,
     }
 }
@@ -781,6 +787,40 @@ pub fn run<'a>(
                 ins.i32(2),
                 ty(0).last_dim() as usize,
                 *top_k as usize,
+            );
+        }
+        OpKind::MoeAuxLoss {
+            experts,
+            top_k,
+            layers,
+            coef,
+        } => {
+            let logits: Vec<&[f32]> = (1..=*layers as usize).map(|i| ins.f32(i)).collect();
+            outputs[0][0] = kernels::moe_aux_loss(
+                ins.f32(0)[0],
+                &logits,
+                *experts as usize,
+                *top_k as usize,
+                *coef,
+            );
+            // The step's loss is this sum, not the cross-entropy before it.
+            outcome.loss = Some(outputs[0][0]);
+        }
+        OpKind::MoeAuxLossBackward {
+            experts,
+            top_k,
+            layers,
+            coef,
+            ..
+        } => {
+            let logits: Vec<&[f32]> = (0..*layers as usize).map(|i| ins.f32(i)).collect();
+            kernels::moe_aux_loss_backward(
+                outputs,
+                &logits,
+                *experts as usize,
+                *top_k as usize,
+                *coef,
+                loss_seed(&op.kind).expect("a load-balancing loss backward kind"),
             );
         }
         OpKind::GegluBackward => {

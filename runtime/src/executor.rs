@@ -1041,6 +1041,10 @@ impl<'s, B: Backend> Executor<'s, B> {
                     | OpKind::UnscaleCoef {
                         loss_scale: compiled,
                         ..
+                    }
+                    | OpKind::MoeAuxLossBackward {
+                        loss_scale: Some(compiled),
+                        ..
                     } => set_loss_scale(&mut launched.kind, loss_scale.unwrap_or(compiled)),
                     _ => {}
                 }
@@ -1672,6 +1676,10 @@ fn plan_kernel(
             OpKind::AdamW { .. }
                 | OpKind::CrossEntropyBackwardLossScaled { .. }
                 | OpKind::UnscaleCoef { .. }
+                | OpKind::MoeAuxLossBackward {
+                    loss_scale: Some(_),
+                    ..
+                }
         )
         .then(|| o.clone()),
         inputs: addresses,

@@ -364,6 +364,16 @@ fn qwen3_moe_every_policy_matches_the_interpreter() {
 }
 
 #[test]
+fn mixtral_with_the_load_balancing_loss_every_policy_matches_the_interpreter() {
+    check(&fixture_model("mixtral_aux"), Some(0.5));
+}
+
+#[test]
+fn qwen3_moe_with_the_load_balancing_loss_every_policy_matches_the_interpreter() {
+    check(&fixture_model("qwen3_moe_aux"), None);
+}
+
+#[test]
 fn phi3_every_policy_matches_the_interpreter_with_clipping() {
     // Packed qkv rotated in place (partial, LongRoPE), packed SwiGLU, a window on every layer.
     check(&fixture_model("phi3"), Some(0.5));

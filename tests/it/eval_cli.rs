@@ -600,9 +600,10 @@ fn eval_and_train_share_the_eval_batches_flag() {
 
 #[test]
 fn mixture_of_experts_models_train_and_evaluate_on_the_host() {
-    // The tiny Mixtral and Qwen3-MoE fixtures: `train`'s first loss is `eval`'s of the same
-    // weights and batch, to the bit, and PyTorch's step-0 loss (tests/fixtures/*/expected.json).
-    for family in ["mixtral", "qwen3_moe"] {
+    // The tiny Mixtral and Qwen3-MoE fixtures, with and without the load-balancing loss:
+    // `train`'s first loss is `eval`'s of the same weights and batch, to the bit, and
+    // PyTorch's step-0 loss (tests/fixtures/*/expected.json).
+    for family in ["mixtral", "qwen3_moe", "mixtral_aux", "qwen3_moe_aux"] {
         let model = fixtures().join(family);
         let weights = model.join("model.safetensors");
         let tokens = model.join("tokens.npy");

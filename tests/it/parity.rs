@@ -367,6 +367,16 @@ fn qwen3_moe_with_a_dense_layer_and_top_2_of_8_experts_unnormalised_matches_pyto
 }
 
 #[test]
+fn mixtral_with_the_load_balancing_loss_matches_pytorch() {
+    check("mixtral_aux");
+}
+
+#[test]
+fn qwen3_moe_with_the_load_balancing_loss_over_its_sparse_layers_matches_pytorch() {
+    check("qwen3_moe_aux");
+}
+
+#[test]
 fn phi3_with_fused_projections_partial_longrope_and_a_window_matches_pytorch() {
     check("phi3");
 }

@@ -68,6 +68,35 @@ fn recomputation_is_congruent_to_the_forward_pass() {
 }
 
 #[test]
+fn copies_are_encoded_as_what_they_copy_so_validation_adds_no_node_for_movement() {
+    // Every chunk streamed, one layer swapped and one recomputed: gathers, offloads and
+    // reloads everywhere. Each copy is its source, so the e-graph holds no node for any
+    // copy: about the size of the one of the placed graph without its movement ops (each op
+    // reading what its copies copy). The encoding is linear in the graphs, with no union to
+    // propagate through the (wide) nodes that read a gathered chunk; a node per copy, merged
+    // by a rewrite, would put at least one more node per movement output in the e-graph.
+    let graph = training("llama-tiny", Some(1.0));
+    let chunks = chunked(&graph);
+    let placed = place(&graph, &chunks, &Policy::protrain(0, 2, 1, 1, 2)).expect("places");
+    assert!(placed.graph.ops().any(|(_, op)| op.kind.is_movement()));
+    let v = validate(&graph, &placed.graph);
+    assert!(v.holds(), "{:?}", v.differing);
+    let copies: usize = placed
+        .graph
+        .ops()
+        .filter(|(_, op)| op.kind.is_movement())
+        .map(|(_, op)| op.outputs.len())
+        .sum();
+    let without = validate(&graph, &placed.compute).nodes;
+    assert!(copies > 8, "{copies} copies");
+    assert!(
+        v.nodes < without + copies / 4,
+        "{} nodes against {without} without movement ops ({copies} copies)",
+        v.nodes
+    );
+}
+
+#[test]
 fn a_placement_that_reads_the_wrong_value_is_caught() {
     let graph = training("gpt2-tiny", None);
     // Rebuild the graph with one backward op reading a different (same-typed) activation:

@@ -612,6 +612,44 @@ pub enum OpKind {
     PackedSwiglu,
     /// `x`, `dy` -> `dx [..,2I]`: `dgate` in the first half, `dup` in the second.
     PackedSwigluBackward,
+
+    // The load-balancing loss (appended last, so schedules without it keep their encoding).
+    /// The cross-entropy `loss f32[]`, then the router logits `[B,T,E]` of each of `layers`
+    /// sparse layers -> `loss + coef * aux f32[]`, with `aux` transformers'
+    /// `load_balancing_loss_func`: over all `R = layers * B * T` rows, `E * sum_e (c_e / R)
+    /// (p_e / R)` where `c_e` counts the rows whose top-k (of the softmax in f32, chosen as
+    /// [`OpKind::MoeRoute`] chooses) holds expert `e` and `p_e` sums expert `e`'s
+    /// probability. Sums run in f64 in layer, then row order.
+    MoeAuxLoss {
+        /// Experts of each sparse layer.
+        experts: u64,
+        /// Experts each token is sent to.
+        top_k: u64,
+        /// Sparse layers (logits inputs).
+        layers: u64,
+        /// The weight of the auxiliary loss (`router_aux_loss_coef`).
+        coef: f64,
+    },
+    /// Each layer's router logits -> their gradients from [`OpKind::MoeAuxLoss`]'s auxiliary
+    /// term (the counts are not differentiated), for a loss gradient of
+    /// `loss_scale / micro_batches` as [`OpKind::CrossEntropyBackwardLossScaled`] seeds it
+    /// (`1 / micro_batches` without loss scaling). The cross-entropy input's gradient is the
+    /// cross-entropy backward's own seed.
+    MoeAuxLossBackward {
+        /// Experts of each sparse layer.
+        experts: u64,
+        /// Experts each token is sent to.
+        top_k: u64,
+        /// Sparse layers (logits inputs).
+        layers: u64,
+        /// The weight of the auxiliary loss.
+        coef: f64,
+        /// Micro-batches per step (1 without accumulation).
+        micro_batches: u64,
+        /// The loss scale (fp16 training), launched with each step's as the cross-entropy
+        /// backward's is.
+        loss_scale: Option<f64>,
+    },
 }
 
 impl OpKind {
@@ -678,6 +716,8 @@ impl OpKind {
             OpKind::PartialRopeBackward { .. } => "partial_rope_backward",
             OpKind::PackedSwiglu => "packed_swiglu",
             OpKind::PackedSwigluBackward => "packed_swiglu_backward",
+            OpKind::MoeAuxLoss { .. } => "moe_aux_loss",
+            OpKind::MoeAuxLossBackward { .. } => "moe_aux_loss_backward",
         }
     }
 
@@ -728,6 +768,18 @@ impl OpKind {
                     attrs.push(("micro_batches", micro_batches.to_string()));
                 }
                 attrs.push(("loss_scale", format!("{loss_scale}")));
+            }
+            OpKind::MoeAuxLossBackward {
+                micro_batches,
+                loss_scale,
+                ..
+            } => {
+                if *micro_batches > 1 {
+                    attrs.push(("micro_batches", micro_batches.to_string()));
+                }
+                if let Some(loss_scale) = loss_scale {
+                    attrs.push(("loss_scale", format!("{loss_scale}")));
+                }
             }
             OpKind::UnscaleCoef {
                 max_norm,
@@ -805,6 +857,18 @@ impl OpKind {
             OpKind::MoeDispatchBackward { top_k } => OpKind::MoeDispatch { top_k },
             OpKind::GroupedLinearBackward { experts } => OpKind::GroupedLinear { experts },
             OpKind::MoeCombineBackward { top_k } => OpKind::MoeCombine { top_k },
+            OpKind::MoeAuxLossBackward {
+                experts,
+                top_k,
+                layers,
+                coef,
+                ..
+            } => OpKind::MoeAuxLoss {
+                experts,
+                top_k,
+                layers,
+                coef,
+            },
             OpKind::PartialRopeBackward {
                 head_dim,
                 rotary_dim,
@@ -890,6 +954,7 @@ impl OpKind {
             OpKind::SwigluBackward | OpKind::GegluBackward => &["dgate", "dup"],
             OpKind::MoeRoute { .. } => moe::ROUTE_LABELS,
             OpKind::MoeRouteBackward { .. } => &["dlogits"],
+            OpKind::MoeAuxLoss { .. } => &["loss"],
             OpKind::MoeCombineBackward { .. } => &["dys", "dweights"],
             // The weight gradients are named with `Graph::add_op_multi`.
             OpKind::GroupedLinearBackward { .. } => &["dxs"],
@@ -1108,7 +1173,9 @@ impl OpKind {
             | OpKind::MoeRouteBackward { .. }
             | OpKind::MoeDispatchBackward { .. }
             | OpKind::GroupedLinearBackward { .. }
-            | OpKind::MoeCombineBackward { .. } => self.moe_arity(),
+            | OpKind::MoeCombineBackward { .. }
+            | OpKind::MoeAuxLoss { .. }
+            | OpKind::MoeAuxLossBackward { .. } => self.moe_arity(),
         })
     }
 
@@ -1237,7 +1304,9 @@ impl OpKind {
             | OpKind::MoeRouteBackward { .. }
             | OpKind::MoeDispatchBackward { .. }
             | OpKind::GroupedLinearBackward { .. }
-            | OpKind::MoeCombineBackward { .. } => self.moe_flops(inputs, outputs),
+            | OpKind::MoeCombineBackward { .. }
+            | OpKind::MoeAuxLoss { .. }
+            | OpKind::MoeAuxLossBackward { .. } => self.moe_flops(inputs, outputs),
         }
     }
 }

@@ -31,6 +31,8 @@ impl OpKind {
                 | OpKind::MoeDispatchBackward { .. }
                 | OpKind::GroupedLinearBackward { .. }
                 | OpKind::MoeCombineBackward { .. }
+                | OpKind::MoeAuxLoss { .. }
+                | OpKind::MoeAuxLossBackward { .. }
         )
     }
 
@@ -225,6 +227,54 @@ impl OpKind {
                 }
                 vec![out]
             }
+            OpKind::MoeAuxLoss {
+                experts,
+                top_k,
+                layers,
+                coef,
+            }
+            | OpKind::MoeAuxLossBackward {
+                experts,
+                top_k,
+                layers,
+                coef,
+                ..
+            } => {
+                check_experts(*experts, Some(*top_k))?;
+                if !coef.is_finite() {
+                    return Err(fail(format!("coef {coef} must be finite")));
+                }
+                if !(1..=MAX_EXPERTS).contains(layers) {
+                    return Err(fail(format!(
+                        "{layers} sparse layers is outside 1..={MAX_EXPERTS} (its backward \
+                         writes one gradient per layer)"
+                    )));
+                }
+                let forward = matches!(self, OpKind::MoeAuxLoss { .. });
+                let logits = if forward {
+                    f32_of(inputs[0], &[], "the cross-entropy loss")?;
+                    &inputs[1..]
+                } else {
+                    inputs
+                };
+                let first = logits[0];
+                tokens_of(first, "router logits")?;
+                if first.last_dim() != *experts {
+                    return Err(fail(format!(
+                        "router logits {first} should have {experts} experts in the last dimension"
+                    )));
+                }
+                if let Some(other) = logits.iter().find(|t| **t != first) {
+                    return Err(fail(format!(
+                        "every layer's router logits must have one type: {first} and {other}"
+                    )));
+                }
+                if forward {
+                    vec![TensorType::new([], DType::F32)]
+                } else {
+                    logits.iter().map(|t| (*t).clone()).collect()
+                }
+            }
             _ => unreachable!("infer_moe is only called for mixture-of-experts kinds"),
         })
     }
@@ -240,6 +290,8 @@ impl OpKind {
             OpKind::MoeDispatchBackward { .. } => 2,
             OpKind::GroupedLinearBackward { experts } => 3 + *experts as usize,
             OpKind::MoeCombineBackward { .. } => 4,
+            OpKind::MoeAuxLoss { layers, .. } => 1 + *layers as usize,
+            OpKind::MoeAuxLossBackward { layers, .. } => *layers as usize,
             _ => unreachable!("moe_arity is only called for mixture-of-experts kinds"),
         }
     }
@@ -260,6 +312,12 @@ impl OpKind {
             }
             OpKind::MoeCombine { .. } => 2 * inputs[0].numel(),
             OpKind::MoeCombineBackward { .. } => 4 * inputs[0].numel(),
+            // Per logit: the softmax, the top-k scan and the sums; the backward's softmax
+            // and its vector-Jacobian product.
+            OpKind::MoeAuxLoss { top_k, .. } => {
+                (6 + top_k) * inputs[1..].iter().map(|t| t.numel()).sum::<u64>()
+            }
+            OpKind::MoeAuxLossBackward { .. } => 8 * out,
             _ => unreachable!("moe_flops is only called for mixture-of-experts kinds"),
         }
     }
@@ -285,6 +343,17 @@ impl OpKind {
                 vec![("top_k", top_k.to_string())]
             }
             OpKind::GroupedLinear { experts } => vec![("experts", experts.to_string())],
+            OpKind::MoeAuxLoss {
+                experts,
+                top_k,
+                layers,
+                coef,
+            } => vec![
+                ("experts", experts.to_string()),
+                ("top_k", top_k.to_string()),
+                ("layers", layers.to_string()),
+                ("coef", format!("{coef}")),
+            ],
             _ => vec![],
         }
     }

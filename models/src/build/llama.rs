@@ -47,6 +47,9 @@ pub(super) fn build(
 ) -> Result<()> {
     let (c, v) = (config.hidden_size, config.vocab_size);
     let (tokens, targets) = b.inputs();
+    if let Some(m) = moe {
+        moe::start_aux_loss(b, m);
+    }
     let blocks = b.blocks(
         "model.embed_tokens",
         "model.layers",

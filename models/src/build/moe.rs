@@ -6,7 +6,7 @@
 //! per-expert names, so each is a chunk member like any other weight and the offloading
 //! machinery handles experts unchanged.
 
-use super::{Builder, Linear, Weight};
+use super::{AuxLoss, Builder, Linear, Weight};
 use crate::config::MoeLayout;
 use crate::error::Result;
 use protrain_ir::{BlockId, OpKind, Role, ValueId, WeightLayout};
@@ -102,6 +102,17 @@ pub(super) fn expert_params(
     }
 }
 
+/// Arms the load-balancing loss when `moe` has one: each sparse block then hands its router
+/// logits to the head, which adds the loss to the cross-entropy.
+pub(super) fn start_aux_loss(b: &mut Builder, moe: &MoeLayout) {
+    b.aux_loss = moe.aux_loss_coef.map(|coef| AuxLoss {
+        logits: Vec::new(),
+        experts: moe.experts,
+        top_k: moe.top_k,
+        coef,
+    });
+}
+
 /// Emits the sparse block on the normalised stream `h` (`[B,T,C]`); returns its output.
 pub(super) fn forward(
     b: &mut Builder,
@@ -112,6 +123,9 @@ pub(super) fn forward(
     let n = |what: &str| format!("{name}.{what}");
     let count = experts.gate.len() as u64;
     let logits = b.linear(h, &experts.router, n("router"))?;
+    if let Some(aux) = &mut b.aux_loss {
+        aux.logits.push(logits);
+    }
     let block = b.block.ok_or_else(|| {
         crate::error::ModelError::InvalidOptions(
             "internal error: a sparse block was emitted outside any layer".into(),

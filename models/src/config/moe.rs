@@ -33,6 +33,10 @@ pub struct MoeLayout {
     /// `mlp_only_layers`; every layer for Mixtral). The others have a dense SwiGLU MLP of
     /// `intermediate_size`.
     pub sparse_layers: Vec<bool>,
+    /// The weight of the load-balancing loss (`router_aux_loss_coef`) when transformers adds
+    /// it (`output_router_logits`); `None` when it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss_coef: Option<f64>,
 }
 
 impl MoeLayout {
@@ -55,6 +59,7 @@ pub(super) struct MoeJson {
     decoder_sparse_step: Option<Dim>,
     mlp_only_layers: Option<Vec<Dim<{ u64::MAX }>>>,
     output_router_logits: Option<Flag>,
+    router_aux_loss_coef: Option<NonNegative>,
     router_jitter_noise: Option<NonNegative>,
     /// Qwen2-MoE's shared expert, which Qwen3-MoE does not have.
     shared_expert_intermediate_size: Option<Dim<{ u64::MAX }>>,
@@ -63,8 +68,8 @@ pub(super) struct MoeJson {
 impl MoeJson {
     /// The sparse blocks as `c.model_type`'s configuration class reads them, for `layers`
     /// layers whose dense MLPs are `intermediate` wide. Refuses by name what would change the
-    /// model and is not built: the load-balancing loss (`output_router_logits`), Mixtral's
-    /// router jitter, a shared expert.
+    /// model and is not built: Mixtral's router jitter, a shared expert. The load-balancing
+    /// loss is built when `output_router_logits` is true, weighted by `router_aux_loss_coef`.
     pub(super) fn into_layout(
         self,
         c: &Context,
@@ -72,14 +77,6 @@ impl MoeJson {
         intermediate: u64,
     ) -> Result<MoeLayout> {
         let mixtral = c.model_type == "mixtral";
-        if flag(self.output_router_logits, false) {
-            return Err(c.unsupported(
-                "output_router_logits",
-                "true",
-                "false (the load-balancing auxiliary loss is not built yet; transformers adds \
-                 it only when this is true)",
-            ));
-        }
         if mixtral
             && self
                 .router_jitter_noise
@@ -151,6 +148,9 @@ impl MoeJson {
                 false => self.moe_intermediate_size.map_or(768, |d| d.0),
             },
             sparse_layers,
+            // Both classes default the weight to 0.001.
+            aux_loss_coef: flag(self.output_router_logits, false)
+                .then(|| self.router_aux_loss_coef.map_or(0.001, |c| c.0)),
         })
     }
 }

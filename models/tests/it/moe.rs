@@ -76,7 +76,6 @@ fn qwen3_moe_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() {
 #[test]
 fn fields_that_change_the_model_and_are_not_built_are_refused_by_name() {
     for (extra, field) in [
-        (r#""output_router_logits": true"#, "output_router_logits"),
         (r#""router_jitter_noise": 0.1"#, "router_jitter_noise"),
         (r#""num_experts_per_tok": 9"#, "num_experts_per_tok"),
         (r#""num_local_experts": 300"#, "num_local_experts"),
@@ -124,4 +123,58 @@ fn a_sparse_layer_routes_dispatches_runs_grouped_experts_and_combines() {
         .find(|(_, op)| matches!(op.kind, OpKind::MoeDispatch { .. }))
         .unwrap();
     assert_eq!(graph.value(dispatch.outputs[0]).ty.shape, [2 * 8 * 2, 32]);
+}
+
+#[test]
+fn output_router_logits_adds_the_load_balancing_loss_over_the_sparse_layers() {
+    // Layer 1 is dense (`mlp_only_layers`): the loss reads the other two layers' logits.
+    let config = parse(&format!(
+        r#"{{{QWEN3_MOE}, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "mlp_only_layers": [1], "num_experts": 8, "num_experts_per_tok": 2,
+            "output_router_logits": true, "router_aux_loss_coef": 0.25}}"#
+    ))
+    .unwrap();
+    let Architecture::Qwen3Moe(arch) = &config.architecture else {
+        panic!("not qwen3_moe")
+    };
+    assert_eq!(arch.moe.aux_loss_coef, Some(0.25));
+    let graph = build_forward(&config, &BuildOptions::new(2, 8).with_dtype(DType::F32)).unwrap();
+    let &loss = graph.outputs().first().unwrap();
+    let op = graph.op(graph.value(loss).producer.unwrap());
+    assert_eq!(
+        op.kind,
+        OpKind::MoeAuxLoss {
+            experts: 8,
+            top_k: 2,
+            layers: 2,
+            coef: 0.25
+        }
+    );
+    let names: Vec<&str> = op
+        .inputs
+        .iter()
+        .map(|&v| graph.value(v).name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cross_entropy",
+            "layers.0.mlp.router",
+            "layers.2.mlp.router"
+        ]
+    );
+    // transformers' default weight, and no loss without `output_router_logits`.
+    let config = parse(&format!(
+        r#"{{{MIXTRAL}, "num_key_value_heads": 2, "output_router_logits": true}}"#
+    ))
+    .unwrap();
+    let Architecture::Mixtral(arch) = &config.architecture else {
+        panic!("not mixtral")
+    };
+    assert_eq!(arch.moe.aux_loss_coef, Some(0.001));
+    let plain = parse(&format!("{{{MIXTRAL}, \"num_key_value_heads\": 2}}")).unwrap();
+    let graph = build_forward(&plain, &BuildOptions::new(1, 4).with_dtype(DType::F32)).unwrap();
+    assert!(graph
+        .ops()
+        .all(|(_, op)| !matches!(op.kind, OpKind::MoeAuxLoss { .. })));
 }

@@ -1003,6 +1003,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 args,
             );
         }
+        OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossBackward { .. } => {
+            return Err(p.bad(
+                "is the load-balancing loss of a mixture of experts, which the CUDA backend \
+                 has no kernel for yet; train with output_router_logits off, or on the host \
+                 backend",
+            ));
+        }
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
             return Err(p.bad(
                 "is a movement op, which no kernel runs: a schedule's copies are copy \
@@ -2507,6 +2514,9 @@ mod tests {
             OpKind::PartialRopeBackward { .. } => 48,
             OpKind::PackedSwiglu => 49,
             OpKind::PackedSwigluBackward => 50,
+            // The load-balancing loss has no CUDA kernel: `plan` refuses it by name.
+            OpKind::MoeAuxLoss { .. } => VARIANTS + 3,
+            OpKind::MoeAuxLossBackward { .. } => VARIANTS + 4,
         }
     }
     const VARIANTS: usize = 51;

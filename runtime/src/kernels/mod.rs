@@ -55,8 +55,9 @@ pub use embedding::{
 };
 pub use linear::{linear_backward, linear_forward, WeightLayout};
 pub use moe::{
-    grouped_linear_backward, grouped_linear_forward, moe_combine, moe_combine_backward,
-    moe_dispatch, moe_dispatch_backward, moe_route, moe_route_backward,
+    grouped_linear_backward, grouped_linear_forward, moe_aux_loss, moe_aux_loss_backward,
+    moe_combine, moe_combine_backward, moe_dispatch, moe_dispatch_backward, moe_route,
+    moe_route_backward,
 };
 pub use norm::{layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
 pub use rope::{

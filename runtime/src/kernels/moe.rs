@@ -316,10 +316,79 @@ pub fn moe_combine_backward(
         });
 }
 
+/// The per-expert sums of transformers' `load_balancing_loss_func` over every layer's rows:
+/// how many rows' top-k holds each expert (`counts`) and each expert's summed probability
+/// (`probs`), in f64, in layer then row order; and the rows counted.
+fn aux_sums(logits: &[&[f32]], n_experts: usize, k: usize) -> (Vec<f64>, Vec<f64>, f64) {
+    let mut counts = vec![0.0f64; n_experts];
+    let mut probs = vec![0.0f64; n_experts];
+    let (mut p, mut chosen) = (vec![0.0f32; n_experts], vec![0i32; k]);
+    let mut rows = 0usize;
+    for layer in logits {
+        for l in layer.chunks(n_experts) {
+            softmax_row(&mut p, l);
+            top_k(&mut chosen, &p);
+            for &e in &chosen {
+                counts[e as usize] += 1.0;
+            }
+            for (s, &v) in probs.iter_mut().zip(&p) {
+                *s += f64::from(v);
+            }
+            rows += 1;
+        }
+    }
+    (counts, probs, rows as f64)
+}
+
+/// `loss + coef * aux`, with `aux` transformers' `load_balancing_loss_func` of the router
+/// `logits [N, E]` of each sparse layer: `E * sum_e (c_e / R) * (p_e / R)` over the `R` rows
+/// of all layers, `c_e` the rows whose top-k (chosen as [`moe_route`] chooses) holds expert
+/// `e` and `p_e` the sum of its softmax probability.
+pub fn moe_aux_loss(loss: f32, logits: &[&[f32]], n_experts: usize, k: usize, coef: f64) -> f32 {
+    let (counts, probs, rows) = aux_sums(logits, n_experts, k);
+    let aux: f64 = counts
+        .iter()
+        .zip(&probs)
+        .map(|(c, p)| (c / rows) * (p / rows))
+        .sum::<f64>()
+        * n_experts as f64;
+    (f64::from(loss) + coef * aux) as f32
+}
+
+/// The gradient of [`moe_aux_loss`] with respect to each layer's logits, for a loss gradient
+/// of `seed`: the counts are constants, so `d/dp_e = coef * E * c_e / R^2` for every row, taken
+/// back through each row's softmax. Each `dlogits[l]` is overwritten.
+pub fn moe_aux_loss_backward(
+    dlogits: &mut [&mut [f32]],
+    logits: &[&[f32]],
+    n_experts: usize,
+    k: usize,
+    coef: f64,
+    seed: f32,
+) {
+    let (counts, _, rows) = aux_sums(logits, n_experts, k);
+    let scale = f64::from(seed) * coef * n_experts as f64 / (rows * rows);
+    let g: Vec<f32> = counts.iter().map(|c| (c * scale) as f32).collect();
+    for (dl, l) in dlogits.iter_mut().zip(logits) {
+        dl.par_chunks_mut(n_experts)
+            .zip(l.par_chunks(n_experts))
+            .for_each_init(
+                || vec![0.0f32; n_experts],
+                |p, (dl, l)| {
+                    softmax_row(p, l);
+                    let dot: f32 = p.iter().zip(&g).map(|(p, g)| p * g).sum();
+                    for ((d, &p), &g) in dl.iter_mut().zip(p.iter()).zip(&g) {
+                        *d = p * (g - dot);
+                    }
+                },
+            );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::testutil::{check_grad, Rng};
+    use crate::kernels::testutil::{check_grad, check_grad_scalar, Rng};
 
     /// Tokens, experts, chosen per token, input and output widths of the checks.
     const N: usize = 6;
@@ -530,5 +599,61 @@ mod tests {
         grouped_linear_backward(&mut dxs, &mut views, &dys, &xs, &r.offsets, &ws, C, I);
         assert!(dw[3].iter().all(|&g| g == 0.0));
         assert!(dw[..3].iter().flatten().all(|g| g.is_finite()));
+    }
+
+    #[test]
+    fn the_load_balancing_loss_matches_its_formula_and_finite_differences() {
+        let mut rng = Rng::new(11);
+        // Two layers of N tokens; scaled so that no two probabilities of a row are close.
+        let layers: Vec<Vec<f32>> = (0..2)
+            .map(|_| rng.vec(N * E).iter().map(|v| 3.0 * v).collect())
+            .collect();
+        let views: Vec<&[f32]> = layers.iter().map(Vec::as_slice).collect();
+        // Large, so that the gradient stands well above the finite-difference tolerance.
+        let coef = 20.0;
+        // The formula, spelled out: counts and probabilities of every row of both layers.
+        let (mut c, mut p) = (vec![0.0f64; E], vec![0.0f64; E]);
+        for layer in &layers {
+            let r = route(layer, false);
+            for &e in &r.experts {
+                c[e as usize] += 1.0;
+            }
+            for row in layer.chunks(E) {
+                let z: f64 = row.iter().map(|&v| f64::from(v).exp()).sum();
+                for (e, &v) in row.iter().enumerate() {
+                    p[e] += f64::from(v).exp() / z;
+                }
+            }
+        }
+        let rows = (2 * N) as f64;
+        let aux: f64 = (0..E).map(|e| c[e] / rows * p[e] / rows).sum::<f64>() * E as f64;
+        let got = moe_aux_loss(1.5, &views, E, K, coef);
+        assert!((f64::from(got) - (1.5 + coef * aux)).abs() < 1e-6, "{got}");
+        // Balanced routing gives k: every expert holds k/E of the rows and 1/E of the mass.
+        assert!(aux > 0.0);
+
+        let mut grads = vec![vec![f32::NAN; N * E]; 2];
+        let mut grad_views: Vec<&mut [f32]> = grads.iter_mut().map(Vec::as_mut_slice).collect();
+        moe_aux_loss_backward(&mut grad_views, &views, E, K, coef, 1.0);
+        for l in 0..2 {
+            check_grad_scalar("aux dlogits", &layers[l], &grads[l], |x| {
+                let mut moved = layers.clone();
+                moved[l] = x.to_vec();
+                let v: Vec<&[f32]> = moved.iter().map(Vec::as_slice).collect();
+                // The counts are constants: the step must not change the routing.
+                assert_eq!(route(x, false).experts, route(&layers[l], false).experts);
+                // In f64, so that the difference is not the f32 loss's rounding.
+                let (c, p, rows) = aux_sums(&v, E, K);
+                let dot: f64 = c.iter().zip(&p).map(|(c, p)| c * p).sum();
+                coef * E as f64 * dot / (rows * rows)
+            });
+        }
+        // The seed scales the gradient (1 / micro-batches, the loss scale).
+        let mut half = vec![vec![0.0; N * E]; 2];
+        let mut half_views: Vec<&mut [f32]> = half.iter_mut().map(Vec::as_mut_slice).collect();
+        moe_aux_loss_backward(&mut half_views, &views, E, K, coef, 0.5);
+        for (h, g) in half.iter().flatten().zip(grads.iter().flatten()) {
+            assert!((h - 0.5 * g).abs() <= 1e-7 * g.abs().max(1e-3), "{h} {g}");
+        }
     }
 }
