@@ -86,8 +86,9 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
 }
 
 /// A compiler error in the CLI's words: where the error carries the figures a flag set
-/// (`--gpus`, `--nodes`, `--grad-accum`, `--forward-only`, `--gpu-memory`, `--policy`), the
-/// message names the flag and the way out; any other error says what the compiler says.
+/// (`--gpus`, `--nodes`, `--grad-accum`, `--forward-only`, `--gpu-memory`, `--policy`) or
+/// the budgets no policy fits ([`compile_flag`]), the message names the flag and the way
+/// out; any other error says what the compiler says.
 pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
     use protrain_compiler::CompileError as E;
     use protrain_ir::format_bytes;
@@ -129,7 +130,25 @@ pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
             format_bytes(*need),
             format_bytes(*budget)
         ),
+        E::BudgetTooSmall(shortfall) => shortfall.text(&|setting| compile_flag(setting).into()),
         e => e.to_string(),
+    }
+}
+
+/// The flag that sets a compilation's `setting`.
+fn compile_flag(setting: protrain_compiler::error::Setting) -> &'static str {
+    use protrain_compiler::error::Setting;
+    match setting {
+        Setting::DeviceBudget => "--gpu-memory",
+        Setting::HostBudget => "--host-memory",
+        Setting::DiskBudget => "--disk-memory",
+        Setting::Gpus => "--gpus",
+        Setting::Nodes => "--nodes",
+        Setting::Policy => "--policy",
+        Setting::Batch => "--batch",
+        Setting::MicroBatches => "--grad-accum",
+        Setting::Seq => "--seq",
+        Setting::GradClip => "--grad-clip",
     }
 }
 
