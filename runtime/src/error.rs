@@ -311,6 +311,26 @@ pub enum RuntimeError {
         /// The way out that fits the error.
         hint: String,
     },
+    /// A schedule that needs what this executor or backend lacks ([`Unsupported`] says
+    /// what, [`unsupported_text`] words it).
+    #[error("cannot execute the schedule: {}", unsupported_text(.0, Setting::field))]
+    Unsupported(Unsupported),
+    /// A collective group of `world` ranks given for a schedule compiled for `ranks`.
+    #[error("{}", group_size_text(*rank, *world, *ranks, Setting::field))]
+    GroupSize {
+        /// The rank the group was given to.
+        rank: usize,
+        /// Ranks of the group.
+        world: usize,
+        /// Ranks the schedule was compiled for.
+        ranks: usize,
+    },
+    /// A data-parallel schedule run with no collective to reach the other ranks.
+    #[error("{}", no_collective_text(*ranks, Setting::field))]
+    NoCollective {
+        /// Ranks the schedule runs on.
+        ranks: usize,
+    },
     /// A collective between the ranks of a data-parallel run failed: a rank left, did not
     /// arrive in time, or issued a different collective. The text says which.
     #[error("rank {rank}: {problem}")]
@@ -750,6 +770,12 @@ pub enum Setting {
     DiskBudget,
     /// The compile-time host memory budget.
     HostBudget,
+    /// The backend that runs the schedule.
+    Backend,
+    /// The GPUs (ranks) per node a schedule is compiled for.
+    Gpus,
+    /// The nodes a schedule is compiled for.
+    Nodes,
 }
 
 impl Setting {
@@ -774,6 +800,9 @@ impl Setting {
             Setting::DiskDir => "disk_dir",
             Setting::DiskBudget => "disk_budget",
             Setting::HostBudget => "host_budget",
+            Setting::Backend => "backend",
+            Setting::Gpus => "gpus",
+            Setting::Nodes => "nodes",
         }
         .to_string()
     }
@@ -816,6 +845,16 @@ impl RuntimeError {
             RuntimeError::Disk { path, problem } => {
                 format!("disk tier {}: {}", path.display(), disk_text(problem, name))
             }
+            RuntimeError::Unsupported(what) => {
+                format!(
+                    "cannot execute the schedule: {}",
+                    unsupported_text(what, name)
+                )
+            }
+            RuntimeError::GroupSize { rank, world, ranks } => {
+                group_size_text(*rank, *world, *ranks, name)
+            }
+            RuntimeError::NoCollective { ranks } => no_collective_text(*ranks, name),
             e => e.to_string(),
         }
     }
@@ -1100,6 +1139,106 @@ pub enum DiskIoCause {
     Truncated,
     /// Anything else.
     Other,
+}
+
+/// What a schedule needs that the executor or backend running it lacks
+/// ([`RuntimeError::Unsupported`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unsupported {
+    /// A schedule of several ranks on a backend without `missing` (its collectives).
+    Collectives {
+        /// Ranks the schedule runs on.
+        ranks: usize,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A schedule that keeps the optimizer state of `chunks` chunks on disk, on a backend
+    /// without `missing` (its disk tier).
+    DiskTier {
+        /// Chunks whose state is on disk.
+        chunks: usize,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A disk file given to a backend without `missing` (its disk tier).
+    DiskFile {
+        /// The file.
+        path: PathBuf,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A schedule that keeps optimizer state on disk, run with no directory for its file;
+    /// `held` is the chunks and bytes it keeps there, where known.
+    NoDiskDir {
+        /// Chunks on disk and the bytes of the disk region.
+        held: Option<(usize, u64)>,
+    },
+}
+
+/// The text of [`RuntimeError::Unsupported`], each setting named by `name`.
+pub fn unsupported_text(what: &Unsupported, name: impl Fn(Setting) -> String) -> String {
+    let host = |backend: &str| format!("the host backend ({backend} host");
+    match what {
+        Unsupported::Collectives { ranks, missing } => format!(
+            "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it on \
+             {}, ranks as threads) or compile it with {} 1 {} 1",
+            host(&name(Setting::Backend)),
+            name(Setting::Gpus),
+            name(Setting::Nodes)
+        ),
+        Unsupported::DiskTier { chunks, missing } => format!(
+            "the schedule keeps the optimizer state of {chunks} chunk(s) on disk, but this \
+             backend has no {missing} yet; run it on {}) or compile it with more {} and no {}",
+            host(&name(Setting::Backend)),
+            name(Setting::HostBudget),
+            name(Setting::DiskBudget)
+        ),
+        Unsupported::DiskFile { path, missing } => format!(
+            "the schedule keeps optimizer state on disk ({}), but this backend has no \
+             {missing}; run it on {}) or compile without {}",
+            path.display(),
+            host(&name(Setting::Backend)),
+            name(Setting::DiskBudget)
+        ),
+        Unsupported::NoDiskDir { held } => {
+            let held = match held {
+                Some((chunks, bytes)) => {
+                    format!("the optimizer state of {chunks} chunk(s) on disk ({bytes} bytes)")
+                }
+                None => "optimizer state on disk".to_string(),
+            };
+            format!(
+                "the schedule keeps {held}, but the executor has no file \
+                 for it; give it a directory ({} DIR, Executor::set_disk_dir)",
+                name(Setting::DiskDir)
+            )
+        }
+    }
+}
+
+/// The text of [`RuntimeError::GroupSize`], each setting named by `name`.
+pub fn group_size_text(
+    rank: usize,
+    world: usize,
+    ranks: usize,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "rank {rank}: a group of {world} ranks for a schedule compiled for {ranks}; run it \
+         with {} and {} as compiled",
+        name(Setting::Gpus),
+        name(Setting::Nodes)
+    )
+}
+
+/// The text of [`RuntimeError::NoCollective`], each setting named by `name`.
+pub fn no_collective_text(ranks: usize, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "rank 0: the schedule runs on {ranks} ranks and this executor has no collective to \
+         reach the others; give it one (Executor::set_collective), as protrain train {} \
+         does",
+        name(Setting::Gpus)
+    )
 }
 
 /// The text of [`RuntimeError::Disk`]'s problem, each setting named by `name`.

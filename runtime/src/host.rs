@@ -184,11 +184,7 @@ impl HostBackend {
     /// The disk region's file.
     fn disk(&self) -> Result<&DiskFile> {
         self.disk.as_ref().ok_or_else(|| {
-            RuntimeError::BadSchedule(
-                "the schedule keeps optimizer state on disk, but the executor has no file for \
-                 it; give it a directory (--disk-dir DIR, Executor::set_disk_dir)"
-                    .into(),
-            )
+            RuntimeError::Unsupported(crate::error::Unsupported::NoDiskDir { held: None })
         })
     }
 
