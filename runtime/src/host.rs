@@ -183,9 +183,9 @@ impl HostBackend {
 
     /// The disk region's file.
     fn disk(&self) -> Result<&DiskFile> {
-        self.disk.as_ref().ok_or_else(|| {
-            RuntimeError::Unsupported(crate::error::Unsupported::NoDiskDir { held: None })
-        })
+        self.disk.as_ref().ok_or(RuntimeError::Unsupported(
+            crate::error::Unsupported::NoDiskDir { held: None },
+        ))
     }
 
     /// Writes `data` at `at`, in memory or in the disk file.
