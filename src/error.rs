@@ -187,6 +187,8 @@ fn setting_flag(setting: protrain_runtime::error::Setting) -> &'static str {
         Setting::Backend => "--backend",
         Setting::Gpus => "--gpus",
         Setting::Nodes => "--nodes",
+        Setting::ForwardOnly => "--forward-only",
+        Setting::Init => "--init",
     }
 }
 
@@ -665,6 +667,38 @@ mod tests {
                 "rank 0: the schedule runs on 2 ranks and this executor has no collective to \
                  reach the others; give it one (Executor::set_collective), as protrain train \
                  --gpus does",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn eval_and_resume_refusals_name_settings_as_fields_and_the_cli_as_flags() {
+        check_settings_named(vec![
+            (
+                RuntimeError::EvalNotForwardOnly,
+                &["(`protrain compile MODEL forward_only`)"],
+                "cannot evaluate: the schedule has a backward pass and an optimizer, so running \
+                 it would train the weights it should measure; evaluate with a forward-only \
+                 schedule (`protrain compile MODEL --forward-only`)",
+            ),
+            (
+                RuntimeError::EvalOtherModel {
+                    first: "`wte` [4, 8] against `wte` [4, 16]".into(),
+                },
+                &["same model with forward_only"],
+                "cannot evaluate: the evaluation schedule is of another model than the \
+                 training schedule (`wte` [4, 8] against `wte` [4, 16]); compile it from the \
+                 same model with --forward-only",
+            ),
+            (
+                RuntimeError::WeightsNotCheckpoint {
+                    path: "w.safetensors".into(),
+                    key: "protrain.checkpoint",
+                },
+                &["pass it as init weights"],
+                "checkpoint w.safetensors is a safetensors file but not a protrain checkpoint \
+                 (no `protrain.checkpoint` metadata); pass it as --init weights instead of \
+                 resuming from it",
             ),
         ]);
     }

@@ -228,6 +228,15 @@ pub enum RuntimeError {
         /// The holder's PID, as its lock file says.
         pid: Option<u32>,
     },
+    /// A safetensors file without a protrain checkpoint's metadata (`key`) given to resume
+    /// from: weights to start from instead.
+    #[error("{}", weights_not_checkpoint_text(path, key, Setting::field))]
+    WeightsNotCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// The metadata key a checkpoint has.
+        key: &'static str,
+    },
     /// A file that is not a readable protrain checkpoint.
     #[error("checkpoint {path} {problem}")]
     BadCheckpoint {
@@ -269,6 +278,17 @@ pub enum RuntimeError {
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]
     InvalidEval(String),
+    /// An evaluation of a schedule that is not forward-only: it would train the weights it
+    /// should measure.
+    #[error("{}", eval_not_forward_only_text(Setting::field))]
+    EvalNotForwardOnly,
+    /// An evaluation schedule of another model than the training schedule; `first` is the
+    /// first parameter that differs.
+    #[error("{}", eval_other_model_text(first, Setting::field))]
+    EvalOtherModel {
+        /// The first difference, in words.
+        first: String,
+    },
     /// A learning-rate schedule whose settings do not fit together
     /// ([`lr_schedule_text`] words it; the CLI names each setting by its flag).
     #[error("{}", lr_schedule_text(.0, LrSetting::field))]
@@ -776,6 +796,10 @@ pub enum Setting {
     Gpus,
     /// The nodes a schedule is compiled for.
     Nodes,
+    /// Compiling a forward-only (evaluation) schedule.
+    ForwardOnly,
+    /// Weights to start from.
+    Init,
 }
 
 impl Setting {
@@ -803,6 +827,8 @@ impl Setting {
             Setting::Backend => "backend",
             Setting::Gpus => "gpus",
             Setting::Nodes => "nodes",
+            Setting::ForwardOnly => "forward_only",
+            Setting::Init => "init",
         }
         .to_string()
     }
@@ -855,6 +881,11 @@ impl RuntimeError {
                 group_size_text(*rank, *world, *ranks, name)
             }
             RuntimeError::NoCollective { ranks } => no_collective_text(*ranks, name),
+            RuntimeError::WeightsNotCheckpoint { path, key } => {
+                weights_not_checkpoint_text(path, key, name)
+            }
+            RuntimeError::EvalNotForwardOnly => eval_not_forward_only_text(name),
+            RuntimeError::EvalOtherModel { first } => eval_other_model_text(first, name),
             e => e.to_string(),
         }
     }
@@ -1238,6 +1269,39 @@ pub fn no_collective_text(ranks: usize, name: impl Fn(Setting) -> String) -> Str
          reach the others; give it one (Executor::set_collective), as protrain train {} \
          does",
         name(Setting::Gpus)
+    )
+}
+
+/// The text of [`RuntimeError::WeightsNotCheckpoint`], each setting named by `name`.
+pub fn weights_not_checkpoint_text(
+    path: &Path,
+    key: &str,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "checkpoint {} is a safetensors file but not a protrain checkpoint (no `{key}` \
+         metadata); pass it as {} weights instead of resuming from it",
+        path.display(),
+        name(Setting::Init)
+    )
+}
+
+/// The text of [`RuntimeError::EvalNotForwardOnly`], each setting named by `name`.
+pub fn eval_not_forward_only_text(name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "cannot evaluate: the schedule has a backward pass and an optimizer, so running it \
+         would train the weights it should measure; evaluate with a forward-only schedule \
+         (`protrain compile MODEL {}`)",
+        name(Setting::ForwardOnly)
+    )
+}
+
+/// The text of [`RuntimeError::EvalOtherModel`], each setting named by `name`.
+pub fn eval_other_model_text(first: &str, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "cannot evaluate: the evaluation schedule is of another model than the training \
+         schedule ({first}); compile it from the same model with {}",
+        name(Setting::ForwardOnly)
     )
 }
 
