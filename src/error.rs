@@ -189,6 +189,7 @@ fn setting_flag(setting: protrain_runtime::error::Setting) -> &'static str {
         Setting::Nodes => "--nodes",
         Setting::ForwardOnly => "--forward-only",
         Setting::Init => "--init",
+        Setting::Master => "--master",
     }
 }
 
@@ -699,6 +700,45 @@ mod tests {
                 "checkpoint w.safetensors is a safetensors file but not a protrain checkpoint \
                  (no `protrain.checkpoint` metadata); pass it as --init weights instead of \
                  resuming from it",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn rendezvous_port_refusals_name_master_as_a_field_and_the_cli_as_a_flag() {
+        use protrain_runtime::error::PortProblem;
+        let port = |problem| RuntimeError::RendezvousPort { rank: 1, problem };
+        check_settings_named(vec![
+            (
+                port(PortProblem::InUse {
+                    master: "h:1".into(),
+                    error: "in use".into(),
+                }),
+                &["(or master HOST:PORT)"],
+                "rank 1: rendezvous failed: cannot listen on h:1: in use; the port is in use \
+                 (another run or program holds it); choose another MASTER_PORT (or --master \
+                 HOST:PORT) on every rank",
+            ),
+            (
+                port(PortProblem::Unreachable {
+                    master: "h:1".into(),
+                    seconds: 0.4,
+                    last_error: "refused".into(),
+                }),
+                &["MASTER_PORT (or master) name"],
+                "rank 1: rendezvous failed: could not reach rank 0 at h:1 within 0.4 s (last \
+                 attempt: refused); check that rank 0 was started, that MASTER_ADDR and \
+                 MASTER_PORT (or --master) name its node and port on every rank, and that the \
+                 port is open between the nodes",
+            ),
+            (
+                port(PortProblem::Foreign {
+                    master: "h:1".into(),
+                }),
+                &["(or master HOST:PORT)"],
+                "rank 1: rendezvous failed: h:1 answered, but not as a protrain rendezvous: \
+                 another program holds that port; choose a free MASTER_PORT (or --master \
+                 HOST:PORT) on every rank",
             ),
         ]);
     }

@@ -370,6 +370,18 @@ pub enum RuntimeError {
     /// names each setting by its flag).
     #[error("launch settings: {}", node_launch_text(.0, NodeSetting::field))]
     NodeLaunch(NodeLaunchProblem),
+    /// The rendezvous could not hold or reach rank 0's port ([`PortProblem`] says how,
+    /// [`port_text`] words it).
+    #[error(
+        "rank {rank}: rendezvous failed: {}",
+        port_text(problem, Setting::field)
+    )]
+    RendezvousPort {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong.
+        problem: PortProblem,
+    },
     /// The rendezvous that starts a multi-process run failed on this rank: a peer did not
     /// come in time, died, or disagreed about the run. The text names the ranks concerned.
     #[error("rank {rank}: rendezvous failed: {problem}")]
@@ -800,6 +812,8 @@ pub enum Setting {
     ForwardOnly,
     /// Weights to start from.
     Init,
+    /// Rank 0's `HOST:PORT` for the rendezvous.
+    Master,
 }
 
 impl Setting {
@@ -829,6 +843,7 @@ impl Setting {
             Setting::Nodes => "nodes",
             Setting::ForwardOnly => "forward_only",
             Setting::Init => "init",
+            Setting::Master => "master",
         }
         .to_string()
     }
@@ -885,6 +900,10 @@ impl RuntimeError {
                 weights_not_checkpoint_text(path, key, name)
             }
             RuntimeError::EvalNotForwardOnly => eval_not_forward_only_text(name),
+            RuntimeError::RendezvousPort { rank, problem } => format!(
+                "rank {rank}: rendezvous failed: {}",
+                port_text(problem, name)
+            ),
             RuntimeError::EvalOtherModel { first } => eval_other_model_text(first, name),
             e => e.to_string(),
         }
@@ -1270,6 +1289,59 @@ pub fn no_collective_text(ranks: usize, name: impl Fn(Setting) -> String) -> Str
          does",
         name(Setting::Gpus)
     )
+}
+
+/// How the rendezvous could not hold or reach rank 0's port
+/// ([`RuntimeError::RendezvousPort`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PortProblem {
+    /// Rank 0 cannot listen: another process holds the port.
+    InUse {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+        /// What the operating system said.
+        error: String,
+    },
+    /// Rank 0 did not answer within `seconds`.
+    Unreachable {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+        /// How long this rank tried.
+        seconds: f64,
+        /// What the last attempt saw.
+        last_error: String,
+    },
+    /// Something other than a protrain rendezvous answered at rank 0's port.
+    Foreign {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+    },
+}
+
+/// The text of a [`PortProblem`], each setting named by `name`. (`MASTER_ADDR` and
+/// `MASTER_PORT` are the environment variables torchrun sets, named as they are.)
+pub fn port_text(problem: &PortProblem, name: impl Fn(Setting) -> String) -> String {
+    let flag = name(Setting::Master);
+    match problem {
+        PortProblem::InUse { master, error } => format!(
+            "cannot listen on {master}: {error}; the port is in use (another run or program \
+             holds it); choose another MASTER_PORT (or {flag} HOST:PORT) on every rank"
+        ),
+        PortProblem::Unreachable {
+            master,
+            seconds,
+            last_error,
+        } => format!(
+            "could not reach rank 0 at {master} within {seconds:.1} s (last attempt: \
+             {last_error}); check that rank 0 was started, that MASTER_ADDR and MASTER_PORT \
+             (or {flag}) name its node and port on every rank, and that the port is open \
+             between the nodes"
+        ),
+        PortProblem::Foreign { master } => format!(
+            "{master} answered, but not as a protrain rendezvous: another program holds that \
+             port; choose a free MASTER_PORT (or {flag} HOST:PORT) on every rank"
+        ),
+    }
 }
 
 /// The text of [`RuntimeError::WeightsNotCheckpoint`], each setting named by `name`.
