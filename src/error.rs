@@ -86,8 +86,9 @@ fn runtime_text(e: &protrain_runtime::RuntimeError) -> String {
 }
 
 /// A compiler error in the CLI's words: where the error carries the figures a flag set
-/// (`--gpus`, `--nodes`, `--grad-accum`, `--forward-only`, `--gpu-memory`, `--policy`), the
-/// message names the flag and the way out; any other error says what the compiler says.
+/// (`--gpus`, `--nodes`, `--grad-accum`, `--forward-only`, `--gpu-memory`, `--policy`) or
+/// the budgets no policy fits ([`compile_flag`]), the message names the flag and the way
+/// out; any other error says what the compiler says.
 pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
     use protrain_compiler::CompileError as E;
     use protrain_ir::format_bytes;
@@ -142,7 +143,25 @@ pub fn compile_message(e: &protrain_compiler::CompileError) -> String {
              row: {}",
             compile_message(source)
         ),
+        E::BudgetTooSmall(shortfall) => shortfall.text(&|setting| compile_flag(setting).into()),
         e => e.to_string(),
+    }
+}
+
+/// The flag that sets a compilation's `setting`.
+fn compile_flag(setting: protrain_compiler::error::Setting) -> &'static str {
+    use protrain_compiler::error::Setting;
+    match setting {
+        Setting::DeviceBudget => "--gpu-memory",
+        Setting::HostBudget => "--host-memory",
+        Setting::DiskBudget => "--disk-memory",
+        Setting::Gpus => "--gpus",
+        Setting::Nodes => "--nodes",
+        Setting::Policy => "--policy",
+        Setting::Batch => "--batch",
+        Setting::MicroBatches => "--grad-accum",
+        Setting::Seq => "--seq",
+        Setting::GradClip => "--grad-clip",
     }
 }
 
@@ -178,6 +197,12 @@ fn setting_flag(setting: protrain_runtime::error::Setting) -> &'static str {
         Setting::DiskDir => "--disk-dir",
         Setting::DiskBudget => "--disk-memory",
         Setting::HostBudget => "--host-memory",
+        Setting::Backend => "--backend",
+        Setting::Gpus => "--gpus",
+        Setting::Nodes => "--nodes",
+        Setting::ForwardOnly => "--forward-only",
+        Setting::Init => "--init",
+        Setting::Master => "--master",
     }
 }
 
@@ -610,5 +635,255 @@ mod tests {
                  from the last checkpoint (--resume)",
             ),
         ]);
+    }
+
+    #[test]
+    fn unsupported_schedules_name_settings_as_fields_and_the_cli_as_flags() {
+        use protrain_runtime::error::Unsupported;
+        check_settings_named(vec![
+            (
+                RuntimeError::Unsupported(Unsupported::Collectives {
+                    ranks: 2,
+                    missing: "collectives",
+                }),
+                &["(backend host", "with gpus 1 nodes 1"],
+                "cannot execute the schedule: the schedule runs on 2 ranks, but this backend \
+                 has no collectives; run it on the host backend (--backend host, ranks as \
+                 threads) or compile it with --gpus 1 --nodes 1",
+            ),
+            (
+                RuntimeError::Unsupported(Unsupported::DiskTier {
+                    chunks: 3,
+                    missing: "disk tier",
+                }),
+                &["more host_budget and no disk_budget"],
+                "cannot execute the schedule: the schedule keeps the optimizer state of 3 \
+                 chunk(s) on disk, but this backend has no disk tier yet; run it on the host \
+                 backend (--backend host) or compile it with more --host-memory and no \
+                 --disk-memory",
+            ),
+            (
+                RuntimeError::Unsupported(Unsupported::DiskFile {
+                    path: "/d/f".into(),
+                    missing: "disk tier",
+                }),
+                &["without disk_budget"],
+                "cannot execute the schedule: the schedule keeps optimizer state on disk \
+                 (/d/f), but this backend has no disk tier; run it on the host backend \
+                 (--backend host) or compile without --disk-memory",
+            ),
+            (
+                RuntimeError::Unsupported(Unsupported::NoDiskDir {
+                    held: Some((2, 4096)),
+                }),
+                &["(disk_dir DIR"],
+                "cannot execute the schedule: the schedule keeps the optimizer state of 2 \
+                 chunk(s) on disk (4096 bytes), but the executor has no file for it; give it a \
+                 directory (--disk-dir DIR, Executor::set_disk_dir)",
+            ),
+            (
+                RuntimeError::Unsupported(Unsupported::NoDiskDir { held: None }),
+                &["(disk_dir DIR"],
+                "cannot execute the schedule: the schedule keeps optimizer state on disk, but \
+                 the executor has no file for it; give it a directory (--disk-dir DIR, \
+                 Executor::set_disk_dir)",
+            ),
+            (
+                RuntimeError::GroupSize {
+                    rank: 1,
+                    world: 4,
+                    ranks: 2,
+                },
+                &["with gpus and nodes as compiled"],
+                "rank 1: a group of 4 ranks for a schedule compiled for 2; run it with --gpus \
+                 and --nodes as compiled",
+            ),
+            (
+                RuntimeError::NoCollective { ranks: 2 },
+                &["protrain train gpus does"],
+                "rank 0: the schedule runs on 2 ranks and this executor has no collective to \
+                 reach the others; give it one (Executor::set_collective), as protrain train \
+                 --gpus does",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn eval_and_resume_refusals_name_settings_as_fields_and_the_cli_as_flags() {
+        check_settings_named(vec![
+            (
+                RuntimeError::EvalNotForwardOnly,
+                &["(`protrain compile MODEL forward_only`)"],
+                "cannot evaluate: the schedule has a backward pass and an optimizer, so running \
+                 it would train the weights it should measure; evaluate with a forward-only \
+                 schedule (`protrain compile MODEL --forward-only`)",
+            ),
+            (
+                RuntimeError::EvalOtherModel {
+                    first: "`wte` [4, 8] against `wte` [4, 16]".into(),
+                },
+                &["same model with forward_only"],
+                "cannot evaluate: the evaluation schedule is of another model than the \
+                 training schedule (`wte` [4, 8] against `wte` [4, 16]); compile it from the \
+                 same model with --forward-only",
+            ),
+            (
+                RuntimeError::WeightsNotCheckpoint {
+                    path: "w.safetensors".into(),
+                    key: "protrain.checkpoint",
+                },
+                &["pass it as init weights"],
+                "checkpoint w.safetensors is a safetensors file but not a protrain checkpoint \
+                 (no `protrain.checkpoint` metadata); pass it as --init weights instead of \
+                 resuming from it",
+            ),
+        ]);
+    }
+
+    #[test]
+    fn rendezvous_port_refusals_name_master_as_a_field_and_the_cli_as_a_flag() {
+        use protrain_runtime::error::PortProblem;
+        let port = |problem| RuntimeError::RendezvousPort { rank: 1, problem };
+        check_settings_named(vec![
+            (
+                port(PortProblem::InUse {
+                    master: "h:1".into(),
+                    error: "in use".into(),
+                }),
+                &["(or master HOST:PORT)"],
+                "rank 1: rendezvous failed: cannot listen on h:1: in use; the port is in use \
+                 (another run or program holds it); choose another MASTER_PORT (or --master \
+                 HOST:PORT) on every rank",
+            ),
+            (
+                port(PortProblem::Unreachable {
+                    master: "h:1".into(),
+                    seconds: 0.4,
+                    last_error: "refused".into(),
+                }),
+                &["MASTER_PORT (or master) name"],
+                "rank 1: rendezvous failed: could not reach rank 0 at h:1 within 0.4 s (last \
+                 attempt: refused); check that rank 0 was started, that MASTER_ADDR and \
+                 MASTER_PORT (or --master) name its node and port on every rank, and that the \
+                 port is open between the nodes",
+            ),
+            (
+                port(PortProblem::Foreign {
+                    master: "h:1".into(),
+                }),
+                &["(or master HOST:PORT)"],
+                "rank 1: rendezvous failed: h:1 answered, but not as a protrain rendezvous: \
+                 another program holds that port; choose a free MASTER_PORT (or --master \
+                 HOST:PORT) on every rank",
+            ),
+        ]);
+    }
+
+    /// No policy fits: the compiler names its options' fields, the CLI the flags, in the
+    /// words the CLI has always printed.
+    #[test]
+    fn budget_shortfalls_name_options_as_fields_and_the_cli_as_flags() {
+        use protrain_compiler::error::{HostDisk, SharedBudgets, Shortfall, ShortfallProblem};
+        let host_too_small = |disk| ShortfallProblem::HostTooSmall {
+            host_budget: 4 << 30,
+            gpus: 1,
+            tried: 9,
+            lean: "n_persist=0".into(),
+            lean_layout: 16,
+            lean_host: 5 << 30,
+            lean_device: 1 << 30,
+            least_policy: "n_persist=1".into(),
+            least_host: 5 << 30,
+            disk,
+        };
+        let cases: Vec<(Shortfall, &[&str], &str)> = vec![
+            (
+                Shortfall::new(ShortfallProblem::DiskOver {
+                    chunks: 2,
+                    host_budget: 1 << 30,
+                    disk_need: 2 << 30,
+                    disk_budget: 1 << 30,
+                }),
+                &["a larger hardware.disk.memory_bytes or more hardware.host_memory_bytes"],
+                "the optimizer state of 2 chunks must move to disk to bring the host region \
+                 within the 1.00 GiB of host memory (--host-memory), which takes 2.00 GiB of \
+                 disk, more than the 1.00 GiB of disk (--disk-memory); give a larger \
+                 --disk-memory or more --host-memory",
+            ),
+            (
+                Shortfall::new(host_too_small(HostDisk::Would {
+                    disk: 3 << 30,
+                    host: 2 << 30,
+                })),
+                &[
+                    "Give hardware.host_memory_bytes at least 5.00 GiB",
+                    "or hardware.disk.memory_bytes at least 3.00 GiB",
+                    "(topology.nodes M with topology.gpus N",
+                ],
+                "no policy fits 4.00 GiB of host memory (--host-memory); 9 policies tried. \
+                 Offloading keeps the model states of every streamed chunk in host memory: the \
+                 leanest policy on the device (n_persist=0, 16 bytes per parameter on the \
+                 host) needs 5.00 GiB of host memory beside 1.00 GiB of device memory, 6.00 GiB \
+                 together, and keeping chunks on the device moves their state there without \
+                 lowering the sum; the least host memory found beside a device within budget \
+                 is 5.00 GiB (n_persist=1). Give --host-memory at least 5.00 GiB; or \
+                 --disk-memory at least 3.00 GiB (the optimizer state of offloaded chunks in a \
+                 file, read and written around the CPU Adam), which brings the host memory \
+                 needed down to 2.00 GiB; or shard the state over more machines (--nodes M \
+                 with --gpus N: offloaded chunks are sharded over all the ranks, so each node \
+                 keeps 1/M of them; ranks on one node share its host memory, so more --gpus \
+                 alone do not lower it)",
+            ),
+            (
+                Shortfall {
+                    problem: ShortfallProblem::PolicyOverHost {
+                        policy: "n_persist=0".into(),
+                        need: 3 << 30,
+                        host_budget: 2 << 30,
+                        gpus: 2,
+                        full_layout: false,
+                        staged: true,
+                        disk_budget: 0,
+                    },
+                    shared: Some(SharedBudgets {
+                        gpus: 2,
+                        node_host: 4 << 30,
+                        host_budget: 2 << 30,
+                        node_disk: 0,
+                        disk_budget: 0,
+                    }),
+                },
+                &[
+                    "use policy auto",
+                    "or hardware.disk.memory_bytes SIZE",
+                    "over topology.gpus 2",
+                ],
+                "policy n_persist=0 needs 3.00 GiB of host memory, more than the 2.00 GiB of \
+                 host memory per rank; use --policy auto, a larger --host-memory, or \
+                 --disk-memory SIZE (the optimizer state of offloaded chunks in a file). \
+                 Budgets: --gpu-memory is per GPU; --host-memory and --disk-memory are per \
+                 node, shared by its ranks: --host-memory 4.00 GiB over --gpus 2 gives each \
+                 rank 2.00 GiB (offloaded chunks are sharded over all ranks, each keeping \
+                 1/ranks of their host state)",
+            ),
+            (
+                Shortfall::new(ShortfallProblem::ForwardNoneCompiles { max_buffers: 4 }),
+                &["give policy n_persist"],
+                "no forward-only policy compiles with up to 4 chunk buffers; give --policy \
+                 n_persist=... n_buffer=... explicitly",
+            ),
+        ];
+        for (shortfall, library_names, cli) in cases {
+            let e = E::BudgetTooSmall(Box::new(shortfall));
+            let library = e.to_string();
+            assert!(
+                !library.contains("--"),
+                "the library names a flag: {library}"
+            );
+            for name in library_names {
+                assert!(library.contains(name), "no `{name}` in: {library}");
+            }
+            assert_eq!(Error::from(e).to_string(), cli);
+        }
     }
 }

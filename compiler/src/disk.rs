@@ -29,11 +29,10 @@
 //! chunk's state (the 12-byte layout) stays on the host: its casts read the master weights
 //! before every upload.
 
-use crate::error::{CompileError, Result};
+use crate::error::{CompileError, Result, Shortfall, ShortfallProblem};
 use crate::plan::{append_buffer, disk_region_bytes, host_bytes_after, move_to_disk};
 use protrain_ir::{
-    format_bytes, BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream,
-    StreamKind, TensorRef,
+    BufferId, BufferKind, ChunkId, EventId, Instr, Schedule, Space, Stream, StreamKind, TensorRef,
 };
 use std::collections::HashMap;
 
@@ -59,14 +58,10 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
         return Ok(schedule);
     }
     if schedule.sharded() {
-        return Err(CompileError::BudgetTooSmall(format!(
-            "the host region needs {} of host memory per rank, more than the {} each rank \
-             has, and the disk tier does not take the state of chunks sharded over \
-             data-parallel ranks yet; give more --host-memory, or run fewer ranks (--gpus 1) \
-             with --disk-memory",
-            format_bytes(schedule.host_bytes),
-            format_bytes(host_budget)
-        )));
+        return Err(Shortfall::error(ShortfallProblem::DiskSharded {
+            host_need: schedule.host_bytes,
+            host_budget,
+        }));
     }
     let movable = movable(&schedule)?;
     if movable.is_empty() {
@@ -88,27 +83,21 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
     }
     let all: Vec<BufferId> = movable.iter().map(|m| m.buffer).collect();
     let Some((k, slots)) = chosen else {
-        return Err(CompileError::BudgetTooSmall(format!(
-            "the host region needs {} with the optimizer state of all {} offloaded chunks on \
-             disk (their staging buffers and everything else stay in host memory), over the \
-             {} of host memory (--host-memory); give more --host-memory or a leaner policy \
-             (more persistent chunks take their state to the device)",
-            format_bytes(host_after(&schedule, &all, 1)),
-            movable.len(),
-            format_bytes(host_budget)
-        )));
+        return Err(Shortfall::error(ShortfallProblem::HostOverWithAllOnDisk {
+            host_need: host_after(&schedule, &all, 1),
+            chunks: movable.len(),
+            host_budget,
+        }));
     };
     let moved = &movable[..k];
     let disk_bytes = disk_region_bytes(moved.iter().map(|m| schedule.buffer(m.buffer).size));
     if disk_bytes > disk_budget {
-        return Err(CompileError::BudgetTooSmall(format!(
-            "the optimizer state of {k} chunks must move to disk to bring the host region \
-             within the {} of host memory (--host-memory), which takes {} of disk, more than \
-             the {} of disk (--disk-memory); give a larger --disk-memory or more --host-memory",
-            format_bytes(host_budget),
-            format_bytes(disk_bytes),
-            format_bytes(disk_budget)
-        )));
+        return Err(Shortfall::error(ShortfallProblem::DiskOver {
+            chunks: k,
+            host_budget,
+            disk_need: disk_bytes,
+            disk_budget,
+        }));
     }
     place(&mut schedule, moved, slots);
     schedule.header.disk_budget_bytes = disk_budget;

@@ -22,7 +22,7 @@ use crate::chunk::{chunk, chunk_apart};
 use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
 use crate::emit::HeaderInputs;
-use crate::error::{per_rank, rank_budget, CompileError, Result};
+use crate::error::{per_rank, CompileError, Result, SharedBudgets, Shortfall, ShortfallProblem};
 use crate::fuse::{fuse, FuseLimits, FuseReport};
 pub use crate::lower::{compile_policy, compile_policy_on};
 use crate::lower::{lower_within, HostBudgets};
@@ -33,8 +33,8 @@ use crate::simulate::{simulate, Simulation};
 use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::{verify, VerifiedSchedule};
 use protrain_ir::{
-    format_bytes, op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile,
-    HostLayout, IrError, PolicySpec,
+    op_key, BlockKind, BlockMode, ChunkTable, DType, Graph, HardwareProfile, HostLayout, IrError,
+    PolicySpec,
 };
 use protrain_models::{build_forward, BuildOptions, ModelConfig};
 use std::time::Instant;
@@ -335,7 +335,7 @@ impl<'m> Context<'m> {
     /// own and the rest packed at the layers' scale, and keeps that table. Fails with `why`,
     /// the first search's refusal, where there is no such parameter, where the policy was given
     /// (it counts the first table's chunks), or where no policy fits the second table either.
-    fn schedule_apart(&mut self, why: String) -> Result<Compiled> {
+    fn schedule_apart(&mut self, why: Box<Shortfall>) -> Result<Compiled> {
         let training = self.training.as_ref().expect("differentiated first");
         let apart = match self.options.policy {
             PolicyChoice::Auto => chunk_apart(training, 1),
@@ -378,23 +378,15 @@ impl<'m> Context<'m> {
         // With several ranks a node, errors quote each rank's share; this adds the node's
         // figures as given, and the ways out that ranks open.
         let shared = |e: CompileError| match e {
-            CompileError::BudgetTooSmall(why) if gpus > 1 => {
-                let disk = match node_disk {
-                    0 => String::new(),
-                    d => format!(
-                        " and --disk-memory {} gives each {}",
-                        format_bytes(d),
-                        format_bytes(disk_budget)
-                    ),
-                };
-                CompileError::BudgetTooSmall(format!(
-                    "{why}. Budgets: --gpu-memory is per GPU; --host-memory and --disk-memory \
-                     are per node, shared by its ranks: --host-memory {} over --gpus {gpus} \
-                     gives each rank {}{disk} (offloaded chunks are sharded over all ranks, \
-                     each keeping 1/ranks of their host state)",
-                    format_bytes(node_host),
-                    format_bytes(host_budget),
-                ))
+            CompileError::BudgetTooSmall(mut shortfall) if gpus > 1 => {
+                shortfall.shared = Some(SharedBudgets {
+                    gpus,
+                    node_host,
+                    host_budget,
+                    node_disk,
+                    disk_budget,
+                });
+                CompileError::BudgetTooSmall(shortfall)
             }
             e => e,
         };
@@ -448,33 +440,15 @@ impl<'m> Context<'m> {
                     });
                 }
                 if s.host_bytes > host_budget {
-                    let mut ways = vec!["--policy auto", "a larger --host-memory"];
-                    if policy.host_layout == HostLayout::Full {
-                        ways.push(
-                            "host_layout=14 in the policy (gradients in the parameter storage, \
-                             14 bytes per parameter instead of 16)",
-                        );
-                    }
-                    if !matches!(policy.host_layout, HostLayout::Staged { .. }) {
-                        ways.push(
-                            "host_layout=12 in the policy (uploads cast from the master \
-                             weights, 12 bytes per parameter; not with --grad-clip or f16)",
-                        );
-                    }
-                    ways.push(match disk_budget {
-                        0 => {
-                            "--disk-memory SIZE (the optimizer state of offloaded chunks in a file)"
-                        }
-                        _ => "a larger --disk-memory",
-                    });
-                    let (last, first) = ways.split_last().expect("ways out");
-                    return Err(shared(CompileError::BudgetTooSmall(format!(
-                        "policy {policy} needs {} of host memory, more than the {}; use {}, or \
-                         {last}",
-                        format_bytes(s.host_bytes),
-                        rank_budget(host_budget, gpus, "host memory", "--host-memory"),
-                        first.join(", "),
-                    ))));
+                    return Err(shared(Shortfall::error(ShortfallProblem::PolicyOverHost {
+                        policy: policy.to_string(),
+                        need: s.host_bytes,
+                        host_budget,
+                        gpus,
+                        full_layout: policy.host_layout == HostLayout::Full,
+                        staged: matches!(policy.host_layout, HostLayout::Staged { .. }),
+                        disk_budget,
+                    })));
                 }
                 s.header.host_budget_bytes = host_budget;
                 (s, None)

@@ -23,12 +23,12 @@
 use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
-use crate::error::{CompileError, Result};
+use crate::error::{CompileError, HostDisk, Result, Shortfall, ShortfallProblem};
 use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
-    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MemoryBreakdown, OpKind,
-    Phase, Policy, Schedule,
+    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, OpKind, Phase, Policy,
+    Schedule,
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
@@ -2148,9 +2148,6 @@ fn host_too_small(
     let options = asked.options;
     let narrow = asked.narrow();
     let gpus = options.topology.gpus.max(1);
-    let node = |per_rank: u64| per_rank.saturating_mul(u64::from(gpus));
-    let host_words =
-        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
     // Staging needs one rank, no clipping and no loss scaling: where a schedule stages
     // nothing, it is the 14-byte layout's, and its policy says so.
     let lean = match (lean.host_layout, s.staged_chunks().is_empty()) {
@@ -2174,57 +2171,33 @@ fn host_too_small(
         }
     }
     let (least_policy, least_host) = least;
-    let together = s.arena_bytes + s.host_bytes;
-    let needs = format!(
-        "no policy fits {host_words}; {} policies tried. Offloading keeps the model \
-         states of every streamed chunk in host memory: the leanest policy on the \
-         device ({lean}, {} bytes per parameter on the host) needs {} of host memory \
-         beside {} of device memory, {} together, and keeping chunks on the device \
-         moves their state there without lowering the sum; the least host memory \
-         found beside a device within budget is {} ({least_policy}).",
-        report.enumerated,
-        lean.host_layout.number(),
-        format_bytes(s.host_bytes),
-        format_bytes(s.arena_bytes),
-        format_bytes(together),
-        format_bytes(least_host),
-    );
-    // More ranks on one node share its host memory, so only more nodes lower what
-    // each needs.
-    let nodes = "or shard the state over more machines (--nodes M with --gpus N: \
-                 offloaded chunks are sharded over all the ranks, so each node keeps \
-                 1/M of them; ranks on one node share its host memory, so more --gpus \
-                 alone do not lower it)";
-    let host_flag = match gpus {
-        1 => "--host-memory".to_string(),
-        n => format!("--host-memory (per node, for its {n} ranks)"),
+    let problem = |disk| ShortfallProblem::HostTooSmall {
+        host_budget: options.host_budget,
+        gpus,
+        tried: report.enumerated,
+        lean: lean.to_string(),
+        lean_layout: lean.host_layout.number(),
+        lean_host: s.host_bytes,
+        lean_device: s.arena_bytes,
+        least_policy: least_policy.to_string(),
+        least_host,
+        disk,
     };
     if options.disk_budget > 0 {
-        // The least found includes the disk tier's help already; say what it leaves in
-        // host memory, which no disk budget takes.
-        let left = asked
+        // The least found includes the disk tier's help already; the error says what it
+        // leaves in host memory, which no disk budget takes.
+        let kept = asked
             .compile(&least_policy)
             .ok()
             .map(|l| crate::disk::host_kept(&l))
-            .filter(|kept| !kept.is_empty())
-            .map_or(String::new(), |kept| {
-                let kept: Vec<String> = kept
-                    .iter()
-                    .map(|&(what, bytes)| format!("{} of {what}", format_bytes(node(bytes))))
-                    .collect();
-                format!(
-                    " The disk tier takes only optimizer state (f32 master weights and Adam \
-                     moments); host memory still holds {} of that policy, so a larger \
-                     --disk-memory does not lower it.",
-                    kept.join(", ")
-                )
-            });
-        return CompileError::BudgetTooSmall(format!(
-            "{needs} That is with the disk tier ({}) taking the optimizer state it \
-             can.{left} Give {host_flag} at least {}, {nodes}",
-            crate::error::rank_budget(options.disk_budget, gpus, "disk", "--disk-memory"),
-            format_bytes(node(least_host)),
-        ));
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(what, bytes)| (what.to_string(), bytes))
+            .collect();
+        return Shortfall::error(problem(HostDisk::Used {
+            budget: options.disk_budget,
+            kept,
+        }));
     }
     // The disk tier takes the state of the 14-byte (or f32) layout's chunks; a
     // staged chunk's stays on the host for its casts.
@@ -2237,18 +2210,10 @@ fn host_too_small(
     }
     .and_then(|d| crate::disk::least_host(&d));
     match with_disk {
-        Some((host, disk)) if host < least_host => CompileError::BudgetTooSmall(format!(
-            "{needs} Give {host_flag} at least {}; or --disk-memory at least {} (the \
-             optimizer state of offloaded chunks in a file, read and written around \
-             the CPU Adam), which brings the host memory needed down to {}; {nodes}",
-            format_bytes(node(least_host)),
-            format_bytes(node(disk)),
-            format_bytes(node(host)),
-        )),
-        _ => CompileError::BudgetTooSmall(format!(
-            "{needs} Give {host_flag} at least {}, {nodes}",
-            format_bytes(node(least_host)),
-        )),
+        Some((host, disk)) if host < least_host => {
+            Shortfall::error(problem(HostDisk::Would { disk, host }))
+        }
+        _ => Shortfall::error(problem(HostDisk::No)),
     }
 }
 
@@ -2264,41 +2229,18 @@ fn device_too_small(
     let options = asked.options;
     let training = asked.training;
     let gpus = options.topology.gpus.max(1);
-    let host_words =
-        crate::error::rank_budget(options.host_budget, gpus, "host memory", "--host-memory");
-    let m: MemoryBreakdown = s.header.prediction.memory;
-    let host = if s.host_bytes > options.host_budget {
-        format!(
-            "; it also needs {} of host memory, more than the {host_words}",
-            format_bytes(s.host_bytes),
-        )
-    } else {
-        String::new()
-    };
-    let batch = training.info.batch;
-    let split = match batch {
-        0 | 1 => String::new(),
-        b => format!(
-            ", or take a smaller batch with gradient accumulation (--batch {} with twice the \
-             --grad-accum, 2 if none was given, trains on the same rows per step in the \
-             activations of half the batch)",
-            b.div_ceil(2)
-        ),
-    };
-    CompileError::BudgetTooSmall(format!(
-        "no policy fits {} of device memory per GPU (--gpu-memory); {} policies tried. \
-         The leanest ({}) needs {}: activations {}, chunk buffers {}, workspaces {}, \
-         inputs {}{host}. Give --gpu-memory at least {}{split}, or a smaller --seq",
-        format_bytes(options.device_budget),
-        report.enumerated,
-        lean,
-        format_bytes(s.arena_bytes),
-        format_bytes(m.activations),
-        format_bytes(m.chunk_buffers),
-        format_bytes(m.workspace),
-        format_bytes(m.inputs),
-        format_bytes(s.arena_bytes),
-    ))
+    let host_over =
+        (s.host_bytes > options.host_budget).then_some((s.host_bytes, options.host_budget));
+    Shortfall::error(ShortfallProblem::DeviceTooSmall {
+        device_budget: options.device_budget,
+        tried: report.enumerated,
+        lean: lean.to_string(),
+        need: s.arena_bytes,
+        memory: s.header.prediction.memory,
+        host_over,
+        gpus,
+        batch: training.info.batch,
+    })
 }
 
 #[cfg(test)]

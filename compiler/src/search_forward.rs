@@ -16,11 +16,11 @@
 
 use crate::cost::CostModel;
 use crate::emit::HeaderInputs;
-use crate::error::{CompileError, Result};
+use crate::error::{CompileError, Result, Shortfall, ShortfallProblem};
 use crate::lower::compile_policy;
 use crate::search::{Candidate, SearchOptions, SearchReport, TIE_TOLERANCE};
 use crate::simulate::simulate_unverified;
-use protrain_ir::{format_bytes, BlockKind, ChunkTable, Graph, Policy, Schedule};
+use protrain_ir::{BlockKind, ChunkTable, Graph, Policy, Schedule};
 use rayon::prelude::*;
 
 /// The most chunk buffers tried.
@@ -161,31 +161,20 @@ fn too_small(
         };
         let m = schedule.header.prediction.memory;
         if candidate.peak_device_bytes <= options.device_budget {
-            return CompileError::BudgetTooSmall(format!(
-                "no forward-only policy fits {} of host memory: the leanest ({}) keeps {} of \
-                 streamed parameters there. Give --host-memory at least {}",
-                format_bytes(options.host_budget),
-                candidate.policy,
-                format_bytes(candidate.host_bytes),
-                format_bytes(candidate.host_bytes)
-            ));
+            return Shortfall::error(ShortfallProblem::ForwardHost {
+                host_budget: options.host_budget,
+                lean: candidate.policy.to_string(),
+                host_need: candidate.host_bytes,
+            });
         }
-        return CompileError::BudgetTooSmall(format!(
-            "no forward-only policy fits {} of device memory. The leanest ({}) needs {}: \
-             activations {}, chunk buffers {}, workspaces {}, inputs {}. Give --gpu-memory at \
-             least {}, or a smaller --batch or --seq",
-            format_bytes(options.device_budget),
-            candidate.policy,
-            format_bytes(candidate.peak_device_bytes),
-            format_bytes(m.activations),
-            format_bytes(m.chunk_buffers),
-            format_bytes(m.workspace),
-            format_bytes(m.inputs),
-            format_bytes(candidate.peak_device_bytes)
-        ));
+        return Shortfall::error(ShortfallProblem::ForwardDevice {
+            device_budget: options.device_budget,
+            lean: candidate.policy.to_string(),
+            need: candidate.peak_device_bytes,
+            memory: m,
+        });
     }
-    CompileError::BudgetTooSmall(format!(
-        "no forward-only policy compiles with up to {MAX_BUFFERS} chunk buffers; give \
-         --policy n_persist=... n_buffer=... explicitly"
-    ))
+    Shortfall::error(ShortfallProblem::ForwardNoneCompiles {
+        max_buffers: MAX_BUFFERS,
+    })
 }

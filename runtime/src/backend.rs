@@ -282,12 +282,12 @@ pub trait Backend: Sync + Sized {
     /// [`Space::Disk`](protrain_ir::Space::Disk) addresses read and write it, as do the
     /// `read_*` and `write_*` methods. A backend without a disk tier refuses it.
     fn attach_disk(&mut self, disk: crate::disk::DiskFile) -> Result<()> {
-        Err(RuntimeError::BadSchedule(format!(
-            "the schedule keeps optimizer state on disk ({}), but this backend has no {}; \
-             run it on the host backend (--backend host) or compile without --disk-memory",
-            disk.path().display(),
-            Self::MISSING_DISK.unwrap_or("disk tier")
-        )))
+        Err(RuntimeError::Unsupported(
+            crate::error::Unsupported::DiskFile {
+                path: disk.path().to_path_buf(),
+                missing: Self::MISSING_DISK.unwrap_or("disk tier"),
+            },
+        ))
     }
 
     /// Allocates the device arena and the host region, zeroed, and `events` events.

@@ -902,10 +902,10 @@ fn header_of(path: &Path, meta: &BTreeMap<String, String>) -> Result<Header> {
             )))
         }
         None => {
-            return Err(bad(format!(
-                "is a safetensors file but not a protrain checkpoint (no `{FORMAT_KEY}` \
-                 metadata); pass it as --init weights instead of resuming from it"
-            )))
+            return Err(RuntimeError::WeightsNotCheckpoint {
+                path: path.to_path_buf(),
+                key: FORMAT_KEY,
+            })
         }
     };
     let version: u32 = version.parse().expect("the readable versions are numbers");

@@ -228,6 +228,15 @@ pub enum RuntimeError {
         /// The holder's PID, as its lock file says.
         pid: Option<u32>,
     },
+    /// A safetensors file without a protrain checkpoint's metadata (`key`) given to resume
+    /// from: weights to start from instead.
+    #[error("{}", weights_not_checkpoint_text(path, key, Setting::field))]
+    WeightsNotCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// The metadata key a checkpoint has.
+        key: &'static str,
+    },
     /// A file that is not a readable protrain checkpoint.
     #[error("checkpoint {path} {problem}")]
     BadCheckpoint {
@@ -269,6 +278,17 @@ pub enum RuntimeError {
     /// data holds); the text names the flag or file and the way out.
     #[error("cannot evaluate: {0}")]
     InvalidEval(String),
+    /// An evaluation of a schedule that is not forward-only: it would train the weights it
+    /// should measure.
+    #[error("{}", eval_not_forward_only_text(Setting::field))]
+    EvalNotForwardOnly,
+    /// An evaluation schedule of another model than the training schedule; `first` is the
+    /// first parameter that differs.
+    #[error("{}", eval_other_model_text(first, Setting::field))]
+    EvalOtherModel {
+        /// The first difference, in words.
+        first: String,
+    },
     /// A learning-rate schedule whose settings do not fit together
     /// ([`lr_schedule_text`] words it; the CLI names each setting by its flag).
     #[error("{}", lr_schedule_text(.0, LrSetting::field))]
@@ -311,6 +331,26 @@ pub enum RuntimeError {
         /// The way out that fits the error.
         hint: String,
     },
+    /// A schedule that needs what this executor or backend lacks ([`Unsupported`] says
+    /// what, [`unsupported_text`] words it).
+    #[error("cannot execute the schedule: {}", unsupported_text(.0, Setting::field))]
+    Unsupported(Unsupported),
+    /// A collective group of `world` ranks given for a schedule compiled for `ranks`.
+    #[error("{}", group_size_text(*rank, *world, *ranks, Setting::field))]
+    GroupSize {
+        /// The rank the group was given to.
+        rank: usize,
+        /// Ranks of the group.
+        world: usize,
+        /// Ranks the schedule was compiled for.
+        ranks: usize,
+    },
+    /// A data-parallel schedule run with no collective to reach the other ranks.
+    #[error("{}", no_collective_text(*ranks, Setting::field))]
+    NoCollective {
+        /// Ranks the schedule runs on.
+        ranks: usize,
+    },
     /// A collective between the ranks of a data-parallel run failed: a rank left, did not
     /// arrive in time, or issued a different collective. The text says which.
     #[error("rank {rank}: {problem}")]
@@ -330,6 +370,18 @@ pub enum RuntimeError {
     /// names each setting by its flag).
     #[error("launch settings: {}", node_launch_text(.0, NodeSetting::field))]
     NodeLaunch(NodeLaunchProblem),
+    /// The rendezvous could not hold or reach rank 0's port ([`PortProblem`] says how,
+    /// [`port_text`] words it).
+    #[error(
+        "rank {rank}: rendezvous failed: {}",
+        port_text(problem, Setting::field)
+    )]
+    RendezvousPort {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong.
+        problem: PortProblem,
+    },
     /// The rendezvous that starts a multi-process run failed on this rank: a peer did not
     /// come in time, died, or disagreed about the run. The text names the ranks concerned.
     #[error("rank {rank}: rendezvous failed: {problem}")]
@@ -750,6 +802,18 @@ pub enum Setting {
     DiskBudget,
     /// The compile-time host memory budget.
     HostBudget,
+    /// The backend that runs the schedule.
+    Backend,
+    /// The GPUs (ranks) per node a schedule is compiled for.
+    Gpus,
+    /// The nodes a schedule is compiled for.
+    Nodes,
+    /// Compiling a forward-only (evaluation) schedule.
+    ForwardOnly,
+    /// Weights to start from.
+    Init,
+    /// Rank 0's `HOST:PORT` for the rendezvous.
+    Master,
 }
 
 impl Setting {
@@ -774,6 +838,12 @@ impl Setting {
             Setting::DiskDir => "disk_dir",
             Setting::DiskBudget => "disk_budget",
             Setting::HostBudget => "host_budget",
+            Setting::Backend => "backend",
+            Setting::Gpus => "gpus",
+            Setting::Nodes => "nodes",
+            Setting::ForwardOnly => "forward_only",
+            Setting::Init => "init",
+            Setting::Master => "master",
         }
         .to_string()
     }
@@ -816,6 +886,25 @@ impl RuntimeError {
             RuntimeError::Disk { path, problem } => {
                 format!("disk tier {}: {}", path.display(), disk_text(problem, name))
             }
+            RuntimeError::Unsupported(what) => {
+                format!(
+                    "cannot execute the schedule: {}",
+                    unsupported_text(what, name)
+                )
+            }
+            RuntimeError::GroupSize { rank, world, ranks } => {
+                group_size_text(*rank, *world, *ranks, name)
+            }
+            RuntimeError::NoCollective { ranks } => no_collective_text(*ranks, name),
+            RuntimeError::WeightsNotCheckpoint { path, key } => {
+                weights_not_checkpoint_text(path, key, name)
+            }
+            RuntimeError::EvalNotForwardOnly => eval_not_forward_only_text(name),
+            RuntimeError::RendezvousPort { rank, problem } => format!(
+                "rank {rank}: rendezvous failed: {}",
+                port_text(problem, name)
+            ),
+            RuntimeError::EvalOtherModel { first } => eval_other_model_text(first, name),
             e => e.to_string(),
         }
     }
@@ -1100,6 +1189,192 @@ pub enum DiskIoCause {
     Truncated,
     /// Anything else.
     Other,
+}
+
+/// What a schedule needs that the executor or backend running it lacks
+/// ([`RuntimeError::Unsupported`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unsupported {
+    /// A schedule of several ranks on a backend without `missing` (its collectives).
+    Collectives {
+        /// Ranks the schedule runs on.
+        ranks: usize,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A schedule that keeps the optimizer state of `chunks` chunks on disk, on a backend
+    /// without `missing` (its disk tier).
+    DiskTier {
+        /// Chunks whose state is on disk.
+        chunks: usize,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A disk file given to a backend without `missing` (its disk tier).
+    DiskFile {
+        /// The file.
+        path: PathBuf,
+        /// What the backend lacks.
+        missing: &'static str,
+    },
+    /// A schedule that keeps optimizer state on disk, run with no directory for its file;
+    /// `held` is the chunks and bytes it keeps there, where known.
+    NoDiskDir {
+        /// Chunks on disk and the bytes of the disk region.
+        held: Option<(usize, u64)>,
+    },
+}
+
+/// The text of [`RuntimeError::Unsupported`], each setting named by `name`.
+pub fn unsupported_text(what: &Unsupported, name: impl Fn(Setting) -> String) -> String {
+    let host = |backend: &str| format!("the host backend ({backend} host");
+    match what {
+        Unsupported::Collectives { ranks, missing } => format!(
+            "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it on \
+             {}, ranks as threads) or compile it with {} 1 {} 1",
+            host(&name(Setting::Backend)),
+            name(Setting::Gpus),
+            name(Setting::Nodes)
+        ),
+        Unsupported::DiskTier { chunks, missing } => format!(
+            "the schedule keeps the optimizer state of {chunks} chunk(s) on disk, but this \
+             backend has no {missing} yet; run it on {}) or compile it with more {} and no {}",
+            host(&name(Setting::Backend)),
+            name(Setting::HostBudget),
+            name(Setting::DiskBudget)
+        ),
+        Unsupported::DiskFile { path, missing } => format!(
+            "the schedule keeps optimizer state on disk ({}), but this backend has no \
+             {missing}; run it on {}) or compile without {}",
+            path.display(),
+            host(&name(Setting::Backend)),
+            name(Setting::DiskBudget)
+        ),
+        Unsupported::NoDiskDir { held } => {
+            let held = match held {
+                Some((chunks, bytes)) => {
+                    format!("the optimizer state of {chunks} chunk(s) on disk ({bytes} bytes)")
+                }
+                None => "optimizer state on disk".to_string(),
+            };
+            format!(
+                "the schedule keeps {held}, but the executor has no file \
+                 for it; give it a directory ({} DIR, Executor::set_disk_dir)",
+                name(Setting::DiskDir)
+            )
+        }
+    }
+}
+
+/// The text of [`RuntimeError::GroupSize`], each setting named by `name`.
+pub fn group_size_text(
+    rank: usize,
+    world: usize,
+    ranks: usize,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "rank {rank}: a group of {world} ranks for a schedule compiled for {ranks}; run it \
+         with {} and {} as compiled",
+        name(Setting::Gpus),
+        name(Setting::Nodes)
+    )
+}
+
+/// The text of [`RuntimeError::NoCollective`], each setting named by `name`.
+pub fn no_collective_text(ranks: usize, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "rank 0: the schedule runs on {ranks} ranks and this executor has no collective to \
+         reach the others; give it one (Executor::set_collective), as protrain train {} \
+         does",
+        name(Setting::Gpus)
+    )
+}
+
+/// How the rendezvous could not hold or reach rank 0's port
+/// ([`RuntimeError::RendezvousPort`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PortProblem {
+    /// Rank 0 cannot listen: another process holds the port.
+    InUse {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+        /// What the operating system said.
+        error: String,
+    },
+    /// Rank 0 did not answer within `seconds`.
+    Unreachable {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+        /// How long this rank tried.
+        seconds: f64,
+        /// What the last attempt saw.
+        last_error: String,
+    },
+    /// Something other than a protrain rendezvous answered at rank 0's port.
+    Foreign {
+        /// Rank 0's `HOST:PORT`.
+        master: String,
+    },
+}
+
+/// The text of a [`PortProblem`], each setting named by `name`. (`MASTER_ADDR` and
+/// `MASTER_PORT` are the environment variables torchrun sets, named as they are.)
+pub fn port_text(problem: &PortProblem, name: impl Fn(Setting) -> String) -> String {
+    let flag = name(Setting::Master);
+    match problem {
+        PortProblem::InUse { master, error } => format!(
+            "cannot listen on {master}: {error}; the port is in use (another run or program \
+             holds it); choose another MASTER_PORT (or {flag} HOST:PORT) on every rank"
+        ),
+        PortProblem::Unreachable {
+            master,
+            seconds,
+            last_error,
+        } => format!(
+            "could not reach rank 0 at {master} within {seconds:.1} s (last attempt: \
+             {last_error}); check that rank 0 was started, that MASTER_ADDR and MASTER_PORT \
+             (or {flag}) name its node and port on every rank, and that the port is open \
+             between the nodes"
+        ),
+        PortProblem::Foreign { master } => format!(
+            "{master} answered, but not as a protrain rendezvous: another program holds that \
+             port; choose a free MASTER_PORT (or {flag} HOST:PORT) on every rank"
+        ),
+    }
+}
+
+/// The text of [`RuntimeError::WeightsNotCheckpoint`], each setting named by `name`.
+pub fn weights_not_checkpoint_text(
+    path: &Path,
+    key: &str,
+    name: impl Fn(Setting) -> String,
+) -> String {
+    format!(
+        "checkpoint {} is a safetensors file but not a protrain checkpoint (no `{key}` \
+         metadata); pass it as {} weights instead of resuming from it",
+        path.display(),
+        name(Setting::Init)
+    )
+}
+
+/// The text of [`RuntimeError::EvalNotForwardOnly`], each setting named by `name`.
+pub fn eval_not_forward_only_text(name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "cannot evaluate: the schedule has a backward pass and an optimizer, so running it \
+         would train the weights it should measure; evaluate with a forward-only schedule \
+         (`protrain compile MODEL {}`)",
+        name(Setting::ForwardOnly)
+    )
+}
+
+/// The text of [`RuntimeError::EvalOtherModel`], each setting named by `name`.
+pub fn eval_other_model_text(first: &str, name: impl Fn(Setting) -> String) -> String {
+    format!(
+        "cannot evaluate: the evaluation schedule is of another model than the training \
+         schedule ({first}); compile it from the same model with {}",
+        name(Setting::ForwardOnly)
+    )
 }
 
 /// The text of [`RuntimeError::Disk`]'s problem, each setting named by `name`.

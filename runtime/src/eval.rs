@@ -80,12 +80,7 @@ impl<'s, B: Backend> Evaluator<'s, B> {
         let schedule = executor.schedule();
         let graph = &schedule.graph;
         if !graph.is_forward_only() {
-            return Err(RuntimeError::InvalidEval(
-                "the schedule has a backward pass and an optimizer, so running it would train \
-                 the weights it should measure; evaluate with a forward-only schedule \
-                 (`protrain compile MODEL --forward-only`)"
-                    .into(),
-            ));
+            return Err(RuntimeError::EvalNotForwardOnly);
         }
         let vocab = vocab_of(graph).ok_or_else(|| {
             RuntimeError::BadSchedule(
@@ -162,10 +157,7 @@ impl<'s, B: Backend> Evaluator<'s, B> {
             .find(|(a, b)| a != b)
             .map(|((n, s), (m, t))| format!("`{n}` {s:?} against `{m}` {t:?}"))
             .unwrap_or_else(|| format!("{} parameters against {}", theirs.len(), mine.len()));
-        Err(RuntimeError::InvalidEval(format!(
-            "the evaluation schedule is of another model than the training schedule ({first}); \
-             compile it from the same model with --forward-only"
-        )))
+        Err(RuntimeError::EvalOtherModel { first })
     }
 
     /// Loads `params` (in parameter order) and returns their mean loss over the batches.

@@ -39,7 +39,7 @@ use crate::backend::{
 use crate::collective::Collective;
 use crate::disk::DiskFile;
 use crate::dispatch::{Outcome, Prepared};
-use crate::error::{Result, RuntimeError};
+use crate::error::{Result, RuntimeError, Unsupported};
 use crate::host::HostBackend;
 use crate::interpreter::StepReport;
 use crate::kernels;
@@ -281,19 +281,16 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         let ranks = schedule.ranks();
         if let (true, Some(missing)) = (ranks > 1, B::MISSING_COLLECTIVES) {
-            return Err(RuntimeError::BadSchedule(format!(
-                "the schedule runs on {ranks} ranks, but this backend has no {missing}; run it \
-                 on the host backend (--backend host, ranks as threads) or compile it with \
-                 --gpus 1 --nodes 1"
-            )));
+            return Err(RuntimeError::Unsupported(Unsupported::Collectives {
+                ranks: ranks as usize,
+                missing,
+            }));
         }
         if let (true, Some(missing)) = (schedule.disk_bytes > 0, B::MISSING_DISK) {
-            return Err(RuntimeError::BadSchedule(format!(
-                "the schedule keeps the optimizer state of {} chunk(s) on disk, but this \
-                 backend has no {missing} yet; run it on the host backend (--backend host) or \
-                 compile it with more --host-memory and no --disk-memory",
-                schedule.disk_chunks().len()
-            )));
+            return Err(RuntimeError::Unsupported(Unsupported::DiskTier {
+                chunks: schedule.disk_chunks().len(),
+                missing,
+            }));
         }
         // Checks that every narrow parameter has its master weight.
         master_weights(schedule)?;
@@ -438,13 +435,9 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         match &self.disk_path {
             Some(path) => crate::disk::check(path),
-            None => Err(RuntimeError::BadSchedule(format!(
-                "the schedule keeps the optimizer state of {} chunk(s) on disk ({} bytes), but \
-                 the executor has no file for it; give it a directory (--disk-dir DIR, \
-                 Executor::set_disk_dir)",
-                self.schedule.disk_chunks().len(),
-                self.schedule.disk_bytes
-            ))),
+            None => Err(RuntimeError::Unsupported(Unsupported::NoDiskDir {
+                held: Some((self.schedule.disk_chunks().len(), self.schedule.disk_bytes)),
+            })),
         }
     }
 
@@ -502,13 +495,10 @@ impl<'s, B: Backend> Executor<'s, B> {
     pub fn set_collective(&mut self, comm: Box<dyn Collective>) -> Result<()> {
         let ranks = self.schedule.ranks() as usize;
         if comm.world() != ranks {
-            return Err(RuntimeError::Collective {
+            return Err(RuntimeError::GroupSize {
                 rank: comm.rank(),
-                problem: format!(
-                    "a group of {} ranks for a schedule compiled for {ranks}; run it with \
-                     --gpus and --nodes as compiled",
-                    comm.world()
-                ),
+                world: comm.world(),
+                ranks,
             });
         }
         // Sharded chunks: the rank picks its slices, so its instructions are planned again.
@@ -1089,14 +1079,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         }
         let ranks = self.schedule.ranks() as usize;
         if self.comm().is_none() && ranks > 1 {
-            return Err(RuntimeError::Collective {
-                rank: 0,
-                problem: format!(
-                    "the schedule runs on {ranks} ranks and this executor has no collective to \
-                     reach the others; give it one (Executor::set_collective), as protrain \
-                     train --gpus does"
-                ),
-            });
+            return Err(RuntimeError::NoCollective { ranks });
         }
         self.set_hyperparameters(lr, loss_scale);
         // A sharded chunk's accumulator: the rank zeroes the part it holds.

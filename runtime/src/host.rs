@@ -183,13 +183,9 @@ impl HostBackend {
 
     /// The disk region's file.
     fn disk(&self) -> Result<&DiskFile> {
-        self.disk.as_ref().ok_or_else(|| {
-            RuntimeError::BadSchedule(
-                "the schedule keeps optimizer state on disk, but the executor has no file for \
-                 it; give it a directory (--disk-dir DIR, Executor::set_disk_dir)"
-                    .into(),
-            )
-        })
+        self.disk.as_ref().ok_or(RuntimeError::Unsupported(
+            crate::error::Unsupported::NoDiskDir { held: None },
+        ))
     }
 
     /// Writes `data` at `at`, in memory or in the disk file.

@@ -24,7 +24,7 @@
 //! Only `std::net` is used. The rendezvous carries no secrets and authenticates nothing: like
 //! torchrun's store, run it on a trusted network.
 
-use crate::error::{NodeLaunchProblem, Result, RuntimeError};
+use crate::error::{NodeLaunchProblem, PortProblem, Result, RuntimeError};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -413,18 +413,19 @@ fn serve(launch: &Launch, timeout: Duration, blob: &[u8]) -> Result<()> {
         })?
         .collect();
     let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
-        let why = if e.kind() == ErrorKind::AddrInUse {
-            format!(
-                "the port is in use (another run or program holds it); choose another \
-                 {MASTER_PORT} (or --master HOST:PORT) on every rank"
-            )
-        } else {
-            format!(
-                "{MASTER_ADDR} must name this node, which runs rank 0, and {MASTER_PORT} a \
-                 port this process may open"
-            )
-        };
-        fail(format!("cannot listen on {master}: {e}; {why}"))
+        if e.kind() == ErrorKind::AddrInUse {
+            return RuntimeError::RendezvousPort {
+                rank: 0,
+                problem: PortProblem::InUse {
+                    master: master.clone(),
+                    error: e.to_string(),
+                },
+            };
+        }
+        fail(format!(
+            "cannot listen on {master}: {e}; {MASTER_ADDR} must name this node, which runs \
+             rank 0, and {MASTER_PORT} a port this process may open"
+        ))
     })?;
     listener
         .set_nonblocking(true)
@@ -559,13 +560,14 @@ fn join(launch: &Launch, timeout: Duration) -> Result<Vec<u8>> {
             Err(e) => last_error = format!("cannot resolve `{}`: {e}", launch.master_addr),
         }
         if Instant::now() >= deadline {
-            return Err(fail(format!(
-                "could not reach rank 0 at {master} within {:.1} s (last attempt: \
-                 {last_error}); check that rank 0 was started, that {MASTER_ADDR} and \
-                 {MASTER_PORT} (or --master) name its node and port on every rank, and that \
-                 the port is open between the nodes",
-                timeout.as_secs_f64()
-            )));
+            return Err(RuntimeError::RendezvousPort {
+                rank,
+                problem: PortProblem::Unreachable {
+                    master,
+                    seconds: timeout.as_secs_f64(),
+                    last_error,
+                },
+            });
         }
         std::thread::sleep(POLL);
     };
@@ -598,10 +600,10 @@ fn join(launch: &Launch, timeout: Duration) -> Result<Vec<u8>> {
         return Err(fail(problem));
     }
     if head[..8] != MAGIC {
-        return Err(fail(format!(
-            "{master} answered, but not as a protrain rendezvous: another program holds that \
-             port; choose a free {MASTER_PORT} (or --master HOST:PORT) on every rank"
-        )));
+        return Err(RuntimeError::RendezvousPort {
+            rank,
+            problem: PortProblem::Foreign { master },
+        });
     }
     let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
     if version != PROTOCOL_VERSION {

@@ -108,6 +108,8 @@ fn a_budget_too_small_says_the_smallest_that_fits() {
         "{err}"
     );
     assert!(err.contains("Give --gpu-memory at least"), "{err}");
+    // The CLI words the compiler's settings as its flags, never as their option fields.
+    assert!(!err.contains("device_budget"), "{err}");
     assert!(
         !dir.path().join("x.ptsched").exists(),
         "nothing is written on error"

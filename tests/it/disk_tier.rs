@@ -336,7 +336,11 @@ fn a_disk_schedule_needs_a_directory() {
         .load_params(&init_params(&schedule.graph, SEED))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("--disk-dir"), "{err}");
+    // The library names the setting (the CLI words it as --disk-dir).
+    assert!(
+        err.contains("(disk_dir DIR") && !err.contains("--"),
+        "{err}"
+    );
     let missing = std::env::temp_dir().join("protrain-disk-tier-test-missing");
     let err = exec.set_disk_dir(&missing).unwrap_err().to_string();
     assert!(

@@ -288,7 +288,11 @@ fn an_evaluator_refuses_what_it_cannot_evaluate_and_says_why() {
     };
     // A training schedule would train the weights it measures.
     let text = open(&training, None);
-    assert!(text.contains("--forward-only"), "{text}");
+    // The library names the compile option (the CLI words it as --forward-only).
+    assert!(
+        text.contains("MODEL forward_only") && !text.contains("--"),
+        "{text}"
+    );
     // The file holds 129 tokens: four batches of 2 x 16 with their last targets.
     let text = open(&eval, Some(5));
     assert!(

@@ -224,11 +224,21 @@ fn the_load_balancing_loss_is_each_micro_batchs_own_and_the_same_bits_under_ever
     let e = expected();
     let schedule = LrSchedule::new(LrScheduleKind::Cosine, e.optimizer.lr, 1, 3, 0.0).expect("lr");
     for (model, roomy) in [("mixtral_aux", ROOMY), ("qwen3_moe_aux", "blocks=KKK")] {
-        let (accum, accum_weights) =
-            train(model, &e.optimizer, roomy, Shape::f32(2, 2), settings(TOKENS, schedule, 3));
+        let (accum, accum_weights) = train(
+            model,
+            &e.optimizer,
+            roomy,
+            Shape::f32(2, 2),
+            settings(TOKENS, schedule, 3),
+        );
         for policy in [TIGHT, MIXED] {
-            let (other, other_weights) =
-                train(model, &e.optimizer, policy, Shape::f32(2, 2), settings(TOKENS, schedule, 3));
+            let (other, other_weights) = train(
+                model,
+                &e.optimizer,
+                policy,
+                Shape::f32(2, 2),
+                settings(TOKENS, schedule, 3),
+            );
             let bits =
                 |rs: &[StepRecord]| -> Vec<u32> { rs.iter().map(|r| r.loss.to_bits()).collect() };
             assert_eq!(
@@ -250,7 +260,13 @@ fn the_load_balancing_loss_is_each_micro_batchs_own_and_the_same_bits_under_ever
             lr: 0.0,
             ..e.optimizer.clone()
         };
-        let (apart, _) = train(model, &still, roomy, Shape::f32(2, 1), settings(TOKENS, frozen, 2));
+        let (apart, _) = train(
+            model,
+            &still,
+            roomy,
+            Shape::f32(2, 1),
+            settings(TOKENS, frozen, 2),
+        );
         let mean = (f64::from(apart[0].loss) + f64::from(apart[1].loss)) / 2.0;
         let rel = relative(f64::from(accum[0].loss), mean);
         assert!(
@@ -260,7 +276,13 @@ fn the_load_balancing_loss_is_each_micro_batchs_own_and_the_same_bits_under_ever
         );
         // One batch of all four rows takes one auxiliary loss over them (transformers' forward
         // on that batch): another number, as the load-balancing loss is not linear in rows.
-        let (whole, _) = train(model, &still, roomy, Shape::f32(4, 1), settings(TOKENS, frozen, 1));
+        let (whole, _) = train(
+            model,
+            &still,
+            roomy,
+            Shape::f32(4, 1),
+            settings(TOKENS, frozen, 1),
+        );
         let whole_rel = relative(f64::from(whole[0].loss), mean);
         eprintln!("{model}: one 4-row batch is {whole_rel:e} from the micro-batches' mean");
         assert!(whole_rel > 1e-6, "{model}: {whole_rel:e}");

@@ -670,5 +670,9 @@ fn llama_2_70b_compiles_sharded_for_eight_a100s_in_1_tib_and_is_refused_half_of_
     let e = compile(&config, &small)
         .expect_err("512 GiB for 8 ranks")
         .to_string();
-    assert!(e.contains("--gpus 8"), "{e}");
+    assert!(e.contains("topology.gpus 8"), "{e}");
+    assert!(
+        !e.contains("--"),
+        "the library names settings, not flags: {e}"
+    );
 }

@@ -195,7 +195,8 @@ fn the_search_keeps_every_layer_of_a_forward_only_graph() {
         assert!(
             matches!(err, CompileError::BudgetTooSmall(_))
                 && text.contains("no forward-only policy fits")
-                && text.contains("Give --gpu-memory at least"),
+                && text.contains("Give device_budget at least")
+                && !text.contains("--"),
             "{text}"
         );
     }

@@ -338,7 +338,7 @@ llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ac5b
 llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b91211717b30fb52
 llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
 llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
-llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.5 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.5 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.5 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.5 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
 llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
 llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
 llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
@@ -356,7 +356,7 @@ llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4f2403
 llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 cf1c6ed28ac30f27
 llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
 llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
-llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.8 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.7 KiB of host memory (--host-memory); give more --host-memory or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.8 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.7 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
 llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
 llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a
 llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a

@@ -106,13 +106,15 @@ fn a_budget_nothing_fits_names_the_smallest_that_would() {
     let err = run(64 << 20).expect_err("64 MiB cannot hold gpt2 at 4 x 1024");
     let text = err.to_string();
     assert!(text.contains("no policy fits 64.0 MiB"), "{text}");
-    assert!(text.contains("Give --gpu-memory at least"), "{text}");
+    assert!(text.contains("Give device_budget at least"), "{text}");
     assert!(text.contains("activations"), "{text}");
     // A batch that does not fit: half of it, with gradient accumulation, trains the same.
     assert!(
-        text.contains("--batch 2 with twice the --grad-accum"),
+        text.contains("batch 2 with twice the micro_batches"),
         "{text}"
     );
+    // The library names the settings of `CompileOptions`; the CLI words them as flags.
+    assert!(!text.contains("--"), "{text}");
 }
 
 #[test]
@@ -365,15 +367,27 @@ fn the_estimate_prices_the_disk_tier() {
 #[test]
 fn a_host_too_small_even_with_the_disk_says_what_the_disk_leaves_there() {
     let (_, searched) = disk_bound_in(2e9, 64 * GIB, 640 << 20);
-    let Err(CompileError::BudgetTooSmall(message)) = searched else {
+    let Err(CompileError::BudgetTooSmall(shortfall)) = searched else {
         panic!("640 MiB of host is too small for gpt2's parameters: {searched:?}");
     };
+    let message = shortfall.to_string();
     for words in [
-        "with the disk tier (64.00 GiB of disk (--disk-memory))",
+        "with the disk tier (64.00 GiB of disk (hardware.disk.memory_bytes))",
         "The disk tier takes only optimizer state",
-        "of parameters of that policy, so a larger --disk-memory does not lower it",
-        "Give --host-memory at least",
+        "of parameters of that policy, so a larger hardware.disk.memory_bytes does not lower",
+        "Give hardware.host_memory_bytes at least",
     ] {
         assert!(message.contains(words), "{words:?} in {message}");
+    }
+    assert!(!message.contains("--"), "{message}");
+    // Worded with other names (the CLI's flags), every setting takes them.
+    let flags = shortfall.text(&|setting| format!("--{setting:?}"));
+    for words in [
+        "64.00 GiB of disk (--DiskBudget)",
+        "a larger --DiskBudget does not lower it",
+        "Give --HostBudget at least",
+        "(--Nodes M with --Gpus N",
+    ] {
+        assert!(flags.contains(words), "{words:?} in {flags}");
     }
 }
