@@ -112,6 +112,19 @@ pub struct SearchReport {
 }
 
 impl SearchReport {
+    /// The report before any candidate is compiled: the family's size and how many of its
+    /// policies `estimator` puts over `slack` bytes.
+    fn counted(estimator: &Estimator<'_>, layouts: &[Layout], slack: u64) -> Self {
+        let mut sorted_bytes: Vec<u64> = layouts.iter().map(|l| l.bytes).collect();
+        sorted_bytes.par_sort_unstable();
+        Self {
+            enumerated: estimator.policy_count(layouts.len()),
+            layouts: layouts.len(),
+            rejected_estimate: estimator.count_over(&sorted_bytes, slack),
+            ..Default::default()
+        }
+    }
+
     /// A readable summary: the winner, the next best, and why the others were rejected.
     pub fn to_text(&self) -> String {
         let mut out = String::new();
@@ -361,6 +374,72 @@ impl OpWalk {
     }
 }
 
+/// How many ranks share each streamed chunk (1 where the chunks are not sharded,
+/// [`crate::shard::shardable`]) and the seconds of a chunk's all-gather before use and of its
+/// gradients' reduce-scatter (an all-reduce when the update reads the global norm) on them.
+fn shard_collectives(
+    training: &Graph,
+    chunks: &ChunkTable,
+    cost: &dyn CostModel,
+    topology: Topology,
+) -> (u64, f64, f64) {
+    let shards = match crate::shard::shardable(chunks, topology) {
+        Ok(()) => u64::from(topology.ranks().max(1)),
+        Err(_) => 1,
+    };
+    if shards == 1 {
+        return (1, 0.0, 0.0);
+    }
+    let capacity = chunks.chunk_bytes.next_multiple_of(4 * shards);
+    let summed = match crate::shard::reads_global_norm(training) {
+        true => CollectiveKind::AllReduce,
+        false => CollectiveKind::ReduceScatter,
+    };
+    (
+        shards,
+        cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
+        cost.collective_seconds(summed, capacity, topology),
+    )
+}
+
+/// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
+/// chunk's bytes and elements; none on sharded ranks (`shards > 1`): the tier does not take
+/// sharded chunks' state.
+fn disk_seconds(
+    chunk_bytes: &[u64],
+    chunk_elems: &[u64],
+    state_per_elem: u64,
+    shards: u64,
+    budgets: HostBudgets,
+    cost: &dyn CostModel,
+) -> Vec<f64> {
+    match shards {
+        1 => {
+            let state: Vec<u64> = chunk_elems
+                .iter()
+                .map(|&e| e.saturating_mul(state_per_elem))
+                .collect();
+            // The host layout the search's repair takes before the disk tier: gradients
+            // in the parameter storage when the parameters are narrower than f32
+            // (the 14-byte layout), else a gradient beside each parameter.
+            let storage = match state_per_elem {
+                12 => 1,
+                _ => 2,
+            };
+            let host: Vec<u64> = chunk_bytes
+                .iter()
+                .zip(&state)
+                .map(|(&b, &s)| b.saturating_mul(storage).saturating_add(s))
+                .collect();
+            disk_by_persist(&host, &state, budgets, |bytes| {
+                cost.copy_seconds(bytes, CopyDir::DiskToHost)
+                    + cost.copy_seconds(bytes, CopyDir::HostToDisk)
+            })
+        }
+        _ => vec![0.0; chunk_bytes.len() + 1],
+    }
+}
+
 impl Profile {
     /// The profile of `training` on `topology`'s ranks. Where they shard the offloaded chunks
     /// ([`crate::shard::shardable`]), each rank uploads, offloads and updates its `1/W` slice
@@ -415,25 +494,7 @@ impl Profile {
         let big = 1u64 << 30;
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
-        let ranks = topology.ranks().max(1);
-        let shards = match crate::shard::shardable(chunks, topology) {
-            Ok(()) => u64::from(ranks),
-            Err(_) => 1,
-        };
-        let capacity = chunks.chunk_bytes.next_multiple_of(4 * shards);
-        let (gather, scatter) = match shards > 1 {
-            false => (0.0, 0.0),
-            true => {
-                let summed = match crate::shard::reads_global_norm(training) {
-                    true => CollectiveKind::AllReduce,
-                    false => CollectiveKind::ReduceScatter,
-                };
-                (
-                    cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
-                    cost.collective_seconds(summed, capacity, topology),
-                )
-            }
-        };
+        let (shards, gather, scatter) = shard_collectives(training, chunks, cost, topology);
         let copies = |dir, collective: f64| -> Vec<f64> {
             chunk_bytes
                 .iter()
@@ -468,33 +529,14 @@ impl Profile {
             .iter()
             .map(|&b| b as f64 * h2d_per_byte * swap_share)
             .collect();
-        // The disk tier's traffic per `n_persist` (none on sharded ranks: the tier does not
-        // take sharded chunks' state).
-        let disk = match shards {
-            1 => {
-                let state: Vec<u64> = chunk_elems
-                    .iter()
-                    .map(|&e| e.saturating_mul(state_per_elem))
-                    .collect();
-                // The host layout the search's repair takes before the disk tier: gradients
-                // in the parameter storage when the parameters are narrower than f32
-                // (the 14-byte layout), else a gradient beside each parameter.
-                let storage = match state_per_elem {
-                    12 => 1,
-                    _ => 2,
-                };
-                let host: Vec<u64> = chunk_bytes
-                    .iter()
-                    .zip(&state)
-                    .map(|(&b, &s)| b.saturating_mul(storage).saturating_add(s))
-                    .collect();
-                disk_by_persist(&host, &state, budgets, |bytes| {
-                    cost.copy_seconds(bytes, CopyDir::DiskToHost)
-                        + cost.copy_seconds(bytes, CopyDir::HostToDisk)
-                })
-            }
-            _ => vec![0.0; chunk_bytes.len() + 1],
-        };
+        let disk = disk_seconds(
+            &chunk_bytes,
+            &chunk_elems,
+            state_per_elem,
+            shards,
+            budgets,
+            cost,
+        );
         // Every estimate is at most the sum of all of these.
         let scale = TickScale::new(&[
             &disk[..1],
@@ -1385,6 +1427,22 @@ fn blocks_moved(p: &Policy) -> usize {
     p.blocks.len() - p.count(BlockMode::Keep)
 }
 
+/// The winner `schedule` as the search returns it: the report and the real budgets (the
+/// candidates were compiled without them) in its header.
+fn with_budgets(
+    mut schedule: Schedule,
+    report: &SearchReport,
+    options: &SearchOptions,
+) -> Schedule {
+    schedule.header.report = report.to_text();
+    schedule.header.device_budget_bytes = options.device_budget;
+    schedule.header.host_budget_bytes = options.host_budget;
+    if schedule.disk_bytes > 0 {
+        schedule.header.disk_budget_bytes = options.disk_budget;
+    }
+    schedule
+}
+
 /// Searches for the fastest policy that fits; returns its schedule (simulated, with the
 /// report in its header) and the report.
 ///
@@ -1409,15 +1467,7 @@ pub fn search(
     let slack = options
         .device_budget
         .saturating_add(options.device_budget / 4);
-    let mut sorted_bytes: Vec<u64> = layouts.iter().map(|l| l.bytes).collect();
-    sorted_bytes.par_sort_unstable();
-    let report = SearchReport {
-        enumerated: estimator.policy_count(layouts.len()),
-        layouts: layouts.len(),
-        rejected_estimate: estimator.count_over(&sorted_bytes, slack),
-        ..Default::default()
-    };
-    drop(sorted_bytes);
+    let report = SearchReport::counted(&estimator, &layouts, slack);
     // Candidates are compiled without a budget (the search rejects those over it itself);
     // the winner gets the real budgets in its header.
     let header = |report: String| HeaderInputs {
@@ -1523,15 +1573,7 @@ pub fn search(
     // On the host backend the device arena and the host region are the same memory.
     let (best, report) = contest.rank(profile.cpu_shares_cores);
     match best {
-        Some(mut schedule) => {
-            schedule.header.report = report.to_text();
-            schedule.header.device_budget_bytes = options.device_budget;
-            schedule.header.host_budget_bytes = options.host_budget;
-            if schedule.disk_bytes > 0 {
-                schedule.header.disk_budget_bytes = options.disk_budget;
-            }
-            Ok((schedule, report))
-        }
+        Some(schedule) => Ok((with_budgets(schedule, &report, options), report)),
         None => Err(too_small(
             Asked {
                 training,
