@@ -279,6 +279,30 @@ impl Builder {
         self.graph.add_param_alias(weight.id, alias);
     }
 
+    /// Declares `model.embed_tokens.weight` `[vocab, hidden]` in `blocks.embedding`, also named
+    /// `lm_head.weight` when `config` ties the embeddings (the Hub's names of the decoder-only
+    /// families that share LLaMA's layout).
+    fn embed_tokens(&mut self, config: &ModelConfig, blocks: &Blocks) -> Weight {
+        let shape = [config.vocab_size, config.hidden_size];
+        let embed = self.param("model.embed_tokens.weight".into(), &shape, blocks.embedding);
+        if config.tie_word_embeddings {
+            self.alias(embed, "lm_head.weight".into());
+        }
+        embed
+    }
+
+    /// The LM head's weight: `embed` when `config` ties the embeddings, else a new
+    /// `lm_head.weight` `[vocab, hidden]` in `blocks.head`.
+    fn lm_head(&mut self, config: &ModelConfig, embed: Weight, blocks: &Blocks) -> Weight {
+        match config.tie_word_embeddings {
+            true => embed,
+            false => {
+                let shape = [config.vocab_size, config.hidden_size];
+                self.param("lm_head.weight".into(), &shape, blocks.head)
+            }
+        }
+    }
+
     /// Declares `{name}.weight` (and `{name}.bias`) of a linear layer from `input` to `output`
     /// features, in the layout the layer stores.
     fn linear_params(

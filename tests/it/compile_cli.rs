@@ -924,11 +924,11 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
     );
 }
 
-/// The published configs of every family the issue lists compile for a 24 GiB card at batch 1
+/// The published configs of every dense family (models/tests/real-configs) compile for a 24 GiB card at batch 1
 /// x 1024 tokens, fit it, and verify; Phi-3 mini 128k also at 8192 tokens, where it takes its
 /// LongRoPE long factors. Gemma-2-9B's tied embedding (256000 x 3584 = 917M parameters, 18
-/// times its largest layer weight) is a chunk of its own: with chunks sized to it, two chunk
-/// buffers and the gradients alive beside them did not fit.
+/// times its largest layer weight) is a chunk of its own: with every chunk sized to it, two
+/// chunk buffers and the gradients alive beside them would not fit.
 #[test]
 fn published_configs_of_every_family_compile_for_an_rtx3090() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -5,7 +5,7 @@
 //! with Gemma 2's soft-capped scores, sliding and global layers, a GeGLU MLP, and soft-capped
 //! logits.
 
-use super::{Builder, Linear, Norm, Weight};
+use super::{Builder, Linear, Norm};
 use crate::config::{GemmaLayout, ModelConfig};
 use crate::error::Result;
 use protrain_ir::{OpKind, QkvLayout, ValueId, WeightLayout};
@@ -115,7 +115,7 @@ fn gemma_norm(
 
 /// Declares Gemma 2's or Gemma 3's parameters and emits its forward ops.
 pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &GemmaLayout) -> Result<()> {
-    let (c, v) = (config.hidden_size, config.vocab_size);
+    let c = config.hidden_size;
     let (tokens, targets) = b.inputs();
     let blocks = b.blocks(
         "model.embed_tokens",
@@ -123,23 +123,12 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &GemmaLayout)
         config.num_layers,
         "lm_head",
     );
-    let embed = b.param(
-        "model.embed_tokens.weight".into(),
-        &[v, c],
-        blocks.embedding,
-    );
-    if config.tie_word_embeddings {
-        b.alias(embed, "lm_head.weight".into());
-    }
+    let embed = b.embed_tokens(config, &blocks);
     let layers: Vec<Layer> = (blocks.layers.clone().into_iter().enumerate())
         .map(|(i, block)| layer_params(b, config, layout, i, block))
         .collect();
     let norm = b.norm_params("model.norm", c, false, blocks.head);
-    let lm_head: Weight = if config.tie_word_embeddings {
-        embed
-    } else {
-        b.param("lm_head.weight".into(), &[v, c], blocks.head)
-    };
+    let lm_head = b.lm_head(config, embed, &blocks);
 
     b.enter(blocks.embedding);
     let x = b.op(

@@ -5,7 +5,7 @@
 //! OLMo 2's norms after (not before) attention and MLP.
 
 use super::moe::{self, Experts};
-use super::{Blocks, Builder, Linear, Norm, Weight};
+use super::{Blocks, Builder, Linear, Norm};
 use crate::config::{LlamaLayout, ModelConfig, MoeLayout, QkNorm};
 use crate::error::Result;
 use protrain_ir::{BlockId, OpKind, QkvLayout, ValueId, WeightLayout};
@@ -45,7 +45,7 @@ pub(super) fn build(
     layout: &LlamaLayout,
     moe: Option<&MoeLayout>,
 ) -> Result<()> {
-    let (c, v) = (config.hidden_size, config.vocab_size);
+    let c = config.hidden_size;
     let (tokens, targets) = b.inputs();
     if let Some(m) = moe {
         moe::start_aux_loss(b, m);
@@ -58,14 +58,7 @@ pub(super) fn build(
     );
 
     // Parameters, in `named_parameters()` order: a layer's attention and MLP before its norms.
-    let embed = b.param(
-        "model.embed_tokens.weight".into(),
-        &[v, c],
-        blocks.embedding,
-    );
-    if config.tie_word_embeddings {
-        b.alias(embed, "lm_head.weight".into());
-    }
+    let embed = b.embed_tokens(config, &blocks);
     let layers: Vec<Layer> = blocks
         .layers
         .iter()
@@ -73,11 +66,7 @@ pub(super) fn build(
         .map(|(i, &block)| layer_params(b, config, layout, moe, i, block))
         .collect();
     let norm = b.norm_params("model.norm", c, false, blocks.head);
-    let lm_head: Weight = if config.tie_word_embeddings {
-        embed
-    } else {
-        b.param("lm_head.weight".into(), &[v, c], blocks.head)
-    };
+    let lm_head = b.lm_head(config, embed, &blocks);
 
     // Forward.
     b.enter(blocks.embedding);

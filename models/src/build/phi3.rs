@@ -4,7 +4,7 @@
 //! rotary part; v's copied) and read by a packed attention; the packed `gate_up` feeds a
 //! packed SwiGLU, `up * silu(gate)`.
 
-use super::{Builder, Linear, Norm, Weight};
+use super::{Builder, Linear, Norm};
 use crate::config::{ModelConfig, Phi3Layout};
 use crate::error::Result;
 use protrain_ir::{BlockId, OpKind, QkvLayout, WeightLayout};
@@ -21,7 +21,7 @@ struct Layer {
 
 /// Declares the parameters of a Phi-3 model and emits its forward ops.
 pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &Phi3Layout) -> Result<()> {
-    let (c, v) = (config.hidden_size, config.vocab_size);
+    let c = config.hidden_size;
     let (tokens, targets) = b.inputs();
     let blocks = b.blocks(
         "model.embed_tokens",
@@ -29,14 +29,7 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &Phi3Layout) 
         config.num_layers,
         "lm_head",
     );
-    let embed = b.param(
-        "model.embed_tokens.weight".into(),
-        &[v, c],
-        blocks.embedding,
-    );
-    if config.tie_word_embeddings {
-        b.alias(embed, "lm_head.weight".into());
-    }
+    let embed = b.embed_tokens(config, &blocks);
     let layers: Vec<Layer> = blocks
         .layers
         .iter()
@@ -44,11 +37,7 @@ pub(super) fn build(b: &mut Builder, config: &ModelConfig, layout: &Phi3Layout) 
         .map(|(i, &block)| layer_params(b, config, i, block))
         .collect();
     let norm = b.norm_params("model.norm", c, false, blocks.head);
-    let lm_head: Weight = if config.tie_word_embeddings {
-        embed
-    } else {
-        b.param("lm_head.weight".into(), &[v, c], blocks.head)
-    };
+    let lm_head = b.lm_head(config, embed, &blocks);
 
     b.enter(blocks.embedding);
     let mut x = b.op(
