@@ -85,6 +85,10 @@ pub enum Scratch {
     TokenSpan,
     /// A gradient's squared-norm partial sums (f64, [`grad_norm_partials`] of them).
     NormPartials,
+    /// The load-balancing loss gradient's per-expert coefficient (f32 `[E]`): the CUDA
+    /// backend's first backward kernel writes it from the counts, the second reads it for
+    /// every row.
+    AuxGrads,
 }
 
 /// Bytes of one batch of f32 attention scores for `q` `[B, T, *]`: [`attention_head_batch`]
@@ -211,6 +215,7 @@ impl WorkspaceLayout {
                 Scratch::NormPartials,
                 8 * grad_norm_partials(x(0).map_or(0, TensorType::numel)),
             ),
+            OpKind::MoeAuxLossBackward { experts, .. } => l.push(Scratch::AuxGrads, 4 * experts),
             OpKind::LinearBackward { bias: false, .. }
             | OpKind::Embedding { .. }
             | OpKind::PositionEmbedding { .. }
@@ -241,7 +246,6 @@ impl WorkspaceLayout {
             | OpKind::GroupedLinearBackward { .. }
             | OpKind::MoeCombineBackward { .. }
             | OpKind::MoeAuxLoss { .. }
-            | OpKind::MoeAuxLossBackward { .. }
             | OpKind::RopeBackward { .. }
             | OpKind::PartialRope { .. }
             | OpKind::PartialRopeBackward { .. }

@@ -326,6 +326,15 @@ fn qwen3_moe_f32_losses_match_the_host_under_three_policies() {
     check_f32(&moe_fixture("qwen3_moe"), None);
 }
 
+/// Mixtral with the load-balancing loss (`output_router_logits`): the loss and its gradient
+/// through every sparse layer's router logits on the device give the host's losses, gradient
+/// norms and first update under the three policies.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn mixtral_with_the_load_balancing_loss_f32_losses_match_the_host_under_three_policies() {
+    check_f32(&moe_fixture("mixtral_aux"), Some(0.5));
+}
+
 /// bf16 schedules (bf16 parameters resident or streamed from the host, f32 master weights
 /// updated by the device AdamW or the CPU Adam) train close to the host's f32 run.
 fn check_bf16(model: &str) {
@@ -854,6 +863,31 @@ fn cli_qwen3_moe_bf16_with_accumulation_gives_the_hosts_losses() {
     let fixture = moe_fixture("qwen3_moe");
     cli::check_within(
         "qwen3_moe bf16 --batch 1 --grad-accum 2",
+        &[
+            &fixture,
+            "--dtype",
+            "bf16",
+            "--batch",
+            "1",
+            "--grad-accum",
+            "2",
+            "--seq",
+            "16",
+        ],
+        3,
+        cli::NARROW_LOSSES,
+    );
+}
+
+/// Qwen3-MoE with the load-balancing loss over its sparse layers, through the CLI in bf16, two
+/// micro-batches a step (each micro-batch's loss seeds its own share of the aux gradient).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_qwen3_moe_with_the_load_balancing_loss_bf16_with_accumulation_gives_the_hosts_losses() {
+    let _device = require_gpu();
+    let fixture = moe_fixture("qwen3_moe_aux");
+    cli::check_within(
+        "qwen3_moe_aux bf16 --batch 1 --grad-accum 2",
         &[
             &fixture,
             "--dtype",

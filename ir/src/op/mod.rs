@@ -619,7 +619,9 @@ pub enum OpKind {
     /// `load_balancing_loss_func`: over all `R = layers * B * T` rows, `E * sum_e (c_e / R)
     /// (p_e / R)` where `c_e` counts the rows whose top-k (of the softmax in f32, chosen as
     /// [`OpKind::MoeRoute`] chooses) holds expert `e` and `p_e` sums expert `e`'s
-    /// probability. Sums run in f64 in layer, then row order.
+    /// probability. Sums run in f64: row `g` of all layers' rows (in layer, then row order)
+    /// adds to partial sum `g mod 256`, and the 256 partials are added in order, so that one
+    /// thread per partial computes the same bits.
     MoeAuxLoss {
         /// Experts of each sparse layer.
         experts: u64,
@@ -921,7 +923,8 @@ impl OpKind {
     ///   head dimension of 64, 128 or 256), which keeps nothing of size `[T, T]`;
     /// - cross-entropy: each row's loss (f32); token embedding backward: the first and last
     ///   position of each token id in the sorted order (i32 `[V, 2]`); a gradient's squared
-    ///   norm: [`grad_norm_partials`] f64 partial sums.
+    ///   norm: [`grad_norm_partials`] f64 partial sums; the load-balancing loss backward:
+    ///   each expert's coefficient (f32 `[E]`).
     ///
     /// Column sums run in two deterministic passes over chunks of [`REDUCTION_ROWS`] rows
     /// ([`reduction_chunks`] f32 rows per summed parameter). Every part starts at a multiple

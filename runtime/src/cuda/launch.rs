@@ -1003,13 +1003,19 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 args,
             );
         }
-        OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossBackward { .. } => {
-            return Err(p.bad(
-                "is the load-balancing loss of a mixture of experts, which the CUDA backend \
-                 has no kernel for yet; train with output_router_logits off, or on the host \
-                 backend",
-            ));
-        }
+        OpKind::MoeAuxLoss {
+            experts,
+            top_k,
+            layers,
+            coef,
+        } => moe_aux_loss(p, *experts, *top_k, *layers, *coef)?,
+        OpKind::MoeAuxLossBackward {
+            experts,
+            top_k,
+            layers,
+            coef,
+            ..
+        } => moe_aux_loss_backward(p, *experts, *top_k, *layers, *coef)?,
         OpKind::MoveStart(_) | OpKind::MoveDone(_) | OpKind::Release { .. } => {
             return Err(p.bad(
                 "is a movement op, which no kernel runs: a schedule's copies are copy \
@@ -2006,6 +2012,110 @@ fn moe_route(
     Ok(())
 }
 
+/// Threads of the load-balancing loss's one-block kernels (`MOE_AUX_THREADS` in
+/// `kernels/moe.cu`): one per partial sum of the host kernel's order, and the most experts.
+const MOE_AUX_THREADS: u32 = crate::kernels::moe::AUX_PARTIALS as u32;
+
+/// The shape the load-balancing loss's kernels take: tokens per layer and the checked
+/// integers, refusing more experts than their one block has threads.
+fn moe_aux_shape(
+    p: &Plan<'_>,
+    logits: u64,
+    experts: u64,
+    top_k: u64,
+    layers: u64,
+) -> Result<[i32; 4]> {
+    if experts > u64::from(MOE_AUX_THREADS) {
+        return Err(p.bad(format!(
+            "{experts} experts: the CUDA load-balancing loss kernels take at most \
+             {MOE_AUX_THREADS}"
+        )));
+    }
+    Ok([
+        p.int(layers, "sparse layers")?,
+        p.int(p.ty_in(logits as usize).rows(), "tokens")?,
+        p.int(experts, "experts")?,
+        p.int(top_k, "top_k")?,
+    ])
+}
+
+/// The load-balancing loss (input 0 the cross-entropy loss, then each sparse layer's router
+/// logits): one block that counts and sums every layer's rows in the host kernel's order and
+/// writes `loss + coef * aux`.
+fn moe_aux_loss(p: &mut Plan<'_>, experts: u64, top_k: u64, layers: u64, coef: f64) -> Result<()> {
+    let st = p.storage(1)?;
+    let [l, n, e, k] = moe_aux_shape(p, 1, experts, top_k, layers)?;
+    let logits: Vec<u64> = (1..=layers as usize).map(|i| p.input(i)).collect();
+    let args = vec![
+        Ptr(p.output(0)),
+        Ptr(p.input(0)),
+        Arg::Table(ConstKey::Pointers(logits)),
+        I32(l),
+        I32(n),
+        I32(e),
+        I32(k),
+        I64(coef.to_bits() as i64),
+    ];
+    p.shaped(
+        st.pick(entry!("moe_aux_loss")),
+        (1, 1, 1),
+        (MOE_AUX_THREADS, 1, 1),
+        args,
+    );
+    Ok(())
+}
+
+/// The load-balancing loss's gradient with respect to each layer's router logits: one block
+/// computes each expert's coefficient from the counts (into the workspace), then one thread
+/// per row of every layer takes it back through the row's softmax. The seed is the host
+/// kernel's (`1 / K`, times the loss scale).
+fn moe_aux_loss_backward(
+    p: &mut Plan<'_>,
+    experts: u64,
+    top_k: u64,
+    layers: u64,
+    coef: f64,
+) -> Result<()> {
+    let st = p.storage(0)?;
+    let [l, n, e, k] = moe_aux_shape(p, 0, experts, top_k, layers)?;
+    let seed = crate::dispatch::loss_seed(p.kind).expect("a load-balancing loss backward kind");
+    let rows = (layers * p.ty_in(0).rows()) as f64;
+    // The host kernel's coefficient, in its order of operations.
+    let scale = f64::from(seed) * coef * experts as f64 / (rows * rows);
+    let grads = p.workspace(Scratch::AuxGrads)?;
+    let logits: Vec<u64> = (0..layers as usize).map(|i| p.input(i)).collect();
+    let dlogits: Vec<u64> = (0..layers as usize).map(|i| p.output(i)).collect();
+    let args = vec![
+        Ptr(grads),
+        Arg::Table(ConstKey::Pointers(logits.clone())),
+        I32(l),
+        I32(n),
+        I32(e),
+        I32(k),
+        I64(scale.to_bits() as i64),
+    ];
+    p.shaped(
+        st.pick(entry!("moe_aux_grads")),
+        (1, 1, 1),
+        (MOE_AUX_THREADS, 1, 1),
+        args,
+    );
+    let args = vec![
+        Arg::Table(ConstKey::Pointers(dlogits)),
+        Arg::Table(ConstKey::Pointers(logits)),
+        Ptr(grads),
+        I32(l),
+        I32(n),
+        I32(e),
+    ];
+    p.stride(
+        st.pick(entry!("moe_aux_loss_backward")),
+        layers * p.ty_in(0).rows(),
+        args,
+    );
+    Ok(())
+}
+
 /// The grouped matmul over the packed rows (`backward`: its input and weight gradients). The
 /// kernels read the group boundaries from the route's `offsets` on the device; the weights
 /// (and the weight gradients) are passed as a table of the experts' addresses. A row-tile grid
@@ -2514,12 +2624,11 @@ mod tests {
             OpKind::PartialRopeBackward { .. } => 48,
             OpKind::PackedSwiglu => 49,
             OpKind::PackedSwigluBackward => 50,
-            // The load-balancing loss has no CUDA kernel: `plan` refuses it by name.
-            OpKind::MoeAuxLoss { .. } => VARIANTS + 3,
-            OpKind::MoeAuxLossBackward { .. } => VARIANTS + 4,
+            OpKind::MoeAuxLoss { .. } => 51,
+            OpKind::MoeAuxLossBackward { .. } => 52,
         }
     }
-    const VARIANTS: usize = 51;
+    const VARIANTS: usize = 53;
 
     fn t(shape: &[u64], dtype: DType) -> TensorType {
         TensorType::new(shape.to_vec(), dtype)
@@ -2921,6 +3030,26 @@ mod tests {
                     routed_i32.clone(),
                     x.clone(),
                 ],
+            ),
+            (
+                OpKind::MoeAuxLoss {
+                    experts: E,
+                    top_k: K,
+                    layers: 2,
+                    coef: 0.01,
+                },
+                vec![scalar.clone(), f(&[B, T, E]), f(&[B, T, E])],
+            ),
+            (
+                OpKind::MoeAuxLossBackward {
+                    experts: E,
+                    top_k: K,
+                    layers: 2,
+                    coef: 0.01,
+                    micro_batches: 2,
+                    loss_scale: None,
+                },
+                vec![f(&[B, T, E]), f(&[B, T, E])],
             ),
             (
                 adamw(true),

@@ -366,6 +366,15 @@ pub const SOURCES: &[KernelSource] = &[
             "moe_combine_backward_weights_f32",
             "moe_combine_backward_weights_bf16",
             "moe_combine_backward_weights_f16",
+            "moe_aux_loss_f32",
+            "moe_aux_loss_bf16",
+            "moe_aux_loss_f16",
+            "moe_aux_grads_f32",
+            "moe_aux_grads_bf16",
+            "moe_aux_grads_f16",
+            "moe_aux_loss_backward_f32",
+            "moe_aux_loss_backward_bf16",
+            "moe_aux_loss_backward_f16",
         ]
     ),
 ];

@@ -316,12 +316,18 @@ pub fn moe_combine_backward(
         });
 }
 
+/// Partial sums of [`aux_sums`]: row `g` of the rows of every layer, in layer then row order,
+/// adds to partial `g % AUX_PARTIALS`, and the partials are added in index order. The CUDA
+/// kernels (`moe_aux_*` in `cuda/kernels/moe.cu`) run one thread per partial, so both sum the
+/// probabilities in this order and agree to the bit.
+pub const AUX_PARTIALS: usize = 256;
+
 /// The per-expert sums of transformers' `load_balancing_loss_func` over every layer's rows:
 /// how many rows' top-k holds each expert (`counts`) and each expert's summed probability
-/// (`probs`), in f64, in layer then row order; and the rows counted.
+/// (`probs`), in f64 ([`AUX_PARTIALS`] says in which order); and the rows counted.
 fn aux_sums(logits: &[&[f32]], n_experts: usize, k: usize) -> (Vec<f64>, Vec<f64>, f64) {
     let mut counts = vec![0.0f64; n_experts];
-    let mut probs = vec![0.0f64; n_experts];
+    let mut partials = vec![0.0f64; AUX_PARTIALS * n_experts];
     let (mut p, mut chosen) = (vec![0.0f32; n_experts], vec![0i32; k]);
     let mut rows = 0usize;
     for layer in logits {
@@ -331,10 +337,18 @@ fn aux_sums(logits: &[&[f32]], n_experts: usize, k: usize) -> (Vec<f64>, Vec<f64
             for &e in &chosen {
                 counts[e as usize] += 1.0;
             }
-            for (s, &v) in probs.iter_mut().zip(&p) {
+            let part = rows % AUX_PARTIALS;
+            let sums = &mut partials[part * n_experts..(part + 1) * n_experts];
+            for (s, &v) in sums.iter_mut().zip(&p) {
                 *s += f64::from(v);
             }
             rows += 1;
+        }
+    }
+    let mut probs = vec![0.0f64; n_experts];
+    for part in partials.chunks(n_experts) {
+        for (s, &v) in probs.iter_mut().zip(part) {
+            *s += v;
         }
     }
     (counts, probs, rows as f64)

@@ -1080,3 +1080,46 @@ fn mixture_of_experts_forward_and_backward() {
     let sizes: Vec<i32> = off.windows(2).map(|g| g[1] - g[0]).collect();
     assert!(sizes.iter().min() < sizes.iter().max(), "{sizes:?}");
 }
+
+/// The load-balancing loss and its gradient against the host kernels, over three sparse
+/// layers of 150 tokens: 450 rows, so each of the 256 partial sums of the probabilities takes
+/// one or two rows and the in-order reduction of the partials decides the bits. On the
+/// simulator (the host's `expf`) the loss and the gradients are the host's to the bit.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn load_balancing_loss_forward_and_backward() {
+    require_gpu();
+    let (b, t, e, k, layers) = (1u64, 150u64, 5u64, 2u64, 3u64);
+    let exact = if simulated() { 0.0 } else { REDUCTION };
+    for dtype in DTYPES {
+        for micro_batches in [1, 4] {
+            let mut forward = Builder::new(40).float_values(&[], DType::F32, vec![2.25]);
+            let mut backward = Builder::new(41);
+            for _ in 0..layers {
+                forward = forward.float(&[b, t, e], dtype, 3.0);
+                backward = backward.float(&[b, t, e], dtype, 3.0);
+            }
+            forward
+                .op(OpKind::MoeAuxLoss {
+                    experts: e,
+                    top_k: k,
+                    layers,
+                    coef: 0.05,
+                })
+                .check(&format!("load-balancing loss {dtype}"), exact);
+            backward
+                .op(OpKind::MoeAuxLossBackward {
+                    experts: e,
+                    top_k: k,
+                    layers,
+                    coef: 0.05,
+                    micro_batches,
+                    loss_scale: (micro_batches > 1).then_some(1024.0),
+                })
+                .check(
+                    &format!("load-balancing loss backward {dtype} over {micro_batches}"),
+                    exact,
+                );
+        }
+    }
+}

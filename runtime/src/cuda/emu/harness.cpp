@@ -978,11 +978,82 @@ void test_moe() {
     }
 }
 
+/// The load-balancing loss and its gradient over three layers of 150 rows (450 rows: the 256
+/// partial sums take one or two rows each) against f64 references of transformers' formula.
+void test_moe_aux() {
+    const int L = 3, N = 150, E = 5, K = 2;
+    const double coef = 0.05, seed = 0.25;
+    std::vector<std::vector<float>> logits(L);
+    for (auto& l : logits) l = rnd((size_t)N * E, 3.0f);
+    const void* lp[L] = {logits[0].data(), logits[1].data(), logits[2].data()};
+    // f64 references: counts of each expert in the rows' top-k, summed probabilities.
+    std::vector<double> counts(E, 0.0), probs(E, 0.0);
+    std::vector<std::vector<double>> p(L, std::vector<double>((size_t)N * E));
+    for (int l = 0; l < L; ++l)
+        for (int t = 0; t < N; ++t) {
+            const float* x = logits[l].data() + (size_t)t * E;
+            double* q = p[l].data() + (size_t)t * E;
+            double mx = -INFINITY, sum = 0;
+            for (int e = 0; e < E; ++e) mx = std::max(mx, (double)x[e]);
+            for (int e = 0; e < E; ++e) sum += q[e] = std::exp(x[e] - mx);
+            for (int e = 0; e < E; ++e) probs[e] += q[e] /= sum;
+            std::vector<int> chosen;
+            for (int j = 0; j < K; ++j) {
+                int best = -1;
+                for (int e = 0; e < E; ++e)
+                    if (std::find(chosen.begin(), chosen.end(), e) == chosen.end() && (best < 0 || q[e] > q[best])) best = e;
+                chosen.push_back(best);
+                counts[best] += 1;
+            }
+        }
+    const double R = (double)L * N;
+    double aux = 0;
+    for (int e = 0; e < E; ++e) aux += counts[e] / R * probs[e] / R;
+    aux *= E;
+    const float ce = 2.25f;
+    std::vector<float> loss(1, NAN);
+    long long coef_bits;
+    memcpy(&coef_bits, &coef, 8);
+    launch(G(1), G(MOE_AUX_THREADS), [&] { moe_aux_loss_f32(loss.data(), &ce, lp, L, N, E, K, coef_bits); });
+    close("moe aux loss", loss, {(double)ce + coef * aux}, 1e-6);
+    // The gradient: d/dl = p (g - p . g) per row with g_e = seed coef E c_e / R^2.
+    const double scale = seed * coef * E / (R * R);
+    long long scale_bits;
+    memcpy(&scale_bits, &scale, 8);
+    std::vector<float> g(E, NAN);
+    launch(G(1), G(MOE_AUX_THREADS), [&] { moe_aux_grads_f32(g.data(), lp, L, N, E, K, scale_bits); });
+    // Compared in units of `scale` (the gradients are that small): the counts themselves.
+    std::vector<double> want_g(E);
+    std::vector<float> g_units(E);
+    for (int e = 0; e < E; ++e) {
+        want_g[e] = counts[e] * scale;
+        g_units[e] = (float)(g[e] / scale);
+    }
+    close("moe aux coefficients (in units of the scale)", g_units, counts, 1e-6);
+    std::vector<std::vector<float>> dl(L, std::vector<float>((size_t)N * E, NAN));
+    void* dp[L] = {dl[0].data(), dl[1].data(), dl[2].data()};
+    launch(G(2), G(64), [&] { moe_aux_loss_backward_f32(dp, lp, g.data(), L, N, E); });
+    for (int l = 0; l < L; ++l) {
+        std::vector<double> want((size_t)N * E);
+        std::vector<float> got((size_t)N * E);
+        for (int t = 0; t < N; ++t) {
+            const double* q = p[l].data() + (size_t)t * E;
+            double dot = 0;
+            for (int e = 0; e < E; ++e) dot += q[e] * counts[e];
+            for (int e = 0; e < E; ++e) want[(size_t)t * E + e] = q[e] * (counts[e] - dot);
+        }
+        for (size_t i = 0; i < got.size(); ++i) got[i] = (float)(dl[l][i] / scale);
+        // `c - p . c` cancels: f32 keeps about 1e-7 of counts in the hundreds.
+        close("moe aux loss backward (in units of the scale)", got, want, 1e-4);
+    }
+}
+
 int main(int argc, char** argv) {
     // `harness flash` runs the flash attention checks alone, `harness moe` the
     // mixture-of-experts checks.
     if (argc > 1 && std::string(argv[1]) == "moe") {
         test_moe();
+        test_moe_aux();
         printf("%d failure(s)\n", failures);
         return failures != 0;
     }
@@ -1013,6 +1084,7 @@ int main(int argc, char** argv) {
     }
     test_flash_all();
     test_moe();
+    test_moe_aux();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -22,6 +22,9 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __double2float_rn(double a) { return (float)a; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 using std::isfinite;
 using std::max;
 using std::min;

@@ -371,3 +371,155 @@ __device__ void moe_combine_backward_weights(float* dweights, const T* dout, con
 extern "C" __global__ void moe_combine_backward_weights_f32(float* dweights, const float* dout, const float* ys, const int* slots, int n_slots, int channels, int k) { moe_combine_backward_weights(dweights, dout, ys, slots, n_slots, channels, k); }
 extern "C" __global__ void moe_combine_backward_weights_bf16(float* dweights, const bf16* dout, const bf16* ys, const int* slots, int n_slots, int channels, int k) { moe_combine_backward_weights(dweights, dout, ys, slots, n_slots, channels, k); }
 extern "C" __global__ void moe_combine_backward_weights_f16(float* dweights, const f16* dout, const f16* ys, const int* slots, int n_slots, int channels, int k) { moe_combine_backward_weights(dweights, dout, ys, slots, n_slots, channels, k); }
+
+/// Threads of the load-balancing loss's one-block kernels: one per partial sum of the
+/// probabilities (`AUX_PARTIALS` in runtime/src/kernels/moe.rs), and the most experts they take.
+#define MOE_AUX_THREADS 256
+/// Experts whose partials one pass of the in-order reduction gathers in shared memory.
+#define MOE_AUX_GATHER 8
+
+/// Row `r` of `layers` logits tensors `[n_tokens, E]` taken in layer then row order.
+template <typename T>
+__device__ __forceinline__ T* moe_aux_row(void* const* logits, int n_tokens, int n_experts, i64 r) {
+    return (T*)logits[r / n_tokens] + (r % n_tokens) * n_experts;
+}
+
+/// The softmax of one row in the host's order, `p[e] = expf(l[e] - max) / sum`, and its top-k
+/// (largest first, ties to the lower expert) added to `counts`; returns the sum.
+template <typename T>
+__device__ float moe_aux_softmax(float* p, int* chosen, int* counts, const T* l, int n_experts, int k) {
+    float mx = -pt_inf();
+    for (int e = 0; e < n_experts; ++e) mx = fmaxf(mx, ld(l, e));
+    float sum = 0.0f;
+    for (int e = 0; e < n_experts; ++e) {
+        p[e] = expf(ld(l, e) - mx);
+        sum = __fadd_rn(sum, p[e]);
+    }
+    for (int e = 0; e < n_experts; ++e) p[e] = p[e] / sum;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < n_experts; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        chosen[j] = best < 0 ? 0 : best;
+        counts[chosen[j]] += 1;
+    }
+    return sum;
+}
+
+/// The per-expert counts (rows whose top-k holds the expert) and, when `probs` is not null,
+/// summed probabilities of every layer's rows, in the host's order: thread `j` sums rows
+/// `j, j + 256, ...` (layer then row order) in f64, and the partials are added in thread order,
+/// `MOE_AUX_GATHER` experts at a time through shared memory. Counts are integers, exact in any
+/// order. Every thread of the one block must call it.
+template <typename T>
+__device__ void moe_aux_sums(int* counts, double* probs, const void* const* logits, int layers, int n_tokens,
+                             int n_experts, int k) {
+    __shared__ double gather[MOE_AUX_THREADS][MOE_AUX_GATHER];
+    __shared__ int gather_counts[MOE_AUX_THREADS][MOE_AUX_GATHER];
+    if (blockDim.x != MOE_AUX_THREADS || n_experts > MOE_AUX_THREADS || k > n_experts) __trap();
+    const int tid = threadIdx.x;
+    double mine[MOE_AUX_THREADS];
+    int mine_counts[MOE_AUX_THREADS], chosen[MOE_AUX_THREADS];
+    float p[MOE_AUX_THREADS];
+    for (int e = 0; e < n_experts; ++e) {
+        mine[e] = 0.0;
+        mine_counts[e] = 0;
+    }
+    const i64 rows = (i64)layers * n_tokens;
+    for (i64 r = tid; r < rows; r += MOE_AUX_THREADS) {
+        moe_aux_softmax(p, chosen, mine_counts, moe_aux_row<T>((void* const*)logits, n_tokens, n_experts, r), n_experts, k);
+        for (int e = 0; e < n_experts; ++e) mine[e] += (double)p[e];
+    }
+    for (int e0 = 0; e0 < n_experts; e0 += MOE_AUX_GATHER) {
+        for (int g = 0; g < MOE_AUX_GATHER; ++g) {
+            const bool in = e0 + g < n_experts;
+            gather[tid][g] = in ? mine[e0 + g] : 0.0;
+            gather_counts[tid][g] = in ? mine_counts[e0 + g] : 0;
+        }
+        __syncthreads();
+        if (tid < MOE_AUX_GATHER && e0 + tid < n_experts) {
+            double s = 0.0;
+            int c = 0;
+            for (int j = 0; j < MOE_AUX_THREADS; ++j) {
+                s += gather[j][tid];
+                c += gather_counts[j][tid];
+            }
+            if (probs) probs[e0 + tid] = s;
+            counts[e0 + tid] = c;
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T>
+__device__ void moe_aux_loss(float* out, const float* loss, const void* const* logits, int layers, int n_tokens,
+                             int n_experts, int k, long long coef_bits) {
+    __shared__ int counts[MOE_AUX_THREADS];
+    __shared__ double probs[MOE_AUX_THREADS];
+    moe_aux_sums<T>(counts, probs, logits, layers, n_tokens, n_experts, k);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const double rows = (double)((i64)layers * n_tokens);
+        double aux = -0.0;
+        for (int e = 0; e < n_experts; ++e) aux = __dadd_rn(aux, __dmul_rn((double)counts[e] / rows, probs[e] / rows));
+        aux = __dmul_rn(aux, (double)n_experts);
+        out[0] = __double2float_rn(__dadd_rn((double)loss[0], __dmul_rn(__longlong_as_double(coef_bits), aux)));
+    }
+}
+
+/// `out[0] = loss[0] + coef * aux` (f32, summed in f64), with `aux` transformers'
+/// `load_balancing_loss_func` over the router logits of `layers` sparse layers (a device table
+/// of pointers to `[n_tokens, E]` tensors): `E * sum_e (c_e / R) (p_e / R)` over the `R` rows.
+/// `coef_bits` is the f64 coefficient's bits. Launch: exactly one block of MOE_AUX_THREADS.
+extern "C" __global__ void moe_aux_loss_f32(float* out, const float* loss, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long coef_bits) { moe_aux_loss<float>(out, loss, logits, layers, n_tokens, n_experts, k, coef_bits); }
+extern "C" __global__ void moe_aux_loss_bf16(float* out, const float* loss, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long coef_bits) { moe_aux_loss<bf16>(out, loss, logits, layers, n_tokens, n_experts, k, coef_bits); }
+extern "C" __global__ void moe_aux_loss_f16(float* out, const float* loss, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long coef_bits) { moe_aux_loss<f16>(out, loss, logits, layers, n_tokens, n_experts, k, coef_bits); }
+
+template <typename T>
+__device__ void moe_aux_grads(float* grads, const void* const* logits, int layers, int n_tokens, int n_experts,
+                              int k, long long scale_bits) {
+    __shared__ int counts[MOE_AUX_THREADS];
+    moe_aux_sums<T>(counts, nullptr, logits, layers, n_tokens, n_experts, k);
+    __syncthreads();
+    const double scale = __longlong_as_double(scale_bits);
+    for (int e = threadIdx.x; e < n_experts; e += MOE_AUX_THREADS)
+        grads[e] = __double2float_rn(__dmul_rn((double)counts[e], scale));
+}
+
+/// Step 1 of the load-balancing loss's gradient: `grads [E]` (f32) the loss's gradient with
+/// respect to each expert's probability in any row, `c_e * scale` with `scale = seed * coef *
+/// E / R^2` (the f64's bits), from the counts of every layer's rows. Launch: exactly one block
+/// of MOE_AUX_THREADS.
+extern "C" __global__ void moe_aux_grads_f32(float* grads, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long scale_bits) { moe_aux_grads<float>(grads, logits, layers, n_tokens, n_experts, k, scale_bits); }
+extern "C" __global__ void moe_aux_grads_bf16(float* grads, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long scale_bits) { moe_aux_grads<bf16>(grads, logits, layers, n_tokens, n_experts, k, scale_bits); }
+extern "C" __global__ void moe_aux_grads_f16(float* grads, const void* const* logits, int layers, int n_tokens, int n_experts, int k, long long scale_bits) { moe_aux_grads<f16>(grads, logits, layers, n_tokens, n_experts, k, scale_bits); }
+
+template <typename T>
+__device__ void moe_aux_loss_backward(void* const* dlogits, const void* const* logits, const float* grads,
+                                      int layers, int n_tokens, int n_experts) {
+    GRID_STRIDE(r, (i64)layers * n_tokens) {
+        const T* l = moe_aux_row<T>((void* const*)logits, n_tokens, n_experts, r);
+        T* dl = moe_aux_row<T>(dlogits, n_tokens, n_experts, r);
+        float mx = -pt_inf();
+        for (int e = 0; e < n_experts; ++e) mx = fmaxf(mx, ld(l, e));
+        float sum = 0.0f;
+        for (int e = 0; e < n_experts; ++e) sum = __fadd_rn(sum, expf(ld(l, e) - mx));
+        float dot = -0.0f;
+        for (int e = 0; e < n_experts; ++e) dot = __fadd_rn(dot, __fmul_rn(expf(ld(l, e) - mx) / sum, grads[e]));
+        for (int e = 0; e < n_experts; ++e) {
+            const float p = expf(ld(l, e) - mx) / sum;
+            st(dl, e, __fmul_rn(p, __fsub_rn(grads[e], dot)));
+        }
+    }
+}
+
+/// Step 2 of the load-balancing loss's gradient: each row of each layer's `dlogits` (a device
+/// table of pointers to `[n_tokens, E]` tensors, overwritten) is `p * (g - p . g)` for the row's
+/// softmax `p` of `logits` (a table of the same shapes) and step 1's `grads [E]`. One thread per
+/// row. Grid-stride over layers * n_tokens.
+extern "C" __global__ void moe_aux_loss_backward_f32(void* const* dlogits, const void* const* logits, const float* grads, int layers, int n_tokens, int n_experts) { moe_aux_loss_backward<float>(dlogits, logits, grads, layers, n_tokens, n_experts); }
+extern "C" __global__ void moe_aux_loss_backward_bf16(void* const* dlogits, const void* const* logits, const float* grads, int layers, int n_tokens, int n_experts) { moe_aux_loss_backward<bf16>(dlogits, logits, grads, layers, n_tokens, n_experts); }
+extern "C" __global__ void moe_aux_loss_backward_f16(void* const* dlogits, const void* const* logits, const float* grads, int layers, int n_tokens, int n_experts) { moe_aux_loss_backward<f16>(dlogits, logits, grads, layers, n_tokens, n_experts); }
