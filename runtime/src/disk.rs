@@ -870,17 +870,8 @@ mod tests {
     fn requests_cover_every_alignment_and_size_in_whole_blocks() {
         let a = DIRECT_ALIGN;
         for block in [a, 3 * a, BLOCK] {
-            let offsets = [
-                0,
-                1,
-                7,
-                a - 1,
-                a,
-                a + 1,
-                5 * a,
-                5 * a + 3,
-                3 * block as u64 / 2,
-            ];
+            let offsets =
+                [0, 1, 7, a - 1, a, a + 1, 5 * a, 5 * a + 3, 3 * block / 2].map(|o| o as u64);
             let lens = [
                 0,
                 1,
@@ -895,7 +886,6 @@ mod tests {
                 3 * block + 5,
             ];
             for (offset, len, direct) in cases(&offsets, &lens) {
-                let offset = offset as u64;
                 let plan = requests(offset, len, direct, block);
                 let what = format!("offset {offset} len {len} direct {direct} block {block}");
                 let mut at = 0;
