@@ -138,14 +138,16 @@ def sequential(directory: Path, nbytes: int, direct: bool) -> tuple:
 
 def queued(exe: Path, directory: Path, nbytes: str, depth: int) -> tuple:
     """The runtime's read and write bandwidth of --dir with `depth` requests in flight."""
-    err = subprocess.run(
-        [str(exe), "profile", "gpt2-tiny", "--batch", "1", "--seq", "8", "--repeats", "1",
-         "--disk-dir", str(directory), "--disk-bytes", nbytes, "-o", os.devnull],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=dict(os.environ, PROTRAIN_DISK_QUEUE=str(depth), PROTRAIN_DISK_IO="direct"),
-    ).stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        err = subprocess.run(
+            [str(exe), "profile", "gpt2-tiny", "--batch", "1", "--seq", "8", "--repeats", "1",
+             "--disk-dir", str(directory), "--disk-bytes", nbytes,
+             "-o", str(Path(tmp) / "profile.json")],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, PROTRAIN_DISK_QUEUE=str(depth), PROTRAIN_DISK_IO="direct"),
+        ).stderr
     m = re.search(r"^disk\s+([0-9.]+) GB/s read, ([0-9.]+) GB/s write .*, (.*)$", err, re.M)
     return float(m.group(1)), float(m.group(2)), m.group(3)
 
