@@ -16,7 +16,11 @@ small), and reads:
 - a plain sequential throughput of --dir by this script, in 8 MiB blocks: --bytes written and
   fdatasync'd, then read back after dropping the file's pages from the page cache
   (posix_fadvise DONTNEED), once buffered and once with O_DIRECT;
-- the step time of each schedule and its ratio to the host-memory one.
+- the step time of each schedule and its ratio to the host-memory one;
+- the runtime's own file I/O (`protrain profile --disk-dir`: --bytes written in 64 MiB
+  transfers, fdatasync'd, read back, with O_DIRECT) with one request in flight
+  (PROTRAIN_DISK_QUEUE=1, each transfer's 8 MiB requests one after another) and with --queue
+  requests in flight (the runtime's pool of I/O threads), and their ratio.
 
 At this model size the whole state is a few MB: buffered I/O is then served by the page cache,
 which is why it can look faster through the schedule than O_DIRECT. A state that needs the disk
@@ -24,7 +28,11 @@ tier is larger than host memory, so the sequential figures (--bytes of 1 GiB or 
 ones that say how fast it moves.
 
 Usage (from anywhere in the repository):
-    python3 benches/disk_tier.py [--dir /tmp] [--steps 30] [--bytes 1GiB]
+    python3 benches/disk_tier.py [--dir /tmp] [--steps 30] [--bytes 1GiB] [--queue 4]
+        [--exe target/debug/protrain] [--only-queue]
+
+--exe uses a binary already built instead of building the release one (the file I/O is system
+calls, so a debug build moves bytes as fast); --only-queue measures only the request depths.
 """
 
 import argparse
@@ -40,7 +48,9 @@ POLICY = "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1"
 SHAPE = ["--batch", "8", "--seq", "128"]
 
 
-def binary() -> Path:
+def binary(exe) -> Path:
+    if exe:
+        return Path(exe).resolve()
     target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     subprocess.run(["cargo", "build", "--release", "-p", "protrain"], cwd=ROOT, check=True)
     return target / "release" / "protrain"
@@ -126,13 +136,50 @@ def sequential(directory: Path, nbytes: int, direct: bool) -> tuple:
     return read, write
 
 
+def queued(exe: Path, directory: Path, nbytes: str, depth: int) -> tuple:
+    """The runtime's read and write bandwidth of --dir with `depth` requests in flight."""
+    with tempfile.TemporaryDirectory() as tmp:
+        err = subprocess.run(
+            [str(exe), "profile", "gpt2-tiny", "--batch", "1", "--seq", "8", "--repeats", "1",
+             "--disk-dir", str(directory), "--disk-bytes", nbytes,
+             "-o", str(Path(tmp) / "profile.json")],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, PROTRAIN_DISK_QUEUE=str(depth), PROTRAIN_DISK_IO="direct"),
+        ).stderr
+    m = re.search(r"^disk\s+([0-9.]+) GB/s read, ([0-9.]+) GB/s write .*, (.*)$", err, re.M)
+    return float(m.group(1)), float(m.group(2)), m.group(3)
+
+
+def queue_depths(exe: Path, args) -> None:
+    rows = {d: queued(exe, Path(args.dir), args.bytes, d) for d in (1, args.queue)}
+    for depth, (read, write, io) in rows.items():
+        print(
+            f"runtime    depth {depth:<3} {read:.2f} GB/s read, {write:.2f} GB/s write "
+            f"(fdatasync'd), {args.bytes} in 64 MiB transfers, {io}"
+        )
+    one, many = rows[1], rows[args.queue]
+    print(
+        f"runtime    depth {args.queue} / depth 1: {many[0] / one[0]:.2f}x read, "
+        f"{many[1] / one[1]:.2f}x write"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bytes", default="1GiB")
+    parser.add_argument("--queue", type=int, default=4)
+    parser.add_argument("--exe")
+    parser.add_argument("--only-queue", action="store_true")
     args = parser.parse_args()
-    exe = binary()
+    exe = binary(args.exe)
+    print(f"directory          {args.dir}")
+    queue_depths(exe, args)
+    if args.only_queue:
+        return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         region, states = host_region(exe, tmp)
@@ -143,7 +190,6 @@ def main() -> None:
         disk = {io: train(exe, args.steps, flags, io) for io in ("direct", "buffered")}
         plain = {io: sequential(Path(args.dir), size(args.bytes), io == "direct") for io in disk}
     moved = 2 * sum(states)
-    print(f"directory          {args.dir}")
     for io in ("direct", "buffered"):
         if plain[io] is None:
             print(f"sequential {io:8} refused by the file system")

@@ -27,6 +27,14 @@
 //! buffered against 0.6 GB/s direct), so it stays buffered ([`DiskIo::from_env`]; set
 //! `PROTRAIN_DISK_IO` to `direct` or `buffered` to choose). Where the file system refuses
 //! `O_DIRECT` (tmpfs, some network file systems), everything goes through the page cache.
+//!
+//! A transfer is split into requests of at most [`BLOCK`] bytes ([`requests`], a plan computed
+//! as data and tested on its own), and a small pool of threads owned by the file keeps up to
+//! [`Queue::depth`] of them in flight at once (`pread`/`pwrite` on each), so that an NVMe
+//! drive sees a queue deeper than one; `PROTRAIN_DISK_QUEUE` sets the depth ([`QUEUE_ENV`],
+//! default [`DEPTH`]; 1 issues the requests one after another on the calling thread). The
+//! bytes on disk and the file's format are the same at every depth. A failed transfer names
+//! the file and the offset of the lowest request that failed.
 
 use crate::error::{DiskIoCause, DiskProblem, Result, RuntimeError};
 use std::alloc::Layout;
@@ -40,8 +48,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 /// The block `O_DIRECT` transfers align to: file offsets, lengths and memory addresses.
 pub const DIRECT_ALIGN: usize = 4096;
 
-/// Bytes a bounce buffer moves at a time, when the memory side of a transfer is not aligned.
-const BOUNCE: usize = 8 << 20;
+/// Most bytes of one request ([`requests`]); a request whose memory is not aligned moves
+/// through a bounce buffer of this size.
+pub const BLOCK: usize = 8 << 20;
+
+/// Requests a transfer keeps in flight by default ([`Queue::from_env`]).
+pub const DEPTH: usize = 4;
+
+/// Most requests in flight [`QUEUE_ENV`] may ask for.
+pub const MAX_DEPTH: usize = 64;
+
+/// The environment variable that sets how many requests a transfer keeps in flight.
+pub const QUEUE_ENV: &str = "PROTRAIN_DISK_QUEUE";
 
 /// The environment variable that chooses the I/O (`direct`, `buffered`, or `auto`).
 pub const IO_ENV: &str = "PROTRAIN_DISK_IO";
@@ -92,6 +110,92 @@ impl DiskIo {
     }
 }
 
+/// How a [`DiskFile`] splits its transfers into requests and how many it keeps in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Queue {
+    /// Requests in flight at once (at least 1: one after another on the calling thread).
+    pub depth: usize,
+    /// Most bytes of one request, a multiple of [`DIRECT_ALIGN`].
+    pub block: usize,
+}
+
+impl Queue {
+    /// One request at a time, each of at most [`BLOCK`] bytes.
+    pub const SERIAL: Queue = Queue {
+        depth: 1,
+        block: BLOCK,
+    };
+
+    /// The queue the environment asks for: [`QUEUE_ENV`] requests in flight (default
+    /// [`DEPTH`]) of at most [`BLOCK`] bytes. Fails, naming the variable, on anything but a
+    /// whole number from 1 to [`MAX_DEPTH`].
+    pub fn from_env() -> Result<Self> {
+        Self::parse(std::env::var(QUEUE_ENV).ok().as_deref())
+    }
+
+    fn parse(value: Option<&str>) -> Result<Self> {
+        let depth = match value.map(str::trim) {
+            None | Some("") => DEPTH,
+            Some(text) => match text.parse::<usize>() {
+                Ok(n) if (1..=MAX_DEPTH).contains(&n) => n,
+                _ => {
+                    return Err(RuntimeError::Disk {
+                        path: PathBuf::from(QUEUE_ENV),
+                        problem: DiskProblem::BadQueueDepth {
+                            var: QUEUE_ENV,
+                            value: text.to_string(),
+                            most: MAX_DEPTH,
+                        },
+                    })
+                }
+            },
+        };
+        Ok(Queue {
+            depth,
+            block: BLOCK,
+        })
+    }
+}
+
+/// One request of a transfer ([`requests`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Where it starts, in bytes from the start of the transfer (in the file and in memory).
+    pub at: usize,
+    /// Its bytes.
+    pub len: usize,
+    /// Whether it bypasses the page cache (`O_DIRECT`): its file offset and length are
+    /// multiples of [`DIRECT_ALIGN`].
+    pub direct: bool,
+}
+
+/// The requests a transfer of `len` bytes at file offset `offset` is split into, in order,
+/// covering it exactly: with `direct` and a block-aligned offset, the whole
+/// [`DIRECT_ALIGN`] blocks of the range go with `O_DIRECT` in requests of at most `block`
+/// bytes (a multiple of [`DIRECT_ALIGN`]), and the unaligned tail through the page cache;
+/// otherwise all of it goes through the page cache, in requests of at most `block` bytes.
+/// Each request starts a whole number of `block`s into the transfer, except the tail.
+pub fn requests(offset: u64, len: usize, direct: bool, block: usize) -> Vec<Request> {
+    assert!(
+        block > 0 && block.is_multiple_of(DIRECT_ALIGN),
+        "a request's size is a whole number of O_DIRECT blocks"
+    );
+    let whole = match direct && aligned(offset) {
+        true => len / DIRECT_ALIGN * DIRECT_ALIGN,
+        false => 0,
+    };
+    let split = |from: usize, to: usize, direct: bool| {
+        (from..to).step_by(block).map(move |at| Request {
+            at,
+            len: block.min(to - at),
+            direct,
+        })
+    };
+    split(0, whole, true)
+        .chain(split(whole, len, false))
+        .collect()
+}
+
 /// A preallocated file holding a disk region; removed on drop.
 #[derive(Debug)]
 pub struct DiskFile {
@@ -104,6 +208,12 @@ pub struct DiskFile {
     path: PathBuf,
     bytes: u64,
     swept: Vec<PathBuf>,
+    queue: Queue,
+    /// The threads that keep [`Queue::depth`] requests in flight (none at depth 1).
+    pool: Option<rayon::ThreadPool>,
+    /// Bounce buffers of [`Queue::block`] bytes, for requests whose memory is not aligned;
+    /// one per request in flight at most, made on first use.
+    bounces: std::sync::Mutex<Vec<Aligned>>,
 }
 
 /// A zeroed allocation aligned to [`DIRECT_ALIGN`], for `O_DIRECT` transfers.
@@ -132,6 +242,15 @@ impl Aligned {
     }
 }
 
+// SAFETY: an `Aligned` owns its allocation alone, like a `Vec<u8>`.
+unsafe impl Send for Aligned {}
+
+impl std::fmt::Debug for Aligned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Aligned({} bytes)", self.len)
+    }
+}
+
 impl Drop for Aligned {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout, freed once.
@@ -149,10 +268,45 @@ static MADE: AtomicU64 = AtomicU64::new(0);
 
 impl DiskFile {
     /// A new file of `bytes` zeros in `dir`, doing I/O as the environment says, or as suits
-    /// its size ([`DiskIo::from_env`]). Fails, naming the directory and the way out, when it
-    /// does not exist, is not a directory, cannot be written, or has no room.
+    /// its size ([`DiskIo::from_env`]), with the queue the environment asks for
+    /// ([`Queue::from_env`]). Fails, naming the directory and the way out, when it does not
+    /// exist, is not a directory, cannot be written, or has no room.
     pub fn create(dir: &Path, bytes: u64) -> Result<Self> {
-        Self::create_with(dir, bytes, DiskIo::from_env(bytes)?)
+        let queue = Queue::from_env()?;
+        Self::create_with(dir, bytes, DiskIo::from_env(bytes)?)?.with_queue(queue)
+    }
+
+    /// The file with its transfers split and issued as `queue` says; fails when the threads
+    /// cannot be started.
+    pub fn with_queue(mut self, queue: Queue) -> Result<Self> {
+        assert!(
+            queue.depth > 0 && queue.block > 0 && queue.block.is_multiple_of(DIRECT_ALIGN),
+            "a queue of at least one request of whole O_DIRECT blocks"
+        );
+        self.pool = match queue.depth {
+            1 => None,
+            depth => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(depth)
+                    .thread_name(|i| format!("protrain-disk-{i}"))
+                    .build()
+                    .map_err(|e| RuntimeError::Disk {
+                        path: self.path.clone(),
+                        problem: DiskProblem::CannotCreate {
+                            file: self.path.clone(),
+                            error: format!("starting {depth} disk I/O threads: {e}"),
+                        },
+                    })?,
+            ),
+        };
+        self.queue = queue;
+        self.bounces = Default::default();
+        Ok(self)
+    }
+
+    /// How the file splits and issues its transfers.
+    pub fn queue(&self) -> Queue {
+        self.queue
     }
 
     /// [`DiskFile::create`] with the I/O given: [`DiskIo::Direct`] still falls back to the
@@ -226,6 +380,9 @@ impl DiskFile {
             path,
             bytes,
             swept,
+            queue: Queue::SERIAL,
+            pool: None,
+            bounces: Default::default(),
         };
         // Allocated, not written: the file system reserves the blocks (reading as zeros) in
         // moments, where writing zeros took minutes for a large state. A failure (the disk
@@ -287,76 +444,109 @@ impl DiskFile {
     /// Reads `out.len()` bytes at `offset`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.in_bounds(offset, out.len())?;
-        let done = self.transfer(offset, Side::Read(out), "reading")?;
-        // The tail, or everything when `O_DIRECT` is out: through the page cache.
-        self.file
-            .read_exact_at(&mut out[done..], offset + done as u64)
-            .map_err(|e| self.io_error("reading", offset + done as u64, e))
+        self.transfer(offset, Side::Read(out), "reading")
     }
 
     /// Writes `data` at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.put(offset, data, "writing")
-    }
-
-    /// Writes `data` at `offset`; `doing` names the write in errors.
-    fn put(&self, offset: u64, data: &[u8], doing: &str) -> Result<()> {
         self.in_bounds(offset, data.len())?;
-        let done = self.transfer(offset, Side::Write(data), doing)?;
-        self.file
-            .write_all_at(&data[done..], offset + done as u64)
-            .map_err(|e| self.io_error(doing, offset + done as u64, e))
+        self.transfer(offset, Side::Write(data), "writing")
     }
 
-    /// Moves the whole aligned blocks at the start of a transfer at `offset` with `O_DIRECT`
-    /// (through a bounce buffer when the memory is not aligned), and returns how many bytes
-    /// it moved: 0 when the offset is not block-aligned, the transfer is shorter than a block,
-    /// or `O_DIRECT` is out.
-    fn transfer(&self, offset: u64, mut side: Side<'_>, doing: &str) -> Result<usize> {
-        let Some(direct) = self.direct.as_ref() else {
-            return Ok(0);
+    /// Moves the bytes of `side` at `offset` in the requests [`requests`] plans, up to
+    /// [`Queue::depth`] of them at once; `doing` names the transfer in errors. Every request
+    /// runs even when one fails; the error is the lowest failed request's.
+    fn transfer(&self, offset: u64, side: Side<'_>, doing: &str) -> Result<()> {
+        let direct = self.direct.is_some() && self.direct_ok.load(Ordering::Relaxed);
+        let plan = requests(offset, side.len(), direct, self.queue.block);
+        let parts = side.split(&plan);
+        let pool = match &self.pool {
+            Some(pool) if parts.len() > 1 => pool,
+            // One request, or one at a time: on the calling thread, in order.
+            _ => {
+                return parts
+                    .into_iter()
+                    .try_for_each(|(r, part)| self.request(offset, r, part, doing))
+            }
         };
-        let len = side.len() / DIRECT_ALIGN * DIRECT_ALIGN;
-        if !aligned(offset) || len == 0 || !self.direct_ok.load(Ordering::Relaxed) {
-            return Ok(0);
+        let failed = std::sync::Mutex::new(Vec::new());
+        pool.scope_fifo(|scope| {
+            for (r, part) in parts {
+                let failed = &failed;
+                scope.spawn_fifo(move |_| {
+                    if let Err(e) = self.request(offset, r, part, doing) {
+                        failed
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push((r.at, e));
+                    }
+                });
+            }
+        });
+        let failed = failed
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match failed.into_iter().min_by_key(|(at, _)| *at) {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
         }
-        let result = match aligned(side.addr() as u64) {
-            true => match &mut side {
-                Side::Read(out) => direct.read_exact_at(&mut out[..len], offset),
-                Side::Write(data) => direct.write_all_at(&data[..len], offset),
-            },
-            false => {
-                let mut bounce = Aligned::zeroed(BOUNCE.min(len));
-                let bounce = bounce.bytes();
-                let mut result = Ok(());
-                let mut at = 0;
-                while at < len && result.is_ok() {
-                    let n = (len - at).min(bounce.len());
-                    let pos = offset + at as u64;
-                    result = match &mut side {
-                        Side::Read(out) => direct
-                            .read_exact_at(&mut bounce[..n], pos)
-                            .map(|()| out[at..at + n].copy_from_slice(&bounce[..n])),
-                        Side::Write(data) => {
-                            bounce[..n].copy_from_slice(&data[at..at + n]);
-                            direct.write_all_at(&bounce[..n], pos)
-                        }
-                    };
-                    at += n;
+    }
+
+    /// Moves one request's bytes: with `O_DIRECT` (through a bounce buffer when the memory
+    /// is not aligned) if the plan says so and the file system still takes it, through the
+    /// page cache otherwise.
+    fn request(&self, offset: u64, r: Request, mut part: Side<'_>, doing: &str) -> Result<()> {
+        let pos = offset + r.at as u64;
+        if let (true, Some(direct)) = (r.direct, self.direct.as_ref()) {
+            if self.direct_ok.load(Ordering::Relaxed) {
+                let result = match aligned(part.addr() as u64) {
+                    true => match &mut part {
+                        Side::Read(out) => direct.read_exact_at(out, pos),
+                        Side::Write(data) => direct.write_all_at(data, pos),
+                    },
+                    false => self.bounced(direct, pos, &mut part),
+                };
+                match result {
+                    Ok(()) => return Ok(()),
+                    // The file system took the open but not the transfer: the page cache from
+                    // now on. Nothing was half-done that the buffered path would not redo whole.
+                    Err(e) if e.kind() == ErrorKind::InvalidInput => {
+                        self.direct_ok.store(false, Ordering::Relaxed)
+                    }
+                    Err(e) => return Err(self.io_error(doing, pos, e)),
                 }
-                result
+            }
+        }
+        match &mut part {
+            Side::Read(out) => self.file.read_exact_at(out, pos),
+            Side::Write(data) => self.file.write_all_at(data, pos),
+        }
+        .map_err(|e| self.io_error(doing, pos, e))
+    }
+
+    /// An `O_DIRECT` request from or to unaligned memory, through an aligned bounce buffer
+    /// taken from (and given back to) the file's.
+    fn bounced(&self, direct: &File, pos: u64, part: &mut Side<'_>) -> std::io::Result<()> {
+        let lock = || {
+            self.bounces
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        let mut bounce = lock()
+            .pop()
+            .unwrap_or_else(|| Aligned::zeroed(self.queue.block));
+        let buffer = &mut bounce.bytes()[..part.len()];
+        let result = match part {
+            Side::Read(out) => direct
+                .read_exact_at(buffer, pos)
+                .map(|()| out.copy_from_slice(buffer)),
+            Side::Write(data) => {
+                buffer.copy_from_slice(data);
+                direct.write_all_at(buffer, pos)
             }
         };
-        match result {
-            Ok(()) => Ok(len),
-            // The file system took the open but not the transfer: the page cache from now on.
-            // Nothing was half-done that the buffered path would not redo whole.
-            Err(e) if e.kind() == ErrorKind::InvalidInput => {
-                self.direct_ok.store(false, Ordering::Relaxed);
-                Ok(0)
-            }
-            Err(e) => Err(self.io_error(doing, offset, e)),
-        }
+        lock().push(bounce);
+        result
     }
 
     fn in_bounds(&self, offset: u64, len: usize) -> Result<()> {
@@ -394,7 +584,29 @@ enum Side<'a> {
     Write(&'a [u8]),
 }
 
-impl Side<'_> {
+impl<'a> Side<'a> {
+    /// The parts of the memory each request of `plan` moves, in order.
+    fn split(self, plan: &[Request]) -> Vec<(Request, Side<'a>)> {
+        let mut parts = Vec::with_capacity(plan.len());
+        match self {
+            Side::Read(mut rest) => {
+                for r in plan {
+                    let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len);
+                    parts.push((*r, Side::Read(part)));
+                    rest = tail;
+                }
+            }
+            Side::Write(mut rest) => {
+                for r in plan {
+                    let (part, tail) = rest.split_at(r.len);
+                    parts.push((*r, Side::Write(part)));
+                    rest = tail;
+                }
+            }
+        }
+        parts
+    }
+
     fn len(&self) -> usize {
         match self {
             Side::Read(out) => out.len(),
@@ -426,12 +638,13 @@ pub struct DiskBandwidth {
 /// Measures [`DiskBandwidth`] in `dir` with a file of `bytes` written and read in blocks of
 /// `block` bytes (a chunk's state is read and written whole, so use about that much), with
 /// the I/O the runtime uses for a state larger than the page cache (`O_DIRECT` unless
-/// [`IO_ENV`] says `buffered`); the file is removed after. Fails
-/// as [`DiskFile::create`] does.
+/// [`IO_ENV`] says `buffered`) and its requests in flight ([`Queue::from_env`]); the file is
+/// removed after. Fails as [`DiskFile::create`] does.
 pub fn measure(dir: &Path, bytes: u64, block: usize) -> Result<DiskBandwidth> {
     let block = block.max(1);
     // As the runtime moves a state the page cache cannot hold: the case the disk tier is for.
-    let file = DiskFile::create_with(dir, bytes, DiskIo::from_env(u64::MAX)?)?;
+    let queue = Queue::from_env()?;
+    let file = DiskFile::create_with(dir, bytes, DiskIo::from_env(u64::MAX)?)?.with_queue(queue)?;
     file.sync()?;
     let mut buffer = Aligned::zeroed(block.min(bytes as usize));
     let buffer = buffer.bytes();
@@ -565,13 +778,17 @@ mod tests {
         assert!(!path.exists(), "removed on drop");
     }
 
-    /// Random writes and reads of every alignment (offset, length, memory) through `io`,
-    /// against a plain byte vector: `O_DIRECT`'s blocks, the bounce buffer (a transfer over
-    /// [`BOUNCE`] from unaligned memory) and the buffered head and tail must agree with it.
-    fn round_trips(io: DiskIo) -> DiskIo {
-        let bytes = 3 * BOUNCE as u64 + 12_345;
+    /// Random writes and reads of every alignment (offset, length, memory) through `io` with
+    /// `queue`, against a plain byte vector: `O_DIRECT`'s blocks, the bounce buffers (a
+    /// transfer over [`BLOCK`] from unaligned memory), the buffered tail and the requests in
+    /// flight at once must agree with it.
+    fn round_trips(io: DiskIo, queue: Queue) -> DiskIo {
+        let bytes = 3 * BLOCK as u64 + 12_345;
         let dir = tempfile::tempdir().unwrap();
-        let disk = DiskFile::create_with(dir.path(), bytes, io).unwrap();
+        let disk = DiskFile::create_with(dir.path(), bytes, io)
+            .unwrap()
+            .with_queue(queue)
+            .unwrap();
         let mut model = vec![0u8; bytes as usize];
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move |below: u64| {
@@ -580,7 +797,7 @@ mod tests {
                 .wrapping_add(1);
             (state >> 33) % below
         };
-        let mut memory = Aligned::zeroed(BOUNCE + 2 * DIRECT_ALIGN + 64);
+        let mut memory = Aligned::zeroed(BLOCK + 2 * DIRECT_ALIGN + 64);
         let memory = memory.bytes();
         for round in 0..60 {
             let offset = match next(3) {
@@ -589,7 +806,7 @@ mod tests {
             };
             let room = (bytes - offset) as usize;
             let len = match next(4) {
-                0 => (BOUNCE + DIRECT_ALIGN + 7).min(room),
+                0 => (BLOCK + DIRECT_ALIGN + 7).min(room),
                 1 => (DIRECT_ALIGN * next(5) as usize).min(room),
                 _ => (next(3 * DIRECT_ALIGN as u64) as usize).min(room),
             };
@@ -621,12 +838,154 @@ mod tests {
         disk.io()
     }
 
+    /// One request at a time; the default depth; and small requests, many in flight.
+    const QUEUES: [Queue; 3] = [
+        Queue::SERIAL,
+        Queue {
+            depth: DEPTH,
+            block: BLOCK,
+        },
+        Queue {
+            depth: 3,
+            block: 3 * DIRECT_ALIGN,
+        },
+    ];
+
     #[test]
     fn direct_and_buffered_io_read_back_every_alignment_as_written() {
-        assert_eq!(round_trips(DiskIo::Buffered), DiskIo::Buffered);
-        // Direct where the file system takes it; either way the bytes must be right.
-        let io = round_trips(DiskIo::Direct);
-        eprintln!("the temporary directory's file system does {io:?} I/O");
+        for queue in QUEUES {
+            assert_eq!(round_trips(DiskIo::Buffered, queue), DiskIo::Buffered);
+            // Direct where the file system takes it; either way the bytes must be right.
+            let io = round_trips(DiskIo::Direct, queue);
+            eprintln!("the temporary directory's file system does {io:?} I/O ({queue:?})");
+        }
+    }
+
+    /// The plan of every alignment and size: the requests cover the transfer in order, none
+    /// over a block; the `O_DIRECT` ones are whole aligned blocks starting a whole number of
+    /// blocks in, and only a tail under one [`DIRECT_ALIGN`] block goes through the page cache
+    /// (all of it when the offset is unaligned or `O_DIRECT` is out); no plan has a request
+    /// more than it needs.
+    #[test]
+    fn requests_cover_every_alignment_and_size_in_whole_blocks() {
+        let a = DIRECT_ALIGN;
+        for block in [a, 3 * a, BLOCK] {
+            let offsets =
+                [0, 1, 7, a - 1, a, a + 1, 5 * a, 5 * a + 3, 3 * block / 2].map(|o| o as u64);
+            let lens = [
+                0,
+                1,
+                a - 1,
+                a,
+                a + 1,
+                2 * a + 17,
+                block - 1,
+                block,
+                block + 1,
+                block + a,
+                3 * block + 5,
+            ];
+            for (offset, len, direct) in cases(&offsets, &lens) {
+                let plan = requests(offset, len, direct, block);
+                let what = format!("offset {offset} len {len} direct {direct} block {block}");
+                let mut at = 0;
+                for r in &plan {
+                    assert_eq!(r.at, at, "{what}: contiguous, in order: {plan:?}");
+                    assert!(r.len > 0 && r.len <= block, "{what}: {plan:?}");
+                    at += r.len;
+                }
+                assert_eq!(at, len, "{what}: covers the transfer: {plan:?}");
+                let goes_direct = direct && aligned(offset);
+                let whole = match goes_direct {
+                    true => len / a * a,
+                    false => 0,
+                };
+                for r in &plan {
+                    match r.direct {
+                        true => {
+                            assert!(goes_direct && r.at + r.len <= whole, "{what}: {plan:?}");
+                            assert!(
+                                aligned(offset + r.at as u64) && aligned(r.len as u64),
+                                "{what}: O_DIRECT takes whole aligned blocks: {plan:?}"
+                            );
+                        }
+                        false => assert!(r.at >= whole, "{what}: {plan:?}"),
+                    }
+                    if r.at < whole || !goes_direct {
+                        assert_eq!(r.at % block, 0, "{what}: starts on a block: {plan:?}");
+                    }
+                }
+                assert!(len - whole < a || !goes_direct, "{what}: {plan:?}");
+                let want = whole.div_ceil(block) + (len - whole).div_ceil(block);
+                assert_eq!(plan.len(), want, "{what}: no more requests than needed");
+            }
+        }
+    }
+
+    /// Every (offset, length, direct) of the three lists.
+    fn cases(offsets: &[u64], lens: &[usize]) -> Vec<(u64, usize, bool)> {
+        let mut all = Vec::new();
+        for &o in offsets {
+            for &l in lens {
+                for d in [false, true] {
+                    all.push((o, l, d));
+                }
+            }
+        }
+        all
+    }
+
+    /// A read that runs past a file truncated under it fails in several requests at once; the
+    /// error names the file and the offset of the lowest one, at every depth, and the
+    /// requests before it still delivered their bytes.
+    #[test]
+    fn a_failed_request_names_the_file_and_its_offset() {
+        let a = DIRECT_ALIGN;
+        for io in [DiskIo::Direct, DiskIo::Buffered] {
+            for depth in [1, 2, 4, 8] {
+                let dir = tempfile::tempdir().unwrap();
+                let queue = Queue { depth, block: a };
+                let disk = DiskFile::create_with(dir.path(), 16 * a as u64, io)
+                    .unwrap()
+                    .with_queue(queue)
+                    .unwrap();
+                let data: Vec<u8> = (0..16 * a).map(|i| (i % 251) as u8).collect();
+                disk.write(0, &data).unwrap();
+                OpenOptions::new()
+                    .write(true)
+                    .open(disk.path())
+                    .unwrap()
+                    .set_len(5 * a as u64 + 100)
+                    .unwrap();
+                let mut out = vec![0u8; 12 * a];
+                let e = disk.read(0, &mut out).unwrap_err().to_string();
+                let what = format!("{io:?} at depth {depth}");
+                assert!(
+                    e.contains(&disk.path().display().to_string())
+                        && e.contains("reading at offset 0x5000")
+                        && e.contains("truncated"),
+                    "{what}: {e}"
+                );
+                assert!(
+                    out[..5 * a] == data[..5 * a],
+                    "{what}: the blocks before it"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_queue_depth_is_a_small_whole_number() {
+        assert_eq!(Queue::parse(None).unwrap().depth, DEPTH);
+        assert_eq!(Queue::parse(Some("1")).unwrap(), Queue::SERIAL);
+        assert_eq!(Queue::parse(Some(" 16 ")).unwrap().depth, 16);
+        for bad in ["0", "65", "-1", "many"] {
+            let e = Queue::parse(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("PROTRAIN_DISK_QUEUE={bad}")) && e.contains("from 1"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -1132,6 +1132,15 @@ pub enum DiskProblem {
         /// Its value.
         value: String,
     },
+    /// The request depth's environment variable holds no whole number from 1 to the most.
+    BadQueueDepth {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// The most requests in flight it may ask for.
+        most: usize,
+    },
     /// The disk directory is not a directory.
     NotADirectory,
     /// The disk directory cannot be read.
@@ -1385,6 +1394,10 @@ pub fn disk_text(problem: &DiskProblem, name: impl Fn(Setting) -> String) -> Str
             "{var}={value} is not a way to do disk I/O; set it to `direct` (O_DIRECT), \
              `buffered` (the page cache) or `auto` (O_DIRECT for a file the page cache cannot \
              hold), or unset it"
+        ),
+        DiskProblem::BadQueueDepth { var, value, most } => format!(
+            "{var}={value} is not a number of disk requests to keep in flight; set it to a \
+             whole number from 1 (one request at a time) to {most}, or unset it"
         ),
         DiskProblem::NotADirectory => {
             format!(

@@ -1365,3 +1365,91 @@ fn counters_per_step_match_the_schedules_plan() {
         per_step[1]
     );
 }
+
+/// The disk tier on the device: gpt2-tiny (f32) and llama-tiny (bf16) under the tight policy,
+/// with every chunk's optimizer state in the disk file (read into pinned staging buffers by
+/// the disk stream's host thread before the CPU Adam, written back after), train on the CUDA
+/// backend bit for bit as the same policy with the state in host memory does there: losses,
+/// gradient norms, final weights and optimizer state (read back from the file). Against the
+/// host backend's run of the same disk schedule, the losses agree as the device's always do:
+/// within [`cli::F32_LOSSES`] in f32 and [`BF16_HOST_TOLERANCE`] in bf16 (summation order).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn the_disk_tier_on_the_device_trains_as_host_memory_does() {
+    use crate::disk_tier::{compile, on_disk, train_on, TIGHT};
+    let _device = require_gpu();
+    for (model, dtype, tolerance) in [
+        ("gpt2-tiny", DType::F32, cli::F32_LOSSES),
+        ("llama-tiny", DType::BF16, BF16_HOST_TOLERANCE),
+    ] {
+        let disk = on_disk(model, dtype);
+        let memory = compile(model, dtype, TIGHT, None);
+        assert!(disk.disk_bytes > 0 && memory.disk_bytes == 0, "{model}");
+        let on_disk = train_on::<CudaBackend>(&disk, model);
+        assert!(
+            on_disk == train_on::<CudaBackend>(&memory, model),
+            "{model} {dtype}: the state on disk trains differently on the device from the \
+             state in host memory"
+        );
+        let host = train_on::<HostBackend>(&disk, model);
+        // Each step's loss, then its gradient norm.
+        for (step, (d, h)) in on_disk.0.chunks(2).zip(host.0.chunks(2)).enumerate() {
+            let (d, h) = (f32::from_bits(d[0]), f32::from_bits(h[0]));
+            let rel = relative(d, h);
+            println!("{model} {dtype} step {step}: loss device {d} host {h} ({rel:.2e})");
+            assert!(
+                rel <= tolerance,
+                "{model} {dtype} step {step}: the device's loss {d} on the disk schedule is \
+                 {rel:.2e} from the host backend's {h} (at most {tolerance:.0e})"
+            );
+        }
+    }
+}
+
+/// `train --backend cuda --disk-dir DIR` with 1800 KiB of host memory, which moves the
+/// optimizer state of all four of gpt2-tiny's chunks to disk (the tight policy), gives the
+/// host backend's losses within [`cli::F32_LOSSES`]; each run removes its file at exit.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_the_disk_tier_on_the_device_gives_the_hosts_losses() {
+    let _device = require_gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().to_str().unwrap();
+    let args = [
+        "gpt2-tiny",
+        "--dtype",
+        "f32",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-clip",
+        "1.0",
+        "--policy",
+        crate::disk_tier::TIGHT,
+        "--host-memory",
+        "1800KiB",
+        "--disk-memory",
+        "64MiB",
+        "--disk-dir",
+        disk,
+    ];
+    // The same flags compile a schedule with every chunk's state on disk.
+    let plan = dir.path().join("plan.ptsched");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .arg("compile")
+        .args(&args[..args.len() - 2])
+        .args(["-o", plan.to_str().unwrap(), "--json"])
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(json["disk_chunks"].as_u64(), Some(4), "{json}");
+    std::fs::remove_file(&plan).unwrap();
+    cli::check("gpt2-tiny f32 with its state on disk", &args, 3);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "both runs removed their state files"
+    );
+}

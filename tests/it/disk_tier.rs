@@ -14,7 +14,7 @@ use protrain::ir::{DType, HardwareProfile, Instr, Schedule, Space, StreamKind};
 use protrain::runtime::checkpoint::{self, Progress};
 use protrain::runtime::interpreter::Interpreter;
 use protrain::runtime::params::init_params;
-use protrain::runtime::Executor;
+use protrain::runtime::{Backend, Executor};
 use protrain::size::parse_size;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 
@@ -23,12 +23,17 @@ const SEQ: u64 = 16;
 const STEPS: usize = 4;
 const SEED: u64 = 11;
 /// Every chunk streamed and updated by the CPU Adam, one layer swapped and one recomputed.
-const TIGHT: &str = "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1";
+pub(crate) const TIGHT: &str = "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1";
 
 /// `model` for the host under `policy`, with `host` bytes of host memory (the profile's when
 /// `None`) and a disk tier of 64 MiB; clipped (the CPU Adam then waits for the clip
 /// coefficient, which exists only after every gradient).
-fn compile(model: &str, dtype: DType, policy: &str, host: Option<u64>) -> VerifiedSchedule {
+pub(crate) fn compile(
+    model: &str,
+    dtype: DType,
+    policy: &str,
+    host: Option<u64>,
+) -> VerifiedSchedule {
     compile_k(model, dtype, policy, host, 1)
 }
 
@@ -66,7 +71,7 @@ fn compile_k(
 /// what the host region needs with all of them moved, which moving fewer does not meet
 /// (gpt2-tiny has four alike chunks, double-buffered; llama-tiny two, through one staging
 /// buffer).
-fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
+pub(crate) fn on_disk(model: &str, dtype: DType) -> VerifiedSchedule {
     on_disk_k(model, dtype, 1)
 }
 
@@ -106,21 +111,29 @@ fn on_disk_k(model: &str, dtype: DType, micro_batches: u64) -> VerifiedSchedule 
 
 /// Each step's loss and gradient norm bits, then every final weight's bits and every
 /// optimizer state's bits, in order.
-type Trace = (Vec<u32>, Vec<Vec<u32>>, Vec<Vec<u32>>);
+pub(crate) type Trace = (Vec<u32>, Vec<Vec<u32>>, Vec<Vec<u32>>);
 
 /// An executor of `schedule` with its disk file in `dir`. Every file in these tests moves its
 /// bulk with `O_DIRECT` (where the file system takes it), the runtime's choice for a state
 /// the page cache cannot hold, so that path runs through whole schedules; the runtime's unit
 /// tests cover buffered I/O and every alignment against a plain byte vector.
 fn executor<'s>(schedule: &'s VerifiedSchedule, dir: &std::path::Path) -> Executor<'s> {
+    executor_on(schedule, dir)
+}
+
+/// [`executor`] on backend `B`.
+fn executor_on<'s, B: Backend>(
+    schedule: &'s VerifiedSchedule,
+    dir: &std::path::Path,
+) -> Executor<'s, B> {
     static DIRECT: std::sync::Once = std::sync::Once::new();
     DIRECT.call_once(|| std::env::set_var(protrain::runtime::disk::IO_ENV, "direct"));
-    let mut exec = Executor::new(schedule).unwrap();
+    let mut exec = Executor::<B>::with_backend(schedule).unwrap();
     exec.set_disk_dir(dir).unwrap();
     exec
 }
 
-fn finish(exec: &Executor<'_>, trace: Vec<u32>) -> Trace {
+fn finish<B: Backend>(exec: &Executor<'_, B>, trace: Vec<u32>) -> Trace {
     let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect();
     let params = exec.params().unwrap().iter().map(bits).collect();
     let state = exec.state().unwrap().iter().map(|(_, v)| bits(v)).collect();
@@ -128,11 +141,18 @@ fn finish(exec: &Executor<'_>, trace: Vec<u32>) -> Trace {
 }
 
 fn train(schedule: &VerifiedSchedule, model: &str) -> Trace {
+    train_on::<protrain::runtime::HostBackend>(schedule, model)
+}
+
+/// [`train`] on backend `B`: each step's loss and gradient norm bits, then the final weights'
+/// and optimizer state's bits. A schedule with a disk tier gets its file in a new directory,
+/// which must be empty again once the executor is dropped.
+pub(crate) fn train_on<B: Backend>(schedule: &VerifiedSchedule, model: &str) -> Trace {
     let config = protrain::models::load(model).unwrap();
     let rows = BATCH * u64::from(schedule.micro_batches());
     let data = common::batches(config.vocab_size as usize, rows, SEQ, STEPS, SEED);
     let dir = tempfile::tempdir().unwrap();
-    let mut exec = executor(schedule, dir.path());
+    let mut exec = executor_on::<B>(schedule, dir.path());
     exec.load_params(&init_params(&schedule.graph, SEED))
         .unwrap();
     let mut trace = Vec::new();
@@ -148,6 +168,7 @@ fn train(schedule: &VerifiedSchedule, model: &str) -> Trace {
         drop(exec);
         assert!(!path.exists(), "the file is removed with the executor");
     }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     out
 }
 

@@ -17,7 +17,11 @@
 //! [`StreamKind::DeviceToHost`]) is enqueued on that stream's CUDA stream and runs
 //! asynchronously. The [`StreamKind::HostOptimizer`] stream runs on its issuing thread with the
 //! host backend's code (CPU Adam on the pinned region), as the host backend would, and so does
-//! the [`StreamKind::HostCast`] stream (the 12-byte layout's casts, the same code).
+//! the [`StreamKind::HostCast`] stream (the 12-byte layout's casts, the same code). The disk
+//! tier's [`StreamKind::DiskIo`] stream is such a host stream too: its reads and writes move
+//! bytes between the schedule's disk file ([`crate::disk::DiskFile`], made, locked and swept
+//! as for the host backend) and the pinned region, on its issuing thread, whatever buffer the
+//! bytes belong to.
 //!
 //! Events cross between the two worlds, and a CUDA event has a pitfall: `cuStreamWaitEvent` on
 //! an event not yet recorded returns at once, waiting for nothing. So every event also has a
@@ -56,6 +60,7 @@ use super::runs::{run_slots, RunSlot};
 use crate::backend::master_weights;
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
+use crate::disk::DiskFile;
 use crate::dispatch::{self, Outcome};
 use crate::error::{Result, RuntimeError};
 
@@ -168,12 +173,15 @@ pub struct CudaBackend {
     drop_wait: Option<usize>,
     /// Waits of the host optimizer stream for device work so far this step, for `drop_wait`.
     host_waits: AtomicUsize,
+    /// The disk region's file, for a schedule with a disk tier ([`Backend::attach_disk`]).
+    disk: Option<DiskFile>,
 }
 
 /// A test hook, never for real runs: `PROTRAIN_CUDA_DROP_WAIT=N` makes the backend skip the
 /// N-th wait of every step in which the host optimizer stream waits for device work (an
 /// event recorded on a CUDA stream, `cuEventSynchronize`): one stream issues those, so the
-/// N-th is the same wait in every run. A test shows with it that the simulator's chaos mode
+/// N-th is the same wait in every run (the disk stream's waits, on a thread of their own, are
+/// not counted). A test shows with it that the simulator's chaos mode
 /// (`PROTRAIN_CUDA_SIM_CHAOS`) turns a missing wait into wrong results (docs/cuda-sim.md).
 pub const DROP_WAIT_VAR: &str = "PROTRAIN_CUDA_DROP_WAIT";
 
@@ -238,7 +246,13 @@ impl CudaBackend {
         let (base, len, name) = match at.space {
             Space::Device => (self.arena.ptr(), self.arena.len(), "device arena"),
             Space::Host => (self.host.ptr() as u64, self.host.len(), "host region"),
-            Space::Disk => return Err(no_disk()),
+            Space::Disk => {
+                return Err(RuntimeError::BadSchedule(format!(
+                    "a kernel or a device copy addresses the disk region (offset {}), which \
+                     only disk reads and writes on the disk stream touch: recompile the schedule",
+                    at.offset
+                )))
+            }
         };
         let end = at.offset.checked_add(bytes);
         if end.is_none_or(|end| end > len as u64) {
@@ -567,6 +581,15 @@ impl CudaBackend {
     /// Copies `data` to `at`, between steps: the device write is ordered before every stream's
     /// later work ([`WriteKind::BetweenSteps`]).
     fn write_bytes(&self, at: Address, fill: Fill<'_>) -> Result<()> {
+        if at.space == Space::Disk {
+            // No device work touches the file: only the disk stream, whose work is done
+            // when it is issued, and no step runs (`&mut self` upstream).
+            let disk = self.disk()?;
+            return match fill {
+                Fill::Bytes(b) => disk.write(at.offset, b),
+                Fill::Zero(n) => disk.write(at.offset, &vec![0u8; n]),
+            };
+        }
         let addr = self.gpu_addr(at, fill.len() as u64)?;
         match at.space {
             // SAFETY: `addr` has room for the bytes (checked); the steps wait for the device
@@ -588,12 +611,15 @@ impl CudaBackend {
                 };
                 Ok(())
             }
-            Space::Disk => Err(no_disk()),
+            Space::Disk => unreachable!("written to the file above"),
         }
     }
 
     /// Copies the bytes at `at` into `out`, between steps.
     fn read_bytes(&self, at: Address, out: &mut [u8]) -> Result<()> {
+        if at.space == Space::Disk {
+            return self.disk()?.read(at.offset, out);
+        }
         self.settle()?;
         let addr = self.gpu_addr(at, out.len() as u64)?;
         match at.space {
@@ -607,7 +633,45 @@ impl CudaBackend {
                 };
                 Ok(())
             }
-            Space::Disk => Err(no_disk()),
+            Space::Disk => unreachable!("read from the file above"),
+        }
+    }
+
+    /// The disk region's file.
+    fn disk(&self) -> Result<&DiskFile> {
+        self.disk.as_ref().ok_or(RuntimeError::Unsupported(
+            crate::error::Unsupported::NoDiskDir { held: None },
+        ))
+    }
+
+    /// A disk read into, or a disk write from, the pinned region, done on the calling thread
+    /// (the disk stream's): the transfer is finished when this returns, as host stream work
+    /// is. Either side may be any buffer; only the spaces matter.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the pinned range.
+    unsafe fn disk_copy(&self, src: Address, dst: Address, bytes: u64) -> Result<()> {
+        let disk = self.disk()?;
+        let n = usize::try_from(bytes).map_err(|_| {
+            RuntimeError::BadSchedule(format!("{bytes} bytes cannot be addressed here"))
+        })?;
+        match (src.space, dst.space) {
+            (Space::Disk, Space::Host) => {
+                let to = self.host_ptr(dst, bytes, 1)?;
+                // SAFETY: in the pinned region and in bounds (checked); the ordering contract
+                // keeps every other reader and writer away while the file fills it.
+                disk.read(src.offset, unsafe { std::slice::from_raw_parts_mut(to, n) })
+            }
+            (Space::Host, Space::Disk) => {
+                let from = self.host_ptr(src, bytes, 1)?;
+                // SAFETY: as above; nothing writes the range while it is written out.
+                disk.write(dst.offset, unsafe { std::slice::from_raw_parts(from, n) })
+            }
+            (from, to) => Err(RuntimeError::BadSchedule(format!(
+                "a copy of {bytes} bytes {from:?} -> {to:?}: the disk tier moves bytes \
+                 between the disk file and the host region only; recompile the schedule"
+            ))),
         }
     }
 
@@ -953,9 +1017,6 @@ unsafe fn enqueue_copy(
     dst: u64,
     bytes: u64,
 ) -> Result<()> {
-    if from == Space::Disk || to == Space::Disk {
-        return Err(no_disk());
-    }
     let n = bytes as usize;
     // SAFETY: the caller's contract; pinned host memory is page-locked, so the copies are
     // truly asynchronous, and mapped, so its address works as a `CUdeviceptr` too.
@@ -969,22 +1030,17 @@ unsafe fn enqueue_copy(
             }
             (Space::Device, Space::Device) => sys::cuMemcpyDtoDAsync_v2(dst, src, n, stream),
             (Space::Host, Space::Host) => sys::cuMemcpyAsync(dst, src, n, stream),
-            (Space::Disk, _) | (_, Space::Disk) => unreachable!("refused above"),
+            (Space::Disk, _) | (_, Space::Disk) => {
+                return Err(RuntimeError::BadSchedule(format!(
+                    "a copy of {bytes} bytes {from:?} -> {to:?} on a CUDA stream: disk reads \
+                     and writes run on the disk stream; recompile the schedule"
+                )))
+            }
         }
     };
     status
         .result()
         .map_err(|e| driver_error(format!("copying {bytes} bytes {from:?} -> {to:?}"), e))
-}
-
-/// The CUDA backend's refusal of the disk tier.
-fn no_disk() -> RuntimeError {
-    RuntimeError::BadSchedule(
-        "the CUDA backend has no disk tier yet (optimizer state on disk is read and written by \
-         the host backend only); run the schedule with --backend host, or compile it with more \
-         --host-memory and no --disk-memory"
-            .into(),
-    )
 }
 
 impl Backend for CudaBackend {
@@ -995,6 +1051,8 @@ impl Backend for CudaBackend {
     const RUNS_F16: bool = true;
 
     const MISSING_COLLECTIVES: Option<&'static str> = None;
+
+    const MISSING_DISK: Option<&'static str> = None;
 
     /// NCCL's all-reduce sum in place (f32, bf16 or f16). NCCL picks its own reduction order
     /// (see [`super::nccl`]): deterministic for a topology, not the host backend's rank order.
@@ -1148,7 +1206,13 @@ impl Backend for CudaBackend {
             watch: OnceLock::new(),
             drop_wait: drop_wait(std::env::var(DROP_WAIT_VAR).ok().as_deref())?,
             host_waits: AtomicUsize::new(0),
+            disk: None,
         })
+    }
+
+    fn attach_disk(&mut self, disk: DiskFile) -> Result<()> {
+        self.disk = Some(disk);
+        Ok(())
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
@@ -1187,11 +1251,11 @@ impl Backend for CudaBackend {
                 constants: Vec::new(),
                 pending: Vec::new(),
             }),
-            // The host cast stream (the 12-byte layout) runs CPU work as the host optimizer.
-            StreamKind::HostOptimizer | StreamKind::HostCast => {
+            // The host cast stream (the 12-byte layout) runs CPU work as the host optimizer,
+            // and the disk stream its file I/O.
+            StreamKind::HostOptimizer | StreamKind::HostCast | StreamKind::DiskIo => {
                 Exec::Host(HostStream { copier: stream })
             }
-            StreamKind::DiskIo => return Err(no_disk()),
         };
         Ok(CudaStreamHandle { kind, exec })
     }
@@ -1247,6 +1311,17 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
+        }
+        if src.space == Space::Disk || dst.space == Space::Disk {
+            return match &stream.exec {
+                // SAFETY: the caller's ordering contract.
+                Exec::Host(_) => unsafe { self.disk_copy(src, dst, bytes) },
+                Exec::Device(_) => Err(RuntimeError::BadSchedule(format!(
+                    "a disk transfer of {bytes} bytes on the {:?} stream: disk reads and \
+                     writes run on the disk stream; recompile the schedule",
+                    stream.kind
+                ))),
+            };
         }
         self.bind()?;
         let (from, to) = (self.gpu_addr(src, bytes)?, self.gpu_addr(dst, bytes)?);
@@ -1333,9 +1408,13 @@ impl Backend for CudaBackend {
                 .map_err(|e| driver_error(format!("waiting on event {}", event.0), e))
             }
             (Exec::Host(_), Mark::Device) => {
-                let nth = self.host_waits.fetch_add(1, Ordering::Relaxed) + 1;
-                if self.drop_wait == Some(nth) {
-                    return Ok(());
+                // The disk stream's waits run on a thread of their own, in an order of their
+                // own: counting them would make the hook's N-th wait differ between runs.
+                if stream.kind != StreamKind::DiskIo {
+                    let nth = self.host_waits.fetch_add(1, Ordering::Relaxed) + 1;
+                    if self.drop_wait == Some(nth) {
+                        return Ok(());
+                    }
                 }
                 self.bind()?;
                 let what = format!("waiting on event {}", event.0);
