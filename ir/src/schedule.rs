@@ -668,6 +668,44 @@ impl Schedule {
             .collect()
     }
 
+    /// The chunks whose parameter storage ([`BufferKind::HostChunk`]) lives on disk, in
+    /// buffer order, and whether any chunk's separate gradient storage
+    /// ([`BufferKind::HostGradChunk`]) does too.
+    pub fn disk_storage_chunks(&self) -> (Vec<ChunkId>, bool) {
+        let params = self
+            .buffers
+            .iter()
+            .filter_map(|b| match (b.space, b.kind) {
+                (Space::Disk, BufferKind::HostChunk { chunk }) => Some(chunk),
+                _ => None,
+            })
+            .collect();
+        let grads = self
+            .buffers
+            .iter()
+            .any(|b| b.space == Space::Disk && matches!(b.kind, BufferKind::HostGradChunk { .. }));
+        (params, grads)
+    }
+
+    /// What the disk region holds, in words: `the optimizer state of N of M chunks`, and
+    /// where their storage moved too, `and the parameters (and gradients) of K`.
+    pub fn disk_holds(&self) -> String {
+        let mut out = format!(
+            "the optimizer state of {} of {} chunks",
+            self.disk_chunks().len(),
+            self.chunks.len()
+        );
+        let (params, grads) = self.disk_storage_chunks();
+        if !params.is_empty() {
+            let what = match grads {
+                true => "parameters and gradients",
+                false => "parameters",
+            };
+            out.push_str(&format!(" and the {what} of {}", params.len()));
+        }
+        out
+    }
+
     /// The pieces of a [`Instr::CastChunk`] of `chunk` from `src` to `dst`: one per member of
     /// the chunk, in member order (see the instruction's doc). `None` when the chunk is out of
     /// range or a member is not a narrow parameter (an unverified schedule).
