@@ -2258,11 +2258,15 @@ fn host_too_small(
     };
     if options.disk_budget > 0 {
         // The least found includes the disk tier's help already; the error says what it
-        // leaves in host memory, which no disk budget takes.
+        // leaves in host memory with every model state it can take on disk, which no disk
+        // budget takes.
         let kept = asked
             .compile(&least_policy)
             .ok()
-            .map(|l| crate::disk::host_kept(&l))
+            .map(|l| {
+                let most = crate::disk::every_state(l.clone(), 1).unwrap_or(l);
+                crate::disk::host_kept(&most)
+            })
             .unwrap_or_default()
             .into_iter()
             .map(|(what, bytes)| (what.to_string(), bytes))

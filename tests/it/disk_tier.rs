@@ -534,3 +534,101 @@ fn a_checkpoint_carries_every_state_on_disk() {
     }
     assert_eq!(finish(&resumed, trace), want, "resumed vs uninterrupted");
 }
+
+/// `schedule` with the wait at `(stream, at)` moved to the end of the compute stream (so the
+/// event is still waited for), verified: the error, as text.
+fn without_wait(schedule: &Schedule, stream: usize, at: usize) -> String {
+    let mut s = schedule.clone();
+    let wait = s.streams[stream].instrs.remove(at);
+    assert!(matches!(wait, Instr::Wait { .. }), "{wait:?}");
+    s.streams[0].instrs.push(wait);
+    verify(s).expect_err("a missing wait").to_string()
+}
+
+/// The stream that records `event`, and the instruction before the record.
+fn recorded_after(s: &Schedule, event: protrain::ir::EventId) -> (usize, Instr) {
+    s.streams
+        .iter()
+        .enumerate()
+        .find_map(|(i, st)| {
+            let at = st
+                .instrs
+                .iter()
+                .position(|x| *x == Instr::Record { event })?;
+            Some((i, st.instrs[at - 1].clone()))
+        })
+        .expect("recorded")
+}
+
+/// Mutations of a schedule with every state on disk that the verifier refuses: a write to
+/// disk of offloaded gradients that no longer waits for the offload (it would write what
+/// the staging buffer held before), an upload that no longer waits for the read of its
+/// parameters from disk (it would upload what the staging buffer held before), and an
+/// offload into a staging buffer that no longer waits for the write of the gradients it held
+/// (the offload would overwrite them while the write reads them).
+#[test]
+fn the_verifier_refuses_missing_waits_around_parameters_and_gradients_on_disk() {
+    use protrain::ir::{BufferKind, CopyKind};
+    let schedule: Schedule = (*all_on_disk("gpt2-tiny", DType::BF16, 14, 1, 2)).clone();
+    let stream_of = |kind: StreamKind| {
+        schedule
+            .streams
+            .iter()
+            .position(|st| st.kind == kind)
+            .unwrap()
+    };
+    let (io, h2d, d2h) = (
+        stream_of(StreamKind::DiskIo),
+        stream_of(StreamKind::HostToDevice),
+        stream_of(StreamKind::DeviceToHost),
+    );
+    let kind = |t: protrain::ir::TensorRef| schedule.buffers[t.buffer.index()].kind;
+    // The first write of gradients to disk, after its wait for the offload.
+    let write = schedule.streams[io]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::DiskWrite { dst, .. } if matches!(kind(*dst), BufferKind::HostChunk { .. }))
+        })
+        .unwrap();
+    let err = without_wait(&schedule, io, write - 1);
+    assert!(
+        err.contains("data flow") && err.contains("disk_write"),
+        "{err}"
+    );
+    // The first upload, after its wait for the read.
+    let upload = schedule.streams[h2d]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(
+                i,
+                Instr::Copy {
+                    what: CopyKind::FetchChunk { .. },
+                    ..
+                }
+            )
+        })
+        .unwrap();
+    let Instr::Wait { event } = schedule.streams[h2d].instrs[upload - 1] else {
+        panic!("an upload from disk waits for its read")
+    };
+    assert!(matches!(recorded_after(&schedule, event), (s, Instr::DiskRead { .. }) if s == io));
+    let err = without_wait(&schedule, h2d, upload - 1);
+    assert!(err.contains("data flow") && err.contains("fetch"), "{err}");
+    // The first offload that reuses a staging buffer waits for the write of the one
+    // before it there.
+    let reuse = schedule.streams[d2h]
+        .instrs
+        .iter()
+        .enumerate()
+        .position(|(at, i)| {
+            matches!(i, Instr::Wait { event }
+                if matches!(recorded_after(&schedule, *event), (s, Instr::DiskWrite { .. }) if s == io))
+                && at + 1 < schedule.streams[d2h].instrs.len()
+        })
+        .unwrap();
+    let err = without_wait(&schedule, d2h, reuse);
+    assert!(err.contains("data flow"), "{err}");
+    verify(schedule).unwrap();
+}
