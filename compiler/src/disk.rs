@@ -695,11 +695,11 @@ fn place(
     let mut write_done: Vec<EventId> = Vec::new();
     let mut upload_done: Vec<EventId> = Vec::new();
     let mut upload_ticks: Vec<u64> = Vec::new();
-    for s in 0..schedule.streams.len() {
+    for (s, stream_ticks) in ticks.iter().enumerate() {
         let old = std::mem::take(&mut schedule.streams[s].instrs);
         let mut new = Vec::with_capacity(old.len());
         for (at, mut instr) in old.into_iter().enumerate() {
-            let tick = ticks[s][at];
+            let tick = stream_ticks[at];
             match &mut instr {
                 Instr::Copy {
                     what: CopyKind::FetchChunk { chunk },
