@@ -307,7 +307,8 @@ pub enum ShortfallProblem {
         /// Host bytes each rank has.
         host_budget: u64,
     },
-    /// Even with the state of every offloaded chunk on disk the host region is over budget.
+    /// Even with the optimizer state and the parameter and gradient storage of every
+    /// offloaded chunk on disk the host region is over budget.
     HostOverWithAllOnDisk {
         /// Host bytes needed so.
         host_need: u64,
@@ -460,10 +461,12 @@ impl ShortfallProblem {
                 chunks,
                 host_budget,
             } => format!(
-                "the host region needs {} with the optimizer state of all {chunks} offloaded \
-                 chunks on disk (their staging buffers and everything else stay in host \
-                 memory), over the {} of host memory ({host}); give more {host} or a leaner \
-                 policy (more persistent chunks take their state to the device)",
+                "the host region needs {} with the optimizer state, parameters and gradients \
+                 of all {chunks} offloaded chunks on disk (the disk tier was considered: \
+                 its staging buffers, the gradient accumulators, swapped activations and \
+                 everything else stay in host memory), over the {} of host memory ({host}); \
+                 give more {host} or a leaner policy (more persistent chunks take their state \
+                 to the device)",
                 format_bytes(*host_need),
                 format_bytes(*host_budget)
             ),
@@ -572,24 +575,26 @@ impl ShortfallProblem {
                                     })
                                     .collect();
                                 format!(
-                                    " The disk tier takes only optimizer state (f32 master \
-                                     weights and Adam moments); host memory still holds {} of \
-                                     that policy, so a larger {disk} does not lower it.",
+                                    " The disk tier takes the optimizer state (f32 master \
+                                     weights and Adam moments) and the parameters and \
+                                     gradients of offloaded chunks, but not what host memory \
+                                     still holds of that policy: {}, so a larger {disk} does \
+                                     not lower it.",
                                     kept.join(", ")
                                 )
                             }
                         };
                         format!(
-                            "{needs} That is with the disk tier ({}) taking the optimizer \
-                             state it can.{left} Give {host_flag} at least {}, {nodes}",
+                            "{needs} That is with the disk tier ({}) considered, taking the \
+                             model states it can.{left} Give {host_flag} at least {}, {nodes}",
                             rank_budget(*budget, *gpus, "disk", &disk),
                             format_bytes(node(*least_host)),
                         )
                     }
                     HostDisk::Would { disk: d, host: h } => format!(
                         "{needs} Give {host_flag} at least {}; or {disk} at least {} (the \
-                         optimizer state of offloaded chunks in a file, read and written \
-                         around the CPU Adam), which brings the host memory needed down to \
+                         model states of offloaded chunks in a file, read and written \
+                         around their uploads and the CPU Adam), which brings the host memory needed down to \
                          {}; {nodes}",
                         format_bytes(node(*least_host)),
                         format_bytes(node(*d)),

@@ -422,19 +422,35 @@ fn disk_seconds(
             // The host layout the search's repair takes before the disk tier: gradients
             // in the parameter storage when the parameters are narrower than f32
             // (the 14-byte layout), else a gradient beside each parameter.
-            let storage = match state_per_elem {
-                12 => 1,
-                _ => 2,
-            };
-            let host: Vec<u64> = chunk_bytes
+            let lean = state_per_elem == 12;
+            let per_chunk = if lean { 1 } else { 2 };
+            let storage: Vec<u64> = chunk_bytes
+                .iter()
+                .map(|&b| b.saturating_mul(per_chunk))
+                .collect();
+            let host: Vec<u64> = storage
                 .iter()
                 .zip(&state)
-                .map(|(&b, &s)| b.saturating_mul(storage).saturating_add(s))
+                .map(|(&b, &s)| b.saturating_add(s))
                 .collect();
-            disk_by_persist(&host, &state, budgets, |bytes| {
-                cost.copy_seconds(bytes, CopyDir::DiskToHost)
-                    + cost.copy_seconds(bytes, CopyDir::HostToDisk)
-            })
+            let read = |bytes: u64| cost.copy_seconds(bytes, CopyDir::DiskToHost);
+            let write = |bytes: u64| cost.copy_seconds(bytes, CopyDir::HostToDisk);
+            // A chunk's storage on disk, in a step: read for its two uploads (forward and
+            // backward) and for its update, its gradients written after their offload and
+            // its rounded parameters after the update. In the 14-byte layout the gradients
+            // are in the parameter storage (three reads and two writes of it); in the
+            // 16-byte one beside it (half the storage each: two reads and one write of it).
+            let (reads, writes) = if lean { (3, 2) } else { (2, 1) };
+            let storage_rings = if lean { 6 } else { 8 };
+            disk_by_persist(
+                &host,
+                &state,
+                &storage,
+                budgets,
+                storage_rings,
+                |bytes| read(bytes) + write(bytes),
+                |bytes| reads as f64 * read(bytes) + writes as f64 * write(bytes),
+            )
         }
         _ => vec![0.0; chunk_bytes.len() + 1],
     }
@@ -1867,17 +1883,23 @@ fn host_leanest(
 /// chunk: parameter storage and optimizer state) within `budgets.host`: it moves the state
 /// (`state`, per chunk) of the fewest chunks in the order the CPU Adam updates them (the
 /// last chunk first) until the rest with two staging buffers of the largest moved state
-/// fits, and each moved state is read and written once a step (`read_write` seconds for a
-/// state of so many bytes). 0 where the host bytes fit, or there is no disk budget; every
-/// streamed chunk's state where even that does not fit (such a policy is rejected once
-/// compiled). It leaves out the host bytes of swapped activations and of the other host
-/// buffers, which the exact plan counts. Made non-increasing in `n_persist` (each entry the
-/// most of those after it), as the search's lower bounds need.
+/// fits, each moved state read and written once a step (`state_rw` seconds for a state of
+/// so many bytes); where every state moved is not enough, the parameter storage (`storage`,
+/// per chunk) of the fewest chunks until the rest with `storage_rings` staging buffers of the
+/// largest moved storage fits, each costing `storage_rw` seconds. 0 where the host bytes
+/// fit, or there is no disk budget; every streamed chunk's state and storage where even that
+/// does not fit (such a policy is rejected once compiled). It leaves out the host bytes of
+/// swapped activations and of the other host buffers, which the exact plan counts. Made
+/// non-increasing in `n_persist` (each entry the most of those after it), as the search's
+/// lower bounds need.
 fn disk_by_persist(
     host: &[u64],
     state: &[u64],
+    storage: &[u64],
     budgets: HostBudgets,
-    read_write: impl Fn(u64) -> f64,
+    storage_rings: u64,
+    state_rw: impl Fn(u64) -> f64,
+    storage_rw: impl Fn(u64) -> f64,
 ) -> Vec<f64> {
     let n = host.len();
     let mut seconds = vec![0.0; n + 1];
@@ -1893,7 +1915,16 @@ fn disk_by_persist(
             }
             moved += state[c];
             largest = largest.max(state[c]);
-            seconds[p] += read_write(state[c]);
+            seconds[p] += state_rw(state[c]);
+        }
+        let mut staged = 0u64;
+        for c in (p..n).rev() {
+            if (need - moved).saturating_add(2 * largest + storage_rings * staged) <= budgets.host {
+                break;
+            }
+            moved += storage[c];
+            staged = staged.max(storage[c]);
+            seconds[p] += storage_rw(storage[c]);
         }
     }
     for p in (0..n).rev() {
@@ -2227,11 +2258,15 @@ fn host_too_small(
     };
     if options.disk_budget > 0 {
         // The least found includes the disk tier's help already; the error says what it
-        // leaves in host memory, which no disk budget takes.
+        // leaves in host memory with every model state it can take on disk, which no disk
+        // budget takes.
         let kept = asked
             .compile(&least_policy)
             .ok()
-            .map(|l| crate::disk::host_kept(&l))
+            .map(|l| {
+                let most = crate::disk::every_state(l.clone(), 1).unwrap_or(l);
+                crate::disk::host_kept(&most)
+            })
             .unwrap_or_default()
             .into_iter()
             .map(|(what, bytes)| (what.to_string(), bytes))
@@ -2701,17 +2736,49 @@ mod tests {
         // Ten chunks of 10 host bytes, 8 of them state, under 60 bytes of host: with `p`
         // persistent, `10 (10 - p) - 8 k + 2 x 8 <= 60` takes `k` states to disk, each read
         // and written (its bytes in seconds here); from 4 persistent on, all fits.
-        let (host, state) = (vec![10; 10], vec![8; 10]);
+        let (host, state, storage) = (vec![10; 10], vec![8; 10], vec![2; 10]);
         let budgets = HostBudgets { host: 60, disk: 1 };
-        let seconds = disk_by_persist(&host, &state, budgets, |b| b as f64);
+        let price = |b: u64| b as f64;
+        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, price, |b| {
+            100.0 * b as f64
+        });
         let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
         let expected: Vec<f64> = moved.iter().map(|k| 8.0 * *k as f64).collect();
-        assert_eq!(seconds, expected);
+        assert_eq!(
+            seconds, expected,
+            "no storage moves while states are enough"
+        );
         // Without a disk budget nothing is priced.
-        let none = disk_by_persist(&host, &state, HostBudgets { host: 60, disk: 0 }, |b| {
-            b as f64
-        });
+        let none = disk_by_persist(
+            &host,
+            &state,
+            &storage,
+            HostBudgets { host: 60, disk: 0 },
+            6,
+            price,
+            price,
+        );
         assert_eq!(none, vec![0.0; 11]);
+    }
+
+    #[test]
+    fn the_disk_tier_moves_storage_once_every_state_is_on_disk() {
+        // Ten chunks of 10 host bytes, 8 of them state and 2 storage, under 20 bytes of
+        // host: with `p` persistent every state moves (`2 (10 - p) + 2 x 8` bytes left) and
+        // then storage until `2 (10 - p - j) + 16 + 6 x 2 <= 20`, which no `j` meets (the
+        // staging alone is 28 bytes): every storage moves too.
+        let (host, state, storage) = (vec![10; 10], vec![8; 10], vec![2; 10]);
+        let budgets = HostBudgets { host: 20, disk: 1 };
+        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
+        assert_eq!(seconds[0], 10.0 + 1000.0);
+        // With 30 bytes: `2 (10 - j) + 28 <= 30` at `j = 9` from `p = 0`; with 40 every
+        // state on disk is enough (`20 + 16 <= 40`).
+        let budgets = HostBudgets { host: 30, disk: 1 };
+        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
+        assert_eq!(seconds[0], 10.0 + 900.0);
+        let budgets = HostBudgets { host: 40, disk: 1 };
+        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
+        assert_eq!(seconds[0], 10.0);
     }
 
     /// The profile of a GPT-2 with tiny dimensions at `layers` layers, batch 8 x 64, on

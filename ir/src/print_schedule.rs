@@ -250,6 +250,16 @@ pub fn print_schedule_with(s: &Schedule, options: PrintOptions) -> String {
     out
 }
 
+/// What a disk read or write moves, by the disk buffer it addresses: a chunk's optimizer
+/// state, parameters or gradients.
+fn disk_part(cx: &Cx, t: TensorRef) -> &'static str {
+    match cx.s.buffers.get(t.buffer.index()).map(|b| b.kind) {
+        Some(BufferKind::HostChunk { .. }) => "params",
+        Some(BufferKind::HostGradChunk { .. }) => "grads",
+        _ => "state",
+    }
+}
+
 /// A schedule being printed, with the names its text gives values and buffers.
 struct Cx<'a> {
     s: &'a Schedule,
@@ -650,7 +660,8 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             dst,
             bytes,
         } => format!(
-            "disk_read {chunk} state {} -> {} {}",
+            "disk_read {chunk} {} {} -> {} {}",
+            disk_part(cx, *src),
             address(cx, *src),
             address(cx, *dst),
             format_bytes(*bytes)
@@ -661,7 +672,8 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             dst,
             bytes,
         } => format!(
-            "disk_write {chunk} state {} -> {} {}",
+            "disk_write {chunk} {} {} -> {} {}",
+            disk_part(cx, *dst),
             address(cx, *src),
             address(cx, *dst),
             format_bytes(*bytes)

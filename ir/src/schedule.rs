@@ -56,7 +56,12 @@
 //! overlaps this chunk's update and the previous chunk's write. A staging buffer holds a
 //! chunk's state at the same offsets as its disk buffer, so an AdamW that reads its moments
 //! in a staging buffer finds the master weight there too, at its home's offset in the disk
-//! buffer.
+//! buffer. Where that is not enough, a chunk's parameter storage ([`BufferKind::HostChunk`],
+//! where the 14-byte layout's gradients land too) and separate gradient storage
+//! ([`BufferKind::HostGradChunk`]) may live on disk as well: the disk stream reads the bytes
+//! an upload copies into a staging buffer before it, writes the gradients an offload landed
+//! in a staging buffer after it, and reads and writes the storage around the chunk's update
+//! with its state. Every staging buffer holds what it stages at the disk buffer's offsets.
 //!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
@@ -318,8 +323,8 @@ pub enum Instr {
         dtype: DType,
     },
     /// Read a disk-resident chunk's optimizer state (its whole [`BufferKind::OptimizerState`]
-    /// buffer in [`Space::Disk`]) into a host staging buffer, on the [`StreamKind::DiskIo`]
-    /// stream.
+    /// buffer in [`Space::Disk`]), or bytes of its parameter or gradient storage there, into
+    /// a host staging buffer at the same offset, on the [`StreamKind::DiskIo`] stream.
     DiskRead {
         /// The chunk whose state is read.
         chunk: ChunkId,
@@ -330,8 +335,9 @@ pub enum Instr {
         /// Bytes.
         bytes: u64,
     },
-    /// Write a disk-resident chunk's updated optimizer state from a host staging buffer back
-    /// to its place on disk, on the [`StreamKind::DiskIo`] stream.
+    /// Write a disk-resident chunk's updated optimizer state, or bytes of its parameter or
+    /// gradient storage, from a host staging buffer back to the same offset of its place on
+    /// disk, on the [`StreamKind::DiskIo`] stream.
     DiskWrite {
         /// The chunk whose state is written.
         chunk: ChunkId,
@@ -666,6 +672,44 @@ impl Schedule {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The chunks whose parameter storage ([`BufferKind::HostChunk`]) lives on disk, in
+    /// buffer order, and whether any chunk's separate gradient storage
+    /// ([`BufferKind::HostGradChunk`]) does too.
+    pub fn disk_storage_chunks(&self) -> (Vec<ChunkId>, bool) {
+        let params = self
+            .buffers
+            .iter()
+            .filter_map(|b| match (b.space, b.kind) {
+                (Space::Disk, BufferKind::HostChunk { chunk }) => Some(chunk),
+                _ => None,
+            })
+            .collect();
+        let grads = self
+            .buffers
+            .iter()
+            .any(|b| b.space == Space::Disk && matches!(b.kind, BufferKind::HostGradChunk { .. }));
+        (params, grads)
+    }
+
+    /// What the disk region holds, in words: `the optimizer state of N of M chunks`, and
+    /// where their storage moved too, `and the parameters (and gradients) of K`.
+    pub fn disk_holds(&self) -> String {
+        let mut out = format!(
+            "the optimizer state of {} of {} chunks",
+            self.disk_chunks().len(),
+            self.chunks.len()
+        );
+        let (params, grads) = self.disk_storage_chunks();
+        if !params.is_empty() {
+            let what = match grads {
+                true => "parameters and gradients",
+                false => "parameters",
+            };
+            out.push_str(&format!(" and the {what} of {}", params.len()));
+        }
+        out
     }
 
     /// The pieces of a [`Instr::CastChunk`] of `chunk` from `src` to `dst`: one per member of

@@ -290,8 +290,7 @@ fn print_summary(
     );
     if s.disk_bytes > 0 {
         outln!(
-            "disk            {} of {}: the optimizer state of {} of {} chunks, read and written \
-             back every step",
+            "disk            {} of {}: {}, read and written back every step",
             format_bytes(s.disk_bytes),
             super::per_rank_budget(
                 h.disk_budget_bytes,
@@ -299,8 +298,7 @@ fn print_summary(
                 s,
                 "--disk-memory"
             ),
-            s.disk_chunks().len(),
-            s.chunks.len()
+            s.disk_holds()
         );
     }
     for (stream, busy) in s.streams.iter().zip(&p.stream_busy_seconds) {

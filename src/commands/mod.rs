@@ -117,11 +117,12 @@ pub struct MachineArgs {
     /// hardware profile's, per node].
     #[arg(long, value_name = "SIZE")]
     pub host_memory: Option<String>,
-    /// Disk of each node the schedule may use for optimizer state that host memory cannot
-    /// hold (the f32 master weights and Adam moments of offloaded chunks, read and written
-    /// around the CPU Adam on a disk i/o stream), e.g. 2TiB (a budget per node, shared by its
-    /// ranks as --host-memory is) [default: none]. Used only when host memory binds; `train`
-    /// and `run` then need --disk-dir for the file.
+    /// Disk of each node the schedule may use for model states that host memory cannot hold
+    /// (the f32 master weights and Adam moments of offloaded chunks, read and written around
+    /// the CPU Adam on a disk i/o stream; where that is not enough, their bf16 parameters and
+    /// gradients too, read before each upload and written after each gradient offload), e.g.
+    /// 2TiB (a budget per node, shared by its ranks as --host-memory is) [default: none]. Used
+    /// only when host memory binds; `train` and `run` then need --disk-dir for the file.
     #[arg(long, value_name = "SIZE")]
     pub disk_memory: Option<String>,
 }

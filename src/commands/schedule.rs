@@ -387,15 +387,18 @@ fn explain_ranks_disk_streams(x: &Explained) {
     if s.disk_bytes > 0 {
         let traffic = protrain::compiler::disk::traffic(s);
         outln!(
-            "disk     {} in one file: the optimizer state of {} of {} chunks, read into {} \
-             staging buffers before the CPU Adam and written back after, on the disk i/o stream",
+            "disk     {} in one file: {}, read into {} staging buffers before the {} and \
+             written back after, on the disk i/o stream",
             format_bytes(s.disk_bytes),
-            s.disk_chunks().len(),
-            s.chunks.len(),
+            s.disk_holds(),
             s.buffers
                 .iter()
                 .filter(|b| matches!(b.kind, protrain::ir::BufferKind::DiskStaging { .. }))
-                .count()
+                .count(),
+            match s.disk_storage_chunks().0.is_empty() {
+                true => "CPU Adam",
+                false => "uploads and the CPU Adam (gradients after their offload)",
+            }
         );
         outln!(
             "         per step: {} read and {} written, {:.4} s of disk i/o, {:.4} s of it \

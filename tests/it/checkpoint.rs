@@ -438,6 +438,74 @@ fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
     assert_eq!(seen, straight[..12]);
 }
 
+/// The disk tier at its most under `kill -9`: a run whose every model state lives on disk
+/// (optimizer state, parameters and gradients of every chunk: 1 MiB of host memory at batch
+/// 2 x 16) is killed mid-run and resumed from its latest checkpoint into a new file: its
+/// losses are those of the same run with everything in host memory, bit for bit.
+#[test]
+fn a_run_with_every_state_on_disk_killed_resumes_bit_identically() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
+    std::fs::create_dir(&disk).expect("disk dir");
+    let base = [
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "30",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-accum",
+        "1",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--log-json",
+    ];
+    let mut run = base.to_vec();
+    run.extend([
+        "--host-memory",
+        "1MiB",
+        "--disk-memory",
+        "64MiB",
+        "--disk-dir",
+        path(&disk),
+    ]);
+    // The schedule keeps every state on disk.
+    let mut compile = vec!["compile"];
+    compile.extend(
+        run.iter()
+            .skip(1)
+            .filter(|a| !["--steps", "30", "--log-json", "--disk-dir", path(&disk)].contains(a)),
+    );
+    let file = dir.path().join("s.ptsched");
+    compile.extend(["-o", path(&file)]);
+    let compiled = protrain(&compile);
+    let text = String::from_utf8_lossy(&compiled.stdout);
+    assert!(
+        text.contains("the optimizer state of 4 of 4 chunks and the parameters and gradients of 4"),
+        "{text}{}",
+        stderr(&compiled)
+    );
+    let mut args = run.clone();
+    args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
+    args.extend(["--keep-checkpoints", "0"]);
+    let seen = killed_after(&args, 12);
+    let mut resume = run.clone();
+    resume.extend(["--resume", path(&ckpt)]);
+    let resumed = losses(&protrain(&resume));
+    assert_eq!(files(&disk), Vec::<String>::new(), "every file removed");
+    let straight = losses(&protrain(&base));
+    let from = resumed.first().expect("the resumed run trained").0;
+    assert!(from == 11 || from == 16, "resumed at step {from}");
+    assert_eq!(
+        resumed,
+        straight[from as usize - 1..],
+        "the resumed run's losses are the in-memory run's, bit for bit"
+    );
+    assert_eq!(seen, straight[..12]);
+}
+
 /// FNV-1a (64-bit) of `bytes`: the tensor and metadata checksum of checkpoint layout 3.
 fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {

@@ -888,7 +888,9 @@ fn out_of_memory_names_the_ways_out_and_never_contradicts_itself() {
     assert!(err.contains("or --disk-memory at least "), "{err}");
     assert!(err.contains("--nodes M with --gpus N"), "{err}");
     // The disk tier given: the least host memory quoted is the one with it, and it fits.
-    let out = compile(&["--host-memory", "2GiB", "--disk-memory", "1TiB"]);
+    // (2 GiB fits with the parameters of some chunks on disk; 256 MiB does not hold even the
+    // staging buffers of one chunk's state.)
+    let out = compile(&["--host-memory", "256MiB", "--disk-memory", "1TiB"]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
     assert!(err.contains("That is with the disk tier"), "{err}");
@@ -1200,4 +1202,98 @@ fn qwen3_30b_a3b_compiles_for_one_rtx3090_with_512_gib_of_host_memory_and_verifi
 #[test]
 fn mixtral_8x7b_compiles_for_one_h200_with_1_tib_of_host_memory_and_verifies() {
     compiles_and_verifies("mixtral-8x7b", "h200", "1TiB", 32 * 8 * 3);
+}
+
+/// GPT-3 175B compiles for one RTX 4090 with 256 GiB of host memory and 4 TiB of disk: the
+/// optimizer state of every chunk and the parameters of some go to disk, the schedule
+/// verifies, and the search's estimate is within 25% of the simulated step, the disk's time
+/// priced in it (about 35 s in a debug build).
+#[test]
+fn gpt3_175b_compiles_for_one_rtx4090_with_256_gib_of_host_and_4_tib_of_disk() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("175b.ptsched");
+    let out = protrain(&[
+        "compile",
+        "gpt3-175b",
+        "--hardware",
+        "rtx4090",
+        "--host-memory",
+        "256GiB",
+        "--disk-memory",
+        "4TiB",
+        "--batch",
+        "1",
+        "--seq",
+        "1024",
+        "-o",
+        path(&file),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let disk = text
+        .lines()
+        .find(|l| l.starts_with("disk "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        disk.contains("the optimizer state of 97 of 97 chunks and the parameters of "),
+        "{disk}"
+    );
+    // The chosen candidate's line: `* POLICY  simulated S s (estimate E s) ...`.
+    let chosen = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("* "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let number = |after: &str| -> f64 {
+        chosen
+            .split(after)
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{chosen}"))
+    };
+    let (simulated, estimate) = (number("simulated "), number("(estimate "));
+    assert!(
+        (estimate - simulated).abs() <= 0.25 * simulated,
+        "estimate {estimate} s against {simulated} s simulated"
+    );
+    let verified = protrain(&["verify", path(&file)]);
+    assert!(verified.status.success(), "{}", stderr(&verified));
+}
+
+/// Where even every model state the disk tier can take on disk leaves the host over its
+/// budget, the refusal says that the disk was considered, what it takes, and what it could
+/// not take (here the staging buffers its 3.4 GiB chunks need).
+#[test]
+fn a_host_too_small_even_with_every_state_on_disk_names_the_disk() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = protrain(&[
+        "compile",
+        "gpt3-175b",
+        "--hardware",
+        "rtx4090",
+        "--host-memory",
+        "16GiB",
+        "--disk-memory",
+        "4TiB",
+        "--batch",
+        "1",
+        "--seq",
+        "1024",
+        "-o",
+        path(&dir.path().join("x.ptsched")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("That is with the disk tier (4.00 TiB of disk (--disk-memory)) considered"),
+        "{err}"
+    );
+    assert!(
+        err.contains("the parameters and gradients of offloaded chunks"),
+        "{err}"
+    );
+    assert!(
+        err.contains(" of disk staging buffers, so a larger --disk-memory does not lower it"),
+        "{err}"
+    );
 }

@@ -415,3 +415,241 @@ fn a_disk_too_small_is_refused_before_anything_is_written() {
         "an allocated file reads as zeros"
     );
 }
+
+/// `model` with every model state on disk ([`every_state`](protrain::compiler::disk::every_state)):
+/// the optimizer state, the parameter storage and (without accumulation, where the host
+/// gradients are summed each micro-batch and stay) the gradient storage of every chunk,
+/// under `model`'s tight policy in `layout` (`14`: the gradients land in the parameter
+/// storage; `16`: beside it), through rings of `slots` staging buffers.
+fn all_on_disk(
+    model: &str,
+    dtype: DType,
+    layout: u32,
+    micro_batches: u64,
+    slots: usize,
+) -> VerifiedSchedule {
+    let policy = format!("{TIGHT},host_layout={layout}");
+    let host = compile_k(model, dtype, &policy, None, micro_batches);
+    assert_eq!(
+        host.disk_bytes, 0,
+        "{model}: fits the host without the disk"
+    );
+    let disk = protrain::compiler::disk::every_state((*host).clone(), slots).unwrap();
+    let disk = verify(disk).unwrap_or_else(|e| panic!("{model}: {e}"));
+    // (Tiny chunks' staging buffers outweigh what they leave: the host region need not
+    // shrink here.)
+    assert_every_state_on_disk(&disk, model, layout == 16 && micro_batches == 1);
+    disk
+}
+
+/// Asserts that `disk` keeps every chunk's optimizer state and parameters on disk, and its
+/// separate gradients where `grads`.
+fn assert_every_state_on_disk(disk: &Schedule, model: &str, grads: bool) {
+    use protrain::ir::BufferKind;
+    let on_disk = |kind: fn(&BufferKind) -> bool| {
+        let of_kind: Vec<_> = disk.buffers.iter().filter(|b| kind(&b.kind)).collect();
+        !of_kind.is_empty() && of_kind.iter().all(|b| b.space == Space::Disk)
+    };
+    assert!(on_disk(|k| matches!(k, BufferKind::OptimizerState { .. })));
+    assert!(
+        on_disk(|k| matches!(k, BufferKind::HostChunk { .. })),
+        "{model}: every chunk's parameters on disk"
+    );
+    if grads {
+        assert!(
+            on_disk(|k| matches!(k, BufferKind::HostGradChunk { .. })),
+            "{model}: every chunk's gradients on disk"
+        );
+    }
+}
+
+/// Where the host budget is the least the disk tier can leave, the compiler moves every
+/// chunk's parameters (and the gradients that land in them) to disk after their optimizer
+/// state, and the schedule trains bit for bit as in host memory.
+#[test]
+fn the_compiler_moves_the_parameters_where_the_state_is_not_enough() {
+    let model = "gpt2-tiny";
+    let policy = format!("{TIGHT},host_layout=14");
+    let host = compile(model, DType::BF16, &policy, None);
+    let (least, _) = protrain::compiler::disk::least_host(&host).unwrap();
+    let disk = compile(model, DType::BF16, &policy, Some(least));
+    assert!(disk.host_bytes <= least);
+    assert_every_state_on_disk(&disk, model, false);
+    assert_eq!(train(&disk, model), train(&host, model));
+}
+
+/// Every model state on disk (parameters, gradients, master weights, moments), read into
+/// staging buffers before each upload and update and written back after, trains bit for bit
+/// as the same policy in host memory: bf16 in the 14-byte layout, f32 in the 16-byte one.
+#[test]
+fn every_state_on_disk_trains_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for (dtype, layout) in [(DType::BF16, 14), (DType::F32, 16)] {
+            let disk = all_on_disk(model, dtype, layout, 1, 2);
+            let policy = format!("{TIGHT},host_layout={layout}");
+            let host = compile(model, dtype, &policy, None);
+            assert_eq!(
+                train(&disk, model),
+                train(&host, model),
+                "{model} {dtype}: every state on disk trains differently from host memory"
+            );
+        }
+    }
+}
+
+/// Accumulation with the parameters and optimizer state on disk: the uploads of each
+/// micro-batch read the parameters from disk, the update reads and writes them once.
+#[test]
+fn accumulating_with_every_state_on_disk_trains_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let disk = all_on_disk(model, DType::BF16, 14, 2, 2);
+        assert_eq!(disk.micro_batches(), 2);
+        let host = compile_k(
+            model,
+            DType::BF16,
+            &format!("{TIGHT},host_layout=14"),
+            None,
+            2,
+        );
+        assert_eq!(
+            train(&disk, model),
+            train(&host, model),
+            "{model}: accumulating with every state on disk trains differently"
+        );
+    }
+}
+
+/// A checkpoint of a run with every state on disk, restored into a new executor (a new
+/// file), continues as the uninterrupted run.
+#[test]
+fn a_checkpoint_carries_every_state_on_disk() {
+    let model = "llama-tiny";
+    let disk = all_on_disk(model, DType::BF16, 14, 1, 1);
+    let want = train(&disk, model);
+    let config = protrain::models::load(model).unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
+    let (dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut first = executor(&disk, dir.path());
+    first.load_params(&init_params(&disk.graph, SEED)).unwrap();
+    let mut trace = Vec::new();
+    for [x, y] in &data[..2] {
+        let report = first.step(&[x, y]).unwrap();
+        trace.push(report.loss.to_bits());
+        trace.push(report.grad_norm.unwrap().to_bits());
+    }
+    let progress = Progress {
+        step: 2,
+        data_step: 2,
+        data_tokens: 0,
+        scaler: None,
+    };
+    checkpoint::save(ckpt.path(), &first, &progress).unwrap();
+    drop(first);
+    let (saved, _) = checkpoint::load_latest(ckpt.path(), &disk).unwrap();
+    let mut resumed = executor(&disk, dir.path());
+    saved.restore(&mut resumed).unwrap();
+    for [x, y] in &data[2..] {
+        let report = resumed.step(&[x, y]).unwrap();
+        trace.push(report.loss.to_bits());
+        trace.push(report.grad_norm.unwrap().to_bits());
+    }
+    assert_eq!(finish(&resumed, trace), want, "resumed vs uninterrupted");
+}
+
+/// `schedule` with the wait at `(stream, at)` moved to the end of the compute stream (so the
+/// event is still waited for), verified: the error, as text.
+fn without_wait(schedule: &Schedule, stream: usize, at: usize) -> String {
+    let mut s = schedule.clone();
+    let wait = s.streams[stream].instrs.remove(at);
+    assert!(matches!(wait, Instr::Wait { .. }), "{wait:?}");
+    s.streams[0].instrs.push(wait);
+    verify(s).expect_err("a missing wait").to_string()
+}
+
+/// The stream that records `event`, and the instruction before the record.
+fn recorded_after(s: &Schedule, event: protrain::ir::EventId) -> (usize, Instr) {
+    s.streams
+        .iter()
+        .enumerate()
+        .find_map(|(i, st)| {
+            let at = st
+                .instrs
+                .iter()
+                .position(|x| *x == Instr::Record { event })?;
+            Some((i, st.instrs[at - 1].clone()))
+        })
+        .expect("recorded")
+}
+
+/// Mutations of a schedule with every state on disk that the verifier refuses: a write to
+/// disk of offloaded gradients that no longer waits for the offload (it would write what
+/// the staging buffer held before), an upload that no longer waits for the read of its
+/// parameters from disk (it would upload what the staging buffer held before), and an
+/// offload into a staging buffer that no longer waits for the write of the gradients it held
+/// (the offload would overwrite them while the write reads them).
+#[test]
+fn the_verifier_refuses_missing_waits_around_parameters_and_gradients_on_disk() {
+    use protrain::ir::{BufferKind, CopyKind};
+    let schedule: Schedule = (*all_on_disk("gpt2-tiny", DType::BF16, 14, 1, 2)).clone();
+    let stream_of = |kind: StreamKind| {
+        schedule
+            .streams
+            .iter()
+            .position(|st| st.kind == kind)
+            .unwrap()
+    };
+    let (io, h2d, d2h) = (
+        stream_of(StreamKind::DiskIo),
+        stream_of(StreamKind::HostToDevice),
+        stream_of(StreamKind::DeviceToHost),
+    );
+    let kind = |t: protrain::ir::TensorRef| schedule.buffers[t.buffer.index()].kind;
+    // The first write of gradients to disk, after its wait for the offload.
+    let write = schedule.streams[io]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::DiskWrite { dst, .. } if matches!(kind(*dst), BufferKind::HostChunk { .. }))
+        })
+        .unwrap();
+    let err = without_wait(&schedule, io, write - 1);
+    assert!(
+        err.contains("data flow") && err.contains("disk_write"),
+        "{err}"
+    );
+    // The first upload, after its wait for the read.
+    let upload = schedule.streams[h2d]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(
+                i,
+                Instr::Copy {
+                    what: CopyKind::FetchChunk { .. },
+                    ..
+                }
+            )
+        })
+        .unwrap();
+    let Instr::Wait { event } = schedule.streams[h2d].instrs[upload - 1] else {
+        panic!("an upload from disk waits for its read")
+    };
+    assert!(matches!(recorded_after(&schedule, event), (s, Instr::DiskRead { .. }) if s == io));
+    let err = without_wait(&schedule, h2d, upload - 1);
+    assert!(err.contains("data flow") && err.contains("fetch"), "{err}");
+    // The first offload that reuses a staging buffer waits for the write of the one
+    // before it there.
+    let reuse = schedule.streams[d2h]
+        .instrs
+        .iter()
+        .enumerate()
+        .position(|(at, i)| {
+            matches!(i, Instr::Wait { event }
+                if matches!(recorded_after(&schedule, *event), (s, Instr::DiskWrite { .. }) if s == io))
+                && at + 1 < schedule.streams[d2h].instrs.len()
+        })
+        .unwrap();
+    let err = without_wait(&schedule, d2h, reuse);
+    assert!(err.contains("data flow"), "{err}");
+    verify(schedule).unwrap();
+}

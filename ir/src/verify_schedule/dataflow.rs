@@ -120,9 +120,14 @@ impl Checker<'_> {
                         ));
                     }
                     // The master weight rides in the same state: the runtime finds it in the
-                    // staging buffer at its offset in the disk buffer of `m`'s home.
+                    // staging buffer at its offset in the disk buffer of `m`'s home. (A
+                    // parameter whose storage is on disk is the update's narrow operand,
+                    // not a moment: its master is the moments' business.)
                     let param = o.inputs[0];
-                    if let Some(&(_, mt)) = s.masters.iter().find(|&&(p, _)| p == param) {
+                    let master = (v != param)
+                        .then(|| s.masters.iter().find(|&&(p, _)| p == param))
+                        .flatten();
+                    if let Some(&(_, mt)) = master {
                         if mt.buffer != home.buffer {
                             return Err(self.fail(
                                 Invariant::Homes,

@@ -355,8 +355,9 @@ impl Checker<'_> {
         Ok(())
     }
 
-    /// A disk read or write: on the disk i/o stream, a chunk's whole optimizer state on disk
-    /// to or from the start of a disk staging buffer.
+    /// A disk read or write: on the disk i/o stream, a chunk's whole optimizer state, or a
+    /// range of its parameter or gradient storage, on disk, to or from the same offsets of a
+    /// disk staging buffer.
     fn disk_ids(
         &self,
         kind: StreamKind,
@@ -386,16 +387,31 @@ impl Checker<'_> {
         }
         self.buffers_exist(&format!("{name} via"), &[src, dst])?;
         let (d, h) = (s.buffer(disk.buffer), s.buffer(host.buffer));
-        if (d.space, d.kind) != (Space::Disk, BufferKind::OptimizerState { chunk: *chunk }) {
+        let owned = match d.kind {
+            BufferKind::OptimizerState { chunk: c }
+            | BufferKind::HostChunk { chunk: c }
+            | BufferKind::HostGradChunk { chunk: c } => c == *chunk,
+            _ => false,
+        };
+        if d.space != Space::Disk || !owned {
             return Err(format!(
                 "{name} of {chunk} on the disk side addresses {} ({}, {}), not \
-                 {chunk}'s optimizer state on disk",
+                 {chunk}'s optimizer state, parameters or gradients on disk",
                 self.buf(disk.buffer),
                 d.name,
                 space_name(d.space)
             ));
         }
-        if disk.offset != 0 || *bytes != d.size {
+        if disk.offset.checked_add(*bytes).is_none_or(|e| e > d.size) {
+            return Err(format!(
+                "{name} of {chunk} moves {bytes} bytes from +{:#x} of {}, which is {} \
+                 bytes",
+                disk.offset, d.name, d.size
+            ));
+        }
+        if matches!(d.kind, BufferKind::OptimizerState { .. })
+            && (disk.offset != 0 || *bytes != d.size)
+        {
             return Err(format!(
                 "{name} of {chunk} moves {bytes} bytes from +{:#x} of its state, \
                  which is {} bytes: disk reads and writes move a chunk's whole \
@@ -403,16 +419,21 @@ impl Checker<'_> {
                 disk.offset, d.size
             ));
         }
+        // A staging buffer mirrors the disk buffer it stages: the same bytes at the same
+        // offsets, so that every address moves to it unchanged but for its buffer.
         if !(h.space == Space::Host
             && matches!(h.kind, BufferKind::DiskStaging { .. })
-            && host.offset == 0)
+            && host.offset == disk.offset
+            && host.offset.saturating_add(*bytes) <= h.size)
         {
             return Err(format!(
                 "{name} of {chunk} on the host side addresses {}+{:#x} ({}), not \
-                 the start of a disk staging buffer in host memory",
+                 a disk staging buffer in host memory at the disk side's offset (+{:#x}) \
+                 with room for {bytes} bytes",
                 self.buf(host.buffer),
                 host.offset,
-                h.name
+                h.name,
+                disk.offset
             ));
         }
         Ok(())

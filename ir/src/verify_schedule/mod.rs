@@ -147,8 +147,9 @@
 //! A schedule with a disk tier ([`Space::Disk`], see [`crate::schedule`]) is checked with its
 //! disk reads and writes as copies: **ids** puts every [`Instr::DiskRead`] and
 //! [`Instr::DiskWrite`] on a disk i/o stream, between the whole disk-resident
-//! optimizer-state buffer of its chunk (from its start, all its bytes) and the start of a
-//! host staging buffer that holds them; no kernel or other copy touches the disk; every
+//! optimizer-state buffer of its chunk (from its start, all its bytes), or a range of its
+//! disk-resident parameter or gradient storage, and the same offset of a host staging buffer
+//! with room for them; no kernel or other copy touches the disk; every
 //! AdamW that finds its moments in a staging buffer has them at the offsets their homes
 //! have in the chunk's disk buffer, as has its master weight, so that the master a staging
 //! buffer holds is the one the update reads; **bounds** keeps every disk buffer inside
