@@ -387,7 +387,7 @@ fn run_in_low<L: Narrow + Widen + Default>(
     low: &mut [L],
     c: &Coeffs,
 ) {
-    let in_low_block = |((p, low), (m, v)): ((&mut [f32], &mut [L]), (&mut [f32], &mut [f32]))| {
+    let in_low_block = |p: &mut [f32], low: &mut [L], m: &mut [f32], v: &mut [f32]| {
         let mut g = [L::default(); IN_LOW_PIECE];
         for (((p, low), m), v) in p
             .chunks_mut(IN_LOW_PIECE)
@@ -401,7 +401,7 @@ fn run_in_low<L: Narrow + Widen + Default>(
         }
     };
     if p.len() <= ADAMW_BLOCK {
-        return in_low_block(((p, low), (m, v)));
+        return in_low_block(p, low, m, v);
     }
     p.par_chunks_mut(ADAMW_BLOCK)
         .zip(low.par_chunks_mut(ADAMW_BLOCK))
@@ -409,7 +409,7 @@ fn run_in_low<L: Narrow + Widen + Default>(
             m.par_chunks_mut(ADAMW_BLOCK)
                 .zip(v.par_chunks_mut(ADAMW_BLOCK)),
         )
-        .for_each(in_low_block);
+        .for_each(|((p, low), (m, v))| in_low_block(p, low, m, v));
 }
 
 /// One AdamW step over a parameter tensor in one pass over memory: the f32 `master` weight
