@@ -27,7 +27,9 @@
 //
 // `cargo bench --bench adam`. Environment: `ADAM_STEPS` (timed steps, default 20),
 // `ADAM_ROUNDS` (default 5), `ADAM_SIZES` (comma-separated parameter counts, default
-// `4194304,33554432`), `ADAM_PYTHON`, `RAYON_NUM_THREADS`. Run it on an idle machine.
+// `4194304,33554432`), `ADAM_PYTHON`, `RAYON_NUM_THREADS`, and `PROTRAIN_CPU_ISA=avx2` to
+// measure an AVX2-only machine's kernels on an AVX-512 one (torch is then started with
+// `ATEN_CPU_CAPABILITY=avx2`, so both sides run their AVX2 code). Run it on an idle machine.
 
 #[allow(dead_code)] // each bench uses part of the shared helpers
 mod common;
@@ -99,7 +101,14 @@ struct Torch {
 impl Torch {
     fn start(steps: usize) -> Result<Torch, String> {
         let python: String = env("ADAM_PYTHON", "python3".to_string());
-        let mut child = Command::new(&python)
+        let mut command = Command::new(&python);
+        // The same instruction set cap for torch's kernels as for protrain's.
+        if let Ok(isa) = std::env::var(kernels::ISA_CAP_VAR) {
+            if std::env::var_os("ATEN_CPU_CAPABILITY").is_none() {
+                command.env("ATEN_CPU_CAPABILITY", isa.trim().to_ascii_lowercase());
+            }
+        }
+        let mut child = command
             .arg("-c")
             .arg(TORCH)
             .arg(threads().to_string())
@@ -243,7 +252,9 @@ fn main() {
     let config = AdamWConfig::default();
     println!(
         "adam: {threads} threads, median of {steps} steps, {rounds} rounds; parameters/s (M), \
-         ratios within each round"
+         ratios within each round; {}={}",
+        kernels::ISA_CAP_VAR,
+        std::env::var(kernels::ISA_CAP_VAR).unwrap_or_else(|_| "(unset: the widest)".into())
     );
     let mut torch = Torch::start(steps)
         .map_err(|why| println!("torch fused: skipped ({why})"))

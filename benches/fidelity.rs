@@ -51,6 +51,61 @@ struct Run {
     by_kind: BTreeMap<(usize, String), f64>,
     /// The profiles taken between its steps, when interleaved.
     profiles: Vec<Profiled>,
+    /// The host optimizer's AdamW work of the median step, split by whether each op ran
+    /// beside a compute kernel.
+    adam: AdamSplit,
+}
+
+/// Host optimizer AdamW seconds and parameters, apart for ops that overlapped a compute
+/// kernel (by more than half their time) and ops that ran with the compute stream idle: the
+/// in-schedule rate of each against the profile's isolated rate says how much of the stream's
+/// excess is the cores it shares with compute.
+#[derive(Clone, Copy, Default)]
+struct AdamSplit {
+    beside_seconds: f64,
+    beside_params: f64,
+    alone_seconds: f64,
+    alone_params: f64,
+}
+
+impl AdamSplit {
+    /// The split of one step's traced spans.
+    fn of(schedule: &Schedule, spans: &[protrain::runtime::Span]) -> AdamSplit {
+        use protrain::ir::StreamKind;
+        let kind = |s: &protrain::runtime::Span| &schedule.streams[s.stream.index()];
+        let compute: Vec<(f64, f64)> = spans
+            .iter()
+            .filter(|s| kind(s).kind == StreamKind::Compute)
+            .map(|s| (s.start, s.end))
+            .collect();
+        let mut out = AdamSplit::default();
+        for span in spans
+            .iter()
+            .filter(|s| kind(s).kind == StreamKind::HostOptimizer)
+        {
+            let Instr::Kernel { op, .. } = &kind(span).instrs[span.index as usize] else {
+                continue;
+            };
+            let op = schedule.graph.op(*op);
+            if op.kind.mnemonic() != "adamw" {
+                continue;
+            }
+            let params = schedule.graph.value(op.inputs[0]).ty.numel() as f64;
+            let seconds = span.end - span.start;
+            let overlap: f64 = compute
+                .iter()
+                .map(|&(a, b)| (b.min(span.end) - a.max(span.start)).max(0.0))
+                .sum();
+            if overlap > 0.5 * seconds {
+                out.beside_seconds += seconds;
+                out.beside_params += params;
+            } else {
+                out.alone_seconds += seconds;
+                out.alone_params += params;
+            }
+        }
+        out
+    }
 }
 
 /// Runs `steps` steps after one warm-up step; with `interleave`, profiles the host (one timed
@@ -76,6 +131,7 @@ fn run(
     let mut kinds: BTreeMap<(usize, String), Vec<f64>> = BTreeMap::new();
     executor.set_tracing(true);
     let mut profiles = Vec::new();
+    let mut adam: Vec<AdamSplit> = Vec::new();
     for step in 0..=steps {
         if let (Some((graphs, options)), true) = (interleave, step > 0) {
             profiles.push(profile_both(graphs, options));
@@ -84,8 +140,10 @@ fn run(
         if step == 0 {
             continue;
         }
+        let timeline = executor.timeline();
+        adam.push(AdamSplit::of(schedule, &timeline));
         let mut this: BTreeMap<(usize, String), f64> = BTreeMap::new();
-        for span in executor.timeline() {
+        for span in timeline {
             let s = span.stream.index();
             let instr = &schedule.streams[s].instrs[span.index as usize];
             *this.entry((s, what(schedule, instr))).or_insert(0.0) += span.end - span.start;
@@ -99,7 +157,12 @@ fn run(
             b.push(s);
         }
     }
+    // The split of the step whose host optimizer time is the median.
+    adam.sort_by(|a, b| {
+        (a.beside_seconds + a.alone_seconds).total_cmp(&(b.beside_seconds + b.alone_seconds))
+    });
     Run {
+        adam: adam.get(adam.len() / 2).copied().unwrap_or_default(),
         step: median(walls),
         busy: busy.into_iter().map(median).collect(),
         by_kind: kinds.into_iter().map(|(k, v)| (k, median(v))).collect(),
@@ -450,6 +513,7 @@ fn compare(
         step: measured,
         busy,
         by_kind: measured_kinds,
+        adam,
         ..
     } = measured_run;
     let predicted = simulation.step_seconds;
@@ -473,6 +537,23 @@ fn compare(
         println!(
             "  {:<14} busy predicted {p:.4} s, measured {m:.4} s, error {err}",
             stream.name
+        );
+    }
+    if adam.beside_params + adam.alone_params > 0.0 {
+        let rate = |params: f64, seconds: f64| match seconds > 0.0 {
+            true => format!(
+                "{:.0} M params/s ({:.2}x the profile's)",
+                params / seconds / 1e6,
+                params / seconds / profile.cpu_adam_params_per_s
+            ),
+            false => "-".into(),
+        };
+        println!(
+            "  host optimizer AdamW beside compute {:.4} s, {}; alone {:.4} s, {}",
+            adam.beside_seconds,
+            rate(adam.beside_params, adam.beside_seconds),
+            adam.alone_seconds,
+            rate(adam.alone_params, adam.alone_seconds),
         );
     }
     if by_op {

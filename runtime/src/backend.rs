@@ -465,6 +465,18 @@ pub trait Backend: Sync + Sized {
         ))
     }
 
+    /// Runs `launches`, which launches a run of adjacent AdamW kernels of one stream (no event
+    /// between them) one after the other: as it is, by default. The host backend runs the
+    /// whole run as one job of its thread pool, so that the run waits once for the pool's
+    /// workers to finish the compute kernel they are on, not once per parameter, and the
+    /// compute stream's next kernels wait behind it instead of interleaving with each AdamW.
+    fn run_adamw_group(
+        &self,
+        launches: &mut (dyn FnMut() -> Result<Outcome> + Send),
+    ) -> Result<Outcome> {
+        launches()
+    }
+
     /// Records `event` once the work issued on `stream` so far is done.
     fn record(&self, stream: &mut Self::Stream, event: EventId) -> Result<()>;
 

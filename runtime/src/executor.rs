@@ -1259,9 +1259,42 @@ fn run_stream<B: Backend>(
         true => (&s.update, s.update_at as usize),
     };
     let mut issue = || -> Result<()> {
-        for (index, instr) in program.iter().enumerate() {
-            let index = first + index;
+        let mut at = 0;
+        while at < program.len() {
+            let (index, instr) = (first + at, &program[at]);
+            at += 1;
             let began = start.elapsed().as_secs_f64();
+            let group = adamw_run(graph, &program[at - 1..]);
+            if group.len() > 1 {
+                // A run of AdamW kernels goes to the backend whole; each is timed as it ends,
+                // the first from the run's start, so a wait for the backend's workers counts.
+                at += group.len() - 1;
+                let (handle, busy, spans) = (&mut s.handle, &mut s.busy, &mut s.spans);
+                let mut last = began;
+                let mut k = 0;
+                let done = backend.run_adamw_group(&mut || {
+                    let mut done = Outcome::default();
+                    for planned in &group[k..] {
+                        // SAFETY: as for kernels below.
+                        let d = unsafe { launch_kernel(backend, handle, graph, planned, step)? };
+                        done = done.merge(d);
+                        let ended = start.elapsed().as_secs_f64();
+                        *busy += ended - last;
+                        if tracing {
+                            spans.push(Span {
+                                stream: s.id,
+                                index: (index + k) as u32,
+                                start: last,
+                                end: ended,
+                            });
+                        }
+                        (last, k) = (ended, k + 1);
+                    }
+                    Ok(done)
+                })?;
+                outcome = outcome.merge(done);
+                continue;
+            }
             match instr {
                 Planned::Wait(event) => {
                     backend.wait(&mut s.handle, *event)?;
@@ -1373,6 +1406,23 @@ fn run_stream<B: Backend>(
             Err(e)
         }
     }
+}
+
+/// The run of adjacent AdamW kernels that `program` starts with (empty when its first
+/// instruction is not one): a backend may run them as one piece of work
+/// ([`Backend::run_adamw_group`]). Any other instruction, an event included, ends the run.
+fn adamw_run<'p>(graph: &Graph, program: &'p [Planned]) -> &'p [Planned] {
+    let len = program
+        .iter()
+        .take_while(|planned| match planned {
+            Planned::Kernel { op, launched, .. } => matches!(
+                launched.as_ref().unwrap_or_else(|| graph.op(*op)).kind,
+                OpKind::AdamW { .. }
+            ),
+            _ => false,
+        })
+        .count();
+    &program[..len]
 }
 
 /// Launches `planned`, a planned kernel, on `stream` for step `step`; anything else is a bug.

@@ -509,6 +509,20 @@ fn reduce_scatter_narrow<T: Copy>(
 impl Backend for HostBackend {
     type Stream = HostStream;
 
+    /// The run as one job of the rayon pool the kernels share: the calling stream thread
+    /// hands it to the pool once, and every AdamW in it splits its blocks among the workers
+    /// from inside the pool, so a worker takes the compute stream's next kernel, handed to the
+    /// pool meanwhile, only when it finds no AdamW block to steal. A hand-over per parameter
+    /// would wait each time for the compute kernel the workers are on to end: beside compute,
+    /// the host optimizer stream's AdamW ops would take several times their isolated time
+    /// (`benches/fidelity.rs` prints the split).
+    fn run_adamw_group(
+        &self,
+        launches: &mut (dyn FnMut() -> Result<Outcome> + Send),
+    ) -> Result<Outcome> {
+        rayon::scope(|_| launches())
+    }
+
     const RUNS_BF16: bool = true;
     const RUNS_F16: bool = true;
 
@@ -967,6 +981,33 @@ impl Backend for HostBackend {
 
 #[cfg(test)]
 mod tests {
+
+    /// A run of AdamW launches goes to the rayon pool as one job: every launch in it runs on
+    /// a worker of the pool (so its blocks are split from inside the pool, not handed over
+    /// once per parameter), in order, and their outcomes and errors come back to the stream.
+    #[test]
+    fn a_run_of_adamw_launches_is_one_job_of_the_pool() {
+        use super::{Backend, HostBackend};
+        use crate::dispatch::Outcome;
+        use crate::error::RuntimeError;
+        let backend = HostBackend::new(1 << 20, 1 << 20, 0).expect("a small backend");
+        let mut workers = Vec::new();
+        let done = backend.run_adamw_group(&mut || {
+            for _ in 0..3 {
+                workers.push(rayon::current_thread_index());
+            }
+            Ok(Outcome::default())
+        });
+        assert_eq!(done.ok(), Some(Outcome::default()));
+        assert_eq!(workers.len(), 3);
+        assert!(
+            workers.iter().all(Option::is_some),
+            "launched outside the pool: {workers:?}"
+        );
+        let failed =
+            backend.run_adamw_group(&mut || Err(RuntimeError::BadSchedule("a bad launch".into())));
+        assert!(failed.is_err_and(|e| e.to_string().contains("a bad launch")));
+    }
 
     #[test]
     fn more_than_the_available_memory_is_refused_up_front() {

@@ -342,7 +342,10 @@ unsafe fn block_in<G: Widen, L: Narrow>(
     }
 }
 
-/// The whole tensor in [`ADAMW_BLOCK`]-element blocks, in parallel.
+/// The whole tensor in [`ADAMW_BLOCK`]-element blocks, in parallel; a tensor of one block
+/// runs on the calling thread, since the pool would give it no second thread and would cost a
+/// wake-up and a hand-over of the caller's thread to its worker and back (a schedule's
+/// optimizer stream issues every bias and norm weight as an AdamW op of its own).
 fn run<G: Widen + Sync, L: Narrow>(
     p: &mut [f32],
     g: &[G],
@@ -351,6 +354,9 @@ fn run<G: Widen + Sync, L: Narrow>(
     low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
+    if p.len() <= ADAMW_BLOCK {
+        return run_block(p, g, m, v, low, c);
+    }
     let states = p
         .par_chunks_mut(ADAMW_BLOCK)
         .zip(g.par_chunks(ADAMW_BLOCK))
@@ -372,7 +378,8 @@ const IN_LOW_PIECE: usize = 4096;
 
 /// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
 /// each piece of the gradient is copied to the stack, then the step reads the copy and writes
-/// the new parameter over the gradient. Elementwise, so the pieces change no bit.
+/// the new parameter over the gradient. Elementwise, so the pieces change no bit. A tensor of
+/// one block runs on the calling thread, as in [`run`].
 fn run_in_low<L: Narrow + Widen + Default>(
     p: &mut [f32],
     m: &mut [f32],
@@ -380,25 +387,29 @@ fn run_in_low<L: Narrow + Widen + Default>(
     low: &mut [L],
     c: &Coeffs,
 ) {
+    let in_low_block = |p: &mut [f32], low: &mut [L], m: &mut [f32], v: &mut [f32]| {
+        let mut g = [L::default(); IN_LOW_PIECE];
+        for (((p, low), m), v) in p
+            .chunks_mut(IN_LOW_PIECE)
+            .zip(low.chunks_mut(IN_LOW_PIECE))
+            .zip(m.chunks_mut(IN_LOW_PIECE))
+            .zip(v.chunks_mut(IN_LOW_PIECE))
+        {
+            let g = &mut g[..low.len()];
+            g.copy_from_slice(low);
+            run_block(p, g, m, v, Some(low), c);
+        }
+    };
+    if p.len() <= ADAMW_BLOCK {
+        return in_low_block(p, low, m, v);
+    }
     p.par_chunks_mut(ADAMW_BLOCK)
         .zip(low.par_chunks_mut(ADAMW_BLOCK))
         .zip(
             m.par_chunks_mut(ADAMW_BLOCK)
                 .zip(v.par_chunks_mut(ADAMW_BLOCK)),
         )
-        .for_each(|((p, low), (m, v))| {
-            let mut g = [L::default(); IN_LOW_PIECE];
-            for (((p, low), m), v) in p
-                .chunks_mut(IN_LOW_PIECE)
-                .zip(low.chunks_mut(IN_LOW_PIECE))
-                .zip(m.chunks_mut(IN_LOW_PIECE))
-                .zip(v.chunks_mut(IN_LOW_PIECE))
-            {
-                let g = &mut g[..low.len()];
-                g.copy_from_slice(low);
-                run_block(p, g, m, v, Some(low), c);
-            }
-        });
+        .for_each(|((p, low), (m, v))| in_low_block(p, low, m, v));
 }
 
 /// One AdamW step over a parameter tensor in one pass over memory: the f32 `master` weight
@@ -859,6 +870,81 @@ mod tests {
                              {bf16_grad}, bf16 copy {with_low})"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// Lengths on both sides of one block (run on the calling thread at or below it, split
+    /// over the pool above it) and odd tails, for every gradient form (f32, bf16, f16, and the
+    /// gradient in the parameter storage) with a bf16 or f16 copy: the bits of the scalar
+    /// update applied element by element, on one thread and on three.
+    #[test]
+    fn every_length_and_gradient_form_gives_the_scalar_bits() {
+        let cfg = AdamWConfig::default();
+        let c = Coeffs::new(4, &cfg, 0.7);
+        let (p0, g, m0, v0) = operands();
+        for n in [
+            1,
+            7,
+            17,
+            ADAMW_BLOCK - 1,
+            ADAMW_BLOCK,
+            ADAMW_BLOCK + 1,
+            ADAMW_BLOCK + 37,
+        ] {
+            for form in 0..4 {
+                let f16_low = form == 2;
+                let grad: Vec<f32> = match f16_low {
+                    true => g[..n].iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                    false if form == 0 => g[..n].to_vec(),
+                    false => g[..n].iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+                };
+                // The reference: `update` on each element, with the gradient widened exactly.
+                let (mut p, mut m, mut v) = (p0[..n].to_vec(), m0[..n].to_vec(), v0[..n].to_vec());
+                for i in 0..n {
+                    (p[i], m[i], v[i]) = update::<true>(p[i], grad[i] * 0.7, m[i], v[i], &c);
+                }
+                let want: Vec<u32> = p.iter().chain(&m).chain(&v).map(|x| x.to_bits()).collect();
+                let run = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let (mut p, mut m, mut v) =
+                        (p0[..n].to_vec(), m0[..n].to_vec(), v0[..n].to_vec());
+                    let g16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+                    let gh: Vec<f16> = grad.iter().map(|&x| f16::from_f32(x)).collect();
+                    let (mut low16, mut lowh) = (g16.clone(), gh.clone());
+                    pool.install(|| {
+                        let (grad, low) = match form {
+                            0 => (Grad::F32(&grad), Low::Bf16(&mut low16)),
+                            1 => (Grad::Bf16(&g16), Low::Bf16(&mut low16)),
+                            2 => (Grad::F16(&gh), Low::F16(&mut lowh)),
+                            _ => (Grad::InLow, Low::Bf16(&mut low16)),
+                        };
+                        let (pm, mm, vm) = (&mut p, &mut m, &mut v);
+                        adamw_step_fused(pm, grad, Some(0.7), mm, vm, Some(low), 4, &cfg);
+                    });
+                    let low: Vec<u16> = match f16_low {
+                        true => lowh.iter().map(|x| x.to_bits()).collect(),
+                        false => low16.iter().map(|x| x.to_bits()).collect(),
+                    };
+                    let state: Vec<u32> =
+                        p.iter().chain(&m).chain(&v).map(|x| x.to_bits()).collect();
+                    (state, low, p)
+                };
+                for threads in [1, 3] {
+                    let (state, low, p) = run(threads);
+                    assert!(state == want, "n {n}, form {form}, {threads} threads");
+                    let rounded: Vec<u16> = match f16_low {
+                        true => p.iter().map(|&x| f16::from_f32(x).to_bits()).collect(),
+                        false => p.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(),
+                    };
+                    assert!(
+                        low == rounded,
+                        "copy: n {n}, form {form}, {threads} threads"
+                    );
                 }
             }
         }

@@ -194,10 +194,26 @@ pub(crate) enum Isa {
     Baseline,
 }
 
+/// The environment variable that caps the instruction set the kernels use
+/// ([`Isa::detect`]): `avx2` or `baseline` (`avx512` leaves the widest). It can only narrow
+/// what the CPU has, so an AVX-512 machine can measure the kernels an AVX2-only machine runs
+/// (as `ATEN_CPU_CAPABILITY=avx2` does for torch); every instance gives the same bits.
+pub const ISA_CAP_VAR: &str = "PROTRAIN_CPU_ISA";
+
 impl Isa {
-    /// The widest instruction set this CPU has (`is_x86_feature_detected!` caches its answer).
+    /// The widest instruction set this CPU has, capped by [`ISA_CAP_VAR`] when it is set
+    /// (both read once; `is_x86_feature_detected!` caches its answer too).
     #[inline(always)]
     pub(crate) fn detect() -> Isa {
+        static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let cap = std::env::var(ISA_CAP_VAR).ok();
+            Isa::widest().narrowed_to(cap.as_deref().and_then(Isa::parse))
+        })
+    }
+
+    /// The widest instruction set this CPU has.
+    fn widest() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -208,6 +224,30 @@ impl Isa {
             }
         }
         Isa::Baseline
+    }
+
+    /// The instruction set [`ISA_CAP_VAR`] names (`avx512`, `avx2`, `baseline`, any case);
+    /// `None` for anything else, which caps nothing.
+    fn parse(name: &str) -> Option<Isa> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "avx512" => Some(Isa::Avx512),
+            "avx2" => Some(Isa::Avx2),
+            "baseline" => Some(Isa::Baseline),
+            _ => None,
+        }
+    }
+
+    /// `self`, or `cap` where `cap` is narrower: a cap never widens what the CPU has.
+    fn narrowed_to(self, cap: Option<Isa>) -> Isa {
+        let width = |isa: Isa| match isa {
+            Isa::Avx512 => 2,
+            Isa::Avx2 => 1,
+            Isa::Baseline => 0,
+        };
+        match cap {
+            Some(cap) if width(cap) < width(self) => cap,
+            _ => self,
+        }
     }
 }
 
@@ -375,6 +415,27 @@ pub(crate) unsafe fn gemm_raw(
 mod tests {
     use super::*;
     use crate::kernels::testutil::bits;
+
+    #[test]
+    fn the_instruction_set_cap_only_narrows() {
+        // Each name, in any case, caps to itself or below; an unknown name caps nothing.
+        assert_eq!(Isa::parse(" AVX2 "), Some(Isa::Avx2));
+        assert_eq!(Isa::parse("avx512"), Some(Isa::Avx512));
+        assert_eq!(Isa::parse("Baseline"), Some(Isa::Baseline));
+        assert_eq!(Isa::parse("sse4"), None);
+        let all = [Isa::Avx512, Isa::Avx2, Isa::Baseline];
+        for (i, &cpu) in all.iter().enumerate() {
+            assert_eq!(cpu.narrowed_to(None), cpu);
+            for (j, &cap) in all.iter().enumerate() {
+                let want = if j > i { cap } else { cpu };
+                assert_eq!(
+                    cpu.narrowed_to(Some(cap)),
+                    want,
+                    "{cpu:?} capped to {cap:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn exp_is_within_three_ulp_of_f64_over_the_range() {

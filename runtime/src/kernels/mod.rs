@@ -54,6 +54,7 @@ pub use embedding::{
     position_embedding_forward, TokenId,
 };
 pub use linear::{linear_backward, linear_forward, WeightLayout};
+pub use math::ISA_CAP_VAR;
 pub use moe::{
     grouped_linear_backward, grouped_linear_forward, moe_aux_loss, moe_aux_loss_backward,
     moe_combine, moe_combine_backward, moe_dispatch, moe_dispatch_backward, moe_route,
