@@ -72,6 +72,9 @@ pub struct Streamed {
     pub masters: Vec<(ValueId, TensorRef)>,
     /// Where the loss is.
     pub loss: TensorRef,
+    /// Where each of the graph's outputs is, in order (an interleaved graph's micro-batch
+    /// losses first, see [`crate::interleave`]).
+    pub outputs: Vec<TensorRef>,
     /// Kernels on the compute stream (the length of the timeline).
     pub compute_kernels: u32,
 }
@@ -546,11 +549,8 @@ impl Builder {
             .map(|c| c.expect("every movement is lowered"))
             .collect();
         let kernels = self.kernels(graph, &program);
-        let loss = graph
-            .outputs()
-            .first()
-            .map(|v| self.primary[v])
-            .ok_or(CompileError::NoLoss)?;
+        let outputs: Vec<TensorRef> = graph.outputs().iter().map(|v| self.primary[v]).collect();
+        let loss = outputs.first().copied().ok_or(CompileError::NoLoss)?;
         let staging = self.staging(graph, chunks, &program, &copies);
         let (per_stream, order) = order_steps(graph, &program, &copies, &staging);
         let (streams, events) = self.lower(
@@ -569,6 +569,7 @@ impl Builder {
             homes: self.homes,
             masters: self.masters,
             loss,
+            outputs,
             compute_kernels: program.device.len() as u32,
         })
     }

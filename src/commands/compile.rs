@@ -124,7 +124,7 @@ fn file_stem(name: &str) -> String {
 fn rates(s: &Schedule) -> (f64, f64) {
     let p = &s.header.prediction;
     let tokens = (s.header.batch * s.header.seq) as f64
-        * f64::from(s.micro_batches())
+        * f64::from(s.micro_batches_per_step())
         * f64::from(s.ranks());
     (
         tokens / p.step_seconds,
@@ -178,7 +178,7 @@ fn summary_json(
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "ranks": s.ranks(),
-        "micro_batches": s.micro_batches(),
+        "micro_batches": s.micro_batches_per_step(),
         "batch": s.header.batch,
         "split": split.map(split_json),
         "peak_device_bytes": p.peak_device_bytes,

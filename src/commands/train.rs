@@ -104,7 +104,7 @@ pub fn run(mut args: Args) -> Result<()> {
     // The split the compiler chose, where it chose one, is the shape the schedule runs; the
     // evaluation schedule (below) reads batches of the rows asked for, as its reserve was
     // planned.
-    let accum = match schedule.micro_batches() {
+    let accum = match schedule.micro_batches_per_step() {
         1 => String::new(),
         k => format!(" x {k} micro-batches"),
     };
