@@ -175,10 +175,17 @@ fn summary_json(
         "chunks": s.chunks.len(),
         "chunk_bytes": s.chunks.chunk_bytes,
         "predicted_step_s": p.step_seconds,
+        // The search's closed-form estimate of the winner's step (null for a fixed policy).
+        "estimated_step_s": c
+            .report
+            .as_ref()
+            .and_then(|r| r.compiled.first())
+            .map(|w| w.estimated_seconds),
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "ranks": s.ranks(),
         "micro_batches": s.micro_batches_per_step(),
+        "micro_batch_order": s.header.policy.order.name(),
         "batch": s.header.batch,
         "split": split.map(split_json),
         "peak_device_bytes": p.peak_device_bytes,
