@@ -550,7 +550,7 @@ pub struct Schedule {
     /// every micro-batch, and the graph's step inputs are the model's inputs once per
     /// micro-batch, micro-batch after micro-batch (micro-batch `m`'s `i`-th input is the
     /// graph's input `m * n + i` of `n` per micro-batch). Empty otherwise.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub micro_batch_losses: Vec<TensorRef>,
 }
 

@@ -1250,7 +1250,9 @@ fn llama_2_70b_accumulates_chunk_major_at_four_times_the_rate_with_a_disk_tier()
         rate(&single)
     );
     let step = accumulated["predicted_step_s"].as_f64().expect("a step");
-    let estimate = accumulated["estimated_step_s"].as_f64().expect("an estimate");
+    let estimate = accumulated["estimated_step_s"]
+        .as_f64()
+        .expect("an estimate");
     assert!(
         (estimate - step).abs() <= 0.25 * step,
         "estimate {estimate} s, simulated {step} s"

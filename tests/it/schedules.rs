@@ -122,7 +122,10 @@ fn gpt2_tiny_chunk_major_header() {
     let config = protrain::models::load("gpt2-tiny").expect("the test models load");
     let options = CompileOptions {
         micro_batches: 2,
-        ..options(host(), "n_persist=0 n_buffer=2 n_checkpoint=1 order=chunk-major")
+        ..options(
+            host(),
+            "n_persist=0 n_buffer=2 n_checkpoint=1 order=chunk-major",
+        )
     };
     let schedule = protrain::compile(&config, &options)
         .expect("the policy compiles")
