@@ -10,7 +10,9 @@
 use crate::error::Result;
 use crate::plan::Planned;
 use crate::streams::Streamed;
-use protrain_ir::{CopyKind, Header, Instr, Prediction, Schedule, ValueId, FORMAT_VERSION};
+use protrain_ir::{
+    CopyKind, Header, Instr, MicroBatchOrder, Prediction, Schedule, ValueId, FORMAT_VERSION,
+};
 
 /// What the header records about the compilation, beyond what the passes produced.
 #[derive(Clone, Debug)]
@@ -48,6 +50,15 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
             _ => {}
         }
     }
+    // Chunk-major accumulation: the interleaved graph's outputs start with the micro-batches'
+    // losses.
+    let k = graph.micro_batches() as usize;
+    let micro_batch_losses = match placed.policy.order {
+        MicroBatchOrder::ChunkMajor if k > 1 => {
+            streamed.outputs[..k.min(streamed.outputs.len())].to_vec()
+        }
+        _ => Vec::new(),
+    };
     let homes = streamed.homes.iter().map(|&(v, r)| (value(v), r)).collect();
     let masters = streamed
         .masters
@@ -104,5 +115,6 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         homes,
         masters,
         loss: streamed.loss,
+        micro_batch_losses,
     })
 }

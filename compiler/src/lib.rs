@@ -13,6 +13,7 @@ pub mod egraph;
 pub mod emit;
 pub mod error;
 pub mod fuse;
+pub mod interleave;
 pub mod lower;
 pub mod movement;
 pub mod pipeline;

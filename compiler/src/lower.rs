@@ -11,16 +11,19 @@ use crate::comm::Topology;
 use crate::data_parallel::data_parallel;
 use crate::emit::{emit, HeaderInputs};
 use crate::error::{CompileError, Result};
+use crate::interleave::interleave;
 use crate::place::place;
 use crate::plan::plan_buffers;
 use crate::shard::shard;
 use crate::streams::streams;
 use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::verify_schedule;
-use protrain_ir::{ChunkTable, Graph, Policy, Schedule};
+use protrain_ir::{ChunkTable, Graph, MicroBatchOrder, Policy, Schedule};
 
 /// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
-/// when the graph's loss gradient is scaled for several micro-batches. The placed graph
+/// when the graph's loss gradient is scaled for several micro-batches (in the policy's
+/// order: sequential, by [`accumulate_micro_batches`], or chunk-major, by placing the
+/// [`interleave`]d graph). The placed graph
 /// is verified after placement and, in tests and debug builds, validated against the training
 /// graph with an e-graph, and the schedule verified after emission. It returns the schedule
 /// unverified in release builds: the search compiles many candidates and verifies only the
@@ -64,6 +67,23 @@ pub fn compile_policy_on(
         }
         Err(_) => chunks,
     };
+    // Chunk-major accumulation runs every micro-batch in one program: the interleaved graph,
+    // lowered as a step of one micro-batch (no accumulators, no micro-batch program).
+    let per_rank = global / ranks;
+    let chunk_major = policy.order == MicroBatchOrder::ChunkMajor && per_rank > 1;
+    if chunk_major && ranks > 1 {
+        return Err(CompileError::BadPolicy(format!(
+            "order=chunk-major runs on one rank, not {ranks}; give order=sequential"
+        )));
+    }
+    let interleaved;
+    let training = match chunk_major {
+        true => {
+            interleaved = interleave(training)?;
+            &interleaved
+        }
+        false => training,
+    };
     let placed = place(training, chunks, policy)?;
     verify_graph(&placed.graph)?;
     if cfg!(debug_assertions) {
@@ -81,7 +101,8 @@ pub fn compile_policy_on(
     }
     let mut streamed = streams(placed)?;
     let planned = plan_buffers(&mut streamed);
-    let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, global / ranks)?;
+    let repeats = if chunk_major { 1 } else { per_rank };
+    let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, repeats)?;
     let schedule = shard(data_parallel(schedule, topology)?)?;
     if cfg!(debug_assertions) {
         verify_schedule(&schedule)?;

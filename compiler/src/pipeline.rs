@@ -1,7 +1,8 @@
 //! The pipeline: the passes in the order they run, each followed by the verifier.
 //!
 //! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
-//! training graph -> chunk -> place(policy) (with movement) -> streams -> plan -> emit
+//! training graph -> chunk (-> interleave, for K > 1 in the chunk-major order) ->
+//! place(policy) (with movement) -> streams -> plan -> emit
 //! (-> accumulate, for K > 1) (-> data_parallel -> shard, for several ranks) -> Schedule -> verify ->
 //! [`VerifiedSchedule`] -> simulate.
 //!
@@ -287,7 +288,12 @@ impl<'m> Context<'m> {
             let training = self.training.as_ref().expect("differentiated above");
             let chunks = self.chunks.as_ref().expect("chunked above");
             let compiled = self.compiled.as_ref().expect("compiled above");
-            let placed = place(training, chunks, &compiled.schedule.header.policy)?;
+            let policy = &compiled.schedule.header.policy;
+            // A chunk-major schedule placed the interleaved graph.
+            let placed = match compiled.schedule.is_chunk_major() {
+                true => place(&crate::interleave::interleave(training)?, chunks, policy)?,
+                false => place(training, chunks, policy)?,
+            };
             verify_graph(&placed.graph)?;
             self.placed = Some(placed);
         }

@@ -80,10 +80,16 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
 /// Fails when `policy` does not fit the graph: a block mode per layer, no more persistent
 /// chunks than there are, and a chunk buffer where any chunk is streamed.
 fn check_policy(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<()> {
+    // Layers, not blocks: an interleaved graph ([`crate::interleave`]) has a block per layer
+    // and micro-batch.
     let layers = training
         .blocks()
-        .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
-        .count();
+        .filter_map(|(_, b)| match b.kind {
+            BlockKind::Layer(i) => Some(i),
+            _ => None,
+        })
+        .collect::<BTreeSet<u32>>()
+        .len();
     let bad = |m: String| Err(CompileError::BadPolicy(m));
     if policy.blocks.len() != layers {
         return bad(format!(

@@ -24,11 +24,12 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, HostDisk, Result, Shortfall, ShortfallProblem};
+use crate::interleave::interleave;
 use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
-    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, OpKind, Phase, Policy,
-    Schedule,
+    format_bytes, BlockKind, BlockMode, ChunkTable, Graph, HostLayout, MicroBatchOrder, OpKind,
+    Phase, Policy, Schedule,
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
@@ -109,6 +110,9 @@ pub struct SearchReport {
     pub rejected_invalid: usize,
     /// Every fully compiled candidate, fastest first.
     pub compiled: Vec<Candidate>,
+    /// With gradient accumulation on one rank, each micro-batch order searched and the
+    /// simulated step of its winner (`None`: nothing fits in that order); empty otherwise.
+    pub orders: Vec<(MicroBatchOrder, Option<f64>)>,
 }
 
 impl SearchReport {
@@ -140,6 +144,21 @@ impl SearchReport {
             self.rejected_invalid,
             self.compiled.len()
         );
+        if !self.orders.is_empty() {
+            let orders: Vec<String> = self
+                .orders
+                .iter()
+                .map(|(order, step)| match step {
+                    Some(s) => format!("{order} {s:.4} s"),
+                    None => format!("{order} does not fit"),
+                })
+                .collect();
+            let _ = writeln!(
+                out,
+                "micro-batch orders: {} (the faster wins, sequential on a tie)",
+                orders.join(", ")
+            );
+        }
         for (i, c) in self.compiled.iter().take(6).enumerate() {
             let _ = writeln!(
                 out,
@@ -300,6 +319,7 @@ impl OpWalk {
         }
         let mut layer_saved = vec![0u64; layers];
         let mut layer_input = vec![0u64; layers];
+        let mut inputs_seen = BTreeSet::new();
         let mut head_bytes = 0u64;
         for (_, op) in training.ops() {
             if op.phase == Phase::Optimizer {
@@ -332,8 +352,10 @@ impl OpWalk {
                             layer_saved[l] += training.value(v).ty.bytes();
                         }
                     }
-                    if layer_input[l] == 0 {
-                        layer_input[l] = op
+                    // A layer's input once per block: an interleaved graph's layer has a
+                    // block, and a checkpoint, per micro-batch.
+                    if inputs_seen.insert(op.block) {
+                        layer_input[l] += op
                             .inputs
                             .first()
                             .map_or(0, |&v| training.value(v).ty.bytes());
@@ -474,10 +496,15 @@ impl Profile {
         topology: Topology,
         budgets: HostBudgets,
     ) -> Self {
+        // Layers, not blocks: an interleaved graph has a block per layer and micro-batch.
         let layers = training
             .blocks()
-            .filter(|(_, b)| matches!(b.kind, BlockKind::Layer(_)))
-            .count();
+            .filter_map(|(_, b)| match b.kind {
+                BlockKind::Layer(i) => Some(i),
+                _ => None,
+            })
+            .collect::<BTreeSet<u32>>()
+            .len();
         let OpWalk {
             chunk_forward,
             chunk_backward,
@@ -1462,6 +1489,13 @@ fn with_budgets(
 /// Searches for the fastest policy that fits; returns its schedule (simulated, with the
 /// report in its header) and the report.
 ///
+/// With gradient accumulation over `K > 1` micro-batches on one rank it searches both
+/// micro-batch orders ([`MicroBatchOrder`]): the sequential one, and the chunk-major one,
+/// estimated on the [`interleave`]d graph (each chunk moved once per step, the compute and
+/// the activations of `K` micro-batches); the faster simulated winner is returned, the
+/// sequential one where they tie. Several ranks search the sequential order alone: the
+/// chunk-major order runs on one rank.
+///
 /// When nothing fits, the error says the smallest budget that would and what takes the
 /// memory in that schedule.
 pub fn search(
@@ -1470,8 +1504,64 @@ pub fn search(
     cost: &dyn CostModel,
     options: &SearchOptions,
 ) -> Result<(Schedule, SearchReport)> {
-    let profile = Profile::new(
+    let ranks = u64::from(options.topology.ranks().max(1));
+    let sequential = search_in_order(
         training,
+        training,
+        chunks,
+        cost,
+        options,
+        MicroBatchOrder::Sequential,
+    );
+    if training.micro_batches() / ranks <= 1 || ranks > 1 {
+        return sequential;
+    }
+    let interleaved = interleave(training)?;
+    let chunk_major = search_in_order(
+        training,
+        &interleaved,
+        chunks,
+        cost,
+        options,
+        MicroBatchOrder::ChunkMajor,
+    );
+    let step = |r: &Result<(Schedule, SearchReport)>| {
+        r.as_ref()
+            .ok()
+            .map(|(s, _)| s.header.prediction.step_seconds)
+    };
+    let orders = vec![
+        (MicroBatchOrder::Sequential, step(&sequential)),
+        (MicroBatchOrder::ChunkMajor, step(&chunk_major)),
+    ];
+    let chunk_major_wins = match (step(&sequential), step(&chunk_major)) {
+        (Some(s), Some(c)) => !ties(s, c),
+        (None, Some(_)) => true,
+        _ => false,
+    };
+    let winner = match chunk_major_wins {
+        true => chunk_major,
+        false => sequential,
+    };
+    winner.map(|(schedule, mut report)| {
+        report.orders = orders;
+        (with_budgets(schedule, &report, options), report)
+    })
+}
+
+/// [`search`] in one micro-batch order: the policies of ProTrain's family with `order`,
+/// estimated on `estimated` (the training graph, or for the chunk-major order its
+/// interleaved graph) and compiled from `training`.
+fn search_in_order(
+    training: &Graph,
+    estimated: &Graph,
+    chunks: &ChunkTable,
+    cost: &dyn CostModel,
+    options: &SearchOptions,
+    order: MicroBatchOrder,
+) -> Result<(Schedule, SearchReport)> {
+    let profile = Profile::new(
+        estimated,
         chunks,
         cost,
         options.topology,
@@ -1570,7 +1660,7 @@ pub fn search(
         let results: Vec<(Policy, f64, u64, Result<Schedule>)> = batch
             .par_iter()
             .map(|x| {
-                let policy = x.key.policy(profile.layers);
+                let policy = x.key.policy(profile.layers).with_order(order);
                 let (policy, result) =
                     fit_host(policy, options, narrow, chunks.chunk_bytes, compile);
                 (policy, profile.seconds(x.ticks), x.bytes, result)

@@ -350,7 +350,7 @@ pub fn compile_split(
         rows: rows_per_rank * ranks,
         ranks,
         batch: header.batch,
-        micro_batches: u64::from(best.schedule.micro_batches()),
+        micro_batches: u64::from(best.schedule.micro_batches_per_step()),
         why,
         device_budget: options.device_budget(),
         tried,

@@ -72,6 +72,9 @@ pub struct Streamed {
     pub masters: Vec<(ValueId, TensorRef)>,
     /// Where the loss is.
     pub loss: TensorRef,
+    /// Where each of the graph's outputs is, in order (an interleaved graph's micro-batch
+    /// losses first, see [`crate::interleave`]).
+    pub outputs: Vec<TensorRef>,
     /// Kernels on the compute stream (the length of the timeline).
     pub compute_kernels: u32,
 }
@@ -406,8 +409,10 @@ fn staged_chunks(
 
 /// The streamed chunks whose gradients land in their host parameter storage under `layout`
 /// (see [`HostLayout::GradsInParams`]): none for the full layout, for f32 parameters (each is
-/// its own master weight, which the update reads) or with gradient accumulation on a rank
-/// (every micro-batch uploads the parameters again after the gradients arrived); else every chunk
+/// its own master weight, which the update reads) or with sequential gradient accumulation on
+/// a rank (every micro-batch uploads the parameters again after the gradients arrived; the
+/// chunk-major order, `interleaved`, offloads each gradient once, after the step's last
+/// upload of its chunk, as one micro-batch does); else every chunk
 /// whose uploads are all needed by a kernel no later than the one its gradient offload waits
 /// for, so that each upload has read the storage before the gradients overwrite it. The
 /// others keep the full layout.
@@ -416,11 +421,16 @@ fn lean_chunks(
     chunks: &ChunkTable,
     program: &Program,
     layout: HostLayout,
+    interleaved: bool,
 ) -> BTreeSet<ChunkId> {
     let narrow = state_bytes_per_element(graph) == 12;
     // The loss gradient is scaled for every rank's micro-batches; sharded ranks take one each
-    // ([`crate::shard::shardable`]), replicated ones may take several.
-    let per_rank = graph.micro_batches() / u64::from(chunks.world_size.max(1));
+    // ([`crate::shard::shardable`]), replicated ones may take several, in sequence unless
+    // interleaved.
+    let per_rank = match interleaved {
+        true => 1,
+        false => graph.micro_batches() / u64::from(chunks.world_size.max(1)),
+    };
     if !layout.lean() || !narrow || per_rank > 1 {
         return BTreeSet::new();
     }
@@ -530,7 +540,8 @@ impl Builder {
         // Most values get a place: one allocation instead of a rehash at every doubling.
         self.primary.reserve(graph.values().len());
         let program = Program::of(graph);
-        let lean = lean_chunks(graph, chunks, &program, placed.host_layout);
+        let interleaved = placed.policy.order == protrain_ir::MicroBatchOrder::ChunkMajor;
+        let lean = lean_chunks(graph, chunks, &program, placed.host_layout, interleaved);
         self.staged = staged_chunks(graph, chunks, &program, placed.host_layout, &lean);
         self.assign_staging(graph, chunks, &program);
         self.homes(graph, chunks, &program, &lean);
@@ -546,11 +557,8 @@ impl Builder {
             .map(|c| c.expect("every movement is lowered"))
             .collect();
         let kernels = self.kernels(graph, &program);
-        let loss = graph
-            .outputs()
-            .first()
-            .map(|v| self.primary[v])
-            .ok_or(CompileError::NoLoss)?;
+        let outputs: Vec<TensorRef> = graph.outputs().iter().map(|v| self.primary[v]).collect();
+        let loss = outputs.first().copied().ok_or(CompileError::NoLoss)?;
         let staging = self.staging(graph, chunks, &program, &copies);
         let (per_stream, order) = order_steps(graph, &program, &copies, &staging);
         let (streams, events) = self.lower(
@@ -569,6 +577,7 @@ impl Builder {
             homes: self.homes,
             masters: self.masters,
             loss,
+            outputs,
             compute_kernels: program.device.len() as u32,
         })
     }

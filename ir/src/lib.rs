@@ -35,7 +35,9 @@ pub use op::{
     Epilogue, Movement, Op, OpKind, Phase, QkvLayout, RopeScaling, WeightLayout,
     LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT,
 };
-pub use policy::{format_blocks, parse_blocks, BlockMode, HostLayout, Policy, PolicySpec};
+pub use policy::{
+    format_blocks, parse_blocks, BlockMode, HostLayout, MicroBatchOrder, Policy, PolicySpec,
+};
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{
     Buffer, BufferKind, CastPiece, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule,

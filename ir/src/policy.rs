@@ -228,6 +228,49 @@ impl FromStr for HostLayout {
     }
 }
 
+/// The order a step with gradient accumulation runs its `K` micro-batches in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MicroBatchOrder {
+    /// One micro-batch after another: a program run `K` times, each run summing its gradients
+    /// into accumulators, then the update (every streamed chunk is fetched once per
+    /// micro-batch).
+    #[default]
+    Sequential,
+    /// Chunk-major: one program runs every micro-batch through a layer while its chunk is on
+    /// the device, then moves to the next layer (every streamed chunk is fetched once per
+    /// step), summing each gradient over the micro-batches as it goes.
+    ChunkMajor,
+}
+
+impl MicroBatchOrder {
+    /// The word `order=` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            MicroBatchOrder::Sequential => "sequential",
+            MicroBatchOrder::ChunkMajor => "chunk-major",
+        }
+    }
+}
+
+impl fmt::Display for MicroBatchOrder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for MicroBatchOrder {
+    type Err = ();
+
+    /// The text [`MicroBatchOrder`]'s `Display` writes.
+    fn from_str(text: &str) -> std::result::Result<Self, ()> {
+        [MicroBatchOrder::Sequential, MicroBatchOrder::ChunkMajor]
+            .into_iter()
+            .find(|o| o.name() == text)
+            .ok_or(())
+    }
+}
+
 /// A placement policy.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Policy {
@@ -241,6 +284,10 @@ pub struct Policy {
     pub prefetch: u32,
     /// How offloaded chunks keep their state on the host (see [`HostLayout`]).
     pub host_layout: HostLayout,
+    /// The order of a step's micro-batches with gradient accumulation (see
+    /// [`MicroBatchOrder`]); without accumulation there is one and the order means nothing.
+    #[serde(default)]
+    pub order: MicroBatchOrder,
 }
 
 impl Policy {
@@ -252,6 +299,7 @@ impl Policy {
             blocks: vec![BlockMode::Keep; layers],
             prefetch: 1,
             host_layout: HostLayout::Full,
+            order: MicroBatchOrder::Sequential,
         }
     }
 
@@ -273,6 +321,7 @@ impl Policy {
                 .collect(),
             prefetch: 1,
             host_layout: HostLayout::Full,
+            order: MicroBatchOrder::Sequential,
         }
     }
 
@@ -300,6 +349,7 @@ impl Policy {
             blocks: vec![BlockMode::Checkpoint; layers],
             prefetch: 1,
             host_layout: HostLayout::Full,
+            order: MicroBatchOrder::Sequential,
         }
     }
 
@@ -313,7 +363,13 @@ impl Policy {
             blocks: vec![BlockMode::Checkpoint; layers],
             prefetch: 1,
             host_layout: HostLayout::Full,
+            order: MicroBatchOrder::Sequential,
         }
+    }
+
+    /// This policy with its micro-batches in order `order`.
+    pub fn with_order(self, order: MicroBatchOrder) -> Self {
+        Self { order, ..self }
     }
 
     /// This policy with offloaded chunks in host layout `layout`.
@@ -332,7 +388,8 @@ impl Policy {
 
 impl fmt::Display for Policy {
     /// `n_persist=3 n_buffer=2 prefetch=1 blocks=SCSCK4` (blocks in the compact form of
-    /// [`format_blocks`]), then ` host_layout=14` when the layout is not the full one.
+    /// [`format_blocks`]), then ` host_layout=14` when the layout is not the full one and
+    /// ` order=chunk-major` when the micro-batches are not sequential.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -344,6 +401,9 @@ impl fmt::Display for Policy {
         )?;
         if self.host_layout != HostLayout::Full {
             write!(f, " host_layout={}", self.host_layout)?;
+        }
+        if self.order != MicroBatchOrder::Sequential {
+            write!(f, " order={}", self.order)?;
         }
         Ok(())
     }
@@ -357,8 +417,8 @@ impl fmt::Display for Policy {
 /// the same policy. The keys are `n_persist`, `n_buffer`, `prefetch`, `blocks` (a mode
 /// letter per run of layers followed by the run's length when over one, or one letter per
 /// layer; `-` for none; see [`parse_blocks`]), `host_layout` (16, 14 or 12 bytes per parameter, or `12xN` for
-/// at most `N` chunks at 12 and the rest at 14; see [`HostLayout`])
-/// and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
+/// at most `N` chunks at 12 and the rest at 14; see [`HostLayout`]), `order` (`sequential` or
+/// `chunk-major`, see [`MicroBatchOrder`]) and, instead of `blocks`, `n_swap` and `n_checkpoint` (ProTrain's interleaved layout). A key given twice, or `blocks` with `n_swap` or `n_checkpoint`, is an
 /// error rather than one silently winning.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicySpec {
@@ -376,10 +436,12 @@ pub struct PolicySpec {
     pub prefetch: Option<u32>,
     /// The host layout of offloaded chunks.
     pub host_layout: Option<HostLayout>,
+    /// The order of the micro-batches with gradient accumulation.
+    pub order: Option<MicroBatchOrder>,
 }
 
 /// The keys of a policy's text form, in the order they are documented.
-const POLICY_KEYS: [&str; 7] = [
+const POLICY_KEYS: [&str; 8] = [
     "n_persist",
     "n_buffer",
     "n_swap",
@@ -387,6 +449,7 @@ const POLICY_KEYS: [&str; 7] = [
     "blocks",
     "prefetch",
     "host_layout",
+    "order",
 ];
 
 impl FromStr for PolicySpec {
@@ -439,6 +502,15 @@ impl FromStr for PolicySpec {
                              moments apart), 14 (gradients in the parameter storage), 12 (no \
                              narrow copy: uploads cast from the master through staging) or \
                              12xN (at most N chunks at 12 bytes, the others at 14)"
+                        ))
+                    })?);
+                }
+                "order" => {
+                    spec.order = Some(value.parse::<MicroBatchOrder>().map_err(|()| {
+                        bad(format!(
+                            "order={value}: give sequential (one micro-batch after another) \
+                             or chunk-major (every micro-batch through a layer while its \
+                             chunk is on the device)"
                         ))
                     })?);
                 }
@@ -502,6 +574,7 @@ impl PolicySpec {
             blocks,
             prefetch: self.prefetch.unwrap_or(1),
             host_layout: self.host_layout.unwrap_or_default(),
+            order: self.order.unwrap_or_default(),
         })
     }
 }
@@ -528,6 +601,9 @@ impl fmt::Display for PolicySpec {
         if let Some(layout) = self.host_layout {
             parts.push(format!("host_layout={layout}"));
         }
+        if let Some(order) = self.order {
+            parts.push(format!("order={order}"));
+        }
         f.write_str(&parts.join(" "))
     }
 }
@@ -544,6 +620,7 @@ impl From<&Policy> for PolicySpec {
             prefetch: Some(policy.prefetch),
             // Left out when full, its default, so the text form reads as it always did.
             host_layout: (policy.host_layout != HostLayout::Full).then_some(policy.host_layout),
+            order: (policy.order != MicroBatchOrder::Sequential).then_some(policy.order),
         }
     }
 }
@@ -569,6 +646,9 @@ mod tests {
             },
             Policy::zero3_offload(2, 4).with_layout(HostLayout::STAGED),
             Policy::zero3_offload(2, 4).with_layout(HostLayout::Staged { limit: Some(3) }),
+            Policy::zero3_offload(2, 4)
+                .with_layout(HostLayout::GradsInParams)
+                .with_order(MicroBatchOrder::ChunkMajor),
         ] {
             let printed = policy.to_string();
             let back = parse(&printed).unwrap().resolve(5, policy.blocks.len());
@@ -662,6 +742,7 @@ mod tests {
             ("blocks=KX", "block mode `X`"),
             ("host_layout=13", "give 16"),
             ("host_layout=x", "give 16"),
+            ("order=chunk", "give sequential"),
             ("host_layout=14x2", "12xN"),
             ("host_layout=12x", "12xN"),
             ("host_layout=12x-1", "12xN"),

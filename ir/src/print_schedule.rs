@@ -297,8 +297,16 @@ fn header(s: &Schedule, options: PrintOptions, out: &mut String) {
             "; forward only: the loss and nothing else (no backward pass, no optimizer)"
         );
     }
-    let k = s.micro_batches();
-    if k > 1 {
+    let k = s.micro_batches_per_step();
+    if s.is_chunk_major() {
+        let _ = writeln!(
+            out,
+            "; gradient accumulation, chunk-major: {k} micro-batches of batch {} per step \
+             (tokens from (step*{k} + m)*batch*seq) run through each layer in turn in one \
+             program; the update runs once after them",
+            h.batch
+        );
+    } else if k > 1 {
         let _ = writeln!(
             out,
             "; gradient accumulation: {k} micro-batches of batch {} per step (tokens from \

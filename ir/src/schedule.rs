@@ -88,8 +88,9 @@ use serde::{Deserialize, Serialize};
 /// header's disk budget, the schedule's disk region). 5: the 12-byte host layout (the staged
 /// layout in the policy, staging buffers, the host cast stream and its casts). 6: Gemma's ops
 /// (attention's score scale and soft-cap, RMSNorm's group width and unit offset, and the
-/// scale, softcap and geglu kinds).
-pub const FORMAT_VERSION: u32 = 6;
+/// scale, softcap and geglu kinds). 7: chunk-major accumulation (the policy's micro-batch
+/// order, the schedule's per-micro-batch losses, [`Schedule::micro_batch_losses`]).
+pub const FORMAT_VERSION: u32 = 7;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -550,6 +551,13 @@ pub struct Schedule {
     pub masters: Vec<(ValueId, TensorRef)>,
     /// Where the loss is after the step.
     pub loss: TensorRef,
+    /// With chunk-major accumulation ([`MicroBatchOrder::ChunkMajor`](crate::MicroBatchOrder)),
+    /// where each micro-batch's loss is after the step, in micro-batch order: one program runs
+    /// every micro-batch, and the graph's step inputs are the model's inputs once per
+    /// micro-batch, micro-batch after micro-batch (micro-batch `m`'s `i`-th input is the
+    /// graph's input `m * n + i` of `n` per micro-batch). Empty otherwise.
+    #[serde(default)]
+    pub micro_batch_losses: Vec<TensorRef>,
 }
 
 impl Schedule {
@@ -563,7 +571,7 @@ impl Schedule {
         &self.streams[id.index()]
     }
 
-    /// Micro-batches per optimizer step: the count of the streams' [`Instr::EndMicroBatch`]
+    /// Times a step runs the micro-batch program: the count of the streams' [`Instr::EndMicroBatch`]
     /// markers, 1 without them. (The verifier checks that every stream agrees.)
     pub fn micro_batches(&self) -> u32 {
         self.streams
@@ -574,6 +582,20 @@ impl Schedule {
                 _ => None,
             })
             .unwrap_or(1)
+    }
+
+    /// Micro-batches per optimizer step, in either order: [`Schedule::micro_batches`] for
+    /// sequential accumulation, the count of [`Schedule::micro_batch_losses`] for chunk-major
+    /// accumulation, 1 without accumulation. A step reads this many times the schedule's batch.
+    pub fn micro_batches_per_step(&self) -> u32 {
+        let interleaved = u32::try_from(self.micro_batch_losses.len()).unwrap_or(u32::MAX);
+        self.micro_batches().max(interleaved)
+    }
+
+    /// Whether the step's micro-batches run interleaved in one program (chunk-major
+    /// accumulation).
+    pub fn is_chunk_major(&self) -> bool {
+        self.micro_batch_losses.len() > 1
     }
 
     /// Each stream's instructions split at its [`Instr::EndMicroBatch`]: the micro-batch

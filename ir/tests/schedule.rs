@@ -392,6 +392,7 @@ fn tiny() -> Schedule {
         ],
         masters: vec![],
         loss: at(LOSS, 0),
+        micro_batch_losses: vec![],
         graph: g,
     }
 }

@@ -12,7 +12,10 @@
 //! zeroed, then each micro-batch's rows are written at the inputs' homes and the streams run
 //! their micro-batch programs (a barrier after each), and last the update programs run once.
 //! The step's loss is the mean of the micro-batches' losses, each the mean over its
-//! positions: the mean over all `K*B*T` positions.
+//! positions: the mean over all `K*B*T` positions. A chunk-major schedule
+//! ([`Schedule::is_chunk_major`]) runs its `K` micro-batches in one program instead: each
+//! micro-batch's rows are written at its own inputs' homes, the streams run once, and the
+//! micro-batches' losses, read from [`Schedule::micro_batch_losses`], make the same mean.
 //!
 //! An f16 schedule is loss-scaled ([`Executor::loss_scaled`]): each step runs at a loss scale
 //! the caller gives ([`Executor::step_with`]; the [`crate::loss_scale::LossScaler`] decides
@@ -222,8 +225,13 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     /// Each optimizer-state value (Adam m and v), its home and its length, in graph order.
     state: Vec<(ValueId, TensorRef, usize)>,
     loss: Address,
+    /// With chunk-major accumulation, each micro-batch's loss, in order (empty otherwise).
+    micro_batch_losses: Vec<Address>,
     /// Micro-batches per step (1 without accumulation).
     micro_batches: u32,
+    /// Whether the micro-batches run interleaved in one program (chunk-major): then
+    /// `inputs` holds every micro-batch's homes, micro-batch after micro-batch.
+    interleaved: bool,
     /// Each gradient accumulator's home and bytes, zeroed before each step (the rank's part of
     /// a sharded one).
     accumulators: Vec<(TensorRef, u64)>,
@@ -372,6 +380,25 @@ impl<'s, B: Backend> Executor<'s, B> {
             .map(|(id, v)| (id, home(id), v.ty.numel() as usize))
             .collect();
         let loss = address(schedule, schedule.loss);
+        let micro_batch_losses = schedule
+            .micro_batch_losses
+            .iter()
+            .map(|&at| address(schedule, at))
+            .collect();
+        let interleaved = schedule.is_chunk_major();
+        if interleaved
+            && !graph
+                .inputs()
+                .len()
+                .is_multiple_of(schedule.micro_batch_losses.len())
+        {
+            return Err(RuntimeError::BadSchedule(format!(
+                "a chunk-major schedule of {} micro-batches has {} step inputs, not inputs for \
+                 each micro-batch; recompile the schedule with this protrain",
+                schedule.micro_batch_losses.len(),
+                graph.inputs().len()
+            )));
+        }
         let accumulators = graph
             .values()
             .filter(|(_, v)| v.role == Role::Accumulator && v.producer.is_none())
@@ -389,7 +416,9 @@ impl<'s, B: Backend> Executor<'s, B> {
             params,
             state,
             loss,
-            micro_batches: schedule.micro_batches(),
+            micro_batch_losses,
+            micro_batches: schedule.micro_batches_per_step(),
+            interleaved,
             accumulators,
             loss_scaled: graph
                 .ops()
@@ -1052,14 +1081,20 @@ impl<'s, B: Backend> Executor<'s, B> {
         let schedule: &'s Schedule = self.schedule;
         let graph = &schedule.graph;
         self.check_disk()?;
-        if inputs.len() != self.inputs.len() {
+        let k = self.micro_batches as usize;
+        // A chunk-major schedule's homes are every micro-batch's: the first micro-batch's
+        // are the inputs a step is given.
+        let per_micro_batch = match self.interleaved {
+            true => self.inputs.len() / k,
+            false => self.inputs.len(),
+        };
+        if inputs.len() != per_micro_batch {
             return Err(RuntimeError::Shape(format!(
                 "the schedule takes {} inputs, {} were given",
-                self.inputs.len(),
+                per_micro_batch,
                 inputs.len()
             )));
         }
-        let k = self.micro_batches as usize;
         for (home, data) in self.inputs.iter().zip(inputs) {
             if data.len() != home.len * k {
                 let per = match k {
@@ -1100,7 +1135,22 @@ impl<'s, B: Backend> Executor<'s, B> {
         let mut outcome = Outcome::default();
         // The micro-batches' losses, in order; their mean (summed in f64) is the step's.
         let mut losses: Vec<f32> = Vec::with_capacity(k);
-        for m in 0..k {
+        if self.interleaved {
+            // One program runs every micro-batch: micro-batch `m`'s rows go to its inputs.
+            for (i, home) in self.inputs.iter().enumerate() {
+                let (m, data) = (i / per_micro_batch, inputs[i % per_micro_batch]);
+                self.backend
+                    .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
+            }
+            outcome = outcome.merge(self.run_phase(false, update, start)?);
+            for &at in &self.micro_batch_losses {
+                let mut loss = [0.0f32];
+                self.backend.read_f32(at, &mut loss)?;
+                losses.push(loss[0]);
+            }
+        }
+        let sequential = if self.interleaved { 0 } else { k };
+        for m in 0..sequential {
             for (home, data) in self.inputs.iter().zip(inputs) {
                 self.backend
                     .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
@@ -1110,7 +1160,7 @@ impl<'s, B: Backend> Executor<'s, B> {
             self.backend.read_f32(self.loss, &mut loss)?;
             losses.push(loss[0]);
         }
-        if k > 1 {
+        if k > 1 && !self.interleaved {
             outcome = outcome.merge(self.run_phase(true, update, start)?);
         }
         // The loss-scaled ops report the unscaled norm, infinite or NaN when a gradient

@@ -729,7 +729,7 @@ fn open_data(settings: &RunSettings, schedule: &protrain_ir::Schedule) -> Result
     })?;
     // A step reads its micro-batches' rows, on every rank, as one batch.
     let batch = schedule.header.batch as usize
-        * schedule.micro_batches() as usize
+        * schedule.micro_batches_per_step() as usize
         * schedule.ranks() as usize;
     let seq = schedule.header.seq as usize;
     let stream = match &settings.data {

@@ -124,7 +124,7 @@ fn file_stem(name: &str) -> String {
 fn rates(s: &Schedule) -> (f64, f64) {
     let p = &s.header.prediction;
     let tokens = (s.header.batch * s.header.seq) as f64
-        * f64::from(s.micro_batches())
+        * f64::from(s.micro_batches_per_step())
         * f64::from(s.ranks());
     (
         tokens / p.step_seconds,
@@ -175,10 +175,17 @@ fn summary_json(
         "chunks": s.chunks.len(),
         "chunk_bytes": s.chunks.chunk_bytes,
         "predicted_step_s": p.step_seconds,
+        // The search's closed-form estimate of the winner's step (null for a fixed policy).
+        "estimated_step_s": c
+            .report
+            .as_ref()
+            .and_then(|r| r.compiled.first())
+            .map(|w| w.estimated_seconds),
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "ranks": s.ranks(),
-        "micro_batches": s.micro_batches(),
+        "micro_batches": s.micro_batches_per_step(),
+        "micro_batch_order": s.header.policy.order.name(),
         "batch": s.header.batch,
         "split": split.map(split_json),
         "peak_device_bytes": p.peak_device_bytes,

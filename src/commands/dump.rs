@@ -212,7 +212,7 @@ fn model_stage(args: &Args) -> Result<String> {
             return schedule_stage(&compiled.schedule, stage, format);
         }
         options.batch = compiled.schedule.header.batch;
-        options.micro_batches = u64::from(compiled.schedule.micro_batches());
+        options.micro_batches = u64::from(compiled.schedule.micro_batches_per_step());
     }
     let mut context = Context::new(&config, options);
     if until == PipelineStage::Placed {

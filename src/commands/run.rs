@@ -301,7 +301,7 @@ pub fn run(mut args: Args) -> Result<()> {
     if let Some(dir) = &args.exec.resume {
         check_resume_dtype(&schedule, &args.schedule, &checkpoint::peek_latest(dir)?)?;
     }
-    let k = u64::from(schedule.micro_batches());
+    let k = u64::from(schedule.micro_batches_per_step());
     if let Some(given) = args.grad_accum.filter(|&g| g != k) {
         return Err(Error::Usage(format!(
             "--grad-accum {given} differs from the schedule's {k} micro-batches per step, which \
@@ -431,11 +431,11 @@ pub fn plan_lines(schedule: &Schedule) -> String {
         h.policy.count(protrain::ir::BlockMode::Keep),
         h.policy.count(protrain::ir::BlockMode::Checkpoint),
         h.policy.count(protrain::ir::BlockMode::Swap),
-        match schedule.micro_batches() {
+        match schedule.micro_batches_per_step() {
             1 => String::new(),
             k => format!(
-                "\naccumulation    {k} micro-batches of {} sequences per step",
-                h.batch
+                "\naccumulation    {k} micro-batches of {} sequences per step, {}",
+                h.batch, h.policy.order
             ),
         } + &match schedule.topology() {
             (1, 1) => String::new(),

@@ -104,9 +104,10 @@ pub fn run(mut args: Args) -> Result<()> {
     // The split the compiler chose, where it chose one, is the shape the schedule runs; the
     // evaluation schedule (below) reads batches of the rows asked for, as its reserve was
     // planned.
-    let accum = match schedule.micro_batches() {
-        1 => String::new(),
-        k => format!(" x {k} micro-batches"),
+    let accum = match (schedule.micro_batches_per_step(), schedule.is_chunk_major()) {
+        (1, _) => String::new(),
+        (k, false) => format!(" x {k} micro-batches"),
+        (k, true) => format!(" x {k} micro-batches (chunk-major)"),
     };
     let split_note = split.map_or(String::new(), |r| r.to_text());
     let intro = format!(

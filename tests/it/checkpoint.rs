@@ -2,7 +2,7 @@
 //! another run is refused; a half-written checkpoint is ignored.
 
 use crate::cli_support;
-use cli_support::{files, killed_after, losses, path, protrain, stderr};
+use cli_support::{files, killed_after, losses, path, protrain, stderr, stdout};
 
 use std::path::Path;
 use std::process::Output;
@@ -610,4 +610,61 @@ fn a_layout_3_checkpoint_resumes_and_its_fnv_checksums_are_checked() {
         "the damaged tensor is caught: {err}"
     );
     assert!(out.stdout.is_empty(), "trained from a damaged checkpoint");
+}
+
+/// Chunk-major accumulation from the command line: `train --grad-accum 2` under a policy
+/// that forces `order=chunk-major` (streamed chunks, a checkpointed layer) prints the
+/// sequential run's losses bit for bit; and a sequential run's checkpoint resumes in the
+/// chunk-major order as if never interrupted (a checkpoint holds values, and neither order
+/// keeps anything across steps but the weights and the optimizer state).
+#[test]
+fn chunk_major_training_prints_the_sequential_losses_and_resumes_across_orders() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt");
+    let sequential = "n_persist=0,n_buffer=2,n_checkpoint=1";
+    let chunk_major = "n_persist=0,n_buffer=2,n_checkpoint=1,order=chunk-major";
+    let run = [
+        "train",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-accum",
+        "2",
+        "--steps",
+        "4",
+        "--log-json",
+    ];
+    let mut saving = run.to_vec();
+    saving.extend(["--policy", sequential]);
+    saving.extend(["--save-every", "2", "--checkpoint-dir", path(&ckpt)]);
+    let straight = losses(&protrain(&saving));
+    assert_eq!(straight.len(), 4);
+    let mut interleaved = run.to_vec();
+    interleaved.extend(["--policy", chunk_major]);
+    let out = protrain(&interleaved);
+    assert!(
+        stdout(&out).contains("x 2 micro-batches (chunk-major)")
+            || stderr(&out).contains("x 2 micro-batches (chunk-major)"),
+        "the run says its order: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert_eq!(
+        losses(&out),
+        straight,
+        "chunk-major losses are the sequential run's: {}",
+        stderr(&out)
+    );
+    std::fs::remove_file(ckpt.join("step-00000004.safetensors")).expect("remove step 4");
+    let mut resume = run.to_vec();
+    resume.extend(["--policy", chunk_major, "--resume", path(&ckpt)]);
+    let out = protrain(&resume);
+    assert_eq!(
+        losses(&out),
+        straight[2..],
+        "the chunk-major resume continues the sequential run: {}",
+        stderr(&out)
+    );
 }

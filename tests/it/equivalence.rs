@@ -72,6 +72,7 @@ fn policies(chunks: u32, layers: usize) -> Vec<Policy> {
             blocks: vec![mode; layers],
             prefetch: 1,
             host_layout: HostLayout::Full,
+            order: Default::default(),
         };
         [
             all(BlockMode::Keep),

@@ -634,7 +634,7 @@ fn train_accumulates_gradients_as_a_larger_batch_and_refuses_contradictions() {
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let s = file::read(&schedule).expect("the schedule reads back");
-    assert_eq!(s.micro_batches(), 3);
+    assert_eq!(s.micro_batches_per_step(), 3);
     let out = protrain(&["run", path(&schedule), "--grad-accum", "2", "--steps", "1"]);
     assert!(!out.status.success());
     assert!(

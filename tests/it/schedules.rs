@@ -115,6 +115,26 @@ fn check_model(model: &str) {
     );
 }
 
+/// A chunk-major schedule's header (policy `order=chunk-major`, the line that says the
+/// micro-batches run through each layer in one program).
+#[test]
+fn gpt2_tiny_chunk_major_header() {
+    let config = protrain::models::load("gpt2-tiny").expect("the test models load");
+    let options = CompileOptions {
+        micro_batches: 2,
+        ..options(
+            host(),
+            "n_persist=0 n_buffer=2 n_checkpoint=1 order=chunk-major",
+        )
+    };
+    let schedule = protrain::compile(&config, &options)
+        .expect("the policy compiles")
+        .schedule;
+    assert!(schedule.is_chunk_major());
+    let text = schedule.to_text_with(PrintOptions::WITHOUT_REPORT);
+    insta::assert_snapshot!("gpt2_tiny_chunk_major_header", header(&text));
+}
+
 #[test]
 fn gpt2_tiny_schedules() {
     check_model("gpt2-tiny");

@@ -195,6 +195,7 @@ mod simulate {
             homes: Vec::new(),
             masters: Vec::new(),
             loss: at(DEVICE),
+            micro_batch_losses: Vec::new(),
         }
     }
 

@@ -268,6 +268,7 @@ mod tests {
                 buffer: BufferId(0),
                 offset: 0,
             },
+            micro_batch_losses: Vec::new(),
         }
     }
 

@@ -80,7 +80,10 @@ pub fn train(
 ) -> (Vec<StepRecord>, Vec<Vec<f32>>) {
     let compiled = compile(model, optimizer, policy, shape);
     let schedule = &compiled.schedule;
-    assert_eq!(u64::from(schedule.micro_batches()), shape.micro_batches);
+    assert_eq!(
+        u64::from(schedule.micro_batches_per_step()),
+        shape.micro_batches
+    );
     let weights = fixtures().join(model).join("model.safetensors");
     let params = load_params(&schedule.graph, &weights).expect("the fixture weights load");
     let executor = Executor::new(schedule).expect("an executor");
