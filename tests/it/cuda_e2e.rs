@@ -1270,9 +1270,7 @@ fn lt_matmuls_of(graph: &Graph, op: protrain_ir::OpId) -> u64 {
                 let d_out = graph.value(op.outputs[0]).ty.last_dim() as usize;
                 u64::from(*bias || protrain_runtime::dispatch::gelu_in_matmul(d_out))
             }
-            Epilogue::None | Epilogue::Relu | Epilogue::Swiglu => {
-                u64::from(*bias) * u64::from(*count)
-            }
+            Epilogue::None | Epilogue::Relu | Epilogue::Swiglu => u64::from(*bias) * *count,
         },
         _ => 0,
     }
