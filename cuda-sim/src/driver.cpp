@@ -966,8 +966,9 @@ SIM_API CUresult cuFuncGetAttribute(int* v, int attr, CUfunction f) {
 
 /// Copies the process's counters: kernel launches, host synchronisations (every wait of the
 /// host for device work: stream and event synchronisations, synchronous copies, frees), bytes
-/// copied host to device and device to host, GEMMs, and pinned host allocations.
-SIM_API void protrain_cuda_sim_counters(uint64_t out[6]) {
+/// copied host to device and device to host, cuBLAS GEMMs, pinned host allocations,
+/// cublasLtMatmul calls, and GEMMs or matmuls issued without a workspace of the caller's.
+SIM_API void protrain_cuda_sim_counters(uint64_t out[8]) {
     std::lock_guard<std::mutex> l(g_mu);
     out[0] = g_counters.launches;
     out[1] = g_counters.syncs;
@@ -975,6 +976,8 @@ SIM_API void protrain_cuda_sim_counters(uint64_t out[6]) {
     out[3] = g_counters.dtoh_bytes;
     out[4] = g_counters.gemms;
     out[5] = g_counters.host_allocs;
+    out[6] = g_counters.lt_matmuls;
+    out[7] = g_counters.unplanned_workspaces;
 }
 
 /// Refused: the driver's private export tables are what NVRTC and the CUDA runtime probe for

@@ -135,6 +135,10 @@ CUresult check_device(uint64_t p, size_t n, const char* what);
 /// Counters per process, for tests that compare them with a schedule's plan.
 struct Counters {
     uint64_t launches = 0, syncs = 0, htod_bytes = 0, dtoh_bytes = 0, gemms = 0, host_allocs = 0;
+    /// cublasLtMatmul calls, and GEMMs issued with no workspace of the caller's (a cuBLAS
+    /// handle without cublasSetWorkspace, a cublasLtMatmul without one): the real libraries
+    /// then allocate their own or choose kernels that need none.
+    uint64_t lt_matmuls = 0, unplanned_workspaces = 0;
 };
 extern Counters g_counters;
 

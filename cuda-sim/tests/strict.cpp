@@ -56,6 +56,15 @@ struct Api {
     int (*cublasSetStream_v2)(H, H);
     int (*cublasGemmEx)(H, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int, const void*, void*,
                         int, int, int, int);
+    int (*cublasLtCreate)(H*);
+    int (*cublasLtMatmulDescCreate)(H*, int, int);
+    int (*cublasLtMatmulDescSetAttribute)(H, int, const void*, size_t);
+    int (*cublasLtMatrixLayoutCreate)(H*, int, uint64_t, uint64_t, int64_t);
+    int (*cublasLtMatmulPreferenceCreate)(H*);
+    int (*cublasLtMatmulPreferenceSetAttribute)(H, int, const void*, size_t);
+    int (*cublasLtMatmulAlgoGetHeuristic)(H, H, H, H, H, H, H, int, void*, int*);
+    int (*cublasLtMatmul)(H, H, const void*, const void*, H, const void*, H, const void*, const void*, H, void*, H, const void*,
+                          void*, size_t, H);
 };
 static Api api;
 
@@ -65,7 +74,9 @@ static void load_api() {
     L(cuMemFree_v2) L(cuMemHostAlloc) L(cuMemcpyHtoD_v2) L(cuMemcpyDtoH_v2) L(cuMemcpyHtoDAsync_v2) L(cuMemsetD8_v2)
     L(cuStreamCreate) L(cuStreamSynchronize) L(cuEventCreate) L(cuEventRecord) L(cuStreamWaitEvent) L(cuEventSynchronize)
     L(cuModuleLoadData) L(cuModuleGetFunction) L(cuLaunchKernel) L(cuGetProcAddress) L(cublasCreate_v2) L(cublasSetStream_v2)
-    L(cublasGemmEx)
+    L(cublasGemmEx) L(cublasLtCreate) L(cublasLtMatmulDescCreate) L(cublasLtMatmulDescSetAttribute)
+    L(cublasLtMatrixLayoutCreate) L(cublasLtMatmulPreferenceCreate) L(cublasLtMatmulPreferenceSetAttribute)
+    L(cublasLtMatmulAlgoGetHeuristic) L(cublasLtMatmul)
 #undef L
 }
 
@@ -294,6 +305,75 @@ static void t_cublas() {
           "a B that runs past its allocation is CUBLAS_STATUS_INVALID_VALUE");
 }
 
+/// cuBLASLt: D (8x2) = A (8x3) B (3x2) + bias with GELU_AUX_BIAS keeps the biased product
+/// as aux and stores its GELU; an aux leading dimension that is no multiple of 8 and an
+/// operand less aligned than the preferences say are refused.
+static void t_cublaslt() {
+    setup();
+    H h, desc, la, lb, ld8, pref;
+    check(api.cublasLtCreate(&h) == 0, "cublasLtCreate");
+    check(api.cublasLtMatmulDescCreate(&desc, 68, 0) == 0, "desc");
+    api.cublasLtMatrixLayoutCreate(&la, 0, 8, 3, 8);
+    api.cublasLtMatrixLayoutCreate(&lb, 0, 3, 2, 3);
+    api.cublasLtMatrixLayoutCreate(&ld8, 0, 8, 2, 8);
+    float A[24], B[6] = {1, 0, 0, 0, 1, 0}, bias[8], D[16], aux[16];
+    for (int i = 0; i < 24; ++i) A[i] = (float)(i % 8) - 3.5f; // every column: -3.5 .. 3.5
+    for (int i = 0; i < 8; ++i) bias[i] = 0.25f;
+    CUdeviceptr da, db, dbias, dd, daux, ws;
+    api.cuMemAlloc_v2(&da, sizeof A);
+    api.cuMemAlloc_v2(&db, sizeof B);
+    api.cuMemAlloc_v2(&dbias, sizeof bias);
+    api.cuMemAlloc_v2(&dd, sizeof D);
+    api.cuMemAlloc_v2(&daux, sizeof aux);
+    api.cuMemAlloc_v2(&ws, 1 << 20);
+    api.cuMemcpyHtoD_v2(da, A, sizeof A);
+    api.cuMemcpyHtoD_v2(db, B, sizeof B);
+    api.cuMemcpyHtoD_v2(dbias, bias, sizeof bias);
+    int epilogue = 164; // GELU_AUX_BIAS
+    int64_t aux_ld = 8;
+    void *pb = (void*)dbias, *pa = (void*)daux;
+    api.cublasLtMatmulDescSetAttribute(desc, 7, &epilogue, sizeof epilogue);
+    api.cublasLtMatmulDescSetAttribute(desc, 8, &pb, sizeof pb);
+    api.cublasLtMatmulDescSetAttribute(desc, 11, &pa, sizeof pa);
+    api.cublasLtMatmulDescSetAttribute(desc, 12, &aux_ld, sizeof aux_ld);
+    api.cublasLtMatmulPreferenceCreate(&pref);
+    uint64_t wsb = 1 << 20;
+    api.cublasLtMatmulPreferenceSetAttribute(pref, 1, &wsb, sizeof wsb);
+    alignas(8) char heur[96];
+    int count = 0;
+    check(api.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld8, ld8, pref, 1, heur, &count) == 0 && count == 1, "heuristic");
+    float alpha = 1, beta = 0;
+    check(api.cublasLtMatmul(h, desc, &alpha, (void*)da, la, (void*)db, lb, &beta, (void*)dd, ld8, (void*)dd, ld8, heur, (void*)ws,
+                             wsb, nullptr) == 0,
+          "matmul");
+    api.cuMemcpyDtoH_v2(D, dd, sizeof D);
+    api.cuMemcpyDtoH_v2(aux, daux, sizeof aux);
+    bool ok = true;
+    for (int j = 0; j < 2; ++j)
+        for (int i = 0; i < 8; ++i) {
+            float x = A[j * 8 + i] + 0.25f; // B picks column j of A
+            float u = 0.7978846f * (x + 0.044715f * x * x * x);
+            float g = x * (1.0f / (1.0f + expf(-2.0f * u)));
+            ok = ok && aux[j * 8 + i] == x && fabsf(D[j * 8 + i] - g) <= 1e-6f;
+        }
+    check(ok, "aux = A B + bias, D = gelu(aux) (tanh form)");
+    aux_ld = 12;
+    api.cublasLtMatmulDescSetAttribute(desc, 12, &aux_ld, sizeof aux_ld);
+    check(api.cublasLtMatmul(h, desc, &alpha, (void*)da, la, (void*)db, lb, &beta, (void*)dd, ld8, (void*)dd, ld8, heur, (void*)ws,
+                             wsb, nullptr) == 15,
+          "an aux leading dimension that is no multiple of 8 is CUBLAS_STATUS_NOT_SUPPORTED");
+    aux_ld = 8;
+    api.cublasLtMatmulDescSetAttribute(desc, 12, &aux_ld, sizeof aux_ld);
+    // A 4 bytes past a 256-byte boundary, with the default preference (256): refused.
+    H la7;
+    api.cublasLtMatrixLayoutCreate(&la7, 0, 7, 3, 8);
+    H l7;
+    api.cublasLtMatrixLayoutCreate(&l7, 0, 7, 2, 8);
+    check(api.cublasLtMatmul(h, desc, &alpha, (void*)(da + 4), la7, (void*)db, lb, &beta, (void*)dd, l7, (void*)dd, l7, heur,
+                             (void*)ws, wsb, nullptr) == 15,
+          "an A less aligned than the algorithm's preferences is CUBLAS_STATUS_NOT_SUPPORTED");
+}
+
 int main(int argc, char** argv) {
     lib = dlopen("libcuda.so", RTLD_NOW);
     if (!lib) { fprintf(stderr, "cannot load libcuda.so: %s\n", dlerror()); return 2; }
@@ -314,6 +394,7 @@ int main(int argc, char** argv) {
         {"never_recorded_event", t_never_recorded_event},
         {"proc_address_refused", t_proc_address_refused},
         {"cublas", t_cublas},
+        {"cublaslt", t_cublaslt},
     };
     int failed = 0;
     for (auto& t : tests) {

@@ -11,10 +11,12 @@
 //! [`Staging`] buffers, [`run`] computes in f32, and its bf16 outputs are rounded to nearest
 //! even as they are written: the CUDA backend's contract (its kernels load bf16, compute in
 //! f32 and round each store). Where a CUDA op stores an intermediate in bf16 between two of
-//! its kernels, [`run`] rounds at the same point ([`kernels::Rounding`]): a linear layer's
-//! product before its bias is added, a fused linear's projections before the epilogue reads
-//! them, its epilogue gradients and each projection's input gradient before they are summed,
-//! and attention's probabilities and score gradients (see `kernels/attention.rs`). Master
+//! its kernels, [`run`] rounds at the same point ([`kernels::Rounding`]): a fused linear's
+//! projections before a ReLU, SwiGLU or unfusable GELU reads them, its epilogue gradients and
+//! each projection's input gradient before they are summed, and attention's probabilities and
+//! score gradients (see `kernels/attention.rs`). A linear layer's bias, a fused linear's GELU
+//! ([`gelu_in_matmul`]) and residual are the CUDA matmul's epilogue: added (or applied) in f32
+//! to the unrounded product, each stored value rounded once. Master
 //! weights and Adam moments stay f32 ([`adamw_mixed`]).
 
 use crate::error::{Result, RuntimeError};
@@ -148,9 +150,21 @@ pub fn rounding_of(graph: &Graph, op: &Op) -> Rounding {
     first.map_or(Rounding::Exact, Rounding::of)
 }
 
-/// One projection `y = x W (+ bias)` as the CUDA backend computes it: the product, stored
-/// (rounded), then the bias added and stored again. Without rounding the bias is the
-/// product's starting value, as [`kernels::linear_forward`] adds it.
+/// cuBLASLt keeps a GELU epilogue's input only with a leading dimension that is a multiple
+/// of this many elements (`CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD`).
+pub const GELU_AUX_LD_MULTIPLE: usize = 8;
+
+/// Whether the CUDA backend applies a fused linear's GELU in its matmul's epilogue (in f32,
+/// before rounding) for `d_out` output features: where cuBLASLt can keep the GELU's input
+/// (`d_out` a multiple of [`GELU_AUX_LD_MULTIPLE`]). Otherwise the GELU is a pass of its own
+/// over the stored (rounded) projection.
+pub fn gelu_in_matmul(d_out: usize) -> bool {
+    d_out.is_multiple_of(GELU_AUX_LD_MULTIPLE)
+}
+
+/// One projection `y = x W (+ bias)` as the CUDA backend computes it: the product with the
+/// bias in the matmul's epilogue, in f32, stored (rounded) once. The bias is the product's
+/// starting value, as [`kernels::linear_forward`] adds it.
 #[allow(clippy::too_many_arguments)]
 fn project(
     y: &mut [f32],
@@ -161,14 +175,7 @@ fn project(
     (rows, d_in, d_out): (usize, usize, usize),
     rounding: Rounding,
 ) {
-    match bias.filter(|_| rounding.rounds()) {
-        Some(b) => {
-            kernels::linear_forward(y, x, w, None, layout, rows, d_in, d_out);
-            rounding.apply(y);
-            kernels::bias_add_assign(y, b);
-        }
-        None => kernels::linear_forward(y, x, w, bias, layout, rows, d_in, d_out),
-    }
+    kernels::linear_forward(y, x, w, bias, layout, rows, d_in, d_out);
     rounding.apply(y);
 }
 
@@ -205,9 +212,10 @@ fn workspace_parts<'w, const N: usize>(
     })
 }
 
-/// A fused linear op: each projection as [`OpKind::Linear`] computes it (stored, so rounded
-/// under bf16 storage), then the epilogue as its own kind would, so the bits equal the
-/// unfused ops'.
+/// A fused linear op as the CUDA backend computes it: a GELU (where [`gelu_in_matmul`]) and
+/// the residual applied to the projection in f32, with one rounding of each stored result
+/// (the matmul's epilogue); a ReLU, SwiGLU or other GELU applied to each projection as
+/// [`OpKind::Linear`] stores it (rounded under bf16 storage), as its own kind would.
 #[allow(clippy::too_many_arguments)]
 fn fused_linear<'a>(
     ins: &impl Inputs<'a>,
@@ -220,12 +228,13 @@ fn fused_linear<'a>(
     rounding: Rounding,
 ) {
     let (rows, d_in) = (x.rows() as usize, x.last_dim() as usize);
-    let project = |out: &mut [f32], i: usize| {
+    let project_as = |out: &mut [f32], i: usize, rounding: Rounding| {
         let w = ins.f32(1 + i);
         let dims = (rows, d_in, w.len() / d_in);
         let b = bias.then(|| ins.f32(1 + n + i));
         project(out, ins.f32(0), w, b, layout, dims, rounding);
     };
+    let project = |out: &mut [f32], i: usize| project_as(out, i, rounding);
     match epilogue {
         Epilogue::None => {
             for (i, out) in outputs.iter_mut().enumerate() {
@@ -236,10 +245,20 @@ fn fused_linear<'a>(
             let [h, y] = outputs else {
                 unreachable!("a fused linear with an activation writes h and out")
             };
-            project(h, 0);
             match epilogue {
-                Epilogue::Gelu => kernels::gelu_forward(y, h),
-                _ => kernels::relu_forward(y, h),
+                Epilogue::Gelu if gelu_in_matmul(h.len() / rows.max(1)) => {
+                    project_as(h, 0, Rounding::Exact);
+                    kernels::gelu_forward(y, h);
+                    rounding.apply(h);
+                }
+                Epilogue::Gelu => {
+                    project(h, 0);
+                    kernels::gelu_forward(y, h);
+                }
+                _ => {
+                    project(h, 0);
+                    kernels::relu_forward(y, h);
+                }
             }
         }
         Epilogue::Swiglu => {
@@ -252,7 +271,7 @@ fn fused_linear<'a>(
         }
         Epilogue::Residual => {
             let y = &mut *outputs[0];
-            project(y, 0);
+            project_as(y, 0, Rounding::Exact);
             kernels::add_assign(y, ins.f32(1 + n * (1 + usize::from(bias))));
         }
     }

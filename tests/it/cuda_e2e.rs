@@ -1285,11 +1285,38 @@ fn chaos_mode_catches_a_dropped_wait() {
     panic!("no chaos seed caught the dropped wait: {seen:?} against the host's {host:?}");
 }
 
+/// The cuBLASLt matmuls the CUDA backend issues for `op`: one per projection whose bias,
+/// GELU (where cuBLASLt keeps its input, [`protrain_runtime::dispatch::gelu_in_matmul`]) or
+/// residual is the matmul's epilogue; a projection with none of them is a cuBLAS GEMM.
+fn lt_matmuls_of(graph: &Graph, op: protrain_ir::OpId) -> u64 {
+    use protrain_ir::{Epilogue, OpKind};
+    let op = graph.op(op);
+    match &op.kind {
+        OpKind::Linear { bias, .. } => u64::from(*bias),
+        OpKind::FusedLinear {
+            count,
+            bias,
+            epilogue,
+            ..
+        } => match epilogue {
+            Epilogue::Residual => 1,
+            Epilogue::Gelu => {
+                let d_out = graph.value(op.outputs[0]).ty.last_dim() as usize;
+                u64::from(*bias || protrain_runtime::dispatch::gelu_in_matmul(d_out))
+            }
+            Epilogue::None | Epilogue::Relu | Epilogue::Swiglu => u64::from(*bias) * *count,
+        },
+        _ => 0,
+    }
+}
+
 /// The simulator's counters per step against the schedule's plan: a steady step of a streamed
 /// schedule copies exactly the schedule's host-device movements plus the batch it uploads
-/// (tokens and targets) and the loss it reads back, allocates no pinned memory, and its
-/// launches, GEMMs and host waits repeat exactly from step to step; so an extra copy, a
-/// per-step allocation or a new sync fails this test.
+/// (tokens and targets) and the loss it reads back, allocates no pinned memory, issues one
+/// cuBLASLt matmul per fused epilogue and every GEMM with the handle's workspace (none lets
+/// cuBLAS allocate its own), and its launches, GEMMs and host waits repeat exactly from step
+/// to step; so an extra copy, a per-step allocation, an unfused epilogue or a new sync fails
+/// this test.
 #[test]
 #[ignore = "needs a GPU or the CUDA simulator"]
 fn counters_per_step_match_the_schedules_plan() {
@@ -1309,9 +1336,12 @@ fn counters_per_step_match_the_schedules_plan() {
     let schedule =
         compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200")).unwrap();
     let schedule = verify(schedule).unwrap();
-    let (mut htod, mut dtoh) = (0u64, 0u64);
+    let (mut htod, mut dtoh, mut lt_matmuls) = (0u64, 0u64, 0u64);
     for stream in &schedule.streams {
         for instr in &stream.instrs {
+            if let Instr::Kernel { op, .. } = instr {
+                lt_matmuls += lt_matmuls_of(&schedule.graph, *op);
+            }
             if let Instr::Copy {
                 src, dst, bytes, ..
             } = instr
@@ -1356,6 +1386,14 @@ fn counters_per_step_match_the_schedules_plan() {
             c.dtoh_bytes,
             dtoh + 4,
             "step {step}: bytes to the host (the loss)"
+        );
+        assert_eq!(
+            c.lt_matmuls, lt_matmuls,
+            "step {step}: cuBLASLt matmuls (one per fused epilogue)"
+        );
+        assert_eq!(
+            c.unplanned_workspaces, 0,
+            "step {step}: a GEMM without the handle's workspace: {c:?}"
         );
         assert_eq!(*c, per_step[1], "step {step} differs from step 1");
     }

@@ -13,9 +13,10 @@
 //! Per op kind: the host's bf16 result, launched through `Backend::launch` on bf16 operands,
 //! is the bits of the CUDA backend's rounding contract computed from the f32 kernels on the
 //! same values: the f32 op's outputs rounded to bf16, and for the kinds whose CUDA kernels
-//! store intermediates in bf16 (a linear layer's product before its bias, a fused linear's
-//! projections and gradients, attention's probabilities) the composition of f32 ops rounded
-//! at those points. Attention's own rounding points are checked against an f64 model in
+//! store intermediates in bf16 (a fused linear's projections before a ReLU, SwiGLU or a GELU
+//! cuBLASLt cannot fuse, its gradients, attention's probabilities) the composition of f32 ops
+//! rounded at those points. A linear layer's bias and a fused linear's GELU and residual are
+//! the CUDA matmul's epilogue, in f32 before the one rounding. Attention's own rounding points are checked against an f64 model in
 //! `runtime/src/kernels/attention.rs`. AdamW: the f32 master, moments and the rounded bf16
 //! parameter are the f32 AdamW's bits.
 
@@ -216,28 +217,34 @@ fn llama_bf16_trains_close_to_f32_and_bit_identically_across_policies() {
 // ---------------------------------------------------------------------------------------
 // Per op kind.
 
-/// `y = x W` without the bias in f32, rounded as the CUDA GEMM stores it, then the bias added
-/// and rounded as its `bias_add` kernel stores it.
+/// `y = x W + bias` in f32, unrounded: the CUDA matmul adds the bias in its epilogue, before
+/// it rounds.
+fn projection_f32(
+    x: (&[u64], &[f32]),
+    w: (&[u64], &[f32]),
+    bias: Option<&[f32]>,
+    layout: WeightLayout,
+) -> Vec<f32> {
+    let b_shape = [bias.map_or(0, |b| b.len() as u64)];
+    let mut inputs = vec![(x.0, Data::F(x.1.to_vec())), (w.0, Data::F(w.1.to_vec()))];
+    if let Some(b) = bias {
+        inputs.push((&b_shape[..], Data::F(b.to_vec())));
+    }
+    let kind = OpKind::Linear {
+        bias: bias.is_some(),
+        layout,
+    };
+    run_f32(kind, &inputs).0.remove(0)
+}
+
+/// [`projection_f32`] rounded once, as the matmul stores it.
 fn projection(
     x: (&[u64], &[f32]),
     w: (&[u64], &[f32]),
     bias: Option<&[f32]>,
     layout: WeightLayout,
 ) -> Vec<f32> {
-    let (y, _) = run_f32(
-        OpKind::Linear {
-            bias: false,
-            layout,
-        },
-        &[(x.0, Data::F(x.1.to_vec())), (w.0, Data::F(w.1.to_vec()))],
-    );
-    let mut y = rounded(&y[0]);
-    if let Some(b) = bias {
-        for (i, v) in y.iter_mut().enumerate() {
-            *v = round(*v + b[i % b.len()]);
-        }
-    }
-    y
+    rounded(&projection_f32(x, w, bias, layout))
 }
 
 /// The f32 op `kind` on `inputs` (all of one shape), its outputs rounded.
@@ -295,15 +302,22 @@ fn contract(case: &Case) -> Vec<Vec<f32>> {
         } => {
             let n = count as usize;
             let x = (&shape(0)[..], f(0));
-            let p: Vec<Vec<f32>> = (0..n)
+            let exact: Vec<Vec<f32>> = (0..n)
                 .map(|i| {
                     let b = bias.then(|| f(1 + n + i));
-                    projection(x, (&shape(1 + i), f(1 + i)), b, layout)
+                    projection_f32(x, (&shape(1 + i), f(1 + i)), b, layout)
                 })
                 .collect();
+            let p: Vec<Vec<f32>> = exact.iter().map(|e| rounded(e)).collect();
             let out = case.output_type(0).shape;
+            let d_out = *out.last().unwrap() as usize;
             match epilogue {
                 Epilogue::None => p,
+                // The matmul's GELU epilogue: the GELU of the unrounded projection.
+                Epilogue::Gelu if protrain_runtime::dispatch::gelu_in_matmul(d_out) => vec![
+                    p[0].clone(),
+                    elementwise(OpKind::Gelu, &out, &[&exact[0]]).remove(0),
+                ],
                 Epilogue::Gelu => vec![
                     p[0].clone(),
                     elementwise(OpKind::Gelu, &out, &[&p[0]]).remove(0),
@@ -318,7 +332,7 @@ fn contract(case: &Case) -> Vec<Vec<f32>> {
                 }
                 Epilogue::Residual => {
                     let residual = f(case.data.len() - 1);
-                    vec![p[0]
+                    vec![exact[0]
                         .iter()
                         .zip(residual)
                         .map(|(a, b)| round(a + b))
@@ -604,8 +618,9 @@ fn norms_round_their_outputs_and_keep_f32_statistics() {
     }
 }
 
+/// The bias is the matmul's epilogue: added in f32 to the unrounded product, rounded once.
 #[test]
-fn linear_rounds_its_product_before_the_bias() {
+fn linear_rounds_once_after_the_bias() {
     let (b, t, d_in, d_out) = (2u64, 50u64, 48u64, 40u64);
     for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
         let w = match layout {
@@ -632,31 +647,30 @@ fn linear_rounds_its_product_before_the_bias() {
 }
 
 /// Every epilogue, with and without biases, over odd rows: the forward rounds each projection
-/// (before and after its bias) before the epilogue reads it; the backward rounds the
-/// epilogue's gradients, each projection's input gradient and each partial sum of them. In
-/// bf16 the planned workspace has bf16 parts, so the host runs these on its own f32 one.
+/// once (its bias added in f32) before a ReLU, SwiGLU or a GELU over 7 features reads it, and
+/// applies a GELU over 16 features and the residual to the unrounded projection (cuBLASLt's
+/// epilogue); the backward rounds the epilogue's gradients, each projection's input gradient
+/// and each partial sum of them. In bf16 the planned workspace has bf16 parts, so the host
+/// runs these on its own f32 one.
 #[test]
 fn fused_linear_rounds_between_its_kernels() {
-    let (b, t, d_in, d_out) = (1u64, 3u64, 5u64, 7u64);
+    let (b, t, d_in) = (1u64, 3u64, 5u64);
     let layout = WeightLayout::OutIn;
     let cases = [
-        (1, true, Epilogue::Gelu),
-        (1, false, Epilogue::Relu),
-        (1, true, Epilogue::Residual),
-        (2, false, Epilogue::Swiglu),
-        (2, true, Epilogue::Swiglu),
-        (3, false, Epilogue::None),
-        (2, true, Epilogue::None),
+        (1, true, Epilogue::Gelu, 7),
+        (1, true, Epilogue::Gelu, 16),
+        (1, false, Epilogue::Gelu, 16),
+        (1, false, Epilogue::Relu, 7),
+        (1, true, Epilogue::Residual, d_in),
+        (2, false, Epilogue::Swiglu, 7),
+        (2, true, Epilogue::Swiglu, 7),
+        (3, false, Epilogue::None, 7),
+        (2, true, Epilogue::None, 7),
     ];
-    for (count, bias, epilogue) in cases {
+    for (count, bias, epilogue, out_dim) in cases {
         let n = count as usize;
-        let what = format!("fused linear x{count} bias {bias} {epilogue:?}");
+        let what = format!("fused linear x{count} bias {bias} {epilogue:?} {out_dim}");
         // Forward: x, the weights, the biases, the residual.
-        let out_dim = if epilogue == Epilogue::Residual {
-            d_in
-        } else {
-            d_out
-        };
         let mut fwd = OneOp::new(15).act(&[b, t, d_in], 1.0);
         for _ in 0..n {
             fwd = fwd.act(&[out_dim, d_in], 0.5);

@@ -465,6 +465,8 @@ impl CudaBackend {
                 // their types, the workspace against its planned size); outputs and the
                 // workspace overlap no input or each other: the caller's ordering contract.
                 Call::Gemm(g) => unsafe { d.gemm()?.run(g.dtype, &g.gemm, g.what)? },
+                // SAFETY: as above, for the bias, the GELU's kept input and the residual.
+                Call::Matmul(g) => unsafe { d.gemm()?.run_matmul(g.dtype, &g.mm, g.what)? },
                 // SAFETY: as above, for every matrix of the batch (the plan's strides stay
                 // inside the operands and the planned workspace).
                 Call::Batched(g) => unsafe { d.gemm()?.run_batched(g.ab, g.c, &g.gemm, g.what)? },

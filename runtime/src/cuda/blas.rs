@@ -7,16 +7,36 @@
 //! transposes. Every case is written out in `forward_call` and `backward_calls`, which build
 //! the GEMM descriptions without a GPU, so the tests below execute them with a host model of
 //! cuBLAS's semantics and compare against the host kernels.
+//!
+//! A linear layer's forward with a bias, a GELU or a residual runs as one `cublasLtMatmul`
+//! ([`Matmul`], built by [`forward_matmul`]): cuBLASLt's epilogues add the bias
+//! (`CUBLASLT_EPILOGUE_BIAS`, one element per output feature), apply the tanh GELU with its
+//! input kept for the backward (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, or `_GELU_AUX` without a
+//! bias) and add the residual (`beta = 1` with C the residual), in f32 before the one rounding
+//! to the storage type. The GELU's input is kept only where its leading dimension is a
+//! multiple of [`crate::dispatch::GELU_AUX_LD_MULTIPLE`] elements, as cuBLASLt requires;
+//! elsewhere the GELU is the caller's separate pass.
+//!
+//! Workspace. Each handle pair (cuBLAS and cuBLASLt, one per stream) owns one device
+//! workspace, allocated when the pair is made ([`workspace_bytes`]): cuBLAS is given it with
+//! `cublasSetWorkspace` and every `cublasLtMatmul` with its arguments, so no GEMM allocates;
+//! the hardware profile's reserved bytes cover it.
 
+use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys as lt_sys;
+use cudarc::cublaslt::sys::cublasLtEpilogue_t as LtEpilogue;
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::CudaStream;
 use protrain_ir::{DType, WeightLayout};
 
+use super::driver::DeviceMemory;
 use crate::error::{Result, RuntimeError};
 
 use cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
@@ -32,11 +52,19 @@ pub struct LinearDims {
     pub d_out: usize,
 }
 
-/// A cuBLAS handle bound to one CUDA stream, destroyed on drop without unwrapping: cudarc's
-/// `CudaBlas` unwraps `cublasDestroy`, which fails after a sticky kernel error, and a panic
-/// while a panic unwinds aborts the process (a test binary with it).
+/// A cuBLAS handle and a cuBLASLt handle bound to one CUDA stream, with their workspace,
+/// destroyed on drop without unwrapping: cudarc's `CudaBlas` unwraps `cublasDestroy`, which
+/// fails after a sticky kernel error, and a panic while a panic unwinds aborts the process (a
+/// test binary with it).
 pub struct Gemm {
     handle: cublas_sys::cublasHandle_t,
+    lt: lt_sys::cublasLtHandle_t,
+    /// The workspace both handles use (their calls are ordered on the one stream); freed
+    /// after the handles are destroyed (fields drop after `Drop::drop`).
+    workspace: DeviceMemory,
+    /// The cuBLASLt descriptors and algorithm of each distinct matmul shape, made on its first
+    /// call and reused: a step's matmuls query no heuristic and create no descriptor.
+    plans: Mutex<HashMap<LtKey, LtPlan>>,
     /// Kept alive as long as the handle issues on it.
     _stream: Arc<CudaStream>,
 }
@@ -49,9 +77,15 @@ unsafe impl Sync for Gemm {}
 
 impl Drop for Gemm {
     fn drop(&mut self) {
-        let handle = self.handle;
+        let (handle, light) = (self.handle, self.lt);
+        let plans = std::mem::take(self.plans.get_mut().unwrap_or_else(|e| e.into_inner()));
+        drop(plans);
         // SAFETY: created in `Gemm::new`, destroyed once, here.
         release(|| unsafe { blas::destroy_handle(handle) });
+        if !light.is_null() {
+            // SAFETY: as above.
+            release(|| unsafe { lt::destroy_handle(light) });
+        }
     }
 }
 
@@ -224,6 +258,265 @@ pub fn backward_calls(
     [dx_call, dw_call]
 }
 
+/// Where a GELU epilogue keeps its input (the product plus the bias), for the backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Aux {
+    /// Its device address, laid out as D (column-major, `ld` elements between columns).
+    pub at: u64,
+    /// Its leading dimension, a multiple of [`crate::dispatch::GELU_AUX_LD_MULTIPLE`] and at
+    /// least D's rows.
+    pub ld: usize,
+}
+
+/// One `cublasLtMatmul`: `D = op(A) op(B) + C + bias`, then the GELU where asked, with f32
+/// compute and one rounding of each stored result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Matmul {
+    /// The product, with D at `gemm.c` (leading dimension `gemm.ldc`).
+    pub gemm: Call,
+    /// C, added with `beta = 1` (laid out as D); `None` for `beta = 0`.
+    pub residual: Option<u64>,
+    /// The bias, one element per row of D (an output feature), in D's type.
+    pub bias: Option<u64>,
+    /// With a GELU: where its input is kept; D gets the GELU of it.
+    pub gelu: Option<Aux>,
+}
+
+impl Matmul {
+    /// The cuBLASLt epilogue that computes it.
+    pub fn epilogue(&self) -> LtEpilogue {
+        match (self.bias.is_some(), self.gelu.is_some()) {
+            (false, false) => LtEpilogue::CUBLASLT_EPILOGUE_DEFAULT,
+            (true, false) => LtEpilogue::CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => LtEpilogue::CUBLASLT_EPILOGUE_GELU_AUX,
+            (true, true) => LtEpilogue::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        }
+    }
+}
+
+/// What a linear layer's forward adds to its product in the matmul's epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fused {
+    /// Nothing beyond the bias.
+    Plain,
+    /// The residual at this address (`y = x W + b + residual`).
+    Residual(u64),
+    /// The tanh GELU (`h = x W + b`, `y = gelu(h)`), its input `h` kept at this address.
+    Gelu(u64),
+}
+
+/// Whether cuBLASLt can keep a GELU's input of `d_out` features per row (its leading
+/// dimension): otherwise the GELU runs as its own pass after the matmul.
+pub fn gelu_fusable(d_out: usize) -> bool {
+    crate::dispatch::gelu_in_matmul(d_out)
+}
+
+/// The matmul of [`forward_call`]'s product into `y`, with the bias (`[d_out]`) and what
+/// `fused` adds in its epilogue. Builds the description only; issues nothing. With
+/// [`Fused::Gelu`], `gelu_fusable(d.d_out)` must hold (the caller's check): the kept input
+/// `h [rows, d_out]` has leading dimension `d_out`.
+pub fn forward_matmul(
+    layout: WeightLayout,
+    d: LinearDims,
+    (x, w, y): (u64, u64, u64),
+    bias: Option<u64>,
+    fused: Fused,
+) -> Matmul {
+    let gemm = forward_call(layout, d, x, w, y);
+    let (residual, gelu) = match fused {
+        Fused::Plain => (None, None),
+        Fused::Residual(r) => (Some(r), None),
+        Fused::Gelu(h) => (None, Some(Aux { at: h, ld: d.d_out })),
+    };
+    Matmul {
+        gemm,
+        residual,
+        bias,
+        gelu,
+    }
+}
+
+/// Bytes of the workspace each stream's handles get: NVIDIA's recommendation for
+/// `cublasSetWorkspace` and cuBLASLt (cuBLAS documentation, "cublasSetWorkspace"): 32 MiB on
+/// Hopper (compute capability 9) and later, 4 MiB before.
+pub fn workspace_bytes(compute_major: i32) -> usize {
+    if compute_major >= 9 {
+        32 << 20
+    } else {
+        4 << 20
+    }
+}
+
+/// The strictest alignment (a power of two up to 256 bytes, cuBLASLt's default requirement)
+/// that `addr` has: the matmul's preferences tell cuBLASLt the operands' real alignment, so
+/// its heuristic picks no kernel that needs more.
+pub fn alignment(addr: u64) -> u32 {
+    if addr == 0 {
+        256
+    } else {
+        (1u64 << addr.trailing_zeros().min(8)) as u32
+    }
+}
+
+/// What makes two matmuls share descriptors and an algorithm: everything but the addresses
+/// (the alignments of A, B, C and D stand for them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct LtKey {
+    dtype: DType,
+    ta: cublasOperation_t,
+    tb: cublasOperation_t,
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+    epilogue: LtEpilogue,
+    aux_ld: usize,
+    residual: bool,
+    align: [u32; 4],
+}
+
+/// The descriptors and the chosen algorithm of one [`LtKey`], destroyed on drop.
+struct LtPlan {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        for &layout in &self.layouts {
+            if !layout.is_null() {
+                // SAFETY: made in `LtPlan::new`, destroyed once, here.
+                release(|| unsafe { lt::destroy_matrix_layout(layout) });
+            }
+        }
+        if !self.desc.is_null() {
+            let desc = self.desc;
+            // SAFETY: as above.
+            release(|| unsafe { lt::destroy_matmul_desc(desc) });
+        }
+    }
+}
+
+/// Sets one attribute of a matmul descriptor to `value`.
+///
+/// # Safety
+///
+/// `desc` is live and `T` is the attribute's documented type.
+unsafe fn set_desc<T>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attr: lt_sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> std::result::Result<(), lt::CublasError> {
+    // SAFETY: the caller's contract; `value` lives through the call, which copies it.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            (value as *const T).cast::<c_void>(),
+            std::mem::size_of::<T>(),
+        )
+    }
+}
+
+impl LtPlan {
+    /// The descriptors of `key` and the heuristic's first algorithm for them, within
+    /// `workspace` bytes.
+    fn new(
+        light: lt_sys::cublasLtHandle_t,
+        key: &LtKey,
+        workspace: usize,
+    ) -> std::result::Result<Self, lt::CublasError> {
+        use lt_sys::cublasLtMatmulDescAttributes_t as D;
+        use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
+        let mut plan = LtPlan {
+            desc: std::ptr::null_mut(),
+            layouts: [std::ptr::null_mut(); 3],
+            algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let data = match key.dtype {
+            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
+            _ => lt_sys::cudaDataType::CUDA_R_32F,
+        };
+        // TRANSA and TRANSB are `int32_t` holding `cublasOperation_t`'s values.
+        let op = |o: cublasOperation_t| o as i32;
+        plan.desc = lt::create_matmul_desc(
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lt_sys::cudaDataType::CUDA_R_32F,
+        )?;
+        let stored =
+            |op, rows: usize, cols: usize| if op == N { (rows, cols) } else { (cols, rows) };
+        let (a_rows, a_cols) = stored(key.ta, key.m, key.k);
+        let (b_rows, b_cols) = stored(key.tb, key.k, key.n);
+        for (slot, (rows, cols, ld)) in [
+            (a_rows, a_cols, key.lda),
+            (b_rows, b_cols, key.ldb),
+            (key.m, key.n, key.ldc),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            plan.layouts[slot] =
+                lt::create_matrix_layout(data, rows as u64, cols as u64, ld as i64)?;
+        }
+        // SAFETY: a live descriptor; each value has its attribute's documented type.
+        unsafe {
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &op(key.ta))?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op(key.tb))?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &key.epilogue)?;
+            if key.epilogue != LtEpilogue::CUBLASLT_EPILOGUE_DEFAULT {
+                set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &data)?;
+            }
+            if key.aux_ld > 0 {
+                set_desc(
+                    plan.desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                    &(key.aux_ld as i64),
+                )?;
+                set_desc(
+                    plan.desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                    &data,
+                )?;
+            }
+        }
+        let pref = lt::create_matmul_pref()?;
+        let chosen = (|| {
+            let set = |attr, value: *const c_void, size| {
+                // SAFETY: a live preference; the value has the attribute's type.
+                unsafe { lt::set_matmul_pref_attribute(pref, attr, value, size) }
+            };
+            let bytes = workspace as u64;
+            set(
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes as *const u64).cast(),
+                8,
+            )?;
+            for (attr, align) in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ]
+            .into_iter()
+            .zip(key.align)
+            {
+                set(attr, (&align as *const u32).cast(), 4)?;
+            }
+            let [a, b, cd] = plan.layouts;
+            // SAFETY: live descriptors of this handle; C and D share a layout.
+            unsafe { lt::get_matmul_algo_heuristic(light, plan.desc, a, b, cd, cd, pref) }
+        })();
+        // SAFETY: made above, destroyed once.
+        release(|| unsafe { lt::destroy_matmul_pref(pref) });
+        plan.algo = chosen?.algo;
+        Ok(plan)
+    }
+}
+
 impl Gemm {
     /// A handle issuing on `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
@@ -231,16 +524,147 @@ impl Gemm {
             .context()
             .bind_to_thread()
             .map_err(|e| super::driver::driver_error("making the CUDA context current", e))?;
+        let ctx = stream.context().clone();
+        let major = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| super::driver::driver_error("reading the compute capability", e))?;
+        let workspace = DeviceMemory::uninit(&ctx, workspace_bytes(major), "cuBLAS workspace")?;
         let handle =
             blas::create_handle().map_err(|e| blas_error("creating a cuBLAS handle", e))?;
-        let gemm = Self {
+        let mut gemm = Self {
             handle,
+            lt: std::ptr::null_mut(),
+            workspace,
+            plans: Mutex::new(HashMap::new()),
             _stream: stream,
         };
         // SAFETY: a live handle and a live stream of the current context.
         unsafe { blas::set_stream(handle, gemm._stream.cu_stream() as _) }
             .map_err(|e| blas_error("binding a cuBLAS handle to its stream", e))?;
+        // SAFETY: a live handle; the workspace is a device allocation of the handle's context
+        // that outlives it, used only by work on the handle's stream.
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(
+                handle,
+                gemm.workspace.ptr() as *mut c_void,
+                gemm.workspace.len(),
+            )
+        }
+        .result()
+        .map_err(|e| blas_error("giving cuBLAS its workspace", e))?;
+        gemm.lt = lt::create_handle().map_err(|e| lt_error("creating a cuBLASLt handle", e))?;
         Ok(gemm)
+    }
+
+    /// Issues one cuBLASLt matmul with its epilogue on the stream, with the handle's
+    /// workspace.
+    ///
+    /// # Safety
+    ///
+    /// The addresses hold matrices (and the bias vector) of the matmul's shapes and leading
+    /// dimensions in `dtype`; D and the GELU's kept input overlap no input or each other.
+    pub unsafe fn run_matmul(&self, dtype: DType, mm: &Matmul, what: &str) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "{what}: the CUDA backend runs matmuls in f32, bf16 and f16, not {dtype}; \
+                 compile with dtype f32, bf16 or f16"
+            )));
+        }
+        let c = &mm.gemm;
+        for (v, name) in [
+            (c.m, "m"),
+            (c.n, "n"),
+            (c.k, "k"),
+            (c.lda, "lda"),
+            (c.ldb, "ldb"),
+            (c.ldc, "ldc"),
+        ] {
+            if c_int::try_from(v).is_err() {
+                return Err(RuntimeError::BadSchedule(format!(
+                    "{what}: {name} = {v} is beyond cuBLAS's 32-bit sizes; use a smaller batch"
+                )));
+            }
+        }
+        if c.m == 0 || c.n == 0 {
+            return Ok(());
+        }
+        let input_c = mm.residual.unwrap_or(c.c);
+        let key = LtKey {
+            dtype,
+            ta: c.ta,
+            tb: c.tb,
+            m: c.m,
+            n: c.n,
+            k: c.k,
+            lda: c.lda,
+            ldb: c.ldb,
+            ldc: c.ldc,
+            epilogue: mm.epilogue(),
+            aux_ld: mm.gelu.map_or(0, |g| g.ld),
+            residual: mm.residual.is_some(),
+            align: [
+                alignment(c.a),
+                alignment(c.b),
+                alignment(input_c),
+                alignment(c.c),
+            ],
+        };
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let plan = match plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(
+                LtPlan::new(self.lt, &key, self.workspace.len())
+                    .map_err(|e| lt_error(&format!("{what}: choosing a cuBLASLt algorithm"), e))?,
+            ),
+        };
+        use lt_sys::cublasLtMatmulDescAttributes_t as D;
+        // SAFETY: a live descriptor of this handle, used by one thread at a time (the lock);
+        // pointer attributes are `void*`. The call below reads them when it is made.
+        unsafe {
+            if let Some(bias) = mm.bias {
+                set_desc(
+                    plan.desc,
+                    D::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &(bias as *const c_void),
+                )
+                .map_err(|e| lt_error(what, e))?;
+            }
+            if let Some(aux) = mm.gelu {
+                set_desc(
+                    plan.desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                    &(aux.at as *const c_void),
+                )
+                .map_err(|e| lt_error(what, e))?;
+            }
+        }
+        let alpha = 1.0f32;
+        let beta = if mm.residual.is_some() { 1.0f32 } else { 0.0 };
+        let [a, b, cd] = plan.layouts;
+        // SAFETY: the handle, descriptors and algorithm are live; alpha and beta are host f32s
+        // (the default pointer mode) of the f32 scale type; the workspace is the handle's, on
+        // its stream; the operands are the caller's contract.
+        unsafe {
+            lt::matmul(
+                self.lt,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                c.a as *const c_void,
+                a,
+                c.b as *const c_void,
+                b,
+                input_c as *const c_void,
+                cd,
+                c.c as *mut c_void,
+                cd,
+                &plan.algo,
+                self.workspace.ptr() as *mut c_void,
+                self.workspace.len(),
+                self._stream.cu_stream() as _,
+            )
+        }
+        .map_err(|e| lt_error(what, e))
     }
 
     /// `y = x W^T` (`OutIn`, `W [d_out, d_in]`) or `y = x W` (`InOut`, `W [d_in, d_out]`);
@@ -394,6 +818,17 @@ impl Gemm {
             )
         }
         .map_err(|e| blas_error(what, e))
+    }
+}
+
+/// A failed cuBLASLt call.
+fn lt_error(during: &str, e: lt::CublasError) -> RuntimeError {
+    RuntimeError::Cuda {
+        during: during.to_string(),
+        detail: format!("{:?}", e.0),
+        hint: "check that libcublasLt.so.13 matches the driver and that the GPU is not out of \
+               memory (`nvidia-smi`); rerun with CUDA_LAUNCH_BLOCKING=1 to find the failing call"
+            .into(),
     }
 }
 
@@ -893,6 +1328,230 @@ pub(super) mod model {
             mem.write(c, pc, v)?;
         }
         Ok(())
+    }
+
+    /// `cublasLtMatmul` as [`super::Gemm::run_matmul`] issues it, over `dtype` storage:
+    /// checks the leading dimensions (the GELU input's too: at least D's rows and a multiple
+    /// of [`crate::dispatch::GELU_AUX_LD_MULTIPLE`]), that every element read or written lies
+    /// in a buffer and that no output element is an input's; then sums each product in f64,
+    /// rounds it to f32 with the residual added, adds the bias in f32, keeps that as the
+    /// GELU's input, applies the GELU and rounds each stored value once, as the simulator
+    /// does (`cuda-sim/src/cublas.cpp`).
+    pub fn matmul(mem: &mut Bytes, mm: &Matmul, dtype: DType) -> std::result::Result<(), String> {
+        let f = &mm.gemm;
+        let stored =
+            |op, rows: usize, cols: usize| if op == N { (rows, cols) } else { (cols, rows) };
+        for (name, op, rows, cols, ld) in [
+            ("a", f.ta, f.m, f.k, f.lda),
+            ("b", f.tb, f.k, f.n, f.ldb),
+            ("c", N, f.m, f.n, f.ldc),
+        ] {
+            let (r, _) = stored(op, rows, cols);
+            if ld < r.max(1) {
+                return Err(format!(
+                    "ld{name} = {ld} < max(1, {r}): CUBLAS_STATUS_INVALID_VALUE"
+                ));
+            }
+        }
+        if let Some(aux) = mm.gelu {
+            let multiple = crate::dispatch::GELU_AUX_LD_MULTIPLE;
+            if aux.ld < f.m || !aux.ld.is_multiple_of(multiple) {
+                return Err(format!(
+                    "aux ld = {} is below m = {} or not a multiple of {multiple}: \
+                     CUBLAS_STATUS_NOT_SUPPORTED",
+                    aux.ld, f.m
+                ));
+            }
+        }
+        let e = size(dtype);
+        let addr = |base: u64, op, ld: usize, i: usize, j: usize| {
+            let idx = if op == N { i + j * ld } else { j + i * ld };
+            base + e * idx as u64
+        };
+        let (mut reads, mut writes) = (HashSet::new(), Vec::new());
+        for j in 0..f.n {
+            for i in 0..f.m {
+                let mut sum = 0.0f64;
+                for p in 0..f.k {
+                    let (pa, pb) = (addr(f.a, f.ta, f.lda, i, p), addr(f.b, f.tb, f.ldb, p, j));
+                    reads.insert(pa);
+                    reads.insert(pb);
+                    sum += f64::from(mem.read(dtype, pa)?) * f64::from(mem.read(dtype, pb)?);
+                }
+                if let Some(r) = mm.residual {
+                    let pr = addr(r, N, f.ldc, i, j);
+                    reads.insert(pr);
+                    sum += f64::from(mem.read(dtype, pr)?);
+                }
+                let mut v = sum as f32;
+                if let Some(b) = mm.bias {
+                    let pb = b + e * i as u64;
+                    reads.insert(pb);
+                    v += mem.read(dtype, pb)?;
+                }
+                if let Some(aux) = mm.gelu {
+                    writes.push((addr(aux.at, N, aux.ld, i, j), v));
+                    let mut out = [0.0f32];
+                    crate::kernels::gelu_forward(&mut out, &[v]);
+                    v = out[0];
+                }
+                writes.push((addr(f.c, N, f.ldc, i, j), v));
+            }
+        }
+        let mut written = HashSet::new();
+        for &(pc, _) in &writes {
+            // D may be C itself (in place), element for element.
+            if reads.contains(&pc) && mm.residual.map(|r| addr(r, N, f.ldc, 0, 0)) != Some(f.c) {
+                return Err(format!("output element {pc:#x} is also read by the call"));
+            }
+            if !written.insert(pc) {
+                return Err(format!("output element {pc:#x} is written twice"));
+            }
+        }
+        for (pc, v) in writes {
+            mem.write(dtype, pc, v)?;
+        }
+        Ok(())
+    }
+
+    /// Every fused forward [`forward_matmul`] describes, run by [`matmul`] on odd shapes in
+    /// both layouts, f32 and bf16, against the host kernels (product with the bias, then the
+    /// GELU or the residual add, rounded once to the storage type).
+    #[test]
+    fn fused_matmuls_match_host_kernels() {
+        let (xa, wa, ba, ra, ya, ha) = (
+            0x1000_0000u64,
+            0x2000_0000,
+            0x3000_0000,
+            0x4000_0000,
+            0x5000_0000,
+            0x6000_0000,
+        );
+        for dtype in [DType::F32, DType::BF16] {
+            for (rows, d_in, d_out) in [(3, 5, 8), (5, 7, 16), (1, 3, 8), (7, 9, 3), (4, 2, 13)] {
+                let d = LinearDims { rows, d_in, d_out };
+                let round = |v: Vec<f32>| -> Vec<f32> {
+                    match dtype {
+                        DType::BF16 => v
+                            .iter()
+                            .map(|&x| half::bf16::from_f32(x).to_f32())
+                            .collect(),
+                        _ => v,
+                    }
+                };
+                let seed = (rows * 100 + d_in * 10 + d_out) as u64;
+                let x = round(values(seed, rows * d_in));
+                let w = round(values(seed + 1, d_in * d_out));
+                let b = round(values(seed + 2, d_out));
+                let r = round(values(seed + 3, rows * d_out));
+                for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+                    for bias in [false, true] {
+                        let mut fused = vec![Fused::Plain, Fused::Residual(ra)];
+                        if gelu_fusable(d_out) {
+                            fused.push(Fused::Gelu(ha));
+                        }
+                        for f in fused {
+                            let what = format!("{dtype} {layout:?} {d:?} bias {bias} {f:?}");
+                            let mut mem = Bytes::default();
+                            let e = size(dtype);
+                            for (at, vals) in [(xa, &x), (wa, &w), (ba, &b), (ra, &r)] {
+                                mem.alloc(at, e * vals.len() as u64);
+                                mem.store(dtype, at, vals);
+                            }
+                            mem.alloc(ya, e * (rows * d_out) as u64);
+                            mem.alloc(ha, e * (rows * d_out) as u64);
+                            let mm = forward_matmul(layout, d, (xa, wa, ya), bias.then_some(ba), f);
+                            matmul(&mut mem, &mm, dtype).unwrap_or_else(|e| panic!("{what}: {e}"));
+                            let mut h = vec![0.0; rows * d_out];
+                            crate::kernels::linear_forward(
+                                &mut h,
+                                &x,
+                                &w,
+                                bias.then_some(&b[..]),
+                                layout,
+                                rows,
+                                d_in,
+                                d_out,
+                            );
+                            let want = match f {
+                                Fused::Plain => h.clone(),
+                                Fused::Residual(_) => {
+                                    h.iter().zip(&r).map(|(a, b)| a + b).collect()
+                                }
+                                Fused::Gelu(_) => {
+                                    let mut y = vec![0.0; h.len()];
+                                    crate::kernels::gelu_forward(&mut y, &h);
+                                    y
+                                }
+                            };
+                            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                            let close = |name: &str, got: Vec<f32>, want: Vec<f32>| {
+                                for (i, (g, w)) in got.iter().zip(round(want)).enumerate() {
+                                    assert!(
+                                        (g - w).abs() <= tol * (1.0 + w.abs()),
+                                        "{what}: {name}[{i}] is {g}, the host kernels give {w}"
+                                    );
+                                }
+                            };
+                            close("y", mem.load(dtype, ya, rows * d_out), want);
+                            if let Fused::Gelu(_) = f {
+                                close("h", mem.load(dtype, ha, rows * d_out), h);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The model refuses what cuBLASLt refuses: a GELU input whose leading dimension is not a
+    /// multiple of 8, a bias past its buffer, an output that is an input.
+    #[test]
+    fn matmul_model_rejects_what_cublaslt_rejects() {
+        let d = LinearDims {
+            rows: 2,
+            d_in: 3,
+            d_out: 5,
+        };
+        let mut mem = Bytes::default();
+        for at in [0x1000u64, 0x2000, 0x3000, 0x4000, 0x5000] {
+            mem.alloc(at, 4 * 15);
+            mem.store(DType::F32, at, &[0.5; 15]);
+        }
+        let ops = (0x1000, 0x2000, 0x3000);
+        let ok = forward_matmul(WeightLayout::OutIn, d, ops, Some(0x4000), Fused::Plain);
+        assert_eq!(matmul(&mut mem, &ok, DType::F32), Ok(()));
+        let gelu = forward_matmul(WeightLayout::OutIn, d, ops, None, Fused::Gelu(0x5000));
+        assert!(matmul(&mut mem, &gelu, DType::F32).is_err_and(|e| e.contains("multiple of 8")));
+        let past = forward_matmul(
+            WeightLayout::OutIn,
+            d,
+            ops,
+            Some(0x4000 + 4 * 12),
+            Fused::Plain,
+        );
+        assert!(matmul(&mut mem, &past, DType::F32).is_err_and(|e| e.contains("in no buffer")));
+        let alias = forward_matmul(
+            WeightLayout::OutIn,
+            d,
+            (0x1000, 0x2000, 0x2000),
+            None,
+            Fused::Plain,
+        );
+        assert!(matmul(&mut mem, &alias, DType::F32).is_err_and(|e| e.contains("also read")));
+    }
+
+    /// Values in [-1, 1), reproducible from `seed`.
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
     }
 
     #[test]

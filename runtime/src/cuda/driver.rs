@@ -36,6 +36,12 @@ pub struct SimCounters {
     pub gemms: u64,
     /// Pinned host allocations (`cuMemHostAlloc`).
     pub host_allocs: u64,
+    /// cuBLASLt matmuls (`cublasLtMatmul`, each with its epilogue).
+    pub lt_matmuls: u64,
+    /// GEMMs and matmuls issued without a workspace of the backend's (a cuBLAS handle with
+    /// none set, a cuBLASLt matmul given none), where the libraries would allocate their own
+    /// or fall back to kernels that need none.
+    pub unplanned_workspaces: u64,
 }
 
 impl std::ops::Sub for SimCounters {
@@ -50,6 +56,8 @@ impl std::ops::Sub for SimCounters {
             dtoh_bytes: self.dtoh_bytes - earlier.dtoh_bytes,
             gemms: self.gemms - earlier.gemms,
             host_allocs: self.host_allocs - earlier.host_allocs,
+            lt_matmuls: self.lt_matmuls - earlier.lt_matmuls,
+            unplanned_workspaces: self.unplanned_workspaces - earlier.unplanned_workspaces,
         }
     }
 }
@@ -62,16 +70,17 @@ pub fn simulator_counters() -> Option<SimCounters> {
         return None;
     }
     // SAFETY: the library is present; the symbol, where it exists, is the simulator's
-    // `void protrain_cuda_sim_counters(uint64_t out[6])`.
+    // `void protrain_cuda_sim_counters(uint64_t out[8])`.
     let read = unsafe {
         sys::culib()
             .get::<unsafe extern "C" fn(*mut u64)>(b"protrain_cuda_sim_counters\0")
             .ok()?
     };
-    let mut out = [0u64; 6];
-    // SAFETY: `out` holds the six counters the function writes.
+    let mut out = [0u64; 8];
+    // SAFETY: `out` holds the eight counters the function writes.
     unsafe { read(out.as_mut_ptr()) };
-    let [launches, syncs, htod_bytes, dtoh_bytes, gemms, host_allocs] = out;
+    let [launches, syncs, htod_bytes, dtoh_bytes, gemms, host_allocs, lt_matmuls, unplanned_workspaces] =
+        out;
     Some(SimCounters {
         launches,
         syncs,
@@ -79,6 +88,8 @@ pub fn simulator_counters() -> Option<SimCounters> {
         dtoh_bytes,
         gemms,
         host_allocs,
+        lt_matmuls,
+        unplanned_workspaces,
     })
 }
 
@@ -152,6 +163,15 @@ pub fn probe() -> Result<DeviceInfo> {
         return Err(unavailable(
             "the CUDA driver sees no GPU; check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use \
              --backend host"
+                .into(),
+        ));
+    }
+    // SAFETY: only tries to dlopen the library under its candidate names.
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err(unavailable(
+            "cuBLASLt (libcublasLt.so.13) cannot be loaded; install the CUDA 13 toolkit or \
+             `pip install nvidia-cublas` and put the folder holding libcublasLt.so.13 on \
+             LD_LIBRARY_PATH (scripts/gpu-check.sh does this), or use --backend host"
                 .into(),
         ));
     }

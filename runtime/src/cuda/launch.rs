@@ -36,7 +36,10 @@ use protrain_ir::workspace::{
     attention_head_batch, attention_runs_flash, FLASH_ATTENTION_HEAD_DIMS,
 };
 
-use super::blas::{backward_calls, forward_call, Batched, Call as Gemm, LinearDims};
+use super::blas::{
+    backward_calls, forward_call, forward_matmul, gelu_fusable, Batched, Call as Gemm, Fused,
+    LinearDims, Matmul,
+};
 use super::driver::ParamKind;
 use super::{
     column_sum_chunks, grad_norm_partials, AdamWScalars, ATTN_FLASH_ROWS, ATTN_FLASH_THREADS,
@@ -144,6 +147,18 @@ pub(super) struct BatchedCall {
     pub what: &'static str,
 }
 
+/// One cuBLASLt matmul with its epilogue on the stream's cuBLASLt handle (a linear layer's
+/// product with its bias, GELU or residual).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MatmulCall {
+    /// The storage type of every matrix and the bias (compute is f32).
+    pub dtype: DType,
+    /// The description ([`super::blas::Matmul`]).
+    pub mm: Matmul,
+    /// What it computes, for errors.
+    pub what: &'static str,
+}
+
 /// One step of an op's plan.
 #[derive(Clone, Debug)]
 pub(super) enum Call {
@@ -151,6 +166,8 @@ pub(super) enum Call {
     Kernel(KernelCall),
     /// A cuBLAS GEMM.
     Gemm(GemmCall),
+    /// A cuBLASLt matmul with an epilogue.
+    Matmul(MatmulCall),
     /// A cuBLAS strided-batched GEMM.
     Batched(BatchedCall),
 }
@@ -393,6 +410,24 @@ impl Plan<'_> {
             dtype,
             gemm: forward_call(layout, d, x, w, y),
             what: "linear forward",
+        }));
+    }
+
+    /// `y = x W^T` or `x W`, plus the bias and what `fused` adds, as one cuBLASLt matmul.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_matmul(
+        &mut self,
+        dtype: DType,
+        layout: WeightLayout,
+        d: LinearDims,
+        (x, w, y): (u64, u64, u64),
+        bias: Option<u64>,
+        fused: Fused,
+    ) {
+        self.calls.push(Call::Matmul(MatmulCall {
+            dtype,
+            mm: forward_matmul(layout, d, (x, w, y), bias, fused),
+            what: "linear forward with its epilogue",
         }));
     }
 
@@ -1114,7 +1149,8 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             p.rows(st.pick(entry!("rms_norm_forward")), rows, args);
         }
         OpKind::Linear { bias, layout } => {
-            let st = p.storage(0)?;
+            // Refuses storage the kernels do not have.
+            p.storage(0)?;
             let dtype = p.ty_in(0).dtype;
             if p.ty_in(1).dtype != dtype {
                 return Err(p.bad(format!(
@@ -1129,16 +1165,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 d_out: p.ty_out(0).last_dim() as usize,
             };
             let (x, w, y) = (p.input(0), p.input(1), p.output(0));
-            p.linear_forward(dtype, *layout, d, x, w, y);
-            if *bias {
-                let args = vec![
-                    Ptr(y),
-                    Ptr(y),
-                    Ptr(p.input(2)),
-                    I64(d.rows as i64),
-                    I32(p.int(d.d_out as u64, "output features")?),
-                ];
-                p.stride(st.pick(entry!("bias_add")), (d.rows * d.d_out) as u64, args);
+            match bias {
+                // The bias in the matmul's epilogue.
+                true => {
+                    let b = p.input(2);
+                    p.linear_matmul(dtype, *layout, d, (x, w, y), Some(b), Fused::Plain)
+                }
+                false => p.linear_forward(dtype, *layout, d, x, w, y),
             }
         }
         OpKind::Gelu => unary(p, entry!("gelu_forward"))?,
@@ -2363,43 +2396,44 @@ fn same_dtype(p: &Plan<'_>, inputs: usize) -> Result<(DType, Storage)> {
     Ok((dtype, st))
 }
 
-/// Projection `i` of a fused linear op into `y`: the matmul and the bias, as `linear` runs
-/// them.
+/// The shape of projection `i` of a fused linear op.
+fn projection_dims(p: &Plan<'_>, i: usize) -> LinearDims {
+    let (rows, d_in) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+    let d_out = p.ty_in(1 + i).numel() / d_in.max(1);
+    LinearDims {
+        rows: rows as usize,
+        d_in: d_in as usize,
+        d_out: d_out as usize,
+    }
+}
+
+/// Projection `i` of a fused linear op into `y`, as `linear` runs it: the matmul, with the
+/// bias in its epilogue, and what `fused` adds there.
 #[allow(clippy::too_many_arguments)]
 fn fused_projection(
     p: &mut Plan<'_>,
     dtype: DType,
-    st: Storage,
     layout: WeightLayout,
     n: usize,
     bias: bool,
     i: usize,
     y: u64,
-) -> Result<()> {
-    let (rows, d_in) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
-    let d_out = p.ty_in(1 + i).numel() / d_in.max(1);
-    let d = LinearDims {
-        rows: rows as usize,
-        d_in: d_in as usize,
-        d_out: d_out as usize,
-    };
+    fused: Fused,
+) {
+    let d = projection_dims(p, i);
     let (x, w) = (p.input(0), p.input(1 + i));
-    p.linear_forward(dtype, layout, d, x, w, y);
-    if bias {
-        let args = vec![
-            Ptr(y),
-            Ptr(y),
-            Ptr(p.input(1 + n + i)),
-            I64(rows as i64),
-            I32(p.int(d_out, "output features")?),
-        ];
-        p.stride(st.pick(entry!("bias_add")), rows * d_out, args);
+    match (bias, fused) {
+        (false, Fused::Plain) => p.linear_forward(dtype, layout, d, x, w, y),
+        _ => {
+            let b = bias.then(|| p.input(1 + n + i));
+            p.linear_matmul(dtype, layout, d, (x, w, y), b, fused)
+        }
     }
-    Ok(())
 }
 
-/// A fused linear op: each projection as `linear` computes it, then the epilogue with the
-/// elementwise kernel its own kind runs (in place for the residual).
+/// A fused linear op: each projection as one cuBLASLt matmul with the bias, the GELU (its
+/// input kept) or the residual in its epilogue; ReLU and SwiGLU, and a GELU whose input
+/// cuBLASLt cannot keep ([`gelu_fusable`]), then run the elementwise kernel of their own kind.
 fn fused_linear(
     p: &mut Plan<'_>,
     n: usize,
@@ -2413,12 +2447,16 @@ fn fused_linear(
         Epilogue::None => {
             for i in 0..n {
                 let y = p.output(i);
-                fused_projection(p, dtype, st, layout, n, bias, i, y)?;
+                fused_projection(p, dtype, layout, n, bias, i, y, Fused::Plain);
             }
+        }
+        Epilogue::Gelu if gelu_fusable(projection_dims(p, 0).d_out) => {
+            let (h, y) = (p.output(0), p.output(1));
+            fused_projection(p, dtype, layout, n, bias, 0, y, Fused::Gelu(h));
         }
         Epilogue::Gelu | Epilogue::Relu => {
             let (h, y) = (p.output(0), p.output(1));
-            fused_projection(p, dtype, st, layout, n, bias, 0, h)?;
+            fused_projection(p, dtype, layout, n, bias, 0, h, Fused::Plain);
             let entry = match epilogue {
                 Epilogue::Gelu => st.pick(entry!("gelu_forward")),
                 _ => st.pick(entry!("relu_forward")),
@@ -2428,8 +2466,8 @@ fn fused_linear(
         }
         Epilogue::Swiglu => {
             let (gate, up, y) = (p.output(0), p.output(1), p.output(2));
-            fused_projection(p, dtype, st, layout, n, bias, 0, gate)?;
-            fused_projection(p, dtype, st, layout, n, bias, 1, up)?;
+            fused_projection(p, dtype, layout, n, bias, 0, gate, Fused::Plain);
+            fused_projection(p, dtype, layout, n, bias, 1, up, Fused::Plain);
             let len = p.ty_out(2).numel();
             p.stride(
                 st.pick(entry!("swiglu_forward")),
@@ -2438,15 +2476,8 @@ fn fused_linear(
             );
         }
         Epilogue::Residual => {
-            let y = p.output(0);
-            fused_projection(p, dtype, st, layout, n, bias, 0, y)?;
-            let residual = p.input(n_in - 1);
-            let len = p.ty_out(0).numel();
-            p.stride(
-                st.pick(entry!("add_forward")),
-                len,
-                vec![Ptr(y), Ptr(y), Ptr(residual), I64(len as i64)],
-            );
+            let (y, residual) = (p.output(0), p.input(n_in - 1));
+            fused_projection(p, dtype, layout, n, bias, 0, y, Fused::Residual(residual));
         }
     }
     Ok(())
@@ -3105,6 +3136,154 @@ mod tests {
         spans.iter().any(|&(s, n)| p >= s && p < s + n.max(1))
     }
 
+    /// What each plan issues, in order: `K` a kernel, `G` a cuBLAS GEMM, `B` a batched GEMM,
+    /// and a cuBLASLt matmul by its epilogue (`M` none, `Mb` bias, `Mg` GELU, `Mgb` GELU and
+    /// bias, `+r` with the residual).
+    fn shape_of(plan: &[Call]) -> Vec<String> {
+        use cudarc::cublaslt::sys::cublasLtEpilogue_t as E;
+        plan.iter()
+            .map(|c| match c {
+                Call::Kernel(_) => "K".to_string(),
+                Call::Gemm(_) => "G".to_string(),
+                Call::Batched(_) => "B".to_string(),
+                Call::Matmul(m) => {
+                    let e = match m.mm.epilogue() {
+                        E::CUBLASLT_EPILOGUE_DEFAULT => "M",
+                        E::CUBLASLT_EPILOGUE_BIAS => "Mb",
+                        E::CUBLASLT_EPILOGUE_GELU_AUX => "Mg",
+                        E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS => "Mgb",
+                        other => panic!("an epilogue the backend does not use: {other:?}"),
+                    };
+                    format!("{e}{}", if m.mm.residual.is_some() { "+r" } else { "" })
+                }
+            })
+            .collect()
+    }
+
+    /// The fusions the compiler chose run as one cuBLASLt call each: a linear layer's bias,
+    /// a fused linear's bias, bias + GELU and residual (+ bias) are one matmul with no kernel
+    /// after it; ReLU and SwiGLU keep their kernel, and so does a GELU over output features
+    /// that are not a multiple of 8 (cuBLASLt cannot keep its input).
+    #[test]
+    fn fused_linear_epilogues_are_one_library_call() {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let f = |s: &[u64]| t(s, dt);
+            let x = f(&[B, T, C]);
+            let fused = |count, bias, epilogue| OpKind::FusedLinear {
+                count,
+                bias,
+                layout: WeightLayout::OutIn,
+                epilogue,
+            };
+            let (w16, w6) = (f(&[16, C]), f(&[6, C]));
+            let (b16, b6) = (f(&[16]), f(&[6]));
+            let cases: Vec<(OpKind, Vec<TensorType>, &[&str])> = vec![
+                (
+                    OpKind::Linear {
+                        bias: true,
+                        layout: WeightLayout::OutIn,
+                    },
+                    vec![x.clone(), w6.clone(), b6.clone()],
+                    &["Mb"],
+                ),
+                (
+                    OpKind::Linear {
+                        bias: false,
+                        layout: WeightLayout::OutIn,
+                    },
+                    vec![x.clone(), w6.clone()],
+                    &["G"],
+                ),
+                (
+                    fused(1, true, Epilogue::Gelu),
+                    vec![x.clone(), w16.clone(), b16.clone()],
+                    &["Mgb"],
+                ),
+                (
+                    fused(1, false, Epilogue::Gelu),
+                    vec![x.clone(), w16.clone()],
+                    &["Mg"],
+                ),
+                (
+                    fused(1, true, Epilogue::Gelu),
+                    vec![x.clone(), w6.clone(), b6.clone()],
+                    &["Mb", "K"],
+                ),
+                (
+                    fused(1, true, Epilogue::Relu),
+                    vec![x.clone(), w16.clone(), b16.clone()],
+                    &["Mb", "K"],
+                ),
+                (
+                    fused(1, true, Epilogue::Residual),
+                    vec![x.clone(), f(&[C, C]), f(&[C]), x.clone()],
+                    &["Mb+r"],
+                ),
+                (
+                    fused(1, false, Epilogue::Residual),
+                    vec![x.clone(), f(&[C, C]), x.clone()],
+                    &["M+r"],
+                ),
+                (
+                    fused(2, true, Epilogue::None),
+                    vec![x.clone(), w6.clone(), w16.clone(), b6.clone(), b16.clone()],
+                    &["Mb", "Mb"],
+                ),
+                (
+                    fused(2, false, Epilogue::Swiglu),
+                    vec![x.clone(), w16.clone(), w16.clone()],
+                    &["G", "G", "K"],
+                ),
+            ];
+            for (kind, inputs, want) in cases {
+                let (plan, _) = plan_of(&kind, &inputs);
+                assert_eq!(shape_of(&plan), want, "{kind:?} in {dt}");
+            }
+        }
+    }
+
+    /// The GELU's kept input is the fused op's first output (`h`), the GELU's result its
+    /// second, and the residual the op's last input; the bias is the op's bias input.
+    #[test]
+    fn fused_matmul_operands_are_the_ops() {
+        let x = t(&[B, T, C], DType::BF16);
+        let kind = OpKind::FusedLinear {
+            count: 1,
+            bias: true,
+            layout: WeightLayout::InOut,
+            epilogue: Epilogue::Gelu,
+        };
+        let (plan, _) = plan_of(
+            &kind,
+            &[x.clone(), t(&[C, 16], DType::BF16), t(&[16], DType::BF16)],
+        );
+        let [Call::Matmul(m)] = plan.as_slice() else {
+            panic!("{plan:?}")
+        };
+        let addr = |i: u64| 0x1000_0000 * (i + 1);
+        assert_eq!(
+            (m.mm.gemm.a, m.mm.gemm.b, m.mm.gemm.c),
+            (addr(1), addr(0), addr(4))
+        );
+        assert_eq!(m.mm.bias, Some(addr(2)));
+        assert_eq!(m.mm.gelu.map(|a| (a.at, a.ld)), Some((addr(3), 16)));
+        assert_eq!(m.mm.residual, None);
+        let res = OpKind::FusedLinear {
+            count: 1,
+            bias: false,
+            layout: WeightLayout::OutIn,
+            epilogue: Epilogue::Residual,
+        };
+        let (plan, _) = plan_of(&res, &[x.clone(), t(&[C, C], DType::BF16), x.clone()]);
+        let [Call::Matmul(m)] = plan.as_slice() else {
+            panic!("{plan:?}")
+        };
+        assert_eq!(
+            (m.mm.residual, m.mm.bias, m.mm.gemm.c),
+            (Some(addr(2)), None, addr(3))
+        );
+    }
+
     #[test]
     fn movement_ops_have_no_plan() {
         let x = TensorType::new(vec![4, 8], DType::F32);
@@ -3577,6 +3756,17 @@ mod tests {
                                 assert!(inside(&spans, p), "{kind:?}: {}: {p:#x}", g.what);
                             }
                         }
+                        Call::Matmul(g) => {
+                            assert_eq!(g.dtype, dt, "{kind:?}: {}", g.what);
+                            let mm = &g.mm;
+                            let extra = [mm.residual, mm.bias, mm.gelu.map(|a| a.at)];
+                            for p in [mm.gemm.a, mm.gemm.b, mm.gemm.c]
+                                .into_iter()
+                                .chain(extra.into_iter().flatten())
+                            {
+                                assert!(inside(&spans, p), "{kind:?}: {}: {p:#x}", g.what);
+                            }
+                        }
                         Call::Batched(g) => {
                             assert_eq!(g.ab, dt, "{kind:?}: {}", g.what);
                             assert!(g.c == dt || g.c == DType::F32, "{kind:?}: {}", g.what);
@@ -3731,6 +3921,7 @@ mod tests {
                 Call::Batched(g) => gemm_batched(&mut mem, &g.gemm, g.ab, g.c)
                     .unwrap_or_else(|e| panic!("{kind:?}: {}: {e}", g.what)),
                 Call::Gemm(g) => panic!("{kind:?}: an unbatched GEMM {}", g.what),
+                Call::Matmul(g) => panic!("{kind:?}: a cuBLASLt matmul {}", g.what),
             }
         }
         outs.iter()

@@ -6,9 +6,10 @@
 //! The kernels compute in f32 whatever the storage type. A bf16 op on the host reads its
 //! inputs widened, computes in f32 and rounds what it writes, exactly where the CUDA backend's
 //! kernels store bf16 (`runtime/src/cuda/kernels/common.cuh`: `ld` widens, `st` rounds with
-//! the same bits as [`to_bf16`]). Where a CUDA op stores an intermediate in bf16 (a matmul's
-//! result before its bias, attention's probabilities), the host kernel applies [`Rounding`]
-//! at that point, so both backends round the same values at the same places.
+//! the same bits as [`to_bf16`]). Where a CUDA op stores an intermediate in bf16 (a fused
+//! linear's projection before a separate activation pass, attention's probabilities), the host
+//! kernel applies [`Rounding`] at that point, so both backends round the same values at the
+//! same places.
 
 use rayon::prelude::*;
 
