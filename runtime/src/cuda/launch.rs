@@ -292,11 +292,12 @@ impl Plan<'_> {
                 "its workspace layout has no {part:?}; this is a bug in runtime/src/cuda/launch.rs"
             ))
         })?;
+        let have = self.at.workspace.map_or(0, |(_, bytes)| bytes);
         match self.at.workspace {
             Some((at, have)) if have >= need => Ok(at + region.offset),
-            Some((_, have))
-                if !self.target.flash
-                    && WorkspaceLayout::of(self.kind, self.types.inputs).bytes() <= have =>
+            // A GPU without the flash attention kernels, and a workspace planned for them.
+            _ if !self.target.flash
+                && WorkspaceLayout::of(self.kind, self.types.inputs).bytes() <= have =>
             {
                 Err(self.bad(format!(
                     "this GPU is older than compute capability {}.{}, so attention runs as \
@@ -308,7 +309,7 @@ impl Plan<'_> {
                     FLASH_MIN_COMPUTE_CAPABILITY.0, FLASH_MIN_COMPUTE_CAPABILITY.1
                 )))
             }
-            Some((_, have)) => Err(self.bad(format!(
+            Some(_) => Err(self.bad(format!(
                 "the planned workspace of {have} bytes is smaller than the {need} the kernels \
                  need; recompile the schedule"
             ))),
