@@ -437,7 +437,10 @@ mod tests {
             let old_f = WorkspaceLayout::for_device(&fwd, &[&q, &kv, &kv], false);
             let old_b = WorkspaceLayout::for_device(&bwd, &[&q, &kv, &kv, &q, &lse, &q], false);
             assert!(old_f.get(Scratch::Scores).is_some(), "{dtype:?} {head_dim}");
-            assert!(old_b.get(Scratch::ScoreGrads).is_some(), "{dtype:?} {head_dim}");
+            assert!(
+                old_b.get(Scratch::ScoreGrads).is_some(),
+                "{dtype:?} {head_dim}"
+            );
             assert_eq!(WorkspaceLayout::for_device(&fwd, &[&q, &kv, &kv], true), f);
             assert!(flash_attention_supported((8, 0)) && flash_attention_supported((9, 0)));
             assert!(!flash_attention_supported((7, 5)) && !flash_attention_supported((7, 0)));
