@@ -315,18 +315,43 @@ pub const FLASH_HOPPER: FlashEfficiency = FlashEfficiency {
     backward: 0.35 * 0.63 / 0.73,
 };
 
+/// Whether `name` (a device as the profiler names it: `tesla-v100-sxm2-16gb`, `tesla-t4`,
+/// `nvidia-geforce-rtx-2080-ti`) is a GPU older than compute capability 8.0 (Volta, Turing,
+/// Pascal and before): no bf16 `mma.sync`, so the CUDA backend runs its attention as GEMMs
+/// (`protrain_ir::workspace::FLASH_MIN_COMPUTE_CAPABILITY`). Matched on whole words.
+pub fn before_sm80(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    let words: Vec<&str> = name
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    const WHOLE: [&str; 9] = [
+        "v100", "t4", "p100", "p40", "p4", "k80", "k40", "gtx", "volta",
+    ];
+    words.iter().any(|w| WHOLE.contains(w))
+        || words.windows(2).any(|p| {
+            matches!(p, ["titan", "v" | "rtx"] | ["quadro", "rtx"])
+                || (p[0] == "rtx" && p[1].starts_with("20"))
+        })
+}
+
 impl FlashEfficiency {
     /// The figures for `profile`'s GPU: Hopper (a name naming an H100, H200, H800 or GH200,
-    /// as the presets and `nvidia-smi` names do) or the `mma.sync` generations before it.
-    pub fn of(profile: &HardwareProfile) -> Self {
+    /// as the presets and `nvidia-smi` names do) or the `mma.sync` generations before it
+    /// (Ampere and Ada); `None` for a GPU before compute capability 8.0 ([`before_sm80`]),
+    /// whose attention runs as GEMMs and is priced so.
+    pub fn of(profile: &HardwareProfile) -> Option<Self> {
         let name = profile.name.to_ascii_lowercase();
+        if before_sm80(&name) {
+            return None;
+        }
         if ["h100", "h200", "h800", "gh200"]
             .iter()
             .any(|h| name.contains(h))
         {
-            FLASH_HOPPER
+            Some(FLASH_HOPPER)
         } else {
-            FLASH_A100
+            Some(FLASH_A100)
         }
     }
 }
@@ -376,9 +401,10 @@ impl Roofline {
         }
         let q = inputs.first()?;
         let (b, t) = (*q.shape.first()?, *q.shape.get(1)?);
-        if workspace::attention_runs_flash(dtype, head_dim) {
+        let flash = FlashEfficiency::of(&self.profile)
+            .filter(|_| workspace::attention_runs_flash(dtype, head_dim));
+        if let Some(f) = flash {
             let p = &self.profile;
-            let f = FlashEfficiency::of(p);
             // FLOPs of the visible pairs only (the kernels skip masked tiles): 2 products of
             // 2 D FLOPs a pair forward, 5 backward (S again, dP, dV, dQ, dK).
             let pairs = (b * heads) as f64 * visible_pairs(t, window);

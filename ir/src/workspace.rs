@@ -91,12 +91,28 @@ pub enum Scratch {
     AuxGrads,
 }
 
+/// The oldest compute capability the flash attention kernels run on: their `mma.sync`
+/// m16n8k16 products with bf16 operands need sm_80 (Ampere); built for an older GPU they trap,
+/// so the CUDA backend runs attention as GEMMs there ([`WorkspaceLayout::for_device`]).
+pub const FLASH_MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// Whether a GPU of compute capability `cc` runs the flash attention kernels
+/// ([`FLASH_MIN_COMPUTE_CAPABILITY`] and newer).
+pub fn flash_attention_supported(cc: (i32, i32)) -> bool {
+    cc >= FLASH_MIN_COMPUTE_CAPABILITY
+}
+
 /// Bytes of one batch of f32 attention scores for `q` `[B, T, *]`: [`attention_head_batch`]
 /// matrices of `[T, T]`; none when the attention runs as flash attention
-/// ([`attention_runs_flash`]).
-fn attention_scores(kv_heads: u64, head_dim: u64, q: Option<&TensorType>) -> Option<u64> {
+/// ([`attention_runs_flash`] on a GPU that has it, `flash`).
+fn attention_scores(
+    kv_heads: u64,
+    head_dim: u64,
+    q: Option<&TensorType>,
+    flash: bool,
+) -> Option<u64> {
     let q = q?;
-    if attention_runs_flash(q.dtype, head_dim) {
+    if flash && attention_runs_flash(q.dtype, head_dim) {
         return None;
     }
     let t = q.shape.get(1).copied().unwrap_or(0);
@@ -125,6 +141,15 @@ impl WorkspaceLayout {
     /// [`OpKind::workspace_bytes`] documents it per kind. Kinds that need no scratch have no
     /// parts.
     pub fn of(kind: &OpKind, inputs: &[&TensorType]) -> Self {
+        Self::for_device(kind, inputs, true)
+    }
+
+    /// [`WorkspaceLayout::of`] on a GPU with (`flash`) or without the flash attention
+    /// kernels ([`flash_attention_supported`]): without them, attention that would run as
+    /// flash attention runs as GEMMs and has score parts. Schedules are planned with flash
+    /// attention ([`WorkspaceLayout::of`]); the CUDA backend on an older GPU asks this layout
+    /// and refuses a workspace too small for it.
+    pub fn for_device(kind: &OpKind, inputs: &[&TensorType], flash: bool) -> Self {
         let partials = |rows: u64, cols: u64| 4 * reduction_chunks(rows) * cols;
         let x = |i: usize| inputs.get(i).copied();
         let rows = x(0).map_or(0, TensorType::rows);
@@ -188,7 +213,7 @@ impl WorkspaceLayout {
             OpKind::Attention {
                 kv_heads, head_dim, ..
             } => {
-                if let Some(bytes) = attention_scores(*kv_heads, *head_dim, x(0)) {
+                if let Some(bytes) = attention_scores(*kv_heads, *head_dim, x(0), flash) {
                     l.push(Scratch::Scores, bytes);
                 }
             }
@@ -205,7 +230,7 @@ impl WorkspaceLayout {
                     QkvLayout::Packed => x(2),
                 };
                 l.push(Scratch::Delta, lse.map_or(0, |t| 4 * t.numel()));
-                if let Some(scores) = attention_scores(*kv_heads, *head_dim, x(0)) {
+                if let Some(scores) = attention_scores(*kv_heads, *head_dim, x(0), flash) {
                     l.push(Scratch::Scores, scores);
                     l.push(Scratch::ScoreGrads, scores);
                 }
@@ -411,6 +436,18 @@ mod tests {
             assert_eq!(attention_runs_flash(dtype, head_dim), flash);
             let f = WorkspaceLayout::of(&fwd, &[&q, &kv, &kv]);
             let b = WorkspaceLayout::of(&bwd, &[&q, &kv, &kv, &q, &lse, &q]);
+            // Without the flash kernels (before sm_80) every attention has the GEMM path's
+            // scores, whatever its dtype and head dimension.
+            let old_f = WorkspaceLayout::for_device(&fwd, &[&q, &kv, &kv], false);
+            let old_b = WorkspaceLayout::for_device(&bwd, &[&q, &kv, &kv, &q, &lse, &q], false);
+            assert!(old_f.get(Scratch::Scores).is_some(), "{dtype:?} {head_dim}");
+            assert!(
+                old_b.get(Scratch::ScoreGrads).is_some(),
+                "{dtype:?} {head_dim}"
+            );
+            assert_eq!(WorkspaceLayout::for_device(&fwd, &[&q, &kv, &kv], true), f);
+            assert!(flash_attention_supported((8, 0)) && flash_attention_supported((9, 0)));
+            assert!(!flash_attention_supported((7, 5)) && !flash_attention_supported((7, 0)));
             assert_eq!(
                 f.get(Scratch::Scores).is_none(),
                 flash,

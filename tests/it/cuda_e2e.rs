@@ -1491,3 +1491,94 @@ fn cli_the_disk_tier_on_the_device_gives_the_hosts_losses() {
         "both runs removed their state files"
     );
 }
+
+/// The prepared launch path against the schedule: the first step plans every op of the device
+/// streams once, and every later step replays them all without planning any (so without the
+/// host allocations a plan makes): one replay per kernel instruction of a device stream, as
+/// many kernel launches and cuBLAS calls as the simulator counts, the same from step to step.
+/// The host waits for device work per step are bounded by what the schedule implies: one per
+/// device stream (each is synchronised once at the end of the step), one per event a host
+/// stream waits on and one per copy a host stream issues (each waited for before the host
+/// goes on), and two reads between steps (the loss and the gradient norm, each after the
+/// device settled).
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn prepared_launches_are_replayed_every_step() {
+    use protrain_ir::{Instr, StreamKind};
+    use protrain_runtime::cuda::launch_counters;
+    drop(require_gpu());
+    // Alone on the device: the counters are the process's.
+    let _alone = DEVICE
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (graph, layers) = training("gpt2-tiny", DType::F32, None);
+    let chunks = chunked(&graph);
+    // Streamed chunks with the CPU Adam on the host optimizer stream, and the last layers'
+    // AdamW on the device, merged in runs.
+    let policy = Policy::protrain(0, 2, 0, layers, layers);
+    let schedule =
+        compile_policy(&graph, &chunks, &policy, common::header("cuda-e2e", "h200")).unwrap();
+    let schedule = verify(schedule).unwrap();
+    let host = |k: StreamKind| matches!(k, StreamKind::HostOptimizer | StreamKind::HostCast);
+    let (mut device_kernels, mut device_streams, mut host_waits) = (0u64, 0u64, 0u64);
+    for stream in &schedule.streams {
+        assert!(
+            !stream
+                .instrs
+                .iter()
+                .any(|i| matches!(i, Instr::EndMicroBatch { .. })),
+            "the counts below assume one micro-batch per step"
+        );
+        let count = |f: &dyn Fn(&Instr) -> bool| stream.instrs.iter().filter(|i| f(i)).count();
+        if host(stream.kind) {
+            host_waits += count(&|i| matches!(i, Instr::Wait { .. } | Instr::Copy { .. })) as u64;
+        } else {
+            device_streams += 1;
+            device_kernels += count(&|i| matches!(i, Instr::Kernel { .. })) as u64;
+        }
+    }
+    let config = protrain_models::load("gpt2-tiny").unwrap();
+    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, 4, SEED);
+    let mut exec = Executor::<CudaBackend>::with_backend(&schedule).unwrap();
+    exec.load_params(&init_params(&schedule.graph, SEED))
+        .unwrap();
+    let mut per_step = Vec::new();
+    for [x, y] in &data {
+        let (before, sim_before) = (
+            launch_counters(),
+            protrain_runtime::cuda::simulator_counters(),
+        );
+        exec.step(&[x, y]).unwrap();
+        let sim = protrain_runtime::cuda::simulator_counters()
+            .zip(sim_before)
+            .map(|(a, b)| a - b);
+        per_step.push((launch_counters() - before, sim));
+    }
+    println!(
+        "{device_kernels} kernel instructions on {device_streams} device streams: {per_step:#?}"
+    );
+    let (first, _) = per_step[0];
+    assert_eq!(
+        first.planned + first.replayed,
+        device_kernels,
+        "step 1: {first:?}"
+    );
+    assert!(first.planned > 0, "step 1 prepares the launches: {first:?}");
+    let bound = device_streams + host_waits + 2;
+    for (step, (c, sim)) in per_step.iter().enumerate().skip(1) {
+        assert_eq!(c.planned, 0, "step {} planned ops again: {c:?}", step + 1);
+        assert_eq!(c.replayed, device_kernels, "step {}: {c:?}", step + 1);
+        assert!(c.kernels > 0 && c.library_calls > 0, "{c:?}");
+        assert!(
+            c.syncs <= bound,
+            "step {}: {} host waits, more than the schedule's {bound}",
+            step + 1,
+            c.syncs
+        );
+        assert_eq!(*c, per_step[1].0, "step {} differs from step 2", step + 1);
+        if let Some(sim) = sim {
+            assert_eq!(c.kernels, sim.launches, "step {}: {sim:?}", step + 1);
+            assert_eq!(c.library_calls, sim.gemms, "step {}: {sim:?}", step + 1);
+        }
+    }
+}

@@ -152,6 +152,75 @@ mod cost {
         );
     }
 
+    /// A GPU before compute capability 8.0 (no bf16 `mma.sync`) runs bf16 attention as GEMMs,
+    /// and a profile named after one prices it so: the GEMM path's launches and score traffic.
+    /// Every preset is sm_80 or newer.
+    #[test]
+    fn attention_before_sm80_is_priced_as_the_gemm_path() {
+        use protrain_compiler::cost::before_sm80;
+        for name in [
+            "tesla-v100-sxm2-16gb",
+            "tesla-t4",
+            "nvidia-geforce-rtx-2080-ti",
+            "titan-v",
+            "quadro-rtx-8000",
+            "tesla-p100-pcie-16gb",
+            "nvidia-geforce-gtx-1080",
+        ] {
+            assert!(before_sm80(name), "{name}");
+        }
+        for name in [
+            "rtx3090",
+            "rtx4090",
+            "a100-80gb",
+            "h100",
+            "h200",
+            "nvidia-rtx-a6000",
+            "nvidia-geforce-rtx-3090",
+            "nvidia-l4",
+            "nvidia-a40",
+        ] {
+            assert!(!before_sm80(name), "{name}");
+        }
+        for preset in protrain_ir::HardwareProfile::presets() {
+            assert!(!before_sm80(preset), "{preset}");
+        }
+        let (b, t, h, d) = (2u64, 512u64, 8u64, 128u64);
+        let q = TensorType::new([b, t, h * d], DType::BF16);
+        let lse = TensorType::new([b, h, t], DType::F32);
+        let fwd = OpKind::Attention {
+            heads: h,
+            kv_heads: h,
+            head_dim: d,
+            window: None,
+            qkv: QkvLayout::Separate,
+            scale: None,
+            softcap: None,
+        };
+        let a100 = profile("a100-80gb");
+        let v100 = HardwareProfile {
+            name: "tesla-v100-sxm2-16gb".into(),
+            ..a100.clone()
+        };
+        assert_eq!(FlashEfficiency::of(&v100), None);
+        let time = |p: &HardwareProfile| {
+            Roofline::new(p.clone()).op_time(&fwd, &[&q, &q, &q], &[&q, &lse], DType::BF16)
+        };
+        let (flash, gemm) = (time(&a100), time(&v100));
+        // One flash launch on the A100; on the V100 three per batch element (all 8 heads fit
+        // one batch of scores): the GEMM path, with its score traffic.
+        check_close("flash launches", flash.launch_s, a100.launch_overhead_s);
+        check_close(
+            "GEMM launches",
+            gemm.launch_s,
+            2.0 * 3.0 * a100.launch_overhead_s,
+        );
+        assert!(
+            gemm.compute_s > flash.compute_s,
+            "{gemm:?} against {flash:?}"
+        );
+    }
+
     /// bf16 and f16 attention with a flash head dimension is priced as the flash kernels run
     /// it: the visible pairs' FLOPs (a causal mask counted once, a window fewer) at the
     /// published fraction of peak of FlashAttention-2's design on that GPU, no score traffic,
@@ -168,7 +237,7 @@ mod cost {
             ("h200", FLASH_HOPPER),
         ] {
             let p = profile(preset);
-            assert_eq!(FlashEfficiency::of(&p), f, "{preset}");
+            assert_eq!(FlashEfficiency::of(&p), Some(f), "{preset}");
             let roofline = Roofline::new(p.clone());
             for window in [None, Some(100)] {
                 let pairs = match window {

@@ -47,6 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use protrain_ir::workspace::flash_attention_supported;
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType, ValueId};
 
 use super::blas::Gemm;
@@ -56,6 +57,7 @@ use super::driver::{
 };
 use super::launch::{self, AdamWMember, Addresses, Arg, Call, ConstKey, Target, Types, BLOCK};
 use super::nccl::{gather_words, poll_until, InPlace, NcclComm, NcclOp, NcclWatch};
+use super::replay::{self, ReadyCall, ReadyKernel, ReadyOp};
 use super::runs::{run_slots, RunSlot};
 use crate::backend::master_weights;
 use crate::backend::{Address, Backend, Launch};
@@ -86,16 +88,33 @@ pub(super) struct DeviceStream {
     pub(super) stream: Arc<CudaStream>,
     gemm: Option<Gemm>,
     constants: Vec<(ConstKey, DeviceMemory)>,
-    /// The AdamW ops of the merged run being issued, held until its last one arrives.
-    pending: Vec<PendingAdamW>,
+    /// The prepared launches of every op issued on the stream ([`super::replay`]), by the
+    /// address of the executor's constants of its instruction.
+    ready: HashMap<usize, ReadyOp>,
+    /// The merged AdamW run being issued.
+    run: HeldRun,
 }
 
-/// An AdamW op of a merged run, issued but not yet launched: what its plan needs.
-struct PendingAdamW {
-    kind: OpKind,
-    inputs: Vec<TensorType>,
-    outputs: Vec<TensorType>,
-    at: Addresses,
+/// The AdamW ops of a merged run issued so far, held until its last one arrives.
+#[derive(Default)]
+struct HeldRun {
+    /// Their keys in [`DeviceStream::ready`], in issue order (the capacity is kept from step
+    /// to step).
+    keys: Vec<usize>,
+    /// Whether one of them was planned again this step, so the run's launch must be too.
+    fresh: bool,
+}
+
+impl DeviceStream {
+    fn new(stream: Arc<CudaStream>, gemm: Option<Gemm>) -> Self {
+        Self {
+            stream,
+            gemm,
+            constants: Vec::new(),
+            ready: HashMap::new(),
+            run: HeldRun::default(),
+        }
+    }
 }
 
 /// What the host optimizer stream owns.
@@ -355,18 +374,21 @@ impl CudaBackend {
         // declaration in the `.cu` file); the addresses are checked to lie in their regions,
         // and the ordering contract the launch was issued under keeps other streams away.
         unsafe { b.launch(cfg) }
-            .map(|_| ())
+            .map(|_| replay::count_kernel())
             .map_err(|e| driver_error(format!("launching {name}"), e))
     }
 
-    /// Enqueues one op on a device stream: its operands' addresses (each checked to hold its
-    /// type), then the calls of [`launch::calls`], in order.
+    /// Enqueues one op on a device stream: its prepared launches ([`super::replay`]),
+    /// replayed when the stream issued the same op before with the same kind, types and
+    /// addresses (an AdamW's step scalars patched), else planned ([`launch::calls`]) and
+    /// resolved now. An AdamW op of a merged run ([`super::runs`]) is held until the run's
+    /// last, whose one launch updates them all.
     ///
     /// # Safety
     ///
     /// The backend's ordering contract holds for the op's operands.
     unsafe fn run_device(&self, d: &mut DeviceStream, l: &Launch<'_>) -> Result<()> {
-        let (graph, op) = (l.graph, l.op);
+        let op = l.op;
         if l.shard.is_some() {
             return Err(RuntimeError::BadSchedule(format!(
                 "{}: an AdamW on a sharded chunk issued on a device stream; the CUDA backend \
@@ -375,6 +397,92 @@ impl CudaBackend {
                 op.kind.mnemonic()
             )));
         }
+        let slot = match op.kind {
+            OpKind::AdamW { .. } => op.inputs.first().and_then(|p| self.runs.get(p)).copied(),
+            _ => None,
+        };
+        // The executor's constants of this instruction: one per instruction, living as long
+        // as its plan of the schedule; `ReadyOp::matches` checks the rest.
+        let key = std::ptr::from_ref(l.prepared) as usize;
+        let fresh = !d.ready.get(&key).is_some_and(|r| r.matches(l));
+        replay::count_op(fresh);
+        if fresh {
+            let ready = self.prepare_op(d, l, slot.is_none())?;
+            d.ready.insert(key, ready);
+        }
+        let scalars = launch::adamw_step_scalars(&op.kind, l.step);
+        let DeviceStream {
+            stream,
+            gemm,
+            ready,
+            run,
+            ..
+        } = d;
+        let entry = ready.get_mut(&key).expect("inserted above");
+        entry.scalars = scalars;
+        let Some(slot) = slot else {
+            if let Some(s) = &scalars {
+                entry.patch_adamw(s);
+            }
+            if entry.writes_norm {
+                self.norm_written.store(true, Ordering::Release);
+            }
+            // SAFETY: the caller's contract.
+            return unsafe { issue(stream, gemm, &entry.calls) };
+        };
+        if slot.index == 0 {
+            run.keys.clear();
+            run.fresh = false;
+        }
+        if run.keys.len() != slot.index {
+            let held = run.keys.len();
+            run.keys.clear();
+            return Err(RuntimeError::BadSchedule(format!(
+                "adamw: op {} of a merged run of {} was issued after {held} ops of its run; \
+                 issue a schedule's instructions in stream order, as the executor does",
+                slot.index + 1,
+                slot.len
+            )));
+        }
+        run.keys.push(key);
+        run.fresh |= fresh;
+        if run.keys.len() < slot.len {
+            // Launched with the run's last op, which the executor issues on this stream with
+            // nothing between (see `super::runs`).
+            return Ok(());
+        }
+        // Members whose scalars differ cannot share the launch: planning the run again
+        // refuses them with the reason.
+        let same_scalars = run
+            .keys
+            .iter()
+            .all(|k| ready.get(k).is_some_and(|m| m.scalars == scalars));
+        if run.fresh || !same_scalars {
+            let calls = self.plan_run(d, l.step)?;
+            let (resolved, _) = self.resolve(d, calls)?;
+            d.ready.get_mut(&key).expect("inserted above").calls = resolved;
+        }
+        let DeviceStream {
+            stream,
+            gemm,
+            ready,
+            run,
+            ..
+        } = d;
+        run.keys.clear();
+        let entry = ready.get_mut(&key).expect("inserted above");
+        if let Some(s) = &scalars {
+            entry.patch_adamw(s);
+        }
+        // SAFETY: the caller's contract, for every member's operands.
+        unsafe { issue(stream, gemm, &entry.calls) }
+    }
+
+    /// The prepared launches of `l` on `d`: its operands' addresses (each checked to hold its
+    /// type), its plan ([`launch::calls`]) when `plan` (an AdamW op held for its merged run has
+    /// none of its own), resolved ([`CudaBackend::resolve`]).
+    fn prepare_op(&self, d: &mut DeviceStream, l: &Launch<'_>, plan: bool) -> Result<ReadyOp> {
+        let (graph, op) = (l.graph, l.op);
         let inputs: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
         let outputs: Vec<&TensorType> = op.outputs.iter().map(|&v| &graph.value(v).ty).collect();
         if l.inputs.len() != inputs.len() || l.outputs.len() != outputs.len() {
@@ -416,63 +524,80 @@ impl CudaBackend {
             inputs: &inputs,
             outputs: &outputs,
         };
-        let target = Target {
+        let (calls, writes_norm) = match plan {
+            true => self.resolve(d, launch::calls(&op.kind, types, &at, self.target(l.step))?)?,
+            false => (Vec::new(), false),
+        };
+        Ok(ReadyOp::new(l, &inputs, &outputs, at, calls, writes_norm))
+    }
+
+    /// The one launch of the merged AdamW run whose members `d` holds ([`launch::adamw_multi`]),
+    /// from each member's kind, types and addresses as last issued.
+    fn plan_run(&self, d: &DeviceStream, step: u64) -> Result<Vec<Call>> {
+        let members: Vec<&ReadyOp> = d
+            .run
+            .keys
+            .iter()
+            .map(|k| d.ready.get(k).expect("every held member is prepared"))
+            .collect();
+        let refs: Vec<(Vec<&TensorType>, Vec<&TensorType>)> = members
+            .iter()
+            .map(|m| {
+                let (inputs, outputs) = m.types();
+                (inputs.iter().collect(), outputs.iter().collect())
+            })
+            .collect();
+        let members: Vec<AdamWMember<'_>> = members
+            .iter()
+            .zip(&refs)
+            .map(|(m, (inputs, outputs))| AdamWMember {
+                kind: m.kind(),
+                types: Types { inputs, outputs },
+                at: &m.addresses,
+            })
+            .collect();
+        launch::adamw_multi(&members, self.target(step))
+    }
+
+    /// What a plan depends on besides the op: this GPU's grid limit and flash attention, and
+    /// the step.
+    fn target(&self, step: u64) -> Target {
+        Target {
             max_blocks: self.max_blocks,
-            step: l.step,
-        };
-        let slot = match op.kind {
-            OpKind::AdamW { .. } => op.inputs.first().and_then(|p| self.runs.get(p)),
-            _ => None,
-        };
-        let plan = match slot {
-            None => launch::calls(&op.kind, types, &at, target)?,
-            Some(&slot) => {
-                let Some(run) = d.hold_adamw(slot, &op.kind, &inputs, &outputs, at)? else {
-                    // Launched with the run's last op, which the executor issues on this
-                    // stream with nothing between (see `super::runs`).
-                    return Ok(());
-                };
-                let refs: Vec<(Vec<&TensorType>, Vec<&TensorType>)> = run
-                    .iter()
-                    .map(|m| (m.inputs.iter().collect(), m.outputs.iter().collect()))
-                    .collect();
-                let members: Vec<AdamWMember<'_>> = run
-                    .iter()
-                    .zip(&refs)
-                    .map(|(m, (inputs, outputs))| AdamWMember {
-                        kind: &m.kind,
-                        types: Types { inputs, outputs },
-                        at: &m.at,
-                    })
-                    .collect();
-                launch::adamw_multi(&members, target)?
-            }
-        };
+            step,
+            flash: flash_attention_supported(self.info.compute_capability),
+        }
+    }
+
+    /// `plan` resolved for replay on `d`: each kernel's function and argument bytes (constant
+    /// tables uploaded on `d`, the gradient-norm slot's address), and whether a kernel writes
+    /// that slot.
+    fn resolve(&self, d: &mut DeviceStream, plan: Vec<Call>) -> Result<(Vec<ReadyCall>, bool)> {
+        let mut writes_norm = false;
+        let mut out = Vec::with_capacity(plan.len());
         for call in plan {
-            match call {
+            out.push(match call {
                 Call::Kernel(k) => {
                     let mut args = Vec::with_capacity(k.args.len());
                     for a in k.args {
                         args.push(match a {
                             Arg::Table(key) => Arg::Ptr(d.constant(&self.ctx, &key)?),
-                            Arg::NormSlot => Arg::Ptr(self.norm_slot()),
+                            Arg::NormSlot => {
+                                writes_norm = true;
+                                Arg::Ptr(self.norm.ptr())
+                            }
                             a => a,
                         });
                     }
-                    self.launch_kernel(&d.stream, k.entry, k.grid, k.block, &args)?;
+                    let (f, params) = self.kernels.get(k.entry)?;
+                    ReadyCall::Kernel(ReadyKernel::new(
+                        k.entry, f, params, k.grid, k.block, &args,
+                    )?)
                 }
-                // SAFETY: the plan's operands hold matrices of its shapes (checked against
-                // their types, the workspace against its planned size); outputs and the
-                // workspace overlap no input or each other: the caller's ordering contract.
-                Call::Gemm(g) => unsafe { d.gemm()?.run(g.dtype, &g.gemm, g.what)? },
-                // SAFETY: as above, for the bias, the GELU's kept input and the residual.
-                Call::Matmul(g) => unsafe { d.gemm()?.run_matmul(g.dtype, &g.mm, g.what)? },
-                // SAFETY: as above, for every matrix of the batch (the plan's strides stay
-                // inside the operands and the planned workspace).
-                Call::Batched(g) => unsafe { d.gemm()?.run_batched(g.ab, g.c, &g.gemm, g.what)? },
-            }
+                call => ReadyCall::Library(call),
+            });
         }
-        Ok(())
+        Ok((out, writes_norm))
     }
 
     /// Enqueues `op` over the `elements` of `dtype` at `at` in place on `stream`, through
@@ -565,16 +690,11 @@ impl CudaBackend {
             .clamp(1, u64::from(self.max_blocks)) as u32
     }
 
-    /// Where the clip coefficient kernel writes the gradient norm; marks it written.
-    pub(super) fn norm_slot(&self) -> u64 {
-        self.norm_written.store(true, Ordering::Release);
-        self.norm.ptr()
-    }
-
     /// Waits for all work of every stream (so a host access between steps sees its results,
     /// even after a failed step left some running).
     fn settle(&self) -> Result<()> {
         self.bind()?;
+        replay::count_sync();
         self.ctx
             .synchronize()
             .map_err(|e| driver_error("waiting for the GPU to finish its work", e))
@@ -931,48 +1051,9 @@ impl CudaBackend {
 }
 
 impl DeviceStream {
-    /// Holds an AdamW op of a merged run (at `slot`); once the run's last op is held, hands
-    /// back the whole run, in order, to be launched as one. A run that an aborted step left
-    /// unfinished is dropped when the next step's issues its first op again.
-    fn hold_adamw(
-        &mut self,
-        slot: RunSlot,
-        kind: &OpKind,
-        inputs: &[&TensorType],
-        outputs: &[&TensorType],
-        at: Addresses,
-    ) -> Result<Option<Vec<PendingAdamW>>> {
-        if slot.index == 0 {
-            self.pending.clear();
-        }
-        if self.pending.len() != slot.index {
-            let held = self.pending.len();
-            self.pending.clear();
-            return Err(RuntimeError::BadSchedule(format!(
-                "adamw: op {} of a merged run of {} was issued after {held} ops of its run; \
-                 issue a schedule's instructions in stream order, as the executor does",
-                slot.index + 1,
-                slot.len
-            )));
-        }
-        self.pending.push(PendingAdamW {
-            kind: kind.clone(),
-            inputs: inputs.iter().map(|&t| t.clone()).collect(),
-            outputs: outputs.iter().map(|&t| t.clone()).collect(),
-            at,
-        });
-        if self.pending.len() < slot.len {
-            return Ok(None);
-        }
-        Ok(Some(std::mem::take(&mut self.pending)))
-    }
-
     /// The stream's cuBLAS handle, made on first use.
     pub(super) fn gemm(&mut self) -> Result<&Gemm> {
-        if self.gemm.is_none() {
-            self.gemm = Some(Gemm::new(self.stream.clone())?);
-        }
-        Ok(self.gemm.as_ref().expect("made above"))
+        gemm_handle(&mut self.gemm, &self.stream)
     }
 
     /// The device copy of a constant table, uploaded on first use: enqueued on this stream,
@@ -989,6 +1070,56 @@ impl DeviceStream {
         self.constants.push((key.clone(), m));
         Ok(ptr)
     }
+}
+
+/// The cuBLAS handle `slot` keeps for `stream`, made on first use.
+fn gemm_handle<'a>(slot: &'a mut Option<Gemm>, stream: &Arc<CudaStream>) -> Result<&'a Gemm> {
+    if slot.is_none() {
+        *slot = Some(Gemm::new(stream.clone())?);
+    }
+    Ok(slot.as_ref().expect("made above"))
+}
+
+/// Enqueues prepared `calls` on `stream` in order, the GEMMs on the handle in `gemm`.
+///
+/// # Safety
+///
+/// The context is current; the ordering contract the calls' op was issued under holds.
+unsafe fn issue(
+    stream: &Arc<CudaStream>,
+    gemm: &mut Option<Gemm>,
+    calls: &[ReadyCall],
+) -> Result<()> {
+    for call in calls {
+        match call {
+            // SAFETY: the caller's contract; the arguments were checked against the kernel's
+            // declaration and its addresses against their regions when it was prepared.
+            ReadyCall::Kernel(k) => unsafe { k.launch(stream.cu_stream())? },
+            ReadyCall::Library(call) => {
+                replay::count_library_call();
+                let d = gemm_handle(gemm, stream)?;
+                match call {
+                    // SAFETY: the plan's operands hold matrices of its shapes (checked against
+                    // their types, the workspace against its planned size); outputs and the
+                    // workspace overlap no input or each other: the caller's ordering contract.
+                    Call::Gemm(g) => unsafe { d.run(g.dtype, &g.gemm, g.what)? },
+                    // SAFETY: as above, for the bias, the GELU's kept input and the residual.
+                    Call::Matmul(g) => unsafe { d.run_matmul(g.dtype, &g.mm, g.what)? },
+                    // SAFETY: as above, for every matrix of the batch (the plan's strides stay
+                    // inside the operands and the planned workspace).
+                    Call::Batched(g) => unsafe { d.run_batched(g.ab, g.c, &g.gemm, g.what)? },
+                    Call::Kernel(k) => {
+                        return Err(RuntimeError::BadSchedule(format!(
+                            "kernel {} was prepared as a library call; this is a bug in \
+                             runtime/src/cuda/backend.rs",
+                            k.entry
+                        )))
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The bytes of a slice of plain values.
@@ -1239,20 +1370,10 @@ impl Backend for CudaBackend {
                     StreamKind::Compute => Some(Gemm::new(stream.clone())?),
                     _ => None,
                 };
-                Exec::Device(DeviceStream {
-                    stream,
-                    gemm,
-                    constants: Vec::new(),
-                    pending: Vec::new(),
-                })
+                Exec::Device(DeviceStream::new(stream, gemm))
             }
             // NCCL enqueues on the collective stream as kernels do on the others.
-            StreamKind::Collective { .. } => Exec::Device(DeviceStream {
-                stream,
-                gemm: None,
-                constants: Vec::new(),
-                pending: Vec::new(),
-            }),
+            StreamKind::Collective { .. } => Exec::Device(DeviceStream::new(stream, None)),
             // The host cast stream (the 12-byte layout) runs CPU work as the host optimizer,
             // and the disk stream its file I/O.
             StreamKind::HostOptimizer | StreamKind::HostCast | StreamKind::DiskIo => {
@@ -1347,6 +1468,7 @@ impl Backend for CudaBackend {
                         enqueue_copy(h.copier.cu_stream(), src.space, dst.space, from, to, bytes)?
                     };
                     let what = "finishing a copy on the host stream";
+                    replay::count_sync();
                     self.finish(
                         what,
                         // SAFETY: the host stream's live copier, its context bound.
@@ -1419,6 +1541,7 @@ impl Backend for CudaBackend {
                     }
                 }
                 self.bind()?;
+                replay::count_sync();
                 let what = format!("waiting on event {}", event.0);
                 self.finish(
                     &what,
@@ -1437,6 +1560,10 @@ impl Backend for CudaBackend {
     fn synchronize(&self, stream: &mut CudaStreamHandle) -> Result<()> {
         match &stream.exec {
             Exec::Device(d) => {
+                // The wait may poll the stream with a raw query (with collectives in flight),
+                // which needs the context current on this thread like any driver call.
+                self.bind()?;
+                replay::count_sync();
                 let what = format!("waiting for the {:?} stream to finish", stream.kind);
                 self.finish(
                     &what,

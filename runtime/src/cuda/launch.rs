@@ -34,6 +34,7 @@ use protrain_ir::{
 use cudarc::cublas::sys::cublasOperation_t as CuOp;
 use protrain_ir::workspace::{
     attention_head_batch, attention_runs_flash, FLASH_ATTENTION_HEAD_DIMS,
+    FLASH_MIN_COMPUTE_CAPABILITY,
 };
 
 use super::blas::{
@@ -201,6 +202,10 @@ pub(super) struct Target {
     pub max_blocks: u32,
     /// The 1-based step number (AdamW's bias correction).
     pub step: u64,
+    /// Whether the GPU runs the flash attention kernels (compute capability 8.0 and newer,
+    /// [`protrain_ir::workspace::flash_attention_supported`]); without them attention runs
+    /// as GEMMs, which needs the score workspace.
+    pub flash: bool,
 }
 
 /// The storage type of a kernel's floating-point operands.
@@ -304,9 +309,24 @@ impl Plan<'_> {
                 "its workspace layout has no {part:?}; this is a bug in runtime/src/cuda/launch.rs"
             ))
         })?;
+        let have = self.at.workspace.map_or(0, |(_, bytes)| bytes);
         match self.at.workspace {
             Some((at, have)) if have >= need => Ok(at + region.offset),
-            Some((_, have)) => Err(self.bad(format!(
+            // A GPU without the flash attention kernels, and a workspace planned for them.
+            _ if !self.target.flash
+                && WorkspaceLayout::of(self.kind, self.types.inputs).bytes() <= have =>
+            {
+                Err(self.bad(format!(
+                    "this GPU is older than compute capability {}.{}, so attention runs as \
+                     GEMMs instead of the flash attention kernels (their bf16 and f16 tensor \
+                     core products need sm_80), and those need {need} bytes of workspace for \
+                     the scores where the schedule planned {have} for flash attention; train \
+                     with --dtype f32 on this GPU, or on a GPU of compute capability 8.0 or \
+                     newer",
+                    FLASH_MIN_COMPUTE_CAPABILITY.0, FLASH_MIN_COMPUTE_CAPABILITY.1
+                )))
+            }
+            Some(_) => Err(self.bad(format!(
                 "the planned workspace of {have} bytes is smaller than the {need} the kernels \
                  need; recompile the schedule"
             ))),
@@ -629,8 +649,13 @@ const FLASH_BACKWARD_DKV: FlashEntries = flash_entries!("backward_dkv");
 /// The flash attention kernel of `entries` for attention in `st` with heads of `head_dim`, when
 /// the attention runs as flash attention ([`attention_runs_flash`], the rule the workspace
 /// layout follows: such an op has no score workspace); `None` for the GEMM path.
-fn flash_entry(st: Storage, head_dim: u64, entries: FlashEntries) -> Option<&'static str> {
-    if !attention_runs_flash(st.dtype(), head_dim) {
+fn flash_entry(
+    p: &Plan<'_>,
+    st: Storage,
+    head_dim: u64,
+    entries: FlashEntries,
+) -> Option<&'static str> {
+    if !p.target.flash || !attention_runs_flash(st.dtype(), head_dim) {
         return None;
     }
     let row = match st {
@@ -919,7 +944,7 @@ impl<'a> Plan<'a> {
             types,
             at,
             target,
-            layout: WorkspaceLayout::of(kind, types.inputs),
+            layout: WorkspaceLayout::for_device(kind, types.inputs, target.flash),
             calls: Vec::new(),
         };
         if at.inputs.len() != n_in || at.outputs.len() != n_out {
@@ -1242,7 +1267,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 None => (p.input(0), p.input(1), p.input(2)),
             };
             let (o, lse) = (p.output(0), p.output(1));
-            if let Some(entry) = flash_entry(st, *head_dim, FLASH_FORWARD) {
+            if let Some(entry) = flash_entry(p, st, *head_dim, FLASH_FORWARD) {
                 let grid = dims.flash_grid(p, dims.h)?;
                 let mut args = vec![Ptr(o), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
                 args.extend(dims.flash_args());
@@ -1531,20 +1556,12 @@ struct AdamWOperands {
     /// The clip coefficient (0: unclipped).
     scale: u64,
     /// [`AdamWScalars`] in the kernels' parameter order.
-    scalars: [f32; 7],
+    scalars: [f32; ADAMW_SCALARS],
 }
 
 /// The operands of the AdamW op `p` plans, with the way out when the kernels cannot update it.
 fn adamw_operands(p: &Plan<'_>) -> Result<AdamWOperands> {
-    let OpKind::AdamW {
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        clipped,
-    } = *p.kind
-    else {
+    let OpKind::AdamW { clipped, .. } = *p.kind else {
         return Err(p.bad(
             "is not AdamW but was planned as one; this is a bug in runtime/src/cuda/launch.rs",
         ));
@@ -1572,16 +1589,9 @@ fn adamw_operands(p: &Plan<'_>) -> Result<AdamWOperands> {
             p.ty_in(3)
         )));
     }
-    let s = AdamWScalars::new(
-        &AdamWConfig {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        },
-        p.target.step,
-    );
+    let scalars = adamw_step_scalars(p.kind, p.target.step).ok_or_else(|| {
+        p.bad("is not AdamW but was planned as one; this is a bug in runtime/src/cuda/launch.rs")
+    })?;
     let st = p.storage(0)?;
     let (master, low) = match st {
         Storage::F32 => (p.input(0), 0),
@@ -1607,16 +1617,50 @@ fn adamw_operands(p: &Plan<'_>) -> Result<AdamWOperands> {
             true => p.input(4),
             false => 0,
         },
-        scalars: [
-            s.decay,
-            s.lerp_w,
-            s.beta2,
-            s.one_minus_beta2,
-            s.bc2_sqrt,
-            s.eps,
-            s.neg_step_size,
-        ],
+        scalars,
     })
+}
+
+/// How many step scalars an AdamW launch (`adamw_*`, `adamw_multi_*`) passes: its last
+/// arguments, [`AdamWScalars`] in field order.
+pub(super) const ADAMW_SCALARS: usize = 7;
+
+/// The step scalars of an AdamW op of `kind` at step `step` ([`AdamWScalars`] in the kernels'
+/// parameter order, the last [`ADAMW_SCALARS`] arguments of its launch); `None` for another
+/// kind. The only part of an AdamW's plan that changes from step to step (the learning rate
+/// and the bias corrections), so a prepared launch is patched with them rather than planned
+/// again.
+pub(super) fn adamw_step_scalars(kind: &OpKind, step: u64) -> Option<[f32; ADAMW_SCALARS]> {
+    let OpKind::AdamW {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        ..
+    } = *kind
+    else {
+        return None;
+    };
+    let s = AdamWScalars::new(
+        &AdamWConfig {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+        step,
+    );
+    Some([
+        s.decay,
+        s.lerp_w,
+        s.beta2,
+        s.one_minus_beta2,
+        s.bc2_sqrt,
+        s.eps,
+        s.neg_step_size,
+    ])
 }
 
 /// Words per tensor of an `adamw_multi_*` table: `master, low, grad, exp_avg, exp_avg_sq, n,
@@ -2301,8 +2345,8 @@ fn attention_backward(
         ],
     );
     if let (Some(dq_entry), Some(dkv_entry)) = (
-        flash_entry(st, head_dim, FLASH_BACKWARD_DQ),
-        flash_entry(st, head_dim, FLASH_BACKWARD_DKV),
+        flash_entry(p, st, head_dim, FLASH_BACKWARD_DQ),
+        flash_entry(p, st, head_dim, FLASH_BACKWARD_DKV),
     ) {
         let mut args = vec![
             Ptr(dq),
@@ -3126,6 +3170,7 @@ mod tests {
         let target = Target {
             max_blocks: 132 * 32,
             step: 1,
+            flash: true,
         };
         let calls =
             calls(kind, types, &at, target).unwrap_or_else(|e| panic!("{kind:?}: no plan: {e}"));
@@ -3310,6 +3355,7 @@ mod tests {
             let target = Target {
                 max_blocks: 132 * 32,
                 step: 1,
+                flash: true,
             };
             let err = calls(&kind, types, &at, target)
                 .expect_err("no plan")
@@ -3533,6 +3579,7 @@ mod tests {
         let target = Target {
             max_blocks: 132 * 32,
             step: 1,
+            flash: true,
         };
         let err = calls(&OpKind::AccumulateGrad, types, &at, target)
             .expect_err("types differ")
@@ -3584,6 +3631,104 @@ mod tests {
                 ),
                 "{max_norm:?}: {:?}",
                 k.args
+            );
+        }
+    }
+
+    /// Before compute capability 8.0 (no bf16 `mma.sync`) attention that would run as flash
+    /// attention runs as GEMMs, in a workspace with room for the scores
+    /// ([`WorkspaceLayout::for_device`]); a workspace planned for flash attention is refused
+    /// with the reason and the way out.
+    #[test]
+    fn before_sm80_flash_attention_falls_back_to_gemms() {
+        let (b, t, h, d) = (2u64, 40u64, 4u64, 64u64);
+        let q = t_of(&[b, t, h * d], DType::BF16);
+        let lse = t_of(&[b, h, t], DType::F32);
+        let attention = |backward: bool| {
+            let (heads, kv_heads, head_dim, window, qkv) = (h, h, d, None, QkvLayout::Separate);
+            let (scale, softcap) = (None, None);
+            match backward {
+                false => OpKind::Attention {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window,
+                    qkv,
+                    scale,
+                    softcap,
+                },
+                true => OpKind::AttentionBackward {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window,
+                    qkv,
+                    scale,
+                    softcap,
+                },
+            }
+        };
+        for backward in [false, true] {
+            let kind = attention(backward);
+            let inputs: Vec<TensorType> = match backward {
+                false => vec![q.clone(), q.clone(), q.clone()],
+                true => vec![
+                    q.clone(),
+                    q.clone(),
+                    q.clone(),
+                    q.clone(),
+                    lse.clone(),
+                    q.clone(),
+                ],
+            };
+            let ins: Vec<&TensorType> = inputs.iter().collect();
+            let outputs = kind.infer(&ins).unwrap();
+            let outs: Vec<&TensorType> = outputs.iter().collect();
+            let types = Types {
+                inputs: &ins,
+                outputs: &outs,
+            };
+            let planned = kind.workspace_bytes(&ins);
+            let gemm_path = WorkspaceLayout::for_device(&kind, &ins, false).bytes();
+            assert!(gemm_path > planned, "the GEMM path needs the scores");
+            let at = |ws: u64| Addresses {
+                inputs: (0..ins.len() as u64)
+                    .map(|i| 0x1000_0000 * (i + 1))
+                    .collect(),
+                outputs: (0..outs.len() as u64)
+                    .map(|i| 0x4000_0000 * (i + 1))
+                    .collect(),
+                workspace: (ws > 0).then_some((WS, ws)),
+                master: None,
+            };
+            let target = |flash| Target {
+                max_blocks: 132 * 32,
+                step: 1,
+                flash,
+            };
+            let kernels = |plan: &[Call]| -> Vec<&'static str> {
+                plan.iter()
+                    .filter_map(|c| match c {
+                        Call::Kernel(k) => Some(k.entry),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let flash = calls(&kind, types, &at(planned), target(true)).unwrap();
+            assert!(kernels(&flash).iter().any(|k| k.starts_with("flash_")));
+            let old = calls(&kind, types, &at(gemm_path), target(false)).unwrap();
+            assert!(
+                kernels(&old).iter().all(|k| !k.starts_with("flash_")),
+                "{:?}",
+                kernels(&old)
+            );
+            assert!(old.iter().any(|c| matches!(c, Call::Batched(_))));
+            let err = calls(&kind, types, &at(planned), target(false))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("compute capability 8.0") && err.contains("--dtype f32"),
+                "{err}"
             );
         }
     }
@@ -3910,6 +4055,7 @@ mod tests {
         let target = Target {
             max_blocks: 8,
             step: 1,
+            flash: true,
         };
         let types = Types {
             inputs: &ins,
@@ -4129,6 +4275,7 @@ mod tests {
         let target = Target {
             max_blocks: 1,
             step: 1,
+            flash: true,
         };
         let err = calls(&kind, types, &at, target).unwrap_err().to_string();
         assert!(err.contains("recompile the schedule"), "{err}");
@@ -4185,6 +4332,7 @@ mod tests {
         Target {
             max_blocks: 3,
             step: 7,
+            flash: true,
         }
     }
 

@@ -18,6 +18,7 @@
 //! With the feature, `CudaBackend` executes schedules on a GPU (`backend.rs`: memory, streams
 //! and events, and the executor of call plans; `launch.rs`: each op kind's kernels and GEMMs
 //! as a pure call plan; `blas.rs`: the matmuls;
+//! `replay.rs`: each op's launches resolved once and replayed every step;
 //! `driver.rs`: driver resources and the library probe; `profile.rs`: measuring a GPU for
 //! `protrain profile`; `nccl.rs`: NCCL collectives between one process per GPU, whose call
 //! plans are plain data built without the feature too). [`runs`] (plain data, built without
@@ -38,12 +39,16 @@ pub mod nccl;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod profile;
+#[cfg(feature = "cuda")]
+mod replay;
 pub mod runs;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaStreamHandle, DROP_WAIT_VAR};
 #[cfg(feature = "cuda")]
 pub use driver::{gpu, simulator_counters, use_gpu, DeviceInfo, SimCounters};
+#[cfg(feature = "cuda")]
+pub use replay::{launch_counters, LaunchCounters};
 pub use runs::{adamw_runs, AdamWRun};
 
 /// What `--backend cuda` says in a build without the CUDA backend.

@@ -4,8 +4,18 @@
 //! every entry point here checks [`available`] first and returns [`NvrtcError::Missing`]
 //! instead. Nothing here needs a GPU or a driver: compiling for a real architecture (`sm_80`,
 //! `sm_90`) runs NVRTC's own ptxas and yields both PTX and a CUBIN.
+//!
+//! Compiled sources are cached on disk ([`compile_cached`], [`cache_dir`]): one file per
+//! source, named by a hash of everything the result depends on (the source text, the options,
+//! the architecture and NVRTC's version), which it also stores in full to be checked on load,
+//! with a CRC of the whole entry. An entry is written to a temporary file and renamed into
+//! place, so a reader sees a whole entry or none; one that does not check out (truncated,
+//! corrupted, another key) is compiled again and replaced.
 
 use std::ffi::{c_char, CStr, CString};
+use std::hash::Hasher;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{result, sys, Ptx};
 
@@ -183,14 +193,255 @@ unsafe fn cubin_of(prog: sys::nvrtcProgram) -> Result<Vec<u8>, result::NvrtcErro
 }
 
 /// Compiles every source in [`SOURCES`] for `arch`, with the include paths of
-/// `PROTRAIN_CUDA_INCLUDE`, the sources in parallel (NVRTC compiles distinct programs from
-/// any thread; one at a time a backend's start waits for the sum of them), in [`SOURCES`]
-/// order. The error is the first failing source's, in that order.
+/// `PROTRAIN_CUDA_INCLUDE`, through the disk cache of [`cache_dir`], the sources in parallel
+/// (NVRTC compiles distinct programs from any thread; one at a time a backend's start waits
+/// for the sum of them), in [`SOURCES`] order. The error is the first failing source's, in
+/// that order.
 pub fn compile_all(arch: &'static str) -> Result<Vec<Compiled>, NvrtcError> {
     use rayon::prelude::*;
     let includes = include_paths_from_env();
+    let dir = cache_dir();
     SOURCES
         .par_iter()
-        .map(|s| compile(s, arch, &includes))
+        .map(|s| compile_cached(s, arch, &includes, dir.as_deref()).map(|(c, _)| c))
         .collect()
+}
+
+/// The variable that places the compiled-kernel cache: a directory, or `off` (or empty) for
+/// no cache. Unset, the cache is `$XDG_CACHE_HOME/protrain/kernels` (`~/.cache/...` without
+/// it).
+pub const CACHE_VAR: &str = "PROTRAIN_KERNEL_CACHE";
+
+/// The compiled-kernel cache directory [`CACHE_VAR`] names, or its default; `None` when it is
+/// off or no home directory is known.
+pub fn cache_dir() -> Option<PathBuf> {
+    cache_dir_from(
+        std::env::var_os(CACHE_VAR).as_deref(),
+        std::env::var_os("XDG_CACHE_HOME").as_deref(),
+        std::env::var_os("HOME").as_deref(),
+    )
+}
+
+/// [`cache_dir`] from the values of [`CACHE_VAR`], `XDG_CACHE_HOME` and `HOME`.
+fn cache_dir_from(
+    var: Option<&std::ffi::OsStr>,
+    xdg: Option<&std::ffi::OsStr>,
+    home: Option<&std::ffi::OsStr>,
+) -> Option<PathBuf> {
+    match var {
+        Some(v) if v.is_empty() || v == "off" => None,
+        Some(v) => Some(PathBuf::from(v)),
+        None => {
+            let base = match (xdg.filter(|x| !x.is_empty()), home) {
+                (Some(x), _) => PathBuf::from(x),
+                (None, Some(h)) if !h.is_empty() => Path::new(h).join(".cache"),
+                _ => return None,
+            };
+            Some(base.join("protrain").join("kernels"))
+        }
+    }
+}
+
+/// What [`compile_cached`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// No cache directory: compiled.
+    Off,
+    /// Loaded from the cache.
+    Hit,
+    /// Not in the cache: compiled, and stored if the directory can be written.
+    Miss,
+    /// In the cache but unreadable, corrupted or for another key: compiled and replaced.
+    Rebuilt,
+}
+
+/// The first bytes of a cache entry (and its format's version).
+const CACHE_MAGIC: &[u8] = b"protrain-kernel-cache 1\n";
+
+/// Everything a compiled source depends on, as text: the architecture, NVRTC's version, the
+/// options (the defines and include paths among them) and the source's length and two
+/// independent hashes of it.
+fn cache_key(source: &KernelSource, arch: &str, include_paths: &[String]) -> String {
+    let (major, minor) = version().unwrap_or((0, 0));
+    let mut fnv = fnv::FnvHasher::default();
+    fnv.write(source.source.as_bytes());
+    format!(
+        "name={}\narch={arch}\nnvrtc={major}.{minor}\noptions={}\nsource={} bytes, fnv64 {:016x}, \
+         crc32 {:08x}\n",
+        source.name,
+        options(arch, include_paths).join(" "),
+        source.source.len(),
+        fnv.finish(),
+        crc32fast::hash(source.source.as_bytes()),
+    )
+}
+
+/// The file of `key`'s entry in `dir`.
+fn cache_file(dir: &Path, name: &str, key: &str) -> PathBuf {
+    let mut h = fnv::FnvHasher::default();
+    h.write(key.as_bytes());
+    dir.join(format!("{name}-{:016x}.bin", h.finish()))
+}
+
+/// An entry's bytes: the magic, the key, the PTX, the CUBIN (if any), the log, each with its
+/// length, then a CRC32 of all before it.
+fn encode_entry(key: &str, c: &Compiled) -> Vec<u8> {
+    let mut out = CACHE_MAGIC.to_vec();
+    let mut part = |bytes: &[u8]| {
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(bytes);
+    };
+    part(key.as_bytes());
+    part(c.ptx.as_bytes());
+    match &c.cubin {
+        Some(bin) => {
+            part(&[1]);
+            part(bin);
+        }
+        None => part(&[0]),
+    }
+    part(c.log.as_bytes());
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The PTX, CUBIN and log of an entry for `key`, or `None` when `bytes` is not one (another
+/// key, truncated, corrupted).
+fn decode_entry(bytes: &[u8], key: &str) -> Option<(String, Option<Vec<u8>>, String)> {
+    let (body, crc) = bytes.split_at_checked(bytes.len().checked_sub(4)?)?;
+    if crc32fast::hash(body).to_le_bytes() != crc {
+        return None;
+    }
+    let mut rest = body.strip_prefix(CACHE_MAGIC)?;
+    let mut part = || -> Option<&[u8]> {
+        let (len, tail) = rest.split_at_checked(8)?;
+        let len = usize::try_from(u64::from_le_bytes(len.try_into().ok()?)).ok()?;
+        let (part, tail) = tail.split_at_checked(len)?;
+        rest = tail;
+        Some(part)
+    };
+    if part()? != key.as_bytes() {
+        return None;
+    }
+    let ptx = String::from_utf8(part()?.to_vec()).ok()?;
+    let cubin = match part()? {
+        [1] => Some(part()?.to_vec()),
+        [0] => None,
+        _ => return None,
+    };
+    let log = String::from_utf8(part()?.to_vec()).ok()?;
+    rest.is_empty().then_some((ptx, cubin, log))
+}
+
+/// Writes `bytes` to `path` whole or not at all: into a temporary file beside it, renamed into
+/// place.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_data()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// [`compile`] through the cache in `dir` (`None`: no cache): the entry for this source,
+/// architecture, options and NVRTC version when one checks out, else a compilation, stored
+/// for next time. A cache that cannot be read or written costs a compilation, never an error;
+/// the errors are [`compile`]'s.
+pub fn compile_cached(
+    source: &'static KernelSource,
+    arch: &'static str,
+    include_paths: &[String],
+    dir: Option<&Path>,
+) -> Result<(Compiled, CacheOutcome), NvrtcError> {
+    let Some(dir) = dir else {
+        return Ok((compile(source, arch, include_paths)?, CacheOutcome::Off));
+    };
+    if !available() {
+        return Err(NvrtcError::Missing);
+    }
+    let key = cache_key(source, arch, include_paths);
+    let path = cache_file(dir, source.name, &key);
+    let outcome = match std::fs::read(&path) {
+        Ok(bytes) => match decode_entry(&bytes, &key) {
+            Some((ptx, cubin, log)) => {
+                let c = Compiled {
+                    source,
+                    arch,
+                    ptx,
+                    cubin,
+                    log,
+                };
+                return Ok((c, CacheOutcome::Hit));
+            }
+            None => CacheOutcome::Rebuilt,
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => CacheOutcome::Miss,
+        Err(_) => CacheOutcome::Rebuilt,
+    };
+    let c = compile(source, arch, include_paths)?;
+    // A cache that cannot be written (read-only, full) only costs the next run a compilation.
+    let _ = write_atomically(&path, &encode_entry(&key, &c));
+    Ok((c, outcome))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn the_cache_directory_is_the_variables_or_the_xdg_default_or_none() {
+        let dir = |var: Option<&str>, xdg: Option<&str>, home: Option<&str>| {
+            cache_dir_from(
+                var.map(OsStr::new),
+                xdg.map(OsStr::new),
+                home.map(OsStr::new),
+            )
+        };
+        assert_eq!(
+            dir(Some("/tmp/k"), Some("/x"), Some("/h")),
+            Some(PathBuf::from("/tmp/k"))
+        );
+        assert_eq!(dir(Some("off"), Some("/x"), Some("/h")), None);
+        assert_eq!(dir(Some(""), Some("/x"), Some("/h")), None);
+        assert_eq!(
+            dir(None, Some("/x"), Some("/h")),
+            Some(PathBuf::from("/x/protrain/kernels"))
+        );
+        assert_eq!(
+            dir(None, Some(""), Some("/h")),
+            Some(PathBuf::from("/h/.cache/protrain/kernels"))
+        );
+        assert_eq!(dir(None, None, None), None);
+    }
+
+    #[test]
+    fn an_entry_decodes_only_whole_and_under_its_own_key() {
+        let src = &SOURCES[0];
+        let c = Compiled {
+            source: src,
+            arch: "sm_80",
+            ptx: "// ptx".into(),
+            cubin: Some(vec![1, 2, 3]),
+            log: String::new(),
+        };
+        let key = "arch=sm_80\n";
+        let bytes = encode_entry(key, &c);
+        assert_eq!(
+            decode_entry(&bytes, key),
+            Some(("// ptx".to_owned(), Some(vec![1, 2, 3]), String::new()))
+        );
+        assert_eq!(decode_entry(&bytes, "arch=sm_90\n"), None);
+        for cut in [0, 1, 4, bytes.len() / 2, bytes.len() - 1] {
+            assert_eq!(decode_entry(&bytes[..cut], key), None, "cut at {cut}");
+        }
+        for i in 0..bytes.len() {
+            let mut flipped = bytes.clone();
+            flipped[i] ^= 1;
+            assert_eq!(decode_entry(&flipped, key), None, "byte {i} flipped");
+        }
+    }
 }

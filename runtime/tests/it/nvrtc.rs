@@ -105,3 +105,58 @@ fn a_compile_error_reports_the_file_and_line() {
     assert!(text.contains(&src.file_name()), "{text}");
     assert!(text.contains("undefined_name"), "{text}");
 }
+
+/// The compiled-kernel cache: a first compile misses and stores the entry, a second load hits
+/// it with the same CUBIN, a changed source misses, a corrupted or truncated entry is compiled
+/// again and replaced (and hits afterwards), and no directory means no cache.
+#[test]
+fn compiled_kernels_are_cached_on_disk_and_rebuilt_when_corrupt() {
+    use nvrtc::{compile_cached, CacheOutcome};
+    require_nvrtc();
+    let dir = tempfile::tempdir().unwrap();
+    let src = SOURCES.iter().find(|s| s.name == "cast").unwrap();
+    let load = |src: &'static cuda::KernelSource| {
+        compile_cached(src, "sm_80", &[], Some(dir.path())).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (first, outcome) = load(src);
+    assert_eq!(outcome, CacheOutcome::Miss);
+    let files: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "one entry and no temporary file: {files:?}");
+    let (second, outcome) = load(src);
+    assert_eq!(outcome, CacheOutcome::Hit);
+    assert_eq!(
+        (&second.cubin, &second.ptx, &second.log),
+        (&first.cubin, &first.ptx, &first.log)
+    );
+
+    // Another source text (a comment more) is another key.
+    let changed: &'static str = Box::leak(format!("{}\n// changed\n", src.source).into_boxed_str());
+    let changed: &'static cuda::KernelSource = Box::leak(Box::new(cuda::KernelSource {
+        source: changed,
+        ..*src
+    }));
+    assert_eq!(load(changed).1, CacheOutcome::Miss);
+    assert_eq!(load(changed).1, CacheOutcome::Hit);
+
+    // One flipped byte in the middle, then a truncated entry: each is rebuilt, then hits.
+    let entry = &files[0];
+    let mut bytes = std::fs::read(entry).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(entry, &bytes).unwrap();
+    let (rebuilt, outcome) = load(src);
+    assert_eq!(outcome, CacheOutcome::Rebuilt);
+    assert_eq!(rebuilt.cubin, first.cubin);
+    assert_eq!(load(src).1, CacheOutcome::Hit);
+    let whole = std::fs::read(entry).unwrap();
+    std::fs::write(entry, &whole[..whole.len() - 9]).unwrap();
+    assert_eq!(load(src).1, CacheOutcome::Rebuilt);
+    assert_eq!(load(src).1, CacheOutcome::Hit);
+
+    let (off, outcome) = compile_cached(src, "sm_80", &[], None).unwrap();
+    assert_eq!(outcome, CacheOutcome::Off);
+    assert_eq!(off.cubin, first.cubin);
+}

@@ -1048,6 +1048,91 @@ void test_moe_aux() {
     }
 }
 
+// The elementwise kernels' 16-byte vector path against their scalar path, bit for bit: each
+// kernel runs on the same values at 16-byte-aligned addresses (vectors, then a scalar tail
+// when n is not a multiple of the vector) and one element past them (every element scalar,
+// the arithmetic of the kernels before vectorisation), for lengths below, at and around the
+// vector width and a long odd one, in place too.
+template <typename T> struct Shifted {
+    std::vector<unsigned char> store;
+    T* p;
+    Shifted(const std::vector<T>& v, int shift) : store((v.size() + 2) * sizeof(T) + 32) {
+        auto base = ((uintptr_t)store.data() + 15) & ~(uintptr_t)15;
+        p = (T*)base + shift;
+        std::memcpy(p, v.data(), v.size() * sizeof(T));
+    }
+    std::vector<unsigned short> bits(size_t n) const {
+        std::vector<unsigned short> r(n * sizeof(T) / 2);
+        std::memcpy(r.data(), p, n * sizeof(T));
+        return r;
+    }
+};
+template <typename T> std::vector<T> as(const std::vector<float>& v) {
+    std::vector<T> r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) r[i] = from_f32<T>(v[i]);
+    return r;
+}
+/// Runs `k(outs..., ins...)` (pointers, then n) with every buffer shifted by 0 and by 1
+/// element and checks that the outputs' bits agree. `outs` outputs come first.
+template <typename To, typename Ti, typename K>
+void same_bits(const char* what, int outs, int ins, bool in_place, K k) {
+    for (i64 n : {1, 3, 4, 7, 8, 9, 17, 1003}) {
+        std::vector<std::vector<float>> vals;
+        for (int j = 0; j < ins; ++j) vals.push_back(rnd((size_t)n, 4));
+        std::vector<unsigned short> got[2][2];
+        for (int shift : {0, 1}) {
+            std::vector<Shifted<To>> o;
+            std::vector<Shifted<Ti>> in;
+            for (int j = 0; j < outs; ++j) o.emplace_back(std::vector<To>((size_t)n, from_f32<To>(NAN)), shift);
+            for (int j = 0; j < ins; ++j) in.emplace_back(as<Ti>(vals[j]), shift);
+            // In place: the first output is the first input's buffer.
+            To* o0 = in_place ? (To*)in[0].p : o[0].p;
+            launch(G(2), G(64), [&] { k(o0, outs > 1 ? o[1].p : nullptr, in[0].p, ins > 1 ? in[1].p : nullptr, ins > 2 ? in[2].p : nullptr, n); });
+            got[shift][0] = in_place ? in[0].bits((size_t)n) : o[0].bits((size_t)n);
+            if (outs > 1) got[shift][1] = o[1].bits((size_t)n);
+        }
+        bool ok = got[0][0] == got[1][0] && got[0][1] == got[1][1];
+        if (!ok) {
+            failures++;
+            printf("FAIL %s: the vector and scalar paths differ at n = %lld\n", what, n);
+            return;
+        }
+    }
+    printf("ok   %s: vector and scalar paths give the same bits\n", what);
+}
+template <typename T> void vector_paths(const char* dt) {
+    auto name = [&](const char* k) { static std::string s; s = std::string(k) + " " + dt; return s.c_str(); };
+#define UNARY(kern) same_bits<T, T>(name(#kern), 1, 1, false, [](T* o, T*, T* x, T*, T*, i64 n) { kern(o, x, n); })
+#define BINARY(kern) same_bits<T, T>(name(#kern), 1, 2, false, [](T* o, T*, T* a, T* b, T*, i64 n) { kern(o, a, b, n); })
+#define TERNARY(kern) same_bits<T, T>(name(#kern), 2, 3, false, [](T* o, T* o2, T* a, T* b, T* c, i64 n) { kern(o, o2, a, b, c, n); })
+    UNARY(gelu_forward); UNARY(relu_forward); UNARY(silu_forward);
+    BINARY(gelu_backward); BINARY(relu_backward); BINARY(silu_backward);
+    BINARY(swiglu_forward); BINARY(geglu_forward); BINARY(add_forward);
+    TERNARY(swiglu_backward); TERNARY(geglu_backward);
+#undef UNARY
+#undef BINARY
+#undef TERNARY
+    same_bits<T, T>(name("softcap_forward"), 1, 1, false, [](T* o, T*, T* x, T*, T*, i64 n) { softcap_forward(o, x, 2.5f, n); });
+    same_bits<T, T>(name("softcap_backward"), 1, 2, false, [](T* o, T*, T* d, T* y, T*, i64 n) { softcap_backward(o, d, y, 2.5f, n); });
+    same_bits<T, T>(name("scale_forward"), 1, 1, false, [](T* o, T*, T* x, T*, T*, i64 n) { scale_forward(o, x, 1.7f, n); });
+    same_bits<T, T>(name("add_backward"), 2, 1, false, [](T* o, T* o2, T* d, T*, T*, i64 n) { add_backward(o, o2, d, n); });
+    same_bits<T, T>(name("add_forward in place"), 1, 2, true, [](T* o, T*, T* a, T* b, T*, i64 n) { add_forward(o, a, b, n); });
+    same_bits<T, T>(name("gelu_forward in place"), 1, 1, true, [](T* o, T*, T* x, T*, T*, i64 n) { gelu_forward(o, x, n); });
+    // The bias add: rows of 8, 16 (vectors) and 7 (scalar only) columns; n = rows * cols.
+    for (int cols : {7, 8, 16}) {
+        same_bits<T, T>(name("bias_add"), 1, 2, false, [cols](T* o, T*, T* x, T* b, T*, i64 n) { bias_add(o, x, b, n / cols, cols); });
+    }
+}
+void test_vector_paths() {
+    vector_paths<float>("f32");
+    vector_paths<bf16>("bf16");
+    vector_paths<f16>("f16");
+    same_bits<bf16, float>("cast f32 to bf16", 1, 1, false, [](bf16* o, bf16*, float* x, float*, float*, i64 n) { cast_f32_to_bf16(o, x, n); });
+    same_bits<f16, float>("cast f32 to f16", 1, 1, false, [](f16* o, f16*, float* x, float*, float*, i64 n) { cast_f32_to_f16(o, x, n); });
+    same_bits<float, bf16>("cast bf16 to f32", 1, 1, false, [](float* o, float*, bf16* x, bf16*, bf16*, i64 n) { cast_bf16_to_f32(o, x, n); });
+    same_bits<float, f16>("cast f16 to f32", 1, 1, false, [](float* o, float*, f16* x, f16*, f16*, i64 n) { cast_f16_to_f32(o, x, n); });
+}
+
 int main(int argc, char** argv) {
     // `harness flash` runs the flash attention checks alone, `harness moe` the
     // mixture-of-experts checks.
@@ -1057,12 +1142,17 @@ int main(int argc, char** argv) {
         printf("%d failure(s)\n", failures);
         return failures != 0;
     }
+    if (argc > 1 && std::string(argv[1]) == "vector") {
+        test_vector_paths();
+        printf("%d failure(s)\n", failures);
+        return failures != 0;
+    }
     if (argc > 1 && std::string(argv[1]) == "flash") {
         test_flash_all();
         printf("%d failure(s)\n", failures);
         return failures != 0;
     }
-    test_activation(); test_add_cast(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm(); test_f16();
+    test_activation(); test_add_cast(); test_vector_paths(); test_embedding(); test_norm(); test_rope(); test_cross_entropy(); test_adamw_norm(); test_f16();
     test_adamw_multi();
     test_attention(2, 7, 4, 2, 4, 0, false);
     test_attention(2, 7, 4, 2, 4, 3, false);

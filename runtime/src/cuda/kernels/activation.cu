@@ -3,7 +3,9 @@
 // soft-cap and constant scale, and their backwards.
 //
 // Every entry point is a grid-stride loop over `n` elements: any grid, any 1-D block (256
-// threads is the intended launch). Each element is independent, so in-place use (`out == x`,
+// threads is the intended launch), 16-byte vector loads and stores where every pointer is
+// 16-byte aligned (`map1` and its kin in common.cuh; the same arithmetic per element, so the
+// same bits, with a scalar tail). Each element is independent, so in-place use (`out == x`,
 // `dx == dout`) is allowed. Backwards overwrite their input gradients.
 
 #define GELU_K 0.7978846f // sqrt(2 / pi), as the host's GELU_K
@@ -19,66 +21,48 @@ __device__ __forceinline__ float gelu_s(float x) {
 }
 
 template <typename T> __device__ void gelu_forward(T* out, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i);
-        st(out, i, v * gelu_s(v));
-    }
+    map1(out, x, n, [](float v) { return v * gelu_s(v); });
 }
 
 template <typename T> __device__ void gelu_backward(T* dx, const T* dout, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i), d = ld(dout, i);
+    map2(dx, dout, x, n, [](float d, float v) {
         float s = gelu_s(v);
         float du = GELU_K * (1.0f + 3.0f * GELU_C * (v * v));
-        st(dx, i, d * (s + 2.0f * v * s * (1.0f - s) * du));
-    }
+        return d * (s + 2.0f * v * s * (1.0f - s) * du);
+    });
 }
 
 template <typename T> __device__ void relu_forward(T* out, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i);
-        st(out, i, v <= 0.0f ? 0.0f : v); // NaN propagates, as torch.relu
-    }
+    map1(out, x, n, [](float v) { return v <= 0.0f ? 0.0f : v; }); // NaN propagates, as torch.relu
 }
 
 template <typename T> __device__ void relu_backward(T* dx, const T* dout, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i), d = ld(dout, i);
-        st(dx, i, v <= 0.0f ? 0.0f : d);
-    }
+    map2(dx, dout, x, n, [](float d, float v) { return v <= 0.0f ? 0.0f : d; });
 }
 
 template <typename T> __device__ void silu_forward(T* out, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i);
-        st(out, i, v / (1.0f + expf(-v)));
-    }
+    map1(out, x, n, [](float v) { return v / (1.0f + expf(-v)); });
 }
 
 template <typename T> __device__ void silu_backward(T* dx, const T* dout, const T* x, i64 n) {
-    GRID_STRIDE(i, n) {
-        float v = ld(x, i), d = ld(dout, i);
+    map2(dx, dout, x, n, [](float d, float v) {
         float s = sigmoid_f(v);
-        st(dx, i, d * (s * (1.0f + v * (1.0f - s))));
-    }
+        return d * (s * (1.0f + v * (1.0f - s)));
+    });
 }
 
 template <typename T> __device__ void swiglu_forward(T* out, const T* gate, const T* up, i64 n) {
-    GRID_STRIDE(i, n) {
-        float g = ld(gate, i), u = ld(up, i);
-        st(out, i, g / (1.0f + expf(-g)) * u);
-    }
+    map2(out, gate, up, n, [](float g, float u) { return g / (1.0f + expf(-g)) * u; });
 }
 
 template <typename T>
 __device__ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
                                 i64 n) {
-    GRID_STRIDE(i, n) {
-        float d = ld(dout, i), g = ld(gate, i), u = ld(up, i);
+    map3x2(dgate, dup, dout, gate, up, n, [](float d, float g, float u, float& dg, float& du) {
         float s = sigmoid_f(g);
-        st(dup, i, d * (g * s));
-        st(dgate, i, d * u * (s * (1.0f + g * (1.0f - s))));
-    }
+        du = d * (g * s);
+        dg = d * u * (s * (1.0f + g * (1.0f - s)));
+    });
 }
 
 /// Phi-3's packed form: row r of `x` [rows, 2 width] is `[gate | up]`; `n` = rows * width
@@ -107,40 +91,36 @@ __device__ void packed_swiglu_backward(T* dx, const T* dout, const T* x, int wid
 }
 
 template <typename T> __device__ void geglu_forward(T* out, const T* gate, const T* up, i64 n) {
-    GRID_STRIDE(i, n) {
-        float g = ld(gate, i), u = ld(up, i);
-        st(out, i, g * gelu_s(g) * u);
-    }
+    map2(out, gate, up, n, [](float g, float u) { return g * gelu_s(g) * u; });
 }
 
 template <typename T>
 __device__ void geglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
                                i64 n) {
-    GRID_STRIDE(i, n) {
-        float d = ld(dout, i), g = ld(gate, i), u = ld(up, i);
+    map3x2(dgate, dup, dout, gate, up, n, [](float d, float g, float u, float& dg, float& du) {
         float s = gelu_s(g);
         float dk = GELU_K * (1.0f + 3.0f * GELU_C * (g * g));
-        st(dup, i, d * (g * s));
-        st(dgate, i, d * u * (s + 2.0f * g * s * (1.0f - s) * dk));
-    }
+        du = d * (g * s);
+        dg = d * u * (s + 2.0f * g * s * (1.0f - s) * dk);
+    });
 }
 
 template <typename T> __device__ void softcap_forward(T* out, const T* x, float cap, i64 n) {
-    GRID_STRIDE(i, n) { st(out, i, cap * tanhf(ld(x, i) / cap)); }
+    map1(out, x, n, [cap](float v) { return cap * tanhf(v / cap); });
 }
 
 /// From the forward's output y: dx = dout (1 - (y / cap)^2).
 template <typename T>
 __device__ void softcap_backward(T* dx, const T* dout, const T* y, float cap, i64 n) {
-    GRID_STRIDE(i, n) {
-        float t = ld(y, i) / cap;
-        st(dx, i, ld(dout, i) * (1.0f - t * t));
-    }
+    map2(dx, dout, y, n, [cap](float d, float v) {
+        float t = v / cap;
+        return d * (1.0f - t * t);
+    });
 }
 
 /// `factor` arrives rounded to the storage type by the launcher.
 template <typename T> __device__ void scale_forward(T* out, const T* x, float factor, i64 n) {
-    GRID_STRIDE(i, n) { st(out, i, ld(x, i) * factor); }
+    map1(out, x, n, [factor](float v) { return v * factor; });
 }
 
 /// out = gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).

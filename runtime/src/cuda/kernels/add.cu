@@ -2,22 +2,42 @@
 // runtime/src/kernels/add.rs, plus the broadcast bias add of a linear layer whose matmul runs
 // in cuBLAS without a bias epilogue (its backward is `column_sum_*` in reduce.cu).
 //
-// Grid-stride loops: any grid, any 1-D block (256 intended). In-place use is allowed.
+// Grid-stride loops: any grid, any 1-D block (256 intended), 16-byte vector accesses where the
+// pointers are 16-byte aligned (common.cuh's `vec_stride`, scalar tail). In-place use is allowed.
 
 template <typename T> __device__ void add_forward(T* out, const T* a, const T* b, i64 n) {
-    GRID_STRIDE(i, n) { st(out, i, ld(a, i) + ld(b, i)); }
+    map2(out, a, b, n, [](float x, float y) { return x + y; });
 }
 
 template <typename T> __device__ void add_backward(T* da, T* db, const T* dout, i64 n) {
-    GRID_STRIDE(i, n) {
-        T d = dout[i];
-        da[i] = d;
-        db[i] = d;
-    }
+    constexpr int N = VecWidth<T>::N;
+    vec_stride<N>(
+        n, aligned16(da) && aligned16(db) && aligned16(dout),
+        [&](i64 i) {
+            const Vec<T, N> d = ldv<N>(dout, i);
+            stv<N>(da, i, d);
+            stv<N>(db, i, d);
+        },
+        [&](i64 i) {
+            T d = dout[i];
+            da[i] = d;
+            db[i] = d;
+        });
 }
 
 template <typename T> __device__ void bias_add(T* out, const T* x, const T* bias, i64 rows, int cols) {
-    GRID_STRIDE(i, rows * cols) { st(out, i, ld(x, i) + ld(bias, i % cols)); }
+    // A vector of N never straddles two rows when N divides the row width.
+    constexpr int N = VecWidth<T>::N;
+    vec_stride<N>(
+        rows * cols, cols % N == 0 && aligned16(out) && aligned16(x) && aligned16(bias),
+        [&](i64 i) {
+            const Vec<T, N> a = ldv<N>(x, i), b = ldv<N>(bias, i % cols);
+            Vec<T, N> o;
+#pragma unroll
+            for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(a.v[k]) + to_f32(b.v[k]));
+            stv<N>(out, i, o);
+        },
+        [&](i64 i) { st(out, i, ld(x, i) + ld(bias, i % cols)); });
 }
 
 /// out = a + b, `n` elements.

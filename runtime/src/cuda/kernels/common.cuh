@@ -115,6 +115,99 @@ template <typename F> __device__ __forceinline__ F block_sum(F v, F* scratch) {
     return warp_sum(v);
 }
 
+/// Elements of the wider of `A` and `B` in 16 bytes: how many elements one vector access of an
+/// elementwise kernel over operands of those types covers.
+template <typename A, typename B = A> struct VecWidth {
+    static constexpr int N = 16 / (sizeof(A) > sizeof(B) ? sizeof(A) : sizeof(B));
+};
+
+/// `N` consecutive elements of `T`, loaded or stored as one access (16 bytes for the widest
+/// operand, so `ld.global.v4` / `st.global.v4`).
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
+    T v[N];
+};
+
+/// Whether `p` is 16-byte aligned, which a vector access at element multiples of `N` needs.
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
+
+template <int N, typename T> __device__ __forceinline__ Vec<T, N> ldv(const T* p, i64 i) {
+    return *reinterpret_cast<const Vec<T, N>*>(p + i);
+}
+template <int N, typename T> __device__ __forceinline__ void stv(T* p, i64 i, const Vec<T, N>& v) {
+    *reinterpret_cast<Vec<T, N>*>(p + i) = v;
+}
+
+/// Grid-stride over `0..n` in vectors of `N`: `vec(i)` for each whole vector (elements `i..i+N`)
+/// when `aligned`, then `one(i)` for each element after the last whole vector (every element
+/// when not aligned). Each element is computed by `vec` or `one` with the same arithmetic, so
+/// which path runs changes no bit of the result; only the memory accesses are wider.
+template <int N, typename V, typename S>
+__device__ __forceinline__ void vec_stride(i64 n, bool aligned, V vec, S one) {
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)blockDim.x * gridDim.x;
+    const i64 whole = aligned ? n / N : 0;
+    for (i64 v = first; v < whole; v += stride) vec(v * N);
+    for (i64 i = whole * N + first; i < n; i += stride) one(i);
+}
+
+/// out[i] = f(x[i]) over `n` elements, f on f32, 16-byte accesses where the pointers allow.
+template <typename To, typename Ti, typename F>
+__device__ __forceinline__ void map1(To* out, const Ti* x, i64 n, F f) {
+    constexpr int N = VecWidth<To, Ti>::N;
+    vec_stride<N>(
+        n, aligned16(out) && aligned16(x),
+        [&](i64 i) {
+            const Vec<Ti, N> a = ldv<N>(x, i);
+            Vec<To, N> o;
+#pragma unroll
+            for (int k = 0; k < N; ++k) o.v[k] = from_f32<To>(f(to_f32(a.v[k])));
+            stv<N>(out, i, o);
+        },
+        [&](i64 i) { st(out, i, f(ld(x, i))); });
+}
+
+/// out[i] = f(a[i], b[i]) over `n` elements, as [`map1`].
+template <typename T, typename F> __device__ __forceinline__ void map2(T* out, const T* a, const T* b, i64 n, F f) {
+    constexpr int N = VecWidth<T>::N;
+    vec_stride<N>(
+        n, aligned16(out) && aligned16(a) && aligned16(b),
+        [&](i64 i) {
+            const Vec<T, N> x = ldv<N>(a, i), y = ldv<N>(b, i);
+            Vec<T, N> o;
+#pragma unroll
+            for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(f(to_f32(x.v[k]), to_f32(y.v[k])));
+            stv<N>(out, i, o);
+        },
+        [&](i64 i) { st(out, i, f(ld(a, i), ld(b, i))); });
+}
+
+/// f(a[i], b[i], c[i], o1, o2) then out1[i] = o1, out2[i] = o2 over `n` elements, as [`map1`]
+/// (every input of a vector is read before its outputs are written).
+template <typename T, typename F>
+__device__ __forceinline__ void map3x2(T* out1, T* out2, const T* a, const T* b, const T* c, i64 n, F f) {
+    constexpr int N = VecWidth<T>::N;
+    vec_stride<N>(
+        n, aligned16(out1) && aligned16(out2) && aligned16(a) && aligned16(b) && aligned16(c),
+        [&](i64 i) {
+            const Vec<T, N> x = ldv<N>(a, i), y = ldv<N>(b, i), z = ldv<N>(c, i);
+            Vec<T, N> o1, o2;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                float r1, r2;
+                f(to_f32(x.v[k]), to_f32(y.v[k]), to_f32(z.v[k]), r1, r2);
+                o1.v[k] = from_f32<T>(r1);
+                o2.v[k] = from_f32<T>(r2);
+            }
+            stv<N>(out1, i, o1);
+            stv<N>(out2, i, o2);
+        },
+        [&](i64 i) {
+            float r1, r2;
+            f(ld(a, i), ld(b, i), ld(c, i), r1, r2);
+            st(out1, i, r1);
+            st(out2, i, r2);
+        });
+}
+
 /// Grid-stride loop over `0..n` with a 64-bit index.
 #define GRID_STRIDE(i, n)                                                                      \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);                     \
