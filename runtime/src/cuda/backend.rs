@@ -123,8 +123,9 @@ pub(super) struct HostStream {
     copier: Arc<CudaStream>,
 }
 
+/// Boxed on the device side: a device stream holds its handles, constants and replay table.
 enum Exec {
-    Device(DeviceStream),
+    Device(Box<DeviceStream>),
     Host(HostStream),
 }
 
@@ -1370,10 +1371,12 @@ impl Backend for CudaBackend {
                     StreamKind::Compute => Some(Gemm::new(stream.clone())?),
                     _ => None,
                 };
-                Exec::Device(DeviceStream::new(stream, gemm))
+                Exec::Device(Box::new(DeviceStream::new(stream, gemm)))
             }
             // NCCL enqueues on the collective stream as kernels do on the others.
-            StreamKind::Collective { .. } => Exec::Device(DeviceStream::new(stream, None)),
+            StreamKind::Collective { .. } => {
+                Exec::Device(Box::new(DeviceStream::new(stream, None)))
+            }
             // The host cast stream (the 12-byte layout) runs CPU work as the host optimizer,
             // and the disk stream its file I/O.
             StreamKind::HostOptimizer | StreamKind::HostCast | StreamKind::DiskIo => {
