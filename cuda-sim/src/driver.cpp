@@ -26,6 +26,10 @@ Counters g_counters;
 static bool g_init = false;
 static std::vector<Ctx*>& g_primary = *new std::vector<Ctx*>; // per device, made on first retain
 static std::set<Event*>& g_events = *new std::set<Event*>;
+// Every stream not yet destroyed, with its id: a wait that captured a stream outside the lock
+// (a context synchronise, an event's record) stops waiting once the stream is gone rather than
+// read a freed one, whose memory another context's new stream may be reusing.
+static std::map<Stream*, uint64_t>& g_live = *new std::map<Stream*, uint64_t>;
 static std::map<uint64_t, Alloc>& g_allocs = *new std::map<uint64_t, Alloc>; // by base address
 static size_t g_device_used = 0;
 static uint64_t g_next_stream = 1;
@@ -121,6 +125,7 @@ static Stream* new_stream(Ctx* ctx, bool legacy, bool nonblocking) {
         s->id = g_next_stream++;
         if (uint64_t seed = chaos_seed()) s->chaos = ((seed * 0x9E3779B97F4A7C15ull) ^ (s->id * 0xD1B54A32D192ED03ull)) | 1;
         if (!legacy) ctx->streams.insert(s);
+        g_live[s] = s->id;
     }
     s->worker = std::thread(worker, s);
     return s;
@@ -133,6 +138,19 @@ static void stop_stream(Stream* s) {
         g_cv.notify_all();
     }
     s->worker.join();
+    {
+        // Every operation of `s` completed (its worker drained the queue), so what waits on it
+        // is satisfied: drop those prerequisites and the events' records on it before the
+        // memory goes, as a GPU treats a destroyed stream's finished work.
+        std::lock_guard<std::mutex> l(g_mu);
+        g_live.erase(s);
+        for (auto& [other, id] : g_live)
+            for (Op& op : other->queue)
+                std::erase_if(op.after, [&](const std::pair<Stream*, uint64_t>& a) { return a.first == s; });
+        for (Event* e : g_events)
+            if (e->stream == s) e->stream = nullptr;
+        g_cv.notify_all();
+    }
     delete s;
 }
 
@@ -159,14 +177,28 @@ void wait_for(Stream* s, uint64_t seq) {
     g_cv.wait(l, [&] { return s->completed >= seq; });
 }
 
+/// Waits until stream `s` (with id `id`, both read under the lock) has completed `seq`
+/// operations or has been destroyed meanwhile (its work then completed).
+static void wait_live(Stream* s, uint64_t id, uint64_t seq) {
+    std::unique_lock<std::mutex> l(g_mu);
+    g_counters.syncs++;
+    g_cv.wait(l, [&] {
+        auto it = g_live.find(s);
+        return it == g_live.end() || it->second != id || s->completed >= seq;
+    });
+}
+
 static void sync_ctx(Ctx* c) {
-    std::vector<std::pair<Stream*, uint64_t>> all;
+    struct Pending { Stream* s; uint64_t id, seq; };
+    std::vector<Pending> all;
     {
         std::lock_guard<std::mutex> l(g_mu);
-        all.push_back({c->legacy, c->legacy->enqueued});
-        for (Stream* s : c->streams) all.push_back({s, s->enqueued});
+        all.push_back({c->legacy, c->legacy->id, c->legacy->enqueued});
+        for (Stream* s : c->streams) all.push_back({s, s->id, s->enqueued});
     }
-    for (auto [s, seq] : all) wait_for(s, seq);
+    // The primary context is shared by every thread, so another thread may destroy one of
+    // these streams while this one waits.
+    for (auto [s, id, seq] : all) wait_live(s, id, seq);
 }
 
 static CUresult sticky_of(Ctx* c) {
@@ -787,13 +819,14 @@ SIM_API CUresult cuEventSynchronize(CUevent e) {
     if (CUresult r = need_ctx(&c)) return r;
     if (!live_event(e, c)) return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize of %p, not an event of the current context", (void*)e);
     Stream* s;
-    uint64_t seq;
+    uint64_t id = 0, seq;
     {
         std::lock_guard<std::mutex> l(g_mu);
         s = e->stream;
         seq = e->seq;
+        if (s) id = s->id;
     }
-    if (s) wait_for(s, seq);
+    if (s) wait_live(s, id, seq);
     return sticky_of(c);
 }
 
