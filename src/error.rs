@@ -827,8 +827,9 @@ mod tests {
                  together, and keeping chunks on the device moves their state there without \
                  lowering the sum; the least host memory found beside a device within budget \
                  is 5.00 GiB (n_persist=1). Give --host-memory at least 5.00 GiB; or \
-                 --disk-memory at least 3.00 GiB (the optimizer state of offloaded chunks in a \
-                 file, read and written around the CPU Adam), which brings the host memory \
+                 --disk-memory at least 3.00 GiB (the model states of offloaded chunks in a \
+                 file, read and written around their uploads and the CPU Adam), which brings \
+                 the host memory \
                  needed down to 2.00 GiB; or shard the state over more machines (--nodes M \
                  with --gpus N: offloaded chunks are sharded over all the ranks, so each node \
                  keeps 1/M of them; ranks on one node share its host memory, so more --gpus \
