@@ -38,6 +38,10 @@ pub struct Placed {
     /// How offloaded chunks keep their state on the host: a placement decision the streams
     /// pass applies to each chunk where it is safe (see [`HostLayout`]).
     pub host_layout: HostLayout,
+    /// Whether the graph runs its micro-batches chunk-major in one program
+    /// ([`crate::interleave`]): each gradient is complete once per step although the loss
+    /// gradient is scaled for several micro-batches.
+    pub interleaved: bool,
 }
 
 /// Applies `policy` to a training graph chunked as `chunks`.
@@ -74,6 +78,7 @@ pub fn place(training: &Graph, chunks: &ChunkTable, policy: &Policy) -> Result<P
         policy: policy.clone(),
         chunks: chunks.clone(),
         host_layout: policy.host_layout,
+        interleaved: policy.order == protrain_ir::MicroBatchOrder::ChunkMajor,
     })
 }
 

@@ -540,7 +540,7 @@ impl Builder {
         // Most values get a place: one allocation instead of a rehash at every doubling.
         self.primary.reserve(graph.values().len());
         let program = Program::of(graph);
-        let interleaved = placed.policy.order == protrain_ir::MicroBatchOrder::ChunkMajor;
+        let interleaved = placed.interleaved;
         let lean = lean_chunks(graph, chunks, &program, placed.host_layout, interleaved);
         self.staged = staged_chunks(graph, chunks, &program, placed.host_layout, &lean);
         self.assign_staging(graph, chunks, &program);

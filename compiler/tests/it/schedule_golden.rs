@@ -97,114 +97,114 @@ fn schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const GOLDEN: &str = "
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 b6a81a64a0ea427f
-gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 5f4730ccea81a7b0
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4c67db12d9cab77c
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 b6f1fbcf031458ff
-gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b569edf03e0841df
-gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3b875a289833b7f3
-gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 fbd9f654e377f9e5
-gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 36408a9d09421b53
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 e088d9e0bf726c66
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 944f9c3e1890cb0e
-gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 73c0fa26a0cbe533
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 39bfe948cc0a6e37
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 c36b667b04f4c959
-gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 51ed9039b6443bf7
-gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC c15ac71ad402f3ec
-gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 d927b1a2d9d65967
-gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 923c7b9c3e6ac585
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 f53131ce96ef3fad
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f0c8d69969acdf2b
-llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 2a896d13d977b2f6
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b52c7312565bc787
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7417c254ac9c29c4
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
-llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 9e746b52243b2946
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 56ac11fd16f4aae8
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 99d8356e44fee0a6
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 4911efdfbf245f06
-llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 f5c2060f0c153a33
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b625f5cf04bcb51f
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 5c8047e841f47344
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
-llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 31e03a2d116cc2d6
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK e6d5236530147f82
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 c7da9f4dac949ff7
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 e568cd1ec3b37827
-mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 6e10d3e83482758c
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 13e07a6f80101ca9
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9fac3fff5e5e9e70
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8b99f8e3659cea0c
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8b99f8e3659cea0c
-mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 b59bf1bdbdbb3e44
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9ef6d58c7a67e8ea
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 bc423cf98642a35c
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c2db7e0a4d4f710c
-mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 8d4249a46a977bb4
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fd721a4432074fe3
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9890c68d300f5079
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC f33880bdaf446f86
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC f33880bdaf446f86
-mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 80e3bd920403fdc7
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 1afd94b8dd1b489f
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 e347d9886b0f216a
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ab68b11131783166
-opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 68a1f88a00784101
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 00172defeb424433
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 c7204821b20e093f
-opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fc648619d5bcdeb2
-opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5d287b51565a0f2c
-opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 a8eba1988247f900
-opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK af387ac208af8d14
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 794e7d99095c573e
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9625e37f0ae95d58
-opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7150f26d02924f83
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c0ac52d77cab13ad
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 1f8ad7b7df64b38c
-opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC abd7a6c22085ecc2
-opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3b1a229861a20021
-opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 c7a60f8ed0fc28d4
-opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 5785489601194d95
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 03787fed416dc649
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f719ca82e75eb80b
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 aa8de8b81edad7be
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0f7f7f46dcb80196
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 53251270f0db89a5
-gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9c6435dc727c76c0
-gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 8fafa306c3fa5bfe
-gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 9652d86ea7f98a10
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK eb4589fcb143b663
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 f5788484538cea6f
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 59bfac61e649c436
-gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 01ad4f4106160383
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 726953d71a06fa4d
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 52ee3890c45819b7
-gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC bf583160001d4bf5
-gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 583d64e99515f2f8
-gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 f5158af283b134db
-gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK b92022b35a27b8d6
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 3c07952e75c3f880
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 36648e69e36d202e
-llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 52dd06f2825281d1
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9b25dfffe13bf24b
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4df9906bc055cb2c
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 25cbbe5860222851
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 25cbbe5860222851
-llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 d3a33332e699c719
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 22c6174955cb9385
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 9300824afc85f469
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 eaee3c86386b7ee9
-llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 6b68c9307d970cd3
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d92c8c7c30c5af74
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 faa627d4e015d478
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC a742137145dccd65
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC a742137145dccd65
-llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 495909413d8b8dc4
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 8c9bc737c88009c7
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 fd098027e7d8c229
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8112a28a49734056
+gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b87b26620d4be690
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 871b683d628fef84
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 16c2d11bab7f00e4
+gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7d045e27c064d5c1
+gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC e989c770dcdb0f5c
+gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 83f786f6deba5205
+gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 2448c56ad2ecd23c
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 d126ca90c374e1ed
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 7c0e880c8f30724a
+gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 9af38a934f8f366b
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9ef0b292b557786e
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4e5564a6ba36d8ff
+gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5961eb870d645dda
+gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5d1afd6cfe0af1bd
+gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 34d2a3e7685bd12d
+gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 0d1c8dc598290fef
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 b19c60814b491ac3
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 53ed073c359c9dd3
+llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 59f3863ec1681ecd
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ae3e85e7db6dcc56
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9199a0105be30579
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
+llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 8b3c396856017ab1
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 189e98f098965427
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 3f010aafd982a1c0
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 5f647dcc995fadb5
+llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 5a080b70f3c86709
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 61b7473ae32150a4
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 845299804f57a28f
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
+llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 762c82663e86e9aa
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 865459a7fa0c1359
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 d1d0f226fe95845b
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 8eed30a7b2f0661b
+mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 fa3319d944ade79d
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f68966d432a7f799
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9280a61160a0fb63
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 320dc6de144ed480
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 320dc6de144ed480
+mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c3493ef32ab85083
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9a4f64c51892da80
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 cdd3258446279887
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 285b7c42c333751d
+mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 3d2357fb85a5d68f
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 38a9790a6c8615c4
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 3f5da3a2a06ec498
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 75d6101d36b40c60
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 75d6101d36b40c60
+mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 6cb228ecdf8d9ac5
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 6337cfbdde1a91bb
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 2301407226e33d6a
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 bef416630ce5c521
+opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 df4a4329e329703d
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d5f2da3eedef6e15
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 e6b0ca54d4a60a9c
+opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8941fe7418c3b2f8
+opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC bf8006896bad2fa5
+opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 fb221ddfe478fe36
+opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK b7aecaebd4d18b9e
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 9dd198e0de014cb8
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 440d03d0d74ddb5b
+opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b2696e54300be540
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ae72fc51963c9dc0
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 afeeaa05391b4a4f
+opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2736d376b10a76a4
+opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC e95576bc0f7577ba
+opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 83f89b64cc24aea1
+opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 67707c95c11582a9
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 8140390d276a9fa1
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 2ad9105162f3fae8
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7b5ad689ccaaca82
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5d8ffe68a932ae61
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 26823fd775bec8e6
+gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1f7645993f9bfb26
+gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC c6ae414bc8353afc
+gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 cd4d1dcf97621294
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 095cf16139ba4fd2
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 4cbc7f3ae5259d47
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 dd8a6f26cb655cca
+gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 e74d7d824b45b866
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0caaad7d5ca42664
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 011a87b9c012a1e7
+gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC e388ec8486bda7dd
+gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 590d436397458716
+gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 b2b1aebc5f2910e2
+gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 10626d36116af42c
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 48dc7e41897690dd
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 56908b82a98de861
+llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 823c71d4bd4d009b
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7abcb9391dc26a69
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7446bf5981bd3464
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 592627afd91c506c
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 592627afd91c506c
+llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 7ae538c940e3596e
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK fb6cc29db7f9d0e4
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 6fead6d9b5816eae
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 db957d8d6355dfd2
+llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 ca0dcbb6f5addec5
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b431ccf26e4797f8
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 cf01ecffb81a6128
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 35f8ee6c870a36d2
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 35f8ee6c870a36d2
+llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 0732dff6619b178e
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9f171631b562293c
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 0af7adeb45f4c1fc
 ";
 
 /// The passes that rewrite an emitted schedule, pinned the same way: gradient accumulation
@@ -288,112 +288,112 @@ fn rewritten_schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const REWRITTEN: &str = "
-gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ae9134c0953e0306
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 70319c1184ff2464
-gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC e98fe15c0407e63f
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7fada2e2ce343fa9
-gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0fe7704d989b2906
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c103ab386c608284
-gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a90b9d7d8f57a2a6
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dc479935e6c9e3f8
-gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 3ff748c0cb3e9223
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 79de46df84ec820d
-gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d51dd3e4b7ab2fc
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 993800cf8991c7ec
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 3c557718d1f144b3
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 68bb570757698234
-gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f70962ce6b3df4e5
-gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4420ac17d7fe681e
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9f6bcea8e50cdab1
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 31abfad61775f56c
-gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9dfac33dad22d5ca
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8d0fe3098c5f7f69
-gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9beac7fb1a9f35e5
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d1815f0e58516f16
-gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9363210adf2e7512
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 916709fa562d0232
-gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2e136ee5ca2fa459
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4bf84de530aaee66
-gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9ffd2e6a00302533
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d86b7f52580b1dcf
-gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 04460e3824b15687
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8f0cb196e0da24cd
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a8bbbff5b876bac5
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9b379ce454b1d7e3
-gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 03f6fb5abc3a9951
-gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b8dabdb8b9ab3b78
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e70d326ca0354fc2
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5996e7bb85574ce2
-llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f592e96f323ba613
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 43553f58266d7abb
-llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9c9a46560f05c5da
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3929f27f38b3b858
-llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 fecf1e7239ebff81
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 afceafa9eb56d317
-llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c53d9e5af8e095ab
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 549dcc4cd32753f2
-llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 94f41ebc46a482bf
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 859f687d69e74671
-llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ac5bcef07c08ab35
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b91211717b30fb52
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ddc152628ec9b577
-llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.5 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.5 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6182d674cf2155e
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 843f255902041855
-llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 07c03f0132c2d0a8
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4fcbabd60f6dba53
-llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2df53c12ddc75c80
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4b2dff8056a7a5e1
-llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 66a253ae1a5366ba
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4528de9bef2df0a2
-llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC af5d4e59c83b4a64
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4d7c3e13568e5668
-llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ad388b29c9a9ee77
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1c0cbcb2f6d8a5d6
-llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4f24032122f06a53
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 cf1c6ed28ac30f27
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
-llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c91001b6978e5f6f
-llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 930.8 KiB with the optimizer state of all 1 offloaded chunks on disk (their staging buffers and everything else stay in host memory), over the 930.7 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 78c78395d1adb6b2
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a
-llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 06d551b564c89e5a
-gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 de38b6e9c6acf4df
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c624a424431b109d
-gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 51a84569e4e3e27d
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 caee2ef93c753ee9
-gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f2ef6c093459c7a7
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 19e0deef1fec03e2
-gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bef34e956b00fbeb
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 20e5990a75cd84ca
-gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 adbd061eaafd736d
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 99bd6cdba1b1a4b0
-gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7f29238c70272cc7
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4206036124541d4d
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4921aaff913ff1ee
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 57ff017ef9846deb
-gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6e9ff242b448a96d
-gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC bd96c9f391c22575
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5229b8a90f466d87
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 10e0398908ab5c67
-gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 362fc43618bbaf4d
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0fe7c638212ad180
-gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 485da65291ead8bc
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 89b7d69dd57cc51e
-gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 153b40d52b9a6f4e
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4a0cab918d1f63c6
-gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f2d12d0f0dbf06e6
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8cda83ba25e0eb5b
-gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 525a63d274df6900
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e54b2e63dedc9704
-gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC dd5f5b4399d794f8
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 84959eb5d1274237
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e80fc859d3531505
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 309672610472a651
-gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6eb2d0a774fc6fd1
-gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c6dc466104ff0a02
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d60950d7ea2621fa
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2c839952e0a0e877
+gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c582b100372230f
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 29775258574c3ee4
+gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 033c2837747865cc
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c9a39abe3724cfba
+gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a0e89ef695f314a7
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8e41b16e31a15763
+gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 45f5d9a8f7a58e0a
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 592c0face9b821d4
+gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 dedaf149484657b5
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 808cceab993b0128
+gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bc603a1db73beb2d
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 554adf7f98852a2f
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 81a83212870d793e
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5c60c066650a3441
+gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 003807a2eaee5c53
+gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 009a406a309991cf
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dddcd9f8f54c3835
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1483f8e1b86af8db
+gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9a391ba54c3e10c1
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 96ab65a718c359a6
+gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC fe75093060ef997a
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 df8c6a5c9a360945
+gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 80046bf4b370a0b1
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d41f6e1a356d2fd2
+gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4ee56d6b1f5e16c8
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2753a1df596acf12
+gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fae3156ee762c262
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10fbf88060fd7be2
+gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d853d94140e8de7
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 96d13f3673abbaca
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d1d638938ee99b4b
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b125320359b101a2
+gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b5d75ded5c240f0e
+gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b1924df94bddfaf1
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 508c2f5c2ddb283c
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 46e23c9173953421
+llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f542038fce5493d7
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8f73c0a568af4078
+llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b09599384b4cbd8b
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b5d6bb02c89f7665
+llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c4aab9fa3f2ee38d
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1f87f22bbd5f72bb
+llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 09ae1bac4c41e271
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 77b06d63a73b73fb
+llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f4ff4ec5d2d07669
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 06a186aef8cfddf9
+llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC feeb25dcbec94fa6
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7552b64e9328ccbd
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 123aadee5f58a978
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 123aadee5f58a978
+llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.5 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4fbd0df1d978f0a5
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4fbd0df1d978f0a5
+llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 7e724940bbfce0a6
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 099a41bf41d3ef3a
+llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d7530e29a23118a
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8bf063539477833b
+llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 2d397bcf5eb663a5
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b9dc12acc0cb8c93
+llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a3bec7836555c491
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5b44a14f418dd9e7
+llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ea70c7a533d68046
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eb5aa9adc8cd5ddd
+llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 44716ab5956c6f45
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 44f7e24904fa3b08
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 051e89cefcaf8d62
+llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 051e89cefcaf8d62
+llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.7 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
+llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ab51bf5565606f2
+llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ab51bf5565606f2
+gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 e97d875167a95930
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 54c3efd2af0ff3f8
+gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f166edd1f2ba0136
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a7cae713066879db
+gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a5e6315bfdeab12e
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4c7c9923733c3c71
+gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d397106a33321618
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 18dd7ff5e848ce18
+gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 926d7cb6ab269582
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 64b4ff24f0f59cc1
+gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bcd191f5ab935f3d
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6e7eb0d6343f1c6f
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f638b8d61215a442
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ffbc787346d5ced8
+gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5f2472d33155fb1f
+gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c450a6aa24f77bec
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b3e4170fb7cbd20f
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 84cc7c48609d1048
+gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 d29be18c173041f4
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9c04c9a2eb90f590
+gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC eacb3f0d76c497ab
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9b69b70419149115
+gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 bf2bd27e13934374
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cdad80fa7245c51c
+gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cb0a3f971b12798a
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d0bd1e07e99b8cc3
+gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 4939c4e658be6f3b
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cba49f0a4f79ebd4
+gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 68d96f82d35df519
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 224be45c1101bd4d
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bc00f5dab7c80b92
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1934aac421e2077f
+gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 3383b44e3a0e8530
+gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC fc3a93c3cfd23669
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dd04114f92b1f232
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c5d02046db546cf4
 ";
