@@ -337,8 +337,8 @@ fn disk_bound_in(disk_bandwidth: f64, disk: u64, host: u64) -> (SearchOptions, S
 /// is not blind to the disk), none is over 150% of it, and a slower disk raises the estimate.
 /// The upper bound is wider than the lower: a candidate whose parameters and gradients live on
 /// disk is priced as three reads and two writes of their storage per step, without the
-/// overlap the simulator finds between them, which overprices such a gpt2 candidate by up to
-/// 41% (the large models' estimates are within 1%: `compile_cli`'s 175B and 70B tests).
+/// overlap the simulator finds between them, so such a small candidate is overpriced (the
+/// large models' estimates are held within 25% by `compile_cli`'s 175B and 70B tests).
 #[test]
 fn the_estimate_prices_the_disk_tier() {
     let (_, fast) = disk_bound(2e9, 64 * GIB);
