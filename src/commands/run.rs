@@ -22,7 +22,7 @@ use protrain::{Error, Result};
 use std::io::IsTerminal;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Where a schedule is executed.
@@ -1079,20 +1079,24 @@ impl StopSignals {
     /// Installs the handlers for the rest of the process.
     fn install() -> Result<Self> {
         use signal_hook::consts::{SIGINT, SIGTERM};
-        use signal_hook::flag;
         let caught = Arc::new(AtomicUsize::new(0));
-        let armed = Arc::new(AtomicBool::new(false));
-        let failed = |e: std::io::Error| {
-            Error::Usage(format!(
-                "cannot install the SIGINT and SIGTERM handlers: {e}"
-            ))
-        };
+        let seen = Arc::new(AtomicUsize::new(0));
         for signal in [SIGINT, SIGTERM] {
-            // Registered first, so it sees the flag the first signal sets, not its own.
-            flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&armed))
-                .map_err(failed)?;
-            flag::register(signal, Arc::clone(&armed)).map_err(failed)?;
-            flag::register_usize(signal, Arc::clone(&caught), signal as usize).map_err(failed)?;
+            let (caught, seen) = (Arc::clone(&caught), Arc::clone(&seen));
+            // One counter for both signals, so two signals handled at once on two threads
+            // still tell which came second: that one exits.
+            let action = move || {
+                if seen.fetch_add(1, Ordering::SeqCst) > 0 {
+                    signal_hook::low_level::exit(128 + signal);
+                }
+                caught.store(signal as usize, Ordering::SeqCst);
+            };
+            // SAFETY: the action only touches atomics and calls `_exit`, all async-signal-safe.
+            unsafe { signal_hook::low_level::register(signal, action) }.map_err(|e| {
+                Error::Usage(format!(
+                    "cannot install the SIGINT and SIGTERM handlers: {e}"
+                ))
+            })?;
         }
         Ok(Self { caught })
     }

@@ -1145,10 +1145,17 @@ fn a_second_signal_exits_at_once() {
     let data = lr_tokens();
     let (mut child, lines, mut text) = training_with_checkpoints(&ckpt, &data);
     let pid = i32::try_from(child.id()).expect("a pid");
+    // The child is stopped while both signals are sent, so they arrive together: sent one
+    // after the other to a running child, the first could stop and checkpoint the tiny run
+    // before the second is sent, and the second would then find nothing to cut short.
     // SAFETY: kill only sends signals to the child this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     for line in lines {
         text.push_str(&line.expect("stderr is text"));
         text.push('\n');
