@@ -169,11 +169,18 @@ impl Coeffs {
 /// Every operation is an IEEE one (add, multiply, FMA, divide, square root), so its vector
 /// form gives the scalar bits. `g` arrives already scaled (`g * s` rounds as `scale` does).
 #[inline(always)]
-fn update<const FROM_M: bool>(p: f32, g: f32, m: f32, v: f32, c: &Coeffs) -> (f32, f32, f32) {
+/// `RECIP` says whether `c.bc2_recip` is given ([`divide_by_bc2`]).
+fn update<const FROM_M: bool, const RECIP: bool>(
+    p: f32,
+    g: f32,
+    m: f32,
+    v: f32,
+    c: &Coeffs,
+) -> (f32, f32, f32) {
     let pi = p * c.decay;
     let mi = c.lerp_a.mul_add(g - m, if FROM_M { m } else { g });
     let vi = (c.one_minus_beta2 * g).mul_add(g, v * c.beta2);
-    let denom = divide_by_bc2(vi.sqrt(), c) + c.eps;
+    let denom = divide_by_bc2::<RECIP>(vi.sqrt(), c) + c.eps;
     (pi + (c.neg_step_size * mi) / denom, mi, vi)
 }
 
@@ -190,10 +197,14 @@ fn update<const FROM_M: bool>(p: f32, g: f32, m: f32, v: f32, c: &Coeffs) -> (f3
 /// NaN: that quotient is infinite, as `q` is. The divider is what bounds this kernel on data
 /// in cache (a square root and two divides per element, 16 lanes each taking it about ten
 /// cycles); the multiply and two FMAs run on the other ports.
+///
+/// `RECIP` is whether `c.bc2_recip` is given, decided by the caller so that a loop over
+/// elements has no branch in it: a choice made per element leaves a branch per vector in the
+/// AVX2 instance, and the comparison's mask is then repacked through 16-bit lanes.
 #[inline(always)]
-fn divide_by_bc2(root: f32, c: &Coeffs) -> f32 {
+fn divide_by_bc2<const RECIP: bool>(root: f32, c: &Coeffs) -> f32 {
     match c.bc2_recip {
-        Some(y) => {
+        Some(y) if RECIP => {
             let q = root * y;
             let corrected = (-q).mul_add(c.bc2_sqrt, root).mul_add(y, q);
             if root == f32::INFINITY {
@@ -202,7 +213,7 @@ fn divide_by_bc2(root: f32, c: &Coeffs) -> f32 {
                 corrected
             }
         }
-        None => root / c.bc2_sqrt,
+        _ => root / c.bc2_sqrt,
     }
 }
 
@@ -268,7 +279,7 @@ pub fn to_bf16(x: f32) -> bf16 {
 /// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
 /// length) set to the new `p` rounded to bf16 in the same pass.
 #[inline(always)]
-fn block<G: Widen, L: Narrow, const FROM_M: bool>(
+fn block<G: Widen, L: Narrow, const FROM_M: bool, const RECIP: bool>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
@@ -278,7 +289,7 @@ fn block<G: Widen, L: Narrow, const FROM_M: bool>(
 ) {
     let n = p.len();
     // The scalars as locals: read through `c`, LLVM's AVX2 cost model finds the loop not worth
-    // vectorising (its instance ran scalar, 0.2-0.6x torch), though the AVX-512 one is.
+    // vectorising (the AVX-512 instance is vectorised either way).
     let c = &{ *c };
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     match low {
@@ -286,21 +297,21 @@ fn block<G: Widen, L: Narrow, const FROM_M: bool>(
             let low = &mut low[..n];
             for i in 0..n {
                 let gi = g[i].widen() * c.grad_scale;
-                let (pi, mi, vi) = update::<FROM_M>(p[i], gi, m[i], v[i], c);
+                let (pi, mi, vi) = update::<FROM_M, RECIP>(p[i], gi, m[i], v[i], c);
                 (p[i], m[i], v[i], low[i]) = (pi, mi, vi, L::narrow(pi));
             }
         }
         None => {
             for i in 0..n {
                 let gi = g[i].widen() * c.grad_scale;
-                let (pi, mi, vi) = update::<FROM_M>(p[i], gi, m[i], v[i], c);
+                let (pi, mi, vi) = update::<FROM_M, RECIP>(p[i], gi, m[i], v[i], c);
                 (p[i], m[i], v[i]) = (pi, mi, vi);
             }
         }
     }
 }
 
-/// [`block`] for both lerp forms, in the CPU's widest instruction set ([`Isa::detect`]).
+/// [`block`] for both lerp forms and both divisions, in the CPU's widest instruction set ([`Isa::detect`]).
 fn run_block<G: Widen, L: Narrow>(
     p: &mut [f32],
     g: &[G],
@@ -337,9 +348,11 @@ unsafe fn block_in<G: Widen, L: Narrow>(
         fast_in(
             isa,
             #[inline(always)]
-            || match c.lerp_from_m {
-                true => block::<G, L, true>(p, g, m, v, low, c),
-                false => block::<G, L, false>(p, g, m, v, low, c),
+            || match (c.lerp_from_m, c.bc2_recip.is_some()) {
+                (true, true) => block::<G, L, true, true>(p, g, m, v, low, c),
+                (true, false) => block::<G, L, true, false>(p, g, m, v, low, c),
+                (false, true) => block::<G, L, false, true>(p, g, m, v, low, c),
+                (false, false) => block::<G, L, false, false>(p, g, m, v, low, c),
             },
         )
     }
@@ -716,6 +729,10 @@ mod tests {
         let steps = (1..=3000u64)
             .step_by(37)
             .chain([1, 2, 3, 10_000, 1 << 20, 1 << 40]);
+        let divide = |root, c: &Coeffs| match c.bc2_recip.is_some() {
+            true => divide_by_bc2::<true>(root, c),
+            false => divide_by_bc2::<false>(root, c),
+        };
         let mut with_recip = 0;
         for beta2 in [0.0, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0 - 1e-9] {
             for step in steps.clone() {
@@ -727,7 +744,7 @@ mod tests {
                 with_recip += usize::from(c.bc2_recip.is_some());
                 for &root in &roots {
                     let want = root / c.bc2_sqrt;
-                    let got = divide_by_bc2(root, &c);
+                    let got = divide(root, &c);
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
@@ -735,7 +752,7 @@ mod tests {
                         c.bc2_sqrt
                     );
                 }
-                assert!(divide_by_bc2(f32::NAN, &c).is_nan());
+                assert!(divide(f32::NAN, &c).is_nan());
             }
         }
         assert!(
@@ -903,10 +920,11 @@ mod tests {
                     false if form == 0 => g[..n].to_vec(),
                     false => g[..n].iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
                 };
-                // The reference: `update` on each element, with the gradient widened exactly.
+                // The reference: `update` on each element, with the gradient widened exactly
+                // and the plain division by the bias correction.
                 let (mut p, mut m, mut v) = (p0[..n].to_vec(), m0[..n].to_vec(), v0[..n].to_vec());
                 for i in 0..n {
-                    (p[i], m[i], v[i]) = update::<true>(p[i], grad[i] * 0.7, m[i], v[i], &c);
+                    (p[i], m[i], v[i]) = update::<true, false>(p[i], grad[i] * 0.7, m[i], v[i], &c);
                 }
                 let want: Vec<u32> = p.iter().chain(&m).chain(&v).map(|x| x.to_bits()).collect();
                 let run = |threads: usize| {
