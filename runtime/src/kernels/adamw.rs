@@ -272,8 +272,8 @@ pub fn to_bf16(x: f32) -> bf16 {
     // Wraps only for NaNs (above 0xffff_8000), whose result is replaced below.
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
     let nan = (b >> 16) | 0x40;
-    let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    bf16::from_bits(if is_nan { nan } else { rounded } as u16)
+    // A float comparison: one instruction a vector, where testing the bits takes three on AVX2.
+    bf16::from_bits(if x.is_nan() { nan } else { rounded } as u16)
 }
 
 /// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
