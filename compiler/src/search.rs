@@ -2612,6 +2612,7 @@ mod tests {
                         cpu_adam,
                         disk,
                         cpu_shares_cores,
+                        flash_attention: true,
                         resident_bytes,
                         chunk_capacity,
                         layer_chunk,
