@@ -58,6 +58,7 @@ fn header(device_budget_bytes: u64) -> HeaderInputs {
         device_budget_bytes,
         host_budget_bytes: u64::MAX,
         report: String::new(),
+        flash_attention: true,
     }
 }
 

@@ -147,6 +147,7 @@ fn depth(c: &mut Criterion) {
                     device_budget_bytes: u64::MAX,
                     host_budget_bytes: u64::MAX,
                     report: String::new(),
+                    flash_attention: true,
                 };
                 compile_policy(&training, &chunks, &policy, header).expect("compiles")
             })

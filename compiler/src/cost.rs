@@ -72,6 +72,14 @@ pub trait CostModel {
         false
     }
 
+    /// Whether the target runs attention as the CUDA backend's flash attention kernels where
+    /// they apply ([`flash_attention_on`]), which the planned workspaces follow (no score
+    /// matrices) as the prices do. `true` (the default) for a GPU of compute capability 8.0
+    /// or newer and the host.
+    fn flash_attention(&self) -> bool {
+        true
+    }
+
     /// On the host backend, where every stream runs on the CPU: the cores the compute kernels
     /// share with the copy threads (each copy is a `memcpy` on a thread of its own, taking one
     /// core of these while it runs); the CPU Adam runs in the compute kernels' thread pool, so
@@ -318,7 +326,8 @@ pub const FLASH_HOPPER: FlashEfficiency = FlashEfficiency {
 /// Whether `name` (a device as the profiler names it: `tesla-v100-sxm2-16gb`, `tesla-t4`,
 /// `nvidia-geforce-rtx-2080-ti`) is a GPU older than compute capability 8.0 (Volta, Turing,
 /// Pascal and before): no bf16 `mma.sync`, so the CUDA backend runs its attention as GEMMs
-/// (`protrain_ir::workspace::FLASH_MIN_COMPUTE_CAPABILITY`). Matched on whole words.
+/// (`protrain_ir::workspace::FLASH_MIN_COMPUTE_CAPABILITY`). Matched on whole words; asked
+/// only of a profile that does not state its compute capability ([`flash_attention_on`]).
 pub fn before_sm80(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     let words: Vec<&str> = name
@@ -335,16 +344,29 @@ pub fn before_sm80(name: &str) -> bool {
         })
 }
 
+/// Whether `profile`'s GPU runs the CUDA backend's flash attention kernels (compute
+/// capability 8.0 or newer): its compute capability where the profile states it
+/// ([`HardwareProfile::flash_attention`]: every GPU preset does, and `protrain profile
+/// --backend cuda` records it), else judged by its name ([`before_sm80`]). The compiler plans
+/// attention's workspace ([`crate::emit::HeaderInputs::flash_attention`]) and prices attention
+/// ([`FlashEfficiency::of`]) by this one answer, so a schedule for an older GPU has the GEMM
+/// path's score workspace the CUDA backend asks for there.
+pub fn flash_attention_on(profile: &HardwareProfile) -> bool {
+    profile
+        .flash_attention()
+        .unwrap_or_else(|| !before_sm80(&profile.name))
+}
+
 impl FlashEfficiency {
     /// The figures for `profile`'s GPU: Hopper (a name naming an H100, H200, H800 or GH200,
     /// as the presets and `nvidia-smi` names do) or the `mma.sync` generations before it
-    /// (Ampere and Ada); `None` for a GPU before compute capability 8.0 ([`before_sm80`]),
-    /// whose attention runs as GEMMs and is priced so.
+    /// (Ampere and Ada); `None` for a GPU before compute capability 8.0
+    /// ([`flash_attention_on`]), whose attention runs as GEMMs and is priced so.
     pub fn of(profile: &HardwareProfile) -> Option<Self> {
-        let name = profile.name.to_ascii_lowercase();
-        if before_sm80(&name) {
+        if !flash_attention_on(profile) {
             return None;
         }
+        let name = profile.name.to_ascii_lowercase();
         if ["h100", "h200", "h800", "gh200"]
             .iter()
             .any(|h| name.contains(h))
@@ -367,7 +389,8 @@ impl Roofline {
     /// twice, `16 + 5e`). The row kernels wait on the GEMMs and the GEMMs on them, so the
     /// compute term is the GEMM time plus the score traffic; the memory term is the operands;
     /// each call is one launch. Attention in bf16 or f16 with a head dimension of 64, 128 or
-    /// 256 runs as flash attention instead ([`workspace::attention_runs_flash`]): the visible
+    /// 256 on a GPU of compute capability 8.0 or newer ([`flash_attention_on`]) runs as flash
+    /// attention instead ([`workspace::attention_runs_flash`]): the visible
     /// pairs' FLOPs at [`FlashEfficiency`] of the peak, no score traffic, one launch forward and
     /// three backward (delta, dQ, dK and dV). `None` for other kinds, and for the `host` profile (the preset,
     /// and what the profiler names a host measurement), whose backend runs attention as fused
@@ -488,6 +511,10 @@ impl CostModel for Roofline {
         !self.profile.is_host()
     }
 
+    fn flash_attention(&self) -> bool {
+        flash_attention_on(&self.profile)
+    }
+
     /// A host profile without a measured op table prices every copy that overlaps compute at
     /// its whole duration (one core): a `memcpy` streams memory as fast as the cores can, and
     /// the kernels beside it (gemm packing, the element-wise and attention kernels) wait on
@@ -580,6 +607,10 @@ impl CostModel for Measured {
 
     fn multi_tensor_adamw(&self) -> bool {
         self.roofline.multi_tensor_adamw()
+    }
+
+    fn flash_attention(&self) -> bool {
+        self.roofline.flash_attention()
     }
 
     /// A measured host profile describes the machine it was measured on, which is the one

@@ -27,6 +27,10 @@ pub struct HeaderInputs {
     pub host_budget_bytes: u64,
     /// Why this policy, as text.
     pub report: String,
+    /// Whether the target GPU runs the CUDA backend's flash attention kernels
+    /// ([`crate::cost::flash_attention_on`]): attention's workspace is planned for them, or
+    /// for the GEMM path and its score matrices on an older GPU.
+    pub flash_attention: bool,
 }
 
 /// Builds the schedule. Its predicted step time and per-stream busy time are zero until the

@@ -99,7 +99,7 @@ pub fn compile_policy_on(
             )));
         }
     }
-    let mut streamed = streams(placed)?;
+    let mut streamed = streams(placed, header.flash_attention)?;
     let planned = plan_buffers(&mut streamed);
     let repeats = if chunk_major { 1 } else { per_rank };
     let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, repeats)?;

@@ -430,6 +430,7 @@ impl<'m> Context<'m> {
                     // Checked below, with the way out, before the header says it.
                     host_budget_bytes: u64::MAX,
                     report: format!("policy given: {policy}"),
+                    flash_attention: self.cost.flash_attention(),
                 };
                 let budgets = HostBudgets {
                     host: host_budget,

@@ -265,6 +265,9 @@ struct Profile {
     /// ([`Profile::after_forward`]), and so does a swapped block's share of its copies
     /// ([`Profile::swap_added`]) instead of hiding behind its chunk's compute.
     cpu_shares_cores: bool,
+    /// Whether the target runs the flash attention kernels ([`CostModel::flash_attention`]):
+    /// every candidate's workspaces are planned for it.
+    flash_attention: bool,
     /// Per chunk: device bytes while persistent (parameters, gradients, optimizer state).
     resident_bytes: Vec<u64>,
     /// Bytes of one chunk buffer.
@@ -612,6 +615,7 @@ impl Profile {
             cpu_adam: ticks(&cpu_adam),
             disk: ticks(&disk),
             cpu_shares_cores: host_share.is_some(),
+            flash_attention: cost.flash_attention(),
             resident_bytes,
             chunk_capacity: chunks.chunk_bytes,
             layer_chunk,
@@ -1576,12 +1580,14 @@ fn search_in_order(
     let report = SearchReport::counted(&estimator, &layouts, slack);
     // Candidates are compiled without a budget (the search rejects those over it itself);
     // the winner gets the real budgets in its header.
+    let flash_attention = profile.flash_attention;
     let header = |report: String| HeaderInputs {
         model: options.model.clone(),
         hardware: options.hardware.clone(),
         device_budget_bytes: u64::MAX,
         host_budget_bytes: u64::MAX,
         report,
+        flash_attention,
     };
     // A candidate as the search compiles it: no budget and no report in its header.
     let compile = |policy: &Policy| {
@@ -2248,6 +2254,7 @@ impl Asked<'_> {
             device_budget_bytes: u64::MAX,
             host_budget_bytes: u64::MAX,
             report: String::new(),
+            flash_attention: self.profile.flash_attention,
         };
         compile_policy_on(
             self.training,
@@ -2605,6 +2612,7 @@ mod tests {
                         cpu_adam,
                         disk,
                         cpu_shares_cores,
+                        flash_attention: true,
                         resident_bytes,
                         chunk_capacity,
                         layer_chunk,

@@ -49,6 +49,7 @@ pub fn search_forward(
         device_budget_bytes: u64::MAX,
         host_budget_bytes: u64::MAX,
         report: String::new(),
+        flash_attention: cost.flash_attention(),
     };
     // Compiles and simulates one policy; `None` when the compiler refuses it (too few
     // buffers for an op).

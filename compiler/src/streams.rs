@@ -455,14 +455,18 @@ fn lean_chunks(
         .collect()
 }
 
-/// Builds the streams of a placed graph.
-pub fn streams(placed: Placed) -> Result<Streamed> {
-    Builder::new(placed.chunks.chunk_bytes).build(placed)
+/// Builds the streams of a placed graph, with each kernel's workspace planned for a GPU with
+/// (`flash_attention`) or without the flash attention kernels
+/// ([`protrain_ir::OpKind::workspace_bytes_for`]).
+pub fn streams(placed: Placed, flash_attention: bool) -> Result<Streamed> {
+    Builder::new(placed.chunks.chunk_bytes, flash_attention).build(placed)
 }
 
 struct Builder {
     /// Bytes of one chunk (and of one slot).
     chunk_bytes: u64,
+    /// Whether the target runs the flash attention kernels (the workspaces follow it).
+    flash_attention: bool,
     buffers: Vec<Pending>,
     homes: Vec<(ValueId, TensorRef)>,
     masters: Vec<(ValueId, TensorRef)>,
@@ -486,9 +490,10 @@ struct Builder {
 }
 
 impl Builder {
-    fn new(chunk_bytes: u64) -> Self {
+    fn new(chunk_bytes: u64, flash_attention: bool) -> Self {
         Self {
             chunk_bytes,
+            flash_attention,
             buffers: Vec::new(),
             homes: Vec::new(),
             masters: Vec::new(),
@@ -1207,7 +1212,7 @@ impl Builder {
             let outputs: Vec<TensorRef> = o.outputs.iter().map(|v| self.primary[v]).collect();
             let types: Vec<&protrain_ir::TensorType> =
                 o.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-            let ws = o.kind.workspace_bytes(&types);
+            let ws = o.kind.workspace_bytes_for(&types, self.flash_attention);
             let workspace = (ws > 0).then(|| {
                 let b = self.buffer(
                     format!("workspace.{}", o.kind.mnemonic()),

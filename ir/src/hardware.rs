@@ -3,6 +3,7 @@
 use crate::error::{IrError, Result};
 use crate::op::OpKind;
 use crate::types::{format_bytes, DType, TensorType};
+use crate::workspace::flash_attention_supported;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -117,6 +118,13 @@ pub struct HardwareProfile {
     /// NVMe rates and no disk ([`Disk::default`]).
     #[serde(default, skip_serializing_if = "Disk::is_default")]
     pub disk: Disk,
+    /// The GPU's CUDA compute capability (major, minor), as `[8, 0]` in JSON: what the
+    /// schedule may use on it (flash attention needs 8.0,
+    /// [`FLASH_MIN_COMPUTE_CAPABILITY`](crate::workspace::FLASH_MIN_COMPUTE_CAPABILITY)).
+    /// `None` when unknown (the host, a profile written before it was recorded): then the
+    /// compiler judges by the device's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<(i32, i32)>,
 }
 
 /// Assumed sequential bandwidths of an NVMe SSD on PCIe 4.0 x4 for large (MiB) reads and
@@ -345,6 +353,8 @@ struct GpuSpec {
     host_dram_gbs: f64,
     /// How the GPUs of its node and the nodes are linked.
     links: Links,
+    /// CUDA compute capability (major, minor), from NVIDIA's CUDA GPUs table.
+    compute_capability: (i32, i32),
 }
 
 impl GpuSpec {
@@ -374,6 +384,7 @@ impl GpuSpec {
             measured_ops: Vec::new(),
             interconnect: Some(self.links.interconnect()),
             disk: Disk::default(),
+            compute_capability: Some(self.compute_capability),
         }
     }
 }
@@ -397,6 +408,7 @@ const RTX3090: GpuSpec = GpuSpec {
     host_gib: 128,
     host_dram_gbs: 51.2,
     links: GEFORCE_LINKS,
+    compute_capability: (8, 6),
 };
 
 /// NVIDIA GeForce RTX 4090 in a desktop workstation.
@@ -418,6 +430,7 @@ const RTX4090: GpuSpec = GpuSpec {
     host_gib: 128,
     host_dram_gbs: 89.6,
     links: GEFORCE_LINKS,
+    compute_capability: (8, 9),
 };
 
 /// NVIDIA A100 SXM4 40 GB, one eighth of a DGX A100.
@@ -438,6 +451,7 @@ const A100_40GB: GpuSpec = GpuSpec {
     host_gib: 128,
     host_dram_gbs: 51.2,
     links: DGX_A100_LINKS,
+    compute_capability: (8, 0),
 };
 
 /// NVIDIA A100 SXM4 80 GB, one eighth of a DGX A100 (640 GB).
@@ -457,6 +471,7 @@ const A100_80GB: GpuSpec = GpuSpec {
     host_gib: 256,
     host_dram_gbs: 51.2,
     links: DGX_A100_LINKS,
+    compute_capability: (8, 0),
 };
 
 /// NVIDIA H100 SXM5 80 GB, one eighth of a DGX H100.
@@ -477,6 +492,7 @@ const H100: GpuSpec = GpuSpec {
     host_gib: 256,
     host_dram_gbs: 76.8,
     links: DGX_H100_LINKS,
+    compute_capability: (9, 0),
 };
 
 /// NVIDIA H200 SXM 141 GB, one eighth of a DGX H200.
@@ -497,6 +513,7 @@ const H200: GpuSpec = GpuSpec {
     host_gib: 256,
     host_dram_gbs: 76.8,
     links: DGX_H100_LINKS,
+    compute_capability: (9, 0),
 };
 
 impl HardwareProfile {
@@ -582,7 +599,16 @@ impl HardwareProfile {
             measured_ops: Vec::new(),
             interconnect: None,
             disk: Disk::default(),
+            compute_capability: None,
         }
+    }
+
+    /// Whether the GPU runs the CUDA backend's flash attention kernels (compute capability
+    /// [`FLASH_MIN_COMPUTE_CAPABILITY`](crate::workspace::FLASH_MIN_COMPUTE_CAPABILITY) or
+    /// newer), as far as the profile says: `None` when it does not state its compute
+    /// capability.
+    pub fn flash_attention(&self) -> Option<bool> {
+        self.compute_capability.map(flash_attention_supported)
     }
 
     /// Whether the profile describes the host CPU as the device: the `host` preset, or a
@@ -783,6 +809,15 @@ impl HardwareProfile {
                 return bad(format!(
                     "interconnect.step_latency_s must be a non-negative number, got {}",
                     link.step_latency_s
+                ));
+            }
+        }
+        if let Some((major, minor)) = self.compute_capability {
+            if !(1..=99).contains(&major) || !(0..=9).contains(&minor) {
+                return bad(format!(
+                    "compute_capability [{major}, {minor}] is not a CUDA compute capability; \
+                     give [major, minor] as `nvidia-smi --query-gpu=compute_cap` prints it \
+                     (8.0 is [8, 0]), or leave the field out"
                 ));
             }
         }
@@ -1038,6 +1073,44 @@ mod tests {
                 .contains("inter_node_bandwidth must be a positive"),
             "{err}"
         );
+    }
+
+    /// Every GPU preset states its compute capability (what decides flash attention), the
+    /// host none; a profile written without one still loads, and a value that is not a
+    /// compute capability is refused with the form it takes.
+    #[test]
+    fn gpu_presets_state_their_compute_capability() {
+        let cc = |name: &str| HardwareProfile::preset(name).unwrap().compute_capability;
+        assert_eq!(cc("rtx3090"), Some((8, 6)));
+        assert_eq!(cc("rtx4090"), Some((8, 9)));
+        assert_eq!(cc("a100-40gb"), Some((8, 0)));
+        assert_eq!(cc("h200"), Some((9, 0)));
+        assert_eq!(cc("host"), None);
+        for name in PRESETS.iter().filter(|n| **n != "host") {
+            assert_eq!(
+                HardwareProfile::preset(name).unwrap().flash_attention(),
+                Some(true)
+            );
+        }
+        let mut older = HardwareProfile::preset("a100-80gb").unwrap();
+        older.compute_capability = Some((7, 0));
+        assert_eq!(older.flash_attention(), Some(false));
+        let text = older.to_json().unwrap();
+        assert!(
+            text.contains("\"compute_capability\": [\n    7,\n    0\n  ]"),
+            "{text}"
+        );
+        assert_eq!(HardwareProfile::from_json(&text).unwrap(), older);
+        older.compute_capability = None;
+        let text = older.to_json().unwrap();
+        assert!(!text.contains("compute_capability"), "{text}");
+        assert_eq!(
+            HardwareProfile::from_json(&text).unwrap().flash_attention(),
+            None
+        );
+        older.compute_capability = Some((80, 10));
+        let err = HardwareProfile::from_json(&older.to_json().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("[8, 0]"), "{err}");
     }
 
     #[test]

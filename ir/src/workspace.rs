@@ -146,9 +146,10 @@ impl WorkspaceLayout {
 
     /// [`WorkspaceLayout::of`] on a GPU with (`flash`) or without the flash attention
     /// kernels ([`flash_attention_supported`]): without them, attention that would run as
-    /// flash attention runs as GEMMs and has score parts. Schedules are planned with flash
-    /// attention ([`WorkspaceLayout::of`]); the CUDA backend on an older GPU asks this layout
-    /// and refuses a workspace too small for it.
+    /// flash attention runs as GEMMs and has score parts. The compiler plans the layout of the
+    /// target's GPU (the profile's compute capability); the CUDA backend asks the layout of
+    /// the GPU it runs on and refuses a workspace too small for it (a schedule planned for
+    /// flash attention, run on an older GPU).
     pub fn for_device(kind: &OpKind, inputs: &[&TensorType], flash: bool) -> Self {
         let partials = |rows: u64, cols: u64| 4 * reduction_chunks(rows) * cols;
         let x = |i: usize| inputs.get(i).copied();

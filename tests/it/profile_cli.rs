@@ -138,7 +138,14 @@ fn the_cuda_backend_runs_or_says_why_not() {
     let out = protrain(&args);
     let err = stderr(&out);
     match protrain::runtime::cuda::available() {
-        Ok(()) => assert!(out.status.success(), "a GPU is here: {err}"),
+        Ok(()) => {
+            assert!(out.status.success(), "a GPU is here: {err}");
+            // The profile records the GPU's compute capability, which decides whether the
+            // compiler plans flash attention for it.
+            let profile = HardwareProfile::from_json(&String::from_utf8_lossy(&out.stdout))
+                .unwrap_or_else(|e| panic!("{e}: {err}"));
+            assert!(profile.compute_capability.is_some(), "{profile:?}");
+        }
         Err(why) => {
             assert_eq!(out.status.code(), Some(2), "{err}");
             if cfg!(feature = "cuda") {

@@ -169,6 +169,7 @@ fn facade_fixed_policy_compiles_the_policy_the_pipeline_compiles() {
         device_budget_bytes: rtx3090().usable_device_bytes(),
         host_budget_bytes: rtx3090().host_memory_bytes,
         report: format!("policy given: {expected}"),
+        flash_attention: true,
     };
     let direct =
         protrain::compiler::pipeline::compile_policy(&training, &chunks, &expected, header)

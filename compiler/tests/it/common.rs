@@ -11,5 +11,6 @@ pub fn header(model: &str, hardware: &str) -> HeaderInputs {
         device_budget_bytes: u64::MAX,
         host_budget_bytes: u64::MAX,
         report: String::new(),
+        flash_attention: true,
     }
 }

@@ -198,8 +198,10 @@ mod cost {
             softcap: None,
         };
         let a100 = profile("a100-80gb");
+        // A profile that does not state its compute capability is judged by its name.
         let v100 = HardwareProfile {
             name: "tesla-v100-sxm2-16gb".into(),
+            compute_capability: None,
             ..a100.clone()
         };
         assert_eq!(FlashEfficiency::of(&v100), None);
@@ -219,6 +221,76 @@ mod cost {
             gemm.compute_s > flash.compute_s,
             "{gemm:?} against {flash:?}"
         );
+    }
+
+    /// A GPU before compute capability 8.0 has no flash attention (its kernels need sm_80), so
+    /// the CUDA backend runs attention there as GEMMs over score matrices and asks for that
+    /// path's workspace (`WorkspaceLayout::for_device(.., false)`, `runtime/src/cuda/launch.rs`).
+    /// A schedule compiled for a profile stating such a capability plans exactly that workspace
+    /// for every attention op and is priced as the GEMM path; the same model for the sm_80
+    /// profile it was copied from (same name, so only the capability differs) plans no scores.
+    #[test]
+    fn a_profile_before_sm80_plans_and_prices_the_gemm_attention_path() {
+        use protrain_compiler::pipeline::{compile, CompileOptions};
+        use protrain_ir::workspace::{Scratch, WorkspaceLayout};
+        use protrain_ir::Instr;
+        let mut config = protrain_models::load("llama-tiny").expect("preset");
+        // Two 64-wide query heads over one KV head: a head dimension flash attention runs.
+        config.hidden_size = 128;
+        config.num_heads = 2;
+        config.num_kv_heads = 1;
+        config.head_dim = 64;
+        let a100 = profile("a100-80gb");
+        assert_eq!(a100.compute_capability, Some((8, 0)));
+        let older = HardwareProfile {
+            compute_capability: Some((7, 5)),
+            ..a100.clone()
+        };
+        assert_eq!(FlashEfficiency::of(&older), None);
+        assert!(!cost_model(&older).flash_attention());
+        assert!(cost_model(&a100).flash_attention());
+        let run = |hardware: &HardwareProfile, flash: bool| {
+            let options = CompileOptions {
+                batch: 2,
+                seq: 80,
+                dtype: DType::BF16,
+                ..CompileOptions::for_hardware(hardware.clone())
+            };
+            let compiled = compile(&config, &options).expect("compiles");
+            let s = compiled.schedule.schedule();
+            let mut attention = 0;
+            for instr in s.streams.iter().flat_map(|st| st.instrs.iter()) {
+                let Instr::Kernel { op, workspace, .. } = instr else {
+                    continue;
+                };
+                let o = s.graph.op(*op);
+                if !matches!(
+                    o.kind,
+                    OpKind::Attention { .. } | OpKind::AttentionBackward { .. }
+                ) {
+                    continue;
+                }
+                attention += 1;
+                let types: Vec<&TensorType> =
+                    o.inputs.iter().map(|v| &s.graph.value(*v).ty).collect();
+                let layout = WorkspaceLayout::for_device(&o.kind, &types, flash);
+                assert_eq!(layout.get(Scratch::Scores).is_some(), !flash);
+                let planned = workspace.map_or(0, |w| s.buffers[w.buffer.index()].size);
+                assert_eq!(
+                    planned,
+                    layout.bytes(),
+                    "{}: planned {planned} bytes of workspace, the launcher asks for {} on a \
+                     GPU {} flash attention",
+                    o.kind.mnemonic(),
+                    layout.bytes(),
+                    if flash { "with" } else { "without" }
+                );
+            }
+            assert!(attention >= 2, "{attention} attention kernels");
+            compiled.simulation.step_seconds
+        };
+        let (flash_s, gemm_s) = (run(&a100, true), run(&older, false));
+        assert!(gemm_s > flash_s, "GEMM path {gemm_s} s, flash {flash_s} s");
     }
 
     /// bf16 and f16 attention with a flash head dimension is priced as the flash kernels run

@@ -139,6 +139,7 @@ mod fuse {
                     device_budget_bytes: u64::MAX,
                     host_budget_bytes: u64::MAX,
                     report: String::new(),
+                    flash_attention: true,
                 };
                 let s = compile_policy(&training, &chunks, &policy, header)
                     .unwrap_or_else(|e| panic!("{model} {policy}: {e}"));

@@ -936,6 +936,15 @@ impl OpKind {
         crate::workspace::WorkspaceLayout::of(self, inputs).bytes()
     }
 
+    /// [`OpKind::workspace_bytes`] on a GPU with (`flash`) or without the flash attention
+    /// kernels ([`WorkspaceLayout::for_device`](crate::workspace::WorkspaceLayout::for_device)):
+    /// without them attention runs as GEMMs and needs its score parts. The compiler plans
+    /// this for the target's GPU; a larger workspace than [`OpKind::workspace_bytes`] is
+    /// always valid.
+    pub fn workspace_bytes_for(&self, inputs: &[&TensorType], flash: bool) -> u64 {
+        crate::workspace::WorkspaceLayout::for_device(self, inputs, flash).bytes()
+    }
+
     /// Whether ops of this kind update some of their inputs in place (the optimizer).
     pub fn writes_inputs(&self) -> &'static [usize] {
         match self {

@@ -732,7 +732,7 @@ impl Checker<'_> {
             });
         }
         if let Some(w) = workspace {
-            let span = self.span(w, self.workspace_need(op));
+            let span = self.span(w, self.workspace_span(op, w));
             writes.push(KernelWrite {
                 span,
                 content: Content::Scratch,

@@ -154,7 +154,9 @@ impl Checker<'_> {
         }
         let need = self.workspace_need(*op);
         match (need, workspace) {
-            (0, Some(w)) => {
+            // Attention on a GPU without flash attention needs a workspace where it needs none
+            // with it.
+            (0, Some(w)) if self.workspace_need_without_flash(*op) == 0 => {
                 return Err(format!(
                     "has a workspace ({}) but {} needs none",
                     self.buf(w.buffer),

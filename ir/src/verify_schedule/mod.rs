@@ -15,7 +15,9 @@
 //!    there is at least one stream; every buffer, op, value, chunk, parameter and event id is
 //!    in range (events are `0..events`); every kernel's op has as many inputs and outputs as
 //!    the kernel addresses, and a workspace exactly when its kind's
-//!    [`workspace_bytes`](crate::OpKind::workspace_bytes) is non-zero; kernels run on compute
+//!    [`workspace_bytes`](crate::OpKind::workspace_bytes) is non-zero (or, for attention
+//!    planned for a GPU without flash attention,
+//!    [`workspace_bytes_for`](crate::OpKind::workspace_bytes_for) is); kernels run on compute
 //!    streams with device operands or on host-optimizer streams with host operands; copies run
 //!    on the host-to-device stream from host to device (fetch, reload) or on the
 //!    device-to-host stream from device to host (offload, grads, scalars); a copy of a value
@@ -744,9 +746,30 @@ impl<'a> Checker<'a> {
         self.g.outputs()[0]
     }
 
+    /// Bytes of workspace `op` needs on every GPU ([`workspace_bytes`](crate::OpKind::workspace_bytes): with flash
+    /// attention).
     fn workspace_need(&self, op: OpId) -> u64 {
         let o = self.g.op(op);
         let types: Vec<&TensorType> = o.inputs.iter().map(|v| &self.g.value(*v).ty).collect();
         o.kind.workspace_bytes(&types)
+    }
+
+    /// Bytes of workspace `op` needs on a GPU without flash attention, where attention runs as
+    /// GEMMs over score matrices ([`workspace_bytes_for`](crate::OpKind::workspace_bytes_for)); the compiler plans this
+    /// for such a GPU. At least [`Checker::workspace_need`].
+    fn workspace_need_without_flash(&self, op: OpId) -> u64 {
+        let o = self.g.op(op);
+        let types: Vec<&TensorType> = o.inputs.iter().map(|v| &self.g.value(*v).ty).collect();
+        o.kind.workspace_bytes_for(&types, false)
+    }
+
+    /// The bytes at `w`, `op`'s workspace, that its kernels may write: the planned workspace
+    /// (to the end of its buffer) up to what the op needs on any GPU, and at least what it
+    /// needs on every GPU.
+    fn workspace_span(&self, op: OpId, w: TensorRef) -> u64 {
+        let planned = self.s.buffer(w.buffer).size.saturating_sub(w.offset);
+        planned
+            .min(self.workspace_need_without_flash(op))
+            .max(self.workspace_need(op))
     }
 }

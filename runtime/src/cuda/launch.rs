@@ -320,9 +320,10 @@ impl Plan<'_> {
                     "this GPU is older than compute capability {}.{}, so attention runs as \
                      GEMMs instead of the flash attention kernels (their bf16 and f16 tensor \
                      core products need sm_80), and those need {need} bytes of workspace for \
-                     the scores where the schedule planned {have} for flash attention; train \
-                     with --dtype f32 on this GPU, or on a GPU of compute capability 8.0 or \
-                     newer",
+                     the scores where the schedule planned {have} for flash attention; compile \
+                     the schedule for this GPU (--hardware with a profile that states its \
+                     compute capability, as `protrain profile --backend cuda` writes), train \
+                     with --dtype f32, or use a GPU of compute capability 8.0 or newer",
                     FLASH_MIN_COMPUTE_CAPABILITY.0, FLASH_MIN_COMPUTE_CAPABILITY.1
                 )))
             }
@@ -1327,9 +1328,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 );
             }
             let pad = padding_idx.filter(|&i| i < vocab).map_or(-1, |i| i as i32);
+            // Each thread takes 16 bytes of columns on the kernel's vector path; on its scalar
+            // path (a width that is not a multiple, offset pointers) the column groups stride
+            // over grid.y, so this grid covers every column either way.
+            let per_block = u64::from(BLOCK) * (16 / st.size());
             let grid = (
                 vocab.min(MAX_GRID_YZ) as u32,
-                p.grid_yz(ch.div_ceil(u64::from(BLOCK)), "channel blocks")?,
+                p.grid_yz(ch.div_ceil(per_block), "channel blocks")?,
                 1,
             );
             let args = vec![

@@ -170,6 +170,8 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         // One GPU measured: how it links to others is not known.
         interconnect: None,
         disk: protrain_ir::Disk::default(),
+        // What the compiler plans attention for (flash attention needs 8.0).
+        compute_capability: Some(rates.compute_capability),
     };
     profile
         .validate()
@@ -185,6 +187,7 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
 /// What [`measure_device`] found.
 struct DeviceRates {
     device: String,
+    compute_capability: (i32, i32),
     memory_bytes: u64,
     reserved_bytes: u64,
     bf16_flops: f64,
@@ -278,6 +281,7 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
     let reserved_bytes = reserved_bytes(&backend, arena)?;
     Ok(DeviceRates {
         device: backend.device().name.clone(),
+        compute_capability: backend.device().compute_capability,
         memory_bytes: backend.device().memory_bytes,
         reserved_bytes,
         bf16_flops,

@@ -10,6 +10,13 @@
 #include "cuda_emu.h"
 #include <random>
 #include <string>
+// The 16-byte accesses of common.cuh's `ldv` / `stv` (its PT_VECTOR_ACCESS hook), so a check
+// can tell which path a launch took; one-element `Vec`s are scalar accesses and not counted.
+static std::atomic<long long> vector_accesses{0};
+void pt_vector_access(int n) {
+    if (n > 1) vector_accesses.fetch_add(1, std::memory_order_relaxed);
+}
+#define PT_COUNT_VECTOR_ACCESSES
 #include "../kernels/common.cuh"
 #include "../kernels/activation.cu"
 #include "../kernels/add.cu"
@@ -1123,7 +1130,149 @@ template <typename T> void vector_paths(const char* dt) {
         same_bits<T, T>(name("bias_add"), 1, 2, false, [cols](T* o, T*, T* x, T* b, T*, i64 n) { bias_add(o, x, b, n / cols, cols); });
     }
 }
+// The row kernels' (norms, RoPE, embeddings) vector path against their scalar path, bit for
+// bit: each runs on the same values with every buffer at 16-byte-aligned addresses and one
+// element past them. The aligned run must take the vector path where the shape allows it
+// (counted 16-byte accesses), the shifted run never, and their outputs must agree. Shapes:
+// rows of many vectors (several parts per thread), rows of a width that is not a multiple of
+// the vector (rows alternate between aligned and not, a short last part), and shapes where
+// only the scalar path applies.
+template <typename T> Shifted<T> sh(const std::vector<float>& v, int shift) { return Shifted<T>(as<T>(v), shift); }
+template <typename T> std::vector<unsigned short> cat(std::initializer_list<std::vector<unsigned short>> parts) {
+    std::vector<unsigned short> r;
+    for (auto& p : parts) r.insert(r.end(), p.begin(), p.end());
+    return r;
+}
+/// `shifted_scalar`: whether the shifted run must take no vector (false where a row width that is
+/// not a multiple of the vector brings some shifted rows back to an aligned address).
+template <typename Run> void paths(const std::string& what, bool vector, Run run, bool shifted_scalar = true) {
+    vector_accesses = 0;
+    auto aligned = run(0);
+    const long long va = vector_accesses.exchange(0);
+    auto shifted = run(1);
+    const long long vs = vector_accesses.exchange(0);
+    const bool ok = aligned == shifted && (vector ? va > 0 : va == 0) && (vs == 0 || !shifted_scalar);
+    if (!ok) failures++;
+    printf("%s %s: %s, %lld vector accesses aligned (%s), %lld shifted\n", ok ? "ok  " : "FAIL", what.c_str(),
+           aligned == shifted ? "same bits on both paths" : "the paths DIFFER", va, vector ? "want some" : "want none", vs);
+}
+template <typename T> void row_paths(const char* dt) {
+    constexpr int N = VecWidth<T>::N;
+    const int R = 4;
+    for (int C : {70 * N, 70 * N + 3, 5}) {
+        const bool vector = C >= N; // C = 70N + 3: the aligned rows (row 0) take vectors
+        const bool whole = C % N == 0;
+        const std::string shape = std::string(" ") + dt + " C=" + std::to_string(C);
+        auto x = rnd((size_t)R * C, 2), w = rnd(C), b = rnd(C), d = rnd((size_t)R * C), mu = rnd(R), rs = rnd(R);
+        for (auto& v : rs) v = 1.0f + std::fabs(v);
+        std::vector<float> nan_rc((size_t)R * C, NAN), nan_r(R, NAN);
+        paths("layer_norm_forward" + shape, vector, [&](int s) {
+            auto o = sh<T>(nan_rc, s); auto xs = sh<T>(x, s), ws = sh<T>(w, s), bs = sh<T>(b, s);
+            auto m = sh<float>(nan_r, s), r = sh<float>(nan_r, s);
+            launch(G(2), G(32), [&] { layer_norm_forward(o.p, m.p, r.p, xs.p, ws.p, bs.p, R, C, 1e-5f); });
+            return cat<T>({o.bits((size_t)R * C), m.bits(R), r.bits(R)});
+        }, whole);
+        paths("layer_norm_forward without bias" + shape, vector, [&](int s) {
+            auto o = sh<T>(nan_rc, s); auto xs = sh<T>(x, s), ws = sh<T>(w, s);
+            auto m = sh<float>(nan_r, s), r = sh<float>(nan_r, s);
+            launch(G(2), G(32), [&] { layer_norm_forward(o.p, m.p, r.p, xs.p, ws.p, (const T*)nullptr, R, C, 1e-5f); });
+            return cat<T>({o.bits((size_t)R * C), m.bits(R), r.bits(R)});
+        }, whole);
+        paths("layer_norm_backward" + shape, vector, [&](int s) {
+            auto o = sh<T>(nan_rc, s); auto ds = sh<T>(d, s), xs = sh<T>(x, s), ws = sh<T>(w, s);
+            launch(G(2), G(32), [&] { layer_norm_backward(o.p, ds.p, xs.p, ws.p, mu.data(), rs.data(), R, C); });
+            return o.bits((size_t)R * C);
+        }, whole);
+        for (int unit : {0, 1}) {
+            const std::string u = unit ? " (1 + weight)" : "";
+            paths("rms_norm_forward" + u + shape, vector, [&](int s) {
+                auto o = sh<T>(nan_rc, s); auto xs = sh<T>(x, s), ws = sh<T>(w, s); auto r = sh<float>(nan_r, s);
+                launch(G(2), G(32), [&] { rms_norm_forward(o.p, r.p, xs.p, ws.p, R, C, 1e-6f, unit); });
+                return cat<T>({o.bits((size_t)R * C), r.bits(R)});
+            }, whole);
+            paths("rms_norm_backward" + u + shape, vector, [&](int s) {
+                auto o = sh<T>(nan_rc, s); auto ds = sh<T>(d, s), xs = sh<T>(x, s), ws = sh<T>(w, s);
+                launch(G(2), G(32), [&] { rms_norm_backward(o.p, ds.p, xs.p, ws.p, rs.data(), R, C, unit); });
+                return o.bits((size_t)R * C);
+            }, whole);
+        }
+    }
+    // RoPE: whole heads, a partial rotary width with copied elements and copied heads (both
+    // multiples of the vector), and widths where only the scalar path applies.
+    struct RopeShape { int D, Rot, rot; bool vector; };
+    for (RopeShape r : {RopeShape{4 * N, 4 * N, 3, true}, RopeShape{4 * N, 2 * N, 2, true}, RopeShape{16, 10, 2, false},
+                        RopeShape{2 * N + 2, 2 * N, 3, false}}) {
+        const int B = 2, Tn = 3, H = 3;
+        const size_t n = (size_t)B * Tn * H * r.D;
+        std::vector<float> inv(r.Rot / 2);
+        for (int i = 0; i < r.Rot / 2; ++i) inv[i] = 1.0f / std::pow(10000.0f, 2.0f * i / r.Rot);
+        auto x = rnd(n, 2);
+        std::vector<float> nans(n, NAN);
+        const std::string shape = std::string(" ") + dt + " D=" + std::to_string(r.D) + " R=" + std::to_string(r.Rot);
+        for (int bwd : {0, 1}) {
+            auto kern = [&](T* o, const T* xs) {
+                if (bwd) rope(o, xs, inv.data(), B, Tn, H, r.D, r.Rot, r.rot, 1.1f, -1.0f);
+                else rope(o, xs, inv.data(), B, Tn, H, r.D, r.Rot, r.rot, 1.1f, 1.0f);
+            };
+            const std::string k = bwd ? "rope_backward" : "rope_forward";
+            std::vector<unsigned short> out_of_place;
+            paths(k + shape, r.vector, [&](int s) {
+                auto o = sh<T>(nans, s); auto xs = sh<T>(x, s);
+                launch(G(2), G(32), [&] { kern(o.p, xs.p); });
+                out_of_place = o.bits(n);
+                return out_of_place;
+            });
+            paths(k + " in place" + shape, r.vector, [&](int s) {
+                auto xs = sh<T>(x, s);
+                launch(G(2), G(32), [&] { kern(xs.p, xs.p); });
+                auto got = xs.bits(n);
+                if (got != out_of_place) got.push_back(0xdead); // in place must equal out of place
+                return got;
+            });
+        }
+    }
+    // Embeddings: rows of whole vectors and rows that are not.
+    for (int C : {70 * N, 70 * N + 1}) {
+        const bool vector = C % N == 0;
+        const std::string shape = std::string(" ") + dt + " C=" + std::to_string(C);
+        const int V = 7, Tn = 9, Bn = 2, P = 6, off = 2;
+        std::vector<int> tok = {3, 0, 6, 3, -1, 2, 3, 9, 0};
+        auto table = rnd((size_t)V * C), dout = rnd((size_t)Tn * C), ptab = rnd((size_t)P * C), pd = rnd((size_t)Bn * 3 * C);
+        auto dt0 = rnd((size_t)V * C), pg0 = rnd((size_t)P * C);
+        std::vector<float> nans((size_t)Tn * C, NAN);
+        paths("embedding_forward" + shape, vector, [&](int s) {
+            auto o = sh<T>(nans, s); auto ts = sh<T>(table, s);
+            launch(G(3), G(32), [&] { embedding_forward(o.p, tok.data(), ts.p, Tn, V, C); });
+            return o.bits((size_t)Tn * C);
+        });
+        paths("position_embedding_forward" + shape, vector, [&](int s) {
+            auto o = sh<T>(nans, s); auto ts = sh<T>(ptab, s);
+            launch(G(3), G(32), [&] { position_embedding_forward(o.p, ts.p, Bn, 3, C, off); });
+            return o.bits((size_t)Bn * 3 * C);
+        });
+        for (int acc : {0, 1}) {
+            const std::string a = acc ? " accumulate" : "";
+            paths("position_embedding_backward" + a + shape, vector, [&](int s) {
+                auto g = sh<T>(pg0, s); auto ds = sh<T>(pd, s);
+                launch(G(3), G(32), [&] { position_embedding_backward(g.p, ds.p, Bn, 3, C, off, P, acc); });
+                return g.bits((size_t)P * C);
+            });
+            std::vector<int> span(2 * V);
+            launch(G(1), G(32), [&] { embedding_backward_span(span.data(), tok.data(), Tn, V, 0); });
+            launch(G(1), G(32), [&] { embedding_backward_span(span.data(), tok.data(), Tn, V, 1); });
+            paths("embedding_backward pad 0" + a + shape, vector, [&](int s) {
+                auto g = sh<T>(dt0, s); auto ds = sh<T>(dout, s);
+                launch(G(V, 1), G(32), [&] { embedding_backward(g.p, ds.p, tok.data(), span.data(), Tn, V, C, acc, 0); });
+                return g.bits((size_t)V * C);
+            });
+        }
+    }
+}
+
 void test_vector_paths() {
+    row_paths<float>("f32");
+    row_paths<bf16>("bf16");
+    row_paths<f16>("f16");
     vector_paths<float>("f32");
     vector_paths<bf16>("bf16");
     vector_paths<f16>("f16");

@@ -130,11 +130,63 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
 /// Whether `p` is 16-byte aligned, which a vector access at element multiples of `N` needs.
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
 
+// The CPU emulation (emu/harness.cpp) defines PT_COUNT_VECTOR_ACCESSES and counts the wide
+// accesses of `ldv` / `stv`, so its checks can tell which path a launch took; elsewhere (NVRTC,
+// the simulator) the hook is empty.
+#ifdef PT_COUNT_VECTOR_ACCESSES
+#define PT_VECTOR_ACCESS(n) pt_vector_access(n)
+#else
+#define PT_VECTOR_ACCESS(n)
+#endif
+
 template <int N, typename T> __device__ __forceinline__ Vec<T, N> ldv(const T* p, i64 i) {
+    PT_VECTOR_ACCESS(N);
     return *reinterpret_cast<const Vec<T, N>*>(p + i);
 }
 template <int N, typename T> __device__ __forceinline__ void stv(T* p, i64 i, const Vec<T, N>& v) {
+    PT_VECTOR_ACCESS(N);
     *reinterpret_cast<Vec<T, N>*>(p + i) = v;
+}
+
+/// `n` (at most `N`) consecutive elements of `p` from `i`, as f32, into `v[0..n]`: one 16-byte
+/// load when `vec` and the part is whole (`n == N`; `p + i` must then be 16-byte aligned),
+/// else `n` scalar loads. The values are the same either way.
+template <int N, typename T>
+__device__ __forceinline__ void ld_part(float (&v)[N], const T* p, i64 i, int n, bool vec) {
+    if (vec && n == N) {
+        const Vec<T, N> a = ldv<N>(p, i);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = to_f32(a.v[k]);
+    } else {
+        for (int k = 0; k < n; ++k) v[k] = ld(p, i + k);
+    }
+}
+
+/// Stores `v[0..n]` at `p + i` in `T`, as [`ld_part`] loads (one 16-byte store when `vec` and
+/// `n == N`).
+template <int N, typename T>
+__device__ __forceinline__ void st_part(T* p, i64 i, const float (&v)[N], int n, bool vec) {
+    if (vec && n == N) {
+        Vec<T, N> o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(v[k]);
+        stv<N>(p, i, o);
+    } else {
+        for (int k = 0; k < n; ++k) st(p, i + k, v[k]);
+    }
+}
+
+/// The parts of a row of `cols` elements that this thread of a row kernel's block owns:
+/// `f(c, n)` for the parts of `N` elements at c = N * (threadIdx.x + k * blockDim.x), k = 0, 1,
+/// ..., the last part of the row shorter (n = cols - c) when N does not divide `cols`. Which
+/// elements a thread sums, and in what order, depends only on `cols`, `N` and the block, not on
+/// whether the parts are loaded as vectors, so a reduction over them has the same bits on the
+/// vector path and on the scalar one.
+template <int N, typename F> __device__ __forceinline__ void row_parts(int cols, F f) {
+    for (i64 c = (i64)threadIdx.x * N; c < cols; c += (i64)blockDim.x * N) {
+        const int at = (int)c;
+        f(at, min(N, cols - at));
+    }
 }
 
 /// Grid-stride over `0..n` in vectors of `N`: `vec(i)` for each whole vector (elements `i..i+N`)

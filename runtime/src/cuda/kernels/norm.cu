@@ -2,7 +2,11 @@
 // and LLaMA's RMSNorm, forward and backward, f32 statistics whatever the storage type.
 //
 // Row kernels give each row to one block (grid.x any: blocks stride over rows; 1-D blocks of
-// a multiple of 32 threads, 256 intended) and reduce with fixed block trees. Weight and bias
+// a multiple of 32 threads, 256 intended) and reduce with fixed block trees. Each thread owns
+// parts of 16 bytes of a row (8 bf16 or f16, 4 f32: common.cuh's `row_parts`), loaded and
+// stored as one vector access where the row's pointer is 16-byte aligned and element by element
+// otherwise (rows of a width that is not a multiple of the part, offset pointers); the parts
+// and the order of every sum are the same on both paths, so the path changes no bit. Weight and bias
 // gradients are column sums over rows: `norm_backward_params_partial_*` writes per-chunk
 // partials [n_chunks, C] (as reduce.cu's column sums), and reduce.cu's `column_sum_finish_*`
 // adds them in order into dweight / dbias (overwriting or accumulating).
@@ -11,23 +15,42 @@ template <typename T>
 __device__ void layer_norm_forward(T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias,
                                    int rows, int channels, float eps) {
     __shared__ float scratch[32];
+    constexpr int N = VecWidth<T>::N;
+    const bool vw = aligned16(weight), vb = bias && aligned16(bias);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 base = (i64)r * channels;
+        const T* xr = x + (i64)r * channels;
+        T* orow = out + (i64)r * channels;
+        const bool vx = aligned16(xr), vo = aligned16(orow);
         float s = 0.0f;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) s += ld(x, base + c);
+        row_parts<N>(channels, [&](int c, int n) {
+            float v[N];
+            ld_part<N>(v, xr, c, n, vx);
+            for (int k = 0; k < n; ++k) s += v[k];
+        });
         const float mu = block_sum(s, scratch) / (float)channels;
         float q = 0.0f;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float d = ld(x, base + c) - mu;
-            q += d * d;
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float v[N];
+            ld_part<N>(v, xr, c, n, vx);
+            for (int k = 0; k < n; ++k) {
+                float d = v[k] - mu;
+                q += d * d;
+            }
+        });
         const float var = block_sum(q, scratch) / (float)channels;
         const float rs = 1.0f / sqrtf(var + eps);
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float v = (ld(x, base + c) - mu) * rs * ld(weight, c);
-            if (bias) v += ld(bias, c);
-            st(out, base + c, v);
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float v[N], w[N], b[N];
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            if (bias) ld_part<N>(b, bias, c, n, vb);
+            for (int k = 0; k < n; ++k) {
+                float o = (v[k] - mu) * rs * w[k];
+                if (bias) o += b[k];
+                v[k] = o;
+            }
+            st_part<N>(orow, c, v, n, vo);
+        });
         if (threadIdx.x == 0) {
             mean[r] = mu;
             rstd[r] = rs;
@@ -46,21 +69,39 @@ template <typename T>
 __device__ void layer_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* mean,
                                     const float* rstd, int rows, int channels) {
     __shared__ float scratch[32];
+    constexpr int N = VecWidth<T>::N;
+    const bool vw = aligned16(weight);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 base = (i64)r * channels;
+        const T *xr = x + base, *dr = dout + base;
+        T* dxr = dx + base;
+        const bool vx = aligned16(xr), vd = aligned16(dr), vdx = aligned16(dxr);
         const float mu = mean[r], rs = rstd[r];
         float gs = 0.0f, gns = 0.0f;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float g = ld(dout, base + c) * ld(weight, c);
-            gs += g;
-            gns += g * ((ld(x, base + c) - mu) * rs);
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float d[N], v[N], w[N];
+            ld_part<N>(d, dr, c, n, vd);
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            for (int k = 0; k < n; ++k) {
+                float g = d[k] * w[k];
+                gs += g;
+                gns += g * ((v[k] - mu) * rs);
+            }
+        });
         const float g_mean = block_sum(gs, scratch) / (float)channels;
         const float gn_mean = block_sum(gns, scratch) / (float)channels;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float n = (ld(x, base + c) - mu) * rs;
-            st(dx, base + c, (ld(dout, base + c) * ld(weight, c) - g_mean - n * gn_mean) * rs);
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float d[N], v[N], w[N];
+            ld_part<N>(d, dr, c, n, vd);
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            for (int k = 0; k < n; ++k) {
+                float nk = (v[k] - mu) * rs;
+                d[k] = (d[k] * w[k] - g_mean - nk * gn_mean) * rs;
+            }
+            st_part<N>(dxr, c, d, n, vdx);
+        });
     }
 }
 
@@ -70,25 +111,32 @@ extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* dout,
 extern "C" __global__ void layer_norm_backward_bf16(bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 extern "C" __global__ void layer_norm_backward_f16(f16* dx, const f16* dout, const f16* x, const f16* weight, const float* mean, const float* rstd, int rows, int channels) { layer_norm_backward(dx, dout, x, weight, mean, rstd, rows, channels); }
 
-/// The factor an RMS norm multiplies its normalised rows by: weight, or 1 + weight in f32.
-template <typename T>
-__device__ __forceinline__ float rms_scale(const T* weight, int c, int unit_offset) {
-    const float w = ld(weight, c);
-    return unit_offset ? 1.0f + w : w;
-}
+/// The factor an RMS norm multiplies its normalised rows by: the weight `w`, or 1 + w in f32.
+__device__ __forceinline__ float rms_scale(float w, int unit_offset) { return unit_offset ? 1.0f + w : w; }
 
 template <typename T>
 __device__ void rms_norm_forward(T* out, float* rstd, const T* x, const T* weight, int rows, int channels, float eps, int unit_offset) {
     __shared__ float scratch[32];
+    constexpr int N = VecWidth<T>::N;
+    const bool vw = aligned16(weight);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 base = (i64)r * channels;
+        const T* xr = x + (i64)r * channels;
+        T* orow = out + (i64)r * channels;
+        const bool vx = aligned16(xr), vo = aligned16(orow);
         float q = 0.0f;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float v = ld(x, base + c);
-            q += v * v;
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float v[N];
+            ld_part<N>(v, xr, c, n, vx);
+            for (int k = 0; k < n; ++k) q += v[k] * v[k];
+        });
         const float rs = 1.0f / sqrtf(block_sum(q, scratch) / (float)channels + eps);
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) st(out, base + c, rms_scale(weight, c, unit_offset) * (ld(x, base + c) * rs));
+        row_parts<N>(channels, [&](int c, int n) {
+            float v[N], w[N];
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            for (int k = 0; k < n; ++k) v[k] = rms_scale(w[k], unit_offset) * (v[k] * rs);
+            st_part<N>(orow, c, v, n, vo);
+        });
         if (threadIdx.x == 0) rstd[r] = rs;
     }
 }
@@ -103,17 +151,34 @@ extern "C" __global__ void rms_norm_forward_f16(f16* out, float* rstd, const f16
 template <typename T>
 __device__ void rms_norm_backward(T* dx, const T* dout, const T* x, const T* weight, const float* rstd, int rows, int channels, int unit_offset) {
     __shared__ float scratch[32];
+    constexpr int N = VecWidth<T>::N;
+    const bool vw = aligned16(weight);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 base = (i64)r * channels;
+        const T *xr = x + base, *dr = dout + base;
+        T* dxr = dx + base;
+        const bool vx = aligned16(xr), vd = aligned16(dr), vdx = aligned16(dxr);
         const float rs = rstd[r];
         float gns = 0.0f;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x)
-            gns += (ld(dout, base + c) * rms_scale(weight, c, unit_offset)) * (ld(x, base + c) * rs);
+        row_parts<N>(channels, [&](int c, int n) {
+            float d[N], v[N], w[N];
+            ld_part<N>(d, dr, c, n, vd);
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            for (int k = 0; k < n; ++k) gns += (d[k] * rms_scale(w[k], unit_offset)) * (v[k] * rs);
+        });
         const float gn_mean = block_sum(gns, scratch) / (float)channels;
-        for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-            float g = ld(dout, base + c) * rms_scale(weight, c, unit_offset);
-            st(dx, base + c, (g - (ld(x, base + c) * rs) * gn_mean) * rs);
-        }
+        row_parts<N>(channels, [&](int c, int n) {
+            float d[N], v[N], w[N];
+            ld_part<N>(d, dr, c, n, vd);
+            ld_part<N>(v, xr, c, n, vx);
+            ld_part<N>(w, weight, c, n, vw);
+            for (int k = 0; k < n; ++k) {
+                float g = d[k] * rms_scale(w[k], unit_offset);
+                d[k] = (g - (v[k] * rs) * gn_mean) * rs;
+            }
+            st_part<N>(dxr, c, d, n, vdx);
+        });
     }
 }
 
