@@ -259,12 +259,17 @@ struct Profile {
     cpu_adam: Vec<Ticks>,
     /// Per `n_persist` from 0 to the chunk count: the disk tier's time in a step where the
     /// streamed chunks' host state is over the host budget, its stream busy and idle
-    /// ([`disk_by_persist`]), in each run of the forward and backward passes (`disk_run`:
-    /// moved storage read for uploads, written after gradient offloads) and in the update
-    /// (`disk`: the rest); each only falls as `n_persist` grows. The disk i/o stream runs
-    /// beside every other, so no step is shorter ([`Profile::step`]).
-    disk_run: Vec<Ticks>,
-    disk: Vec<Ticks>,
+    /// ([`disk_by_persist`]), in each run of the forward and backward passes (moved storage
+    /// read for uploads, written after gradient offloads) and in the update (the rest), by
+    /// the host bytes left ([`Profile::disk_at`]). The disk i/o stream runs beside every
+    /// other, so no step is shorter ([`Profile::step`]).
+    disk: Vec<DiskSteps<Ticks>>,
+    /// Per `n_persist`: the most of [`Profile::disk`] at `n_persist` or more with the whole
+    /// host budget, so that the disk's time only falls as `n_persist` grows, as the search's
+    /// lower bounds need.
+    disk_floor: Vec<(Ticks, Ticks)>,
+    /// The host bytes the streamed chunks' state may take ([`HostBudgets::host`]).
+    host_budget: u64,
     /// How many times a step runs the forward and backward passes profiled: the
     /// micro-batches of the sequential order (each a run of one micro-batch's program, the
     /// update once after the last), 1 otherwise (the chunk-major order's interleaved graph
@@ -451,9 +456,9 @@ fn disk_seconds(
     repeats: u64,
     budgets: HostBudgets,
     cost: &dyn CostModel,
-) -> Vec<(f64, f64)> {
+) -> Vec<DiskSteps<f64>> {
     if shards > 1 {
-        return vec![(0.0, 0.0); chunk_bytes.len() + 1];
+        return vec![DiskSteps::default(); chunk_bytes.len() + 1];
     }
     let chunks: Vec<DiskChunk> = chunk_bytes
         .iter()
@@ -575,7 +580,7 @@ impl Profile {
             .iter()
             .map(|&b| b as f64 * h2d_per_byte * swap_share)
             .collect();
-        let (disk_run, disk): (Vec<f64>, Vec<f64>) = disk_seconds(
+        let disk = disk_seconds(
             &chunk_bytes,
             &chunk_elems,
             &cpu_adam,
@@ -584,14 +589,13 @@ impl Profile {
             repeats,
             budgets,
             cost,
-        )
-        .into_iter()
-        .unzip();
+        );
+        // The most the disk can take: all of it moved at the fewest persistent chunks.
+        let most_disk = disk[0].at(0);
         // Every estimate is at most the sum of all of these.
         let scale = TickScale::new(
             &[
-                &disk[..1],
-                &disk_run[..1],
+                &[most_disk.0, most_disk.1],
                 &chunk_forward,
                 &chunk_backward,
                 &fetch,
@@ -621,8 +625,9 @@ impl Profile {
             backward_comm,
             gpu_adam: ticks(&gpu_adam),
             cpu_adam: ticks(&cpu_adam),
-            disk_run: ticks(&disk_run),
-            disk: ticks(&disk),
+            disk_floor: disk_floor(&disk, budgets.host, |s| scale.ticks(s)),
+            disk: disk.iter().map(|d| d.map(|s| scale.ticks(s))).collect(),
+            host_budget: budgets.host,
             repeats,
             cpu_shares_cores: host_share.is_some(),
             resident_bytes,
@@ -666,15 +671,40 @@ impl Profile {
     /// run takes its passes or the disk's share of them, whichever is longer, and the
     /// update starts after the last, the device and CPU optimizers and the disk's reads and
     /// writes of the update beside each other.
-    fn step(&self, p: usize, forward: Ticks, backward: Ticks, gpu: Ticks, cpu: Ticks) -> Ticks {
+    ///
+    /// `host` is what else the layout keeps in host memory (swapped activations), which
+    /// leaves the disk tier less room ([`Profile::disk_at`]).
+    fn step(&self, [p, host]: [u64; 2], [forward, backward, gpu, cpu]: [Ticks; 4]) -> Ticks {
+        let (run, update) = self.disk_at(p as usize, host);
         match self.repeats {
             1 => forward
                 .saturating_add(self.after_forward(backward.saturating_add(gpu), cpu))
-                .max(self.disk_run[p].saturating_add(self.disk[p])),
+                .max(run.saturating_add(update)),
             k => k
-                .saturating_mul(forward.saturating_add(backward).max(self.disk_run[p]))
-                .saturating_add(self.after_forward(gpu, cpu.max(self.disk[p]))),
+                .saturating_mul(forward.saturating_add(backward).max(run))
+                .saturating_add(self.after_forward(gpu, cpu.max(update))),
         }
+    }
+
+    /// The host bytes of the activations `n_swap` swapped blocks keep there (with
+    /// `n_checkpoint` checkpointed, in ProTrain's interleaved order).
+    fn swapped_bytes(&self, n_swap: u32, n_checkpoint: u32) -> u64 {
+        (0..(n_swap + n_checkpoint) as usize)
+            .filter(|&l| {
+                Policy::protrain_mode(l, n_swap as usize, n_checkpoint as usize, self.layers)
+                    == BlockMode::Swap
+            })
+            .map(|l| self.layer_saved[l])
+            .sum()
+    }
+
+    /// The disk tier's ticks per run and in the update with `p` chunks persistent and
+    /// `host` bytes of host memory taken besides the model states: the choice the pass
+    /// takes in what is left, and no less than with more chunks persistent.
+    fn disk_at(&self, p: usize, host: u64) -> (Ticks, Ticks) {
+        let (run, update) = self.disk[p].at(self.host_budget.saturating_sub(host));
+        let (least_run, least_update) = self.disk_floor[p];
+        (run.max(least_run), update.max(least_update))
     }
 
     /// What a chunk's swapped and recomputed blocks add to its four terms over keep mode:
@@ -940,11 +970,13 @@ impl<'p> Estimator<'p> {
     /// The step time with `p` chunks persistent and every block kept: no layout is faster.
     fn keep_time(&self, p: usize) -> Ticks {
         self.profile.step(
-            p,
-            self.keep_forward(p),
-            self.keep_backward(p),
-            self.gpu(p),
-            self.cpu(p),
+            [p as u64, 0],
+            [
+                self.keep_forward(p),
+                self.keep_backward(p),
+                self.gpu(p),
+                self.cpu(p),
+            ],
         )
     }
 
@@ -1085,7 +1117,10 @@ impl<'p> Estimator<'p> {
         // Moving blocks off the device never speeds a chunk up: no layout beats keeping all.
         self.min_keep_time[p]
             .max(self.min_forward_gpu[p] + backward_compute + recompute + swaps)
-            .max(self.profile.step(p, forward, backward, 0, self.cpu(p)))
+            .max(
+                self.profile
+                    .step([p as u64, 0], [forward, backward, 0, self.cpu(p)]),
+            )
     }
 
     /// Estimates every policy with `layout` whose device bytes are at most `limit`, and
@@ -1103,6 +1138,7 @@ impl<'p> Estimator<'p> {
         let profile = self.profile;
         let n = self.chunks;
         let (s, c) = (layout.n_swap, layout.n_checkpoint);
+        let swapped = profile.swapped_bytes(s, c);
         scratch.clear();
         for l in 0..(s + c) as usize {
             let k = profile.layer_chunk[l];
@@ -1165,7 +1201,10 @@ impl<'p> Estimator<'p> {
                     + below[2]
                     + self.suffix(&self.backward_streamed, p)
                     + (total[3] - below[3]);
-                let ticks = profile.step(p, forward, backward, self.gpu(p), self.cpu(p));
+                let ticks = profile.step(
+                    [p as u64, swapped],
+                    [forward, backward, self.gpu(p), self.cpu(p)],
+                );
                 for n_buffer in buffer_choices(n, p) {
                     let bytes = self.device_bytes(p, n_buffer) + u128::from(layout.bytes);
                     if bytes > u128::from(limit) {
@@ -2108,21 +2147,22 @@ impl DiskLayout {
 /// Through two the disk reads the next state during an update, and waits on the last
 /// moved chunk's update alone.
 ///
-/// 0 where the host bytes fit or there is no disk budget; every streamed chunk's state and
-/// storage through one buffer where even that does not fit (such a policy is rejected once
-/// compiled). It leaves out the host bytes of swapped activations and of the other host
-/// buffers, which the exact plan counts, and the disk's wait for the first gradients (the
-/// forward and backward passes bound the step then). Made non-increasing in `n_persist`
-/// (each entry the most of those after it), as the search's lower bounds need.
+/// The choice depends on the host memory left beside the model states (a swapping layout's
+/// activations take some), so each `n_persist` gets the choices by the host bytes they need
+/// ([`DiskSteps`]): none where the host bytes fit, every streamed chunk's state and storage
+/// through one buffer where nothing else does (such a policy is rejected once compiled).
+/// Nothing without a disk budget (`budgets.disk`). It leaves out the other host buffers,
+/// which the exact plan counts, and the disk's wait for the first gradients (the forward
+/// and backward passes bound the step then).
 fn disk_by_persist(
     chunks: &[DiskChunk],
     layout: DiskLayout,
     budgets: HostBudgets,
     read: impl Fn(u64) -> f64,
     write: impl Fn(u64) -> f64,
-) -> Vec<(f64, f64)> {
+) -> Vec<DiskSteps<f64>> {
     let n = chunks.len();
-    let mut seconds = vec![(0.0, 0.0); n + 1];
+    let mut seconds = vec![DiskSteps::default(); n + 1];
     if budgets.disk == 0 {
         return seconds;
     }
@@ -2135,9 +2175,6 @@ fn disk_by_persist(
             .iter()
             .map(|c| c.state + layout.buffers() * c.storage)
             .sum();
-        if need <= budgets.host {
-            continue;
-        }
         // Update order: the last chunk first. Storage moves the largest first.
         let by_update: Vec<&DiskChunk> = streamed.iter().rev().collect();
         let mut by_size = by_update.clone();
@@ -2160,40 +2197,107 @@ fn disk_by_persist(
                 } * largest_storage;
             (need - state - layout.moved() * storage).saturating_add(rings)
         };
+        // The seconds of moving what a choice moves.
+        let seconds_of = |(k, j, slots): (usize, usize, u64)| -> (f64, f64) {
+            // Moved storage's reads and writes of `(reads, writes)` of its size each.
+            let storage = |(reads, writes): (u64, u64)| -> f64 {
+                by_size[..j]
+                    .iter()
+                    .map(|c| read(c.storage) * reads as f64 + write(c.storage) * writes as f64)
+                    .sum()
+            };
+            let state: f64 = by_update[..k]
+                .iter()
+                .map(|c| read(c.state) + write(c.state))
+                .sum();
+            let idle = match (k, slots) {
+                (0, _) => 0.0,
+                (_, 1) => by_update[..k].iter().map(|c| c.adam).sum(),
+                _ => by_update[k - 1].adam,
+            };
+            (storage(run), state + storage(update) + idle)
+        };
+        // Nothing moved, then the pass's choices in the order it tries them, then all of it
+        // through one buffer (which the search rejects once compiled where it does not fit).
         let m = streamed.len();
-        let choice = [2, 1]
-            .into_iter()
-            .flat_map(|slots| (1..=m).map(move |k| (k, 0, slots)))
+        let tried = std::iter::once((0, 0, 2))
+            .chain(
+                [2, 1]
+                    .into_iter()
+                    .flat_map(|slots| (1..=m).map(move |k| (k, 0, slots))),
+            )
             .chain(
                 [2, 1]
                     .into_iter()
                     .flat_map(|slots| (1..=m).map(move |j| (m, j, slots))),
-            )
-            .find(|&(k, j, slots)| host_after(k, j, slots) <= budgets.host)
-            .unwrap_or((m, m, 1));
-        let (k, j, slots) = choice;
-        // Moved storage's reads and writes of `(reads, writes)` of its size each.
-        let storage = |(reads, writes): (u64, u64)| -> f64 {
-            by_size[..j]
-                .iter()
-                .map(|c| read(c.storage) * reads as f64 + write(c.storage) * writes as f64)
-                .sum()
-        };
-        let state: f64 = by_update[..k]
-            .iter()
-            .map(|c| read(c.state) + write(c.state))
-            .sum();
-        let idle = match slots {
-            1 => by_update[..k].iter().map(|c| c.adam).sum(),
-            _ => by_update[k - 1].adam,
-        };
-        seconds[p] = (storage(run), state + storage(update) + idle);
-    }
-    for p in (0..n).rev() {
-        let (run, update) = seconds[p + 1];
-        seconds[p] = (seconds[p].0.max(run), seconds[p].1.max(update));
+            );
+        let mut steps: Vec<(u64, f64, f64)> = Vec::new();
+        for choice in tried {
+            let (k, j, slots) = choice;
+            let host = host_after(k, j, slots);
+            if steps.last().is_none_or(|&(h, _, _)| host < h) {
+                let (run, update) = seconds_of(choice);
+                let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
+                steps.push((host, run.max(before_run), update.max(before_update)));
+            }
+        }
+        let (run, update) = seconds_of((m, m, 1));
+        let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
+        steps.push((0, run.max(before_run), update.max(before_update)));
+        seconds[p] = DiskSteps { steps };
     }
     seconds
+}
+
+/// The disk tier's time in a step for one `n_persist`, by the host memory left to it: the
+/// choices of [`disk_by_persist`] that need fewer host bytes than every one the pass tries
+/// before, each with its seconds in each run of the passes and in the update (made to rise
+/// as the host bytes fall); the last needs none. No disk tier where empty.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct DiskSteps<T> {
+    steps: Vec<(u64, T, T)>,
+}
+
+impl<T: Copy + Default> DiskSteps<T> {
+    /// The seconds per run and in the update of the choice the pass takes with `host` bytes
+    /// of host memory for the streamed chunks.
+    fn at(&self, host: u64) -> (T, T) {
+        self.steps
+            .iter()
+            .find(|&&(need, _, _)| need <= host)
+            .or(self.steps.last())
+            .map_or((T::default(), T::default()), |&(_, run, update)| {
+                (run, update)
+            })
+    }
+
+    /// The same steps in other units.
+    fn map<U>(&self, f: impl Fn(T) -> U) -> DiskSteps<U> {
+        DiskSteps {
+            steps: self
+                .steps
+                .iter()
+                .map(|&(need, run, update)| (need, f(run), f(update)))
+                .collect(),
+        }
+    }
+}
+
+/// For each entry of `disk`, the most over it and those after it at `host` bytes of host
+/// memory, in the units of `ticks` ([`Profile::disk_floor`]).
+fn disk_floor<T: Copy + Default>(
+    disk: &[DiskSteps<T>],
+    host: u64,
+    ticks: impl Fn(T) -> Ticks,
+) -> Vec<(Ticks, Ticks)> {
+    let mut floor = vec![(0, 0); disk.len()];
+    let mut most = (0, 0);
+    for (p, steps) in disk.iter().enumerate().rev() {
+        let (run, update) = steps.at(host);
+        most = (most.0.max(ticks(run)), most.1.max(ticks(update)));
+        floor[p] = most;
+    }
+    floor
 }
 
 /// For each `n_persist` from 0 to the chunk count, the bytes of f32 master weights and Adam
@@ -2611,6 +2715,7 @@ mod tests {
                     ]
                 })
                 .collect();
+            let mut swapped = 0;
             for l in 0..self.layers {
                 let c = self.layer_chunk[l];
                 let (s, k) = (key.n_swap as usize, key.n_checkpoint as usize);
@@ -2618,6 +2723,7 @@ mod tests {
                     BlockMode::Keep => {}
                     BlockMode::Checkpoint => times[c][2] += self.layer_forward[l],
                     BlockMode::Swap => {
+                        swapped += self.layer_saved[l];
                         times[c][3] += self.swap_out[l];
                         times[c][4] += self.swap_in[l];
                         if self.cpu_shares_cores {
@@ -2632,13 +2738,10 @@ mod tests {
             let cpu: Ticks = (p..n).map(|c| self.cpu_adam[c]).sum();
             let forward: Ticks = times.iter().map(|t| t[0].max(t[3])).sum();
             let backward: Ticks = times.iter().map(|t| (t[1] + t[2]).max(t[4])).sum();
+            let (run, update) = self.disk_at(p, swapped);
             match self.repeats {
-                1 => (forward + self.after_forward(backward + gpu, cpu))
-                    .max(self.disk_run[p] + self.disk[p]),
-                k => {
-                    k * (forward + backward).max(self.disk_run[p])
-                        + self.after_forward(gpu, cpu.max(self.disk[p]))
-                }
+                1 => (forward + self.after_forward(backward + gpu, cpu)).max(run + update),
+                k => k * (forward + backward).max(run) + self.after_forward(gpu, cpu.max(update)),
             }
         }
 
@@ -2743,8 +2846,10 @@ mod tests {
                         prop::collection::vec(1u64..60, chunks),
                         1u64..30,
                         0u64..40,
-                        prop::collection::vec(0u64..12, chunks + 1),
-                        prop::collection::vec(0u64..4, chunks + 1),
+                        (
+                            prop::collection::vec((0u64..12, 0u64..4, 0u64..100), chunks + 1),
+                            0u64..120,
+                        ),
                     ),
                     (
                         prop::collection::vec(0..chunks, layers),
@@ -2760,16 +2865,19 @@ mod tests {
             .prop_map(
                 |(
                     c,
-                    (resident_bytes, chunk_capacity, head_bytes, mut disk, mut disk_run),
+                    (resident_bytes, chunk_capacity, head_bytes, (disk, host_budget)),
                     l,
                     (uniform, cpu_shares_cores, repeats),
                 )| {
                     let (forward, backward, fetch, backward_comm, gpu_adam, cpu_adam) = c;
-                    // The disk tier's traffic only falls as more chunks persist.
-                    for p in (0..forward.len()).rev() {
-                        disk[p] = disk[p].max(disk[p + 1]);
-                        disk_run[p] = disk_run[p].max(disk_run[p + 1]);
-                    }
+                    // The disk tier: none where `need` host bytes are left, else its
+                    // ticks per run and in the update.
+                    let disk: Vec<DiskSteps<Ticks>> = disk
+                        .into_iter()
+                        .map(|(update, run, need)| DiskSteps {
+                            steps: vec![(need, 0, 0), (0, run, update)],
+                        })
+                        .collect();
                     let (mut layer_chunk, mut fwd, mut out, mut back, mut saved, mut input) = l;
                     if uniform {
                         layer_chunk.sort_unstable();
@@ -2788,8 +2896,9 @@ mod tests {
                         backward_comm,
                         gpu_adam,
                         cpu_adam,
-                        disk_run,
+                        disk_floor: disk_floor(&disk, host_budget, |t| t),
                         disk,
+                        host_budget,
                         repeats,
                         cpu_shares_cores,
                         resident_bytes,
@@ -2946,7 +3055,9 @@ mod tests {
                 }
                 let gpu: f64 = (0..p).map(|c| profile.gpu_adam[c] as f64).sum();
                 let cpu: f64 = (p..n).map(|c| profile.cpu_adam[c] as f64).sum();
-                let (run, update) = (profile.disk_run[p] as f64, profile.disk[p] as f64);
+                let swapped = profile.swapped_bytes(key.n_swap, key.n_checkpoint);
+                let (run, update) = profile.disk_at(p, swapped);
+                let (run, update) = (run as f64, update as f64);
                 let formula = match (profile.repeats, profile.cpu_shares_cores) {
                     // One run: ProTrain's formula, the disk tier's stream beside it.
                     (1, true) => estimate_iteration_sharing_cores(&times, gpu, cpu).total,
@@ -3030,7 +3141,8 @@ mod tests {
         // staging buffers, each read and written in the update (its bytes in seconds here),
         // the disk waiting on the last one's CPU Adam (half a second); from 4 persistent on,
         // all fits.
-        let seconds = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        let seconds: Vec<(f64, f64)> = steps.iter().map(|d| d.at(60)).collect();
         let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
         let expected: Vec<(f64, f64)> = moved
             .iter()
@@ -3051,7 +3163,7 @@ mod tests {
             price,
             price,
         );
-        assert_eq!(none, vec![(0.0, 0.0); 11]);
+        assert!(none.iter().all(|d| d.at(0) == (0.0, 0.0)), "{none:?}");
     }
 
     /// Ten chunks of 2 bytes of storage and 8 of state, each updated in half a second.
@@ -3080,14 +3192,31 @@ mod tests {
 
     #[test]
     fn one_staging_buffer_leaves_the_disk_idle_through_every_cpu_adam() {
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(40), price, price);
         // With every state on disk `20 + 2 x 8 <= 40` fits two staging buffers: the disk
         // waits on the last update alone.
-        let two = disk_by_persist(&ten(), GradsInParams, budgets(40), price, price);
-        assert_eq!(two[0], (0.0, 160.0 + 0.5));
+        assert_eq!(steps[0].at(40), (0.0, 160.0 + 0.5));
         // `20 + 16 > 30` does not, `20 + 8 <= 30` does: through one buffer the disk waits
         // on every update.
-        let one = disk_by_persist(&ten(), GradsInParams, budgets(30), price, price);
-        assert_eq!(one[0], (0.0, 160.0 + 10.0 * 0.5));
+        assert_eq!(steps[0].at(30), (0.0, 160.0 + 10.0 * 0.5));
+    }
+
+    #[test]
+    fn host_memory_other_buffers_take_leaves_the_disk_tier_less_room() {
+        // A budget of 60 with 20 of it taken (swapped activations) leaves 40: every state
+        // moves where 7 did with all 60, as the pass finds with the host region those
+        // buffers are in.
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        assert_eq!(steps[0].at(60), (0.0, 7.0 * 16.0 + 0.5));
+        assert_eq!(steps[0].at(60 - 20), (0.0, 10.0 * 16.0 + 0.5));
+        // The profile asks for what is left of its budget.
+        let mut profile = deep_profile(2, "rtx3090");
+        profile.disk = steps.iter().map(|d| d.map(|s| s as Ticks)).collect();
+        profile.host_budget = 60;
+        profile.disk_floor = disk_floor(&profile.disk, 60, |t| t);
+        assert_eq!(profile.disk_at(0, 0), (0, 7 * 16));
+        assert_eq!(profile.disk_at(0, 20), (0, 10 * 16));
+        assert_eq!(profile.disk_at(4, 0), (0, 0), "all fits with 4 persistent");
     }
 
     #[test]
@@ -3097,17 +3226,17 @@ mod tests {
         // `2 (10 - j) + 8 + 6 <= 20` moves the storage of `j = 7` chunks, each read for
         // its two uploads and written after its offload in the run, read for its update
         // and written after it.
-        let seconds = disk_by_persist(&ten(), GradsInParams, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(20), price, price);
         assert_eq!(
-            seconds[0],
+            steps[0].at(20),
             (7.0 * 3.0 * 2.0, 160.0 + 7.0 * 2.0 * 2.0 + 10.0 * 0.5)
         );
         // Accumulating, the host keeps gradients and accumulators beside each chunk's
         // parameters: nothing fits 20 bytes, and every chunk's parameters are read for the
         // two uploads of each run, and for the update and written after it.
-        let seconds = disk_by_persist(&ten(), Accumulating, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), Accumulating, budgets(20), price, price);
         assert_eq!(
-            seconds[0],
+            steps[0].at(20),
             (10.0 * 2.0 * 2.0, 160.0 + 10.0 * 2.0 * 2.0 + 10.0 * 0.5)
         );
     }
