@@ -443,9 +443,8 @@ fn shard_collectives(
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
 /// chunk's bytes, elements and CPU Adam seconds (`adam`); none on sharded ranks (`shards >
 /// 1`): the tier does not take sharded chunks' state. `repeats` is how many times a step
-/// runs its program (the micro-batches of the sequential order, 1 otherwise), and
-/// `accumulates` whether the host sums gradients each micro-batch (the sequential order with
-/// more than one).
+/// runs its program (the micro-batches of the sequential order, 1 otherwise): over more than
+/// one the host sums each streamed chunk's gradients, and those stay on the host.
 #[allow(clippy::too_many_arguments)]
 fn disk_seconds(
     chunk_bytes: &[u64],
