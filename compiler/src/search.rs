@@ -203,14 +203,18 @@ impl TickScale {
     const FINEST_PER_SECOND: f64 = 1e15;
     const ROOM: u64 = 1 << 62;
 
-    /// The scale for a profile whose times are `times`.
-    fn new(times: &[&[f64]]) -> Self {
+    /// The scale for a profile whose times are `times`, each counted `repeats` times in a
+    /// step at the most.
+    fn new(times: &[&[f64]], repeats: u64) -> Self {
+        let repeats = repeats.max(1);
         let count = times.iter().map(|t| t.len()).sum::<usize>().max(1) as u64;
+        let count = count.saturating_mul(repeats);
         let finite: f64 = times
             .iter()
             .flat_map(|t| t.iter())
             .filter(|s| s.is_finite() && **s > 0.0)
-            .sum();
+            .sum::<f64>()
+            * repeats as f64;
         let per_second = if finite > 0.0 {
             (Self::ROOM as f64 / finite).min(Self::FINEST_PER_SECOND)
         } else {
@@ -253,12 +257,24 @@ struct Profile {
     /// take.
     gpu_adam: Vec<Ticks>,
     cpu_adam: Vec<Ticks>,
-    /// Per `n_persist` from 0 to the chunk count: the disk tier's reads and writes in a step
-    /// where the streamed chunks' host state is over the host budget ([`disk_by_persist`]);
-    /// it only falls as `n_persist` grows. The disk i/o stream works beside the CPU Adam, so
-    /// the host side of the step after the forward pass is the longer of the two
-    /// ([`Estimator::cpu`]).
-    disk: Vec<Ticks>,
+    /// Per `n_persist` from 0 to the chunk count: the disk tier's time in a step where the
+    /// streamed chunks' host state is over the host budget, its stream busy and idle
+    /// ([`disk_by_persist`]), in each run of the forward and backward passes (moved storage
+    /// read for uploads, written after gradient offloads) and in the update (the rest), by
+    /// the host bytes left ([`Profile::disk_at`]). The disk i/o stream runs beside every
+    /// other, so no step is shorter ([`Profile::step`]).
+    disk: Vec<DiskSteps<Ticks>>,
+    /// Per `n_persist`: the most of [`Profile::disk`] at `n_persist` or more with the whole
+    /// host budget, so that the disk's time only falls as `n_persist` grows, as the search's
+    /// lower bounds need.
+    disk_floor: Vec<(Ticks, Ticks)>,
+    /// The host bytes the streamed chunks' state may take ([`HostBudgets::host`]).
+    host_budget: u64,
+    /// How many times a step runs the forward and backward passes profiled: the
+    /// micro-batches of the sequential order (each a run of one micro-batch's program, the
+    /// update once after the last), 1 otherwise (the chunk-major order's interleaved graph
+    /// holds every micro-batch).
+    repeats: u64,
     /// Whether the CPU Adam and the copies run on the cores the compute runs on (the host
     /// backend, [`CostModel::host_cores`]): the CPU Adam (with a streamed chunk's copies'
     /// share) then adds to the step instead of hiding behind the backward pass
@@ -428,57 +444,46 @@ fn shard_collectives(
 }
 
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
-/// chunk's bytes and elements; none on sharded ranks (`shards > 1`): the tier does not take
-/// sharded chunks' state.
+/// chunk's bytes, elements and CPU Adam seconds (`adam`); none on sharded ranks (`shards >
+/// 1`): the tier does not take sharded chunks' state. `repeats` is how many times a step
+/// runs its program (the micro-batches of the sequential order, 1 otherwise): over more than
+/// one the host sums each streamed chunk's gradients, and those stay on the host.
+#[allow(clippy::too_many_arguments)]
 fn disk_seconds(
     chunk_bytes: &[u64],
     chunk_elems: &[u64],
+    adam: &[f64],
     state_per_elem: u64,
     shards: u64,
+    repeats: u64,
     budgets: HostBudgets,
     cost: &dyn CostModel,
-) -> Vec<f64> {
-    match shards {
-        1 => {
-            let state: Vec<u64> = chunk_elems
-                .iter()
-                .map(|&e| e.saturating_mul(state_per_elem))
-                .collect();
-            // The host layout the search's repair takes before the disk tier: gradients
-            // in the parameter storage when the parameters are narrower than f32
-            // (the 14-byte layout), else a gradient beside each parameter.
-            let lean = state_per_elem == 12;
-            let per_chunk = if lean { 1 } else { 2 };
-            let storage: Vec<u64> = chunk_bytes
-                .iter()
-                .map(|&b| b.saturating_mul(per_chunk))
-                .collect();
-            let host: Vec<u64> = storage
-                .iter()
-                .zip(&state)
-                .map(|(&b, &s)| b.saturating_add(s))
-                .collect();
-            let read = |bytes: u64| cost.copy_seconds(bytes, CopyDir::DiskToHost);
-            let write = |bytes: u64| cost.copy_seconds(bytes, CopyDir::HostToDisk);
-            // A chunk's storage on disk, in a step: read for its two uploads (forward and
-            // backward) and for its update, its gradients written after their offload and
-            // its rounded parameters after the update. In the 14-byte layout the gradients
-            // are in the parameter storage (three reads and two writes of it); in the
-            // 16-byte one beside it (half the storage each: two reads and one write of it).
-            let (reads, writes) = if lean { (3, 2) } else { (2, 1) };
-            let storage_rings = if lean { 6 } else { 8 };
-            disk_by_persist(
-                &host,
-                &state,
-                &storage,
-                budgets,
-                storage_rings,
-                |bytes| read(bytes) + write(bytes),
-                |bytes| reads as f64 * read(bytes) + writes as f64 * write(bytes),
-            )
-        }
-        _ => vec![0.0; chunk_bytes.len() + 1],
+) -> Vec<DiskSteps<f64>> {
+    if shards > 1 {
+        return vec![DiskSteps::default(); chunk_bytes.len() + 1];
     }
+    let chunks: Vec<DiskChunk> = chunk_bytes
+        .iter()
+        .zip(chunk_elems)
+        .zip(adam)
+        .map(|((&storage, &e), &adam)| DiskChunk {
+            storage,
+            state: e.saturating_mul(state_per_elem),
+            adam,
+        })
+        .collect();
+    // The host layout the search's repair takes before the disk tier: gradients in the
+    // parameter storage when the parameters are narrower than f32 and the step takes one
+    // program run (the 14-byte layout), else a gradient buffer beside each parameter buffer,
+    // and beside those the host accumulators where the host sums micro-batches.
+    let layout = match (state_per_elem == 12, repeats > 1) {
+        (_, true) => DiskLayout::Accumulating,
+        (true, false) => DiskLayout::GradsInParams,
+        (false, false) => DiskLayout::Full,
+    };
+    let read = |bytes: u64| cost.copy_seconds(bytes, CopyDir::DiskToHost);
+    let write = |bytes: u64| cost.copy_seconds(bytes, CopyDir::HostToDisk);
+    disk_by_persist(&chunks, layout, budgets, read, write)
 }
 
 impl Profile {
@@ -498,7 +503,9 @@ impl Profile {
         cost: &dyn CostModel,
         topology: Topology,
         budgets: HostBudgets,
+        repeats: u64,
     ) -> Self {
+        let repeats = repeats.max(1);
         // Layers, not blocks: an interleaved graph has a block per layer and micro-batch.
         let layers = training
             .blocks()
@@ -578,24 +585,31 @@ impl Profile {
         let disk = disk_seconds(
             &chunk_bytes,
             &chunk_elems,
+            &cpu_adam,
             state_per_elem,
             shards,
+            repeats,
             budgets,
             cost,
         );
+        // The most the disk can take: all of it moved at the fewest persistent chunks.
+        let most_disk = disk[0].at(0);
         // Every estimate is at most the sum of all of these.
-        let scale = TickScale::new(&[
-            &disk[..1],
-            &chunk_forward,
-            &chunk_backward,
-            &fetch,
-            &offload,
-            &cpu_adam,
-            &gpu_adam,
-            &layer_forward,
-            &swap_out,
-            &swap_in,
-        ]);
+        let scale = TickScale::new(
+            &[
+                &[most_disk.0, most_disk.1],
+                &chunk_forward,
+                &chunk_backward,
+                &fetch,
+                &offload,
+                &cpu_adam,
+                &gpu_adam,
+                &layer_forward,
+                &swap_out,
+                &swap_in,
+            ],
+            repeats,
+        );
         let ticks =
             |seconds: &[f64]| -> Vec<Ticks> { seconds.iter().map(|&s| scale.ticks(s)).collect() };
         let fetch = ticks(&fetch);
@@ -613,7 +627,10 @@ impl Profile {
             backward_comm,
             gpu_adam: ticks(&gpu_adam),
             cpu_adam: ticks(&cpu_adam),
-            disk: ticks(&disk),
+            disk_floor: disk_floor(&disk, budgets.host, |s| scale.ticks(s)),
+            disk: disk.iter().map(|d| d.map(|s| scale.ticks(s))).collect(),
+            host_budget: budgets.host,
+            repeats,
             cpu_shares_cores: host_share.is_some(),
             flash_attention: cost.flash_attention(),
             resident_bytes,
@@ -645,6 +662,52 @@ impl Profile {
             true => backward_gpu + cpu,
             false => backward_gpu.max(cpu),
         }
+    }
+
+    /// The step from one run's forward and backward passes (`forward`, `backward`), the
+    /// device optimizer (`gpu`) and the CPU one (`cpu`) with `p` chunks persistent.
+    ///
+    /// In one run the update follows the forward pass ([`Profile::after_forward`]), and the
+    /// disk tier's stream ([`Profile::disk`]) runs beside all of it, so no step is shorter.
+    /// Over several ([`Profile::repeats`], the sequential order's micro-batches) every
+    /// stream stops at the end of each micro-batch, as the schedule's marker has them: each
+    /// run takes its passes or the disk's share of them, whichever is longer, and the
+    /// update starts after the last, the device and CPU optimizers and the disk's reads and
+    /// writes of the update beside each other.
+    ///
+    /// `host` is what else the layout keeps in host memory (swapped activations), which
+    /// leaves the disk tier less room ([`Profile::disk_at`]).
+    fn step(&self, [p, host]: [u64; 2], [forward, backward, gpu, cpu]: [Ticks; 4]) -> Ticks {
+        let (run, update) = self.disk_at(p as usize, host);
+        match self.repeats {
+            1 => forward
+                .saturating_add(self.after_forward(backward.saturating_add(gpu), cpu))
+                .max(run.saturating_add(update)),
+            k => k
+                .saturating_mul(forward.saturating_add(backward).max(run))
+                .saturating_add(self.after_forward(gpu, cpu.max(update))),
+        }
+    }
+
+    /// The host bytes of the activations `n_swap` swapped blocks keep there (with
+    /// `n_checkpoint` checkpointed, in ProTrain's interleaved order).
+    fn swapped_bytes(&self, n_swap: u32, n_checkpoint: u32) -> u64 {
+        (0..(n_swap + n_checkpoint) as usize)
+            .filter(|&l| {
+                Policy::protrain_mode(l, n_swap as usize, n_checkpoint as usize, self.layers)
+                    == BlockMode::Swap
+            })
+            .map(|l| self.layer_saved[l])
+            .sum()
+    }
+
+    /// The disk tier's ticks per run and in the update with `p` chunks persistent and
+    /// `host` bytes of host memory taken besides the model states: the choice the pass
+    /// takes in what is left, and no less than with more chunks persistent.
+    fn disk_at(&self, p: usize, host: u64) -> (Ticks, Ticks) {
+        let (run, update) = self.disk[p].at(self.host_budget.saturating_sub(host));
+        let (least_run, least_update) = self.disk_floor[p];
+        (run.max(least_run), update.max(least_update))
     }
 
     /// What a chunk's swapped and recomputed blocks add to its four terms over keep mode:
@@ -902,20 +965,22 @@ impl<'p> Estimator<'p> {
         self.gpu_adam[p]
     }
 
-    /// The host side of the step after the forward pass: the CPU Adam over the streamed
-    /// chunks, or the disk tier's reads and writes of their state where they take longer
-    /// (the disk i/o stream reads a chunk's state ahead of its update and writes it back
-    /// after, beside the CPU Adam); it only falls as `p` grows.
+    /// The CPU Adam over the streamed chunks; it only falls as `p` grows.
     fn cpu(&self, p: usize) -> Ticks {
-        self.suffix(&self.cpu_adam, p).max(self.profile.disk[p])
+        self.suffix(&self.cpu_adam, p)
     }
 
     /// The step time with `p` chunks persistent and every block kept: no layout is faster.
     fn keep_time(&self, p: usize) -> Ticks {
-        self.keep_forward(p)
-            + self
-                .profile
-                .after_forward(self.keep_backward(p) + self.gpu(p), self.cpu(p))
+        self.profile.step(
+            [p as u64, 0],
+            [
+                self.keep_forward(p),
+                self.keep_backward(p),
+                self.gpu(p),
+                self.cpu(p),
+            ],
+        )
     }
 
     /// Device bytes outside activations: persistent chunks and chunk buffers (two more than
@@ -1055,7 +1120,10 @@ impl<'p> Estimator<'p> {
         // Moving blocks off the device never speeds a chunk up: no layout beats keeping all.
         self.min_keep_time[p]
             .max(self.min_forward_gpu[p] + backward_compute + recompute + swaps)
-            .max(forward + self.profile.after_forward(backward, self.cpu(p)))
+            .max(
+                self.profile
+                    .step([p as u64, 0], [forward, backward, 0, self.cpu(p)]),
+            )
     }
 
     /// Estimates every policy with `layout` whose device bytes are at most `limit`, and
@@ -1073,6 +1141,7 @@ impl<'p> Estimator<'p> {
         let profile = self.profile;
         let n = self.chunks;
         let (s, c) = (layout.n_swap, layout.n_checkpoint);
+        let swapped = profile.swapped_bytes(s, c);
         scratch.clear();
         for l in 0..(s + c) as usize {
             let k = profile.layer_chunk[l];
@@ -1135,7 +1204,10 @@ impl<'p> Estimator<'p> {
                     + below[2]
                     + self.suffix(&self.backward_streamed, p)
                     + (total[3] - below[3]);
-                let ticks = forward + profile.after_forward(backward + self.gpu(p), self.cpu(p));
+                let ticks = profile.step(
+                    [p as u64, swapped],
+                    [forward, backward, self.gpu(p), self.cpu(p)],
+                );
                 for n_buffer in buffer_choices(n, p) {
                     let bytes = self.device_bytes(p, n_buffer) + u128::from(layout.bytes);
                     if bytes > u128::from(limit) {
@@ -1553,6 +1625,27 @@ pub fn search(
     })
 }
 
+/// [`search`] in one micro-batch `order` only (the chunk-major one estimated on the
+/// [`interleave`]d graph), as [`search`] runs each of the two it compares; the chunk-major
+/// order is refused on several ranks, as [`crate::lower`] refuses it.
+pub fn search_ordered(
+    training: &Graph,
+    chunks: &ChunkTable,
+    cost: &dyn CostModel,
+    options: &SearchOptions,
+    order: MicroBatchOrder,
+) -> Result<(Schedule, SearchReport)> {
+    match order {
+        MicroBatchOrder::Sequential => {
+            search_in_order(training, training, chunks, cost, options, order)
+        }
+        MicroBatchOrder::ChunkMajor => {
+            let interleaved = interleave(training)?;
+            search_in_order(training, &interleaved, chunks, cost, options, order)
+        }
+    }
+}
+
 /// [`search`] in one micro-batch order: the policies of ProTrain's family with `order`,
 /// estimated on `estimated` (the training graph, or for the chunk-major order its
 /// interleaved graph) and compiled from `training`.
@@ -1564,12 +1657,21 @@ fn search_in_order(
     options: &SearchOptions,
     order: MicroBatchOrder,
 ) -> Result<(Schedule, SearchReport)> {
+    // The sequential order runs one micro-batch's program once per micro-batch of a rank;
+    // the chunk-major order's interleaved graph holds them all.
+    let repeats = match order {
+        MicroBatchOrder::Sequential => {
+            training.micro_batches() / u64::from(options.topology.ranks().max(1))
+        }
+        MicroBatchOrder::ChunkMajor => 1,
+    };
     let profile = Profile::new(
         estimated,
         chunks,
         cost,
         options.topology,
         options.host_budgets(),
+        repeats,
     );
     let estimator = Estimator::new(&profile);
     let layouts = estimator.layouts();
@@ -1974,59 +2076,233 @@ fn host_leanest(
     best
 }
 
-/// For each `n_persist` from 0 to the chunk count, the seconds of disk traffic a step takes
-/// when the disk tier ([`crate::disk`]) brings the streamed chunks' host bytes (`host`, per
-/// chunk: parameter storage and optimizer state) within `budgets.host`: it moves the state
-/// (`state`, per chunk) of the fewest chunks in the order the CPU Adam updates them (the
-/// last chunk first) until the rest with two staging buffers of the largest moved state
-/// fits, each moved state read and written once a step (`state_rw` seconds for a state of
-/// so many bytes); where every state moved is not enough, the parameter storage (`storage`,
-/// per chunk) of the fewest chunks until the rest with `storage_rings` staging buffers of the
-/// largest moved storage fits, each costing `storage_rw` seconds. 0 where the host bytes
-/// fit, or there is no disk budget; every streamed chunk's state and storage where even that
-/// does not fit (such a policy is rejected once compiled). It leaves out the host bytes of
-/// swapped activations and of the other host buffers, which the exact plan counts. Made
-/// non-increasing in `n_persist` (each entry the most of those after it), as the search's
-/// lower bounds need.
+/// One streamed chunk as the disk tier sees it: its parameter storage and optimizer state
+/// in bytes, and its CPU Adam in seconds.
+#[derive(Clone, Copy, Debug)]
+struct DiskChunk {
+    storage: u64,
+    state: u64,
+    adam: f64,
+}
+
+/// How a streamed chunk keeps its storage in host memory, as far as the disk tier moves it
+/// ([`crate::disk`]'s storage stage): which buffers of parameter storage's size it has, and
+/// which of them can move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DiskLayout {
+    /// The 14-byte layout: one buffer, uploaded from, offloaded into, updated; it moves.
+    GradsInParams,
+    /// The 16-byte layout: parameters (uploaded from, updated) and gradients (offloaded
+    /// into, read by the update); both move.
+    Full,
+    /// Parameters, gradients and their host accumulators (summed by other kernels each
+    /// micro-batch): only the parameters move.
+    Accumulating,
+}
+
+impl DiskLayout {
+    /// Buffers of the chunk's storage size on the host, moved or not.
+    fn buffers(self) -> u64 {
+        match self {
+            DiskLayout::GradsInParams => 1,
+            DiskLayout::Full => 2,
+            DiskLayout::Accumulating => 3,
+        }
+    }
+
+    /// Of those, the buffers that move to disk.
+    fn moved(self) -> u64 {
+        match self {
+            DiskLayout::Full => 2,
+            _ => 1,
+        }
+    }
+
+    /// Per moved chunk, the reads and the writes of its storage size on the disk stream in
+    /// each run of the forward and backward passes and in the update. Each of a run's two
+    /// uploads reads the parameters and its gradient offload into moved storage is written
+    /// (with accumulation the gradients stay on the host); the update reads what it reads
+    /// (the gradients, and the parameters it rounds the master into) and writes the rounded
+    /// parameters back.
+    fn transfers(self) -> [(u64, u64); 2] {
+        match self {
+            DiskLayout::GradsInParams => [(2, 1), (1, 1)],
+            DiskLayout::Full => [(2, 1), (2, 1)],
+            DiskLayout::Accumulating => [(2, 0), (1, 1)],
+        }
+    }
+}
+
+/// For each `n_persist` from 0 to the chunk count, the seconds the disk tier ([`crate::disk`])
+/// takes in a step as its one disk stream runs it, in each run of the forward and backward
+/// passes and in the update, bounds no step with that many persistent chunks is under: the
+/// disk busy with every read and write, and idle where it waits on the CPU Adam.
+///
+/// What moves is the pass's choice on the streamed chunks' host bytes (storage and state):
+/// the state of the fewest chunks in the order the CPU Adam updates them (the last chunk
+/// first), double buffered where that fits `budgets.host`, else through one staging
+/// buffer; where every state moved is not enough, the storage of the fewest chunks too
+/// (the largest first), each with its staging rings (one buffer of the largest moved storage
+/// per slot for the update's parameters, the 16-byte layout's gradients, the uploads and the
+/// gradient offloads, where each moves). A moved state is
+/// read before its chunk's update and written back after (in the update); moved storage is
+/// read and written as [`DiskLayout::transfers`] says. Through
+/// one staging buffer the read of a chunk's state waits for the write of the one updated
+/// before, which waits for its update: every moved chunk's CPU Adam leaves the disk idle.
+/// Through two the disk reads the next state during an update, and waits on the last
+/// moved chunk's update alone.
+///
+/// The choice depends on the host memory left beside the model states (a swapping layout's
+/// activations take some), so each `n_persist` gets the choices by the host bytes they need
+/// ([`DiskSteps`]): none where the host bytes fit, every streamed chunk's state and storage
+/// through one buffer where nothing else does (such a policy is rejected once compiled).
+/// Nothing without a disk budget (`budgets.disk`). It leaves out the other host buffers,
+/// which the exact plan counts, and the disk's wait for the first gradients (the forward
+/// and backward passes bound the step then).
 fn disk_by_persist(
-    host: &[u64],
-    state: &[u64],
-    storage: &[u64],
+    chunks: &[DiskChunk],
+    layout: DiskLayout,
     budgets: HostBudgets,
-    storage_rings: u64,
-    state_rw: impl Fn(u64) -> f64,
-    storage_rw: impl Fn(u64) -> f64,
-) -> Vec<f64> {
-    let n = host.len();
-    let mut seconds = vec![0.0; n + 1];
+    read: impl Fn(u64) -> f64,
+    write: impl Fn(u64) -> f64,
+) -> Vec<DiskSteps<f64>> {
+    let n = chunks.len();
+    let mut seconds = vec![DiskSteps::default(); n + 1];
     if budgets.disk == 0 {
         return seconds;
     }
+    // Each run of a step's program uploads a chunk twice.
+    let uploads = 2;
+    let [run, update] = layout.transfers();
     for p in 0..n {
-        let need: u64 = host[p..].iter().sum();
-        let (mut moved, mut largest) = (0u64, 0u64);
-        for c in (p..n).rev() {
-            if need - moved + 2 * largest <= budgets.host {
-                break;
+        let streamed = &chunks[p..];
+        let need: u64 = streamed
+            .iter()
+            .map(|c| c.state + layout.buffers() * c.storage)
+            .sum();
+        // Update order: the last chunk first. Storage moves the largest first.
+        let by_update: Vec<&DiskChunk> = streamed.iter().rev().collect();
+        let mut by_size = by_update.clone();
+        by_size.sort_by_key(|c| Reverse(c.storage));
+        // The host bytes with the state of the first `k` chunks in update order and the
+        // storage of the first `j` by size on disk, through rings of `slots`.
+        let host_after = |k: usize, j: usize, slots: u64| -> u64 {
+            let state: u64 = by_update[..k].iter().map(|c| c.state).sum();
+            let storage: u64 = by_size[..j].iter().map(|c| c.storage).sum();
+            let largest_state = by_update[..k].iter().map(|c| c.state).max().unwrap_or(0);
+            let largest_storage = by_size[..j].iter().map(|c| c.storage).max().unwrap_or(0);
+            let ring = |uses: u64| slots.min(uses);
+            let k = k as u64;
+            let j = j as u64;
+            let rings = ring(k) * largest_state
+                + match layout {
+                    DiskLayout::GradsInParams => ring(j) + ring(j * uploads) + ring(j),
+                    DiskLayout::Full => 2 * ring(j) + ring(j * uploads) + ring(j),
+                    DiskLayout::Accumulating => ring(j) + ring(j * uploads),
+                } * largest_storage;
+            (need - state - layout.moved() * storage).saturating_add(rings)
+        };
+        // The seconds of moving what a choice moves.
+        let seconds_of = |(k, j, slots): (usize, usize, u64)| -> (f64, f64) {
+            // Moved storage's reads and writes of `(reads, writes)` of its size each.
+            let storage = |(reads, writes): (u64, u64)| -> f64 {
+                by_size[..j]
+                    .iter()
+                    .map(|c| read(c.storage) * reads as f64 + write(c.storage) * writes as f64)
+                    .sum()
+            };
+            let state: f64 = by_update[..k]
+                .iter()
+                .map(|c| read(c.state) + write(c.state))
+                .sum();
+            let idle = match (k, slots) {
+                (0, _) => 0.0,
+                (_, 1) => by_update[..k].iter().map(|c| c.adam).sum(),
+                _ => by_update[k - 1].adam,
+            };
+            (storage(run), state + storage(update) + idle)
+        };
+        // Nothing moved, then the pass's choices in the order it tries them, then all of it
+        // through one buffer (which the search rejects once compiled where it does not fit).
+        let m = streamed.len();
+        let tried = std::iter::once((0, 0, 2))
+            .chain(
+                [2, 1]
+                    .into_iter()
+                    .flat_map(|slots| (1..=m).map(move |k| (k, 0, slots))),
+            )
+            .chain(
+                [2, 1]
+                    .into_iter()
+                    .flat_map(|slots| (1..=m).map(move |j| (m, j, slots))),
+            );
+        let mut steps: Vec<(u64, f64, f64)> = Vec::new();
+        for choice in tried {
+            let (k, j, slots) = choice;
+            let host = host_after(k, j, slots);
+            if steps.last().is_none_or(|&(h, _, _)| host < h) {
+                let (run, update) = seconds_of(choice);
+                let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
+                steps.push((host, run.max(before_run), update.max(before_update)));
             }
-            moved += state[c];
-            largest = largest.max(state[c]);
-            seconds[p] += state_rw(state[c]);
         }
-        let mut staged = 0u64;
-        for c in (p..n).rev() {
-            if (need - moved).saturating_add(2 * largest + storage_rings * staged) <= budgets.host {
-                break;
-            }
-            moved += storage[c];
-            staged = staged.max(storage[c]);
-            seconds[p] += storage_rw(storage[c]);
-        }
-    }
-    for p in (0..n).rev() {
-        seconds[p] = f64::max(seconds[p], seconds[p + 1]);
+        let (run, update) = seconds_of((m, m, 1));
+        let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
+        steps.push((0, run.max(before_run), update.max(before_update)));
+        seconds[p] = DiskSteps { steps };
     }
     seconds
+}
+
+/// The disk tier's time in a step for one `n_persist`, by the host memory left to it: the
+/// choices of [`disk_by_persist`] that need fewer host bytes than every one the pass tries
+/// before, each with its seconds in each run of the passes and in the update (made to rise
+/// as the host bytes fall); the last needs none. No disk tier where empty.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct DiskSteps<T> {
+    steps: Vec<(u64, T, T)>,
+}
+
+impl<T: Copy + Default> DiskSteps<T> {
+    /// The seconds per run and in the update of the choice the pass takes with `host` bytes
+    /// of host memory for the streamed chunks.
+    fn at(&self, host: u64) -> (T, T) {
+        self.steps
+            .iter()
+            .find(|&&(need, _, _)| need <= host)
+            .or(self.steps.last())
+            .map_or((T::default(), T::default()), |&(_, run, update)| {
+                (run, update)
+            })
+    }
+
+    /// The same steps in other units.
+    fn map<U>(&self, f: impl Fn(T) -> U) -> DiskSteps<U> {
+        DiskSteps {
+            steps: self
+                .steps
+                .iter()
+                .map(|&(need, run, update)| (need, f(run), f(update)))
+                .collect(),
+        }
+    }
+}
+
+/// For each entry of `disk`, the most over it and those after it at `host` bytes of host
+/// memory, in the units of `ticks` ([`Profile::disk_floor`]).
+fn disk_floor<T: Copy + Default>(
+    disk: &[DiskSteps<T>],
+    host: u64,
+    ticks: impl Fn(T) -> Ticks,
+) -> Vec<(Ticks, Ticks)> {
+    let mut floor = vec![(0, 0); disk.len()];
+    let mut most = (0, 0);
+    for (p, steps) in disk.iter().enumerate().rev() {
+        let (run, update) = steps.at(host);
+        most = (most.0.max(ticks(run)), most.1.max(ticks(update)));
+        floor[p] = most;
+    }
+    floor
 }
 
 /// For each `n_persist` from 0 to the chunk count, the bytes of f32 master weights and Adam
@@ -2445,6 +2721,7 @@ mod tests {
                     ]
                 })
                 .collect();
+            let mut swapped = 0;
             for l in 0..self.layers {
                 let c = self.layer_chunk[l];
                 let (s, k) = (key.n_swap as usize, key.n_checkpoint as usize);
@@ -2452,6 +2729,7 @@ mod tests {
                     BlockMode::Keep => {}
                     BlockMode::Checkpoint => times[c][2] += self.layer_forward[l],
                     BlockMode::Swap => {
+                        swapped += self.layer_saved[l];
                         times[c][3] += self.swap_out[l];
                         times[c][4] += self.swap_in[l];
                         if self.cpu_shares_cores {
@@ -2463,13 +2741,14 @@ mod tests {
                 }
             }
             let gpu: Ticks = (0..p).map(|c| self.gpu_adam[c]).sum();
-            let cpu: Ticks = (p..n)
-                .map(|c| self.cpu_adam[c])
-                .sum::<Ticks>()
-                .max(self.disk[p]);
+            let cpu: Ticks = (p..n).map(|c| self.cpu_adam[c]).sum();
             let forward: Ticks = times.iter().map(|t| t[0].max(t[3])).sum();
             let backward: Ticks = times.iter().map(|t| (t[1] + t[2]).max(t[4])).sum();
-            forward + self.after_forward(backward + gpu, cpu)
+            let (run, update) = self.disk_at(p, swapped);
+            match self.repeats {
+                1 => (forward + self.after_forward(backward + gpu, cpu)).max(run + update),
+                k => k * (forward + backward).max(run) + self.after_forward(gpu, cpu.max(update)),
+            }
         }
 
         /// The per-layer loop of the device bytes.
@@ -2548,10 +2827,16 @@ mod tests {
 
     /// Small random profiles: few chunks and layers, small times so that many estimates tie,
     /// layers in any chunk and order; in half of them every layer is the same, as in a real
-    /// stack of transformer blocks.
+    /// stack of transformer blocks; steps of one to three micro-batches run in turn.
     fn profiles() -> impl Strategy<Value = Profile> {
-        (1usize..=5, 0usize..=7, any::<bool>(), any::<bool>())
-            .prop_flat_map(|(chunks, layers, uniform, cpu_shares_cores)| {
+        (
+            1usize..=5,
+            0usize..=7,
+            any::<bool>(),
+            any::<bool>(),
+            1u64..=3,
+        )
+            .prop_flat_map(|(chunks, layers, uniform, cpu_shares_cores, repeats)| {
                 let per_chunk = move || prop::collection::vec(0u64..6, chunks);
                 let per_layer = move |top: u64| prop::collection::vec(0u64..top, layers);
                 (
@@ -2567,7 +2852,10 @@ mod tests {
                         prop::collection::vec(1u64..60, chunks),
                         1u64..30,
                         0u64..40,
-                        prop::collection::vec(0u64..12, chunks + 1),
+                        (
+                            prop::collection::vec((0u64..12, 0u64..4, 0u64..100), chunks + 1),
+                            0u64..120,
+                        ),
                     ),
                     (
                         prop::collection::vec(0..chunks, layers),
@@ -2577,21 +2865,25 @@ mod tests {
                         per_layer(40),
                         per_layer(20),
                     ),
-                    Just((uniform, cpu_shares_cores)),
+                    Just((uniform, cpu_shares_cores, repeats)),
                 )
             })
             .prop_map(
                 |(
                     c,
-                    (resident_bytes, chunk_capacity, head_bytes, mut disk),
+                    (resident_bytes, chunk_capacity, head_bytes, (disk, host_budget)),
                     l,
-                    (uniform, cpu_shares_cores),
+                    (uniform, cpu_shares_cores, repeats),
                 )| {
                     let (forward, backward, fetch, backward_comm, gpu_adam, cpu_adam) = c;
-                    // The disk tier's traffic only falls as more chunks persist.
-                    for p in (0..forward.len()).rev() {
-                        disk[p] = disk[p].max(disk[p + 1]);
-                    }
+                    // The disk tier: none where `need` host bytes are left, else its
+                    // ticks per run and in the update.
+                    let disk: Vec<DiskSteps<Ticks>> = disk
+                        .into_iter()
+                        .map(|(update, run, need)| DiskSteps {
+                            steps: vec![(need, 0, 0), (0, run, update)],
+                        })
+                        .collect();
                     let (mut layer_chunk, mut fwd, mut out, mut back, mut saved, mut input) = l;
                     if uniform {
                         layer_chunk.sort_unstable();
@@ -2610,7 +2902,10 @@ mod tests {
                         backward_comm,
                         gpu_adam,
                         cpu_adam,
+                        disk_floor: disk_floor(&disk, host_budget, |t| t),
                         disk,
+                        host_budget,
+                        repeats,
                         cpu_shares_cores,
                         flash_attention: true,
                         resident_bytes,
@@ -2766,15 +3061,26 @@ mod tests {
                     }
                 }
                 let gpu: f64 = (0..p).map(|c| profile.gpu_adam[c] as f64).sum();
-                // The host side is the CPU Adam or the disk tier's traffic, the longer.
-                let cpu: f64 = (p..n)
-                    .map(|c| profile.cpu_adam[c] as f64)
-                    .sum::<f64>()
-                    .max(profile.disk[p] as f64);
-                let formula = match profile.cpu_shares_cores {
-                    true => estimate_iteration_sharing_cores(&times, gpu, cpu).total,
-                    false => estimate_iteration(&times, gpu, cpu).total,
-                };
+                let cpu: f64 = (p..n).map(|c| profile.cpu_adam[c] as f64).sum();
+                let swapped = profile.swapped_bytes(key.n_swap, key.n_checkpoint);
+                let (run, update) = profile.disk_at(p, swapped);
+                let (run, update) = (run as f64, update as f64);
+                let formula = match (profile.repeats, profile.cpu_shares_cores) {
+                    // One run: ProTrain's formula, the disk tier's stream beside it.
+                    (1, true) => estimate_iteration_sharing_cores(&times, gpu, cpu).total,
+                    (1, false) => estimate_iteration(&times, gpu, cpu).total,
+                    // Several: each run's passes, then the update alone (never shorter than
+                    // the disk's time in both, so the bound below changes nothing).
+                    (k, shares) => {
+                        let passes = estimate_iteration(&times, 0.0, 0.0);
+                        let update = match shares {
+                            true => gpu + cpu.max(update),
+                            false => gpu.max(cpu).max(update),
+                        };
+                        k as f64 * (passes.forward + passes.backward).max(run) + update
+                    }
+                }
+                .max(run + update);
                 prop_assert_eq!(formula, profile.direct_ticks(key) as f64, "{:?}", key);
             }
         }
@@ -2813,15 +3119,21 @@ mod tests {
 
     #[test]
     fn ticks_keep_every_sum_in_range_and_name_no_time_negative() {
-        let scale = TickScale::new(&[&[1e300, 1e300], &[f64::INFINITY, f64::NAN, -1.0, 2e-3]]);
+        let scale = TickScale::new(
+            &[&[1e300, 1e300], &[f64::INFINITY, f64::NAN, -1.0, 2e-3]],
+            3,
+        );
         let ticks: Vec<Ticks> = [1e300, 1e300, f64::INFINITY, f64::NAN, -1.0, 2e-3]
             .iter()
             .map(|&s| scale.ticks(s))
             .collect();
         assert_eq!(&ticks[3..5], &[0, 0], "undefined and negative times are 0");
-        let total = ticks.iter().try_fold(0u64, |a, &t| a.checked_add(t));
+        // Each counted three times, as a step of three micro-batches counts them.
+        let total = ticks
+            .iter()
+            .try_fold(0u64, |a, &t| a.checked_add(t.checked_mul(3)?));
         assert!(total.is_some_and(|t| t <= 1 << 63), "{ticks:?}");
-        let fine = TickScale::new(&[&[0.5, 0.25]]);
+        let fine = TickScale::new(&[&[0.5, 0.25]], 1);
         assert_eq!(
             fine.ticks(1e-15),
             1,
@@ -2832,51 +3144,108 @@ mod tests {
     #[test]
     fn the_disk_tier_moves_the_fewest_states_the_host_needs_it_to() {
         // Ten chunks of 10 host bytes, 8 of them state, under 60 bytes of host: with `p`
-        // persistent, `10 (10 - p) - 8 k + 2 x 8 <= 60` takes `k` states to disk, each read
-        // and written (its bytes in seconds here); from 4 persistent on, all fits.
-        let (host, state, storage) = (vec![10; 10], vec![8; 10], vec![2; 10]);
-        let budgets = HostBudgets { host: 60, disk: 1 };
-        let price = |b: u64| b as f64;
-        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, price, |b| {
-            100.0 * b as f64
-        });
+        // persistent, `10 (10 - p) - 8 k + 2 x 8 <= 60` takes `k` states to disk through two
+        // staging buffers, each read and written in the update (its bytes in seconds here),
+        // the disk waiting on the last one's CPU Adam (half a second); from 4 persistent on,
+        // all fits.
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        let seconds: Vec<(f64, f64)> = steps.iter().map(|d| d.at(60)).collect();
         let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
-        let expected: Vec<f64> = moved.iter().map(|k| 8.0 * *k as f64).collect();
+        let expected: Vec<(f64, f64)> = moved
+            .iter()
+            .map(|&k| match k {
+                0 => (0.0, 0.0),
+                k => (0.0, 16.0 * k as f64 + 0.5),
+            })
+            .collect();
         assert_eq!(
             seconds, expected,
             "no storage moves while states are enough"
         );
         // Without a disk budget nothing is priced.
         let none = disk_by_persist(
-            &host,
-            &state,
-            &storage,
+            &ten(),
+            GradsInParams,
             HostBudgets { host: 60, disk: 0 },
-            6,
             price,
             price,
         );
-        assert_eq!(none, vec![0.0; 11]);
+        assert!(none.iter().all(|d| d.at(0) == (0.0, 0.0)), "{none:?}");
+    }
+
+    /// Ten chunks of 2 bytes of storage and 8 of state, each updated in half a second.
+    fn ten() -> Vec<DiskChunk> {
+        vec![
+            DiskChunk {
+                storage: 2,
+                state: 8,
+                adam: 0.5,
+            };
+            10
+        ]
+    }
+
+    /// A host budget of `host` bytes beside a disk.
+    fn budgets(host: u64) -> HostBudgets {
+        HostBudgets { host, disk: 1 }
+    }
+
+    /// A transfer of `bytes` takes as many seconds.
+    fn price(bytes: u64) -> f64 {
+        bytes as f64
+    }
+
+    use DiskLayout::{Accumulating, GradsInParams};
+
+    #[test]
+    fn one_staging_buffer_leaves_the_disk_idle_through_every_cpu_adam() {
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(40), price, price);
+        // With every state on disk `20 + 2 x 8 <= 40` fits two staging buffers: the disk
+        // waits on the last update alone.
+        assert_eq!(steps[0].at(40), (0.0, 160.0 + 0.5));
+        // `20 + 16 > 30` does not, `20 + 8 <= 30` does: through one buffer the disk waits
+        // on every update.
+        assert_eq!(steps[0].at(30), (0.0, 160.0 + 10.0 * 0.5));
+    }
+
+    #[test]
+    fn host_memory_other_buffers_take_leaves_the_disk_tier_less_room() {
+        // A budget of 60 with 20 of it taken (swapped activations) leaves 40: every state
+        // moves where 7 did with all 60, as the pass finds with the host region those
+        // buffers are in.
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        assert_eq!(steps[0].at(60), (0.0, 7.0 * 16.0 + 0.5));
+        assert_eq!(steps[0].at(60 - 20), (0.0, 10.0 * 16.0 + 0.5));
+        // The profile asks for what is left of its budget.
+        let mut profile = deep_profile(2, "rtx3090");
+        profile.disk = steps.iter().map(|d| d.map(|s| s as Ticks)).collect();
+        profile.host_budget = 60;
+        profile.disk_floor = disk_floor(&profile.disk, 60, |t| t);
+        assert_eq!(profile.disk_at(0, 0), (0, 7 * 16));
+        assert_eq!(profile.disk_at(0, 20), (0, 10 * 16));
+        assert_eq!(profile.disk_at(4, 0), (0, 0), "all fits with 4 persistent");
     }
 
     #[test]
     fn the_disk_tier_moves_storage_once_every_state_is_on_disk() {
-        // Ten chunks of 10 host bytes, 8 of them state and 2 storage, under 20 bytes of
-        // host: with `p` persistent every state moves (`2 (10 - p) + 2 x 8` bytes left) and
-        // then storage until `2 (10 - p - j) + 16 + 6 x 2 <= 20`, which no `j` meets (the
-        // staging alone is 28 bytes): every storage moves too.
-        let (host, state, storage) = (vec![10; 10], vec![8; 10], vec![2; 10]);
-        let budgets = HostBudgets { host: 20, disk: 1 };
-        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
-        assert_eq!(seconds[0], 10.0 + 1000.0);
-        // With 30 bytes: `2 (10 - j) + 28 <= 30` at `j = 9` from `p = 0`; with 40 every
-        // state on disk is enough (`20 + 16 <= 40`).
-        let budgets = HostBudgets { host: 30, disk: 1 };
-        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
-        assert_eq!(seconds[0], 10.0 + 900.0);
-        let budgets = HostBudgets { host: 40, disk: 1 };
-        let seconds = disk_by_persist(&host, &state, &storage, budgets, 6, |_| 1.0, |_| 100.0);
-        assert_eq!(seconds[0], 10.0);
+        // Under 20 bytes of host every state moves, and no ring of two fits beside the 20
+        // bytes of storage; through rings of one (8 bytes of state, 3 x 2 of storage),
+        // `2 (10 - j) + 8 + 6 <= 20` moves the storage of `j = 7` chunks, each read for
+        // its two uploads and written after its offload in the run, read for its update
+        // and written after it.
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(20), price, price);
+        assert_eq!(
+            steps[0].at(20),
+            (7.0 * 3.0 * 2.0, 160.0 + 7.0 * 2.0 * 2.0 + 10.0 * 0.5)
+        );
+        // Accumulating, the host keeps gradients and accumulators beside each chunk's
+        // parameters: nothing fits 20 bytes, and every chunk's parameters are read for the
+        // two uploads of each run, and for the update and written after it.
+        let steps = disk_by_persist(&ten(), Accumulating, budgets(20), price, price);
+        assert_eq!(
+            steps[0].at(20),
+            (10.0 * 2.0 * 2.0, 160.0 + 10.0 * 2.0 * 2.0 + 10.0 * 0.5)
+        );
     }
 
     /// The profile of a GPT-2 with tiny dimensions at `layers` layers, batch 8 x 64, on
@@ -2896,6 +3265,7 @@ mod tests {
             crate::cost::cost_model(&hardware).as_ref(),
             Topology::SINGLE,
             NO_DISK,
+            1,
         )
     }
 
@@ -2981,8 +3351,14 @@ mod tests {
         for hardware in ["host", "rtx3090"] {
             let profile = protrain_ir::HardwareProfile::preset(hardware).expect("preset");
             let cost = crate::cost::cost_model(&profile);
-            let profile =
-                Profile::new(&training, &chunks, cost.as_ref(), Topology::SINGLE, NO_DISK);
+            let profile = Profile::new(
+                &training,
+                &chunks,
+                cost.as_ref(),
+                Topology::SINGLE,
+                NO_DISK,
+                1,
+            );
             assert_eq!(profile.layers, 5);
             let estimator = Estimator::new(&profile);
             let swept = scored_by_sweeps(&estimator, u64::MAX);

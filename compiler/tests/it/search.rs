@@ -1,12 +1,15 @@
 //! The policy search: resident when memory is plentiful, offloading and recomputing when it
 //! is not, and a clear error naming the smallest budget when nothing fits.
 
+use protrain_compiler::accumulate::scale_loss_gradient;
 use protrain_compiler::comm::Topology;
 use protrain_compiler::cost::cost_model;
 use protrain_compiler::pipeline::{chunked, training_graph};
-use protrain_compiler::search::{search, SearchOptions, COMPILE_BATCH, TIE_TOLERANCE};
+use protrain_compiler::search::{
+    search, search_ordered, SearchOptions, COMPILE_BATCH, TIE_TOLERANCE,
+};
 use protrain_compiler::{CompileError, OptimizerConfig};
-use protrain_ir::{BlockMode, HardwareProfile, Schedule};
+use protrain_ir::{BlockMode, HardwareProfile, MicroBatchOrder, Schedule};
 
 const GIB: u64 = 1 << 30;
 
@@ -309,11 +312,24 @@ fn disk_bound(disk_bandwidth: f64, disk: u64) -> (SearchOptions, Searched) {
 
 /// [`disk_bound`] with `host` bytes of host memory.
 fn disk_bound_in(disk_bandwidth: f64, disk: u64, host: u64) -> (SearchOptions, Searched) {
+    disk_bound_accumulating(disk_bandwidth, disk, host, (1, 256), None)
+}
+
+/// [`disk_bound_in`] with steps of `micro_batches` micro-batches of 1 x `seq` tokens,
+/// searched in `order` alone (both, the faster kept, where `None`).
+fn disk_bound_accumulating(
+    disk_bandwidth: f64,
+    disk: u64,
+    host: u64,
+    (micro_batches, seq): (u64, u64),
+    order: Option<MicroBatchOrder>,
+) -> (SearchOptions, Searched) {
     let config = protrain_models::load("gpt2").expect("preset");
     let forward =
-        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 256))
+        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, seq))
             .expect("builds");
-    let training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    let mut training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    scale_loss_gradient(&mut training, micro_batches).expect("scales the loss gradient");
     let chunks = chunked(&training);
     let mut profile = HardwareProfile::preset("rtx3090").expect("preset");
     profile.disk.read_bandwidth = disk_bandwidth;
@@ -328,17 +344,21 @@ fn disk_bound_in(disk_bandwidth: f64, disk: u64, host: u64) -> (SearchOptions, S
         model: config.name.clone(),
         topology: Topology::SINGLE,
     };
-    let searched = search(&training, &chunks, cost.as_ref(), &options);
+    let searched = match order {
+        Some(order) => search_ordered(&training, &chunks, cost.as_ref(), &options, order),
+        None => search(&training, &chunks, cost.as_ref(), &options),
+    };
     (options, searched)
 }
 
-/// The search prices the disk tier's reads and writes: where they bound the step, no
-/// compiled candidate's estimate is under 75% of its simulated step (ranking by the estimate
-/// is not blind to the disk), none is over 150% of it, and a slower disk raises the estimate.
-/// The upper bound is wider than the lower: a candidate whose parameters and gradients live on
-/// disk is priced as three reads and two writes of their storage per step, without the
-/// overlap the simulator finds between them, so such a small candidate is overpriced (the
-/// large models' estimates are held within 25% by `compile_cli`'s 175B and 70B tests).
+/// The search prices the disk tier's reads and writes: where they bound the step, every
+/// compiled candidate's estimate is within 25% of its simulated step (ranking by the estimate
+/// is not blind to the disk), and a slower disk raises the estimate. Here gpt2's two chunks'
+/// optimizer state go to disk through one staging buffer (two do not fit beside the
+/// parameters), so the disk waits on each chunk's CPU Adam, and the parameters stay on the
+/// host; the estimate follows the disk tier's choice rather than pricing storage that does
+/// not move (the large models' estimates are held within 25% by `compile_cli`'s 175B and 70B
+/// tests).
 #[test]
 fn the_estimate_prices_the_disk_tier() {
     let (_, fast) = disk_bound(2e9, 64 * GIB);
@@ -349,7 +369,7 @@ fn the_estimate_prices_the_disk_tier() {
     for c in slow_report.compiled.iter().filter(|c| c.disk_bytes > 0) {
         let ratio = c.estimated_seconds / c.simulated_seconds;
         assert!(
-            (0.75..=1.5).contains(&ratio),
+            (0.75..=1.25).contains(&ratio),
             "{}: estimated {} s, simulated {} s",
             c.policy,
             c.estimated_seconds,
@@ -363,6 +383,41 @@ fn the_estimate_prices_the_disk_tier() {
         estimate(&slow_report),
         estimate(&fast_report)
     );
+}
+
+/// With gradient accumulation the estimate prices the whole step, every micro-batch of it, in
+/// either order: gpt2 at 4 micro-batches of 1 x 1024 whose optimizer state goes to disk
+/// (the busiest stream of the step), searched sequentially (each streamed chunk uploaded in
+/// every micro-batch, the update and its disk traffic after the last) and chunk-major (each
+/// chunk uploaded once per step), every compiled candidate's estimate within 25% of its
+/// simulated step. On the slow disk the disk's reads and writes are most of the step; on
+/// the fast one the sequential order's four runs of the passes are about half of it (an
+/// estimate of one micro-batch is under 75% of the simulated step there).
+#[test]
+fn the_estimate_prices_every_micro_batch_of_a_disk_bound_step() {
+    for bandwidth in [2e8, 1e10] {
+        for order in [MicroBatchOrder::Sequential, MicroBatchOrder::ChunkMajor] {
+            let at = (4, 1024);
+            let (_, searched) =
+                disk_bound_accumulating(bandwidth, 64 * GIB, 1600 << 20, at, Some(order));
+            let (schedule, report) = searched.unwrap_or_else(|e| panic!("{order:?}: {e}"));
+            assert!(
+                report.compiled.iter().all(|c| c.policy.order == order),
+                "{order:?}"
+            );
+            assert!(schedule.disk_bytes > 0, "{order:?}: the disk tier binds");
+            for c in report.compiled.iter().filter(|c| c.disk_bytes > 0) {
+                let ratio = c.estimated_seconds / c.simulated_seconds;
+                assert!(
+                    (0.75..=1.25).contains(&ratio),
+                    "{bandwidth} B/s {order:?} {}: estimated {} s, simulated {} s",
+                    c.policy,
+                    c.estimated_seconds,
+                    c.simulated_seconds
+                );
+            }
+        }
+    }
 }
 
 /// Where even the disk tier leaves the host region over its budget, the refusal says the
