@@ -751,3 +751,81 @@ fn sharded_ranks_with_their_state_on_disk_train_as_in_host_memory_bit_for_bit() 
         );
     }
 }
+
+/// A sharded schedule over its host budget compiles with the fewest chunks' state shards on
+/// disk that bring each rank within it (here each rank's share is 200 KiB under what it
+/// needs in host memory); the
+/// schedule verifies, its disk region per rank is those chunks' shards (each at the next
+/// 4 KiB), and its disk reads and writes move one rank's shard each.
+#[test]
+fn a_sharded_schedule_over_its_host_budget_compiles_with_its_shards_on_disk() {
+    let (model, dtype, ranks) = ("gpt2-tiny", DType::BF16, 2u32);
+    let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
+    let (_, disk) = least_on_disk(&memory, ranks);
+    let node_host = u64::from(ranks) * (memory.host_bytes - (200 << 10));
+    let hardware = HardwareProfile::host()
+        .with_host_memory(node_host)
+        .with_disk_memory(u64::from(ranks) * disk);
+    let schedule = compile_on(model, TIGHT, ranks, 1, dtype, None, hardware).expect("compiles");
+    let verified = verify((*schedule).clone()).expect("verifies");
+    let moved = verified.disk_chunks();
+    assert!(
+        !moved.is_empty() && moved.len() <= verified.chunks.len(),
+        "{} of {} chunks' state on disk",
+        moved.len(),
+        verified.chunks.len()
+    );
+    assert!(verified.host_bytes * u64::from(ranks) <= node_host);
+    let on_disk: Vec<&protrain::ir::Buffer> = verified
+        .buffers
+        .iter()
+        .filter(|b| b.space == protrain::ir::Space::Disk)
+        .collect();
+    let want = on_disk
+        .iter()
+        .fold(0, |end: u64, b| end.next_multiple_of(4096) + b.size);
+    assert_eq!(verified.disk_bytes, want);
+    // Moments and master weights of each moved chunk, 1/ranks of its state each.
+    assert_eq!(on_disk.len(), 3 * moved.len());
+    let shard = verified.chunks.chunk_bytes / u64::from(ranks);
+    for b in &on_disk {
+        assert!(matches!(b.kind, BufferKind::HostShard { .. }), "{}", b.name);
+        assert_eq!(b.size, 2 * shard, "{}: f32 of a bf16 shard", b.name);
+    }
+    let transfers = verified
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter_map(|i| match i {
+            Instr::DiskRead { bytes, .. } | Instr::DiskWrite { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(transfers.len(), 2 * on_disk.len());
+    assert!(transfers.iter().all(|&b| b == 2 * shard));
+}
+
+/// What the disk tier still refuses on sharded ranks: a host budget below what every
+/// chunk's state shards on disk leave (the parameters and gradients of sharded chunks stay
+/// in host memory). The error names the need per rank and the ways out.
+#[test]
+fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
+    let (model, dtype, ranks) = ("gpt2-tiny", DType::F32, 2u32);
+    let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
+    let (least, disk) = least_on_disk(&memory, ranks);
+    let hardware = HardwareProfile::host()
+        .with_host_memory(least - 4096)
+        .with_disk_memory(u64::from(ranks) * disk * 4);
+    let err = compile_on(model, TIGHT, ranks, 1, dtype, None, hardware)
+        .expect_err("over budget")
+        .to_string();
+    for needle in [
+        "of the optimizer state of all 4 offloaded chunks on disk",
+        "not yet their parameters and gradients",
+        "give more --host-memory",
+        "(--nodes M, each node keeping 1/M of the shards)",
+        "run one rank (--gpus 1)",
+    ] {
+        assert!(err.contains(needle), "no `{needle}` in: {err}");
+    }
+}
