@@ -23,9 +23,9 @@ use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::time::Duration;
 
 const ROOMY: &str = "blocks=KK";
-const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
-const BATCH: u64 = 2;
-const SEQ: u64 = 16;
+pub(crate) const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
+pub(crate) const BATCH: u64 = 2;
+pub(crate) const SEQ: u64 = 16;
 
 /// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped.
 fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
@@ -54,7 +54,7 @@ fn compile_clipped(
 }
 
 /// [`compile_clipped`] on `hardware` (as threads of one process), or the compile error.
-fn compile_on(
+pub(crate) fn compile_on(
     model: &str,
     policy: &str,
     ranks: u32,
@@ -673,7 +673,7 @@ fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
 /// The host memory of a node of `ranks` ranks that leaves each rank the least host region
 /// the disk tier can give `schedule` (every offloaded chunk's optimizer state shards on
 /// disk), with the disk it takes per rank.
-fn least_on_disk(schedule: &VerifiedSchedule, ranks: u32) -> (u64, u64) {
+pub(crate) fn least_on_disk(schedule: &VerifiedSchedule, ranks: u32) -> (u64, u64) {
     let (host, disk) =
         protrain::compiler::disk::least_host(schedule).expect("the disk tier applies");
     (host * u64::from(ranks), disk)
