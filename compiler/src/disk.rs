@@ -43,8 +43,17 @@
 //! that it is so). With gradient accumulation the disk stream's program has its micro-batch
 //! marker: the uploads' reads run each micro-batch, the update's reads and writes once.
 //!
-//! It does not shard (a sharded schedule is refused: its state is split over the ranks
-//! already, and the disk tier of each rank's slice is not built), does not choose between
+//! On sharded ranks ([`BufferKind::HostShard`]) each rank moves its own shards: a chunk's
+//! state is its moments' and master weights' shards, each a buffer of `1/ranks` of the part
+//! (sizes, budgets and disk offsets are a rank's; each rank's file holds its shards at the
+//! same offsets), staged in one ring per part of sharded staging buffers
+//! ([`BufferKind::ShardStaging`], whose slots pair one chunk's parts so that the update finds
+//! its master weights beside its moments); every read and write moves one rank's whole
+//! shard. Only the state moves there: the parameters and gradients of sharded chunks stay
+//! in host memory (a host budget that every state shard on disk does not meet is refused,
+//! [`ShortfallProblem::DiskSharded`]).
+//!
+//! It does not choose between
 //! disk and a leaner host layout (the search tries the 14-byte layout first), and does not
 //! overlap a chunk's read with its own update (the CPU Adam updates a chunk whole). A staged
 //! chunk's state (the 12-byte layout) stays on the host: its casts read the master weights

@@ -62,6 +62,12 @@
 //! an upload copies into a staging buffer before it, writes the gradients an offload landed
 //! in a staging buffer after it, and reads and writes the storage around the chunk's update
 //! with its state. Every staging buffer holds what it stages at the disk buffer's offsets.
+//! On sharded ranks the state of a sharded chunk moves as each rank's shards of its moments
+//! and master weights ([`BufferKind::HostShard`] buffers in [`Space::Disk`]: each rank keeps
+//! its slices in its own file, at the buffer's offset), staged in sharded staging buffers
+//! ([`BufferKind::ShardStaging`], one ring per part); a disk read or write of a shard moves,
+//! on rank `r`, `bytes` from `src + r * bytes` to `dst + r * bytes` of the whole layout, as
+//! [`Instr::CopyShard`] does.
 //!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
