@@ -740,10 +740,9 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
     let seen = killed_after(&args, 12);
     let left = files(&disk);
     assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
-    assert!(
-        left[0].ends_with("-rank0.state") && left[1].ends_with("-rank1.state"),
-        "{left:?}"
-    );
+    for rank in ["-rank0.state", "-rank1.state"] {
+        assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
+    }
     let mut resume = run.clone();
     resume.extend(["--resume", path(&ckpt)]);
     let out = protrain(&resume);
