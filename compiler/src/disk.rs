@@ -43,8 +43,17 @@
 //! that it is so). With gradient accumulation the disk stream's program has its micro-batch
 //! marker: the uploads' reads run each micro-batch, the update's reads and writes once.
 //!
-//! It does not shard (a sharded schedule is refused: its state is split over the ranks
-//! already, and the disk tier of each rank's slice is not built), does not choose between
+//! On sharded ranks ([`BufferKind::HostShard`]) each rank moves its own shards: a chunk's
+//! state is its moments' and master weights' shards, each a buffer of `1/ranks` of the part
+//! (sizes, budgets and disk offsets are a rank's; each rank's file holds its shards at the
+//! same offsets), staged in one ring per part of sharded staging buffers
+//! ([`BufferKind::ShardStaging`], whose slots pair one chunk's parts so that the update finds
+//! its master weights beside its moments); every read and write moves one rank's whole
+//! shard. Only the state moves there: the parameters and gradients of sharded chunks stay
+//! in host memory (a host budget that every state shard on disk does not meet is refused,
+//! [`ShortfallProblem::DiskSharded`]).
+//!
+//! It does not choose between
 //! disk and a leaner host layout (the search tries the 14-byte layout first), and does not
 //! overlap a chunk's read with its own update (the CPU Adam updates a chunk whole). A staged
 //! chunk's state (the 12-byte layout) stays on the host: its casts read the master weights
@@ -53,20 +62,23 @@
 use crate::error::{CompileError, Result, Shortfall, ShortfallProblem};
 use crate::plan::{append_buffer, disk_region_bytes, host_bytes_after, move_to_disk};
 use protrain_ir::{
-    BufferId, BufferKind, ChunkId, CopyKind, EventId, Instr, Schedule, Space, Stream, StreamKind,
-    TensorRef,
+    BufferId, BufferKind, ChunkId, CopyKind, EventId, Instr, Schedule, ShardPart, Space, Stream,
+    StreamKind, TensorRef,
 };
 use std::collections::{HashMap, HashSet};
 
 /// Alignment of each chunk's state in the disk file (laid out by [`crate::plan`]).
 pub use crate::plan::DISK_ALIGN;
 
-/// One chunk whose state can move: its state buffer and where its AdamW kernels are on the
+/// One chunk whose state can move: its state buffers and where its AdamW kernels are on the
 /// host optimizer stream (their indices, in order).
 #[derive(Clone, Debug)]
 struct Movable {
     chunk: ChunkId,
-    buffer: BufferId,
+    /// Its [`BufferKind::OptimizerState`] (part `None`), or on sharded ranks each rank's
+    /// shard of its moments and master weights, each a buffer of its own (see
+    /// [`BufferKind::HostShard`]), in buffer order.
+    buffers: Vec<(BufferId, Option<ShardPart>)>,
     kernels: Vec<usize>,
 }
 
@@ -97,8 +109,9 @@ struct Choice {
 /// What a staging ring holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Role {
-    /// Chunks' optimizer state, for the CPU Adam.
-    State,
+    /// Chunks' optimizer state, for the CPU Adam: whole (`None`), or one part of sharded
+    /// chunks' state, whose rings are used in step (slot `s` of each holds the same chunk).
+    State(Option<ShardPart>),
     /// Chunks' parameter storage, for the CPU Adam.
     Params,
     /// Chunks' separate gradient storage, for the CPU Adam.
@@ -114,16 +127,11 @@ enum Role {
 /// (see the module doc); returns the schedule unchanged when it fits already or
 /// `disk_budget` is 0. Fails, naming what each tier would need, when even every chunk's
 /// state and storage on disk leaves the host region over its budget or the disk region over
-/// `disk_budget`, and on a sharded schedule.
+/// `disk_budget`. On sharded ranks each rank moves its shards (budgets and sizes are a
+/// rank's) and only their optimizer state: past it the error says so.
 pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Result<Schedule> {
     if schedule.host_bytes <= host_budget || disk_budget == 0 {
         return Ok(schedule);
-    }
-    if schedule.sharded() {
-        return Err(Shortfall::error(ShortfallProblem::DiskSharded {
-            host_need: schedule.host_bytes,
-            host_budget,
-        }));
     }
     let movable = movable(&schedule)?;
     if movable.is_empty() {
@@ -159,10 +167,18 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
             storages: order.len(),
             slots: 1,
         };
-        return Err(Shortfall::error(ShortfallProblem::HostOverWithAllOnDisk {
-            host_need: host_after(&schedule, &movable, &storage, &order, all),
-            chunks: n,
-            host_budget,
+        let host_need = host_after(&schedule, &movable, &storage, &order, all);
+        return Err(Shortfall::error(match schedule.sharded() {
+            true => ShortfallProblem::DiskSharded {
+                host_need,
+                chunks: n,
+                host_budget,
+            },
+            false => ShortfallProblem::HostOverWithAllOnDisk {
+                host_need,
+                chunks: n,
+                host_budget,
+            },
         }));
     };
     let moved = moved_buffers(&movable, &storage, &order, choice);
@@ -184,12 +200,9 @@ pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Resul
 /// the optimizer state of every chunk whose state can move on disk, and their storage too
 /// where that leaves less, through one staging buffer each (storage moved costs staging
 /// buffers, which outweigh what small chunks save). `None` where the disk tier does not
-/// apply: a sharded schedule, or one with no such chunk. For errors that quote the smallest
-/// budgets that would fit.
+/// apply: a schedule with no such chunk. For errors that quote the smallest budgets that
+/// would fit (a rank's, on sharded ranks).
 pub fn least_host(schedule: &Schedule) -> Option<(u64, u64)> {
-    if schedule.sharded() {
-        return None;
-    }
     let movable = movable(schedule).ok()?;
     if movable.is_empty() {
         return None;
@@ -215,12 +228,9 @@ pub fn least_host(schedule: &Schedule) -> Option<(u64, u64)> {
 /// optimizer state and the storage of every chunk whose state can move, through rings of
 /// `slots` staging buffers (1 or 2). For tests and measurements of the tier at its most
 /// (the search takes the fewest chunks instead, [`disk`]); the schedule is returned
-/// unchanged where the tier does not apply (a sharded schedule, no such chunk). The caller
-/// verifies the result.
+/// unchanged where the tier does not apply (no such chunk). On sharded ranks that is every
+/// chunk's optimizer state shards (their storage stays). The caller verifies the result.
 pub fn every_state(mut schedule: Schedule, slots: usize) -> Result<Schedule> {
-    if schedule.sharded() {
-        return Ok(schedule);
-    }
     let movable = movable(&schedule)?;
     if movable.is_empty() {
         return Ok(schedule);
@@ -240,26 +250,36 @@ pub fn every_state(mut schedule: Schedule, slots: usize) -> Result<Schedule> {
 
 /// The offloaded chunks whose state is on the host, in the order the host optimizer stream
 /// first updates them; fails when a state buffer is used other than by that stream's
-/// kernels (a compiler bug).
+/// kernels (a compiler bug). A sharded chunk's master weights are no kernel's operand (the
+/// update finds them by its parameter): they move with its moments.
 fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
     let Some(opt) = optimizer_stream(schedule) else {
         return Ok(Vec::new());
     };
-    let state: HashMap<BufferId, ChunkId> = schedule
+    let state: HashMap<BufferId, (ChunkId, Option<ShardPart>)> = schedule
         .buffers
         .iter()
         .enumerate()
         .filter_map(|(i, b)| match (b.space, b.kind) {
-            (Space::Host, BufferKind::OptimizerState { chunk }) => Some((BufferId::new(i), chunk)),
+            (Space::Host, BufferKind::OptimizerState { chunk }) => {
+                Some((BufferId::new(i), (chunk, None)))
+            }
+            (
+                Space::Host,
+                BufferKind::HostShard {
+                    chunk,
+                    part: part @ (ShardPart::AdamM | ShardPart::AdamV | ShardPart::Master),
+                },
+            ) => Some((BufferId::new(i), (chunk, Some(part)))),
             _ => None,
         })
         .collect();
     let mut out: Vec<Movable> = Vec::new();
-    let mut index: HashMap<BufferId, usize> = HashMap::new();
+    let mut index: HashMap<ChunkId, usize> = HashMap::new();
     for (s, stream) in schedule.streams.iter().enumerate() {
         for (i, instr) in stream.instrs.iter().enumerate() {
             for t in refs(instr) {
-                let Some(&chunk) = state.get(&t.buffer) else {
+                let Some(&(chunk, _)) = state.get(&t.buffer) else {
                     continue;
                 };
                 if s != opt || !matches!(instr, Instr::Kernel { .. }) {
@@ -269,22 +289,29 @@ fn movable(schedule: &Schedule) -> Result<Vec<Movable>> {
                         stream.name
                     )));
                 }
-                match index.get(&t.buffer) {
+                match index.get(&chunk) {
                     Some(&at) => {
                         if out[at].kernels.last() != Some(&i) {
                             out[at].kernels.push(i);
                         }
                     }
                     None => {
-                        index.insert(t.buffer, out.len());
+                        index.insert(chunk, out.len());
                         out.push(Movable {
                             chunk,
-                            buffer: t.buffer,
+                            buffers: Vec::new(),
                             kernels: vec![i],
                         });
                     }
                 }
             }
+        }
+    }
+    let mut state: Vec<(BufferId, (ChunkId, Option<ShardPart>))> = state.into_iter().collect();
+    state.sort();
+    for (buffer, (chunk, part)) in state {
+        if let Some(&at) = index.get(&chunk) {
+            out[at].buffers.push((buffer, part));
         }
     }
     let staged = schedule.staged_chunks();
@@ -430,7 +457,7 @@ fn moved_buffers(
 ) -> Vec<BufferId> {
     movable[..choice.states]
         .iter()
-        .map(|m| m.buffer)
+        .flat_map(|m| m.buffers.iter().map(|&(b, _)| b))
         .chain(moved_storage(storage, order, choice).map(|s| s.buffer))
         .collect()
 }
@@ -453,13 +480,21 @@ fn rings(
         }
     };
     let size = |b: BufferId| schedule.buffer(b).size;
-    ring(
-        Role::State,
-        movable[..choice.states]
-            .iter()
-            .map(|m| (size(m.buffer), 1))
-            .collect(),
-    );
+    for part in [
+        None,
+        Some(ShardPart::AdamM),
+        Some(ShardPart::AdamV),
+        Some(ShardPart::Master),
+    ] {
+        ring(
+            Role::State(part),
+            movable[..choice.states]
+                .iter()
+                .flat_map(|m| m.buffers.iter().filter(|&&(_, p)| p == part))
+                .map(|&(b, _)| (size(b), 1))
+                .collect(),
+        );
+    }
     let moved = || moved_storage(storage, order, choice);
     for (role, params) in [(Role::Params, true), (Role::Grads, false)] {
         ring(
@@ -652,7 +687,10 @@ fn place(
     let mut slot = 0u32;
     for &(role, size, count) in &ring_sizes {
         let name = match role {
-            Role::State => "disk_staging",
+            Role::State(None) => "disk_staging",
+            Role::State(Some(ShardPart::AdamM)) => "disk_adam_m_staging",
+            Role::State(Some(ShardPart::AdamV)) => "disk_adam_v_staging",
+            Role::State(Some(_)) => "disk_master_staging",
             Role::Params => "disk_param_staging",
             Role::Grads => "disk_grad_staging",
             Role::Upload => "disk_upload_staging",
@@ -660,14 +698,19 @@ fn place(
         };
         let ids = (0..count)
             .map(|i| {
-                slot += 1;
-                append_buffer(
-                    schedule,
-                    &format!("{name}{i}"),
-                    Space::Host,
-                    BufferKind::DiskStaging { slot: slot - 1 },
-                    size,
-                )
+                // A sharded part's ring is sharded as what it stages; its slots pair the
+                // rings of one chunk's parts (see `BufferKind::ShardStaging`).
+                let kind = match role {
+                    Role::State(Some(part)) => BufferKind::ShardStaging {
+                        slot: i as u32,
+                        part,
+                    },
+                    _ => {
+                        slot += 1;
+                        BufferKind::DiskStaging { slot: slot - 1 }
+                    }
+                };
+                append_buffer(schedule, &format!("{name}{i}"), Space::Host, kind, size)
             })
             .collect();
         rings.insert(role, Ring { ids, uses: 0 });
@@ -792,9 +835,11 @@ fn place(
         let Instr::Kernel { inputs, .. } = instr else {
             return None;
         };
-        inputs
-            .iter()
-            .find_map(|t| moved_chunks.iter().position(|m| m.buffer == t.buffer))
+        inputs.iter().find_map(|t| {
+            moved_chunks
+                .iter()
+                .position(|m| m.buffers.iter().any(|&(b, _)| b == t.buffer))
+        })
     };
     let mut spans: Vec<Option<(usize, usize)>> = vec![None; moved_chunks.len()];
     for (at, instr) in old.iter().enumerate() {
@@ -857,7 +902,9 @@ fn place(
                 });
             }
         };
-        stage(Role::State, m.buffer, true, &mut waits, &mut anchor);
+        for &(b, part) in &m.buffers {
+            stage(Role::State(part), b, true, &mut waits, &mut anchor);
+        }
         for s in storage[i]
             .iter()
             .filter(|s| moved_storage.contains_key(&s.buffer))
@@ -1089,11 +1136,19 @@ pub fn host_kept(schedule: &Schedule) -> Vec<(&'static str, u64)> {
     ];
     for b in schedule.buffers.iter().filter(|b| b.space == Space::Host) {
         let at = match b.kind {
-            BufferKind::HostChunk { .. } => 0,
-            BufferKind::HostGradChunk { .. } => 1,
+            BufferKind::HostChunk { .. }
+            | BufferKind::HostShard {
+                part: ShardPart::Params,
+                ..
+            } => 0,
+            BufferKind::HostGradChunk { .. }
+            | BufferKind::HostShard {
+                part: ShardPart::Grads,
+                ..
+            } => 1,
             BufferKind::Accumulators => 2,
             BufferKind::HostActivation => 3,
-            BufferKind::DiskStaging { .. } => 4,
+            BufferKind::DiskStaging { .. } | BufferKind::ShardStaging { .. } => 4,
             _ => continue,
         };
         kept[at].1 = kept[at].1.saturating_add(b.size);

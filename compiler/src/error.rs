@@ -299,11 +299,14 @@ pub struct SharedBudgets {
 /// figures are a rank's share unless a field says otherwise.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ShortfallProblem {
-    /// A sharded schedule whose host region is over budget: the disk tier does not take the
-    /// state of sharded chunks.
+    /// A sharded schedule whose host region is over budget even with each rank's shards of
+    /// every offloaded chunk's optimizer state on disk: the disk tier does not take sharded
+    /// chunks' parameters and gradients.
     DiskSharded {
-        /// Host bytes the schedule needs per rank.
+        /// Host bytes each rank needs so.
         host_need: u64,
+        /// Offloaded (sharded) chunks whose state is on disk so.
+        chunks: usize,
         /// Host bytes each rank has.
         host_budget: u64,
     },
@@ -446,14 +449,19 @@ impl ShortfallProblem {
         match self {
             ShortfallProblem::DiskSharded {
                 host_need,
+                chunks,
                 host_budget,
             } => format!(
-                "the host region needs {} of host memory per rank, more than the {} each rank \
-                 has, and the disk tier does not take the state of chunks sharded over \
-                 data-parallel ranks yet; give more {host}, or run fewer ranks ({} 1) with \
-                 {disk}",
+                "the host region needs {} of host memory per rank with each rank's shards of \
+                 the optimizer state of all {chunks} offloaded chunks on disk, more than the \
+                 {} each rank has; on data-parallel ranks the disk tier takes the optimizer \
+                 state of sharded chunks but not yet their parameters and gradients, which \
+                 stay in host memory; give more {host}, spread the ranks over more nodes ({} \
+                 M, each node keeping 1/M of the shards), or run one rank ({} 1), whose disk \
+                 tier takes the parameters and gradients too",
                 format_bytes(*host_need),
                 format_bytes(*host_budget),
+                name(Setting::Nodes),
                 name(Setting::Gpus),
             ),
             ShortfallProblem::HostOverWithAllOnDisk {

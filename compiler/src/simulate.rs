@@ -1418,6 +1418,7 @@ fn buffer_kinds(schedule: &Schedule) -> Vec<MemoryKind> {
                 (
                     BufferKind::OptimizerState { .. }
                     | BufferKind::DiskStaging { .. }
+                    | BufferKind::ShardStaging { .. }
                     | BufferKind::HostShard { .. }
                     | BufferKind::PersistentChunk { .. },
                     false,

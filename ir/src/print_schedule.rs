@@ -176,15 +176,9 @@ pub fn buffer_kind_label(kind: BufferKind) -> String {
         BufferKind::Workspace => "workspace".into(),
         BufferKind::Accumulators => "accumulators".into(),
         BufferKind::HostScratch => "host scratch".into(),
-        BufferKind::HostShard { chunk, part } => {
-            let part = match part {
-                ShardPart::Params => "params",
-                ShardPart::Grads => "grads",
-                ShardPart::AdamM => "adam m",
-                ShardPart::AdamV => "adam v",
-                ShardPart::Master => "master",
-            };
-            format!("shard {chunk} {part}")
+        BufferKind::HostShard { chunk, part } => format!("shard {chunk} {}", part_name(part)),
+        BufferKind::ShardStaging { slot, part } => {
+            format!("disk staging {} shard{slot}", part_name(part))
         }
         BufferKind::DiskStaging { slot } => format!("disk staging{slot}"),
         BufferKind::ParamStaging { slot } => format!("param staging{slot}"),
@@ -256,7 +250,21 @@ fn disk_part(cx: &Cx, t: TensorRef) -> &'static str {
     match cx.s.buffers.get(t.buffer.index()).map(|b| b.kind) {
         Some(BufferKind::HostChunk { .. }) => "params",
         Some(BufferKind::HostGradChunk { .. }) => "grads",
+        Some(BufferKind::HostShard { part, .. }) => match part {
+            ShardPart::Params => "params shard",
+            ShardPart::Grads => "grads shard",
+            _ => "state shard",
+        },
         _ => "state",
+    }
+}
+
+/// The note on a disk transfer of a shard (`t` its disk side): each rank moves its own
+/// slice, in its own file; empty for a whole buffer.
+fn per_rank(cx: &Cx, t: TensorRef) -> &'static str {
+    match cx.s.buffers.get(t.buffer.index()) {
+        Some(b) if b.kind.is_sharded() => " per rank  ; rank r: its slice, in its own file",
+        _ => "",
     }
 }
 
@@ -573,7 +581,7 @@ fn tensor_ref(cx: &Cx, t: TensorRef) -> String {
 /// whole layout the ranks' shards make.
 fn address(cx: &Cx, t: TensorRef) -> String {
     match cx.s.buffers.get(t.buffer.index()) {
-        Some(b) if matches!(b.kind, BufferKind::HostShard { .. }) => format!(
+        Some(b) if b.kind.is_sharded() => format!(
             "{}[+{:#x} shard +{:#x}]",
             space_name(b.space),
             b.offset,
@@ -668,11 +676,12 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             dst,
             bytes,
         } => format!(
-            "disk_read {chunk} {} {} -> {} {}",
+            "disk_read {chunk} {} {} -> {} {}{}",
             disk_part(cx, *src),
             address(cx, *src),
             address(cx, *dst),
-            format_bytes(*bytes)
+            format_bytes(*bytes),
+            per_rank(cx, *src)
         ),
         Instr::DiskWrite {
             chunk,
@@ -680,11 +689,12 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             dst,
             bytes,
         } => format!(
-            "disk_write {chunk} {} {} -> {} {}",
+            "disk_write {chunk} {} {} -> {} {}{}",
             disk_part(cx, *dst),
             address(cx, *src),
             address(cx, *dst),
-            format_bytes(*bytes)
+            format_bytes(*bytes),
+            per_rank(cx, *dst)
         ),
         Instr::CastChunk {
             chunk,
@@ -746,4 +756,15 @@ fn kernel_text(
         let _ = write!(text, "; workspace {}", tensor_ref(cx, w));
     }
     text
+}
+
+/// A part of a sharded chunk's state, in words.
+fn part_name(part: ShardPart) -> &'static str {
+    match part {
+        ShardPart::Params => "params",
+        ShardPart::Grads => "grads",
+        ShardPart::AdamM => "adam m",
+        ShardPart::AdamV => "adam v",
+        ShardPart::Master => "master",
+    }
 }

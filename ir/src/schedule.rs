@@ -62,6 +62,12 @@
 //! an upload copies into a staging buffer before it, writes the gradients an offload landed
 //! in a staging buffer after it, and reads and writes the storage around the chunk's update
 //! with its state. Every staging buffer holds what it stages at the disk buffer's offsets.
+//! On sharded ranks the state of a sharded chunk moves as each rank's shards of its moments
+//! and master weights ([`BufferKind::HostShard`] buffers in [`Space::Disk`]: each rank keeps
+//! its slices in its own file, at the buffer's offset), staged in sharded staging buffers
+//! ([`BufferKind::ShardStaging`], one ring per part); a disk read or write of a shard moves,
+//! on rank `r`, `bytes` from `src + r * bytes` to `dst + r * bytes` of the whole layout, as
+//! [`Instr::CopyShard`] does.
 //!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
@@ -182,6 +188,31 @@ pub enum BufferKind {
         /// Which of the two.
         slot: u32,
     },
+    /// A host buffer the disk tier stages one part of sharded chunks' state in (see the
+    /// module doc): sharded as a [`BufferKind::HostShard`] is (each rank holds `size` bytes
+    /// of the whole `ranks x size` layout, addressed in the whole layout), so that it holds
+    /// what it stages at the offsets the disk buffer has. The staging buffers of a ring are
+    /// used in turn; the master weights of the chunk whose moments are in the
+    /// [`ShardPart::AdamM`] buffer of slot `s` are in the [`ShardPart::Master`] buffer of
+    /// slot `s` ([`Schedule::shard_master_staging`]).
+    ShardStaging {
+        /// Which buffer of its ring.
+        slot: u32,
+        /// The part of the chunks' state it stages.
+        part: ShardPart,
+    },
+}
+
+impl BufferKind {
+    /// Whether the buffer is sharded over the ranks (each rank holds its slice of a whole
+    /// layout, see [`BufferKind::HostShard`]): a host shard, on the host or on disk, or a
+    /// disk staging buffer of sharded state.
+    pub fn is_sharded(&self) -> bool {
+        matches!(
+            self,
+            BufferKind::HostShard { .. } | BufferKind::ShardStaging { .. }
+        )
+    }
 }
 
 /// Which part of a sharded chunk's host state a [`BufferKind::HostShard`] holds. Parameters
@@ -635,21 +666,23 @@ impl Schedule {
         gpus * nodes
     }
 
-    /// The absolute byte address of a tensor in its space. For a tensor in a
-    /// [`BufferKind::HostShard`] buffer it is the address in the *whole view*: the host
-    /// addresses from `host_bytes` on, where each sharded buffer at offset `o` spans
-    /// `[host_bytes + ranks*o, host_bytes + ranks*(o + size))` as if one rank held every
-    /// shard. The verifier checks data flow in that view (every rank does the same, so the
+    /// The absolute byte address of a tensor in its space. For a tensor in a sharded buffer
+    /// ([`BufferKind::is_sharded`]) it is the address in the *whole view*: the addresses
+    /// from the end of its space (`host_bytes`, or `disk_bytes` for a shard on disk) on,
+    /// where each sharded buffer at offset `o` spans `[end + ranks*o, end + ranks*(o +
+    /// size))` as if one rank held every shard. The verifier checks data flow in that view (every rank does the same, so the
     /// union of their shards behaves as one buffer); a rank reads and writes its own slice
     /// ([`Schedule::rank_slice`]).
     pub fn address(&self, t: TensorRef) -> (Space, u64) {
         let b = self.buffer(t.buffer);
-        match b.kind {
-            BufferKind::HostShard { .. } => (
-                b.space,
-                self.host_bytes + u64::from(self.ranks()) * b.offset + t.offset,
-            ),
-            _ => (b.space, b.offset + t.offset),
+        let end = match b.space {
+            Space::Device => self.arena_bytes,
+            Space::Host => self.host_bytes,
+            Space::Disk => self.disk_bytes,
+        };
+        match b.kind.is_sharded() {
+            true => (b.space, end + u64::from(self.ranks()) * b.offset + t.offset),
+            false => (b.space, b.offset + t.offset),
         }
     }
 
@@ -657,9 +690,9 @@ impl Schedule {
     /// [`BufferKind::HostShard`] the whole layout's `ranks * size`.
     pub fn extent(&self, b: BufferId) -> u64 {
         let buffer = self.buffer(b);
-        match buffer.kind {
-            BufferKind::HostShard { .. } => u64::from(self.ranks()) * buffer.size,
-            _ => buffer.size,
+        match buffer.kind.is_sharded() {
+            true => u64::from(self.ranks()) * buffer.size,
+            false => buffer.size,
         }
     }
 
@@ -675,25 +708,58 @@ impl Schedule {
         rank: u32,
     ) -> Option<(Space, u64, u64, u64)> {
         let b = self.buffer(t.buffer);
-        match b.kind {
-            BufferKind::HostShard { .. } => {
+        match b.kind.is_sharded() {
+            true => {
                 let (lo, hi) = (u64::from(rank) * b.size, u64::from(rank + 1) * b.size);
                 let (a, z) = (t.offset.max(lo), (t.offset + bytes).min(hi));
                 (a < z).then(|| (b.space, b.offset + a - lo, a - t.offset, z - a))
             }
-            _ => Some((b.space, b.offset + t.offset, 0, bytes)),
+            false => Some((b.space, b.offset + t.offset, 0, bytes)),
         }
     }
 
-    /// The chunks whose optimizer state lives on disk, in buffer order.
+    /// The chunks whose optimizer state lives on disk (whole, or each rank's shard of it),
+    /// in buffer order.
     pub fn disk_chunks(&self) -> Vec<ChunkId> {
         self.buffers
             .iter()
             .filter_map(|b| match (b.space, b.kind) {
-                (Space::Disk, BufferKind::OptimizerState { chunk }) => Some(chunk),
+                (Space::Disk, BufferKind::OptimizerState { chunk })
+                | (
+                    Space::Disk,
+                    BufferKind::HostShard {
+                        chunk,
+                        part: ShardPart::AdamM,
+                    },
+                ) => Some(chunk),
                 _ => None,
             })
             .collect()
+    }
+
+    /// Where the disk tier stages the master weights of the chunk whose Adam moments an
+    /// update reads in the sharded staging buffer `m` ([`BufferKind::ShardStaging`] of
+    /// [`ShardPart::AdamM`]): the [`ShardPart::Master`] staging buffer of the same slot.
+    /// `None` where `m` is no such buffer or the schedule has no such master buffer (an f32
+    /// schedule has no master weights).
+    pub fn shard_master_staging(&self, m: BufferId) -> Option<BufferId> {
+        let BufferKind::ShardStaging {
+            slot,
+            part: ShardPart::AdamM,
+        } = self.buffers.get(m.index())?.kind
+        else {
+            return None;
+        };
+        self.buffers
+            .iter()
+            .position(|b| {
+                b.kind
+                    == BufferKind::ShardStaging {
+                        slot,
+                        part: ShardPart::Master,
+                    }
+            })
+            .map(BufferId::new)
     }
 
     /// The chunks whose parameter storage ([`BufferKind::HostChunk`]) lives on disk, in

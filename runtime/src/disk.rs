@@ -272,8 +272,16 @@ impl DiskFile {
     /// ([`Queue::from_env`]). Fails, naming the directory and the way out, when it does not
     /// exist, is not a directory, cannot be written, or has no room.
     pub fn create(dir: &Path, bytes: u64) -> Result<Self> {
+        Self::create_for_rank(dir, bytes, None)
+    }
+
+    /// [`DiskFile::create`] for rank `rank` of a data-parallel run (each rank keeps its own
+    /// shards in its own file): the file's name says the rank
+    /// (`protrain-PID-N-rankR.state`), and [`sweep`] removes it after a killed run as any
+    /// other. `None` names it as [`DiskFile::create`] does.
+    pub fn create_for_rank(dir: &Path, bytes: u64, rank: Option<u32>) -> Result<Self> {
         let queue = Queue::from_env()?;
-        Self::create_with(dir, bytes, DiskIo::from_env(bytes)?)?.with_queue(queue)
+        Self::make(dir, bytes, DiskIo::from_env(bytes)?, rank)?.with_queue(queue)
     }
 
     /// The file with its transfers split and issued as `queue` says; fails when the threads
@@ -312,6 +320,11 @@ impl DiskFile {
     /// [`DiskFile::create`] with the I/O given: [`DiskIo::Direct`] still falls back to the
     /// page cache where the file system refuses `O_DIRECT` ([`DiskFile::io`] says which).
     pub fn create_with(dir: &Path, bytes: u64, io: DiskIo) -> Result<Self> {
+        Self::make(dir, bytes, io, None)
+    }
+
+    /// [`DiskFile::create_with`], the file named for `rank` where one is given.
+    fn make(dir: &Path, bytes: u64, io: DiskIo, rank: Option<u32>) -> Result<Self> {
         let bad = |problem: DiskProblem| RuntimeError::Disk {
             path: dir.to_path_buf(),
             problem,
@@ -334,7 +347,8 @@ impl DiskFile {
             }
         }
         let n = MADE.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("protrain-{}-{n}.state", std::process::id()));
+        let tag = rank.map_or(String::new(), |r| format!("-rank{r}"));
+        let path = dir.join(format!("protrain-{}-{n}{tag}.state", std::process::id()));
         let create = |flags: i32| {
             OpenOptions::new()
                 .read(true)
@@ -702,13 +716,21 @@ pub fn check(path: &Path) -> Result<()> {
     }
 }
 
-/// Whether `name` is the name [`DiskFile::create`] gives its files: `protrain-PID-N.state`.
-/// Returns the PID.
+/// Whether `name` is the name [`DiskFile::create`] gives its files: `protrain-PID-N.state`,
+/// or `protrain-PID-N-rankR.state` for a rank ([`DiskFile::create_for_rank`]). Returns the
+/// PID.
 fn state_file_pid(name: &str) -> Option<u32> {
     let (pid, n) = name
         .strip_prefix("protrain-")?
         .strip_suffix(".state")?
         .split_once('-')?;
+    let n = match n.split_once("-rank") {
+        Some((n, rank)) => {
+            rank.parse::<u32>().ok()?;
+            n
+        }
+        None => n,
+    };
     n.parse::<u64>().ok()?;
     pid.parse().ok()
 }
@@ -1050,6 +1072,45 @@ mod tests {
         assert!(disk.path().exists());
         drop(holder);
         assert_eq!(sweep(dir.path()), [held]);
+    }
+
+    /// Each rank's file is named for it; a killed run's rank files are swept as any other,
+    /// and a live rank's file is not.
+    #[test]
+    fn a_ranks_file_is_named_for_it_and_swept_after_a_killed_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid = dead_pid();
+        let left: Vec<PathBuf> = (0..2)
+            .map(|r| dir.path().join(format!("protrain-{pid}-{r}-rank{r}.state")))
+            .collect();
+        for path in &left {
+            std::fs::write(path, b"left by kill -9").unwrap();
+        }
+        let odd = dir.path().join(format!("protrain-{pid}-0-rankx.state"));
+        std::fs::write(&odd, b"not ours").unwrap();
+        let disk = DiskFile::create_for_rank(dir.path(), 64, Some(1)).unwrap();
+        let name = disk
+            .path()
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            name.starts_with(&format!("protrain-{}-", std::process::id()))
+                && name.ends_with("-rank1.state"),
+            "{name}"
+        );
+        assert_eq!(disk.swept(), &left[..]);
+        assert!(
+            odd.exists(),
+            "a name with no rank number is not a state file"
+        );
+        let other = DiskFile::create_for_rank(dir.path(), 64, Some(0)).unwrap();
+        assert!(other.swept().is_empty() && disk.path().exists());
+        let path = disk.path().to_path_buf();
+        drop(disk);
+        assert!(!path.exists());
     }
 
     #[test]

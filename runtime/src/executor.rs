@@ -48,7 +48,7 @@ use crate::interpreter::StepReport;
 use crate::kernels;
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
-    BufferKind, DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, StreamId,
+    BufferKind, DType, EventId, Graph, Instr, Op, OpId, OpKind, Role, Schedule, Space, StreamId,
     StreamKind, TensorRef, ValueId,
 };
 use std::collections::HashMap;
@@ -437,14 +437,17 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// cannot hold) in `dir`, preallocated and zeroed ([`DiskFile::create`]), and gives it to
     /// the backend; the file is removed when the executor is dropped. A schedule with a disk
     /// region needs this before its state is loaded or a step runs; one without ignores it.
-    /// Returns the files of killed runs that making it removed from `dir`
+    /// On several ranks, give the collective first ([`Executor::set_collective`]): the file
+    /// is named for the rank, which holds its own shards there. Returns the files of killed runs that making it removed from `dir`
     /// ([`crate::disk::sweep`]), for the caller to report.
     pub fn set_disk_dir(&mut self, dir: &Path) -> Result<Vec<PathBuf>> {
         let bytes = self.schedule.disk_bytes;
         if bytes == 0 {
             return Ok(Vec::new());
         }
-        let file = DiskFile::create(dir, bytes)?;
+        // On several ranks each keeps its own shards in a file named for it.
+        let rank = (self.schedule.ranks() > 1).then_some(self.rank);
+        let file = DiskFile::create_for_rank(dir, bytes, rank)?;
         let path = file.path().to_path_buf();
         let swept = file.swept().to_vec();
         self.backend.attach_disk(file)?;
@@ -1595,17 +1598,25 @@ fn plan(
                 bytes: *bytes,
             }
         }
-        // The backend reads and writes the disk file at disk addresses.
+        // The backend reads and writes the disk file at disk addresses. A shard moves whole
+        // between the rank's own file and its slice of a sharded staging buffer: `rank *
+        // bytes` into both sides of the whole layout, as a shard copy.
         Instr::DiskRead {
             src, dst, bytes, ..
         }
         | Instr::DiskWrite {
             src, dst, bytes, ..
-        } => Planned::Copy {
-            src: address(schedule, *src),
-            dst: address(schedule, *dst),
-            bytes: *bytes,
-        },
+        } => {
+            let shift = |t: TensorRef| match schedule.buffer(t.buffer).kind.is_sharded() {
+                true => element_address(schedule, t, rank as usize, *bytes, rank),
+                false => address(schedule, t),
+            };
+            Planned::Copy {
+                src: shift(*src),
+                dst: shift(*dst),
+                bytes: *bytes,
+            }
+        }
         Instr::AllGather { at, bytes, .. } => Planned::AllGather {
             at: address(schedule, *at),
             bytes: *bytes,
@@ -1710,8 +1721,7 @@ fn plan_kernel(
     let mut addresses: Vec<Address> = inputs.iter().map(|&t| address(schedule, t)).collect();
     // AdamW on a sharded chunk: the rank's part of the parameter, its gradient, its
     // moments and its master weight (the verifier checked the operands' homes).
-    let sharded =
-        |t: &TensorRef| matches!(schedule.buffer(t.buffer).kind, BufferKind::HostShard { .. });
+    let sharded = |t: &TensorRef| schedule.buffer(t.buffer).kind.is_sharded();
     let mut shard = None;
     // AdamW on a disk-resident chunk: its moments are in a staging buffer, which
     // holds the chunk's state as its disk buffer does, so the master weight is at its
@@ -1743,11 +1753,23 @@ fn plan_kernel(
             for ((a, &t), ty) in addresses.iter_mut().zip(inputs).zip(&types).take(4).skip(1) {
                 *a = element_address(schedule, t, part.start, ty.dtype.size(), rank);
             }
+            // A master weight on disk is updated where the disk tier staged it: the master
+            // staging buffer paired with the moments' (at its home's offset there).
+            let staged_master = inputs
+                .get(2)
+                .and_then(|m| schedule.shard_master_staging(m.buffer));
             shard = Some(Box::new(ShardLaunch {
                 elements: part.len(),
-                master: masters
-                    .get(&o.inputs[0])
-                    .map(|&m| element_address(schedule, m, part.start, 4, rank)),
+                master: masters.get(&o.inputs[0]).map(|&m| {
+                    let m = match (schedule.buffer(m.buffer).space, staged_master) {
+                        (Space::Disk, Some(buffer)) => TensorRef {
+                            buffer,
+                            offset: m.offset,
+                        },
+                        _ => m,
+                    };
+                    element_address(schedule, m, part.start, 4, rank)
+                }),
             }));
         }
     }

@@ -958,6 +958,10 @@ fn rank_trainer<'s, B: Backend>(
 ) -> Result<(Trainer<'s, B>, Vec<String>)> {
     let graph = &schedule.graph;
     let mut executor = Executor::<B>::with_backend(schedule)?;
+    // The rank first: its disk file is named for it.
+    if let Some(comm) = comm {
+        executor.set_collective(comm)?;
+    }
     let mut notes = Vec::new();
     if schedule.disk_bytes > 0 {
         let Some(dir) = &args.disk_dir else {
@@ -978,9 +982,6 @@ fn rank_trainer<'s, B: Backend>(
                 names.join(", ")
             ));
         }
-    }
-    if let Some(comm) = comm {
-        executor.set_collective(comm)?;
     }
     let trainer = match &args.resume {
         Some(dir) => {

@@ -393,7 +393,13 @@ fn explain_ranks_disk_streams(x: &Explained) {
             s.disk_holds(),
             s.buffers
                 .iter()
-                .filter(|b| matches!(b.kind, protrain::ir::BufferKind::DiskStaging { .. }))
+                .filter(|b| {
+                    matches!(
+                        b.kind,
+                        protrain::ir::BufferKind::DiskStaging { .. }
+                            | protrain::ir::BufferKind::ShardStaging { .. }
+                    )
+                })
                 .count(),
             match s.disk_storage_chunks().0.is_empty() {
                 true => "CPU Adam",

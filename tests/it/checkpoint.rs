@@ -668,3 +668,93 @@ fn chunk_major_training_prints_the_sequential_losses_and_resumes_across_orders()
         stderr(&out)
     );
 }
+
+/// Two sharded ranks (threads) under `kill -9`, every offloaded chunk's optimizer state
+/// shards on disk (each rank its own file, named for it): killed mid-run and resumed from
+/// the latest checkpoint into new files, the run's losses are those of the same two ranks
+/// with everything in host memory, bit for bit. The killed run's two files stay behind (no
+/// destructor runs); the resumed run sweeps them and removes its own.
+#[test]
+fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
+    use crate::sharded::{compile_on, least_on_disk, BATCH, SEQ, TIGHT};
+    let memory = compile_on(
+        "gpt2-tiny",
+        TIGHT,
+        2,
+        1,
+        protrain::ir::DType::F32,
+        None,
+        protrain::ir::HardwareProfile::host(),
+    )
+    .expect("compiles");
+    let (node_host, _) = least_on_disk(&memory, 2);
+    let (host, batch, seq) = (node_host.to_string(), BATCH.to_string(), SEQ.to_string());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
+    std::fs::create_dir(&disk).expect("disk dir");
+    let policy = TIGHT.replace(' ', ",");
+    let base = [
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "30",
+        "--batch",
+        &batch,
+        "--seq",
+        &seq,
+        "--gpus",
+        "2",
+        "--dtype",
+        "f32",
+        "--policy",
+        &policy,
+        "--log-json",
+    ];
+    let mut run = base.to_vec();
+    run.extend([
+        "--host-memory",
+        &host,
+        "--disk-memory",
+        "64MiB",
+        "--disk-dir",
+        path(&disk),
+    ]);
+    let mut compile = vec!["compile"];
+    compile.extend(
+        run.iter()
+            .skip(1)
+            .filter(|a| !["--steps", "30", "--log-json", "--disk-dir", path(&disk)].contains(a)),
+    );
+    let file = dir.path().join("s.ptsched");
+    compile.extend(["-o", path(&file)]);
+    let compiled = protrain(&compile);
+    let text = stdout(&compiled);
+    assert!(
+        text.contains("the optimizer state of 4 of 4 chunks"),
+        "{text}{}",
+        stderr(&compiled)
+    );
+    let mut args = run.clone();
+    args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
+    args.extend(["--keep-checkpoints", "0"]);
+    let seen = killed_after(&args, 12);
+    let left = files(&disk);
+    assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
+    for rank in ["-rank0.state", "-rank1.state"] {
+        assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
+    }
+    let mut resume = run.clone();
+    resume.extend(["--resume", path(&ckpt)]);
+    let out = protrain(&resume);
+    let resumed = losses(&out);
+    assert_eq!(files(&disk), Vec::<String>::new(), "every file removed");
+    let straight = losses(&protrain(&base));
+    let from = resumed.first().expect("the resumed run trained").0;
+    assert!(from == 11 || from == 16, "resumed at step {from}");
+    assert_eq!(
+        resumed,
+        straight[from as usize - 1..],
+        "the resumed run's losses are the in-memory run's, bit for bit"
+    );
+    assert_eq!(seen, straight[..12]);
+}

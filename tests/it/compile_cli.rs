@@ -798,10 +798,12 @@ fn budgets_say_what_they_are_per_and_errors_quote_the_figures_given() {
         err.contains("--gpu-memory is per GPU; --host-memory and --disk-memory are per node"),
         "{err}"
     );
+    // Sharded ranks take the disk tier for their state shards: the disk is a way out too.
+    assert!(err.contains("; or --disk-memory at least "), "{err}");
     let need = err
         .split("Give --host-memory (per node, for its 2 ranks) at least ")
         .nth(1)
-        .and_then(|rest| rest.split(',').next())
+        .and_then(|rest| rest.split([',', ';']).next())
         .unwrap_or_else(|| panic!("{err}"));
     // The node's figure it quotes fits.
     let bytes = protrain::size::parse_size(&need.replace(' ', "")).expect("a size") + (64 << 20);

@@ -23,9 +23,9 @@ use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::time::Duration;
 
 const ROOMY: &str = "blocks=KK";
-const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
-const BATCH: u64 = 2;
-const SEQ: u64 = 16;
+pub(crate) const TIGHT: &str = "n_persist=0 n_buffer=1 n_swap=1 n_checkpoint=1";
+pub(crate) const BATCH: u64 = 2;
+pub(crate) const SEQ: u64 = 16;
 
 /// `model` compiled for `ranks` ranks of `k` micro-batches of `BATCH x SEQ`, unclipped.
 fn compile(model: &str, policy: &str, ranks: u32, k: u64, dtype: DType) -> VerifiedSchedule {
@@ -41,12 +41,34 @@ fn compile_clipped(
     dtype: DType,
     clip: Option<f64>,
 ) -> VerifiedSchedule {
+    compile_on(
+        model,
+        policy,
+        ranks,
+        k,
+        dtype,
+        clip,
+        HardwareProfile::host(),
+    )
+    .unwrap_or_else(|e| panic!("{model} {policy} {ranks} ranks x {k}: {e}"))
+}
+
+/// [`compile_clipped`] on `hardware` (as threads of one process), or the compile error.
+pub(crate) fn compile_on(
+    model: &str,
+    policy: &str,
+    ranks: u32,
+    k: u64,
+    dtype: DType,
+    clip: Option<f64>,
+    hardware: HardwareProfile,
+) -> protrain::Result<VerifiedSchedule> {
     let config = protrain::models::load(model).expect("preset");
     let options = CompileOptions {
         batch: BATCH,
         seq: SEQ,
         dtype,
-        hardware: HardwareProfile::host().with_thread_ranks(ranks),
+        hardware: hardware.with_thread_ranks(ranks),
         policy: PolicyChoice::parse(policy).expect("a policy"),
         optimizer: OptimizerConfig {
             grad_clip: clip,
@@ -59,9 +81,7 @@ fn compile_clipped(
         },
         ..CompileOptions::default()
     };
-    protrain::compile(&config, &options)
-        .unwrap_or_else(|e| panic!("{model} {policy} {ranks} ranks x {k}: {e}"))
-        .schedule
+    protrain::compile(&config, &options).map(|c| c.schedule)
 }
 
 /// Every step's loss bits, the final weights' bits and the final Adam state's bits.
@@ -85,12 +105,15 @@ fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Star
     let vocab = vocab_of(&schedule.graph).expect("a language model");
     let first = start.2 as usize;
     let batches = common::batches(vocab, global, SEQ, first + steps, 7);
+    // A disk tier's files: one per rank, each removed with its executor.
+    let dir = tempfile::tempdir().expect("a disk directory");
     let run = |comm: Option<Box<dyn Collective>>| -> (Run, Start) {
         let mut executor = Executor::new(schedule).expect("an executor");
         let rank = comm.as_ref().map_or(0, |c| c.rank());
         if let Some(comm) = comm {
             executor.set_collective(comm).expect("the group fits");
         }
+        executor.set_disk_dir(dir.path()).expect("a disk file");
         executor.load_params(&start.0).expect("loads");
         if let Some(state) = &start.1 {
             executor.load_state(state).expect("loads the state");
@@ -115,7 +138,9 @@ fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Star
         (run, (weights, Some(state), executor.steps_taken()))
     };
     if ranks == 1 {
-        return run(None);
+        let out = run(None);
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+        return out;
     }
     let comms = thread_ranks(ranks, Duration::from_secs(60)).expect("a group");
     let runs: Vec<(Run, Start)> = std::thread::scope(|scope| {
@@ -131,6 +156,11 @@ fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Star
     for (r, other) in runs.iter().enumerate().skip(1) {
         assert!(other.0 == runs[0].0, "rank {r} diverged from rank 0");
     }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("dir").count(),
+        0,
+        "every rank's disk file is removed with its executor"
+    );
     runs.into_iter().next().expect("rank 0")
 }
 
@@ -638,4 +668,164 @@ fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
         }
     }
     assert!(priced > 0, "no sharded sum");
+}
+
+/// The host memory of a node of `ranks` ranks that leaves each rank the least host region
+/// the disk tier can give `schedule` (every offloaded chunk's optimizer state shards on
+/// disk), with the disk it takes per rank.
+pub(crate) fn least_on_disk(schedule: &VerifiedSchedule, ranks: u32) -> (u64, u64) {
+    let (host, disk) =
+        protrain::compiler::disk::least_host(schedule).expect("the disk tier applies");
+    (host * u64::from(ranks), disk)
+}
+
+/// The bytes of each rank's shards of the optimizer state of every offloaded chunk (moments
+/// and master weights), each at the next 4 KiB of the disk region, as the tier lays them out.
+fn state_shard_bytes(schedule: &Schedule) -> u64 {
+    schedule
+        .buffers
+        .iter()
+        .filter(|b| {
+            matches!(
+                b.kind,
+                BufferKind::HostShard {
+                    part: ShardPart::AdamM | ShardPart::AdamV | ShardPart::Master,
+                    ..
+                }
+            )
+        })
+        .fold(0, |end, b| end.next_multiple_of(4096) + b.size)
+}
+
+/// Two sharded ranks whose node's host memory holds only what the disk tier leaves: each
+/// rank keeps its shards of every chunk's Adam moments (and bf16 master weights) in its own
+/// disk file, read into sharded staging buffers before its CPU Adam and written back after.
+/// They train bit for bit as the same ranks with everything in host memory and as one rank
+/// accumulating their micro-batches, in f32 and bf16, clipped (the global norm) or not; each
+/// rank's disk region is its shards' bytes, and the node's host memory is what was given.
+#[test]
+fn sharded_ranks_with_their_state_on_disk_train_as_in_host_memory_bit_for_bit() {
+    for (model, dtype, clip) in [
+        ("gpt2-tiny", DType::F32, None),
+        ("llama-tiny", DType::BF16, Some(0.05)),
+    ] {
+        let ranks = 2u32;
+        let what = format!("{model} {dtype} clip {clip:?} on {ranks} ranks");
+        let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, clip);
+        assert!(memory.sharded() && memory.disk_bytes == 0, "{what}");
+        let (node_host, disk) = least_on_disk(&memory, ranks);
+        let hardware = HardwareProfile::host()
+            .with_host_memory(node_host)
+            .with_disk_memory(u64::from(ranks) * disk);
+        let on_disk = compile_on(model, TIGHT, ranks, 1, dtype, clip, hardware)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            on_disk.disk_chunks().len(),
+            on_disk.chunks.len(),
+            "{what}: every chunk's state shards on disk"
+        );
+        assert_eq!(on_disk.disk_bytes, state_shard_bytes(&memory), "{what}");
+        assert_eq!(on_disk.disk_bytes, disk, "{what}");
+        assert!(
+            on_disk.host_bytes * u64::from(ranks) <= node_host
+                && on_disk.host_bytes < memory.host_bytes,
+            "{what}: {} host bytes a rank against {} in memory",
+            on_disk.host_bytes,
+            memory.host_bytes
+        );
+        let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+        let (single, _) = train(&one, &fresh(&one), 3);
+        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
+        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
+        assert_eq!(in_memory.0, single.0, "{what}: losses in memory");
+        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
+        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
+        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
+        assert!(
+            disk_run.1 == single.1,
+            "{what}: weights differ from one rank"
+        );
+        assert!(
+            disk_run.2 == single.2,
+            "{what}: moments differ from one rank"
+        );
+    }
+}
+
+/// A sharded schedule over its host budget compiles with the fewest chunks' state shards on
+/// disk that bring each rank within it (here each rank's share is 200 KiB under what it
+/// needs in host memory); the
+/// schedule verifies, its disk region per rank is those chunks' shards (each at the next
+/// 4 KiB), and its disk reads and writes move one rank's shard each.
+#[test]
+fn a_sharded_schedule_over_its_host_budget_compiles_with_its_shards_on_disk() {
+    let (model, dtype, ranks) = ("gpt2-tiny", DType::BF16, 2u32);
+    let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
+    let (_, disk) = least_on_disk(&memory, ranks);
+    let node_host = u64::from(ranks) * (memory.host_bytes - (200 << 10));
+    let hardware = HardwareProfile::host()
+        .with_host_memory(node_host)
+        .with_disk_memory(u64::from(ranks) * disk);
+    let schedule = compile_on(model, TIGHT, ranks, 1, dtype, None, hardware).expect("compiles");
+    let verified = verify((*schedule).clone()).expect("verifies");
+    let moved = verified.disk_chunks();
+    assert!(
+        !moved.is_empty() && moved.len() <= verified.chunks.len(),
+        "{} of {} chunks' state on disk",
+        moved.len(),
+        verified.chunks.len()
+    );
+    assert!(verified.host_bytes * u64::from(ranks) <= node_host);
+    let on_disk: Vec<&protrain::ir::Buffer> = verified
+        .buffers
+        .iter()
+        .filter(|b| b.space == protrain::ir::Space::Disk)
+        .collect();
+    let want = on_disk
+        .iter()
+        .fold(0, |end: u64, b| end.next_multiple_of(4096) + b.size);
+    assert_eq!(verified.disk_bytes, want);
+    // Moments and master weights of each moved chunk, 1/ranks of its state each.
+    assert_eq!(on_disk.len(), 3 * moved.len());
+    let shard = verified.chunks.chunk_bytes / u64::from(ranks);
+    for b in &on_disk {
+        assert!(matches!(b.kind, BufferKind::HostShard { .. }), "{}", b.name);
+        assert_eq!(b.size, 2 * shard, "{}: f32 of a bf16 shard", b.name);
+    }
+    let transfers = verified
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter_map(|i| match i {
+            Instr::DiskRead { bytes, .. } | Instr::DiskWrite { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(transfers.len(), 2 * on_disk.len());
+    assert!(transfers.iter().all(|&b| b == 2 * shard));
+}
+
+/// What the disk tier still refuses on sharded ranks: a host budget below what every
+/// chunk's state shards on disk leave (the parameters and gradients of sharded chunks stay
+/// in host memory). The error names the need per rank and the ways out.
+#[test]
+fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
+    let (model, dtype, ranks) = ("gpt2-tiny", DType::F32, 2u32);
+    let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
+    let (least, disk) = least_on_disk(&memory, ranks);
+    let hardware = HardwareProfile::host()
+        .with_host_memory(least - 4096)
+        .with_disk_memory(u64::from(ranks) * disk * 4);
+    let err = compile_on(model, TIGHT, ranks, 1, dtype, None, hardware)
+        .expect_err("over budget")
+        .to_string();
+    for needle in [
+        "of the optimizer state of all 4 offloaded chunks on disk",
+        "not yet their parameters and gradients",
+        "give more --host-memory",
+        "(--nodes M, each node keeping 1/M of the shards)",
+        "run one rank (--gpus 1)",
+    ] {
+        assert!(err.contains(needle), "no `{needle}` in: {err}");
+    }
 }

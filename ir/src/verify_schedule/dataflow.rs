@@ -5,10 +5,10 @@
 use super::memory::{hb, space_index, Content, Memory, Segment, Writer};
 use super::{overlaps, Checker, InstrRef, Invariant, ScheduleError, Span};
 use crate::graph::Role;
-use crate::ids::{OpId, StreamId, ValueId};
+use crate::ids::{BufferId, OpId, StreamId, ValueId};
 use crate::op::OpKind;
 use crate::print_schedule::space_name;
-use crate::schedule::{BufferKind, CopyKind, Instr, Space, TensorRef};
+use crate::schedule::{BufferKind, CopyKind, Instr, ShardPart, Space, TensorRef};
 use std::collections::HashMap;
 
 /// One range a kernel writes.
@@ -105,8 +105,15 @@ impl Checker<'_> {
                 // buffer its chunk's state is read into, at its home's offset there (data
                 // flow checks that a write carries the update home).
                 if hs == Space::Disk {
-                    let staged = matches!(s.buffer(t.buffer).kind, BufferKind::DiskStaging { .. })
-                        && t.offset == home.offset;
+                    // A sharded chunk's state parts are shards each in its own staging ring.
+                    let staged = match (s.buffer(home.buffer).kind, s.buffer(t.buffer).kind) {
+                        (_, BufferKind::DiskStaging { .. }) => true,
+                        (
+                            BufferKind::HostShard { part, .. },
+                            BufferKind::ShardStaging { part: p, .. },
+                        ) => p == part,
+                        _ => false,
+                    } && t.offset == home.offset;
                     if !staged {
                         return Err(self.fail(
                             Invariant::Homes,
@@ -127,8 +134,34 @@ impl Checker<'_> {
                     let master = (v != param)
                         .then(|| s.masters.iter().find(|&&(p, _)| p == param))
                         .flatten();
+                    // A sharded chunk's master weights are a shard of their own, staged
+                    // in the master ring's buffer of the moments' slot.
+                    let sharded_master = |mt: TensorRef| {
+                        let m = s.buffer(mt.buffer);
+                        let of_chunk = |b: BufferId| match s.buffer(b).kind {
+                            BufferKind::HostShard { chunk, .. } => Some(chunk),
+                            _ => None,
+                        };
+                        matches!(
+                            m.kind,
+                            BufferKind::HostShard {
+                                part: ShardPart::Master,
+                                ..
+                            }
+                        ) && m.space == Space::Disk
+                            && of_chunk(mt.buffer) == of_chunk(home.buffer)
+                            && match s.buffer(t.buffer).kind {
+                                BufferKind::ShardStaging {
+                                    part: ShardPart::AdamM,
+                                    ..
+                                } => s
+                                    .shard_master_staging(t.buffer)
+                                    .is_some_and(|b| s.buffer(b).size >= m.size),
+                                _ => true,
+                            }
+                    };
                     if let Some(&(_, mt)) = master {
-                        if mt.buffer != home.buffer {
+                        if mt.buffer != home.buffer && !sharded_master(mt) {
                             return Err(self.fail(
                                 Invariant::Homes,
                                 Some(r),
@@ -1135,6 +1168,12 @@ impl Checker<'_> {
         if bytes == 0 {
             return Ok(());
         }
+        // A shard's transfer moves every rank's slice: `ranks * bytes` of the whole view.
+        let disk = if write { dst } else { src };
+        let bytes = match self.s.buffer(disk.buffer).kind.is_sharded() {
+            true => bytes * u64::from(self.s.ranks()),
+            false => bytes,
+        };
         let (ss, sa, sb) = self.span(src, bytes);
         if write {
             let updated_here = self.updated_in_place();

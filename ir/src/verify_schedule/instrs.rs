@@ -392,7 +392,8 @@ impl Checker<'_> {
         let owned = match d.kind {
             BufferKind::OptimizerState { chunk: c }
             | BufferKind::HostChunk { chunk: c }
-            | BufferKind::HostGradChunk { chunk: c } => c == *chunk,
+            | BufferKind::HostGradChunk { chunk: c }
+            | BufferKind::HostShard { chunk: c, .. } => c == *chunk,
             _ => false,
         };
         if d.space != Space::Disk || !owned {
@@ -410,6 +411,31 @@ impl Checker<'_> {
                  bytes",
                 disk.offset, d.name, d.size
             ));
+        }
+        // A shard moves whole: each rank its own slice, `bytes` from `+rank * bytes` of the
+        // whole layout, as a shard copy does.
+        if let BufferKind::HostShard { part, .. } = d.kind {
+            if disk.offset != 0 || *bytes != d.size {
+                return Err(format!(
+                    "{name} of {chunk} moves {bytes} bytes from +{:#x} of its shard {},                      which is {} bytes a rank: disk reads and writes move each rank's whole                      shard from its start",
+                    disk.offset, d.name, d.size
+                ));
+            }
+            let staged = h.space == Space::Host
+                && h.kind.is_sharded()
+                && matches!(h.kind, BufferKind::ShardStaging { part: p, .. } if p == part)
+                && host.offset == 0
+                && *bytes <= h.size;
+            if !staged {
+                return Err(format!(
+                    "{name} of {chunk}'s shard {} on the host side addresses {}+{:#x} ({}),                      not a sharded disk staging buffer of the same part in host memory, from                      its start, with room for {bytes} bytes a rank",
+                    d.name,
+                    self.buf(host.buffer),
+                    host.offset,
+                    h.name
+                ));
+            }
+            return Ok(());
         }
         if matches!(d.kind, BufferKind::OptimizerState { .. })
             && (disk.offset != 0 || *bytes != d.size)

@@ -161,7 +161,12 @@
 //! byte model, the disk's: a read copies what the disk holds to the staging buffer (so the
 //! CPU Adam reads a moment only after the read that brought it, through events), a write
 //! copies the updated state back (so it must be ordered after the update, and the staging
-//! buffer is not read into again while a write still reads it).
+//! buffer is not read into again while a write still reads it). A transfer of a sharded
+//! chunk's state shard on disk moves each rank's whole shard, between it and the start of a
+//! sharded staging buffer ([`BufferKind::ShardStaging`](crate::BufferKind::ShardStaging)) of
+//! the same part (**ids**), as every rank's slice in the whole view (**data flow**); an AdamW
+//! that reads its moments there finds its master weight shard, on disk in the same chunk, in
+//! the master staging buffer of the moments' slot (**homes**).
 //!
 //! A schedule with staged chunks (the 12-byte host layout, [`Instr::CastChunk`], see
 //! [`crate::schedule`]) is checked with its casts as instructions: **ids** puts every cast on

@@ -535,12 +535,12 @@ impl Checker<'_> {
         let aligned = |t: TensorRef, align: u64, what: Text, parts: Text| -> Result<(), String> {
             // A shard's address on every rank is its buffer's start plus the offset inside
             // the rank's slice, aligned as the whole layout's offset when the slices are.
-            let (space, a) = match s.buffer(t.buffer).kind {
-                BufferKind::HostShard { .. } => {
+            let (space, a) = match s.buffer(t.buffer).kind.is_sharded() {
+                true => {
                     let b = s.buffer(t.buffer);
                     (b.space, b.offset + t.offset)
                 }
-                _ => s.address(t),
+                false => s.address(t),
             };
             if a.is_multiple_of(align) {
                 return Ok(());
