@@ -521,6 +521,7 @@ impl Builder {
                 offset: 0,
                 size,
                 kind,
+                pitch: None,
             },
             live,
         });

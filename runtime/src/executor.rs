@@ -41,7 +41,7 @@ use crate::backend::{
 };
 use crate::collective::Collective;
 use crate::disk::DiskFile;
-use crate::dispatch::{Outcome, Prepared};
+use crate::dispatch::{Outcome, Pitches, Prepared};
 use crate::error::{Result, RuntimeError, Unsupported};
 use crate::host::HostBackend;
 use crate::interpreter::StepReport;
@@ -96,6 +96,8 @@ enum Planned {
         /// The rank's part of an AdamW op on a sharded chunk (boxed: rare, and the variant
         /// is the enum's largest).
         shard: Option<Box<ShardLaunch>>,
+        /// Row pitches of operands stored in padded rows.
+        pitches: Pitches,
     },
     Copy {
         src: Address,
@@ -1495,6 +1497,7 @@ unsafe fn launch_kernel<B: Backend>(
         workspace,
         prepared,
         shard,
+        pitches,
     } = planned
     else {
         return Err(RuntimeError::BadSchedule(
@@ -1510,6 +1513,7 @@ unsafe fn launch_kernel<B: Backend>(
         workspace: *workspace,
         step,
         shard: shard.as_deref().copied(),
+        pitches: *pitches,
     };
     // SAFETY: the caller's contract.
     unsafe { backend.launch(stream, &launch) }
@@ -1753,6 +1757,7 @@ fn plan_kernel(
     }
     Planned::Kernel {
         shard,
+        pitches: Pitches::of(schedule, inputs, outputs),
         op,
         launched: matches!(
             o.kind,
