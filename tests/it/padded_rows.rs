@@ -24,10 +24,10 @@ const SEQ: u64 = 16;
 const STEPS: usize = 3;
 const SEED: u64 = 11;
 /// Odd, so that no element size makes its rows a multiple of 16 bytes.
-const VOCAB: u64 = 251;
+pub(crate) const VOCAB: u64 = 251;
 
 /// The training graph of gpt2-tiny with [`VOCAB`] tokens in `dtype`.
-fn training(dtype: DType) -> Graph {
+pub(crate) fn training(dtype: DType) -> Graph {
     let mut config = protrain_models::load("gpt2-tiny").unwrap();
     config.vocab_size = VOCAB;
     let forward = protrain_models::build_forward(
@@ -44,7 +44,7 @@ fn training(dtype: DType) -> Graph {
 }
 
 /// `training` lowered under `policy`, with the row-padding pass when `pad`.
-fn lower(training: &Graph, policy: &Policy, pad: bool) -> VerifiedSchedule {
+pub(crate) fn lower(training: &Graph, policy: &Policy, pad: bool) -> VerifiedSchedule {
     let chunks = chunked(training);
     let placed = place(training, &chunks, policy).unwrap();
     let mut streamed = streams(placed).unwrap();
@@ -133,4 +133,57 @@ fn padded_logits_train_to_the_bits_of_dense_ones() {
             }
         }
     }
+}
+
+/// The verifier's pitch invariant refuses each way a padded buffer can be wrong, naming it;
+/// the printer shows the pitch beside the row length.
+#[test]
+fn the_verifier_refuses_bad_pitches_and_the_printer_shows_them() {
+    use protrain_ir::verify_schedule::{verify_schedule, Invariant};
+    use protrain_ir::{Instr, Schedule};
+    let graph = training(DType::BF16);
+    let chunks = chunked(&graph).len() as u32;
+    let padded = lower(&graph, &Policy::resident(chunks, 2), true);
+    let text = padded.to_text();
+    assert!(
+        text.contains("pitch 256 (row 251)"),
+        "the buffer table shows no pitch:\n{text}"
+    );
+    let base: Schedule = (*padded).clone();
+    let at = base.buffers.iter().position(|b| b.pitch.is_some()).unwrap();
+    let refuse = |what: &str, s: &Schedule, want: &str| {
+        let e = verify_schedule(s).expect_err(what);
+        assert_eq!(e.invariant, Invariant::Pitch, "{what}: {e}");
+        assert!(e.message.contains(want), "{what}: {e}");
+    };
+    let mut s = base.clone();
+    s.buffers[at].pitch.as_mut().unwrap().pitch = VOCAB - 1;
+    refuse("a pitch shorter than the row", &s, "is shorter than");
+    let mut s = base.clone();
+    s.buffers[at].pitch.as_mut().unwrap().pitch = 260;
+    refuse("a pitch of 520 bytes", &s, "not a multiple of 16 B");
+    let mut s = base.clone();
+    s.buffers[at].size -= 32;
+    refuse("a buffer smaller than its rows", &s, "rows x pitch");
+    // A dense device activation read by a kernel that takes no pitch (a layer norm's output)
+    // given a pitch.
+    let mut s = base.clone();
+    let (b, v) = s
+        .streams
+        .iter()
+        .flat_map(|st| &st.instrs)
+        .find_map(|i| match i {
+            Instr::Kernel { op, outputs, .. }
+                if matches!(s.graph.op(*op).kind, protrain_ir::OpKind::LayerNorm { .. }) =>
+            {
+                Some((outputs[0].buffer, s.graph.op(*op).outputs[0]))
+            }
+            _ => None,
+        })
+        .unwrap();
+    let ty = s.graph.value(v).ty.clone();
+    let pitch = ty.last_dim() + 8;
+    s.buffers[b.index()].pitch = Some(protrain_ir::RowPitch { value: v, pitch });
+    s.buffers[b.index()].size = ty.rows() * pitch * ty.dtype.size();
+    refuse("a pitch on a layer norm's output", &s, "takes no row pitch");
 }
