@@ -30,15 +30,18 @@
 //!    finite and `>= 0`; every gradient clip's `max_norm` and every loss scale (fp16's
 //!    loss-scaled cross-entropy backward and unscale coefficient) finite and `> 0`. Anything else makes
 //!    the step divide by zero or compute NaN, which no later check would see.
-//! 3a. **pitch**: every padded buffer ([`RowPitch`](crate::RowPitch)) is a device
-//!    activation buffer holding one value, padded in no other buffer: its pitch is at least
-//!    the value's row length, `pitch x element size` is a multiple of
-//!    [`ROW_PITCH_ALIGN`](crate::ROW_PITCH_ALIGN), and its bytes are `rows x pitch x element
-//!    size`; it is no home, master weight or loss, and no copy, collective, disk transfer,
-//!    cast or workspace addresses it; every kernel operand in it is that value at the
-//!    buffer's start, in a position its kind reads or writes at a row pitch
-//!    ([`OpKind::pitched_operands`](crate::OpKind::pitched_operands)). The later checks
-//!    take a padded value to occupy its whole buffer.
+//!
+//! **pitch** (checked after 3, before 4): every padded buffer ([`RowPitch`](crate::RowPitch))
+//! is a device
+//! activation buffer holding one value, padded in no other buffer: its pitch is at least
+//! the value's row length, `pitch x element size` is a multiple of
+//! [`ROW_PITCH_ALIGN`](crate::ROW_PITCH_ALIGN), and its bytes are `rows x pitch x element
+//! size`; it is no home, master weight or loss, and no copy, collective, disk transfer,
+//! cast or workspace addresses it; every kernel operand in it is that value at the
+//! buffer's start, in a position its kind reads or writes at a row pitch
+//! ([`OpKind::pitched_operands`](crate::OpKind::pitched_operands)). The later checks
+//! take a padded value to occupy its whole buffer.
+//!
 //! 4. **bounds**: every buffer lies inside its space (device buffers inside `arena_bytes`,
 //!    host buffers inside `host_bytes`); every tensor address plus its value's bytes, every
 //!    workspace plus the bytes its kernel needs, and every copy's source and destination plus
