@@ -110,7 +110,18 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         header,
         graph,
         chunks: placed.chunks,
-        buffers: streamed.buffers.into_iter().map(|p| p.buffer).collect(),
+        buffers: streamed
+            .buffers
+            .into_iter()
+            .map(|p| {
+                // A padded buffer names its value in the schedule's graph.
+                let mut buffer = p.buffer;
+                if let Some(pitch) = &mut buffer.pitch {
+                    pitch.value = value(pitch.value);
+                }
+                buffer
+            })
+            .collect(),
         streams,
         events: streamed.events,
         arena_bytes: planned.arena_bytes,

@@ -16,6 +16,7 @@ pub mod fuse;
 pub mod interleave;
 pub mod lower;
 pub mod movement;
+pub mod pad_rows;
 pub mod pipeline;
 pub mod place;
 pub mod plan;

@@ -1,5 +1,5 @@
 //! Lowering one policy: a training graph and its chunk table, under one policy, to an
-//! emitted schedule (place, streams, plan, emit, accumulate, data-parallel, shard), and, as
+//! emitted schedule (place, streams, pad rows, plan, emit, accumulate, data-parallel, shard), and, as
 //! its last stage where the host region is over its budget, the disk tier ([`disk_tier`]).
 //!
 //! The pipeline's [`crate::pipeline::Context`] lowers the policy it is given through here, and
@@ -12,6 +12,7 @@ use crate::data_parallel::data_parallel;
 use crate::emit::{emit, HeaderInputs};
 use crate::error::{CompileError, Result};
 use crate::interleave::interleave;
+use crate::pad_rows::pad_rows;
 use crate::place::place;
 use crate::plan::plan_buffers;
 use crate::shard::shard;
@@ -20,7 +21,7 @@ use protrain_ir::verify::verify_graph;
 use protrain_ir::verify_schedule::verify_schedule;
 use protrain_ir::{ChunkTable, Graph, MicroBatchOrder, Policy, Schedule};
 
-/// Compiles a training graph under one policy: place, streams, plan, emit, and accumulate
+/// Compiles a training graph under one policy: place, streams, pad rows, plan, emit, and accumulate
 /// when the graph's loss gradient is scaled for several micro-batches (in the policy's
 /// order: sequential, by [`accumulate_micro_batches`], or chunk-major, by placing the
 /// [`interleave`]d graph). The placed graph
@@ -100,6 +101,7 @@ pub fn compile_policy_on(
         }
     }
     let mut streamed = streams(placed, header.flash_attention)?;
+    pad_rows(&mut streamed);
     let planned = plan_buffers(&mut streamed);
     let repeats = if chunk_major { 1 } else { per_rank };
     let schedule = accumulate_micro_batches(emit(streamed, &planned, header)?, repeats)?;

@@ -2,7 +2,7 @@
 //!
 //! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
 //! training graph -> chunk (-> interleave, for K > 1 in the chunk-major order) ->
-//! place(policy) (with movement) -> streams -> plan -> emit
+//! place(policy) (with movement) -> streams -> pad_rows -> plan -> emit
 //! (-> accumulate, for K > 1) (-> data_parallel -> shard, for several ranks) -> Schedule -> verify ->
 //! [`VerifiedSchedule`] -> simulate.
 //!

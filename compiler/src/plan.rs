@@ -1445,6 +1445,7 @@ pub fn append_buffer(
         offset,
         size,
         kind,
+        pitch: None,
     });
     BufferId::new(schedule.buffers.len() - 1)
 }

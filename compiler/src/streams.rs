@@ -526,6 +526,7 @@ impl Builder {
                 offset: 0,
                 size,
                 kind,
+                pitch: None,
             },
             live,
         });

@@ -40,8 +40,8 @@ pub use policy::{
 };
 pub use print_schedule::{BufferNumbering, PrintOptions};
 pub use schedule::{
-    Buffer, BufferKind, CastPiece, CopyKind, Header, Instr, MemoryBreakdown, Prediction, Schedule,
-    ShardPart, Space, Stream, StreamKind, TensorRef, FORMAT_VERSION,
+    Buffer, BufferKind, CastPiece, CopyKind, Header, Instr, MemoryBreakdown, Prediction, RowPitch,
+    Schedule, ShardPart, Space, Stream, StreamKind, TensorRef, FORMAT_VERSION, ROW_PITCH_ALIGN,
 };
 pub use types::{format_bytes, format_count, DType, TensorType};
 pub use verify_schedule::VerifiedSchedule;

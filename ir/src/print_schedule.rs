@@ -525,9 +525,20 @@ fn buffer_table(cx: &Cx, out: &mut String) {
         .collect();
     order.sort_by_key(|&(n, b)| (b.space, b.offset, n));
     for (n, b) in order {
+        // A padded buffer shows its row pitch beside its value's row length.
+        let pitch = match b.pitch {
+            Some(p) => {
+                let row = match p.value.index() < s.graph.values().len() {
+                    true => s.graph.value(p.value).ty.last_dim().to_string(),
+                    false => "?".into(),
+                };
+                format!("  pitch {} (row {row})", p.pitch)
+            }
+            None => String::new(),
+        };
         let _ = writeln!(
             out,
-            "  {:<7} {:<6} {:>12} {:>10}  {:<18} {}",
+            "  {:<7} {:<6} {:>12} {:>10}  {:<18} {}{pitch}",
             n.to_string(),
             space_name(b.space),
             format!("{:#x}", b.offset),

@@ -95,8 +95,14 @@ use serde::{Deserialize, Serialize};
 /// layout in the policy, staging buffers, the host cast stream and its casts). 6: Gemma's ops
 /// (attention's score scale and soft-cap, RMSNorm's group width and unit offset, and the
 /// scale, softcap and geglu kinds). 7: chunk-major accumulation (the policy's micro-batch
-/// order, the schedule's per-micro-batch losses, [`Schedule::micro_batch_losses`]).
-pub const FORMAT_VERSION: u32 = 7;
+/// order, the schedule's per-micro-batch losses, [`Schedule::micro_batch_losses`]). 8: padded
+/// rows (a buffer's [`RowPitch`]).
+pub const FORMAT_VERSION: u32 = 8;
+
+/// A padded buffer's row pitch in bytes is a multiple of this: the alignment cuBLAS and
+/// cuBLASLt need of a leading dimension (and of each row's start) to pick their vectorised,
+/// tensor-core kernels, and that 16-byte loads of a row need.
+pub const ROW_PITCH_ALIGN: u64 = 16;
 
 /// Which memory a buffer lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -247,6 +253,24 @@ pub struct Buffer {
     pub size: u64,
     /// What it holds.
     pub kind: BufferKind,
+    /// Set when the buffer holds one value with its rows padded: row `r` starts at element
+    /// `r * pitch` and the elements after the row's length are never read as data. `None`
+    /// for the dense layout every other buffer has.
+    pub pitch: Option<RowPitch>,
+}
+
+/// A padded row layout: the buffer holds `value` (rows of its last dimension) with each row
+/// starting `pitch` elements after the previous one, so that every row starts at a multiple
+/// of [`ROW_PITCH_ALIGN`] bytes. Only a device activation whose every reader and writer takes
+/// a row pitch for that operand ([`OpKind::pitched_operands`](crate::OpKind::pitched_operands))
+/// is padded; parameters never are. The buffer is `rows x pitch` elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RowPitch {
+    /// The value the buffer holds.
+    pub value: ValueId,
+    /// Elements from the start of one row to the start of the next (at least the row's
+    /// length).
+    pub pitch: u64,
 }
 
 /// A tensor's address: a buffer and a byte offset inside it. Its size is its value's type's.
@@ -396,6 +420,26 @@ pub enum Instr {
         /// Bytes written: the chunk's used bytes.
         bytes: u64,
     },
+}
+
+impl Instr {
+    /// Every tensor address the instruction holds besides a kernel's inputs and outputs:
+    /// a kernel's workspace, both ends of a copy, disk transfer or cast, a collective's
+    /// address. (A cast's members are addressed inside its source and destination.)
+    pub fn other_addresses(&self) -> Vec<TensorRef> {
+        match self {
+            Instr::Kernel { workspace, .. } => workspace.iter().copied().collect(),
+            Instr::Copy { src, dst, .. }
+            | Instr::CopyShard { src, dst, .. }
+            | Instr::DiskRead { src, dst, .. }
+            | Instr::DiskWrite { src, dst, .. }
+            | Instr::CastChunk { src, dst, .. } => vec![*src, *dst],
+            Instr::AllReduce { at, .. }
+            | Instr::AllGather { at, .. }
+            | Instr::ReduceScatter { at, .. } => vec![*at],
+            Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => Vec::new(),
+        }
+    }
 }
 
 /// One member of a [`Instr::CastChunk`]: `len` f32 master weights at `master` rounded into

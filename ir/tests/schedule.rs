@@ -49,6 +49,7 @@ fn buf(name: &str, space: Space, offset: u64, size: u64, kind: BufferKind) -> Bu
         offset,
         size,
         kind,
+        pitch: None,
     }
 }
 

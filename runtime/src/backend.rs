@@ -10,7 +10,7 @@
 //! ([`Backend::step_outcome`]).
 
 use crate::collective::Collective;
-use crate::dispatch::{Outcome, Prepared};
+use crate::dispatch::{Outcome, Pitches, Prepared};
 use crate::error::{Result, RuntimeError};
 use protrain_ir::{
     DType, EventId, Graph, Op, OpKind, Schedule, Space, StreamKind, TensorRef, ValueId,
@@ -110,6 +110,9 @@ pub struct Launch<'a> {
     /// For an AdamW op on a sharded chunk: the rank's part of the parameter (see
     /// [`ShardLaunch`]); `None` for every other launch.
     pub shard: Option<ShardLaunch>,
+    /// The row pitches of operands stored in padded rows ([`protrain_ir::RowPitch`]);
+    /// [`Pitches::DENSE`] for most launches.
+    pub pitches: Pitches,
 }
 
 /// A rank's part of an AdamW op on a sharded chunk (see

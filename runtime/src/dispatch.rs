@@ -98,6 +98,67 @@ fn partial_rope_dims(
     }
 }
 
+/// How many leading inputs and outputs of an op may be stored with padded rows: the most
+/// positions any kind lists in [`OpKind::pitched_operands`].
+const PITCHED: usize = 3;
+
+/// The row pitches, in elements, of a launch's operands stored with padded rows
+/// ([`protrain_ir::RowPitch`]); an operand without one is dense. Only the operands an op kind
+/// lists in [`OpKind::pitched_operands`] can have one (the verifier checks the schedule), and
+/// such an operand's view holds `rows x pitch` elements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pitches {
+    inputs: [Option<usize>; PITCHED],
+    outputs: [Option<usize>; PITCHED],
+}
+
+impl Pitches {
+    /// Every operand dense.
+    pub const DENSE: Pitches = Pitches {
+        inputs: [None; PITCHED],
+        outputs: [None; PITCHED],
+    };
+
+    /// The pitches of a kernel whose operands are at `inputs` and `outputs` in `schedule`:
+    /// each operand in a padded buffer gets its buffer's pitch.
+    pub fn of(
+        schedule: &protrain_ir::Schedule,
+        inputs: &[protrain_ir::TensorRef],
+        outputs: &[protrain_ir::TensorRef],
+    ) -> Pitches {
+        let pitch = |t: &protrain_ir::TensorRef| {
+            schedule
+                .buffers
+                .get(t.buffer.index())
+                .and_then(|b| b.pitch)
+                .map(|p| p.pitch as usize)
+        };
+        let mut out = Pitches::DENSE;
+        for (slot, t) in out.inputs.iter_mut().zip(inputs) {
+            *slot = pitch(t);
+        }
+        for (slot, t) in out.outputs.iter_mut().zip(outputs) {
+            *slot = pitch(t);
+        }
+        out
+    }
+
+    /// Input `i`'s pitch, `None` when dense.
+    pub fn input(&self, i: usize) -> Option<usize> {
+        self.inputs.get(i).copied().flatten()
+    }
+
+    /// Output `i`'s pitch, `None` when dense.
+    pub fn output(&self, i: usize) -> Option<usize> {
+        self.outputs.get(i).copied().flatten()
+    }
+
+    /// Whether some operand has a pitch.
+    pub fn any(&self) -> bool {
+        *self != Pitches::DENSE
+    }
+}
+
 /// What a kernel reports besides its outputs.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Outcome {
@@ -410,6 +471,30 @@ pub fn run<'a>(
     outputs: &mut [&mut [f32]],
     workspace: &mut [f32],
 ) -> Result<Outcome> {
+    run_pitched(
+        graph,
+        op,
+        prepared,
+        ins,
+        outputs,
+        workspace,
+        &Pitches::DENSE,
+    )
+}
+
+/// [`run`] with some operands stored in padded rows, as `pitches` says: each such view holds
+/// `rows x pitch` elements, of which the kernels read and write each row's first
+/// `last_dim` (the padding is neither read nor written as data).
+#[allow(clippy::too_many_arguments)]
+pub fn run_pitched<'a>(
+    graph: &Graph,
+    op: &Op,
+    prepared: &Prepared,
+    ins: &impl Inputs<'a>,
+    outputs: &mut [&mut [f32]],
+    workspace: &mut [f32],
+    pitches: &Pitches,
+) -> Result<Outcome> {
     let ty = |i: usize| -> &TensorType { &graph.value(op.inputs[i]).ty };
     let out_ty = |i: usize| -> &TensorType { &graph.value(op.outputs[i]).ty };
     let ws_layout = || compute_layout(graph, op);
@@ -468,15 +553,31 @@ pub fn run<'a>(
         OpKind::Linear { bias, layout } => {
             let (rows, d_in) = (ty(0).rows() as usize, ty(0).last_dim() as usize);
             let d_out = out_ty(0).last_dim() as usize;
-            project(
-                outputs[0],
-                ins.f32(0),
-                ins.f32(1),
-                bias.then(|| ins.f32(2)),
-                *layout,
-                (rows, d_in, d_out),
-                rounding,
-            );
+            match pitches.output(0) {
+                None => project(
+                    outputs[0],
+                    ins.f32(0),
+                    ins.f32(1),
+                    bias.then(|| ins.f32(2)),
+                    *layout,
+                    (rows, d_in, d_out),
+                    rounding,
+                ),
+                Some(pitch) => {
+                    kernels::linear_forward_pitched(
+                        outputs[0],
+                        pitch,
+                        ins.f32(0),
+                        ins.f32(1),
+                        bias.then(|| ins.f32(2)),
+                        *layout,
+                        rows,
+                        d_in,
+                        d_out,
+                    );
+                    rounding.apply(outputs[0]);
+                }
+            }
         }
         OpKind::Gelu => kernels::gelu_forward(outputs[0], ins.f32(0)),
         OpKind::Relu => kernels::relu_forward(outputs[0], ins.f32(0)),
@@ -550,7 +651,9 @@ pub fn run<'a>(
             let [loss, lse] = outputs else {
                 unreachable!("cross_entropy writes loss and lse")
             };
-            loss[0] = kernels::cross_entropy_forward(lse, ins.f32(0), ins.i32(1), vocab)?;
+            let pitch = pitches.input(0).unwrap_or(vocab);
+            loss[0] =
+                kernels::cross_entropy_forward_pitched(lse, ins.f32(0), pitch, ins.i32(1), vocab)?;
             outcome.loss = Some(loss[0]);
         }
         OpKind::EmbeddingBackward { padding_idx, .. } => {
@@ -658,11 +761,12 @@ pub fn run<'a>(
             } else {
                 None
             };
-            kernels::linear_backward(
+            kernels::linear_backward_pitched(
                 Some(dx),
                 dw,
                 db,
                 ins.f32(2),
+                pitches.input(2).unwrap_or(d_out),
                 ins.f32(0),
                 ins.f32(1),
                 *layout,
@@ -927,9 +1031,16 @@ pub fn run<'a>(
         | OpKind::CrossEntropyBackwardScaled { .. }
         | OpKind::CrossEntropyBackwardLossScaled { .. } => {
             let vocab = ty(0).last_dim() as usize;
-            kernels::cross_entropy_backward(
+            let pitch = pitches.input(0).unwrap_or(vocab);
+            assert_eq!(
+                pitches.output(0).unwrap_or(vocab),
+                pitch,
+                "cross_entropy_backward: logits and dlogits at different pitches"
+            );
+            kernels::cross_entropy_backward_pitched(
                 outputs[0],
                 ins.f32(0),
+                pitch,
                 ins.f32(2),
                 ins.i32(1),
                 vocab,
@@ -1054,7 +1165,9 @@ impl<'w, 'a: 'w, I: StoredInputs<'a>> Inputs<'w> for Widened<'w, I> {
 ///
 /// `outputs` holds one view per output of the op's types; there are at most [`MAX_OUTPUTS`].
 /// Panics when an operand is not stored as the graph types it (a verified schedule rules that
-/// out); errors are [`run`]'s.
+/// out); errors are [`run`]'s. Operands stored in padded rows, as `pitches` says, are views of
+/// `rows x pitch` elements and run through [`run_pitched`].
+#[allow(clippy::too_many_arguments)]
 pub fn run_stored<'a>(
     graph: &Graph,
     op: &Op,
@@ -1063,6 +1176,7 @@ pub fn run_stored<'a>(
     outputs: &mut [StoredMut<'_>],
     workspace: &mut [f32],
     staging: &mut Staging,
+    pitches: &Pitches,
 ) -> Result<Outcome> {
     assert!(
         outputs.len() == op.outputs.len() && outputs.len() <= MAX_OUTPUTS,
@@ -1151,7 +1265,15 @@ pub fn run_stored<'a>(
             wide: inputs_part,
             spans,
         };
-        run(graph, op, prepared, &inputs, &mut views[..n_out], workspace)?
+        run_pitched(
+            graph,
+            op,
+            prepared,
+            &inputs,
+            &mut views[..n_out],
+            workspace,
+            pitches,
+        )?
     };
     let mut at = 0;
     for out in outputs.iter_mut() {

@@ -41,7 +41,7 @@ use crate::backend::{
 };
 use crate::collective::Collective;
 use crate::disk::DiskFile;
-use crate::dispatch::{Outcome, Prepared};
+use crate::dispatch::{Outcome, Pitches, Prepared};
 use crate::error::{Result, RuntimeError, Unsupported};
 use crate::host::HostBackend;
 use crate::interpreter::StepReport;
@@ -87,8 +87,8 @@ enum Planned {
         op: OpId,
         /// For an AdamW op and the loss-scaled ops: a copy of the graph's op whose learning
         /// rate or loss scale is set to the step's before each step ([`Executor::step_with`])
-        /// and launched in its place.
-        launched: Option<Op>,
+        /// and launched in its place (boxed: the op is large and most kernels have none).
+        launched: Option<Box<Op>>,
         inputs: Vec<Address>,
         outputs: Vec<Address>,
         workspace: Option<(Address, u64)>,
@@ -96,6 +96,9 @@ enum Planned {
         /// The rank's part of an AdamW op on a sharded chunk (boxed: rare, and the variant
         /// is the enum's largest).
         shard: Option<Box<ShardLaunch>>,
+        /// Row pitches of operands stored in padded rows (boxed: rare, and large beside
+        /// the other variants); `None` when every operand is dense.
+        pitches: Option<Box<Pitches>>,
     },
     Copy {
         src: Address,
@@ -1469,7 +1472,7 @@ fn adamw_run<'p>(graph: &Graph, program: &'p [Planned]) -> &'p [Planned] {
         .iter()
         .take_while(|planned| match planned {
             Planned::Kernel { op, launched, .. } => matches!(
-                launched.as_ref().unwrap_or_else(|| graph.op(*op)).kind,
+                launched.as_deref().unwrap_or_else(|| graph.op(*op)).kind,
                 OpKind::AdamW { .. }
             ),
             _ => false,
@@ -1498,6 +1501,7 @@ unsafe fn launch_kernel<B: Backend>(
         workspace,
         prepared,
         shard,
+        pitches,
     } = planned
     else {
         return Err(RuntimeError::BadSchedule(
@@ -1506,13 +1510,14 @@ unsafe fn launch_kernel<B: Backend>(
     };
     let launch = Launch {
         graph,
-        op: launched.as_ref().unwrap_or_else(|| graph.op(*op)),
+        op: launched.as_deref().unwrap_or_else(|| graph.op(*op)),
         prepared,
         inputs,
         outputs,
         workspace: *workspace,
         step,
         shard: shard.as_deref().copied(),
+        pitches: pitches.as_deref().copied().unwrap_or(Pitches::DENSE),
     };
     // SAFETY: the caller's contract.
     unsafe { backend.launch(stream, &launch) }
@@ -1775,6 +1780,9 @@ fn plan_kernel(
     }
     Planned::Kernel {
         shard,
+        pitches: Some(Pitches::of(schedule, inputs, outputs))
+            .filter(Pitches::any)
+            .map(Box::new),
         op,
         launched: matches!(
             o.kind,
@@ -1786,7 +1794,7 @@ fn plan_kernel(
                     ..
                 }
         )
-        .then(|| o.clone()),
+        .then(|| Box::new(o.clone())),
         inputs: addresses,
         outputs: outputs.iter().map(|&t| address(schedule, t)).collect(),
         // The verifier checked that a kernel has a workspace exactly when its kind

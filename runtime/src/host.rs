@@ -348,6 +348,15 @@ impl ArenaInputs<'_> {
         &self.launch.graph.value(self.launch.op.inputs[i]).ty
     }
 
+    /// Elements of input `i`'s view: its type's, or `rows x pitch` in padded rows.
+    fn len(&self, i: usize) -> u64 {
+        let ty = self.ty(i);
+        match self.launch.pitches.input(i) {
+            Some(pitch) => ty.rows() * pitch as u64,
+            None => ty.numel(),
+        }
+    }
+
     /// Checks every input's type, range and alignment, so the views below cannot fail.
     fn check(&self) -> Result<()> {
         if self.launch.inputs.len() != self.launch.op.inputs.len() {
@@ -363,7 +372,7 @@ impl ArenaInputs<'_> {
             let size = element_bytes(ty)?;
             self.backend
                 .region(at.space)?
-                .at(at.offset, size * ty.numel(), size as usize)?;
+                .at(at.offset, size * self.len(i), size as usize)?;
         }
         Ok(())
     }
@@ -372,7 +381,7 @@ impl ArenaInputs<'_> {
 impl<'a> dispatch::StoredInputs<'a> for ArenaInputs<'a> {
     fn stored(&self, i: usize) -> Stored<'a> {
         let (at, ty) = (self.launch.inputs[i], self.ty(i));
-        let n = ty.numel() as usize;
+        let n = self.len(i) as usize;
         // SAFETY: in bounds and aligned for its type (checked in `check`); the ordering
         // contract `launch` was called under keeps writers away while the kernel reads.
         let stored = unsafe {
@@ -681,7 +690,10 @@ impl Backend for HostBackend {
             std::array::from_fn(|_| StoredMut::F32(&mut []));
         for (i, out) in outputs.iter_mut().enumerate().take(n) {
             let (at, ty) = (l.outputs[i], &graph.value(op.outputs[i]).ty);
-            let len = ty.numel() as usize;
+            let len = match l.pitches.output(i) {
+                Some(pitch) => (ty.rows() as usize) * pitch,
+                None => ty.numel() as usize,
+            };
             // SAFETY: the caller upholds the ordering contract: outputs overlap no input, no
             // other output and the workspace, and no other stream touches them meanwhile.
             *out = unsafe {
@@ -706,6 +718,7 @@ impl Backend for HostBackend {
             &mut outputs[..n],
             workspace,
             &mut stream.staging,
+            &l.pitches,
         )
     }
 

@@ -248,6 +248,7 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
                 workspace: p.workspace,
                 step: run as u64 + 1,
                 shard: None,
+                pitches: crate::dispatch::Pitches::DENSE,
             };
             let began = Instant::now();
             // SAFETY: one stream on one thread, ops in graph order; every value has bytes of
@@ -329,6 +330,7 @@ pub fn measure_ops<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTi
                 workspace: operands.workspace,
                 step: run as u64 + 1,
                 shard: None,
+                pitches: crate::dispatch::Pitches::DENSE,
             };
             let began = Instant::now();
             // SAFETY: one stream, one thread: nothing else touches the arena, and the

@@ -24,6 +24,7 @@ mod host_f16;
 mod host_layout;
 mod launcher;
 mod lr_schedule;
+mod padded_rows;
 mod parity;
 mod profile_cli;
 mod reliability;

@@ -97,114 +97,114 @@ fn schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const GOLDEN: &str = "
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8112a28a49734056
-gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b87b26620d4be690
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 871b683d628fef84
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 16c2d11bab7f00e4
-gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7d045e27c064d5c1
-gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC e989c770dcdb0f5c
-gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 83f786f6deba5205
-gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 2448c56ad2ecd23c
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 d126ca90c374e1ed
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 7c0e880c8f30724a
-gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 9af38a934f8f366b
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9ef0b292b557786e
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4e5564a6ba36d8ff
-gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5961eb870d645dda
-gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5d1afd6cfe0af1bd
-gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 34d2a3e7685bd12d
-gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 0d1c8dc598290fef
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 b19c60814b491ac3
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 53ed073c359c9dd3
-llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 59f3863ec1681ecd
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ae3e85e7db6dcc56
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9199a0105be30579
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
-llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 8b3c396856017ab1
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 189e98f098965427
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 3f010aafd982a1c0
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 5f647dcc995fadb5
-llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 5a080b70f3c86709
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 61b7473ae32150a4
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 845299804f57a28f
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
-llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 762c82663e86e9aa
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 865459a7fa0c1359
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 d1d0f226fe95845b
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 8eed30a7b2f0661b
-mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 fa3319d944ade79d
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f68966d432a7f799
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9280a61160a0fb63
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 320dc6de144ed480
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 320dc6de144ed480
-mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c3493ef32ab85083
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9a4f64c51892da80
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 cdd3258446279887
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 285b7c42c333751d
-mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 3d2357fb85a5d68f
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 38a9790a6c8615c4
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 3f5da3a2a06ec498
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 75d6101d36b40c60
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 75d6101d36b40c60
-mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 6cb228ecdf8d9ac5
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 6337cfbdde1a91bb
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 2301407226e33d6a
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 bef416630ce5c521
-opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 df4a4329e329703d
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d5f2da3eedef6e15
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 e6b0ca54d4a60a9c
-opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8941fe7418c3b2f8
-opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC bf8006896bad2fa5
-opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 fb221ddfe478fe36
-opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK b7aecaebd4d18b9e
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 9dd198e0de014cb8
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 440d03d0d74ddb5b
-opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b2696e54300be540
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ae72fc51963c9dc0
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 afeeaa05391b4a4f
-opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2736d376b10a76a4
-opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC e95576bc0f7577ba
-opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 83f89b64cc24aea1
-opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 67707c95c11582a9
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 8140390d276a9fa1
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 2ad9105162f3fae8
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7b5ad689ccaaca82
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5d8ffe68a932ae61
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 26823fd775bec8e6
-gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1f7645993f9bfb26
-gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC c6ae414bc8353afc
-gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 cd4d1dcf97621294
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 095cf16139ba4fd2
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 4cbc7f3ae5259d47
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 dd8a6f26cb655cca
-gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 e74d7d824b45b866
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0caaad7d5ca42664
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 011a87b9c012a1e7
-gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC e388ec8486bda7dd
-gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 590d436397458716
-gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 b2b1aebc5f2910e2
-gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 10626d36116af42c
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 48dc7e41897690dd
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 56908b82a98de861
-llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 823c71d4bd4d009b
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7abcb9391dc26a69
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7446bf5981bd3464
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 592627afd91c506c
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 592627afd91c506c
-llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 7ae538c940e3596e
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK fb6cc29db7f9d0e4
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 6fead6d9b5816eae
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 db957d8d6355dfd2
-llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 ca0dcbb6f5addec5
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b431ccf26e4797f8
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 cf01ecffb81a6128
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 35f8ee6c870a36d2
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 35f8ee6c870a36d2
-llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 0732dff6619b178e
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 9f171631b562293c
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 0af7adeb45f4c1fc
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 b3a424cc696be905
+gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 f01135016d0abdf2
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 078dc7d058084070
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 8e5c880061d92004
+gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8665956fbd133683
+gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 7e590a656cb87049
+gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 cac7625ea6bfdbc7
+gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 040d9ad87730e2cc
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 220c4227d357c46a
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a430a81e45a0e40f
+gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 0d2f4a1eb0f610ea
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6d291aec5f1ffa80
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4488cacd81882c93
+gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7df8cf2ba882df04
+gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC d5421a6a056d05d0
+gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 c8d72bed66795e5b
+gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 7f32d13649219d77
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 ea3002302841d007
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 bd34c7dedec8898f
+llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 a48f6917c2411657
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5284be713526dc27
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9a6f24d28a0f68e5
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
+llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 87765e8c6b837b6c
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK caa9d2e5e579e464
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 1c30520cf37b8e9d
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ca44856d5e49af18
+llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7501f129c8db7a26
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 09e9a92597d5efcc
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6d24e047958790fa
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
+llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c45fe48694a5a73a
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK cf0f4073cd3c7805
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 b4550e21cdbb4602
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 533079387602a087
+mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 a36893cb37313136
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 69f1da9c620f816a
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 8df29c49d9aa507e
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC d3abf0fdefb0d61d
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC d3abf0fdefb0d61d
+mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c08d81f43263aa58
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 51a4ca7186b7ecbc
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 19ccdc4257638970
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 43816c7923de951e
+mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 d5298e7d2fd09efb
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 244cd9b18ba94b87
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 d1b85c3688f02c7e
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c4e44ffbd4c22bc2
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c4e44ffbd4c22bc2
+mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 1416b280eebec253
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 04bf666e5242d8c1
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 4142bc460d72f743
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 25d34282c3cdb531
+opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 46e756926b3273c3
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bb46b435aaa12b81
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6d58a5314992c4f8
+opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6f7ca1a65f6c73f1
+opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3aa142a4c87f2d9f
+opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 948be908d39d1388
+opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK f00aade56a6eadf3
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 61e837b5b1258aee
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 7069ad2ccd945607
+opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b4a64f5143b52b62
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c9fb26f68812c68
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 bb105f3b188b6169
+opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 926aadba8e849b1b
+opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 350385c059671a2b
+opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 9fec6af2ec048271
+opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 14901aee60a9aa97
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 4b8b1f306a275d0d
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 e36366ed273694d7
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 30a348a02acd47b4
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c7be0a803d58000
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 efe3b45f9ac5d580
+gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7156a915c163fba1
+gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 7ec0adcece035d9f
+gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 b00d54cd930516f2
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 464260c52dfa38e1
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 cbeb6a55ebd3d517
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9d6d319bd214fb3d
+gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 42acc70e79f64881
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ef70db56242fa14b
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 a1436a793bed1f63
+gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c110086da597c2dc
+gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 0e91c906e8c87532
+gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 d11b57a0a348fa6d
+gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 7e5767673bd2ec82
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 7deea6e5d981294c
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f15014362e842c39
+llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 80b1e2df959714a9
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fc80fb38349c164d
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6c566327d9a32b7e
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC df81c7d922ec13d0
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC df81c7d922ec13d0
+llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 1755e0fd2dd90be8
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 3636fc8b0732c184
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 8b291209df71c528
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 1f03d1fd24eb465f
+llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 359afec39f4b862e
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0f8b8bad39bd9dd5
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 58865ca4cdc3f3da
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b2a73cb2d6d04890
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b2a73cb2d6d04890
+llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 8861bb91cb94f9ee
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK abca408464cd8508
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 8e1aaa50cad35768
 ";
 
 /// The passes that rewrite an emitted schedule, pinned the same way: gradient accumulation
@@ -288,112 +288,112 @@ fn rewritten_schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const REWRITTEN: &str = "
-gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c582b100372230f
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 29775258574c3ee4
-gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 033c2837747865cc
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c9a39abe3724cfba
-gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a0e89ef695f314a7
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8e41b16e31a15763
-gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 45f5d9a8f7a58e0a
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 592c0face9b821d4
-gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 dedaf149484657b5
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 808cceab993b0128
-gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bc603a1db73beb2d
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 554adf7f98852a2f
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 81a83212870d793e
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5c60c066650a3441
-gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 003807a2eaee5c53
-gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 009a406a309991cf
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dddcd9f8f54c3835
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1483f8e1b86af8db
-gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9a391ba54c3e10c1
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 96ab65a718c359a6
-gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC fe75093060ef997a
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 df8c6a5c9a360945
-gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 80046bf4b370a0b1
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d41f6e1a356d2fd2
-gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4ee56d6b1f5e16c8
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2753a1df596acf12
-gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 fae3156ee762c262
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10fbf88060fd7be2
-gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d853d94140e8de7
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 96d13f3673abbaca
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d1d638938ee99b4b
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b125320359b101a2
-gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b5d75ded5c240f0e
-gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b1924df94bddfaf1
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 508c2f5c2ddb283c
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 46e23c9173953421
-llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f542038fce5493d7
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8f73c0a568af4078
-llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b09599384b4cbd8b
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b5d6bb02c89f7665
-llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c4aab9fa3f2ee38d
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1f87f22bbd5f72bb
-llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 09ae1bac4c41e271
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 77b06d63a73b73fb
-llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f4ff4ec5d2d07669
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 06a186aef8cfddf9
-llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC feeb25dcbec94fa6
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7552b64e9328ccbd
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 123aadee5f58a978
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 123aadee5f58a978
+gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9c6d4b20113ecfa7
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 03f22c25f18112dd
+gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f29f8b91f4ec41b5
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1d774a76a4df0d57
+gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 27a1b58f9164f30d
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d1289ddb7652daff
+gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8c8f86f0b9c98315
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5f7c587ee430d3ac
+gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 c8796907f006ec58
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c50eda2bd3a32d6
+gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 89ff3530082f1bb9
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ce36334933d8aacc
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b55f4cc7eb7948cc
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 dd5ee7c84ec16da1
+gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 819da8d0e235c984
+gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC ccfbac8681558483
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dafab0dc9c602d3b
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6b42f50a7d1019af
+gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8c143b9591da86de
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 851aeef8e6b62084
+gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 54dfc65bf0d7636c
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8e9856a4d805bb87
+gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 cdcdea24215e01eb
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eff3f28d9646fb93
+gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d62ff8e466d2435e
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6e943592fbcbb19e
+gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0654e077516028fd
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0ea78a653def9af4
+gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9a0a6bb25f9ba5ad
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2af872657a84f7b9
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0ac4ac30160718d1
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ed27f2c942d8f807
+gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d6edf41d2ff2462
+gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 54810498d51aa0de
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a7c49e8851c70a34
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0c88f814de659865
+llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 af29178ab7d17504
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 495057eff298af8b
+llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 68ac973067214591
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 819c3f5f3415e3d5
+llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 caf281a99dba7884
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bd15f7cd4bd713f0
+llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d37a6aee9b93b28
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a32490fab9fbf088
+llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 45689c3049906d58
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 74ff481c8b0f2a7a
+llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f3e8d087b77549f1
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 f60c19ebad564e69
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5b7be6ea04c42fbc
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5b7be6ea04c42fbc
 llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.5 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC b784dbdb70ea817f
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4fbd0df1d978f0a5
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 4fbd0df1d978f0a5
-llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 7e724940bbfce0a6
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 099a41bf41d3ef3a
-llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d7530e29a23118a
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8bf063539477833b
-llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 2d397bcf5eb663a5
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b9dc12acc0cb8c93
-llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC a3bec7836555c491
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5b44a14f418dd9e7
-llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ea70c7a533d68046
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eb5aa9adc8cd5ddd
-llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 44716ab5956c6f45
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 44f7e24904fa3b08
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 051e89cefcaf8d62
-llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 051e89cefcaf8d62
+llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0f079675542df0f4
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0f079675542df0f4
+llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 6cffd29a20112687
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 303c55375539abba
+llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1542e36c0c1a35e2
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ea3d983db9d1f7d
+llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c5a6aa5ce8edc7ea
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f87bb2d4d4ae4e81
+llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 696be9a6a9c159c7
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 00bcbe90133a4d9a
+llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f9824c55920c0ca1
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b88f710caed068bb
+llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f5ceeca25a05e5
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7061629aad1f2141
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10873b6be92b1fcf
+llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10873b6be92b1fcf
 llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.7 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f84eb3a47d26fd
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ab51bf5565606f2
-llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ab51bf5565606f2
-gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 e97d875167a95930
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 54c3efd2af0ff3f8
-gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f166edd1f2ba0136
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a7cae713066879db
-gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a5e6315bfdeab12e
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 4c7c9923733c3c71
-gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d397106a33321618
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 18dd7ff5e848ce18
-gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 926d7cb6ab269582
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 64b4ff24f0f59cc1
-gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bcd191f5ab935f3d
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6e7eb0d6343f1c6f
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f638b8d61215a442
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ffbc787346d5ced8
-gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5f2472d33155fb1f
-gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC c450a6aa24f77bec
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b3e4170fb7cbd20f
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 84cc7c48609d1048
-gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 d29be18c173041f4
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9c04c9a2eb90f590
-gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC eacb3f0d76c497ab
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9b69b70419149115
-gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 bf2bd27e13934374
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cdad80fa7245c51c
-gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cb0a3f971b12798a
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d0bd1e07e99b8cc3
-gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 4939c4e658be6f3b
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 cba49f0a4f79ebd4
-gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 68d96f82d35df519
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 224be45c1101bd4d
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bc00f5dab7c80b92
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1934aac421e2077f
-gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 3383b44e3a0e8530
-gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC fc3a93c3cfd23669
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dd04114f92b1f232
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 c5d02046db546cf4
+llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 fab7695ac0037d77
+llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 fab7695ac0037d77
+gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a16613ca78a018c0
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 717b09a758d2993b
+gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d26bad41f1f4586c
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d474f1d9dbca9f67
+gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 46a62680c26c4927
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6a3267b80577b3f7
+gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 43bd9acf7f40d5b4
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e11c9aea62ef3987
+gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 780af53257b4bf34
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6f36a94e1a4935ac
+gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d20a9d10e8044c55
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 279c8d4ad4b08eec
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c929973838fed5d0
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9ae31ace2b10c8ae
+gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC e534434192e0d2a9
+gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 08fa417fac2335f3
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ccee66141798a369
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9e1a5d80ca025f30
+gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f6311f02ea89160e
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 604a8a155cf35c8d
+gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC eb655fc1ca352142
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e15fd8b63291537a
+gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 724ed980a043df98
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ce223d21dd9e5b7c
+gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b6fab194cf1dcb75
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1a8ee8e49ed8af7e
+gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c1d298caf4d48e7
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 512fe2b5623233ea
+gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 750d1cad5be9f208
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0418cdbae032eeb9
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 308627dacb0e5ddd
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0b68e31bbe9a92ba
+gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4407e8cace115aaa
+gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d13fdc81d0a467d
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1f0b639b5675d802
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d446c8ee7a566c77
 ";

@@ -18,6 +18,9 @@
 //! buffer, which spares one chunk's fetch between the forward and backward passes (5.19 GiB
 //! moved a step against 5.44 with two buffers, the search report's `moves`). (The CLI caps the sequence at a model's positions; `CompileOptions::for_hardware`
 //! does not, so only models with at least 1,024 positions are pinned here.)
+//! The GPT-2 rows' peaks include the padded rows of the LM head's logits and their gradient
+//! ([`protrain_compiler::pad_rows`]: 50257 bf16 columns stored at a pitch of 50264, 28,672
+//! bytes for the 1,024 rows of both).
 
 use protrain_compiler::pipeline::{compile, CompileOptions};
 use protrain_ir::HardwareProfile;
@@ -39,7 +42,7 @@ const CHOICES: &[Choice] = &[
         "a100-40gb",
         None,
         "n_persist=2 n_buffer=0 prefetch=1 blocks=K12",
-        2_253_747_716,
+        2_253_776_388,
         0,
     ),
     (
@@ -47,7 +50,7 @@ const CHOICES: &[Choice] = &[
         "rtx3090",
         None,
         "n_persist=3 n_buffer=0 prefetch=1 blocks=K24",
-        5_986_555_908,
+        5_986_584_580,
         0,
     ),
     (

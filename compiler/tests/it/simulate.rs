@@ -154,6 +154,7 @@ mod simulate {
             offset: 0,
             size: 64 * MIB,
             kind: BufferKind::Workspace,
+            pitch: None,
         };
         Schedule {
             header: Header {
@@ -681,6 +682,7 @@ mod simulate {
             offset: 64 * MIB,
             size: MIB,
             kind: BufferKind::Activation,
+            pitch: None,
         });
         let act = at(BufferId(2));
         s.streams[0].instrs[0] = Instr::Kernel {

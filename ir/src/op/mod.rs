@@ -661,6 +661,24 @@ impl OpKind {
         matches!(self, OpKind::ClipCoef { .. } | OpKind::UnscaleCoef { .. })
     }
 
+    /// The operands whose rows this kind's kernels read or write at a row pitch
+    /// ([`RowPitch`](crate::RowPitch)) on every backend: (input positions, output positions).
+    /// A plain linear writes its output at a pitch (the GEMM's `ldc`) and its backward reads
+    /// `dy` at one (`lda`/`ldb`); cross-entropy reads its logits at one, and its backward
+    /// reads the logits and writes their gradient at one. Every other operand, and every
+    /// operand of other kinds, is dense.
+    pub fn pitched_operands(&self) -> (&'static [usize], &'static [usize]) {
+        match self {
+            OpKind::Linear { .. } => (&[], &[0]),
+            OpKind::LinearBackward { .. } => (&[2], &[]),
+            OpKind::CrossEntropy => (&[0], &[]),
+            OpKind::CrossEntropyBackward
+            | OpKind::CrossEntropyBackwardScaled { .. }
+            | OpKind::CrossEntropyBackwardLossScaled { .. } => (&[0], &[0]),
+            _ => (&[], &[]),
+        }
+    }
+
     /// The printed mnemonic.
     pub fn mnemonic(&self) -> &'static str {
         match self {

@@ -32,6 +32,18 @@
 //!    finite and `>= 0`; every gradient clip's `max_norm` and every loss scale (fp16's
 //!    loss-scaled cross-entropy backward and unscale coefficient) finite and `> 0`. Anything else makes
 //!    the step divide by zero or compute NaN, which no later check would see.
+//!
+//! **pitch** (checked after 3, before 4): every padded buffer ([`RowPitch`](crate::RowPitch))
+//! is a device
+//! activation buffer holding one value, padded in no other buffer: its pitch is at least
+//! the value's row length, `pitch x element size` is a multiple of
+//! [`ROW_PITCH_ALIGN`](crate::ROW_PITCH_ALIGN), and its bytes are `rows x pitch x element
+//! size`; it is no home, master weight or loss, and no copy, collective, disk transfer,
+//! cast or workspace addresses it; every kernel operand in it is that value at the
+//! buffer's start, in a position its kind reads or writes at a row pitch
+//! ([`OpKind::pitched_operands`](crate::OpKind::pitched_operands)). The later checks
+//! take a padded value to occupy its whole buffer.
+//!
 //! 4. **bounds**: every buffer lies inside its space (device buffers inside `arena_bytes`,
 //!    host buffers inside `host_bytes`); every tensor address plus its value's bytes, every
 //!    workspace plus the bytes its kernel needs, and every copy's source and destination plus
@@ -193,6 +205,7 @@ mod dataflow;
 mod events;
 mod instrs;
 mod memory;
+mod pitch;
 mod structure;
 
 use crate::graph::Graph;
@@ -214,6 +227,9 @@ pub enum Invariant {
     Ids,
     /// Every optimizer setting is finite and in its range.
     Optimizer,
+    /// Every padded buffer holds one activation in aligned rows, read and written only by
+    /// kernels that take its row pitch.
+    Pitch,
     /// Every buffer lies in its space and every address in its buffer.
     Bounds,
     /// Every address is aligned for what is read or written there.
@@ -243,6 +259,7 @@ impl Invariant {
             Invariant::Graph => "graph",
             Invariant::Ids => "ids",
             Invariant::Optimizer => "optimizer",
+            Invariant::Pitch => "pitch",
             Invariant::Bounds => "bounds",
             Invariant::Alignment => "alignment",
             Invariant::Budget => "budget",
@@ -295,6 +312,7 @@ pub fn verify_schedule(s: &Schedule) -> Result<(), ScheduleError> {
         let cx = Checker::new(s);
         cx.ids()?;
         cx.optimizer()?;
+        cx.pitch()?;
         cx.bounds()?;
         cx.alignment()?;
         cx.budget()?;
@@ -313,6 +331,7 @@ pub fn verify_schedule(s: &Schedule) -> Result<(), ScheduleError> {
         let cx = Checker::new(schedule).part(part, offsets);
         cx.ids()?;
         cx.optimizer()?;
+        cx.pitch()?;
         cx.bounds()?;
         cx.alignment()?;
         cx.budget()?;
@@ -417,6 +436,9 @@ struct Checker<'a> {
     part: Part,
     /// Per stream, the index in the whole schedule of `s`'s first instruction.
     offsets: Vec<u32>,
+    /// The bytes each padded value's buffer holds ([`pitch::pitched_bytes`]): what the
+    /// bounds and data-flow checks take it to occupy.
+    pitched: std::collections::HashMap<ValueId, u64>,
 }
 
 /// Whether two non-empty spans share a byte.
@@ -433,6 +455,7 @@ impl<'a> Checker<'a> {
             buffers: BufferNumbering::of(s),
             part: Part::Whole,
             offsets: vec![0; s.streams.len()],
+            pitched: pitch::pitched_bytes(s),
         }
     }
 
@@ -646,8 +669,12 @@ impl<'a> Checker<'a> {
         self.buffers.label(b)
     }
 
+    /// The bytes `v` occupies where it is stored: its type's, or its padded buffer's.
     fn bytes(&self, v: ValueId) -> u64 {
-        self.g.value(v).ty.bytes()
+        match self.pitched.get(&v) {
+            Some(&bytes) => bytes,
+            None => self.g.value(v).ty.bytes(),
+        }
     }
 
     fn instr(&self, r: InstrRef) -> &'a Instr {

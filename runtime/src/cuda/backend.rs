@@ -497,12 +497,21 @@ impl CudaBackend {
                 l.outputs.len()
             )));
         }
-        let addrs = |at: &[Address], types: &[&TensorType]| {
-            at.iter()
-                .zip(types)
-                .map(|(&a, t)| self.gpu_addr(a, t.bytes()))
-                .collect::<Result<Vec<u64>>>()
-        };
+        // A padded operand holds `rows x pitch` elements.
+        let addrs =
+            |at: &[Address], types: &[&TensorType], pitch: &dyn Fn(usize) -> Option<usize>| {
+                at.iter()
+                    .zip(types)
+                    .enumerate()
+                    .map(|(i, (&a, t))| {
+                        let bytes = match pitch(i) {
+                            Some(p) => t.rows() * p as u64 * t.dtype.size(),
+                            None => t.bytes(),
+                        };
+                        self.gpu_addr(a, bytes)
+                    })
+                    .collect::<Result<Vec<u64>>>()
+            };
         let workspace = match l.workspace {
             Some((at, bytes)) => Some((self.gpu_addr(at, bytes)?, bytes)),
             None => None,
@@ -516,10 +525,11 @@ impl CudaBackend {
             _ => None,
         };
         let at = Addresses {
-            inputs: addrs(l.inputs, &inputs)?,
-            outputs: addrs(l.outputs, &outputs)?,
+            inputs: addrs(l.inputs, &inputs, &|i| l.pitches.input(i))?,
+            outputs: addrs(l.outputs, &outputs, &|i| l.pitches.output(i))?,
             workspace,
             master,
+            pitches: l.pitches,
         };
         let types = Types {
             inputs: &inputs,

@@ -46,6 +46,7 @@ use super::{
     column_sum_chunks, grad_norm_partials, AdamWScalars, ATTN_FLASH_ROWS, ATTN_FLASH_THREADS,
     COLUMN_SUM_BLOCK, COLUMN_SUM_ROWS_PER_CHUNK,
 };
+use crate::dispatch::Pitches;
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, AdamWConfig};
 
@@ -193,6 +194,8 @@ pub(super) struct Addresses {
     pub workspace: Option<(u64, u64)>,
     /// A bf16 or f16 AdamW's f32 master weight of its parameter.
     pub master: Option<u64>,
+    /// Row pitches of operands stored in padded rows.
+    pub pitches: Pitches,
 }
 
 /// What a plan depends on besides the op: the device's grid limit and the step.
@@ -450,6 +453,28 @@ impl Plan<'_> {
             mm: forward_matmul(layout, d, (x, w, y), bias, fused),
             what: "linear forward with its epilogue",
         }));
+    }
+
+    /// Sets the leading dimension of every operand at `addr` in the GEMM calls planned for
+    /// this op to `pitch`: a padded operand ([`protrain_ir::RowPitch`]), whose rows (the
+    /// columns of its column-major view) are `pitch` elements apart.
+    fn pitch_last_calls(&mut self, addr: u64, pitch: usize) {
+        for call in &mut self.calls {
+            let gemm = match call {
+                Call::Gemm(g) => &mut g.gemm,
+                Call::Matmul(m) => &mut m.mm.gemm,
+                _ => continue,
+            };
+            if gemm.a == addr {
+                gemm.lda = pitch;
+            }
+            if gemm.b == addr {
+                gemm.ldb = pitch;
+            }
+            if gemm.c == addr {
+                gemm.ldc = pitch;
+            }
+        }
     }
 
     /// `dx` and `dW` on cuBLAS.
@@ -1199,6 +1224,10 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 }
                 false => p.linear_forward(dtype, *layout, d, x, w, y),
             }
+            // A padded output: its rows are the pitch apart (C's leading dimension).
+            if let Some(pitch) = p.at.pitches.output(0) {
+                p.pitch_last_calls(y, pitch);
+            }
         }
         OpKind::Gelu => unary(p, entry!("gelu_forward"))?,
         OpKind::Relu => unary(p, entry!("relu_forward"))?,
@@ -1301,6 +1330,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
             let row_loss = p.workspace(Scratch::RowLoss)?;
             let rows_i = p.int(rows, "rows")?;
+            let pitch = p.at.pitches.input(0).map_or(vocab, |x| x as u64);
             let args = vec![
                 Ptr(p.output(1)),
                 Ptr(row_loss),
@@ -1308,6 +1338,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 Ptr(p.input(1)),
                 I32(rows_i),
                 I32(p.int(vocab, "vocabulary")?),
+                I32(p.int(pitch, "row pitch")?),
             ];
             p.rows(st.pick(entry!("cross_entropy_forward")), rows, args);
             let args = vec![Ptr(p.output(0)), Ptr(row_loss), I32(rows_i)];
@@ -1403,6 +1434,13 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             let (x, w, dy) = (p.input(0), p.input(1), p.input(2));
             let (dx, dw) = (p.output(0), p.output(1));
             p.linear_backward(dtype, *layout, d, x, w, dy, dx, dw);
+            if let Some(pitch) = p.at.pitches.input(2) {
+                if *bias {
+                    return Err(p.bad("a padded dy with a bias: its column sum reads dense rows"));
+                }
+                // A padded dy: its rows are the pitch apart (its operand's leading dimension).
+                p.pitch_last_calls(dy, pitch);
+            }
             if *bias {
                 let partials = p.workspace(Scratch::BiasPartials)?;
                 let db = p.output(2);
@@ -1466,6 +1504,10 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
             let dloss = crate::dispatch::loss_seed(p.kind).expect("a cross-entropy backward kind");
             let st = p.storage(0)?;
             let (rows, vocab) = (p.ty_in(0).rows(), p.ty_in(0).last_dim());
+            let pitch = p.at.pitches.input(0).map_or(vocab, |x| x as u64);
+            if p.at.pitches.output(0).map_or(vocab, |x| x as u64) != pitch {
+                return Err(p.bad("logits and their gradient are stored at different pitches"));
+            }
             let args = vec![
                 Ptr(p.output(0)),
                 Ptr(p.input(0)),
@@ -1473,6 +1515,7 @@ fn plan(p: &mut Plan<'_>) -> Result<()> {
                 Ptr(p.input(1)),
                 I32(p.int(rows, "rows")?),
                 I32(p.int(vocab, "vocabulary")?),
+                I32(p.int(pitch, "row pitch")?),
                 F32(dloss),
             ];
             p.stride(
@@ -3159,6 +3202,7 @@ mod tests {
             outputs: (0..outs.len()).map(|i| addr(ins.len() + i)).collect(),
             workspace: (ws > 0).then_some((WS, ws)),
             master: Some(MASTER),
+            pitches: Pitches::DENSE,
         };
         let mut spans: Vec<(u64, u64)> = ins
             .iter()
@@ -3352,6 +3396,7 @@ mod tests {
                 outputs: (0..outs.len()).map(|i| 0x2000 * (i as u64 + 1)).collect(),
                 workspace: None,
                 master: None,
+                pitches: Pitches::DENSE,
             };
             let types = Types {
                 inputs: &ins,
@@ -3576,6 +3621,7 @@ mod tests {
             outputs: vec![],
             workspace: None,
             master: None,
+            pitches: Pitches::DENSE,
         };
         let types = Types {
             inputs: &ins,
@@ -3705,6 +3751,7 @@ mod tests {
                     .collect(),
                 workspace: (ws > 0).then_some((WS, ws)),
                 master: None,
+                pitches: Pitches::DENSE,
             };
             let target = |flash| Target {
                 max_blocks: 132 * 32,
@@ -4056,6 +4103,7 @@ mod tests {
             outputs: (0..outs.len()).map(|i| addr(ins.len() + i)).collect(),
             workspace: Some((ws_at, ws)),
             master: None,
+            pitches: Pitches::DENSE,
         };
         let target = Target {
             max_blocks: 8,
@@ -4272,6 +4320,7 @@ mod tests {
             outputs: vec![4],
             workspace: Some((WS, kind.workspace_bytes(&ins) - 4)),
             master: None,
+            pitches: Pitches::DENSE,
         };
         let types = Types {
             inputs: &ins,
@@ -4329,6 +4378,7 @@ mod tests {
                 outputs: Vec::new(),
                 workspace: None,
                 master: Some(0x1000_0000 * (k + 1) + 0x800_0000),
+                pitches: Pitches::DENSE,
             },
         }
     }

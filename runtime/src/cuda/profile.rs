@@ -446,6 +446,7 @@ fn measure_ops(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
                 workspace: operands.workspace,
                 step: run as u64 + 1,
                 shard: None,
+                pitches: crate::dispatch::Pitches::DENSE,
             };
             times.push(timer.time(1, || {
                 // SAFETY: one stream, one thread: nothing else touches the arena, and the

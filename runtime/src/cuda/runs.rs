@@ -249,6 +249,7 @@ mod tests {
                 offset: 0,
                 size: 1 << 20,
                 kind: BufferKind::Workspace,
+                pitch: None,
             }],
             streams: streams
                 .into_iter()

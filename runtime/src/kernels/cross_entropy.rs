@@ -17,18 +17,32 @@ pub fn cross_entropy_forward<T: TokenId>(
     targets: &[T],
     vocab: usize,
 ) -> Result<f32> {
+    cross_entropy_forward_pitched(lse, logits, vocab, targets, vocab)
+}
+
+/// [`cross_entropy_forward`] reading `logits` in rows `pitch` elements apart (`logits` is
+/// `[N, pitch]`, of which each row's first `V` elements are read).
+pub fn cross_entropy_forward_pitched<T: TokenId>(
+    lse: &mut [f32],
+    logits: &[f32],
+    pitch: usize,
+    targets: &[T],
+    vocab: usize,
+) -> Result<f32> {
     let rows = targets.len();
     assert!(vocab > 0, "cross_entropy: V must be positive");
+    assert!(pitch >= vocab, "cross_entropy: pitch is shorter than V");
     assert_eq!(
         logits.len(),
-        rows * vocab,
-        "cross_entropy: logits are not [N, V]"
+        rows * pitch,
+        "cross_entropy: logits are not [N, pitch]"
     );
     assert_eq!(lse.len(), rows, "cross_entropy: lse is not [N]");
     check_tokens(targets, vocab)?;
     lse.par_iter_mut()
-        .zip(logits.par_chunks(vocab))
+        .zip(logits.par_chunks(pitch))
         .for_each(|(l, row)| {
+            let row = &row[..vocab];
             *l = fast(
                 #[inline(always)]
                 || {
@@ -51,7 +65,7 @@ pub fn cross_entropy_forward<T: TokenId>(
         .iter()
         .zip(targets)
         .enumerate()
-        .map(|(n, (&l, t))| l as f64 - logits[n * vocab + t.index().unwrap_or(0)] as f64)
+        .map(|(n, (&l, t))| l as f64 - logits[n * pitch + t.index().unwrap_or(0)] as f64)
         .sum();
     Ok((total / rows.max(1) as f64) as f32)
 }
@@ -67,25 +81,44 @@ pub fn cross_entropy_backward<T: TokenId>(
     vocab: usize,
     dloss: f32,
 ) {
+    cross_entropy_backward_pitched(dlogits, logits, vocab, lse, targets, vocab, dloss)
+}
+
+/// [`cross_entropy_backward`] with `logits` and `dlogits` in rows `pitch` elements apart
+/// (both `[N, pitch]`, of which each row's first `V` elements are read and written).
+pub fn cross_entropy_backward_pitched<T: TokenId>(
+    dlogits: &mut [f32],
+    logits: &[f32],
+    pitch: usize,
+    lse: &[f32],
+    targets: &[T],
+    vocab: usize,
+    dloss: f32,
+) {
     let rows = targets.len();
     assert!(vocab > 0, "cross_entropy_backward: V must be positive");
+    assert!(
+        pitch >= vocab,
+        "cross_entropy_backward: pitch is shorter than V"
+    );
     assert_eq!(
         logits.len(),
-        rows * vocab,
-        "cross_entropy_backward: logits are not [N, V]"
+        rows * pitch,
+        "cross_entropy_backward: logits are not [N, pitch]"
     );
     assert_eq!(
         dlogits.len(),
-        rows * vocab,
-        "cross_entropy_backward: dlogits are not [N, V]"
+        rows * pitch,
+        "cross_entropy_backward: dlogits are not [N, pitch]"
     );
     assert_eq!(lse.len(), rows, "cross_entropy_backward: lse is not [N]");
     let g = dloss / rows.max(1) as f32;
     dlogits
-        .par_chunks_mut(vocab)
-        .zip(logits.par_chunks(vocab))
+        .par_chunks_mut(pitch)
+        .zip(logits.par_chunks(pitch))
         .zip(lse.par_iter().zip(targets.par_iter()))
         .for_each(|((d, x), (&l, t))| {
+            let (d, x) = (&mut d[..vocab], &x[..vocab]);
             fast(
                 #[inline(always)]
                 || {

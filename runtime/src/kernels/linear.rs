@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{matmul, reduce_rows, Mat, ROW_GRAIN};
+use super::math::{matmul, matmul_pitched, reduce_rows, Mat, ROW_GRAIN};
 
 pub use protrain_ir::WeightLayout;
 
@@ -52,9 +52,43 @@ pub fn linear_forward(
     d_in: usize,
     d_out: usize,
 ) {
+    linear_forward_pitched(y, d_out, x, weight, bias, layout, rows, d_in, d_out)
+}
+
+/// [`linear_forward`] writing `y` in rows `pitch` elements apart (`y` is `[N, pitch]`, of
+/// which each row's first `out` elements are written and the rest left alone).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward_pitched(
+    y: &mut [f32],
+    pitch: usize,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    layout: WeightLayout,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+) {
     assert_eq!(x.len(), rows * d_in, "linear: x is not [N, in]");
-    assert_eq!(y.len(), rows * d_out, "linear: y is not [N, out]");
+    assert!(pitch >= d_out, "linear: pitch {pitch} is shorter than out");
+    assert_eq!(y.len(), rows * pitch, "linear: y is not [N, pitch]");
     assert_eq!(weight.len(), d_in * d_out, "linear: weight is not in * out");
+    if pitch != d_out {
+        let lhs = Mat {
+            data: x,
+            rs: d_in,
+            cs: 1,
+        };
+        let rhs = as_in_out(layout, weight, d_in, d_out);
+        if let Some(b) = bias {
+            assert_eq!(b.len(), d_out, "linear: bias is not [out]");
+            y.par_chunks_mut(pitch)
+                .with_min_len(ROW_GRAIN)
+                .for_each(|row| row[..d_out].copy_from_slice(b));
+        }
+        matmul_pitched(y, pitch, lhs, rhs, rows, d_out, d_in, bias.is_some());
+        return;
+    }
     let lhs = Mat {
         data: x,
         rs: d_in,
@@ -93,11 +127,37 @@ pub fn linear_backward(
     d_out: usize,
     accumulate: bool,
 ) {
+    linear_backward_pitched(
+        dx, dweight, dbias, dy, d_out, x, weight, layout, rows, d_in, d_out, accumulate,
+    )
+}
+
+/// [`linear_backward`] reading `dy` in rows `dy_pitch` elements apart (`dy` is
+/// `[N, dy_pitch]`, of which each row's first `out` elements are read).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_pitched(
+    dx: Option<&mut [f32]>,
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dy: &[f32],
+    dy_pitch: usize,
+    x: &[f32],
+    weight: &[f32],
+    layout: WeightLayout,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+    accumulate: bool,
+) {
     assert_eq!(x.len(), rows * d_in, "linear_backward: x is not [N, in]");
+    assert!(
+        dy_pitch >= d_out,
+        "linear_backward: pitch {dy_pitch} is shorter than out"
+    );
     assert_eq!(
         dy.len(),
-        rows * d_out,
-        "linear_backward: dy is not [N, out]"
+        rows * dy_pitch,
+        "linear_backward: dy is not [N, pitch]"
     );
     assert_eq!(
         weight.len(),
@@ -112,7 +172,7 @@ pub fn linear_backward(
     if let Some(dx) = dx {
         let lhs = Mat {
             data: dy,
-            rs: d_out,
+            rs: dy_pitch,
             cs: 1,
         };
         let rhs = as_out_in(layout, weight, d_in, d_out);
@@ -125,7 +185,7 @@ pub fn linear_backward(
             Mat {
                 data: dy,
                 rs: 1,
-                cs: d_out,
+                cs: dy_pitch,
             },
             Mat {
                 data: x,
@@ -147,7 +207,7 @@ pub fn linear_backward(
             },
             Mat {
                 data: dy,
-                rs: d_out,
+                rs: dy_pitch,
                 cs: 1,
             },
             d_in,
@@ -164,7 +224,7 @@ pub fn linear_backward(
             accumulate,
             #[inline(always)]
             |row, c0, block| {
-                let s = row * d_out + c0;
+                let s = row * dy_pitch + c0;
                 for (b, &g) in block.iter_mut().zip(&dy[s..]) {
                     *b += g;
                 }

@@ -358,6 +358,46 @@ pub(crate) fn matmul(
     }
 }
 
+/// [`matmul`] into a `dst` of `m` rows `pitch` elements apart, of which each row's first `n`
+/// are written (`dst` is `[m, pitch]`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_pitched(
+    dst: &mut [f32],
+    pitch: usize,
+    lhs: Mat<'_>,
+    rhs: Mat<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(pitch >= n, "matmul: pitch is shorter than n");
+    assert_eq!(dst.len(), m * pitch, "matmul: dst is not [m, pitch]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(pitch).for_each(|row| row[..n].fill(0.0));
+        }
+        return;
+    }
+    // SAFETY: `dst` is an exclusive borrow of m rows of `pitch >= n` elements, which the
+    // shared operands cannot alias.
+    unsafe {
+        gemm_raw(
+            dst.as_mut_ptr(),
+            pitch,
+            lhs,
+            rhs,
+            (m, n, k),
+            accumulate,
+            1.0,
+            parallelism(),
+        )
+    }
+}
+
 /// `dst = beta * lhs * rhs`, or `dst += beta * lhs * rhs` when `accumulate`, for a `dst` of
 /// `m` rows of `n` contiguous elements, `dst_rs` apart. Operand bounds are checked here.
 ///

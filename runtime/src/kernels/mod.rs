@@ -48,12 +48,17 @@ pub use attention::{
     attention_forward_packed_rounded, attention_forward_rounded, AttentionDims,
 };
 pub use cast::{cast_bf16, cast_f16, CAST_BLOCK};
-pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+pub use cross_entropy::{
+    cross_entropy_backward, cross_entropy_backward_pitched, cross_entropy_forward,
+    cross_entropy_forward_pitched,
+};
 pub use embedding::{
     check_tokens, embedding_backward, embedding_forward, position_embedding_backward,
     position_embedding_forward, TokenId,
 };
-pub use linear::{linear_backward, linear_forward, WeightLayout};
+pub use linear::{
+    linear_backward, linear_backward_pitched, linear_forward, linear_forward_pitched, WeightLayout,
+};
 pub use math::ISA_CAP_VAR;
 pub use moe::{
     grouped_linear_backward, grouped_linear_forward, moe_aux_loss, moe_aux_loss_backward,

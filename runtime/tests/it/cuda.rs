@@ -286,6 +286,7 @@ impl Case {
             workspace: p.workspace,
             step: 1,
             shard: None,
+            pitches: protrain_runtime::dispatch::Pitches::DENSE,
         };
         // SAFETY: one stream on one thread; every operand has bytes of its own.
         let reported = unsafe { p.backend.launch(&mut stream, &launch) }

@@ -330,6 +330,7 @@ impl Case {
             workspace,
             step: 1,
             shard: None,
+            pitches: protrain_runtime::dispatch::Pitches::DENSE,
         };
         // SAFETY: one stream on one thread; every operand has bytes of its own.
         let outcome = unsafe { backend.launch(&mut stream, &launch) }

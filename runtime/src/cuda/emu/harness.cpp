@@ -454,7 +454,7 @@ void test_cross_entropy() {
     const int N = 13, V = 1000;
     auto logits = rnd((size_t)N * V, 8); std::vector<int> tg(N); for (int i = 0; i < N; ++i) tg[i] = (i * 97) % V;
     std::vector<float> lse(N), rl(N), loss(1), dl((size_t)N * V);
-    launch(G(4), G(256), [&] { cross_entropy_forward_f32(lse.data(), rl.data(), logits.data(), tg.data(), N, V); });
+    launch(G(4), G(256), [&] { cross_entropy_forward_f32(lse.data(), rl.data(), logits.data(), tg.data(), N, V, V); });
     launch(G(1), G(1024), [&] { cross_entropy_loss(loss.data(), rl.data(), N); });
     std::vector<double> wl(N), wd((size_t)N * V); double tot = 0;
     for (int r = 0; r < N; ++r) { double m = -INFINITY, z = 0; for (int c = 0; c < V; ++c) m = std::max(m, (double)logits[(size_t)r * V + c]);
@@ -462,7 +462,7 @@ void test_cross_entropy() {
         for (int c = 0; c < V; ++c) wd[(size_t)r * V + c] = (std::exp(logits[(size_t)r * V + c] - wl[r]) - (c == tg[r])) * 0.5 / N; }
     close("cross_entropy lse", lse, wl, 1e-6);
     close("cross_entropy loss", loss, {tot / N}, 1e-6);
-    launch(G(8), G(256), [&] { cross_entropy_backward_f32(dl.data(), logits.data(), lse.data(), tg.data(), N, V, 0.5f); });
+    launch(G(8), G(256), [&] { cross_entropy_backward_f32(dl.data(), logits.data(), lse.data(), tg.data(), N, V, V, 0.5f); });
     close("cross_entropy bwd", dl, wd, 1e-6);
 }
 
@@ -560,9 +560,9 @@ void test_f16() {
         auto logits = toh(rnd((size_t)N * V, 4)); auto lr = fromh(logits);
         std::vector<int> tg(N); for (int i = 0; i < N; ++i) tg[i] = (i * 37) % V;
         std::vector<float> lse(N), rl(N); std::vector<f16> dl((size_t)N * V);
-        launch(G(2), G(256), [&] { cross_entropy_forward_f16(lse.data(), rl.data(), logits.data(), tg.data(), N, V); });
+        launch(G(2), G(256), [&] { cross_entropy_forward_f16(lse.data(), rl.data(), logits.data(), tg.data(), N, V, V); });
         const float dloss = (float)(1024.0 / 2);
-        launch(G(4), G(256), [&] { cross_entropy_backward_f16(dl.data(), logits.data(), lse.data(), tg.data(), N, V, dloss); });
+        launch(G(4), G(256), [&] { cross_entropy_backward_f16(dl.data(), logits.data(), lse.data(), tg.data(), N, V, V, dloss); });
         std::vector<double> wd((size_t)N * V);
         for (int r = 0; r < N; ++r) { double m = -INFINITY, z = 0; for (int c = 0; c < V; ++c) m = std::max(m, (double)lr[(size_t)r * V + c]);
             for (int c = 0; c < V; ++c) z += std::exp(lr[(size_t)r * V + c] - m);

@@ -17,11 +17,11 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
 
 template <typename T>
 __device__ void cross_entropy_forward(float* lse, float* row_loss, const T* logits, const int* targets, int rows,
-                                      int vocab) {
+                                      int vocab, int pitch) {
     __shared__ float sm[32], ss[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 base = (i64)r * vocab;
+        const i64 base = (i64)r * pitch;
         float m = -pt_inf(), s = 0.0f;
         for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
             const float x = ld(logits, base + c);
@@ -59,11 +59,11 @@ __device__ void cross_entropy_forward(float* lse, float* row_loss, const T* logi
 }
 
 /// lse[r] = logsumexp(logits[r, :]) and row_loss[r] = lse[r] - logits[r, targets[r]] for
-/// `logits` [rows, vocab]. Launch: 1-D blocks of a multiple of 32 threads (256 intended), grid
+/// `logits` [rows, vocab] in rows `pitch >= vocab` elements apart (the padding is not read). Launch: 1-D blocks of a multiple of 32 threads (256 intended), grid
 /// any (blocks stride over rows).
-extern "C" __global__ void cross_entropy_forward_f32(float* lse, float* row_loss, const float* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
-extern "C" __global__ void cross_entropy_forward_bf16(float* lse, float* row_loss, const bf16* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
-extern "C" __global__ void cross_entropy_forward_f16(float* lse, float* row_loss, const f16* logits, const int* targets, int rows, int vocab) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab); }
+extern "C" __global__ void cross_entropy_forward_f32(float* lse, float* row_loss, const float* logits, const int* targets, int rows, int vocab, int pitch) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab, pitch); }
+extern "C" __global__ void cross_entropy_forward_bf16(float* lse, float* row_loss, const bf16* logits, const int* targets, int rows, int vocab, int pitch) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab, pitch); }
+extern "C" __global__ void cross_entropy_forward_f16(float* lse, float* row_loss, const f16* logits, const int* targets, int rows, int vocab, int pitch) { cross_entropy_forward(lse, row_loss, logits, targets, rows, vocab, pitch); }
 
 /// loss[0] = f32(sum of row_loss in f64 / rows). Launch: exactly one block (a multiple of 32
 /// threads, 1024 intended).
@@ -77,18 +77,20 @@ extern "C" __global__ void cross_entropy_loss(float* loss, const float* row_loss
 
 template <typename T>
 __device__ void cross_entropy_backward(T* dlogits, const T* logits, const float* lse, const int* targets, int rows,
-                                       int vocab, float dloss) {
+                                       int vocab, int pitch, float dloss) {
     const float g = dloss / (float)(rows > 0 ? rows : 1);
     GRID_STRIDE(i, (i64)rows * vocab) {
         const i64 r = i / vocab;
         const int c = (int)(i - r * vocab);
-        const float p = expf(ld(logits, i) - lse[r]);
-        st(dlogits, i, c == targets[r] ? (p - 1.0f) * g : p * g);
+        const i64 at = r * pitch + c;
+        const float p = expf(ld(logits, at) - lse[r]);
+        st(dlogits, at, c == targets[r] ? (p - 1.0f) * g : p * g);
     }
 }
 
 /// dlogits[r] = (softmax(logits[r]) - onehot(targets[r])) * dloss / rows, from the saved lse;
-/// overwrites dlogits [rows, vocab]. Grid-stride over rows * vocab.
-extern "C" __global__ void cross_entropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }
-extern "C" __global__ void cross_entropy_backward_bf16(bf16* dlogits, const bf16* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }
-extern "C" __global__ void cross_entropy_backward_f16(f16* dlogits, const f16* logits, const float* lse, const int* targets, int rows, int vocab, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, dloss); }
+/// overwrites dlogits [rows, vocab]; both in rows `pitch >= vocab` elements apart (the padding
+/// is neither read nor written). Grid-stride over rows * vocab.
+extern "C" __global__ void cross_entropy_backward_f32(float* dlogits, const float* logits, const float* lse, const int* targets, int rows, int vocab, int pitch, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, pitch, dloss); }
+extern "C" __global__ void cross_entropy_backward_bf16(bf16* dlogits, const bf16* logits, const float* lse, const int* targets, int rows, int vocab, int pitch, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, pitch, dloss); }
+extern "C" __global__ void cross_entropy_backward_f16(f16* dlogits, const f16* logits, const float* lse, const int* targets, int rows, int vocab, int pitch, float dloss) { cross_entropy_backward(dlogits, logits, lse, targets, rows, vocab, pitch, dloss); }
