@@ -444,8 +444,8 @@ fn shard_collectives(
 }
 
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
-/// chunk's bytes, elements and CPU Adam seconds (`adam`); none on sharded ranks (`shards >
-/// 1`): the tier does not take sharded chunks' state. `repeats` is how many times a step
+/// chunk's bytes, elements and CPU Adam seconds (`adam`); on `shards > 1` sharded ranks, of
+/// a rank's shards, whose optimizer state alone moves. `repeats` is how many times a step
 /// runs its program (the micro-batches of the sequential order, 1 otherwise): over more than
 /// one the host sums each streamed chunk's gradients, and those stay on the host.
 #[allow(clippy::too_many_arguments)]
@@ -459,16 +459,15 @@ fn disk_seconds(
     budgets: HostBudgets,
     cost: &dyn CostModel,
 ) -> Vec<DiskSteps<f64>> {
-    if shards > 1 {
-        return vec![DiskSteps::default(); chunk_bytes.len() + 1];
-    }
+    // On sharded ranks a rank holds and moves `1 / shards` of each chunk (`adam` is a
+    // rank's already), and only its state moves.
     let chunks: Vec<DiskChunk> = chunk_bytes
         .iter()
         .zip(chunk_elems)
         .zip(adam)
         .map(|((&storage, &e), &adam)| DiskChunk {
-            storage,
-            state: e.saturating_mul(state_per_elem),
+            storage: storage.div_ceil(shards),
+            state: e.div_ceil(shards).saturating_mul(state_per_elem),
             adam,
         })
         .collect();
@@ -483,7 +482,7 @@ fn disk_seconds(
     };
     let read = |bytes: u64| cost.copy_seconds(bytes, CopyDir::DiskToHost);
     let write = |bytes: u64| cost.copy_seconds(bytes, CopyDir::HostToDisk);
-    disk_by_persist(&chunks, layout, budgets, read, write)
+    disk_by_persist(&chunks, layout, shards == 1, budgets, read, write)
 }
 
 impl Profile {
@@ -2141,7 +2140,8 @@ impl DiskLayout {
 /// What moves is the pass's choice on the streamed chunks' host bytes (storage and state):
 /// the state of the fewest chunks in the order the CPU Adam updates them (the last chunk
 /// first), double buffered where that fits `budgets.host`, else through one staging
-/// buffer; where every state moved is not enough, the storage of the fewest chunks too
+/// buffer; where every state moved is not enough and `storage_moves` (one rank: sharded
+/// ranks move only their state shards), the storage of the fewest chunks too
 /// (the largest first), each with its staging rings (one buffer of the largest moved storage
 /// per slot for the update's parameters, the 16-byte layout's gradients, the uploads and the
 /// gradient offloads, where each moves). A moved state is
@@ -2162,6 +2162,7 @@ impl DiskLayout {
 fn disk_by_persist(
     chunks: &[DiskChunk],
     layout: DiskLayout,
+    storage_moves: bool,
     budgets: HostBudgets,
     read: impl Fn(u64) -> f64,
     write: impl Fn(u64) -> f64,
@@ -2234,6 +2235,7 @@ fn disk_by_persist(
             .chain(
                 [2, 1]
                     .into_iter()
+                    .filter(|_| storage_moves)
                     .flat_map(|slots| (1..=m).map(move |j| (m, j, slots))),
             );
         let mut steps: Vec<(u64, f64, f64)> = Vec::new();
@@ -2246,7 +2248,7 @@ fn disk_by_persist(
                 steps.push((host, run.max(before_run), update.max(before_update)));
             }
         }
-        let (run, update) = seconds_of((m, m, 1));
+        let (run, update) = seconds_of((m, if storage_moves { m } else { 0 }, 1));
         let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
         steps.push((0, run.max(before_run), update.max(before_update)));
         seconds[p] = DiskSteps { steps };
@@ -3148,7 +3150,7 @@ mod tests {
         // staging buffers, each read and written in the update (its bytes in seconds here),
         // the disk waiting on the last one's CPU Adam (half a second); from 4 persistent on,
         // all fits.
-        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(60), price, price);
         let seconds: Vec<(f64, f64)> = steps.iter().map(|d| d.at(60)).collect();
         let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
         let expected: Vec<(f64, f64)> = moved
@@ -3166,6 +3168,7 @@ mod tests {
         let none = disk_by_persist(
             &ten(),
             GradsInParams,
+            true,
             HostBudgets { host: 60, disk: 0 },
             price,
             price,
@@ -3199,7 +3202,7 @@ mod tests {
 
     #[test]
     fn one_staging_buffer_leaves_the_disk_idle_through_every_cpu_adam() {
-        let steps = disk_by_persist(&ten(), GradsInParams, budgets(40), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(40), price, price);
         // With every state on disk `20 + 2 x 8 <= 40` fits two staging buffers: the disk
         // waits on the last update alone.
         assert_eq!(steps[0].at(40), (0.0, 160.0 + 0.5));
@@ -3213,7 +3216,7 @@ mod tests {
         // A budget of 60 with 20 of it taken (swapped activations) leaves 40: every state
         // moves where 7 did with all 60, as the pass finds with the host region those
         // buffers are in.
-        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(60), price, price);
         assert_eq!(steps[0].at(60), (0.0, 7.0 * 16.0 + 0.5));
         assert_eq!(steps[0].at(60 - 20), (0.0, 10.0 * 16.0 + 0.5));
         // The profile asks for what is left of its budget.
@@ -3233,7 +3236,7 @@ mod tests {
         // `2 (10 - j) + 8 + 6 <= 20` moves the storage of `j = 7` chunks, each read for
         // its two uploads and written after its offload in the run, read for its update
         // and written after it.
-        let steps = disk_by_persist(&ten(), GradsInParams, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(20), price, price);
         assert_eq!(
             steps[0].at(20),
             (7.0 * 3.0 * 2.0, 160.0 + 7.0 * 2.0 * 2.0 + 10.0 * 0.5)
@@ -3241,7 +3244,7 @@ mod tests {
         // Accumulating, the host keeps gradients and accumulators beside each chunk's
         // parameters: nothing fits 20 bytes, and every chunk's parameters are read for the
         // two uploads of each run, and for the update and written after it.
-        let steps = disk_by_persist(&ten(), Accumulating, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), Accumulating, true, budgets(20), price, price);
         assert_eq!(
             steps[0].at(20),
             (10.0 * 2.0 * 2.0, 160.0 + 10.0 * 2.0 * 2.0 + 10.0 * 0.5)

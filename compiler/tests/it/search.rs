@@ -324,6 +324,25 @@ fn disk_bound_accumulating(
     (micro_batches, seq): (u64, u64),
     order: Option<MicroBatchOrder>,
 ) -> (SearchOptions, Searched) {
+    disk_bound_on(
+        disk_bandwidth,
+        disk,
+        host,
+        (micro_batches, seq),
+        order,
+        Topology::SINGLE,
+    )
+}
+
+/// [`disk_bound_accumulating`] on `topology`'s ranks (`host` and `disk` are a rank's).
+fn disk_bound_on(
+    disk_bandwidth: f64,
+    disk: u64,
+    host: u64,
+    (micro_batches, seq): (u64, u64),
+    order: Option<MicroBatchOrder>,
+    topology: Topology,
+) -> (SearchOptions, Searched) {
     let config = protrain_models::load("gpt2").expect("preset");
     let forward =
         protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, seq))
@@ -342,7 +361,7 @@ fn disk_bound_accumulating(
         max_compiled: 64,
         hardware: profile.summary(),
         model: config.name.clone(),
-        topology: Topology::SINGLE,
+        topology,
     };
     let searched = match order {
         Some(order) => search_ordered(&training, &chunks, cost.as_ref(), &options, order),
@@ -418,6 +437,39 @@ fn the_estimate_prices_every_micro_batch_of_a_disk_bound_step() {
             }
         }
     }
+}
+
+/// On two sharded ranks, where each rank's optimizer state shards go to disk, the estimate
+/// prices that disk traffic (a rank's shards) within 25% of the simulated step, and a slower
+/// disk raises it.
+#[test]
+fn the_estimate_prices_the_disk_tier_of_sharded_ranks() {
+    let two = Topology { gpus: 2, nodes: 1 };
+    let searched = |bandwidth| {
+        let (_, searched) = disk_bound_on(bandwidth, 64 * GIB, 700 << 20, (2, 256), None, two);
+        searched.expect("fits with the disk tier")
+    };
+    let (fast, fast_report) = searched(2e9);
+    let (slow, slow_report) = searched(2e8);
+    assert!(fast.sharded() && slow.sharded());
+    assert!(fast.disk_bytes > 0 && slow.disk_bytes > 0);
+    for c in slow_report.compiled.iter().filter(|c| c.disk_bytes > 0) {
+        let ratio = c.estimated_seconds / c.simulated_seconds;
+        assert!(
+            (0.75..=1.25).contains(&ratio),
+            "{}: estimated {} s, simulated {} s",
+            c.policy,
+            c.estimated_seconds,
+            c.simulated_seconds
+        );
+    }
+    let estimate = |r: &protrain_compiler::search::SearchReport| r.compiled[0].estimated_seconds;
+    assert!(
+        estimate(&slow_report) > 2.0 * estimate(&fast_report),
+        "ten times slower disk: estimated {} s against {} s",
+        estimate(&slow_report),
+        estimate(&fast_report)
+    );
 }
 
 /// Where even the disk tier leaves the host region over its budget, the refusal says the
