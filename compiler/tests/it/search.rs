@@ -370,6 +370,24 @@ fn disk_bound_on(
     (options, searched)
 }
 
+/// Asserts that every candidate `report` compiled with a disk tier has an estimate within
+/// 25% of its simulated step; failures start with `context`.
+fn disk_estimates_within_a_quarter(
+    report: &protrain_compiler::search::SearchReport,
+    context: &str,
+) {
+    for c in report.compiled.iter().filter(|c| c.disk_bytes > 0) {
+        let ratio = c.estimated_seconds / c.simulated_seconds;
+        assert!(
+            (0.75..=1.25).contains(&ratio),
+            "{context}{}: estimated {} s, simulated {} s",
+            c.policy,
+            c.estimated_seconds,
+            c.simulated_seconds
+        );
+    }
+}
+
 /// The search prices the disk tier's reads and writes: where they bound the step, every
 /// compiled candidate's estimate is within 25% of its simulated step (ranking by the estimate
 /// is not blind to the disk), and a slower disk raises the estimate. Here gpt2's two chunks'
@@ -385,16 +403,7 @@ fn the_estimate_prices_the_disk_tier() {
     let (fast, fast_report) = fast.expect("fits with the disk tier");
     let (slow, slow_report) = slow.expect("fits with the disk tier");
     assert!(fast.disk_bytes > 0 && slow.disk_bytes > 0);
-    for c in slow_report.compiled.iter().filter(|c| c.disk_bytes > 0) {
-        let ratio = c.estimated_seconds / c.simulated_seconds;
-        assert!(
-            (0.75..=1.25).contains(&ratio),
-            "{}: estimated {} s, simulated {} s",
-            c.policy,
-            c.estimated_seconds,
-            c.simulated_seconds
-        );
-    }
+    disk_estimates_within_a_quarter(&slow_report, "");
     let estimate = |r: &protrain_compiler::search::SearchReport| r.compiled[0].estimated_seconds;
     assert!(
         estimate(&slow_report) > 5.0 * estimate(&fast_report),
@@ -425,16 +434,7 @@ fn the_estimate_prices_every_micro_batch_of_a_disk_bound_step() {
                 "{order:?}"
             );
             assert!(schedule.disk_bytes > 0, "{order:?}: the disk tier binds");
-            for c in report.compiled.iter().filter(|c| c.disk_bytes > 0) {
-                let ratio = c.estimated_seconds / c.simulated_seconds;
-                assert!(
-                    (0.75..=1.25).contains(&ratio),
-                    "{bandwidth} B/s {order:?} {}: estimated {} s, simulated {} s",
-                    c.policy,
-                    c.estimated_seconds,
-                    c.simulated_seconds
-                );
-            }
+            disk_estimates_within_a_quarter(&report, &format!("{bandwidth} B/s {order:?} "));
         }
     }
 }
@@ -453,16 +453,7 @@ fn the_estimate_prices_the_disk_tier_of_sharded_ranks() {
     let (slow, slow_report) = searched(2e8);
     assert!(fast.sharded() && slow.sharded());
     assert!(fast.disk_bytes > 0 && slow.disk_bytes > 0);
-    for c in slow_report.compiled.iter().filter(|c| c.disk_bytes > 0) {
-        let ratio = c.estimated_seconds / c.simulated_seconds;
-        assert!(
-            (0.75..=1.25).contains(&ratio),
-            "{}: estimated {} s, simulated {} s",
-            c.policy,
-            c.estimated_seconds,
-            c.simulated_seconds
-        );
-    }
+    disk_estimates_within_a_quarter(&slow_report, "");
     let estimate = |r: &protrain_compiler::search::SearchReport| r.compiled[0].estimated_seconds;
     assert!(
         estimate(&slow_report) > 2.0 * estimate(&fast_report),
