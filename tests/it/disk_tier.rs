@@ -250,18 +250,16 @@ fn f32_state_on_disk_matches_the_interpreter() {
     }
 }
 
-/// A checkpoint after step 2 of 4 holds the state on disk: restored into a new executor (a
-/// new file), the last two steps give the uninterrupted run's losses, weights and state.
-#[test]
-fn a_checkpoint_carries_the_state_on_disk() {
-    let model = "gpt2-tiny";
-    let disk = on_disk(model, DType::BF16);
-    let want = train(&disk, model);
+/// `schedule` trained as [`train`] does, but saved after step 2, dropped, and restored into a
+/// new executor (a new disk file) for the steps after it.
+fn train_resumed_after_step_2(schedule: &VerifiedSchedule, model: &str) -> Trace {
     let config = protrain::models::load(model).unwrap();
     let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
     let (dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let mut first = executor(&disk, dir.path());
-    first.load_params(&init_params(&disk.graph, SEED)).unwrap();
+    let mut first = executor(schedule, dir.path());
+    first
+        .load_params(&init_params(&schedule.graph, SEED))
+        .unwrap();
     let mut trace = Vec::new();
     for [x, y] in &data[..2] {
         let report = first.step(&[x, y]).unwrap();
@@ -276,15 +274,29 @@ fn a_checkpoint_carries_the_state_on_disk() {
     };
     checkpoint::save(ckpt.path(), &first, &progress).unwrap();
     drop(first);
-    let (saved, _) = checkpoint::load_latest(ckpt.path(), &disk).unwrap();
-    let mut resumed = executor(&disk, dir.path());
+    let (saved, _) = checkpoint::load_latest(ckpt.path(), schedule).unwrap();
+    let mut resumed = executor(schedule, dir.path());
     saved.restore(&mut resumed).unwrap();
     for [x, y] in &data[2..] {
         let report = resumed.step(&[x, y]).unwrap();
         trace.push(report.loss.to_bits());
         trace.push(report.grad_norm.unwrap().to_bits());
     }
-    assert_eq!(finish(&resumed, trace), want, "resumed vs uninterrupted");
+    finish(&resumed, trace)
+}
+
+/// A checkpoint after step 2 of 4 holds the state on disk: restored into a new executor (a
+/// new file), the last two steps give the uninterrupted run's losses, weights and state.
+#[test]
+fn a_checkpoint_carries_the_state_on_disk() {
+    let model = "gpt2-tiny";
+    let disk = on_disk(model, DType::BF16);
+    let want = train(&disk, model);
+    assert_eq!(
+        train_resumed_after_step_2(&disk, model),
+        want,
+        "resumed vs uninterrupted"
+    );
 }
 
 /// The disk i/o stream of a verified disk schedule, and the index of its first write.
@@ -526,34 +538,11 @@ fn a_checkpoint_carries_every_state_on_disk() {
     let model = "llama-tiny";
     let disk = all_on_disk(model, DType::BF16, 14, 1, 1);
     let want = train(&disk, model);
-    let config = protrain::models::load(model).unwrap();
-    let data = common::batches(config.vocab_size as usize, BATCH, SEQ, STEPS, SEED);
-    let (dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let mut first = executor(&disk, dir.path());
-    first.load_params(&init_params(&disk.graph, SEED)).unwrap();
-    let mut trace = Vec::new();
-    for [x, y] in &data[..2] {
-        let report = first.step(&[x, y]).unwrap();
-        trace.push(report.loss.to_bits());
-        trace.push(report.grad_norm.unwrap().to_bits());
-    }
-    let progress = Progress {
-        step: 2,
-        data_step: 2,
-        data_tokens: 0,
-        scaler: None,
-    };
-    checkpoint::save(ckpt.path(), &first, &progress).unwrap();
-    drop(first);
-    let (saved, _) = checkpoint::load_latest(ckpt.path(), &disk).unwrap();
-    let mut resumed = executor(&disk, dir.path());
-    saved.restore(&mut resumed).unwrap();
-    for [x, y] in &data[2..] {
-        let report = resumed.step(&[x, y]).unwrap();
-        trace.push(report.loss.to_bits());
-        trace.push(report.grad_norm.unwrap().to_bits());
-    }
-    assert_eq!(finish(&resumed, trace), want, "resumed vs uninterrupted");
+    assert_eq!(
+        train_resumed_after_step_2(&disk, model),
+        want,
+        "resumed vs uninterrupted"
+    );
 }
 
 /// `schedule` with the wait at `(stream, at)` moved to the end of the compute stream (so the
