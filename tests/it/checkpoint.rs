@@ -444,9 +444,6 @@ fn a_disk_tier_run_killed_mid_write_resumes_bit_identically() {
 /// losses are those of the same run with everything in host memory, bit for bit.
 #[test]
 fn a_run_with_every_state_on_disk_killed_resumes_bit_identically() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
-    std::fs::create_dir(&disk).expect("disk dir");
     let base = [
         "train",
         "gpt2-tiny",
@@ -462,48 +459,12 @@ fn a_run_with_every_state_on_disk_killed_resumes_bit_identically() {
         "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
         "--log-json",
     ];
-    let mut run = base.to_vec();
-    run.extend([
-        "--host-memory",
+    killed_on_disk_resumes_as_in_memory(
+        &base,
         "1MiB",
-        "--disk-memory",
-        "64MiB",
-        "--disk-dir",
-        path(&disk),
-    ]);
-    // The schedule keeps every state on disk.
-    let mut compile = vec!["compile"];
-    compile.extend(
-        run.iter()
-            .skip(1)
-            .filter(|a| !["--steps", "30", "--log-json", "--disk-dir", path(&disk)].contains(a)),
+        "the optimizer state of 4 of 4 chunks and the parameters and gradients of 4",
+        |_| {},
     );
-    let file = dir.path().join("s.ptsched");
-    compile.extend(["-o", path(&file)]);
-    let compiled = protrain(&compile);
-    let text = String::from_utf8_lossy(&compiled.stdout);
-    assert!(
-        text.contains("the optimizer state of 4 of 4 chunks and the parameters and gradients of 4"),
-        "{text}{}",
-        stderr(&compiled)
-    );
-    let mut args = run.clone();
-    args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
-    args.extend(["--keep-checkpoints", "0"]);
-    let seen = killed_after(&args, 12);
-    let mut resume = run.clone();
-    resume.extend(["--resume", path(&ckpt)]);
-    let resumed = losses(&protrain(&resume));
-    assert_eq!(files(&disk), Vec::<String>::new(), "every file removed");
-    let straight = losses(&protrain(&base));
-    let from = resumed.first().expect("the resumed run trained").0;
-    assert!(from == 11 || from == 16, "resumed at step {from}");
-    assert_eq!(
-        resumed,
-        straight[from as usize - 1..],
-        "the resumed run's losses are the in-memory run's, bit for bit"
-    );
-    assert_eq!(seen, straight[..12]);
 }
 
 /// FNV-1a (64-bit) of `bytes`: the tensor and metadata checksum of checkpoint layout 3.
@@ -689,9 +650,6 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
     .expect("compiles");
     let (node_host, _) = least_on_disk(&memory, 2);
     let (host, batch, seq) = (node_host.to_string(), BATCH.to_string(), SEQ.to_string());
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
-    std::fs::create_dir(&disk).expect("disk dir");
     let policy = TIGHT.replace(' ', ",");
     let base = [
         "train",
@@ -710,10 +668,38 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
         &policy,
         "--log-json",
     ];
+    killed_on_disk_resumes_as_in_memory(
+        &base,
+        &host,
+        "the optimizer state of 4 of 4 chunks",
+        |left| {
+            assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
+            for rank in ["-rank0.state", "-rank1.state"] {
+                assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
+            }
+        },
+    );
+}
+
+/// Runs `base` (a 30-step `train` command that ends in `--log-json`) with `host` of host
+/// memory and 64 MiB of disk in a directory of its own, after checking that the schedule it
+/// compiles to reports `compiled_says` of its disk tier; kills it after step 12 (checkpoints
+/// every 5 steps), hands the files left in the disk directory to `after_kill`, resumes it
+/// from its latest checkpoint, and asserts that every disk file is removed and the losses
+/// before the kill and after the resume are `base`'s in host memory, bit for bit.
+fn killed_on_disk_resumes_as_in_memory(
+    base: &[&str],
+    host: &str,
+    compiled_says: &str,
+    after_kill: impl FnOnce(&[String]),
+) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ckpt, disk) = (dir.path().join("ckpt"), dir.path().join("disk"));
+    std::fs::create_dir(&disk).expect("disk dir");
     let mut run = base.to_vec();
     run.extend([
         "--host-memory",
-        &host,
+        host,
         "--disk-memory",
         "64MiB",
         "--disk-dir",
@@ -729,26 +715,17 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
     compile.extend(["-o", path(&file)]);
     let compiled = protrain(&compile);
     let text = stdout(&compiled);
-    assert!(
-        text.contains("the optimizer state of 4 of 4 chunks"),
-        "{text}{}",
-        stderr(&compiled)
-    );
+    assert!(text.contains(compiled_says), "{text}{}", stderr(&compiled));
     let mut args = run.clone();
     args.extend(["--save-every", "5", "--checkpoint-dir", path(&ckpt)]);
     args.extend(["--keep-checkpoints", "0"]);
     let seen = killed_after(&args, 12);
-    let left = files(&disk);
-    assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
-    for rank in ["-rank0.state", "-rank1.state"] {
-        assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
-    }
+    after_kill(&files(&disk));
     let mut resume = run.clone();
     resume.extend(["--resume", path(&ckpt)]);
-    let out = protrain(&resume);
-    let resumed = losses(&out);
+    let resumed = losses(&protrain(&resume));
     assert_eq!(files(&disk), Vec::<String>::new(), "every file removed");
-    let straight = losses(&protrain(&base));
+    let straight = losses(&protrain(base));
     let from = resumed.first().expect("the resumed run trained").0;
     assert!(from == 11 || from == 16, "resumed at step {from}");
     assert_eq!(
