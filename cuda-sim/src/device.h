@@ -35,7 +35,12 @@ unsigned warp_ballot(unsigned mask, bool p);
 int lane();
 /// `__trap`: ends the launch with CUDA_ERROR_ILLEGAL_INSTRUCTION.
 [[noreturn]] void trap();
+/// A tensor-core product (`mma.sync` m16n8k16): ends the launch as `__trap` does where the
+/// simulated device is older than compute capability 8.0, as the kernels compiled for such a
+/// GPU trap (attention.cu's `flash_mma`).
+void mma_arch_check();
 } // namespace sim
+#define PT_EMU_MMA_CHECK() sim::mma_arch_check()
 
 #define threadIdx (sim::thread_idx())
 #define blockIdx (sim::t_block_idx)

@@ -61,6 +61,19 @@ static uint64_t chaos_seed() { return env_size("PROTRAIN_CUDA_SIM_CHAOS", 0); }
 /// The longest delay chaos mode puts before an operation, in microseconds.
 static uint64_t chaos_max_us() { return env_size("PROTRAIN_CUDA_SIM_CHAOS_MAX_US", 2000); }
 
+int compute_capability() {
+    static const int cc = [] {
+        const char* v = getenv("PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY");
+        if (!v || !*v) return 80;
+        int major = 0, minor = 0, used = 0;
+        if (sscanf(v, "%d.%d%n", &major, &minor, &used) != 2 || v[used] != '\0' || major < 1 || major > 99 ||
+            minor < 0 || minor > 9)
+            return -1;
+        return major * 10 + minor;
+    }();
+    return cc;
+}
+
 Ctx* current() { return t_ctx; }
 
 CUresult need_ctx(Ctx** out) {
@@ -318,6 +331,9 @@ static std::set<Function*>& g_functions = *new std::set<Function*>;
 
 SIM_API CUresult cuInit(unsigned flags) {
     if (flags != 0) return fail(CUDA_ERROR_INVALID_VALUE, "cuInit takes flags 0, got %u", flags);
+    if (compute_capability() < 0)
+        return fail(CUDA_ERROR_INVALID_VALUE, "PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY=%s: give MAJOR.MINOR, e.g. 7.5",
+                    getenv("PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY"));
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_init) {
         g_init = true;
@@ -434,8 +450,8 @@ SIM_API CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
     case 16: *v = 2; break;          // MULTIPROCESSOR_COUNT
     case 19: *v = 1; break;          // CAN_MAP_HOST_MEMORY
     case 41: *v = 1; break;          // UNIFIED_ADDRESSING
-    case 75: *v = 8; break;          // COMPUTE_CAPABILITY_MAJOR
-    case 76: *v = 0; break;          // COMPUTE_CAPABILITY_MINOR
+    case 75: *v = compute_capability() / 10; break; // COMPUTE_CAPABILITY_MAJOR
+    case 76: *v = compute_capability() % 10; break; // COMPUTE_CAPABILITY_MINOR
     case 115: *v = 0; break;         // MEMORY_POOLS_SUPPORTED: no cuMemAllocAsync
     default:
         return fail(CUDA_ERROR_NOT_SUPPORTED, "cuDeviceGetAttribute(%d) is not simulated; add it to cuda-sim/src/driver.cpp", attr);

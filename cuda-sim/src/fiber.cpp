@@ -221,6 +221,18 @@ unsigned warp_ballot(unsigned mask, bool pred) {
 
 void trap() { abort_launch(CUDA_ERROR_ILLEGAL_INSTRUCTION, "the kernel executed __trap()"); }
 
+void mma_arch_check() {
+    const int cc = compute_capability();
+    if (cc < 80) {
+        char why[160];
+        snprintf(why, sizeof why,
+                 "the kernel executed __trap(): mma.sync m16n8k16 needs compute capability 8.0 and the "
+                 "simulated device is %d.%d (PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY)",
+                 cc / 10, cc % 10);
+        abort_launch(CUDA_ERROR_ILLEGAL_INSTRUCTION, why);
+    }
+}
+
 /// The first code of every fiber: runs the kernel for the fiber's thread, then returns to the
 /// scheduler for good.
 static void fiber_main() {

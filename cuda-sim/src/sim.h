@@ -110,6 +110,10 @@ struct Alloc {
 extern std::mutex& g_mu;
 extern std::condition_variable& g_cv;
 
+/// The simulated devices' compute capability as major * 10 + minor
+/// (PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY=MAJOR.MINOR, default 8.0, read once), or -1 when the
+/// variable is not of that form (cuInit then fails, naming it).
+int compute_capability();
 /// The context current on this thread (null when none is bound).
 Ctx* current();
 /// The current context, or the error a call that needs one returns: INVALID_CONTEXT when none

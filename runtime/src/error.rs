@@ -1232,6 +1232,20 @@ pub enum Unsupported {
         /// Chunks on disk and the bytes of the disk region.
         held: Option<(usize, u64)>,
     },
+    /// A schedule storing tensors in `dtype` on a GPU too old for it: bf16 before compute
+    /// capability 8.0, which has no bf16 tensor-core products.
+    DtypeOnGpu {
+        /// The storage type the GPU lacks, as the schedule names it (`bf16`).
+        dtype: String,
+        /// The GPU's name.
+        device: String,
+        /// Its compute capability (major, minor).
+        compute_capability: (i32, i32),
+        /// The oldest compute capability that has `dtype`.
+        needs: (i32, i32),
+        /// The storage types this GPU runs (`f16`, `f32`).
+        instead: Vec<String>,
+    },
 }
 
 /// The text of [`RuntimeError::Unsupported`], each setting named by `name`.
@@ -1270,6 +1284,24 @@ pub fn unsupported_text(what: &Unsupported, name: impl Fn(Setting) -> String) ->
                 "the schedule keeps {held}, but the executor has no file \
                  for it; give it a directory ({} DIR, Executor::set_disk_dir)",
                 name(Setting::DiskDir)
+            )
+        }
+        Unsupported::DtypeOnGpu {
+            dtype,
+            device,
+            compute_capability: (major, minor),
+            needs: (need_major, need_minor),
+            instead,
+        } => {
+            let flag = name(Setting::Dtype);
+            let instead: Vec<String> = instead.iter().map(|d| format!("{flag} {d}")).collect();
+            format!(
+                "the schedule stores its tensors in {dtype}, which needs a GPU of compute \
+                 capability {need_major}.{need_minor} or newer (its {dtype} tensor-core \
+                 products), but {device} has compute capability {major}.{minor}; compile \
+                 and train with {}, or run on a GPU of compute capability \
+                 {need_major}.{need_minor} or newer",
+                instead.join(" or ")
             )
         }
     }

@@ -767,13 +767,24 @@ mod cli {
 
     /// [`check`] within `tolerance`, relative.
     pub fn check_within(what: &str, args: &[&str], steps: u64, tolerance: f64) {
+        check_within_env(what, args, steps, tolerance, &[]);
+    }
+
+    /// [`check_within`] with `env` set for the device's run.
+    pub fn check_within_env(
+        what: &str,
+        args: &[&str],
+        steps: u64,
+        tolerance: f64,
+        env: &[(&str, &str)],
+    ) {
         let steps_arg = steps.to_string();
         let args: Vec<&str> = args
             .iter()
             .copied()
             .chain(["--steps", &steps_arg])
             .collect();
-        let device = losses("cuda", &args, &[]);
+        let device = losses("cuda", &args, env);
         let host = losses("host", &args, &[]);
         assert_close(what, &device, &host, steps, tolerance);
     }
@@ -1208,6 +1219,72 @@ fn cli_checkpoints_resume_across_backends_and_on_the_device() {
              uninterrupted run's {tail:?} ({worst:.2e} relative, at most {tolerance:.0e})"
         );
     }
+}
+
+/// The simulator's setting of its devices' compute capability (docs/cuda-sim.md).
+const SIM_COMPUTE_CAPABILITY: &str = "PROTRAIN_CUDA_SIM_COMPUTE_CAPABILITY";
+
+/// A GPU of compute capability 7.5 (a T4, an RTX 20): f32 and f16 schedules train to the host
+/// backend's losses, with the kernels compiled for sm_75 and attention as GEMMs (the simulator
+/// traps a tensor-core product before 8.0, as the kernels built for sm_75 do); `train` names
+/// the capability. Only on the simulator, whose device's capability is a setting.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_sm75_f32_and_f16_give_the_hosts_losses() {
+    let _device = require_gpu();
+    if protrain_runtime::cuda::simulator_counters().is_none() {
+        return; // a real GPU has the capability it has
+    }
+    let env = [(SIM_COMPUTE_CAPABILITY, "7.5")];
+    for (dtype, tolerance) in [("f32", cli::F32_LOSSES), ("f16", cli::NARROW_LOSSES)] {
+        let args = ["gpt2-tiny", "--dtype", dtype, "--batch", "2", "--seq", "16"];
+        cli::check_within_env(
+            &format!("gpt2-tiny {dtype} on compute capability 7.5"),
+            &args,
+            3,
+            tolerance,
+            &env,
+        );
+    }
+    let out = cli::run(
+        "cuda",
+        &["gpt2-tiny", "--dtype", "f32", "--steps", "1"],
+        &env,
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("(compute capability 7.5,"), "{stderr}");
+}
+
+/// A bf16 schedule on a GPU of compute capability 7.5, which has no bf16 tensor cores, is
+/// refused before it trains, with the GPU's capability, the type, and the flags that run
+/// instead. Only on the simulator.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_sm75_refuses_a_bf16_schedule() {
+    let _device = require_gpu();
+    if protrain_runtime::cuda::simulator_counters().is_none() {
+        return; // a real GPU has the capability it has
+    }
+    let out = cli::run(
+        "cuda",
+        &["gpt2-tiny", "--dtype", "bf16", "--steps", "1"],
+        &[(SIM_COMPUTE_CAPABILITY, "7.5")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a bf16 run on 7.5 trained: {stderr}");
+    for want in [
+        "stores its tensors in bf16",
+        "compute capability 8.0 or newer",
+        "has compute capability 7.5",
+        "--dtype f16 or --dtype f32",
+    ] {
+        assert!(stderr.contains(want), "no `{want}` in: {stderr}");
+    }
+    assert!(
+        cli::parse(&String::from_utf8_lossy(&out.stdout)).is_empty(),
+        "no step may run"
+    );
 }
 
 /// `train --backend cuda` names the device it trains on, as the driver names it; on the

@@ -1360,6 +1360,9 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<()> {
+        // A bf16 schedule on a GPU without bf16 tensor cores is refused before any stream
+        // exists, with the types it runs instead.
+        super::driver::check_dtypes(schedule.graph.values().map(|(_, v)| v.ty.dtype), &self.info)?;
         for m in master_weights(schedule)? {
             self.set_master_weight(m.m, m.master);
         }

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 
 use super::nvrtc::{self, Compiled};
-use crate::error::{Result, RuntimeError};
+use crate::error::{Result, RuntimeError, Unsupported};
+use protrain_ir::DType;
 
 /// The oldest CUDA version the driver must support: the kernels are compiled by the CUDA 13
 /// NVRTC, and cudarc is built against the CUDA 13.0 API.
@@ -106,6 +107,35 @@ pub struct DeviceInfo {
     pub multiprocessors: u32,
     /// The CUDA version the driver supports, as `major * 1000 + minor * 10`.
     pub driver_version: i32,
+}
+
+/// The oldest compute capability the backend runs on: 7.5 (Turing), the oldest that CUDA
+/// 13's NVRTC compiles for and its cuBLAS has kernels for. Before 8.0 it runs f32 and f16
+/// schedules, with attention as GEMMs ([`protrain_ir::workspace::flash_attention_supported`]),
+/// and refuses bf16 ones ([`check_dtypes`]).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 5);
+
+/// The oldest compute capability with bf16 tensor-core products (Ampere); the flash attention
+/// kernels need it too ([`protrain_ir::workspace::FLASH_MIN_COMPUTE_CAPABILITY`]).
+pub const BF16_MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// Refuses a schedule that stores a tensor in a type `device` lacks: bf16 before compute
+/// capability 8.0 ([`BF16_MIN_COMPUTE_CAPABILITY`]), whose GPUs have no bf16 tensor cores
+/// for cuBLAS's products. The error names the GPU, its capability, the type and the types it
+/// runs instead. f32 and f16 run on every GPU the backend accepts.
+pub fn check_dtypes(dtypes: impl IntoIterator<Item = DType>, device: &DeviceInfo) -> Result<()> {
+    if device.compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+        || !dtypes.into_iter().any(|d| d == DType::BF16)
+    {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported(Unsupported::DtypeOnGpu {
+        dtype: DType::BF16.to_string(),
+        device: device.name.clone(),
+        compute_capability: device.compute_capability,
+        needs: BF16_MIN_COMPUTE_CAPABILITY,
+        instead: vec![DType::F16.to_string(), DType::F32.to_string()],
+    }))
 }
 
 /// The GPU this process's backends open (its ordinal); see [`use_gpu`].
@@ -207,10 +237,12 @@ pub fn probe() -> Result<DeviceInfo> {
     let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let multiprocessors = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
-    if major < 8 {
+    if (major, minor) < MIN_COMPUTE_CAPABILITY {
+        let (need_major, need_minor) = MIN_COMPUTE_CAPABILITY;
         return Err(unavailable(format!(
-            "the GPU has compute capability {major}.{minor}; the kernels need bf16 support \
-             (8.0, Ampere, or newer)"
+            "the GPU has compute capability {major}.{minor}; the CUDA 13 libraries the \
+             backend loads (NVRTC, cuBLAS) support {need_major}.{need_minor} (Turing) and \
+             newer; use --backend host"
         )));
     }
     let name = result::device::get_name(device).map_err(|e| unavailable(error_text(e)))?;
@@ -766,6 +798,34 @@ fn compiled_for(cc: (i32, i32)) -> Result<Arc<Vec<Compiled>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bf16 is refused before compute capability 8.0 with the GPU, its capability and the
+    /// types that run; f32 and f16 run there, and bf16 from 8.0 on.
+    #[test]
+    fn bf16_needs_compute_capability_8_0() {
+        let gpu = |cc| DeviceInfo {
+            name: "Tesla T4".into(),
+            compute_capability: cc,
+            memory_bytes: 16 << 30,
+            multiprocessors: 40,
+            driver_version: 13000,
+        };
+        let turing = gpu((7, 5));
+        assert!(check_dtypes([DType::F32, DType::I32], &turing).is_ok());
+        assert!(check_dtypes([DType::F16, DType::F32], &turing).is_ok());
+        assert!(check_dtypes([DType::BF16], &gpu((8, 0))).is_ok());
+        assert!(check_dtypes([DType::BF16], &gpu((9, 0))).is_ok());
+        let err = check_dtypes([DType::F32, DType::BF16], &turing).unwrap_err();
+        let text = err.worded(|s| format!("--{}", s.field()));
+        for want in [
+            "stores its tensors in bf16",
+            "compute capability 8.0 or newer",
+            "Tesla T4 has compute capability 7.5",
+            "--dtype f16 or --dtype f32",
+        ] {
+            assert!(text.contains(want), "no `{want}` in: {text}");
+        }
+    }
 
     /// Every write is ordered before any later work that reads it: a write on the default
     /// stream is followed by a context synchronisation (the backend's streams are

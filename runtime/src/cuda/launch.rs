@@ -260,6 +260,11 @@ impl Storage {
             Storage::Bf16 | Storage::F16 => 2,
         }
     }
+
+    /// Elements in one 16-byte vector access (common.cuh's `VecWidth`).
+    fn vector_width(self) -> u64 {
+        16 / self.size()
+    }
 }
 
 fn storage_of(dtype: DType) -> Option<Storage> {
@@ -2001,9 +2006,11 @@ fn norm_backward(p: &mut Plan<'_>, eps: f64, rms: Option<(Option<u64>, bool)>) -
             ],
         ),
     }
-    // 2. Per-chunk partial sums of dy * n (and dy), then their sums in chunk order.
+    // 2. Per-chunk partial sums of dy * n (and dy), then their sums in chunk order. Each
+    // thread sums a part of 16 bytes of columns (`st.vector_width()` elements), so a block
+    // covers that many times 32 columns.
     let grid = (
-        c.div_ceil(u64::from(COLUMN_SUM_BLOCK.0)) as u32,
+        c.div_ceil(u64::from(COLUMN_SUM_BLOCK.0) * st.vector_width()) as u32,
         p.grid_yz(chunks, "row chunks")?,
         1,
     );

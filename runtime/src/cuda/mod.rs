@@ -46,7 +46,10 @@ pub mod runs;
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaStreamHandle, DROP_WAIT_VAR};
 #[cfg(feature = "cuda")]
-pub use driver::{gpu, simulator_counters, use_gpu, DeviceInfo, SimCounters};
+pub use driver::{
+    check_dtypes, gpu, simulator_counters, use_gpu, DeviceInfo, SimCounters,
+    BF16_MIN_COMPUTE_CAPABILITY, MIN_COMPUTE_CAPABILITY,
+};
 #[cfg(feature = "cuda")]
 pub use replay::{launch_counters, LaunchCounters};
 pub use runs::{adamw_runs, AdamWRun};
@@ -422,7 +425,8 @@ pub const ATTN_FLASH_THREADS: u32 = KERNEL_DEFINES[5].1 as u32;
 pub const ATTN_FLASH_ROWS: usize = KERNEL_DEFINES[6].1 as usize;
 
 /// The block shape of the column-sum partial kernels (`column_sum_partial_*`,
-/// `norm_backward_params_partial_*`): 32 columns by 8 row lanes.
+/// `norm_backward_params_partial_*`): 32 columns by 8 row lanes (32 parts of 16 bytes of
+/// columns for the norm's, 128 f32 or 256 bf16 and f16 columns).
 pub const COLUMN_SUM_BLOCK: (u32, u32) = (32, 8);
 /// Rows per chunk of the column sums: a function of nothing but this constant, so the order
 /// of every sum, and so its bits, depends only on the shape.

@@ -231,7 +231,7 @@ void test_norm() {
     close("layer_norm bwd dx", dx, wdx, 1e-5);
     const int rpc = 64, chunks = (R + rpc - 1) / rpc;
     std::vector<float> pw((size_t)chunks * C), pb((size_t)chunks * C), dw(C, 1.0f), db(C);
-    launch(G((C + 31) / 32, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), pb.data(), dout.data(), x.data(), mean.data(), rstd.data(), R, C, rpc); });
+    launch(G((C + 127) / 128, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), pb.data(), dout.data(), x.data(), mean.data(), rstd.data(), R, C, rpc); });
     launch(G(2), G(256), [&] { column_sum_finish_f32(dw.data(), pw.data(), chunks, C, 0); });
     launch(G(2), G(256), [&] { column_sum_finish_f32(db.data(), pb.data(), chunks, C, 0); });
     close("layer_norm bwd dweight", dw, wdw, 1e-5);
@@ -258,7 +258,7 @@ void test_norm() {
     close("rms_norm fwd", out, w, 1e-5);
     launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), wt.data(), rr.data(), R, C, 0); });
     close("rms_norm bwd dx", dx, wdx, 1e-5);
-    launch(G((C + 31) / 32, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), nullptr, dout.data(), x.data(), nullptr, rr.data(), R, C, rpc); });
+    launch(G((C + 127) / 128, chunks), G(32, 8), [&] { norm_backward_params_partial_f32(pw.data(), nullptr, dout.data(), x.data(), nullptr, rr.data(), R, C, rpc); });
     launch(G(2), G(256), [&] { column_sum_finish_f32(dw.data(), pw.data(), chunks, C, 0); });
     close("rms_norm bwd dweight", dw, wdw, 1e-5);
     // RMS per head of D = 37 (C = 333 = 9 heads) with a `1 + weight` scale (Qwen3's q_norm on
@@ -278,7 +278,7 @@ void test_norm() {
         close("rms_norm per head, unit offset fwd", out, want, 1e-5);
         launch(G(7), G(256), [&] { rms_norm_backward_f32(dx.data(), dout.data(), x.data(), hw.data(), hr.data(), HR, D, 1); });
         close("rms_norm per head, unit offset bwd dx", dx, wantdx, 1e-5);
-        launch(G((D + 31) / 32, hchunks), G(32, 8), [&] { norm_backward_params_partial_f32(hpw.data(), nullptr, dout.data(), x.data(), nullptr, hr.data(), HR, D, rpc); });
+        launch(G((D + 127) / 128, hchunks), G(32, 8), [&] { norm_backward_params_partial_f32(hpw.data(), nullptr, dout.data(), x.data(), nullptr, hr.data(), HR, D, rpc); });
         launch(G(2), G(256), [&] { column_sum_finish_f32(hdw.data(), hpw.data(), hchunks, D, 0); });
         close("rms_norm per head, unit offset bwd dweight", hdw, wantdw, 1e-5);
     }
@@ -1197,6 +1197,50 @@ template <typename T> void row_paths(const char* dt) {
             }, whole);
         }
     }
+    // The norms' weight and bias gradient partials: rows of parts of N columns summed in 8 row
+    // lanes, over chunks of 7 rows of 20 (a short last chunk), against the one-column-per-thread
+    // order computed here in f32 (each lane's rows in order, then the lanes in order), which
+    // neither the part width nor the load path may change by a bit.
+    for (int C : {70 * N, 70 * N + 3, 5}) {
+        const int PR = 20, rpc = 7, chunks = (PR + rpc - 1) / rpc;
+        // The f32 partials are stored 4 at a time wherever 4 columns of a part are whole, so
+        // C = 5 stores vectors even where its 16-bit rows load element by element.
+        const bool vector = C >= 4, whole = C % N == 0;
+        const std::string shape = std::string(" ") + dt + " C=" + std::to_string(C);
+        auto x = as<T>(rnd((size_t)PR * C, 2)), d = as<T>(rnd((size_t)PR * C)), mu = rnd(PR), rs = rnd(PR);
+        for (auto& v : rs) v = 1.0f + std::fabs(v);
+        std::vector<float> nan_p((size_t)chunks * C, NAN);
+        for (int layer : {1, 0}) {
+            std::vector<float> want_w((size_t)chunks * C), want_b((size_t)chunks * C);
+            for (int k = 0; k < chunks; ++k)
+                for (int c = 0; c < C; ++c) {
+                    float lw[NORM_ROW_LANES] = {}, lb[NORM_ROW_LANES] = {};
+                    for (int j = 0; j < NORM_ROW_LANES; ++j)
+                        for (int r = k * rpc + j; r < std::min(PR, (k + 1) * rpc); r += NORM_ROW_LANES) {
+                            const size_t i = (size_t)r * C + c;
+                            const float dv = to_f32(d[i]);
+                            lw[j] += dv * ((to_f32(x[i]) - (layer ? mu[r] : 0.0f)) * rs[r]);
+                            lb[j] += dv;
+                        }
+                    float sw = lw[0], sb = lb[0];
+                    for (int j = 1; j < NORM_ROW_LANES; ++j) { sw += lw[j]; sb += lb[j]; }
+                    want_w[(size_t)k * C + c] = sw;
+                    want_b[(size_t)k * C + c] = sb;
+                }
+            auto bits = [](const std::vector<float>& v) { return Shifted<float>(v, 0).bits(v.size()); };
+            const auto want = layer ? cat<T>({bits(want_w), bits(want_b)}) : bits(want_w);
+            paths(std::string("norm_backward_params_partial") + (layer ? " (layer norm)" : " (RMS norm)") + shape, vector, [&](int s) {
+                auto pw = sh<float>(nan_p, s), pb = sh<float>(nan_p, s);
+                auto ds = Shifted<T>(d, s), xs = Shifted<T>(x, s);
+                launch(G((C + 32 * N - 1) / (32 * N), chunks), G(32, 8), [&] {
+                    norm_backward_params_partial(pw.p, layer ? pb.p : nullptr, ds.p, xs.p, layer ? mu.data() : nullptr, rs.data(), PR, C, rpc);
+                });
+                auto got = layer ? cat<T>({pw.bits((size_t)chunks * C), pb.bits((size_t)chunks * C)}) : pw.bits((size_t)chunks * C);
+                if (got != want) got.push_back(0xbad); // the one-column-per-thread order's bits
+                return got;
+            }, whole);
+        }
+    }
     // RoPE: whole heads, a partial rotary width with copied elements and copied heads (both
     // multiples of the vector), and widths where only the scalar path applies.
     struct RopeShape { int D, Rot, rot; bool vector; };
@@ -1284,10 +1328,16 @@ void test_vector_paths() {
 
 int main(int argc, char** argv) {
     // `harness flash` runs the flash attention checks alone, `harness moe` the
-    // mixture-of-experts checks.
+    // mixture-of-experts checks, `harness norm` the norms' against their references and
+    // `harness vector` the vector paths against the scalar ones.
     if (argc > 1 && std::string(argv[1]) == "moe") {
         test_moe();
         test_moe_aux();
+        printf("%d failure(s)\n", failures);
+        return failures != 0;
+    }
+    if (argc > 1 && std::string(argv[1]) == "norm") {
+        test_norm();
         printf("%d failure(s)\n", failures);
         return failures != 0;
     }

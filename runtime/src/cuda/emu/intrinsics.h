@@ -60,7 +60,14 @@ inline float pt_emu_f16_bits(unsigned h) {
 
 /// d += a b for one warp's m16n8k16 fragments; `F16` picks f16 inputs over bf16. Every lane of
 /// the (1-D) block's warp must call it, as `mma.sync`.
+// A host build may define PT_EMU_MMA_CHECK() to refuse the product where the device it
+// simulates has no `mma.sync` m16n8k16 (the CUDA simulator traps before compute capability
+// 8.0, as the kernels built for such a GPU do).
+#ifndef PT_EMU_MMA_CHECK
+#define PT_EMU_MMA_CHECK()
+#endif
 template <bool F16> inline void pt_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2]) {
+    PT_EMU_MMA_CHECK();
     const int lane = (int)(threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y) & 31;
     const int g = lane >> 2, i = lane & 3;
     auto cvt = [](unsigned bits) { return F16 ? pt_emu_f16_bits(bits & 0xffffu) : pt_emu_bf16_bits(bits); };

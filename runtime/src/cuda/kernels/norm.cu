@@ -8,8 +8,9 @@
 // otherwise (rows of a width that is not a multiple of the part, offset pointers); the parts
 // and the order of every sum are the same on both paths, so the path changes no bit. Weight and bias
 // gradients are column sums over rows: `norm_backward_params_partial_*` writes per-chunk
-// partials [n_chunks, C] (as reduce.cu's column sums), and reduce.cu's `column_sum_finish_*`
-// adds them in order into dweight / dbias (overwriting or accumulating).
+// partials [n_chunks, C] (as reduce.cu's column sums), each thread a part of 16 bytes of a row's
+// columns with the same vector-or-element choice per part, and reduce.cu's
+// `column_sum_finish_*` adds them in order into dweight / dbias (overwriting or accumulating).
 
 template <typename T>
 __device__ void layer_norm_forward(T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias,
@@ -191,38 +192,71 @@ extern "C" __global__ void rms_norm_backward_f16(f16* dx, const f16* dout, const
 #define NORM_COL_TILE 32
 #define NORM_ROW_LANES 8
 
+/// Stores the `n` (at most `N`) f32 sums of `v` at `p + o`, in 16-byte stores of 4 where each
+/// group of 4 is whole and its address aligned, element by element otherwise.
+template <int N>
+__device__ __forceinline__ void st_f32_parts(float* p, i64 o, const float (&v)[N / 4][4], int n) {
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) {
+        const int at = 4 * q;
+        if (at < n) st_part<4>(p, o + at, v[q], min(4, n - at), aligned16(p + o + at));
+    }
+}
+
 template <typename T>
 __device__ void norm_backward_params_partial(float* dweight_part, float* dbias_part, const T* dout, const T* x,
                                              const float* mean, const float* rstd, int rows, int channels,
                                              int rows_per_chunk) {
-    __shared__ float tw[NORM_ROW_LANES][NORM_COL_TILE + 1];
-    __shared__ float tb[NORM_ROW_LANES][NORM_COL_TILE + 1];
+    // Thread (tx, ty) owns the part of N columns at c = N * (32 * blockIdx.x + tx) (16 bytes of
+    // `dout` and `x`; the row's last part shorter when N does not divide C) and the chunk's rows
+    // r0 + ty, r0 + ty + 8, ...; each column is summed over those rows in order, then over the 8
+    // row lanes in order, as one column per thread would sum it, so neither the part width nor
+    // the load path changes a bit. The lane sums meet in shared memory laid out [lane][k][tx],
+    // so a warp's accesses fall in distinct banks.
+    constexpr int N = VecWidth<T>::N;
+    __shared__ float tw[NORM_ROW_LANES][N][NORM_COL_TILE + 1];
+    __shared__ float tb[NORM_ROW_LANES][N][NORM_COL_TILE + 1];
     const int tx = threadIdx.x, ty = threadIdx.y;
-    const int c = blockIdx.x * NORM_COL_TILE + tx;
+    const i64 c = ((i64)blockIdx.x * NORM_COL_TILE + tx) * N;
+    const int n = c < channels ? min((i64)N, channels - c) : 0;
     const int r0 = blockIdx.y * rows_per_chunk;
     const int r1 = min(rows, r0 + rows_per_chunk);
-    float aw = 0.0f, ab = 0.0f;
-    if (c < channels) {
+    float aw[N], ab[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) aw[k] = ab[k] = 0.0f;
+    if (n > 0) {
         for (int r = r0 + ty; r < r1; r += NORM_ROW_LANES) {
             const i64 i = (i64)r * channels + c;
-            const float mu = mean ? mean[r] : 0.0f;
-            const float d = ld(dout, i);
-            aw += d * ((ld(x, i) - mu) * rstd[r]);
-            ab += d;
+            const float mu = mean ? mean[r] : 0.0f, rs = rstd[r];
+            float d[N], v[N];
+            ld_part<N>(d, dout, i, n, aligned16(dout + i));
+            ld_part<N>(v, x, i, n, aligned16(x + i));
+            for (int k = 0; k < n; ++k) {
+                aw[k] += d[k] * ((v[k] - mu) * rs);
+                ab[k] += d[k];
+            }
         }
     }
-    tw[ty][tx] = aw;
-    tb[ty][tx] = ab;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        tw[ty][k][tx] = aw[k];
+        tb[ty][k][tx] = ab[k];
+    }
     __syncthreads();
-    if (ty == 0 && c < channels) {
-        float sw = tw[0][tx], sb = tb[0][tx];
-        for (int k = 1; k < NORM_ROW_LANES; ++k) {
-            sw += tw[k][tx];
-            sb += tb[k][tx];
+    if (ty == 0 && n > 0) {
+        float sw[N / 4][4], sb[N / 4][4];
+        for (int k = 0; k < n; ++k) {
+            float a = tw[0][k][tx], b = tb[0][k][tx];
+            for (int j = 1; j < NORM_ROW_LANES; ++j) {
+                a += tw[j][k][tx];
+                b += tb[j][k][tx];
+            }
+            sw[k / 4][k % 4] = a;
+            sb[k / 4][k % 4] = b;
         }
         const i64 o = (i64)blockIdx.y * channels + c;
-        dweight_part[o] = sw;
-        if (dbias_part) dbias_part[o] = sb;
+        st_f32_parts<N>(dweight_part, o, sw, n);
+        if (dbias_part) st_f32_parts<N>(dbias_part, o, sb, n);
     }
 }
 
@@ -230,7 +264,8 @@ __device__ void norm_backward_params_partial(float* dweight_part, float* dbias_p
 /// of chunk k of dout * n with n = (x - mean) * rstd (layer norm) or x * rstd (RMS norm: pass
 /// `mean` null), and dbias_part[k, c] = sum of dout (null to skip: RMS norm). Finish each with
 /// `column_sum_finish_*` (reduce.cu) over n_chunks = ceil(rows / rows_per_chunk).
-/// Launch: block (32, 8), grid (ceil(C / 32), n_chunks).
+/// Launch: block (32, 8), grid (ceil(C / (32 N)), n_chunks) with N the elements in 16 bytes of
+/// the storage type (4 for f32, 8 for bf16 and f16): each thread sums a part of N columns.
 extern "C" __global__ void norm_backward_params_partial_f32(float* dweight_part, float* dbias_part, const float* dout, const float* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
 extern "C" __global__ void norm_backward_params_partial_bf16(float* dweight_part, float* dbias_part, const bf16* dout, const bf16* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
 extern "C" __global__ void norm_backward_params_partial_f16(float* dweight_part, float* dbias_part, const f16* dout, const f16* x, const float* mean, const float* rstd, int rows, int channels, int rows_per_chunk) { norm_backward_params_partial(dweight_part, dbias_part, dout, x, mean, rstd, rows, channels, rows_per_chunk); }
