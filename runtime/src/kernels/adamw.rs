@@ -126,6 +126,7 @@ struct Coeffs {
     /// The gradient's scale (the clip coefficient); exactly 1 when unclipped.
     grad_scale: f32,
     /// Whether the bf16 copy is written with streaming stores ([`STREAM_MIN`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     stream_copy: bool,
 }
 
@@ -273,6 +274,7 @@ trait Narrow: Copy + Send + Sync {
     fn narrow(x: f32) -> Self;
 
     /// The storage as bf16, where this type is bf16 (the AVX2 kernel writes only bf16).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn as_bf16(x: &mut [Self]) -> Option<&mut [bf16]> {
         let _ = x;
         None
@@ -368,9 +370,10 @@ fn run_block<G: Widen, L: Narrow>(
 /// and the closure are `#[inline(always)]`), so its loop is vectorised for it: `vdivps` and
 /// `vsqrtps` on `ymm` or `zmm` registers and `vfmadd`, not `divss` and calls to `fmaf`. Every instance
 /// gives the same bits (each operation is an IEEE add, multiply, FMA, divide or square root,
-/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`
-/// where AVX2 extracts and packs every eight lanes. Tests call each instance the CPU has, to
-/// compare their bits.
+/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`.
+/// On AVX2 a step with a bf16 copy runs the intrinsics of [`avx2`] instead (one pack per
+/// sixteen lanes, streaming stores from [`STREAM_MIN`] elements). Tests call each instance the
+/// CPU has, to compare their bits.
 ///
 /// # Safety
 /// The CPU must have `isa`.
@@ -380,7 +383,7 @@ unsafe fn block_in<G: Widen, L: Narrow>(
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    mut low: Option<&mut [L]>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] mut low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
     // A step that writes a bf16 copy runs the AVX2 kernel written with intrinsics
@@ -447,8 +450,9 @@ const IN_LOW_PIECE: usize = 4096;
 
 /// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
 /// each piece of the gradient is copied to the stack, then the step reads the copy and writes
-/// the new parameter over the gradient. Elementwise, so the pieces change no bit. A tensor of
-/// one block runs on the calling thread, as in [`run`].
+/// the new parameter over the gradient; the AVX2 kernel for bf16 ([`avx2`]) reads each vector
+/// of the gradient where it lies before storing over it, with no copy. Elementwise, so the
+/// pieces change no bit. A tensor of one block runs on the calling thread, as in [`run`].
 fn run_in_low<L: Narrow + Widen + Default>(
     p: &mut [f32],
     m: &mut [f32],
