@@ -29,7 +29,11 @@
 // `ADAM_ROUNDS` (default 5), `ADAM_SIZES` (comma-separated parameter counts, default
 // `4194304,33554432`), `ADAM_PYTHON`, `RAYON_NUM_THREADS`, and `PROTRAIN_CPU_ISA=avx2` to
 // measure an AVX2-only machine's kernels on an AVX-512 one (torch is then started with
-// `ATEN_CPU_CAPABILITY=avx2`, so both sides run their AVX2 code). Run it on an idle machine.
+// `ATEN_CPU_CAPABILITY=avx2`, so both sides run their AVX2 code), and `ADAM_CLOCK=cpu` to time
+// each step by the process's CPU time instead of the wall clock (both sides), for a machine
+// shared with other work, where wall time counts the other processes' turns: meaningful with
+// `RAYON_NUM_THREADS=1` (torch then runs on its calling thread; with more threads, waiting
+// threads that spin count as work). Run it on an idle machine where you can.
 
 #[allow(dead_code)] // each bench uses part of the shared helpers
 mod common;
@@ -40,14 +44,35 @@ use std::io::{BufRead, BufReader, Lines, Read, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-/// Median seconds of `steps` calls of `f` (after one untimed call), given the 1-based step.
+/// Whether steps are timed by the process's CPU time (`ADAM_CLOCK=cpu`), not the wall clock.
+fn cpu_clock() -> bool {
+    std::env::var("ADAM_CLOCK").is_ok_and(|c| c == "cpu")
+}
+
+/// Seconds of CPU time this process (all its threads) has used.
+fn process_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// Median seconds of `steps` calls of `f` (after one untimed call), given the 1-based step,
+/// by the wall clock or the process's CPU time ([`cpu_clock`]).
 fn time(steps: usize, mut f: impl FnMut(u64)) -> f64 {
     f(1);
+    let cpu = cpu_clock();
     let times = (0..steps)
         .map(|i| {
-            let began = Instant::now();
+            let (began, began_cpu) = (Instant::now(), cpu.then(process_cpu_seconds));
             f(i as u64 + 2);
-            began.elapsed().as_secs_f64()
+            match began_cpu {
+                Some(c) => process_cpu_seconds() - c,
+                None => began.elapsed().as_secs_f64(),
+            }
         })
         .collect();
     median(times)
@@ -66,6 +91,7 @@ fn wave(n: usize, k: u32) -> Vec<f32> {
 const TORCH: &str = r#"
 import sys, time, statistics, torch
 threads, steps = int(sys.argv[1]), int(sys.argv[2])
+clock = time.process_time if sys.argv[3] == "cpu" else time.perf_counter
 torch.set_num_threads(threads)
 opts = {}
 print("ready", flush=True)
@@ -79,7 +105,7 @@ for line in sys.stdin:
     opt.step()
     ts = []
     for _ in range(steps):
-        t = time.perf_counter(); opt.step(); ts.append(time.perf_counter() - t)
+        t = clock(); opt.step(); ts.append(clock() - t)
     print(n, n / statistics.median(ts), flush=True)
 "#;
 
@@ -113,6 +139,7 @@ impl Torch {
             .arg(TORCH)
             .arg(threads().to_string())
             .arg(steps.to_string())
+            .arg(if cpu_clock() { "cpu" } else { "wall" })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -251,8 +278,9 @@ fn main() {
     let threads = threads();
     let config = AdamWConfig::default();
     println!(
-        "adam: {threads} threads, median of {steps} steps, {rounds} rounds; parameters/s (M), \
-         ratios within each round; {}={}",
+        "adam: {threads} threads, median of {steps} steps ({} time), {rounds} rounds; parameters/s \
+         (M), ratios within each round; {}={}",
+        if cpu_clock() { "CPU" } else { "wall" },
         kernels::ISA_CAP_VAR,
         std::env::var(kernels::ISA_CAP_VAR).unwrap_or_else(|_| "(unset: the widest)".into())
     );

@@ -4,6 +4,9 @@ use rayon::prelude::*;
 
 use super::math::{fast_in, Isa, ELEM_GRAIN};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them. `f64` because torch does the
 /// scalar arithmetic (bias corrections, step size) in Python floats.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -122,6 +125,9 @@ struct Coeffs {
     neg_step_size: f32,
     /// The gradient's scale (the clip coefficient); exactly 1 when unclipped.
     grad_scale: f32,
+    /// Whether the bf16 copy is written with streaming stores ([`STREAM_MIN`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    stream_copy: bool,
 }
 
 impl Coeffs {
@@ -154,6 +160,7 @@ impl Coeffs {
             eps: cfg.eps as f32,
             neg_step_size: (-step_size) as f32,
             grad_scale,
+            stream_copy: false,
         }
     }
 }
@@ -220,12 +227,24 @@ fn divide_by_bc2<const RECIP: bool>(root: f32, c: &Coeffs) -> f32 {
 /// A gradient element type: widened to f32 exactly.
 trait Widen: Copy {
     fn widen(self) -> f32;
+
+    /// The gradient as the AVX2 kernel reads it, where it reads this type.
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_src(g: &[Self]) -> Option<avx2::Src<'_>> {
+        let _ = g;
+        None
+    }
 }
 
 impl Widen for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_src(g: &[f32]) -> Option<avx2::Src<'_>> {
+        Some(avx2::Src::F32(g))
     }
 }
 
@@ -234,6 +253,11 @@ impl Widen for bf16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_src(g: &[bf16]) -> Option<avx2::Src<'_>> {
+        Some(avx2::Src::Bf16(g))
     }
 }
 
@@ -248,12 +272,23 @@ impl Widen for f16 {
 trait Narrow: Copy + Send + Sync {
     /// `x` rounded to nearest, ties to even.
     fn narrow(x: f32) -> Self;
+
+    /// The storage as bf16, where this type is bf16 (the AVX2 kernel writes only bf16).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn as_bf16(x: &mut [Self]) -> Option<&mut [bf16]> {
+        let _ = x;
+        None
+    }
 }
 
 impl Narrow for bf16 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         to_bf16(x)
+    }
+
+    fn as_bf16(x: &mut [bf16]) -> Option<&mut [bf16]> {
+        Some(x)
     }
 }
 
@@ -275,6 +310,13 @@ pub fn to_bf16(x: f32) -> bf16 {
     // A float comparison: one instruction a vector, where testing the bits takes three on AVX2.
     bf16::from_bits(if x.is_nan() { nan } else { rounded } as u16)
 }
+
+/// Elements from which a step's bf16 copy is written with streaming stores (AVX2): a step
+/// over a million elements moves 30 MB or more (28 bytes an element, and the copy), more than
+/// the share of the last-level cache its cores hold, so the copy's cache lines would be read
+/// from memory only to be overwritten, and evicted before the upload reads them. Below it the
+/// copy may stay in cache for the upload.
+const STREAM_MIN: usize = 1 << 20;
 
 /// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
 /// length) set to the new `p` rounded to bf16 in the same pass.
@@ -328,9 +370,10 @@ fn run_block<G: Widen, L: Narrow>(
 /// and the closure are `#[inline(always)]`), so its loop is vectorised for it: `vdivps` and
 /// `vsqrtps` on `ymm` or `zmm` registers and `vfmadd`, not `divss` and calls to `fmaf`. Every instance
 /// gives the same bits (each operation is an IEEE add, multiply, FMA, divide or square root,
-/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`
-/// where AVX2 extracts and packs every eight lanes. Tests call each instance the CPU has, to
-/// compare their bits.
+/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`.
+/// On AVX2 a step with a bf16 copy runs the intrinsics of [`avx2`] instead (one pack per
+/// sixteen lanes, streaming stores from [`STREAM_MIN`] elements). Tests call each instance the
+/// CPU has, to compare their bits.
 ///
 /// # Safety
 /// The CPU must have `isa`.
@@ -340,9 +383,22 @@ unsafe fn block_in<G: Widen, L: Narrow>(
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    low: Option<&mut [L]>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] mut low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
+    // A step that writes a bf16 copy runs the AVX2 kernel written with intrinsics
+    // ([`avx2`]); an f32 step (no copy) runs the generic loop, which LLVM vectorises as well.
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        if let (Some(src), Some(low)) = (G::avx2_src(g), low.as_deref_mut().and_then(L::as_bf16)) {
+            let copy = match c.stream_copy {
+                true => avx2::Copy16::Stream,
+                false => avx2::Copy16::Store,
+            };
+            // SAFETY: the caller's contract.
+            return unsafe { avx2::run(p, src, m, v, low, copy, c) };
+        }
+    }
     // SAFETY: the caller's contract.
     unsafe {
         fast_in(
@@ -394,8 +450,9 @@ const IN_LOW_PIECE: usize = 4096;
 
 /// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
 /// each piece of the gradient is copied to the stack, then the step reads the copy and writes
-/// the new parameter over the gradient. Elementwise, so the pieces change no bit. A tensor of
-/// one block runs on the calling thread, as in [`run`].
+/// the new parameter over the gradient; the AVX2 kernel for bf16 ([`avx2`]) reads each vector
+/// of the gradient where it lies before storing over it, with no copy. Elementwise, so the
+/// pieces change no bit. A tensor of one block runs on the calling thread, as in [`run`].
 fn run_in_low<L: Narrow + Widen + Default>(
     p: &mut [f32],
     m: &mut [f32],
@@ -404,6 +461,14 @@ fn run_in_low<L: Narrow + Widen + Default>(
     c: &Coeffs,
 ) {
     let in_low_block = |p: &mut [f32], low: &mut [L], m: &mut [f32], v: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if Isa::detect() == Isa::Avx2 {
+            if let Some(low) = L::as_bf16(low) {
+                // SAFETY: the instruction set was detected on this CPU.
+                let src = avx2::Src::InLow;
+                return unsafe { avx2::run(p, src, m, v, low, avx2::Copy16::Store, c) };
+            }
+        }
         let mut g = [L::default(); IN_LOW_PIECE];
         for (((p, low), m), v) in p
             .chunks_mut(IN_LOW_PIECE)
@@ -467,7 +532,8 @@ pub fn adamw_step_fused(
             "adamw: narrow parameter length differs from master"
         );
     }
-    let c = Coeffs::new(step, cfg, grad_scale.unwrap_or(1.0));
+    let mut c = Coeffs::new(step, cfg, grad_scale.unwrap_or(1.0));
+    c.stream_copy = n >= STREAM_MIN;
     fn with_grad<L: Narrow>(
         master: &mut [f32],
         grad: Grad<'_>,
@@ -895,6 +961,82 @@ mod tests {
         }
     }
 
+    /// The AVX2 kernel of a step with a bf16 copy (skipped where the CPU lacks AVX2 and FMA),
+    /// for every gradient form (f32, bf16, and bf16 in the copy's storage), both stores of the
+    /// copy (ordinary, and streaming with its one-at-a-time head up to the copy's first 32-byte
+    /// boundary), the slices starting at each of the sixteen element offsets of a 32-byte line
+    /// with ragged tails, both lerp forms and both divisions by the bias correction: the bits
+    /// of the baseline instance given the same gradient apart (rounding, widening, packing
+    /// order, the head and the tail).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_kernel_gives_the_baseline_bits() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        let (p0, g, m0, v0) = operands();
+        let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        let bits16 = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        for beta1 in [0.9, 0.2] {
+            for recip in [true, false] {
+                let cfg = AdamWConfig {
+                    beta1,
+                    ..AdamWConfig::default()
+                };
+                let mut c = Coeffs::new(3, &cfg, 0.7);
+                if !recip {
+                    c.bc2_recip = None;
+                }
+                for start in 0..16 {
+                    let r = start..start + 4000 + 3 * start;
+                    for form in 0..3 {
+                        let run = |avx2: Option<avx2::Copy16>| {
+                            let (mut p, mut m, mut v) = (
+                                p0[r.clone()].to_vec(),
+                                m0[r.clone()].to_vec(),
+                                v0[r.clone()].to_vec(),
+                            );
+                            let mut low = match form {
+                                2 => g16.clone(),
+                                _ => vec![bf16::ZERO; g16.len()],
+                            };
+                            let low = &mut low[r.clone()];
+                            let (g32, g16) = (&g[r.clone()], &g16[r.clone()]);
+                            let (pm, mm, vm) = (&mut p[..], &mut m[..], &mut v[..]);
+                            // SAFETY: the CPU has AVX2 and FMA (checked above).
+                            match (avx2, form) {
+                                (None, 0) => unsafe {
+                                    block_in(Isa::Baseline, pm, g32, mm, vm, Some(low), &c)
+                                },
+                                (None, _) => unsafe {
+                                    block_in(Isa::Baseline, pm, g16, mm, vm, Some(low), &c)
+                                },
+                                (Some(copy), _) => {
+                                    let src = match form {
+                                        0 => avx2::Src::F32(g32),
+                                        1 => avx2::Src::Bf16(g16),
+                                        _ => avx2::Src::InLow,
+                                    };
+                                    unsafe { avx2::run(pm, src, mm, vm, low, copy, &c) }
+                                }
+                            }
+                            (bits(&p), bits(&m), bits(&v), bits16(low))
+                        };
+                        let want = run(None);
+                        for copy in [avx2::Copy16::Store, avx2::Copy16::Stream] {
+                            assert!(
+                                run(Some(copy)) == want,
+                                "{copy:?}, form {form}, start {start}, beta1 {beta1}, \
+                                 reciprocal {recip}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Lengths on both sides of one block (run on the calling thread at or below it, split
     /// over the pool above it) and odd tails, for every gradient form (f32, bf16, f16, and the
     /// gradient in the parameter storage) with a bf16 or f16 copy: the bits of the scalar
@@ -968,6 +1110,56 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The AVX2 kernel's rounding of sixteen lanes to bf16 (skipped without AVX2 and FMA):
+    /// `half`'s bits, in order, for ties both ways, the carry into the exponent, infinities,
+    /// NaNs of both signs (quiet and signalling), subnormals and a sweep of bit patterns, each
+    /// in every lane.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_rounding_to_bf16_is_halfs() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        let special = [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x3f7f_ffff,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0xffff_ffff,
+            0x7fff_ffff,
+            0x0000_8000,
+            0x0001_8000,
+            0x8000_0000,
+            0,
+        ];
+        let sweep = (0..1u32 << 18).map(|i| i.wrapping_mul(4099).rotate_left(13));
+        let mut all: Vec<u32> = (0..16)
+            .flat_map(|shift| {
+                special
+                    .iter()
+                    .cycle()
+                    .skip(shift)
+                    .take(special.len())
+                    .copied()
+            })
+            .collect();
+        all.extend(sweep);
+        for group in all.chunks(16).filter(|g| g.len() == 16) {
+            let x: [f32; 16] = std::array::from_fn(|i| f32::from_bits(group[i]));
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            let got = unsafe { avx2::narrow16_of(&x) };
+            let want: [u16; 16] = std::array::from_fn(|i| bf16::from_f32(x[i]).to_bits());
+            assert_eq!(got, want, "{group:08x?}");
         }
     }
 
