@@ -393,7 +393,9 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
             .unwrap_or_default()
             .trim()
     );
-    let mut state: Vec<Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>> = runs
+    // Each parameter's value, gradient and moments.
+    type State = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+    let mut state: Vec<Vec<State>> = runs
         .iter()
         .map(|r| {
             r.iter()
