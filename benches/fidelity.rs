@@ -25,7 +25,8 @@
 // median is kept), `FIDELITY_REPEATS` (timed runs per op in each profile, default 9),
 // `FIDELITY_BUDGET` (fraction of the resident arena), `FIDELITY_POLICIES` (`;`-separated,
 // `auto` for the search's) override the defaults; `FIDELITY_ISOLATED=1` times each op alone
-// (hot caches) instead of in place. The host is measured as it is: run it on an idle machine
+// (hot caches) instead of in place; `FIDELITY_ADAM_PROBE=N` first times the first schedule's
+// host optimizer AdamW sizes outside the executor, N times (see `adam_probe`). The host is measured as it is: run it on an idle machine
 // (other processes on the same cores inflate the measured times).
 
 mod common;
