@@ -25,7 +25,8 @@
 // median is kept), `FIDELITY_REPEATS` (timed runs per op in each profile, default 9),
 // `FIDELITY_BUDGET` (fraction of the resident arena), `FIDELITY_POLICIES` (`;`-separated,
 // `auto` for the search's) override the defaults; `FIDELITY_ISOLATED=1` times each op alone
-// (hot caches) instead of in place. The host is measured as it is: run it on an idle machine
+// (hot caches) instead of in place; `FIDELITY_ADAM_PROBE=N` first times the first schedule's
+// host optimizer AdamW sizes outside the executor, N times (see `adam_probe`). The host is measured as it is: run it on an idle machine
 // (other processes on the same cores inflate the measured times).
 
 mod common;
@@ -345,6 +346,158 @@ fn contention(graph: &Graph, rounds: usize) {
     }
 }
 
+/// What the host optimizer stream's AdamW work costs outside the executor, `rounds` times
+/// alternating (`FIDELITY_ADAM_PROBE=N`): the profile's hot 4 Mi-parameter step; one step over
+/// 64 Mi parameters (1 GiB of state, beyond the last-level cache); and the schedule's own
+/// parameters (their sizes, in their runs of adjacent AdamW ops) updated one after the other
+/// from a thread outside the pool: one pool hand-off per parameter, one per run (as the host
+/// backend's `run_adamw_group`), one per run after a 1 GiB sweep evicts the caches, and one per
+/// run beside the serial compute of `graph` running in the same pool.
+fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
+    use protrain::ir::StreamKind;
+    use protrain::runtime::kernels::{adamw_step, AdamWConfig};
+    use protrain::runtime::profiler::measure_adam;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for stream in schedule
+        .streams
+        .iter()
+        .filter(|s| s.kind == StreamKind::HostOptimizer)
+    {
+        let mut run: Vec<usize> = Vec::new();
+        for instr in &stream.instrs {
+            match instr {
+                Instr::Kernel { op, .. } if schedule.graph.op(*op).kind.mnemonic() == "adamw" => {
+                    let op = schedule.graph.op(*op);
+                    run.push(schedule.graph.value(op.inputs[0]).ty.numel() as usize);
+                }
+                _ if !run.is_empty() => runs.push(std::mem::take(&mut run)),
+                _ => {}
+            }
+        }
+        if !run.is_empty() {
+            runs.push(run);
+        }
+    }
+    let total: usize = runs.iter().flatten().sum();
+    let ops = runs.iter().map(Vec::len).sum::<usize>();
+    let small = runs
+        .iter()
+        .flatten()
+        .filter(|&&n| n <= protrain::runtime::kernels::ADAMW_BLOCK)
+        .count();
+    println!(
+        "adam probe: {total} params in {ops} AdamW ops ({small} of one block), {} runs; load {}",
+        runs.len(),
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    // Each parameter's value, gradient and moments.
+    type State = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+    let mut state: Vec<Vec<State>> = runs
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|&n| {
+                    (
+                        vec![0.1f32; n],
+                        vec![0.01f32; n],
+                        vec![0.0f32; n],
+                        vec![0.0f32; n],
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let config = AdamWConfig::default();
+    let mut step = 1u64;
+    let mut sweep = vec![0u8; 1 << 30];
+    // Seconds of one pass over the schedule's parameters.
+    let mut pass = |per_run: bool, cold: bool| -> f64 {
+        if cold {
+            for (i, b) in sweep.iter_mut().enumerate().step_by(64) {
+                *b = b.wrapping_add(i as u8);
+            }
+            std::hint::black_box(&mut sweep);
+        }
+        step += 1;
+        let began = Instant::now();
+        for run in state.iter_mut() {
+            let mut each = || {
+                for (p, g, m, v) in run.iter_mut() {
+                    adamw_step(p, g, m, v, step, &config);
+                }
+            };
+            match per_run {
+                true => rayon::scope(|_| each()),
+                false => each(),
+            }
+        }
+        began.elapsed().as_secs_f64()
+    };
+    pass(true, false);
+    let names = [
+        "profile's 4 Mi, hot",
+        "64 Mi (1 GiB of state)",
+        "schedule's, a hand-off per op",
+        "schedule's, a hand-off per run",
+        "schedule's, per run, caches swept",
+        "schedule's, per run, beside compute",
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let options = ProfileOptions {
+        repeats: 1,
+        copy_repeats: 1,
+        ..ProfileOptions::default()
+    };
+    for _ in 0..rounds {
+        rates[0].push(measure_adam(4 << 20, 3));
+        rates[1].push(measure_adam(64 << 20, 2));
+        rates[2].push(total as f64 / pass(false, false));
+        rates[3].push(total as f64 / pass(true, false));
+        rates[4].push(total as f64 / pass(true, true));
+        let stop = AtomicBool::new(false);
+        let beside = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    profile_host(graph, &options).expect("profiling");
+                }
+            });
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let mut t = Vec::new();
+            for _ in 0..5 {
+                t.push(pass(true, false));
+                std::thread::sleep(std::time::Duration::from_millis(7));
+            }
+            stop.store(true, Ordering::Relaxed);
+            median(t)
+        });
+        rates[5].push(total as f64 / beside);
+    }
+    let hot = median(rates[0].clone());
+    for (name, r) in names.iter().zip(rates) {
+        let (lo, hi) = r
+            .iter()
+            .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        let med = median(r);
+        println!(
+            "  {name:<38} {:>6.0} M params/s ({:.0}-{:.0}), {:.2}x the hot 4 Mi",
+            med / 1e6,
+            lo / 1e6,
+            hi / 1e6,
+            med / hot
+        );
+    }
+    println!(
+        "  load after {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+}
+
 fn error_pct(predicted: f64, measured: f64) -> f64 {
     (predicted - measured) / measured * 100.0
 }
@@ -625,6 +778,11 @@ fn main() {
     describe(&compiled, &resident, budget, fraction, &profile);
     if env("FIDELITY_CONTENTION", 0usize) > 0 {
         contention(graph, env("FIDELITY_CONTENTION", 0usize));
+    }
+    if env("FIDELITY_ADAM_PROBE", 0usize) > 0 {
+        if let Some(c) = compiled.first() {
+            adam_probe(&c.schedule, graph, env("FIDELITY_ADAM_PROBE", 0usize));
+        }
     }
     let runs = env("FIDELITY_RUNS", 2usize);
     let by_op = env("FIDELITY_BY_OP", 0u8) == 1;

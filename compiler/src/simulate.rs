@@ -746,6 +746,14 @@ pub fn simulate_unverified(
     let mut step_seconds = clock.iter().copied().fold(0.0, f64::max);
     if let Some(cores) = cost.host_cores() {
         step_seconds += shared_core_seconds(&timeline, cores);
+        // The host optimizer's threads share the cores with the compute kernels' as the
+        // compute kernels share them with it: each of its spans is busy longer by the time it
+        // overlaps compute.
+        for (s, stream) in schedule.streams.iter().enumerate() {
+            if stream.kind == StreamKind::HostOptimizer {
+                busy[s] += cpu_adam_beside_compute_seconds(&timeline, StreamId::new(s));
+            }
+        }
     }
     Ok(Simulation {
         step_seconds,
@@ -756,8 +764,9 @@ pub fn simulate_unverified(
 }
 
 /// What the host backend's compute kernels lose to the other streams on the same `cores`:
-/// every second of CPU Adam that overlaps compute (it runs in their thread pool and takes all
-/// of it), and `1 / cores` of every second of copy that overlaps compute (a `memcpy` thread
+/// every second of CPU Adam work that overlaps compute (its pool's threads and theirs share
+/// the cores half and half meanwhile, so the compute kernels lose as much time as the Adam
+/// does: [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that overlaps compute (a `memcpy` thread
 /// takes one core). Added to the step time, not spread over the timeline: the streams'
 /// spans stay as the events order them, and the compute stream ends that much later.
 pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
@@ -776,6 +785,32 @@ pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
         } else {
             0.0
         }
+}
+
+/// Seconds of `stream`'s CPU Adam spans during which a compute kernel runs: on the host
+/// backend, what the host optimizer stream loses to the compute kernels beside it, on top of
+/// its spans' own seconds. The host backend runs the CPU Adam in a thread pool of its own with
+/// one thread per core, as many as the compute kernels' pool, and the operating system shares
+/// the cores fairly among the threads, so while both run each gets about half the machine: a
+/// second of Adam work beside compute takes two seconds of wall time, of which the compute
+/// kernels lose one ([`shared_core_seconds`]) and the Adam the other. A device's host
+/// optimizer shares no cores with its compute: the simulator adds this only where
+/// [`CostModel::host_cores`] says the streams run on the CPU.
+pub fn cpu_adam_beside_compute_seconds(timeline: &[Span], stream: StreamId) -> f64 {
+    let spans: Vec<Span> = timeline
+        .iter()
+        .filter(|s| {
+            (s.stream == stream && s.category == category::CPU_ADAM)
+                || s.category == category::COMPUTE
+        })
+        .cloned()
+        .collect();
+    let busy: f64 = spans
+        .iter()
+        .filter(|s| s.category == category::CPU_ADAM)
+        .map(Span::seconds)
+        .sum();
+    (busy - exposed_seconds(&spans, &[category::CPU_ADAM], &[category::COMPUTE])).max(0.0)
 }
 
 /// Seconds during which some span of `categories` runs and no span of `hidden_by` does: the

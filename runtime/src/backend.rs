@@ -469,10 +469,10 @@ pub trait Backend: Sync + Sized {
     }
 
     /// Runs `launches`, which launches a run of adjacent AdamW kernels of one stream (no event
-    /// between them) one after the other: as it is, by default. The host backend runs the
-    /// whole run as one job of its thread pool, so that the run waits once for the pool's
-    /// workers to finish the compute kernel they are on, not once per parameter, and the
-    /// compute stream's next kernels wait behind it instead of interleaving with each AdamW.
+    /// between them; a run may be one kernel) one after the other: as it is, by default. The
+    /// host backend runs the whole run as one job of a thread pool of its own, apart from the
+    /// pool its compute kernels use, so that the run neither waits for a compute kernel to
+    /// free a worker nor hands its blocks over once per parameter.
     fn run_adamw_group(
         &self,
         launches: &mut (dyn FnMut() -> Result<Outcome> + Send),

@@ -1321,8 +1321,8 @@ fn run_stream<B: Backend>(
             at += 1;
             let began = start.elapsed().as_secs_f64();
             let group = adamw_run(graph, &program[at - 1..]);
-            if group.len() > 1 {
-                // A run of AdamW kernels goes to the backend whole; each is timed as it ends,
+            if !group.is_empty() {
+                // A run of AdamW kernels (one included) goes to the backend whole; each is timed as it ends,
                 // the first from the run's start, so a wait for the backend's workers counts.
                 at += group.len() - 1;
                 let (handle, busy, spans) = (&mut s.handle, &mut s.busy, &mut s.spans);

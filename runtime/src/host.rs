@@ -515,21 +515,42 @@ fn reduce_scatter_narrow<T: Copy>(
     Ok(())
 }
 
+/// The thread pool the host optimizer's AdamW runs run on ([`Backend::run_adamw_group`]):
+/// as many threads as the global pool the compute kernels use, made on first use and kept for
+/// the process. `None` when its threads cannot be made; the runs then go to the global pool.
+fn optimizer_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("protrain-adam-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 impl Backend for HostBackend {
     type Stream = HostStream;
 
-    /// The run as one job of the rayon pool the kernels share: the calling stream thread
-    /// hands it to the pool once, and every AdamW in it splits its blocks among the workers
-    /// from inside the pool, so a worker takes the compute stream's next kernel, handed to the
-    /// pool meanwhile, only when it finds no AdamW block to steal. A hand-over per parameter
-    /// would wait each time for the compute kernel the workers are on to end: beside compute,
-    /// the host optimizer stream's AdamW ops would take several times their isolated time
-    /// (`benches/fidelity.rs` prints the split).
+    /// The run as one job of a rayon pool of its own ([`optimizer_pool`]), not the pool the
+    /// compute kernels share. In the shared pool the run waited until a worker was free,
+    /// which is after the compute kernel the workers are on ends, and then shared the workers
+    /// with the compute stream's next kernels by work stealing, in a proportion that depends
+    /// on where the kernels' boundaries fall. With a pool of its own it starts at once and its
+    /// threads share the cores with the compute pool's by the operating system's fair
+    /// scheduler: while both run, each pool gets about half the machine (both have one thread
+    /// per core), which is what the simulator charges each of them
+    /// (`protrain_compiler::simulate::shared_core_seconds`). The launches still split their
+    /// blocks among that pool's threads from inside it, one hand-over a run.
     fn run_adamw_group(
         &self,
         launches: &mut (dyn FnMut() -> Result<Outcome> + Send),
     ) -> Result<Outcome> {
-        rayon::scope(|_| launches())
+        match optimizer_pool() {
+            Some(pool) => pool.install(launches),
+            None => rayon::scope(|_| launches()),
+        }
     }
 
     const RUNS_BF16: bool = true;
@@ -995,28 +1016,36 @@ impl Backend for HostBackend {
 #[cfg(test)]
 mod tests {
 
-    /// A run of AdamW launches goes to the rayon pool as one job: every launch in it runs on
-    /// a worker of the pool (so its blocks are split from inside the pool, not handed over
-    /// once per parameter), in order, and their outcomes and errors come back to the stream.
+    /// A run of AdamW launches goes to the host optimizer's own pool as one job: every launch
+    /// in it runs on a thread of that pool, not of the global pool the compute kernels use
+    /// (so it neither waits for a compute kernel to free a worker nor splits its blocks among
+    /// the compute kernels' workers), in order, and their outcomes and errors come back to the
+    /// stream.
     #[test]
-    fn a_run_of_adamw_launches_is_one_job_of_the_pool() {
-        use super::{Backend, HostBackend};
+    fn a_run_of_adamw_launches_is_one_job_of_the_optimizer_pool() {
+        use super::{optimizer_pool, Backend, HostBackend};
         use crate::dispatch::Outcome;
         use crate::error::RuntimeError;
         let backend = HostBackend::new(1 << 20, 1 << 20, 0).expect("a small backend");
-        let mut workers = Vec::new();
+        let pool = optimizer_pool().expect("the optimizer pool's threads start");
+        let mut threads = Vec::new();
         let done = backend.run_adamw_group(&mut || {
             for _ in 0..3 {
-                workers.push(rayon::current_thread_index());
+                let name = std::thread::current().name().map(str::to_string);
+                threads.push((pool.current_thread_index(), name));
             }
             Ok(Outcome::default())
         });
         assert_eq!(done.ok(), Some(Outcome::default()));
-        assert_eq!(workers.len(), 3);
+        assert_eq!(threads.len(), 3);
         assert!(
-            workers.iter().all(Option::is_some),
-            "launched outside the pool: {workers:?}"
+            threads.iter().all(|(index, name)| index.is_some()
+                && name
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with("protrain-adam-"))),
+            "launched outside the optimizer pool: {threads:?}"
         );
+        assert_eq!(pool.current_num_threads(), rayon::current_num_threads());
         let failed =
             backend.run_adamw_group(&mut || Err(RuntimeError::BadSchedule("a bad launch".into())));
         assert!(failed.is_err_and(|e| e.to_string().contains("a bad launch")));

@@ -29,7 +29,8 @@ pub struct ProfileOptions {
     pub copy_bytes: u64,
     /// Timed copies in each direction (median kept).
     pub copy_repeats: usize,
-    /// Parameters of the timed Adam step.
+    /// Parameters of the timed Adam step: by default enough that its state does not fit the
+    /// last-level cache ([`adam_params_beyond_cache`]).
     pub adam_params: usize,
     /// Largest graph, in bytes of all its values, whose ops are timed in place (the whole
     /// graph run step after step, as the executor runs it, so each op meets its operands
@@ -41,14 +42,15 @@ pub struct ProfileOptions {
 }
 
 impl Default for ProfileOptions {
-    /// 5 runs per op, 64 MiB copies 5 times each way, Adam over 4 Mi parameters, graphs up to
-    /// 4 GiB timed in place, named `host`.
+    /// 5 runs per op, 64 MiB copies 5 times each way, Adam over state twice this machine's
+    /// last-level cache ([`adam_params_beyond_cache`]), graphs up to 4 GiB timed in place,
+    /// named `host`.
     fn default() -> Self {
         Self {
             repeats: 5,
             copy_bytes: 64 << 20,
             copy_repeats: 5,
-            adam_params: 4 << 20,
+            adam_params: adam_params_beyond_cache(last_level_cache_bytes()),
             in_place_limit: 4 << 30,
             name: "host".to_string(),
         }
@@ -407,6 +409,55 @@ pub fn measure_memcpy(bytes: u64, repeats: usize) -> f64 {
     n as f64 / median(&mut times)
 }
 
+/// Bytes of Adam state per f32 parameter the profile's step streams: the parameter, its
+/// gradient and its two moments.
+const ADAM_STATE_BYTES: u64 = 16;
+
+/// The last-level cache assumed where the machine does not say (not Linux, or no sysfs): 256
+/// MiB, beyond the caches of most CPUs, so its Adam state is measured beyond them too.
+const ASSUMED_CACHE_BYTES: u64 = 256 << 20;
+
+/// Bytes of the largest cache of CPU 0 (Linux's `/sys/devices/system/cpu/cpu0/cache`), or
+/// `None` where it cannot be read.
+pub fn last_level_cache_bytes() -> Option<u64> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|entry| {
+        let size = std::fs::read_to_string(entry.ok()?.path().join("size")).ok()?;
+        parse_cache_size(&size)
+    })
+    .max()
+}
+
+/// A sysfs cache size (`48K`, `2048K`, `480M`) in bytes.
+fn parse_cache_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// Parameters of the profile's Adam step: enough that its state (16 bytes a parameter) is
+/// twice the last-level cache `cache_bytes` ([`ASSUMED_CACHE_BYTES`] when unknown), between 4
+/// Mi and 32 Mi parameters (64 and 512 MiB of state). The host optimizer updates each chunk
+/// once a step and the compute kernels and copies stream other memory between two updates, so
+/// in a schedule its state comes from memory; a step over state that the cache holds (4 Mi
+/// parameters are 64 MiB, which a large server cache keeps) measures the cache instead, up to
+/// twice as fast and as variable as the neighbours sharing that cache.
+pub fn adam_params_beyond_cache(cache_bytes: Option<u64>) -> usize {
+    let state = cache_bytes.unwrap_or(ASSUMED_CACHE_BYTES).saturating_mul(2);
+    let params = (state / ADAM_STATE_BYTES).clamp(4 << 20, 32 << 20);
+    usize::try_from(params).unwrap_or(32 << 20)
+}
+
 /// Parameters per second one [`kernels::adamw_step`] (the fused, vectorised host CPU Adam every
 /// backend's host optimizer runs) updates over `params` f32 parameters with f32 gradients,
 /// median of `repeats` steps.
@@ -655,6 +706,35 @@ mod tests {
                 op_key(&op.kind, &t)
             })
             .collect()
+    }
+
+    /// The Adam step's state is twice the last-level cache, within 4 to 32 Mi parameters;
+    /// a machine that does not say gets 256 MiB assumed (32 Mi parameters).
+    #[test]
+    fn the_adam_step_measures_state_beyond_the_last_level_cache() {
+        let mib = |n: u64| n << 20;
+        assert_eq!(adam_params_beyond_cache(Some(mib(32))), 4 << 20);
+        assert_eq!(adam_params_beyond_cache(Some(mib(48))), 6 << 20);
+        assert_eq!(adam_params_beyond_cache(Some(mib(480))), 32 << 20);
+        assert_eq!(adam_params_beyond_cache(Some(mib(1))), 4 << 20);
+        assert_eq!(adam_params_beyond_cache(Some(u64::MAX)), 32 << 20);
+        assert_eq!(adam_params_beyond_cache(None), 32 << 20);
+        assert_eq!(parse_cache_size("491520K\n"), Some(mib(480)));
+        assert_eq!(parse_cache_size("48K"), Some(48 << 10));
+        assert_eq!(parse_cache_size("2M"), Some(mib(2)));
+        assert_eq!(parse_cache_size("64"), Some(64));
+        assert_eq!(parse_cache_size("big"), None);
+        assert_eq!(parse_cache_size("99999999999999999999G"), None);
+        // The default options follow this machine's cache: 16 bytes a parameter, at least
+        // twice the cache where it is under 256 MiB.
+        let params = ProfileOptions::default().adam_params;
+        assert_eq!(params, adam_params_beyond_cache(last_level_cache_bytes()));
+        if let Some(cache) = last_level_cache_bytes().filter(|&c| c <= mib(256)) {
+            assert!(
+                16 * params as u64 >= 2 * cache,
+                "{params} parameters, {cache} bytes"
+            );
+        }
     }
 
     fn small() -> ProfileOptions {

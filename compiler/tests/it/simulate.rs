@@ -373,6 +373,78 @@ mod simulate {
         );
     }
 
+    /// [`Stub`]'s prices on the host backend, whose streams share 2 CPU cores.
+    struct HostStub;
+
+    impl CostModel for HostStub {
+        fn op_seconds(&self, k: &OpKind, i: &[&TensorType], o: &[&TensorType], d: DType) -> f64 {
+            Stub.op_seconds(k, i, o, d)
+        }
+
+        fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64 {
+            Stub.copy_seconds(bytes, dir)
+        }
+
+        fn cpu_adam_seconds(&self, params: u64) -> f64 {
+            Stub.cpu_adam_seconds(params)
+        }
+
+        fn gpu_adam_seconds(&self, params: u64) -> f64 {
+            Stub.gpu_adam_seconds(params)
+        }
+
+        fn host_cores(&self) -> Option<f64> {
+            Some(2.0)
+        }
+    }
+
+    /// The CPU Adam (4 s over 128 parameters) runs from the start beside the forward pass
+    /// (3.5 s of compute). On the host the two share the cores half and half while both run:
+    /// the compute kernels lose the 3.5 s of Adam work beside them (the step's shared term),
+    /// and the host optimizer stream is busy 3.5 s longer than its Adam work. On a device the
+    /// CPU Adam shares nothing with the compute kernels: 4 s busy, a 4 s step.
+    #[test]
+    fn simulate_host_adam_beside_host_compute_runs_at_a_share_of_the_cores() {
+        let s = schedule(
+            tiny_graph(),
+            0,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS)],
+                ),
+                ("host adam", StreamKind::HostOptimizer, vec![kernel(ADAMW)]),
+            ],
+        );
+        let host = simulate_unverified(&s, &HostStub).unwrap();
+        assert_eq!(host.stream_busy_seconds, [3.5, 7.5]);
+        assert_eq!(host.step_seconds, 4.0 + 3.5);
+        let device = simulate_unverified(&s, &Stub).unwrap();
+        assert_eq!(device.stream_busy_seconds, [3.5, 4.0]);
+        assert_eq!(device.step_seconds, 4.0);
+        // After the backward pass (the Adam waits for the last kernel) nothing is shared.
+        let after = schedule(
+            tiny_graph(),
+            1,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS), record(0)],
+                ),
+                (
+                    "host adam",
+                    StreamKind::HostOptimizer,
+                    vec![wait(0), kernel(ADAMW)],
+                ),
+            ],
+        );
+        let host = simulate_unverified(&after, &HostStub).unwrap();
+        assert_eq!(host.stream_busy_seconds, [3.5, 4.0]);
+        assert_eq!(host.step_seconds, 7.5);
+    }
+
     #[test]
     fn simulate_device_adamw_counts_as_optimizer_phase() {
         let s = schedule(
