@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, HostDisk, Result, Shortfall, ShortfallProblem};
-use crate::interleave::interleave;
+use crate::interleave::{interleave, interleave_on};
 use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
@@ -33,7 +33,7 @@ use protrain_ir::{
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::fmt::Write;
 use std::marker::PhantomData;
 use std::ops::RangeInclusive;
@@ -436,11 +436,32 @@ fn shard_collectives(
         true => CollectiveKind::AllReduce,
         false => CollectiveKind::ReduceScatter,
     };
+    // The chunk-major order's interleaved graph sums each of a rank's micro-batches'
+    // gradients over the ranks, whole ([`crate::data_parallel`]): an all-reduce per
+    // micro-batch, where the chunk is gathered once per pass.
+    let copies = interleaved_copies(training);
+    let scatter = match copies {
+        1 => cost.collective_seconds(summed, capacity, topology),
+        k => k as f64 * cost.collective_seconds(CollectiveKind::AllReduce, capacity, topology),
+    };
     (
         shards,
         cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
-        cost.collective_seconds(summed, capacity, topology),
+        scatter,
     )
+}
+
+/// How many micro-batches `graph` runs in one program: the blocks of each layer
+/// ([`crate::interleave`] gives every micro-batch's copy of a layer a block of that layer's
+/// kind), 1 for a graph of one micro-batch.
+fn interleaved_copies(graph: &Graph) -> u64 {
+    let mut blocks: BTreeMap<u32, u64> = BTreeMap::new();
+    for (_, b) in graph.blocks() {
+        if let BlockKind::Layer(i) = b.kind {
+            *blocks.entry(i).or_insert(0) += 1;
+        }
+    }
+    blocks.values().copied().max().unwrap_or(1).max(1)
 }
 
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
@@ -1568,8 +1589,10 @@ fn with_budgets(
 /// micro-batch orders ([`MicroBatchOrder`]): the sequential one, and the chunk-major one,
 /// estimated on the [`interleave`]d graph (each chunk moved once per step, the compute and
 /// the activations of `K` micro-batches); the faster simulated winner is returned, the
-/// sequential one where they tie. Several ranks search the sequential order alone: the
-/// chunk-major order runs on one rank.
+/// sequential one where they tie. Several ranks search both orders too, `K` being a rank's
+/// micro-batches ([`interleave_on`]): a sharded chunk gathered once per pass per step in
+/// the chunk-major order, its gradients summed over the ranks once per micro-batch in
+/// either ([`crate::data_parallel`]).
 ///
 /// When nothing fits, the error says the smallest budget that would and what takes the
 /// memory in that schedule.
@@ -1588,10 +1611,10 @@ pub fn search(
         options,
         MicroBatchOrder::Sequential,
     );
-    if training.micro_batches() / ranks <= 1 || ranks > 1 {
+    if training.micro_batches() / ranks <= 1 {
         return sequential;
     }
-    let interleaved = interleave(training)?;
+    let interleaved = interleave_on(training, ranks)?;
     let chunk_major = search_in_order(
         training,
         &interleaved,
@@ -1625,8 +1648,8 @@ pub fn search(
 }
 
 /// [`search`] in one micro-batch `order` only (the chunk-major one estimated on the
-/// [`interleave`]d graph), as [`search`] runs each of the two it compares; the chunk-major
-/// order is refused on several ranks, as [`crate::lower`] refuses it.
+/// [`interleave_on`]d graph of a rank's micro-batches), as [`search`] runs each of the two
+/// it compares.
 pub fn search_ordered(
     training: &Graph,
     chunks: &ChunkTable,
@@ -1639,7 +1662,8 @@ pub fn search_ordered(
             search_in_order(training, training, chunks, cost, options, order)
         }
         MicroBatchOrder::ChunkMajor => {
-            let interleaved = interleave(training)?;
+            let ranks = u64::from(options.topology.ranks().max(1));
+            let interleaved = interleave_on(training, ranks)?;
             search_in_order(training, &interleaved, chunks, cost, options, order)
         }
     }
