@@ -437,18 +437,45 @@ fn shard_collectives(
         false => CollectiveKind::ReduceScatter,
     };
     // The chunk-major order's interleaved graph sums each of a rank's micro-batches'
-    // gradients over the ranks, whole ([`crate::data_parallel`]): an all-reduce per
-    // micro-batch, where the chunk is gathered once per pass.
-    let copies = interleaved_copies(training);
-    let scatter = match copies {
+    // gradients over the ranks in its backward pass instead ([`chunk_major_sums`]).
+    let scatter = match interleaved_copies(training) {
         1 => cost.collective_seconds(summed, capacity, topology),
-        k => k as f64 * cost.collective_seconds(CollectiveKind::AllReduce, capacity, topology),
+        _ => 0.0,
     };
     (
         shards,
         cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
         scatter,
     )
+}
+
+/// The seconds the chunk-major order's backward pass takes, per chunk, to sum its
+/// gradients over `topology`'s ranks: one all-reduce of each member's gradient per
+/// micro-batch, which the compute stream waits for ([`crate::data_parallel`]); none for
+/// one rank or a graph of one micro-batch.
+fn chunk_major_sums(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    cost: &dyn CostModel,
+    topology: Topology,
+) -> Vec<f64> {
+    let (ranks, copies) = (topology.ranks().max(1), interleaved_copies(graph));
+    chunks
+        .chunks
+        .iter()
+        .map(|c| match ranks == 1 || copies == 1 {
+            true => 0.0,
+            false => c
+                .members
+                .iter()
+                .map(|m| {
+                    let bytes = graph.value(graph.param(m.param).value).ty.bytes();
+                    copies as f64
+                        * cost.collective_seconds(CollectiveKind::AllReduce, bytes, topology)
+                })
+                .sum(),
+        })
+        .collect()
 }
 
 /// How many micro-batches `graph` runs in one program: the blocks of each layer
@@ -537,7 +564,7 @@ impl Profile {
             .len();
         let OpWalk {
             chunk_forward,
-            chunk_backward,
+            mut chunk_backward,
             layer_forward,
             layer_chunk,
             layer_saved,
@@ -568,6 +595,12 @@ impl Profile {
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
         let (shards, gather, scatter) = shard_collectives(training, chunks, cost, topology);
+        for (b, sums) in chunk_backward
+            .iter_mut()
+            .zip(chunk_major_sums(training, chunks, cost, topology))
+        {
+            *b += sums;
+        }
         let copies = |dir, collective: f64| -> Vec<f64> {
             chunk_bytes
                 .iter()

@@ -861,8 +861,8 @@ fn kernels_of(schedule: &VerifiedSchedule, op: &OpKind) -> (usize, usize) {
 /// the running sum by its add on the collective stream, in the global micro-batches' order.
 ///
 /// Mutation that fails it: summing the ranks' gradients once after the last micro-batch
-/// (the adds left on the compute stream, the sums all-reduced as one micro-batch's are): the
-/// weights differ from the sequential order's.
+/// (`data_parallel` all-reducing a chunk-major schedule's sums as one micro-batch's, the
+/// adds left on the compute stream): no add on the collective stream.
 const TIGHT_THREE_BUFFERS: &str = "n_persist=0 n_buffer=3 n_swap=1 n_checkpoint=1";
 
 #[test]
