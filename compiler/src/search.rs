@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, HostDisk, Result, Shortfall, ShortfallProblem};
-use crate::interleave::{interleave, interleave_on};
+use crate::interleave::interleave_on;
 use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
@@ -1620,7 +1620,7 @@ fn with_budgets(
 ///
 /// With gradient accumulation over `K > 1` micro-batches on one rank it searches both
 /// micro-batch orders ([`MicroBatchOrder`]): the sequential one, and the chunk-major one,
-/// estimated on the [`interleave`]d graph (each chunk moved once per step, the compute and
+/// estimated on the [`interleave`](crate::interleave::interleave)d graph (each chunk moved once per step, the compute and
 /// the activations of `K` micro-batches); the faster simulated winner is returned, the
 /// sequential one where they tie. Several ranks search both orders too, `K` being a rank's
 /// micro-batches ([`interleave_on`]): a sharded chunk gathered once per pass per step in
