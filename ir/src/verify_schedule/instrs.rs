@@ -115,8 +115,8 @@ impl Checker<'_> {
             _ => {
                 return Err(format!(
                     "a kernel on a {} stream: kernels run on compute and host \
-                     optimizer streams (and accumulate_grad or a chunk-major gradient \
-                     sum's add on the collective stream)",
+                     optimizer streams (and accumulate_grad on the collective \
+                     stream)",
                     stream_kind_name(kind)
                 ))
             }
