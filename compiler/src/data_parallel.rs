@@ -57,10 +57,89 @@ pub fn data_parallel(schedule: Schedule, topology: Topology) -> Result<Schedule>
         gpus: topology.gpus,
         nodes: topology.nodes,
     };
+    if schedule.is_chunk_major() {
+        return sum_interleaved(schedule, kind);
+    }
     match schedule.micro_batches() {
         k if k > 1 => sum_micro_batches(schedule, kind, k),
         _ => all_reduce_gradients(schedule, kind),
     }
+}
+
+/// Chunk-major accumulation ([`crate::interleave`]): each gradient the optimizer reads is
+/// `((g1 + g2) + g3) ...`, the adds of the rank's `K` micro-batches' gradients in order. Over
+/// the ranks the sums must be those of one rank accumulating every rank's micro-batches in
+/// the global order (rank `r`'s micro-batch `m` is the global micro-batch `m * ranks + r`,
+/// the runtime's `data::rank_rows`): `((((0 + g1@0) + g1@1) + g2@0) + g2@1) ...`. So the first
+/// micro-batch's gradient is all-reduced in place right after its kernel (a sum from zero in
+/// rank order), and each add moves to the collective stream, where it starts from the
+/// running sum (already the ranks') and adds every rank's gradient of the next micro-batch in
+/// rank order, as an `accumulate_grad` over the ranks does; its stream records an event where
+/// it was and waits for the sum. Every rank then holds the whole sums, sharded chunks' too:
+/// [`crate::shard`] copies each rank's slice of those to its shard without a reduce-scatter.
+///
+/// The parameters are gathered once per step per pass (the interleaved graph runs every
+/// micro-batch through a chunk while it is resident); the gradients are summed over the
+/// ranks once per micro-batch, which the global order needs (a sum of per-rank sums is not
+/// one rank's bits).
+fn sum_interleaved(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule> {
+    let k = schedule.micro_batch_losses.len();
+    let graph = &schedule.graph;
+    let mut firsts: Vec<ValueId> = Vec::new();
+    let mut adds: HashSet<protrain_ir::OpId> = HashSet::new();
+    for (_, op) in graph.ops() {
+        if !matches!(op.kind, OpKind::AdamW { .. }) {
+            continue;
+        }
+        let mut sum = op.inputs[1];
+        for _ in 1..k {
+            let add = graph
+                .value(sum)
+                .producer
+                .filter(|&p| graph.op(p).kind == OpKind::Add && graph.op(p).inputs.len() == 2)
+                .ok_or_else(|| {
+                    CompileError::Validation(format!(
+                        "the gradient {} of a chunk-major schedule is not a sum of {k} \
+                         micro-batches' gradients",
+                        graph.value(op.inputs[1]).name
+                    ))
+                })?;
+            adds.insert(add);
+            sum = graph.op(add).inputs[0];
+        }
+        firsts.push(sum);
+    }
+    let mut events = schedule.events;
+    let mut event = || {
+        events += 1;
+        EventId(events - 1)
+    };
+    let mut jobs: Vec<Job> = Vec::new();
+    for stream in schedule.streams.iter_mut() {
+        let old = std::mem::take(&mut stream.instrs);
+        let mut instrs = Vec::with_capacity(old.len() + 8);
+        for instr in old {
+            let sums = matches!(&instr, Instr::Kernel { op, .. } if adds.contains(op));
+            if !sums {
+                instrs.push(instr);
+                continue;
+            }
+            let (trigger, done) = (event(), event());
+            instrs.push(Instr::Record { event: trigger });
+            instrs.push(Instr::Wait { event: done });
+            jobs.push(Job {
+                trigger,
+                instr,
+                done,
+            });
+        }
+        stream.instrs = instrs;
+    }
+    schedule.events = events;
+    let mut schedule = all_reduce_values(schedule, kind, &firsts)?;
+    let comm = schedule.streams.len() - 1;
+    schedule.streams[comm].instrs = merge(&schedule, comm, jobs)?;
+    Ok(schedule)
 }
 
 /// The gradients the optimizer reads, in the order their AdamW ops appear, but those of
@@ -166,14 +245,24 @@ fn gradient_producers(schedule: &Schedule, grads: &[ValueId]) -> Result<Producer
 /// With one micro-batch, each gradient is all-reduced right after the kernel that computes
 /// it (see the module doc), and the kernel's stream waits for the sum before its next
 /// instruction that reads one of them or records an event.
-fn all_reduce_gradients(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule> {
+fn all_reduce_gradients(schedule: Schedule, kind: StreamKind) -> Result<Schedule> {
+    let grads = summed_gradients(&schedule);
+    all_reduce_values(schedule, kind, &grads)
+}
+
+/// [`all_reduce_gradients`] of the values `grads`: each all-reduced right after the kernel
+/// that computes it, on a collective stream added last.
+fn all_reduce_values(
+    mut schedule: Schedule,
+    kind: StreamKind,
+    grads: &[ValueId],
+) -> Result<Schedule> {
     let mut events = schedule.events;
     let mut event = || {
         events += 1;
         EventId(events - 1)
     };
-    let grads = summed_gradients(&schedule);
-    let producers = gradient_producers(&schedule, &grads)?;
+    let producers = gradient_producers(&schedule, grads)?;
     let mut comm: Vec<Instr> = Vec::new();
     // Instructions to insert after (stream, index), and before (stream, index).
     let mut after: BTreeMap<(usize, usize), Vec<Instr>> = BTreeMap::new();

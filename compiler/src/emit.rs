@@ -55,8 +55,9 @@ pub fn emit(streamed: Streamed, planned: &Planned, inputs: HeaderInputs) -> Resu
         }
     }
     // Chunk-major accumulation: the interleaved graph's outputs start with the micro-batches'
-    // losses.
-    let k = graph.micro_batches() as usize;
+    // losses, one per micro-batch of a rank (the loss gradient is scaled for every rank's,
+    // and the chunk table of several ranks is sharded over them).
+    let k = (graph.micro_batches() / u64::from(placed.chunks.world_size.max(1))) as usize;
     let micro_batch_losses = match placed.policy.order {
         MicroBatchOrder::ChunkMajor if k > 1 => {
             streamed.outputs[..k.min(streamed.outputs.len())].to_vec()

@@ -61,7 +61,16 @@ fn runs(graph: &Graph, ops: &[OpId]) -> Vec<Vec<OpId>> {
 /// Fails when an optimizer op reads a value of one micro-batch other than a parameter's
 /// gradient (the optimizer runs once per step, on the sums), or an op is rejected by the IR.
 pub fn interleave(training: &Graph) -> Result<Graph> {
-    let k = training.micro_batches();
+    interleave_on(training, 1)
+}
+
+/// [`interleave`] for one of `ranks` data-parallel ranks: the loss gradient is scaled for
+/// `ranks x K` micro-batches ([`crate::accumulate::scale_loss_gradient`]) and the graph
+/// interleaves the `K` of one rank. Each copy's gradient is still summed into the step's
+/// by an [`OpKind::Add`]; [`crate::data_parallel`] turns those adds into sums over the
+/// ranks, in the order one rank accumulating every rank's micro-batches sums them.
+pub fn interleave_on(training: &Graph, ranks: u64) -> Result<Graph> {
+    let k = training.micro_batches() / ranks.max(1);
     if k <= 1 {
         return Ok(training.clone());
     }

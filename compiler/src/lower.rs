@@ -11,7 +11,7 @@ use crate::comm::Topology;
 use crate::data_parallel::data_parallel;
 use crate::emit::{emit, HeaderInputs};
 use crate::error::{CompileError, Result};
-use crate::interleave::interleave;
+use crate::interleave::interleave_on;
 use crate::pad_rows::pad_rows;
 use crate::place::place;
 use crate::plan::plan_buffers;
@@ -24,7 +24,7 @@ use protrain_ir::{ChunkTable, Graph, MicroBatchOrder, Policy, Schedule};
 /// Compiles a training graph under one policy: place, streams, pad rows, plan, emit, and accumulate
 /// when the graph's loss gradient is scaled for several micro-batches (in the policy's
 /// order: sequential, by [`accumulate_micro_batches`], or chunk-major, by placing the
-/// [`interleave`]d graph). The placed graph
+/// [`interleave_on`]d graph). The placed graph
 /// is verified after placement and, in tests and debug builds, validated against the training
 /// graph with an e-graph, and the schedule verified after emission. It returns the schedule
 /// unverified in release builds: the search compiles many candidates and verifies only the
@@ -72,15 +72,10 @@ pub fn compile_policy_on(
     // lowered as a step of one micro-batch (no accumulators, no micro-batch program).
     let per_rank = global / ranks;
     let chunk_major = policy.order == MicroBatchOrder::ChunkMajor && per_rank > 1;
-    if chunk_major && ranks > 1 {
-        return Err(CompileError::BadPolicy(format!(
-            "order=chunk-major runs on one rank, not {ranks}; give order=sequential"
-        )));
-    }
     let interleaved;
     let training = match chunk_major {
         true => {
-            interleaved = interleave(training)?;
+            interleaved = interleave_on(training, ranks)?;
             &interleaved
         }
         false => training,

@@ -24,7 +24,7 @@ use crate::comm::{CollectiveKind, Topology};
 use crate::cost::{CopyDir, CostModel};
 use crate::emit::HeaderInputs;
 use crate::error::{CompileError, HostDisk, Result, Shortfall, ShortfallProblem};
-use crate::interleave::interleave;
+use crate::interleave::interleave_on;
 use crate::lower::{compile_policy_on, HostBudgets};
 use crate::simulate::simulate_unverified;
 use protrain_ir::{
@@ -33,7 +33,7 @@ use protrain_ir::{
 };
 use rayon::prelude::*;
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::fmt::Write;
 use std::marker::PhantomData;
 use std::ops::RangeInclusive;
@@ -436,11 +436,59 @@ fn shard_collectives(
         true => CollectiveKind::AllReduce,
         false => CollectiveKind::ReduceScatter,
     };
+    // The chunk-major order's interleaved graph sums each of a rank's micro-batches'
+    // gradients over the ranks in its backward pass instead ([`chunk_major_sums`]).
+    let scatter = match interleaved_copies(training) {
+        1 => cost.collective_seconds(summed, capacity, topology),
+        _ => 0.0,
+    };
     (
         shards,
         cost.collective_seconds(CollectiveKind::AllGather, capacity, topology),
-        cost.collective_seconds(summed, capacity, topology),
+        scatter,
     )
+}
+
+/// The seconds the chunk-major order's backward pass takes, per chunk, to sum its
+/// gradients over `topology`'s ranks: one all-reduce of each member's gradient per
+/// micro-batch, which the compute stream waits for ([`crate::data_parallel`]); none for
+/// one rank or a graph of one micro-batch.
+fn chunk_major_sums(
+    graph: &Graph,
+    chunks: &ChunkTable,
+    cost: &dyn CostModel,
+    topology: Topology,
+) -> Vec<f64> {
+    let (ranks, copies) = (topology.ranks().max(1), interleaved_copies(graph));
+    chunks
+        .chunks
+        .iter()
+        .map(|c| match ranks == 1 || copies == 1 {
+            true => 0.0,
+            false => c
+                .members
+                .iter()
+                .map(|m| {
+                    let bytes = graph.value(graph.param(m.param).value).ty.bytes();
+                    copies as f64
+                        * cost.collective_seconds(CollectiveKind::AllReduce, bytes, topology)
+                })
+                .sum(),
+        })
+        .collect()
+}
+
+/// How many micro-batches `graph` runs in one program: the blocks of each layer
+/// ([`crate::interleave`] gives every micro-batch's copy of a layer a block of that layer's
+/// kind), 1 for a graph of one micro-batch.
+fn interleaved_copies(graph: &Graph) -> u64 {
+    let mut blocks: BTreeMap<u32, u64> = BTreeMap::new();
+    for (_, b) in graph.blocks() {
+        if let BlockKind::Layer(i) = b.kind {
+            *blocks.entry(i).or_insert(0) += 1;
+        }
+    }
+    blocks.values().copied().max().unwrap_or(1).max(1)
 }
 
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
@@ -516,7 +564,7 @@ impl Profile {
             .len();
         let OpWalk {
             chunk_forward,
-            chunk_backward,
+            mut chunk_backward,
             layer_forward,
             layer_chunk,
             layer_saved,
@@ -547,6 +595,12 @@ impl Profile {
         let h2d_per_byte = cost.copy_seconds(big, CopyDir::HostToDevice) / big as f64;
         let d2h_per_byte = cost.copy_seconds(big, CopyDir::DeviceToHost) / big as f64;
         let (shards, gather, scatter) = shard_collectives(training, chunks, cost, topology);
+        for (b, sums) in chunk_backward
+            .iter_mut()
+            .zip(chunk_major_sums(training, chunks, cost, topology))
+        {
+            *b += sums;
+        }
         let copies = |dir, collective: f64| -> Vec<f64> {
             chunk_bytes
                 .iter()
@@ -1566,10 +1620,12 @@ fn with_budgets(
 ///
 /// With gradient accumulation over `K > 1` micro-batches on one rank it searches both
 /// micro-batch orders ([`MicroBatchOrder`]): the sequential one, and the chunk-major one,
-/// estimated on the [`interleave`]d graph (each chunk moved once per step, the compute and
+/// estimated on the [`interleave`](crate::interleave::interleave)d graph (each chunk moved once per step, the compute and
 /// the activations of `K` micro-batches); the faster simulated winner is returned, the
-/// sequential one where they tie. Several ranks search the sequential order alone: the
-/// chunk-major order runs on one rank.
+/// sequential one where they tie. Several ranks search both orders too, `K` being a rank's
+/// micro-batches ([`interleave_on`]): a sharded chunk gathered once per pass per step in
+/// the chunk-major order, its gradients summed over the ranks once per micro-batch in
+/// either ([`crate::data_parallel`]).
 ///
 /// When nothing fits, the error says the smallest budget that would and what takes the
 /// memory in that schedule.
@@ -1588,10 +1644,10 @@ pub fn search(
         options,
         MicroBatchOrder::Sequential,
     );
-    if training.micro_batches() / ranks <= 1 || ranks > 1 {
+    if training.micro_batches() / ranks <= 1 {
         return sequential;
     }
-    let interleaved = interleave(training)?;
+    let interleaved = interleave_on(training, ranks)?;
     let chunk_major = search_in_order(
         training,
         &interleaved,
@@ -1625,8 +1681,8 @@ pub fn search(
 }
 
 /// [`search`] in one micro-batch `order` only (the chunk-major one estimated on the
-/// [`interleave`]d graph), as [`search`] runs each of the two it compares; the chunk-major
-/// order is refused on several ranks, as [`crate::lower`] refuses it.
+/// [`interleave_on`]d graph of a rank's micro-batches), as [`search`] runs each of the two
+/// it compares.
 pub fn search_ordered(
     training: &Graph,
     chunks: &ChunkTable,
@@ -1639,7 +1695,8 @@ pub fn search_ordered(
             search_in_order(training, training, chunks, cost, options, order)
         }
         MicroBatchOrder::ChunkMajor => {
-            let interleaved = interleave(training)?;
+            let ranks = u64::from(options.topology.ranks().max(1));
+            let interleaved = interleave_on(training, ranks)?;
             search_in_order(training, &interleaved, chunks, cost, options, order)
         }
     }

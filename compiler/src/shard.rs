@@ -128,7 +128,8 @@ pub fn shard(mut schedule: Schedule) -> Result<Schedule> {
     };
     // Gradients already summed whole by [`crate::data_parallel`] (for the global norm) are
     // offloaded as each rank's slice of the sum, without a reduce-scatter.
-    let summed = reads_global_norm(&schedule.graph);
+    // So are a chunk-major schedule's, summed over the ranks micro-batch by micro-batch.
+    let summed = reads_global_norm(&schedule.graph) || schedule.is_chunk_major();
     let mut jobs: Vec<Job> = Vec::new();
     for (s, stream) in schedule.streams.iter_mut().enumerate() {
         if s == comm {

@@ -339,6 +339,19 @@ pub fn instr_seconds(
                         cost.op_seconds(&op.kind, &inputs, &outputs, dtype)
                     }
                 },
+                // On the collective stream: a chunk-major sum's add, a micro-batch's
+                // gradient summed over the ranks into the running sum, an all-reduce of its
+                // bytes (the running sum's copy and the adds ride along).
+                (OpKind::Add, Some(sum)) if matches!(kind, StreamKind::Collective { .. }) => {
+                    let StreamKind::Collective { gpus, nodes } = kind else {
+                        return 0.0;
+                    };
+                    cost.collective_seconds(
+                        CollectiveKind::AllReduce,
+                        sum.bytes(),
+                        Topology { gpus, nodes },
+                    )
+                }
                 (OpKind::AdamW { .. }, Some(param)) if on_host => {
                     // A sharded chunk's rank updates its slice: 1/ranks of the parameters.
                     let sharded = match instr {

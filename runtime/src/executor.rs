@@ -131,6 +131,15 @@ enum Planned {
         len: usize,
         kernel: Box<Planned>,
     },
+    /// A chunk-major gradient sum's `add` on the collective stream: the running sum at
+    /// `from` copied to the new sum's place (where they differ), then the micro-batch's
+    /// gradient summed over the ranks into it, as `sum` (an [`Planned::AccumulateOverRanks`]
+    /// whose kernel is the `add`) does.
+    AddOverRanks {
+        from: Address,
+        bytes: u64,
+        sum: Box<Planned>,
+    },
     /// An `accumulate_grad` of a sharded chunk's gradient on the collective stream: every
     /// rank's gradient at `grad` summed into the `part` of the accumulator this rank holds,
     /// at `acc` ([`Backend::accumulate_into_shard`]).
@@ -1420,6 +1429,39 @@ fn run_stream<B: Backend>(
                         )?
                     };
                 }
+                Planned::AddOverRanks { from, bytes, sum } => {
+                    let Planned::AccumulateOverRanks {
+                        acc,
+                        grad,
+                        dtype,
+                        len,
+                        kernel,
+                    } = sum.as_ref()
+                    else {
+                        return Err(RuntimeError::BadSchedule(
+                            "a gradient sum's add over the ranks planned without its \
+                             accumulation; this is a bug in the executor"
+                                .into(),
+                        ));
+                    };
+                    let comm = rank_collective(&mut comm, "a gradient sum over the ranks")?;
+                    // SAFETY: as for kernels; the verifier proved the sum's bytes apart
+                    // from its inputs'.
+                    let summed = unsafe {
+                        if from != acc {
+                            backend.copy(&mut s.handle, *from, *acc, *bytes)?;
+                        }
+                        backend.all_reduce_into(&mut s.handle, *acc, *grad, *dtype, *len, comm)?
+                    };
+                    // A backend that summed the gradient over the ranks in place (NCCL) adds
+                    // the running sum to it with the add's own kernel.
+                    if !summed {
+                        // SAFETY: as for kernels.
+                        let done =
+                            unsafe { launch_kernel(backend, &mut s.handle, graph, kernel, step)? };
+                        outcome = outcome.merge(done);
+                    }
+                }
                 Planned::AccumulateOverRanks {
                     acc,
                     grad,
@@ -1578,6 +1620,25 @@ fn plan(
             if collective && graph.op(*op).kind == OpKind::AccumulateGrad =>
         {
             plan_accumulate(schedule, instr, *op, inputs, rank, masters)
+        }
+        Instr::Kernel {
+            op,
+            inputs,
+            outputs,
+            ..
+        } if collective && graph.op(*op).kind == OpKind::Add => {
+            let ty = &graph.value(graph.op(*op).outputs[0]).ty;
+            Planned::AddOverRanks {
+                from: address(schedule, inputs[0]),
+                bytes: ty.bytes(),
+                sum: Box::new(Planned::AccumulateOverRanks {
+                    acc: address(schedule, outputs[0]),
+                    grad: address(schedule, inputs[1]),
+                    dtype: ty.dtype,
+                    len: ty.numel() as usize,
+                    kernel: Box::new(plan(schedule, instr, rank, masters, false)),
+                }),
+            }
         }
         Instr::Kernel {
             op,

@@ -101,7 +101,7 @@ type Start = (Vec<Vec<f32>>, Option<Vec<(String, Vec<f32>)>>, u64);
 /// state as floats for resuming.
 fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Start) {
     let ranks = schedule.ranks() as usize;
-    let global = BATCH * u64::from(schedule.micro_batches()) * ranks as u64;
+    let global = BATCH * u64::from(schedule.micro_batches_per_step()) * ranks as u64;
     let vocab = vocab_of(&schedule.graph).expect("a language model");
     let first = start.2 as usize;
     let batches = common::batches(vocab, global, SEQ, first + steps, 7);
@@ -120,7 +120,7 @@ fn train(schedule: &VerifiedSchedule, start: &Start, steps: usize) -> (Run, Star
             executor.set_step(start.2);
         }
         let mut losses = Vec::new();
-        let k = schedule.micro_batches() as usize;
+        let k = schedule.micro_batches_per_step() as usize;
         let (mut ins, mut outs) = (Vec::new(), Vec::new());
         for [inputs, targets] in &batches[first..] {
             rank_rows(inputs, rank, ranks, k, &mut ins).expect("rows");
@@ -827,5 +827,103 @@ fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
         "run one rank (--gpus 1)",
     ] {
         assert!(err.contains(needle), "no `{needle}` in: {err}");
+    }
+}
+
+/// The kernels of `op` on the collective stream and off it.
+fn kernels_of(schedule: &VerifiedSchedule, op: &OpKind) -> (usize, usize) {
+    let mut counts = (0, 0);
+    for stream in &schedule.streams {
+        let comm = matches!(stream.kind, StreamKind::Collective { .. });
+        for instr in &stream.instrs {
+            if let Instr::Kernel { op: o, .. } = instr {
+                if schedule.graph.op(*o).kind == *op {
+                    match comm {
+                        true => counts.0 += 1,
+                        false => counts.1 += 1,
+                    }
+                }
+            }
+        }
+    }
+    counts
+}
+
+/// Two ranks of 4 micro-batches each in the chunk-major order (every micro-batch through a
+/// chunk while it is resident), gpt2-tiny in f32 and llama-tiny in bf16, under a tight
+/// policy (every chunk offloaded, so sharded, through three buffers: a layer of these models
+/// reads up to three chunks, and fewer buffers than that gather them again per micro-batch) and the roomy one (replicated): the losses,
+/// weights and Adam moments of the same ranks in the sequential order and of one rank
+/// accumulating all 8 micro-batches, bit for bit. Each rank gathers a sharded chunk once per
+/// pass per step, as one micro-batch does (the sequential order's micro-batch program
+/// gathers it once per pass per micro-batch), with no reduce-scatter: the first
+/// micro-batch's gradients are all-reduced and every later one is summed over the ranks into
+/// the running sum by its add on the collective stream, in the global micro-batches' order.
+///
+/// Mutation that fails it: summing the ranks' gradients once after the last micro-batch
+/// (`data_parallel` all-reducing a chunk-major schedule's sums as one micro-batch's, the
+/// adds left on the compute stream): no add on the collective stream.
+const TIGHT_THREE_BUFFERS: &str = "n_persist=0 n_buffer=3 n_swap=1 n_checkpoint=1";
+
+#[test]
+fn chunk_major_sharded_ranks_train_as_sequential_and_one_rank_bit_for_bit() {
+    let (ranks, a) = (2u32, 4u64);
+    for (model, dtype) in [("gpt2-tiny", DType::F32), ("llama-tiny", DType::BF16)] {
+        let one = compile(model, TIGHT, 1, u64::from(ranks) * a, dtype);
+        let (single, _) = train(&one, &fresh(&one), 3);
+        for policy in [TIGHT_THREE_BUFFERS, ROOMY] {
+            let what = format!("{model} {dtype} {policy}: {ranks} ranks x {a} chunk-major");
+            let sequential = compile(model, policy, ranks, a, dtype);
+            let chunk_major = compile(
+                model,
+                &format!("{policy} order=chunk-major"),
+                ranks,
+                a,
+                dtype,
+            );
+            assert!(chunk_major.is_chunk_major(), "{what}");
+            assert_eq!(chunk_major.micro_batches_per_step(), a as u32, "{what}");
+            let adamws = chunk_major
+                .graph
+                .ops()
+                .filter(|(_, o)| matches!(o.kind, OpKind::AdamW { .. }))
+                .count();
+            assert_eq!(
+                kernels_of(&chunk_major, &OpKind::Add).0,
+                adamws * (a as usize - 1),
+                "{what}: an add over the ranks per gradient per later micro-batch"
+            );
+            let all_reduces = chunk_major
+                .streams
+                .iter()
+                .flat_map(|s| &s.instrs)
+                .filter(|i| matches!(i, Instr::AllReduce { .. }))
+                .count();
+            assert_eq!(all_reduces, adamws, "{what}: the first micro-batch's sums");
+            if policy == TIGHT_THREE_BUFFERS {
+                assert!(chunk_major.sharded(), "{what}");
+                let once = compile(model, policy, ranks, 1, dtype);
+                let (gathers, scatters) = collectives(&chunk_major);
+                assert_eq!(gathers, collectives(&once).0, "{what}: gathers per step");
+                assert_eq!(scatters, 0, "{what}: reduce-scatters");
+                // The sequential order's micro-batch program gathers as often, per micro-batch.
+                assert_eq!(sequential.micro_batches(), a as u32, "{what}");
+                assert_eq!(collectives(&sequential).0, gathers, "{what}");
+            }
+            let (in_order, _) = train(&sequential, &fresh(&sequential), 3);
+            let (interleaved, _) = train(&chunk_major, &fresh(&chunk_major), 3);
+            assert_eq!(in_order.0, single.0, "{what}: sequential losses");
+            assert_eq!(interleaved.0, in_order.0, "{what}: losses");
+            assert!(interleaved.1 == in_order.1, "{what}: weights differ");
+            assert!(interleaved.2 == in_order.2, "{what}: Adam moments differ");
+            assert!(
+                interleaved.1 == single.1,
+                "{what}: weights differ from one rank"
+            );
+            assert!(
+                interleaved.2 == single.2,
+                "{what}: moments differ from one rank"
+            );
+        }
     }
 }

@@ -676,3 +676,86 @@ fn llama_2_70b_compiles_sharded_for_eight_a100s_in_1_tib_and_is_refused_half_of_
         "the library names settings, not flags: {e}"
     );
 }
+
+/// The chunk-major order on several ranks: gpt2-tiny and llama-tiny of 4 micro-batches a
+/// rank on 2 and 4 ranks, under policies that keep every chunk, stream some and stream all
+/// (sharded) through three buffers, clipped or not, compile where they were refused and verify. One program runs
+/// the step (no micro-batch marker); a sharded chunk is all-gathered once per pass per step,
+/// as a step of one micro-batch gathers it (the sequential order's micro-batch program
+/// gathers as often, once per micro-batch), and nothing is reduce-scattered: each gradient's
+/// first micro-batch is all-reduced on the collective stream and each later one summed over
+/// the ranks into the running sum by its add there, none of those adds left elsewhere.
+#[test]
+fn chunk_major_on_several_ranks_gathers_each_chunk_once_per_pass_per_step() {
+    use protrain_ir::MicroBatchOrder;
+    // Three buffers: a layer of these models reads up to three chunks, each gathered once
+    // while its micro-batches run through the layer.
+    let policies: [fn(u32) -> Policy; 3] = [
+        |n| Policy::resident(n, 2),
+        |_| Policy::protrain(1, 3, 1, 1, 2),
+        |_| Policy::protrain(0, 3, 0, 1, 2),
+    ];
+    let k = 4;
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for (p, policy) in policies.iter().enumerate() {
+            for clip in [false, true] {
+                for ranks in [2, 4] {
+                    let what = format!("{model} policy {p} clip {clip} {ranks} ranks x {k}");
+                    let chunk_major = |n| policy(n).with_order(MicroBatchOrder::ChunkMajor);
+                    let s = schedule(model, chunk_major, ranks, k, clip);
+                    verify_schedule(&s).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert!(s.is_chunk_major(), "{what}");
+                    assert_eq!(s.micro_batches(), 1, "{what}: one program");
+                    assert_eq!(s.micro_batches_per_step(), k as u32, "{what}");
+                    let count = |s: &Schedule, f: &dyn Fn(&Instr) -> bool| {
+                        s.streams
+                            .iter()
+                            .flat_map(|st| &st.instrs)
+                            .filter(|i| f(i))
+                            .count()
+                    };
+                    let gathers =
+                        |s: &Schedule| count(s, &|i: &Instr| matches!(i, Instr::AllGather { .. }));
+                    let once = schedule(model, policy, ranks, 1, clip);
+                    let sequential = schedule(model, policy, ranks, k, clip);
+                    assert_eq!(gathers(&s), gathers(&once), "{what}: gathers per step");
+                    assert_eq!(
+                        gathers(&sequential),
+                        gathers(&once),
+                        "{what}: per micro-batch"
+                    );
+                    assert_eq!(sequential.micro_batches(), k as u32, "{what}");
+                    assert_eq!(s.sharded(), once.sharded(), "{what}");
+                    let scatters = count(&s, &|i: &Instr| matches!(i, Instr::ReduceScatter { .. }));
+                    assert_eq!(scatters, 0, "{what}: reduce-scatters");
+                    let (comm, summed, mut read) = collectives(&s);
+                    let adamws = read.len();
+                    assert_eq!(summed.len(), adamws, "{what}: the first micro-batch's sums");
+                    let on_comm: Vec<protrain_ir::OpId> = s.streams[comm]
+                        .instrs
+                        .iter()
+                        .filter_map(|i| match i {
+                            Instr::Kernel { op, .. } if s.graph.op(*op).kind == OpKind::Add => {
+                                Some(*op)
+                            }
+                            _ => None,
+                        })
+                        .collect();
+                    assert_eq!(on_comm.len(), adamws * (k as usize - 1), "{what}: adds");
+                    // Each gradient the optimizer reads is summed by a chain of adds on the
+                    // collective stream from its first micro-batch's all-reduced gradient.
+                    read.sort();
+                    for &g in &read {
+                        let mut sum = g;
+                        for _ in 1..k {
+                            let add = s.graph.value(sum).producer.expect("a sum's add");
+                            assert!(on_comm.contains(&add), "{what}: an add off the ranks");
+                            sum = s.graph.op(add).inputs[0];
+                        }
+                        assert!(summed.contains(&sum), "{what}: a first gradient unsummed");
+                    }
+                }
+            }
+        }
+    }
+}

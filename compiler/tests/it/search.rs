@@ -494,3 +494,40 @@ fn a_host_too_small_even_with_the_disk_says_what_the_disk_leaves_there() {
         assert!(flags.contains(words), "{words:?} in {flags}");
     }
 }
+
+/// Two sharded ranks of 4 micro-batches each (gpt2 at 1 x 256 on rtx3090s, the model's
+/// state in host memory): the search offers the chunk-major order there too, and prices it
+/// (each streamed chunk gathered once per pass per step, each micro-batch's gradients summed
+/// over the ranks): every compiled chunk-major candidate's estimate is within 25% of its
+/// simulated step, and the search over both orders reports both.
+#[test]
+fn the_estimate_prices_chunk_major_accumulation_on_sharded_ranks() {
+    let two = Topology { gpus: 2, nodes: 1 };
+    let order = MicroBatchOrder::ChunkMajor;
+    let (_, searched) = disk_bound_on(2e9, 0, 64 * GIB, (8, 256), Some(order), two);
+    let (schedule, report) = searched.expect("a chunk-major policy fits");
+    assert!(schedule.is_chunk_major() && schedule.sharded());
+    assert_eq!(schedule.micro_batches_per_step(), 4);
+    assert!(!report.compiled.is_empty());
+    for c in &report.compiled {
+        assert_eq!(c.policy.order, order, "{}", c.policy);
+        let ratio = c.estimated_seconds / c.simulated_seconds;
+        assert!(
+            (0.75..=1.25).contains(&ratio),
+            "{}: estimated {} s, simulated {} s",
+            c.policy,
+            c.estimated_seconds,
+            c.simulated_seconds
+        );
+    }
+    let (_, both) = disk_bound_on(2e9, 0, 64 * GIB, (8, 256), None, two);
+    let (_, report) = both.expect("a policy fits");
+    assert!(
+        report
+            .orders
+            .iter()
+            .any(|(o, step)| *o == order && step.is_some()),
+        "the search over both orders compiles the chunk-major one: {:?}",
+        report.orders
+    );
+}

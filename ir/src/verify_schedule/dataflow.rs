@@ -918,11 +918,19 @@ impl Checker<'_> {
                 let (a, b) = (sa + m.offset, sa + m.offset + m.bytes);
                 from.isolate(a, b);
                 // Summed over the ranks: by a reduce-scatter (each rank's slice), or whole by
-                // an all-reduce (for the global norm).
-                let unsummed = from.within(a, b).find(|(_, seg)| {
-                    !matches!(seg.writer, Writer::Instr(w)
-                        if matches!(self.instr(w), Instr::ReduceScatter { .. } | Instr::AllReduce { .. }))
-                });
+                // an all-reduce (for the global norm) or a chunk-major gradient sum's add on
+                // the collective stream.
+                let summed = |w: InstrRef| match self.instr(w) {
+                    Instr::ReduceScatter { .. } | Instr::AllReduce { .. } => true,
+                    Instr::Kernel { .. } => matches!(
+                        self.s.stream(w.stream).kind,
+                        crate::StreamKind::Collective { .. }
+                    ),
+                    _ => false,
+                };
+                let unsummed = from
+                    .within(a, b)
+                    .find(|(_, seg)| !matches!(seg.writer, Writer::Instr(w) if summed(w)));
                 if let Some((start, seg)) = unsummed {
                     return Err(self.fail(
                         Invariant::DataFlow,

@@ -109,6 +109,9 @@ impl Checker<'_> {
                     None => return Err("an accumulate_grad with no accumulator address".into()),
                 }
             }
+            // A chunk-major schedule's running gradient sum plus a micro-batch's gradient
+            // summed over the ranks, on the device.
+            StreamKind::Collective { .. } if o.kind == crate::op::OpKind::Add => Space::Device,
             _ => {
                 return Err(format!(
                     "a kernel on a {} stream: kernels run on compute and host \

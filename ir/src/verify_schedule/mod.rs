@@ -137,7 +137,11 @@
 //! and **data flow** check it as the kernel it is (it reads the gradient after its writers,
 //! before anything overwrites it, and updates the accumulator in place, in the whole view
 //! for a shard, which the update's readers follow), and **phases** counts it as the
-//! accumulator's one `accumulate_grad`.
+//! accumulator's one `accumulate_grad`. A chunk-major data-parallel schedule sums each
+//! micro-batch's gradients over the ranks with the `add` kernels of its gradient sums on the
+//! collective stream: **ids** takes those there too, every operand in the device arena, and
+//! **data flow** checks each as the kernel it is, its sums being summed over the ranks where
+//! a sharded chunk's gradient offload copies them.
 //!
 //! A sharded schedule (offloaded chunks split over the ranks, [`BufferKind::HostShard`](crate::BufferKind::HostShard))
 //! is checked in the *whole view* ([`Schedule::address`]): every rank runs the same
