@@ -806,22 +806,37 @@ impl Schedule {
             .map(BufferId::new)
     }
 
-    /// The chunks whose parameter storage ([`BufferKind::HostChunk`]) lives on disk, in
-    /// buffer order, and whether any chunk's separate gradient storage
-    /// ([`BufferKind::HostGradChunk`]) does too.
+    /// The chunks whose parameter storage ([`BufferKind::HostChunk`], or on sharded ranks
+    /// each rank's [`ShardPart::Params`] shard) lives on disk, in buffer order, and whether
+    /// any chunk's separate gradient storage ([`BufferKind::HostGradChunk`], or its
+    /// [`ShardPart::Grads`] shards) does too.
     pub fn disk_storage_chunks(&self) -> (Vec<ChunkId>, bool) {
         let params = self
             .buffers
             .iter()
             .filter_map(|b| match (b.space, b.kind) {
-                (Space::Disk, BufferKind::HostChunk { chunk }) => Some(chunk),
+                (Space::Disk, BufferKind::HostChunk { chunk })
+                | (
+                    Space::Disk,
+                    BufferKind::HostShard {
+                        chunk,
+                        part: ShardPart::Params,
+                    },
+                ) => Some(chunk),
                 _ => None,
             })
             .collect();
-        let grads = self
-            .buffers
-            .iter()
-            .any(|b| b.space == Space::Disk && matches!(b.kind, BufferKind::HostGradChunk { .. }));
+        let grads = self.buffers.iter().any(|b| {
+            b.space == Space::Disk
+                && matches!(
+                    b.kind,
+                    BufferKind::HostGradChunk { .. }
+                        | BufferKind::HostShard {
+                            part: ShardPart::Grads,
+                            ..
+                        }
+                )
+        });
         (params, grads)
     }
 

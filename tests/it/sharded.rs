@@ -671,11 +671,11 @@ fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
 }
 
 /// The host memory of a node of `ranks` ranks that leaves each rank the least host region
-/// the disk tier can give `schedule` (every offloaded chunk's optimizer state shards on
-/// disk), with the disk it takes per rank.
+/// the disk tier can give `schedule` with its optimizer state alone on disk (every
+/// offloaded chunk's optimizer state shards), with the disk it takes per rank.
 pub(crate) fn least_on_disk(schedule: &VerifiedSchedule, ranks: u32) -> (u64, u64) {
     let (host, disk) =
-        protrain::compiler::disk::least_host(schedule).expect("the disk tier applies");
+        protrain::compiler::disk::least_host_for_state(schedule).expect("the disk tier applies");
     (host * u64::from(ranks), disk)
 }
 
@@ -827,5 +827,174 @@ fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
         "run one rank (--gpus 1)",
     ] {
         assert!(err.contains(needle), "no `{needle}` in: {err}");
+    }
+}
+
+/// The host memory of a node of `ranks` ranks that leaves each rank the least host region
+/// the disk tier can give `schedule` with every model state it can move on disk (each
+/// rank's shards of the optimizer state, parameters and gradients), with the disk it takes
+/// per rank; `None` where moving storage leaves no less than the state alone.
+pub(crate) fn least_with_storage_on_disk(
+    schedule: &VerifiedSchedule,
+    ranks: u32,
+) -> Option<(u64, u64)> {
+    let (host, disk) = protrain::compiler::disk::least_host(schedule)?;
+    let (state_only, _) = protrain::compiler::disk::least_host_for_state(schedule)?;
+    (host < state_only).then_some((host * u64::from(ranks), disk))
+}
+
+/// The chunks whose parameter shards and whose gradient shards are on disk, and the uploads
+/// (shard fetches) that read a sharded staging buffer of parameters, in `schedule`.
+pub(crate) fn storage_shards_on_disk(
+    schedule: &Schedule,
+) -> (
+    Vec<protrain::ir::ChunkId>,
+    Vec<protrain::ir::ChunkId>,
+    usize,
+) {
+    let on_disk = |want: ShardPart| {
+        schedule
+            .buffers
+            .iter()
+            .filter(|b| b.space == protrain::ir::Space::Disk)
+            .filter_map(|b| match b.kind {
+                BufferKind::HostShard { chunk, part } if part == want => Some(chunk),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let staged_uploads = schedule
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter(|i| match i {
+            Instr::CopyShard {
+                what: protrain::ir::CopyKind::FetchChunk { .. },
+                src,
+                ..
+            } => matches!(
+                schedule.buffer(src.buffer).kind,
+                BufferKind::ShardStaging {
+                    part: ShardPart::Params,
+                    ..
+                }
+            ),
+            _ => false,
+        })
+        .count();
+    (
+        on_disk(ShardPart::Params),
+        on_disk(ShardPart::Grads),
+        staged_uploads,
+    )
+}
+
+/// Two sharded ranks with each rank's parameter and gradient shards on its disk file too
+/// (read before each upload, written after each gradient offload, read and written around
+/// the CPU Adam), beside its optimizer state shards. gpt2-tiny in f32 gets there by its host
+/// budget: the node's host memory is the least the disk tier can leave, below what the
+/// state alone on disk leaves, and the search's disk pass moves the storage (its 4 chunks'
+/// shards outweigh the staging rings). llama-tiny's 2 chunks' shards weigh no more than
+/// their rings, so no budget makes the pass move them: it takes the tier at its most
+/// ([`every_state`](protrain::compiler::disk::every_state)), in the 16-byte layout
+/// (gradient shards of their own) and the 14-byte one (gradients offloaded into the
+/// parameter shards), with the gradient norm clipped. The schedule says what moved (every
+/// chunk's parameter shards on disk, gradient shards where they move, every upload from a
+/// sharded staging buffer) and the ranks train bit for bit as the same ranks in host memory
+/// and as one rank accumulating their micro-batches.
+#[test]
+fn sharded_ranks_with_their_parameters_and_gradients_on_disk_train_as_in_host_memory() {
+    let ranks = 2u32;
+    let lean = format!("{TIGHT} host_layout=14");
+    for (model, dtype, clip, policy, by_budget) in [
+        ("gpt2-tiny", DType::F32, None, TIGHT, true),
+        ("llama-tiny", DType::BF16, Some(0.05), TIGHT, false),
+        ("llama-tiny", DType::BF16, Some(0.05), lean.as_str(), false),
+    ] {
+        let what = format!("{model} {dtype} clip {clip:?} {policy} on {ranks} ranks");
+        let memory = compile_on(
+            model,
+            policy,
+            ranks,
+            1,
+            dtype,
+            clip,
+            HardwareProfile::host(),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let on_disk = match by_budget {
+            true => {
+                let (node_host, disk) = least_with_storage_on_disk(&memory, ranks)
+                    .unwrap_or_else(|| panic!("{what}: moving storage saves host memory"));
+                let hardware = HardwareProfile::host()
+                    .with_host_memory(node_host)
+                    .with_disk_memory(u64::from(ranks) * disk);
+                let on_disk = compile_on(model, policy, ranks, 1, dtype, clip, hardware)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(on_disk.disk_bytes, disk, "{what}: the disk region is exact");
+                let (state_only, _) = least_on_disk(&memory, ranks);
+                assert!(
+                    on_disk.host_bytes * u64::from(ranks) <= node_host && node_host < state_only,
+                    "{what}: {} host bytes a rank, {node_host} a node, {state_only} with the \
+                     state alone on disk",
+                    on_disk.host_bytes
+                );
+                on_disk
+            }
+            false => {
+                let most = protrain::compiler::disk::every_state((*memory).clone(), 1)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                verify(most).unwrap_or_else(|e| panic!("{what}: {e}"))
+            }
+        };
+        let chunks = on_disk.chunks.len();
+        assert_eq!(on_disk.disk_chunks().len(), chunks, "{what}: state shards");
+        let (params, grads, staged_uploads) = storage_shards_on_disk(&on_disk);
+        assert_eq!(params.len(), chunks, "{what}: parameter shards on disk");
+        let own_grads = on_disk.buffers.iter().any(|b| {
+            matches!(
+                b.kind,
+                BufferKind::HostShard {
+                    part: ShardPart::Grads,
+                    ..
+                }
+            )
+        });
+        assert_eq!(
+            !grads.is_empty(),
+            own_grads,
+            "{what}: gradient shards on disk"
+        );
+        let uploads = on_disk
+            .streams
+            .iter()
+            .flat_map(|s| &s.instrs)
+            .filter(|i| {
+                matches!(
+                    i,
+                    Instr::CopyShard {
+                        what: protrain::ir::CopyKind::FetchChunk { .. },
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(staged_uploads, uploads, "{what}: every upload staged");
+        let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+        let (single, _) = train(&one, &fresh(&one), 3);
+        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
+        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
+        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
+        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
+        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
+        assert_eq!(disk_run.0, single.0, "{what}: losses of one rank");
+        assert!(
+            disk_run.1 == single.1,
+            "{what}: weights differ from one rank"
+        );
+        assert!(
+            disk_run.2 == single.2,
+            "{what}: moments differ from one rank"
+        );
     }
 }

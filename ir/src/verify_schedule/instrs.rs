@@ -327,10 +327,20 @@ impl Checker<'_> {
                     chunk,
                     part: ShardPart::Params,
                 });
-        if host.kind != (BufferKind::HostShard { chunk, part }) && !lean {
+        // The disk tier: a shard on disk is copied through a sharded staging buffer of its
+        // part in host memory, which the disk stream reads it into or writes it from (data
+        // flow proves that the staging buffer holds this chunk's shard).
+        let staged = host.space == Space::Host
+            && match host.kind {
+                BufferKind::ShardStaging { part: p, .. } => {
+                    p == part || (part == ShardPart::Grads && p == ShardPart::Params)
+                }
+                _ => false,
+            };
+        if host.kind != (BufferKind::HostShard { chunk, part }) && !lean && !staged {
             return Err(format!(
                 "copies a shard of {chunk} through {} ({}), which is not its \
-                 host shard of {}",
+                 host shard of {} (nor a sharded disk staging buffer of that part)",
                 self.buf(from.buffer),
                 host.name,
                 match part {
