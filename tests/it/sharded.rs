@@ -806,13 +806,14 @@ fn a_sharded_schedule_over_its_host_budget_compiles_with_its_shards_on_disk() {
 }
 
 /// What the disk tier still refuses on sharded ranks: a host budget below what every
-/// chunk's state shards on disk leave (the parameters and gradients of sharded chunks stay
-/// in host memory). The error names the need per rank and the ways out.
+/// chunk's shards on disk leave (its optimizer state, parameters and gradients: staging
+/// buffers and activations stay in host memory). The error names the need per rank and
+/// the ways out.
 #[test]
 fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
     let (model, dtype, ranks) = ("gpt2-tiny", DType::F32, 2u32);
     let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
-    let (least, disk) = least_on_disk(&memory, ranks);
+    let (least, disk) = least_with_storage_on_disk(&memory, ranks).expect("storage moves");
     let hardware = HardwareProfile::host()
         .with_host_memory(least - 4096)
         .with_disk_memory(u64::from(ranks) * disk * 4);
@@ -820,11 +821,10 @@ fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
         .expect_err("over budget")
         .to_string();
     for needle in [
-        "of the optimizer state of all 4 offloaded chunks on disk",
-        "not yet their parameters and gradients",
+        "of the optimizer state, parameters and gradients of all 4 offloaded chunks on disk",
         "give more --host-memory",
         "(--nodes M, each node keeping 1/M of the shards)",
-        "run one rank (--gpus 1)",
+        "run fewer ranks on a node (--gpus N)",
     ] {
         assert!(err.contains(needle), "no `{needle}` in: {err}");
     }
