@@ -998,3 +998,92 @@ fn sharded_ranks_with_their_parameters_and_gradients_on_disk_train_as_in_host_me
         );
     }
 }
+
+/// Malformed moves of sharded storage that the verifier refuses, on two ranks with every
+/// model state on disk: an upload that no longer waits for the read of its parameter shard
+/// (it would upload what the staging buffer held before), an upload from a sharded staging
+/// buffer of gradients, a disk read of a parameter shard into one, and a disk read of half a
+/// parameter shard (each rank moves its whole shard).
+#[test]
+fn malformed_moves_of_sharded_storage_are_refused() {
+    use protrain::ir::{CopyKind, StreamKind, TensorRef};
+    let memory = compile_clipped("gpt2-tiny", TIGHT, 2, 1, DType::F32, None);
+    let schedule: Schedule =
+        protrain::compiler::disk::every_state((*memory).clone(), 2).expect("moves");
+    verify(schedule.clone()).expect("verifies as compiled");
+    let stream_of = |kind: StreamKind| {
+        schedule
+            .streams
+            .iter()
+            .position(|st| st.kind == kind)
+            .unwrap()
+    };
+    let (io, h2d) = (
+        stream_of(StreamKind::DiskIo),
+        stream_of(StreamKind::HostToDevice),
+    );
+    let kind = |t: TensorRef| schedule.buffers[t.buffer.index()].kind;
+    let refused = |s: Schedule| verify(s).expect_err("refused").to_string();
+    let grads_staging = schedule
+        .buffers
+        .iter()
+        .position(|b| {
+            matches!(
+                b.kind,
+                BufferKind::ShardStaging {
+                    part: ShardPart::Grads,
+                    ..
+                }
+            )
+        })
+        .map(protrain::ir::BufferId::new)
+        .expect("a sharded staging buffer of gradients");
+    // The first upload, from a sharded staging buffer of parameters, after its wait.
+    let upload = schedule.streams[h2d]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::CopyShard { what: CopyKind::FetchChunk { .. }, src, .. }
+                if matches!(kind(*src), BufferKind::ShardStaging { part: ShardPart::Params, .. }))
+        })
+        .expect("an upload from a staging buffer");
+    let mut s = schedule.clone();
+    let wait = s.streams[h2d].instrs.remove(upload - 1);
+    assert!(matches!(wait, Instr::Wait { .. }), "{wait:?}");
+    s.streams[0].instrs.push(wait);
+    let err = refused(s);
+    assert!(err.contains("data flow") && err.contains("fetch"), "{err}");
+    let mut s = schedule.clone();
+    if let Instr::CopyShard { src, .. } = &mut s.streams[h2d].instrs[upload] {
+        src.buffer = grads_staging;
+    }
+    let err = refused(s);
+    assert!(
+        err.contains("nor a sharded disk staging buffer of that part"),
+        "{err}"
+    );
+    // The first read of a parameter shard from disk.
+    let read = schedule.streams[io]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::DiskRead { src, .. }
+                if matches!(kind(*src), BufferKind::HostShard { part: ShardPart::Params, .. }))
+        })
+        .expect("a read of a parameter shard");
+    let mut s = schedule.clone();
+    if let Instr::DiskRead { dst, .. } = &mut s.streams[io].instrs[read] {
+        dst.buffer = grads_staging;
+    }
+    let err = refused(s);
+    assert!(
+        err.contains("not a sharded disk staging buffer of the same part"),
+        "{err}"
+    );
+    let mut s = schedule.clone();
+    if let Instr::DiskRead { bytes, .. } = &mut s.streams[io].instrs[read] {
+        *bytes /= 2;
+    }
+    let err = refused(s);
+    assert!(err.contains("each rank's whole shard"), "{err}");
+}

@@ -427,7 +427,9 @@ impl Checker<'_> {
         if let BufferKind::HostShard { part, .. } = d.kind {
             if disk.offset != 0 || *bytes != d.size {
                 return Err(format!(
-                    "{name} of {chunk} moves {bytes} bytes from +{:#x} of its shard {},                      which is {} bytes a rank: disk reads and writes move each rank's whole                      shard from its start",
+                    "{name} of {chunk} moves {bytes} bytes from +{:#x} of its shard {}, \
+                     which is {} bytes a rank: disk reads and writes move each rank's whole \
+                     shard from its start",
                     disk.offset, d.name, d.size
                 ));
             }
@@ -438,7 +440,9 @@ impl Checker<'_> {
                 && *bytes <= h.size;
             if !staged {
                 return Err(format!(
-                    "{name} of {chunk}'s shard {} on the host side addresses {}+{:#x} ({}),                      not a sharded disk staging buffer of the same part in host memory, from                      its start, with room for {bytes} bytes a rank",
+                    "{name} of {chunk}'s shard {} on the host side addresses {}+{:#x} ({}), \
+                     not a sharded disk staging buffer of the same part in host memory, from \
+                     its start, with room for {bytes} bytes a rank",
                     d.name,
                     self.buf(host.buffer),
                     host.offset,
