@@ -67,7 +67,9 @@
 //! its slices in its own file, at the buffer's offset), staged in sharded staging buffers
 //! ([`BufferKind::ShardStaging`], one ring per part); a disk read or write of a shard moves,
 //! on rank `r`, `bytes` from `src + r * bytes` to `dst + r * bytes` of the whole layout, as
-//! [`Instr::CopyShard`] does.
+//! [`Instr::CopyShard`] does. Their parameter and gradient shards may move too, staged in
+//! sharded staging buffers of their part: a shard upload copies the rank's shard from the
+//! staging buffer the disk stream read it into, a shard offload lands in one before the write.
 //!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
