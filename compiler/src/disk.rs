@@ -49,9 +49,15 @@
 //! same offsets), staged in one ring per part of sharded staging buffers
 //! ([`BufferKind::ShardStaging`], whose slots pair one chunk's parts so that the update finds
 //! its master weights beside its moments); every read and write moves one rank's whole
-//! shard. Only the state moves there: the parameters and gradients of sharded chunks stay
-//! in host memory (a host budget that every state shard on disk does not meet is refused,
-//! [`ShortfallProblem::DiskSharded`]).
+//! shard. Their storage moves as a single rank's does, in the same stage: each rank's
+//! parameter and gradient shards ([`ShardPart::Params`], [`ShardPart::Grads`]) go to its
+//! file, staged in rings of sharded staging buffers of the part they stage (the uploads'
+//! and the update's parameters in [`ShardPart::Params`] buffers, the offloads' and the
+//! update's gradients in [`ShardPart::Grads`] ones, numbered after the state rings' slots);
+//! an upload ([`Instr::CopyShard`]) copies the rank's shard from the staging buffer the disk
+//! stream read it into, an offload lands there before the write. A host budget that every
+//! shard on disk does not meet is refused with the ranks' ways out
+//! ([`ShortfallProblem::DiskSharded`]).
 //!
 //! It does not choose between
 //! disk and a leaner host layout (the search tries the 14-byte layout first), and does not
@@ -94,6 +100,17 @@ struct Stored {
     offloads: usize,
     /// Whether the chunk's AdamW kernels read or write it.
     updated: bool,
+    /// Whether it is a rank's shard ([`BufferKind::HostShard`]): staged in sharded staging
+    /// buffers, each transfer moving one rank's whole shard.
+    sharded: bool,
+}
+
+impl Stored {
+    /// The ring its gradient offloads land in: on sharded ranks the 14-byte layout's
+    /// offloads into the parameter shard have a ring of their own, of the parameters' part.
+    fn offload_role(&self) -> Role {
+        Role::Offload(self.sharded && self.params)
+    }
 }
 
 /// What the tier moves: the state of the first `states` movable chunks, the storage of the
@@ -118,8 +135,22 @@ enum Role {
     Grads,
     /// Bytes an upload copies to the device.
     Upload,
-    /// Gradients an offload copies from the device.
-    Offload,
+    /// Gradients an offload copies from the device: into gradient storage, or (`true`) into
+    /// the parameter shards of sharded ranks' 14-byte layout, whose staging buffers are of
+    /// the parameters' part.
+    Offload(bool),
+}
+
+impl Role {
+    /// The part of sharded chunks' storage or state a ring of this role stages, where the
+    /// buffers it stages are shards.
+    fn part(self) -> Option<ShardPart> {
+        match self {
+            Role::State(part) => part,
+            Role::Params | Role::Upload | Role::Offload(true) => Some(ShardPart::Params),
+            Role::Grads | Role::Offload(false) => Some(ShardPart::Grads),
+        }
+    }
 }
 
 /// Moves the optimizer state of the fewest offloaded chunks to disk so that the host region
@@ -128,7 +159,7 @@ enum Role {
 /// `disk_budget` is 0. Fails, naming what each tier would need, when even every chunk's
 /// state and storage on disk leaves the host region over its budget or the disk region over
 /// `disk_budget`. On sharded ranks each rank moves its shards (budgets and sizes are a
-/// rank's) and only their optimizer state: past it the error says so.
+/// rank's), in the same stages.
 pub fn disk(mut schedule: Schedule, host_budget: u64, disk_budget: u64) -> Result<Schedule> {
     if schedule.host_bytes <= host_budget || disk_budget == 0 {
         return Ok(schedule);
@@ -224,12 +255,34 @@ pub fn least_host(schedule: &Schedule) -> Option<(u64, u64)> {
         .min()
 }
 
+/// The least host region `schedule` can have with only the optimizer state on disk (every
+/// chunk's whose state can move, through one staging buffer each, their storage kept in
+/// host memory), and the disk that takes; `None` where the disk tier does not apply. A host
+/// budget of at least this is met without moving storage ([`disk`] moves state first).
+pub fn least_host_for_state(schedule: &Schedule) -> Option<(u64, u64)> {
+    let movable = movable(schedule).ok()?;
+    if movable.is_empty() {
+        return None;
+    }
+    let storage = storage(schedule, &movable);
+    let order = by_size(schedule, &storage);
+    let c = Choice {
+        states: movable.len(),
+        storages: 0,
+        slots: 1,
+    };
+    let moved = moved_buffers(&movable, &storage, &order, c);
+    let disk = disk_region_bytes(moved.iter().map(|&b| schedule.buffer(b).size));
+    Some((host_after(schedule, &movable, &storage, &order, c), disk))
+}
+
 /// Moves every model state the disk tier can take to disk, whatever the host budget: the
 /// optimizer state and the storage of every chunk whose state can move, through rings of
 /// `slots` staging buffers (1 or 2). For tests and measurements of the tier at its most
 /// (the search takes the fewest chunks instead, [`disk`]); the schedule is returned
-/// unchanged where the tier does not apply (no such chunk). On sharded ranks that is every
-/// chunk's optimizer state shards (their storage stays). The caller verifies the result.
+/// unchanged where the tier does not apply (no such chunk). On sharded ranks that is each
+/// rank's shards of every chunk's optimizer state and storage. The caller verifies the
+/// result.
 pub fn every_state(mut schedule: Schedule, slots: usize) -> Result<Schedule> {
     let movable = movable(&schedule)?;
     if movable.is_empty() {
@@ -363,9 +416,17 @@ fn storage(schedule: &Schedule, movable: &[Movable]) -> Vec<Vec<Stored>> {
     let mut owner: HashMap<BufferId, (usize, Stored, bool)> = HashMap::new();
     for (i, m) in movable.iter().enumerate() {
         for (b, buffer) in schedule.buffers.iter().enumerate() {
-            let params = match buffer.kind {
-                BufferKind::HostChunk { chunk } if chunk == m.chunk => true,
-                BufferKind::HostGradChunk { chunk } if chunk == m.chunk => false,
+            let (params, sharded) = match buffer.kind {
+                BufferKind::HostChunk { chunk } if chunk == m.chunk => (true, false),
+                BufferKind::HostGradChunk { chunk } if chunk == m.chunk => (false, false),
+                BufferKind::HostShard {
+                    chunk,
+                    part: ShardPart::Params,
+                } if chunk == m.chunk => (true, true),
+                BufferKind::HostShard {
+                    chunk,
+                    part: ShardPart::Grads,
+                } if chunk == m.chunk => (false, true),
                 _ => continue,
             };
             if buffer.space != Space::Host {
@@ -377,6 +438,7 @@ fn storage(schedule: &Schedule, movable: &[Movable]) -> Vec<Vec<Stored>> {
                 fetches: 0,
                 offloads: 0,
                 updated: false,
+                sharded,
             };
             owner.insert(stored.buffer, (i, stored, true));
         }
@@ -392,8 +454,18 @@ fn storage(schedule: &Schedule, movable: &[Movable]) -> Vec<Vec<Stored>> {
                         what: CopyKind::FetchChunk { .. },
                         src,
                         ..
+                    }
+                    | Instr::CopyShard {
+                        what: CopyKind::FetchChunk { .. },
+                        src,
+                        ..
                     } if *src == t => stored.fetches += 1,
                     Instr::Copy {
+                        what: CopyKind::OffloadGrads { .. },
+                        dst,
+                        ..
+                    }
+                    | Instr::CopyShard {
                         what: CopyKind::OffloadGrads { .. },
                         dst,
                         ..
@@ -509,10 +581,15 @@ fn rings(
         Role::Upload,
         moved().map(|s| (size(s.buffer), s.fetches)).collect(),
     );
-    ring(
-        Role::Offload,
-        moved().map(|s| (size(s.buffer), s.offloads)).collect(),
-    );
+    for role in [Role::Offload(false), Role::Offload(true)] {
+        ring(
+            role,
+            moved()
+                .filter(|s| s.offload_role() == role)
+                .map(|s| (size(s.buffer), s.offloads))
+                .collect(),
+        );
+    }
     out
 }
 
@@ -685,6 +762,10 @@ fn place(
     move_to_disk(schedule, &ids);
     let mut rings: HashMap<Role, Ring> = HashMap::new();
     let mut slot = 0u32;
+    // Sharded staging buffers are numbered per part: the state rings' slots pair one
+    // chunk's parts (they come first, from 0); storage rings of a part take the numbers
+    // after them.
+    let mut shard_slot: HashMap<ShardPart, u32> = HashMap::new();
     for &(role, size, count) in &ring_sizes {
         let name = match role {
             Role::State(None) => "disk_staging",
@@ -694,17 +775,28 @@ fn place(
             Role::Params => "disk_param_staging",
             Role::Grads => "disk_grad_staging",
             Role::Upload => "disk_upload_staging",
-            Role::Offload => "disk_offload_staging",
+            Role::Offload(false) => "disk_offload_staging",
+            Role::Offload(true) => "disk_offload_param_staging",
+        };
+        // Storage rings are sharded where what they stage is (a schedule's moved storage
+        // is all shards or none).
+        let sharded = match role {
+            Role::State(part) => part.is_some(),
+            _ => moved_storage(storage, order, choice).any(|s| s.sharded),
         };
         let ids = (0..count)
             .map(|i| {
                 // A sharded part's ring is sharded as what it stages; its slots pair the
                 // rings of one chunk's parts (see `BufferKind::ShardStaging`).
-                let kind = match role {
-                    Role::State(Some(part)) => BufferKind::ShardStaging {
-                        slot: i as u32,
-                        part,
-                    },
+                let kind = match (sharded, role.part()) {
+                    (true, Some(part)) => {
+                        let slot = shard_slot.entry(part).or_insert(0u32);
+                        *slot += 1;
+                        BufferKind::ShardStaging {
+                            slot: *slot - 1,
+                            part,
+                        }
+                    }
                     _ => {
                         slot += 1;
                         BufferKind::DiskStaging { slot: slot - 1 }
@@ -735,7 +827,7 @@ fn place(
     // Uploads and gradient offloads of moved storage, on whatever streams run them, in
     // program order of each stream.
     let mut offload_anchor: HashMap<ChunkId, u64> = HashMap::new();
-    let mut write_done: Vec<EventId> = Vec::new();
+    let mut write_done: HashMap<Role, Vec<EventId>> = HashMap::new();
     let mut upload_done: Vec<EventId> = Vec::new();
     let mut upload_ticks: Vec<u64> = Vec::new();
     for (s, stream_ticks) in ticks.iter().enumerate() {
@@ -745,6 +837,12 @@ fn place(
             let tick = stream_ticks[at];
             match &mut instr {
                 Instr::Copy {
+                    what: CopyKind::FetchChunk { chunk },
+                    src,
+                    bytes,
+                    ..
+                }
+                | Instr::CopyShard {
                     what: CopyKind::FetchChunk { chunk },
                     src,
                     bytes,
@@ -785,15 +883,21 @@ fn place(
                     dst,
                     bytes,
                     ..
+                }
+                | Instr::CopyShard {
+                    what: CopyKind::OffloadGrads { chunk },
+                    dst,
+                    bytes,
+                    ..
                 } if moved_storage.contains_key(&dst.buffer) => {
-                    let (staging, o, prev) = ring_of(&mut rings, Role::Offload).next();
+                    let role = moved_storage[&dst.buffer].offload_role();
+                    let (staging, o, prev) = ring_of(&mut rings, role).next();
                     let (landed, written) = (event(), event());
-                    write_done.push(written);
-                    debug_assert_eq!(write_done.len(), o + 1);
+                    let done = write_done.entry(role).or_default();
+                    done.push(written);
+                    debug_assert_eq!(done.len(), o + 1);
                     if let Some(p) = prev {
-                        new.push(Instr::Wait {
-                            event: write_done[p],
-                        });
+                        new.push(Instr::Wait { event: done[p] });
                     }
                     let staged = TensorRef {
                         buffer: staging,

@@ -300,8 +300,8 @@ pub struct SharedBudgets {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ShortfallProblem {
     /// A sharded schedule whose host region is over budget even with each rank's shards of
-    /// every offloaded chunk's optimizer state on disk: the disk tier does not take sharded
-    /// chunks' parameters and gradients.
+    /// every offloaded chunk's optimizer state, and of its parameters and gradients where
+    /// they can move, on disk.
     DiskSharded {
         /// Host bytes each rank needs so.
         host_need: u64,
@@ -453,12 +453,11 @@ impl ShortfallProblem {
                 host_budget,
             } => format!(
                 "the host region needs {} of host memory per rank with each rank's shards of \
-                 the optimizer state of all {chunks} offloaded chunks on disk, more than the \
-                 {} each rank has; on data-parallel ranks the disk tier takes the optimizer \
-                 state of sharded chunks but not yet their parameters and gradients, which \
-                 stay in host memory; give more {host}, spread the ranks over more nodes ({} \
-                 M, each node keeping 1/M of the shards), or run one rank ({} 1), whose disk \
-                 tier takes the parameters and gradients too",
+                 the optimizer state, parameters and gradients of all {chunks} offloaded \
+                 chunks on disk (what stays is staging, accumulators and activations), more \
+                 than the {} each rank has; give more {host}, spread the ranks over more \
+                 nodes ({} M, each node keeping 1/M of the shards), or run fewer ranks on a \
+                 node ({} N), which share its host memory",
                 format_bytes(*host_need),
                 format_bytes(*host_budget),
                 name(Setting::Nodes),

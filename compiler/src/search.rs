@@ -493,7 +493,9 @@ fn interleaved_copies(graph: &Graph) -> u64 {
 
 /// The disk tier's seconds per step for each `n_persist` ([`disk_by_persist`]), from each
 /// chunk's bytes, elements and CPU Adam seconds (`adam`); on `shards > 1` sharded ranks, of
-/// a rank's shards, whose optimizer state alone moves. `repeats` is how many times a step
+/// a rank's shards (state and storage move as one rank's do). `per_node` ranks share a
+/// node's disk, whose bandwidth the profile gives: each moves its bytes at `1 / per_node`
+/// of it, as the simulator prices a disk transfer. `repeats` is how many times a step
 /// runs its program (the micro-batches of the sequential order, 1 otherwise): over more than
 /// one the host sums each streamed chunk's gradients, and those stay on the host.
 #[allow(clippy::too_many_arguments)]
@@ -502,13 +504,13 @@ fn disk_seconds(
     chunk_elems: &[u64],
     adam: &[f64],
     state_per_elem: u64,
-    shards: u64,
+    (shards, per_node): (u64, u64),
     repeats: u64,
     budgets: HostBudgets,
     cost: &dyn CostModel,
 ) -> Vec<DiskSteps<f64>> {
     // On sharded ranks a rank holds and moves `1 / shards` of each chunk (`adam` is a
-    // rank's already), and only its state moves.
+    // rank's already).
     let chunks: Vec<DiskChunk> = chunk_bytes
         .iter()
         .zip(chunk_elems)
@@ -528,9 +530,9 @@ fn disk_seconds(
         (true, false) => DiskLayout::GradsInParams,
         (false, false) => DiskLayout::Full,
     };
-    let read = |bytes: u64| cost.copy_seconds(bytes, CopyDir::DiskToHost);
-    let write = |bytes: u64| cost.copy_seconds(bytes, CopyDir::HostToDisk);
-    disk_by_persist(&chunks, layout, shards == 1, budgets, read, write)
+    let read = |bytes: u64| cost.copy_seconds(bytes.saturating_mul(per_node), CopyDir::DiskToHost);
+    let write = |bytes: u64| cost.copy_seconds(bytes.saturating_mul(per_node), CopyDir::HostToDisk);
+    disk_by_persist(&chunks, layout, budgets, read, write)
 }
 
 impl Profile {
@@ -640,7 +642,7 @@ impl Profile {
             &chunk_elems,
             &cpu_adam,
             state_per_elem,
-            shards,
+            (shards, u64::from(topology.gpus.max(1))),
             repeats,
             budgets,
             cost,
@@ -2197,8 +2199,7 @@ impl DiskLayout {
 /// What moves is the pass's choice on the streamed chunks' host bytes (storage and state):
 /// the state of the fewest chunks in the order the CPU Adam updates them (the last chunk
 /// first), double buffered where that fits `budgets.host`, else through one staging
-/// buffer; where every state moved is not enough and `storage_moves` (one rank: sharded
-/// ranks move only their state shards), the storage of the fewest chunks too
+/// buffer; where every state moved is not enough, the storage of the fewest chunks too
 /// (the largest first), each with its staging rings (one buffer of the largest moved storage
 /// per slot for the update's parameters, the 16-byte layout's gradients, the uploads and the
 /// gradient offloads, where each moves). A moved state is
@@ -2219,7 +2220,6 @@ impl DiskLayout {
 fn disk_by_persist(
     chunks: &[DiskChunk],
     layout: DiskLayout,
-    storage_moves: bool,
     budgets: HostBudgets,
     read: impl Fn(u64) -> f64,
     write: impl Fn(u64) -> f64,
@@ -2292,7 +2292,6 @@ fn disk_by_persist(
             .chain(
                 [2, 1]
                     .into_iter()
-                    .filter(|_| storage_moves)
                     .flat_map(|slots| (1..=m).map(move |j| (m, j, slots))),
             );
         let mut steps: Vec<(u64, f64, f64)> = Vec::new();
@@ -2305,7 +2304,7 @@ fn disk_by_persist(
                 steps.push((host, run.max(before_run), update.max(before_update)));
             }
         }
-        let (run, update) = seconds_of((m, if storage_moves { m } else { 0 }, 1));
+        let (run, update) = seconds_of((m, m, 1));
         let (before_run, before_update) = steps.last().map_or((0.0, 0.0), |s| (s.1, s.2));
         steps.push((0, run.max(before_run), update.max(before_update)));
         seconds[p] = DiskSteps { steps };
@@ -3207,7 +3206,7 @@ mod tests {
         // staging buffers, each read and written in the update (its bytes in seconds here),
         // the disk waiting on the last one's CPU Adam (half a second); from 4 persistent on,
         // all fits.
-        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(60), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
         let seconds: Vec<(f64, f64)> = steps.iter().map(|d| d.at(60)).collect();
         let moved = [7, 6, 5, 4, 0, 0, 0, 0, 0, 0, 0];
         let expected: Vec<(f64, f64)> = moved
@@ -3225,7 +3224,6 @@ mod tests {
         let none = disk_by_persist(
             &ten(),
             GradsInParams,
-            true,
             HostBudgets { host: 60, disk: 0 },
             price,
             price,
@@ -3259,7 +3257,7 @@ mod tests {
 
     #[test]
     fn one_staging_buffer_leaves_the_disk_idle_through_every_cpu_adam() {
-        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(40), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(40), price, price);
         // With every state on disk `20 + 2 x 8 <= 40` fits two staging buffers: the disk
         // waits on the last update alone.
         assert_eq!(steps[0].at(40), (0.0, 160.0 + 0.5));
@@ -3273,7 +3271,7 @@ mod tests {
         // A budget of 60 with 20 of it taken (swapped activations) leaves 40: every state
         // moves where 7 did with all 60, as the pass finds with the host region those
         // buffers are in.
-        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(60), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(60), price, price);
         assert_eq!(steps[0].at(60), (0.0, 7.0 * 16.0 + 0.5));
         assert_eq!(steps[0].at(60 - 20), (0.0, 10.0 * 16.0 + 0.5));
         // The profile asks for what is left of its budget.
@@ -3293,7 +3291,7 @@ mod tests {
         // `2 (10 - j) + 8 + 6 <= 20` moves the storage of `j = 7` chunks, each read for
         // its two uploads and written after its offload in the run, read for its update
         // and written after it.
-        let steps = disk_by_persist(&ten(), GradsInParams, true, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), GradsInParams, budgets(20), price, price);
         assert_eq!(
             steps[0].at(20),
             (7.0 * 3.0 * 2.0, 160.0 + 7.0 * 2.0 * 2.0 + 10.0 * 0.5)
@@ -3301,7 +3299,7 @@ mod tests {
         // Accumulating, the host keeps gradients and accumulators beside each chunk's
         // parameters: nothing fits 20 bytes, and every chunk's parameters are read for the
         // two uploads of each run, and for the update and written after it.
-        let steps = disk_by_persist(&ten(), Accumulating, true, budgets(20), price, price);
+        let steps = disk_by_persist(&ten(), Accumulating, budgets(20), price, price);
         assert_eq!(
             steps[0].at(20),
             (10.0 * 2.0 * 2.0, 160.0 + 10.0 * 2.0 * 2.0 + 10.0 * 0.5)

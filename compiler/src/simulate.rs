@@ -278,7 +278,9 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
 ///   its bytes, or, for a sharded chunk's gradient summed from the device into the ranks'
 ///   accumulator shards, of a reduce-scatter of its bytes plus the copy of the rank's `1/W`
 ///   to the host (the whole gradient's copy where the accumulator is whole, for the norm);
-/// - a copy takes [`CostModel::copy_seconds`] in the direction of its buffers' spaces;
+/// - a copy takes [`CostModel::copy_seconds`] in the direction of its buffers' spaces; a
+///   disk read or write on ranks that share a node's disk that of the bytes of all the
+///   node's ranks (each of `gpus` ranks gets `1 / gpus` of the node's disk bandwidth);
 /// - records and waits take no time (how long a wait stalls is the simulation's business).
 ///
 /// An instruction naming an op, value or buffer the schedule lacks costs 0: this never panics.
@@ -381,14 +383,22 @@ pub fn instr_seconds(
         }
         | Instr::CopyShard {
             src, dst, bytes, ..
-        }
-        | Instr::DiskRead {
+        } => match (space_of(schedule, *src), space_of(schedule, *dst)) {
+            (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
+            _ => 0.0,
+        },
+        // The ranks of a node share its disk (the profile's bandwidth is a node's), and run
+        // the same transfers at once: each moves its bytes at `1 / gpus` of the bandwidth.
+        Instr::DiskRead {
             src, dst, bytes, ..
         }
         | Instr::DiskWrite {
             src, dst, bytes, ..
         } => match (space_of(schedule, *src), space_of(schedule, *dst)) {
-            (Some(src), Some(dst)) => cost.copy_seconds(*bytes, copy_direction(src, dst)),
+            (Some(src), Some(dst)) => {
+                let per_node = u64::from(schedule.topology().0.max(1));
+                cost.copy_seconds(bytes.saturating_mul(per_node), copy_direction(src, dst))
+            }
             _ => 0.0,
         },
         Instr::CastChunk { chunk, .. } => {

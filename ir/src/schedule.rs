@@ -67,7 +67,9 @@
 //! its slices in its own file, at the buffer's offset), staged in sharded staging buffers
 //! ([`BufferKind::ShardStaging`], one ring per part); a disk read or write of a shard moves,
 //! on rank `r`, `bytes` from `src + r * bytes` to `dst + r * bytes` of the whole layout, as
-//! [`Instr::CopyShard`] does.
+//! [`Instr::CopyShard`] does. Their parameter and gradient shards may move too, staged in
+//! sharded staging buffers of their part: a shard upload copies the rank's shard from the
+//! staging buffer the disk stream read it into, a shard offload lands in one before the write.
 //!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
@@ -806,22 +808,37 @@ impl Schedule {
             .map(BufferId::new)
     }
 
-    /// The chunks whose parameter storage ([`BufferKind::HostChunk`]) lives on disk, in
-    /// buffer order, and whether any chunk's separate gradient storage
-    /// ([`BufferKind::HostGradChunk`]) does too.
+    /// The chunks whose parameter storage ([`BufferKind::HostChunk`], or on sharded ranks
+    /// each rank's [`ShardPart::Params`] shard) lives on disk, in buffer order, and whether
+    /// any chunk's separate gradient storage ([`BufferKind::HostGradChunk`], or its
+    /// [`ShardPart::Grads`] shards) does too.
     pub fn disk_storage_chunks(&self) -> (Vec<ChunkId>, bool) {
         let params = self
             .buffers
             .iter()
             .filter_map(|b| match (b.space, b.kind) {
-                (Space::Disk, BufferKind::HostChunk { chunk }) => Some(chunk),
+                (Space::Disk, BufferKind::HostChunk { chunk })
+                | (
+                    Space::Disk,
+                    BufferKind::HostShard {
+                        chunk,
+                        part: ShardPart::Params,
+                    },
+                ) => Some(chunk),
                 _ => None,
             })
             .collect();
-        let grads = self
-            .buffers
-            .iter()
-            .any(|b| b.space == Space::Disk && matches!(b.kind, BufferKind::HostGradChunk { .. }));
+        let grads = self.buffers.iter().any(|b| {
+            b.space == Space::Disk
+                && matches!(
+                    b.kind,
+                    BufferKind::HostGradChunk { .. }
+                        | BufferKind::HostShard {
+                            part: ShardPart::Grads,
+                            ..
+                        }
+                )
+        });
         (params, grads)
     }
 

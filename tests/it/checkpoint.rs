@@ -681,6 +681,57 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
     );
 }
 
+/// Two sharded ranks (threads) under `kill -9` with a node's host memory so small that each
+/// rank's parameter and gradient shards are on its disk file too, beside its optimizer
+/// state shards: killed mid-run and resumed from the latest checkpoint into new files, the
+/// run's losses are those of the same two ranks in host memory, bit for bit; the killed
+/// run's two files stay behind and the resumed run sweeps them.
+#[test]
+fn sharded_ranks_with_their_parameters_on_disk_killed_resume_bit_identically() {
+    use crate::sharded::{compile_on, least_with_storage_on_disk, BATCH, SEQ, TIGHT};
+    let memory = compile_on(
+        "gpt2-tiny",
+        TIGHT,
+        2,
+        1,
+        protrain::ir::DType::F32,
+        None,
+        protrain::ir::HardwareProfile::host(),
+    )
+    .expect("compiles");
+    let (node_host, _) = least_with_storage_on_disk(&memory, 2).expect("storage moves");
+    let (host, batch, seq) = (node_host.to_string(), BATCH.to_string(), SEQ.to_string());
+    let policy = TIGHT.replace(' ', ",");
+    let base = [
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "30",
+        "--batch",
+        &batch,
+        "--seq",
+        &seq,
+        "--gpus",
+        "2",
+        "--dtype",
+        "f32",
+        "--policy",
+        &policy,
+        "--log-json",
+    ];
+    killed_on_disk_resumes_as_in_memory(
+        &base,
+        &host,
+        "the optimizer state of 4 of 4 chunks and the parameters and gradients of 4",
+        |left| {
+            assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
+            for rank in ["-rank0.state", "-rank1.state"] {
+                assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
+            }
+        },
+    );
+}
+
 /// Runs `base` (a 30-step `train` command that ends in `--log-json`) with `host` of host
 /// memory and 64 MiB of disk in a directory of its own, after checking that the schedule it
 /// compiles to reports `compiled_says` of its disk tier; kills it after step 12 (checkpoints

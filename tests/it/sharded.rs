@@ -671,11 +671,11 @@ fn the_simulator_prices_a_sharded_sum_as_a_reduce_scatter_and_the_ranks_copy() {
 }
 
 /// The host memory of a node of `ranks` ranks that leaves each rank the least host region
-/// the disk tier can give `schedule` (every offloaded chunk's optimizer state shards on
-/// disk), with the disk it takes per rank.
+/// the disk tier can give `schedule` with its optimizer state alone on disk (every
+/// offloaded chunk's optimizer state shards), with the disk it takes per rank.
 pub(crate) fn least_on_disk(schedule: &VerifiedSchedule, ranks: u32) -> (u64, u64) {
     let (host, disk) =
-        protrain::compiler::disk::least_host(schedule).expect("the disk tier applies");
+        protrain::compiler::disk::least_host_for_state(schedule).expect("the disk tier applies");
     (host * u64::from(ranks), disk)
 }
 
@@ -806,13 +806,14 @@ fn a_sharded_schedule_over_its_host_budget_compiles_with_its_shards_on_disk() {
 }
 
 /// What the disk tier still refuses on sharded ranks: a host budget below what every
-/// chunk's state shards on disk leave (the parameters and gradients of sharded chunks stay
-/// in host memory). The error names the need per rank and the ways out.
+/// chunk's shards on disk leave (its optimizer state, parameters and gradients: staging
+/// buffers and activations stay in host memory). The error names the need per rank and
+/// the ways out.
 #[test]
 fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
     let (model, dtype, ranks) = ("gpt2-tiny", DType::F32, 2u32);
     let memory = compile_clipped(model, TIGHT, ranks, 1, dtype, None);
-    let (least, disk) = least_on_disk(&memory, ranks);
+    let (least, disk) = least_with_storage_on_disk(&memory, ranks).expect("storage moves");
     let hardware = HardwareProfile::host()
         .with_host_memory(least - 4096)
         .with_disk_memory(u64::from(ranks) * disk * 4);
@@ -820,11 +821,10 @@ fn sharded_ranks_over_host_memory_with_every_state_shard_on_disk_are_refused() {
         .expect_err("over budget")
         .to_string();
     for needle in [
-        "of the optimizer state of all 4 offloaded chunks on disk",
-        "not yet their parameters and gradients",
+        "of the optimizer state, parameters and gradients of all 4 offloaded chunks on disk",
         "give more --host-memory",
         "(--nodes M, each node keeping 1/M of the shards)",
-        "run one rank (--gpus 1)",
+        "run fewer ranks on a node (--gpus N)",
     ] {
         assert!(err.contains(needle), "no `{needle}` in: {err}");
     }
@@ -926,4 +926,262 @@ fn chunk_major_sharded_ranks_train_as_sequential_and_one_rank_bit_for_bit() {
             );
         }
     }
+}
+
+/// The host memory of a node of `ranks` ranks that leaves each rank the least host region
+/// the disk tier can give `schedule` with every model state it can move on disk (each
+/// rank's shards of the optimizer state, parameters and gradients), with the disk it takes
+/// per rank; `None` where moving storage leaves no less than the state alone.
+pub(crate) fn least_with_storage_on_disk(
+    schedule: &VerifiedSchedule,
+    ranks: u32,
+) -> Option<(u64, u64)> {
+    let (host, disk) = protrain::compiler::disk::least_host(schedule)?;
+    let (state_only, _) = protrain::compiler::disk::least_host_for_state(schedule)?;
+    (host < state_only).then_some((host * u64::from(ranks), disk))
+}
+
+/// The chunks whose parameter shards and whose gradient shards are on disk, and the uploads
+/// (shard fetches) that read a sharded staging buffer of parameters, in `schedule`.
+pub(crate) fn storage_shards_on_disk(
+    schedule: &Schedule,
+) -> (
+    Vec<protrain::ir::ChunkId>,
+    Vec<protrain::ir::ChunkId>,
+    usize,
+) {
+    let on_disk = |want: ShardPart| {
+        schedule
+            .buffers
+            .iter()
+            .filter(|b| b.space == protrain::ir::Space::Disk)
+            .filter_map(|b| match b.kind {
+                BufferKind::HostShard { chunk, part } if part == want => Some(chunk),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let staged_uploads = schedule
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter(|i| match i {
+            Instr::CopyShard {
+                what: protrain::ir::CopyKind::FetchChunk { .. },
+                src,
+                ..
+            } => matches!(
+                schedule.buffer(src.buffer).kind,
+                BufferKind::ShardStaging {
+                    part: ShardPart::Params,
+                    ..
+                }
+            ),
+            _ => false,
+        })
+        .count();
+    (
+        on_disk(ShardPart::Params),
+        on_disk(ShardPart::Grads),
+        staged_uploads,
+    )
+}
+
+/// Two sharded ranks with each rank's parameter and gradient shards on its disk file too
+/// (read before each upload, written after each gradient offload, read and written around
+/// the CPU Adam), beside its optimizer state shards. gpt2-tiny in f32 gets there by its host
+/// budget: the node's host memory is the least the disk tier can leave, below what the
+/// state alone on disk leaves, and the search's disk pass moves the storage (its 4 chunks'
+/// shards outweigh the staging rings). llama-tiny's 2 chunks' shards weigh no more than
+/// their rings, so no budget makes the pass move them: it takes the tier at its most
+/// ([`every_state`](protrain::compiler::disk::every_state)), in the 16-byte layout
+/// (gradient shards of their own) and the 14-byte one (gradients offloaded into the
+/// parameter shards), with the gradient norm clipped. The schedule says what moved (every
+/// chunk's parameter shards on disk, gradient shards where they move, every upload from a
+/// sharded staging buffer) and the ranks train bit for bit as the same ranks in host memory
+/// and as one rank accumulating their micro-batches.
+#[test]
+fn sharded_ranks_with_their_parameters_and_gradients_on_disk_train_as_in_host_memory() {
+    let ranks = 2u32;
+    let lean = format!("{TIGHT} host_layout=14");
+    for (model, dtype, clip, policy, by_budget) in [
+        ("gpt2-tiny", DType::F32, None, TIGHT, true),
+        ("llama-tiny", DType::BF16, Some(0.05), TIGHT, false),
+        ("llama-tiny", DType::BF16, Some(0.05), lean.as_str(), false),
+    ] {
+        let what = format!("{model} {dtype} clip {clip:?} {policy} on {ranks} ranks");
+        let memory = compile_on(
+            model,
+            policy,
+            ranks,
+            1,
+            dtype,
+            clip,
+            HardwareProfile::host(),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let on_disk = match by_budget {
+            true => {
+                let (node_host, disk) = least_with_storage_on_disk(&memory, ranks)
+                    .unwrap_or_else(|| panic!("{what}: moving storage saves host memory"));
+                let hardware = HardwareProfile::host()
+                    .with_host_memory(node_host)
+                    .with_disk_memory(u64::from(ranks) * disk);
+                let on_disk = compile_on(model, policy, ranks, 1, dtype, clip, hardware)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(on_disk.disk_bytes, disk, "{what}: the disk region is exact");
+                let (state_only, _) = least_on_disk(&memory, ranks);
+                assert!(
+                    on_disk.host_bytes * u64::from(ranks) <= node_host && node_host < state_only,
+                    "{what}: {} host bytes a rank, {node_host} a node, {state_only} with the \
+                     state alone on disk",
+                    on_disk.host_bytes
+                );
+                on_disk
+            }
+            false => {
+                let most = protrain::compiler::disk::every_state((*memory).clone(), 1)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                verify(most).unwrap_or_else(|e| panic!("{what}: {e}"))
+            }
+        };
+        let chunks = on_disk.chunks.len();
+        assert_eq!(on_disk.disk_chunks().len(), chunks, "{what}: state shards");
+        let (params, grads, staged_uploads) = storage_shards_on_disk(&on_disk);
+        assert_eq!(params.len(), chunks, "{what}: parameter shards on disk");
+        let own_grads = on_disk.buffers.iter().any(|b| {
+            matches!(
+                b.kind,
+                BufferKind::HostShard {
+                    part: ShardPart::Grads,
+                    ..
+                }
+            )
+        });
+        assert_eq!(
+            !grads.is_empty(),
+            own_grads,
+            "{what}: gradient shards on disk"
+        );
+        let uploads = on_disk
+            .streams
+            .iter()
+            .flat_map(|s| &s.instrs)
+            .filter(|i| {
+                matches!(
+                    i,
+                    Instr::CopyShard {
+                        what: protrain::ir::CopyKind::FetchChunk { .. },
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(staged_uploads, uploads, "{what}: every upload staged");
+        let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
+        let (single, _) = train(&one, &fresh(&one), 3);
+        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
+        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
+        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
+        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
+        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
+        assert_eq!(disk_run.0, single.0, "{what}: losses of one rank");
+        assert!(
+            disk_run.1 == single.1,
+            "{what}: weights differ from one rank"
+        );
+        assert!(
+            disk_run.2 == single.2,
+            "{what}: moments differ from one rank"
+        );
+    }
+}
+
+/// Malformed moves of sharded storage that the verifier refuses, on two ranks with every
+/// model state on disk: an upload that no longer waits for the read of its parameter shard
+/// (it would upload what the staging buffer held before), an upload from a sharded staging
+/// buffer of gradients, a disk read of a parameter shard into one, and a disk read of half a
+/// parameter shard (each rank moves its whole shard).
+#[test]
+fn malformed_moves_of_sharded_storage_are_refused() {
+    use protrain::ir::{CopyKind, StreamKind, TensorRef};
+    let memory = compile_clipped("gpt2-tiny", TIGHT, 2, 1, DType::F32, None);
+    let schedule: Schedule =
+        protrain::compiler::disk::every_state((*memory).clone(), 2).expect("moves");
+    verify(schedule.clone()).expect("verifies as compiled");
+    let stream_of = |kind: StreamKind| {
+        schedule
+            .streams
+            .iter()
+            .position(|st| st.kind == kind)
+            .unwrap()
+    };
+    let (io, h2d) = (
+        stream_of(StreamKind::DiskIo),
+        stream_of(StreamKind::HostToDevice),
+    );
+    let kind = |t: TensorRef| schedule.buffers[t.buffer.index()].kind;
+    let refused = |s: Schedule| verify(s).expect_err("refused").to_string();
+    let grads_staging = schedule
+        .buffers
+        .iter()
+        .position(|b| {
+            matches!(
+                b.kind,
+                BufferKind::ShardStaging {
+                    part: ShardPart::Grads,
+                    ..
+                }
+            )
+        })
+        .map(protrain::ir::BufferId::new)
+        .expect("a sharded staging buffer of gradients");
+    // The first upload, from a sharded staging buffer of parameters, after its wait.
+    let upload = schedule.streams[h2d]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::CopyShard { what: CopyKind::FetchChunk { .. }, src, .. }
+                if matches!(kind(*src), BufferKind::ShardStaging { part: ShardPart::Params, .. }))
+        })
+        .expect("an upload from a staging buffer");
+    let mut s = schedule.clone();
+    let wait = s.streams[h2d].instrs.remove(upload - 1);
+    assert!(matches!(wait, Instr::Wait { .. }), "{wait:?}");
+    s.streams[0].instrs.push(wait);
+    let err = refused(s);
+    assert!(err.contains("data flow") && err.contains("fetch"), "{err}");
+    let mut s = schedule.clone();
+    if let Instr::CopyShard { src, .. } = &mut s.streams[h2d].instrs[upload] {
+        src.buffer = grads_staging;
+    }
+    let err = refused(s);
+    assert!(
+        err.contains("nor a sharded disk staging buffer of that part"),
+        "{err}"
+    );
+    // The first read of a parameter shard from disk.
+    let read = schedule.streams[io]
+        .instrs
+        .iter()
+        .position(|i| {
+            matches!(i, Instr::DiskRead { src, .. }
+                if matches!(kind(*src), BufferKind::HostShard { part: ShardPart::Params, .. }))
+        })
+        .expect("a read of a parameter shard");
+    let mut s = schedule.clone();
+    if let Instr::DiskRead { dst, .. } = &mut s.streams[io].instrs[read] {
+        dst.buffer = grads_staging;
+    }
+    let err = refused(s);
+    assert!(
+        err.contains("not a sharded disk staging buffer of the same part"),
+        "{err}"
+    );
+    let mut s = schedule.clone();
+    if let Instr::DiskRead { bytes, .. } = &mut s.streams[io].instrs[read] {
+        *bytes /= 2;
+    }
+    let err = refused(s);
+    assert!(err.contains("each rank's whole shard"), "{err}");
 }

@@ -3,11 +3,12 @@
 
 use protrain_compiler::accumulate::scale_loss_gradient;
 use protrain_compiler::comm::Topology;
-use protrain_compiler::cost::cost_model;
+use protrain_compiler::cost::{cost_model, CopyDir, CostModel};
 use protrain_compiler::pipeline::{chunked, training_graph};
 use protrain_compiler::search::{
     search, search_ordered, SearchOptions, COMPILE_BATCH, TIE_TOLERANCE,
 };
+use protrain_compiler::simulate::instr_seconds;
 use protrain_compiler::{CompileError, OptimizerConfig};
 use protrain_ir::{BlockMode, HardwareProfile, MicroBatchOrder, Schedule};
 
@@ -530,4 +531,103 @@ fn the_estimate_prices_chunk_major_accumulation_on_sharded_ranks() {
         "the search over both orders compiles the chunk-major one: {:?}",
         report.orders
     );
+}
+
+/// `model` searched for steps of 1 x 256 tokens on `topology`'s ranks of an rtx3090 with a
+/// disk of `disk_bandwidth` bytes a second each way (a node's), 2 GiB of device memory and
+/// `host` bytes of host memory and 64 GiB of disk a rank.
+fn disk_bound_model(
+    model: &str,
+    disk_bandwidth: f64,
+    host: u64,
+    topology: Topology,
+) -> (Box<dyn CostModel>, Searched) {
+    let config = protrain_models::load(model).expect("preset");
+    let forward =
+        protrain_models::build_forward(&config, &protrain_models::BuildOptions::new(1, 256))
+            .expect("builds");
+    let mut training = training_graph(&forward, &OptimizerConfig::default()).expect("autodiff");
+    scale_loss_gradient(&mut training, u64::from(topology.ranks())).expect("scales");
+    let chunks = chunked(&training);
+    let mut profile = HardwareProfile::preset("rtx3090").expect("preset");
+    profile.disk.read_bandwidth = disk_bandwidth;
+    profile.disk.write_bandwidth = disk_bandwidth;
+    let cost = cost_model(&profile);
+    let options = SearchOptions {
+        device_budget: 2 * GIB,
+        disk_budget: 64 * GIB,
+        host_budget: host,
+        max_compiled: 16,
+        hardware: profile.summary(),
+        model: config.name.clone(),
+        topology,
+    };
+    let searched = search(&training, &chunks, cost.as_ref(), &options);
+    (cost, searched)
+}
+
+/// On two sharded ranks of one node whose host memory (1.5 GiB a rank) is below what their
+/// optimizer state shards on disk leave, opt-1.3b's parameter shards go to disk too (8 of
+/// its 10 chunks', the 14-byte layout's gradients landing in them), and every compiled
+/// candidate's estimate prices that traffic (each upload's read, each offload's write, the
+/// update's read and write) within 25% of its simulated step.
+#[test]
+fn the_estimate_prices_storage_moved_on_sharded_ranks() {
+    let two = Topology { gpus: 2, nodes: 1 };
+    let (_, searched) = disk_bound_model("opt-1.3b", 2e8, 1536 << 20, two);
+    let (schedule, report) = searched.expect("fits with the disk tier");
+    assert!(schedule.sharded());
+    let (params, _) = schedule.disk_storage_chunks();
+    assert!(
+        params.len() >= schedule.chunks.len() / 2,
+        "{} of {} chunks' parameter shards on disk",
+        params.len(),
+        schedule.chunks.len()
+    );
+    disk_estimates_within_a_quarter(&report, "");
+}
+
+/// Ranks on one node share its disk: the profile's disk bandwidth is a node's, so two ranks
+/// on one node each move their shards at half of it. Two ranks on one node with a disk of
+/// `B` bytes a second are estimated and simulated as two ranks on two nodes with a disk of
+/// `B / 2` each (within 5%: their collectives differ, and the disk bounds the step), and
+/// every disk transfer of the one-node schedule is simulated as a transfer of the node's two
+/// ranks' bytes.
+#[test]
+fn ranks_on_one_node_share_its_disk_bandwidth() {
+    let node = Topology { gpus: 2, nodes: 1 };
+    let nodes = Topology { gpus: 1, nodes: 2 };
+    let (cost, shared) = disk_bound_model("opt-1.3b", 2e8, 1536 << 20, node);
+    let (_, own) = disk_bound_model("opt-1.3b", 1e8, 1536 << 20, nodes);
+    let (schedule, shared) = shared.expect("fits on one node");
+    let (_, own) = own.expect("fits on two nodes");
+    let (a, b) = (&shared.compiled[0], &own.compiled[0]);
+    for (what, x, y) in [
+        ("estimated", a.estimated_seconds, b.estimated_seconds),
+        ("simulated", a.simulated_seconds, b.simulated_seconds),
+    ] {
+        assert!(
+            (x / y - 1.0).abs() < 0.05,
+            "{what}: {x} s on one node at 200 MB/s, {y} s on two at 100 MB/s"
+        );
+    }
+    let mut priced = 0;
+    for (s, stream) in schedule.streams.iter().enumerate() {
+        for instr in &stream.instrs {
+            let (bytes, dir) = match instr {
+                protrain_ir::Instr::DiskRead { bytes, .. } => (*bytes, CopyDir::DiskToHost),
+                protrain_ir::Instr::DiskWrite { bytes, .. } => (*bytes, CopyDir::HostToDisk),
+                _ => continue,
+            };
+            let got = instr_seconds(
+                &schedule,
+                protrain_ir::StreamId::new(s),
+                instr,
+                cost.as_ref(),
+            );
+            assert_eq!(got, cost.copy_seconds(2 * bytes, dir), "{instr:?}");
+            priced += 1;
+        }
+    }
+    assert!(priced > 0, "no disk transfer");
 }

@@ -119,7 +119,9 @@ impl Checker<'_> {
                             Invariant::Homes,
                             Some(r),
                             format!(
-                                "updates {} in place at {} {a:#x}, but its home is on disk                                  (disk {ha:#x}): it must be updated in a disk staging                                  buffer, at its offset in its chunk's state ({:#x})",
+                                "updates {} in place at {} {a:#x}, but its home is on disk \
+                                 (disk {ha:#x}): it must be updated in a disk staging \
+                                 buffer, at its offset in its chunk's state ({:#x})",
                                 self.name(v),
                                 space_name(space),
                                 home.offset
@@ -1199,7 +1201,8 @@ impl Checker<'_> {
                             Invariant::DataFlow,
                             Some(r),
                             format!(
-                                "writes {} at {} back to disk before the AdamW that updates                                  it: the update would be lost (wait for the update first)",
+                                "writes {} at {} back to disk before the AdamW that updates \
+                                 it: the update would be lost (wait for the update first)",
                                 self.name(value),
                                 Self::range(ss, start, seg.end)
                             ),

@@ -330,10 +330,20 @@ impl Checker<'_> {
                     chunk,
                     part: ShardPart::Params,
                 });
-        if host.kind != (BufferKind::HostShard { chunk, part }) && !lean {
+        // The disk tier: a shard on disk is copied through a sharded staging buffer of its
+        // part in host memory, which the disk stream reads it into or writes it from (data
+        // flow proves that the staging buffer holds this chunk's shard).
+        let staged = host.space == Space::Host
+            && match host.kind {
+                BufferKind::ShardStaging { part: p, .. } => {
+                    p == part || (part == ShardPart::Grads && p == ShardPart::Params)
+                }
+                _ => false,
+            };
+        if host.kind != (BufferKind::HostShard { chunk, part }) && !lean && !staged {
             return Err(format!(
                 "copies a shard of {chunk} through {} ({}), which is not its \
-                 host shard of {}",
+                 host shard of {} (nor a sharded disk staging buffer of that part)",
                 self.buf(from.buffer),
                 host.name,
                 match part {
@@ -420,7 +430,9 @@ impl Checker<'_> {
         if let BufferKind::HostShard { part, .. } = d.kind {
             if disk.offset != 0 || *bytes != d.size {
                 return Err(format!(
-                    "{name} of {chunk} moves {bytes} bytes from +{:#x} of its shard {},                      which is {} bytes a rank: disk reads and writes move each rank's whole                      shard from its start",
+                    "{name} of {chunk} moves {bytes} bytes from +{:#x} of its shard {}, \
+                     which is {} bytes a rank: disk reads and writes move each rank's whole \
+                     shard from its start",
                     disk.offset, d.name, d.size
                 ));
             }
@@ -431,7 +443,9 @@ impl Checker<'_> {
                 && *bytes <= h.size;
             if !staged {
                 return Err(format!(
-                    "{name} of {chunk}'s shard {} on the host side addresses {}+{:#x} ({}),                      not a sharded disk staging buffer of the same part in host memory, from                      its start, with room for {bytes} bytes a rank",
+                    "{name} of {chunk}'s shard {} on the host side addresses {}+{:#x} ({}), \
+                     not a sharded disk staging buffer of the same part in host memory, from \
+                     its start, with room for {bytes} bytes a rank",
                     d.name,
                     self.buf(host.buffer),
                     host.offset,

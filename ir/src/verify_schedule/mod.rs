@@ -182,7 +182,10 @@
 //! sharded staging buffer ([`BufferKind::ShardStaging`](crate::BufferKind::ShardStaging)) of
 //! the same part (**ids**), as every rank's slice in the whole view (**data flow**); an AdamW
 //! that reads its moments there finds its master weight shard, on disk in the same chunk, in
-//! the master staging buffer of the moments' slot (**homes**).
+//! the master staging buffer of the moments' slot (**homes**). A sharded chunk's parameter
+//! or gradient shard on disk is uploaded from, or offloaded into, a sharded staging buffer
+//! of its part in host memory, moving one rank's whole shard (**ids**), which **data flow**
+//! proves holds that shard (the upload after the read, the write after the offload).
 //!
 //! A schedule with staged chunks (the 12-byte host layout, [`Instr::CastChunk`], see
 //! [`crate::schedule`]) is checked with its casts as instructions: **ids** puts every cast on
