@@ -789,8 +789,8 @@ pub fn simulate_unverified(
 /// What the host backend's compute kernels lose to the other streams on the same `cores`:
 /// every second of CPU Adam work that overlaps compute (its pool's threads and theirs share
 /// the cores half and half meanwhile, so the compute kernels lose as much time as the Adam
-/// does: [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that overlaps compute (a `memcpy` thread
-/// takes one core). Added to the step time, not spread over the timeline: the streams'
+/// does: [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that
+/// overlaps compute (a `memcpy` thread takes one core). Added to the step time, not spread over the timeline: the streams'
 /// spans stay as the events order them, and the compute stream ends that much later.
 pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
     let overlapped = |cats: &[&str]| {
