@@ -43,7 +43,7 @@ use crate::comm::Topology;
 use crate::error::{CompileError, Result};
 use crate::shard::{merge, Job};
 use protrain_ir::{
-    BufferKind, EventId, Instr, OpKind, Schedule, Stream, StreamKind, TensorRef, ValueId,
+    BufferKind, EventId, Instr, OpId, OpKind, Schedule, Stream, StreamKind, TensorRef, ValueId,
 };
 use std::collections::{BTreeMap, HashSet};
 
@@ -86,7 +86,7 @@ fn sum_interleaved(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule>
     let k = schedule.micro_batch_losses.len();
     let graph = &schedule.graph;
     let mut firsts: Vec<ValueId> = Vec::new();
-    let mut adds: HashSet<protrain_ir::OpId> = HashSet::new();
+    let mut adds: HashSet<OpId> = HashSet::new();
     for (_, op) in graph.ops() {
         if !matches!(op.kind, OpKind::AdamW { .. }) {
             continue;
@@ -114,13 +114,29 @@ fn sum_interleaved(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule>
         events += 1;
         EventId(events - 1)
     };
+    let jobs = take_kernels(&mut schedule.streams, |op| adds.contains(&op), &mut event);
+    schedule.events = events;
+    let mut schedule = all_reduce_values(schedule, kind, &firsts)?;
+    let comm = schedule.streams.len() - 1;
+    schedule.streams[comm].instrs = merge(&schedule, comm, jobs)?;
+    Ok(schedule)
+}
+
+/// Takes every kernel of an op that `moves` off `streams`, for the collective stream: each
+/// leaves in its place a record of a new trigger event and a wait for a new done event
+/// (from `event`), and comes back as the [`Job`] that [`merge`] places on the collective
+/// stream between the two.
+fn take_kernels(
+    streams: &mut [Stream],
+    moves: impl Fn(OpId) -> bool,
+    event: &mut impl FnMut() -> EventId,
+) -> Vec<Job> {
     let mut jobs: Vec<Job> = Vec::new();
-    for stream in schedule.streams.iter_mut() {
+    for stream in streams.iter_mut() {
         let old = std::mem::take(&mut stream.instrs);
         let mut instrs = Vec::with_capacity(old.len() + 8);
         for instr in old {
-            let sums = matches!(&instr, Instr::Kernel { op, .. } if adds.contains(op));
-            if !sums {
+            if !matches!(&instr, Instr::Kernel { op, .. } if moves(*op)) {
                 instrs.push(instr);
                 continue;
             }
@@ -135,11 +151,7 @@ fn sum_interleaved(mut schedule: Schedule, kind: StreamKind) -> Result<Schedule>
         }
         stream.instrs = instrs;
     }
-    schedule.events = events;
-    let mut schedule = all_reduce_values(schedule, kind, &firsts)?;
-    let comm = schedule.streams.len() - 1;
-    schedule.streams[comm].instrs = merge(&schedule, comm, jobs)?;
-    Ok(schedule)
+    jobs
 }
 
 /// The gradients the optimizer reads, in the order their AdamW ops appear, but those of
@@ -178,28 +190,11 @@ fn sum_micro_batches(mut schedule: Schedule, kind: StreamKind, k: u32) -> Result
         EventId(events - 1)
     };
     let graph = &schedule.graph;
-    let mut jobs: Vec<Job> = Vec::new();
-    for stream in schedule.streams.iter_mut() {
-        let old = std::mem::take(&mut stream.instrs);
-        let mut instrs = Vec::with_capacity(old.len() + 8);
-        for instr in old {
-            let accumulates = matches!(&instr, Instr::Kernel { op, .. }
-                if graph.op(*op).kind == OpKind::AccumulateGrad);
-            if !accumulates {
-                instrs.push(instr);
-                continue;
-            }
-            let (trigger, done) = (event(), event());
-            instrs.push(Instr::Record { event: trigger });
-            instrs.push(Instr::Wait { event: done });
-            jobs.push(Job {
-                trigger,
-                instr,
-                done,
-            });
-        }
-        stream.instrs = instrs;
-    }
+    let jobs = take_kernels(
+        &mut schedule.streams,
+        |op| graph.op(op).kind == OpKind::AccumulateGrad,
+        &mut event,
+    );
     schedule.streams.push(Stream {
         name: "comm".into(),
         kind,

@@ -1490,30 +1490,17 @@ fn buffer_kinds(schedule: &Schedule) -> Vec<MemoryKind> {
         .collect()
 }
 
-/// Every tensor address an instruction names.
+/// Every tensor address an instruction names: a kernel's inputs and outputs, and the
+/// addresses [`Instr::other_addresses`] lists.
 fn instr_refs(instr: &Instr) -> Vec<TensorRef> {
-    match instr {
+    let mut refs = match instr {
         Instr::Kernel {
-            inputs,
-            outputs,
-            workspace,
-            ..
-        } => inputs
-            .iter()
-            .chain(outputs)
-            .chain(workspace.iter())
-            .copied()
-            .collect(),
-        Instr::Copy { src, dst, .. }
-        | Instr::CopyShard { src, dst, .. }
-        | Instr::DiskRead { src, dst, .. }
-        | Instr::DiskWrite { src, dst, .. }
-        | Instr::CastChunk { src, dst, .. } => vec![*src, *dst],
-        Instr::AllReduce { at, .. }
-        | Instr::AllGather { at, .. }
-        | Instr::ReduceScatter { at, .. } => vec![*at],
-        Instr::Record { .. } | Instr::Wait { .. } | Instr::EndMicroBatch { .. } => Vec::new(),
-    }
+            inputs, outputs, ..
+        } => inputs.iter().chain(outputs).copied().collect(),
+        _ => Vec::new(),
+    };
+    refs.extend(instr.other_addresses());
+    refs
 }
 
 #[cfg(test)]

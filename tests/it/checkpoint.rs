@@ -637,47 +637,9 @@ fn chunk_major_training_prints_the_sequential_losses_and_resumes_across_orders()
 /// destructor runs); the resumed run sweeps them and removes its own.
 #[test]
 fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
-    use crate::sharded::{compile_on, least_on_disk, BATCH, SEQ, TIGHT};
-    let memory = compile_on(
-        "gpt2-tiny",
-        TIGHT,
-        2,
-        1,
-        protrain::ir::DType::F32,
-        None,
-        protrain::ir::HardwareProfile::host(),
-    )
-    .expect("compiles");
-    let (node_host, _) = least_on_disk(&memory, 2);
-    let (host, batch, seq) = (node_host.to_string(), BATCH.to_string(), SEQ.to_string());
-    let policy = TIGHT.replace(' ', ",");
-    let base = [
-        "train",
-        "gpt2-tiny",
-        "--steps",
-        "30",
-        "--batch",
-        &batch,
-        "--seq",
-        &seq,
-        "--gpus",
-        "2",
-        "--dtype",
-        "f32",
-        "--policy",
-        &policy,
-        "--log-json",
-    ];
-    killed_on_disk_resumes_as_in_memory(
-        &base,
-        &host,
+    sharded_killed_on_disk_resume_as_in_memory(
+        |memory| crate::sharded::least_on_disk(memory, 2).0,
         "the optimizer state of 4 of 4 chunks",
-        |left| {
-            assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
-            for rank in ["-rank0.state", "-rank1.state"] {
-                assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
-            }
-        },
     );
 }
 
@@ -688,7 +650,24 @@ fn sharded_ranks_with_their_state_on_disk_killed_resume_bit_identically() {
 /// run's two files stay behind and the resumed run sweeps them.
 #[test]
 fn sharded_ranks_with_their_parameters_on_disk_killed_resume_bit_identically() {
-    use crate::sharded::{compile_on, least_with_storage_on_disk, BATCH, SEQ, TIGHT};
+    sharded_killed_on_disk_resume_as_in_memory(
+        |memory| {
+            crate::sharded::least_with_storage_on_disk(memory, 2)
+                .expect("storage moves")
+                .0
+        },
+        "the optimizer state of 4 of 4 chunks and the parameters and gradients of 4",
+    );
+}
+
+/// Two sharded ranks of gpt2-tiny (f32, the tight policy) trained with the node's host
+/// memory `node_host` gives their in-memory schedule, the disk tier reporting `held`:
+/// [`killed_on_disk_resumes_as_in_memory`], with each rank's file left by the killed run.
+fn sharded_killed_on_disk_resume_as_in_memory(
+    node_host: impl Fn(&protrain::ir::verify_schedule::VerifiedSchedule) -> u64,
+    held: &str,
+) {
+    use crate::sharded::{compile_on, BATCH, SEQ, TIGHT};
     let memory = compile_on(
         "gpt2-tiny",
         TIGHT,
@@ -699,8 +678,11 @@ fn sharded_ranks_with_their_parameters_on_disk_killed_resume_bit_identically() {
         protrain::ir::HardwareProfile::host(),
     )
     .expect("compiles");
-    let (node_host, _) = least_with_storage_on_disk(&memory, 2).expect("storage moves");
-    let (host, batch, seq) = (node_host.to_string(), BATCH.to_string(), SEQ.to_string());
+    let (host, batch, seq) = (
+        node_host(&memory).to_string(),
+        BATCH.to_string(),
+        SEQ.to_string(),
+    );
     let policy = TIGHT.replace(' ', ",");
     let base = [
         "train",
@@ -719,17 +701,12 @@ fn sharded_ranks_with_their_parameters_on_disk_killed_resume_bit_identically() {
         &policy,
         "--log-json",
     ];
-    killed_on_disk_resumes_as_in_memory(
-        &base,
-        &host,
-        "the optimizer state of 4 of 4 chunks and the parameters and gradients of 4",
-        |left| {
-            assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
-            for rank in ["-rank0.state", "-rank1.state"] {
-                assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
-            }
-        },
-    );
+    killed_on_disk_resumes_as_in_memory(&base, &host, held, |left| {
+        assert_eq!(left.len(), 2, "each rank's state file stays: {left:?}");
+        for rank in ["-rank0.state", "-rank1.state"] {
+            assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
+        }
+    });
 }
 
 /// Runs `base` (a 30-step `train` command that ends in `--log-json`) with `host` of host

@@ -734,22 +734,34 @@ fn sharded_ranks_with_their_state_on_disk_train_as_in_host_memory_bit_for_bit() 
             memory.host_bytes
         );
         let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
-        let (single, _) = train(&one, &fresh(&one), 3);
-        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
-        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
-        assert_eq!(in_memory.0, single.0, "{what}: losses in memory");
-        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
-        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
-        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
-        assert!(
-            disk_run.1 == single.1,
-            "{what}: weights differ from one rank"
-        );
-        assert!(
-            disk_run.2 == single.2,
-            "{what}: moments differ from one rank"
-        );
+        trains_as_in_memory_and_one_rank(&what, &on_disk, &memory, &one);
     }
+}
+
+/// Three steps of `on_disk` give the losses, weights and Adam moments of three of `memory`
+/// (the same ranks in host memory) and of `one` (one rank accumulating their micro-batches),
+/// bit for bit.
+fn trains_as_in_memory_and_one_rank(
+    what: &str,
+    on_disk: &VerifiedSchedule,
+    memory: &VerifiedSchedule,
+    one: &VerifiedSchedule,
+) {
+    let (single, _) = train(one, &fresh(one), 3);
+    let (in_memory, _) = train(memory, &fresh(memory), 3);
+    let (disk_run, _) = train(on_disk, &fresh(on_disk), 3);
+    assert_eq!(in_memory.0, single.0, "{what}: losses in memory");
+    assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
+    assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
+    assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
+    assert!(
+        disk_run.1 == single.1,
+        "{what}: weights differ from one rank"
+    );
+    assert!(
+        disk_run.2 == single.2,
+        "{what}: moments differ from one rank"
+    );
 }
 
 /// A sharded schedule over its host budget compiles with the fewest chunks' state shards on
@@ -1079,21 +1091,7 @@ fn sharded_ranks_with_their_parameters_and_gradients_on_disk_train_as_in_host_me
             .count();
         assert_eq!(staged_uploads, uploads, "{what}: every upload staged");
         let one = compile_clipped(model, TIGHT, 1, u64::from(ranks), dtype, clip);
-        let (single, _) = train(&one, &fresh(&one), 3);
-        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
-        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
-        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
-        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
-        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
-        assert_eq!(disk_run.0, single.0, "{what}: losses of one rank");
-        assert!(
-            disk_run.1 == single.1,
-            "{what}: weights differ from one rank"
-        );
-        assert!(
-            disk_run.2 == single.2,
-            "{what}: moments differ from one rank"
-        );
+        trains_as_in_memory_and_one_rank(&what, &on_disk, &memory, &one);
     }
 }
 
