@@ -314,24 +314,27 @@ pub fn to_bf16(x: f32) -> bf16 {
     bf16::from_bits(if x.is_nan() { nan } else { rounded } as u16)
 }
 
-/// Elements from which a step's bf16 copy is written with streaming stores (AVX2): a step
-/// over a million elements moves 30 MB or more (28 bytes an element, and the copy), more than
-/// the share of the last-level cache its cores hold, so the copy's cache lines would be read
-/// from memory only to be overwritten, and evicted before the upload reads them. Below it the
-/// copy may stay in cache for the upload.
+/// Elements from which a step's bf16 copy is written with streaming stores (AVX2, AVX-512):
+/// a step over a million elements moves 30 MB or more (28 bytes an element, and the copy),
+/// more than the share of the last-level cache its cores hold, so the copy's cache lines would
+/// be read from memory only to be overwritten, and evicted before the upload reads them. Below
+/// it the copy may stay in cache for the upload.
 const STREAM_MIN: usize = 1 << 20;
 
 /// How far ahead of the element it updates a step asks for cache lines (`prefetcht0`), in
-/// elements: 512 are 2 KiB of each f32 stream, about 32 lines in flight over the four
-/// streams. One core keeps more misses in flight this way than its hardware prefetchers
-/// start on their own, and a step's rate on memory is bounded by the misses one core keeps in
-/// flight, not by the memory's bandwidth (`benches/RESULTS.md`: on one thread the rate rose
-/// by 11-23% at 4 and 32 Mi elements, AVX2 and AVX-512; 256 and 1,024 elements gained less).
+/// elements: 512 are 2 KiB of each f32 stream, about 30 lines in flight over the four or five
+/// streams. A step's rate on memory is bounded by the misses one core keeps in flight, not by
+/// the memory's bandwidth, and the core keeps more in flight this way than its hardware
+/// prefetchers start on their own: on one thread at 32 Mi elements the f32 step ran 1.11-1.32x
+/// and the step with a bf16 copy 1.21-1.36x as fast with it (`benches/RESULTS.md`,
+/// 2026-12-06). 1,024 and 2,048 elements ahead gained less on AVX2 and AVX-512; 256 as much on
+/// AVX-512 and less on AVX2.
 const PREFETCH_AHEAD: usize = 512;
 
 /// Elements [`block`] updates between prefetches: 64 are four lines of each f32 stream. Asked
-/// for a few lines at a time, the prefetches interleave with the loop's loads; a burst for
-/// many lines at once (256 elements) fills the core's miss buffers and gained a third as much.
+/// for a few lines at a time, the prefetches interleave with the loop's loads; asked for 256
+/// elements' lines at once, they fill the core's miss buffers in bursts and gained a third as
+/// much or less.
 const PIECE: usize = 64;
 
 /// The gradient an intrinsics kernel ([`avx2`], [`avx512`]) reads.

@@ -10,6 +10,10 @@
 //! - a gradient in the parameter storage (the 14-byte layout) is read where it lies, each
 //!   vector before the new parameter is stored over it, with no copy to the stack.
 //!
+//! The master weight and the moments are stored the ordinary way: their lines were just read
+//! into the cache, and a streaming store to a cached line evicts it first (streaming them too
+//! made the step 0.81-0.88x as fast on one thread at 4 and 32 Mi elements).
+//!
 //! `vcvtne2ps2bf16` (AVX512_BF16) would round two vectors in one instruction, but it flushes a
 //! subnormal input to zero, where [`to_bf16`] (and `half`, and torch) round it: it is not used.
 //! Every lane computes what [`update`] and [`to_bf16`] compute, with the same IEEE operations
