@@ -6,6 +6,8 @@ use super::math::{fast_in, Isa, ELEM_GRAIN};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them. `f64` because torch does the
 /// scalar arithmetic (bias corrections, step size) in Python floats.
@@ -228,9 +230,10 @@ fn divide_by_bc2<const RECIP: bool>(root: f32, c: &Coeffs) -> f32 {
 trait Widen: Copy {
     fn widen(self) -> f32;
 
-    /// The gradient as the AVX2 kernel reads it, where it reads this type.
+    /// The gradient as the intrinsics kernels ([`avx2`], [`avx512`]) read it, where they read
+    /// this type.
     #[cfg(target_arch = "x86_64")]
-    fn avx2_src(g: &[Self]) -> Option<avx2::Src<'_>> {
+    fn simd_src(g: &[Self]) -> Option<Src<'_>> {
         let _ = g;
         None
     }
@@ -243,8 +246,8 @@ impl Widen for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn avx2_src(g: &[f32]) -> Option<avx2::Src<'_>> {
-        Some(avx2::Src::F32(g))
+    fn simd_src(g: &[f32]) -> Option<Src<'_>> {
+        Some(Src::F32(g))
     }
 }
 
@@ -256,8 +259,8 @@ impl Widen for bf16 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn avx2_src(g: &[bf16]) -> Option<avx2::Src<'_>> {
-        Some(avx2::Src::Bf16(g))
+    fn simd_src(g: &[bf16]) -> Option<Src<'_>> {
+        Some(Src::Bf16(g))
     }
 }
 
@@ -273,7 +276,7 @@ trait Narrow: Copy + Send + Sync {
     /// `x` rounded to nearest, ties to even.
     fn narrow(x: f32) -> Self;
 
-    /// The storage as bf16, where this type is bf16 (the AVX2 kernel writes only bf16).
+    /// The storage as bf16, where this type is bf16 (the intrinsics kernels write only bf16).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn as_bf16(x: &mut [Self]) -> Option<&mut [bf16]> {
         let _ = x;
@@ -311,17 +314,114 @@ pub fn to_bf16(x: f32) -> bf16 {
     bf16::from_bits(if x.is_nan() { nan } else { rounded } as u16)
 }
 
-/// Elements from which a step's bf16 copy is written with streaming stores (AVX2): a step
-/// over a million elements moves 30 MB or more (28 bytes an element, and the copy), more than
-/// the share of the last-level cache its cores hold, so the copy's cache lines would be read
-/// from memory only to be overwritten, and evicted before the upload reads them. Below it the
-/// copy may stay in cache for the upload.
+/// Elements from which a step's bf16 copy is written with streaming stores (AVX2, AVX-512):
+/// a step over a million elements moves 30 MB or more (28 bytes an element, and the copy),
+/// more than the share of the last-level cache its cores hold, so the copy's cache lines would
+/// be read from memory only to be overwritten, and evicted before the upload reads them. Below
+/// it the copy may stay in cache for the upload.
 const STREAM_MIN: usize = 1 << 20;
 
+/// How far ahead of the element it updates a step asks for cache lines (`prefetcht0`), in
+/// elements: 512 are 2 KiB of each f32 stream, about 30 lines in flight over the four or five
+/// streams. A step's rate on memory is bounded by the misses one core keeps in flight, not by
+/// the memory's bandwidth, and the core keeps more in flight this way than its hardware
+/// prefetchers start on their own: on one thread at 32 Mi elements the f32 step ran 1.11-1.32x
+/// and the step with a bf16 copy 1.21-1.36x as fast with it (`benches/RESULTS.md`,
+/// 2026-12-06). 1,024 and 2,048 elements ahead gained less on AVX2 and AVX-512; 256 as much on
+/// AVX-512 and less on AVX2.
+const PREFETCH_AHEAD: usize = 512;
+
+/// Elements [`block`] updates between prefetches: 64 are four lines of each f32 stream. Asked
+/// for a few lines at a time, the prefetches interleave with the loop's loads; asked for 256
+/// elements' lines at once, they fill the core's miss buffers in bursts and gained a third as
+/// much or less.
+const PIECE: usize = 64;
+
+/// The gradient an intrinsics kernel ([`avx2`], [`avx512`]) reads.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    /// f32.
+    F32(&'a [f32]),
+    /// bf16.
+    Bf16(&'a [bf16]),
+    /// bf16 in the bf16 copy's storage, each element read before the new weight is stored
+    /// over it.
+    InLow,
+}
+
+/// How an intrinsics kernel ([`avx2`], [`avx512`]) stores the new weight rounded to bf16.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Copy16 {
+    /// Ordinary stores (the copy is read again soon, or its lines were just read: the
+    /// gradient in the parameter storage).
+    Store,
+    /// Streaming stores, aligned to the vector's width: the lines are written whole without
+    /// being read.
+    Stream,
+}
+
+/// Asks for the cache lines of `len` elements of `x` from element `from` (addresses computed
+/// with wrapping arithmetic: a prefetch past the end of a slice neither faults nor reads
+/// anything the program sees). A no-op off x86-64.
+#[inline(always)]
+fn prefetch_lines<T>(x: *const T, from: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let first = x.wrapping_add(from).cast::<u8>();
+        let mut at = 0;
+        while at < len * size_of::<T>() {
+            // SAFETY: SSE is in every x86-64 CPU; a prefetch is a hint, and never faults,
+            // whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(at).cast()) };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, from, len);
+}
+
 /// One block: `p`, `m`, `v` updated in place from `g`, and `low` (when given, the same
-/// length) set to the new `p` rounded to bf16 in the same pass.
+/// length) set to the new `p` rounded to bf16 in the same pass; in [`PIECE`]-element pieces,
+/// each after a request for the lines [`PREFETCH_AHEAD`] elements on. Elementwise, so the
+/// pieces change no bit.
 #[inline(always)]
 fn block<G: Widen, L: Narrow, const FROM_M: bool, const RECIP: bool>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    mut low: Option<&mut [L]>,
+    c: &Coeffs,
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let mut start = 0;
+    while start < n {
+        let end = (start + PIECE).min(n);
+        let ahead = start + PREFETCH_AHEAD;
+        prefetch_lines(p.as_ptr(), ahead, PIECE);
+        prefetch_lines(g.as_ptr(), ahead, PIECE);
+        prefetch_lines(m.as_ptr(), ahead, PIECE);
+        prefetch_lines(v.as_ptr(), ahead, PIECE);
+        let low = low.as_deref_mut().map(|low| &mut low[start..end]);
+        piece::<G, L, FROM_M, RECIP>(
+            &mut p[start..end],
+            &g[start..end],
+            &mut m[start..end],
+            &mut v[start..end],
+            low,
+            c,
+        );
+        start = end;
+    }
+}
+
+/// One piece of a [`block`], element by element (vectorised by LLVM in each instance).
+#[inline(always)]
+fn piece<G: Widen, L: Narrow, const FROM_M: bool, const RECIP: bool>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
@@ -370,10 +470,10 @@ fn run_block<G: Widen, L: Narrow>(
 /// and the closure are `#[inline(always)]`), so its loop is vectorised for it: `vdivps` and
 /// `vsqrtps` on `ymm` or `zmm` registers and `vfmadd`, not `divss` and calls to `fmaf`. Every instance
 /// gives the same bits (each operation is an IEEE add, multiply, FMA, divide or square root,
-/// or integer bit work, in every lane alike); AVX-512 narrows the bf16 copy with one `vpmovdw`.
-/// On AVX2 a step with a bf16 copy runs the intrinsics of [`avx2`] instead (one pack per
-/// sixteen lanes, streaming stores from [`STREAM_MIN`] elements). Tests call each instance the
-/// CPU has, to compare their bits.
+/// or integer bit work, in every lane alike). A step with a bf16 copy runs the intrinsics of
+/// [`avx2`] or [`avx512`] instead (one pack, or one 512-bit store, per line of the copy;
+/// streaming stores from [`STREAM_MIN`] elements; the lines [`PREFETCH_AHEAD`] on asked for
+/// every pass). Tests call each instance the CPU has, to compare their bits.
 ///
 /// # Safety
 /// The CPU must have `isa`.
@@ -386,17 +486,22 @@ unsafe fn block_in<G: Widen, L: Narrow>(
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] mut low: Option<&mut [L]>,
     c: &Coeffs,
 ) {
-    // A step that writes a bf16 copy runs the AVX2 kernel written with intrinsics
-    // ([`avx2`]); an f32 step (no copy) runs the generic loop, which LLVM vectorises as well.
+    // A step that writes a bf16 copy runs the kernel written with intrinsics ([`avx2`],
+    // [`avx512`]); an f32 step (no copy) runs the generic loop, which LLVM vectorises as well.
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        if let (Some(src), Some(low)) = (G::avx2_src(g), low.as_deref_mut().and_then(L::as_bf16)) {
+    if isa != Isa::Baseline {
+        if let (Some(src), Some(low)) = (G::simd_src(g), low.as_deref_mut().and_then(L::as_bf16)) {
             let copy = match c.stream_copy {
-                true => avx2::Copy16::Stream,
-                false => avx2::Copy16::Store,
+                true => Copy16::Stream,
+                false => Copy16::Store,
             };
             // SAFETY: the caller's contract.
-            return unsafe { avx2::run(p, src, m, v, low, copy, c) };
+            return unsafe {
+                match isa {
+                    Isa::Avx512 => avx512::run(p, src, m, v, low, copy, c),
+                    _ => avx2::run(p, src, m, v, low, copy, c),
+                }
+            };
         }
     }
     // SAFETY: the caller's contract.
@@ -450,8 +555,9 @@ const IN_LOW_PIECE: usize = 4096;
 
 /// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
 /// each piece of the gradient is copied to the stack, then the step reads the copy and writes
-/// the new parameter over the gradient; the AVX2 kernel for bf16 ([`avx2`]) reads each vector
-/// of the gradient where it lies before storing over it, with no copy. Elementwise, so the
+/// the new parameter over the gradient; the intrinsics kernels for bf16 ([`avx2`],
+/// [`avx512`]) read each vector of the gradient where it lies before storing over it, with no
+/// copy. Elementwise, so the
 /// pieces change no bit. A tensor of one block runs on the calling thread, as in [`run`].
 fn run_in_low<L: Narrow + Widen + Default>(
     p: &mut [f32],
@@ -462,11 +568,13 @@ fn run_in_low<L: Narrow + Widen + Default>(
 ) {
     let in_low_block = |p: &mut [f32], low: &mut [L], m: &mut [f32], v: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
-        if Isa::detect() == Isa::Avx2 {
-            if let Some(low) = L::as_bf16(low) {
-                // SAFETY: the instruction set was detected on this CPU.
-                let src = avx2::Src::InLow;
-                return unsafe { avx2::run(p, src, m, v, low, avx2::Copy16::Store, c) };
+        if let Some(low) = L::as_bf16(low) {
+            let (src, copy) = (Src::InLow, Copy16::Store);
+            // SAFETY: the instruction set was detected on this CPU.
+            match Isa::detect() {
+                Isa::Avx512 => return unsafe { avx512::run(p, src, m, v, low, copy, c) },
+                Isa::Avx2 => return unsafe { avx2::run(p, src, m, v, low, copy, c) },
+                Isa::Baseline => {}
             }
         }
         let mut g = [L::default(); IN_LOW_PIECE];
@@ -961,19 +1069,21 @@ mod tests {
         }
     }
 
-    /// The AVX2 kernel of a step with a bf16 copy (skipped where the CPU lacks AVX2 and FMA),
-    /// for every gradient form (f32, bf16, and bf16 in the copy's storage), both stores of the
-    /// copy (ordinary, and streaming with its one-at-a-time head up to the copy's first 32-byte
-    /// boundary), the slices starting at each of the sixteen element offsets of a 32-byte line
-    /// with ragged tails, both lerp forms and both divisions by the bias correction: the bits
-    /// of the baseline instance given the same gradient apart (rounding, widening, packing
-    /// order, the head and the tail).
+    /// An intrinsics kernel's entry point ([`avx2::run`], [`avx512::run`]).
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_avx2_kernel_gives_the_baseline_bits() {
-        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            return;
-        }
+    type Kernel =
+        unsafe fn(&mut [f32], Src<'_>, &mut [f32], &mut [f32], &mut [bf16], Copy16, &Coeffs);
+
+    /// An intrinsics kernel of a step with a bf16 copy, whose copy is written `line` elements
+    /// at a time (a streaming store's alignment), for every gradient form (f32, bf16, and bf16
+    /// in the copy's storage), both stores of the copy (ordinary, and streaming with its
+    /// one-at-a-time head up to the copy's first aligned address), the slices starting at each
+    /// element offset of a line with ragged tails, both lerp forms and both divisions by the
+    /// bias correction: the bits of the baseline instance given the same gradient apart
+    /// (rounding, widening, packing order, the head and the tail). The CPU must have the
+    /// kernel's instruction set.
+    #[cfg(target_arch = "x86_64")]
+    fn check_kernel_bits(kernel: Kernel, line: usize) {
         let (p0, g, m0, v0) = operands();
         let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
@@ -988,10 +1098,10 @@ mod tests {
                 if !recip {
                     c.bc2_recip = None;
                 }
-                for start in 0..16 {
+                for start in 0..line {
                     let r = start..start + 4000 + 3 * start;
                     for form in 0..3 {
-                        let run = |avx2: Option<avx2::Copy16>| {
+                        let run = |simd: Option<Copy16>| {
                             let (mut p, mut m, mut v) = (
                                 p0[r.clone()].to_vec(),
                                 m0[r.clone()].to_vec(),
@@ -1004,8 +1114,9 @@ mod tests {
                             let low = &mut low[r.clone()];
                             let (g32, g16) = (&g[r.clone()], &g16[r.clone()]);
                             let (pm, mm, vm) = (&mut p[..], &mut m[..], &mut v[..]);
-                            // SAFETY: the CPU has AVX2 and FMA (checked above).
-                            match (avx2, form) {
+                            // SAFETY: the caller's contract: the CPU has the kernel's
+                            // instruction set (the baseline needs none).
+                            match (simd, form) {
                                 (None, 0) => unsafe {
                                     block_in(Isa::Baseline, pm, g32, mm, vm, Some(low), &c)
                                 },
@@ -1014,17 +1125,17 @@ mod tests {
                                 },
                                 (Some(copy), _) => {
                                     let src = match form {
-                                        0 => avx2::Src::F32(g32),
-                                        1 => avx2::Src::Bf16(g16),
-                                        _ => avx2::Src::InLow,
+                                        0 => Src::F32(g32),
+                                        1 => Src::Bf16(g16),
+                                        _ => Src::InLow,
                                     };
-                                    unsafe { avx2::run(pm, src, mm, vm, low, copy, &c) }
+                                    unsafe { kernel(pm, src, mm, vm, low, copy, &c) }
                                 }
                             }
                             (bits(&p), bits(&m), bits(&v), bits16(low))
                         };
                         let want = run(None);
-                        for copy in [avx2::Copy16::Store, avx2::Copy16::Stream] {
+                        for copy in [Copy16::Store, Copy16::Stream] {
                             assert!(
                                 run(Some(copy)) == want,
                                 "{copy:?}, form {form}, start {start}, beta1 {beta1}, \
@@ -1035,6 +1146,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Whether the CPU has what the AVX-512 kernel runs on (AVX-512F, AVX2, FMA).
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+    }
+
+    /// [`check_kernel_bits`] for the AVX2 kernel (skipped where the CPU lacks AVX2 and FMA):
+    /// sixteen bf16 to a 32-byte streaming store.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_kernel_gives_the_baseline_bits() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        check_kernel_bits(avx2::run, 16);
+    }
+
+    /// [`check_kernel_bits`] for the AVX-512 kernel (skipped where the CPU lacks AVX-512F):
+    /// thirty-two bf16 to a 64-byte streaming store.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_kernel_gives_the_baseline_bits() {
+        if !has_avx512() {
+            return;
+        }
+        check_kernel_bits(avx512::run, 32);
     }
 
     /// Lengths on both sides of one block (run on the calling thread at or below it, split
@@ -1113,16 +1254,12 @@ mod tests {
         }
     }
 
-    /// The AVX2 kernel's rounding of sixteen lanes to bf16 (skipped without AVX2 and FMA):
-    /// `half`'s bits, in order, for ties both ways, the carry into the exponent, infinities,
-    /// NaNs of both signs (quiet and signalling), subnormals and a sweep of bit patterns, each
-    /// in every lane.
+    /// Bit patterns a rounding to bf16 must get right, `lanes` to a group: ties both ways, the
+    /// carry into the exponent, infinities, NaNs of both signs (quiet and signalling),
+    /// subnormals (which `vcvtne2ps2bf16` would flush to zero), each in every lane, and a sweep
+    /// of bit patterns.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_avx2_rounding_to_bf16_is_halfs() {
-        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            return;
-        }
+    fn rounding_groups(lanes: usize) -> Vec<u32> {
         let special = [
             0x3f80_8000u32,
             0x3f81_8000,
@@ -1140,10 +1277,12 @@ mod tests {
             0x0000_8000,
             0x0001_8000,
             0x8000_0000,
+            0x0000_0001,
+            0x807f_ffff,
             0,
         ];
         let sweep = (0..1u32 << 18).map(|i| i.wrapping_mul(4099).rotate_left(13));
-        let mut all: Vec<u32> = (0..16)
+        let mut all: Vec<u32> = (0..lanes)
             .flat_map(|shift| {
                 special
                     .iter()
@@ -1154,11 +1293,39 @@ mod tests {
             })
             .collect();
         all.extend(sweep);
-        for group in all.chunks(16).filter(|g| g.len() == 16) {
+        all
+    }
+
+    /// The AVX2 kernel's rounding of sixteen lanes to bf16 (skipped without AVX2 and FMA):
+    /// `half`'s bits, in order, for every group of [`rounding_groups`].
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_rounding_to_bf16_is_halfs() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        for group in rounding_groups(16).chunks_exact(16) {
             let x: [f32; 16] = std::array::from_fn(|i| f32::from_bits(group[i]));
             // SAFETY: the CPU has AVX2 and FMA (checked above).
             let got = unsafe { avx2::narrow16_of(&x) };
             let want: [u16; 16] = std::array::from_fn(|i| bf16::from_f32(x[i]).to_bits());
+            assert_eq!(got, want, "{group:08x?}");
+        }
+    }
+
+    /// The AVX-512 kernel's rounding of thirty-two lanes to bf16 (skipped without AVX-512F):
+    /// `half`'s bits, in order, for every group of [`rounding_groups`].
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_rounding_to_bf16_is_halfs() {
+        if !has_avx512() {
+            return;
+        }
+        for group in rounding_groups(32).chunks_exact(32) {
+            let x: [f32; 32] = std::array::from_fn(|i| f32::from_bits(group[i]));
+            // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
+            let got = unsafe { avx512::narrow32_of(&x) };
+            let want: [u16; 32] = std::array::from_fn(|i| bf16::from_f32(x[i]).to_bits());
             assert_eq!(got, want, "{group:08x?}");
         }
     }

@@ -9,7 +9,9 @@
 //! - a gradient in the parameter storage (the 14-byte layout) is read where it lies, each
 //!   vector before the new parameter is stored over it, with no copy to the stack;
 //! - the bf16 copy of a tensor too large to stay in cache is written with streaming stores,
-//!   so its cache lines are not read from memory only to be overwritten.
+//!   so its cache lines are not read from memory only to be overwritten;
+//! - each pass asks for the lines [`PREFETCH_AHEAD`] elements on (one core keeps more
+//!   misses in flight than the hardware prefetchers alone start).
 //!
 //! Every lane computes what [`update`] and [`to_bf16`] compute, with the same IEEE
 //! operations in the same order (multiply, add, subtract, FMA, square root, divide) and the
@@ -17,7 +19,7 @@
 
 use core::arch::x86_64::*;
 
-use super::{bf16, to_bf16, update, Coeffs, Widen};
+use super::{bf16, to_bf16, update, Coeffs, Copy16, Src, Widen, PREFETCH_AHEAD};
 
 /// A gradient element type this kernel reads eight at a time.
 pub(super) trait Load8: Widen {
@@ -158,28 +160,6 @@ fn narrow16(a: __m256, b: __m256, k: &Lanes) -> __m256i {
     _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
 }
 
-/// How the new weight rounded to bf16 is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Copy16 {
-    /// Ordinary stores (the copy is read again soon, or its lines were just read: the
-    /// gradient in the parameter storage).
-    Store,
-    /// Streaming stores, 32-byte aligned: the lines are written whole without being read.
-    Stream,
-}
-
-/// The gradient [`run`] reads.
-#[derive(Clone, Copy)]
-pub(super) enum Src<'a> {
-    /// f32.
-    F32(&'a [f32]),
-    /// bf16.
-    Bf16(&'a [bf16]),
-    /// bf16 in the bf16 copy's storage, each element read before the new weight is stored
-    /// over it.
-    InLow,
-}
-
 /// Elements `range` one at a time ([`update`] and [`to_bf16`], scalar, in AVX2 code).
 ///
 /// # Safety
@@ -229,6 +209,9 @@ unsafe fn vectors<G: Load8, const FROM_M: bool, const RECIP: bool>(
     let k = Lanes::new(c);
     let mut i = start;
     while i < start + n {
+        // The lines [`PREFETCH_AHEAD`] elements on: one of each f32 stream a pass (the
+        // gradient's every pass, though a bf16 line holds two passes' worth).
+        prefetch(i + PREFETCH_AHEAD, p, g, m, v);
         // SAFETY: the caller's contract: elements i..i + 16 are in range.
         unsafe {
             let ga = _mm256_mul_ps(G::load8(g.add(i)), k.scale);
@@ -261,6 +244,19 @@ unsafe fn vectors<G: Load8, const FROM_M: bool, const RECIP: bool>(
         }
         i += 16;
     }
+}
+
+/// Asks for the cache lines of element `i` of `p`, `g`, `m` and `v` (addresses computed with
+/// wrapping arithmetic: a prefetch past the end of a slice neither faults nor reads anything
+/// the program sees).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch<G>(i: usize, p: *mut f32, g: *const G, m: *mut f32, v: *mut f32) {
+    // A prefetch is a hint: it never faults, whatever the address.
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i).cast());
+    _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(i).cast());
+    _mm_prefetch::<_MM_HINT_T0>(m.wrapping_add(i).cast());
+    _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add(i).cast());
 }
 
 /// One block with a bf16 copy: [`super::block`]'s result for every element, from the gradient
