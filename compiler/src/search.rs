@@ -637,9 +637,33 @@ impl Profile {
             .iter()
             .map(|&b| b as f64 * h2d_per_byte * swap_share)
             .collect();
+        // A sharded chunk's shards split its capacity, padding included ([`crate::shard`],
+        // [`crate::streams`]): a rank's shards of its storage and state, which the disk tier
+        // moves whole, are `1 / shards` of the capacity and its elements, not of the bytes
+        // its parameters use.
+        let (disk_bytes, disk_elems): (Vec<u64>, Vec<u64>) = match shards {
+            1 => (chunk_bytes.clone(), chunk_elems.clone()),
+            _ => {
+                let capacity = chunks.chunk_bytes.next_multiple_of(4 * shards);
+                chunks
+                    .chunks
+                    .iter()
+                    .map(|c| {
+                        let element = c.members.first().map_or(4, |m| {
+                            training
+                                .value(training.param(m.param).value)
+                                .ty
+                                .dtype
+                                .size()
+                        });
+                        (capacity, capacity / element)
+                    })
+                    .unzip()
+            }
+        };
         let disk = disk_seconds(
-            &chunk_bytes,
-            &chunk_elems,
+            &disk_bytes,
+            &disk_elems,
             &cpu_adam,
             state_per_elem,
             (shards, u64::from(topology.gpus.max(1))),

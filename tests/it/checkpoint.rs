@@ -667,21 +667,32 @@ fn sharded_killed_on_disk_resume_as_in_memory(
     node_host: impl Fn(&protrain::ir::verify_schedule::VerifiedSchedule) -> u64,
     held: &str,
 ) {
+    sharded_accumulating_killed_on_disk_resume_as_in_memory(1, node_host, held);
+}
+
+/// [`sharded_killed_on_disk_resume_as_in_memory`] with `micro_batches` micro-batches a step
+/// on each rank (`--grad-accum`).
+fn sharded_accumulating_killed_on_disk_resume_as_in_memory(
+    micro_batches: u64,
+    node_host: impl Fn(&protrain::ir::verify_schedule::VerifiedSchedule) -> u64,
+    held: &str,
+) {
     use crate::sharded::{compile_on, BATCH, SEQ, TIGHT};
     let memory = compile_on(
         "gpt2-tiny",
         TIGHT,
         2,
-        1,
+        micro_batches,
         protrain::ir::DType::F32,
         None,
         protrain::ir::HardwareProfile::host(),
     )
     .expect("compiles");
-    let (host, batch, seq) = (
+    let (host, batch, seq, accum) = (
         node_host(&memory).to_string(),
         BATCH.to_string(),
         SEQ.to_string(),
+        micro_batches.to_string(),
     );
     let policy = TIGHT.replace(' ', ",");
     let base = [
@@ -693,6 +704,8 @@ fn sharded_killed_on_disk_resume_as_in_memory(
         &batch,
         "--seq",
         &seq,
+        "--grad-accum",
+        &accum,
         "--gpus",
         "2",
         "--dtype",
@@ -707,6 +720,26 @@ fn sharded_killed_on_disk_resume_as_in_memory(
             assert!(left.iter().any(|f| f.ends_with(rank)), "{left:?}");
         }
     });
+}
+
+/// Two sharded ranks (threads) of two micro-batches a step under `kill -9`, with a node's
+/// host memory so small that each rank's parameter shards are on its disk file beside its
+/// optimizer state shards (read before every micro-batch's uploads, read and written around
+/// the update; the gradient shards are the accumulators and stay): killed mid-run and
+/// resumed from the latest checkpoint into new files, the run's losses are those of the
+/// same two ranks accumulating in host memory, bit for bit; the killed run's two files stay
+/// behind and the resumed run sweeps them.
+#[test]
+fn accumulating_sharded_ranks_with_their_parameters_on_disk_killed_resume_bit_identically() {
+    sharded_accumulating_killed_on_disk_resume_as_in_memory(
+        2,
+        |memory| {
+            crate::sharded::least_with_storage_on_disk(memory, 2)
+                .expect("storage moves")
+                .0
+        },
+        "the optimizer state of 4 of 4 chunks and the parameters of 4",
+    );
 }
 
 /// Runs `base` (a 30-step `train` command that ends in `--log-json`) with `host` of host

@@ -1569,6 +1569,85 @@ fn cli_the_disk_tier_on_the_device_gives_the_hosts_losses() {
     );
 }
 
+/// Two sharded ranks on the CUDA backend (the launcher's worker processes, NCCL between
+/// them) with each rank's shards on its own disk file: `train --gpus 2 --disk-dir DIR` under
+/// a tight policy with a node's host memory so small that every chunk's optimizer state
+/// shards and parameter shards go to disk, and the gradient shards too where one micro-batch
+/// a step offloads them (1040 KiB); with two micro-batches a step in the sequential order
+/// (1300 KiB) the gradient shards are the accumulators and stay, and each micro-batch's
+/// uploads read the parameter shards from disk; with four in the chunk-major order (1760
+/// KiB, three chunk buffers) every shard moves and is read once per pass a step. The
+/// schedule the same flags compile says so, and the device's losses are the host backend's
+/// within [`cli::F32_LOSSES`]; every rank's file is removed at exit.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_two_ranks_with_their_shards_on_disk_give_the_hosts_losses() {
+    use crate::sharded::storage_shards_on_disk;
+    let _device = require_gpu();
+    let tight = "n_persist=0,n_buffer=1,n_swap=1,n_checkpoint=1";
+    let chunk_major = "n_persist=0,n_buffer=3,n_swap=1,n_checkpoint=1,order=chunk-major";
+    for (accum, policy, host, grads) in [
+        ("1", tight, "1040KiB", true),
+        ("2", tight, "1300KiB", false),
+        ("4", chunk_major, "1760KiB", true),
+    ] {
+        let what = format!(
+            "gpt2-tiny f32 --gpus 2 --grad-accum {accum} --policy {policy} --host-memory {host}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().to_str().unwrap();
+        let args = [
+            "gpt2-tiny",
+            "--dtype",
+            "f32",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--gpus",
+            "2",
+            "--grad-accum",
+            accum,
+            "--policy",
+            policy,
+            "--host-memory",
+            host,
+            "--disk-memory",
+            "64MiB",
+            "--disk-dir",
+            disk,
+        ];
+        let plan = dir.path().join("plan.ptsched");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+            .arg("compile")
+            .args(&args[..args.len() - 2])
+            .args(["-o", plan.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let schedule = protrain_ir::file::read(&plan).unwrap_or_else(|e| panic!("{what}: {e}"));
+        std::fs::remove_file(&plan).unwrap();
+        let chunks = schedule.chunks.len();
+        assert!(schedule.sharded() && chunks == 4, "{what}");
+        assert_eq!(schedule.disk_chunks().len(), chunks, "{what}: state shards");
+        let (params, on_disk_grads, staged_uploads) = storage_shards_on_disk(&schedule);
+        assert_eq!(params.len(), chunks, "{what}: parameter shards on disk");
+        assert_eq!(!on_disk_grads.is_empty(), grads, "{what}: gradient shards");
+        assert!(staged_uploads > 0, "{what}: uploads from staging buffers");
+        assert_eq!(schedule.is_chunk_major(), policy == chunk_major, "{what}");
+        cli::check(&what, &args, 3);
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{what}: every rank's state file removed, on both backends"
+        );
+    }
+}
+
 /// The prepared launch path against the schedule: the first step plans every op of the device
 /// streams once, and every later step replays them all without planning any (so without the
 /// host allocations a plan makes): one replay per kernel instruction of a device stream, as

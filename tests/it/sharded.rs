@@ -1183,3 +1183,235 @@ fn malformed_moves_of_sharded_storage_are_refused() {
     let err = refused(s);
     assert!(err.contains("each rank's whole shard"), "{err}");
 }
+
+/// Where `schedule`'s disk stream reads what each micro-batch's uploads take: it has a
+/// micro-batch marker, and at least one read before it (so once per micro-batch, as the
+/// sequential order's uploads run).
+fn reads_every_micro_batch(schedule: &Schedule) -> bool {
+    schedule
+        .streams
+        .iter()
+        .find(|s| s.kind == StreamKind::DiskIo)
+        .and_then(|s| {
+            let marker = s
+                .instrs
+                .iter()
+                .position(|i| matches!(i, Instr::EndMicroBatch { .. }))?;
+            Some(
+                s.instrs[..marker]
+                    .iter()
+                    .any(|i| matches!(i, Instr::DiskRead { .. })),
+            )
+        })
+        .unwrap_or(false)
+}
+
+/// `memory` (a schedule of `ranks` sharded ranks in host memory) with each rank's shards of
+/// every model state the disk tier can take on its disk file: by the node's host budget
+/// (the least the tier can leave, below what the state alone on disk leaves, so the search's
+/// disk pass moves the storage) where `by_budget`, else the tier at its most
+/// ([`every_state`](protrain::compiler::disk::every_state), one staging buffer a ring).
+/// Asserts from the schedule that every chunk's state shards and parameter shards are on
+/// disk and that every upload reads a sharded staging buffer.
+fn with_storage_on_disk(
+    what: &str,
+    memory: &VerifiedSchedule,
+    (model, policy, ranks, k, dtype, clip): (&str, &str, u32, u64, DType, Option<f64>),
+    by_budget: bool,
+) -> VerifiedSchedule {
+    assert!(memory.sharded() && memory.disk_bytes == 0, "{what}");
+    let on_disk = match by_budget {
+        true => {
+            let (node_host, disk) = least_with_storage_on_disk(memory, ranks)
+                .unwrap_or_else(|| panic!("{what}: moving storage saves host memory"));
+            let hardware = HardwareProfile::host()
+                .with_host_memory(node_host)
+                .with_disk_memory(u64::from(ranks) * disk);
+            let on_disk = compile_on(model, policy, ranks, k, dtype, clip, hardware)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(on_disk.disk_bytes, disk, "{what}: the disk region is exact");
+            assert!(
+                on_disk.host_bytes * u64::from(ranks) <= node_host,
+                "{what}: {} host bytes a rank, {node_host} a node",
+                on_disk.host_bytes
+            );
+            on_disk
+        }
+        false => {
+            let most = protrain::compiler::disk::every_state((**memory).clone(), 1)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            verify(most).unwrap_or_else(|e| panic!("{what}: {e}"))
+        }
+    };
+    let chunks = on_disk.chunks.len();
+    assert_eq!(on_disk.disk_chunks().len(), chunks, "{what}: state shards");
+    let (params, _, staged_uploads) = storage_shards_on_disk(&on_disk);
+    assert_eq!(params.len(), chunks, "{what}: parameter shards on disk");
+    let uploads = on_disk
+        .streams
+        .iter()
+        .flat_map(|s| &s.instrs)
+        .filter(|i| {
+            matches!(
+                i,
+                Instr::CopyShard {
+                    what: protrain::ir::CopyKind::FetchChunk { .. },
+                    ..
+                }
+            )
+        })
+        .count();
+    assert!(uploads > 0, "{what}: shard uploads");
+    assert_eq!(staged_uploads, uploads, "{what}: every upload staged");
+    on_disk
+}
+
+/// Two sharded ranks of two micro-batches each (the sequential order) with each rank's
+/// optimizer state and parameter shards on its disk file: every micro-batch's uploads read
+/// the parameter shards from disk, the update reads and writes them once. The gradient
+/// shards are the accumulators there (each micro-batch's gradients summed over the ranks
+/// into them by kernels on the collective stream), so they stay in host memory, unclipped;
+/// clipped, the accumulators are whole and the gradient shards move. gpt2-tiny in f32 gets
+/// there by the node's host budget, llama-tiny in bf16 (clipped) by the tier at its most, in
+/// the 16- and 14-byte layouts. They train bit for bit as the same ranks in host memory and
+/// as one rank accumulating all four micro-batches.
+#[test]
+fn accumulating_sharded_ranks_with_their_storage_on_disk_train_as_in_host_memory() {
+    let (ranks, k) = (2u32, 2u64);
+    let lean = format!("{TIGHT} host_layout=14");
+    for (model, dtype, clip, policy, by_budget) in [
+        ("gpt2-tiny", DType::F32, None, TIGHT, true),
+        ("llama-tiny", DType::BF16, Some(0.05), TIGHT, false),
+        ("llama-tiny", DType::BF16, Some(0.05), lean.as_str(), false),
+    ] {
+        let what = format!("{model} {dtype} clip {clip:?} {policy}: {ranks} ranks x {k}");
+        let shape = (model, policy, ranks, k, dtype, clip);
+        let memory = compile_on(
+            model,
+            policy,
+            ranks,
+            k,
+            dtype,
+            clip,
+            HardwareProfile::host(),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let on_disk = with_storage_on_disk(&what, &memory, shape, by_budget);
+        assert_eq!(on_disk.micro_batches(), k as u32, "{what}");
+        assert!(reads_every_micro_batch(&on_disk), "{what}");
+        if clip.is_none() {
+            let (_, grads, _) = storage_shards_on_disk(&on_disk);
+            assert!(grads.is_empty(), "{what}: the accumulator shards stay");
+            assert_eq!(
+                accumulations_over_ranks(&on_disk).0,
+                accumulations_over_ranks(&memory).0
+            );
+        }
+        let one = compile_clipped(model, TIGHT, 1, u64::from(ranks) * k, dtype, clip);
+        trains_as_in_memory_and_one_rank(&what, &on_disk, &memory, &one);
+    }
+}
+
+/// Two sharded ranks of four micro-batches each in the chunk-major order (every micro-batch
+/// through a chunk while it is resident, its gradients summed over the ranks on the device)
+/// with each rank's optimizer state, parameter and gradient shards on its disk file: each
+/// shard is read from disk once per pass per step, not once per micro-batch (the disk stream
+/// has no per-micro-batch reads). gpt2-tiny in f32 by the node's host budget, llama-tiny in
+/// bf16 by the tier at its most: the losses, weights and Adam moments of the same ranks in
+/// the chunk-major and the sequential order in host memory and of one rank accumulating all
+/// 8 micro-batches, bit for bit.
+#[test]
+fn chunk_major_sharded_ranks_with_their_shards_on_disk_train_as_in_host_memory() {
+    let (ranks, a) = (2u32, 4u64);
+    let chunk_major = format!("{TIGHT_THREE_BUFFERS} order=chunk-major");
+    for (model, dtype, by_budget) in [
+        ("gpt2-tiny", DType::F32, true),
+        ("llama-tiny", DType::BF16, false),
+    ] {
+        let what = format!("{model} {dtype}: {ranks} ranks x {a} chunk-major");
+        let shape = (model, chunk_major.as_str(), ranks, a, dtype, None);
+        let memory = compile(model, &chunk_major, ranks, a, dtype);
+        assert!(memory.is_chunk_major(), "{what}");
+        let on_disk = with_storage_on_disk(&what, &memory, shape, by_budget);
+        assert!(on_disk.is_chunk_major(), "{what}");
+        assert!(
+            !reads_every_micro_batch(&on_disk),
+            "{what}: reads once a step"
+        );
+        let (_, grads, _) = storage_shards_on_disk(&on_disk);
+        assert_eq!(grads.len(), on_disk.chunks.len(), "{what}: gradient shards");
+        let one = compile(model, TIGHT, 1, u64::from(ranks) * a, dtype);
+        trains_as_in_memory_and_one_rank(&what, &on_disk, &memory, &one);
+        let sequential = compile(model, TIGHT_THREE_BUFFERS, ranks, a, dtype);
+        let (in_order, _) = train(&sequential, &fresh(&sequential), 3);
+        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
+        assert_eq!(disk_run.0, in_order.0, "{what}: sequential losses");
+        assert!(
+            disk_run.1 == in_order.1,
+            "{what}: sequential weights differ"
+        );
+        assert!(
+            disk_run.2 == in_order.2,
+            "{what}: sequential moments differ"
+        );
+    }
+}
+
+/// One rank of four micro-batches in the chunk-major order with every model state on disk
+/// (each chunk's optimizer state, parameters and gradients, through rings of two staging
+/// buffers): gpt2-tiny in f32 and llama-tiny in bf16 (the 14-byte layout) train bit for bit
+/// as the sequential order and the chunk-major order in host memory.
+#[test]
+fn chunk_major_accumulation_with_every_state_on_disk_trains_as_in_host_memory() {
+    let a = 4u64;
+    for (model, dtype, layout) in [
+        ("gpt2-tiny", DType::F32, 16),
+        ("llama-tiny", DType::BF16, 14),
+    ] {
+        let what = format!("{model} {dtype} host_layout={layout}: 1 rank x {a} chunk-major");
+        let policy = format!("{TIGHT_THREE_BUFFERS} host_layout={layout}");
+        let memory = compile(model, &format!("{policy} order=chunk-major"), 1, a, dtype);
+        assert!(memory.is_chunk_major() && memory.disk_bytes == 0, "{what}");
+        let most = protrain::compiler::disk::every_state((*memory).clone(), 2)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let on_disk = verify(most).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let all_on_disk = |kind: fn(&BufferKind) -> bool| {
+            let of_kind: Vec<_> = on_disk.buffers.iter().filter(|b| kind(&b.kind)).collect();
+            !of_kind.is_empty() && of_kind.iter().all(|b| b.space == protrain::ir::Space::Disk)
+        };
+        assert!(
+            all_on_disk(|k| matches!(k, BufferKind::OptimizerState { .. })),
+            "{what}: optimizer state"
+        );
+        assert!(
+            all_on_disk(|k| matches!(k, BufferKind::HostChunk { .. })),
+            "{what}: parameters"
+        );
+        if layout == 16 {
+            assert!(
+                all_on_disk(|k| matches!(k, BufferKind::HostGradChunk { .. })),
+                "{what}: gradients"
+            );
+        }
+        assert!(
+            !reads_every_micro_batch(&on_disk),
+            "{what}: reads once a step"
+        );
+        let sequential = compile(model, &policy, 1, a, dtype);
+        let (in_order, _) = train(&sequential, &fresh(&sequential), 3);
+        let (in_memory, _) = train(&memory, &fresh(&memory), 3);
+        let (disk_run, _) = train(&on_disk, &fresh(&on_disk), 3);
+        assert_eq!(in_memory.0, in_order.0, "{what}: losses in memory");
+        assert_eq!(disk_run.0, in_memory.0, "{what}: losses");
+        assert!(disk_run.1 == in_memory.1, "{what}: weights differ");
+        assert!(disk_run.2 == in_memory.2, "{what}: Adam moments differ");
+        assert!(
+            disk_run.1 == in_order.1,
+            "{what}: weights differ from sequential"
+        );
+        assert!(
+            disk_run.2 == in_order.2,
+            "{what}: moments differ from sequential"
+        );
+    }
+}
