@@ -454,7 +454,8 @@ impl ShortfallProblem {
             } => format!(
                 "the host region needs {} of host memory per rank with each rank's shards of \
                  the optimizer state, parameters and gradients of all {chunks} offloaded \
-                 chunks on disk (what stays is staging, accumulators and activations), more \
+                 chunks on disk wherever they can move (what stays is staging, the gradient \
+                 accumulators, which accumulation keeps in host memory, and activations), more \
                  than the {} each rank has; give more {host}, spread the ranks over more \
                  nodes ({} M, each node keeping 1/M of the shards), or run fewer ranks on a \
                  node ({} N), which share its host memory",
