@@ -188,6 +188,7 @@ fn median_profile(profiles: &[Profiled]) -> HardwareProfile {
     out.host_memcpy_bandwidth = figure(&|p| p.host_memcpy_bandwidth);
     out.launch_overhead_s = figure(&|p| p.launch_overhead_s);
     out.cpu_adam_params_per_s = figure(&|p| p.cpu_adam_params_per_s);
+    out.cpu_adam_op_s = figure(&|p| p.cpu_adam_op_s);
     out.gpu_adam_params_per_s = figure(&|p| p.gpu_adam_params_per_s);
     for op in &mut out.measured_ops {
         op.seconds = median(

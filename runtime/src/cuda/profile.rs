@@ -27,8 +27,8 @@ use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
 use crate::profiler::{
-    check_inputs, distinct_ops, measure_adam, measure_memcpy, median, OpTiming, Operands,
-    ProfileOptions, Profiled,
+    adam_sizes, check_inputs, distinct_ops, measure_adam, measure_adam_op_seconds, measure_memcpy,
+    median, OpTiming, Operands, ProfileOptions, Profiled,
 };
 
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
@@ -204,6 +204,14 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
     let rates = measure_device(options, timed.narrow, sizes)?;
     let memcpy = measure_memcpy(options.copy_bytes, options.copy_repeats);
     let cpu_adam = measure_adam(options.adam_params.max(1), options.repeats);
+    // The CUDA backend's host optimizer runs each AdamW op as it comes, on its stream's thread
+    // (the default `Backend::run_adamw_group`).
+    let cpu_adam_op = measure_adam_op_seconds(
+        &adam_sizes(graph),
+        options.adam_params.max(1),
+        options.repeats,
+        &|launches| launches(),
+    )?;
     let host = HardwareProfile::host();
     let name = match options.name.as_str() {
         "host" => device_name(&rates.device),
@@ -246,6 +254,7 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         host_memcpy_bandwidth: memcpy,
         launch_overhead_s: rates.launch_s,
         cpu_adam_params_per_s: cpu_adam,
+        cpu_adam_op_s: cpu_adam_op,
         gpu_adam_params_per_s: rates.gpu_adam,
         measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
         // One GPU measured: how it links to others is not known.
