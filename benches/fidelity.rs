@@ -518,11 +518,12 @@ fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled],
     };
     println!(
         "{label}: {serial:.4} s serial compute{range}, {:+.1}% against the first; copies \
-         {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
+         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op",
         error_pct(serial, first),
         profile.h2d_bandwidth / 1e9,
         profile.d2h_bandwidth / 1e9,
         profile.cpu_adam_params_per_s / 1e6,
+        profile.cpu_adam_op_s * 1e6,
     );
 }
 

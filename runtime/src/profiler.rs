@@ -502,6 +502,10 @@ pub fn adam_sizes(graph: &Graph) -> Vec<usize> {
         .collect()
 }
 
+/// How a backend runs a run of AdamW launches ([`Backend::run_adamw_group`]).
+pub type RunAdamW<'a> =
+    dyn Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome> + 'a;
+
 /// Seconds each AdamW op of a run costs beyond its parameters at the bulk rate
 /// (`HardwareProfile::cpu_adam_op_s`): over one f32 state of `params` parameters, alternately
 /// `repeats` times each, one [`kernels::adamw_step`] over the whole state and a run of ops over
@@ -517,7 +521,7 @@ pub fn measure_adam_op_seconds(
     sizes: &[usize],
     params: usize,
     repeats: usize,
-    run: &dyn Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome>,
+    run: &RunAdamW<'_>,
 ) -> Result<f64> {
     let mut parts = Vec::new();
     let mut covered = 0;
@@ -834,8 +838,7 @@ mod tests {
     #[test]
     fn a_run_of_tiny_adamw_ops_costs_more_per_op_than_one_step() {
         let backend = HostBackend::new(256, 0, 0).unwrap();
-        let run: &dyn Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome> =
-            &|launches| backend.run_adamw_group(launches);
+        let run: &RunAdamW<'_> = &|launches| backend.run_adamw_group(launches);
         let per_op = measure_adam_op_seconds(&[1], 1 << 14, 5, run).unwrap();
         assert!(per_op > 0.0, "{per_op}");
         assert!(per_op < 1e-3, "{per_op}");
