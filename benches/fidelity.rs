@@ -188,6 +188,7 @@ fn median_profile(profiles: &[Profiled]) -> HardwareProfile {
     out.host_memcpy_bandwidth = figure(&|p| p.host_memcpy_bandwidth);
     out.launch_overhead_s = figure(&|p| p.launch_overhead_s);
     out.cpu_adam_params_per_s = figure(&|p| p.cpu_adam_params_per_s);
+    out.cpu_adam_op_s = figure(&|p| p.cpu_adam_op_s);
     out.gpu_adam_params_per_s = figure(&|p| p.gpu_adam_params_per_s);
     for op in &mut out.measured_ops {
         op.seconds = median(
@@ -517,11 +518,12 @@ fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled],
     };
     println!(
         "{label}: {serial:.4} s serial compute{range}, {:+.1}% against the first; copies \
-         {:.1}/{:.1} GB/s, Adam {:.0} M params/s",
+         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op",
         error_pct(serial, first),
         profile.h2d_bandwidth / 1e9,
         profile.d2h_bandwidth / 1e9,
         profile.cpu_adam_params_per_s / 1e6,
+        profile.cpu_adam_op_s * 1e6,
     );
 }
 

@@ -50,6 +50,14 @@ pub trait CostModel {
     /// One host CPU Adam step over `params` parameters.
     fn cpu_adam_seconds(&self, params: u64) -> f64;
 
+    /// What each host CPU Adam op costs beyond [`CostModel::cpu_adam_seconds`] of its
+    /// parameters, in seconds: the profile's measured `cpu_adam_op_s` (the host backend's
+    /// per-op hand-over of its blocks to the pool's threads), which the simulator adds to
+    /// every AdamW op of a host optimizer stream. 0 by default and where not measured.
+    fn cpu_adam_op_seconds(&self) -> f64 {
+        0.0
+    }
+
     /// Rounding `params` f32 master weights into narrow parameters on the host (a staged
     /// chunk's cast before an upload, the 12-byte layout). Both it and the CPU Adam stream
     /// memory, so it is priced from the measured CPU Adam rate by the bytes each moves per
@@ -499,6 +507,10 @@ impl CostModel for Roofline {
         params as f64 / self.profile.cpu_adam_params_per_s
     }
 
+    fn cpu_adam_op_seconds(&self) -> f64 {
+        self.profile.cpu_adam_op_s
+    }
+
     fn gpu_adam_seconds(&self, params: u64) -> f64 {
         if params == 0 {
             return 0.0;
@@ -599,6 +611,10 @@ impl CostModel for Measured {
 
     fn cpu_adam_seconds(&self, params: u64) -> f64 {
         self.roofline.cpu_adam_seconds(params)
+    }
+
+    fn cpu_adam_op_seconds(&self) -> f64 {
+        self.roofline.cpu_adam_op_seconds()
     }
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {

@@ -271,8 +271,9 @@ pub fn copy_direction(src: Space, dst: Space) -> CopyDir {
 ///
 /// - a kernel runs for [`CostModel::op_seconds`] over its values' types, computing in the
 ///   element type of its first floating-point input (else output, else the header's); an
-///   `adamw` kernel instead takes [`CostModel::cpu_adam_seconds`] on the host optimizer stream
-///   and [`CostModel::gpu_adam_seconds`] elsewhere, over its parameter's elements; an
+///   `adamw` kernel instead takes [`CostModel::cpu_adam_seconds`] over its parameter's
+///   elements plus [`CostModel::cpu_adam_op_seconds`] on the host optimizer stream, and
+///   [`CostModel::gpu_adam_seconds`] over its parameter's elements elsewhere; an
 ///   `accumulate_grad` on the collective stream (a micro-batch's gradient summed over the
 ///   ranks into its accumulator) takes [`CostModel::collective_seconds`] of an all-reduce of
 ///   its bytes, or, for a sharded chunk's gradient summed from the device into the ranks'
@@ -370,6 +371,7 @@ pub fn instr_seconds(
                         1
                     };
                     cost.cpu_adam_seconds(param.numel().div_ceil(share))
+                        + cost.cpu_adam_op_seconds()
                 }
                 (OpKind::AdamW { .. }, Some(param)) => cost.gpu_adam_seconds(param.numel()),
                 _ => {

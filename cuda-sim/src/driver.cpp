@@ -799,11 +799,19 @@ SIM_API CUresult cuEventRecord(CUevent e, CUstream hs) {
     if (!live_event(e, c)) return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord of %p, not an event of the current context", (void*)e);
     Stream* s = resolve_stream(c, hs);
     if (!s) return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord on %p, not a live stream of the current context", (void*)hs);
-    // A marker: the event completes when the work queued on `s` before it has.
-    uint64_t seq = enqueue(s, Op{[] { return CUDA_SUCCESS; }, {}});
+    // A marker: the event completes when the work queued on `s` before it has, and notes the
+    // host clock then (what cuEventElapsedTime reads).
+    auto at = std::make_shared<std::atomic<double>>(-1.0);
+    uint64_t seq = enqueue(s, Op{[at] {
+                                     using namespace std::chrono;
+                                     at->store(duration<double>(steady_clock::now().time_since_epoch()).count());
+                                     return CUDA_SUCCESS;
+                                 },
+                                 {}});
     std::lock_guard<std::mutex> l(g_mu);
     e->stream = s;
     e->seq = seq;
+    e->at = at;
     return CUDA_SUCCESS;
 }
 
@@ -854,6 +862,30 @@ SIM_API CUresult cuEventQuery(CUevent e) {
     if (c->sticky) return c->sticky;
     return !e->stream || e->stream->completed >= e->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
+
+/// Milliseconds of the host clock between the markers of two recorded events: as the driver,
+/// CUDA_ERROR_INVALID_HANDLE for an event made with CU_EVENT_DISABLE_TIMING (2) or never recorded,
+/// CUDA_ERROR_NOT_READY while either record is pending.
+SIM_API CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
+    Ctx* c;
+    if (CUresult r = need_ctx(&c)) return r;
+    if (!ms) return fail(CUDA_ERROR_INVALID_VALUE, "cuEventElapsedTime with a null result");
+    if (!live_event(start, c) || !live_event(end, c))
+        return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime of %p and %p, not both events of the current context",
+                    (void*)start, (void*)end);
+    std::lock_guard<std::mutex> l(g_mu);
+    for (Event* e : {start, end}) {
+        if ((e->flags & 2) || !e->stream)
+            return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime of %p, %s", (void*)e,
+                        (e->flags & 2) ? "made with CU_EVENT_DISABLE_TIMING" : "never recorded");
+        if (e->stream->completed < e->seq || e->at->load() < 0) return CUDA_ERROR_NOT_READY;
+    }
+    if (c->sticky) return c->sticky;
+    *ms = (float)((end->at->load() - start->at->load()) * 1e3);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) { return cuEventElapsedTime_v2(ms, start, end); }
 
 // ---- Modules and launches ----
 

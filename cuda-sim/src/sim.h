@@ -3,12 +3,14 @@
 // kernel runner (fiber.cpp) share. Everything here is internal: only the `extern "C"` entry
 // points marked SIM_API are exported.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -82,12 +84,15 @@ struct Ctx {
     CUresult sticky = CUDA_SUCCESS;
 };
 
-/// One event: the stream and sequence number of its last record (none before the first).
+/// One event: the stream and sequence number of its last record (none before the first), and
+/// the host clock's seconds when that record's marker ran (for cuEventElapsedTime; negative until
+/// it has run), shared with the marker, which may run after the event is destroyed.
 struct Event {
     Ctx* ctx = nullptr;
     Stream* stream = nullptr;
     uint64_t seq = 0;
     unsigned flags = 0;
+    std::shared_ptr<std::atomic<double>> at;
 };
 
 /// What an address range lies in.

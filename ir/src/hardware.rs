@@ -104,6 +104,14 @@ pub struct HardwareProfile {
     /// Parameters per second a multi-threaded, vectorised CPU Adam (DeepSpeed CPUAdam class)
     /// updates on the host this device is paired with.
     pub cpu_adam_params_per_s: f64,
+    /// Seconds each host CPU Adam op costs beyond its parameters at `cpu_adam_params_per_s`:
+    /// what a run of a model's AdamW ops, one after another as the host optimizer issues them,
+    /// takes more than their parameters at that rate, per op (each op's hand-over of its
+    /// blocks to the pool's threads, a thread woken for it, the calling thread alone on the
+    /// small ones). Measured by `protrain profile`; 0 where it was not measured (presets,
+    /// profiles written before it), which leaves the CPU Adam priced by its rate alone.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cpu_adam_op_s: f64,
     /// Parameters per second a fused device AdamW updates.
     pub gpu_adam_params_per_s: f64,
     /// Measured op times, keyed by [`op_key`]; empty for presets.
@@ -164,6 +172,11 @@ impl Disk {
     pub fn is_default(&self) -> bool {
         *self == Self::default()
     }
+}
+
+/// Whether a figure is 0 (then left out of a profile's JSON).
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// The names [`HardwareProfile::preset`] accepts.
@@ -380,6 +393,7 @@ impl GpuSpec {
             host_memcpy_bandwidth: (host_dram / 2.0).round(),
             launch_overhead_s: GPU_LAUNCH_OVERHEAD_S,
             cpu_adam_params_per_s: (host_dram / ADAM_BYTES_PER_PARAM).round(),
+            cpu_adam_op_s: 0.0,
             gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
             measured_ops: Vec::new(),
             interconnect: Some(self.links.interconnect()),
@@ -595,6 +609,7 @@ impl HardwareProfile {
             host_memcpy_bandwidth: memcpy,
             launch_overhead_s: HOST_LAUNCH_OVERHEAD_S,
             cpu_adam_params_per_s: adam,
+            cpu_adam_op_s: 0.0,
             gpu_adam_params_per_s: adam,
             measured_ops: Vec::new(),
             interconnect: None,
@@ -682,7 +697,10 @@ impl HardwareProfile {
             }
             Resource::PcieToDevice => self.h2d_bandwidth *= factor,
             Resource::PcieToHost => self.d2h_bandwidth *= factor,
-            Resource::CpuAdam => self.cpu_adam_params_per_s *= factor,
+            Resource::CpuAdam => {
+                self.cpu_adam_params_per_s *= factor;
+                self.cpu_adam_op_s /= factor;
+            }
             Resource::Disk => {
                 self.disk.read_bandwidth *= factor;
                 self.disk.write_bandwidth *= factor;
@@ -780,6 +798,12 @@ impl HardwareProfile {
             if !(value.is_finite() && value > 0.0) {
                 return bad(format!("{field} must be a positive number, got {value}"));
             }
+        }
+        if !(self.cpu_adam_op_s.is_finite() && self.cpu_adam_op_s >= 0.0) {
+            return bad(format!(
+                "cpu_adam_op_s must be a non-negative number, got {}",
+                self.cpu_adam_op_s
+            ));
         }
         if !(self.launch_overhead_s.is_finite() && self.launch_overhead_s >= 0.0) {
             return bad(format!(

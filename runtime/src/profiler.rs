@@ -1,7 +1,7 @@
 //! The profiler: measures a backend's op times, copy bandwidths and Adam rate as a profile.
 
 use crate::backend::{Address, Backend, Launch};
-use crate::dispatch::Prepared;
+use crate::dispatch::{Outcome, Prepared};
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
 use crate::kernels;
@@ -118,6 +118,14 @@ pub fn profile<B: Backend>(
     let (h2d, d2h, launch) = measure_copies::<B>(options.copy_bytes, options.copy_repeats)?;
     let memcpy = measure_memcpy(options.copy_bytes, options.copy_repeats);
     let adam = measure_adam(options.adam_params.max(1), options.repeats);
+    // The per-op cost through this backend's own path for a run of AdamW ops.
+    let backend = B::new(REGION_ALIGN_BYTES, 0, 0)?;
+    let adam_op = measure_adam_op_seconds(
+        &adam_sizes(graph),
+        options.adam_params.max(1),
+        options.repeats,
+        &|launches| backend.run_adamw_group(launches),
+    )?;
     let mut profile = base;
     profile.name = options.name.clone();
     if let Some(flops) = matmul_flops(graph, &ops) {
@@ -133,6 +141,7 @@ pub fn profile<B: Backend>(
     profile.host_memcpy_bandwidth = memcpy;
     profile.launch_overhead_s = launch;
     profile.cpu_adam_params_per_s = adam;
+    profile.cpu_adam_op_s = adam_op;
     profile.gpu_adam_params_per_s = adam;
     profile.measured_ops = ops.iter().map(|t| t.op.clone()).collect();
     profile.description = format!(
@@ -478,6 +487,92 @@ pub fn measure_adam(params: usize, repeats: usize) -> f64 {
     params as f64 / median(&mut times)
 }
 
+/// Bytes of the arena of the backend [`profile`] makes only to run AdamW ops through its
+/// [`Backend::run_adamw_group`] (the ops' state is the profiler's own).
+const REGION_ALIGN_BYTES: u64 = 256;
+
+/// The parameters of each of `graph`'s AdamW ops, in the graph's order: the ops a host
+/// optimizer stream issues one after another.
+pub fn adam_sizes(graph: &Graph) -> Vec<usize> {
+    graph
+        .ops()
+        .filter(|(_, op)| matches!(op.kind, OpKind::AdamW { .. }))
+        .filter_map(|(_, op)| op.inputs.first())
+        .map(|&p| graph.value(p).ty.numel() as usize)
+        .collect()
+}
+
+/// How a backend runs a run of AdamW launches ([`Backend::run_adamw_group`]).
+pub type RunAdamW<'a> =
+    dyn Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome> + 'a;
+
+/// Seconds each AdamW op of a run costs beyond its parameters at the bulk rate
+/// (`HardwareProfile::cpu_adam_op_s`): over one f32 state of `params` parameters, alternately
+/// `repeats` times each, one [`kernels::adamw_step`] over the whole state and a run of ops over
+/// consecutive parts of it sized as `sizes` (a graph's AdamW ops, [`adam_sizes`]; repeated in
+/// order until they cover the state, the last cut to fit), each handed to `run` as the
+/// executor hands a host optimizer's run to its backend ([`Backend::run_adamw_group`]: on the
+/// host backend one job of the optimizer's own pool). The medians' difference per op of the
+/// run, never below 0: the per-op hand-over of blocks to the pool's threads, a thread woken
+/// for each op of several blocks, the calling thread alone on one-block ops. The state is as
+/// large as [`measure_adam`]'s, beyond the last-level cache, as a schedule's is; the same
+/// bytes in both, so only the split into ops differs. 0 when `sizes` has no op.
+pub fn measure_adam_op_seconds(
+    sizes: &[usize],
+    params: usize,
+    repeats: usize,
+    run: &RunAdamW<'_>,
+) -> Result<f64> {
+    let mut parts = Vec::new();
+    let mut covered = 0;
+    for &n in sizes.iter().filter(|&&n| n > 0).cycle() {
+        if covered >= params {
+            break;
+        }
+        let n = n.min(params - covered);
+        parts.push(n);
+        covered += n;
+    }
+    if parts.is_empty() {
+        return Ok(0.0);
+    }
+    let mut p = vec![0.1f32; covered];
+    let g = vec![0.01f32; covered];
+    let mut m = vec![0.0f32; covered];
+    let mut v = vec![0.0f32; covered];
+    let config = kernels::AdamWConfig::default();
+    let (mut whole, mut split) = (Vec::new(), Vec::new());
+    for step in 1..=repeats.max(1) as u64 + 1 {
+        let began = Instant::now();
+        run(&mut || {
+            kernels::adamw_step(&mut p, &g, &mut m, &mut v, step, &config);
+            Ok(Default::default())
+        })?;
+        let one = began.elapsed().as_secs_f64();
+        let began = Instant::now();
+        run(&mut || {
+            let (mut p, mut g, mut m, mut v) = (&mut p[..], &g[..], &mut m[..], &mut v[..]);
+            for &n in &parts {
+                let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
+                let (g0, g1) = g.split_at(n);
+                let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
+                let (v0, v1) = std::mem::take(&mut v).split_at_mut(n);
+                kernels::adamw_step(p0, g0, m0, v0, step, &config);
+                (p, g, m, v) = (p1, g1, m1, v1);
+            }
+            Ok(Default::default())
+        })?;
+        let ops = began.elapsed().as_secs_f64();
+        // The first of each warms the pages and the pool's threads.
+        if step > 1 {
+            whole.push(one);
+            split.push(ops);
+        }
+    }
+    let extra = median(&mut split) - median(&mut whole);
+    Ok((extra / parts.len() as f64).max(0.0))
+}
+
 /// The achieved FLOP/s of the graph's costliest matmul, from its measured time.
 fn matmul_flops(graph: &Graph, ops: &[OpTiming]) -> Option<f64> {
     let seconds: BTreeMap<&str, f64> = ops
@@ -737,6 +832,20 @@ mod tests {
         }
     }
 
+    /// The per-op CPU Adam cost: ops of one parameter each cost more than one step over the
+    /// same state (each pays its setup), through the host backend's own run path; a graph
+    /// without AdamW ops costs nothing per op.
+    #[test]
+    fn a_run_of_tiny_adamw_ops_costs_more_per_op_than_one_step() {
+        let backend = HostBackend::new(256, 0, 0).unwrap();
+        let run: &RunAdamW<'_> = &|launches| backend.run_adamw_group(launches);
+        let per_op = measure_adam_op_seconds(&[1], 1 << 14, 5, run).unwrap();
+        assert!(per_op > 0.0, "{per_op}");
+        assert!(per_op < 1e-3, "{per_op}");
+        assert_eq!(measure_adam_op_seconds(&[], 1 << 14, 5, run).unwrap(), 0.0);
+        // A forward graph has no AdamW op.
+        assert!(adam_sizes(&tiny_graph()).is_empty());
+    }
     fn small() -> ProfileOptions {
         ProfileOptions {
             repeats: 2,

@@ -15,7 +15,8 @@ pub enum BackendKind {
     Host,
     /// An NVIDIA GPU through CUDA (needs a build with the `cuda` feature): matmul rates,
     /// bandwidths, launch overhead and Adam rates measured on the GPU, the op table of the
-    /// model's bf16 training graph timed with CUDA events.
+    /// model's bf16 training graph timed with CUDA events (f16 on a GPU older than compute
+    /// capability 8.0, which has no bf16; the profile says so).
     Cuda,
 }
 
@@ -23,8 +24,8 @@ pub enum BackendKind {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A preset name, a path to a Hugging Face config.json, or a directory holding one. Its
-    /// training graph's ops (at --batch x --seq; f32 on the host, bf16 on cuda) make the
-    /// measured op table.
+    /// training graph's ops (at --batch x --seq; f32 on the host, bf16 on cuda, f16 on a GPU
+    /// without bf16) make the measured op table.
     model: String,
     /// Where to measure.
     #[arg(long, value_enum, default_value_t = BackendKind::Host)]
@@ -81,9 +82,18 @@ const MAX_REPEATS: usize = 100_000;
 
 /// Builds the training graph, measures the backend and writes the profile.
 pub fn run(args: Args) -> Result<()> {
-    if args.backend == BackendKind::Cuda {
-        cuda::ready()?;
-    }
+    // The GPU's narrow type (bf16, or f16 where it has none), said before minutes of work.
+    let narrow = match args.backend {
+        BackendKind::Cuda => {
+            cuda::ready()?;
+            let (narrow, skipped) = cuda::narrow()?;
+            if let Some(why) = skipped {
+                eprintln!("note            {why}");
+            }
+            narrow
+        }
+        BackendKind::Host => DType::F32,
+    };
     check_args(&args)?;
     let mut inputs = super::paths::Inputs::new();
     inputs.model(&args.model);
@@ -101,7 +111,7 @@ pub fn run(args: Args) -> Result<()> {
         BackendKind::Host => (DType::F32, HardwareProfile::host()),
         // Which fusions a GPU's estimates take; the measured profile then prices both sides.
         BackendKind::Cuda => (
-            DType::BF16,
+            narrow,
             HardwareProfile::preset("h100").expect("h100 is a preset"),
         ),
     };
@@ -162,7 +172,7 @@ pub fn run(args: Args) -> Result<()> {
             }
             profiled.elapsed_seconds = started.elapsed().as_secs_f64();
             if let Some(path) = &args.output {
-                print_cuda(&profiled, &graph, &config.name, batch, seq, path);
+                print_cuda(&profiled, &graph, &config.name, (batch, seq, narrow), path);
             }
             let text = profiled.profile.to_json()?;
             write_output(
@@ -257,18 +267,17 @@ fn print_host(
     outln!("profile         {}", path.display());
 }
 
-/// The summary of a GPU profile.
+/// The summary of a GPU profile of `graph`, at (batch, seq, narrow type).
 fn print_cuda(
     p: &Profiled,
     graph: &Graph,
     model: &str,
-    batch: u64,
-    seq: u64,
+    (batch, seq, narrow): (u64, u64, DType),
     path: &std::path::Path,
 ) {
     let h = &p.profile;
     outln!(
-        "profiled {model} (batch {batch} x seq {seq}, bf16) on {} in {:.1} s",
+        "profiled {model} (batch {batch} x seq {seq}, {narrow}) on {} in {:.1} s",
         h.name,
         p.elapsed_seconds
     );
@@ -279,8 +288,8 @@ fn print_cuda(
         p.graph_seconds
     );
     outln!(
-        "matmul          {:.0} TFLOP/s bf16, {:.1} TFLOP/s f32 (written as peaks of {:.0} and \
-         {:.1}, the roofline's 0.7 efficiency undone)",
+        "matmul          {:.0} TFLOP/s {narrow}, {:.1} TFLOP/s f32 (written as peaks of {:.0} \
+         and {:.1}, the roofline's 0.7 efficiency undone)",
         h.peak_flops.bf16 * 0.7 / 1e12,
         h.peak_flops.f32 * 0.7 / 1e12,
         h.peak_flops.bf16 / 1e12,
@@ -310,7 +319,7 @@ fn print_cuda(
 
 /// The CUDA side of `profile`, or why there is none in this build.
 mod cuda {
-    use protrain::ir::Graph;
+    use protrain::ir::{DType, Graph};
     use protrain::runtime::profiler::{ProfileOptions, Profiled};
     use protrain::{Error, Result};
 
@@ -335,6 +344,22 @@ mod cuda {
              --release --features cuda` on a machine with CUDA, or profile with --backend host"
                 .into(),
         )
+    }
+
+    /// The GPU's narrow type the profile times, and what it leaves out and why
+    /// (`protrain::runtime::cuda::profile::timed_dtypes`).
+    #[cfg(feature = "cuda")]
+    pub fn narrow() -> Result<(DType, Option<String>)> {
+        let info = protrain::runtime::cuda::device()
+            .map_err(|why| Error::Usage(format!("no CUDA device is available: {why}")))?;
+        let timed = protrain::runtime::cuda::profile::timed_dtypes(info.compute_capability);
+        Ok((timed.narrow, timed.skipped))
+    }
+
+    /// Fails: the CUDA backend is not built in ([`ready`] says so first).
+    #[cfg(not(feature = "cuda"))]
+    pub fn narrow() -> Result<(DType, Option<String>)> {
+        Err(not_built())
     }
 
     /// Measures the GPU for `graph`, and the ops of `unfused` it lacks.

@@ -1287,6 +1287,57 @@ fn cli_sm75_refuses_a_bf16_schedule() {
     );
 }
 
+/// `profile --backend cuda` on a GPU of compute capability 7.5, which has no bf16 tensor-core
+/// products: it says that it does not time bf16 and why, before it measures; times the f16
+/// training graph and the f16 matmul, whose rate it writes as the bf16 peak too; and records
+/// the capability. Only on the simulator.
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn cli_sm75_profile_times_f16_not_bf16() {
+    let _device = require_gpu();
+    if protrain_runtime::cuda::simulator_counters().is_none() {
+        return; // a real GPU has the capability it has
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sm75.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_protrain"))
+        .args(["profile", "gpt2-tiny", "--backend", "cuda"])
+        .args(["--batch", "1", "--seq", "16", "--repeats", "1", "-o"])
+        .arg(&file)
+        .env(SIM_COMPUTE_CAPABILITY, "7.5")
+        .output()
+        .expect("the protrain binary runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    for want in [
+        "bf16 not timed: compute capability 7.5",
+        "the f16 training graph",
+        "--dtype f16 or --dtype f32",
+    ] {
+        assert!(stderr.contains(want), "no `{want}` in: {stderr}");
+    }
+    assert!(stdout.contains("seq 16, f16)"), "{stdout}");
+    assert!(stdout.contains("TFLOP/s f16,"), "{stdout}");
+    let profile =
+        protrain_ir::HardwareProfile::from_json(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(profile.compute_capability, Some((7, 5)));
+    assert!(
+        profile.description.contains("bf16 not timed"),
+        "{profile:?}"
+    );
+    assert_eq!(profile.peak_flops.bf16, profile.peak_flops.f16);
+    let keys: Vec<&str> = profile
+        .measured_ops
+        .iter()
+        .map(|m| m.key.as_str())
+        .collect();
+    assert!(keys.iter().any(|k| k.contains("f16")), "{keys:?}");
+    assert!(!keys.iter().any(|k| k.contains("bf16")), "{keys:?}");
+}
+
 /// `train --backend cuda` names the device it trains on, as the driver names it; on the
 /// simulator that name says plainly that it is the CPU simulator, not a GPU.
 #[test]

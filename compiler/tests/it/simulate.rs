@@ -887,6 +887,51 @@ mod simulate {
         assert_eq!(instr_seconds(&s, StreamId(0), &adamw, &Stub), 1.0);
     }
 
+    /// A host profile's measured per-op CPU Adam cost (`cpu_adam_op_s`) is paid by every AdamW
+    /// op of the host optimizer stream, on top of its parameters at the rate: two ops of 128
+    /// parameters are busy twice that longer than without it; a device AdamW does not pay it,
+    /// and a profile without the figure prices the rate alone.
+    #[test]
+    fn simulate_host_adamw_ops_each_pay_the_profiles_per_op_cost() {
+        let mut p = HardwareProfile::host();
+        let plain = Roofline::new(p.clone());
+        p.cpu_adam_op_s = 2.5e-3;
+        let measured = Roofline::new(p.clone());
+        let s = schedule(
+            tiny_graph(),
+            0,
+            vec![
+                ("compute", StreamKind::Compute, Vec::new()),
+                (
+                    "host adam",
+                    StreamKind::HostOptimizer,
+                    vec![kernel(ADAMW), kernel(ADAMW)],
+                ),
+            ],
+        );
+        let adamw = kernel(ADAMW);
+        assert_eq!(
+            instr_seconds(&s, StreamId(1), &adamw, &measured),
+            plain.cpu_adam_seconds(128) + 2.5e-3
+        );
+        assert_eq!(
+            instr_seconds(&s, StreamId(0), &adamw, &measured),
+            instr_seconds(&s, StreamId(0), &adamw, &plain)
+        );
+        let (with, without) = (
+            simulate_unverified(&s, &measured).unwrap(),
+            simulate_unverified(&s, &plain).unwrap(),
+        );
+        let extra = with.stream_busy_seconds[1] - without.stream_busy_seconds[1];
+        assert!((extra - 2.0 * 2.5e-3).abs() < 1e-12, "{extra}");
+        // The figure is a profile's: the JSON keeps it, and a profile without it reads as 0.
+        let back = HardwareProfile::from_json(&p.to_json().unwrap()).unwrap();
+        assert_eq!(back.cpu_adam_op_s, 2.5e-3);
+        let old = HardwareProfile::host().to_json().unwrap();
+        assert!(!old.contains("cpu_adam_op_s"), "{old}");
+        assert_eq!(HardwareProfile::from_json(&old).unwrap().cpu_adam_op_s, 0.0);
+    }
+
     /// A device AdamW launch costs 1 s plus 1 s per 128 parameters; `multi` says whether the
     /// backend merges runs of adjacent AdamW ops into one launch.
     struct Launching {

@@ -19,14 +19,16 @@ use protrain_ir::{
 
 use super::backend::{CudaBackend, CudaStreamHandle};
 use super::blas::LinearDims;
-use super::driver::driver_error;
+use super::driver::{
+    check_dtypes, driver_error, probe, simulator_counters, BF16_MIN_COMPUTE_CAPABILITY,
+};
 use super::launch::Arg;
 use crate::backend::{Address, Backend, Launch};
 use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
 use crate::profiler::{
-    check_inputs, distinct_ops, measure_adam, measure_memcpy, median, OpTiming, Operands,
-    ProfileOptions, Profiled,
+    adam_sizes, check_inputs, distinct_ops, measure_adam, measure_adam_op_seconds, measure_memcpy,
+    median, OpTiming, Operands, ProfileOptions, Profiled,
 };
 
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
@@ -36,17 +38,80 @@ const ALIGN: u64 = 256;
 /// in [`crate::profiler`]: the measured rate divided by it is written as the peak.
 const ROOFLINE_MATMUL_EFFICIENCY: f64 = 0.7;
 
-/// Square matmul sizes timed for the peak rates: large enough to reach the tensor cores'
-/// sustained rate (bf16) and the vector units' (f32).
-const BF16_MATMUL: usize = 8192;
-const F32_MATMUL: usize = 4096;
+/// How large the device-wide measurements are: a GPU's sizes reach its sustained rates; the
+/// CPU simulator's are small, since its rates say nothing of a GPU and its matmuls run on the
+/// CPU (an 8192-cubed product would take it hours), so `protrain profile --backend cuda` runs
+/// there in seconds and its every step can be tested.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sizes {
+    /// Square matmul size timed in the narrow type for the tensor cores' sustained rate.
+    narrow_matmul: usize,
+    /// Square matmul size timed in f32 for the vector units' rate.
+    f32_matmul: usize,
+    /// Bytes of the device-to-device copy timed for the memory bandwidth.
+    device_copy: u64,
+    /// Parameters of the timed device AdamW (narrow parameters with f32 master weights, as
+    /// mixed-precision schedules update persistent chunks).
+    gpu_adam: u64,
+}
 
-/// Bytes of the device-to-device copy timed for the memory bandwidth.
-const DEVICE_COPY_BYTES: u64 = 1 << 30;
+impl Sizes {
+    /// The sizes for a GPU, or for the CPU simulator when `simulated`.
+    fn new(simulated: bool) -> Self {
+        match simulated {
+            false => Self {
+                narrow_matmul: 8192,
+                f32_matmul: 4096,
+                device_copy: 1 << 30,
+                gpu_adam: 64 << 20,
+            },
+            true => Self {
+                narrow_matmul: 128,
+                f32_matmul: 128,
+                device_copy: 16 << 20,
+                gpu_adam: 1 << 20,
+            },
+        }
+    }
+}
 
-/// Parameters of the timed device AdamW (bf16 parameters with f32 master weights, as
-/// mixed-precision schedules update persistent chunks).
-const GPU_ADAM_PARAMS: u64 = 64 << 20;
+/// What the profile times on a GPU: the narrow (16-bit) type of its tensor-core matmul, of its
+/// device AdamW's parameters and of the op table's training graph, and what it leaves out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timed {
+    /// bf16 from compute capability 8.0 ([`BF16_MIN_COMPUTE_CAPABILITY`]), f16 before, where
+    /// the GPU has no bf16 tensor-core products and the backend refuses bf16 schedules.
+    pub narrow: DType,
+    /// For the user, when a type is not timed: which, why, and what the profile writes in its
+    /// place. `None` when the GPU runs every type.
+    pub skipped: Option<String>,
+}
+
+/// What the profile times on a GPU of `compute_capability` ([`Timed`]). Before 8.0, bf16 is not
+/// timed: the profile measures f16 instead (the op table is the f16 training graph's) and
+/// writes the f16 matmul rate as the bf16 peak too, since a profile holds a rate for every
+/// type and no schedule uses that one on such a GPU (the backend refuses bf16 schedules,
+/// [`check_dtypes`]).
+pub fn timed_dtypes(compute_capability: (i32, i32)) -> Timed {
+    if compute_capability >= BF16_MIN_COMPUTE_CAPABILITY {
+        return Timed {
+            narrow: DType::BF16,
+            skipped: None,
+        };
+    }
+    let (major, minor) = compute_capability;
+    let (need_major, need_minor) = BF16_MIN_COMPUTE_CAPABILITY;
+    Timed {
+        narrow: DType::F16,
+        skipped: Some(format!(
+            "bf16 not timed: compute capability {major}.{minor} has no bf16 tensor-core \
+             products ({need_major}.{need_minor} or newer has), and the CUDA backend refuses bf16 \
+             schedules on it; the op table is the f16 training graph's, and the f16 matmul rate \
+             is written as the bf16 peak too, which no schedule on this GPU uses (compile with \
+             --dtype f16 or --dtype f32)"
+        )),
+    }
+}
 
 /// Kernel launches timed back to back for the launch overhead.
 const LAUNCHES: usize = 1000;
@@ -115,35 +180,56 @@ fn device_name(name: &str) -> String {
 /// is set to something other than `host`.
 ///
 /// Measured: the op table (each distinct op once untimed, then `repeats` times, the median
-/// kept), square bf16 and f32 matmuls for the peak rates, a 1 GiB device copy for the memory
+/// kept), square matmuls in the GPU's narrow type ([`timed_dtypes`]: bf16, or f16 before
+/// compute capability 8.0) and in f32 for the peak rates, a 1 GiB device copy for the memory
 /// bandwidth, pinned copies of `copy_bytes` each way, the cost of one small kernel launch,
-/// the device AdamW (bf16 with f32 master weights) and the CPU Adam rate, host `memcpy`
-/// bandwidth. Device memory is the GPU's; what the context and cuBLAS take, plus a margin for
-/// the kernels' scratch, is the reserved memory; host memory is this machine's.
+/// the device AdamW (narrow parameters with f32 master weights) and the CPU Adam rate, host
+/// `memcpy` bandwidth. Device memory is the GPU's; what the context and cuBLAS take, plus a
+/// margin for the kernels' scratch, is the reserved memory; host memory is this machine's.
+///
+/// Fails before timing anything when `graph` stores a type the GPU cannot run (bf16 before
+/// compute capability 8.0, [`check_dtypes`]): its kernels would time what no schedule runs.
 pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled> {
     let started = Instant::now();
     check_inputs(graph, options)?;
+    let info = probe()?;
+    check_dtypes(graph.values().map(|(_, v)| v.ty.dtype), &info)?;
+    let timed = timed_dtypes(info.compute_capability);
     let ops = measure_ops(graph, options.repeats)?;
     let graph_seconds = ops
         .iter()
         .map(|t| t.op.seconds * t.count as f64)
         .sum::<f64>();
-    let rates = measure_device(options)?;
+    let sizes = Sizes::new(simulator_counters().is_some());
+    let rates = measure_device(options, timed.narrow, sizes)?;
     let memcpy = measure_memcpy(options.copy_bytes, options.copy_repeats);
     let cpu_adam = measure_adam(options.adam_params.max(1), options.repeats);
+    // The CUDA backend's host optimizer runs each AdamW op as it comes, on its stream's thread
+    // (the default `Backend::run_adamw_group`).
+    let cpu_adam_op = measure_adam_op_seconds(
+        &adam_sizes(graph),
+        options.adam_params.max(1),
+        options.repeats,
+        &|launches| launches(),
+    )?;
     let host = HardwareProfile::host();
     let name = match options.name.as_str() {
         "host" => device_name(&rates.device),
         other => other.to_string(),
     };
+    let skipped = match &timed.skipped {
+        Some(why) => format!("; {why}"),
+        None => String::new(),
+    };
     let profile = HardwareProfile {
         name,
         description: format!(
-            "{} measured by `protrain profile --backend cuda`: {:.0} TFLOP/s bf16 and {:.1} \
+            "{} measured by `protrain profile --backend cuda`: {:.0} TFLOP/s {} and {:.1} \
              f32 matmul, {:.0} GB/s device copy, {:.1}/{:.1} GB/s H2D/D2H pinned, {} op \
-             timings; host: {} threads",
+             timings; host: {} threads{skipped}",
             rates.device,
-            rates.bf16_flops / 1e12,
+            rates.narrow_flops / 1e12,
+            timed.narrow,
             rates.f32_flops / 1e12,
             rates.device_bandwidth / 1e9,
             rates.h2d / 1e9,
@@ -156,8 +242,11 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         reserved_device_bytes: rates.reserved_bytes,
         peak_flops: PeakFlops {
             f32: rates.f32_flops / ROOFLINE_MATMUL_EFFICIENCY,
-            bf16: rates.bf16_flops / ROOFLINE_MATMUL_EFFICIENCY,
-            f16: rates.bf16_flops / ROOFLINE_MATMUL_EFFICIENCY,
+            // The tensor cores' rate, measured in the narrow type the GPU runs, for both:
+            // from 8.0 bf16 and f16 products run at the same rate; before it, the bf16
+            // figure is f16's and unused ([`timed_dtypes`]).
+            bf16: rates.narrow_flops / ROOFLINE_MATMUL_EFFICIENCY,
+            f16: rates.narrow_flops / ROOFLINE_MATMUL_EFFICIENCY,
         },
         device_bandwidth: rates.device_bandwidth,
         h2d_bandwidth: rates.h2d,
@@ -165,6 +254,7 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         host_memcpy_bandwidth: memcpy,
         launch_overhead_s: rates.launch_s,
         cpu_adam_params_per_s: cpu_adam,
+        cpu_adam_op_s: cpu_adam_op,
         gpu_adam_params_per_s: rates.gpu_adam,
         measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
         // One GPU measured: how it links to others is not known.
@@ -190,7 +280,8 @@ struct DeviceRates {
     compute_capability: (i32, i32),
     memory_bytes: u64,
     reserved_bytes: u64,
-    bf16_flops: f64,
+    /// FLOP/s of the tensor-core matmul in the GPU's narrow type ([`Timed::narrow`]).
+    narrow_flops: f64,
     f32_flops: f64,
     device_bandwidth: f64,
     h2d: f64,
@@ -199,29 +290,31 @@ struct DeviceRates {
     gpu_adam: f64,
 }
 
-/// The device-wide figures: matmul rates, bandwidths, launch overhead, device Adam.
-fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
+/// The device-wide figures: matmul rates (the tensor cores' in `narrow`), bandwidths, launch
+/// overhead, device Adam (with `narrow` parameters), measured at `sizes`.
+fn measure_device(options: &ProfileOptions, narrow: DType, sizes: Sizes) -> Result<DeviceRates> {
     let copy = options.copy_bytes.max(ALIGN);
-    let bf16_mat = (BF16_MATMUL * BF16_MATMUL * 2) as u64;
-    let f32_mat = (F32_MATMUL * F32_MATMUL * 4) as u64;
-    let adam = GPU_ADAM_PARAMS * (4 + 2 + 2 + 4 + 4);
+    let narrow_mat = (sizes.narrow_matmul * sizes.narrow_matmul * 2) as u64;
+    let f32_mat = (sizes.f32_matmul * sizes.f32_matmul * 4) as u64;
+    let adam = sizes.gpu_adam * (4 + 2 + 2 + 4 + 4);
+    let device_copy = sizes.device_copy;
     // One arena for every measurement, regions laid out one after the other.
-    let arena = (3 * bf16_mat)
+    let arena = (3 * narrow_mat)
         .max(3 * f32_mat)
-        .max(2 * DEVICE_COPY_BYTES)
+        .max(2 * device_copy)
         .max(adam)
         .max(copy);
     let mut backend = CudaBackend::new(arena, copy, 0)?;
     let mut stream = backend.create_stream(StreamKind::Compute)?;
     let timer = Timer::new(&backend, &stream)?;
     let repeats = options.copy_repeats;
-    let bf16_flops = matmul_flops(
+    let narrow_flops = matmul_flops(
         &mut backend,
         &mut stream,
         &timer,
         repeats,
-        DType::BF16,
-        BF16_MATMUL,
+        narrow,
+        sizes.narrow_matmul,
     )?;
     let f32_flops = matmul_flops(
         &mut backend,
@@ -229,23 +322,23 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
         &timer,
         repeats,
         DType::F32,
-        F32_MATMUL,
+        sizes.f32_matmul,
     )?;
 
     // Device bandwidth: a copy reads and writes every byte.
     let (src, dst) = (
-        backend.gpu_addr(device(0), DEVICE_COPY_BYTES)?,
-        backend.gpu_addr(device(DEVICE_COPY_BYTES), DEVICE_COPY_BYTES)?,
+        backend.gpu_addr(device(0), device_copy)?,
+        backend.gpu_addr(device(device_copy), device_copy)?,
     );
     let cu = timer.stream.cu_stream();
     let dtod = median_time(repeats, &mut || {
         timer.time(2, || {
             // SAFETY: two disjoint ranges of the arena; nothing else runs.
-            unsafe { result::memcpy_dtod_async(dst, src, DEVICE_COPY_BYTES as usize, cu) }
+            unsafe { result::memcpy_dtod_async(dst, src, device_copy as usize, cu) }
                 .map_err(|e| driver_error("timing a device copy", e))
         })
     })?;
-    let device_bandwidth = 2.0 * DEVICE_COPY_BYTES as f64 / dtod;
+    let device_bandwidth = 2.0 * device_copy as f64 / dtod;
 
     // Pinned copies each way, through the backend's own copy path.
     let host = Address {
@@ -277,14 +370,14 @@ fn measure_device(options: &ProfileOptions) -> Result<DeviceRates> {
             )
         })
     })?;
-    let gpu_adam = adam_rate(&mut backend, &timer, repeats)?;
+    let gpu_adam = adam_rate(&mut backend, &timer, repeats, narrow, sizes.gpu_adam)?;
     let reserved_bytes = reserved_bytes(&backend, arena)?;
     Ok(DeviceRates {
         device: backend.device().name.clone(),
         compute_capability: backend.device().compute_capability,
         memory_bytes: backend.device().memory_bytes,
         reserved_bytes,
-        bf16_flops,
+        narrow_flops,
         f32_flops,
         device_bandwidth,
         h2d,
@@ -367,10 +460,19 @@ fn matmul_flops(
     Ok(2.0 * (size as f64).powi(3) / seconds)
 }
 
-/// Parameters a second of the device AdamW in mixed precision (master f32, param bf16, grad
-/// bf16, m and v f32), the median of `repeats` timings.
-fn adam_rate(backend: &mut CudaBackend, timer: &Timer, repeats: usize) -> Result<f64> {
-    let n = GPU_ADAM_PARAMS;
+/// Parameters a second of the device AdamW in mixed precision (master f32, param and grad
+/// `narrow`, m and v f32) over `n` parameters, the median of `repeats` timings.
+fn adam_rate(
+    backend: &mut CudaBackend,
+    timer: &Timer,
+    repeats: usize,
+    narrow: DType,
+    n: u64,
+) -> Result<f64> {
+    let kernel = match narrow {
+        DType::F16 => "adamw_f16",
+        _ => "adamw_bf16",
+    };
     let at = |k: u64| backend.gpu_addr(device(k), 1);
     let (master, param, grad, m, v) = (at(0)?, at(4 * n)?, at(6 * n)?, at(8 * n)?, at(12 * n)?);
     backend.fill_zero(device(0), 16 * n)?;
@@ -394,13 +496,7 @@ fn adam_rate(backend: &mut CudaBackend, timer: &Timer, repeats: usize) -> Result
     let blocks = backend.grid_for(n);
     let adam_s = median_time(repeats, &mut || {
         timer.time(2, || {
-            backend.launch_kernel(
-                &timer.stream,
-                "adamw_bf16",
-                (blocks, 1, 1),
-                (256, 1, 1),
-                &args,
-            )
+            backend.launch_kernel(&timer.stream, kernel, (blocks, 1, 1), (256, 1, 1), &args)
         })
     })?;
     Ok(n as f64 / adam_s)
