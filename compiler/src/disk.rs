@@ -917,6 +917,7 @@ fn place(
                             src: staged,
                             dst: *dst,
                             bytes: *bytes,
+                            carried: false,
                         }],
                         record: Some(written),
                     });
@@ -1003,6 +1004,7 @@ fn place(
                     src: whole(staging),
                     dst: whole(buffer),
                     bytes: size,
+                    carried: false,
                 });
             }
         };

@@ -299,19 +299,24 @@ fn a_checkpoint_carries_the_state_on_disk() {
     );
 }
 
-/// The disk i/o stream of a verified disk schedule, and the index of its first write.
+/// The disk i/o stream of a verified disk schedule, and the index of its first write that
+/// is not carried (one after an update in the same step).
 fn first_write(s: &Schedule) -> (usize, usize) {
-    let io = s
-        .streams
-        .iter()
-        .position(|st| st.kind == StreamKind::DiskIo)
-        .unwrap();
+    let io = disk_stream(s);
     let at = s.streams[io]
         .instrs
         .iter()
-        .position(|i| matches!(i, Instr::DiskWrite { .. }))
+        .position(|i| matches!(i, Instr::DiskWrite { carried: false, .. }))
         .unwrap();
     (io, at)
+}
+
+/// The disk i/o stream of a disk schedule.
+fn disk_stream(s: &Schedule) -> usize {
+    s.streams
+        .iter()
+        .position(|st| st.kind == StreamKind::DiskIo)
+        .unwrap()
 }
 
 /// Mutations the verifier refuses: a write back that no longer waits for the update (the
@@ -340,7 +345,13 @@ fn the_verifier_refuses_a_write_before_the_update_and_an_update_before_the_read(
         .iter()
         .position(|st| st.kind == StreamKind::HostOptimizer)
         .unwrap();
-    let Some(Instr::Record { event }) = unread.streams[io].instrs.get(1).cloned() else {
+    let first_read = unread.streams[io]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::DiskRead { .. }))
+        .unwrap();
+    let Some(Instr::Record { event }) = unread.streams[io].instrs.get(first_read + 1).cloned()
+    else {
         panic!("the first read records its event")
     };
     let wait = unread.streams[opt]
