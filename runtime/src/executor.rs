@@ -17,6 +17,15 @@
 //! micro-batch's rows are written at its own inputs' homes, the streams run once, and the
 //! micro-batches' losses, read from [`Schedule::micro_batch_losses`], make the same mean.
 //!
+//! A schedule with carried disk writes (see [`protrain_ir::schedule`]) leaves the write-backs
+//! of its last updates to the next step: a step runs them at the head of its disk stream's
+//! program (in its first micro-batch) when the step before left them pending, and skips
+//! them otherwise (a run's first step, the first after state was loaded). Anything that reads
+//! or writes the state at its homes ([`Executor::params`], [`Executor::state`],
+//! [`Executor::read_held`], the loads, so checkpoints and weight exports too) runs them first
+//! ([`Executor::flush_disk`]), so the disk holds every update before it is read and a loaded
+//! state is not overwritten by an older one. The host and CUDA backends run them alike.
+//!
 //! An f16 schedule is loss-scaled ([`Executor::loss_scaled`]): each step runs at a loss scale
 //! the caller gives ([`Executor::step_with`]; the [`crate::loss_scale::LossScaler`] decides
 //! it), and a step whose gradients overflowed is *skipped* by its own AdamW ops, which leave

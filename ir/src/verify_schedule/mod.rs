@@ -187,6 +187,21 @@
 //! of its part in host memory, moving one rank's whole shard (**ids**), which **data flow**
 //! proves holds that shard (the upload after the read, the write after the offload).
 //!
+//! Carried disk writes ([`Instr::DiskWrite`]'s `carried`, see [`crate::schedule`]) run at
+//! the start of the next step, so the program is checked as cyclic for them: **ids** puts
+//! them first in their stream, before any other instruction (with accumulation, at the head
+//! of the micro-batch program), so they wait for nothing and every read of the disk comes
+//! after them; **data flow** runs them twice. At the step's start, each reads its staging
+//! buffer (which holds the previous step's update) and writes its disk bytes, keeping what
+//! the model has them hold (their values at the start of the step): so every later write of
+//! the staging buffer, and every read or write of those disk bytes, must be ordered after it
+//! (a reuse of the staging buffer on another stream waits for an event the disk stream
+//! records after it). After the step (after the update program, with accumulation), behind
+//! the barrier between steps, each copies its staging buffer to disk as a write back does: it
+//! must not write a moment back before its update, and **end of step** then finds each disk
+//! home holding its value, so a staging buffer reused after the update (another chunk read
+//! into it) is refused.
+//!
 //! A schedule with staged chunks (the 12-byte host layout, [`Instr::CastChunk`], see
 //! [`crate::schedule`]) is checked with its casts as instructions: **ids** puts every cast on
 //! a host cast stream, from its chunk's optimizer-state buffer in host memory, where every
@@ -205,8 +220,8 @@
 //! the CPU Adam that read the gradients it overwrites.
 //!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
-//! the memory plan is tight; and it checks one step: the runtime puts a barrier between
-//! steps.
+//! the memory plan is tight; and it checks one step (with carried writes, as above): the
+//! runtime puts a barrier between steps.
 
 mod dataflow;
 mod events;
