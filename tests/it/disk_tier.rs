@@ -865,3 +865,38 @@ fn the_verifier_refuses_malformed_carried_writes() {
     assert!(err.contains("ids") && err.contains("carried"), "{err}");
     verify((*carried).clone()).unwrap();
 }
+
+/// The printed disk stream of a schedule with carried writes: the stream says how many it
+/// carries, and each carried write says what it writes when, at the head of the stream.
+#[test]
+fn carried_writes_print_at_the_head_of_the_disk_stream() {
+    let (_, carried) = plain_and_carried("gpt2-tiny", DType::BF16, 1);
+    let text = protrain::ir::print_schedule::print_schedule(&carried);
+    let disk: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !(l.starts_with("stream") && l.contains("(disk i/o)")))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    insta::assert_snapshot!("carried_disk_stream", disk.join("\n"));
+}
+
+/// On the CUDA backend (its disk stream a host thread, as the host backend's), carried
+/// write-backs train bit for bit as the plain order does there: losses, gradient norms,
+/// final weights and optimizer state.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn carried_write_backs_train_on_the_device_as_the_plain_order() {
+    use protrain_runtime::cuda::CudaBackend;
+    if let Err(why) = protrain_runtime::cuda::available() {
+        panic!("no CUDA device is available: {why}; scripts/gpu-check.sh runs this on one");
+    }
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let (plain, carried) = plain_and_carried(model, DType::BF16, 1);
+        assert_eq!(
+            train_on::<CudaBackend>(&carried, model),
+            train_on::<CudaBackend>(&plain, model),
+            "{model}: carried write-backs train differently on the device"
+        );
+    }
+}
