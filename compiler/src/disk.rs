@@ -42,6 +42,8 @@
 //! the order is one the rest of the schedule can keep without deadlock (the verifier checks
 //! that it is so). With gradient accumulation the disk stream's program has its micro-batch
 //! marker: the uploads' reads run each micro-batch, the update's reads and writes once.
+//! The write-backs that end the program may then be carried into the next step
+//! ([`crate::carry`]).
 //!
 //! On sharded ranks ([`BufferKind::HostShard`]) each rank moves its own shards: a chunk's
 //! state is its moments' and master weights' shards, each a buffer of `1/ranks` of the part
@@ -917,6 +919,7 @@ fn place(
                             src: staged,
                             dst: *dst,
                             bytes: *bytes,
+                            carried: false,
                         }],
                         record: Some(written),
                     });
@@ -1003,6 +1006,7 @@ fn place(
                     src: whole(staging),
                     dst: whole(buffer),
                     bytes: size,
+                    carried: false,
                 });
             }
         };

@@ -4,6 +4,7 @@
 pub mod accumulate;
 pub mod autodiff;
 pub mod bound;
+pub mod carry;
 pub mod chunk;
 pub mod comm;
 pub mod cost;

@@ -3,7 +3,8 @@
 //! forward graph -> fuse -> autodiff (-> scale the loss gradient for K micro-batches) ->
 //! training graph -> chunk (-> interleave, for K > 1 in the chunk-major order) ->
 //! place(policy) (with movement) -> streams -> pad_rows -> plan -> emit
-//! (-> accumulate, for K > 1) (-> data_parallel -> shard, for several ranks) -> Schedule -> verify ->
+//! (-> accumulate, for K > 1) (-> data_parallel -> shard, for several ranks) (-> disk, where
+//! the host region is over its budget) -> Schedule (-> carry, with a disk tier) -> verify ->
 //! [`VerifiedSchedule`] -> simulate.
 //!
 //! A forward-only compilation ([`CompileOptions::forward_only`], for evaluation) skips
@@ -19,6 +20,7 @@
 
 use crate::accumulate::scale_loss_gradient;
 use crate::autodiff::{autodiff, OptimizerConfig};
+use crate::carry::carry;
 use crate::chunk::{chunk, chunk_apart};
 use crate::comm::Topology;
 use crate::cost::{cost_model, CostModel};
@@ -464,6 +466,9 @@ impl<'m> Context<'m> {
         if let Some(fusion) = &self.fusion {
             schedule.header.report = format!("{}{}", fusion.to_text(), schedule.header.report);
         }
+        // The disk tier's last write-backs carried into the next step, where that shortens
+        // the (steady-state) step: after the search, which ranks candidates without it.
+        let schedule = carry(schedule, self.cost.as_ref());
         let mut schedule = verify(schedule)?;
         let simulation = simulate(&schedule, self.cost.as_ref())
             .map_err(|e| CompileError::Simulation(e.to_string()))?;

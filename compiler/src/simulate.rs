@@ -614,6 +614,11 @@ pub fn instr_label(schedule: &Schedule, instr: &Instr) -> String {
 /// [`stream_seconds`]); a record marks the time its stream reached it; a wait holds its
 /// stream until the event's record is reached.
 ///
+/// The step simulated is the steady state: carried disk writes ([`Instr::DiskWrite`]'s
+/// `carried`), which write the previous step's update back, run at the head of the disk
+/// stream, overlapping the step's forward pass (with accumulation, in the first
+/// micro-batch only; each later micro-batch lasts as one without them).
+///
 /// Streams compete for nothing but events (no shared bandwidth, no launch queue), so each
 /// stream runs ahead until it blocks on an event not yet recorded and resumes when the record
 /// is reached: every instruction is visited once, O(n) plus sorting the timeline. On the host
@@ -640,6 +645,36 @@ pub fn simulate_unverified(
     schedule: &Schedule,
     cost: &dyn CostModel,
 ) -> Result<Simulation, SimulateError> {
+    simulate_step(schedule, cost, true)
+}
+
+/// The micro-batch program of an accumulating `schedule` without its carried disk writes,
+/// as a step of its own (each stream cut at its marker; events do not cross the markers):
+/// what every micro-batch but the first runs.
+fn later_micro_batch(schedule: &Schedule) -> Schedule {
+    let mut out = schedule.clone();
+    for stream in &mut out.streams {
+        if let Some(at) = stream
+            .instrs
+            .iter()
+            .position(|i| matches!(i, Instr::EndMicroBatch { .. }))
+        {
+            stream.instrs.truncate(at);
+        }
+        stream
+            .instrs
+            .retain(|i| !matches!(i, Instr::DiskWrite { carried: true, .. }));
+    }
+    out
+}
+
+/// [`simulate_unverified`], the host's shared cores priced where `shared` (not for a part of
+/// a step, which the whole step prices).
+fn simulate_step(
+    schedule: &Schedule,
+    cost: &dyn CostModel,
+    shared: bool,
+) -> Result<Simulation, SimulateError> {
     check_references(schedule)?;
     let records = record_sites(schedule)?;
     let n = schedule.streams.len();
@@ -661,6 +696,14 @@ pub fn simulate_unverified(
     let micro_batches = schedule.micro_batches();
     let mut repeat = f64::from(micro_batches);
     let mut at_marker = vec![false; n];
+    // Carried disk writes run once a step, before the first micro-batch (the steady state:
+    // they write the previous step's update back): the first micro-batch is simulated with
+    // them, and the others last as one without them.
+    let carried = schedule.carried_writes() > 0;
+    let later_micro_batches = match carried && micro_batches > 1 {
+        true => Some(simulate_step(&later_micro_batch(schedule), cost, false)?.step_seconds),
+        false => None,
+    };
 
     loop {
         while let Some(s) = ready.pop() {
@@ -720,7 +763,10 @@ pub fn simulate_unverified(
                             category: span_category(schedule, stream.kind, instr),
                         });
                         clock[s] += seconds;
-                        busy[s] += seconds * repeat;
+                        busy[s] += match instr {
+                            Instr::DiskWrite { carried: true, .. } => seconds,
+                            _ => seconds * repeat,
+                        };
                     }
                 }
                 next[s] += 1;
@@ -731,7 +777,11 @@ pub fn simulate_unverified(
         }
         // Every stream at its marker (a verified schedule's are all there): the barrier after
         // the last micro-batch.
-        let micro = clock.iter().copied().fold(0.0, f64::max) * f64::from(micro_batches);
+        let first = clock.iter().copied().fold(0.0, f64::max);
+        let micro = match later_micro_batches {
+            Some(later) => first + later * f64::from(micro_batches - 1),
+            None => first * f64::from(micro_batches),
+        };
         for s in 0..n {
             if at_marker[s] {
                 at_marker[s] = false;
@@ -769,7 +819,7 @@ pub fn simulate_unverified(
             .then(a.index.cmp(&b.index))
     });
     let mut step_seconds = clock.iter().copied().fold(0.0, f64::max);
-    if let Some(cores) = cost.host_cores() {
+    if let (Some(cores), true) = (cost.host_cores(), shared) {
         step_seconds += shared_core_seconds(&timeline, cores);
         // The host optimizer's threads share the cores with the compute kernels' as the
         // compute kernels share them with it: each of its spans is busy longer by the time it

@@ -232,10 +232,14 @@ pub fn print_schedule_with(s: &Schedule, options: PrintOptions) -> String {
     for (i, stream) in s.streams.iter().enumerate() {
         let _ = writeln!(
             out,
-            "\nstream{i} {} ({}): {} instructions",
+            "\nstream{i} {} ({}): {} instructions{}",
             stream.name,
             stream_kind_name(stream.kind),
-            stream.instrs.len()
+            stream.instrs.len(),
+            match stream.carried_writes() {
+                0 => String::new(),
+                n => format!(", the first {n} carried from the previous step"),
+            }
         );
         for (k, instr) in stream.instrs.iter().enumerate() {
             let _ = writeln!(out, "  #{k:<4} {}", instr_text(&cx, instr));
@@ -699,14 +703,22 @@ fn instr_text(cx: &Cx, instr: &Instr) -> String {
             src,
             dst,
             bytes,
-        } => format!(
-            "disk_write {chunk} {} {} -> {} {}{}",
-            disk_part(cx, *dst),
-            address(cx, *src),
-            address(cx, *dst),
-            format_bytes(*bytes),
-            per_rank(cx, *dst)
-        ),
+            carried,
+        } => {
+            let rank = per_rank(cx, *dst);
+            let carried = match (carried, rank.is_empty()) {
+                (false, _) => "",
+                (true, true) => "  ; carried: the previous step's update, written as this step starts",
+                (true, false) => "; carried: the previous step's update, written as this step starts",
+            };
+            format!(
+                "disk_write {chunk} {} {} -> {} {}{rank}{carried}",
+                disk_part(cx, *dst),
+                address(cx, *src),
+                address(cx, *dst),
+                format_bytes(*bytes),
+            )
+        }
         Instr::CastChunk {
             chunk,
             src,

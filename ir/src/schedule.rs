@@ -71,6 +71,17 @@
 //! sharded staging buffers of their part: a shard upload copies the rank's shard from the
 //! staging buffer the disk stream read it into, a shard offload lands in one before the write.
 //!
+//! Carried writes: the write-backs that end a step's disk program (after the last updates,
+//! their staging buffers used by nothing after them in the step) may be *carried* across
+//! the step boundary ([`Instr::DiskWrite`]'s `carried`): they come first in the disk
+//! stream's program, without waits, and run at the start of the next step, writing what the
+//! previous step's update left in the staging buffer while that step's forward pass runs;
+//! the disk stream's reads after them in the same stream see the written state. The first
+//! step of a run (and the first after the state is loaded, as on a resume) skips them, since
+//! no update has left anything to write; before the state on disk is read (a checkpoint, the
+//! weights, the end of a run) the runtime runs them once, so the disk holds the updated
+//! state. With accumulation they run once a step, before the first micro-batch.
+//!
 //! The 12-byte host layout ([`HostLayout::Staged`](crate::HostLayout::Staged)): a staged
 //! chunk has no host copy of its narrow parameters and no host gradient chunk. A
 //! [`StreamKind::HostCast`] stream runs one [`Instr::CastChunk`] before each of its uploads,
@@ -98,8 +109,8 @@ use serde::{Deserialize, Serialize};
 /// (attention's score scale and soft-cap, RMSNorm's group width and unit offset, and the
 /// scale, softcap and geglu kinds). 7: chunk-major accumulation (the policy's micro-batch
 /// order, the schedule's per-micro-batch losses, [`Schedule::micro_batch_losses`]). 8: padded
-/// rows (a buffer's [`RowPitch`]).
-pub const FORMAT_VERSION: u32 = 8;
+/// rows (a buffer's [`RowPitch`]). 9: carried disk writes ([`Instr::DiskWrite`]'s `carried`).
+pub const FORMAT_VERSION: u32 = 9;
 
 /// A padded buffer's row pitch in bytes is a multiple of this: the alignment cuBLAS and
 /// cuBLASLt need of a leading dimension (and of each row's start) to pick their vectorised,
@@ -405,6 +416,10 @@ pub enum Instr {
         dst: TensorRef,
         /// Bytes.
         bytes: u64,
+        /// Carried across the step boundary: the write runs at the start of the next step,
+        /// writing what this step's update left in the staging buffer (see the module doc,
+        /// "carried writes"). Carried writes come first in their disk stream.
+        carried: bool,
     },
     /// Round a staged chunk's f32 master weights into its narrow parameter layout at `dst`
     /// (the start of a [`BufferKind::ParamStaging`] buffer), on the [`StreamKind::HostCast`]
@@ -531,6 +546,17 @@ pub struct Stream {
     pub kind: StreamKind,
     /// Its instructions, in order.
     pub instrs: Vec<Instr>,
+}
+
+impl Stream {
+    /// How many carried disk writes ([`Instr::DiskWrite`]'s `carried`) the stream has: the
+    /// verifier checks that they are its first instructions.
+    pub fn carried_writes(&self) -> usize {
+        self.instrs
+            .iter()
+            .filter(|i| matches!(i, Instr::DiskWrite { carried: true, .. }))
+            .count()
+    }
 }
 
 /// Device memory by purpose, at the peak.
@@ -859,6 +885,12 @@ impl Schedule {
             out.push_str(&format!(" and the {what} of {}", params.len()));
         }
         out
+    }
+
+    /// The carried disk writes of every stream (see the module doc): how many write-backs a
+    /// step leaves to the start of the next.
+    pub fn carried_writes(&self) -> usize {
+        self.streams.iter().map(Stream::carried_writes).sum()
     }
 
     /// The pieces of a [`Instr::CastChunk`] of `chunk` from `src` to `dst`: one per member of

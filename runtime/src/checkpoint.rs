@@ -14,6 +14,11 @@
 //! checkpoint written under one policy resumes under any other, bit-identically, because every
 //! policy computes the same bits (the project's equivalence guarantee).
 //!
+//! The state is read and written through the executor, which first runs the disk write-backs
+//! a schedule carries into the next step ([`crate::executor::Executor::flush_disk`]): a
+//! checkpoint of a disk-tier run holds every update, even one taken while write-backs were
+//! pending, so a run killed after it resumes bit for bit.
+//!
 //! The metadata also records the run's settings ([`RunSettings`]: steps, learning-rate
 //! schedule, seed, data), its optimizer settings and its element type, so `--resume DIR` alone continues the run
 //! ([`peek_latest`] reads them before anything is compiled).

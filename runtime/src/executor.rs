@@ -17,6 +17,15 @@
 //! micro-batch's rows are written at its own inputs' homes, the streams run once, and the
 //! micro-batches' losses, read from [`Schedule::micro_batch_losses`], make the same mean.
 //!
+//! A schedule with carried disk writes (see [`protrain_ir::schedule`]) leaves the write-backs
+//! of its last updates to the next step: a step runs them at the head of its disk stream's
+//! program (in its first micro-batch) when the step before left them pending, and skips
+//! them otherwise (a run's first step, the first after state was loaded). Anything that reads
+//! or writes the state at its homes ([`Executor::params`], [`Executor::state`],
+//! [`Executor::read_held`], the loads, so checkpoints and weight exports too) runs them first
+//! ([`Executor::flush_disk`]), so the disk holds every update before it is read and a loaded
+//! state is not overwritten by an older one. The host and CUDA backends run them alike.
+//!
 //! An f16 schedule is loss-scaled ([`Executor::loss_scaled`]): each step runs at a loss scale
 //! the caller gives ([`Executor::step_with`]; the [`crate::loss_scale::LossScaler`] decides
 //! it), and a step whose gradients overflowed is *skipped* by its own AdamW ops, which leave
@@ -168,8 +177,24 @@ struct StreamRun<S> {
     update_at: u32,
     /// Whether it is the collective stream.
     collective: bool,
+    /// How many of `program`'s first instructions are carried disk writes: run as a step
+    /// starts only when the step before left them to run ([`Carry`]).
+    carried: usize,
     busy: f64,
     spans: Vec<Span>,
+}
+
+/// The carried disk writes of a schedule ([`protrain_ir::Instr::DiskWrite`]'s `carried`):
+/// the write-backs a step leaves in its staging buffers for the start of the next step.
+/// `pending` says that the last step left them there; they run at the head of the disk
+/// stream's next step, or on their own ([`Executor::flush_disk`]) before anything reads or
+/// writes the state at its homes. A stream of its own runs them then, so that the readers,
+/// which take `&self`, can.
+struct Carry<S> {
+    /// The disk stream's index.
+    stream: usize,
+    /// The stream that runs them outside a step, and whether they are pending.
+    state: Mutex<(S, bool)>,
 }
 
 /// A parameter's home, its element type, and the home of its f32 master weight when the
@@ -263,6 +288,8 @@ pub struct Executor<'s, B: Backend = HostBackend> {
     masters: HashMap<ValueId, TensorRef>,
     /// The disk tier's file, once given ([`Executor::set_disk_dir`]).
     disk_path: Option<PathBuf>,
+    /// The carried disk writes, where the schedule has any.
+    carry: Option<Carry<B::Stream>>,
 }
 
 impl<'s> Executor<'s, HostBackend> {
@@ -335,6 +362,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                     .collect(),
                 update_at: (stream.instrs.len() - update.len()) as u32,
                 collective,
+                carried: stream.carried_writes(),
                 busy: 0.0,
                 spans: Vec::new(),
             });
@@ -416,6 +444,13 @@ impl<'s, B: Backend> Executor<'s, B> {
             .filter(|(_, v)| v.role == Role::Accumulator && v.producer.is_none())
             .map(|(id, v)| (home(id), v.ty.bytes()))
             .collect();
+        let carry = match streams.iter().position(|s| s.carried > 0) {
+            Some(stream) => Some(Carry {
+                stream,
+                state: Mutex::new((backend.create_stream(StreamKind::DiskIo)?, false)),
+            }),
+            None => None,
+        };
         Ok(Self {
             schedule,
             backend,
@@ -442,7 +477,51 @@ impl<'s, B: Backend> Executor<'s, B> {
             rank: 0,
             masters,
             disk_path: None,
+            carry,
         })
+    }
+
+    /// Runs the carried disk writes the last step left pending, if any, so that the disk holds
+    /// every chunk's updated state: before the state at its homes is read (the weights, a
+    /// checkpoint) or written (loading one). Running them again later is not needed: the
+    /// next step skips them. A no-op where nothing is pending (the first step has not run,
+    /// or they ran).
+    pub fn flush_disk(&self) -> Result<()> {
+        let Some(carry) = &self.carry else {
+            return Ok(());
+        };
+        let mut state = carry.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (stream, pending) = &mut *state;
+        if !*pending {
+            return Ok(());
+        }
+        let run = &self.streams[carry.stream];
+        for planned in &run.program[..run.carried] {
+            if let Planned::Copy { src, dst, bytes } = planned {
+                // SAFETY: no step runs (steps take `&mut self`), so nothing else touches the
+                // staging buffers or the disk; the copy is synchronous on a disk stream.
+                unsafe { self.backend.copy(stream, *src, *dst, *bytes)? };
+            }
+        }
+        self.backend.synchronize(stream)?;
+        *pending = false;
+        Ok(())
+    }
+
+    /// Whether the last step left carried disk writes to run, taking them: the next step's
+    /// first micro-batch runs them.
+    fn take_carried(&self) -> bool {
+        self.carry.as_ref().is_some_and(|c| {
+            let mut state = c.state.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::replace(&mut state.1, false)
+        })
+    }
+
+    /// Marks the carried disk writes pending after a step's update.
+    fn leave_carried(&self) {
+        if let Some(c) = &self.carry {
+            c.state.lock().unwrap_or_else(PoisonError::into_inner).1 = true;
+        }
     }
 
     /// Makes the file of the schedule's disk region (its optimizer state that host memory
@@ -611,6 +690,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// them), at its home; zeroes the optimizer state and restarts the step count, so the next
     /// step is AdamW's first.
     pub fn load_params(&mut self, values: &[Vec<f32>]) -> Result<()> {
+        self.flush_disk()?;
         let graph = &self.schedule.graph;
         if values.len() != self.params.len() {
             return Err(RuntimeError::Shape(format!(
@@ -674,6 +754,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// With a sharded schedule every rank must call it (it gathers the ranks' shards, one
     /// value at a time) and every rank gets the whole state.
     pub fn state(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        self.flush_disk()?;
         let graph = &self.schedule.graph;
         self.state
             .iter()
@@ -693,6 +774,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// exactly once with its length and no other name is. Does not touch the step count (see
     /// [`Executor::set_step`]).
     pub fn load_state(&mut self, values: &[(String, Vec<f32>)]) -> Result<()> {
+        self.flush_disk()?;
         let graph = &self.schedule.graph;
         let mut given: HashMap<&str, &[f32]> = HashMap::with_capacity(values.len());
         for (name, data) in values {
@@ -763,6 +845,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// beyond the rank's shards at a time. With a sharded schedule every rank must call it
     /// for the same parameters in the same order.
     pub fn param(&self, index: usize) -> Result<Vec<f32>> {
+        self.flush_disk()?;
         let home = self.params.get(index).ok_or_else(|| {
             RuntimeError::Shape(format!(
                 "the model has {} parameters, there is no parameter {index}",
@@ -846,6 +929,7 @@ impl<'s, B: Backend> Executor<'s, B> {
     /// This rank's part of state tensor `index` ([`Executor::state_tensors`]: its
     /// `held[rank]` elements), read from its home without any collective.
     pub fn read_held(&self, index: usize) -> Result<Vec<f32>> {
+        self.flush_disk()?;
         match index.checked_sub(self.params.len()) {
             None => {
                 let home = &self.params[index];
@@ -885,6 +969,7 @@ impl<'s, B: Backend> Executor<'s, B> {
         index: usize,
         read: &mut dyn FnMut(Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<()> {
+        self.flush_disk()?;
         let wrong_length = |name: String, len: usize, got: usize| {
             RuntimeError::Shape(format!(
                 "{got} values were read for {len} elements of {name}; the checkpoint is damaged"
@@ -1148,6 +1233,8 @@ impl<'s, B: Backend> Executor<'s, B> {
         let update = self.updates + 1;
         let start = Instant::now();
         let mut outcome = Outcome::default();
+        // The write-backs the last step carried over run in this step's first micro-batch.
+        let mut carried = self.take_carried();
         // The micro-batches' losses, in order; their mean (summed in f64) is the step's.
         let mut losses: Vec<f32> = Vec::with_capacity(k);
         if self.interleaved {
@@ -1157,7 +1244,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 self.backend
                     .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
             }
-            outcome = outcome.merge(self.run_phase(false, update, start)?);
+            outcome = outcome.merge(self.run_phase(false, carried, update, start)?);
             for &at in &self.micro_batch_losses {
                 let mut loss = [0.0f32];
                 self.backend.read_f32(at, &mut loss)?;
@@ -1170,14 +1257,17 @@ impl<'s, B: Backend> Executor<'s, B> {
                 self.backend
                     .write_i32(home.at, &data[m * home.len..(m + 1) * home.len])?;
             }
-            outcome = outcome.merge(self.run_phase(false, update, start)?);
+            outcome = outcome.merge(self.run_phase(false, carried, update, start)?);
+            carried = false;
             let mut loss = [0.0f32];
             self.backend.read_f32(self.loss, &mut loss)?;
             losses.push(loss[0]);
         }
         if k > 1 && !self.interleaved {
-            outcome = outcome.merge(self.run_phase(true, update, start)?);
+            outcome = outcome.merge(self.run_phase(true, false, update, start)?);
         }
+        // This step's last write-backs are left to the next step's start.
+        self.leave_carried();
         // The loss-scaled ops report the unscaled norm, infinite or NaN when a gradient
         // overflowed: then every AdamW read the skip coefficient and changed nothing.
         let skipped = self.loss_scaled && !outcome.grad_norm.is_some_and(f32::is_finite);
@@ -1228,8 +1318,15 @@ impl<'s, B: Backend> Executor<'s, B> {
     }
 
     /// Runs every stream's micro-batch program (or, with `update`, its update program) on
-    /// its own thread until all are done: one barrier-delimited part of step `step`.
-    fn run_phase(&mut self, update: bool, step: u64, start: Instant) -> Result<Outcome> {
+    /// its own thread until all are done: one barrier-delimited part of step `step`. The
+    /// micro-batch program's carried disk writes run only with `carried`.
+    fn run_phase(
+        &mut self,
+        update: bool,
+        carried: bool,
+        step: u64,
+        start: Instant,
+    ) -> Result<Outcome> {
         let graph = &self.schedule.graph;
         self.backend.begin_step();
         let (backend, tracing) = (&self.backend, self.tracing);
@@ -1245,7 +1342,7 @@ impl<'s, B: Backend> Executor<'s, B> {
                 .iter_mut()
                 .map(|s| {
                     let empty = match update {
-                        false => s.program.is_empty(),
+                        false => s.program.len() == if carried { 0 } else { s.carried },
                         true => s.update.is_empty(),
                     };
                     if empty {
@@ -1256,7 +1353,9 @@ impl<'s, B: Backend> Executor<'s, B> {
                         false => None,
                     };
                     Some(scope.spawn(move || {
-                        run_stream(backend, graph, s, update, step, start, tracing, comm)
+                        run_stream(
+                            backend, graph, s, update, carried, step, start, tracing, comm,
+                        )
                     }))
                 })
                 .collect();
@@ -1303,15 +1402,17 @@ impl<B: Backend> Drop for AbortOnPanic<'_, B> {
     }
 }
 
-/// Issues one stream's program (its update program with `update`) for step `step`, timing
-/// its kernels, copies and collectives (issued through `comm`, the collective stream's); its
-/// busy time and spans add to the step's.
+/// Issues one stream's program (its update program with `update`; the program's carried disk
+/// writes only with `carried`) for step `step`, timing its kernels, copies and collectives
+/// (issued through `comm`, the collective stream's); its busy time and spans add to the
+/// step's.
 #[allow(clippy::too_many_arguments)]
 fn run_stream<B: Backend>(
     backend: &B,
     graph: &Graph,
     s: &mut StreamRun<B::Stream>,
     update: bool,
+    carried: bool,
     step: u64,
     start: Instant,
     tracing: bool,
@@ -1323,8 +1424,12 @@ fn run_stream<B: Backend>(
         false => (&s.program, 0),
         true => (&s.update, s.update_at as usize),
     };
+    let skip = match (update, carried) {
+        (false, false) => s.carried,
+        _ => 0,
+    };
     let mut issue = || -> Result<()> {
-        let mut at = 0;
+        let mut at = skip;
         while at < program.len() {
             let (index, instr) = (first + at, &program[at]);
             at += 1;

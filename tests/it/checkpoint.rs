@@ -796,3 +796,56 @@ fn killed_on_disk_resumes_as_in_memory(
     );
     assert_eq!(seen, straight[..12]);
 }
+
+/// Carried disk write-backs under `kill -9`: the run of
+/// [`a_run_with_every_state_on_disk_killed_resumes_bit_identically`] (every model state on
+/// disk) leaves its last write-backs to the next step's start (its schedule carries them),
+/// so each checkpoint is written while some are pending: saving writes them back first, and
+/// the run killed mid-run and resumed from its latest checkpoint (whose first step has
+/// nothing to write back) gives the losses of the run with everything in host memory.
+#[test]
+fn a_run_with_carried_write_backs_killed_resumes_bit_identically() {
+    let base = [
+        "train",
+        "gpt2-tiny",
+        "--steps",
+        "30",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--grad-accum",
+        "1",
+        "--policy",
+        "n_persist=0,n_buffer=2,n_swap=1,n_checkpoint=1",
+        "--log-json",
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("s.ptsched");
+    let mut compile = vec!["compile"];
+    compile.extend(
+        base[1..]
+            .iter()
+            .filter(|a| !["--steps", "30", "--log-json"].contains(a)),
+    );
+    compile.extend([
+        "--host-memory",
+        "1MiB",
+        "--disk-memory",
+        "64MiB",
+        "-o",
+        path(&file),
+    ]);
+    protrain(&compile);
+    let dump = protrain(&["dump", path(&file), "--stage", "scheduled"]);
+    assert!(
+        stdout(&dump).contains("carried from the previous step"),
+        "the schedule carries write-backs"
+    );
+    killed_on_disk_resumes_as_in_memory(
+        &base,
+        "1MiB",
+        "the optimizer state of 4 of 4 chunks and the parameters and gradients of 4",
+        |_| {},
+    );
+}

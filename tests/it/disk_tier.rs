@@ -299,19 +299,24 @@ fn a_checkpoint_carries_the_state_on_disk() {
     );
 }
 
-/// The disk i/o stream of a verified disk schedule, and the index of its first write.
+/// The disk i/o stream of a verified disk schedule, and the index of its first write that
+/// is not carried (one after an update in the same step).
 fn first_write(s: &Schedule) -> (usize, usize) {
-    let io = s
-        .streams
-        .iter()
-        .position(|st| st.kind == StreamKind::DiskIo)
-        .unwrap();
+    let io = disk_stream(s);
     let at = s.streams[io]
         .instrs
         .iter()
-        .position(|i| matches!(i, Instr::DiskWrite { .. }))
+        .position(|i| matches!(i, Instr::DiskWrite { carried: false, .. }))
         .unwrap();
     (io, at)
+}
+
+/// The disk i/o stream of a disk schedule.
+fn disk_stream(s: &Schedule) -> usize {
+    s.streams
+        .iter()
+        .position(|st| st.kind == StreamKind::DiskIo)
+        .unwrap()
 }
 
 /// Mutations the verifier refuses: a write back that no longer waits for the update (the
@@ -340,7 +345,13 @@ fn the_verifier_refuses_a_write_before_the_update_and_an_update_before_the_read(
         .iter()
         .position(|st| st.kind == StreamKind::HostOptimizer)
         .unwrap();
-    let Some(Instr::Record { event }) = unread.streams[io].instrs.get(1).cloned() else {
+    let first_read = unread.streams[io]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::DiskRead { .. }))
+        .unwrap();
+    let Some(Instr::Record { event }) = unread.streams[io].instrs.get(first_read + 1).cloned()
+    else {
         panic!("the first read records its event")
     };
     let wait = unread.streams[opt]
@@ -641,4 +652,251 @@ fn the_verifier_refuses_missing_waits_around_parameters_and_gradients_on_disk() 
     let err = without_wait(&schedule, d2h, reuse);
     assert!(err.contains("data flow"), "{err}");
     verify(schedule).unwrap();
+}
+
+/// `schedule` with the write-backs that end its disk program carried into the next step
+/// ([`protrain::compiler::carry::carried`], whether or not that shortens the step),
+/// verified: at least one write is carried.
+fn carry(schedule: &Schedule) -> VerifiedSchedule {
+    let out = protrain::compiler::carry::carried(schedule).expect("write-backs to carry");
+    let out = verify(out).unwrap_or_else(|e| panic!("the carried schedule: {e}"));
+    assert!(out.carried_writes() > 0);
+    out
+}
+
+/// `model`'s tight policy with every chunk's optimizer state on disk (as [`on_disk_k`]), in
+/// the plain order (the disk pass alone) and with its last write-backs carried.
+fn plain_and_carried(
+    model: &str,
+    dtype: DType,
+    micro_batches: u64,
+) -> (VerifiedSchedule, VerifiedSchedule) {
+    let host = compile_k(model, dtype, TIGHT, None, micro_batches);
+    let budget = on_disk_k(model, dtype, micro_batches).host_bytes;
+    let disk = parse_size("64MiB").unwrap();
+    let plain = protrain::compiler::disk::disk((*host).clone(), budget, disk).unwrap();
+    let plain = verify(plain).unwrap();
+    assert_eq!(plain.carried_writes(), 0);
+    assert_eq!(plain.disk_chunks().len(), plain.chunks.len());
+    let carried = carry(&plain);
+    (plain, carried)
+}
+
+/// Carried write-backs (the last chunks' state written as the next step starts, beside its
+/// forward pass) train bit for bit as the plain order and as every chunk resident, over
+/// several steps: the first step skips them (nothing to write yet), every later one runs
+/// them first, and reading the weights and state after the last step runs them once. With
+/// every state on disk (the uploads' parameters too) as well.
+#[test]
+fn carried_write_backs_train_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let (plain, carried) = plain_and_carried(model, DType::BF16, 1);
+        let want = train(&compile(model, DType::BF16, "", None), model);
+        assert_eq!(train(&plain, model), want, "{model}: plain vs resident");
+        assert_eq!(
+            train(&carried, model),
+            want,
+            "{model}: carried write-backs train differently"
+        );
+        for (dtype, layout) in [(DType::BF16, 14), (DType::F32, 16)] {
+            let every = carry(&all_on_disk(model, dtype, layout, 1, 2));
+            let host = compile(model, dtype, &format!("{TIGHT},host_layout={layout}"), None);
+            assert_eq!(
+                train(&every, model),
+                train(&host, model),
+                "{model} {dtype}: every state on disk, carried, trains differently"
+            );
+        }
+    }
+}
+
+/// With accumulation the carried write-backs run once a step, before its first
+/// micro-batch: two micro-batches per step train bit for bit as the plain order and as
+/// every chunk resident, the state alone or every state on disk.
+#[test]
+fn accumulating_with_carried_write_backs_trains_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let (plain, carried) = plain_and_carried(model, DType::BF16, 2);
+        assert_eq!(carried.micro_batches(), 2);
+        let want = train(&compile_k(model, DType::BF16, "", None, 2), model);
+        assert_eq!(train(&plain, model), want, "{model}: plain vs resident");
+        assert_eq!(
+            train(&carried, model),
+            want,
+            "{model}: accumulating with carried write-backs trains differently"
+        );
+        let every = carry(&all_on_disk(model, DType::BF16, 14, 2, 2));
+        let host = compile_k(
+            model,
+            DType::BF16,
+            &format!("{TIGHT},host_layout=14"),
+            None,
+            2,
+        );
+        assert_eq!(
+            train(&every, model),
+            train(&host, model),
+            "{model}: every state"
+        );
+    }
+}
+
+/// A checkpoint taken while write-backs are carried holds the updated state (saving runs
+/// them first), and the resumed run, whose first step has nothing to write back, gives the
+/// uninterrupted run's losses, weights and state.
+#[test]
+fn a_checkpoint_with_write_backs_carried_resumes_bit_identically() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let (plain, carried) = plain_and_carried(model, DType::BF16, 1);
+        let want = train(&plain, model);
+        assert_eq!(train(&carried, model), want);
+        assert_eq!(
+            train_resumed_after_step_2(&carried, model),
+            want,
+            "{model}: resumed vs uninterrupted"
+        );
+    }
+}
+
+/// The pipeline carries write-backs where the step is shorter for it: gpt2-tiny's step with
+/// every chunk's state on disk ends with the disk writing the last updates back (the disk
+/// bounds its end), so its schedule has carried writes, and its simulated step is shorter
+/// than the same schedule's in the plain order.
+#[test]
+fn the_pipeline_carries_write_backs_where_the_step_is_shorter() {
+    let model = "gpt2-tiny";
+    let budget = on_disk(model, DType::BF16).host_bytes;
+    let config = protrain::models::load(model).unwrap();
+    let hardware = HardwareProfile::preset("host")
+        .unwrap()
+        .with_host_memory(budget);
+    let options = CompileOptions {
+        batch: BATCH,
+        seq: SEQ,
+        dtype: DType::BF16,
+        policy: PolicyChoice::parse(TIGHT).unwrap(),
+        optimizer: OptimizerConfig {
+            grad_clip: Some(1.0),
+            ..Default::default()
+        },
+        ..CompileOptions::for_hardware(hardware.clone().with_disk_memory(1 << 26))
+    };
+    let compiled = protrain::compile(&config, &options).unwrap().schedule;
+    assert!(
+        compiled.carried_writes() > 0,
+        "the disk-bound schedule carries"
+    );
+    let cost = protrain::compiler::cost::cost_model(&hardware);
+    let step = |s: &Schedule| {
+        protrain::compiler::simulate::simulate_unverified(s, cost.as_ref())
+            .unwrap()
+            .step_seconds
+    };
+    let host = compile(model, DType::BF16, TIGHT, None);
+    let plain = protrain::compiler::disk::disk((*host).clone(), budget, 1 << 26).unwrap();
+    let (with, without) = (step(&compiled), step(&plain));
+    assert!(
+        with < without,
+        "carried {with} s, plain {without} s: carrying shortens the disk-bound step"
+    );
+    assert_eq!(compiled.header.prediction.step_seconds, with);
+}
+
+/// Mutations of carried writes the verifier refuses: a write carried although its staging
+/// buffer is used again later in the step (the next chunk is read into it: the write would
+/// put that chunk's state on this chunk's place on disk), and a carried write moved after
+/// a read of the same chunk (it would run after the read, which would find the state not
+/// yet written back).
+#[test]
+fn the_verifier_refuses_malformed_carried_writes() {
+    let (plain, carried) = plain_and_carried("gpt2-tiny", DType::BF16, 1);
+    let (io, at) = first_write(&plain);
+    let mut reused: Schedule = (*plain).clone();
+    let Instr::DiskWrite {
+        chunk,
+        src,
+        dst,
+        bytes,
+        ..
+    } = reused.streams[io].instrs.remove(at)
+    else {
+        unreachable!()
+    };
+    let later_read = reused.streams[io].instrs[at..]
+        .iter()
+        .any(|i| matches!(i, Instr::DiskRead { dst: d, .. } if d.buffer == src.buffer));
+    assert!(
+        later_read,
+        "the staging buffer is read into again later in the step"
+    );
+    reused.streams[io].instrs.insert(
+        0,
+        Instr::DiskWrite {
+            chunk,
+            src,
+            dst,
+            bytes,
+            carried: true,
+        },
+    );
+    let err = verify(reused)
+        .expect_err("a reused staging buffer")
+        .to_string();
+    assert!(
+        (err.contains("end of step") || err.contains("data flow")) && err.contains("carried"),
+        "{err}"
+    );
+
+    let mut late: Schedule = (*carried).clone();
+    let io = disk_stream(&late);
+    let write = late.streams[io].instrs.remove(0);
+    let Instr::DiskWrite { chunk, .. } = write else {
+        unreachable!()
+    };
+    let read = late.streams[io]
+        .instrs
+        .iter()
+        .position(|i| matches!(i, Instr::DiskRead { chunk: c, .. } if *c == chunk))
+        .expect("the chunk is read in the step");
+    late.streams[io].instrs.insert(read + 1, write);
+    let err = verify(late)
+        .expect_err("a carried write after a read")
+        .to_string();
+    assert!(err.contains("ids") && err.contains("carried"), "{err}");
+    verify((*carried).clone()).unwrap();
+}
+
+/// The printed disk stream of a schedule with carried writes: the stream says how many it
+/// carries, and each carried write says what it writes when, at the head of the stream.
+#[test]
+fn carried_writes_print_at_the_head_of_the_disk_stream() {
+    let (_, carried) = plain_and_carried("gpt2-tiny", DType::BF16, 1);
+    let text = protrain::ir::print_schedule::print_schedule(&carried);
+    let disk: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !(l.starts_with("stream") && l.contains("(disk i/o)")))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    insta::assert_snapshot!("carried_disk_stream", disk.join("\n"));
+}
+
+/// On the CUDA backend (its disk stream a host thread, as the host backend's), carried
+/// write-backs train bit for bit as the plain order does there: losses, gradient norms,
+/// final weights and optimizer state.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU or the CUDA simulator"]
+fn carried_write_backs_train_on_the_device_as_the_plain_order() {
+    use protrain_runtime::cuda::CudaBackend;
+    if let Err(why) = protrain_runtime::cuda::available() {
+        panic!("no CUDA device is available: {why}; scripts/gpu-check.sh runs this on one");
+    }
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let (plain, carried) = plain_and_carried(model, DType::BF16, 1);
+        assert_eq!(
+            train_on::<CudaBackend>(&carried, model),
+            train_on::<CudaBackend>(&plain, model),
+            "{model}: carried write-backs train differently on the device"
+        );
+    }
 }

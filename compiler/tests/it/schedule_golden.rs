@@ -97,114 +97,114 @@ fn schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const GOLDEN: &str = "
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 b3a424cc696be905
-gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 f01135016d0abdf2
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 078dc7d058084070
-gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 8e5c880061d92004
-gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8665956fbd133683
-gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 7e590a656cb87049
-gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 cac7625ea6bfdbc7
-gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 040d9ad87730e2cc
-gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 220c4227d357c46a
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a430a81e45a0e40f
-gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 0d2f4a1eb0f610ea
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6d291aec5f1ffa80
-gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 4488cacd81882c93
-gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7df8cf2ba882df04
-gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC d5421a6a056d05d0
-gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 c8d72bed66795e5b
-gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 7f32d13649219d77
-gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 ea3002302841d007
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 bd34c7dedec8898f
-llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 a48f6917c2411657
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5284be713526dc27
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 9a6f24d28a0f68e5
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
-llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
-llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 87765e8c6b837b6c
-llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK caa9d2e5e579e464
-llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 1c30520cf37b8e9d
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 ca44856d5e49af18
-llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 7501f129c8db7a26
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 09e9a92597d5efcc
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6d24e047958790fa
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
-llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
-llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c45fe48694a5a73a
-llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK cf0f4073cd3c7805
-llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 b4550e21cdbb4602
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 533079387602a087
-mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 a36893cb37313136
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 69f1da9c620f816a
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 8df29c49d9aa507e
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC d3abf0fdefb0d61d
-mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC d3abf0fdefb0d61d
-mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 c08d81f43263aa58
-mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 51a4ca7186b7ecbc
-mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 19ccdc4257638970
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 43816c7923de951e
-mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 d5298e7d2fd09efb
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 244cd9b18ba94b87
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 d1b85c3688f02c7e
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c4e44ffbd4c22bc2
-mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c4e44ffbd4c22bc2
-mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 1416b280eebec253
-mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 04bf666e5242d8c1
-mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 4142bc460d72f743
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 25d34282c3cdb531
-opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 46e756926b3273c3
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bb46b435aaa12b81
-opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6d58a5314992c4f8
-opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 6f7ca1a65f6c73f1
-opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 3aa142a4c87f2d9f
-opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 948be908d39d1388
-opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK f00aade56a6eadf3
-opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 61e837b5b1258aee
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 7069ad2ccd945607
-opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b4a64f5143b52b62
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c9fb26f68812c68
-opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 bb105f3b188b6169
-opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 926aadba8e849b1b
-opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 350385c059671a2b
-opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 9fec6af2ec048271
-opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 14901aee60a9aa97
-opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 4b8b1f306a275d0d
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 e36366ed273694d7
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 30a348a02acd47b4
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c7be0a803d58000
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 efe3b45f9ac5d580
-gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7156a915c163fba1
-gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 7ec0adcece035d9f
-gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 b00d54cd930516f2
-gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 464260c52dfa38e1
-gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 cbeb6a55ebd3d517
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9d6d319bd214fb3d
-gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 42acc70e79f64881
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ef70db56242fa14b
-gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 a1436a793bed1f63
-gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c110086da597c2dc
-gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 0e91c906e8c87532
-gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 d11b57a0a348fa6d
-gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 7e5767673bd2ec82
-gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 7deea6e5d981294c
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f15014362e842c39
-llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 80b1e2df959714a9
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 fc80fb38349c164d
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6c566327d9a32b7e
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC df81c7d922ec13d0
-llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC df81c7d922ec13d0
-llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 1755e0fd2dd90be8
-llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 3636fc8b0732c184
-llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 8b291209df71c528
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 1f03d1fd24eb465f
-llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 359afec39f4b862e
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0f8b8bad39bd9dd5
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 58865ca4cdc3f3da
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b2a73cb2d6d04890
-llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC b2a73cb2d6d04890
-llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 8861bb91cb94f9ee
-llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK abca408464cd8508
-llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 8e1aaa50cad35768
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 eb7b079e319738ef
+gpt2-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 fb4b552b3c5deae7
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 2e06c0316753f5eb
+gpt2-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7aa9b2f0f64f2c7a
+gpt2-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC ed149f8597cf4cb7
+gpt2-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC c680a254f4918fa7
+gpt2-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 5d9ec4af5f782116
+gpt2-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK bcb36a40680bf2c0
+gpt2-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 ffca504bab2b954c
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 329ae7c9e47bbd41
+gpt2-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 48dd36723b57c019
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 24154d6a2b719e6d
+gpt2-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 6575a1e5c6848853
+gpt2-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5fb0ad02df5616cb
+gpt2-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 573190e01feb1839
+gpt2-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 03e70430ec72380e
+gpt2-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 34e76917a49a7e83
+gpt2-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 2ccc9ef9f0c94a79
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 21efdef64d8b7215
+llama-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 95daada80c0f5e30
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 adfb4411a2de12c1
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 d509d56ee96ddaa3
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 379253b9a5fe223f
+llama-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 379253b9a5fe223f
+llama-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 6cda9603c1cc3dc5
+llama-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 8197367c7fd16f30
+llama-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 a5967bb289a5d632
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 2e91181acfb58927
+llama-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 fe9a8b4b35989d1f
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 593b063ac969533a
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 abe07d0444c7812f
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC eec92a7e8c775ddd
+llama-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC eec92a7e8c775ddd
+llama-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 740f859404a9357f
+llama-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 191717b25348f287
+llama-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 ff0494d6f32574b4
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 a289a05380c319e2
+mistral-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 3e553239c57d2f77
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b987f16847c7557c
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7e7aa4397406ea59
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC cdde307ebd1b6d36
+mistral-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC cdde307ebd1b6d36
+mistral-tiny f32 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 b6d1dfb10f749560
+mistral-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK f8f3993309fdc17a
+mistral-tiny f32 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 4cfbac50f397b27e
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 dce5f463e5af8a7e
+mistral-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 951383209c2cecc2
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c55ee4f4335b4886
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 7d31e8ae756bbaeb
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC e9677cd421385162
+mistral-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC e9677cd421385162
+mistral-tiny f32 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 81b121cd77fdc314
+mistral-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK a22c5afa90343cd6
+mistral-tiny f32 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 4f5a9415652b8571
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 065de55244d685d8
+opt-tiny f32 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 bd785a4ce31076a2
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 949df0b912e9b769
+opt-tiny f32 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 cd72de78ab432b92
+opt-tiny f32 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1cae0d0d73ede5c7
+opt-tiny f32 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC a1e9f9b167f03d96
+opt-tiny f32 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 2cd1f5210b8e0383
+opt-tiny f32 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK f7ec5e5516a87e55
+opt-tiny f32 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 0b3bcd2fc1a21069
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 5f52e95216e4b4b7
+opt-tiny f32 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 071452f87cd53156
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f3bdcdbf61cfd1f0
+opt-tiny f32 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 ae12e8ad6ec97af7
+opt-tiny f32 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC cd6ea5d54ec276d5
+opt-tiny f32 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 88fcfdd702f7e774
+opt-tiny f32 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 b7dcc69aedafcf0f
+opt-tiny f32 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 01d2c7d3697803d5
+opt-tiny f32 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 2ffeea1a4baaafe4
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ccd4cc0c8fd48ccf
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 961cc01bb2b018e5
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 65dae010261591ee
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 cd3fdae21ff0893d
+gpt2-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 5b987514daeab9c8
+gpt2-tiny bf16 noclip n_persist=2 n_buffer=2 prefetch=1 blocks=SC 5fe51d8b27661c68
+gpt2-tiny bf16 noclip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 66bf9b4a07e8b984
+gpt2-tiny bf16 noclip n_persist=0 n_buffer=3 prefetch=1 blocks=SK bd9ea960872ba397
+gpt2-tiny bf16 noclip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 81d60aa59211c1bb
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=K2 45c39e51b8c9ed76
+gpt2-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 b6d4202e2be537d2
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 79b085087dac6d5f
+gpt2-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 e8cacc0d9025f0af
+gpt2-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0a41cd58c26eed4f
+gpt2-tiny bf16 clip n_persist=2 n_buffer=2 prefetch=1 blocks=SC a20cd6f876028741
+gpt2-tiny bf16 clip n_persist=3 n_buffer=1 prefetch=1 blocks=K2 186b8d22bd0ef0fd
+gpt2-tiny bf16 clip n_persist=0 n_buffer=3 prefetch=1 blocks=SK 8d793725c5c615e3
+gpt2-tiny bf16 clip n_persist=4 n_buffer=0 prefetch=1 blocks=S2 a6151814150dd5c3
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 d40e3489258d1310
+llama-tiny bf16 noclip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 bfd44abf6ce075fc
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ff271c3d93e79614
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 8d2f89e300b0c821
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c99f5fd7d99dfe05
+llama-tiny bf16 noclip n_persist=1 n_buffer=2 prefetch=1 blocks=SC c99f5fd7d99dfe05
+llama-tiny bf16 noclip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 8962711d10f5fab2
+llama-tiny bf16 noclip n_persist=0 n_buffer=2 prefetch=1 blocks=SK 8c06209a2d42f47e
+llama-tiny bf16 noclip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 14aa9e03d8e0043b
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=K2 bca4bddd3d6b5b21
+llama-tiny bf16 clip n_persist=0 n_buffer=1 prefetch=1 blocks=K2 cc8afcd3bc9ce5fd
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eab931b6d82b936d
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=S2 5a9407940f8b4caa
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 34e56587a71307ca
+llama-tiny bf16 clip n_persist=1 n_buffer=2 prefetch=1 blocks=SC 34e56587a71307ca
+llama-tiny bf16 clip n_persist=1 n_buffer=1 prefetch=1 blocks=K2 269583673d04ca0e
+llama-tiny bf16 clip n_persist=0 n_buffer=2 prefetch=1 blocks=SK b5a6de5701bc8dc9
+llama-tiny bf16 clip n_persist=2 n_buffer=0 prefetch=1 blocks=S2 86f341542919fe01
 ";
 
 /// The passes that rewrite an emitted schedule, pinned the same way: gradient accumulation
@@ -288,112 +288,112 @@ fn rewritten_schedules_are_byte_identical_to_the_recorded_ones() {
 }
 
 const REWRITTEN: &str = "
-gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 9c6d4b20113ecfa7
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 03f22c25f18112dd
-gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f29f8b91f4ec41b5
-gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1d774a76a4df0d57
-gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 27a1b58f9164f30d
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 d1289ddb7652daff
-gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8c8f86f0b9c98315
-gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5f7c587ee430d3ac
-gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 c8796907f006ec58
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7c50eda2bd3a32d6
-gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 89ff3530082f1bb9
-gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ce36334933d8aacc
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b55f4cc7eb7948cc
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 dd5ee7c84ec16da1
-gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 819da8d0e235c984
-gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC ccfbac8681558483
-gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dafab0dc9c602d3b
-gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6b42f50a7d1019af
-gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8c143b9591da86de
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 851aeef8e6b62084
-gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 54dfc65bf0d7636c
-gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8e9856a4d805bb87
-gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 cdcdea24215e01eb
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eff3f28d9646fb93
-gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d62ff8e466d2435e
-gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6e943592fbcbb19e
-gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0654e077516028fd
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0ea78a653def9af4
-gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 9a0a6bb25f9ba5ad
-gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 2af872657a84f7b9
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0ac4ac30160718d1
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ed27f2c942d8f807
-gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d6edf41d2ff2462
-gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 54810498d51aa0de
-gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a7c49e8851c70a34
-gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0c88f814de659865
-llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 af29178ab7d17504
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 495057eff298af8b
-llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 68ac973067214591
-llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 819c3f5f3415e3d5
-llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 caf281a99dba7884
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 bd15f7cd4bd713f0
-llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 0d37a6aee9b93b28
-llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a32490fab9fbf088
-llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 45689c3049906d58
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 74ff481c8b0f2a7a
-llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f3e8d087b77549f1
-llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 f60c19ebad564e69
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5b7be6ea04c42fbc
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 5b7be6ea04c42fbc
+gpt2-tiny f32 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 5b3756f56617b174
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 eaaa26a5642097da
+gpt2-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC ab833792e5393a01
+gpt2-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 836a3669c90e7121
+gpt2-tiny f32 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 6f719e2604d3bb86
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 23702e5dd20b7646
+gpt2-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 916a3378b9a16645
+gpt2-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 50d2d14d273df2aa
+gpt2-tiny f32 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 cc99afd55d6e9ef8
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 24a23a8419a35345
+gpt2-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 64aba69652699620
+gpt2-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ccb1a138c1b6c4e7
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ce9cf4f0d00970b0
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 3cbad1bfaf0d9f33
+gpt2-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 60fd49c6630bb1ce
+gpt2-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 608ff187041817ba
+gpt2-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8632186e3665d7db
+gpt2-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 5cd3ce3d96d50ecd
+gpt2-tiny f32 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f0c46fcc4d742330
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a7fa46e3366577af
+gpt2-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC f2ff7a96e38a3bf6
+gpt2-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b698531408a5db5c
+gpt2-tiny f32 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0448f315a2bb07b9
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 1de0aad22a9fd288
+gpt2-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 18f60d64623390df
+gpt2-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8010cc60540eba53
+gpt2-tiny f32 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 7a9c05c1a649e8d3
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ecd16673163e5d8e
+gpt2-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 80a60f1a56bda630
+gpt2-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ebf8259d83007e52
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ef38d1de04a79d4b
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 587aa8464d34829d
+gpt2-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 959d1310f710e097
+gpt2-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7df097ee8099e925
+gpt2-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a0dbe6e15a38d790
+gpt2-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ef60047b705e806c
+llama-tiny f32 noclip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 df1fef849ffa0f28
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 e341b2a0cd273f46
+llama-tiny f32 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c96a932b554d4ebf
+llama-tiny f32 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1083452cd4178fcc
+llama-tiny f32 noclip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f8f5c3c24fb8f5bd
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ad591be13b78aa5b
+llama-tiny f32 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC c0dae90ddf177dfe
+llama-tiny f32 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d80e008de6127fed
+llama-tiny f32 noclip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 a0cac37123179988
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 50666b153a7b4266
+llama-tiny f32 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC bdbfae8e2110d47c
+llama-tiny f32 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 90ef540f131af5a6
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8eefb2be95ee373d
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 8eefb2be95ee373d
 llama-tiny f32 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.5 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC fd926852bd347997
-llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0f079675542df0f4
-llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0f079675542df0f4
-llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 6cffd29a20112687
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 303c55375539abba
-llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 1542e36c0c1a35e2
-llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3ea3d983db9d1f7d
-llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 c5a6aa5ce8edc7ea
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f87bb2d4d4ae4e81
-llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 696be9a6a9c159c7
-llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 00bcbe90133a4d9a
-llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 f9824c55920c0ca1
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b88f710caed068bb
-llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 38f5ceeca25a05e5
-llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 7061629aad1f2141
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10873b6be92b1fcf
-llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 10873b6be92b1fcf
+llama-tiny f32 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 379253b9a5fe223f
+llama-tiny f32 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6a3bfb957edda3cf
+llama-tiny f32 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 6a3bfb957edda3cf
+llama-tiny f32 clip accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 1539bbad0ef03eb5
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 01d752db4c92a4f1
+llama-tiny f32 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8387f75787f5e904
+llama-tiny f32 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dda2d9e0df91afbf
+llama-tiny f32 clip dp2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 db03f58ec1c72d04
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 f604eaa9fbfe7242
+llama-tiny f32 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b000882ce3d6f865
+llama-tiny f32 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9e9842f871df58fe
+llama-tiny f32 clip dp2accum2 n_persist=2 n_buffer=0 prefetch=1 blocks=K2 27b1430e52baeea0
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 62574d944bef5759
+llama-tiny f32 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 7508c0847ac5e8f7
+llama-tiny f32 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 b4864201dc790f22
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 2d0c02ab6bcdaf8e
+llama-tiny f32 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 2d0c02ab6bcdaf8e
 llama-tiny f32 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC refused: the host region needs 1.3 MiB with the optimizer state, parameters and gradients of all 1 offloaded chunks on disk (the disk tier was considered: its staging buffers, the gradient accumulators, swapped activations and everything else stay in host memory), over the 930.7 KiB of host memory (hardware.host_memory_bytes); give more hardware.host_memory_bytes or a leaner policy (more persistent chunks take their state to the device)
-llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 2645a758e8b8aed7
-llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 fab7695ac0037d77
-llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 fab7695ac0037d77
-gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 a16613ca78a018c0
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 717b09a758d2993b
-gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d26bad41f1f4586c
-gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d474f1d9dbca9f67
-gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 46a62680c26c4927
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6a3267b80577b3f7
-gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 43bd9acf7f40d5b4
-gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e11c9aea62ef3987
-gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 780af53257b4bf34
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 6f36a94e1a4935ac
-gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d20a9d10e8044c55
-gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 279c8d4ad4b08eec
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 c929973838fed5d0
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9ae31ace2b10c8ae
-gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC e534434192e0d2a9
-gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 08fa417fac2335f3
-gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ccee66141798a369
-gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 9e1a5d80ca025f30
-gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 f6311f02ea89160e
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 604a8a155cf35c8d
-gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC eb655fc1ca352142
-gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e15fd8b63291537a
-gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 724ed980a043df98
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ce223d21dd9e5b7c
-gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC b6fab194cf1dcb75
-gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1a8ee8e49ed8af7e
-gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 0c1d298caf4d48e7
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 512fe2b5623233ea
-gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 750d1cad5be9f208
-gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0418cdbae032eeb9
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 308627dacb0e5ddd
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 0b68e31bbe9a92ba
-gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 4407e8cace115aaa
-gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8d13fdc81d0a467d
-gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 1f0b639b5675d802
-gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 d446c8ee7a566c77
+llama-tiny f32 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC eec92a7e8c775ddd
+llama-tiny f32 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0eff5f4279b002e1
+llama-tiny f32 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 0eff5f4279b002e1
+gpt2-tiny bf16 noclip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 6ee3887599dd3e80
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 ecbc1be94f007940
+gpt2-tiny bf16 noclip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 04f869a33d14aa32
+gpt2-tiny bf16 noclip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 a6b0975b70da8cdf
+gpt2-tiny bf16 noclip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 8bee75f5b03fc224
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 541f0256ed14a7f1
+gpt2-tiny bf16 noclip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d3e9a80449b71df5
+gpt2-tiny bf16 noclip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 8ad4d0f8794bc3e4
+gpt2-tiny bf16 noclip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 4e51f040bc8fe1b6
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 62619fda25db3488
+gpt2-tiny bf16 noclip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC d23f951096d0638c
+gpt2-tiny bf16 noclip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 fdbb86a3326b40f0
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 59162ac140f6e6e8
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7a54591da7242e1c
+gpt2-tiny bf16 noclip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 11ef55f2522b0876
+gpt2-tiny bf16 noclip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 8134f0377d4041fb
+gpt2-tiny bf16 noclip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 dc92c73dfcbace75
+gpt2-tiny bf16 noclip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 3a6e52596873879a
+gpt2-tiny bf16 clip accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 ebd77f53db0ee5e5
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 a0a7a5a901a04237
+gpt2-tiny bf16 clip accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 267e674b7fa75086
+gpt2-tiny bf16 clip accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 24128589c2371dbe
+gpt2-tiny bf16 clip dp2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 420f1d2279e97dae
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9fef468c7be9421f
+gpt2-tiny bf16 clip dp2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cfed012da96ddd1b
+gpt2-tiny bf16 clip dp2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 e75d572c56326009
+gpt2-tiny bf16 clip dp2accum2 n_persist=4 n_buffer=0 prefetch=1 blocks=K2 280d59eb63f5af8f
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 b090bfbf63d9f177
+gpt2-tiny bf16 clip dp2accum2 n_persist=1 n_buffer=2 prefetch=1 blocks=SC cb02349fc332c517
+gpt2-tiny bf16 clip dp2accum2 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 11f33dc00917410e
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=2 prefetch=1 blocks=C2 7d4cc1b332deee2a
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=2 prefetch=1 blocks=C2 9cee909f794f1760
+gpt2-tiny bf16 clip disk1 n_persist=1 n_buffer=2 prefetch=1 blocks=SC 850990f09b216a57
+gpt2-tiny bf16 clip diskall n_persist=1 n_buffer=2 prefetch=1 blocks=SC 59f391e5c6099c73
+gpt2-tiny bf16 clip disk1 n_persist=0 n_buffer=1 prefetch=1 blocks=S2 ef71568ffd30a66d
+gpt2-tiny bf16 clip diskall n_persist=0 n_buffer=1 prefetch=1 blocks=S2 f47dbf5d5a0e5889
 ";

@@ -232,6 +232,9 @@ impl Checker<'_> {
         let mut pc = vec![0usize; n];
         let mut clocks = vec![vec![0u32; n]; n];
         let mut event_clocks: Vec<Option<Vec<u32>>> = vec![None; s.events as usize];
+        if self.part != super::Part::Update {
+            self.carried_at_start(&mut mem, &mut pc, &mut clocks);
+        }
         loop {
             let next = (0..n).find(|&si| match s.streams[si].instrs.get(pc[si]) {
                 None => false,
@@ -307,7 +310,125 @@ impl Checker<'_> {
             pc[si] += 1;
         }
         debug_assert!((0..n).all(|si| pc[si] == s.streams[si].instrs.len()));
+        if self.part != super::Part::MicroBatch {
+            self.write_carried_at_end(&mut mem, &clocks)?;
+        }
         self.end_of_step(&mut mem)
+    }
+
+    /// The staging and disk spans of a carried write (a shard's: every rank's slice).
+    fn carried_spans(&self, instr: &Instr) -> Option<(Span, Span)> {
+        let Instr::DiskWrite {
+            src, dst, bytes, ..
+        } = *instr
+        else {
+            return None;
+        };
+        let bytes = match self.s.buffer(dst.buffer).kind.is_sharded() {
+            true => bytes * u64::from(self.s.ranks()),
+            false => bytes,
+        };
+        Some((self.span(src, bytes), self.span(dst, bytes)))
+    }
+
+    /// The carried writes as the step starts (they lead their streams: the ids check): each
+    /// reads its staging buffer, which holds the previous step's update, and writes what the
+    /// disk held at the end of the previous step, which the model takes as the start's
+    /// content. So nothing may overwrite the staging buffer, or read or write the disk
+    /// bytes, before it unless ordered after it (a reuse of the staging buffer must wait for
+    /// the write; a read of the chunk from disk must come after it in the stream). Moves
+    /// the streams past them.
+    fn carried_at_start(&self, mem: &mut [Memory; 3], pc: &mut [usize], clocks: &mut [Vec<u32>]) {
+        let n = self.s.streams.len();
+        for (si, stream) in self.s.streams.iter().enumerate() {
+            for (i, instr) in stream.instrs.iter().enumerate() {
+                if !matches!(instr, Instr::DiskWrite { carried: true, .. }) {
+                    break;
+                }
+                let Some((staging, disk)) = self.carried_spans(instr) else {
+                    break;
+                };
+                let r = InstrRef {
+                    stream: StreamId::new(si),
+                    index: i as u32,
+                };
+                for ((space, a, b), writer) in [(staging, None), (disk, Some(r))] {
+                    let m = &mut mem[space_index(space)];
+                    m.isolate(a, b);
+                    // Bytes nothing wrote yet come to hold undefined bytes, so that the
+                    // write's read and write of them are tracked as of any other bytes.
+                    let mut gaps = Vec::new();
+                    let mut pos = a;
+                    for (start, seg) in m.within(a, b) {
+                        if start > pos {
+                            gaps.push((pos, start));
+                        }
+                        pos = seg.end;
+                    }
+                    if pos < b {
+                        gaps.push((pos, b));
+                    }
+                    for (ga, gb) in gaps {
+                        m.segments.insert(
+                            ga,
+                            Segment {
+                                end: gb,
+                                content: Content::Undefined,
+                                writer: Writer::Home,
+                                readers: vec![0; n].into_boxed_slice(),
+                            },
+                        );
+                    }
+                    for (_, seg) in m.segments.range_mut(a..b) {
+                        match writer {
+                            Some(w) => seg.writer = Writer::Instr(w),
+                            None => seg.readers[si] = seg.readers[si].max(r.index + 1),
+                        }
+                    }
+                }
+                pc[si] = i + 1;
+                clocks[si][si] = r.index + 1;
+            }
+        }
+    }
+
+    /// The carried writes as the runtime runs them after the step (before the next step's
+    /// other work; its barrier orders them after everything in this one): each copies its
+    /// staging buffer to disk, so the staging buffer must still hold the chunk's updated
+    /// state, which **end of step** then finds at its disk home.
+    fn write_carried_at_end(
+        &self,
+        mem: &mut [Memory; 3],
+        clocks: &[Vec<u32>],
+    ) -> Result<(), ScheduleError> {
+        let n = self.s.streams.len();
+        let mut barrier = vec![0u32; n];
+        for clock in clocks {
+            for (b, &c) in barrier.iter_mut().zip(clock) {
+                *b = (*b).max(c);
+            }
+        }
+        for si in 0..n {
+            let stream = StreamId::new(si);
+            let mine: Vec<&Instr> = self
+                .carried
+                .iter()
+                .filter(|(s, _)| *s == stream)
+                .map(|&(_, i)| i)
+                .collect();
+            for (j, instr) in mine.into_iter().enumerate() {
+                let Instr::DiskWrite {
+                    src, dst, bytes, ..
+                } = *instr
+                else {
+                    continue;
+                };
+                let r = self.end_ref(stream, j);
+                barrier[si] = r.index + 1;
+                self.disk_copy(mem, r, &barrier, src, dst, bytes, true)?;
+            }
+        }
+        Ok(())
     }
 
     /// Checks that `[a, b)` holds all of `v` (based at `a`), not updated unless

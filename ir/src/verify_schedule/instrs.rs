@@ -41,6 +41,7 @@ impl Checker<'_> {
                 src,
                 dst,
                 bytes,
+                ..
             } => self.disk_ids(kind, instr, chunk, src, dst, bytes),
             Instr::CastChunk {
                 chunk,

@@ -187,6 +187,21 @@
 //! of its part in host memory, moving one rank's whole shard (**ids**), which **data flow**
 //! proves holds that shard (the upload after the read, the write after the offload).
 //!
+//! Carried disk writes ([`Instr::DiskWrite`]'s `carried`, see [`crate::schedule`]) run at
+//! the start of the next step, so the program is checked as cyclic for them: **ids** puts
+//! them first in their stream, before any other instruction (with accumulation, at the head
+//! of the micro-batch program), so they wait for nothing and every read of the disk comes
+//! after them; **data flow** runs them twice. At the step's start, each reads its staging
+//! buffer (which holds the previous step's update) and writes its disk bytes, keeping what
+//! the model has them hold (their values at the start of the step): so every later write of
+//! the staging buffer, and every read or write of those disk bytes, must be ordered after it
+//! (a reuse of the staging buffer on another stream waits for an event the disk stream
+//! records after it). After the step (after the update program, with accumulation), behind
+//! the barrier between steps, each copies its staging buffer to disk as a write back does: it
+//! must not write a moment back before its update, and **end of step** then finds each disk
+//! home holding its value, so a staging buffer reused after the update (another chunk read
+//! into it) is refused.
+//!
 //! A schedule with staged chunks (the 12-byte host layout, [`Instr::CastChunk`], see
 //! [`crate::schedule`]) is checked with its casts as instructions: **ids** puts every cast on
 //! a host cast stream, from its chunk's optimizer-state buffer in host memory, where every
@@ -205,8 +220,8 @@
 //! the CPU Adam that read the gradients it overwrites.
 //!
 //! It does not check what a kernel computes, that the cost model's predictions hold, or that
-//! the memory plan is tight; and it checks one step: the runtime puts a barrier between
-//! steps.
+//! the memory plan is tight; and it checks one step (with carried writes, as above): the
+//! runtime puts a barrier between steps.
 
 mod dataflow;
 mod events;
@@ -345,7 +360,7 @@ pub fn verify_schedule(s: &Schedule) -> Result<(), ScheduleError> {
     }
     Checker::new(s).coverage()?;
     for (schedule, part, offsets) in parts {
-        let cx = Checker::new(schedule).part(part, offsets);
+        let cx = Checker::new(schedule).part(part, offsets).carrying(s);
         cx.events()?;
         cx.deadlock()?;
         cx.homes()?;
@@ -446,6 +461,24 @@ struct Checker<'a> {
     /// The bytes each padded value's buffer holds ([`pitch::pitched_bytes`]): what the
     /// bounds and data-flow checks take it to occupy.
     pitched: std::collections::HashMap<ValueId, u64>,
+    /// The whole schedule's carried disk writes, in stream order: what the step's end (of
+    /// the whole step or of the update program) writes back after its barrier.
+    carried: Vec<(StreamId, &'a Instr)>,
+}
+
+/// Every carried disk write of `s` ([`Instr::DiskWrite`]'s `carried`), in stream order.
+fn carried_writes(s: &Schedule) -> Vec<(StreamId, &Instr)> {
+    s.streams
+        .iter()
+        .enumerate()
+        .flat_map(|(si, stream)| {
+            stream
+                .instrs
+                .iter()
+                .filter(|i| matches!(i, Instr::DiskWrite { carried: true, .. }))
+                .map(move |i| (StreamId::new(si), i))
+        })
+        .collect()
 }
 
 /// Whether two non-empty spans share a byte.
@@ -463,6 +496,7 @@ impl<'a> Checker<'a> {
             part: Part::Whole,
             offsets: vec![0; s.streams.len()],
             pitched: pitch::pitched_bytes(s),
+            carried: carried_writes(s),
         }
     }
 
@@ -472,6 +506,35 @@ impl<'a> Checker<'a> {
         self.part = part;
         self.offsets = offsets.to_vec();
         self
+    }
+
+    /// The checker with the carried writes of `whole`, the schedule a part is cut from (the
+    /// update program runs them at its end, though its streams do not hold them).
+    fn carrying(mut self, whole: &'a Schedule) -> Self {
+        self.carried = carried_writes(whole);
+        self
+    }
+
+    /// Whether `r` is a carried write as run at the end of the step: an index past its
+    /// stream's instructions, counting the carried writes from there
+    /// ([`Checker::end_ref`]).
+    fn carried_at_end(&self, r: InstrRef) -> Option<(usize, &'a Instr)> {
+        let len = self.s.streams[r.stream.index()].instrs.len();
+        let j = (r.index as usize).checked_sub(len)?;
+        self.carried
+            .iter()
+            .filter(|(si, _)| *si == r.stream)
+            .nth(j)
+            .map(|&(_, instr)| (j, instr))
+    }
+
+    /// The reference the `j`-th carried write of stream `stream` runs under at the end of
+    /// the step: past the stream's instructions, so that every one of them happens before.
+    fn end_ref(&self, stream: StreamId, j: usize) -> InstrRef {
+        InstrRef {
+            stream,
+            index: (self.s.streams[stream.index()].instrs.len() + j) as u32,
+        }
     }
 
     /// Invariant 0, the micro-batch markers: `None` without any; else the micro-batch
@@ -685,7 +748,19 @@ impl<'a> Checker<'a> {
     }
 
     fn instr(&self, r: InstrRef) -> &'a Instr {
-        &self.s.streams[r.stream.index()].instrs[r.index as usize]
+        match self.carried_at_end(r) {
+            Some((_, instr)) => instr,
+            None => &self.s.streams[r.stream.index()].instrs[r.index as usize],
+        }
+    }
+
+    /// The index of `r` in the whole schedule (a carried write run at the end of the step:
+    /// its index at the head of its stream).
+    fn whole_index(&self, r: InstrRef) -> u32 {
+        match self.carried_at_end(r) {
+            Some((j, _)) => j as u32,
+            None => r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0),
+        }
     }
 
     /// `stream compute #12 (linear h.3.mlp.c_fc)`.
@@ -706,10 +781,18 @@ impl<'a> Checker<'a> {
             Instr::AllGather { chunk, .. } => format!("all_gather {chunk}"),
             Instr::ReduceScatter { chunk, .. } => format!("reduce_scatter {chunk}"),
             Instr::DiskRead { chunk, .. } => format!("disk_read {chunk}"),
-            Instr::DiskWrite { chunk, .. } => format!("disk_write {chunk}"),
+            Instr::DiskWrite {
+                chunk,
+                carried: false,
+                ..
+            } => format!("disk_write {chunk}"),
+            Instr::DiskWrite { chunk, .. } => match self.carried_at_end(r) {
+                Some(_) => format!("carried disk_write {chunk}, run after the step's end"),
+                None => format!("carried disk_write {chunk}, run as the step starts"),
+            },
             Instr::CastChunk { chunk, .. } => format!("cast {chunk}"),
         };
-        let index = r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0);
+        let index = self.whole_index(r);
         format!("stream {} #{index} ({what})", stream.name)
     }
 
@@ -743,7 +826,7 @@ impl<'a> Checker<'a> {
         // Instructions are named by their index in the whole schedule.
         let at = at.map(|r| InstrRef {
             stream: r.stream,
-            index: r.index + self.offsets.get(r.stream.index()).copied().unwrap_or(0),
+            index: self.whole_index(r),
         });
         ScheduleError {
             invariant,

@@ -33,8 +33,34 @@ impl Checker<'_> {
             let kind = self.s.streams[r.stream.index()].kind;
             self.instr_ids(kind, instr)
                 .map_err(|msg| self.fail(Invariant::Ids, Some(r), msg))?;
+            self.carried_ids(r, instr)
+                .map_err(|msg| self.fail(Invariant::Ids, Some(r), msg))?;
         }
         Ok(())
+    }
+
+    /// A carried disk write comes before every other instruction of its stream (before the
+    /// micro-batch program's, with accumulation): it runs as the next step starts, before
+    /// the disk stream's reads, and waits for nothing (the runtime's barrier between steps
+    /// orders it after the update it writes back).
+    fn carried_ids(&self, r: InstrRef, instr: &Instr) -> Result<(), String> {
+        if !matches!(instr, Instr::DiskWrite { carried: true, .. }) {
+            return Ok(());
+        }
+        let stream = &self.s.streams[r.stream.index()];
+        let first = self.part != super::Part::Update
+            && stream.instrs[..r.index as usize]
+                .iter()
+                .all(|i| matches!(i, Instr::DiskWrite { carried: true, .. }));
+        match first {
+            true => Ok(()),
+            false => Err(
+                "a carried disk write after other instructions of its stream: carried \
+                          writes run first as the next step starts, so they must lead the \
+                          disk stream's program (recompile the schedule)"
+                    .into(),
+            ),
+        }
     }
 
     /// The format version, and at most one collective stream, of at least two ranks.
