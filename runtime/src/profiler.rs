@@ -832,17 +832,33 @@ mod tests {
         }
     }
 
-    /// The per-op CPU Adam cost: ops of one parameter each cost more than one step over the
-    /// same state (each pays its setup), through the host backend's own run path; a graph
-    /// without AdamW ops costs nothing per op.
+    /// The per-op CPU Adam cost: each of the `repeats + 1` rounds hands the whole step and
+    /// the run of ops to the backend's run path once each (the first round warms up and is
+    /// dropped), and the result is a per-op figure, finite, never
+    /// negative and far below a millisecond for ops of one parameter; a graph without AdamW
+    /// ops costs nothing per op and runs nothing. Whether a run of tiny ops measures above
+    /// one step is left to the clock: under a loaded test run the two medians can cross.
     #[test]
-    fn a_run_of_tiny_adamw_ops_costs_more_per_op_than_one_step() {
+    fn the_per_op_adam_cost_runs_both_forms_through_the_run_path() {
         let backend = HostBackend::new(256, 0, 0).unwrap();
-        let run: &RunAdamW<'_> = &|launches| backend.run_adamw_group(launches);
-        let per_op = measure_adam_op_seconds(&[1], 1 << 14, 5, run).unwrap();
-        assert!(per_op > 0.0, "{per_op}");
-        assert!(per_op < 1e-3, "{per_op}");
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let run: &RunAdamW<'_> = &|launches| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            backend.run_adamw_group(launches)
+        };
+        let per_op = measure_adam_op_seconds(&[3, 5], 1 << 14, 5, run).unwrap();
+        assert!(
+            per_op.is_finite() && (0.0..1e-3).contains(&per_op),
+            "{per_op}"
+        );
+        assert_eq!(
+            calls.load(std::sync::atomic::Ordering::Relaxed),
+            2 * (5 + 1)
+        );
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(measure_adam_op_seconds(&[], 1 << 14, 5, run).unwrap(), 0.0);
+        assert_eq!(measure_adam_op_seconds(&[0], 1 << 14, 5, run).unwrap(), 0.0);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 0);
         // A forward graph has no AdamW op.
         assert!(adam_sizes(&tiny_graph()).is_empty());
     }
