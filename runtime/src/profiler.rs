@@ -835,7 +835,7 @@ mod tests {
     /// The per-op CPU Adam cost: each of the `repeats + 1` rounds hands the whole step and
     /// the run of ops to the backend's run path once each (the first round warms up and is
     /// dropped), and the result is a per-op figure, finite, never
-    /// negative and far below a millisecond for ops of one parameter; a graph without AdamW
+    /// negative and far below a millisecond for ops of a few parameters; a graph without AdamW
     /// ops costs nothing per op and runs nothing. Whether a run of tiny ops measures above
     /// one step is left to the clock: under a loaded test run the two medians can cross.
     #[test]
