@@ -4,6 +4,111 @@ use rayon::prelude::*;
 
 use super::math::{fast_in, Isa, ELEM_GRAIN};
 
+/// The driver of an intrinsics kernel for steps with a bf16 copy, the same for every width:
+/// `run` (one block: the head before the copy's first `$align`-byte address one element at a
+/// time where the copy is streamed, the body `$lanes` at a time, the rest one at a time, from
+/// any gradient form) and `split` (the lerp form and division the step's scalars choose),
+/// compiled for the instruction sets `$features` (`$cpu` in the safety contracts), reading
+/// gradients through the kernel's `$load` trait and calling its `scalar` and `vectors`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! copy_kernel_driver {
+    ($features:literal, $cpu:literal, $align:literal, $lanes:literal, $load:ident) => {
+        /// One block with a bf16 copy: [`super::block`]'s result for every element, from the
+        /// gradient `g` (or the copy's storage, [`Src::InLow`]), the copy stored as `copy`
+        /// says.
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU has ", $cpu, ".")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn run(
+            p: &mut [f32],
+            g: Src<'_>,
+            m: &mut [f32],
+            v: &mut [f32],
+            low: &mut [bf16],
+            copy: Copy16,
+            c: &Coeffs,
+        ) {
+            let n = p.len();
+            assert!(
+                m.len() == n && v.len() == n && low.len() == n,
+                "adamw: lengths differ"
+            );
+            let (pp, mp, vp, lp) = (
+                p.as_mut_ptr(),
+                m.as_mut_ptr(),
+                v.as_mut_ptr(),
+                low.as_mut_ptr(),
+            );
+            // Streaming stores need aligned addresses: the elements before the copy's first
+            // such address go one at a time.
+            let head = match copy {
+                Copy16::Stream => lp.align_offset($align).min(n),
+                Copy16::Store => 0,
+            };
+            let body = (n - head) / $lanes * $lanes;
+            // SAFETY: every range `split` touches is within the slices' common length `n`;
+            // the instruction sets are the caller's contract.
+            unsafe {
+                match g {
+                    Src::F32(g) => {
+                        assert_eq!(g.len(), n, "adamw: lengths differ");
+                        split(head, body, n, pp, g.as_ptr(), mp, vp, lp, copy, c);
+                    }
+                    Src::Bf16(g) => {
+                        assert_eq!(g.len(), n, "adamw: lengths differ");
+                        split(head, body, n, pp, g.as_ptr(), mp, vp, lp, copy, c);
+                    }
+                    Src::InLow => split(head, body, n, pp, lp.cast_const(), mp, vp, lp, copy, c),
+                }
+                if copy == Copy16::Stream {
+                    // Streaming stores are weakly ordered: make them visible before the step
+                    // returns (another thread, or a copy engine, reads the copy next).
+                    _mm_sfence();
+                }
+            }
+        }
+
+        /// The head one at a time, the body a vector pass at a time, the rest one at a time,
+        /// for the lerp form and division the step's scalars choose.
+        ///
+        /// # Safety
+        /// As [`vectors`], for `0..n`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn split<G: $load>(
+            head: usize,
+            body: usize,
+            n: usize,
+            p: *mut f32,
+            g: *const G,
+            m: *mut f32,
+            v: *mut f32,
+            low: *mut bf16,
+            copy: Copy16,
+            c: &Coeffs,
+        ) {
+            macro_rules! go {
+                ($from_m:literal, $recip:literal) => {{
+                    // SAFETY: the caller's contract.
+                    unsafe {
+                        scalar::<G, $from_m, $recip>(0..head, p, g, m, v, low, c);
+                        vectors::<G, $from_m, $recip>(head, body, p, g, m, v, low, copy, c);
+                        scalar::<G, $from_m, $recip>(head + body..n, p, g, m, v, low, c);
+                    }
+                }};
+            }
+            match (c.lerp_from_m, c.bc2_recip.is_some()) {
+                (true, true) => go!(true, true),
+                (true, false) => go!(true, false),
+                (false, true) => go!(false, true),
+                (false, false) => go!(false, false),
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
