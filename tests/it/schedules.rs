@@ -7,10 +7,10 @@
 //! `INSTA_UPDATE=always cargo test --test it -- schedules::`.
 
 use crate::cli_support;
-use crate::common::rtx3090;
+use crate::common::{pinned_host as host, rtx3090};
 use cli_support::{path, protrain};
 
-use protrain::ir::{BlockKind, DType, HardwareProfile, PeakFlops, Policy, PrintOptions, Schedule};
+use protrain::ir::{BlockKind, DType, HardwareProfile, Policy, PrintOptions, Schedule};
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::process::Output;
 
@@ -27,30 +27,6 @@ const POLICIES: [(&str, &str); 3] = [
     // One chunk kept on the device, the rest streamed; block 0 swapped, block 1 recomputed.
     ("mixed", "n_persist=1,n_buffer=2,n_swap=1,n_checkpoint=1"),
 ];
-
-/// The `host` preset as it reads on a 2-core machine with 16 GiB of memory. `host` describes
-/// the machine the test runs on (its cores set the peak rates, its memory the budgets), and a
-/// snapshot must not depend on that.
-fn host() -> HardwareProfile {
-    let mut p = HardwareProfile::preset("host").expect("host is a preset");
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let two_cores = |rate: f64| (rate / cores * 2.0).round();
-    p.description = "the host preset as on 2 cores and 16 GiB (pinned for snapshots)".into();
-    p.device_memory_bytes = 8 * GIB;
-    p.host_memory_bytes = 8 * GIB;
-    p.peak_flops = PeakFlops {
-        f32: two_cores(p.peak_flops.f32),
-        bf16: two_cores(p.peak_flops.bf16),
-        f16: two_cores(p.peak_flops.f16),
-    };
-    p.device_bandwidth = two_cores(p.device_bandwidth);
-    p.h2d_bandwidth = two_cores(p.h2d_bandwidth);
-    p.d2h_bandwidth = two_cores(p.d2h_bandwidth);
-    p.host_memcpy_bandwidth = two_cores(p.host_memcpy_bandwidth);
-    p.cpu_adam_params_per_s = two_cores(p.cpu_adam_params_per_s);
-    p.gpu_adam_params_per_s = two_cores(p.gpu_adam_params_per_s);
-    p
-}
 
 fn options(hardware: HardwareProfile, policy: &str) -> CompileOptions {
     CompileOptions {

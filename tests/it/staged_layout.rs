@@ -12,9 +12,7 @@ use crate::common;
 
 use protrain::ir::print_schedule::PrintOptions;
 use protrain::ir::verify_schedule::{verify, VerifiedSchedule};
-use protrain::ir::{
-    BufferKind, CopyKind, DType, HardwareProfile, HostLayout, Instr, Schedule, StreamKind,
-};
+use protrain::ir::{BufferKind, CopyKind, DType, HostLayout, Instr, Schedule, StreamKind};
 use protrain::runtime::params::init_params;
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
@@ -39,7 +37,8 @@ fn compile(model: &str, policy: &str, clip: Option<f64>) -> VerifiedSchedule {
             grad_clip: clip,
             ..Default::default()
         },
-        ..CompileOptions::for_hardware(HardwareProfile::preset("host").unwrap())
+        // Pinned, so the printed schedule does not depend on this machine's cores and memory.
+        ..CompileOptions::for_hardware(common::pinned_host())
     };
     protrain::compile(&config, &options)
         .unwrap_or_else(|e| panic!("{model} [{policy}]: {e}"))

@@ -5,7 +5,7 @@
 pub mod bf16;
 pub mod fixture_run;
 
-use protrain::ir::HardwareProfile;
+use protrain::ir::{HardwareProfile, PeakFlops};
 use protrain_compiler::emit::HeaderInputs;
 use protrain_runtime::synthetic::SyntheticCorpus;
 use serde_json::Value;
@@ -49,6 +49,31 @@ pub fn relative_f32(a: f32, b: f32) -> f64 {
 /// The rtx3090 preset.
 pub fn rtx3090() -> HardwareProfile {
     HardwareProfile::preset("rtx3090").expect("rtx3090 is a preset")
+}
+
+/// The `host` preset as it reads on a 2-core machine with 16 GiB of memory. `host` describes
+/// the machine the test runs on (its cores set the peak rates, its memory the budgets), and a
+/// snapshot must not depend on that.
+pub fn pinned_host() -> HardwareProfile {
+    const GIB: u64 = 1 << 30;
+    let mut p = HardwareProfile::preset("host").expect("host is a preset");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let two_cores = |rate: f64| (rate / cores * 2.0).round();
+    p.description = "the host preset as on 2 cores and 16 GiB (pinned for snapshots)".into();
+    p.device_memory_bytes = 8 * GIB;
+    p.host_memory_bytes = 8 * GIB;
+    p.peak_flops = PeakFlops {
+        f32: two_cores(p.peak_flops.f32),
+        bf16: two_cores(p.peak_flops.bf16),
+        f16: two_cores(p.peak_flops.f16),
+    };
+    p.device_bandwidth = two_cores(p.device_bandwidth);
+    p.h2d_bandwidth = two_cores(p.h2d_bandwidth);
+    p.d2h_bandwidth = two_cores(p.d2h_bandwidth);
+    p.host_memcpy_bandwidth = two_cores(p.host_memcpy_bandwidth);
+    p.cpu_adam_params_per_s = two_cores(p.cpu_adam_params_per_s);
+    p.gpu_adam_params_per_s = two_cores(p.gpu_adam_params_per_s);
+    p
 }
 
 /// A header for a schedule compiled in a test: no budgets, no report.
