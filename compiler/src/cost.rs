@@ -24,6 +24,11 @@ pub enum CopyDir {
 /// f32 master, m and v and writes those three and the narrow parameter (28 bytes).
 pub const CAST_PER_ADAM: f64 = 6.0 / 28.0;
 
+/// The share of the host's cores each of two thread pools of as many threads as cores gets
+/// while both run (the operating system's fair scheduler): what the cost model takes the CPU
+/// Adam to keep beside compute kernels where the profile measured no share of its own.
+pub const EVEN_CORE_SHARE: f64 = 0.5;
+
 /// Estimates how long instructions take on some hardware.
 ///
 /// A trait, as egg's `CostFunction` is, so the analytic [`Roofline`] and the table-driven
@@ -56,6 +61,15 @@ pub trait CostModel {
     /// every AdamW op of a host optimizer stream. 0 by default and where not measured.
     fn cpu_adam_op_seconds(&self) -> f64 {
         0.0
+    }
+
+    /// On the host backend ([`CostModel::host_cores`]), the share of its rate the CPU Adam
+    /// keeps while compute kernels run beside it: the profile's measured
+    /// `cpu_adam_compute_share`, else [`EVEN_CORE_SHARE`] (the two pools splitting the cores
+    /// evenly). The simulator stretches the host optimizer's busy time by it
+    /// ([`crate::simulate::cpu_adam_beside_compute_seconds`]).
+    fn cpu_adam_compute_share(&self) -> f64 {
+        EVEN_CORE_SHARE
     }
 
     /// Rounding `params` f32 master weights into narrow parameters on the host (a staged
@@ -511,6 +525,12 @@ impl CostModel for Roofline {
         self.profile.cpu_adam_op_s
     }
 
+    fn cpu_adam_compute_share(&self) -> f64 {
+        self.profile
+            .cpu_adam_compute_share
+            .unwrap_or(EVEN_CORE_SHARE)
+    }
+
     fn gpu_adam_seconds(&self, params: u64) -> f64 {
         if params == 0 {
             return 0.0;
@@ -615,6 +635,10 @@ impl CostModel for Measured {
 
     fn cpu_adam_op_seconds(&self) -> f64 {
         self.roofline.cpu_adam_op_seconds()
+    }
+
+    fn cpu_adam_compute_share(&self) -> f64 {
+        self.roofline.cpu_adam_compute_share()
     }
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {

@@ -821,12 +821,12 @@ fn simulate_step(
     let mut step_seconds = clock.iter().copied().fold(0.0, f64::max);
     if let (Some(cores), true) = (cost.host_cores(), shared) {
         step_seconds += shared_core_seconds(&timeline, cores);
-        // The host optimizer's threads share the cores with the compute kernels' as the
-        // compute kernels share them with it: each of its spans is busy longer by the time it
-        // overlaps compute.
+        // The host optimizer's threads share the cores with the compute kernels': each of its
+        // spans is busy longer while it overlaps compute, by the share of its rate it keeps.
+        let share = cost.cpu_adam_compute_share();
         for (s, stream) in schedule.streams.iter().enumerate() {
             if stream.kind == StreamKind::HostOptimizer {
-                busy[s] += cpu_adam_beside_compute_seconds(&timeline, StreamId::new(s));
+                busy[s] += cpu_adam_beside_compute_seconds(&timeline, StreamId::new(s), share);
             }
         }
     }
@@ -839,11 +839,12 @@ fn simulate_step(
 }
 
 /// What the host backend's compute kernels lose to the other streams on the same `cores`:
-/// every second of CPU Adam work that overlaps compute (its pool's threads and theirs share
-/// the cores half and half meanwhile, so the compute kernels lose as much time as the Adam
-/// does: [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that
-/// overlaps compute (a `memcpy` thread takes one core). Added to the step time, not spread over the timeline: the streams'
-/// spans stay as the events order them, and the compute stream ends that much later.
+/// every second of CPU Adam work that overlaps compute (the Adam, at its share of the machine
+/// for as long as that work takes it, holds the cores for one second of the whole machine:
+/// [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that
+/// overlaps compute (a `memcpy` thread takes one core). Added to the step time, not spread
+/// over the timeline: the streams' spans stay as the events order them, and the compute
+/// stream ends that much later.
 pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
     let overlapped = |cats: &[&str]| {
         let busy: f64 = timeline
@@ -862,16 +863,19 @@ pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
         }
 }
 
-/// Seconds of `stream`'s CPU Adam spans during which a compute kernel runs: on the host
-/// backend, what the host optimizer stream loses to the compute kernels beside it, on top of
-/// its spans' own seconds. The host backend runs the CPU Adam in a thread pool of its own with
-/// one thread per core, as many as the compute kernels' pool, and the operating system shares
-/// the cores fairly among the threads, so while both run each gets about half the machine: a
-/// second of Adam work beside compute takes two seconds of wall time, of which the compute
-/// kernels lose one ([`shared_core_seconds`]) and the Adam the other. A device's host
-/// optimizer shares no cores with its compute: the simulator adds this only where
-/// [`CostModel::host_cores`] says the streams run on the CPU.
-pub fn cpu_adam_beside_compute_seconds(timeline: &[Span], stream: StreamId) -> f64 {
+/// What the host optimizer `stream` loses to the compute kernels beside it, on top of its
+/// spans' own seconds, on the host backend: each second of its CPU Adam spans during which a
+/// compute kernel runs takes `1 / share` seconds of wall time, where `share` is the part of
+/// its rate the Adam keeps beside compute ([`CostModel::cpu_adam_compute_share`]). The host
+/// backend runs the CPU Adam in a thread pool of its own with one thread per core, as many as
+/// the compute kernels' pool; the operating system's fair scheduler would give each half the
+/// machine ([`crate::cost::EVEN_CORE_SHARE`], where the profile measured nothing), and the
+/// Adam, whose state the kernels' working sets evict from the caches, measures less. The
+/// compute kernels lose the Adam's own seconds ([`shared_core_seconds`]): the cores the Adam
+/// holds for `1 / share` seconds at `share` of the machine. A device's host optimizer shares
+/// no cores with its compute: the simulator adds this only where [`CostModel::host_cores`]
+/// says the streams run on the CPU.
+pub fn cpu_adam_beside_compute_seconds(timeline: &[Span], stream: StreamId, share: f64) -> f64 {
     let spans: Vec<Span> = timeline
         .iter()
         .filter(|s| {
@@ -885,7 +889,9 @@ pub fn cpu_adam_beside_compute_seconds(timeline: &[Span], stream: StreamId) -> f
         .filter(|s| s.category == category::CPU_ADAM)
         .map(Span::seconds)
         .sum();
-    (busy - exposed_seconds(&spans, &[category::CPU_ADAM], &[category::COMPUTE])).max(0.0)
+    let beside =
+        (busy - exposed_seconds(&spans, &[category::CPU_ADAM], &[category::COMPUTE])).max(0.0);
+    beside * (1.0 / share - 1.0)
 }
 
 /// Seconds during which some span of `categories` runs and no span of `hidden_by` does: the

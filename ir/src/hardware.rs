@@ -112,6 +112,17 @@ pub struct HardwareProfile {
     /// profiles written before it), which leaves the CPU Adam priced by its rate alone.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cpu_adam_op_s: f64,
+    /// The share of its rate (`cpu_adam_params_per_s`, `cpu_adam_op_s`) the host optimizer
+    /// keeps while the compute kernels run beside it on the same cores: on the host backend
+    /// the two thread pools share the CPU, and the Adam, which streams its state from memory
+    /// while the kernels' working sets evict it from the caches, loses more than the half of
+    /// the cores an even split gives it. Measured by `protrain profile --backend host` (a run
+    /// of the graph's AdamW ops timed alone and beside its backward kernels running in a
+    /// loop); `None` where it was not measured (presets, GPU profiles, whose host optimizer
+    /// shares no cores with compute, and profiles written before it), which the cost model
+    /// takes as the even split, 0.5. Between 0 (exclusive) and 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_adam_compute_share: Option<f64>,
     /// Parameters per second a fused device AdamW updates.
     pub gpu_adam_params_per_s: f64,
     /// Measured op times, keyed by [`op_key`]; empty for presets.
@@ -394,6 +405,7 @@ impl GpuSpec {
             launch_overhead_s: GPU_LAUNCH_OVERHEAD_S,
             cpu_adam_params_per_s: (host_dram / ADAM_BYTES_PER_PARAM).round(),
             cpu_adam_op_s: 0.0,
+            cpu_adam_compute_share: None,
             gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
             measured_ops: Vec::new(),
             interconnect: Some(self.links.interconnect()),
@@ -610,6 +622,7 @@ impl HardwareProfile {
             launch_overhead_s: HOST_LAUNCH_OVERHEAD_S,
             cpu_adam_params_per_s: adam,
             cpu_adam_op_s: 0.0,
+            cpu_adam_compute_share: None,
             gpu_adam_params_per_s: adam,
             measured_ops: Vec::new(),
             interconnect: None,
@@ -804,6 +817,14 @@ impl HardwareProfile {
                 "cpu_adam_op_s must be a non-negative number, got {}",
                 self.cpu_adam_op_s
             ));
+        }
+        if let Some(share) = self.cpu_adam_compute_share {
+            if !(share.is_finite() && share > 0.0 && share <= 1.0) {
+                return bad(format!(
+                    "cpu_adam_compute_share must be above 0 and at most 1, got {share}; \
+                     remove it to take the even split (0.5)"
+                ));
+            }
         }
         if !(self.launch_overhead_s.is_finite() && self.launch_overhead_s >= 0.0) {
             return bad(format!(

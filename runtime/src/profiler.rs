@@ -12,6 +12,9 @@ use protrain_ir::{
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+mod adam_share;
+pub use adam_share::{measure_adam_compute_share, MIN_SHARE};
+
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
 const ALIGN: u64 = 256;
 
@@ -92,9 +95,10 @@ pub fn profile_host(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
 ///
 /// Measured: the op table of the graph's ops (timed in place when the graph
 /// fits [`ProfileOptions::in_place_limit`], else one by one), copy bandwidth each way, the
-/// fits [`ProfileOptions::in_place_limit`], else one by one), copy bandwidth each way, the
-/// Adam rate, host `memcpy` bandwidth, the launch overhead (median of a 256-byte copy), and
-/// peak f32 FLOP/s and device bandwidth derived from the largest matmul and from `memcpy`.
+/// Adam rate, its cost per op ([`measure_adam_op_seconds`]) and, for a graph timed in place,
+/// the share of it kept beside the backward kernels ([`measure_adam_compute_share`]), host
+/// `memcpy` bandwidth, the launch overhead (median of a 256-byte copy), and peak f32 FLOP/s
+/// and device bandwidth derived from the largest matmul and from `memcpy`.
 /// Memory sizes and the reservation are kept from `base`; the same Adam rate is written for
 /// the CPU and the "GPU" optimizer, which on the host backend run the same kernel.
 ///
@@ -106,7 +110,8 @@ pub fn profile<B: Backend>(
 ) -> Result<Profiled> {
     let started = Instant::now();
     check_inputs(graph, options)?;
-    let ops = if graph_bytes(graph) <= options.in_place_limit {
+    let in_place = graph_bytes(graph) <= options.in_place_limit;
+    let ops = if in_place {
         measure_ops_in_place::<B>(graph, options.repeats)?
     } else {
         measure_ops::<B>(graph, options.repeats)?
@@ -126,6 +131,22 @@ pub fn profile<B: Backend>(
         options.repeats,
         &|launches| backend.run_adamw_group(launches),
     )?;
+    // Beside the backward kernels, which need the graph in place; over the graph's own
+    // parameters (one step's updates), at most the Adam step's.
+    let sizes = adam_sizes(graph);
+    let adam_share = match in_place {
+        true => measure_adam_compute_share::<B>(
+            graph,
+            &sizes,
+            sizes
+                .iter()
+                .sum::<usize>()
+                .clamp(1, options.adam_params.max(1)),
+            options.repeats,
+            &|launches| backend.run_adamw_group(launches),
+        )?,
+        false => None,
+    };
     let mut profile = base;
     profile.name = options.name.clone();
     if let Some(flops) = matmul_flops(graph, &ops) {
@@ -142,16 +163,21 @@ pub fn profile<B: Backend>(
     profile.launch_overhead_s = launch;
     profile.cpu_adam_params_per_s = adam;
     profile.cpu_adam_op_s = adam_op;
+    profile.cpu_adam_compute_share = adam_share;
     profile.gpu_adam_params_per_s = adam;
     profile.measured_ops = ops.iter().map(|t| t.op.clone()).collect();
     profile.description = format!(
         "measured by `protrain profile` on {} threads: {} op timings, copies {:.1}/{:.1} GB/s \
-         H2D/D2H, Adam {:.0} M params/s",
+         H2D/D2H, Adam {:.0} M params/s{}",
         rayon::current_num_threads(),
         profile.measured_ops.len(),
         h2d / 1e9,
         d2h / 1e9,
-        adam / 1e6
+        adam / 1e6,
+        match adam_share {
+            Some(share) => format!(", {:.0}% of it beside compute", share * 100.0),
+            None => String::new(),
+        }
     );
     profile
         .validate()
@@ -173,53 +199,9 @@ pub fn profile<B: Backend>(
 /// run: the mean, because a step's total includes each op's occasional slow launch; the
 /// median over runs, so that one disturbed run does not count.
 pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result<Vec<OpTiming>> {
-    let mut end = 0u64;
-    let homes: Vec<Address> = graph
-        .values()
-        .map(|(_, v)| {
-            let at = Address {
-                space: Space::Device,
-                offset: end,
-            };
-            end += v.ty.bytes().max(1).next_multiple_of(ALIGN);
-            at
-        })
-        .collect();
-    let workspace_bytes = graph
-        .ops()
-        .map(|(_, op)| {
-            let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
-            op.kind.workspace_bytes(&types)
-        })
-        .max()
-        .unwrap_or(0);
-    let workspace_at = Address {
-        space: Space::Device,
-        offset: end,
-    };
-    let mut backend = B::new(end + workspace_bytes, 0, 0)?;
-    for ((_, p), values) in graph.params().zip(init_params(graph, 0)) {
-        backend.write_f32(homes[p.value.index()], &values)?;
-    }
-    for &input in graph.inputs() {
-        let n = graph.value(input).ty.numel() as usize;
-        let vocab = graph
-            .users(input)
-            .iter()
-            .map(|&o| {
-                let op = graph.op(o);
-                let i = op.inputs.iter().position(|&v| v == input).unwrap_or(0);
-                token_bound(graph, op, i)
-            })
-            .filter(|&b| b > 1)
-            .min()
-            .unwrap_or(1);
-        backend.write_i32(homes[input.index()], &token_ids(n, vocab))?;
-    }
-    let mut stream = backend.create_stream(StreamKind::Compute)?;
     let mut keys: Vec<(String, usize)> = Vec::new();
     let mut index: BTreeMap<String, usize> = BTreeMap::new();
-    let planned: Vec<InPlace> = graph
+    let key_of: Vec<usize> = graph
         .ops()
         .map(|(_, op)| {
             let types: Vec<&TensorType> = op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
@@ -229,45 +211,20 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
                 keys.len() - 1
             });
             keys[key].1 += 1;
-            let workspace = match op.kind.workspace_bytes(&types) {
-                0 => None,
-                bytes => Some((workspace_at, bytes)),
-            };
-            InPlace {
-                op,
-                key,
-                inputs: op.inputs.iter().map(|v| homes[v.index()]).collect(),
-                outputs: op.outputs.iter().map(|v| homes[v.index()]).collect(),
-                workspace,
-                prepared: Prepared::new(&op.kind),
-            }
+            key
         })
         .collect();
+    let mut in_place = InPlaceGraph::<B>::new(graph)?;
     // Per key: the mean over its ops of each run, so that an op's occasional slow run counts
     // as it does in a step's total; then the median over the runs.
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); keys.len()];
     let mut this_run = vec![0.0f64; keys.len()];
     for run in 0..=repeats {
         this_run.fill(0.0);
-        for p in &planned {
-            let launch = Launch {
-                graph,
-                op: p.op,
-                prepared: &p.prepared,
-                inputs: &p.inputs,
-                outputs: &p.outputs,
-                workspace: p.workspace,
-                step: run as u64 + 1,
-                shard: None,
-                pitches: crate::dispatch::Pitches::DENSE,
-            };
+        for (op, &key) in key_of.iter().enumerate() {
             let began = Instant::now();
-            // SAFETY: one stream on one thread, ops in graph order; every value has bytes of
-            // its own, so no output overlaps an input (AdamW's in-place operands are distinct
-            // values) and the one workspace serves one op at a time.
-            unsafe { backend.launch(&mut stream, &launch)? };
-            backend.synchronize(&mut stream)?;
-            this_run[p.key] += began.elapsed().as_secs_f64();
+            in_place.run(op, run as u64 + 1)?;
+            this_run[key] += began.elapsed().as_secs_f64();
         }
         if run > 0 {
             for ((t, &sum), &(_, count)) in times.iter_mut().zip(&this_run).zip(&keys) {
@@ -290,11 +247,116 @@ pub fn measure_ops_in_place<B: Backend>(graph: &Graph, repeats: usize) -> Result
     Ok(out)
 }
 
+/// A graph laid out to run in place on backend `B`: every value with bytes of its own in one
+/// arena (no reuse), parameters at their initial values ([`init_params`]), inputs token ids
+/// below the vocabulary, one workspace as large as the largest op's, and one compute stream.
+pub(crate) struct InPlaceGraph<'g, B: Backend> {
+    graph: &'g Graph,
+    backend: B,
+    stream: B::Stream,
+    ops: Vec<InPlace<'g>>,
+}
+
+impl<'g, B: Backend> InPlaceGraph<'g, B> {
+    /// Lays out and fills `graph`'s values ([`graph_bytes`] of arena).
+    pub(crate) fn new(graph: &'g Graph) -> Result<Self> {
+        let mut end = 0u64;
+        let homes: Vec<Address> = graph
+            .values()
+            .map(|(_, v)| {
+                let at = Address {
+                    space: Space::Device,
+                    offset: end,
+                };
+                end += v.ty.bytes().max(1).next_multiple_of(ALIGN);
+                at
+            })
+            .collect();
+        let workspace_bytes = graph
+            .ops()
+            .map(|(_, op)| {
+                let types: Vec<&TensorType> =
+                    op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+                op.kind.workspace_bytes(&types)
+            })
+            .max()
+            .unwrap_or(0);
+        let workspace_at = Address {
+            space: Space::Device,
+            offset: end,
+        };
+        let mut backend = B::new(end + workspace_bytes, 0, 0)?;
+        for ((_, p), values) in graph.params().zip(init_params(graph, 0)) {
+            backend.write_f32(homes[p.value.index()], &values)?;
+        }
+        for &input in graph.inputs() {
+            let n = graph.value(input).ty.numel() as usize;
+            let vocab = graph
+                .users(input)
+                .iter()
+                .map(|&o| {
+                    let op = graph.op(o);
+                    let i = op.inputs.iter().position(|&v| v == input).unwrap_or(0);
+                    token_bound(graph, op, i)
+                })
+                .filter(|&b| b > 1)
+                .min()
+                .unwrap_or(1);
+            backend.write_i32(homes[input.index()], &token_ids(n, vocab))?;
+        }
+        let stream = backend.create_stream(StreamKind::Compute)?;
+        let ops = graph
+            .ops()
+            .map(|(_, op)| {
+                let types: Vec<&TensorType> =
+                    op.inputs.iter().map(|&v| &graph.value(v).ty).collect();
+                let workspace = match op.kind.workspace_bytes(&types) {
+                    0 => None,
+                    bytes => Some((workspace_at, bytes)),
+                };
+                InPlace {
+                    op,
+                    inputs: op.inputs.iter().map(|v| homes[v.index()]).collect(),
+                    outputs: op.outputs.iter().map(|v| homes[v.index()]).collect(),
+                    workspace,
+                    prepared: Prepared::new(&op.kind),
+                }
+            })
+            .collect();
+        Ok(Self {
+            graph,
+            backend,
+            stream,
+            ops,
+        })
+    }
+
+    /// Runs the graph's `op`-th op (in the order of [`Graph::ops`]) as step `step` and waits
+    /// for it.
+    pub(crate) fn run(&mut self, op: usize, step: u64) -> Result<()> {
+        let p = &self.ops[op];
+        let launch = Launch {
+            graph: self.graph,
+            op: p.op,
+            prepared: &p.prepared,
+            inputs: &p.inputs,
+            outputs: &p.outputs,
+            workspace: p.workspace,
+            step,
+            shard: None,
+            pitches: crate::dispatch::Pitches::DENSE,
+        };
+        // SAFETY: one stream on one thread, one op at a time; every value has bytes of its
+        // own, so no output overlaps an input (AdamW's in-place operands are distinct values)
+        // and the one workspace serves one op at a time.
+        unsafe { self.backend.launch(&mut self.stream, &launch)? };
+        self.backend.synchronize(&mut self.stream)
+    }
+}
+
 /// An op of the graph ready to launch in place.
 struct InPlace<'g> {
     op: &'g Op,
-    /// Its index in the key list.
-    key: usize,
     inputs: Vec<Address>,
     outputs: Vec<Address>,
     workspace: Option<(Address, u64)>,
@@ -523,36 +585,72 @@ pub fn measure_adam_op_seconds(
     repeats: usize,
     run: &RunAdamW<'_>,
 ) -> Result<f64> {
-    let mut parts = Vec::new();
-    let mut covered = 0;
-    for &n in sizes.iter().filter(|&&n| n > 0).cycle() {
-        if covered >= params {
-            break;
-        }
-        let n = n.min(params - covered);
-        parts.push(n);
-        covered += n;
-    }
-    if parts.is_empty() {
+    let mut state = AdamOps::cut(sizes, params);
+    if state.parts.is_empty() {
         return Ok(0.0);
     }
-    let mut p = vec![0.1f32; covered];
-    let g = vec![0.01f32; covered];
-    let mut m = vec![0.0f32; covered];
-    let mut v = vec![0.0f32; covered];
-    let config = kernels::AdamWConfig::default();
     let (mut whole, mut split) = (Vec::new(), Vec::new());
     for step in 1..=repeats.max(1) as u64 + 1 {
+        let one = state.time(run, step, true)?;
+        let ops = state.time(run, step, false)?;
+        // The first of each warms the pages and the pool's threads.
+        if step > 1 {
+            whole.push(one);
+            split.push(ops);
+        }
+    }
+    let extra = median(&mut split) - median(&mut whole);
+    Ok((extra / state.parts.len() as f64).max(0.0))
+}
+
+/// One f32 Adam state (parameters, gradients, moments) cut into consecutive parts as a
+/// graph's AdamW ops: what [`measure_adam_op_seconds`] and [`measure_adam_compute_share`] run.
+pub(crate) struct AdamOps {
+    /// The parts' parameters, in order.
+    pub(crate) parts: Vec<usize>,
+    p: Vec<f32>,
+    g: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl AdamOps {
+    /// `params` parameters cut as `sizes` (repeated in order until they cover them, the last
+    /// cut to fit; sizes of 0 skipped): no part where `sizes` has no op.
+    pub(crate) fn cut(sizes: &[usize], params: usize) -> Self {
+        let mut parts = Vec::new();
+        let mut covered = 0;
+        for &n in sizes.iter().filter(|&&n| n > 0).cycle() {
+            if covered >= params {
+                break;
+            }
+            let n = n.min(params - covered);
+            parts.push(n);
+            covered += n;
+        }
+        Self {
+            parts,
+            p: vec![0.1f32; covered],
+            g: vec![0.01f32; covered],
+            m: vec![0.0f32; covered],
+            v: vec![0.0f32; covered],
+        }
+    }
+
+    /// Seconds of Adam step `step` over the whole state handed to `run` as one job: one
+    /// [`kernels::adamw_step`] over all of it (`whole`), or one per part, one after another.
+    pub(crate) fn time(&mut self, run: &RunAdamW<'_>, step: u64, whole: bool) -> Result<f64> {
+        let config = kernels::AdamWConfig::default();
+        let parts = &self.parts;
+        let (p, g, m, v) = (&mut self.p, &self.g, &mut self.m, &mut self.v);
         let began = Instant::now();
         run(&mut || {
-            kernels::adamw_step(&mut p, &g, &mut m, &mut v, step, &config);
-            Ok(Default::default())
-        })?;
-        let one = began.elapsed().as_secs_f64();
-        let began = Instant::now();
-        run(&mut || {
+            if whole {
+                kernels::adamw_step(p, g, m, v, step, &config);
+                return Ok(Default::default());
+            }
             let (mut p, mut g, mut m, mut v) = (&mut p[..], &g[..], &mut m[..], &mut v[..]);
-            for &n in &parts {
+            for &n in parts {
                 let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
                 let (g0, g1) = g.split_at(n);
                 let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
@@ -562,15 +660,8 @@ pub fn measure_adam_op_seconds(
             }
             Ok(Default::default())
         })?;
-        let ops = began.elapsed().as_secs_f64();
-        // The first of each warms the pages and the pool's threads.
-        if step > 1 {
-            whole.push(one);
-            split.push(ops);
-        }
+        Ok(began.elapsed().as_secs_f64())
     }
-    let extra = median(&mut split) - median(&mut whole);
-    Ok((extra / parts.len() as f64).max(0.0))
 }
 
 /// The achieved FLOP/s of the graph's costliest matmul, from its measured time.

@@ -254,10 +254,18 @@ fn print_host(
         p.launch_overhead_s * 1e6
     );
     outln!(
-        "host            {:.2} GB/s memcpy, Adam {:.1} M params/s, {:.1} GFLOP/s f32 peak",
+        "host            {:.2} GB/s memcpy, {:.1} GFLOP/s f32 peak",
         p.host_memcpy_bandwidth / 1e9,
-        p.cpu_adam_params_per_s / 1e6,
         p.peak_flops.f32 / 1e9
+    );
+    outln!(
+        "cpu adam        {:.1} M params/s, {:.1} us more per op, {} beside the compute kernels",
+        p.cpu_adam_params_per_s / 1e6,
+        p.cpu_adam_op_s * 1e6,
+        match p.cpu_adam_compute_share {
+            Some(share) => format!("{:.0}% of that rate", share * 100.0),
+            None => "not measured (priced at half the rate)".to_string(),
+        }
     );
     outln!(
         "memory          {} device, {} host (from the host preset)",

@@ -55,6 +55,7 @@ fn a_profile_covers_the_graph_and_compile_accepts_it() {
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("profiled gpt2-tiny"), "{stdout}");
+    assert!(stdout.contains("beside the compute kernels"), "{stdout}");
 
     let profile = HardwareProfile::from_json_file(file).expect("the profile reads back");
     let keys: BTreeSet<String> = profile.measured_ops.iter().map(|m| m.key.clone()).collect();
@@ -75,6 +76,11 @@ fn a_profile_covers_the_graph_and_compile_accepts_it() {
     ] {
         assert!(rate.is_finite() && rate > 0.0, "{field} = {rate}");
     }
+    // The CPU Adam was timed beside the backward kernels (the graph is timed in place).
+    let share = profile
+        .cpu_adam_compute_share
+        .expect("the Adam's share beside compute is measured");
+    assert!(share > 0.0 && share <= 1.0, "{share}");
     // Capacities come from the host preset.
     let host = HardwareProfile::host();
     assert_eq!(profile.device_memory_bytes, host.device_memory_bytes);

@@ -932,6 +932,69 @@ mod simulate {
         assert_eq!(HardwareProfile::from_json(&old).unwrap().cpu_adam_op_s, 0.0);
     }
 
+    /// A host profile's measured share of the CPU Adam's rate beside compute
+    /// (`cpu_adam_compute_share`) stretches the host optimizer's busy time where its spans
+    /// overlap compute kernels: at a quarter, each second beside compute takes four, where the
+    /// even split of a profile without the figure takes two. The step's shared term (what the
+    /// compute kernels lose, the Adam's own seconds beside them) does not depend on it. A GPU
+    /// profile's host optimizer shares no cores, whatever the figure.
+    #[test]
+    fn simulate_host_adam_beside_compute_keeps_the_profiles_measured_share() {
+        let s = schedule(
+            tiny_graph(),
+            0,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS)],
+                ),
+                ("host adam", StreamKind::HostOptimizer, vec![kernel(ADAMW)]),
+            ],
+        );
+        let mut p = HardwareProfile::host();
+        let even = simulate_unverified(&s, &Roofline::new(p.clone())).unwrap();
+        p.cpu_adam_compute_share = Some(0.25);
+        let quarter = simulate_unverified(&s, &Roofline::new(p.clone())).unwrap();
+        let adam = Roofline::new(p.clone()).cpu_adam_seconds(128);
+        let beside = adam.min(even.stream_busy_seconds[0]);
+        assert!(beside > 0.0);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
+        assert!(close(even.stream_busy_seconds[1], adam + beside));
+        assert!(
+            close(quarter.stream_busy_seconds[1], adam + 3.0 * beside),
+            "{:?} against {adam} + 3 x {beside}",
+            quarter.stream_busy_seconds
+        );
+        assert_eq!(quarter.step_seconds, even.step_seconds);
+        assert_eq!(quarter.stream_busy_seconds[0], even.stream_busy_seconds[0]);
+        let mut gpu = HardwareProfile::preset("h100").unwrap();
+        gpu.cpu_adam_compute_share = Some(0.25);
+        let device = simulate_unverified(&s, &Roofline::new(gpu.clone())).unwrap();
+        assert_eq!(
+            device.stream_busy_seconds[1],
+            Roofline::new(gpu).cpu_adam_seconds(128)
+        );
+        // The figure is a profile's: the JSON keeps it, a profile without it reads as `None`,
+        // and one out of (0, 1] is refused with the way out.
+        let back = HardwareProfile::from_json(&p.to_json().unwrap()).unwrap();
+        assert_eq!(back.cpu_adam_compute_share, Some(0.25));
+        let old = HardwareProfile::host().to_json().unwrap();
+        assert!(!old.contains("cpu_adam_compute_share"), "{old}");
+        assert_eq!(
+            HardwareProfile::from_json(&old)
+                .unwrap()
+                .cpu_adam_compute_share,
+            None
+        );
+        for bad in [0.0, 1.5, f64::NAN] {
+            p.cpu_adam_compute_share = Some(bad);
+            let err = p.validate().unwrap_err().to_string();
+            assert!(err.contains("cpu_adam_compute_share"), "{err}");
+            assert!(err.contains("remove it"), "{err}");
+        }
+    }
+
     /// A device AdamW launch costs 1 s plus 1 s per 128 parameters; `multi` says whether the
     /// backend merges runs of adjacent AdamW ops into one launch.
     struct Launching {
