@@ -26,7 +26,9 @@
 // `FIDELITY_BUDGET` (fraction of the resident arena), `FIDELITY_POLICIES` (`;`-separated,
 // `auto` for the search's) override the defaults; `FIDELITY_ISOLATED=1` times each op alone
 // (hot caches) instead of in place; `FIDELITY_ADAM_PROBE=N` first times the first schedule's
-// host optimizer AdamW sizes outside the executor, N times (see `adam_probe`). The host is measured as it is: run it on an idle machine
+// host optimizer AdamW sizes outside the executor, N times (see `adam_probe`);
+// `FIDELITY_ADAM_OPS=1` lists each host optimizer AdamW op of the median step (start, rate,
+// share of it beside a compute kernel). The host is measured as it is: run it on an idle machine
 // (other processes on the same cores inflate the measured times).
 
 mod common;
@@ -61,12 +63,19 @@ struct Run {
 /// kernel (by more than half their time) and ops that ran with the compute stream idle: the
 /// in-schedule rate of each against the profile's isolated rate says how much of the stream's
 /// excess is the cores it shares with compute.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct AdamSplit {
     beside_seconds: f64,
     beside_params: f64,
     alone_seconds: f64,
     alone_params: f64,
+    /// Seconds of the ops counted alone during which a compute kernel ran, and during which
+    /// a copy (either direction) ran.
+    alone_beside_compute: f64,
+    alone_beside_copies: f64,
+    /// Each AdamW op: its name, parameters, start and seconds in the step, and the seconds a
+    /// compute kernel ran beside it.
+    ops: Vec<(String, f64, f64, f64, f64)>,
 }
 
 impl AdamSplit {
@@ -74,11 +83,20 @@ impl AdamSplit {
     fn of(schedule: &Schedule, spans: &[protrain::runtime::Span]) -> AdamSplit {
         use protrain::ir::StreamKind;
         let kind = |s: &protrain::runtime::Span| &schedule.streams[s.stream.index()];
-        let compute: Vec<(f64, f64)> = spans
-            .iter()
-            .filter(|s| kind(s).kind == StreamKind::Compute)
-            .map(|s| (s.start, s.end))
-            .collect();
+        let of_kind = |k: &[StreamKind]| -> Vec<(f64, f64)> {
+            spans
+                .iter()
+                .filter(|s| k.contains(&kind(s).kind))
+                .map(|s| (s.start, s.end))
+                .collect()
+        };
+        let compute = of_kind(&[StreamKind::Compute]);
+        let copies = of_kind(&[StreamKind::HostToDevice, StreamKind::DeviceToHost]);
+        let within = |set: &[(f64, f64)], start: f64, end: f64| -> f64 {
+            set.iter()
+                .map(|&(a, b)| (b.min(end) - a.max(start)).max(0.0))
+                .sum()
+        };
         let mut out = AdamSplit::default();
         for span in spans
             .iter()
@@ -93,16 +111,22 @@ impl AdamSplit {
             }
             let params = schedule.graph.value(op.inputs[0]).ty.numel() as f64;
             let seconds = span.end - span.start;
-            let overlap: f64 = compute
-                .iter()
-                .map(|&(a, b)| (b.min(span.end) - a.max(span.start)).max(0.0))
-                .sum();
+            let overlap = within(&compute, span.start, span.end);
+            out.ops.push((
+                schedule.graph.value(op.inputs[0]).name.clone(),
+                params,
+                span.start,
+                seconds,
+                overlap,
+            ));
             if overlap > 0.5 * seconds {
                 out.beside_seconds += seconds;
                 out.beside_params += params;
             } else {
                 out.alone_seconds += seconds;
                 out.alone_params += params;
+                out.alone_beside_compute += overlap;
+                out.alone_beside_copies += within(&copies, span.start, span.end).min(seconds);
             }
         }
         out
@@ -163,7 +187,7 @@ fn run(
         (a.beside_seconds + a.alone_seconds).total_cmp(&(b.beside_seconds + b.alone_seconds))
     });
     Run {
-        adam: adam.get(adam.len() / 2).copied().unwrap_or_default(),
+        adam: adam.get(adam.len() / 2).cloned().unwrap_or_default(),
         step: median(walls),
         busy: busy.into_iter().map(median).collect(),
         by_kind: kinds.into_iter().map(|(k, v)| (k, median(v))).collect(),
@@ -189,6 +213,11 @@ fn median_profile(profiles: &[Profiled]) -> HardwareProfile {
     out.launch_overhead_s = figure(&|p| p.launch_overhead_s);
     out.cpu_adam_params_per_s = figure(&|p| p.cpu_adam_params_per_s);
     out.cpu_adam_op_s = figure(&|p| p.cpu_adam_op_s);
+    let shares: Vec<f64> = profiles
+        .iter()
+        .filter_map(|p| p.profile.cpu_adam_compute_share)
+        .collect();
+    out.cpu_adam_compute_share = (!shares.is_empty()).then(|| median(shares));
     out.gpu_adam_params_per_s = figure(&|p| p.gpu_adam_params_per_s);
     for op in &mut out.measured_ops {
         op.seconds = median(
@@ -351,9 +380,11 @@ fn contention(graph: &Graph, rounds: usize) {
 /// alternating (`FIDELITY_ADAM_PROBE=N`): the profile's hot 4 Mi-parameter step; one step over
 /// 64 Mi parameters (1 GiB of state, beyond the last-level cache); and the schedule's own
 /// parameters (their sizes, in their runs of adjacent AdamW ops) updated one after the other
-/// from a thread outside the pool: one pool hand-off per parameter, one per run (as the host
-/// backend's `run_adamw_group`), one per run after a 1 GiB sweep evicts the caches, and one per
-/// run beside the serial compute of `graph` running in the same pool.
+/// from a thread outside the pools: each op's blocks handed to the global pool, each run one
+/// job of a pool of its own (as the host backend's `run_adamw_group`), the same after a 1 GiB
+/// sweep evicts the caches, beside `graph`'s profiling (its ops, copies and Adam) running in
+/// a loop, and with 20 ms idle before each run (its pool's threads asleep, as between a
+/// schedule's runs; the idle time not counted).
 fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
     use protrain::ir::StreamKind;
     use protrain::runtime::kernels::{adamw_step, AdamWConfig};
@@ -413,10 +444,14 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
         })
         .collect();
     let config = AdamWConfig::default();
+    let optimizer_pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .build()
+        .expect("a pool");
     let mut step = 1u64;
     let mut sweep = vec![0u8; 1 << 30];
     // Seconds of one pass over the schedule's parameters.
-    let mut pass = |per_run: bool, cold: bool| -> f64 {
+    let mut pass = |per_run: bool, cold: bool, idle: bool| -> f64 {
         if cold {
             for (i, b) in sweep.iter_mut().enumerate().step_by(64) {
                 *b = b.wrapping_add(i as u8);
@@ -424,21 +459,28 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
             std::hint::black_box(&mut sweep);
         }
         step += 1;
+        let mut idled = std::time::Duration::ZERO;
         let began = Instant::now();
         for run in state.iter_mut() {
+            if idle {
+                // The pools' threads fall asleep, as between a schedule's runs.
+                let at = Instant::now();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                idled += at.elapsed();
+            }
             let mut each = || {
                 for (p, g, m, v) in run.iter_mut() {
                     adamw_step(p, g, m, v, step, &config);
                 }
             };
             match per_run {
-                true => rayon::scope(|_| each()),
+                true => optimizer_pool.install(each),
                 false => each(),
             }
         }
-        began.elapsed().as_secs_f64()
+        (began.elapsed() - idled).as_secs_f64()
     };
-    pass(true, false);
+    pass(true, false, false);
     let names = [
         "profile's 4 Mi, hot",
         "64 Mi (1 GiB of state)",
@@ -446,6 +488,7 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
         "schedule's, a hand-off per run",
         "schedule's, per run, caches swept",
         "schedule's, per run, beside compute",
+        "schedule's, per run, 20 ms idle before each",
     ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     let options = ProfileOptions {
@@ -456,9 +499,10 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
     for _ in 0..rounds {
         rates[0].push(measure_adam(4 << 20, 3));
         rates[1].push(measure_adam(64 << 20, 2));
-        rates[2].push(total as f64 / pass(false, false));
-        rates[3].push(total as f64 / pass(true, false));
-        rates[4].push(total as f64 / pass(true, true));
+        rates[2].push(total as f64 / pass(false, false, false));
+        rates[3].push(total as f64 / pass(true, false, false));
+        rates[4].push(total as f64 / pass(true, true, false));
+        rates[6].push(total as f64 / pass(true, false, true));
         let stop = AtomicBool::new(false);
         let beside = std::thread::scope(|scope| {
             scope.spawn(|| {
@@ -469,7 +513,7 @@ fn adam_probe(schedule: &Schedule, graph: &Graph, rounds: usize) {
             std::thread::sleep(std::time::Duration::from_millis(300));
             let mut t = Vec::new();
             for _ in 0..5 {
-                t.push(pass(true, false));
+                t.push(pass(true, false, false));
                 std::thread::sleep(std::time::Duration::from_millis(7));
             }
             stop.store(true, Ordering::Relaxed);
@@ -518,12 +562,16 @@ fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled],
     };
     println!(
         "{label}: {serial:.4} s serial compute{range}, {:+.1}% against the first; copies \
-         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op",
+         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op, {} beside compute",
         error_pct(serial, first),
         profile.h2d_bandwidth / 1e9,
         profile.d2h_bandwidth / 1e9,
         profile.cpu_adam_params_per_s / 1e6,
         profile.cpu_adam_op_s * 1e6,
+        match profile.cpu_adam_compute_share {
+            Some(share) => format!("{share:.2}x"),
+            None => "no share measured".into(),
+        },
     );
 }
 
@@ -704,12 +752,28 @@ fn compare(
             false => "-".into(),
         };
         println!(
-            "  host optimizer AdamW beside compute {:.4} s, {}; alone {:.4} s, {}",
+            "  host optimizer AdamW beside compute {:.4} s, {}; alone {:.4} s, {} (of it \
+             {:.4} s beside compute, {:.4} s beside copies)",
             adam.beside_seconds,
             rate(adam.beside_params, adam.beside_seconds),
             adam.alone_seconds,
             rate(adam.alone_params, adam.alone_seconds),
+            adam.alone_beside_compute,
+            adam.alone_beside_copies,
         );
+    }
+    if env("FIDELITY_ADAM_OPS", 0) > 0 {
+        println!(
+            "  host optimizer AdamW ops of the median step: start, params, us, M/s, beside compute"
+        );
+        for (name, params, start, seconds, overlap) in &adam.ops {
+            println!(
+                "    {start:>8.4} s {params:>9.0} {:>8.1} us {:>6.0} M/s {:>4.0}%  {name}",
+                seconds * 1e6,
+                params / seconds / 1e6,
+                100.0 * overlap / seconds
+            );
+        }
     }
     if by_op {
         let predicted_kinds = predicted_by_kind(schedule, cost.as_ref());
