@@ -398,14 +398,10 @@ mod simulate {
         }
     }
 
-    /// The CPU Adam (4 s over 128 parameters) runs from the start beside the forward pass
-    /// (3.5 s of compute). On the host the two share the cores half and half while both run:
-    /// the compute kernels lose the 3.5 s of Adam work beside them (the step's shared term),
-    /// and the host optimizer stream is busy 3.5 s longer than its Adam work. On a device the
-    /// CPU Adam shares nothing with the compute kernels: 4 s busy, a 4 s step.
-    #[test]
-    fn simulate_host_adam_beside_host_compute_runs_at_a_share_of_the_cores() {
-        let s = schedule(
+    /// The forward pass on the compute stream and one AdamW on the host optimizer stream,
+    /// both from the step's start.
+    fn host_adam_beside_the_forward_pass() -> Schedule {
+        schedule(
             tiny_graph(),
             0,
             vec![
@@ -416,7 +412,17 @@ mod simulate {
                 ),
                 ("host adam", StreamKind::HostOptimizer, vec![kernel(ADAMW)]),
             ],
-        );
+        )
+    }
+
+    /// The CPU Adam (4 s over 128 parameters) runs from the start beside the forward pass
+    /// (3.5 s of compute). On the host the two share the cores half and half while both run:
+    /// the compute kernels lose the 3.5 s of Adam work beside them (the step's shared term),
+    /// and the host optimizer stream is busy 3.5 s longer than its Adam work. On a device the
+    /// CPU Adam shares nothing with the compute kernels: 4 s busy, a 4 s step.
+    #[test]
+    fn simulate_host_adam_beside_host_compute_runs_at_a_share_of_the_cores() {
+        let s = host_adam_beside_the_forward_pass();
         let host = simulate_unverified(&s, &HostStub).unwrap();
         assert_eq!(host.stream_busy_seconds, [3.5, 7.5]);
         assert_eq!(host.step_seconds, 4.0 + 3.5);
@@ -940,18 +946,7 @@ mod simulate {
     /// profile's host optimizer shares no cores, whatever the figure.
     #[test]
     fn simulate_host_adam_beside_compute_keeps_the_profiles_measured_share() {
-        let s = schedule(
-            tiny_graph(),
-            0,
-            vec![
-                (
-                    "compute",
-                    StreamKind::Compute,
-                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS)],
-                ),
-                ("host adam", StreamKind::HostOptimizer, vec![kernel(ADAMW)]),
-            ],
-        );
+        let s = host_adam_beside_the_forward_pass();
         let mut p = HardwareProfile::host();
         let even = simulate_unverified(&s, &Roofline::new(p.clone())).unwrap();
         p.cpu_adam_compute_share = Some(0.25);
