@@ -28,7 +28,9 @@
 // (hot caches) instead of in place; `FIDELITY_ADAM_PROBE=N` first times the first schedule's
 // host optimizer AdamW sizes outside the executor, N times (see `adam_probe`);
 // `FIDELITY_ADAM_OPS=1` lists each host optimizer AdamW op of the median step (start, rate,
-// share of it beside a compute kernel). The host is measured as it is: run it on an idle machine
+// share of it beside a compute kernel); `FIDELITY_ADAM_AFTER=1` prints, for every step, the
+// rate of its AdamW ops alone and beside compute and one Adam step over as many parameters
+// timed right after it. The host is measured as it is: run it on an idle machine
 // (other processes on the same cores inflate the measured times).
 
 mod common;
@@ -166,7 +168,21 @@ fn run(
             continue;
         }
         let timeline = executor.timeline();
-        adam.push(AdamSplit::of(schedule, &timeline));
+        let split = AdamSplit::of(schedule, &timeline);
+        if env("FIDELITY_ADAM_AFTER", 0) > 0 && split.alone_seconds > 0.0 {
+            // The machine's Adam rate right after the step, over as many parameters: whether
+            // a slow step's lone AdamW ops were the executor's or the moment's.
+            let params = (split.alone_params + split.beside_params) as usize;
+            let after = protrain::runtime::profiler::measure_adam(params, 3);
+            println!(
+                "  step {step}: lone AdamW {:.0} M params/s, beside compute {:.0} M/s; one \
+                 step over {params} params right after {:.0} M/s",
+                split.alone_params / split.alone_seconds / 1e6,
+                split.beside_params / split.beside_seconds.max(1e-9) / 1e6,
+                after / 1e6
+            );
+        }
+        adam.push(split);
         let mut this: BTreeMap<(usize, String), f64> = BTreeMap::new();
         for span in timeline {
             let s = span.stream.index();
