@@ -870,7 +870,8 @@ pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
 /// backend runs the CPU Adam in a thread pool of its own with one thread per core, as many as
 /// the compute kernels' pool; the operating system's fair scheduler would give each half the
 /// machine ([`crate::cost::EVEN_CORE_SHARE`], where the profile measured nothing), and the
-/// Adam, whose state the kernels' working sets evict from the caches, measures less. The
+/// Adam, whose state streams from memory the kernels' working sets compete for, may measure
+/// more or less. The
 /// compute kernels lose the Adam's own seconds ([`shared_core_seconds`]): the cores the Adam
 /// holds for `1 / share` seconds at `share` of the machine. A device's host optimizer shares
 /// no cores with its compute: the simulator adds this only where [`CostModel::host_cores`]

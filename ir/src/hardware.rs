@@ -115,7 +115,7 @@ pub struct HardwareProfile {
     /// The share of its rate (`cpu_adam_params_per_s`, `cpu_adam_op_s`) the host optimizer
     /// keeps while the compute kernels run beside it on the same cores: on the host backend
     /// the two thread pools share the CPU, and the Adam, which streams its state from memory
-    /// while the kernels' working sets evict it from the caches, loses more than the half of
+    /// that the kernels' working sets compete for, may keep more or less than the half of
     /// the cores an even split gives it. Measured by `protrain profile --backend host` (a run
     /// of the graph's AdamW ops timed alone and beside its backward kernels running in a
     /// loop); `None` where it was not measured (presets, GPU profiles, whose host optimizer
