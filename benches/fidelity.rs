@@ -41,7 +41,7 @@ use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::Graph;
 use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile, Instr, Schedule, StreamId};
 use protrain::runtime::params::init_params;
-use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
+use protrain::runtime::profiler::{measure_host_ops, profile_host, ProfileOptions, Profiled};
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, OptimizerConfig, PolicyChoice};
 use std::collections::BTreeMap;
@@ -275,10 +275,8 @@ fn predicted_by_kind(schedule: &Schedule, cost: &dyn CostModel) -> BTreeMap<(usi
 /// table, plus the unfused graph's ops (`graphs` is [`protrain::profiling_graphs`]'s pair).
 fn profile_both(graphs: &[Graph], options: &ProfileOptions) -> Profiled {
     let mut profiled = profile_host(&graphs[1], options).expect("profiling");
-    let unfused = profile_host(&graphs[0], options).expect("profiling");
-    profiled
-        .profile
-        .add_measured_ops(&unfused.profile.measured_ops);
+    let unfused = measure_host_ops(&graphs[0], options).expect("profiling");
+    profiled.profile.add_measured_ops(&unfused);
     profiled
 }
 

@@ -19,7 +19,7 @@ use common::{env, median, model};
 use protrain::ir::verify_schedule::VerifiedSchedule;
 use protrain::ir::{format_bytes, BlockMode, DType, HardwareProfile};
 use protrain::runtime::params::init_params;
-use protrain::runtime::profiler::{profile_host, ProfileOptions};
+use protrain::runtime::profiler::{measure_host_ops, profile_host, ProfileOptions};
 use protrain::runtime::Executor;
 use protrain::{CompileOptions, Compiled, OptimizerConfig, PolicyChoice};
 
@@ -104,8 +104,8 @@ fn main() {
     let mut profile = profile_host(&graphs[1], &ProfileOptions::default())
         .expect("profiling")
         .profile;
-    let unfused = profile_host(&graphs[0], &ProfileOptions::default()).expect("profiling");
-    profile.add_measured_ops(&unfused.profile.measured_ops);
+    let unfused = measure_host_ops(&graphs[0], &ProfileOptions::default()).expect("profiling");
+    profile.add_measured_ops(&unfused);
     let compile = |budget: Option<u64>| {
         protrain::compile(
             &config,

@@ -109,13 +109,8 @@ pub fn profile<B: Backend>(
     options: &ProfileOptions,
 ) -> Result<Profiled> {
     let started = Instant::now();
-    check_inputs(graph, options)?;
+    let ops = measure_op_table::<B>(graph, options)?;
     let in_place = graph_bytes(graph) <= options.in_place_limit;
-    let ops = if in_place {
-        measure_ops_in_place::<B>(graph, options.repeats)?
-    } else {
-        measure_ops::<B>(graph, options.repeats)?
-    };
     let graph_seconds = ops
         .iter()
         .map(|t| t.op.seconds * t.count as f64)
@@ -188,6 +183,26 @@ pub fn profile<B: Backend>(
         graph_seconds,
         elapsed_seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// The op table alone of a host profile of `graph` ([`profile_host`] measures it first): what
+/// a second graph adds to a profile, as the unfused training graph beside the fused one, with
+/// none of the rates measured again.
+pub fn measure_host_ops(graph: &Graph, options: &ProfileOptions) -> Result<Vec<MeasuredOp>> {
+    let ops = measure_op_table::<HostBackend>(graph, options)?;
+    Ok(ops.into_iter().map(|t| t.op).collect())
+}
+
+/// The op table of [`profile`]: `graph`'s ops timed in place when it fits
+/// [`ProfileOptions::in_place_limit`], else one by one. Fails on a graph without ops or no
+/// repeats ([`check_inputs`]).
+fn measure_op_table<B: Backend>(graph: &Graph, options: &ProfileOptions) -> Result<Vec<OpTiming>> {
+    check_inputs(graph, options)?;
+    if graph_bytes(graph) <= options.in_place_limit {
+        measure_ops_in_place::<B>(graph, options.repeats)
+    } else {
+        measure_ops::<B>(graph, options.repeats)
+    }
 }
 
 /// The median time of each distinct [`op_key`] of `graph`, by key, timed in place: every
@@ -1002,6 +1017,30 @@ mod tests {
             p.measured_ops.iter().map(|m| m.key.clone()).collect()
         };
         assert_eq!(names(&p.profile), names(&q.profile));
+    }
+
+    /// The op table alone: one entry per key of the graph, in place or one by one, and the
+    /// same refusal as a whole profile for a graph without ops.
+    #[test]
+    fn the_op_table_alone_covers_every_key_of_the_graph() {
+        let g = tiny_graph();
+        for in_place_limit in [u64::MAX, 0] {
+            let options = ProfileOptions {
+                in_place_limit,
+                ..small()
+            };
+            let ops = measure_host_ops(&g, &options).unwrap();
+            let got: BTreeSet<String> = ops.iter().map(|m| m.key.clone()).collect();
+            assert_eq!(got, keys(&g));
+            assert_eq!(ops.len(), got.len(), "one entry per key");
+        }
+        let empty = Graph::new(GraphInfo {
+            model: "empty".into(),
+            batch: 1,
+            seq: 1,
+        });
+        let err = measure_host_ops(&empty, &small()).unwrap_err().to_string();
+        assert!(err.contains("no ops to measure"), "{err}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use super::{seq_or_default, write_output};
 use indicatif::{ProgressBar, ProgressStyle};
 use protrain::ir::{format_bytes, DType, Graph, HardwareProfile};
-use protrain::runtime::profiler::{profile_host, ProfileOptions, Profiled};
+use protrain::runtime::profiler::{measure_host_ops, profile_host, ProfileOptions, Profiled};
 use protrain::{Error, OptimizerConfig, Result};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -151,11 +151,9 @@ pub fn run(args: Args) -> Result<()> {
                 "measuring the unfused graph's {} ops (2 of 2)",
                 unfused.op_count()
             ));
-            let extra = profile_host(&unfused, &options)?;
+            let extra = measure_host_ops(&unfused, &options)?;
             spinner.finish_and_clear();
-            profiled
-                .profile
-                .add_measured_ops(&extra.profile.measured_ops);
+            profiled.profile.add_measured_ops(&extra);
             if let Some(dir) = &args.disk_dir {
                 measure_disk(&mut profiled.profile, dir, &args.disk_bytes)?;
             }
