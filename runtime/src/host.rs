@@ -18,6 +18,7 @@
 //! master weight (found by its Adam `m`, as [`Backend::prepare`] records them) with f32
 //! moments and rewrites the bf16 parameter from it, with the CPU Adam's code and bits.
 
+use crate::affinity;
 use crate::backend::master_weights;
 use crate::backend::{Address, Backend, Launch};
 use crate::collective::Collective;
@@ -518,12 +519,24 @@ fn reduce_scatter_narrow<T: Copy>(
 /// The thread pool the host optimizer's AdamW runs run on ([`Backend::run_adamw_group`]):
 /// as many threads as the global pool the compute kernels use, made on first use and kept for
 /// the process. `None` when its threads cannot be made; the runs then go to the global pool.
+///
+/// Its thread `i` is pinned to the `i`-th CPU the process may use ([`affinity::cpu_for`]),
+/// so a run's blocks are spread over every core. Unpinned, the scheduler woke both threads
+/// onto one core for some of a run's few milliseconds, and the run went at one core's rate
+/// with the other core idle (`benches/RESULTS.md`, the fidelity bench's lone AdamW runs).
+/// The compute pool's threads stay unpinned, so the scheduler still balances them around.
 fn optimizer_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
+        let allowed = affinity::allowed_cpus();
         rayon::ThreadPoolBuilder::new()
             .num_threads(rayon::current_num_threads())
             .thread_name(|i| format!("protrain-adam-{i}"))
+            .start_handler(move |i| {
+                if let Some(cpu) = affinity::cpu_for(i, &allowed) {
+                    affinity::pin_current_thread(cpu);
+                }
+            })
             .build()
             .ok()
     })
@@ -1046,6 +1059,17 @@ mod tests {
             "launched outside the optimizer pool: {threads:?}"
         );
         assert_eq!(pool.current_num_threads(), rayon::current_num_threads());
+        // Each thread runs on one CPU of those the process may use, thread i on the i-th.
+        let allowed = crate::affinity::allowed_cpus();
+        let pinned = pool.broadcast(|ctx| (ctx.index(), crate::affinity::allowed_cpus()));
+        for (index, cpus) in pinned {
+            let expected = crate::affinity::cpu_for(index, &allowed);
+            assert_eq!(
+                cpus,
+                Vec::from_iter(expected),
+                "thread {index} of {allowed:?}"
+            );
+        }
         let failed =
             backend.run_adamw_group(&mut || Err(RuntimeError::BadSchedule("a bad launch".into())));
         assert!(failed.is_err_and(|e| e.to_string().contains("a bad launch")));

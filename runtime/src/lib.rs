@@ -3,6 +3,7 @@
 //!
 //! The runtime never depends on the compiler: a schedule file is all it needs.
 
+pub mod affinity;
 pub mod backend;
 pub mod checkpoint;
 pub mod collective;
