@@ -28,7 +28,9 @@
 // (hot caches) instead of in place; `FIDELITY_ADAM_PROBE=N` first times the first schedule's
 // host optimizer AdamW sizes outside the executor, N times (see `adam_probe`);
 // `FIDELITY_ADAM_OPS=1` lists each host optimizer AdamW op of the median step (start, rate,
-// share of it beside a compute kernel); `FIDELITY_ADAM_AFTER=1` prints, for every step, the
+// share of it beside a compute kernel); `FIDELITY_SHARE_PROBE=N` measures the share of its rate
+// the host optimizer keeps beside compute N times, for the graph's AdamW ops cut three ways
+// (see `share_probe`); `FIDELITY_ADAM_AFTER=1` prints, for every step, the
 // rate of its AdamW ops alone and beside compute and one Adam step over as many parameters
 // timed right after it. The host is measured as it is: run it on an idle machine
 // (other processes on the same cores inflate the measured times).
@@ -390,12 +392,47 @@ fn contention(graph: &Graph, rounds: usize) {
     }
 }
 
+/// The share of its rate the host optimizer keeps beside the graph's backward kernels
+/// (`FIDELITY_SHARE_PROBE=N`, `rounds` times; `profile`'s measurement,
+/// `measure_adam_compute_share`), over the graph's parameters cut three ways: as its AdamW
+/// ops, as one op, and as its ops of more than one block alone. Where the host backend
+/// waited for each op's last block, the first measured far below the second.
+fn share_probe(graph: &Graph, rounds: usize) {
+    use protrain::runtime::profiler::{adam_sizes, measure_adam_compute_share, RunAdamW};
+    use protrain::runtime::{Backend, HostBackend};
+    let backend = HostBackend::new(256, 0, 0).expect("a backend");
+    let sizes = adam_sizes(graph);
+    let total: usize = sizes.iter().sum();
+    let large: Vec<usize> = sizes
+        .iter()
+        .copied()
+        .filter(|&n| n > protrain::runtime::kernels::ADAMW_BLOCK)
+        .collect();
+    let run: &RunAdamW<'_> = &|steps, ended| backend.run_host_adamw(steps, ended);
+    let share = |sizes: &[usize]| {
+        let params = sizes.iter().sum();
+        measure_adam_compute_share::<HostBackend>(graph, sizes, params, 9, run)
+            .expect("the share is measured")
+            .map_or("-".to_string(), |s| format!("{s:.2}"))
+    };
+    for _ in 0..rounds {
+        println!(
+            "share probe: as its {} ops {}; as one op {}; its {} ops of several blocks {}",
+            sizes.len(),
+            share(&sizes),
+            share(&[total]),
+            large.len(),
+            share(&large),
+        );
+    }
+}
+
 /// What the host optimizer stream's AdamW work costs outside the executor, `rounds` times
 /// alternating (`FIDELITY_ADAM_PROBE=N`): the profile's hot 4 Mi-parameter step; one step over
 /// 64 Mi parameters (1 GiB of state, beyond the last-level cache); and the schedule's own
 /// parameters (their sizes, in their runs of adjacent AdamW ops) updated one after the other
 /// from a thread outside the pools: each op's blocks handed to the global pool, each run one
-/// job of a pool of its own (as the host backend's `run_adamw_group`), the same after a 1 GiB
+/// job of a pool of its own (as the host backend's `run_host_adamw`), the same after a 1 GiB
 /// sweep evicts the caches, beside `graph`'s profiling (its ops, copies and Adam) running in
 /// a loop, and with 20 ms idle before each run (its pool's threads asleep, as between a
 /// schedule's runs; the idle time not counted).
@@ -863,6 +900,9 @@ fn main() {
         if let Some(c) = compiled.first() {
             adam_probe(&c.schedule, graph, env("FIDELITY_ADAM_PROBE", 0usize));
         }
+    }
+    if env("FIDELITY_SHARE_PROBE", 0usize) > 0 {
+        share_probe(graph, env("FIDELITY_SHARE_PROBE", 0usize));
     }
     let runs = env("FIDELITY_RUNS", 2usize);
     let by_op = env("FIDELITY_BY_OP", 0u8) == 1;

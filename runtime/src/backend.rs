@@ -12,6 +12,7 @@
 use crate::collective::Collective;
 use crate::dispatch::{Outcome, Pitches, Prepared};
 use crate::error::{Result, RuntimeError};
+use crate::kernels::{self, AdamWStep};
 use protrain_ir::{
     DType, EventId, Graph, Op, OpKind, Schedule, Space, StreamKind, TensorRef, ValueId,
 };
@@ -468,16 +469,37 @@ pub trait Backend: Sync + Sized {
         ))
     }
 
-    /// Runs `launches`, which launches a run of adjacent AdamW kernels of one stream (no event
-    /// between them; a run may be one kernel) one after the other: as it is, by default. The
-    /// host backend runs the whole run as one job of a thread pool of its own, apart from the
-    /// pool its compute kernels use, so that the run neither waits for a compute kernel to
-    /// free a worker nor hands its blocks over once per parameter.
-    fn run_adamw_group(
+    /// Launches a run of adjacent AdamW kernels of one stream (no event between them; a run
+    /// may be one kernel), calling `ended(i)` as soon as `launches[i]` is done: by default each
+    /// as [`Backend::launch`], one after another. The host backend resolves them all and
+    /// updates them in one parallel pass ([`Backend::run_host_adamw`]).
+    ///
+    /// # Safety
+    ///
+    /// The ordering contract (see the trait doc) holds for every kernel's operands, and no
+    /// kernel of the run reads or writes what another writes (each updates its own parameter,
+    /// moments and gradient, as a schedule's optimizer stream issues them).
+    unsafe fn launch_adamw_run(
         &self,
-        launches: &mut (dyn FnMut() -> Result<Outcome> + Send),
+        stream: &mut Self::Stream,
+        launches: &[Launch<'_>],
+        ended: &(dyn Fn(usize) + Sync),
     ) -> Result<Outcome> {
-        launches()
+        let mut outcome = Outcome::default();
+        for (i, launch) in launches.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            outcome = outcome.merge(unsafe { self.launch(stream, launch)? });
+            ended(i);
+        }
+        Ok(outcome)
+    }
+
+    /// Updates a run of AdamW steps whose state is in host memory as this backend's host
+    /// optimizer updates a run of AdamW kernels ([`Backend::launch_adamw_run`]), calling
+    /// `ended(i)` as soon as `steps[i]` is done: by default one after another on the calling
+    /// thread. The profiler times the host optimizer through it.
+    fn run_host_adamw(&self, steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
+        kernels::adamw_steps_in_turn(steps, ended);
     }
 
     /// Records `event` once the work issued on `stream` so far is done.

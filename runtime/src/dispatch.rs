@@ -1324,8 +1324,8 @@ pub fn adamw(
 /// or bf16 widened as it is read), scaled by the clip coefficient `coef` when the op is
 /// clipped; when `low` is given (a bf16 parameter), the new master rounded to bf16 is written
 /// there in the same pass. [`adamw`] is this with an f32 gradient and no bf16 copy; the
-/// interpreter, the host executor and the CUDA backend's host optimizer all come here, so
-/// they share one kernel ([`kernels::adamw_step_fused`]) and its bits.
+/// interpreter, the host executor and the CUDA backend's host optimizer all come here or to
+/// [`adamw_step`], so they share one kernel ([`kernels::adamw_step_fused`]) and its bits.
 ///
 /// Panics when `kind` is not AdamW, or when a clipped op gets no coefficient.
 #[allow(clippy::too_many_arguments)]
@@ -1339,6 +1339,27 @@ pub fn adamw_mixed(
     coef: Option<f32>,
     step: u64,
 ) {
+    if let Some(step) = adamw_step(kind, master, grad, m, v, low, coef, step) {
+        kernels::adamw_steps_fused(vec![step], &|_| {});
+    }
+}
+
+/// The step an AdamW op of kind `kind` makes on its operands (as [`adamw_mixed`] takes
+/// them), for a run of steps updated together ([`kernels::adamw_steps_fused`]); `None` for a
+/// loss-scaled step whose gradients overflowed, which is skipped: nothing changes.
+///
+/// Panics when `kind` is not AdamW, or when a clipped op gets no coefficient.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step<'a>(
+    kind: &OpKind,
+    master: &'a mut [f32],
+    grad: kernels::Grad<'a>,
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    low: Option<kernels::Low<'a>>,
+    coef: Option<f32>,
+    step: u64,
+) -> Option<kernels::AdamWStep<'a>> {
     let OpKind::AdamW {
         lr,
         beta1,
@@ -1357,15 +1378,23 @@ pub fn adamw_mixed(
         eps,
         weight_decay,
     };
-    let scale = match clipped {
+    let grad_scale = match clipped {
         true => Some(coef.expect("a clipped AdamW reads the clip coefficient")),
         false => None,
     };
-    // A loss-scaled step whose gradients overflowed is skipped: nothing changes.
-    if scale.is_some_and(kernels::skips_step) {
-        return;
+    if grad_scale.is_some_and(kernels::skips_step) {
+        return None;
     }
-    kernels::adamw_step_fused(master, grad, scale, m, v, low, step, &config);
+    Some(kernels::AdamWStep {
+        master,
+        grad,
+        grad_scale,
+        exp_avg: m,
+        exp_avg_sq: v,
+        low,
+        step,
+        config,
+    })
 }
 
 /// [`kernels::adamw_step`] on `grad * grad_scale`, without allocating: bit-identical to

@@ -63,6 +63,7 @@ use protrain_ir::{
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -1436,32 +1437,46 @@ fn run_stream<B: Backend>(
             let began = start.elapsed().as_secs_f64();
             let group = adamw_run(graph, &program[at - 1..]);
             if !group.is_empty() {
-                // A run of AdamW kernels (one included) goes to the backend whole; each is timed as it ends,
-                // the first from the run's start, so a wait for the backend's workers counts.
+                // A run of AdamW kernels (one included) goes to the backend whole. Each kernel
+                // is timed as it ends; in the order they end, each span runs from the end of
+                // the one before (the first from the run's start, so a wait for the backend's
+                // workers counts), so the spans tile the run.
                 at += group.len() - 1;
-                let (handle, busy, spans) = (&mut s.handle, &mut s.busy, &mut s.spans);
+                let launches = group
+                    .iter()
+                    .map(|planned| launch_of(graph, planned, step))
+                    .collect::<Result<Vec<_>>>()?;
+                let ends: Vec<AtomicU64> = group.iter().map(|_| AtomicU64::new(0)).collect();
+                let ended = |i: usize| {
+                    let t = start.elapsed().as_secs_f64();
+                    ends[i].store(t.to_bits(), Ordering::Release);
+                };
+                // SAFETY: as for kernels below; the AdamW ops of a run update distinct
+                // parameters, moments and gradients.
+                let done = unsafe { backend.launch_adamw_run(&mut s.handle, &launches, &ended)? };
+                let finished = start.elapsed().as_secs_f64();
+                let mut order: Vec<(f64, usize)> = ends
+                    .iter()
+                    .map(|e| match f64::from_bits(e.load(Ordering::Acquire)) {
+                        t if t > 0.0 => t.clamp(began, finished),
+                        _ => finished,
+                    })
+                    .zip(0..)
+                    .collect();
+                order.sort_by(|a, b| a.0.total_cmp(&b.0));
                 let mut last = began;
-                let mut k = 0;
-                let done = backend.run_adamw_group(&mut || {
-                    let mut done = Outcome::default();
-                    for planned in &group[k..] {
-                        // SAFETY: as for kernels below.
-                        let d = unsafe { launch_kernel(backend, handle, graph, planned, step)? };
-                        done = done.merge(d);
-                        let ended = start.elapsed().as_secs_f64();
-                        *busy += ended - last;
-                        if tracing {
-                            spans.push(Span {
-                                stream: s.id,
-                                index: (index + k) as u32,
-                                start: last,
-                                end: ended,
-                            });
-                        }
-                        (last, k) = (ended, k + 1);
+                for (ended, k) in order {
+                    if tracing {
+                        s.spans.push(Span {
+                            stream: s.id,
+                            index: (index + k) as u32,
+                            start: last,
+                            end: ended,
+                        });
                     }
-                    Ok(done)
-                })?;
+                    last = ended;
+                }
+                s.busy += finished - began;
                 outcome = outcome.merge(done);
                 continue;
             }
@@ -1613,7 +1628,7 @@ fn run_stream<B: Backend>(
 
 /// The run of adjacent AdamW kernels that `program` starts with (empty when its first
 /// instruction is not one): a backend may run them as one piece of work
-/// ([`Backend::run_adamw_group`]). Any other instruction, an event included, ends the run.
+/// ([`Backend::launch_adamw_run`]). Any other instruction, an event included, ends the run.
 fn adamw_run<'p>(graph: &Graph, program: &'p [Planned]) -> &'p [Planned] {
     let len = program
         .iter()
@@ -1640,6 +1655,13 @@ unsafe fn launch_kernel<B: Backend>(
     planned: &Planned,
     step: u64,
 ) -> Result<Outcome> {
+    let launch = launch_of(graph, planned, step)?;
+    // SAFETY: the caller's contract.
+    unsafe { backend.launch(stream, &launch) }
+}
+
+/// The launch of `planned`, a planned kernel, for step `step`; anything else is a bug.
+fn launch_of<'a>(graph: &'a Graph, planned: &'a Planned, step: u64) -> Result<Launch<'a>> {
     let Planned::Kernel {
         op,
         launched,
@@ -1655,7 +1677,7 @@ unsafe fn launch_kernel<B: Backend>(
             "an instruction planned as a kernel is not one; this is a bug in the executor".into(),
         ));
     };
-    let launch = Launch {
+    Ok(Launch {
         graph,
         op: launched.as_deref().unwrap_or_else(|| graph.op(*op)),
         prepared,
@@ -1665,9 +1687,7 @@ unsafe fn launch_kernel<B: Backend>(
         step,
         shard: shard.as_deref().copied(),
         pitches: pitches.as_deref().copied().unwrap_or(Pitches::DENSE),
-    };
-    // SAFETY: the caller's contract.
-    unsafe { backend.launch(stream, &launch) }
+    })
 }
 
 /// A tensor's address.

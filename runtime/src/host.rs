@@ -25,7 +25,7 @@ use crate::collective::Collective;
 use crate::disk::DiskFile;
 use crate::dispatch::{self, Outcome, Staging, Stored, StoredMut, MAX_OUTPUTS};
 use crate::error::{Result, RuntimeError};
-use crate::kernels::{bf16, f16, Grad, Low};
+use crate::kernels::{self, bf16, f16, AdamWStep, Grad, Low};
 use crate::memory::{check_host_memory, memory_available, HostRegion, MemoryNeed};
 use bytemuck::Pod;
 use protrain_ir::{DType, EventId, OpKind, Schedule, Space, StreamKind, TensorType};
@@ -250,20 +250,46 @@ impl HostBackend {
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
     }
 
-    /// AdamW on a bf16 parameter: its f32 master weight and f32 moments are updated from the
-    /// bf16 gradient (widened as it is read) and the parameter rewritten as the new master
-    /// rounded to bf16, in one pass: the CPU Adam's kernel, the CUDA `adamw_bf16`'s bits.
-    ///
-    /// # Safety
-    ///
-    /// The backend's ordering contract holds for the op's operands and the master weight.
-    unsafe fn adamw_mixed(&self, l: &Launch<'_>) -> Result<Outcome> {
+    /// Where AdamW launch `l`'s operands are, checked against its op; nothing is viewed yet.
+    /// An f32 parameter is its own master weight; a bf16 (f16) one has an f32 master weight
+    /// ([`HostBackend::master_weight`], or its part in a sharded chunk's launch) and a bf16
+    /// (f16) gradient, which the 14-byte host layout keeps in the parameter's storage.
+    fn adamw_operands<'l>(&self, l: &'l Launch<'_>) -> Result<AdamWOperands<'l>> {
         let (graph, op) = (l.graph, l.op);
-        let ty = |i: usize| &graph.value(op.inputs[i]).ty;
         let OpKind::AdamW { clipped, .. } = op.kind else {
-            unreachable!("called for AdamW ops only")
+            return Err(RuntimeError::BadSchedule(format!(
+                "{} launched as an AdamW kernel of the optimizer's run",
+                op.kind.mnemonic()
+            )));
         };
+        if l.inputs.len() != op.inputs.len() || op.inputs.len() < 4 + usize::from(clipped) {
+            return Err(RuntimeError::BadSchedule(format!(
+                "adamw has {} inputs but its kernel gives {} addresses",
+                op.inputs.len(),
+                l.inputs.len()
+            )));
+        }
+        let ty = |i: usize| &graph.value(op.inputs[i]).ty;
         let (param, grad) = (ty(0), ty(1));
+        // A sharded chunk's rank updates its part of every operand.
+        let n = l
+            .shard
+            .map_or(param.numel() as usize, |shard| shard.elements);
+        let coef = clipped.then(|| l.inputs[4]);
+        let (m, v) = (l.inputs[2], l.inputs[3]);
+        if param.dtype == DType::F32 {
+            return Ok(AdamWOperands {
+                kind: &op.kind,
+                n,
+                master: l.inputs[0],
+                low: None,
+                grad: Some((l.inputs[1], grad.dtype)),
+                m,
+                v,
+                coef,
+                step: l.step,
+            });
+        }
         let narrow = matches!(param.dtype, DType::BF16 | DType::F16);
         if !narrow
             || (grad.dtype, ty(2).dtype, ty(3).dtype) != (param.dtype, DType::F32, DType::F32)
@@ -276,54 +302,109 @@ impl HostBackend {
             )));
         }
         // A sharded chunk's rank updates its part, whose master weight the launch gives.
-        let (n, master_at) = match l.shard {
-            Some(shard) => (
-                shard.elements,
-                shard.master.ok_or_else(|| {
-                    RuntimeError::BadSchedule(format!(
-                        "a sharded {param} AdamW without its f32 master weight part"
-                    ))
-                })?,
-            ),
-            None => (param.numel() as usize, self.master_weight(l.inputs[2])?),
+        let master = match l.shard {
+            Some(shard) => shard.master.ok_or_else(|| {
+                RuntimeError::BadSchedule(format!(
+                    "a sharded {param} AdamW without its f32 master weight part"
+                ))
+            })?,
+            None => self.master_weight(l.inputs[2])?,
         };
         // The 14-byte host layout: the gradient sits in the parameter's own storage (the
         // verifier allows exactly that overlap and no partial one).
         let in_low = l.inputs[0] == l.inputs[1];
-        // SAFETY (every view): the ordering contract gives this op its operands alone while it
-        // runs; param, grad, m, v, the coefficient and the master weight are distinct values
-        // at distinct homes, so the views do not overlap, but for a gradient in the
-        // parameter's storage, which is then not viewed apart (`Grad::InLow`).
-        unsafe {
-            let master = self.slice_mut::<f32>(master_at, n)?;
-            let (p, g) = match (param.dtype, in_low) {
-                (DType::BF16, true) => (
-                    Low::Bf16(self.slice_mut::<bf16>(l.inputs[0], n)?),
-                    Grad::InLow,
-                ),
-                (DType::BF16, false) => (
-                    Low::Bf16(self.slice_mut::<bf16>(l.inputs[0], n)?),
-                    Grad::Bf16(self.slice::<bf16>(l.inputs[1], n)?),
-                ),
-                (_, true) => (
-                    Low::F16(self.slice_mut::<f16>(l.inputs[0], n)?),
-                    Grad::InLow,
-                ),
-                _ => (
-                    Low::F16(self.slice_mut::<f16>(l.inputs[0], n)?),
-                    Grad::F16(self.slice::<f16>(l.inputs[1], n)?),
-                ),
-            };
-            let m = self.slice_mut::<f32>(l.inputs[2], n)?;
-            let v = self.slice_mut::<f32>(l.inputs[3], n)?;
-            let coef = match clipped {
-                true => Some(self.slice::<f32>(l.inputs[4], 1)?[0]),
-                false => None,
-            };
-            dispatch::adamw_mixed(&op.kind, master, g, m, v, Some(p), coef, l.step);
-        }
-        Ok(Outcome::default())
+        Ok(AdamWOperands {
+            kind: &op.kind,
+            n,
+            master,
+            low: Some((l.inputs[0], param.dtype)),
+            grad: (!in_low).then_some((l.inputs[1], grad.dtype)),
+            m,
+            v,
+            coef,
+            step: l.step,
+        })
     }
+
+    /// The AdamW step of `o`'s operands, viewed where they are; `None` for a loss-scaled step
+    /// that is skipped.
+    ///
+    /// # Safety
+    ///
+    /// The backend's ordering contract holds for the operands while the step lives: param,
+    /// grad, m, v, the coefficient and the master weight are distinct values at distinct
+    /// homes, so the views do not overlap, but for a gradient in the parameter's storage,
+    /// which is then not viewed apart (`Grad::InLow`).
+    unsafe fn adamw_step_of(&self, o: &AdamWOperands<'_>) -> Result<Option<AdamWStep<'_>>> {
+        let n = o.n;
+        // SAFETY (every view): the caller's contract.
+        unsafe {
+            let coef = match o.coef {
+                Some(at) => Some(self.slice::<f32>(at, 1)?[0]),
+                None => None,
+            };
+            let master = self.slice_mut::<f32>(o.master, n)?;
+            let low = match o.low {
+                None => None,
+                Some((at, DType::BF16)) => Some(Low::Bf16(self.slice_mut::<bf16>(at, n)?)),
+                Some((at, _)) => Some(Low::F16(self.slice_mut::<f16>(at, n)?)),
+            };
+            let grad = match o.grad {
+                None => Grad::InLow,
+                Some((at, DType::F32)) => Grad::F32(self.slice::<f32>(at, n)?),
+                Some((at, DType::BF16)) => Grad::Bf16(self.slice::<bf16>(at, n)?),
+                Some((at, _)) => Grad::F16(self.slice::<f16>(at, n)?),
+            };
+            let m = self.slice_mut::<f32>(o.m, n)?;
+            let v = self.slice_mut::<f32>(o.v, n)?;
+            Ok(dispatch::adamw_step(
+                o.kind, master, grad, m, v, low, coef, o.step,
+            ))
+        }
+    }
+}
+
+/// Where an AdamW launch's operands are ([`HostBackend::adamw_operands`]).
+struct AdamWOperands<'l> {
+    kind: &'l OpKind,
+    /// Elements the launch updates.
+    n: usize,
+    /// The f32 master weight: the parameter itself when it is f32.
+    master: Address,
+    /// A bf16 (f16) parameter's own storage, and its type.
+    low: Option<(Address, DType)>,
+    /// The gradient and its type; `None` when it is in the parameter's storage.
+    grad: Option<(Address, DType)>,
+    m: Address,
+    v: Address,
+    /// The clip coefficient, read before the step.
+    coef: Option<Address>,
+    step: u64,
+}
+
+impl AdamWOperands<'_> {
+    /// The bytes the step reads or writes, as (space, first byte, end): the coefficient,
+    /// read before the step and only read, left out.
+    fn ranges(&self) -> impl Iterator<Item = (Space, u64, u64)> + '_ {
+        let n = self.n as u64;
+        let wide = [self.master, self.m, self.v].map(|at| (at, DType::F32));
+        wide.into_iter()
+            .chain(self.low)
+            .chain(self.grad)
+            .map(move |(at, dtype)| (at.space, at.offset, at.offset + n * dtype.size()))
+    }
+}
+
+/// Whether any two of the runs' operands share a byte: the steps then cannot be updated
+/// together. A schedule's optimizer stream never issues such a run (each AdamW op updates
+/// its own parameter, moments and gradient, all live at once); the check keeps the pass
+/// sound for any schedule.
+fn any_overlap(run: &[AdamWOperands<'_>]) -> bool {
+    let mut ranges: Vec<(Space, u64, u64)> = run.iter().flat_map(AdamWOperands::ranges).collect();
+    ranges.sort_by_key(|&(space, start, _)| (space, start));
+    ranges
+        .windows(2)
+        .any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
 }
 
 /// Bytes per element of a dtype the host stores, or why it stores no such values.
@@ -516,7 +597,7 @@ fn reduce_scatter_narrow<T: Copy>(
     Ok(())
 }
 
-/// The thread pool the host optimizer's AdamW runs run on ([`Backend::run_adamw_group`]):
+/// The thread pool the host optimizer's AdamW runs run on ([`Backend::run_host_adamw`]):
 /// as many threads as the global pool the compute kernels use, made on first use and kept for
 /// the process. `None` when its threads cannot be made; the runs then go to the global pool.
 ///
@@ -546,23 +627,59 @@ fn optimizer_pool() -> Option<&'static rayon::ThreadPool> {
 impl Backend for HostBackend {
     type Stream = HostStream;
 
-    /// The run as one job of a rayon pool of its own ([`optimizer_pool`]), not the pool the
-    /// compute kernels share. In the shared pool the run waited until a worker was free,
-    /// which is after the compute kernel the workers are on ends, and then shared the workers
-    /// with the compute stream's next kernels by work stealing, in a proportion that depends
-    /// on where the kernels' boundaries fall. With a pool of its own it starts at once and its
-    /// threads share the cores with the compute pool's by the operating system's fair
-    /// scheduler: while both run, each pool gets about half the machine (both have one thread
-    /// per core), which is what the simulator charges each of them
-    /// (`protrain_compiler::simulate::shared_core_seconds`). The launches still split their
-    /// blocks among that pool's threads from inside it, one hand-over a run.
-    fn run_adamw_group(
+    /// The run's steps resolved, then updated in one parallel pass ([`Backend::run_host_adamw`]).
+    /// Were any two to share a byte (no schedule issues such a run), one after another.
+    unsafe fn launch_adamw_run(
         &self,
-        launches: &mut (dyn FnMut() -> Result<Outcome> + Send),
+        _stream: &mut HostStream,
+        launches: &[Launch<'_>],
+        ended: &(dyn Fn(usize) + Sync),
     ) -> Result<Outcome> {
+        let run = launches
+            .iter()
+            .map(|l| self.adamw_operands(l))
+            .collect::<Result<Vec<_>>>()?;
+        if any_overlap(&run) {
+            for (i, operands) in run.iter().enumerate() {
+                // SAFETY: the caller's ordering contract; one step's views at a time.
+                if let Some(step) = unsafe { self.adamw_step_of(operands)? } {
+                    self.run_host_adamw(vec![step], &|_| {});
+                }
+                ended(i);
+            }
+            return Ok(Outcome::default());
+        }
+        let (mut steps, mut which) = (Vec::new(), Vec::new());
+        for (i, operands) in run.iter().enumerate() {
+            // SAFETY: the caller's ordering contract, and no two steps' operands overlap
+            // (checked above).
+            match unsafe { self.adamw_step_of(operands)? } {
+                Some(step) => {
+                    steps.push(step);
+                    which.push(i);
+                }
+                None => ended(i),
+            }
+        }
+        self.run_host_adamw(steps, &|k| ended(which[k]));
+        Ok(Outcome::default())
+    }
+
+    /// One parallel pass over every block of every step ([`kernels::adamw_steps_fused`]), as
+    /// one job of a rayon pool of its own ([`optimizer_pool`]), not the pool the compute
+    /// kernels share. In the shared pool the run waited until a worker was free, which is
+    /// after the compute kernel the workers are on ends, and then shared the workers with the
+    /// compute stream's next kernels by work stealing, in a proportion that depends on where
+    /// the kernels' boundaries fall. With a pool of its own it starts at once and its threads
+    /// share the cores with the compute pool's by the operating system's scheduler: while both
+    /// run, each pool gets about half the machine (both have one thread per core), which is
+    /// what the simulator charges each of them where the profile measured no other share
+    /// (`protrain_compiler::simulate::shared_core_seconds`). In one pass a thread that the
+    /// scheduler takes off its core holds up only its own block, not every tensor after it.
+    fn run_host_adamw(&self, steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
         match optimizer_pool() {
-            Some(pool) => pool.install(launches),
-            None => rayon::scope(|_| launches()),
+            Some(pool) => pool.install(|| kernels::adamw_steps_fused(steps, ended)),
+            None => kernels::adamw_steps_fused(steps, ended),
         }
     }
 
@@ -666,33 +783,11 @@ impl Backend for HostBackend {
 
     unsafe fn launch(&self, stream: &mut HostStream, l: &Launch<'_>) -> Result<Outcome> {
         let (graph, op) = (l.graph, l.op);
-        let len = |v: protrain_ir::ValueId| graph.value(v).ty.numel() as usize;
-        if let OpKind::AdamW { clipped, .. } = op.kind {
-            if l.inputs.len() != op.inputs.len() || op.inputs.len() < 4 + usize::from(clipped) {
-                return Err(RuntimeError::BadSchedule(format!(
-                    "adamw has {} inputs but its kernel gives {} addresses",
-                    op.inputs.len(),
-                    l.inputs.len()
-                )));
-            }
-            if graph.value(op.inputs[0]).ty.dtype != DType::F32 {
-                // SAFETY: the caller's ordering contract, as below.
-                return unsafe { self.adamw_mixed(l) };
-            }
-            // SAFETY: the caller upholds the ordering contract: nothing else touches the
-            // parameter, moments or gradient meanwhile, and they do not overlap each other.
-            // A sharded chunk's rank updates its part of every operand.
-            let len = |v| l.shard.map_or_else(|| len(v), |shard| shard.elements);
-            unsafe {
-                let param = self.slice_mut(l.inputs[0], len(op.inputs[0]))?;
-                let grad = self.slice(l.inputs[1], len(op.inputs[1]))?;
-                let m = self.slice_mut(l.inputs[2], len(op.inputs[2]))?;
-                let v = self.slice_mut(l.inputs[3], len(op.inputs[3]))?;
-                let coef = match clipped {
-                    true => Some(self.slice::<f32>(l.inputs[4], 1)?[0]),
-                    false => None,
-                };
-                dispatch::adamw(&op.kind, param, grad, m, v, coef, l.step);
+        if let OpKind::AdamW { .. } = op.kind {
+            let operands = self.adamw_operands(l)?;
+            // SAFETY: the caller's ordering contract.
+            if let Some(step) = unsafe { self.adamw_step_of(&operands)? } {
+                kernels::adamw_steps_fused(vec![step], &|_| {});
             }
             return Ok(Outcome::default());
         }
@@ -1029,34 +1124,55 @@ impl Backend for HostBackend {
 #[cfg(test)]
 mod tests {
 
-    /// A run of AdamW launches goes to the host optimizer's own pool as one job: every launch
-    /// in it runs on a thread of that pool, not of the global pool the compute kernels use
-    /// (so it neither waits for a compute kernel to free a worker nor splits its blocks among
-    /// the compute kernels' workers), in order, and their outcomes and errors come back to the
-    /// stream.
+    /// A run of AdamW steps goes to the host optimizer's own pool as one job: every step ends
+    /// on a thread of that pool, not of the global pool the compute kernels use (so it neither
+    /// waits for a compute kernel to free a worker nor splits its blocks among the compute
+    /// kernels' workers), each once, and the pool's threads are pinned one to a CPU.
     #[test]
-    fn a_run_of_adamw_launches_is_one_job_of_the_optimizer_pool() {
+    fn a_run_of_adamw_steps_is_one_pass_in_the_optimizer_pool() {
         use super::{optimizer_pool, Backend, HostBackend};
-        use crate::dispatch::Outcome;
-        use crate::error::RuntimeError;
+        use crate::kernels::{AdamWConfig, AdamWStep, Grad, ADAMW_BLOCK};
         let backend = HostBackend::new(1 << 20, 1 << 20, 0).expect("a small backend");
         let pool = optimizer_pool().expect("the optimizer pool's threads start");
-        let mut threads = Vec::new();
-        let done = backend.run_adamw_group(&mut || {
-            for _ in 0..3 {
-                let name = std::thread::current().name().map(str::to_string);
-                threads.push((pool.current_thread_index(), name));
-            }
-            Ok(Outcome::default())
+        let lens = [1, 3 * ADAMW_BLOCK + 5, 5];
+        let mut state: Vec<[Vec<f32>; 4]> = lens
+            .iter()
+            .map(|&n| std::array::from_fn(|_| vec![0.5; n]))
+            .collect();
+        let steps = state
+            .iter_mut()
+            .map(|[p, g, m, v]| AdamWStep {
+                master: p,
+                grad: Grad::F32(g),
+                grad_scale: None,
+                exp_avg: m,
+                exp_avg_sq: v,
+                low: None,
+                step: 1,
+                config: AdamWConfig::default(),
+            })
+            .collect();
+        let ended = std::sync::Mutex::new(Vec::new());
+        backend.run_host_adamw(steps, &|i| {
+            let name = std::thread::current().name().map(str::to_string);
+            ended
+                .lock()
+                .unwrap()
+                .push((i, pool.current_thread_index(), name));
         });
-        assert_eq!(done.ok(), Some(Outcome::default()));
-        assert_eq!(threads.len(), 3);
+        let mut ended = ended.into_inner().unwrap();
+        ended.sort();
+        assert_eq!(ended.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 1, 2]);
         assert!(
-            threads.iter().all(|(index, name)| index.is_some()
+            ended.iter().all(|(_, index, name)| index.is_some()
                 && name
                     .as_deref()
                     .is_some_and(|n| n.starts_with("protrain-adam-"))),
-            "launched outside the optimizer pool: {threads:?}"
+            "ended outside the optimizer pool: {ended:?}"
+        );
+        assert!(
+            state.iter().all(|[p, ..]| p.iter().all(|&x| x != 0.5)),
+            "every step ran"
         );
         assert_eq!(pool.current_num_threads(), rayon::current_num_threads());
         // Each thread runs on one CPU of those the process may use, thread i on the i-th.
@@ -1070,9 +1186,44 @@ mod tests {
                 "thread {index} of {allowed:?}"
             );
         }
-        let failed =
-            backend.run_adamw_group(&mut || Err(RuntimeError::BadSchedule("a bad launch".into())));
-        assert!(failed.is_err_and(|e| e.to_string().contains("a bad launch")));
+    }
+
+    /// Steps whose operands share a byte in one space are not updated together; the same
+    /// offsets in different spaces, or ranges that only touch, share nothing.
+    #[test]
+    fn a_run_whose_steps_share_bytes_is_found() {
+        use super::{any_overlap, AdamWOperands};
+        let kind = OpKind::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clipped: false,
+        };
+        let at = |space, offset| Address { space, offset };
+        // 10 f32 elements: 40 bytes each of master, m, v and the gradient.
+        let op = |space, base: u64| AdamWOperands {
+            kind: &kind,
+            n: 10,
+            master: at(space, base),
+            low: None,
+            grad: Some((at(space, base + 40), DType::F32)),
+            m: at(space, base + 80),
+            v: at(space, base + 120),
+            coef: None,
+            step: 1,
+        };
+        assert!(!any_overlap(&[op(Space::Host, 0), op(Space::Host, 160)]));
+        assert!(!any_overlap(&[op(Space::Host, 0), op(Space::Device, 0)]));
+        assert!(any_overlap(&[op(Space::Host, 0), op(Space::Host, 156)]));
+        assert!(any_overlap(&[op(Space::Host, 0), op(Space::Host, 0)]));
+        let mut narrow = op(Space::Host, 1000);
+        narrow.low = Some((at(Space::Host, 150), DType::BF16));
+        assert!(
+            any_overlap(&[op(Space::Host, 0), narrow]),
+            "the narrow copy's bytes count"
+        );
     }
 
     #[test]

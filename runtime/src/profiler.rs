@@ -1,7 +1,7 @@
 //! The profiler: measures a backend's op times, copy bandwidths and Adam rate as a profile.
 
 use crate::backend::{Address, Backend, Launch};
-use crate::dispatch::{Outcome, Prepared};
+use crate::dispatch::Prepared;
 use crate::error::{Result, RuntimeError};
 use crate::host::HostBackend;
 use crate::kernels;
@@ -124,7 +124,7 @@ pub fn profile<B: Backend>(
         &adam_sizes(graph),
         options.adam_params.max(1),
         options.repeats,
-        &|launches| backend.run_adamw_group(launches),
+        &|steps, ended| backend.run_host_adamw(steps, ended),
     )?;
     // Beside the backward kernels, which need the graph in place; over the graph's own
     // parameters (one step's updates), at most the Adam step's.
@@ -138,7 +138,7 @@ pub fn profile<B: Backend>(
                 .sum::<usize>()
                 .clamp(1, options.adam_params.max(1)),
             options.repeats,
-            &|launches| backend.run_adamw_group(launches),
+            &|steps, ended| backend.run_host_adamw(steps, ended),
         )?,
         false => None,
     };
@@ -564,8 +564,8 @@ pub fn measure_adam(params: usize, repeats: usize) -> f64 {
     params as f64 / median(&mut times)
 }
 
-/// Bytes of the arena of the backend [`profile`] makes only to run AdamW ops through its
-/// [`Backend::run_adamw_group`] (the ops' state is the profiler's own).
+/// Bytes of the arena of the backend [`profile`] makes only to run AdamW steps through its
+/// [`Backend::run_host_adamw`] (the steps' state is the profiler's own).
 const REGION_ALIGN_BYTES: u64 = 256;
 
 /// The parameters of each of `graph`'s AdamW ops, in the graph's order: the ops a host
@@ -579,19 +579,19 @@ pub fn adam_sizes(graph: &Graph) -> Vec<usize> {
         .collect()
 }
 
-/// How a backend runs a run of AdamW launches ([`Backend::run_adamw_group`]).
-pub type RunAdamW<'a> =
-    dyn Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome> + 'a;
+/// How a backend's host optimizer runs a run of AdamW steps ([`Backend::run_host_adamw`]).
+pub type RunAdamW<'a> = dyn Fn(Vec<kernels::AdamWStep<'_>>, &(dyn Fn(usize) + Sync)) + 'a;
 
 /// Seconds each AdamW op of a run costs beyond its parameters at the bulk rate
 /// (`HardwareProfile::cpu_adam_op_s`): over one f32 state of `params` parameters, alternately
 /// `repeats` times each, one [`kernels::adamw_step`] over the whole state and a run of ops over
 /// consecutive parts of it sized as `sizes` (a graph's AdamW ops, [`adam_sizes`]; repeated in
 /// order until they cover the state, the last cut to fit), each handed to `run` as the
-/// executor hands a host optimizer's run to its backend ([`Backend::run_adamw_group`]: on the
-/// host backend one job of the optimizer's own pool). The medians' difference per op of the
-/// run, never below 0: the per-op hand-over of blocks to the pool's threads, a thread woken
-/// for each op of several blocks, the calling thread alone on one-block ops. The state is as
+/// executor's run of AdamW kernels reaches its backend's host optimizer
+/// ([`Backend::run_host_adamw`]: on the host backend one parallel pass in the optimizer's own
+/// pool). The medians' difference per op of the run, never below 0: the work of cutting a
+/// run into its ops' blocks, and what the backend pays per op (on a backend that updates them
+/// one after another, a hand-over of blocks and a wait for the last one per op). The state is as
 /// large as [`measure_adam`]'s, beyond the last-level cache, as a schedule's is; the same
 /// bytes in both, so only the split into ops differs. 0 when `sizes` has no op.
 pub fn measure_adam_op_seconds(
@@ -652,29 +652,42 @@ impl AdamOps {
         }
     }
 
-    /// Seconds of Adam step `step` over the whole state handed to `run` as one job: one
-    /// [`kernels::adamw_step`] over all of it (`whole`), or one per part, one after another.
+    /// Seconds of Adam step `step` over the whole state handed to `run` as one run: one
+    /// step over all of it (`whole`), or one per part.
     pub(crate) fn time(&mut self, run: &RunAdamW<'_>, step: u64, whole: bool) -> Result<f64> {
         let config = kernels::AdamWConfig::default();
-        let parts = &self.parts;
-        let (p, g, m, v) = (&mut self.p, &self.g, &mut self.m, &mut self.v);
+        let one = |p, g, m, v| kernels::AdamWStep {
+            master: p,
+            grad: kernels::Grad::F32(g),
+            grad_scale: None,
+            exp_avg: m,
+            exp_avg_sq: v,
+            low: None,
+            step,
+            config,
+        };
+        let (mut p, mut g, mut m, mut v) = (
+            &mut self.p[..],
+            &self.g[..],
+            &mut self.m[..],
+            &mut self.v[..],
+        );
+        let mut steps = Vec::with_capacity(self.parts.len());
+        match whole {
+            true => steps.push(one(p, g, m, v)),
+            false => {
+                for &n in &self.parts {
+                    let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
+                    let (g0, g1) = g.split_at(n);
+                    let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
+                    let (v0, v1) = std::mem::take(&mut v).split_at_mut(n);
+                    steps.push(one(p0, g0, m0, v0));
+                    (p, g, m, v) = (p1, g1, m1, v1);
+                }
+            }
+        }
         let began = Instant::now();
-        run(&mut || {
-            if whole {
-                kernels::adamw_step(p, g, m, v, step, &config);
-                return Ok(Default::default());
-            }
-            let (mut p, mut g, mut m, mut v) = (&mut p[..], &g[..], &mut m[..], &mut v[..]);
-            for &n in parts {
-                let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
-                let (g0, g1) = g.split_at(n);
-                let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
-                let (v0, v1) = std::mem::take(&mut v).split_at_mut(n);
-                kernels::adamw_step(p0, g0, m0, v0, step, &config);
-                (p, g, m, v) = (p1, g1, m1, v1);
-            }
-            Ok(Default::default())
-        })?;
+        run(steps, &|_| {});
         Ok(began.elapsed().as_secs_f64())
     }
 }
@@ -948,9 +961,9 @@ mod tests {
     fn the_per_op_adam_cost_runs_both_forms_through_the_run_path() {
         let backend = HostBackend::new(256, 0, 0).unwrap();
         let calls = std::sync::atomic::AtomicUsize::new(0);
-        let run: &RunAdamW<'_> = &|launches| {
+        let run: &RunAdamW<'_> = &|steps, ended| {
             calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            backend.run_adamw_group(launches)
+            backend.run_host_adamw(steps, ended)
         };
         let per_op = measure_adam_op_seconds(&[3, 5], 1 << 14, 5, run).unwrap();
         assert!(

@@ -205,12 +205,12 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
     let memcpy = measure_memcpy(options.copy_bytes, options.copy_repeats);
     let cpu_adam = measure_adam(options.adam_params.max(1), options.repeats);
     // The CUDA backend's host optimizer runs each AdamW op as it comes, on its stream's thread
-    // (the default `Backend::run_adamw_group`).
+    // (the default `Backend::launch_adamw_run` and `Backend::run_host_adamw`).
     let cpu_adam_op = measure_adam_op_seconds(
         &adam_sizes(graph),
         options.adam_params.max(1),
         options.repeats,
-        &|launches| launches(),
+        &|steps, ended| crate::kernels::adamw_steps_in_turn(steps, ended),
     )?;
     let host = HardwareProfile::host();
     let name = match options.name.as_str() {

@@ -1,6 +1,7 @@
 //! `torch.optim.AdamW` (single-tensor path) and the pieces of `clip_grad_norm_`.
 
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::math::{fast_in, Isa, ELEM_GRAIN};
 
@@ -624,86 +625,268 @@ unsafe fn block_in<G: Widen, L: Narrow>(
     }
 }
 
-/// The whole tensor in [`ADAMW_BLOCK`]-element blocks, in parallel; a tensor of one block
-/// runs on the calling thread, since the pool would give it no second thread and would cost a
-/// wake-up and a hand-over of the caller's thread to its worker and back (a schedule's
-/// optimizer stream issues every bias and norm weight as an AdamW op of its own).
-fn run<G: Widen + Sync, L: Narrow>(
-    p: &mut [f32],
-    g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
-    low: Option<&mut [L]>,
-    c: &Coeffs,
-) {
-    if p.len() <= ADAMW_BLOCK {
-        return run_block(p, g, m, v, low, c);
+/// One block of one tensor's step in [`adamw_steps_fused`]: at most [`ADAMW_BLOCK`] elements
+/// of each of its operands, and the tensor's coefficients.
+struct Piece<'a> {
+    /// Which step of the run it belongs to.
+    tensor: usize,
+    p: &'a mut [f32],
+    grad: Grad<'a>,
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    low: Option<Low<'a>>,
+    c: &'a Coeffs,
+}
+
+impl<'a> Piece<'a> {
+    /// `step` (tensor `tensor` of a run) cut into [`ADAMW_BLOCK`]-element blocks, appended to
+    /// `out`: the boundaries depend only on the length.
+    fn cut(tensor: usize, step: AdamWStep<'a>, c: &'a Coeffs, out: &mut Vec<Piece<'a>>) {
+        let AdamWStep {
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            mut low,
+            ..
+        } = step;
+        let mut grad = grad;
+        let (mut p, mut m, mut v) = (master, exp_avg, exp_avg_sq);
+        while !p.is_empty() {
+            let n = p.len().min(ADAMW_BLOCK);
+            let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
+            let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
+            let (v0, v1) = std::mem::take(&mut v).split_at_mut(n);
+            let (g0, g1) = grad.split_at(n);
+            let (l0, l1) = match low {
+                None => (None, None),
+                Some(Low::Bf16(l)) => {
+                    let (a, b) = l.split_at_mut(n);
+                    (Some(Low::Bf16(a)), Some(Low::Bf16(b)))
+                }
+                Some(Low::F16(l)) => {
+                    let (a, b) = l.split_at_mut(n);
+                    (Some(Low::F16(a)), Some(Low::F16(b)))
+                }
+            };
+            out.push(Piece {
+                tensor,
+                p: p0,
+                grad: g0,
+                m: m0,
+                v: v0,
+                low: l0,
+                c,
+            });
+            (p, m, v, grad, low) = (p1, m1, v1, g1, l1);
+        }
     }
-    let states = p
-        .par_chunks_mut(ADAMW_BLOCK)
-        .zip(g.par_chunks(ADAMW_BLOCK))
-        .zip(
-            m.par_chunks_mut(ADAMW_BLOCK)
-                .zip(v.par_chunks_mut(ADAMW_BLOCK)),
-        );
-    match low {
-        Some(low) => states
-            .zip(low.par_chunks_mut(ADAMW_BLOCK))
-            .for_each(|(((p, g), (m, v)), low)| run_block(p, g, m, v, Some(low), c)),
-        None => states.for_each(|((p, g), (m, v))| run_block::<G, L>(p, g, m, v, None, c)),
+
+    /// Runs the block: [`run_block`] on the gradient as given, or [`in_low_block`] on a
+    /// gradient in the parameter storage.
+    fn run(self) {
+        let Piece {
+            p,
+            grad,
+            m,
+            v,
+            low,
+            c,
+            ..
+        } = self;
+        fn with_grad<L: Narrow>(
+            p: &mut [f32],
+            grad: Grad<'_>,
+            m: &mut [f32],
+            v: &mut [f32],
+            low: Option<&mut [L]>,
+            c: &Coeffs,
+        ) {
+            match grad {
+                Grad::F32(g) => run_block(p, g, m, v, low, c),
+                Grad::Bf16(g) => run_block(p, g, m, v, low, c),
+                Grad::F16(g) => run_block(p, g, m, v, low, c),
+                Grad::InLow => unreachable!("handled below"),
+            }
+        }
+        match (grad, low) {
+            (Grad::InLow, Some(Low::Bf16(low))) => in_low_block(p, low, m, v, c),
+            (Grad::InLow, Some(Low::F16(low))) => in_low_block(p, low, m, v, c),
+            (Grad::InLow, None) => unreachable!("checked when the step was cut"),
+            (grad, None) => with_grad::<bf16>(p, grad, m, v, None, c),
+            (grad, Some(Low::Bf16(low))) => with_grad(p, grad, m, v, Some(low), c),
+            (grad, Some(Low::F16(low))) => with_grad(p, grad, m, v, Some(low), c),
+        }
     }
 }
 
-/// Elements of the stack copy [`run_in_low`] takes of a gradient before the new parameter is
-/// written over it (8 KiB of bf16).
+impl<'a> Grad<'a> {
+    /// The first `n` elements and the rest; [`Grad::InLow`] both times.
+    fn split_at(self, n: usize) -> (Grad<'a>, Grad<'a>) {
+        match self {
+            Grad::F32(g) => (Grad::F32(&g[..n]), Grad::F32(&g[n..])),
+            Grad::Bf16(g) => (Grad::Bf16(&g[..n]), Grad::Bf16(&g[n..])),
+            Grad::F16(g) => (Grad::F16(&g[..n]), Grad::F16(&g[n..])),
+            Grad::InLow => (Grad::InLow, Grad::InLow),
+        }
+    }
+}
+
+/// Elements of the stack copy [`in_low_block`] takes of a gradient before the new parameter
+/// is written over it (8 KiB of bf16).
 const IN_LOW_PIECE: usize = 4096;
 
-/// [`run`] with the gradient in the narrow parameter storage `low` (the 14-byte host layout):
-/// each piece of the gradient is copied to the stack, then the step reads the copy and writes
-/// the new parameter over the gradient; the intrinsics kernels for bf16 ([`avx2`],
-/// [`avx512`]) read each vector of the gradient where it lies before storing over it, with no
-/// copy. Elementwise, so the
-/// pieces change no bit. A tensor of one block runs on the calling thread, as in [`run`].
-fn run_in_low<L: Narrow + Widen + Default>(
+/// One block with the gradient in the narrow parameter storage `low` (the 14-byte host
+/// layout): each piece of the gradient is copied to the stack, then the step reads the copy
+/// and writes the new parameter over the gradient; the intrinsics kernels for bf16
+/// ([`avx2`], [`avx512`]) read each vector of the gradient where it lies before storing over
+/// it, with no copy. Elementwise, so the pieces change no bit.
+fn in_low_block<L: Narrow + Widen + Default>(
     p: &mut [f32],
+    low: &mut [L],
     m: &mut [f32],
     v: &mut [f32],
-    low: &mut [L],
     c: &Coeffs,
 ) {
-    let in_low_block = |p: &mut [f32], low: &mut [L], m: &mut [f32], v: &mut [f32]| {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(low) = L::as_bf16(low) {
-            let (src, copy) = (Src::InLow, Copy16::Store);
-            // SAFETY: the instruction set was detected on this CPU.
-            match Isa::detect() {
-                Isa::Avx512 => return unsafe { avx512::run(p, src, m, v, low, copy, c) },
-                Isa::Avx2 => return unsafe { avx2::run(p, src, m, v, low, copy, c) },
-                Isa::Baseline => {}
-            }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(low) = L::as_bf16(low) {
+        let (src, copy) = (Src::InLow, Copy16::Store);
+        // SAFETY: the instruction set was detected on this CPU.
+        match Isa::detect() {
+            Isa::Avx512 => return unsafe { avx512::run(p, src, m, v, low, copy, c) },
+            Isa::Avx2 => return unsafe { avx2::run(p, src, m, v, low, copy, c) },
+            Isa::Baseline => {}
         }
-        let mut g = [L::default(); IN_LOW_PIECE];
-        for (((p, low), m), v) in p
-            .chunks_mut(IN_LOW_PIECE)
-            .zip(low.chunks_mut(IN_LOW_PIECE))
-            .zip(m.chunks_mut(IN_LOW_PIECE))
-            .zip(v.chunks_mut(IN_LOW_PIECE))
-        {
-            let g = &mut g[..low.len()];
-            g.copy_from_slice(low);
-            run_block(p, g, m, v, Some(low), c);
+    }
+    let mut g = [L::default(); IN_LOW_PIECE];
+    for (((p, low), m), v) in p
+        .chunks_mut(IN_LOW_PIECE)
+        .zip(low.chunks_mut(IN_LOW_PIECE))
+        .zip(m.chunks_mut(IN_LOW_PIECE))
+        .zip(v.chunks_mut(IN_LOW_PIECE))
+    {
+        let g = &mut g[..low.len()];
+        g.copy_from_slice(low);
+        run_block(p, g, m, v, Some(low), c);
+    }
+}
+
+/// One tensor's AdamW step, as [`adamw_step_fused`] takes it: a member of a run of steps
+/// that [`adamw_steps_fused`] updates in one parallel pass.
+#[derive(Debug)]
+pub struct AdamWStep<'a> {
+    /// The f32 master weight (the parameter itself when it is f32).
+    pub master: &'a mut [f32],
+    /// The gradient.
+    pub grad: Grad<'a>,
+    /// The gradient's multiplier (the clip coefficient), when it has one.
+    pub grad_scale: Option<f32>,
+    /// The first moment.
+    pub exp_avg: &'a mut [f32],
+    /// The second moment.
+    pub exp_avg_sq: &'a mut [f32],
+    /// The narrow parameter the new master weight is rounded into, for a bf16 (f16) one.
+    pub low: Option<Low<'a>>,
+    /// The 1-based step count after this step's increment.
+    pub step: u64,
+    /// The hyperparameters.
+    pub config: AdamWConfig,
+}
+
+impl AdamWStep<'_> {
+    /// Panics when the operands' lengths differ, or when a gradient in the parameter storage
+    /// comes without that storage.
+    fn check(&self) {
+        let n = self.master.len();
+        if let Some(len) = self.grad.len() {
+            assert_eq!(len, n, "adamw: grad length differs from param");
+        }
+        assert_eq!(
+            self.exp_avg.len(),
+            n,
+            "adamw: exp_avg length differs from param"
+        );
+        assert_eq!(
+            self.exp_avg_sq.len(),
+            n,
+            "adamw: exp_avg_sq length differs from param"
+        );
+        match &self.low {
+            Some(low) => assert_eq!(
+                low.len(),
+                n,
+                "adamw: narrow parameter length differs from master"
+            ),
+            None => assert!(
+                !matches!(self.grad, Grad::InLow),
+                "adamw: a gradient in the parameter storage needs that storage"
+            ),
+        }
+    }
+
+    /// Its coefficients.
+    fn coeffs(&self) -> Coeffs {
+        let mut c = Coeffs::new(self.step, &self.config, self.grad_scale.unwrap_or(1.0));
+        c.stream_copy = self.master.len() >= STREAM_MIN;
+        c
+    }
+}
+
+/// The AdamW steps of several tensors (a host optimizer's run of AdamW ops) in one parallel
+/// pass: every [`ADAMW_BLOCK`]-element block of every tensor is one task of the same
+/// parallel loop, so a thread goes on to the next tensor's blocks instead of waiting at the
+/// end of each tensor for the thread that holds its last block. That wait is what a run of
+/// steps one after another pays for each tensor of several blocks, and it is long where
+/// other threads share the cores: a thread descheduled in the middle of a block holds up
+/// the tensor for the scheduler's time slice. Here it holds up only its own block, and the
+/// run ends once.
+///
+/// `ended(i)` is called as soon as the last block of `steps[i]` is done, on the thread that
+/// did it; blocks are taken in no fixed order, so the tensors end in no fixed order either.
+/// A run of one block runs on the calling thread. Each element's result is the bits of
+/// [`adamw_step_fused`] on its tensor alone, for any thread count and any order. The steps'
+/// slices are distinct borrows, so no two tensors share memory. Panics as
+/// [`adamw_step_fused`].
+pub fn adamw_steps_fused(steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
+    for step in &steps {
+        step.check();
+    }
+    let coeffs: Vec<Coeffs> = steps.iter().map(AdamWStep::coeffs).collect();
+    let left: Vec<AtomicUsize> = steps
+        .iter()
+        .map(|s| AtomicUsize::new(s.master.len().div_ceil(ADAMW_BLOCK)))
+        .collect();
+    let mut pieces = Vec::with_capacity(left.iter().map(|n| n.load(Ordering::Relaxed)).sum());
+    for (i, (step, c)) in steps.into_iter().zip(&coeffs).enumerate() {
+        if step.master.is_empty() {
+            ended(i);
+        }
+        Piece::cut(i, step, c, &mut pieces);
+    }
+    let run = |piece: Piece<'_>| {
+        let tensor = piece.tensor;
+        piece.run();
+        if left[tensor].fetch_sub(1, Ordering::AcqRel) == 1 {
+            ended(tensor);
         }
     };
-    if p.len() <= ADAMW_BLOCK {
-        return in_low_block(p, low, m, v);
+    // One block has no second thread to share it with: a hand-over to the pool and back
+    // would only add a wake-up (a schedule's optimizer stream issues every bias and norm
+    // weight as an AdamW op of its own).
+    match pieces.len() {
+        0 | 1 => pieces.into_iter().for_each(run),
+        _ => pieces.into_par_iter().for_each(run),
     }
-    p.par_chunks_mut(ADAMW_BLOCK)
-        .zip(low.par_chunks_mut(ADAMW_BLOCK))
-        .zip(
-            m.par_chunks_mut(ADAMW_BLOCK)
-                .zip(v.par_chunks_mut(ADAMW_BLOCK)),
-        )
-        .for_each(|((p, low), (m, v))| in_low_block(p, low, m, v));
+}
+
+/// The AdamW steps of several tensors one after another, each in its own parallel pass
+/// ([`adamw_step_fused`]), calling `ended(i)` as `steps[i]` is done: the same bits as
+/// [`adamw_steps_fused`], with a wait for each tensor's last block.
+pub fn adamw_steps_in_turn(steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
+    for (i, step) in steps.into_iter().enumerate() {
+        adamw_steps_fused(vec![step], &|_| {});
+        ended(i);
+    }
 }
 
 /// One AdamW step over a parameter tensor in one pass over memory: the f32 `master` weight
@@ -728,53 +911,17 @@ pub fn adamw_step_fused(
     step: u64,
     cfg: &AdamWConfig,
 ) {
-    let n = master.len();
-    if let Some(len) = grad.len() {
-        assert_eq!(len, n, "adamw: grad length differs from param");
-    }
-    assert_eq!(exp_avg.len(), n, "adamw: exp_avg length differs from param");
-    assert_eq!(
-        exp_avg_sq.len(),
-        n,
-        "adamw: exp_avg_sq length differs from param"
-    );
-    if let Some(low) = &low {
-        assert_eq!(
-            low.len(),
-            n,
-            "adamw: narrow parameter length differs from master"
-        );
-    }
-    let mut c = Coeffs::new(step, cfg, grad_scale.unwrap_or(1.0));
-    c.stream_copy = n >= STREAM_MIN;
-    fn with_grad<L: Narrow>(
-        master: &mut [f32],
-        grad: Grad<'_>,
-        m: &mut [f32],
-        v: &mut [f32],
-        low: Option<&mut [L]>,
-        c: &Coeffs,
-    ) {
-        match grad {
-            Grad::F32(g) => run(master, g, m, v, low, c),
-            Grad::Bf16(g) => run(master, g, m, v, low, c),
-            Grad::F16(g) => run(master, g, m, v, low, c),
-            Grad::InLow => unreachable!("handled below"),
-        }
-    }
-    if let Grad::InLow = grad {
-        match low {
-            Some(Low::Bf16(low)) => run_in_low(master, exp_avg, exp_avg_sq, low, &c),
-            Some(Low::F16(low)) => run_in_low(master, exp_avg, exp_avg_sq, low, &c),
-            None => panic!("adamw: a gradient in the parameter storage needs that storage"),
-        }
-        return;
-    }
-    match low {
-        None => with_grad::<bf16>(master, grad, exp_avg, exp_avg_sq, None, &c),
-        Some(Low::Bf16(low)) => with_grad(master, grad, exp_avg, exp_avg_sq, Some(low), &c),
-        Some(Low::F16(low)) => with_grad(master, grad, exp_avg, exp_avg_sq, Some(low), &c),
-    }
+    let step = AdamWStep {
+        master,
+        grad,
+        grad_scale,
+        exp_avg,
+        exp_avg_sq,
+        low,
+        step,
+        config: *cfg,
+    };
+    adamw_steps_fused(vec![step], &|_| {});
 }
 
 /// One AdamW step over an f32 parameter tensor, exactly as `torch.optim.AdamW(foreach=False)`
@@ -1554,6 +1701,112 @@ mod tests {
                     "f16 {f16}, scale {scale:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_run_of_steps_in_one_pass_gives_each_tensors_bits_alone_and_ends_each_once() {
+        let (p0, g0, m0, v0) = operands();
+        let cfg = AdamWConfig::default();
+        // Tensors of every form and size: an empty one, one element, one block, several
+        // blocks with a ragged end; f32, bf16 and f16 gradients, a gradient in the parameter
+        // storage, scaled or not, each at its own step.
+        let lens = [
+            0,
+            1,
+            ADAMW_BLOCK,
+            2 * ADAMW_BLOCK + 1234,
+            777,
+            ADAMW_BLOCK + 1,
+        ];
+        type State = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<bf16>, Vec<f16>);
+        let states: Vec<State> = lens
+            .iter()
+            .map(|&n| {
+                let low = p0[..n].iter().map(|&x| bf16::from_f32(x)).collect();
+                let half = g0[..n].iter().map(|&x| f16::from_f32(x)).collect();
+                (
+                    p0[..n].to_vec(),
+                    m0[..n].to_vec(),
+                    v0[..n].to_vec(),
+                    low,
+                    half,
+                )
+            })
+            .collect();
+        let g16: Vec<bf16> = g0.iter().map(|&x| bf16::from_f32(x)).collect();
+        fn steps<'a>(
+            states: &'a mut [State],
+            g0: &'a [f32],
+            g16: &'a [bf16],
+            cfg: AdamWConfig,
+        ) -> Vec<AdamWStep<'a>> {
+            states
+                .iter_mut()
+                .enumerate()
+                .map(|(i, (p, m, v, low, half))| {
+                    let n = p.len();
+                    let (grad, low) = match i % 4 {
+                        0 => (Grad::F32(&g0[..n]), None),
+                        1 => (Grad::Bf16(&g16[..n]), Some(Low::Bf16(&mut low[..]))),
+                        2 => (Grad::InLow, Some(Low::Bf16(&mut low[..]))),
+                        _ => (Grad::InLow, Some(Low::F16(&mut half[..]))),
+                    };
+                    AdamWStep {
+                        master: p,
+                        grad,
+                        grad_scale: (i % 2 == 1).then_some(0.5),
+                        exp_avg: m,
+                        exp_avg_sq: v,
+                        low,
+                        step: 1 + i as u64,
+                        config: cfg,
+                    }
+                })
+                .collect()
+        }
+        let mut alone = states.clone();
+        for step in steps(&mut alone, &g0, &g16, cfg) {
+            let AdamWStep {
+                master,
+                grad,
+                grad_scale,
+                exp_avg,
+                exp_avg_sq,
+                low,
+                step,
+                config,
+            } = step;
+            adamw_step_fused(
+                master, grad, grad_scale, exp_avg, exp_avg_sq, low, step, &config,
+            );
+        }
+        let bits = |s: &[State]| -> Vec<Vec<u32>> {
+            s.iter()
+                .map(|(p, m, v, low, half)| {
+                    let wide = p.iter().chain(m).chain(v).map(|x| x.to_bits());
+                    let narrow = low.iter().map(|x| u32::from(x.to_bits()));
+                    wide.chain(narrow)
+                        .chain(half.iter().map(|x| u32::from(x.to_bits())))
+                        .collect()
+                })
+                .collect()
+        };
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut together = states.clone();
+            let ended: Vec<AtomicUsize> = lens.iter().map(|_| AtomicUsize::new(0)).collect();
+            pool.install(|| {
+                adamw_steps_fused(steps(&mut together, &g0, &g16, cfg), &|i| {
+                    ended[i].fetch_add(1, Ordering::Relaxed);
+                })
+            });
+            assert!(bits(&together) == bits(&alone), "{threads} threads");
+            let ends: Vec<usize> = ended.iter().map(|e| e.load(Ordering::Relaxed)).collect();
+            assert_eq!(ends, vec![1; lens.len()], "{threads} threads");
         }
     }
 }

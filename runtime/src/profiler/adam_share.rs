@@ -29,7 +29,7 @@ const PATIENCE: Duration = Duration::from_secs(600);
 /// while the host optimizer updates the chunks whose gradients are done; meanwhile this thread
 /// times one Adam step over `params` f32 parameters, cut as the graph's AdamW ops
 /// (`sizes`, [`super::adam_sizes`]) and handed to `run` as the executor hands a host
-/// optimizer's run to its backend ([`Backend::run_adamw_group`]), `repeats` times with the
+/// optimizer's run reaches its backend ([`Backend::run_host_adamw`]), `repeats` times with the
 /// loop paused and as many with it running, alternately (one untimed pair first). The ratio of
 /// the medians, alone over beside, within [[`MIN_SHARE`], 1].
 ///
@@ -210,7 +210,7 @@ impl Drop for Exit<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::Outcome;
+    use crate::kernels::AdamWStep;
     use protrain_ir::{BlockKind, DType, GraphInfo, OpKind, Role, TensorType, WeightLayout};
     use std::sync::Mutex;
 
@@ -252,12 +252,12 @@ mod tests {
     }
 
     /// The run path of the host backend's optimizer, counting its calls.
-    fn direct(
-        calls: &AtomicUsize,
-    ) -> impl Fn(&mut (dyn FnMut() -> Result<Outcome> + Send)) -> Result<Outcome> + '_ {
-        move |launches| {
+    fn direct(calls: &AtomicUsize) -> impl Fn(Vec<AdamWStep<'_>>, &(dyn Fn(usize) + Sync)) + '_ {
+        move |steps, ended| {
             calls.fetch_add(1, Ordering::Relaxed);
-            launches()
+            crate::host::HostBackend::new(256, 0, 0)
+                .unwrap()
+                .run_host_adamw(steps, ended)
         }
     }
 
@@ -270,13 +270,12 @@ mod tests {
         let seen: Mutex<Vec<(bool, usize, usize)>> = Mutex::new(Vec::new());
         let mut state = AdamOps::cut(&[1000, 24], 1 << 14);
         let ran = beside_loop::<crate::host::HostBackend, _>(&g, &[1], |control, looping| {
-            let run = |launches: &mut (dyn FnMut() -> Result<Outcome> + Send)| {
+            let run = |steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)| {
                 let before = control.ops.load(Ordering::Acquire);
                 let paused = control.paused.load(Ordering::Acquire);
-                let out = launches();
+                crate::kernels::adamw_steps_fused(steps, ended);
                 let after = control.ops.load(Ordering::Acquire);
                 seen.lock().unwrap().push((paused, before, after));
-                out
             };
             let (alone, beside) = time_both(&mut state, &run, 3, control, looping)?;
             assert_eq!((alone.len(), beside.len()), (3, 3));
