@@ -77,6 +77,9 @@ struct AdamSplit {
     /// a copy (either direction) ran.
     alone_beside_compute: f64,
     alone_beside_copies: f64,
+    /// The host optimizer streams' busy seconds outside their spans: from the end of a run of
+    /// AdamW ops' last op to the stream going on (its issuing thread woken).
+    after_runs: f64,
     /// Each AdamW op: its name, parameters, start and seconds in the step, and the seconds a
     /// compute kernel ran beside it.
     ops: Vec<(String, f64, f64, f64, f64)>,
@@ -184,6 +187,18 @@ fn run(
                 after / 1e6
             );
         }
+        let mut split = split;
+        let t = executor.timing();
+        for (i, stream) in schedule.streams.iter().enumerate() {
+            if stream.kind == protrain::ir::StreamKind::HostOptimizer {
+                let spans: f64 = timeline
+                    .iter()
+                    .filter(|s| s.stream.index() == i)
+                    .map(|s| s.end - s.start)
+                    .sum();
+                split.after_runs += (t.stream_busy_seconds[i] - spans).max(0.0);
+            }
+        }
         adam.push(split);
         let mut this: BTreeMap<(usize, String), f64> = BTreeMap::new();
         for span in timeline {
@@ -194,7 +209,6 @@ fn run(
         for (k, v) in this {
             kinds.entry(k).or_default().push(v);
         }
-        let t = executor.timing();
         walls.push(t.wall_seconds);
         for (b, &s) in busy.iter_mut().zip(&t.stream_busy_seconds) {
             b.push(s);
@@ -804,13 +818,14 @@ fn compare(
         };
         println!(
             "  host optimizer AdamW beside compute {:.4} s, {}; alone {:.4} s, {} (of it \
-             {:.4} s beside compute, {:.4} s beside copies)",
+             {:.4} s beside compute, {:.4} s beside copies); {:.4} s after its runs",
             adam.beside_seconds,
             rate(adam.beside_params, adam.beside_seconds),
             adam.alone_seconds,
             rate(adam.alone_params, adam.alone_seconds),
             adam.alone_beside_compute,
             adam.alone_beside_copies,
+            adam.after_runs,
         );
     }
     if env("FIDELITY_ADAM_OPS", 0) > 0 {
