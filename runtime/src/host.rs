@@ -665,20 +665,23 @@ impl Backend for HostBackend {
         Ok(Outcome::default())
     }
 
-    /// One parallel pass over every block of every step ([`kernels::adamw_steps_fused`]), as
-    /// one job of a rayon pool of its own ([`optimizer_pool`]), not the pool the compute
-    /// kernels share. In the shared pool the run waited until a worker was free, which is
-    /// after the compute kernel the workers are on ends, and then shared the workers with the
-    /// compute stream's next kernels by work stealing, in a proportion that depends on where
-    /// the kernels' boundaries fall. With a pool of its own it starts at once and its threads
-    /// share the cores with the compute pool's by the operating system's scheduler: while both
-    /// run, each pool gets about half the machine (both have one thread per core), which is
-    /// what the simulator charges each of them where the profile measured no other share
-    /// (`protrain_compiler::simulate::shared_core_seconds`). In one pass a thread that the
-    /// scheduler takes off its core holds up only its own block, not every tensor after it.
+    /// One parallel pass over every block of every step, worked on by the calling thread (the
+    /// optimizer stream's) and the threads of a pool of its own ([`optimizer_pool`]), not the
+    /// pool the compute kernels share ([`kernels::adamw_steps_beside`]). In the shared pool
+    /// the run waited until a worker was free, which is after the compute kernel the workers
+    /// are on ends, and then shared the workers with the compute stream's next kernels by work
+    /// stealing, in a proportion that depends on where the kernels' boundaries fall. With a
+    /// pool of its own its threads share the cores with the compute pool's by the operating
+    /// system's scheduler: while both run, each pool gets about half the machine (both have
+    /// one thread per core), which is what the simulator charges each of them where the
+    /// profile measured no other share (`protrain_compiler::simulate::shared_core_seconds`).
+    /// In one pass a thread that the scheduler takes off its core holds up only its own block,
+    /// not every tensor after it; and the stream's thread works on the run itself, so it goes
+    /// on as soon as the last block is done instead of sleeping until a pool thread that got a
+    /// core takes the run and then until it gets a core back itself.
     fn run_host_adamw(&self, steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
         match optimizer_pool() {
-            Some(pool) => pool.install(|| kernels::adamw_steps_fused(steps, ended)),
+            Some(pool) => kernels::adamw_steps_beside(steps, ended, pool),
             None => kernels::adamw_steps_fused(steps, ended),
         }
     }
@@ -1124,12 +1127,13 @@ impl Backend for HostBackend {
 #[cfg(test)]
 mod tests {
 
-    /// A run of AdamW steps goes to the host optimizer's own pool as one job: every step ends
-    /// on a thread of that pool, not of the global pool the compute kernels use (so it neither
-    /// waits for a compute kernel to free a worker nor splits its blocks among the compute
-    /// kernels' workers), each once, and the pool's threads are pinned one to a CPU.
+    /// A run of AdamW steps is worked on by the calling thread and the host optimizer's own
+    /// pool, not the global pool the compute kernels use (so it neither waits for a compute
+    /// kernel to free a worker nor splits its blocks among the compute kernels' workers):
+    /// every step ends once, on one of those threads, and the pool's threads are pinned one
+    /// to a CPU.
     #[test]
-    fn a_run_of_adamw_steps_is_one_pass_in_the_optimizer_pool() {
+    fn a_run_of_adamw_steps_is_worked_on_by_its_caller_and_the_optimizer_pool() {
         use super::{optimizer_pool, Backend, HostBackend};
         use crate::kernels::{AdamWConfig, AdamWStep, Grad, ADAMW_BLOCK};
         let backend = HostBackend::new(1 << 20, 1 << 20, 0).expect("a small backend");
@@ -1163,12 +1167,14 @@ mod tests {
         let mut ended = ended.into_inner().unwrap();
         ended.sort();
         assert_eq!(ended.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 1, 2]);
+        let caller = std::thread::current().name().map(str::to_string);
         assert!(
-            ended.iter().all(|(_, index, name)| index.is_some()
-                && name
-                    .as_deref()
-                    .is_some_and(|n| n.starts_with("protrain-adam-"))),
-            "ended outside the optimizer pool: {ended:?}"
+            ended.iter().all(|(_, index, name)| *name == caller
+                || (index.is_some()
+                    && name
+                        .as_deref()
+                        .is_some_and(|n| n.starts_with("protrain-adam-")))),
+            "ended outside the caller and the optimizer pool: {ended:?}"
         );
         assert!(
             state.iter().all(|[p, ..]| p.iter().all(|&x| x != 0.5)),

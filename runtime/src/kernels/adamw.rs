@@ -4,6 +4,7 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::math::{fast_in, Isa, ELEM_GRAIN};
+use super::share::share_out;
 
 /// The driver of an intrinsics kernel for steps with a bf16 copy, the same for every width:
 /// `run` (one block: the head before the copy's first `$align`-byte address one element at a
@@ -848,6 +849,37 @@ impl AdamWStep<'_> {
 /// slices are distinct borrows, so no two tensors share memory. Panics as
 /// [`adamw_step_fused`].
 pub fn adamw_steps_fused(steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Sync)) {
+    in_pieces(steps, ended, |pieces, run| match pieces.len() {
+        // One block has no second thread to share it with: a hand-over to the pool and back
+        // would only add a wake-up (a schedule's optimizer stream issues every bias and norm
+        // weight as an AdamW op of its own).
+        0 | 1 => pieces.into_iter().for_each(run),
+        _ => pieces.into_par_iter().for_each(run),
+    });
+}
+
+/// [`adamw_steps_fused`] worked on by the calling thread itself from the first moment, with
+/// the threads of `pool` joining in as they wake ([`share_out`]): the call returns as soon as
+/// the last block is done, neither waiting for a pool thread to take the run on nor for the
+/// calling thread to be woken when it ends. Where other threads hold the cores each of those
+/// waits is a woken thread waiting for a core, up to the scheduler's time slice, at both ends
+/// of every run. The same bits.
+pub fn adamw_steps_beside(
+    steps: Vec<AdamWStep<'_>>,
+    ended: &(dyn Fn(usize) + Sync),
+    pool: &rayon::ThreadPool,
+) {
+    in_pieces(steps, ended, |pieces, run| share_out(pieces, run, pool));
+}
+
+/// Checks `steps`, cuts them into [`Piece`]s and hands them to `each` with the work of one
+/// piece, which calls `ended(i)` when the last piece of `steps[i]` is done (at once for an
+/// empty step).
+fn in_pieces(
+    steps: Vec<AdamWStep<'_>>,
+    ended: &(dyn Fn(usize) + Sync),
+    each: impl FnOnce(Vec<Piece<'_>>, &(dyn Fn(Piece<'_>) + Sync)),
+) {
     for step in &steps {
         step.check();
     }
@@ -870,13 +902,7 @@ pub fn adamw_steps_fused(steps: Vec<AdamWStep<'_>>, ended: &(dyn Fn(usize) + Syn
             ended(tensor);
         }
     };
-    // One block has no second thread to share it with: a hand-over to the pool and back
-    // would only add a wake-up (a schedule's optimizer stream issues every bias and norm
-    // weight as an AdamW op of its own).
-    match pieces.len() {
-        0 | 1 => pieces.into_iter().for_each(run),
-        _ => pieces.into_par_iter().for_each(run),
-    }
+    each(pieces, &run);
 }
 
 /// The AdamW steps of several tensors one after another, each in its own parallel pass
@@ -1807,6 +1833,16 @@ mod tests {
             assert!(bits(&together) == bits(&alone), "{threads} threads");
             let ends: Vec<usize> = ended.iter().map(|e| e.load(Ordering::Relaxed)).collect();
             assert_eq!(ends, vec![1; lens.len()], "{threads} threads");
+            // Shared out between this thread and the pool's: the same bits, each ended once.
+            let mut beside = states.clone();
+            let ended: Vec<AtomicUsize> = lens.iter().map(|_| AtomicUsize::new(0)).collect();
+            let count = |i: usize| {
+                ended[i].fetch_add(1, Ordering::Relaxed);
+            };
+            adamw_steps_beside(steps(&mut beside, &g0, &g16, cfg), &count, &pool);
+            assert!(bits(&beside) == bits(&alone), "{threads} threads beside");
+            let ends: Vec<usize> = ended.iter().map(|e| e.load(Ordering::Relaxed)).collect();
+            assert_eq!(ends, vec![1; lens.len()], "{threads} threads beside");
         }
     }
 }

@@ -25,6 +25,7 @@ mod math;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod share;
 pub mod storage;
 
 #[cfg(test)]
@@ -36,9 +37,9 @@ pub use activation::{
     softcap_backward, softcap_forward, swiglu_backward, swiglu_forward,
 };
 pub use adamw::{
-    adamw_step, adamw_step_fused, adamw_steps_fused, adamw_steps_in_turn, bf16, clip_coef, f16,
-    grad_norm_sq, scale, skips_step, to_bf16, unscale_coef, AdamWConfig, AdamWStep, Grad, Low,
-    ADAMW_BLOCK, SKIP_STEP,
+    adamw_step, adamw_step_fused, adamw_steps_beside, adamw_steps_fused, adamw_steps_in_turn, bf16,
+    clip_coef, f16, grad_norm_sq, scale, skips_step, to_bf16, unscale_coef, AdamWConfig, AdamWStep,
+    Grad, Low, ADAMW_BLOCK, SKIP_STEP,
 };
 pub use add::{
     add_assign, add_assign_bf16, add_assign_f16, add_backward, add_forward, bias_add_assign,
