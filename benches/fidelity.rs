@@ -77,12 +77,14 @@ struct AdamSplit {
     /// a copy (either direction) ran.
     alone_beside_compute: f64,
     alone_beside_copies: f64,
+    /// Seconds of the ops counted beside compute during which a copy ran.
+    beside_copies: f64,
     /// The host optimizer streams' busy seconds outside their spans: from the end of a run of
     /// AdamW ops' last op to the stream going on (its issuing thread woken).
     after_runs: f64,
     /// Each AdamW op: its name, parameters, start and seconds in the step, and the seconds a
-    /// compute kernel ran beside it.
-    ops: Vec<(String, f64, f64, f64, f64)>,
+    /// compute kernel and a copy ran beside it.
+    ops: Vec<(String, f64, f64, f64, f64, f64)>,
 }
 
 impl AdamSplit {
@@ -119,21 +121,24 @@ impl AdamSplit {
             let params = schedule.graph.value(op.inputs[0]).ty.numel() as f64;
             let seconds = span.end - span.start;
             let overlap = within(&compute, span.start, span.end);
+            let beside_copies = within(&copies, span.start, span.end).min(seconds);
             out.ops.push((
                 schedule.graph.value(op.inputs[0]).name.clone(),
                 params,
                 span.start,
                 seconds,
                 overlap,
+                beside_copies,
             ));
             if overlap > 0.5 * seconds {
                 out.beside_seconds += seconds;
                 out.beside_params += params;
+                out.beside_copies += beside_copies;
             } else {
                 out.alone_seconds += seconds;
                 out.alone_params += params;
                 out.alone_beside_compute += overlap;
-                out.alone_beside_copies += within(&copies, span.start, span.end).min(seconds);
+                out.alone_beside_copies += beside_copies;
             }
         }
         out
@@ -179,11 +184,27 @@ fn run(
             // a slow step's lone AdamW ops were the executor's or the moment's.
             let params = (split.alone_params + split.beside_params) as usize;
             let after = protrain::runtime::profiler::measure_adam(params, 3);
+            // The ops beside compute, apart by whether a copy ran beside them too.
+            let mut with = [(0.0, 0.0); 2];
+            for &(_, p, _, seconds, compute, copies) in &split.ops {
+                if compute > 0.5 * seconds {
+                    let w = &mut with[usize::from(copies > 0.5 * seconds)];
+                    w.0 += p;
+                    w.1 += seconds;
+                }
+            }
+            let rate = |(p, s): (f64, f64)| match s > 0.0 {
+                true => format!("{:.0}", p / s / 1e6),
+                false => "-".into(),
+            };
             println!(
-                "  step {step}: lone AdamW {:.0} M params/s, beside compute {:.0} M/s; one \
-                 step over {params} params right after {:.0} M/s",
+                "  step {step}: lone AdamW {:.0} M params/s, beside compute {:.0} M/s ({} M/s \
+                 without copies, {} M/s with); one step over {params} params right after \
+                 {:.0} M/s",
                 split.alone_params / split.alone_seconds / 1e6,
                 split.beside_params / split.beside_seconds.max(1e-9) / 1e6,
+                rate(with[0]),
+                rate(with[1]),
                 after / 1e6
             );
         }
@@ -245,11 +266,13 @@ fn median_profile(profiles: &[Profiled]) -> HardwareProfile {
     out.launch_overhead_s = figure(&|p| p.launch_overhead_s);
     out.cpu_adam_params_per_s = figure(&|p| p.cpu_adam_params_per_s);
     out.cpu_adam_op_s = figure(&|p| p.cpu_adam_op_s);
-    let shares: Vec<f64> = profiles
-        .iter()
-        .filter_map(|p| p.profile.cpu_adam_compute_share)
-        .collect();
-    out.cpu_adam_compute_share = (!shares.is_empty()).then(|| median(shares));
+    let share = |f: &dyn Fn(&HardwareProfile) -> Option<f64>| {
+        let shares: Vec<f64> = profiles.iter().filter_map(|p| f(&p.profile)).collect();
+        (!shares.is_empty()).then(|| median(shares))
+    };
+    out.cpu_adam_compute_share = share(&|p| p.cpu_adam_compute_share);
+    out.cpu_adam_copy_share = share(&|p| p.cpu_adam_copy_share);
+    out.cpu_adam_compute_copy_share = share(&|p| p.cpu_adam_compute_copy_share);
     out.gpu_adam_params_per_s = figure(&|p| p.gpu_adam_params_per_s);
     for op in &mut out.measured_ops {
         op.seconds = median(
@@ -406,13 +429,13 @@ fn contention(graph: &Graph, rounds: usize) {
     }
 }
 
-/// The share of its rate the host optimizer keeps beside the graph's backward kernels
-/// (`FIDELITY_SHARE_PROBE=N`, `rounds` times; `profile`'s measurement,
-/// `measure_adam_compute_share`), over the graph's parameters cut three ways: as its AdamW
-/// ops, as one op, and as its ops of more than one block alone. Where the host backend
-/// waited for each op's last block, the first measured far below the second.
-fn share_probe(graph: &Graph, rounds: usize) {
-    use protrain::runtime::profiler::{adam_sizes, measure_adam_compute_share, RunAdamW};
+/// The shares of its rate the host optimizer keeps beside the graph's backward kernels, the
+/// copies and both (`FIDELITY_SHARE_PROBE=N`, `rounds` times; `profile`'s measurement,
+/// `measure_adam_shares`), over the graph's parameters cut three ways: as its AdamW ops, as
+/// one op, and as its ops of more than one block alone. Where the host backend waited for
+/// each op's last block, the first measured far below the second.
+fn share_probe(graph: &Graph, copy_bytes: u64, rounds: usize) {
+    use protrain::runtime::profiler::{adam_sizes, measure_adam_shares, RunAdamW};
     use protrain::runtime::{Backend, HostBackend};
     let backend = HostBackend::new(256, 0, 0).expect("a backend");
     let sizes = adam_sizes(graph);
@@ -425,13 +448,20 @@ fn share_probe(graph: &Graph, rounds: usize) {
     let run: &RunAdamW<'_> = &|steps, ended| backend.run_host_adamw(steps, ended);
     let share = |sizes: &[usize]| {
         let params = sizes.iter().sum();
-        measure_adam_compute_share::<HostBackend>(graph, sizes, params, 9, run)
-            .expect("the share is measured")
-            .map_or("-".to_string(), |s| format!("{s:.2}"))
+        let shares = measure_adam_shares::<HostBackend>(graph, sizes, params, copy_bytes, 9, run)
+            .expect("the shares are measured");
+        let show = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{s:.2}"));
+        format!(
+            "{}/{}/{}",
+            show(shares.compute),
+            show(shares.copy),
+            show(shares.compute_and_copy)
+        )
     };
     for _ in 0..rounds {
         println!(
-            "share probe: as its {} ops {}; as one op {}; its {} ops of several blocks {}",
+            "share probe (beside compute/copies/both): as its {} ops {}; as one op {}; its {} \
+             ops of several blocks {}",
             sizes.len(),
             share(&sizes),
             share(&[total]),
@@ -612,6 +642,11 @@ fn error_pct(predicted: f64, measured: f64) -> f64 {
     (predicted - measured) / measured * 100.0
 }
 
+/// A measured share as `0.93x`, `-` where none was measured.
+fn show_share(share: Option<f64>) -> String {
+    share.map_or("-".into(), |s| format!("{s:.2}x"))
+}
+
 /// One line on the profile that predicts the next run: its serial compute (the median of
 /// `profiles`' and their range when several) against the first profile's, copies and Adam.
 fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled], first: f64) {
@@ -627,16 +662,16 @@ fn print_profile(label: &str, profile: &HardwareProfile, profiles: &[&Profiled],
     };
     println!(
         "{label}: {serial:.4} s serial compute{range}, {:+.1}% against the first; copies \
-         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op, {} beside compute",
+         {:.1}/{:.1} GB/s, Adam {:.0} M params/s + {:.1} us per op, {}/{}/{} beside \
+         compute/copies/both",
         error_pct(serial, first),
         profile.h2d_bandwidth / 1e9,
         profile.d2h_bandwidth / 1e9,
         profile.cpu_adam_params_per_s / 1e6,
         profile.cpu_adam_op_s * 1e6,
-        match profile.cpu_adam_compute_share {
-            Some(share) => format!("{share:.2}x"),
-            None => "no share measured".into(),
-        },
+        show_share(profile.cpu_adam_compute_share),
+        show_share(profile.cpu_adam_copy_share),
+        show_share(profile.cpu_adam_compute_copy_share),
     );
 }
 
@@ -817,10 +852,12 @@ fn compare(
             false => "-".into(),
         };
         println!(
-            "  host optimizer AdamW beside compute {:.4} s, {}; alone {:.4} s, {} (of it \
-             {:.4} s beside compute, {:.4} s beside copies); {:.4} s after its runs",
+            "  host optimizer AdamW beside compute {:.4} s, {} (of it {:.4} s beside copies); \
+             alone {:.4} s, {} (of it {:.4} s beside compute, {:.4} s beside copies); {:.4} s \
+             after its runs",
             adam.beside_seconds,
             rate(adam.beside_params, adam.beside_seconds),
+            adam.beside_copies,
             adam.alone_seconds,
             rate(adam.alone_params, adam.alone_seconds),
             adam.alone_beside_compute,
@@ -830,14 +867,16 @@ fn compare(
     }
     if env("FIDELITY_ADAM_OPS", 0) > 0 {
         println!(
-            "  host optimizer AdamW ops of the median step: start, params, us, M/s, beside compute"
+            "  host optimizer AdamW ops of the median step: start, params, us, M/s, beside \
+             compute, beside copies"
         );
-        for (name, params, start, seconds, overlap) in &adam.ops {
+        for (name, params, start, seconds, overlap, copies) in &adam.ops {
             println!(
-                "    {start:>8.4} s {params:>9.0} {:>8.1} us {:>6.0} M/s {:>4.0}%  {name}",
+                "    {start:>8.4} s {params:>9.0} {:>8.1} us {:>6.0} M/s {:>4.0}% {:>4.0}%  {name}",
                 seconds * 1e6,
                 params / seconds / 1e6,
-                100.0 * overlap / seconds
+                100.0 * overlap / seconds,
+                100.0 * copies / seconds
             );
         }
     }
@@ -917,7 +956,11 @@ fn main() {
         }
     }
     if env("FIDELITY_SHARE_PROBE", 0usize) > 0 {
-        share_probe(graph, env("FIDELITY_SHARE_PROBE", 0usize));
+        share_probe(
+            graph,
+            profile_options.copy_bytes,
+            env("FIDELITY_SHARE_PROBE", 0usize),
+        );
     }
     let runs = env("FIDELITY_RUNS", 2usize);
     let by_op = env("FIDELITY_BY_OP", 0u8) == 1;

@@ -29,6 +29,32 @@ pub const CAST_PER_ADAM: f64 = 6.0 / 28.0;
 /// Adam to keep beside compute kernels where the profile measured no share of its own.
 pub const EVEN_CORE_SHARE: f64 = 0.5;
 
+/// The shares of its rate the host backend's CPU Adam keeps while other work runs on the same
+/// cores, each in (0, 1]: beside compute kernels alone, beside a copy alone, and beside both.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamShares {
+    /// Beside compute kernels, no copy running.
+    pub compute: f64,
+    /// Beside a copy, no compute kernel running.
+    pub copy: f64,
+    /// Beside compute kernels and a copy together.
+    pub compute_and_copy: f64,
+}
+
+impl AdamShares {
+    /// The shares a profile measured (`cpu_adam_compute_share`, `cpu_adam_copy_share`,
+    /// `cpu_adam_compute_copy_share`), each unmeasured one taken as: beside compute,
+    /// [`EVEN_CORE_SHARE`]; beside a copy, no loss (1); beside both, the share beside compute.
+    pub fn of(compute: Option<f64>, copy: Option<f64>, compute_and_copy: Option<f64>) -> Self {
+        let compute = compute.unwrap_or(EVEN_CORE_SHARE);
+        Self {
+            compute,
+            copy: copy.unwrap_or(1.0),
+            compute_and_copy: compute_and_copy.unwrap_or(compute),
+        }
+    }
+}
+
 /// Estimates how long instructions take on some hardware.
 ///
 /// A trait, as egg's `CostFunction` is, so the analytic [`Roofline`] and the table-driven
@@ -63,13 +89,13 @@ pub trait CostModel {
         0.0
     }
 
-    /// On the host backend ([`CostModel::host_cores`]), the share of its rate the CPU Adam
-    /// keeps while compute kernels run beside it: the profile's measured
-    /// `cpu_adam_compute_share`, else [`EVEN_CORE_SHARE`] (the two pools splitting the cores
-    /// evenly). The simulator stretches the host optimizer's busy time by it
-    /// ([`crate::simulate::cpu_adam_beside_compute_seconds`]).
-    fn cpu_adam_compute_share(&self) -> f64 {
-        EVEN_CORE_SHARE
+    /// On the host backend ([`CostModel::host_cores`]), the shares of its rate the CPU Adam
+    /// keeps while compute kernels, copies or both run beside it on the same cores. The
+    /// simulator stretches the host optimizer's busy time by them
+    /// ([`crate::simulate::cpu_adam_beside_others_seconds`]). By default those of
+    /// [`AdamShares::of`] a profile that measured none.
+    fn cpu_adam_shares(&self) -> AdamShares {
+        AdamShares::of(None, None, None)
     }
 
     /// Rounding `params` f32 master weights into narrow parameters on the host (a staged
@@ -525,10 +551,12 @@ impl CostModel for Roofline {
         self.profile.cpu_adam_op_s
     }
 
-    fn cpu_adam_compute_share(&self) -> f64 {
-        self.profile
-            .cpu_adam_compute_share
-            .unwrap_or(EVEN_CORE_SHARE)
+    fn cpu_adam_shares(&self) -> AdamShares {
+        AdamShares::of(
+            self.profile.cpu_adam_compute_share,
+            self.profile.cpu_adam_copy_share,
+            self.profile.cpu_adam_compute_copy_share,
+        )
     }
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {
@@ -637,8 +665,8 @@ impl CostModel for Measured {
         self.roofline.cpu_adam_op_seconds()
     }
 
-    fn cpu_adam_compute_share(&self) -> f64 {
-        self.roofline.cpu_adam_compute_share()
+    fn cpu_adam_shares(&self) -> AdamShares {
+        self.roofline.cpu_adam_shares()
     }
 
     fn gpu_adam_seconds(&self, params: u64) -> f64 {

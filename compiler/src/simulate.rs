@@ -1,7 +1,7 @@
 //! Discrete-event simulation of a schedule's streams and events, and its Chrome trace.
 
 use crate::comm::{CollectiveKind, Topology};
-use crate::cost::{CopyDir, CostModel};
+use crate::cost::{AdamShares, CopyDir, CostModel};
 use protrain_ir::verify_schedule::VerifiedSchedule;
 use protrain_ir::{
     format_bytes, BufferId, BufferKind, CopyKind, DType, EventId, Instr, Op, OpId, OpKind, Phase,
@@ -821,12 +821,13 @@ fn simulate_step(
     let mut step_seconds = clock.iter().copied().fold(0.0, f64::max);
     if let (Some(cores), true) = (cost.host_cores(), shared) {
         step_seconds += shared_core_seconds(&timeline, cores);
-        // The host optimizer's threads share the cores with the compute kernels': each of its
-        // spans is busy longer while it overlaps compute, by the share of its rate it keeps.
-        let share = cost.cpu_adam_compute_share();
+        // The host optimizer's threads share the cores with the compute kernels' and the
+        // copies': each of its spans is busy longer while it overlaps them, by the share of its
+        // rate it keeps.
+        let shares = cost.cpu_adam_shares();
         for (s, stream) in schedule.streams.iter().enumerate() {
             if stream.kind == StreamKind::HostOptimizer {
-                busy[s] += cpu_adam_beside_compute_seconds(&timeline, StreamId::new(s), share);
+                busy[s] += cpu_adam_beside_others_seconds(&timeline, StreamId::new(s), shares);
             }
         }
     }
@@ -841,7 +842,7 @@ fn simulate_step(
 /// What the host backend's compute kernels lose to the other streams on the same `cores`:
 /// every second of CPU Adam work that overlaps compute (the Adam, at its share of the machine
 /// for as long as that work takes it, holds the cores for one second of the whole machine:
-/// [`cpu_adam_beside_compute_seconds`]), and `1 / cores` of every second of copy that
+/// [`cpu_adam_beside_others_seconds`]), and `1 / cores` of every second of copy that
 /// overlaps compute (a `memcpy` thread takes one core). Added to the step time, not spread
 /// over the timeline: the streams' spans stay as the events order them, and the compute
 /// stream ends that much later.
@@ -863,36 +864,58 @@ pub fn shared_core_seconds(timeline: &[Span], cores: f64) -> f64 {
         }
 }
 
-/// What the host optimizer `stream` loses to the compute kernels beside it, on top of its
-/// spans' own seconds, on the host backend: each second of its CPU Adam spans during which a
-/// compute kernel runs takes `1 / share` seconds of wall time, where `share` is the part of
-/// its rate the Adam keeps beside compute ([`CostModel::cpu_adam_compute_share`]). The host
-/// backend runs the CPU Adam in a thread pool of its own with one thread per core, as many as
-/// the compute kernels' pool; the operating system's fair scheduler would give each half the
-/// machine ([`crate::cost::EVEN_CORE_SHARE`], where the profile measured nothing), and the
-/// Adam, whose state streams from memory the kernels' working sets compete for, may measure
-/// more or less. The
-/// compute kernels lose the Adam's own seconds ([`shared_core_seconds`]): the cores the Adam
-/// holds for `1 / share` seconds at `share` of the machine. A device's host optimizer shares
-/// no cores with its compute: the simulator adds this only where [`CostModel::host_cores`]
-/// says the streams run on the CPU.
-pub fn cpu_adam_beside_compute_seconds(timeline: &[Span], stream: StreamId, share: f64) -> f64 {
+/// What the host optimizer `stream` loses to the compute kernels and copies beside it, on top
+/// of its spans' own seconds, on the host backend: each second of its CPU Adam spans during
+/// which a compute kernel runs and no copy takes `1 / shares.compute` seconds of wall time,
+/// each during which a copy runs and no compute kernel `1 / shares.copy`, and each during
+/// which both run `1 / shares.compute_and_copy` ([`CostModel::cpu_adam_shares`]: the parts of
+/// its rate the Adam keeps beside them). The host backend runs the CPU Adam on the stream's
+/// thread and a thread pool of its own, one thread per core, as many as the compute kernels'
+/// pool; a copy is a `memcpy` on its stream's thread. The operating system's fair scheduler
+/// would give the Adam and the kernels half the machine each ([`crate::cost::EVEN_CORE_SHARE`],
+/// where the profile measured nothing), and the Adam, whose state streams from memory that the
+/// kernels' working sets and the copies compete for, may measure more or less. The compute
+/// kernels lose the Adam's own seconds ([`shared_core_seconds`]): the cores the Adam holds for
+/// `1 / share` seconds at `share` of the machine. A device's host optimizer shares no cores
+/// with its compute: the simulator adds this only where [`CostModel::host_cores`] says the
+/// streams run on the CPU.
+pub fn cpu_adam_beside_others_seconds(
+    timeline: &[Span],
+    stream: StreamId,
+    shares: AdamShares,
+) -> f64 {
+    const COPIES: [&str; 2] = [category::H2D, category::D2H];
     let spans: Vec<Span> = timeline
         .iter()
         .filter(|s| {
             (s.stream == stream && s.category == category::CPU_ADAM)
                 || s.category == category::COMPUTE
+                || COPIES.contains(&s.category)
         })
         .cloned()
         .collect();
+    let adam = [category::CPU_ADAM];
     let busy: f64 = spans
         .iter()
         .filter(|s| s.category == category::CPU_ADAM)
         .map(Span::seconds)
         .sum();
-    let beside =
-        (busy - exposed_seconds(&spans, &[category::CPU_ADAM], &[category::COMPUTE])).max(0.0);
-    beside * (1.0 / share - 1.0)
+    // The Adam's seconds apart from compute, from copies and from both; by inclusion and
+    // exclusion, those beside compute only, copies only and both at once.
+    let without_compute = exposed_seconds(&spans, &adam, &[category::COMPUTE]);
+    let without_copies = exposed_seconds(&spans, &adam, &COPIES);
+    let without_either = exposed_seconds(
+        &spans,
+        &adam,
+        &[category::COMPUTE, category::H2D, category::D2H],
+    );
+    let both = (busy - without_compute - without_copies + without_either).max(0.0);
+    let compute_only = (busy - without_compute - both).max(0.0);
+    let copies_only = (busy - without_copies - both).max(0.0);
+    let stretch = |share: f64| 1.0 / share - 1.0;
+    compute_only * stretch(shares.compute)
+        + copies_only * stretch(shares.copy)
+        + both * stretch(shares.compute_and_copy)
 }
 
 /// Seconds during which some span of `categories` runs and no span of `hidden_by` does: the

@@ -123,6 +123,20 @@ pub struct HardwareProfile {
     /// takes as the even split, 0.5. Between 0 (exclusive) and 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_adam_compute_share: Option<f64>,
+    /// The share of its rate the host optimizer keeps while a copy runs beside it and no
+    /// compute kernel does: on the host backend a copy is a `memcpy` on its stream's thread,
+    /// which takes a core and streams memory as the Adam does. Measured by `protrain profile
+    /// --backend host` as `cpu_adam_compute_share` is, beside a loop of copies; `None` where
+    /// it was not measured, which the cost model takes as no loss (1). Between 0 (exclusive)
+    /// and 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_adam_copy_share: Option<f64>,
+    /// The share of its rate the host optimizer keeps while the compute kernels and a copy
+    /// both run beside it: measured beside both loops at once, since the three contend for
+    /// the same cores and memory together. `None` where it was not measured, which the cost
+    /// model takes as `cpu_adam_compute_share`. Between 0 (exclusive) and 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_adam_compute_copy_share: Option<f64>,
     /// Parameters per second a fused device AdamW updates.
     pub gpu_adam_params_per_s: f64,
     /// Measured op times, keyed by [`op_key`]; empty for presets.
@@ -406,6 +420,8 @@ impl GpuSpec {
             cpu_adam_params_per_s: (host_dram / ADAM_BYTES_PER_PARAM).round(),
             cpu_adam_op_s: 0.0,
             cpu_adam_compute_share: None,
+            cpu_adam_copy_share: None,
+            cpu_adam_compute_copy_share: None,
             gpu_adam_params_per_s: (device_bandwidth / ADAM_BYTES_PER_PARAM).round(),
             measured_ops: Vec::new(),
             interconnect: Some(self.links.interconnect()),
@@ -623,6 +639,8 @@ impl HardwareProfile {
             cpu_adam_params_per_s: adam,
             cpu_adam_op_s: 0.0,
             cpu_adam_compute_share: None,
+            cpu_adam_copy_share: None,
+            cpu_adam_compute_copy_share: None,
             gpu_adam_params_per_s: adam,
             measured_ops: Vec::new(),
             interconnect: None,
@@ -818,12 +836,31 @@ impl HardwareProfile {
                 self.cpu_adam_op_s
             ));
         }
-        if let Some(share) = self.cpu_adam_compute_share {
-            if !(share.is_finite() && share > 0.0 && share <= 1.0) {
-                return bad(format!(
-                    "cpu_adam_compute_share must be above 0 and at most 1, got {share}; \
-                     remove it to take the even split (0.5)"
-                ));
+        let shares = [
+            (
+                "cpu_adam_compute_share",
+                self.cpu_adam_compute_share,
+                "the even split (0.5)",
+            ),
+            (
+                "cpu_adam_copy_share",
+                self.cpu_adam_copy_share,
+                "no loss (1)",
+            ),
+            (
+                "cpu_adam_compute_copy_share",
+                self.cpu_adam_compute_copy_share,
+                "cpu_adam_compute_share's",
+            ),
+        ];
+        for (field, share, default) in shares {
+            if let Some(share) = share {
+                if !(share.is_finite() && share > 0.0 && share <= 1.0) {
+                    return bad(format!(
+                        "{field} must be above 0 and at most 1, got {share}; remove it to \
+                         take {default}"
+                    ));
+                }
             }
         }
         if !(self.launch_overhead_s.is_finite() && self.launch_overhead_s >= 0.0) {

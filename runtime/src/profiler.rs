@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 mod adam_share;
-pub use adam_share::{measure_adam_compute_share, MIN_SHARE};
+pub use adam_share::{measure_adam_shares, MeasuredShares, MIN_SHARE};
 
 /// Operands are placed at multiples of this many bytes, as the planner aligns buffers.
 const ALIGN: u64 = 256;
@@ -96,7 +96,8 @@ pub fn profile_host(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
 /// Measured: the op table of the graph's ops (timed in place when the graph
 /// fits [`ProfileOptions::in_place_limit`], else one by one), copy bandwidth each way, the
 /// Adam rate, its cost per op ([`measure_adam_op_seconds`]) and, for a graph timed in place,
-/// the share of it kept beside the backward kernels ([`measure_adam_compute_share`]), host
+/// the shares of it kept beside the backward kernels, the copies and both
+/// ([`measure_adam_shares`]), host
 /// `memcpy` bandwidth, the launch overhead (median of a 256-byte copy), and peak f32 FLOP/s
 /// and device bandwidth derived from the largest matmul and from `memcpy`.
 /// Memory sizes and the reservation are kept from `base`; the same Adam rate is written for
@@ -126,21 +127,22 @@ pub fn profile<B: Backend>(
         options.repeats,
         &|steps, ended| backend.run_host_adamw(steps, ended),
     );
-    // Beside the backward kernels, which need the graph in place; over the graph's own
-    // parameters (one step's updates), at most the Adam step's.
+    // Beside the backward kernels, which need the graph in place, and the copies; over the
+    // graph's own parameters (one step's updates), at most the Adam step's.
     let sizes = adam_sizes(graph);
-    let adam_share = match in_place {
-        true => measure_adam_compute_share::<B>(
+    let shares = match in_place {
+        true => measure_adam_shares::<B>(
             graph,
             &sizes,
             sizes
                 .iter()
                 .sum::<usize>()
                 .clamp(1, options.adam_params.max(1)),
+            options.copy_bytes,
             options.repeats,
             &|steps, ended| backend.run_host_adamw(steps, ended),
         )?,
-        false => None,
+        false => MeasuredShares::default(),
     };
     let mut profile = base;
     profile.name = options.name.clone();
@@ -158,7 +160,9 @@ pub fn profile<B: Backend>(
     profile.launch_overhead_s = launch;
     profile.cpu_adam_params_per_s = adam;
     profile.cpu_adam_op_s = adam_op;
-    profile.cpu_adam_compute_share = adam_share;
+    profile.cpu_adam_compute_share = shares.compute;
+    profile.cpu_adam_copy_share = shares.copy;
+    profile.cpu_adam_compute_copy_share = shares.compute_and_copy;
     profile.gpu_adam_params_per_s = adam;
     profile.measured_ops = ops.iter().map(|t| t.op.clone()).collect();
     profile.description = format!(
@@ -169,10 +173,16 @@ pub fn profile<B: Backend>(
         h2d / 1e9,
         d2h / 1e9,
         adam / 1e6,
-        match adam_share {
-            Some(share) => format!(", {:.0}% of it beside compute", share * 100.0),
-            None => String::new(),
-        }
+        [
+            ("compute", shares.compute),
+            ("copies", shares.copy),
+            ("both", shares.compute_and_copy)
+        ]
+        .iter()
+        .filter_map(
+            |(what, share)| share.map(|s| format!(", {:.0}% of it beside {what}", s * 100.0))
+        )
+        .collect::<String>()
     );
     profile
         .validate()
@@ -619,7 +629,7 @@ pub fn measure_adam_op_seconds(
 }
 
 /// One f32 Adam state (parameters, gradients, moments) cut into consecutive parts as a
-/// graph's AdamW ops: what [`measure_adam_op_seconds`] and [`measure_adam_compute_share`] run.
+/// graph's AdamW ops: what [`measure_adam_op_seconds`] and [`measure_adam_shares`] run.
 pub(crate) struct AdamOps {
     /// The parts' parameters, in order.
     pub(crate) parts: Vec<usize>,

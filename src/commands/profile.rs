@@ -256,14 +256,21 @@ fn print_host(
         p.host_memcpy_bandwidth / 1e9,
         p.peak_flops.f32 / 1e9
     );
+    let share = |share: Option<f64>, unmeasured: &str| match share {
+        Some(share) => format!("{:.0}% of that rate", share * 100.0),
+        None => format!("not measured ({unmeasured})"),
+    };
     outln!(
-        "cpu adam        {:.1} M params/s, {:.1} us more per op, {} beside the compute kernels",
+        "cpu adam        {:.1} M params/s, {:.1} us more per op; {} beside the compute \
+         kernels, {} beside a copy, {} beside both",
         p.cpu_adam_params_per_s / 1e6,
         p.cpu_adam_op_s * 1e6,
-        match p.cpu_adam_compute_share {
-            Some(share) => format!("{:.0}% of that rate", share * 100.0),
-            None => "not measured (priced at half the rate)".to_string(),
-        }
+        share(p.cpu_adam_compute_share, "priced at half the rate"),
+        share(p.cpu_adam_copy_share, "priced at the whole rate"),
+        share(
+            p.cpu_adam_compute_copy_share,
+            "priced as beside the compute kernels"
+        ),
     );
     outln!(
         "memory          {} device, {} host (from the host preset)",

@@ -76,11 +76,19 @@ fn a_profile_covers_the_graph_and_compile_accepts_it() {
     ] {
         assert!(rate.is_finite() && rate > 0.0, "{field} = {rate}");
     }
-    // The CPU Adam was timed beside the backward kernels (the graph is timed in place).
-    let share = profile
-        .cpu_adam_compute_share
-        .expect("the Adam's share beside compute is measured");
-    assert!(share > 0.0 && share <= 1.0, "{share}");
+    // The CPU Adam was timed beside the backward kernels, the copies and both (the graph is
+    // timed in place).
+    for (field, share) in [
+        ("cpu_adam_compute_share", profile.cpu_adam_compute_share),
+        ("cpu_adam_copy_share", profile.cpu_adam_copy_share),
+        (
+            "cpu_adam_compute_copy_share",
+            profile.cpu_adam_compute_copy_share,
+        ),
+    ] {
+        let share = share.unwrap_or_else(|| panic!("{field} is not measured"));
+        assert!(share > 0.0 && share <= 1.0, "{field} = {share}");
+    }
     // Capacities come from the host preset.
     let host = HardwareProfile::host();
     assert_eq!(profile.device_memory_bytes, host.device_memory_bytes);

@@ -3,7 +3,7 @@
 
 // One module, so that `cargo test -p protrain-compiler simulate` selects these tests by name.
 mod simulate {
-    use protrain_compiler::cost::{CopyDir, CostModel, Roofline};
+    use protrain_compiler::cost::{AdamShares, CopyDir, CostModel, Roofline};
     use protrain_compiler::simulate::{
         category, chrome_trace, device_adamw_runs, instr_label, instr_seconds, simulate_unverified,
         stream_seconds, SimulateError, Simulation, StuckStream,
@@ -987,6 +987,137 @@ mod simulate {
             let err = p.validate().unwrap_err().to_string();
             assert!(err.contains("cpu_adam_compute_share"), "{err}");
             assert!(err.contains("remove it"), "{err}");
+        }
+    }
+
+    /// [`HostStub`] with the CPU Adam's shares beside compute, copies and both set.
+    struct SharesStub(AdamShares);
+
+    impl CostModel for SharesStub {
+        fn op_seconds(&self, k: &OpKind, i: &[&TensorType], o: &[&TensorType], d: DType) -> f64 {
+            HostStub.op_seconds(k, i, o, d)
+        }
+
+        fn copy_seconds(&self, bytes: u64, dir: CopyDir) -> f64 {
+            HostStub.copy_seconds(bytes, dir)
+        }
+
+        fn cpu_adam_seconds(&self, params: u64) -> f64 {
+            HostStub.cpu_adam_seconds(params)
+        }
+
+        fn gpu_adam_seconds(&self, params: u64) -> f64 {
+            HostStub.gpu_adam_seconds(params)
+        }
+
+        fn host_cores(&self) -> Option<f64> {
+            HostStub.host_cores()
+        }
+
+        fn cpu_adam_shares(&self) -> AdamShares {
+            self.0
+        }
+    }
+
+    /// The CPU Adam (4 s from the start) beside a fetch (1 MiB, 1 s from the start), the
+    /// forward pass (3.5 s from the start) and, once the loss is done, an offload (1 MiB,
+    /// 0.5 s): 1 s beside compute and a copy, 2.5 s beside compute alone, 0.5 s beside a copy
+    /// alone. Each second takes `1 / share` of the share for what runs beside it; the shares
+    /// of a profile that measured none keep the pricing of compute alone (a copy costs the
+    /// Adam nothing, compute and a copy together what compute does).
+    #[test]
+    fn simulate_host_adam_beside_copies_keeps_the_measured_shares() {
+        let s = schedule(
+            tiny_graph(),
+            1,
+            vec![
+                (
+                    "compute",
+                    StreamKind::Compute,
+                    vec![kernel(EMBEDDING), kernel(LINEAR), kernel(LOSS), record(0)],
+                ),
+                ("h2d", StreamKind::HostToDevice, vec![fetch(0, 1)]),
+                (
+                    "d2h",
+                    StreamKind::DeviceToHost,
+                    vec![wait(0), offload(1, 1)],
+                ),
+                ("host adam", StreamKind::HostOptimizer, vec![kernel(ADAMW)]),
+            ],
+        );
+        let busy = |shares: AdamShares| {
+            simulate_unverified(&s, &SharesStub(shares))
+                .unwrap()
+                .stream_busy_seconds[3]
+        };
+        let measured = AdamShares {
+            compute: 0.5,
+            copy: 0.8,
+            compute_and_copy: 0.25,
+        };
+        assert_eq!(busy(measured), 4.0 + 2.5 * 1.0 + 0.5 * 0.25 + 1.0 * 3.0);
+        let unmeasured = AdamShares::of(None, None, None);
+        assert_eq!(
+            unmeasured,
+            AdamShares {
+                compute: 0.5,
+                copy: 1.0,
+                compute_and_copy: 0.5,
+            }
+        );
+        assert_eq!(busy(unmeasured), 4.0 + 2.5 + 1.0);
+        assert_eq!(
+            simulate_unverified(&s, &HostStub)
+                .unwrap()
+                .stream_busy_seconds[3],
+            busy(unmeasured)
+        );
+        // Beside both, a measured share beside compute stands in for the unmeasured one.
+        assert_eq!(AdamShares::of(Some(0.7), None, None).compute_and_copy, 0.7);
+        // On a device, nothing is shared whatever the figures.
+        let device = simulate_unverified(&s, &Stub).unwrap();
+        assert_eq!(device.stream_busy_seconds[3], 4.0);
+    }
+
+    /// A host profile's measured shares beside copies and beside compute and copies reach the
+    /// cost model, survive the JSON and are refused out of (0, 1] with the way out; a profile
+    /// without them reads as `None`.
+    #[test]
+    fn the_shares_beside_copies_are_a_profiles_figures() {
+        let mut p = HardwareProfile::host();
+        p.cpu_adam_compute_share = Some(0.6);
+        p.cpu_adam_copy_share = Some(0.9);
+        p.cpu_adam_compute_copy_share = Some(0.4);
+        assert_eq!(
+            Roofline::new(p.clone()).cpu_adam_shares(),
+            AdamShares {
+                compute: 0.6,
+                copy: 0.9,
+                compute_and_copy: 0.4,
+            }
+        );
+        let back = HardwareProfile::from_json(&p.to_json().unwrap()).unwrap();
+        assert_eq!(
+            (back.cpu_adam_copy_share, back.cpu_adam_compute_copy_share),
+            (Some(0.9), Some(0.4))
+        );
+        let old = HardwareProfile::host().to_json().unwrap();
+        assert!(!old.contains("copy_share"), "{old}");
+        let old = HardwareProfile::from_json(&old).unwrap();
+        assert_eq!(
+            (old.cpu_adam_copy_share, old.cpu_adam_compute_copy_share),
+            (None, None)
+        );
+        for bad in [0.0, 1.5, f64::NAN] {
+            let mut q = p.clone();
+            q.cpu_adam_copy_share = Some(bad);
+            let err = q.validate().unwrap_err().to_string();
+            assert!(err.contains("cpu_adam_copy_share"), "{err}");
+            assert!(err.contains("remove it"), "{err}");
+            let mut q = p.clone();
+            q.cpu_adam_compute_copy_share = Some(bad);
+            let err = q.validate().unwrap_err().to_string();
+            assert!(err.contains("cpu_adam_compute_copy_share"), "{err}");
         }
     }
 

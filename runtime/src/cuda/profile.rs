@@ -255,8 +255,11 @@ pub fn profile_cuda(graph: &Graph, options: &ProfileOptions) -> Result<Profiled>
         launch_overhead_s: rates.launch_s,
         cpu_adam_params_per_s: cpu_adam,
         cpu_adam_op_s: cpu_adam_op,
-        // Its host optimizer shares no cores with the compute kernels, which run on the GPU.
+        // Its host optimizer shares no cores with the compute kernels, which run on the GPU,
+        // nor with the copies, which its DMA engines make.
         cpu_adam_compute_share: None,
+        cpu_adam_copy_share: None,
+        cpu_adam_compute_copy_share: None,
         gpu_adam_params_per_s: rates.gpu_adam,
         measured_ops: ops.iter().map(|t| t.op.clone()).collect(),
         // One GPU measured: how it links to others is not known.
