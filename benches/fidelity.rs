@@ -82,9 +82,22 @@ struct AdamSplit {
     /// The host optimizer streams' busy seconds outside their spans: from the end of a run of
     /// AdamW ops' last op to the stream going on (its issuing thread woken).
     after_runs: f64,
-    /// Each AdamW op: its name, parameters, start and seconds in the step, and the seconds a
-    /// compute kernel and a copy ran beside it.
-    ops: Vec<(String, f64, f64, f64, f64, f64)>,
+    /// Each AdamW op of the step, in the order of its spans.
+    ops: Vec<AdamOpSpan>,
+}
+
+/// One host optimizer AdamW op in a traced step.
+#[derive(Clone)]
+struct AdamOpSpan {
+    /// The parameter it updates.
+    name: String,
+    params: f64,
+    /// Its span's start in the step and its seconds.
+    start: f64,
+    seconds: f64,
+    /// Seconds of its span during which a compute kernel ran, and a copy (either direction).
+    beside_compute: f64,
+    beside_copies: f64,
 }
 
 impl AdamSplit {
@@ -122,14 +135,14 @@ impl AdamSplit {
             let seconds = span.end - span.start;
             let overlap = within(&compute, span.start, span.end);
             let beside_copies = within(&copies, span.start, span.end).min(seconds);
-            out.ops.push((
-                schedule.graph.value(op.inputs[0]).name.clone(),
+            out.ops.push(AdamOpSpan {
+                name: schedule.graph.value(op.inputs[0]).name.clone(),
                 params,
-                span.start,
+                start: span.start,
                 seconds,
-                overlap,
+                beside_compute: overlap,
                 beside_copies,
-            ));
+            });
             if overlap > 0.5 * seconds {
                 out.beside_seconds += seconds;
                 out.beside_params += params;
@@ -186,11 +199,11 @@ fn run(
             let after = protrain::runtime::profiler::measure_adam(params, 3);
             // The ops beside compute, apart by whether a copy ran beside them too.
             let mut with = [(0.0, 0.0); 2];
-            for &(_, p, _, seconds, compute, copies) in &split.ops {
-                if compute > 0.5 * seconds {
-                    let w = &mut with[usize::from(copies > 0.5 * seconds)];
-                    w.0 += p;
-                    w.1 += seconds;
+            for op in &split.ops {
+                if op.beside_compute > 0.5 * op.seconds {
+                    let w = &mut with[usize::from(op.beside_copies > 0.5 * op.seconds)];
+                    w.0 += op.params;
+                    w.1 += op.seconds;
                 }
             }
             let rate = |(p, s): (f64, f64)| match s > 0.0 {
@@ -870,13 +883,16 @@ fn compare(
             "  host optimizer AdamW ops of the median step: start, params, us, M/s, beside \
              compute, beside copies"
         );
-        for (name, params, start, seconds, overlap, copies) in &adam.ops {
+        for op in &adam.ops {
             println!(
-                "    {start:>8.4} s {params:>9.0} {:>8.1} us {:>6.0} M/s {:>4.0}% {:>4.0}%  {name}",
-                seconds * 1e6,
-                params / seconds / 1e6,
-                100.0 * overlap / seconds,
-                100.0 * copies / seconds
+                "    {:>8.4} s {:>9.0} {:>8.1} us {:>6.0} M/s {:>4.0}% {:>4.0}%  {}",
+                op.start,
+                op.params,
+                op.seconds * 1e6,
+                op.params / op.seconds / 1e6,
+                100.0 * op.beside_compute / op.seconds,
+                100.0 * op.beside_copies / op.seconds,
+                op.name
             );
         }
     }
